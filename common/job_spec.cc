@@ -1,0 +1,103 @@
+#include "common/job_spec.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace modelavg {
+
+absl::Status ValidateJobId(absl::string_view job_id) {
+  if (job_id.empty()) {
+    return absl::InvalidArgumentError("job_id must not be empty");
+  }
+  if (job_id.size() > kMaxJobIdLength) {
+    return absl::InvalidArgumentError(absl::StrCat("job_id is ", job_id.size(),
+                                                   " characters; at most ", kMaxJobIdLength,
+                                                   " are allowed"));
+  }
+  for (char c : job_id) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
+    if (!ok) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "job_id \"", job_id, "\" has a character outside [A-Za-z0-9._-]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec) {
+  if (absl::Status s = ValidateJobId(spec.job_id()); !s.ok()) return s;
+  ScheduleSpec out;
+  switch (spec.mode()) {
+    case v1::PERIODIC:
+      out.mode = AveragingMode::kPeriodic;
+      break;
+    case v1::HIERARCHICAL:
+      out.mode = AveragingMode::kHierarchical;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("mode must be PERIODIC or HIERARCHICAL, got ",
+                       v1::Mode_Name(spec.mode()).empty() ? absl::StrCat(spec.mode())
+                                                          : v1::Mode_Name(spec.mode())));
+  }
+  out.world_size = spec.world_size();
+  out.warmup_steps = spec.warmup_steps();
+  for (const v1::Level& level : spec.levels()) {
+    out.levels.push_back(ScheduleLevel{level.period(), level.group_size()});
+  }
+  if (absl::Status s = ValidateScheduleSpec(out); !s.ok()) return s;
+  if (spec.heartbeat_timeout_ms() < 0 || spec.heartbeat_timeout_ms() > kMaxHeartbeatTimeoutMs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("heartbeat_timeout_ms must be in [0, ", kMaxHeartbeatTimeoutMs,
+                     "] (0: the coordinator's default), got ", spec.heartbeat_timeout_ms()));
+  }
+  if (spec.join_timeout_ms() < 0 || spec.join_timeout_ms() > kMaxJoinTimeoutMs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("join_timeout_ms must be in [0, ", kMaxJoinTimeoutMs,
+                     "] (0: the coordinator's default), got ", spec.join_timeout_ms()));
+  }
+  return out;
+}
+
+void ScheduleSpecToProto(const ScheduleSpec& spec, v1::JobSpec* out) {
+  out->set_world_size(spec.world_size);
+  out->set_warmup_steps(spec.warmup_steps);
+  out->set_mode(spec.mode == AveragingMode::kPeriodic ? v1::PERIODIC : v1::HIERARCHICAL);
+  out->clear_levels();
+  for (const ScheduleLevel& level : spec.levels) {
+    v1::Level* l = out->add_levels();
+    l->set_period(level.period);
+    l->set_group_size(level.group_size);
+  }
+}
+
+void DecisionToProto(const Decision& d, int64_t generation, v1::StepDecision* out) {
+  out->Clear();
+  out->set_step(d.step);
+  out->set_generation(generation);
+  if (!d.average) {
+    out->set_action(v1::SKIP);
+    return;
+  }
+  out->set_action(v1::AVERAGE);
+  out->set_level(d.level);
+  out->set_period(d.period);
+  out->set_subgroup(d.subgroup.index);
+  out->mutable_ranks()->Reserve(d.subgroup.size);
+  for (int32_t i = 0; i < d.subgroup.size; ++i) out->add_ranks(d.subgroup.first_rank + i);
+}
+
+Decision DecisionFromProto(const v1::StepDecision& d) {
+  Decision out;
+  out.step = d.step();
+  if (d.action() != v1::AVERAGE) return out;
+  out.average = true;
+  out.level = d.level();
+  out.period = d.period();
+  out.subgroup.index = d.subgroup();
+  out.subgroup.size = d.ranks_size();
+  out.subgroup.first_rank = d.ranks_size() > 0 ? d.ranks(0) : 0;
+  return out;
+}
+
+}  // namespace modelavg

@@ -1,0 +1,39 @@
+// Validation of the wire-level JobSpec and conversions between the schedule's types and the
+// protobuf messages. The schedule itself (schedule.h) knows nothing of protobuf.
+#ifndef MODELAVG_COMMON_JOB_SPEC_H_
+#define MODELAVG_COMMON_JOB_SPEC_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/schedule.h"
+#include "modelavg/v1/coordinator.pb.h"
+
+namespace modelavg {
+
+// Longest job id, and the longest timeouts a spec may ask for.
+inline constexpr size_t kMaxJobIdLength = 128;
+inline constexpr int64_t kMaxHeartbeatTimeoutMs = 3600 * 1000;
+inline constexpr int64_t kMaxJoinTimeoutMs = 24 * 3600 * 1000;
+
+// INVALID_ARGUMENT unless `job_id` is 1-128 characters of [A-Za-z0-9._-].
+absl::Status ValidateJobId(absl::string_view job_id);
+
+// Validates everything in a JobSpec (job id, mode, schedule, timeouts) and returns its schedule
+// spec. INVALID_ARGUMENT naming the field and the value otherwise.
+absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec);
+
+// The schedule spec as the wire message's mode/world/warm-up/levels (other fields untouched).
+void ScheduleSpecToProto(const ScheduleSpec& spec, v1::JobSpec* out);
+
+// Replaces the contents of `out` with `d` and the generation it belongs to.
+void DecisionToProto(const Decision& d, int64_t generation, v1::StepDecision* out);
+
+// The inverse: a decision received from the coordinator.
+Decision DecisionFromProto(const v1::StepDecision& d);
+
+}  // namespace modelavg
+
+#endif  // MODELAVG_COMMON_JOB_SPEC_H_

@@ -1,0 +1,171 @@
+#include "common/schedule.h"
+
+#include <limits>
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace modelavg {
+
+std::vector<int32_t> SubgroupRange::Ranks() const {
+  std::vector<int32_t> ranks(size);
+  for (int32_t i = 0; i < size; ++i) ranks[i] = first_rank + i;
+  return ranks;
+}
+
+absl::Status ValidateScheduleSpec(const ScheduleSpec& spec) {
+  if (spec.world_size < 1 || spec.world_size > kMaxWorldSize) {
+    return absl::InvalidArgumentError(absl::StrCat("world_size must be in [1, ", kMaxWorldSize,
+                                                   "], got ", spec.world_size));
+  }
+  if (spec.warmup_steps < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("warmup_steps must be >= 0, got ", spec.warmup_steps));
+  }
+  if (spec.levels.empty()) {
+    return absl::InvalidArgumentError(
+        "levels must not be empty: give at least one {period, group_size}");
+  }
+  if (spec.mode == AveragingMode::kPeriodic && spec.levels.size() != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "mode PERIODIC takes exactly one level (period, group_size = world_size), got ",
+        spec.levels.size(), " levels; use mode HIERARCHICAL for several"));
+  }
+  std::set<int64_t> periods;
+  for (size_t i = 0; i < spec.levels.size(); ++i) {
+    const ScheduleLevel& level = spec.levels[i];
+    if (level.period <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("levels[", i, "].period must be >= 1, got ", level.period));
+    }
+    if (level.group_size <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("levels[", i, "].group_size must be >= 1, got ", level.group_size));
+    }
+    if (level.group_size > spec.world_size) {
+      return absl::InvalidArgumentError(absl::StrCat("levels[", i, "].group_size ",
+                                                     level.group_size, " exceeds world_size ",
+                                                     spec.world_size));
+    }
+    if (spec.world_size % level.group_size != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("levels[", i, "].group_size ",
+                                                     level.group_size,
+                                                     " does not divide world_size ",
+                                                     spec.world_size));
+    }
+    if (!periods.insert(level.period).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "levels[", i, "].period ", level.period,
+          " appears twice; periods must be distinct (PyTorch keys its levels by period)"));
+    }
+  }
+  if (spec.levels.back().group_size != spec.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the last level's group_size must equal world_size ", spec.world_size, ", got ",
+        spec.levels.back().group_size));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::string> ScheduleWarnings(const ScheduleSpec& spec) {
+  std::vector<std::string> warnings;
+  if (spec.levels.empty()) return warnings;
+  if (spec.levels.back().period == 1) {
+    warnings.push_back(
+        "the largest (last) period is 1: every step averages over the world, which costs as much "
+        "as all-reducing gradients; plain data-parallel training is cheaper");
+  }
+  for (size_t i = 1; i < spec.levels.size(); ++i) {
+    if (spec.levels[i].period <= spec.levels[i - 1].period) {
+      warnings.push_back(absl::StrCat(
+          "periods are not ascending (levels[", i - 1, "].period ", spec.levels[i - 1].period,
+          ", levels[", i, "].period ", spec.levels[i].period,
+          "): later levels take precedence when several periods divide a step"));
+      break;
+    }
+  }
+  return warnings;
+}
+
+absl::StatusOr<Schedule> Schedule::Create(ScheduleSpec spec) {
+  if (absl::Status s = ValidateScheduleSpec(spec); !s.ok()) return s;
+  return Schedule(std::move(spec));
+}
+
+int Schedule::LevelAt(int64_t step) const {
+  if (step < spec_.warmup_steps) return -1;
+  if (spec_.mode == AveragingMode::kPeriodic) {
+    return (step - spec_.warmup_steps) % spec_.levels[0].period == 0 ? 0 : -1;
+  }
+  for (int i = num_levels() - 1; i >= 0; --i) {
+    if (step % spec_.levels[i].period == 0) return i;
+  }
+  return -1;
+}
+
+SubgroupRange Schedule::SubgroupOf(int level, int32_t rank) const {
+  const int32_t size = spec_.levels[level].group_size;
+  const int32_t index = rank / size;
+  return SubgroupRange{index, index * size, size};
+}
+
+std::vector<SubgroupRange> Schedule::SubgroupsAt(int level) const {
+  const int32_t size = spec_.levels[level].group_size;
+  std::vector<SubgroupRange> out;
+  out.reserve(spec_.world_size / size);
+  for (int32_t index = 0; index * size < spec_.world_size; ++index) {
+    out.push_back(SubgroupRange{index, index * size, size});
+  }
+  return out;
+}
+
+Decision Schedule::DecisionFor(int64_t step, int32_t rank) const {
+  Decision d;
+  d.step = step;
+  const int level = LevelAt(step);
+  if (level < 0) return d;
+  d.average = true;
+  d.level = level;
+  d.period = spec_.levels[level].period;
+  d.subgroup = SubgroupOf(level, rank);
+  return d;
+}
+
+std::vector<Decision> Schedule::Window(int64_t from_step, int64_t count, int32_t rank) const {
+  std::vector<Decision> out;
+  if (count <= 0) return out;
+  out.reserve(count);
+  for (int64_t i = 0; i < count; ++i) {
+    if (from_step > std::numeric_limits<int64_t>::max() - i) break;
+    out.push_back(DecisionFor(from_step + i, rank));
+  }
+  return out;
+}
+
+std::vector<Decision> Schedule::WindowAllSubgroups(int64_t from_step, int64_t count) const {
+  std::vector<Decision> out;
+  for (int64_t i = 0; i < count; ++i) {
+    if (from_step > std::numeric_limits<int64_t>::max() - i) break;
+    const int64_t step = from_step + i;
+    const int level = LevelAt(step);
+    if (level < 0) {
+      Decision d;
+      d.step = step;
+      out.push_back(d);
+      continue;
+    }
+    for (const SubgroupRange& group : SubgroupsAt(level)) {
+      Decision d;
+      d.step = step;
+      d.average = true;
+      d.level = level;
+      d.period = spec_.levels[level].period;
+      d.subgroup = group;
+      out.push_back(d);
+    }
+  }
+  return out;
+}
+
+}  // namespace modelavg

@@ -1,0 +1,115 @@
+// The averaging schedule: a pure function of a job's plan and a step.
+//
+// It reproduces PyTorch's torch.distributed.algorithms.model_averaging exactly:
+//   * PeriodicModelAverager(period, warmup_steps): average over the whole world at step s iff
+//     s >= warmup_steps && (s - warmup_steps) % period == 0 (phase relative to warm-up).
+//   * HierarchicalModelAverager(period_group_size_dict, warmup_steps): at s >= warmup_steps walk
+//     the levels from last to first and take the first whose period divides s (phase absolute;
+//     warm-up only masks). No level divides: no averaging.
+// The coordinator, the client's decision cache and the tests share this one implementation.
+#ifndef MODELAVG_COMMON_SCHEDULE_H_
+#define MODELAVG_COMMON_SCHEDULE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace modelavg {
+
+enum class AveragingMode { kPeriodic, kHierarchical };
+
+struct ScheduleLevel {
+  int64_t period = 0;
+  int32_t group_size = 0;
+};
+
+// The part of a job spec the schedule depends on.
+struct ScheduleSpec {
+  int32_t world_size = 0;
+  int64_t warmup_steps = 0;
+  AveragingMode mode = AveragingMode::kHierarchical;
+  std::vector<ScheduleLevel> levels;
+};
+
+// Largest world a job may have.
+inline constexpr int32_t kMaxWorldSize = 65536;
+
+// Checks every rule of DESIGN.md; INVALID_ARGUMENT naming the field and the value otherwise:
+// world_size outside [1, kMaxWorldSize], warmup_steps < 0, no levels, period <= 0, group size
+// <= 0, > world_size or not dividing world_size, the last level's group size != world_size,
+// duplicate periods (PyTorch keys its levels by period), and for kPeriodic anything but exactly
+// one level.
+absl::Status ValidateScheduleSpec(const ScheduleSpec& spec);
+
+// Things PyTorch only warns about (largest period 1, periods not ascending): valid, but likely
+// not what the user meant.
+std::vector<std::string> ScheduleWarnings(const ScheduleSpec& spec);
+
+// A rank's block at one level: ranks [first_rank, first_rank + size).
+struct SubgroupRange {
+  int32_t index = 0;
+  int32_t first_rank = 0;
+  int32_t size = 0;
+
+  std::vector<int32_t> Ranks() const;
+  bool Contains(int32_t rank) const { return rank >= first_rank && rank < first_rank + size; }
+};
+
+// What one rank does at one step.
+struct Decision {
+  int64_t step = 0;
+  bool average = false;
+  // Index into the spec's levels; -1 when !average.
+  int32_t level = -1;
+  int64_t period = 0;
+  // The subgroup that averages (meaningful only when average).
+  SubgroupRange subgroup;
+
+  bool operator==(const Decision& o) const {
+    return step == o.step && average == o.average && level == o.level && period == o.period &&
+           subgroup.index == o.subgroup.index && subgroup.first_rank == o.subgroup.first_rank &&
+           subgroup.size == o.subgroup.size;
+  }
+};
+
+// A validated spec and the decisions it implies. Cheap to copy.
+class Schedule {
+ public:
+  // INVALID_ARGUMENT as ValidateScheduleSpec.
+  static absl::StatusOr<Schedule> Create(ScheduleSpec spec);
+
+  const ScheduleSpec& spec() const { return spec_; }
+  int32_t world_size() const { return spec_.world_size; }
+  int num_levels() const { return static_cast<int>(spec_.levels.size()); }
+
+  // The level that averages at `step` (the same for every rank), or -1. O(levels).
+  // Precondition: step >= 0.
+  int LevelAt(int64_t step) const;
+
+  // The block of `rank` at `level`. Precondition: 0 <= rank < world_size, valid level.
+  SubgroupRange SubgroupOf(int level, int32_t rank) const;
+
+  // Every block at `level`, in index order.
+  std::vector<SubgroupRange> SubgroupsAt(int level) const;
+
+  // What `rank` does at `step`. Precondition: step >= 0, 0 <= rank < world_size.
+  Decision DecisionFor(int64_t step, int32_t rank) const;
+
+  // Decisions of `rank` for steps [from_step, from_step + count). O(count * levels).
+  std::vector<Decision> Window(int64_t from_step, int64_t count, int32_t rank) const;
+
+  // Like Window, but for every rank at once: a SKIP step gives one decision, an averaging step
+  // one decision per subgroup of the chosen level.
+  std::vector<Decision> WindowAllSubgroups(int64_t from_step, int64_t count) const;
+
+ private:
+  explicit Schedule(ScheduleSpec spec) : spec_(std::move(spec)) {}
+  ScheduleSpec spec_;
+};
+
+}  // namespace modelavg
+
+#endif  // MODELAVG_COMMON_SCHEDULE_H_

@@ -1,0 +1,37 @@
+// Conversions between absl::Status and grpc::Status, and status helpers used on both sides of the
+// wire. Only the RPC layers (server/grpc_service, client/coordinator_client) convert.
+#ifndef MODELAVG_COMMON_STATUS_UTIL_H_
+#define MODELAVG_COMMON_STATUS_UTIL_H_
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "grpcpp/support/status.h"
+
+namespace modelavg {
+
+grpc::Status ToGrpcStatus(const absl::Status& status);
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// `status` with `context` prepended to its message ("context: message"); OK stays OK.
+absl::Status Annotate(const absl::Status& status, absl::string_view context);
+
+}  // namespace modelavg
+
+// Returns from the enclosing function if `expr` (an absl::Status) is not OK.
+#define MODELAVG_RETURN_IF_ERROR(expr)                 \
+  do {                                                 \
+    ::absl::Status _modelavg_status = (expr);          \
+    if (!_modelavg_status.ok()) return _modelavg_status; \
+  } while (0)
+
+#define MODELAVG_CONCAT_INNER(a, b) a##b
+#define MODELAVG_CONCAT(a, b) MODELAVG_CONCAT_INNER(a, b)
+// `lhs = value of expr` (an absl::StatusOr), or return its error.
+#define MODELAVG_ASSIGN_OR_RETURN(lhs, expr) \
+  MODELAVG_ASSIGN_OR_RETURN_IMPL(MODELAVG_CONCAT(_modelavg_statusor_, __LINE__), lhs, expr)
+#define MODELAVG_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \
+  auto tmp = (expr);                                   \
+  if (!tmp.ok()) return tmp.status();                  \
+  lhs = std::move(tmp).value()
+
+#endif  // MODELAVG_COMMON_STATUS_UTIL_H_
