@@ -319,6 +319,7 @@ absl::Status Job::Heartbeat(const v1::HeartbeatRequest& request,
   }
   const absl::Time now = clock_->Now();
   absl::MutexLock lock(&mu_);
+  if (!closed_.ok()) return closed_;  // deleted while a stream still held it
   Member& m = members_[request.rank()];
   // Only the worker of that generation counts: a straggler of an older one keeps nobody alive.
   if (m.present && m.state == v1::ALIVE && m.generation == request.generation()) {

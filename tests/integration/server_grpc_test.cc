@@ -213,6 +213,62 @@ TEST_F(ServerTest, WatchJob_StreamsSnapshotThenMembershipEvents) {
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::ABORTED);
 }
 
+TEST_F(ServerTest, HeartbeatStream_OneReplyPerBeat_ErrorsEndTheStream) {
+  Start();
+  ASSERT_TRUE(CreateJob(R"pb(job_id: "hb" world_size: 1 mode: PERIODIC
+                             levels { period: 1 group_size: 1 })pb")
+                  .ok());
+  v1::JoinRequest join;
+  join.set_job_id("hb");
+  join.set_worker_id("w");
+  v1::JoinResponse joined;
+  ASSERT_TRUE(stub_->Join(Context().get(), join, &joined).ok());
+  {
+    auto ctx = Context();
+    auto stream = stub_->HeartbeatStream(ctx.get());
+    for (int step = 0; step < 5; ++step) {
+      v1::HeartbeatRequest beat;
+      beat.set_job_id("hb");
+      beat.set_rank(0);
+      beat.set_generation(1);
+      beat.set_step(step * 10);
+      ASSERT_TRUE(stream->Write(beat));
+      v1::HeartbeatResponse reply;
+      ASSERT_TRUE(stream->Read(&reply));
+      EXPECT_EQ(reply.generation(), 1);
+      EXPECT_EQ(reply.state(), v1::RUNNING);
+    }
+    // Another job on the same stream is refused, and ends it.
+    v1::HeartbeatRequest other;
+    other.set_job_id("other");
+    ASSERT_TRUE(stream->Write(other));
+    v1::HeartbeatResponse reply;
+    EXPECT_FALSE(stream->Read(&reply));
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  v1::GetJobRequest get;
+  get.set_job_id("hb");
+  v1::Job job;
+  ASSERT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
+  EXPECT_EQ(job.members(0).last_step(), 40);
+  {
+    auto ctx = Context();
+    auto stream = stub_->HeartbeatStream(ctx.get());
+    v1::HeartbeatRequest beat;
+    beat.set_job_id("ghost");
+    ASSERT_TRUE(stream->Write(beat));
+    v1::HeartbeatResponse reply;
+    EXPECT_FALSE(stream->Read(&reply));
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+  {
+    auto ctx = Context();
+    auto stream = stub_->HeartbeatStream(ctx.get());
+    ASSERT_TRUE(stream->WritesDone());  // a client that only half-closes: a clean end
+    EXPECT_TRUE(stream->Finish().ok());
+  }
+}
+
 TEST_F(ServerTest, WatchJob_UnknownJob_NotFound) {
   Start();
   v1::WatchJobRequest watch;
