@@ -130,6 +130,9 @@ void CoordinatorServer::Shutdown() {
   spdlog::info("coordinator on {} shutting down", address_);
   // Fails pending waits (UNAVAILABLE) and ends the watch streams first, so that the gRPC
   // shutdown below has nothing left to wait for.
+  if (server_ != nullptr && server_->GetHealthCheckService() != nullptr) {
+    server_->GetHealthCheckService()->SetServingStatus(false);
+  }
   if (registry_ != nullptr) registry_->Stop();
   if (server_ != nullptr) {
     // Every wait has already failed; what remains are short unary calls (and idle connections,

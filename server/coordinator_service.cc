@@ -37,7 +37,11 @@ class WaitReactor final : public grpc::ServerUnaryReactor {
     if (metrics_ != nullptr) metrics_->CountRpc(method_, status.code());
     Finish(ToGrpcStatus(status));
   }
-  void OnCancel() override { job_->CancelWait(id_); }
+  void OnCancel() override {
+    // The wait's completion may finish this reactor (and drop job_) inside CancelWait.
+    const std::shared_ptr<Job> job = job_;
+    job->CancelWait(id_);
+  }
   void OnDone() override { delete this; }
 
  private:
