@@ -79,13 +79,14 @@ double ProcessCpuSeconds(int pid) {
   return (std::stod(fields[11]) + std::stod(fields[12])) / sysconf(_SC_CLK_TCK);
 }
 
-// Latencies in microseconds, 1 µs buckets up to 1 s. Lock-free.
+// Latencies in microseconds: 1 µs buckets below 100 ms, 100 µs buckets up to 100 s. Lock-free.
 class Histogram {
  public:
   Histogram() : buckets_(kBuckets) {}
   void Add(double seconds) {
-    const int64_t us = std::min<int64_t>(static_cast<int64_t>(seconds * 1e6), kBuckets - 1);
-    buckets_[us].fetch_add(1, std::memory_order_relaxed);
+    const int64_t us = static_cast<int64_t>(seconds * 1e6);
+    const int64_t i = us < kFine ? us : std::min(kFine + (us - kFine) / 100, kBuckets - 1);
+    buckets_[i].fetch_add(1, std::memory_order_relaxed);
     count_.fetch_add(1, std::memory_order_relaxed);
   }
   int64_t count() const { return count_.load(); }
@@ -96,13 +97,14 @@ class Histogram {
     int64_t seen = 0;
     for (int64_t i = 0; i < kBuckets; ++i) {
       seen += buckets_[i].load(std::memory_order_relaxed);
-      if (seen >= target) return static_cast<double>(i);
+      if (seen >= target) return static_cast<double>(i < kFine ? i : kFine + (i - kFine) * 100);
     }
-    return kBuckets;
+    return -1;
   }
 
  private:
-  static constexpr int64_t kBuckets = 1'000'000;
+  static constexpr int64_t kFine = 100'000;
+  static constexpr int64_t kBuckets = kFine + 1'000'000;
   std::vector<std::atomic<int64_t>> buckets_;
   std::atomic<int64_t> count_{0};
 };
@@ -115,7 +117,9 @@ struct Worker {
   int index = 0;
   int32_t rank = -1;
   int64_t generation = 0;
-  int64_t step = 0;
+  std::atomic<int64_t> step{0};
+  // A unary heartbeat is in flight: like a real worker's heartbeat thread, the next beat waits.
+  std::atomic<bool> heartbeat_busy{false};
 };
 
 // One worker's HeartbeatStream: at most one beat in flight; a beat due while the previous one
@@ -175,6 +179,7 @@ class Load {
  public:
   Load(std::vector<std::unique_ptr<Stub>> stubs, std::string job_id, int workers)
       : stubs_(std::move(stubs)), job_id_(std::move(job_id)), workers_(workers) {
+    // (std::vector<Worker>(n): Worker holds atomics, so it is built in place.)
     for (int i = 0; i < workers; ++i) {
       workers_[i].stub = stubs_[i % stubs_.size()].get();
       workers_[i].index = i;
@@ -247,7 +252,7 @@ class Load {
     for (auto& s : streams_) s->Wait();
   }
   int64_t skipped_beats() const {
-    int64_t n = 0;
+    int64_t n = skipped_unary_.load();
     for (const auto& s : streams_) n += s->skipped();
     return n;
   }
@@ -303,7 +308,7 @@ class Load {
     call->request.set_job_id(job_id_);
     call->request.set_rank(w->rank);
     call->request.set_generation(w->generation);
-    call->request.set_step(w->step);
+    call->request.set_step(w->step.load());
     call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
     call->start = SteadySeconds();
     w->stub->async()->Step(&call->ctx, &call->request, &call->response,
@@ -347,7 +352,11 @@ class Load {
 
   void Heartbeat(Worker* w) {
     if (w->stream != nullptr) {
-      w->stream->Beat(job_id_, w->rank, w->generation, w->step);
+      w->stream->Beat(job_id_, w->rank, w->generation, w->step.load());
+      return;
+    }
+    if (w->heartbeat_busy.exchange(true)) {
+      skipped_unary_.fetch_add(1, std::memory_order_relaxed);
       return;
     }
     heartbeats_inflight_.fetch_add(1);
@@ -355,11 +364,12 @@ class Load {
     call->request.set_job_id(job_id_);
     call->request.set_rank(w->rank);
     call->request.set_generation(w->generation);
-    call->request.set_step(w->step);
+    call->request.set_step(w->step.load());
     call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
     w->stub->async()->Heartbeat(&call->ctx, &call->request, &call->response,
-                                [this, call](grpc::Status s) {
+                                [this, call, w](grpc::Status s) {
                                   delete call;
+                                  w->heartbeat_busy = false;
                                   if (s.ok()) {
                                     heartbeats_.fetch_add(1, std::memory_order_relaxed);
                                   } else if (errors_.fetch_add(1) == 0) {
@@ -380,6 +390,7 @@ class Load {
   std::atomic<bool> measuring_{false};
   std::atomic<int64_t> inflight_{0};
   std::atomic<int64_t> heartbeats_inflight_{0};
+  std::atomic<int64_t> skipped_unary_{0};
   std::atomic<int64_t> decisions_{0};
   std::atomic<int64_t> heartbeats_{0};
   std::atomic<int64_t> errors_{0};
