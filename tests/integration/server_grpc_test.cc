@@ -381,6 +381,21 @@ TEST_F(ServerTest, HostileInput_EachGetsItsCodeAndServerKeepsServing) {
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_THAT(s.error_message(), HasSubstr("at most 4096"));
   }
+  // A message past gRPC's 4 MiB receive limit, and a worker id far past ours.
+  {
+    v1::PublishCommIdRequest publish;
+    publish.set_job_id("j");
+    publish.set_unique_id(std::string(5 << 20, 'x'));
+    v1::PublishCommIdResponse published;
+    EXPECT_EQ(stub_->PublishCommId(Context().get(), publish, &published).error_code(),
+              grpc::StatusCode::RESOURCE_EXHAUSTED);
+    v1::JoinRequest join;
+    join.set_job_id("j");
+    join.set_worker_id(std::string(100000, 'w'));
+    v1::JoinResponse joined;
+    EXPECT_EQ(stub_->Join(Context().get(), join, &joined).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
   // Bytes that are not a protobuf message at all.
   {
     grpc::GenericStub generic(channel_);
