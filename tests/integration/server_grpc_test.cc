@@ -431,6 +431,16 @@ TEST_F(ServerTest, Join_ClientDeadline_DeadlineExceededAndRankFreed) {
   v1::JoinResponse joined;
   EXPECT_EQ(stub_->Join(Context(absl::Milliseconds(200)).get(), join, &joined).error_code(),
             grpc::StatusCode::DEADLINE_EXCEEDED);
+  // The server sees the expiry on its own (its deadline timer or the staleness thread), a little
+  // after the client: wait until the rank is released.
+  for (int i = 0; i < 2000; ++i) {
+    v1::GetJobRequest get;
+    get.set_job_id("j");
+    v1::Job job;
+    ASSERT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
+    if (job.members_size() == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   // Rank 0 is free again: another worker may take it (no ALREADY_EXISTS).
   std::thread other([&] {
     v1::JoinRequest j2 = join;
