@@ -172,6 +172,60 @@ TEST_F(ServerTest, FullWorkerPath_EightThreads_JoinStepCommIdHeartbeatLeave) {
   EXPECT_EQ(list.jobs(0).state(), v1::FINISHED);
 }
 
+TEST_F(ServerTest, HeartbeatTimeout_SurvivorsLearnNewGenerationAndRejoin) {
+  Start();
+  ASSERT_TRUE(CreateJob(R"pb(job_id: "elastic" world_size: 3 mode: PERIODIC
+                             heartbeat_timeout_ms: 1000 levels { period: 1 group_size: 3 })pb")
+                  .ok());
+  auto join_all = [&](const std::vector<std::string>& workers, std::vector<v1::JoinResponse>* out) {
+    out->resize(workers.size());
+    std::vector<std::thread> threads;
+    for (size_t r = 0; r < workers.size(); ++r) {
+      threads.emplace_back([&, r] {
+        v1::JoinRequest join;
+        join.set_job_id("elastic");
+        join.set_worker_id(workers[r]);
+        join.set_rank(static_cast<int>(r));
+        EXPECT_TRUE(stub_->Join(Context().get(), join, &(*out)[r]).ok());
+      });
+    }
+    for (auto& t : threads) t.join();
+  };
+  std::vector<v1::JoinResponse> joined;
+  join_all({"a", "b", "c"}, &joined);
+  ASSERT_EQ(joined[2].generation(), 1);
+  // Ranks 0 and 1 heartbeat; rank 2 has died silently.
+  v1::HeartbeatResponse reply;
+  for (int i = 0; i < 400 && reply.generation() != 2; ++i) {
+    for (int r = 0; r < 2; ++r) {
+      v1::HeartbeatRequest hb;
+      hb.set_job_id("elastic");
+      hb.set_rank(r);
+      hb.set_generation(1);
+      hb.set_step(i);
+      ASSERT_TRUE(stub_->Heartbeat(Context().get(), hb, &reply).ok());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_EQ(reply.generation(), 2);
+  EXPECT_EQ(reply.state(), v1::PENDING);
+  EXPECT_EQ(reply.last_change().rank(), 2);
+  EXPECT_EQ(reply.last_change().reason(), "rank 2 heartbeat timeout");
+  v1::StepRequest step;
+  step.set_job_id("elastic");
+  step.set_rank(0);
+  step.set_generation(1);
+  v1::StepDecision decision;
+  grpc::Status stale = stub_->Step(Context().get(), step, &decision);
+  EXPECT_EQ(stale.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(stale.error_message(), HasSubstr("generation 1 is stale"));
+  // The survivors keep their ranks; a replacement takes rank 2.
+  join_all({"a", "b", "c-replacement"}, &joined);
+  for (const auto& j : joined) EXPECT_EQ(j.generation(), 2);
+  step.set_generation(2);
+  EXPECT_TRUE(stub_->Step(Context().get(), step, &decision).ok());
+}
+
 TEST_F(ServerTest, WatchJob_StreamsSnapshotThenMembershipEvents) {
   Start();
   ASSERT_TRUE(CreateJob(R"pb(job_id: "w" world_size: 2 mode: PERIODIC
