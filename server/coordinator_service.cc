@@ -96,9 +96,15 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
           return;
         }
         finishing_ = true;
+        final_code_ = status.code();
         finish = reactor_;
       }
       finish->Finish(ToGrpcStatus(status));
+    }
+
+    absl::StatusCode final_code() const {
+      absl::MutexLock lock(&mu_);
+      return final_code_;
     }
 
     bool Done() const override {
@@ -121,6 +127,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
           finishing_ = true;
           finish = true;
           close = absl::CancelledError("the WatchJob stream broke");
+          final_code_ = close.code();
         } else if (!queue_.empty()) {
           next = &queue_.front();
         } else {
@@ -129,6 +136,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
             finishing_ = true;
             finish = true;
             close = close_status_;
+            final_code_ = close.code();
           }
         }
       }
@@ -152,6 +160,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
     bool finishing_ ABSL_GUARDED_BY(mu_) = false;
     bool close_pending_ ABSL_GUARDED_BY(mu_) = false;
     absl::Status close_status_ ABSL_GUARDED_BY(mu_);
+    absl::StatusCode final_code_ ABSL_GUARDED_BY(mu_) = absl::StatusCode::kOk;
   };
 
   explicit WatchReactor(RpcMetrics* metrics) : sink_(std::make_shared<Sink>(this)), metrics_(metrics) {}
@@ -165,7 +174,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
   void OnCancel() override { sink_->OnClosed(absl::CancelledError("the watcher went away")); }
   void OnDone() override {
     sink_->Detach();
-    if (metrics_ != nullptr) metrics_->CountRpc(RpcMethod::kWatchJob, absl::StatusCode::kOk);
+    if (metrics_ != nullptr) metrics_->CountRpc(RpcMethod::kWatchJob, sink_->final_code());
     delete this;
   }
 
