@@ -42,6 +42,9 @@ ABSL_FLAG(std::string, coordinator, "",
           "HOST:PORT of a running coordinator; empty: start one for the run.");
 ABSL_FLAG(int, coordinator_pid, 0,
           "With --coordinator: its process id, to report its CPU (0: not reported).");
+ABSL_FLAG(int, max_inflight_steps, 0,
+          "Steps in flight at once over all workers (0: one per worker). With K, K lanes each "
+          "step workers i, i+K, i+2K, ... in turn.");
 ABSL_FLAG(int, channels, 4, "gRPC channels (TCP connections) the workers share.");
 ABSL_FLAG(double, heartbeat_hz, 10, "Heartbeats per second per worker.");
 ABSL_FLAG(std::string, heartbeat, "unary",
@@ -258,8 +261,9 @@ class Load {
   }
 
   // Every worker keeps one Step in flight; each channel one Ping.
-  void StartSteps() {
-    for (Worker& w : workers_) IssueStep(&w);
+  void StartSteps(int max_inflight) {
+    lanes_ = max_inflight > 0 ? std::min<int>(max_inflight, workers_.size()) : workers_.size();
+    for (int i = 0; i < lanes_; ++i) IssueStep(&workers_[i]);
     for (auto& stub : stubs_) IssuePing(stub.get());
   }
   void StopSteps() {
@@ -327,7 +331,11 @@ class Load {
     } else if (errors_.fetch_add(1) == 0) {
       std::fprintf(stderr, "Step failed: %s\n", s.error_message().c_str());
     }
-    if (!stop_steps_.load() && s.ok()) IssueStep(w);
+    if (!stop_steps_.load() && s.ok()) {
+      size_t next = w->index + lanes_;
+      if (next >= workers_.size()) next = w->index % lanes_;
+      IssueStep(&workers_[next]);
+    }
     inflight_.fetch_sub(1);
   }
 
@@ -383,6 +391,7 @@ class Load {
   std::vector<std::unique_ptr<Stub>> stubs_;
   const std::string job_id_;
   std::vector<Worker> workers_;
+  int lanes_ = 0;
   std::thread heartbeat_thread_;
   std::vector<std::unique_ptr<HeartbeatStreamClient>> streams_;
   std::atomic<bool> stop_heartbeats_{false};
@@ -514,6 +523,7 @@ int Main() {
   load.StartHeartbeats(absl::GetFlag(FLAGS_heartbeat_hz), heartbeat_mode == "stream");
   double hb_cores = -1;
   double hb_us = -1;  // coordinator CPU per heartbeat
+  double hb_rate = 0;  // heartbeats/s answered in the heartbeat-only phase
   if (hb_seconds > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));  // settle
     const double cpu0 = pid > 0 ? ProcessCpuSeconds(pid) : 0;
@@ -523,12 +533,13 @@ int Main() {
     const double wall = SteadySeconds() - t0;
     if (pid > 0) hb_cores = (ProcessCpuSeconds(pid) - cpu0) / wall;
     const double rate = (load.heartbeats() - beats0) / wall;
+    hb_rate = rate;
     if (rate > 0 && hb_cores >= 0) hb_us = hb_cores / rate * 1e6;
     std::fprintf(stderr, "heartbeat-only: %.0f heartbeats/s, coordinator %.3f cores\n",
                  (load.heartbeats() - beats0) / wall, hb_cores);
   }
 
-  load.StartSteps();
+  load.StartSteps(absl::GetFlag(FLAGS_max_inflight_steps));
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // warm up
   load.SetMeasuring(true);
   const double cpu0 = pid > 0 ? ProcessCpuSeconds(pid) : 0;
@@ -556,12 +567,14 @@ int Main() {
       "\"step_p99_over_trivial_p99\": %.2f, \"coordinator_cpu_cores\": %.3f, "
       "\"heartbeats_per_s\": %.0f, \"heartbeat_only_cpu_cores\": %.3f, \"pings\": %lld, "
       "\"errors\": %lld, \"channels\": %d, \"coordinator_cpu_us_per_rpc\": %.1f, "
-      "\"heartbeat_cpu_us\": %.1f, \"heartbeat\": \"%s\", \"skipped_beats\": %lld}\n",
+      "\"heartbeat_cpu_us\": %.1f, \"heartbeat\": \"%s\", \"skipped_beats\": %lld, "
+      "\"max_inflight_steps\": %d, \"heartbeat_only_per_s\": %.0f}\n",
       n, wall, decisions / wall, load.step_latency().Percentile(0.5), step_p99,
       load.ping_latency().Percentile(0.5), ping_p99, ping_p99 > 0 ? step_p99 / ping_p99 : -1,
       cores, beats / wall, hb_cores, static_cast<long long>(load.ping_latency().count()),
       static_cast<long long>(load.errors()), channels, cpu_us_per_rpc, hb_us,
-      heartbeat_mode.c_str(), static_cast<long long>(load.skipped_beats()));
+      heartbeat_mode.c_str(), static_cast<long long>(load.skipped_beats()),
+      absl::GetFlag(FLAGS_max_inflight_steps), hb_rate);
   std::fflush(stdout);
   stop_child();
   return load.errors() == 0 ? 0 : 1;
