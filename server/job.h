@@ -68,6 +68,7 @@ class Job {
   Job& operator=(const Job&) = delete;
 
   const std::string& id() const { return spec_.job_id(); }
+  int32_t world_size() const { return schedule_.world_size(); }
   absl::Duration heartbeat_timeout() const { return heartbeat_timeout_; }
   absl::Duration join_timeout() const { return join_timeout_; }
 

@@ -38,7 +38,15 @@ absl::Status JobRegistry::CreateJob(const v1::JobSpec& spec, v1::Job* out) {
       return absl::AlreadyExistsError(absl::StrCat(
           "job ", spec.job_id(), " already exists; delete it first or pick another job_id"));
     }
+    if (jobs_.size() >= kMaxJobs ||
+        total_world_size_ + spec.world_size() > kMaxTotalWorldSize) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the coordinator holds ", jobs_.size(), " jobs with ", total_world_size_,
+          " ranks in all (at most ", kMaxJobs, " jobs and ", kMaxTotalWorldSize,
+          " ranks); delete finished jobs first"));
+    }
     jobs_.emplace(spec.job_id(), job);
+    total_world_size_ += spec.world_size();
   }
   v1::Job proto;
   job->ToProto(&proto);
@@ -76,6 +84,7 @@ absl::Status JobRegistry::DeleteJob(absl::string_view job_id) {
     }
     job = std::move(it->second);
     jobs_.erase(it);
+    total_world_size_ -= job->world_size();
   }
   spdlog::info("job {}: deleted", job->id());
   job->Close(absl::AbortedError(absl::StrCat("job ", job->id(), " was deleted")),

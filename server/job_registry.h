@@ -22,6 +22,10 @@
 
 namespace modelavg::server {
 
+// Bounds on what clients can make the coordinator hold (each rank costs about 100 bytes).
+inline constexpr size_t kMaxJobs = 4096;
+inline constexpr int64_t kMaxTotalWorldSize = int64_t{1} << 21;
+
 struct JobRegistryOptions {
   JobDefaults defaults;
   Clock* clock = Clock::Real();
@@ -39,8 +43,9 @@ class JobRegistry {
   JobRegistry(const JobRegistry&) = delete;
   JobRegistry& operator=(const JobRegistry&) = delete;
 
-  // Registers a job and fills `out` with it. INVALID_ARGUMENT (the spec's problem, naming the
-  // field), ALREADY_EXISTS (duplicate job_id), UNAVAILABLE (stopped).
+  // Registers a job and fills `out` (may be null) with it. INVALID_ARGUMENT (the spec's problem,
+  // naming the field), ALREADY_EXISTS (duplicate job_id), RESOURCE_EXHAUSTED (more than kMaxJobs
+  // jobs or kMaxTotalWorldSize ranks over all jobs), UNAVAILABLE (stopped).
   absl::Status CreateJob(const v1::JobSpec& spec, v1::Job* out);
 
   // NOT_FOUND for an unknown job, UNAVAILABLE once stopped.
@@ -74,6 +79,8 @@ class JobRegistry {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  // Sum of the world sizes of jobs_.
+  int64_t total_world_size_ ABSL_GUARDED_BY(mu_) = 0;
 
   std::thread staleness_thread_;
 };

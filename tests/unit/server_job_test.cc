@@ -231,6 +231,21 @@ TEST_F(JobTest, CreateJob_InvalidSpecs_InvalidArgumentNamingTheField) {
   EXPECT_TRUE(registry_->ListJobs().empty());
 }
 
+TEST_F(JobTest, CreateJob_TooManyRanksInAll_ResourceExhaustedUntilDeleted) {
+  const std::string big = R"pb(world_size: 65536 mode: PERIODIC
+                               levels { period: 1 group_size: 65536 })pb";
+  const int fit = static_cast<int>(kMaxTotalWorldSize / 65536);
+  for (int i = 0; i < fit; ++i) {
+    ASSERT_TRUE(registry_->CreateJob(Spec(absl::StrCat("job_id: \"b", i, "\" ", big)), nullptr)
+                    .ok());
+  }
+  absl::Status s = registry_->CreateJob(Spec(absl::StrCat("job_id: \"one-more\" ", big)), nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("delete finished jobs"));
+  ASSERT_TRUE(registry_->DeleteJob("b0").ok());
+  EXPECT_TRUE(registry_->CreateJob(Spec(absl::StrCat("job_id: \"one-more\" ", big)), nullptr).ok());
+}
+
 TEST_F(JobTest, Find_UnknownJob_NotFound) {
   EXPECT_EQ(registry_->Find("nope").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(registry_->DeleteJob("nope").code(), absl::StatusCode::kNotFound);
