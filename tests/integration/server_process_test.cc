@@ -202,8 +202,7 @@ TEST_F(DaemonTest, Daemon_JobsFileWorkersAndSigterm_PendingJoinsUnavailableExitZ
     EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
   }
   const std::string log = Stderr();
-  if (getenv("SHOW_LOG")) fprintf(stderr, "%s", log.c_str());
-  EXPECT_THAT(log, HasSubstr("job from-file: created"));
+  EXPECT_THAT(log, HasSubstr("job from-file: created")) << log;
   EXPECT_THAT(log, HasSubstr("joined as rank 1"));
   EXPECT_THAT(log, HasSubstr("received SIGTERM"));
 }
