@@ -1,6 +1,8 @@
 #include "client/gloo_communicator.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <exception>
 #include <string>
 #include <utility>
@@ -39,6 +41,67 @@ absl::Status FromGlooException(const std::exception& e, absl::string_view what) 
   return absl::InternalError(absl::StrCat(what, " failed; Gloo: ", msg));
 }
 
+// Where Gloo's ring all-reduce (gloo/allreduce.cc) leaves the fully reduced data: the buffer is
+// cut into segments of at most kMaxSegmentSize bytes, at least two per member and a multiple
+// of the member count; member r ends the reduce-scatter holding chunk r, its segments
+// [r * per_rank, (r + 1) * per_rank). Each reduction of a segment of chunk r at member r is
+// that segment's last, so dividing there (1/size of the data, while it is in cache) gives the
+// average without a pass of its own.
+struct RingChunk {
+  size_t begin = 0;  // bytes
+  size_t end = 0;
+};
+
+size_t RoundUp(size_t v, size_t m) { return v % m == 0 ? v : v + m - v % m; }
+
+RingChunk GlooRingChunk(size_t total_bytes, int size, int rank, size_t elem) {
+  const size_t n = static_cast<size_t>(size);
+  const size_t max_segment =
+      elem * (gloo::detail::AllreduceOptionsImpl::kMaxSegmentSize / elem);
+  const size_t segment =
+      RoundUp(std::min((total_bytes + (n * 2 - 1)) / (n * 2), max_segment), elem);
+  const size_t segments = RoundUp(std::max((total_bytes + segment - 1) / segment, n * 2), n);
+  const size_t per_rank = segments / n;
+  RingChunk c;
+  c.begin = std::min(total_bytes, rank * per_rank * segment);
+  c.end = std::min(total_bytes, (rank + 1) * per_rank * segment);
+  return c;
+}
+
+// The ring's reduction: a sum, divided by the group size where it is final (this member's
+// chunk). Counts the elements it divided, so the caller can check the layout assumption.
+template <typename T>
+gloo::AllreduceOptions::Func AverageReduction(const void* base, RingChunk chunk, int size,
+                                              int64_t* divided) {
+  return [base, chunk, size, divided](void* c, const void* a, const void* b, size_t n) {
+    gloo::sum<T>(c, a, b, n);
+    const size_t offset = static_cast<const char*>(c) - static_cast<const char*>(base);
+    if (offset >= chunk.begin && offset < chunk.end) {
+      DivideInto(static_cast<const T*>(c), static_cast<int64_t>(n), static_cast<T>(size),
+                 static_cast<T*>(c));
+      *divided += static_cast<int64_t>(n);
+    }
+  };
+}
+
+// The tensors as one buffer when they are float32/float64 of one dtype, back to back in memory
+// (one tensor, or ContiguousParameters); nullptr otherwise.
+void* SingleBuffer(absl::Span<const TensorView> tensors) {
+  const TensorView* first = nullptr;
+  char* next = nullptr;
+  for (const TensorView& t : tensors) {
+    if (t.numel == 0) continue;
+    if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat64) return nullptr;
+    if (first == nullptr) {
+      first = &t;
+    } else if (t.dtype != first->dtype || static_cast<char*>(t.data) != next) {
+      return nullptr;
+    }
+    next = static_cast<char*>(t.data) + t.nbytes();
+  }
+  return first == nullptr ? nullptr : first->data;
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CreateGlooDevice(
@@ -59,7 +122,7 @@ absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CreateGlooDevice(
 
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
-    int size, absl::Duration timeout, std::function<absl::Status()> store_error) {
+    int size, absl::Duration timeout, std::function<absl::Status()> store_error, bool in_place) {
   if (size < 1 || rank < 0 || rank >= size) {
     return absl::InvalidArgumentError(
         absl::StrCat("Gloo communicator rank ", rank, " of size ", size, " is out of range"));
@@ -70,7 +133,7 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     context->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
     context->connectFullMesh(store, device);
     return std::unique_ptr<GlooCommunicator>(
-        new GlooCommunicator(std::move(context), rank, size, timeout));
+        new GlooCommunicator(std::move(context), rank, size, timeout, in_place));
   } catch (const std::exception& e) {
     if (store_error) {
       absl::Status s = store_error();
@@ -83,8 +146,12 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
 }
 
 GlooCommunicator::GlooCommunicator(std::shared_ptr<gloo::Context> context, int rank, int size,
-                                   absl::Duration timeout)
-    : context_(std::move(context)), rank_(rank), size_(size), timeout_(timeout) {}
+                                   absl::Duration timeout, bool in_place)
+    : context_(std::move(context)),
+      rank_(rank),
+      size_(size),
+      timeout_(timeout),
+      in_place_(in_place) {}
 
 GlooCommunicator::~GlooCommunicator() = default;
 
@@ -108,6 +175,38 @@ absl::Status GlooCommunicator::RunSum(void* data, int64_t numel, DType dtype) {
   } catch (...) {
     return absl::InternalError("Gloo all-reduce failed with an unknown exception");
   }
+}
+
+absl::Status GlooCommunicator::RunAverage(void* data, int64_t numel, DType dtype) {
+  const size_t elem = DTypeSize(dtype);
+  const RingChunk chunk =
+      GlooRingChunk(static_cast<size_t>(numel) * elem, size_, rank_, elem);
+  int64_t divided = 0;
+  try {
+    gloo::AllreduceOptions opts(context_);
+    opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+    opts.setTag(next_tag_++);
+    if (dtype == DType::kFloat64) {
+      opts.setOutput(static_cast<double*>(data), static_cast<size_t>(numel));
+      opts.setReduceFunction(AverageReduction<double>(data, chunk, size_, &divided));
+    } else {
+      opts.setOutput(static_cast<float*>(data), static_cast<size_t>(numel));
+      opts.setReduceFunction(AverageReduction<float>(data, chunk, size_, &divided));
+    }
+    gloo::allreduce(opts);
+  } catch (const std::exception& e) {
+    return FromGlooException(e, absl::StrCat("Gloo all-reduce of ", numel, " elements"));
+  } catch (...) {
+    return absl::InternalError("Gloo all-reduce failed with an unknown exception");
+  }
+  const int64_t expected = static_cast<int64_t>((chunk.end - chunk.begin) / elem);
+  if (divided != expected) {
+    return absl::InternalError(absl::StrCat(
+        "Gloo's ring all-reduce finished ", divided, " elements on this member where ",
+        expected, " were expected: this Gloo build cuts buffers differently than modelavg "
+        "assumes; report the Gloo version"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status GlooCommunicator::CheckLayout(int64_t numel, DType dtype) {
@@ -153,9 +252,23 @@ absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
   }
   if (*total == 0) return absl::OkStatus();
   const size_t bytes = static_cast<size_t>(*total) * DTypeSize(dtype);
+  if (void* single = SingleBuffer(tensors); single != nullptr) {
+    // One buffer: reduced in place, the division fused into the ring. Unless in_place, a
+    // backup taken first restores it if the collective fails.
+    if (!in_place_) {
+      if (staging_.size() * sizeof(double) < bytes) staging_.resize((bytes + 7) / 8);
+      std::memcpy(staging_.data(), single, bytes);
+    }
+    absl::Status s = RunAverage(single, *total, dtype);
+    if (!s.ok()) {
+      if (!in_place_) std::memcpy(single, staging_.data(), bytes);
+      broken_ = s;
+    }
+    return s;
+  }
   if (staging_.size() * sizeof(double) < bytes) staging_.resize((bytes + 7) / 8);
-  PackDivided(tensors, dtype, static_cast<double>(size_), staging_.data());
-  absl::Status s = RunSum(staging_.data(), *total, dtype);
+  PackDivided(tensors, dtype, 1.0, staging_.data());
+  absl::Status s = RunAverage(staging_.data(), *total, dtype);
   if (!s.ok()) {
     broken_ = s;
     return s;
