@@ -48,8 +48,9 @@ class GlooCommunicator : public Communicator {
   // One SUM all-reduce whose last reduction of each segment also divides by size(), so the
   // average costs no pass of its own (PyTorch divides first; the results agree to rounding,
   // exactly for power-of-two groups). When the tensors form one float32/float64 buffer (one
-  // tensor, or back to back) it is reduced in place, after a backup copy that restores it if
-  // the collective fails (no backup with in_place). Otherwise every tensor is packed
+  // tensor, or back to back) it is reduced in place; each segment is saved to a backup as the
+  // ring first touches it (while in cache) and restored if the collective fails (no backup with
+  // in_place). Otherwise every tensor is packed
   // (converted) into one flat staging buffer, reduced, and copied back on success.
   // The first call, and any call whose layout (total element count, staging dtype) differs
   // from the last verified one, first checks that every member passes the same layout.
@@ -61,14 +62,29 @@ class GlooCommunicator : public Communicator {
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
+  // Tests only: the next averaging all-reduce fails after `n` reductions on this member.
+  void InjectFailureAfterReductionsForTesting(int n) {
+    absl::MutexLock l(&mu_);
+    fail_after_reductions_ = n;
+  }
+  // Whether averaging fuses the division into Gloo's ring (false: a separate pass).
+  bool fused() const {
+    absl::MutexLock l(&mu_);
+    return fused_;
+  }
 
  private:
   GlooCommunicator(std::shared_ptr<gloo::Context> context, int rank, int size,
                    absl::Duration timeout, bool in_place);
   // Averages `data` (numel elements) in place: Gloo's ring SUM all-reduce with the division
-  // by size() fused into each segment's last reduction.
-  absl::Status RunAverage(void* data, int64_t numel, DType dtype)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // by size() fused into each segment's last reduction. With `backup` (numel elements), `data`
+  // is restored on failure.
+  absl::Status RunAverage(void* data, int64_t numel, DType dtype, void* backup,
+                          size_t max_segment) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Checks, with a small all-reduce, that the fused division lands where expected on this Gloo
+  // build; otherwise averaging uses the staging path with a separate division. Errors: the
+  // transport's.
+  absl::Status ProbeFusedAverage();
   // Every member's (total numel, staging dtype) must be equal.
   absl::Status CheckLayout(int64_t numel, DType dtype) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RunSum(void* data, int64_t numel, DType dtype) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -78,7 +94,10 @@ class GlooCommunicator : public Communicator {
   const int size_;
   const absl::Duration timeout_;
   const bool in_place_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
+  // Whether the division can be fused into Gloo's ring (ProbeFusedAverage).
+  bool fused_ ABSL_GUARDED_BY(mu_) = false;
+  int fail_after_reductions_ ABSL_GUARDED_BY(mu_) = -1;
   // Non-OK once a collective failed: the mesh is then in an unknown state.
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
   bool layout_checked_ ABSL_GUARDED_BY(mu_) = false;
