@@ -37,7 +37,11 @@ class WaitReactor final : public grpc::ServerUnaryReactor {
     if (metrics_ != nullptr) metrics_->CountRpc(method_, status.code());
     Finish(ToGrpcStatus(status));
   }
-  void OnCancel() override { job_->CancelWait(id_); }
+  void OnCancel() override {
+    // The wait's completion may finish this reactor (and drop job_) inside CancelWait.
+    const std::shared_ptr<Job> job = job_;
+    job->CancelWait(id_);
+  }
   void OnDone() override { delete this; }
 
  private:
@@ -170,6 +174,53 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
   RpcMetrics* const metrics_;
 };
 
+// HeartbeatStream: read one request, answer it, read the next. The job is looked up once.
+class HeartbeatStreamReactor final
+    : public grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse> {
+ public:
+  HeartbeatStreamReactor(JobRegistry* registry, RpcMetrics* metrics, absl::Status auth)
+      : registry_(registry), metrics_(metrics) {
+    if (!auth.ok()) {
+      End(auth);
+      return;
+    }
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return End(absl::OkStatus());  // the client half-closed (or went away)
+    if (job_ == nullptr) {
+      absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request_.job_id());
+      if (!job.ok()) return End(job.status());
+      job_ = *std::move(job);
+    } else if (request_.job_id() != job_->id()) {
+      return End(absl::InvalidArgumentError(absl::StrCat(
+          "this HeartbeatStream is for job ", job_->id(), "; open another stream for job ",
+          request_.job_id().substr(0, 256))));
+    }
+    response_.Clear();
+    if (absl::Status s = job_->Heartbeat(request_, &response_); !s.ok()) return End(s);
+    StartWrite(&response_);
+  }
+  void OnWriteDone(bool ok) override {
+    if (!ok) return End(absl::CancelledError("the HeartbeatStream broke"));
+    StartRead(&request_);
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  void End(const absl::Status& status) {
+    if (metrics_ != nullptr) metrics_->CountRpc(RpcMethod::kHeartbeatStream, status.code());
+    Finish(ToGrpcStatus(status));
+  }
+
+  JobRegistry* const registry_;
+  RpcMetrics* const metrics_;
+  std::shared_ptr<Job> job_;
+  v1::HeartbeatRequest request_;
+  v1::HeartbeatResponse response_;
+};
+
 }  // namespace
 
 CoordinatorService::CoordinatorService(JobRegistry* registry, std::string auth_token,
@@ -263,6 +314,11 @@ grpc::ServerUnaryReactor* CoordinatorService::Heartbeat(grpc::CallbackServerCont
   absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request->job_id());
   if (!job.ok()) return Finish(ctx, RpcMethod::kHeartbeat, job.status());
   return Finish(ctx, RpcMethod::kHeartbeat, (*job)->Heartbeat(*request, response));
+}
+
+grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>*
+CoordinatorService::HeartbeatStream(grpc::CallbackServerContext* ctx) {
+  return new HeartbeatStreamReactor(registry_, metrics_, Authorize(ctx));
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::Step(grpc::CallbackServerContext* ctx,

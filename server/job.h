@@ -49,8 +49,8 @@ class JobWatcher {
 inline constexpr size_t kMaxCommIdBytes = 4096;
 inline constexpr size_t kMaxCommIdKeyLength = 256;
 inline constexpr int64_t kMaxScheduleCount = 100000;
-// GetSchedule answers stay below gRPC's default 4 MiB receive limit.
-inline constexpr int64_t kMaxScheduleReplyBytes = 3 * 1024 * 1024;
+// GetSchedule answers stay below gRPC's default 4 MiB receive limit (clients, grpcurl).
+inline constexpr int64_t kMaxScheduleReplyBytes = 4 * 1024 * 1024 - 16 * 1024;
 
 // Daemon-wide defaults for the per-job timeouts (a spec's 0 means "use these").
 struct JobDefaults {
@@ -84,7 +84,8 @@ class Job {
             JoinCallback done);
 
   // Liveness and progress; never fails for a stale generation. INVALID_ARGUMENT for a rank
-  // outside [0, world_size) or a negative step.
+  // outside [0, world_size) or a negative step; after Close, its status (ABORTED: deleted,
+  // UNAVAILABLE: stopping).
   absl::Status Heartbeat(const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response);
 
   // The decision for (rank, step). INVALID_ARGUMENT for a bad rank or step < 0;
