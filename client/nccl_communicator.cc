@@ -149,8 +149,22 @@ NcclCommunicator::~NcclCommunicator() {
   absl::MutexLock l(&mu_);
   cudaSetDevice(device_);
   if (!aborted_) {
-    // A healthy communicator is destroyed; a broken one was aborted already.
+    // A healthy non-blocking communicator is finalized (flushing its work, polled with a
+    // deadline) and then destroyed; one that does not finalize in time is aborted.
+    bool finalized = false;
     if (broken_.ok()) {
+      const ncclResult_t r = ncclCommFinalize(comm_);  // may answer ncclInProgress
+      if (r == ncclSuccess || r == ncclInProgress) {
+        const absl::Time deadline = absl::Now() + timeout_;
+        ncclResult_t state = ncclInProgress;
+        while (ncclCommGetAsyncError(comm_, &state) == ncclSuccess &&
+               state == ncclInProgress && absl::Now() < deadline) {
+          absl::SleepFor(absl::Microseconds(100));
+        }
+        finalized = state == ncclSuccess;
+      }
+    }
+    if (finalized) {
       ncclCommDestroy(comm_);
     } else {
       ncclCommAbort(comm_);
