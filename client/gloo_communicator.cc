@@ -94,7 +94,7 @@ gloo::AllreduceOptions::Func AverageReduction(RingState* st) {
   return [st](void* c, const void* a, const void* b, size_t n) {
     const size_t offset = static_cast<const char*>(c) - static_cast<const char*>(st->base);
     if (st->backup != nullptr) {
-      std::memcpy(static_cast<char*>(st->backup) + offset, c, n * sizeof(T));
+      CopyToBackup(static_cast<char*>(st->backup) + offset, c, n * sizeof(T));
       st->saved.emplace_back(offset, n * sizeof(T));
     }
     gloo::sum<T>(c, a, b, n);
@@ -220,8 +220,8 @@ absl::Status GlooCommunicator::RunAverage(void* data, int64_t numel, DType dtype
     // but is overwritten by the all-gather: save it up front.
     const RingChunk first =
         GlooRingChunk(bytes, size_, (rank_ + 1) % size_, elem, max_segment);
-    std::memcpy(static_cast<char*>(backup) + first.begin, static_cast<char*>(data) + first.begin,
-                first.end - first.begin);
+    CopyToBackup(static_cast<char*>(backup) + first.begin,
+                 static_cast<char*>(data) + first.begin, first.end - first.begin);
     st.saved.emplace_back(first.begin, first.end - first.begin);
   }
   auto restore = [&] {

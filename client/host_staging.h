@@ -34,6 +34,10 @@ void PackDivided(absl::Span<const TensorView> tensors, DType staging_dtype, doub
 void DivideInto(const float* in, int64_t n, float divisor, float* out);
 void DivideInto(const double* in, int64_t n, double divisor, double* out);
 
+// memcpy for a destination that will not be read soon (a backup): on x86-64, non-temporal
+// stores skip reading the destination into the cache first.
+void CopyToBackup(void* dst, const void* src, size_t bytes);
+
 // The inverse of PackDivided without the division: copies consecutive ranges of `staging` back
 // into the tensors, converted to each tensor's dtype.
 void Unpack(const void* staging, DType staging_dtype, absl::Span<const TensorView> tensors);
