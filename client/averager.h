@@ -49,8 +49,9 @@ class ModelAverager {
   // members of the subgroup passed a different total element count or dtype layout),
   // FAILED_PRECONDITION (the job moved to a new generation — a peer died, left or re-joined —
   // or this client left; re-join with a new Client), DEADLINE_EXCEEDED (a peer did not take part
-  // within collective_timeout), UNAVAILABLE (the coordinator is unreachable), INTERNAL (the
-  // transport failed mid-collective; the message has the cause).
+  // within collective_timeout), UNAVAILABLE (a peer's connection broke and the coordinator has
+  // not yet declared it dead, or the coordinator is unreachable), UNIMPLEMENTED (CUDA tensors in
+  // a build without CUDA), INTERNAL (other transport/CUDA failures; the message has the cause).
   absl::StatusOr<Decision> AverageParameters(absl::Span<const TensorView> params);
 
   // The step of the next AverageParameters call.
