@@ -290,5 +290,45 @@ TEST_F(ClientCoordinatorTest, GenerationChange_CoordinatorGone_Unavailable) {
   EXPECT_THAT(std::string((*c)->CheckUsable().message()), HasSubstr("has not answered"));
 }
 
+TEST(ClientAuthTest, Connect_TokenRequired_RightTokenJoinsWrongOneUnauthenticated) {
+  server::ServerOptions opts;
+  opts.auth_token = "s3cret";
+  auto s = server::CoordinatorServer::Start(opts);
+  ASSERT_TRUE(s.ok()) << s.status();
+  CoordinatorClientOptions admin_opts;
+  admin_opts.address = (*s)->address();
+  admin_opts.auth_token = "s3cret";
+  auto admin = CoordinatorClient::Create(admin_opts);
+  ASSERT_TRUE(admin.ok());
+  v1::JobSpec spec;
+  spec.set_job_id("auth");
+  spec.set_world_size(1);
+  spec.set_mode(v1::PERIODIC);
+  spec.add_levels()->set_period(1);
+  spec.mutable_levels(0)->set_group_size(1);
+  ASSERT_TRUE((*admin)->CreateJob(spec).ok());
+
+  ClientOptions o;
+  o.coordinator = (*s)->address();
+  o.job_id = "auth";
+  o.auth_token = "wrong";
+  EXPECT_EQ(Client::Connect(o).status().code(), absl::StatusCode::kUnauthenticated);
+  o.auth_token = "s3cret";
+  auto c = Client::Connect(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE((*c)->DecisionAt(0).ok());  // GetSchedule carries the token too
+}
+
+TEST(ClientAuthTest, Create_TlsFilesWithoutTls_InvalidArgument) {
+  CoordinatorClientOptions o;
+  o.address = "127.0.0.1:1";
+  o.tls_ca_file = "/nonexistent/ca.pem";
+  EXPECT_EQ(CoordinatorClient::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.tls = true;
+  auto c = CoordinatorClient::Create(o);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("/nonexistent/ca.pem"));
+}
+
 }  // namespace
 }  // namespace modelavg::client
