@@ -78,8 +78,17 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   spdlog::info("joining job {} at {} as {}{}", options.job_id, options.coordinator,
                options.worker_id,
                options.rank ? absl::StrCat(" (rank ", *options.rank, ")") : std::string());
-  MODELAVG_ASSIGN_OR_RETURN(v1::JoinResponse joined,
-                            coordinator->Join(join, options.join_timeout));
+  absl::StatusOr<v1::JoinResponse> join_reply = coordinator->Join(join, options.join_timeout);
+  if (!join_reply.ok()) {
+    if (join_reply.status().code() == absl::StatusCode::kUnavailable) {
+      return absl::UnavailableError(absl::StrCat(
+          "cannot reach the coordinator at ", options.coordinator,
+          " (is it running, and is ClientOptions.coordinator its host:port?): ",
+          join_reply.status().message()));
+    }
+    return join_reply.status();
+  }
+  v1::JoinResponse joined = *std::move(join_reply);
 
   absl::StatusOr<ScheduleSpec> spec = ScheduleSpecFromProto(joined.spec());
   if (!spec.ok()) {
