@@ -87,7 +87,10 @@ class StagedParameters {
         v.device = client::Device::Host();
       } else {
 #ifdef MODELAVG_HAVE_CUDA
-        MODELAVG_CUDA_RETURN_IF_ERROR(cudaSetDevice(0));
+        if (absl::Status s = CudaStatus(cudaSetDevice(0), "cudaSetDevice(0)", __FILE__, __LINE__);
+            !s.ok()) {
+          return Annotate(s, "--backend=nccl needs a CUDA device (use --backend=gloo without one)");
+        }
         MODELAVG_CUDA_RETURN_IF_ERROR(cudaMalloc(&v.data, t->size() * sizeof(float)));
         v.device = client::Device::Cuda(0);
 #else

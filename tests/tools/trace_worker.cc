@@ -65,7 +65,10 @@ class Parameters {
     auto p = std::unique_ptr<Parameters>(new Parameters(cuda, numel, initial));
     if (cuda) {
 #ifdef MODELAVG_HAVE_CUDA
-      MODELAVG_CUDA_RETURN_IF_ERROR(cudaSetDevice(0));
+      if (absl::Status s = CudaStatus(cudaSetDevice(0), "cudaSetDevice(0)", __FILE__, __LINE__);
+          !s.ok()) {
+        return Annotate(s, "--backend=nccl needs a CUDA device (use --backend=gloo without one)");
+      }
       MODELAVG_CUDA_RETURN_IF_ERROR(cudaMalloc(&p->device_, numel * sizeof(float)));
 #else
       return absl::FailedPreconditionError(
