@@ -75,9 +75,24 @@ namespace {
 // The parameters as the averager sees them: the host tensors, or device mirrors of them.
 class StagedParameters {
  public:
+  // With `cuda`, the device mirrors live on device rank % (number of devices).
   static absl::StatusOr<std::unique_ptr<StagedParameters>> Create(
-      std::vector<std::vector<float>*> host, bool cuda) {
+      std::vector<std::vector<float>*> host, bool cuda, int32_t rank) {
     auto s = std::unique_ptr<StagedParameters>(new StagedParameters(std::move(host), cuda));
+    int device = 0;
+#ifdef MODELAVG_HAVE_CUDA
+    if (cuda) {
+      int count = 0;
+      if (absl::Status st = CudaStatus(cudaGetDeviceCount(&count), "cudaGetDeviceCount",
+                                       __FILE__, __LINE__);
+          !st.ok()) {
+        return Annotate(st, "--backend=nccl needs a CUDA device (use --backend=gloo without one)");
+      }
+      device = rank % count;
+      MODELAVG_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+    }
+#endif
+    (void)device;  // unused in builds without CUDA
     for (std::vector<float>* t : s->host_) {
       client::TensorView v;
       v.numel = static_cast<int64_t>(t->size());
@@ -87,12 +102,8 @@ class StagedParameters {
         v.device = client::Device::Host();
       } else {
 #ifdef MODELAVG_HAVE_CUDA
-        if (absl::Status s = CudaStatus(cudaSetDevice(0), "cudaSetDevice(0)", __FILE__, __LINE__);
-            !s.ok()) {
-          return Annotate(s, "--backend=nccl needs a CUDA device (use --backend=gloo without one)");
-        }
         MODELAVG_CUDA_RETURN_IF_ERROR(cudaMalloc(&v.data, t->size() * sizeof(float)));
-        v.device = client::Device::Cuda(0);
+        v.device = client::Device::Cuda(device);
 #else
         return absl::FailedPreconditionError(
             "--backend=nccl: this build has no CUDA/NCCL support (configure with "
@@ -231,7 +242,8 @@ absl::StatusOr<PhaseResult> TrainInJob(const std::string& job, int32_t* rank) {
   examples::TinyMlp model(features, absl::GetFlag(FLAGS_hidden), seed);
   MODELAVG_ASSIGN_OR_RETURN(
       std::unique_ptr<StagedParameters> params,
-      StagedParameters::Create(model.parameters(), absl::GetFlag(FLAGS_backend) == "nccl"));
+      StagedParameters::Create(model.parameters(), absl::GetFlag(FLAGS_backend) == "nccl",
+                               *rank));
   result.initial_loss = model.Loss(population);
 
   const int64_t steps = absl::GetFlag(FLAGS_steps);

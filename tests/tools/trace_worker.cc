@@ -60,15 +60,20 @@ namespace {
 // Where the parameters live: host memory, or CUDA memory mirrored from a host copy.
 class Parameters {
  public:
+  // With `cuda`, the parameters live on device rank % (number of devices).
   static absl::StatusOr<std::unique_ptr<Parameters>> Create(bool cuda, int64_t numel,
-                                                            float initial) {
+                                                            float initial, int32_t rank) {
     auto p = std::unique_ptr<Parameters>(new Parameters(cuda, numel, initial));
     if (cuda) {
 #ifdef MODELAVG_HAVE_CUDA
-      if (absl::Status s = CudaStatus(cudaSetDevice(0), "cudaSetDevice(0)", __FILE__, __LINE__);
+      int count = 0;
+      if (absl::Status s = CudaStatus(cudaGetDeviceCount(&count), "cudaGetDeviceCount",
+                                      __FILE__, __LINE__);
           !s.ok()) {
         return Annotate(s, "--backend=nccl needs a CUDA device (use --backend=gloo without one)");
       }
+      p->device_index_ = rank % count;
+      MODELAVG_CUDA_RETURN_IF_ERROR(cudaSetDevice(p->device_index_));
       MODELAVG_CUDA_RETURN_IF_ERROR(cudaMalloc(&p->device_, numel * sizeof(float)));
 #else
       return absl::FailedPreconditionError(
@@ -101,7 +106,7 @@ class Parameters {
         cudaMemcpy(device_, host_.data(), host_.size() * sizeof(float), cudaMemcpyHostToDevice));
 #endif
     view.data = device_;
-    view.device = client::Device::Cuda(0);
+    view.device = client::Device::Cuda(device_index_);
     return view;
   }
 
@@ -122,6 +127,7 @@ class Parameters {
   const bool cuda_;
   std::vector<float> host_;
   void* device_ = nullptr;
+  int device_index_ = 0;
 };
 
 absl::Status Run() {
@@ -147,7 +153,7 @@ absl::Status Run() {
   }
 
   MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<Parameters> params,
-                            Parameters::Create(backend == "nccl", numel, float(rank)));
+                            Parameters::Create(backend == "nccl", numel, float(rank), rank));
 
   client::ClientOptions options;
   options.coordinator = coordinator;
