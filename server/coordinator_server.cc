@@ -1,0 +1,140 @@
+#include "server/coordinator_server.h"
+
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "server/coordinator_service.h"
+#include "server/job_registry.h"
+#include "server/jobs_file.h"
+#include "server/rpc_metrics.h"
+#include "spdlog/spdlog.h"
+
+namespace modelavg::server {
+namespace {
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
+    const ServerOptions& options) {
+  const bool tls = !options.tls_cert_file.empty() || !options.tls_key_file.empty();
+  if (!tls) {
+    if (!options.tls_client_ca_file.empty()) {
+      return absl::InvalidArgumentError(
+          "--tls_client_ca needs --tls_cert and --tls_key (mutual TLS is TLS plus client certs)");
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  if (options.tls_cert_file.empty() || options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("TLS needs both --tls_cert and --tls_key");
+  }
+  grpc::SslServerCredentialsOptions ssl;
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  absl::StatusOr<std::string> cert = ReadFileToString(options.tls_cert_file);
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadFileToString(options.tls_key_file);
+  if (!key.ok()) return key.status();
+  pair.cert_chain = *std::move(cert);
+  pair.private_key = *std::move(key);
+  ssl.pem_key_cert_pairs.push_back(std::move(pair));
+  if (!options.tls_client_ca_file.empty()) {
+    absl::StatusOr<std::string> ca = ReadFileToString(options.tls_client_ca_file);
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *std::move(ca);
+    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(ssl);
+}
+
+// "HOST:PORT" with the bound port; a wildcard host becomes 127.0.0.1 so the address is dialable.
+std::string BoundAddress(const std::string& listen, int port) {
+  std::string host = listen.substr(0, listen.rfind(':'));
+  if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::" || host == "*") {
+    host = "127.0.0.1";
+  }
+  return absl::StrCat(host, ":", port);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
+    const ServerOptions& options) {
+  const size_t colon = options.listen.rfind(':');
+  int requested_port = -1;
+  if (colon == std::string::npos ||
+      !absl::SimpleAtoi(options.listen.substr(colon + 1), &requested_port) ||
+      requested_port < 0 || requested_port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "listen address \"", options.listen, "\" must be HOST:PORT with PORT in [0, 65535]"));
+  }
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = MakeCredentials(options);
+  if (!creds.ok()) return creds.status();
+
+  std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
+  JobRegistryOptions registry_options;
+  registry_options.defaults = options.defaults;
+  registry_options.clock = options.clock;
+  server->registry_ = std::make_unique<JobRegistry>(registry_options);
+  for (const v1::JobSpec& spec : options.jobs) {
+    if (absl::Status s = server->registry_->CreateJob(spec, nullptr); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("job \"", spec.job_id(), "\": ", s.message()));
+    }
+  }
+  if (!options.metrics_listen.empty()) {
+    absl::StatusOr<std::unique_ptr<RpcMetrics>> metrics =
+        RpcMetrics::Start(options.metrics_listen, server->registry_.get());
+    if (!metrics.ok()) return metrics.status();
+    server->metrics_ = *std::move(metrics);
+  }
+  server->service_ = std::make_unique<CoordinatorService>(
+      server->registry_.get(), options.auth_token, server->metrics_.get());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen, *creds, &server->port_);
+  builder.RegisterService(server->service_.get());
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on ", options.listen, " (address in use or not local?)"));
+  }
+  server->address_ = BoundAddress(options.listen, server->port_);
+  spdlog::info("coordinator serving on {} ({}{}), {} job(s) from start-up{}", server->address_,
+               options.tls_cert_file.empty() ? "plaintext" : "TLS",
+               options.tls_client_ca_file.empty() ? "" : ", client certificates required",
+               options.jobs.size(), options.auth_token.empty() ? "" : ", token auth on");
+  if (server->metrics_ != nullptr) {
+    spdlog::info("metrics on http://{}/metrics", server->metrics_->address());
+  }
+  return server;
+}
+
+CoordinatorServer::~CoordinatorServer() { Shutdown(); }
+
+std::string CoordinatorServer::metrics_address() const {
+  return metrics_ == nullptr ? "" : metrics_->address();
+}
+
+void CoordinatorServer::Shutdown() {
+  {
+    absl::MutexLock lock(&shutdown_mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+  }
+  spdlog::info("coordinator on {} shutting down", address_);
+  // Fails pending waits (UNAVAILABLE) and ends the watch streams first, so that the gRPC
+  // shutdown below has nothing left to wait for.
+  if (registry_ != nullptr) registry_->Stop();
+  if (server_ != nullptr) {
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    server_->Wait();
+  }
+  metrics_.reset();
+  spdlog::info("coordinator stopped");
+}
+
+}  // namespace modelavg::server

@@ -1,0 +1,78 @@
+// The coordinator as an in-process server: the core (JobRegistry), the gRPC adapter, health,
+// reflection, TLS, token auth and metrics, started and stopped as one object. The daemon's main
+// and the tests and benchmarks all run it this way.
+#ifndef MODELAVG_SERVER_COORDINATOR_SERVER_H_
+#define MODELAVG_SERVER_COORDINATOR_SERVER_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/clock.h"
+#include "modelavg/v1/coordinator.pb.h"
+#include "server/job.h"
+
+namespace grpc {
+class Server;
+}  // namespace grpc
+
+namespace modelavg::server {
+
+class CoordinatorService;
+class JobRegistry;
+class RpcMetrics;
+
+struct ServerOptions {
+  // "HOST:PORT"; port 0 picks a free port (see CoordinatorServer::address()).
+  std::string listen = "127.0.0.1:0";
+  JobDefaults defaults;
+  // PEM files. Both set: TLS. With tls_client_ca_file also set: mutual TLS (clients must present
+  // a certificate signed by that CA).
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_client_ca_file;
+  // Non-empty: every Coordinator RPC needs "authorization: Bearer <auth_token>".
+  std::string auth_token;
+  // "HOST:PORT" for Prometheus' /metrics; empty: no metrics.
+  std::string metrics_listen;
+  // Jobs created before serving (e.g. from --jobs_file).
+  std::vector<v1::JobSpec> jobs;
+  Clock* clock = Clock::Real();
+};
+
+class CoordinatorServer {
+ public:
+  // Builds and starts the server. INVALID_ARGUMENT for bad options or an invalid job (naming it),
+  // NOT_FOUND for unreadable TLS files, UNAVAILABLE if the address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(const ServerOptions& options);
+  ~CoordinatorServer();  // Shutdown()
+
+  // The bound address, "HOST:PORT" (a wildcard host is shown as 127.0.0.1).
+  std::string address() const { return address_; }
+  int port() const { return port_; }
+  // The metrics address actually bound, empty without metrics.
+  std::string metrics_address() const;
+
+  // Fails every pending wait with UNAVAILABLE, ends the streams, stops serving. Idempotent.
+  void Shutdown();
+
+  JobRegistry* registry() { return registry_.get(); }
+
+ private:
+  CoordinatorServer() = default;
+
+  std::unique_ptr<JobRegistry> registry_;
+  std::unique_ptr<RpcMetrics> metrics_;
+  std::unique_ptr<CoordinatorService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+  int port_ = 0;
+  absl::Mutex shutdown_mu_;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+};
+
+}  // namespace modelavg::server
+
+#endif  // MODELAVG_SERVER_COORDINATOR_SERVER_H_

@@ -1,0 +1,217 @@
+// One job's coordination state: membership per generation, liveness, the comm-id store, pending
+// waits and watchers. No gRPC in here: waits are callbacks that the Job completes (outside its
+// lock) when their condition is met, their deadline passes, the generation changes, the job is
+// deleted or the coordinator stops.
+#ifndef MODELAVG_SERVER_JOB_H_
+#define MODELAVG_SERVER_JOB_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
+#include "common/schedule.h"
+#include "modelavg/v1/coordinator.pb.h"
+
+namespace modelavg::server {
+
+// Identifies one pending wait (Join, GetCommId) so that its caller can cancel it.
+using WaitId = uint64_t;
+
+// Completion of a Join wait. Called exactly once, never under a Job lock.
+using JoinCallback = absl::AnyInvocable<void(absl::StatusOr<v1::JoinResponse>)>;
+// Completion of a GetCommId wait. Called exactly once, never under a Job lock.
+using CommIdCallback = absl::AnyInvocable<void(absl::StatusOr<std::string>)>;
+
+// Receives a job's events in order. `OnEvent` and `OnClosed` are called outside the Job's lock,
+// one at a time per job, and must not block. After OnClosed no more calls come.
+class JobWatcher {
+ public:
+  virtual ~JobWatcher() = default;
+  virtual void OnEvent(const v1::JobEvent& event) = 0;
+  // The stream ends: the job was deleted (ABORTED) or the coordinator stops (UNAVAILABLE).
+  virtual void OnClosed(const absl::Status& status) = 0;
+  // True once the receiving end is gone; the Job then drops the watcher.
+  virtual bool Done() const { return false; }
+};
+
+// Limits on what a worker may store and ask for.
+inline constexpr size_t kMaxCommIdBytes = 4096;
+inline constexpr size_t kMaxCommIdKeyLength = 256;
+inline constexpr int64_t kMaxScheduleCount = 100000;
+// GetSchedule answers stay below gRPC's default 4 MiB receive limit.
+inline constexpr int64_t kMaxScheduleReplyBytes = 3 * 1024 * 1024;
+
+// Daemon-wide defaults for the per-job timeouts (a spec's 0 means "use these").
+struct JobDefaults {
+  absl::Duration heartbeat_timeout = absl::Milliseconds(3000);
+  absl::Duration join_timeout = absl::Milliseconds(300000);
+};
+
+class Job {
+ public:
+  // `spec` must have been validated into `schedule` (ScheduleSpecFromProto).
+  Job(v1::JobSpec spec, Schedule schedule, const JobDefaults& defaults, Clock* clock);
+  ~Job();
+
+  Job(const Job&) = delete;
+  Job& operator=(const Job&) = delete;
+
+  const std::string& id() const { return spec_.job_id(); }
+  absl::Duration heartbeat_timeout() const { return heartbeat_timeout_; }
+  absl::Duration join_timeout() const { return join_timeout_; }
+
+  // Rendezvous (the contract in the coordinator's README). `done` gets the JoinResponse once
+  // every rank has joined this generation, or:
+  //   INVALID_ARGUMENT    empty/too long worker_id, rank outside [0, world_size)
+  //   ALREADY_EXISTS      another worker holds the requested rank in this generation
+  //   FAILED_PRECONDITION the job is RUNNING and this is not a re-join (job full), or FINISHED
+  //   DEADLINE_EXCEEDED   min(join timeout, `call_deadline`) passed; names the missing ranks
+  //   ABORTED             the generation changed while waiting, or the job was deleted
+  //   CANCELLED           CancelWait(wait_id)
+  //   UNAVAILABLE         the coordinator stops
+  void Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId wait_id,
+            JoinCallback done);
+
+  // Liveness and progress; never fails for a stale generation. INVALID_ARGUMENT for a rank
+  // outside [0, world_size) or a negative step.
+  absl::Status Heartbeat(const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response);
+
+  // The decision for (rank, step). INVALID_ARGUMENT for a bad rank or step < 0;
+  // FAILED_PRECONDITION for a stale generation or a job that is not RUNNING.
+  absl::Status Step(const v1::StepRequest& request, v1::StepDecision* response);
+
+  // A window of decisions. INVALID_ARGUMENT for from_step < 0, count outside [1, 100000], a bad
+  // rank, or an answer that would exceed kMaxScheduleReplyBytes.
+  absl::Status GetSchedule(const v1::GetScheduleRequest& request,
+                           v1::GetScheduleResponse* response) const;
+
+  // Stores a bootstrap blob for the current generation. INVALID_ARGUMENT (level, subgroup, rank,
+  // key length, empty or oversize blob), FAILED_PRECONDITION (stale generation, job not
+  // RUNNING), PERMISSION_DENIED (rank not in the subgroup), ALREADY_EXISTS (same key, other
+  // bytes; identical bytes are OK).
+  absl::Status PublishCommId(const v1::PublishCommIdRequest& request);
+
+  // Waits for a blob. Errors as PublishCommId, plus DEADLINE_EXCEEDED, ABORTED (generation
+  // changed, job deleted), CANCELLED (CancelWait), UNAVAILABLE (coordinator stops).
+  void GetCommId(const v1::GetCommIdRequest& request, absl::Time call_deadline, WaitId wait_id,
+                 CommIdCallback done);
+
+  // Orderly exit of one rank (any generation). INVALID_ARGUMENT for a bad rank,
+  // FAILED_PRECONDITION if the rank never joined.
+  absl::Status Leave(const v1::LeaveRequest& request, v1::LeaveResponse* response);
+
+  // Registers a watcher; its first event is a SNAPSHOT. Returns an id for Unwatch.
+  uint64_t Watch(std::shared_ptr<JobWatcher> watcher);
+  void Unwatch(uint64_t watcher_id);
+
+  // Completes the wait with CANCELLED if it is still pending (no-op otherwise). A cancelled Join
+  // leaves the round so the rank is free again.
+  void CancelWait(WaitId wait_id);
+
+  // Heartbeat timeouts (RUNNING only) and due waits, as of the clock's now. Called periodically.
+  void CheckStaleness();
+
+  // The job as the API shows it.
+  void ToProto(v1::Job* out) const;
+
+  // Figures for metrics: current members in the round, generation, max-min step.
+  struct Stats {
+    int32_t workers = 0;
+    int64_t generation = 0;
+    int64_t step_lag = 0;
+    v1::JobState state = v1::PENDING;
+  };
+  Stats GetStats() const;
+
+  // Fails every pending wait with `status` and closes every watcher (ABORTED on DeleteJob,
+  // UNAVAILABLE on stop). Later waits fail with `status` at once.
+  void Close(const absl::Status& status, bool deleted);
+
+ private:
+  struct Member {
+    bool present = false;
+    std::string worker_id;
+    std::string host;
+    int64_t last_step = -1;
+    absl::Time last_heartbeat;
+    v1::MemberState state = v1::MEMBER_STATE_UNSPECIFIED;
+    // The generation this member last joined; 0 when not in any round.
+    int64_t generation = 0;
+  };
+  struct JoinWaiter {
+    WaitId id;
+    int32_t rank;
+    absl::Time deadline;
+    JoinCallback done;
+  };
+  using CommKey = std::tuple<int32_t, int32_t, std::string>;
+  struct CommWaiter {
+    WaitId id;
+    CommKey key;
+    absl::Time deadline;
+    CommIdCallback done;
+  };
+  // Work collected under mu_ and run after it is released: completions in any order, events in
+  // the order they happened (delivery_mu_ keeps batches of concurrent calls in order).
+  class Outbox;
+
+  bool InRound(const Member& m) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return m.present && m.generation == generation_ && m.state == v1::ALIVE;
+  }
+  void BumpGeneration(int32_t rank, const std::string& reason, Outbox* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeFinish(Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CompleteWorld(Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FillJoinResponse(int32_t rank, v1::JoinResponse* out) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string MissingRanks() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string StaleMessage(int64_t generation) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ValidateCommRequest(int64_t generation, int32_t level, int32_t subgroup,
+                                   int32_t rank, const std::string& key) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ToProtoLocked(v1::Job* out, bool with_members) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddEvent(v1::JobEvent::Kind kind, int32_t rank, const std::string& message,
+                bool with_members, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveFromRound(int32_t rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const v1::JobSpec spec_;
+  const Schedule schedule_;
+  const absl::Duration heartbeat_timeout_;
+  const absl::Duration join_timeout_;
+  Clock* const clock_;
+  const int64_t created_unix_ms_;
+  const std::vector<std::string> warnings_;
+
+  mutable absl::Mutex mu_;
+  // Serializes event delivery across calls; taken while mu_ is held, mu_ released first.
+  absl::Mutex delivery_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  v1::JobState state_ ABSL_GUARDED_BY(mu_) = v1::PENDING;
+  int64_t generation_ ABSL_GUARDED_BY(mu_) = 1;
+  // Indexed by rank; kept across generations.
+  std::vector<Member> members_ ABSL_GUARDED_BY(mu_);
+  int32_t round_size_ ABSL_GUARDED_BY(mu_) = 0;
+  v1::GenerationChange last_change_ ABSL_GUARDED_BY(mu_);
+  bool has_last_change_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<JoinWaiter> join_waiters_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<CommKey, std::string> comm_ids_ ABSL_GUARDED_BY(mu_);
+  std::vector<CommWaiter> comm_waiters_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<uint64_t, std::shared_ptr<JobWatcher>>> watchers_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_watcher_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // Set by Close: every new wait fails with it.
+  absl::Status closed_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace modelavg::server
+
+#endif  // MODELAVG_SERVER_JOB_H_

@@ -1,0 +1,129 @@
+#include "server/job_registry.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/job_spec.h"
+#include "spdlog/spdlog.h"
+
+namespace modelavg::server {
+namespace {
+
+absl::Status Stopped() {
+  return absl::UnavailableError("the coordinator is shutting down; retry against a running one");
+}
+
+}  // namespace
+
+JobRegistry::JobRegistry(JobRegistryOptions options) : options_(std::move(options)) {
+  if (options_.start_staleness_thread) {
+    staleness_thread_ = std::thread([this] { StalenessLoop(); });
+  }
+}
+
+JobRegistry::~JobRegistry() { Stop(); }
+
+absl::Status JobRegistry::CreateJob(const v1::JobSpec& spec, v1::Job* out) {
+  absl::StatusOr<ScheduleSpec> schedule_spec = ScheduleSpecFromProto(spec);
+  if (!schedule_spec.ok()) return schedule_spec.status();
+  absl::StatusOr<Schedule> schedule = Schedule::Create(*std::move(schedule_spec));
+  if (!schedule.ok()) return schedule.status();
+  auto job = std::make_shared<Job>(spec, *std::move(schedule), options_.defaults, options_.clock);
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return Stopped();
+    if (jobs_.contains(spec.job_id())) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "job ", spec.job_id(), " already exists; delete it first or pick another job_id"));
+    }
+    jobs_.emplace(spec.job_id(), job);
+  }
+  v1::Job proto;
+  job->ToProto(&proto);
+  spdlog::info("job {}: created ({} mode, world {}, warm-up {}, {} level(s), heartbeat timeout "
+               "{} ms, join timeout {} ms)",
+               spec.job_id(), v1::Mode_Name(spec.mode()), spec.world_size(), spec.warmup_steps(),
+               spec.levels_size(), absl::ToInt64Milliseconds(job->heartbeat_timeout()),
+               absl::ToInt64Milliseconds(job->join_timeout()));
+  for (const std::string& w : proto.warnings()) {
+    spdlog::warn("job {}: {}", spec.job_id(), w);
+  }
+  if (out != nullptr) *out = std::move(proto);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Job>> JobRegistry::Find(absl::string_view job_id) const {
+  absl::ReaderMutexLock lock(&mu_);
+  if (stopped_) return Stopped();
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(absl::StrCat(
+        "no job \"", job_id.substr(0, 256), "\"; create it first (CreateJob or --jobs_file)"));
+  }
+  return it->second;
+}
+
+absl::Status JobRegistry::DeleteJob(absl::string_view job_id) {
+  std::shared_ptr<Job> job;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return Stopped();
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) {
+      return absl::NotFoundError(absl::StrCat("no job \"", job_id.substr(0, 256), "\""));
+    }
+    job = std::move(it->second);
+    jobs_.erase(it);
+  }
+  spdlog::info("job {}: deleted", job->id());
+  job->Close(absl::AbortedError(absl::StrCat("job ", job->id(), " was deleted")),
+             /*deleted=*/true);
+  return absl::OkStatus();
+}
+
+std::vector<std::shared_ptr<Job>> JobRegistry::ListJobs() const {
+  std::vector<std::shared_ptr<Job>> jobs;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    jobs.reserve(jobs_.size());
+    for (const auto& [id, job] : jobs_) jobs.push_back(job);
+  }
+  std::sort(jobs.begin(), jobs.end(),
+            [](const auto& a, const auto& b) { return a->id() < b->id(); });
+  return jobs;
+}
+
+void JobRegistry::CheckStaleness() {
+  for (const std::shared_ptr<Job>& job : ListJobs()) job->CheckStaleness();
+}
+
+void JobRegistry::StalenessLoop() {
+  absl::MutexLock lock(&mu_);
+  while (!stopped_) {
+    // Wakes up early when Stop() sets stopped_.
+    mu_.AwaitWithTimeout(absl::Condition(&stopped_), options_.staleness_interval);
+    if (stopped_) break;
+    mu_.Unlock();
+    CheckStaleness();
+    mu_.Lock();
+  }
+}
+
+void JobRegistry::Stop() {
+  std::vector<std::shared_ptr<Job>> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return;
+    stopped_ = true;
+    for (auto& [id, job] : jobs_) jobs.push_back(job);
+  }
+  if (staleness_thread_.joinable()) staleness_thread_.join();
+  for (const std::shared_ptr<Job>& job : jobs) {
+    job->Close(Stopped(), /*deleted=*/false);
+  }
+  spdlog::info("coordinator core stopped ({} job(s) closed)", jobs.size());
+}
+
+}  // namespace modelavg::server

@@ -1,0 +1,83 @@
+// Every job of the coordinator, and the one staleness thread that expires heartbeats and waits.
+// No gRPC in here (the RPC adapter is server/coordinator_service.h).
+#ifndef MODELAVG_SERVER_JOB_REGISTRY_H_
+#define MODELAVG_SERVER_JOB_REGISTRY_H_
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
+#include "modelavg/v1/coordinator.pb.h"
+#include "server/job.h"
+
+namespace modelavg::server {
+
+struct JobRegistryOptions {
+  JobDefaults defaults;
+  Clock* clock = Clock::Real();
+  // How often the staleness thread looks at heartbeats and wait deadlines.
+  absl::Duration staleness_interval = absl::Milliseconds(20);
+  // Tests drive CheckStaleness() themselves with a FakeClock.
+  bool start_staleness_thread = true;
+};
+
+class JobRegistry {
+ public:
+  explicit JobRegistry(JobRegistryOptions options);
+  ~JobRegistry();  // Stop()
+
+  JobRegistry(const JobRegistry&) = delete;
+  JobRegistry& operator=(const JobRegistry&) = delete;
+
+  // Registers a job and fills `out` with it. INVALID_ARGUMENT (the spec's problem, naming the
+  // field), ALREADY_EXISTS (duplicate job_id), UNAVAILABLE (stopped).
+  absl::Status CreateJob(const v1::JobSpec& spec, v1::Job* out);
+
+  // NOT_FOUND for an unknown job, UNAVAILABLE once stopped.
+  absl::StatusOr<std::shared_ptr<Job>> Find(absl::string_view job_id) const;
+
+  // Removes the job; its pending waits fail with ABORTED and its watchers get JOB_DELETED.
+  // NOT_FOUND, UNAVAILABLE.
+  absl::Status DeleteJob(absl::string_view job_id);
+
+  // Every job, in job_id order.
+  std::vector<std::shared_ptr<Job>> ListJobs() const;
+
+  // A fresh id for a wait (never 0).
+  WaitId NewWaitId() { return next_wait_id_.fetch_add(1, std::memory_order_relaxed); }
+
+  // Runs every job's CheckStaleness (the staleness thread calls this).
+  void CheckStaleness();
+
+  // Stops the staleness thread and fails every pending wait with UNAVAILABLE. Idempotent.
+  void Stop();
+
+  Clock* clock() const { return options_.clock; }
+  const JobDefaults& defaults() const { return options_.defaults; }
+
+ private:
+  void StalenessLoop();
+
+  const JobRegistryOptions options_;
+  std::atomic<WaitId> next_wait_id_{1};
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+
+  std::thread staleness_thread_;
+};
+
+}  // namespace modelavg::server
+
+#endif  // MODELAVG_SERVER_JOB_REGISTRY_H_

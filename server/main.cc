@@ -1,0 +1,116 @@
+// modelavg-coordinator: the coordinator daemon. See the README's "Coordinator" section.
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include <pthread.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "common/job_spec.h"
+#include "common/logging.h"
+#include "server/coordinator_server.h"
+#include "server/jobs_file.h"
+#include "spdlog/spdlog.h"
+
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "Address to serve on, HOST:PORT (port 0: any).");
+ABSL_FLAG(std::string, port_file, "",
+          "Once serving, write the bound HOST:PORT to this file (for scripts and tests).");
+ABSL_FLAG(std::string, jobs_file, "",
+          "Jobs to create at start-up: JSON or protobuf text format of JobSpecList "
+          "({\"jobs\": [JobSpec, ...]}) or of one JobSpec.");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "Serve Prometheus metrics on http://HOST:PORT/metrics (empty: off).");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS (with --tls_key).");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: require client certificates signed by it (mutual TLS).");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File holding a token; every RPC then needs metadata 'authorization: Bearer <token>'.");
+ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, critical or off.");
+ABSL_FLAG(int64_t, default_heartbeat_timeout_ms, 3000,
+          "Heartbeat timeout of jobs whose spec says 0.");
+ABSL_FLAG(int64_t, default_join_timeout_ms, 300000, "Join timeout of jobs whose spec says 0.");
+
+namespace {
+
+int Fail(const std::string& what) {
+  std::fprintf(stderr, "modelavg-coordinator: %s\n", what.c_str());
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "modelavg-coordinator --listen=HOST:PORT [--jobs_file=F] [--metrics_listen=HOST:PORT] "
+      "[--tls_cert=F --tls_key=F [--tls_client_ca=F]] [--auth_token_file=F] [--log_level=info]");
+  absl::ParseCommandLine(argc, argv);
+  if (absl::Status s = modelavg::InitLogging(absl::GetFlag(FLAGS_log_level), "coordinator");
+      !s.ok()) {
+    return Fail(std::string(s.message()));
+  }
+  modelavg::server::ServerOptions options;
+  options.listen = absl::GetFlag(FLAGS_listen);
+  const int64_t hb = absl::GetFlag(FLAGS_default_heartbeat_timeout_ms);
+  const int64_t join = absl::GetFlag(FLAGS_default_join_timeout_ms);
+  if (hb <= 0 || hb > modelavg::kMaxHeartbeatTimeoutMs || join <= 0 ||
+      join > modelavg::kMaxJoinTimeoutMs) {
+    return Fail("--default_heartbeat_timeout_ms must be in (0, 3600000] and "
+                "--default_join_timeout_ms in (0, 86400000]");
+  }
+  options.defaults.heartbeat_timeout = absl::Milliseconds(hb);
+  options.defaults.join_timeout = absl::Milliseconds(join);
+  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
+    absl::StatusOr<std::string> token = modelavg::server::ReadFileToString(path);
+    if (!token.ok()) return Fail(absl::StrCat("--auth_token_file: ", token.status().message()));
+    options.auth_token = std::string(absl::StripAsciiWhitespace(*token));
+    if (options.auth_token.empty()) return Fail(absl::StrCat("--auth_token_file ", path,
+                                                             " is empty"));
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_jobs_file); !path.empty()) {
+    absl::StatusOr<std::string> text = modelavg::server::ReadFileToString(path);
+    if (!text.ok()) return Fail(absl::StrCat("--jobs_file: ", text.status().message()));
+    absl::StatusOr<std::vector<modelavg::v1::JobSpec>> jobs =
+        modelavg::server::ParseJobsFile(*text, path);
+    if (!jobs.ok()) return Fail(std::string(jobs.status().message()));
+    options.jobs = *std::move(jobs);
+  }
+
+  // SIGTERM/SIGINT are taken synchronously by this thread; every thread started below inherits
+  // the blocked mask, so no handler runs at an arbitrary point.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::StatusOr<std::unique_ptr<modelavg::server::CoordinatorServer>> server =
+      modelavg::server::CoordinatorServer::Start(options);
+  if (!server.ok()) return Fail(server.status().ToString());
+  if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
+    // Written whole under a temporary name, then renamed: readers never see half a line.
+    const std::string tmp = absl::StrCat(path, ".tmp");
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      out << (*server)->address() << "\n";
+      if (!out) return Fail(absl::StrCat("cannot write --port_file ", path));
+    }
+    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+      return Fail(absl::StrCat("cannot write --port_file ", path));
+    }
+  }
+  int sig = 0;
+  sigwait(&signals, &sig);
+  spdlog::info("received {}; shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  (*server)->Shutdown();
+  return 0;
+}
