@@ -116,14 +116,16 @@ def coordinator_stubs():
     """(coordinator_pb2, coordinator_pb2_grpc), generated from the repository's .proto."""
     global _stubs
     if _stubs is None:
-        from grpc_tools import protoc
+        # Debian's protoc (3.21) knows proto3 `optional`; grpc_tools' bundled one does not.
         out = tempfile.mkdtemp(prefix="modelavg-pb-")
         proto_dir = os.path.join(REPO_ROOT, "proto")
-        rc = protoc.main(["protoc", f"-I{proto_dir}", f"--python_out={out}",
-                          f"--grpc_python_out={out}",
-                          os.path.join(proto_dir, "modelavg", "v1", "coordinator.proto")])
-        if rc != 0:
-            raise RuntimeError("grpc_tools.protoc failed on coordinator.proto")
+        gen = subprocess.run(
+            ["protoc", f"-I{proto_dir}", f"--python_out={out}", f"--grpc_python_out={out}",
+             "--plugin=protoc-gen-grpc_python=/usr/bin/grpc_python_plugin",
+             os.path.join(proto_dir, "modelavg", "v1", "coordinator.proto")],
+            capture_output=True, text=True, timeout=60)
+        if gen.returncode != 0:
+            raise RuntimeError(f"protoc failed on coordinator.proto: {gen.stderr}")
         sys.path.insert(0, out)
         from modelavg.v1 import coordinator_pb2, coordinator_pb2_grpc
         _stubs = (coordinator_pb2, coordinator_pb2_grpc)
