@@ -32,8 +32,6 @@
 
 namespace modelavg::client {
 
-class CommunicatorCache;
-
 class ModelAverager {
  public:
   virtual ~ModelAverager();
@@ -67,7 +65,6 @@ class ModelAverager {
 
  private:
   Client* const client_;
-  const std::unique_ptr<CommunicatorCache> communicators_;
   mutable absl::Mutex mu_;
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
 };

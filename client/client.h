@@ -35,6 +35,7 @@
 namespace modelavg::client {
 
 class CoordinatorClient;
+class CommunicatorCache;
 
 struct ClientOptions {
   // The coordinator's "host:port".
@@ -98,30 +99,43 @@ class Client {
 
   // --- Used by the averagers (and available to advanced callers). ---
 
-  // This rank's decision at `step` (>= 0), from the prefetched window; fetches the next window
-  // with GetSchedule when `step` leaves it. Also records `step` for the heartbeat.
-  // Errors: INVALID_ARGUMENT (step < 0), FAILED_PRECONDITION (stale generation, left),
-  // INTERNAL (the coordinator's decisions disagree with the local schedule), and the RPC errors.
+  // This rank's decision at `step` (>= 0), from the prefetched window; fetches the window
+  // starting at `step` with GetSchedule when `step` leaves it, and checks every fetched decision
+  // against the local schedule.
+  // Errors: INVALID_ARGUMENT (step < 0), INTERNAL (the coordinator's decisions disagree with the
+  // schedule of the spec it sent at Join), and the RPC errors (UNAVAILABLE, ...).
   absl::StatusOr<Decision> DecisionAt(int64_t step);
 
   // The step the heartbeat reports (the next AverageParameters call's step).
   void ReportStep(int64_t step);
 
-  // OK while the job is at generation(); FAILED_PRECONDITION saying what changed and why
-  // otherwise (or after Leave), UNAVAILABLE when the coordinator has been unreachable for
-  // longer than the heartbeat timeout.
+  // OK when this rank may average with `group` now: the job is still at generation(), or it
+  // moved on only because ranks outside `group` left in an orderly way (the end of a run, where
+  // subgroups finish at different times). Otherwise FAILED_PRECONDITION saying what changed
+  // and why (a peer died, re-joined or left; this client left), or UNAVAILABLE when the
+  // coordinator has not answered a heartbeat for longer than the heartbeat timeout.
+  absl::Status CheckCanAverage(const SubgroupRange& group) const;
+
+  // OK while the job is at generation() and the coordinator answers; the error of
+  // CheckCanAverage otherwise.
   absl::Status CheckUsable() const;
 
   // The latest generation the heartbeat has seen (>= generation()).
   int64_t latest_generation() const;
 
-  // The RPC wrapper (for communicator bootstrap). Owned by this client.
+  // The RPC wrapper (communicator bootstrap). Owned by this client.
   CoordinatorClient* coordinator() const { return coordinator_.get(); }
+  // The communicators of this membership, shared by every averager on this client.
+  CommunicatorCache* communicators() const { return communicators_.get(); }
 
  private:
   Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator, int32_t rank,
          int64_t generation, Schedule schedule, absl::Duration heartbeat_timeout);
   void HeartbeatLoop();
+  // Records a generation change seen by the heartbeat: which ranks departed, and whether the
+  // change breaks every communicator (a death or re-join) or only those with departed ranks.
+  void NoteGenerationChange(int64_t generation, const std::string& why)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status FetchWindow(int64_t from_step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(cache_mu_);
 
   const ClientOptions options_;
@@ -130,6 +144,7 @@ class Client {
   const int64_t generation_;
   const Schedule schedule_;
   const absl::Duration heartbeat_timeout_;
+  std::unique_ptr<CommunicatorCache> communicators_;
 
   // The decision window [window_start_, window_start_ + window_.size()).
   mutable absl::Mutex cache_mu_;
@@ -139,8 +154,11 @@ class Client {
   mutable absl::Mutex mu_;
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t latest_generation_ ABSL_GUARDED_BY(mu_);
-  // Why the client cannot average any more (stale generation, left); OK while usable.
+  // Non-OK once nothing may be averaged any more (a peer died or re-joined, this client left).
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
+  // Ranks that left in an orderly way since generation_, and why the generation moved.
+  std::vector<int32_t> departed_ ABSL_GUARDED_BY(mu_);
+  std::string change_reason_ ABSL_GUARDED_BY(mu_);
   bool left_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time last_heartbeat_ok_ ABSL_GUARDED_BY(mu_);

@@ -1,0 +1,126 @@
+#include "client/host_staging.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "client/half.h"
+
+namespace modelavg::client {
+namespace {
+
+template <typename S>
+void PackOne(const TensorView& t, S divisor, S* out) {
+  const int64_t n = t.numel;
+  switch (t.dtype) {
+    case DType::kFloat32: {
+      const float* in = static_cast<const float*>(t.data);
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<S>(in[i]) / divisor;
+      break;
+    }
+    case DType::kFloat64: {
+      const double* in = static_cast<const double*>(t.data);
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<S>(in[i]) / divisor;
+      break;
+    }
+    case DType::kFloat16: {
+      const uint16_t* in = static_cast<const uint16_t*>(t.data);
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<S>(HalfToFloat(in[i])) / divisor;
+      break;
+    }
+    case DType::kBFloat16: {
+      const uint16_t* in = static_cast<const uint16_t*>(t.data);
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<S>(BFloat16ToFloat(in[i])) / divisor;
+      break;
+    }
+  }
+}
+
+template <typename S>
+void UnpackOne(const S* in, const TensorView& t) {
+  const int64_t n = t.numel;
+  switch (t.dtype) {
+    case DType::kFloat32: {
+      float* out = static_cast<float*>(t.data);
+      if constexpr (sizeof(S) == sizeof(float)) {
+        std::memcpy(out, in, n * sizeof(float));
+      } else {
+        for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
+      }
+      break;
+    }
+    case DType::kFloat64: {
+      double* out = static_cast<double*>(t.data);
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<double>(in[i]);
+      break;
+    }
+    case DType::kFloat16: {
+      uint16_t* out = static_cast<uint16_t*>(t.data);
+      for (int64_t i = 0; i < n; ++i) out[i] = FloatToHalf(static_cast<float>(in[i]));
+      break;
+    }
+    case DType::kBFloat16: {
+      uint16_t* out = static_cast<uint16_t*>(t.data);
+      for (int64_t i = 0; i < n; ++i) out[i] = FloatToBFloat16(static_cast<float>(in[i]));
+      break;
+    }
+  }
+}
+
+}  // namespace
+
+DType StagingDType(absl::Span<const TensorView> tensors) {
+  for (const TensorView& t : tensors) {
+    if (t.dtype == DType::kFloat64) return DType::kFloat64;
+  }
+  return DType::kFloat32;
+}
+
+absl::StatusOr<int64_t> CheckHostTensors(absl::Span<const TensorView> tensors) {
+  int64_t total = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorView& t = tensors[i];
+    if (t.numel < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", i, " has numel ", t.numel, ": it must be >= 0"));
+    }
+    if (t.numel > 0 && t.data == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", i, " has ", t.numel, " elements but a null data pointer"));
+    }
+    if (!t.device.is_host()) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", i, " is on ",
+                                                     t.device.ToString(),
+                                                     " but this communicator averages host "
+                                                     "tensors: pass all-host or all-CUDA lists"));
+    }
+    total += t.numel;
+  }
+  return total;
+}
+
+void PackDivided(absl::Span<const TensorView> tensors, DType staging_dtype, double divisor,
+                 void* staging) {
+  int64_t offset = 0;
+  for (const TensorView& t : tensors) {
+    if (staging_dtype == DType::kFloat64) {
+      PackOne<double>(t, divisor, static_cast<double*>(staging) + offset);
+    } else {
+      PackOne<float>(t, static_cast<float>(divisor), static_cast<float*>(staging) + offset);
+    }
+    offset += t.numel;
+  }
+}
+
+void Unpack(const void* staging, DType staging_dtype, absl::Span<const TensorView> tensors) {
+  int64_t offset = 0;
+  for (const TensorView& t : tensors) {
+    if (staging_dtype == DType::kFloat64) {
+      UnpackOne<double>(static_cast<const double*>(staging) + offset, t);
+    } else {
+      UnpackOne<float>(static_cast<const float*>(staging) + offset, t);
+    }
+    offset += t.numel;
+  }
+}
+
+}  // namespace modelavg::client

@@ -1,0 +1,37 @@
+// Host-side staging for averaging many tensors with one collective: every tensor is packed,
+// divided by the group size (as PyTorch does before its SUM all-reduce, so float16 data cannot
+// overflow), into one flat buffer of the staging dtype; after the all-reduce the sums are copied
+// back, converted to each tensor's dtype. The caller's tensors are only written by Unpack.
+#ifndef MODELAVG_CLIENT_HOST_STAGING_H_
+#define MODELAVG_CLIENT_HOST_STAGING_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "client/tensor.h"
+
+namespace modelavg::client {
+
+// The flat buffer's dtype for `tensors`: float64 if any tensor is float64 (as torch.cat
+// promotes), else float32 (float16/bfloat16 are averaged in float32).
+DType StagingDType(absl::Span<const TensorView> tensors);
+
+// Total element count; INVALID_ARGUMENT for numel < 0, null data with numel > 0, or a tensor
+// not on the host.
+absl::StatusOr<int64_t> CheckHostTensors(absl::Span<const TensorView> tensors);
+
+// Writes tensors[i] / divisor (element-wise, converted to `staging_dtype`) to consecutive
+// ranges of `staging` (float* or double*, at least the total element count).
+void PackDivided(absl::Span<const TensorView> tensors, DType staging_dtype, double divisor,
+                 void* staging);
+
+// The inverse of PackDivided without the division: copies consecutive ranges of `staging` back
+// into the tensors, converted to each tensor's dtype.
+void Unpack(const void* staging, DType staging_dtype, absl::Span<const TensorView> tensors);
+
+}  // namespace modelavg::client
+
+#endif  // MODELAVG_CLIENT_HOST_STAGING_H_
