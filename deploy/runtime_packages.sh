@@ -14,12 +14,26 @@ for bin in "$@"; do
     libs+=("$lib")
   done < <(ldd "$bin" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}')
 done
-for lib in $(printf '%s\n' "${libs[@]}" | sort -u); do
+mapfile -t libs < <(printf '%s\n' "${libs[@]}" | sort -u)
+# dpkg knows a file by the path its package shipped; with merged /usr that may be any of these.
+candidates() {
+  local real
+  real=$(readlink -f "$1")
+  printf '%s\n' "$1" "$real" "${1#/usr}" "${real#/usr}" | sort -u
+}
+declare -A owner=()
+mapfile -t all < <(for lib in "${libs[@]}"; do candidates "$lib"; done | sort -u)
+# One dpkg-query for every path (it is slow per call); unknown paths just print nothing.
+while IFS= read -r line; do
+  pkg=${line%%: *}
+  path=${line#*: }
+  owner[$path]=${pkg%%:*}
+done < <(dpkg-query -S "${all[@]}" 2>/dev/null || true)
+for lib in "${libs[@]}"; do
   pkg=""
-  # dpkg knows a file by the path its package shipped; with merged /usr that may be either form.
-  for candidate in "$lib" "$(readlink -f "$lib")" "${lib#/usr}" "$(readlink -f "$lib" | sed 's|^/usr||')"; do
-    pkg=$(dpkg-query -S "$candidate" 2>/dev/null | head -1 | cut -d: -f1) && [ -n "$pkg" ] && break
-  done
+  while read -r c; do
+    [ -n "${owner[$c]:-}" ] && { pkg=${owner[$c]}; break; }
+  done < <(candidates "$lib")
   if [ -z "$pkg" ]; then
     # Not from a Debian package (e.g. CUDA/NCCL under /usr/local): the image must provide it.
     echo "runtime_packages: no Debian package owns $lib" >&2

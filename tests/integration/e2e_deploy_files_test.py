@@ -306,6 +306,23 @@ def check_jobs_file(binaries):
         check(rc == 0, f"the coordinator exited with {rc} after SIGTERM")
 
 
+def check_tools(binaries):
+    """The helpers the image build runs work on this build's programs."""
+    import shutil
+    import subprocess
+    programs = [binaries.paths[n] for n in sorted(binaries.paths)]
+    out = subprocess.run(["bash", os.path.join(DEPLOY, "runtime_packages.sh"), *programs],
+                         capture_output=True, text=True, timeout=120)
+    packages = out.stdout.split()
+    if check(out.returncode == 0, f"deploy/runtime_packages.sh failed: {out.stderr.strip()}"):
+        check(any(p.startswith("libgrpc++") for p in packages),
+              f"deploy/runtime_packages.sh found no gRPC runtime package: {packages}")
+    if shutil.which("kubectl"):  # offline: renders the kustomization, contacts no cluster
+        out = subprocess.run(["kubectl", "kustomize", os.path.join(DEPLOY, "k8s")],
+                             capture_output=True, text=True, timeout=60)
+        check(out.returncode == 0, f"kubectl kustomize deploy/k8s: {out.stderr.strip()}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--binary", action="append", default=[], help="NAME=PATH of a built program")
@@ -315,6 +332,7 @@ def main():
     check_k8s(binaries)
     check_dockerfile(binaries)
     check_jobs_file(binaries)
+    check_tools(binaries)
     if errors:
         mt.fail(f"{len(errors)} problem(s) in the deployment files:\n  " + "\n  ".join(errors))
     print("PASS: compose, Kubernetes and Dockerfile are consistent with the build")
