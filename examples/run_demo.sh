@@ -29,7 +29,7 @@ say "dependencies"
 bash deploy/install_deps.sh
 
 say "build (${build}, -j${jobs})"
-if [ ! -f "$build/build.ninja" ]; then
+if [ ! -f "$build/CMakeCache.txt" ]; then
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 fi
 cmake --build "$build" -j "$jobs" --target modelavg-coordinator modelavg-demo
