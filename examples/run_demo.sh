@@ -23,7 +23,11 @@ timeout_s=${MODELAVG_DEMO_TIMEOUT:-600}
 world=4
 jobs_file=$root/deploy/jobs/demo-jobs.json
 
-say() { printf '\033[1m== %s\033[0m\n' "$*"; }
+if [ -t 1 ]; then
+  say() { printf '\033[1m== %s\033[0m\n' "$*"; }
+else
+  say() { printf '== %s\n' "$*"; }
+fi
 
 say "dependencies"
 bash deploy/install_deps.sh
@@ -113,4 +117,4 @@ if [ "$failed" -ne 0 ]; then
   say "demo FAILED"
   exit 1
 fi
-say "demo finished: all ${world} workers done (the summary lines above compare the two jobs)"
+say "demo finished: all ${world} workers done (rank 0's summary above compares the two jobs)"

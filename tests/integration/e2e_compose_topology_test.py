@@ -221,8 +221,8 @@ def main():
     problems += [f"{n} exited with {rc} after SIGTERM:\n{open(logs[n]).read()[-2000:]}"
                  for n, rc in stopped.items() if rc != 0]
     for name in workers:
-        if not any(n == name for n, _ in failed) and "summary" not in open(logs[name]).read():
-            problems.append(f"{name} exited 0 but printed no summary")
+        if not any(n == name for n, _ in failed) and "final loss" not in open(logs[name]).read():
+            problems.append(f"{name} exited 0 but printed no final loss")
     for path in logs.values():
         if not problems:
             os.remove(path)
