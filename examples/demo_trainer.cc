@@ -14,6 +14,8 @@
 //
 // Parameters live in host memory and are averaged with Gloo over TCP; with --backend=nccl they
 // are staged through CUDA device memory and averaged with NCCL.
+#include <atomic>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <iostream>
@@ -71,6 +73,12 @@ ABSL_FLAG(std::string, log_level, "warn", "spdlog level of the library's diagnos
 
 namespace modelavg {
 namespace {
+
+// Set by SIGTERM/SIGINT: the training loop leaves the job cleanly at the next step, so that the
+// other ranks learn at once (a generation change) instead of after a heartbeat timeout.
+std::atomic<int> g_stop_signal{0};
+
+extern "C" void OnStopSignal(int signal) { g_stop_signal.store(signal); }
 
 // The parameters as the averager sees them: the host tensors, or device mirrors of them.
 class StagedParameters {
@@ -255,6 +263,11 @@ absl::StatusOr<PhaseResult> TrainInJob(const std::string& job, int32_t* rank) {
   int64_t window_steps = 0;
   std::map<std::string, int64_t> window_avg;  // "level L (group)" -> count since the last line
   for (int64_t step = 0; step < steps; ++step) {
+    if (const int signal = g_stop_signal.load(); signal != 0) {
+      const std::string why = absl::StrCat("stopped by signal ", signal, " at step ", step);
+      client->Leave(why).IgnoreError();  // best effort: we are exiting anyway
+      return absl::CancelledError(absl::StrCat("job ", job, ": ", why));
+    }
     window_loss += model.SgdStep(shard, step * batch, batch, lr);
     ++window_steps;
     absl::StatusOr<Decision> d = params->Average(*averager);
@@ -346,6 +359,8 @@ int main(int argc, char** argv) {
               << "' (flags are --name=value)" << std::endl;
     return 2;
   }
+  std::signal(SIGTERM, modelavg::OnStopSignal);
+  std::signal(SIGINT, modelavg::OnStopSignal);
   absl::Status logging = modelavg::InitLogging(absl::GetFlag(FLAGS_log_level), "demo");
   if (!logging.ok()) {
     std::cerr << "modelavg-demo: --log_level: " << logging.message() << std::endl;
