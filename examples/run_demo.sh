@@ -9,7 +9,8 @@
 #   MODELAVG_BUILD_DIR     build directory (default: build)
 #   MODELAVG_JOBS          parallel build jobs (default: 2)
 #   MODELAVG_DEMO_STEPS    steps per job (default: 201; step 200 is then an all-rank averaging step)
-#   MODELAVG_DEMO_BACKEND  gloo (default) or nccl (one GPU per rank)
+#   MODELAVG_DEMO_BACKEND  auto (default: nccl when this machine has a GPU per rank, else gloo),
+#                          gloo or nccl
 #   MODELAVG_DEMO_TIMEOUT  seconds before the demo gives up (default: 600)
 # Exit status: 0 when every worker finished, non-zero otherwise. Nothing is left running.
 set -euo pipefail
@@ -18,9 +19,18 @@ root=$(pwd)
 build=${MODELAVG_BUILD_DIR:-build}
 jobs=${MODELAVG_JOBS:-2}
 steps=${MODELAVG_DEMO_STEPS:-201}
-backend=${MODELAVG_DEMO_BACKEND:-gloo}
+backend=${MODELAVG_DEMO_BACKEND:-auto}
 timeout_s=${MODELAVG_DEMO_TIMEOUT:-600}
 world=4
+if [ "$backend" = auto ]; then
+  # NCCL needs one GPU per rank ("Duplicate GPU detected" otherwise).
+  gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU ' || true)
+  if [ "${gpus:-0}" -ge "$world" ]; then backend=nccl; else backend=gloo; fi
+fi
+case "$backend" in
+  gloo|nccl) ;;
+  *) echo "run_demo: MODELAVG_DEMO_BACKEND=$backend: expected auto, gloo or nccl" >&2; exit 2 ;;
+esac
 jobs_file=$root/deploy/jobs/demo-jobs.json
 
 if [ -t 1 ]; then
@@ -88,7 +98,7 @@ done
 address=$(cat "$work/port")
 echo "coordinator serving on $address (log: coordinator.log, shown on failure)"
 
-say "${world} demo workers: job 'demo' (hierarchical), then 'demo-every-step' (for comparison)"
+say "${world} demo workers (${backend}): job 'demo' (hierarchical), then 'demo-every-step' (for comparison)"
 for rank in $(seq 0 $((world - 1))); do
   "$demo_bin" --coordinator="$address" --job=demo --compare_job=demo-every-step \
     --rank="$rank" --steps="$steps" --backend="$backend" --log_every=20 &
