@@ -9,6 +9,8 @@ packages=(
   libabsl-dev libspdlog-dev libgtest-dev libgmock-dev libgloo-dev prometheus-cpp-dev
   # Tests: reflection-only client (like grpcurl), PyTorch conformance, compose/k8s file checks.
   python3 python3-grpcio python3-grpc-tools grpc-proto python3-torch python3-yaml
+  # Coordinator TLS tests make a throwaway certificate.
+  openssl
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -49,8 +49,8 @@ class JobWatcher {
 inline constexpr size_t kMaxCommIdBytes = 4096;
 inline constexpr size_t kMaxCommIdKeyLength = 256;
 inline constexpr int64_t kMaxScheduleCount = 100000;
-// GetSchedule answers stay below gRPC's default 4 MiB receive limit.
-inline constexpr int64_t kMaxScheduleReplyBytes = 3 * 1024 * 1024;
+// GetSchedule answers stay below gRPC's default 4 MiB receive limit (clients, grpcurl).
+inline constexpr int64_t kMaxScheduleReplyBytes = 4 * 1024 * 1024 - 16 * 1024;
 
 // Daemon-wide defaults for the per-job timeouts (a spec's 0 means "use these").
 struct JobDefaults {

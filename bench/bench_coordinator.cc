@@ -1,0 +1,471 @@
+// modelavg-bench-coordinator: load on the coordinator from N simulated workers.
+//
+//   modelavg-bench-coordinator --workers=N --seconds=S [--coordinator=HOST:PORT]
+//
+// Starts a coordinator (in a child process of its own, so that its CPU time is measured apart
+// from the load generator's) unless --coordinator names one. N workers join one job, then:
+//   1. --heartbeat_seconds of heartbeats only (10 Hz per worker): the coordinator's idle cost;
+//   2. --seconds of heartbeats plus Step RPCs as fast as the server answers (each worker keeps
+//      one Step in flight), with Ping (the trivial RPC) measured on the same channels meanwhile.
+// Calls are asynchronous (callback API) over a few channels, not one thread per worker.
+// Prints one JSON line; asserts nothing about speed.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/logging.h"
+#include "grpcpp/grpcpp.h"
+#include "modelavg/v1/coordinator.grpc.pb.h"
+#include "server/coordinator_server.h"
+
+ABSL_FLAG(int, workers, 64, "Simulated workers (the job's world size).");
+ABSL_FLAG(double, seconds, 5, "Length of the Step load phase.");
+ABSL_FLAG(double, heartbeat_seconds, 2, "Length of the heartbeat-only phase before it.");
+ABSL_FLAG(std::string, coordinator, "",
+          "HOST:PORT of a running coordinator; empty: start one for the run.");
+ABSL_FLAG(int, coordinator_pid, 0,
+          "With --coordinator: its process id, to report its CPU (0: not reported).");
+ABSL_FLAG(int, channels, 4, "gRPC channels (TCP connections) the workers share.");
+ABSL_FLAG(double, heartbeat_hz, 10, "Heartbeats per second per worker.");
+
+namespace modelavg {
+namespace {
+
+using Stub = v1::Coordinator::Stub;
+
+double SteadySeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// CPU seconds (user + system, all threads) of a process, from /proc.
+double ProcessCpuSeconds(int pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t paren = text.rfind(')');
+  if (paren == std::string::npos) return -1;
+  std::vector<std::string> fields;
+  std::string field;
+  for (size_t i = paren + 2; i <= text.size(); ++i) {
+    if (i == text.size() || text[i] == ' ') {
+      fields.push_back(field);
+      field.clear();
+    } else {
+      field += text[i];
+    }
+  }
+  // Fields after the command: state(0) ... utime(11) stime(12).
+  if (fields.size() < 13) return -1;
+  return (std::stod(fields[11]) + std::stod(fields[12])) / sysconf(_SC_CLK_TCK);
+}
+
+// Latencies in microseconds, 1 µs buckets up to 1 s. Lock-free.
+class Histogram {
+ public:
+  Histogram() : buckets_(kBuckets) {}
+  void Add(double seconds) {
+    const int64_t us = std::min<int64_t>(static_cast<int64_t>(seconds * 1e6), kBuckets - 1);
+    buckets_[us].fetch_add(1, std::memory_order_relaxed);
+    count_.fetch_add(1, std::memory_order_relaxed);
+  }
+  int64_t count() const { return count_.load(); }
+  double Percentile(double p) const {
+    const int64_t total = count_.load();
+    if (total == 0) return -1;
+    const int64_t target = static_cast<int64_t>(p * (total - 1)) + 1;
+    int64_t seen = 0;
+    for (int64_t i = 0; i < kBuckets; ++i) {
+      seen += buckets_[i].load(std::memory_order_relaxed);
+      if (seen >= target) return static_cast<double>(i);
+    }
+    return kBuckets;
+  }
+
+ private:
+  static constexpr int64_t kBuckets = 1'000'000;
+  std::vector<std::atomic<int64_t>> buckets_;
+  std::atomic<int64_t> count_{0};
+};
+
+struct Worker {
+  Stub* stub = nullptr;
+  int index = 0;
+  int32_t rank = -1;
+  int64_t generation = 0;
+  int64_t step = 0;
+};
+
+class Load {
+ public:
+  Load(std::vector<std::unique_ptr<Stub>> stubs, std::string job_id, int workers)
+      : stubs_(std::move(stubs)), job_id_(std::move(job_id)), workers_(workers) {
+    for (int i = 0; i < workers; ++i) {
+      workers_[i].stub = stubs_[i % stubs_.size()].get();
+      workers_[i].index = i;
+    }
+  }
+
+  // Every worker joins; returns false (with a message on stderr) on failure.
+  bool JoinAll() {
+    std::atomic<int> left{static_cast<int>(workers_.size())};
+    std::atomic<int> failed{0};
+    absl::Notification done;
+    struct Call {
+      grpc::ClientContext ctx;
+      v1::JoinRequest request;
+      v1::JoinResponse response;
+    };
+    for (Worker& w : workers_) {
+      auto* call = new Call;
+      call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+      call->request.set_job_id(job_id_);
+      call->request.set_worker_id(absl::StrCat("bench-", w.index));
+      call->request.set_rank(w.index);
+      w.stub->async()->Join(&call->ctx, &call->request, &call->response,
+                            [&, call, worker = &w](grpc::Status s) {
+                              if (s.ok()) {
+                                worker->rank = call->response.rank();
+                                worker->generation = call->response.generation();
+                              } else if (failed.fetch_add(1) == 0) {
+                                std::fprintf(stderr, "Join failed: %s\n",
+                                             s.error_message().c_str());
+                              }
+                              delete call;
+                              if (left.fetch_sub(1) == 1) done.Notify();
+                            });
+    }
+    done.WaitForNotification();
+    return failed.load() == 0;
+  }
+
+  // Heartbeats for every worker at `hz`, spread evenly, until StopHeartbeats().
+  void StartHeartbeats(double hz) {
+    heartbeat_thread_ = std::thread([this, hz] {
+      constexpr double kTick = 0.01;
+      const double per_tick = workers_.size() * hz * kTick;
+      double owed = 0;
+      size_t next = 0;
+      double t = SteadySeconds();
+      while (!stop_heartbeats_.load()) {
+        owed += per_tick;
+        for (; owed >= 1; owed -= 1) {
+          Heartbeat(&workers_[next]);
+          next = (next + 1) % workers_.size();
+        }
+        t += kTick;
+        const double sleep = t - SteadySeconds();
+        if (sleep > 0) std::this_thread::sleep_for(std::chrono::duration<double>(sleep));
+      }
+    });
+  }
+  void StopHeartbeats() {
+    stop_heartbeats_ = true;
+    if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+  }
+
+  // Every worker keeps one Step in flight; each channel one Ping.
+  void StartSteps() {
+    for (Worker& w : workers_) IssueStep(&w);
+    for (auto& stub : stubs_) IssuePing(stub.get());
+  }
+  void StopSteps() {
+    stop_steps_ = true;
+    // Calls in flight finish on their own; wait for them so nothing outlives the stubs.
+    while (inflight_.load() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  void WaitHeartbeatsDrained() {
+    while (heartbeats_inflight_.load() > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+
+  void SetMeasuring(bool on) { measuring_ = on; }
+  int64_t decisions() const { return decisions_.load(); }
+  int64_t heartbeats() const { return heartbeats_.load(); }
+  int64_t errors() const { return errors_.load(); }
+  const Histogram& step_latency() const { return step_latency_; }
+  const Histogram& ping_latency() const { return ping_latency_; }
+
+ private:
+  struct StepCall {
+    Worker* worker;
+    double start;
+    grpc::ClientContext ctx;
+    v1::StepRequest request;
+    v1::StepDecision response;
+  };
+  struct PingCall {
+    Stub* stub;
+    double start;
+    grpc::ClientContext ctx;
+    v1::PingRequest request;
+    v1::PingResponse response;
+  };
+  struct HeartbeatCall {
+    grpc::ClientContext ctx;
+    v1::HeartbeatRequest request;
+    v1::HeartbeatResponse response;
+  };
+
+  void IssueStep(Worker* w) {
+    inflight_.fetch_add(1);
+    auto* call = new StepCall;
+    call->worker = w;
+    call->request.set_job_id(job_id_);
+    call->request.set_rank(w->rank);
+    call->request.set_generation(w->generation);
+    call->request.set_step(w->step);
+    call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    call->start = SteadySeconds();
+    w->stub->async()->Step(&call->ctx, &call->request, &call->response,
+                           [this, call](grpc::Status s) { OnStep(call, s); });
+  }
+  void OnStep(StepCall* call, const grpc::Status& s) {
+    const double latency = SteadySeconds() - call->start;
+    Worker* w = call->worker;
+    delete call;
+    if (s.ok()) {
+      if (measuring_.load(std::memory_order_relaxed)) {
+        decisions_.fetch_add(1, std::memory_order_relaxed);
+        step_latency_.Add(latency);
+      }
+      ++w->step;
+    } else if (errors_.fetch_add(1) == 0) {
+      std::fprintf(stderr, "Step failed: %s\n", s.error_message().c_str());
+    }
+    if (!stop_steps_.load() && s.ok()) IssueStep(w);
+    inflight_.fetch_sub(1);
+  }
+
+  void IssuePing(Stub* stub) {
+    inflight_.fetch_add(1);
+    auto* call = new PingCall;
+    call->stub = stub;
+    call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    call->start = SteadySeconds();
+    stub->async()->Ping(&call->ctx, &call->request, &call->response,
+                        [this, call](grpc::Status s) {
+                          const double latency = SteadySeconds() - call->start;
+                          Stub* stub = call->stub;
+                          delete call;
+                          if (s.ok() && measuring_.load(std::memory_order_relaxed)) {
+                            ping_latency_.Add(latency);
+                          }
+                          if (!stop_steps_.load() && s.ok()) IssuePing(stub);
+                          inflight_.fetch_sub(1);
+                        });
+  }
+
+  void Heartbeat(Worker* w) {
+    heartbeats_inflight_.fetch_add(1);
+    auto* call = new HeartbeatCall;
+    call->request.set_job_id(job_id_);
+    call->request.set_rank(w->rank);
+    call->request.set_generation(w->generation);
+    call->request.set_step(w->step);
+    call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    w->stub->async()->Heartbeat(&call->ctx, &call->request, &call->response,
+                                [this, call](grpc::Status s) {
+                                  delete call;
+                                  if (s.ok()) {
+                                    heartbeats_.fetch_add(1, std::memory_order_relaxed);
+                                  } else if (errors_.fetch_add(1) == 0) {
+                                    std::fprintf(stderr, "Heartbeat failed: %s\n",
+                                                 s.error_message().c_str());
+                                  }
+                                  heartbeats_inflight_.fetch_sub(1);
+                                });
+  }
+
+  std::vector<std::unique_ptr<Stub>> stubs_;
+  const std::string job_id_;
+  std::vector<Worker> workers_;
+  std::thread heartbeat_thread_;
+  std::atomic<bool> stop_heartbeats_{false};
+  std::atomic<bool> stop_steps_{false};
+  std::atomic<bool> measuring_{false};
+  std::atomic<int64_t> inflight_{0};
+  std::atomic<int64_t> heartbeats_inflight_{0};
+  std::atomic<int64_t> decisions_{0};
+  std::atomic<int64_t> heartbeats_{0};
+  std::atomic<int64_t> errors_{0};
+  Histogram step_latency_;
+  Histogram ping_latency_;
+};
+
+// Runs a coordinator in a child process; returns its pid and writes its address.
+int StartChildCoordinator(std::string* address) {
+  int fds[2];
+  if (pipe(fds) != 0) return -1;
+  const int pid = fork();
+  if (pid < 0) return -1;
+  if (pid == 0) {
+    close(fds[0]);
+    sigset_t signals;
+    sigemptyset(&signals);
+    sigaddset(&signals, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+    (void)InitLogging("warn", "bench-coordinator");
+    server::ServerOptions options;
+    options.listen = "127.0.0.1:0";
+    auto server = server::CoordinatorServer::Start(options);
+    const std::string line = server.ok() ? (*server)->address() : "";
+    (void)!write(fds[1], line.data(), line.size());
+    close(fds[1]);
+    if (!server.ok()) _exit(1);
+    int sig;
+    sigwait(&signals, &sig);
+    (*server)->Shutdown();
+    _exit(0);
+  }
+  close(fds[1]);
+  char buf[256];
+  const ssize_t n = read(fds[0], buf, sizeof(buf));
+  close(fds[0]);
+  if (n <= 0) return -1;
+  address->assign(buf, n);
+  return pid;
+}
+
+int Main() {
+  const int n = absl::GetFlag(FLAGS_workers);
+  const double seconds = absl::GetFlag(FLAGS_seconds);
+  const double hb_seconds = absl::GetFlag(FLAGS_heartbeat_seconds);
+  const int channels = std::max(1, absl::GetFlag(FLAGS_channels));
+  if (n < 1 || n > 65536 || seconds <= 0 || hb_seconds < 0) {
+    std::fprintf(stderr, "--workers must be in [1, 65536], --seconds > 0, "
+                         "--heartbeat_seconds >= 0\n");
+    return 2;
+  }
+  // The child is forked before this process creates any gRPC state.
+  std::string address = absl::GetFlag(FLAGS_coordinator);
+  int pid = absl::GetFlag(FLAGS_coordinator_pid);
+  int child = 0;
+  if (address.empty()) {
+    child = pid = StartChildCoordinator(&address);
+    if (child <= 0) {
+      std::fprintf(stderr, "could not start a coordinator\n");
+      return 1;
+    }
+  }
+  auto stop_child = [&] {
+    if (child > 0) {
+      kill(child, SIGTERM);
+      waitpid(child, nullptr, 0);
+    }
+  };
+
+  std::vector<std::unique_ptr<Stub>> stubs;
+  for (int i = 0; i < channels; ++i) {
+    grpc::ChannelArguments args;
+    args.SetInt("modelavg.bench_channel", i);  // distinct args: a connection per channel
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    stubs.push_back(v1::Coordinator::NewStub(
+        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
+  }
+  // Pairs average every 4 steps, the whole world every 64 (a realistic hierarchy whose
+  // decisions mostly list a few ranks).
+  const std::string job_id = absl::StrCat("bench-", getpid(), "-", n);
+  {
+    v1::CreateJobRequest request;
+    v1::JobSpec* spec = request.mutable_spec();
+    spec->set_job_id(job_id);
+    spec->set_world_size(n);
+    spec->set_mode(v1::HIERARCHICAL);
+    const int group = n % 8 == 0 ? 8 : 1;
+    if (group < n) {
+      v1::Level* l = spec->add_levels();
+      l->set_period(4);
+      l->set_group_size(group);
+    }
+    v1::Level* top = spec->add_levels();
+    top->set_period(64);
+    top->set_group_size(n);
+    spec->set_heartbeat_timeout_ms(600000);
+    spec->set_join_timeout_ms(120000);
+    grpc::ClientContext ctx;
+    v1::Job job;
+    grpc::Status s = stubs[0]->CreateJob(&ctx, request, &job);
+    if (!s.ok()) {
+      std::fprintf(stderr, "CreateJob failed: %s\n", s.error_message().c_str());
+      stop_child();
+      return 1;
+    }
+  }
+  Load load(std::move(stubs), job_id, n);
+  if (!load.JoinAll()) {
+    stop_child();
+    return 1;
+  }
+
+  load.StartHeartbeats(absl::GetFlag(FLAGS_heartbeat_hz));
+  double hb_cores = -1;
+  if (hb_seconds > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // settle
+    const double cpu0 = pid > 0 ? ProcessCpuSeconds(pid) : 0;
+    const int64_t beats0 = load.heartbeats();
+    const double t0 = SteadySeconds();
+    std::this_thread::sleep_for(std::chrono::duration<double>(hb_seconds));
+    const double wall = SteadySeconds() - t0;
+    if (pid > 0) hb_cores = (ProcessCpuSeconds(pid) - cpu0) / wall;
+    std::fprintf(stderr, "heartbeat-only: %.0f heartbeats/s, coordinator %.3f cores\n",
+                 (load.heartbeats() - beats0) / wall, hb_cores);
+  }
+
+  load.StartSteps();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // warm up
+  load.SetMeasuring(true);
+  const double cpu0 = pid > 0 ? ProcessCpuSeconds(pid) : 0;
+  const int64_t beats0 = load.heartbeats();
+  const double t0 = SteadySeconds();
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  load.SetMeasuring(false);
+  const double wall = SteadySeconds() - t0;
+  const double cores = pid > 0 ? (ProcessCpuSeconds(pid) - cpu0) / wall : -1;
+  const int64_t decisions = load.decisions();
+  const int64_t beats = load.heartbeats() - beats0;
+  load.StopSteps();
+  load.StopHeartbeats();
+  load.WaitHeartbeatsDrained();
+
+  const double step_p99 = load.step_latency().Percentile(0.99);
+  const double ping_p99 = load.ping_latency().Percentile(0.99);
+  std::printf(
+      "{\"workers\": %d, \"seconds\": %.2f, \"decisions_per_s\": %.0f, \"step_p50_us\": %.0f, "
+      "\"step_p99_us\": %.0f, \"trivial_p50_us\": %.0f, \"trivial_p99_us\": %.0f, "
+      "\"step_p99_over_trivial_p99\": %.2f, \"coordinator_cpu_cores\": %.3f, "
+      "\"heartbeats_per_s\": %.0f, \"heartbeat_only_cpu_cores\": %.3f, \"pings\": %lld, "
+      "\"errors\": %lld, \"channels\": %d}\n",
+      n, wall, decisions / wall, load.step_latency().Percentile(0.5), step_p99,
+      load.ping_latency().Percentile(0.5), ping_p99, ping_p99 > 0 ? step_p99 / ping_p99 : -1,
+      cores, beats / wall, hb_cores, static_cast<long long>(load.ping_latency().count()),
+      static_cast<long long>(load.errors()), channels);
+  std::fflush(stdout);
+  stop_child();
+  return load.errors() == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace modelavg
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return modelavg::Main();
+}

@@ -1,0 +1,14 @@
+# Coordinator integration tests: a real server on loopback (in-process and as a separate
+# process), and a reflection-only client like grpcurl.
+modelavg_add_gtest(server_grpc_test SOURCES server_grpc_test.cc LIBS modelavg_server
+  LABELS integration TIMEOUT 120)
+modelavg_add_gtest(server_process_test SOURCES server_process_test.cc LIBS modelavg_server
+  LABELS integration TIMEOUT 120)
+target_compile_definitions(server_process_test PRIVATE
+  MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>")
+add_dependencies(server_process_test modelavg-coordinator)
+
+add_test(NAME server_reflection_test
+  COMMAND /usr/bin/python3 ${CMAKE_CURRENT_SOURCE_DIR}/server_reflection_test.py
+          --coordinator=$<TARGET_FILE:modelavg-coordinator>)
+set_tests_properties(server_reflection_test PROPERTIES TIMEOUT 120 LABELS integration)

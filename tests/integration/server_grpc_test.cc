@@ -1,0 +1,545 @@
+// A real coordinator on 127.0.0.1, port 0, driven through the generated stub: N workers on
+// threads, watch streams, hostile input, token auth, TLS, shutdown.
+#include <sys/stat.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/text_format.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "gtest/gtest.h"
+#include "modelavg/v1/coordinator.grpc.pb.h"
+#include "server/coordinator_server.h"
+#include "server/jobs_file.h"
+
+namespace modelavg::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::JobSpec Spec(const std::string& text) {
+  v1::JobSpec spec;
+  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(text, &spec)) << text;
+  return spec;
+}
+
+std::unique_ptr<grpc::ClientContext> Context(absl::Duration timeout = absl::Seconds(20),
+                                             const std::string& token = "") {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
+  if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
+  return ctx;
+}
+
+class ServerTest : public ::testing::Test {
+ protected:
+  void Start(ServerOptions options = {}) {
+    options.listen = "127.0.0.1:0";
+    auto server = CoordinatorServer::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+    stub_ = v1::Coordinator::NewStub(channel_);
+  }
+
+  grpc::Status CreateJob(const std::string& text, v1::Job* job = nullptr) {
+    v1::CreateJobRequest request;
+    *request.mutable_spec() = Spec(text);
+    v1::Job ignored;
+    return stub_->CreateJob(Context().get(), request, job != nullptr ? job : &ignored);
+  }
+
+  std::unique_ptr<CoordinatorServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+};
+
+// One simulated worker: Join, Steps, comm ids for every subgroup it averages in, heartbeats,
+// Leave. Returns a description of the first failure, empty on success.
+std::string RunWorker(v1::Coordinator::Stub* stub, int index, int steps,
+                      std::atomic<int>* averages) {
+  v1::JoinRequest join;
+  join.set_job_id("train");
+  join.set_worker_id(absl::StrCat("worker-", index));
+  join.set_host("127.0.0.1");
+  v1::JoinResponse joined;
+  grpc::Status s = stub->Join(Context().get(), join, &joined);
+  if (!s.ok()) return "Join: " + s.error_message();
+  const int rank = joined.rank();
+  const int64_t generation = joined.generation();
+  for (int step = 0; step < steps; ++step) {
+    v1::StepRequest request;
+    request.set_job_id("train");
+    request.set_rank(rank);
+    request.set_generation(generation);
+    request.set_step(step);
+    v1::StepDecision decision;
+    s = stub->Step(Context().get(), request, &decision);
+    if (!s.ok()) return absl::StrCat("Step ", step, ": ", s.error_message());
+    if (decision.step() != step || decision.generation() != generation) return "bad decision";
+    if (decision.action() != v1::AVERAGE) continue;
+    ++*averages;
+    // The subgroup's first rank publishes once per (level, subgroup); everyone fetches.
+    const std::string blob = absl::StrCat("id-", decision.level(), "-", decision.subgroup());
+    if (decision.ranks(0) == rank) {
+      v1::PublishCommIdRequest publish;
+      publish.set_job_id("train");
+      publish.set_generation(generation);
+      publish.set_level(decision.level());
+      publish.set_subgroup(decision.subgroup());
+      publish.set_rank(rank);
+      publish.set_unique_id(blob);
+      v1::PublishCommIdResponse published;
+      s = stub->PublishCommId(Context().get(), publish, &published);
+      if (!s.ok()) return "PublishCommId: " + s.error_message();
+    }
+    v1::GetCommIdRequest get;
+    get.set_job_id("train");
+    get.set_generation(generation);
+    get.set_level(decision.level());
+    get.set_subgroup(decision.subgroup());
+    get.set_rank(rank);
+    get.set_timeout_ms(10000);
+    v1::GetCommIdResponse got;
+    s = stub->GetCommId(Context().get(), get, &got);
+    if (!s.ok()) return "GetCommId: " + s.error_message();
+    if (got.unique_id() != blob) return "GetCommId returned other bytes";
+  }
+  v1::HeartbeatRequest hb;
+  hb.set_job_id("train");
+  hb.set_rank(rank);
+  hb.set_generation(generation);
+  hb.set_step(steps);
+  v1::HeartbeatResponse hb_reply;
+  s = stub->Heartbeat(Context().get(), hb, &hb_reply);
+  if (!s.ok()) return "Heartbeat: " + s.error_message();
+  if (hb_reply.generation() != generation || hb_reply.state() != v1::RUNNING) {
+    return "Heartbeat: generation moved";
+  }
+  return "";
+}
+
+TEST_F(ServerTest, FullWorkerPath_EightThreads_JoinStepCommIdHeartbeatLeave) {
+  Start();
+  // Levels: pairs every 2 steps, the world every 4 (hierarchical).
+  ASSERT_TRUE(CreateJob(R"pb(job_id: "train" world_size: 8 mode: HIERARCHICAL
+                             levels { period: 2 group_size: 2 } levels { period: 4 group_size: 8 })pb")
+                  .ok());
+  constexpr int kWorkers = 8, kSteps = 12;
+  std::vector<std::string> errors(kWorkers);
+  std::atomic<int> averages{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kWorkers; ++i) {
+    threads.emplace_back([&, i] { errors[i] = RunWorker(stub_.get(), i, kSteps, &averages); });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kWorkers; ++i) EXPECT_EQ(errors[i], "") << "worker " << i;
+  EXPECT_EQ(averages.load(), kWorkers * 6);  // steps 0,2,4,6,8,10
+
+  v1::GetJobRequest get;
+  get.set_job_id("train");
+  v1::Job job;
+  ASSERT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
+  EXPECT_EQ(job.state(), v1::RUNNING);
+  EXPECT_EQ(job.members_size(), kWorkers);
+  EXPECT_EQ(job.min_step(), kSteps);
+  EXPECT_EQ(job.max_step(), kSteps);
+
+  // Everyone leaves: the first Leave bumps the generation, the last one finishes the job.
+  for (int r = 0; r < kWorkers; ++r) {
+    v1::LeaveRequest leave;
+    leave.set_job_id("train");
+    leave.set_rank(r);
+    leave.set_generation(1);
+    leave.set_reason("finished");
+    v1::LeaveResponse left;
+    ASSERT_TRUE(stub_->Leave(Context().get(), leave, &left).ok());
+    if (r == kWorkers - 1) EXPECT_EQ(left.state(), v1::FINISHED);
+  }
+  v1::ListJobsResponse list;
+  ASSERT_TRUE(stub_->ListJobs(Context().get(), v1::ListJobsRequest(), &list).ok());
+  ASSERT_EQ(list.jobs_size(), 1);
+  EXPECT_EQ(list.jobs(0).state(), v1::FINISHED);
+}
+
+TEST_F(ServerTest, WatchJob_StreamsSnapshotThenMembershipEvents) {
+  Start();
+  ASSERT_TRUE(CreateJob(R"pb(job_id: "w" world_size: 2 mode: PERIODIC
+                             levels { period: 1 group_size: 2 })pb")
+                  .ok());
+  v1::WatchJobRequest watch;
+  watch.set_job_id("w");
+  auto ctx = Context();
+  auto reader = stub_->WatchJob(ctx.get(), watch);
+  v1::JobEvent event;
+  ASSERT_TRUE(reader->Read(&event));
+  EXPECT_EQ(event.kind(), v1::JobEvent::SNAPSHOT);
+  EXPECT_EQ(event.job().state(), v1::PENDING);
+  std::vector<std::thread> joiners;
+  for (int r = 0; r < 2; ++r) {
+    joiners.emplace_back([&, r] {
+      v1::JoinRequest join;
+      join.set_job_id("w");
+      join.set_worker_id(absl::StrCat("w", r));
+      join.set_rank(r);
+      v1::JoinResponse joined;
+      EXPECT_TRUE(stub_->Join(Context().get(), join, &joined).ok());
+    });
+  }
+  for (auto& t : joiners) t.join();
+  std::vector<v1::JobEvent::Kind> kinds;
+  while (kinds.size() < 3 && reader->Read(&event)) kinds.push_back(event.kind());
+  EXPECT_THAT(kinds, ::testing::ElementsAre(v1::JobEvent::MEMBER_JOINED,
+                                            v1::JobEvent::MEMBER_JOINED,
+                                            v1::JobEvent::WORLD_COMPLETE));
+  // Deleting the job ends the stream with ABORTED after a JOB_DELETED event.
+  v1::DeleteJobRequest del;
+  del.set_job_id("w");
+  v1::DeleteJobResponse deleted;
+  ASSERT_TRUE(stub_->DeleteJob(Context().get(), del, &deleted).ok());
+  ASSERT_TRUE(reader->Read(&event));
+  EXPECT_EQ(event.kind(), v1::JobEvent::JOB_DELETED);
+  EXPECT_FALSE(reader->Read(&event));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::ABORTED);
+}
+
+TEST_F(ServerTest, WatchJob_UnknownJob_NotFound) {
+  Start();
+  v1::WatchJobRequest watch;
+  watch.set_job_id("nope");
+  auto ctx = Context();
+  auto reader = stub_->WatchJob(ctx.get(), watch);
+  v1::JobEvent event;
+  EXPECT_FALSE(reader->Read(&event));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(ServerTest, HostileInput_EachGetsItsCodeAndServerKeepsServing) {
+  Start();
+  // Bad specs.
+  EXPECT_EQ(CreateJob(R"pb(job_id: "x" world_size: 2147483647 mode: PERIODIC
+                           levels { period: 1 group_size: 2147483647 })pb")
+                .error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(CreateJob(R"pb(job_id: "../etc/passwd" world_size: 1 mode: PERIODIC
+                           levels { period: 1 group_size: 1 })pb")
+                .error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(CreateJob(R"pb(job_id: "y" world_size: 2 mode: PERIODIC
+                           levels { period: -9223372036854775807 group_size: 2 })pb")
+                .error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  ASSERT_TRUE(CreateJob(R"pb(job_id: "j" world_size: 2 mode: PERIODIC
+                             levels { period: 1 group_size: 2 })pb")
+                  .ok());
+  EXPECT_EQ(CreateJob(R"pb(job_id: "j" world_size: 2 mode: PERIODIC
+                           levels { period: 1 group_size: 2 })pb")
+                .error_code(),
+            grpc::StatusCode::ALREADY_EXISTS);
+
+  // Unknown job on every RPC that names one.
+  {
+    v1::GetJobRequest r;
+    r.set_job_id("ghost");
+    v1::Job out;
+    EXPECT_EQ(stub_->GetJob(Context().get(), r, &out).error_code(), grpc::StatusCode::NOT_FOUND);
+    v1::StepRequest step;
+    step.set_job_id("ghost");
+    v1::StepDecision d;
+    EXPECT_EQ(stub_->Step(Context().get(), step, &d).error_code(), grpc::StatusCode::NOT_FOUND);
+    v1::JoinRequest join;
+    join.set_job_id("ghost");
+    join.set_worker_id("w");
+    v1::JoinResponse joined;
+    EXPECT_EQ(stub_->Join(Context().get(), join, &joined).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+    v1::HeartbeatRequest hb;
+    hb.set_job_id("ghost");
+    v1::HeartbeatResponse hbr;
+    EXPECT_EQ(stub_->Heartbeat(Context().get(), hb, &hbr).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+    v1::GetCommIdRequest get;
+    get.set_job_id("ghost");
+    v1::GetCommIdResponse got;
+    EXPECT_EQ(stub_->GetCommId(Context().get(), get, &got).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+    v1::DeleteJobRequest del;
+    del.set_job_id(std::string(100000, 'g'));
+    v1::DeleteJobResponse deleted;
+    EXPECT_EQ(stub_->DeleteJob(Context().get(), del, &deleted).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+  // Huge counts and negative steps.
+  {
+    v1::GetScheduleRequest r;
+    r.set_job_id("j");
+    r.set_count(int64_t{1} << 62);
+    v1::GetScheduleResponse out;
+    grpc::Status s = stub_->GetSchedule(Context().get(), r, &out);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), HasSubstr("count must be in [1, 100000]"));
+    r.set_count(10);
+    r.set_from_step(-1);
+    EXPECT_EQ(stub_->GetSchedule(Context().get(), r, &out).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+    r.set_from_step(0);
+    r.set_rank(1 << 30);
+    EXPECT_EQ(stub_->GetSchedule(Context().get(), r, &out).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+    v1::StepRequest step;
+    step.set_job_id("j");
+    step.set_step(-5);
+    v1::StepDecision d;
+    EXPECT_EQ(stub_->Step(Context().get(), step, &d).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  // Oversize comm id (the job must be running for the id to reach the size check's peers).
+  {
+    std::vector<std::thread> joiners;
+    for (int r = 0; r < 2; ++r) {
+      joiners.emplace_back([&, r] {
+        v1::JoinRequest join;
+        join.set_job_id("j");
+        join.set_worker_id(absl::StrCat("w", r));
+        v1::JoinResponse joined;
+        EXPECT_TRUE(stub_->Join(Context().get(), join, &joined).ok());
+      });
+    }
+    for (auto& t : joiners) t.join();
+    v1::PublishCommIdRequest publish;
+    publish.set_job_id("j");
+    publish.set_generation(1);
+    publish.set_unique_id(std::string(1 << 20, 'x'));
+    v1::PublishCommIdResponse published;
+    grpc::Status s = stub_->PublishCommId(Context().get(), publish, &published);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), HasSubstr("at most 4096"));
+  }
+  // Bytes that are not a protobuf message at all.
+  {
+    grpc::GenericStub generic(channel_);
+    grpc::ByteBuffer garbage, reply;
+    grpc::Slice slice(std::string("\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", 11));
+    garbage = grpc::ByteBuffer(&slice, 1);
+    std::atomic<bool> done{false};
+    grpc::Status status;
+    auto ctx = Context();
+    generic.UnaryCall(ctx.get(), "/modelavg.v1.Coordinator/CreateJob", grpc::StubOptions(),
+                      &garbage, &reply, [&](grpc::Status s) {
+                        status = s;
+                        done = true;
+                      });
+    while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    EXPECT_FALSE(status.ok());
+  }
+  // Still serving.
+  v1::PingResponse pong;
+  EXPECT_TRUE(stub_->Ping(Context().get(), v1::PingRequest(), &pong).ok());
+  EXPECT_GT(pong.unix_ms(), 0);
+}
+
+TEST_F(ServerTest, Join_ClientDeadline_DeadlineExceededAndRankFreed) {
+  Start();
+  ASSERT_TRUE(CreateJob(R"pb(job_id: "j" world_size: 2 mode: PERIODIC
+                             levels { period: 1 group_size: 2 })pb")
+                  .ok());
+  v1::JoinRequest join;
+  join.set_job_id("j");
+  join.set_worker_id("impatient");
+  join.set_rank(0);
+  v1::JoinResponse joined;
+  EXPECT_EQ(stub_->Join(Context(absl::Milliseconds(200)).get(), join, &joined).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  // Rank 0 is free again: another worker may take it (no ALREADY_EXISTS).
+  std::thread other([&] {
+    v1::JoinRequest j2 = join;
+    j2.set_worker_id("other");
+    v1::JoinResponse r;
+    EXPECT_TRUE(stub_->Join(Context().get(), j2, &r).ok());
+  });
+  v1::JoinRequest j1 = join;
+  j1.set_worker_id("second");
+  j1.set_rank(1);
+  EXPECT_TRUE(stub_->Join(Context().get(), j1, &joined).ok());
+  other.join();
+}
+
+TEST_F(ServerTest, Shutdown_PendingWaits_Unavailable) {
+  Start();
+  ASSERT_TRUE(CreateJob(R"pb(job_id: "j" world_size: 2 mode: PERIODIC
+                             levels { period: 1 group_size: 2 })pb")
+                  .ok());
+  grpc::Status status;
+  std::thread waiter([&] {
+    v1::JoinRequest join;
+    join.set_job_id("j");
+    join.set_worker_id("w");
+    v1::JoinResponse joined;
+    status = stub_->Join(Context().get(), join, &joined);
+  });
+  // Wait until the Join is registered, then stop the server under it.
+  for (int i = 0; i < 2000; ++i) {
+    v1::GetJobRequest get;
+    get.set_job_id("j");
+    v1::Job job;
+    ASSERT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
+    if (job.members_size() == 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  server_->Shutdown();
+  waiter.join();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST_F(ServerTest, Health_DefaultService_Serving) {
+  Start();
+  grpc::Slice empty("");  // an empty HealthCheckRequest: the whole server
+  grpc::ByteBuffer request(&empty, 1), reply;
+  grpc::GenericStub generic(channel_);
+  std::atomic<bool> done{false};
+  grpc::Status status;
+  auto ctx = Context();
+  generic.UnaryCall(ctx.get(), "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
+                    &reply, [&](grpc::Status s) {
+                      status = s;
+                      done = true;
+                    });
+  while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(reply.Dump(&slices).ok());
+  std::string bytes;
+  for (auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  EXPECT_EQ(bytes, std::string("\x08\x01", 2));  // status: SERVING
+}
+
+// ------------------------------------------------------------------------------ Token auth
+
+TEST_F(ServerTest, TokenAuth_RightTokenAccepted_MissingOrWrongRefused) {
+  ServerOptions options;
+  options.auth_token = "s3cret-token";
+  Start(options);
+  v1::PingResponse pong;
+  grpc::Status none = stub_->Ping(Context().get(), v1::PingRequest(), &pong);
+  EXPECT_EQ(none.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(none.error_message(), HasSubstr("authorization: Bearer"));
+  EXPECT_EQ(stub_->Ping(Context(absl::Seconds(20), "wrong").get(), v1::PingRequest(), &pong)
+                .error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(stub_->Ping(Context(absl::Seconds(20), "s3cret-token-longer").get(),
+                        v1::PingRequest(), &pong)
+                .error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(
+      stub_->Ping(Context(absl::Seconds(20), "s3cret-token").get(), v1::PingRequest(), &pong)
+          .ok());
+  v1::ListJobsResponse list;
+  EXPECT_EQ(stub_->ListJobs(Context().get(), v1::ListJobsRequest(), &list).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(stub_->ListJobs(Context(absl::Seconds(20), "s3cret-token").get(),
+                              v1::ListJobsRequest(), &list)
+                  .ok());
+  v1::WatchJobRequest watch;
+  watch.set_job_id("any");
+  auto ctx = Context();
+  auto reader = stub_->WatchJob(ctx.get(), watch);
+  v1::JobEvent event;
+  EXPECT_FALSE(reader->Read(&event));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+}
+
+// ------------------------------------------------------------------------------------- TLS
+
+// A throwaway CA-less self-signed certificate for localhost / 127.0.0.1, made with openssl.
+class TlsTest : public ServerTest {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/modelavg_tls_XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    for (const char* name : {"server", "client"}) {
+      const std::string cmd = absl::StrCat(
+          "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=localhost "
+          "-addext subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout ",
+          dir_, "/", name, ".key -out ", dir_, "/", name, ".crt >/dev/null 2>&1");
+      if (std::system(cmd.c_str()) != 0) GTEST_SKIP() << "openssl is not installed";
+    }
+  }
+  void TearDown() override {
+    server_.reset();
+    if (!dir_.empty()) std::system(absl::StrCat("rm -rf ", dir_).c_str());
+  }
+  std::string File(const std::string& name) {
+    absl::StatusOr<std::string> s = ReadFileToString(absl::StrCat(dir_, "/", name));
+    EXPECT_TRUE(s.ok());
+    return s.ok() ? *s : "";
+  }
+  std::unique_ptr<v1::Coordinator::Stub> TlsStub(bool with_client_cert) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = File("server.crt");
+    if (with_client_cert) {
+      ssl.pem_private_key = File("client.key");
+      ssl.pem_cert_chain = File("client.crt");
+    }
+    grpc::ChannelArguments args;
+    args.SetSslTargetNameOverride("localhost");
+    return v1::Coordinator::NewStub(
+        grpc::CreateCustomChannel(server_->address(), grpc::SslCredentials(ssl), args));
+  }
+  ServerOptions TlsOptions(bool mutual) {
+    ServerOptions options;
+    options.tls_cert_file = dir_ + "/server.crt";
+    options.tls_key_file = dir_ + "/server.key";
+    if (mutual) options.tls_client_ca_file = dir_ + "/client.crt";
+    return options;
+  }
+  std::string dir_;
+};
+
+TEST_F(TlsTest, Tls_TrustedClientAccepted_PlaintextRefused) {
+  Start(TlsOptions(false));
+  v1::PingResponse pong;
+  EXPECT_TRUE(TlsStub(false)->Ping(Context().get(), v1::PingRequest(), &pong).ok());
+  // stub_ is a plaintext channel: the TLS port does not speak it.
+  EXPECT_FALSE(stub_->Ping(Context(absl::Seconds(3)).get(), v1::PingRequest(), &pong).ok());
+}
+
+TEST_F(TlsTest, MutualTls_ClientCertRequired) {
+  Start(TlsOptions(true));
+  v1::PingResponse pong;
+  EXPECT_TRUE(TlsStub(true)->Ping(Context().get(), v1::PingRequest(), &pong).ok());
+  EXPECT_FALSE(TlsStub(false)->Ping(Context(absl::Seconds(3)).get(), v1::PingRequest(), &pong)
+                   .ok());
+}
+
+TEST_F(TlsTest, Start_MissingKeyFile_Error) {
+  ServerOptions options = TlsOptions(false);
+  options.tls_key_file = dir_ + "/missing.key";
+  EXPECT_EQ(CoordinatorServer::Start(options).status().code(), absl::StatusCode::kNotFound);
+  options.tls_key_file = "";
+  EXPECT_EQ(CoordinatorServer::Start(options).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ServerStartTest, Start_BadListenAddress_InvalidArgument) {
+  ServerOptions options;
+  options.listen = "127.0.0.1:99999";
+  EXPECT_EQ(CoordinatorServer::Start(options).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  options.listen = "no-port";
+  EXPECT_EQ(CoordinatorServer::Start(options).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace modelavg::server

@@ -1,0 +1,229 @@
+// modelavg-coordinator as a separate process: --port_file, --jobs_file, --auth_token_file,
+// --metrics_listen, workers on threads over the wire, and SIGTERM → pending waits UNAVAILABLE,
+// exit status 0.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "modelavg/v1/coordinator.grpc.pb.h"
+#include "server/jobs_file.h"
+
+namespace modelavg::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/modelavg_daemon_XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    std::system(absl::StrCat("rm -rf ", dir_).c_str());
+  }
+
+  std::string Write(const std::string& name, const std::string& contents) {
+    const std::string path = absl::StrCat(dir_, "/", name);
+    std::ofstream(path) << contents;
+    return path;
+  }
+
+  // Starts the daemon with `flags`; stderr goes to dir_/stderr.
+  void Spawn(const std::vector<std::string>& flags) {
+    std::vector<std::string> args = {MODELAVG_COORDINATOR_BIN};
+    args.insert(args.end(), flags.begin(), flags.end());
+    const std::string err = absl::StrCat(dir_, "/stderr");
+    pid_ = fork();
+    ASSERT_GE(pid_, 0);
+    if (pid_ == 0) {
+      const int fd = open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(fd, 2);
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+  }
+
+  // Waits for the port file; "" if the daemon exited first or nothing came within 30 s.
+  std::string WaitForAddress(const std::string& port_file) {
+    for (int i = 0; i < 3000; ++i) {
+      absl::StatusOr<std::string> text = ReadFileToString(port_file);
+      if (text.ok() && absl::EndsWith(*text, "\n")) {
+        return std::string(absl::StripSuffix(*text, "\n"));
+      }
+      int status;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return "";
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return "";
+  }
+
+  // Exit status after SIGTERM-free waiting (at most 30 s), -1 if it did not exit normally.
+  int WaitExit() {
+    for (int i = 0; i < 3000; ++i) {
+      int status;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return -1;
+  }
+
+  std::string Stderr() {
+    absl::StatusOr<std::string> s = ReadFileToString(absl::StrCat(dir_, "/stderr"));
+    return s.ok() ? *s : "";
+  }
+
+  std::string dir_;
+  pid_t pid_ = -1;
+};
+
+std::unique_ptr<grpc::ClientContext> Context(const std::string& token = "tok") {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
+  return ctx;
+}
+
+// A port that was free a moment ago (for --metrics_listen, which reports no port file).
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::string HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return "";
+  }
+  const std::string request =
+      absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+  (void)!write(fd, request.data(), request.size());
+  std::string reply;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof(buf))) > 0) reply.append(buf, n);
+  close(fd);
+  return reply;
+}
+
+TEST_F(DaemonTest, Daemon_JobsFileWorkersAndSigterm_PendingJoinsUnavailableExitZero) {
+  const std::string jobs = Write("jobs.json", R"({"jobs": [
+    {"job_id": "from-file", "world_size": 3, "mode": "PERIODIC",
+     "levels": [{"period": 2, "group_size": 3}]}]})");
+  const std::string token = Write("token", "tok\n");
+  const std::string port_file = absl::StrCat(dir_, "/port");
+  const int metrics_port = FreePort();
+  Spawn({"--listen=127.0.0.1:0", "--port_file=" + port_file, "--jobs_file=" + jobs,
+         "--auth_token_file=" + token, absl::StrCat("--metrics_listen=127.0.0.1:", metrics_port),
+         "--log_level=debug"});
+  const std::string address = WaitForAddress(port_file);
+  ASSERT_NE(address, "") << Stderr();
+  auto stub = v1::Coordinator::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+
+  v1::GetJobRequest get;
+  get.set_job_id("from-file");
+  v1::Job job;
+  ASSERT_TRUE(stub->GetJob(Context().get(), get, &job).ok());
+  EXPECT_EQ(job.spec().world_size(), 3);
+  EXPECT_EQ(stub->GetJob(Context("").get(), get, &job).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+
+  // Two of three workers join and wait; SIGTERM must release them with UNAVAILABLE.
+  std::vector<grpc::Status> statuses(2);
+  std::vector<std::thread> workers;
+  for (int r = 0; r < 2; ++r) {
+    workers.emplace_back([&, r] {
+      v1::JoinRequest join;
+      join.set_job_id("from-file");
+      join.set_worker_id(absl::StrCat("w", r));
+      v1::JoinResponse joined;
+      statuses[r] = stub->Join(Context().get(), join, &joined);
+    });
+  }
+  for (int i = 0; i < 2000; ++i) {
+    ASSERT_TRUE(stub->GetJob(Context().get(), get, &job).ok());
+    if (job.members_size() == 2) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(job.members_size(), 2);
+
+  const std::string metrics = HttpGet(metrics_port, "/metrics");
+  EXPECT_THAT(metrics, HasSubstr("modelavg_job_workers{job=\"from-file\"} 2"));
+  EXPECT_THAT(metrics, HasSubstr("modelavg_rpcs_total{code=\"UNAUTHENTICATED\",method=\"GetJob\"} 1"));
+
+  ASSERT_EQ(kill(pid_, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(), 0) << Stderr();
+  for (auto& t : workers) t.join();
+  for (const grpc::Status& s : statuses) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  }
+  const std::string log = Stderr();
+  if (getenv("SHOW_LOG")) fprintf(stderr, "%s", log.c_str());
+  EXPECT_THAT(log, HasSubstr("job from-file: created"));
+  EXPECT_THAT(log, HasSubstr("joined as rank 1"));
+  EXPECT_THAT(log, HasSubstr("received SIGTERM"));
+}
+
+TEST_F(DaemonTest, Daemon_JobsFileWithWrongType_ExitsNonZeroNamingTheFile) {
+  const std::string jobs =
+      Write("bad.json", R"({"jobs": [{"job_id": "a", "world_size": "lots"}]})");
+  Spawn({"--listen=127.0.0.1:0", "--jobs_file=" + jobs});
+  EXPECT_EQ(WaitExit(), 2);
+  EXPECT_THAT(Stderr(), HasSubstr("bad.json"));
+}
+
+TEST_F(DaemonTest, Daemon_BadFlags_ExitNonZeroWithReason) {
+  Spawn({"--listen=127.0.0.1:0", "--log_level=loud"});
+  EXPECT_EQ(WaitExit(), 2);
+  EXPECT_THAT(Stderr(), HasSubstr("unknown log level"));
+  Spawn({"--listen=127.0.0.1:0", "--auth_token_file=" + dir_ + "/missing"});
+  EXPECT_EQ(WaitExit(), 2);
+  EXPECT_THAT(Stderr(), HasSubstr("auth_token_file"));
+}
+
+}  // namespace
+}  // namespace modelavg::server

@@ -1,0 +1,3 @@
+# Coordinator core (fake clock) and jobs-file unit tests.
+modelavg_add_gtest(server_job_test SOURCES server_job_test.cc LIBS modelavg_server_core)
+modelavg_add_gtest(server_jobs_file_test SOURCES server_jobs_file_test.cc LIBS modelavg_server)
