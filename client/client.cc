@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/communicator_cache.h"
@@ -275,15 +276,14 @@ void Client::HeartbeatLoop() {
       last_heartbeat_ok_ = absl::Now();
     }
     if (resp->generation() != generation_ && resp->generation() != seen) {
-      std::string why = resp->has_last_change()
-                            ? absl::StrCat(resp->last_change().reason().empty()
-                                               ? "membership changed"
-                                               : resp->last_change().reason(),
-                                           resp->last_change().rank() >= 0
-                                               ? absl::StrCat(" (rank ",
-                                                              resp->last_change().rank(), ")")
-                                               : "")
-                            : "membership changed";
+      std::string why = "membership changed";
+      if (resp->has_last_change() && !resp->last_change().reason().empty()) {
+        why = resp->last_change().reason();
+        const std::string who = absl::StrCat("rank ", resp->last_change().rank());
+        if (resp->last_change().rank() >= 0 && !absl::StrContains(why, who)) {
+          absl::StrAppend(&why, " (", who, ")");
+        }
+      }
       NoteGenerationChange(resp->generation(), why);
     }
   }
