@@ -91,8 +91,8 @@ class StagedParameters {
 #ifdef MODELAVG_HAVE_CUDA
     if (cuda) {
       int count = 0;
-      if (absl::Status st = CudaStatus(cudaGetDeviceCount(&count), "cudaGetDeviceCount",
-                                       __FILE__, __LINE__);
+      if (absl::Status st =
+              CudaStatus(cudaGetDeviceCount(&count), "cudaGetDeviceCount", __FILE__, __LINE__);
           !st.ok()) {
         return Annotate(st, "--backend=nccl needs a CUDA device (use --backend=gloo without one)");
       }
@@ -136,8 +136,8 @@ class StagedParameters {
     if (!cuda_) return averager.AverageParameters(views_);
 #ifdef MODELAVG_HAVE_CUDA
     for (size_t i = 0; i < views_.size(); ++i) {
-      MODELAVG_CUDA_RETURN_IF_ERROR(cudaMemcpy(views_[i].data, host_[i]->data(),
-                                               views_[i].nbytes(), cudaMemcpyHostToDevice));
+      MODELAVG_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy(views_[i].data, host_[i]->data(), views_[i].nbytes(), cudaMemcpyHostToDevice));
     }
     MODELAVG_ASSIGN_OR_RETURN(Decision d, averager.AverageParameters(views_));
     if (d.average) {
@@ -208,8 +208,8 @@ absl::StatusOr<client::ClientOptions> BaseOptions(const std::string& job, int32_
     const size_t n = std::fread(buf, 1, sizeof(buf), f);
     std::fclose(f);
     std::string token(buf, n);
-    while (!token.empty() && (token.back() == '\n' || token.back() == '\r' ||
-                              token.back() == ' ')) {
+    while (!token.empty() &&
+           (token.back() == '\n' || token.back() == '\r' || token.back() == ' ')) {
       token.pop_back();
     }
     options.auth_token = token;
@@ -250,8 +250,7 @@ absl::StatusOr<PhaseResult> TrainInJob(const std::string& job, int32_t* rank) {
   examples::TinyMlp model(features, absl::GetFlag(FLAGS_hidden), seed);
   MODELAVG_ASSIGN_OR_RETURN(
       std::unique_ptr<StagedParameters> params,
-      StagedParameters::Create(model.parameters(), absl::GetFlag(FLAGS_backend) == "nccl",
-                               *rank));
+      StagedParameters::Create(model.parameters(), absl::GetFlag(FLAGS_backend) == "nccl", *rank));
   result.initial_loss = model.Loss(population);
 
   const int64_t steps = absl::GetFlag(FLAGS_steps);
@@ -299,7 +298,8 @@ absl::StatusOr<PhaseResult> TrainInJob(const std::string& job, int32_t* rank) {
 std::string DescribeAveragings(const PhaseResult& r) {
   std::vector<std::string> parts;
   for (const auto& [size, n] : r.by_group_size) {
-    parts.push_back(absl::StrCat(n, size == r.world_size ? " over all" : absl::StrCat(" in groups of ", size)));
+    parts.push_back(
+        absl::StrCat(n, size == r.world_size ? " over all" : absl::StrCat(" in groups of ", size)));
   }
   return absl::StrCat(r.averagings, " averagings",
                       parts.empty() ? "" : absl::StrCat(" (", absl::StrJoin(parts, ", "), ")"));
@@ -308,7 +308,8 @@ std::string DescribeAveragings(const PhaseResult& r) {
 absl::Status Run() {
   const std::string backend = absl::GetFlag(FLAGS_backend);
   if (backend != "gloo" && backend != "nccl") {
-    return absl::InvalidArgumentError(absl::StrCat("--backend=", backend, ": expected gloo or nccl"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend=", backend, ": expected gloo or nccl"));
   }
   if (absl::GetFlag(FLAGS_steps) < 1) return absl::InvalidArgumentError("--steps must be >= 1");
   if (absl::GetFlag(FLAGS_batch_size) < 1 || absl::GetFlag(FLAGS_features) < 1 ||
@@ -334,9 +335,10 @@ absl::Status Run() {
     }
     std::printf("[rank %d] final loss: %s\n", rank, absl::StrJoin(parts, ", ").c_str());
   } else {
-    std::printf("[rank 0] summary: final loss of the model on every shard's test data "
-                "(initial %.4f; lower is better)\n",
-                results.front().initial_loss);
+    std::printf(
+        "[rank 0] summary: final loss of the model on every shard's test data "
+        "(initial %.4f; lower is better)\n",
+        results.front().initial_loss);
     for (const PhaseResult& r : results) {
       std::printf("[rank 0]   %-20s final loss %.4f  %s  %.1f s  [%s]\n", r.job.c_str(),
                   r.final_loss, DescribeAveragings(r).c_str(), r.seconds, r.plan.c_str());
@@ -355,8 +357,8 @@ int main(int argc, char** argv) {
       "See --helpfull for the flags.");
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
-    std::cerr << "modelavg-demo: unexpected argument '" << rest[1]
-              << "' (flags are --name=value)" << std::endl;
+    std::cerr << "modelavg-demo: unexpected argument '" << rest[1] << "' (flags are --name=value)"
+              << std::endl;
     return 2;
   }
   std::signal(SIGTERM, modelavg::OnStopSignal);

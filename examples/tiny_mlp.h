@@ -35,8 +35,8 @@ class SyntheticTask {
   int features_;
   int world_size_;
   uint64_t seed_;
-  std::vector<float> teacher_;         // features
-  std::vector<float> teacher_curve_;   // features
+  std::vector<float> teacher_;               // features
+  std::vector<float> teacher_curve_;         // features
   std::vector<std::vector<float>> offsets_;  // per rank, features
 };
 

@@ -20,8 +20,7 @@
 #include "grpcpp/grpcpp.h"
 
 ABSL_FLAG(std::string, address, "127.0.0.1:50051", "HOST:PORT of the gRPC server to probe");
-ABSL_FLAG(std::string, service, "",
-          "service name to ask about; empty: the server as a whole");
+ABSL_FLAG(std::string, service, "", "service name to ask about; empty: the server as a whole");
 ABSL_FLAG(int64_t, timeout_ms, 2000, "deadline of the health call, milliseconds");
 ABSL_FLAG(std::string, tls_ca_file, "",
           "PEM file of the CA that signed the server's certificate; empty: plaintext");
@@ -36,8 +35,7 @@ int Fail(const std::string& message) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "Probes a gRPC server's health service; exit 0 iff it is SERVING.");
+  absl::SetProgramUsageMessage("Probes a gRPC server's health service; exit 0 iff it is SERVING.");
   absl::ParseCommandLine(argc, argv);
   const std::string address = absl::GetFlag(FLAGS_address);
   const int64_t timeout_ms = absl::GetFlag(FLAGS_timeout_ms);
@@ -64,14 +62,12 @@ int main(int argc, char** argv) {
   grpc::Status status = stub->Check(&context, request, &response);
   if (!status.ok()) {
     return Fail(absl::StrCat(address, ": health check failed: code ",
-                             static_cast<int>(status.error_code()), ": ",
-                             status.error_message()));
+                             static_cast<int>(status.error_code()), ": ", status.error_message()));
   }
   if (response.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
-    return Fail(absl::StrCat(address, " is not serving (status ",
-                             grpc::health::v1::HealthCheckResponse::ServingStatus_Name(
-                                 response.status()),
-                             ")"));
+    return Fail(absl::StrCat(
+        address, " is not serving (status ",
+        grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status()), ")"));
   }
   std::cout << address << ": SERVING" << std::endl;
   return 0;

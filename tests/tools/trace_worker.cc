@@ -40,8 +40,7 @@
 ABSL_FLAG(std::string, coordinator, "", "coordinator address HOST:PORT (required)");
 ABSL_FLAG(std::string, job, "", "id of an existing job to join (required)");
 ABSL_FLAG(int32_t, rank, -1, "this worker's rank, 0 <= rank < world_size (required)");
-ABSL_FLAG(int32_t, world_size, 0,
-          "the job's world size (required; must match the job's spec)");
+ABSL_FLAG(int32_t, world_size, 0, "the job's world size (required; must match the job's spec)");
 ABSL_FLAG(int64_t, steps, 0, "number of AverageParameters calls (steps 0 .. steps-1)");
 ABSL_FLAG(int64_t, numel, 1, "number of float32 parameters");
 ABSL_FLAG(std::string, backend, "gloo",
@@ -61,14 +60,14 @@ namespace {
 class Parameters {
  public:
   // With `cuda`, the parameters live on device rank % (number of devices).
-  static absl::StatusOr<std::unique_ptr<Parameters>> Create(bool cuda, int64_t numel,
-                                                            float initial, int32_t rank) {
+  static absl::StatusOr<std::unique_ptr<Parameters>> Create(bool cuda, int64_t numel, float initial,
+                                                            int32_t rank) {
     auto p = std::unique_ptr<Parameters>(new Parameters(cuda, numel, initial));
     if (cuda) {
 #ifdef MODELAVG_HAVE_CUDA
       int count = 0;
-      if (absl::Status s = CudaStatus(cudaGetDeviceCount(&count), "cudaGetDeviceCount",
-                                      __FILE__, __LINE__);
+      if (absl::Status s =
+              CudaStatus(cudaGetDeviceCount(&count), "cudaGetDeviceCount", __FILE__, __LINE__);
           !s.ok()) {
         return Annotate(s, "--backend=nccl needs a CUDA device (use --backend=gloo without one)");
       }
@@ -152,8 +151,9 @@ absl::Status Run() {
         absl::StrCat("--backend=", backend, ": expected gloo or nccl"));
   }
 
-  MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<Parameters> params,
-                            Parameters::Create(backend == "nccl", numel, float(rank), rank));
+  MODELAVG_ASSIGN_OR_RETURN(
+      std::unique_ptr<Parameters> params,
+      Parameters::Create(backend == "nccl", numel, static_cast<float>(rank), rank));
 
   client::ClientOptions options;
   options.coordinator = coordinator;
@@ -172,8 +172,8 @@ absl::Status Run() {
     size_t n = std::fread(buf, 1, sizeof(buf), f);
     std::fclose(f);
     std::string token(buf, n);
-    while (!token.empty() && (token.back() == '\n' || token.back() == '\r' ||
-                              token.back() == ' ')) {
+    while (!token.empty() &&
+           (token.back() == '\n' || token.back() == '\r' || token.back() == ' ')) {
       token.pop_back();
     }
     options.auth_token = token;
@@ -182,9 +182,8 @@ absl::Status Run() {
   MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> client,
                             client::Client::Connect(options));
   if (client->world_size() != world_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--world_size=", world_size, " but job ", job, " has world size ",
-                     client->world_size()));
+    return absl::InvalidArgumentError(absl::StrCat("--world_size=", world_size, " but job ", job,
+                                                   " has world size ", client->world_size()));
   }
   std::unique_ptr<client::ModelAverager> averager;
   if (client->schedule().spec().mode == AveragingMode::kPeriodic) {
