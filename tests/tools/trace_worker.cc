@@ -10,6 +10,7 @@
 // (level is -1 for SKIP). The same update run through PyTorch's own averagers
 // (tests/conformance/torch_reference.py) must give the same values. On any failure it prints one
 // line on stderr and exits 1.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <iostream>
@@ -24,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/averager.h"
 #include "client/client.h"
@@ -31,6 +33,7 @@
 #include "common/logging.h"
 #include "common/schedule.h"
 #include "common/status_util.h"
+#include "spdlog/spdlog.h"
 #ifdef MODELAVG_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
@@ -129,6 +132,27 @@ class Parameters {
   int device_index_ = 0;
 };
 
+// Client::Connect, retried while the coordinator is unreachable (UNAVAILABLE: not started yet,
+// restarting, or a connection attempt that failed under load) until the join timeout has passed.
+// Any other error is returned at once.
+absl::StatusOr<std::unique_ptr<client::Client>> ConnectWithRetry(
+    const client::ClientOptions& options) {
+  const absl::Time deadline = absl::Now() + options.join_timeout;
+  absl::Duration backoff = absl::Milliseconds(100);
+  while (true) {
+    client::ClientOptions attempt = options;
+    attempt.join_timeout = std::max(absl::Milliseconds(1), deadline - absl::Now());
+    absl::StatusOr<std::unique_ptr<client::Client>> c = client::Client::Connect(attempt);
+    if (c.ok() || !absl::IsUnavailable(c.status()) || absl::Now() + backoff >= deadline) {
+      return c;
+    }
+    spdlog::warn("coordinator {} unreachable ({}); retrying in {}", options.coordinator,
+                 std::string(c.status().message()), absl::FormatDuration(backoff));
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Seconds(2));
+  }
+}
+
 absl::Status Run() {
   const std::string coordinator = absl::GetFlag(FLAGS_coordinator);
   const std::string job = absl::GetFlag(FLAGS_job);
@@ -179,8 +203,7 @@ absl::Status Run() {
     options.auth_token = token;
   }
 
-  MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> client,
-                            client::Client::Connect(options));
+  MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> client, ConnectWithRetry(options));
   if (client->world_size() != world_size) {
     return absl::InvalidArgumentError(absl::StrCat("--world_size=", world_size, " but job ", job,
                                                    " has world size ", client->world_size()));
