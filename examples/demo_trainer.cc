@@ -383,6 +383,9 @@ int main(int argc, char** argv) {
               << std::endl;
     return 2;
   }
+  // A peer that dies mid-collective closes its sockets; writing to them must be an error the
+  // averager reports, not a SIGPIPE that kills this process.
+  std::signal(SIGPIPE, SIG_IGN);
   std::signal(SIGTERM, modelavg::OnStopSignal);
   std::signal(SIGINT, modelavg::OnStopSignal);
   absl::Status logging = modelavg::InitLogging(absl::GetFlag(FLAGS_log_level), "demo");

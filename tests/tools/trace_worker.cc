@@ -11,6 +11,7 @@
 // (tests/conformance/torch_reference.py) must give the same values. On any failure it prints one
 // line on stderr and exits 1.
 #include <algorithm>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <iostream>
@@ -247,6 +248,9 @@ int main(int argc, char** argv) {
               << "' (flags are --name=value)" << std::endl;
     return 2;
   }
+  // A peer that dies mid-collective closes its sockets; writing to them must be an error the
+  // averager reports, not a SIGPIPE that kills this process.
+  std::signal(SIGPIPE, SIG_IGN);
   absl::Status logging = modelavg::InitLogging(absl::GetFlag(FLAGS_log_level), "trace-worker");
   if (!logging.ok()) {
     std::cerr << "modelavg-trace-worker: --log_level: " << logging.message() << std::endl;
