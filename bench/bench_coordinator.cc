@@ -42,8 +42,14 @@ ABSL_FLAG(std::string, coordinator, "",
           "HOST:PORT of a running coordinator; empty: start one for the run.");
 ABSL_FLAG(int, coordinator_pid, 0,
           "With --coordinator: its process id, to report its CPU (0: not reported).");
+ABSL_FLAG(int, max_inflight_steps, 0,
+          "Steps in flight at once over all workers (0: one per worker). With K, K lanes each "
+          "step workers i, i+K, i+2K, ... in turn.");
 ABSL_FLAG(int, channels, 4, "gRPC channels (TCP connections) the workers share.");
 ABSL_FLAG(double, heartbeat_hz, 10, "Heartbeats per second per worker.");
+ABSL_FLAG(std::string, heartbeat, "unary",
+          "How workers heartbeat: 'unary' (one Heartbeat call per beat) or 'stream' (one "
+          "HeartbeatStream per worker).");
 
 namespace modelavg {
 namespace {
@@ -76,13 +82,14 @@ double ProcessCpuSeconds(int pid) {
   return (std::stod(fields[11]) + std::stod(fields[12])) / sysconf(_SC_CLK_TCK);
 }
 
-// Latencies in microseconds, 1 µs buckets up to 1 s. Lock-free.
+// Latencies in microseconds: 1 µs buckets below 100 ms, 100 µs buckets up to 100 s. Lock-free.
 class Histogram {
  public:
   Histogram() : buckets_(kBuckets) {}
   void Add(double seconds) {
-    const int64_t us = std::min<int64_t>(static_cast<int64_t>(seconds * 1e6), kBuckets - 1);
-    buckets_[us].fetch_add(1, std::memory_order_relaxed);
+    const int64_t us = static_cast<int64_t>(seconds * 1e6);
+    const int64_t i = us < kFine ? us : std::min(kFine + (us - kFine) / 100, kBuckets - 1);
+    buckets_[i].fetch_add(1, std::memory_order_relaxed);
     count_.fetch_add(1, std::memory_order_relaxed);
   }
   int64_t count() const { return count_.load(); }
@@ -93,29 +100,89 @@ class Histogram {
     int64_t seen = 0;
     for (int64_t i = 0; i < kBuckets; ++i) {
       seen += buckets_[i].load(std::memory_order_relaxed);
-      if (seen >= target) return static_cast<double>(i);
+      if (seen >= target) return static_cast<double>(i < kFine ? i : kFine + (i - kFine) * 100);
     }
-    return kBuckets;
+    return -1;
   }
 
  private:
-  static constexpr int64_t kBuckets = 1'000'000;
+  static constexpr int64_t kFine = 100'000;
+  static constexpr int64_t kBuckets = kFine + 1'000'000;
   std::vector<std::atomic<int64_t>> buckets_;
   std::atomic<int64_t> count_{0};
 };
 
+class HeartbeatStreamClient;
+
 struct Worker {
   Stub* stub = nullptr;
+  HeartbeatStreamClient* stream = nullptr;
   int index = 0;
   int32_t rank = -1;
   int64_t generation = 0;
-  int64_t step = 0;
+  std::atomic<int64_t> step{0};
+  // A unary heartbeat is in flight: like a real worker's heartbeat thread, the next beat waits.
+  std::atomic<bool> heartbeat_busy{false};
+};
+
+// One worker's HeartbeatStream: at most one beat in flight; a beat due while the previous one
+// is unanswered is skipped (and counted).
+class HeartbeatStreamClient final
+    : public grpc::ClientBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse> {
+ public:
+  HeartbeatStreamClient(Stub* stub, std::atomic<int64_t>* beats, std::atomic<int64_t>* errors)
+      : beats_(beats), errors_(errors) {
+    stub->async()->HeartbeatStream(&ctx_, this);
+    StartCall();
+  }
+  // Called from one thread only (the heartbeat thread).
+  void Beat(const std::string& job_id, int32_t rank, int64_t generation, int64_t step) {
+    if (busy_.exchange(true)) {
+      skipped_.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    request_.set_job_id(job_id);
+    request_.set_rank(rank);
+    request_.set_generation(generation);
+    request_.set_step(step);
+    StartRead(&response_);
+    StartWrite(&request_);
+  }
+  // Half-closes once nothing is in flight; Wait() returns when the server has ended the stream.
+  void Close() {
+    while (busy_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    StartWritesDone();
+  }
+  void Wait() { done_.WaitForNotification(); }
+  int64_t skipped() const { return skipped_.load(); }
+
+  void OnReadDone(bool ok) override {
+    if (ok) beats_->fetch_add(1, std::memory_order_relaxed);
+    busy_ = false;
+  }
+  void OnDone(const grpc::Status& s) override {
+    if (!s.ok() && errors_->fetch_add(1) == 0) {
+      std::fprintf(stderr, "HeartbeatStream failed: %s\n", s.error_message().c_str());
+    }
+    done_.Notify();
+  }
+
+ private:
+  grpc::ClientContext ctx_;
+  v1::HeartbeatRequest request_;
+  v1::HeartbeatResponse response_;
+  std::atomic<bool> busy_{false};
+  std::atomic<int64_t> skipped_{0};
+  std::atomic<int64_t>* beats_;
+  std::atomic<int64_t>* errors_;
+  absl::Notification done_;
 };
 
 class Load {
  public:
   Load(std::vector<std::unique_ptr<Stub>> stubs, std::string job_id, int workers)
       : stubs_(std::move(stubs)), job_id_(std::move(job_id)), workers_(workers) {
+    // (std::vector<Worker>(n): Worker holds atomics, so it is built in place.)
     for (int i = 0; i < workers; ++i) {
       workers_[i].stub = stubs_[i % stubs_.size()].get();
       workers_[i].index = i;
@@ -156,7 +223,13 @@ class Load {
   }
 
   // Heartbeats for every worker at `hz`, spread evenly, until StopHeartbeats().
-  void StartHeartbeats(double hz) {
+  void StartHeartbeats(double hz, bool stream) {
+    if (stream) {
+      for (Worker& w : workers_) {
+        streams_.push_back(std::make_unique<HeartbeatStreamClient>(w.stub, &heartbeats_, &errors_));
+        w.stream = streams_.back().get();
+      }
+    }
     heartbeat_thread_ = std::thread([this, hz] {
       constexpr double kTick = 0.01;
       const double per_tick = workers_.size() * hz * kTick;
@@ -178,11 +251,19 @@ class Load {
   void StopHeartbeats() {
     stop_heartbeats_ = true;
     if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+    for (auto& s : streams_) s->Close();
+    for (auto& s : streams_) s->Wait();
+  }
+  int64_t skipped_beats() const {
+    int64_t n = skipped_unary_.load();
+    for (const auto& s : streams_) n += s->skipped();
+    return n;
   }
 
   // Every worker keeps one Step in flight; each channel one Ping.
-  void StartSteps() {
-    for (Worker& w : workers_) IssueStep(&w);
+  void StartSteps(int max_inflight) {
+    lanes_ = max_inflight > 0 ? std::min<int>(max_inflight, workers_.size()) : workers_.size();
+    for (int i = 0; i < lanes_; ++i) IssueStep(&workers_[i]);
     for (auto& stub : stubs_) IssuePing(stub.get());
   }
   void StopSteps() {
@@ -231,7 +312,7 @@ class Load {
     call->request.set_job_id(job_id_);
     call->request.set_rank(w->rank);
     call->request.set_generation(w->generation);
-    call->request.set_step(w->step);
+    call->request.set_step(w->step.load());
     call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
     call->start = SteadySeconds();
     w->stub->async()->Step(&call->ctx, &call->request, &call->response,
@@ -250,7 +331,11 @@ class Load {
     } else if (errors_.fetch_add(1) == 0) {
       std::fprintf(stderr, "Step failed: %s\n", s.error_message().c_str());
     }
-    if (!stop_steps_.load() && s.ok()) IssueStep(w);
+    if (!stop_steps_.load() && s.ok()) {
+      size_t next = w->index + lanes_;
+      if (next >= workers_.size()) next = w->index % lanes_;
+      IssueStep(&workers_[next]);
+    }
     inflight_.fetch_sub(1);
   }
 
@@ -274,16 +359,25 @@ class Load {
   }
 
   void Heartbeat(Worker* w) {
+    if (w->stream != nullptr) {
+      w->stream->Beat(job_id_, w->rank, w->generation, w->step.load());
+      return;
+    }
+    if (w->heartbeat_busy.exchange(true)) {
+      skipped_unary_.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
     heartbeats_inflight_.fetch_add(1);
     auto* call = new HeartbeatCall;
     call->request.set_job_id(job_id_);
     call->request.set_rank(w->rank);
     call->request.set_generation(w->generation);
-    call->request.set_step(w->step);
+    call->request.set_step(w->step.load());
     call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
     w->stub->async()->Heartbeat(&call->ctx, &call->request, &call->response,
-                                [this, call](grpc::Status s) {
+                                [this, call, w](grpc::Status s) {
                                   delete call;
+                                  w->heartbeat_busy = false;
                                   if (s.ok()) {
                                     heartbeats_.fetch_add(1, std::memory_order_relaxed);
                                   } else if (errors_.fetch_add(1) == 0) {
@@ -297,12 +391,15 @@ class Load {
   std::vector<std::unique_ptr<Stub>> stubs_;
   const std::string job_id_;
   std::vector<Worker> workers_;
+  int lanes_ = 0;
   std::thread heartbeat_thread_;
+  std::vector<std::unique_ptr<HeartbeatStreamClient>> streams_;
   std::atomic<bool> stop_heartbeats_{false};
   std::atomic<bool> stop_steps_{false};
   std::atomic<bool> measuring_{false};
   std::atomic<int64_t> inflight_{0};
   std::atomic<int64_t> heartbeats_inflight_{0};
+  std::atomic<int64_t> skipped_unary_{0};
   std::atomic<int64_t> decisions_{0};
   std::atomic<int64_t> heartbeats_{0};
   std::atomic<int64_t> errors_{0};
@@ -323,6 +420,8 @@ int StartChildCoordinator(std::string* address) {
     sigaddset(&signals, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &signals, nullptr);
     (void)InitLogging("warn", "bench-coordinator");
+    // As the daemon does (server/main.cc): no lock-order cycle detection on the hot path.
+    absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
     server::ServerOptions options;
     options.listen = "127.0.0.1:0";
     auto server = server::CoordinatorServer::Start(options);
@@ -415,8 +514,16 @@ int Main() {
     return 1;
   }
 
-  load.StartHeartbeats(absl::GetFlag(FLAGS_heartbeat_hz));
+  const std::string heartbeat_mode = absl::GetFlag(FLAGS_heartbeat);
+  if (heartbeat_mode != "unary" && heartbeat_mode != "stream") {
+    std::fprintf(stderr, "--heartbeat must be unary or stream\n");
+    stop_child();
+    return 2;
+  }
+  load.StartHeartbeats(absl::GetFlag(FLAGS_heartbeat_hz), heartbeat_mode == "stream");
   double hb_cores = -1;
+  double hb_us = -1;  // coordinator CPU per heartbeat
+  double hb_rate = 0;  // heartbeats/s answered in the heartbeat-only phase
   if (hb_seconds > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));  // settle
     const double cpu0 = pid > 0 ? ProcessCpuSeconds(pid) : 0;
@@ -425,11 +532,14 @@ int Main() {
     std::this_thread::sleep_for(std::chrono::duration<double>(hb_seconds));
     const double wall = SteadySeconds() - t0;
     if (pid > 0) hb_cores = (ProcessCpuSeconds(pid) - cpu0) / wall;
+    const double rate = (load.heartbeats() - beats0) / wall;
+    hb_rate = rate;
+    if (rate > 0 && hb_cores >= 0) hb_us = hb_cores / rate * 1e6;
     std::fprintf(stderr, "heartbeat-only: %.0f heartbeats/s, coordinator %.3f cores\n",
                  (load.heartbeats() - beats0) / wall, hb_cores);
   }
 
-  load.StartSteps();
+  load.StartSteps(absl::GetFlag(FLAGS_max_inflight_steps));
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // warm up
   load.SetMeasuring(true);
   const double cpu0 = pid > 0 ? ProcessCpuSeconds(pid) : 0;
@@ -441,6 +551,10 @@ int Main() {
   const double cores = pid > 0 ? (ProcessCpuSeconds(pid) - cpu0) / wall : -1;
   const int64_t decisions = load.decisions();
   const int64_t beats = load.heartbeats() - beats0;
+  const int64_t rpcs = decisions + beats + load.ping_latency().count();
+  // The coordinator's CPU per RPC, and the decisions/s one fully used core would give: figures
+  // that do not depend on how much CPU the load generator (same machine) left over.
+  const double cpu_us_per_rpc = cores > 0 ? cores * wall / rpcs * 1e6 : -1;
   load.StopSteps();
   load.StopHeartbeats();
   load.WaitHeartbeatsDrained();
@@ -452,11 +566,15 @@ int Main() {
       "\"step_p99_us\": %.0f, \"trivial_p50_us\": %.0f, \"trivial_p99_us\": %.0f, "
       "\"step_p99_over_trivial_p99\": %.2f, \"coordinator_cpu_cores\": %.3f, "
       "\"heartbeats_per_s\": %.0f, \"heartbeat_only_cpu_cores\": %.3f, \"pings\": %lld, "
-      "\"errors\": %lld, \"channels\": %d}\n",
+      "\"errors\": %lld, \"channels\": %d, \"coordinator_cpu_us_per_rpc\": %.1f, "
+      "\"heartbeat_cpu_us\": %.1f, \"heartbeat\": \"%s\", \"skipped_beats\": %lld, "
+      "\"max_inflight_steps\": %d, \"heartbeat_only_per_s\": %.0f}\n",
       n, wall, decisions / wall, load.step_latency().Percentile(0.5), step_p99,
       load.ping_latency().Percentile(0.5), ping_p99, ping_p99 > 0 ? step_p99 / ping_p99 : -1,
       cores, beats / wall, hb_cores, static_cast<long long>(load.ping_latency().count()),
-      static_cast<long long>(load.errors()), channels);
+      static_cast<long long>(load.errors()), channels, cpu_us_per_rpc, hb_us,
+      heartbeat_mode.c_str(), static_cast<long long>(load.skipped_beats()),
+      absl::GetFlag(FLAGS_max_inflight_steps), hb_rate);
   std::fflush(stdout);
   stop_child();
   return load.errors() == 0 ? 0 : 1;
@@ -467,5 +585,6 @@ int Main() {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   return modelavg::Main();
 }

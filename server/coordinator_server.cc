@@ -95,6 +95,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // channelz bookkeeping costs on every call and nothing here reads it.
+  builder.AddChannelArgument(GRPC_ARG_ENABLE_CHANNELZ, 0);
   builder.AddListeningPort(options.listen, *creds, &server->port_);
   builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();
@@ -128,6 +130,9 @@ void CoordinatorServer::Shutdown() {
   spdlog::info("coordinator on {} shutting down", address_);
   // Fails pending waits (UNAVAILABLE) and ends the watch streams first, so that the gRPC
   // shutdown below has nothing left to wait for.
+  if (server_ != nullptr && server_->GetHealthCheckService() != nullptr) {
+    server_->GetHealthCheckService()->SetServingStatus(false);
+  }
   if (registry_ != nullptr) registry_->Stop();
   if (server_ != nullptr) {
     // Every wait has already failed; what remains are short unary calls (and idle connections,

@@ -37,7 +37,11 @@ class WaitReactor final : public grpc::ServerUnaryReactor {
     if (metrics_ != nullptr) metrics_->CountRpc(method_, status.code());
     Finish(ToGrpcStatus(status));
   }
-  void OnCancel() override { job_->CancelWait(id_); }
+  void OnCancel() override {
+    // The wait's completion may finish this reactor (and drop job_) inside CancelWait.
+    const std::shared_ptr<Job> job = job_;
+    job->CancelWait(id_);
+  }
   void OnDone() override { delete this; }
 
  private:
@@ -92,9 +96,15 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
           return;
         }
         finishing_ = true;
+        final_code_ = status.code();
         finish = reactor_;
       }
       finish->Finish(ToGrpcStatus(status));
+    }
+
+    absl::StatusCode final_code() const {
+      absl::MutexLock lock(&mu_);
+      return final_code_;
     }
 
     bool Done() const override {
@@ -117,6 +127,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
           finishing_ = true;
           finish = true;
           close = absl::CancelledError("the WatchJob stream broke");
+          final_code_ = close.code();
         } else if (!queue_.empty()) {
           next = &queue_.front();
         } else {
@@ -125,6 +136,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
             finishing_ = true;
             finish = true;
             close = close_status_;
+            final_code_ = close.code();
           }
         }
       }
@@ -148,6 +160,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
     bool finishing_ ABSL_GUARDED_BY(mu_) = false;
     bool close_pending_ ABSL_GUARDED_BY(mu_) = false;
     absl::Status close_status_ ABSL_GUARDED_BY(mu_);
+    absl::StatusCode final_code_ ABSL_GUARDED_BY(mu_) = absl::StatusCode::kOk;
   };
 
   explicit WatchReactor(RpcMetrics* metrics) : sink_(std::make_shared<Sink>(this)), metrics_(metrics) {}
@@ -161,13 +174,60 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
   void OnCancel() override { sink_->OnClosed(absl::CancelledError("the watcher went away")); }
   void OnDone() override {
     sink_->Detach();
-    if (metrics_ != nullptr) metrics_->CountRpc(RpcMethod::kWatchJob, absl::StatusCode::kOk);
+    if (metrics_ != nullptr) metrics_->CountRpc(RpcMethod::kWatchJob, sink_->final_code());
     delete this;
   }
 
  private:
   const std::shared_ptr<Sink> sink_;
   RpcMetrics* const metrics_;
+};
+
+// HeartbeatStream: read one request, answer it, read the next. The job is looked up once.
+class HeartbeatStreamReactor final
+    : public grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse> {
+ public:
+  HeartbeatStreamReactor(JobRegistry* registry, RpcMetrics* metrics, absl::Status auth)
+      : registry_(registry), metrics_(metrics) {
+    if (!auth.ok()) {
+      End(auth);
+      return;
+    }
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return End(absl::OkStatus());  // the client half-closed (or went away)
+    if (job_ == nullptr) {
+      absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request_.job_id());
+      if (!job.ok()) return End(job.status());
+      job_ = *std::move(job);
+    } else if (request_.job_id() != job_->id()) {
+      return End(absl::InvalidArgumentError(absl::StrCat(
+          "this HeartbeatStream is for job ", job_->id(), "; open another stream for job ",
+          request_.job_id().substr(0, 256))));
+    }
+    response_.Clear();
+    if (absl::Status s = job_->Heartbeat(request_, &response_); !s.ok()) return End(s);
+    StartWrite(&response_);
+  }
+  void OnWriteDone(bool ok) override {
+    if (!ok) return End(absl::CancelledError("the HeartbeatStream broke"));
+    StartRead(&request_);
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  void End(const absl::Status& status) {
+    if (metrics_ != nullptr) metrics_->CountRpc(RpcMethod::kHeartbeatStream, status.code());
+    Finish(ToGrpcStatus(status));
+  }
+
+  JobRegistry* const registry_;
+  RpcMetrics* const metrics_;
+  std::shared_ptr<Job> job_;
+  v1::HeartbeatRequest request_;
+  v1::HeartbeatResponse response_;
 };
 
 }  // namespace
@@ -263,6 +323,11 @@ grpc::ServerUnaryReactor* CoordinatorService::Heartbeat(grpc::CallbackServerCont
   absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request->job_id());
   if (!job.ok()) return Finish(ctx, RpcMethod::kHeartbeat, job.status());
   return Finish(ctx, RpcMethod::kHeartbeat, (*job)->Heartbeat(*request, response));
+}
+
+grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>*
+CoordinatorService::HeartbeatStream(grpc::CallbackServerContext* ctx) {
+  return new HeartbeatStreamReactor(registry_, metrics_, Authorize(ctx));
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::Step(grpc::CallbackServerContext* ctx,

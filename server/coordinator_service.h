@@ -38,6 +38,8 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
                                       const v1::HeartbeatRequest* request,
                                       v1::HeartbeatResponse* response) override;
+  grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>* HeartbeatStream(
+      grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* ctx,
                                  const v1::StepRequest* request,
                                  v1::StepDecision* response) override;

@@ -41,17 +41,19 @@ class Job::Outbox {
  public:
   explicit Outbox(Job* job) : job_(job) {}
   ~Outbox() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    for (auto& f : completions_) f();
-    if (!delivering_) return;
-    for (auto& [target, event] : events_) {
-      if (target != nullptr) {
-        target->OnEvent(event);
-        continue;
+    if (delivering_) {
+      for (auto& [target, event] : events_) {
+        if (target != nullptr) {
+          target->OnEvent(event);
+          continue;
+        }
+        for (auto& w : watchers_) w->OnEvent(event);
       }
-      for (auto& w : watchers_) w->OnEvent(event);
+      for (auto& w : closing_) w->OnClosed(close_status_);
+      job_->delivery_mu_.Unlock();
     }
-    for (auto& w : closing_) w->OnClosed(close_status_);
-    job_->delivery_mu_.Unlock();
+    // Last, with no lock of the Job held: a completion may end the RPC that owns the Job.
+    for (auto& f : completions_) f();
   }
   Outbox(const Outbox&) = delete;
   Outbox& operator=(const Outbox&) = delete;
@@ -319,6 +321,7 @@ absl::Status Job::Heartbeat(const v1::HeartbeatRequest& request,
   }
   const absl::Time now = clock_->Now();
   absl::MutexLock lock(&mu_);
+  if (!closed_.ok()) return closed_;  // deleted while a stream still held it
   Member& m = members_[request.rank()];
   // Only the worker of that generation counts: a straggler of an older one keeps nobody alive.
   if (m.present && m.state == v1::ALIVE && m.generation == request.generation()) {

@@ -84,7 +84,8 @@ class Job {
             JoinCallback done);
 
   // Liveness and progress; never fails for a stale generation. INVALID_ARGUMENT for a rank
-  // outside [0, world_size) or a negative step.
+  // outside [0, world_size) or a negative step; after Close, its status (ABORTED: deleted,
+  // UNAVAILABLE: stopping).
   absl::Status Heartbeat(const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response);
 
   // The decision for (rank, step). INVALID_ARGUMENT for a bad rank or step < 0;

@@ -64,7 +64,7 @@ class JobsCollector final : public prometheus::Collectable {
 const char* RpcMethodName(RpcMethod method) {
   static constexpr const char* kNames[] = {
       "CreateJob", "GetJob",        "ListJobs",  "DeleteJob", "Join",     "Heartbeat", "Step",
-      "GetSchedule", "PublishCommId", "GetCommId", "Leave",     "WatchJob", "Ping"};
+      "GetSchedule", "PublishCommId", "GetCommId", "Leave",     "WatchJob", "Ping", "HeartbeatStream"};
   return kNames[static_cast<int>(method)];
 }
 

@@ -23,7 +23,7 @@ namespace modelavg::server {
 // The coordinator's RPCs, for counting.
 enum class RpcMethod {
   kCreateJob, kGetJob, kListJobs, kDeleteJob, kJoin, kHeartbeat, kStep, kGetSchedule,
-  kPublishCommId, kGetCommId, kLeave, kWatchJob, kPing,
+  kPublishCommId, kGetCommId, kLeave, kWatchJob, kPing, kHeartbeatStream,
   kCount  // number of methods
 };
 const char* RpcMethodName(RpcMethod method);

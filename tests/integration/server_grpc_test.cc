@@ -172,6 +172,60 @@ TEST_F(ServerTest, FullWorkerPath_EightThreads_JoinStepCommIdHeartbeatLeave) {
   EXPECT_EQ(list.jobs(0).state(), v1::FINISHED);
 }
 
+TEST_F(ServerTest, HeartbeatTimeout_SurvivorsLearnNewGenerationAndRejoin) {
+  Start();
+  ASSERT_TRUE(CreateJob(R"pb(job_id: "elastic" world_size: 3 mode: PERIODIC
+                             heartbeat_timeout_ms: 1000 levels { period: 1 group_size: 3 })pb")
+                  .ok());
+  auto join_all = [&](const std::vector<std::string>& workers, std::vector<v1::JoinResponse>* out) {
+    out->resize(workers.size());
+    std::vector<std::thread> threads;
+    for (size_t r = 0; r < workers.size(); ++r) {
+      threads.emplace_back([&, r] {
+        v1::JoinRequest join;
+        join.set_job_id("elastic");
+        join.set_worker_id(workers[r]);
+        join.set_rank(static_cast<int>(r));
+        EXPECT_TRUE(stub_->Join(Context().get(), join, &(*out)[r]).ok());
+      });
+    }
+    for (auto& t : threads) t.join();
+  };
+  std::vector<v1::JoinResponse> joined;
+  join_all({"a", "b", "c"}, &joined);
+  ASSERT_EQ(joined[2].generation(), 1);
+  // Ranks 0 and 1 heartbeat; rank 2 has died silently.
+  v1::HeartbeatResponse reply;
+  for (int i = 0; i < 400 && reply.generation() != 2; ++i) {
+    for (int r = 0; r < 2; ++r) {
+      v1::HeartbeatRequest hb;
+      hb.set_job_id("elastic");
+      hb.set_rank(r);
+      hb.set_generation(1);
+      hb.set_step(i);
+      ASSERT_TRUE(stub_->Heartbeat(Context().get(), hb, &reply).ok());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_EQ(reply.generation(), 2);
+  EXPECT_EQ(reply.state(), v1::PENDING);
+  EXPECT_EQ(reply.last_change().rank(), 2);
+  EXPECT_EQ(reply.last_change().reason(), "rank 2 heartbeat timeout");
+  v1::StepRequest step;
+  step.set_job_id("elastic");
+  step.set_rank(0);
+  step.set_generation(1);
+  v1::StepDecision decision;
+  grpc::Status stale = stub_->Step(Context().get(), step, &decision);
+  EXPECT_EQ(stale.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(stale.error_message(), HasSubstr("generation 1 is stale"));
+  // The survivors keep their ranks; a replacement takes rank 2.
+  join_all({"a", "b", "c-replacement"}, &joined);
+  for (const auto& j : joined) EXPECT_EQ(j.generation(), 2);
+  step.set_generation(2);
+  EXPECT_TRUE(stub_->Step(Context().get(), step, &decision).ok());
+}
+
 TEST_F(ServerTest, WatchJob_StreamsSnapshotThenMembershipEvents) {
   Start();
   ASSERT_TRUE(CreateJob(R"pb(job_id: "w" world_size: 2 mode: PERIODIC
@@ -211,6 +265,62 @@ TEST_F(ServerTest, WatchJob_StreamsSnapshotThenMembershipEvents) {
   EXPECT_EQ(event.kind(), v1::JobEvent::JOB_DELETED);
   EXPECT_FALSE(reader->Read(&event));
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::ABORTED);
+}
+
+TEST_F(ServerTest, HeartbeatStream_OneReplyPerBeat_ErrorsEndTheStream) {
+  Start();
+  ASSERT_TRUE(CreateJob(R"pb(job_id: "hb" world_size: 1 mode: PERIODIC
+                             levels { period: 1 group_size: 1 })pb")
+                  .ok());
+  v1::JoinRequest join;
+  join.set_job_id("hb");
+  join.set_worker_id("w");
+  v1::JoinResponse joined;
+  ASSERT_TRUE(stub_->Join(Context().get(), join, &joined).ok());
+  {
+    auto ctx = Context();
+    auto stream = stub_->HeartbeatStream(ctx.get());
+    for (int step = 0; step < 5; ++step) {
+      v1::HeartbeatRequest beat;
+      beat.set_job_id("hb");
+      beat.set_rank(0);
+      beat.set_generation(1);
+      beat.set_step(step * 10);
+      ASSERT_TRUE(stream->Write(beat));
+      v1::HeartbeatResponse reply;
+      ASSERT_TRUE(stream->Read(&reply));
+      EXPECT_EQ(reply.generation(), 1);
+      EXPECT_EQ(reply.state(), v1::RUNNING);
+    }
+    // Another job on the same stream is refused, and ends it.
+    v1::HeartbeatRequest other;
+    other.set_job_id("other");
+    ASSERT_TRUE(stream->Write(other));
+    v1::HeartbeatResponse reply;
+    EXPECT_FALSE(stream->Read(&reply));
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  v1::GetJobRequest get;
+  get.set_job_id("hb");
+  v1::Job job;
+  ASSERT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
+  EXPECT_EQ(job.members(0).last_step(), 40);
+  {
+    auto ctx = Context();
+    auto stream = stub_->HeartbeatStream(ctx.get());
+    v1::HeartbeatRequest beat;
+    beat.set_job_id("ghost");
+    ASSERT_TRUE(stream->Write(beat));
+    v1::HeartbeatResponse reply;
+    EXPECT_FALSE(stream->Read(&reply));
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+  {
+    auto ctx = Context();
+    auto stream = stub_->HeartbeatStream(ctx.get());
+    ASSERT_TRUE(stream->WritesDone());  // a client that only half-closes: a clean end
+    EXPECT_TRUE(stream->Finish().ok());
+  }
 }
 
 TEST_F(ServerTest, WatchJob_UnknownJob_NotFound) {
@@ -325,6 +435,21 @@ TEST_F(ServerTest, HostileInput_EachGetsItsCodeAndServerKeepsServing) {
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_THAT(s.error_message(), HasSubstr("at most 4096"));
   }
+  // A message past gRPC's 4 MiB receive limit, and a worker id far past ours.
+  {
+    v1::PublishCommIdRequest publish;
+    publish.set_job_id("j");
+    publish.set_unique_id(std::string(5 << 20, 'x'));
+    v1::PublishCommIdResponse published;
+    EXPECT_EQ(stub_->PublishCommId(Context().get(), publish, &published).error_code(),
+              grpc::StatusCode::RESOURCE_EXHAUSTED);
+    v1::JoinRequest join;
+    join.set_job_id("j");
+    join.set_worker_id(std::string(100000, 'w'));
+    v1::JoinResponse joined;
+    EXPECT_EQ(stub_->Join(Context().get(), join, &joined).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
   // Bytes that are not a protobuf message at all.
   {
     grpc::GenericStub generic(channel_);
@@ -360,6 +485,16 @@ TEST_F(ServerTest, Join_ClientDeadline_DeadlineExceededAndRankFreed) {
   v1::JoinResponse joined;
   EXPECT_EQ(stub_->Join(Context(absl::Milliseconds(200)).get(), join, &joined).error_code(),
             grpc::StatusCode::DEADLINE_EXCEEDED);
+  // The server sees the expiry on its own (its deadline timer or the staleness thread), a little
+  // after the client: wait until the rank is released.
+  for (int i = 0; i < 2000; ++i) {
+    v1::GetJobRequest get;
+    get.set_job_id("j");
+    v1::Job job;
+    ASSERT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
+    if (job.members_size() == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   // Rank 0 is free again: another worker may take it (no ALREADY_EXISTS).
   std::thread other([&] {
     v1::JoinRequest j2 = join;

@@ -150,7 +150,8 @@ class ReflectionTest(unittest.TestCase):
         service = self.pool.FindServiceByName("modelavg.v1.Coordinator")
         methods = set(service.methods_by_name)
         for name in ("CreateJob", "GetJob", "ListJobs", "DeleteJob", "Join", "Heartbeat", "Step",
-                     "GetSchedule", "PublishCommId", "GetCommId", "Leave", "WatchJob", "Ping"):
+                     "GetSchedule", "PublishCommId", "GetCommId", "Leave", "WatchJob", "Ping",
+                     "HeartbeatStream"):
             self.assertIn(name, methods)
         get_schedule = service.methods_by_name["GetSchedule"]
         self.assertEqual(get_schedule.input_type.full_name, "modelavg.v1.GetScheduleRequest")
