@@ -70,6 +70,7 @@ absl::StatusOr<Decision> ModelAverager::AverageParameters(absl::Span<const Tenso
   setup.subgroup = decision->subgroup;
   setup.rank = client_->rank();
   setup.timeout = client_->options().collective_timeout;
+  setup.gloo_in_place = client_->options().gloo_in_place;
   const SubgroupRange group = decision->subgroup;
   Client* client = client_;
   setup.check_alive = [client, group] { return client->CheckCanAverage(group); };

@@ -63,6 +63,10 @@ struct ClientOptions {
   int64_t schedule_window = 4096;
   // Address Gloo's TCP transport binds to (and that peers connect to).
   std::string gloo_hostname = "127.0.0.1";
+  // Host (Gloo) parameters that form one float32/float64 buffer are averaged in place, without
+  // the staging copy that keeps them untouched when a collective fails: faster for large
+  // models, but a failure mid-collective leaves them undefined (restore from a checkpoint).
+  bool gloo_in_place = false;
 };
 
 // One rank's membership in one job. Thread-safe.

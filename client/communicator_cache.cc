@@ -64,7 +64,7 @@ absl::StatusOr<Communicator*> CommunicatorCache::Get(const CommunicatorSetup& se
       CoordinatorStore store(setup, "gloo/");
       absl::StatusOr<std::unique_ptr<GlooCommunicator>> gloo = GlooCommunicator::Create(
           store, std::move(dev), member, setup.subgroup.size, setup.timeout,
-          [&store] { return store.last_error(); });
+          [&store] { return store.last_error(); }, setup.gloo_in_place);
       if (!gloo.ok()) return Annotate(gloo.status(), absl::StrCat("creating the ", what));
       comm = *std::move(gloo);
     }

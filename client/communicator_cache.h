@@ -41,6 +41,8 @@ struct CommunicatorSetup {
   absl::Duration timeout = absl::Seconds(60);
   // Polled while waiting (NCCL): non-OK aborts the wait with that status.
   std::function<absl::Status()> check_alive;
+  // Gloo: average one-buffer parameters in place (ClientOptions::gloo_in_place).
+  bool gloo_in_place = false;
 };
 
 struct CommunicatorKey {

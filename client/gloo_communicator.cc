@@ -1,20 +1,25 @@
 #include "client/gloo_communicator.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <exception>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/host_staging.h"
+#include "common/status_util.h"
 #include "gloo/allreduce.h"
 #include "gloo/common/error.h"
 #include "gloo/math.h"
 #include "gloo/rendezvous/context.h"
 #include "gloo/rendezvous/store.h"
 #include "gloo/transport/tcp/device.h"
+#include "spdlog/spdlog.h"
 
 namespace modelavg::client {
 namespace {
@@ -39,6 +44,89 @@ absl::Status FromGlooException(const std::exception& e, absl::string_view what) 
   return absl::InternalError(absl::StrCat(what, " failed; Gloo: ", msg));
 }
 
+// Where Gloo's ring all-reduce (gloo/allreduce.cc) leaves the fully reduced data: the buffer is
+// cut into a multiple of `size` segments (at least two per member, each at most
+// `max_segment` bytes unless that needs more), all of one size; member r ends the
+// reduce-scatter holding chunk r, its segments [r * per_rank, (r + 1) * per_rank). The only
+// reduction of a chunk-r segment at member r is that segment's last, so dividing there (1/size
+// of the data, while it is in cache) gives the average without a pass of its own. Gloo does
+// not promise this layout: GlooCommunicator checks it at creation (see ProbeFusedAverage) and
+// counts, on every call, that exactly its chunk was divided.
+struct RingChunk {
+  size_t begin = 0;  // bytes
+  size_t end = 0;
+};
+
+size_t RoundUp(size_t v, size_t m) { return v % m == 0 ? v : v + m - v % m; }
+
+RingChunk GlooRingChunk(size_t total_bytes, int size, int rank, size_t elem,
+                        size_t max_segment) {
+  const size_t n = static_cast<size_t>(size);
+  const size_t segments =
+      RoundUp(std::max((total_bytes + max_segment - 1) / max_segment, n * 2), n);
+  const size_t segment = RoundUp((total_bytes + segments - 1) / segments, elem);
+  const size_t per_rank = segments / n;
+  RingChunk c;
+  c.begin = std::min(total_bytes, rank * per_rank * segment);
+  c.end = std::min(total_bytes, (rank + 1) * per_rank * segment);
+  return c;
+}
+
+constexpr size_t kDefaultMaxSegment = gloo::detail::AllreduceOptionsImpl::kMaxSegmentSize;
+
+// The ring's reduction: a sum, divided by the group size where it is final (this member's
+// chunk). Counts the elements it divided, so the caller can check the layout assumption.
+// With a backup, each segment is first copied there — it is about to be read for the sum
+// anyway — so that a failed collective can be undone; `saved` lists the copied byte ranges.
+struct RingState {
+  const void* base = nullptr;
+  void* backup = nullptr;
+  RingChunk final_chunk;
+  int size = 1;
+  int64_t divided = 0;
+  std::vector<std::pair<size_t, size_t>> saved;
+  // Tests: throw (as a transport failure would) once this many reductions have run.
+  int fail_after = -1;
+};
+
+template <typename T>
+gloo::AllreduceOptions::Func AverageReduction(RingState* st) {
+  return [st](void* c, const void* a, const void* b, size_t n) {
+    const size_t offset = static_cast<const char*>(c) - static_cast<const char*>(st->base);
+    if (st->backup != nullptr) {
+      std::memcpy(static_cast<char*>(st->backup) + offset, c, n * sizeof(T));
+      st->saved.emplace_back(offset, n * sizeof(T));
+    }
+    gloo::sum<T>(c, a, b, n);
+    if (st->fail_after >= 0 && st->fail_after-- == 0) {
+      throw gloo::IoException("injected failure (test)");
+    }
+    if (offset >= st->final_chunk.begin && offset < st->final_chunk.end) {
+      DivideInto(static_cast<const T*>(c), static_cast<int64_t>(n), static_cast<T>(st->size),
+                 static_cast<T*>(c));
+      st->divided += static_cast<int64_t>(n);
+    }
+  };
+}
+
+// The tensors as one buffer when they are float32/float64 of one dtype, back to back in memory
+// (one tensor, or ContiguousParameters); nullptr otherwise.
+void* SingleBuffer(absl::Span<const TensorView> tensors) {
+  const TensorView* first = nullptr;
+  char* next = nullptr;
+  for (const TensorView& t : tensors) {
+    if (t.numel == 0) continue;
+    if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat64) return nullptr;
+    if (first == nullptr) {
+      first = &t;
+    } else if (t.dtype != first->dtype || static_cast<char*>(t.data) != next) {
+      return nullptr;
+    }
+    next = static_cast<char*>(t.data) + t.nbytes();
+  }
+  return first == nullptr ? nullptr : first->data;
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CreateGlooDevice(
@@ -59,7 +147,7 @@ absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CreateGlooDevice(
 
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
-    int size, absl::Duration timeout, std::function<absl::Status()> store_error) {
+    int size, absl::Duration timeout, std::function<absl::Status()> store_error, bool in_place) {
   if (size < 1 || rank < 0 || rank >= size) {
     return absl::InvalidArgumentError(
         absl::StrCat("Gloo communicator rank ", rank, " of size ", size, " is out of range"));
@@ -69,8 +157,10 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
     context->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
     context->connectFullMesh(store, device);
-    return std::unique_ptr<GlooCommunicator>(
-        new GlooCommunicator(std::move(context), rank, size, timeout));
+    std::unique_ptr<GlooCommunicator> comm(
+        new GlooCommunicator(std::move(context), rank, size, timeout, in_place));
+    MODELAVG_RETURN_IF_ERROR(comm->ProbeFusedAverage());
+    return comm;
   } catch (const std::exception& e) {
     if (store_error) {
       absl::Status s = store_error();
@@ -83,8 +173,12 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
 }
 
 GlooCommunicator::GlooCommunicator(std::shared_ptr<gloo::Context> context, int rank, int size,
-                                   absl::Duration timeout)
-    : context_(std::move(context)), rank_(rank), size_(size), timeout_(timeout) {}
+                                   absl::Duration timeout, bool in_place)
+    : context_(std::move(context)),
+      rank_(rank),
+      size_(size),
+      timeout_(timeout),
+      in_place_(in_place) {}
 
 GlooCommunicator::~GlooCommunicator() = default;
 
@@ -108,6 +202,83 @@ absl::Status GlooCommunicator::RunSum(void* data, int64_t numel, DType dtype) {
   } catch (...) {
     return absl::InternalError("Gloo all-reduce failed with an unknown exception");
   }
+}
+
+absl::Status GlooCommunicator::RunAverage(void* data, int64_t numel, DType dtype, void* backup,
+                                          size_t max_segment) {
+  const size_t elem = DTypeSize(dtype);
+  const size_t bytes = static_cast<size_t>(numel) * elem;
+  RingState st;
+  st.base = data;
+  st.backup = backup;
+  st.final_chunk = GlooRingChunk(bytes, size_, rank_, elem, max_segment);
+  st.size = size_;
+  st.fail_after = fail_after_reductions_;
+  fail_after_reductions_ = -1;
+  if (backup != nullptr) {
+    // The chunk this member sends first is never reduced here (the hook above never sees it)
+    // but is overwritten by the all-gather: save it up front.
+    const RingChunk first =
+        GlooRingChunk(bytes, size_, (rank_ + 1) % size_, elem, max_segment);
+    std::memcpy(static_cast<char*>(backup) + first.begin, static_cast<char*>(data) + first.begin,
+                first.end - first.begin);
+    st.saved.emplace_back(first.begin, first.end - first.begin);
+  }
+  auto restore = [&] {
+    for (const auto& [offset, len] : st.saved) {
+      std::memcpy(static_cast<char*>(data) + offset, static_cast<char*>(backup) + offset, len);
+    }
+  };
+  try {
+    gloo::AllreduceOptions opts(context_);
+    opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+    opts.setTag(next_tag_++);
+    opts.setMaxSegmentSize(max_segment);
+    if (dtype == DType::kFloat64) {
+      opts.setOutput(static_cast<double*>(data), static_cast<size_t>(numel));
+      opts.setReduceFunction(AverageReduction<double>(&st));
+    } else {
+      opts.setOutput(static_cast<float*>(data), static_cast<size_t>(numel));
+      opts.setReduceFunction(AverageReduction<float>(&st));
+    }
+    gloo::allreduce(opts);
+  } catch (const std::exception& e) {
+    if (backup != nullptr) restore();
+    return FromGlooException(e, absl::StrCat("Gloo all-reduce of ", numel, " elements"));
+  } catch (...) {
+    if (backup != nullptr) restore();
+    return absl::InternalError("Gloo all-reduce failed with an unknown exception");
+  }
+  const int64_t expected =
+      static_cast<int64_t>((st.final_chunk.end - st.final_chunk.begin) / elem);
+  if (st.divided != expected) {
+    if (backup != nullptr) restore();
+    return absl::InternalError(absl::StrCat(
+        "Gloo's ring all-reduce finished ", st.divided, " elements on this member where ",
+        expected, " were expected: this Gloo build cuts buffers differently than modelavg "
+        "assumes; the parameters may be partly reduced; report the Gloo version"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::ProbeFusedAverage() {
+  // A small buffer cut into many segments, so that every branch of the layout rule is used.
+  constexpr int64_t kProbe = 1000;
+  constexpr size_t kProbeSegment = 256;
+  std::vector<float> probe(kProbe, static_cast<float>(rank_ + 1));
+  absl::MutexLock l(&mu_);
+  absl::Status s = RunAverage(probe.data(), kProbe, DType::kFloat32, nullptr, kProbeSegment);
+  // Every member runs the same Gloo, so every member reaches the same verdict.
+  const float mean = static_cast<float>(size_ + 1) / 2;  // exact
+  bool right = s.ok();
+  for (float v : probe) right = right && v == mean;
+  if (!s.ok() && s.code() != absl::StatusCode::kInternal) return s;  // transport failure
+  fused_ = right;
+  if (!fused_) {
+    spdlog::warn("this Gloo build's ring all-reduce does not lay buffers out as modelavg "
+                 "expects; averaging falls back to a staging copy with a separate division");
+  }
+  return absl::OkStatus();
 }
 
 absl::Status GlooCommunicator::CheckLayout(int64_t numel, DType dtype) {
@@ -153,9 +324,30 @@ absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
   }
   if (*total == 0) return absl::OkStatus();
   const size_t bytes = static_cast<size_t>(*total) * DTypeSize(dtype);
+  void* single = SingleBuffer(tensors);
+  if (fused_ && single != nullptr) {
+    // One buffer: reduced in place, the division fused into the ring. Unless in_place, every
+    // segment is saved to a backup as the ring first touches it, and restored if the
+    // collective fails.
+    void* backup = nullptr;
+    if (!in_place_) {
+      if (staging_.size() * sizeof(double) < bytes) staging_.resize((bytes + 7) / 8);
+      backup = staging_.data();
+    }
+    absl::Status s = RunAverage(single, *total, dtype, backup, kDefaultMaxSegment);
+    if (!s.ok()) broken_ = s;
+    return s;
+  }
+  // Anything else: one flat staging buffer, copied back only on success.
   if (staging_.size() * sizeof(double) < bytes) staging_.resize((bytes + 7) / 8);
-  PackDivided(tensors, dtype, static_cast<double>(size_), staging_.data());
-  absl::Status s = RunSum(staging_.data(), *total, dtype);
+  absl::Status s;
+  if (fused_) {
+    PackDivided(tensors, dtype, 1.0, staging_.data());
+    s = RunAverage(staging_.data(), *total, dtype, /*backup=*/nullptr, kDefaultMaxSegment);
+  } else {
+    PackDivided(tensors, dtype, static_cast<double>(size_), staging_.data());
+    s = RunSum(staging_.data(), *total, dtype);
+  }
   if (!s.ok()) {
     broken_ = s;
     return s;

@@ -33,17 +33,25 @@ class GlooCommunicator : public Communicator {
   // Creates the full mesh of `size` members through `store` (every member must call this with
   // its own `rank`) on `device` (see CreateGlooDevice). `timeout` bounds the rendezvous and
   // every later collective. `store_error`, when set, gives the cause of a store failure (its
-  // status code is kept: ABORTED, FAILED_PRECONDITION, ...).
+  // status code is kept: ABORTED, FAILED_PRECONDITION, ...). `in_place`: see
+  // ClientOptions::gloo_in_place.
   // Errors: INVALID_ARGUMENT (rank/size), DEADLINE_EXCEEDED (a member did not arrive in time),
   // UNAVAILABLE (a member could not be reached), the store's error, INTERNAL (other Gloo
   // failures).
   static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(
       gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
-      int size, absl::Duration timeout, std::function<absl::Status()> store_error = nullptr);
+      int size, absl::Duration timeout, std::function<absl::Status()> store_error = nullptr,
+      bool in_place = false);
 
   ~GlooCommunicator() override;
 
-  // One SUM all-reduce of one flat staging buffer after dividing by size() (as PyTorch).
+  // One SUM all-reduce whose last reduction of each segment also divides by size(), so the
+  // average costs no pass of its own (PyTorch divides first; the results agree to rounding,
+  // exactly for power-of-two groups). When the tensors form one float32/float64 buffer (one
+  // tensor, or back to back) it is reduced in place; each segment is saved to a backup as the
+  // ring first touches it (while in cache) and restored if the collective fails (no backup with
+  // in_place). Otherwise every tensor is packed
+  // (converted) into one flat staging buffer, reduced, and copied back on success.
   // The first call, and any call whose layout (total element count, staging dtype) differs
   // from the last verified one, first checks that every member passes the same layout.
   // Errors as Communicator::AllReduceAverage; UNAVAILABLE when a peer's connection broke.
@@ -54,10 +62,29 @@ class GlooCommunicator : public Communicator {
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
+  // Tests only: the next averaging all-reduce fails after `n` reductions on this member.
+  void InjectFailureAfterReductionsForTesting(int n) {
+    absl::MutexLock l(&mu_);
+    fail_after_reductions_ = n;
+  }
+  // Whether averaging fuses the division into Gloo's ring (false: a separate pass).
+  bool fused() const {
+    absl::MutexLock l(&mu_);
+    return fused_;
+  }
 
  private:
   GlooCommunicator(std::shared_ptr<gloo::Context> context, int rank, int size,
-                   absl::Duration timeout);
+                   absl::Duration timeout, bool in_place);
+  // Averages `data` (numel elements) in place: Gloo's ring SUM all-reduce with the division
+  // by size() fused into each segment's last reduction. With `backup` (numel elements), `data`
+  // is restored on failure.
+  absl::Status RunAverage(void* data, int64_t numel, DType dtype, void* backup,
+                          size_t max_segment) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Checks, with a small all-reduce, that the fused division lands where expected on this Gloo
+  // build; otherwise averaging uses the staging path with a separate division. Errors: the
+  // transport's.
+  absl::Status ProbeFusedAverage();
   // Every member's (total numel, staging dtype) must be equal.
   absl::Status CheckLayout(int64_t numel, DType dtype) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RunSum(void* data, int64_t numel, DType dtype) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -66,7 +93,11 @@ class GlooCommunicator : public Communicator {
   const int rank_;
   const int size_;
   const absl::Duration timeout_;
-  absl::Mutex mu_;
+  const bool in_place_;
+  mutable absl::Mutex mu_;
+  // Whether the division can be fused into Gloo's ring (ProbeFusedAverage).
+  bool fused_ ABSL_GUARDED_BY(mu_) = false;
+  int fail_after_reductions_ ABSL_GUARDED_BY(mu_) = -1;
   // Non-OK once a collective failed: the mesh is then in an unknown state.
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
   bool layout_checked_ ABSL_GUARDED_BY(mu_) = false;

@@ -1,6 +1,8 @@
 #include "client/host_staging.h"
 
+#include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "client/half.h"
@@ -8,20 +10,40 @@
 namespace modelavg::client {
 namespace {
 
+template <typename S, typename T>
+void DivideIntoImpl(const T* in, int64_t n, S divisor, S* out) {
+  if constexpr (std::is_same_v<S, T>) {
+    if (static_cast<const void*>(in) == static_cast<const void*>(out)) {
+      // In place: one pointer, so the loop vectorizes without an aliasing check.
+      int exp = 0;
+      if (std::frexp(divisor, &exp) == static_cast<S>(0.5)) {
+        const S inv = static_cast<S>(1) / divisor;
+        for (int64_t i = 0; i < n; ++i) out[i] *= inv;
+      } else {
+        for (int64_t i = 0; i < n; ++i) out[i] /= divisor;
+      }
+      return;
+    }
+  }
+  int exp = 0;
+  if (std::frexp(divisor, &exp) == static_cast<S>(0.5)) {
+    const S inv = static_cast<S>(1) / divisor;
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<S>(in[i]) * inv;
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<S>(in[i]) / divisor;
+  }
+}
+
 template <typename S>
 void PackOne(const TensorView& t, S divisor, S* out) {
   const int64_t n = t.numel;
   switch (t.dtype) {
-    case DType::kFloat32: {
-      const float* in = static_cast<const float*>(t.data);
-      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<S>(in[i]) / divisor;
+    case DType::kFloat32:
+      DivideIntoImpl(static_cast<const float*>(t.data), n, divisor, out);
       break;
-    }
-    case DType::kFloat64: {
-      const double* in = static_cast<const double*>(t.data);
-      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<S>(in[i]) / divisor;
+    case DType::kFloat64:
+      DivideIntoImpl(static_cast<const double*>(t.data), n, divisor, out);
       break;
-    }
     case DType::kFloat16: {
       const uint16_t* in = static_cast<const uint16_t*>(t.data);
       for (int64_t i = 0; i < n; ++i) out[i] = static_cast<S>(HalfToFloat(in[i])) / divisor;
@@ -67,6 +89,13 @@ void UnpackOne(const S* in, const TensorView& t) {
 }
 
 }  // namespace
+
+void DivideInto(const float* in, int64_t n, float divisor, float* out) {
+  DivideIntoImpl(in, n, divisor, out);
+}
+void DivideInto(const double* in, int64_t n, double divisor, double* out) {
+  DivideIntoImpl(in, n, divisor, out);
+}
 
 DType StagingDType(absl::Span<const TensorView> tensors) {
   for (const TensorView& t : tensors) {

@@ -28,6 +28,12 @@ absl::StatusOr<int64_t> CheckHostTensors(absl::Span<const TensorView> tensors);
 void PackDivided(absl::Span<const TensorView> tensors, DType staging_dtype, double divisor,
                  void* staging);
 
+// out[i] = in[i] / divisor for n elements (in and out may be the same buffer). A power-of-two
+// divisor multiplies by its exact reciprocal (same bits, faster); otherwise it divides, as
+// PyTorch does.
+void DivideInto(const float* in, int64_t n, float divisor, float* out);
+void DivideInto(const double* in, int64_t n, double divisor, double* out);
+
 // The inverse of PackDivided without the division: copies consecutive ranges of `staging` back
 // into the tensors, converted to each tensor's dtype.
 void Unpack(const void* staging, DType staging_dtype, absl::Span<const TensorView> tensors);

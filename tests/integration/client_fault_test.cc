@@ -56,6 +56,28 @@ TEST(ClientFaultTest, WorkerKilledMidRun_SurvivorsFailWithClearErrorWithinHeartb
   EXPECT_LT(absl::Now() - killed, absl::Seconds(20));
 }
 
+// A large buffer (many Gloo segments) and no pause between steps, so the kill lands inside a
+// collective: the survivors' parameters must be exactly as before the failed call.
+TEST(ClientFaultTest, WorkerKilledMidCollective_SurvivorsParametersUntouched) {
+  Cluster cluster("kill-mid");
+  ASSERT_TRUE(cluster.ok()) << cluster.dir();
+  ASSERT_TRUE(cluster.admin()
+                  ->CreateJob(MakeSpec("killmid", 2, v1::PERIODIC, {{1, 2}}, 0,
+                                       /*heartbeat_ms=*/1000))
+                  .ok());
+  auto workers = cluster.StartWorkers(
+      "killmid", 2,
+      {"--steps=100000", "--layout=f32:3000000", "--collective_timeout_ms=60000",
+       "--check_untouched"});
+  ASSERT_TRUE(WaitForLines(*workers[0], 3, absl::Seconds(60))) << workers[0]->err();
+  workers[1]->Signal(SIGKILL);
+  auto code = workers[0]->Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.has_value()) << "rank 0 still running after the kill";
+  EXPECT_EQ(*code, 1);
+  const std::string err = workers[0]->err();
+  EXPECT_THAT(err, HasSubstr("[parameters untouched]")) << err;
+}
+
 TEST(ClientFaultTest, CoordinatorKilled_WorkersFailCleanly) {
   Cluster cluster("kill-coordinator");
   ASSERT_TRUE(cluster.ok()) << cluster.dir();

@@ -38,6 +38,8 @@ ABSL_FLAG(int64_t, step_sleep_ms, 0, "Sleep before each step (fault tests).");
 ABSL_FLAG(int64_t, collective_timeout_ms, 30000, "ClientOptions.collective_timeout.");
 ABSL_FLAG(int64_t, heartbeat_interval_ms, 100, "ClientOptions.heartbeat_interval.");
 ABSL_FLAG(int64_t, start_step, 0, "set_step() before the first call (checkpoint restore).");
+ABSL_FLAG(bool, check_untouched, false,
+          "On a failed call, say whether the parameters are exactly as before it.");
 ABSL_FLAG(std::string, log_level, "warn", "spdlog level.");
 
 namespace modelavg::client {
@@ -153,7 +155,23 @@ absl::Status Run() {
     for (Tensor& t : tensors) {
       for (int64_t i = 0; i < t.numel; ++i) t.Set(i, t.Get(i) + add);
     }
-    MODELAVG_ASSIGN_OR_RETURN(Decision d, averager->AverageParameters(views));
+    std::vector<Tensor> before;
+    if (absl::GetFlag(FLAGS_check_untouched)) before = tensors;
+    absl::StatusOr<Decision> result = averager->AverageParameters(views);
+    if (!result.ok()) {
+      if (!absl::GetFlag(FLAGS_check_untouched)) return result.status();
+      bool untouched = true;
+      for (size_t k = 0; k < tensors.size(); ++k) {
+        for (int64_t i = 0; i < tensors[k].numel; ++i) {
+          untouched = untouched && tensors[k].Get(i) == before[k].Get(i);
+        }
+      }
+      return absl::Status(result.status().code(),
+                          absl::StrCat(result.status().message(),
+                                       untouched ? " [parameters untouched]"
+                                                 : " [parameters CHANGED]"));
+    }
+    const Decision d = *result;
     std::string values;
     for (size_t k = 0; k < tensors.size(); ++k) {
       const Tensor& t = tensors[k];

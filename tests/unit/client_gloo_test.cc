@@ -2,6 +2,7 @@
 // HashStore (the coordinator-backed store is covered by client_coordinator_test).
 #include "client/gloo_communicator.h"
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -21,7 +22,8 @@ using ::testing::HasSubstr;
 
 // Runs fn(rank, communicator) on `size` threads after a rendezvous; returns each rank's status.
 std::vector<absl::Status> RunRanks(int size, absl::Duration timeout,
-                                   const std::function<absl::Status(int, GlooCommunicator&)>& fn) {
+                                   const std::function<absl::Status(int, GlooCommunicator&)>& fn,
+                                   bool in_place = false) {
   gloo::rendezvous::HashStore store;
   std::vector<absl::Status> out(size);
   std::vector<std::thread> threads;
@@ -32,7 +34,7 @@ std::vector<absl::Status> RunRanks(int size, absl::Duration timeout,
         out[r] = dev.status();
         return;
       }
-      auto comm = GlooCommunicator::Create(store, *dev, r, size, timeout);
+      auto comm = GlooCommunicator::Create(store, *dev, r, size, timeout, nullptr, in_place);
       if (!comm.ok()) {
         out[r] = comm.status();
         return;
@@ -47,6 +49,8 @@ std::vector<absl::Status> RunRanks(int size, absl::Duration timeout,
 TEST(GlooCommunicatorTest, AllReduceAverage_FourRanks_EveryRankGetsTheMean) {
   std::vector<std::vector<float>> got(4);
   auto statuses = RunRanks(4, absl::Seconds(20), [&](int r, GlooCommunicator& c) {
+    // This Gloo build's ring layout is the one the fused division expects.
+    EXPECT_TRUE(c.fused());
     std::vector<float> v = {static_cast<float>(r), static_cast<float>(10 * r), 1.0f};
     TensorView t{v.data(), 3, DType::kFloat32};
     absl::Status s = c.AllReduceAverage({t});
@@ -166,6 +170,77 @@ TEST(GlooCommunicatorTest, AllReduceAverage_CudaTensor_InvalidArgument) {
     return c.AllReduceAverage({t});
   });
   EXPECT_EQ(statuses[0].code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Many Gloo segments (1 MiB each), distinct values per element, a group size whose division is
+// inexact: the fused single-buffer path must match PyTorch's divide-then-sum.
+void CheckSingleBuffer(int size, bool in_place, int tensors) {
+  const int64_t n = 600001;
+  std::vector<std::vector<float>> got(size);
+  auto statuses = RunRanks(
+      size, absl::Seconds(30),
+      [&](int r, GlooCommunicator& c) {
+        std::vector<float>& v = got[r];
+        v.resize(n);
+        for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>((i % 1000) * (r + 1));
+        // `tensors` back-to-back views of the one buffer.
+        std::vector<TensorView> views;
+        int64_t at = 0;
+        for (int t = 0; t < tensors; ++t) {
+          const int64_t len = t == tensors - 1 ? n - at : n / tensors;
+          views.push_back(TensorView{v.data() + at, len, DType::kFloat32});
+          at += len;
+        }
+        return c.AllReduceAverage(views);
+      },
+      in_place);
+  for (int r = 0; r < size; ++r) {
+    ASSERT_TRUE(statuses[r].ok()) << statuses[r];
+    for (int64_t i = 0; i < n; ++i) {
+      float want = 0;
+      for (int m = 0; m < size; ++m) want += static_cast<float>((i % 1000) * (m + 1)) / size;
+      ASSERT_NEAR(got[r][i], want, 1e-6f * std::abs(want)) << "rank " << r << " element " << i;
+    }
+  }
+}
+
+TEST(GlooCommunicatorTest, AllReduceAverage_OneBufferStaged_ManySegments_MatchesPyTorch) {
+  CheckSingleBuffer(3, /*in_place=*/false, /*tensors=*/1);
+}
+
+TEST(GlooCommunicatorTest, AllReduceAverage_BackToBackTensorsInPlace_MatchesPyTorch) {
+  CheckSingleBuffer(2, /*in_place=*/true, /*tensors=*/7);
+}
+
+TEST(GlooCommunicatorTest, AllReduceAverage_PeerDiesMidPackedCall_Untouched) {
+  std::vector<float> f(8, 3.0f);
+  std::vector<double> d(4, 5.0);
+  auto statuses = RunRanks(2, absl::Seconds(1), [&](int r, GlooCommunicator& c) {
+    if (r == 1) return absl::OkStatus();
+    std::vector<TensorView> views = {{f.data(), 8, DType::kFloat32},
+                                     {d.data(), 4, DType::kFloat64}};
+    return c.AllReduceAverage(views);
+  });
+  EXPECT_FALSE(statuses[0].ok());
+  EXPECT_THAT(f, ::testing::Each(3.0f));
+  EXPECT_THAT(d, ::testing::Each(5.0));
+}
+
+// A failure after part of the buffer has been reduced in place: the backup restores it.
+TEST(GlooCommunicatorTest, AllReduceAverage_FailsMidRing_OneBufferRestoredExactly) {
+  const int64_t n = 3000000;  // many segments
+  std::vector<std::vector<float>> vals(2);
+  auto statuses = RunRanks(2, absl::Seconds(2), [&](int r, GlooCommunicator& c) {
+    vals[r].resize(n);
+    for (int64_t i = 0; i < n; ++i) vals[r][i] = static_cast<float>(i % 977 + r);
+    if (r == 0) c.InjectFailureAfterReductionsForTesting(3);
+    return c.AllReduceAverage({TensorView{vals[r].data(), n, DType::kFloat32}});
+  });
+  ASSERT_FALSE(statuses[0].ok());
+  EXPECT_THAT(std::string(statuses[0].message()), HasSubstr("injected"));
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(vals[0][i], static_cast<float>(i % 977)) << "element " << i;
+  }
 }
 
 TEST(SoloCommunicatorTest, AverageOfOneIsIdentity) {
