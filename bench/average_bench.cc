@@ -1,0 +1,313 @@
+// modelavg-bench-average --world=W --numel=N --tensors=T --iters=I --backend=gloo|nccl
+//
+// Starts a coordinator in-process and W worker processes (this binary again, with
+// --worker_rank). Each worker holds T float32 tensors of N elements in total (separately
+// allocated, so averaging goes through the staging buffer) and alternates, I times after a
+// warm-up, one AverageParameters call (PERIODIC job, period 1: every call averages over the
+// world) and one raw all-reduce of a flat N-element buffer on the same communicator (Gloo: a
+// SUM all-reduce; NCCL: ncclAllReduce with ncclAvg). Prints one JSON line:
+//   {"world", "numel", "tensors", "backend", "iters", "average_s", "raw_allreduce_s",
+//    "avg_over_raw", "average_gbps", "raw_gbps"}
+// where *_s are the median wall time of one call on the slowest rank, and avg_over_raw =
+// average_s / raw_allreduce_s (the target is <= 1/0.9, i.e. >= 0.9x the raw throughput).
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "client/averager.h"
+#include "client/client.h"
+#include "client/communicator_cache.h"
+#include "client/coordinator_client.h"
+#include "client/gloo_communicator.h"
+#include "common/logging.h"
+#include "common/status_util.h"
+#include "server/coordinator_server.h"
+#if MODELAVG_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "client/nccl_communicator.h"
+#include "common/cuda_check.h"
+#endif
+
+ABSL_FLAG(int32_t, world, 2, "Worker processes.");
+ABSL_FLAG(int64_t, numel, 1 << 20, "float32 elements in total per worker.");
+ABSL_FLAG(int32_t, tensors, 1, "Tensors the elements are split into.");
+ABSL_FLAG(int32_t, iters, 20, "Measured iterations.");
+ABSL_FLAG(int32_t, warmup, 3, "Unmeasured iterations first.");
+ABSL_FLAG(std::string, backend, "gloo", "gloo (host tensors) or nccl (CUDA tensors).");
+ABSL_FLAG(bool, in_place, false, "ClientOptions.gloo_in_place (no staging copy).");
+ABSL_FLAG(std::string, log_level, "warn", "spdlog level.");
+// Internal: worker mode.
+ABSL_FLAG(int32_t, worker_rank, -1, "internal");
+ABSL_FLAG(std::string, coordinator, "", "internal");
+ABSL_FLAG(std::string, job, "", "internal");
+
+namespace modelavg::bench {
+namespace {
+
+using client::Client;
+using client::DType;
+using client::TensorView;
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// Per-backend buffers and the raw all-reduce.
+class Buffers {
+ public:
+  virtual ~Buffers() = default;
+  virtual std::vector<TensorView> views() = 0;
+  virtual absl::Status Raw() = 0;
+};
+
+class HostBuffers : public Buffers {
+ public:
+  HostBuffers(int64_t numel, int tensors, int rank, client::GlooCommunicator* comm)
+      : comm_(comm), flat_(numel, 0.0f) {
+    for (int i = 0; i < tensors; ++i) {
+      const int64_t n = numel / tensors + (i == tensors - 1 ? numel % tensors : 0);
+      data_.emplace_back(n, static_cast<float>(rank));
+    }
+  }
+  std::vector<TensorView> views() override {
+    std::vector<TensorView> v;
+    for (auto& d : data_) v.push_back(TensorView{d.data(), static_cast<int64_t>(d.size())});
+    return v;
+  }
+  absl::Status Raw() override {
+    return comm_->AllReduceSum(flat_.data(), static_cast<int64_t>(flat_.size()),
+                               DType::kFloat32);
+  }
+
+ private:
+  client::GlooCommunicator* comm_;
+  std::vector<std::vector<float>> data_;
+  std::vector<float> flat_;
+};
+
+#if MODELAVG_HAVE_CUDA
+class CudaBuffers : public Buffers {
+ public:
+  static absl::StatusOr<std::unique_ptr<CudaBuffers>> Create(int64_t numel, int tensors,
+                                                             int device) {
+    auto b = std::unique_ptr<CudaBuffers>(new CudaBuffers());
+    b->device_ = device;
+    b->numel_ = numel;
+    MODELAVG_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+    MODELAVG_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
+    for (int i = 0; i < tensors; ++i) {
+      const int64_t n = numel / tensors + (i == tensors - 1 ? numel % tensors : 0);
+      void* p = nullptr;
+      MODELAVG_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, std::max<int64_t>(n, 1) * 4));
+      MODELAVG_CUDA_RETURN_IF_ERROR(cudaMemset(p, 0, n * 4));
+      b->tensors_.push_back(TensorView{p, n, DType::kFloat32, client::Device::Cuda(device),
+                                       b->stream_});
+    }
+    MODELAVG_CUDA_RETURN_IF_ERROR(cudaMalloc(&b->flat_, std::max<int64_t>(numel, 1) * 4));
+    MODELAVG_CUDA_RETURN_IF_ERROR(cudaMemset(b->flat_, 0, numel * 4));
+    return b;
+  }
+  ~CudaBuffers() override {
+    for (auto& t : tensors_) cudaFree(t.data);
+    if (flat_) cudaFree(flat_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  void set_comm(client::NcclCommunicator* c) { comm_ = c; }
+  std::vector<TensorView> views() override { return tensors_; }
+  absl::Status Raw() override {
+    return comm_->RawAllReduceAvg(flat_, numel_, DType::kFloat32, stream_);
+  }
+
+ private:
+  CudaBuffers() = default;
+  int device_ = 0;
+  int64_t numel_ = 0;
+  cudaStream_t stream_ = nullptr;
+  std::vector<TensorView> tensors_;
+  void* flat_ = nullptr;
+  client::NcclCommunicator* comm_ = nullptr;
+};
+#endif
+
+absl::Status Worker() {
+  client::ClientOptions o;
+  o.coordinator = absl::GetFlag(FLAGS_coordinator);
+  o.job_id = absl::GetFlag(FLAGS_job);
+  o.rank = absl::GetFlag(FLAGS_worker_rank);
+  o.collective_timeout = absl::Seconds(120);
+  o.gloo_in_place = absl::GetFlag(FLAGS_in_place);
+  MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Connect(o));
+  MODELAVG_ASSIGN_OR_RETURN(auto averager, client::PeriodicModelAverager::Create(client.get()));
+  const int64_t numel = absl::GetFlag(FLAGS_numel);
+  const int tensors = absl::GetFlag(FLAGS_tensors);
+  const bool nccl = absl::GetFlag(FLAGS_backend) == "nccl";
+
+  client::CommunicatorSetup setup;
+  setup.coordinator = client->coordinator();
+  setup.job_id = client->job_id();
+  setup.generation = client->generation();
+  setup.level = 0;
+  setup.subgroup = client->schedule().SubgroupOf(0, client->rank());
+  setup.rank = client->rank();
+  setup.timeout = o.collective_timeout;
+  setup.gloo_in_place = o.gloo_in_place;  // the averager must find the same communicator
+  std::unique_ptr<Buffers> buffers;
+  if (!nccl) {
+    MODELAVG_ASSIGN_OR_RETURN(client::Communicator * comm,
+                              client->communicators()->Get(setup, client::Device::Host()));
+    auto* gloo = dynamic_cast<client::GlooCommunicator*>(comm);
+    if (gloo == nullptr) return absl::InvalidArgumentError("--world must be >= 2 for gloo");
+    buffers = std::make_unique<HostBuffers>(numel, tensors, client->rank(), gloo);
+  } else {
+#if MODELAVG_HAVE_CUDA
+    int count = 0;
+    MODELAVG_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count));
+    const int device = client->rank() % count;
+    MODELAVG_ASSIGN_OR_RETURN(auto cuda, CudaBuffers::Create(numel, tensors, device));
+    MODELAVG_ASSIGN_OR_RETURN(client::Communicator * comm,
+                              client->communicators()->Get(setup, client::Device::Cuda(device)));
+    cuda->set_comm(static_cast<client::NcclCommunicator*>(comm));
+    buffers = std::move(cuda);
+#else
+    return absl::UnimplementedError("this build has no CUDA/NCCL: use --backend=gloo");
+#endif
+  }
+  std::vector<TensorView> views = buffers->views();
+  std::vector<double> avg, raw;
+  const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
+  for (int i = 0; i < warmup + iters; ++i) {
+    absl::Time t0 = absl::Now();
+    MODELAVG_RETURN_IF_ERROR(averager->AverageParameters(views).status());
+    absl::Time t1 = absl::Now();
+    MODELAVG_RETURN_IF_ERROR(buffers->Raw());
+    absl::Time t2 = absl::Now();
+    if (i >= warmup) {
+      avg.push_back(absl::ToDoubleSeconds(t1 - t0));
+      raw.push_back(absl::ToDoubleSeconds(t2 - t1));
+    }
+  }
+  std::printf("{\"rank\": %d, \"average_s\": %.9g, \"raw_allreduce_s\": %.9g}\n", client->rank(),
+              Median(avg), Median(raw));
+  std::fflush(stdout);
+  buffers.reset();
+  return client->Leave("benchmark done");
+}
+
+absl::Status Driver(const char* self) {
+  const int world = absl::GetFlag(FLAGS_world);
+  const int64_t numel = absl::GetFlag(FLAGS_numel);
+  const int tensors = absl::GetFlag(FLAGS_tensors);
+  const std::string backend = absl::GetFlag(FLAGS_backend);
+  if (world < 1 || numel < 1 || tensors < 1 || tensors > numel || absl::GetFlag(FLAGS_iters) < 1) {
+    return absl::InvalidArgumentError(
+        "need --world >= 1, --numel >= 1, 1 <= --tensors <= --numel, --iters >= 1");
+  }
+  if (backend != "gloo" && backend != "nccl") {
+    return absl::InvalidArgumentError("--backend must be gloo or nccl");
+  }
+  server::ServerOptions sopts;
+  MODELAVG_ASSIGN_OR_RETURN(auto server, server::CoordinatorServer::Start(sopts));
+  client::CoordinatorClientOptions aopts;
+  aopts.address = server->address();
+  MODELAVG_ASSIGN_OR_RETURN(auto admin, client::CoordinatorClient::Create(aopts));
+  const std::string job = absl::StrCat("bench-average-", getpid());
+  v1::JobSpec spec;
+  spec.set_job_id(job);
+  spec.set_world_size(world);
+  spec.set_mode(v1::PERIODIC);
+  v1::Level* level = spec.add_levels();
+  level->set_period(1);
+  level->set_group_size(world);
+  MODELAVG_RETURN_IF_ERROR(admin->CreateJob(spec).status());
+
+  char dir_tmpl[] = "/tmp/modelavg-bench-average.XXXXXX";
+  const std::string dir = mkdtemp(dir_tmpl) ? dir_tmpl : "/tmp";
+  std::vector<pid_t> pids;
+  std::vector<std::string> outs;
+  for (int r = 0; r < world; ++r) {
+    std::vector<std::string> argv = {
+        self, absl::StrCat("--worker_rank=", r), "--coordinator=" + server->address(),
+        "--job=" + job, absl::StrCat("--numel=", numel), absl::StrCat("--tensors=", tensors),
+        absl::StrCat("--iters=", absl::GetFlag(FLAGS_iters)),
+        absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)), "--backend=" + backend,
+        "--log_level=" + absl::GetFlag(FLAGS_log_level),
+        absl::StrCat("--in_place=", absl::GetFlag(FLAGS_in_place) ? "true" : "false")};
+    std::vector<char*> args;
+    for (auto& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
+    outs.push_back(absl::StrCat(dir, "/rank", r, ".out"));
+    const std::string out = outs.back();
+    pid_t pid = fork();
+    if (pid == 0) {
+      int fd = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (fd >= 0) dup2(fd, 1);
+      execv(args[0], args.data());
+      _exit(127);
+    }
+    pids.push_back(pid);
+  }
+  double average_s = 0, raw_s = 0;
+  absl::Status failed;
+  for (int r = 0; r < world; ++r) {
+    int st = 0;
+    waitpid(pids[r], &st, 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+      failed = absl::InternalError(absl::StrCat("worker ", r, " failed (see its stderr above)"));
+      continue;
+    }
+    FILE* f = std::fopen(outs[r].c_str(), "r");
+    int rank = -1;
+    double a = 0, b = 0;
+    if (f == nullptr ||
+        std::fscanf(f, "{\"rank\": %d, \"average_s\": %lf, \"raw_allreduce_s\": %lf}", &rank, &a,
+                    &b) != 3) {
+      failed = absl::InternalError(absl::StrCat("worker ", r, " printed no result"));
+    }
+    if (f) std::fclose(f);
+    average_s = std::max(average_s, a);
+    raw_s = std::max(raw_s, b);
+  }
+  server->Shutdown();
+  MODELAVG_RETURN_IF_ERROR(failed);
+  const double bytes = static_cast<double>(numel) * 4;
+  std::printf(
+      "{\"world\": %d, \"numel\": %lld, \"tensors\": %d, \"backend\": \"%s\", "
+      "\"in_place\": %s, \"iters\": %d, "
+      "\"average_s\": %.6g, \"raw_allreduce_s\": %.6g, \"avg_over_raw\": %.4f, "
+      "\"average_gbps\": %.4g, \"raw_gbps\": %.4g}\n",
+      world, static_cast<long long>(numel), tensors, backend.c_str(),
+      absl::GetFlag(FLAGS_in_place) ? "true" : "false", absl::GetFlag(FLAGS_iters), average_s, raw_s, raw_s > 0 ? average_s / raw_s : 0.0,
+      bytes / average_s / 1e9, bytes / raw_s / 1e9);
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace modelavg::bench
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  modelavg::InitLogging(absl::GetFlag(FLAGS_log_level)).IgnoreError();
+  absl::Status s = absl::GetFlag(FLAGS_worker_rank) >= 0
+                       ? modelavg::bench::Worker()
+                       : modelavg::bench::Driver("/proc/self/exe");
+  if (!s.ok()) {
+    std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}

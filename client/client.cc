@@ -1,0 +1,349 @@
+#include "client/client.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "client/communicator_cache.h"
+#include "client/coordinator_client.h"
+#include "common/job_spec.h"
+#include "common/status_util.h"
+#include "spdlog/spdlog.h"
+
+namespace modelavg::client {
+namespace {
+
+constexpr int64_t kMaxScheduleWindow = 100000;
+// Used when the coordinator does not say (it always does after defaults).
+constexpr absl::Duration kFallbackHeartbeatTimeout = absl::Seconds(3);
+
+std::string HostName() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
+  return buf;
+}
+
+absl::Status ValidateOptions(const ClientOptions& o) {
+  if (o.coordinator.empty()) {
+    return absl::InvalidArgumentError(
+        "ClientOptions.coordinator is empty: set it to the coordinator's host:port");
+  }
+  MODELAVG_RETURN_IF_ERROR(Annotate(ValidateJobId(o.job_id), "ClientOptions.job_id"));
+  if (o.rank.has_value() && *o.rank < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClientOptions.rank is ", *o.rank, ": a rank is >= 0 (or leave it unset)"));
+  }
+  if (o.join_timeout <= absl::ZeroDuration() || o.rpc_timeout <= absl::ZeroDuration() ||
+      o.heartbeat_interval <= absl::ZeroDuration() ||
+      o.collective_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "ClientOptions: join_timeout, rpc_timeout, heartbeat_interval and collective_timeout "
+        "must all be positive");
+  }
+  if (o.schedule_window < 1 || o.schedule_window > kMaxScheduleWindow) {
+    return absl::InvalidArgumentError(absl::StrCat("ClientOptions.schedule_window is ",
+                                                   o.schedule_window, ": it must be in 1..",
+                                                   kMaxScheduleWindow));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
+  MODELAVG_RETURN_IF_ERROR(ValidateOptions(options));
+  const std::string host = HostName();
+  if (options.worker_id.empty()) options.worker_id = absl::StrCat(host, ":", getpid());
+
+  CoordinatorClientOptions copts;
+  copts.address = options.coordinator;
+  copts.auth_token = options.auth_token;
+  copts.tls = options.tls;
+  copts.tls_ca_file = options.tls_ca_file;
+  copts.tls_cert_file = options.tls_cert_file;
+  copts.tls_key_file = options.tls_key_file;
+  copts.rpc_timeout = options.rpc_timeout;
+  MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<CoordinatorClient> coordinator,
+                            CoordinatorClient::Create(copts));
+
+  v1::JoinRequest join;
+  join.set_job_id(options.job_id);
+  join.set_worker_id(options.worker_id);
+  join.set_host(host);
+  if (options.rank.has_value()) join.set_rank(*options.rank);
+  spdlog::info("joining job {} at {} as {}{}", options.job_id, options.coordinator,
+               options.worker_id,
+               options.rank ? absl::StrCat(" (rank ", *options.rank, ")") : std::string());
+  absl::StatusOr<v1::JoinResponse> join_reply = coordinator->Join(join, options.join_timeout);
+  if (!join_reply.ok()) {
+    if (join_reply.status().code() == absl::StatusCode::kUnavailable) {
+      return absl::UnavailableError(absl::StrCat(
+          "cannot reach the coordinator at ", options.coordinator,
+          " (is it running, and is ClientOptions.coordinator its host:port?): ",
+          join_reply.status().message()));
+    }
+    return join_reply.status();
+  }
+  v1::JoinResponse joined = *std::move(join_reply);
+
+  absl::StatusOr<ScheduleSpec> spec = ScheduleSpecFromProto(joined.spec());
+  if (!spec.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the coordinator sent a job spec this client cannot use: ", spec.status().message()));
+  }
+  MODELAVG_ASSIGN_OR_RETURN(Schedule schedule, Schedule::Create(*std::move(spec)));
+  if (joined.world_size() != schedule.world_size() || joined.rank() < 0 ||
+      joined.rank() >= schedule.world_size()) {
+    return absl::InternalError(absl::StrCat("the coordinator's Join reply is inconsistent: rank ",
+                                            joined.rank(), ", world size ", joined.world_size(),
+                                            ", spec world size ", schedule.world_size()));
+  }
+  // The subgroups the coordinator computed must be the ones the local schedule gives.
+  for (const v1::Subgroup& g : joined.subgroups()) {
+    if (g.level() < 0 || g.level() >= schedule.num_levels()) continue;
+    const SubgroupRange mine = schedule.SubgroupOf(g.level(), joined.rank());
+    if (g.subgroup() != mine.index || g.ranks_size() != mine.size ||
+        (g.ranks_size() > 0 && g.ranks(0) != mine.first_rank)) {
+      return absl::InternalError(absl::StrCat(
+          "the coordinator's subgroup at level ", g.level(), " (", g.subgroup(), ": ",
+          absl::StrJoin(g.ranks(), ","), ") differs from the local schedule's (", mine.index,
+          "); client and coordinator versions disagree"));
+    }
+  }
+  const absl::Duration hb_timeout = joined.heartbeat_timeout_ms() > 0
+                                        ? absl::Milliseconds(joined.heartbeat_timeout_ms())
+                                        : kFallbackHeartbeatTimeout;
+  spdlog::info("joined job {}: rank {} of {}, generation {}", options.job_id, joined.rank(),
+               joined.world_size(), joined.generation());
+  return std::unique_ptr<Client>(new Client(std::move(options), std::move(coordinator),
+                                            joined.rank(), joined.generation(),
+                                            std::move(schedule), hb_timeout));
+}
+
+Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator,
+               int32_t rank, int64_t generation, Schedule schedule,
+               absl::Duration heartbeat_timeout)
+    : options_(std::move(options)),
+      coordinator_(std::move(coordinator)),
+      rank_(rank),
+      generation_(generation),
+      schedule_(std::move(schedule)),
+      heartbeat_timeout_(heartbeat_timeout),
+      communicators_(std::make_unique<CommunicatorCache>(options_.gloo_hostname)),
+      latest_generation_(generation),
+      last_heartbeat_ok_(absl::Now()) {
+  heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
+}
+
+Client::~Client() {
+  bool left;
+  {
+    absl::MutexLock l(&mu_);
+    left = left_;
+  }
+  if (!left) {
+    absl::Status s = Leave("client destroyed");
+    if (!s.ok()) spdlog::warn("leaving job {} on destruction: {}", options_.job_id, s.ToString());
+  }
+  {
+    absl::MutexLock l(&mu_);
+    stopping_ = true;
+  }
+  if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+  // Communicators go before the coordinator connection they were built on.
+  communicators_.reset();
+}
+
+absl::Status Client::Leave(absl::string_view reason) {
+  {
+    absl::MutexLock l(&mu_);
+    if (left_) return absl::OkStatus();
+    left_ = true;
+    stopping_ = true;
+    if (broken_.ok()) {
+      broken_ = absl::FailedPreconditionError(
+          absl::StrCat("rank ", rank_, " left job ", options_.job_id,
+                       "; connect a new Client to take part again"));
+    }
+  }
+  if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+  communicators_->Clear();
+  v1::LeaveRequest req;
+  req.set_job_id(options_.job_id);
+  req.set_rank(rank_);
+  req.set_generation(generation_);
+  req.set_reason(std::string(reason));
+  absl::StatusOr<v1::LeaveResponse> resp = coordinator_->Leave(req);
+  if (!resp.ok()) return resp.status();
+  spdlog::info("rank {} left job {} ({})", rank_, options_.job_id, std::string(reason));
+  return absl::OkStatus();
+}
+
+void Client::ReportStep(int64_t step) {
+  absl::MutexLock l(&mu_);
+  step_ = step;
+}
+
+int64_t Client::latest_generation() const {
+  absl::MutexLock l(&mu_);
+  return latest_generation_;
+}
+
+absl::Status Client::CheckUsable() const {
+  absl::MutexLock l(&mu_);
+  if (!broken_.ok()) return broken_;
+  if (latest_generation_ != generation_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", options_.job_id, " moved from generation ", generation_, " to ",
+                     latest_generation_, " (", change_reason_, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Client::CheckCanAverage(const SubgroupRange& group) const {
+  absl::MutexLock l(&mu_);
+  if (!broken_.ok()) return broken_;
+  if (latest_generation_ == generation_) return absl::OkStatus();
+  for (int32_t r : departed_) {
+    if (group.Contains(r)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot average with ranks ", group.first_rank, "..", group.first_rank + group.size - 1,
+          ": rank ", r, " left job ", options_.job_id, " (generation ", generation_, " -> ",
+          latest_generation_, ": ", change_reason_, "); connect a new Client to re-join"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
+  // Who is gone? Only orderly departures of other ranks leave communicators without them usable.
+  absl::StatusOr<v1::Job> job = coordinator_->GetJob(options_.job_id);
+  absl::MutexLock l(&mu_);
+  if (generation <= latest_generation_ && !broken_.ok()) return;
+  latest_generation_ = std::max(latest_generation_, generation);
+  change_reason_ = why;
+  bool hard = !job.ok();
+  std::vector<int32_t> departed;
+  if (job.ok()) {
+    for (const v1::Member& m : job->members()) {
+      if (m.state() == v1::LEFT) {
+        departed.push_back(m.rank());
+      } else if (m.state() == v1::DEAD || m.generation() > generation_) {
+        hard = true;  // A death or a re-join: every communicator with that rank is broken.
+      }
+    }
+    // A rank missing from the member list has been replaced or removed.
+    if (job->members_size() < schedule_.world_size() && departed.empty()) hard = true;
+  }
+  if (hard && broken_.ok()) {
+    broken_ = absl::FailedPreconditionError(absl::StrCat(
+        "job ", options_.job_id, " moved from generation ", generation_, " to ", generation,
+        " because ", why, "; this rank's communicators are stale: connect a new Client to "
+        "re-join (or restart the job)"));
+    spdlog::error("{}", std::string(broken_.message()));
+  } else {
+    departed_ = std::move(departed);
+    spdlog::info("job {} moved to generation {} ({}); ranks that left: {}", options_.job_id,
+                 generation, why, absl::StrJoin(departed_, ","));
+  }
+}
+
+void Client::HeartbeatLoop() {
+  while (true) {
+    int64_t step;
+    int64_t seen;
+    {
+      absl::MutexLock l(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.heartbeat_interval)) return;
+      step = step_;
+      seen = latest_generation_;
+    }
+    v1::HeartbeatRequest req;
+    req.set_job_id(options_.job_id);
+    req.set_rank(rank_);
+    req.set_generation(generation_);
+    req.set_step(step);
+    absl::StatusOr<v1::HeartbeatResponse> resp = coordinator_->Heartbeat(req);
+    if (!resp.ok()) {
+      absl::MutexLock l(&mu_);
+      const absl::Duration silent = absl::Now() - last_heartbeat_ok_;
+      if (silent > heartbeat_timeout_ && broken_.ok()) {
+        broken_ = absl::UnavailableError(absl::StrCat(
+            "the coordinator at ", options_.coordinator, " has not answered for ",
+            absl::FormatDuration(silent), " (last error: ", resp.status().ToString(),
+            "); it has likely declared this rank dead: restart the worker once it is back"));
+        spdlog::error("{}", std::string(broken_.message()));
+      }
+      continue;
+    }
+    {
+      absl::MutexLock l(&mu_);
+      last_heartbeat_ok_ = absl::Now();
+    }
+    if (resp->generation() != generation_ && resp->generation() != seen) {
+      std::string why = "membership changed";
+      if (resp->has_last_change() && !resp->last_change().reason().empty()) {
+        why = resp->last_change().reason();
+        const std::string who = absl::StrCat("rank ", resp->last_change().rank());
+        if (resp->last_change().rank() >= 0 && !absl::StrContains(why, who)) {
+          absl::StrAppend(&why, " (", who, ")");
+        }
+      }
+      NoteGenerationChange(resp->generation(), why);
+    }
+  }
+}
+
+absl::StatusOr<Decision> Client::DecisionAt(int64_t step) {
+  if (step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("step is ", step, ": steps count from 0"));
+  }
+  ReportStep(step);
+  absl::MutexLock l(&cache_mu_);
+  if (step < window_start_ || step >= window_start_ + static_cast<int64_t>(window_.size())) {
+    MODELAVG_RETURN_IF_ERROR(FetchWindow(step));
+  }
+  return window_[step - window_start_];
+}
+
+absl::Status Client::FetchWindow(int64_t from_step) {
+  v1::GetScheduleRequest req;
+  req.set_job_id(options_.job_id);
+  req.set_from_step(from_step);
+  req.set_count(options_.schedule_window);
+  req.set_rank(rank_);
+  MODELAVG_ASSIGN_OR_RETURN(v1::GetScheduleResponse resp, coordinator_->GetSchedule(req));
+  if (resp.decisions_size() != options_.schedule_window) {
+    return absl::InternalError(absl::StrCat("GetSchedule(from ", from_step, ", count ",
+                                            options_.schedule_window, ") returned ",
+                                            resp.decisions_size(), " decisions"));
+  }
+  std::vector<Decision> window;
+  window.reserve(resp.decisions_size());
+  for (int64_t i = 0; i < resp.decisions_size(); ++i) {
+    Decision got = DecisionFromProto(resp.decisions(static_cast<int>(i)));
+    const Decision want = schedule_.DecisionFor(from_step + i, rank_);
+    if (!(got == want)) {
+      return absl::InternalError(absl::StrCat(
+          "the coordinator's decision for step ", from_step + i, " (",
+          got.average ? absl::StrCat("average at level ", got.level, " subgroup ",
+                                     got.subgroup.index)
+                      : std::string("skip"),
+          ") differs from the schedule of the job's spec (",
+          want.average ? absl::StrCat("average at level ", want.level, " subgroup ",
+                                      want.subgroup.index)
+                       : std::string("skip"),
+          "); client and coordinator versions disagree"));
+    }
+    window.push_back(got);
+  }
+  window_ = std::move(window);
+  window_start_ = from_step;
+  return absl::OkStatus();
+}
+
+}  // namespace modelavg::client

@@ -1,0 +1,174 @@
+// The connection of one trainer process (one rank) to the modelavg coordinator.
+//
+//   modelavg::client::ClientOptions opts;
+//   opts.coordinator = "coord.example:50051";
+//   opts.job_id = "resnet-42";
+//   opts.rank = my_rank;                               // optional: absent, the coordinator picks
+//   auto client = modelavg::client::Client::Connect(opts);   // blocks until the world is complete
+//   if (!client.ok()) { /* print client.status() and exit */ }
+//   ... build an averager on (*client).get() (averager.h) and train ...
+//   (*client)->Leave("finished");
+//
+// Connect joins the job (the JoinResponse carries the job's spec: the single source of truth for
+// the schedule), starts a heartbeat thread that reports the current step every
+// `heartbeat_interval` and notices a generation change, and prefetches decisions in windows of
+// `schedule_window` steps so that an ordinary step costs no RPC.
+#ifndef MODELAVG_CLIENT_CLIENT_H_
+#define MODELAVG_CLIENT_CLIENT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/schedule.h"
+
+namespace modelavg::client {
+
+class CoordinatorClient;
+class CommunicatorCache;
+
+struct ClientOptions {
+  // The coordinator's "host:port".
+  std::string coordinator;
+  std::string job_id;
+  // The rank to take; absent: the coordinator picks the lowest free one.
+  std::optional<int32_t> rank;
+  // This worker's identity; empty: "<hostname>:<pid>".
+  std::string worker_id;
+  // Sent as "authorization: Bearer <token>" when non-empty.
+  std::string auth_token;
+  // TLS to the coordinator. tls_ca_file: PEM roots (empty: the system's); tls_cert_file and
+  // tls_key_file: a client certificate for mutual TLS (both or neither).
+  bool tls = false;
+  std::string tls_ca_file, tls_cert_file, tls_key_file;
+  // How long Connect waits for the whole world to join.
+  absl::Duration join_timeout = absl::Minutes(5);
+  // Deadline of every other RPC to the coordinator.
+  absl::Duration rpc_timeout = absl::Seconds(10);
+  absl::Duration heartbeat_interval = absl::Milliseconds(100);
+  // Longest wait for one collective (communicator set-up or one all-reduce); past it the
+  // averaging call fails with DEADLINE_EXCEEDED instead of hanging on a dead peer.
+  absl::Duration collective_timeout = absl::Seconds(60);
+  // Decisions prefetched per GetSchedule call (1..100000).
+  int64_t schedule_window = 4096;
+  // Address Gloo's TCP transport binds to (and that peers connect to).
+  std::string gloo_hostname = "127.0.0.1";
+  // Host (Gloo) parameters that form one float32/float64 buffer are averaged in place, without
+  // the staging copy that keeps them untouched when a collective fails: faster for large
+  // models, but a failure mid-collective leaves them undefined (restore from a checkpoint).
+  bool gloo_in_place = false;
+};
+
+// One rank's membership in one job. Thread-safe.
+class Client {
+ public:
+  // Validates `options`, joins the job and blocks until every rank has joined (at most
+  // options.join_timeout), then starts the heartbeat thread.
+  // Errors: INVALID_ARGUMENT (bad options; the spec the coordinator sent is not valid),
+  // NOT_FOUND (no such job: create it first), ALREADY_EXISTS (the requested rank is taken),
+  // FAILED_PRECONDITION (the job is full and running), DEADLINE_EXCEEDED (the world did not
+  // complete in time; the message names the missing ranks), UNAVAILABLE (coordinator
+  // unreachable), UNAUTHENTICATED / PERMISSION_DENIED (token or TLS).
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
+
+  // Leaves the job (reason "client destroyed") unless Leave was called, and stops the heartbeat.
+  ~Client();
+
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  int32_t rank() const { return rank_; }
+  int32_t world_size() const { return schedule_.world_size(); }
+  // The generation this client joined. Averaging works only while the job is still at it.
+  int64_t generation() const { return generation_; }
+  const Schedule& schedule() const { return schedule_; }
+  const std::string& job_id() const { return options_.job_id; }
+  const ClientOptions& options() const { return options_; }
+  // The job's heartbeat timeout in force (after the coordinator's defaults).
+  absl::Duration heartbeat_timeout() const { return heartbeat_timeout_; }
+
+  // Tells the coordinator this worker is done. Idempotent: later calls return OK.
+  // Errors: UNAVAILABLE / DEADLINE_EXCEEDED (coordinator unreachable), NOT_FOUND (job deleted).
+  absl::Status Leave(absl::string_view reason);
+
+  // --- Used by the averagers (and available to advanced callers). ---
+
+  // This rank's decision at `step` (>= 0), from the prefetched window; fetches the window
+  // starting at `step` with GetSchedule when `step` leaves it, and checks every fetched decision
+  // against the local schedule.
+  // Errors: INVALID_ARGUMENT (step < 0), INTERNAL (the coordinator's decisions disagree with the
+  // schedule of the spec it sent at Join), and the RPC errors (UNAVAILABLE, ...).
+  absl::StatusOr<Decision> DecisionAt(int64_t step);
+
+  // The step the heartbeat reports (the next AverageParameters call's step).
+  void ReportStep(int64_t step);
+
+  // OK when this rank may average with `group` now: the job is still at generation(), or it
+  // moved on only because ranks outside `group` left in an orderly way (the end of a run, where
+  // subgroups finish at different times). Otherwise FAILED_PRECONDITION saying what changed
+  // and why (a peer died, re-joined or left; this client left), or UNAVAILABLE when the
+  // coordinator has not answered a heartbeat for longer than the heartbeat timeout.
+  absl::Status CheckCanAverage(const SubgroupRange& group) const;
+
+  // OK while the job is at generation() and the coordinator answers; the error of
+  // CheckCanAverage otherwise.
+  absl::Status CheckUsable() const;
+
+  // The latest generation the heartbeat has seen (>= generation()).
+  int64_t latest_generation() const;
+
+  // The RPC wrapper (communicator bootstrap). Owned by this client.
+  CoordinatorClient* coordinator() const { return coordinator_.get(); }
+  // The communicators of this membership, shared by every averager on this client.
+  CommunicatorCache* communicators() const { return communicators_.get(); }
+
+ private:
+  Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator, int32_t rank,
+         int64_t generation, Schedule schedule, absl::Duration heartbeat_timeout);
+  void HeartbeatLoop();
+  // Records a generation change seen by the heartbeat: which ranks departed, and whether the
+  // change breaks every communicator (a death or re-join) or only those with departed ranks.
+  void NoteGenerationChange(int64_t generation, const std::string& why)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status FetchWindow(int64_t from_step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(cache_mu_);
+
+  const ClientOptions options_;
+  const std::unique_ptr<CoordinatorClient> coordinator_;
+  const int32_t rank_;
+  const int64_t generation_;
+  const Schedule schedule_;
+  const absl::Duration heartbeat_timeout_;
+  std::unique_ptr<CommunicatorCache> communicators_;
+
+  // The decision window [window_start_, window_start_ + window_.size()).
+  mutable absl::Mutex cache_mu_;
+  int64_t window_start_ ABSL_GUARDED_BY(cache_mu_) = 0;
+  std::vector<Decision> window_ ABSL_GUARDED_BY(cache_mu_);
+
+  mutable absl::Mutex mu_;
+  int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t latest_generation_ ABSL_GUARDED_BY(mu_);
+  // Non-OK once nothing may be averaged any more (a peer died or re-joined, this client left).
+  absl::Status broken_ ABSL_GUARDED_BY(mu_);
+  // Ranks that left in an orderly way since generation_, and why the generation moved.
+  std::vector<int32_t> departed_ ABSL_GUARDED_BY(mu_);
+  std::string change_reason_ ABSL_GUARDED_BY(mu_);
+  bool left_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time last_heartbeat_ok_ ABSL_GUARDED_BY(mu_);
+  std::thread heartbeat_thread_;
+};
+
+}  // namespace modelavg::client
+
+#endif  // MODELAVG_CLIENT_CLIENT_H_

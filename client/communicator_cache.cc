@@ -1,0 +1,89 @@
+#include "client/communicator_cache.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/coordinator_store.h"
+#include "client/gloo_communicator.h"
+#include "common/status_util.h"
+#include "spdlog/spdlog.h"
+#if MODELAVG_HAVE_CUDA
+#include "client/nccl_communicator.h"
+#endif
+
+namespace modelavg::client {
+
+CommunicatorCache::CommunicatorCache(std::string gloo_hostname)
+    : gloo_hostname_(std::move(gloo_hostname)) {}
+
+CommunicatorCache::~CommunicatorCache() { Clear(); }
+
+void CommunicatorCache::Clear() {
+  std::map<CommunicatorKey, std::unique_ptr<Communicator>> comms;
+  {
+    absl::MutexLock l(&mu_);
+    comms.swap(comms_);
+  }
+  comms.clear();  // Outside the lock: tearing down NCCL/Gloo state may take a while.
+}
+
+bool CommunicatorCache::Contains(const CommunicatorKey& key) const {
+  absl::MutexLock l(&mu_);
+  return comms_.count(key) > 0;
+}
+
+absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CommunicatorCache::GlooDevice() {
+  if (gloo_device_ == nullptr) {
+    MODELAVG_ASSIGN_OR_RETURN(gloo_device_, CreateGlooDevice(gloo_hostname_));
+  }
+  return gloo_device_;
+}
+
+absl::StatusOr<Communicator*> CommunicatorCache::Get(const CommunicatorSetup& setup,
+                                                     const Device& device) {
+  CommunicatorKey key{setup.generation, setup.level, setup.subgroup.index, device.kind,
+                      device.is_cuda() ? device.index : 0};
+  // Held while creating: one averaging thread per client, and two creations of one key must not
+  // race on the coordinator's keys.
+  absl::MutexLock l(&mu_);
+  auto it = comms_.find(key);
+  if (it != comms_.end()) return it->second.get();
+
+  const int member = setup.rank - setup.subgroup.first_rank;
+  std::unique_ptr<Communicator> comm;
+  const std::string what =
+      absl::StrCat(device.is_cuda() ? "NCCL" : "Gloo", " communicator for level ", setup.level,
+                   " subgroup ", setup.subgroup.index, " (ranks ", setup.subgroup.first_rank,
+                   "..", setup.subgroup.first_rank + setup.subgroup.size - 1, ", generation ",
+                   setup.generation, ")");
+  if (device.is_host()) {
+    if (setup.subgroup.size == 1) {
+      comm = std::make_unique<SoloCommunicator>();
+    } else {
+      MODELAVG_ASSIGN_OR_RETURN(std::shared_ptr<gloo::transport::Device> dev, GlooDevice());
+      CoordinatorStore store(setup, "gloo/");
+      absl::StatusOr<std::unique_ptr<GlooCommunicator>> gloo = GlooCommunicator::Create(
+          store, std::move(dev), member, setup.subgroup.size, setup.timeout,
+          [&store] { return store.last_error(); }, setup.gloo_in_place);
+      if (!gloo.ok()) return Annotate(gloo.status(), absl::StrCat("creating the ", what));
+      comm = *std::move(gloo);
+    }
+  } else {
+#if MODELAVG_HAVE_CUDA
+    absl::StatusOr<std::unique_ptr<NcclCommunicator>> nccl =
+        NcclCommunicator::Create(setup, device.index);
+    if (!nccl.ok()) return Annotate(nccl.status(), absl::StrCat("creating the ", what));
+    comm = *std::move(nccl);
+#else
+    return absl::UnimplementedError(
+        "CUDA tensors need a modelavg built with CUDA and NCCL (-DMODELAVG_WITH_CUDA=ON); this "
+        "build has only the Gloo (host) path");
+#endif
+  }
+  spdlog::debug("created the {}", what);
+  Communicator* out = comm.get();
+  comms_.emplace(key, std::move(comm));
+  return out;
+}
+
+}  // namespace modelavg::client

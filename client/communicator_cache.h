@@ -1,0 +1,90 @@
+// The communicators of one client membership, keyed by (generation, level, subgroup, device
+// kind) and created lazily: the first averaging step of a key bootstraps it through the
+// coordinator (Gloo's rendezvous store or the NCCL unique id, both on PublishCommId/GetCommId).
+#ifndef MODELAVG_CLIENT_COMMUNICATOR_CACHE_H_
+#define MODELAVG_CLIENT_COMMUNICATOR_CACHE_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "client/communicator.h"
+#include "client/tensor.h"
+#include "common/schedule.h"
+
+namespace gloo::transport {
+class Device;
+}  // namespace gloo::transport
+
+namespace modelavg::client {
+
+class CoordinatorClient;
+
+// Everything a communicator needs to bootstrap one subgroup through the coordinator.
+struct CommunicatorSetup {
+  CoordinatorClient* coordinator = nullptr;
+  std::string job_id;
+  int64_t generation = 0;
+  int32_t level = 0;
+  SubgroupRange subgroup;
+  // This process's global rank (a member of `subgroup`).
+  int32_t rank = 0;
+  // Bounds the bootstrap and every collective.
+  absl::Duration timeout = absl::Seconds(60);
+  // Polled while waiting (NCCL): non-OK aborts the wait with that status.
+  std::function<absl::Status()> check_alive;
+  // Gloo: average one-buffer parameters in place (ClientOptions::gloo_in_place).
+  bool gloo_in_place = false;
+};
+
+struct CommunicatorKey {
+  int64_t generation = 0;
+  int32_t level = 0;
+  int32_t subgroup = 0;
+  Device::Kind kind = Device::Kind::kHost;
+  int device_index = 0;
+  bool operator<(const CommunicatorKey& o) const {
+    return std::tie(generation, level, subgroup, kind, device_index) <
+           std::tie(o.generation, o.level, o.subgroup, o.kind, o.device_index);
+  }
+};
+
+class CommunicatorCache {
+ public:
+  // `gloo_hostname`: the address the shared Gloo TCP device binds to.
+  explicit CommunicatorCache(std::string gloo_hostname);
+  ~CommunicatorCache();
+
+  // The communicator for `setup`'s subgroup on `device`: cached, or created now (blocking until
+  // every member of the subgroup has joined it, at most setup.timeout).
+  // Errors: those of GlooCommunicator::Create / NcclCommunicator::Create; UNIMPLEMENTED for CUDA
+  // tensors in a build without CUDA.
+  absl::StatusOr<Communicator*> Get(const CommunicatorSetup& setup, const Device& device);
+
+  // Drops every communicator (e.g. after a generation change).
+  void Clear();
+
+  // Whether a communicator for `key` exists.
+  bool Contains(const CommunicatorKey& key) const;
+
+ private:
+  absl::StatusOr<std::shared_ptr<gloo::transport::Device>> GlooDevice()
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::string gloo_hostname_;
+  mutable absl::Mutex mu_;
+  std::shared_ptr<gloo::transport::Device> gloo_device_ ABSL_GUARDED_BY(mu_);
+  std::map<CommunicatorKey, std::unique_ptr<Communicator>> comms_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace modelavg::client
+
+#endif  // MODELAVG_CLIENT_COMMUNICATOR_CACHE_H_

@@ -1,0 +1,187 @@
+#include "client/coordinator_client.h"
+
+#include <chrono>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_util.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+
+namespace modelavg::client {
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot read ", what, " '", path, "': check the path and permissions"));
+  }
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(
+    const CoordinatorClientOptions& options) {
+  if (options.address.empty()) {
+    return absl::InvalidArgumentError(
+        "coordinator address is empty: set it to the coordinator's host:port");
+  }
+  if (options.rpc_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("rpc_timeout must be positive");
+  }
+  std::shared_ptr<grpc::ChannelCredentials> creds;
+  if (options.tls) {
+    grpc::SslCredentialsOptions ssl;
+    if (!options.tls_ca_file.empty()) {
+      MODELAVG_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(options.tls_ca_file, "tls_ca_file"));
+    }
+    if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+      return absl::InvalidArgumentError(
+          "tls_cert_file and tls_key_file go together: set both (mutual TLS) or neither");
+    }
+    if (!options.tls_cert_file.empty()) {
+      MODELAVG_ASSIGN_OR_RETURN(ssl.pem_cert_chain,
+                                ReadFile(options.tls_cert_file, "tls_cert_file"));
+      MODELAVG_ASSIGN_OR_RETURN(ssl.pem_private_key,
+                                ReadFile(options.tls_key_file, "tls_key_file"));
+    }
+    creds = grpc::SslCredentials(ssl);
+  } else {
+    if (!options.tls_ca_file.empty() || !options.tls_cert_file.empty()) {
+      return absl::InvalidArgumentError("TLS files given but tls is false: set tls = true");
+    }
+    creds = grpc::InsecureChannelCredentials();
+  }
+  grpc::ChannelArguments args;
+  // Fail fast when the coordinator is gone rather than waiting out long reconnect back-offs.
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  auto channel = grpc::CreateCustomChannel(options.address, creds, args);
+  return std::unique_ptr<CoordinatorClient>(new CoordinatorClient(options, std::move(channel)));
+}
+
+CoordinatorClient::CoordinatorClient(CoordinatorClientOptions options,
+                                     std::shared_ptr<grpc::Channel> channel)
+    : options_(std::move(options)),
+      channel_(std::move(channel)),
+      stub_(v1::Coordinator::NewStub(channel_)) {}
+
+void CoordinatorClient::Prepare(grpc::ClientContext* context, absl::Duration timeout) const {
+  context->set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout));
+  if (!options_.auth_token.empty()) {
+    context->AddMetadata("authorization", absl::StrCat("Bearer ", options_.auth_token));
+  }
+}
+
+namespace {
+absl::Status Wrap(const grpc::Status& s, const char* rpc) {
+  if (s.ok()) return absl::OkStatus();
+  return Annotate(FromGrpcStatus(s), absl::StrCat("coordinator ", rpc));
+}
+}  // namespace
+
+absl::StatusOr<v1::Job> CoordinatorClient::CreateJob(const v1::JobSpec& spec) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, options_.rpc_timeout);
+  v1::CreateJobRequest req;
+  *req.mutable_spec() = spec;
+  v1::Job out;
+  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->CreateJob(&ctx, req, &out), "CreateJob"));
+  return out;
+}
+
+absl::StatusOr<v1::Job> CoordinatorClient::GetJob(const std::string& job_id) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, options_.rpc_timeout);
+  v1::GetJobRequest req;
+  req.set_job_id(job_id);
+  v1::Job out;
+  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->GetJob(&ctx, req, &out), "GetJob"));
+  return out;
+}
+
+absl::Status CoordinatorClient::DeleteJob(const std::string& job_id) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, options_.rpc_timeout);
+  v1::DeleteJobRequest req;
+  req.set_job_id(job_id);
+  v1::DeleteJobResponse out;
+  return Wrap(stub_->DeleteJob(&ctx, req, &out), "DeleteJob");
+}
+
+absl::StatusOr<v1::JoinResponse> CoordinatorClient::Join(const v1::JoinRequest& request,
+                                                         absl::Duration timeout) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, timeout);
+  v1::JoinResponse out;
+  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->Join(&ctx, request, &out), "Join"));
+  return out;
+}
+
+absl::StatusOr<v1::HeartbeatResponse> CoordinatorClient::Heartbeat(
+    const v1::HeartbeatRequest& request) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, options_.rpc_timeout);
+  v1::HeartbeatResponse out;
+  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->Heartbeat(&ctx, request, &out), "Heartbeat"));
+  return out;
+}
+
+absl::StatusOr<v1::StepDecision> CoordinatorClient::Step(const v1::StepRequest& request) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, options_.rpc_timeout);
+  v1::StepDecision out;
+  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->Step(&ctx, request, &out), "Step"));
+  return out;
+}
+
+absl::StatusOr<v1::GetScheduleResponse> CoordinatorClient::GetSchedule(
+    const v1::GetScheduleRequest& request) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, options_.rpc_timeout);
+  v1::GetScheduleResponse out;
+  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->GetSchedule(&ctx, request, &out), "GetSchedule"));
+  return out;
+}
+
+absl::Status CoordinatorClient::PublishCommId(const v1::PublishCommIdRequest& request) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, options_.rpc_timeout);
+  v1::PublishCommIdResponse out;
+  return Wrap(stub_->PublishCommId(&ctx, request, &out), "PublishCommId");
+}
+
+absl::StatusOr<std::string> CoordinatorClient::GetCommId(const v1::GetCommIdRequest& request) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, absl::Milliseconds(request.timeout_ms()) + options_.rpc_timeout);
+  v1::GetCommIdResponse out;
+  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->GetCommId(&ctx, request, &out), "GetCommId"));
+  return std::move(*out.mutable_unique_id());
+}
+
+absl::StatusOr<v1::LeaveResponse> CoordinatorClient::Leave(const v1::LeaveRequest& request) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, options_.rpc_timeout);
+  v1::LeaveResponse out;
+  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->Leave(&ctx, request, &out), "Leave"));
+  return out;
+}
+
+absl::Status CoordinatorClient::Ping() {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, options_.rpc_timeout);
+  v1::PingRequest req;
+  v1::PingResponse out;
+  return Wrap(stub_->Ping(&ctx, req, &out), "Ping");
+}
+
+}  // namespace modelavg::client

@@ -1,0 +1,382 @@
+#include "client/gloo_communicator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "client/host_staging.h"
+#include "common/status_util.h"
+#include "gloo/allreduce.h"
+#include "gloo/common/error.h"
+#include "gloo/math.h"
+#include "gloo/rendezvous/context.h"
+#include "gloo/rendezvous/store.h"
+#include "gloo/transport/tcp/device.h"
+#include "spdlog/spdlog.h"
+
+namespace modelavg::client {
+namespace {
+
+using ReduceFn = void (*)(void*, const void*, const void*, size_t);
+
+// A Gloo exception as a status a person can act on.
+absl::Status FromGlooException(const std::exception& e, absl::string_view what) {
+  const std::string msg = e.what();
+  const std::string lower = absl::AsciiStrToLower(msg);
+  if (absl::StrContains(lower, "timed out") || absl::StrContains(lower, "timeout")) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        what, " timed out: a peer did not take part in time (dead, stuck, or passing a "
+              "different schedule); Gloo: ", msg));
+  }
+  if (absl::StrContains(msg, "Connection reset") || absl::StrContains(msg, "Connection closed") ||
+      absl::StrContains(msg, "Broken pipe") || absl::StrContains(msg, "closed by peer") ||
+      absl::StrContains(msg, "Connection refused") || dynamic_cast<const gloo::IoException*>(&e)) {
+    return absl::UnavailableError(
+        absl::StrCat(what, " failed: a peer's connection broke (it probably died); Gloo: ", msg));
+  }
+  return absl::InternalError(absl::StrCat(what, " failed; Gloo: ", msg));
+}
+
+// Where Gloo's ring all-reduce (gloo/allreduce.cc) leaves the fully reduced data: the buffer is
+// cut into a multiple of `size` segments (at least two per member, each at most
+// `max_segment` bytes unless that needs more), all of one size; member r ends the
+// reduce-scatter holding chunk r, its segments [r * per_rank, (r + 1) * per_rank). The only
+// reduction of a chunk-r segment at member r is that segment's last, so dividing there (1/size
+// of the data, while it is in cache) gives the average without a pass of its own. Gloo does
+// not promise this layout: GlooCommunicator checks it at creation (see ProbeFusedAverage) and
+// counts, on every call, that exactly its chunk was divided.
+struct RingChunk {
+  size_t begin = 0;  // bytes
+  size_t end = 0;
+};
+
+size_t RoundUp(size_t v, size_t m) { return v % m == 0 ? v : v + m - v % m; }
+
+RingChunk GlooRingChunk(size_t total_bytes, int size, int rank, size_t elem,
+                        size_t max_segment) {
+  const size_t n = static_cast<size_t>(size);
+  const size_t segments =
+      RoundUp(std::max((total_bytes + max_segment - 1) / max_segment, n * 2), n);
+  const size_t segment = RoundUp((total_bytes + segments - 1) / segments, elem);
+  const size_t per_rank = segments / n;
+  RingChunk c;
+  c.begin = std::min(total_bytes, rank * per_rank * segment);
+  c.end = std::min(total_bytes, (rank + 1) * per_rank * segment);
+  return c;
+}
+
+constexpr size_t kDefaultMaxSegment = gloo::detail::AllreduceOptionsImpl::kMaxSegmentSize;
+
+// The ring's reduction: a sum, divided by the group size where it is final (this member's
+// chunk). Counts the elements it divided, so the caller can check the layout assumption.
+// With a backup, each segment is first copied there — it is about to be read for the sum
+// anyway — so that a failed collective can be undone; `saved` lists the copied byte ranges.
+struct RingState {
+  const void* base = nullptr;
+  void* backup = nullptr;
+  RingChunk final_chunk;
+  int size = 1;
+  int64_t divided = 0;
+  std::vector<std::pair<size_t, size_t>> saved;
+  // Tests: throw (as a transport failure would) once this many reductions have run.
+  int fail_after = -1;
+};
+
+template <typename T>
+gloo::AllreduceOptions::Func AverageReduction(RingState* st) {
+  return [st](void* c, const void* a, const void* b, size_t n) {
+    const size_t offset = static_cast<const char*>(c) - static_cast<const char*>(st->base);
+    if (st->backup != nullptr) {
+      CopyToBackup(static_cast<char*>(st->backup) + offset, c, n * sizeof(T));
+      st->saved.emplace_back(offset, n * sizeof(T));
+    }
+    gloo::sum<T>(c, a, b, n);
+    if (st->fail_after >= 0 && st->fail_after-- == 0) {
+      throw gloo::IoException("injected failure (test)");
+    }
+    if (offset >= st->final_chunk.begin && offset < st->final_chunk.end) {
+      DivideInto(static_cast<const T*>(c), static_cast<int64_t>(n), static_cast<T>(st->size),
+                 static_cast<T*>(c));
+      st->divided += static_cast<int64_t>(n);
+    }
+  };
+}
+
+// The tensors as one buffer when they are float32/float64 of one dtype, back to back in memory
+// (one tensor, or ContiguousParameters); nullptr otherwise.
+void* SingleBuffer(absl::Span<const TensorView> tensors) {
+  const TensorView* first = nullptr;
+  char* next = nullptr;
+  for (const TensorView& t : tensors) {
+    if (t.numel == 0) continue;
+    if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat64) return nullptr;
+    if (first == nullptr) {
+      first = &t;
+    } else if (t.dtype != first->dtype || static_cast<char*>(t.data) != next) {
+      return nullptr;
+    }
+    next = static_cast<char*>(t.data) + t.nbytes();
+  }
+  return first == nullptr ? nullptr : first->data;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CreateGlooDevice(
+    const std::string& hostname) {
+  try {
+    gloo::transport::tcp::attr attr;
+    attr.hostname = hostname;
+    return gloo::transport::tcp::CreateDevice(attr);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("cannot create a Gloo TCP device on '", hostname,
+                                               "' (set ClientOptions.gloo_hostname to an "
+                                               "address of this host): ", e.what()));
+  } catch (...) {
+    return absl::InternalError(absl::StrCat("cannot create a Gloo TCP device on '", hostname,
+                                            "': unknown error"));
+  }
+}
+
+absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
+    gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
+    int size, absl::Duration timeout, std::function<absl::Status()> store_error, bool in_place) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Gloo communicator rank ", rank, " of size ", size, " is out of range"));
+  }
+  if (device == nullptr) return absl::InvalidArgumentError("Gloo device is null");
+  try {
+    auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
+    context->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
+    context->connectFullMesh(store, device);
+    std::unique_ptr<GlooCommunicator> comm(
+        new GlooCommunicator(std::move(context), rank, size, timeout, in_place));
+    MODELAVG_RETURN_IF_ERROR(comm->ProbeFusedAverage());
+    return comm;
+  } catch (const std::exception& e) {
+    if (store_error) {
+      absl::Status s = store_error();
+      if (!s.ok()) return s;
+    }
+    return FromGlooException(e, absl::StrCat("Gloo rendezvous of ", size, " members"));
+  } catch (...) {
+    return absl::InternalError("Gloo rendezvous failed with an unknown exception");
+  }
+}
+
+GlooCommunicator::GlooCommunicator(std::shared_ptr<gloo::Context> context, int rank, int size,
+                                   absl::Duration timeout, bool in_place)
+    : context_(std::move(context)),
+      rank_(rank),
+      size_(size),
+      timeout_(timeout),
+      in_place_(in_place) {}
+
+GlooCommunicator::~GlooCommunicator() = default;
+
+absl::Status GlooCommunicator::RunSum(void* data, int64_t numel, DType dtype) {
+  if (numel == 0) return absl::OkStatus();
+  try {
+    gloo::AllreduceOptions opts(context_);
+    opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+    opts.setTag(next_tag_++);
+    if (dtype == DType::kFloat64) {
+      opts.setOutput(static_cast<double*>(data), static_cast<size_t>(numel));
+      opts.setReduceFunction(static_cast<ReduceFn>(&gloo::sum<double>));
+    } else {
+      opts.setOutput(static_cast<float*>(data), static_cast<size_t>(numel));
+      opts.setReduceFunction(static_cast<ReduceFn>(&gloo::sum<float>));
+    }
+    gloo::allreduce(opts);
+    return absl::OkStatus();
+  } catch (const std::exception& e) {
+    return FromGlooException(e, absl::StrCat("Gloo all-reduce of ", numel, " elements"));
+  } catch (...) {
+    return absl::InternalError("Gloo all-reduce failed with an unknown exception");
+  }
+}
+
+absl::Status GlooCommunicator::RunAverage(void* data, int64_t numel, DType dtype, void* backup,
+                                          size_t max_segment) {
+  const size_t elem = DTypeSize(dtype);
+  const size_t bytes = static_cast<size_t>(numel) * elem;
+  RingState st;
+  st.base = data;
+  st.backup = backup;
+  st.final_chunk = GlooRingChunk(bytes, size_, rank_, elem, max_segment);
+  st.size = size_;
+  st.fail_after = fail_after_reductions_;
+  fail_after_reductions_ = -1;
+  if (backup != nullptr) {
+    // The chunk this member sends first is never reduced here (the hook above never sees it)
+    // but is overwritten by the all-gather: save it up front.
+    const RingChunk first =
+        GlooRingChunk(bytes, size_, (rank_ + 1) % size_, elem, max_segment);
+    CopyToBackup(static_cast<char*>(backup) + first.begin,
+                 static_cast<char*>(data) + first.begin, first.end - first.begin);
+    st.saved.emplace_back(first.begin, first.end - first.begin);
+  }
+  auto restore = [&] {
+    for (const auto& [offset, len] : st.saved) {
+      std::memcpy(static_cast<char*>(data) + offset, static_cast<char*>(backup) + offset, len);
+    }
+  };
+  try {
+    gloo::AllreduceOptions opts(context_);
+    opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+    opts.setTag(next_tag_++);
+    opts.setMaxSegmentSize(max_segment);
+    if (dtype == DType::kFloat64) {
+      opts.setOutput(static_cast<double*>(data), static_cast<size_t>(numel));
+      opts.setReduceFunction(AverageReduction<double>(&st));
+    } else {
+      opts.setOutput(static_cast<float*>(data), static_cast<size_t>(numel));
+      opts.setReduceFunction(AverageReduction<float>(&st));
+    }
+    gloo::allreduce(opts);
+  } catch (const std::exception& e) {
+    if (backup != nullptr) restore();
+    return FromGlooException(e, absl::StrCat("Gloo all-reduce of ", numel, " elements"));
+  } catch (...) {
+    if (backup != nullptr) restore();
+    return absl::InternalError("Gloo all-reduce failed with an unknown exception");
+  }
+  const int64_t expected =
+      static_cast<int64_t>((st.final_chunk.end - st.final_chunk.begin) / elem);
+  if (st.divided != expected) {
+    if (backup != nullptr) restore();
+    return absl::InternalError(absl::StrCat(
+        "Gloo's ring all-reduce finished ", st.divided, " elements on this member where ",
+        expected, " were expected: this Gloo build cuts buffers differently than modelavg "
+        "assumes; the parameters may be partly reduced; report the Gloo version"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::ProbeFusedAverage() {
+  // A small buffer cut into many segments, so that every branch of the layout rule is used.
+  constexpr int64_t kProbe = 1000;
+  constexpr size_t kProbeSegment = 256;
+  std::vector<float> probe(kProbe, static_cast<float>(rank_ + 1));
+  absl::MutexLock l(&mu_);
+  absl::Status s = RunAverage(probe.data(), kProbe, DType::kFloat32, nullptr, kProbeSegment);
+  // Every member runs the same Gloo, so every member reaches the same verdict.
+  const float mean = static_cast<float>(size_ + 1) / 2;  // exact
+  bool right = s.ok();
+  for (float v : probe) right = right && v == mean;
+  if (!s.ok() && s.code() != absl::StatusCode::kInternal) return s;  // transport failure
+  fused_ = right;
+  if (!fused_) {
+    spdlog::warn("this Gloo build's ring all-reduce does not lay buffers out as modelavg "
+                 "expects; averaging falls back to a staging copy with a separate division");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::CheckLayout(int64_t numel, DType dtype) {
+  // max over [n, -n, d, -d] gives [max n, -min n, max d, -min d]: equal iff all agree.
+  int64_t sig[4] = {numel, -numel, static_cast<int64_t>(dtype), -static_cast<int64_t>(dtype)};
+  try {
+    gloo::AllreduceOptions opts(context_);
+    opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+    opts.setTag(next_tag_++);
+    opts.setOutput(sig, 4);
+    opts.setReduceFunction(static_cast<ReduceFn>(&gloo::max<int64_t>));
+    gloo::allreduce(opts);
+  } catch (const std::exception& e) {
+    return FromGlooException(e, "Gloo layout check");
+  } catch (...) {
+    return absl::InternalError("Gloo layout check failed with an unknown exception");
+  }
+  if (sig[0] != -sig[1] || sig[2] != -sig[3]) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the members of this subgroup pass different parameter layouts: total element counts "
+        "range from ", -sig[1], " to ", sig[0], " (this rank: ", numel,
+        ")", sig[2] != -sig[3] ? " and the dtypes differ (float64 on some members only)" : "",
+        "; every member must average the same list of tensors"));
+  }
+  layout_checked_ = true;
+  checked_numel_ = numel;
+  checked_dtype_ = dtype;
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> tensors) {
+  absl::StatusOr<int64_t> total = CheckHostTensors(tensors);
+  if (!total.ok()) return total.status();
+  const DType dtype = StagingDType(tensors);
+  absl::MutexLock l(&mu_);
+  if (!broken_.ok()) return broken_;
+  if (!layout_checked_ || checked_numel_ != *total || checked_dtype_ != dtype) {
+    absl::Status s = CheckLayout(*total, dtype);
+    if (!s.ok()) {
+      if (s.code() != absl::StatusCode::kInvalidArgument) broken_ = s;
+      return s;
+    }
+  }
+  if (*total == 0) return absl::OkStatus();
+  const size_t bytes = static_cast<size_t>(*total) * DTypeSize(dtype);
+  void* single = SingleBuffer(tensors);
+  if (fused_ && single != nullptr) {
+    // One buffer: reduced in place, the division fused into the ring. Unless in_place, every
+    // segment is saved to a backup as the ring first touches it, and restored if the
+    // collective fails.
+    void* backup = nullptr;
+    if (!in_place_) {
+      if (staging_.size() * sizeof(double) < bytes) staging_.resize((bytes + 7) / 8);
+      backup = staging_.data();
+    }
+    absl::Status s = RunAverage(single, *total, dtype, backup, kDefaultMaxSegment);
+    if (!s.ok()) broken_ = s;
+    return s;
+  }
+  // Anything else: one flat staging buffer, copied back only on success.
+  if (staging_.size() * sizeof(double) < bytes) staging_.resize((bytes + 7) / 8);
+  absl::Status s;
+  if (fused_) {
+    PackDivided(tensors, dtype, 1.0, staging_.data());
+    s = RunAverage(staging_.data(), *total, dtype, /*backup=*/nullptr, kDefaultMaxSegment);
+  } else {
+    PackDivided(tensors, dtype, static_cast<double>(size_), staging_.data());
+    s = RunSum(staging_.data(), *total, dtype);
+  }
+  if (!s.ok()) {
+    broken_ = s;
+    return s;
+  }
+  Unpack(staging_.data(), dtype, tensors);
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::AllReduceSum(void* data, int64_t numel, DType dtype) {
+  if (dtype != DType::kFloat32 && dtype != DType::kFloat64) {
+    return absl::InvalidArgumentError("AllReduceSum takes float32 or float64");
+  }
+  absl::MutexLock l(&mu_);
+  if (!broken_.ok()) return broken_;
+  absl::Status s = RunSum(data, numel, dtype);
+  if (!s.ok()) broken_ = s;
+  return s;
+}
+
+absl::Status SoloCommunicator::AllReduceAverage(absl::Span<const TensorView> tensors) {
+  // The mean of one member is its own value; only the arguments are checked.
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].numel < 0 || (tensors[i].numel > 0 && tensors[i].data == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", i, " has numel ", tensors[i].numel, " and data ",
+                       tensors[i].data == nullptr ? "null" : "set"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace modelavg::client

@@ -1,0 +1,126 @@
+// Averaging of host tensors over Gloo's TCP transport. Every Gloo exception stops here and
+// becomes an absl::Status; every wait is bounded by the communicator's timeout, so a dead peer
+// ends in an error, never a hang.
+#ifndef MODELAVG_CLIENT_GLOO_COMMUNICATOR_H_
+#define MODELAVG_CLIENT_GLOO_COMMUNICATOR_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "client/communicator.h"
+
+namespace gloo {
+class Context;
+namespace rendezvous {
+class Store;
+}  // namespace rendezvous
+namespace transport {
+class Device;
+}  // namespace transport
+}  // namespace gloo
+
+namespace modelavg::client {
+
+class GlooCommunicator : public Communicator {
+ public:
+  // Creates the full mesh of `size` members through `store` (every member must call this with
+  // its own `rank`) on `device` (see CreateGlooDevice). `timeout` bounds the rendezvous and
+  // every later collective. `store_error`, when set, gives the cause of a store failure (its
+  // status code is kept: ABORTED, FAILED_PRECONDITION, ...). `in_place`: see
+  // ClientOptions::gloo_in_place.
+  // Errors: INVALID_ARGUMENT (rank/size), DEADLINE_EXCEEDED (a member did not arrive in time),
+  // UNAVAILABLE (a member could not be reached), the store's error, INTERNAL (other Gloo
+  // failures).
+  static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(
+      gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
+      int size, absl::Duration timeout, std::function<absl::Status()> store_error = nullptr,
+      bool in_place = false);
+
+  ~GlooCommunicator() override;
+
+  // One SUM all-reduce whose last reduction of each segment also divides by size(), so the
+  // average costs no pass of its own (PyTorch divides first; the results agree to rounding,
+  // exactly for power-of-two groups). When the tensors form one float32/float64 buffer (one
+  // tensor, or back to back) it is reduced in place; each segment is saved to a backup as the
+  // ring first touches it (while in cache) and restored if the collective fails (no backup with
+  // in_place). Otherwise every tensor is packed
+  // (converted) into one flat staging buffer, reduced, and copied back on success.
+  // The first call, and any call whose layout (total element count, staging dtype) differs
+  // from the last verified one, first checks that every member passes the same layout.
+  // Errors as Communicator::AllReduceAverage; UNAVAILABLE when a peer's connection broke.
+  absl::Status AllReduceAverage(absl::Span<const TensorView> tensors) override;
+
+  // A plain in-place SUM all-reduce of one float32 or float64 buffer, for baselines.
+  absl::Status AllReduceSum(void* data, int64_t numel, DType dtype);
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  // Tests only: the next averaging all-reduce fails after `n` reductions on this member.
+  void InjectFailureAfterReductionsForTesting(int n) {
+    absl::MutexLock l(&mu_);
+    fail_after_reductions_ = n;
+  }
+  // Whether averaging fuses the division into Gloo's ring (false: a separate pass).
+  bool fused() const {
+    absl::MutexLock l(&mu_);
+    return fused_;
+  }
+
+ private:
+  GlooCommunicator(std::shared_ptr<gloo::Context> context, int rank, int size,
+                   absl::Duration timeout, bool in_place);
+  // Averages `data` (numel elements) in place: Gloo's ring SUM all-reduce with the division
+  // by size() fused into each segment's last reduction. With `backup` (numel elements), `data`
+  // is restored on failure.
+  absl::Status RunAverage(void* data, int64_t numel, DType dtype, void* backup,
+                          size_t max_segment) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Checks, with a small all-reduce, that the fused division lands where expected on this Gloo
+  // build; otherwise averaging uses the staging path with a separate division. Errors: the
+  // transport's.
+  absl::Status ProbeFusedAverage();
+  // Every member's (total numel, staging dtype) must be equal.
+  absl::Status CheckLayout(int64_t numel, DType dtype) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status RunSum(void* data, int64_t numel, DType dtype) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::shared_ptr<gloo::Context> context_;
+  const int rank_;
+  const int size_;
+  const absl::Duration timeout_;
+  const bool in_place_;
+  mutable absl::Mutex mu_;
+  // Whether the division can be fused into Gloo's ring (ProbeFusedAverage).
+  bool fused_ ABSL_GUARDED_BY(mu_) = false;
+  int fail_after_reductions_ ABSL_GUARDED_BY(mu_) = -1;
+  // Non-OK once a collective failed: the mesh is then in an unknown state.
+  absl::Status broken_ ABSL_GUARDED_BY(mu_);
+  bool layout_checked_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t checked_numel_ ABSL_GUARDED_BY(mu_) = 0;
+  DType checked_dtype_ ABSL_GUARDED_BY(mu_) = DType::kFloat32;
+  // Persistent staging (doubles keep it aligned for either staging dtype).
+  std::vector<double> staging_ ABSL_GUARDED_BY(mu_);
+  uint32_t next_tag_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// A Gloo TCP device bound to `hostname` (shared by every Gloo communicator of a process).
+// INVALID_ARGUMENT / UNAVAILABLE when the address cannot be resolved or bound.
+absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CreateGlooDevice(
+    const std::string& hostname);
+
+// A communicator of one member: averaging is the identity, nothing is sent.
+class SoloCommunicator : public Communicator {
+ public:
+  absl::Status AllReduceAverage(absl::Span<const TensorView> tensors) override;
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+};
+
+}  // namespace modelavg::client
+
+#endif  // MODELAVG_CLIENT_GLOO_COMMUNICATOR_H_

@@ -1,0 +1,189 @@
+// Runs a job of real worker processes (tests/integration/client_worker.cc) against a real
+// coordinator process, and simulates what every rank must print.
+#ifndef MODELAVG_TESTS_INTEGRATION_CLIENT_JOB_HARNESS_H_
+#define MODELAVG_TESTS_INTEGRATION_CLIENT_JOB_HARNESS_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "client/coordinator_client.h"
+#include "client/half.h"
+#include "common/job_spec.h"
+#include "common/schedule.h"
+#include "tests/integration/client_test_processes.h"
+
+namespace modelavg::testing {
+
+struct StepLine {
+  int64_t step = -1;
+  int rank = -1;
+  std::string action;
+  int level = -1;
+  std::vector<double> values;  // NaN for an empty tensor ("null")
+};
+
+// Parses one line of client_worker's output; false if it is not one.
+inline bool ParseStepLine(const std::string& line, StepLine* out) {
+  auto field = [&](const std::string& name) -> std::string {
+    const std::string key = absl::StrCat("\"", name, "\": ");
+    size_t at = line.find(key);
+    if (at == std::string::npos) return "";
+    at += key.size();
+    size_t end = name == "values" ? line.find(']', at) + 1 : line.find_first_of(",}", at);
+    return line.substr(at, end - at);
+  };
+  if (!absl::SimpleAtoi(field("step"), &out->step) || !absl::SimpleAtoi(field("rank"), &out->rank) ||
+      !absl::SimpleAtoi(field("level"), &out->level)) {
+    return false;
+  }
+  out->action = std::string(absl::StripPrefix(absl::StripSuffix(field("action"), "\""), "\""));
+  std::string values = field("values");
+  values = std::string(absl::StripSuffix(absl::StripPrefix(values, "["), "]"));
+  out->values.clear();
+  for (absl::string_view v : absl::StrSplit(values, ", ", absl::SkipEmpty())) {
+    double d = std::nan("");
+    if (v != "null" && !absl::SimpleAtod(v, &d)) return false;
+    out->values.push_back(d);
+  }
+  return true;
+}
+
+// --layout as client_worker reads it.
+struct LayoutItem {
+  std::string dtype;
+  int64_t numel;
+};
+inline std::vector<LayoutItem> ParseLayout(const std::string& layout) {
+  std::vector<LayoutItem> out;
+  if (layout == "none") return out;
+  for (absl::string_view item : absl::StrSplit(layout, ',')) {
+    std::vector<std::string> kv = absl::StrSplit(item, ':');
+    int64_t n = 0;
+    (void)absl::SimpleAtoi(kv[1], &n);
+    out.push_back({kv[0], n});
+  }
+  return out;
+}
+
+// A value as the worker stores it in `dtype`.
+inline double RoundTo(const std::string& dtype, double v) {
+  using namespace modelavg::client;
+  if (dtype == "f64") return v;
+  const float f = static_cast<float>(v);
+  if (dtype == "f32") return f;
+  if (dtype == "f16") return HalfToFloat(FloatToHalf(f));
+  return BFloat16ToFloat(FloatToBFloat16(f));
+}
+
+// expected[step][rank] = the values client_worker must print (exact arithmetic: group sizes
+// are powers of two, so dividing, summing and converting are exact at these magnitudes).
+inline std::vector<std::vector<StepLine>> Simulate(const Schedule& schedule,
+                                                   const std::string& layout, int64_t first_step,
+                                                   int64_t steps) {
+  const std::vector<LayoutItem> items = ParseLayout(layout);
+  const int world = schedule.world_size();
+  bool any64 = false;
+  for (const auto& it : items) any64 = any64 || it.dtype == "f64";
+  const std::string staging = any64 ? "f64" : "f32";
+  std::vector<std::vector<double>> v(world, std::vector<double>(items.size()));
+  for (int r = 0; r < world; ++r) {
+    for (size_t k = 0; k < items.size(); ++k) v[r][k] = RoundTo(items[k].dtype, r);
+  }
+  std::vector<std::vector<StepLine>> out;
+  for (int64_t s = first_step; s < first_step + steps; ++s) {
+    for (int r = 0; r < world; ++r) {
+      for (size_t k = 0; k < items.size(); ++k) {
+        v[r][k] = RoundTo(items[k].dtype, v[r][k] + (r + 1) * (s + 1) * 0.5);
+      }
+    }
+    std::vector<std::vector<double>> next = v;
+    std::vector<StepLine> lines(world);
+    for (int r = 0; r < world; ++r) {
+      const Decision d = schedule.DecisionFor(s, r);
+      lines[r].step = s;
+      lines[r].rank = r;
+      lines[r].action = d.average ? "AVERAGE" : "SKIP";
+      lines[r].level = d.average ? d.level : -1;
+      if (d.average) {
+        for (size_t k = 0; k < items.size(); ++k) {
+          double sum = 0;
+          for (int m : d.subgroup.Ranks()) sum += RoundTo(staging, v[m][k] / d.subgroup.size);
+          next[r][k] = RoundTo(items[k].dtype, RoundTo(staging, sum));
+        }
+      }
+    }
+    v = next;
+    for (int r = 0; r < world; ++r) {
+      for (size_t k = 0; k < items.size(); ++k) {
+        lines[r].values.push_back(items[k].numel == 0 ? std::nan("") : v[r][k]);
+      }
+    }
+    out.push_back(std::move(lines));
+  }
+  return out;
+}
+
+inline v1::JobSpec MakeSpec(const std::string& id, int world, v1::Mode mode,
+                            const std::vector<std::pair<int64_t, int32_t>>& levels,
+                            int64_t warmup, int64_t heartbeat_ms = 0) {
+  v1::JobSpec spec;
+  spec.set_job_id(id);
+  spec.set_world_size(world);
+  spec.set_mode(mode);
+  spec.set_warmup_steps(warmup);
+  spec.set_heartbeat_timeout_ms(heartbeat_ms);
+  for (const auto& [p, g] : levels) {
+    v1::Level* l = spec.add_levels();
+    l->set_period(p);
+    l->set_group_size(g);
+  }
+  return spec;
+}
+
+// A coordinator process plus an admin connection to it.
+class Cluster {
+ public:
+  explicit Cluster(const std::string& name) : dir_(MakeTempDir(name)) {
+    coordinator_ = std::make_unique<CoordinatorProcess>(MODELAVG_COORDINATOR_BIN, dir_);
+    if (coordinator_->address().empty()) return;
+    client::CoordinatorClientOptions o;
+    o.address = coordinator_->address();
+    auto c = client::CoordinatorClient::Create(o);
+    if (c.ok()) admin_ = *std::move(c);
+  }
+  bool ok() const { return admin_ != nullptr; }
+  const std::string& dir() const { return dir_; }
+  CoordinatorProcess& coordinator() { return *coordinator_; }
+  client::CoordinatorClient* admin() { return admin_.get(); }
+
+  // Starts `world` workers for `job`.
+  std::vector<std::unique_ptr<Process>> StartWorkers(const std::string& job, int world,
+                                                     std::vector<std::string> flags) {
+    std::vector<std::unique_ptr<Process>> out;
+    for (int r = 0; r < world; ++r) {
+      std::vector<std::string> argv = {MODELAVG_CLIENT_WORKER_BIN,
+                                       "--coordinator=" + coordinator_->address(),
+                                       "--job=" + job, absl::StrCat("--rank=", r)};
+      for (const auto& f : flags) argv.push_back(f);
+      out.push_back(std::make_unique<Process>(argv, absl::StrCat(dir_, "/", job, "-rank", r)));
+    }
+    return out;
+  }
+
+ private:
+  std::string dir_;
+  std::unique_ptr<CoordinatorProcess> coordinator_;
+  std::unique_ptr<client::CoordinatorClient> admin_;
+};
+
+}  // namespace modelavg::testing
+
+#endif  // MODELAVG_TESTS_INTEGRATION_CLIENT_JOB_HARNESS_H_

@@ -1,0 +1,141 @@
+// Child processes for the client's integration tests: a modelavg-coordinator on a free
+// loopback port and worker processes, each with stdout and stderr captured in files.
+#ifndef MODELAVG_TESTS_INTEGRATION_CLIENT_TEST_PROCESSES_H_
+#define MODELAVG_TESTS_INTEGRATION_CLIENT_TEST_PROCESSES_H_
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace modelavg::testing {
+
+inline std::string ReadWholeFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// A fresh directory under $TEST_TMPDIR or /tmp.
+inline std::string MakeTempDir(const std::string& name) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  std::string tmpl = absl::StrCat(base ? base : "/tmp", "/", name, ".XXXXXX");
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  if (mkdtemp(buf.data()) == nullptr) return "/tmp";
+  return buf.data();
+}
+
+class Process {
+ public:
+  // Starts argv[0] with `argv`; stdout/stderr go to <out_prefix>.out / .err.
+  Process(const std::vector<std::string>& argv, const std::string& out_prefix)
+      : out_(out_prefix + ".out"), err_(out_prefix + ".err") {
+    // Everything the child needs is prepared before fork(): after it, only async-signal-safe
+    // calls (the parent has gRPC threads).
+    std::vector<char*> args;
+    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    pid_ = fork();
+    if (pid_ == 0) {
+      const int out = open(out_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      const int err = open(err_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (out >= 0) dup2(out, 1);
+      if (err >= 0) dup2(err, 2);
+      execv(args[0], args.data());
+      _exit(127);
+    }
+  }
+  ~Process() {
+    if (!exit_code_.has_value() && pid_ > 0) {
+      kill(pid_, SIGKILL);
+      int st;
+      waitpid(pid_, &st, 0);
+    }
+  }
+  Process(const Process&) = delete;
+  Process& operator=(const Process&) = delete;
+
+  pid_t pid() const { return pid_; }
+  void Signal(int sig) { kill(pid_, sig); }
+
+  // The exit code (128 + signal for a signal), or nullopt if still running at the deadline.
+  std::optional<int> Wait(absl::Duration timeout) {
+    if (exit_code_) return exit_code_;
+    const absl::Time deadline = absl::Now() + timeout;
+    while (true) {
+      int st = 0;
+      pid_t r = waitpid(pid_, &st, WNOHANG);
+      if (r == pid_) {
+        exit_code_ = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        return exit_code_;
+      }
+      if (absl::Now() > deadline) return std::nullopt;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+  }
+
+  std::string out() const { return ReadWholeFile(out_); }
+  std::string err() const { return ReadWholeFile(err_); }
+  std::vector<std::string> OutLines() const {
+    std::vector<std::string> lines;
+    for (absl::string_view l : absl::StrSplit(out(), '\n', absl::SkipEmpty())) {
+      lines.emplace_back(l);
+    }
+    return lines;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  std::string out_, err_;
+  std::optional<int> exit_code_;
+};
+
+// modelavg-coordinator on 127.0.0.1:0; address() once it serves ("" if it did not start).
+class CoordinatorProcess {
+ public:
+  CoordinatorProcess(const std::string& binary, const std::string& dir,
+                     std::vector<std::string> extra_flags = {}) {
+    const std::string port_file = dir + "/coordinator.port";
+    std::vector<std::string> argv = {binary, "--listen=127.0.0.1:0",
+                                     "--port_file=" + port_file, "--log_level=warn"};
+    for (std::string& f : extra_flags) argv.push_back(std::move(f));
+    process_ = std::make_unique<Process>(argv, dir + "/coordinator");
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (absl::Now() < deadline) {
+      std::string addr(absl::StripAsciiWhitespace(ReadWholeFile(port_file)));
+      if (!addr.empty()) {
+        address_ = addr;
+        break;
+      }
+      if (process_->Wait(absl::ZeroDuration()).has_value()) break;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  }
+  const std::string& address() const { return address_; }
+  Process& process() { return *process_; }
+
+ private:
+  std::unique_ptr<Process> process_;
+  std::string address_;
+};
+
+}  // namespace modelavg::testing
+
+#endif  // MODELAVG_TESTS_INTEGRATION_CLIENT_TEST_PROCESSES_H_

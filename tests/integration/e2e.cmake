@@ -1,0 +1,40 @@
+# End-to-end tests: the deployment files checked against the build, and the compose topology run
+# as plain processes on loopback. Both need every shipped program, some of which (the demo) are
+# defined after tests/, so registration is deferred to the end of the top-level directory.
+set(MODELAVG_PYTHON /usr/bin/python3 CACHE FILEPATH "Python with torch, grpcio, grpc_tools, yaml")
+set(MODELAVG_COORDINATOR_TARGET modelavg-coordinator CACHE STRING
+    "CMake target of the coordinator daemon")
+
+function(modelavg_register_e2e_tests)
+  set(dir ${CMAKE_CURRENT_FUNCTION_LIST_DIR})
+  set(binaries "")
+  set(missing "")
+  foreach(pair "modelavg-coordinator=${MODELAVG_COORDINATOR_TARGET}"
+               "modelavg-demo=modelavg-demo" "modelavg-health=modelavg-health"
+               "modelavg-trace-worker=modelavg-trace-worker")
+    string(REPLACE "=" ";" pair "${pair}")
+    list(GET pair 0 program)
+    list(GET pair 1 target)
+    if(TARGET ${target})
+      list(APPEND binaries "--binary=${program}=$<TARGET_FILE:${target}>")
+    else()
+      list(APPEND missing ${program})
+    endif()
+  endforeach()
+  if(missing)
+    message(STATUS "modelavg: end-to-end tests skipped (not built: ${missing})")
+    return()
+  endif()
+  add_test(NAME e2e.deploy_files
+    COMMAND ${MODELAVG_PYTHON} ${dir}/e2e_deploy_files_test.py ${binaries})
+  set_tests_properties(e2e.deploy_files PROPERTIES LABELS "integration;e2e" TIMEOUT 120)
+  add_test(NAME e2e.compose_topology
+    COMMAND ${MODELAVG_PYTHON} ${dir}/e2e_compose_topology_test.py ${binaries})
+  set_tests_properties(e2e.compose_topology PROPERTIES LABELS "integration;e2e" TIMEOUT 450)
+  # The README's first command, against this build directory (its build step is then a no-op).
+  add_test(NAME e2e.run_demo COMMAND bash ${PROJECT_SOURCE_DIR}/examples/run_demo.sh)
+  set_tests_properties(e2e.run_demo PROPERTIES LABELS "integration;e2e" TIMEOUT 600
+    ENVIRONMENT "MODELAVG_BUILD_DIR=${CMAKE_BINARY_DIR};MODELAVG_DEMO_TIMEOUT=400")
+endfunction()
+
+cmake_language(DEFER DIRECTORY ${PROJECT_SOURCE_DIR} CALL modelavg_register_e2e_tests)

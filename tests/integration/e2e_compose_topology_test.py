@@ -1,0 +1,237 @@
+#!/usr/bin/python3
+"""Runs deploy/docker-compose.yml's topology as plain processes on loopback.
+
+No container engine is needed: the services of the default profile that run modelavg's image are
+started from this build's binaries with exactly the compose file's commands, flags and
+environment, with these substitutions only:
+  * a service's host name (its name or `hostname:`) -> 127.0.0.1;
+  * a port a service listens on (--flag=0.0.0.0:PORT) -> a free loopback port, everywhere that
+    service's PORT is named (SERVICE:PORT, or 127.0.0.1:PORT inside the service itself);
+  * a path under a volume's mount point -> the mounted file in the repository.
+`depends_on: {condition: service_healthy}` is honoured by running the service's healthcheck
+command until it passes. The test passes when every worker exits 0 and the coordinator shuts
+down cleanly on SIGTERM.
+
+  e2e_compose_topology_test.py --binary=modelavg-coordinator=PATH --binary=modelavg-demo=PATH ...
+"""
+
+import argparse
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import yaml
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+import modelavg_testing as mt  # noqa: E402
+
+COMPOSE = os.path.join(mt.REPO_ROOT, "deploy", "docker-compose.yml")
+HOSTPORT = re.compile(r"^([A-Za-z0-9_.-]+):(\d+)$")
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def as_argv(command):
+    return shlex.split(command) if isinstance(command, str) else list(command or [])
+
+
+def parse_duration(text, default):
+    if text is None:
+        return default
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m)?", str(text))
+    if not m:
+        return default
+    value = float(m.group(1))
+    return value / 1000 if m.group(2) == "ms" else value * 60 if m.group(2) == "m" else value
+
+
+class Topology:
+    def __init__(self, compose, binaries):
+        self.binaries = binaries
+        services = compose["services"]
+        # The default profile, modelavg's image only (e.g. the grpcurl service has a profile).
+        self.services = {n: s for n, s in services.items()
+                         if not s.get("profiles") and str(s.get("image", "")).startswith(
+                             "modelavg")}
+        self.hosts = {}
+        for name, svc in self.services.items():
+            self.hosts[name] = name
+            if svc.get("hostname"):
+                self.hosts[svc["hostname"]] = name
+        self.ports = {}  # (service, container port) -> loopback port
+        for name, svc in self.services.items():
+            for arg in as_argv(svc.get("command")):
+                value = arg.split("=", 1)[1] if arg.startswith("--") and "=" in arg else ""
+                m = HOSTPORT.match(value)
+                if m and m.group(1) in ("0.0.0.0", "[::]"):
+                    self.ports[(name, int(m.group(2)))] = free_port()
+
+    def rewrite(self, service, argv):
+        svc = self.services[service]
+        mounts = []
+        for vol in svc.get("volumes", []):
+            parts = vol.split(":")
+            source, target = parts[0], parts[1]
+            mounts.append((target, os.path.normpath(os.path.join(os.path.dirname(COMPOSE),
+                                                                 source))))
+        out = [self.binaries[argv[0]]]
+        for arg in argv[1:]:
+            if not (arg.startswith("--") and "=" in arg):
+                out.append(arg)
+                continue
+            flag, value = arg.split("=", 1)
+            m = HOSTPORT.match(value)
+            if m:
+                host, port = m.group(1), int(m.group(2))
+                owner = service if host in ("0.0.0.0", "[::]", "127.0.0.1", "localhost") \
+                    else self.hosts.get(host)
+                if owner is not None:
+                    port = self.ports.get((owner, port), port)
+                    value = f"127.0.0.1:{port}"
+            elif value in self.hosts:
+                value = "127.0.0.1"
+            else:
+                for target, source in mounts:
+                    if value == target or value.startswith(target.rstrip("/") + "/"):
+                        value = source + value[len(target):]
+            out.append(f"{flag}={value}")
+        return out
+
+    def environment(self, service):
+        env = dict(os.environ)
+        declared = self.services[service].get("environment") or {}
+        if isinstance(declared, list):
+            declared = dict(item.split("=", 1) for item in declared)
+        env.update({k: str(v) for k, v in declared.items()})
+        return env
+
+    def start_order(self):
+        order, seen = [], set()
+
+        def visit(name, path=()):
+            if name in seen:
+                return
+            if name in path:
+                mt.fail(f"docker-compose.yml: dependency cycle through {name}")
+            for dep in (self.services[name].get("depends_on") or {}):
+                if dep in self.services:
+                    visit(dep, path + (name,))
+            seen.add(name)
+            order.append(name)
+
+        for name in self.services:
+            visit(name)
+        return order
+
+    def wait_healthy(self, service, proc):
+        health = self.services[service].get("healthcheck") or {}
+        test = health.get("test")
+        if not test or health.get("disable"):
+            return
+        if test[0] == "CMD-SHELL":
+            mt.fail(f"{service}: CMD-SHELL healthchecks are not supported by this test")
+        argv = self.rewrite(service, test[1:])
+        interval = parse_duration(health.get("interval"), 2.0)
+        retries = int(health.get("retries", 3))
+        start_period = parse_duration(health.get("start_period"), 0.0)
+        deadline = time.monotonic() + start_period + interval * (retries + 1) + 5
+        last = ""
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                mt.fail(f"{service} exited with {proc.returncode} before becoming healthy")
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=30,
+                                 env=self.environment(service))
+            if out.returncode == 0:
+                print(f"[{service}] healthy: {' '.join(argv[1:])}")
+                return
+            last = out.stderr.strip()
+            time.sleep(min(interval, 0.5))
+        mt.fail(f"{service} never became healthy; last healthcheck: {last}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--binary", action="append", default=[], help="NAME=PATH of a built program")
+    p.add_argument("--timeout_s", type=float, default=400)
+    args = p.parse_args()
+    binaries = dict(pair.split("=", 1) for pair in args.binary)
+    with open(COMPOSE) as f:
+        compose = yaml.safe_load(f)
+    topo = Topology(compose, binaries)
+    workers = [n for n, s in topo.services.items()
+               if not (s.get("healthcheck") or {}).get("test")]
+    servers = [n for n in topo.services if n not in workers]
+    if not servers or len(workers) < 2:
+        mt.fail(f"unexpected topology: servers {servers}, workers {workers}")
+    for name, svc in topo.services.items():
+        program = as_argv(svc.get("command"))[:1]
+        if not program or program[0] not in binaries:
+            mt.fail(f"service {name} runs {program}, not a program of this build "
+                    f"({', '.join(sorted(binaries))})")
+
+    logs_dir = os.environ.get("TMPDIR", "/tmp")
+    procs = {}
+    logs = {}
+    with mt.ProcessGroup() as group:
+        for name in topo.start_order():
+            argv = topo.rewrite(name, as_argv(topo.services[name]["command"]))
+            print(f"[{name}] {' '.join(argv)}", flush=True)
+            log_path = os.path.join(logs_dir, f"modelavg-topology-{os.getpid()}-{name}.log")
+            logs[name] = log_path
+            procs[name] = group.start(argv, name, env=topo.environment(name),
+                                      stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+            if name in servers:
+                topo.wait_healthy(name, procs[name])
+
+        deadline = time.monotonic() + args.timeout_s
+        failed = []
+        for name in workers:
+            try:
+                rc = procs[name].wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                procs[name].kill()
+                rc = "killed after the deadline"
+            if rc != 0:
+                failed.append((name, rc))
+        for name in workers:
+            tail = open(logs[name]).read().splitlines()
+            print(f"---- {name} ({len(tail)} lines, last 4) ----")
+            print("\n".join(tail[-4:]))
+        stopped = {}
+        for name in servers:
+            proc = procs[name]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            stopped[name] = proc.returncode
+    problems = [f"{n} exited with {rc}:\n{open(logs[n]).read()[-2000:]}" for n, rc in failed]
+    problems += [f"{n} exited with {rc} after SIGTERM:\n{open(logs[n]).read()[-2000:]}"
+                 for n, rc in stopped.items() if rc != 0]
+    for name in workers:
+        if not any(n == name for n, _ in failed) and "final loss" not in open(logs[name]).read():
+            problems.append(f"{name} exited 0 but printed no final loss")
+    for path in logs.values():
+        if not problems:
+            os.remove(path)
+    if problems:
+        mt.fail("the compose topology did not run cleanly:\n" + "\n".join(problems))
+    print(f"PASS: {len(servers)} server(s) and {len(workers)} workers of docker-compose.yml ran "
+          "to completion on loopback")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

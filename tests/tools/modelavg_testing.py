@@ -1,0 +1,176 @@
+"""Helpers for the Python end-to-end tests: start a coordinator, talk to it, run processes.
+
+Every process a test starts is tracked by a ProcessGroup and killed (by its pid) when the group
+is closed, so a failing test leaves nothing running.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def fail(message):
+    """Ends the test with one line saying what went wrong."""
+    print(f"FAIL: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def accepted_flags(binary):
+    """The flag names an absl-flags binary accepts, from its --helpfull."""
+    out = subprocess.run([binary, "--helpfull"], capture_output=True, text=True, timeout=30)
+    text = out.stdout + out.stderr
+    flags = set(re.findall(r"^\s+--([A-Za-z0-9_]+)", text, re.MULTILINE))
+    if not flags:
+        raise RuntimeError(f"{binary} --helpfull listed no flags:\n{text[:2000]}")
+    return flags
+
+
+class ProcessGroup:
+    """Processes started by one test; close() stops whatever is still running."""
+
+    def __init__(self):
+        self.procs = []
+
+    def start(self, argv, name, env=None, stdout=subprocess.PIPE, stderr=subprocess.PIPE):
+        proc = subprocess.Popen(argv, stdout=stdout, stderr=stderr, text=True, env=env,
+                                start_new_session=False)
+        proc.name = name
+        self.procs.append(proc)
+        return proc
+
+    def close(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            try:
+                proc.communicate(timeout=10)
+            except (subprocess.TimeoutExpired, ValueError):
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+class Coordinator:
+    """A modelavg-coordinator on 127.0.0.1, port chosen by the kernel."""
+
+    def __init__(self, group, binary, extra_flags=(), workdir=None):
+        self.workdir = workdir or tempfile.mkdtemp(prefix="modelavg-coord-")
+        self.port_file = os.path.join(self.workdir, "coordinator.port")
+        self.log_path = os.path.join(self.workdir, "coordinator.log")
+        self.log = open(self.log_path, "w")
+        argv = [binary, "--listen=127.0.0.1:0", f"--port_file={self.port_file}",
+                "--log_level=info", *extra_flags]
+        self.proc = group.start(argv, "coordinator", stdout=self.log, stderr=subprocess.STDOUT)
+        self.address = self._wait_for_address(timeout_s=30)
+
+    def _wait_for_address(self, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the coordinator exited with {self.proc.returncode}:\n"
+                                   f"{self.log_tail()}")
+            if os.path.exists(self.port_file):
+                text = open(self.port_file).read().strip()
+                if text:
+                    return text
+            time.sleep(0.05)
+        raise RuntimeError(f"the coordinator wrote no --port_file within {timeout_s} s:\n"
+                           f"{self.log_tail()}")
+
+    def log_tail(self, lines=30):
+        self.log.flush()
+        try:
+            return "".join(open(self.log_path).readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s=10):
+        """SIGTERM, then the exit status (None if it had to be killed)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                return None
+        return self.proc.returncode
+
+
+_stubs = None
+
+
+def coordinator_stubs():
+    """(coordinator_pb2, coordinator_pb2_grpc), generated from the repository's .proto."""
+    global _stubs
+    if _stubs is None:
+        # Debian's protoc (3.21) knows proto3 `optional`; grpc_tools' bundled one does not.
+        out = tempfile.mkdtemp(prefix="modelavg-pb-")
+        proto_dir = os.path.join(REPO_ROOT, "proto")
+        gen = subprocess.run(
+            ["protoc", f"-I{proto_dir}", f"--python_out={out}", f"--grpc_python_out={out}",
+             "--plugin=protoc-gen-grpc_python=/usr/bin/grpc_python_plugin",
+             os.path.join(proto_dir, "modelavg", "v1", "coordinator.proto")],
+            capture_output=True, text=True, timeout=60)
+        if gen.returncode != 0:
+            raise RuntimeError(f"protoc failed on coordinator.proto: {gen.stderr}")
+        sys.path.insert(0, out)
+        from modelavg.v1 import coordinator_pb2, coordinator_pb2_grpc
+        _stubs = (coordinator_pb2, coordinator_pb2_grpc)
+    return _stubs
+
+
+def create_job(address, job_id, mode, world_size, warmup_steps, levels, timeout_s=10):
+    """CreateJob over gRPC. levels: [(period, group_size), ...] in the user's order."""
+    import grpc
+    pb, pb_grpc = coordinator_stubs()
+    spec = pb.JobSpec(job_id=job_id, world_size=world_size, warmup_steps=warmup_steps,
+                      mode=pb.PERIODIC if mode == "periodic" else pb.HIERARCHICAL,
+                      levels=[pb.Level(period=p, group_size=g) for p, g in levels])
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.CoordinatorStub(channel).CreateJob(pb.CreateJobRequest(spec=spec),
+                                                          timeout=timeout_s)
+
+
+def get_job(address, job_id, timeout_s=10):
+    import grpc
+    pb, pb_grpc = coordinator_stubs()
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.CoordinatorStub(channel).GetJob(pb.GetJobRequest(job_id=job_id),
+                                                       timeout=timeout_s)
+
+
+def list_jobs(address, timeout_s=10):
+    import grpc
+    pb, pb_grpc = coordinator_stubs()
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.CoordinatorStub(channel).ListJobs(pb.ListJobsRequest(),
+                                                         timeout=timeout_s).jobs
+
+
+def wait_all(procs, timeout_s):
+    """Waits for every process; returns {name: (returncode, stdout, stderr)}. Kills on timeout."""
+    deadline = time.monotonic() + timeout_s
+    results = {}
+    for proc in procs:
+        remaining = max(0.1, deadline - time.monotonic())
+        try:
+            out, err = proc.communicate(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            err = (err or "") + f"\n[killed after the {timeout_s} s deadline]"
+        results[proc.name] = (proc.returncode, out or "", err or "")
+    return results

@@ -1,0 +1,266 @@
+// modelavg-trace-worker: the synthetic conformance worker.
+//
+//   modelavg-trace-worker --coordinator=127.0.0.1:50051 --job=J --rank=0 --world_size=4 \
+//       --steps=16 --numel=3 --backend=gloo
+//
+// Joins an existing job (it never creates one). Every parameter starts at the rank's number;
+// before the averaging call of step s it adds (rank + 1) * (s + 1) * 0.5 to every parameter; after
+// the call it prints one JSON line on stdout:
+//   {"step": s, "rank": r, "value": <first parameter>, "action": "AVERAGE"|"SKIP", "level": l}
+// (level is -1 for SKIP). The same update run through PyTorch's own averagers
+// (tests/conformance/torch_reference.py) must give the same values. On any failure it prints one
+// line on stderr and exits 1.
+#include <algorithm>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/averager.h"
+#include "client/client.h"
+#include "client/tensor.h"
+#include "common/logging.h"
+#include "common/schedule.h"
+#include "common/status_util.h"
+#include "spdlog/spdlog.h"
+#ifdef MODELAVG_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "common/cuda_check.h"
+#endif
+
+ABSL_FLAG(std::string, coordinator, "", "coordinator address HOST:PORT (required)");
+ABSL_FLAG(std::string, job, "", "id of an existing job to join (required)");
+ABSL_FLAG(int32_t, rank, -1, "this worker's rank, 0 <= rank < world_size (required)");
+ABSL_FLAG(int32_t, world_size, 0, "the job's world size (required; must match the job's spec)");
+ABSL_FLAG(int64_t, steps, 0, "number of AverageParameters calls (steps 0 .. steps-1)");
+ABSL_FLAG(int64_t, numel, 1, "number of float32 parameters");
+ABSL_FLAG(std::string, backend, "gloo",
+          "gloo: parameters in host memory, averaged with Gloo over TCP; "
+          "nccl: parameters in CUDA device memory, averaged with NCCL");
+ABSL_FLAG(std::string, gloo_hostname, "127.0.0.1",
+          "address Gloo's TCP transport binds to (reachable by the other ranks)");
+ABSL_FLAG(std::string, auth_token_file, "", "file holding the coordinator's bearer token");
+ABSL_FLAG(int64_t, join_timeout_ms, 60000, "how long to wait for the whole world to join");
+ABSL_FLAG(int64_t, collective_timeout_ms, 60000, "longest wait for one averaging collective");
+ABSL_FLAG(std::string, log_level, "warn", "spdlog level for diagnostics on stderr");
+
+namespace modelavg {
+namespace {
+
+// Where the parameters live: host memory, or CUDA memory mirrored from a host copy.
+class Parameters {
+ public:
+  // With `cuda`, the parameters live on device rank % (number of devices).
+  static absl::StatusOr<std::unique_ptr<Parameters>> Create(bool cuda, int64_t numel, float initial,
+                                                            int32_t rank) {
+    auto p = std::unique_ptr<Parameters>(new Parameters(cuda, numel, initial));
+    if (cuda) {
+#ifdef MODELAVG_HAVE_CUDA
+      int count = 0;
+      if (absl::Status s =
+              CudaStatus(cudaGetDeviceCount(&count), "cudaGetDeviceCount", __FILE__, __LINE__);
+          !s.ok()) {
+        return Annotate(s, "--backend=nccl needs a CUDA device (use --backend=gloo without one)");
+      }
+      p->device_index_ = rank % count;
+      MODELAVG_CUDA_RETURN_IF_ERROR(cudaSetDevice(p->device_index_));
+      MODELAVG_CUDA_RETURN_IF_ERROR(cudaMalloc(&p->device_, numel * sizeof(float)));
+#else
+      return absl::FailedPreconditionError(
+          "--backend=nccl: this build has no CUDA/NCCL support (configure with "
+          "-DMODELAVG_WITH_CUDA=ON on a machine with the CUDA toolkit and NCCL)");
+#endif
+    }
+    return p;
+  }
+  ~Parameters() {
+#ifdef MODELAVG_HAVE_CUDA
+    if (device_ != nullptr) cudaFree(device_);
+#endif
+  }
+
+  std::vector<float>& host() { return host_; }
+
+  // The view to average: the host vector, or the device copy after uploading the host values.
+  absl::StatusOr<client::TensorView> Upload() {
+    client::TensorView view;
+    view.numel = static_cast<int64_t>(host_.size());
+    view.dtype = client::DType::kFloat32;
+    if (!cuda_) {
+      view.data = host_.data();
+      view.device = client::Device::Host();
+      return view;
+    }
+#ifdef MODELAVG_HAVE_CUDA
+    MODELAVG_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(device_, host_.data(), host_.size() * sizeof(float), cudaMemcpyHostToDevice));
+#endif
+    view.data = device_;
+    view.device = client::Device::Cuda(device_index_);
+    return view;
+  }
+
+  // Brings the averaged device values back to the host copy (no-op for host parameters).
+  absl::Status Download() {
+    if (!cuda_) return absl::OkStatus();
+#ifdef MODELAVG_HAVE_CUDA
+    MODELAVG_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(host_.data(), device_, host_.size() * sizeof(float), cudaMemcpyDeviceToHost));
+#endif
+    return absl::OkStatus();
+  }
+
+ private:
+  Parameters(bool cuda, int64_t numel, float initial)
+      : cuda_(cuda), host_(static_cast<size_t>(numel), initial) {}
+
+  const bool cuda_;
+  std::vector<float> host_;
+  void* device_ = nullptr;
+  int device_index_ = 0;
+};
+
+// Client::Connect, retried while the coordinator is unreachable (UNAVAILABLE: not started yet,
+// restarting, or a connection attempt that failed under load) until the join timeout has passed.
+// Any other error is returned at once.
+absl::StatusOr<std::unique_ptr<client::Client>> ConnectWithRetry(
+    const client::ClientOptions& options) {
+  const absl::Time deadline = absl::Now() + options.join_timeout;
+  absl::Duration backoff = absl::Milliseconds(100);
+  while (true) {
+    client::ClientOptions attempt = options;
+    attempt.join_timeout = std::max(absl::Milliseconds(1), deadline - absl::Now());
+    absl::StatusOr<std::unique_ptr<client::Client>> c = client::Client::Connect(attempt);
+    if (c.ok() || !absl::IsUnavailable(c.status()) || absl::Now() + backoff >= deadline) {
+      return c;
+    }
+    spdlog::warn("coordinator {} unreachable ({}); retrying in {}", options.coordinator,
+                 std::string(c.status().message()), absl::FormatDuration(backoff));
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Seconds(2));
+  }
+}
+
+absl::Status Run() {
+  const std::string coordinator = absl::GetFlag(FLAGS_coordinator);
+  const std::string job = absl::GetFlag(FLAGS_job);
+  const int32_t rank = absl::GetFlag(FLAGS_rank);
+  const int32_t world_size = absl::GetFlag(FLAGS_world_size);
+  const int64_t steps = absl::GetFlag(FLAGS_steps);
+  const int64_t numel = absl::GetFlag(FLAGS_numel);
+  const std::string backend = absl::GetFlag(FLAGS_backend);
+  if (coordinator.empty()) return absl::InvalidArgumentError("--coordinator=HOST:PORT is required");
+  if (job.empty()) return absl::InvalidArgumentError("--job is required (an existing job's id)");
+  if (world_size < 1) return absl::InvalidArgumentError("--world_size must be >= 1");
+  if (rank < 0 || rank >= world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rank=", rank, " is outside [0, --world_size=", world_size, ")"));
+  }
+  if (steps < 0) return absl::InvalidArgumentError("--steps must be >= 0");
+  if (numel < 1) return absl::InvalidArgumentError("--numel must be >= 1");
+  if (backend != "gloo" && backend != "nccl") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend=", backend, ": expected gloo or nccl"));
+  }
+
+  MODELAVG_ASSIGN_OR_RETURN(
+      std::unique_ptr<Parameters> params,
+      Parameters::Create(backend == "nccl", numel, static_cast<float>(rank), rank));
+
+  client::ClientOptions options;
+  options.coordinator = coordinator;
+  options.job_id = job;
+  options.rank = rank;
+  options.gloo_hostname = absl::GetFlag(FLAGS_gloo_hostname);
+  options.join_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_join_timeout_ms));
+  options.collective_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_collective_timeout_ms));
+  const std::string token_file = absl::GetFlag(FLAGS_auth_token_file);
+  if (!token_file.empty()) {
+    std::FILE* f = std::fopen(token_file.c_str(), "r");
+    if (f == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot read --auth_token_file=", token_file));
+    }
+    char buf[4096];
+    size_t n = std::fread(buf, 1, sizeof(buf), f);
+    std::fclose(f);
+    std::string token(buf, n);
+    while (!token.empty() &&
+           (token.back() == '\n' || token.back() == '\r' || token.back() == ' ')) {
+      token.pop_back();
+    }
+    options.auth_token = token;
+  }
+
+  MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> client, ConnectWithRetry(options));
+  if (client->world_size() != world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("--world_size=", world_size, " but job ", job,
+                                                   " has world size ", client->world_size()));
+  }
+  std::unique_ptr<client::ModelAverager> averager;
+  if (client->schedule().spec().mode == AveragingMode::kPeriodic) {
+    MODELAVG_ASSIGN_OR_RETURN(averager, client::PeriodicModelAverager::Create(client.get()));
+  } else {
+    MODELAVG_ASSIGN_OR_RETURN(averager, client::HierarchicalModelAverager::Create(client.get()));
+  }
+
+  for (int64_t step = 0; step < steps; ++step) {
+    const float delta = static_cast<float>((rank + 1) * (step + 1)) * 0.5f;
+    for (float& v : params->host()) v += delta;
+    MODELAVG_ASSIGN_OR_RETURN(client::TensorView view, params->Upload());
+    absl::StatusOr<Decision> decision = averager->AverageParameters({view});
+    if (!decision.ok()) {
+      return Annotate(decision.status(), absl::StrCat("step ", step, ": AverageParameters"));
+    }
+    MODELAVG_RETURN_IF_ERROR(params->Download());
+    std::cout << absl::StrFormat(
+                     "{\"step\": %d, \"rank\": %d, \"value\": %.9g, \"action\": \"%s\", "
+                     "\"level\": %d, \"generation\": %d}",
+                     step, rank, params->host()[0], decision->average ? "AVERAGE" : "SKIP",
+                     decision->average ? decision->level : -1, client->generation())
+              << std::endl;
+  }
+  return client->Leave("finished");
+}
+
+}  // namespace
+}  // namespace modelavg
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Synthetic conformance worker: joins an existing modelavg job and prints one JSON line per "
+      "step. See --helpfull for the flags.");
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    std::cerr << "modelavg-trace-worker: unexpected argument '" << rest[1]
+              << "' (flags are --name=value)" << std::endl;
+    return 2;
+  }
+  // A peer that dies mid-collective closes its sockets; writing to them must be an error the
+  // averager reports, not a SIGPIPE that kills this process.
+  std::signal(SIGPIPE, SIG_IGN);
+  absl::Status logging = modelavg::InitLogging(absl::GetFlag(FLAGS_log_level), "trace-worker");
+  if (!logging.ok()) {
+    std::cerr << "modelavg-trace-worker: --log_level: " << logging.message() << std::endl;
+    return 2;
+  }
+  absl::Status status = modelavg::Run();
+  if (!status.ok()) {
+    std::cerr << "modelavg-trace-worker: rank " << absl::GetFlag(FLAGS_rank) << ": "
+              << status.ToString() << std::endl;
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,334 @@
+// The client against an in-process coordinator: Connect, the decision cache, generation
+// tracking, the coordinator-backed Gloo store, and averagers with ranks as threads.
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/averager.h"
+#include "client/client.h"
+#include "client/coordinator_client.h"
+#include "client/coordinator_store.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/coordinator_server.h"
+
+namespace modelavg::client {
+namespace {
+
+using ::testing::HasSubstr;
+
+class ClientCoordinatorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server::ServerOptions opts;
+    opts.listen = "127.0.0.1:0";
+    opts.defaults.heartbeat_timeout = absl::Seconds(2);
+    auto s = server::CoordinatorServer::Start(opts);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = *std::move(s);
+    CoordinatorClientOptions copts;
+    copts.address = server_->address();
+    auto c = CoordinatorClient::Create(copts);
+    ASSERT_TRUE(c.ok());
+    admin_ = *std::move(c);
+  }
+
+  void CreateJob(const std::string& id, int world, v1::Mode mode,
+                 std::vector<std::pair<int64_t, int32_t>> levels, int64_t warmup = 0,
+                 int64_t heartbeat_ms = 0) {
+    v1::JobSpec spec;
+    spec.set_job_id(id);
+    spec.set_world_size(world);
+    spec.set_mode(mode);
+    spec.set_warmup_steps(warmup);
+    spec.set_heartbeat_timeout_ms(heartbeat_ms);
+    for (auto [p, g] : levels) {
+      v1::Level* l = spec.add_levels();
+      l->set_period(p);
+      l->set_group_size(g);
+    }
+    auto job = admin_->CreateJob(spec);
+    ASSERT_TRUE(job.ok()) << job.status();
+  }
+
+  ClientOptions Options(const std::string& job, int rank) {
+    ClientOptions o;
+    o.coordinator = server_->address();
+    o.job_id = job;
+    o.rank = rank;
+    o.join_timeout = absl::Seconds(20);
+    o.collective_timeout = absl::Seconds(20);
+    o.heartbeat_interval = absl::Milliseconds(50);
+    return o;
+  }
+
+  // Connects `world` clients concurrently.
+  std::vector<std::unique_ptr<Client>> ConnectAll(const std::string& job, int world,
+                                                  int64_t window = 4096) {
+    std::vector<std::unique_ptr<Client>> clients(world);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        ClientOptions o = Options(job, r);
+        o.schedule_window = window;
+        auto c = Client::Connect(o);
+        EXPECT_TRUE(c.ok()) << c.status();
+        if (c.ok()) clients[r] = *std::move(c);
+      });
+    }
+    for (auto& t : threads) t.join();
+    return clients;
+  }
+
+  std::unique_ptr<server::CoordinatorServer> server_;
+  std::unique_ptr<CoordinatorClient> admin_;
+};
+
+TEST_F(ClientCoordinatorTest, Connect_OneRankWorld_JoinsWithTheJobsSchedule) {
+  CreateJob("solo", 1, v1::PERIODIC, {{2, 1}}, /*warmup=*/1);
+  auto c = Client::Connect(Options("solo", 0));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ((*c)->rank(), 0);
+  EXPECT_EQ((*c)->world_size(), 1);
+  EXPECT_EQ((*c)->generation(), 1);
+  EXPECT_EQ((*c)->schedule().spec().warmup_steps, 1);
+  auto avg = PeriodicModelAverager::Create(c->get());
+  ASSERT_TRUE(avg.ok()) << avg.status();
+  std::vector<float> v = {3, 4};
+  TensorView t{v.data(), 2, DType::kFloat32};
+  for (int s = 0; s < 5; ++s) {
+    auto d = (*avg)->AverageParameters({t});
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(d->step, s);
+    EXPECT_EQ(d->average, s >= 1 && (s - 1) % 2 == 0) << s;
+  }
+  EXPECT_EQ((*avg)->step(), 5);
+  EXPECT_THAT(v, ::testing::ElementsAre(3, 4));
+  EXPECT_TRUE((*c)->Leave("done").ok());
+  EXPECT_TRUE((*c)->Leave("again").ok());
+}
+
+TEST_F(ClientCoordinatorTest, Connect_BadOptions_InvalidArgument) {
+  ClientOptions o = Options("x", 0);
+  o.coordinator = "";
+  EXPECT_EQ(Client::Connect(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = Options("bad job id!", 0);
+  EXPECT_EQ(Client::Connect(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = Options("x", -1);
+  EXPECT_EQ(Client::Connect(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = Options("x", 0);
+  o.schedule_window = 0;
+  EXPECT_EQ(Client::Connect(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ClientCoordinatorTest, Connect_UnknownJob_NotFound) {
+  auto c = Client::Connect(Options("nope", 0));
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kNotFound) << c.status();
+}
+
+TEST_F(ClientCoordinatorTest, Connect_NoCoordinator_Unavailable) {
+  ClientOptions o = Options("x", 0);
+  o.coordinator = "127.0.0.1:1";
+  o.join_timeout = absl::Seconds(2);
+  auto c = Client::Connect(o);
+  EXPECT_THAT(c.status().code(), ::testing::AnyOf(absl::StatusCode::kUnavailable,
+                                                 absl::StatusCode::kDeadlineExceeded));
+}
+
+TEST_F(ClientCoordinatorTest, Create_AveragerOfTheWrongMode_FailedPrecondition) {
+  CreateJob("hier", 1, v1::HIERARCHICAL, {{2, 1}});
+  auto c = Client::Connect(Options("hier", 0));
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto p = PeriodicModelAverager::Create(c->get());
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(p.status().message()), HasSubstr("HierarchicalModelAverager"));
+  EXPECT_TRUE(HierarchicalModelAverager::Create(c->get()).ok());
+  EXPECT_EQ(HierarchicalModelAverager::Create(nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ClientCoordinatorTest, DecisionAt_WithinPrefetchedWindow_CostsNoRpc) {
+  CreateJob("cache", 1, v1::HIERARCHICAL, {{2, 1}, {3, 1}}, /*warmup=*/2);
+  ClientOptions o = Options("cache", 0);
+  o.schedule_window = 16;
+  auto c = Client::Connect(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE((*c)->DecisionAt(0).ok());
+  server_->Shutdown();  // Steps 0..15 are cached; step 16 needs the coordinator.
+  for (int s = 0; s < 16; ++s) {
+    auto d = (*c)->DecisionAt(s);
+    ASSERT_TRUE(d.ok()) << s << ": " << d.status();
+    EXPECT_EQ(*d, (*c)->schedule().DecisionFor(s, 0)) << s;
+  }
+  EXPECT_FALSE((*c)->DecisionAt(16).ok());
+  EXPECT_EQ((*c)->DecisionAt(-1).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ClientCoordinatorTest, DecisionAt_ManyWindows_MatchTheLocalSchedule) {
+  CreateJob("windows", 4, v1::HIERARCHICAL, {{2, 2}, {5, 4}}, /*warmup=*/3);
+  auto clients = ConnectAll("windows", 4, /*window=*/7);
+  for (auto& c : clients) ASSERT_NE(c, nullptr);
+  for (int r = 0; r < 4; ++r) {
+    for (int s = 0; s < 40; ++s) {
+      auto d = clients[r]->DecisionAt(s);
+      ASSERT_TRUE(d.ok()) << d.status();
+      EXPECT_EQ(*d, clients[r]->schedule().DecisionFor(s, r));
+    }
+  }
+}
+
+TEST_F(ClientCoordinatorTest, HierarchicalAverager_FourRanksAsThreads_ExactValues) {
+  CreateJob("h4", 4, v1::HIERARCHICAL, {{1, 2}, {3, 4}}, /*warmup=*/1);
+  auto clients = ConnectAll("h4", 4);
+  for (auto& c : clients) ASSERT_NE(c, nullptr);
+  std::vector<std::vector<double>> values(4);
+  std::vector<absl::Status> status(4);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 4; ++r) {
+    threads.emplace_back([&, r] {
+      auto avg = HierarchicalModelAverager::Create(clients[r].get());
+      if (!avg.ok()) {
+        status[r] = avg.status();
+        return;
+      }
+      std::vector<double> v(10, r);
+      for (int s = 0; s < 7; ++s) {
+        for (double& x : v) x += (r + 1) * (s + 1) * 0.5;
+        auto d = (*avg)->AverageParameters({TensorView{v.data(), 10, DType::kFloat64}});
+        if (!d.ok()) {
+          status[r] = d.status();
+          return;
+        }
+        values[r].push_back(v[0]);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  // Simulate.
+  Schedule schedule = clients[0]->schedule();
+  std::vector<double> sim = {0, 1, 2, 3};
+  for (int s = 0; s < 7; ++s) {
+    for (int r = 0; r < 4; ++r) sim[r] += (r + 1) * (s + 1) * 0.5;
+    std::vector<double> next = sim;
+    for (int r = 0; r < 4; ++r) {
+      Decision d = schedule.DecisionFor(s, r);
+      if (!d.average) continue;
+      double sum = 0;
+      for (int m : d.subgroup.Ranks()) sum += sim[m];
+      next[r] = sum / d.subgroup.size;
+    }
+    sim = next;
+    for (int r = 0; r < 4; ++r) {
+      ASSERT_TRUE(status[r].ok()) << r << ": " << status[r];
+      EXPECT_DOUBLE_EQ(values[r][s], sim[r]) << "rank " << r << " step " << s;
+    }
+  }
+}
+
+TEST_F(ClientCoordinatorTest, CoordinatorStore_LargeValue_SplitOverKeysAndReassembled) {
+  CreateJob("store", 2, v1::PERIODIC, {{1, 2}});
+  auto clients = ConnectAll("store", 2);
+  for (auto& c : clients) ASSERT_NE(c, nullptr);
+  auto setup = [&](int r) {
+    CommunicatorSetup s;
+    s.coordinator = clients[r]->coordinator();
+    s.job_id = "store";
+    s.generation = clients[r]->generation();
+    s.level = 0;
+    s.subgroup = clients[r]->schedule().SubgroupOf(0, r);
+    s.rank = r;
+    s.timeout = absl::Seconds(5);
+    return s;
+  };
+  CoordinatorStore writer(setup(0), "test/");
+  CoordinatorStore reader(setup(1), "test/");
+  std::vector<char> big(3 * CoordinatorStore::kMaxBlob + 17);
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 7);
+  std::vector<char> small = {'a', 'b'};
+  writer.set("big", big);
+  writer.set("small", small);
+  reader.wait({"big", "small"});
+  EXPECT_EQ(reader.get("big"), big);
+  EXPECT_EQ(reader.get("small"), small);
+  // A key nobody writes: the wait ends with the coordinator's DEADLINE_EXCEEDED.
+  EXPECT_THROW(reader.wait({"never"}, std::chrono::milliseconds(200)), std::exception);
+  EXPECT_EQ(reader.last_error().code(), absl::StatusCode::kDeadlineExceeded)
+      << reader.last_error();
+}
+
+TEST_F(ClientCoordinatorTest, GenerationChange_PeerLeaves_OnlyItsSubgroupsStop) {
+  CreateJob("leave", 4, v1::HIERARCHICAL, {{1, 2}, {2, 4}});
+  auto clients = ConnectAll("leave", 4);
+  for (auto& c : clients) ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(clients[3]->Leave("finished").ok());
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (clients[0]->latest_generation() == clients[0]->generation() &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(clients[0]->latest_generation(), 2);
+  const Schedule& s = clients[0]->schedule();
+  EXPECT_TRUE(clients[0]->CheckCanAverage(s.SubgroupOf(0, 0)).ok());
+  absl::Status all = clients[0]->CheckCanAverage(s.SubgroupOf(1, 0));
+  EXPECT_EQ(all.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(all.message()), HasSubstr("rank 3 left"));
+  EXPECT_EQ(clients[0]->CheckUsable().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ClientCoordinatorTest, GenerationChange_CoordinatorGone_Unavailable) {
+  CreateJob("gone", 1, v1::PERIODIC, {{1, 1}}, 0, /*heartbeat_ms=*/300);
+  auto c = Client::Connect(Options("gone", 0));
+  ASSERT_TRUE(c.ok()) << c.status();
+  server_->Shutdown();
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while ((*c)->CheckUsable().ok() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ((*c)->CheckUsable().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string((*c)->CheckUsable().message()), HasSubstr("has not answered"));
+}
+
+TEST(ClientAuthTest, Connect_TokenRequired_RightTokenJoinsWrongOneUnauthenticated) {
+  server::ServerOptions opts;
+  opts.auth_token = "s3cret";
+  auto s = server::CoordinatorServer::Start(opts);
+  ASSERT_TRUE(s.ok()) << s.status();
+  CoordinatorClientOptions admin_opts;
+  admin_opts.address = (*s)->address();
+  admin_opts.auth_token = "s3cret";
+  auto admin = CoordinatorClient::Create(admin_opts);
+  ASSERT_TRUE(admin.ok());
+  v1::JobSpec spec;
+  spec.set_job_id("auth");
+  spec.set_world_size(1);
+  spec.set_mode(v1::PERIODIC);
+  spec.add_levels()->set_period(1);
+  spec.mutable_levels(0)->set_group_size(1);
+  ASSERT_TRUE((*admin)->CreateJob(spec).ok());
+
+  ClientOptions o;
+  o.coordinator = (*s)->address();
+  o.job_id = "auth";
+  o.auth_token = "wrong";
+  EXPECT_EQ(Client::Connect(o).status().code(), absl::StatusCode::kUnauthenticated);
+  o.auth_token = "s3cret";
+  auto c = Client::Connect(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE((*c)->DecisionAt(0).ok());  // GetSchedule carries the token too
+}
+
+TEST(ClientAuthTest, Create_TlsFilesWithoutTls_InvalidArgument) {
+  CoordinatorClientOptions o;
+  o.address = "127.0.0.1:1";
+  o.tls_ca_file = "/nonexistent/ca.pem";
+  EXPECT_EQ(CoordinatorClient::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.tls = true;
+  auto c = CoordinatorClient::Create(o);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("/nonexistent/ca.pem"));
+}
+
+}  // namespace
+}  // namespace modelavg::client
