@@ -2,10 +2,13 @@
 
 #include <unistd.h>
 
+#include <csignal>
+
 #include <algorithm>
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/time/clock.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/communicator_cache.h"
@@ -52,6 +55,52 @@ absl::Status ValidateOptions(const ClientOptions& o) {
   return absl::OkStatus();
 }
 
+// Gloo's TCP transport writes without MSG_NOSIGNAL: with SIGPIPE at its default, a peer that
+// dies mid-collective would kill this process instead of failing the all-reduce. A handler the
+// application installed itself is left alone.
+void IgnoreSigpipe() {
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    std::signal(SIGPIPE, SIG_IGN);
+    spdlog::debug("SIGPIPE ignored so that a dead peer surfaces as an averaging error");
+  }
+}
+
+// Join, retried with backoff while the coordinator is unreachable, until join_timeout.
+absl::StatusOr<v1::JoinResponse> JoinWithRetry(CoordinatorClient& coordinator,
+                                               const v1::JoinRequest& join,
+                                               const ClientOptions& options) {
+  const absl::Time deadline = absl::Now() + options.join_timeout;
+  absl::Duration backoff = absl::Milliseconds(100);
+  absl::Time next_warning = absl::Now();
+  while (true) {
+    const absl::Duration left = std::max(absl::Milliseconds(1), deadline - absl::Now());
+    absl::StatusOr<v1::JoinResponse> reply = coordinator.Join(join, left);
+    if (reply.ok()) return reply;
+    const absl::Status& s = reply.status();
+    if (absl::IsDeadlineExceeded(s) && absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "joining job ", options.job_id, ": the world did not complete within "
+          "ClientOptions.join_timeout (", absl::FormatDuration(options.join_timeout),
+          "); GetJob shows which ranks have joined: ", s.message()));
+    }
+    if (!absl::IsUnavailable(s)) return s;
+    if (absl::Now() + backoff >= deadline) {
+      return absl::UnavailableError(absl::StrCat(
+          "cannot reach the coordinator at ", options.coordinator, " within ",
+          absl::FormatDuration(options.join_timeout),
+          " (is it running, and is ClientOptions.coordinator its host:port?): ", s.message()));
+    }
+    if (absl::Now() >= next_warning) {
+      spdlog::warn("coordinator {} unreachable ({}); retrying until the join timeout",
+                   options.coordinator, std::string(s.message()));
+      next_warning = absl::Now() + absl::Seconds(5);
+    }
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Seconds(2));
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
@@ -78,17 +127,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   spdlog::info("joining job {} at {} as {}{}", options.job_id, options.coordinator,
                options.worker_id,
                options.rank ? absl::StrCat(" (rank ", *options.rank, ")") : std::string());
-  absl::StatusOr<v1::JoinResponse> join_reply = coordinator->Join(join, options.join_timeout);
-  if (!join_reply.ok()) {
-    if (join_reply.status().code() == absl::StatusCode::kUnavailable) {
-      return absl::UnavailableError(absl::StrCat(
-          "cannot reach the coordinator at ", options.coordinator,
-          " (is it running, and is ClientOptions.coordinator its host:port?): ",
-          join_reply.status().message()));
-    }
-    return join_reply.status();
-  }
-  v1::JoinResponse joined = *std::move(join_reply);
+  IgnoreSigpipe();
+  MODELAVG_ASSIGN_OR_RETURN(v1::JoinResponse joined, JoinWithRetry(*coordinator, join, options));
 
   absl::StatusOr<ScheduleSpec> spec = ScheduleSpecFromProto(joined.spec());
   if (!spec.ok()) {

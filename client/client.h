@@ -73,7 +73,11 @@ struct ClientOptions {
 class Client {
  public:
   // Validates `options`, joins the job and blocks until every rank has joined (at most
-  // options.join_timeout), then starts the heartbeat thread.
+  // options.join_timeout), then starts the heartbeat thread. While the coordinator is
+  // unreachable (not started yet, restarting, a connection that failed under load) the Join is
+  // retried with backoff until join_timeout, so workers may start before the coordinator.
+  // Ignores SIGPIPE when its disposition is the default (which would kill the process): a peer
+  // that dies mid-collective must surface as an averaging error, not end the survivor.
   // Errors: INVALID_ARGUMENT (bad options; the spec the coordinator sent is not valid),
   // NOT_FOUND (no such job: create it first), ALREADY_EXISTS (the requested rank is taken),
   // FAILED_PRECONDITION (the job is full and running), DEADLINE_EXCEEDED (the world did not

@@ -219,27 +219,6 @@ absl::StatusOr<client::ClientOptions> BaseOptions(const std::string& job, int32_
   return options;
 }
 
-// Client::Connect, retried while the coordinator is unreachable (UNAVAILABLE: not started yet,
-// restarting, or a connection attempt that failed under load) until the join timeout has passed.
-// Any other error is returned at once.
-absl::StatusOr<std::unique_ptr<client::Client>> ConnectWithRetry(
-    const client::ClientOptions& options) {
-  const absl::Time deadline = absl::Now() + options.join_timeout;
-  absl::Duration backoff = absl::Milliseconds(100);
-  while (true) {
-    client::ClientOptions attempt = options;
-    attempt.join_timeout = std::max(absl::Milliseconds(1), deadline - absl::Now());
-    absl::StatusOr<std::unique_ptr<client::Client>> c = client::Client::Connect(attempt);
-    if (c.ok() || !absl::IsUnavailable(c.status()) || absl::Now() + backoff >= deadline) {
-      return c;
-    }
-    spdlog::warn("coordinator {} unreachable ({}); retrying in {}", options.coordinator,
-                 std::string(c.status().message()), absl::FormatDuration(backoff));
-    absl::SleepFor(backoff);
-    backoff = std::min(backoff * 2, absl::Seconds(2));
-  }
-}
-
 // Trains from scratch in `job`; `*rank` is the rank to ask for (-1: any) and receives the one
 // taken.
 absl::StatusOr<PhaseResult> TrainInJob(const std::string& job, int32_t* rank) {
@@ -248,7 +227,7 @@ absl::StatusOr<PhaseResult> TrainInJob(const std::string& job, int32_t* rank) {
               *rank >= 0 ? absl::StrCat(*rank).c_str() : "?", job.c_str(),
               options.coordinator.c_str());
   std::fflush(stdout);
-  MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> client, ConnectWithRetry(options));
+  MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> client, client::Client::Connect(options));
   *rank = client->rank();
   const int32_t world = client->world_size();
   std::unique_ptr<client::ModelAverager> averager;
@@ -383,9 +362,6 @@ int main(int argc, char** argv) {
               << std::endl;
     return 2;
   }
-  // A peer that dies mid-collective closes its sockets; writing to them must be an error the
-  // averager reports, not a SIGPIPE that kills this process.
-  std::signal(SIGPIPE, SIG_IGN);
   std::signal(SIGTERM, modelavg::OnStopSignal);
   std::signal(SIGINT, modelavg::OnStopSignal);
   absl::Status logging = modelavg::InitLogging(absl::GetFlag(FLAGS_log_level), "demo");

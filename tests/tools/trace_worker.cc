@@ -11,7 +11,6 @@
 // (tests/conformance/torch_reference.py) must give the same values. On any failure it prints one
 // line on stderr and exits 1.
 #include <algorithm>
-#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <iostream>
@@ -133,27 +132,6 @@ class Parameters {
   int device_index_ = 0;
 };
 
-// Client::Connect, retried while the coordinator is unreachable (UNAVAILABLE: not started yet,
-// restarting, or a connection attempt that failed under load) until the join timeout has passed.
-// Any other error is returned at once.
-absl::StatusOr<std::unique_ptr<client::Client>> ConnectWithRetry(
-    const client::ClientOptions& options) {
-  const absl::Time deadline = absl::Now() + options.join_timeout;
-  absl::Duration backoff = absl::Milliseconds(100);
-  while (true) {
-    client::ClientOptions attempt = options;
-    attempt.join_timeout = std::max(absl::Milliseconds(1), deadline - absl::Now());
-    absl::StatusOr<std::unique_ptr<client::Client>> c = client::Client::Connect(attempt);
-    if (c.ok() || !absl::IsUnavailable(c.status()) || absl::Now() + backoff >= deadline) {
-      return c;
-    }
-    spdlog::warn("coordinator {} unreachable ({}); retrying in {}", options.coordinator,
-                 std::string(c.status().message()), absl::FormatDuration(backoff));
-    absl::SleepFor(backoff);
-    backoff = std::min(backoff * 2, absl::Seconds(2));
-  }
-}
-
 absl::Status Run() {
   const std::string coordinator = absl::GetFlag(FLAGS_coordinator);
   const std::string job = absl::GetFlag(FLAGS_job);
@@ -204,7 +182,7 @@ absl::Status Run() {
     options.auth_token = token;
   }
 
-  MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> client, ConnectWithRetry(options));
+  MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> client, client::Client::Connect(options));
   if (client->world_size() != world_size) {
     return absl::InvalidArgumentError(absl::StrCat("--world_size=", world_size, " but job ", job,
                                                    " has world size ", client->world_size()));
@@ -248,9 +226,6 @@ int main(int argc, char** argv) {
               << "' (flags are --name=value)" << std::endl;
     return 2;
   }
-  // A peer that dies mid-collective closes its sockets; writing to them must be an error the
-  // averager reports, not a SIGPIPE that kills this process.
-  std::signal(SIGPIPE, SIG_IGN);
   absl::Status logging = modelavg::InitLogging(absl::GetFlag(FLAGS_log_level), "trace-worker");
   if (!logging.ok()) {
     std::cerr << "modelavg-trace-worker: --log_level: " << logging.message() << std::endl;
