@@ -1,11 +1,10 @@
 #include "client/coordinator_client.h"
 
 #include <chrono>
-#include <fstream>
-#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/file_util.h"
 #include "common/status_util.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
@@ -16,14 +15,13 @@ namespace modelavg::client {
 namespace {
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot read ", what, " '", path, "': check the path and permissions"));
+  absl::StatusOr<std::string> text = ReadFileToString(path);
+  if (!text.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("ClientOptions.", what, ": ",
+                                                   text.status().message(),
+                                                   " (check the path and permissions)"));
   }
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  return text;
 }
 
 }  // namespace

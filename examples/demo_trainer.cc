@@ -37,6 +37,7 @@
 #include "absl/time/time.h"
 #include "client/averager.h"
 #include "client/client.h"
+#include "common/file_util.h"
 #include "client/tensor.h"
 #include "common/logging.h"
 #include "common/schedule.h"
@@ -200,21 +201,10 @@ absl::StatusOr<client::ClientOptions> BaseOptions(const std::string& job, int32_
   if (rank >= 0) options.rank = rank;
   options.gloo_hostname = absl::GetFlag(FLAGS_gloo_hostname);
   options.join_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_join_timeout_ms));
-  const std::string token_file = absl::GetFlag(FLAGS_auth_token_file);
-  if (!token_file.empty()) {
-    std::FILE* f = std::fopen(token_file.c_str(), "r");
-    if (f == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("cannot read --auth_token_file=", token_file));
-    }
-    char buf[4096];
-    const size_t n = std::fread(buf, 1, sizeof(buf), f);
-    std::fclose(f);
-    std::string token(buf, n);
-    while (!token.empty() &&
-           (token.back() == '\n' || token.back() == '\r' || token.back() == ' ')) {
-      token.pop_back();
-    }
-    options.auth_token = token;
+  if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
+    absl::StatusOr<std::string> token = ReadTokenFile(path);
+    if (!token.ok()) return Annotate(token.status(), "--auth_token_file");
+    options.auth_token = *std::move(token);
   }
   return options;
 }

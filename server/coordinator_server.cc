@@ -11,6 +11,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "server/coordinator_service.h"
 #include "server/job_registry.h"
+#include "common/file_util.h"
 #include "server/jobs_file.h"
 #include "server/rpc_metrics.h"
 #include "spdlog/spdlog.h"

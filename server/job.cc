@@ -245,17 +245,21 @@ void Job::BumpGeneration(int32_t rank, const std::string& reason, Outbox* out) {
   round_size_ = 0;
   const std::string why = absl::StrCat("job ", id(), " moved from generation ", old, " to ",
                                        generation_, " because ", reason, "; re-join");
-  for (JoinWaiter& w : join_waiters_) {
-    out->Complete([cb = std::move(w.done), why]() mutable { cb(absl::AbortedError(why)); });
-  }
-  join_waiters_.clear();
-  for (CommWaiter& w : comm_waiters_) {
-    out->Complete([cb = std::move(w.done), why]() mutable { cb(absl::AbortedError(why)); });
-  }
-  comm_waiters_.clear();
+  FailAllWaits(absl::AbortedError(why), out);
   comm_ids_.clear();
   spdlog::warn("job {}: generation {} -> {}: {}", id(), old, generation_, reason);
   if (!watchers_.empty()) AddEvent(v1::JobEvent::GENERATION_CHANGED, rank, reason, true, out);
+}
+
+void Job::FailAllWaits(const absl::Status& status, Outbox* out) {
+  for (JoinWaiter& w : join_waiters_) {
+    out->Complete([cb = std::move(w.done), status]() mutable { cb(status); });
+  }
+  join_waiters_.clear();
+  for (CommWaiter& w : comm_waiters_) {
+    out->Complete([cb = std::move(w.done), status]() mutable { cb(status); });
+  }
+  comm_waiters_.clear();
 }
 
 void Job::MaybeFinish(Outbox* out) {
@@ -268,14 +272,7 @@ void Job::MaybeFinish(Outbox* out) {
   if (!any) return;
   state_ = v1::FINISHED;
   const std::string why = absl::StrCat("job ", id(), " finished: every member left");
-  for (JoinWaiter& w : join_waiters_) {
-    out->Complete([cb = std::move(w.done), why]() mutable { cb(absl::AbortedError(why)); });
-  }
-  join_waiters_.clear();
-  for (CommWaiter& w : comm_waiters_) {
-    out->Complete([cb = std::move(w.done), why]() mutable { cb(absl::AbortedError(why)); });
-  }
-  comm_waiters_.clear();
+  FailAllWaits(absl::AbortedError(why), out);
   comm_ids_.clear();
   round_size_ = 0;
   spdlog::info("job {}: FINISHED in generation {} (every member left)", id(), generation_);
@@ -763,14 +760,7 @@ void Job::Close(const absl::Status& status, bool deleted) {
   absl::MutexLock lock(&mu_);
   if (!closed_.ok()) return;
   closed_ = status;
-  for (JoinWaiter& w : join_waiters_) {
-    out.Complete([cb = std::move(w.done), status]() mutable { cb(status); });
-  }
-  join_waiters_.clear();
-  for (CommWaiter& w : comm_waiters_) {
-    out.Complete([cb = std::move(w.done), status]() mutable { cb(status); });
-  }
-  comm_waiters_.clear();
+  FailAllWaits(status, &out);
   if (deleted) AddEvent(v1::JobEvent::JOB_DELETED, -1, status.ToString(), false, &out);
   std::vector<std::shared_ptr<JobWatcher>> closing;
   for (auto& [wid, w] : watchers_) closing.push_back(std::move(w));

@@ -174,6 +174,8 @@ class Job {
   void BumpGeneration(int32_t rank, const std::string& reason, Outbox* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeFinish(Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Completes every pending Join and GetCommId of the job with `status`.
+  void FailAllWaits(const absl::Status& status, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CompleteWorld(Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FillJoinResponse(int32_t rank, v1::JoinResponse* out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

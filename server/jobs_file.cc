@@ -70,14 +70,6 @@ absl::StatusOr<v1::JobSpecList> ParseText(const std::string& text, const std::st
 
 }  // namespace
 
-absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 absl::StatusOr<std::vector<v1::JobSpec>> ParseJobsFile(const std::string& contents,
                                                        const std::string& name) {
   const absl::string_view trimmed = absl::StripLeadingAsciiWhitespace(contents);

@@ -10,9 +10,6 @@
 
 namespace modelavg::server {
 
-// Reads a whole file. NOT_FOUND if it cannot be opened.
-absl::StatusOr<std::string> ReadFileToString(const std::string& path);
-
 // Parses a jobs file: a JobSpecList ({"jobs": [...]}) or a single JobSpec, as JSON (proto3 JSON
 // mapping; a top-level array of JobSpecs is accepted too) or as protobuf text format. Each spec is
 // validated as CreateJob would, and job ids must be unique. INVALID_ARGUMENT naming `name` (the

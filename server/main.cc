@@ -15,6 +15,7 @@
 #include "common/job_spec.h"
 #include "common/logging.h"
 #include "server/coordinator_server.h"
+#include "common/file_util.h"
 #include "server/jobs_file.h"
 #include "spdlog/spdlog.h"
 
@@ -74,14 +75,12 @@ int main(int argc, char** argv) {
   options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
-    absl::StatusOr<std::string> token = modelavg::server::ReadFileToString(path);
+    absl::StatusOr<std::string> token = modelavg::ReadTokenFile(path);
     if (!token.ok()) return Fail(absl::StrCat("--auth_token_file: ", token.status().message()));
-    options.auth_token = std::string(absl::StripAsciiWhitespace(*token));
-    if (options.auth_token.empty()) return Fail(absl::StrCat("--auth_token_file ", path,
-                                                             " is empty"));
+    options.auth_token = *std::move(token);
   }
   if (const std::string path = absl::GetFlag(FLAGS_jobs_file); !path.empty()) {
-    absl::StatusOr<std::string> text = modelavg::server::ReadFileToString(path);
+    absl::StatusOr<std::string> text = modelavg::ReadFileToString(path);
     if (!text.ok()) return Fail(absl::StrCat("--jobs_file: ", text.status().message()));
     absl::StatusOr<std::vector<modelavg::v1::JobSpec>> jobs =
         modelavg::server::ParseJobsFile(*text, path);

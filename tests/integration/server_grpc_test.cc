@@ -19,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "modelavg/v1/coordinator.grpc.pb.h"
 #include "server/coordinator_server.h"
+#include "common/file_util.h"
 #include "server/jobs_file.h"
 
 namespace modelavg::server {

@@ -23,6 +23,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "modelavg/v1/coordinator.grpc.pb.h"
+#include "common/file_util.h"
 #include "server/jobs_file.h"
 
 namespace modelavg::server {

@@ -156,7 +156,21 @@ TEST_F(ClientCoordinatorTest, Connect_CoordinatorStartsLate_JoinsOnceItIsUp) {
   CoordinatorClientOptions copts;
   copts.address = server_->address();
   admin_ = *CoordinatorClient::Create(copts);
-  CreateJob("late", 1, v1::PERIODIC, {{2, 1}});
+  // gRPC shares one connection per address between channels: the admin's first calls may fail
+  // fast while the worker's reconnect backoff runs out. Retry them as the worker does.
+  v1::JobSpec spec;
+  spec.set_job_id("late");
+  spec.set_world_size(1);
+  spec.set_mode(v1::PERIODIC);
+  v1::Level* level = spec.add_levels();
+  level->set_period(2);
+  level->set_group_size(1);
+  absl::StatusOr<v1::Job> job = admin_->CreateJob(spec);
+  for (int i = 0; i < 100 && absl::IsUnavailable(job.status()); ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    job = admin_->CreateJob(spec);
+  }
+  ASSERT_TRUE(job.ok()) << job.status();
   worker.join();
   ASSERT_TRUE(client.ok()) << client.status();
   EXPECT_EQ((*client)->rank(), 0);
