@@ -293,48 +293,174 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
 }
 
 void Client::HeartbeatLoop() {
+  bool stream = options_.heartbeat_stream;
+  // Between failed streams: from one beat interval, doubling, to at most a quarter of the
+  // heartbeat timeout (so that a coordinator back from a blip hears this rank in time) or 1 s.
+  const absl::Duration min_backoff = options_.heartbeat_interval;
+  const absl::Duration max_backoff =
+      std::max(min_backoff, std::min(absl::Seconds(1), heartbeat_timeout_ / 4));
+  absl::Duration backoff = min_backoff;
+  while (true) {
+    if (!stream) {
+      if (!UnaryHeartbeat()) return;
+      continue;
+    }
+    bool answered = false;
+    const absl::Status s = StreamHeartbeats(&answered);
+    {
+      absl::MutexLock l(&mu_);
+      if (stopping_) return;
+    }
+    if (absl::IsUnimplemented(s) && !answered) {
+      spdlog::warn("the coordinator at {} has no HeartbeatStream (an older version): "
+                   "heartbeating with one call per beat", options_.coordinator);
+      stream = false;
+      continue;
+    }
+    if (answered) backoff = min_backoff;
+    spdlog::debug("heartbeat stream to {} ended: {}; re-opening in {}", options_.coordinator,
+                  s.ToString(), absl::FormatDuration(backoff));
+    NoteHeartbeatFailure(s);
+    {
+      absl::MutexLock l(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), backoff)) return;
+    }
+    backoff = std::min(backoff * 2, max_backoff);
+  }
+}
+
+bool Client::UnaryHeartbeat() {
+  int64_t step;
+  int64_t seen;
+  {
+    absl::MutexLock l(&mu_);
+    if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.heartbeat_interval)) {
+      return false;
+    }
+    step = step_;
+    seen = latest_generation_;
+  }
+  v1::HeartbeatRequest req;
+  req.set_job_id(options_.job_id);
+  req.set_rank(rank_);
+  req.set_generation(generation_);
+  req.set_step(step);
+  absl::StatusOr<v1::HeartbeatResponse> resp = coordinator_->Heartbeat(req);
+  if (!resp.ok()) {
+    NoteHeartbeatFailure(resp.status());
+    return true;
+  }
+  {
+    absl::MutexLock l(&mu_);
+    last_heartbeat_ok_ = absl::Now();
+  }
+  HandleHeartbeatReply(*resp, seen);
+  return true;
+}
+
+absl::Status Client::StreamHeartbeats(bool* answered) {
+  {
+    absl::MutexLock l(&mu_);
+    stream_ended_ = false;
+    stream_change_.reset();
+  }
+  // The coordinator stays silent while nothing changes; it answers at least this often.
+  const int64_t reply_interval_ms = std::max<int64_t>(
+      1, std::min<int64_t>(1000, absl::ToInt64Milliseconds(heartbeat_timeout_) / 3));
+  std::unique_ptr<HeartbeatStreamCall> call = coordinator_->StartHeartbeatStream(
+      [this](const v1::HeartbeatResponse& reply) { OnStreamReply(reply); },
+      [this] {
+        absl::MutexLock l(&mu_);
+        stream_ended_ = true;
+      });
+  const absl::Time opened = absl::Now();
+  absl::Time next_beat = opened;
+  absl::Status silence;
+  bool first = true;
   while (true) {
     int64_t step;
     int64_t seen;
+    absl::Time last_reply;
+    std::optional<v1::HeartbeatResponse> change;
+    bool ended;
     {
       absl::MutexLock l(&mu_);
-      if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.heartbeat_interval)) return;
+      mu_.AwaitWithDeadline(
+          absl::Condition(static_cast<const Client*>(this), &Client::StreamWakeUp), next_beat);
+      if (stopping_) break;
+      change.swap(stream_change_);
+      ended = stream_ended_;
       step = step_;
       seen = latest_generation_;
+      last_reply = last_heartbeat_ok_;
     }
+    if (change.has_value()) {
+      *answered = true;
+      HandleHeartbeatReply(*change, seen);
+    }
+    if (ended) break;
+    const absl::Time now = absl::Now();
+    // Silent for longer than the heartbeat timeout (counted from the stream's opening at the
+    // earliest): the connection is likely dead without gRPC having noticed; re-open it.
+    const absl::Duration silent = now - std::max(last_reply, opened);
+    if (silent > heartbeat_timeout_) {
+      silence = absl::UnavailableError(absl::StrCat("no reply on the HeartbeatStream for ",
+                                                    absl::FormatDuration(silent)));
+      break;
+    }
+    if (last_reply > opened) *answered = true;
+    if (now < next_beat) continue;  // woken early for a reply
     v1::HeartbeatRequest req;
     req.set_job_id(options_.job_id);
     req.set_rank(rank_);
     req.set_generation(generation_);
     req.set_step(step);
-    absl::StatusOr<v1::HeartbeatResponse> resp = coordinator_->Heartbeat(req);
-    if (!resp.ok()) {
-      absl::MutexLock l(&mu_);
-      const absl::Duration silent = absl::Now() - last_heartbeat_ok_;
-      if (silent > heartbeat_timeout_ && broken_.ok()) {
-        broken_ = absl::UnavailableError(absl::StrCat(
-            "the coordinator at ", options_.coordinator, " has not answered for ",
-            absl::FormatDuration(silent), " (last error: ", resp.status().ToString(),
-            "); it has likely declared this rank dead: restart the worker once it is back"));
-        spdlog::error("{}", std::string(broken_.message()));
-      }
-      continue;
+    if (first) req.set_reply_interval_ms(reply_interval_ms);
+    // A beat not sent because the previous write is still in flight is simply skipped; the
+    // first one is retried until it goes out (it carries reply_interval_ms).
+    if (call->Write(req)) first = false;
+    next_beat = std::max(next_beat + options_.heartbeat_interval, now);
+  }
+  const absl::Status status = call->Finish();
+  if (!silence.ok()) return silence;
+  {
+    absl::MutexLock l(&mu_);
+    if (stopping_) return absl::OkStatus();
+  }
+  return status.ok() ? absl::UnavailableError("the coordinator ended the HeartbeatStream")
+                     : status;
+}
+
+void Client::OnStreamReply(const v1::HeartbeatResponse& reply) {
+  absl::MutexLock l(&mu_);
+  last_heartbeat_ok_ = absl::Now();
+  if (reply.generation() != generation_ && reply.generation() != latest_generation_) {
+    stream_change_ = reply;
+  }
+}
+
+void Client::HandleHeartbeatReply(const v1::HeartbeatResponse& reply, int64_t seen) {
+  if (reply.generation() == generation_ || reply.generation() == seen) return;
+  std::string why = "membership changed";
+  if (reply.has_last_change() && !reply.last_change().reason().empty()) {
+    why = reply.last_change().reason();
+    const std::string who = absl::StrCat("rank ", reply.last_change().rank());
+    if (reply.last_change().rank() >= 0 && !absl::StrContains(why, who)) {
+      absl::StrAppend(&why, " (", who, ")");
     }
-    {
-      absl::MutexLock l(&mu_);
-      last_heartbeat_ok_ = absl::Now();
-    }
-    if (resp->generation() != generation_ && resp->generation() != seen) {
-      std::string why = "membership changed";
-      if (resp->has_last_change() && !resp->last_change().reason().empty()) {
-        why = resp->last_change().reason();
-        const std::string who = absl::StrCat("rank ", resp->last_change().rank());
-        if (resp->last_change().rank() >= 0 && !absl::StrContains(why, who)) {
-          absl::StrAppend(&why, " (", who, ")");
-        }
-      }
-      NoteGenerationChange(resp->generation(), why);
-    }
+  }
+  NoteGenerationChange(reply.generation(), why);
+}
+
+void Client::NoteHeartbeatFailure(const absl::Status& error) {
+  absl::MutexLock l(&mu_);
+  const absl::Duration silent = absl::Now() - last_heartbeat_ok_;
+  if (silent > heartbeat_timeout_ && broken_.ok()) {
+    broken_ = absl::UnavailableError(absl::StrCat(
+        "the coordinator at ", options_.coordinator, " has not answered for ",
+        absl::FormatDuration(silent), " (last error: ", error.ToString(),
+        "); it has likely declared this rank dead: restart the worker once it is back"));
+    spdlog::error("{}", std::string(broken_.message()));
   }
 }
 

@@ -31,6 +31,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/schedule.h"
+#include "modelavg/v1/coordinator.pb.h"
 
 namespace modelavg::client {
 
@@ -56,6 +57,12 @@ struct ClientOptions {
   // Deadline of every other RPC to the coordinator.
   absl::Duration rpc_timeout = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::Milliseconds(100);
+  // Heartbeat over one HeartbeatStream per client: beats are written without waiting, and the
+  // coordinator answers only when the job changed, and otherwise about once a second (at least
+  // three times per heartbeat timeout), which costs it far less than a call per beat. A broken
+  // stream is re-opened with backoff. false: one unary Heartbeat call per beat. A coordinator
+  // without HeartbeatStream (an older version) gets unary calls either way.
+  bool heartbeat_stream = true;
   // Longest wait for one collective (communicator set-up or one all-reduce); past it the
   // averaging call fails with DEADLINE_EXCEEDED instead of hanging on a dead peer.
   absl::Duration collective_timeout = absl::Seconds(60);
@@ -140,6 +147,23 @@ class Client {
   Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator, int32_t rank,
          int64_t generation, Schedule schedule, absl::Duration heartbeat_timeout);
   void HeartbeatLoop();
+  // One unary beat after heartbeat_interval. False once stopping.
+  bool UnaryHeartbeat() ABSL_LOCKS_EXCLUDED(mu_);
+  // Beats over one HeartbeatStream until it ends, stays silent past the heartbeat timeout, or
+  // the client stops. Returns why it ended (OK when stopping); *answered: a reply came.
+  absl::Status StreamHeartbeats(bool* answered) ABSL_LOCKS_EXCLUDED(mu_);
+  // A heartbeat reply: records the coordinator as alive, and a generation change not seen yet
+  // for the heartbeat thread to act on. Does not block (runs on gRPC threads).
+  void OnStreamReply(const v1::HeartbeatResponse& reply) ABSL_LOCKS_EXCLUDED(mu_);
+  bool StreamWakeUp() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopping_ || stream_ended_ || stream_change_.has_value();
+  }
+  // A reply whose generation is neither this client's nor the latest seen: NoteGenerationChange.
+  void HandleHeartbeatReply(const v1::HeartbeatResponse& reply, int64_t seen)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Marks the client broken (UNAVAILABLE) once the coordinator has not answered a heartbeat for
+  // longer than the heartbeat timeout; `error` says what failed last.
+  void NoteHeartbeatFailure(const absl::Status& error) ABSL_LOCKS_EXCLUDED(mu_);
   // Records a generation change seen by the heartbeat: which ranks departed, and whether the
   // change breaks every communicator (a death or re-join) or only those with departed ranks.
   void NoteGenerationChange(int64_t generation, const std::string& why)
@@ -170,6 +194,9 @@ class Client {
   bool left_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time last_heartbeat_ok_ ABSL_GUARDED_BY(mu_);
+  // The current HeartbeatStream has ended; a reply with a generation change to act on.
+  bool stream_ended_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<v1::HeartbeatResponse> stream_change_ ABSL_GUARDED_BY(mu_);
   std::thread heartbeat_thread_;
 };
 

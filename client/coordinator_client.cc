@@ -73,11 +73,13 @@ CoordinatorClient::CoordinatorClient(CoordinatorClientOptions options,
       channel_(std::move(channel)),
       stub_(v1::Coordinator::NewStub(channel_)) {}
 
+std::string CoordinatorClient::Authorization() const {
+  return options_.auth_token.empty() ? "" : absl::StrCat("Bearer ", options_.auth_token);
+}
+
 void CoordinatorClient::Prepare(grpc::ClientContext* context, absl::Duration timeout) const {
   context->set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout));
-  if (!options_.auth_token.empty()) {
-    context->AddMetadata("authorization", absl::StrCat("Bearer ", options_.auth_token));
-  }
+  if (!options_.auth_token.empty()) context->AddMetadata("authorization", Authorization());
 }
 
 namespace {
@@ -180,6 +182,73 @@ absl::Status CoordinatorClient::Ping() {
   v1::PingRequest req;
   v1::PingResponse out;
   return Wrap(stub_->Ping(&ctx, req, &out), "Ping");
+}
+
+std::unique_ptr<HeartbeatStreamCall> CoordinatorClient::StartHeartbeatStream(
+    HeartbeatStreamCall::ReplyCallback on_reply, HeartbeatStreamCall::EndCallback on_end) {
+  return std::make_unique<HeartbeatStreamCall>(stub_.get(), Authorization(), std::move(on_reply),
+                                               std::move(on_end));
+}
+
+HeartbeatStreamCall::HeartbeatStreamCall(v1::Coordinator::Stub* stub,
+                                         const std::string& authorization, ReplyCallback on_reply,
+                                         EndCallback on_end)
+    : on_reply_(std::move(on_reply)), on_end_(std::move(on_end)) {
+  if (!authorization.empty()) context_.AddMetadata("authorization", authorization);
+  stub->async()->HeartbeatStream(&context_, this);
+  StartRead(&reply_);
+  // Held until Finish, so that OnDone cannot come (and the reactor be released) before the
+  // owner stops writing.
+  AddHold();
+  StartCall();
+}
+
+HeartbeatStreamCall::~HeartbeatStreamCall() { (void)Finish(); }
+
+bool HeartbeatStreamCall::Write(const v1::HeartbeatRequest& request) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (writing_ || ended_ || finished_) return false;
+    writing_ = true;
+  }
+  request_ = request;
+  StartWrite(&request_);
+  return true;
+}
+
+void HeartbeatStreamCall::OnWriteDone(bool ok) {
+  absl::MutexLock lock(&mu_);
+  writing_ = false;
+  // A failed write means the stream is over; the failed read reports it.
+}
+
+void HeartbeatStreamCall::OnReadDone(bool ok) {
+  if (ok) {
+    on_reply_(reply_);
+    StartRead(&reply_);
+    return;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    ended_ = true;
+  }
+  on_end_();
+}
+
+void HeartbeatStreamCall::OnDone(const grpc::Status& status) {
+  status_ = status;
+  done_.Notify();
+}
+
+absl::Status HeartbeatStreamCall::Finish() {
+  if (!finished_) {
+    finished_ = true;
+    context_.TryCancel();
+    RemoveHold();
+  }
+  // Prompt: the call is cancelled, so every operation in flight completes now.
+  done_.WaitForNotification();
+  return Wrap(status_, "HeartbeatStream");
 }
 
 }  // namespace modelavg::client

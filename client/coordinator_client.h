@@ -3,13 +3,18 @@
 #ifndef MODELAVG_CLIENT_COORDINATOR_CLIENT_H_
 #define MODELAVG_CLIENT_COORDINATOR_CLIENT_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/support/client_callback.h"
 #include "modelavg/v1/coordinator.grpc.pb.h"
 
 namespace modelavg::client {
@@ -22,6 +27,48 @@ struct CoordinatorClientOptions {
   std::string tls_ca_file, tls_cert_file, tls_key_file;
   // Default deadline of a call that does not say otherwise.
   absl::Duration rpc_timeout = absl::Seconds(10);
+};
+
+// One HeartbeatStream call (gRPC callback API: nothing here blocks but Finish). The owner writes
+// beats with Write and ends the call with Finish; replies and the end of the stream are reported
+// through the callbacks given at the start, which run on gRPC threads and must not block.
+class HeartbeatStreamCall final
+    : public grpc::ClientBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse> {
+ public:
+  using ReplyCallback = std::function<void(const v1::HeartbeatResponse&)>;
+  using EndCallback = std::function<void()>;
+
+  // Use CoordinatorClient::StartHeartbeatStream.
+  HeartbeatStreamCall(v1::Coordinator::Stub* stub, const std::string& authorization,
+                      ReplyCallback on_reply, EndCallback on_end);
+  // Finishes the call if the owner has not.
+  ~HeartbeatStreamCall() override;
+
+  // Sends one beat. False when it was not sent: the previous write is still in flight, or the
+  // stream has ended (on_end has been or is about to be called). Only the owner's thread calls
+  // Write and Finish.
+  bool Write(const v1::HeartbeatRequest& request);
+  // Cancels the call (a no-op if it has ended), waits for gRPC to release it and returns its
+  // status: OK or CANCELLED when ended here, the coordinator's error otherwise (UNIMPLEMENTED
+  // from a coordinator without HeartbeatStream, UNAVAILABLE when unreachable, ...).
+  absl::Status Finish();
+
+  void OnWriteDone(bool ok) override;
+  void OnReadDone(bool ok) override;
+  void OnDone(const grpc::Status& status) override;
+
+ private:
+  grpc::ClientContext context_;
+  v1::HeartbeatRequest request_;  // the write in flight
+  v1::HeartbeatResponse reply_;   // the read in flight
+  const ReplyCallback on_reply_;
+  const EndCallback on_end_;
+  absl::Mutex mu_;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ = false;  // the owner's thread only
+  grpc::Status status_;    // set by OnDone, read after done_
+  absl::Notification done_;
 };
 
 // Thread-safe (the stub is).
@@ -46,6 +93,10 @@ class CoordinatorClient {
   absl::StatusOr<std::string> GetCommId(const v1::GetCommIdRequest& request);
   absl::StatusOr<v1::LeaveResponse> Leave(const v1::LeaveRequest& request);
   absl::Status Ping();
+  // Opens a HeartbeatStream carrying the token, without a deadline (it lasts as long as the
+  // membership): see HeartbeatStreamCall. Never fails here; errors end the stream.
+  std::unique_ptr<HeartbeatStreamCall> StartHeartbeatStream(HeartbeatStreamCall::ReplyCallback on_reply,
+                                                            HeartbeatStreamCall::EndCallback on_end);
 
   const CoordinatorClientOptions& options() const { return options_; }
 
@@ -53,6 +104,8 @@ class CoordinatorClient {
   CoordinatorClient(CoordinatorClientOptions options, std::shared_ptr<grpc::Channel> channel);
   // Deadline and token on a fresh context.
   void Prepare(grpc::ClientContext* context, absl::Duration timeout) const;
+  // "Bearer <token>", empty without a token.
+  std::string Authorization() const;
 
   const CoordinatorClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;

@@ -183,7 +183,30 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
   RpcMetrics* const metrics_;
 };
 
-// HeartbeatStream: read one request, answer it, read the next. The job is looked up once.
+// Longest reply_interval_ms a HeartbeatStream may ask for.
+constexpr int64_t kMaxReplyIntervalMs = 60000;
+
+// What a heartbeat reply says; two replies that say the same need not both be sent.
+bool SameNews(const v1::HeartbeatResponse& a, const v1::HeartbeatResponse& b) {
+  if (a.state() != b.state() || a.generation() != b.generation() ||
+      a.has_last_change() != b.has_last_change()) {
+    return false;
+  }
+  const v1::GenerationChange& x = a.last_change();
+  const v1::GenerationChange& y = b.last_change();
+  return x.generation() == y.generation() && x.rank() == y.rank() && x.reason() == y.reason() &&
+         x.unix_ms() == y.unix_ms();
+}
+
+// HeartbeatStream. The job is looked up once, from the first beat, which also picks the mode:
+//  * reply_interval_ms = 0: read a beat, answer it, read the next (one reply per beat);
+//  * reply_interval_ms > 0: beats are read back to back and answered only when there is news
+//    (the first beat; state, generation or last_change differ from the last reply) or that
+//    long has passed since the last reply. At most one write is in flight; a reply due
+//    meanwhile waits in pending_ (the newest replaces an older one) and goes out when it
+//    completes.
+// Reads and writes complete on different threads: the write state is guarded by mu_. Finish is
+// called once, when no write is in flight (End defers it otherwise).
 class HeartbeatStreamReactor final
     : public grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse> {
  public:
@@ -198,7 +221,15 @@ class HeartbeatStreamReactor final
 
   void OnReadDone(bool ok) override {
     if (!ok) return End(absl::OkStatus());  // the client half-closed (or went away)
+    // Only the read path touches request_, job_ and reply_interval_ (one read at a time).
     if (job_ == nullptr) {
+      const int64_t interval_ms = request_.reply_interval_ms();
+      if (interval_ms < 0 || interval_ms > kMaxReplyIntervalMs) {
+        return End(absl::InvalidArgumentError(absl::StrCat(
+            "reply_interval_ms is ", interval_ms, ": it must be in 0..", kMaxReplyIntervalMs,
+            " (0: one reply per beat; otherwise replies on change and at least that often)")));
+      }
+      reply_interval_ = absl::Milliseconds(interval_ms);
       absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request_.job_id());
       if (!job.ok()) return End(job.status());
       job_ = *std::move(job);
@@ -207,18 +238,86 @@ class HeartbeatStreamReactor final
           "this HeartbeatStream is for job ", job_->id(), "; open another stream for job ",
           request_.job_id().substr(0, 256))));
     }
-    response_.Clear();
-    if (absl::Status s = job_->Heartbeat(request_, &response_); !s.ok()) return End(s);
-    StartWrite(&response_);
+    v1::HeartbeatResponse reply;
+    if (absl::Status s = job_->Heartbeat(request_, &reply); !s.ok()) return End(s);
+    const bool per_beat = reply_interval_ == absl::ZeroDuration();
+    const absl::Time now = absl::Now();
+    bool write = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (finishing_) return;
+      const bool due = per_beat || !replied_ || !SameNews(reply, last_reply_) ||
+                       now - last_reply_time_ >= reply_interval_;
+      if (due) {
+        last_reply_ = reply;
+        last_reply_time_ = now;
+        replied_ = true;
+        if (writing_) {
+          pending_ = std::move(reply);
+          has_pending_ = true;
+        } else {
+          out_ = std::move(reply);
+          writing_ = true;
+          write = true;
+        }
+      }
+    }
+    if (write) StartWrite(&out_);
+    // One reply per beat: the next read waits for the write (OnWriteDone starts it).
+    if (!per_beat || !write) StartRead(&request_);
   }
+
   void OnWriteDone(bool ok) override {
-    if (!ok) return End(absl::CancelledError("the HeartbeatStream broke"));
-    StartRead(&request_);
+    bool write = false;
+    bool read = false;
+    bool finish = false;
+    absl::Status status;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!ok && !finishing_) {
+        finishing_ = true;
+        finish_status_ = absl::CancelledError("the HeartbeatStream broke");
+      }
+      if (finishing_) {
+        finish = !finished_;
+        finished_ = true;
+        status = finish_status_;
+      } else if (has_pending_) {
+        out_ = std::move(pending_);
+        has_pending_ = false;
+        writing_ = true;
+        write = true;
+      } else {
+        // Streaming mode has a read outstanding already.
+        read = reply_interval_ == absl::ZeroDuration();
+      }
+    }
+    if (write) {
+      StartWrite(&out_);
+    } else if (finish) {
+      FinishWith(status);
+    } else if (read) {
+      StartRead(&request_);
+    }
   }
+
   void OnDone() override { delete this; }
 
  private:
+  // Ends the stream with `status` now, or once the write in flight completes.
   void End(const absl::Status& status) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (finishing_) return;
+      finishing_ = true;
+      finish_status_ = status;
+      if (writing_) return;  // OnWriteDone finishes
+      finished_ = true;
+    }
+    FinishWith(status);
+  }
+  void FinishWith(const absl::Status& status) {
     if (metrics_ != nullptr) metrics_->CountRpc(RpcMethod::kHeartbeatStream, status.code());
     Finish(ToGrpcStatus(status));
   }
@@ -227,7 +326,20 @@ class HeartbeatStreamReactor final
   RpcMetrics* const metrics_;
   std::shared_ptr<Job> job_;
   v1::HeartbeatRequest request_;
-  v1::HeartbeatResponse response_;
+  absl::Duration reply_interval_ = absl::ZeroDuration();
+
+  absl::Mutex mu_;
+  // The write in flight; set under mu_, and only while no write is in flight.
+  v1::HeartbeatResponse out_;
+  v1::HeartbeatResponse pending_ ABSL_GUARDED_BY(mu_);
+  bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool replied_ ABSL_GUARDED_BY(mu_) = false;
+  v1::HeartbeatResponse last_reply_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_reply_time_ ABSL_GUARDED_BY(mu_);
+  bool finishing_ ABSL_GUARDED_BY(mu_) = false;  // End was called (Finish may be deferred)
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;   // Finish was called
+  absl::Status finish_status_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

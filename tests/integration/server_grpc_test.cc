@@ -324,6 +324,125 @@ TEST_F(ServerTest, HeartbeatStream_OneReplyPerBeat_ErrorsEndTheStream) {
   }
 }
 
+// With reply_interval_ms, beats are written back to back and answered only with news.
+TEST_F(ServerTest, HeartbeatStream_ReplyInterval_AnswersOnlyTheFirstBeatAndChanges) {
+  Start();
+  ASSERT_TRUE(CreateJob(R"pb(job_id: "news" world_size: 2 mode: PERIODIC
+                             levels { period: 1 group_size: 2 }
+                             heartbeat_timeout_ms: 600000)pb")
+                  .ok());
+  std::vector<std::thread> joins;
+  for (int r = 0; r < 2; ++r) {
+    joins.emplace_back([&, r] {
+      v1::JoinRequest join;
+      join.set_job_id("news");
+      join.set_worker_id(absl::StrCat("w", r));
+      join.set_rank(r);
+      v1::JoinResponse joined;
+      EXPECT_TRUE(stub_->Join(Context().get(), join, &joined).ok());
+    });
+  }
+  for (auto& t : joins) t.join();
+
+  auto ctx = Context();
+  auto stream = stub_->HeartbeatStream(ctx.get());
+  auto beat = [&](int64_t step) {
+    v1::HeartbeatRequest b;
+    b.set_job_id("news");
+    b.set_rank(0);
+    b.set_generation(1);
+    b.set_step(step);
+    if (step == 0) b.set_reply_interval_ms(60000);
+    return stream->Write(b);
+  };
+  ASSERT_TRUE(beat(0));
+  v1::HeartbeatResponse reply;
+  ASSERT_TRUE(stream->Read(&reply));  // the first beat is always answered
+  EXPECT_EQ(reply.generation(), 1);
+  EXPECT_EQ(reply.state(), v1::RUNNING);
+  for (int64_t step = 1; step <= 5; ++step) ASSERT_TRUE(beat(step));
+  // Unanswered beats still count: the step arrives.
+  v1::GetJobRequest get;
+  get.set_job_id("news");
+  v1::Job job;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  do {
+    ASSERT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
+  } while (job.members(0).last_step() != 5 && absl::Now() < deadline);
+  EXPECT_EQ(job.members(0).last_step(), 5);
+
+  // Rank 1 leaves: the next beat brings generation 2. Had beats 1..5 been answered, this read
+  // would return one of their (generation 1) replies instead.
+  v1::LeaveRequest leave;
+  leave.set_job_id("news");
+  leave.set_rank(1);
+  leave.set_generation(1);
+  leave.set_reason("done");
+  v1::LeaveResponse left;
+  ASSERT_TRUE(stub_->Leave(Context().get(), leave, &left).ok());
+  ASSERT_TRUE(beat(6));
+  ASSERT_TRUE(stream->Read(&reply));
+  EXPECT_EQ(reply.generation(), 2);
+  EXPECT_EQ(reply.state(), v1::PENDING);
+  EXPECT_EQ(reply.last_change().rank(), 1);
+  // Nothing new after that: no reply until the stream ends.
+  ASSERT_TRUE(beat(7));
+  ASSERT_TRUE(beat(8));
+  ASSERT_TRUE(stream->WritesDone());
+  EXPECT_FALSE(stream->Read(&reply));
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+// Nothing new, but reply_interval_ms has passed since the last reply: the beat is answered.
+TEST_F(ServerTest, HeartbeatStream_ReplyInterval_AnswersAtLeastThatOften) {
+  Start();
+  ASSERT_TRUE(CreateJob(R"pb(job_id: "alive" world_size: 1 mode: PERIODIC
+                             levels { period: 1 group_size: 1 })pb")
+                  .ok());
+  v1::JoinRequest join;
+  join.set_job_id("alive");
+  join.set_worker_id("w");
+  v1::JoinResponse joined;
+  ASSERT_TRUE(stub_->Join(Context().get(), join, &joined).ok());
+  auto ctx = Context();
+  auto stream = stub_->HeartbeatStream(ctx.get());
+  for (int step = 0; step < 3; ++step) {
+    v1::HeartbeatRequest beat;
+    beat.set_job_id("alive");
+    beat.set_rank(0);
+    beat.set_generation(1);
+    beat.set_step(step);
+    beat.set_reply_interval_ms(1);
+    if (step > 0) absl::SleepFor(absl::Milliseconds(5));  // more than reply_interval_ms
+    ASSERT_TRUE(stream->Write(beat));
+    v1::HeartbeatResponse reply;
+    ASSERT_TRUE(stream->Read(&reply)) << "beat " << step;
+    EXPECT_EQ(reply.generation(), 1);
+  }
+  ASSERT_TRUE(stream->WritesDone());
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST_F(ServerTest, HeartbeatStream_BadReplyInterval_InvalidArgument) {
+  Start();
+  ASSERT_TRUE(CreateJob(R"pb(job_id: "bad" world_size: 1 mode: PERIODIC
+                             levels { period: 1 group_size: 1 })pb")
+                  .ok());
+  for (int64_t interval : {-1, 60001}) {
+    auto ctx = Context();
+    auto stream = stub_->HeartbeatStream(ctx.get());
+    v1::HeartbeatRequest beat;
+    beat.set_job_id("bad");
+    beat.set_reply_interval_ms(interval);
+    ASSERT_TRUE(stream->Write(beat));
+    v1::HeartbeatResponse reply;
+    EXPECT_FALSE(stream->Read(&reply));
+    const grpc::Status s = stream->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << interval;
+    EXPECT_THAT(s.error_message(), HasSubstr("reply_interval_ms")) << interval;
+  }
+}
+
 TEST_F(ServerTest, WatchJob_UnknownJob_NotFound) {
   Start();
   v1::WatchJobRequest watch;

@@ -1,5 +1,7 @@
 // The client against an in-process coordinator: Connect, the decision cache, generation
-// tracking, the coordinator-backed Gloo store, and averagers with ranks as threads.
+// tracking, the coordinator-backed Gloo store, and averagers with ranks as threads. The heartbeat
+// transport (HeartbeatStream, and the fallback to unary calls) against a fake coordinator.
+#include <atomic>
 #include <memory>
 #include <string>
 #include <thread>
@@ -13,6 +15,7 @@
 #include "client/coordinator_client.h"
 #include "client/coordinator_store.h"
 #include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "server/coordinator_server.h"
 
@@ -365,6 +368,185 @@ TEST(ClientAuthTest, Create_TlsFilesWithoutTls_InvalidArgument) {
   auto c = CoordinatorClient::Create(o);
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(c.status().message()), HasSubstr("/nonexistent/ca.pem"));
+}
+
+// A one-rank coordinator that counts how the client heartbeats, and whose generation a test can
+// move. HeartbeatStream answers like the real one with reply_interval_ms > 0 (first beat, on
+// change, at least every reply_interval_ms); without `stream`, it is UNIMPLEMENTED, as on a
+// coordinator that predates it.
+class FakeCoordinator final : public v1::Coordinator::Service {
+ public:
+  explicit FakeCoordinator(bool stream) : stream_(stream) {}
+
+  grpc::Status Join(grpc::ServerContext*, const v1::JoinRequest*,
+                    v1::JoinResponse* response) override {
+    response->set_rank(0);
+    response->set_world_size(1);
+    response->set_generation(1);
+    response->set_heartbeat_timeout_ms(2000);
+    v1::JobSpec* spec = response->mutable_spec();
+    spec->set_job_id("fake");
+    spec->set_world_size(1);
+    spec->set_mode(v1::PERIODIC);
+    v1::Level* level = spec->add_levels();
+    level->set_period(1);
+    level->set_group_size(1);
+    v1::Subgroup* group = response->add_subgroups();
+    group->set_period(1);
+    group->add_ranks(0);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* request,
+                         v1::HeartbeatResponse* response) override {
+    ++unary_beats_;
+    Answer(*request, response);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status HeartbeatStream(
+      grpc::ServerContext*,
+      grpc::ServerReaderWriter<v1::HeartbeatResponse, v1::HeartbeatRequest>* stream) override {
+    ++stream_calls_;
+    if (!stream_) return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "no HeartbeatStream here");
+    v1::HeartbeatRequest beat;
+    int64_t sent_generation = -1;
+    absl::Time sent_at;
+    absl::Duration interval;
+    while (stream->Read(&beat)) {
+      if (stream_beats_++ == 0) {
+        reply_interval_ms_ = beat.reply_interval_ms();
+        interval = absl::Milliseconds(beat.reply_interval_ms());
+      }
+      v1::HeartbeatResponse reply;
+      Answer(beat, &reply);
+      if (reply.generation() == sent_generation && absl::Now() - sent_at < interval) continue;
+      sent_generation = reply.generation();
+      sent_at = absl::Now();
+      if (!stream->Write(reply)) break;
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Leave(grpc::ServerContext*, const v1::LeaveRequest*,
+                     v1::LeaveResponse*) override {
+    return grpc::Status::OK;
+  }
+
+  void set_generation(int64_t generation) { generation_ = generation; }
+  int unary_beats() const { return unary_beats_; }
+  int stream_calls() const { return stream_calls_; }
+  int stream_beats() const { return stream_beats_; }
+  int64_t reply_interval_ms() const { return reply_interval_ms_; }
+
+ private:
+  void Answer(const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response) const {
+    response->set_state(v1::RUNNING);
+    response->set_generation(generation_);
+    if (request.generation() != generation_) {
+      response->mutable_last_change()->set_generation(generation_);
+      response->mutable_last_change()->set_rank(-1);
+      response->mutable_last_change()->set_reason("fake change");
+    }
+  }
+
+  const bool stream_;
+  std::atomic<int64_t> generation_{1};
+  std::atomic<int> unary_beats_{0};
+  std::atomic<int> stream_calls_{0};
+  std::atomic<int> stream_beats_{0};
+  std::atomic<int64_t> reply_interval_ms_{-1};
+};
+
+class ClientHeartbeatTest : public ::testing::Test {
+ protected:
+  void Start(bool stream) {
+    fake_ = std::make_unique<FakeCoordinator>(stream);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(fake_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_GT(port, 0);
+    address_ = absl::StrCat("127.0.0.1:", port);
+  }
+  void TearDown() override {
+    client_.reset();
+    if (server_ != nullptr) {
+      server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    }
+  }
+
+  void Connect(bool heartbeat_stream) {
+    ClientOptions o;
+    o.coordinator = address_;
+    o.job_id = "fake";
+    o.rank = 0;
+    o.join_timeout = absl::Seconds(20);
+    o.heartbeat_interval = absl::Milliseconds(20);
+    o.heartbeat_stream = heartbeat_stream;
+    auto c = Client::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = *std::move(c);
+  }
+
+  // Waits (at most 10 s) until `done` holds.
+  template <typename Pred>
+  static bool WaitFor(Pred done) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (!done()) {
+      if (absl::Now() > deadline) return false;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return true;
+  }
+
+  // Moves the fake to generation 2; the client must notice it through its heartbeat.
+  void ExpectGenerationChangeNoticed() {
+    fake_->set_generation(2);
+    ASSERT_TRUE(WaitFor([&] { return !client_->CheckUsable().ok(); }));
+    const absl::Status s = client_->CheckUsable();
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("fake change"));
+    EXPECT_EQ(client_->latest_generation(), 2);
+  }
+
+  std::unique_ptr<FakeCoordinator> fake_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_F(ClientHeartbeatTest, Stream_GenerationChangeArrivesWithoutUnaryCalls) {
+  Start(/*stream=*/true);
+  Connect(/*heartbeat_stream=*/true);
+  ASSERT_TRUE(WaitFor([&] { return fake_->stream_beats() >= 5; }));
+  ExpectGenerationChangeNoticed();
+  EXPECT_EQ(fake_->unary_beats(), 0);
+  EXPECT_EQ(fake_->stream_calls(), 1);
+  // A third of the 2 s heartbeat timeout the fake's Join announced.
+  EXPECT_EQ(fake_->reply_interval_ms(), 666);
+  // Leave ends the stream (no hang, no thread left behind).
+  EXPECT_TRUE(client_->Leave("done").ok());
+  client_.reset();
+}
+
+TEST_F(ClientHeartbeatTest, CoordinatorWithoutStream_FallsBackToUnaryCalls) {
+  Start(/*stream=*/false);
+  Connect(/*heartbeat_stream=*/true);
+  ASSERT_TRUE(WaitFor([&] { return fake_->unary_beats() >= 3; }));
+  EXPECT_EQ(fake_->stream_calls(), 1);  // tried once, then unary for good
+  ExpectGenerationChangeNoticed();
+  EXPECT_TRUE(client_->CheckUsable().code() != absl::StatusCode::kUnavailable);
+}
+
+TEST_F(ClientHeartbeatTest, StreamOff_UnaryCallsOnly) {
+  Start(/*stream=*/true);
+  Connect(/*heartbeat_stream=*/false);
+  ASSERT_TRUE(WaitFor([&] { return fake_->unary_beats() >= 3; }));
+  EXPECT_EQ(fake_->stream_calls(), 0);
+  ExpectGenerationChangeNoticed();
 }
 
 }  // namespace
