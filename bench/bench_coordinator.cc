@@ -4,7 +4,8 @@
 //
 // Starts a coordinator (in a child process of its own, so that its CPU time is measured apart
 // from the load generator's) unless --coordinator names one. N workers join one job, then:
-//   1. --heartbeat_seconds of heartbeats only (10 Hz per worker): the coordinator's idle cost;
+//   1. --heartbeat_seconds of heartbeats only (10 Hz per worker): the coordinator's idle cost
+//      (unary calls, or one HeartbeatStream per worker answered only with news: --heartbeat);
 //   2. --seconds of heartbeats plus Step RPCs as fast as the server answers (each worker keeps
 //      one Step in flight), with Ping (the trivial RPC) measured on the same channels meanwhile.
 // Calls are asynchronous (callback API) over a few channels, not one thread per worker.
@@ -49,7 +50,11 @@ ABSL_FLAG(int, channels, 4, "gRPC channels (TCP connections) the workers share."
 ABSL_FLAG(double, heartbeat_hz, 10, "Heartbeats per second per worker.");
 ABSL_FLAG(std::string, heartbeat, "unary",
           "How workers heartbeat: 'unary' (one Heartbeat call per beat) or 'stream' (one "
-          "HeartbeatStream per worker).");
+          "HeartbeatStream per worker, as the client library does).");
+ABSL_FLAG(int64_t, reply_interval_ms, 1000,
+          "With --heartbeat=stream: the streams' reply_interval_ms (the coordinator answers "
+          "only news, and otherwise at most this often; beats are written without waiting). "
+          "0: one reply per beat, each awaited before the next beat.");
 
 namespace modelavg {
 namespace {
@@ -125,14 +130,20 @@ struct Worker {
   std::atomic<bool> heartbeat_busy{false};
 };
 
-// One worker's HeartbeatStream: at most one beat in flight; a beat due while the previous one
-// is unanswered is skipped (and counted).
+// One worker's HeartbeatStream. With reply_interval_ms > 0, as the client library: beats are
+// written without waiting for replies (at most one write in flight; a beat due meanwhile is
+// skipped and counted), a read is always outstanding, and a beat counts once written. With 0:
+// one reply per beat, and a beat due while the previous one is unanswered is skipped.
 class HeartbeatStreamClient final
     : public grpc::ClientBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse> {
  public:
-  HeartbeatStreamClient(Stub* stub, std::atomic<int64_t>* beats, std::atomic<int64_t>* errors)
-      : beats_(beats), errors_(errors) {
+  HeartbeatStreamClient(Stub* stub, int64_t reply_interval_ms, std::atomic<int64_t>* beats,
+                        std::atomic<int64_t>* replies, std::atomic<int64_t>* errors)
+      : reply_interval_ms_(reply_interval_ms), beats_(beats), replies_(replies),
+        errors_(errors) {
     stub->async()->HeartbeatStream(&ctx_, this);
+    if (!per_beat()) StartRead(&response_);
+    AddHold();  // until Close: no OnDone while beats may still be written
     StartCall();
   }
   // Called from one thread only (the heartbeat thread).
@@ -145,20 +156,37 @@ class HeartbeatStreamClient final
     request_.set_rank(rank);
     request_.set_generation(generation);
     request_.set_step(step);
-    StartRead(&response_);
+    if (first_) request_.set_reply_interval_ms(reply_interval_ms_);
+    first_ = false;
+    if (per_beat()) StartRead(&response_);
     StartWrite(&request_);
   }
   // Half-closes once nothing is in flight; Wait() returns when the server has ended the stream.
   void Close() {
     while (busy_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     StartWritesDone();
+    RemoveHold();
   }
   void Wait() { done_.WaitForNotification(); }
   int64_t skipped() const { return skipped_.load(); }
 
-  void OnReadDone(bool ok) override {
+  void OnWriteDone(bool ok) override {
+    if (per_beat()) return;
     if (ok) beats_->fetch_add(1, std::memory_order_relaxed);
     busy_ = false;
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      if (per_beat()) busy_ = false;
+      return;
+    }
+    replies_->fetch_add(1, std::memory_order_relaxed);
+    if (per_beat()) {
+      beats_->fetch_add(1, std::memory_order_relaxed);
+      busy_ = false;
+    } else {
+      StartRead(&response_);
+    }
   }
   void OnDone(const grpc::Status& s) override {
     if (!s.ok() && errors_->fetch_add(1) == 0) {
@@ -168,12 +196,17 @@ class HeartbeatStreamClient final
   }
 
  private:
+  bool per_beat() const { return reply_interval_ms_ == 0; }
+
+  const int64_t reply_interval_ms_;
   grpc::ClientContext ctx_;
   v1::HeartbeatRequest request_;
   v1::HeartbeatResponse response_;
+  bool first_ = true;
   std::atomic<bool> busy_{false};
   std::atomic<int64_t> skipped_{0};
   std::atomic<int64_t>* beats_;
+  std::atomic<int64_t>* replies_;
   std::atomic<int64_t>* errors_;
   absl::Notification done_;
 };
@@ -223,10 +256,11 @@ class Load {
   }
 
   // Heartbeats for every worker at `hz`, spread evenly, until StopHeartbeats().
-  void StartHeartbeats(double hz, bool stream) {
+  void StartHeartbeats(double hz, bool stream, int64_t reply_interval_ms) {
     if (stream) {
       for (Worker& w : workers_) {
-        streams_.push_back(std::make_unique<HeartbeatStreamClient>(w.stub, &heartbeats_, &errors_));
+        streams_.push_back(std::make_unique<HeartbeatStreamClient>(
+            w.stub, reply_interval_ms, &heartbeats_, &heartbeat_replies_, &errors_));
         w.stream = streams_.back().get();
       }
     }
@@ -280,6 +314,8 @@ class Load {
   void SetMeasuring(bool on) { measuring_ = on; }
   int64_t decisions() const { return decisions_.load(); }
   int64_t heartbeats() const { return heartbeats_.load(); }
+  // Heartbeat replies received (a unary beat is one call, so only streams count here).
+  int64_t heartbeat_replies() const { return heartbeat_replies_.load(); }
   int64_t errors() const { return errors_.load(); }
   const Histogram& step_latency() const { return step_latency_; }
   const Histogram& ping_latency() const { return ping_latency_; }
@@ -402,6 +438,7 @@ class Load {
   std::atomic<int64_t> skipped_unary_{0};
   std::atomic<int64_t> decisions_{0};
   std::atomic<int64_t> heartbeats_{0};
+  std::atomic<int64_t> heartbeat_replies_{0};
   std::atomic<int64_t> errors_{0};
   Histogram step_latency_;
   Histogram ping_latency_;
@@ -520,20 +557,30 @@ int Main() {
     stop_child();
     return 2;
   }
-  load.StartHeartbeats(absl::GetFlag(FLAGS_heartbeat_hz), heartbeat_mode == "stream");
+  const int64_t reply_interval_ms = absl::GetFlag(FLAGS_reply_interval_ms);
+  if (reply_interval_ms < 0 || reply_interval_ms > 60000) {
+    std::fprintf(stderr, "--reply_interval_ms must be in [0, 60000]\n");
+    stop_child();
+    return 2;
+  }
+  load.StartHeartbeats(absl::GetFlag(FLAGS_heartbeat_hz), heartbeat_mode == "stream",
+                       reply_interval_ms);
   double hb_cores = -1;
   double hb_us = -1;  // coordinator CPU per heartbeat
-  double hb_rate = 0;  // heartbeats/s answered in the heartbeat-only phase
+  double hb_rate = 0;  // heartbeats/s delivered in the heartbeat-only phase
+  double hb_reply_rate = 0;  // of which answered on a stream
   if (hb_seconds > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));  // settle
     const double cpu0 = pid > 0 ? ProcessCpuSeconds(pid) : 0;
     const int64_t beats0 = load.heartbeats();
+    const int64_t replies0 = load.heartbeat_replies();
     const double t0 = SteadySeconds();
     std::this_thread::sleep_for(std::chrono::duration<double>(hb_seconds));
     const double wall = SteadySeconds() - t0;
     if (pid > 0) hb_cores = (ProcessCpuSeconds(pid) - cpu0) / wall;
     const double rate = (load.heartbeats() - beats0) / wall;
     hb_rate = rate;
+    hb_reply_rate = (load.heartbeat_replies() - replies0) / wall;
     if (rate > 0 && hb_cores >= 0) hb_us = hb_cores / rate * 1e6;
     std::fprintf(stderr, "heartbeat-only: %.0f heartbeats/s, coordinator %.3f cores\n",
                  (load.heartbeats() - beats0) / wall, hb_cores);
@@ -568,13 +615,15 @@ int Main() {
       "\"heartbeats_per_s\": %.0f, \"heartbeat_only_cpu_cores\": %.3f, \"pings\": %lld, "
       "\"errors\": %lld, \"channels\": %d, \"coordinator_cpu_us_per_rpc\": %.1f, "
       "\"heartbeat_cpu_us\": %.1f, \"heartbeat\": \"%s\", \"skipped_beats\": %lld, "
-      "\"max_inflight_steps\": %d, \"heartbeat_only_per_s\": %.0f}\n",
+      "\"max_inflight_steps\": %d, \"heartbeat_only_per_s\": %.0f, "
+      "\"heartbeat_only_replies_per_s\": %.0f, \"reply_interval_ms\": %lld}\n",
       n, wall, decisions / wall, load.step_latency().Percentile(0.5), step_p99,
       load.ping_latency().Percentile(0.5), ping_p99, ping_p99 > 0 ? step_p99 / ping_p99 : -1,
       cores, beats / wall, hb_cores, static_cast<long long>(load.ping_latency().count()),
       static_cast<long long>(load.errors()), channels, cpu_us_per_rpc, hb_us,
       heartbeat_mode.c_str(), static_cast<long long>(load.skipped_beats()),
-      absl::GetFlag(FLAGS_max_inflight_steps), hb_rate);
+      absl::GetFlag(FLAGS_max_inflight_steps), hb_rate, hb_reply_rate,
+      static_cast<long long>(heartbeat_mode == "stream" ? reply_interval_ms : 0));
   std::fflush(stdout);
   stop_child();
   return load.errors() == 0 ? 0 : 1;

@@ -354,9 +354,20 @@ TEST(ClientAuthTest, Connect_TokenRequired_RightTokenJoinsWrongOneUnauthenticate
   o.auth_token = "wrong";
   EXPECT_EQ(Client::Connect(o).status().code(), absl::StatusCode::kUnauthenticated);
   o.auth_token = "s3cret";
+  o.heartbeat_interval = absl::Milliseconds(20);
   auto c = Client::Connect(o);
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_TRUE((*c)->DecisionAt(0).ok());  // GetSchedule carries the token too
+  EXPECT_TRUE((*c)->DecisionAt(7).ok());  // GetSchedule carries the token too
+  // So does the HeartbeatStream: the step it reports arrives.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  int64_t reported = -1;
+  while (reported != 7 && absl::Now() < deadline) {
+    auto job = (*admin)->GetJob("auth");
+    ASSERT_TRUE(job.ok()) << job.status();
+    reported = job->members(0).last_step();
+    if (reported != 7) absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(reported, 7);
 }
 
 TEST(ClientAuthTest, Create_TlsFilesWithoutTls_InvalidArgument) {
