@@ -48,8 +48,8 @@ ABSL_FLAG(int, max_inflight_steps, 0,
           "step workers i, i+K, i+2K, ... in turn.");
 ABSL_FLAG(int, channels, 4, "gRPC channels (TCP connections) the workers share.");
 ABSL_FLAG(double, heartbeat_hz, 10, "Heartbeats per second per worker.");
-ABSL_FLAG(std::string, heartbeat, "unary",
-          "How workers heartbeat: 'unary' (one Heartbeat call per beat) or 'stream' (one "
+ABSL_FLAG(std::string, heartbeat, "stream",
+          "How workers heartbeat: 'unary' (one Heartbeat call per beat) or 'stream' (default: one "
           "HeartbeatStream per worker, as the client library does).");
 ABSL_FLAG(int64_t, reply_interval_ms, 1000,
           "With --heartbeat=stream: the streams' reply_interval_ms (the coordinator answers "
