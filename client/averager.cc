@@ -20,14 +20,7 @@ absl::StatusOr<Device> CommonDevice(absl::Span<const TensorView> params) {
           "tensor ", i, " is on ", t.device.ToString(), " but tensor 0 is on ", first.ToString(),
           ": every parameter of one AverageParameters call must be on the same device"));
     }
-    if (t.numel < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor ", i, " has numel ", t.numel, ": it must be >= 0"));
-    }
-    if (t.numel > 0 && t.data == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor ", i, " has ", t.numel, " elements but a null data pointer"));
-    }
+    if (absl::Status s = ValidateTensorView(i, t); !s.ok()) return s;
   }
   return first;
 }

@@ -43,6 +43,18 @@ struct CommunicatorSetup {
   std::function<absl::Status()> check_alive;
   // Gloo: average one-buffer parameters in place (ClientOptions::gloo_in_place).
   bool gloo_in_place = false;
+
+  // Scopes a v1::PublishCommIdRequest or v1::GetCommIdRequest to this job, generation, level,
+  // subgroup and rank, under `key` (empty: the communicator's unique id).
+  template <typename Request>
+  void ScopeCommIdRequest(const std::string& key, Request* req) const {
+    req->set_job_id(job_id);
+    req->set_generation(generation);
+    req->set_level(level);
+    req->set_subgroup(subgroup.index);
+    req->set_rank(rank);
+    req->set_key(key);
+  }
 };
 
 struct CommunicatorKey {

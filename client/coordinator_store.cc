@@ -38,12 +38,7 @@ void CoordinatorStore::Fail(const absl::Status& status) {
 
 absl::Status CoordinatorStore::Publish(const std::string& key, const std::string& blob) {
   v1::PublishCommIdRequest req;
-  req.set_job_id(setup_.job_id);
-  req.set_generation(setup_.generation);
-  req.set_level(setup_.level);
-  req.set_subgroup(setup_.subgroup.index);
-  req.set_key(prefix_ + key);
-  req.set_rank(setup_.rank);
+  setup_.ScopeCommIdRequest(prefix_ + key, &req);
   req.set_unique_id(blob);
   return setup_.coordinator->PublishCommId(req);
 }
@@ -51,12 +46,7 @@ absl::Status CoordinatorStore::Publish(const std::string& key, const std::string
 absl::StatusOr<std::string> CoordinatorStore::GetBlob(const std::string& key,
                                                      absl::Time deadline) {
   v1::GetCommIdRequest req;
-  req.set_job_id(setup_.job_id);
-  req.set_generation(setup_.generation);
-  req.set_level(setup_.level);
-  req.set_subgroup(setup_.subgroup.index);
-  req.set_key(prefix_ + key);
-  req.set_rank(setup_.rank);
+  setup_.ScopeCommIdRequest(prefix_ + key, &req);
   const int64_t ms = std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - absl::Now()));
   req.set_timeout_ms(ms);
   return setup_.coordinator->GetCommId(req);

@@ -138,14 +138,7 @@ absl::StatusOr<int64_t> CheckHostTensors(absl::Span<const TensorView> tensors) {
   int64_t total = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorView& t = tensors[i];
-    if (t.numel < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor ", i, " has numel ", t.numel, ": it must be >= 0"));
-    }
-    if (t.numel > 0 && t.data == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor ", i, " has ", t.numel, " elements but a null data pointer"));
-    }
+    if (absl::Status s = ValidateTensorView(i, t); !s.ok()) return s;
     if (!t.device.is_host()) {
       return absl::InvalidArgumentError(absl::StrCat("tensor ", i, " is on ",
                                                      t.device.ToString(),

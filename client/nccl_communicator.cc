@@ -87,21 +87,13 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
   if (member == 0) {
     MODELAVG_NCCL_RETURN_IF_ERROR(ncclGetUniqueId(&id));
     v1::PublishCommIdRequest req;
-    req.set_job_id(setup.job_id);
-    req.set_generation(setup.generation);
-    req.set_level(setup.level);
-    req.set_subgroup(setup.subgroup.index);
-    req.set_rank(setup.rank);
+    setup.ScopeCommIdRequest("", &req);
     req.set_unique_id(std::string(id.internal, sizeof(id.internal)));
     MODELAVG_RETURN_IF_ERROR(
         Annotate(setup.coordinator->PublishCommId(req), "publishing the NCCL unique id"));
   } else {
     v1::GetCommIdRequest req;
-    req.set_job_id(setup.job_id);
-    req.set_generation(setup.generation);
-    req.set_level(setup.level);
-    req.set_subgroup(setup.subgroup.index);
-    req.set_rank(setup.rank);
+    setup.ScopeCommIdRequest("", &req);
     req.set_timeout_ms(absl::ToInt64Milliseconds(setup.timeout));
     absl::StatusOr<std::string> blob = setup.coordinator->GetCommId(req);
     if (!blob.ok()) return Annotate(blob.status(), "fetching the NCCL unique id");

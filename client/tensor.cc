@@ -35,4 +35,16 @@ std::string Device::ToString() const {
   return is_host() ? std::string("host") : absl::StrCat("cuda:", index);
 }
 
+absl::Status ValidateTensorView(size_t index, const TensorView& t) {
+  if (t.numel < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor ", index, " has numel ", t.numel, ": it must be >= 0"));
+  }
+  if (t.numel > 0 && t.data == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor ", index, " has ", t.numel, " elements but a null data pointer"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace modelavg::client

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 
 namespace modelavg::client {
@@ -48,6 +49,10 @@ struct TensorView {
 
   size_t nbytes() const { return static_cast<size_t>(numel) * DTypeSize(dtype); }
 };
+
+// INVALID_ARGUMENT naming tensor `index` if its element count is negative or it has elements but
+// no data pointer.
+absl::Status ValidateTensorView(size_t index, const TensorView& t);
 
 }  // namespace modelavg::client
 
