@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/communicator_cache.h"
 #include "common/status_util.h"
+#include "spdlog/spdlog.h"
 
 namespace modelavg::client {
 namespace {
@@ -36,8 +37,12 @@ int64_t ModelAverager::step() const {
 }
 
 void ModelAverager::set_step(int64_t step) {
+  if (step < 0) {
+    spdlog::warn("set_step({}): steps count from 0; restoring step 0 instead", step);
+    step = 0;
+  }
   absl::MutexLock l(&mu_);
-  step_ = step < 0 ? 0 : step;
+  step_ = step;
   client_->ReportStep(step_);
 }
 

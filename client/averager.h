@@ -56,7 +56,8 @@ class ModelAverager {
 
   // The step of the next AverageParameters call.
   int64_t step() const;
-  // Sets the step of the next call (checkpoint restore; warm-up is not replayed). step >= 0.
+  // Sets the step of the next call (checkpoint restore; warm-up is not replayed). A negative
+  // step is logged as a warning and taken as 0.
   void set_step(int64_t step);
 
   Client* client() const { return client_; }
