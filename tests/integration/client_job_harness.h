@@ -19,6 +19,7 @@
 #include "common/job_spec.h"
 #include "common/schedule.h"
 #include "tests/integration/client_test_processes.h"
+#include "tests/tools/make_job_spec.h"
 
 namespace modelavg::testing {
 
@@ -129,23 +130,6 @@ inline std::vector<std::vector<StepLine>> Simulate(const Schedule& schedule,
     out.push_back(std::move(lines));
   }
   return out;
-}
-
-inline v1::JobSpec MakeSpec(const std::string& id, int world, v1::Mode mode,
-                            const std::vector<std::pair<int64_t, int32_t>>& levels,
-                            int64_t warmup, int64_t heartbeat_ms = 0) {
-  v1::JobSpec spec;
-  spec.set_job_id(id);
-  spec.set_world_size(world);
-  spec.set_mode(mode);
-  spec.set_warmup_steps(warmup);
-  spec.set_heartbeat_timeout_ms(heartbeat_ms);
-  for (const auto& [p, g] : levels) {
-    v1::Level* l = spec.add_levels();
-    l->set_period(p);
-    l->set_group_size(g);
-  }
-  return spec;
 }
 
 // A coordinator process plus an admin connection to it.

@@ -18,6 +18,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "server/coordinator_server.h"
+#include "tests/tools/make_job_spec.h"
 
 namespace modelavg::client {
 namespace {
@@ -43,17 +44,7 @@ class ClientCoordinatorTest : public ::testing::Test {
   void CreateJob(const std::string& id, int world, v1::Mode mode,
                  std::vector<std::pair<int64_t, int32_t>> levels, int64_t warmup = 0,
                  int64_t heartbeat_ms = 0) {
-    v1::JobSpec spec;
-    spec.set_job_id(id);
-    spec.set_world_size(world);
-    spec.set_mode(mode);
-    spec.set_warmup_steps(warmup);
-    spec.set_heartbeat_timeout_ms(heartbeat_ms);
-    for (auto [p, g] : levels) {
-      v1::Level* l = spec.add_levels();
-      l->set_period(p);
-      l->set_group_size(g);
-    }
+    const v1::JobSpec spec = testing::MakeSpec(id, world, mode, levels, warmup, heartbeat_ms);
     auto job = admin_->CreateJob(spec);
     ASSERT_TRUE(job.ok()) << job.status();
   }
@@ -161,13 +152,7 @@ TEST_F(ClientCoordinatorTest, Connect_CoordinatorStartsLate_JoinsOnceItIsUp) {
   admin_ = *CoordinatorClient::Create(copts);
   // gRPC shares one connection per address between channels: the admin's first calls may fail
   // fast while the worker's reconnect backoff runs out. Retry them as the worker does.
-  v1::JobSpec spec;
-  spec.set_job_id("late");
-  spec.set_world_size(1);
-  spec.set_mode(v1::PERIODIC);
-  v1::Level* level = spec.add_levels();
-  level->set_period(2);
-  level->set_group_size(1);
+  const v1::JobSpec spec = testing::MakeSpec("late", 1, v1::PERIODIC, {{2, 1}}, 0);
   absl::StatusOr<v1::Job> job = admin_->CreateJob(spec);
   for (int i = 0; i < 100 && absl::IsUnavailable(job.status()); ++i) {
     absl::SleepFor(absl::Milliseconds(100));
