@@ -399,8 +399,7 @@ grpc::ServerUnaryReactor* CoordinatorService::ListJobs(grpc::CallbackServerConte
                                                        const v1::ListJobsRequest* request,
                                                        v1::ListJobsResponse* response) {
   if (absl::Status s = Authorize(ctx); !s.ok()) return Finish(ctx, RpcMethod::kListJobs, s);
-  for (const auto& job : registry_->ListJobs()) job->ToProto(response->add_jobs());
-  return Finish(ctx, RpcMethod::kListJobs, absl::OkStatus());
+  return Finish(ctx, RpcMethod::kListJobs, registry_->ListJobsPage(*request, response));
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::DeleteJob(grpc::CallbackServerContext* ctx,
@@ -457,7 +456,8 @@ grpc::ServerUnaryReactor* CoordinatorService::GetSchedule(grpc::CallbackServerCo
   if (absl::Status s = Authorize(ctx); !s.ok()) return Finish(ctx, RpcMethod::kGetSchedule, s);
   absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request->job_id());
   if (!job.ok()) return Finish(ctx, RpcMethod::kGetSchedule, job.status());
-  return Finish(ctx, RpcMethod::kGetSchedule, (*job)->GetSchedule(*request, response));
+  return Finish(ctx, RpcMethod::kGetSchedule,
+                (*job)->GetSchedule(*request, response, [ctx] { return ctx->IsCancelled(); }));
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::PublishCommId(

@@ -1,8 +1,10 @@
 // modelavg-coordinator: the coordinator daemon. See the README's "Coordinator" section.
 #include <csignal>
+#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <thread>
 
 #include <pthread.h>
 
@@ -12,6 +14,8 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/job_spec.h"
 #include "common/logging.h"
 #include "server/coordinator_server.h"
@@ -39,6 +43,8 @@ ABSL_FLAG(int64_t, default_heartbeat_timeout_ms, 3000,
 ABSL_FLAG(int64_t, default_join_timeout_ms, 300000, "Join timeout of jobs whose spec says 0.");
 
 namespace {
+
+constexpr absl::Duration kShutdownDeadline = absl::Milliseconds(1000);
 
 int Fail(const std::string& what) {
   std::fprintf(stderr, "modelavg-coordinator: %s\n", what.c_str());
@@ -114,6 +120,15 @@ int main(int argc, char** argv) {
   int sig = 0;
   sigwait(&signals, &sig);
   spdlog::info("received {}; shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  // A deadline on shutdown: whatever is still in flight, the process is gone within about a
+  // second (waits are failed first and calls poll their cancellation, so this rarely fires).
+  std::thread([] {
+    absl::SleepFor(kShutdownDeadline);
+    spdlog::error("shutdown passed its {} ms deadline; exiting with calls still in flight",
+                  absl::ToInt64Milliseconds(kShutdownDeadline));
+    spdlog::default_logger()->flush();
+    std::_Exit(0);
+  }).detach();
   (*server)->Shutdown();
   return 0;
 }
