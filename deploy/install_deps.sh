@@ -11,6 +11,9 @@ packages=(
   python3 python3-grpcio python3-grpc-tools grpc-proto python3-torch python3-yaml
   # Coordinator TLS tests make a throwaway certificate.
   openssl
+  # tests/sanitize.sh: ASan+UBSan build and libFuzzer targets (the fuzzer runtime and
+  # <fuzzer/FuzzedDataProvider.h> are in libclang-rt-14-dev).
+  clang-14 libclang-rt-14-dev
 )
 missing=()
 for p in "${packages[@]}"; do

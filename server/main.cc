@@ -13,6 +13,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -37,6 +38,14 @@ ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle: require client certificates signed by it (mutual TLS).");
 ABSL_FLAG(std::string, auth_token_file, "",
           "File holding a token; every RPC then needs metadata 'authorization: Bearer <token>'.");
+ABSL_FLAG(std::string, worker_token_file, "",
+          "File holding the worker role's token (needs --auth_token_file, which then holds the "
+          "operator's): enough for Join and the calls of a member, and reads; not CreateJob or "
+          "DeleteJob.");
+ABSL_FLAG(std::string, tls_operator_names, "",
+          "Mutual TLS: comma-separated names (subject CN or SAN); client certificates naming one "
+          "are operators, other verified ones workers. Empty: every verified client is an "
+          "operator.");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, critical or off.");
 ABSL_FLAG(int64_t, default_heartbeat_timeout_ms, 3000,
           "Heartbeat timeout of jobs whose spec says 0.");
@@ -84,6 +93,17 @@ int main(int argc, char** argv) {
     absl::StatusOr<std::string> token = modelavg::ReadTokenFile(path);
     if (!token.ok()) return Fail(absl::StrCat("--auth_token_file: ", token.status().message()));
     options.auth_token = *std::move(token);
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_worker_token_file); !path.empty()) {
+    absl::StatusOr<std::string> token = modelavg::ReadTokenFile(path);
+    if (!token.ok()) {
+      return Fail(absl::StrCat("--worker_token_file: ", token.status().message()));
+    }
+    options.worker_token = *std::move(token);
+  }
+  for (absl::string_view name :
+       absl::StrSplit(absl::GetFlag(FLAGS_tls_operator_names), ',', absl::SkipWhitespace())) {
+    options.operator_cert_names.emplace_back(absl::StripAsciiWhitespace(name));
   }
   if (const std::string path = absl::GetFlag(FLAGS_jobs_file); !path.empty()) {
     absl::StatusOr<std::string> text = modelavg::ReadFileToString(path);
