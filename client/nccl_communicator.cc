@@ -168,6 +168,19 @@ NcclCommunicator::~NcclCommunicator() {
   if (sig_host_ != nullptr) cudaFreeHost(sig_host_);
 }
 
+void NcclCommunicator::Abort(const absl::Status& why) {
+  absl::MutexLock l(&abort_mu_);
+  if (!abort_why_.ok()) return;
+  abort_why_ = why.ok() ? absl::AbortedError("the NCCL communicator was aborted") : why;
+  abort_requested_.store(true, std::memory_order_release);
+}
+
+absl::Status NcclCommunicator::AbortRequested() const {
+  if (!abort_requested_.load(std::memory_order_acquire)) return absl::OkStatus();
+  absl::MutexLock l(&abort_mu_);
+  return abort_why_;
+}
+
 absl::Status NcclCommunicator::Fail(absl::Status status) {
   if (!aborted_) {
     ncclCommAbort(comm_);
@@ -189,6 +202,7 @@ absl::Status NcclCommunicator::WaitNcclReady(const char* what) {
     if (absl::Now() > deadline) {
       return Fail(absl::DeadlineExceededError(absl::StrCat(what, " did not start in time")));
     }
+    if (absl::Status a = AbortRequested(); !a.ok()) return Fail(a);
     absl::SleepFor(kPollSleep);
   }
 }
@@ -211,6 +225,7 @@ absl::Status NcclCommunicator::Wait(cudaStream_t stream, const char* what) {
           what, " did not finish within ", absl::FormatDuration(timeout_),
           ": a peer is dead or stuck; the communicator was aborted")));
     }
+    if (absl::Status a = AbortRequested(); !a.ok()) return Fail(a);
     // The generation check is cheap (no RPC) but not free: every 64 polls.
     if (check_alive_ && (++polls & 63) == 0) {
       absl::Status alive = check_alive_();
@@ -256,6 +271,7 @@ absl::Status NcclCommunicator::CheckLayout(int64_t numel, int32_t dtype, cudaStr
 absl::Status NcclCommunicator::AllReduceAverage(absl::Span<const TensorView> tensors) {
   absl::MutexLock l(&mu_);
   if (!broken_.ok()) return broken_;
+  if (absl::Status a = AbortRequested(); !a.ok()) return Fail(a);
   return Run(tensors);
 }
 

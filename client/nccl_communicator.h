@@ -16,6 +16,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -60,7 +61,14 @@ class NcclCommunicator : public Communicator {
   int rank() const override { return member_; }
   int size() const override { return size_; }
 
+  // Generation change (see Communicator::Abort). Only records `why`: the thread waiting on the
+  // collective notices it at its next poll (tens of microseconds) and calls ncclCommAbort
+  // itself, since it could still be polling a communicator freed from here.
+  void Abort(const absl::Status& why) override;
+
  private:
+  // The Abort reason, or OK.
+  absl::Status AbortRequested() const;
   NcclCommunicator(ncclComm_t comm, int member, int size, int device, absl::Duration timeout,
                    std::function<absl::Status()> check_alive);
   // Waits until `stream` has drained, failing (and aborting) on an NCCL error, the deadline or a
@@ -80,6 +88,10 @@ class NcclCommunicator : public Communicator {
   const absl::Duration timeout_;
   const std::function<absl::Status()> check_alive_;
   absl::Mutex mu_;
+  // Set by Abort from another thread; polled by Wait / WaitNcclReady.
+  std::atomic<bool> abort_requested_{false};
+  mutable absl::Mutex abort_mu_;
+  absl::Status abort_why_ ABSL_GUARDED_BY(abort_mu_);
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
   bool aborted_ ABSL_GUARDED_BY(mu_) = false;
   bool last_zero_copy_ = false;
