@@ -274,8 +274,9 @@ class ModelAverager:
         bfloat16, all on the CPU (Gloo) or all on one CUDA device (NCCL, ordered on the current
         stream); a non-contiguous tensor is averaged through a contiguous copy.
 
-        If the call fails the parameters are left averaged or untouched, never half-written,
-        and ``step`` has still advanced (as in PyTorch).
+        If averaging fails the parameters are left averaged or untouched, never half-written,
+        and ``step`` has advanced; an input refused before averaging (NotImplementedError,
+        TypeError) leaves ``step`` as it was, as PyTorch's averagers do.
 
         Raises:
           PeerFailureError: a peer died, left or stalled past collective_timeout, or the
