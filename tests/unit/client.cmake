@@ -6,3 +6,4 @@ if(TARGET modelavg_server)
   modelavg_add_gtest(client_coordinator_test SOURCES client_coordinator_test.cc
                      LIBS modelavg_client modelavg_server TIMEOUT 120)
 endif()
+modelavg_add_gtest(client_nccl_core_test SOURCES client_nccl_core_test.cc LIBS modelavg_client)
