@@ -39,9 +39,12 @@ absl::StatusOr<std::unique_ptr<ContiguousParameters>> ContiguousParameters::Crea
     // Owned from here on, freed with cudaFree whatever fails next.
     p->base_ = base;
     p->cuda_ = true;
-    // Zeroed on the caller's stream, so that the caller's first work on it comes after.
+    // Zeroed on the caller's stream and waited for: whatever stream the caller fills it on
+    // next, the zeroing has landed (a cudaMemset on the legacy stream is not ordered with a
+    // non-blocking stream, and could land after the caller's first fill).
     MODELAVG_CUDA_RETURN_IF_ERROR(
         cudaMemsetAsync(base, 0, bytes, static_cast<cudaStream_t>(cuda_stream)));
+    MODELAVG_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(static_cast<cudaStream_t>(cuda_stream)));
 #else
     return absl::UnimplementedError(
         "CUDA parameters need a modelavg built with CUDA (-DMODELAVG_WITH_CUDA=ON)");

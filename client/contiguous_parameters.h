@@ -22,8 +22,8 @@ class ContiguousParameters {
  public:
   // Zero-initialised storage for tensors of `numels` elements of `dtype` on `device` (host
   // memory, or cudaMalloc on a CUDA device; `cuda_stream` is recorded in the views, and the
-  // zeroing is enqueued on it, so work the caller enqueues on that stream comes after; the
-  // calling thread's current CUDA device is left as it was).
+  // zeroing runs on it and has finished when Create returns; the calling thread's current CUDA
+  // device is left as it was).
   // Errors: INVALID_ARGUMENT (negative numel), RESOURCE_EXHAUSTED (allocation failed),
   // FAILED_PRECONDITION (no CUDA device), UNIMPLEMENTED (CUDA in a build without CUDA).
   static absl::StatusOr<std::unique_ptr<ContiguousParameters>> Create(

@@ -87,6 +87,9 @@ class NcclGpuTest : public ::testing::Test {
     void* d = nullptr;
     EXPECT_EQ(cudaMalloc(&d, bytes > 0 ? bytes : 1), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    // A pageable host-to-device cudaMemcpy may return before its DMA has landed, and the
+    // legacy stream it runs on does not order the non-blocking stream_ the kernels use.
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     allocations_.push_back(d);
     return d;
   }
@@ -145,6 +148,7 @@ class NcclGpuTest : public ::testing::Test {
     }
     ASSERT_EQ(cudaMemcpy(staging, doubled.data(), doubled.size(), cudaMemcpyHostToDevice),
               cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // stream_ does not wait on the legacy one
     ASSERT_EQ(LaunchScatter(dchunks, layout.chunks.size(), staging, code, stream_), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
     for (size_t t = 0; t < spec.size(); ++t) {
@@ -223,6 +227,7 @@ TEST_F(NcclGpuTest, StagingKernels_MixedDTypesAndChunks_GatherThenScatterRoundTr
   // Scatter doubled values back.
   for (double& x : flat) x *= 2;
   ASSERT_EQ(cudaMemcpy(staging, flat.data(), total * 8, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   ASSERT_EQ(LaunchScatter(dchunks, chunks.size(), staging, kStageF64, stream_), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
   auto g0 = Download<float>(t0, n0);
@@ -254,6 +259,7 @@ TEST_F(NcclGpuTest, OneRankCommunicator_ContiguousIsZeroCopy_StagedMixedIsIdenti
   ASSERT_EQ(cudaMemcpy((*params)->flat().data, init.data(), init.size() * 4,
                        cudaMemcpyHostToDevice),
             cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // stream_ does not wait on the legacy one
   ASSERT_TRUE((*comm)->AllReduceAverage((*params)->views()).ok());
   EXPECT_TRUE((*comm)->last_was_zero_copy());
   EXPECT_EQ(Download<float>((*params)->flat().data, init.size()), init);
@@ -327,6 +333,7 @@ TEST_F(NcclGpuTest, OneRankCommunicator_EveryDType_AverageAndRawSumAndAvgAreIden
     ASSERT_TRUE(params.ok()) << params.status();
     void* flat = (*params)->flat().data;
     ASSERT_EQ(cudaMemcpy(flat, host.data(), host.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // stream_ does not wait on the legacy one
     ASSERT_TRUE((*comm)->AllReduceAverage((*params)->views()).ok());
     EXPECT_EQ((*comm)->last_was_zero_copy(), dtype != DType::kBFloat16);
     EXPECT_EQ(Download<char>(flat, host.size()), host) << "contiguous AllReduceAverage";
