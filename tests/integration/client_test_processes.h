@@ -1,15 +1,19 @@
-// Child processes for the client's integration tests: a modelavg-coordinator on a free
-// loopback port and worker processes, each with stdout and stderr captured in files.
+// Child processes for the client's integration tests: a modelavg-coordinator on 127.0.0.1:0
+// (the port from its --port_file) and worker processes, each in its own process group with
+// stdout and stderr captured in files, killed as a group when the Process goes away.
 #ifndef MODELAVG_TESTS_INTEGRATION_CLIENT_TEST_PROCESSES_H_
 #define MODELAVG_TESTS_INTEGRATION_CLIENT_TEST_PROCESSES_H_
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -32,15 +36,40 @@ inline std::string ReadWholeFile(const std::string& path) {
   return ss.str();
 }
 
-// A fresh directory under $TEST_TMPDIR or /tmp.
+// A fresh directory modelavg-test-<name>.XXXXXX under $TEST_TMPDIR, $TMPDIR or /tmp ("" if
+// none can be made). See TempDir for one that removes itself.
 inline std::string MakeTempDir(const std::string& name) {
   const char* base = std::getenv("TEST_TMPDIR");
-  std::string tmpl = absl::StrCat(base ? base : "/tmp", "/", name, ".XXXXXX");
+  if (base == nullptr || *base == '\0') base = std::getenv("TMPDIR");
+  std::string tmpl =
+      absl::StrCat(base && *base ? base : "/tmp", "/modelavg-test-", name, ".XXXXXX");
   std::vector<char> buf(tmpl.begin(), tmpl.end());
   buf.push_back('\0');
-  if (mkdtemp(buf.data()) == nullptr) return "/tmp";
+  if (mkdtemp(buf.data()) == nullptr) return "";
   return buf.data();
 }
+
+// A temporary directory, removed with everything in it when this goes out of scope (kept, and
+// its path printed, when MODELAVG_KEEP_TEST_DIRS is set, to look at the logs in it).
+class TempDir {
+ public:
+  explicit TempDir(const std::string& name) : path_(MakeTempDir(name)) {}
+  ~TempDir() {
+    if (path_.empty()) return;
+    if (std::getenv("MODELAVG_KEEP_TEST_DIRS") != nullptr) {
+      std::fprintf(stderr, "kept %s\n", path_.c_str());
+      return;
+    }
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 class Process {
  public:
@@ -52,8 +81,14 @@ class Process {
     std::vector<char*> args;
     for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
+    const pid_t parent = getpid();
     pid_ = fork();
     if (pid_ == 0) {
+      // Its own process group, so that it is stopped and killed as a group; and killed if
+      // this test process dies without running its destructors.
+      setpgid(0, 0);
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(127);
       const int out = open(out_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       const int err = open(err_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       if (out >= 0) dup2(out, 1);
@@ -61,9 +96,12 @@ class Process {
       execv(args[0], args.data());
       _exit(127);
     }
+    if (pid_ > 0) setpgid(pid_, pid_);  // also here: no race with a signal sent right away
   }
+  // Kills the child's whole process group (a stopped one too) and reaps the child.
   ~Process() {
     if (!exit_code_.has_value() && pid_ > 0) {
+      kill(-pid_, SIGKILL);
       kill(pid_, SIGKILL);
       int st;
       waitpid(pid_, &st, 0);
@@ -73,7 +111,8 @@ class Process {
   Process& operator=(const Process&) = delete;
 
   pid_t pid() const { return pid_; }
-  void Signal(int sig) { kill(pid_, sig); }
+  // Sends `sig` to the child's process group.
+  void Signal(int sig) { kill(-pid_, sig); }
 
   // The exit code (128 + signal for a signal), or nullopt if still running at the deadline.
   std::optional<int> Wait(absl::Duration timeout) {
