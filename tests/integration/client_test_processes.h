@@ -26,6 +26,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "tests/tools/temp_dir.h"
 
 namespace modelavg::testing {
 
@@ -35,41 +36,6 @@ inline std::string ReadWholeFile(const std::string& path) {
   ss << in.rdbuf();
   return ss.str();
 }
-
-// A fresh directory modelavg-test-<name>.XXXXXX under $TEST_TMPDIR, $TMPDIR or /tmp ("" if
-// none can be made). See TempDir for one that removes itself.
-inline std::string MakeTempDir(const std::string& name) {
-  const char* base = std::getenv("TEST_TMPDIR");
-  if (base == nullptr || *base == '\0') base = std::getenv("TMPDIR");
-  std::string tmpl =
-      absl::StrCat(base && *base ? base : "/tmp", "/modelavg-test-", name, ".XXXXXX");
-  std::vector<char> buf(tmpl.begin(), tmpl.end());
-  buf.push_back('\0');
-  if (mkdtemp(buf.data()) == nullptr) return "";
-  return buf.data();
-}
-
-// A temporary directory, removed with everything in it when this goes out of scope (kept, and
-// its path printed, when MODELAVG_KEEP_TEST_DIRS is set, to look at the logs in it).
-class TempDir {
- public:
-  explicit TempDir(const std::string& name) : path_(MakeTempDir(name)) {}
-  ~TempDir() {
-    if (path_.empty()) return;
-    if (std::getenv("MODELAVG_KEEP_TEST_DIRS") != nullptr) {
-      std::fprintf(stderr, "kept %s\n", path_.c_str());
-      return;
-    }
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 class Process {
  public:

@@ -21,6 +21,7 @@
 #include "server/coordinator_server.h"
 #include "common/file_util.h"
 #include "server/jobs_file.h"
+#include "tests/tools/temp_dir.h"
 
 namespace modelavg::server {
 namespace {
@@ -727,9 +728,8 @@ TEST_F(ServerTest, TokenAuth_RightTokenAccepted_MissingOrWrongRefused) {
 class TlsTest : public ServerTest {
  protected:
   void SetUp() override {
-    char tmpl[] = "/tmp/modelavg_tls_XXXXXX";
-    ASSERT_NE(mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
+    dir_ = modelavg::testing::MakeTempDir("tls");  // under $TMPDIR
+    ASSERT_NE(dir_, "");
     for (const char* name : {"server", "client"}) {
       const std::string cmd = absl::StrCat(
           "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=localhost "

@@ -27,6 +27,7 @@
 #include "modelavg/v1/coordinator.grpc.pb.h"
 #include "common/file_util.h"
 #include "server/jobs_file.h"
+#include "tests/tools/temp_dir.h"
 
 namespace modelavg::server {
 namespace {
@@ -36,9 +37,8 @@ using ::testing::HasSubstr;
 class DaemonTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char tmpl[] = "/tmp/modelavg_daemon_XXXXXX";
-    ASSERT_NE(mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
+    dir_ = modelavg::testing::MakeTempDir("daemon");  // under $TMPDIR
+    ASSERT_NE(dir_, "");
   }
   void TearDown() override {
     if (pid_ > 0) {
