@@ -32,6 +32,9 @@ constexpr absl::Duration kHeartbeat = absl::Seconds(1);   // the jobs' heartbeat
 constexpr absl::Duration kCollective = absl::Seconds(4);  // the workers' collective timeout
 // Detection, reporting, process exit and the test's 10 ms polling, on a loaded 2-core machine.
 constexpr absl::Duration kSlack = absl::Seconds(2);
+// The earliest a survivor can learn of a stopped peer: the heartbeat timeout counts from the
+// peer's last beat, up to two 100 ms beat intervals before the stop.
+const absl::Duration kEarliestDeath = kHeartbeat - absl::Milliseconds(200);
 
 // Waits until `p` has printed at least `lines` lines (or exited).
 bool WaitForLines(Process& p, size_t lines, absl::Duration timeout) {
@@ -118,7 +121,7 @@ TEST(ClientFaultTest, WorkerStoppedBetweenCalls_SurvivorsFailedPreconditionNamin
   ASSERT_TRUE(WaitForLines(*workers[2], 4, absl::Seconds(60))) << workers[2]->err();
   workers[2]->Signal(SIGSTOP);  // within 10 ms of its 4th line: in its 300 ms pause
   const absl::Time stopped = absl::Now();
-  ExpectSurvivorsFailed(workers, {0, 1, 3}, stopped, kHeartbeat, kCollective + kSlack,
+  ExpectSurvivorsFailed(workers, {0, 1, 3}, stopped, kEarliestDeath, kCollective + kSlack,
                         "FAILED_PRECONDITION", {"rank 2 heartbeat timeout"});
 }
 
@@ -137,7 +140,7 @@ TEST(ClientFaultTest, WorkerStoppedMidCollective_SurvivorsUntouchedFailedPrecond
   ASSERT_TRUE(WaitForLines(*workers[1], 3, absl::Seconds(60))) << workers[1]->err();
   workers[1]->Signal(SIGSTOP);
   const absl::Time stopped = absl::Now();
-  ExpectSurvivorsFailed(workers, {0, 2}, stopped, kHeartbeat, kCollective + kSlack,
+  ExpectSurvivorsFailed(workers, {0, 2}, stopped, kEarliestDeath, kCollective + kSlack,
                         "FAILED_PRECONDITION", {"rank 1 heartbeat timeout"});
 }
 
@@ -190,7 +193,10 @@ TEST(ClientFaultTest, CoordinatorKilled_WorkersUnavailableNamingTheCoordinator) 
   ASSERT_TRUE(WaitForLines(*workers[0], 5, absl::Seconds(60))) << workers[0]->err();
   cluster.coordinator().process().Signal(SIGKILL);
   const absl::Time killed = absl::Now();
-  ExpectSurvivorsFailed(workers, {0, 1}, killed, kHeartbeat, kHeartbeat + kSlack, "UNAVAILABLE",
+  // The silence counts from the coordinator's last reply, which it sends at least every third
+  // of the heartbeat timeout: the workers give up between 2/3 of it and it after the kill.
+  ExpectSurvivorsFailed(workers, {0, 1}, killed, kHeartbeat / 2, kHeartbeat + kSlack,
+                        "UNAVAILABLE",
                         {absl::StrCat("the coordinator at ", cluster.coordinator().address(),
                                       " has not answered for ")});
 }
