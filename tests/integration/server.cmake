@@ -12,6 +12,11 @@ add_test(NAME server_reflection_test
   COMMAND /usr/bin/python3 ${CMAKE_CURRENT_SOURCE_DIR}/server_reflection_test.py
           --coordinator=$<TARGET_FILE:modelavg-coordinator>)
 set_tests_properties(server_reflection_test PROPERTIES TIMEOUT 120 LABELS integration)
+add_test(NAME server_reflection_test_reverse_order
+  COMMAND /usr/bin/python3 ${CMAKE_CURRENT_SOURCE_DIR}/server_reflection_test.py
+          --coordinator=$<TARGET_FILE:modelavg-coordinator> --reverse)
+set_tests_properties(server_reflection_test_reverse_order PROPERTIES TIMEOUT 120
+  LABELS integration)
 
 # Hostile clients: unparseable requests on every RPC and stream, roles, ListJobs pages, the
 # expected world size, SIGTERM with calls in flight.
