@@ -125,6 +125,8 @@ struct Worker {
   int index = 0;
   int32_t rank = -1;
   int64_t generation = 0;
+  // The membership's credential (JoinResponse.credential), sent with every beat and Step.
+  std::string credential;
   std::atomic<int64_t> step{0};
   // A unary heartbeat is in flight: like a real worker's heartbeat thread, the next beat waits.
   std::atomic<bool> heartbeat_busy{false};
@@ -147,7 +149,8 @@ class HeartbeatStreamClient final
     StartCall();
   }
   // Called from one thread only (the heartbeat thread).
-  void Beat(const std::string& job_id, int32_t rank, int64_t generation, int64_t step) {
+  void Beat(const std::string& job_id, int32_t rank, int64_t generation, int64_t step,
+            const std::string& credential) {
     if (busy_.exchange(true)) {
       skipped_.fetch_add(1, std::memory_order_relaxed);
       return;
@@ -156,6 +159,7 @@ class HeartbeatStreamClient final
     request_.set_rank(rank);
     request_.set_generation(generation);
     request_.set_step(step);
+    request_.set_credential(credential);
     if (first_) request_.set_reply_interval_ms(reply_interval_ms_);
     first_ = false;
     if (per_beat()) StartRead(&response_);
@@ -243,6 +247,7 @@ class Load {
                               if (s.ok()) {
                                 worker->rank = call->response.rank();
                                 worker->generation = call->response.generation();
+                                worker->credential = call->response.credential();
                               } else if (failed.fetch_add(1) == 0) {
                                 std::fprintf(stderr, "Join failed: %s\n",
                                              s.error_message().c_str());
@@ -349,6 +354,7 @@ class Load {
     call->request.set_rank(w->rank);
     call->request.set_generation(w->generation);
     call->request.set_step(w->step.load());
+    call->request.set_credential(w->credential);
     call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
     call->start = SteadySeconds();
     w->stub->async()->Step(&call->ctx, &call->request, &call->response,
@@ -396,7 +402,7 @@ class Load {
 
   void Heartbeat(Worker* w) {
     if (w->stream != nullptr) {
-      w->stream->Beat(job_id_, w->rank, w->generation, w->step.load());
+      w->stream->Beat(job_id_, w->rank, w->generation, w->step.load(), w->credential);
       return;
     }
     if (w->heartbeat_busy.exchange(true)) {
@@ -409,6 +415,7 @@ class Load {
     call->request.set_rank(w->rank);
     call->request.set_generation(w->generation);
     call->request.set_step(w->step.load());
+    call->request.set_credential(w->credential);
     call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
     w->stub->async()->Heartbeat(&call->ctx, &call->request, &call->response,
                                 [this, call, w](grpc::Status s) {

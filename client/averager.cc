@@ -67,6 +67,7 @@ absl::StatusOr<Decision> ModelAverager::AverageParameters(absl::Span<const Tenso
   setup.level = decision->level;
   setup.subgroup = decision->subgroup;
   setup.rank = client_->rank();
+  setup.credential = client_->credential();
   setup.timeout = client_->options().collective_timeout;
   setup.gloo_in_place = client_->options().gloo_in_place;
   const SubgroupRange group = decision->subgroup;

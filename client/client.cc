@@ -131,6 +131,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   join.set_host(host);
   if (options.rank.has_value()) join.set_rank(*options.rank);
   join.set_world_size(options.expected_world_size);
+  join.set_credential(options.credential);
   spdlog::info("joining job {} at {} as {}{}", options.job_id, options.coordinator,
                options.worker_id,
                options.rank ? absl::StrCat(" (rank ", *options.rank, ")") : std::string());
@@ -166,6 +167,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
                                         : kFallbackHeartbeatTimeout;
   spdlog::info("joined job {}: rank {} of {}, generation {}", options.job_id, joined.rank(),
                joined.world_size(), joined.generation());
+  options.credential = joined.credential();
   return std::unique_ptr<Client>(new Client(std::move(options), std::move(coordinator),
                                             joined.rank(), joined.generation(),
                                             std::move(schedule), hb_timeout));
@@ -224,6 +226,7 @@ absl::Status Client::Leave(absl::string_view reason) {
   req.set_rank(rank_);
   req.set_generation(generation_);
   req.set_reason(std::string(reason));
+  req.set_credential(options_.credential);
   absl::StatusOr<v1::LeaveResponse> resp = coordinator_->Leave(req);
   if (!resp.ok()) return resp.status();
   spdlog::info("rank {} left job {} ({})", rank_, options_.job_id, std::string(reason));
@@ -359,6 +362,7 @@ bool Client::UnaryHeartbeat() {
   req.set_rank(rank_);
   req.set_generation(generation_);
   req.set_step(step);
+  req.set_credential(options_.credential);
   absl::StatusOr<v1::HeartbeatResponse> resp = coordinator_->Heartbeat(req);
   if (!resp.ok()) {
     NoteHeartbeatFailure(resp.status());
@@ -429,6 +433,7 @@ absl::Status Client::StreamHeartbeats(bool* answered) {
     req.set_rank(rank_);
     req.set_generation(generation_);
     req.set_step(step);
+    req.set_credential(options_.credential);
     if (first) req.set_reply_interval_ms(reply_interval_ms);
     // A beat not sent because the previous write is still in flight is simply skipped; the
     // first one is retried until it goes out (it carries reply_interval_ms).
@@ -468,6 +473,14 @@ void Client::HandleHeartbeatReply(const v1::HeartbeatResponse& reply, int64_t se
 
 void Client::NoteHeartbeatFailure(const absl::Status& error) {
   absl::MutexLock l(&mu_);
+  if (error.code() == absl::StatusCode::kPermissionDenied && broken_.ok()) {
+    // The rank has another member now (this one was declared dead and replaced).
+    broken_ = absl::FailedPreconditionError(absl::StrCat(
+        "the coordinator no longer counts this worker as rank ", rank_, " of job ",
+        options_.job_id, " (", error.message(), "); connect a new Client to re-join"));
+    spdlog::error("{}", std::string(broken_.message()));
+    return;
+  }
   const absl::Duration silent = absl::Now() - last_heartbeat_ok_;
   if (silent > heartbeat_timeout_ && broken_.ok()) {
     broken_ = absl::UnavailableError(absl::StrCat(

@@ -47,6 +47,11 @@ struct ClientOptions {
   // The world size this worker was started for; 0: any. A job of another size refuses the
   // Join at once (INVALID_ARGUMENT naming both sizes).
   int32_t expected_world_size = 0;
+  // The credential of this worker's earlier membership (Client::credential()), for a worker
+  // that restarts and re-takes its own rank while the coordinator still counts it alive. Empty:
+  // none. Connect replaces it with the new membership's; the library sends it on every call
+  // that acts as the rank. Never logged.
+  std::string credential;
   // This worker's identity; empty: "<hostname>:<pid>".
   std::string worker_id;
   // Sent as "authorization: Bearer <token>" when non-empty.
@@ -107,6 +112,8 @@ class Client {
   int64_t generation() const { return generation_; }
   const Schedule& schedule() const { return schedule_; }
   const std::string& job_id() const { return options_.job_id; }
+  // This membership's credential (secret; see ClientOptions::credential).
+  const std::string& credential() const { return options_.credential; }
   const ClientOptions& options() const { return options_; }
   // The job's heartbeat timeout in force (after the coordinator's defaults).
   absl::Duration heartbeat_timeout() const { return heartbeat_timeout_; }

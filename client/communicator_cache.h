@@ -37,6 +37,8 @@ struct CommunicatorSetup {
   SubgroupRange subgroup;
   // This process's global rank (a member of `subgroup`).
   int32_t rank = 0;
+  // That rank's credential (Client::credential()), sent with every comm-id request.
+  std::string credential;
   // Bounds the bootstrap and every collective.
   absl::Duration timeout = absl::Seconds(60);
   // Polled while waiting (NCCL): non-OK aborts the wait with that status.
@@ -57,6 +59,7 @@ struct CommunicatorSetup {
     req->set_subgroup(subgroup.index);
     req->set_rank(rank);
     req->set_key(key);
+    req->set_credential(credential);
   }
 };
 

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/job_spec.h"
+#include "server/member_credential.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::server {
@@ -165,9 +166,11 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
         "; ask for a rank below world_size or leave rank unset")));
   }
   const absl::Time now = clock_->Now();
+  std::string credential = NewMemberCredential();
   absl::StatusOr<Membership::JoinResult> joined = membership_.Join(
       request.worker_id(), request.host(),
-      request.has_rank() ? std::optional<int32_t>(request.rank()) : std::nullopt, now, id());
+      request.has_rank() ? std::optional<int32_t>(request.rank()) : std::nullopt, now, id(),
+      request.credential(), CredentialDigest(credential));
   if (!joined.ok()) return fail(joined.status());
   const int32_t rank = joined->rank;
   OnMembershipChange(joined->change, &out);
@@ -196,12 +199,13 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
     // The round is complete in memory; its Joins are answered and the write is retried with
     // the next change.
   }
-  waits_.AddJoin(JoinWait{wait_id, rank, std::min(now + join_timeout_, call_deadline),
-                          std::move(done)});
+  waits_.AddJoin(JoinWait{wait_id, rank, std::move(credential),
+                          std::min(now + join_timeout_, call_deadline), std::move(done)});
   if (joined->change.world_complete) {
     for (JoinWait& w : waits_.TakeAllJoins()) {
       v1::JoinResponse response;
       FillJoinResponse(w.rank, &response);
+      response.set_credential(std::move(w.credential));
       out.Complete([cb = std::move(w.done), response = std::move(response)]() mutable {
         cb(std::move(response));
       });
@@ -294,6 +298,11 @@ absl::Status Job::Heartbeat(const v1::HeartbeatRequest& request,
   const absl::Time now = clock_->Now();
   absl::MutexLock lock(&mu_);
   if (!closed_.ok()) return closed_;  // deleted while a stream still held it
+  if (absl::Status s =
+          membership_.CheckCredential(request.rank(), request.credential(), "Heartbeat", id());
+      !s.ok()) {
+    return s;
+  }
   membership_.Heartbeat(request.rank(), request.generation(), request.step(), now);
   response->set_state(membership_.state());
   response->set_generation(membership_.generation());
@@ -325,7 +334,10 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
           absl::StrCat("job ", id(), " is ", StateName(membership_.state()), " in generation ",
                        generation, "; Step needs a RUNNING job (wait for Join to complete)"));
     }
-    membership_.RecordStep(rank, request.step(), now);
+    // Progress and liveness count only from the rank's member; anyone may read the decision.
+    if (membership_.CheckCredential(rank, request.credential(), "Step", id()).ok()) {
+      membership_.RecordStep(rank, request.step(), now);
+    }
   }
   DecisionToProto(schedule_.DecisionFor(request.step(), rank), generation, response);
   return absl::OkStatus();
@@ -452,6 +464,11 @@ absl::Status Job::PublishCommId(const v1::PublishCommIdRequest& request) {
       !s.ok()) {
     return s;
   }
+  if (absl::Status s = membership_.CheckCredential(request.rank(), request.credential(),
+                                                   "PublishCommId", id());
+      !s.ok()) {
+    return s;
+  }
   CommKey key{request.level(), request.subgroup(), request.key()};
   absl::StatusOr<bool> is_new =
       comm_ids_.CheckPublish(key, request.unique_id(), id(), membership_.generation());
@@ -495,6 +512,11 @@ void Job::GetCommId(const v1::GetCommIdRequest& request, absl::Time call_deadlin
       !s.ok()) {
     return finish(s);
   }
+  if (absl::Status s = membership_.CheckCredential(request.rank(), request.credential(),
+                                                   "GetCommId", id());
+      !s.ok()) {
+    return finish(s);
+  }
   CommKey key{request.level(), request.subgroup(), request.key()};
   if (const std::string* blob = comm_ids_.Find(key)) return finish(*blob);
   const absl::Time now = clock_->Now();
@@ -513,6 +535,10 @@ absl::Status Job::Leave(const v1::LeaveRequest& request, v1::LeaveResponse* resp
   }
   Outbox out(this);
   absl::MutexLock lock(&mu_);
+  if (absl::Status s = membership_.CheckCredential(rank, request.credential(), "Leave", id());
+      !s.ok()) {
+    return s;
+  }
   std::string reason = absl::StrCat("rank ", rank, " left");
   if (!request.reason().empty()) {
     absl::StrAppend(&reason, " (", Truncate(request.reason(), kMaxReasonLength), ")");

@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/member_credential.h"
 
 namespace modelavg::server {
 
@@ -25,6 +26,7 @@ void Membership::Restore(const StoredJobHeader& header, const std::vector<Stored
     m.host = s.host;
     m.state = s.state;
     m.generation = s.generation;
+    m.credential_digest = s.credential_digest;
     m.last_step = -1;
     m.last_heartbeat = now;
     if (InRound(m)) ++round_size_;
@@ -36,8 +38,18 @@ absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worke
                                                         const std::string& host,
                                                         std::optional<int32_t> requested,
                                                         absl::Time now,
-                                                        const std::string& job_id) {
+                                                        const std::string& job_id,
+                                                        const std::string& credential,
+                                                        const std::string& new_digest) {
   const int32_t world = world_size();
+  const auto held_by_other = [&](int32_t r) {
+    const Member& m = members_[r];
+    return absl::AlreadyExistsError(absl::StrCat(
+        "rank ", r, " of job ", job_id, " is held by worker \"", m.worker_id, "\" (host ",
+        m.host.empty() ? "unknown" : m.host, "), alive in generation ", generation_,
+        "; a rank is re-taken once its holder is dead or has left, or by its holder with its "
+        "credential; ask for another rank or leave rank unset"));
+  };
   if (state_ == v1::FINISHED) {
     return absl::FailedPreconditionError(absl::StrCat(
         "job ", job_id, " is FINISHED (every member left); create a new job to train again"));
@@ -48,9 +60,17 @@ absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worke
     if (requested.has_value()) {
       rank = *requested;
     } else {
+      // Only the holder (its credential) finds its rank back.
       for (int32_t r = 0; r < world; ++r) {
-        if (InRound(members_[r]) && members_[r].worker_id == worker_id) rank = r;
+        if (InRound(members_[r]) &&
+            CredentialMatches(credential, members_[r].credential_digest)) {
+          rank = r;
+        }
       }
+    }
+    if (rank >= 0 && InRound(members_[rank]) &&
+        !CredentialMatches(credential, members_[rank].credential_digest)) {
+      return held_by_other(rank);
     }
     if (rank < 0) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -61,10 +81,11 @@ absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worke
   } else if (requested.has_value()) {
     rank = *requested;
     const Member& m = members_[rank];
-    if (InRound(m) && m.worker_id != worker_id) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "rank ", rank, " of job ", job_id, " is already taken by worker \"", m.worker_id,
-          "\" in generation ", generation_, "; ask for another rank or leave rank unset"));
+    // The same worker id again in an assembling round is a retried Join (its reply, and so
+    // its credential, may never have arrived).
+    if (InRound(m) && m.worker_id != worker_id &&
+        !CredentialMatches(credential, m.credential_digest)) {
+      return held_by_other(rank);
     }
   } else {
     // The same worker again keeps its rank; a survivor of an earlier generation gets its old
@@ -88,6 +109,7 @@ absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worke
   m.last_heartbeat = now;
   m.state = v1::ALIVE;
   m.generation = generation_;
+  m.credential_digest = new_digest;
   MarkMember(rank);
   if (round_size_ == world) {
     state_ = v1::RUNNING;
@@ -96,6 +118,27 @@ absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worke
     result.change.world_complete = true;
   }
   return result;
+}
+
+absl::Status Membership::CheckCredential(int32_t rank, const std::string& credential,
+                                         const char* rpc, const std::string& job_id) const {
+  const Member& m = members_[rank];
+  if (!m.present) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        rpc, " as rank ", rank, " of job ", job_id, ": the rank has no member; Join first"));
+  }
+  if (credential.empty()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        rpc, " as rank ", rank, " of job ", job_id,
+        " needs the rank's credential (JoinResponse.credential)"));
+  }
+  if (!CredentialMatches(credential, m.credential_digest)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        rpc, " as rank ", rank, " of job ", job_id,
+        ": the credential is not that of the rank's current member (worker \"", m.worker_id,
+        "\"); a worker whose rank was re-taken re-joins"));
+  }
+  return absl::OkStatus();
 }
 
 void Membership::Withdraw(int32_t rank) {
@@ -239,6 +282,7 @@ JobDelta Membership::PeekDelta() const {
       s.host = m.host;
       s.state = m.state;
       s.generation = m.generation;
+      s.credential_digest = m.credential_digest;
     }
     delta.members.push_back(std::move(s));
   }

@@ -42,6 +42,8 @@ class Membership {
     v1::MemberState state = v1::MEMBER_STATE_UNSPECIFIED;
     // The generation this member last joined; 0 when not in any round.
     int64_t generation = 0;
+    // Digest of the credential its Join was given (server/member_credential.h).
+    std::string credential_digest;
   };
 
   struct JoinResult {
@@ -77,12 +79,19 @@ class Membership {
 
   // Adds a worker to the current round. `rank` was validated against world_size. The rank is
   // the requested one, else the worker's earlier rank, else the lowest free one. A re-join
-  // while RUNNING starts a new generation first. Errors:
+  // while RUNNING starts a new generation first; only the holder may do that, proving it with
+  // `credential` (its earlier membership's). The member gets `new_digest`. Errors:
   //   FAILED_PRECONDITION  FINISHED, or RUNNING and the worker names no rank and holds none
-  //   ALREADY_EXISTS       another worker holds the requested rank in this round
+  //   ALREADY_EXISTS       another worker holds the rank, alive (the message names it)
   absl::StatusOr<JoinResult> Join(const std::string& worker_id, const std::string& host,
                                   std::optional<int32_t> rank, absl::Time now,
-                                  const std::string& job_id);
+                                  const std::string& job_id, const std::string& credential = "",
+                                  const std::string& new_digest = "");
+
+  // OK when `credential` is the one `rank`'s member was given; PERMISSION_DENIED otherwise
+  // (no member, no credential, another's), naming `rpc`. Never says anything of the secret.
+  absl::Status CheckCredential(int32_t rank, const std::string& credential, const char* rpc,
+                               const std::string& job_id) const;
 
   // Takes a rank out of a round that is still assembling (its Join was cancelled or timed out),
   // freeing it for anyone.

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/functional/any_invocable.h"
@@ -28,6 +29,8 @@ using CommIdCallback = absl::AnyInvocable<void(absl::StatusOr<std::string>)>;
 struct JoinWait {
   WaitId id = 0;
   int32_t rank = -1;
+  // The credential this Join is given (in its response). Never logged.
+  std::string credential;
   absl::Time deadline;
   JoinCallback done;
 };

@@ -36,6 +36,8 @@ struct StoredMember {
   v1::MemberState state = v1::MEMBER_STATE_UNSPECIFIED;
   // The generation this member last joined; 0 when not in any round.
   int64_t generation = 0;
+  // Digest of the member's credential (server/member_credential.h); never the credential.
+  std::string credential_digest;
 };
 
 // The job-wide hard state besides its members.

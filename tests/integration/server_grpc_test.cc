@@ -69,7 +69,7 @@ class ServerTest : public ::testing::Test {
 // One simulated worker: Join, Steps, comm ids for every subgroup it averages in, heartbeats,
 // Leave. Returns a description of the first failure, empty on success.
 std::string RunWorker(v1::Coordinator::Stub* stub, int index, int steps,
-                      std::atomic<int>* averages) {
+                      std::atomic<int>* averages, std::vector<std::string>* credentials) {
   v1::JoinRequest join;
   join.set_job_id("train");
   join.set_worker_id(absl::StrCat("worker-", index));
@@ -79,6 +79,8 @@ std::string RunWorker(v1::Coordinator::Stub* stub, int index, int steps,
   if (!s.ok()) return "Join: " + s.error_message();
   const int rank = joined.rank();
   const int64_t generation = joined.generation();
+  // Each rank's credential: distinct elements per thread.
+  (*credentials)[rank] = joined.credential();
   for (int step = 0; step < steps; ++step) {
     v1::StepRequest request;
     request.set_job_id("train");
@@ -101,6 +103,7 @@ std::string RunWorker(v1::Coordinator::Stub* stub, int index, int steps,
       publish.set_subgroup(decision.subgroup());
       publish.set_rank(rank);
       publish.set_unique_id(blob);
+      publish.set_credential(joined.credential());
       v1::PublishCommIdResponse published;
       s = stub->PublishCommId(Context().get(), publish, &published);
       if (!s.ok()) return "PublishCommId: " + s.error_message();
@@ -112,6 +115,7 @@ std::string RunWorker(v1::Coordinator::Stub* stub, int index, int steps,
     get.set_subgroup(decision.subgroup());
     get.set_rank(rank);
     get.set_timeout_ms(10000);
+    get.set_credential(joined.credential());
     v1::GetCommIdResponse got;
     s = stub->GetCommId(Context().get(), get, &got);
     if (!s.ok()) return "GetCommId: " + s.error_message();
@@ -122,6 +126,7 @@ std::string RunWorker(v1::Coordinator::Stub* stub, int index, int steps,
   hb.set_rank(rank);
   hb.set_generation(generation);
   hb.set_step(steps);
+  hb.set_credential(joined.credential());
   v1::HeartbeatResponse hb_reply;
   s = stub->Heartbeat(Context().get(), hb, &hb_reply);
   if (!s.ok()) return "Heartbeat: " + s.error_message();
@@ -140,9 +145,11 @@ TEST_F(ServerTest, FullWorkerPath_EightThreads_JoinStepCommIdHeartbeatLeave) {
   constexpr int kWorkers = 8, kSteps = 12;
   std::vector<std::string> errors(kWorkers);
   std::atomic<int> averages{0};
+  std::vector<std::string> credentials(kWorkers);
   std::vector<std::thread> threads;
   for (int i = 0; i < kWorkers; ++i) {
-    threads.emplace_back([&, i] { errors[i] = RunWorker(stub_.get(), i, kSteps, &averages); });
+    threads.emplace_back(
+        [&, i] { errors[i] = RunWorker(stub_.get(), i, kSteps, &averages, &credentials); });
   }
   for (auto& t : threads) t.join();
   for (int i = 0; i < kWorkers; ++i) EXPECT_EQ(errors[i], "") << "worker " << i;
@@ -164,6 +171,7 @@ TEST_F(ServerTest, FullWorkerPath_EightThreads_JoinStepCommIdHeartbeatLeave) {
     leave.set_rank(r);
     leave.set_generation(1);
     leave.set_reason("finished");
+    leave.set_credential(credentials[r]);
     v1::LeaveResponse left;
     ASSERT_TRUE(stub_->Leave(Context().get(), leave, &left).ok());
     if (r == kWorkers - 1) EXPECT_EQ(left.state(), v1::FINISHED);
@@ -205,6 +213,7 @@ TEST_F(ServerTest, HeartbeatTimeout_SurvivorsLearnNewGenerationAndRejoin) {
       hb.set_rank(r);
       hb.set_generation(1);
       hb.set_step(i);
+      hb.set_credential(joined[r].credential());
       ASSERT_TRUE(stub_->Heartbeat(Context().get(), hb, &reply).ok());
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -288,6 +297,7 @@ TEST_F(ServerTest, HeartbeatStream_OneReplyPerBeat_ErrorsEndTheStream) {
       beat.set_rank(0);
       beat.set_generation(1);
       beat.set_step(step * 10);
+      beat.set_credential(joined.credential());
       ASSERT_TRUE(stream->Write(beat));
       v1::HeartbeatResponse reply;
       ASSERT_TRUE(stream->Read(&reply));
@@ -333,6 +343,7 @@ TEST_F(ServerTest, HeartbeatStream_ReplyInterval_AnswersOnlyTheFirstBeatAndChang
                              heartbeat_timeout_ms: 600000)pb")
                   .ok());
   std::vector<std::thread> joins;
+  std::vector<std::string> credentials(2);
   for (int r = 0; r < 2; ++r) {
     joins.emplace_back([&, r] {
       v1::JoinRequest join;
@@ -341,6 +352,7 @@ TEST_F(ServerTest, HeartbeatStream_ReplyInterval_AnswersOnlyTheFirstBeatAndChang
       join.set_rank(r);
       v1::JoinResponse joined;
       EXPECT_TRUE(stub_->Join(Context().get(), join, &joined).ok());
+      credentials[r] = joined.credential();
     });
   }
   for (auto& t : joins) t.join();
@@ -353,6 +365,7 @@ TEST_F(ServerTest, HeartbeatStream_ReplyInterval_AnswersOnlyTheFirstBeatAndChang
     b.set_rank(0);
     b.set_generation(1);
     b.set_step(step);
+    b.set_credential(credentials[0]);
     if (step == 0) b.set_reply_interval_ms(60000);
     return stream->Write(b);
   };
@@ -379,6 +392,7 @@ TEST_F(ServerTest, HeartbeatStream_ReplyInterval_AnswersOnlyTheFirstBeatAndChang
   leave.set_rank(1);
   leave.set_generation(1);
   leave.set_reason("done");
+  leave.set_credential(credentials[1]);
   v1::LeaveResponse left;
   ASSERT_TRUE(stub_->Leave(Context().get(), leave, &left).ok());
   ASSERT_TRUE(beat(6));
@@ -413,6 +427,7 @@ TEST_F(ServerTest, HeartbeatStream_ReplyInterval_AnswersAtLeastThatOften) {
     beat.set_rank(0);
     beat.set_generation(1);
     beat.set_step(step);
+    beat.set_credential(joined.credential());
     beat.set_reply_interval_ms(1);
     if (step > 0) absl::SleepFor(absl::Milliseconds(5));  // more than reply_interval_ms
     ASSERT_TRUE(stream->Write(beat));

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <atomic>
 #include <thread>
@@ -28,11 +29,14 @@
 #include "modelavg/v1/coordinator.grpc.pb.h"
 #include "common/file_util.h"
 #include "server/coordinator_server.h"
+#include "spdlog/sinks/ostream_sink.h"
+#include "spdlog/spdlog.h"
 
 namespace modelavg::server {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr char kOperator[] = "operator-secret";
 constexpr char kWorker[] = "worker-secret";
@@ -170,12 +174,18 @@ TEST_F(HostileTest, GarbageRequest_EveryUnaryRpc_InvalidArgumentWithMessage) {
 TEST_F(HostileTest, GarbageOnStreams_EndWithInvalidArgument) {
   Start();
   v1::CreateJobRequest create;
-  *create.mutable_spec() = Spec("s", 2);
+  *create.mutable_spec() = Spec("s", 1);
   v1::Job job;
   ASSERT_TRUE(stub_->CreateJob(Context().get(), create, &job).ok());
+  v1::JoinRequest join;
+  join.set_job_id("s");
+  join.set_worker_id("w");
+  v1::JoinResponse joined;
+  ASSERT_TRUE(stub_->Join(Context().get(), join, &joined).ok());
   v1::HeartbeatRequest beat;
   beat.set_job_id("s");
   beat.set_generation(1);
+  beat.set_credential(joined.credential());
   {
     RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HeartbeatStream",
                      {Bytes(beat), Garbage(), Bytes(beat)});
@@ -259,8 +269,11 @@ TEST_F(HostileTest, Roles_EachRoleOnEachRpc) {
     const grpc::Status worker = RawUnary(rpc, bytes, kWorker);
     if (rpc == "CreateJob" || rpc == "DeleteJob") {
       EXPECT_EQ(worker.error_code(), grpc::StatusCode::PERMISSION_DENIED) << rpc;
+      EXPECT_THAT(worker.error_message(), HasSubstr("needs the operator role")) << rpc;
     } else {
-      EXPECT_NE(worker.error_code(), grpc::StatusCode::PERMISSION_DENIED) << rpc;
+      // Rank-scoped calls without a member's credential are refused for that reason, not for
+      // the role.
+      EXPECT_THAT(worker.error_message(), Not(HasSubstr("role"))) << rpc;
       EXPECT_NE(worker.error_code(), grpc::StatusCode::UNAUTHENTICATED) << rpc;
     }
     EXPECT_EQ(RawUnary(rpc, bytes).error_code(), grpc::StatusCode::UNAUTHENTICATED) << rpc;
@@ -270,7 +283,7 @@ TEST_F(HostileTest, Roles_EachRoleOnEachRpc) {
   // The operator may do all of it (DeleteJob last: it removes the job).
   for (const auto& [rpc, bytes] : requests()) {
     const grpc::Status op = RawUnary(rpc, bytes, kOperator);
-    EXPECT_NE(op.error_code(), grpc::StatusCode::PERMISSION_DENIED) << rpc;
+    EXPECT_THAT(op.error_message(), Not(HasSubstr("role"))) << rpc;
     EXPECT_NE(op.error_code(), grpc::StatusCode::UNAUTHENTICATED) << rpc;
   }
   EXPECT_EQ(stub_->GetJob(Context(kOperator).get(), v1::GetJobRequest(), &job).error_code(),
@@ -280,7 +293,9 @@ TEST_F(HostileTest, Roles_EachRoleOnEachRpc) {
   beat.set_job_id("r2");
   beat.set_generation(1);
   RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HeartbeatStream", {Bytes(beat)});
-  EXPECT_NE(stream.Wait().error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  const grpc::Status streamed = stream.Wait();
+  EXPECT_THAT(streamed.error_message(), Not(HasSubstr("role")));
+  EXPECT_NE(streamed.error_code(), grpc::StatusCode::UNAUTHENTICATED);
 }
 
 TEST_F(HostileTest, Roles_WorkerTokenWithoutOperatorToken_Refused) {
@@ -372,6 +387,116 @@ TEST_F(HostileTest, Join_WrongWorldSize_RefusedAtOnce) {
   const grpc::Status s = stub_->Join(Context("", absl::Seconds(30)).get(), join, &joined);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(s.error_message(), HasSubstr("expects world_size 8 but job four has world_size 4"));
+}
+
+// The probe's rank-scoped calls over the wire, with the operator token but without the rank's
+// credential: each is refused with PERMISSION_DENIED and changes nothing; with the credential
+// each works; and no credential ever appears in the coordinator's log (debug level included).
+TEST_F(HostileTest, Credentials_RankScopedCallsNeedThem_NeverLogged) {
+  auto log = std::make_shared<std::ostringstream>();
+  auto previous = spdlog::default_logger();
+  auto capture = std::make_shared<spdlog::logger>(
+      "capture", std::make_shared<spdlog::sinks::ostream_sink_mt>(*log));
+  capture->set_level(spdlog::level::trace);
+  spdlog::set_default_logger(capture);
+  ServerOptions options;
+  options.auth_token = kOperator;
+  Start(options);
+  v1::CreateJobRequest create;
+  *create.mutable_spec() = Spec("two", 2);
+  create.mutable_spec()->set_heartbeat_timeout_ms(60000);
+  v1::Job job;
+  ASSERT_TRUE(stub_->CreateJob(Context(kOperator).get(), create, &job).ok());
+  std::vector<v1::JoinResponse> joined(2);
+  std::vector<std::thread> joins;
+  for (int r = 0; r < 2; ++r) {
+    joins.emplace_back([&, r] {
+      v1::JoinRequest join;
+      join.set_job_id("two");
+      join.set_worker_id(absl::StrCat("w", r));
+      join.set_rank(r);
+      EXPECT_TRUE(stub_->Join(Context(kOperator).get(), join, &joined[r]).ok());
+    });
+  }
+  for (auto& t : joins) t.join();
+  ASSERT_FALSE(joined[0].credential().empty());
+
+  // Heartbeat for the other rank (step 777): refused, last_step unchanged.
+  v1::HeartbeatRequest beat;
+  beat.set_job_id("two");
+  beat.set_rank(1);
+  beat.set_generation(1);
+  beat.set_step(777);
+  v1::HeartbeatResponse beat_reply;
+  for (const std::string& wrong : {std::string(), joined[0].credential()}) {
+    beat.set_credential(wrong);
+    EXPECT_EQ(stub_->Heartbeat(Context(kOperator).get(), beat, &beat_reply).error_code(),
+              grpc::StatusCode::PERMISSION_DENIED);
+  }
+  // The same on a stream: it ends with PERMISSION_DENIED.
+  {
+    beat.set_credential("");
+    RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HeartbeatStream", {Bytes(beat)});
+    EXPECT_EQ(stream.Wait().error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  }
+  // PublishCommId "EVIL" as rank 0: refused; the leader's own publish then works and rank 1
+  // fetches the leader's bytes.
+  v1::PublishCommIdRequest publish;
+  publish.set_job_id("two");
+  publish.set_generation(1);
+  publish.set_rank(0);
+  publish.set_unique_id("EVIL");
+  v1::PublishCommIdResponse published;
+  EXPECT_EQ(stub_->PublishCommId(Context(kOperator).get(), publish, &published).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  publish.set_unique_id("leader-id");
+  publish.set_credential(joined[0].credential());
+  ASSERT_TRUE(stub_->PublishCommId(Context(kOperator).get(), publish, &published).ok());
+  v1::GetCommIdRequest fetch;
+  fetch.set_job_id("two");
+  fetch.set_generation(1);
+  fetch.set_rank(1);
+  v1::GetCommIdResponse fetched;
+  EXPECT_EQ(stub_->GetCommId(Context(kOperator).get(), fetch, &fetched).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  fetch.set_credential(joined[1].credential());
+  ASSERT_TRUE(stub_->GetCommId(Context(kOperator).get(), fetch, &fetched).ok());
+  EXPECT_EQ(fetched.unique_id(), "leader-id");
+  // Leave for the other rank: refused, no new generation.
+  v1::LeaveRequest leave;
+  leave.set_job_id("two");
+  leave.set_rank(1);
+  leave.set_generation(1);
+  v1::LeaveResponse left;
+  EXPECT_EQ(stub_->Leave(Context(kOperator).get(), leave, &left).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  // Join of the live rank 1 by another worker: ALREADY_EXISTS naming the holder.
+  v1::JoinRequest intruder;
+  intruder.set_job_id("two");
+  intruder.set_worker_id("intruder");
+  intruder.set_rank(1);
+  v1::JoinResponse none;
+  const grpc::Status taken = stub_->Join(Context(kOperator).get(), intruder, &none);
+  EXPECT_EQ(taken.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_THAT(taken.error_message(), HasSubstr("held by worker \"w1\""));
+  v1::GetJobRequest get;
+  get.set_job_id("two");
+  ASSERT_TRUE(stub_->GetJob(Context(kOperator).get(), get, &job).ok());
+  EXPECT_EQ(job.generation(), 1);
+  EXPECT_EQ(job.state(), v1::RUNNING);
+  EXPECT_EQ(job.members(1).last_step(), -1);
+  // With the credential each call works.
+  beat.set_credential(joined[1].credential());
+  ASSERT_TRUE(stub_->Heartbeat(Context(kOperator).get(), beat, &beat_reply).ok());
+  leave.set_credential(joined[1].credential());
+  ASSERT_TRUE(stub_->Leave(Context(kOperator).get(), leave, &left).ok());
+  EXPECT_EQ(left.generation(), 2);
+
+  server_.reset();
+  spdlog::set_default_logger(previous);
+  const std::string text = log->str();
+  EXPECT_THAT(text, HasSubstr("joined as rank 1"));  // the capture did see the coordinator
+  for (const auto& j : joined) EXPECT_THAT(text, Not(HasSubstr(j.credential())));
 }
 
 // SIGTERM took 15.8 s while a heavy GetSchedule ran. Now the daemon exits within about a second

@@ -7,3 +7,6 @@ modelavg_add_gtest(server_state_store_test SOURCES server_state_store_test.cc
 modelavg_add_gtest(server_jobs_file_test SOURCES server_jobs_file_test.cc LIBS modelavg_server)
 # Bounds on what a client can make the core hold and compute (specs, pages, cancellation).
 modelavg_add_gtest(server_bounds_test SOURCES server_bounds_test.cc LIBS modelavg_server_core)
+# Per-member credentials: each rank-scoped call without, with a wrong and with the right one.
+modelavg_add_gtest(server_credentials_test SOURCES server_credentials_test.cc
+  LIBS modelavg_server_core)

@@ -1,4 +1,5 @@
 // The coordinator core with a fake clock: rendezvous, liveness, generations, comm ids, watchers.
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -98,7 +99,12 @@ class JobTest : public ::testing::Test {
     request.set_worker_id(worker);
     request.set_host("host");
     if (rank.has_value()) request.set_rank(*rank);
-    job.Join(request, deadline, registry_->NewWaitId(), slot->Callback());
+    // Each rank's credential, as its member would keep it.
+    job.Join(request, deadline, registry_->NewWaitId(),
+             [this, cb = slot->Callback()](absl::StatusOr<v1::JoinResponse> r) mutable {
+               if (r.ok()) credentials_[r->rank()] = r->credential();
+               cb(std::move(r));
+             });
   }
 
   // Joins every rank (worker "w<r>" asks for rank r) and checks the world completes.
@@ -115,6 +121,7 @@ class JobTest : public ::testing::Test {
     request.set_rank(rank);
     request.set_generation(generation);
     request.set_step(step);
+    request.set_credential(credentials_[rank]);
     v1::HeartbeatResponse ignored;
     return job.Heartbeat(request, response != nullptr ? response : &ignored);
   }
@@ -126,6 +133,7 @@ class JobTest : public ::testing::Test {
     request.set_rank(rank);
     request.set_generation(generation);
     request.set_step(step);
+    request.set_credential(credentials_[rank]);
     v1::StepDecision ignored;
     return job.Step(request, decision != nullptr ? decision : &ignored);
   }
@@ -140,6 +148,7 @@ class JobTest : public ::testing::Test {
     request.set_rank(rank);
     request.set_unique_id(blob);
     request.set_key(key);
+    request.set_credential(credentials_[rank]);
     return job.PublishCommId(request);
   }
 
@@ -153,6 +162,7 @@ class JobTest : public ::testing::Test {
     request.set_rank(rank);
     request.set_key(key);
     request.set_timeout_ms(timeout_ms);
+    request.set_credential(credentials_[rank]);
     job.GetCommId(request, absl::InfiniteFuture(), registry_->NewWaitId(), slot->Callback());
   }
 
@@ -162,6 +172,7 @@ class JobTest : public ::testing::Test {
     request.set_rank(rank);
     request.set_generation(generation);
     request.set_reason("done");
+    request.set_credential(credentials_[rank]);
     return job.Leave(request, response);
   }
 
@@ -173,6 +184,8 @@ class JobTest : public ::testing::Test {
 
   FakeClock clock_;
   std::unique_ptr<JobRegistry> registry_;
+  // rank -> the credential of its latest completed Join.
+  std::map<int, std::string> credentials_;
 };
 
 // ---------------------------------------------------------------------------------- CreateJob

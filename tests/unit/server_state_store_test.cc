@@ -1,6 +1,7 @@
 // The coordinator core writes its hard state through a StateStore: what it writes at each
 // transition, that steps and heartbeats write nothing, what a failed write does, and that a Job
 // restored from the store continues where it was.
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -55,7 +56,10 @@ class StateStoreTest : public ::testing::Test {
       request.set_worker_id(absl::StrCat("w", r));
       request.set_rank(r);
       job.Join(request, absl::InfiniteFuture(), registry_->NewWaitId(),
-               [ok](absl::StatusOr<v1::JoinResponse> r) { *ok += r.ok() ? 1 : 0; });
+               [this, ok](absl::StatusOr<v1::JoinResponse> r) {
+                 *ok += r.ok() ? 1 : 0;
+                 if (r.ok()) credentials_[r->rank()] = r->credential();
+               });
     }
     return *ok;
   }
@@ -67,6 +71,7 @@ class StateStoreTest : public ::testing::Test {
     request.set_subgroup(0);
     request.set_rank(0);
     request.set_unique_id(blob);
+    request.set_credential(credentials_[0]);
     return job.PublishCommId(request);
   }
 
@@ -78,6 +83,8 @@ class StateStoreTest : public ::testing::Test {
   }
 
   FakeClock clock_;
+  // rank -> its member's credential (JoinResponse.credential).
+  std::map<int, std::string> credentials_;
   InMemoryStateStore store_;
   std::unique_ptr<JobRegistry> registry_;
 };
@@ -114,12 +121,14 @@ TEST_F(StateStoreTest, StepsHeartbeatsAndRepeatedPublish_WriteNothing) {
     hb.set_rank(step % 4);
     hb.set_generation(1);
     hb.set_step(step);
+    hb.set_credential(credentials_[step % 4]);
     v1::HeartbeatResponse hb_reply;
     ASSERT_TRUE(job->Heartbeat(hb, &hb_reply).ok());
     v1::StepRequest st;
     st.set_rank(step % 4);
     st.set_generation(1);
     st.set_step(step);
+    st.set_credential(credentials_[step % 4]);
     v1::StepDecision decision;
     ASSERT_TRUE(job->Step(st, &decision).ok());
   }
@@ -208,6 +217,7 @@ TEST_F(StateStoreTest, Restore_ContinuesGenerationMembersAndIds) {
   v1::GetCommIdRequest get;
   get.set_generation(1);
   get.set_rank(1);
+  get.set_credential(credentials_[1]);  // credentials are hard state: they survive the restart
   std::optional<absl::StatusOr<std::string>> got;
   restored.GetCommId(get, absl::InfiniteFuture(), 1,
                      [&](absl::StatusOr<std::string> r) { got = std::move(r); });
