@@ -134,13 +134,26 @@ NcclCommunicator::~NcclCommunicator() {
     if (finalized) {
       ncclCommDestroy(comm_);
     } else {
-      Abort();
+      AbortCommunicator();
     }
   }
   core_.Release();
 }
 
-void NcclCommunicator::Abort() {
+void NcclCommunicator::Abort(const absl::Status& why) {
+  absl::MutexLock l(&abort_mu_);
+  if (!abort_why_.ok()) return;
+  abort_why_ = why.ok() ? absl::AbortedError("the NCCL communicator was aborted") : why;
+  abort_requested_.store(true, std::memory_order_release);
+}
+
+absl::Status NcclCommunicator::AbortRequested() const {
+  if (!abort_requested_.load(std::memory_order_acquire)) return absl::OkStatus();
+  absl::MutexLock l(&abort_mu_);
+  return abort_why_;
+}
+
+void NcclCommunicator::AbortCommunicator() {
   if (!aborted_.exchange(true)) {
     ncclCommAbort(comm_);
     spdlog::error("NCCL communicator (member {} of {}) aborted", member_, size_);
@@ -207,6 +220,7 @@ absl::Status NcclCommunicator::WaitNcclReady(const char* what) {
     if (absl::Now() > deadline) {
       return absl::DeadlineExceededError(absl::StrCat(what, " did not start in time"));
     }
+    if (absl::Status a = AbortRequested(); !a.ok()) return a;
     absl::SleepFor(kPollSleep);
   }
 }
@@ -230,6 +244,7 @@ absl::Status NcclCommunicator::Wait(void* stream_arg, const char* what) {
           what, " did not finish within ", absl::FormatDuration(timeout_),
           ": a peer is dead or stuck; the communicator was aborted"));
     }
+    if (absl::Status a = AbortRequested(); !a.ok()) return a;
     // The generation check is cheap (no RPC) but not free: every 64 polls.
     if (check_alive_ && (++polls & 63) == 0) {
       absl::Status alive = check_alive_();
@@ -249,6 +264,7 @@ absl::Status NcclCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
   if (!core_.broken().ok()) return core_.broken();
   ScopedCudaDevice on(device_);
   MODELAVG_RETURN_IF_ERROR(on.status());
+  if (absl::Status a = AbortRequested(); !a.ok()) return core_.Fail(a);
   return core_.Run(tensors);
 }
 

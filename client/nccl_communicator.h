@@ -76,7 +76,17 @@ class NcclCommunicator : public Communicator, private NcclDeviceOps {
   int rank() const override { return member_; }
   int size() const override { return size_; }
 
+  // Generation change, from another thread (thread-safe, non-blocking, idempotent; the first
+  // `why` is kept): makes the call in flight and every later call fail with `why`. Only records
+  // it: the thread waiting on the collective notices it at its next poll (tens of microseconds)
+  // and calls ncclCommAbort itself, since it could still be polling a communicator freed from
+  // here.
+  void Abort(const absl::Status& why);
+
  private:
+  // The Abort reason, or OK.
+  absl::Status AbortRequested() const;
+
   NcclCommunicator(ncclComm_t comm, int member, int size, int device, absl::Duration timeout,
                    std::function<absl::Status()> check_alive);
 
@@ -94,7 +104,7 @@ class NcclCommunicator : public Communicator, private NcclDeviceOps {
   absl::Status AllReduce(void* buffer, size_t count, Reduce op, int32_t staging_code,
                          void* stream) override;
   absl::Status Wait(void* stream, const char* what) override;
-  void Abort() override;
+  void AbortCommunicator() override;
 
   // Waits for a non-blocking NCCL call to leave ncclInProgress.
   absl::Status WaitNcclReady(const char* what);
@@ -106,6 +116,10 @@ class NcclCommunicator : public Communicator, private NcclDeviceOps {
   const absl::Duration timeout_;
   const std::function<absl::Status()> check_alive_;
   std::atomic<bool> aborted_{false};
+  // Set by Abort from another thread; polled by Wait / WaitNcclReady.
+  std::atomic<bool> abort_requested_{false};
+  mutable absl::Mutex abort_mu_;
+  absl::Status abort_why_ ABSL_GUARDED_BY(abort_mu_);
   mutable absl::Mutex mu_;
   NcclCore core_ ABSL_GUARDED_BY(mu_);
 };
