@@ -220,7 +220,7 @@ absl::Status NcclCommunicator::WaitNcclReady(const char* what) {
     if (absl::Now() > deadline) {
       return absl::DeadlineExceededError(absl::StrCat(what, " did not start in time"));
     }
-    if (absl::Status a = AbortRequested(); !a.ok()) return a;
+    MODELAVG_RETURN_IF_ERROR(AbortRequested());
     absl::SleepFor(kPollSleep);
   }
 }
@@ -244,7 +244,7 @@ absl::Status NcclCommunicator::Wait(void* stream_arg, const char* what) {
           what, " did not finish within ", absl::FormatDuration(timeout_),
           ": a peer is dead or stuck; the communicator was aborted"));
     }
-    if (absl::Status a = AbortRequested(); !a.ok()) return a;
+    MODELAVG_RETURN_IF_ERROR(AbortRequested());
     // The generation check is cheap (no RPC) but not free: every 64 polls.
     if (check_alive_ && (++polls & 63) == 0) {
       absl::Status alive = check_alive_();

@@ -76,15 +76,13 @@ class NcclCommunicator : public Communicator, private NcclDeviceOps {
   int rank() const override { return member_; }
   int size() const override { return size_; }
 
-  // Generation change, from another thread (thread-safe, non-blocking, idempotent; the first
-  // `why` is kept): makes the call in flight and every later call fail with `why`. Only records
-  // it: the thread waiting on the collective notices it at its next poll (tens of microseconds)
-  // and calls ncclCommAbort itself, since it could still be polling a communicator freed from
-  // here.
-  void Abort(const absl::Status& why);
+  // Generation change (Communicator::Abort). Only records `why`: the thread waiting on the
+  // collective sees it at its next poll (tens of microseconds) and fails, which aborts the
+  // communicator (ncclCommAbort) on that thread, the one that could still be polling it.
+  void Abort(const absl::Status& why) override;
 
  private:
-  // The Abort reason, or OK.
+  // The reason given to Abort(why), or OK.
   absl::Status AbortRequested() const;
 
   NcclCommunicator(ncclComm_t comm, int member, int size, int device, absl::Duration timeout,
@@ -116,7 +114,7 @@ class NcclCommunicator : public Communicator, private NcclDeviceOps {
   const absl::Duration timeout_;
   const std::function<absl::Status()> check_alive_;
   std::atomic<bool> aborted_{false};
-  // Set by Abort from another thread; polled by Wait / WaitNcclReady.
+  // Abort(why) from another thread; polled by Wait and WaitNcclReady.
   std::atomic<bool> abort_requested_{false};
   mutable absl::Mutex abort_mu_;
   absl::Status abort_why_ ABSL_GUARDED_BY(abort_mu_);
