@@ -11,6 +11,8 @@ packages=(
   libsqlite3-dev sqlite3
   # Tests: reflection-only client (like grpcurl), PyTorch conformance, compose/k8s file checks.
   python3 python3-grpcio python3-grpc-tools grpc-proto python3-torch python3-yaml
+  # The Python package (pybind11 binding, built for the system's python3).
+  python3-dev pybind11-dev
   # Coordinator TLS tests make a throwaway certificate.
   openssl
 )
