@@ -26,7 +26,10 @@ ABSL_FLAG(std::string, jobs_file, "",
           "Jobs to create at start-up: JSON or protobuf text format of JobSpecList "
           "({\"jobs\": [JobSpec, ...]}) or of one JobSpec.");
 ABSL_FLAG(std::string, metrics_listen, "",
-          "Serve Prometheus metrics on http://HOST:PORT/metrics (empty: off).");
+          "Serve Prometheus metrics on http://HOST:PORT/metrics (empty: off; port 0: any).");
+ABSL_FLAG(std::string, metrics_port_file, "",
+          "Once serving, write the metrics endpoint's bound HOST:PORT to this file (needs "
+          "--metrics_listen).");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS (with --tls_key).");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert.");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -74,6 +77,9 @@ int main(int argc, char** argv) {
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  if (!absl::GetFlag(FLAGS_metrics_port_file).empty() && options.metrics_listen.empty()) {
+    return Fail("--metrics_port_file needs --metrics_listen (e.g. --metrics_listen=127.0.0.1:0)");
+  }
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
     absl::StatusOr<std::string> token = modelavg::ReadTokenFile(path);
     if (!token.ok()) return Fail(absl::StrCat("--auth_token_file: ", token.status().message()));
@@ -99,15 +105,24 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<modelavg::server::CoordinatorServer>> server =
       modelavg::server::CoordinatorServer::Start(options);
   if (!server.ok()) return Fail(server.status().ToString());
-  if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
-    // Written whole under a temporary name, then renamed: readers never see half a line.
+  // Written whole under a temporary name, then renamed: readers never see half a line.
+  auto write_address = [](const std::string& path, const std::string& address) {
     const std::string tmp = absl::StrCat(path, ".tmp");
     {
       std::ofstream out(tmp, std::ios::trunc);
-      out << (*server)->address() << "\n";
-      if (!out) return Fail(absl::StrCat("cannot write --port_file ", path));
+      out << address << "\n";
+      if (!out) return false;
     }
-    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return std::rename(tmp.c_str(), path.c_str()) == 0;
+  };
+  // The metrics address first: a script that saw --port_file may read both.
+  if (const std::string path = absl::GetFlag(FLAGS_metrics_port_file); !path.empty()) {
+    if (!write_address(path, (*server)->metrics_address())) {
+      return Fail(absl::StrCat("cannot write --metrics_port_file ", path));
+    }
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
+    if (!write_address(path, (*server)->address())) {
       return Fail(absl::StrCat("cannot write --port_file ", path));
     }
   }
