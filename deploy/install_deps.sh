@@ -11,6 +11,8 @@ packages=(
   python3 python3-grpcio python3-grpc-tools grpc-proto python3-torch python3-yaml
   # Coordinator TLS tests make a throwaway certificate.
   openssl
+  # Debian packages (cpack): dpkg-shlibdeps computes their dependencies, file finds the binaries.
+  dpkg-dev file
 )
 missing=()
 for p in "${packages[@]}"; do
