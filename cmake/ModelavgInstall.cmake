@@ -128,4 +128,17 @@ endforeach()
 set_target_properties(${_modelavg_programs} PROPERTIES INSTALL_RPATH_USE_LINK_PATH ON)
 install(TARGETS ${_modelavg_programs} RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT tools)
 
+# ---- The Python package (python/): the importable package the build leaves in
+# ${MODELAVG_PYTHON_DIR}/modelavg, installed where Debian's python3 finds packages. ----
+set(MODELAVG_INSTALL_PYTHONDIR lib/python3/dist-packages CACHE STRING
+    "Where the Python package is installed, relative to the prefix")
+if(TARGET modelavg_python_core AND MODELAVG_PYTHON_DIR)
+  set_target_properties(modelavg_python_core PROPERTIES INSTALL_RPATH_USE_LINK_PATH ON)
+  install(TARGETS modelavg_python_core
+          LIBRARY DESTINATION ${MODELAVG_INSTALL_PYTHONDIR}/modelavg COMPONENT python)
+  install(DIRECTORY ${MODELAVG_PYTHON_DIR}/modelavg/ DESTINATION ${MODELAVG_INSTALL_PYTHONDIR}/modelavg
+          COMPONENT python FILES_MATCHING PATTERN "*.py" PATTERN "*.pyi" PATTERN "py.typed"
+          PATTERN "__pycache__" EXCLUDE)
+endif()
+
 include(${PROJECT_SOURCE_DIR}/cmake/ModelavgPackaging.cmake)

@@ -48,6 +48,7 @@ set(CPACK_COMPONENT_TOOLS_DESCRIPTION
 set(CPACK_DEBIAN_PYTHON_PACKAGE_NAME python3-modelavg)
 set(CPACK_DEBIAN_PYTHON_PACKAGE_SECTION python)
 set(CPACK_DEBIAN_PYTHON_PACKAGE_DEPENDS python3)
+set(CPACK_DEBIAN_PYTHON_PACKAGE_RECOMMENDS python3-torch)
 set(CPACK_COMPONENT_PYTHON_DESCRIPTION
   "modelavg client library for Python\n Model averaging for PyTorch trainers through the modelavg coordinator.")
 
@@ -64,4 +65,16 @@ foreach(component ${_modelavg_components})
                     "give the install() rule one of: runtime dev tools python")
   endif()
 endforeach()
+if("python" IN_LIST CPACK_COMPONENTS_ALL AND MODELAVG_PYTHON)
+  # The extension module is built for one Python minor version (Debian 12: 3.11).
+  execute_process(COMMAND ${MODELAVG_PYTHON} -c
+                  "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]} {sys.version_info[0]}.{sys.version_info[1] + 1}')"
+                  OUTPUT_VARIABLE _py OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _py_rc)
+  if(_py_rc EQUAL 0)
+    separate_arguments(_py UNIX_COMMAND "${_py}")
+    list(GET _py 0 _py_this)
+    list(GET _py 1 _py_next)
+    set(CPACK_DEBIAN_PYTHON_PACKAGE_DEPENDS "python3 (>= ${_py_this}), python3 (<< ${_py_next})")
+  endif()
+endif()
 include(CPack)

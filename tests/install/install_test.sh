@@ -127,6 +127,15 @@ EOF
     grep -qx "rank $r: weights\[0\] = 1.5 after 25 averagings" "$dir/rank$r.log" ||
       { cat "$dir/rank$r.log" >&2; fail "$name: rank $r did not end averaged"; }
   done
+  # The Python package, when it was built: importable from PREFIX, and imported from there.
+  local pydir=$prefix/lib/python3/dist-packages
+  if [ -d "$pydir/modelavg" ]; then
+    local where
+    where=$(cd "$dir" && PYTHONPATH="$pydir" python3 -c 'import modelavg; print(modelavg.__file__)') ||
+      fail "$name: import modelavg from $pydir failed"
+    [[ $where == "$pydir/modelavg/"* ]] || fail "$name: modelavg was imported from $where, not $pydir"
+    say "$name: import modelavg ok"
+  fi
   say "$name: ok ($(grep -h "weights" "$dir/rank0.log" "$dir/rank1.log" | tr "\n" " "))"
 }
 
