@@ -9,6 +9,8 @@ packages=(
   libabsl-dev libspdlog-dev libgtest-dev libgmock-dev libgloo-dev prometheus-cpp-dev
   # Tests: reflection-only client (like grpcurl), PyTorch conformance, compose/k8s file checks.
   python3 python3-grpcio python3-grpc-tools grpc-proto python3-torch python3-yaml
+  # The Python package (pybind11 binding, built for the system's python3).
+  python3-dev pybind11-dev
   # Coordinator TLS tests make a throwaway certificate.
   openssl
   # Debian packages (cpack): dpkg-shlibdeps computes their dependencies, file finds the binaries.
