@@ -1,5 +1,6 @@
 #include "client/communicator_cache.h"
 
+#include <iterator>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -70,8 +71,17 @@ absl::StatusOr<Communicator*> CommunicatorCache::Get(const CommunicatorSetup& se
     }
   } else {
 #if MODELAVG_HAVE_CUDA
+    // Every bootstrap of a key (a retry after a failed one, or a re-creation after Clear) uses
+    // a fresh coordinator key: a failed attempt's id is dead, and the coordinator keeps one id
+    // per key and generation. The members count their attempts alike: a bootstrap fails or
+    // succeeds on all of them.
+    for (auto a = nccl_attempts_.begin(); a != nccl_attempts_.end();) {
+      a = a->first.generation < setup.generation ? nccl_attempts_.erase(a) : std::next(a);
+    }
+    CommunicatorSetup attempt = setup;
+    attempt.bootstrap_attempt = nccl_attempts_[key]++;
     absl::StatusOr<std::unique_ptr<NcclCommunicator>> nccl =
-        NcclCommunicator::Create(setup, device.index);
+        NcclCommunicator::Create(attempt, device.index);
     if (!nccl.ok()) return Annotate(nccl.status(), absl::StrCat("creating the ", what));
     comm = *std::move(nccl);
 #else

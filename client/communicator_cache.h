@@ -43,6 +43,9 @@ struct CommunicatorSetup {
   std::function<absl::Status()> check_alive;
   // Gloo: average one-buffer parameters in place (ClientOptions::gloo_in_place).
   bool gloo_in_place = false;
+  // NCCL: which bootstrap of this subgroup in this generation (0, then 1, 2, ... after failed
+  // ones): each attempt exchanges a fresh unique id under its own key (NcclUniqueIdKey).
+  int32_t bootstrap_attempt = 0;
 
   // Scopes a v1::PublishCommIdRequest or v1::GetCommIdRequest to this job, generation, level,
   // subgroup and rank, under `key` (empty: the communicator's unique id).
@@ -95,6 +98,8 @@ class CommunicatorCache {
   mutable absl::Mutex mu_;
   std::shared_ptr<gloo::transport::Device> gloo_device_ ABSL_GUARDED_BY(mu_);
   std::map<CommunicatorKey, std::unique_ptr<Communicator>> comms_ ABSL_GUARDED_BY(mu_);
+  // Failed NCCL bootstraps per key (the next attempt's number).
+  std::map<CommunicatorKey, int32_t> nccl_attempts_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace modelavg::client
