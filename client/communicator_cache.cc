@@ -28,6 +28,16 @@ void CommunicatorCache::Clear() {
   comms.clear();  // Outside the lock: tearing down NCCL/Gloo state may take a while.
 }
 
+void CommunicatorCache::AbortBefore(int64_t generation, const absl::Status& why) {
+  absl::MutexLock l(&mu_);
+  if (generation <= abort_before_) return;
+  abort_before_ = generation;
+  abort_why_ = why;
+  for (auto& [key, comm] : comms_) {
+    if (key.generation < generation) comm->Abort(why);
+  }
+}
+
 bool CommunicatorCache::Contains(const CommunicatorKey& key) const {
   absl::MutexLock l(&mu_);
   return comms_.count(key) > 0;
@@ -44,11 +54,13 @@ absl::StatusOr<Communicator*> CommunicatorCache::Get(const CommunicatorSetup& se
                                                      const Device& device) {
   CommunicatorKey key{setup.generation, setup.level, setup.subgroup.index, device.kind,
                       device.is_cuda() ? device.index : 0};
-  // Held while creating: one averaging thread per client, and two creations of one key must not
-  // race on the coordinator's keys.
-  absl::MutexLock l(&mu_);
-  auto it = comms_.find(key);
-  if (it != comms_.end()) return it->second.get();
+  absl::MutexLock create(&create_mu_);
+  {
+    absl::MutexLock l(&mu_);
+    auto it = comms_.find(key);
+    if (it != comms_.end()) return it->second.get();
+    if (key.generation < abort_before_) return abort_why_;
+  }
 
   const int member = setup.rank - setup.subgroup.first_rank;
   std::unique_ptr<Communicator> comm;
@@ -92,6 +104,10 @@ absl::StatusOr<Communicator*> CommunicatorCache::Get(const CommunicatorSetup& se
   }
   spdlog::debug("created the {}", what);
   Communicator* out = comm.get();
+  absl::MutexLock l(&mu_);
+  // Aborted while it was being made: keep it (so that Clear tears it down like the others), but
+  // broken.
+  if (key.generation < abort_before_) out->Abort(abort_why_);
   comms_.emplace(key, std::move(comm));
   return out;
 }

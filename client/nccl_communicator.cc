@@ -147,6 +147,19 @@ void NcclCommunicator::Abort() {
   }
 }
 
+void NcclCommunicator::Abort(const absl::Status& why) {
+  absl::MutexLock l(&abort_mu_);
+  if (!abort_why_.ok()) return;
+  abort_why_ = why.ok() ? absl::AbortedError("the NCCL communicator was aborted") : why;
+  abort_requested_.store(true, std::memory_order_release);
+}
+
+absl::Status NcclCommunicator::AbortRequested() const {
+  if (!abort_requested_.load(std::memory_order_acquire)) return absl::OkStatus();
+  absl::MutexLock l(&abort_mu_);
+  return abort_why_;
+}
+
 absl::Status NcclCommunicator::Malloc(void** p, size_t bytes) {
   *p = nullptr;
   MODELAVG_CUDA_RETURN_IF_ERROR(cudaMalloc(p, bytes > 0 ? bytes : 1));
@@ -207,6 +220,7 @@ absl::Status NcclCommunicator::WaitNcclReady(const char* what) {
     if (absl::Now() > deadline) {
       return absl::DeadlineExceededError(absl::StrCat(what, " did not start in time"));
     }
+    MODELAVG_RETURN_IF_ERROR(AbortRequested());
     absl::SleepFor(kPollSleep);
   }
 }
@@ -230,6 +244,7 @@ absl::Status NcclCommunicator::Wait(void* stream_arg, const char* what) {
           what, " did not finish within ", absl::FormatDuration(timeout_),
           ": a peer is dead or stuck; the communicator was aborted"));
     }
+    MODELAVG_RETURN_IF_ERROR(AbortRequested());
     // The generation check is cheap (no RPC) but not free: every 64 polls.
     if (check_alive_ && (++polls & 63) == 0) {
       absl::Status alive = check_alive_();
@@ -247,6 +262,7 @@ bool NcclCommunicator::last_was_zero_copy() const {
 absl::Status NcclCommunicator::AllReduceAverage(absl::Span<const TensorView> tensors) {
   absl::MutexLock l(&mu_);
   if (!core_.broken().ok()) return core_.broken();
+  if (absl::Status a = AbortRequested(); !a.ok()) return core_.Fail(a);
   ScopedCudaDevice on(device_);
   MODELAVG_RETURN_IF_ERROR(on.status());
   return core_.Run(tensors);

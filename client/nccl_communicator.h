@@ -76,7 +76,15 @@ class NcclCommunicator : public Communicator, private NcclDeviceOps {
   int rank() const override { return member_; }
   int size() const override { return size_; }
 
+  // Generation change (Communicator::Abort). Only records `why`: the thread waiting on the
+  // collective sees it at its next poll (tens of microseconds) and fails, which aborts the
+  // communicator (ncclCommAbort) on that thread, the one that could still be polling it.
+  void Abort(const absl::Status& why) override;
+
  private:
+  // The reason given to Abort(why), or OK.
+  absl::Status AbortRequested() const;
+
   NcclCommunicator(ncclComm_t comm, int member, int size, int device, absl::Duration timeout,
                    std::function<absl::Status()> check_alive);
 
@@ -106,6 +114,10 @@ class NcclCommunicator : public Communicator, private NcclDeviceOps {
   const absl::Duration timeout_;
   const std::function<absl::Status()> check_alive_;
   std::atomic<bool> aborted_{false};
+  // Abort(why) from another thread; polled by Wait and WaitNcclReady.
+  std::atomic<bool> abort_requested_{false};
+  mutable absl::Mutex abort_mu_;
+  absl::Status abort_why_ ABSL_GUARDED_BY(abort_mu_);
   mutable absl::Mutex mu_;
   NcclCore core_ ABSL_GUARDED_BY(mu_);
 };

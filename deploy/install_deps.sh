@@ -7,6 +7,8 @@ packages=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libgtest-dev libgmock-dev libgloo-dev prometheus-cpp-dev
+  # Coordinator --state_dir (SQLite); the sqlite3 shell backs it up while it runs (README).
+  libsqlite3-dev sqlite3
   # Tests: reflection-only client (like grpcurl), PyTorch conformance, compose/k8s file checks.
   python3 python3-grpcio python3-grpc-tools grpc-proto python3-torch python3-yaml
   # The Python package (pybind11 binding, built for the system's python3).
