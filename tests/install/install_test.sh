@@ -88,6 +88,14 @@ check_prefix() {
   # shellcheck disable=SC2086  # the flags are words
   run "$dir/headers.log" c++ -std=c++17 "$dir/headers.cc" -o "$dir/headers" $flags
   LD_LIBRARY_PATH="$libdir" "$dir/headers" || fail "$name: the header check program failed"
+  if [ "$name" = prefix ]; then  # each header on its own, once (the packages hold the same files)
+    local h
+    for h in $headers; do
+      # shellcheck disable=SC2086
+      echo "#include <$h>" | c++ -std=c++17 -fsyntax-only -x c++ - $flags 2> "$dir/header.log" ||
+        { cat "$dir/header.log" >&2; fail "$name: <$h> does not compile on its own"; }
+    done
+  fi
 
   say "$name: the example as a two-rank job against $prefix/bin/modelavg-coordinator"
   cat > "$dir/jobs.json" <<'EOF'
