@@ -178,6 +178,10 @@ for dep in libgrpc++ libprometheus-cpp; do
 done
 dpkg-deb -f "$dev_deb" Depends | grep -q "libmodelavg-client$soversion (= " ||
   fail "$(basename "$dev_deb") does not depend on its exact library version"
+# Packages built against the library will depend on it through its shlibs file.
+dpkg-deb --ctrl-tarfile "$lib_deb" | tar -xO ./shlibs 2>/dev/null |
+  grep -q "^libmodelavg_client $soversion libmodelavg-client$soversion " ||
+  fail "$(basename "$lib_deb") has no shlibs entry for libmodelavg_client $soversion"
 for f in "$tmp"/debs/*.deb; do
   dpkg -x "$f" "$tmp/root"
 done
