@@ -18,6 +18,8 @@ packages=(
   # tests/sanitize.sh: ASan+UBSan build and libFuzzer targets (the fuzzer runtime and
   # <fuzzer/FuzzedDataProvider.h> are in libclang-rt-14-dev).
   clang-14 libclang-rt-14-dev
+  # Debian packages (cpack): dpkg-shlibdeps computes their dependencies, file finds the binaries.
+  dpkg-dev file
 )
 missing=()
 for p in "${packages[@]}"; do
