@@ -85,7 +85,7 @@ absl::Status NcclCore::Init() {
 }
 
 absl::Status NcclCore::Fail(absl::Status status) {
-  ops_->Abort();
+  ops_->AbortCommunicator();
   broken_ = status;
   return status;
 }

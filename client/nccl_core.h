@@ -58,7 +58,7 @@ class NcclDeviceOps {
   // Waits until `stream` has drained (deadline, NCCL async errors, generation check).
   virtual absl::Status Wait(void* stream, const char* what) = 0;
   // ncclCommAbort (once).
-  virtual void Abort() = 0;
+  virtual void AbortCommunicator() = 0;
 };
 
 // A device (or pinned) allocation that only grows. After a failed growth it holds nothing:

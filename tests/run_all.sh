@@ -28,23 +28,25 @@ TMPDIR=$run_tmp ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeo
 # Prints "PID COMMAND" for every live process whose program is in the build folder or whose
 # command line runs a script of tests/ or examples/.
 leftover_processes() {
-  local build_abs repo_abs self=$BASHPID d pid exe cmd
+  local build_abs repo_re self=$BASHPID pid cmd
   build_abs=$(cd "$build" && pwd -P)
-  repo_abs=$(pwd -P)
-  for d in /proc/[0-9]*; do
-    pid=${d#/proc/}
+  repo_re=$(pwd -P | sed 's/[][\.*^$+?(){}|]/\\&/g')
+  for pid in $( {
+    find /proc -mindepth 2 -maxdepth 2 -name exe -lname "$build_abs/*" 2>/dev/null
+    # (the pattern does not match this grep's own command line)
+    grep -l -a -E "$repo_re/(tests|examples)/" /proc/[0-9]*/cmdline 2>/dev/null
+  } | cut -d/ -f3 | sort -un); do
     [ "$pid" = "$$" ] || [ "$pid" = "$self" ] && continue
-    exe=$(readlink "$d/exe" 2>/dev/null) || continue
-    cmd=$(tr '\0' ' ' <"$d/cmdline" 2>/dev/null) || continue
-    case "$exe" in "$build_abs"/*) echo "$pid $cmd"; continue ;; esac
-    case "$cmd" in *"$repo_abs/tests/"* | *"$repo_abs/examples/"*) echo "$pid $cmd" ;; esac
+    cmd=$( { tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null) || continue
+    [ -n "$cmd" ] && echo "$pid $cmd"
   done
+  return 0
 }
 if [ "${MODELAVG_LEFTOVER_CHECK:-1}" != 0 ]; then
-  left=""
-  for _ in $(seq 50); do  # processes that are exiting get 10 s
+  end=$((SECONDS + 10))  # processes that are exiting get 10 s
+  while true; do
     left=$(leftover_processes)
-    [ -z "$left" ] && break
+    [ -z "$left" ] || [ "$SECONDS" -ge "$end" ] && break
     sleep 0.2
   done
   if [ -n "$left" ]; then

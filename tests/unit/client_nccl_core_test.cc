@@ -222,7 +222,7 @@ class FakeOps : public NcclDeviceOps {
   absl::Status Wait(void*, const char*) override {
     return aborted ? absl::InternalError("communicator aborted") : absl::OkStatus();
   }
-  void Abort() override { aborted = true; }
+  void AbortCommunicator() override { aborted = true; }
 
   int fail_mallocs = 0;        // the next this many mallocs fail
   int fail_malloc_after = -1;  // the malloc after this many successful ones fails
