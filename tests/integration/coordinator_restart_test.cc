@@ -64,7 +64,9 @@ class Coordinator {
     for (int attempt = 0; attempt < 50; ++attempt) {
       process_ = std::make_unique<CoordinatorProcess>(MODELAVG_COORDINATOR_BIN, run_dir, flags);
       if (!process_->address().empty()) break;
-      if (port_ == 0) return false;
+      if (port_ == 0 || !absl::StrContains(process_->process().err(), "cannot listen")) {
+        return false;
+      }
       absl::SleepFor(absl::Milliseconds(100));
     }
     if (process_->address().empty()) return false;
