@@ -92,8 +92,8 @@ struct LayoutDecision {
   bool unpadded = false;
 };
 // The same on every member, given the same `reduced` (the all-reduced signatures).
-LayoutDecision DecideLayout(const LayoutSignature& reduced, int64_t count, int32_t staging_code,
-                            int64_t total, const absl::Status& local);
+LayoutDecision DecideLayout(const LayoutSignature& reduced, int64_t count, int64_t total,
+                            const absl::Status& local);
 
 class NcclCore {
  public:

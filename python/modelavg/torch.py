@@ -27,7 +27,7 @@ import os
 import threading
 import time
 import warnings
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import modelavg as _ma
 

@@ -12,11 +12,13 @@
 // proves that no survivor waited a collective out. A killed worker's peers see its sockets
 // close at once and wait at most a heartbeat timeout for the coordinator's cause.
 #include <signal.h>
+#include <unistd.h>
 
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -227,6 +229,37 @@ TEST(ClientFaultTest, MismatchedParameterSizes_EveryMemberGetsAClearError) {
     EXPECT_THAT(workers[r]->err(), HasSubstr("different parameter layouts"));
     EXPECT_THAT(workers[r]->err(), HasSubstr("range from 10 to 11"));
   }
+}
+
+// Whether `pid` is gone (or a zombie waiting for its new parent to reap it).
+bool Gone(pid_t pid) {
+  const std::string stat = ReadWholeFile(absl::StrCat("/proc/", pid, "/stat"));
+  if (stat.empty()) return true;
+  const size_t paren = stat.rfind(')');
+  return paren != std::string::npos && stat.size() > paren + 2 && stat[paren + 2] == 'Z';
+}
+
+// The harness's own promise: a child's whole process group (what the child started too) is
+// killed when the Process goes away, so a failing test leaves nothing running.
+TEST(ProcessHarnessTest, Destroyed_KillsTheChildsWholeProcessGroup) {
+  TempDir dir("harness");
+  ASSERT_NE(dir.path(), "");
+  pid_t grandchild = -1;
+  {
+    Process p({"/bin/sh", "-c", "sleep 300 & echo $!; wait"}, dir.path() + "/sh");
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (grandchild <= 0 && absl::Now() < deadline) {
+      const std::vector<std::string> lines = p.OutLines();
+      if (!lines.empty() && absl::SimpleAtoi(lines[0], &grandchild)) break;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    ASSERT_GT(grandchild, 0) << "the shell did not report its child";
+    EXPECT_EQ(getpgid(grandchild), p.pid()) << "the grandchild is not in the child's group";
+    EXPECT_FALSE(Gone(grandchild));
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (!Gone(grandchild) && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_TRUE(Gone(grandchild)) << "pid " << grandchild << " outlived its Process";
 }
 
 }  // namespace
