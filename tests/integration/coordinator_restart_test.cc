@@ -408,13 +408,15 @@ TEST_F(CoordinatorRestartTest, SigkillStorm_EveryAcknowledgedChangeSurvives) {
 
 TEST_F(CoordinatorRestartTest, DamagedStateFile_RefusesToStartNamingIt) {
   ASSERT_TRUE(coordinator_.Start()) << coordinator_.log();
-  ASSERT_TRUE(coordinator_.Admin()->CreateJob(MakeSpec("keep", 2, v1::PERIODIC, {{1, 2}}, 0)).ok());
+  absl::StatusOr<v1::Job> created =
+      coordinator_.Admin()->CreateJob(MakeSpec("keep", 2, v1::PERIODIC, {{1, 2}}, 0));
+  ASSERT_TRUE(created.ok()) << created.status() << "\n" << coordinator_.log();
   coordinator_.process().process().Signal(SIGTERM);
-  ASSERT_EQ(coordinator_.process().process().Wait(absl::Seconds(10)), 0);
+  ASSERT_EQ(coordinator_.process().process().Wait(absl::Seconds(10)), 0) << coordinator_.log();
   const std::string db = coordinator_.state_dir() + "/state.db";
   std::filesystem::resize_file(db, std::filesystem::file_size(db) / 2);
-  EXPECT_FALSE(coordinator_.Start());
-  EXPECT_EQ(coordinator_.process().process().Wait(absl::Seconds(10)), 2);
+  EXPECT_FALSE(coordinator_.Start()) << coordinator_.log();
+  EXPECT_EQ(coordinator_.process().process().Wait(absl::Seconds(10)), 2) << coordinator_.log();
   EXPECT_THAT(coordinator_.log(), HasSubstr(db));
   EXPECT_THAT(coordinator_.log(), HasSubstr("DATA_LOSS"));
 }
