@@ -3,6 +3,8 @@
 # machine can run. GPU tests run when a device is present and skip, saying why, when not.
 #   bash tests/run_all.sh            # everything
 #   bash tests/run_all.sh -L unit    # extra arguments go to ctest
+# With no arguments it then checks the installation: tests/install/install_test.sh installs into a
+# temporary prefix, builds the Debian packages, and builds and runs the README's example from each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/install_deps.sh
@@ -24,6 +26,11 @@ shared_before=$(find "$shared_tmp" -maxdepth 1 -name 'modelavg*' ! -path "$run_t
 rc=0
 TMPDIR=$run_tmp ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 300 "$@" ||
   rc=$?
+# With no ctest arguments, then the installation as users get it: cmake --install into a temporary
+# prefix and the Debian packages, each used to build and run the README's example.
+if [ $# -eq 0 ]; then
+  TMPDIR=$run_tmp bash tests/install/install_test.sh "$build" || rc=1
+fi
 
 # Prints "PID COMMAND" for every live process whose program is in the build folder or whose
 # command line runs a script of tests/ or examples/.
