@@ -44,6 +44,15 @@ def as_argv(command):
     return shlex.split(command) if isinstance(command, str) else list(command or [])
 
 
+def health_test(svc):
+    """The service's healthcheck command, or None (none, `disable: true` or `test: ["NONE"]`)."""
+    health = svc.get("healthcheck") or {}
+    test = health.get("test")
+    if not test or health.get("disable") or test in (["NONE"], "NONE"):
+        return None
+    return test
+
+
 def parse_duration(text, default):
     if text is None:
         return default
@@ -134,8 +143,8 @@ class Topology:
 
     def wait_healthy(self, service, proc):
         health = self.services[service].get("healthcheck") or {}
-        test = health.get("test")
-        if not test or health.get("disable"):
+        test = health_test(self.services[service])
+        if not test:
             return
         if test[0] == "CMD-SHELL":
             mt.fail(f"{service}: CMD-SHELL healthchecks are not supported by this test")
@@ -167,8 +176,7 @@ def main():
     with open(COMPOSE) as f:
         compose = yaml.safe_load(f)
     topo = Topology(compose, binaries)
-    workers = [n for n, s in topo.services.items()
-               if not (s.get("healthcheck") or {}).get("test")]
+    workers = [n for n, s in topo.services.items() if not health_test(s)]
     servers = [n for n in topo.services if n not in workers]
     if not servers or len(workers) < 2:
         mt.fail(f"unexpected topology: servers {servers}, workers {workers}")
