@@ -173,6 +173,18 @@ def check_schedule(decisions, from_step, count):
         mt.fail("the schedule read through reflection is wrong:\n  " + "\n  ".join(problems))
 
 
+def json_object(text):
+    """The JSON object modelavg-rpc printed (podman-compose prints its own lines around it)."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip() == "{":
+            try:
+                return json.JSONDecoder().raw_decode("\n".join(lines[i:]))[0]
+            except json.JSONDecodeError:
+                continue
+    mt.fail(f"no JSON object in modelavg-rpc's output:\n{text[-3000:]}")
+
+
 def metric(text, name, labels):
     """The value of one Prometheus sample, or None."""
     for line in text.splitlines():
@@ -224,7 +236,7 @@ def main():
         text = project.inspect_service(
             "call", "modelavg.v1.Coordinator/GetSchedule",
             json.dumps({"job_id": "demo", "from_step": 0, "count": 24}))
-        check_schedule(json.loads(text).get("decisions", []), 0, 24)
+        check_schedule(json_object(text).get("decisions", []), 0, 24)
         log("the schedule read through reflection matches deploy/jobs/demo-jobs.json")
 
         end = time.monotonic() + args.worker_timeout_s
