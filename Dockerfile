@@ -20,7 +20,8 @@ COPY . /src
 WORKDIR /src
 ARG MODELAVG_JOBS=2
 RUN cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMODELAVG_WITH_CUDA=OFF \
-        -DMODELAVG_BUILD_TESTS=OFF -DMODELAVG_BUILD_BENCH=OFF -DMODELAVG_BUILD_TOOLS=ON \
+        -DMODELAVG_BUILD_TESTS=OFF -DMODELAVG_BUILD_BENCH=OFF -DMODELAVG_WITH_PYTHON=OFF \
+        -DMODELAVG_BUILD_TOOLS=ON \
  && cmake --build /build -j "${MODELAVG_JOBS}" --target \
         modelavg-coordinator modelavg-demo modelavg-trace-worker modelavg-health modelavg-rpc \
  && mkdir -p /out/bin \

@@ -154,9 +154,13 @@ absl::Status Run() {
   }
   client::StagingChunk* dchunks = nullptr;
   MODELAVG_CUDA_RETURN_IF_ERROR(cudaMalloc(&dchunks, chunks.size() * sizeof(chunks[0])));
-  MODELAVG_CUDA_RETURN_IF_ERROR(cudaMemcpy(dchunks, chunks.data(),
-                                           chunks.size() * sizeof(chunks[0]),
-                                           cudaMemcpyHostToDevice));
+  // On the kernels' own stream: a pageable cudaMemcpy may return before its DMA has landed,
+  // and the legacy stream it would use does not order the non-blocking `stream`. Without
+  // this the gather read a half-written table (illegal address, or a 10 us "1 GiB" copy).
+  MODELAVG_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dchunks, chunks.data(),
+                                                chunks.size() * sizeof(chunks[0]),
+                                                cudaMemcpyHostToDevice, stream));
+  MODELAVG_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   cudaEvent_t a, b;
   MODELAVG_CUDA_RETURN_IF_ERROR(cudaEventCreate(&a));
   MODELAVG_CUDA_RETURN_IF_ERROR(cudaEventCreate(&b));

@@ -109,6 +109,15 @@ absl::StatusOr<v1::Job> CoordinatorClient::GetJob(const std::string& job_id) {
   return out;
 }
 
+absl::StatusOr<v1::ListJobsResponse> CoordinatorClient::ListJobs() {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, options_.rpc_timeout);
+  v1::ListJobsRequest req;
+  v1::ListJobsResponse out;
+  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->ListJobs(&ctx, req, &out), "ListJobs"));
+  return out;
+}
+
 absl::Status CoordinatorClient::DeleteJob(const std::string& job_id) {
   grpc::ClientContext ctx;
   Prepare(&ctx, options_.rpc_timeout);

@@ -19,6 +19,8 @@ packages=(
   libgtest-dev libgmock-dev
   # Tests: reflection-only client (like grpcurl), PyTorch conformance, compose/k8s file checks.
   python3 python3-grpcio python3-grpc-tools python3-torch python3-yaml
+  # The Python package (pybind11 binding, built for the system's python3).
+  python3-dev pybind11-dev
   # Coordinator TLS tests make a throwaway certificate.
   openssl
 )

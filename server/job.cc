@@ -14,8 +14,6 @@ namespace {
 constexpr size_t kMaxWorkerIdLength = 256;
 constexpr size_t kMaxHostLength = 256;
 constexpr size_t kMaxReasonLength = 256;
-// A hostile or buggy client could publish without end; a job's store is bounded.
-constexpr size_t kMaxCommIdsPerGeneration = 1 << 16;
 // Messages list at most this many missing ranks.
 constexpr int kMaxListedRanks = 32;
 
@@ -89,18 +87,43 @@ class Job::Outbox {
   absl::Status close_status_;
 };
 
-Job::Job(v1::JobSpec spec, Schedule schedule, const JobDefaults& defaults, Clock* clock)
+Job::Job(v1::JobSpec spec, Schedule schedule, const JobDefaults& defaults, Clock* clock,
+         StateStore* store, int64_t created_unix_ms)
     : spec_(std::move(spec)),
       schedule_(std::move(schedule)),
       heartbeat_timeout_(OrDefault(spec_.heartbeat_timeout_ms(), defaults.heartbeat_timeout)),
       join_timeout_(OrDefault(spec_.join_timeout_ms(), defaults.join_timeout)),
       clock_(clock),
-      created_unix_ms_(UnixMs(clock->Now())),
-      warnings_(ScheduleWarnings(schedule_.spec())) {
-  members_.resize(schedule_.world_size());
-}
+      created_unix_ms_(created_unix_ms),
+      warnings_(ScheduleWarnings(schedule_.spec())),
+      store_(store),
+      membership_(schedule_.world_size()) {}
 
 Job::~Job() = default;
+
+void Job::Restore(const StoredJob& stored) {
+  absl::MutexLock lock(&mu_);
+  membership_.Restore(stored.header, stored.members, clock_->Now());
+  comm_ids_.Clear();
+  for (const StoredCommId& c : stored.comm_ids) {
+    comm_ids_.Put(CommKey{c.level, c.subgroup, c.key}, c.blob);
+  }
+}
+
+absl::Status Job::Persist(std::optional<StoredCommId> comm_id) {
+  JobDelta delta = membership_.PeekDelta();
+  delta.comm_id = std::move(comm_id);
+  if (delta.empty()) return absl::OkStatus();
+  if (absl::Status s = store_->Apply(id(), delta); !s.ok()) {
+    spdlog::error("job {}: could not save its state ({}); the change is kept in memory and "
+                  "written with the next one",
+                  id(), s.ToString());
+    return absl::UnavailableError(absl::StrCat("the coordinator could not save the state of job ",
+                                               id(), ": ", s.message(), "; retry"));
+  }
+  membership_.ClearDelta();
+  return absl::OkStatus();
+}
 
 void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId wait_id,
                JoinCallback done) {
@@ -126,101 +149,87 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
         "rank ", request.rank(), " is outside [0, ", world, ") for job ", id(),
         "; ask for a rank below world_size or leave rank unset")));
   }
-  if (state_ == v1::FINISHED) {
-    return fail(absl::FailedPreconditionError(absl::StrCat(
-        "job ", id(), " is FINISHED (every member left); create a new job to train again")));
-  }
   const absl::Time now = clock_->Now();
-  int32_t rank = -1;
-  if (state_ == v1::RUNNING) {
-    if (request.has_rank()) {
-      rank = request.rank();
-    } else {
-      for (int32_t r = 0; r < world; ++r) {
-        if (InRound(members_[r]) && members_[r].worker_id == request.worker_id()) rank = r;
-      }
-    }
-    if (rank < 0) {
-      return fail(absl::FailedPreconditionError(absl::StrCat(
-          "job ", id(), " is RUNNING with all ", world, " ranks joined in generation ",
-          generation_, "; a worker restarting after a crash re-joins by naming its rank")));
-    }
-    BumpGeneration(rank, absl::StrCat("rank ", rank, " re-joined"), &out);
-  } else if (request.has_rank()) {
-    rank = request.rank();
-    const Member& m = members_[rank];
-    if (InRound(m) && m.worker_id != request.worker_id()) {
-      return fail(absl::AlreadyExistsError(absl::StrCat(
-          "rank ", rank, " of job ", id(), " is already taken by worker \"", m.worker_id,
-          "\" in generation ", generation_, "; ask for another rank or leave rank unset")));
-    }
-  } else {
-    // The same worker again keeps its rank; a survivor of an earlier generation gets its old
-    // rank back if free; anyone else the lowest free rank.
-    for (int32_t r = 0; r < world && rank < 0; ++r) {
-      if (members_[r].present && members_[r].worker_id == request.worker_id()) rank = r;
-    }
-    for (int32_t r = 0; r < world && rank < 0; ++r) {
-      if (!InRound(members_[r])) rank = r;
-    }
-  }
-
-  Member& m = members_[rank];
-  if (InRound(m)) {
+  absl::StatusOr<Membership::JoinResult> joined = membership_.Join(
+      request.worker_id(), request.host(),
+      request.has_rank() ? std::optional<int32_t>(request.rank()) : std::nullopt, now, id());
+  if (!joined.ok()) return fail(joined.status());
+  const int32_t rank = joined->rank;
+  OnMembershipChange(joined->change, &out);
+  if (joined->was_in_round) {
     // The same worker joins again (e.g. it retried after losing the reply): the newer call wins.
-    for (auto it = join_waiters_.begin(); it != join_waiters_.end(); ++it) {
-      if (it->rank != rank) continue;
-      out.Complete([cb = std::move(it->done)]() mutable {
+    if (std::optional<JoinWait> old = waits_.TakeJoinOfRank(rank)) {
+      out.Complete([cb = std::move(old->done)]() mutable {
         cb(absl::AbortedError("superseded by a newer Join from the same worker"));
       });
-      join_waiters_.erase(it);
-      break;
     }
-  } else {
-    ++round_size_;
   }
-  m.present = true;
-  m.worker_id = request.worker_id();
-  m.host = request.host();
-  m.last_step = -1;
-  m.last_heartbeat = now;
-  m.state = v1::ALIVE;
-  m.generation = generation_;
+  const Membership::Member& m = membership_.member(rank);
+  const int64_t generation = membership_.generation();
   spdlog::info("job {}: worker \"{}\" ({}) joined as rank {} in generation {} ({}/{} joined)",
-               id(), m.worker_id, m.host, rank, generation_, round_size_, world);
+               id(), m.worker_id, m.host, rank, generation,
+               joined->change.world_complete ? world : membership_.round_size(), world);
   if (!watchers_.empty()) {
     AddEvent(v1::JobEvent::MEMBER_JOINED, rank,
              absl::StrCat("worker \"", m.worker_id, "\" joined as rank ", rank), false, &out);
   }
-  join_waiters_.push_back(JoinWaiter{wait_id, rank, std::min(now + join_timeout_, call_deadline),
-                                     std::move(done)});
-  if (round_size_ == world) CompleteWorld(&out);
+  if (absl::Status s = Persist(); !s.ok()) {
+    if (!joined->change.world_complete) {
+      membership_.Withdraw(rank);
+      return fail(s);
+    }
+    // The round is complete in memory; its Joins are answered and the write is retried with
+    // the next change.
+  }
+  waits_.AddJoin(JoinWait{wait_id, rank, std::min(now + join_timeout_, call_deadline),
+                          std::move(done)});
+  if (joined->change.world_complete) {
+    for (JoinWait& w : waits_.TakeAllJoins()) {
+      v1::JoinResponse response;
+      FillJoinResponse(w.rank, &response);
+      out.Complete([cb = std::move(w.done), response = std::move(response)]() mutable {
+        cb(std::move(response));
+      });
+    }
+    spdlog::info("job {}: all {} ranks joined; RUNNING in generation {}", id(), world,
+                 generation);
+    if (!watchers_.empty()) {
+      AddEvent(v1::JobEvent::WORLD_COMPLETE, -1, absl::StrCat("RUNNING in generation ", generation),
+               true, &out);
+    }
+  }
 }
 
-void Job::CompleteWorld(Outbox* out) {
-  state_ = v1::RUNNING;
-  const absl::Time now = clock_->Now();
-  for (Member& m : members_) m.last_heartbeat = now;
-  for (JoinWaiter& w : join_waiters_) {
-    v1::JoinResponse response;
-    FillJoinResponse(w.rank, &response);
-    out->Complete([cb = std::move(w.done), response = std::move(response)]() mutable {
-      cb(std::move(response));
-    });
+void Job::OnMembershipChange(const MembershipChange& change, Outbox* out) {
+  if (change.generation_changed) {
+    const std::string why =
+        absl::StrCat("job ", id(), " moved from generation ", change.old_generation, " to ",
+                     membership_.generation(), " because ", change.reason, "; re-join");
+    FailAllWaits(absl::AbortedError(why), out);
+    comm_ids_.Clear();
+    spdlog::warn("job {}: generation {} -> {}: {}", id(), change.old_generation,
+                 membership_.generation(), change.reason);
+    if (!watchers_.empty()) {
+      AddEvent(v1::JobEvent::GENERATION_CHANGED, change.changed_by_rank, change.reason, true,
+               out);
+    }
   }
-  join_waiters_.clear();
-  spdlog::info("job {}: all {} ranks joined; RUNNING in generation {}", id(),
-               schedule_.world_size(), generation_);
-  if (!watchers_.empty()) {
-    AddEvent(v1::JobEvent::WORLD_COMPLETE, -1,
-             absl::StrCat("RUNNING in generation ", generation_), true, out);
+  if (change.finished) {
+    FailAllWaits(absl::AbortedError(absl::StrCat("job ", id(), " finished: every member left")),
+                 out);
+    comm_ids_.Clear();
+    spdlog::info("job {}: FINISHED in generation {} (every member left)", id(),
+                 membership_.generation());
+    if (!watchers_.empty()) {
+      AddEvent(v1::JobEvent::JOB_FINISHED, -1, "every member left", true, out);
+    }
   }
 }
 
 void Job::FillJoinResponse(int32_t rank, v1::JoinResponse* out) const {
   out->set_rank(rank);
   out->set_world_size(schedule_.world_size());
-  out->set_generation(generation_);
+  out->set_generation(membership_.generation());
   *out->mutable_spec() = spec_;
   out->set_heartbeat_timeout_ms(absl::ToInt64Milliseconds(heartbeat_timeout_));
   for (int level = 0; level < schedule_.num_levels(); ++level) {
@@ -233,75 +242,26 @@ void Job::FillJoinResponse(int32_t rank, v1::JoinResponse* out) const {
   }
 }
 
-void Job::BumpGeneration(int32_t rank, const std::string& reason, Outbox* out) {
-  const int64_t old = generation_;
-  ++generation_;
-  last_change_.set_generation(generation_);
-  last_change_.set_rank(rank);
-  last_change_.set_reason(reason);
-  last_change_.set_unix_ms(UnixMs(clock_->Now()));
-  has_last_change_ = true;
-  state_ = v1::PENDING;
-  round_size_ = 0;
-  const std::string why = absl::StrCat("job ", id(), " moved from generation ", old, " to ",
-                                       generation_, " because ", reason, "; re-join");
-  FailAllWaits(absl::AbortedError(why), out);
-  comm_ids_.clear();
-  spdlog::warn("job {}: generation {} -> {}: {}", id(), old, generation_, reason);
-  if (!watchers_.empty()) AddEvent(v1::JobEvent::GENERATION_CHANGED, rank, reason, true, out);
-}
-
 void Job::FailAllWaits(const absl::Status& status, Outbox* out) {
-  for (JoinWaiter& w : join_waiters_) {
+  for (JoinWait& w : waits_.TakeAllJoins()) {
     out->Complete([cb = std::move(w.done), status]() mutable { cb(status); });
   }
-  join_waiters_.clear();
-  for (CommWaiter& w : comm_waiters_) {
+  for (CommIdWait& w : waits_.TakeAllCommIds()) {
     out->Complete([cb = std::move(w.done), status]() mutable { cb(status); });
   }
-  comm_waiters_.clear();
-}
-
-void Job::MaybeFinish(Outbox* out) {
-  bool any = false;
-  for (const Member& m : members_) {
-    if (!m.present) continue;
-    any = true;
-    if (m.state != v1::LEFT) return;
-  }
-  if (!any) return;
-  state_ = v1::FINISHED;
-  const std::string why = absl::StrCat("job ", id(), " finished: every member left");
-  FailAllWaits(absl::AbortedError(why), out);
-  comm_ids_.clear();
-  round_size_ = 0;
-  spdlog::info("job {}: FINISHED in generation {} (every member left)", id(), generation_);
-  if (!watchers_.empty()) AddEvent(v1::JobEvent::JOB_FINISHED, -1, "every member left", true, out);
-}
-
-std::string Job::MissingRanks() const {
-  std::vector<int32_t> missing;
-  int total = 0;
-  for (int32_t r = 0; r < schedule_.world_size(); ++r) {
-    if (InRound(members_[r])) continue;
-    ++total;
-    if (missing.size() < kMaxListedRanks) missing.push_back(r);
-  }
-  std::string s = absl::StrJoin(missing, ", ");
-  if (total > static_cast<int>(missing.size())) {
-    absl::StrAppend(&s, " and ", total - missing.size(), " more");
-  }
-  return s;
 }
 
 std::string Job::StaleMessage(int64_t generation) const {
-  if (generation > generation_) {
+  const int64_t current = membership_.generation();
+  if (generation > current) {
     return absl::StrCat("generation ", generation, " does not exist yet; job ", id(),
-                        " is at generation ", generation_, "; use the generation from Join");
+                        " is at generation ", current, "; use the generation from Join");
   }
   std::string s = absl::StrCat("generation ", generation, " is stale; job ", id(),
-                               " is at generation ", generation_);
-  if (has_last_change_) absl::StrAppend(&s, " since ", last_change_.reason());
+                               " is at generation ", current);
+  if (membership_.last_change().has_value()) {
+    absl::StrAppend(&s, " since ", membership_.last_change()->reason());
+  }
   absl::StrAppend(&s, "; re-join");
   return s;
 }
@@ -319,16 +279,11 @@ absl::Status Job::Heartbeat(const v1::HeartbeatRequest& request,
   const absl::Time now = clock_->Now();
   absl::MutexLock lock(&mu_);
   if (!closed_.ok()) return closed_;  // deleted while a stream still held it
-  Member& m = members_[request.rank()];
-  // Only the worker of that generation counts: a straggler of an older one keeps nobody alive.
-  if (m.present && m.state == v1::ALIVE && m.generation == request.generation()) {
-    m.last_heartbeat = now;
-    m.last_step = request.step();
-  }
-  response->set_state(state_);
-  response->set_generation(generation_);
-  if (request.generation() != generation_ && has_last_change_) {
-    *response->mutable_last_change() = last_change_;
+  membership_.Heartbeat(request.rank(), request.generation(), request.step(), now);
+  response->set_state(membership_.state());
+  response->set_generation(membership_.generation());
+  if (request.generation() != membership_.generation() && membership_.last_change()) {
+    *response->mutable_last_change() = *membership_.last_change();
   }
   return absl::OkStatus();
 }
@@ -346,18 +301,16 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
   int64_t generation;
   {
     absl::MutexLock lock(&mu_);
-    if (request.generation() != generation_) {
+    generation = membership_.generation();
+    if (request.generation() != generation) {
       return absl::FailedPreconditionError(StaleMessage(request.generation()));
     }
-    if (state_ != v1::RUNNING) {
+    if (membership_.state() != v1::RUNNING) {
       return absl::FailedPreconditionError(
-          absl::StrCat("job ", id(), " is ", StateName(state_), " in generation ", generation_,
-                       "; Step needs a RUNNING job (wait for Join to complete)"));
+          absl::StrCat("job ", id(), " is ", StateName(membership_.state()), " in generation ",
+                       generation, "; Step needs a RUNNING job (wait for Join to complete)"));
     }
-    Member& m = members_[rank];
-    m.last_heartbeat = now;
-    m.last_step = request.step();
-    generation = generation_;
+    membership_.RecordStep(rank, request.step(), now);
   }
   DecisionToProto(schedule_.DecisionFor(request.step(), rank), generation, response);
   return absl::OkStatus();
@@ -401,7 +354,7 @@ absl::Status Job::GetSchedule(const v1::GetScheduleRequest& request,
   int64_t generation;
   {
     absl::MutexLock lock(&mu_);
-    generation = generation_;
+    generation = membership_.generation();
   }
   response->set_generation(generation);
   const std::vector<Decision> decisions =
@@ -437,11 +390,13 @@ absl::Status Job::ValidateCommRequest(int64_t generation, int32_t level, int32_t
                                                    " characters; at most ", kMaxCommIdKeyLength,
                                                    " are allowed"));
   }
-  if (generation != generation_) return absl::FailedPreconditionError(StaleMessage(generation));
-  if (state_ != v1::RUNNING) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("job ", id(), " is ", StateName(state_), " in generation ", generation_,
-                     "; communicator ids are exchanged once the world is complete"));
+  if (generation != membership_.generation()) {
+    return absl::FailedPreconditionError(StaleMessage(generation));
+  }
+  if (membership_.state() != v1::RUNNING) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", id(), " is ", StateName(membership_.state()), " in generation ",
+        membership_.generation(), "; communicator ids are exchanged once the world is complete"));
   }
   const SubgroupRange g = schedule_.SubgroupOf(level, rank);
   if (g.index != subgroup) {
@@ -470,32 +425,24 @@ absl::Status Job::PublishCommId(const v1::PublishCommIdRequest& request) {
     return s;
   }
   CommKey key{request.level(), request.subgroup(), request.key()};
-  auto it = comm_ids_.find(key);
-  if (it != comm_ids_.end()) {
-    if (it->second == request.unique_id()) return absl::OkStatus();
-    return absl::AlreadyExistsError(absl::StrCat(
-        "a different id is already published for level ", request.level(), ", subgroup ",
-        request.subgroup(), ", key \"", request.key(), "\" in generation ", generation_,
-        "; only the subgroup's leader publishes, once per generation"));
+  absl::StatusOr<bool> is_new =
+      comm_ids_.CheckPublish(key, request.unique_id(), id(), membership_.generation());
+  if (!is_new.ok()) return is_new.status();
+  if (!*is_new) return absl::OkStatus();
+  if (absl::Status s = Persist(StoredCommId{request.level(), request.subgroup(), request.key(),
+                                            request.unique_id()});
+      !s.ok()) {
+    return s;
   }
-  if (comm_ids_.size() >= kMaxCommIdsPerGeneration) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "job ", id(), " already holds ", comm_ids_.size(), " ids in generation ", generation_));
-  }
-  comm_ids_.emplace(key, request.unique_id());
+  comm_ids_.Put(key, request.unique_id());
   spdlog::debug("job {}: rank {} published a {}-byte id for level {}, subgroup {}, key \"{}\" "
                 "in generation {}",
                 id(), request.rank(), request.unique_id().size(), request.level(),
-                request.subgroup(), request.key(), generation_);
-  for (auto w = comm_waiters_.begin(); w != comm_waiters_.end();) {
-    if (w->key != key) {
-      ++w;
-      continue;
-    }
-    out.Complete([cb = std::move(w->done), blob = request.unique_id()]() mutable {
+                request.subgroup(), request.key(), membership_.generation());
+  for (CommIdWait& w : waits_.TakeCommIds(key)) {
+    out.Complete([cb = std::move(w.done), blob = request.unique_id()]() mutable {
       cb(std::move(blob));
     });
-    w = comm_waiters_.erase(w);
   }
   return absl::OkStatus();
 }
@@ -521,14 +468,13 @@ void Job::GetCommId(const v1::GetCommIdRequest& request, absl::Time call_deadlin
     return finish(s);
   }
   CommKey key{request.level(), request.subgroup(), request.key()};
-  auto it = comm_ids_.find(key);
-  if (it != comm_ids_.end()) return finish(it->second);
+  if (const std::string* blob = comm_ids_.Find(key)) return finish(*blob);
   const absl::Time now = clock_->Now();
   const absl::Duration wait = request.timeout_ms() > 0
                                   ? absl::Milliseconds(request.timeout_ms())
                                   : join_timeout_;
-  comm_waiters_.push_back(
-      CommWaiter{wait_id, std::move(key), std::min(now + wait, call_deadline), std::move(done)});
+  waits_.AddCommId(
+      CommIdWait{wait_id, std::move(key), std::min(now + wait, call_deadline), std::move(done)});
 }
 
 absl::Status Job::Leave(const v1::LeaveRequest& request, v1::LeaveResponse* response) {
@@ -539,37 +485,28 @@ absl::Status Job::Leave(const v1::LeaveRequest& request, v1::LeaveResponse* resp
   }
   Outbox out(this);
   absl::MutexLock lock(&mu_);
-  Member& m = members_[rank];
-  if (!m.present) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("rank ", rank, " has not joined job ", id()));
+  std::string reason = absl::StrCat("rank ", rank, " left");
+  if (!request.reason().empty()) {
+    absl::StrAppend(&reason, " (", Truncate(request.reason(), kMaxReasonLength), ")");
   }
-  if (m.state != v1::LEFT) {
-    const bool in_round = InRound(m);
-    m.state = v1::LEFT;
-    std::string reason = absl::StrCat("rank ", rank, " left");
-    if (!request.reason().empty()) {
-      absl::StrAppend(&reason, " (", Truncate(request.reason(), kMaxReasonLength), ")");
-    }
-    spdlog::info("job {}: {} (worker \"{}\", generation {})", id(), reason, m.worker_id,
-                 request.generation());
-    if (in_round && state_ == v1::PENDING) {
-      // Leaving a round that is still assembling: free the rank, no bump needed.
-      --round_size_;
-      for (auto it = join_waiters_.begin(); it != join_waiters_.end(); ++it) {
-        if (it->rank != rank) continue;
-        out.Complete([cb = std::move(it->done), reason]() mutable {
+  absl::StatusOr<Membership::LeaveResult> left =
+      membership_.Leave(rank, reason, clock_->Now(), id());
+  if (!left.ok()) return left.status();
+  if (left->left) {
+    spdlog::info("job {}: {} (worker \"{}\", generation {})", id(), reason,
+                 membership_.member(rank).worker_id, request.generation());
+    if (left->left_pending_round) {
+      if (std::optional<JoinWait> w = waits_.TakeJoinOfRank(rank)) {
+        out.Complete([cb = std::move(w->done), reason]() mutable {
           cb(absl::AbortedError(reason));
         });
-        join_waiters_.erase(it);
-        break;
       }
     }
-    MaybeFinish(&out);
-    if (state_ == v1::RUNNING && in_round) BumpGeneration(rank, reason, &out);
+    OnMembershipChange(left->change, &out);
+    if (absl::Status s = Persist(); !s.ok()) return s;
   }
-  response->set_state(state_);
-  response->set_generation(generation_);
+  response->set_state(membership_.state());
+  response->set_generation(membership_.generation());
   return absl::OkStatus();
 }
 
@@ -614,33 +551,23 @@ void Job::AddEvent(v1::JobEvent::Kind kind, int32_t rank, const std::string& mes
   out->Event(nullptr, std::move(event));
 }
 
-void Job::RemoveFromRound(int32_t rank) {
-  Member& m = members_[rank];
-  if (InRound(m)) --round_size_;
-  m = Member{};
-}
-
 void Job::CancelWait(WaitId wait_id) {
   Outbox out(this);
   absl::MutexLock lock(&mu_);
-  for (auto it = join_waiters_.begin(); it != join_waiters_.end(); ++it) {
-    if (it->id != wait_id) continue;
+  if (std::optional<JoinWait> w = waits_.TakeJoin(wait_id)) {
     spdlog::info("job {}: rank {} left the generation {} round (its Join was cancelled)", id(),
-                 it->rank, generation_);
-    RemoveFromRound(it->rank);
-    out.Complete([cb = std::move(it->done)]() mutable {
+                 w->rank, membership_.generation());
+    membership_.Withdraw(w->rank);
+    Persist().IgnoreError();  // logged; written with the next change
+    out.Complete([cb = std::move(w->done)]() mutable {
       cb(absl::CancelledError("the Join call was cancelled"));
     });
-    join_waiters_.erase(it);
     return;
   }
-  for (auto it = comm_waiters_.begin(); it != comm_waiters_.end(); ++it) {
-    if (it->id != wait_id) continue;
-    out.Complete([cb = std::move(it->done)]() mutable {
+  if (std::optional<CommIdWait> w = waits_.TakeCommId(wait_id)) {
+    out.Complete([cb = std::move(w->done)]() mutable {
       cb(absl::CancelledError("the GetCommId call was cancelled"));
     });
-    comm_waiters_.erase(it);
-    return;
   }
 }
 
@@ -649,56 +576,44 @@ void Job::CheckStaleness() {
   absl::MutexLock lock(&mu_);
   if (!closed_.ok()) return;
   const absl::Time now = clock_->Now();
-  if (state_ == v1::RUNNING) {
-    std::vector<int32_t> dead;
-    for (int32_t r = 0; r < schedule_.world_size(); ++r) {
-      Member& m = members_[r];
-      if (InRound(m) && now - m.last_heartbeat > heartbeat_timeout_) dead.push_back(r);
+  if (std::vector<int32_t> dead = membership_.Stale(now, heartbeat_timeout_); !dead.empty()) {
+    for (int32_t r : dead) {
+      spdlog::warn("job {}: rank {} (worker \"{}\") sent no heartbeat for {} ms; DEAD", id(), r,
+                   membership_.member(r).worker_id,
+                   absl::ToInt64Milliseconds(now - membership_.member(r).last_heartbeat));
     }
-    if (!dead.empty()) {
-      for (int32_t r : dead) {
-        members_[r].state = v1::DEAD;
-        spdlog::warn("job {}: rank {} (worker \"{}\") sent no heartbeat for {} ms; DEAD", id(), r,
-                     members_[r].worker_id,
-                     absl::ToInt64Milliseconds(now - members_[r].last_heartbeat));
-      }
-      std::string reason = absl::StrCat("rank ", dead[0], " heartbeat timeout");
-      if (dead.size() > 1) absl::StrAppend(&reason, " (and ", dead.size() - 1, " more ranks)");
-      BumpGeneration(dead[0], reason, &out);
-    }
+    std::string reason = absl::StrCat("rank ", dead[0], " heartbeat timeout");
+    if (dead.size() > 1) absl::StrAppend(&reason, " (and ", dead.size() - 1, " more ranks)");
+    OnMembershipChange(membership_.Die(dead, reason, now), &out);
+    Persist().IgnoreError();  // logged; written with the next change
   }
-  for (auto it = join_waiters_.begin(); it != join_waiters_.end();) {
-    if (it->deadline > now) {
-      ++it;
-      continue;
-    }
+  bool withdrew = false;
+  for (JoinWait& w : waits_.TakeExpiredJoins(now)) {
+    const std::string missing = membership_.MissingRanks(kMaxListedRanks);
     std::string msg = absl::StrCat(
-        "join of job ", id(), " (generation ", generation_, ") timed out: ", round_size_, " of ",
-        schedule_.world_size(), " ranks joined; missing ranks: ", MissingRanks(),
+        "join of job ", id(), " (generation ", membership_.generation(), ") timed out: ",
+        membership_.round_size(), " of ", schedule_.world_size(),
+        " ranks joined; missing ranks: ", missing,
         "; start the missing workers or raise join_timeout_ms");
     spdlog::warn("job {}: rank {} (worker \"{}\") Join timed out; missing ranks: {}", id(),
-                 it->rank, members_[it->rank].worker_id, MissingRanks());
-    RemoveFromRound(it->rank);
-    out.Complete([cb = std::move(it->done), msg = std::move(msg)]() mutable {
+                 w.rank, membership_.member(w.rank).worker_id, missing);
+    membership_.Withdraw(w.rank);
+    withdrew = true;
+    out.Complete([cb = std::move(w.done), msg = std::move(msg)]() mutable {
       cb(absl::DeadlineExceededError(msg));
     });
-    it = join_waiters_.erase(it);
   }
-  for (auto it = comm_waiters_.begin(); it != comm_waiters_.end();) {
-    if (it->deadline > now) {
-      ++it;
-      continue;
-    }
-    const auto& [level, subgroup, key] = it->key;
+  if (withdrew) Persist().IgnoreError();  // logged; written with the next change
+  for (CommIdWait& w : waits_.TakeExpiredCommIds(now)) {
+    const auto& [level, subgroup, key] = w.key;
     const int32_t leader = schedule_.spec().levels[level].group_size * subgroup;
     std::string msg = absl::StrCat(
         "no id was published for level ", level, ", subgroup ", subgroup, ", key \"", key,
-        "\" of job ", id(), " in generation ", generation_, " before the deadline; is rank ",
-        leader, " (the subgroup's leader) alive?");
-    out.Complete([cb = std::move(it->done), msg = std::move(msg)]() mutable {
+        "\" of job ", id(), " in generation ", membership_.generation(),
+        " before the deadline; is rank ", leader, " (the subgroup's leader) alive?");
+    out.Complete([cb = std::move(w.done), msg = std::move(msg)]() mutable {
       cb(absl::DeadlineExceededError(msg));
     });
-    it = comm_waiters_.erase(it);
   }
 }
 
@@ -711,14 +626,15 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members) const {
   *out->mutable_spec() = spec_;
   out->mutable_spec()->set_heartbeat_timeout_ms(absl::ToInt64Milliseconds(heartbeat_timeout_));
   out->mutable_spec()->set_join_timeout_ms(absl::ToInt64Milliseconds(join_timeout_));
-  out->set_state(state_);
-  out->set_generation(generation_);
+  out->set_state(membership_.state());
+  const int64_t generation = membership_.generation();
+  out->set_generation(generation);
   const absl::Time now = clock_->Now();
   int64_t min_step = -1, max_step = -1;
-  for (int32_t r = 0; r < static_cast<int32_t>(members_.size()); ++r) {
-    const Member& m = members_[r];
+  for (int32_t r = 0; r < membership_.world_size(); ++r) {
+    const Membership::Member& m = membership_.member(r);
     if (!m.present) continue;
-    if (m.generation == generation_ && m.last_step >= 0) {
+    if (m.generation == generation && m.last_step >= 0) {
       min_step = min_step < 0 ? m.last_step : std::min(min_step, m.last_step);
       max_step = std::max(max_step, m.last_step);
     }
@@ -734,7 +650,7 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members) const {
   }
   out->set_min_step(min_step);
   out->set_max_step(max_step);
-  if (has_last_change_) *out->mutable_last_change() = last_change_;
+  if (membership_.last_change()) *out->mutable_last_change() = *membership_.last_change();
   for (const std::string& w : warnings_) out->add_warnings(w);
   out->set_created_unix_ms(created_unix_ms_);
 }
@@ -742,12 +658,13 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members) const {
 Job::Stats Job::GetStats() const {
   absl::MutexLock lock(&mu_);
   Stats stats;
-  stats.workers = round_size_;
-  stats.generation = generation_;
-  stats.state = state_;
+  stats.workers = membership_.round_size();
+  stats.generation = membership_.generation();
+  stats.state = membership_.state();
   int64_t min_step = -1, max_step = -1;
-  for (const Member& m : members_) {
-    if (!InRound(m) || m.last_step < 0) continue;
+  for (int32_t r = 0; r < membership_.world_size(); ++r) {
+    const Membership::Member& m = membership_.member(r);
+    if (!membership_.InRound(r) || m.last_step < 0) continue;
     min_step = min_step < 0 ? m.last_step : std::min(min_step, m.last_step);
     max_step = std::max(max_step, m.last_step);
   }

@@ -1,20 +1,21 @@
-// One job's coordination state: membership per generation, liveness, the comm-id store, pending
-// waits and watchers. No gRPC in here: waits are callbacks that the Job completes (outside its
-// lock) when their condition is met, their deadline passes, the generation changes, the job is
-// deleted or the coordinator stops.
+// One job's coordination state: one state machine under one mutex, composed of parts that know
+// nothing of each other's storage: the membership and generations (server/membership.h), the
+// comm-id store (server/comm_id_store.h), the pending waits (server/pending_waits.h) and the
+// event fan-out to watchers (here). At each hard-state transition the Job hands the change to its
+// StateStore (server/state_store.h) before it answers. No gRPC in here: waits are callbacks that
+// the Job completes (outside its lock) when their condition is met, their deadline passes, the
+// generation changes, the job is deleted or the coordinator stops.
 #ifndef MODELAVG_SERVER_JOB_H_
 #define MODELAVG_SERVER_JOB_H_
 
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
-#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -22,16 +23,12 @@
 #include "common/clock.h"
 #include "common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
+#include "server/comm_id_store.h"
+#include "server/membership.h"
+#include "server/pending_waits.h"
+#include "server/state_store.h"
 
 namespace modelavg::server {
-
-// Identifies one pending wait (Join, GetCommId) so that its caller can cancel it.
-using WaitId = uint64_t;
-
-// Completion of a Join wait. Called exactly once, never under a Job lock.
-using JoinCallback = absl::AnyInvocable<void(absl::StatusOr<v1::JoinResponse>)>;
-// Completion of a GetCommId wait. Called exactly once, never under a Job lock.
-using CommIdCallback = absl::AnyInvocable<void(absl::StatusOr<std::string>)>;
 
 // Receives a job's events in order. `OnEvent` and `OnClosed` are called outside the Job's lock,
 // one at a time per job, and must not block. After OnClosed no more calls come.
@@ -58,17 +55,29 @@ struct JobDefaults {
   absl::Duration join_timeout = absl::Milliseconds(300000);
 };
 
+// Every call that changes hard state writes it to the StateStore before it answers; when the
+// write fails the call fails with the store's error (UNAVAILABLE, naming the store), the change
+// stays in memory and is written with the next one.
 class Job {
  public:
-  // `spec` must have been validated into `schedule` (ScheduleSpecFromProto).
-  Job(v1::JobSpec spec, Schedule schedule, const JobDefaults& defaults, Clock* clock);
+  // `spec` must have been validated into `schedule` (ScheduleSpecFromProto). `store` (not owned,
+  // outlives the Job) already holds the job (StateStore::CreateJob); the Job writes its
+  // transitions to it.
+  Job(v1::JobSpec spec, Schedule schedule, const JobDefaults& defaults, Clock* clock,
+      StateStore* store, int64_t created_unix_ms);
   ~Job();
 
   Job(const Job&) = delete;
   Job& operator=(const Job&) = delete;
 
+  // Continues from the state a StateStore kept (after a coordinator restart): the generation,
+  // its members and its ids. Members of a RUNNING generation count as having sent a heartbeat
+  // now. Call before the Job is shared.
+  void Restore(const StoredJob& stored);
+
   const std::string& id() const { return spec_.job_id(); }
   int32_t world_size() const { return schedule_.world_size(); }
+  int64_t created_unix_ms() const { return created_unix_ms_; }
   absl::Duration heartbeat_timeout() const { return heartbeat_timeout_; }
   absl::Duration join_timeout() const { return join_timeout_; }
 
@@ -141,45 +150,23 @@ class Job {
   void Close(const absl::Status& status, bool deleted);
 
  private:
-  struct Member {
-    bool present = false;
-    std::string worker_id;
-    std::string host;
-    int64_t last_step = -1;
-    absl::Time last_heartbeat;
-    v1::MemberState state = v1::MEMBER_STATE_UNSPECIFIED;
-    // The generation this member last joined; 0 when not in any round.
-    int64_t generation = 0;
-  };
-  struct JoinWaiter {
-    WaitId id;
-    int32_t rank;
-    absl::Time deadline;
-    JoinCallback done;
-  };
-  using CommKey = std::tuple<int32_t, int32_t, std::string>;
-  struct CommWaiter {
-    WaitId id;
-    CommKey key;
-    absl::Time deadline;
-    CommIdCallback done;
-  };
   // Work collected under mu_ and run after it is released: completions in any order, events in
   // the order they happened (delivery_mu_ keeps batches of concurrent calls in order).
   class Outbox;
 
-  bool InRound(const Member& m) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return m.present && m.generation == generation_ && m.state == v1::ALIVE;
-  }
-  void BumpGeneration(int32_t rank, const std::string& reason, Outbox* out)
+  // Reacts to what a membership operation did: fails the waits of an old generation, drops its
+  // ids, completes the round's Joins, logs and emits events.
+  void OnMembershipChange(const MembershipChange& change, Outbox* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void MaybeFinish(Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes the pending hard-state changes (and `comm_id`) to the store. On failure they stay
+  // pending, so the next write carries them, and the error (naming the store) is returned for
+  // the RPC that made the change.
+  absl::Status Persist(std::optional<StoredCommId> comm_id = std::nullopt)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Completes every pending Join and GetCommId of the job with `status`.
   void FailAllWaits(const absl::Status& status, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void CompleteWorld(Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FillJoinResponse(int32_t rank, v1::JoinResponse* out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  std::string MissingRanks() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string StaleMessage(int64_t generation) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ValidateCommRequest(int64_t generation, int32_t level, int32_t subgroup,
                                    int32_t rank, const std::string& key) const
@@ -187,7 +174,6 @@ class Job {
   void ToProtoLocked(v1::Job* out, bool with_members) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AddEvent(v1::JobEvent::Kind kind, int32_t rank, const std::string& message,
                 bool with_members, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RemoveFromRound(int32_t rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const v1::JobSpec spec_;
   const Schedule schedule_;
@@ -197,19 +183,14 @@ class Job {
   const int64_t created_unix_ms_;
   const std::vector<std::string> warnings_;
 
+  StateStore* const store_;
+
   mutable absl::Mutex mu_;
   // Serializes event delivery across calls; taken while mu_ is held, mu_ released first.
   absl::Mutex delivery_mu_ ABSL_ACQUIRED_AFTER(mu_);
-  v1::JobState state_ ABSL_GUARDED_BY(mu_) = v1::PENDING;
-  int64_t generation_ ABSL_GUARDED_BY(mu_) = 1;
-  // Indexed by rank; kept across generations.
-  std::vector<Member> members_ ABSL_GUARDED_BY(mu_);
-  int32_t round_size_ ABSL_GUARDED_BY(mu_) = 0;
-  v1::GenerationChange last_change_ ABSL_GUARDED_BY(mu_);
-  bool has_last_change_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<JoinWaiter> join_waiters_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<CommKey, std::string> comm_ids_ ABSL_GUARDED_BY(mu_);
-  std::vector<CommWaiter> comm_waiters_ ABSL_GUARDED_BY(mu_);
+  Membership membership_ ABSL_GUARDED_BY(mu_);
+  CommIdStore comm_ids_ ABSL_GUARDED_BY(mu_);
+  PendingWaits waits_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<uint64_t, std::shared_ptr<JobWatcher>>> watchers_ ABSL_GUARDED_BY(mu_);
   uint64_t next_watcher_id_ ABSL_GUARDED_BY(mu_) = 1;
   // Set by Close: every new wait fails with it.

@@ -17,7 +17,10 @@ absl::Status Stopped() {
 
 }  // namespace
 
-JobRegistry::JobRegistry(JobRegistryOptions options) : options_(std::move(options)) {
+JobRegistry::JobRegistry(JobRegistryOptions options)
+    : options_(std::move(options)),
+      owned_store_(options_.store == nullptr ? std::make_unique<InMemoryStateStore>() : nullptr),
+      store_(options_.store != nullptr ? options_.store : owned_store_.get()) {
   if (options_.start_staleness_thread) {
     staleness_thread_ = std::thread([this] { StalenessLoop(); });
   }
@@ -30,7 +33,8 @@ absl::Status JobRegistry::CreateJob(const v1::JobSpec& spec, v1::Job* out) {
   if (!schedule_spec.ok()) return schedule_spec.status();
   absl::StatusOr<Schedule> schedule = Schedule::Create(*std::move(schedule_spec));
   if (!schedule.ok()) return schedule.status();
-  auto job = std::make_shared<Job>(spec, *std::move(schedule), options_.defaults, options_.clock);
+  auto job = std::make_shared<Job>(spec, *std::move(schedule), options_.defaults, options_.clock,
+                                   store_, absl::ToUnixMillis(options_.clock->Now()));
   {
     absl::MutexLock lock(&mu_);
     if (stopped_) return Stopped();
@@ -44,6 +48,11 @@ absl::Status JobRegistry::CreateJob(const v1::JobSpec& spec, v1::Job* out) {
           "the coordinator holds ", jobs_.size(), " jobs with ", total_world_size_,
           " ranks in all (at most ", kMaxJobs, " jobs and ", kMaxTotalWorldSize,
           " ranks); delete finished jobs first"));
+    }
+    if (absl::Status s = store_->CreateJob(spec, job->created_unix_ms()); !s.ok()) {
+      spdlog::error("job {}: could not save the new job: {}", spec.job_id(), s.ToString());
+      return absl::UnavailableError(absl::StrCat("the coordinator could not save job ",
+                                                 spec.job_id(), ": ", s.message(), "; retry"));
     }
     jobs_.emplace(spec.job_id(), job);
     total_world_size_ += spec.world_size();
@@ -81,6 +90,13 @@ absl::Status JobRegistry::DeleteJob(absl::string_view job_id) {
     auto it = jobs_.find(job_id);
     if (it == jobs_.end()) {
       return absl::NotFoundError(absl::StrCat("no job \"", job_id.substr(0, 256), "\""));
+    }
+    if (absl::Status s = store_->DeleteJob(job_id); !s.ok()) {
+      spdlog::error("job {}: could not delete it from the store: {}", std::string(job_id),
+                    s.ToString());
+      return absl::UnavailableError(absl::StrCat("the coordinator could not delete job ",
+                                                 job_id, " from its state: ", s.message(),
+                                                 "; retry"));
     }
     job = std::move(it->second);
     jobs_.erase(it);

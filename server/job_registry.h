@@ -19,6 +19,7 @@
 #include "common/clock.h"
 #include "modelavg/v1/coordinator.pb.h"
 #include "server/job.h"
+#include "server/state_store.h"
 
 namespace modelavg::server {
 
@@ -33,6 +34,9 @@ struct JobRegistryOptions {
   absl::Duration staleness_interval = absl::Milliseconds(20);
   // Tests drive CheckStaleness() themselves with a FakeClock.
   bool start_staleness_thread = true;
+  // Where the jobs' hard state is written (not owned; outlives the registry). Null: an
+  // InMemoryStateStore owned by the registry.
+  StateStore* store = nullptr;
 };
 
 class JobRegistry {
@@ -43,16 +47,17 @@ class JobRegistry {
   JobRegistry(const JobRegistry&) = delete;
   JobRegistry& operator=(const JobRegistry&) = delete;
 
-  // Registers a job and fills `out` (may be null) with it. INVALID_ARGUMENT (the spec's problem,
-  // naming the field), ALREADY_EXISTS (duplicate job_id), RESOURCE_EXHAUSTED (more than kMaxJobs
-  // jobs or kMaxTotalWorldSize ranks over all jobs), UNAVAILABLE (stopped).
+  // Registers a job, writes it to the store and fills `out` (may be null) with it.
+  // INVALID_ARGUMENT (the spec's problem, naming the field), ALREADY_EXISTS (duplicate job_id),
+  // RESOURCE_EXHAUSTED (more than kMaxJobs jobs or kMaxTotalWorldSize ranks over all jobs),
+  // UNAVAILABLE (stopped, or the store's write failed).
   absl::Status CreateJob(const v1::JobSpec& spec, v1::Job* out);
 
   // NOT_FOUND for an unknown job, UNAVAILABLE once stopped.
   absl::StatusOr<std::shared_ptr<Job>> Find(absl::string_view job_id) const;
 
-  // Removes the job; its pending waits fail with ABORTED and its watchers get JOB_DELETED.
-  // NOT_FOUND, UNAVAILABLE.
+  // Removes the job (from the store first); its pending waits fail with ABORTED and its
+  // watchers get JOB_DELETED. NOT_FOUND, UNAVAILABLE (stopped, or the store's write failed).
   absl::Status DeleteJob(absl::string_view job_id);
 
   // Every job, in job_id order.
@@ -69,11 +74,15 @@ class JobRegistry {
 
   Clock* clock() const { return options_.clock; }
   const JobDefaults& defaults() const { return options_.defaults; }
+  StateStore* store() const { return store_; }
 
  private:
   void StalenessLoop();
 
   const JobRegistryOptions options_;
+  // Set when options_.store is null.
+  std::unique_ptr<StateStore> owned_store_;
+  StateStore* const store_;
   std::atomic<WaitId> next_wait_id_{1};
 
   mutable absl::Mutex mu_;

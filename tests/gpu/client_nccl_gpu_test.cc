@@ -50,6 +50,9 @@ class NcclGpuTest : public ::testing::Test {
     void* d = nullptr;
     EXPECT_EQ(cudaMalloc(&d, bytes > 0 ? bytes : 1), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    // A pageable host-to-device cudaMemcpy may return before its DMA has landed, and the
+    // legacy stream it runs on does not order the non-blocking stream_ the kernels use.
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     allocations_.push_back(d);
     return d;
   }
@@ -124,6 +127,7 @@ TEST_F(NcclGpuTest, StagingKernels_MixedDTypesAndChunks_GatherThenScatterRoundTr
   // Scatter doubled values back.
   for (double& x : flat) x *= 2;
   ASSERT_EQ(cudaMemcpy(staging, flat.data(), total * 8, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   ASSERT_EQ(LaunchScatter(dchunks, chunks.size(), staging, kStageF64, stream_), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
   auto g0 = Download<float>(t0, n0);

@@ -1,3 +1,7 @@
 # Coordinator core (fake clock) and jobs-file unit tests.
 modelavg_add_gtest(server_job_test SOURCES server_job_test.cc LIBS modelavg_server_core)
+modelavg_add_gtest(server_membership_test SOURCES server_membership_test.cc
+  LIBS modelavg_server_core)
+modelavg_add_gtest(server_state_store_test SOURCES server_state_store_test.cc
+  LIBS modelavg_server_core)
 modelavg_add_gtest(server_jobs_file_test SOURCES server_jobs_file_test.cc LIBS modelavg_server)

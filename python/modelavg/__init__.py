@@ -1,0 +1,465 @@
+"""modelavg from Python: periodic and hierarchical model averaging with PyTorch's semantics.
+
+A thin layer over modelavg's C++ client library: the coordinator owns each job's plan, the
+library runs the all-reduces (Gloo over TCP for CPU tensors, NCCL for CUDA tensors). Tensors cross
+as data pointer, element count, dtype and device; CUDA tensors are averaged on
+``torch.cuda.current_stream()``. Nothing here links libtorch.
+
+Two ways in:
+
+* the drop-in — change one import, keep PyTorch's constructors::
+
+      from modelavg.torch import PeriodicModelAverager, HierarchicalModelAverager
+
+  (connects from ``MODELAVG_COORDINATOR``, ``MODELAVG_JOB``, ``RANK`` and ``WORLD_SIZE``, and
+  creates the job from the constructor's arguments if it does not exist yet);
+
+* explicit — connect, then build an averager on the client::
+
+      with modelavg.connect("coordinator:50051", "resnet-7", rank=r) as client:
+          averager = modelavg.HierarchicalModelAverager(client)
+          for batch in loader:
+              ...
+              optimizer.step()
+              averager.average_parameters(model.parameters())
+
+Failures raise :class:`modelavg.Error` subclasses (see :mod:`modelavg.errors`). Every wait
+(joining, an averaging step, an RPC) releases the GIL and is interrupted by Ctrl-C.
+"""
+
+import dataclasses
+import datetime
+import os
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+from . import errors
+from .errors import (AlreadyExistsError, DeadlineExceededError, Error, FailedPreconditionError,
+                     InvalidArgumentError, NotFoundError, PeerFailureError,
+                     PermissionDeniedError, ResourceExhaustedError, UnavailableError,
+                     UnimplementedError)
+from . import _core
+from ._core import Decision
+from . import _params
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "connect", "Client", "ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager",
+    "Decision", "JobSpec", "Job", "Member", "GenerationChange", "create_job", "get_job",
+    "list_jobs", "delete_job", "Error", "PeerFailureError", "InvalidArgumentError",
+    "NotFoundError", "AlreadyExistsError", "FailedPreconditionError", "DeadlineExceededError",
+    "UnavailableError", "PermissionDeniedError", "ResourceExhaustedError", "UnimplementedError",
+    "errors",
+]
+
+Duration = Union[float, int, datetime.timedelta]
+
+# ClientOptions fields (client/client.h) that connect() takes as keywords, with their kinds.
+_CLIENT_OPTIONS = {
+    "worker_id": str, "auth_token": str, "tls": bool, "tls_ca_file": str, "tls_cert_file": str,
+    "tls_key_file": str, "join_timeout": Duration, "rpc_timeout": Duration,
+    "heartbeat_interval": Duration, "heartbeat_stream": bool, "collective_timeout": Duration,
+    "schedule_window": int, "gloo_hostname": str, "gloo_in_place": bool,
+}
+# What the job-management calls take besides the coordinator's address.
+_CONNECTION_OPTIONS = ("auth_token", "tls", "tls_ca_file", "tls_cert_file", "tls_key_file",
+                       "rpc_timeout")
+
+
+def _invalid(message: str) -> InvalidArgumentError:
+    return InvalidArgumentError("INVALID_ARGUMENT", message)
+
+
+def _seconds(name: str, value: Duration) -> float:
+    if isinstance(value, datetime.timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise _invalid(f"{name}={value!r}: expected a positive number of seconds or a timedelta")
+    return float(value)
+
+
+def _options(options: Mapping[str, Any], allowed: Iterable[str]) -> Dict[str, Any]:
+    allowed = set(allowed)
+    out: Dict[str, Any] = {}
+    for name, value in options.items():
+        if name not in allowed:
+            raise TypeError(f"unknown option {name!r}; the options are: "
+                            f"{', '.join(sorted(allowed))}")
+        if value is None:
+            continue
+        kind = _CLIENT_OPTIONS[name]
+        if kind is Duration:
+            value = _seconds(name, value)
+        elif kind is bool:
+            if not isinstance(value, bool):
+                raise _invalid(f"{name}={value!r}: expected True or False")
+        elif kind is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise _invalid(f"{name}={value!r}: expected an int")
+        elif not isinstance(value, str):
+            raise _invalid(f"{name}={value!r}: expected a string")
+        out[name] = value
+    return out
+
+
+def _coordinator(coordinator: Optional[str]) -> str:
+    coordinator = coordinator or os.environ.get("MODELAVG_COORDINATOR")
+    if not coordinator:
+        raise _invalid("no coordinator: pass coordinator='host:port' or set "
+                       "MODELAVG_COORDINATOR")
+    return coordinator
+
+
+def _env_int(name: str) -> Optional[int]:
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise _invalid(f"environment variable {name}={text!r} is not an integer") from None
+
+
+# ------------------------------------------------------------------------------------- client
+
+class Client:
+    """One rank's membership in one job (``connect`` makes one).
+
+    While connected, a background thread heartbeats to the coordinator and learns of membership
+    changes. Leave the job with :meth:`leave`, or use the client as a context manager; a client
+    that is garbage-collected (or alive at exit) leaves with reason "client destroyed".
+    """
+
+    def __init__(self, core: "_core.Client") -> None:
+        self._core = core
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the job (0 .. world_size - 1)."""
+        return self._core.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks in the job."""
+        return self._core.world_size
+
+    @property
+    def generation(self) -> int:
+        """The membership generation this client joined; averaging works only while the job
+        is still at it."""
+        return self._core.generation
+
+    @property
+    def latest_generation(self) -> int:
+        """The latest generation the heartbeat has seen (>= generation)."""
+        return self._core.latest_generation
+
+    @property
+    def job_id(self) -> str:
+        """The job this client joined."""
+        return self._core.job_id
+
+    @property
+    def spec(self) -> "JobSpec":
+        """The job's averaging plan, as the coordinator sent it at join."""
+        d = self._core.spec
+        return JobSpec(job_id=d["job_id"], world_size=d["world_size"], mode=d["mode"],
+                       levels=[tuple(l) for l in d["levels"]], warmup_steps=d["warmup_steps"])
+
+    def check_usable(self) -> None:
+        """Raises PeerFailureError if the job's membership changed since this client joined
+        (or the coordinator stopped answering); returns None otherwise."""
+        self._core.check_usable()
+
+    def leave(self, reason: str = "finished") -> None:
+        """Tells the coordinator this worker is done. Idempotent.
+
+        Raises UnavailableError / DeadlineExceededError (coordinator unreachable), NotFoundError
+        (the job was deleted)."""
+        self._core.leave(reason)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        reason = "finished" if exc_type is None else f"exception: {exc_type.__name__}"
+        try:
+            self.leave(reason)
+        except Error:
+            if exc_type is None:
+                raise
+
+    def __repr__(self) -> str:
+        return (f"modelavg.Client(job_id={self.job_id!r}, rank={self.rank}, "
+                f"world_size={self.world_size}, generation={self.generation})")
+
+
+def connect(coordinator: Optional[str] = None, job_id: Optional[str] = None,
+            rank: Optional[int] = None, **options: Any) -> Client:
+    """Joins a job and returns its Client once every rank has joined.
+
+    Args:
+      coordinator: the coordinator's "host:port"; default: ``$MODELAVG_COORDINATOR``.
+      job_id: the job to join (it must exist); default: ``$MODELAVG_JOB``.
+      rank: the rank to take; default: ``$RANK`` (as torchrun sets it), else the coordinator
+        picks the lowest free one.
+      **options: any field of the C++ ``ClientOptions``: ``worker_id``, ``auth_token``, ``tls``,
+        ``tls_ca_file``, ``tls_cert_file``, ``tls_key_file``, ``join_timeout`` (default 300 s),
+        ``rpc_timeout`` (10 s), ``heartbeat_interval`` (0.1 s), ``heartbeat_stream`` (True),
+        ``collective_timeout`` (60 s), ``schedule_window`` (4096), ``gloo_hostname``
+        ("127.0.0.1"; the address peers reach this process at), ``gloo_in_place`` (False).
+        Durations are seconds or ``datetime.timedelta``.
+
+    Blocks (without the GIL; Ctrl-C interrupts it) until the world is complete. While the
+    coordinator is unreachable, joining is retried until ``join_timeout``.
+
+    Raises:
+      NotFoundError: no such job. InvalidArgumentError: a bad option. AlreadyExistsError: the
+      rank is taken. FailedPreconditionError: the job is full and running, or finished.
+      DeadlineExceededError: the world did not complete in time (the message names the missing
+      ranks). UnavailableError: the coordinator cannot be reached. PermissionDeniedError.
+    """
+    opts = _options(options, _CLIENT_OPTIONS)
+    opts["coordinator"] = _coordinator(coordinator)
+    job_id = job_id or os.environ.get("MODELAVG_JOB")
+    if not job_id:
+        raise _invalid("no job: pass job_id='...' or set MODELAVG_JOB")
+    opts["job_id"] = job_id
+    if rank is None:
+        rank = _env_int("RANK")
+    if rank is not None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise _invalid(f"rank={rank!r}: expected an int >= 0")
+        opts["rank"] = rank
+    return Client(_core.connect(opts))
+
+
+# ------------------------------------------------------------------------------------- averagers
+
+class ModelAverager:
+    """What PeriodicModelAverager and HierarchicalModelAverager share (PyTorch's ModelAverager).
+
+    ``step`` is the step of the next ``average_parameters`` call: it starts at 0 and every call
+    first decides, then increments it — in warm-up, on skipped and on averaging steps alike.
+    Set it when resuming from a checkpoint (warm-up is not replayed).
+    """
+
+    _hierarchical = False
+
+    def __init__(self, client: Client) -> None:
+        if not isinstance(client, Client):
+            raise TypeError(f"client must be a modelavg.Client (from modelavg.connect), not "
+                            f"{type(client).__name__}")
+        self.client = client
+        self._core = _core.Averager(client._core, self._hierarchical)
+
+    @property
+    def step(self) -> int:
+        """The step of the next average_parameters call."""
+        return self._core.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"step must be an int, not {type(value).__name__}")
+        self._core.step = value
+
+    def average_parameters(self, params: Iterable[Any]) -> Decision:
+        """Averages ``params`` in place with this rank's subgroup if the schedule says so at
+        ``step``, then increments ``step``. Returns the decision taken.
+
+        ``params`` is what PyTorch's averagers take: ``model.parameters()`` or an optimizer's
+        ``param_groups``; parameters whose ``.grad`` is None are left out, as PyTorch does. On a
+        skip step ``params`` is not even iterated. Tensors: float32, float64, float16 or
+        bfloat16, all on the CPU (Gloo) or all on one CUDA device (NCCL, ordered on the current
+        stream); a non-contiguous tensor is averaged through a contiguous copy.
+
+        If averaging fails the parameters are left averaged or untouched, never half-written,
+        and ``step`` has advanced; an input refused before averaging (NotImplementedError,
+        TypeError) leaves ``step`` as it was, as PyTorch's averagers do.
+
+        Raises:
+          PeerFailureError: a peer died, left or stalled past collective_timeout, or the
+            coordinator is gone (the message names the rank and the reason); connect again.
+          InvalidArgumentError: tensors on mixed devices, or members that pass different
+            layouts (total size or dtypes).
+          NotImplementedError / TypeError: inputs PyTorch's averagers would not take either, or
+            dtypes modelavg does not average.
+        """
+        decision = self._core.take_skip()
+        if decision is not None:
+            return decision
+        tensors = _params.params_to_average(params)
+        specs, copy_back = _params.describe(tensors)
+        decision = self._core.average(specs, tensors if not copy_back else (tensors, copy_back))
+        if copy_back and decision.average:
+            import torch
+            with torch.no_grad():
+                for dst, src in copy_back:
+                    dst.copy_(src)
+        return decision
+
+
+class PeriodicModelAverager(ModelAverager):
+    """PyTorch's PeriodicModelAverager on a PERIODIC job: at step ``s`` average over the whole
+    world iff ``s >= warmup_steps and (s - warmup_steps) % period == 0``.
+
+    Raises FailedPreconditionError if the job is HIERARCHICAL.
+    """
+
+    _hierarchical = False
+
+
+class HierarchicalModelAverager(ModelAverager):
+    """PyTorch's HierarchicalModelAverager on a HIERARCHICAL job: at step ``s >= warmup_steps``
+    the last level (in the job's order) whose period divides ``s`` averages within its subgroup
+    (consecutive blocks of ranks of the level's group size).
+
+    Raises FailedPreconditionError if the job is PERIODIC.
+    """
+
+    _hierarchical = True
+
+
+# ------------------------------------------------------------------------------------- jobs
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """A job's averaging plan (proto ``modelavg.v1.JobSpec``).
+
+    ``mode`` is "PERIODIC" or "HIERARCHICAL"; ``levels`` are (period, group_size) pairs in
+    PyTorch's order (the OrderedDict's); 0 timeouts mean the coordinator's defaults.
+    """
+
+    job_id: str
+    world_size: int
+    mode: str
+    levels: List[Tuple[int, int]]
+    warmup_steps: int = 0
+    heartbeat_timeout_ms: int = 0
+    join_timeout_ms: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One member of a job's current generation."""
+
+    rank: int
+    worker_id: str
+    host: str
+    last_step: int
+    ms_since_heartbeat: int
+    state: str
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationChange:
+    """Why a job's generation last changed."""
+
+    generation: int
+    rank: int
+    reason: str
+    unix_ms: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A job as the coordinator reports it (proto ``modelavg.v1.Job``)."""
+
+    spec: JobSpec
+    state: str
+    generation: int
+    members: List[Member]
+    min_step: int
+    max_step: int
+    warnings: List[str]
+    created_unix_ms: int
+    last_change: Optional[GenerationChange]
+
+
+def _job(d: Dict[str, Any]) -> Job:
+    s = d["spec"]
+    spec = JobSpec(job_id=s["job_id"], world_size=s["world_size"], mode=s["mode"],
+                   levels=[tuple(l) for l in s["levels"]], warmup_steps=s["warmup_steps"],
+                   heartbeat_timeout_ms=s["heartbeat_timeout_ms"],
+                   join_timeout_ms=s["join_timeout_ms"])
+    change = d["last_change"]
+    return Job(spec=spec, state=d["state"], generation=d["generation"],
+               members=[Member(**m) for m in d["members"]], min_step=d["min_step"],
+               max_step=d["max_step"], warnings=list(d["warnings"]),
+               created_unix_ms=d["created_unix_ms"],
+               last_change=GenerationChange(**change) if change else None)
+
+
+def _conn(coordinator: Optional[str], options: Mapping[str, Any]) -> Dict[str, Any]:
+    conn = _options(options, _CONNECTION_OPTIONS)
+    conn["coordinator"] = _coordinator(coordinator)
+    return conn
+
+
+def _levels(levels: Union[Mapping[int, int], Sequence[Tuple[int, int]]]) -> List[Tuple[int, int]]:
+    items = list(levels.items()) if isinstance(levels, Mapping) else list(levels)
+    out = []
+    for item in items:
+        try:
+            period, group_size = item
+            out.append((int(period), int(group_size)))
+        except (TypeError, ValueError):
+            raise _invalid(f"level {item!r}: expected a (period, group_size) pair") from None
+    return out
+
+
+def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
+               levels: Optional[Union[Mapping[int, int], Sequence[Tuple[int, int]]]] = None, *,
+               period: Optional[int] = None, warmup_steps: int = 0,
+               heartbeat_timeout_ms: int = 0, join_timeout_ms: int = 0,
+               coordinator: Optional[str] = None, **options: Any) -> Job:
+    """Registers a job with the coordinator and returns it.
+
+    Args:
+      job_id: 1-128 characters of [A-Za-z0-9._-].
+      world_size: the number of worker processes.
+      mode: "PERIODIC" or "HIERARCHICAL" (any case).
+      levels: (period, group_size) pairs, or PyTorch's ``period_group_size_dict``, in order.
+      period: for PERIODIC, instead of levels: one level over the whole world.
+      warmup_steps, heartbeat_timeout_ms, join_timeout_ms: as in the JobSpec (0 timeouts: the
+        coordinator's defaults).
+      coordinator: "host:port"; default ``$MODELAVG_COORDINATOR``.
+      **options: auth_token, tls, tls_ca_file, tls_cert_file, tls_key_file, rpc_timeout.
+
+    Raises InvalidArgumentError (bad spec: the message names the field and the value),
+    AlreadyExistsError, ResourceExhaustedError, UnavailableError.
+    """
+    mode = str(mode).upper()
+    if period is not None:
+        if levels is not None:
+            raise _invalid("pass levels or period, not both")
+        levels = [(period, world_size)]
+    if levels is None:
+        raise _invalid("no levels: pass levels=[(period, group_size), ...] (or period= for "
+                       "a PERIODIC job)")
+    spec = {"job_id": job_id, "world_size": world_size, "mode": mode, "levels": _levels(levels),
+            "warmup_steps": warmup_steps, "heartbeat_timeout_ms": heartbeat_timeout_ms,
+            "join_timeout_ms": join_timeout_ms}
+    try:
+        return _job(_core.create_job(_conn(coordinator, options), spec))
+    except (ValueError, RuntimeError, TypeError) as e:
+        if isinstance(e, Error):
+            raise
+        raise _invalid(f"job spec {spec}: {e}") from None
+
+
+def get_job(job_id: str, *, coordinator: Optional[str] = None, **options: Any) -> Job:
+    """The job's spec, state, generation and members. Raises NotFoundError if unknown."""
+    return _job(_core.get_job(_conn(coordinator, options), job_id))
+
+
+def list_jobs(*, coordinator: Optional[str] = None, **options: Any) -> List[Job]:
+    """Every job of the coordinator, in job id order."""
+    return [_job(j) for j in _core.list_jobs(_conn(coordinator, options))]
+
+
+def delete_job(job_id: str, *, coordinator: Optional[str] = None, **options: Any) -> None:
+    """Removes a job; its pending waits fail. Raises NotFoundError if unknown."""
+    _core.delete_job(_conn(coordinator, options), job_id)

@@ -1,0 +1,141 @@
+"""The exceptions modelavg raises: one class per kind of failure a trainer handles differently.
+
+Every exception is a :class:`modelavg.Error` that carries the status ``code`` (a name such as
+``"NOT_FOUND"``) and the library's ``message``, which says what went wrong and what to do::
+
+    try:
+        averager.average_parameters(model.parameters())
+    except modelavg.PeerFailureError as e:   # a peer died, left or stalled: restart from a checkpoint
+        print(f"rank {e.rank} is gone: {e}")
+    except modelavg.Error as e:
+        print(e.code, e.message)
+
+==========================  ===============================================  ===================
+class                       when                                             also a
+==========================  ===============================================  ===================
+PeerFailureError            an averaging step failed because the job's       —
+                            membership changed (a peer died, left or re-
+                            joined), a peer did not take part in time, its
+                            connection broke, or the coordinator is gone.
+                            The client is no longer usable: connect again.
+InvalidArgumentError        a bad argument, option or job spec               ValueError
+NotFoundError               no such job                                      LookupError
+AlreadyExistsError          the job id, or the requested rank, is taken      —
+FailedPreconditionError     the job is finished, or the wrong averager for   —
+                            its mode
+DeadlineExceededError       a wait ran past its deadline (e.g. the world     TimeoutError
+                            did not complete within join_timeout)
+UnavailableError            the coordinator cannot be reached                ConnectionError
+PermissionDeniedError       UNAUTHENTICATED / PERMISSION_DENIED (token, TLS) PermissionError
+ResourceExhaustedError      past one of the coordinator's bounds             —
+UnimplementedError          e.g. CUDA tensors in a build without CUDA        NotImplementedError
+Error                       anything else (INTERNAL, ...)                    —
+==========================  ===============================================  ===================
+"""
+
+import re
+from typing import Dict, Optional, Type
+
+__all__ = [
+    "Error", "PeerFailureError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError",
+    "FailedPreconditionError", "DeadlineExceededError", "UnavailableError",
+    "PermissionDeniedError", "ResourceExhaustedError", "UnimplementedError",
+]
+
+# absl::StatusCode numbers (the same as gRPC's).
+_CODE_NAMES = {
+    0: "OK", 1: "CANCELLED", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED",
+    5: "NOT_FOUND", 6: "ALREADY_EXISTS", 7: "PERMISSION_DENIED", 8: "RESOURCE_EXHAUSTED",
+    9: "FAILED_PRECONDITION", 10: "ABORTED", 11: "OUT_OF_RANGE", 12: "UNIMPLEMENTED",
+    13: "INTERNAL", 14: "UNAVAILABLE", 15: "DATA_LOSS", 16: "UNAUTHENTICATED",
+}
+
+
+class Error(Exception):
+    """A modelavg failure: ``code`` is the status code's name, ``message`` what to do."""
+
+    code: str
+    message: str
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class PeerFailureError(Error):
+    """An averaging step failed because a peer (or the coordinator) failed.
+
+    ``rank`` is the rank the coordinator blamed for the membership change, when the message
+    names one (None otherwise). The client cannot average any more: restart from the last
+    checkpoint with a new client.
+    """
+
+    rank: Optional[int]
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(code, message)
+        m = re.search(r"\bbecause rank (\d+)", message) or re.search(r"\brank (\d+)\b", message)
+        self.rank = int(m.group(1)) if m else None
+
+
+class InvalidArgumentError(Error, ValueError):
+    """A bad argument, option or job spec; the message names it and the value."""
+
+
+class NotFoundError(Error, LookupError):
+    """No such job: create it first (``modelavg.create_job``, CreateJob or ``--jobs_file``)."""
+
+
+class AlreadyExistsError(Error):
+    """The job id, or the rank asked for, is already taken."""
+
+
+class FailedPreconditionError(Error):
+    """The request does not fit the job's state: finished, or the other averager's mode."""
+
+
+class DeadlineExceededError(Error, TimeoutError):
+    """A wait ran past its deadline (join, communicator set-up, one RPC)."""
+
+
+class UnavailableError(Error, ConnectionError):
+    """The coordinator cannot be reached (wrong address, not running, TLS on one side only)."""
+
+
+class PermissionDeniedError(Error, PermissionError):
+    """The coordinator refused the token or the TLS identity."""
+
+
+class ResourceExhaustedError(Error):
+    """Past one of the coordinator's bounds (jobs, ranks)."""
+
+
+class UnimplementedError(Error, NotImplementedError):
+    """Not supported by this build or this coordinator (e.g. CUDA tensors without CUDA)."""
+
+
+_BY_CODE: Dict[str, Type[Error]] = {
+    "INVALID_ARGUMENT": InvalidArgumentError,
+    "OUT_OF_RANGE": InvalidArgumentError,
+    "NOT_FOUND": NotFoundError,
+    "ALREADY_EXISTS": AlreadyExistsError,
+    "FAILED_PRECONDITION": FailedPreconditionError,
+    "DEADLINE_EXCEEDED": DeadlineExceededError,
+    "UNAVAILABLE": UnavailableError,
+    "UNAUTHENTICATED": PermissionDeniedError,
+    "PERMISSION_DENIED": PermissionDeniedError,
+    "RESOURCE_EXHAUSTED": ResourceExhaustedError,
+    "UNIMPLEMENTED": UnimplementedError,
+}
+
+# What an averaging step reports when a peer or the coordinator failed.
+_PEER_CODES = frozenset({"FAILED_PRECONDITION", "ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED"})
+
+
+def _from_status(code: int, message: str, averaging: bool = False) -> Error:
+    """The exception for a status (called by modelavg._core)."""
+    name = _CODE_NAMES.get(code, f"CODE_{code}")
+    if averaging and name in _PEER_CODES:
+        return PeerFailureError(name, message)
+    return _BY_CODE.get(name, Error)(name, message)

@@ -1,0 +1,208 @@
+"""The drop-in: PyTorch's model averagers, with PyTorch's constructors, averaging through modelavg.
+
+Change one import and keep the rest of the trainer::
+
+    # from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from modelavg.torch import PeriodicModelAverager
+
+    averager = PeriodicModelAverager(period=4, warmup_steps=100)
+    ...
+    averager.average_parameters(model.parameters())
+
+The averagers connect from the environment — ``MODELAVG_COORDINATOR`` (host:port),
+``MODELAVG_JOB`` (the job id), ``RANK`` and ``WORLD_SIZE`` as torchrun sets them, and optionally
+``MODELAVG_GLOO_HOSTNAME`` (the address peers reach this process at; default 127.0.0.1) and
+``MODELAVG_AUTH_TOKEN`` — or from :func:`set_options`. If the job does not exist yet, the first
+rank creates it from the constructor's arguments and ``WORLD_SIZE``; if it exists, its spec must
+match them (``InvalidArgumentError``, a ``ValueError``, naming both otherwise). One connection
+per process serves every drop-in averager of the same job; it leaves the job at exit.
+
+``torch.distributed.init_process_group`` is not needed; when a process group is passed it must be
+the default (whole-world) group, since the job's world is what modelavg averages over.
+"""
+
+import atexit
+import os
+import threading
+import warnings
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import modelavg as _ma
+
+__all__ = ["PeriodicModelAverager", "HierarchicalModelAverager", "set_options"]
+
+_lock = threading.Lock()
+_clients: Dict[Tuple[str, str], "_ma.Client"] = {}
+_options: Dict[str, Any] = {}
+
+
+def set_options(**options: Any) -> None:
+    """Connection options for the drop-in averagers created after this call: ``coordinator``,
+    ``job_id``, ``rank`` and any keyword of :func:`modelavg.connect` (they take precedence over
+    the environment)."""
+    _options.update(options)
+
+
+def _leave_all() -> None:
+    with _lock:
+        clients = list(_clients.values())
+        _clients.clear()
+    for client in clients:
+        try:
+            client.leave("finished")
+        except _ma.Error:
+            pass  # the coordinator may be gone at exit; nothing to do about it then
+
+
+atexit.register(_leave_all)
+
+
+def _check_process_group(process_group: Any) -> None:
+    if process_group is None:
+        return
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        if process_group is dist.group.WORLD or process_group == dist.group.WORLD:
+            return
+    raise _ma.InvalidArgumentError(
+        "INVALID_ARGUMENT",
+        f"process_group {process_group!r} is not the default process group: modelavg averages "
+        "over the job's whole world (its levels' subgroups are consecutive blocks of ranks). "
+        "Pass process_group=None, and describe the groups with the job's levels")
+
+
+def _describe(spec: "_ma.JobSpec") -> str:
+    return (f"{spec.mode} world_size={spec.world_size} warmup_steps={spec.warmup_steps} "
+            f"levels(period, group_size)={list(map(tuple, spec.levels))}")
+
+
+def _job_client(mode: str, warmup_steps: int, levels_for: Any) -> "_ma.Client":
+    """The process's client of the job, creating the job if needed and checking its spec.
+    levels_for(world_size) -> the levels the constructor's arguments mean in that world."""
+    opts = dict(_options)
+    coordinator = _ma._coordinator(opts.pop("coordinator", None))
+    job_id = opts.pop("job_id", None) or os.environ.get("MODELAVG_JOB")
+    if not job_id:
+        raise _ma.InvalidArgumentError(
+            "INVALID_ARGUMENT", "no job: set MODELAVG_JOB (or modelavg.torch.set_options(job_id=...))")
+    rank = opts.pop("rank", None)
+    world_env = _ma._env_int("WORLD_SIZE")
+    if "gloo_hostname" not in opts and os.environ.get("MODELAVG_GLOO_HOSTNAME"):
+        opts["gloo_hostname"] = os.environ["MODELAVG_GLOO_HOSTNAME"]
+    if "auth_token" not in opts and os.environ.get("MODELAVG_AUTH_TOKEN"):
+        opts["auth_token"] = os.environ["MODELAVG_AUTH_TOKEN"]
+    conn = {k: v for k, v in opts.items() if k in _ma._CONNECTION_OPTIONS}
+
+    with _lock:
+        key = (coordinator, job_id)
+        client = _clients.get(key)
+        if client is None:
+            try:
+                job = _ma.get_job(job_id, coordinator=coordinator, **conn)
+            except _ma.NotFoundError:
+                if world_env is None:
+                    raise _ma.NotFoundError(
+                        "NOT_FOUND",
+                        f"no job {job_id!r} on {coordinator}, and WORLD_SIZE is not set to create "
+                        "it: set WORLD_SIZE (torchrun does), or create the job first") from None
+                try:
+                    job = _ma.create_job(job_id, world_env, mode, levels_for(world_env),
+                                         warmup_steps=warmup_steps, coordinator=coordinator,
+                                         **conn)
+                except _ma.AlreadyExistsError:  # another rank created it first
+                    job = _ma.get_job(job_id, coordinator=coordinator, **conn)
+            _check_spec(job.spec, mode, warmup_steps, levels_for, world_env, coordinator)
+            client = _ma.connect(coordinator, job_id, rank, **opts)
+            _clients[key] = client
+        else:
+            _check_spec(client.spec, mode, warmup_steps, levels_for, world_env, coordinator)
+    return client
+
+
+def _check_spec(spec: "_ma.JobSpec", mode: str, warmup_steps: int, levels_for: Any,
+                world_env: Optional[int], coordinator: str) -> None:
+    world = world_env if world_env is not None else spec.world_size
+    wanted = _ma.JobSpec(job_id=spec.job_id, world_size=world, mode=mode,
+                         levels=levels_for(world), warmup_steps=warmup_steps)
+    if (spec.mode != wanted.mode or spec.world_size != wanted.world_size
+            or spec.warmup_steps != wanted.warmup_steps
+            or [tuple(l) for l in spec.levels] != [tuple(l) for l in wanted.levels]):
+        raise _ma.InvalidArgumentError(
+            "INVALID_ARGUMENT",
+            f"job {spec.job_id!r} on {coordinator} is {_describe(spec)}, but this averager's "
+            f"arguments (and WORLD_SIZE) ask for {_describe(wanted)}: use a new job id, delete "
+            "the job, or construct the averager with the job's plan")
+
+
+class PeriodicModelAverager(_ma.PeriodicModelAverager):
+    """``torch.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager``, through
+    modelavg: averages over the whole world at step ``s`` iff ``s >= warmup_steps`` and
+    ``(s - warmup_steps) % period == 0``.
+
+    Args:
+      period: steps per averaging (>= 1; 1 warns, as in PyTorch).
+      warmup_steps: steps without averaging (>= 0).
+      process_group: None (or the default group).
+
+    Raises ValueError for the same arguments PyTorch refuses, InvalidArgumentError (a ValueError)
+    when the existing job's spec differs, and the errors of :func:`modelavg.connect`.
+    """
+
+    def __init__(self, period: int, warmup_steps: int = 0, process_group: Any = None) -> None:
+        if warmup_steps < 0:
+            raise ValueError("Arg ``warmup_steps`` must be a non-negative number.")
+        if period < 1:
+            raise ValueError("Arg ``period`` must be a positive value.")
+        elif period == 1:
+            warnings.warn(
+                "When period is 1, no need to use model averaging because the communication cost "
+                "of all-reducing parameters will be no less than the cost of all-reducing "
+                "gradients by DistributedDataParallel in the backward pass. Therefore, only "
+                "DistributedDataParallel should be used for this case.")
+        _check_process_group(process_group)
+        self.period = period
+        self.warmup_steps = warmup_steps
+        self.process_group = process_group
+        client = _job_client("PERIODIC", warmup_steps, lambda world: [(period, world)])
+        super().__init__(client)
+
+
+class HierarchicalModelAverager(_ma.HierarchicalModelAverager):
+    """``torch.distributed.algorithms.model_averaging.hierarchical_model_averager.
+    HierarchicalModelAverager``, through modelavg: at step ``s >= warmup_steps`` the last period
+    (in the dict's order) that divides ``s`` averages within consecutive blocks of its group size.
+
+    Args:
+      period_group_size_dict: an ordered dict {period: group_size}; the last group size must be
+        the world size.
+      warmup_steps: steps without averaging (>= 0).
+      process_group: None (or the default group).
+
+    Raises ValueError for the same arguments PyTorch refuses, InvalidArgumentError (a ValueError)
+    when the existing job's spec differs, and the errors of :func:`modelavg.connect`.
+    """
+
+    def __init__(self, period_group_size_dict: Optional[Dict[int, int]] = None,
+                 warmup_steps: int = 0, process_group: Any = None) -> None:
+        if not period_group_size_dict:
+            raise ValueError("Arg ``period_group_size_dict`` must not be empty.")
+        levels: List[Tuple[int, int]] = [(int(p), int(g))
+                                         for p, g in period_group_size_dict.items()]
+        if levels[0][0] <= 0:
+            raise ValueError("The minimum period in arg ``period_group_size_dict`` must be a "
+                             "positive value.")
+        elif levels[-1][0] == 1:
+            warnings.warn(
+                "When the maximum period in arg ``period_group_size_dict`` is 1, no need to use "
+                "model averaging because the communication cost of all-reducing parameters will "
+                "be no less than the cost of all-reducing gradients by DistributedDataParallel "
+                "in the backward pass. Therefore, only DistributedDataParallel should be used "
+                "for this case.")
+        if warmup_steps < 0:
+            raise ValueError("Arg ``warmup_steps`` must be a non-negative number.")
+        _check_process_group(process_group)
+        self.period_group_size_dict = period_group_size_dict
+        self.warmup_steps = warmup_steps
+        self.process_group = process_group
+        client = _job_client("HIERARCHICAL", warmup_steps, lambda world: levels)
+        super().__init__(client)

@@ -1,0 +1,338 @@
+#!/usr/bin/python3
+"""The modelavg package's API and errors against a real coordinator (one check per CTest test).
+
+  errors_test.py --coordinator_bin=B --python_dir=build/python --check=NAME
+  errors_test.py --list
+
+Checks:
+  no_such_job       connect / the drop-in on a job that does not exist: NotFoundError naming it
+  spec_mismatch     the drop-in on an existing job with another plan: a ValueError naming both;
+                    a process group other than the default: a clear error
+  dead_peer         a peer is killed (SIGKILL) mid-training: the survivor's next averaging step
+                    raises PeerFailureError naming rank 1
+  unreachable       nothing listens at the address: UnavailableError (a ConnectionError) within
+                    join_timeout
+  interrupt         SIGINT while connect waits for a world that never completes: KeyboardInterrupt
+                    at once (not after join_timeout), and the process exits normally
+  jobs_and_client   create/get/list/delete_job, duplicate and invalid specs, unknown options,
+                    the client's properties and context manager, the wrong averager for the
+                    job's mode, and two ranks in one process on two threads (only possible when
+                    the GIL is released during connect and averaging)
+"""
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tools"))
+import modelavg_testing as mt  # noqa: E402
+
+ARGS = None
+
+
+def expect_raises(what, cls, fn, *contains):
+    try:
+        fn()
+    except cls as e:
+        text = str(e)
+        for piece in contains:
+            if piece not in text:
+                mt.fail(f"{what}: {type(e).__name__} does not mention {piece!r}: {text}")
+        return e
+    except Exception as e:  # the wrong kind
+        mt.fail(f"{what}: expected {cls.__name__}, got {type(e).__name__}: {e}")
+    mt.fail(f"{what}: expected {cls.__name__}, nothing was raised")
+
+
+def child(code, env_extra=None, group=None, name="child"):
+    """A Python process running `code` with the package importable."""
+    env = dict(os.environ, PYTHONPATH=ARGS.python_dir, **(env_extra or {}))
+    return group.start([sys.executable, "-c", textwrap.dedent(code)], name, env=env)
+
+
+def check_no_such_job(modelavg, coordinator, group):
+    e = expect_raises("connect to a missing job", modelavg.NotFoundError,
+                      lambda: modelavg.connect(coordinator.address, "no-such-job", rank=0,
+                                               join_timeout=10),
+                      "no-such-job")
+    if e.code != "NOT_FOUND" or not isinstance(e, LookupError):
+        mt.fail(f"NotFoundError has code {e.code} / is not a LookupError")
+    expect_raises("get_job of a missing job", modelavg.NotFoundError,
+                  lambda: modelavg.get_job("no-such-job", coordinator=coordinator.address))
+    # The drop-in cannot create a job without WORLD_SIZE: it says so.
+    os.environ.update(MODELAVG_COORDINATOR=coordinator.address, MODELAVG_JOB="dropin-missing")
+    os.environ.pop("WORLD_SIZE", None)
+    import modelavg.torch
+    expect_raises("drop-in without WORLD_SIZE", modelavg.NotFoundError,
+                  lambda: modelavg.torch.PeriodicModelAverager(period=2),
+                  "dropin-missing", "WORLD_SIZE")
+
+
+def check_spec_mismatch(modelavg, coordinator, group):
+    modelavg.create_job("mismatch", 2, "PERIODIC", period=4, warmup_steps=1,
+                        coordinator=coordinator.address)
+    os.environ.update(MODELAVG_COORDINATOR=coordinator.address, MODELAVG_JOB="mismatch",
+                      WORLD_SIZE="2", RANK="0")
+    import modelavg.torch
+    e = expect_raises("drop-in with another period", ValueError,
+                      lambda: modelavg.torch.PeriodicModelAverager(period=2, warmup_steps=1),
+                      "mismatch", "[(4, 2)]", "[(2, 2)]")
+    if not isinstance(e, modelavg.InvalidArgumentError):
+        mt.fail(f"the mismatch is a {type(e).__name__}, not a modelavg.InvalidArgumentError")
+    expect_raises("drop-in with another warm-up", ValueError,
+                  lambda: modelavg.torch.PeriodicModelAverager(period=4, warmup_steps=0),
+                  "warmup_steps=1", "warmup_steps=0")
+    expect_raises("hierarchical drop-in on a periodic job", ValueError,
+                  lambda: modelavg.torch.HierarchicalModelAverager({4: 2}, warmup_steps=1),
+                  "PERIODIC", "HIERARCHICAL")
+    os.environ["WORLD_SIZE"] = "4"
+    expect_raises("drop-in with another world size", ValueError,
+                  lambda: modelavg.torch.PeriodicModelAverager(period=4, warmup_steps=1),
+                  "world_size=2", "world_size=4")
+    # PyTorch's own argument checks come first, with PyTorch's messages.
+    expect_raises("period 0", ValueError, lambda: modelavg.torch.PeriodicModelAverager(period=0),
+                  "period")
+    expect_raises("empty dict", ValueError,
+                  lambda: modelavg.torch.HierarchicalModelAverager({}), "must not be empty")
+    # A process group other than the default one.
+    import torch.distributed as dist
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    sub = dist.new_group(ranks=[0], backend="gloo")
+    expect_raises("a non-default process group", ValueError,
+                  lambda: modelavg.torch.PeriodicModelAverager(period=4, warmup_steps=1,
+                                                               process_group=sub),
+                  "process_group", "default")
+    dist.destroy_process_group()
+
+
+def check_dead_peer(modelavg, coordinator, group):
+    modelavg.create_job("dead-peer", 2, "PERIODIC", period=1, heartbeat_timeout_ms=1000,
+                        coordinator=coordinator.address)
+    code = """
+        import json, os, signal, sys, time, warnings
+        import torch, modelavg
+        rank = int(os.environ["RANK"])
+        client = modelavg.connect(os.environ["ADDR"], "dead-peer", collective_timeout=20)
+        averager = modelavg.PeriodicModelAverager(client)
+        p = torch.nn.Parameter(torch.full((1000,), float(rank)))
+        p.grad = torch.zeros_like(p)
+        for step in range(200):
+            if rank == 1 and step == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            try:
+                averager.average_parameters([p])
+            except modelavg.PeerFailureError as e:
+                print(json.dumps({"step": step, "code": e.code, "rank": e.rank,
+                                  "message": e.message}))
+                sys.exit(0)
+            time.sleep(0.05)
+        print(json.dumps({"error": "no PeerFailureError after 200 steps"}))
+        sys.exit(1)
+    """
+    procs = [child(code, {"RANK": str(r), "ADDR": coordinator.address}, group, f"rank {r}")
+             for r in range(2)]
+    results = mt.wait_all(procs, timeout_s=60)
+    rc, out, err = results["rank 0"]
+    if rc != 0:
+        mt.fail(f"the survivor exited {rc}:\n{out}\n{err[-2000:]}")
+    if results["rank 1"][0] != -signal.SIGKILL:
+        mt.fail(f"rank 1 was to be killed, exit status {results['rank 1'][0]}")
+    lines = [l for l in out.splitlines() if l.startswith("{")]  # the library logs to stdout too
+    if not lines:
+        mt.fail(f"the survivor printed no result:\n{out}\n{err[-2000:]}")
+    got = json.loads(lines[-1])
+    if got["rank"] != 1 or "rank 1" not in got["message"]:
+        mt.fail(f"the PeerFailureError does not name rank 1: {got}")
+    if got["step"] < 3:
+        mt.fail(f"the survivor failed at step {got['step']}, before its peer died: {got}")
+    print(f"survivor: {got['code']} at step {got['step']}: {got['message']}")
+
+
+def check_unreachable(modelavg, coordinator, group):
+    with socket.socket() as s:  # a port nobody listens on (bound here, never listening)
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        start = time.monotonic()
+        e = expect_raises("connect to nothing", modelavg.UnavailableError,
+                          lambda: modelavg.connect(address, "job", rank=0, join_timeout=1.5),
+                          address)
+        took = time.monotonic() - start
+    if not isinstance(e, ConnectionError) or e.code != "UNAVAILABLE":
+        mt.fail(f"{type(e).__name__} {e.code} is not an UNAVAILABLE ConnectionError")
+    if took > 15:
+        mt.fail(f"the unreachable coordinator took {took:.1f} s to report (join_timeout 1.5 s)")
+    expect_raises("list_jobs on nothing", modelavg.UnavailableError,
+                  lambda: modelavg.list_jobs(coordinator=address, rpc_timeout=2))
+    os.environ.pop("MODELAVG_COORDINATOR", None)
+    expect_raises("no coordinator anywhere", modelavg.InvalidArgumentError,
+                  lambda: modelavg.connect(job_id="x"), "MODELAVG_COORDINATOR")
+
+
+def check_interrupt(modelavg, coordinator, group):
+    modelavg.create_job("never-complete", 2, "PERIODIC", period=2,
+                        coordinator=coordinator.address)
+    code = """
+        import os, sys, time
+        import modelavg
+        print("connecting", flush=True)
+        start = time.monotonic()
+        try:
+            modelavg.connect(os.environ["ADDR"], "never-complete", rank=0, join_timeout=120)
+        except KeyboardInterrupt:
+            print(f"interrupted after {time.monotonic() - start:.2f} s", flush=True)
+            sys.exit(0)
+        print("connect returned", flush=True)
+        sys.exit(1)
+    """
+    proc = child(code, {"ADDR": coordinator.address}, group, "waiter")
+    if not any(proc.stdout.readline().strip() == "connecting" for _ in range(20)):
+        mt.fail("the child did not start connecting")
+    time.sleep(1.0)  # inside connect's wait by now
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        mt.fail("Ctrl-C did not interrupt connect within 20 s")
+    took = time.monotonic() - sent
+    if proc.returncode != 0 or "interrupted after" not in out:
+        mt.fail(f"exit {proc.returncode}, stdout {out!r}, stderr {err[-2000:]}")
+    if took > 5:
+        mt.fail(f"the interrupted process took {took:.1f} s to end")
+    print(f"{out.strip()}; process ended {took:.2f} s after SIGINT")
+
+
+def check_jobs_and_client(modelavg, coordinator, group):
+    addr = coordinator.address
+    job = modelavg.create_job("jobs-1", 4, "hierarchical", {2: 2, 4: 4}, warmup_steps=3,
+                              coordinator=addr)
+    if (job.spec.mode, job.spec.levels, job.spec.warmup_steps, job.state) != \
+            ("HIERARCHICAL", [(2, 2), (4, 4)], 3, "PENDING"):
+        mt.fail(f"create_job returned {job}")
+    got = modelavg.get_job("jobs-1", coordinator=addr)
+    if got.spec != job.spec or got.generation != 1:
+        mt.fail(f"get_job: {got} after creating {job}")
+    modelavg.create_job("jobs-2", 1, "PERIODIC", period=1, coordinator=addr)
+    names = [j.spec.job_id for j in modelavg.list_jobs(coordinator=addr)]
+    if names != ["jobs-1", "jobs-2"]:
+        mt.fail(f"list_jobs: {names}")
+    expect_raises("duplicate job", modelavg.AlreadyExistsError,
+                  lambda: modelavg.create_job("jobs-1", 4, "PERIODIC", period=2,
+                                              coordinator=addr), "jobs-1")
+    expect_raises("group size not dividing the world", ValueError,
+                  lambda: modelavg.create_job("bad", 4, "HIERARCHICAL", [(2, 3), (4, 4)],
+                                              coordinator=addr), "group_size", "3")
+    expect_raises("unknown mode", ValueError,
+                  lambda: modelavg.create_job("bad", 4, "SOMETIMES", period=2,
+                                              coordinator=addr), "SOMETIMES")
+    expect_raises("unknown option", TypeError,
+                  lambda: modelavg.connect(addr, "jobs-2", join_timout=3), "join_timout")
+    expect_raises("negative timeout", ValueError,
+                  lambda: modelavg.connect(addr, "jobs-2", join_timeout=-1), "join_timeout")
+    modelavg.delete_job("jobs-1", coordinator=addr)
+    expect_raises("deleted job", modelavg.NotFoundError,
+                  lambda: modelavg.get_job("jobs-1", coordinator=addr))
+
+    # A world of one: the client's properties, decisions, the wrong averager, leaving.
+    import torch
+    with modelavg.connect(addr, "jobs-2", rank=0) as client:
+        if (client.rank, client.world_size, client.generation, client.job_id) != \
+                (0, 1, 1, "jobs-2"):
+            mt.fail(f"client: {client!r}")
+        expect_raises("hierarchical averager on a periodic job",
+                      modelavg.FailedPreconditionError,
+                      lambda: modelavg.HierarchicalModelAverager(client), "PERIODIC")
+        averager = modelavg.PeriodicModelAverager(client)
+        p = torch.nn.Parameter(torch.ones(3))
+        p.grad = torch.zeros(3)
+        d = averager.average_parameters([p])
+        if (d.step, d.action, d.average, d.level, d.ranks) != (0, "AVERAGE", True, 0, [0]):
+            mt.fail(f"decision {d!r}")
+        expect_raises("a plain tensor (PyTorch refuses it too)", NotImplementedError,
+                      lambda: averager.average_parameters([torch.ones(3)]), "not supported")
+        if averager.step != 1:
+            mt.fail(f"step {averager.step}: an input PyTorch refuses must not use up a step")
+        expect_raises("negative step", ValueError, lambda: setattr(averager, "step", -1),
+                      "negative")
+    state = modelavg.get_job("jobs-2", coordinator=addr).state
+    if state != "FINISHED":
+        mt.fail(f"after the with-block the job is {state}, not FINISHED (the client left)")
+
+    # Two ranks on two threads of one process: each connect and each averaging step waits for
+    # the other thread's, which can only run if the waiting thread released the GIL.
+    modelavg.create_job("threads", 2, "PERIODIC", period=1, coordinator=addr)
+    results, errors = {}, []
+
+    def rank_thread(rank):
+        try:
+            client = modelavg.connect(addr, "threads", rank=rank, join_timeout=30)
+            averager = modelavg.PeriodicModelAverager(client)
+            p = torch.nn.Parameter(torch.full((4,), float(rank * 2)))
+            p.grad = torch.zeros(4)
+            for _ in range(3):
+                averager.average_parameters([p])
+            results[rank] = p.detach().tolist()
+            client.leave()
+        except Exception as e:  # reported below
+            errors.append(f"rank {rank}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=rank_thread, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors or any(t.is_alive() for t in threads):
+        mt.fail(f"two ranks on two threads: {errors or 'still running after 60 s'}")
+    if results != {0: [1.0] * 4, 1: [1.0] * 4}:
+        mt.fail(f"two ranks on two threads averaged to {results}")
+
+
+CHECKS = {
+    "no_such_job": check_no_such_job,
+    "spec_mismatch": check_spec_mismatch,
+    "dead_peer": check_dead_peer,
+    "unreachable": check_unreachable,
+    "interrupt": check_interrupt,
+    "jobs_and_client": check_jobs_and_client,
+}
+
+
+def main():
+    global ARGS
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--coordinator_bin")
+    p.add_argument("--python_dir")
+    p.add_argument("--check", action="append")
+    p.add_argument("--list", action="store_true")
+    ARGS = p.parse_args()
+    if ARGS.list:
+        print("\n".join(CHECKS))
+        return 0
+    if not ARGS.coordinator_bin or not ARGS.python_dir:
+        p.error("--coordinator_bin and --python_dir are required")
+    sys.path.insert(0, ARGS.python_dir)
+    import modelavg
+    for name in ARGS.check or list(CHECKS):
+        if name not in CHECKS:
+            mt.fail(f"unknown --check={name}; known: {', '.join(CHECKS)}")
+        with mt.ProcessGroup() as group:
+            coordinator = mt.Coordinator(group, ARGS.coordinator_bin)
+            CHECKS[name](modelavg, coordinator, group)
+            if coordinator.stop() != 0:
+                mt.fail(f"{name}: the coordinator did not stop cleanly:\n"
+                        f"{coordinator.log_tail()}")
+        print(f"PASS {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

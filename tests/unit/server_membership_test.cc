@@ -1,0 +1,216 @@
+// Membership and generations as a plain value class (no threads, no clock), and the hard-state
+// deltas it hands to a StateStore.
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/membership.h"
+
+namespace modelavg::server {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+const absl::Time kT0 = absl::FromUnixSeconds(1'700'000'000);
+
+std::vector<int32_t> Ranks(const JobDelta& delta) {
+  std::vector<int32_t> ranks;
+  for (const StoredMember& m : delta.members) ranks.push_back(m.rank);
+  return ranks;
+}
+
+// Joins ranks 0..world-1 as workers "w<r>"; the last completes the round.
+void JoinAll(Membership& m) {
+  for (int32_t r = 0; r < m.world_size(); ++r) {
+    absl::StatusOr<Membership::JoinResult> j = m.Join("w" + std::to_string(r), "h", r, kT0, "j");
+    ASSERT_TRUE(j.ok()) << j.status();
+    EXPECT_EQ(j->change.world_complete, r == m.world_size() - 1);
+  }
+}
+
+TEST(MembershipTest, Join_LastRank_CompletesWorldAndRecordsHeaderAndMembers) {
+  Membership m(3);
+  JoinAll(m);
+  EXPECT_EQ(m.state(), v1::RUNNING);
+  EXPECT_EQ(m.generation(), 1);
+  EXPECT_EQ(m.round_size(), 3);
+  const JobDelta delta = m.PeekDelta();
+  ASSERT_TRUE(delta.header.has_value());
+  EXPECT_EQ(delta.header->state, v1::RUNNING);
+  EXPECT_THAT(Ranks(delta), ElementsAre(0, 1, 2));
+  EXPECT_EQ(delta.members[1].worker_id, "w1");
+  EXPECT_EQ(delta.members[1].generation, 1);
+  EXPECT_FALSE(delta.clear_comm_ids);
+  m.ClearDelta();
+  EXPECT_TRUE(m.PeekDelta().empty());
+}
+
+TEST(MembershipTest, HeartbeatAndStep_WriteNoHardState) {
+  Membership m(2);
+  JoinAll(m);
+  m.ClearDelta();
+  m.Heartbeat(0, 1, 5, kT0 + absl::Seconds(1));
+  m.RecordStep(1, 6, kT0 + absl::Seconds(1));
+  EXPECT_TRUE(m.PeekDelta().empty());
+  EXPECT_EQ(m.member(0).last_step, 5);
+  EXPECT_EQ(m.member(1).last_step, 6);
+}
+
+TEST(MembershipTest, Heartbeat_OtherGeneration_KeepsNobodyAlive) {
+  Membership m(2);
+  JoinAll(m);
+  m.Heartbeat(0, 7, 5, kT0 + absl::Seconds(10));
+  EXPECT_EQ(m.member(0).last_heartbeat, kT0);
+}
+
+TEST(MembershipTest, Stale_OnlyRunningRoundMembersPastTimeout) {
+  Membership m(2);
+  ASSERT_TRUE(m.Join("w0", "h", 0, kT0, "j").ok());
+  EXPECT_TRUE(m.Stale(kT0 + absl::Hours(1), absl::Seconds(3)).empty());  // PENDING
+  ASSERT_TRUE(m.Join("w1", "h", 1, kT0, "j").ok());
+  m.Heartbeat(1, 1, 0, kT0 + absl::Seconds(2));
+  EXPECT_THAT(m.Stale(kT0 + absl::Seconds(4), absl::Seconds(3)), ElementsAre(0));
+}
+
+TEST(MembershipTest, Die_MarksDeadAndBumpsGenerationClearingIds) {
+  Membership m(2);
+  JoinAll(m);
+  m.ClearDelta();
+  const MembershipChange change = m.Die({1}, "rank 1 heartbeat timeout", kT0);
+  EXPECT_TRUE(change.generation_changed);
+  EXPECT_EQ(change.old_generation, 1);
+  EXPECT_EQ(change.changed_by_rank, 1);
+  EXPECT_EQ(m.generation(), 2);
+  EXPECT_EQ(m.state(), v1::PENDING);
+  EXPECT_EQ(m.round_size(), 0);
+  EXPECT_EQ(m.member(1).state, v1::DEAD);
+  ASSERT_TRUE(m.last_change().has_value());
+  EXPECT_EQ(m.last_change()->reason(), "rank 1 heartbeat timeout");
+  const JobDelta delta = m.PeekDelta();
+  ASSERT_TRUE(delta.header.has_value());
+  EXPECT_EQ(delta.header->generation, 2);
+  ASSERT_TRUE(delta.header->last_change.has_value());
+  EXPECT_TRUE(delta.clear_comm_ids);
+  EXPECT_THAT(Ranks(delta), ElementsAre(1));
+  EXPECT_EQ(delta.members[0].state, v1::DEAD);
+}
+
+TEST(MembershipTest, Join_RejoinWhileRunning_BumpsThenJoinsNewRound) {
+  Membership m(2);
+  JoinAll(m);
+  absl::StatusOr<Membership::JoinResult> j = m.Join("w1-restarted", "h", 1, kT0, "j");
+  ASSERT_TRUE(j.ok());
+  EXPECT_TRUE(j->change.generation_changed);
+  EXPECT_EQ(j->rank, 1);
+  EXPECT_EQ(m.generation(), 2);
+  EXPECT_EQ(m.round_size(), 1);
+  EXPECT_FALSE(m.InRound(0));
+}
+
+TEST(MembershipTest, Join_RunningWithoutRank_FailedPreconditionForStranger) {
+  Membership m(2);
+  JoinAll(m);
+  absl::StatusOr<Membership::JoinResult> j = m.Join("stranger", "h", std::nullopt, kT0, "j");
+  EXPECT_EQ(j.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(j.status().message()), HasSubstr("re-joins by naming its rank"));
+}
+
+TEST(MembershipTest, Join_TakenRank_AlreadyExists_SameWorkerWasInRound) {
+  Membership m(3);
+  ASSERT_TRUE(m.Join("a", "h", 0, kT0, "j").ok());
+  EXPECT_EQ(m.Join("b", "h", 0, kT0, "j").status().code(), absl::StatusCode::kAlreadyExists);
+  absl::StatusOr<Membership::JoinResult> again = m.Join("a", "h", 0, kT0, "j");
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->was_in_round);
+  EXPECT_EQ(m.round_size(), 1);
+}
+
+TEST(MembershipTest, Withdraw_FreesRankAndStoresRemoval) {
+  Membership m(2);
+  ASSERT_TRUE(m.Join("a", "h", 0, kT0, "j").ok());
+  m.ClearDelta();
+  m.Withdraw(0);
+  EXPECT_EQ(m.round_size(), 0);
+  const JobDelta delta = m.PeekDelta();
+  ASSERT_THAT(Ranks(delta), ElementsAre(0));
+  EXPECT_TRUE(delta.members[0].worker_id.empty());  // removed
+  absl::StatusOr<Membership::JoinResult> j = m.Join("b", "h", std::nullopt, kT0, "j");
+  ASSERT_TRUE(j.ok());
+  EXPECT_EQ(j->rank, 0);
+}
+
+TEST(MembershipTest, Leave_RunningThenAll_BumpsThenFinishes) {
+  Membership m(2);
+  JoinAll(m);
+  absl::StatusOr<Membership::LeaveResult> l0 = m.Leave(0, "rank 0 left", kT0, "j");
+  ASSERT_TRUE(l0.ok());
+  EXPECT_TRUE(l0->left);
+  EXPECT_TRUE(l0->change.generation_changed);
+  EXPECT_FALSE(l0->change.finished);
+  absl::StatusOr<Membership::LeaveResult> l1 = m.Leave(1, "rank 1 left", kT0, "j");
+  ASSERT_TRUE(l1.ok());
+  EXPECT_TRUE(l1->change.finished);
+  EXPECT_FALSE(l1->change.generation_changed);
+  EXPECT_EQ(m.state(), v1::FINISHED);
+  EXPECT_EQ(m.Join("w0", "h", 0, kT0, "j").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  absl::StatusOr<Membership::LeaveResult> again = m.Leave(1, "rank 1 left", kT0, "j");
+  ASSERT_TRUE(again.ok());
+  EXPECT_FALSE(again->left);
+}
+
+TEST(MembershipTest, Leave_NeverJoined_FailedPrecondition) {
+  Membership m(2);
+  EXPECT_EQ(m.Leave(1, "x", kT0, "j").status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(MembershipTest, Leave_PendingRound_FreesRankWithoutBump) {
+  Membership m(3);
+  ASSERT_TRUE(m.Join("a", "h", 0, kT0, "j").ok());
+  ASSERT_TRUE(m.Join("b", "h", 1, kT0, "j").ok());
+  absl::StatusOr<Membership::LeaveResult> l = m.Leave(0, "rank 0 left", kT0, "j");
+  ASSERT_TRUE(l.ok());
+  EXPECT_TRUE(l->left_pending_round);
+  EXPECT_FALSE(l->change.generation_changed);
+  EXPECT_EQ(m.generation(), 1);
+  EXPECT_EQ(m.round_size(), 1);
+}
+
+TEST(MembershipTest, Restore_ContinuesGenerationAndRound) {
+  Membership m(2);
+  JoinAll(m);
+  m.Die({0}, "rank 0 heartbeat timeout", kT0);
+  ASSERT_TRUE(m.Join("w0", "h", 0, kT0, "j").ok());
+  ASSERT_TRUE(m.Join("w1", "h", 1, kT0, "j").ok());
+  ASSERT_EQ(m.generation(), 2);
+  ASSERT_EQ(m.state(), v1::RUNNING);
+
+  // What a store would hold: the header and every member.
+  StoredJobHeader header;
+  header.state = m.state();
+  header.generation = m.generation();
+  header.last_change = m.last_change();
+  std::vector<StoredMember> members;
+  for (int32_t r = 0; r < 2; ++r) {
+    members.push_back(StoredMember{r, m.member(r).worker_id, m.member(r).host,
+                                   m.member(r).state, m.member(r).generation});
+  }
+  Membership restored(2);
+  const absl::Time later = kT0 + absl::Minutes(5);
+  restored.Restore(header, members, later);
+  EXPECT_EQ(restored.state(), v1::RUNNING);
+  EXPECT_EQ(restored.generation(), 2);
+  EXPECT_EQ(restored.round_size(), 2);
+  EXPECT_EQ(restored.member(1).last_heartbeat, later);
+  EXPECT_TRUE(restored.Stale(later + absl::Seconds(1), absl::Seconds(3)).empty());
+  EXPECT_TRUE(restored.PeekDelta().empty());
+  // Numbering continues: the next change is generation 3, never 2 again.
+  EXPECT_EQ(restored.Die({1}, "x", later).old_generation, 2);
+  EXPECT_EQ(restored.generation(), 3);
+}
+
+}  // namespace
+}  // namespace modelavg::server
