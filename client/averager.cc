@@ -83,6 +83,7 @@ absl::StatusOr<Decision> ModelAverager::AverageParameters(absl::Span<const Tenso
                            2 * client_->options().heartbeat_interval + absl::Milliseconds(500);
   while (absl::Now() < until) {
     absl::Status why = client_->CheckCanAverage(group);
+    if (!why.ok() && why.message() == s.message()) return Annotate(why, where);  // aborted
     if (!why.ok()) {
       return absl::Status(why.code(), absl::StrCat(where, " failed: ", why.message(),
                                                    " (transport error: ", s.message(), ")"));

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "absl/strings/str_cat.h"
@@ -262,6 +263,12 @@ absl::Status Client::CheckCanAverage(const SubgroupRange& group) const {
 void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
   // Who is gone? Only orderly departures of other ranks leave communicators without them usable.
   absl::StatusOr<v1::Job> job = coordinator_->GetJob(options_.job_id);
+  absl::Status abort;
+  // No collective outlives its generation: one blocked on a dead or stopped peer is broken now
+  // rather than at the collective timeout (outside mu_: the averaging thread reads it).
+  absl::Cleanup abort_collectives = [&] {
+    if (!abort.ok()) communicators_->AbortBefore(generation, abort);
+  };
   absl::MutexLock l(&mu_);
   if (generation <= latest_generation_ && !broken_.ok()) return;
   latest_generation_ = std::max(latest_generation_, generation);
@@ -285,6 +292,7 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
         " because ", why, "; this rank's communicators are stale: connect a new Client to "
         "re-join (or restart the job)"));
     spdlog::error("{}", std::string(broken_.message()));
+    abort = broken_;
   } else {
     departed_ = std::move(departed);
     spdlog::info("job {} moved to generation {} ({}); ranks that left: {}", options_.job_id,

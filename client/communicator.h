@@ -23,6 +23,13 @@ class Communicator {
   // failure, with the cause).
   virtual absl::Status AllReduceAverage(absl::Span<const TensorView> tensors) = 0;
 
+  // Makes the call in flight on another thread (if any) and every later call fail with `why`
+  // promptly, leaving their tensors as AllReduceAverage promises on an error. Thread-safe and
+  // non-blocking: called by the client's heartbeat thread when the job moves to a new
+  // generation, so that no collective outlives its generation (a stopped or hung peer must not
+  // hold the survivors for the collective timeout). Idempotent; the first `why` is kept.
+  virtual void Abort(const absl::Status& why) = 0;
+
   // This member's index in the subgroup and the subgroup's size.
   virtual int rank() const = 0;
   virtual int size() const = 0;

@@ -1,5 +1,6 @@
 #include "client/communicator_cache.h"
 
+#include <iterator>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -27,6 +28,16 @@ void CommunicatorCache::Clear() {
   comms.clear();  // Outside the lock: tearing down NCCL/Gloo state may take a while.
 }
 
+void CommunicatorCache::AbortBefore(int64_t generation, const absl::Status& why) {
+  absl::MutexLock l(&mu_);
+  if (generation <= abort_before_) return;
+  abort_before_ = generation;
+  abort_why_ = why;
+  for (auto& [key, comm] : comms_) {
+    if (key.generation < generation) comm->Abort(why);
+  }
+}
+
 bool CommunicatorCache::Contains(const CommunicatorKey& key) const {
   absl::MutexLock l(&mu_);
   return comms_.count(key) > 0;
@@ -43,11 +54,13 @@ absl::StatusOr<Communicator*> CommunicatorCache::Get(const CommunicatorSetup& se
                                                      const Device& device) {
   CommunicatorKey key{setup.generation, setup.level, setup.subgroup.index, device.kind,
                       device.is_cuda() ? device.index : 0};
-  // Held while creating: one averaging thread per client, and two creations of one key must not
-  // race on the coordinator's keys.
-  absl::MutexLock l(&mu_);
-  auto it = comms_.find(key);
-  if (it != comms_.end()) return it->second.get();
+  absl::MutexLock create(&create_mu_);
+  {
+    absl::MutexLock l(&mu_);
+    auto it = comms_.find(key);
+    if (it != comms_.end()) return it->second.get();
+    if (key.generation < abort_before_) return abort_why_;
+  }
 
   const int member = setup.rank - setup.subgroup.first_rank;
   std::unique_ptr<Communicator> comm;
@@ -70,8 +83,17 @@ absl::StatusOr<Communicator*> CommunicatorCache::Get(const CommunicatorSetup& se
     }
   } else {
 #if MODELAVG_HAVE_CUDA
+    // Every bootstrap of a key (a retry after a failed one, or a re-creation after Clear) uses
+    // a fresh coordinator key: a failed attempt's id is dead, and the coordinator keeps one id
+    // per key and generation. The members count their attempts alike: a bootstrap fails or
+    // succeeds on all of them.
+    for (auto a = nccl_attempts_.begin(); a != nccl_attempts_.end();) {
+      a = a->first.generation < setup.generation ? nccl_attempts_.erase(a) : std::next(a);
+    }
+    CommunicatorSetup attempt = setup;
+    attempt.bootstrap_attempt = nccl_attempts_[key]++;
     absl::StatusOr<std::unique_ptr<NcclCommunicator>> nccl =
-        NcclCommunicator::Create(setup, device.index);
+        NcclCommunicator::Create(attempt, device.index);
     if (!nccl.ok()) return Annotate(nccl.status(), absl::StrCat("creating the ", what));
     comm = *std::move(nccl);
 #else
@@ -82,6 +104,10 @@ absl::StatusOr<Communicator*> CommunicatorCache::Get(const CommunicatorSetup& se
   }
   spdlog::debug("created the {}", what);
   Communicator* out = comm.get();
+  absl::MutexLock l(&mu_);
+  // Aborted while it was being made: keep it (so that Clear tears it down like the others), but
+  // broken.
+  if (key.generation < abort_before_) out->Abort(abort_why_);
   comms_.emplace(key, std::move(comm));
   return out;
 }

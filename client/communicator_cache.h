@@ -43,6 +43,9 @@ struct CommunicatorSetup {
   std::function<absl::Status()> check_alive;
   // Gloo: average one-buffer parameters in place (ClientOptions::gloo_in_place).
   bool gloo_in_place = false;
+  // NCCL: which bootstrap of this subgroup in this generation (0, then 1, 2, ... after failed
+  // ones): each attempt exchanges a fresh unique id under its own key (NcclUniqueIdKey).
+  int32_t bootstrap_attempt = 0;
 
   // Scopes a v1::PublishCommIdRequest or v1::GetCommIdRequest to this job, generation, level,
   // subgroup and rank, under `key` (empty: the communicator's unique id).
@@ -81,20 +84,36 @@ class CommunicatorCache {
   // tensors in a build without CUDA.
   absl::StatusOr<Communicator*> Get(const CommunicatorSetup& setup, const Device& device);
 
-  // Drops every communicator (e.g. after a generation change).
+  // Drops every communicator (e.g. after a generation change). Must not run while another
+  // thread averages on one of them (Abort them first and let the call return).
   void Clear();
+
+  // Aborts every communicator of a generation below `generation` (Communicator::Abort with
+  // `why`), including one whose creation is under way (it is aborted as soon as it is made, and
+  // Get returns `why`). Thread-safe and non-blocking: a collective blocked on a stopped peer
+  // is broken from the heartbeat thread.
+  void AbortBefore(int64_t generation, const absl::Status& why);
 
   // Whether a communicator for `key` exists.
   bool Contains(const CommunicatorKey& key) const;
 
  private:
   absl::StatusOr<std::shared_ptr<gloo::transport::Device>> GlooDevice()
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(create_mu_);
 
   const std::string gloo_hostname_;
-  mutable absl::Mutex mu_;
-  std::shared_ptr<gloo::transport::Device> gloo_device_ ABSL_GUARDED_BY(mu_);
+  // Held while creating (one creation at a time: two creations of one key must not race on the
+  // coordinator's keys), which may block up to the setup's timeout.
+  absl::Mutex create_mu_;
+  std::shared_ptr<gloo::transport::Device> gloo_device_ ABSL_GUARDED_BY(create_mu_);
+  // Held only briefly (lookups, inserts, aborts).
+  mutable absl::Mutex mu_ ABSL_ACQUIRED_AFTER(create_mu_);
   std::map<CommunicatorKey, std::unique_ptr<Communicator>> comms_ ABSL_GUARDED_BY(mu_);
+  // Generations below abort_before_ are aborted, with abort_why_.
+  int64_t abort_before_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status abort_why_ ABSL_GUARDED_BY(mu_);
+  // Failed NCCL bootstraps per key (the next attempt's number).
+  std::map<CommunicatorKey, int32_t> nccl_attempts_ ABSL_GUARDED_BY(create_mu_);
 };
 
 }  // namespace modelavg::client

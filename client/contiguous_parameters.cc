@@ -5,6 +5,7 @@
 #include <new>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_util.h"
 #if MODELAVG_HAVE_CUDA
 #include "common/cuda_check.h"
 #endif
@@ -31,9 +32,19 @@ absl::StatusOr<std::unique_ptr<ContiguousParameters>> ContiguousParameters::Crea
     std::memset(p->base_, 0, bytes);
   } else {
 #if MODELAVG_HAVE_CUDA
-    MODELAVG_CUDA_RETURN_IF_ERROR(cudaSetDevice(device.index));
-    MODELAVG_CUDA_RETURN_IF_ERROR(cudaMalloc(&p->base_, bytes > 0 ? bytes : 1));
-    MODELAVG_CUDA_RETURN_IF_ERROR(cudaMemset(p->base_, 0, bytes));
+    ScopedCudaDevice on(device.index);
+    MODELAVG_RETURN_IF_ERROR(on.status());
+    void* base = nullptr;
+    MODELAVG_CUDA_RETURN_IF_ERROR(cudaMalloc(&base, bytes > 0 ? bytes : 1));
+    // Owned from here on, freed with cudaFree whatever fails next.
+    p->base_ = base;
+    p->cuda_ = true;
+    // Zeroed on the caller's stream and waited for: whatever stream the caller fills it on
+    // next, the zeroing has landed (a cudaMemset on the legacy stream is not ordered with a
+    // non-blocking stream, and could land after the caller's first fill).
+    MODELAVG_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(base, 0, bytes, static_cast<cudaStream_t>(cuda_stream)));
+    MODELAVG_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(static_cast<cudaStream_t>(cuda_stream)));
 #else
     return absl::UnimplementedError(
         "CUDA parameters need a modelavg built with CUDA (-DMODELAVG_WITH_CUDA=ON)");
@@ -50,7 +61,7 @@ absl::StatusOr<std::unique_ptr<ContiguousParameters>> ContiguousParameters::Crea
 
 ContiguousParameters::~ContiguousParameters() {
   if (base_ == nullptr) return;
-  if (flat_.device.is_host()) {
+  if (!cuda_) {
     std::free(base_);
   } else {
 #if MODELAVG_HAVE_CUDA

@@ -21,7 +21,9 @@ namespace modelavg::client {
 class ContiguousParameters {
  public:
   // Zero-initialised storage for tensors of `numels` elements of `dtype` on `device` (host
-  // memory, or cudaMalloc on a CUDA device; `cuda_stream` is recorded in the views).
+  // memory, or cudaMalloc on a CUDA device; `cuda_stream` is recorded in the views, and the
+  // zeroing runs on it and has finished when Create returns; the calling thread's current CUDA
+  // device is left as it was).
   // Errors: INVALID_ARGUMENT (negative numel), RESOURCE_EXHAUSTED (allocation failed),
   // FAILED_PRECONDITION (no CUDA device), UNIMPLEMENTED (CUDA in a build without CUDA).
   static absl::StatusOr<std::unique_ptr<ContiguousParameters>> Create(
@@ -41,6 +43,7 @@ class ContiguousParameters {
   std::vector<TensorView> views_;
   TensorView flat_;
   void* base_ = nullptr;
+  bool cuda_ = false;  // base_ came from cudaMalloc
 };
 
 }  // namespace modelavg::client

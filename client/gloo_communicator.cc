@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <typeinfo>
 #include <string>
 #include <utility>
 #include <vector>
@@ -18,8 +19,29 @@
 #include "gloo/math.h"
 #include "gloo/rendezvous/context.h"
 #include "gloo/rendezvous/store.h"
+#include "gloo/transport/pair.h"
 #include "gloo/transport/tcp/device.h"
 #include "spdlog/spdlog.h"
+
+// Gloo fails a TCP pair from a user thread itself (when a wait on one of its buffers times out)
+// with gloo::transport::tcp::Pair::signalExceptionExternal: under the pair's lock it wakes every
+// pending send and receive with an error and closes the socket, so that the peers' collectives
+// on the mesh fail as well. That member is protected, and Debian's libgloo-dev lacks
+// gloo/common/memory.h, which gloo/transport/tcp/pair.h includes, so the class cannot even be
+// declared here: the exported function is called by its symbol. On x86-64 (Itanium C++ ABI) a
+// member function returning a class by value takes the return slot, then `this`, then its
+// arguments, which is this declaration's signature; tcp::Pair's primary base is
+// transport::Pair, so the two pointers are equal. GlooAbortTest (client_gloo_abort_test.cc)
+// proves it on every build.
+#if defined(__x86_64__) && defined(__GLIBCXX__)
+#define MODELAVG_GLOO_PAIR_ABORT 1
+std::exception_ptr ModelavgGlooTcpPairSignalExceptionExternal(gloo::transport::Pair* pair,
+                                                             const std::string& msg)
+    __asm__("_ZN4gloo9transport3tcp4Pair23signalExceptionExternalERKNSt7__cxx1112basic_"
+            "stringIcSt11char_traitsIcESaIcEEE");
+#else
+#define MODELAVG_GLOO_PAIR_ABORT 0
+#endif
 
 namespace modelavg::client {
 namespace {
@@ -182,6 +204,53 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<gloo::Context> context, int r
 
 GlooCommunicator::~GlooCommunicator() = default;
 
+void GlooCommunicator::Abort(const absl::Status& why) {
+  {
+    absl::MutexLock l(&abort_mu_);
+    if (!aborted_.ok()) return;
+    aborted_ = why.ok() ? absl::AbortedError("the Gloo communicator was aborted") : why;
+  }
+  CloseMesh(absl::StrCat("aborted by modelavg: ", why.message()));
+}
+
+void GlooCommunicator::CloseMesh(const std::string& msg) {
+#if MODELAVG_GLOO_PAIR_ABORT
+  // The pairs exist for the communicator's whole life (Create returns after connectFullMesh),
+  // and their table is not changed after it: reading it from this thread is safe.
+  for (int i = 0; i < size_; ++i) {
+    if (i == rank_) continue;
+    gloo::transport::Pair* pair = context_->getPair(i).get();
+    if (pair == nullptr) continue;
+    if (std::string(typeid(*pair).name()) != "N4gloo9transport3tcp4PairE") {
+      spdlog::warn("Gloo pair to member {} is not a TCP pair ({}): it cannot be aborted; the "
+                   "collective ends at its timeout",
+                   i, typeid(*pair).name());
+      continue;
+    }
+    try {
+      ModelavgGlooTcpPairSignalExceptionExternal(pair, msg);
+    } catch (const std::exception& e) {
+      spdlog::debug("aborting the Gloo pair to member {}: {}", i, e.what());
+    }
+  }
+#else
+  spdlog::warn("this platform cannot abort a Gloo collective: it ends at its timeout");
+#endif
+}
+
+absl::Status GlooCommunicator::AbortedOr(absl::Status failure) const {
+  absl::MutexLock l(&abort_mu_);
+  return aborted_.ok() ? failure : aborted_;
+}
+
+absl::Status GlooCommunicator::Break(const absl::Status& failure) {
+  broken_ = AbortedOr(failure);
+  // Gloo leaves a mesh's other pairs open when one fails: a member waiting on this one would
+  // wait out its timeout. Closing them passes the failure on at once.
+  CloseMesh(absl::StrCat("a peer's collective failed: ", failure.message()));
+  return broken_;
+}
+
 absl::Status GlooCommunicator::RunSum(void* data, int64_t numel, DType dtype) {
   if (numel == 0) return absl::OkStatus();
   try {
@@ -315,10 +384,11 @@ absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
   const DType dtype = StagingDType(tensors);
   absl::MutexLock l(&mu_);
   if (!broken_.ok()) return broken_;
+  if (absl::Status a = AbortedOr(absl::OkStatus()); !a.ok()) return broken_ = a;
   if (!layout_checked_ || checked_numel_ != *total || checked_dtype_ != dtype) {
     absl::Status s = CheckLayout(*total, dtype);
     if (!s.ok()) {
-      if (s.code() != absl::StatusCode::kInvalidArgument) broken_ = s;
+      if (s.code() != absl::StatusCode::kInvalidArgument) s = Break(s);
       return s;
     }
   }
@@ -335,7 +405,7 @@ absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
       backup = staging_.data();
     }
     absl::Status s = RunAverage(single, *total, dtype, backup, kDefaultMaxSegment);
-    if (!s.ok()) broken_ = s;
+    if (!s.ok()) s = Break(s);
     return s;
   }
   // Anything else: one flat staging buffer, copied back only on success.
@@ -348,10 +418,7 @@ absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
     PackDivided(tensors, dtype, static_cast<double>(size_), staging_.data());
     s = RunSum(staging_.data(), *total, dtype);
   }
-  if (!s.ok()) {
-    broken_ = s;
-    return s;
-  }
+  if (!s.ok()) return Break(s);
   Unpack(staging_.data(), dtype, tensors);
   return absl::OkStatus();
 }
@@ -362,12 +429,22 @@ absl::Status GlooCommunicator::AllReduceSum(void* data, int64_t numel, DType dty
   }
   absl::MutexLock l(&mu_);
   if (!broken_.ok()) return broken_;
+  if (absl::Status a = AbortedOr(absl::OkStatus()); !a.ok()) return broken_ = a;
   absl::Status s = RunSum(data, numel, dtype);
-  if (!s.ok()) broken_ = s;
+  if (!s.ok()) s = Break(s);
   return s;
 }
 
+void SoloCommunicator::Abort(const absl::Status& why) {
+  absl::MutexLock l(&mu_);
+  if (aborted_.ok()) aborted_ = why.ok() ? absl::AbortedError("aborted") : why;
+}
+
 absl::Status SoloCommunicator::AllReduceAverage(absl::Span<const TensorView> tensors) {
+  {
+    absl::MutexLock l(&mu_);
+    if (!aborted_.ok()) return aborted_;
+  }
   // The mean of one member is its own value; only the arguments are checked.
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].numel < 0 || (tensors[i].numel > 0 && tensors[i].data == nullptr)) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -60,6 +61,13 @@ class GlooCommunicator : public Communicator {
   // A plain in-place SUM all-reduce of one float32 or float64 buffer, for baselines.
   absl::Status AllReduceSum(void* data, int64_t numel, DType dtype);
 
+  // Breaks a collective blocked in another thread: every pair of the mesh is failed at the
+  // transport (its pending sends and receives are woken with an error and its socket closed, so
+  // the peers' collectives on this mesh fail as well). The blocked call restores its tensors
+  // from the backup (the in-place mode leaves them undefined, as on any failure) and returns
+  // `why`, as does every later call.
+  void Abort(const absl::Status& why) override;
+
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   // Tests only: the next averaging all-reduce fails after `n` reductions on this member.
@@ -88,12 +96,23 @@ class GlooCommunicator : public Communicator {
   // Every member's (total numel, staging dtype) must be equal.
   absl::Status CheckLayout(int64_t numel, DType dtype) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RunSum(void* data, int64_t numel, DType dtype) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The abort reason when Abort was called, `failure` otherwise.
+  absl::Status AbortedOr(absl::Status failure) const;
+  // Fails every pair of the mesh with `msg` (their pending operations wake with an error and
+  // the sockets close, so the peers' collectives fail too). Thread-safe.
+  void CloseMesh(const std::string& msg);
+  // Marks the communicator broken after a transport failure (the abort reason wins) and closes
+  // the mesh. Returns the status to report.
+  absl::Status Break(const absl::Status& failure) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::shared_ptr<gloo::Context> context_;
   const int rank_;
   const int size_;
   const absl::Duration timeout_;
   const bool in_place_;
+  // Guards only aborted_: taken by Abort while mu_ is held by the collective it breaks.
+  mutable absl::Mutex abort_mu_;
+  absl::Status aborted_ ABSL_GUARDED_BY(abort_mu_);
   mutable absl::Mutex mu_;
   // Whether the division can be fused into Gloo's ring (ProbeFusedAverage).
   bool fused_ ABSL_GUARDED_BY(mu_) = false;
@@ -117,8 +136,13 @@ absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CreateGlooDevice(
 class SoloCommunicator : public Communicator {
  public:
   absl::Status AllReduceAverage(absl::Span<const TensorView> tensors) override;
+  void Abort(const absl::Status& why) override;
   int rank() const override { return 0; }
   int size() const override { return 1; }
+
+ private:
+  mutable absl::Mutex mu_;
+  absl::Status aborted_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace modelavg::client

@@ -2,23 +2,29 @@
 // MODELAVG_HAVE_CUDA.
 //
 // Bootstrap: the lowest rank of the subgroup calls ncclGetUniqueId and publishes it with
-// PublishCommId; the others fetch it with GetCommId; all call ncclCommInitRankConfig with
-// blocking = 0, so that both the init and every collective can be abandoned with ncclCommAbort.
-// Averaging: when the tensors are back to back in one buffer of one dtype (see
-// ContiguousParameters) the all-reduce runs in place with no copy; otherwise one fused gather
-// kernel fills a persistent staging buffer and one fused scatter copies the result back. All
-// work is ordered on the first tensor's stream; the host waits by polling cudaStreamQuery and
+// PublishCommId under the attempt's key (NcclUniqueIdKey); the others fetch it with GetCommId;
+// all call ncclCommInitRankConfig with blocking = 0, so that both the init and every collective
+// can be abandoned with ncclCommAbort.
+// Averaging (the host logic is NcclCore, nccl_core.h): every call first all-reduces an 8-int64
+// layout signature, which also carries local failures, so that the members always issue the
+// same collectives. When the tensors are back to back in one buffer of one dtype (see
+// ContiguousParameters) the all-reduce then runs in place with no copy; otherwise one fused
+// gather kernel fills a persistent staging buffer (every tensor at a 16-byte aligned offset) and
+// one fused scatter copies the result back; bfloat16 is reduced in float32. All work is ordered
+// on the first tensor's stream; the host waits by polling cudaStreamQuery and
 // ncclCommGetAsyncError against a deadline (never cudaDeviceSynchronize) and aborts the
-// communicator on a timeout or a generation change.
+// communicator on a timeout or a generation change. Every entry point restores the calling
+// thread's current CUDA device before returning.
 #ifndef MODELAVG_CLIENT_NCCL_COMMUNICATOR_H_
 #define MODELAVG_CLIENT_NCCL_COMMUNICATOR_H_
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
-#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -26,13 +32,15 @@
 #include "absl/synchronization/mutex.h"
 #include "client/communicator.h"
 #include "client/communicator_cache.h"
+#include "client/nccl_core.h"
 #include "client/staging_kernels.h"
 
 namespace modelavg::client {
 
-class NcclCommunicator : public Communicator {
+class NcclCommunicator : public Communicator, private NcclDeviceOps {
  public:
-  // Bootstraps the subgroup's communicator on CUDA device `device`.
+  // Bootstraps the subgroup's communicator on CUDA device `device` (attempt
+  // setup.bootstrap_attempt).
   // Errors: FAILED_PRECONDITION (no CUDA device or driver; stale generation), DEADLINE_EXCEEDED
   // (the unique id or a member's init did not arrive within setup.timeout), ABORTED (the
   // generation changed while waiting), INTERNAL (NCCL/CUDA errors, with the call site).
@@ -43,35 +51,61 @@ class NcclCommunicator : public Communicator {
       const ncclUniqueId& id, int member, int size, int device, absl::Duration timeout,
       std::function<absl::Status()> check_alive);
 
-  // Aborts the communicator if it is broken, destroys it otherwise; frees the staging buffer.
+  // Aborts the communicator if it is broken, finalizes and destroys it otherwise; frees the
+  // staging buffers.
   ~NcclCommunicator() override;
 
-  // Errors as Communicator::AllReduceAverage. The zero-copy path (one contiguous buffer)
-  // reduces the caller's memory in place: a failure mid-collective leaves it undefined (the
-  // communicator is aborted); the staged path leaves it untouched.
+  // Errors as Communicator::AllReduceAverage, except that a failure every member learns in the
+  // layout check (a member's local failure, different layouts) leaves the communicator usable.
+  // The zero-copy path (one contiguous buffer) reduces the caller's memory in place: a failure
+  // mid-collective leaves it undefined (the communicator is aborted); the staged path leaves it
+  // untouched.
   absl::Status AllReduceAverage(absl::Span<const TensorView> tensors) override;
 
-  // A raw in-place ncclAllReduce(ncclAvg) of one buffer, waited for (benchmark baseline).
-  absl::Status RawAllReduceAvg(void* data, int64_t numel, DType dtype, cudaStream_t stream);
+  // A raw in-place ncclAllReduce of one buffer (ncclAvg, or ncclSum with `sum`), waited for
+  // (benchmark baseline; tests of NCCL's arithmetic).
+  absl::Status RawAllReduce(void* data, int64_t numel, DType dtype, cudaStream_t stream,
+                            bool sum = false);
+  absl::Status RawAllReduceAvg(void* data, int64_t numel, DType dtype, cudaStream_t stream) {
+    return RawAllReduce(data, numel, dtype, stream);
+  }
 
   // Whether the last AllReduceAverage ran without staging copies.
-  bool last_was_zero_copy() const { return last_zero_copy_; }
+  bool last_was_zero_copy() const;
 
   int rank() const override { return member_; }
   int size() const override { return size_; }
 
+  // Generation change (Communicator::Abort). Only records `why`: the thread waiting on the
+  // collective sees it at its next poll (tens of microseconds) and fails, which aborts the
+  // communicator (ncclCommAbort) on that thread, the one that could still be polling it.
+  void Abort(const absl::Status& why) override;
+
  private:
+  // The reason given to Abort(why), or OK.
+  absl::Status AbortRequested() const;
+
   NcclCommunicator(ncclComm_t comm, int member, int size, int device, absl::Duration timeout,
                    std::function<absl::Status()> check_alive);
-  // Waits until `stream` has drained, failing (and aborting) on an NCCL error, the deadline or a
-  // generation change.
-  absl::Status Wait(cudaStream_t stream, const char* what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // NcclDeviceOps (called with mu_ held, from NcclCore).
+  absl::Status Malloc(void** p, size_t bytes) override;
+  void Free(void* p) override;
+  absl::Status MallocHost(void** p, size_t bytes) override;
+  void FreeHost(void* p) override;
+  absl::Status Zero(void* p, size_t bytes, void* stream) override;
+  absl::Status Copy(void* dst, const void* src, size_t bytes, void* stream) override;
+  absl::Status Gather(const StagingChunk* chunks, int64_t num_chunks, void* staging,
+                      int32_t staging_code, void* stream) override;
+  absl::Status Scatter(const StagingChunk* chunks, int64_t num_chunks, const void* staging,
+                       int32_t staging_code, void* stream) override;
+  absl::Status AllReduce(void* buffer, size_t count, Reduce op, int32_t staging_code,
+                         void* stream) override;
+  absl::Status Wait(void* stream, const char* what) override;
+  void Abort() override;
+
   // Waits for a non-blocking NCCL call to leave ncclInProgress.
-  absl::Status WaitNcclReady(const char* what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status CheckLayout(int64_t numel, int32_t dtype, cudaStream_t stream)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status Fail(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status Run(absl::Span<const TensorView> tensors) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status WaitNcclReady(const char* what);
 
   ncclComm_t comm_;
   const int member_;
@@ -79,22 +113,13 @@ class NcclCommunicator : public Communicator {
   const int device_;
   const absl::Duration timeout_;
   const std::function<absl::Status()> check_alive_;
-  absl::Mutex mu_;
-  absl::Status broken_ ABSL_GUARDED_BY(mu_);
-  bool aborted_ ABSL_GUARDED_BY(mu_) = false;
-  bool last_zero_copy_ = false;
-  // Layout verified across the members.
-  bool layout_checked_ ABSL_GUARDED_BY(mu_) = false;
-  int64_t checked_numel_ ABSL_GUARDED_BY(mu_) = 0;
-  int32_t checked_dtype_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t* sig_device_ ABSL_GUARDED_BY(mu_) = nullptr;
-  int64_t* sig_host_ ABSL_GUARDED_BY(mu_) = nullptr;  // pinned
-  // Persistent staging and the chunk table of the last layout (device + pinned host copy).
-  void* staging_ ABSL_GUARDED_BY(mu_) = nullptr;
-  size_t staging_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  StagingChunk* chunks_device_ ABSL_GUARDED_BY(mu_) = nullptr;
-  size_t chunks_capacity_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<StagingChunk> chunks_host_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> aborted_{false};
+  // Abort(why) from another thread; polled by Wait and WaitNcclReady.
+  std::atomic<bool> abort_requested_{false};
+  mutable absl::Mutex abort_mu_;
+  absl::Status abort_why_ ABSL_GUARDED_BY(abort_mu_);
+  mutable absl::Mutex mu_;
+  NcclCore core_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace modelavg::client

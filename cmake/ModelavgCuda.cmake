@@ -22,6 +22,9 @@ if(NOT MODELAVG_WITH_CUDA STREQUAL "OFF")
       # Hopper (H100/H200) and Ampere; PTX for newer parts.
       set(CMAKE_CUDA_ARCHITECTURES 80-real 90)
     endif()
+    # One CUDA runtime: the shared libcudart that CUDA::cudart (and NCCL) use. nvcc's default,
+    # the static cudart, would link a second copy with its own state beside it.
+    set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
     enable_language(CUDA)
     set(CMAKE_CUDA_STANDARD 17)
     add_library(modelavg_nccl_imported INTERFACE)

@@ -32,6 +32,32 @@ inline absl::Status NcclStatus(ncclResult_t res, const char* expr, const char* f
                                          ")"));
 }
 
+// Sets the calling thread's current CUDA device for a scope and restores the previous one: the
+// library never leaves a trainer's thread on another device.
+class ScopedCudaDevice {
+ public:
+  explicit ScopedCudaDevice(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (previous_ != device) {
+      status_ = CudaStatus(cudaSetDevice(device), "cudaSetDevice", __FILE__, __LINE__);
+    }
+  }
+  ~ScopedCudaDevice() {
+    int now = -1;
+    if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_) {
+      cudaSetDevice(previous_);
+    }
+  }
+  ScopedCudaDevice(const ScopedCudaDevice&) = delete;
+  ScopedCudaDevice& operator=(const ScopedCudaDevice&) = delete;
+  // cudaSetDevice's result.
+  const absl::Status& status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  absl::Status status_;
+};
+
 }  // namespace modelavg
 
 #define MODELAVG_CUDA_RETURN_IF_ERROR(expr)                                           \

@@ -13,10 +13,14 @@ build_packages=(
   libabsl-dev libspdlog-dev libgloo-dev prometheus-cpp-dev
   # gRPC's health and reflection protos, for modelavg-health and modelavg-rpc.
   grpc-proto
+  # Coordinator --state_dir (SQLite).
+  libsqlite3-dev
 )
 packages=(
   "${build_packages[@]}" build-essential git
   libgtest-dev libgmock-dev
+  # The sqlite3 shell backs the coordinator's state up while it runs (README).
+  sqlite3
   # Tests: reflection-only client (like grpcurl), PyTorch conformance, compose/k8s file checks.
   python3 python3-grpcio python3-grpc-tools python3-torch python3-yaml
   # The Python package (pybind11 binding, built for the system's python3).

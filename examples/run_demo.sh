@@ -12,6 +12,8 @@
 #   MODELAVG_DEMO_BACKEND  auto (default: nccl when this machine has a GPU per rank, else gloo),
 #                          gloo or nccl
 #   MODELAVG_DEMO_TIMEOUT  seconds before the demo gives up (default: 600)
+#   MODELAVG_DEMO_PREBUILT 1: install nothing and build nothing; run the binaries already built
+#                          in MODELAVG_BUILD_DIR (how the test suite runs it, after its build)
 # Exit status: 0 when every worker finished, non-zero otherwise. Nothing is left running.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,19 +41,23 @@ else
   say() { printf '== %s\n' "$*"; }
 fi
 
-say "dependencies"
-bash deploy/install_deps.sh
+if [ "${MODELAVG_DEMO_PREBUILT:-0}" = 1 ]; then
+  say "prebuilt binaries in ${build} (MODELAVG_DEMO_PREBUILT=1: nothing installed or built)"
+else
+  say "dependencies"
+  bash deploy/install_deps.sh
 
-say "build (${build}, -j${jobs})"
-if [ ! -f "$build/CMakeCache.txt" ]; then
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  say "build (${build}, -j${jobs})"
+  if [ ! -f "$build/CMakeCache.txt" ]; then
+    cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  fi
+  cmake --build "$build" -j "$jobs" --target modelavg-coordinator modelavg-demo
 fi
-cmake --build "$build" -j "$jobs" --target modelavg-coordinator modelavg-demo
 
 find_binary() {
   local f
   f=$(find "$build" -type f -name "$1" -perm -u+x -print -quit)
-  [ -n "$f" ] || { echo "run_demo: $1 was not built in $build" >&2; exit 1; }
+  [ -n "$f" ] || { echo "run_demo: $1 was not built in $build (build it, or unset MODELAVG_DEMO_PREBUILT)" >&2; exit 1; }
   echo "$f"
 }
 coordinator_bin=$(find_binary modelavg-coordinator)

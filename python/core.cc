@@ -291,11 +291,17 @@ class PyAverager {
   // The decision at step() when it is a skip, taken (the step advances); None when the step
   // averages (or the decision is not known yet): the caller then collects its tensors and calls
   // Average. Cheap: no RPC within the prefetched window, no thread, no tensors.
+  // Without the GIL: once per schedule_window steps the decision costs a GetSchedule RPC (at
+  // most rpc_timeout; not interruptible, unlike the waits of an averaging step).
   std::optional<Decision> TakeSkip() {
     CheckNoInterruptedCall();
-    absl::StatusOr<Decision> next = client_->DecisionAt(averager_->step());
-    if (!next.ok() || next->average) return std::nullopt;
-    absl::StatusOr<Decision> d = averager_->AverageParameters({});
+    absl::StatusOr<Decision> d;
+    {
+      py::gil_scoped_release nogil;
+      absl::StatusOr<Decision> next = client_->DecisionAt(averager_->step());
+      if (!next.ok() || next->average) return std::nullopt;
+      d = averager_->AverageParameters({});
+    }
     if (!d.ok()) Raise(d.status(), /*averaging=*/true);
     return *d;
   }

@@ -240,6 +240,7 @@ class HeartbeatStreamReactor final
     }
     v1::HeartbeatResponse reply;
     if (absl::Status s = job_->Heartbeat(request_, &reply); !s.ok()) return End(s);
+    reply.set_coordinator_incarnation(registry_->incarnation());
     const bool per_beat = reply_interval_ == absl::ZeroDuration();
     const absl::Time now = absl::Now();
     bool write = false;
@@ -421,8 +422,12 @@ grpc::ServerUnaryReactor* CoordinatorService::Join(grpc::CallbackServerContext* 
   auto* reactor = new WaitReactor(*job, id, metrics_, RpcMethod::kJoin);
   // Nothing may touch `reactor` after this call: the core may finish it at once.
   (*job)->Join(*request, CallDeadline(ctx), id,
-               [reactor, response](absl::StatusOr<v1::JoinResponse> result) {
-                 if (result.ok()) *response = *std::move(result);
+               [reactor, response,
+                incarnation = registry_->incarnation()](absl::StatusOr<v1::JoinResponse> result) {
+                 if (result.ok()) {
+                   *response = *std::move(result);
+                   response->set_coordinator_incarnation(incarnation);
+                 }
                  reactor->Complete(result.status());
                });
   return reactor;
@@ -434,6 +439,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Heartbeat(grpc::CallbackServerCont
   if (absl::Status s = Authorize(ctx); !s.ok()) return Finish(ctx, RpcMethod::kHeartbeat, s);
   absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request->job_id());
   if (!job.ok()) return Finish(ctx, RpcMethod::kHeartbeat, job.status());
+  response->set_coordinator_incarnation(registry_->incarnation());
   return Finish(ctx, RpcMethod::kHeartbeat, (*job)->Heartbeat(*request, response));
 }
 
@@ -516,6 +522,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Ping(grpc::CallbackServerContext* 
                                                    v1::PingResponse* response) {
   if (absl::Status s = Authorize(ctx); !s.ok()) return Finish(ctx, RpcMethod::kPing, s);
   response->set_unix_ms(absl::ToUnixMillis(absl::Now()));
+  response->set_coordinator_incarnation(registry_->incarnation());
   return Finish(ctx, RpcMethod::kPing, absl::OkStatus());
 }
 

@@ -101,9 +101,11 @@ Job::Job(v1::JobSpec spec, Schedule schedule, const JobDefaults& defaults, Clock
 
 Job::~Job() = default;
 
-void Job::Restore(const StoredJob& stored) {
+void Job::Restore(const StoredJob& stored, absl::Duration grace) {
   absl::MutexLock lock(&mu_);
-  membership_.Restore(stored.header, stored.members, clock_->Now());
+  const absl::Time now = clock_->Now();
+  membership_.Restore(stored.header, stored.members, now);
+  grace_until_ = now + std::max(grace, heartbeat_timeout_);
   comm_ids_.Clear();
   for (const StoredCommId& c : stored.comm_ids) {
     comm_ids_.Put(CommKey{c.level, c.subgroup, c.key}, c.blob);
@@ -576,7 +578,11 @@ void Job::CheckStaleness() {
   absl::MutexLock lock(&mu_);
   if (!closed_.ok()) return;
   const absl::Time now = clock_->Now();
-  if (std::vector<int32_t> dead = membership_.Stale(now, heartbeat_timeout_); !dead.empty()) {
+  // After a restart, members re-attach within the grace period: a member is dead only once
+  // both the grace period and its heartbeat timeout have passed.
+  if (std::vector<int32_t> dead =
+          now < grace_until_ ? std::vector<int32_t>{} : membership_.Stale(now, heartbeat_timeout_);
+      !dead.empty()) {
     for (int32_t r : dead) {
       spdlog::warn("job {}: rank {} (worker \"{}\") sent no heartbeat for {} ms; DEAD", id(), r,
                    membership_.member(r).worker_id,

@@ -71,11 +71,14 @@ class Job {
   Job& operator=(const Job&) = delete;
 
   // Continues from the state a StateStore kept (after a coordinator restart): the generation,
-  // its members and its ids. Members of a RUNNING generation count as having sent a heartbeat
-  // now. Call before the Job is shared.
-  void Restore(const StoredJob& stored);
+  // its members and its ids. No member is declared dead before `grace` has passed (its
+  // heartbeat timeout at least): the workers re-attach with their next heartbeat. Call before
+  // the Job is shared.
+  void Restore(const StoredJob& stored, absl::Duration grace);
 
   const std::string& id() const { return spec_.job_id(); }
+  // The spec as created (timeouts of 0 not yet resolved to the defaults).
+  const v1::JobSpec& spec() const { return spec_; }
   int32_t world_size() const { return schedule_.world_size(); }
   int64_t created_unix_ms() const { return created_unix_ms_; }
   absl::Duration heartbeat_timeout() const { return heartbeat_timeout_; }
@@ -193,6 +196,8 @@ class Job {
   PendingWaits waits_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<uint64_t, std::shared_ptr<JobWatcher>>> watchers_ ABSL_GUARDED_BY(mu_);
   uint64_t next_watcher_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // Restore: no heartbeat timeout before this time.
+  absl::Time grace_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // Set by Close: every new wait fails with it.
   absl::Status closed_ ABSL_GUARDED_BY(mu_);
 };

@@ -26,7 +26,10 @@ ABSL_FLAG(std::string, jobs_file, "",
           "Jobs to create at start-up: JSON or protobuf text format of JobSpecList "
           "({\"jobs\": [JobSpec, ...]}) or of one JobSpec.");
 ABSL_FLAG(std::string, metrics_listen, "",
-          "Serve Prometheus metrics on http://HOST:PORT/metrics (empty: off).");
+          "Serve Prometheus metrics on http://HOST:PORT/metrics (empty: off; port 0: any).");
+ABSL_FLAG(std::string, metrics_port_file, "",
+          "Once serving, write the metrics endpoint's bound HOST:PORT to this file (needs "
+          "--metrics_listen).");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS (with --tls_key).");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert.");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -37,6 +40,13 @@ ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, crit
 ABSL_FLAG(int64_t, default_heartbeat_timeout_ms, 3000,
           "Heartbeat timeout of jobs whose spec says 0.");
 ABSL_FLAG(int64_t, default_join_timeout_ms, 300000, "Join timeout of jobs whose spec says 0.");
+ABSL_FLAG(std::string, state_dir, "",
+          "Keep every job's state in SQLite under this directory (created 0700) and continue the "
+          "stored jobs on a restart. Empty: in memory only (a restart forgets every job).");
+ABSL_FLAG(int64_t, recovery_grace_ms, 10000,
+          "After a restart with --state_dir: how long the members of a running job have to "
+          "re-attach (their next heartbeat) before any is declared dead; at least the job's "
+          "heartbeat timeout. In (0, 3600000].");
 
 namespace {
 
@@ -49,7 +59,8 @@ int Fail(const std::string& what) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "modelavg-coordinator --listen=HOST:PORT [--jobs_file=F] [--metrics_listen=HOST:PORT] "
+      "modelavg-coordinator --listen=HOST:PORT [--state_dir=DIR] [--jobs_file=F] "
+      "[--metrics_listen=HOST:PORT] "
       "[--tls_cert=F --tls_key=F [--tls_client_ca=F]] [--auth_token_file=F] [--log_level=info]");
   absl::ParseCommandLine(argc, argv);
   // Lock-order cycle detection (on in this Abseil build) costs a graph update per lock on every
@@ -69,11 +80,18 @@ int main(int argc, char** argv) {
                 "--default_join_timeout_ms in (0, 86400000]");
   }
   options.defaults.heartbeat_timeout = absl::Milliseconds(hb);
+  const int64_t grace = absl::GetFlag(FLAGS_recovery_grace_ms);
+  if (grace <= 0 || grace > 3600000) return Fail("--recovery_grace_ms must be in (0, 3600000]");
+  options.recovery_grace = absl::Milliseconds(grace);
+  options.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.defaults.join_timeout = absl::Milliseconds(join);
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  if (!absl::GetFlag(FLAGS_metrics_port_file).empty() && options.metrics_listen.empty()) {
+    return Fail("--metrics_port_file needs --metrics_listen (e.g. --metrics_listen=127.0.0.1:0)");
+  }
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
     absl::StatusOr<std::string> token = modelavg::ReadTokenFile(path);
     if (!token.ok()) return Fail(absl::StrCat("--auth_token_file: ", token.status().message()));
@@ -99,15 +117,24 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<modelavg::server::CoordinatorServer>> server =
       modelavg::server::CoordinatorServer::Start(options);
   if (!server.ok()) return Fail(server.status().ToString());
-  if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
-    // Written whole under a temporary name, then renamed: readers never see half a line.
+  // Written whole under a temporary name, then renamed: readers never see half a line.
+  auto write_address = [](const std::string& path, const std::string& address) {
     const std::string tmp = absl::StrCat(path, ".tmp");
     {
       std::ofstream out(tmp, std::ios::trunc);
-      out << (*server)->address() << "\n";
-      if (!out) return Fail(absl::StrCat("cannot write --port_file ", path));
+      out << address << "\n";
+      if (!out) return false;
     }
-    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return std::rename(tmp.c_str(), path.c_str()) == 0;
+  };
+  // The metrics address first: a script that saw --port_file may read both.
+  if (const std::string path = absl::GetFlag(FLAGS_metrics_port_file); !path.empty()) {
+    if (!write_address(path, (*server)->metrics_address())) {
+      return Fail(absl::StrCat("cannot write --metrics_port_file ", path));
+    }
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
+    if (!write_address(path, (*server)->address())) {
       return Fail(absl::StrCat("cannot write --port_file ", path));
     }
   }

@@ -25,4 +25,61 @@ start=$(date +%s)
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo ${MODELAVG_CMAKE_ARGS:-}
 cmake --build "$build" -j "$jobs"
 echo "build: $(( $(date +%s) - start )) s"
-ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 300 "$@"
+
+# The tests run with a private TMPDIR; afterwards nothing of theirs may be left: no process
+# started from this build or from the repository's test scripts, no temporary folder (in the
+# private TMPDIR, or a new modelavg* one in the shared temp folder for a test that ignores
+# TMPDIR). MODELAVG_LEFTOVER_CHECK=0 skips the check (e.g. on a machine where other runs of
+# modelavg share the temp folder).
+shared_tmp=${TMPDIR:-/tmp}
+run_tmp=$(mktemp -d "$shared_tmp/modelavg-run.XXXXXX")
+shared_before=$(find "$shared_tmp" -maxdepth 1 -name 'modelavg*' ! -path "$run_tmp" | sort)
+rc=0
+TMPDIR=$run_tmp ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 300 "$@" ||
+  rc=$?
+
+# Prints "PID COMMAND" for every live process whose program is in the build folder or whose
+# command line runs a script of tests/ or examples/.
+leftover_processes() {
+  local build_abs repo_abs self=$BASHPID d pid exe cmd
+  build_abs=$(cd "$build" && pwd -P)
+  repo_abs=$(pwd -P)
+  for d in /proc/[0-9]*; do
+    pid=${d#/proc/}
+    [ "$pid" = "$$" ] || [ "$pid" = "$self" ] && continue
+    exe=$(readlink "$d/exe" 2>/dev/null) || continue
+    cmd=$(tr '\0' ' ' <"$d/cmdline" 2>/dev/null) || continue
+    case "$exe" in "$build_abs"/*) echo "$pid $cmd"; continue ;; esac
+    case "$cmd" in *"$repo_abs/tests/"* | *"$repo_abs/examples/"*) echo "$pid $cmd" ;; esac
+  done
+}
+if [ "${MODELAVG_LEFTOVER_CHECK:-1}" != 0 ]; then
+  left=""
+  for _ in $(seq 50); do  # processes that are exiting get 10 s
+    left=$(leftover_processes)
+    [ -z "$left" ] && break
+    sleep 0.2
+  done
+  if [ -n "$left" ]; then
+    echo "leftovers: the tests left these processes running (killed now):" >&2
+    echo "$left" >&2
+    for pid in $(echo "$left" | cut -d' ' -f1); do kill -KILL "$pid" 2>/dev/null || true; done
+    rc=1
+  fi
+  files=$(find "$run_tmp" -mindepth 1 -maxdepth 1 | sort)
+  if [ -n "$files" ]; then
+    echo "leftovers: the tests left these in their TMPDIR:" >&2
+    echo "$files" >&2
+    rc=1
+  fi
+  shared_new=$(comm -13 <(echo "$shared_before") \
+    <(find "$shared_tmp" -maxdepth 1 -name 'modelavg*' ! -path "$run_tmp" | sort))
+  if [ -n "$shared_new" ]; then
+    echo "leftovers: new in $shared_tmp during the tests (a test ignoring TMPDIR?):" >&2
+    echo "$shared_new" >&2
+    rc=1
+  fi
+  [ "$rc" -ne 0 ] || echo "leftovers: none (no process, no temporary folder)"
+fi
+rm -rf "$run_tmp"
+exit "$rc"

@@ -1,13 +1,21 @@
-// The NCCL path on one GPU: the staging kernels' results, one-rank communicators (zero-copy and
-// staged), abort of a communicator whose peer never arrives or whose generation moves on, and
-// the bootstrap through a coordinator. NCCL refuses two ranks of one communicator on the same
-// GPU, so multi-rank correctness is carried by the same code path that the Gloo tests prove.
+// The NCCL path on one GPU: the staging kernels' results against a host reference (the padded
+// layout with large aligned float32 tensors on the 16-byte vector path, misaligned mixed dtypes
+// on the element path), one-rank communicators in every dtype (zero-copy and staged, NCCL's
+// ncclSum and ncclAvg), ContiguousParameters' zeroing order, abort of a communicator whose peer
+// never arrives or whose generation moves on, and the bootstrap through a coordinator. NCCL
+// refuses two ranks of one communicator on the same GPU, so with one GPU every average is of one
+// member: the multi-member logic (layout agreement, local failures, averaging arithmetic, bootstrap
+// retry) is covered by the host tests in tests/unit/client_nccl_*_test.cc.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -16,8 +24,10 @@
 #include "client/half.h"
 #include "client/nccl_communicator.h"
 #include "client/staging_kernels.h"
+#include "client/staging_layout.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/gpu/gpu_test_env.h"
 #if MODELAVG_TEST_WITH_SERVER
 #include "client/averager.h"
 #include "client/client.h"
@@ -28,16 +38,43 @@
 namespace modelavg::client {
 namespace {
 
+
+double LoadAs(const void* p, int32_t code, int64_t i) {
+  switch (code) {
+    case kStageF32:
+      return static_cast<const float*>(p)[i];
+    case kStageF64:
+      return static_cast<const double*>(p)[i];
+    case kStageF16:
+      return HalfToFloat(static_cast<const uint16_t*>(p)[i]);
+    default:
+      return BFloat16ToFloat(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+void StoreAs(void* p, int32_t code, int64_t i, double v) {
+  switch (code) {
+    case kStageF32:
+      static_cast<float*>(p)[i] = static_cast<float>(v);
+      break;
+    case kStageF64:
+      static_cast<double*>(p)[i] = v;
+      break;
+    case kStageF16:
+      static_cast<uint16_t*>(p)[i] = FloatToHalf(static_cast<float>(v));
+      break;
+    default:
+      static_cast<uint16_t*>(p)[i] = FloatToBFloat16(static_cast<float>(v));
+      break;
+  }
+}
+
+const DType kAllDTypes[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16};
+
 class NcclGpuTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    int count = 0;
-    const cudaError_t err = cudaGetDeviceCount(&count);
-    if (err != cudaSuccess) {
-      GTEST_SKIP() << "no usable CUDA device: cudaGetDeviceCount failed with "
-                   << cudaGetErrorName(err) << " (" << cudaGetErrorString(err) << ")";
-    }
-    if (count == 0) GTEST_SKIP() << "no CUDA device: cudaGetDeviceCount returned 0";
+    MODELAVG_REQUIRE_OR_SKIP_GPU();
     ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
     ASSERT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess);
   }
@@ -64,6 +101,69 @@ class NcclGpuTest : public ::testing::Test {
   }
   ~NcclGpuTest() override {
     for (void* p : allocations_) cudaFree(p);
+  }
+
+
+  // Tensors of `spec` (values exact in every dtype), each `shift` bytes past a cudaMalloc'd
+  // (256-byte aligned) allocation. The padded gather into a `code` staging buffer must match a
+  // host gather; the scatter of doubled values must land in every tensor and nowhere else.
+  void GatherScatterAgainstHost(const std::vector<std::pair<DType, int64_t>>& spec, size_t shift,
+                                int32_t code) {
+    const size_t margin = 16;
+    std::vector<std::vector<char>> host;
+    std::vector<TensorView> views;
+    for (size_t t = 0; t < spec.size(); ++t) {
+      const auto [dtype, n] = spec[t];
+      const int32_t tc = StagingCodeOf(dtype);
+      std::vector<char> h(shift + n * DTypeSize(dtype) + margin, 0x5a);
+      for (int64_t i = 0; i < n; ++i) StoreAs(h.data() + shift, tc, i, 0.5 * (t + 1) + 0.25 * (i % 127));
+      char* d = static_cast<char*>(Upload(h.data(), h.size()));
+      views.push_back(TensorView{d + shift, n, dtype, Device::Cuda(0), stream_});
+      host.push_back(std::move(h));
+    }
+    const StagingLayout layout = BuildStagingLayout(views, code, /*pad=*/true);
+    const size_t esize = StagingCodeSize(code);
+    for (const StagingChunk& c : layout.chunks) {
+      ASSERT_EQ(c.staging_offset * esize % kStagingAlignBytes, 0u);
+    }
+    auto* dchunks = static_cast<StagingChunk*>(
+        Upload(layout.chunks.data(), layout.chunks.size() * sizeof(StagingChunk)));
+    void* staging = Upload(std::vector<char>(layout.elems * esize, 0).data(), layout.elems * esize);
+    ASSERT_EQ(LaunchGather(dchunks, layout.chunks.size(), staging, code, stream_), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    std::vector<char> got = Download<char>(staging, layout.elems * esize);
+    std::vector<char> doubled = got;
+    size_t chunk = 0;
+    for (size_t t = 0; t < spec.size(); ++t) {
+      const int32_t tc = StagingCodeOf(spec[t].first);
+      for (int64_t start = 0; start < spec[t].second; start += kStagingChunkElems, ++chunk) {
+        const StagingChunk& c = layout.chunks[chunk];
+        for (int64_t i = 0; i < c.numel; ++i) {
+          const double want = LoadAs(host[t].data() + shift, tc, start + i);
+          ASSERT_EQ(LoadAs(got.data(), code, c.staging_offset + i), want)
+              << "tensor " << t << " element " << start + i;
+          StoreAs(doubled.data(), code, c.staging_offset + i, 2 * want);
+        }
+      }
+    }
+    ASSERT_EQ(cudaMemcpy(staging, doubled.data(), doubled.size(), cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // stream_ does not wait on the legacy one
+    ASSERT_EQ(LaunchScatter(dchunks, layout.chunks.size(), staging, code, stream_), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    for (size_t t = 0; t < spec.size(); ++t) {
+      const int32_t tc = StagingCodeOf(spec[t].first);
+      std::vector<char> back =
+          Download<char>(static_cast<char*>(views[t].data) - shift, host[t].size());
+      for (size_t b = 0; b < shift; ++b) ASSERT_EQ(back[b], 0x5a) << "tensor " << t;
+      for (int64_t i = 0; i < spec[t].second; ++i) {
+        ASSERT_EQ(LoadAs(back.data() + shift, tc, i), 2 * LoadAs(host[t].data() + shift, tc, i))
+            << "tensor " << t << " element " << i;
+      }
+      for (size_t b = host[t].size() - margin; b < host[t].size(); ++b) {
+        ASSERT_EQ(back[b], 0x5a) << "tensor " << t << ": the scatter wrote past its end";
+      }
+    }
   }
 
   cudaStream_t stream_ = nullptr;
@@ -159,6 +259,7 @@ TEST_F(NcclGpuTest, OneRankCommunicator_ContiguousIsZeroCopy_StagedMixedIsIdenti
   ASSERT_EQ(cudaMemcpy((*params)->flat().data, init.data(), init.size() * 4,
                        cudaMemcpyHostToDevice),
             cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // stream_ does not wait on the legacy one
   ASSERT_TRUE((*comm)->AllReduceAverage((*params)->views()).ok());
   EXPECT_TRUE((*comm)->last_was_zero_copy());
   EXPECT_EQ(Download<float>((*params)->flat().data, init.size()), init);
@@ -175,6 +276,127 @@ TEST_F(NcclGpuTest, OneRankCommunicator_ContiguousIsZeroCopy_StagedMixedIsIdenti
 
   TensorView host{h.data(), 2, DType::kFloat16};
   EXPECT_EQ((*comm)->AllReduceAverage({host}).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(NcclGpuTest, StagingKernels_PaddedLayout_LargeAlignedFloat32_MatchesHostReference) {
+  // A float32 scalar first: unpadded, it would put every later tensor at 4 mod 16 bytes and
+  // off the 16-byte vector path.
+  GatherScatterAgainstHost({{DType::kFloat32, 1},
+                            {DType::kFloat32, 1 << 22},
+                            {DType::kFloat32, 3 * kStagingChunkElems + 7},
+                            {DType::kFloat32, 5}},
+                           /*shift=*/0, kStageF32);
+}
+
+TEST_F(NcclGpuTest, StagingKernels_MisalignedMixedDTypes_MatchHostReference) {
+  const std::vector<std::pair<DType, int64_t>> mixed = {
+      {DType::kFloat32, 1},  {DType::kFloat16, 7},     {DType::kBFloat16, 9},
+      {DType::kFloat32, 70001}, {DType::kFloat64, 3}, {DType::kFloat16, kStagingChunkElems + 5}};
+  // 8 bytes past 16-byte alignment: naturally aligned for every dtype, never 16-byte aligned.
+  GatherScatterAgainstHost(mixed, /*shift=*/8, kStageF64);
+  GatherScatterAgainstHost(mixed, /*shift=*/8, kStageF32);
+  // One dtype, misaligned by 2 bytes: the same-dtype copy's byte path.
+  GatherScatterAgainstHost({{DType::kFloat16, 3}, {DType::kFloat16, 2 * kStagingChunkElems + 1}},
+                           /*shift=*/2, kStageF16);
+}
+
+TEST_F(NcclGpuTest, OneRankCommunicator_EveryDType_AverageAndRawSumAndAvgAreIdentity) {
+  ncclUniqueId id;
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  auto comm = NcclCommunicator::CreateWithId(id, 0, 1, 0, absl::Seconds(60), nullptr);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  for (DType dtype : kAllDTypes) {
+    SCOPED_TRACE(std::string(DTypeName(dtype)));
+    const int32_t code = StagingCodeOf(dtype);
+    const size_t es = DTypeSize(dtype);
+    // Values: for the 2-byte types every bit pattern but NaNs and subnormals (which a
+    // flush-to-zero kernel may zero); else a spread of magnitudes.
+    const int64_t n = es == 2 ? 65536 : 3 * kStagingChunkElems + 11;
+    std::vector<char> host(n * es);
+    for (int64_t i = 0; i < n; ++i) {
+      if (es == 2) {
+        uint16_t bits = static_cast<uint16_t>(i);
+        const bool nan = dtype == DType::kFloat16 ? (bits & 0x7c00) == 0x7c00 && (bits & 0x3ff)
+                                                  : (bits & 0x7f80) == 0x7f80 && (bits & 0x7f);
+        const bool subnormal = dtype == DType::kFloat16
+                                   ? (bits & 0x7c00) == 0 && (bits & 0x3ff)
+                                   : (bits & 0x7f80) == 0 && (bits & 0x7f);
+        if (nan || subnormal) bits = 0;
+        std::memcpy(host.data() + i * 2, &bits, 2);
+      } else {
+        StoreAs(host.data(), code, i, (i % 2 ? -1.0 : 1.0) * std::ldexp(1.0 + (i % 1000) / 1000.0, static_cast<int>(i % 60) - 30));
+      }
+    }
+    // One buffer (zero-copy except bfloat16, which is staged through float32).
+    auto params = ContiguousParameters::Create({n / 2, 1, n - n / 2 - 1}, dtype, Device::Cuda(0),
+                                               stream_);
+    ASSERT_TRUE(params.ok()) << params.status();
+    void* flat = (*params)->flat().data;
+    ASSERT_EQ(cudaMemcpy(flat, host.data(), host.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // stream_ does not wait on the legacy one
+    ASSERT_TRUE((*comm)->AllReduceAverage((*params)->views()).ok());
+    EXPECT_EQ((*comm)->last_was_zero_copy(), dtype != DType::kBFloat16);
+    EXPECT_EQ(Download<char>(flat, host.size()), host) << "contiguous AllReduceAverage";
+    // Separately allocated tensors: staged (padded layout).
+    void* a = Upload(host.data(), 3 * es);
+    void* b = Upload(host.data() + 3 * es, (n - 3) * es);
+    std::vector<TensorView> separate = {TensorView{a, 3, dtype, Device::Cuda(0), stream_},
+                                        TensorView{b, n - 3, dtype, Device::Cuda(0), stream_}};
+    ASSERT_TRUE((*comm)->AllReduceAverage(separate).ok());
+    EXPECT_FALSE((*comm)->last_was_zero_copy());
+    std::vector<char> back = Download<char>(a, 3 * es);
+    std::vector<char> rest = Download<char>(b, (n - 3) * es);
+    back.insert(back.end(), rest.begin(), rest.end());
+    EXPECT_EQ(back, host) << "staged AllReduceAverage";
+    // NCCL's own arithmetic in this dtype, one member: ncclSum and ncclAvg are the identity.
+    for (bool sum : {true, false}) {
+      ASSERT_TRUE((*comm)->RawAllReduce(flat, n, dtype, stream_, sum).ok());
+      EXPECT_EQ(Download<char>(flat, host.size()), host) << (sum ? "ncclSum" : "ncclAvg");
+    }
+  }
+  int device = -1;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  EXPECT_EQ(device, 0);
+}
+
+TEST_F(NcclGpuTest, OneRankCommunicator_LayoutChangesAndALocalError_StayUsable) {
+  ncclUniqueId id;
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  auto comm = NcclCommunicator::CreateWithId(id, 0, 1, 0, absl::Seconds(60), nullptr);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  std::vector<float> v(12);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = 1.5f * i;
+  void* d = Upload(v.data(), v.size() * 4);
+  TensorView all{d, 12, DType::kFloat32, Device::Cuda(0), stream_};
+  TensorView head{d, 10, DType::kFloat32, Device::Cuda(0), stream_};
+  TensorView tail{static_cast<float*>(d) + 11, 1, DType::kFloat32, Device::Cuda(0), stream_};
+  ASSERT_TRUE((*comm)->AllReduceAverage({all}).ok());
+  ASSERT_TRUE((*comm)->AllReduceAverage({head}).ok());
+  ASSERT_TRUE((*comm)->AllReduceAverage({head, tail}).ok());
+  TensorView host{v.data(), 2, DType::kFloat32};
+  EXPECT_EQ((*comm)->AllReduceAverage({head, host}).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE((*comm)->AllReduceAverage({tail, head}).ok()) << "the communicator stays usable";
+  EXPECT_EQ(Download<float>(d, 12), v);
+}
+
+TEST_F(NcclGpuTest, ContiguousParameters_ZeroedOnTheCallersStream_BeforeItsFirstFill) {
+  // Keep the legacy default stream busy: a zeroing queued there would land after the fill.
+  ASSERT_EQ(cudaLaunchHostFunc(
+                cudaStreamLegacy,
+                [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(500)); },
+                nullptr),
+            cudaSuccess);
+  const int64_t n = 1 << 20;
+  auto params = ContiguousParameters::Create({n}, DType::kFloat32, Device::Cuda(0), stream_);
+  ASSERT_TRUE(params.ok()) << params.status();
+  std::vector<float> ones(n, 1.0f);
+  ASSERT_EQ(cudaMemcpyAsync((*params)->flat().data, ones.data(), n * 4, cudaMemcpyHostToDevice,
+                            stream_),
+            cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<float> got = Download<float>((*params)->flat().data, n);
+  EXPECT_EQ(std::count(got.begin(), got.end(), 1.0f), n)
+      << "the zeroing ran after the caller's first fill";
 }
 
 TEST_F(NcclGpuTest, Create_PeerNeverArrives_DeadlineExceededAndAborted) {

@@ -1,5 +1,5 @@
 // Runs a job of real worker processes (tests/integration/client_worker.cc) against a real
-// coordinator process, and simulates what every rank must print.
+// coordinator process, and simulates what every rank must print from an independent reference.
 #ifndef MODELAVG_TESTS_INTEGRATION_CLIENT_JOB_HARNESS_H_
 #define MODELAVG_TESTS_INTEGRATION_CLIENT_JOB_HARNESS_H_
 
@@ -16,9 +16,8 @@
 #include "absl/strings/strip.h"
 #include "client/coordinator_client.h"
 #include "client/half.h"
-#include "common/job_spec.h"
-#include "common/schedule.h"
 #include "tests/integration/client_test_processes.h"
+#include "tests/integration/naive_schedule.h"
 #include "tests/tools/make_job_spec.h"
 
 namespace modelavg::testing {
@@ -85,12 +84,13 @@ inline double RoundTo(const std::string& dtype, double v) {
 }
 
 // expected[step][rank] = the values client_worker must print (exact arithmetic: group sizes
-// are powers of two, so dividing, summing and converting are exact at these magnitudes).
-inline std::vector<std::vector<StepLine>> Simulate(const Schedule& schedule,
+// are powers of two, so dividing, summing and converting are exact at these magnitudes). The
+// decisions come from NaiveDecide (tests/integration/naive_schedule.h), not from the library.
+inline std::vector<std::vector<StepLine>> Simulate(const v1::JobSpec& spec,
                                                    const std::string& layout, int64_t first_step,
                                                    int64_t steps) {
   const std::vector<LayoutItem> items = ParseLayout(layout);
-  const int world = schedule.world_size();
+  const int world = spec.world_size();
   bool any64 = false;
   for (const auto& it : items) any64 = any64 || it.dtype == "f64";
   const std::string staging = any64 ? "f64" : "f32";
@@ -108,15 +108,16 @@ inline std::vector<std::vector<StepLine>> Simulate(const Schedule& schedule,
     std::vector<std::vector<double>> next = v;
     std::vector<StepLine> lines(world);
     for (int r = 0; r < world; ++r) {
-      const Decision d = schedule.DecisionFor(s, r);
+      const NaiveDecision d = NaiveDecide(spec, s, r);
       lines[r].step = s;
       lines[r].rank = r;
       lines[r].action = d.average ? "AVERAGE" : "SKIP";
-      lines[r].level = d.average ? d.level : -1;
+      lines[r].level = d.level;
       if (d.average) {
+        const double n = static_cast<double>(d.group.size());
         for (size_t k = 0; k < items.size(); ++k) {
           double sum = 0;
-          for (int m : d.subgroup.Ranks()) sum += RoundTo(staging, v[m][k] / d.subgroup.size);
+          for (int m : d.group) sum += RoundTo(staging, v[m][k] / n);
           next[r][k] = RoundTo(items[k].dtype, RoundTo(staging, sum));
         }
       }
@@ -132,11 +133,14 @@ inline std::vector<std::vector<StepLine>> Simulate(const Schedule& schedule,
   return out;
 }
 
-// A coordinator process plus an admin connection to it.
+// A coordinator process plus an admin connection to it, in a temporary directory that holds
+// every process's output and is removed with the Cluster. Start workers after the Cluster so
+// that they are stopped before it.
 class Cluster {
  public:
-  explicit Cluster(const std::string& name) : dir_(MakeTempDir(name)) {
-    coordinator_ = std::make_unique<CoordinatorProcess>(MODELAVG_COORDINATOR_BIN, dir_);
+  explicit Cluster(const std::string& name) : dir_(name) {
+    if (dir_.path().empty()) return;
+    coordinator_ = std::make_unique<CoordinatorProcess>(MODELAVG_COORDINATOR_BIN, dir_.path());
     if (coordinator_->address().empty()) return;
     client::CoordinatorClientOptions o;
     o.address = coordinator_->address();
@@ -144,7 +148,7 @@ class Cluster {
     if (c.ok()) admin_ = *std::move(c);
   }
   bool ok() const { return admin_ != nullptr; }
-  const std::string& dir() const { return dir_; }
+  const std::string& dir() const { return dir_.path(); }
   CoordinatorProcess& coordinator() { return *coordinator_; }
   client::CoordinatorClient* admin() { return admin_.get(); }
 
@@ -157,13 +161,14 @@ class Cluster {
                                        "--coordinator=" + coordinator_->address(),
                                        "--job=" + job, absl::StrCat("--rank=", r)};
       for (const auto& f : flags) argv.push_back(f);
-      out.push_back(std::make_unique<Process>(argv, absl::StrCat(dir_, "/", job, "-rank", r)));
+      out.push_back(
+          std::make_unique<Process>(argv, absl::StrCat(dir_.path(), "/", job, "-rank", r)));
     }
     return out;
   }
 
  private:
-  std::string dir_;
+  TempDir dir_;  // removed last, after the coordinator has stopped
   std::unique_ptr<CoordinatorProcess> coordinator_;
   std::unique_ptr<client::CoordinatorClient> admin_;
 };

@@ -1,15 +1,19 @@
-// Child processes for the client's integration tests: a modelavg-coordinator on a free
-// loopback port and worker processes, each with stdout and stderr captured in files.
+// Child processes for the client's integration tests: a modelavg-coordinator on 127.0.0.1:0
+// (the port from its --port_file) and worker processes, each in its own process group with
+// stdout and stderr captured in files, killed as a group when the Process goes away.
 #ifndef MODELAVG_TESTS_INTEGRATION_CLIENT_TEST_PROCESSES_H_
 #define MODELAVG_TESTS_INTEGRATION_CLIENT_TEST_PROCESSES_H_
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -22,6 +26,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "tests/tools/temp_dir.h"
 
 namespace modelavg::testing {
 
@@ -30,16 +35,6 @@ inline std::string ReadWholeFile(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
-}
-
-// A fresh directory under $TEST_TMPDIR or /tmp.
-inline std::string MakeTempDir(const std::string& name) {
-  const char* base = std::getenv("TEST_TMPDIR");
-  std::string tmpl = absl::StrCat(base ? base : "/tmp", "/", name, ".XXXXXX");
-  std::vector<char> buf(tmpl.begin(), tmpl.end());
-  buf.push_back('\0');
-  if (mkdtemp(buf.data()) == nullptr) return "/tmp";
-  return buf.data();
 }
 
 class Process {
@@ -52,8 +47,14 @@ class Process {
     std::vector<char*> args;
     for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
+    const pid_t parent = getpid();
     pid_ = fork();
     if (pid_ == 0) {
+      // Its own process group, so that it is stopped and killed as a group; and killed if
+      // this test process dies without running its destructors.
+      setpgid(0, 0);
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(127);
       const int out = open(out_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       const int err = open(err_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       if (out >= 0) dup2(out, 1);
@@ -61,9 +62,12 @@ class Process {
       execv(args[0], args.data());
       _exit(127);
     }
+    if (pid_ > 0) setpgid(pid_, pid_);  // also here: no race with a signal sent right away
   }
+  // Kills the child's whole process group (a stopped one too) and reaps the child.
   ~Process() {
     if (!exit_code_.has_value() && pid_ > 0) {
+      kill(-pid_, SIGKILL);
       kill(pid_, SIGKILL);
       int st;
       waitpid(pid_, &st, 0);
@@ -73,7 +77,8 @@ class Process {
   Process& operator=(const Process&) = delete;
 
   pid_t pid() const { return pid_; }
-  void Signal(int sig) { kill(pid_, sig); }
+  // Sends `sig` to the child's process group.
+  void Signal(int sig) { kill(-pid_, sig); }
 
   // The exit code (128 + signal for a signal), or nullopt if still running at the deadline.
   std::optional<int> Wait(absl::Duration timeout) {

@@ -16,13 +16,16 @@ down cleanly on SIGTERM.
 """
 
 import argparse
+import atexit
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import yaml
@@ -186,14 +189,16 @@ def main():
             mt.fail(f"service {name} runs {program}, not a program of this build "
                     f"({', '.join(sorted(binaries))})")
 
-    logs_dir = os.environ.get("TMPDIR", "/tmp")
+    # Every service's log, in a folder removed on any exit (failures print the tails first).
+    logs_dir = tempfile.mkdtemp(prefix="modelavg-topology-")
+    atexit.register(shutil.rmtree, logs_dir, True)
     procs = {}
     logs = {}
     with mt.ProcessGroup() as group:
         for name in topo.start_order():
             argv = topo.rewrite(name, as_argv(topo.services[name]["command"]))
             print(f"[{name}] {' '.join(argv)}", flush=True)
-            log_path = os.path.join(logs_dir, f"modelavg-topology-{os.getpid()}-{name}.log")
+            log_path = os.path.join(logs_dir, f"{name}.log")
             logs[name] = log_path
             procs[name] = group.start(argv, name, env=topo.environment(name),
                                       stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
@@ -231,9 +236,6 @@ def main():
     for name in workers:
         if not any(n == name for n, _ in failed) and "final loss" not in open(logs[name]).read():
             problems.append(f"{name} exited 0 but printed no final loss")
-    for path in logs.values():
-        if not problems:
-            os.remove(path)
     if problems:
         mt.fail("the compose topology did not run cleanly:\n" + "\n".join(problems))
     print(f"PASS: {len(servers)} server(s) and {len(workers)} workers of docker-compose.yml ran "

@@ -12,3 +12,8 @@ add_test(NAME server_reflection_test
   COMMAND /usr/bin/python3 ${CMAKE_CURRENT_SOURCE_DIR}/server_reflection_test.py
           --coordinator=$<TARGET_FILE:modelavg-coordinator>)
 set_tests_properties(server_reflection_test PROPERTIES TIMEOUT 120 LABELS integration)
+add_test(NAME server_reflection_test_reverse_order
+  COMMAND /usr/bin/python3 ${CMAKE_CURRENT_SOURCE_DIR}/server_reflection_test.py
+          --coordinator=$<TARGET_FILE:modelavg-coordinator> --reverse)
+set_tests_properties(server_reflection_test_reverse_order PROPERTIES TIMEOUT 120
+  LABELS integration)

@@ -21,6 +21,7 @@
 #include "server/coordinator_server.h"
 #include "common/file_util.h"
 #include "server/jobs_file.h"
+#include "tests/tools/temp_dir.h"
 
 namespace modelavg::server {
 namespace {
@@ -635,25 +636,33 @@ TEST_F(ServerTest, Shutdown_PendingWaits_Unavailable) {
                              levels { period: 1 group_size: 2 })pb")
                   .ok());
   grpc::Status status;
+  std::atomic<bool> returned{false};
   std::thread waiter([&] {
     v1::JoinRequest join;
     join.set_job_id("j");
     join.set_worker_id("w");
     v1::JoinResponse joined;
     status = stub_->Join(Context().get(), join, &joined);
+    returned = true;
   });
   // Wait until the Join is registered, then stop the server under it.
+  v1::Job job;
   for (int i = 0; i < 2000; ++i) {
     v1::GetJobRequest get;
     get.set_job_id("j");
-    v1::Job job;
     ASSERT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
     if (job.members_size() == 1) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
+  // The Join is pending: its member is registered and the call has not returned (a Join sent
+  // after the shutdown would also get UNAVAILABLE, but from the transport, not this message).
+  ASSERT_EQ(job.members_size(), 1) << "the Join never registered";
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_FALSE(returned) << "the Join returned before the shutdown: " << status.error_message();
   server_->Shutdown();
   waiter.join();
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("the coordinator is shutting down"));
 }
 
 TEST_F(ServerTest, Health_DefaultService_Serving) {
@@ -719,9 +728,8 @@ TEST_F(ServerTest, TokenAuth_RightTokenAccepted_MissingOrWrongRefused) {
 class TlsTest : public ServerTest {
  protected:
   void SetUp() override {
-    char tmpl[] = "/tmp/modelavg_tls_XXXXXX";
-    ASSERT_NE(mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
+    dir_ = modelavg::testing::MakeTempDir("tls");  // under $TMPDIR
+    ASSERT_NE(dir_, "");
     for (const char* name : {"server", "client"}) {
       const std::string cmd = absl::StrCat(
           "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=localhost "

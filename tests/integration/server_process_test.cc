@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -16,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -25,6 +27,7 @@
 #include "modelavg/v1/coordinator.grpc.pb.h"
 #include "common/file_util.h"
 #include "server/jobs_file.h"
+#include "tests/tools/temp_dir.h"
 
 namespace modelavg::server {
 namespace {
@@ -34,12 +37,12 @@ using ::testing::HasSubstr;
 class DaemonTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char tmpl[] = "/tmp/modelavg_daemon_XXXXXX";
-    ASSERT_NE(mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
+    dir_ = modelavg::testing::MakeTempDir("daemon");  // under $TMPDIR
+    ASSERT_NE(dir_, "");
   }
   void TearDown() override {
     if (pid_ > 0) {
+      kill(-pid_, SIGKILL);  // its process group (see Spawn)
       kill(pid_, SIGKILL);
       waitpid(pid_, nullptr, 0);
     }
@@ -57,9 +60,14 @@ class DaemonTest : public ::testing::Test {
     std::vector<std::string> args = {MODELAVG_COORDINATOR_BIN};
     args.insert(args.end(), flags.begin(), flags.end());
     const std::string err = absl::StrCat(dir_, "/stderr");
+    const pid_t parent = getpid();
     pid_ = fork();
     ASSERT_GE(pid_, 0);
     if (pid_ == 0) {
+      // Its own process group, killed as a group; killed too if this test process dies.
+      setpgid(0, 0);
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(127);
       const int fd = open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       dup2(fd, 2);
       std::vector<char*> argv;
@@ -68,6 +76,7 @@ class DaemonTest : public ::testing::Test {
       execv(argv[0], argv.data());
       _exit(127);
     }
+    setpgid(pid_, pid_);
   }
 
   // Waits for the port file; "" if the daemon exited first or nothing came within 30 s.
@@ -116,19 +125,6 @@ std::unique_ptr<grpc::ClientContext> Context(const std::string& token = "tok") {
   return ctx;
 }
 
-// A port that was free a moment ago (for --metrics_listen, which reports no port file).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
 std::string HttpGet(int port, const std::string& path) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
@@ -156,12 +152,18 @@ TEST_F(DaemonTest, Daemon_JobsFileWorkersAndSigterm_PendingJoinsUnavailableExitZ
      "levels": [{"period": 2, "group_size": 3}]}]})");
   const std::string token = Write("token", "tok\n");
   const std::string port_file = absl::StrCat(dir_, "/port");
-  const int metrics_port = FreePort();
+  const std::string metrics_port_file = absl::StrCat(dir_, "/metrics_port");
   Spawn({"--listen=127.0.0.1:0", "--port_file=" + port_file, "--jobs_file=" + jobs,
-         "--auth_token_file=" + token, absl::StrCat("--metrics_listen=127.0.0.1:", metrics_port),
-         "--log_level=debug"});
+         "--auth_token_file=" + token, "--metrics_listen=127.0.0.1:0",
+         "--metrics_port_file=" + metrics_port_file, "--log_level=debug"});
   const std::string address = WaitForAddress(port_file);
   ASSERT_NE(address, "") << Stderr();
+  // Written before --port_file: present now.
+  const std::string metrics_address = WaitForAddress(metrics_port_file);
+  int metrics_port = 0;
+  ASSERT_TRUE(absl::StartsWith(metrics_address, "127.0.0.1:") &&
+              absl::SimpleAtoi(metrics_address.substr(10), &metrics_port) && metrics_port > 0)
+      << "--metrics_port_file says '" << metrics_address << "'";
   auto stub = v1::Coordinator::NewStub(
       grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
 
@@ -223,6 +225,9 @@ TEST_F(DaemonTest, Daemon_BadFlags_ExitNonZeroWithReason) {
   Spawn({"--listen=127.0.0.1:0", "--auth_token_file=" + dir_ + "/missing"});
   EXPECT_EQ(WaitExit(), 2);
   EXPECT_THAT(Stderr(), HasSubstr("auth_token_file"));
+  Spawn({"--listen=127.0.0.1:0", "--metrics_port_file=" + dir_ + "/metrics_port"});
+  EXPECT_EQ(WaitExit(), 2);
+  EXPECT_THAT(Stderr(), HasSubstr("--metrics_port_file needs --metrics_listen"));
 }
 
 }  // namespace

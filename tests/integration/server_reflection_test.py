@@ -53,38 +53,51 @@ def message_class(pool, name):
 
 
 class ReflectionTest(unittest.TestCase):
+    """Each test has a coordinator of its own, so the tests hold in any order (the reverse
+    order runs as its own ctest entry)."""
+
     @classmethod
     def setUpClass(cls):
-        cls.tmp = tempfile.mkdtemp(prefix="modelavg_reflection_")
-        cls.pb2, cls.pb2_grpc = compile_reflection_proto(cls.tmp)
-        token_file = os.path.join(cls.tmp, "token")
-        with open(token_file, "w") as f:
-            f.write(TOKEN + "\n")
-        port_file = os.path.join(cls.tmp, "port")
-        cls.log = open(os.path.join(cls.tmp, "coordinator.log"), "w")
-        cls.proc = subprocess.Popen(
-            [COORDINATOR, "--listen=127.0.0.1:0", "--port_file=" + port_file,
-             "--auth_token_file=" + token_file],
-            stderr=cls.log)
-        deadline = time.time() + 30
-        while not os.path.exists(port_file):
-            if cls.proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError("the coordinator did not start")
-            time.sleep(0.02)
-        with open(port_file) as f:
-            cls.address = f.read().strip()
-        cls.channel = grpc.insecure_channel(cls.address)
-        cls.pool = descriptor_pool.DescriptorPool()
-        cls.loaded_files = set()
+        cls.class_tmp = tempfile.mkdtemp(prefix="modelavg-reflection-")
+        cls.pb2, cls.pb2_grpc = compile_reflection_proto(cls.class_tmp)
 
     @classmethod
     def tearDownClass(cls):
-        cls.channel.close()
-        if cls.proc.poll() is None:
-            cls.proc.send_signal(signal.SIGTERM)
-            cls.proc.wait(timeout=30)
-        cls.log.close()
-        shutil.rmtree(cls.tmp, ignore_errors=True)
+        shutil.rmtree(cls.class_tmp, ignore_errors=True)
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="coordinator-", dir=self.class_tmp)
+        token_file = os.path.join(self.tmp, "token")
+        with open(token_file, "w") as f:
+            f.write(TOKEN + "\n")
+        port_file = os.path.join(self.tmp, "port")
+        self.log = open(os.path.join(self.tmp, "coordinator.log"), "w")
+        self.proc = subprocess.Popen(
+            [COORDINATOR, "--listen=127.0.0.1:0", "--port_file=" + port_file,
+             "--auth_token_file=" + token_file],
+            stderr=self.log, start_new_session=True)
+        self.addCleanup(self.stop_coordinator)
+        deadline = time.time() + 30
+        while not os.path.exists(port_file):
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("the coordinator did not start")
+            time.sleep(0.02)
+        with open(port_file) as f:
+            self.address = f.read().strip()
+        self.channel = grpc.insecure_channel(self.address)
+        self.addCleanup(self.channel.close)
+        self.pool = descriptor_pool.DescriptorPool()
+        self.loaded_files = set()
+
+    def stop_coordinator(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
 
     # --- the reflection client -------------------------------------------------------------
 
@@ -185,6 +198,8 @@ class ReflectionTest(unittest.TestCase):
         self.assertIn("refl", [j["spec"]["job_id"] for j in listed["jobs"]])
 
     def test_4_errors_and_auth(self):
+        self.call("CreateJob", """{"spec": {"job_id": "refl", "world_size": 2,
+            "mode": "PERIODIC", "levels": [{"period": 1, "group_size": 2}]}}""")
         with self.assertRaises(grpc.RpcError) as bad:
             self.call("GetSchedule", '{"job_id": "refl", "count": 0}')
         self.assertEqual(bad.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
@@ -203,6 +218,11 @@ class ReflectionTest(unittest.TestCase):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--coordinator", required=True)
+    parser.add_argument("--reverse", action="store_true",
+                        help="run the tests in reverse order (they must not depend on it)")
     args, rest = parser.parse_known_args()
     COORDINATOR = args.coordinator
+    if args.reverse and not rest:
+        names = sorted(n for n in dir(ReflectionTest) if n.startswith("test_"))
+        rest = [f"ReflectionTest.{n}" for n in reversed(names)]
     unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)

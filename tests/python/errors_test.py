@@ -210,6 +210,57 @@ def check_interrupt(modelavg, coordinator, group):
         mt.fail(f"the interrupted process took {took:.1f} s to end")
     print(f"{out.strip()}; process ended {took:.2f} s after SIGINT")
 
+    # Ctrl-C in an averaging step whose peer never comes: KeyboardInterrupt at once; the averager
+    # then refuses new calls while the interrupted collective may still write the tensors.
+    modelavg.create_job("stuck-average", 2, "PERIODIC", period=1,
+                        coordinator=coordinator.address)
+    code = """
+        import os, sys, time
+        import torch, modelavg
+        rank = int(os.environ["RANK"])
+        client = modelavg.connect(os.environ["ADDR"], "stuck-average", rank=rank,
+                                  collective_timeout=60)
+        if rank == 1:
+            time.sleep(60)  # never averages
+            sys.exit(0)
+        averager = modelavg.PeriodicModelAverager(client)
+        p = torch.nn.Parameter(torch.ones(8))
+        p.grad = torch.zeros(8)
+        print("averaging", flush=True)
+        start = time.monotonic()
+        try:
+            averager.average_parameters([p])
+            print("average returned", flush=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            print(f"interrupted after {time.monotonic() - start:.2f} s", flush=True)
+        try:
+            averager.average_parameters([p])
+        except modelavg.FailedPreconditionError as e:
+            print(f"refused: {e}", flush=True)
+            sys.exit(0)
+        sys.exit(2)
+    """
+    peer = child(code, {"ADDR": coordinator.address, "RANK": "1"}, group, "idle peer")
+    proc = child(code, {"ADDR": coordinator.address, "RANK": "0"}, group, "averager")
+    if not any(proc.stdout.readline().strip() == "averaging" for _ in range(50)):
+        mt.fail("rank 0 did not start averaging")
+    time.sleep(1.0)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        mt.fail("Ctrl-C did not interrupt average_parameters within 20 s")
+    took = time.monotonic() - sent
+    peer.kill()
+    if proc.returncode != 0 or "interrupted after" not in out or "refused:" not in out \
+            or "interrupted average_parameters call" not in out:
+        mt.fail(f"averaging: exit {proc.returncode}, stdout {out!r}, stderr {err[-2000:]}")
+    if took > 5:
+        mt.fail(f"the interrupted averaging process took {took:.1f} s to end")
+    print(f"averaging interrupted; process ended {took:.2f} s after SIGINT")
+
 
 def check_jobs_and_client(modelavg, coordinator, group):
     addr = coordinator.address

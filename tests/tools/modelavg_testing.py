@@ -1,11 +1,14 @@
 """Helpers for the Python end-to-end tests: start a coordinator, talk to it, run processes.
 
-Every process a test starts is tracked by a ProcessGroup and killed (by its pid) when the group
-is closed, so a failing test leaves nothing running.
+Every process a test starts runs in a session (and process group) of its own, is tracked by a
+ProcessGroup and is killed as a group when the group is closed, so a failing test leaves nothing
+running. Temporary folders made here are removed when the group closes (the generated gRPC stubs
+at once, once imported).
 """
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,23 +39,32 @@ class ProcessGroup:
 
     def __init__(self):
         self.procs = []
+        self.dirs = []
 
     def start(self, argv, name, env=None, stdout=subprocess.PIPE, stderr=subprocess.PIPE):
         proc = subprocess.Popen(argv, stdout=stdout, stderr=stderr, text=True, env=env,
-                                start_new_session=False)
+                                start_new_session=True)
         proc.name = name
         self.procs.append(proc)
         return proc
 
+    def temp_dir(self, prefix):
+        """A fresh temporary folder, removed by close()."""
+        path = tempfile.mkdtemp(prefix=prefix)
+        self.dirs.append(path)
+        return path
+
     def close(self):
         for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
+            _kill_group(proc)
         for proc in self.procs:
             try:
                 proc.communicate(timeout=10)
             except (subprocess.TimeoutExpired, ValueError):
                 pass
+        for path in self.dirs:
+            shutil.rmtree(path, ignore_errors=True)
+        self.dirs = []
 
     def __enter__(self):
         return self
@@ -62,11 +74,21 @@ class ProcessGroup:
         return False
 
 
+def _kill_group(proc):
+    """SIGKILL to the process group that `proc` leads (started with start_new_session)."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+
+
 class Coordinator:
     """A modelavg-coordinator on 127.0.0.1, port chosen by the kernel."""
 
     def __init__(self, group, binary, extra_flags=(), workdir=None):
-        self.workdir = workdir or tempfile.mkdtemp(prefix="modelavg-coord-")
+        self.workdir = workdir or group.temp_dir("modelavg-coord-")
         self.port_file = os.path.join(self.workdir, "coordinator.port")
         self.log_path = os.path.join(self.workdir, "coordinator.log")
         self.log = open(self.log_path, "w")
@@ -124,11 +146,18 @@ def coordinator_stubs():
              "--plugin=protoc-gen-grpc_python=/usr/bin/grpc_python_plugin",
              os.path.join(proto_dir, "modelavg", "v1", "coordinator.proto")],
             capture_output=True, text=True, timeout=60)
-        if gen.returncode != 0:
-            raise RuntimeError(f"protoc failed on coordinator.proto: {gen.stderr}")
-        sys.path.insert(0, out)
-        from modelavg.v1 import coordinator_pb2, coordinator_pb2_grpc
-        _stubs = (coordinator_pb2, coordinator_pb2_grpc)
+        try:
+            if gen.returncode != 0:
+                raise RuntimeError(f"protoc failed on coordinator.proto: {gen.stderr}")
+            sys.path.insert(0, out)
+            sys.dont_write_bytecode = True
+            from modelavg.v1 import coordinator_pb2, coordinator_pb2_grpc
+            _stubs = (coordinator_pb2, coordinator_pb2_grpc)
+        finally:
+            # Imported (or failed): the generated files are no longer needed.
+            if out in sys.path:
+                sys.path.remove(out)
+            shutil.rmtree(out, ignore_errors=True)
     return _stubs
 
 
@@ -169,7 +198,7 @@ def wait_all(procs, timeout_s):
         try:
             out, err = proc.communicate(timeout=remaining)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _kill_group(proc)
             out, err = proc.communicate()
             err = (err or "") + f"\n[killed after the {timeout_s} s deadline]"
         results[proc.name] = (proc.returncode, out or "", err or "")

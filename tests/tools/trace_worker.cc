@@ -5,7 +5,7 @@
 //
 // Joins an existing job (it never creates one). Every parameter starts at the rank's number;
 // before the averaging call of step s it adds (rank + 1) * (s + 1) * 0.5 to every parameter; after
-// the call it prints one JSON line on stdout:
+// the call it checks that every element is equal to the first and prints one JSON line on stdout:
 //   {"step": s, "rank": r, "value": <first parameter>, "action": "AVERAGE"|"SKIP", "level": l}
 // (level is -1 for SKIP). The same update run through PyTorch's own averagers
 // (tests/conformance/torch_reference.py) must give the same values. On any failure it prints one
@@ -193,6 +193,17 @@ absl::Status Run() {
       return Annotate(decision.status(), absl::StrCat("step ", step, ": AverageParameters"));
     }
     MODELAVG_RETURN_IF_ERROR(params->Download());
+    // Every element got the same update, so after any call they must all be equal: the value
+    // printed (the first) stands for the whole tensor.
+    const std::vector<float>& host = params->host();
+    for (size_t i = 1; i < host.size(); ++i) {
+      if (host[i] != host[0]) {
+        return absl::InternalError(absl::StrFormat(
+            "step %d: element %d of the parameters is %.9g but element 0 is %.9g after the "
+            "call: an averaging call left the tensor uneven",
+            step, i, host[i], host[0]));
+      }
+    }
     std::cout << absl::StrFormat(
                      "{\"step\": %d, \"rank\": %d, \"value\": %.9g, \"action\": \"%s\", "
                      "\"level\": %d, \"generation\": %d}",

@@ -1,5 +1,6 @@
 // GlooCommunicator with ranks as threads over loopback, rendezvous through Gloo's in-memory
-// HashStore (the coordinator-backed store is covered by client_coordinator_test).
+// HashStore (the coordinator-backed store is covered by client_coordinator_test). Silent links
+// go through tests/tools/gloo_link_proxy.h.
 #include "client/gloo_communicator.h"
 
 #include <cmath>
@@ -10,36 +11,72 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/half.h"
 #include "gloo/rendezvous/hash_store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/tools/gloo_link_proxy.h"
 
 namespace modelavg::client {
 namespace {
 
 using ::testing::HasSubstr;
 
+// Threads meet here; every wait is bounded (a test never hangs on a broken peer).
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  // False if the others did not arrive within `timeout`.
+  bool Wait(absl::Duration timeout = absl::Seconds(60)) {
+    absl::MutexLock l(&mu_);
+    const int round = round_;
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++round_;
+      return true;
+    }
+    auto next = [&] { return round_ != round; };
+    return mu_.AwaitWithTimeout(absl::Condition(&next), timeout);
+  }
+
+ private:
+  absl::Mutex mu_;
+  const int n_;
+  int arrived_ ABSL_GUARDED_BY(mu_) = 0;
+  int round_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+using StoreFor = std::function<gloo::rendezvous::Store*(int rank)>;
+
 // Runs fn(rank, communicator) on `size` threads after a rendezvous; returns each rank's status.
+// `store_for`: each rank's rendezvous store (default: one shared in-memory store). `hold`: every
+// rank keeps its communicator (so its sockets stay open) until every rank's fn has returned,
+// so that no rank's failure comes from another rank closing its connections.
 std::vector<absl::Status> RunRanks(int size, absl::Duration timeout,
                                    const std::function<absl::Status(int, GlooCommunicator&)>& fn,
-                                   bool in_place = false) {
+                                   bool in_place = false, const StoreFor& store_for = nullptr,
+                                   bool hold = false) {
   gloo::rendezvous::HashStore store;
   std::vector<absl::Status> out(size);
   std::vector<std::thread> threads;
+  Barrier all_returned(size);
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
-      auto dev = CreateGlooDevice("127.0.0.1");
-      if (!dev.ok()) {
-        out[r] = dev.status();
-        return;
-      }
-      auto comm = GlooCommunicator::Create(store, *dev, r, size, timeout, nullptr, in_place);
-      if (!comm.ok()) {
-        out[r] = comm.status();
-        return;
-      }
-      out[r] = fn(r, **comm);
+      std::unique_ptr<GlooCommunicator> comm;  // destroyed last: closes this rank's sockets
+      out[r] = [&]() -> absl::Status {
+        auto dev = CreateGlooDevice("127.0.0.1");
+        if (!dev.ok()) return dev.status();
+        gloo::rendezvous::Store& s = store_for ? *store_for(r) : store;
+        auto created = GlooCommunicator::Create(s, *dev, r, size, timeout, nullptr, in_place);
+        if (!created.ok()) return created.status();
+        comm = *std::move(created);
+        return fn(r, *comm);
+      }();
+      if (hold) all_returned.Wait();
     });
   }
   for (auto& t : threads) t.join();
@@ -133,17 +170,154 @@ TEST(GlooCommunicatorTest, AllReduceAverage_MismatchedSizes_ClearErrorAndUntouch
   }
 }
 
-TEST(GlooCommunicatorTest, AllReduceAverage_PeerNeverJoinsCollective_DeadlineAndUntouched) {
+// Fault bounds below: Gloo's timeout bounds each wait of the ring, and every wait starts after
+// the call does, so a silent peer ends the call no sooner than `timeout` after it began and, on
+// loopback, well within `timeout` + kSlack (the transfer before the silence plus scheduling).
+constexpr absl::Duration kSilentTimeout = absl::Seconds(1);
+constexpr absl::Duration kSlack = absl::Milliseconds(1500);
+
+// A peer that is alive (its sockets open, nothing closed or reset) but never enters the call:
+// the caller must wait out the collective timeout — DEADLINE_EXCEEDED — and keep its values.
+TEST(GlooCommunicatorTest, AllReduceAverage_PeerSilentBetweenCalls_DeadlineAfterTimeoutUntouched) {
   std::vector<float> v0(16, 3.0f);
-  auto statuses = RunRanks(2, absl::Seconds(1), [&](int r, GlooCommunicator& c) {
-    if (r == 1) return absl::OkStatus();  // never takes part
-    TensorView t{v0.data(), 16, DType::kFloat32};
-    return c.AllReduceAverage({t});
-  });
-  EXPECT_FALSE(statuses[0].ok());
-  EXPECT_THAT(statuses[0].code(), ::testing::AnyOf(absl::StatusCode::kDeadlineExceeded,
-                                                   absl::StatusCode::kUnavailable));
+  absl::Duration took;
+  auto statuses = RunRanks(
+      2, kSilentTimeout,
+      [&](int r, GlooCommunicator& c) {
+        if (r == 1) return absl::OkStatus();  // never takes part; holds its communicator
+        TensorView t{v0.data(), 16, DType::kFloat32};
+        const absl::Time start = absl::Now();
+        absl::Status s = c.AllReduceAverage({t});
+        took = absl::Now() - start;
+        return s;
+      },
+      /*in_place=*/false, /*store_for=*/nullptr, /*hold=*/true);
+  EXPECT_EQ(statuses[0].code(), absl::StatusCode::kDeadlineExceeded) << statuses[0];
+  EXPECT_THAT(std::string(statuses[0].message()), HasSubstr("did not take part in time"));
+  RecordProperty("took_ms", absl::ToInt64Milliseconds(took));
+  EXPECT_GE(took, kSilentTimeout);
+  EXPECT_LE(took, kSilentTimeout + kSlack);
   EXPECT_THAT(v0, ::testing::Each(3.0f));
+}
+
+// A peer whose communicator is gone (its process died: the kernel closes its sockets): the
+// caller learns it from the closed connection — UNAVAILABLE, long before the timeout.
+TEST(GlooCommunicatorTest, AllReduceAverage_PeerGoneMidPackedCall_UnavailableAtOnceUntouched) {
+  const absl::Duration timeout = absl::Seconds(20);
+  std::vector<float> f(8, 3.0f);
+  std::vector<double> d(4, 5.0);
+  absl::Duration took;
+  auto statuses = RunRanks(2, timeout, [&](int r, GlooCommunicator& c) {
+    if (r == 1) return absl::OkStatus();  // returns at once: its communicator is destroyed
+    std::vector<TensorView> views = {{f.data(), 8, DType::kFloat32},
+                                     {d.data(), 4, DType::kFloat64}};
+    const absl::Time start = absl::Now();
+    absl::Status s = c.AllReduceAverage(views);
+    took = absl::Now() - start;
+    return s;
+  });
+  EXPECT_EQ(statuses[0].code(), absl::StatusCode::kUnavailable) << statuses[0];
+  EXPECT_THAT(std::string(statuses[0].message()), HasSubstr("connection broke"));
+  RecordProperty("took_ms", absl::ToInt64Milliseconds(took));
+  EXPECT_LT(took, timeout / 4);
+  EXPECT_THAT(f, ::testing::Each(3.0f));
+  EXPECT_THAT(d, ::testing::Each(5.0));
+}
+
+// Every link of rank 2 goes through a proxy that stops forwarding between two calls (no close,
+// no reset: a dropped route or a stopped host). The first call proves the links carry data; in
+// the second, every member must give DEADLINE_EXCEEDED after the timeout, values untouched.
+TEST(GlooCommunicatorTest, AllReduceAverage_LinkDroppedBetweenCalls_EverySurvivorDeadlineUntouched) {
+  constexpr int kSize = 3;
+  modelavg::testing::DroppingStore::Shared shared;
+  shared.size = kSize;
+  shared.silent = 2;
+  std::vector<std::unique_ptr<modelavg::testing::DroppingStore>> stores;
+  for (int r = 0; r < kSize; ++r) {
+    stores.push_back(std::make_unique<modelavg::testing::DroppingStore>(&shared, r));
+  }
+  Barrier barrier(kSize);
+  std::vector<std::vector<float>> vals(kSize);
+  std::vector<absl::Duration> took(kSize);
+  auto statuses = RunRanks(
+      kSize, kSilentTimeout,
+      [&](int r, GlooCommunicator& c) -> absl::Status {
+        vals[r].assign(1000, static_cast<float>(r));
+        absl::Status s = c.AllReduceAverage({TensorView{vals[r].data(), 1000, DType::kFloat32}});
+        if (!s.ok()) return absl::InternalError(absl::StrCat("first call: ", s.ToString()));
+        if (vals[r][999] != 1.0f) return absl::InternalError("first call: wrong mean");
+        for (float& x : vals[r]) x = 10.0f * (r + 1);
+        if (!barrier.Wait()) return absl::InternalError("barrier");
+        if (r == 0) {
+          for (auto* p : stores[0]->proxies()) p->StallAfter(0);
+        }
+        if (!barrier.Wait()) return absl::InternalError("barrier");
+        const absl::Time start = absl::Now();
+        s = c.AllReduceAverage({TensorView{vals[r].data(), 1000, DType::kFloat32}});
+        took[r] = absl::Now() - start;
+        return s;
+      },
+      /*in_place=*/false, [&](int r) { return stores[r].get(); }, /*hold=*/true);
+  ASSERT_EQ(stores[0]->proxies().size(), 2u) << "both links of rank 2 must pass the proxies";
+  for (int r = 0; r < kSize; ++r) {
+    EXPECT_EQ(statuses[r].code(), absl::StatusCode::kDeadlineExceeded) << "rank " << r << ": "
+                                                                       << statuses[r];
+    RecordProperty(absl::StrCat("rank", r, "_took_ms"), absl::ToInt64Milliseconds(took[r]));
+    EXPECT_GE(took[r], kSilentTimeout) << "rank " << r;
+    EXPECT_LE(took[r], kSilentTimeout + kSlack) << "rank " << r;
+    EXPECT_THAT(vals[r], ::testing::Each(10.0f * (r + 1))) << "rank " << r;
+  }
+}
+
+// The link goes silent in the middle of the ring (after a fixed number of bytes of a 12 MB
+// in-place all-reduce): both members time out and restore their buffers exactly.
+TEST(GlooCommunicatorTest, AllReduceAverage_LinkDroppedMidRing_BothDeadlineAndRestoredExactly) {
+  constexpr int64_t kN = 3000000;
+  constexpr int64_t kStallAfter = 4 << 20;  // of about 2 x 12 MB that the ring moves
+  modelavg::testing::DroppingStore::Shared shared;
+  shared.size = 2;
+  shared.silent = 1;
+  modelavg::testing::DroppingStore s0(&shared, 0), s1(&shared, 1);
+  Barrier barrier(2);
+  std::vector<std::vector<float>> vals(2);
+  std::vector<absl::Duration> took(2);
+  int64_t forwarded_before = 0;
+  auto statuses = RunRanks(
+      2, kSilentTimeout,
+      [&](int r, GlooCommunicator& c) -> absl::Status {
+        vals[r].assign(kN, 0.0f);
+        TensorView t{vals[r].data(), kN, DType::kFloat32};
+        absl::Status s = c.AllReduceAverage({t});  // checks the layout; moves data both ways
+        if (!s.ok()) return absl::InternalError(absl::StrCat("first call: ", s.ToString()));
+        for (int64_t i = 0; i < kN; ++i) vals[r][i] = static_cast<float>(i % 977 + r);
+        if (!barrier.Wait()) return absl::InternalError("barrier");
+        if (r == 0) {
+          auto proxies = s0.proxies();
+          if (proxies.size() != 1) return absl::InternalError("expected one proxied link");
+          forwarded_before = proxies[0]->forwarded();
+          proxies[0]->StallAfter(kStallAfter);
+        }
+        if (!barrier.Wait()) return absl::InternalError("barrier");
+        const absl::Time start = absl::Now();
+        s = c.AllReduceAverage({t});
+        took[r] = absl::Now() - start;
+        return s;
+      },
+      /*in_place=*/false, [&](int r) { return r == 0 ? &s0 : &s1; }, /*hold=*/true);
+  ASSERT_EQ(s0.proxies().size(), 1u);
+  // The silence began inside the ring: exactly kStallAfter bytes of it passed.
+  EXPECT_TRUE(s0.proxies()[0]->stalled());
+  EXPECT_EQ(s0.proxies()[0]->forwarded() - forwarded_before, kStallAfter);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(statuses[r].code(), absl::StatusCode::kDeadlineExceeded) << "rank " << r << ": "
+                                                                       << statuses[r];
+    RecordProperty(absl::StrCat("rank", r, "_took_ms"), absl::ToInt64Milliseconds(took[r]));
+    EXPECT_GE(took[r], kSilentTimeout) << "rank " << r;
+    EXPECT_LE(took[r], kSilentTimeout + kSlack) << "rank " << r;
+    for (int64_t i = 0; i < kN; ++i) {
+      ASSERT_EQ(vals[r][i], static_cast<float>(i % 977 + r)) << "rank " << r << " element " << i;
+    }
+  }
 }
 
 TEST(GlooCommunicatorTest, Create_PeerNeverArrives_DeadlineExceeded) {
@@ -212,20 +386,6 @@ TEST(GlooCommunicatorTest, AllReduceAverage_BackToBackTensorsInPlace_MatchesPyTo
   CheckSingleBuffer(2, /*in_place=*/true, /*tensors=*/7);
 }
 
-TEST(GlooCommunicatorTest, AllReduceAverage_PeerDiesMidPackedCall_Untouched) {
-  std::vector<float> f(8, 3.0f);
-  std::vector<double> d(4, 5.0);
-  auto statuses = RunRanks(2, absl::Seconds(1), [&](int r, GlooCommunicator& c) {
-    if (r == 1) return absl::OkStatus();
-    std::vector<TensorView> views = {{f.data(), 8, DType::kFloat32},
-                                     {d.data(), 4, DType::kFloat64}};
-    return c.AllReduceAverage(views);
-  });
-  EXPECT_FALSE(statuses[0].ok());
-  EXPECT_THAT(f, ::testing::Each(3.0f));
-  EXPECT_THAT(d, ::testing::Each(5.0));
-}
-
 // A failure after part of the buffer has been reduced in place: the backup restores it.
 TEST(GlooCommunicatorTest, AllReduceAverage_FailsMidRing_OneBufferRestoredExactly) {
   const int64_t n = 3000000;  // many segments
@@ -237,9 +397,14 @@ TEST(GlooCommunicatorTest, AllReduceAverage_FailsMidRing_OneBufferRestoredExactl
     return c.AllReduceAverage({TensorView{vals[r].data(), n, DType::kFloat32}});
   });
   ASSERT_FALSE(statuses[0].ok());
+  EXPECT_EQ(statuses[0].code(), absl::StatusCode::kUnavailable) << statuses[0];
   EXPECT_THAT(std::string(statuses[0].message()), HasSubstr("injected"));
-  for (int64_t i = 0; i < n; ++i) {
-    ASSERT_EQ(vals[0][i], static_cast<float>(i % 977)) << "element " << i;
+  // The other member loses its peer mid-ring (the injecting rank's sockets close).
+  EXPECT_EQ(statuses[1].code(), absl::StatusCode::kUnavailable) << statuses[1];
+  for (int r = 0; r < 2; ++r) {
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(vals[r][i], static_cast<float>(i % 977 + r)) << "rank " << r << " element " << i;
+    }
   }
 }
 

@@ -3,6 +3,7 @@
 // averagers' `average_parameters` bodies (decide, then increment the step counter).
 #include "common/schedule.h"
 
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -320,12 +321,64 @@ TEST(ScheduleWindowTest, Window_EqualsPointDecisions) {
   for (int64_t i = 0; i < 50; ++i) EXPECT_EQ(w[i], s.DecisionFor(100 + i, 3));
 }
 
-TEST(ScheduleWindowTest, HugeSteps_ConstantTimeAndNoOverflow) {
-  const Schedule s = Make(Periodic(2, 1000, 5));
-  const int64_t big = int64_t{1} << 62;
-  EXPECT_EQ(s.DecisionFor(big + 5, 0).average, (big % 1000) == 0);
-  const std::vector<Decision> w = s.Window(std::numeric_limits<int64_t>::max() - 1, 10, 0);
-  EXPECT_EQ(w.size(), 2u);  // stops at the largest step instead of wrapping
+// Steps near 2^62 and INT64_MAX: every decision equals the rule computed directly (no
+// overflow, no wrap), and both outcomes occur, so a schedule that never averages there fails.
+TEST(ScheduleWindowTest, HugeSteps_DecisionsMatchDirectComputation_NoOverflow) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  // Periodic, warm-up 5, period 1000: averages at 5 + 1000k, the whole world.
+  const Schedule p = Make(Periodic(2, 1000, 5));
+  for (const int64_t base : {int64_t{1} << 62, kMax - 2500}) {
+    const int64_t avg = base + (1000 - (base - 5) % 1000) % 1000;  // first averaging step >= base
+    ASSERT_EQ((avg - 5) % 1000, 0);
+    for (const int64_t step : {avg - 1, avg, avg + 1, avg + 999, avg + 1000}) {
+      const Decision d = p.DecisionFor(step, 1);
+      EXPECT_EQ(d.step, step);
+      EXPECT_EQ(d.average, (step - 5) % 1000 == 0) << "step " << step;
+      if (d.average) {
+        EXPECT_EQ(d.level, 0);
+        EXPECT_EQ(d.period, 1000);
+        EXPECT_EQ(d.subgroup.first_rank, 0);
+        EXPECT_EQ(d.subgroup.size, 2);
+      }
+    }
+    EXPECT_TRUE(p.DecisionFor(avg, 0).average) << "step " << avg;
+    EXPECT_FALSE(p.DecisionFor(avg + 1, 0).average) << "step " << avg + 1;
+  }
+  // Hierarchical (3, 2), (7, 4), no warm-up: at multiples of 7 all four ranks, else at
+  // multiples of 3 the pairs. INT64_MAX = 2^63 - 1 is a multiple of 7 (2^3 = 1 mod 7).
+  const Schedule h = Make(Hierarchical(4, {{3, 2}, {7, 4}}, 0));
+  int all = 0, pairs = 0, skips = 0;
+  for (int64_t step = kMax - 60;; ++step) {
+    for (int32_t rank = 0; rank < 4; ++rank) {
+      const Decision d = h.DecisionFor(step, rank);
+      EXPECT_EQ(d.step, step);
+      if (step % 7 == 0) {
+        ++all;
+        EXPECT_TRUE(d.average && d.level == 1 && d.period == 7 && d.subgroup.first_rank == 0 &&
+                    d.subgroup.size == 4)
+            << "step " << step << " rank " << rank;
+      } else if (step % 3 == 0) {
+        ++pairs;
+        EXPECT_TRUE(d.average && d.level == 0 && d.period == 3 &&
+                    d.subgroup.first_rank == rank / 2 * 2 && d.subgroup.size == 2)
+            << "step " << step << " rank " << rank;
+      } else {
+        ++skips;
+        EXPECT_FALSE(d.average) << "step " << step << " rank " << rank;
+      }
+    }
+    if (step == kMax) break;
+  }
+  EXPECT_GT(all, 0);
+  EXPECT_GT(pairs, 0);
+  EXPECT_GT(skips, 0);
+  // A window that would pass INT64_MAX stops there; its decisions are the point decisions.
+  const std::vector<Decision> w = h.Window(kMax - 1, 10, 3);
+  ASSERT_EQ(w.size(), 2u);
+  EXPECT_EQ(w[0].step, kMax - 1);
+  EXPECT_TRUE(w[0].average && w[0].level == 0 && w[0].subgroup.first_rank == 2);  // 3 | kMax-1
+  EXPECT_EQ(w[1].step, kMax);
+  EXPECT_TRUE(w[1].average && w[1].level == 1 && w[1].subgroup.size == 4);  // 7 | kMax
 }
 
 TEST(ScheduleWindowTest, EmptyOrNegativeCount_ReturnsNothing) {

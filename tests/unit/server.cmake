@@ -5,3 +5,5 @@ modelavg_add_gtest(server_membership_test SOURCES server_membership_test.cc
 modelavg_add_gtest(server_state_store_test SOURCES server_state_store_test.cc
   LIBS modelavg_server_core)
 modelavg_add_gtest(server_jobs_file_test SOURCES server_jobs_file_test.cc LIBS modelavg_server)
+modelavg_add_gtest(server_sqlite_state_store_test SOURCES server_sqlite_state_store_test.cc
+  LIBS modelavg_server_sqlite)

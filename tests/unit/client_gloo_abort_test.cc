@@ -1,0 +1,107 @@
+// GlooCommunicator::Abort: a collective blocked on a member that never takes part (a stopped
+// peer) is broken from another thread, promptly and with the parameters untouched.
+#include <atomic>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "client/gloo_communicator.h"
+#include "gloo/rendezvous/hash_store.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace modelavg::client {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Creates `size` communicators over loopback (one thread per member for the rendezvous).
+std::vector<std::unique_ptr<GlooCommunicator>> MakeMesh(int size, absl::Duration timeout) {
+  gloo::rendezvous::HashStore store;
+  std::vector<std::unique_ptr<GlooCommunicator>> out(size);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      auto dev = CreateGlooDevice("127.0.0.1");
+      if (!dev.ok()) return;
+      auto comm = GlooCommunicator::Create(store, *dev, r, size, timeout);
+      if (comm.ok()) out[r] = *std::move(comm);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+TEST(GlooAbortTest, BlockedOnAStoppedMember_AbortBreaksItPromptlyParametersUntouched) {
+  // Member 2 never calls: the others block in the ring until the (long) timeout, unless aborted.
+  auto mesh = MakeMesh(3, absl::Seconds(60));
+  for (const auto& c : mesh) ASSERT_NE(c, nullptr);
+  constexpr int64_t kNumel = 1 << 20;  // many segments: the ring is mid-flight when aborted
+  std::vector<std::vector<float>> params(2);
+  std::vector<absl::Status> results(2);
+  std::vector<absl::Time> returned(2);
+  std::vector<std::thread> callers;
+  for (int r = 0; r < 2; ++r) {
+    params[r].assign(kNumel, static_cast<float>(r + 1));
+    for (int64_t i = 0; i < kNumel; i += 1000) params[r][i] = static_cast<float>(i % 7 + r);
+    callers.emplace_back([&, r] {
+      TensorView t{params[r].data(), kNumel, DType::kFloat32};
+      results[r] = mesh[r]->AllReduceAverage({t});
+      returned[r] = absl::Now();
+    });
+  }
+  const std::vector<std::vector<float>> before = params;
+  absl::SleepFor(absl::Milliseconds(500));
+  const absl::Status why = absl::FailedPreconditionError("job moved to generation 2 (rank 2 died)");
+  const absl::Time aborted = absl::Now();
+  mesh[0]->Abort(why);
+  mesh[1]->Abort(why);
+  for (auto& t : callers) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(results[r], why) << "member " << r;
+    // Far below the 60 s timeout: the abort, not the timeout, ended it.
+    EXPECT_LT(returned[r] - aborted, absl::Seconds(10)) << "member " << r;
+    EXPECT_TRUE(params[r] == before[r]) << "member " << r << "'s parameters changed";
+  }
+  // Every later call fails at once with the same reason.
+  std::vector<float> again(4, 1.0f);
+  EXPECT_EQ(mesh[0]->AllReduceAverage({TensorView{again.data(), 4, DType::kFloat32}}), why);
+  EXPECT_THAT(again, ::testing::Each(1.0f));
+}
+
+TEST(GlooAbortTest, AbortOfOneMember_PeersCollectivesFailToo) {
+  // Only member 0 is aborted while all three average: the others see its connections close
+  // and fail (with a transport error) instead of waiting for the timeout.
+  auto mesh = MakeMesh(3, absl::Seconds(60));
+  for (const auto& c : mesh) ASSERT_NE(c, nullptr);
+  mesh[0]->Abort(absl::AbortedError("generation changed"));
+  std::vector<absl::Status> results(3);
+  std::vector<std::thread> callers;
+  const absl::Time start = absl::Now();
+  for (int r = 0; r < 3; ++r) {
+    callers.emplace_back([&, r] {
+      std::vector<float> v(1000, static_cast<float>(r));
+      results[r] = mesh[r]->AllReduceAverage({TensorView{v.data(), 1000, DType::kFloat32}});
+    });
+  }
+  for (auto& t : callers) t.join();
+  EXPECT_TRUE(absl::IsAborted(results[0])) << results[0];
+  EXPECT_THAT(results[0].message(), HasSubstr("generation changed"));
+  for (int r = 1; r < 3; ++r) EXPECT_FALSE(results[r].ok()) << "member " << r << results[r];
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+}
+
+TEST(GlooAbortTest, SoloCommunicator_AbortedFailsWithTheReason) {
+  SoloCommunicator solo;
+  std::vector<float> v(3, 2.0f);
+  EXPECT_TRUE(solo.AllReduceAverage({TensorView{v.data(), 3, DType::kFloat32}}).ok());
+  solo.Abort(absl::FailedPreconditionError("gone"));
+  EXPECT_EQ(solo.AllReduceAverage({TensorView{v.data(), 3, DType::kFloat32}}),
+            absl::FailedPreconditionError("gone"));
+}
+
+}  // namespace
+}  // namespace modelavg::client
