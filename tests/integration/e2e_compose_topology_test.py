@@ -7,7 +7,8 @@ environment, with these substitutions only:
   * a service's host name (its name or `hostname:`) -> 127.0.0.1;
   * a port a service listens on (--flag=0.0.0.0:PORT) -> a free loopback port, everywhere that
     service's PORT is named (SERVICE:PORT, or 127.0.0.1:PORT inside the service itself);
-  * a path under a volume's mount point -> the mounted file in the repository.
+  * a path under a bind mount's mount point -> the mounted file in the repository; under a named
+    volume's -> a folder of its own in the test's temporary folder.
 `depends_on: {condition: service_healthy}` is honoured by running the service's healthcheck
 command until it passes. The test passes when every worker exits 0 and the coordinator shuts
 down cleanly on SIGTERM.
@@ -67,8 +68,9 @@ def parse_duration(text, default):
 
 
 class Topology:
-    def __init__(self, compose, binaries):
+    def __init__(self, compose, binaries, volumes_dir):
         self.binaries = binaries
+        self.volumes_dir = volumes_dir
         services = compose["services"]
         # The default profile, modelavg's image only (e.g. the grpcurl service has a profile).
         self.services = {n: s for n, s in services.items()
@@ -93,8 +95,13 @@ class Topology:
         for vol in svc.get("volumes", []):
             parts = vol.split(":")
             source, target = parts[0], parts[1]
-            mounts.append((target, os.path.normpath(os.path.join(os.path.dirname(COMPOSE),
-                                                                 source))))
+            if source.startswith((".", "/")):
+                mounts.append((target, os.path.normpath(os.path.join(os.path.dirname(COMPOSE),
+                                                                     source))))
+            else:  # a named volume
+                path = os.path.join(self.volumes_dir, source)
+                os.makedirs(path, exist_ok=True)
+                mounts.append((target, path))
         out = [self.binaries[argv[0]]]
         for arg in argv[1:]:
             if not (arg.startswith("--") and "=" in arg):
@@ -178,7 +185,11 @@ def main():
     binaries = dict(pair.split("=", 1) for pair in args.binary)
     with open(COMPOSE) as f:
         compose = yaml.safe_load(f)
-    topo = Topology(compose, binaries)
+    # Every service's log and the named volumes, in a folder removed on any exit (failures print
+    # the tails first).
+    logs_dir = tempfile.mkdtemp(prefix="modelavg-topology-")
+    atexit.register(shutil.rmtree, logs_dir, True)
+    topo = Topology(compose, binaries, os.path.join(logs_dir, "volumes"))
     workers = [n for n, s in topo.services.items() if not health_test(s)]
     servers = [n for n in topo.services if n not in workers]
     if not servers or len(workers) < 2:
@@ -189,9 +200,6 @@ def main():
             mt.fail(f"service {name} runs {program}, not a program of this build "
                     f"({', '.join(sorted(binaries))})")
 
-    # Every service's log, in a folder removed on any exit (failures print the tails first).
-    logs_dir = tempfile.mkdtemp(prefix="modelavg-topology-")
-    atexit.register(shutil.rmtree, logs_dir, True)
     procs = {}
     logs = {}
     with mt.ProcessGroup() as group:

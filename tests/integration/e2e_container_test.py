@@ -13,7 +13,10 @@ ports:
      deploy/jobs/demo-jobs.json;
   5. waits for every worker to exit 0 having printed its final losses;
   6. reads the Prometheus metrics over HTTP (every worker joined both jobs);
-  7. takes everything down and checks that no container, network or volume of the project is
+  7. stops the coordinator (exit 0 on SIGTERM), removes its container and starts a new one, which
+     must continue the finished job from the `state` volume (same state, generation, creation
+     time and members);
+  8. takes everything down and checks that no container, network or volume of the project is
      left.
 
   e2e_container_test.py [--timeout_s=900] [--keep_image]
@@ -272,6 +275,37 @@ def main():
             mt.fail(f"{url}: expected >= {2 * len(WORKERS)} successful Joins and 2 jobs, got "
                     f"{joins} and {jobs}:\n{metrics[:3000]}")
         log(f"metrics over HTTP: {joins:.0f} successful Joins, {jobs:.0f} jobs")
+
+        # A new coordinator container continues the jobs from the volume `state` (--state_dir):
+        # the finished job comes back finished, not fresh from the jobs file.
+        def get_job():
+            return json_object(project.inspect_service(
+                "call", "modelavg.v1.Coordinator/GetJob", json.dumps({"job_id": "demo"})))
+
+        def summary(job):
+            return {k: job.get(k) for k in ("state", "generation", "created_unix_ms")} | {
+                "members": sorted((m.get("rank", 0), m.get("worker_id"), m.get("state"))
+                                  for m in job.get("members", []))}
+
+        before = summary(get_job())
+        if before["state"] != "FINISHED" or len(before["members"]) != len(WORKERS):
+            mt.fail(f"after the demo, job demo is {before}; expected FINISHED with "
+                    f"{len(WORKERS)} members")
+        cid = project.container("coordinator")
+        project.run([engine, "stop", "-t", "30", cid], timeout_s=60)
+        code = project.inspect(cid, "{{.State.ExitCode}}")
+        if code != "0":
+            mt.fail(f"the coordinator exited with {code} on SIGTERM:\n{project.logs(cid)[-3000:]}")
+        project.run([engine, "rm", cid])
+        project.compose_cmd("up", "-d", "coordinator")
+        if project.container("coordinator") == cid:
+            mt.fail("compose did not make a new coordinator container")
+        project.wait_healthy("coordinator", timeout_s=90)
+        after = summary(get_job())
+        if after != before:
+            mt.fail(f"a new coordinator container did not continue job demo from the volume:\n"
+                    f"  before: {before}\n  after:  {after}")
+        log(f"a new coordinator container continued job demo from the state volume: {after}")
     finally:
         project.compose_cmd("down", "-v", check=False, timeout_s=180)
         if compose == "podman-compose":

@@ -8,7 +8,8 @@ and runs the compose job for real. Here:
   * every program they run is one this build produces, and every flag they pass is one that
     program accepts (from its --helpfull);
   * the kinds a deployment needs (Deployment, Service, ConfigMap, a worker Job or StatefulSet),
-    gRPC readiness and liveness probes on declared ports, selectors that match, non-root pods, a
+    gRPC readiness and liveness probes on declared ports, selectors that match, non-root pods, the
+    coordinator's --state_dir on a declared PersistentVolumeClaim, a
     worker Job that runs every rank at once against the coordinator's Service, and a jobs
     ConfigMap identical to deploy/jobs/demo-jobs.json.
 
@@ -132,6 +133,19 @@ def check_k8s(binaries):
                         key = os.path.relpath(jobs_file, vm["mountPath"])
                         check(key in configmaps.get(vol["configMap"]["name"], {}).get("data", {}),
                               f"{where}: --jobs_file={jobs_file} is not a key of the ConfigMap")
+            claims = {d["metadata"]["name"] for _, d in by_kind.get("PersistentVolumeClaim", [])}
+            for vol in volumes.values():
+                if "persistentVolumeClaim" in vol:
+                    check(vol["persistentVolumeClaim"]["claimName"] in claims,
+                          f"{where}: volume {vol['name']} claims an undeclared "
+                          "PersistentVolumeClaim")
+            state_dir = flag_value(argv, "state_dir")
+            if state_dir:
+                # The root filesystem is read-only, and the state must outlive the pod.
+                check(any(state_dir.startswith(vm["mountPath"].rstrip("/") + "/") and
+                          "persistentVolumeClaim" in volumes.get(vm["name"], {})
+                          for vm in c.get("volumeMounts", [])),
+                      f"{where}: --state_dir={state_dir} is not on a PersistentVolumeClaim")
             env_names = {e["name"] for e in c.get("env", [])}
             for ref in re.findall(r"\$\((\w+)\)", " ".join(argv)):
                 check(ref in env_names, f"{where}: $({ref}) is not an env var of the container")
