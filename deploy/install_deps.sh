@@ -27,6 +27,8 @@ packages=(
   python3-dev pybind11-dev
   # Coordinator TLS tests make a throwaway certificate.
   openssl
+  # Debian packages (cpack): dpkg-shlibdeps computes their dependencies, file finds the binaries.
+  dpkg-dev file
 )
 case "${1:-}" in
   "") ;;
