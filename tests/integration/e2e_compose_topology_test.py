@@ -11,8 +11,8 @@ environment, with these substitutions only:
     service itself); no port is picked by the test;
   * a path under a bind mount's mount point -> the mounted file in the repository; under a named
     volume's -> a folder of its own in the test's temporary folder.
-`depends_on: {condition: service_healthy}` is honoured by running the service's healthcheck
-command until it passes. The test passes when every worker exits 0 and the coordinator shuts
+${VARIABLE:-default} is replaced as compose does. `depends_on: {condition: service_healthy}` is
+honoured by running the service's healthcheck command until it passes. The test passes when every worker exits 0 and the coordinator shuts
 down cleanly on SIGTERM.
 
   e2e_compose_topology_test.py --binary=modelavg-coordinator=PATH --binary=modelavg-demo=PATH ...
@@ -41,6 +41,17 @@ HOSTPORT = re.compile(r"^([A-Za-z0-9_.-]+):(\d+)$")
 
 # The flag through which a listening flag's bound address is reported (port 0 + port file).
 PORT_FILE_FLAG = {"--listen": "--port_file", "--metrics_listen": "--metrics_port_file"}
+
+
+def interpolate(text):
+    """Compose's ${NAME} and ${NAME:-default}, from this process's environment."""
+    def value(m):
+        name, default = m.group(1), m.group(3)
+        got = os.environ.get(name)
+        if got is None or (got == "" and m.group(2) == ":-"):
+            return default or ""
+        return got
+    return re.sub(r"\$\{(\w+)(:?-([^}]*))?\}", value, text)
 
 
 def as_argv(command):
@@ -205,7 +216,7 @@ def main():
     args = p.parse_args()
     binaries = dict(pair.split("=", 1) for pair in args.binary)
     with open(COMPOSE) as f:
-        compose = yaml.safe_load(f)
+        compose = yaml.safe_load(interpolate(f.read()))
     # Every service's log, port files and named volumes, in a folder removed on any exit (failures
     # print the log tails first).
     logs_dir = tempfile.mkdtemp(prefix="modelavg-topology-")
