@@ -9,13 +9,17 @@ set(CPACK_PACKAGE_NAME modelavg)
 set(CPACK_PACKAGE_VENDOR modelavg)
 set(CPACK_PACKAGE_CONTACT "modelavg developers")
 set(CPACK_PACKAGE_VERSION ${PROJECT_VERSION})
-set(CPACK_PACKAGE_DESCRIPTION_SUMMARY "periodic and hierarchical model averaging for distributed training")
+# (No CPACK_PACKAGE_DESCRIPTION_SUMMARY: the first line of each component's description is its
+# package's synopsis.)
 set(CPACK_PACKAGING_INSTALL_PREFIX /usr)
 set(CPACK_STRIP_FILES ON)
 set(CPACK_DEB_COMPONENT_INSTALL ON)
 set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)
 set(CPACK_DEBIAN_PACKAGE_RELEASE 1)
 set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)
+# A shlibs file for the library package, so that packages built against it depend on it.
+set(CPACK_DEBIAN_PACKAGE_GENERATE_SHLIBS ON)
+set(CPACK_DEBIAN_PACKAGE_GENERATE_SHLIBS_POLICY ">=")
 set(_modelavg_deb_version ${CPACK_PACKAGE_VERSION}-${CPACK_DEBIAN_PACKAGE_RELEASE})
 if(MODELAVG_HAVE_CUDA AND NCCL_LIBRARY)
   # CUDA and NCCL are not Debian packages: dpkg-shlibdeps treats their directory as private.
@@ -26,9 +30,8 @@ endif()
 # The runtime library: named after its SONAME, as Debian does (libmodelavg-client0.1).
 set(CPACK_DEBIAN_RUNTIME_PACKAGE_NAME libmodelavg-client${MODELAVG_SOVERSION})
 set(CPACK_DEBIAN_RUNTIME_PACKAGE_SECTION libs)
-set(CPACK_DEBIAN_RUNTIME_PACKAGE_GENERATE_SHLIBS ON)
 set(CPACK_COMPONENT_RUNTIME_DESCRIPTION
-  "modelavg client library\n The library a trainer links to average its parameters with the other workers of a\n modelavg job (Gloo over TCP for host memory, NCCL for CUDA memory).")
+  "modelavg client library: periodic and hierarchical model averaging\nThe library a trainer links to average its parameters with the other workers of a\nmodelavg job (Gloo over TCP for host memory, NCCL for CUDA memory).")
 
 # Headers, CMake package and pkg-config file. find_package(gRPC CONFIG) on Debian checks that gRPC's
 # code generators exist, hence protobuf-compiler-grpc.
@@ -37,12 +40,12 @@ set(CPACK_DEBIAN_DEV_PACKAGE_SECTION libdevel)
 set(CPACK_DEBIAN_DEV_PACKAGE_DEPENDS
   "libmodelavg-client${MODELAVG_SOVERSION} (= ${_modelavg_deb_version}), libgrpc++-dev, protobuf-compiler-grpc, libprotobuf-dev, libabsl-dev")
 set(CPACK_COMPONENT_DEV_DESCRIPTION
-  "modelavg client library: development files\n Headers (<modelavg/...>), the CMake package (find_package(modelavg CONFIG), target\n modelavg::client) and modelavg.pc.")
+  "modelavg client library: development files\nHeaders (<modelavg/...>), the CMake package (find_package(modelavg CONFIG), target\nmodelavg::client) and modelavg.pc.")
 
 set(CPACK_DEBIAN_TOOLS_PACKAGE_NAME modelavg)
 set(CPACK_DEBIAN_TOOLS_PACKAGE_SECTION net)
 set(CPACK_COMPONENT_TOOLS_DESCRIPTION
-  "modelavg coordinator and tools\n modelavg-coordinator (the gRPC service that runs model-averaging jobs), modelavg-health\n (gRPC health probe), modelavg-demo (a small trainer) and modelavg-trace-worker.")
+  "modelavg coordinator and tools\nmodelavg-coordinator (the gRPC service that runs model-averaging jobs), modelavg-health\n(gRPC health probe) and, when built, modelavg-demo (a small trainer),\nmodelavg-trace-worker and modelavg-bench-coordinator.")
 
 # The Python package: python/ installs it with COMPONENT python; then it is packaged here too.
 set(CPACK_DEBIAN_PYTHON_PACKAGE_NAME python3-modelavg)
@@ -50,7 +53,7 @@ set(CPACK_DEBIAN_PYTHON_PACKAGE_SECTION python)
 set(CPACK_DEBIAN_PYTHON_PACKAGE_DEPENDS python3)
 set(CPACK_DEBIAN_PYTHON_PACKAGE_RECOMMENDS python3-torch)
 set(CPACK_COMPONENT_PYTHON_DESCRIPTION
-  "modelavg client library for Python\n Model averaging for PyTorch trainers through the modelavg coordinator.")
+  "modelavg client library for Python\nModel averaging for PyTorch trainers through the modelavg coordinator.")
 
 get_cmake_property(_modelavg_components COMPONENTS)
 set(CPACK_COMPONENTS_ALL "")
