@@ -2,8 +2,6 @@
 
 #include <unistd.h>
 
-#include <csignal>
-
 #include <algorithm>
 #include <utility>
 
@@ -14,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "client/communicator_cache.h"
 #include "client/coordinator_client.h"
+#include "client/gloo_communicator.h"
 #include "common/job_spec.h"
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
@@ -54,17 +53,6 @@ absl::Status ValidateOptions(const ClientOptions& o) {
                                                    kMaxScheduleWindow));
   }
   return absl::OkStatus();
-}
-
-// Gloo's TCP transport writes without MSG_NOSIGNAL: with SIGPIPE at its default, a peer that
-// dies mid-collective would kill this process instead of failing the all-reduce. A handler the
-// application installed itself is left alone.
-void IgnoreSigpipe() {
-  struct sigaction current {};
-  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
-    std::signal(SIGPIPE, SIG_IGN);
-    spdlog::debug("SIGPIPE ignored so that a dead peer surfaces as an averaging error");
-  }
 }
 
 // Join, retried with backoff while the coordinator is unreachable, until join_timeout.
@@ -128,7 +116,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   spdlog::info("joining job {} at {} as {}{}", options.job_id, options.coordinator,
                options.worker_id,
                options.rank ? absl::StrCat(" (rank ", *options.rank, ")") : std::string());
-  IgnoreSigpipe();
+  IgnoreDefaultSigpipe();
   MODELAVG_ASSIGN_OR_RETURN(v1::JoinResponse joined, JoinWithRetry(*coordinator, join, options));
 
   absl::StatusOr<ScheduleSpec> spec = ScheduleSpecFromProto(joined.spec());

@@ -15,6 +15,8 @@ packages=(
   python3-dev pybind11-dev
   # Coordinator TLS tests make a throwaway certificate.
   openssl
+  # Debian packages (cpack): dpkg-shlibdeps computes their dependencies, file finds the binaries.
+  dpkg-dev file
 )
 missing=()
 for p in "${packages[@]}"; do
