@@ -45,7 +45,7 @@ extract() {
 # libdir_of PREFIX: the library directory of the installation under PREFIX.
 libdir_of() {
   local config
-  config=$(find "$1" -path '*/cmake/modelavg/modelavgConfig.cmake' | head -1)
+  config=$(find "$1" -path '*/cmake/modelavg/modelavgConfig.cmake' -print -quit)
   [ -n "$config" ] || fail "no cmake/modelavg/modelavgConfig.cmake under $1"
   realpath "${config%/cmake/modelavg/modelavgConfig.cmake}"
 }
@@ -71,8 +71,11 @@ check_prefix() {
     fail "$name: find_package found modelavg in '$found', not under $prefix"
   run "$dir/build.log" cmake --build "$dir/example/build"
   local trainer=$dir/example/build/trainer
-  ldd "$trainer" | grep -q "libmodelavg_client.so.* => $libdir/" ||
-    { ldd "$trainer" >&2; fail "$name: the example does not load the library from $prefix"; }
+  # (Output captured first: with pipefail, grep -q closing a pipe early would fail the writer.)
+  local loads
+  loads=$(ldd "$trainer")
+  grep -q "libmodelavg_client\.so.* => $libdir/" <<< "$loads" ||
+    { echo "$loads" >&2; fail "$name: the example does not load the library from $prefix"; }
 
   say "$name: every installed header, through pkg-config"
   local headers
@@ -168,19 +171,20 @@ lib_deb=$(deb_of "libmodelavg-client$soversion")
 dev_deb=$(deb_of libmodelavg-client-dev)
 tools_deb=$(deb_of modelavg)
 # dpkg-shlibdeps named the Debian runtime packages of the libraries loaded.
+lib_depends=$(dpkg-deb -f "$lib_deb" Depends)
 for dep in libgrpc++ libprotobuf libgloo libabsl libstdc++6; do
-  dpkg-deb -f "$lib_deb" Depends | grep -q "$dep" ||
-    fail "$(basename "$lib_deb") does not depend on $dep: $(dpkg-deb -f "$lib_deb" Depends)"
+  grep -qF "$dep" <<< "$lib_depends" || fail "$(basename "$lib_deb") does not depend on $dep: $lib_depends"
 done
+tools_depends=$(dpkg-deb -f "$tools_deb" Depends)
 for dep in libgrpc++ libprometheus-cpp; do
-  dpkg-deb -f "$tools_deb" Depends | grep -q "$dep" ||
-    fail "$(basename "$tools_deb") does not depend on $dep: $(dpkg-deb -f "$tools_deb" Depends)"
+  grep -qF "$dep" <<< "$tools_depends" ||
+    fail "$(basename "$tools_deb") does not depend on $dep: $tools_depends"
 done
-dpkg-deb -f "$dev_deb" Depends | grep -q "libmodelavg-client$soversion (= " ||
+grep -qF "libmodelavg-client$soversion (= " <<< "$(dpkg-deb -f "$dev_deb" Depends)" ||
   fail "$(basename "$dev_deb") does not depend on its exact library version"
 # Packages built against the library will depend on it through its shlibs file.
-dpkg-deb --ctrl-tarfile "$lib_deb" | tar -xO ./shlibs 2>/dev/null |
-  grep -q "^libmodelavg_client $soversion libmodelavg-client$soversion " ||
+shlibs=$(dpkg-deb --ctrl-tarfile "$lib_deb" | tar -xO ./shlibs) || fail "$(basename "$lib_deb") has no shlibs file"
+grep -qF "libmodelavg_client $soversion libmodelavg-client$soversion " <<< "$shlibs" ||
   fail "$(basename "$lib_deb") has no shlibs entry for libmodelavg_client $soversion"
 for f in "$tmp"/debs/*.deb; do
   dpkg -x "$f" "$tmp/root"
