@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/communicator_cache.h"
+#include "client/coordinator_outage.h"
 #include "client/coordinator_client.h"
 #include "client/gloo_communicator.h"
 #include "common/job_spec.h"
@@ -42,10 +43,11 @@ absl::Status ValidateOptions(const ClientOptions& o) {
   }
   if (o.join_timeout <= absl::ZeroDuration() || o.rpc_timeout <= absl::ZeroDuration() ||
       o.heartbeat_interval <= absl::ZeroDuration() ||
-      o.collective_timeout <= absl::ZeroDuration()) {
+      o.collective_timeout <= absl::ZeroDuration() ||
+      o.coordinator_outage_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
-        "ClientOptions: join_timeout, rpc_timeout, heartbeat_interval and collective_timeout "
-        "must all be positive");
+        "ClientOptions: join_timeout, rpc_timeout, heartbeat_interval, collective_timeout and "
+        "coordinator_outage_timeout must all be positive");
   }
   if (o.schedule_window < 1 || o.schedule_window > kMaxScheduleWindow) {
     return absl::InvalidArgumentError(absl::StrCat("ClientOptions.schedule_window is ",
@@ -148,15 +150,19 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
                                         : kFallbackHeartbeatTimeout;
   spdlog::info("joined job {}: rank {} of {}, generation {}", options.job_id, joined.rank(),
                joined.world_size(), joined.generation());
-  return std::unique_ptr<Client>(new Client(std::move(options), std::move(coordinator),
-                                            joined.rank(), joined.generation(),
-                                            std::move(schedule), hb_timeout));
+  auto outage = std::make_unique<CoordinatorOutage>(options.coordinator,
+                                                    options.coordinator_outage_timeout);
+  coordinator->set_outage(outage.get());
+  return std::unique_ptr<Client>(new Client(
+      std::move(options), std::move(coordinator), std::move(outage), joined.rank(),
+      joined.generation(), std::move(schedule), hb_timeout, joined.coordinator_incarnation()));
 }
 
 Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator,
-               int32_t rank, int64_t generation, Schedule schedule,
-               absl::Duration heartbeat_timeout)
+               std::unique_ptr<CoordinatorOutage> outage, int32_t rank, int64_t generation,
+               Schedule schedule, absl::Duration heartbeat_timeout, std::string incarnation)
     : options_(std::move(options)),
+      outage_(std::move(outage)),
       coordinator_(std::move(coordinator)),
       rank_(rank),
       generation_(generation),
@@ -164,7 +170,8 @@ Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordin
       heartbeat_timeout_(heartbeat_timeout),
       communicators_(std::make_unique<CommunicatorCache>(options_.gloo_hostname)),
       latest_generation_(generation),
-      last_heartbeat_ok_(absl::Now()) {
+      last_heartbeat_ok_(absl::Now()),
+      incarnation_(std::move(incarnation)) {
   heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
 }
 
@@ -351,10 +358,7 @@ bool Client::UnaryHeartbeat() {
     NoteHeartbeatFailure(resp.status());
     return true;
   }
-  {
-    absl::MutexLock l(&mu_);
-    last_heartbeat_ok_ = absl::Now();
-  }
+  NoteHeartbeatReply(*resp);
   HandleHeartbeatReply(*resp, seen);
   return true;
 }
@@ -433,8 +437,8 @@ absl::Status Client::StreamHeartbeats(bool* answered) {
 }
 
 void Client::OnStreamReply(const v1::HeartbeatResponse& reply) {
+  NoteHeartbeatReply(reply);
   absl::MutexLock l(&mu_);
-  last_heartbeat_ok_ = absl::Now();
   if (reply.generation() != generation_ && reply.generation() != latest_generation_) {
     stream_change_ = reply;
   }
@@ -453,14 +457,44 @@ void Client::HandleHeartbeatReply(const v1::HeartbeatResponse& reply, int64_t se
   NoteGenerationChange(reply.generation(), why);
 }
 
-void Client::NoteHeartbeatFailure(const absl::Status& error) {
+void Client::NoteHeartbeatReply(const v1::HeartbeatResponse& reply) {
+  outage_->NoteReachable();
   absl::MutexLock l(&mu_);
-  const absl::Duration silent = absl::Now() - last_heartbeat_ok_;
-  if (silent > heartbeat_timeout_ && broken_.ok()) {
-    broken_ = absl::UnavailableError(absl::StrCat(
-        "the coordinator at ", options_.coordinator, " has not answered for ",
-        absl::FormatDuration(silent), " (last error: ", error.ToString(),
-        "); it has likely declared this rank dead: restart the worker once it is back"));
+  last_heartbeat_ok_ = absl::Now();
+  const std::string& incarnation = reply.coordinator_incarnation();
+  if (!incarnation.empty() && incarnation != incarnation_) {
+    spdlog::warn("coordinator {} restarted (incarnation {} -> {}); rank {} re-attached to job {} "
+                 "in generation {}",
+                 options_.coordinator, incarnation_.empty() ? "unknown" : incarnation_,
+                 incarnation, rank_, options_.job_id, reply.generation());
+    incarnation_ = incarnation;
+  }
+}
+
+void Client::NoteHeartbeatFailure(const absl::Status& error) {
+  if (absl::IsNotFound(error)) {
+    // Only a coordinator that answers can say the job is unknown: it lost or never had it.
+    absl::MutexLock l(&mu_);
+    if (broken_.ok()) {
+      broken_ = absl::FailedPreconditionError(absl::StrCat(
+          "job ", options_.job_id, " is unknown to the coordinator that now answers at ",
+          options_.coordinator, " (this rank joined under incarnation ",
+          incarnation_.empty() ? "unknown" : incarnation_,
+          "): it restarted without the job's state (run it with --state_dir) or the job was "
+          "deleted; create the job again and restart the workers (",
+          error.message(), ")"));
+      spdlog::error("{}", std::string(broken_.message()));
+    }
+    return;
+  }
+  if (!outage_->IsOutage(error) && !absl::IsCancelled(error)) return;
+  outage_->NoteUnreachable(error);
+  if (!outage_->Exceeded()) return;
+  absl::MutexLock l(&mu_);
+  if (broken_.ok()) {
+    broken_ = outage_->Error(absl::StrCat("keeping rank ", rank_, " in job ", options_.job_id,
+                                          " (membership changes cannot be learnt)"),
+                             error);
     spdlog::error("{}", std::string(broken_.message()));
   }
 }
@@ -478,12 +512,26 @@ absl::StatusOr<Decision> Client::DecisionAt(int64_t step) {
 }
 
 absl::Status Client::FetchWindow(int64_t from_step) {
+  // The schedule is a pure function of the spec this rank joined with: during an outage the
+  // local one stands in for the coordinator's.
+  auto local_window = [&] {
+    window_ = schedule_.Window(from_step, options_.schedule_window, rank_);
+    window_start_ = from_step;
+    return absl::OkStatus();
+  };
+  if (outage_->OutageLength() > absl::ZeroDuration()) return local_window();
   v1::GetScheduleRequest req;
   req.set_job_id(options_.job_id);
   req.set_from_step(from_step);
   req.set_count(options_.schedule_window);
   req.set_rank(rank_);
-  MODELAVG_ASSIGN_OR_RETURN(v1::GetScheduleResponse resp, coordinator_->GetSchedule(req));
+  absl::StatusOr<v1::GetScheduleResponse> reply = coordinator_->GetSchedule(req);
+  if (!reply.ok() && outage_->IsOutage(reply.status())) {
+    outage_->NoteUnreachable(reply.status());
+    return local_window();
+  }
+  MODELAVG_RETURN_IF_ERROR(reply.status());
+  const v1::GetScheduleResponse& resp = *reply;
   if (resp.decisions_size() != options_.schedule_window) {
     return absl::InternalError(absl::StrCat("GetSchedule(from ", from_step, ", count ",
                                             options_.schedule_window, ") returned ",

@@ -72,6 +72,8 @@ class HeartbeatStreamCall final
 };
 
 // Thread-safe (the stub is).
+class CoordinatorOutage;
+
 class CoordinatorClient {
  public:
   // INVALID_ARGUMENT for an empty address or unreadable TLS files. Does not connect yet.
@@ -101,6 +103,11 @@ class CoordinatorClient {
 
   const CoordinatorClientOptions& options() const { return options_; }
 
+  // With an outage tracker (not owned; outlives this object), PublishCommId and GetCommId wait
+  // through an unreachable coordinator (CoordinatorOutage::Retry) instead of failing at once,
+  // and every reply or failure updates it. Set once, before the calls start.
+  void set_outage(CoordinatorOutage* outage) { outage_ = outage; }
+
  private:
   CoordinatorClient(CoordinatorClientOptions options, std::shared_ptr<grpc::Channel> channel);
   // Deadline and token on a fresh context.
@@ -111,6 +118,7 @@ class CoordinatorClient {
   const CoordinatorClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
+  CoordinatorOutage* outage_ = nullptr;
 };
 
 }  // namespace modelavg::client

@@ -55,6 +55,12 @@ ABSL_FLAG(std::string, gloo_hostname, "127.0.0.1",
 ABSL_FLAG(std::string, auth_token_file, "", "file holding the coordinator's bearer token");
 ABSL_FLAG(int64_t, join_timeout_ms, 60000, "how long to wait for the whole world to join");
 ABSL_FLAG(int64_t, collective_timeout_ms, 60000, "longest wait for one averaging collective");
+ABSL_FLAG(int64_t, step_delay_ms, 0,
+          "sleep this long before each averaging call, so that tests (and people) can kill "
+          "things mid-run");
+ABSL_FLAG(int64_t, coordinator_outage_timeout_ms, 300000,
+          "ClientOptions.coordinator_outage_timeout: how long work that needs an unreachable "
+          "coordinator waits for it");
 ABSL_FLAG(std::string, log_level, "warn", "spdlog level for diagnostics on stderr");
 
 namespace modelavg {
@@ -166,6 +172,11 @@ absl::Status Run() {
   options.gloo_hostname = absl::GetFlag(FLAGS_gloo_hostname);
   options.join_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_join_timeout_ms));
   options.collective_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_collective_timeout_ms));
+  options.coordinator_outage_timeout =
+      absl::Milliseconds(absl::GetFlag(FLAGS_coordinator_outage_timeout_ms));
+  if (absl::GetFlag(FLAGS_step_delay_ms) < 0) {
+    return absl::InvalidArgumentError("--step_delay_ms must be >= 0");
+  }
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
     absl::StatusOr<std::string> token = ReadTokenFile(path);
     if (!token.ok()) return Annotate(token.status(), "--auth_token_file");
@@ -184,7 +195,9 @@ absl::Status Run() {
     MODELAVG_ASSIGN_OR_RETURN(averager, client::HierarchicalModelAverager::Create(client.get()));
   }
 
+  const absl::Duration step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
   for (int64_t step = 0; step < steps; ++step) {
+    if (step_delay > absl::ZeroDuration()) absl::SleepFor(step_delay);
     const float delta = static_cast<float>((rank + 1) * (step + 1)) * 0.5f;
     for (float& v : params->host()) v += delta;
     MODELAVG_ASSIGN_OR_RETURN(client::TensorView view, params->Upload());
