@@ -462,13 +462,25 @@ void Client::NoteHeartbeatReply(const v1::HeartbeatResponse& reply) {
   absl::MutexLock l(&mu_);
   last_heartbeat_ok_ = absl::Now();
   const std::string& incarnation = reply.coordinator_incarnation();
-  if (!incarnation.empty() && incarnation != incarnation_) {
+  const bool restarted = !incarnation.empty() && incarnation != incarnation_;
+  // This rank joined generation_ once it was complete (RUNNING); only a new generation can be
+  // PENDING again. The same generation PENDING means the coordinator lost the job's state and
+  // has the job afresh (e.g. from its jobs file): it knows nothing of this rank.
+  if (reply.generation() == generation_ && reply.state() == v1::PENDING && broken_.ok()) {
+    broken_ = absl::FailedPreconditionError(absl::StrCat(
+        "the coordinator that now answers at ", options_.coordinator, " (incarnation ",
+        incarnation.empty() ? "unknown" : incarnation, ", this rank joined under ",
+        incarnation_.empty() ? "unknown" : incarnation_, ") has job ", options_.job_id,
+        " afresh, without this rank: it restarted without the job's state (run it with "
+        "--state_dir); restart the workers"));
+    spdlog::error("{}", std::string(broken_.message()));
+  } else if (restarted) {
     spdlog::warn("coordinator {} restarted (incarnation {} -> {}); rank {} re-attached to job {} "
                  "in generation {}",
                  options_.coordinator, incarnation_.empty() ? "unknown" : incarnation_,
                  incarnation, rank_, options_.job_id, reply.generation());
-    incarnation_ = incarnation;
   }
+  if (restarted) incarnation_ = incarnation;
 }
 
 void Client::NoteHeartbeatFailure(const absl::Status& error) {

@@ -6,8 +6,9 @@
 #                                             client, schedule and generated gRPC code)
 #   dev        libmodelavg-client-dev         <modelavg/...> headers, the .so link, the CMake
 #                                             package (modelavg::client) and modelavg.pc
-#   tools      modelavg                       modelavg-coordinator, modelavg-health, modelavg-demo,
-#                                             modelavg-trace-worker, modelavg-bench-coordinator
+#   tools      modelavg                       modelavg-coordinator, modelavg-health, modelavg-rpc,
+#                                             modelavg-demo, modelavg-trace-worker,
+#                                             modelavg-bench-coordinator
 #   python     python3-modelavg               whatever python/ installs with COMPONENT python
 #
 # In the build tree nothing changes for the project's own targets: they keep linking the static
@@ -117,8 +118,8 @@ install(FILES ${PROJECT_BINARY_DIR}/modelavg.pc DESTINATION ${CMAKE_INSTALL_LIBD
 
 # ---- Programs ----
 set(_modelavg_programs "")
-foreach(program modelavg-coordinator modelavg-health modelavg-demo modelavg-trace-worker
-                modelavg-bench-coordinator)
+foreach(program modelavg-coordinator modelavg-health modelavg-rpc modelavg-demo
+                modelavg-trace-worker modelavg-bench-coordinator)
   if(TARGET ${program})
     list(APPEND _modelavg_programs ${program})
   else()

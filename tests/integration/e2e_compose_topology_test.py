@@ -9,9 +9,10 @@ environment, with these substitutions only:
     reports in its port file (--port_file for --listen, --metrics_port_file for --metrics_listen)
     used everywhere that service's PORT is named (SERVICE:PORT, or 127.0.0.1:PORT inside the
     service itself); no port is picked by the test;
-  * a path under a volume's mount point -> the mounted file in the repository.
-`depends_on: {condition: service_healthy}` is honoured by running the service's healthcheck
-command until it passes. The test passes when every worker exits 0 and the coordinator shuts
+  * a path under a bind mount's mount point -> the mounted file in the repository; under a named
+    volume's -> a folder of its own in the test's temporary folder.
+${VARIABLE:-default} is replaced as compose does. `depends_on: {condition: service_healthy}` is
+honoured by running the service's healthcheck command until it passes. The test passes when every worker exits 0 and the coordinator shuts
 down cleanly on SIGTERM.
 
   e2e_compose_topology_test.py --binary=modelavg-coordinator=PATH --binary=modelavg-demo=PATH ...
@@ -42,8 +43,28 @@ HOSTPORT = re.compile(r"^([A-Za-z0-9_.-]+):(\d+)$")
 PORT_FILE_FLAG = {"--listen": "--port_file", "--metrics_listen": "--metrics_port_file"}
 
 
+def interpolate(text):
+    """Compose's ${NAME} and ${NAME:-default}, from this process's environment."""
+    def value(m):
+        name, default = m.group(1), m.group(3)
+        got = os.environ.get(name)
+        if got is None or (got == "" and m.group(2) == ":-"):
+            return default or ""
+        return got
+    return re.sub(r"\$\{(\w+)(:?-([^}]*))?\}", value, text)
+
+
 def as_argv(command):
     return shlex.split(command) if isinstance(command, str) else list(command or [])
+
+
+def health_test(svc):
+    """The service's healthcheck command, or None (none, `disable: true` or `test: ["NONE"]`)."""
+    health = svc.get("healthcheck") or {}
+    test = health.get("test")
+    if not test or health.get("disable") or test in (["NONE"], "NONE"):
+        return None
+    return test
 
 
 def parse_duration(text, default):
@@ -57,8 +78,9 @@ def parse_duration(text, default):
 
 
 class Topology:
-    def __init__(self, compose, binaries):
+    def __init__(self, compose, binaries, volumes_dir):
         self.binaries = binaries
+        self.volumes_dir = volumes_dir
         services = compose["services"]
         # The default profile, modelavg's image only (e.g. the grpcurl service has a profile).
         self.services = {n: s for n, s in services.items()
@@ -79,8 +101,13 @@ class Topology:
         for vol in svc.get("volumes", []):
             parts = vol.split(":")
             source, target = parts[0], parts[1]
-            mounts.append((target, os.path.normpath(os.path.join(os.path.dirname(COMPOSE),
-                                                                 source))))
+            if source.startswith((".", "/")):
+                mounts.append((target, os.path.normpath(os.path.join(os.path.dirname(COMPOSE),
+                                                                     source))))
+            else:  # a named volume
+                path = os.path.join(self.volumes_dir, source)
+                os.makedirs(path, exist_ok=True)
+                mounts.append((target, path))
         out = [self.binaries[argv[0]]]
         for arg in argv[1:]:
             if not (arg.startswith("--") and "=" in arg):
@@ -158,8 +185,8 @@ class Topology:
 
     def wait_healthy(self, service, proc):
         health = self.services[service].get("healthcheck") or {}
-        test = health.get("test")
-        if not test or health.get("disable"):
+        test = health_test(self.services[service])
+        if not test:
             return
         if test[0] == "CMD-SHELL":
             mt.fail(f"{service}: CMD-SHELL healthchecks are not supported by this test")
@@ -189,10 +216,13 @@ def main():
     args = p.parse_args()
     binaries = dict(pair.split("=", 1) for pair in args.binary)
     with open(COMPOSE) as f:
-        compose = yaml.safe_load(f)
-    topo = Topology(compose, binaries)
-    workers = [n for n, s in topo.services.items()
-               if not (s.get("healthcheck") or {}).get("test")]
+        compose = yaml.safe_load(interpolate(f.read()))
+    # Every service's log, port files and named volumes, in a folder removed on any exit (failures
+    # print the log tails first).
+    logs_dir = tempfile.mkdtemp(prefix="modelavg-topology-")
+    atexit.register(shutil.rmtree, logs_dir, True)
+    topo = Topology(compose, binaries, os.path.join(logs_dir, "volumes"))
+    workers = [n for n, s in topo.services.items() if not health_test(s)]
     servers = [n for n in topo.services if n not in workers]
     if not servers or len(workers) < 2:
         mt.fail(f"unexpected topology: servers {servers}, workers {workers}")
@@ -202,10 +232,6 @@ def main():
             mt.fail(f"service {name} runs {program}, not a program of this build "
                     f"({', '.join(sorted(binaries))})")
 
-    # Every service's log and port files, in a folder removed on any exit (failures print the
-    # log tails first).
-    logs_dir = tempfile.mkdtemp(prefix="modelavg-topology-")
-    atexit.register(shutil.rmtree, logs_dir, True)
     topo.work_dir = logs_dir
     procs = {}
     logs = {}
