@@ -9,7 +9,12 @@
 //   2. --seconds of heartbeats plus Step RPCs as fast as the server answers (each worker keeps
 //      one Step in flight), with Ping (the trivial RPC) measured on the same channels meanwhile.
 // Calls are asynchronous (callback API) over a few channels, not one thread per worker.
-// Prints one JSON line; asserts nothing about speed.
+// Then --latency_jobs times CreateJob and Join (a world-1 job, so the Join completes at once:
+// each is one hard-state write) one after the other.
+// With --state_dir=DIR, all of it runs twice in the same run, against a coordinator with its
+// state in memory and against one with --state_dir=DIR/<run> (SQLite), one JSON line each
+// ("state": "memory" / "sqlite"): the durable state must cost nothing on the step and heartbeat
+// path. Prints one JSON line per run; asserts nothing about speed.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -18,6 +23,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -51,6 +57,11 @@ ABSL_FLAG(double, heartbeat_hz, 10, "Heartbeats per second per worker.");
 ABSL_FLAG(std::string, heartbeat, "stream",
           "How workers heartbeat: 'unary' (one Heartbeat call per beat) or 'stream' (default: one "
           "HeartbeatStream per worker, as the client library does).");
+ABSL_FLAG(std::string, state_dir, "",
+          "Also run against a coordinator with --state_dir under this directory (a fresh "
+          "subdirectory), after the in-memory run; empty: in memory only.");
+ABSL_FLAG(int, latency_jobs, 200,
+          "CreateJob + Join pairs timed one after the other (0: none).");
 ABSL_FLAG(int64_t, reply_interval_ms, 1000,
           "With --heartbeat=stream: the streams' reply_interval_ms (the coordinator answers "
           "only news, and otherwise at most this often; beats are written without waiting). "
@@ -217,6 +228,7 @@ class HeartbeatStreamClient final
 
 class Load {
  public:
+  Stub* stub() { return stubs_[0].get(); }
   Load(std::vector<std::unique_ptr<Stub>> stubs, std::string job_id, int workers)
       : stubs_(std::move(stubs)), job_id_(std::move(job_id)), workers_(workers) {
     // (std::vector<Worker>(n): Worker holds atomics, so it is built in place.)
@@ -452,7 +464,7 @@ class Load {
 };
 
 // Runs a coordinator in a child process; returns its pid and writes its address.
-int StartChildCoordinator(std::string* address) {
+int StartChildCoordinator(std::string* address, const std::string& state_dir) {
   int fds[2];
   if (pipe(fds) != 0) return -1;
   const int pid = fork();
@@ -468,7 +480,9 @@ int StartChildCoordinator(std::string* address) {
     absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
     server::ServerOptions options;
     options.listen = "127.0.0.1:0";
+    options.state_dir = state_dir;
     auto server = server::CoordinatorServer::Start(options);
+    if (!server.ok()) std::fprintf(stderr, "coordinator: %s\n", server.status().ToString().c_str());
     const std::string line = server.ok() ? (*server)->address() : "";
     (void)!write(fds[1], line.data(), line.size());
     close(fds[1]);
@@ -487,34 +501,55 @@ int StartChildCoordinator(std::string* address) {
   return pid;
 }
 
-int Main() {
+// CreateJob and Join latency: `count` world-1 jobs, one after the other.
+void TimeCreateAndJoin(Stub* stub, int count, Histogram* create, Histogram* join) {
+  for (int i = 0; i < count; ++i) {
+    const std::string id = absl::StrCat("lat-", getpid(), "-", i);
+    v1::CreateJobRequest request;
+    request.mutable_spec()->set_job_id(id);
+    request.mutable_spec()->set_world_size(1);
+    request.mutable_spec()->set_mode(v1::PERIODIC);
+    v1::Level* l = request.mutable_spec()->add_levels();
+    l->set_period(4);
+    l->set_group_size(1);
+    v1::Job job;
+    grpc::ClientContext create_ctx;
+    double t = SteadySeconds();
+    grpc::Status s = stub->CreateJob(&create_ctx, request, &job);
+    create->Add(SteadySeconds() - t);
+    if (!s.ok()) {
+      std::fprintf(stderr, "CreateJob failed: %s\n", s.error_message().c_str());
+      return;
+    }
+    v1::JoinRequest join_request;
+    join_request.set_job_id(id);
+    join_request.set_worker_id("latency");
+    join_request.set_rank(0);
+    v1::JoinResponse joined;
+    grpc::ClientContext join_ctx;
+    t = SteadySeconds();
+    s = stub->Join(&join_ctx, join_request, &joined);
+    join->Add(SteadySeconds() - t);
+    if (!s.ok()) {
+      std::fprintf(stderr, "Join failed: %s\n", s.error_message().c_str());
+      return;
+    }
+    v1::DeleteJobRequest del;
+    del.set_job_id(id);
+    v1::DeleteJobResponse deleted;
+    grpc::ClientContext del_ctx;
+    (void)stub->DeleteJob(&del_ctx, del, &deleted);
+  }
+}
+
+// One measurement against the coordinator at `address` (process `pid`, 0: unknown), labelled
+// `state` in the JSON line.
+int RunOnce(const std::string& address, int pid, const std::string& state) {
   const int n = absl::GetFlag(FLAGS_workers);
   const double seconds = absl::GetFlag(FLAGS_seconds);
   const double hb_seconds = absl::GetFlag(FLAGS_heartbeat_seconds);
   const int channels = std::max(1, absl::GetFlag(FLAGS_channels));
-  if (n < 1 || n > 65536 || seconds <= 0 || hb_seconds < 0) {
-    std::fprintf(stderr, "--workers must be in [1, 65536], --seconds > 0, "
-                         "--heartbeat_seconds >= 0\n");
-    return 2;
-  }
-  // The child is forked before this process creates any gRPC state.
-  std::string address = absl::GetFlag(FLAGS_coordinator);
-  int pid = absl::GetFlag(FLAGS_coordinator_pid);
-  int child = 0;
-  if (address.empty()) {
-    child = pid = StartChildCoordinator(&address);
-    if (child <= 0) {
-      std::fprintf(stderr, "could not start a coordinator\n");
-      return 1;
-    }
-  }
-  auto stop_child = [&] {
-    if (child > 0) {
-      kill(child, SIGTERM);
-      waitpid(child, nullptr, 0);
-    }
-  };
-
+  auto stop_child = [] {};
   std::vector<std::unique_ptr<Stub>> stubs;
   for (int i = 0; i < channels; ++i) {
     grpc::ChannelArguments args;
@@ -613,6 +648,10 @@ int Main() {
   load.StopHeartbeats();
   load.WaitHeartbeatsDrained();
 
+  Histogram create_latency, join_latency;
+  TimeCreateAndJoin(load.stub(), absl::GetFlag(FLAGS_latency_jobs), &create_latency,
+                    &join_latency);
+
   const double step_p99 = load.step_latency().Percentile(0.99);
   const double ping_p99 = load.ping_latency().Percentile(0.99);
   std::printf(
@@ -623,17 +662,71 @@ int Main() {
       "\"errors\": %lld, \"channels\": %d, \"coordinator_cpu_us_per_rpc\": %.1f, "
       "\"heartbeat_cpu_us\": %.1f, \"heartbeat\": \"%s\", \"skipped_beats\": %lld, "
       "\"max_inflight_steps\": %d, \"heartbeat_only_per_s\": %.0f, "
-      "\"heartbeat_only_replies_per_s\": %.0f, \"reply_interval_ms\": %lld}\n",
+      "\"heartbeat_only_replies_per_s\": %.0f, \"reply_interval_ms\": %lld, "
+      "\"state\": \"%s\", \"create_job_p50_us\": %.0f, \"create_job_p99_us\": %.0f, "
+      "\"join_p50_us\": %.0f, \"join_p99_us\": %.0f, \"latency_jobs\": %lld}\n",
       n, wall, decisions / wall, load.step_latency().Percentile(0.5), step_p99,
       load.ping_latency().Percentile(0.5), ping_p99, ping_p99 > 0 ? step_p99 / ping_p99 : -1,
       cores, beats / wall, hb_cores, static_cast<long long>(load.ping_latency().count()),
       static_cast<long long>(load.errors()), channels, cpu_us_per_rpc, hb_us,
       heartbeat_mode.c_str(), static_cast<long long>(load.skipped_beats()),
       absl::GetFlag(FLAGS_max_inflight_steps), hb_rate, hb_reply_rate,
-      static_cast<long long>(heartbeat_mode == "stream" ? reply_interval_ms : 0));
+      static_cast<long long>(heartbeat_mode == "stream" ? reply_interval_ms : 0),
+      state.c_str(),
+      create_latency.Percentile(0.5), create_latency.Percentile(0.99),
+      join_latency.Percentile(0.5), join_latency.Percentile(0.99),
+      static_cast<long long>(create_latency.count()));
   std::fflush(stdout);
   stop_child();
   return load.errors() == 0 ? 0 : 1;
+}
+
+int Main() {
+  const int n = absl::GetFlag(FLAGS_workers);
+  if (n < 1 || n > 65536 || absl::GetFlag(FLAGS_seconds) <= 0 ||
+      absl::GetFlag(FLAGS_heartbeat_seconds) < 0) {
+    std::fprintf(stderr, "--workers must be in [1, 65536], --seconds > 0, "
+                         "--heartbeat_seconds >= 0\n");
+    return 2;
+  }
+  const std::string state_dir = absl::GetFlag(FLAGS_state_dir);
+  if (const std::string address = absl::GetFlag(FLAGS_coordinator); !address.empty()) {
+    if (!state_dir.empty()) {
+      std::fprintf(stderr, "--state_dir starts its own coordinators: leave --coordinator out\n");
+      return 2;
+    }
+    return RunOnce(address, absl::GetFlag(FLAGS_coordinator_pid), "external");
+  }
+  // Every child is forked before this process creates any gRPC state.
+  struct Child {
+    std::string state;
+    std::string address;
+    int pid = 0;
+  };
+  std::vector<Child> children = {{"memory", "", 0}};
+  if (!state_dir.empty()) {
+    std::error_code error;
+    std::filesystem::create_directories(state_dir, error);
+    children.push_back({"sqlite", "", 0});
+  }
+  for (Child& c : children) {
+    c.pid = StartChildCoordinator(
+        &c.address, c.state == "sqlite" ? absl::StrCat(state_dir, "/bench-", getpid()) : "");
+    if (c.pid <= 0) {
+      std::fprintf(stderr, "could not start a coordinator (%s)\n", c.state.c_str());
+      for (Child& d : children) {
+        if (d.pid > 0) kill(d.pid, SIGTERM);
+      }
+      return 1;
+    }
+  }
+  int rc = 0;
+  for (Child& c : children) {
+    if (rc == 0) rc = RunOnce(c.address, c.pid, c.state);
+    kill(c.pid, SIGTERM);
+    waitpid(c.pid, nullptr, 0);
+  }
+  return rc;
 }
 
 }  // namespace

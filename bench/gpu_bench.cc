@@ -6,7 +6,10 @@
 //    (AverageParameters on ContiguousParameters: in place), "staged_s" (AverageParameters on
 //    --tensors separately allocated tensors: gather + all-reduce + scatter), "zero_copy_over_raw",
 //    "staged_over_raw"}
-// and then one line for the staging kernels alone (cudaEvent timing, large buffer):
+// then {"layout_check_s"} (AverageParameters' per-call layout check: one 64-byte all-reduce and
+// a host wait), {"bf16_bytes", "raw_bf16_s", "bf16_via_fp32_s", "bf16_via_fp32_over_raw"}
+// (bfloat16 reduced through float32 vs NCCL's native bfloat16 average), and one line per
+// staging kernel alone (cudaEvent timing, large buffer):
 //   {"kernel": "gather"|"scatter", "bytes", "s", "tbps" (read + write bytes / s),
 //    "fraction_of_peak"}
 // Targets: zero_copy_over_raw <= 1.05; kernel fraction_of_peak >= 0.8 on an H200 (4.8 TB/s).
@@ -134,6 +137,31 @@ absl::Status Run() {
         "{\"bytes\": %lld, \"tensors\": %d, \"raw_s\": %.6g, \"zero_copy_s\": %.6g, "
         "\"staged_s\": %.6g, \"zero_copy_over_raw\": %.4f, \"staged_over_raw\": %.4f}\n",
         static_cast<long long>(numel * 4), t, raw, zero, staged, zero / raw, staged / raw);
+    std::fflush(stdout);
+  }
+
+  // The layout check alone (every call runs it; here with nothing to average).
+  MODELAVG_ASSIGN_OR_RETURN(double check, MedianSeconds(iters, [&] {
+                              return nccl->AllReduceAverage({});
+                            }));
+  std::printf("{\"layout_check_s\": %.6g}\n", check);
+  // bfloat16 in one buffer: reduced in float32 (gather, float32 all-reduce, scatter) next to
+  // NCCL's native bfloat16 ncclAvg of the same buffer.
+  {
+    const int64_t numel = int64_t{32} << 20;  // 64 MiB of bfloat16
+    MODELAVG_ASSIGN_OR_RETURN(auto bf16, client::ContiguousParameters::Create(
+                                             {numel / 2, numel / 2}, DType::kBFloat16,
+                                             client::Device::Cuda(0), stream));
+    MODELAVG_ASSIGN_OR_RETURN(double raw, MedianSeconds(iters, [&] {
+                                return nccl->RawAllReduceAvg(bf16->flat().data, numel,
+                                                             DType::kBFloat16, stream);
+                              }));
+    MODELAVG_ASSIGN_OR_RETURN(double avg, MedianSeconds(iters, [&] {
+                                return averager->AverageParameters(bf16->views()).status();
+                              }));
+    std::printf("{\"bf16_bytes\": %lld, \"raw_bf16_s\": %.6g, \"bf16_via_fp32_s\": %.6g, "
+                "\"bf16_via_fp32_over_raw\": %.4f}\n",
+                static_cast<long long>(numel * 2), raw, avg, avg / raw);
     std::fflush(stdout);
   }
 

@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 die() { echo "gpu_bench: FAILED: $*" >&2; exit 1; }
 
 prebuilt=""
-build=build-gpu
+build="build-gpu"
 if [ "${1:-}" = "--prebuilt" ]; then
   prebuilt=${2:?"--prebuilt needs the directory of the prebuilt programs"}
   [ -d "$prebuilt" ] || die "--prebuilt $prebuilt: no such directory"

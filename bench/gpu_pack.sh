@@ -27,5 +27,5 @@ if [ -n "$exclude" ] && ! grep -qx '/.devpack/' "$exclude" 2>/dev/null; then
   mkdir -p "$(dirname "$exclude")" && echo /.devpack/ >>"$exclude"
 fi
 kib=$(du -sk .devpack | cut -f1)
-echo "gpu_pack: .devpack holds $((kib / 1024)) MiB: ${programs[*]} and $(ls .devpack/lib | wc -l) libraries"
+echo "gpu_pack: .devpack holds $((kib / 1024)) MiB: ${programs[*]} and $(find .devpack/lib -type f | wc -l) libraries"
 [ "$kib" -le $((60 * 1024)) ] || { echo "gpu_pack: .devpack exceeds 60 MiB" >&2; exit 1; }

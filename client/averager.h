@@ -26,9 +26,9 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
-#include "client/client.h"
-#include "client/tensor.h"
-#include "common/schedule.h"
+#include "modelavg/client/client.h"
+#include "modelavg/client/tensor.h"
+#include "modelavg/common/schedule.h"
 
 namespace modelavg::client {
 

@@ -2,8 +2,6 @@
 
 #include <unistd.h>
 
-#include <csignal>
-
 #include <algorithm>
 #include <utility>
 
@@ -13,7 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/communicator_cache.h"
+#include "client/coordinator_outage.h"
 #include "client/coordinator_client.h"
+#include "client/gloo_communicator.h"
 #include "common/job_spec.h"
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
@@ -48,10 +48,11 @@ absl::Status ValidateOptions(const ClientOptions& o) {
   }
   if (o.join_timeout <= absl::ZeroDuration() || o.rpc_timeout <= absl::ZeroDuration() ||
       o.heartbeat_interval <= absl::ZeroDuration() ||
-      o.collective_timeout <= absl::ZeroDuration()) {
+      o.collective_timeout <= absl::ZeroDuration() ||
+      o.coordinator_outage_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
-        "ClientOptions: join_timeout, rpc_timeout, heartbeat_interval and collective_timeout "
-        "must all be positive");
+        "ClientOptions: join_timeout, rpc_timeout, heartbeat_interval, collective_timeout and "
+        "coordinator_outage_timeout must all be positive");
   }
   if (o.schedule_window < 1 || o.schedule_window > kMaxScheduleWindow) {
     return absl::InvalidArgumentError(absl::StrCat("ClientOptions.schedule_window is ",
@@ -59,17 +60,6 @@ absl::Status ValidateOptions(const ClientOptions& o) {
                                                    kMaxScheduleWindow));
   }
   return absl::OkStatus();
-}
-
-// Gloo's TCP transport writes without MSG_NOSIGNAL: with SIGPIPE at its default, a peer that
-// dies mid-collective would kill this process instead of failing the all-reduce. A handler the
-// application installed itself is left alone.
-void IgnoreSigpipe() {
-  struct sigaction current {};
-  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
-    std::signal(SIGPIPE, SIG_IGN);
-    spdlog::debug("SIGPIPE ignored so that a dead peer surfaces as an averaging error");
-  }
 }
 
 // Join, retried with backoff while the coordinator is unreachable, until join_timeout.
@@ -135,7 +125,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   spdlog::info("joining job {} at {} as {}{}", options.job_id, options.coordinator,
                options.worker_id,
                options.rank ? absl::StrCat(" (rank ", *options.rank, ")") : std::string());
-  IgnoreSigpipe();
+  IgnoreDefaultSigpipe();
   MODELAVG_ASSIGN_OR_RETURN(v1::JoinResponse joined, JoinWithRetry(*coordinator, join, options));
 
   absl::StatusOr<ScheduleSpec> spec = ScheduleSpecFromProto(joined.spec());
@@ -168,15 +158,19 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   spdlog::info("joined job {}: rank {} of {}, generation {}", options.job_id, joined.rank(),
                joined.world_size(), joined.generation());
   options.credential = joined.credential();
-  return std::unique_ptr<Client>(new Client(std::move(options), std::move(coordinator),
-                                            joined.rank(), joined.generation(),
-                                            std::move(schedule), hb_timeout));
+  auto outage = std::make_unique<CoordinatorOutage>(options.coordinator,
+                                                    options.coordinator_outage_timeout);
+  coordinator->set_outage(outage.get());
+  return std::unique_ptr<Client>(new Client(
+      std::move(options), std::move(coordinator), std::move(outage), joined.rank(),
+      joined.generation(), std::move(schedule), hb_timeout, joined.coordinator_incarnation()));
 }
 
 Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator,
-               int32_t rank, int64_t generation, Schedule schedule,
-               absl::Duration heartbeat_timeout)
+               std::unique_ptr<CoordinatorOutage> outage, int32_t rank, int64_t generation,
+               Schedule schedule, absl::Duration heartbeat_timeout, std::string incarnation)
     : options_(std::move(options)),
+      outage_(std::move(outage)),
       coordinator_(std::move(coordinator)),
       rank_(rank),
       generation_(generation),
@@ -184,7 +178,8 @@ Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordin
       heartbeat_timeout_(heartbeat_timeout),
       communicators_(std::make_unique<CommunicatorCache>(options_.gloo_hostname)),
       latest_generation_(generation),
-      last_heartbeat_ok_(absl::Now()) {
+      last_heartbeat_ok_(absl::Now()),
+      incarnation_(std::move(incarnation)) {
   heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
 }
 
@@ -285,10 +280,15 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
   bool hard = !job.ok();
   std::vector<int32_t> departed;
   if (job.ok()) {
+    // An elastic job admits no re-join while RUNNING, and a departure moves its survivors into
+    // the new generation (their member generation grows): only a death is hard there (an
+    // orderly departure below min_world_size, at the end of a run, is not).
+    const int32_t min_world = job->spec().min_world_size();
+    const bool elastic = min_world > 0 && min_world < job->spec().world_size();
     for (const v1::Member& m : job->members()) {
       if (m.state() == v1::LEFT) {
         departed.push_back(m.rank());
-      } else if (m.state() == v1::DEAD || m.generation() > generation_) {
+      } else if (m.state() == v1::DEAD || (!elastic && m.generation() > generation_)) {
         hard = true;  // A death or a re-join: every communicator with that rank is broken.
       }
     }
@@ -368,10 +368,7 @@ bool Client::UnaryHeartbeat() {
     NoteHeartbeatFailure(resp.status());
     return true;
   }
-  {
-    absl::MutexLock l(&mu_);
-    last_heartbeat_ok_ = absl::Now();
-  }
+  NoteHeartbeatReply(*resp);
   HandleHeartbeatReply(*resp, seen);
   return true;
 }
@@ -451,8 +448,8 @@ absl::Status Client::StreamHeartbeats(bool* answered) {
 }
 
 void Client::OnStreamReply(const v1::HeartbeatResponse& reply) {
+  NoteHeartbeatReply(reply);
   absl::MutexLock l(&mu_);
-  last_heartbeat_ok_ = absl::Now();
   if (reply.generation() != generation_ && reply.generation() != latest_generation_) {
     stream_change_ = reply;
   }
@@ -471,22 +468,67 @@ void Client::HandleHeartbeatReply(const v1::HeartbeatResponse& reply, int64_t se
   NoteGenerationChange(reply.generation(), why);
 }
 
-void Client::NoteHeartbeatFailure(const absl::Status& error) {
+void Client::NoteHeartbeatReply(const v1::HeartbeatResponse& reply) {
+  outage_->NoteReachable();
   absl::MutexLock l(&mu_);
-  if (error.code() == absl::StatusCode::kPermissionDenied && broken_.ok()) {
-    // The rank has another member now (this one was declared dead and replaced).
+  last_heartbeat_ok_ = absl::Now();
+  const std::string& incarnation = reply.coordinator_incarnation();
+  const bool restarted = !incarnation.empty() && incarnation != incarnation_;
+  // This rank joined generation_ once it was complete (RUNNING); only a new generation can be
+  // PENDING again. The same generation PENDING means the coordinator lost the job's state and
+  // has the job afresh (e.g. from its jobs file): it knows nothing of this rank.
+  if (reply.generation() == generation_ && reply.state() == v1::PENDING && broken_.ok()) {
     broken_ = absl::FailedPreconditionError(absl::StrCat(
-        "the coordinator no longer counts this worker as rank ", rank_, " of job ",
-        options_.job_id, " (", error.message(), "); connect a new Client to re-join"));
+        "the coordinator that now answers at ", options_.coordinator, " (incarnation ",
+        incarnation.empty() ? "unknown" : incarnation, ", this rank joined under ",
+        incarnation_.empty() ? "unknown" : incarnation_, ") has job ", options_.job_id,
+        " afresh, without this rank: it restarted without the job's state (run it with "
+        "--state_dir); restart the workers"));
     spdlog::error("{}", std::string(broken_.message()));
+  } else if (restarted) {
+    spdlog::warn("coordinator {} restarted (incarnation {} -> {}); rank {} re-attached to job {} "
+                 "in generation {}",
+                 options_.coordinator, incarnation_.empty() ? "unknown" : incarnation_,
+                 incarnation, rank_, options_.job_id, reply.generation());
+  }
+  if (restarted) incarnation_ = incarnation;
+}
+
+void Client::NoteHeartbeatFailure(const absl::Status& error) {
+  if (absl::IsPermissionDenied(error)) {
+    // The rank has another member now (this one was declared dead and replaced).
+    absl::MutexLock l(&mu_);
+    if (broken_.ok()) {
+      broken_ = absl::FailedPreconditionError(absl::StrCat(
+          "the coordinator no longer counts this worker as rank ", rank_, " of job ",
+          options_.job_id, " (", error.message(), "); connect a new Client to re-join"));
+      spdlog::error("{}", std::string(broken_.message()));
+    }
     return;
   }
-  const absl::Duration silent = absl::Now() - last_heartbeat_ok_;
-  if (silent > heartbeat_timeout_ && broken_.ok()) {
-    broken_ = absl::UnavailableError(absl::StrCat(
-        "the coordinator at ", options_.coordinator, " has not answered for ",
-        absl::FormatDuration(silent), " (last error: ", error.ToString(),
-        "); it has likely declared this rank dead: restart the worker once it is back"));
+  if (absl::IsNotFound(error)) {
+    // Only a coordinator that answers can say the job is unknown: it lost or never had it.
+    absl::MutexLock l(&mu_);
+    if (broken_.ok()) {
+      broken_ = absl::FailedPreconditionError(absl::StrCat(
+          "job ", options_.job_id, " is unknown to the coordinator that now answers at ",
+          options_.coordinator, " (this rank joined under incarnation ",
+          incarnation_.empty() ? "unknown" : incarnation_,
+          "): it restarted without the job's state (run it with --state_dir) or the job was "
+          "deleted; create the job again and restart the workers (",
+          error.message(), ")"));
+      spdlog::error("{}", std::string(broken_.message()));
+    }
+    return;
+  }
+  if (!outage_->IsOutage(error) && !absl::IsCancelled(error)) return;
+  outage_->NoteUnreachable(error);
+  if (!outage_->Exceeded()) return;
+  absl::MutexLock l(&mu_);
+  if (broken_.ok()) {
+    broken_ = outage_->Error(absl::StrCat("keeping rank ", rank_, " in job ", options_.job_id,
+                                          " (membership changes cannot be learnt)"),
+                             error);
     spdlog::error("{}", std::string(broken_.message()));
   }
 }
@@ -504,12 +546,26 @@ absl::StatusOr<Decision> Client::DecisionAt(int64_t step) {
 }
 
 absl::Status Client::FetchWindow(int64_t from_step) {
+  // The schedule is a pure function of the spec this rank joined with: during an outage the
+  // local one stands in for the coordinator's.
+  auto local_window = [&] {
+    window_ = schedule_.Window(from_step, options_.schedule_window, rank_);
+    window_start_ = from_step;
+    return absl::OkStatus();
+  };
+  if (outage_->OutageLength() > absl::ZeroDuration()) return local_window();
   v1::GetScheduleRequest req;
   req.set_job_id(options_.job_id);
   req.set_from_step(from_step);
   req.set_count(options_.schedule_window);
   req.set_rank(rank_);
-  MODELAVG_ASSIGN_OR_RETURN(v1::GetScheduleResponse resp, coordinator_->GetSchedule(req));
+  absl::StatusOr<v1::GetScheduleResponse> reply = coordinator_->GetSchedule(req);
+  if (!reply.ok() && outage_->IsOutage(reply.status())) {
+    outage_->NoteUnreachable(reply.status());
+    return local_window();
+  }
+  MODELAVG_RETURN_IF_ERROR(reply.status());
+  const v1::GetScheduleResponse& resp = *reply;
   if (resp.decisions_size() != options_.schedule_window) {
     return absl::InternalError(absl::StrCat("GetSchedule(from ", from_step, ", count ",
                                             options_.schedule_window, ") returned ",

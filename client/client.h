@@ -30,12 +30,13 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "common/schedule.h"
+#include "modelavg/common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
 
 namespace modelavg::client {
 
 class CoordinatorClient;
+class CoordinatorOutage;
 class CommunicatorCache;
 
 struct ClientOptions {
@@ -71,6 +72,12 @@ struct ClientOptions {
   // stream is re-opened with backoff. false: one unary Heartbeat call per beat. A coordinator
   // without HeartbeatStream (an older version) gets unary calls either way.
   bool heartbeat_stream = true;
+  // While the coordinator is unreachable, training goes on (local schedule, existing
+  // communicators, heartbeats retried with backoff); work that needs the coordinator (a
+  // subgroup's first communicator in the generation) waits for it up to this long, counted from
+  // the start of the outage. Past it, that work and every later averaging call fail with
+  // UNAVAILABLE naming the coordinator and how long it has been gone.
+  absl::Duration coordinator_outage_timeout = absl::Minutes(5);
   // Longest wait for one collective (communicator set-up or one all-reduce); past it the
   // averaging call fails with DEADLINE_EXCEEDED instead of hanging on a dead peer.
   absl::Duration collective_timeout = absl::Seconds(60);
@@ -154,8 +161,9 @@ class Client {
   CommunicatorCache* communicators() const { return communicators_.get(); }
 
  private:
-  Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator, int32_t rank,
-         int64_t generation, Schedule schedule, absl::Duration heartbeat_timeout);
+  Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator,
+         std::unique_ptr<CoordinatorOutage> outage, int32_t rank, int64_t generation,
+         Schedule schedule, absl::Duration heartbeat_timeout, std::string incarnation);
   void HeartbeatLoop();
   // One unary beat after heartbeat_interval. False once stopping.
   bool UnaryHeartbeat() ABSL_LOCKS_EXCLUDED(mu_);
@@ -171,9 +179,12 @@ class Client {
   // A reply whose generation is neither this client's nor the latest seen: NoteGenerationChange.
   void HandleHeartbeatReply(const v1::HeartbeatResponse& reply, int64_t seen)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Marks the client broken (UNAVAILABLE) once the coordinator has not answered a heartbeat for
-  // longer than the heartbeat timeout; `error` says what failed last.
+  // A heartbeat failed: an outage starts (or goes on). The client is marked broken when the
+  // coordinator answers that it does not know the job (it restarted without its state), or
+  // once the outage has lasted coordinator_outage_timeout.
   void NoteHeartbeatFailure(const absl::Status& error) ABSL_LOCKS_EXCLUDED(mu_);
+  // A heartbeat reply: the outage (if any) is over; a new incarnation is logged.
+  void NoteHeartbeatReply(const v1::HeartbeatResponse& reply) ABSL_LOCKS_EXCLUDED(mu_);
   // Records a generation change seen by the heartbeat: which ranks departed, and whether the
   // change breaks every communicator (a death or re-join) or only those with departed ranks.
   void NoteGenerationChange(int64_t generation, const std::string& why)
@@ -181,6 +192,8 @@ class Client {
   absl::Status FetchWindow(int64_t from_step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(cache_mu_);
 
   const ClientOptions options_;
+  // Declared before the coordinator connection, which points to it: destroyed after it.
+  const std::unique_ptr<CoordinatorOutage> outage_;
   const std::unique_ptr<CoordinatorClient> coordinator_;
   const int32_t rank_;
   const int64_t generation_;
@@ -204,6 +217,8 @@ class Client {
   bool left_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time last_heartbeat_ok_ ABSL_GUARDED_BY(mu_);
+  // The coordinator incarnation of the last reply (a restart changes it).
+  std::string incarnation_ ABSL_GUARDED_BY(mu_);
   // The current HeartbeatStream has ended; a reply with a generation change to act on.
   bool stream_ended_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<v1::HeartbeatResponse> stream_change_ ABSL_GUARDED_BY(mu_);

@@ -14,7 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "client/tensor.h"
+#include "modelavg/client/tensor.h"
 
 namespace modelavg::client {
 

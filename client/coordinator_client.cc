@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "client/coordinator_outage.h"
 #include "common/file_util.h"
 #include "common/status_util.h"
 #include "grpcpp/client_context.h"
@@ -110,12 +111,19 @@ absl::StatusOr<v1::Job> CoordinatorClient::GetJob(const std::string& job_id) {
 }
 
 absl::StatusOr<v1::ListJobsResponse> CoordinatorClient::ListJobs() {
-  grpc::ClientContext ctx;
-  Prepare(&ctx, options_.rpc_timeout);
+  // Every page, in job_id order (the coordinator answers at most 1000 jobs, and 4 MiB, a call).
   v1::ListJobsRequest req;
-  v1::ListJobsResponse out;
-  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->ListJobs(&ctx, req, &out), "ListJobs"));
-  return out;
+  req.set_page_size(1000);
+  v1::ListJobsResponse all;
+  do {
+    grpc::ClientContext ctx;
+    Prepare(&ctx, options_.rpc_timeout);
+    v1::ListJobsResponse page;
+    MODELAVG_RETURN_IF_ERROR(Wrap(stub_->ListJobs(&ctx, req, &page), "ListJobs"));
+    for (v1::Job& job : *page.mutable_jobs()) *all.add_jobs() = std::move(job);
+    req.set_page_token(page.next_page_token());
+  } while (!req.page_token().empty());
+  return all;
 }
 
 absl::Status CoordinatorClient::DeleteJob(const std::string& job_id) {
@@ -163,18 +171,33 @@ absl::StatusOr<v1::GetScheduleResponse> CoordinatorClient::GetSchedule(
 }
 
 absl::Status CoordinatorClient::PublishCommId(const v1::PublishCommIdRequest& request) {
-  grpc::ClientContext ctx;
-  Prepare(&ctx, options_.rpc_timeout);
-  v1::PublishCommIdResponse out;
-  return Wrap(stub_->PublishCommId(&ctx, request, &out), "PublishCommId");
+  auto call = [&]() -> absl::Status {
+    grpc::ClientContext ctx;
+    Prepare(&ctx, options_.rpc_timeout);
+    v1::PublishCommIdResponse out;
+    return Wrap(stub_->PublishCommId(&ctx, request, &out), "PublishCommId");
+  };
+  if (outage_ == nullptr) return call();
+  return outage_->Retry(
+      absl::StrCat("publishing the bootstrap id of level ", request.level(), " subgroup ",
+                   request.subgroup(), " (generation ", request.generation(), ")"),
+      call);
 }
 
 absl::StatusOr<std::string> CoordinatorClient::GetCommId(const v1::GetCommIdRequest& request) {
-  grpc::ClientContext ctx;
-  Prepare(&ctx, absl::Milliseconds(request.timeout_ms()) + options_.rpc_timeout);
-  v1::GetCommIdResponse out;
-  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->GetCommId(&ctx, request, &out), "GetCommId"));
-  return std::move(*out.mutable_unique_id());
+  // Retried through an outage, each attempt waits the request's full timeout_ms again.
+  auto call = [&]() -> absl::StatusOr<std::string> {
+    grpc::ClientContext ctx;
+    Prepare(&ctx, absl::Milliseconds(request.timeout_ms()) + options_.rpc_timeout);
+    v1::GetCommIdResponse out;
+    MODELAVG_RETURN_IF_ERROR(Wrap(stub_->GetCommId(&ctx, request, &out), "GetCommId"));
+    return std::move(*out.mutable_unique_id());
+  };
+  if (outage_ == nullptr) return call();
+  return outage_->Retry(
+      absl::StrCat("fetching the bootstrap id of level ", request.level(), " subgroup ",
+                   request.subgroup(), " (generation ", request.generation(), ")"),
+      call);
 }
 
 absl::StatusOr<v1::LeaveResponse> CoordinatorClient::Leave(const v1::LeaveRequest& request) {

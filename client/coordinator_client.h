@@ -72,6 +72,8 @@ class HeartbeatStreamCall final
 };
 
 // Thread-safe (the stub is).
+class CoordinatorOutage;
+
 class CoordinatorClient {
  public:
   // INVALID_ARGUMENT for an empty address or unreadable TLS files. Does not connect yet.
@@ -82,6 +84,7 @@ class CoordinatorClient {
   // UNAVAILABLE when unreachable, DEADLINE_EXCEEDED past `timeout` or rpc_timeout).
   absl::StatusOr<v1::Job> CreateJob(const v1::JobSpec& spec);
   absl::StatusOr<v1::Job> GetJob(const std::string& job_id);
+  // Every job: walks ListJobs' pages (next_page_token stays empty in the result).
   absl::StatusOr<v1::ListJobsResponse> ListJobs();
   absl::Status DeleteJob(const std::string& job_id);
   absl::StatusOr<v1::JoinResponse> Join(const v1::JoinRequest& request, absl::Duration timeout);
@@ -101,6 +104,11 @@ class CoordinatorClient {
 
   const CoordinatorClientOptions& options() const { return options_; }
 
+  // With an outage tracker (not owned; outlives this object), PublishCommId and GetCommId wait
+  // through an unreachable coordinator (CoordinatorOutage::Retry) instead of failing at once,
+  // and every reply or failure updates it. Set once, before the calls start.
+  void set_outage(CoordinatorOutage* outage) { outage_ = outage; }
+
  private:
   CoordinatorClient(CoordinatorClientOptions options, std::shared_ptr<grpc::Channel> channel);
   // Deadline and token on a fresh context.
@@ -111,6 +119,7 @@ class CoordinatorClient {
   const CoordinatorClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
+  CoordinatorOutage* outage_ = nullptr;
 };
 
 }  // namespace modelavg::client

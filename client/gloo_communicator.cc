@@ -1,5 +1,7 @@
 #include "client/gloo_communicator.h"
 
+#include <csignal>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -151,6 +153,14 @@ void* SingleBuffer(absl::Span<const TensorView> tensors) {
 
 }  // namespace
 
+void IgnoreDefaultSigpipe() {
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    std::signal(SIGPIPE, SIG_IGN);
+    spdlog::debug("SIGPIPE ignored so that a dead peer surfaces as an averaging error");
+  }
+}
+
 absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CreateGlooDevice(
     const std::string& hostname) {
   try {
@@ -175,6 +185,7 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
         absl::StrCat("Gloo communicator rank ", rank, " of size ", size, " is out of range"));
   }
   if (device == nullptr) return absl::InvalidArgumentError("Gloo device is null");
+  IgnoreDefaultSigpipe();
   try {
     auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
     context->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));

@@ -29,6 +29,12 @@ class Device;
 
 namespace modelavg::client {
 
+// Gloo's TCP transport writes without MSG_NOSIGNAL: with SIGPIPE at its default, a peer that
+// dies mid-collective would kill this process instead of failing the all-reduce. Ignores
+// SIGPIPE when its disposition is the default; a handler the application installed is left
+// alone. Called by GlooCommunicator::Create and Client::Connect.
+void IgnoreDefaultSigpipe();
+
 class GlooCommunicator : public Communicator {
  public:
   // Creates the full mesh of `size` members through `store` (every member must call this with

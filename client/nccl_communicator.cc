@@ -134,17 +134,10 @@ NcclCommunicator::~NcclCommunicator() {
     if (finalized) {
       ncclCommDestroy(comm_);
     } else {
-      Abort();
+      AbortCommunicator();
     }
   }
   core_.Release();
-}
-
-void NcclCommunicator::Abort() {
-  if (!aborted_.exchange(true)) {
-    ncclCommAbort(comm_);
-    spdlog::error("NCCL communicator (member {} of {}) aborted", member_, size_);
-  }
 }
 
 void NcclCommunicator::Abort(const absl::Status& why) {
@@ -158,6 +151,13 @@ absl::Status NcclCommunicator::AbortRequested() const {
   if (!abort_requested_.load(std::memory_order_acquire)) return absl::OkStatus();
   absl::MutexLock l(&abort_mu_);
   return abort_why_;
+}
+
+void NcclCommunicator::AbortCommunicator() {
+  if (!aborted_.exchange(true)) {
+    ncclCommAbort(comm_);
+    spdlog::error("NCCL communicator (member {} of {}) aborted", member_, size_);
+  }
 }
 
 absl::Status NcclCommunicator::Malloc(void** p, size_t bytes) {
@@ -262,9 +262,9 @@ bool NcclCommunicator::last_was_zero_copy() const {
 absl::Status NcclCommunicator::AllReduceAverage(absl::Span<const TensorView> tensors) {
   absl::MutexLock l(&mu_);
   if (!core_.broken().ok()) return core_.broken();
-  if (absl::Status a = AbortRequested(); !a.ok()) return core_.Fail(a);
   ScopedCudaDevice on(device_);
   MODELAVG_RETURN_IF_ERROR(on.status());
+  if (absl::Status a = AbortRequested(); !a.ok()) return core_.Fail(a);
   return core_.Run(tensors);
 }
 

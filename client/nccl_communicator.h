@@ -102,7 +102,7 @@ class NcclCommunicator : public Communicator, private NcclDeviceOps {
   absl::Status AllReduce(void* buffer, size_t count, Reduce op, int32_t staging_code,
                          void* stream) override;
   absl::Status Wait(void* stream, const char* what) override;
-  void Abort() override;
+  void AbortCommunicator() override;
 
   // Waits for a non-blocking NCCL call to leave ncclInProgress.
   absl::Status WaitNcclReady(const char* what);

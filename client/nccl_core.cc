@@ -40,16 +40,17 @@ LayoutSignature EncodeLayout(int64_t count, int32_t staging_code, int64_t total,
                          failed_locally ? member + 1 : 0, 0};
 }
 
-LayoutDecision DecideLayout(const LayoutSignature& reduced, int64_t count, int32_t staging_code,
-                            int64_t total, const absl::Status& local) {
+LayoutDecision DecideLayout(const LayoutSignature& reduced, int64_t count, int64_t total,
+                            const absl::Status& local) {
   LayoutDecision d;
   if (reduced[6] > 0) {
     d.status = !local.ok()
                    ? local
                    : absl::AbortedError(absl::StrCat(
                          "member ", reduced[6] - 1,
-                         " of this subgroup failed before the collective (see its error); no "
-                         "member averaged and the communicator remains usable"));
+                         " of this subgroup failed before the collective (see its error; the "
+                         "highest-numbered one that failed); no member averaged and the "
+                         "communicator remains usable"));
     return d;
   }
   if (reduced[4] != -reduced[5] || reduced[2] != -reduced[3]) {
@@ -60,7 +61,6 @@ LayoutDecision DecideLayout(const LayoutSignature& reduced, int64_t count, int32
         "; every member must average the same list of tensors"));
     return d;
   }
-  (void)staging_code;
   d.unpadded = reduced[0] != -reduced[1] || reduced[0] != count;
   return d;
 }
@@ -85,7 +85,7 @@ absl::Status NcclCore::Init() {
 }
 
 absl::Status NcclCore::Fail(absl::Status status) {
-  ops_->Abort();
+  ops_->AbortCommunicator();
   broken_ = status;
   return status;
 }
@@ -168,7 +168,7 @@ absl::Status NcclCore::Run(absl::Span<const TensorView> tensors) {
   std::memcpy(reduced.data(), sig, sizeof(reduced));
 
   // Step 3: the shared decision.
-  const LayoutDecision d = DecideLayout(reduced, count, code, total, local);
+  const LayoutDecision d = DecideLayout(reduced, count, total, local);
   if (!d.status.ok()) return d.status;
   if (total == 0) return absl::OkStatus();
   if (d.unpadded && !zero_copy) {

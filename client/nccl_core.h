@@ -58,7 +58,7 @@ class NcclDeviceOps {
   // Waits until `stream` has drained (deadline, NCCL async errors, generation check).
   virtual absl::Status Wait(void* stream, const char* what) = 0;
   // ncclCommAbort (once).
-  virtual void Abort() = 0;
+  virtual void AbortCommunicator() = 0;
 };
 
 // A device (or pinned) allocation that only grows. After a failed growth it holds nothing:
@@ -92,8 +92,8 @@ struct LayoutDecision {
   bool unpadded = false;
 };
 // The same on every member, given the same `reduced` (the all-reduced signatures).
-LayoutDecision DecideLayout(const LayoutSignature& reduced, int64_t count, int32_t staging_code,
-                            int64_t total, const absl::Status& local);
+LayoutDecision DecideLayout(const LayoutSignature& reduced, int64_t count, int64_t total,
+                            const absl::Status& local);
 
 class NcclCore {
  public:

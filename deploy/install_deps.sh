@@ -2,13 +2,27 @@
 # Installs the Debian packages modelavg builds and tests with. Needs root (or sudo).
 # CUDA and NCCL are not Debian packages: the build finds them under /usr/local/cuda when present
 # and builds everything else without them.
+# The container engine (podman or Docker) is set up by deploy/container_setup.sh.
+#   bash deploy/install_deps.sh           # everything: build, tests, development
+#   bash deploy/install_deps.sh --build   # only what building the programs needs (the image)
 set -euo pipefail
-packages=(
-  build-essential cmake ninja-build pkg-config git
+# What building needs (with -DMODELAVG_BUILD_TESTS=OFF -DMODELAVG_BUILD_BENCH=OFF).
+build_packages=(
+  g++ cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev libspdlog-dev libgtest-dev libgmock-dev libgloo-dev prometheus-cpp-dev
+  libabsl-dev libspdlog-dev libgloo-dev prometheus-cpp-dev
+  # gRPC's health and reflection protos, for modelavg-health and modelavg-rpc.
+  grpc-proto
+  # Coordinator --state_dir (SQLite).
+  libsqlite3-dev
+)
+packages=(
+  "${build_packages[@]}" build-essential git
+  libgtest-dev libgmock-dev
+  # The sqlite3 shell backs the coordinator's state up while it runs (README).
+  sqlite3
   # Tests: reflection-only client (like grpcurl), PyTorch conformance, compose/k8s file checks.
-  python3 python3-grpcio python3-grpc-tools grpc-proto python3-torch python3-yaml
+  python3 python3-grpcio python3-grpc-tools python3-torch python3-yaml
   # The Python package (pybind11 binding, built for the system's python3).
   python3-dev pybind11-dev
   # Coordinator TLS tests make a throwaway certificate.
@@ -16,7 +30,14 @@ packages=(
   # tests/sanitize.sh: ASan+UBSan build and libFuzzer targets (the fuzzer runtime and
   # <fuzzer/FuzzedDataProvider.h> are in libclang-rt-14-dev).
   clang-14 libclang-rt-14-dev
+  # Debian packages (cpack): dpkg-shlibdeps computes their dependencies, file finds the binaries.
+  dpkg-dev file
 )
+case "${1:-}" in
+  "") ;;
+  --build) packages=("${build_packages[@]}") ;;
+  *) echo "usage: $0 [--build]" >&2; exit 2 ;;
+esac
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -105,7 +105,10 @@ def launch(args):
     log = open(os.path.join(work, "coordinator.log"), "w")
     coordinator = subprocess.Popen(
         [find_coordinator(args.coordinator_bin), "--listen=127.0.0.1:0",
-         f"--port_file={port_file}", "--log_level=warn"], stdout=log, stderr=subprocess.STDOUT)
+         f"--port_file={port_file}", "--log_level=warn",
+         # Four trainers and a coordinator on one machine: a busy machine must not get a
+         # worker declared dead.
+         "--default_heartbeat_timeout_ms=15000"], stdout=log, stderr=subprocess.STDOUT)
     workers = []
     try:
         deadline = time.monotonic() + 30
@@ -133,7 +136,9 @@ def launch(args):
         for s in sorted(summaries, key=lambda s: s["rank"]):
             print(json.dumps(s))
         if failed or len(summaries) != WORLD:
-            print("train_torch: a worker failed", file=sys.stderr)
+            log.flush()
+            print("train_torch: a worker failed (its error is above); the coordinator's log:\n"
+                  + open(log.name).read()[-4000:], file=sys.stderr)
             return 1
         same = len({s["param_checksum"] for s in summaries}) == 1
         print(f"all {WORLD} workers ended with the same parameters: {same}")

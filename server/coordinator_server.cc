@@ -14,6 +14,8 @@
 #include "common/file_util.h"
 #include "server/jobs_file.h"
 #include "server/rpc_metrics.h"
+#include "server/sqlite_state_store.h"
+#include "server/state_store.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::server {
@@ -88,15 +90,24 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   if (!creds.ok()) return creds.status();
 
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
+  if (options.state_dir.empty()) {
+    server->store_ = std::make_unique<InMemoryStateStore>();
+  } else {
+    absl::StatusOr<std::unique_ptr<SqliteStateStore>> store =
+        SqliteStateStore::Open(options.state_dir);
+    if (!store.ok()) return store.status();
+    server->store_ = *std::move(store);
+  }
   JobRegistryOptions registry_options;
   registry_options.defaults = options.defaults;
   registry_options.clock = options.clock;
+  registry_options.store = server->store_.get();
   server->registry_ = std::make_unique<JobRegistry>(registry_options);
-  for (const v1::JobSpec& spec : options.jobs) {
-    if (absl::Status s = server->registry_->CreateJob(spec, nullptr); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("job \"", spec.job_id(), "\": ", s.message()));
-    }
-  }
+  spdlog::info("coordinator incarnation {}; state: {}", server->registry_->incarnation(),
+               server->store_->Describe());
+  absl::StatusOr<int> loaded = server->registry_->LoadFromStore(options.recovery_grace);
+  if (!loaded.ok()) return loaded.status();
+  if (absl::Status s = server->registry_->MergeJobs(options.jobs); !s.ok()) return s;
   if (!options.metrics_listen.empty()) {
     absl::StatusOr<std::unique_ptr<RpcMetrics>> metrics =
         RpcMetrics::Start(options.metrics_listen, server->registry_.get());
@@ -124,10 +135,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
         "cannot listen on ", options.listen, " (address in use or not local?)"));
   }
   server->address_ = BoundAddress(options.listen, server->port_);
-  spdlog::info("coordinator serving on {} ({}{}), {} job(s) from start-up{}", server->address_,
-               options.tls_cert_file.empty() ? "plaintext" : "TLS",
+  spdlog::info("coordinator serving on {} ({}{}), {} job(s) loaded from the state, {} in the "
+               "jobs file{}",
+               server->address_, options.tls_cert_file.empty() ? "plaintext" : "TLS",
                options.tls_client_ca_file.empty() ? "" : ", client certificates required",
-               options.jobs.size(),
+               *loaded, options.jobs.size(),
                options.auth_token.empty()    ? ""
                : options.worker_token.empty() ? ", token auth on"
                                               : ", token auth on (operator and worker roles)");
@@ -149,6 +161,7 @@ void CoordinatorServer::Shutdown() {
     if (shut_down_) return;
     shut_down_ = true;
   }
+  if (server_ == nullptr && registry_ == nullptr) return;  // Start failed before anything ran
   spdlog::info("coordinator on {} shutting down", address_);
   // Fails pending waits (UNAVAILABLE) and ends the watch streams first, so that the gRPC
   // shutdown below has nothing left to wait for.

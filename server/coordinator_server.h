@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
 #include "modelavg/v1/coordinator.pb.h"
@@ -23,6 +24,7 @@ namespace modelavg::server {
 class CoordinatorService;
 class JobRegistry;
 class RpcMetrics;
+class StateStore;
 
 struct ServerOptions {
   // "HOST:PORT"; port 0 picks a free port (see CoordinatorServer::address()).
@@ -44,15 +46,24 @@ struct ServerOptions {
   std::vector<std::string> operator_cert_names;
   // "HOST:PORT" for Prometheus' /metrics; empty: no metrics.
   std::string metrics_listen;
-  // Jobs created before serving (e.g. from --jobs_file).
+  // Jobs created before serving (e.g. from --jobs_file), merged with the stored ones
+  // (JobRegistry::MergeJobs).
   std::vector<v1::JobSpec> jobs;
+  // Non-empty: keep the jobs' hard state in SQLite under this directory (locked against a
+  // second coordinator) and continue the stored jobs on start. Empty: in memory only.
+  std::string state_dir;
+  // After a restart, how long the members of a running job have to re-attach (their next
+  // heartbeat) before one is declared dead; at least the job's heartbeat timeout.
+  absl::Duration recovery_grace = absl::Seconds(10);
   Clock* clock = Clock::Real();
 };
 
 class CoordinatorServer {
  public:
   // Builds and starts the server. INVALID_ARGUMENT for bad options or an invalid job (naming it),
-  // NOT_FOUND for unreadable TLS files, UNAVAILABLE if the address cannot be bound.
+  // NOT_FOUND for unreadable TLS files, UNAVAILABLE if the address cannot be bound; with
+  // state_dir: FAILED_PRECONDITION (another coordinator holds it; a stored job differs from
+  // `jobs`), DATA_LOSS (a damaged state file, named).
   static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(const ServerOptions& options);
   ~CoordinatorServer();  // Shutdown()
 
@@ -70,6 +81,8 @@ class CoordinatorServer {
  private:
   CoordinatorServer() = default;
 
+  // Declared before the registry, which writes to it: destroyed after it.
+  std::unique_ptr<StateStore> store_;
   std::unique_ptr<JobRegistry> registry_;
   std::unique_ptr<RpcMetrics> metrics_;
   std::unique_ptr<CoordinatorService> service_;

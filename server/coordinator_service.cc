@@ -278,6 +278,7 @@ class HeartbeatStreamReactor final
     }
     v1::HeartbeatResponse reply;
     if (absl::Status s = job_->Heartbeat(request_, &reply); !s.ok()) return End(s);
+    reply.set_coordinator_incarnation(registry_->incarnation());
     const bool per_beat = reply_interval_ == absl::ZeroDuration();
     const absl::Time now = absl::Now();
     bool write = false;
@@ -538,8 +539,12 @@ void CoordinatorService::DoJoin(grpc::CallbackServerContext* ctx,
   call->SetOnCancel([job = *job, id] { job->CancelWait(id); });
   // Nothing may touch `call` after this: the core may finish it at once.
   (*job)->Join(call->request, CallDeadline(ctx), id,
-               [call](absl::StatusOr<v1::JoinResponse> result) {
-                 if (result.ok()) call->response = *std::move(result);
+               [call, incarnation = registry_->incarnation()](
+                   absl::StatusOr<v1::JoinResponse> result) {
+                 if (result.ok()) {
+                   call->response = *std::move(result);
+                   call->response.set_coordinator_incarnation(incarnation);
+                 }
                  call->Reply(result.status());
                });
 }
@@ -548,6 +553,7 @@ void CoordinatorService::DoHeartbeat(grpc::CallbackServerContext*,
                                      Call<v1::HeartbeatRequest, v1::HeartbeatResponse>* call) {
   absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
   if (!job.ok()) return call->Reply(job.status());
+  call->response.set_coordinator_incarnation(registry_->incarnation());
   call->Reply((*job)->Heartbeat(call->request, &call->response));
 }
 
@@ -622,6 +628,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* CoordinatorService::WatchJob(
 void CoordinatorService::DoPing(grpc::CallbackServerContext*,
                                 Call<v1::PingRequest, v1::PingResponse>* call) {
   call->response.set_unix_ms(absl::ToUnixMillis(absl::Now()));
+  call->response.set_coordinator_incarnation(registry_->incarnation());
   call->Reply(absl::OkStatus());
 }
 

@@ -12,6 +12,19 @@
 namespace modelavg::server {
 namespace {
 
+// Takes the vacant ranks of an elastic job out of a decision's members. True if any was there.
+bool RemoveVacant(const std::vector<int32_t>& vacant, v1::StepDecision* d) {
+  if (vacant.empty() || d->members().empty()) return false;
+  auto* members = d->mutable_members();
+  const int before = members->size();
+  members->erase(std::remove_if(members->begin(), members->end(),
+                                [&](int32_t r) {
+                                  return std::binary_search(vacant.begin(), vacant.end(), r);
+                                }),
+                 members->end());
+  return members->size() != before;
+}
+
 constexpr size_t kMaxWorkerIdLength = 256;
 constexpr size_t kMaxHostLength = 256;
 constexpr size_t kMaxReasonLength = 256;
@@ -107,13 +120,15 @@ Job::Job(v1::JobSpec spec, Schedule schedule, const JobDefaults& defaults, Clock
       created_unix_ms_(created_unix_ms),
       warnings_(ScheduleWarnings(schedule_.spec())),
       store_(store),
-      membership_(schedule_.world_size()) {}
+      membership_(schedule_.world_size(), spec_.min_world_size()) {}
 
 Job::~Job() = default;
 
-void Job::Restore(const StoredJob& stored) {
+void Job::Restore(const StoredJob& stored, absl::Duration grace) {
   absl::MutexLock lock(&mu_);
-  membership_.Restore(stored.header, stored.members, clock_->Now());
+  const absl::Time now = clock_->Now();
+  membership_.Restore(stored.header, stored.members, now);
+  grace_until_ = now + std::max(grace, heartbeat_timeout_);
   comm_ids_.Clear();
   for (const StoredCommId& c : stored.comm_ids) {
     comm_ids_.Put(CommKey{c.level, c.subgroup, c.key}, c.blob);
@@ -221,13 +236,27 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
 
 void Job::OnMembershipChange(const MembershipChange& change, Outbox* out) {
   if (change.generation_changed) {
-    const std::string why =
-        absl::StrCat("job ", id(), " moved from generation ", change.old_generation, " to ",
-                     membership_.generation(), " because ", change.reason, "; re-join");
+    const std::string why = absl::StrCat(
+        "job ", id(), " moved from generation ", change.old_generation, " to ",
+        membership_.generation(), " because ", change.reason,
+        change.shrunk ? "; its survivors continue in the new generation" : "; re-join");
     FailAllWaits(absl::AbortedError(why), out);
     comm_ids_.Clear();
-    spdlog::warn("job {}: generation {} -> {}: {}", id(), change.old_generation,
-                 membership_.generation(), change.reason);
+    if (change.shrunk) {
+      spdlog::warn("job {}: generation {} -> {}: {}; elastic: RUNNING on with {} of {} ranks "
+                   "(vacant: {})",
+                   id(), change.old_generation, membership_.generation(), change.reason,
+                   membership_.round_size(), membership_.world_size(),
+                   absl::StrJoin(membership_.VacantRanks(), ", "));
+    } else {
+      spdlog::warn("job {}: generation {} -> {}: {}{}", id(), change.old_generation,
+                   membership_.generation(), change.reason,
+                   membership_.elastic()
+                       ? absl::StrCat("; elastic job below min_world_size (",
+                                      membership_.min_world_size(),
+                                      "): PENDING until every rank re-joins")
+                       : std::string());
+    }
     if (!watchers_.empty()) {
       AddEvent(v1::JobEvent::GENERATION_CHANGED, change.changed_by_rank, change.reason, true,
                out);
@@ -323,9 +352,11 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
   }
   const absl::Time now = clock_->Now();
   int64_t generation;
+  std::vector<int32_t> vacant;
   {
     absl::MutexLock lock(&mu_);
     generation = membership_.generation();
+    vacant = membership_.VacantRanks();
     if (request.generation() != generation) {
       return absl::FailedPreconditionError(StaleMessage(request.generation()));
     }
@@ -340,6 +371,7 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
     }
   }
   DecisionToProto(schedule_.DecisionFor(request.step(), rank), generation, response);
+  RemoveVacant(vacant, response);
   return absl::OkStatus();
 }
 
@@ -386,9 +418,11 @@ absl::Status Job::GetSchedule(const v1::GetScheduleRequest& request,
     if (bytes > kMaxScheduleReplyBytes) return absl::InvalidArgumentError(too_big);
   }
   int64_t generation;
+  std::vector<int32_t> vacant;
   {
     absl::MutexLock lock(&mu_);
     generation = membership_.generation();
+    vacant = membership_.VacantRanks();
   }
   response->set_generation(generation);
   const std::vector<Decision> decisions =
@@ -400,7 +434,12 @@ absl::Status Job::GetSchedule(const v1::GetScheduleRequest& request,
       response->Clear();
       return cancelled_status;
     }
-    DecisionToProto(decisions[i], generation, response->add_decisions());
+    v1::StepDecision* out = response->add_decisions();
+    DecisionToProto(decisions[i], generation, out);
+    // A block with no live member does not average: listed for every subgroup, it is left out.
+    if (RemoveVacant(vacant, out) && out->members().empty() && !request.has_rank()) {
+      response->mutable_decisions()->RemoveLast();
+    }
   }
   if (static_cast<int64_t>(response->ByteSizeLong()) > kMaxScheduleReplyBytes) {
     response->Clear();
@@ -630,7 +669,11 @@ void Job::CheckStaleness() {
   absl::MutexLock lock(&mu_);
   if (!closed_.ok()) return;
   const absl::Time now = clock_->Now();
-  if (std::vector<int32_t> dead = membership_.Stale(now, heartbeat_timeout_); !dead.empty()) {
+  // After a restart, members re-attach within the grace period: a member is dead only once
+  // both the grace period and its heartbeat timeout have passed.
+  if (std::vector<int32_t> dead =
+          now < grace_until_ ? std::vector<int32_t>{} : membership_.Stale(now, heartbeat_timeout_);
+      !dead.empty()) {
     for (int32_t r : dead) {
       spdlog::warn("job {}: rank {} (worker \"{}\") sent no heartbeat for {} ms; DEAD", id(), r,
                    membership_.member(r).worker_id,
@@ -638,6 +681,7 @@ void Job::CheckStaleness() {
     }
     std::string reason = absl::StrCat("rank ", dead[0], " heartbeat timeout");
     if (dead.size() > 1) absl::StrAppend(&reason, " (and ", dead.size() - 1, " more ranks)");
+    deaths_ += static_cast<int64_t>(dead.size());
     OnMembershipChange(membership_.Die(dead, reason, now), &out);
     Persist().IgnoreError();  // logged; written with the next change
   }
@@ -720,6 +764,8 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members, int64_t max_bytes) cons
   if (membership_.last_change()) *out->mutable_last_change() = *membership_.last_change();
   for (const std::string& w : warnings_) out->add_warnings(w);
   out->set_created_unix_ms(created_unix_ms_);
+  out->set_live_world_size(membership_.round_size());
+  for (int32_t r : membership_.VacantRanks()) out->add_vacant_ranks(r);
 }
 
 Job::Stats Job::GetStats() const {
@@ -736,6 +782,8 @@ Job::Stats Job::GetStats() const {
     max_step = std::max(max_step, m.last_step);
   }
   stats.step_lag = max_step - min_step;
+  stats.vacant_ranks = static_cast<int32_t>(membership_.VacantRanks().size());
+  stats.deaths = deaths_;
   return stats;
 }
 

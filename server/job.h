@@ -73,11 +73,14 @@ class Job {
   Job& operator=(const Job&) = delete;
 
   // Continues from the state a StateStore kept (after a coordinator restart): the generation,
-  // its members and its ids. Members of a RUNNING generation count as having sent a heartbeat
-  // now. Call before the Job is shared.
-  void Restore(const StoredJob& stored);
+  // its members and its ids. No member is declared dead before `grace` has passed (its
+  // heartbeat timeout at least): the workers re-attach with their next heartbeat. Call before
+  // the Job is shared.
+  void Restore(const StoredJob& stored, absl::Duration grace);
 
   const std::string& id() const { return spec_.job_id(); }
+  // The spec as created (timeouts of 0 not yet resolved to the defaults).
+  const v1::JobSpec& spec() const { return spec_; }
   int32_t world_size() const { return schedule_.world_size(); }
   int64_t created_unix_ms() const { return created_unix_ms_; }
   absl::Duration heartbeat_timeout() const { return heartbeat_timeout_; }
@@ -148,6 +151,10 @@ class Job {
     int64_t generation = 0;
     int64_t step_lag = 0;
     v1::JobState state = v1::PENDING;
+    // Elastic jobs: ranks of the running job that no live worker holds.
+    int32_t vacant_ranks = 0;
+    // Members declared dead (heartbeat timeout) since the job was created (or restored).
+    int64_t deaths = 0;
   };
   Stats GetStats() const;
 
@@ -197,10 +204,14 @@ class Job {
   // Serializes event delivery across calls; taken while mu_ is held, mu_ released first.
   absl::Mutex delivery_mu_ ABSL_ACQUIRED_AFTER(mu_);
   Membership membership_ ABSL_GUARDED_BY(mu_);
+  // Members declared dead since creation (or restore): a metric.
+  int64_t deaths_ ABSL_GUARDED_BY(mu_) = 0;
   CommIdStore comm_ids_ ABSL_GUARDED_BY(mu_);
   PendingWaits waits_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<uint64_t, std::shared_ptr<JobWatcher>>> watchers_ ABSL_GUARDED_BY(mu_);
   uint64_t next_watcher_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // Restore: no heartbeat timeout before this time.
+  absl::Time grace_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // Set by Close: every new wait fails with it.
   absl::Status closed_ ABSL_GUARDED_BY(mu_);
 };

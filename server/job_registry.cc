@@ -1,11 +1,16 @@
 #include "server/job_registry.h"
 
 #include <algorithm>
+#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/strings/str_split.h"
 #include "common/job_spec.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::server {
@@ -15,12 +20,35 @@ absl::Status Stopped() {
   return absl::UnavailableError("the coordinator is shutting down; retry against a running one");
 }
 
+std::string NewIncarnation() {
+  std::random_device random;
+  const uint64_t bits = (uint64_t{random()} << 32) ^ random() ^
+                        static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
+  return absl::StrFormat("%016x", bits);
+}
+
+// The differences between two specs, as "modified: world_size: 4 -> 8; ...", or "" if none.
+std::string SpecDifference(const v1::JobSpec& stored, const v1::JobSpec& given) {
+  std::string report;
+  google::protobuf::util::MessageDifferencer differencer;
+  differencer.ReportDifferencesToString(&report);
+  if (differencer.Compare(stored, given)) return "";
+  std::vector<std::string> lines = absl::StrSplit(report, '\n', absl::SkipEmpty());
+  if (lines.size() > 4) {
+    const size_t more = lines.size() - 3;
+    lines.resize(3);
+    lines.push_back(absl::StrCat("and ", more, " more"));
+  }
+  return absl::StrJoin(lines, "; ");
+}
+
 }  // namespace
 
 JobRegistry::JobRegistry(JobRegistryOptions options)
     : options_(std::move(options)),
       owned_store_(options_.store == nullptr ? std::make_unique<InMemoryStateStore>() : nullptr),
-      store_(options_.store != nullptr ? options_.store : owned_store_.get()) {
+      store_(options_.store != nullptr ? options_.store : owned_store_.get()),
+      incarnation_(options_.incarnation.empty() ? NewIncarnation() : options_.incarnation) {
   if (options_.start_staleness_thread) {
     staleness_thread_ = std::thread([this] { StalenessLoop(); });
   }
@@ -71,6 +99,69 @@ absl::Status JobRegistry::CreateJob(const v1::JobSpec& request_spec, v1::Job* ou
     spdlog::warn("job {}: {}", spec.job_id(), w);
   }
   if (out != nullptr) *out = std::move(proto);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> JobRegistry::LoadFromStore(absl::Duration grace) {
+  absl::StatusOr<std::vector<StoredJob>> stored = store_->LoadAll();
+  if (!stored.ok()) return stored.status();
+  int loaded = 0;
+  for (const StoredJob& sj : *stored) {
+    const std::string& id = sj.spec.job_id();
+    absl::StatusOr<ScheduleSpec> schedule_spec = ScheduleSpecFromProto(sj.spec);
+    absl::StatusOr<Schedule> schedule =
+        schedule_spec.ok() ? Schedule::Create(*std::move(schedule_spec))
+                           : absl::StatusOr<Schedule>(schedule_spec.status());
+    if (!schedule.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "stored job ", id, " has a spec this coordinator rejects (", schedule.status().message(),
+          "); delete it with an older coordinator or remove it from ", store_->Describe()));
+    }
+    auto job = std::make_shared<Job>(sj.spec, *std::move(schedule), options_.defaults,
+                                     options_.clock, store_, sj.created_unix_ms);
+    job->Restore(sj, grace);
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopped_) return Stopped();
+      if (!jobs_.emplace(id, job).second) continue;
+      total_world_size_ += sj.spec.world_size();
+    }
+    ++loaded;
+    const Job::Stats stats = job->GetStats();
+    spdlog::info("job {}: loaded ({} in generation {}, {} of {} ranks in the round{})", id,
+                 v1::JobState_Name(stats.state), stats.generation, stats.workers,
+                 sj.spec.world_size(),
+                 stats.state == v1::RUNNING
+                     ? absl::StrCat("; they have ",
+                                    absl::ToInt64Milliseconds(
+                                        std::max(grace, job->heartbeat_timeout())),
+                                    " ms to re-attach")
+                     : "");
+  }
+  return loaded;
+}
+
+absl::Status JobRegistry::MergeJobs(const std::vector<v1::JobSpec>& specs) {
+  // Checked first, so that a conflict creates nothing.
+  for (const v1::JobSpec& spec : specs) {
+    absl::StatusOr<std::shared_ptr<Job>> existing = Find(spec.job_id());
+    if (!existing.ok()) continue;
+    if (const std::string diff = SpecDifference((*existing)->spec(), spec); !diff.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job \"", spec.job_id(), "\" is stored with a different spec than the jobs file's (",
+          diff, "); delete the stored job (DeleteJob) or give the new one another job_id"));
+    }
+  }
+  for (const v1::JobSpec& spec : specs) {
+    if (Find(spec.job_id()).ok()) {
+      spdlog::info("job {}: in the jobs file and already stored with the same spec; kept",
+                   spec.job_id());
+      continue;
+    }
+    if (absl::Status s = CreateJob(spec, nullptr); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("job \"", spec.job_id(), "\": ", s.message()));
+    }
+  }
   return absl::OkStatus();
 }
 

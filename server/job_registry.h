@@ -40,6 +40,8 @@ struct JobRegistryOptions {
   // Where the jobs' hard state is written (not owned; outlives the registry). Null: an
   // InMemoryStateStore owned by the registry.
   StateStore* store = nullptr;
+  // Identifies this run of the coordinator (replies carry it); empty: a random one is made.
+  std::string incarnation;
 };
 
 class JobRegistry {
@@ -55,6 +57,18 @@ class JobRegistry {
   // RESOURCE_EXHAUSTED (more than kMaxJobs jobs or kMaxTotalWorldSize ranks over all jobs),
   // UNAVAILABLE (stopped, or the store's write failed).
   absl::Status CreateJob(const v1::JobSpec& spec, v1::Job* out);
+
+  // Loads every job the store holds (call once, before serving): each continues its generation
+  // numbering, membership and ids. Members of a RUNNING generation get max(`grace`, the job's
+  // heartbeat timeout) to send a heartbeat before any is declared dead. Returns how many jobs
+  // were loaded; the store's error (DATA_LOSS naming the file, ...) otherwise.
+  absl::StatusOr<int> LoadFromStore(absl::Duration grace);
+
+  // Creates the jobs of a --jobs_file, merged with the stored ones: a job not stored is created;
+  // a stored job with the same spec is kept as it is (with its generation and members); a
+  // stored job whose spec differs is FAILED_PRECONDITION naming the job and the field, and
+  // nothing is created. Other errors as CreateJob, naming the job.
+  absl::Status MergeJobs(const std::vector<v1::JobSpec>& specs);
 
   // NOT_FOUND for an unknown job, UNAVAILABLE once stopped.
   absl::StatusOr<std::shared_ptr<Job>> Find(absl::string_view job_id) const;
@@ -84,6 +98,8 @@ class JobRegistry {
   Clock* clock() const { return options_.clock; }
   const JobDefaults& defaults() const { return options_.defaults; }
   StateStore* store() const { return store_; }
+  // A new value every time the coordinator process starts.
+  const std::string& incarnation() const { return incarnation_; }
 
  private:
   void StalenessLoop();
@@ -92,6 +108,7 @@ class JobRegistry {
   // Set when options_.store is null.
   std::unique_ptr<StateStore> owned_store_;
   StateStore* const store_;
+  const std::string incarnation_;
   std::atomic<WaitId> next_wait_id_{1};
 
   mutable absl::Mutex mu_;

@@ -53,6 +53,13 @@ ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, crit
 ABSL_FLAG(int64_t, default_heartbeat_timeout_ms, 3000,
           "Heartbeat timeout of jobs whose spec says 0.");
 ABSL_FLAG(int64_t, default_join_timeout_ms, 300000, "Join timeout of jobs whose spec says 0.");
+ABSL_FLAG(std::string, state_dir, "",
+          "Keep every job's state in SQLite under this directory (created 0700) and continue the "
+          "stored jobs on a restart. Empty: in memory only (a restart forgets every job).");
+ABSL_FLAG(int64_t, recovery_grace_ms, 10000,
+          "After a restart with --state_dir: how long the members of a running job have to "
+          "re-attach (their next heartbeat) before any is declared dead; at least the job's "
+          "heartbeat timeout. In (0, 3600000].");
 
 namespace {
 
@@ -67,7 +74,8 @@ int Fail(const std::string& what) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "modelavg-coordinator --listen=HOST:PORT [--jobs_file=F] [--metrics_listen=HOST:PORT] "
+      "modelavg-coordinator --listen=HOST:PORT [--state_dir=DIR] [--jobs_file=F] "
+      "[--metrics_listen=HOST:PORT] "
       "[--tls_cert=F --tls_key=F [--tls_client_ca=F]] [--auth_token_file=F] [--log_level=info]");
   absl::ParseCommandLine(argc, argv);
   // Lock-order cycle detection (on in this Abseil build) costs a graph update per lock on every
@@ -87,6 +95,10 @@ int main(int argc, char** argv) {
                 "--default_join_timeout_ms in (0, 86400000]");
   }
   options.defaults.heartbeat_timeout = absl::Milliseconds(hb);
+  const int64_t grace = absl::GetFlag(FLAGS_recovery_grace_ms);
+  if (grace <= 0 || grace > 3600000) return Fail("--recovery_grace_ms must be in (0, 3600000]");
+  options.recovery_grace = absl::Milliseconds(grace);
+  options.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.defaults.join_timeout = absl::Milliseconds(join);
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);

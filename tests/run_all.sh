@@ -1,11 +1,26 @@
 #!/usr/bin/env bash
 # Installs what is missing, configures, builds (one build dir, -j2) and runs every test that this
-# machine can run. GPU tests run when a device is present and skip, saying why, when not.
+# machine can run. GPU tests run when a device is present and skip, saying why, when not. The
+# container tests (label `container`) run when a container engine is usable
+# (deploy/container_setup.sh --check) and skip, saying why, when not; MODELAVG_CONTAINER_SETUP=1
+# sets one up first (bash deploy/container_setup.sh; .ci/run does).
 #   bash tests/run_all.sh            # everything
 #   bash tests/run_all.sh -L unit    # extra arguments go to ctest
+# With no arguments it then checks the installation: tests/install/install_test.sh installs into a
+# temporary prefix, builds the Debian packages, and builds and runs the README's example from each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/install_deps.sh
+if [ "${MODELAVG_CONTAINER_SETUP:-0}" = 1 ]; then
+  setup_start=$(date +%s)
+  bash deploy/container_setup.sh
+  echo "container setup: $(( $(date +%s) - setup_start )) s"
+fi
+if containers=$(bash deploy/container_setup.sh --check 2>&1); then
+  echo "container tests: will run ($(echo "$containers" | tr '\n' ' '))"
+else
+  echo "container tests: will be skipped: $containers"
+fi
 build=${MODELAVG_BUILD_DIR:-build}
 jobs=${MODELAVG_JOBS:-2}
 start=$(date +%s)
@@ -24,27 +39,34 @@ shared_before=$(find "$shared_tmp" -maxdepth 1 -name 'modelavg*' ! -path "$run_t
 rc=0
 TMPDIR=$run_tmp ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 300 "$@" ||
   rc=$?
+# With no ctest arguments, then the installation as users get it: cmake --install into a temporary
+# prefix and the Debian packages, each used to build and run the README's example.
+if [ $# -eq 0 ]; then
+  TMPDIR=$run_tmp bash tests/install/install_test.sh "$build" || rc=1
+fi
 
 # Prints "PID COMMAND" for every live process whose program is in the build folder or whose
 # command line runs a script of tests/ or examples/.
 leftover_processes() {
-  local build_abs repo_abs self=$BASHPID d pid exe cmd
+  local build_abs repo_re self=$BASHPID pid cmd
   build_abs=$(cd "$build" && pwd -P)
-  repo_abs=$(pwd -P)
-  for d in /proc/[0-9]*; do
-    pid=${d#/proc/}
+  repo_re=$(pwd -P | sed 's/[][\.*^$+?(){}|]/\\&/g')
+  for pid in $( {
+    find /proc -mindepth 2 -maxdepth 2 -name exe -lname "$build_abs/*" 2>/dev/null
+    # (the pattern does not match this grep's own command line)
+    grep -l -a -E "$repo_re/(tests|examples)/" /proc/[0-9]*/cmdline 2>/dev/null
+  } | cut -d/ -f3 | sort -un); do
     [ "$pid" = "$$" ] || [ "$pid" = "$self" ] && continue
-    exe=$(readlink "$d/exe" 2>/dev/null) || continue
-    cmd=$(tr '\0' ' ' <"$d/cmdline" 2>/dev/null) || continue
-    case "$exe" in "$build_abs"/*) echo "$pid $cmd"; continue ;; esac
-    case "$cmd" in *"$repo_abs/tests/"* | *"$repo_abs/examples/"*) echo "$pid $cmd" ;; esac
+    cmd=$( { tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null) || continue
+    [ -n "$cmd" ] && echo "$pid $cmd"
   done
+  return 0
 }
 if [ "${MODELAVG_LEFTOVER_CHECK:-1}" != 0 ]; then
-  left=""
-  for _ in $(seq 50); do  # processes that are exiting get 10 s
+  end=$((SECONDS + 10))  # processes that are exiting get 10 s
+  while true; do
     left=$(leftover_processes)
-    [ -z "$left" ] && break
+    [ -z "$left" ] || [ "$SECONDS" -ge "$end" ] && break
     sleep 0.2
   done
   if [ -n "$left" ]; then

@@ -14,7 +14,8 @@ The averagers connect from the environment — ``MODELAVG_COORDINATOR`` (host:po
 ``MODELAVG_GLOO_HOSTNAME`` (the address peers reach this process at; default 127.0.0.1) and
 ``MODELAVG_AUTH_TOKEN`` — or from :func:`set_options`. If the job does not exist yet, the first
 rank creates it from the constructor's arguments and ``WORLD_SIZE``; if it exists, its spec must
-match them (``InvalidArgumentError``, a ``ValueError``, naming both otherwise). One connection
+match them (``InvalidArgumentError``, a ``ValueError``, naming both otherwise). While the
+coordinator cannot be reached, the averager retries until ``join_timeout`` (300 s unless set). One connection
 per process serves every drop-in averager of the same job; it leaves the job at exit.
 
 ``torch.distributed.init_process_group`` is not needed; when a process group is passed it must be
@@ -24,8 +25,9 @@ the default (whole-world) group, since the job's world is what modelavg averages
 import atexit
 import os
 import threading
+import time
 import warnings
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import modelavg as _ma
 
@@ -93,24 +95,41 @@ def _job_client(mode: str, warmup_steps: int, levels_for: Any) -> "_ma.Client":
         opts["auth_token"] = os.environ["MODELAVG_AUTH_TOKEN"]
     conn = {k: v for k, v in opts.items() if k in _ma._CONNECTION_OPTIONS}
 
+    def find_or_create() -> "_ma.Job":
+        try:
+            return _ma.get_job(job_id, coordinator=coordinator, **conn)
+        except _ma.NotFoundError:
+            if world_env is None:
+                raise _ma.NotFoundError(
+                    "NOT_FOUND",
+                    f"no job {job_id!r} on {coordinator}, and WORLD_SIZE is not set to create "
+                    "it: set WORLD_SIZE (torchrun does), or create the job first") from None
+            try:
+                return _ma.create_job(job_id, world_env, mode, levels_for(world_env),
+                                      warmup_steps=warmup_steps, coordinator=coordinator,
+                                      **conn)
+            except _ma.AlreadyExistsError:  # another rank created it first
+                return _ma.get_job(job_id, coordinator=coordinator, **conn)
+
     with _lock:
         key = (coordinator, job_id)
         client = _clients.get(key)
         if client is None:
-            try:
-                job = _ma.get_job(job_id, coordinator=coordinator, **conn)
-            except _ma.NotFoundError:
-                if world_env is None:
-                    raise _ma.NotFoundError(
-                        "NOT_FOUND",
-                        f"no job {job_id!r} on {coordinator}, and WORLD_SIZE is not set to create "
-                        "it: set WORLD_SIZE (torchrun does), or create the job first") from None
+            # Like connect(): while the coordinator is unreachable (not started yet, restarting,
+            # overloaded), retry with backoff until join_timeout.
+            join_timeout = _ma._seconds("join_timeout", opts.get("join_timeout", 300.0))
+            deadline = time.monotonic() + join_timeout
+            backoff = 0.1
+            while True:
                 try:
-                    job = _ma.create_job(job_id, world_env, mode, levels_for(world_env),
-                                         warmup_steps=warmup_steps, coordinator=coordinator,
-                                         **conn)
-                except _ma.AlreadyExistsError:  # another rank created it first
-                    job = _ma.get_job(job_id, coordinator=coordinator, **conn)
+                    job = find_or_create()
+                    break
+                except (_ma.UnavailableError, _ma.DeadlineExceededError) as e:
+                    if time.monotonic() + backoff > deadline:
+                        raise type(e)(e.code, f"{e.message} (retried for {join_timeout:g} s, "
+                                              "the join_timeout)") from None
+                    time.sleep(backoff)
+                    backoff = min(2 * backoff, 2.0)
             _check_spec(job.spec, mode, warmup_steps, levels_for, world_env, coordinator)
             client = _ma.connect(coordinator, job_id, rank, **opts)
             _clients[key] = client

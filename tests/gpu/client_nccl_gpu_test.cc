@@ -379,6 +379,25 @@ TEST_F(NcclGpuTest, OneRankCommunicator_LayoutChangesAndALocalError_StayUsable) 
   EXPECT_EQ(Download<float>(d, 12), v);
 }
 
+TEST_F(NcclGpuTest, OneRankCommunicator_AbortFromAnotherThread_LaterCallsFailWithTheReason) {
+  ncclUniqueId id;
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  auto comm = NcclCommunicator::CreateWithId(id, 0, 1, 0, absl::Seconds(60), nullptr);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  std::vector<float> v = {1, 2, 3};
+  TensorView t{Upload(v.data(), 12), 3, DType::kFloat32, Device::Cuda(0), stream_};
+  ASSERT_TRUE((*comm)->AllReduceAverage({t}).ok());
+  std::thread([&] {
+    (*comm)->Abort(absl::FailedPreconditionError("job moved to generation 3"));
+  }).join();
+  for (int i = 0; i < 2; ++i) {
+    const absl::Status s = (*comm)->AllReduceAverage({t});
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("generation 3"));
+  }
+  EXPECT_EQ(Download<float>(t.data, 3), v);
+}
+
 TEST_F(NcclGpuTest, ContiguousParameters_ZeroedOnTheCallersStream_BeforeItsFirstFill) {
   // Keep the legacy default stream busy: a zeroing queued there would land after the fill.
   ASSERT_EQ(cudaLaunchHostFunc(

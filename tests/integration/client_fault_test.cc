@@ -5,17 +5,20 @@
 // bound plus a small slack, its parameters untouched.
 //
 // The bounds (README, "Faults"): the coordinator declares a silent worker dead after the job's
-// heartbeat timeout (kHeartbeat), and the next averaging call of every survivor fails with
-// FAILED_PRECONDITION naming the rank and "heartbeat timeout". A survivor already inside a
-// collective with the stopped worker is released by the collective timeout (kCollective), then
-// reports the coordinator's cause; a killed worker's peers see its sockets close at once and
-// wait at most a heartbeat timeout for that cause.
+// heartbeat timeout (kHeartbeat); the survivors learn it from their next heartbeat reply, abort
+// any collective of the old generation in flight, and their averaging call fails with
+// FAILED_PRECONDITION naming the rank and "heartbeat timeout". So every survivor exits within
+// kHeartbeat + kSlack of the fault, well before the collective timeout (kCollective): a pass
+// proves that no survivor waited a collective out. A killed worker's peers see its sockets
+// close at once and wait at most a heartbeat timeout for the coordinator's cause.
 #include <signal.h>
+#include <unistd.h>
 
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -29,7 +32,8 @@ namespace {
 using ::testing::HasSubstr;
 
 constexpr absl::Duration kHeartbeat = absl::Seconds(1);   // the jobs' heartbeat_timeout_ms
-constexpr absl::Duration kCollective = absl::Seconds(4);  // the workers' collective timeout
+// The workers' collective timeout: longer than kHeartbeat + kSlack, so that waiting it out fails.
+constexpr absl::Duration kCollective = absl::Seconds(4);
 // Detection, reporting, process exit and the test's 10 ms polling, on a loaded 2-core machine.
 constexpr absl::Duration kSlack = absl::Seconds(2);
 // The earliest a survivor can learn of a stopped peer: the heartbeat timeout counts from the
@@ -107,8 +111,8 @@ void ExpectSurvivorsFailed(std::vector<std::unique_ptr<Process>>& workers,
 
 // Two levels: pairs every step, all four every second step. Rank 2 stops between two calls (it
 // sleeps 300 ms after each): rank 3, its pair, is waiting in a collective with it by the time
-// the coordinator declares it dead; ranks 0 and 1 fail at their next all-rank step, or wait in
-// it.
+// the coordinator declares it dead, and ranks 0 and 1 at their next all-rank step: the
+// generation change must release all three.
 TEST(ClientFaultTest, WorkerStoppedBetweenCalls_SurvivorsFailedPreconditionNamingRank) {
   Cluster cluster("stop-between");
   ASSERT_TRUE(cluster.ok()) << cluster.dir();
@@ -121,12 +125,12 @@ TEST(ClientFaultTest, WorkerStoppedBetweenCalls_SurvivorsFailedPreconditionNamin
   ASSERT_TRUE(WaitForLines(*workers[2], 4, absl::Seconds(60))) << workers[2]->err();
   workers[2]->Signal(SIGSTOP);  // within 10 ms of its 4th line: in its 300 ms pause
   const absl::Time stopped = absl::Now();
-  ExpectSurvivorsFailed(workers, {0, 1, 3}, stopped, kEarliestDeath, kCollective + kSlack,
+  ExpectSurvivorsFailed(workers, {0, 1, 3}, stopped, kEarliestDeath, kHeartbeat + kSlack,
                         "FAILED_PRECONDITION", {"rank 2 heartbeat timeout"});
 }
 
 // A large buffer (many Gloo segments) and no pause: the stop lands inside a collective of all
-// three ranks. The survivors wait out the collective timeout, restore their buffers and report
+// three ranks. The generation change aborts it; the survivors restore their buffers and report
 // the coordinator's cause.
 TEST(ClientFaultTest, WorkerStoppedMidCollective_SurvivorsUntouchedFailedPreconditionNamingRank) {
   Cluster cluster("stop-mid");
@@ -140,7 +144,7 @@ TEST(ClientFaultTest, WorkerStoppedMidCollective_SurvivorsUntouchedFailedPrecond
   ASSERT_TRUE(WaitForLines(*workers[1], 3, absl::Seconds(60))) << workers[1]->err();
   workers[1]->Signal(SIGSTOP);
   const absl::Time stopped = absl::Now();
-  ExpectSurvivorsFailed(workers, {0, 2}, stopped, kEarliestDeath, kCollective + kSlack,
+  ExpectSurvivorsFailed(workers, {0, 2}, stopped, kEarliestDeath, kHeartbeat + kSlack,
                         "FAILED_PRECONDITION", {"rank 1 heartbeat timeout"});
 }
 
@@ -179,8 +183,9 @@ TEST(ClientFaultTest, WorkerKilledMidCollective_SurvivorsParametersUntouched) {
                         "FAILED_PRECONDITION", {"rank 1 heartbeat timeout"});
 }
 
-// Without a coordinator the workers cannot learn of membership changes: they stop once it has
-// not answered for a heartbeat timeout, saying so.
+// Without a coordinator the workers cannot learn of membership changes: they ride through an
+// outage up to ClientOptions.coordinator_outage_timeout (here one heartbeat timeout), then stop,
+// saying so.
 TEST(ClientFaultTest, CoordinatorKilled_WorkersUnavailableNamingTheCoordinator) {
   Cluster cluster("kill-coordinator");
   ASSERT_TRUE(cluster.ok()) << cluster.dir();
@@ -189,12 +194,14 @@ TEST(ClientFaultTest, CoordinatorKilled_WorkersUnavailableNamingTheCoordinator) 
                                        absl::ToInt64Milliseconds(kHeartbeat)))
                   .ok());
   auto workers =
-      cluster.StartWorkers("killc", 2, WorkerFlags({"--steps=100000", "--step_sleep_ms=20"}));
+      cluster.StartWorkers("killc", 2, WorkerFlags({"--steps=100000", "--step_sleep_ms=20",
+                                                    absl::StrCat("--coordinator_outage_timeout_ms=",
+                                                                 absl::ToInt64Milliseconds(
+                                                                     kHeartbeat))}));
   ASSERT_TRUE(WaitForLines(*workers[0], 5, absl::Seconds(60))) << workers[0]->err();
   cluster.coordinator().process().Signal(SIGKILL);
   const absl::Time killed = absl::Now();
-  // The silence counts from the coordinator's last reply, which it sends at least every third
-  // of the heartbeat timeout: the workers give up between 2/3 of it and it after the kill.
+  // The outage counts from the first failed heartbeat, at most a beat interval after the kill.
   ExpectSurvivorsFailed(workers, {0, 1}, killed, kHeartbeat / 2, kHeartbeat + kSlack,
                         "UNAVAILABLE",
                         {absl::StrCat("the coordinator at ", cluster.coordinator().address(),
@@ -222,6 +229,37 @@ TEST(ClientFaultTest, MismatchedParameterSizes_EveryMemberGetsAClearError) {
     EXPECT_THAT(workers[r]->err(), HasSubstr("different parameter layouts"));
     EXPECT_THAT(workers[r]->err(), HasSubstr("range from 10 to 11"));
   }
+}
+
+// Whether `pid` is gone (or a zombie waiting for its new parent to reap it).
+bool Gone(pid_t pid) {
+  const std::string stat = ReadWholeFile(absl::StrCat("/proc/", pid, "/stat"));
+  if (stat.empty()) return true;
+  const size_t paren = stat.rfind(')');
+  return paren != std::string::npos && stat.size() > paren + 2 && stat[paren + 2] == 'Z';
+}
+
+// The harness's own promise: a child's whole process group (what the child started too) is
+// killed when the Process goes away, so a failing test leaves nothing running.
+TEST(ProcessHarnessTest, Destroyed_KillsTheChildsWholeProcessGroup) {
+  TempDir dir("harness");
+  ASSERT_NE(dir.path(), "");
+  pid_t grandchild = -1;
+  {
+    Process p({"/bin/sh", "-c", "sleep 300 & echo $!; wait"}, dir.path() + "/sh");
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (grandchild <= 0 && absl::Now() < deadline) {
+      const std::vector<std::string> lines = p.OutLines();
+      if (!lines.empty() && absl::SimpleAtoi(lines[0], &grandchild)) break;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    ASSERT_GT(grandchild, 0) << "the shell did not report its child";
+    EXPECT_EQ(getpgid(grandchild), p.pid()) << "the grandchild is not in the child's group";
+    EXPECT_FALSE(Gone(grandchild));
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (!Gone(grandchild) && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_TRUE(Gone(grandchild)) << "pid " << grandchild << " outlived its Process";
 }
 
 }  // namespace

@@ -5,11 +5,14 @@ No container engine is needed: the services of the default profile that run mode
 started from this build's binaries with exactly the compose file's commands, flags and
 environment, with these substitutions only:
   * a service's host name (its name or `hostname:`) -> 127.0.0.1;
-  * a port a service listens on (--flag=0.0.0.0:PORT) -> a free loopback port, everywhere that
-    service's PORT is named (SERVICE:PORT, or 127.0.0.1:PORT inside the service itself);
-  * a path under a volume's mount point -> the mounted file in the repository.
-`depends_on: {condition: service_healthy}` is honoured by running the service's healthcheck
-command until it passes. The test passes when every worker exits 0 and the coordinator shuts
+  * a port a service listens on (--flag=0.0.0.0:PORT) -> 127.0.0.1:0, the port the service
+    reports in its port file (--port_file for --listen, --metrics_port_file for --metrics_listen)
+    used everywhere that service's PORT is named (SERVICE:PORT, or 127.0.0.1:PORT inside the
+    service itself); no port is picked by the test;
+  * a path under a bind mount's mount point -> the mounted file in the repository; under a named
+    volume's -> a folder of its own in the test's temporary folder.
+${VARIABLE:-default} is replaced as compose does. `depends_on: {condition: service_healthy}` is
+honoured by running the service's healthcheck command until it passes. The test passes when every worker exits 0 and the coordinator shuts
 down cleanly on SIGTERM.
 
   e2e_compose_topology_test.py --binary=modelavg-coordinator=PATH --binary=modelavg-demo=PATH ...
@@ -22,7 +25,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,14 +39,32 @@ COMPOSE = os.path.join(mt.REPO_ROOT, "deploy", "docker-compose.yml")
 HOSTPORT = re.compile(r"^([A-Za-z0-9_.-]+):(\d+)$")
 
 
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# The flag through which a listening flag's bound address is reported (port 0 + port file).
+PORT_FILE_FLAG = {"--listen": "--port_file", "--metrics_listen": "--metrics_port_file"}
+
+
+def interpolate(text):
+    """Compose's ${NAME} and ${NAME:-default}, from this process's environment."""
+    def value(m):
+        name, default = m.group(1), m.group(3)
+        got = os.environ.get(name)
+        if got is None or (got == "" and m.group(2) == ":-"):
+            return default or ""
+        return got
+    return re.sub(r"\$\{(\w+)(:?-([^}]*))?\}", value, text)
 
 
 def as_argv(command):
     return shlex.split(command) if isinstance(command, str) else list(command or [])
+
+
+def health_test(svc):
+    """The service's healthcheck command, or None (none, `disable: true` or `test: ["NONE"]`)."""
+    health = svc.get("healthcheck") or {}
+    test = health.get("test")
+    if not test or health.get("disable") or test in (["NONE"], "NONE"):
+        return None
+    return test
 
 
 def parse_duration(text, default):
@@ -58,8 +78,9 @@ def parse_duration(text, default):
 
 
 class Topology:
-    def __init__(self, compose, binaries):
+    def __init__(self, compose, binaries, volumes_dir):
         self.binaries = binaries
+        self.volumes_dir = volumes_dir
         services = compose["services"]
         # The default profile, modelavg's image only (e.g. the grpcurl service has a profile).
         self.services = {n: s for n, s in services.items()
@@ -70,13 +91,9 @@ class Topology:
             self.hosts[name] = name
             if svc.get("hostname"):
                 self.hosts[svc["hostname"]] = name
-        self.ports = {}  # (service, container port) -> loopback port
-        for name, svc in self.services.items():
-            for arg in as_argv(svc.get("command")):
-                value = arg.split("=", 1)[1] if arg.startswith("--") and "=" in arg else ""
-                m = HOSTPORT.match(value)
-                if m and m.group(1) in ("0.0.0.0", "[::]"):
-                    self.ports[(name, int(m.group(2)))] = free_port()
+        self.ports = {}  # (service, container port) -> loopback port, once the service reports it
+        self.port_files = {}  # service -> [(container port, port file)] to read once started
+        self.work_dir = None  # where the port files go (set before the first rewrite)
 
     def rewrite(self, service, argv):
         svc = self.services[service]
@@ -84,8 +101,13 @@ class Topology:
         for vol in svc.get("volumes", []):
             parts = vol.split(":")
             source, target = parts[0], parts[1]
-            mounts.append((target, os.path.normpath(os.path.join(os.path.dirname(COMPOSE),
-                                                                 source))))
+            if source.startswith((".", "/")):
+                mounts.append((target, os.path.normpath(os.path.join(os.path.dirname(COMPOSE),
+                                                                     source))))
+            else:  # a named volume
+                path = os.path.join(self.volumes_dir, source)
+                os.makedirs(path, exist_ok=True)
+                mounts.append((target, path))
         out = [self.binaries[argv[0]]]
         for arg in argv[1:]:
             if not (arg.startswith("--") and "=" in arg):
@@ -93,6 +115,15 @@ class Topology:
                 continue
             flag, value = arg.split("=", 1)
             m = HOSTPORT.match(value)
+            if m and m.group(1) in ("0.0.0.0", "[::]"):
+                if flag not in PORT_FILE_FLAG:
+                    mt.fail(f"{service}: {flag} listens on {value}, but this test knows no port "
+                            f"file flag that reports its bound port")
+                path = os.path.join(self.work_dir, f"{service}{flag[1:]}.port")
+                self.port_files.setdefault(service, []).append((int(m.group(2)), path))
+                out.append(f"{flag}=127.0.0.1:0")
+                out.append(f"{PORT_FILE_FLAG[flag]}={path}")
+                continue
             if m:
                 host, port = m.group(1), int(m.group(2))
                 owner = service if host in ("0.0.0.0", "[::]", "127.0.0.1", "localhost") \
@@ -108,6 +139,23 @@ class Topology:
                         value = source + value[len(target):]
             out.append(f"{flag}={value}")
         return out
+
+    def read_ports(self, service, proc, timeout_s=30):
+        """Waits for the port files of a service just started; records its bound ports."""
+        for container_port, path in self.port_files.get(service, []):
+            deadline = time.monotonic() + timeout_s
+            text = ""
+            while not text.endswith("\n"):
+                if proc.poll() is not None:
+                    mt.fail(f"{service} exited with {proc.returncode} before writing {path}")
+                if time.monotonic() > deadline:
+                    mt.fail(f"{service} wrote no {os.path.basename(path)} within {timeout_s} s")
+                time.sleep(0.05)
+                text = open(path).read() if os.path.exists(path) else ""
+            m = HOSTPORT.match(text.strip())
+            if not m:
+                mt.fail(f"{service}: {path} says {text.strip()!r}, not HOST:PORT")
+            self.ports[(service, container_port)] = int(m.group(2))
 
     def environment(self, service):
         env = dict(os.environ)
@@ -137,8 +185,8 @@ class Topology:
 
     def wait_healthy(self, service, proc):
         health = self.services[service].get("healthcheck") or {}
-        test = health.get("test")
-        if not test or health.get("disable"):
+        test = health_test(self.services[service])
+        if not test:
             return
         if test[0] == "CMD-SHELL":
             mt.fail(f"{service}: CMD-SHELL healthchecks are not supported by this test")
@@ -168,10 +216,13 @@ def main():
     args = p.parse_args()
     binaries = dict(pair.split("=", 1) for pair in args.binary)
     with open(COMPOSE) as f:
-        compose = yaml.safe_load(f)
-    topo = Topology(compose, binaries)
-    workers = [n for n, s in topo.services.items()
-               if not (s.get("healthcheck") or {}).get("test")]
+        compose = yaml.safe_load(interpolate(f.read()))
+    # Every service's log, port files and named volumes, in a folder removed on any exit (failures
+    # print the log tails first).
+    logs_dir = tempfile.mkdtemp(prefix="modelavg-topology-")
+    atexit.register(shutil.rmtree, logs_dir, True)
+    topo = Topology(compose, binaries, os.path.join(logs_dir, "volumes"))
+    workers = [n for n, s in topo.services.items() if not health_test(s)]
     servers = [n for n in topo.services if n not in workers]
     if not servers or len(workers) < 2:
         mt.fail(f"unexpected topology: servers {servers}, workers {workers}")
@@ -181,9 +232,7 @@ def main():
             mt.fail(f"service {name} runs {program}, not a program of this build "
                     f"({', '.join(sorted(binaries))})")
 
-    # Every service's log, in a folder removed on any exit (failures print the tails first).
-    logs_dir = tempfile.mkdtemp(prefix="modelavg-topology-")
-    atexit.register(shutil.rmtree, logs_dir, True)
+    topo.work_dir = logs_dir
     procs = {}
     logs = {}
     with mt.ProcessGroup() as group:
@@ -194,6 +243,7 @@ def main():
             logs[name] = log_path
             procs[name] = group.start(argv, name, env=topo.environment(name),
                                       stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+            topo.read_ports(name, procs[name])
             if name in servers:
                 topo.wait_healthy(name, procs[name])
 

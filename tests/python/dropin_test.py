@@ -219,7 +219,10 @@ def run(name, args):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch.distributed as dist
     with mt.ProcessGroup() as group:
-        coordinator = mt.Coordinator(group, args.coordinator_bin)
+        # A generous heartbeat timeout: W processes on a loaded CI machine must not be declared
+        # dead while they start (this test is about values, not faults).
+        coordinator = mt.Coordinator(group, args.coordinator_bin,
+                                     extra_flags=["--default_heartbeat_timeout_ms=15000"])
         store = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
         ctx = multiprocessing.get_context("fork")  # torch imported once; gRPC not yet started
         results = ctx.Queue()

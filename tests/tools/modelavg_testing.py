@@ -40,6 +40,10 @@ class ProcessGroup:
     def __init__(self):
         self.procs = []
         self.dirs = []
+        # SIGTERM (a ctest timeout, Ctrl-C's cousin) unwinds like an exception, so that close()
+        # still runs; the default action would end the interpreter on the spot.
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     def start(self, argv, name, env=None, stdout=subprocess.PIPE, stderr=subprocess.PIPE):
         proc = subprocess.Popen(argv, stdout=stdout, stderr=stderr, text=True, env=env,
@@ -72,6 +76,10 @@ class ProcessGroup:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def _kill_group(proc):
@@ -184,9 +192,15 @@ def get_job(address, job_id, timeout_s=10):
 def list_jobs(address, timeout_s=10):
     import grpc
     pb, pb_grpc = coordinator_stubs()
+    jobs = []
     with grpc.insecure_channel(address) as channel:
-        return pb_grpc.CoordinatorStub(channel).ListJobs(pb.ListJobsRequest(),
-                                                         timeout=timeout_s).jobs
+        request = pb.ListJobsRequest(page_size=1000)
+        while True:  # every page
+            page = pb_grpc.CoordinatorStub(channel).ListJobs(request, timeout=timeout_s)
+            jobs.extend(page.jobs)
+            if not page.next_page_token:
+                return jobs
+            request.page_token = page.next_page_token
 
 
 def wait_all(procs, timeout_s):

@@ -6,8 +6,9 @@
 // Joins an existing job (it never creates one). Every parameter starts at the rank's number;
 // before the averaging call of step s it adds (rank + 1) * (s + 1) * 0.5 to every parameter; after
 // the call it checks that every element is equal to the first and prints one JSON line on stdout:
-//   {"step": s, "rank": r, "value": <first parameter>, "action": "AVERAGE"|"SKIP", "level": l}
-// (level is -1 for SKIP). The same update run through PyTorch's own averagers
+//   {"step": s, "rank": r, "value": <first parameter>, "action": "AVERAGE"|"SKIP", "level": l,
+//    "generation": g, "members": [ranks]}
+// (level is -1 and members empty for SKIP; members are the ranks that averaged at that step). The same update run through PyTorch's own averagers
 // (tests/conformance/torch_reference.py) must give the same values. On any failure it prints one
 // line on stderr and exits 1.
 #include <algorithm>
@@ -25,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/averager.h"
@@ -55,6 +57,12 @@ ABSL_FLAG(std::string, gloo_hostname, "127.0.0.1",
 ABSL_FLAG(std::string, auth_token_file, "", "file holding the coordinator's bearer token");
 ABSL_FLAG(int64_t, join_timeout_ms, 60000, "how long to wait for the whole world to join");
 ABSL_FLAG(int64_t, collective_timeout_ms, 60000, "longest wait for one averaging collective");
+ABSL_FLAG(int64_t, step_delay_ms, 0,
+          "sleep this long before each averaging call, so that tests (and people) can kill "
+          "things mid-run");
+ABSL_FLAG(int64_t, coordinator_outage_timeout_ms, 300000,
+          "ClientOptions.coordinator_outage_timeout: how long work that needs an unreachable "
+          "coordinator waits for it");
 ABSL_FLAG(std::string, log_level, "warn", "spdlog level for diagnostics on stderr");
 
 namespace modelavg {
@@ -167,6 +175,11 @@ absl::Status Run() {
   options.gloo_hostname = absl::GetFlag(FLAGS_gloo_hostname);
   options.join_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_join_timeout_ms));
   options.collective_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_collective_timeout_ms));
+  options.coordinator_outage_timeout =
+      absl::Milliseconds(absl::GetFlag(FLAGS_coordinator_outage_timeout_ms));
+  if (absl::GetFlag(FLAGS_step_delay_ms) < 0) {
+    return absl::InvalidArgumentError("--step_delay_ms must be >= 0");
+  }
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
     absl::StatusOr<std::string> token = ReadTokenFile(path);
     if (!token.ok()) return Annotate(token.status(), "--auth_token_file");
@@ -185,7 +198,9 @@ absl::Status Run() {
     MODELAVG_ASSIGN_OR_RETURN(averager, client::HierarchicalModelAverager::Create(client.get()));
   }
 
+  const absl::Duration step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
   for (int64_t step = 0; step < steps; ++step) {
+    if (step_delay > absl::ZeroDuration()) absl::SleepFor(step_delay);
     const float delta = static_cast<float>((rank + 1) * (step + 1)) * 0.5f;
     for (float& v : params->host()) v += delta;
     MODELAVG_ASSIGN_OR_RETURN(client::TensorView view, params->Upload());
@@ -205,11 +220,14 @@ absl::Status Run() {
             step, i, host[i], host[0]));
       }
     }
+    std::vector<int32_t> members;
+    if (decision->average) members = decision->subgroup.Ranks();
     std::cout << absl::StrFormat(
                      "{\"step\": %d, \"rank\": %d, \"value\": %.9g, \"action\": \"%s\", "
-                     "\"level\": %d, \"generation\": %d}",
+                     "\"level\": %d, \"generation\": %d, \"members\": [%s]}",
                      step, rank, params->host()[0], decision->average ? "AVERAGE" : "SKIP",
-                     decision->average ? decision->level : -1, client->generation())
+                     decision->average ? decision->level : -1, client->generation(),
+                     absl::StrJoin(members, ", "))
               << std::endl;
   }
   return client->Leave("finished");

@@ -222,7 +222,7 @@ class FakeOps : public NcclDeviceOps {
   absl::Status Wait(void*, const char*) override {
     return aborted ? absl::InternalError("communicator aborted") : absl::OkStatus();
   }
-  void Abort() override { aborted = true; }
+  void AbortCommunicator() override { aborted = true; }
 
   int fail_mallocs = 0;        // the next this many mallocs fail
   int fail_malloc_after = -1;  // the malloc after this many successful ones fails
@@ -624,17 +624,17 @@ TEST(DecideLayoutTest, SameOnEveryMember) {
   LayoutSignature b = EncodeLayout(9, kStageF32, 9, false, 1);
   LayoutSignature r;
   for (int i = 0; i < kLayoutWords; ++i) r[i] = std::max(a[i], b[i]);
-  const LayoutDecision da = DecideLayout(r, 12, kStageF32, 9, absl::OkStatus());
-  const LayoutDecision db = DecideLayout(r, 9, kStageF32, 9, absl::OkStatus());
+  const LayoutDecision da = DecideLayout(r, 12, 9, absl::OkStatus());
+  const LayoutDecision db = DecideLayout(r, 9, 9, absl::OkStatus());
   EXPECT_TRUE(da.status.ok());
   EXPECT_TRUE(da.unpadded);
   EXPECT_TRUE(db.unpadded);
   // A local failure of member 1 reaches member 0.
   b = EncodeLayout(9, kStageF32, 9, true, 1);
   for (int i = 0; i < kLayoutWords; ++i) r[i] = std::max(a[i], b[i]);
-  EXPECT_EQ(DecideLayout(r, 12, kStageF32, 9, absl::OkStatus()).status.code(),
+  EXPECT_EQ(DecideLayout(r, 12, 9, absl::OkStatus()).status.code(),
             absl::StatusCode::kAborted);
-  EXPECT_EQ(DecideLayout(r, 9, kStageF32, 9, absl::UnavailableError("x")).status.code(),
+  EXPECT_EQ(DecideLayout(r, 9, 9, absl::UnavailableError("x")).status.code(),
             absl::StatusCode::kUnavailable);
 }
 

@@ -192,21 +192,21 @@ TEST_F(BoundsTest, Join_WrongExpectedWorldSize_InvalidArgumentNamingBoth) {
   join.set_worker_id("w0");
   join.set_rank(0);
   join.set_world_size(8);
-  std::optional<absl::Status> result;
-  job->Join(join, absl::InfiniteFuture(), registry_->NewWaitId(),
-            [&](absl::StatusOr<v1::JoinResponse> r) { result = r.status(); });
-  ASSERT_TRUE(result.has_value());
-  EXPECT_EQ(result->code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(result->message()),
+  // Shared with the callbacks: a wait still pending at teardown completes after this body.
+  auto result = std::make_shared<std::optional<absl::Status>>();
+  auto callback = [result](absl::StatusOr<v1::JoinResponse> r) { *result = r.status(); };
+  job->Join(join, absl::InfiniteFuture(), registry_->NewWaitId(), callback);
+  ASSERT_TRUE(result->has_value());
+  EXPECT_EQ((*result)->code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string((*result)->message()),
               HasSubstr("expects world_size 8 but job four has world_size 4"));
   EXPECT_EQ(job->GetStats().workers, 0);
 
   // The right size (or none) is accepted.
   join.set_world_size(4);
-  result.reset();
-  job->Join(join, absl::InfiniteFuture(), registry_->NewWaitId(),
-            [&](absl::StatusOr<v1::JoinResponse> r) { result = r.status(); });
-  EXPECT_FALSE(result.has_value());  // waiting for the other three
+  result->reset();
+  job->Join(join, absl::InfiniteFuture(), registry_->NewWaitId(), callback);
+  EXPECT_FALSE(result->has_value());  // waiting for the other three
   EXPECT_EQ(job->GetStats().workers, 1);
 }
 

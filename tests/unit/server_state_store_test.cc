@@ -208,7 +208,7 @@ TEST_F(StateStoreTest, Restore_ContinuesGenerationMembersAndIds) {
   ASSERT_TRUE(other_store.CreateJob(stored.spec, stored.created_unix_ms).ok());
   Job restored(stored.spec, *std::move(schedule), JobDefaults{}, &clock_, &other_store,
                stored.created_unix_ms);
-  restored.Restore(stored);
+  restored.Restore(stored, absl::ZeroDuration());
   v1::Job proto;
   restored.ToProto(&proto);
   EXPECT_EQ(proto.state(), v1::RUNNING);

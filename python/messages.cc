@@ -1,0 +1,140 @@
+#include "python/messages.h"
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "pybind11/stl.h"
+
+namespace py = pybind11;
+namespace mc = modelavg::client;
+
+namespace modelavg::python {
+namespace {
+
+absl::Duration Seconds(double s) { return absl::Seconds(s); }
+
+template <typename T>
+std::optional<T> Get(const py::dict& d, const char* key) {
+  if (!d.contains(key)) return std::nullopt;
+  py::object v = d[key];
+  if (v.is_none()) return std::nullopt;
+  return v.cast<T>();
+}
+
+}  // namespace
+
+mc::ClientOptions ClientOptionsFrom(const py::dict& d) {
+  mc::ClientOptions o;
+  if (auto v = Get<std::string>(d, "coordinator")) o.coordinator = *v;
+  if (auto v = Get<std::string>(d, "job_id")) o.job_id = *v;
+  if (auto v = Get<int32_t>(d, "rank")) o.rank = *v;
+  if (auto v = Get<std::string>(d, "worker_id")) o.worker_id = *v;
+  if (auto v = Get<std::string>(d, "auth_token")) o.auth_token = *v;
+  if (auto v = Get<bool>(d, "tls")) o.tls = *v;
+  if (auto v = Get<std::string>(d, "tls_ca_file")) o.tls_ca_file = *v;
+  if (auto v = Get<std::string>(d, "tls_cert_file")) o.tls_cert_file = *v;
+  if (auto v = Get<std::string>(d, "tls_key_file")) o.tls_key_file = *v;
+  if (auto v = Get<double>(d, "join_timeout")) o.join_timeout = Seconds(*v);
+  if (auto v = Get<double>(d, "rpc_timeout")) o.rpc_timeout = Seconds(*v);
+  if (auto v = Get<double>(d, "heartbeat_interval")) o.heartbeat_interval = Seconds(*v);
+  if (auto v = Get<bool>(d, "heartbeat_stream")) o.heartbeat_stream = *v;
+  if (auto v = Get<double>(d, "collective_timeout")) o.collective_timeout = Seconds(*v);
+  if (auto v = Get<int64_t>(d, "schedule_window")) o.schedule_window = *v;
+  if (auto v = Get<std::string>(d, "gloo_hostname")) o.gloo_hostname = *v;
+  if (auto v = Get<bool>(d, "gloo_in_place")) o.gloo_in_place = *v;
+  return o;
+}
+
+mc::CoordinatorClientOptions CoordinatorOptionsFrom(const py::dict& d) {
+  mc::CoordinatorClientOptions o;
+  if (auto v = Get<std::string>(d, "coordinator")) o.address = *v;
+  if (auto v = Get<std::string>(d, "auth_token")) o.auth_token = *v;
+  if (auto v = Get<bool>(d, "tls")) o.tls = *v;
+  if (auto v = Get<std::string>(d, "tls_ca_file")) o.tls_ca_file = *v;
+  if (auto v = Get<std::string>(d, "tls_cert_file")) o.tls_cert_file = *v;
+  if (auto v = Get<std::string>(d, "tls_key_file")) o.tls_key_file = *v;
+  if (auto v = Get<double>(d, "rpc_timeout")) o.rpc_timeout = Seconds(*v);
+  return o;
+}
+
+v1::JobSpec JobSpecFrom(const py::dict& d) {
+  v1::JobSpec spec;
+  if (auto v = Get<std::string>(d, "job_id")) spec.set_job_id(*v);
+  if (auto v = Get<int32_t>(d, "world_size")) spec.set_world_size(*v);
+  if (auto v = Get<int64_t>(d, "warmup_steps")) spec.set_warmup_steps(*v);
+  if (auto v = Get<std::string>(d, "mode")) {
+    v1::Mode mode;
+    if (!v1::Mode_Parse(*v, &mode)) {
+      throw py::value_error(absl::StrCat("mode '", *v, "': expected PERIODIC or HIERARCHICAL"));
+    }
+    spec.set_mode(mode);
+  }
+  if (auto v = Get<std::vector<std::pair<int64_t, int32_t>>>(d, "levels")) {
+    for (const auto& [period, group_size] : *v) {
+      v1::Level* level = spec.add_levels();
+      level->set_period(period);
+      level->set_group_size(group_size);
+    }
+  }
+  if (auto v = Get<int64_t>(d, "heartbeat_timeout_ms")) spec.set_heartbeat_timeout_ms(*v);
+  if (auto v = Get<int64_t>(d, "join_timeout_ms")) spec.set_join_timeout_ms(*v);
+  return spec;
+}
+
+py::dict SpecDict(const v1::JobSpec& spec) {
+  py::dict d;
+  d["job_id"] = spec.job_id();
+  d["world_size"] = spec.world_size();
+  d["warmup_steps"] = spec.warmup_steps();
+  d["mode"] = v1::Mode_Name(spec.mode());
+  py::list levels;
+  for (const v1::Level& l : spec.levels()) levels.append(py::make_tuple(l.period(), l.group_size()));
+  d["levels"] = levels;
+  d["heartbeat_timeout_ms"] = spec.heartbeat_timeout_ms();
+  d["join_timeout_ms"] = spec.join_timeout_ms();
+  return d;
+}
+
+py::dict JobDict(const v1::Job& job) {
+  py::dict d;
+  d["spec"] = SpecDict(job.spec());
+  d["state"] = v1::JobState_Name(job.state());
+  d["generation"] = job.generation();
+  py::list members;
+  for (const v1::Member& m : job.members()) {
+    py::dict md;
+    md["rank"] = m.rank();
+    md["worker_id"] = m.worker_id();
+    md["host"] = m.host();
+    md["last_step"] = m.last_step();
+    md["ms_since_heartbeat"] = m.ms_since_heartbeat();
+    md["state"] = v1::MemberState_Name(m.state());
+    md["generation"] = m.generation();
+    members.append(md);
+  }
+  d["members"] = members;
+  d["min_step"] = job.min_step();
+  d["max_step"] = job.max_step();
+  py::list warnings;
+  for (const std::string& w : job.warnings()) warnings.append(w);
+  d["warnings"] = warnings;
+  d["created_unix_ms"] = job.created_unix_ms();
+  if (job.has_last_change()) {
+    py::dict c;
+    c["generation"] = job.last_change().generation();
+    c["rank"] = job.last_change().rank();
+    c["reason"] = job.last_change().reason();
+    c["unix_ms"] = job.last_change().unix_ms();
+    d["last_change"] = c;
+  } else {
+    d["last_change"] = py::none();
+  }
+  return d;
+}
+
+}  // namespace modelavg::python

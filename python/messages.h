@@ -1,0 +1,29 @@
+// Between Python dicts and the client library's options and the coordinator's messages. The
+// pure-Python layer (modelavg/__init__.py) validates names and kinds and turns the dicts into
+// dataclasses; these conversions only copy fields.
+#ifndef MODELAVG_PYTHON_MESSAGES_H_
+#define MODELAVG_PYTHON_MESSAGES_H_
+
+#include "client/client.h"
+#include "client/coordinator_client.h"
+#include "modelavg/v1/coordinator.pb.h"
+#include "pybind11/pybind11.h"
+
+namespace modelavg::python {
+
+// ClientOptions from connect()'s keywords: coordinator, job_id, rank, every ClientOptions field
+// (durations in seconds). Absent or None keys keep the defaults.
+client::ClientOptions ClientOptionsFrom(const pybind11::dict& d);
+// The coordinator address and the connection fields of ClientOptions.
+client::CoordinatorClientOptions CoordinatorOptionsFrom(const pybind11::dict& d);
+// job_id, world_size, warmup_steps, mode ("PERIODIC"/"HIERARCHICAL"; ValueError otherwise),
+// levels [(period, group_size)], heartbeat_timeout_ms, join_timeout_ms.
+v1::JobSpec JobSpecFrom(const pybind11::dict& d);
+// The same keys back.
+pybind11::dict SpecDict(const v1::JobSpec& spec);
+// spec, state, generation, members, min_step, max_step, warnings, created_unix_ms, last_change.
+pybind11::dict JobDict(const v1::Job& job);
+
+}  // namespace modelavg::python
+
+#endif  // MODELAVG_PYTHON_MESSAGES_H_

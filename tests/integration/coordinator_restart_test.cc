@@ -1,0 +1,462 @@
+// The coordinator is no single point of failure: real processes on loopback (a
+// modelavg-coordinator with --state_dir, modelavg-trace-worker ranks over Gloo), the coordinator
+// killed with SIGKILL mid-job and restarted on the same address.
+//
+//  * restarted after 2 s, and after twice the heartbeat timeout: every worker finishes every
+//    step with exit 0, its values equal an undisturbed run's exactly, in generation 1 (nobody
+//    re-joined, no communicator was rebuilt);
+//  * the outage spans the first averaging of the top level (its communicator is bootstrapped
+//    after the restart);
+//  * an outage longer than coordinator_outage_timeout: a clear error, no hang;
+//  * a worker killed during the outage: the survivors fail within the collective timeout;
+//  * SIGKILL at random moments during CreateJob/Join/Leave/DeleteJob: every acknowledged change
+//    is there after the restart, nothing half-written;
+//  * a damaged state file, and a second coordinator on the same --state_dir: refused.
+#include <signal.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/coordinator_client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/client_test_processes.h"
+#include "tests/tools/make_job_spec.h"
+
+namespace modelavg::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kHeartbeatMs = 1500;
+// Slack for process start-up and scheduling on a loaded 2-core machine.
+constexpr absl::Duration kSlack = absl::Seconds(5);
+
+// One state directory and one port across coordinator restarts.
+class Coordinator {
+ public:
+  // Incarnations run in DIR/<name><n>; the state is in DIR/state.
+  explicit Coordinator(std::string dir, std::string name = "run")
+      : dir_(std::move(dir)), name_(std::move(name)) {}
+
+  // Starts an incarnation (on the port of the first one); false if it did not come up.
+  bool Start(std::vector<std::string> extra = {}) {
+    const std::string run_dir = absl::StrCat(dir_, "/", name_, runs_++);
+    std::filesystem::create_directories(run_dir);
+    std::vector<std::string> flags = {"--log_level=info"};
+    if (durable_) flags.push_back("--state_dir=" + state_dir());
+    if (port_ != 0) flags.push_back(absl::StrCat("--listen=127.0.0.1:", port_));
+    for (std::string& f : extra) flags.push_back(std::move(f));
+    // The port of a killed incarnation can take a moment to be free again.
+    for (int attempt = 0; attempt < 50; ++attempt) {
+      process_ = std::make_unique<CoordinatorProcess>(MODELAVG_COORDINATOR_BIN, run_dir, flags);
+      if (!process_->address().empty()) break;
+      if (port_ == 0 || !absl::StrContains(process_->process().err(), "cannot listen")) {
+        return false;
+      }
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    if (process_->address().empty()) return false;
+    address_ = process_->address();
+    port_ = std::stoi(address_.substr(address_.rfind(':') + 1));
+    return true;
+  }
+  void Kill() {
+    process_->process().Signal(SIGKILL);
+    process_->process().Wait(absl::Seconds(10));
+  }
+  std::string state_dir() const { return dir_ + "/state"; }
+  // false: no --state_dir (the coordinator's state is in memory).
+  void set_durable(bool durable) { durable_ = durable; }
+  const std::string& address() const { return address_; }
+  CoordinatorProcess& process() { return *process_; }
+  std::string log() { return process_ ? process_->process().err() : ""; }
+
+  std::unique_ptr<client::CoordinatorClient> Admin() {
+    client::CoordinatorClientOptions options;
+    options.address = address_;
+    options.rpc_timeout = absl::Seconds(10);
+    auto admin = client::CoordinatorClient::Create(options);
+    return admin.ok() ? *std::move(admin) : nullptr;
+  }
+
+ private:
+  std::string dir_;
+  std::string name_;
+  bool durable_ = true;
+  int runs_ = 0;
+  int port_ = 0;
+  std::string address_;
+  std::unique_ptr<CoordinatorProcess> process_;
+};
+
+class CoordinatorRestartTest : public ::testing::Test {
+ protected:
+  CoordinatorRestartTest() : dir_(MakeTempDir("modelavg_restart")), coordinator_(dir_) {}
+  ~CoordinatorRestartTest() override {
+    workers_.clear();  // killed if still running
+    std::filesystem::remove_all(dir_);
+  }
+
+  void StartWorkers(const std::string& job, int world, int64_t steps, int64_t delay_ms,
+                    std::vector<std::string> extra = {}) {
+    workers_.clear();
+    for (int r = 0; r < world; ++r) {
+      std::vector<std::string> argv = {MODELAVG_TRACE_WORKER_BIN,
+                                       "--coordinator=" + coordinator_.address(),
+                                       "--job=" + job,
+                                       absl::StrCat("--rank=", r),
+                                       absl::StrCat("--world_size=", world),
+                                       absl::StrCat("--steps=", steps),
+                                       "--numel=3",
+                                       "--backend=gloo",
+                                       absl::StrCat("--step_delay_ms=", delay_ms),
+                                       "--log_level=warn"};
+      for (const std::string& f : extra) argv.push_back(f);
+      workers_.push_back(
+          std::make_unique<Process>(argv, absl::StrCat(dir_, "/", job, "-rank", r)));
+    }
+  }
+
+  // The highest step any worker has printed (-1: none).
+  int64_t MaxStep() {
+    int64_t max_step = -1;
+    for (auto& w : workers_) {
+      for (const std::string& line : w->OutLines()) max_step = std::max(max_step, StepOf(line));
+    }
+    return max_step;
+  }
+  static int64_t StepOf(const std::string& line) {
+    int64_t step = -1;
+    const size_t at = line.find("\"step\": ");
+    if (at != std::string::npos) {
+      const size_t end = line.find(',', at);
+      (void)absl::SimpleAtoi(line.substr(at + 8, end - at - 8), &step);
+    }
+    return step;
+  }
+
+  bool WaitForStep(int64_t step, absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (absl::Now() < deadline) {
+      if (MaxStep() >= step) return true;
+      for (auto& w : workers_) {
+        if (w->Wait(absl::ZeroDuration()).has_value()) return false;
+      }
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return false;
+  }
+
+  // Waits for every worker; their exit codes (-1: still running at the deadline).
+  std::vector<int> WaitAll(absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    std::vector<int> codes;
+    for (auto& w : workers_) {
+      std::optional<int> code = w->Wait(std::max(absl::ZeroDuration(), deadline - absl::Now()));
+      codes.push_back(code.value_or(-1));
+    }
+    return codes;
+  }
+
+  std::string Diagnostics() {
+    std::string s = absl::StrCat("coordinator log:\n", coordinator_.log());
+    for (size_t r = 0; r < workers_.size(); ++r) {
+      absl::StrAppend(&s, "\nrank ", r, " stderr:\n", workers_[r]->err());
+    }
+    return s;
+  }
+
+  std::string dir_;
+  Coordinator coordinator_;
+  std::vector<std::unique_ptr<Process>> workers_;
+};
+
+// 8 ranks, three levels, warm-up: pairs every 2 steps, quads every 4, all eight every 16 (first
+// at step 16, after the kill below).
+v1::JobSpec EightRanks(const std::string& id) {
+  return MakeSpec(id, 8, v1::HIERARCHICAL, {{2, 2}, {4, 4}, {16, 8}}, 4, kHeartbeatMs);
+}
+constexpr int64_t kSteps = 40;
+constexpr int64_t kKillAtStep = 7;
+
+// Runs the job on every rank; returns each rank's lines.
+std::vector<std::vector<std::string>> Lines(const std::vector<std::unique_ptr<Process>>& ws) {
+  std::vector<std::vector<std::string>> lines;
+  for (const auto& w : ws) lines.push_back(w->OutLines());
+  return lines;
+}
+
+TEST_F(CoordinatorRestartTest, KilledMidJob_RestartedAfter2sAndAfterTwiceHeartbeat_SameValues) {
+  ASSERT_TRUE(coordinator_.Start()) << coordinator_.log();
+  auto admin = coordinator_.Admin();
+  ASSERT_NE(admin, nullptr);
+
+  // The undisturbed run.
+  ASSERT_TRUE(admin->CreateJob(EightRanks("calm")).ok());
+  StartWorkers("calm", 8, kSteps, 0);
+  for (int code : WaitAll(absl::Seconds(120))) ASSERT_EQ(code, 0) << Diagnostics();
+  const std::vector<std::vector<std::string>> calm = Lines(workers_);
+  ASSERT_EQ(calm[0].size(), static_cast<size_t>(kSteps));
+
+  for (const absl::Duration outage :
+       {absl::Seconds(2), 2 * absl::Milliseconds(kHeartbeatMs)}) {
+    SCOPED_TRACE(absl::StrCat("outage ", absl::FormatDuration(outage)));
+    const std::string job = absl::StrCat("storm", absl::ToInt64Milliseconds(outage));
+    ASSERT_TRUE(coordinator_.Admin()->CreateJob(EightRanks(job)).ok());
+    StartWorkers(job, 8, kSteps, 100);
+    ASSERT_TRUE(WaitForStep(kKillAtStep, absl::Seconds(60))) << Diagnostics();
+    coordinator_.Kill();
+    const absl::Time killed = absl::Now();
+    const int64_t step_at_kill = MaxStep();
+    absl::SleepFor(outage);
+    // The workers went on without the coordinator, up to the top level's first averaging.
+    const int64_t step_at_restart = MaxStep();
+    ASSERT_TRUE(coordinator_.Start()) << coordinator_.log();
+    const absl::Time restarted = absl::Now();
+    // The first top-level averaging (step 16) needs the coordinator: time it.
+    ASSERT_TRUE(WaitForStep(16, absl::Seconds(60))) << Diagnostics();
+    const absl::Time first_after = absl::Now();
+    std::vector<int> codes = WaitAll(absl::Seconds(120));
+    for (int code : codes) ASSERT_EQ(code, 0) << Diagnostics();
+    const std::vector<std::vector<std::string>> lines = Lines(workers_);
+    for (int r = 0; r < 8; ++r) {
+      ASSERT_EQ(lines[r].size(), static_cast<size_t>(kSteps)) << Diagnostics();
+      for (int64_t s = 0; s < kSteps; ++s) {
+        // Same values, same actions, and still generation 1: nobody re-joined.
+        EXPECT_EQ(lines[r][s], calm[r][s]) << "rank " << r << " step " << s;
+      }
+    }
+    EXPECT_THAT(coordinator_.log(), HasSubstr(absl::StrCat("job ", job, ": loaded (RUNNING in "
+                                                           "generation 1, 8 of 8 ranks")));
+    std::cout << "[figures] outage " << absl::FormatDuration(outage) << ": steps " << step_at_kill
+              << " at the kill, " << step_at_restart << " at the restart; kill -9 -> first "
+              << "top-level averaging after the restart "
+              << absl::FormatDuration(absl::Trunc(first_after - killed, absl::Milliseconds(1)))
+              << " (restart -> it "
+              << absl::FormatDuration(absl::Trunc(first_after - restarted, absl::Milliseconds(1)))
+              << ")" << std::endl;
+    EXPECT_LT(step_at_kill, 16);
+    EXPECT_LE(step_at_restart, 16) << "the top level's first averaging needs the coordinator";
+  }
+}
+
+// The issue's reproduction: without --state_dir, a restart with the same jobs file has the job
+// afresh. The workers must not train on against a coordinator that does not know them.
+TEST_F(CoordinatorRestartTest, RestartedWithoutStateDir_WorkersStopSayingWhy) {
+  coordinator_.set_durable(false);
+  const std::string jobs = dir_ + "/jobs.json";
+  std::ofstream(jobs) << R"({"jobs": [{"job_id": "mem", "world_size": 4, "mode": "HIERARCHICAL",
+      "heartbeat_timeout_ms": 1500, "levels": [{"period": 2, "group_size": 2},
+      {"period": 4, "group_size": 4}]}]})";
+  ASSERT_TRUE(coordinator_.Start({"--jobs_file=" + jobs})) << coordinator_.log();
+  StartWorkers("mem", 4, 1000, 50);
+  ASSERT_TRUE(WaitForStep(5, absl::Seconds(60))) << Diagnostics();
+  coordinator_.Kill();
+  absl::SleepFor(absl::Seconds(1));
+  ASSERT_TRUE(coordinator_.Start({"--jobs_file=" + jobs})) << coordinator_.log();
+  std::vector<int> codes = WaitAll(kSlack + absl::Seconds(5));
+  for (size_t r = 0; r < codes.size(); ++r) {
+    EXPECT_EQ(codes[r], 1) << Diagnostics();
+    EXPECT_THAT(workers_[r]->err(), HasSubstr("restarted without the job's state"))
+        << Diagnostics();
+  }
+}
+
+TEST_F(CoordinatorRestartTest, OutageLongerThanTimeout_ClearErrorNoHang) {
+  ASSERT_TRUE(coordinator_.Start()) << coordinator_.log();
+  ASSERT_TRUE(coordinator_.Admin()
+                  ->CreateJob(MakeSpec("gone", 4, v1::HIERARCHICAL, {{2, 2}, {16, 4}}, 0,
+                                       kHeartbeatMs))
+                  .ok());
+  StartWorkers("gone", 4, 1000, 50, {"--coordinator_outage_timeout_ms=2000"});
+  ASSERT_TRUE(WaitForStep(5, absl::Seconds(60))) << Diagnostics();
+  const std::string address = coordinator_.address();
+  coordinator_.Kill();
+  const absl::Time killed = absl::Now();
+  std::vector<int> codes = WaitAll(absl::Seconds(2) + kSlack);
+  const absl::Duration took = absl::Now() - killed;
+  for (size_t r = 0; r < codes.size(); ++r) {
+    EXPECT_EQ(codes[r], 1) << Diagnostics();
+    EXPECT_THAT(workers_[r]->err(), HasSubstr("UNAVAILABLE")) << Diagnostics();
+    EXPECT_THAT(workers_[r]->err(),
+                HasSubstr(absl::StrCat("the coordinator at ", address, " has not answered for ")));
+    EXPECT_THAT(workers_[r]->err(), HasSubstr("coordinator_outage_timeout is 2s"));
+  }
+  std::cout << "[figures] outage past the 2 s timeout: every worker failed "
+            << absl::FormatDuration(absl::Trunc(took, absl::Milliseconds(1)))
+            << " after the kill" << std::endl;
+}
+
+TEST_F(CoordinatorRestartTest, WorkerKilledDuringOutage_SurvivorsFailWithinCollectiveTimeout) {
+  ASSERT_TRUE(coordinator_.Start()) << coordinator_.log();
+  ASSERT_TRUE(coordinator_.Admin()
+                  ->CreateJob(MakeSpec("dead", 4, v1::HIERARCHICAL, {{2, 2}, {4, 4}}, 0,
+                                       kHeartbeatMs))
+                  .ok());
+  StartWorkers("dead", 4, 1000, 50, {"--collective_timeout_ms=3000"});
+  ASSERT_TRUE(WaitForStep(8, absl::Seconds(60))) << Diagnostics();
+  coordinator_.Kill();
+  workers_[3]->Signal(SIGKILL);
+  const absl::Time killed = absl::Now();
+  std::vector<int> codes = WaitAll(absl::Seconds(3) + kSlack);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(codes[r], 1) << Diagnostics();
+    EXPECT_THAT(workers_[r]->err(), HasSubstr("AverageParameters")) << Diagnostics();
+  }
+  std::cout << "[figures] worker killed during the outage: survivors failed within "
+            << absl::FormatDuration(absl::Trunc(absl::Now() - killed, absl::Milliseconds(1)))
+            << std::endl;
+}
+
+// Stages of one job in the storm, in the order they are attempted.
+enum Stage { kAbsent = 0, kCreated, kJoined, kLeft, kDeleted };
+
+TEST_F(CoordinatorRestartTest, SigkillStorm_EveryAcknowledgedChangeSurvives) {
+  std::mt19937 random(12345);
+  std::map<std::string, int> acked;      // job -> highest acknowledged stage
+  std::map<std::string, int> attempted;  // job -> highest attempted stage
+  int next_job = 0;
+  int64_t acknowledged = 0;
+  for (int round = 0; round < 6; ++round) {
+    SCOPED_TRACE(absl::StrCat("round ", round));
+    ASSERT_TRUE(coordinator_.Start()) << coordinator_.log();
+    auto admin = coordinator_.Admin();
+    ASSERT_NE(admin, nullptr);
+    // Check what the previous incarnation acknowledged.
+    absl::StatusOr<v1::ListJobsResponse> jobs = admin->ListJobs();
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    std::map<std::string, v1::Job> found;
+    for (const v1::Job& j : jobs->jobs()) found[j.spec().job_id()] = j;
+    for (const auto& [id, want] : acked) {
+      const int tried = attempted[id];
+      auto it = found.find(id);
+      if (it == found.end()) {
+        EXPECT_TRUE(want == kAbsent || tried == kDeleted) << id << " acked stage " << want;
+        continue;
+      }
+      const v1::Job& j = it->second;
+      EXPECT_NE(want, kDeleted) << id << " was deleted (acknowledged) but is back";
+      EXPECT_EQ(j.spec().world_size(), 1) << id;
+      EXPECT_EQ(j.spec().levels_size(), 1) << id;
+      EXPECT_EQ(j.generation(), 1) << id;
+      int stage = kCreated;
+      if (j.state() == v1::RUNNING) {
+        ASSERT_EQ(j.members_size(), 1) << id;
+        EXPECT_EQ(j.members(0).worker_id(), "w-" + id);
+        EXPECT_EQ(j.members(0).state(), v1::ALIVE);
+        stage = kJoined;
+      } else if (j.state() == v1::FINISHED) {
+        ASSERT_EQ(j.members_size(), 1) << id;
+        EXPECT_EQ(j.members(0).state(), v1::LEFT);
+        stage = kLeft;
+      } else {
+        EXPECT_EQ(j.members_size(), 0) << id << " is PENDING with members";
+      }
+      EXPECT_LE(want, stage) << id << ": an acknowledged change is missing";
+      EXPECT_LE(stage, tried) << id << ": a change nobody asked for";
+    }
+    for (const auto& [id, j] : found) {
+      EXPECT_TRUE(attempted.count(id)) << "unknown job " << id;
+    }
+    // Forget deleted jobs; jobs left half-way are deleted to keep the store small.
+    acked.clear();
+    attempted.clear();
+    for (const auto& [id, j] : found) ASSERT_TRUE(admin->DeleteJob(id).ok());
+
+    // The storm: a client thread drives jobs through their stages; the coordinator dies at a
+    // random moment.
+    std::atomic<bool> stop{false};
+    std::map<std::string, int> round_acked, round_attempted;
+    absl::Mutex mu;
+    std::thread storm([&] {
+      while (!stop.load()) {
+        const std::string id = absl::StrCat("s", next_job++);
+        auto attempt = [&](int stage) {
+          absl::MutexLock l(&mu);
+          round_attempted[id] = stage;
+        };
+        auto ack = [&](int stage) {
+          absl::MutexLock l(&mu);
+          round_acked[id] = stage;
+          ++acknowledged;
+        };
+        attempt(kCreated);
+        if (!admin->CreateJob(MakeSpec(id, 1, v1::PERIODIC, {{1, 1}}, 0)).ok()) return;
+        ack(kCreated);
+        v1::JoinRequest join;
+        join.set_job_id(id);
+        join.set_worker_id("w-" + id);
+        join.set_rank(0);
+        attempt(kJoined);
+        if (!admin->Join(join, absl::Seconds(5)).ok()) return;
+        ack(kJoined);
+        v1::LeaveRequest leave;
+        leave.set_job_id(id);
+        leave.set_rank(0);
+        leave.set_generation(1);
+        attempt(kLeft);
+        if (!admin->Leave(leave).ok()) return;
+        ack(kLeft);
+        if (next_job % 2 == 0) {
+          attempt(kDeleted);
+          if (!admin->DeleteJob(id).ok()) return;
+          ack(kDeleted);
+        }
+      }
+    });
+    absl::SleepFor(absl::Milliseconds(std::uniform_int_distribution<int>(50, 400)(random)));
+    coordinator_.Kill();
+    stop = true;
+    storm.join();
+    acked = round_acked;
+    attempted = round_attempted;
+    for (const auto& [id, stage] : attempted) acked.emplace(id, kAbsent);
+  }
+  std::cout << "[figures] SIGKILL storm: 6 kills, " << acknowledged
+            << " acknowledged changes checked" << std::endl;
+  EXPECT_GT(acknowledged, 10);
+}
+
+TEST_F(CoordinatorRestartTest, DamagedStateFile_RefusesToStartNamingIt) {
+  ASSERT_TRUE(coordinator_.Start()) << coordinator_.log();
+  absl::StatusOr<v1::Job> created =
+      coordinator_.Admin()->CreateJob(MakeSpec("keep", 2, v1::PERIODIC, {{1, 2}}, 0));
+  ASSERT_TRUE(created.ok()) << created.status() << "\n" << coordinator_.log();
+  coordinator_.process().process().Signal(SIGTERM);
+  ASSERT_EQ(coordinator_.process().process().Wait(absl::Seconds(10)), 0) << coordinator_.log();
+  const std::string db = coordinator_.state_dir() + "/state.db";
+  std::filesystem::resize_file(db, std::filesystem::file_size(db) / 2);
+  EXPECT_FALSE(coordinator_.Start()) << coordinator_.log();
+  EXPECT_EQ(coordinator_.process().process().Wait(absl::Seconds(10)), 2) << coordinator_.log();
+  EXPECT_THAT(coordinator_.log(), HasSubstr(db));
+  EXPECT_THAT(coordinator_.log(), HasSubstr("DATA_LOSS"));
+}
+
+TEST_F(CoordinatorRestartTest, SecondCoordinatorOnSameStateDir_Refused) {
+  ASSERT_TRUE(coordinator_.Start()) << coordinator_.log();
+  const pid_t first = coordinator_.process().process().pid();
+  Coordinator second(dir_, "second");
+  EXPECT_FALSE(second.Start());
+  EXPECT_EQ(second.process().process().Wait(absl::Seconds(10)), 2);
+  EXPECT_THAT(second.log(), HasSubstr(absl::StrCat("in use by another coordinator (pid ", first)));
+  // The first one still serves.
+  EXPECT_TRUE(coordinator_.Admin()->ListJobs().ok());
+}
+
+}  // namespace
+}  // namespace modelavg::testing

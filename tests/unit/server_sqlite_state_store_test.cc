@@ -1,0 +1,301 @@
+// The SQLite StateStore: round trips across reopen, private files, the directory lock, and a
+// damaged file refused by name; the registry's load and jobs-file merge on top of it.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/text_format.h"
+#include "gtest/gtest.h"
+#include "server/job_registry.h"
+#include "server/sqlite_state_store.h"
+
+namespace modelavg::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::JobSpec Spec(const std::string& id, int world = 4) {
+  v1::JobSpec spec;
+  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(
+      absl::StrCat("job_id: \"", id, "\" mode: HIERARCHICAL world_size: ", world,
+                   " levels { period: 2 group_size: 2 } levels { period: 4 group_size: ", world,
+                   " }"),
+      &spec));
+  return spec;
+}
+
+class SqliteStateStoreTest : public ::testing::Test {
+ protected:
+  SqliteStateStoreTest() {
+    char tmpl[] = "/tmp/modelavg_state_test.XXXXXX";
+    root_ = mkdtemp(tmpl);
+    dir_ = root_ + "/state";
+  }
+  ~SqliteStateStoreTest() override { std::filesystem::remove_all(root_); }
+
+  std::unique_ptr<SqliteStateStore> Open() {
+    absl::StatusOr<std::unique_ptr<SqliteStateStore>> store = SqliteStateStore::Open(dir_);
+    EXPECT_TRUE(store.ok()) << store.status();
+    return store.ok() ? *std::move(store) : nullptr;
+  }
+
+  std::string db() const { return dir_ + "/state.db"; }
+
+  std::string root_;
+  std::string dir_;
+};
+
+mode_t Mode(const std::string& path) {
+  struct stat st {};
+  EXPECT_EQ(stat(path.c_str(), &st), 0) << path;
+  return st.st_mode & 0777;
+}
+
+TEST_F(SqliteStateStoreTest, Open_NewDirectory_PrivateDirAndFiles) {
+  auto store = Open();
+  ASSERT_NE(store, nullptr);
+  ASSERT_TRUE(store->CreateJob(Spec("a"), 5).ok());
+  EXPECT_EQ(Mode(dir_), 0700u);
+  EXPECT_EQ(Mode(db()), 0600u);
+  EXPECT_EQ(Mode(db() + "-wal"), 0600u);
+  EXPECT_EQ(Mode(dir_ + "/coordinator.lock"), 0600u);
+  EXPECT_THAT(store->Describe(), HasSubstr(db()));
+  EXPECT_TRUE(store->durable());
+}
+
+TEST_F(SqliteStateStoreTest, Reopen_EveryTransitionIsThere) {
+  {
+    auto store = Open();
+    ASSERT_TRUE(store->CreateJob(Spec("a"), 123).ok());
+    ASSERT_TRUE(store->CreateJob(Spec("b"), 124).ok());
+    JobDelta d;
+    d.header = StoredJobHeader{v1::RUNNING, 7, std::nullopt};
+    v1::GenerationChange change;
+    change.set_generation(7);
+    change.set_reason("rank 1 re-joined");
+    d.header->last_change = change;
+    d.members.push_back(StoredMember{0, "w0", "h0", v1::ALIVE, 7});
+    d.members.push_back(StoredMember{1, "w1", "h1", v1::DEAD, 6});
+    d.members.push_back(StoredMember{2, "w2", "h2", v1::ALIVE, 7});
+    d.comm_id = StoredCommId{1, 0, "k", std::string("\0\1\2", 3)};
+    ASSERT_TRUE(store->Apply("a", d).ok());
+    JobDelta remove;
+    remove.members.push_back(StoredMember{2, "", "", v1::MEMBER_STATE_UNSPECIFIED, 0});
+    ASSERT_TRUE(store->Apply("a", remove).ok());
+    ASSERT_TRUE(store->DeleteJob("b").ok());
+    EXPECT_EQ(store->Apply("b", d).code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(store->CreateJob(Spec("a"), 1).code(), absl::StatusCode::kAlreadyExists);
+  }
+  auto store = Open();
+  absl::StatusOr<std::vector<StoredJob>> jobs = store->LoadAll();
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  ASSERT_EQ(jobs->size(), 1u);
+  const StoredJob& a = (*jobs)[0];
+  EXPECT_EQ(a.spec.job_id(), "a");
+  EXPECT_EQ(a.spec.world_size(), 4);
+  EXPECT_EQ(a.created_unix_ms, 123);
+  EXPECT_EQ(a.header.state, v1::RUNNING);
+  EXPECT_EQ(a.header.generation, 7);
+  ASSERT_TRUE(a.header.last_change.has_value());
+  EXPECT_EQ(a.header.last_change->reason(), "rank 1 re-joined");
+  ASSERT_EQ(a.members.size(), 2u);
+  EXPECT_EQ(a.members[1].worker_id, "w1");
+  EXPECT_EQ(a.members[1].state, v1::DEAD);
+  EXPECT_EQ(a.members[1].generation, 6);
+  ASSERT_EQ(a.comm_ids.size(), 1u);
+  EXPECT_EQ(a.comm_ids[0].level, 1);
+  EXPECT_EQ(a.comm_ids[0].key, "k");
+  EXPECT_EQ(a.comm_ids[0].blob, std::string("\0\1\2", 3));
+}
+
+TEST_F(SqliteStateStoreTest, ClearCommIds_DropsTheOldGenerationsIds) {
+  auto store = Open();
+  ASSERT_TRUE(store->CreateJob(Spec("a"), 1).ok());
+  JobDelta publish;
+  publish.comm_id = StoredCommId{0, 0, "", "old"};
+  ASSERT_TRUE(store->Apply("a", publish).ok());
+  JobDelta bump;
+  bump.header = StoredJobHeader{v1::PENDING, 2, std::nullopt};
+  bump.clear_comm_ids = true;
+  ASSERT_TRUE(store->Apply("a", bump).ok());
+  EXPECT_TRUE((*store->LoadAll())[0].comm_ids.empty());
+}
+
+TEST_F(SqliteStateStoreTest, SecondOpen_RefusedNamingTheHolder) {
+  auto first = Open();
+  ASSERT_NE(first, nullptr);
+  absl::StatusOr<std::unique_ptr<SqliteStateStore>> second = SqliteStateStore::Open(dir_);
+  ASSERT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(second.status().message()),
+              HasSubstr(absl::StrCat("pid ", getpid(), " on host")));
+  EXPECT_THAT(std::string(second.status().message()), HasSubstr(dir_));
+  first.reset();
+  EXPECT_TRUE(SqliteStateStore::Open(dir_).ok());  // released with the first
+}
+
+// Damages the state file with `damage` and expects Open to refuse it by name.
+void ExpectRefused(const std::string& dir, const std::string& db) {
+  absl::StatusOr<std::unique_ptr<SqliteStateStore>> store = SqliteStateStore::Open(dir);
+  ASSERT_FALSE(store.ok());
+  EXPECT_EQ(store.status().code(), absl::StatusCode::kDataLoss) << store.status();
+  EXPECT_THAT(std::string(store.status().message()), HasSubstr(db));
+  EXPECT_THAT(std::string(store.status().message()), HasSubstr("backup"));
+}
+
+TEST_F(SqliteStateStoreTest, TruncatedFile_RefusedNamingIt) {
+  {
+    auto store = Open();
+    ASSERT_TRUE(store->CreateJob(Spec("a"), 1).ok());
+  }  // closed: checkpointed into state.db
+  const auto size = std::filesystem::file_size(db());
+  ASSERT_GT(size, 4096u);
+  std::filesystem::resize_file(db(), size / 2);
+  ExpectRefused(dir_, db());
+}
+
+TEST_F(SqliteStateStoreTest, EmptyFile_RefusedNotStartedEmpty) {
+  std::filesystem::create_directories(dir_);
+  std::ofstream(db()).close();
+  ExpectRefused(dir_, db());
+}
+
+TEST_F(SqliteStateStoreTest, GarbageFile_RefusedNamingIt) {
+  {
+    auto store = Open();
+    ASSERT_TRUE(store->CreateJob(Spec("a"), 1).ok());
+  }
+  {
+    std::fstream f(db(), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(0);
+    f << "this is not an SQLite file, it was overwritten by something else";
+  }
+  ExpectRefused(dir_, db());
+}
+
+TEST_F(SqliteStateStoreTest, CorruptPage_RefusedNamingIt) {
+  {
+    auto store = Open();
+    for (int i = 0; i < 50; ++i) ASSERT_TRUE(store->CreateJob(Spec(absl::StrCat("j", i)), 1).ok());
+  }
+  ASSERT_GT(std::filesystem::file_size(db()), 3 * 4096u);
+  {
+    std::fstream f(db(), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(4096);  // page 2 and 3: table pages
+    const std::string junk(2 * 4096, '\x5a');
+    f.write(junk.data(), static_cast<std::streamsize>(junk.size()));
+  }
+  ExpectRefused(dir_, db());
+}
+
+TEST_F(SqliteStateStoreTest, NotADirectory_ClearError) {
+  std::ofstream(root_ + "/file").close();
+  absl::StatusOr<std::unique_ptr<SqliteStateStore>> store =
+      SqliteStateStore::Open(root_ + "/file");
+  EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(store.status().message()), HasSubstr("not a directory"));
+}
+
+class RegistryOnSqliteTest : public SqliteStateStoreTest {
+ protected:
+  std::unique_ptr<JobRegistry> Registry(SqliteStateStore* store) {
+    JobRegistryOptions options;
+    options.clock = &clock_;
+    options.start_staleness_thread = false;
+    options.store = store;
+    options.defaults.heartbeat_timeout = absl::Seconds(3);
+    return std::make_unique<JobRegistry>(options);
+  }
+  FakeClock clock_;
+};
+
+TEST_F(RegistryOnSqliteTest, Restart_ContinuesGenerationAndGivesGrace) {
+  {
+    auto store = Open();
+    auto registry = Registry(store.get());
+    ASSERT_TRUE(registry->CreateJob(Spec("a", 2), nullptr).ok());
+    std::shared_ptr<Job> job = *registry->Find("a");
+    for (int r = 0; r < 2; ++r) {
+      v1::JoinRequest join;
+      join.set_worker_id(absl::StrCat("w", r));
+      join.set_rank(r);
+      job->Join(join, absl::InfiniteFuture(), registry->NewWaitId(),
+                [](absl::StatusOr<v1::JoinResponse> r) { ASSERT_TRUE(r.ok()); });
+    }
+    clock_.Advance(absl::Seconds(4));
+    registry->CheckStaleness();  // both dead: generation 2
+    for (int r = 0; r < 2; ++r) {
+      v1::JoinRequest join;
+      join.set_worker_id(absl::StrCat("w", r));
+      join.set_rank(r);
+      job->Join(join, absl::InfiniteFuture(), registry->NewWaitId(),
+                [](absl::StatusOr<v1::JoinResponse> r) { ASSERT_TRUE(r.ok()); });
+    }
+    v1::Job proto;
+    job->ToProto(&proto);
+    ASSERT_EQ(proto.generation(), 2);
+    ASSERT_EQ(proto.state(), v1::RUNNING);
+    registry->Stop();
+  }
+  auto store = Open();
+  auto registry = Registry(store.get());
+  ASSERT_EQ(*registry->LoadFromStore(absl::Seconds(10)), 1);
+  std::shared_ptr<Job> job = *registry->Find("a");
+  v1::Job proto;
+  job->ToProto(&proto);
+  EXPECT_EQ(proto.generation(), 2);
+  EXPECT_EQ(proto.state(), v1::RUNNING);
+  EXPECT_EQ(proto.members_size(), 2);
+  // Within the grace period nobody dies, though no heartbeat came for more than the timeout.
+  clock_.Advance(absl::Seconds(9));
+  registry->CheckStaleness();
+  proto.Clear();
+  job->ToProto(&proto);
+  EXPECT_EQ(proto.generation(), 2);
+  // Rank 0 re-attaches; rank 1 never does and dies once the grace period is over.
+  v1::HeartbeatRequest hb;
+  hb.set_rank(0);
+  hb.set_generation(2);
+  v1::HeartbeatResponse reply;
+  ASSERT_TRUE(job->Heartbeat(hb, &reply).ok());
+  EXPECT_EQ(reply.generation(), 2);
+  clock_.Advance(absl::Seconds(2));
+  registry->CheckStaleness();
+  proto.Clear();
+  job->ToProto(&proto);
+  EXPECT_EQ(proto.generation(), 3);  // never 2 again
+  EXPECT_EQ(proto.members(1).state(), v1::DEAD);
+  EXPECT_EQ(proto.members(0).state(), v1::ALIVE);
+}
+
+TEST_F(RegistryOnSqliteTest, MergeJobs_SameSpecKeptNewAddedDifferentRefusedNamingField) {
+  {
+    auto store = Open();
+    auto registry = Registry(store.get());
+    ASSERT_TRUE(registry->MergeJobs({Spec("a")}).ok());
+    registry->Stop();
+  }
+  auto store = Open();
+  auto registry = Registry(store.get());
+  ASSERT_EQ(*registry->LoadFromStore(absl::Seconds(10)), 1);
+  v1::JobSpec changed = Spec("a");
+  changed.set_warmup_steps(17);
+  absl::Status s = registry->MergeJobs({Spec("b"), changed});
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("job \"a\""));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("warmup_steps"));
+  EXPECT_FALSE(registry->Find("b").ok()) << "a conflict creates nothing";
+  ASSERT_TRUE(registry->MergeJobs({Spec("b"), Spec("a")}).ok());
+  EXPECT_EQ(registry->ListJobs().size(), 2u);
+  EXPECT_EQ((*store->LoadAll()).size(), 2u);
+}
+
+}  // namespace
+}  // namespace modelavg::server
