@@ -241,7 +241,7 @@ TEST_F(CredentialTest, Credentials_StoredAsDigests_SurviveARestart) {
   InMemoryStateStore other;
   ASSERT_TRUE(other.CreateJob(j.spec, j.created_unix_ms).ok());
   Job restored(j.spec, *std::move(schedule), JobDefaults{}, &clock_, &other, j.created_unix_ms);
-  restored.Restore(j);
+  restored.Restore(j, absl::Seconds(10));
   v1::HeartbeatRequest beat;
   beat.set_rank(1);
   beat.set_generation(1);
