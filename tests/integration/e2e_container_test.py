@@ -301,8 +301,10 @@ def main():
             output = project.logs(cid)
             code = project.inspect(cid, "{{.State.ExitCode}}")
             lines = [l for l in output.splitlines() if "final loss" in l]
-            log(f"{service}: {state}, exit {code}; " + (" | ".join(lines) or "no final loss"))
             reattached = "re-attached to job demo-every-step" in output
+            log(f"{service}: {state}, exit {code}, " +
+                ("re-attached after the restart; " if reattached else "did not re-attach; ") +
+                (" | ".join(lines) or "no final loss"))
             if state != "exited" or code != "0" or not lines or not reattached:
                 problems.append(f"{service}: {state}, exit code {code}, final losses {lines}, "
                                 f"re-attached after the restart: {reattached}:\n"
