@@ -51,6 +51,9 @@ USER 10001:10001
 # The coordinator's state directory, owned by the modelavg user: mount a volume here (the compose
 # file does) so that what the coordinator keeps outlives the container.
 WORKDIR /var/lib/modelavg
+# Declared a volume, so that even a plain `docker run ... --state_dir=/var/lib/modelavg/state`
+# keeps the jobs outside the container's writable layer (README, "Operations").
+VOLUME ["/var/lib/modelavg"]
 # 50051: gRPC (Coordinator, health, reflection). 9464: Prometheus metrics.
 EXPOSE 50051 9464
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \

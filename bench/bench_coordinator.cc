@@ -503,7 +503,7 @@ void TimeCreateAndJoin(Stub* stub, int count, Histogram* create, Histogram* join
     request.mutable_spec()->set_world_size(1);
     request.mutable_spec()->set_mode(v1::PERIODIC);
     v1::Level* l = request.mutable_spec()->add_levels();
-    l->set_period(1);
+    l->set_period(4);
     l->set_group_size(1);
     v1::Job job;
     grpc::ClientContext create_ctx;

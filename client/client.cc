@@ -37,6 +37,11 @@ absl::Status ValidateOptions(const ClientOptions& o) {
         "ClientOptions.coordinator is empty: set it to the coordinator's host:port");
   }
   MODELAVG_RETURN_IF_ERROR(Annotate(ValidateJobId(o.job_id), "ClientOptions.job_id"));
+  if (o.expected_world_size < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("ClientOptions.expected_world_size is ",
+                                                   o.expected_world_size,
+                                                   ": a world size is >= 1 (0: any)"));
+  }
   if (o.rank.has_value() && *o.rank < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("ClientOptions.rank is ", *o.rank, ": a rank is >= 0 (or leave it unset)"));
@@ -115,6 +120,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   join.set_worker_id(options.worker_id);
   join.set_host(host);
   if (options.rank.has_value()) join.set_rank(*options.rank);
+  join.set_world_size(options.expected_world_size);
   spdlog::info("joining job {} at {} as {}{}", options.job_id, options.coordinator,
                options.worker_id,
                options.rank ? absl::StrCat(" (rank ", *options.rank, ")") : std::string());
@@ -271,10 +277,15 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
   bool hard = !job.ok();
   std::vector<int32_t> departed;
   if (job.ok()) {
+    // An elastic job admits no re-join while RUNNING, and a departure moves its survivors into
+    // the new generation (their member generation grows): only a death is hard there (an
+    // orderly departure below min_world_size, at the end of a run, is not).
+    const int32_t min_world = job->spec().min_world_size();
+    const bool elastic = min_world > 0 && min_world < job->spec().world_size();
     for (const v1::Member& m : job->members()) {
       if (m.state() == v1::LEFT) {
         departed.push_back(m.rank());
-      } else if (m.state() == v1::DEAD || m.generation() > generation_) {
+      } else if (m.state() == v1::DEAD || (!elastic && m.generation() > generation_)) {
         hard = true;  // A death or a re-join: every communicator with that rank is broken.
       }
     }
@@ -457,13 +468,25 @@ void Client::NoteHeartbeatReply(const v1::HeartbeatResponse& reply) {
   absl::MutexLock l(&mu_);
   last_heartbeat_ok_ = absl::Now();
   const std::string& incarnation = reply.coordinator_incarnation();
-  if (!incarnation.empty() && incarnation != incarnation_) {
+  const bool restarted = !incarnation.empty() && incarnation != incarnation_;
+  // This rank joined generation_ once it was complete (RUNNING); only a new generation can be
+  // PENDING again. The same generation PENDING means the coordinator lost the job's state and
+  // has the job afresh (e.g. from its jobs file): it knows nothing of this rank.
+  if (reply.generation() == generation_ && reply.state() == v1::PENDING && broken_.ok()) {
+    broken_ = absl::FailedPreconditionError(absl::StrCat(
+        "the coordinator that now answers at ", options_.coordinator, " (incarnation ",
+        incarnation.empty() ? "unknown" : incarnation, ", this rank joined under ",
+        incarnation_.empty() ? "unknown" : incarnation_, ") has job ", options_.job_id,
+        " afresh, without this rank: it restarted without the job's state (run it with "
+        "--state_dir); restart the workers"));
+    spdlog::error("{}", std::string(broken_.message()));
+  } else if (restarted) {
     spdlog::warn("coordinator {} restarted (incarnation {} -> {}); rank {} re-attached to job {} "
                  "in generation {}",
                  options_.coordinator, incarnation_.empty() ? "unknown" : incarnation_,
                  incarnation, rank_, options_.job_id, reply.generation());
-    incarnation_ = incarnation;
   }
+  if (restarted) incarnation_ = incarnation;
 }
 
 void Client::NoteHeartbeatFailure(const absl::Status& error) {

@@ -11,6 +11,19 @@
 namespace modelavg::server {
 namespace {
 
+// Takes the vacant ranks of an elastic job out of a decision's members. True if any was there.
+bool RemoveVacant(const std::vector<int32_t>& vacant, v1::StepDecision* d) {
+  if (vacant.empty() || d->members().empty()) return false;
+  auto* members = d->mutable_members();
+  const int before = members->size();
+  members->erase(std::remove_if(members->begin(), members->end(),
+                                [&](int32_t r) {
+                                  return std::binary_search(vacant.begin(), vacant.end(), r);
+                                }),
+                 members->end());
+  return members->size() != before;
+}
+
 constexpr size_t kMaxWorkerIdLength = 256;
 constexpr size_t kMaxHostLength = 256;
 constexpr size_t kMaxReasonLength = 256;
@@ -28,6 +41,15 @@ absl::Duration OrDefault(int64_t ms, absl::Duration fallback) {
 std::string Truncate(const std::string& s, size_t n) {
   return s.size() <= n ? s : s.substr(0, n) + "...";
 }
+
+// What the job keeps of a spec: its known fields (unknown ones would cost memory for nothing).
+v1::JobSpec Stripped(v1::JobSpec spec) {
+  spec.DiscardUnknownFields();
+  return spec;
+}
+
+// How often GetSchedule polls its cancellation, in steps.
+constexpr int64_t kCancelPollSteps = 4096;
 
 }  // namespace
 
@@ -89,7 +111,7 @@ class Job::Outbox {
 
 Job::Job(v1::JobSpec spec, Schedule schedule, const JobDefaults& defaults, Clock* clock,
          StateStore* store, int64_t created_unix_ms)
-    : spec_(std::move(spec)),
+    : spec_(Stripped(std::move(spec))),
       schedule_(std::move(schedule)),
       heartbeat_timeout_(OrDefault(spec_.heartbeat_timeout_ms(), defaults.heartbeat_timeout)),
       join_timeout_(OrDefault(spec_.join_timeout_ms(), defaults.join_timeout)),
@@ -97,7 +119,7 @@ Job::Job(v1::JobSpec spec, Schedule schedule, const JobDefaults& defaults, Clock
       created_unix_ms_(created_unix_ms),
       warnings_(ScheduleWarnings(schedule_.spec())),
       store_(store),
-      membership_(schedule_.world_size()) {}
+      membership_(schedule_.world_size(), spec_.min_world_size()) {}
 
 Job::~Job() = default;
 
@@ -145,6 +167,12 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
   if (request.worker_id().size() > kMaxWorkerIdLength || request.host().size() > kMaxHostLength) {
     return fail(absl::InvalidArgumentError(
         absl::StrCat("worker_id and host must be at most ", kMaxWorkerIdLength, " characters")));
+  }
+  if (request.world_size() != 0 && request.world_size() != world) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "the worker expects world_size ", request.world_size(), " but job ", id(),
+        " has world_size ", world, "; start every worker with world_size ", world,
+        " or join a job of that size")));
   }
   if (request.has_rank() && (request.rank() < 0 || request.rank() >= world)) {
     return fail(absl::InvalidArgumentError(absl::StrCat(
@@ -204,13 +232,27 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
 
 void Job::OnMembershipChange(const MembershipChange& change, Outbox* out) {
   if (change.generation_changed) {
-    const std::string why =
-        absl::StrCat("job ", id(), " moved from generation ", change.old_generation, " to ",
-                     membership_.generation(), " because ", change.reason, "; re-join");
+    const std::string why = absl::StrCat(
+        "job ", id(), " moved from generation ", change.old_generation, " to ",
+        membership_.generation(), " because ", change.reason,
+        change.shrunk ? "; its survivors continue in the new generation" : "; re-join");
     FailAllWaits(absl::AbortedError(why), out);
     comm_ids_.Clear();
-    spdlog::warn("job {}: generation {} -> {}: {}", id(), change.old_generation,
-                 membership_.generation(), change.reason);
+    if (change.shrunk) {
+      spdlog::warn("job {}: generation {} -> {}: {}; elastic: RUNNING on with {} of {} ranks "
+                   "(vacant: {})",
+                   id(), change.old_generation, membership_.generation(), change.reason,
+                   membership_.round_size(), membership_.world_size(),
+                   absl::StrJoin(membership_.VacantRanks(), ", "));
+    } else {
+      spdlog::warn("job {}: generation {} -> {}: {}{}", id(), change.old_generation,
+                   membership_.generation(), change.reason,
+                   membership_.elastic()
+                       ? absl::StrCat("; elastic job below min_world_size (",
+                                      membership_.min_world_size(),
+                                      "): PENDING until every rank re-joins")
+                       : std::string());
+    }
     if (!watchers_.empty()) {
       AddEvent(v1::JobEvent::GENERATION_CHANGED, change.changed_by_rank, change.reason, true,
                out);
@@ -301,9 +343,11 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
   }
   const absl::Time now = clock_->Now();
   int64_t generation;
+  std::vector<int32_t> vacant;
   {
     absl::MutexLock lock(&mu_);
     generation = membership_.generation();
+    vacant = membership_.VacantRanks();
     if (request.generation() != generation) {
       return absl::FailedPreconditionError(StaleMessage(request.generation()));
     }
@@ -315,11 +359,18 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
     membership_.RecordStep(rank, request.step(), now);
   }
   DecisionToProto(schedule_.DecisionFor(request.step(), rank), generation, response);
+  RemoveVacant(vacant, response);
   return absl::OkStatus();
 }
 
 absl::Status Job::GetSchedule(const v1::GetScheduleRequest& request,
-                              v1::GetScheduleResponse* response) const {
+                              v1::GetScheduleResponse* response,
+                              const std::function<bool()>& cancelled) const {
+  const auto gone = [&](int64_t i) {
+    return i % kCancelPollSteps == 0 && cancelled != nullptr && cancelled();
+  };
+  const absl::Status cancelled_status =
+      absl::CancelledError("the GetSchedule call was cancelled by its caller");
   if (request.from_step() < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("from_step must be >= 0, got ", request.from_step()));
@@ -344,6 +395,7 @@ absl::Status Job::GetSchedule(const v1::GetScheduleRequest& request,
       request.has_rank() ? "" : " or for one rank");
   int64_t bytes = 0;
   for (int64_t s = request.from_step(); s < request.from_step() + request.count(); ++s) {
+    if (gone(s - request.from_step())) return cancelled_status;
     const int level = schedule_.LevelAt(s);
     if (level < 0) {
       bytes += 20;
@@ -354,16 +406,29 @@ absl::Status Job::GetSchedule(const v1::GetScheduleRequest& request,
     if (bytes > kMaxScheduleReplyBytes) return absl::InvalidArgumentError(too_big);
   }
   int64_t generation;
+  std::vector<int32_t> vacant;
   {
     absl::MutexLock lock(&mu_);
     generation = membership_.generation();
+    vacant = membership_.VacantRanks();
   }
   response->set_generation(generation);
   const std::vector<Decision> decisions =
       request.has_rank() ? schedule_.Window(request.from_step(), request.count(), request.rank())
                          : schedule_.WindowAllSubgroups(request.from_step(), request.count());
   response->mutable_decisions()->Reserve(static_cast<int>(decisions.size()));
-  for (const Decision& d : decisions) DecisionToProto(d, generation, response->add_decisions());
+  for (size_t i = 0; i < decisions.size(); ++i) {
+    if (gone(static_cast<int64_t>(i) + 1)) {
+      response->Clear();
+      return cancelled_status;
+    }
+    v1::StepDecision* out = response->add_decisions();
+    DecisionToProto(decisions[i], generation, out);
+    // A block with no live member does not average: listed for every subgroup, it is left out.
+    if (RemoveVacant(vacant, out) && out->members().empty() && !request.has_rank()) {
+      response->mutable_decisions()->RemoveLast();
+    }
+  }
   if (static_cast<int64_t>(response->ByteSizeLong()) > kMaxScheduleReplyBytes) {
     response->Clear();
     return absl::InvalidArgumentError(too_big);
@@ -590,6 +655,7 @@ void Job::CheckStaleness() {
     }
     std::string reason = absl::StrCat("rank ", dead[0], " heartbeat timeout");
     if (dead.size() > 1) absl::StrAppend(&reason, " (and ", dead.size() - 1, " more ranks)");
+    deaths_ += static_cast<int64_t>(dead.size());
     OnMembershipChange(membership_.Die(dead, reason, now), &out);
     Persist().IgnoreError();  // logged; written with the next change
   }
@@ -623,12 +689,25 @@ void Job::CheckStaleness() {
   }
 }
 
-void Job::ToProto(v1::Job* out) const {
+void Job::ToProto(v1::Job* out, int64_t max_bytes) const {
   absl::MutexLock lock(&mu_);
-  ToProtoLocked(out, true);
+  ToProtoLocked(out, true, max_bytes);
 }
 
-void Job::ToProtoLocked(v1::Job* out, bool with_members) const {
+void Job::ToProtoLocked(v1::Job* out, bool with_members, int64_t max_bytes) const {
+  if (with_members) {
+    // An upper bound of the members' encoded size: strings plus 8 varints (10 bytes at most)
+    // and 3 tags/lengths each.
+    int64_t bytes = 0;
+    for (int32_t r = 0; r < membership_.world_size(); ++r) {
+      const Membership::Member& m = membership_.member(r);
+      if (m.present) bytes += static_cast<int64_t>(m.worker_id.size() + m.host.size()) + 96;
+    }
+    if (bytes > max_bytes - 16 * 1024) {
+      with_members = false;
+      out->set_members_omitted(true);
+    }
+  }
   *out->mutable_spec() = spec_;
   out->mutable_spec()->set_heartbeat_timeout_ms(absl::ToInt64Milliseconds(heartbeat_timeout_));
   out->mutable_spec()->set_join_timeout_ms(absl::ToInt64Milliseconds(join_timeout_));
@@ -659,6 +738,8 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members) const {
   if (membership_.last_change()) *out->mutable_last_change() = *membership_.last_change();
   for (const std::string& w : warnings_) out->add_warnings(w);
   out->set_created_unix_ms(created_unix_ms_);
+  out->set_live_world_size(membership_.round_size());
+  for (int32_t r : membership_.VacantRanks()) out->add_vacant_ranks(r);
 }
 
 Job::Stats Job::GetStats() const {
@@ -675,6 +756,8 @@ Job::Stats Job::GetStats() const {
     max_step = std::max(max_step, m.last_step);
   }
   stats.step_lag = max_step - min_step;
+  stats.vacant_ranks = static_cast<int32_t>(membership_.VacantRanks().size());
+  stats.deaths = deaths_;
   return stats;
 }
 

@@ -57,7 +57,8 @@ class Coordinator {
   bool Start(std::vector<std::string> extra = {}) {
     const std::string run_dir = absl::StrCat(dir_, "/", name_, runs_++);
     std::filesystem::create_directories(run_dir);
-    std::vector<std::string> flags = {"--state_dir=" + state_dir(), "--log_level=info"};
+    std::vector<std::string> flags = {"--log_level=info"};
+    if (durable_) flags.push_back("--state_dir=" + state_dir());
     if (port_ != 0) flags.push_back(absl::StrCat("--listen=127.0.0.1:", port_));
     for (std::string& f : extra) flags.push_back(std::move(f));
     // The port of a killed incarnation can take a moment to be free again.
@@ -79,6 +80,8 @@ class Coordinator {
     process_->process().Wait(absl::Seconds(10));
   }
   std::string state_dir() const { return dir_ + "/state"; }
+  // false: no --state_dir (the coordinator's state is in memory).
+  void set_durable(bool durable) { durable_ = durable; }
   const std::string& address() const { return address_; }
   CoordinatorProcess& process() { return *process_; }
   std::string log() { return process_ ? process_->process().err() : ""; }
@@ -94,6 +97,7 @@ class Coordinator {
  private:
   std::string dir_;
   std::string name_;
+  bool durable_ = true;
   int runs_ = 0;
   int port_ = 0;
   std::string address_;
@@ -248,6 +252,28 @@ TEST_F(CoordinatorRestartTest, KilledMidJob_RestartedAfter2sAndAfterTwiceHeartbe
               << ")" << std::endl;
     EXPECT_LT(step_at_kill, 16);
     EXPECT_LE(step_at_restart, 16) << "the top level's first averaging needs the coordinator";
+  }
+}
+
+// The issue's reproduction: without --state_dir, a restart with the same jobs file has the job
+// afresh. The workers must not train on against a coordinator that does not know them.
+TEST_F(CoordinatorRestartTest, RestartedWithoutStateDir_WorkersStopSayingWhy) {
+  coordinator_.set_durable(false);
+  const std::string jobs = dir_ + "/jobs.json";
+  std::ofstream(jobs) << R"({"jobs": [{"job_id": "mem", "world_size": 4, "mode": "HIERARCHICAL",
+      "heartbeat_timeout_ms": 1500, "levels": [{"period": 2, "group_size": 2},
+      {"period": 4, "group_size": 4}]}]})";
+  ASSERT_TRUE(coordinator_.Start({"--jobs_file=" + jobs})) << coordinator_.log();
+  StartWorkers("mem", 4, 1000, 50);
+  ASSERT_TRUE(WaitForStep(5, absl::Seconds(60))) << Diagnostics();
+  coordinator_.Kill();
+  absl::SleepFor(absl::Seconds(1));
+  ASSERT_TRUE(coordinator_.Start({"--jobs_file=" + jobs})) << coordinator_.log();
+  std::vector<int> codes = WaitAll(kSlack + absl::Seconds(5));
+  for (size_t r = 0; r < codes.size(); ++r) {
+    EXPECT_EQ(codes[r], 1) << Diagnostics();
+    EXPECT_THAT(workers_[r]->err(), HasSubstr("restarted without the job's state"))
+        << Diagnostics();
   }
 }
 
