@@ -116,10 +116,13 @@ class Project:
                          quiet=True).stdout.split()
         return [n for n in names if n.startswith(self.name + "_") or n.startswith(self.name + "-")]
 
+    def all_volumes(self):
+        return self.run([self.engine, "volume", "ls", "--format", "{{.Name}}"],
+                        quiet=True).stdout.split()
+
     def volumes(self):
-        names = self.run([self.engine, "volume", "ls", "--format", "{{.Name}}"],
-                         quiet=True).stdout.split()
-        return [n for n in names if n.startswith(self.name + "_") or n.startswith(self.name + "-")]
+        return [n for n in self.all_volumes()
+                if n.startswith(self.name + "_") or n.startswith(self.name + "-")]
 
     def wait_healthy(self, service, timeout_s):
         """Until the service's health check passes (podman without systemd runs checks only when
@@ -232,6 +235,7 @@ def main():
     project = Project(engine, compose, name, env, deadline)
     log(f"engine {engine}, compose '{compose}', project {name}, host ports {ports}")
 
+    volumes_before = set(project.all_volumes())
     started = time.monotonic()
     try:
         t = time.monotonic()
@@ -360,15 +364,18 @@ def main():
             # podman-compose (1.0.3) leaves the project's networks: remove them as a user must.
             for net in project.networks():
                 project.run([engine, "network", "rm", net], check=False)
+        # The project's volumes by name, and any other volume that appeared meanwhile (an
+        # anonymous one of a container of the project).
         left = {"containers": project.containers(), "networks": project.networks(),
-                "volumes": project.volumes()}
+                "volumes": sorted(set(project.volumes()) |
+                                  (set(project.all_volumes()) - volumes_before))}
         if any(left.values()):
             # Clean up by name, then fail: `down -v` should have removed them.
             for cid in left["containers"]:
                 project.run([engine, "rm", "-f", "-v", cid], check=False)
             for net in left["networks"]:
                 project.run([engine, "network", "rm", net], check=False)
-            for vol in left["volumes"]:
+            for vol in project.volumes():  # not the unnamed ones: they may be someone else's
                 project.run([engine, "volume", "rm", "-f", vol], check=False)
             mt.fail(f"'down -v' left {left}")
     log(f"PASS: image, coordinator and {len(WORKERS)} workers in {engine} containers "
