@@ -271,10 +271,15 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
   bool hard = !job.ok();
   std::vector<int32_t> departed;
   if (job.ok()) {
+    // An elastic job admits no re-join while RUNNING, and a departure moves its survivors into
+    // the new generation (their member generation grows): only a death is hard there (an
+    // orderly departure below min_world_size, at the end of a run, is not).
+    const int32_t min_world = job->spec().min_world_size();
+    const bool elastic = min_world > 0 && min_world < job->spec().world_size();
     for (const v1::Member& m : job->members()) {
       if (m.state() == v1::LEFT) {
         departed.push_back(m.rank());
-      } else if (m.state() == v1::DEAD || m.generation() > generation_) {
+      } else if (m.state() == v1::DEAD || (!elastic && m.generation() > generation_)) {
         hard = true;  // A death or a re-join: every communicator with that rank is broken.
       }
     }

@@ -51,6 +51,11 @@ absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec) {
         absl::StrCat("heartbeat_timeout_ms must be in [0, ", kMaxHeartbeatTimeoutMs,
                      "] (0: the coordinator's default), got ", spec.heartbeat_timeout_ms()));
   }
+  if (spec.min_world_size() < 0 || spec.min_world_size() > spec.world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "min_world_size must be in [1, world_size = ", spec.world_size(),
+        "] (0: world_size, a strict job), got ", spec.min_world_size()));
+  }
   if (spec.join_timeout_ms() < 0 || spec.join_timeout_ms() > kMaxJoinTimeoutMs) {
     return absl::InvalidArgumentError(
         absl::StrCat("join_timeout_ms must be in [0, ", kMaxJoinTimeoutMs,
@@ -85,6 +90,7 @@ void DecisionToProto(const Decision& d, int64_t generation, v1::StepDecision* ou
   out->set_subgroup(d.subgroup.index);
   out->mutable_ranks()->Reserve(d.subgroup.size);
   for (int32_t i = 0; i < d.subgroup.size; ++i) out->add_ranks(d.subgroup.first_rank + i);
+  *out->mutable_members() = out->ranks();
 }
 
 Decision DecisionFromProto(const v1::StepDecision& d) {

@@ -11,6 +11,19 @@
 namespace modelavg::server {
 namespace {
 
+// Takes the vacant ranks of an elastic job out of a decision's members. True if any was there.
+bool RemoveVacant(const std::vector<int32_t>& vacant, v1::StepDecision* d) {
+  if (vacant.empty() || d->members().empty()) return false;
+  auto* members = d->mutable_members();
+  const int before = members->size();
+  members->erase(std::remove_if(members->begin(), members->end(),
+                                [&](int32_t r) {
+                                  return std::binary_search(vacant.begin(), vacant.end(), r);
+                                }),
+                 members->end());
+  return members->size() != before;
+}
+
 constexpr size_t kMaxWorkerIdLength = 256;
 constexpr size_t kMaxHostLength = 256;
 constexpr size_t kMaxReasonLength = 256;
@@ -97,7 +110,7 @@ Job::Job(v1::JobSpec spec, Schedule schedule, const JobDefaults& defaults, Clock
       created_unix_ms_(created_unix_ms),
       warnings_(ScheduleWarnings(schedule_.spec())),
       store_(store),
-      membership_(schedule_.world_size()) {}
+      membership_(schedule_.world_size(), spec_.min_world_size()) {}
 
 Job::~Job() = default;
 
@@ -204,13 +217,27 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
 
 void Job::OnMembershipChange(const MembershipChange& change, Outbox* out) {
   if (change.generation_changed) {
-    const std::string why =
-        absl::StrCat("job ", id(), " moved from generation ", change.old_generation, " to ",
-                     membership_.generation(), " because ", change.reason, "; re-join");
+    const std::string why = absl::StrCat(
+        "job ", id(), " moved from generation ", change.old_generation, " to ",
+        membership_.generation(), " because ", change.reason,
+        change.shrunk ? "; its survivors continue in the new generation" : "; re-join");
     FailAllWaits(absl::AbortedError(why), out);
     comm_ids_.Clear();
-    spdlog::warn("job {}: generation {} -> {}: {}", id(), change.old_generation,
-                 membership_.generation(), change.reason);
+    if (change.shrunk) {
+      spdlog::warn("job {}: generation {} -> {}: {}; elastic: RUNNING on with {} of {} ranks "
+                   "(vacant: {})",
+                   id(), change.old_generation, membership_.generation(), change.reason,
+                   membership_.round_size(), membership_.world_size(),
+                   absl::StrJoin(membership_.VacantRanks(), ", "));
+    } else {
+      spdlog::warn("job {}: generation {} -> {}: {}{}", id(), change.old_generation,
+                   membership_.generation(), change.reason,
+                   membership_.elastic()
+                       ? absl::StrCat("; elastic job below min_world_size (",
+                                      membership_.min_world_size(),
+                                      "): PENDING until every rank re-joins")
+                       : std::string());
+    }
     if (!watchers_.empty()) {
       AddEvent(v1::JobEvent::GENERATION_CHANGED, change.changed_by_rank, change.reason, true,
                out);
@@ -301,9 +328,11 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
   }
   const absl::Time now = clock_->Now();
   int64_t generation;
+  std::vector<int32_t> vacant;
   {
     absl::MutexLock lock(&mu_);
     generation = membership_.generation();
+    vacant = membership_.VacantRanks();
     if (request.generation() != generation) {
       return absl::FailedPreconditionError(StaleMessage(request.generation()));
     }
@@ -315,6 +344,7 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
     membership_.RecordStep(rank, request.step(), now);
   }
   DecisionToProto(schedule_.DecisionFor(request.step(), rank), generation, response);
+  RemoveVacant(vacant, response);
   return absl::OkStatus();
 }
 
@@ -354,16 +384,25 @@ absl::Status Job::GetSchedule(const v1::GetScheduleRequest& request,
     if (bytes > kMaxScheduleReplyBytes) return absl::InvalidArgumentError(too_big);
   }
   int64_t generation;
+  std::vector<int32_t> vacant;
   {
     absl::MutexLock lock(&mu_);
     generation = membership_.generation();
+    vacant = membership_.VacantRanks();
   }
   response->set_generation(generation);
   const std::vector<Decision> decisions =
       request.has_rank() ? schedule_.Window(request.from_step(), request.count(), request.rank())
                          : schedule_.WindowAllSubgroups(request.from_step(), request.count());
   response->mutable_decisions()->Reserve(static_cast<int>(decisions.size()));
-  for (const Decision& d : decisions) DecisionToProto(d, generation, response->add_decisions());
+  for (const Decision& d : decisions) {
+    v1::StepDecision* out = response->add_decisions();
+    DecisionToProto(d, generation, out);
+    // A block with no live member does not average: listed for every subgroup, it is left out.
+    if (RemoveVacant(vacant, out) && out->members().empty() && !request.has_rank()) {
+      response->mutable_decisions()->RemoveLast();
+    }
+  }
   if (static_cast<int64_t>(response->ByteSizeLong()) > kMaxScheduleReplyBytes) {
     response->Clear();
     return absl::InvalidArgumentError(too_big);
@@ -590,6 +629,7 @@ void Job::CheckStaleness() {
     }
     std::string reason = absl::StrCat("rank ", dead[0], " heartbeat timeout");
     if (dead.size() > 1) absl::StrAppend(&reason, " (and ", dead.size() - 1, " more ranks)");
+    deaths_ += static_cast<int64_t>(dead.size());
     OnMembershipChange(membership_.Die(dead, reason, now), &out);
     Persist().IgnoreError();  // logged; written with the next change
   }
@@ -659,6 +699,8 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members) const {
   if (membership_.last_change()) *out->mutable_last_change() = *membership_.last_change();
   for (const std::string& w : warnings_) out->add_warnings(w);
   out->set_created_unix_ms(created_unix_ms_);
+  out->set_live_world_size(membership_.round_size());
+  for (int32_t r : membership_.VacantRanks()) out->add_vacant_ranks(r);
 }
 
 Job::Stats Job::GetStats() const {
@@ -675,6 +717,8 @@ Job::Stats Job::GetStats() const {
     max_step = std::max(max_step, m.last_step);
   }
   stats.step_lag = max_step - min_step;
+  stats.vacant_ranks = static_cast<int32_t>(membership_.VacantRanks().size());
+  stats.deaths = deaths_;
   return stats;
 }
 

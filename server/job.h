@@ -145,6 +145,10 @@ class Job {
     int64_t generation = 0;
     int64_t step_lag = 0;
     v1::JobState state = v1::PENDING;
+    // Elastic jobs: ranks of the running job that no live worker holds.
+    int32_t vacant_ranks = 0;
+    // Members declared dead (heartbeat timeout) since the job was created (or restored).
+    int64_t deaths = 0;
   };
   Stats GetStats() const;
 
@@ -192,6 +196,8 @@ class Job {
   // Serializes event delivery across calls; taken while mu_ is held, mu_ released first.
   absl::Mutex delivery_mu_ ABSL_ACQUIRED_AFTER(mu_);
   Membership membership_ ABSL_GUARDED_BY(mu_);
+  // Members declared dead since creation (or restore): a metric.
+  int64_t deaths_ ABSL_GUARDED_BY(mu_) = 0;
   CommIdStore comm_ids_ ABSL_GUARDED_BY(mu_);
   PendingWaits waits_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<uint64_t, std::shared_ptr<JobWatcher>>> watchers_ ABSL_GUARDED_BY(mu_);

@@ -9,7 +9,19 @@
 
 namespace modelavg::server {
 
-Membership::Membership(int32_t world_size) : members_(world_size) {}
+Membership::Membership(int32_t world_size, int32_t min_world_size)
+    : min_world_size_(min_world_size > 0 && min_world_size < world_size ? min_world_size
+                                                                          : world_size),
+      members_(world_size) {}
+
+std::vector<int32_t> Membership::VacantRanks() const {
+  std::vector<int32_t> vacant;
+  if (state_ != v1::RUNNING) return vacant;
+  for (int32_t r = 0; r < world_size(); ++r) {
+    if (!InRound(members_[r])) vacant.push_back(r);
+  }
+  return vacant;
+}
 
 void Membership::Restore(const StoredJobHeader& header, const std::vector<StoredMember>& members,
                          absl::Time now) {
@@ -25,6 +37,7 @@ void Membership::Restore(const StoredJobHeader& header, const std::vector<Stored
     m.host = s.host;
     m.state = s.state;
     m.generation = s.generation;
+    m.joined_generation = s.generation;
     m.last_step = -1;
     m.last_heartbeat = now;
     if (InRound(m)) ++round_size_;
@@ -44,6 +57,15 @@ absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worke
   }
   JoinResult result;
   int32_t rank = -1;
+  if (state_ == v1::RUNNING && elastic()) {
+    const std::vector<int32_t> vacant = VacantRanks();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", job_id, " is an elastic job RUNNING in generation ", generation_, " with ",
+        round_size_, " of ", world, " ranks",
+        vacant.empty() ? std::string() : absl::StrCat(" (vacant: ", absl::StrJoin(vacant, ", "), ")"),
+        "; this coordinator does not admit replacements into a running job: wait until it "
+        "finishes or falls below min_world_size (", min_world_size_, ")"));
+  }
   if (state_ == v1::RUNNING) {
     if (requested.has_value()) {
       rank = *requested;
@@ -88,6 +110,7 @@ absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worke
   m.last_heartbeat = now;
   m.state = v1::ALIVE;
   m.generation = generation_;
+  m.joined_generation = generation_;
   MarkMember(rank);
   if (round_size_ == world) {
     state_ = v1::RUNNING;
@@ -127,7 +150,7 @@ absl::StatusOr<Membership::LeaveResult> Membership::Leave(int32_t rank, const st
   if (MaybeFinish()) {
     result.change.finished = true;
   } else if (state_ == v1::RUNNING && in_round) {
-    result.change = Bump(rank, reason, now);
+    result.change = Depart(rank, reason, now);
   }
   return result;
 }
@@ -139,7 +162,32 @@ MembershipChange Membership::Die(const std::vector<int32_t>& ranks, const std::s
     members_[r].state = v1::DEAD;
     MarkMember(r);
   }
-  return Bump(ranks[0], reason, now);
+  return Depart(ranks[0], reason, now);
+}
+
+MembershipChange Membership::Depart(int32_t rank, const std::string& reason, absl::Time now) {
+  if (state_ == v1::RUNNING && elastic()) {
+    int32_t live = 0;
+    for (const Member& m : members_) live += InRound(m) ? 1 : 0;
+    if (live >= min_world_size_) return Shrink(rank, reason, now);
+  }
+  return Bump(rank, reason, now);
+}
+
+MembershipChange Membership::Shrink(int32_t rank, const std::string& reason, absl::Time now) {
+  const int64_t old_generation = generation_;
+  MembershipChange change = Bump(rank, reason, now);
+  change.shrunk = true;
+  state_ = v1::RUNNING;
+  for (int32_t r = 0; r < world_size(); ++r) {
+    Member& m = members_[r];
+    if (m.present && m.state == v1::ALIVE && m.generation == old_generation) {
+      m.generation = generation_;
+      ++round_size_;
+      MarkMember(r);
+    }
+  }
+  return change;
 }
 
 std::vector<int32_t> Membership::Stale(absl::Time now, absl::Duration timeout) const {
@@ -155,7 +203,8 @@ std::vector<int32_t> Membership::Stale(absl::Time now, absl::Duration timeout) c
 void Membership::Heartbeat(int32_t rank, int64_t generation, int64_t step, absl::Time now) {
   Member& m = members_[rank];
   // Only the worker of that generation counts: a straggler of an older one keeps nobody alive.
-  if (m.present && m.state == v1::ALIVE && m.generation == generation) {
+  if (m.present && m.state == v1::ALIVE && generation >= m.joined_generation &&
+      generation <= generation_) {
     m.last_heartbeat = now;
     m.last_step = step;
   }

@@ -29,6 +29,10 @@ struct MembershipChange {
   bool world_complete = false;
   // Every member has left: the job is FINISHED.
   bool finished = false;
+  // Elastic job: the generation moved on with the survivors as its members, still RUNNING (the
+  // departed ranks are vacant). False when it fell back to PENDING (strict, or below
+  // min_world_size).
+  bool shrunk = false;
 };
 
 class Membership {
@@ -40,8 +44,11 @@ class Membership {
     int64_t last_step = -1;
     absl::Time last_heartbeat;
     v1::MemberState state = v1::MEMBER_STATE_UNSPECIFIED;
-    // The generation this member last joined; 0 when not in any round.
+    // The generation of this member's round: the one it joined, or a later one that an elastic
+    // job shrank into with it as a survivor; 0 when not in any round.
     int64_t generation = 0;
+    // The generation in which this worker joined (its heartbeats count from then on).
+    int64_t joined_generation = 0;
   };
 
   struct JoinResult {
@@ -60,7 +67,9 @@ class Membership {
     MembershipChange change;
   };
 
-  explicit Membership(int32_t world_size);
+  // `min_world_size`: 0 (or world_size) for a strict job; otherwise 1..world_size-1, an elastic
+  // job (see JobSpec.min_world_size).
+  explicit Membership(int32_t world_size, int32_t min_world_size = 0);
 
   // Continues from stored state (after a coordinator restart). Every restored member of the
   // current generation counts as having sent a heartbeat at `now`.
@@ -68,6 +77,10 @@ class Membership {
                absl::Time now);
 
   int32_t world_size() const { return static_cast<int32_t>(members_.size()); }
+  int32_t min_world_size() const { return min_world_size_; }
+  bool elastic() const { return min_world_size_ < world_size(); }
+  // RUNNING: ranks no live member holds (vacancies of an elastic job), ascending; else empty.
+  std::vector<int32_t> VacantRanks() const;
   v1::JobState state() const { return state_; }
   int64_t generation() const { return generation_; }
   int32_t round_size() const { return round_size_; }
@@ -78,7 +91,8 @@ class Membership {
   // Adds a worker to the current round. `rank` was validated against world_size. The rank is
   // the requested one, else the worker's earlier rank, else the lowest free one. A re-join
   // while RUNNING starts a new generation first. Errors:
-  //   FAILED_PRECONDITION  FINISHED, or RUNNING and the worker names no rank and holds none
+  //   FAILED_PRECONDITION  FINISHED, or RUNNING and the worker names no rank and holds none, or
+  //                        an elastic job is RUNNING (replacements are not admitted yet)
   //   ALREADY_EXISTS       another worker holds the requested rank in this round
   absl::StatusOr<JoinResult> Join(const std::string& worker_id, const std::string& host,
                                   std::optional<int32_t> rank, absl::Time now,
@@ -92,7 +106,9 @@ class Membership {
   absl::StatusOr<LeaveResult> Leave(int32_t rank, const std::string& reason, absl::Time now,
                                     const std::string& job_id);
 
-  // Marks `ranks` (members of the running round) DEAD and starts a new generation.
+  // Marks `ranks` (members of the running round) DEAD and starts a new generation: in an
+  // elastic job with at least min_world_size survivors, one of the survivors (still RUNNING,
+  // change.shrunk); otherwise a PENDING one that every worker must re-join.
   MembershipChange Die(const std::vector<int32_t>& ranks, const std::string& reason,
                        absl::Time now);
 
@@ -118,10 +134,15 @@ class Membership {
     return m.present && m.generation == generation_ && m.state == v1::ALIVE;
   }
   MembershipChange Bump(int32_t rank, const std::string& reason, absl::Time now);
+  // Members of the running round departed (already marked DEAD or LEFT): Shrink when the job
+  // is elastic and enough survive, Bump otherwise.
+  MembershipChange Depart(int32_t rank, const std::string& reason, absl::Time now);
+  MembershipChange Shrink(int32_t rank, const std::string& reason, absl::Time now);
   // Finishes the job if every present member has left.
   bool MaybeFinish();
   void MarkMember(int32_t rank) { dirty_members_.push_back(rank); }
 
+  const int32_t min_world_size_;
   v1::JobState state_ = v1::PENDING;
   int64_t generation_ = 1;
   // Indexed by rank; kept across generations.

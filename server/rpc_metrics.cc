@@ -32,6 +32,13 @@ class JobsCollector final : public prometheus::Collectable {
     prometheus::MetricFamily lag{"modelavg_job_step_lag",
                                  "Largest minus smallest step reported by the current members",
                                  prometheus::MetricType::Gauge, {}};
+    prometheus::MetricFamily vacant{"modelavg_job_vacant_ranks",
+                                    "Elastic jobs: ranks of the running job no live worker holds",
+                                    prometheus::MetricType::Gauge, {}};
+    prometheus::MetricFamily deaths{"modelavg_job_deaths",
+                                    "Members declared dead (heartbeat timeout) since the job "
+                                    "was created or the coordinator restarted",
+                                    prometheus::MetricType::Gauge, {}};
     std::map<std::string, int> by_state = {{"PENDING", 0}, {"RUNNING", 0}, {"FINISHED", 0}};
     for (const auto& job : registry_->ListJobs()) {
       const Job::Stats stats = job->GetStats();
@@ -45,6 +52,8 @@ class JobsCollector final : public prometheus::Collectable {
       add(workers, stats.workers);
       add(generation, static_cast<double>(stats.generation));
       add(lag, static_cast<double>(stats.step_lag));
+      add(vacant, stats.vacant_ranks);
+      add(deaths, static_cast<double>(stats.deaths));
     }
     for (const auto& [state, n] : by_state) {
       prometheus::ClientMetric m;
@@ -52,7 +61,8 @@ class JobsCollector final : public prometheus::Collectable {
       m.gauge.value = n;
       jobs.metric.push_back(std::move(m));
     }
-    return {std::move(jobs), std::move(workers), std::move(generation), std::move(lag)};
+    return {std::move(jobs),  std::move(workers), std::move(generation), std::move(lag),
+            std::move(vacant), std::move(deaths)};
   }
 
  private:

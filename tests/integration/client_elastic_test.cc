@@ -1,5 +1,6 @@
 // Generations and real processes: no collective outlives its generation (a stopped peer does
-// not hold the survivors in an all-reduce until the collective timeout).
+// not hold the survivors in an all-reduce until the collective timeout); an elastic job
+// (min_world_size) shrinks around a dead worker and lets finished subgroups leave.
 #include <signal.h>
 
 #include <cstdio>
@@ -63,6 +64,71 @@ TEST(ClientElasticTest, StrictJob_PeerStopped_SurvivorsAbortTheCollective) {
   std::printf("SIGSTOP of rank 2 -> every survivor failed after %s\n",
               absl::FormatDuration(slowest).c_str());
   workers[2]->Signal(SIGKILL);
+}
+
+// An elastic job (min_world_size 2 of 4): a worker killed with SIGKILL leaves the job RUNNING in
+// a new generation with its rank vacant (GetJob), while the survivors' averaging calls fail
+// with an error naming it (the client does not continue on the survivors' generation yet).
+TEST(ClientElasticTest, ElasticJob_WorkerKilled_CoordinatorShrinksAroundTheVacancy) {
+  Cluster cluster("elastic-kill");
+  ASSERT_TRUE(cluster.ok()) << cluster.dir();
+  // 2 s: a loaded CI machine must not make a survivor miss its heartbeats too.
+  v1::JobSpec spec = MakeSpec("ek", 4, v1::HIERARCHICAL, {{1, 2}, {2, 4}}, 0,
+                              /*heartbeat_ms=*/2000);
+  spec.set_min_world_size(2);
+  ASSERT_TRUE(cluster.admin()->CreateJob(spec).ok());
+  auto workers = cluster.StartWorkers(
+      "ek", 4, {"--steps=1000000", "--step_sleep_ms=20", "--collective_timeout_ms=60000",
+                "--heartbeat_interval_ms=100"});
+  ASSERT_TRUE(WaitForLines(*workers[0], 5, absl::Seconds(60))) << workers[0]->err();
+  workers[3]->Signal(SIGKILL);
+  ASSERT_TRUE(workers[3]->Wait(absl::Seconds(10)).has_value());
+  for (int r : {0, 1, 2}) {
+    auto code = workers[r]->Wait(absl::Seconds(30));
+    ASSERT_TRUE(code.has_value()) << "rank " << r << " still running after the kill";
+    EXPECT_EQ(*code, 1) << "rank " << r;
+    EXPECT_THAT(workers[r]->err(), HasSubstr("rank 3")) << workers[r]->err();
+    EXPECT_THAT(workers[r]->err(), HasSubstr("FAILED_PRECONDITION")) << workers[r]->err();
+  }
+  absl::StatusOr<v1::Job> job = cluster.admin()->GetJob("ek");
+  ASSERT_TRUE(job.ok()) << job.status();
+  // The survivors' own departures (Leave on exit) shrink it further, down to min_world_size 2;
+  // the last leave falls below it.
+  EXPECT_GE(job->generation(), 2);
+  bool saw_dead = false;
+  for (const v1::Member& m : job->members()) {
+    saw_dead = saw_dead || (m.rank() == 3 && m.state() == v1::DEAD);
+  }
+  EXPECT_TRUE(saw_dead) << job->DebugString();
+}
+
+// An elastic job whose second block finishes early: its ranks Leave, the job shrinks, and the
+// first block, which never averages with them again, runs to the end.
+TEST(ClientElasticTest, ElasticJob_BlockLeavesEarly_OthersFinish) {
+  Cluster cluster("elastic-leave");
+  ASSERT_TRUE(cluster.ok()) << cluster.dir();
+  // Step 0 averages over the world; from warm-up step 1 on only blocks of 2 (period 1).
+  v1::JobSpec spec = MakeSpec("el", 4, v1::HIERARCHICAL, {{1, 2}, {1000, 4}}, 1);
+  spec.set_min_world_size(2);
+  ASSERT_TRUE(cluster.admin()->CreateJob(spec).ok());
+  std::vector<std::unique_ptr<Process>> workers;
+  for (int r = 0; r < 4; ++r) {
+    workers.push_back(std::make_unique<Process>(
+        std::vector<std::string>{MODELAVG_CLIENT_WORKER_BIN,
+                                 "--coordinator=" + cluster.coordinator().address(), "--job=el",
+                                 absl::StrCat("--rank=", r),
+                                 absl::StrCat("--steps=", r < 2 ? 40 : 5), "--step_sleep_ms=20"},
+        absl::StrCat(cluster.dir(), "/el-rank", r)));
+  }
+  for (int r = 0; r < 4; ++r) {
+    auto code = workers[r]->Wait(absl::Seconds(60));
+    ASSERT_TRUE(code.has_value()) << "rank " << r;
+    EXPECT_EQ(*code, 0) << "rank " << r << ": " << workers[r]->err();
+  }
+  EXPECT_EQ(workers[0]->OutLines().size(), 40u);
+  absl::StatusOr<v1::Job> job = cluster.admin()->GetJob("el");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->state(), v1::FINISHED);
 }
 
 }  // namespace

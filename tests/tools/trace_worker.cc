@@ -6,8 +6,9 @@
 // Joins an existing job (it never creates one). Every parameter starts at the rank's number;
 // before the averaging call of step s it adds (rank + 1) * (s + 1) * 0.5 to every parameter; after
 // the call it checks that every element is equal to the first and prints one JSON line on stdout:
-//   {"step": s, "rank": r, "value": <first parameter>, "action": "AVERAGE"|"SKIP", "level": l}
-// (level is -1 for SKIP). The same update run through PyTorch's own averagers
+//   {"step": s, "rank": r, "value": <first parameter>, "action": "AVERAGE"|"SKIP", "level": l,
+//    "generation": g, "members": [ranks]}
+// (level is -1 and members empty for SKIP; members are the ranks that averaged at that step). The same update run through PyTorch's own averagers
 // (tests/conformance/torch_reference.py) must give the same values. On any failure it prints one
 // line on stderr and exits 1.
 #include <algorithm>
@@ -25,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/averager.h"
@@ -217,11 +219,14 @@ absl::Status Run() {
             step, i, host[i], host[0]));
       }
     }
+    std::vector<int32_t> members;
+    if (decision->average) members = decision->subgroup.Ranks();
     std::cout << absl::StrFormat(
                      "{\"step\": %d, \"rank\": %d, \"value\": %.9g, \"action\": \"%s\", "
-                     "\"level\": %d, \"generation\": %d}",
+                     "\"level\": %d, \"generation\": %d, \"members\": [%s]}",
                      step, rank, params->host()[0], decision->average ? "AVERAGE" : "SKIP",
-                     decision->average ? decision->level : -1, client->generation())
+                     decision->average ? decision->level : -1, client->generation(),
+                     absl::StrJoin(members, ", "))
               << std::endl;
   }
   return client->Leave("finished");

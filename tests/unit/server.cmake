@@ -7,3 +7,4 @@ modelavg_add_gtest(server_state_store_test SOURCES server_state_store_test.cc
 modelavg_add_gtest(server_jobs_file_test SOURCES server_jobs_file_test.cc LIBS modelavg_server)
 modelavg_add_gtest(server_sqlite_state_store_test SOURCES server_sqlite_state_store_test.cc
   LIBS modelavg_server_sqlite)
+modelavg_add_gtest(server_elastic_test SOURCES server_elastic_test.cc LIBS modelavg_server_core)
