@@ -37,6 +37,11 @@ absl::Status ValidateOptions(const ClientOptions& o) {
         "ClientOptions.coordinator is empty: set it to the coordinator's host:port");
   }
   MODELAVG_RETURN_IF_ERROR(Annotate(ValidateJobId(o.job_id), "ClientOptions.job_id"));
+  if (o.expected_world_size < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("ClientOptions.expected_world_size is ",
+                                                   o.expected_world_size,
+                                                   ": a world size is >= 1 (0: any)"));
+  }
   if (o.rank.has_value() && *o.rank < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("ClientOptions.rank is ", *o.rank, ": a rank is >= 0 (or leave it unset)"));
@@ -115,6 +120,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   join.set_worker_id(options.worker_id);
   join.set_host(host);
   if (options.rank.has_value()) join.set_rank(*options.rank);
+  join.set_world_size(options.expected_world_size);
   spdlog::info("joining job {} at {} as {}{}", options.job_id, options.coordinator,
                options.worker_id,
                options.rank ? absl::StrCat(" (rank ", *options.rank, ")") : std::string());

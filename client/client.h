@@ -45,6 +45,9 @@ struct ClientOptions {
   std::string job_id;
   // The rank to take; absent: the coordinator picks the lowest free one.
   std::optional<int32_t> rank;
+  // The world size this worker was started for; 0: any. A job of another size refuses the
+  // Join at once (INVALID_ARGUMENT naming both sizes).
+  int32_t expected_world_size = 0;
   // This worker's identity; empty: "<hostname>:<pid>".
   std::string worker_id;
   // Sent as "authorization: Bearer <token>" when non-empty.

@@ -111,12 +111,19 @@ absl::StatusOr<v1::Job> CoordinatorClient::GetJob(const std::string& job_id) {
 }
 
 absl::StatusOr<v1::ListJobsResponse> CoordinatorClient::ListJobs() {
-  grpc::ClientContext ctx;
-  Prepare(&ctx, options_.rpc_timeout);
+  // Every page, in job_id order (the coordinator answers at most 1000 jobs, and 4 MiB, a call).
   v1::ListJobsRequest req;
-  v1::ListJobsResponse out;
-  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->ListJobs(&ctx, req, &out), "ListJobs"));
-  return out;
+  req.set_page_size(1000);
+  v1::ListJobsResponse all;
+  do {
+    grpc::ClientContext ctx;
+    Prepare(&ctx, options_.rpc_timeout);
+    v1::ListJobsResponse page;
+    MODELAVG_RETURN_IF_ERROR(Wrap(stub_->ListJobs(&ctx, req, &page), "ListJobs"));
+    for (v1::Job& job : *page.mutable_jobs()) *all.add_jobs() = std::move(job);
+    req.set_page_token(page.next_page_token());
+  } while (!req.page_token().empty());
+  return all;
 }
 
 absl::Status CoordinatorClient::DeleteJob(const std::string& job_id) {

@@ -84,6 +84,7 @@ class CoordinatorClient {
   // UNAVAILABLE when unreachable, DEADLINE_EXCEEDED past `timeout` or rpc_timeout).
   absl::StatusOr<v1::Job> CreateJob(const v1::JobSpec& spec);
   absl::StatusOr<v1::Job> GetJob(const std::string& job_id);
+  // Every job: walks ListJobs' pages (next_page_token stays empty in the result).
   absl::StatusOr<v1::ListJobsResponse> ListJobs();
   absl::Status DeleteJob(const std::string& job_id);
   absl::StatusOr<v1::JoinResponse> Join(const v1::JoinRequest& request, absl::Duration timeout);

@@ -42,6 +42,11 @@ absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec) {
   }
   out.world_size = spec.world_size();
   out.warmup_steps = spec.warmup_steps();
+  // Checked before copying: a spec of a million levels costs nothing more than its parse.
+  if (spec.levels_size() > static_cast<int>(kMaxLevels)) {
+    return absl::InvalidArgumentError(absl::StrCat("a job has at most ", kMaxLevels,
+                                                   " levels, got ", spec.levels_size()));
+  }
   for (const v1::Level& level : spec.levels()) {
     out.levels.push_back(ScheduleLevel{level.period(), level.group_size()});
   }

@@ -19,13 +19,18 @@ absl::Status ValidateScheduleSpec(const ScheduleSpec& spec) {
     return absl::InvalidArgumentError(absl::StrCat("world_size must be in [1, ", kMaxWorldSize,
                                                    "], got ", spec.world_size));
   }
-  if (spec.warmup_steps < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("warmup_steps must be >= 0, got ", spec.warmup_steps));
+  if (spec.warmup_steps < 0 || spec.warmup_steps > kMaxWarmupSteps) {
+    return absl::InvalidArgumentError(absl::StrCat("warmup_steps must be in [0, ",
+                                                   kMaxWarmupSteps, "], got ",
+                                                   spec.warmup_steps));
   }
   if (spec.levels.empty()) {
     return absl::InvalidArgumentError(
         "levels must not be empty: give at least one {period, group_size}");
+  }
+  if (spec.levels.size() > kMaxLevels) {
+    return absl::InvalidArgumentError(absl::StrCat("a job has at most ", kMaxLevels,
+                                                   " levels, got ", spec.levels.size()));
   }
   if (spec.mode == AveragingMode::kPeriodic && spec.levels.size() != 1) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -35,9 +40,9 @@ absl::Status ValidateScheduleSpec(const ScheduleSpec& spec) {
   std::set<int64_t> periods;
   for (size_t i = 0; i < spec.levels.size(); ++i) {
     const ScheduleLevel& level = spec.levels[i];
-    if (level.period <= 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("levels[", i, "].period must be >= 1, got ", level.period));
+    if (level.period <= 0 || level.period > kMaxPeriod) {
+      return absl::InvalidArgumentError(absl::StrCat("levels[", i, "].period must be in [1, ",
+                                                     kMaxPeriod, "], got ", level.period));
     }
     if (level.group_size <= 0) {
       return absl::InvalidArgumentError(

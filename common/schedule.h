@@ -36,9 +36,17 @@ struct ScheduleSpec {
 
 // Largest world a job may have.
 inline constexpr int32_t kMaxWorldSize = 65536;
+// Most levels a job may have. PyTorch's hierarchies have a handful; every level costs work on
+// every step of every schedule query.
+inline constexpr size_t kMaxLevels = 16;
+// Largest period and warm-up: 10^12 steps (31 years at a step a millisecond). Keeps every
+// step arithmetic far from int64 overflow.
+inline constexpr int64_t kMaxPeriod = 1'000'000'000'000;
+inline constexpr int64_t kMaxWarmupSteps = 1'000'000'000'000;
 
 // Checks every rule of DESIGN.md; INVALID_ARGUMENT naming the field and the value otherwise:
-// world_size outside [1, kMaxWorldSize], warmup_steps < 0, no levels, period <= 0, group size
+// world_size outside [1, kMaxWorldSize], warmup_steps outside [0, kMaxWarmupSteps], no levels or
+// more than kMaxLevels, period outside [1, kMaxPeriod], group size
 // <= 0, > world_size or not dividing world_size, the last level's group size != world_size,
 // duplicate periods (PyTorch keys its levels by period), and for kPeriodic anything but exactly
 // one level.

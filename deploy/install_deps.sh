@@ -27,6 +27,9 @@ packages=(
   python3-dev pybind11-dev
   # Coordinator TLS tests make a throwaway certificate.
   openssl
+  # tests/sanitize.sh: ASan+UBSan build and libFuzzer targets (the fuzzer runtime and
+  # <fuzzer/FuzzedDataProvider.h> are in libclang-rt-14-dev).
+  clang-14 libclang-rt-14-dev
   # Debian packages (cpack): dpkg-shlibdeps computes their dependencies, file finds the binaries.
   dpkg-dev file
 )

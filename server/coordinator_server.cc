@@ -73,6 +73,19 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     return absl::InvalidArgumentError(absl::StrCat(
         "listen address \"", options.listen, "\" must be HOST:PORT with PORT in [0, 65535]"));
   }
+  if (!options.worker_token.empty() && options.auth_token.empty()) {
+    return absl::InvalidArgumentError(
+        "a worker token needs an operator token too (--worker_token_file with "
+        "--auth_token_file): someone must be able to create jobs");
+  }
+  if (!options.worker_token.empty() && options.worker_token == options.auth_token) {
+    return absl::InvalidArgumentError(
+        "the worker token and the operator token are the same; give each role its own");
+  }
+  if (!options.operator_cert_names.empty() && options.tls_client_ca_file.empty()) {
+    return absl::InvalidArgumentError(
+        "--tls_operator_names needs mutual TLS (--tls_client_ca with --tls_cert, --tls_key)");
+  }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = MakeCredentials(options);
   if (!creds.ok()) return creds.status();
 
@@ -101,8 +114,13 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     if (!metrics.ok()) return metrics.status();
     server->metrics_ = *std::move(metrics);
   }
-  server->service_ = std::make_unique<CoordinatorService>(
-      server->registry_.get(), options.auth_token, server->metrics_.get());
+  AuthOptions auth;
+  auth.operator_token = options.auth_token;
+  auth.worker_token = options.worker_token;
+  auth.client_certificates = !options.tls_client_ca_file.empty();
+  auth.operator_cert_names = options.operator_cert_names;
+  server->service_ = std::make_unique<CoordinatorService>(server->registry_.get(),
+                                                          std::move(auth), server->metrics_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -121,7 +139,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
                "jobs file{}",
                server->address_, options.tls_cert_file.empty() ? "plaintext" : "TLS",
                options.tls_client_ca_file.empty() ? "" : ", client certificates required",
-               *loaded, options.jobs.size(), options.auth_token.empty() ? "" : ", token auth on");
+               *loaded, options.jobs.size(),
+               options.auth_token.empty()    ? ""
+               : options.worker_token.empty() ? ", token auth on"
+                                              : ", token auth on (operator and worker roles)");
   if (server->metrics_ != nullptr) {
     spdlog::info("metrics on http://{}/metrics", server->metrics_->address());
   }

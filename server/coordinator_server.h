@@ -35,8 +35,15 @@ struct ServerOptions {
   std::string tls_cert_file;
   std::string tls_key_file;
   std::string tls_client_ca_file;
-  // Non-empty: every Coordinator RPC needs "authorization: Bearer <auth_token>".
+  // Non-empty: every Coordinator RPC needs "authorization: Bearer <auth_token>" (the operator
+  // token) or, for the calls of a worker, the worker token. See AuthOptions.
   std::string auth_token;
+  // Non-empty (needs auth_token): the worker role's token.
+  std::string worker_token;
+  // Mutual TLS: client certificates whose subject common name or a subject alternative name is
+  // listed here have the operator role; other verified client certificates the worker role.
+  // Empty: every verified client certificate is an operator.
+  std::vector<std::string> operator_cert_names;
   // "HOST:PORT" for Prometheus' /metrics; empty: no metrics.
   std::string metrics_listen;
   // Jobs created before serving (e.g. from --jobs_file), merged with the stored ones

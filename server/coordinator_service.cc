@@ -25,35 +25,68 @@ absl::Time CallDeadline(const grpc::CallbackServerContext* ctx) {
   return absl::FromChrono(deadline);
 }
 
-// A unary call that waits in the core (Join, GetCommId). The core completes it exactly once via
-// Complete(); OnCancel (client gone or deadline) asks the core to cancel the wait, which then
-// completes it with CANCELLED.
-class WaitReactor final : public grpc::ServerUnaryReactor {
- public:
-  WaitReactor(std::shared_ptr<Job> job, WaitId id, RpcMetrics* metrics, RpcMethod method)
-      : job_(std::move(job)), id_(id), metrics_(metrics), method_(method) {}
+// The request of a call as bytes, parsed here so that bytes that are no such message get
+// INVALID_ARGUMENT saying so (gRPC's own parse failure is UNIMPLEMENTED with no message).
+absl::Status Parse(const grpc::ByteBuffer& raw, google::protobuf::Message* message,
+                   const char* rpc) {
+  grpc::ByteBuffer copy(raw);  // shares the slices; Deserialize consumes its buffer
+  message->Clear();
+  if (grpc::SerializationTraits<google::protobuf::Message>::Deserialize(&copy, message).ok()) {
+    return absl::OkStatus();
+  }
+  message->Clear();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "could not parse the request: ", rpc, " takes a ", message->GetDescriptor()->full_name(),
+      " (protobuf), and these ", raw.Length(), " bytes are not one"));
+}
 
-  void Complete(const absl::Status& status) {
+void Serialize(const google::protobuf::Message& message, grpc::ByteBuffer* out) {
+  bool own = false;
+  out->Clear();
+  (void)grpc::SerializationTraits<google::protobuf::Message>::Serialize(message, out, &own);
+}
+
+}  // namespace
+
+// One unary call: its parsed request, its typed response, and the raw reply that the response is
+// serialized into when the call succeeds. Reply() finishes it exactly once; a call that waits in
+// the core (Join, GetCommId) sets what its cancellation does.
+template <typename Request, typename Response>
+class CoordinatorService::Call final : public grpc::ServerUnaryReactor {
+ public:
+  Call(grpc::ByteBuffer* reply, RpcMetrics* metrics, RpcMethod method)
+      : reply_(reply), metrics_(metrics), method_(method) {}
+
+  Request request;
+  Response response;
+
+  void Reply(const absl::Status& status) {
     if (metrics_ != nullptr) metrics_->CountRpc(method_, status.code());
+    if (status.ok()) Serialize(response, reply_);
     Finish(ToGrpcStatus(status));
   }
+  // Must be set before the handler returns (OnCancel comes only after).
+  void SetOnCancel(absl::AnyInvocable<void()> on_cancel) { on_cancel_ = std::move(on_cancel); }
+
   void OnCancel() override {
-    // The wait's completion may finish this reactor (and drop job_) inside CancelWait.
-    const std::shared_ptr<Job> job = job_;
-    job->CancelWait(id_);
+    // The wait's completion may finish this call inside on_cancel.
+    absl::AnyInvocable<void()> on_cancel = std::move(on_cancel_);
+    if (on_cancel) on_cancel();
   }
   void OnDone() override { delete this; }
 
  private:
-  const std::shared_ptr<Job> job_;
-  const WaitId id_;
+  grpc::ByteBuffer* const reply_;
   RpcMetrics* const metrics_;
   const RpcMethod method_;
+  absl::AnyInvocable<void()> on_cancel_;
 };
+
+namespace {
 
 // One WatchJob stream. The Job pushes events (in order, never concurrently for one job); at most
 // one write is in flight; the rest queue here.
-class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
+class WatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   // Shared between the Job (as its watcher) and the reactor; outlives whichever ends first.
   class Sink final : public JobWatcher {
@@ -62,15 +95,17 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
 
     void OnEvent(const v1::JobEvent& event) override {
       WatchReactor* start = nullptr;
-      const v1::JobEvent* first = nullptr;
+      const grpc::ByteBuffer* first = nullptr;
       bool overflow = false;
+      grpc::ByteBuffer bytes;
+      Serialize(event, &bytes);
       {
         absl::MutexLock lock(&mu_);
         if (finishing_ || reactor_ == nullptr) return;
         if (queue_.size() >= kMaxQueuedEvents) {
           overflow = true;
         } else {
-          queue_.push_back(event);
+          queue_.push_back(std::move(bytes));
           if (!writing_) {
             writing_ = true;
             start = reactor_;
@@ -114,7 +149,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
 
     void WriteDone(bool ok) {
       WatchReactor* reactor = nullptr;
-      const v1::JobEvent* next = nullptr;
+      const grpc::ByteBuffer* next = nullptr;
       absl::Status close;
       bool finish = false;
       {
@@ -155,7 +190,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
    private:
     mutable absl::Mutex mu_;
     WatchReactor* reactor_ ABSL_GUARDED_BY(mu_);
-    std::deque<v1::JobEvent> queue_ ABSL_GUARDED_BY(mu_);
+    std::deque<grpc::ByteBuffer> queue_ ABSL_GUARDED_BY(mu_);
     bool writing_ ABSL_GUARDED_BY(mu_) = false;
     bool finishing_ ABSL_GUARDED_BY(mu_) = false;
     bool close_pending_ ABSL_GUARDED_BY(mu_) = false;
@@ -208,7 +243,7 @@ bool SameNews(const v1::HeartbeatResponse& a, const v1::HeartbeatResponse& b) {
 // Reads and writes complete on different threads: the write state is guarded by mu_. Finish is
 // called once, when no write is in flight (End defers it otherwise).
 class HeartbeatStreamReactor final
-    : public grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse> {
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   HeartbeatStreamReactor(JobRegistry* registry, RpcMetrics* metrics, absl::Status auth)
       : registry_(registry), metrics_(metrics) {
@@ -216,11 +251,14 @@ class HeartbeatStreamReactor final
       End(auth);
       return;
     }
-    StartRead(&request_);
+    StartRead(&raw_request_);
   }
 
   void OnReadDone(bool ok) override {
     if (!ok) return End(absl::OkStatus());  // the client half-closed (or went away)
+    if (absl::Status s = Parse(raw_request_, &request_, "HeartbeatStream"); !s.ok()) {
+      return End(s);
+    }
     // Only the read path touches request_, job_ and reply_interval_ (one read at a time).
     if (job_ == nullptr) {
       const int64_t interval_ms = request_.reply_interval_ms();
@@ -257,15 +295,15 @@ class HeartbeatStreamReactor final
           pending_ = std::move(reply);
           has_pending_ = true;
         } else {
-          out_ = std::move(reply);
+          Serialize(reply, &raw_out_);
           writing_ = true;
           write = true;
         }
       }
     }
-    if (write) StartWrite(&out_);
+    if (write) StartWrite(&raw_out_);
     // One reply per beat: the next read waits for the write (OnWriteDone starts it).
-    if (!per_beat || !write) StartRead(&request_);
+    if (!per_beat || !write) StartRead(&raw_request_);
   }
 
   void OnWriteDone(bool ok) override {
@@ -285,7 +323,7 @@ class HeartbeatStreamReactor final
         finished_ = true;
         status = finish_status_;
       } else if (has_pending_) {
-        out_ = std::move(pending_);
+        Serialize(pending_, &raw_out_);
         has_pending_ = false;
         writing_ = true;
         write = true;
@@ -295,11 +333,11 @@ class HeartbeatStreamReactor final
       }
     }
     if (write) {
-      StartWrite(&out_);
+      StartWrite(&raw_out_);
     } else if (finish) {
       FinishWith(status);
     } else if (read) {
-      StartRead(&request_);
+      StartRead(&raw_request_);
     }
   }
 
@@ -326,12 +364,13 @@ class HeartbeatStreamReactor final
   JobRegistry* const registry_;
   RpcMetrics* const metrics_;
   std::shared_ptr<Job> job_;
+  grpc::ByteBuffer raw_request_;
   v1::HeartbeatRequest request_;
   absl::Duration reply_interval_ = absl::ZeroDuration();
 
   absl::Mutex mu_;
-  // The write in flight; set under mu_, and only while no write is in flight.
-  v1::HeartbeatResponse out_;
+  // The write in flight, serialized; set under mu_, and only while no write is in flight.
+  grpc::ByteBuffer raw_out_;
   v1::HeartbeatResponse pending_ ABSL_GUARDED_BY(mu_);
   bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
@@ -345,168 +384,237 @@ class HeartbeatStreamReactor final
 
 }  // namespace
 
-CoordinatorService::CoordinatorService(JobRegistry* registry, std::string auth_token,
+CoordinatorService::CoordinatorService(JobRegistry* registry, AuthOptions auth,
                                        RpcMetrics* metrics)
     : registry_(registry),
-      expected_authorization_(auth_token.empty() ? "" : absl::StrCat("Bearer ", auth_token)),
+      auth_(std::move(auth)),
+      operator_authorization_(
+          auth_.operator_token.empty() ? "" : absl::StrCat("Bearer ", auth_.operator_token)),
+      worker_authorization_(
+          auth_.worker_token.empty() ? "" : absl::StrCat("Bearer ", auth_.worker_token)),
       metrics_(metrics) {}
 
-absl::Status CoordinatorService::Authorize(const grpc::CallbackServerContext* ctx) const {
-  if (expected_authorization_.empty()) return absl::OkStatus();
-  const auto& md = ctx->client_metadata();
-  auto it = md.find("authorization");
-  if (it == md.end()) {
-    return absl::UnauthenticatedError(
-        "this coordinator needs metadata \"authorization: Bearer <token>\"");
-  }
-  // Compare in time independent of where the first difference is.
-  const grpc::string_ref got = it->second;
-  const std::string& want = expected_authorization_;
+namespace {
+
+// Equal, in time independent of where the first difference is.
+bool SameSecret(grpc::string_ref got, const std::string& want) {
   unsigned char diff = got.size() == want.size() ? 0 : 1;
   for (size_t i = 0; i < want.size(); ++i) {
     diff |= static_cast<unsigned char>(want[i] ^ (i < got.size() ? got.data()[i] : 0));
   }
-  if (diff != 0) return absl::UnauthenticatedError("the authorization token is wrong");
-  return absl::OkStatus();
+  return diff == 0;
 }
 
-grpc::ServerUnaryReactor* CoordinatorService::Finish(grpc::CallbackServerContext* ctx,
-                                                     RpcMethod method,
-                                                     const absl::Status& status) {
-  Count(method, status.code());
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
+const char* RoleName(Role role) {
+  switch (role) {
+    case Role::kOperator:
+      return "operator";
+    case Role::kWorker:
+      return "worker";
+    default:
+      return "no";
+  }
 }
 
-grpc::ServerUnaryReactor* CoordinatorService::CreateJob(grpc::CallbackServerContext* ctx,
-                                                        const v1::CreateJobRequest* request,
-                                                        v1::Job* response) {
-  absl::Status s = Authorize(ctx);
-  if (s.ok()) s = registry_->CreateJob(request->spec(), response);
-  return Finish(ctx, RpcMethod::kCreateJob, s);
+}  // namespace
+
+absl::StatusOr<Role> CoordinatorService::Authenticate(
+    const grpc::CallbackServerContext* ctx) const {
+  if (operator_authorization_.empty() && !auth_.client_certificates) return Role::kOperator;
+  Role role = Role::kNone;
+  if (auth_.client_certificates) {
+    // The TLS handshake verified the certificate; without the list every such client is an
+    // operator.
+    role = Role::kOperator;
+    if (!auth_.operator_cert_names.empty()) {
+      role = Role::kWorker;
+      const std::shared_ptr<const grpc::AuthContext> auth = ctx->auth_context();
+      if (auth != nullptr) {
+        for (const char* property : {"x509_common_name", "x509_subject_alternative_name"}) {
+          for (const grpc::string_ref& name : auth->FindPropertyValues(property)) {
+            for (const std::string& want : auth_.operator_cert_names) {
+              if (name.size() == want.size() && want.compare(0, want.size(), name.data(),
+                                                             name.size()) == 0) {
+                role = Role::kOperator;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  if (operator_authorization_.empty() || role == Role::kOperator) return role;
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("authorization");
+  if (it == md.end()) {
+    if (role != Role::kNone) return role;
+    return absl::UnauthenticatedError(
+        "this coordinator needs metadata \"authorization: Bearer <token>\"");
+  }
+  if (SameSecret(it->second, operator_authorization_)) return Role::kOperator;
+  if (!worker_authorization_.empty() && SameSecret(it->second, worker_authorization_)) {
+    return Role::kWorker;
+  }
+  if (role != Role::kNone) return role;
+  return absl::UnauthenticatedError("the authorization token is wrong");
 }
 
-grpc::ServerUnaryReactor* CoordinatorService::GetJob(grpc::CallbackServerContext* ctx,
-                                                     const v1::GetJobRequest* request,
-                                                     v1::Job* response) {
-  if (absl::Status s = Authorize(ctx); !s.ok()) return Finish(ctx, RpcMethod::kGetJob, s);
-  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request->job_id());
-  if (job.ok()) (*job)->ToProto(response);
-  return Finish(ctx, RpcMethod::kGetJob, job.status());
+absl::Status CoordinatorService::Authorize(const grpc::CallbackServerContext* ctx, Role need,
+                                           const char* rpc) const {
+  absl::StatusOr<Role> role = Authenticate(ctx);
+  if (!role.ok()) return role.status();
+  if (*role >= need) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      rpc, " needs the ", RoleName(need), " role; this call has the ", RoleName(*role),
+      " role: use the operator token (the coordinator's --auth_token_file) or an operator's "
+      "client certificate"));
 }
 
-grpc::ServerUnaryReactor* CoordinatorService::ListJobs(grpc::CallbackServerContext* ctx,
-                                                       const v1::ListJobsRequest* request,
-                                                       v1::ListJobsResponse* response) {
-  if (absl::Status s = Authorize(ctx); !s.ok()) return Finish(ctx, RpcMethod::kListJobs, s);
-  for (const auto& job : registry_->ListJobs()) job->ToProto(response->add_jobs());
-  return Finish(ctx, RpcMethod::kListJobs, absl::OkStatus());
+template <typename Request, typename Response>
+grpc::ServerUnaryReactor* CoordinatorService::Serve(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw, grpc::ByteBuffer* reply,
+    RpcMethod method, Role need, const char* rpc,
+    void (CoordinatorService::*handler)(grpc::CallbackServerContext*,
+                                        Call<Request, Response>*)) {
+  auto* call = new Call<Request, Response>(reply, metrics_, method);
+  absl::Status s = Authorize(ctx, need, rpc);
+  if (s.ok()) s = Parse(*raw, &call->request, rpc);
+  if (!s.ok()) {
+    call->Reply(s);
+  } else {
+    // The handler replies, now or (waits) later; nothing may touch `call` after it.
+    (this->*handler)(ctx, call);
+  }
+  return call;
 }
 
-grpc::ServerUnaryReactor* CoordinatorService::DeleteJob(grpc::CallbackServerContext* ctx,
-                                                        const v1::DeleteJobRequest* request,
-                                                        v1::DeleteJobResponse* response) {
-  absl::Status s = Authorize(ctx);
-  if (s.ok()) s = registry_->DeleteJob(request->job_id());
-  return Finish(ctx, RpcMethod::kDeleteJob, s);
+#define MODELAVG_SERVE(Rpc, Request, Response, need)                                        \
+  grpc::ServerUnaryReactor* CoordinatorService::Rpc(                                        \
+      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,                    \
+      grpc::ByteBuffer* response) {                                                         \
+    return Serve<Request, Response>(ctx, request, response, RpcMethod::k##Rpc, need, #Rpc,  \
+                                    &CoordinatorService::Do##Rpc);                          \
+  }
+MODELAVG_SERVE(CreateJob, v1::CreateJobRequest, v1::Job, Role::kOperator)
+MODELAVG_SERVE(GetJob, v1::GetJobRequest, v1::Job, Role::kWorker)
+MODELAVG_SERVE(ListJobs, v1::ListJobsRequest, v1::ListJobsResponse, Role::kWorker)
+MODELAVG_SERVE(DeleteJob, v1::DeleteJobRequest, v1::DeleteJobResponse, Role::kOperator)
+MODELAVG_SERVE(Join, v1::JoinRequest, v1::JoinResponse, Role::kWorker)
+MODELAVG_SERVE(Heartbeat, v1::HeartbeatRequest, v1::HeartbeatResponse, Role::kWorker)
+MODELAVG_SERVE(Step, v1::StepRequest, v1::StepDecision, Role::kWorker)
+MODELAVG_SERVE(GetSchedule, v1::GetScheduleRequest, v1::GetScheduleResponse, Role::kWorker)
+MODELAVG_SERVE(PublishCommId, v1::PublishCommIdRequest, v1::PublishCommIdResponse, Role::kWorker)
+MODELAVG_SERVE(GetCommId, v1::GetCommIdRequest, v1::GetCommIdResponse, Role::kWorker)
+MODELAVG_SERVE(Leave, v1::LeaveRequest, v1::LeaveResponse, Role::kWorker)
+MODELAVG_SERVE(Ping, v1::PingRequest, v1::PingResponse, Role::kWorker)
+#undef MODELAVG_SERVE
+
+void CoordinatorService::DoCreateJob(grpc::CallbackServerContext*,
+                                     Call<v1::CreateJobRequest, v1::Job>* call) {
+  call->Reply(registry_->CreateJob(call->request.spec(), &call->response));
 }
 
-grpc::ServerUnaryReactor* CoordinatorService::Join(grpc::CallbackServerContext* ctx,
-                                                   const v1::JoinRequest* request,
-                                                   v1::JoinResponse* response) {
-  if (absl::Status s = Authorize(ctx); !s.ok()) return Finish(ctx, RpcMethod::kJoin, s);
-  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request->job_id());
-  if (!job.ok()) return Finish(ctx, RpcMethod::kJoin, job.status());
+void CoordinatorService::DoGetJob(grpc::CallbackServerContext*,
+                                  Call<v1::GetJobRequest, v1::Job>* call) {
+  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
+  if (job.ok()) (*job)->ToProto(&call->response);
+  call->Reply(job.status());
+}
+
+void CoordinatorService::DoListJobs(grpc::CallbackServerContext*,
+                                    Call<v1::ListJobsRequest, v1::ListJobsResponse>* call) {
+  call->Reply(registry_->ListJobsPage(call->request, &call->response));
+}
+
+void CoordinatorService::DoDeleteJob(grpc::CallbackServerContext*,
+                                     Call<v1::DeleteJobRequest, v1::DeleteJobResponse>* call) {
+  call->Reply(registry_->DeleteJob(call->request.job_id()));
+}
+
+void CoordinatorService::DoJoin(grpc::CallbackServerContext* ctx,
+                                Call<v1::JoinRequest, v1::JoinResponse>* call) {
+  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
+  if (!job.ok()) return call->Reply(job.status());
   const WaitId id = registry_->NewWaitId();
-  auto* reactor = new WaitReactor(*job, id, metrics_, RpcMethod::kJoin);
-  // Nothing may touch `reactor` after this call: the core may finish it at once.
-  (*job)->Join(*request, CallDeadline(ctx), id,
-               [reactor, response,
-                incarnation = registry_->incarnation()](absl::StatusOr<v1::JoinResponse> result) {
+  call->SetOnCancel([job = *job, id] { job->CancelWait(id); });
+  // Nothing may touch `call` after this: the core may finish it at once.
+  (*job)->Join(call->request, CallDeadline(ctx), id,
+               [call, incarnation = registry_->incarnation()](
+                   absl::StatusOr<v1::JoinResponse> result) {
                  if (result.ok()) {
-                   *response = *std::move(result);
-                   response->set_coordinator_incarnation(incarnation);
+                   call->response = *std::move(result);
+                   call->response.set_coordinator_incarnation(incarnation);
                  }
-                 reactor->Complete(result.status());
+                 call->Reply(result.status());
                });
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* CoordinatorService::Heartbeat(grpc::CallbackServerContext* ctx,
-                                                        const v1::HeartbeatRequest* request,
-                                                        v1::HeartbeatResponse* response) {
-  if (absl::Status s = Authorize(ctx); !s.ok()) return Finish(ctx, RpcMethod::kHeartbeat, s);
-  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request->job_id());
-  if (!job.ok()) return Finish(ctx, RpcMethod::kHeartbeat, job.status());
-  response->set_coordinator_incarnation(registry_->incarnation());
-  return Finish(ctx, RpcMethod::kHeartbeat, (*job)->Heartbeat(*request, response));
+void CoordinatorService::DoHeartbeat(grpc::CallbackServerContext*,
+                                     Call<v1::HeartbeatRequest, v1::HeartbeatResponse>* call) {
+  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
+  if (!job.ok()) return call->Reply(job.status());
+  call->response.set_coordinator_incarnation(registry_->incarnation());
+  call->Reply((*job)->Heartbeat(call->request, &call->response));
 }
 
-grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>*
-CoordinatorService::HeartbeatStream(grpc::CallbackServerContext* ctx) {
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* CoordinatorService::HeartbeatStream(
+    grpc::CallbackServerContext* ctx) {
   return new HeartbeatStreamReactor(registry_, metrics_, Authorize(ctx));
 }
 
-grpc::ServerUnaryReactor* CoordinatorService::Step(grpc::CallbackServerContext* ctx,
-                                                   const v1::StepRequest* request,
-                                                   v1::StepDecision* response) {
-  if (absl::Status s = Authorize(ctx); !s.ok()) return Finish(ctx, RpcMethod::kStep, s);
-  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request->job_id());
-  if (!job.ok()) return Finish(ctx, RpcMethod::kStep, job.status());
-  return Finish(ctx, RpcMethod::kStep, (*job)->Step(*request, response));
+void CoordinatorService::DoStep(grpc::CallbackServerContext*,
+                                Call<v1::StepRequest, v1::StepDecision>* call) {
+  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
+  if (!job.ok()) return call->Reply(job.status());
+  call->Reply((*job)->Step(call->request, &call->response));
 }
 
-grpc::ServerUnaryReactor* CoordinatorService::GetSchedule(grpc::CallbackServerContext* ctx,
-                                                          const v1::GetScheduleRequest* request,
-                                                          v1::GetScheduleResponse* response) {
-  if (absl::Status s = Authorize(ctx); !s.ok()) return Finish(ctx, RpcMethod::kGetSchedule, s);
-  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request->job_id());
-  if (!job.ok()) return Finish(ctx, RpcMethod::kGetSchedule, job.status());
-  return Finish(ctx, RpcMethod::kGetSchedule, (*job)->GetSchedule(*request, response));
+void CoordinatorService::DoGetSchedule(
+    grpc::CallbackServerContext* ctx,
+    Call<v1::GetScheduleRequest, v1::GetScheduleResponse>* call) {
+  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
+  if (!job.ok()) return call->Reply(job.status());
+  call->Reply((*job)->GetSchedule(call->request, &call->response,
+                                  [ctx] { return ctx->IsCancelled(); }));
 }
 
-grpc::ServerUnaryReactor* CoordinatorService::PublishCommId(
-    grpc::CallbackServerContext* ctx, const v1::PublishCommIdRequest* request,
-    v1::PublishCommIdResponse* response) {
-  if (absl::Status s = Authorize(ctx); !s.ok()) return Finish(ctx, RpcMethod::kPublishCommId, s);
-  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request->job_id());
-  if (!job.ok()) return Finish(ctx, RpcMethod::kPublishCommId, job.status());
-  return Finish(ctx, RpcMethod::kPublishCommId, (*job)->PublishCommId(*request));
+void CoordinatorService::DoPublishCommId(
+    grpc::CallbackServerContext*,
+    Call<v1::PublishCommIdRequest, v1::PublishCommIdResponse>* call) {
+  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
+  if (!job.ok()) return call->Reply(job.status());
+  call->Reply((*job)->PublishCommId(call->request));
 }
 
-grpc::ServerUnaryReactor* CoordinatorService::GetCommId(grpc::CallbackServerContext* ctx,
-                                                        const v1::GetCommIdRequest* request,
-                                                        v1::GetCommIdResponse* response) {
-  if (absl::Status s = Authorize(ctx); !s.ok()) return Finish(ctx, RpcMethod::kGetCommId, s);
-  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request->job_id());
-  if (!job.ok()) return Finish(ctx, RpcMethod::kGetCommId, job.status());
+void CoordinatorService::DoGetCommId(grpc::CallbackServerContext* ctx,
+                                     Call<v1::GetCommIdRequest, v1::GetCommIdResponse>* call) {
+  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
+  if (!job.ok()) return call->Reply(job.status());
   const WaitId id = registry_->NewWaitId();
-  auto* reactor = new WaitReactor(*job, id, metrics_, RpcMethod::kGetCommId);
-  (*job)->GetCommId(*request, CallDeadline(ctx), id,
-                    [reactor, response](absl::StatusOr<std::string> result) {
-                      if (result.ok()) response->set_unique_id(*std::move(result));
-                      reactor->Complete(result.status());
+  call->SetOnCancel([job = *job, id] { job->CancelWait(id); });
+  (*job)->GetCommId(call->request, CallDeadline(ctx), id,
+                    [call](absl::StatusOr<std::string> result) {
+                      if (result.ok()) call->response.set_unique_id(*std::move(result));
+                      call->Reply(result.status());
                     });
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* CoordinatorService::Leave(grpc::CallbackServerContext* ctx,
-                                                    const v1::LeaveRequest* request,
-                                                    v1::LeaveResponse* response) {
-  if (absl::Status s = Authorize(ctx); !s.ok()) return Finish(ctx, RpcMethod::kLeave, s);
-  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request->job_id());
-  if (!job.ok()) return Finish(ctx, RpcMethod::kLeave, job.status());
-  return Finish(ctx, RpcMethod::kLeave, (*job)->Leave(*request, response));
+void CoordinatorService::DoLeave(grpc::CallbackServerContext*,
+                                 Call<v1::LeaveRequest, v1::LeaveResponse>* call) {
+  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
+  if (!job.ok()) return call->Reply(job.status());
+  call->Reply((*job)->Leave(call->request, &call->response));
 }
 
-grpc::ServerWriteReactor<v1::JobEvent>* CoordinatorService::WatchJob(
-    grpc::CallbackServerContext* ctx, const v1::WatchJobRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* CoordinatorService::WatchJob(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw) {
   auto* reactor = new WatchReactor(metrics_);
+  v1::WatchJobRequest request;
   absl::Status s = Authorize(ctx);
+  if (s.ok()) s = Parse(*raw, &request, "WatchJob");
   absl::StatusOr<std::shared_ptr<Job>> job;
   if (s.ok()) {
-    job = registry_->Find(request->job_id());
+    job = registry_->Find(request.job_id());
     s = job.status();
   }
   if (!s.ok()) {
@@ -517,13 +625,11 @@ grpc::ServerWriteReactor<v1::JobEvent>* CoordinatorService::WatchJob(
   return reactor;
 }
 
-grpc::ServerUnaryReactor* CoordinatorService::Ping(grpc::CallbackServerContext* ctx,
-                                                   const v1::PingRequest* request,
-                                                   v1::PingResponse* response) {
-  if (absl::Status s = Authorize(ctx); !s.ok()) return Finish(ctx, RpcMethod::kPing, s);
-  response->set_unix_ms(absl::ToUnixMillis(absl::Now()));
-  response->set_coordinator_incarnation(registry_->incarnation());
-  return Finish(ctx, RpcMethod::kPing, absl::OkStatus());
+void CoordinatorService::DoPing(grpc::CallbackServerContext*,
+                                Call<v1::PingRequest, v1::PingResponse>* call) {
+  call->response.set_unix_ms(absl::ToUnixMillis(absl::Now()));
+  call->response.set_coordinator_incarnation(registry_->incarnation());
+  call->Reply(absl::OkStatus());
 }
 
 }  // namespace modelavg::server

@@ -5,6 +5,7 @@
 #define MODELAVG_SERVER_COORDINATOR_SERVICE_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "grpcpp/grpcpp.h"
@@ -14,63 +15,114 @@
 
 namespace modelavg::server {
 
-class CoordinatorService final : public v1::Coordinator::CallbackService {
- public:
-  // `auth_token` empty: no auth. Otherwise every RPC needs "authorization: Bearer <token>"
-  // metadata (UNAUTHENTICATED without it). `metrics` may be null. Both pointers must outlive
-  // the service.
-  CoordinatorService(JobRegistry* registry, std::string auth_token, RpcMetrics* metrics);
+// Who may call what. Two roles:
+//  * operator: every RPC;
+//  * worker: what a worker and an observer need: Join, Heartbeat(Stream), Step, GetSchedule,
+//    PublishCommId, GetCommId, Leave, GetJob, ListJobs, WatchJob, Ping (not CreateJob,
+//    DeleteJob: PERMISSION_DENIED naming the role).
+// A call has the role of its bearer token ("authorization: Bearer <token>": operator_token or
+// worker_token) or, with mutual TLS, of its client certificate; the higher of the two.
+struct AuthOptions {
+  // Empty: no token auth (and no roles unless client certificates give them).
+  std::string operator_token;
+  // Empty: no worker token. Needs operator_token.
+  std::string worker_token;
+  // True when the server verifies client certificates (mutual TLS).
+  bool client_certificates = false;
+  // With client_certificates: certificates naming one of these (subject CN or a SAN) are
+  // operators, the others workers. Empty: every verified certificate is an operator.
+  std::vector<std::string> operator_cert_names;
+};
 
-  grpc::ServerUnaryReactor* CreateJob(grpc::CallbackServerContext* ctx,
-                                      const v1::CreateJobRequest* request,
-                                      v1::Job* response) override;
-  grpc::ServerUnaryReactor* GetJob(grpc::CallbackServerContext* ctx,
-                                   const v1::GetJobRequest* request, v1::Job* response) override;
-  grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* ctx,
-                                     const v1::ListJobsRequest* request,
-                                     v1::ListJobsResponse* response) override;
-  grpc::ServerUnaryReactor* DeleteJob(grpc::CallbackServerContext* ctx,
-                                      const v1::DeleteJobRequest* request,
-                                      v1::DeleteJobResponse* response) override;
-  grpc::ServerUnaryReactor* Join(grpc::CallbackServerContext* ctx,
-                                 const v1::JoinRequest* request,
-                                 v1::JoinResponse* response) override;
-  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
-                                      const v1::HeartbeatRequest* request,
-                                      v1::HeartbeatResponse* response) override;
-  grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>* HeartbeatStream(
+enum class Role { kNone = 0, kWorker = 1, kOperator = 2 };
+
+// Every method takes its request as bytes and parses it itself: bytes that are not the
+// method's message get INVALID_ARGUMENT with a message (gRPC's generated handlers answer
+// UNIMPLEMENTED with none), on every RPC and stream.
+using RawCoordinatorService =
+    v1::Coordinator::WithRawCallbackMethod_CreateJob<
+    v1::Coordinator::WithRawCallbackMethod_GetJob<
+    v1::Coordinator::WithRawCallbackMethod_ListJobs<
+    v1::Coordinator::WithRawCallbackMethod_DeleteJob<
+    v1::Coordinator::WithRawCallbackMethod_Join<
+    v1::Coordinator::WithRawCallbackMethod_Heartbeat<
+    v1::Coordinator::WithRawCallbackMethod_HeartbeatStream<
+    v1::Coordinator::WithRawCallbackMethod_Step<
+    v1::Coordinator::WithRawCallbackMethod_GetSchedule<
+    v1::Coordinator::WithRawCallbackMethod_PublishCommId<
+    v1::Coordinator::WithRawCallbackMethod_GetCommId<
+    v1::Coordinator::WithRawCallbackMethod_Leave<
+    v1::Coordinator::WithRawCallbackMethod_WatchJob<
+    v1::Coordinator::WithRawCallbackMethod_Ping<
+    v1::Coordinator::Service>>>>>>>>>>>>>>;
+
+class CoordinatorService final : public RawCoordinatorService {
+ public:
+  // `metrics` may be null. Both pointers must outlive the service.
+  CoordinatorService(JobRegistry* registry, AuthOptions auth, RpcMetrics* metrics);
+
+#define MODELAVG_RAW_UNARY(Rpc)                                                          \
+  grpc::ServerUnaryReactor* Rpc(grpc::CallbackServerContext* ctx,                        \
+                                const grpc::ByteBuffer* request, grpc::ByteBuffer* response) \
+      override;
+  MODELAVG_RAW_UNARY(CreateJob)
+  MODELAVG_RAW_UNARY(GetJob)
+  MODELAVG_RAW_UNARY(ListJobs)
+  MODELAVG_RAW_UNARY(DeleteJob)
+  MODELAVG_RAW_UNARY(Join)
+  MODELAVG_RAW_UNARY(Heartbeat)
+  MODELAVG_RAW_UNARY(Step)
+  MODELAVG_RAW_UNARY(GetSchedule)
+  MODELAVG_RAW_UNARY(PublishCommId)
+  MODELAVG_RAW_UNARY(GetCommId)
+  MODELAVG_RAW_UNARY(Leave)
+  MODELAVG_RAW_UNARY(Ping)
+#undef MODELAVG_RAW_UNARY
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* HeartbeatStream(
       grpc::CallbackServerContext* ctx) override;
-  grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* ctx,
-                                 const v1::StepRequest* request,
-                                 v1::StepDecision* response) override;
-  grpc::ServerUnaryReactor* GetSchedule(grpc::CallbackServerContext* ctx,
-                                        const v1::GetScheduleRequest* request,
-                                        v1::GetScheduleResponse* response) override;
-  grpc::ServerUnaryReactor* PublishCommId(grpc::CallbackServerContext* ctx,
-                                          const v1::PublishCommIdRequest* request,
-                                          v1::PublishCommIdResponse* response) override;
-  grpc::ServerUnaryReactor* GetCommId(grpc::CallbackServerContext* ctx,
-                                      const v1::GetCommIdRequest* request,
-                                      v1::GetCommIdResponse* response) override;
-  grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* ctx,
-                                  const v1::LeaveRequest* request,
-                                  v1::LeaveResponse* response) override;
-  grpc::ServerWriteReactor<v1::JobEvent>* WatchJob(grpc::CallbackServerContext* ctx,
-                                                   const v1::WatchJobRequest* request) override;
-  grpc::ServerUnaryReactor* Ping(grpc::CallbackServerContext* ctx, const v1::PingRequest* request,
-                                 v1::PingResponse* response) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* WatchJob(grpc::CallbackServerContext* ctx,
+                                                       const grpc::ByteBuffer* request) override;
 
  private:
-  // UNAUTHENTICATED unless the call carries the token (always OK without auth).
-  absl::Status Authorize(const grpc::CallbackServerContext* ctx) const;
-  grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* ctx, RpcMethod method,
-                                   const absl::Status& status);
-  void Count(RpcMethod method, absl::StatusCode code) {
-    if (metrics_ != nullptr) metrics_->CountRpc(method, code);
-  }
+  template <typename Request, typename Response>
+  class Call;
+  // Authorizes, parses and hands the call to `handler`, which replies.
+  template <typename Request, typename Response>
+  grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw,
+                                  grpc::ByteBuffer* reply, RpcMethod method, Role need,
+                                  const char* rpc,
+                                  void (CoordinatorService::*handler)(
+                                      grpc::CallbackServerContext*, Call<Request, Response>*));
+  void DoCreateJob(grpc::CallbackServerContext* ctx, Call<v1::CreateJobRequest, v1::Job>* call);
+  void DoGetJob(grpc::CallbackServerContext* ctx, Call<v1::GetJobRequest, v1::Job>* call);
+  void DoListJobs(grpc::CallbackServerContext* ctx,
+                  Call<v1::ListJobsRequest, v1::ListJobsResponse>* call);
+  void DoDeleteJob(grpc::CallbackServerContext* ctx,
+                   Call<v1::DeleteJobRequest, v1::DeleteJobResponse>* call);
+  void DoJoin(grpc::CallbackServerContext* ctx, Call<v1::JoinRequest, v1::JoinResponse>* call);
+  void DoHeartbeat(grpc::CallbackServerContext* ctx,
+                   Call<v1::HeartbeatRequest, v1::HeartbeatResponse>* call);
+  void DoStep(grpc::CallbackServerContext* ctx, Call<v1::StepRequest, v1::StepDecision>* call);
+  void DoGetSchedule(grpc::CallbackServerContext* ctx,
+                     Call<v1::GetScheduleRequest, v1::GetScheduleResponse>* call);
+  void DoPublishCommId(grpc::CallbackServerContext* ctx,
+                       Call<v1::PublishCommIdRequest, v1::PublishCommIdResponse>* call);
+  void DoGetCommId(grpc::CallbackServerContext* ctx,
+                   Call<v1::GetCommIdRequest, v1::GetCommIdResponse>* call);
+  void DoLeave(grpc::CallbackServerContext* ctx, Call<v1::LeaveRequest, v1::LeaveResponse>* call);
+  void DoPing(grpc::CallbackServerContext* ctx, Call<v1::PingRequest, v1::PingResponse>* call);
+
+  // The caller's role: UNAUTHENTICATED without a valid token or certificate (always operator
+  // without auth).
+  absl::StatusOr<Role> Authenticate(const grpc::CallbackServerContext* ctx) const;
+  // OK when the caller's role is at least `need`; PERMISSION_DENIED naming the RPC otherwise.
+  absl::Status Authorize(const grpc::CallbackServerContext* ctx, Role need = Role::kWorker,
+                         const char* rpc = "") const;
 
   JobRegistry* const registry_;
-  const std::string expected_authorization_;  // "Bearer <token>", empty: no auth
+  const AuthOptions auth_;
+  const std::string operator_authorization_;  // "Bearer <token>", empty: no token auth
+  const std::string worker_authorization_;    // "Bearer <token>", empty: no worker token
   RpcMetrics* const metrics_;
 };
 

@@ -42,6 +42,15 @@ std::string Truncate(const std::string& s, size_t n) {
   return s.size() <= n ? s : s.substr(0, n) + "...";
 }
 
+// What the job keeps of a spec: its known fields (unknown ones would cost memory for nothing).
+v1::JobSpec Stripped(v1::JobSpec spec) {
+  spec.DiscardUnknownFields();
+  return spec;
+}
+
+// How often GetSchedule polls its cancellation, in steps.
+constexpr int64_t kCancelPollSteps = 4096;
+
 }  // namespace
 
 // Collects completions and events under Job::mu_; runs them once mu_ is released (it is declared
@@ -102,7 +111,7 @@ class Job::Outbox {
 
 Job::Job(v1::JobSpec spec, Schedule schedule, const JobDefaults& defaults, Clock* clock,
          StateStore* store, int64_t created_unix_ms)
-    : spec_(std::move(spec)),
+    : spec_(Stripped(std::move(spec))),
       schedule_(std::move(schedule)),
       heartbeat_timeout_(OrDefault(spec_.heartbeat_timeout_ms(), defaults.heartbeat_timeout)),
       join_timeout_(OrDefault(spec_.join_timeout_ms(), defaults.join_timeout)),
@@ -158,6 +167,12 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
   if (request.worker_id().size() > kMaxWorkerIdLength || request.host().size() > kMaxHostLength) {
     return fail(absl::InvalidArgumentError(
         absl::StrCat("worker_id and host must be at most ", kMaxWorkerIdLength, " characters")));
+  }
+  if (request.world_size() != 0 && request.world_size() != world) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "the worker expects world_size ", request.world_size(), " but job ", id(),
+        " has world_size ", world, "; start every worker with world_size ", world,
+        " or join a job of that size")));
   }
   if (request.has_rank() && (request.rank() < 0 || request.rank() >= world)) {
     return fail(absl::InvalidArgumentError(absl::StrCat(
@@ -349,7 +364,13 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
 }
 
 absl::Status Job::GetSchedule(const v1::GetScheduleRequest& request,
-                              v1::GetScheduleResponse* response) const {
+                              v1::GetScheduleResponse* response,
+                              const std::function<bool()>& cancelled) const {
+  const auto gone = [&](int64_t i) {
+    return i % kCancelPollSteps == 0 && cancelled != nullptr && cancelled();
+  };
+  const absl::Status cancelled_status =
+      absl::CancelledError("the GetSchedule call was cancelled by its caller");
   if (request.from_step() < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("from_step must be >= 0, got ", request.from_step()));
@@ -374,6 +395,7 @@ absl::Status Job::GetSchedule(const v1::GetScheduleRequest& request,
       request.has_rank() ? "" : " or for one rank");
   int64_t bytes = 0;
   for (int64_t s = request.from_step(); s < request.from_step() + request.count(); ++s) {
+    if (gone(s - request.from_step())) return cancelled_status;
     const int level = schedule_.LevelAt(s);
     if (level < 0) {
       bytes += 20;
@@ -395,9 +417,13 @@ absl::Status Job::GetSchedule(const v1::GetScheduleRequest& request,
       request.has_rank() ? schedule_.Window(request.from_step(), request.count(), request.rank())
                          : schedule_.WindowAllSubgroups(request.from_step(), request.count());
   response->mutable_decisions()->Reserve(static_cast<int>(decisions.size()));
-  for (const Decision& d : decisions) {
+  for (size_t i = 0; i < decisions.size(); ++i) {
+    if (gone(static_cast<int64_t>(i) + 1)) {
+      response->Clear();
+      return cancelled_status;
+    }
     v1::StepDecision* out = response->add_decisions();
-    DecisionToProto(d, generation, out);
+    DecisionToProto(decisions[i], generation, out);
     // A block with no live member does not average: listed for every subgroup, it is left out.
     if (RemoveVacant(vacant, out) && out->members().empty() && !request.has_rank()) {
       response->mutable_decisions()->RemoveLast();
@@ -663,12 +689,25 @@ void Job::CheckStaleness() {
   }
 }
 
-void Job::ToProto(v1::Job* out) const {
+void Job::ToProto(v1::Job* out, int64_t max_bytes) const {
   absl::MutexLock lock(&mu_);
-  ToProtoLocked(out, true);
+  ToProtoLocked(out, true, max_bytes);
 }
 
-void Job::ToProtoLocked(v1::Job* out, bool with_members) const {
+void Job::ToProtoLocked(v1::Job* out, bool with_members, int64_t max_bytes) const {
+  if (with_members) {
+    // An upper bound of the members' encoded size: strings plus 8 varints (10 bytes at most)
+    // and 3 tags/lengths each.
+    int64_t bytes = 0;
+    for (int32_t r = 0; r < membership_.world_size(); ++r) {
+      const Membership::Member& m = membership_.member(r);
+      if (m.present) bytes += static_cast<int64_t>(m.worker_id.size() + m.host.size()) + 96;
+    }
+    if (bytes > max_bytes - 16 * 1024) {
+      with_members = false;
+      out->set_members_omitted(true);
+    }
+  }
   *out->mutable_spec() = spec_;
   out->mutable_spec()->set_heartbeat_timeout_ms(absl::ToInt64Milliseconds(heartbeat_timeout_));
   out->mutable_spec()->set_join_timeout_ms(absl::ToInt64Milliseconds(join_timeout_));

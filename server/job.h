@@ -48,6 +48,8 @@ inline constexpr size_t kMaxCommIdKeyLength = 256;
 inline constexpr int64_t kMaxScheduleCount = 100000;
 // GetSchedule answers stay below gRPC's default 4 MiB receive limit (clients, grpcurl).
 inline constexpr int64_t kMaxScheduleReplyBytes = 4 * 1024 * 1024 - 16 * 1024;
+// So do GetJob and ListJobs answers: a job whose members would pass this is shown without them.
+inline constexpr int64_t kMaxJobReplyBytes = 4 * 1024 * 1024 - 64 * 1024;
 
 // Daemon-wide defaults for the per-job timeouts (a spec's 0 means "use these").
 struct JobDefaults {
@@ -86,7 +88,8 @@ class Job {
 
   // Rendezvous (the contract in the coordinator's README). `done` gets the JoinResponse once
   // every rank has joined this generation, or:
-  //   INVALID_ARGUMENT    empty/too long worker_id, rank outside [0, world_size)
+  //   INVALID_ARGUMENT    empty/too long worker_id, rank outside [0, world_size), a world_size
+  //                       (when set) other than the job's
   //   ALREADY_EXISTS      another worker holds the requested rank in this generation
   //   FAILED_PRECONDITION the job is RUNNING and this is not a re-join (job full), or FINISHED
   //   DEADLINE_EXCEEDED   min(join timeout, `call_deadline`) passed; names the missing ranks
@@ -106,9 +109,11 @@ class Job {
   absl::Status Step(const v1::StepRequest& request, v1::StepDecision* response);
 
   // A window of decisions. INVALID_ARGUMENT for from_step < 0, count outside [1, 100000], a bad
-  // rank, or an answer that would exceed kMaxScheduleReplyBytes.
+  // rank, or an answer that would exceed kMaxScheduleReplyBytes. `cancelled` (may be null) is
+  // polled while the answer is built: once it says true the call stops with CANCELLED.
   absl::Status GetSchedule(const v1::GetScheduleRequest& request,
-                           v1::GetScheduleResponse* response) const;
+                           v1::GetScheduleResponse* response,
+                           const std::function<bool()>& cancelled = nullptr) const;
 
   // Stores a bootstrap blob for the current generation. INVALID_ARGUMENT (level, subgroup, rank,
   // key length, empty or oversize blob), FAILED_PRECONDITION (stale generation, job not
@@ -136,8 +141,9 @@ class Job {
   // Heartbeat timeouts (RUNNING only) and due waits, as of the clock's now. Called periodically.
   void CheckStaleness();
 
-  // The job as the API shows it.
-  void ToProto(v1::Job* out) const;
+  // The job as the API shows it. When the members would make it larger than `max_bytes`,
+  // they are left out and members_omitted is set.
+  void ToProto(v1::Job* out, int64_t max_bytes = kMaxJobReplyBytes) const;
 
   // Figures for metrics: current members in the round, generation, max-min step.
   struct Stats {
@@ -178,7 +184,9 @@ class Job {
   absl::Status ValidateCommRequest(int64_t generation, int32_t level, int32_t subgroup,
                                    int32_t rank, const std::string& key) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ToProtoLocked(v1::Job* out, bool with_members) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ToProtoLocked(v1::Job* out, bool with_members,
+                     int64_t max_bytes = kMaxJobReplyBytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AddEvent(v1::JobEvent::Kind kind, int32_t rank, const std::string& message,
                 bool with_members, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

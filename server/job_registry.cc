@@ -56,8 +56,11 @@ JobRegistry::JobRegistry(JobRegistryOptions options)
 
 JobRegistry::~JobRegistry() { Stop(); }
 
-absl::Status JobRegistry::CreateJob(const v1::JobSpec& spec, v1::Job* out) {
-  absl::StatusOr<ScheduleSpec> schedule_spec = ScheduleSpecFromProto(spec);
+absl::Status JobRegistry::CreateJob(const v1::JobSpec& request_spec, v1::Job* out) {
+  absl::StatusOr<ScheduleSpec> schedule_spec = ScheduleSpecFromProto(request_spec);
+  // What is kept (and stored) of a spec: its known fields; unknown ones would cost memory.
+  v1::JobSpec spec = request_spec;
+  spec.DiscardUnknownFields();
   if (!schedule_spec.ok()) return schedule_spec.status();
   absl::StatusOr<Schedule> schedule = Schedule::Create(*std::move(schedule_spec));
   if (!schedule.ok()) return schedule.status();
@@ -209,6 +212,43 @@ std::vector<std::shared_ptr<Job>> JobRegistry::ListJobs() const {
   std::sort(jobs.begin(), jobs.end(),
             [](const auto& a, const auto& b) { return a->id() < b->id(); });
   return jobs;
+}
+
+absl::Status JobRegistry::ListJobsPage(const v1::ListJobsRequest& request,
+                                       v1::ListJobsResponse* response) const {
+  if (request.page_size() < 0 || request.page_size() > kMaxListPageSize) {
+    return absl::InvalidArgumentError(absl::StrCat("page_size must be in [0, ", kMaxListPageSize,
+                                                   "] (0: ", kDefaultListPageSize, "), got ",
+                                                   request.page_size()));
+  }
+  // A token is the last job id of the previous page.
+  if (!request.page_token().empty() && !ValidateJobId(request.page_token()).ok()) {
+    return absl::InvalidArgumentError(
+        "page_token is not one this coordinator handed out; pass next_page_token of the previous "
+        "reply unchanged, or leave it empty to start from the first job");
+  }
+  const size_t page_size =
+      request.page_size() == 0 ? kDefaultListPageSize : static_cast<size_t>(request.page_size());
+  const std::vector<std::shared_ptr<Job>> jobs = ListJobs();
+  auto it = std::upper_bound(jobs.begin(), jobs.end(), request.page_token(),
+                             [](const std::string& token, const std::shared_ptr<Job>& job) {
+                               return token < job->id();
+                             });
+  int64_t bytes = 0;
+  for (; it != jobs.end(); ++it) {
+    if (static_cast<size_t>(response->jobs_size()) == page_size) break;
+    v1::Job job;
+    (*it)->ToProto(&job);
+    // 8 bytes of tag and length per entry, and room for the token.
+    const int64_t size = static_cast<int64_t>(job.ByteSizeLong()) + 8;
+    if (response->jobs_size() > 0 && bytes + size > kMaxJobReplyBytes - 256) break;
+    bytes += size;
+    response->add_jobs()->Swap(&job);
+  }
+  if (it != jobs.end() && response->jobs_size() > 0) {
+    response->set_next_page_token(response->jobs(response->jobs_size() - 1).spec().job_id());
+  }
+  return absl::OkStatus();
 }
 
 void JobRegistry::CheckStaleness() {

@@ -26,6 +26,9 @@ namespace modelavg::server {
 // Bounds on what clients can make the coordinator hold (each rank costs about 100 bytes).
 inline constexpr size_t kMaxJobs = 4096;
 inline constexpr int64_t kMaxTotalWorldSize = int64_t{1} << 21;
+// ListJobs pages: page_size 0 means kDefaultListPageSize; at most kMaxListPageSize.
+inline constexpr int32_t kDefaultListPageSize = 100;
+inline constexpr int32_t kMaxListPageSize = 1000;
 
 struct JobRegistryOptions {
   JobDefaults defaults;
@@ -76,6 +79,12 @@ class JobRegistry {
 
   // Every job, in job_id order.
   std::vector<std::shared_ptr<Job>> ListJobs() const;
+
+  // One page of the jobs, in job_id order, after request.page_token; at most page_size jobs and
+  // kMaxJobReplyBytes in all (a job too big alone comes without its members). INVALID_ARGUMENT
+  // for page_size outside [0, kMaxListPageSize] or a page_token that no reply handed out.
+  absl::Status ListJobsPage(const v1::ListJobsRequest& request,
+                            v1::ListJobsResponse* response) const;
 
   // A fresh id for a wait (never 0).
   WaitId NewWaitId() { return next_wait_id_.fetch_add(1, std::memory_order_relaxed); }

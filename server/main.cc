@@ -1,8 +1,10 @@
 // modelavg-coordinator: the coordinator daemon. See the README's "Coordinator" section.
 #include <csignal>
+#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <thread>
 
 #include <pthread.h>
 
@@ -11,7 +13,10 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/job_spec.h"
 #include "common/logging.h"
 #include "server/coordinator_server.h"
@@ -36,6 +41,14 @@ ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle: require client certificates signed by it (mutual TLS).");
 ABSL_FLAG(std::string, auth_token_file, "",
           "File holding a token; every RPC then needs metadata 'authorization: Bearer <token>'.");
+ABSL_FLAG(std::string, worker_token_file, "",
+          "File holding the worker role's token (needs --auth_token_file, which then holds the "
+          "operator's): enough for Join and the calls of a member, and reads; not CreateJob or "
+          "DeleteJob.");
+ABSL_FLAG(std::string, tls_operator_names, "",
+          "Mutual TLS: comma-separated names (subject CN or SAN); client certificates naming one "
+          "are operators, other verified ones workers. Empty: every verified client is an "
+          "operator.");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error, critical or off.");
 ABSL_FLAG(int64_t, default_heartbeat_timeout_ms, 3000,
           "Heartbeat timeout of jobs whose spec says 0.");
@@ -49,6 +62,8 @@ ABSL_FLAG(int64_t, recovery_grace_ms, 10000,
           "heartbeat timeout. In (0, 3600000].");
 
 namespace {
+
+constexpr absl::Duration kShutdownDeadline = absl::Milliseconds(1000);
 
 int Fail(const std::string& what) {
   std::fprintf(stderr, "modelavg-coordinator: %s\n", what.c_str());
@@ -97,6 +112,17 @@ int main(int argc, char** argv) {
     if (!token.ok()) return Fail(absl::StrCat("--auth_token_file: ", token.status().message()));
     options.auth_token = *std::move(token);
   }
+  if (const std::string path = absl::GetFlag(FLAGS_worker_token_file); !path.empty()) {
+    absl::StatusOr<std::string> token = modelavg::ReadTokenFile(path);
+    if (!token.ok()) {
+      return Fail(absl::StrCat("--worker_token_file: ", token.status().message()));
+    }
+    options.worker_token = *std::move(token);
+  }
+  for (absl::string_view name :
+       absl::StrSplit(absl::GetFlag(FLAGS_tls_operator_names), ',', absl::SkipWhitespace())) {
+    options.operator_cert_names.emplace_back(absl::StripAsciiWhitespace(name));
+  }
   if (const std::string path = absl::GetFlag(FLAGS_jobs_file); !path.empty()) {
     absl::StatusOr<std::string> text = modelavg::ReadFileToString(path);
     if (!text.ok()) return Fail(absl::StrCat("--jobs_file: ", text.status().message()));
@@ -141,6 +167,15 @@ int main(int argc, char** argv) {
   int sig = 0;
   sigwait(&signals, &sig);
   spdlog::info("received {}; shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  // A deadline on shutdown: whatever is still in flight, the process is gone within about a
+  // second (waits are failed first and calls poll their cancellation, so this rarely fires).
+  std::thread([] {
+    absl::SleepFor(kShutdownDeadline);
+    spdlog::error("shutdown passed its {} ms deadline; exiting with calls still in flight",
+                  absl::ToInt64Milliseconds(kShutdownDeadline));
+    spdlog::default_logger()->flush();
+    std::_Exit(0);
+  }).detach();
   (*server)->Shutdown();
   return 0;
 }

@@ -17,3 +17,11 @@ add_test(NAME server_reflection_test_reverse_order
           --coordinator=$<TARGET_FILE:modelavg-coordinator> --reverse)
 set_tests_properties(server_reflection_test_reverse_order PROPERTIES TIMEOUT 120
   LABELS integration)
+
+# Hostile clients: unparseable requests on every RPC and stream, roles, ListJobs pages, the
+# expected world size, SIGTERM with calls in flight.
+modelavg_add_gtest(server_hostile_test SOURCES server_hostile_test.cc LIBS modelavg_server
+  LABELS integration TIMEOUT 120)
+target_compile_definitions(server_hostile_test PRIVATE
+  MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>")
+add_dependencies(server_hostile_test modelavg-coordinator)

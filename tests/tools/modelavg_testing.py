@@ -192,9 +192,15 @@ def get_job(address, job_id, timeout_s=10):
 def list_jobs(address, timeout_s=10):
     import grpc
     pb, pb_grpc = coordinator_stubs()
+    jobs = []
     with grpc.insecure_channel(address) as channel:
-        return pb_grpc.CoordinatorStub(channel).ListJobs(pb.ListJobsRequest(),
-                                                         timeout=timeout_s).jobs
+        request = pb.ListJobsRequest(page_size=1000)
+        while True:  # every page
+            page = pb_grpc.CoordinatorStub(channel).ListJobs(request, timeout=timeout_s)
+            jobs.extend(page.jobs)
+            if not page.next_page_token:
+                return jobs
+            request.page_token = page.next_page_token
 
 
 def wait_all(procs, timeout_s):

@@ -171,6 +171,7 @@ absl::Status Run() {
   options.coordinator = coordinator;
   options.job_id = job;
   options.rank = rank;
+  options.expected_world_size = world_size;
   options.gloo_hostname = absl::GetFlag(FLAGS_gloo_hostname);
   options.join_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_join_timeout_ms));
   options.collective_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_collective_timeout_ms));

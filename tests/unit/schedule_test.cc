@@ -181,6 +181,13 @@ struct InvalidCase {
   const char* message;
 };
 
+// `n` levels of a world of 1 (periods 1..n).
+ScheduleSpec ManyLevels(size_t n) {
+  ScheduleSpec spec{1, 0, AveragingMode::kHierarchical, {}};
+  for (size_t i = 0; i < n; ++i) spec.levels.push_back({static_cast<int64_t>(i + 1), 1});
+  return spec;
+}
+
 class InvalidSpecTest : public ::testing::TestWithParam<InvalidCase> {};
 
 TEST_P(InvalidSpecTest, Create_ReturnsInvalidArgumentNamingField) {
@@ -196,12 +203,17 @@ INSTANTIATE_TEST_SUITE_P(
         InvalidCase{"ZeroWorld", Hierarchical(0, {{2, 1}}, 0), "world_size must be in [1"},
         InvalidCase{"NegativeWorld", Hierarchical(-3, {{2, 1}}, 0), "got -3"},
         InvalidCase{"HugeWorld", Periodic(kMaxWorldSize + 1, 2, 0), "world_size"},
-        InvalidCase{"NegativeWarmup", Periodic(4, 2, -1), "warmup_steps must be >= 0, got -1"},
+        InvalidCase{"NegativeWarmup", Periodic(4, 2, -1), "warmup_steps must be in [0, 1000000000000], got -1"},
+        InvalidCase{"HugeWarmup", Periodic(4, 2, kMaxWarmupSteps + 1),
+                    "warmup_steps must be in [0, 1000000000000], got 1000000000001"},
         InvalidCase{"NoLevels", Hierarchical(4, {}, 0), "levels must not be empty"},
         InvalidCase{"ZeroPeriod", Hierarchical(4, {{0, 2}, {4, 4}}, 0),
-                    "levels[0].period must be >= 1, got 0"},
+                    "levels[0].period must be in [1, 1000000000000], got 0"},
         InvalidCase{"NegativePeriod", Hierarchical(4, {{2, 2}, {-4, 4}}, 0),
-                    "levels[1].period must be >= 1, got -4"},
+                    "levels[1].period must be in [1, 1000000000000], got -4"},
+        InvalidCase{"HugePeriod", Hierarchical(4, {{2, 2}, {kMaxPeriod + 1, 4}}, 0),
+                    "levels[1].period must be in [1, 1000000000000], got 1000000000001"},
+        InvalidCase{"TooManyLevels", ManyLevels(kMaxLevels + 1), "at most 16 levels, got 17"},
         InvalidCase{"ZeroGroup", Hierarchical(4, {{2, 0}, {4, 4}}, 0),
                     "levels[0].group_size must be >= 1, got 0"},
         InvalidCase{"NegativeGroup", Hierarchical(4, {{2, -2}, {4, 4}}, 0),
@@ -221,6 +233,11 @@ INSTANTIATE_TEST_SUITE_P(
         InvalidCase{"DuplicatePeriod", Hierarchical(4, {{4, 2}, {4, 4}}, 0),
                     "levels[1].period 4 appears twice"}),
     [](const ::testing::TestParamInfo<InvalidCase>& info) { return info.param.name; });
+
+TEST(ScheduleTest, Bounds_LargestAllowedSpecIsValid) {
+  EXPECT_TRUE(Schedule::Create(ManyLevels(kMaxLevels)).ok());
+  EXPECT_TRUE(Schedule::Create(Periodic(4, kMaxPeriod, kMaxWarmupSteps)).ok());
+}
 
 // --- Properties over random valid specs --------------------------------------------------
 

@@ -1,0 +1,455 @@
+// Hostile and misbehaving clients against a real coordinator on 127.0.0.1 (port 0): bytes that
+// are no request on every RPC and stream, operator and worker roles on every RPC, ListJobs pages
+// that any client can read, a Join for the wrong world size, and SIGTERM while calls are in
+// flight (the daemon as a process).
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "modelavg/v1/coordinator.grpc.pb.h"
+#include "common/file_util.h"
+#include "server/coordinator_server.h"
+
+namespace modelavg::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kOperator[] = "operator-secret";
+constexpr char kWorker[] = "worker-secret";
+
+std::unique_ptr<grpc::ClientContext> Context(const std::string& token = "",
+                                             absl::Duration timeout = absl::Seconds(20)) {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
+  if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
+  return ctx;
+}
+
+v1::JobSpec Spec(const std::string& id, int32_t world) {
+  v1::JobSpec spec;
+  spec.set_job_id(id);
+  spec.set_world_size(world);
+  spec.set_mode(v1::PERIODIC);
+  v1::Level* level = spec.add_levels();
+  level->set_period(2);
+  level->set_group_size(world);
+  return spec;
+}
+
+// Bytes that no protobuf parser accepts: a varint that never ends.
+grpc::ByteBuffer Garbage() {
+  grpc::Slice slice(std::string("\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", 11));
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+// A streaming call that writes `messages` raw, half-closes and reads until the end; its status.
+class RawStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  RawStream(grpc::GenericStub* stub, const std::string& method, std::vector<grpc::ByteBuffer> out)
+      : out_(std::move(out)), ctx_(Context()) {
+    stub->PrepareBidiStreamingCall(ctx_.get(), method, grpc::StubOptions(), this);
+    StartRead(&in_);
+    Next();
+    StartCall();
+  }
+  void OnWriteDone(bool ok) override {
+    if (ok) Next();
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) return;
+    ++replies_;
+    StartRead(&in_);
+  }
+  void OnDone(const grpc::Status& s) override {
+    status_ = s;
+    done_.Notify();
+  }
+  grpc::Status Wait() {
+    done_.WaitForNotification();
+    return status_;
+  }
+  int replies() const { return replies_; }
+
+ private:
+  void Next() {
+    if (next_ < out_.size()) {
+      StartWrite(&out_[next_++]);
+    } else {
+      StartWritesDone();
+    }
+  }
+  std::vector<grpc::ByteBuffer> out_;
+  size_t next_ = 0;
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  grpc::ByteBuffer in_;
+  int replies_ = 0;
+  grpc::Status status_;
+  absl::Notification done_;
+};
+
+grpc::ByteBuffer Bytes(const google::protobuf::Message& m) {
+  const std::string s = m.SerializeAsString();
+  grpc::Slice slice(s);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+class HostileTest : public ::testing::Test {
+ protected:
+  void Start(ServerOptions options = {}) {
+    options.listen = "127.0.0.1:0";
+    auto server = CoordinatorServer::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+    stub_ = v1::Coordinator::NewStub(channel_);
+    generic_ = std::make_unique<grpc::GenericStub>(channel_);
+  }
+
+  grpc::Status RawUnary(const std::string& rpc, const grpc::ByteBuffer& request,
+                        const std::string& token = "") {
+    grpc::ByteBuffer reply;
+    absl::Notification done;
+    grpc::Status status;
+    auto ctx = Context(token);
+    generic_->UnaryCall(ctx.get(), "/modelavg.v1.Coordinator/" + rpc, grpc::StubOptions(),
+                        &request, &reply, [&](grpc::Status s) {
+                          status = std::move(s);
+                          done.Notify();
+                        });
+    done.WaitForNotification();
+    return status;
+  }
+
+  std::unique_ptr<CoordinatorServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  std::unique_ptr<grpc::GenericStub> generic_;
+};
+
+constexpr const char* kUnary[] = {"CreateJob",     "GetJob",    "ListJobs", "DeleteJob",
+                                  "Join",          "Heartbeat", "Step",     "GetSchedule",
+                                  "PublishCommId", "GetCommId", "Leave",    "Ping"};
+
+// Garbage bytes as a request body got UNIMPLEMENTED with an empty message. Now every RPC answers
+// INVALID_ARGUMENT saying it could not parse the request, and the server keeps serving.
+TEST_F(HostileTest, GarbageRequest_EveryUnaryRpc_InvalidArgumentWithMessage) {
+  Start();
+  for (const char* rpc : kUnary) {
+    const grpc::Status s = RawUnary(rpc, Garbage());
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << rpc;
+    EXPECT_THAT(s.error_message(), HasSubstr("could not parse the request")) << rpc;
+    EXPECT_THAT(s.error_message(), HasSubstr(absl::StrCat(rpc, " takes a modelavg.v1."))) << rpc;
+  }
+  v1::PingResponse pong;
+  EXPECT_TRUE(stub_->Ping(Context().get(), v1::PingRequest(), &pong).ok());
+}
+
+// A HeartbeatStream that received garbage ended with status OK and dropped the next beats
+// silently. Now it ends with INVALID_ARGUMENT; so does a WatchJob given garbage.
+TEST_F(HostileTest, GarbageOnStreams_EndWithInvalidArgument) {
+  Start();
+  v1::CreateJobRequest create;
+  *create.mutable_spec() = Spec("s", 2);
+  v1::Job job;
+  ASSERT_TRUE(stub_->CreateJob(Context().get(), create, &job).ok());
+  v1::HeartbeatRequest beat;
+  beat.set_job_id("s");
+  beat.set_generation(1);
+  {
+    RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HeartbeatStream",
+                     {Bytes(beat), Garbage(), Bytes(beat)});
+    const grpc::Status s = stream.Wait();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), HasSubstr("HeartbeatStream takes a modelavg.v1.HeartbeatRequest"));
+    EXPECT_EQ(stream.replies(), 1);  // the first beat's reply, nothing after the garbage
+  }
+  {
+    RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/WatchJob", {Garbage()});
+    const grpc::Status s = stream.Wait();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), HasSubstr("WatchJob takes a modelavg.v1.WatchJobRequest"));
+  }
+}
+
+// Each role on each RPC: the worker token may do everything but CreateJob and DeleteJob
+// (PERMISSION_DENIED naming the role); the operator token everything; other tokens nothing.
+TEST_F(HostileTest, Roles_EachRoleOnEachRpc) {
+  ServerOptions options;
+  options.auth_token = kOperator;
+  options.worker_token = kWorker;
+  Start(options);
+  v1::CreateJobRequest create;
+  *create.mutable_spec() = Spec("r", 1);
+  v1::Job job;
+  grpc::Status s = stub_->CreateJob(Context(kWorker).get(), create, &job);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(s.error_message(), HasSubstr("CreateJob needs the operator role"));
+  EXPECT_THAT(s.error_message(), HasSubstr("has the worker role"));
+  ASSERT_TRUE(stub_->CreateJob(Context(kOperator).get(), create, &job).ok());
+
+  // Every RPC with a request that names the job: with the worker token none is refused for its
+  // role but CreateJob and DeleteJob; without a token or with a wrong one all are.
+  auto requests = [] {
+    std::vector<std::pair<std::string, grpc::ByteBuffer>> r;
+    v1::CreateJobRequest create;
+    *create.mutable_spec() = Spec("r2", 1);
+    r.emplace_back("CreateJob", Bytes(create));
+    v1::GetJobRequest get;
+    get.set_job_id("r");
+    r.emplace_back("GetJob", Bytes(get));
+    r.emplace_back("ListJobs", Bytes(v1::ListJobsRequest()));
+    v1::JoinRequest join;
+    join.set_job_id("r");
+    join.set_worker_id("w");
+    r.emplace_back("Join", Bytes(join));
+    v1::HeartbeatRequest beat;
+    beat.set_job_id("r");
+    beat.set_generation(1);
+    r.emplace_back("Heartbeat", Bytes(beat));
+    v1::StepRequest step;
+    step.set_job_id("r");
+    step.set_generation(1);
+    r.emplace_back("Step", Bytes(step));
+    v1::GetScheduleRequest schedule;
+    schedule.set_job_id("r");
+    schedule.set_count(4);
+    r.emplace_back("GetSchedule", Bytes(schedule));
+    v1::PublishCommIdRequest publish;
+    publish.set_job_id("r");
+    publish.set_generation(1);
+    publish.set_unique_id("id");
+    r.emplace_back("PublishCommId", Bytes(publish));
+    v1::GetCommIdRequest fetch;
+    fetch.set_job_id("r");
+    fetch.set_generation(1);
+    fetch.set_timeout_ms(1);
+    r.emplace_back("GetCommId", Bytes(fetch));
+    v1::LeaveRequest leave;
+    leave.set_job_id("r");
+    leave.set_generation(1);
+    r.emplace_back("Leave", Bytes(leave));
+    r.emplace_back("Ping", Bytes(v1::PingRequest()));
+    v1::DeleteJobRequest del;
+    del.set_job_id("r");
+    r.emplace_back("DeleteJob", Bytes(del));
+    return r;
+  };
+  for (const auto& [rpc, bytes] : requests()) {
+    const grpc::Status worker = RawUnary(rpc, bytes, kWorker);
+    if (rpc == "CreateJob" || rpc == "DeleteJob") {
+      EXPECT_EQ(worker.error_code(), grpc::StatusCode::PERMISSION_DENIED) << rpc;
+    } else {
+      EXPECT_NE(worker.error_code(), grpc::StatusCode::PERMISSION_DENIED) << rpc;
+      EXPECT_NE(worker.error_code(), grpc::StatusCode::UNAUTHENTICATED) << rpc;
+    }
+    EXPECT_EQ(RawUnary(rpc, bytes).error_code(), grpc::StatusCode::UNAUTHENTICATED) << rpc;
+    EXPECT_EQ(RawUnary(rpc, bytes, "wrong").error_code(), grpc::StatusCode::UNAUTHENTICATED)
+        << rpc;
+  }
+  // The operator may do all of it (DeleteJob last: it removes the job).
+  for (const auto& [rpc, bytes] : requests()) {
+    const grpc::Status op = RawUnary(rpc, bytes, kOperator);
+    EXPECT_NE(op.error_code(), grpc::StatusCode::PERMISSION_DENIED) << rpc;
+    EXPECT_NE(op.error_code(), grpc::StatusCode::UNAUTHENTICATED) << rpc;
+  }
+  EXPECT_EQ(stub_->GetJob(Context(kOperator).get(), v1::GetJobRequest(), &job).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  // Streams: the worker role may heartbeat and watch.
+  v1::HeartbeatRequest beat;
+  beat.set_job_id("r2");
+  beat.set_generation(1);
+  RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HeartbeatStream", {Bytes(beat)});
+  EXPECT_NE(stream.Wait().error_code(), grpc::StatusCode::PERMISSION_DENIED);
+}
+
+TEST_F(HostileTest, Roles_WorkerTokenWithoutOperatorToken_Refused) {
+  ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.worker_token = kWorker;
+  auto server = CoordinatorServer::Start(options);
+  ASSERT_FALSE(server.ok());
+  EXPECT_THAT(std::string(server.status().message()), HasSubstr("needs an operator token"));
+  options.auth_token = kWorker;
+  server = CoordinatorServer::Start(options);
+  ASSERT_FALSE(server.ok());
+  EXPECT_THAT(std::string(server.status().message()), HasSubstr("are the same"));
+}
+
+// Thirty 1.9 MB jobs made one ListJobs reply of 57 MB that no client could read (4 MiB default
+// limit). Now a client with default limits walks every page; each reply stays under 4 MiB.
+TEST_F(HostileTest, ListJobs_ManyBigJobs_EveryPageReadableWithDefaultLimits) {
+  Start();
+  constexpr int kJobs = 6;
+  constexpr int32_t kWorld = 8192;
+  for (int j = 0; j < kJobs; ++j) {
+    v1::CreateJobRequest create;
+    *create.mutable_spec() = Spec(absl::StrCat("big-", j), kWorld);
+    v1::Job job;
+    ASSERT_TRUE(stub_->CreateJob(Context().get(), create, &job).ok());
+  }
+  // Fill the members of one job with long worker ids and hosts through the wire (Join waits;
+  // the calls are cancelled at teardown, which frees their ranks).
+  std::vector<std::unique_ptr<grpc::ClientContext>> joins;
+  std::vector<v1::JoinResponse> replies(kWorld);
+  std::atomic<int> finished{0};
+  for (int32_t r = 0; r < kWorld; ++r) {
+    v1::JoinRequest join;
+    join.set_job_id("big-0");
+    join.set_worker_id(absl::StrCat(std::string(240, 'w'), r));
+    join.set_host(std::string(250, 'h'));
+    join.set_rank(r);
+    joins.push_back(Context("", absl::Seconds(60)));
+    stub_->async()->Join(joins.back().get(), &join, &replies[r],
+                         [&finished](grpc::Status) { ++finished; });
+  }
+  // Wait until the coordinator holds them all.
+  v1::GetJobRequest get;
+  get.set_job_id("big-0");
+  v1::Job big;
+  for (int i = 0; i < 600; ++i) {
+    big.Clear();
+    ASSERT_TRUE(stub_->GetJob(Context().get(), get, &big).ok());
+    if (big.members_omitted()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(big.members_omitted());
+  int seen = 0;
+  v1::ListJobsRequest request;
+  request.set_page_size(1000);
+  for (int page = 0; page < 20; ++page) {
+    v1::ListJobsResponse response;
+    const grpc::Status s = stub_->ListJobs(Context().get(), request, &response);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_LT(response.ByteSizeLong(), 4u * 1024 * 1024);
+    seen += response.jobs_size();
+    request.set_page_token(response.next_page_token());
+    if (request.page_token().empty()) break;
+  }
+  EXPECT_EQ(seen, kJobs);
+  for (auto& ctx : joins) ctx->TryCancel();
+  // The contexts and replies outlive every call.
+  for (int i = 0; i < 3000 && finished < kWorld; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(finished, kWorld);
+}
+
+// A worker started for world 8 joining a 4-rank job waited silently until its own timeout. Now
+// it is refused at once, naming both sizes.
+TEST_F(HostileTest, Join_WrongWorldSize_RefusedAtOnce) {
+  Start();
+  v1::CreateJobRequest create;
+  *create.mutable_spec() = Spec("four", 4);
+  v1::Job job;
+  ASSERT_TRUE(stub_->CreateJob(Context().get(), create, &job).ok());
+  v1::JoinRequest join;
+  join.set_job_id("four");
+  join.set_worker_id("w");
+  join.set_rank(0);
+  join.set_world_size(8);
+  v1::JoinResponse joined;
+  const grpc::Status s = stub_->Join(Context("", absl::Seconds(30)).get(), join, &joined);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("expects world_size 8 but job four has world_size 4"));
+}
+
+// SIGTERM took 15.8 s while a heavy GetSchedule ran. Now the daemon exits within about a second
+// whatever is in flight: here GetSchedule calls in a loop on four threads and a pending Join.
+TEST(HostileDaemonTest, Sigterm_WithCallsInFlight_ExitsPromptly) {
+  char tmpl[] = "/tmp/modelavg_hostile_XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  const std::string port_file = dir + "/port";
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const int fd = open((dir + "/stderr").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 2);
+    std::string port_flag = "--port_file=" + port_file;
+    execl(MODELAVG_COORDINATOR_BIN, MODELAVG_COORDINATOR_BIN, "--listen=127.0.0.1:0",
+          port_flag.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  std::string address;
+  for (int i = 0; i < 3000 && address.empty(); ++i) {
+    absl::StatusOr<std::string> text = ReadFileToString(port_file);
+    if (text.ok() && absl::EndsWith(*text, "\n")) {
+      address = std::string(absl::StripSuffix(*text, "\n"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_FALSE(address.empty()) << "the daemon did not start";
+  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  auto stub = v1::Coordinator::NewStub(channel);
+  v1::CreateJobRequest create;
+  *create.mutable_spec() = Spec("sched", 65536);
+  create.mutable_spec()->mutable_levels(0)->set_period(1);
+  v1::Job job;
+  ASSERT_TRUE(stub->CreateJob(Context().get(), create, &job).ok());
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 4; ++t) {
+    callers.emplace_back([&] {
+      while (!stop) {
+        v1::GetScheduleRequest request;
+        request.set_job_id("sched");
+        request.set_count(100000);
+        v1::GetScheduleResponse response;
+        stub->GetSchedule(Context("", absl::Seconds(5)).get(), request, &response);
+      }
+    });
+  }
+  v1::JoinRequest join;
+  join.set_job_id("sched");
+  join.set_worker_id("w");
+  v1::JoinResponse joined;
+  auto join_ctx = Context("", absl::Seconds(30));
+  absl::Notification join_done;
+  stub->async()->Join(join_ctx.get(), &join, &joined, [&](grpc::Status) { join_done.Notify(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const absl::Time sent = absl::Now();
+  ASSERT_EQ(kill(pid, SIGTERM), 0);
+  int status = 0;
+  bool exited = false;
+  for (int i = 0; i < 1000 && !exited; ++i) {
+    exited = waitpid(pid, &status, WNOHANG) == pid;
+    if (!exited) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const absl::Duration took = absl::Now() - sent;
+  stop = true;
+  for (auto& t : callers) t.join();
+  join_done.WaitForNotificationWithTimeout(absl::Seconds(30));
+  if (!exited) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+  }
+  std::system(absl::StrCat("rm -rf ", dir).c_str());
+  ASSERT_TRUE(exited) << "still running 10 s after SIGTERM";
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  // The daemon's deadline is 1 s; this bound is generous for a loaded CI machine (it was 15.8 s).
+  EXPECT_LT(took, absl::Seconds(5)) << absl::FormatDuration(took);
+}
+
+}  // namespace
+}  // namespace modelavg::server

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The tests again under AddressSanitizer + UndefinedBehaviorSanitizer, then each libFuzzer target
+# for a bounded time. A second build directory (clang-14; ccache is used when present but not
+# needed), only the test and fuzz binaries. Any sanitizer report, leak or fuzz crash fails it.
+#   bash tests/sanitize.sh                      # what CI runs (after tests/run_all.sh)
+#   MODELAVG_FUZZ_SECONDS=600 bash tests/sanitize.sh   # fuzz longer
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash deploy/install_deps.sh
+build=${MODELAVG_SANITIZE_BUILD_DIR:-build-sanitize}
+jobs=${MODELAVG_JOBS:-2}
+seconds=${MODELAVG_FUZZ_SECONDS:-30}
+start=$(date +%s)
+sanitize="-fsanitize=address,undefined -fno-sanitize-recover=all"
+launcher=()
+command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+cmake -S . -B "$build" -G Ninja "${launcher[@]}" \
+  -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=None \
+  -DCMAKE_CXX_FLAGS="-O1 -g1 -fno-omit-frame-pointer $sanitize -fsanitize=fuzzer-no-link" \
+  -DCMAKE_EXE_LINKER_FLAGS="$sanitize" -DCMAKE_SHARED_LINKER_FLAGS="$sanitize" \
+  -DMODELAVG_WITH_CUDA=OFF -DMODELAVG_BUILD_BENCH=OFF -DMODELAVG_BUILD_EXAMPLES=OFF \
+  -DMODELAVG_BUILD_FUZZERS=ON -DMODELAVG_FUZZ_SECONDS="$seconds"
+# The coordinator's tests (core, jobs file, gRPC service in-process, the daemon as a process), the
+# schedule's, and the fuzz targets.
+targets=(schedule_test job_spec_test server_job_test server_bounds_test server_jobs_file_test
+         server_grpc_test server_process_test modelavg-coordinator
+         job_spec_fuzzer jobs_file_fuzzer job_handlers_fuzzer
+         job_spec_fuzzer_replay jobs_file_fuzzer_replay job_handlers_fuzzer_replay)
+cmake --build "$build" -j "$jobs" --target "${targets[@]}"
+built=$(date +%s)
+echo "sanitize build: $(( built - start )) s"
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+# Tests whose binaries this build leaves out register as *_NOT_BUILT; so do the Python ones.
+ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 300 -L 'unit|integration' \
+  -E '_NOT_BUILT$|_test\.py|reflection|conformance|e2e|client_'
+tested=$(date +%s)
+echo "sanitize tests: $(( tested - built )) s"
+# One fuzz target at a time: each gets the whole machine for its seconds.
+ctest --test-dir "$build" --output-on-failure -j 1 -L fuzz
+echo "fuzz: $(( $(date +%s) - tested )) s (${seconds} s per target)"
