@@ -37,7 +37,7 @@ void Membership::Restore(const StoredJobHeader& header, const std::vector<Stored
     m.host = s.host;
     m.state = s.state;
     m.generation = s.generation;
-    m.joined_generation = s.generation;
+    m.joined_generation = s.joined_generation > 0 ? s.joined_generation : s.generation;
     m.last_step = -1;
     m.last_heartbeat = now;
     if (InRound(m)) ++round_size_;
@@ -288,6 +288,7 @@ JobDelta Membership::PeekDelta() const {
       s.host = m.host;
       s.state = m.state;
       s.generation = m.generation;
+      s.joined_generation = m.joined_generation;
     }
     delta.members.push_back(std::move(s));
   }

@@ -38,7 +38,8 @@ CREATE TABLE members(
   worker_id TEXT NOT NULL,
   host TEXT NOT NULL,
   state INTEGER NOT NULL,          -- modelavg.v1.MemberState
-  generation INTEGER NOT NULL,     -- the generation the member last joined
+  generation INTEGER NOT NULL,     -- the generation of the member's round
+  joined_generation INTEGER NOT NULL,  -- the generation the worker joined in
   PRIMARY KEY(job_id, rank)
 ) WITHOUT ROWID;
 CREATE TABLE comm_ids(             -- the current generation's bootstrap ids
@@ -318,8 +319,8 @@ absl::Status SqliteStateStore::Prepare() {
       {&update_header_,
        "UPDATE jobs SET state = ?2, generation = ?3, last_change = ?4 WHERE job_id = ?1"},
       {&upsert_member_,
-       "INSERT OR REPLACE INTO members(job_id, rank, worker_id, host, state, generation) "
-       "VALUES(?1, ?2, ?3, ?4, ?5, ?6)"},
+       "INSERT OR REPLACE INTO members(job_id, rank, worker_id, host, state, generation, "
+       "joined_generation) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7)"},
       {&delete_member_, "DELETE FROM members WHERE job_id = ?1 AND rank = ?2"},
       {&insert_comm_id_,
        "INSERT OR REPLACE INTO comm_ids(job_id, level, subgroup, key, blob) "
@@ -416,8 +417,8 @@ absl::StatusOr<std::vector<StoredJob>> SqliteStateStore::LoadAll() {
     while (j < jobs.size() && jobs[j].spec.job_id() < id) ++j;
     return j < jobs.size() && jobs[j].spec.job_id() == id ? &jobs[j] : nullptr;
   };
-  if (absl::Status s = query("SELECT job_id, rank, worker_id, host, state, generation FROM "
-                             "members ORDER BY job_id, rank");
+  if (absl::Status s = query("SELECT job_id, rank, worker_id, host, state, generation, "
+                             "joined_generation FROM members ORDER BY job_id, rank");
       !s.ok()) {
     return s;
   }
@@ -433,6 +434,7 @@ absl::StatusOr<std::vector<StoredJob>> SqliteStateStore::LoadAll() {
                   ? static_cast<v1::MemberState>(state)
                   : v1::MEMBER_STATE_UNSPECIFIED;
     m.generation = sqlite3_column_int64(stmt, 5);
+    m.joined_generation = sqlite3_column_int64(stmt, 6);
     if (m.rank < 0 || m.rank >= job->spec.world_size()) {
       bad.push_back(absl::StrCat("job ", job->spec.job_id(), ": rank ", m.rank));
       continue;
@@ -537,6 +539,7 @@ absl::Status SqliteStateStore::ApplyLocked(absl::string_view job_id, const JobDe
                   .Bind(4, m.host)
                   .Bind(5, int64_t{m.state})
                   .Bind(6, m.generation)
+                  .Bind(7, m.joined_generation > 0 ? m.joined_generation : m.generation)
                   .Run();
     if (!done.ok()) return done.status();
   }
