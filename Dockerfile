@@ -49,11 +49,11 @@ COPY --from=build /out/bin/ /usr/local/bin/
 COPY deploy/jobs/ /etc/modelavg/
 USER 10001:10001
 # The coordinator's state directory, owned by the modelavg user: mount a volume here (the compose
-# file does) so that what the coordinator keeps outlives the container.
+# file and the Kubernetes manifests do; `docker run -v modelavg-state:/var/lib/modelavg ...
+# --state_dir=/var/lib/modelavg/state`) so that what the coordinator keeps outlives the container.
+# Not a VOLUME instruction: that would give every container of the image (workers and one-off
+# inspect runs too) an anonymous volume, which podman-compose's `down -v` leaves behind.
 WORKDIR /var/lib/modelavg
-# Declared a volume, so that even a plain `docker run ... --state_dir=/var/lib/modelavg/state`
-# keeps the jobs outside the container's writable layer (README, "Operations").
-VOLUME ["/var/lib/modelavg"]
 # 50051: gRPC (Coordinator, health, reflection). 9464: Prometheus metrics.
 EXPOSE 50051 9464
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \

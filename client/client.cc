@@ -521,7 +521,8 @@ void Client::NoteHeartbeatFailure(const absl::Status& error) {
     }
     return;
   }
-  if (!outage_->IsOutage(error) && !absl::IsCancelled(error)) return;
+  // Unreachable, or answering with errors: either way this rank cannot learn of membership
+  // changes, so the outage bound applies.
   outage_->NoteUnreachable(error);
   if (!outage_->Exceeded()) return;
   absl::MutexLock l(&mu_);

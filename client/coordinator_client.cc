@@ -64,6 +64,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  // A restarted coordinator may answer at a new address under the same name (a container gets a
+  // new IP when it restarts): look the name up again within a second of losing the connection,
+  // not after gRPC's default 30 s, so that the workers re-attach within the recovery grace.
+  args.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS, 1000);
   auto channel = grpc::CreateCustomChannel(options.address, creds, args);
   return std::unique_ptr<CoordinatorClient>(new CoordinatorClient(options, std::move(channel)));
 }

@@ -64,6 +64,9 @@ ABSL_FLAG(int32_t, hidden, 32, "hidden units of the MLP");
 ABSL_FLAG(int64_t, shard_size, 2048, "training points in each rank's shard");
 ABSL_FLAG(uint64_t, seed, 7, "seed of the task and of the initial weights (same on every rank)");
 ABSL_FLAG(int64_t, log_every, 20, "print progress every this many steps");
+ABSL_FLAG(int64_t, step_delay_ms, 0,
+          "sleep this long after each local SGD step, standing in for a real model's compute "
+          "time; 0 to 60000");
 ABSL_FLAG(std::string, backend, "gloo",
           "gloo: average host memory with Gloo over TCP; nccl: stage through CUDA memory and "
           "average with NCCL");
@@ -248,6 +251,7 @@ absl::StatusOr<PhaseResult> TrainInJob(const std::string& job, int32_t* rank) {
   const int64_t log_every = std::max<int64_t>(1, absl::GetFlag(FLAGS_log_every));
   const int32_t batch = absl::GetFlag(FLAGS_batch_size);
   const float lr = static_cast<float>(absl::GetFlag(FLAGS_learning_rate));
+  const absl::Duration step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
   const absl::Time start = absl::Now();
   double window_loss = 0;
   int64_t window_steps = 0;
@@ -260,6 +264,7 @@ absl::StatusOr<PhaseResult> TrainInJob(const std::string& job, int32_t* rank) {
     }
     window_loss += model.SgdStep(shard, step * batch, batch, lr);
     ++window_steps;
+    if (step_delay > absl::ZeroDuration()) absl::SleepFor(step_delay);
     absl::StatusOr<Decision> d = params->Average(*averager);
     if (!d.ok()) return Annotate(d.status(), absl::StrCat("job ", job, " step ", step));
     if (d->average) {
@@ -303,6 +308,10 @@ absl::Status Run() {
         absl::StrCat("--backend=", backend, ": expected gloo or nccl"));
   }
   if (absl::GetFlag(FLAGS_steps) < 1) return absl::InvalidArgumentError("--steps must be >= 1");
+  if (absl::GetFlag(FLAGS_step_delay_ms) < 0 || absl::GetFlag(FLAGS_step_delay_ms) > 60000) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--step_delay_ms=", absl::GetFlag(FLAGS_step_delay_ms), ": must be in [0, 60000]"));
+  }
   if (absl::GetFlag(FLAGS_batch_size) < 1 || absl::GetFlag(FLAGS_features) < 1 ||
       absl::GetFlag(FLAGS_hidden) < 1 || absl::GetFlag(FLAGS_shard_size) < 1) {
     return absl::InvalidArgumentError(

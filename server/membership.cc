@@ -39,7 +39,7 @@ void Membership::Restore(const StoredJobHeader& header, const std::vector<Stored
     m.state = s.state;
     m.generation = s.generation;
     m.credential_digest = s.credential_digest;
-    m.joined_generation = s.generation;
+    m.joined_generation = s.joined_generation > 0 ? s.joined_generation : s.generation;
     m.last_step = -1;
     m.last_heartbeat = now;
     if (InRound(m)) ++round_size_;
@@ -332,6 +332,7 @@ JobDelta Membership::PeekDelta() const {
       s.state = m.state;
       s.generation = m.generation;
       s.credential_digest = m.credential_digest;
+      s.joined_generation = m.joined_generation;
     }
     delta.members.push_back(std::move(s));
   }

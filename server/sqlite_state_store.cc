@@ -40,7 +40,8 @@ CREATE TABLE members(
   worker_id TEXT NOT NULL,
   host TEXT NOT NULL,
   state INTEGER NOT NULL,          -- modelavg.v1.MemberState
-  generation INTEGER NOT NULL,     -- the generation the member last joined
+  generation INTEGER NOT NULL,     -- the generation of the member's round
+  joined_generation INTEGER NOT NULL,  -- the generation the worker joined in
   credential_digest TEXT NOT NULL DEFAULT '',  -- SHA-256 of its credential, never the credential
   PRIMARY KEY(job_id, rank)
 ) WITHOUT ROWID;
@@ -334,7 +335,7 @@ absl::Status SqliteStateStore::Prepare() {
        "UPDATE jobs SET state = ?2, generation = ?3, last_change = ?4 WHERE job_id = ?1"},
       {&upsert_member_,
        "INSERT OR REPLACE INTO members(job_id, rank, worker_id, host, state, generation, "
-       "credential_digest) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7)"},
+       "joined_generation, credential_digest) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"},
       {&delete_member_, "DELETE FROM members WHERE job_id = ?1 AND rank = ?2"},
       {&insert_comm_id_,
        "INSERT OR REPLACE INTO comm_ids(job_id, level, subgroup, key, blob) "
@@ -432,7 +433,7 @@ absl::StatusOr<std::vector<StoredJob>> SqliteStateStore::LoadAll() {
     return j < jobs.size() && jobs[j].spec.job_id() == id ? &jobs[j] : nullptr;
   };
   if (absl::Status s = query("SELECT job_id, rank, worker_id, host, state, generation, "
-                             "credential_digest FROM members ORDER BY job_id, rank");
+                             "joined_generation, credential_digest FROM members ORDER BY job_id, rank");
       !s.ok()) {
     return s;
   }
@@ -448,7 +449,8 @@ absl::StatusOr<std::vector<StoredJob>> SqliteStateStore::LoadAll() {
                   ? static_cast<v1::MemberState>(state)
                   : v1::MEMBER_STATE_UNSPECIFIED;
     m.generation = sqlite3_column_int64(stmt, 5);
-    m.credential_digest = text(6);
+    m.joined_generation = sqlite3_column_int64(stmt, 6);
+    m.credential_digest = text(7);
     if (m.rank < 0 || m.rank >= job->spec.world_size()) {
       bad.push_back(absl::StrCat("job ", job->spec.job_id(), ": rank ", m.rank));
       continue;
@@ -553,7 +555,8 @@ absl::Status SqliteStateStore::ApplyLocked(absl::string_view job_id, const JobDe
                   .Bind(4, m.host)
                   .Bind(5, int64_t{m.state})
                   .Bind(6, m.generation)
-                  .Bind(7, m.credential_digest)
+                  .Bind(7, m.joined_generation > 0 ? m.joined_generation : m.generation)
+                  .Bind(8, m.credential_digest)
                   .Run();
     if (!done.ok()) return done.status();
   }

@@ -28,6 +28,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/gpu/gpu_test_env.h"
+#include "tests/tools/staging_reference.h"
 #if MODELAVG_TEST_WITH_SERVER
 #include "client/averager.h"
 #include "client/client.h"
@@ -38,36 +39,6 @@
 namespace modelavg::client {
 namespace {
 
-
-double LoadAs(const void* p, int32_t code, int64_t i) {
-  switch (code) {
-    case kStageF32:
-      return static_cast<const float*>(p)[i];
-    case kStageF64:
-      return static_cast<const double*>(p)[i];
-    case kStageF16:
-      return HalfToFloat(static_cast<const uint16_t*>(p)[i]);
-    default:
-      return BFloat16ToFloat(static_cast<const uint16_t*>(p)[i]);
-  }
-}
-
-void StoreAs(void* p, int32_t code, int64_t i, double v) {
-  switch (code) {
-    case kStageF32:
-      static_cast<float*>(p)[i] = static_cast<float>(v);
-      break;
-    case kStageF64:
-      static_cast<double*>(p)[i] = v;
-      break;
-    case kStageF16:
-      static_cast<uint16_t*>(p)[i] = FloatToHalf(static_cast<float>(v));
-      break;
-    default:
-      static_cast<uint16_t*>(p)[i] = FloatToBFloat16(static_cast<float>(v));
-      break;
-  }
-}
 
 const DType kAllDTypes[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16};
 

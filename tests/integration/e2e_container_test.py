@@ -11,15 +11,18 @@ ports:
   4. from a container on the compose network, lists the services and reads the demo job's
      schedule through server reflection (modelavg-rpc), and checks it against
      deploy/jobs/demo-jobs.json;
-  5. waits for every worker to exit 0 having printed its final losses;
-  6. reads the Prometheus metrics over HTTP (every worker joined both jobs);
+  5. when worker-0 is a tenth into the second (every-step) job, restarts the coordinator's
+     container; every worker must ride through, re-attach to the restarted coordinator (which
+     continues the job from the `state` volume), exit 0 and print its final losses;
+  6. reads the Prometheus metrics over HTTP: before the restart every worker joined both jobs;
+     after the job both jobs are FINISHED and the restarted coordinator saw every worker leave;
   7. stops the coordinator (exit 0 on SIGTERM), removes its container and starts a new one, which
      must continue the finished job from the `state` volume (same state, generation, creation
      time and members);
   8. takes everything down and checks that no container, network or volume of the project is
      left.
 
-  e2e_container_test.py [--timeout_s=900] [--keep_image]
+  e2e_container_test.py [--timeout_s=900] [--steps=1001] [--step_delay_ms=20]
 """
 
 import argparse
@@ -113,10 +116,13 @@ class Project:
                          quiet=True).stdout.split()
         return [n for n in names if n.startswith(self.name + "_") or n.startswith(self.name + "-")]
 
+    def all_volumes(self):
+        return self.run([self.engine, "volume", "ls", "--format", "{{.Name}}"],
+                        quiet=True).stdout.split()
+
     def volumes(self):
-        names = self.run([self.engine, "volume", "ls", "--format", "{{.Name}}"],
-                         quiet=True).stdout.split()
-        return [n for n in names if n.startswith(self.name + "_") or n.startswith(self.name + "-")]
+        return [n for n in self.all_volumes()
+                if n.startswith(self.name + "_") or n.startswith(self.name + "-")]
 
     def wait_healthy(self, service, timeout_s):
         """Until the service's health check passes (podman without systemd runs checks only when
@@ -205,6 +211,11 @@ def main():
                    help="deadline of the whole test, image build included")
     p.add_argument("--worker_timeout_s", type=float, default=300,
                    help="how long the workers may take to finish the demo")
+    p.add_argument("--steps", type=int, default=1001,
+                   help="the workers' --steps (MODELAVG_DEMO_STEPS)")
+    p.add_argument("--step_delay_ms", type=int, default=20,
+                   help="the workers' --step_delay_ms (MODELAVG_DEMO_STEP_DELAY_MS): with --steps, "
+                        "long enough for the coordinator to restart in the middle of a job")
     args = p.parse_args()
     deadline = Deadline(args.timeout_s)
 
@@ -218,10 +229,13 @@ def main():
     name = f"modelavg-e2e-{os.getpid()}"
     ports = {"MODELAVG_GRPC_PORT": free_port(), "MODELAVG_METRICS_PORT": free_port()}
     env = dict(os.environ, BUILDAH_FORMAT="docker",  # podman: keep the HEALTHCHECK
+               MODELAVG_DEMO_STEPS=str(args.steps),
+               MODELAVG_DEMO_STEP_DELAY_MS=str(args.step_delay_ms),
                **{k: str(v) for k, v in ports.items()})
     project = Project(engine, compose, name, env, deadline)
     log(f"engine {engine}, compose '{compose}', project {name}, host ports {ports}")
 
+    volumes_before = set(project.all_volumes())
     started = time.monotonic()
     try:
         t = time.monotonic()
@@ -242,6 +256,41 @@ def main():
         check_schedule(json_object(text).get("decisions", []), 0, 24)
         log("the schedule read through reflection matches deploy/jobs/demo-jobs.json")
 
+        def read_metrics():
+            url = f"http://127.0.0.1:{ports['MODELAVG_METRICS_PORT']}/metrics"
+            with urllib.request.urlopen(url, timeout=deadline.left(10)) as response:
+                return response.read().decode()
+
+        # The coordinator container restarts while the workers are in the middle of the
+        # every-step job: they ride through the outage, re-attach to the restarted coordinator
+        # (which continues the job from the state volume) and finish.
+        restart_at = args.steps // 10
+        end = time.monotonic() + args.worker_timeout_s
+        step_line = re.compile(r"demo-every-step step +(\d+)/")
+        while True:
+            steps = [int(m.group(1)) for m in step_line.finditer(
+                project.logs(project.container("worker-0")))]
+            if steps and max(steps) >= restart_at:
+                break
+            exited = [s for s in WORKERS
+                      if project.inspect(project.container(s), "{{.State.Status}}") != "running"]
+            if exited or time.monotonic() > end:
+                mt.fail(f"no restart: {exited or 'no worker'} stopped before worker-0 reached "
+                        f"step {restart_at} of demo-every-step (last: {steps[-1:]})\n"
+                        f"{project.logs(project.container('worker-0'))[-2000:]}")
+            time.sleep(0.5)
+        metrics = read_metrics()
+        joins = metric(metrics, "modelavg_rpcs_total", {"method": "Join", "code": "OK"})
+        if joins is None or joins < 2 * len(WORKERS):
+            mt.fail(f"metrics: expected >= {2 * len(WORKERS)} successful Joins (every worker, "
+                    f"both jobs), got {joins}:\n{metrics[:3000]}")
+        log(f"metrics over HTTP: {joins:.0f} successful Joins")
+        cid = project.container("coordinator")
+        log(f"worker-0 is at step {max(steps)} of {args.steps} of demo-every-step: restarting the "
+            "coordinator")
+        project.run([engine, "restart", "-t", "30", cid], timeout_s=90)
+        project.wait_healthy("coordinator", timeout_s=90)
+
         end = time.monotonic() + args.worker_timeout_s
         while project.containers(running_only=True) and time.monotonic() < end:
             running = [s for s in WORKERS
@@ -256,25 +305,28 @@ def main():
             output = project.logs(cid)
             code = project.inspect(cid, "{{.State.ExitCode}}")
             lines = [l for l in output.splitlines() if "final loss" in l]
-            log(f"{service}: {state}, exit {code}; " + (" | ".join(lines) or "no final loss"))
-            if state != "exited" or code != "0" or not lines:
-                problems.append(f"{service}: {state}, exit code {code}, final losses {lines}:\n"
+            reattached = "re-attached to job demo-every-step" in output
+            log(f"{service}: {state}, exit {code}, " +
+                ("re-attached after the restart; " if reattached else "did not re-attach; ") +
+                (" | ".join(lines) or "no final loss"))
+            if state != "exited" or code != "0" or not lines or not reattached:
+                problems.append(f"{service}: {state}, exit code {code}, final losses {lines}, "
+                                f"re-attached after the restart: {reattached}:\n"
                                 f"{output[-2000:]}")
         if problems:
             coordinator_log = project.logs(project.container("coordinator"))
             mt.fail("the demo job did not finish:\n" + "\n".join(problems) +
                     f"\ncoordinator log:\n{coordinator_log[-3000:]}")
 
-        url = f"http://127.0.0.1:{ports['MODELAVG_METRICS_PORT']}/metrics"
-        with urllib.request.urlopen(url, timeout=deadline.left(10)) as response:
-            metrics = response.read().decode()
-        joins = metric(metrics, "modelavg_rpcs_total", {"method": "Join", "code": "OK"})
-        jobs = sum(metric(metrics, "modelavg_jobs", {"state": s}) or 0
-                   for s in ("PENDING", "RUNNING", "FINISHED"))
-        if joins is None or joins < 2 * len(WORKERS) or jobs != 2:
-            mt.fail(f"{url}: expected >= {2 * len(WORKERS)} successful Joins and 2 jobs, got "
-                    f"{joins} and {jobs}:\n{metrics[:3000]}")
-        log(f"metrics over HTTP: {joins:.0f} successful Joins, {jobs:.0f} jobs")
+        metrics = read_metrics()
+        finished = metric(metrics, "modelavg_jobs", {"state": "FINISHED"})
+        leaves = metric(metrics, "modelavg_rpcs_total", {"method": "Leave", "code": "OK"})
+        if finished != 2 or leaves is None or leaves < len(WORKERS):
+            mt.fail(f"metrics after the job: expected 2 FINISHED jobs and >= {len(WORKERS)} "
+                    f"successful Leaves (of the every-step job, from the restarted coordinator), "
+                    f"got {finished} and {leaves}:\n{metrics[:3000]}")
+        log(f"metrics over HTTP after the job: {finished:.0f} jobs FINISHED, the restarted "
+            f"coordinator saw {leaves:.0f} successful Leaves")
 
         # A new coordinator container continues the jobs from the volume `state` (--state_dir):
         # the finished job comes back finished, not fresh from the jobs file.
@@ -312,15 +364,18 @@ def main():
             # podman-compose (1.0.3) leaves the project's networks: remove them as a user must.
             for net in project.networks():
                 project.run([engine, "network", "rm", net], check=False)
+        # The project's volumes by name, and any other volume that appeared meanwhile (an
+        # anonymous one of a container of the project).
         left = {"containers": project.containers(), "networks": project.networks(),
-                "volumes": project.volumes()}
+                "volumes": sorted(set(project.volumes()) |
+                                  (set(project.all_volumes()) - volumes_before))}
         if any(left.values()):
             # Clean up by name, then fail: `down -v` should have removed them.
             for cid in left["containers"]:
                 project.run([engine, "rm", "-f", "-v", cid], check=False)
             for net in left["networks"]:
                 project.run([engine, "network", "rm", net], check=False)
-            for vol in left["volumes"]:
+            for vol in project.volumes():  # not the unnamed ones: they may be someone else's
                 project.run([engine, "volume", "rm", "-f", vol], check=False)
             mt.fail(f"'down -v' left {left}")
     log(f"PASS: image, coordinator and {len(WORKERS)} workers in {engine} containers "

@@ -24,42 +24,13 @@
 #include "client/staging_layout.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/tools/staging_reference.h"
 
 namespace modelavg::client {
 namespace {
 
 using ::testing::HasSubstr;
 using Reduce = NcclDeviceOps::Reduce;
-
-double LoadAs(const void* p, int32_t code, int64_t i) {
-  switch (code) {
-    case kStageF32:
-      return static_cast<const float*>(p)[i];
-    case kStageF64:
-      return static_cast<const double*>(p)[i];
-    case kStageF16:
-      return HalfToFloat(static_cast<const uint16_t*>(p)[i]);
-    default:
-      return BFloat16ToFloat(static_cast<const uint16_t*>(p)[i]);
-  }
-}
-
-void StoreAs(void* p, int32_t code, int64_t i, double v) {
-  switch (code) {
-    case kStageF32:
-      static_cast<float*>(p)[i] = static_cast<float>(v);
-      break;
-    case kStageF64:
-      static_cast<double*>(p)[i] = v;
-      break;
-    case kStageF16:
-      static_cast<uint16_t*>(p)[i] = FloatToHalf(static_cast<float>(v));
-      break;
-    default:
-      static_cast<uint16_t*>(p)[i] = FloatToBFloat16(static_cast<float>(v));
-      break;
-  }
-}
 
 // Rounds to what `code` can hold.
 double RoundTo(int32_t code, double v) {

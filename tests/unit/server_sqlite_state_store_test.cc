@@ -82,7 +82,7 @@ TEST_F(SqliteStateStoreTest, Reopen_EveryTransitionIsThere) {
     change.set_generation(7);
     change.set_reason("rank 1 re-joined");
     d.header->last_change = change;
-    d.members.push_back(StoredMember{0, "w0", "h0", v1::ALIVE, 7});
+    d.members.push_back(StoredMember{0, "w0", "h0", v1::ALIVE, 7, 5});
     d.members.push_back(StoredMember{1, "w1", "h1", v1::DEAD, 6});
     d.members.push_back(StoredMember{2, "w2", "h2", v1::ALIVE, 7});
     d.comm_id = StoredCommId{1, 0, "k", std::string("\0\1\2", 3)};
@@ -110,6 +110,8 @@ TEST_F(SqliteStateStoreTest, Reopen_EveryTransitionIsThere) {
   EXPECT_EQ(a.members[1].worker_id, "w1");
   EXPECT_EQ(a.members[1].state, v1::DEAD);
   EXPECT_EQ(a.members[1].generation, 6);
+  EXPECT_EQ(a.members[1].joined_generation, 6);  // not given: the round's
+  EXPECT_EQ(a.members[0].joined_generation, 5);
   ASSERT_EQ(a.comm_ids.size(), 1u);
   EXPECT_EQ(a.comm_ids[0].level, 1);
   EXPECT_EQ(a.comm_ids[0].key, "k");
@@ -273,6 +275,59 @@ TEST_F(RegistryOnSqliteTest, Restart_ContinuesGenerationAndGivesGrace) {
   EXPECT_EQ(proto.generation(), 3);  // never 2 again
   EXPECT_EQ(proto.members(1).state(), v1::DEAD);
   EXPECT_EQ(proto.members(0).state(), v1::ALIVE);
+}
+
+// An elastic job's survivors keep the generation they joined in while the round moves on; after
+// a restart their heartbeats (which carry it) must still count.
+TEST_F(RegistryOnSqliteTest, Restart_ElasticSurvivorsHeartbeatsStillCount) {
+  v1::JobSpec spec = Spec("e", 4);
+  spec.set_min_world_size(2);
+  auto heartbeat = [](Job& job, int rank, int64_t generation) {
+    v1::HeartbeatRequest hb;
+    hb.set_rank(rank);
+    hb.set_generation(generation);
+    v1::HeartbeatResponse reply;
+    ASSERT_TRUE(job.Heartbeat(hb, &reply).ok());
+  };
+  {
+    auto store = Open();
+    auto registry = Registry(store.get());
+    ASSERT_TRUE(registry->CreateJob(spec, nullptr).ok());
+    std::shared_ptr<Job> job = *registry->Find("e");
+    for (int r = 0; r < 4; ++r) {
+      v1::JoinRequest join;
+      join.set_worker_id(absl::StrCat("w", r));
+      join.set_rank(r);
+      job->Join(join, absl::InfiniteFuture(), registry->NewWaitId(),
+                [](absl::StatusOr<v1::JoinResponse> r) { ASSERT_TRUE(r.ok()); });
+    }
+    clock_.Advance(absl::Seconds(2));
+    for (int r = 0; r < 3; ++r) heartbeat(*job, r, 1);
+    clock_.Advance(absl::Seconds(2));
+    registry->CheckStaleness();  // rank 3 dead: the job shrinks to generation 2, still RUNNING
+    v1::Job proto;
+    job->ToProto(&proto);
+    ASSERT_EQ(proto.generation(), 2);
+    ASSERT_EQ(proto.state(), v1::RUNNING);
+    registry->Stop();
+  }
+  auto store = Open();
+  auto registry = Registry(store.get());
+  ASSERT_EQ(*registry->LoadFromStore(absl::Seconds(5)), 1);
+  std::shared_ptr<Job> job = *registry->Find("e");
+  // The survivors joined in generation 1 and say so; ranks 0 and 1 re-attach, rank 2 does not.
+  clock_.Advance(absl::Seconds(4));
+  heartbeat(*job, 0, 1);
+  heartbeat(*job, 1, 1);
+  clock_.Advance(absl::Seconds(2));
+  registry->CheckStaleness();
+  v1::Job proto;
+  job->ToProto(&proto);
+  EXPECT_EQ(proto.members(0).state(), v1::ALIVE);
+  EXPECT_EQ(proto.members(1).state(), v1::ALIVE);
+  EXPECT_EQ(proto.members(2).state(), v1::DEAD);
+  EXPECT_EQ(proto.generation(), 3);
+  EXPECT_EQ(proto.state(), v1::RUNNING);  // shrunk again, to ranks 0 and 1
 }
 
 TEST_F(RegistryOnSqliteTest, MergeJobs_SameSpecKeptNewAddedDifferentRefusedNamingField) {
