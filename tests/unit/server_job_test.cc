@@ -107,6 +107,23 @@ class JobTest : public ::testing::Test {
              });
   }
 
+  // A re-join by the holder of `holder`'s rank, proving it with that member's credential
+  // (a restart); asks for `rank` (nullopt: finds its rank by the credential).
+  void Rejoin(Job& job, const std::string& worker, std::optional<int> rank, int holder,
+              Slot<v1::JoinResponse>* slot) {
+    v1::JoinRequest request;
+    request.set_job_id(job.id());
+    request.set_worker_id(worker);
+    request.set_host("host");
+    if (rank.has_value()) request.set_rank(*rank);
+    request.set_credential(credentials_[holder]);
+    job.Join(request, absl::InfiniteFuture(), registry_->NewWaitId(),
+             [this, cb = slot->Callback()](absl::StatusOr<v1::JoinResponse> r) mutable {
+               if (r.ok()) credentials_[r->rank()] = r->credential();
+               cb(std::move(r));
+             });
+  }
+
   // Joins every rank (worker "w<r>" asks for rank r) and checks the world completes.
   void JoinAll(Job& job, int world, std::vector<Slot<v1::JoinResponse>>* slots) {
     slots->resize(world);
@@ -402,7 +419,7 @@ TEST_F(JobTest, Join_RejoinWhileRunning_BumpsGenerationAndRestartsRound) {
   std::vector<Slot<v1::JoinResponse>> slots;
   JoinAll(*job, 2, &slots);
   Slot<v1::JoinResponse> rejoin, survivor;
-  Join(*job, "w1-restarted", 1, &rejoin);
+  Rejoin(*job, "w1-restarted", 1, 1, &rejoin);
   EXPECT_FALSE(rejoin.done());
   v1::Job snap = Snapshot(*job);
   EXPECT_EQ(snap.generation(), 2);
@@ -422,7 +439,7 @@ TEST_F(JobTest, Join_RejoinByWorkerId_KeepsRank) {
   std::vector<Slot<v1::JoinResponse>> slots;
   JoinAll(*job, 2, &slots);
   Slot<v1::JoinResponse> rejoin, survivor;
-  Join(*job, "w1", std::nullopt, &rejoin);
+  Rejoin(*job, "w1", std::nullopt, 1, &rejoin);
   Join(*job, "w0", std::nullopt, &survivor);
   ASSERT_TRUE(rejoin.done() && rejoin.result->ok());
   EXPECT_EQ((*rejoin.result)->rank(), 1);
@@ -687,7 +704,7 @@ TEST_F(CommIdTest, GetCommId_StaleGeneration_FailedPreconditionAndOldIdsDiscarde
   ASSERT_TRUE(Publish(*job_, 1, 1, 0, 0, "gen1").ok());
   Slot<std::string> rejoin;
   Slot<v1::JoinResponse> j;
-  Join(*job_, "w2", 2, &j);  // re-join: generation 2
+  Rejoin(*job_, "w2", 2, 2, &j);  // re-join by the holder: generation 2
   Slot<std::string> stale;
   GetCommId(*job_, 1, 1, 0, 1, &stale);
   ASSERT_TRUE(stale.done());
@@ -725,7 +742,8 @@ TEST_F(JobTest, Leave_OneOfTwo_BumpsGenerationThenLastFinishes) {
 TEST_F(JobTest, Leave_NeverJoinedOrBadRank_Errors) {
   auto job = MakeJob(2);
   v1::LeaveResponse response;
-  EXPECT_EQ(Leave(*job, 1, 1, &response).code(), absl::StatusCode::kFailedPrecondition);
+  // A rank without a member has no credential to present.
+  EXPECT_EQ(Leave(*job, 1, 1, &response).code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(Leave(*job, 7, 1, &response).code(), absl::StatusCode::kInvalidArgument);
 }
 

@@ -7,6 +7,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/membership.h"
+#include "server/member_credential.h"
 
 namespace modelavg::server {
 namespace {
@@ -25,7 +26,9 @@ std::vector<int32_t> Ranks(const JobDelta& delta) {
 // Joins ranks 0..world-1 as workers "w<r>"; the last completes the round.
 void JoinAll(Membership& m) {
   for (int32_t r = 0; r < m.world_size(); ++r) {
-    absl::StatusOr<Membership::JoinResult> j = m.Join("w" + std::to_string(r), "h", r, kT0, "j");
+    // Member r's credential is "c<r>".
+    absl::StatusOr<Membership::JoinResult> j = m.Join("w" + std::to_string(r), "h", r, kT0, "j",
+                                                      "", CredentialDigest("c" + std::to_string(r)));
     ASSERT_TRUE(j.ok()) << j.status();
     EXPECT_EQ(j->change.world_complete, r == m.world_size() - 1);
   }
@@ -101,7 +104,9 @@ TEST(MembershipTest, Die_MarksDeadAndBumpsGenerationClearingIds) {
 TEST(MembershipTest, Join_RejoinWhileRunning_BumpsThenJoinsNewRound) {
   Membership m(2);
   JoinAll(m);
-  absl::StatusOr<Membership::JoinResult> j = m.Join("w1-restarted", "h", 1, kT0, "j");
+  // Only the holder (its credential) re-takes a live rank.
+  EXPECT_EQ(m.Join("intruder", "h", 1, kT0, "j").status().code(), absl::StatusCode::kAlreadyExists);
+  absl::StatusOr<Membership::JoinResult> j = m.Join("w1-restarted", "h", 1, kT0, "j", "c1");
   ASSERT_TRUE(j.ok());
   EXPECT_TRUE(j->change.generation_changed);
   EXPECT_EQ(j->rank, 1);

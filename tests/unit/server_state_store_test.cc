@@ -167,6 +167,7 @@ TEST_F(StateStoreTest, FailedWrites_FailTheRpcAndAreCarriedByTheNextWrite) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("disk full"));
   v1::LeaveRequest leave;
   leave.set_rank(2);
+  leave.set_credential(credentials_[2]);
   v1::LeaveResponse left;
   EXPECT_EQ(job->Leave(leave, &left).code(), absl::StatusCode::kUnavailable);
   v1::JobSpec other = Spec();
