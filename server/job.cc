@@ -327,10 +327,15 @@ absl::Status Job::Heartbeat(const v1::HeartbeatRequest& request,
   const absl::Time now = clock_->Now();
   absl::MutexLock lock(&mu_);
   if (!closed_.ok()) return closed_;  // deleted while a stream still held it
-  if (absl::Status s =
-          membership_.CheckCredential(request.rank(), request.credential(), "Heartbeat", id());
-      !s.ok()) {
-    return s;
+  // A rank without a member is answered (the reply tells a worker whose coordinator lost the
+  // job's state that it has the job afresh) and nothing is recorded; a member's rank needs the
+  // member's credential.
+  if (membership_.member(request.rank()).present) {
+    if (absl::Status s = membership_.CheckCredential(request.rank(), request.credential(),
+                                                     "Heartbeat", id());
+        !s.ok()) {
+      return s;
+    }
   }
   membership_.Heartbeat(request.rank(), request.generation(), request.step(), now);
   response->set_state(membership_.state());

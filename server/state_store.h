@@ -36,11 +36,11 @@ struct StoredMember {
   v1::MemberState state = v1::MEMBER_STATE_UNSPECIFIED;
   // The generation of this member's round; 0 when not in any round.
   int64_t generation = 0;
-  // Digest of the member's credential (server/member_credential.h); never the credential.
-  std::string credential_digest;
   // The generation in which the worker joined (an elastic job's survivors keep theirs while
   // `generation` moves on); 0: the same as `generation`.
   int64_t joined_generation = 0;
+  // Digest of the member's credential (server/member_credential.h); never the credential.
+  std::string credential_digest;
 };
 
 // The job-wide hard state besides its members.

@@ -70,8 +70,9 @@ grpc::ByteBuffer Garbage() {
 // A streaming call that writes `messages` raw, half-closes and reads until the end; its status.
 class RawStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  RawStream(grpc::GenericStub* stub, const std::string& method, std::vector<grpc::ByteBuffer> out)
-      : out_(std::move(out)), ctx_(Context()) {
+  RawStream(grpc::GenericStub* stub, const std::string& method, std::vector<grpc::ByteBuffer> out,
+            const std::string& token = "")
+      : out_(std::move(out)), ctx_(Context(token)) {
     stub->PrepareBidiStreamingCall(ctx_.get(), method, grpc::StubOptions(), this);
     StartRead(&in_);
     Next();
@@ -292,7 +293,8 @@ TEST_F(HostileTest, Roles_EachRoleOnEachRpc) {
   v1::HeartbeatRequest beat;
   beat.set_job_id("r2");
   beat.set_generation(1);
-  RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HeartbeatStream", {Bytes(beat)});
+  RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HeartbeatStream", {Bytes(beat)},
+                   kWorker);
   const grpc::Status streamed = stream.Wait();
   EXPECT_THAT(streamed.error_message(), Not(HasSubstr("role")));
   EXPECT_NE(streamed.error_code(), grpc::StatusCode::UNAUTHENTICATED);
@@ -436,7 +438,8 @@ TEST_F(HostileTest, Credentials_RankScopedCallsNeedThem_NeverLogged) {
   // The same on a stream: it ends with PERMISSION_DENIED.
   {
     beat.set_credential("");
-    RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HeartbeatStream", {Bytes(beat)});
+    RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HeartbeatStream", {Bytes(beat)},
+                     kOperator);
     EXPECT_EQ(stream.Wait().error_code(), grpc::StatusCode::PERMISSION_DENIED);
   }
   // PublishCommId "EVIL" as rank 0: refused; the leader's own publish then works and rank 1

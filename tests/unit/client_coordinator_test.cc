@@ -269,6 +269,7 @@ TEST_F(ClientCoordinatorTest, CoordinatorStore_LargeValue_SplitOverKeysAndReasse
     s.level = 0;
     s.subgroup = clients[r]->schedule().SubgroupOf(0, r);
     s.rank = r;
+    s.credential = clients[r]->credential();
     s.timeout = absl::Seconds(5);
     return s;
   };

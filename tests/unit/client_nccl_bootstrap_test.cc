@@ -61,6 +61,7 @@ class NcclBootstrapTest : public ::testing::Test {
     s.level = 0;
     s.subgroup = c->schedule().SubgroupOf(0, rank);
     s.rank = rank;
+    s.credential = c->credential();
     s.timeout = absl::Seconds(5);
     s.bootstrap_attempt = attempt;
     return s;

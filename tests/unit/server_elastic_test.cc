@@ -1,6 +1,7 @@
 // Elastic jobs (JobSpec.min_world_size) in the coordinator core: a death or a departure while
 // RUNNING moves the job to a new generation of the survivors, vacant ranks keep their numbers,
 // decisions list the live members, and below min_world_size the job falls back to PENDING.
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -156,7 +157,9 @@ class ElasticJobTest : public ::testing::Test {
       request.set_worker_id(absl::StrCat("w", r));
       request.set_rank(r);
       job->Join(request, absl::InfiniteFuture(), registry_->NewWaitId(),
-                [](absl::StatusOr<v1::JoinResponse>) {});
+                [this](absl::StatusOr<v1::JoinResponse> r) {
+                  if (r.ok()) credentials_[r->rank()] = r->credential();
+                });
     }
     return job;
   }
@@ -171,6 +174,7 @@ class ElasticJobTest : public ::testing::Test {
       hb.set_rank(r);
       hb.set_generation(generation);
       hb.set_step(3);
+      hb.set_credential(credentials_[r]);
       v1::HeartbeatResponse reply;
       if (job.Heartbeat(hb, &reply).ok() && reply.generation() == generation) continue;
     }
@@ -180,6 +184,8 @@ class ElasticJobTest : public ::testing::Test {
 
   FakeClock clock_;
   std::unique_ptr<JobRegistry> registry_;
+  // rank -> its member's credential (JoinResponse.credential).
+  std::map<int, std::string> credentials_;
 };
 
 TEST_F(ElasticJobTest, DeadRank_DecisionsListLiveMembers_EmptyBlockDoesNotAverage) {

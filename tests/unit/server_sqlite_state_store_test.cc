@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -219,6 +220,8 @@ class RegistryOnSqliteTest : public SqliteStateStoreTest {
 };
 
 TEST_F(RegistryOnSqliteTest, Restart_ContinuesGenerationAndGivesGrace) {
+  // rank -> its member's credential: stored (as a digest), so it still works after the restart.
+  std::map<int, std::string> credentials;
   {
     auto store = Open();
     auto registry = Registry(store.get());
@@ -238,7 +241,10 @@ TEST_F(RegistryOnSqliteTest, Restart_ContinuesGenerationAndGivesGrace) {
       join.set_worker_id(absl::StrCat("w", r));
       join.set_rank(r);
       job->Join(join, absl::InfiniteFuture(), registry->NewWaitId(),
-                [](absl::StatusOr<v1::JoinResponse> r) { ASSERT_TRUE(r.ok()); });
+                [&credentials](absl::StatusOr<v1::JoinResponse> r) {
+                  ASSERT_TRUE(r.ok());
+                  credentials[r->rank()] = r->credential();
+                });
     }
     v1::Job proto;
     job->ToProto(&proto);
@@ -265,6 +271,7 @@ TEST_F(RegistryOnSqliteTest, Restart_ContinuesGenerationAndGivesGrace) {
   v1::HeartbeatRequest hb;
   hb.set_rank(0);
   hb.set_generation(2);
+  hb.set_credential(credentials[0]);
   v1::HeartbeatResponse reply;
   ASSERT_TRUE(job->Heartbeat(hb, &reply).ok());
   EXPECT_EQ(reply.generation(), 2);
@@ -282,9 +289,12 @@ TEST_F(RegistryOnSqliteTest, Restart_ContinuesGenerationAndGivesGrace) {
 TEST_F(RegistryOnSqliteTest, Restart_ElasticSurvivorsHeartbeatsStillCount) {
   v1::JobSpec spec = Spec("e", 4);
   spec.set_min_world_size(2);
-  auto heartbeat = [](Job& job, int rank, int64_t generation) {
+  // rank -> its member's credential (stored as a digest: it survives the restart).
+  std::map<int, std::string> credentials;
+  auto heartbeat = [&credentials](Job& job, int rank, int64_t generation) {
     v1::HeartbeatRequest hb;
     hb.set_rank(rank);
+    hb.set_credential(credentials[rank]);
     hb.set_generation(generation);
     v1::HeartbeatResponse reply;
     ASSERT_TRUE(job.Heartbeat(hb, &reply).ok());
@@ -299,7 +309,10 @@ TEST_F(RegistryOnSqliteTest, Restart_ElasticSurvivorsHeartbeatsStillCount) {
       join.set_worker_id(absl::StrCat("w", r));
       join.set_rank(r);
       job->Join(join, absl::InfiniteFuture(), registry->NewWaitId(),
-                [](absl::StatusOr<v1::JoinResponse> r) { ASSERT_TRUE(r.ok()); });
+                [&credentials](absl::StatusOr<v1::JoinResponse> r) {
+                  ASSERT_TRUE(r.ok());
+                  credentials[r->rank()] = r->credential();
+                });
     }
     clock_.Advance(absl::Seconds(2));
     for (int r = 0; r < 3; ++r) heartbeat(*job, r, 1);
