@@ -6,7 +6,9 @@
 // stops); counts and ranks stay inside the world; every error says what is wrong.
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -90,6 +92,8 @@ void Run(const uint8_t* data, size_t size) {
   Waits waits;
   std::vector<WaitId> wait_ids;
   std::vector<std::shared_ptr<Watcher>> watchers;
+  // (job, rank) -> the credential its latest completed Join handed out.
+  auto credentials = std::make_shared<std::map<std::pair<std::string, int32_t>, std::string>>();
 
   const int jobs = in.ConsumeIntegralInRange<int>(1, 3);
   for (int i = 0; i < jobs; ++i) {
@@ -103,6 +107,11 @@ void Run(const uint8_t* data, size_t size) {
     const int op = in.ConsumeIntegralInRange<int>(0, 14);
     const int32_t rank = in.ConsumeIntegralInRange<int32_t>(-1, 16);
     const int64_t generation = in.ConsumeIntegralInRange<int64_t>(0, 6);
+    // The rank's own credential, another one, or none.
+    const int which = in.ConsumeIntegralInRange<int>(0, 2);
+    const std::string credential =
+        which == 0 ? (*credentials)[{job_id, rank}]
+                   : which == 1 ? (*credentials)[{job_id, (rank + 1) % 4}] : std::string();
     absl::StatusOr<std::shared_ptr<Job>> found = registry->Find(job_id);
     if (op == 12) {
       clock.Advance(absl::Milliseconds(in.ConsumeIntegralInRange<int64_t>(0, 40000)));
@@ -136,17 +145,24 @@ void Run(const uint8_t* data, size_t size) {
         const WaitId id = registry->NewWaitId();
         wait_ids.push_back(id);
         const int32_t world = job.world_size();
+        request.set_credential(credential);
         job.Join(request, clock.Now() + absl::Milliseconds(in.ConsumeIntegral<uint16_t>()), id,
-                 [count = waits.New(), world](absl::StatusOr<v1::JoinResponse> r) {
+                 [count = waits.New(), world, credentials,
+                  job_id](absl::StatusOr<v1::JoinResponse> r) {
                    Waits::Done(count);
                    CheckError(r.status());
-                   if (r.ok()) Check(r->rank() >= 0 && r->rank() < world);
+                   if (r.ok()) {
+                     Check(r->rank() >= 0 && r->rank() < world);
+                     Check(r->credential().size() == 32);
+                     (*credentials)[{job_id, r->rank()}] = r->credential();
+                   }
                  });
         break;
       }
       case 2: {
         v1::HeartbeatRequest request;
         request.set_job_id(job_id);
+        request.set_credential(credential);
         request.set_rank(rank);
         request.set_generation(generation);
         request.set_step(in.ConsumeIntegralInRange<int64_t>(-1, 100));
@@ -159,6 +175,7 @@ void Run(const uint8_t* data, size_t size) {
       case 3: {
         v1::StepRequest request;
         request.set_job_id(job_id);
+        request.set_credential(credential);
         request.set_rank(rank);
         request.set_generation(generation);
         request.set_step(in.ConsumeIntegral<int64_t>());
@@ -180,6 +197,7 @@ void Run(const uint8_t* data, size_t size) {
       case 5: {
         v1::PublishCommIdRequest request;
         request.set_job_id(job_id);
+        request.set_credential(credential);
         request.set_generation(generation);
         request.set_level(in.ConsumeIntegralInRange<int32_t>(-1, 4));
         request.set_subgroup(in.ConsumeIntegralInRange<int32_t>(-1, 8));
@@ -192,6 +210,7 @@ void Run(const uint8_t* data, size_t size) {
       case 6: {
         v1::GetCommIdRequest request;
         request.set_job_id(job_id);
+        request.set_credential(credential);
         request.set_generation(generation);
         request.set_level(in.ConsumeIntegralInRange<int32_t>(-1, 4));
         request.set_subgroup(in.ConsumeIntegralInRange<int32_t>(-1, 8));
@@ -211,6 +230,7 @@ void Run(const uint8_t* data, size_t size) {
       case 7: {
         v1::LeaveRequest request;
         request.set_job_id(job_id);
+        request.set_credential(credential);
         request.set_rank(rank);
         request.set_generation(generation);
         request.set_reason(in.ConsumeRandomLengthString(8));
