@@ -402,6 +402,15 @@ int Run() {
   g_stop = true;
   for (auto& t : threads) t.join();
   pinger.join();
+  // Every job deleted: the coordinator must give their memory back.
+  for (int j = 0; j < jobs; ++j) {
+    v1::DeleteJobRequest del;
+    del.set_job_id(absl::StrCat("soak-", j));
+    v1::DeleteJobResponse deleted;
+    ping_stub->DeleteJob(Context(absl::Seconds(5)).get(), del, &deleted);
+  }
+  absl::SleepFor(absl::Seconds(1));
+  const int64_t rss_after_delete_kb = RssKb(pid);
   const absl::Time term = absl::Now();
   kill(pid, SIGTERM);
   int status = 0;
@@ -412,12 +421,13 @@ int Run() {
     const Window& last = windows.back();
     std::printf("{\"summary\": true, \"workers\": %d, \"seconds\": %.0f, \"rss_idle_kb\": %lld, "
                 "\"rss_first_window_kb\": %lld, \"rss_last_window_kb\": %lld, "
+                "\"rss_after_delete_kb\": %lld, "
                 "\"ping_p99_idle_us\": %lld, \"ping_p99_first_window_us\": %lld, "
                 "\"ping_p99_last_window_us\": %lld, \"stuck_waits\": %lld, "
                 "\"hostile_unexpected\": %lld, \"sigterm_exit_ms\": %lld, \"exit_status\": %d}\n",
                 jobs * world, absl::GetFlag(FLAGS_seconds),
                 static_cast<long long>(idle.rss_kb), static_cast<long long>(first.rss_kb),
-                static_cast<long long>(last.rss_kb),
+                static_cast<long long>(last.rss_kb), static_cast<long long>(rss_after_delete_kb),
                 static_cast<long long>(Percentile(idle.ping_us, 0.99)),
                 static_cast<long long>(Percentile(first.ping_us, 0.99)),
                 static_cast<long long>(Percentile(last.ping_us, 0.99)),

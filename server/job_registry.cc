@@ -1,5 +1,9 @@
 #include "server/job_registry.h"
 
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
+
 #include <algorithm>
 #include <random>
 #include <utility>
@@ -199,6 +203,12 @@ absl::Status JobRegistry::DeleteJob(absl::string_view job_id) {
   spdlog::info("job {}: deleted", job->id());
   job->Close(absl::AbortedError(absl::StrCat("job ", job->id(), " was deleted")),
              /*deleted=*/true);
+  job.reset();
+#ifdef __GLIBC__
+  // glibc keeps freed heap pages in its arenas; without this a coordinator that once held many
+  // jobs keeps that RSS after they are deleted. DeleteJob is rare, so the trim's cost is too.
+  malloc_trim(0);
+#endif
   return absl::OkStatus();
 }
 
