@@ -494,44 +494,43 @@ void Client::NoteHeartbeatReply(const v1::HeartbeatResponse& reply) {
   if (restarted) incarnation_ = incarnation;
 }
 
+void Client::BreakOnce(absl::Status why) {
+  absl::MutexLock l(&mu_);
+  if (!broken_.ok()) return;  // The first reason stands.
+  broken_ = std::move(why);
+  spdlog::error("{}", std::string(broken_.message()));
+}
+
 void Client::NoteHeartbeatFailure(const absl::Status& error) {
   if (absl::IsPermissionDenied(error)) {
     // The rank has another member now (this one was declared dead and replaced).
-    absl::MutexLock l(&mu_);
-    if (broken_.ok()) {
-      broken_ = absl::FailedPreconditionError(absl::StrCat(
-          "the coordinator no longer counts this worker as rank ", rank_, " of job ",
-          options_.job_id, " (", error.message(), "); connect a new Client to re-join"));
-      spdlog::error("{}", std::string(broken_.message()));
-    }
+    BreakOnce(absl::FailedPreconditionError(absl::StrCat(
+        "the coordinator no longer counts this worker as rank ", rank_, " of job ",
+        options_.job_id, " (", error.message(), "); connect a new Client to re-join")));
     return;
   }
   if (absl::IsNotFound(error)) {
     // Only a coordinator that answers can say the job is unknown: it lost or never had it.
-    absl::MutexLock l(&mu_);
-    if (broken_.ok()) {
-      broken_ = absl::FailedPreconditionError(absl::StrCat(
-          "job ", options_.job_id, " is unknown to the coordinator that now answers at ",
-          options_.coordinator, " (this rank joined under incarnation ",
-          incarnation_.empty() ? "unknown" : incarnation_,
-          "): it restarted without the job's state (run it with --state_dir) or the job was "
-          "deleted; create the job again and restart the workers (",
-          error.message(), ")"));
-      spdlog::error("{}", std::string(broken_.message()));
+    std::string incarnation;
+    {
+      absl::MutexLock l(&mu_);
+      incarnation = incarnation_.empty() ? "unknown" : incarnation_;
     }
+    BreakOnce(absl::FailedPreconditionError(absl::StrCat(
+        "job ", options_.job_id, " is unknown to the coordinator that now answers at ",
+        options_.coordinator, " (this rank joined under incarnation ", incarnation,
+        "): it restarted without the job's state (run it with --state_dir) or the job was "
+        "deleted; create the job again and restart the workers (",
+        error.message(), ")")));
     return;
   }
   // Unreachable, or answering with errors: either way this rank cannot learn of membership
   // changes, so the outage bound applies.
   outage_->NoteUnreachable(error);
   if (!outage_->Exceeded()) return;
-  absl::MutexLock l(&mu_);
-  if (broken_.ok()) {
-    broken_ = outage_->Error(absl::StrCat("keeping rank ", rank_, " in job ", options_.job_id,
-                                          " (membership changes cannot be learnt)"),
-                             error);
-    spdlog::error("{}", std::string(broken_.message()));
-  }
+  BreakOnce(outage_->Error(absl::StrCat("keeping rank ", rank_, " in job ", options_.job_id,
+                                        " (membership changes cannot be learnt)"),
+                           error));
 }
 
 absl::StatusOr<Decision> Client::DecisionAt(int64_t step) {

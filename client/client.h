@@ -183,6 +183,9 @@ class Client {
   // coordinator answers that it does not know the job (it restarted without its state), or
   // once the outage has lasted coordinator_outage_timeout.
   void NoteHeartbeatFailure(const absl::Status& error) ABSL_LOCKS_EXCLUDED(mu_);
+  // Marks this client broken with `why` unless it already is (the first reason stands), and
+  // logs it.
+  void BreakOnce(absl::Status why) ABSL_LOCKS_EXCLUDED(mu_);
   // A heartbeat reply: the outage (if any) is over; a new incarnation is logged.
   void NoteHeartbeatReply(const v1::HeartbeatResponse& reply) ABSL_LOCKS_EXCLUDED(mu_);
   // Records a generation change seen by the heartbeat: which ranks departed, and whether the
