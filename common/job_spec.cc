@@ -95,7 +95,12 @@ void DecisionToProto(const Decision& d, int64_t generation, v1::StepDecision* ou
   out->set_subgroup(d.subgroup.index);
   out->mutable_ranks()->Reserve(d.subgroup.size);
   for (int32_t i = 0; i < d.subgroup.size; ++i) out->add_ranks(d.subgroup.first_rank + i);
-  *out->mutable_members() = out->ranks();
+  if (d.members.empty()) {
+    *out->mutable_members() = out->ranks();
+  } else {
+    out->mutable_members()->Add(d.members.begin(), d.members.end());
+  }
+  out->mutable_joining()->Add(d.joining.begin(), d.joining.end());
 }
 
 Decision DecisionFromProto(const v1::StepDecision& d) {
@@ -108,6 +113,8 @@ Decision DecisionFromProto(const v1::StepDecision& d) {
   out.subgroup.index = d.subgroup();
   out.subgroup.size = d.ranks_size();
   out.subgroup.first_rank = d.ranks_size() > 0 ? d.ranks(0) : 0;
+  out.members.assign(d.members().begin(), d.members().end());
+  out.joining.assign(d.joining().begin(), d.joining().end());
   return out;
 }
 

@@ -75,7 +75,20 @@ struct Decision {
   int64_t period = 0;
   // The subgroup that averages (meaningful only when average).
   SubgroupRange subgroup;
+  // The ranks that actually average (AVERAGE only): the subgroup's ranks, less the vacant ranks
+  // of an elastic job and the replacements not admitted yet. Empty means the whole subgroup
+  // (a decision of the schedule alone, which knows nothing of membership).
+  std::vector<int32_t> members;
+  // Members admitted at this step (elastic replacements): they receive the average of the
+  // others and contribute nothing. Usually empty.
+  std::vector<int32_t> joining;
 
+  // The ranks averaging: `members`, or the whole subgroup when it is empty.
+  std::vector<int32_t> Members() const {
+    return members.empty() ? subgroup.Ranks() : members;
+  }
+
+  // Compares what the schedule decides (step, level, subgroup), not the membership.
   bool operator==(const Decision& o) const {
     return step == o.step && average == o.average && level == o.level && period == o.period &&
            subgroup.index == o.subgroup.index && subgroup.first_rank == o.subgroup.first_rank &&
