@@ -28,7 +28,10 @@ absl::StatusOr<Device> CommonDevice(absl::Span<const TensorView> params) {
 
 }  // namespace
 
-ModelAverager::ModelAverager(Client* client) : client_(client) {}
+ModelAverager::ModelAverager(Client* client) : client_(client) {
+  // A replacement starts at its admission step (the first call receives the parameters).
+  if (client_->admission_step() > 0) step_ = client_->admission_step();
+}
 ModelAverager::~ModelAverager() = default;
 
 int64_t ModelAverager::step() const {

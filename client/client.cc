@@ -161,9 +161,15 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   auto outage = std::make_unique<CoordinatorOutage>(options.coordinator,
                                                     options.coordinator_outage_timeout);
   coordinator->set_outage(outage.get());
-  return std::unique_ptr<Client>(new Client(
+  std::unique_ptr<Client> client(new Client(
       std::move(options), std::move(coordinator), std::move(outage), joined.rank(),
       joined.generation(), std::move(schedule), hb_timeout, joined.coordinator_incarnation()));
+  if (joined.admission_step() > 0) {
+    client->admission_step_ = joined.admission_step();
+    spdlog::info("rank {} joined job {} as a replacement: admitted at step {}", joined.rank(),
+                 client->job_id(), joined.admission_step());
+  }
+  return client;
 }
 
 Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator,

@@ -124,6 +124,12 @@ class Client {
   const ClientOptions& options() const { return options_; }
   // The job's heartbeat timeout in force (after the coordinator's defaults).
   absl::Duration heartbeat_timeout() const { return heartbeat_timeout_; }
+  // A replacement that joined a RUNNING elastic job: the step it is admitted at (> 0). Its
+  // averagers start at that step, and their first AverageParameters call overwrites the
+  // parameters with the live members' average (Decision::joining names this rank). -1 for a
+  // member of the world that started the job. Optimizer state is the trainer's: a
+  // replacement's starts fresh.
+  int64_t admission_step() const { return admission_step_; }
 
   // Tells the coordinator this worker is done. Idempotent: later calls return OK.
   // Errors: UNAVAILABLE / DEADLINE_EXCEEDED (coordinator unreachable), NOT_FOUND (job deleted).
@@ -202,6 +208,7 @@ class Client {
   const int64_t generation_;
   const Schedule schedule_;
   const absl::Duration heartbeat_timeout_;
+  int64_t admission_step_ = -1;
   std::unique_ptr<CommunicatorCache> communicators_;
 
   // The decision window [window_start_, window_start_ + window_.size()).
