@@ -14,7 +14,7 @@ if(TARGET modelavg-coordinator)
   # 8-rank elastic jobs of modelavg-trace-worker processes (defined in tests/tools, after this
   # file: referenced through generator expressions), each test a few seconds to ~20 s.
   modelavg_add_gtest(client_elastic_regrow_test SOURCES client_elastic_regrow_test.cc
-    LIBS modelavg_client LABELS integration elastic TIMEOUT 120)
+    LIBS modelavg_client LABELS integration TIMEOUT 120)
   target_compile_definitions(client_elastic_regrow_test PRIVATE
     MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>"
     MODELAVG_CLIENT_WORKER_BIN="$<TARGET_FILE:modelavg_client_worker>"
