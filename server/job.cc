@@ -12,17 +12,26 @@
 namespace modelavg::server {
 namespace {
 
-// Takes the vacant ranks of an elastic job out of a decision's members. True if any was there.
-bool RemoveVacant(const std::vector<int32_t>& vacant, v1::StepDecision* d) {
-  if (vacant.empty() || d->members().empty()) return false;
+// Restricts a decision to the ranks that are members at its step (MemberSteps): vacant ranks
+// and replacements not admitted yet are left out; replacements admitted at that step are listed
+// as joining. O(subgroup size). True if a rank of the subgroup was left out.
+bool ApplyMembers(const MemberSteps& view, v1::StepDecision* d) {
+  if (view.all_from_start || d->action() != v1::AVERAGE) return false;
+  const int64_t step = d->step();
   auto* members = d->mutable_members();
-  const int before = members->size();
-  members->erase(std::remove_if(members->begin(), members->end(),
-                                [&](int32_t r) {
-                                  return std::binary_search(vacant.begin(), vacant.end(), r);
-                                }),
-                 members->end());
-  return members->size() != before;
+  members->Clear();
+  d->clear_joining();
+  bool left_out = false;
+  for (int32_t r : d->ranks()) {
+    const int64_t from = view.from_step[r];
+    if (from == kNotMember || from > step) {
+      left_out = true;
+      continue;
+    }
+    members->Add(r);
+    if (from == step) d->add_joining(r);
+  }
+  return left_out;
 }
 
 constexpr size_t kMaxWorkerIdLength = 256;
@@ -120,7 +129,7 @@ Job::Job(v1::JobSpec spec, Schedule schedule, const JobDefaults& defaults, Clock
       created_unix_ms_(created_unix_ms),
       warnings_(ScheduleWarnings(schedule_.spec())),
       store_(store),
-      membership_(schedule_.world_size(), spec_.min_world_size()) {}
+      membership_(schedule_, spec_.min_world_size()) {}
 
 Job::~Job() = default;
 
@@ -188,6 +197,36 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
       request.credential(), CredentialDigest(credential));
   if (!joined.ok()) return fail(joined.status());
   const int32_t rank = joined->rank;
+  if (joined->change.admitted) {
+    // A replacement in a RUNNING elastic job: answered at once.
+    const MembershipChange& change = joined->change;
+    const Membership::Member& m = membership_.member(rank);
+    ++admissions_;
+    spdlog::info("job {}: worker \"{}\" ({}) admitted as rank {}{} in generation {} at step {} "
+                 "(floor {} = largest step reported {} + margin {}; {:.1f} steps/s)",
+                 id(), m.worker_id, m.host, rank,
+                 change.replaced_live_member ? " (its earlier membership departed)" : "",
+                 membership_.generation(), change.admission_step, change.admission_floor,
+                 change.max_reported_step, change.admission_margin,
+                 std::max(0.0, membership_.steps_per_second()));
+    if (!watchers_.empty()) {
+      AddEvent(v1::JobEvent::MEMBER_ADMITTED, rank,
+               absl::StrCat("worker \"", m.worker_id, "\" admitted as rank ", rank, " at step ",
+                            change.admission_step),
+               true, &out);
+    }
+    OnMembershipChange(change, &out);
+    // On a failed write the admission stays in memory (written with the next change); the
+    // worker retries its Join and is admitted again in the same rank.
+    if (absl::Status s = Persist(); !s.ok()) return fail(s);
+    v1::JoinResponse response;
+    FillJoinResponse(rank, &response);
+    response.set_credential(std::move(credential));
+    out.Complete([done = std::move(done), response = std::move(response)]() mutable {
+      done(std::move(response));
+    });
+    return;
+  }
   OnMembershipChange(joined->change, &out);
   if (joined->was_in_round) {
     // The same worker joins again (e.g. it retried after losing the reply): the newer call wins.
@@ -239,10 +278,20 @@ void Job::OnMembershipChange(const MembershipChange& change, Outbox* out) {
     const std::string why = absl::StrCat(
         "job ", id(), " moved from generation ", change.old_generation, " to ",
         membership_.generation(), " because ", change.reason,
-        change.shrunk ? "; its survivors continue in the new generation" : "; re-join");
+        change.shrunk     ? "; its survivors continue in the new generation"
+        : change.admitted ? "; every live member continues in the new generation"
+                          : "; re-join");
     FailAllWaits(absl::AbortedError(why), out);
     comm_ids_.Clear();
-    if (change.shrunk) {
+    if (change.admitted) {
+      spdlog::info("job {}: generation {} -> {}: {}; elastic: RUNNING with {} of {} ranks{}", id(),
+                   change.old_generation, membership_.generation(), change.reason,
+                   membership_.round_size(), membership_.world_size(),
+                   membership_.round_size() == membership_.world_size()
+                       ? std::string()
+                       : absl::StrCat(" (vacant: ", absl::StrJoin(membership_.VacantRanks(), ", "),
+                                      ")"));
+    } else if (change.shrunk) {
       spdlog::warn("job {}: generation {} -> {}: {}; elastic: RUNNING on with {} of {} ranks "
                    "(vacant: {})",
                    id(), change.old_generation, membership_.generation(), change.reason,
@@ -280,6 +329,7 @@ void Job::FillJoinResponse(int32_t rank, v1::JoinResponse* out) const {
   out->set_generation(membership_.generation());
   *out->mutable_spec() = spec_;
   out->set_heartbeat_timeout_ms(absl::ToInt64Milliseconds(heartbeat_timeout_));
+  out->set_admission_step(membership_.member(rank).admitted_step);
   for (int level = 0; level < schedule_.num_levels(); ++level) {
     const SubgroupRange g = schedule_.SubgroupOf(level, rank);
     v1::Subgroup* s = out->add_subgroups();
@@ -357,11 +407,11 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
   }
   const absl::Time now = clock_->Now();
   int64_t generation;
-  std::vector<int32_t> vacant;
+  std::shared_ptr<const MemberSteps> members;
   {
     absl::MutexLock lock(&mu_);
     generation = membership_.generation();
-    vacant = membership_.VacantRanks();
+    members = membership_.DecisionMembers();
     if (request.generation() != generation) {
       return absl::FailedPreconditionError(StaleMessage(request.generation()));
     }
@@ -376,7 +426,7 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
     }
   }
   DecisionToProto(schedule_.DecisionFor(request.step(), rank), generation, response);
-  RemoveVacant(vacant, response);
+  ApplyMembers(*members, response);
   return absl::OkStatus();
 }
 
@@ -423,11 +473,11 @@ absl::Status Job::GetSchedule(const v1::GetScheduleRequest& request,
     if (bytes > kMaxScheduleReplyBytes) return absl::InvalidArgumentError(too_big);
   }
   int64_t generation;
-  std::vector<int32_t> vacant;
+  std::shared_ptr<const MemberSteps> members;
   {
     absl::MutexLock lock(&mu_);
     generation = membership_.generation();
-    vacant = membership_.VacantRanks();
+    members = membership_.DecisionMembers();
   }
   response->set_generation(generation);
   const std::vector<Decision> decisions =
@@ -441,8 +491,9 @@ absl::Status Job::GetSchedule(const v1::GetScheduleRequest& request,
     }
     v1::StepDecision* out = response->add_decisions();
     DecisionToProto(decisions[i], generation, out);
-    // A block with no live member does not average: listed for every subgroup, it is left out.
-    if (RemoveVacant(vacant, out) && out->members().empty() && !request.has_rank()) {
+    // A block with no member at that step does not average: listed for every subgroup, it is
+    // left out.
+    if (ApplyMembers(*members, out) && out->members().empty() && !request.has_rank()) {
       response->mutable_decisions()->RemoveLast();
     }
   }
@@ -727,12 +778,12 @@ void Job::ToProto(v1::Job* out, int64_t max_bytes) const {
 
 void Job::ToProtoLocked(v1::Job* out, bool with_members, int64_t max_bytes) const {
   if (with_members) {
-    // An upper bound of the members' encoded size: strings plus 8 varints (10 bytes at most)
+    // An upper bound of the members' encoded size: strings plus 9 varints (10 bytes at most)
     // and 3 tags/lengths each.
     int64_t bytes = 0;
     for (int32_t r = 0; r < membership_.world_size(); ++r) {
       const Membership::Member& m = membership_.member(r);
-      if (m.present) bytes += static_cast<int64_t>(m.worker_id.size() + m.host.size()) + 96;
+      if (m.present) bytes += static_cast<int64_t>(m.worker_id.size() + m.host.size()) + 112;
     }
     if (bytes > max_bytes - 16 * 1024) {
       with_members = false;
@@ -763,6 +814,7 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members, int64_t max_bytes) cons
     p->set_ms_since_heartbeat(absl::ToInt64Milliseconds(now - m.last_heartbeat));
     p->set_state(m.state);
     p->set_generation(m.generation);
+    p->set_admitted_step(m.admitted_step);
   }
   out->set_min_step(min_step);
   out->set_max_step(max_step);
@@ -771,6 +823,8 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members, int64_t max_bytes) cons
   out->set_created_unix_ms(created_unix_ms_);
   out->set_live_world_size(membership_.round_size());
   for (int32_t r : membership_.VacantRanks()) out->add_vacant_ranks(r);
+  out->set_deaths(deaths_);
+  out->set_admissions(admissions_);
 }
 
 Job::Stats Job::GetStats() const {
@@ -789,6 +843,7 @@ Job::Stats Job::GetStats() const {
   stats.step_lag = max_step - min_step;
   stats.vacant_ranks = static_cast<int32_t>(membership_.VacantRanks().size());
   stats.deaths = deaths_;
+  stats.admissions = admissions_;
   return stats;
 }
 

@@ -87,11 +87,14 @@ class Job {
   absl::Duration join_timeout() const { return join_timeout_; }
 
   // Rendezvous (the contract in the coordinator's README). `done` gets the JoinResponse once
-  // every rank has joined this generation, or:
+  // every rank has joined this generation; a Join of a RUNNING elastic job (a replacement, see
+  // Membership::Join) is answered at once with its admission_step. Or:
   //   INVALID_ARGUMENT    empty/too long worker_id, rank outside [0, world_size), a world_size
   //                       (when set) other than the job's
   //   ALREADY_EXISTS      another worker holds the requested rank in this generation
-  //   FAILED_PRECONDITION the job is RUNNING and this is not a re-join (job full), or FINISHED
+  //   FAILED_PRECONDITION the job is RUNNING and this is not a re-join (job full), or FINISHED;
+  //                       an elastic job has no vacant rank, or no admission step
+  //   UNAVAILABLE         (elastic admission) a member has not reported its step yet: retry
   //   DEADLINE_EXCEEDED   min(join timeout, `call_deadline`) passed; names the missing ranks
   //   ABORTED             the generation changed while waiting, or the job was deleted
   //   CANCELLED           CancelWait(wait_id)
@@ -155,6 +158,9 @@ class Job {
     int32_t vacant_ranks = 0;
     // Members declared dead (heartbeat timeout) since the job was created (or restored).
     int64_t deaths = 0;
+    // Replacements admitted into the running elastic job since the job was created (or
+    // restored).
+    int64_t admissions = 0;
   };
   Stats GetStats() const;
 
@@ -206,6 +212,8 @@ class Job {
   Membership membership_ ABSL_GUARDED_BY(mu_);
   // Members declared dead since creation (or restore): a metric.
   int64_t deaths_ ABSL_GUARDED_BY(mu_) = 0;
+  // Replacements admitted since creation (or restore): a metric.
+  int64_t admissions_ ABSL_GUARDED_BY(mu_) = 0;
   CommIdStore comm_ids_ ABSL_GUARDED_BY(mu_);
   PendingWaits waits_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<uint64_t, std::shared_ptr<JobWatcher>>> watchers_ ABSL_GUARDED_BY(mu_);

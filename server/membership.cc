@@ -1,6 +1,8 @@
 #include "server/membership.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -9,11 +11,103 @@
 #include "server/member_credential.h"
 
 namespace modelavg::server {
+namespace {
+
+Schedule EveryStepOverTheWorld(int32_t world_size) {
+  ScheduleSpec spec;
+  spec.world_size = world_size;
+  spec.mode = AveragingMode::kPeriodic;
+  spec.levels.push_back(ScheduleLevel{1, world_size});
+  return *Schedule::Create(std::move(spec));
+}
+
+// The first step >= `step` at which `schedule` averages at some level.
+int64_t NextAveragingStep(const Schedule& schedule, int64_t step) {
+  const ScheduleSpec& spec = schedule.spec();
+  step = std::max(step, spec.warmup_steps);
+  if (spec.mode == AveragingMode::kPeriodic) {
+    const int64_t p = spec.levels[0].period;
+    const int64_t offset = step - spec.warmup_steps;
+    return spec.warmup_steps + (offset + p - 1) / p * p;
+  }
+  int64_t next = std::numeric_limits<int64_t>::max();
+  for (const ScheduleLevel& level : spec.levels) {
+    next = std::min(next, (step + level.period - 1) / level.period * level.period);
+  }
+  return next;
+}
+
+}  // namespace
+
+absl::StatusOr<int64_t> FindAdmissionStep(const Schedule& schedule, int32_t rank,
+                                          const std::vector<int64_t>& from_step, int64_t floor,
+                                          const std::string& job_id) {
+  // Per level, the earliest step from which a member of rank's block other than rank averages.
+  std::vector<int64_t> earliest(schedule.num_levels(), kNotMember);
+  bool any = false;
+  for (int level = 0; level < schedule.num_levels(); ++level) {
+    const SubgroupRange g = schedule.SubgroupOf(level, rank);
+    for (int32_t r = g.first_rank; r < g.first_rank + g.size; ++r) {
+      if (r != rank) earliest[level] = std::min(earliest[level], from_step[r]);
+    }
+    any = any || earliest[level] != kNotMember;
+  }
+  if (!any) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", job_id, " has no live member other than rank ", rank,
+        " to give a replacement its parameters; it cannot be admitted"));
+  }
+  // Steps far beyond any real run keep the arithmetic below clear of overflow.
+  constexpr int64_t kMaxFloor = std::numeric_limits<int64_t>::max() / 4;
+  const int64_t start = std::max<int64_t>(floor, 1);
+  if (start > kMaxFloor) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", job_id, ": the members report step ", floor,
+        ", too large to choose an admission step after it"));
+  }
+  const int64_t end = start + kMaxAdmissionScan;
+  for (int64_t s = start;; ++s) {
+    s = NextAveragingStep(schedule, s);
+    if (s >= end) break;
+    const int level = schedule.LevelAt(s);
+    if (level >= 0 && earliest[level] < s) return s;
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "job ", job_id, ": no averaging step in [", start, ", ", end,
+      ") gives rank ", rank, " a live peer in its subgroup (one admitted before that step) to "
+      "receive the parameters from; a replacement is admitted at an averaging step of a block "
+      "that still has a live member"));
+}
+
+Membership::Membership(Schedule schedule, int32_t min_world_size)
+    : schedule_(std::move(schedule)),
+      min_world_size_(min_world_size > 0 && min_world_size < schedule_.world_size()
+                          ? min_world_size
+                          : schedule_.world_size()),
+      members_(schedule_.world_size()) {}
 
 Membership::Membership(int32_t world_size, int32_t min_world_size)
-    : min_world_size_(min_world_size > 0 && min_world_size < world_size ? min_world_size
-                                                                          : world_size),
-      members_(world_size) {}
+    : Membership(EveryStepOverTheWorld(world_size), min_world_size) {}
+
+std::shared_ptr<const MemberSteps> Membership::DecisionMembers() const {
+  if (decision_members_ != nullptr) return decision_members_;
+  auto view = std::make_shared<MemberSteps>();
+  view->from_step.assign(members_.size(), -1);
+  if (state_ == v1::RUNNING) {
+    for (int32_t r = 0; r < world_size(); ++r) {
+      const Member& m = members_[r];
+      if (!InRound(m)) {
+        view->from_step[r] = kNotMember;
+        view->all_from_start = false;
+      } else if (m.admitted_step >= 0) {
+        view->from_step[r] = m.admitted_step;
+        view->all_from_start = false;
+      }
+    }
+  }
+  decision_members_ = std::move(view);
+  return decision_members_;
+}
 
 std::vector<int32_t> Membership::VacantRanks() const {
   std::vector<int32_t> vacant;
@@ -40,11 +134,14 @@ void Membership::Restore(const StoredJobHeader& header, const std::vector<Stored
     m.generation = s.generation;
     m.credential_digest = s.credential_digest;
     m.joined_generation = s.joined_generation > 0 ? s.joined_generation : s.generation;
+    m.admitted_step = s.admitted_step;
     m.last_step = -1;
     m.last_heartbeat = now;
     if (InRound(m)) ++round_size_;
   }
   ClearDelta();
+  decision_members_.reset();
+  ResetProgress();
 }
 
 absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worker_id,
@@ -55,29 +152,15 @@ absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worke
                                                         const std::string& credential,
                                                         const std::string& new_digest) {
   const int32_t world = world_size();
-  const auto held_by_other = [&](int32_t r) {
-    const Member& m = members_[r];
-    return absl::AlreadyExistsError(absl::StrCat(
-        "rank ", r, " of job ", job_id, " is held by worker \"", m.worker_id, "\" (host ",
-        m.host.empty() ? "unknown" : m.host, "), alive in generation ", generation_,
-        "; a rank is re-taken once its holder is dead or has left, or by its holder with its "
-        "credential; ask for another rank or leave rank unset"));
-  };
   if (state_ == v1::FINISHED) {
     return absl::FailedPreconditionError(absl::StrCat(
         "job ", job_id, " is FINISHED (every member left); create a new job to train again"));
   }
+  if (state_ == v1::RUNNING && elastic()) {
+    return Admit(worker_id, host, requested, now, job_id, credential, new_digest);
+  }
   JoinResult result;
   int32_t rank = -1;
-  if (state_ == v1::RUNNING && elastic()) {
-    const std::vector<int32_t> vacant = VacantRanks();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job ", job_id, " is an elastic job RUNNING in generation ", generation_, " with ",
-        round_size_, " of ", world, " ranks",
-        vacant.empty() ? std::string() : absl::StrCat(" (vacant: ", absl::StrJoin(vacant, ", "), ")"),
-        "; this coordinator does not admit replacements into a running job: wait until it "
-        "finishes or falls below min_world_size (", min_world_size_, ")"));
-  }
   if (state_ == v1::RUNNING) {
     if (requested.has_value()) {
       rank = *requested;
@@ -92,7 +175,7 @@ absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worke
     }
     if (rank >= 0 && InRound(members_[rank]) &&
         !CredentialMatches(credential, members_[rank].credential_digest)) {
-      return held_by_other(rank);
+      return HeldByOther(rank, job_id);
     }
     if (rank < 0) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -100,6 +183,7 @@ absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worke
           generation_, "; a worker restarting after a crash re-joins by naming its rank"));
     }
     result.change = Bump(rank, absl::StrCat("rank ", rank, " re-joined"), now);
+    ResetProgress();
   } else if (requested.has_value()) {
     rank = *requested;
     const Member& m = members_[rank];
@@ -107,7 +191,7 @@ absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worke
     // its credential, may never have arrived).
     if (InRound(m) && m.worker_id != worker_id &&
         !CredentialMatches(credential, m.credential_digest)) {
-      return held_by_other(rank);
+      return HeldByOther(rank, job_id);
     }
   } else {
     // The same worker again keeps its rank; a survivor of an earlier generation gets its old
@@ -133,13 +217,140 @@ absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worke
   m.generation = generation_;
   m.credential_digest = new_digest;
   m.joined_generation = generation_;
+  m.admitted_step = -1;
   MarkMember(rank);
   if (round_size_ == world) {
     state_ = v1::RUNNING;
-    dirty_header_ = true;
+    MarkHeader();
     for (Member& each : members_) each.last_heartbeat = now;
     result.change.world_complete = true;
   }
+  return result;
+}
+
+absl::Status Membership::HeldByOther(int32_t rank, const std::string& job_id) const {
+  const Member& m = members_[rank];
+  return absl::AlreadyExistsError(absl::StrCat(
+      "rank ", rank, " of job ", job_id, " is held by worker \"", m.worker_id, "\" (host ",
+      m.host.empty() ? "unknown" : m.host, "), alive in generation ", generation_,
+      "; a rank is re-taken once its holder is dead or has left, or by its holder with its "
+      "credential; ask for another rank or leave rank unset"));
+}
+
+absl::StatusOr<Membership::JoinResult> Membership::Admit(const std::string& worker_id,
+                                                         const std::string& host,
+                                                         std::optional<int32_t> requested,
+                                                         absl::Time now,
+                                                         const std::string& job_id,
+                                                         const std::string& credential,
+                                                         const std::string& new_digest) {
+  const int32_t world = world_size();
+  // A live member whose place this Join takes: its holder re-joining (a restart, proven by the
+  // credential), or the same worker retrying a replacement's Join whose reply it never got (it
+  // has not been heard from since).
+  const auto replaces = [&](int32_t r) {
+    const Member& m = members_[r];
+    return InRound(m) && (CredentialMatches(credential, m.credential_digest) ||
+                          (m.worker_id == worker_id && m.admitted_step >= 0 && m.last_step < 0));
+  };
+  int32_t rank = -1;
+  bool replaced = false;
+  if (requested.has_value()) {
+    rank = *requested;
+    if (InRound(members_[rank])) {
+      if (!replaces(rank)) return HeldByOther(rank, job_id);
+      replaced = true;
+    }
+  } else {
+    for (int32_t r = 0; r < world && rank < 0; ++r) {
+      if (replaces(r)) {
+        rank = r;
+        replaced = true;
+      }
+    }
+    for (int32_t r = 0; r < world && rank < 0; ++r) {
+      if (!InRound(members_[r])) rank = r;
+    }
+    if (rank < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", job_id, " is full: an elastic job RUNNING in generation ", generation_,
+          " with all ", world, " ranks alive; a replacement is admitted only into a vacant rank "
+          "(one whose member died or left)"));
+    }
+  }
+
+  // The floor: past every step a live member may have reached before it hears of the new
+  // generation. A member that never reported its step (it just joined, or this coordinator
+  // restarted) could be anywhere: the Join waits for its report.
+  int64_t max_reported = -1;
+  std::vector<int32_t> unreported;
+  std::vector<int64_t> from_step(world, kNotMember);
+  for (int32_t r = 0; r < world; ++r) {
+    const Member& m = members_[r];
+    if (r == rank || !InRound(m)) continue;
+    from_step[r] = m.admitted_step;
+    if (m.last_step >= 0) {
+      max_reported = std::max(max_reported, m.last_step);
+    } else if (m.admitted_step >= 0) {
+      // A replacement waits at its admission step until it has averaged there.
+      max_reported = std::max(max_reported, m.admitted_step);
+    } else {
+      unreported.push_back(r);
+    }
+  }
+  if (!unreported.empty()) {
+    return absl::UnavailableError(absl::StrCat(
+        "job ", job_id, ": rank ", unreported[0],
+        unreported.size() > 1 ? absl::StrCat(" (and ", unreported.size() - 1, " more)") : "",
+        " has not reported its step since it joined or the coordinator restarted; a replacement "
+        "is admitted at a step chosen from the members' steps: retry in a second (the modelavg "
+        "client retries by itself)"));
+  }
+  int64_t margin = kMinAdmissionMargin;
+  if (steps_per_second_ > 0) {
+    const double notice = std::ceil(steps_per_second_ * absl::ToDoubleSeconds(kAdmissionNotice));
+    margin = static_cast<int64_t>(
+        std::min(notice + kMinAdmissionMargin, static_cast<double>(kMaxAdmissionMargin)));
+  }
+  const int64_t floor = max_reported + margin;
+  absl::StatusOr<int64_t> step = FindAdmissionStep(schedule_, rank, from_step, floor, job_id);
+  if (!step.ok()) return step.status();
+
+  const int64_t old_generation = generation_;
+  JoinResult result;
+  result.rank = rank;
+  result.change = Bump(rank,
+                       absl::StrCat("rank ", rank, replaced ? " re-joined and was" : " was",
+                                    " admitted at step ", *step, " (worker \"", worker_id, "\")"),
+                       now);
+  result.change.admitted = true;
+  result.change.replaced_live_member = replaced;
+  result.change.admission_step = *step;
+  result.change.admission_floor = floor;
+  result.change.admission_margin = margin;
+  result.change.max_reported_step = max_reported;
+  state_ = v1::RUNNING;
+  for (int32_t r = 0; r < world; ++r) {
+    Member& m = members_[r];
+    if (r != rank && m.present && m.state == v1::ALIVE && m.generation == old_generation) {
+      m.generation = generation_;
+      ++round_size_;
+      MarkMember(r);
+    }
+  }
+  Member& m = members_[rank];
+  m.present = true;
+  m.worker_id = worker_id;
+  m.host = host;
+  m.last_step = -1;
+  m.last_heartbeat = now;
+  m.state = v1::ALIVE;
+  m.generation = generation_;
+  m.credential_digest = new_digest;
+  m.joined_generation = generation_;
+  m.admitted_step = *step;
+  ++round_size_;
+  MarkMember(rank);
   return result;
 }
 
@@ -214,6 +425,7 @@ MembershipChange Membership::Depart(int32_t rank, const std::string& reason, abs
     for (const Member& m : members_) live += InRound(m) ? 1 : 0;
     if (live >= min_world_size_) return Shrink(rank, reason, now);
   }
+  ResetProgress();
   return Bump(rank, reason, now);
 }
 
@@ -250,13 +462,37 @@ void Membership::Heartbeat(int32_t rank, int64_t generation, int64_t step, absl:
       generation <= generation_) {
     m.last_heartbeat = now;
     m.last_step = step;
+    NoteProgress(step, now);
   }
+}
+
+void Membership::NoteProgress(int64_t step, absl::Time now) {
+  progress_max_ = std::max(progress_max_, step);
+  if (rate_sample_time_ == absl::InfinitePast()) {
+    rate_sample_time_ = now;
+    rate_sample_step_ = progress_max_;
+    return;
+  }
+  const absl::Duration elapsed = now - rate_sample_time_;
+  if (elapsed < kRateSampleInterval) return;
+  steps_per_second_ =
+      static_cast<double>(progress_max_ - rate_sample_step_) / absl::ToDoubleSeconds(elapsed);
+  rate_sample_time_ = now;
+  rate_sample_step_ = progress_max_;
+}
+
+void Membership::ResetProgress() {
+  progress_max_ = -1;
+  rate_sample_time_ = absl::InfinitePast();
+  rate_sample_step_ = -1;
+  steps_per_second_ = -1;
 }
 
 void Membership::RecordStep(int32_t rank, int64_t step, absl::Time now) {
   Member& m = members_[rank];
   m.last_heartbeat = now;
   m.last_step = step;
+  NoteProgress(step, now);
 }
 
 std::string Membership::MissingRanks(int limit) const {
@@ -289,7 +525,7 @@ MembershipChange Membership::Bump(int32_t rank, const std::string& reason, absl:
   last_change_ = std::move(last);
   state_ = v1::PENDING;
   round_size_ = 0;
-  dirty_header_ = true;
+  MarkHeader();
   dirty_clear_comm_ids_ = true;
   return change;
 }
@@ -304,7 +540,7 @@ bool Membership::MaybeFinish() {
   if (!any) return false;
   state_ = v1::FINISHED;
   round_size_ = 0;
-  dirty_header_ = true;
+  MarkHeader();
   dirty_clear_comm_ids_ = true;
   return true;
 }
@@ -333,6 +569,7 @@ JobDelta Membership::PeekDelta() const {
       s.generation = m.generation;
       s.credential_digest = m.credential_digest;
       s.joined_generation = m.joined_generation;
+      s.admitted_step = m.admitted_step;
     }
     delta.members.push_back(std::move(s));
   }

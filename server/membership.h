@@ -7,16 +7,55 @@
 #define MODELAVG_SERVER_MEMBERSHIP_H_
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
 #include "server/state_store.h"
 
 namespace modelavg::server {
+
+// Admission of replacements into a RUNNING elastic job (Membership::Join).
+// The admission step is at least the largest step the live members reported plus this margin:
+// kMinAdmissionMargin, plus the steps the job advances in kAdmissionNotice (estimated from the
+// reported steps), at most kMaxAdmissionMargin in all.
+inline constexpr int64_t kMinAdmissionMargin = 2;
+inline constexpr int64_t kMaxAdmissionMargin = 100000;
+inline constexpr absl::Duration kAdmissionNotice = absl::Seconds(1);
+// The progress rate is re-estimated from two samples of the largest reported step at least
+// this far apart.
+inline constexpr absl::Duration kRateSampleInterval = absl::Seconds(1);
+// The admission step is searched among the next kMaxAdmissionScan steps from the floor.
+inline constexpr int64_t kMaxAdmissionScan = 1000000;
+// MemberSteps::from_step of a rank no live member holds.
+inline constexpr int64_t kNotMember = INT64_MAX;
+
+// Which ranks take part in decisions, step by step: from_step[r] is the first step at which
+// rank r is a member of its subgroups' averaging: -1 for a member of the world that started
+// the job (and for every rank while the job is not RUNNING), the admission step of a
+// replacement, kNotMember for a vacant rank. A decision at step s lists the ranks with
+// from_step <= s as members, and those with from_step == s as joining.
+struct MemberSteps {
+  std::vector<int64_t> from_step;
+  // Every rank is a member at every step (no vacancy, no replacement): decisions are the
+  // schedule's.
+  bool all_from_start = true;
+};
+
+// The admission step of a replacement taking `rank`: the first step s >= max(floor, 1) at
+// which the schedule averages (at level L) and `rank`'s block at L has a rank other than `rank`
+// with from_step[r] < s (a live member admitted before s, whose parameters it can receive).
+// `from_step` as MemberSteps, with `rank` itself ignored. FAILED_PRECONDITION when no such step
+// is among the next kMaxAdmissionScan steps (no block of `rank` has a live member, or the
+// period that would give one is too far).
+absl::StatusOr<int64_t> FindAdmissionStep(const Schedule& schedule, int32_t rank,
+                                          const std::vector<int64_t>& from_step, int64_t floor,
+                                          const std::string& job_id);
 
 // What one operation did to the membership.
 struct MembershipChange {
@@ -33,6 +72,18 @@ struct MembershipChange {
   // departed ranks are vacant). False when it fell back to PENDING (strict, or below
   // min_world_size).
   bool shrunk = false;
+  // Elastic job: a replacement took `changed_by_rank` and the generation moved on with every
+  // live member and it (still RUNNING). It is admitted at `admission_step`, chosen from
+  // `admission_floor` = the largest step the live members reported (`max_reported_step`, -1
+  // if none) + `admission_margin`.
+  bool admitted = false;
+  // The newcomer took the rank of a live member (its holder re-joining with its credential, or
+  // the same worker retrying its Join): that membership departed.
+  bool replaced_live_member = false;
+  int64_t admission_step = -1;
+  int64_t admission_floor = -1;
+  int64_t admission_margin = 0;
+  int64_t max_reported_step = -1;
 };
 
 class Membership {
@@ -51,6 +102,10 @@ class Membership {
     std::string credential_digest;
     // The generation in which this worker joined (its heartbeats count from then on).
     int64_t joined_generation = 0;
+    // The step from which it takes part in the averaging: -1 for a member of the world that
+    // started the job (or re-formed it after a fall-back to PENDING), its admission step for a
+    // replacement admitted into the RUNNING elastic job.
+    int64_t admitted_step = -1;
   };
 
   struct JoinResult {
@@ -70,7 +125,9 @@ class Membership {
   };
 
   // `min_world_size`: 0 (or world_size) for a strict job; otherwise 1..world_size-1, an elastic
-  // job (see JobSpec.min_world_size).
+  // job (see JobSpec.min_world_size). `schedule` chooses admission steps.
+  Membership(Schedule schedule, int32_t min_world_size);
+  // A membership whose schedule averages the whole world at every step (PERIODIC, period 1).
   explicit Membership(int32_t world_size, int32_t min_world_size = 0);
 
   // Continues from stored state (after a coordinator restart). Every restored member of the
@@ -93,10 +150,18 @@ class Membership {
   // Adds a worker to the current round. `rank` was validated against world_size. The rank is
   // the requested one, else the worker's earlier rank, else the lowest free one. A re-join
   // while RUNNING starts a new generation first; only the holder may do that, proving it with
-  // `credential` (its earlier membership's). The member gets `new_digest`. Errors:
-  //   FAILED_PRECONDITION  FINISHED, or RUNNING and the worker names no rank and holds none, or
-  //                        an elastic job is RUNNING (replacements are not admitted yet)
+  // `credential` (its earlier membership's). The member gets `new_digest`.
+  // An elastic job that is RUNNING admits the worker at once as a replacement (change.admitted):
+  // into the requested rank if vacant, or its own if it is the live holder (credential) or the
+  // same worker retrying a Join it got no answer to (worker_id, not heard from since), else the
+  // lowest vacant rank; a new generation of every live member and the newcomer, RUNNING, with
+  // the newcomer's admitted_step chosen by FindAdmissionStep from the members' reported steps.
+  // Errors:
+  //   FAILED_PRECONDITION  FINISHED; RUNNING and the worker names no rank and holds none (strict
+  //                        job) or no rank is vacant (elastic job: it is full); no admission step
   //   ALREADY_EXISTS       another worker holds the rank, alive (the message names it)
+  //   UNAVAILABLE          elastic admission: a live member has not reported its step since it
+  //                        joined or the coordinator restarted (retry shortly)
   absl::StatusOr<JoinResult> Join(const std::string& worker_id, const std::string& host,
                                   std::optional<int32_t> rank, absl::Time now,
                                   const std::string& job_id, const std::string& credential = "",
@@ -130,6 +195,14 @@ class Membership {
   // Progress reported through Step (the generation was checked by the caller).
   void RecordStep(int32_t rank, int64_t step, absl::Time now);
 
+  // Who takes part in decisions from which step (see MemberSteps). Cached until the membership
+  // changes: O(1) while it does not, O(world_size) once after a change.
+  std::shared_ptr<const MemberSteps> DecisionMembers() const;
+
+  // Steps per second the job advances (the largest reported step over the latest sample of at
+  // least kRateSampleInterval); negative while there is no estimate.
+  double steps_per_second() const { return steps_per_second_; }
+
   // Ranks missing from the current round, at most `limit` listed, then "and N more".
   std::string MissingRanks(int limit) const;
 
@@ -147,10 +220,27 @@ class Membership {
   // is elastic and enough survive, Bump otherwise.
   MembershipChange Depart(int32_t rank, const std::string& reason, absl::Time now);
   MembershipChange Shrink(int32_t rank, const std::string& reason, absl::Time now);
+  // Join of a RUNNING elastic job: a replacement.
+  absl::StatusOr<JoinResult> Admit(const std::string& worker_id, const std::string& host,
+                                   std::optional<int32_t> rank, absl::Time now,
+                                   const std::string& job_id, const std::string& credential,
+                                   const std::string& new_digest);
+  absl::Status HeldByOther(int32_t rank, const std::string& job_id) const;
+  // A step report of a live member: the running maximum and the rate estimate.
+  void NoteProgress(int64_t step, absl::Time now);
+  void ResetProgress();
   // Finishes the job if every present member has left.
   bool MaybeFinish();
-  void MarkMember(int32_t rank) { dirty_members_.push_back(rank); }
+  void MarkMember(int32_t rank) {
+    dirty_members_.push_back(rank);
+    decision_members_.reset();
+  }
+  void MarkHeader() {
+    dirty_header_ = true;
+    decision_members_.reset();
+  }
 
+  const Schedule schedule_;
   const int32_t min_world_size_;
   v1::JobState state_ = v1::PENDING;
   int64_t generation_ = 1;
@@ -158,6 +248,14 @@ class Membership {
   std::vector<Member> members_;
   int32_t round_size_ = 0;
   std::optional<v1::GenerationChange> last_change_;
+  // Built by DecisionMembers(), dropped at every change of the membership.
+  mutable std::shared_ptr<const MemberSteps> decision_members_;
+
+  // Progress (soft state): the largest step reported since the job (re)formed, and the rate.
+  int64_t progress_max_ = -1;
+  absl::Time rate_sample_time_ = absl::InfinitePast();
+  int64_t rate_sample_step_ = -1;
+  double steps_per_second_ = -1;
 
   // Hard-state changes not yet cleared by ClearDelta.
   bool dirty_header_ = false;

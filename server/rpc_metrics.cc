@@ -39,6 +39,10 @@ class JobsCollector final : public prometheus::Collectable {
                                     "Members declared dead (heartbeat timeout) since the job "
                                     "was created or the coordinator restarted",
                                     prometheus::MetricType::Gauge, {}};
+    prometheus::MetricFamily admissions{"modelavg_job_admissions",
+                                        "Elastic jobs: replacements admitted into the running "
+                                        "job since it was created or the coordinator restarted",
+                                        prometheus::MetricType::Gauge, {}};
     std::map<std::string, int> by_state = {{"PENDING", 0}, {"RUNNING", 0}, {"FINISHED", 0}};
     for (const auto& job : registry_->ListJobs()) {
       const Job::Stats stats = job->GetStats();
@@ -54,6 +58,7 @@ class JobsCollector final : public prometheus::Collectable {
       add(lag, static_cast<double>(stats.step_lag));
       add(vacant, stats.vacant_ranks);
       add(deaths, static_cast<double>(stats.deaths));
+      add(admissions, static_cast<double>(stats.admissions));
     }
     for (const auto& [state, n] : by_state) {
       prometheus::ClientMetric m;
@@ -62,7 +67,7 @@ class JobsCollector final : public prometheus::Collectable {
       jobs.metric.push_back(std::move(m));
     }
     return {std::move(jobs),  std::move(workers), std::move(generation), std::move(lag),
-            std::move(vacant), std::move(deaths)};
+            std::move(vacant), std::move(deaths), std::move(admissions)};
   }
 
  private:

@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -20,8 +21,9 @@ constexpr int32_t kApplicationId = 0x6d617667;
 // PRAGMA user_version: the schema below. A file with a higher one was written by a newer
 // coordinator and is refused rather than misread.
 // Version 2 added members.credential_digest; a version 1 file is upgraded in place (its members
-// then have no credential and re-join).
-constexpr int kSchemaVersion = 2;
+// then have no credential and re-join). Version 3 added members.admitted_step; a version 2 file
+// is upgraded in place (its members are of the starting world: -1).
+constexpr int kSchemaVersion = 3;
 // How long a write waits for a reader that holds the file (sqlite3's .backup, VACUUM INTO).
 constexpr int kBusyTimeoutMs = 10000;
 
@@ -43,6 +45,7 @@ CREATE TABLE members(
   generation INTEGER NOT NULL,     -- the generation of the member's round
   joined_generation INTEGER NOT NULL,  -- the generation the worker joined in
   credential_digest TEXT NOT NULL DEFAULT '',  -- SHA-256 of its credential, never the credential
+  admitted_step INTEGER NOT NULL DEFAULT -1,   -- a replacement's admission step; -1: from the start
   PRIMARY KEY(job_id, rank)
 ) WITHOUT ROWID;
 CREATE TABLE comm_ids(             -- the current generation's bootstrap ids
@@ -261,17 +264,29 @@ absl::StatusOr<std::unique_ptr<SqliteStateStore>> SqliteStateStore::Open(const s
   }
   absl::StatusOr<std::string> version = QueryText(db, "PRAGMA user_version");
   if (!version.ok()) return damaged(absl::StrCat("cannot be read: ", version.status().message()));
-  if (*version == "1") {
-    if (absl::Status s = ExecOn(db,
-                                "BEGIN IMMEDIATE; ALTER TABLE members ADD COLUMN "
-                                "credential_digest TEXT NOT NULL DEFAULT ''; "
-                                "PRAGMA user_version=2; COMMIT;",
-                                path);
-        !s.ok()) {
+  // Older schemas are upgraded in place, one version at a time, each step in one transaction.
+  struct Upgrade {
+    const char* from;
+    const char* sql;
+  };
+  static constexpr Upgrade kUpgrades[] = {
+      {"1",
+       "BEGIN IMMEDIATE; ALTER TABLE members ADD COLUMN credential_digest TEXT NOT NULL "
+       "DEFAULT ''; PRAGMA user_version=2; COMMIT;"},
+      {"2",
+       "BEGIN IMMEDIATE; ALTER TABLE members ADD COLUMN admitted_step INTEGER NOT NULL "
+       "DEFAULT -1; PRAGMA user_version=3; COMMIT;"},
+  };
+  for (const Upgrade& upgrade : kUpgrades) {
+    if (*version != upgrade.from) continue;
+    if (absl::Status s = ExecOn(db, upgrade.sql, path); !s.ok()) {
+      ExecOn(db, "ROLLBACK", path).IgnoreError();
       sqlite3_close(db);
       return s;
     }
-    version = std::to_string(kSchemaVersion);
+    spdlog::info("state file {}: schema upgraded from version {} to {}", path, upgrade.from,
+                 std::stoi(upgrade.from) + 1);
+    version = std::to_string(std::stoi(upgrade.from) + 1);
   }
   if (*version != std::to_string(kSchemaVersion)) {
     sqlite3_close(db);
@@ -335,7 +350,8 @@ absl::Status SqliteStateStore::Prepare() {
        "UPDATE jobs SET state = ?2, generation = ?3, last_change = ?4 WHERE job_id = ?1"},
       {&upsert_member_,
        "INSERT OR REPLACE INTO members(job_id, rank, worker_id, host, state, generation, "
-       "joined_generation, credential_digest) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"},
+       "joined_generation, credential_digest, admitted_step) "
+       "VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)"},
       {&delete_member_, "DELETE FROM members WHERE job_id = ?1 AND rank = ?2"},
       {&insert_comm_id_,
        "INSERT OR REPLACE INTO comm_ids(job_id, level, subgroup, key, blob) "
@@ -433,7 +449,8 @@ absl::StatusOr<std::vector<StoredJob>> SqliteStateStore::LoadAll() {
     return j < jobs.size() && jobs[j].spec.job_id() == id ? &jobs[j] : nullptr;
   };
   if (absl::Status s = query("SELECT job_id, rank, worker_id, host, state, generation, "
-                             "joined_generation, credential_digest FROM members ORDER BY job_id, rank");
+                             "joined_generation, credential_digest, admitted_step FROM members "
+                             "ORDER BY job_id, rank");
       !s.ok()) {
     return s;
   }
@@ -451,6 +468,7 @@ absl::StatusOr<std::vector<StoredJob>> SqliteStateStore::LoadAll() {
     m.generation = sqlite3_column_int64(stmt, 5);
     m.joined_generation = sqlite3_column_int64(stmt, 6);
     m.credential_digest = text(7);
+    m.admitted_step = sqlite3_column_int64(stmt, 8);
     if (m.rank < 0 || m.rank >= job->spec.world_size()) {
       bad.push_back(absl::StrCat("job ", job->spec.job_id(), ": rank ", m.rank));
       continue;
@@ -557,6 +575,7 @@ absl::Status SqliteStateStore::ApplyLocked(absl::string_view job_id, const JobDe
                   .Bind(6, m.generation)
                   .Bind(7, m.joined_generation > 0 ? m.joined_generation : m.generation)
                   .Bind(8, m.credential_digest)
+                  .Bind(9, m.admitted_step)
                   .Run();
     if (!done.ok()) return done.status();
   }

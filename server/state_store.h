@@ -41,6 +41,9 @@ struct StoredMember {
   int64_t joined_generation = 0;
   // Digest of the member's credential (server/member_credential.h); never the credential.
   std::string credential_digest;
+  // The step from which it averages: -1 for a member of the world that started the job, the
+  // admission step of a replacement admitted into the RUNNING elastic job.
+  int64_t admitted_step = -1;
 };
 
 // The job-wide hard state besides its members.

@@ -210,6 +210,109 @@ TEST_F(DaemonTest, Daemon_JobsFileWorkersAndSigterm_PendingJoinsUnavailableExitZ
   EXPECT_THAT(log, HasSubstr("received SIGTERM"));
 }
 
+// Elastic regrow through the daemon: a member dies, a replacement's Join is answered at once
+// with its admission step, a WatchJob stream sees MEMBER_ADMITTED then GENERATION_CHANGED, and
+// GetJob, the metrics and the log show it.
+TEST_F(DaemonTest, Daemon_ElasticReplacement_WatchMetricsAndLog) {
+  const std::string port_file = absl::StrCat(dir_, "/port");
+  const std::string metrics_port_file = absl::StrCat(dir_, "/metrics_port");
+  Spawn({"--listen=127.0.0.1:0", "--port_file=" + port_file, "--metrics_listen=127.0.0.1:0",
+         "--metrics_port_file=" + metrics_port_file});
+  const std::string address = WaitForAddress(port_file);
+  ASSERT_NE(address, "") << Stderr();
+  int metrics_port = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(WaitForAddress(metrics_port_file).substr(10), &metrics_port));
+  auto stub = v1::Coordinator::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  v1::CreateJobRequest create;
+  create.mutable_spec()->set_job_id("e");
+  create.mutable_spec()->set_world_size(2);
+  create.mutable_spec()->set_min_world_size(1);
+  create.mutable_spec()->set_mode(v1::PERIODIC);
+  create.mutable_spec()->set_heartbeat_timeout_ms(500);
+  v1::Level* level = create.mutable_spec()->add_levels();
+  level->set_period(1);
+  level->set_group_size(2);
+  v1::Job job;
+  ASSERT_TRUE(stub->CreateJob(Context().get(), create, &job).ok());
+
+  std::vector<v1::JoinResponse> joined(2);
+  std::vector<std::thread> joiners;
+  for (int r = 0; r < 2; ++r) {
+    joiners.emplace_back([&, r] {
+      v1::JoinRequest join;
+      join.set_job_id("e");
+      join.set_worker_id(absl::StrCat("w", r));
+      join.set_rank(r);
+      EXPECT_TRUE(stub->Join(Context().get(), join, &joined[r]).ok());
+    });
+  }
+  for (auto& t : joiners) t.join();
+  v1::WatchJobRequest watch;
+  watch.set_job_id("e");
+  auto watch_ctx = Context();
+  auto reader = stub->WatchJob(watch_ctx.get(), watch);
+  v1::JobEvent event;
+  ASSERT_TRUE(reader->Read(&event));
+  ASSERT_EQ(event.kind(), v1::JobEvent::SNAPSHOT);
+
+  // Rank 0 beats at step 40; rank 1 is silent and dies after 500 ms: the job shrinks.
+  v1::GetJobRequest get;
+  get.set_job_id("e");
+  v1::HeartbeatRequest beat;
+  beat.set_job_id("e");
+  beat.set_rank(0);
+  beat.set_step(40);
+  beat.set_credential(joined[0].credential());
+  for (int i = 0; i < 400; ++i) {
+    beat.set_generation(job.generation() > 0 ? job.generation() : 1);
+    v1::HeartbeatResponse reply;
+    ASSERT_TRUE(stub->Heartbeat(Context().get(), beat, &reply).ok());
+    ASSERT_TRUE(stub->GetJob(Context().get(), get, &job).ok());
+    if (job.generation() == 2) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_EQ(job.generation(), 2);
+  ASSERT_THAT(job.vacant_ranks(), ::testing::ElementsAre(1));
+  ASSERT_TRUE(reader->Read(&event));
+  EXPECT_EQ(event.kind(), v1::JobEvent::GENERATION_CHANGED);
+
+  v1::JoinRequest replacement;
+  replacement.set_job_id("e");
+  replacement.set_worker_id("replacement");
+  v1::JoinResponse admitted;
+  ASSERT_TRUE(stub->Join(Context().get(), replacement, &admitted).ok());
+  EXPECT_EQ(admitted.rank(), 1);
+  EXPECT_EQ(admitted.generation(), 3);
+  EXPECT_GE(admitted.admission_step(), 42);
+  ASSERT_TRUE(reader->Read(&event));
+  EXPECT_EQ(event.kind(), v1::JobEvent::MEMBER_ADMITTED);
+  EXPECT_EQ(event.rank(), 1);
+  EXPECT_THAT(event.message(), HasSubstr(absl::StrCat("at step ", admitted.admission_step())));
+  ASSERT_TRUE(reader->Read(&event));
+  EXPECT_EQ(event.kind(), v1::JobEvent::GENERATION_CHANGED);
+  EXPECT_EQ(event.job().generation(), 3);
+
+  ASSERT_TRUE(stub->GetJob(Context().get(), get, &job).ok());
+  EXPECT_EQ(job.state(), v1::RUNNING);
+  EXPECT_EQ(job.deaths(), 1);
+  EXPECT_EQ(job.admissions(), 1);
+  ASSERT_EQ(job.members_size(), 2);
+  EXPECT_EQ(job.members(0).admitted_step(), -1);
+  EXPECT_EQ(job.members(1).admitted_step(), admitted.admission_step());
+  const std::string metrics = HttpGet(metrics_port, "/metrics");
+  EXPECT_THAT(metrics, HasSubstr("modelavg_job_admissions{job=\"e\"} 1"));
+  EXPECT_THAT(metrics, HasSubstr("modelavg_job_deaths{job=\"e\"} 1"));
+  watch_ctx->TryCancel();
+  ASSERT_EQ(kill(pid_, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(), 0) << Stderr();
+  const std::string log = Stderr();
+  EXPECT_THAT(log, HasSubstr(absl::StrCat("worker \"replacement\" () admitted as rank 1 in "
+                                          "generation 3 at step ",
+                                          admitted.admission_step(), " (floor ")))
+      << log;
+}
+
 TEST_F(DaemonTest, Daemon_JobsFileWithWrongType_ExitsNonZeroNamingTheFile) {
   const std::string jobs =
       Write("bad.json", R"({"jobs": [{"job_id": "a", "world_size": "lots"}]})");

@@ -1,6 +1,7 @@
 // Elastic jobs (JobSpec.min_world_size) in the coordinator core: a death or a departure while
 // RUNNING moves the job to a new generation of the survivors, vacant ranks keep their numbers,
 // decisions list the live members, and below min_world_size the job falls back to PENDING.
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <optional>
@@ -15,7 +16,9 @@
 #include "gtest/gtest.h"
 #include "server/job.h"
 #include "server/job_registry.h"
+#include "server/member_credential.h"
 #include "server/membership.h"
+#include "server/state_store.h"
 
 namespace modelavg::server {
 namespace {
@@ -23,6 +26,7 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
+using ::testing::Pair;
 
 const absl::Time kT0 = absl::FromUnixSeconds(1'700'000'000);
 
@@ -102,15 +106,268 @@ TEST(ElasticMembershipTest, LeaveShrinks_TwoDeathsAtOnce_ThenBelowMinFallsBackTo
   EXPECT_EQ(m.round_size(), 0);
 }
 
-TEST(ElasticMembershipTest, JoinWhileRunningElastic_FailedPreconditionNamingVacancies) {
+// --- Admission of replacements (Membership; its default schedule averages the world at every
+// step, so the admission step is the floor).
+
+// Joins ranks 0..world-1 as workers "w<r>" with credentials "c<r>", each reporting `step`.
+void JoinAllReporting(Membership& m, int64_t step, absl::Time t = kT0) {
+  for (int32_t r = 0; r < m.world_size(); ++r) {
+    ASSERT_TRUE(m.Join("w" + std::to_string(r), "h", r, t, "j", "",
+                       CredentialDigest("c" + std::to_string(r)))
+                    .ok());
+  }
+  ASSERT_EQ(m.state(), v1::RUNNING);
+  for (int32_t r = 0; r < m.world_size(); ++r) m.Heartbeat(r, m.generation(), step, t);
+}
+
+TEST(ElasticAdmissionTest, TakesLowestVacancy_NewGenerationRunning_AdmittedAfterFloor) {
   Membership m(4, 2);
-  JoinAll(m);
-  m.Die({1}, "rank 1 heartbeat timeout", kT0);
-  absl::StatusOr<Membership::JoinResult> j = m.Join("new", "h", 1, kT0, "j");
+  JoinAllReporting(m, 10);
+  m.Die({1, 2}, "ranks 1, 2 heartbeat timeout", kT0);
+  ASSERT_EQ(m.generation(), 2);
+  m.ClearDelta();
+  absl::StatusOr<Membership::JoinResult> j = m.Join("new", "h2", std::nullopt, kT0, "j");
+  ASSERT_TRUE(j.ok()) << j.status();
+  EXPECT_EQ(j->rank, 1);
+  const MembershipChange& c = j->change;
+  EXPECT_TRUE(c.admitted);
+  EXPECT_TRUE(c.generation_changed);
+  EXPECT_FALSE(c.replaced_live_member);
+  EXPECT_EQ(c.old_generation, 2);
+  EXPECT_EQ(c.changed_by_rank, 1);
+  // No rate estimate yet (every report came at one instant): margin 2 over the largest step.
+  EXPECT_EQ(c.max_reported_step, 10);
+  EXPECT_EQ(c.admission_margin, 2);
+  EXPECT_EQ(c.admission_floor, 12);
+  EXPECT_EQ(c.admission_step, 12);
+  EXPECT_THAT(c.reason, HasSubstr("rank 1 was admitted at step 12"));
+  EXPECT_THAT(c.reason, HasSubstr("new"));
+  EXPECT_EQ(m.state(), v1::RUNNING);
+  EXPECT_EQ(m.generation(), 3);
+  EXPECT_EQ(m.round_size(), 3);
+  EXPECT_THAT(m.VacantRanks(), ElementsAre(2));
+  EXPECT_EQ(m.member(1).admitted_step, 12);
+  EXPECT_EQ(m.member(1).generation, 3);
+  EXPECT_EQ(m.member(1).joined_generation, 3);
+  EXPECT_EQ(m.member(1).last_heartbeat, kT0);  // its heartbeat timeout counts from the Join
+  for (int32_t r : {0, 3}) {
+    EXPECT_TRUE(m.InRound(r)) << r;
+    EXPECT_EQ(m.member(r).admitted_step, -1) << r;
+  }
+  // Hard state: the header and every member of the new generation (with its admitted step).
+  const JobDelta delta = m.PeekDelta();
+  ASSERT_TRUE(delta.header.has_value());
+  EXPECT_EQ(delta.header->generation, 3);
+  EXPECT_EQ(delta.header->state, v1::RUNNING);
+  EXPECT_TRUE(delta.clear_comm_ids);
+  ASSERT_EQ(delta.members.size(), 3u);
+  EXPECT_EQ(delta.members[1].rank, 1);
+  EXPECT_EQ(delta.members[1].admitted_step, 12);
+  EXPECT_EQ(delta.members[0].admitted_step, -1);
+}
+
+TEST(ElasticAdmissionTest, RequestedVacancy_HeldRankRefusedNamingHolder_FullJobRefused) {
+  Membership m(4, 2);
+  JoinAllReporting(m, 5);
+  m.Die({1, 2}, "ranks 1, 2 heartbeat timeout", kT0);
+  absl::StatusOr<Membership::JoinResult> held = m.Join("x", "h", 3, kT0, "j");
+  ASSERT_FALSE(held.ok());
+  EXPECT_EQ(held.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(held.status().message(), HasSubstr("\"w3\""));
+  absl::StatusOr<Membership::JoinResult> two = m.Join("x", "h", 2, kT0, "j");
+  ASSERT_TRUE(two.ok()) << two.status();
+  EXPECT_EQ(two->rank, 2);
+  EXPECT_EQ(two->change.admission_step, 7);
+  // The newcomer's admission step counts as its position until it reports: the next one is
+  // admitted after it.
+  absl::StatusOr<Membership::JoinResult> one = m.Join("y", "h", std::nullopt, kT0, "j");
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->rank, 1);
+  EXPECT_EQ(one->change.admission_step, 9);
+  EXPECT_EQ(m.round_size(), 4);
+  EXPECT_EQ(m.generation(), 4);
+  absl::StatusOr<Membership::JoinResult> full = m.Join("z", "h", std::nullopt, kT0, "j");
+  ASSERT_FALSE(full.ok());
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(full.status().message(), HasSubstr("full"));
+  EXPECT_EQ(m.generation(), 4);
+}
+
+TEST(ElasticAdmissionTest, HolderRejoiningWithCredential_ReplacesItselfInSameRank) {
+  Membership m(4, 2);
+  JoinAllReporting(m, 20);
+  // Nothing is vacant: the holder of rank 2 restarted and re-joins with its credential.
+  absl::StatusOr<Membership::JoinResult> j =
+      m.Join("w2-restarted", "h", std::nullopt, kT0, "j", "c2", CredentialDigest("c2b"));
+  ASSERT_TRUE(j.ok()) << j.status();
+  EXPECT_EQ(j->rank, 2);
+  EXPECT_TRUE(j->change.admitted);
+  EXPECT_TRUE(j->change.replaced_live_member);
+  EXPECT_EQ(j->change.admission_step, 22);
+  EXPECT_THAT(j->change.reason, HasSubstr("re-joined"));
+  EXPECT_EQ(m.generation(), 2);
+  EXPECT_EQ(m.state(), v1::RUNNING);
+  EXPECT_EQ(m.round_size(), 4);
+  EXPECT_EQ(m.member(2).worker_id, "w2-restarted");
+  EXPECT_EQ(m.member(2).admitted_step, 22);
+  // The old credential is gone with the old membership.
+  EXPECT_FALSE(m.CheckCredential(2, "c2", "Heartbeat", "j").ok());
+  EXPECT_TRUE(m.CheckCredential(2, "c2b", "Heartbeat", "j").ok());
+  // Naming the rank works the same way; a wrong credential does not.
+  EXPECT_EQ(m.Join("z", "h", 1, kT0, "j", "c0").status().code(),
+            absl::StatusCode::kAlreadyExists);
+  absl::StatusOr<Membership::JoinResult> named = m.Join("w1", "h", 1, kT0, "j", "c1");
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_EQ(named->rank, 1);
+}
+
+TEST(ElasticAdmissionTest, RetriedJoinOfSameWorker_KeepsItsRankUntilHeardFrom) {
+  Membership m(4, 2);
+  JoinAllReporting(m, 3);
+  m.Die({1, 2}, "ranks 1, 2 heartbeat timeout", kT0);
+  ASSERT_EQ(m.Join("new", "h", std::nullopt, kT0, "j")->rank, 1);
+  // Its reply was lost: the same worker asks again, without a credential.
+  absl::StatusOr<Membership::JoinResult> again = m.Join("new", "h", std::nullopt, kT0, "j");
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->rank, 1);
+  EXPECT_TRUE(again->change.replaced_live_member);
+  EXPECT_THAT(m.VacantRanks(), ElementsAre(2));
+  // Once it has been heard from, its worker id alone no longer takes its rank.
+  m.Heartbeat(1, m.generation(), 4, kT0);
+  absl::StatusOr<Membership::JoinResult> third = m.Join("new", "h", std::nullopt, kT0, "j");
+  ASSERT_TRUE(third.ok());
+  EXPECT_EQ(third->rank, 2);
+}
+
+TEST(ElasticAdmissionTest, MemberNotReportedYet_UnavailableUntilItReports) {
+  Membership m(3, 1);
+  for (int32_t r = 0; r < 3; ++r) ASSERT_TRUE(m.Join("w" + std::to_string(r), "h", r, kT0, "j").ok());
+  m.Heartbeat(0, 1, 50, kT0);
+  m.Die({2}, "rank 2 heartbeat timeout", kT0);
+  absl::StatusOr<Membership::JoinResult> j = m.Join("new", "h", std::nullopt, kT0, "j");
   ASSERT_FALSE(j.ok());
-  EXPECT_EQ(j.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(j.status().message(), HasSubstr("vacant: 1"));
-  EXPECT_THAT(j.status().message(), HasSubstr("min_world_size"));
+  EXPECT_EQ(j.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(j.status().message(), HasSubstr("rank 1 has not reported its step"));
+  EXPECT_EQ(m.generation(), 2);
+  m.Heartbeat(1, 1, 48, kT0);
+  j = m.Join("new", "h", std::nullopt, kT0, "j");
+  ASSERT_TRUE(j.ok()) << j.status();
+  EXPECT_EQ(j->change.admission_step, 52);
+}
+
+TEST(ElasticAdmissionTest, MarginAddsOneSecondOfProgress_Capped) {
+  Membership m(4, 2);
+  JoinAllReporting(m, 0);
+  // 300 steps in 1.5 s: 200 steps/s, measured on reports at least a second apart.
+  for (int32_t r = 0; r < 4; ++r) m.Heartbeat(r, 1, 100, kT0 + absl::Milliseconds(500));
+  for (int32_t r = 0; r < 4; ++r) m.Heartbeat(r, 1, 300, kT0 + absl::Milliseconds(1500));
+  EXPECT_DOUBLE_EQ(m.steps_per_second(), 200);
+  m.Die({3}, "rank 3 heartbeat timeout", kT0 + absl::Seconds(2));
+  absl::StatusOr<Membership::JoinResult> j =
+      m.Join("new", "h", std::nullopt, kT0 + absl::Seconds(2), "j");
+  ASSERT_TRUE(j.ok()) << j.status();
+  EXPECT_EQ(j->change.admission_margin, 202);
+  EXPECT_EQ(j->change.admission_step, 502);
+
+  // A job advancing 10 million steps a second gets the largest margin.
+  Membership fast(2, 1);
+  JoinAllReporting(fast, 0);
+  fast.Heartbeat(0, 1, 10'000'000, kT0 + absl::Seconds(1));
+  fast.Die({1}, "rank 1 heartbeat timeout", kT0 + absl::Seconds(1));
+  j = fast.Join("new", "h", std::nullopt, kT0 + absl::Seconds(1), "j");
+  ASSERT_TRUE(j.ok()) << j.status();
+  EXPECT_EQ(j->change.admission_margin, kMaxAdmissionMargin);
+  EXPECT_EQ(j->change.admission_step, 10'000'000 + kMaxAdmissionMargin);
+}
+
+TEST(ElasticAdmissionTest, NewcomerDyingBeforeItsStep_ShrunkOutLikeAnyone) {
+  Membership m(4, 2);
+  JoinAllReporting(m, 3);
+  m.Die({3}, "rank 3 heartbeat timeout", kT0);
+  const absl::Time joined = kT0 + absl::Seconds(10);
+  for (int32_t r = 0; r < 3; ++r) m.Heartbeat(r, 2, 4, joined);
+  ASSERT_TRUE(m.Join("new", "h", std::nullopt, joined, "j").ok());
+  ASSERT_EQ(m.generation(), 3);
+  // Its timeout counts from its Join; the others keep beating.
+  for (int32_t r = 0; r < 3; ++r) m.Heartbeat(r, 3, 5, joined + absl::Seconds(2));
+  EXPECT_THAT(m.Stale(joined + absl::Seconds(2), absl::Seconds(3)), IsEmpty());
+  EXPECT_THAT(m.Stale(joined + absl::Seconds(4), absl::Seconds(3)), ElementsAre(3));
+  const MembershipChange c = m.Die({3}, "rank 3 heartbeat timeout", joined + absl::Seconds(4));
+  EXPECT_TRUE(c.shrunk);
+  EXPECT_EQ(m.state(), v1::RUNNING);
+  EXPECT_THAT(m.VacantRanks(), ElementsAre(3));
+  EXPECT_TRUE(m.DecisionMembers()->from_step[3] == kNotMember);
+}
+
+TEST(ElasticAdmissionTest, DecisionMembers_FromStepPerRank_CachedUntilAChange) {
+  Membership m(4, 2);
+  JoinAllReporting(m, 3);
+  std::shared_ptr<const MemberSteps> start = m.DecisionMembers();
+  EXPECT_TRUE(start->all_from_start);
+  EXPECT_EQ(m.DecisionMembers(), start);  // the same view while nothing changes
+  m.Heartbeat(0, 1, 4, kT0);
+  EXPECT_EQ(m.DecisionMembers(), start);
+  m.Die({2}, "rank 2 heartbeat timeout", kT0);
+  std::shared_ptr<const MemberSteps> shrunk = m.DecisionMembers();
+  EXPECT_FALSE(shrunk->all_from_start);
+  EXPECT_THAT(shrunk->from_step, ElementsAre(-1, -1, kNotMember, -1));
+  ASSERT_TRUE(m.Join("new", "h", std::nullopt, kT0, "j").ok());
+  EXPECT_THAT(m.DecisionMembers()->from_step, ElementsAre(-1, -1, 6, -1));
+}
+
+// --- The admission step against a hierarchical schedule.
+
+Schedule Hierarchical(int32_t world, std::vector<ScheduleLevel> levels, int64_t warmup = 0,
+                      AveragingMode mode = AveragingMode::kHierarchical) {
+  ScheduleSpec spec;
+  spec.world_size = world;
+  spec.warmup_steps = warmup;
+  spec.mode = mode;
+  spec.levels = std::move(levels);
+  absl::StatusOr<Schedule> s = Schedule::Create(spec);
+  EXPECT_TRUE(s.ok()) << s.status();
+  return *s;
+}
+
+TEST(FindAdmissionStepTest, SkipsStepsWhoseBlockHasNoAdmittedLiveMember) {
+  // Pairs every 2 steps, the world every 8.
+  const Schedule s = Hierarchical(4, {{2, 2}, {8, 4}});
+  // Rank 3's partner (rank 2) is alive: the next pair step after the floor.
+  EXPECT_EQ(*FindAdmissionStep(s, 3, {-1, -1, -1, kNotMember}, 3, "j"), 4);
+  // Its partner is vacant: steps 4 and 6 average pairs, rank 3's pair has nobody; step 8
+  // averages the world.
+  EXPECT_EQ(*FindAdmissionStep(s, 3, {-1, -1, kNotMember, kNotMember}, 3, "j"), 8);
+  // Its partner is itself a replacement admitted at 4: at 4 it receives too, so not yet; at 6
+  // it is a full member.
+  EXPECT_EQ(*FindAdmissionStep(s, 3, {-1, -1, 4, kNotMember}, 3, "j"), 6);
+  // Floor on an averaging step: that step.
+  EXPECT_EQ(*FindAdmissionStep(s, 3, {-1, -1, -1, kNotMember}, 8, "j"), 8);
+  // An admission step is never 0.
+  EXPECT_EQ(*FindAdmissionStep(s, 1, {-1, kNotMember, -1, -1}, -5, "j"), 2);
+  // Rank 3's own entry (its previous holder) is ignored.
+  EXPECT_EQ(*FindAdmissionStep(s, 3, {-1, -1, kNotMember, -1}, 3, "j"), 8);
+}
+
+TEST(FindAdmissionStepTest, WarmupAndPeriodicPhase) {
+  const Schedule s = Hierarchical(2, {{10, 2}}, /*warmup=*/95, AveragingMode::kPeriodic);
+  EXPECT_EQ(*FindAdmissionStep(s, 1, {-1, kNotMember}, 3, "j"), 95);
+  EXPECT_EQ(*FindAdmissionStep(s, 1, {-1, kNotMember}, 96, "j"), 105);
+}
+
+TEST(FindAdmissionStepTest, NoPeerOrTooFar_FailedPrecondition) {
+  const Schedule s = Hierarchical(4, {{1, 2}, {2'000'000, 4}});
+  absl::StatusOr<int64_t> none = FindAdmissionStep(s, 3, {kNotMember, kNotMember, kNotMember,
+                                                          kNotMember}, 1, "j");
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(none.status().message(), HasSubstr("no live member"));
+  // Only the world level (every 2,000,000 steps) has a peer: beyond the scan.
+  absl::StatusOr<int64_t> far = FindAdmissionStep(s, 3, {-1, -1, kNotMember, kNotMember}, 1, "j");
+  ASSERT_FALSE(far.ok());
+  EXPECT_EQ(far.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(far.status().message(), HasSubstr("no averaging step"));
+  EXPECT_EQ(*FindAdmissionStep(s, 3, {-1, -1, kNotMember, kNotMember}, 1'500'000, "j"),
+            2'000'000);
 }
 
 TEST(ElasticSpecTest, MinWorldSizeOutOfRange_InvalidArgument) {
@@ -134,12 +391,65 @@ TEST(ElasticSpecTest, MinWorldSizeOutOfRange_InvalidArgument) {
 // Through the Job: the decisions and GetJob of a shrunk job.
 class ElasticJobTest : public ::testing::Test {
  protected:
-  ElasticJobTest() {
+  ElasticJobTest() { registry_ = NewRegistry(); }
+
+  // A coordinator core on store_ (a second one continues from what the first stored).
+  std::unique_ptr<JobRegistry> NewRegistry() {
     JobRegistryOptions options;
     options.clock = &clock_;
     options.start_staleness_thread = false;
     options.defaults.heartbeat_timeout = absl::Seconds(3);
-    registry_ = std::make_unique<JobRegistry>(options);
+    options.store = &store_;
+    return std::make_unique<JobRegistry>(options);
+  }
+
+  absl::StatusOr<v1::JoinResponse> JoinAs(Job& job, const std::string& worker,
+                                          std::optional<int> rank = std::nullopt) {
+    v1::JoinRequest request;
+    request.set_job_id("e");
+    request.set_worker_id(worker);
+    if (rank.has_value()) request.set_rank(*rank);
+    std::optional<absl::StatusOr<v1::JoinResponse>> result;
+    job.Join(request, absl::InfiniteFuture(), registry_->NewWaitId(),
+             [&](absl::StatusOr<v1::JoinResponse> r) { result = std::move(r); });
+    if (!result.has_value()) return absl::InternalError("the Join was not answered at once");
+    if (result->ok()) credentials_[(*result)->rank()] = (*result)->credential();
+    return *std::move(result);
+  }
+
+  absl::Status Beat(Job& job, int rank, int64_t generation, int64_t step) {
+    v1::HeartbeatRequest hb;
+    hb.set_job_id("e");
+    hb.set_rank(rank);
+    hb.set_generation(generation);
+    hb.set_step(step);
+    hb.set_credential(credentials_[rank]);
+    v1::HeartbeatResponse reply;
+    return job.Heartbeat(hb, &reply);
+  }
+
+  // Decisions for steps [from, from + count): of `rank`, or of every subgroup.
+  std::vector<v1::StepDecision> Window(const Job& job, int64_t from, int64_t count,
+                                       std::optional<int> rank) {
+    v1::GetScheduleRequest req;
+    req.set_job_id("e");
+    req.set_from_step(from);
+    req.set_count(count);
+    if (rank.has_value()) req.set_rank(*rank);
+    v1::GetScheduleResponse resp;
+    EXPECT_TRUE(job.GetSchedule(req, &resp).ok());
+    return {resp.decisions().begin(), resp.decisions().end()};
+  }
+
+  v1::StepDecision StepOf(Job& job, int rank, int64_t generation, int64_t step) {
+    v1::StepRequest req;
+    req.set_job_id("e");
+    req.set_rank(rank);
+    req.set_generation(generation);
+    req.set_step(step);
+    v1::StepDecision d;
+    EXPECT_TRUE(job.Step(req, &d).ok());
+    return d;
   }
 
   // World 4: levels (period 1, groups of 2), (period 2, the world); min_world_size 1.
@@ -183,6 +493,7 @@ class ElasticJobTest : public ::testing::Test {
   }
 
   FakeClock clock_;
+  InMemoryStateStore store_;
   std::unique_ptr<JobRegistry> registry_;
   // rank -> its member's credential (JoinResponse.credential).
   std::map<int, std::string> credentials_;
@@ -225,6 +536,184 @@ TEST_F(ElasticJobTest, DeadRank_DecisionsListLiveMembers_EmptyBlockDoesNotAverag
   ASSERT_EQ(resp.decisions_size(), 1);
   EXPECT_EQ(resp.decisions(0).subgroup(), 0);
   EXPECT_THAT(resp.decisions(0).members(), ElementsAre(0, 1));
+}
+
+
+// Records the kind, rank and message of every event.
+class EventLog final : public JobWatcher {
+ public:
+  void OnEvent(const v1::JobEvent& event) override {
+    absl::MutexLock lock(&mu_);
+    events_.push_back(event);
+  }
+  void OnClosed(const absl::Status&) override {}
+  std::vector<v1::JobEvent> events() {
+    absl::MutexLock lock(&mu_);
+    return events_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<v1::JobEvent> events_;
+};
+
+// World 4: pairs every step, the world every 2 steps. Rank 3 dies at step 3 and a replacement
+// takes its rank: admitted at step 5 (largest step reported 3 + margin 2), a pair step whose
+// block has rank 2.
+TEST_F(ElasticJobTest, Replacement_AnsweredAtOnce_DecisionsBeforeAtAndAfterItsStep) {
+  std::shared_ptr<Job> job = MakeRunningJob();
+  auto watcher = std::make_shared<EventLog>();
+  job->Watch(watcher);
+  Kill(*job, {3}, 1);
+  absl::StatusOr<v1::JoinResponse> joined = JoinAs(*job, "new");
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  EXPECT_EQ(joined->rank(), 3);
+  EXPECT_EQ(joined->generation(), 3);
+  EXPECT_EQ(joined->admission_step(), 5);
+  EXPECT_FALSE(joined->credential().empty());
+  ASSERT_EQ(joined->subgroups_size(), 2);
+  EXPECT_THAT(joined->subgroups(0).ranks(), ElementsAre(2, 3));
+
+  v1::Job state;
+  job->ToProto(&state);
+  EXPECT_EQ(state.state(), v1::RUNNING);
+  EXPECT_EQ(state.generation(), 3);
+  EXPECT_EQ(state.live_world_size(), 4);
+  EXPECT_THAT(state.vacant_ranks(), IsEmpty());
+  EXPECT_EQ(state.deaths(), 1);
+  EXPECT_EQ(state.admissions(), 1);
+  ASSERT_EQ(state.members_size(), 4);
+  EXPECT_EQ(state.members(3).admitted_step(), 5);
+  EXPECT_EQ(state.members(3).worker_id(), "new");
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(state.members(r).admitted_step(), -1) << r;
+  EXPECT_THAT(state.last_change().reason(), HasSubstr("rank 3 was admitted at step 5"));
+  EXPECT_EQ(state.last_change().rank(), 3);
+
+  // Step: rank 2's pair at 3 (before): alone; at 5: both, rank 3 joining; at 7: both.
+  for (int rank : {2, 3}) {
+    v1::StepDecision d = StepOf(*job, rank, 3, 3);
+    EXPECT_THAT(d.members(), ElementsAre(2)) << rank;
+    EXPECT_THAT(d.joining(), IsEmpty());
+    d = StepOf(*job, rank, 3, 5);
+    EXPECT_THAT(d.members(), ElementsAre(2, 3)) << rank;
+    EXPECT_THAT(d.joining(), ElementsAre(3)) << rank;
+    d = StepOf(*job, rank, 3, 7);
+    EXPECT_THAT(d.members(), ElementsAre(2, 3)) << rank;
+    EXPECT_THAT(d.joining(), IsEmpty());
+  }
+  // GetSchedule of rank 3, steps 4..6: the world without it, its pair with it joining, the
+  // whole world.
+  std::vector<v1::StepDecision> w = Window(*job, 4, 3, 3);
+  ASSERT_EQ(w.size(), 3u);
+  EXPECT_THAT(w[0].ranks(), ElementsAre(0, 1, 2, 3));
+  EXPECT_THAT(w[0].members(), ElementsAre(0, 1, 2));
+  EXPECT_THAT(w[1].members(), ElementsAre(2, 3));
+  EXPECT_THAT(w[1].joining(), ElementsAre(3));
+  EXPECT_THAT(w[2].members(), ElementsAre(0, 1, 2, 3));
+  EXPECT_THAT(w[2].joining(), IsEmpty());
+  // Every subgroup: the same, block 0 never has anyone joining.
+  w = Window(*job, 4, 3, std::nullopt);
+  ASSERT_EQ(w.size(), 4u);
+  EXPECT_THAT(w[0].members(), ElementsAre(0, 1, 2));
+  EXPECT_EQ(w[1].step(), 5);
+  EXPECT_THAT(w[1].members(), ElementsAre(0, 1));
+  EXPECT_THAT(w[1].joining(), IsEmpty());
+  EXPECT_EQ(w[2].step(), 5);
+  EXPECT_THAT(w[2].members(), ElementsAre(2, 3));
+  EXPECT_THAT(w[2].joining(), ElementsAre(3));
+  EXPECT_THAT(w[3].members(), ElementsAre(0, 1, 2, 3));
+  for (const v1::StepDecision& d : w) EXPECT_EQ(d.generation(), 3);
+
+  // Watchers see MEMBER_ADMITTED (the rank, the step, the worker), then GENERATION_CHANGED.
+  std::vector<v1::JobEvent> events = watcher->events();
+  std::vector<std::pair<v1::JobEvent::Kind, int>> kinds;
+  for (const v1::JobEvent& e : events) kinds.emplace_back(e.kind(), e.rank());
+  EXPECT_THAT(kinds, ElementsAre(Pair(v1::JobEvent::SNAPSHOT, -1),
+                                 Pair(v1::JobEvent::GENERATION_CHANGED, 3),
+                                 Pair(v1::JobEvent::MEMBER_ADMITTED, 3),
+                                 Pair(v1::JobEvent::GENERATION_CHANGED, 3)));
+  ASSERT_EQ(events.size(), 4u);
+  EXPECT_THAT(events[2].message(), HasSubstr("at step 5"));
+  EXPECT_THAT(events[2].message(), HasSubstr("\"new\""));
+  EXPECT_EQ(events[2].job().members(3).admitted_step(), 5);
+  EXPECT_EQ(events[3].job().generation(), 3);
+
+  // Its heartbeats count from its own generation on.
+  EXPECT_TRUE(Beat(*job, 3, 3, 5).ok());
+  // The stale generation is refused for Step as for anyone.
+  v1::StepRequest stale;
+  stale.set_job_id("e");
+  stale.set_rank(0);
+  stale.set_generation(2);
+  stale.set_step(4);
+  v1::StepDecision d;
+  EXPECT_EQ(job->Step(stale, &d).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// Ranks 2 and 3 (a whole pair) die: a replacement for 2 has no partner, so it is admitted at
+// the next world step; its decisions before that leave block 1 out entirely.
+TEST_F(ElasticJobTest, Replacement_WholeBlockDead_AdmittedAtAWorldStep) {
+  std::shared_ptr<Job> job = MakeRunningJob();
+  Kill(*job, {2, 3}, 1);
+  absl::StatusOr<v1::JoinResponse> joined = JoinAs(*job, "new", 2);
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  EXPECT_EQ(joined->rank(), 2);
+  EXPECT_EQ(joined->admission_step(), 6);  // floor 5 is a pair step without a partner
+  std::vector<v1::StepDecision> w = Window(*job, 5, 3, std::nullopt);
+  // Step 5: only block 0 averages; 6: the world, rank 2 joining; 7: pairs, block 1 is rank 2.
+  ASSERT_EQ(w.size(), 4u);
+  EXPECT_EQ(w[0].step(), 5);
+  EXPECT_THAT(w[0].members(), ElementsAre(0, 1));
+  EXPECT_EQ(w[1].step(), 6);
+  EXPECT_THAT(w[1].members(), ElementsAre(0, 1, 2));
+  EXPECT_THAT(w[1].joining(), ElementsAre(2));
+  EXPECT_EQ(w[2].step(), 7);
+  EXPECT_THAT(w[2].members(), ElementsAre(0, 1));
+  EXPECT_EQ(w[3].step(), 7);
+  EXPECT_THAT(w[3].members(), ElementsAre(2));
+  // The last vacancy: rank 3, partnered by rank 2 only from step 7 on (6 is its own admission),
+  // and floor = 6 (rank 2 has not reported: its admission step) + 2 = 8, a world step.
+  joined = JoinAs(*job, "newer");
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  EXPECT_EQ(joined->rank(), 3);
+  EXPECT_EQ(joined->admission_step(), 8);
+  v1::Job state;
+  job->ToProto(&state);
+  EXPECT_EQ(state.admissions(), 2);
+  EXPECT_EQ(state.deaths(), 2);
+  EXPECT_EQ(state.live_world_size(), 4);
+  // A job with every rank alive is full.
+  absl::StatusOr<v1::JoinResponse> full = JoinAs(*job, "one-more");
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ElasticJobTest, Restart_KeepsAdmissionsAndDecisions) {
+  std::shared_ptr<Job> job = MakeRunningJob();
+  Kill(*job, {3}, 1);
+  ASSERT_TRUE(JoinAs(*job, "new").ok());
+  const std::vector<v1::StepDecision> before = Window(*job, 0, 12, std::nullopt);
+  job.reset();
+  registry_->Stop();
+  registry_ = NewRegistry();
+  ASSERT_EQ(*registry_->LoadFromStore(absl::Seconds(5)), 1);
+  job = *registry_->Find("e");
+  const std::vector<v1::StepDecision> after = Window(*job, 0, 12, std::nullopt);
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_EQ(after[i].SerializeAsString(), before[i].SerializeAsString()) << i;
+  }
+  v1::Job state;
+  job->ToProto(&state);
+  EXPECT_EQ(state.generation(), 3);
+  EXPECT_EQ(state.members(3).admitted_step(), 5);
+  EXPECT_EQ(state.members(0).admitted_step(), -1);
+  // After the restart no step is known yet: an admission waits for the members' reports.
+  clock_.Advance(absl::Seconds(1));
+  Kill(*job, {1}, 3);  // ranks 0, 2, 3 report step 3 (rank 3 re-attaches with its credential)
+  absl::StatusOr<v1::JoinResponse> joined = JoinAs(*job, "third");
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  EXPECT_EQ(joined->rank(), 1);
+  EXPECT_EQ(joined->admission_step(), 5);
 }
 
 TEST_F(ElasticJobTest, StrictJob_DecisionMembersEqualRanks) {

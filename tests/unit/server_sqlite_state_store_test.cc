@@ -1,5 +1,6 @@
 // The SQLite StateStore: round trips across reopen, private files, the directory lock, and a
 // damaged file refused by name; the registry's load and jobs-file merge on top of it.
+#include <sqlite3.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -8,9 +9,11 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/text_format.h"
@@ -117,6 +120,101 @@ TEST_F(SqliteStateStoreTest, Reopen_EveryTransitionIsThere) {
   EXPECT_EQ(a.comm_ids[0].level, 1);
   EXPECT_EQ(a.comm_ids[0].key, "k");
   EXPECT_EQ(a.comm_ids[0].blob, std::string("\0\1\2", 3));
+}
+
+TEST_F(SqliteStateStoreTest, Reopen_AdmittedStepKept) {
+  {
+    auto store = Open();
+    ASSERT_TRUE(store->CreateJob(Spec("a"), 1).ok());
+    JobDelta d;
+    d.members.push_back(StoredMember{0, "w0", "h0", v1::ALIVE, 3, 1});
+    StoredMember newcomer{3, "new", "h3", v1::ALIVE, 3, 3, "digest"};
+    newcomer.admitted_step = 120;
+    d.members.push_back(newcomer);
+    ASSERT_TRUE(store->Apply("a", d).ok());
+  }
+  auto store = Open();
+  absl::StatusOr<std::vector<StoredJob>> jobs = store->LoadAll();
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  ASSERT_EQ((*jobs)[0].members.size(), 2u);
+  EXPECT_EQ((*jobs)[0].members[0].admitted_step, -1);
+  EXPECT_EQ((*jobs)[0].members[1].admitted_step, 120);
+  EXPECT_EQ((*jobs)[0].members[1].credential_digest, "digest");
+}
+
+// Runs `sql` on the file at `path` (outside the store).
+void RunSql(const std::string& path, const std::string& sql) {
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  char* err = nullptr;
+  EXPECT_EQ(sqlite3_exec(db, sql.c_str(), nullptr, nullptr, &err), SQLITE_OK)
+      << (err != nullptr ? err : "");
+  sqlite3_free(err);
+  sqlite3_close(db);
+}
+
+std::string QueryOne(const std::string& path, const std::string& sql) {
+  sqlite3* db = nullptr;
+  EXPECT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  sqlite3_stmt* stmt = nullptr;
+  std::string out;
+  if (sqlite3_prepare_v2(db, sql.c_str(), -1, &stmt, nullptr) == SQLITE_OK &&
+      sqlite3_step(stmt) == SQLITE_ROW) {
+    out = reinterpret_cast<const char*>(sqlite3_column_text(stmt, 0));
+  }
+  sqlite3_finalize(stmt);
+  sqlite3_close(db);
+  return out;
+}
+
+// A state file written by the coordinator before admissions (schema version 2) is upgraded in
+// place: its members are of the starting world (admitted_step -1), and new ones keep theirs.
+TEST_F(SqliteStateStoreTest, SchemaVersion2File_UpgradedInPlace) {
+  ASSERT_EQ(mkdir(dir_.c_str(), 0700), 0);
+  RunSql(db(), absl::StrCat(R"sql(
+PRAGMA journal_mode=WAL;
+CREATE TABLE jobs(job_id TEXT PRIMARY KEY NOT NULL, spec BLOB NOT NULL,
+  created_unix_ms INTEGER NOT NULL, state INTEGER NOT NULL, generation INTEGER NOT NULL,
+  last_change BLOB) WITHOUT ROWID;
+CREATE TABLE members(job_id TEXT NOT NULL, rank INTEGER NOT NULL, worker_id TEXT NOT NULL,
+  host TEXT NOT NULL, state INTEGER NOT NULL, generation INTEGER NOT NULL,
+  joined_generation INTEGER NOT NULL, credential_digest TEXT NOT NULL DEFAULT '',
+  PRIMARY KEY(job_id, rank)) WITHOUT ROWID;
+CREATE TABLE comm_ids(job_id TEXT NOT NULL, level INTEGER NOT NULL, subgroup INTEGER NOT NULL,
+  key TEXT NOT NULL, blob BLOB NOT NULL, PRIMARY KEY(job_id, level, subgroup, key)) WITHOUT ROWID;
+PRAGMA application_id=1835103847;
+PRAGMA user_version=2;
+INSERT INTO jobs VALUES('a', X')sql",
+                            absl::BytesToHexString(Spec("a").SerializeAsString()),
+                            R"sql(', 5, 2, 4, NULL);
+INSERT INTO members VALUES('a', 0, 'w0', 'h0', 1, 4, 1, 'd0');
+INSERT INTO members VALUES('a', 1, 'w1', 'h1', 2, 3, 1, 'd1');
+)sql"));
+  {
+    auto store = Open();
+    ASSERT_NE(store, nullptr);
+    absl::StatusOr<std::vector<StoredJob>> jobs = store->LoadAll();
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    ASSERT_EQ(jobs->size(), 1u);
+    const StoredJob& a = (*jobs)[0];
+    EXPECT_EQ(a.header.generation, 4);
+    EXPECT_EQ(a.header.state, v1::RUNNING);
+    ASSERT_EQ(a.members.size(), 2u);
+    EXPECT_EQ(a.members[0].credential_digest, "d0");
+    EXPECT_EQ(a.members[0].admitted_step, -1);
+    EXPECT_EQ(a.members[1].admitted_step, -1);
+    JobDelta d;
+    StoredMember newcomer{1, "new", "h", v1::ALIVE, 5, 5, "d2"};
+    newcomer.admitted_step = 42;
+    d.members.push_back(newcomer);
+    ASSERT_TRUE(store->Apply("a", d).ok());
+  }
+  EXPECT_EQ(QueryOne(db(), "PRAGMA user_version"), "3");
+  auto store = Open();
+  absl::StatusOr<std::vector<StoredJob>> jobs = store->LoadAll();
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  EXPECT_EQ((*jobs)[0].members[1].admitted_step, 42);
+  EXPECT_EQ((*jobs)[0].members[0].admitted_step, -1);
 }
 
 TEST_F(SqliteStateStoreTest, ClearCommIds_DropsTheOldGenerationsIds) {
@@ -363,6 +461,73 @@ TEST_F(RegistryOnSqliteTest, MergeJobs_SameSpecKeptNewAddedDifferentRefusedNamin
   ASSERT_TRUE(registry->MergeJobs({Spec("b"), Spec("a")}).ok());
   EXPECT_EQ(registry->ListJobs().size(), 2u);
   EXPECT_EQ((*store->LoadAll()).size(), 2u);
+}
+
+// A replacement admitted before a restart keeps its admission step: the decisions after the
+// restart are the same.
+TEST_F(RegistryOnSqliteTest, Restart_ElasticAdmissionKept) {
+  v1::JobSpec spec = Spec("e", 4);
+  spec.set_min_world_size(2);
+  std::map<int, std::string> credentials;
+  auto join = [&credentials](JobRegistry& registry, Job& job, const std::string& worker,
+                             std::optional<int> rank) {
+    v1::JoinRequest request;
+    request.set_worker_id(worker);
+    if (rank.has_value()) request.set_rank(*rank);
+    job.Join(request, absl::InfiniteFuture(), registry.NewWaitId(),
+             [&credentials](absl::StatusOr<v1::JoinResponse> r) {
+               ASSERT_TRUE(r.ok()) << r.status();
+               credentials[r->rank()] = r->credential();
+             });
+  };
+  auto heartbeat = [&credentials](Job& job, int rank, int64_t generation, int64_t step) {
+    v1::HeartbeatRequest hb;
+    hb.set_rank(rank);
+    hb.set_credential(credentials[rank]);
+    hb.set_generation(generation);
+    hb.set_step(step);
+    v1::HeartbeatResponse reply;
+    ASSERT_TRUE(job.Heartbeat(hb, &reply).ok());
+  };
+  auto schedule = [](Job& job) {
+    v1::GetScheduleRequest req;
+    req.set_from_step(0);
+    req.set_count(40);
+    v1::GetScheduleResponse resp;
+    EXPECT_TRUE(job.GetSchedule(req, &resp).ok());
+    return resp.SerializeAsString();
+  };
+  std::string before;
+  {
+    auto store = Open();
+    auto registry = Registry(store.get());
+    ASSERT_TRUE(registry->CreateJob(spec, nullptr).ok());
+    std::shared_ptr<Job> job = *registry->Find("e");
+    for (int r = 0; r < 4; ++r) join(*registry, *job, absl::StrCat("w", r), r);
+    clock_.Advance(absl::Seconds(2));
+    for (int r = 0; r < 3; ++r) heartbeat(*job, r, 1, 9);
+    clock_.Advance(absl::Seconds(2));
+    registry->CheckStaleness();  // rank 3 dead: generation 2
+    join(*registry, *job, "new", std::nullopt);
+    v1::Job proto;
+    job->ToProto(&proto);
+    ASSERT_EQ(proto.generation(), 3);
+    ASSERT_EQ(proto.members(3).admitted_step(), 12);  // floor 9 + 2 = 11 averages nothing
+    before = schedule(*job);
+    registry->Stop();
+  }
+  auto store = Open();
+  auto registry = Registry(store.get());
+  ASSERT_EQ(*registry->LoadFromStore(absl::Seconds(5)), 1);
+  std::shared_ptr<Job> job = *registry->Find("e");
+  v1::Job proto;
+  job->ToProto(&proto);
+  EXPECT_EQ(proto.generation(), 3);
+  EXPECT_EQ(proto.state(), v1::RUNNING);
+  EXPECT_EQ(proto.members(3).admitted_step(), 12);
+  EXPECT_EQ(proto.members(3).worker_id(), "new");
+  EXPECT_EQ(proto.members(0).admitted_step(), -1);
+  EXPECT_EQ(schedule(*job), before);
 }
 
 }  // namespace
