@@ -376,6 +376,10 @@ absl::Status GlooCommunicator::Commit() {
     return absl::InternalError(absl::StrCat("Gloo commit counted ", votes, " of ", size_,
                                             " members"));
   }
+  if (fail_commit_) {
+    fail_commit_ = false;
+    return absl::UnavailableError("injected commit failure (test)");
+  }
   return absl::OkStatus();
 }
 

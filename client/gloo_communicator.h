@@ -88,6 +88,12 @@ class GlooCommunicator : public Communicator {
     absl::MutexLock l(&mu_);
     fail_after_reductions_ = n;
   }
+  // Tests only: the next committed round's confirmation fails on this member after it
+  // succeeded everywhere, as when this member's last receive breaks while its peers complete.
+  void InjectCommitFailureForTesting() {
+    absl::MutexLock l(&mu_);
+    fail_commit_ = true;
+  }
   // Whether averaging fuses the division into Gloo's ring (false: a separate pass).
   bool fused() const {
     absl::MutexLock l(&mu_);
@@ -136,6 +142,7 @@ class GlooCommunicator : public Communicator {
   // Whether the division can be fused into Gloo's ring (ProbeFusedAverage).
   bool fused_ ABSL_GUARDED_BY(mu_) = false;
   int fail_after_reductions_ ABSL_GUARDED_BY(mu_) = -1;
+  bool fail_commit_ ABSL_GUARDED_BY(mu_) = false;
   // Non-OK once a collective failed: the mesh is then in an unknown state.
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
   bool layout_checked_ ABSL_GUARDED_BY(mu_) = false;
