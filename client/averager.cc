@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/communicator_cache.h"
+#include "client/gloo_communicator.h"
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
 
@@ -150,6 +151,12 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
     }
     RoundOutcome outcome = RoundOutcome::kFailedWithoutResult;
     absl::StatusOr<Communicator*> comm = client_->communicators()->Get(Setup(decision), device);
+    if (comm.ok() && client_->TakeCommitFailureForTesting(step)) {
+      if (auto* gloo = dynamic_cast<GlooCommunicator*>(*comm)) {
+        spdlog::warn("{}: injecting a lost commit on this rank (test)", where(decision));
+        gloo->InjectCommitFailureForTesting();
+      }
+    }
     absl::Status s =
         comm.ok() ? (*comm)->AllReduceAverage(params, options, &outcome) : comm.status();
     client_->RecordRound(decision.level, step, decision.generation, outcome);

@@ -185,6 +185,14 @@ class Client {
   // on again), DEADLINE_EXCEEDED, INTERNAL (the notes contradict each other).
   absl::StatusOr<bool> PeerCompletedRound(const Decision& decision, int64_t attempt_generation);
 
+  // Tests only: the committed round at `step` loses its confirmation on this rank after its
+  // peers completed it (GlooCommunicator::InjectCommitFailureForTesting). -1: none.
+  void FailCommitForTesting(int64_t step) { fail_commit_step_.store(step); }
+  bool TakeCommitFailureForTesting(int64_t step) {
+    int64_t expected = step;
+    return step >= 0 && fail_commit_step_.compare_exchange_strong(expected, -1);
+  }
+
   // The RPC wrapper (communicator bootstrap). Owned by this client.
   CoordinatorClient* coordinator() const { return coordinator_.get(); }
   // The communicators of this membership, shared by every averager on this client.
@@ -254,6 +262,7 @@ class Client {
   const bool elastic_;
   const absl::Duration heartbeat_timeout_;
   int64_t admission_step_ = -1;
+  std::atomic<int64_t> fail_commit_step_{-1};
   std::unique_ptr<CommunicatorCache> communicators_;
 
   // The decision window [window_start_, window_start_ + window_.size()).

@@ -20,6 +20,14 @@ if(TARGET modelavg-coordinator)
     MODELAVG_CLIENT_WORKER_BIN="$<TARGET_FILE:modelavg_client_worker>"
     MODELAVG_TRACE_WORKER_BIN="$<TARGET_FILE:modelavg-trace-worker>")
   add_dependencies(client_elastic_regrow_test modelavg-coordinator modelavg-trace-worker)
+  # A round kept by a member that lost its confirmation (4 trace workers, a few seconds).
+  modelavg_add_gtest(client_elastic_adopt_test SOURCES client_elastic_adopt_test.cc
+    LIBS modelavg_client LABELS integration TIMEOUT 120)
+  target_compile_definitions(client_elastic_adopt_test PRIVATE
+    MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>"
+    MODELAVG_CLIENT_WORKER_BIN="$<TARGET_FILE:modelavg_client_worker>"
+    MODELAVG_TRACE_WORKER_BIN="$<TARGET_FILE:modelavg-trace-worker>")
+  add_dependencies(client_elastic_adopt_test modelavg-coordinator modelavg-trace-worker)
 endif()
 
 # The trace checker (trace_check.h) on synthetic traces: fast, no processes.

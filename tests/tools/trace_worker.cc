@@ -19,6 +19,8 @@
 // line is the admission step, with the value it received, and has "admitted": true.
 // The same update run through PyTorch's own averagers (tests/conformance/torch_reference.py) must
 // give the same values. On any failure it prints one line on stderr and exits 1.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -77,6 +79,12 @@ ABSL_FLAG(bool, unix_ms, false,
           "add \"unix_ms\" to every line: the wall-clock time (milliseconds since the epoch) "
           "when the averaging call returned");
 ABSL_FLAG(std::string, log_level, "warn", "spdlog level for diagnostics on stderr");
+ABSL_FLAG(int64_t, testing_fail_commit_at_step, -1,
+          "tests: the committed round of this step loses its confirmation on this rank after "
+          "its peers completed it (elastic jobs, gloo)");
+ABSL_FLAG(int64_t, testing_die_after_step, -1,
+          "tests: exit abruptly (no Leave, exit code 9) right after printing this step's line, "
+          "as a worker that dies would");
 
 namespace modelavg {
 namespace {
@@ -206,6 +214,8 @@ absl::Status Run() {
   }
   const int32_t rank = client->rank();
   joined_rank = rank;
+  client->FailCommitForTesting(absl::GetFlag(FLAGS_testing_fail_commit_at_step));
+  const int64_t die_after = absl::GetFlag(FLAGS_testing_die_after_step);
   MODELAVG_ASSIGN_OR_RETURN(
       std::unique_ptr<Parameters> params,
       Parameters::Create(backend == "nccl", numel, static_cast<float>(rank), rank));
@@ -249,9 +259,10 @@ absl::Status Run() {
     }
     std::vector<int32_t> members;
     if (decision->average) members = decision->Members();
-    // The client's generation after the call: a call that retried the round in a new
-    // generation (elastic jobs) returns in it.
-    const int64_t generation = client->generation();
+    // The generation the decision was taken in: a call that retried the round in a new
+    // generation (elastic jobs) returns its decision there.
+    const int64_t generation =
+        decision->generation > 0 ? decision->generation : client->generation();
     std::string line = absl::StrFormat(
         "{\"step\": %d, \"rank\": %d, \"value\": %.9g, \"action\": \"%s\", \"level\": %d, "
         "\"generation\": %d, \"members\": [%s], \"joining\": [%s]",
@@ -263,6 +274,7 @@ absl::Status Run() {
       absl::StrAppend(&line, ", \"unix_ms\": ", absl::ToUnixMillis(absl::Now()));
     }
     std::cout << line << "}" << std::endl;
+    if (step == die_after) _exit(9);
   }
   return client->Leave("finished");
 }
