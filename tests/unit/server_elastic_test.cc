@@ -2,6 +2,7 @@
 // RUNNING moves the job to a new generation of the survivors, vacant ranks keep their numbers,
 // decisions list the live members, and below min_world_size the job falls back to PENDING.
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -278,6 +279,17 @@ TEST(ElasticAdmissionTest, MarginAddsOneSecondOfProgress_Capped) {
   ASSERT_TRUE(j.ok()) << j.status();
   EXPECT_EQ(j->change.admission_margin, kMaxAdmissionMargin);
   EXPECT_EQ(j->change.admission_step, 10'000'000 + kMaxAdmissionMargin);
+}
+
+TEST(ElasticAdmissionTest, ReportedStepNearInt64Max_FailedPreconditionNoOverflow) {
+  Membership m(2, 1);
+  JoinAllReporting(m, std::numeric_limits<int64_t>::max() - 1);
+  m.Die({1}, "rank 1 heartbeat timeout", kT0);
+  absl::StatusOr<Membership::JoinResult> j = m.Join("new", "h", std::nullopt, kT0, "j");
+  ASSERT_FALSE(j.ok());
+  EXPECT_EQ(j.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(j.status().message(), HasSubstr("too large"));
+  EXPECT_EQ(m.generation(), 2);
 }
 
 TEST(ElasticAdmissionTest, NewcomerDyingBeforeItsStep_ShrunkOutLikeAnyone) {
