@@ -1,8 +1,11 @@
 #include "client/averager.h"
 
+#include <algorithm>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/communicator_cache.h"
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
@@ -54,29 +57,26 @@ absl::StatusOr<Decision> ModelAverager::AverageParameters(absl::Span<const Tenso
   const int64_t step = step_;
   // Decide, then increment — whatever happens next, like PyTorch.
   ++step_;
+  if (client_->elastic()) {
+    // Into the generation the job moved to (a shrink, an admission), if any, before deciding.
+    absl::Status usable = client_->AdvanceGeneration();
+    if (!usable.ok()) {
+      client_->ReportStep(step_);
+      return Annotate(usable, absl::StrCat("averaging at step ", step));
+    }
+  }
   absl::StatusOr<Decision> decision = client_->DecisionAt(step);
   client_->ReportStep(step_);
   if (!decision.ok()) return decision.status();
   MODELAVG_ASSIGN_OR_RETURN(Device device, CommonDevice(params));
   if (!decision->average) return *decision;
+  if (client_->elastic()) return AverageElastic(*decision, device, params);
 
   const std::string where = absl::StrCat("averaging at step ", step, " (level ", decision->level,
                                          ", subgroup ", decision->subgroup.index, ")");
   MODELAVG_RETURN_IF_ERROR(Annotate(client_->CheckCanAverage(decision->subgroup), where));
-  CommunicatorSetup setup;
-  setup.coordinator = client_->coordinator();
-  setup.job_id = client_->job_id();
-  setup.generation = client_->generation();
-  setup.level = decision->level;
-  setup.subgroup = decision->subgroup;
-  setup.rank = client_->rank();
-  setup.credential = client_->credential();
-  setup.timeout = client_->options().collective_timeout;
-  setup.gloo_in_place = client_->options().gloo_in_place;
+  CommunicatorSetup setup = Setup(*decision);
   const SubgroupRange group = decision->subgroup;
-  Client* client = client_;
-  setup.check_alive = [client, group] { return client->CheckCanAverage(group); };
-
   absl::StatusOr<Communicator*> comm = client_->communicators()->Get(setup, device);
   absl::Status s = comm.ok() ? (*comm)->AllReduceAverage(params) : comm.status();
   if (s.ok()) return *decision;
@@ -95,6 +95,135 @@ absl::StatusOr<Decision> ModelAverager::AverageParameters(absl::Span<const Tenso
     absl::SleepFor(absl::Milliseconds(50));
   }
   return Annotate(s, where);
+}
+
+CommunicatorSetup ModelAverager::Setup(const Decision& decision) const {
+  CommunicatorSetup setup;
+  setup.coordinator = client_->coordinator();
+  setup.job_id = client_->job_id();
+  setup.generation = decision.generation > 0 ? decision.generation : client_->generation();
+  setup.level = decision.level;
+  setup.subgroup = decision.subgroup;
+  setup.members = decision.members;
+  setup.rank = client_->rank();
+  setup.credential = client_->credential();
+  setup.timeout = client_->options().collective_timeout;
+  // A committed round needs its backup (ClientOptions::gloo_in_place is for strict jobs).
+  setup.gloo_in_place = client_->options().gloo_in_place && !client_->elastic();
+  Client* client = client_;
+  const SubgroupRange group = decision.subgroup;
+  setup.check_alive = [client, group] { return client->CheckCanAverage(group); };
+  return setup;
+}
+
+absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const Device& device,
+                                                       absl::Span<const TensorView> params) {
+  const int64_t step = decision.step;
+  const auto where = [&](const Decision& d) {
+    return absl::StrCat("averaging at step ", step, " (level ", d.level, ", subgroup ",
+                        d.subgroup.index, ", generation ", d.generation, ")");
+  };
+  // A round lost to a failure is retried in the next generation, at most this many times (each
+  // retry needs the job to have moved on: a death, a departure or an admission).
+  constexpr int kMaxAttempts = 16;
+  // Host tensors run committed rounds (retried exactly); CUDA tensors plain ones (a failed
+  // round fails the call, and the next call goes on with the live members).
+  const bool committed = device.is_host();
+  for (int attempt = 1;; ++attempt) {
+    const std::vector<int32_t> members = decision.Members();
+    if (!std::binary_search(members.begin(), members.end(), client_->rank())) {
+      return absl::InternalError(absl::StrCat(where(decision), ": rank ", client_->rank(),
+                                              " is not among the round's members"));
+    }
+    const bool joining = std::binary_search(decision.joining.begin(), decision.joining.end(),
+                                            client_->rank());
+    RoundOptions options;
+    options.step = step;
+    options.contribute = !joining;
+    options.contributors = static_cast<int>(members.size() - decision.joining.size());
+    options.commit = committed;
+    if (options.contributors == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          where(decision), ": rank ", client_->rank(),
+          " is admitted at this step but no live member of its subgroup can give it the "
+          "parameters; start the replacement again"));
+    }
+    RoundOutcome outcome = RoundOutcome::kFailedWithoutResult;
+    absl::StatusOr<Communicator*> comm = client_->communicators()->Get(Setup(decision), device);
+    absl::Status s =
+        comm.ok() ? (*comm)->AllReduceAverage(params, options, &outcome) : comm.status();
+    client_->RecordRound(decision.level, step, decision.generation, outcome);
+    if (s.ok()) {
+      if (attempt > 1 || joining) {
+        spdlog::info("{}: averaged with ranks {}{}", where(decision), absl::StrJoin(members, ","),
+                     joining ? " (admitted: received the parameters)" : "");
+      }
+      // Older generations' communicators are of no use any more.
+      client_->communicators()->DropBefore(decision.generation);
+      return decision;
+    }
+    if (s.code() == absl::StatusCode::kInvalidArgument ||
+        absl::StrContains(s.message(), "averaging different rounds")) {
+      return Annotate(s, where(decision));
+    }
+    // The round failed: wait for the job to move on without the failed member (its death is
+    // declared within the heartbeat timeout), then settle the round in the new generation.
+    const absl::Time until = absl::Now() + client_->heartbeat_timeout() +
+                             2 * client_->options().heartbeat_interval + absl::Seconds(1);
+    absl::Status moved = client_->AwaitNewerGeneration(decision.generation, until);
+    if (!moved.ok()) {
+      if (absl::IsDeadlineExceeded(moved)) return Annotate(s, where(decision));
+      return absl::Status(moved.code(), absl::StrCat(where(decision), " failed: ",
+                                                     moved.message(), " (round: ", s.message(),
+                                                     ")"));
+    }
+    MODELAVG_RETURN_IF_ERROR(Annotate(client_->AdvanceGeneration(), where(decision)));
+    absl::StatusOr<Decision> next = client_->DecisionAt(step);
+    if (!next.ok()) return Annotate(next.status(), where(decision));
+    if (!committed) {
+      return absl::AbortedError(absl::StrCat(
+          where(decision), " failed: ", s.message(), "; the job went on in generation ",
+          next->generation,
+          " with its live members, and the next call averages with them (NCCL rounds are not "
+          "retried; the parameters are those before the call, or undefined on the zero-copy "
+          "path)"));
+    }
+    // If any live member completed the round, every member holds its result (the commit
+    // phase): keep it. Otherwise nobody kept it: retry with the live members.
+    absl::StatusOr<bool> completed = client_->PeerCompletedRound(*next, decision.generation);
+    while (!completed.ok() && absl::IsAborted(completed.status()) && attempt < kMaxAttempts) {
+      // The job moved on again while the notes were read.
+      ++attempt;
+      const absl::Time again = absl::Now() + client_->heartbeat_timeout() +
+                               2 * client_->options().heartbeat_interval + absl::Seconds(1);
+      MODELAVG_RETURN_IF_ERROR(
+          Annotate(client_->AwaitNewerGeneration(next->generation, again), where(*next)));
+      MODELAVG_RETURN_IF_ERROR(Annotate(client_->AdvanceGeneration(), where(*next)));
+      next = client_->DecisionAt(step);
+      if (!next.ok()) return Annotate(next.status(), where(decision));
+      completed = client_->PeerCompletedRound(*next, decision.generation);
+    }
+    if (!completed.ok()) return Annotate(completed.status(), where(*next));
+    if (*completed) {
+      if (outcome != RoundOutcome::kFailedHoldingResult || !comm.ok()) {
+        return absl::InternalError(absl::StrCat(
+            where(decision), ": a peer completed the round but this rank holds no result (",
+            s.message(), "); restore a checkpoint"));
+      }
+      MODELAVG_RETURN_IF_ERROR(Annotate((*comm)->AdoptPendingResult(params), where(decision)));
+      client_->RecordRound(decision.level, step, decision.generation, RoundOutcome::kCompleted);
+      spdlog::info("{}: the round completed on a peer before the failure ({}); its result is "
+                   "kept",
+                   where(decision), std::string(s.message()));
+      return decision;
+    }
+    if (attempt >= kMaxAttempts) {
+      return Annotate(s, absl::StrCat(where(decision), " (", attempt, " attempts)"));
+    }
+    spdlog::warn("{} failed ({}); retrying in generation {} with ranks {}", where(decision),
+                 std::string(s.message()), next->generation, absl::StrJoin(next->Members(), ","));
+    decision = *std::move(next);
+  }
 }
 
 absl::StatusOr<std::unique_ptr<PeriodicModelAverager>> PeriodicModelAverager::Create(

@@ -32,6 +32,8 @@
 
 namespace modelavg::client {
 
+struct CommunicatorSetup;
+
 class ModelAverager {
  public:
   virtual ~ModelAverager();
@@ -66,6 +68,14 @@ class ModelAverager {
   explicit ModelAverager(Client* client);
 
  private:
+  // How the communicator of `decision`'s round is bootstrapped.
+  CommunicatorSetup Setup(const Decision& decision) const;
+  // An averaging step of an elastic job: the round, retried with the live members of the next
+  // generation when it fails (see AverageParameters).
+  absl::StatusOr<Decision> AverageElastic(Decision decision, const Device& device,
+                                          absl::Span<const TensorView> params)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   Client* const client_;
   mutable absl::Mutex mu_;
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;

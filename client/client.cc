@@ -10,6 +10,9 @@
 #include "absl/time/clock.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "client/communicator.h"
 #include "client/communicator_cache.h"
 #include "client/coordinator_outage.h"
 #include "client/coordinator_client.h"
@@ -163,29 +166,53 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   coordinator->set_outage(outage.get());
   std::unique_ptr<Client> client(new Client(
       std::move(options), std::move(coordinator), std::move(outage), joined.rank(),
-      joined.generation(), std::move(schedule), hb_timeout, joined.coordinator_incarnation()));
+      joined.generation(), std::move(schedule), hb_timeout, joined.coordinator_incarnation(),
+      joined.spec().min_world_size() > 0 &&
+          joined.spec().min_world_size() < joined.spec().world_size()));
   if (joined.admission_step() > 0) {
     client->admission_step_ = joined.admission_step();
+    client->ReportStep(joined.admission_step());
     spdlog::info("rank {} joined job {} as a replacement: admitted at step {}", joined.rank(),
                  client->job_id(), joined.admission_step());
+    // Who averages from which step: the members of the generation it was admitted into.
+    absl::StatusOr<v1::Job> job = client->coordinator_->GetJob(client->job_id());
+    if (!job.ok()) return Annotate(job.status(), "reading the job a replacement was admitted to");
+    std::string why;
+    std::optional<View> view = client->ViewOf(*job, &why);
+    if (!view.has_value()) {
+      return absl::AbortedError(absl::StrCat("job ", client->job_id(), " changed while rank ",
+                                             joined.rank(), " was being admitted (", why,
+                                             "); start the replacement again"));
+    }
+    absl::MutexLock l(&client->mu_);
+    client->generation_ = view->generation;
+    client->latest_generation_ = std::max(client->latest_generation_, view->generation);
+    client->view_ = *std::move(view);
   }
   return client;
 }
 
 Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator,
                std::unique_ptr<CoordinatorOutage> outage, int32_t rank, int64_t generation,
-               Schedule schedule, absl::Duration heartbeat_timeout, std::string incarnation)
+               Schedule schedule, absl::Duration heartbeat_timeout, std::string incarnation,
+               bool elastic)
     : options_(std::move(options)),
       outage_(std::move(outage)),
       coordinator_(std::move(coordinator)),
       rank_(rank),
-      generation_(generation),
+      joined_generation_(generation),
       schedule_(std::move(schedule)),
+      elastic_(elastic),
       heartbeat_timeout_(heartbeat_timeout),
       communicators_(std::make_unique<CommunicatorCache>(options_.gloo_hostname)),
       latest_generation_(generation),
       last_heartbeat_ok_(absl::Now()),
       incarnation_(std::move(incarnation)) {
+  generation_ = generation;
+  view_.generation = generation;
+  view_.live.assign(schedule_.world_size(), true);
+  view_.admitted.assign(schedule_.world_size(), -1);
+  rounds_.resize(schedule_.num_levels());
   heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
 }
 
@@ -225,7 +252,7 @@ absl::Status Client::Leave(absl::string_view reason) {
   v1::LeaveRequest req;
   req.set_job_id(options_.job_id);
   req.set_rank(rank_);
-  req.set_generation(generation_);
+  req.set_generation(generation());
   req.set_reason(std::string(reason));
   req.set_credential(options_.credential);
   absl::StatusOr<v1::LeaveResponse> resp = coordinator_->Leave(req);
@@ -237,6 +264,11 @@ absl::Status Client::Leave(absl::string_view reason) {
 void Client::ReportStep(int64_t step) {
   absl::MutexLock l(&mu_);
   step_ = step;
+}
+
+int64_t Client::generation() const {
+  absl::MutexLock l(&mu_);
+  return generation_;
 }
 
 int64_t Client::latest_generation() const {
@@ -258,7 +290,8 @@ absl::Status Client::CheckUsable() const {
 absl::Status Client::CheckCanAverage(const SubgroupRange& group) const {
   absl::MutexLock l(&mu_);
   if (!broken_.ok()) return broken_;
-  if (latest_generation_ == generation_) return absl::OkStatus();
+  // An elastic job's client follows the generations it is carried into (AdvanceGeneration).
+  if (elastic_ || latest_generation_ == generation_) return absl::OkStatus();
   for (int32_t r : departed_) {
     if (group.Contains(r)) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -283,18 +316,49 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
   if (generation <= latest_generation_ && !broken_.ok()) return;
   latest_generation_ = std::max(latest_generation_, generation);
   change_reason_ = why;
+  if (elastic_ && job.ok()) {
+    // An elastic job goes on with its live members: this rank follows it into the new
+    // generation if it is one of them. Its collectives of older generations are aborted (a
+    // round in flight is retried there, see ModelAverager).
+    std::string gone;
+    std::optional<View> view = ViewOf(*job, &gone);
+    if (view.has_value()) {
+      latest_generation_ = std::max(latest_generation_, view->generation);
+      const int64_t known = follow_.has_value() ? follow_->generation : generation_;
+      if (view->generation > known) {
+        std::vector<int32_t> vacant;
+        for (int32_t r = 0; r < schedule_.world_size(); ++r) {
+          if (!view->live[r]) vacant.push_back(r);
+        }
+        spdlog::info("job {} moved to generation {} ({}); rank {} goes on with the live members "
+                     "(vacant ranks: {})",
+                     options_.job_id, view->generation, why, rank_,
+                     vacant.empty() ? std::string("none") : absl::StrJoin(vacant, ","));
+        abort = absl::AbortedError(absl::StrCat(
+            "job ", options_.job_id, " moved to generation ", view->generation, " (", why,
+            "): a round of an older generation is retried with its live members"));
+        generation = view->generation;
+        follow_ = *std::move(view);
+      }
+      return;
+    }
+    if (broken_.ok()) {
+      broken_ = absl::FailedPreconditionError(absl::StrCat(
+          "job ", options_.job_id, " moved from generation ", generation_, " to ",
+          job->generation(), " because ", why, ", without rank ", rank_, ": ", gone));
+      spdlog::error("{}", std::string(broken_.message()));
+      abort = broken_;
+      generation = job->generation();
+    }
+    return;
+  }
   bool hard = !job.ok();
   std::vector<int32_t> departed;
   if (job.ok()) {
-    // An elastic job admits no re-join while RUNNING, and a departure moves its survivors into
-    // the new generation (their member generation grows): only a death is hard there (an
-    // orderly departure below min_world_size, at the end of a run, is not).
-    const int32_t min_world = job->spec().min_world_size();
-    const bool elastic = min_world > 0 && min_world < job->spec().world_size();
     for (const v1::Member& m : job->members()) {
       if (m.state() == v1::LEFT) {
         departed.push_back(m.rank());
-      } else if (m.state() == v1::DEAD || (!elastic && m.generation() > generation_)) {
+      } else if (m.state() == v1::DEAD || m.generation() > generation_) {
         hard = true;  // A death or a re-join: every communicator with that rank is broken.
       }
     }
@@ -355,6 +419,7 @@ void Client::HeartbeatLoop() {
 bool Client::UnaryHeartbeat() {
   int64_t step;
   int64_t seen;
+  int64_t generation;
   {
     absl::MutexLock l(&mu_);
     if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.heartbeat_interval)) {
@@ -362,11 +427,12 @@ bool Client::UnaryHeartbeat() {
     }
     step = step_;
     seen = latest_generation_;
+    generation = generation_;
   }
   v1::HeartbeatRequest req;
   req.set_job_id(options_.job_id);
   req.set_rank(rank_);
-  req.set_generation(generation_);
+  req.set_generation(generation);
   req.set_step(step);
   req.set_credential(options_.credential);
   absl::StatusOr<v1::HeartbeatResponse> resp = coordinator_->Heartbeat(req);
@@ -401,6 +467,7 @@ absl::Status Client::StreamHeartbeats(bool* answered) {
   while (true) {
     int64_t step;
     int64_t seen;
+    int64_t generation;
     absl::Time last_reply;
     std::optional<v1::HeartbeatResponse> change;
     bool ended;
@@ -413,6 +480,7 @@ absl::Status Client::StreamHeartbeats(bool* answered) {
       ended = stream_ended_;
       step = step_;
       seen = latest_generation_;
+      generation = generation_;
       last_reply = last_heartbeat_ok_;
     }
     if (change.has_value()) {
@@ -434,7 +502,7 @@ absl::Status Client::StreamHeartbeats(bool* answered) {
     v1::HeartbeatRequest req;
     req.set_job_id(options_.job_id);
     req.set_rank(rank_);
-    req.set_generation(generation_);
+    req.set_generation(generation);
     req.set_step(step);
     req.set_credential(options_.credential);
     if (first) req.set_reply_interval_ms(reply_interval_ms);
@@ -462,7 +530,7 @@ void Client::OnStreamReply(const v1::HeartbeatResponse& reply) {
 }
 
 void Client::HandleHeartbeatReply(const v1::HeartbeatResponse& reply, int64_t seen) {
-  if (reply.generation() == generation_ || reply.generation() == seen) return;
+  if (reply.generation() == generation() || reply.generation() == seen) return;
   std::string why = "membership changed";
   if (reply.has_last_change() && !reply.last_change().reason().empty()) {
     why = reply.last_change().reason();
@@ -544,11 +612,194 @@ absl::StatusOr<Decision> Client::DecisionAt(int64_t step) {
     return absl::InvalidArgumentError(absl::StrCat("step is ", step, ": steps count from 0"));
   }
   ReportStep(step);
-  absl::MutexLock l(&cache_mu_);
-  if (step < window_start_ || step >= window_start_ + static_cast<int64_t>(window_.size())) {
-    MODELAVG_RETURN_IF_ERROR(FetchWindow(step));
+  Decision d;
+  {
+    absl::MutexLock l(&cache_mu_);
+    if (step < window_start_ || step >= window_start_ + static_cast<int64_t>(window_.size())) {
+      MODELAVG_RETURN_IF_ERROR(FetchWindow(step));
+    }
+    d = window_[step - window_start_];
   }
-  return window_[step - window_start_];
+  absl::MutexLock l(&mu_);
+  d.generation = generation_;
+  if (!elastic_ || !d.average) return d;
+  // The members of this generation that average at this step: live, and admitted by then.
+  d.members.clear();
+  d.joining.clear();
+  for (int32_t r = d.subgroup.first_rank; r < d.subgroup.first_rank + d.subgroup.size; ++r) {
+    if (!view_.live[r] || (view_.admitted[r] >= 0 && view_.admitted[r] > step)) continue;
+    d.members.push_back(r);
+    if (view_.admitted[r] == step) d.joining.push_back(r);
+  }
+  return d;
+}
+
+std::optional<Client::View> Client::ViewOf(const v1::Job& job, std::string* why) const {
+  if (job.members_omitted()) {
+    *why = "the job's member list is too large to read";
+    return std::nullopt;
+  }
+  View v;
+  v.generation = job.generation();
+  v.live.assign(schedule_.world_size(), false);
+  v.admitted.assign(schedule_.world_size(), -1);
+  bool me = false;
+  for (const v1::Member& m : job.members()) {
+    if (m.rank() < 0 || m.rank() >= schedule_.world_size()) continue;
+    const bool live = m.state() == v1::ALIVE && m.generation() == job.generation();
+    v.live[m.rank()] = live;
+    v.admitted[m.rank()] = m.admitted_step() > 0 ? m.admitted_step() : -1;
+    if (m.rank() != rank_) continue;
+    if (m.worker_id() != options_.worker_id) {
+      *why = absl::StrCat("rank ", rank_, " is now held by worker \"", m.worker_id(), "\"");
+    } else if (m.state() == v1::DEAD) {
+      *why = absl::StrCat("the coordinator declared this rank dead (no heartbeat within ",
+                          absl::FormatDuration(heartbeat_timeout_),
+                          "); connect a new Client to re-join");
+    } else if (m.state() == v1::LEFT) {
+      *why = "this rank left";
+    } else {
+      me = live;
+    }
+  }
+  if (job.state() != v1::RUNNING) {
+    int live = 0;
+    for (bool b : v.live) live += b ? 1 : 0;
+    *why = absl::StrCat(
+        "the job is ", v1::JobState_Name(job.state()),
+        job.state() == v1::PENDING
+            ? absl::StrCat(": fewer than min_world_size (", job.spec().min_world_size(),
+                           ") ranks are alive; every worker must re-join (connect a new Client)")
+            : std::string());
+    return std::nullopt;
+  }
+  if (!me) {
+    if (why->empty()) *why = absl::StrCat("rank ", rank_, " is not a live member of it");
+    return std::nullopt;
+  }
+  return v;
+}
+
+absl::Status Client::AdvanceGeneration() {
+  int64_t from, to;
+  {
+    absl::MutexLock l(&mu_);
+    if (!broken_.ok()) return broken_;
+    if (!follow_.has_value()) return absl::OkStatus();
+    from = generation_;
+    to = follow_->generation;
+    view_ = *std::move(follow_);
+    follow_.reset();
+    generation_ = to;
+  }
+  spdlog::info("rank {} of job {} averages in generation {} now (was {})", rank_,
+               options_.job_id, to, from);
+  PublishRoundNote(to);
+  return absl::OkStatus();
+}
+
+absl::Status Client::AwaitNewerGeneration(int64_t generation, absl::Time deadline) {
+  absl::MutexLock l(&mu_);
+  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return !broken_.ok() || stopping_ || generation_ > generation ||
+           (follow_.has_value() && follow_->generation > generation);
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+  if (!broken_.ok()) return broken_;
+  if (generation_ > generation || (follow_.has_value() && follow_->generation > generation)) {
+    return absl::OkStatus();
+  }
+  return absl::DeadlineExceededError(absl::StrCat(
+      "the coordinator reported no new generation of job ", options_.job_id, " after generation ",
+      generation, " in time"));
+}
+
+void Client::RecordRound(int32_t level, int64_t step, int64_t generation, RoundOutcome outcome) {
+  absl::MutexLock l(&mu_);
+  if (level < 0 || level >= static_cast<int32_t>(rounds_.size())) return;
+  rounds_[level] = RoundRecord{step, generation, static_cast<int>(outcome)};
+}
+
+namespace {
+constexpr char kRoundNotePrefix[] = "round/";
+}  // namespace
+
+void Client::PublishRoundNote(int64_t generation) {
+  // "v1" then one "level:step:generation:outcome" per level.
+  std::string blob = "v1";
+  {
+    absl::MutexLock l(&mu_);
+    for (size_t level = 0; level < rounds_.size(); ++level) {
+      const RoundRecord& r = rounds_[level];
+      absl::StrAppend(&blob, ";", level, ":", r.step, ":", r.generation, ":", r.outcome);
+    }
+  }
+  v1::PublishCommIdRequest req;
+  req.set_job_id(options_.job_id);
+  req.set_generation(generation);
+  req.set_level(schedule_.num_levels() - 1);  // the world's block: every rank may read it
+  req.set_subgroup(0);
+  req.set_key(absl::StrCat(kRoundNotePrefix, rank_));
+  req.set_unique_id(blob);
+  req.set_rank(rank_);
+  req.set_credential(options_.credential);
+  absl::Status s = coordinator_->PublishCommId(req);
+  if (!s.ok()) {
+    // A newer generation gets a note of its own; otherwise the members that wait for this one
+    // see their wait end in an error.
+    spdlog::warn("rank {}: publishing the round note of generation {}: {}", rank_, generation,
+                 s.ToString());
+  }
+}
+
+absl::StatusOr<bool> Client::PeerCompletedRound(const Decision& decision,
+                                                int64_t attempt_generation) {
+  const int64_t generation = decision.generation;
+  const absl::Time deadline = absl::Now() + options_.collective_timeout;
+  for (int32_t peer : decision.Members()) {
+    if (peer == rank_ || std::binary_search(decision.joining.begin(), decision.joining.end(),
+                                            peer)) {
+      continue;
+    }
+    v1::GetCommIdRequest req;
+    req.set_job_id(options_.job_id);
+    req.set_generation(generation);
+    req.set_level(schedule_.num_levels() - 1);
+    req.set_subgroup(0);
+    req.set_key(absl::StrCat(kRoundNotePrefix, peer));
+    req.set_rank(rank_);
+    req.set_credential(options_.credential);
+    req.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - absl::Now())));
+    absl::StatusOr<std::string> blob = coordinator_->GetCommId(req);
+    if (!blob.ok()) {
+      return Annotate(blob.status(), absl::StrCat("reading rank ", peer, "'s round note of generation ",
+                                                  generation));
+    }
+    for (absl::string_view field : absl::StrSplit(*blob, ';')) {
+      std::vector<absl::string_view> parts = absl::StrSplit(field, ':');
+      int64_t level, step, gen, outcome;
+      if (parts.size() != 4 || !absl::SimpleAtoi(parts[0], &level) ||
+          !absl::SimpleAtoi(parts[1], &step) || !absl::SimpleAtoi(parts[2], &gen) ||
+          !absl::SimpleAtoi(parts[3], &outcome)) {
+        continue;
+      }
+      if (level != decision.level || step != decision.step ||
+          outcome != static_cast<int>(RoundOutcome::kCompleted)) {
+        continue;
+      }
+      if (gen != attempt_generation) {
+        return absl::InternalError(absl::StrCat(
+            "rank ", peer, " completed the round of step ", step, " at level ", level,
+            " in generation ", gen, ", this rank attempted it in generation ",
+            attempt_generation, "; the round notes contradict each other"));
+      }
+      spdlog::info("rank {} completed the round of step {} (level {}) before the failure: rank "
+                   "{} keeps that result",
+                   peer, step, level, rank_);
+      return true;
+    }
+  }
+  return false;
 }
 
 absl::Status Client::FetchWindow(int64_t from_step) {

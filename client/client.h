@@ -38,6 +38,7 @@ namespace modelavg::client {
 class CoordinatorClient;
 class CoordinatorOutage;
 class CommunicatorCache;
+enum class RoundOutcome;
 
 struct ClientOptions {
   // The coordinator's "host:port".
@@ -115,8 +116,12 @@ class Client {
 
   int32_t rank() const { return rank_; }
   int32_t world_size() const { return schedule_.world_size(); }
-  // The generation this client joined. Averaging works only while the job is still at it.
-  int64_t generation() const { return generation_; }
+  // The generation this client averages in: the one it joined, or in an elastic job a later
+  // one it followed (a shrink around a dead member, an admission) as a live member.
+  int64_t generation() const;
+  int64_t joined_generation() const { return joined_generation_; }
+  // Whether the job is elastic (JobSpec.min_world_size below world_size).
+  bool elastic() const { return elastic_; }
   const Schedule& schedule() const { return schedule_; }
   const std::string& job_id() const { return options_.job_id; }
   // This membership's credential (secret; see ClientOptions::credential).
@@ -161,15 +166,54 @@ class Client {
   // The latest generation the heartbeat has seen (>= generation()).
   int64_t latest_generation() const;
 
+  // --- Elastic jobs (used by the averagers). ---
+
+  // Moves this client to the newest generation it was carried into (a shrink or an admission
+  // seen by the heartbeat), if any, and tells the coordinator where its last rounds stand
+  // there (its round note, see PeerCompletedRound). Then the error that stops averaging, if
+  // any (a death of this rank, a job below min_world_size, ...), else OK.
+  absl::Status AdvanceGeneration();
+  // Waits until this client can move past `generation` (AdvanceGeneration) or is broken, at most
+  // until `deadline`. OK, the error that stops averaging, or DEADLINE_EXCEEDED.
+  absl::Status AwaitNewerGeneration(int64_t generation, absl::Time deadline);
+  // Records where this rank's last round at `level` stands (round notes).
+  void RecordRound(int32_t level, int64_t step, int64_t generation, RoundOutcome outcome);
+  // After a failed round: whether a live member of `decision`'s subgroup (the same step in the
+  // current generation) completed the round that this rank last attempted at that level in
+  // `attempt_generation`. Waits (at most collective_timeout) for each member's round note,
+  // which every member publishes when it enters the generation. Errors: ABORTED (the job moved
+  // on again), DEADLINE_EXCEEDED, INTERNAL (the notes contradict each other).
+  absl::StatusOr<bool> PeerCompletedRound(const Decision& decision, int64_t attempt_generation);
+
   // The RPC wrapper (communicator bootstrap). Owned by this client.
   CoordinatorClient* coordinator() const { return coordinator_.get(); }
   // The communicators of this membership, shared by every averager on this client.
   CommunicatorCache* communicators() const { return communicators_.get(); }
 
  private:
+  // Who is a live member of one generation, and from which step (elastic jobs).
+  struct View {
+    int64_t generation = 0;
+    std::vector<bool> live;
+    // Per rank: the admission step of a replacement, -1 for the initial world.
+    std::vector<int64_t> admitted;
+  };
+  // Where this rank's last round at one level stands.
+  struct RoundRecord {
+    int64_t step = -1;
+    int64_t generation = 0;
+    int outcome = 0;  // RoundOutcome
+  };
+
   Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator,
          std::unique_ptr<CoordinatorOutage> outage, int32_t rank, int64_t generation,
-         Schedule schedule, absl::Duration heartbeat_timeout, std::string incarnation);
+         Schedule schedule, absl::Duration heartbeat_timeout, std::string incarnation,
+         bool elastic);
+  // The view of `job` (its current generation), or nullopt when this rank is not a live member
+  // of it; *why then says what happened to it.
+  std::optional<View> ViewOf(const v1::Job& job, std::string* why) const;
+  // Publishes this rank's round note for `generation` (its RoundRecords).
+  void PublishRoundNote(int64_t generation);
   void HeartbeatLoop();
   // One unary beat after heartbeat_interval. False once stopping.
   bool UnaryHeartbeat() ABSL_LOCKS_EXCLUDED(mu_);
@@ -205,8 +249,9 @@ class Client {
   const std::unique_ptr<CoordinatorOutage> outage_;
   const std::unique_ptr<CoordinatorClient> coordinator_;
   const int32_t rank_;
-  const int64_t generation_;
+  const int64_t joined_generation_;
   const Schedule schedule_;
+  const bool elastic_;
   const absl::Duration heartbeat_timeout_;
   int64_t admission_step_ = -1;
   std::unique_ptr<CommunicatorCache> communicators_;
@@ -218,6 +263,12 @@ class Client {
 
   mutable absl::Mutex mu_;
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
+  // The generation averaged in (generation()) and its view; a newer one to move to.
+  int64_t generation_ ABSL_GUARDED_BY(mu_);
+  View view_ ABSL_GUARDED_BY(mu_);
+  std::optional<View> follow_ ABSL_GUARDED_BY(mu_);
+  // Per level (round notes).
+  std::vector<RoundRecord> rounds_ ABSL_GUARDED_BY(mu_);
   int64_t latest_generation_ ABSL_GUARDED_BY(mu_);
   // Non-OK once nothing may be averaged any more (a peer died or re-joined, this client left).
   absl::Status broken_ ABSL_GUARDED_BY(mu_);

@@ -4,15 +4,50 @@
 #ifndef MODELAVG_CLIENT_COMMUNICATOR_H_
 #define MODELAVG_CLIENT_COMMUNICATOR_H_
 
+#include <cstdint>
+
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "client/tensor.h"
 
 namespace modelavg::client {
 
+// How one averaging round runs. The defaults are a plain average of every member.
+struct RoundOptions {
+  // The round's step. The first call on a communicator checks that every member passes the
+  // same one (a member at another step is an error, never a mixed average); -1: not checked.
+  int64_t step = -1;
+  // False for a member admitted at this step (an elastic replacement): it contributes nothing
+  // and receives the average of the others.
+  bool contribute = true;
+  // How many members contribute: the divisor. 0: size().
+  int contributors = 0;
+  // Two phases: after the data all-reduce every member confirms that its own succeeded, and
+  // only then does any member keep the result. A member whose data all-reduce succeeded but
+  // whose confirmation failed leaves its tensors untouched and keeps the result aside
+  // (AdoptPendingResult): if any member completed the round, every member holds its result.
+  bool commit = false;
+};
+
+// Where a round left this member.
+enum class RoundOutcome {
+  // The tensors hold the average.
+  kCompleted,
+  // Failed before this member had the result: the tensors are untouched.
+  kFailedWithoutResult,
+  // The data all-reduce succeeded but the confirmation failed (RoundOptions::commit): the
+  // tensors are untouched and the result is kept aside.
+  kFailedHoldingResult,
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
+
+  // A plain round (RoundOptions defaults).
+  absl::Status AllReduceAverage(absl::Span<const TensorView> tensors) {
+    return AllReduceAverage(tensors, RoundOptions{}, nullptr);
+  }
 
   // Replaces every tensor, in place, with the element-wise mean of the members' tensors (the
   // same list layout on every member). On an error the tensors are left untouched; the
@@ -21,7 +56,14 @@ class Communicator {
   // layouts differ: total element count or dtype), DEADLINE_EXCEEDED (a member did not take
   // part in time), ABORTED / FAILED_PRECONDITION (the generation changed), INTERNAL (transport
   // failure, with the cause).
-  virtual absl::Status AllReduceAverage(absl::Span<const TensorView> tensors) = 0;
+  // `outcome` (may be null) says where the round left this member.
+  virtual absl::Status AllReduceAverage(absl::Span<const TensorView> tensors,
+                                        const RoundOptions& options, RoundOutcome* outcome) = 0;
+
+  // Writes the result that the last round kept aside (RoundOutcome::kFailedHoldingResult) into
+  // `tensors` (the same list as that round's) and forgets it. Works on a broken communicator.
+  // FAILED_PRECONDITION when nothing is kept; INVALID_ARGUMENT for another layout.
+  virtual absl::Status AdoptPendingResult(absl::Span<const TensorView> tensors) = 0;
 
   // Makes the call in flight on another thread (if any) and every later call fail with `why`
   // promptly, leaving their tensors as AllReduceAverage promises on an error. Thread-safe and

@@ -1,9 +1,11 @@
 #include "client/communicator_cache.h"
 
+#include <algorithm>
 #include <iterator>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/coordinator_store.h"
 #include "client/gloo_communicator.h"
 #include "common/status_util.h"
@@ -13,6 +15,29 @@
 #endif
 
 namespace modelavg::client {
+
+int CommunicatorSetup::MemberIndex() const {
+  if (members.empty()) return rank - subgroup.first_rank;
+  return static_cast<int>(std::lower_bound(members.begin(), members.end(), rank) -
+                          members.begin());
+}
+
+int CommunicatorSetup::MemberCount() const {
+  return members.empty() ? subgroup.size : static_cast<int>(members.size());
+}
+
+std::string CommunicatorSetup::MemberScope() const {
+  if (members.empty() || static_cast<int>(members.size()) == subgroup.size) return "";
+  // FNV-1a over the ranks: short, and the same on every member.
+  uint64_t h = 1469598103934665603ull;
+  for (int32_t r : members) {
+    for (int i = 0; i < 4; ++i) {
+      h ^= (static_cast<uint32_t>(r) >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  }
+  return absl::StrCat("m", members.size(), "-", absl::Hex(h), "/");
+}
 
 CommunicatorCache::CommunicatorCache(std::string gloo_hostname)
     : gloo_hostname_(std::move(gloo_hostname)) {}
@@ -38,6 +63,22 @@ void CommunicatorCache::AbortBefore(int64_t generation, const absl::Status& why)
   }
 }
 
+void CommunicatorCache::DropBefore(int64_t generation) {
+  std::vector<std::unique_ptr<Communicator>> dropped;
+  {
+    absl::MutexLock l(&mu_);
+    for (auto it = comms_.begin(); it != comms_.end();) {
+      if (it->first.generation < generation) {
+        dropped.push_back(std::move(it->second));
+        it = comms_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  dropped.clear();  // Outside the lock, as in Clear.
+}
+
 bool CommunicatorCache::Contains(const CommunicatorKey& key) const {
   absl::MutexLock l(&mu_);
   return comms_.count(key) > 0;
@@ -53,7 +94,17 @@ absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CommunicatorCache::Gloo
 absl::StatusOr<Communicator*> CommunicatorCache::Get(const CommunicatorSetup& setup,
                                                      const Device& device) {
   CommunicatorKey key{setup.generation, setup.level, setup.subgroup.index, device.kind,
-                      device.is_cuda() ? device.index : 0};
+                      device.is_cuda() ? device.index : 0,
+                      static_cast<int>(setup.members.size()) == setup.subgroup.size
+                          ? std::vector<int32_t>{}
+                          : setup.members};
+  if (!setup.members.empty() &&
+      (!std::binary_search(setup.members.begin(), setup.members.end(), setup.rank) ||
+       !std::is_sorted(setup.members.begin(), setup.members.end()))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", setup.rank, " is not among the round's members (", absl::StrJoin(setup.members, ","),
+        ") or they are not ascending"));
+  }
   absl::MutexLock create(&create_mu_);
   {
     absl::MutexLock l(&mu_);
@@ -62,21 +113,25 @@ absl::StatusOr<Communicator*> CommunicatorCache::Get(const CommunicatorSetup& se
     if (key.generation < abort_before_) return abort_why_;
   }
 
-  const int member = setup.rank - setup.subgroup.first_rank;
+  const int member = setup.MemberIndex();
+  const int count = setup.MemberCount();
   std::unique_ptr<Communicator> comm;
   const std::string what =
       absl::StrCat(device.is_cuda() ? "NCCL" : "Gloo", " communicator for level ", setup.level,
-                   " subgroup ", setup.subgroup.index, " (ranks ", setup.subgroup.first_rank,
-                   "..", setup.subgroup.first_rank + setup.subgroup.size - 1, ", generation ",
-                   setup.generation, ")");
+                   " subgroup ", setup.subgroup.index, " (ranks ",
+                   setup.members.empty()
+                       ? absl::StrCat(setup.subgroup.first_rank, "..",
+                                      setup.subgroup.first_rank + setup.subgroup.size - 1)
+                       : absl::StrJoin(setup.members, ","),
+                   ", generation ", setup.generation, ")");
   if (device.is_host()) {
-    if (setup.subgroup.size == 1) {
+    if (count == 1) {
       comm = std::make_unique<SoloCommunicator>();
     } else {
       MODELAVG_ASSIGN_OR_RETURN(std::shared_ptr<gloo::transport::Device> dev, GlooDevice());
-      CoordinatorStore store(setup, "gloo/");
+      CoordinatorStore store(setup, "gloo/" + setup.MemberScope());
       absl::StatusOr<std::unique_ptr<GlooCommunicator>> gloo = GlooCommunicator::Create(
-          store, std::move(dev), member, setup.subgroup.size, setup.timeout,
+          store, std::move(dev), member, count, setup.timeout,
           [&store] { return store.last_error(); }, setup.gloo_in_place);
       if (!gloo.ok()) return Annotate(gloo.status(), absl::StrCat("creating the ", what));
       comm = *std::move(gloo);

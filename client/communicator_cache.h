@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -48,6 +49,16 @@ struct CommunicatorSetup {
   // NCCL: which bootstrap of this subgroup in this generation (0, then 1, 2, ... after failed
   // ones): each attempt exchanges a fresh unique id under its own key (NcclUniqueIdKey).
   int32_t bootstrap_attempt = 0;
+  // The global ranks that form the communicator, ascending: the subgroup's live (and admitted)
+  // members in an elastic job. Empty: the whole subgroup.
+  std::vector<int32_t> members;
+
+  // This rank's index among the members, and their number.
+  int MemberIndex() const;
+  int MemberCount() const;
+  // A key prefix that tells this member set from the whole subgroup's (and from other sets of
+  // the same subgroup and generation): "" for the whole subgroup, else "m<hash>/".
+  std::string MemberScope() const;
 
   // Scopes a v1::PublishCommIdRequest or v1::GetCommIdRequest to this job, generation, level,
   // subgroup and rank, under `key` (empty: the communicator's unique id).
@@ -69,9 +80,11 @@ struct CommunicatorKey {
   int32_t subgroup = 0;
   Device::Kind kind = Device::Kind::kHost;
   int device_index = 0;
+  // CommunicatorSetup::members (empty: the whole subgroup).
+  std::vector<int32_t> members;
   bool operator<(const CommunicatorKey& o) const {
-    return std::tie(generation, level, subgroup, kind, device_index) <
-           std::tie(o.generation, o.level, o.subgroup, o.kind, o.device_index);
+    return std::tie(generation, level, subgroup, kind, device_index, members) <
+           std::tie(o.generation, o.level, o.subgroup, o.kind, o.device_index, o.members);
   }
 };
 
@@ -96,6 +109,10 @@ class CommunicatorCache {
   // Get returns `why`). Thread-safe and non-blocking: a collective blocked on a stopped peer
   // is broken from the heartbeat thread.
   void AbortBefore(int64_t generation, const absl::Status& why);
+
+  // Drops the communicators of generations below `generation` (after a round in it
+  // succeeded). Like Clear, not while another thread averages on one of them.
+  void DropBefore(int64_t generation);
 
   // Whether a communicator for `key` exists.
   bool Contains(const CommunicatorKey& key) const;

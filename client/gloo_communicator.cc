@@ -106,6 +106,7 @@ struct RingState {
   const void* base = nullptr;
   void* backup = nullptr;
   RingChunk final_chunk;
+  // What the final reduction divides by: the number of contributing members.
   int size = 1;
   int64_t divided = 0;
   std::vector<std::pair<size_t, size_t>> saved;
@@ -285,14 +286,15 @@ absl::Status GlooCommunicator::RunSum(void* data, int64_t numel, DType dtype) {
 }
 
 absl::Status GlooCommunicator::RunAverage(void* data, int64_t numel, DType dtype, void* backup,
-                                          size_t max_segment) {
+                                          size_t max_segment, int divisor, bool commit,
+                                          bool* holding) {
   const size_t elem = DTypeSize(dtype);
   const size_t bytes = static_cast<size_t>(numel) * elem;
   RingState st;
   st.base = data;
   st.backup = backup;
   st.final_chunk = GlooRingChunk(bytes, size_, rank_, elem, max_segment);
-  st.size = size_;
+  st.size = divisor;
   st.fail_after = fail_after_reductions_;
   fail_after_reductions_ = -1;
   if (backup != nullptr) {
@@ -338,6 +340,42 @@ absl::Status GlooCommunicator::RunAverage(void* data, int64_t numel, DType dtype
         expected, " were expected: this Gloo build cuts buffers differently than modelavg "
         "assumes; the parameters may be partly reduced; report the Gloo version"));
   }
+  if (commit) {
+    if (absl::Status c = Commit(); !c.ok()) {
+      // The result is kept aside; the caller's data goes back to what it was.
+      const size_t words = (bytes + 7) / 8;
+      if (pending_.size() < words) pending_.resize(words);
+      std::memcpy(pending_.data(), data, bytes);
+      has_pending_ = true;
+      pending_packed_ = false;
+      pending_numel_ = numel;
+      pending_dtype_ = dtype;
+      if (backup != nullptr) restore();
+      if (holding != nullptr) *holding = true;
+      return c;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::Commit() {
+  int64_t votes = 1;
+  try {
+    gloo::AllreduceOptions opts(context_);
+    opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+    opts.setTag(next_tag_++);
+    opts.setOutput(&votes, 1);
+    opts.setReduceFunction(static_cast<ReduceFn>(&gloo::sum<int64_t>));
+    gloo::allreduce(opts);
+  } catch (const std::exception& e) {
+    return FromGlooException(e, "Gloo commit of an averaging round");
+  } catch (...) {
+    return absl::InternalError("Gloo commit failed with an unknown exception");
+  }
+  if (votes != size_) {
+    return absl::InternalError(absl::StrCat("Gloo commit counted ", votes, " of ", size_,
+                                            " members"));
+  }
   return absl::OkStatus();
 }
 
@@ -347,7 +385,8 @@ absl::Status GlooCommunicator::ProbeFusedAverage() {
   constexpr size_t kProbeSegment = 256;
   std::vector<float> probe(kProbe, static_cast<float>(rank_ + 1));
   absl::MutexLock l(&mu_);
-  absl::Status s = RunAverage(probe.data(), kProbe, DType::kFloat32, nullptr, kProbeSegment);
+  absl::Status s =
+      RunAverage(probe.data(), kProbe, DType::kFloat32, nullptr, kProbeSegment, size_);
   // Every member runs the same Gloo, so every member reaches the same verdict.
   const float mean = static_cast<float>(size_ + 1) / 2;  // exact
   bool right = s.ok();
@@ -361,14 +400,16 @@ absl::Status GlooCommunicator::ProbeFusedAverage() {
   return absl::OkStatus();
 }
 
-absl::Status GlooCommunicator::CheckLayout(int64_t numel, DType dtype) {
-  // max over [n, -n, d, -d] gives [max n, -min n, max d, -min d]: equal iff all agree.
-  int64_t sig[4] = {numel, -numel, static_cast<int64_t>(dtype), -static_cast<int64_t>(dtype)};
+absl::Status GlooCommunicator::CheckLayout(int64_t numel, DType dtype, int64_t step) {
+  // max over [n, -n, d, -d, s, -s] gives [max n, -min n, max d, -min d, max s, -min s]: equal
+  // iff all agree.
+  int64_t sig[6] = {numel, -numel, static_cast<int64_t>(dtype), -static_cast<int64_t>(dtype),
+                    step, -step};
   try {
     gloo::AllreduceOptions opts(context_);
     opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
     opts.setTag(next_tag_++);
-    opts.setOutput(sig, 4);
+    opts.setOutput(sig, 6);
     opts.setReduceFunction(static_cast<ReduceFn>(&gloo::max<int64_t>));
     gloo::allreduce(opts);
   } catch (const std::exception& e) {
@@ -383,54 +424,129 @@ absl::Status GlooCommunicator::CheckLayout(int64_t numel, DType dtype) {
         ")", sig[2] != -sig[3] ? " and the dtypes differ (float64 on some members only)" : "",
         "; every member must average the same list of tensors"));
   }
+  if (sig[4] != -sig[5]) {
+    return absl::InternalError(absl::StrCat(
+        "the members of this subgroup are averaging different rounds: steps range from ",
+        -sig[5], " to ", sig[4], " (this rank: ", step,
+        "); no member kept a mixed average; this is a bug in modelavg's round agreement, "
+        "please report it"));
+  }
+  if (step >= 0) step_checked_ = true;
   layout_checked_ = true;
   checked_numel_ = numel;
   checked_dtype_ = dtype;
   return absl::OkStatus();
 }
 
-absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> tensors) {
+absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> tensors,
+                                                const RoundOptions& options,
+                                                RoundOutcome* outcome) {
+  RoundOutcome ignored;
+  if (outcome == nullptr) outcome = &ignored;
+  *outcome = RoundOutcome::kFailedWithoutResult;
   absl::StatusOr<int64_t> total = CheckHostTensors(tensors);
   if (!total.ok()) return total.status();
   const DType dtype = StagingDType(tensors);
+  const int divisor = options.contributors > 0 ? options.contributors : size_;
+  if (divisor > size_ || (!options.contribute && divisor >= size_)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        divisor, " contributing members of ", size_, (options.contribute ? "" : " (this one not)"),
+        ": the round has no valid divisor"));
+  }
   absl::MutexLock l(&mu_);
   if (!broken_.ok()) return broken_;
   if (absl::Status a = AbortedOr(absl::OkStatus()); !a.ok()) return broken_ = a;
-  if (!layout_checked_ || checked_numel_ != *total || checked_dtype_ != dtype) {
-    absl::Status s = CheckLayout(*total, dtype);
+  has_pending_ = false;
+  if (!layout_checked_ || checked_numel_ != *total || checked_dtype_ != dtype ||
+      (options.step >= 0 && !step_checked_)) {
+    absl::Status s = CheckLayout(*total, dtype, step_checked_ ? -1 : options.step);
     if (!s.ok()) {
       if (s.code() != absl::StatusCode::kInvalidArgument) s = Break(s);
       return s;
     }
   }
-  if (*total == 0) return absl::OkStatus();
+  if (*total == 0) {
+    *outcome = RoundOutcome::kCompleted;
+    return absl::OkStatus();
+  }
   const size_t bytes = static_cast<size_t>(*total) * DTypeSize(dtype);
   void* single = SingleBuffer(tensors);
-  if (fused_ && single != nullptr) {
+  // A committed round needs the backup to undo (in_place is only for plain rounds).
+  const bool keep_backup = !in_place_ || options.commit;
+  bool holding = false;
+  if (fused_ && single != nullptr && options.contribute) {
     // One buffer: reduced in place, the division fused into the ring. Unless in_place, every
     // segment is saved to a backup as the ring first touches it, and restored if the
     // collective fails.
     void* backup = nullptr;
-    if (!in_place_) {
+    if (keep_backup) {
       if (staging_.size() * sizeof(double) < bytes) staging_.resize((bytes + 7) / 8);
       backup = staging_.data();
     }
-    absl::Status s = RunAverage(single, *total, dtype, backup, kDefaultMaxSegment);
-    if (!s.ok()) s = Break(s);
-    return s;
+    absl::Status s = RunAverage(single, *total, dtype, backup, kDefaultMaxSegment, divisor,
+                                options.commit, &holding);
+    if (!s.ok()) {
+      *outcome = holding ? RoundOutcome::kFailedHoldingResult : RoundOutcome::kFailedWithoutResult;
+      return Break(s);
+    }
+    *outcome = RoundOutcome::kCompleted;
+    return absl::OkStatus();
   }
-  // Anything else: one flat staging buffer, copied back only on success.
+  // Anything else: one flat staging buffer, copied back only on success. A member that does not
+  // contribute reduces zeros.
   if (staging_.size() * sizeof(double) < bytes) staging_.resize((bytes + 7) / 8);
   absl::Status s;
+  if (!options.contribute) std::memset(staging_.data(), 0, bytes);
   if (fused_) {
-    PackDivided(tensors, dtype, 1.0, staging_.data());
-    s = RunAverage(staging_.data(), *total, dtype, /*backup=*/nullptr, kDefaultMaxSegment);
+    if (options.contribute) PackDivided(tensors, dtype, 1.0, staging_.data());
+    s = RunAverage(staging_.data(), *total, dtype, /*backup=*/nullptr, kDefaultMaxSegment,
+                   divisor);
   } else {
-    PackDivided(tensors, dtype, static_cast<double>(size_), staging_.data());
+    if (options.contribute) {
+      PackDivided(tensors, dtype, static_cast<double>(divisor), staging_.data());
+    }
     s = RunSum(staging_.data(), *total, dtype);
   }
   if (!s.ok()) return Break(s);
+  if (options.commit) {
+    if (absl::Status c = Commit(); !c.ok()) {
+      // Keep the packed result aside; the tensors were never touched.
+      pending_.swap(staging_);
+      has_pending_ = true;
+      pending_packed_ = true;
+      pending_numel_ = *total;
+      pending_dtype_ = dtype;
+      *outcome = RoundOutcome::kFailedHoldingResult;
+      return Break(c);
+    }
+  }
   Unpack(staging_.data(), dtype, tensors);
+  *outcome = RoundOutcome::kCompleted;
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::AdoptPendingResult(absl::Span<const TensorView> tensors) {
+  absl::StatusOr<int64_t> total = CheckHostTensors(tensors);
+  if (!total.ok()) return total.status();
+  const DType dtype = StagingDType(tensors);
+  absl::MutexLock l(&mu_);
+  if (!has_pending_) {
+    return absl::FailedPreconditionError("no averaging result is kept aside on this member");
+  }
+  if (*total != pending_numel_ || dtype != pending_dtype_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the kept result has ", pending_numel_, " elements; these tensors have ", *total));
+  }
+  if (pending_packed_) {
+    Unpack(pending_.data(), dtype, tensors);
+  } else {
+    void* single = SingleBuffer(tensors);
+    if (single == nullptr) {
+      return absl::InvalidArgumentError("the kept result is one buffer; these tensors are not");
+    }
+    std::memcpy(single, pending_.data(), static_cast<size_t>(*total) * DTypeSize(dtype));
+  }
+  has_pending_ = false;
   return absl::OkStatus();
 }
 
@@ -451,7 +567,18 @@ void SoloCommunicator::Abort(const absl::Status& why) {
   if (aborted_.ok()) aborted_ = why.ok() ? absl::AbortedError("aborted") : why;
 }
 
-absl::Status SoloCommunicator::AllReduceAverage(absl::Span<const TensorView> tensors) {
+absl::Status SoloCommunicator::AdoptPendingResult(absl::Span<const TensorView> /*tensors*/) {
+  return absl::FailedPreconditionError("a one-member round keeps nothing aside");
+}
+
+absl::Status SoloCommunicator::AllReduceAverage(absl::Span<const TensorView> tensors,
+                                                const RoundOptions& options,
+                                                RoundOutcome* outcome) {
+  if (outcome != nullptr) *outcome = RoundOutcome::kFailedWithoutResult;
+  if (!options.contribute) {
+    return absl::InvalidArgumentError(
+        "a round of one member that does not contribute has nothing to average");
+  }
   {
     absl::MutexLock l(&mu_);
     if (!aborted_.ok()) return aborted_;
@@ -464,6 +591,7 @@ absl::Status SoloCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
                        tensors[i].data == nullptr ? "null" : "set"));
     }
   }
+  if (outcome != nullptr) *outcome = RoundOutcome::kCompleted;
   return absl::OkStatus();
 }
 

@@ -61,8 +61,15 @@ class GlooCommunicator : public Communicator {
   // (converted) into one flat staging buffer, reduced, and copied back on success.
   // The first call, and any call whose layout (total element count, staging dtype) differs
   // from the last verified one, first checks that every member passes the same layout.
+  // With options.commit the result is confirmed by a one-element all-reduce before it is kept
+  // (see RoundOptions); a member that does not contribute (a replacement at its admission)
+  // reduces zeros, and the division is by options.contributors. options.step is checked with
+  // the layout on the communicator's first call.
   // Errors as Communicator::AllReduceAverage; UNAVAILABLE when a peer's connection broke.
-  absl::Status AllReduceAverage(absl::Span<const TensorView> tensors) override;
+  using Communicator::AllReduceAverage;
+  absl::Status AllReduceAverage(absl::Span<const TensorView> tensors, const RoundOptions& options,
+                                RoundOutcome* outcome) override;
+  absl::Status AdoptPendingResult(absl::Span<const TensorView> tensors) override;
 
   // A plain in-place SUM all-reduce of one float32 or float64 buffer, for baselines.
   absl::Status AllReduceSum(void* data, int64_t numel, DType dtype);
@@ -91,16 +98,22 @@ class GlooCommunicator : public Communicator {
   GlooCommunicator(std::shared_ptr<gloo::Context> context, int rank, int size,
                    absl::Duration timeout, bool in_place);
   // Averages `data` (numel elements) in place: Gloo's ring SUM all-reduce with the division
-  // by size() fused into each segment's last reduction. With `backup` (numel elements), `data`
-  // is restored on failure.
+  // by `divisor` fused into each segment's last reduction. With `backup` (numel elements),
+  // `data` is restored on failure. With `commit`, the members then confirm (Commit); when that
+  // fails, the result is moved to pending_ and `data` restored (*holding set).
   absl::Status RunAverage(void* data, int64_t numel, DType dtype, void* backup,
-                          size_t max_segment) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                          size_t max_segment, int divisor, bool commit = false,
+                          bool* holding = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The second phase of a committed round: a one-element all-reduce that succeeds only if
+  // every member's data all-reduce did.
+  absl::Status Commit() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Checks, with a small all-reduce, that the fused division lands where expected on this Gloo
   // build; otherwise averaging uses the staging path with a separate division. Errors: the
   // transport's.
   absl::Status ProbeFusedAverage();
-  // Every member's (total numel, staging dtype) must be equal.
-  absl::Status CheckLayout(int64_t numel, DType dtype) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every member's (total numel, staging dtype) must be equal, and so must `step` (-1: any).
+  absl::Status CheckLayout(int64_t numel, DType dtype, int64_t step = -1)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RunSum(void* data, int64_t numel, DType dtype) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The abort reason when Abort was called, `failure` otherwise.
   absl::Status AbortedOr(absl::Status failure) const;
@@ -130,6 +143,15 @@ class GlooCommunicator : public Communicator {
   DType checked_dtype_ ABSL_GUARDED_BY(mu_) = DType::kFloat32;
   // Persistent staging (doubles keep it aligned for either staging dtype).
   std::vector<double> staging_ ABSL_GUARDED_BY(mu_);
+  // Whether the step of a round has been checked (the first call with a step).
+  bool step_checked_ ABSL_GUARDED_BY(mu_) = false;
+  // A result kept aside by a failed commit: the raw bytes of one buffer, or the packed staging
+  // (pending_packed_), for numel elements of dtype.
+  std::vector<double> pending_ ABSL_GUARDED_BY(mu_);
+  bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
+  bool pending_packed_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t pending_numel_ ABSL_GUARDED_BY(mu_) = 0;
+  DType pending_dtype_ ABSL_GUARDED_BY(mu_) = DType::kFloat32;
   uint32_t next_tag_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
@@ -141,7 +163,11 @@ absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CreateGlooDevice(
 // A communicator of one member: averaging is the identity, nothing is sent.
 class SoloCommunicator : public Communicator {
  public:
-  absl::Status AllReduceAverage(absl::Span<const TensorView> tensors) override;
+  using Communicator::AllReduceAverage;
+  absl::Status AllReduceAverage(absl::Span<const TensorView> tensors, const RoundOptions& options,
+                                RoundOutcome* outcome) override;
+  // Nothing is ever kept aside: FAILED_PRECONDITION.
+  absl::Status AdoptPendingResult(absl::Span<const TensorView> tensors) override;
   void Abort(const absl::Status& why) override;
   int rank() const override { return 0; }
   int size() const override { return 1; }

@@ -67,8 +67,8 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
                                             " bytes, expected ", sizeof(id.internal)));
   }
   std::memcpy(id.internal, blob->data(), sizeof(id.internal));
-  return CreateWithId(id, setup.rank - setup.subgroup.first_rank, setup.subgroup.size, device,
-                      setup.timeout, setup.check_alive);
+  return CreateWithId(id, setup.MemberIndex(), setup.MemberCount(), device, setup.timeout,
+                      setup.check_alive);
 }
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::CreateWithId(
@@ -259,13 +259,28 @@ bool NcclCommunicator::last_was_zero_copy() const {
   return core_.last_was_zero_copy();
 }
 
-absl::Status NcclCommunicator::AllReduceAverage(absl::Span<const TensorView> tensors) {
+absl::Status NcclCommunicator::AdoptPendingResult(absl::Span<const TensorView> /*tensors*/) {
+  return absl::FailedPreconditionError("the NCCL communicator keeps no result aside");
+}
+
+absl::Status NcclCommunicator::AllReduceAverage(absl::Span<const TensorView> tensors,
+                                                const RoundOptions& options,
+                                                RoundOutcome* outcome) {
+  if (outcome != nullptr) *outcome = RoundOutcome::kFailedWithoutResult;
+  if (options.commit || !options.contribute ||
+      (options.contributors > 0 && options.contributors != size_)) {
+    return absl::UnimplementedError(
+        "NCCL averaging runs plain rounds only: the two-phase commit and the admission of a "
+        "replacement (elastic jobs) need the Gloo backend (host tensors)");
+  }
   absl::MutexLock l(&mu_);
   if (!core_.broken().ok()) return core_.broken();
   ScopedCudaDevice on(device_);
   MODELAVG_RETURN_IF_ERROR(on.status());
   if (absl::Status a = AbortRequested(); !a.ok()) return core_.Fail(a);
-  return core_.Run(tensors);
+  absl::Status s = core_.Run(tensors);
+  if (s.ok() && outcome != nullptr) *outcome = RoundOutcome::kCompleted;
+  return s;
 }
 
 absl::Status NcclCommunicator::RawAllReduce(void* data, int64_t numel, DType dtype,

@@ -60,7 +60,14 @@ class NcclCommunicator : public Communicator, private NcclDeviceOps {
   // The zero-copy path (one contiguous buffer) reduces the caller's memory in place: a failure
   // mid-collective leaves it undefined (the communicator is aborted); the staged path leaves it
   // untouched.
-  absl::Status AllReduceAverage(absl::Span<const TensorView> tensors) override;
+  // Plain rounds only: a round with options.commit, a non-contributing member or a divisor
+  // other than size() is UNIMPLEMENTED (elastic jobs on NCCL do not retry a failed round and
+  // admit no replacement; see the README). options.step is not checked.
+  using Communicator::AllReduceAverage;
+  absl::Status AllReduceAverage(absl::Span<const TensorView> tensors, const RoundOptions& options,
+                                RoundOutcome* outcome) override;
+  // Nothing is ever kept aside: FAILED_PRECONDITION.
+  absl::Status AdoptPendingResult(absl::Span<const TensorView> tensors) override;
 
   // A raw in-place ncclAllReduce of one buffer (ncclAvg, or ncclSum with `sum`), waited for
   // (benchmark baseline; tests of NCCL's arithmetic).

@@ -199,8 +199,8 @@ std::string NcclUniqueIdKey(int32_t attempt) { return absl::StrCat("nccl/", atte
 
 absl::StatusOr<std::string> ExchangeNcclUniqueId(
     const CommunicatorSetup& setup, const std::function<absl::StatusOr<std::string>()>& draw) {
-  const int member = setup.rank - setup.subgroup.first_rank;
-  const std::string key = NcclUniqueIdKey(setup.bootstrap_attempt);
+  const int member = setup.MemberIndex();
+  const std::string key = setup.MemberScope() + NcclUniqueIdKey(setup.bootstrap_attempt);
   if (member == 0) {
     absl::StatusOr<std::string> id = draw();
     if (!id.ok()) return id.status();

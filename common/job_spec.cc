@@ -106,6 +106,7 @@ void DecisionToProto(const Decision& d, int64_t generation, v1::StepDecision* ou
 Decision DecisionFromProto(const v1::StepDecision& d) {
   Decision out;
   out.step = d.step();
+  out.generation = d.generation();
   if (d.action() != v1::AVERAGE) return out;
   out.average = true;
   out.level = d.level();

@@ -82,6 +82,8 @@ struct Decision {
   // Members admitted at this step (elastic replacements): they receive the average of the
   // others and contribute nothing. Usually empty.
   std::vector<int32_t> joining;
+  // The job generation the decision was taken in (0: not known).
+  int64_t generation = 0;
 
   // The ranks averaging: `members`, or the whole subgroup when it is empty.
   std::vector<int32_t> Members() const {

@@ -11,4 +11,19 @@ if(TARGET modelavg-coordinator)
       MODELAVG_CLIENT_WORKER_BIN="$<TARGET_FILE:modelavg_client_worker>")
     add_dependencies(${t} modelavg-coordinator modelavg_client_worker)
   endforeach()
+  # 8-rank elastic jobs of modelavg-trace-worker processes (defined in tests/tools, after this
+  # file: referenced through generator expressions), each test a few seconds to ~20 s.
+  modelavg_add_gtest(client_elastic_regrow_test SOURCES client_elastic_regrow_test.cc
+    LIBS modelavg_client LABELS integration TIMEOUT 120)
+  target_compile_definitions(client_elastic_regrow_test PRIVATE
+    MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>"
+    MODELAVG_CLIENT_WORKER_BIN="$<TARGET_FILE:modelavg_client_worker>"
+    MODELAVG_TRACE_WORKER_BIN="$<TARGET_FILE:modelavg-trace-worker>")
+  add_dependencies(client_elastic_regrow_test modelavg-coordinator modelavg-trace-worker)
 endif()
+
+# The trace checker (trace_check.h) on synthetic traces: fast, no processes.
+modelavg_add_gtest(trace_check_test SOURCES trace_check_test.cc
+  LIBS protobuf::libprotobuf absl::status absl::statusor absl::strings absl::str_format
+  LABELS unit TIMEOUT 60)
+target_include_directories(trace_check_test PRIVATE ${PROJECT_SOURCE_DIR})

@@ -3,14 +3,22 @@
 //   modelavg-trace-worker --coordinator=127.0.0.1:50051 --job=J --rank=0 --world_size=4 \
 //       --steps=16 --numel=3 --backend=gloo
 //
-// Joins an existing job (it never creates one). Every parameter starts at the rank's number;
+// Joins an existing job (it never creates one). Without --rank (or with --rank=-1) the
+// coordinator picks the rank: the lowest free one, or, in a RUNNING elastic job, the lowest
+// vacant one (the worker is then a replacement). Every parameter starts at the rank's number;
 // before the averaging call of step s it adds (rank + 1) * (s + 1) * 0.5 to every parameter; after
 // the call it checks that every element is equal to the first and prints one JSON line on stdout:
 //   {"step": s, "rank": r, "value": <first parameter>, "action": "AVERAGE"|"SKIP", "level": l,
-//    "generation": g, "members": [ranks]}
-// (level is -1 and members empty for SKIP; members are the ranks that averaged at that step). The same update run through PyTorch's own averagers
-// (tests/conformance/torch_reference.py) must give the same values. On any failure it prints one
-// line on stderr and exits 1.
+//    "generation": g, "members": [ranks], "joining": [ranks]}
+// level is -1 for SKIP; members are the ranks that actually averaged at that step (empty for
+// SKIP; in an elastic job the subgroup less its vacant ranks); joining are the replacements
+// admitted at that step (they contributed nothing and received the others' average; usually
+// empty); generation is the job's generation the decision was taken in. With --unix_ms each line
+// also has "unix_ms": the wall-clock time (ms since the epoch) when the call returned.
+// A replacement (Client::admission_step() > 0) runs steps admission_step .. steps-1: its first
+// line is the admission step, with the value it received, and has "admitted": true.
+// The same update run through PyTorch's own averagers (tests/conformance/torch_reference.py) must
+// give the same values. On any failure it prints one line on stderr and exits 1.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -45,7 +53,9 @@
 
 ABSL_FLAG(std::string, coordinator, "", "coordinator address HOST:PORT (required)");
 ABSL_FLAG(std::string, job, "", "id of an existing job to join (required)");
-ABSL_FLAG(int32_t, rank, -1, "this worker's rank, 0 <= rank < world_size (required)");
+ABSL_FLAG(int32_t, rank, -1,
+          "this worker's rank, 0 <= rank < world_size; -1 (the default): the coordinator picks "
+          "the lowest free rank, or the lowest vacant rank of a running elastic job");
 ABSL_FLAG(int32_t, world_size, 0, "the job's world size (required; must match the job's spec)");
 ABSL_FLAG(int64_t, steps, 0, "number of AverageParameters calls (steps 0 .. steps-1)");
 ABSL_FLAG(int64_t, numel, 1, "number of float32 parameters");
@@ -63,10 +73,16 @@ ABSL_FLAG(int64_t, step_delay_ms, 0,
 ABSL_FLAG(int64_t, coordinator_outage_timeout_ms, 300000,
           "ClientOptions.coordinator_outage_timeout: how long work that needs an unreachable "
           "coordinator waits for it");
+ABSL_FLAG(bool, unix_ms, false,
+          "add \"unix_ms\" to every line: the wall-clock time (milliseconds since the epoch) "
+          "when the averaging call returned");
 ABSL_FLAG(std::string, log_level, "warn", "spdlog level for diagnostics on stderr");
 
 namespace modelavg {
 namespace {
+
+// The rank this worker holds once it has joined (for the error line; -1 before).
+int32_t joined_rank = -1;
 
 // Where the parameters live: host memory, or CUDA memory mirrored from a host copy.
 class Parameters {
@@ -144,7 +160,7 @@ class Parameters {
 absl::Status Run() {
   const std::string coordinator = absl::GetFlag(FLAGS_coordinator);
   const std::string job = absl::GetFlag(FLAGS_job);
-  const int32_t rank = absl::GetFlag(FLAGS_rank);
+  const int32_t requested_rank = absl::GetFlag(FLAGS_rank);
   const int32_t world_size = absl::GetFlag(FLAGS_world_size);
   const int64_t steps = absl::GetFlag(FLAGS_steps);
   const int64_t numel = absl::GetFlag(FLAGS_numel);
@@ -152,9 +168,10 @@ absl::Status Run() {
   if (coordinator.empty()) return absl::InvalidArgumentError("--coordinator=HOST:PORT is required");
   if (job.empty()) return absl::InvalidArgumentError("--job is required (an existing job's id)");
   if (world_size < 1) return absl::InvalidArgumentError("--world_size must be >= 1");
-  if (rank < 0 || rank >= world_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--rank=", rank, " is outside [0, --world_size=", world_size, ")"));
+  if (requested_rank < -1 || requested_rank >= world_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--rank=", requested_rank, " is outside [0, --world_size=", world_size,
+        ") (or -1: the coordinator picks)"));
   }
   if (steps < 0) return absl::InvalidArgumentError("--steps must be >= 0");
   if (numel < 1) return absl::InvalidArgumentError("--numel must be >= 1");
@@ -163,14 +180,10 @@ absl::Status Run() {
         absl::StrCat("--backend=", backend, ": expected gloo or nccl"));
   }
 
-  MODELAVG_ASSIGN_OR_RETURN(
-      std::unique_ptr<Parameters> params,
-      Parameters::Create(backend == "nccl", numel, static_cast<float>(rank), rank));
-
   client::ClientOptions options;
   options.coordinator = coordinator;
   options.job_id = job;
-  options.rank = rank;
+  if (requested_rank >= 0) options.rank = requested_rank;
   options.expected_world_size = world_size;
   options.gloo_hostname = absl::GetFlag(FLAGS_gloo_hostname);
   options.join_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_join_timeout_ms));
@@ -191,6 +204,11 @@ absl::Status Run() {
     return absl::InvalidArgumentError(absl::StrCat("--world_size=", world_size, " but job ", job,
                                                    " has world size ", client->world_size()));
   }
+  const int32_t rank = client->rank();
+  joined_rank = rank;
+  MODELAVG_ASSIGN_OR_RETURN(
+      std::unique_ptr<Parameters> params,
+      Parameters::Create(backend == "nccl", numel, static_cast<float>(rank), rank));
   std::unique_ptr<client::ModelAverager> averager;
   if (client->schedule().spec().mode == AveragingMode::kPeriodic) {
     MODELAVG_ASSIGN_OR_RETURN(averager, client::PeriodicModelAverager::Create(client.get()));
@@ -199,7 +217,16 @@ absl::Status Run() {
   }
 
   const absl::Duration step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
-  for (int64_t step = 0; step < steps; ++step) {
+  const bool print_unix_ms = absl::GetFlag(FLAGS_unix_ms);
+  // A replacement's averager starts at its admission step; the others' at 0.
+  const int64_t first_step = averager->step();
+  const bool replacement = client->admission_step() > 0;
+  if (replacement && first_step != client->admission_step()) {
+    return absl::InternalError(absl::StrCat("rank ", rank, " was admitted at step ",
+                                            client->admission_step(),
+                                            " but its averager starts at step ", first_step));
+  }
+  for (int64_t step = first_step; step < steps; ++step) {
     if (step_delay > absl::ZeroDuration()) absl::SleepFor(step_delay);
     const float delta = static_cast<float>((rank + 1) * (step + 1)) * 0.5f;
     for (float& v : params->host()) v += delta;
@@ -221,14 +248,21 @@ absl::Status Run() {
       }
     }
     std::vector<int32_t> members;
-    if (decision->average) members = decision->subgroup.Ranks();
-    std::cout << absl::StrFormat(
-                     "{\"step\": %d, \"rank\": %d, \"value\": %.9g, \"action\": \"%s\", "
-                     "\"level\": %d, \"generation\": %d, \"members\": [%s]}",
-                     step, rank, params->host()[0], decision->average ? "AVERAGE" : "SKIP",
-                     decision->average ? decision->level : -1, client->generation(),
-                     absl::StrJoin(members, ", "))
-              << std::endl;
+    if (decision->average) members = decision->Members();
+    // The client's generation after the call: a call that retried the round in a new
+    // generation (elastic jobs) returns in it.
+    const int64_t generation = client->generation();
+    std::string line = absl::StrFormat(
+        "{\"step\": %d, \"rank\": %d, \"value\": %.9g, \"action\": \"%s\", \"level\": %d, "
+        "\"generation\": %d, \"members\": [%s], \"joining\": [%s]",
+        step, rank, params->host()[0], decision->average ? "AVERAGE" : "SKIP",
+        decision->average ? decision->level : -1, generation, absl::StrJoin(members, ", "),
+        absl::StrJoin(decision->joining, ", "));
+    if (replacement && step == first_step) absl::StrAppend(&line, ", \"admitted\": true");
+    if (print_unix_ms) {
+      absl::StrAppend(&line, ", \"unix_ms\": ", absl::ToUnixMillis(absl::Now()));
+    }
+    std::cout << line << "}" << std::endl;
   }
   return client->Leave("finished");
 }
@@ -253,7 +287,9 @@ int main(int argc, char** argv) {
   }
   absl::Status status = modelavg::Run();
   if (!status.ok()) {
-    std::cerr << "modelavg-trace-worker: rank " << absl::GetFlag(FLAGS_rank) << ": "
+    std::cerr << "modelavg-trace-worker: rank "
+              << (modelavg::joined_rank >= 0 ? modelavg::joined_rank : absl::GetFlag(FLAGS_rank))
+              << ": "
               << status.ToString() << std::endl;
     return 1;
   }

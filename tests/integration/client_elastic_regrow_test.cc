@@ -1,0 +1,294 @@
+// Elastic jobs with real processes: 8 modelavg-trace-worker ranks over Gloo on loopback, three
+// levels (pairs every 2 steps, quads every 4, all eight every 8), min_world_size 5, against a
+// coordinator started here. Every worker's trace is checked by the averaging rule alone
+// (trace_check.h): each averaging result is the mean of that step's members' values before the
+// call, whoever the members were. The fixture's figures (PrintRecovery) come from the workers'
+// --unix_ms timestamps and are printed as "[figures]", never asserted.
+#include <signal.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/client_job_harness.h"
+#include "tests/integration/trace_check.h"
+
+namespace modelavg::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int kWorld = 8;
+const std::vector<int32_t> kGroupSizes = {2, 4, 8};
+// 2 s: a loaded CI machine must not make a healthy worker miss its heartbeats.
+constexpr int64_t kHeartbeatMs = 2000;
+// Every wait in these tests: far above a run's few seconds, far below the ctest timeout.
+constexpr absl::Duration kRunDeadline = absl::Seconds(60);
+
+v1::JobSpec ElasticSpec(const std::string& id, int32_t min_world_size = 5) {
+  v1::JobSpec spec =
+      MakeSpec(id, kWorld, v1::HIERARCHICAL, {{2, 2}, {4, 4}, {8, 8}}, 0, kHeartbeatMs);
+  spec.set_min_world_size(min_world_size);
+  return spec;
+}
+
+int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
+
+struct WorkerOptions {
+  int rank = -1;  // -1: no --rank (the coordinator picks)
+  int64_t steps = 40;
+  int64_t step_delay_ms = 100;
+  int64_t numel = 1000;
+};
+WorkerOptions Steps(int64_t steps, int64_t step_delay_ms, int64_t numel = 1000) {
+  WorkerOptions o;
+  o.steps = steps;
+  o.step_delay_ms = step_delay_ms;
+  o.numel = numel;
+  return o;
+}
+
+class ElasticRegrowTest : public ::testing::Test {
+ protected:
+  ElasticRegrowTest() : cluster_("regrow") {}
+  ~ElasticRegrowTest() override {
+    workers_.clear();  // killed (as a process group) if still running, before the coordinator
+  }
+
+  // Starts a trace worker; returns its index in workers_.
+  size_t Start(const std::string& job, const WorkerOptions& o) {
+    const size_t index = workers_.size();
+    std::vector<std::string> argv = {MODELAVG_TRACE_WORKER_BIN,
+                                     "--coordinator=" + cluster_.coordinator().address(),
+                                     "--job=" + job,
+                                     absl::StrCat("--world_size=", kWorld),
+                                     absl::StrCat("--steps=", o.steps),
+                                     absl::StrCat("--numel=", o.numel),
+                                     absl::StrCat("--step_delay_ms=", o.step_delay_ms),
+                                     "--backend=gloo",
+                                     "--unix_ms",
+                                     "--join_timeout_ms=30000",
+                                     "--collective_timeout_ms=60000",
+                                     "--log_level=info"};
+    if (o.rank >= 0) argv.push_back(absl::StrCat("--rank=", o.rank));
+    who_.push_back(o.rank >= 0 ? absl::StrCat("rank ", o.rank)
+                               : absl::StrCat("worker ", index, " (no --rank)"));
+    workers_.push_back(std::make_unique<Process>(
+        argv, absl::StrCat(cluster_.dir(), "/", job, "-worker", index)));
+    return index;
+  }
+
+  // Starts ranks 0..7.
+  void StartWorld(const std::string& job, WorkerOptions o) {
+    for (int r = 0; r < kWorld; ++r) {
+      o.rank = r;
+      Start(job, o);
+    }
+  }
+
+  Trace TraceOf(size_t i) {
+    absl::StatusOr<Trace> t = ParseTrace(who_[i], workers_[i]->out());
+    EXPECT_TRUE(t.ok()) << t.status();
+    return t.ok() ? *std::move(t) : Trace{who_[i], {}};
+  }
+
+  // Waits until worker i has printed step `step` (false: it exited first, or the deadline).
+  bool WaitForStep(size_t i, int64_t step, absl::Duration timeout = kRunDeadline) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (absl::Now() < deadline) {
+      Trace t = TraceOf(i);
+      if (!t.lines.empty() && t.lines.back().step >= step) return true;
+      if (workers_[i]->Wait(absl::ZeroDuration()).has_value()) return false;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return false;
+  }
+
+  // Waits until some worker of `among` has printed an AVERAGE line at `level` whose members
+  // lack `rank` (the survivors have averaged without it).
+  bool WaitForAverageWithout(const std::vector<size_t>& among, int32_t rank, int level,
+                             absl::Duration timeout = kRunDeadline) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (absl::Now() < deadline) {
+      bool running = false;
+      for (size_t i : among) {
+        running = running || !workers_[i]->Wait(absl::ZeroDuration()).has_value();
+        for (const TraceLine& l : TraceOf(i).lines) {
+          if (l.action == "AVERAGE" && l.level == level &&
+              std::find(l.members.begin(), l.members.end(), rank) == l.members.end()) {
+            return true;
+          }
+        }
+      }
+      if (!running) return false;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return false;
+  }
+
+  // Waits for each worker of `which` (each within the same deadline); their exit codes,
+  // nullopt for one still running at the deadline.
+  std::vector<std::optional<int>> WaitFor(const std::vector<size_t>& which,
+                                          absl::Duration timeout = kRunDeadline) {
+    const absl::Time deadline = absl::Now() + timeout;
+    std::vector<std::optional<int>> codes;
+    for (size_t i : which) {
+      codes.push_back(workers_[i]->Wait(std::max(absl::ZeroDuration(), deadline - absl::Now())));
+    }
+    return codes;
+  }
+
+  // Every worker of `which` exits 0 having printed steps first..steps-1.
+  void ExpectFinished(const std::vector<size_t>& which, int64_t steps) {
+    std::vector<std::optional<int>> codes = WaitFor(which);
+    bool diagnose = false;
+    for (size_t k = 0; k < which.size(); ++k) {
+      const size_t i = which[k];
+      if (!codes[k].has_value()) {
+        ADD_FAILURE() << who_[i] << " still running after "
+                      << absl::FormatDuration(kRunDeadline);
+        diagnose = true;
+        continue;
+      }
+      if (*codes[k] != 0) {
+        ADD_FAILURE() << who_[i] << " exited with " << *codes[k] << ": "
+                      << LastLine(workers_[i]->err());
+        diagnose = true;
+        continue;
+      }
+      Trace t = TraceOf(i);
+      if (t.lines.empty()) {
+        ADD_FAILURE() << who_[i] << " printed nothing";
+        continue;
+      }
+      EXPECT_EQ(t.lines.back().step, steps - 1) << who_[i];
+      EXPECT_EQ(static_cast<int64_t>(t.lines.size()), steps - t.lines.front().step)
+          << who_[i] << ": a step is missing";
+    }
+    if (diagnose) ADD_FAILURE() << Diagnostics();
+  }
+
+  // The checker over every worker's trace (the dead ones' too: their values feed the averages
+  // they took part in).
+  void ExpectTracesFollowTheRule() {
+    std::vector<Trace> traces;
+    for (size_t i = 0; i < workers_.size(); ++i) traces.push_back(TraceOf(i));
+    TraceCheckResult r = CheckTraces(traces, kGroupSizes);
+    EXPECT_TRUE(r.ok()) << r.Report() << Diagnostics();
+    EXPECT_GT(r.averages, 0);
+    std::printf("trace check: %lld averaging and %lld skipping lines, %lld admission(s)\n",
+                static_cast<long long>(r.averages), static_cast<long long>(r.skips),
+                static_cast<long long>(r.admissions));
+  }
+
+  // The sorted members of the last AVERAGE line at `level` of worker i (empty: none).
+  std::vector<int32_t> LastMembersAt(size_t i, int level) {
+    std::vector<int32_t> members;
+    for (const TraceLine& l : TraceOf(i).lines) {
+      if (l.action == "AVERAGE" && l.level == level) members = l.members;
+    }
+    return members;
+  }
+
+  // Prints the figures of a fault at `fault_ms` that took `lost` out, seen by `survivors`: when
+  // the first and the last survivor first averaged without the lost ranks in a block that held
+  // one, and the longest pause between two steps of a survivor.
+  void PrintRecovery(const std::string& what, int64_t fault_ms, const std::set<int32_t>& lost,
+                     const std::vector<size_t>& survivors) {
+    int64_t first = -1, last = -1, pause = 0;
+    for (size_t i : survivors) {
+      const Trace t = TraceOf(i);
+      int64_t mine = -1;
+      for (size_t k = 0; k < t.lines.size(); ++k) {
+        const TraceLine& l = t.lines[k];
+        if (k > 0) pause = std::max(pause, l.unix_ms - t.lines[k - 1].unix_ms);
+        if (mine >= 0 || l.unix_ms < fault_ms || l.action != "AVERAGE") continue;
+        const int32_t g = kGroupSizes[l.level];
+        bool held_lost = false;
+        for (int32_t r : lost) {
+          held_lost = held_lost || (r / g == l.rank / g && std::find(l.members.begin(),
+                                                                     l.members.end(), r) ==
+                                                               l.members.end());
+        }
+        if (held_lost) mine = l.unix_ms - fault_ms;
+      }
+      if (mine < 0) continue;
+      first = first < 0 ? mine : std::min(first, mine);
+      last = std::max(last, mine);
+    }
+    std::printf(
+        "[figures] %s (heartbeat timeout %lld ms): first averaging without it after %lld ms "
+        "(first survivor), %lld ms (last survivor); longest pause between two steps of a "
+        "survivor %lld ms\n",
+        what.c_str(), static_cast<long long>(kHeartbeatMs), static_cast<long long>(first),
+        static_cast<long long>(last), static_cast<long long>(pause));
+  }
+
+  std::string Diagnostics() {
+    std::string s = absl::StrCat("\ncoordinator log (tail):\n",
+                                 Tail(cluster_.coordinator().process().err()));
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      absl::StrAppend(&s, "\n", who_[i], " stderr (tail):\n", Tail(workers_[i]->err()));
+    }
+    return s;
+  }
+  static std::string Tail(const std::string& s, size_t n = 3000) {
+    return s.size() <= n ? s : s.substr(s.size() - n);
+  }
+  // The last line of a worker's stderr: its error, when it failed.
+  static std::string LastLine(const std::string& s) {
+    std::vector<std::string> lines = absl::StrSplit(s, '\n', absl::SkipEmpty());
+    return lines.empty() ? "(nothing on stderr)" : lines.back();
+  }
+
+  static std::vector<size_t> Except(std::set<size_t> gone, size_t n = kWorld) {
+    std::vector<size_t> out;
+    for (size_t i = 0; i < n; ++i) {
+      if (gone.count(i) == 0) out.push_back(i);
+    }
+    return out;
+  }
+
+  Cluster cluster_;
+  std::vector<std::unique_ptr<Process>> workers_;  // after cluster_: stopped before it
+  std::vector<std::string> who_;
+};
+
+// Passes whatever the client's elastic support: 8 ranks, no fault. Every value follows the
+// rule, every averaging lists its whole block; and the checker rejects the same traces with
+// one value doctored.
+TEST_F(ElasticRegrowTest, NoFault_EveryRankFinishes_TracesFollowTheRule) {
+  ASSERT_TRUE(cluster_.ok()) << cluster_.dir();
+  ASSERT_TRUE(cluster_.admin()->CreateJob(ElasticSpec("calm")).ok());
+  StartWorld("calm", Steps(24, 0));
+  ExpectFinished(Except({}), 24);
+  ExpectTracesFollowTheRule();
+  for (size_t i = 0; i < kWorld; ++i) {
+    EXPECT_EQ(LastMembersAt(i, 2), (std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7}));
+    EXPECT_EQ(LastMembersAt(i, 0).size(), 2u);
+  }
+  // The checker is not blind: rank 6's averaging at step 8 (all eight) with a wrong value.
+  std::vector<Trace> traces;
+  for (size_t i = 0; i < kWorld; ++i) traces.push_back(TraceOf(i));
+  TraceLine& line = traces[6].lines[8];
+  ASSERT_EQ(line.action, "AVERAGE");
+  line.value += 0.01 * std::max(1.0, std::fabs(line.value));
+  TraceCheckResult r = CheckTraces(traces, kGroupSizes);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(r.Report(), HasSubstr("rank 6 step 8: value"));
+}
+
+}  // namespace
+}  // namespace modelavg::testing
