@@ -311,6 +311,21 @@ TEST(ElasticAdmissionTest, NewcomerDyingBeforeItsStep_ShrunkOutLikeAnyone) {
   EXPECT_TRUE(m.DecisionMembers()->from_step[3] == kNotMember);
 }
 
+TEST(ElasticAdmissionTest, FallBackToPending_RejoinedWorldStartsOverFromTheStart) {
+  Membership m(3, 2);
+  JoinAllReporting(m, 3);
+  m.Die({2}, "rank 2 heartbeat timeout", kT0);
+  ASSERT_TRUE(m.Join("new", "h", std::nullopt, kT0, "j").ok());
+  ASSERT_EQ(m.member(2).admitted_step, 5);
+  // Two die: below min_world_size, PENDING; the world re-forms and nobody is a replacement.
+  m.Die({0, 1}, "ranks 0, 1 heartbeat timeout", kT0);
+  ASSERT_EQ(m.state(), v1::PENDING);
+  for (int32_t r = 0; r < 3; ++r) ASSERT_TRUE(m.Join("v" + std::to_string(r), "h", r, kT0, "j").ok());
+  ASSERT_EQ(m.state(), v1::RUNNING);
+  for (int32_t r = 0; r < 3; ++r) EXPECT_EQ(m.member(r).admitted_step, -1) << r;
+  EXPECT_TRUE(m.DecisionMembers()->all_from_start);
+}
+
 TEST(ElasticAdmissionTest, DecisionMembers_FromStepPerRank_CachedUntilAChange) {
   Membership m(4, 2);
   JoinAllReporting(m, 3);
