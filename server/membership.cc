@@ -312,7 +312,9 @@ absl::StatusOr<Membership::JoinResult> Membership::Admit(const std::string& work
     margin = static_cast<int64_t>(
         std::min(notice + kMinAdmissionMargin, static_cast<double>(kMaxAdmissionMargin)));
   }
-  const int64_t floor = max_reported + margin;
+  const int64_t floor = max_reported > std::numeric_limits<int64_t>::max() - margin
+                            ? std::numeric_limits<int64_t>::max()
+                            : max_reported + margin;
   absl::StatusOr<int64_t> step = FindAdmissionStep(schedule_, rank, from_step, floor, job_id);
   if (!step.ok()) return step.status();
 

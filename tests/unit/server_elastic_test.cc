@@ -2,6 +2,7 @@
 // RUNNING moves the job to a new generation of the survivors, vacant ranks keep their numbers,
 // decisions list the live members, and below min_world_size the job falls back to PENDING.
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -280,6 +281,17 @@ TEST(ElasticAdmissionTest, MarginAddsOneSecondOfProgress_Capped) {
   EXPECT_EQ(j->change.admission_step, 10'000'000 + kMaxAdmissionMargin);
 }
 
+TEST(ElasticAdmissionTest, ReportedStepNearInt64Max_FailedPreconditionNoOverflow) {
+  Membership m(2, 1);
+  JoinAllReporting(m, std::numeric_limits<int64_t>::max() - 1);
+  m.Die({1}, "rank 1 heartbeat timeout", kT0);
+  absl::StatusOr<Membership::JoinResult> j = m.Join("new", "h", std::nullopt, kT0, "j");
+  ASSERT_FALSE(j.ok());
+  EXPECT_EQ(j.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(j.status().message(), HasSubstr("too large"));
+  EXPECT_EQ(m.generation(), 2);
+}
+
 TEST(ElasticAdmissionTest, NewcomerDyingBeforeItsStep_ShrunkOutLikeAnyone) {
   Membership m(4, 2);
   JoinAllReporting(m, 3);
@@ -297,6 +309,21 @@ TEST(ElasticAdmissionTest, NewcomerDyingBeforeItsStep_ShrunkOutLikeAnyone) {
   EXPECT_EQ(m.state(), v1::RUNNING);
   EXPECT_THAT(m.VacantRanks(), ElementsAre(3));
   EXPECT_TRUE(m.DecisionMembers()->from_step[3] == kNotMember);
+}
+
+TEST(ElasticAdmissionTest, FallBackToPending_RejoinedWorldStartsOverFromTheStart) {
+  Membership m(3, 2);
+  JoinAllReporting(m, 3);
+  m.Die({2}, "rank 2 heartbeat timeout", kT0);
+  ASSERT_TRUE(m.Join("new", "h", std::nullopt, kT0, "j").ok());
+  ASSERT_EQ(m.member(2).admitted_step, 5);
+  // Two die: below min_world_size, PENDING; the world re-forms and nobody is a replacement.
+  m.Die({0, 1}, "ranks 0, 1 heartbeat timeout", kT0);
+  ASSERT_EQ(m.state(), v1::PENDING);
+  for (int32_t r = 0; r < 3; ++r) ASSERT_TRUE(m.Join("v" + std::to_string(r), "h", r, kT0, "j").ok());
+  ASSERT_EQ(m.state(), v1::RUNNING);
+  for (int32_t r = 0; r < 3; ++r) EXPECT_EQ(m.member(r).admitted_step, -1) << r;
+  EXPECT_TRUE(m.DecisionMembers()->all_from_start);
 }
 
 TEST(ElasticAdmissionTest, DecisionMembers_FromStepPerRank_CachedUntilAChange) {
