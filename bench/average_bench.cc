@@ -10,6 +10,11 @@
 //    "avg_over_raw", "average_gbps", "raw_gbps"}
 // where *_s are the median wall time of one call on the slowest rank, and avg_over_raw =
 // average_s / raw_allreduce_s (the target is <= 1/0.9, i.e. >= 0.9x the raw throughput).
+// It also times, on the same communicator, a plain round (Communicator::AllReduceAverage) and a
+// committed one (RoundOptions::commit, as every round of an elastic job: the backup of the
+// parameters and the one-element confirmation): "plain_round_s", "committed_round_s" and
+// "committed_over_plain" (-1 where the backend has no committed rounds). With --in_place the
+// plain round keeps no backup, so the ratio is the whole cost of an elastic round.
 #include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -164,14 +169,17 @@ absl::Status Worker() {
   setup.level = 0;
   setup.subgroup = client->schedule().SubgroupOf(0, client->rank());
   setup.rank = client->rank();
+  setup.credential = client->credential();
   setup.timeout = o.collective_timeout;
   setup.gloo_in_place = o.gloo_in_place;  // the averager must find the same communicator
   std::unique_ptr<Buffers> buffers;
+  client::Communicator* round_comm = nullptr;
   if (!nccl) {
     MODELAVG_ASSIGN_OR_RETURN(client::Communicator * comm,
                               client->communicators()->Get(setup, client::Device::Host()));
     auto* gloo = dynamic_cast<client::GlooCommunicator*>(comm);
     if (gloo == nullptr) return absl::InvalidArgumentError("--world must be >= 2 for gloo");
+    round_comm = comm;
     buffers = std::make_unique<HostBuffers>(numel, tensors, client->rank(), gloo);
   } else {
 #if MODELAVG_HAVE_CUDA
@@ -182,27 +190,47 @@ absl::Status Worker() {
     MODELAVG_ASSIGN_OR_RETURN(client::Communicator * comm,
                               client->communicators()->Get(setup, client::Device::Cuda(device)));
     cuda->set_comm(static_cast<client::NcclCommunicator*>(comm));
+    round_comm = comm;
     buffers = std::move(cuda);
 #else
     return absl::UnimplementedError("this build has no CUDA/NCCL: use --backend=gloo");
 #endif
   }
   std::vector<TensorView> views = buffers->views();
-  std::vector<double> avg, raw;
+  std::vector<double> avg, raw, plain, committed;
   const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
+  client::RoundOptions commit;
+  commit.commit = true;
+  bool has_committed = true;
   for (int i = 0; i < warmup + iters; ++i) {
     absl::Time t0 = absl::Now();
     MODELAVG_RETURN_IF_ERROR(averager->AverageParameters(views).status());
     absl::Time t1 = absl::Now();
     MODELAVG_RETURN_IF_ERROR(buffers->Raw());
     absl::Time t2 = absl::Now();
+    MODELAVG_RETURN_IF_ERROR(round_comm->AllReduceAverage(views));
+    absl::Time t3 = absl::Now();
+    if (has_committed) {
+      absl::Status c = round_comm->AllReduceAverage(views, commit, nullptr);
+      if (absl::IsUnimplemented(c)) {
+        has_committed = false;  // the same on every member: the backend's property
+      } else {
+        MODELAVG_RETURN_IF_ERROR(c);
+      }
+    }
+    absl::Time t4 = absl::Now();
     if (i >= warmup) {
       avg.push_back(absl::ToDoubleSeconds(t1 - t0));
       raw.push_back(absl::ToDoubleSeconds(t2 - t1));
+      plain.push_back(absl::ToDoubleSeconds(t3 - t2));
+      committed.push_back(absl::ToDoubleSeconds(t4 - t3));
     }
   }
-  std::printf("{\"rank\": %d, \"average_s\": %.9g, \"raw_allreduce_s\": %.9g}\n", client->rank(),
-              Median(avg), Median(raw));
+  std::printf(
+      "{\"rank\": %d, \"average_s\": %.9g, \"raw_allreduce_s\": %.9g, \"plain_round_s\": "
+      "%.9g, \"committed_round_s\": %.9g}\n",
+      client->rank(), Median(avg), Median(raw), Median(plain),
+      has_committed ? Median(committed) : -1.0);
   std::fflush(stdout);
   buffers.reset();
   return client->Leave("benchmark done");
@@ -261,7 +289,7 @@ absl::Status Driver(const char* self) {
     }
     pids.push_back(pid);
   }
-  double average_s = 0, raw_s = 0;
+  double average_s = 0, raw_s = 0, plain_s = 0, committed_s = 0;
   absl::Status failed;
   for (int r = 0; r < world; ++r) {
     int st = 0;
@@ -272,15 +300,19 @@ absl::Status Driver(const char* self) {
     }
     FILE* f = std::fopen(outs[r].c_str(), "r");
     int rank = -1;
-    double a = 0, b = 0;
+    double a = 0, b = 0, c = 0, d = 0;
     if (f == nullptr ||
-        std::fscanf(f, "{\"rank\": %d, \"average_s\": %lf, \"raw_allreduce_s\": %lf}", &rank, &a,
-                    &b) != 3) {
+        std::fscanf(f,
+                    "{\"rank\": %d, \"average_s\": %lf, \"raw_allreduce_s\": %lf, "
+                    "\"plain_round_s\": %lf, \"committed_round_s\": %lf}",
+                    &rank, &a, &b, &c, &d) != 5) {
       failed = absl::InternalError(absl::StrCat("worker ", r, " printed no result"));
     }
     if (f) std::fclose(f);
     average_s = std::max(average_s, a);
     raw_s = std::max(raw_s, b);
+    plain_s = std::max(plain_s, c);
+    committed_s = d < 0 ? -1.0 : std::max(committed_s, d);
   }
   server->Shutdown();
   MODELAVG_RETURN_IF_ERROR(failed);
@@ -289,10 +321,12 @@ absl::Status Driver(const char* self) {
       "{\"world\": %d, \"numel\": %lld, \"tensors\": %d, \"backend\": \"%s\", "
       "\"in_place\": %s, \"iters\": %d, "
       "\"average_s\": %.6g, \"raw_allreduce_s\": %.6g, \"avg_over_raw\": %.4f, "
-      "\"average_gbps\": %.4g, \"raw_gbps\": %.4g}\n",
+      "\"average_gbps\": %.4g, \"raw_gbps\": %.4g, \"plain_round_s\": %.6g, "
+      "\"committed_round_s\": %.6g, \"committed_over_plain\": %.4f}\n",
       world, static_cast<long long>(numel), tensors, backend.c_str(),
       absl::GetFlag(FLAGS_in_place) ? "true" : "false", absl::GetFlag(FLAGS_iters), average_s, raw_s, raw_s > 0 ? average_s / raw_s : 0.0,
-      bytes / average_s / 1e9, bytes / raw_s / 1e9);
+      bytes / average_s / 1e9, bytes / raw_s / 1e9, plain_s, committed_s,
+      committed_s > 0 && plain_s > 0 ? committed_s / plain_s : -1.0);
   return absl::OkStatus();
 }
 
