@@ -204,8 +204,12 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
     // If any live member completed the round, every member holds its result (the commit
     // phase): keep it. Otherwise nobody kept it: retry with the live members.
     absl::StatusOr<bool> completed = client_->PeerCompletedRound(*next, decision.generation);
-    while (!completed.ok() && absl::IsAborted(completed.status()) && attempt < kMaxAttempts) {
-      // The job moved on again while the notes were read.
+    // ABORTED: the job moved on while a note was awaited; FAILED_PRECONDITION: before (a stale
+    // generation). Either way: read the notes again in the newer generation.
+    while (!completed.ok() &&
+           (absl::IsAborted(completed.status()) ||
+            absl::IsFailedPrecondition(completed.status())) &&
+           attempt < kMaxAttempts) {
       ++attempt;
       const absl::Time again = absl::Now() + RetryWait();
       MODELAVG_RETURN_IF_ERROR(
