@@ -132,9 +132,8 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
   // A round lost to a failure is retried in the next generation, at most this many times (each
   // retry needs the job to have moved on: a death, a departure or an admission).
   constexpr int kMaxAttempts = 16;
-  // Host tensors run committed rounds (retried exactly); CUDA tensors plain ones (a failed
-  // round fails the call, and the next call goes on with the live members).
-  const bool committed = device.is_host();
+  // Every round is committed (retried exactly), on Gloo and NCCL alike.
+  const bool committed = true;
   for (int attempt = 1;; ++attempt) {
     const std::vector<int32_t> members = decision.Members();
     if (!std::binary_search(members.begin(), members.end(), client_->rank())) {
@@ -193,14 +192,6 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
     MODELAVG_RETURN_IF_ERROR(Annotate(client_->AdvanceGeneration(), where(decision)));
     absl::StatusOr<Decision> next = client_->DecisionAt(step);
     if (!next.ok()) return Annotate(next.status(), where(decision));
-    if (!committed) {
-      return absl::AbortedError(absl::StrCat(
-          where(decision), " failed: ", s.message(), "; the job went on in generation ",
-          next->generation,
-          " with its live members, and the next call averages with them (NCCL rounds are not "
-          "retried; the parameters are those before the call, or undefined on the zero-copy "
-          "path)"));
-    }
     // If any live member completed the round, every member holds its result (the commit
     // phase): keep it. Otherwise nobody kept it: retry with the live members.
     absl::StatusOr<bool> completed = client_->PeerCompletedRound(*next, decision.generation);
