@@ -401,6 +401,28 @@ TEST_F(ElasticRegrowTest, OneKilledDuringCalls_SurvivorsFinish) {
   PrintRecovery("kill -9 of rank 3 during calls", killed_ms, {3}, Except({3}));
 }
 
+// Two ranks of one quad in different pairs (1 and 2) killed while the ranks are inside
+// collectives (no sleep between calls, 4 MiB of parameters: averaging takes most of the time).
+TEST_F(ElasticRegrowTest, TwoOfAQuadKilledDuringCalls_SurvivorsFinish) {
+  ASSERT_TRUE(cluster_.ok()) << cluster_.dir();
+  ASSERT_TRUE(cluster_.admin()->CreateJob(ElasticSpec("quad")).ok());
+  constexpr int64_t kSteps = 40;
+  StartWorld("quad", Steps(kSteps, 0, 1 << 20));
+  ASSERT_TRUE(WaitForStep(1, 9)) << Diagnostics();
+  workers_[1]->Signal(SIGKILL);
+  workers_[2]->Signal(SIGKILL);
+  const int64_t killed_ms = NowMs();
+  ExpectFinished(Except({1, 2}), kSteps);
+  ExpectTracesFollowTheRule();
+  for (size_t i : Except({1, 2})) {
+    EXPECT_EQ(LastMembersAt(i, 2), (std::vector<int32_t>{0, 3, 4, 5, 6, 7})) << who_[i];
+  }
+  EXPECT_EQ(LastMembersAt(0, 1), (std::vector<int32_t>{0, 3}));
+  EXPECT_EQ(LastMembersAt(0, 0), (std::vector<int32_t>{0}));
+  EXPECT_EQ(LastMembersAt(3, 0), (std::vector<int32_t>{3}));
+  PrintRecovery("kill -9 of ranks 1 and 2 during calls", killed_ms, {1, 2}, Except({1, 2}));
+}
+
 // Rank 6 stopped with SIGSTOP (its sockets stay open; it just goes silent): the coordinator
 // declares it dead after the heartbeat timeout, the survivors' collectives with it are aborted
 // and retried without it, and they finish every step. Killed at the end.
