@@ -14,8 +14,9 @@ Checks:
                     join_timeout
   interrupt         SIGINT while connect waits for a world that never completes: KeyboardInterrupt
                     at once (not after join_timeout), and the process exits normally
-  jobs_and_client   create/get/list/delete_job, duplicate and invalid specs, unknown options,
-                    the client's properties and context manager, the wrong averager for the
+  jobs_and_client   create/get/list/delete_job, duplicate and invalid specs, min_world_size,
+                    unknown options, the client's properties (a strict job's elastic fields:
+                    admission_step -1, no vacancy) and context manager, the wrong averager for the
                     job's mode, and two ranks in one process on two threads (only possible when
                     the GIL is released during connect and averaging)
 """
@@ -282,6 +283,15 @@ def check_jobs_and_client(modelavg, coordinator, group):
     expect_raises("group size not dividing the world", ValueError,
                   lambda: modelavg.create_job("bad", 4, "HIERARCHICAL", [(2, 3), (4, 4)],
                                               coordinator=addr), "group_size", "3")
+    expect_raises("min_world_size above the world", ValueError,
+                  lambda: modelavg.create_job("bad", 4, "PERIODIC", period=2, min_world_size=5,
+                                              coordinator=addr), "min_world_size", "5")
+    elastic = modelavg.create_job("jobs-elastic", 4, "PERIODIC", period=2, min_world_size=3,
+                                  coordinator=addr)
+    if elastic.spec.min_world_size != 3 or \
+            modelavg.get_job("jobs-elastic", coordinator=addr).spec.min_world_size != 3:
+        mt.fail(f"min_world_size did not round-trip: {elastic}")
+    modelavg.delete_job("jobs-elastic", coordinator=addr)
     expect_raises("unknown mode", ValueError,
                   lambda: modelavg.create_job("bad", 4, "SOMETIMES", period=2,
                                               coordinator=addr), "SOMETIMES")
@@ -296,9 +306,14 @@ def check_jobs_and_client(modelavg, coordinator, group):
     # A world of one: the client's properties, decisions, the wrong averager, leaving.
     import torch
     with modelavg.connect(addr, "jobs-2", rank=0) as client:
-        if (client.rank, client.world_size, client.generation, client.job_id) != \
-                (0, 1, 1, "jobs-2"):
-            mt.fail(f"client: {client!r}")
+        if (client.rank, client.world_size, client.generation, client.job_id,
+                client.admission_step, client.elastic) != (0, 1, 1, "jobs-2", -1, False):
+            mt.fail(f"client: {client!r}, admission_step {client.admission_step}")
+        running = modelavg.get_job("jobs-2", coordinator=addr)
+        if (running.live_world_size, running.vacant_ranks, running.deaths, running.admissions,
+                running.spec.min_world_size, [m.admitted_step for m in running.members]) != \
+                (1, [], 0, 0, 0, [-1]):
+            mt.fail(f"a running strict job of one: {running}")
         expect_raises("hierarchical averager on a periodic job",
                       modelavg.FailedPreconditionError,
                       lambda: modelavg.HierarchicalModelAverager(client), "PERIODIC")
@@ -306,7 +321,8 @@ def check_jobs_and_client(modelavg, coordinator, group):
         p = torch.nn.Parameter(torch.ones(3))
         p.grad = torch.zeros(3)
         d = averager.average_parameters([p])
-        if (d.step, d.action, d.average, d.level, d.ranks) != (0, "AVERAGE", True, 0, [0]):
+        if (d.step, d.action, d.average, d.level, d.ranks, d.members, d.joining,
+                d.generation) != (0, "AVERAGE", True, 0, [0], [0], [], 1):
             mt.fail(f"decision {d!r}")
         expect_raises("a plain tensor (PyTorch refuses it too)", NotImplementedError,
                       lambda: averager.average_parameters([torch.ones(3)]), "not supported")
