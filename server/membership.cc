@@ -406,7 +406,7 @@ absl::StatusOr<Membership::LeaveResult> Membership::Leave(int32_t rank, const st
   if (MaybeFinish()) {
     result.change.finished = true;
   } else if (state_ == v1::RUNNING && in_round) {
-    result.change = Depart(rank, reason, now);
+    result.change = Depart(rank, reason, now, /*orderly=*/true);
   }
   return result;
 }
@@ -418,14 +418,17 @@ MembershipChange Membership::Die(const std::vector<int32_t>& ranks, const std::s
     members_[r].state = v1::DEAD;
     MarkMember(r);
   }
-  return Depart(ranks[0], reason, now);
+  return Depart(ranks[0], reason, now, /*orderly=*/false);
 }
 
-MembershipChange Membership::Depart(int32_t rank, const std::string& reason, absl::Time now) {
+MembershipChange Membership::Depart(int32_t rank, const std::string& reason, absl::Time now,
+                                    bool orderly) {
   if (state_ == v1::RUNNING && elastic()) {
     int32_t live = 0;
     for (const Member& m : members_) live += InRound(m) ? 1 : 0;
-    if (live >= min_world_size_) return Shrink(rank, reason, now);
+    // An orderly Leave winds the job down (the end of a run, where workers finish at different
+    // times) without failing the others: only deaths count against min_world_size.
+    if (live >= min_world_size_ || (orderly && live > 0)) return Shrink(rank, reason, now);
   }
   ResetProgress();
   return Bump(rank, reason, now);

@@ -218,7 +218,8 @@ class Membership {
   MembershipChange Bump(int32_t rank, const std::string& reason, absl::Time now);
   // Members of the running round departed (already marked DEAD or LEFT): Shrink when the job
   // is elastic and enough survive, Bump otherwise.
-  MembershipChange Depart(int32_t rank, const std::string& reason, absl::Time now);
+  // An `orderly` departure (Leave) of an elastic job shrinks it even below min_world_size.
+  MembershipChange Depart(int32_t rank, const std::string& reason, absl::Time now, bool orderly);
   MembershipChange Shrink(int32_t rank, const std::string& reason, absl::Time now);
   // Join of a RUNNING elastic job: a replacement.
   absl::StatusOr<JoinResult> Admit(const std::string& worker_id, const std::string& host,

@@ -107,6 +107,29 @@ TEST(ElasticMembershipTest, LeaveShrinks_TwoDeathsAtOnce_ThenBelowMinFallsBackTo
   EXPECT_EQ(m.round_size(), 0);
 }
 
+// The end of a run: workers that finish Leave one by one; an orderly departure never drops the
+// job below min_world_size into PENDING (that would fail the workers still finishing), only a
+// death does.
+TEST(ElasticMembershipTest, LeavesBelowMin_StayRunningUntilTheLast_DeathBelowMinFallsBack) {
+  Membership m(4, 3);
+  JoinAll(m);
+  for (int32_t r : {0, 1}) {
+    absl::StatusOr<Membership::LeaveResult> left = m.Leave(r, "finished", kT0, "j");
+    ASSERT_TRUE(left.ok());
+    EXPECT_TRUE(left->change.shrunk) << "rank " << r;
+    EXPECT_EQ(m.state(), v1::RUNNING) << "after rank " << r << " left";
+  }
+  EXPECT_EQ(m.round_size(), 2);  // below min 3, still RUNNING
+  const MembershipChange died = m.Die({2}, "rank 2 heartbeat timeout", kT0);
+  EXPECT_FALSE(died.shrunk);
+  EXPECT_EQ(m.state(), v1::PENDING);
+
+  Membership n(3, 2);
+  JoinAll(n);
+  for (int32_t r : {0, 1, 2}) ASSERT_TRUE(n.Leave(r, "finished", kT0, "j").ok());
+  EXPECT_EQ(n.state(), v1::FINISHED);
+}
+
 // --- Admission of replacements (Membership; its default schedule averages the world at every
 // step, so the admission step is the floor).
 
