@@ -6,8 +6,8 @@
 
 Checks:
   no_such_job       connect / the drop-in on a job that does not exist: NotFoundError naming it
-  spec_mismatch     the drop-in on an existing job with another plan: a ValueError naming both;
-                    a process group other than the default: a clear error
+  spec_mismatch     the drop-in on an existing job with another plan (or min_world_size): a
+                    ValueError naming both; a process group other than the default: a clear error
   dead_peer         a peer is killed (SIGKILL) mid-training: the survivor's next averaging step
                     raises PeerFailureError naming rank 1
   unreachable       nothing listens at the address: UnavailableError (a ConnectionError) within
@@ -94,6 +94,13 @@ def check_spec_mismatch(modelavg, coordinator, group):
     expect_raises("hierarchical drop-in on a periodic job", ValueError,
                   lambda: modelavg.torch.HierarchicalModelAverager({4: 2}, warmup_steps=1),
                   "PERIODIC", "HIERARCHICAL")
+    # An elastic min_world_size asked of the strict job (join_timeout: were the check missing,
+    # the connect would fail after 5 s instead of passing).
+    modelavg.torch.set_options(min_world_size=1, join_timeout=5)
+    expect_raises("drop-in asking a strict job for min_world_size 1", ValueError,
+                  lambda: modelavg.torch.PeriodicModelAverager(period=4, warmup_steps=1),
+                  "min_world_size=0", "min_world_size=1")
+    modelavg.torch._options.clear()
     os.environ["WORLD_SIZE"] = "4"
     expect_raises("drop-in with another world size", ValueError,
                   lambda: modelavg.torch.PeriodicModelAverager(period=4, warmup_steps=1),
