@@ -5,8 +5,11 @@
 //   {"bytes", "raw_s" (ncclAllReduce(ncclAvg) of one flat buffer), "zero_copy_s"
 //    (AverageParameters on ContiguousParameters: in place), "staged_s" (AverageParameters on
 //    --tensors separately allocated tensors: gather + all-reduce + scatter), "zero_copy_over_raw",
-//    "staged_over_raw"}
-// then {"layout_check_s"} (AverageParameters' per-call layout check: one 64-byte all-reduce and
+//    "staged_over_raw", and the rounds of an elastic job, on the communicator directly:
+//    "plain_s" (a plain zero-copy round), "committed_s" (a committed zero-copy round: the device
+//    backup copy + the data all-reduce + the one-int64 commit all-reduce and its host wait),
+//    "committed_staged_s" (a committed staged round: the commit only), "committed_over_plain"}
+// then {"layout_check_s"} (AverageParameters' per-call layout check: one 88-byte all-reduce and
 // a host wait), {"bf16_bytes", "raw_bf16_s", "bf16_via_fp32_s", "bf16_via_fp32_over_raw"}
 // (bfloat16 reduced through float32 vs NCCL's native bfloat16 average), and one line per
 // staging kernel alone (cudaEvent timing, large buffer):
@@ -133,10 +136,28 @@ absl::Status Run() {
     MODELAVG_ASSIGN_OR_RETURN(double staged, MedianSeconds(iters, [&] {
                                 return averager->AverageParameters(separate_views).status();
                               }));
+    // An elastic job's committed rounds next to a plain one, on the communicator itself (the
+    // averager of this strict job runs plain rounds).
+    client::RoundOptions committed_round;
+    committed_round.commit = true;
+    MODELAVG_ASSIGN_OR_RETURN(double plain, MedianSeconds(iters, [&] {
+                                return nccl->AllReduceAverage(contiguous->views());
+                              }));
+    MODELAVG_ASSIGN_OR_RETURN(double committed, MedianSeconds(iters, [&] {
+                                return nccl->AllReduceAverage(contiguous->views(),
+                                                              committed_round, nullptr);
+                              }));
+    MODELAVG_ASSIGN_OR_RETURN(double committed_staged, MedianSeconds(iters, [&] {
+                                return nccl->AllReduceAverage(separate_views, committed_round,
+                                                              nullptr);
+                              }));
     std::printf(
         "{\"bytes\": %lld, \"tensors\": %d, \"raw_s\": %.6g, \"zero_copy_s\": %.6g, "
-        "\"staged_s\": %.6g, \"zero_copy_over_raw\": %.4f, \"staged_over_raw\": %.4f}\n",
-        static_cast<long long>(numel * 4), t, raw, zero, staged, zero / raw, staged / raw);
+        "\"staged_s\": %.6g, \"zero_copy_over_raw\": %.4f, \"staged_over_raw\": %.4f, "
+        "\"plain_s\": %.6g, \"committed_s\": %.6g, \"committed_staged_s\": %.6g, "
+        "\"committed_over_plain\": %.4f}\n",
+        static_cast<long long>(numel * 4), t, raw, zero, staged, zero / raw, staged / raw, plain,
+        committed, committed_staged, committed / plain);
     std::fflush(stdout);
   }
 

@@ -98,6 +98,11 @@ absl::StatusOr<Decision> ModelAverager::AverageParameters(absl::Span<const Tenso
   return Annotate(s, where);
 }
 
+absl::Duration ModelAverager::RetryWait() const {
+  return 2 * client_->heartbeat_timeout() + 2 * client_->options().heartbeat_interval +
+         absl::Seconds(2);
+}
+
 CommunicatorSetup ModelAverager::Setup(const Decision& decision) const {
   CommunicatorSetup setup;
   setup.coordinator = client_->coordinator();
@@ -127,9 +132,8 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
   // A round lost to a failure is retried in the next generation, at most this many times (each
   // retry needs the job to have moved on: a death, a departure or an admission).
   constexpr int kMaxAttempts = 16;
-  // Host tensors run committed rounds (retried exactly); CUDA tensors plain ones (a failed
-  // round fails the call, and the next call goes on with the live members).
-  const bool committed = device.is_host();
+  // Every round is committed (retried exactly), on Gloo and NCCL alike.
+  const bool committed = true;
   for (int attempt = 1;; ++attempt) {
     const std::vector<int32_t> members = decision.Members();
     if (!std::binary_search(members.begin(), members.end(), client_->rank())) {
@@ -174,9 +178,10 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
       return Annotate(s, where(decision));
     }
     // The round failed: wait for the job to move on without the failed member (its death is
-    // declared within the heartbeat timeout), then settle the round in the new generation.
-    const absl::Time until = absl::Now() + client_->heartbeat_timeout() +
-                             2 * client_->options().heartbeat_interval + absl::Seconds(1);
+    // declared within the heartbeat timeout; the wait ends as soon as this rank hears of it),
+    // then settle the round in the new generation. The bound only matters when the job does not
+    // move on (a transport failure with every member alive): the call then fails.
+    const absl::Time until = absl::Now() + RetryWait();
     absl::Status moved = client_->AwaitNewerGeneration(decision.generation, until);
     if (!moved.ok()) {
       if (absl::IsDeadlineExceeded(moved)) return Annotate(s, where(decision));
@@ -187,22 +192,17 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
     MODELAVG_RETURN_IF_ERROR(Annotate(client_->AdvanceGeneration(), where(decision)));
     absl::StatusOr<Decision> next = client_->DecisionAt(step);
     if (!next.ok()) return Annotate(next.status(), where(decision));
-    if (!committed) {
-      return absl::AbortedError(absl::StrCat(
-          where(decision), " failed: ", s.message(), "; the job went on in generation ",
-          next->generation,
-          " with its live members, and the next call averages with them (NCCL rounds are not "
-          "retried; the parameters are those before the call, or undefined on the zero-copy "
-          "path)"));
-    }
     // If any live member completed the round, every member holds its result (the commit
     // phase): keep it. Otherwise nobody kept it: retry with the live members.
     absl::StatusOr<bool> completed = client_->PeerCompletedRound(*next, decision.generation);
-    while (!completed.ok() && absl::IsAborted(completed.status()) && attempt < kMaxAttempts) {
-      // The job moved on again while the notes were read.
+    // ABORTED: the job moved on while a note was awaited; FAILED_PRECONDITION: before (a stale
+    // generation). Either way: read the notes again in the newer generation.
+    while (!completed.ok() &&
+           (absl::IsAborted(completed.status()) ||
+            absl::IsFailedPrecondition(completed.status())) &&
+           attempt < kMaxAttempts) {
       ++attempt;
-      const absl::Time again = absl::Now() + client_->heartbeat_timeout() +
-                               2 * client_->options().heartbeat_interval + absl::Seconds(1);
+      const absl::Time again = absl::Now() + RetryWait();
       MODELAVG_RETURN_IF_ERROR(
           Annotate(client_->AwaitNewerGeneration(next->generation, again), where(*next)));
       MODELAVG_RETURN_IF_ERROR(Annotate(client_->AdvanceGeneration(), where(*next)));

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/coordinator_client.h"
+#include "client/half.h"
 #include "common/cuda_check.h"
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
@@ -110,7 +111,7 @@ NcclCommunicator::NcclCommunicator(ncclComm_t comm, int member, int size, int de
       device_(device),
       timeout_(timeout),
       check_alive_(std::move(check_alive)),
-      core_(this, member, device) {}
+      core_(this, member, size, device) {}
 
 NcclCommunicator::~NcclCommunicator() {
   absl::MutexLock l(&mu_);
@@ -199,14 +200,81 @@ absl::Status NcclCommunicator::Scatter(const StagingChunk* chunks, int64_t num_c
 }
 
 absl::Status NcclCommunicator::AllReduce(void* buffer, size_t count, Reduce op,
-                                         int32_t staging_code, void* stream) {
-  const bool check = op == Reduce::kLayoutMax;
-  const char* what = check ? "ncclAllReduce (layout check)" : "ncclAllReduce";
+                                         int32_t staging_code, int divisor, void* stream) {
+  const char* what = op == Reduce::kLayoutMax   ? "ncclAllReduce (layout check)"
+                     : op == Reduce::kCommitSum ? "ncclAllReduce (commit)"
+                                                : "ncclAllReduce";
+  ncclDataType_t type = ncclInt64;
+  ncclRedOp_t red = op == Reduce::kLayoutMax ? ncclMax : ncclSum;
+  // A divisor other than the size (a round where admitted members contribute nothing):
+  // ncclRedOpCreatePreMulSum with 1/divisor, rounded to the reduction dtype exactly as NCCL
+  // rounds ncclAvg's 1/size (float(1.0/n), then to half or bfloat16). It is then ncclAvg's own
+  // arithmetic for a group of `divisor` members, in the same single pass; a sum followed by a
+  // scale would cost a second pass over the buffer and risk float16 overflow in the sum.
+  bool custom = false;
+  if (op == Reduce::kAverage) {
+    type = NcclType(staging_code);
+    red = ncclAvg;
+    if (divisor != size_) {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 11, 0)
+      union {
+        double f64;
+        float f32;
+        uint16_t f16;
+      } scalar;
+      const double inverse = 1.0 / divisor;
+      switch (staging_code) {
+        case kStageF64:
+          scalar.f64 = inverse;
+          break;
+        case kStageF16:
+          scalar.f16 = FloatToHalf(static_cast<float>(inverse));
+          break;
+        case kStageBF16:
+          scalar.f16 = FloatToBFloat16(static_cast<float>(inverse));
+          break;
+        default:
+          scalar.f32 = static_cast<float>(inverse);
+      }
+      const ncclResult_t c =
+          ncclRedOpCreatePreMulSum(&red, &scalar, type, ncclScalarHostImmediate, comm_);
+      if (c != ncclSuccess) {
+        return NcclStatus(c, "ncclRedOpCreatePreMulSum", __FILE__, __LINE__);
+      }
+      custom = true;
+#else
+      return absl::UnimplementedError(absl::StrCat(
+          "averaging over ", divisor, " of ", size_, " members needs NCCL 2.11 or later"));
+#endif
+    }
+  }
   const ncclResult_t r =
-      ncclAllReduce(buffer, buffer, count, check ? ncclInt64 : NcclType(staging_code),
-                    check ? ncclMax : ncclAvg, comm_, static_cast<cudaStream_t>(stream));
-  if (r == ncclInProgress) return WaitNcclReady(what);
-  return NcclStatus(r, what, __FILE__, __LINE__);
+      ncclAllReduce(buffer, buffer, count, type, red, comm_, static_cast<cudaStream_t>(stream));
+  absl::Status s = r == ncclInProgress ? WaitNcclReady(what)
+                                       : NcclStatus(r, what, __FILE__, __LINE__);
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 11, 0)
+  // NCCL allows destroying the operation once the last call given it has returned; after a
+  // failure the communicator is aborted anyway, which frees it.
+  if (custom && s.ok()) ncclRedOpDestroy(red, comm_);
+#endif
+  (void)custom;
+  return s;
+}
+
+absl::Status NcclCommunicator::WaitLocal(void* stream_arg, const char* what) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_arg);
+  const absl::Time deadline = absl::Now() + timeout_;
+  int polls = 0;
+  while (true) {
+    const cudaError_t q = cudaStreamQuery(stream);
+    if (q == cudaSuccess) return absl::OkStatus();
+    if (q != cudaErrorNotReady) return CudaStatus(q, what, __FILE__, __LINE__);
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(what, " did not finish within ", absl::FormatDuration(timeout_)));
+    }
+    if (++polls > 100) absl::SleepFor(kPollSleep);
+  }
 }
 
 absl::Status NcclCommunicator::WaitNcclReady(const char* what) {
@@ -259,28 +327,28 @@ bool NcclCommunicator::last_was_zero_copy() const {
   return core_.last_was_zero_copy();
 }
 
-absl::Status NcclCommunicator::AdoptPendingResult(absl::Span<const TensorView> /*tensors*/) {
-  return absl::FailedPreconditionError("the NCCL communicator keeps no result aside");
+absl::Status NcclCommunicator::AdoptPendingResult(absl::Span<const TensorView> tensors) {
+  absl::MutexLock l(&mu_);
+  ScopedCudaDevice on(device_);
+  MODELAVG_RETURN_IF_ERROR(on.status());
+  return core_.Adopt(tensors);
+}
+
+void NcclCommunicator::InjectCommitFailureForTesting() {
+  absl::MutexLock l(&mu_);
+  core_.InjectCommitFailureForTesting();
 }
 
 absl::Status NcclCommunicator::AllReduceAverage(absl::Span<const TensorView> tensors,
                                                 const RoundOptions& options,
                                                 RoundOutcome* outcome) {
   if (outcome != nullptr) *outcome = RoundOutcome::kFailedWithoutResult;
-  if (options.commit || !options.contribute ||
-      (options.contributors > 0 && options.contributors != size_)) {
-    return absl::UnimplementedError(
-        "NCCL averaging runs plain rounds only: the two-phase commit and the admission of a "
-        "replacement (elastic jobs) need the Gloo backend (host tensors)");
-  }
   absl::MutexLock l(&mu_);
   if (!core_.broken().ok()) return core_.broken();
   ScopedCudaDevice on(device_);
   MODELAVG_RETURN_IF_ERROR(on.status());
   if (absl::Status a = AbortRequested(); !a.ok()) return core_.Fail(a);
-  absl::Status s = core_.Run(tensors);
-  if (s.ok() && outcome != nullptr) *outcome = RoundOutcome::kCompleted;
-  return s;
+  return core_.Run(tensors, options, outcome);
 }
 
 absl::Status NcclCommunicator::RawAllReduce(void* data, int64_t numel, DType dtype,

@@ -5,9 +5,9 @@
 // PublishCommId under the attempt's key (NcclUniqueIdKey); the others fetch it with GetCommId;
 // all call ncclCommInitRankConfig with blocking = 0, so that both the init and every collective
 // can be abandoned with ncclCommAbort.
-// Averaging (the host logic is NcclCore, nccl_core.h): every call first all-reduces an 8-int64
-// layout signature, which also carries local failures, so that the members always issue the
-// same collectives. When the tensors are back to back in one buffer of one dtype (see
+// Averaging (the host logic is NcclCore, nccl_core.h): every call first all-reduces a small
+// int64 layout signature (layout, step, divisor), which also carries local failures, so that
+// the members always issue the same collectives. When the tensors are back to back in one buffer of one dtype (see
 // ContiguousParameters) the all-reduce then runs in place with no copy; otherwise one fused
 // gather kernel fills a persistent staging buffer (every tensor at a 16-byte aligned offset) and
 // one fused scatter copies the result back; bfloat16 is reduced in float32. All work is ordered
@@ -56,18 +56,25 @@ class NcclCommunicator : public Communicator, private NcclDeviceOps {
   ~NcclCommunicator() override;
 
   // Errors as Communicator::AllReduceAverage, except that a failure every member learns in the
-  // layout check (a member's local failure, different layouts) leaves the communicator usable.
-  // The zero-copy path (one contiguous buffer) reduces the caller's memory in place: a failure
-  // mid-collective leaves it undefined (the communicator is aborted); the staged path leaves it
-  // untouched.
-  // Plain rounds only: a round with options.commit, a non-contributing member or a divisor
-  // other than size() is UNIMPLEMENTED (elastic jobs on NCCL do not retry a failed round and
-  // admit no replacement; see the README). options.step is not checked.
+  // layout check (a member's local failure, different layouts, different rounds) leaves the
+  // communicator usable. Every RoundOptions is supported (see nccl_core.h): options.step and the
+  // divisor are checked on every call, in the layout check; a member that does not contribute
+  // reduces zeros; a divisor other than size() runs ncclAvg's arithmetic for that many members
+  // (see AllReduce). The staged path leaves the tensors untouched by a failure. The zero-copy
+  // path (one contiguous buffer) reduces the caller's memory in place: in a plain round a
+  // failure mid-collective leaves it undefined (the communicator is aborted); with
+  // options.commit (elastic jobs) it is first copied to a device backup (one device-to-device
+  // copy per call, and a device buffer of the parameters' size kept for later calls) and
+  // restored on any failure, so it is untouched too.
   using Communicator::AllReduceAverage;
   absl::Status AllReduceAverage(absl::Span<const TensorView> tensors, const RoundOptions& options,
                                 RoundOutcome* outcome) override;
-  // Nothing is ever kept aside: FAILED_PRECONDITION.
+  // Writes the result a failed commit kept aside (staging buffer or pending device buffer)
+  // into `tensors`; works on the aborted communicator (local copies only).
   absl::Status AdoptPendingResult(absl::Span<const TensorView> tensors) override;
+  // Tests only: the next committed round's commit fails on this member after it succeeded
+  // everywhere (the result is kept aside: RoundOutcome::kFailedHoldingResult).
+  void InjectCommitFailureForTesting();
 
   // A raw in-place ncclAllReduce of one buffer (ncclAvg, or ncclSum with `sum`), waited for
   // (benchmark baseline; tests of NCCL's arithmetic).
@@ -106,9 +113,12 @@ class NcclCommunicator : public Communicator, private NcclDeviceOps {
                       int32_t staging_code, void* stream) override;
   absl::Status Scatter(const StagingChunk* chunks, int64_t num_chunks, const void* staging,
                        int32_t staging_code, void* stream) override;
+  // kAverage: ncclAvg when `divisor` is size(), otherwise a ncclRedOpCreatePreMulSum
+  // operation with 1/divisor (created and destroyed per call: admission rounds only).
   absl::Status AllReduce(void* buffer, size_t count, Reduce op, int32_t staging_code,
-                         void* stream) override;
+                         int divisor, void* stream) override;
   absl::Status Wait(void* stream, const char* what) override;
+  absl::Status WaitLocal(void* stream, const char* what) override;
   void AbortCommunicator() override;
 
   // Waits for a non-blocking NCCL call to leave ncclInProgress.

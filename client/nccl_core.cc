@@ -1,6 +1,7 @@
 #include "client/nccl_core.h"
 
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -35,13 +36,23 @@ void GrowableBuffer::Release(NcclDeviceOps& ops) {
 }
 
 LayoutSignature EncodeLayout(int64_t count, int32_t staging_code, int64_t total,
-                             bool failed_locally, int member) {
-  return LayoutSignature{count, -count, staging_code, -staging_code, total, -total,
-                         failed_locally ? member + 1 : 0, 0};
+                             bool failed_locally, int member, int divisor, int64_t step) {
+  constexpr int64_t kAnyStep = std::numeric_limits<int64_t>::min();
+  return LayoutSignature{count,
+                         -count,
+                         staging_code,
+                         -staging_code,
+                         total,
+                         -total,
+                         failed_locally ? member + 1 : 0,
+                         divisor,
+                         -divisor,
+                         step >= 0 ? step : kAnyStep,
+                         step >= 0 ? -step : kAnyStep};
 }
 
 LayoutDecision DecideLayout(const LayoutSignature& reduced, int64_t count, int64_t total,
-                            const absl::Status& local) {
+                            const absl::Status& local, int64_t step) {
   LayoutDecision d;
   if (reduced[6] > 0) {
     d.status = !local.ok()
@@ -61,19 +72,36 @@ LayoutDecision DecideLayout(const LayoutSignature& reduced, int64_t count, int64
         "; every member must average the same list of tensors"));
     return d;
   }
+  // Every member that passes a step passes the same one, and every member divides alike:
+  // anything else is a disagreement on the round itself (never a mixed average).
+  const bool steps_differ =
+      reduced[9] != std::numeric_limits<int64_t>::min() && reduced[9] != -reduced[10];
+  if (steps_differ || reduced[7] != -reduced[8]) {
+    d.status = absl::InternalError(absl::StrCat(
+        "the members of this subgroup are averaging different rounds: ",
+        steps_differ ? absl::StrCat("steps range from ", -reduced[10], " to ", reduced[9],
+                                    " (this rank: ", step, ")")
+                     : absl::StrCat("divisors (contributing members) range from ", -reduced[8],
+                                    " to ", reduced[7]),
+        "; no member averaged; this is a bug in modelavg's round agreement, please report it"));
+    return d;
+  }
   d.unpadded = reduced[0] != -reduced[1] || reduced[0] != count;
   return d;
 }
 
-NcclCore::NcclCore(NcclDeviceOps* ops, int member, int device)
-    : ops_(ops), member_(member), device_(device) {}
+NcclCore::NcclCore(NcclDeviceOps* ops, int member, int size, int device)
+    : ops_(ops), member_(member), size_(size), device_(device) {}
 
 NcclCore::~NcclCore() { Release(); }
 
 void NcclCore::Release() {
   chunks_host_.clear();
+  pending_ = Pending::kNone;
   staging_.Release(*ops_);
   chunks_device_.Release(*ops_);
+  backup_.Release(*ops_);
+  pending_buffer_.Release(*ops_);
   sig_device_.Release(*ops_);
   sig_host_.Release(*ops_);
 }
@@ -90,40 +118,103 @@ absl::Status NcclCore::Fail(absl::Status status) {
   return status;
 }
 
-absl::Status NcclCore::PrepareStaged(const StagingLayout& layout, int32_t code, void* stream) {
-  const size_t bytes = static_cast<size_t>(layout.elems) * StagingCodeSize(code);
+absl::Status NcclCore::UseTable(const StagingLayout& layout, size_t bytes, bool may_grow,
+                                void* stream) {
   const bool same_table =
       layout.chunks.size() == chunks_host_.size() &&
       std::memcmp(layout.chunks.data(), chunks_host_.data(),
                   layout.chunks.size() * sizeof(StagingChunk)) == 0 &&
       chunks_device_.data() != nullptr && staging_.capacity() >= bytes;
-  if (!same_table) {
-    // Forget the old table first: if anything below fails, the next call uploads again.
-    chunks_host_.clear();
+  if (same_table) return absl::OkStatus();
+  // Forget the old table first: if anything below fails, the next call uploads again.
+  chunks_host_.clear();
+  if (may_grow) {
     bool grown = false;
     MODELAVG_RETURN_IF_ERROR(staging_.Reserve(*ops_, bytes, &grown));
     // Padding gaps are reduced along: keep them zero.
     MODELAVG_RETURN_IF_ERROR(ops_->Zero(staging_.data(), bytes, stream));
-    MODELAVG_RETURN_IF_ERROR(
-        chunks_device_.Reserve(*ops_, layout.chunks.size() * sizeof(StagingChunk)));
-    // The upload may read the host table asynchronously: it is the member's copy, unchanged
-    // until a later call's layout differs (every call waits on the stream before that).
-    chunks_host_ = layout.chunks;
-    absl::Status s = ops_->Copy(chunks_device_.data(), chunks_host_.data(),
-                                chunks_host_.size() * sizeof(StagingChunk), stream);
-    if (!s.ok()) {
-      chunks_host_.clear();
-      return s;
-    }
+  } else if (staging_.data() == nullptr || staging_.capacity() < bytes) {
+    return absl::InternalError(absl::StrCat("the staging buffer holds ", staging_.capacity(),
+                                            " bytes where ", bytes, " are needed"));
   }
+  MODELAVG_RETURN_IF_ERROR(
+      chunks_device_.Reserve(*ops_, layout.chunks.size() * sizeof(StagingChunk)));
+  // The upload may read the host table asynchronously: it is the member's copy, unchanged
+  // until a later call's layout differs (every call waits on the stream before that).
+  chunks_host_ = layout.chunks;
+  absl::Status s = ops_->Copy(chunks_device_.data(), chunks_host_.data(),
+                              chunks_host_.size() * sizeof(StagingChunk), stream);
+  if (!s.ok()) chunks_host_.clear();
+  return s;
+}
+
+absl::Status NcclCore::PrepareStaged(const StagingLayout& layout, int32_t code, bool contribute,
+                                     void* stream) {
+  const size_t bytes = static_cast<size_t>(layout.elems) * StagingCodeSize(code);
+  MODELAVG_RETURN_IF_ERROR(UseTable(layout, bytes, /*may_grow=*/true, stream));
+  // A member that does not contribute reduces zeros (its tensors are only written).
+  if (!contribute) return ops_->Zero(staging_.data(), bytes, stream);
   return ops_->Gather(static_cast<const StagingChunk*>(chunks_device_.data()),
                       static_cast<int64_t>(layout.chunks.size()), staging_.data(), code, stream);
 }
 
-absl::Status NcclCore::Run(absl::Span<const TensorView> tensors) {
+absl::Status NcclCore::Commit(void* stream) {
+  auto* vote = static_cast<int64_t*>(sig_host_.data());
+  *vote = 1;
+  absl::Status s = ops_->Copy(sig_device_.data(), vote, sizeof(int64_t), stream);
+  if (s.ok()) {
+    s = ops_->AllReduce(sig_device_.data(), 1, NcclDeviceOps::Reduce::kCommitSum, 0, 1, stream);
+  }
+  if (s.ok()) s = ops_->Copy(vote, sig_device_.data(), sizeof(int64_t), stream);
+  if (s.ok()) s = ops_->Wait(stream, "commit of the averaging round");
+  if (!s.ok()) return Annotate(s, "commit of the averaging round");
+  if (*vote != size_) {
+    return absl::InternalError(absl::StrCat("the commit of the averaging round counted ", *vote,
+                                            " of ", size_, " members"));
+  }
+  if (fail_commit_) {
+    fail_commit_ = false;
+    return absl::UnavailableError("injected commit failure (test)");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NcclCore::Restore(void* data, size_t bytes, void* stream) {
+  absl::Status r = ops_->Copy(data, backup_.data(), bytes, stream);
+  if (r.ok()) r = ops_->WaitLocal(stream, "restoring the parameters from the backup");
+  return r;
+}
+
+absl::Status NcclCore::FailAndRestore(absl::Status status, void* data, size_t bytes,
+                                      bool restore, void* stream) {
+  // Abort first: the collective may still be running on the stream, and the restore must come
+  // after it ends.
+  Fail(status).IgnoreError();
+  if (!restore) return status;
+  if (absl::Status r = Restore(data, bytes, stream); !r.ok()) {
+    return broken_ = absl::Status(
+               status.code(),
+               absl::StrCat(status.message(), "; restoring the parameters from their backup failed "
+                            "too (", r.message(), "): they are undefined"));
+  }
+  return status;
+}
+
+absl::Status NcclCore::Run(absl::Span<const TensorView> tensors, const RoundOptions& options,
+                           RoundOutcome* outcome_arg) {
+  RoundOutcome ignored;
+  RoundOutcome* outcome = outcome_arg != nullptr ? outcome_arg : &ignored;
+  *outcome = RoundOutcome::kFailedWithoutResult;
   if (!broken_.ok()) return broken_;
+  pending_ = Pending::kNone;
   // Step 1: local preparation. Every failure here is carried into the layout check.
   absl::Status local;
+  const int divisor = options.contributors > 0 ? options.contributors : size_;
+  if (divisor > size_ || (!options.contribute && divisor >= size_)) {
+    local = absl::InvalidArgumentError(absl::StrCat(
+        divisor, " contributing members of ", size_, options.contribute ? "" : " (this one not)",
+        ": the round has no valid divisor"));
+  }
   int64_t total = 0;
   for (size_t i = 0; i < tensors.size() && local.ok(); ++i) {
     const TensorView& t = tensors[i];
@@ -145,7 +236,17 @@ absl::Status NcclCore::Run(absl::Span<const TensorView> tensors) {
   if (local.ok() && !zero_copy && total > 0) {
     layout = BuildStagingLayout(tensors, code, /*pad=*/true);
     count = layout.elems;
-    local = PrepareStaged(layout, code, stream);
+    local = PrepareStaged(layout, code, options.contribute, stream);
+  }
+  // The zero-copy path reduces the caller's buffer in place: a committed round (or a member
+  // that does not contribute, whose buffer is zeroed) first copies it to the backup, so that a
+  // failure leaves it as it was. Enqueued before the all-reduce, it costs no wait of its own.
+  const size_t bytes = static_cast<size_t>(total) * StagingCodeSize(code);
+  const bool backup = zero_copy && total > 0 && (options.commit || !options.contribute);
+  if (local.ok() && backup) {
+    local = backup_.Reserve(*ops_, bytes);
+    if (local.ok()) local = ops_->Copy(backup_.data(), tensors[0].data, bytes, stream);
+    if (!local.ok()) local = Annotate(local, "backing up the parameters");
   }
   last_zero_copy_ = zero_copy;
 
@@ -154,12 +255,13 @@ absl::Status NcclCore::Run(absl::Span<const TensorView> tensors) {
     return Fail(absl::InternalError("NcclCore::Run before Init"));
   }
   auto* sig = static_cast<int64_t*>(sig_host_.data());
-  const LayoutSignature mine = EncodeLayout(count, code, total, !local.ok(), member_);
+  const LayoutSignature mine =
+      EncodeLayout(count, code, total, !local.ok(), member_, divisor, options.step);
   std::memcpy(sig, mine.data(), sizeof(mine));
   absl::Status s = ops_->Copy(sig_device_.data(), sig, sizeof(mine), stream);
   if (s.ok()) {
     s = ops_->AllReduce(sig_device_.data(), kLayoutWords, NcclDeviceOps::Reduce::kLayoutMax,
-                        code, stream);
+                        code, divisor, stream);
   }
   if (s.ok()) s = ops_->Copy(sig, sig_device_.data(), sizeof(mine), stream);
   if (s.ok()) s = ops_->Wait(stream, "layout check");
@@ -168,30 +270,151 @@ absl::Status NcclCore::Run(absl::Span<const TensorView> tensors) {
   std::memcpy(reduced.data(), sig, sizeof(reduced));
 
   // Step 3: the shared decision.
-  const LayoutDecision d = DecideLayout(reduced, count, total, local);
+  const LayoutDecision d = DecideLayout(reduced, count, total, local, options.step);
   if (!d.status.ok()) return d.status;
-  if (total == 0) return absl::OkStatus();
+  if (total == 0) {
+    *outcome = RoundOutcome::kCompleted;
+    return absl::OkStatus();
+  }
   if (d.unpadded && !zero_copy) {
     layout = BuildStagingLayout(tensors, code, /*pad=*/false);
-    s = PrepareStaged(layout, code, stream);
+    s = PrepareStaged(layout, code, options.contribute, stream);
     if (!s.ok()) return Fail(Annotate(s, "staging the unpadded layout"));
   }
   count = total;
   if (!zero_copy) count = layout.elems;
 
-  // Step 4: the data collective and the copy back.
+  // Step 4: the data collective, the commit and the copy back.
   void* buffer = zero_copy ? tensors[0].data : staging_.data();
+  if (zero_copy && !options.contribute) {
+    s = ops_->Zero(buffer, bytes, stream);
+    if (!s.ok()) return FailAndRestore(s, buffer, bytes, backup, stream);
+  }
   s = ops_->AllReduce(buffer, static_cast<size_t>(count), NcclDeviceOps::Reduce::kAverage, code,
-                      stream);
+                      divisor, stream);
   if (s.ok()) s = ops_->Wait(stream, "ncclAllReduce");
-  if (!s.ok()) return Fail(s);
-  if (zero_copy) return absl::OkStatus();
+  if (!s.ok()) return FailAndRestore(s, buffer, bytes, backup, stream);
+  if (options.commit) {
+    s = Commit(stream);
+    if (!s.ok()) {
+      if (!zero_copy) {
+        // The result stays in the staging buffer; the tensors were never touched.
+        Fail(s).IgnoreError();
+        pending_ = Pending::kStaged;
+        pending_padded_ = !d.unpadded;
+        pending_code_ = code;
+        pending_total_ = total;
+        pending_elems_ = layout.elems;
+        *outcome = RoundOutcome::kFailedHoldingResult;
+        return s;
+      }
+      // Keep the result aside, then give the caller's buffer back its values (after the abort:
+      // the commit may still be on the stream).
+      Fail(s).IgnoreError();
+      absl::Status kept = pending_buffer_.Reserve(*ops_, bytes);
+      if (kept.ok()) kept = ops_->Copy(pending_buffer_.data(), buffer, bytes, stream);
+      if (absl::Status r = Restore(buffer, bytes, stream); !r.ok()) {
+        return broken_ = absl::Status(
+                   s.code(), absl::StrCat(s.message(), "; restoring the parameters from their "
+                                          "backup failed too (", r.message(),
+                                          "): they are undefined"));
+      }
+      if (!kept.ok()) {
+        return broken_ = absl::Status(
+                   s.code(), absl::StrCat(s.message(), "; keeping the result aside failed (",
+                                          kept.message(), "): the parameters are as before the "
+                                          "call"));
+      }
+      pending_ = Pending::kZeroCopy;
+      pending_code_ = code;
+      pending_total_ = total;
+      *outcome = RoundOutcome::kFailedHoldingResult;
+      return s;
+    }
+  }
+  if (zero_copy) {
+    *outcome = RoundOutcome::kCompleted;
+    return absl::OkStatus();
+  }
   // The copy-back is enqueued only once the reduction has finished, so that an aborted
   // collective never leaks a half-reduced staging buffer into the caller's tensors.
   s = ops_->Scatter(static_cast<const StagingChunk*>(chunks_device_.data()),
                     static_cast<int64_t>(chunks_host_.size()), staging_.data(), code, stream);
-  if (s.ok()) s = ops_->Wait(stream, "scatter of the averaged parameters");
-  if (!s.ok()) return Fail(s);
+  if (!options.commit) {
+    if (s.ok()) s = ops_->Wait(stream, "scatter of the averaged parameters");
+    if (!s.ok()) return Fail(s);
+    *outcome = RoundOutcome::kCompleted;
+    return absl::OkStatus();
+  }
+  // Committed: the round is over on every member that confirmed; only local work remains (no
+  // generation check, which could otherwise fail a round its peers completed).
+  if (s.ok()) s = ops_->WaitLocal(stream, "scatter of the averaged parameters");
+  if (!s.ok()) {
+    // The staging buffer still holds the result.
+    Fail(s).IgnoreError();
+    pending_ = Pending::kStaged;
+    pending_padded_ = !d.unpadded;
+    pending_code_ = code;
+    pending_total_ = total;
+    pending_elems_ = layout.elems;
+    *outcome = RoundOutcome::kFailedHoldingResult;
+    return s;
+  }
+  *outcome = RoundOutcome::kCompleted;
+  return absl::OkStatus();
+}
+
+absl::Status NcclCore::Adopt(absl::Span<const TensorView> tensors) {
+  if (pending_ == Pending::kNone) {
+    return absl::FailedPreconditionError("no averaging result is kept aside on this member");
+  }
+  int64_t total = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorView& t = tensors[i];
+    if (!t.device.is_cuda() || t.device.index != device_) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", i, " is on ",
+                                                     t.device.ToString(),
+                                                     " but this NCCL communicator is on cuda:",
+                                                     device_));
+    }
+    MODELAVG_RETURN_IF_ERROR(ValidateTensorView(i, t));
+    total += t.numel;
+  }
+  const int32_t code = StagingCode(tensors);
+  if (total != pending_total_ || code != pending_code_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the kept result has ", pending_total_, " elements of staging code ", pending_code_,
+        "; these tensors have ", total, " of code ", code,
+        ": pass the list of the round that kept it"));
+  }
+  void* stream = tensors[0].cuda_stream;
+  const size_t bytes = static_cast<size_t>(total) * StagingCodeSize(code);
+  absl::Status s;
+  if (pending_ == Pending::kZeroCopy) {
+    if (!IsZeroCopy(tensors)) {
+      return absl::InvalidArgumentError(
+          "the kept result is one buffer; these tensors are not back to back in one");
+    }
+    s = ops_->Copy(tensors[0].data, pending_buffer_.data(), bytes, stream);
+  } else {
+    const StagingLayout layout = BuildStagingLayout(tensors, code, pending_padded_);
+    if (layout.elems != pending_elems_) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the kept result spans ", pending_elems_, " staging elements; these tensors ",
+          layout.elems, ": pass the list of the round that kept it"));
+    }
+    s = UseTable(layout, static_cast<size_t>(layout.elems) * StagingCodeSize(code),
+                 /*may_grow=*/false, stream);
+    if (s.ok()) {
+      s = ops_->Scatter(static_cast<const StagingChunk*>(chunks_device_.data()),
+                        static_cast<int64_t>(chunks_host_.size()), staging_.data(), code,
+                        stream);
+    }
+  }
+  if (s.ok()) s = ops_->WaitLocal(stream, "adopting the kept averaging result");
+  // On a failure the result is still kept: the call can be repeated.
+  if (!s.ok()) return Annotate(s, "adopting the kept averaging result");
+  pending_ = Pending::kNone;
   return absl::OkStatus();
 }
 

@@ -3,19 +3,34 @@
 // without a GPU. NcclCommunicator (nccl_communicator.h) supplies the real operations.
 //
 // One call, on every member alike:
-//   1. local preparation: validate the tensors; for the staged path, grow the staging buffer,
-//      upload the chunk table (padded layout, staging_layout.h) and launch the gather;
-//   2. the layout check, run on EVERY call: one ncclAllReduce(ncclMax) of 8 int64 holding
-//      (count, -count, dtype, -dtype, total, -total, failed member + 1, 0). Whether a member
-//      takes part never depends on its own history, so the members always issue the same
-//      collectives; a local failure of step 1 is carried in it instead of skipping it;
+//   1. local preparation: validate the tensors and the round's options; for the staged path,
+//      grow the staging buffer, upload the chunk table (padded layout, staging_layout.h) and
+//      launch the gather (zeros for a member that does not contribute); for the zero-copy path
+//      of a committed round (or of a member that does not contribute), copy the caller's buffer
+//      to the device backup;
+//   2. the layout check, run on EVERY call: one ncclAllReduce(ncclMax) of kLayoutWords int64
+//      holding max/min pairs of (count, dtype, total, divisor, step) and the failed member + 1.
+//      Whether a member takes part never depends on its own history, so the members always
+//      issue the same collectives; a local failure of step 1 is carried in it instead of
+//      skipping it;
 //   3. the decision, identical on every member (DecideLayout): a member failed locally ->
 //      every member returns an error and nobody enters the data collective (the communicator
-//      stays usable); totals or dtypes differ -> INVALID_ARGUMENT everywhere (same); the padded
+//      stays usable); totals or dtypes differ -> INVALID_ARGUMENT everywhere (same); steps or
+//      divisors differ -> INTERNAL "averaging different rounds" everywhere (same); the padded
 //      counts differ (one member reduces in place, or splits its tensors differently) -> every
 //      member falls back to the unpadded layout;
-//   4. the data ncclAllReduce and, for the staged path, the scatter back. A failure from step 2
-//      on aborts the communicator (it is broken from then on).
+//   4. the data ncclAllReduce; with RoundOptions::commit, the commit (a one-int64 ncclSum of 1
+//      per member, which completes only once every member's data all-reduce has); then, for the
+//      staged path, the scatter back. A failure from step 2 on aborts the communicator (it is
+//      broken from then on); the zero-copy path then restores the caller's buffer from the
+//      backup when it has one. A failed commit keeps the result aside (the staging buffer, or
+//      the zero-copy path's pending buffer) and leaves the tensors as they were before the call:
+//      Adopt writes it into them.
+//
+// What a round costs beyond a plain one (RoundOptions defaults, whose operations are unchanged):
+// commit: one one-int64 all-reduce, two 8-byte copies and one host wait; on the zero-copy path
+// also one device-to-device copy of the buffer (the backup, enqueued before the all-reduce with
+// no wait of its own) and a device buffer of the same size, kept for later calls.
 #ifndef MODELAVG_CLIENT_NCCL_CORE_H_
 #define MODELAVG_CLIENT_NCCL_CORE_H_
 
@@ -29,6 +44,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "client/communicator.h"
 #include "client/communicator_cache.h"
 #include "client/staging_layout.h"
 #include "client/tensor.h"
@@ -38,7 +54,12 @@ namespace modelavg::client {
 // What NcclCore needs from CUDA and NCCL. Stream arguments are cudaStream_t.
 class NcclDeviceOps {
  public:
-  enum class Reduce { kLayoutMax /* int64, ncclMax */, kAverage /* staging code, ncclAvg */ };
+  enum class Reduce {
+    kLayoutMax,  // int64, ncclMax
+    kAverage,    // staging code; the sum of every member's x / divisor (ncclAvg when the
+                 // divisor is the communicator's size, see NcclCommunicator::AllReduce)
+    kCommitSum,  // int64, ncclSum
+  };
 
   virtual ~NcclDeviceOps() = default;
   virtual absl::Status Malloc(void** p, size_t bytes) = 0;      // device memory
@@ -53,10 +74,15 @@ class NcclDeviceOps {
   virtual absl::Status Scatter(const StagingChunk* chunks, int64_t num_chunks,
                                const void* staging, int32_t staging_code, void* stream) = 0;
   // An in-place ncclAllReduce of `count` elements; returns once NCCL has accepted it.
+  // `divisor` (kAverage only; >= 1): what the sum is divided by.
   virtual absl::Status AllReduce(void* buffer, size_t count, Reduce op, int32_t staging_code,
-                                 void* stream) = 0;
+                                 int divisor, void* stream) = 0;
   // Waits until `stream` has drained (deadline, NCCL async errors, generation check).
   virtual absl::Status Wait(void* stream, const char* what) = 0;
+  // Waits until `stream` has drained, for local work only (copies, kernels): a deadline, but no
+  // NCCL call and no generation check, so that it works on an aborted communicator (restoring
+  // the backup, adopting a kept result).
+  virtual absl::Status WaitLocal(void* stream, const char* what) = 0;
   // ncclCommAbort (once).
   virtual void AbortCommunicator() = 0;
 };
@@ -78,11 +104,14 @@ class GrowableBuffer {
   size_t capacity_ = 0;
 };
 
-// The layout check's 8 int64, before and after the ncclMax all-reduce.
-inline constexpr int kLayoutWords = 8;
+// The layout check's int64 words, before and after the ncclMax all-reduce: (count, -count,
+// code, -code, total, -total, failed member + 1, divisor, -divisor, step, -step). A step of -1
+// (not checked) is encoded as INT64_MIN in both of its words, so that it agrees with any.
+inline constexpr int kLayoutWords = 11;
 using LayoutSignature = std::array<int64_t, kLayoutWords>;
 LayoutSignature EncodeLayout(int64_t count, int32_t staging_code, int64_t total,
-                             bool failed_locally, int member);
+                             bool failed_locally, int member, int divisor = 1,
+                             int64_t step = -1);
 
 struct LayoutDecision {
   // Non-OK: every member returns an error (this one, or `local` on the member that failed)
@@ -91,14 +120,16 @@ struct LayoutDecision {
   // Every member reduces the unpadded layout (count = total).
   bool unpadded = false;
 };
-// The same on every member, given the same `reduced` (the all-reduced signatures).
+// The same on every member, given the same `reduced` (the all-reduced signatures). `step`:
+// this member's (for the message).
 LayoutDecision DecideLayout(const LayoutSignature& reduced, int64_t count, int64_t total,
-                            const absl::Status& local);
+                            const absl::Status& local, int64_t step = -1);
 
 class NcclCore {
  public:
-  // `ops` outlives the core. `device`: the CUDA ordinal every tensor must be on.
-  NcclCore(NcclDeviceOps* ops, int member, int device);
+  // `ops` outlives the core. `member` of `size`; `device`: the CUDA ordinal every tensor must
+  // be on.
+  NcclCore(NcclDeviceOps* ops, int member, int size, int device);
   ~NcclCore();  // Release()
   // Frees the buffers (not the communicator); idempotent.
   void Release();
@@ -107,29 +138,72 @@ class NcclCore {
 
   // Allocates the layout check's buffers (so that a member can always take part in it).
   absl::Status Init();
-  // One averaging call (see the top of this file). Not thread-safe: the caller serializes.
-  absl::Status Run(absl::Span<const TensorView> tensors);
+  // One averaging call (see the top of this file), as Communicator::AllReduceAverage. Not
+  // thread-safe: the caller serializes. `outcome` may be null.
+  absl::Status Run(absl::Span<const TensorView> tensors, const RoundOptions& options,
+                   RoundOutcome* outcome);
+  absl::Status Run(absl::Span<const TensorView> tensors) {
+    return Run(tensors, RoundOptions{}, nullptr);
+  }
+  // Communicator::AdoptPendingResult: writes the result the last round kept aside into
+  // `tensors` and forgets it. Works on a broken core (local copies only).
+  absl::Status Adopt(absl::Span<const TensorView> tensors);
   // Aborts the communicator and makes every later Run return `status`.
   absl::Status Fail(absl::Status status);
 
+  // Tests only: the next committed round's commit fails on this member after it succeeded
+  // everywhere, as when this member's wait on it breaks while its peers complete.
+  void InjectCommitFailureForTesting() { fail_commit_ = true; }
+
   const absl::Status& broken() const { return broken_; }
   bool last_was_zero_copy() const { return last_zero_copy_; }
+  bool has_pending_result() const { return pending_ != Pending::kNone; }
   // The staging buffer (tests: a failed growth leaves it empty).
   const GrowableBuffer& staging() const { return staging_; }
+  // The zero-copy path's backup of the caller's buffer (committed rounds).
+  const GrowableBuffer& backup() const { return backup_; }
 
  private:
-  // Step 1 of the staged path with `layout`.
-  absl::Status PrepareStaged(const StagingLayout& layout, int32_t code, void* stream);
+  // Step 1 of the staged path with `layout`: the gather, or zeros when `!contribute`.
+  absl::Status PrepareStaged(const StagingLayout& layout, int32_t code, bool contribute,
+                             void* stream);
+  // Makes the device chunk table `layout`'s (uploading it when it differs). `staging_bytes`:
+  // the staging capacity the table needs; the staging buffer is grown (and zeroed) only when
+  // `may_grow`.
+  absl::Status UseTable(const StagingLayout& layout, size_t staging_bytes, bool may_grow,
+                        void* stream);
+  // The commit: OK when every member's data all-reduce succeeded.
+  absl::Status Commit(void* stream);
+  // Copies the backup back into the caller's `bytes` at `data` and waits.
+  absl::Status Restore(void* data, size_t bytes, void* stream);
+  // After a failure from the data collective on: aborts the communicator and, on the zero-copy
+  // path with a backup, restores the caller's `bytes` at `data`. Returns the status to report.
+  absl::Status FailAndRestore(absl::Status status, void* data, size_t bytes, bool restore,
+                              void* stream);
+
+  enum class Pending { kNone, kStaged, kZeroCopy };
 
   NcclDeviceOps* const ops_;
   const int member_;
+  const int size_;
   const int device_;
   absl::Status broken_;
   bool last_zero_copy_ = false;
+  bool fail_commit_ = false;
   GrowableBuffer sig_device_;
   GrowableBuffer sig_host_{/*pinned_host=*/true};
   GrowableBuffer staging_;
   GrowableBuffer chunks_device_;
+  // The zero-copy path's backup of the caller's buffer, and its kept result.
+  GrowableBuffer backup_;
+  GrowableBuffer pending_buffer_;
+  // A result kept aside by a failed commit: in staging_ (pending_elems_ elements, padded or not) or in
+  // pending_buffer_ (pending_total_ elements of pending_code_).
+  Pending pending_ = Pending::kNone;
+  bool pending_padded_ = true;
+  int32_t pending_code_ = 0;
+  int64_t pending_total_ = 0;
+  int64_t pending_elems_ = 0;
   // The chunk table on the device (uploaded when it changes) and the staging bytes it spans.
   std::vector<StagingChunk> chunks_host_;
 };

@@ -1,8 +1,9 @@
 // The NCCL path on one GPU: the staging kernels' results against a host reference (the padded
 // layout with large aligned float32 tensors on the 16-byte vector path, misaligned mixed dtypes
 // on the element path), one-rank communicators in every dtype (zero-copy and staged, NCCL's
-// ncclSum and ncclAvg), ContiguousParameters' zeroing order, abort of a communicator whose peer
-// never arrives or whose generation moves on, and the bootstrap through a coordinator. NCCL
+// ncclSum and ncclAvg), committed rounds (backup, commit, a lost commit's result adopted after
+// the abort), ContiguousParameters' zeroing order, abort of a communicator whose peer never
+// arrives or whose generation moves on, and the bootstrap through a coordinator. NCCL
 // refuses two ranks of one communicator on the same GPU, so with one GPU every average is of one
 // member: the multi-member logic (layout agreement, local failures, averaging arithmetic, bootstrap
 // retry) is covered by the host tests in tests/unit/client_nccl_*_test.cc.
@@ -367,6 +368,50 @@ TEST_F(NcclGpuTest, OneRankCommunicator_AbortFromAnotherThread_LaterCallsFailWit
     EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("generation 3"));
   }
   EXPECT_EQ(Download<float>(t.data, 3), v);
+}
+
+TEST_F(NcclGpuTest, OneRankCommunicator_CommittedRounds_LostCommitKeepsTheResultAside) {
+  // The committed round's device work (the backup copy, the int64 ncclSum commit, the restore
+  // and the adoption after ncclCommAbort, on the caller's stream) on both paths. With one
+  // member the average is the input, so the values are checked for being unchanged; the
+  // multi-member arithmetic is in client_nccl_core_test.
+  for (bool zero_copy : {true, false}) {
+    SCOPED_TRACE(zero_copy ? "zero copy" : "staged");
+    ncclUniqueId id;
+    ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+    auto comm = NcclCommunicator::CreateWithId(id, 0, 1, 0, absl::Seconds(60), nullptr);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    std::vector<float> v(1000);
+    for (size_t i = 0; i < v.size(); ++i) v[i] = 0.25f * i - 7;
+    float* d = static_cast<float*>(Upload(v.data(), v.size() * 4));
+    std::vector<TensorView> views;
+    if (zero_copy) {
+      views = {TensorView{d, 400, DType::kFloat32, Device::Cuda(0), stream_},
+               TensorView{d + 400, 600, DType::kFloat32, Device::Cuda(0), stream_}};
+    } else {
+      views = {TensorView{d, 400, DType::kFloat32, Device::Cuda(0), stream_},
+               TensorView{d + 401, 599, DType::kFloat32, Device::Cuda(0), stream_}};
+    }
+    RoundOptions options;
+    options.step = 3;
+    options.commit = true;
+    RoundOutcome outcome = RoundOutcome::kFailedWithoutResult;
+    ASSERT_TRUE((*comm)->AllReduceAverage(views, options, &outcome).ok());
+    EXPECT_EQ(outcome, RoundOutcome::kCompleted);
+    EXPECT_EQ((*comm)->last_was_zero_copy(), zero_copy);
+    EXPECT_EQ(Download<float>(d, v.size()), v);
+    (*comm)->InjectCommitFailureForTesting();
+    options.step = 4;
+    const absl::Status s = (*comm)->AllReduceAverage(views, options, &outcome);
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    EXPECT_EQ(outcome, RoundOutcome::kFailedHoldingResult);
+    EXPECT_EQ(Download<float>(d, v.size()), v);
+    // The communicator is aborted; the kept result is still adopted (local copies only).
+    EXPECT_FALSE((*comm)->AllReduceAverage(views).ok());
+    ASSERT_TRUE((*comm)->AdoptPendingResult(views).ok());
+    EXPECT_EQ(Download<float>(d, v.size()), v);
+    EXPECT_EQ((*comm)->AdoptPendingResult(views).code(), absl::StatusCode::kFailedPrecondition);
+  }
 }
 
 TEST_F(NcclGpuTest, ContiguousParameters_ZeroedOnTheCallersStream_BeforeItsFirstFill) {

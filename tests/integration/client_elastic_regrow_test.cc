@@ -1,9 +1,15 @@
 // Elastic jobs with real processes: 8 modelavg-trace-worker ranks over Gloo on loopback, three
 // levels (pairs every 2 steps, quads every 4, all eight every 8), min_world_size 5, against a
-// coordinator started here. Every worker's trace is checked by the averaging rule alone
-// (trace_check.h): each averaging result is the mean of that step's members' values before the
-// call, whoever the members were. The fixture's figures (PrintRecovery) come from the workers'
-// --unix_ms timestamps and are printed as "[figures]", never asserted.
+// coordinator started here. Workers are killed (SIGKILL between calls and inside collectives,
+// one, a whole pair, two of one quad), stopped (SIGSTOP), replaced by a worker started without a
+// rank, and killed below min_world_size. Every survivor's trace is checked by the averaging rule
+// alone (trace_check.h): each averaging result is the mean of that step's members' values before
+// the call, whoever the members were.
+//
+// Figures (printed as "[figures]", never asserted): from the workers' --unix_ms timestamps, the
+// time from a fault to the first averaging without the lost rank in a block that held it (the
+// first survivor, and the last), and the longest pause between two steps of any survivor; for a
+// replacement, the time from its start to its admission line.
 #include <signal.h>
 
 #include <algorithm>
@@ -288,6 +294,139 @@ TEST_F(ElasticRegrowTest, NoFault_EveryRankFinishes_TracesFollowTheRule) {
   TraceCheckResult r = CheckTraces(traces, kGroupSizes);
   ASSERT_FALSE(r.ok());
   EXPECT_THAT(r.Report(), HasSubstr("rank 6 step 8: value"));
+}
+
+// kill -9 of rank 5 mid-job: the 7 survivors run every step and exit 0 (no call fails); the
+// averages from then on are over the survivors, and every value follows the rule.
+TEST_F(ElasticRegrowTest, OneKilled_SurvivorsFinishEveryStep) {
+  ASSERT_TRUE(cluster_.ok()) << cluster_.dir();
+  ASSERT_TRUE(cluster_.admin()->CreateJob(ElasticSpec("kill1")).ok());
+  constexpr int64_t kSteps = 50;
+  StartWorld("kill1", Steps(kSteps, 100));
+  ASSERT_TRUE(WaitForStep(0, 10)) << Diagnostics();
+  workers_[5]->Signal(SIGKILL);
+  const int64_t killed_ms = NowMs();
+  ASSERT_TRUE(workers_[5]->Wait(absl::Seconds(10)).has_value());
+  ExpectFinished(Except({5}), kSteps);
+  ExpectTracesFollowTheRule();
+  EXPECT_LT(TraceOf(5).lines.back().step, kSteps - 1);
+  for (size_t i : Except({5})) {
+    EXPECT_EQ(LastMembersAt(i, 2), (std::vector<int32_t>{0, 1, 2, 3, 4, 6, 7})) << who_[i];
+  }
+  EXPECT_EQ(LastMembersAt(4, 0), (std::vector<int32_t>{4}));
+  EXPECT_EQ(LastMembersAt(6, 1), (std::vector<int32_t>{4, 6, 7}));
+  PrintRecovery("kill -9 of rank 5", killed_ms, {5}, Except({5}));
+}
+
+// kill -9 of rank 5, then a worker started without --rank: it takes the vacant rank 5, is
+// admitted at a step no member has reached, its first line is that step with the average it
+// received, and from then on it averages as a member like everyone else.
+TEST_F(ElasticRegrowTest, OneKilled_ReplacementTakesTheVacancyAndCatchesUp) {
+  ASSERT_TRUE(cluster_.ok()) << cluster_.dir();
+  ASSERT_TRUE(cluster_.admin()->CreateJob(ElasticSpec("regrow")).ok());
+  constexpr int64_t kSteps = 80;
+  StartWorld("regrow", Steps(kSteps, 100));
+  ASSERT_TRUE(WaitForStep(0, 10)) << Diagnostics();
+  workers_[5]->Signal(SIGKILL);
+  const int64_t killed_ms = NowMs();
+  ASSERT_TRUE(workers_[5]->Wait(absl::Seconds(10)).has_value());
+  // The survivors have moved on: rank 4 averaged alone in its pair.
+  ASSERT_TRUE(WaitForAverageWithout({4}, 5, 0)) << Diagnostics();
+  const int64_t survivor_step = TraceOf(0).lines.back().step;
+  const int64_t started_ms = NowMs();
+  const size_t replacement = Start("regrow", Steps(kSteps, 100));
+  std::vector<size_t> finishers = Except({5}, kWorld + 1);
+  ExpectFinished(finishers, kSteps);
+  ExpectTracesFollowTheRule();
+  const Trace t = TraceOf(replacement);
+  ASSERT_FALSE(t.lines.empty()) << Diagnostics();
+  const TraceLine& first = t.lines.front();
+  EXPECT_EQ(first.rank, 5) << "the replacement must take the lowest (only) vacant rank";
+  EXPECT_TRUE(first.admitted) << first.text;
+  EXPECT_EQ(first.action, "AVERAGE") << first.text;
+  EXPECT_EQ(first.joining, (std::vector<int32_t>{5})) << first.text;
+  EXPECT_GT(first.step, survivor_step) << "admitted at a step a member had passed";
+  // From its admission on it is a member again: the last world averaging has all eight.
+  for (size_t i : finishers) {
+    EXPECT_EQ(LastMembersAt(i, 2), (std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7})) << who_[i];
+  }
+  absl::StatusOr<v1::Job> job = cluster_.admin()->GetJob("regrow");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->deaths(), 1) << job->DebugString();
+  EXPECT_EQ(job->admissions(), 1) << job->DebugString();
+  PrintRecovery("kill -9 of rank 5", killed_ms, {5}, Except({5}));
+  std::printf("[figures] replacement: started at survivors' step %lld, admitted at step %lld, "
+              "%lld ms from its start to its admission line\n",
+              static_cast<long long>(survivor_step), static_cast<long long>(first.step),
+              static_cast<long long>(first.unix_ms - started_ms));
+}
+
+// A whole pair (ranks 4 and 5: one level-0 block, two deaths in it) killed between calls
+// (a 250 ms sleep before each call; the kill lands right after both printed a step): the pair
+// stops averaging, the quad {4..7} averages over 6 and 7, the world over the 6 survivors.
+TEST_F(ElasticRegrowTest, WholePairKilledBetweenCalls_SurvivorsFinish) {
+  ASSERT_TRUE(cluster_.ok()) << cluster_.dir();
+  ASSERT_TRUE(cluster_.admin()->CreateJob(ElasticSpec("pair")).ok());
+  constexpr int64_t kSteps = 36;
+  StartWorld("pair", Steps(kSteps, 250));
+  ASSERT_TRUE(WaitForStep(4, 8) && WaitForStep(5, 8)) << Diagnostics();
+  workers_[4]->Signal(SIGKILL);
+  workers_[5]->Signal(SIGKILL);
+  const int64_t killed_ms = NowMs();
+  ExpectFinished(Except({4, 5}), kSteps);
+  ExpectTracesFollowTheRule();
+  for (size_t i : Except({4, 5})) {
+    EXPECT_EQ(LastMembersAt(i, 2), (std::vector<int32_t>{0, 1, 2, 3, 6, 7})) << who_[i];
+  }
+  EXPECT_EQ(LastMembersAt(6, 1), (std::vector<int32_t>{6, 7}));
+  PrintRecovery("kill -9 of ranks 4 and 5 between calls", killed_ms, {4, 5}, Except({4, 5}));
+}
+
+// Rank 6 stopped with SIGSTOP (its sockets stay open; it just goes silent): the coordinator
+// declares it dead after the heartbeat timeout, the survivors' collectives with it are aborted
+// and retried without it, and they finish every step. Killed at the end.
+TEST_F(ElasticRegrowTest, OneStopped_SurvivorsMoveOnAndFinish) {
+  ASSERT_TRUE(cluster_.ok()) << cluster_.dir();
+  ASSERT_TRUE(cluster_.admin()->CreateJob(ElasticSpec("stop")).ok());
+  constexpr int64_t kSteps = 50;
+  StartWorld("stop", Steps(kSteps, 100));
+  ASSERT_TRUE(WaitForStep(0, 10)) << Diagnostics();
+  workers_[6]->Signal(SIGSTOP);
+  const int64_t stopped_ms = NowMs();
+  ExpectFinished(Except({6}), kSteps);
+  ExpectTracesFollowTheRule();
+  for (size_t i : Except({6})) {
+    EXPECT_EQ(LastMembersAt(i, 2), (std::vector<int32_t>{0, 1, 2, 3, 4, 5, 7})) << who_[i];
+  }
+  EXPECT_EQ(LastMembersAt(7, 0), (std::vector<int32_t>{7}));
+  PrintRecovery("SIGSTOP of rank 6", stopped_ms, {6}, Except({6}));
+  workers_[6]->Signal(SIGKILL);
+  EXPECT_TRUE(workers_[6]->Wait(absl::Seconds(10)).has_value());
+}
+
+// Four of eight killed with min_world_size 5: the job cannot go on, and every survivor exits
+// non-zero within the deadline with an error that names the cause.
+TEST_F(ElasticRegrowTest, BelowMinWorldSize_EverySurvivorFailsClearly) {
+  ASSERT_TRUE(cluster_.ok()) << cluster_.dir();
+  ASSERT_TRUE(cluster_.admin()->CreateJob(ElasticSpec("below")).ok());
+  StartWorld("below", Steps(1000000, 50));
+  ASSERT_TRUE(WaitForStep(0, 8)) << Diagnostics();
+  for (size_t r : {1, 4, 6, 7}) workers_[r]->Signal(SIGKILL);
+  const absl::Time killed = absl::Now();
+  const std::vector<size_t> survivors = Except({1, 4, 6, 7});
+  std::vector<std::optional<int>> codes = WaitFor(survivors, absl::Seconds(30));
+  const absl::Duration took = absl::Now() - killed;
+  for (size_t k = 0; k < survivors.size(); ++k) {
+    const size_t i = survivors[k];
+    ASSERT_TRUE(codes[k].has_value()) << who_[i] << " still running 30 s after the job fell "
+                                      << "below min_world_size" << Diagnostics();
+    EXPECT_NE(*codes[k], 0) << who_[i];
+    const std::string err = workers_[i]->err();
+    EXPECT_THAT(err, HasSubstr("FAILED_PRECONDITION")) << who_[i] << ": " << err;
+    EXPECT_THAT(err, HasSubstr("min_world_size")) << who_[i] << ": " << err;
+  }
+  std::printf("[figures] 4 of 8 killed (min_world_size 5): every survivor failed within %s\n",
+              absl::FormatDuration(absl::Trunc(took, absl::Milliseconds(1))).c_str());
 }
 
 }  // namespace
