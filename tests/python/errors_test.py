@@ -10,6 +10,9 @@ Checks:
                     ValueError naming both; a process group other than the default: a clear error
   dead_peer         a peer is killed (SIGKILL) mid-training: the survivor's next averaging step
                     raises PeerFailureError naming rank 1
+  elastic_below_min an elastic job of 3 (min_world_size 2): the survivors go on after one
+                    SIGKILL (decisions list [0, 1]); after a second one the last survivor gets
+                    PeerFailureError saying the job fell below min_world_size
   unreachable       nothing listens at the address: UnavailableError (a ConnectionError) within
                     join_timeout
   interrupt         SIGINT while connect waits for a world that never completes: KeyboardInterrupt
@@ -163,6 +166,55 @@ def check_dead_peer(modelavg, coordinator, group):
     if got["step"] < 3:
         mt.fail(f"the survivor failed at step {got['step']}, before its peer died: {got}")
     print(f"survivor: {got['code']} at step {got['step']}: {got['message']}")
+
+
+def check_elastic_below_min(modelavg, coordinator, group):
+    modelavg.create_job("below-min", 3, "PERIODIC", period=1, min_world_size=2,
+                        heartbeat_timeout_ms=1000, coordinator=coordinator.address)
+    code = """
+        import json, os, signal, sys, time
+        import torch, modelavg
+        rank = int(os.environ["RANK"])
+        client = modelavg.connect(os.environ["ADDR"], "below-min", rank=rank,
+                                  collective_timeout=20)
+        averager = modelavg.PeriodicModelAverager(client)
+        p = torch.nn.Parameter(torch.full((100,), float(rank)))
+        p.grad = torch.zeros_like(p)
+        ranks = {}
+        for step in range(400):
+            if (rank, step) in ((2, 3), (1, 30)):
+                os.kill(os.getpid(), signal.SIGKILL)
+            try:
+                ranks[step] = averager.average_parameters([p]).ranks
+            except modelavg.PeerFailureError as e:
+                print(json.dumps({"step": step, "code": e.code, "message": e.message,
+                                  "ranks": ranks}))
+                sys.exit(0)
+            time.sleep(0.02)
+        print(json.dumps({"error": "no PeerFailureError after 400 steps", "ranks": ranks}))
+        sys.exit(1)
+    """
+    procs = [child(code, {"RANK": str(r), "ADDR": coordinator.address}, group, f"rank {r}")
+             for r in range(3)]
+    results = mt.wait_all(procs, timeout_s=60)
+    rc, out, err = results["rank 0"]
+    if rc != 0:
+        mt.fail(f"rank 0 exited {rc}:\n{out[-3000:]}\n{err[-2000:]}")
+    for r in (1, 2):
+        if results[f"rank {r}"][0] != -signal.SIGKILL:
+            mt.fail(f"rank {r} was to be killed, exit status {results[f'rank {r}'][0]}")
+    got = json.loads([l for l in out.splitlines() if l.startswith("{")][-1])
+    ranks = {int(k): v for k, v in got["ranks"].items()}
+    # Steps 0-2 with all three, 3 (the call in flight when rank 2 died) to 29 with the
+    # survivors [0, 1], then the job fell below min_world_size: a clear error, no hang.
+    expected = {s: [0, 1, 2] if s < 3 else [0, 1] for s in range(30)}
+    if got["step"] != 30 or ranks != expected:
+        mt.fail(f"rank 0 averaged {ranks} and failed at step {got['step']}; expected steps "
+                "0-2 with [0, 1, 2], 3-29 with [0, 1], a failure at step 30")
+    if "min_world_size" not in got["message"]:
+        mt.fail(f"the error below min_world_size does not say so: {got['code']}: "
+                f"{got['message']}")
+    print(f"rank 0: {got['code']} at step 30: {got['message']}")
 
 
 def check_unreachable(modelavg, coordinator, group):
@@ -374,6 +426,7 @@ CHECKS = {
     "no_such_job": check_no_such_job,
     "spec_mismatch": check_spec_mismatch,
     "dead_peer": check_dead_peer,
+    "elastic_below_min": check_elastic_below_min,
     "unreachable": check_unreachable,
     "interrupt": check_interrupt,
     "jobs_and_client": check_jobs_and_client,
