@@ -98,6 +98,11 @@ absl::StatusOr<Decision> ModelAverager::AverageParameters(absl::Span<const Tenso
   return Annotate(s, where);
 }
 
+absl::Duration ModelAverager::RetryWait() const {
+  return 2 * client_->heartbeat_timeout() + 2 * client_->options().heartbeat_interval +
+         absl::Seconds(2);
+}
+
 CommunicatorSetup ModelAverager::Setup(const Decision& decision) const {
   CommunicatorSetup setup;
   setup.coordinator = client_->coordinator();
@@ -173,9 +178,10 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
       return Annotate(s, where(decision));
     }
     // The round failed: wait for the job to move on without the failed member (its death is
-    // declared within the heartbeat timeout), then settle the round in the new generation.
-    const absl::Time until = absl::Now() + client_->heartbeat_timeout() +
-                             2 * client_->options().heartbeat_interval + absl::Seconds(1);
+    // declared within the heartbeat timeout; the wait ends as soon as this rank hears of it),
+    // then settle the round in the new generation. The bound only matters when the job does not
+    // move on (a transport failure with every member alive): the call then fails.
+    const absl::Time until = absl::Now() + RetryWait();
     absl::Status moved = client_->AwaitNewerGeneration(decision.generation, until);
     if (!moved.ok()) {
       if (absl::IsDeadlineExceeded(moved)) return Annotate(s, where(decision));
@@ -189,11 +195,14 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
     // If any live member completed the round, every member holds its result (the commit
     // phase): keep it. Otherwise nobody kept it: retry with the live members.
     absl::StatusOr<bool> completed = client_->PeerCompletedRound(*next, decision.generation);
-    while (!completed.ok() && absl::IsAborted(completed.status()) && attempt < kMaxAttempts) {
-      // The job moved on again while the notes were read.
+    // ABORTED: the job moved on while a note was awaited; FAILED_PRECONDITION: before (a stale
+    // generation). Either way: read the notes again in the newer generation.
+    while (!completed.ok() &&
+           (absl::IsAborted(completed.status()) ||
+            absl::IsFailedPrecondition(completed.status())) &&
+           attempt < kMaxAttempts) {
       ++attempt;
-      const absl::Time again = absl::Now() + client_->heartbeat_timeout() +
-                               2 * client_->options().heartbeat_interval + absl::Seconds(1);
+      const absl::Time again = absl::Now() + RetryWait();
       MODELAVG_RETURN_IF_ERROR(
           Annotate(client_->AwaitNewerGeneration(next->generation, again), where(*next)));
       MODELAVG_RETURN_IF_ERROR(Annotate(client_->AdvanceGeneration(), where(*next)));

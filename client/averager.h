@@ -68,6 +68,8 @@ class ModelAverager {
   explicit ModelAverager(Client* client);
 
  private:
+  // Longest wait for the job to move on after a failed round of an elastic job.
+  absl::Duration RetryWait() const;
   // How the communicator of `decision`'s round is bootstrapped.
   CommunicatorSetup Setup(const Decision& decision) const;
   // An averaging step of an elastic job: the round, retried with the live members of the next

@@ -23,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "client/averager.h"
 #include "client/client.h"
@@ -191,6 +192,11 @@ class PyAverager {
 
 std::string ActionName(const Decision& d) { return d.average ? "AVERAGE" : "SKIP"; }
 
+// The ranks that averaged: the subgroup's live members (Decision::Members()); none on a skip.
+std::vector<int32_t> DecisionMembers(const Decision& d) {
+  return d.average ? d.Members() : std::vector<int32_t>{};
+}
+
 }  // namespace
 }  // namespace modelavg::python
 
@@ -200,7 +206,7 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "The C++ client library's binding. Use the modelavg package, not this module.";
 
   py::class_<Decision>(m, "Decision", R"doc(
-What one rank did at one step: SKIP, or AVERAGE with a level and its subgroup's members.
+What one rank did at one step: SKIP, or AVERAGE with a level and the ranks that averaged.
 
 Attributes:
   step: the step this decision was taken at (the averager's step before the call).
@@ -208,8 +214,14 @@ Attributes:
   average: True when the parameters were averaged.
   level: index into the job's levels of the averaging level; -1 for SKIP.
   period: that level's period; 0 for SKIP.
-  subgroup: index of the subgroup that averaged (AVERAGE only).
-  ranks: the ranks whose parameters were averaged, ascending; [] for SKIP.
+  subgroup: index of the subgroup (block of ranks) that averaged; -1 for SKIP.
+  ranks: the ranks whose parameters were actually averaged, ascending; [] for SKIP. The whole
+    subgroup in a strict job; in an elastic job its live members only (vacant ranks left out).
+  members: the same list as ranks.
+  joining: the replacements admitted at this step (elastic jobs): they contributed nothing and
+    received the average of the others. Usually []; [this rank] on a replacement's first call.
+  generation: the job generation the decision was taken (and the averaging ran) in; in an
+    elastic job it moves on with every death, departure and admission.
 )doc")
       .def_readonly("step", &Decision::step)
       .def_property_readonly("action", &ActionName)
@@ -218,17 +230,24 @@ Attributes:
       .def_readonly("period", &Decision::period)
       .def_property_readonly("subgroup",
                              [](const Decision& d) { return d.average ? d.subgroup.index : -1; })
-      .def_property_readonly("ranks",
+      .def_property_readonly("ranks", &DecisionMembers)
+      .def_property_readonly("members", &DecisionMembers)
+      .def_property_readonly("joining",
                              [](const Decision& d) {
-                               return d.average ? d.subgroup.Ranks() : std::vector<int32_t>{};
+                               return d.average ? d.joining : std::vector<int32_t>{};
                              })
+      .def_readonly("generation", &Decision::generation)
       .def("__eq__", [](const Decision& a, const Decision& b) { return a == b; })
       .def("__repr__", [](const Decision& d) {
         if (!d.average) return absl::StrCat("Decision(step=", d.step, ", action='SKIP')");
-        std::string ranks;
-        for (int32_t r : d.subgroup.Ranks()) absl::StrAppend(&ranks, ranks.empty() ? "" : ", ", r);
-        return absl::StrCat("Decision(step=", d.step, ", action='AVERAGE', level=", d.level,
-                            ", period=", d.period, ", ranks=[", ranks, "])");
+        std::string repr = absl::StrCat(
+            "Decision(step=", d.step, ", action='AVERAGE', level=", d.level, ", period=",
+            d.period, ", ranks=[", absl::StrJoin(d.Members(), ", "), "]");
+        if (!d.joining.empty()) {
+          absl::StrAppend(&repr, ", joining=[", absl::StrJoin(d.joining, ", "), "]");
+        }
+        if (d.generation > 0) absl::StrAppend(&repr, ", generation=", d.generation);
+        return absl::StrCat(repr, ")");
       });
 
   py::class_<PyClient>(m, "Client", "One rank's membership in a job (see modelavg.Client).")
@@ -237,6 +256,9 @@ Attributes:
       .def_property_readonly("generation", [](const PyClient& c) { return c.get()->generation(); })
       .def_property_readonly("latest_generation",
                              [](const PyClient& c) { return c.get()->latest_generation(); })
+      .def_property_readonly("admission_step",
+                             [](const PyClient& c) { return c.get()->admission_step(); })
+      .def_property_readonly("elastic", [](const PyClient& c) { return c.get()->elastic(); })
       .def_property_readonly("job_id", [](const PyClient& c) { return c.get()->job_id(); })
       .def_property_readonly("heartbeat_timeout",
                              [](const PyClient& c) {

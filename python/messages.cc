@@ -83,6 +83,7 @@ v1::JobSpec JobSpecFrom(const py::dict& d) {
   }
   if (auto v = Get<int64_t>(d, "heartbeat_timeout_ms")) spec.set_heartbeat_timeout_ms(*v);
   if (auto v = Get<int64_t>(d, "join_timeout_ms")) spec.set_join_timeout_ms(*v);
+  if (auto v = Get<int32_t>(d, "min_world_size")) spec.set_min_world_size(*v);
   return spec;
 }
 
@@ -97,6 +98,7 @@ py::dict SpecDict(const v1::JobSpec& spec) {
   d["levels"] = levels;
   d["heartbeat_timeout_ms"] = spec.heartbeat_timeout_ms();
   d["join_timeout_ms"] = spec.join_timeout_ms();
+  d["min_world_size"] = spec.min_world_size();
   return d;
 }
 
@@ -115,6 +117,7 @@ py::dict JobDict(const v1::Job& job) {
     md["ms_since_heartbeat"] = m.ms_since_heartbeat();
     md["state"] = v1::MemberState_Name(m.state());
     md["generation"] = m.generation();
+    md["admitted_step"] = m.admitted_step();
     members.append(md);
   }
   d["members"] = members;
@@ -124,6 +127,10 @@ py::dict JobDict(const v1::Job& job) {
   for (const std::string& w : job.warnings()) warnings.append(w);
   d["warnings"] = warnings;
   d["created_unix_ms"] = job.created_unix_ms();
+  d["live_world_size"] = job.live_world_size();
+  d["vacant_ranks"] = std::vector<int32_t>(job.vacant_ranks().begin(), job.vacant_ranks().end());
+  d["deaths"] = job.deaths();
+  d["admissions"] = job.admissions();
   if (job.has_last_change()) {
     py::dict c;
     c["generation"] = job.last_change().generation();

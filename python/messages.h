@@ -17,11 +17,12 @@ client::ClientOptions ClientOptionsFrom(const pybind11::dict& d);
 // The coordinator address and the connection fields of ClientOptions.
 client::CoordinatorClientOptions CoordinatorOptionsFrom(const pybind11::dict& d);
 // job_id, world_size, warmup_steps, mode ("PERIODIC"/"HIERARCHICAL"; ValueError otherwise),
-// levels [(period, group_size)], heartbeat_timeout_ms, join_timeout_ms.
+// levels [(period, group_size)], heartbeat_timeout_ms, join_timeout_ms, min_world_size.
 v1::JobSpec JobSpecFrom(const pybind11::dict& d);
 // The same keys back.
 pybind11::dict SpecDict(const v1::JobSpec& spec);
-// spec, state, generation, members, min_step, max_step, warnings, created_unix_ms, last_change.
+// spec, state, generation, members (with admitted_step), min_step, max_step, warnings,
+// created_unix_ms, last_change, live_world_size, vacant_ranks, deaths, admissions.
 pybind11::dict JobDict(const v1::Job& job);
 
 }  // namespace modelavg::python

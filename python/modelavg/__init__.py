@@ -25,6 +25,12 @@ Two ways in:
 
 Failures raise :class:`modelavg.Error` subclasses (see :mod:`modelavg.errors`). Every wait
 (joining, an averaging step, an RPC) releases the GIL and is interrupted by Ctrl-C.
+
+Elastic jobs (``create_job(..., min_world_size=m)``) keep running while ``m`` ranks are alive:
+a dead member costs the survivors one retried averaging round inside ``average_parameters``
+(the returned :class:`Decision` lists the ranks that actually averaged), and a worker that
+connects to the running job without a rank is admitted as a replacement
+(``Client.admission_step``; see :class:`ModelAverager`).
 """
 
 import dataclasses
@@ -145,8 +151,10 @@ class Client:
 
     @property
     def generation(self) -> int:
-        """The membership generation this client joined; averaging works only while the job
-        is still at it."""
+        """The membership generation this client averages in: the one it joined. In a strict
+        job averaging works only while the job is still at it; in an elastic job it moves on
+        with the job (a death, a departure, an admission) as long as this rank is a live
+        member."""
         return self._core.generation
 
     @property
@@ -155,13 +163,30 @@ class Client:
         return self._core.latest_generation
 
     @property
+    def admission_step(self) -> int:
+        """-1 for a member of the world that started the job; for a replacement that joined a
+        RUNNING elastic job, the step it was admitted at (> 0). Its averagers start at that
+        step, and their first ``average_parameters`` call overwrites the parameters with the
+        average of the live members of its subgroup (``Decision.joining`` names this rank).
+        Optimizer state (momentum, Adam moments) and everything else the trainer keeps starts
+        fresh: reset or re-warm it when ``admission_step > 0``."""
+        return self._core.admission_step
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job is elastic (its ``min_world_size`` is below ``world_size``)."""
+        return self._core.elastic
+
+    @property
     def job_id(self) -> str:
         """The job this client joined."""
         return self._core.job_id
 
     @property
     def spec(self) -> "JobSpec":
-        """The job's averaging plan, as the coordinator sent it at join."""
+        """The job's averaging plan, as the coordinator sent it at join (the timeouts and
+        ``min_world_size`` are left 0: :func:`get_job` has them; :attr:`elastic` tells an
+        elastic job)."""
         d = self._core.spec
         return JobSpec(job_id=d["job_id"], world_size=d["world_size"], mode=d["mode"],
                        levels=[tuple(l) for l in d["levels"]], warmup_steps=d["warmup_steps"])
@@ -190,8 +215,13 @@ class Client:
                 raise
 
     def __repr__(self) -> str:
+        extra = ""
+        if self.elastic:
+            extra = ", elastic=True"
+            if self.admission_step > 0:
+                extra += f", admission_step={self.admission_step}"
         return (f"modelavg.Client(job_id={self.job_id!r}, rank={self.rank}, "
-                f"world_size={self.world_size}, generation={self.generation})")
+                f"world_size={self.world_size}, generation={self.generation}{extra})")
 
 
 def connect(coordinator: Optional[str] = None, job_id: Optional[str] = None,
@@ -211,11 +241,14 @@ def connect(coordinator: Optional[str] = None, job_id: Optional[str] = None,
         Durations are seconds or ``datetime.timedelta``.
 
     Blocks (without the GIL; Ctrl-C interrupts it) until the world is complete. While the
-    coordinator is unreachable, joining is retried until ``join_timeout``.
+    coordinator is unreachable, joining is retried until ``join_timeout``. On a RUNNING elastic
+    job with a vacant rank it returns at once with a replacement's client: the vacant rank
+    asked for, or (``rank`` None and no ``$RANK``) the lowest one, and ``admission_step`` > 0.
 
     Raises:
       NotFoundError: no such job. InvalidArgumentError: a bad option. AlreadyExistsError: the
-      rank is taken. FailedPreconditionError: the job is full and running, or finished.
+      rank is taken. FailedPreconditionError: the job is full and running (an elastic job
+      without a vacant rank), or finished.
       DeadlineExceededError: the world did not complete in time (the message names the missing
       ranks). UnavailableError: the coordinator cannot be reached. PermissionDeniedError.
     """
@@ -242,6 +275,20 @@ class ModelAverager:
     ``step`` is the step of the next ``average_parameters`` call: it starts at 0 and every call
     first decides, then increments it — in warm-up, on skipped and on averaging steps alike.
     Set it when resuming from a checkpoint (warm-up is not replayed).
+
+    In an elastic job a replacement (``client.admission_step > 0``) starts at its admission
+    step instead (do not set ``step`` then). Its first ``average_parameters`` call receives the
+    parameters: they are overwritten with the average of the live members of its subgroup at
+    that step (the returned decision's ``joining`` is ``[client.rank]``), and from then on it
+    averages like everyone else. Whatever else the trainer keeps starts fresh in a replacement
+    — optimizer state, learning-rate schedule, data position — so reset it from
+    ``client.admission_step`` (the drop-in averagers have ``client`` too), e.g.::
+
+        if averager.client.admission_step > 0:      # a replacement
+            optimizer = make_optimizer(model)       # fresh momentum / moments
+        for step in range(averager.step, total_steps):
+            ...
+            averager.average_parameters(model.parameters())
     """
 
     _hierarchical = False
@@ -278,9 +325,15 @@ class ModelAverager:
         and ``step`` has advanced; an input refused before averaging (NotImplementedError,
         TypeError) leaves ``step`` as it was, as PyTorch's averagers do.
 
+        In an elastic job a member that dies during the call does not make it fail: the round
+        is retried with the live members inside the same call (the decision's ``ranks`` lists
+        them), and later calls average over the live members of each subgroup.
+
         Raises:
           PeerFailureError: a peer died, left or stalled past collective_timeout, or the
             coordinator is gone (the message names the rank and the reason); connect again.
+            In an elastic job: only once fewer than ``min_world_size`` ranks are alive, or
+            when this worker itself was declared dead.
           InvalidArgumentError: tensors on mixed devices, or members that pass different
             layouts (total size or dtypes).
           NotImplementedError / TypeError: inputs PyTorch's averagers would not take either, or
@@ -329,6 +382,8 @@ class JobSpec:
 
     ``mode`` is "PERIODIC" or "HIERARCHICAL"; ``levels`` are (period, group_size) pairs in
     PyTorch's order (the OrderedDict's); 0 timeouts mean the coordinator's defaults.
+    ``min_world_size`` (1..world_size) makes the job elastic: it keeps running while that many
+    ranks are alive; 0 (or world_size) is a strict job.
     """
 
     job_id: str
@@ -338,11 +393,13 @@ class JobSpec:
     warmup_steps: int = 0
     heartbeat_timeout_ms: int = 0
     join_timeout_ms: int = 0
+    min_world_size: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Member:
-    """One member of a job's current generation."""
+    """One member of a job's current generation. ``admitted_step``: the step a replacement was
+    admitted at (elastic jobs), -1 for a member of the world that started the job."""
 
     rank: int
     worker_id: str
@@ -351,6 +408,7 @@ class Member:
     ms_since_heartbeat: int
     state: str
     generation: int
+    admitted_step: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,7 +423,12 @@ class GenerationChange:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """A job as the coordinator reports it (proto ``modelavg.v1.Job``)."""
+    """A job as the coordinator reports it (proto ``modelavg.v1.Job``).
+
+    ``live_world_size``: ranks alive in the current generation; ``vacant_ranks``: ranks of a
+    running elastic job that no live worker holds; ``deaths``: members declared dead;
+    ``admissions``: replacements admitted into the running elastic job.
+    """
 
     spec: JobSpec
     state: str
@@ -376,6 +439,10 @@ class Job:
     warnings: List[str]
     created_unix_ms: int
     last_change: Optional[GenerationChange]
+    live_world_size: int = 0
+    vacant_ranks: List[int] = dataclasses.field(default_factory=list)
+    deaths: int = 0
+    admissions: int = 0
 
 
 def _job(d: Dict[str, Any]) -> Job:
@@ -383,13 +450,15 @@ def _job(d: Dict[str, Any]) -> Job:
     spec = JobSpec(job_id=s["job_id"], world_size=s["world_size"], mode=s["mode"],
                    levels=[tuple(l) for l in s["levels"]], warmup_steps=s["warmup_steps"],
                    heartbeat_timeout_ms=s["heartbeat_timeout_ms"],
-                   join_timeout_ms=s["join_timeout_ms"])
+                   join_timeout_ms=s["join_timeout_ms"], min_world_size=s["min_world_size"])
     change = d["last_change"]
     return Job(spec=spec, state=d["state"], generation=d["generation"],
                members=[Member(**m) for m in d["members"]], min_step=d["min_step"],
                max_step=d["max_step"], warnings=list(d["warnings"]),
                created_unix_ms=d["created_unix_ms"],
-               last_change=GenerationChange(**change) if change else None)
+               last_change=GenerationChange(**change) if change else None,
+               live_world_size=d["live_world_size"], vacant_ranks=list(d["vacant_ranks"]),
+               deaths=d["deaths"], admissions=d["admissions"])
 
 
 def _conn(coordinator: Optional[str], options: Mapping[str, Any]) -> Dict[str, Any]:
@@ -414,7 +483,8 @@ def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
                levels: Optional[Union[Mapping[int, int], Sequence[Tuple[int, int]]]] = None, *,
                period: Optional[int] = None, warmup_steps: int = 0,
                heartbeat_timeout_ms: int = 0, join_timeout_ms: int = 0,
-               coordinator: Optional[str] = None, **options: Any) -> Job:
+               min_world_size: int = 0, coordinator: Optional[str] = None,
+               **options: Any) -> Job:
     """Registers a job with the coordinator and returns it.
 
     Args:
@@ -425,6 +495,8 @@ def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
       period: for PERIODIC, instead of levels: one level over the whole world.
       warmup_steps, heartbeat_timeout_ms, join_timeout_ms: as in the JobSpec (0 timeouts: the
         coordinator's defaults).
+      min_world_size: 1..world_size makes the job elastic: it keeps running while that many
+        ranks are alive, and admits replacements into vacant ranks. 0 (or world_size): strict.
       coordinator: "host:port"; default ``$MODELAVG_COORDINATOR``.
       **options: auth_token, tls, tls_ca_file, tls_cert_file, tls_key_file, rpc_timeout.
 
@@ -441,7 +513,7 @@ def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
                        "a PERIODIC job)")
     spec = {"job_id": job_id, "world_size": world_size, "mode": mode, "levels": _levels(levels),
             "warmup_steps": warmup_steps, "heartbeat_timeout_ms": heartbeat_timeout_ms,
-            "join_timeout_ms": join_timeout_ms}
+            "join_timeout_ms": join_timeout_ms, "min_world_size": min_world_size}
     try:
         return _job(_core.create_job(_conn(coordinator, options), spec))
     except (ValueError, RuntimeError, TypeError) as e:

@@ -20,6 +20,13 @@ per process serves every drop-in averager of the same job; it leaves the job at 
 
 ``torch.distributed.init_process_group`` is not needed; when a process group is passed it must be
 the default (whole-world) group, since the job's world is what modelavg averages over.
+
+Elastic jobs: ``MODELAVG_MIN_WORLD_SIZE`` (or ``set_options(min_world_size=...)``) is the
+``min_world_size`` of the job the first rank creates (and must match an existing job's). A
+worker started without ``RANK`` while such a job runs with a vacant rank is admitted as a
+replacement: its averager starts at ``averager.client.admission_step`` and its first
+``average_parameters`` call overwrites the parameters with its peers' average; its optimizer
+state starts fresh (reset it when ``averager.client.admission_step > 0``).
 """
 
 import atexit
@@ -40,8 +47,8 @@ _options: Dict[str, Any] = {}
 
 def set_options(**options: Any) -> None:
     """Connection options for the drop-in averagers created after this call: ``coordinator``,
-    ``job_id``, ``rank`` and any keyword of :func:`modelavg.connect` (they take precedence over
-    the environment)."""
+    ``job_id``, ``rank``, ``min_world_size`` (for the job the drop-in creates) and any keyword
+    of :func:`modelavg.connect` (they take precedence over the environment)."""
     _options.update(options)
 
 
@@ -88,6 +95,9 @@ def _job_client(mode: str, warmup_steps: int, levels_for: Any) -> "_ma.Client":
         raise _ma.InvalidArgumentError(
             "INVALID_ARGUMENT", "no job: set MODELAVG_JOB (or modelavg.torch.set_options(job_id=...))")
     rank = opts.pop("rank", None)
+    min_world = opts.pop("min_world_size", None)
+    if min_world is None:
+        min_world = _ma._env_int("MODELAVG_MIN_WORLD_SIZE")
     world_env = _ma._env_int("WORLD_SIZE")
     if "gloo_hostname" not in opts and os.environ.get("MODELAVG_GLOO_HOSTNAME"):
         opts["gloo_hostname"] = os.environ["MODELAVG_GLOO_HOSTNAME"]
@@ -106,8 +116,9 @@ def _job_client(mode: str, warmup_steps: int, levels_for: Any) -> "_ma.Client":
                     "it: set WORLD_SIZE (torchrun does), or create the job first") from None
             try:
                 return _ma.create_job(job_id, world_env, mode, levels_for(world_env),
-                                      warmup_steps=warmup_steps, coordinator=coordinator,
-                                      **conn)
+                                      warmup_steps=warmup_steps,
+                                      min_world_size=min_world or 0,
+                                      coordinator=coordinator, **conn)
             except _ma.AlreadyExistsError:  # another rank created it first
                 return _ma.get_job(job_id, coordinator=coordinator, **conn)
 
@@ -131,6 +142,7 @@ def _job_client(mode: str, warmup_steps: int, levels_for: Any) -> "_ma.Client":
                     time.sleep(backoff)
                     backoff = min(2 * backoff, 2.0)
             _check_spec(job.spec, mode, warmup_steps, levels_for, world_env, coordinator)
+            _check_min_world(job.spec, min_world, coordinator)
             client = _ma.connect(coordinator, job_id, rank, **opts)
             _clients[key] = client
         else:
@@ -151,6 +163,23 @@ def _check_spec(spec: "_ma.JobSpec", mode: str, warmup_steps: int, levels_for: A
             f"job {spec.job_id!r} on {coordinator} is {_describe(spec)}, but this averager's "
             f"arguments (and WORLD_SIZE) ask for {_describe(wanted)}: use a new job id, delete "
             "the job, or construct the averager with the job's plan")
+
+
+def _check_min_world(spec: "_ma.JobSpec", min_world: Optional[int], coordinator: str) -> None:
+    """With min_world_size asked for: the existing job's must be the same (0 and world_size
+    both mean a strict job)."""
+    if min_world is None:
+        return
+
+    def strict(m: int) -> int:
+        return spec.world_size if m in (0, spec.world_size) else m
+
+    if strict(spec.min_world_size) != strict(min_world):
+        raise _ma.InvalidArgumentError(
+            "INVALID_ARGUMENT",
+            f"job {spec.job_id!r} on {coordinator} has min_world_size={spec.min_world_size}, but "
+            f"this averager asks for min_world_size={min_world} (MODELAVG_MIN_WORLD_SIZE or "
+            "set_options): use a new job id, delete the job, or ask for the job's value")
 
 
 class PeriodicModelAverager(_ma.PeriodicModelAverager):

@@ -11,23 +11,18 @@ if(TARGET modelavg-coordinator)
       MODELAVG_CLIENT_WORKER_BIN="$<TARGET_FILE:modelavg_client_worker>")
     add_dependencies(${t} modelavg-coordinator modelavg_client_worker)
   endforeach()
-  # 8-rank elastic jobs of modelavg-trace-worker processes (defined in tests/tools, after this
-  # file: referenced through generator expressions), each test a few seconds to ~20 s.
-  modelavg_add_gtest(client_elastic_regrow_test SOURCES client_elastic_regrow_test.cc
-    LIBS modelavg_client LABELS integration TIMEOUT 120)
-  target_compile_definitions(client_elastic_regrow_test PRIVATE
-    MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>"
-    MODELAVG_CLIENT_WORKER_BIN="$<TARGET_FILE:modelavg_client_worker>"
-    MODELAVG_TRACE_WORKER_BIN="$<TARGET_FILE:modelavg-trace-worker>")
-  add_dependencies(client_elastic_regrow_test modelavg-coordinator modelavg-trace-worker)
-  # A round kept by a member that lost its confirmation (4 trace workers, a few seconds).
-  modelavg_add_gtest(client_elastic_adopt_test SOURCES client_elastic_adopt_test.cc
-    LIBS modelavg_client LABELS integration TIMEOUT 120)
-  target_compile_definitions(client_elastic_adopt_test PRIVATE
-    MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>"
-    MODELAVG_CLIENT_WORKER_BIN="$<TARGET_FILE:modelavg_client_worker>"
-    MODELAVG_TRACE_WORKER_BIN="$<TARGET_FILE:modelavg-trace-worker>")
-  add_dependencies(client_elastic_adopt_test modelavg-coordinator modelavg-trace-worker)
+  # Elastic jobs of modelavg-trace-worker processes (defined in tests/tools, after this file:
+  # referenced through generator expressions): client_elastic_regrow_test, 8 ranks, each test a
+  # few seconds to ~20 s; client_elastic_adopt_test, a round kept by a member that lost its
+  # confirmation (4 ranks, a few seconds).
+  foreach(t client_elastic_regrow_test client_elastic_adopt_test)
+    modelavg_add_gtest(${t} SOURCES ${t}.cc LIBS modelavg_client LABELS integration TIMEOUT 120)
+    target_compile_definitions(${t} PRIVATE
+      MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>"
+      MODELAVG_CLIENT_WORKER_BIN="$<TARGET_FILE:modelavg_client_worker>"
+      MODELAVG_TRACE_WORKER_BIN="$<TARGET_FILE:modelavg-trace-worker>")
+    add_dependencies(${t} modelavg-coordinator modelavg-trace-worker)
+  endforeach()
 endif()
 
 # The trace checker (trace_check.h) on synthetic traces: fast, no processes.

@@ -382,6 +382,25 @@ TEST_F(ElasticRegrowTest, WholePairKilledBetweenCalls_SurvivorsFinish) {
   PrintRecovery("kill -9 of ranks 4 and 5 between calls", killed_ms, {4, 5}, Except({4, 5}));
 }
 
+// One rank (3) killed while the ranks are inside collectives (no sleep between calls, 4 MiB of
+// parameters: averaging takes most of the time): the interrupted round is retried without it.
+TEST_F(ElasticRegrowTest, OneKilledDuringCalls_SurvivorsFinish) {
+  ASSERT_TRUE(cluster_.ok()) << cluster_.dir();
+  ASSERT_TRUE(cluster_.admin()->CreateJob(ElasticSpec("incall")).ok());
+  constexpr int64_t kSteps = 40;
+  StartWorld("incall", Steps(kSteps, 0, 1 << 20));
+  ASSERT_TRUE(WaitForStep(3, 9)) << Diagnostics();
+  workers_[3]->Signal(SIGKILL);
+  const int64_t killed_ms = NowMs();
+  ExpectFinished(Except({3}), kSteps);
+  ExpectTracesFollowTheRule();
+  for (size_t i : Except({3})) {
+    EXPECT_EQ(LastMembersAt(i, 2), (std::vector<int32_t>{0, 1, 2, 4, 5, 6, 7})) << who_[i];
+  }
+  EXPECT_EQ(LastMembersAt(2, 0), (std::vector<int32_t>{2}));
+  PrintRecovery("kill -9 of rank 3 during calls", killed_ms, {3}, Except({3}));
+}
+
 // Rank 6 stopped with SIGSTOP (its sockets stay open; it just goes silent): the coordinator
 // declares it dead after the heartbeat timeout, the survivors' collectives with it are aborted
 // and retried without it, and they finish every step. Killed at the end.

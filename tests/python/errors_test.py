@@ -6,16 +6,20 @@
 
 Checks:
   no_such_job       connect / the drop-in on a job that does not exist: NotFoundError naming it
-  spec_mismatch     the drop-in on an existing job with another plan: a ValueError naming both;
-                    a process group other than the default: a clear error
+  spec_mismatch     the drop-in on an existing job with another plan (or min_world_size): a
+                    ValueError naming both; a process group other than the default: a clear error
   dead_peer         a peer is killed (SIGKILL) mid-training: the survivor's next averaging step
                     raises PeerFailureError naming rank 1
+  elastic_below_min an elastic job of 3 (min_world_size 2): the survivors go on after one
+                    SIGKILL (decisions list [0, 1]); after a second one the last survivor gets
+                    PeerFailureError saying the job fell below min_world_size
   unreachable       nothing listens at the address: UnavailableError (a ConnectionError) within
                     join_timeout
   interrupt         SIGINT while connect waits for a world that never completes: KeyboardInterrupt
                     at once (not after join_timeout), and the process exits normally
-  jobs_and_client   create/get/list/delete_job, duplicate and invalid specs, unknown options,
-                    the client's properties and context manager, the wrong averager for the
+  jobs_and_client   create/get/list/delete_job, duplicate and invalid specs, min_world_size,
+                    unknown options, the client's properties (a strict job's elastic fields:
+                    admission_step -1, no vacancy) and context manager, the wrong averager for the
                     job's mode, and two ranks in one process on two threads (only possible when
                     the GIL is released during connect and averaging)
 """
@@ -93,6 +97,13 @@ def check_spec_mismatch(modelavg, coordinator, group):
     expect_raises("hierarchical drop-in on a periodic job", ValueError,
                   lambda: modelavg.torch.HierarchicalModelAverager({4: 2}, warmup_steps=1),
                   "PERIODIC", "HIERARCHICAL")
+    # An elastic min_world_size asked of the strict job (join_timeout: were the check missing,
+    # the connect would fail after 5 s instead of passing).
+    modelavg.torch.set_options(min_world_size=1, join_timeout=5)
+    expect_raises("drop-in asking a strict job for min_world_size 1", ValueError,
+                  lambda: modelavg.torch.PeriodicModelAverager(period=4, warmup_steps=1),
+                  "min_world_size=0", "min_world_size=1")
+    modelavg.torch._options.clear()
     os.environ["WORLD_SIZE"] = "4"
     expect_raises("drop-in with another world size", ValueError,
                   lambda: modelavg.torch.PeriodicModelAverager(period=4, warmup_steps=1),
@@ -155,6 +166,55 @@ def check_dead_peer(modelavg, coordinator, group):
     if got["step"] < 3:
         mt.fail(f"the survivor failed at step {got['step']}, before its peer died: {got}")
     print(f"survivor: {got['code']} at step {got['step']}: {got['message']}")
+
+
+def check_elastic_below_min(modelavg, coordinator, group):
+    modelavg.create_job("below-min", 3, "PERIODIC", period=1, min_world_size=2,
+                        heartbeat_timeout_ms=1000, coordinator=coordinator.address)
+    code = """
+        import json, os, signal, sys, time
+        import torch, modelavg
+        rank = int(os.environ["RANK"])
+        client = modelavg.connect(os.environ["ADDR"], "below-min", rank=rank,
+                                  collective_timeout=20)
+        averager = modelavg.PeriodicModelAverager(client)
+        p = torch.nn.Parameter(torch.full((100,), float(rank)))
+        p.grad = torch.zeros_like(p)
+        ranks = {}
+        for step in range(400):
+            if (rank, step) in ((2, 3), (1, 30)):
+                os.kill(os.getpid(), signal.SIGKILL)
+            try:
+                ranks[step] = averager.average_parameters([p]).ranks
+            except modelavg.PeerFailureError as e:
+                print(json.dumps({"step": step, "code": e.code, "message": e.message,
+                                  "ranks": ranks}))
+                sys.exit(0)
+            time.sleep(0.02)
+        print(json.dumps({"error": "no PeerFailureError after 400 steps", "ranks": ranks}))
+        sys.exit(1)
+    """
+    procs = [child(code, {"RANK": str(r), "ADDR": coordinator.address}, group, f"rank {r}")
+             for r in range(3)]
+    results = mt.wait_all(procs, timeout_s=60)
+    rc, out, err = results["rank 0"]
+    if rc != 0:
+        mt.fail(f"rank 0 exited {rc}:\n{out[-3000:]}\n{err[-2000:]}")
+    for r in (1, 2):
+        if results[f"rank {r}"][0] != -signal.SIGKILL:
+            mt.fail(f"rank {r} was to be killed, exit status {results[f'rank {r}'][0]}")
+    got = json.loads([l for l in out.splitlines() if l.startswith("{")][-1])
+    ranks = {int(k): v for k, v in got["ranks"].items()}
+    # Steps 0-2 with all three, 3 (the call in flight when rank 2 died) to 29 with the
+    # survivors [0, 1], then the job fell below min_world_size: a clear error, no hang.
+    expected = {s: [0, 1, 2] if s < 3 else [0, 1] for s in range(30)}
+    if got["step"] != 30 or ranks != expected:
+        mt.fail(f"rank 0 averaged {ranks} and failed at step {got['step']}; expected steps "
+                "0-2 with [0, 1, 2], 3-29 with [0, 1], a failure at step 30")
+    if "min_world_size" not in got["message"]:
+        mt.fail(f"the error below min_world_size does not say so: {got['code']}: "
+                f"{got['message']}")
+    print(f"rank 0: {got['code']} at step 30: {got['message']}")
 
 
 def check_unreachable(modelavg, coordinator, group):
@@ -282,6 +342,15 @@ def check_jobs_and_client(modelavg, coordinator, group):
     expect_raises("group size not dividing the world", ValueError,
                   lambda: modelavg.create_job("bad", 4, "HIERARCHICAL", [(2, 3), (4, 4)],
                                               coordinator=addr), "group_size", "3")
+    expect_raises("min_world_size above the world", ValueError,
+                  lambda: modelavg.create_job("bad", 4, "PERIODIC", period=2, min_world_size=5,
+                                              coordinator=addr), "min_world_size", "5")
+    elastic = modelavg.create_job("jobs-elastic", 4, "PERIODIC", period=2, min_world_size=3,
+                                  coordinator=addr)
+    if elastic.spec.min_world_size != 3 or \
+            modelavg.get_job("jobs-elastic", coordinator=addr).spec.min_world_size != 3:
+        mt.fail(f"min_world_size did not round-trip: {elastic}")
+    modelavg.delete_job("jobs-elastic", coordinator=addr)
     expect_raises("unknown mode", ValueError,
                   lambda: modelavg.create_job("bad", 4, "SOMETIMES", period=2,
                                               coordinator=addr), "SOMETIMES")
@@ -296,9 +365,14 @@ def check_jobs_and_client(modelavg, coordinator, group):
     # A world of one: the client's properties, decisions, the wrong averager, leaving.
     import torch
     with modelavg.connect(addr, "jobs-2", rank=0) as client:
-        if (client.rank, client.world_size, client.generation, client.job_id) != \
-                (0, 1, 1, "jobs-2"):
-            mt.fail(f"client: {client!r}")
+        if (client.rank, client.world_size, client.generation, client.job_id,
+                client.admission_step, client.elastic) != (0, 1, 1, "jobs-2", -1, False):
+            mt.fail(f"client: {client!r}, admission_step {client.admission_step}")
+        running = modelavg.get_job("jobs-2", coordinator=addr)
+        if (running.live_world_size, running.vacant_ranks, running.deaths, running.admissions,
+                running.spec.min_world_size, [m.admitted_step for m in running.members]) != \
+                (1, [], 0, 0, 0, [-1]):
+            mt.fail(f"a running strict job of one: {running}")
         expect_raises("hierarchical averager on a periodic job",
                       modelavg.FailedPreconditionError,
                       lambda: modelavg.HierarchicalModelAverager(client), "PERIODIC")
@@ -306,7 +380,8 @@ def check_jobs_and_client(modelavg, coordinator, group):
         p = torch.nn.Parameter(torch.ones(3))
         p.grad = torch.zeros(3)
         d = averager.average_parameters([p])
-        if (d.step, d.action, d.average, d.level, d.ranks) != (0, "AVERAGE", True, 0, [0]):
+        if (d.step, d.action, d.average, d.level, d.ranks, d.members, d.joining,
+                d.generation) != (0, "AVERAGE", True, 0, [0], [0], [], 1):
             mt.fail(f"decision {d!r}")
         expect_raises("a plain tensor (PyTorch refuses it too)", NotImplementedError,
                       lambda: averager.average_parameters([torch.ones(3)]), "not supported")
@@ -351,6 +426,7 @@ CHECKS = {
     "no_such_job": check_no_such_job,
     "spec_mismatch": check_spec_mismatch,
     "dead_peer": check_dead_peer,
+    "elastic_below_min": check_elastic_below_min,
     "unreachable": check_unreachable,
     "interrupt": check_interrupt,
     "jobs_and_client": check_jobs_and_client,

@@ -9,7 +9,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/gloo_communicator.h"
-#include "gloo/rendezvous/hash_store.h"
+#include "tests/unit/gloo_test_mesh.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -18,26 +18,10 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// Creates `size` communicators over loopback (one thread per member for the rendezvous).
-std::vector<std::unique_ptr<GlooCommunicator>> MakeMesh(int size, absl::Duration timeout) {
-  gloo::rendezvous::HashStore store;
-  std::vector<std::unique_ptr<GlooCommunicator>> out(size);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < size; ++r) {
-    threads.emplace_back([&, r] {
-      auto dev = CreateGlooDevice("127.0.0.1");
-      if (!dev.ok()) return;
-      auto comm = GlooCommunicator::Create(store, *dev, r, size, timeout);
-      if (comm.ok()) out[r] = *std::move(comm);
-    });
-  }
-  for (auto& t : threads) t.join();
-  return out;
-}
 
 TEST(GlooAbortTest, BlockedOnAStoppedMember_AbortBreaksItPromptlyParametersUntouched) {
   // Member 2 never calls: the others block in the ring until the (long) timeout, unless aborted.
-  auto mesh = MakeMesh(3, absl::Seconds(60));
+  auto mesh = MakeGlooMesh(3, absl::Seconds(60));
   for (const auto& c : mesh) ASSERT_NE(c, nullptr);
   constexpr int64_t kNumel = 1 << 20;  // many segments: the ring is mid-flight when aborted
   std::vector<std::vector<float>> params(2);
@@ -75,7 +59,7 @@ TEST(GlooAbortTest, BlockedOnAStoppedMember_AbortBreaksItPromptlyParametersUntou
 TEST(GlooAbortTest, AbortOfOneMember_PeersCollectivesFailToo) {
   // Only member 0 is aborted while all three average: the others see its connections close
   // and fail (with a transport error) instead of waiting for the timeout.
-  auto mesh = MakeMesh(3, absl::Seconds(60));
+  auto mesh = MakeGlooMesh(3, absl::Seconds(60));
   for (const auto& c : mesh) ASSERT_NE(c, nullptr);
   mesh[0]->Abort(absl::AbortedError("generation changed"));
   std::vector<absl::Status> results(3);

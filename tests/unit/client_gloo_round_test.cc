@@ -8,7 +8,7 @@
 #include "absl/status/status.h"
 #include "client/communicator.h"
 #include "client/gloo_communicator.h"
-#include "gloo/rendezvous/hash_store.h"
+#include "tests/unit/gloo_test_mesh.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -17,21 +17,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::vector<std::unique_ptr<GlooCommunicator>> MakeMesh(int size) {
-  gloo::rendezvous::HashStore store;
-  std::vector<std::unique_ptr<GlooCommunicator>> out(size);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < size; ++r) {
-    threads.emplace_back([&, r] {
-      auto dev = CreateGlooDevice("127.0.0.1");
-      if (!dev.ok()) return;
-      auto comm = GlooCommunicator::Create(store, *dev, r, size, absl::Seconds(30));
-      if (comm.ok()) out[r] = *std::move(comm);
-    });
-  }
-  for (auto& t : threads) t.join();
-  return out;
-}
 
 struct Member {
   std::vector<float> a;
@@ -74,7 +59,7 @@ class GlooRoundTest : public ::testing::TestWithParam<bool> {};
 // its parameters and holds the result aside; adopting it gives exactly the peers' average.
 TEST_P(GlooRoundTest, CommitLostOnOneMember_PeersCompleteItHoldsAndAdoptsTheResult) {
   const bool two = GetParam();
-  auto mesh = MakeMesh(3);
+  auto mesh = MakeGlooMesh(3, absl::Seconds(30));
   for (const auto& c : mesh) ASSERT_NE(c, nullptr);
   constexpr int64_t kN = 300000;  // several ring segments
   std::vector<Member> m = Members(3, kN);
@@ -107,7 +92,7 @@ TEST_P(GlooRoundTest, CommitLostOnOneMember_PeersCompleteItHoldsAndAdoptsTheResu
 // A member admitted at this step contributes nothing and receives the others' average.
 TEST_P(GlooRoundTest, JoiningMember_ReceivesTheAverageOfTheOthers) {
   const bool two = GetParam();
-  auto mesh = MakeMesh(3);
+  auto mesh = MakeGlooMesh(3, absl::Seconds(30));
   for (const auto& c : mesh) ASSERT_NE(c, nullptr);
   constexpr int64_t kN = 50000;
   std::vector<Member> m = Members(3, kN);
@@ -131,7 +116,7 @@ TEST_P(GlooRoundTest, JoiningMember_ReceivesTheAverageOfTheOthers) {
 // Members that pass different steps on a communicator's first round all fail, untouched.
 TEST_P(GlooRoundTest, FirstRoundAtDifferentSteps_InternalErrorAndNoMixedAverage) {
   const bool two = GetParam();
-  auto mesh = MakeMesh(2);
+  auto mesh = MakeGlooMesh(2, absl::Seconds(30));
   for (const auto& c : mesh) ASSERT_NE(c, nullptr);
   std::vector<Member> m = Members(2, 1000);
   const std::vector<Member> before = m;
