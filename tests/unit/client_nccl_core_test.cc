@@ -3,7 +3,10 @@
 // allocation (an illegal address on a GPU), and matches the members' collectives the way NCCL
 // needs them matched, reporting a mismatch (which NCCL would not detect: a hang or mixed data)
 // or a member that never arrives (a hang). Its ncclAvg arithmetic is NCCL's: inputs are
-// pre-multiplied by 1/n rounded to the reduction dtype. Runs without a GPU.
+// pre-multiplied by 1/n rounded to the reduction dtype (1/d for a round divided by d). It logs
+// every operation, so that a test can count what a call costs. Covers the rounds of an elastic
+// job too: the step and divisor agreement, members that contribute nothing, the zero-copy
+// path's backup, the commit and a lost commit's kept result. Runs without a GPU.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -861,6 +864,39 @@ INSTANTIATE_TEST_SUITE_P(ZeroCopyAndStaged, NcclCoreRoundTest, ::testing::Bool()
                          [](const ::testing::TestParamInfo<bool>& i) {
                            return i.param ? std::string("ZeroCopy") : std::string("Staged");
                          });
+
+TEST_F(NcclCoreTest, LostCommit_UnpaddedFallback_AdoptedIntoOtherBuffersOfTheSameLayout) {
+  // Member 0 reduces in place, member 1 stages: both use the unpadded layout. Member 1's commit
+  // is lost; it adopts the kept result into other tensors of the same layout (the chunk table
+  // is uploaded again, the staging buffer that holds the result is not touched).
+  MakeWorld(2);
+  std::vector<Params> params = {Params::Contiguous(DType::kFloat32, {1, 3, 5, 70}),
+                                Params::Separate({{DType::kFloat32, 1},
+                                                  {DType::kFloat32, 3},
+                                                  {DType::kFloat32, 5},
+                                                  {DType::kFloat32, 70}})};
+  FillAll(params);
+  const std::vector<std::string> before = Bytes(params[1]);
+  cores_[1]->InjectCommitFailureForTesting();
+  const std::vector<Result> r = RunRound(params, Committed(2));
+  ExpectNoHangMismatchOrIllegal();
+  ASSERT_TRUE(r[0].status.ok()) << r[0].status;
+  ASSERT_EQ(r[1].outcome, RoundOutcome::kFailedHoldingResult);
+  EXPECT_EQ(ops_[0]->ops, (std::vector<std::string>{"check", "avg79", "commit"}));
+  EXPECT_EQ(Bytes(params[1]), before);
+  Params elsewhere = Params::Separate({{DType::kFloat32, 1},
+                                       {DType::kFloat32, 3},
+                                       {DType::kFloat32, 5},
+                                       {DType::kFloat32, 70}});
+  ASSERT_TRUE(cores_[1]->Adopt(elsewhere.views).ok());
+  EXPECT_FALSE(ops_[1]->illegal);
+  EXPECT_EQ(Bytes(params[1]), before) << "the round's own tensors are not written";
+  for (size_t t = 0; t < elsewhere.views.size(); ++t) {
+    for (int64_t i = 0; i < elsewhere.views[t].numel; ++i) {
+      ASSERT_EQ(elsewhere.At(t, i), params[0].At(t, i)) << "tensor " << t << " element " << i;
+    }
+  }
+}
 
 TEST_F(NcclCoreTest, PlainRound_FailureMidCollective_ZeroCopyBufferIsUndefined) {
   // The weak point a committed round removes: without the backup, the failed member's buffer
