@@ -345,7 +345,7 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
     if (broken_.ok()) {
       broken_ = absl::FailedPreconditionError(absl::StrCat(
           "job ", options_.job_id, " moved from generation ", generation_, " to ",
-          job->generation(), " because ", why, ", without rank ", rank_, ": ", gone));
+          job->generation(), " (", why, "); rank ", rank_, " cannot average any more: ", gone));
       spdlog::error("{}", std::string(broken_.message()));
       abort = broken_;
       generation = job->generation();
