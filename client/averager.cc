@@ -8,6 +8,9 @@
 #include "absl/strings/str_join.h"
 #include "client/communicator_cache.h"
 #include "client/gloo_communicator.h"
+#if MODELAVG_HAVE_CUDA
+#include "client/nccl_communicator.h"
+#endif
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
 
@@ -156,10 +159,15 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
     RoundOutcome outcome = RoundOutcome::kFailedWithoutResult;
     absl::StatusOr<Communicator*> comm = client_->communicators()->Get(Setup(decision), device);
     if (comm.ok() && client_->TakeCommitFailureForTesting(step)) {
+      spdlog::warn("{}: injecting a lost commit on this rank (test)", where(decision));
       if (auto* gloo = dynamic_cast<GlooCommunicator*>(*comm)) {
-        spdlog::warn("{}: injecting a lost commit on this rank (test)", where(decision));
         gloo->InjectCommitFailureForTesting();
       }
+#if MODELAVG_HAVE_CUDA
+      if (auto* nccl = dynamic_cast<NcclCommunicator*>(*comm)) {
+        nccl->InjectCommitFailureForTesting();
+      }
+#endif
     }
     absl::Status s =
         comm.ok() ? (*comm)->AllReduceAverage(params, options, &outcome) : comm.status();
