@@ -262,19 +262,7 @@ absl::Status NcclCommunicator::AllReduce(void* buffer, size_t count, Reduce op,
 }
 
 absl::Status NcclCommunicator::WaitLocal(void* stream_arg, const char* what) {
-  cudaStream_t stream = static_cast<cudaStream_t>(stream_arg);
-  const absl::Time deadline = absl::Now() + timeout_;
-  int polls = 0;
-  while (true) {
-    const cudaError_t q = cudaStreamQuery(stream);
-    if (q == cudaSuccess) return absl::OkStatus();
-    if (q != cudaErrorNotReady) return CudaStatus(q, what, __FILE__, __LINE__);
-    if (absl::Now() > deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat(what, " did not finish within ", absl::FormatDuration(timeout_)));
-    }
-    if (++polls > 100) absl::SleepFor(kPollSleep);
-  }
+  return PollStream(stream_arg, what, /*with_peers=*/false);
 }
 
 absl::Status NcclCommunicator::WaitNcclReady(const char* what) {
@@ -294,6 +282,10 @@ absl::Status NcclCommunicator::WaitNcclReady(const char* what) {
 }
 
 absl::Status NcclCommunicator::Wait(void* stream_arg, const char* what) {
+  return PollStream(stream_arg, what, /*with_peers=*/true);
+}
+
+absl::Status NcclCommunicator::PollStream(void* stream_arg, const char* what, bool with_peers) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_arg);
   const absl::Time deadline = absl::Now() + timeout_;
   int polls = 0;
@@ -301,22 +293,27 @@ absl::Status NcclCommunicator::Wait(void* stream_arg, const char* what) {
     const cudaError_t q = cudaStreamQuery(stream);
     if (q == cudaSuccess) return absl::OkStatus();
     if (q != cudaErrorNotReady) return CudaStatus(q, what, __FILE__, __LINE__);
-    ncclResult_t state = ncclSuccess;
-    ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
-    if (r != ncclSuccess) return NcclStatus(r, "ncclCommGetAsyncError", __FILE__, __LINE__);
-    if (state != ncclSuccess && state != ncclInProgress) {
-      return NcclStatus(state, what, __FILE__, __LINE__);
+    if (with_peers) {
+      ncclResult_t state = ncclSuccess;
+      ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+      if (r != ncclSuccess) return NcclStatus(r, "ncclCommGetAsyncError", __FILE__, __LINE__);
+      if (state != ncclSuccess && state != ncclInProgress) {
+        return NcclStatus(state, what, __FILE__, __LINE__);
+      }
     }
     if (absl::Now() > deadline) {
       return absl::DeadlineExceededError(absl::StrCat(
           what, " did not finish within ", absl::FormatDuration(timeout_),
-          ": a peer is dead or stuck; the communicator was aborted"));
+          with_peers ? ": a peer is dead or stuck; the communicator was aborted" : ""));
     }
-    MODELAVG_RETURN_IF_ERROR(AbortRequested());
-    // The generation check is cheap (no RPC) but not free: every 64 polls.
-    if (check_alive_ && (++polls & 63) == 0) {
-      absl::Status alive = check_alive_();
-      if (!alive.ok()) return Annotate(alive, absl::StrCat(what, " abandoned"));
+    ++polls;
+    if (with_peers) {
+      MODELAVG_RETURN_IF_ERROR(AbortRequested());
+      // The generation check is cheap (no RPC) but not free: every 64 polls.
+      if (check_alive_ && (polls & 63) == 0) {
+        absl::Status alive = check_alive_();
+        if (!alive.ok()) return Annotate(alive, absl::StrCat(what, " abandoned"));
+      }
     }
     if (polls > 100) absl::SleepFor(kPollSleep);
   }

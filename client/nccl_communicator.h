@@ -121,6 +121,9 @@ class NcclCommunicator : public Communicator, private NcclDeviceOps {
   absl::Status WaitLocal(void* stream, const char* what) override;
   void AbortCommunicator() override;
 
+  // Polls `stream` until it drains or the deadline; `with_peers` (Wait) also watches NCCL's
+  // async errors, Abort and the generation (check_alive_), WaitLocal only the stream.
+  absl::Status PollStream(void* stream, const char* what, bool with_peers);
   // Waits for a non-blocking NCCL call to leave ncclInProgress.
   absl::Status WaitNcclReady(const char* what);
 

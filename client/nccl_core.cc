@@ -294,19 +294,24 @@ absl::Status NcclCore::Run(absl::Span<const TensorView> tensors, const RoundOpti
                       divisor, stream);
   if (s.ok()) s = ops_->Wait(stream, "ncclAllReduce");
   if (!s.ok()) return FailAndRestore(s, buffer, bytes, backup, stream);
+  // A failure once the result is in the staging buffer: the communicator is broken, the result
+  // kept there for AdoptPendingResult.
+  const auto keep_staged = [&](const absl::Status& failure) {
+    Fail(failure).IgnoreError();
+    pending_ = Pending::kStaged;
+    pending_padded_ = !d.unpadded;
+    pending_code_ = code;
+    pending_total_ = total;
+    pending_elems_ = layout.elems;
+    *outcome = RoundOutcome::kFailedHoldingResult;
+    return failure;
+  };
   if (options.commit) {
     s = Commit(stream);
     if (!s.ok()) {
       if (!zero_copy) {
         // The result stays in the staging buffer; the tensors were never touched.
-        Fail(s).IgnoreError();
-        pending_ = Pending::kStaged;
-        pending_padded_ = !d.unpadded;
-        pending_code_ = code;
-        pending_total_ = total;
-        pending_elems_ = layout.elems;
-        *outcome = RoundOutcome::kFailedHoldingResult;
-        return s;
+        return keep_staged(s);
       }
       // Keep the result aside, then give the caller's buffer back its values (after the abort:
       // the commit may still be on the stream).
@@ -351,14 +356,7 @@ absl::Status NcclCore::Run(absl::Span<const TensorView> tensors, const RoundOpti
   if (s.ok()) s = ops_->WaitLocal(stream, "scatter of the averaged parameters");
   if (!s.ok()) {
     // The staging buffer still holds the result.
-    Fail(s).IgnoreError();
-    pending_ = Pending::kStaged;
-    pending_padded_ = !d.unpadded;
-    pending_code_ = code;
-    pending_total_ = total;
-    pending_elems_ = layout.elems;
-    *outcome = RoundOutcome::kFailedHoldingResult;
-    return s;
+    return keep_staged(s);
   }
   *outcome = RoundOutcome::kCompleted;
   return absl::OkStatus();

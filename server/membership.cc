@@ -204,21 +204,10 @@ absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worke
     }
   }
 
-  Member& m = members_[rank];
   result.rank = rank;
-  result.was_in_round = InRound(m);
+  result.was_in_round = InRound(members_[rank]);
   if (!result.was_in_round) ++round_size_;
-  m.present = true;
-  m.worker_id = worker_id;
-  m.host = host;
-  m.last_step = -1;
-  m.last_heartbeat = now;
-  m.state = v1::ALIVE;
-  m.generation = generation_;
-  m.credential_digest = new_digest;
-  m.joined_generation = generation_;
-  m.admitted_step = -1;
-  MarkMember(rank);
+  Seat(rank, worker_id, host, now, new_digest, /*admitted_step=*/-1);
   if (round_size_ == world) {
     state_ = v1::RUNNING;
     MarkHeader();
@@ -340,6 +329,13 @@ absl::StatusOr<Membership::JoinResult> Membership::Admit(const std::string& work
       MarkMember(r);
     }
   }
+  Seat(rank, worker_id, host, now, new_digest, *step);
+  ++round_size_;
+  return result;
+}
+
+void Membership::Seat(int32_t rank, const std::string& worker_id, const std::string& host,
+                      absl::Time now, const std::string& digest, int64_t admitted_step) {
   Member& m = members_[rank];
   m.present = true;
   m.worker_id = worker_id;
@@ -348,12 +344,10 @@ absl::StatusOr<Membership::JoinResult> Membership::Admit(const std::string& work
   m.last_heartbeat = now;
   m.state = v1::ALIVE;
   m.generation = generation_;
-  m.credential_digest = new_digest;
+  m.credential_digest = digest;
   m.joined_generation = generation_;
-  m.admitted_step = *step;
-  ++round_size_;
+  m.admitted_step = admitted_step;
   MarkMember(rank);
-  return result;
 }
 
 absl::Status Membership::CheckCredential(int32_t rank, const std::string& credential,

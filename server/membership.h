@@ -216,6 +216,10 @@ class Membership {
     return m.present && m.generation == generation_ && m.state == v1::ALIVE;
   }
   MembershipChange Bump(int32_t rank, const std::string& reason, absl::Time now);
+  // Puts a worker into `rank` as an ALIVE member of the current generation (round_size_ is the
+  // caller's).
+  void Seat(int32_t rank, const std::string& worker_id, const std::string& host, absl::Time now,
+            const std::string& digest, int64_t admitted_step);
   // Members of the running round departed (already marked DEAD or LEFT): Shrink when the job
   // is elastic and enough survive, Bump otherwise.
   // An `orderly` departure (Leave) of an elastic job shrinks it even below min_world_size.
