@@ -511,7 +511,21 @@ absl::Status Client::StreamHeartbeats(bool* answered) {
     if (call->Write(req)) first = false;
     next_beat = std::max(next_beat + options_.heartbeat_interval, now);
   }
-  const absl::Status status = call->Finish();
+  v1::HeartbeatRequest closing;
+  bool stopping;
+  {
+    absl::MutexLock l(&mu_);
+    stopping = stopping_;
+    closing.set_generation(generation_);
+    closing.set_step(step_);
+  }
+  // Stopping: say so, so that the coordinator does not take the stream's end for a lost
+  // connection (an elastic job declares such a member dead sooner).
+  closing.set_job_id(options_.job_id);
+  closing.set_rank(rank_);
+  closing.set_credential(options_.credential);
+  closing.set_closing(true);
+  const absl::Status status = stopping ? call->Finish(&closing) : call->Finish();
   if (!silence.ok()) return silence;
   {
     absl::MutexLock l(&mu_);

@@ -276,7 +276,26 @@ void HeartbeatStreamCall::OnDone(const grpc::Status& status) {
   done_.Notify();
 }
 
-absl::Status HeartbeatStreamCall::Finish() {
+absl::Status HeartbeatStreamCall::Finish(const v1::HeartbeatRequest* closing,
+                                         absl::Duration wait) {
+  if (!finished_ && closing != nullptr) {
+    const absl::Time deadline = absl::Now() + wait;
+    bool send = false;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithDeadline(absl::Condition(this, &HeartbeatStreamCall::WriteIdle), deadline);
+      if (!writing_ && !ended_) {
+        writing_ = true;
+        send = true;
+      }
+    }
+    if (send) {
+      request_ = *closing;
+      StartWriteLast(&request_, grpc::WriteOptions());
+      // The coordinator answers the half-close by ending the call.
+      done_.WaitForNotificationWithDeadline(deadline + wait);
+    }
+  }
   if (!finished_) {
     finished_ = true;
     context_.TryCancel();

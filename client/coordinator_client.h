@@ -50,8 +50,12 @@ class HeartbeatStreamCall final
   bool Write(const v1::HeartbeatRequest& request);
   // Cancels the call (a no-op if it has ended), waits for gRPC to release it and returns its
   // status: OK or CANCELLED when ended here, the coordinator's error otherwise (UNIMPLEMENTED
-  // from a coordinator without HeartbeatStream, UNAVAILABLE when unreachable, ...).
-  absl::Status Finish();
+  // from a coordinator without HeartbeatStream, UNAVAILABLE when unreachable, ...). With
+  // `closing` (a beat with HeartbeatRequest.closing set), the stream is first ended on purpose:
+  // that beat is written last and the coordinator's end awaited, each for at most `wait`, so
+  // that the coordinator does not take the end for a lost connection.
+  absl::Status Finish(const v1::HeartbeatRequest* closing = nullptr,
+                      absl::Duration wait = absl::Milliseconds(200));
 
   void OnWriteDone(bool ok) override;
   void OnReadDone(bool ok) override;
@@ -64,6 +68,8 @@ class HeartbeatStreamCall final
   const ReplyCallback on_reply_;
   const EndCallback on_end_;
   absl::Mutex mu_;
+  bool WriteIdle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !writing_ || ended_; }
+
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool ended_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ = false;  // the owner's thread only

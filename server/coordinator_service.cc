@@ -278,6 +278,15 @@ class HeartbeatStreamReactor final
     }
     v1::HeartbeatResponse reply;
     if (absl::Status s = job_->Heartbeat(request_, &reply); !s.ok()) return End(s);
+    if (!beat_seen_ || request_.closing()) {
+      // Whose stream this is, and whether it ends on purpose, for OnCancel (another thread).
+      absl::MutexLock lock(&mu_);
+      beat_job_ = job_;
+      beat_rank_ = request_.rank();
+      beat_credential_ = request_.credential();
+      beat_seen_ = true;
+      closing_ = closing_ || request_.closing();
+    }
     reply.set_coordinator_incarnation(registry_->incarnation());
     const bool per_beat = reply_interval_ == absl::ZeroDuration();
     const absl::Time now = absl::Now();
@@ -341,6 +350,22 @@ class HeartbeatStreamReactor final
     }
   }
 
+  // The stream was cancelled: the client went away (its process died, its connection dropped)
+  // or ended the stream without saying so first (HeartbeatRequest.closing).
+  void OnCancel() override {
+    std::shared_ptr<Job> job;
+    int32_t rank;
+    std::string credential;
+    {
+      absl::MutexLock lock(&mu_);
+      if (closing_ || beat_job_ == nullptr) return;
+      job = beat_job_;
+      rank = beat_rank_;
+      credential = beat_credential_;
+    }
+    job->HeartbeatStreamLost(rank, credential);
+  }
+
   void OnDone() override { delete this; }
 
  private:
@@ -380,6 +405,12 @@ class HeartbeatStreamReactor final
   bool finishing_ ABSL_GUARDED_BY(mu_) = false;  // End was called (Finish may be deferred)
   bool finished_ ABSL_GUARDED_BY(mu_) = false;   // Finish was called
   absl::Status finish_status_ ABSL_GUARDED_BY(mu_);
+  // The stream's member (from its first beat) and whether it said it ends on purpose: OnCancel's.
+  bool beat_seen_ = false;  // the read path's
+  std::shared_ptr<Job> beat_job_ ABSL_GUARDED_BY(mu_);
+  int32_t beat_rank_ ABSL_GUARDED_BY(mu_) = -1;
+  std::string beat_credential_ ABSL_GUARDED_BY(mu_);
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace

@@ -396,6 +396,16 @@ absl::Status Job::Heartbeat(const v1::HeartbeatRequest& request,
   return absl::OkStatus();
 }
 
+void Job::HeartbeatStreamLost(int32_t rank, const std::string& credential) {
+  if (rank < 0 || rank >= schedule_.world_size()) return;
+  absl::MutexLock lock(&mu_);
+  if (!closed_.ok() || !membership_.elastic() || !membership_.InRound(rank)) return;
+  if (!membership_.CheckCredential(rank, credential, "HeartbeatStream", id()).ok()) return;
+  spdlog::info("job {}: rank {}'s heartbeat stream broke; DEAD unless it beats within {} ms",
+               id(), rank, absl::ToInt64Milliseconds(StreamLostGrace()));
+  membership_.StreamLost(rank, clock_->Now());
+}
+
 absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* response) {
   const int32_t rank = request.rank();
   if (rank < 0 || rank >= schedule_.world_size()) {
@@ -728,14 +738,26 @@ void Job::CheckStaleness() {
   // After a restart, members re-attach within the grace period: a member is dead only once
   // both the grace period and its heartbeat timeout have passed.
   if (std::vector<int32_t> dead =
-          now < grace_until_ ? std::vector<int32_t>{} : membership_.Stale(now, heartbeat_timeout_);
+          now < grace_until_ ? std::vector<int32_t>{}
+                             : membership_.Stale(now, heartbeat_timeout_, StreamLostGrace());
       !dead.empty()) {
+    bool all_lost = true;
     for (int32_t r : dead) {
-      spdlog::warn("job {}: rank {} (worker \"{}\") sent no heartbeat for {} ms; DEAD", id(), r,
-                   membership_.member(r).worker_id,
-                   absl::ToInt64Milliseconds(now - membership_.member(r).last_heartbeat));
+      const Membership::Member& m = membership_.member(r);
+      const bool lost = m.stream_lost_at != absl::InfiniteFuture();
+      all_lost = all_lost && lost;
+      if (lost) {
+        spdlog::warn("job {}: rank {} (worker \"{}\"): its heartbeat stream broke {} ms ago and "
+                     "no beat came since (the last {} ms ago); DEAD",
+                     id(), r, m.worker_id, absl::ToInt64Milliseconds(now - m.stream_lost_at),
+                     absl::ToInt64Milliseconds(now - m.last_heartbeat));
+      } else {
+        spdlog::warn("job {}: rank {} (worker \"{}\") sent no heartbeat for {} ms; DEAD", id(),
+                     r, m.worker_id, absl::ToInt64Milliseconds(now - m.last_heartbeat));
+      }
     }
-    std::string reason = absl::StrCat("rank ", dead[0], " heartbeat timeout");
+    std::string reason = absl::StrCat("rank ", dead[0],
+                                      all_lost ? " connection lost" : " heartbeat timeout");
     if (dead.size() > 1) absl::StrAppend(&reason, " (and ", dead.size() - 1, " more ranks)");
     deaths_ += static_cast<int64_t>(dead.size());
     OnMembershipChange(membership_.Die(dead, reason, now), &out);

@@ -107,6 +107,13 @@ class Job {
   // UNAVAILABLE: stopping).
   absl::Status Heartbeat(const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response);
 
+  // Elastic jobs: the HeartbeatStream of `rank` (whose member holds `credential`) broke without
+  // a clean end (HeartbeatRequest.closing): its process died or its connection dropped. Unless
+  // a beat comes within half the heartbeat timeout (a live client re-opens a broken stream well
+  // within that), the member is declared dead then rather than at the full timeout. Ignored for
+  // a strict job and for anyone but the rank's member.
+  void HeartbeatStreamLost(int32_t rank, const std::string& credential);
+
   // The decision for (rank, step). INVALID_ARGUMENT for a bad rank or step < 0;
   // FAILED_PRECONDITION for a stale generation or a job that is not RUNNING.
   absl::Status Step(const v1::StepRequest& request, v1::StepDecision* response);
@@ -173,6 +180,8 @@ class Job {
   // the order they happened (delivery_mu_ keeps batches of concurrent calls in order).
   class Outbox;
 
+  // How long after a broken HeartbeatStream a member without a beat since is declared dead.
+  absl::Duration StreamLostGrace() const { return heartbeat_timeout_ / 2; }
   // Reacts to what a membership operation did: fails the waits of an old generation, drops its
   // ids, completes the round's Joins, logs and emits events.
   void OnMembershipChange(const MembershipChange& change, Outbox* out)

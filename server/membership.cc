@@ -342,6 +342,7 @@ void Membership::Seat(int32_t rank, const std::string& worker_id, const std::str
   m.host = host;
   m.last_step = -1;
   m.last_heartbeat = now;
+  m.stream_lost_at = absl::InfiniteFuture();
   m.state = v1::ALIVE;
   m.generation = generation_;
   m.credential_digest = digest;
@@ -444,14 +445,24 @@ MembershipChange Membership::Shrink(int32_t rank, const std::string& reason, abs
   return change;
 }
 
-std::vector<int32_t> Membership::Stale(absl::Time now, absl::Duration timeout) const {
+std::vector<int32_t> Membership::Stale(absl::Time now, absl::Duration timeout,
+                                       absl::Duration lost_grace) const {
   std::vector<int32_t> stale;
   if (state_ != v1::RUNNING) return stale;
   for (int32_t r = 0; r < world_size(); ++r) {
     const Member& m = members_[r];
-    if (InRound(m) && now - m.last_heartbeat > timeout) stale.push_back(r);
+    if (!InRound(m)) continue;
+    if (now - m.last_heartbeat > timeout ||
+        (m.stream_lost_at != absl::InfiniteFuture() && now - m.stream_lost_at > lost_grace)) {
+      stale.push_back(r);
+    }
   }
   return stale;
+}
+
+void Membership::StreamLost(int32_t rank, absl::Time now) {
+  Member& m = members_[rank];
+  if (InRound(m)) m.stream_lost_at = std::min(m.stream_lost_at, now);
 }
 
 void Membership::Heartbeat(int32_t rank, int64_t generation, int64_t step, absl::Time now) {
@@ -460,6 +471,7 @@ void Membership::Heartbeat(int32_t rank, int64_t generation, int64_t step, absl:
   if (m.present && m.state == v1::ALIVE && generation >= m.joined_generation &&
       generation <= generation_) {
     m.last_heartbeat = now;
+    m.stream_lost_at = absl::InfiniteFuture();
     m.last_step = step;
     NoteProgress(step, now);
   }
@@ -490,6 +502,7 @@ void Membership::ResetProgress() {
 void Membership::RecordStep(int32_t rank, int64_t step, absl::Time now) {
   Member& m = members_[rank];
   m.last_heartbeat = now;
+  m.stream_lost_at = absl::InfiniteFuture();
   m.last_step = step;
   NoteProgress(step, now);
 }

@@ -94,6 +94,9 @@ class Membership {
     std::string host;
     int64_t last_step = -1;
     absl::Time last_heartbeat;
+    // When its HeartbeatStream broke without a clean end (the process died, its host went away)
+    // with no beat since; InfiniteFuture otherwise.
+    absl::Time stream_lost_at = absl::InfiniteFuture();
     v1::MemberState state = v1::MEMBER_STATE_UNSPECIFIED;
     // The generation of this member's round: the one it joined, or a later one that an elastic
     // job shrank into with it as a survivor; 0 when not in any round.
@@ -188,7 +191,12 @@ class Membership {
 
   // Ranks of the running round whose last heartbeat is older than `timeout` (none unless
   // RUNNING).
-  std::vector<int32_t> Stale(absl::Time now, absl::Duration timeout) const;
+  // Also those whose HeartbeatStream broke more than `lost_grace` ago with no beat since (a
+  // live client re-opens a broken stream well within it).
+  std::vector<int32_t> Stale(absl::Time now, absl::Duration timeout,
+                             absl::Duration lost_grace = absl::InfiniteDuration()) const;
+  // The rank's HeartbeatStream broke (its connection dropped, not a clean end).
+  void StreamLost(int32_t rank, absl::Time now);
 
   // Liveness and progress of a rank; counts only for the worker of `generation`.
   void Heartbeat(int32_t rank, int64_t generation, int64_t step, absl::Time now);

@@ -335,6 +335,86 @@ TEST_F(ServerTest, HeartbeatStream_OneReplyPerBeat_ErrorsEndTheStream) {
   }
 }
 
+// An elastic job: a HeartbeatStream that the worker drops without saying it closes (its
+// process died: the call is cancelled) gets the member declared dead after half the heartbeat
+// timeout (3 s), for "connection lost"; a stream cancelled just the same after a closing beat
+// does not (that member, silent since, is still alive when the first one is declared dead).
+TEST_F(ServerTest, HeartbeatStream_Dropped_ElasticMemberDeadForConnectionLost_ClosingIsNot) {
+  Start();
+  ASSERT_TRUE(CreateJob(R"pb(job_id: "drop" world_size: 3 mode: PERIODIC min_world_size: 1
+                             heartbeat_timeout_ms: 6000 levels { period: 1 group_size: 3 })pb")
+                  .ok());
+  std::vector<v1::JoinResponse> joined(3);
+  {
+    std::vector<std::thread> joins;
+    for (int r = 0; r < 3; ++r) {
+      joins.emplace_back([&, r] {
+        v1::JoinRequest join;
+        join.set_job_id("drop");
+        join.set_worker_id(absl::StrCat("w", r));
+        join.set_rank(r);
+        EXPECT_TRUE(stub_->Join(Context().get(), join, &joined[r]).ok()) << r;
+      });
+    }
+    for (auto& t : joins) t.join();
+  }
+  const auto beat = [&](int r, bool closing) {
+    v1::HeartbeatRequest b;
+    b.set_job_id("drop");
+    b.set_rank(r);
+    b.set_generation(1);
+    b.set_step(1);
+    b.set_credential(joined[r].credential());
+    b.set_closing(closing);
+    return b;
+  };
+  // Rank 2 beats (unary) until the end.
+  std::atomic<bool> stop{false};
+  std::thread beats([&] {
+    while (!stop) {
+      v1::HeartbeatResponse reply;
+      stub_->Heartbeat(Context().get(), beat(2, false), &reply);
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+  });
+  {  // Rank 1: a stream ended on purpose (the closing beat), then cancelled.
+    auto ctx = Context();
+    auto stream = stub_->HeartbeatStream(ctx.get());
+    v1::HeartbeatResponse reply;
+    ASSERT_TRUE(stream->Write(beat(1, false)));
+    ASSERT_TRUE(stream->Read(&reply));
+    ASSERT_TRUE(stream->Write(beat(1, true)));
+    ASSERT_TRUE(stream->Read(&reply));
+    ctx->TryCancel();
+    stream->Finish();
+  }
+  {  // Rank 0: a stream that breaks.
+    auto ctx = Context();
+    auto stream = stub_->HeartbeatStream(ctx.get());
+    v1::HeartbeatResponse reply;
+    ASSERT_TRUE(stream->Write(beat(0, false)));
+    ASSERT_TRUE(stream->Read(&reply));
+    ctx->TryCancel();
+    stream->Finish();
+  }
+  v1::Job job;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline) {
+    v1::GetJobRequest get;
+    get.set_job_id("drop");
+    job.Clear();
+    ASSERT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
+    if (job.generation() > 1) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  stop = true;
+  beats.join();
+  ASSERT_EQ(job.generation(), 2) << job.DebugString();
+  EXPECT_THAT(job.last_change().reason(), HasSubstr("rank 0 connection lost"));
+  EXPECT_THAT(job.vacant_ranks(), ::testing::ElementsAre(0));
+  EXPECT_EQ(job.state(), v1::RUNNING);
+}
+
 // With reply_interval_ms, beats are written back to back and answered only with news.
 TEST_F(ServerTest, HeartbeatStream_ReplyInterval_AnswersOnlyTheFirstBeatAndChanges) {
   Start();

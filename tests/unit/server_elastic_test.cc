@@ -766,6 +766,68 @@ TEST_F(ElasticJobTest, Restart_KeepsAdmissionsAndDecisions) {
   EXPECT_EQ(joined->admission_step(), 5);
 }
 
+// A HeartbeatStream that breaks without a clean end (the worker's process died): the member of
+// an elastic job is declared dead once half the heartbeat timeout (3 s here) has passed without
+// a beat, with the reason "connection lost"; a beat within that half clears it; a broken
+// stream of another credential, or of a strict job's member, changes nothing.
+TEST_F(ElasticJobTest, HeartbeatStreamLost_DeadAfterHalfTheTimeoutUnlessItBeats) {
+  std::shared_ptr<Job> job = MakeRunningJob();
+  // Every rank but `silent` beats, then the clock moves on by `ms`.
+  const auto beat_then_wait = [&](int silent, int64_t ms) {
+    for (int r = 0; r < 4; ++r) {
+      if (r != silent) ASSERT_TRUE(Beat(*job, r, 1, 5).ok()) << r;
+    }
+    clock_.Advance(absl::Milliseconds(ms));
+    job->CheckStaleness();
+  };
+  beat_then_wait(-1, 0);
+  job->HeartbeatStreamLost(1, credentials_[1]);
+  job->HeartbeatStreamLost(2, "not its credential");
+  beat_then_wait(2, 1000);  // rank 1 re-opened its stream and beats: alive
+  beat_then_wait(-1, 1000);
+  v1::Job state;
+  job->ToProto(&state);
+  EXPECT_EQ(state.generation(), 1) << state.DebugString();
+
+  job->HeartbeatStreamLost(3, credentials_[3]);
+  beat_then_wait(3, 1400);
+  state.Clear();
+  job->ToProto(&state);
+  EXPECT_EQ(state.generation(), 1) << "dead before half the timeout";
+  beat_then_wait(3, 200);
+  state.Clear();
+  job->ToProto(&state);
+  EXPECT_EQ(state.generation(), 2);
+  EXPECT_THAT(state.vacant_ranks(), ElementsAre(3));
+  EXPECT_THAT(state.last_change().reason(), HasSubstr("rank 3 connection lost"));
+}
+
+TEST_F(ElasticJobTest, HeartbeatStreamLost_StrictJobWaitsTheWholeTimeout) {
+  v1::JobSpec spec;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(
+      R"pb(job_id: "e" world_size: 2 mode: PERIODIC levels { period: 1 group_size: 2 })pb",
+      &spec));
+  ASSERT_TRUE(registry_->CreateJob(spec, nullptr).ok());
+  std::shared_ptr<Job> job = *registry_->Find("e");
+  for (int r = 0; r < 2; ++r) {
+    v1::JoinRequest request;
+    request.set_job_id("e");
+    request.set_worker_id(absl::StrCat("w", r));
+    request.set_rank(r);
+    job->Join(request, absl::InfiniteFuture(), registry_->NewWaitId(),
+              [this](absl::StatusOr<v1::JoinResponse> r) {
+                if (r.ok()) credentials_[r->rank()] = r->credential();
+              });
+  }
+  job->HeartbeatStreamLost(1, credentials_[1]);
+  clock_.Advance(absl::Milliseconds(2000));
+  job->CheckStaleness();
+  v1::Job state;
+  job->ToProto(&state);
+  EXPECT_EQ(state.generation(), 1);
+  EXPECT_EQ(state.state(), v1::RUNNING);
+}
+
 TEST_F(ElasticJobTest, StrictJob_DecisionMembersEqualRanks) {
   v1::JobSpec spec;
   ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(
