@@ -560,6 +560,10 @@ void Client::NoteHeartbeatReply(const v1::HeartbeatResponse& reply) {
   outage_->NoteReachable();
   absl::MutexLock l(&mu_);
   last_heartbeat_ok_ = absl::Now();
+  if (reply.recovery_grace_ms() > 0) {
+    recovery_until_ = std::max(recovery_until_,
+                               last_heartbeat_ok_ + absl::Milliseconds(reply.recovery_grace_ms()));
+  }
   const std::string& incarnation = reply.coordinator_incarnation();
   const bool restarted = !incarnation.empty() && incarnation != incarnation_;
   // This rank joined generation_ once it was complete (RUNNING); only a new generation can be
@@ -718,7 +722,24 @@ absl::Status Client::AwaitNewerGeneration(int64_t generation, absl::Time deadlin
     return !broken_.ok() || stopping_ || generation_ > generation ||
            (follow_.has_value() && follow_->generation > generation);
   };
-  mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+  // While the coordinator is unreachable nobody can declare the death: wait for it to come back
+  // (past coordinator_outage_timeout the client is broken). A coordinator back from a restart
+  // declares no death before its recovery grace has passed: wait for that too, then as long
+  // again as at first.
+  const absl::Duration window = std::max(absl::ZeroDuration(), deadline - absl::Now());
+  bool outage_seen = false;
+  while (!mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
+    if (outage_->OutageLength() > absl::ZeroDuration()) {
+      outage_seen = true;
+      deadline = absl::Now() + absl::Milliseconds(200);
+      continue;
+    }
+    absl::Time next = recovery_until_ + window;
+    if (outage_seen) next = std::max(next, absl::Now() + window);
+    outage_seen = false;
+    if (next <= deadline) break;
+    deadline = next;
+  }
   if (!broken_.ok()) return broken_;
   if (generation_ > generation || (follow_.has_value() && follow_->generation > generation)) {
     return absl::OkStatus();

@@ -174,7 +174,9 @@ class Client {
   // any (a death of this rank, a job below min_world_size, ...), else OK.
   absl::Status AdvanceGeneration();
   // Waits until this client can move past `generation` (AdvanceGeneration) or is broken, at most
-  // until `deadline`. OK, the error that stops averaging, or DEADLINE_EXCEEDED.
+  // until `deadline`, which is pushed back while the coordinator is unreachable (up to
+  // coordinator_outage_timeout, past which the client is broken). OK, the error that stops
+  // averaging, or DEADLINE_EXCEEDED.
   absl::Status AwaitNewerGeneration(int64_t generation, absl::Time deadline);
   // Records where this rank's last round at `level` stands (round notes).
   void RecordRound(int32_t level, int64_t step, int64_t generation, RoundOutcome outcome);
@@ -287,6 +289,9 @@ class Client {
   bool left_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time last_heartbeat_ok_ ABSL_GUARDED_BY(mu_);
+  // After a coordinator restart: until when it waits for members to re-attach before it
+  // declares any dead (HeartbeatResponse.recovery_grace_ms).
+  absl::Time recovery_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // The coordinator incarnation of the last reply (a restart changes it).
   std::string incarnation_ ABSL_GUARDED_BY(mu_);
   // The current HeartbeatStream has ended; a reply with a generation change to act on.

@@ -390,6 +390,10 @@ absl::Status Job::Heartbeat(const v1::HeartbeatRequest& request,
   membership_.Heartbeat(request.rank(), request.generation(), request.step(), now);
   response->set_state(membership_.state());
   response->set_generation(membership_.generation());
+  if (now < grace_until_) {
+    response->set_recovery_grace_ms(
+        std::max<int64_t>(1, absl::ToInt64Milliseconds(grace_until_ - now)));
+  }
   if (request.generation() != membership_.generation() && membership_.last_change()) {
     *response->mutable_last_change() = *membership_.last_change();
   }

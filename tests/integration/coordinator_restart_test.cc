@@ -35,6 +35,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/client_test_processes.h"
+#include "tests/integration/trace_check.h"
 #include "tests/tools/make_job_spec.h"
 
 namespace modelavg::testing {
@@ -321,6 +322,43 @@ TEST_F(CoordinatorRestartTest, WorkerKilledDuringOutage_SurvivorsFailWithinColle
   std::cout << "[figures] worker killed during the outage: survivors failed within "
             << absl::FormatDuration(absl::Trunc(absl::Now() - killed, absl::Milliseconds(1)))
             << std::endl;
+}
+
+// An elastic job: a worker dies while the coordinator is down. Nobody can declare the death
+// until the coordinator is back (with its state), so the survivors' round waits for it instead of
+// failing; once the restored coordinator has declared the death, they retry with each other and
+// run to the end, every averaging the mean of its members (trace_check.h).
+TEST_F(CoordinatorRestartTest, ElasticJob_WorkerKilledDuringOutage_SurvivorsGoOnAfterTheRestart) {
+  ASSERT_TRUE(coordinator_.Start()) << coordinator_.log();
+  v1::JobSpec spec = MakeSpec("edead", 4, v1::HIERARCHICAL, {{2, 2}, {4, 4}}, 0, kHeartbeatMs);
+  spec.set_min_world_size(2);
+  ASSERT_TRUE(coordinator_.Admin()->CreateJob(spec).ok());
+  constexpr int64_t kRunSteps = 60;
+  StartWorkers("edead", 4, kRunSteps, 50, {"--collective_timeout_ms=30000"});
+  ASSERT_TRUE(WaitForStep(8, absl::Seconds(60))) << Diagnostics();
+  coordinator_.Kill();
+  workers_[3]->Signal(SIGKILL);
+  absl::SleepFor(absl::Seconds(1));
+  // The restored coordinator declares no death for 8 s (members re-attach meanwhile), longer
+  // than a survivor waits for one otherwise (twice the heartbeat timeout plus 2 s): they learn
+  // it from its heartbeat replies (recovery_grace_ms) and wait for it.
+  ASSERT_TRUE(coordinator_.Start({"--recovery_grace_ms=8000"})) << coordinator_.log();
+  std::vector<int> codes = WaitAll(absl::Seconds(60));
+  std::vector<Trace> traces;
+  for (int r = 0; r < 4; ++r) {
+    if (r < 3) {
+      EXPECT_EQ(codes[r], 0) << "rank " << r << "\n" << Diagnostics();
+      EXPECT_EQ(workers_[r]->OutLines().size(), static_cast<size_t>(kRunSteps)) << r;
+    }
+    absl::StatusOr<Trace> t = ParseTrace(absl::StrCat("rank ", r), workers_[r]->out());
+    ASSERT_TRUE(t.ok()) << t.status();
+    traces.push_back(*std::move(t));
+  }
+  TraceCheckResult check = CheckTraces(traces, {2, 4});
+  EXPECT_TRUE(check.ok()) << check.Report();
+  // Rank 3 is gone from the last world averaging.
+  const std::string last = workers_[0]->OutLines()[kRunSteps - 4];  // step 56: the world
+  EXPECT_THAT(last, HasSubstr("\"members\": [0, 1, 2]")) << last;
 }
 
 // Stages of one job in the storm, in the order they are attempted.
