@@ -135,8 +135,15 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
   // A round lost to a failure is retried in the next generation, at most this many times (each
   // retry needs the job to have moved on: a death, a departure or an admission).
   constexpr int kMaxAttempts = 16;
-  // Every round is committed (retried exactly), on Gloo and NCCL alike.
-  const bool committed = true;
+  // Waits for the job to move on past `generation`, moves this client there and decides `step`
+  // in it. The wait ends as soon as this rank hears of the change; its bound only matters when
+  // the job does not move on (a transport failure with every member alive).
+  const auto move_on = [&](int64_t generation) -> absl::StatusOr<Decision> {
+    MODELAVG_RETURN_IF_ERROR(
+        client_->AwaitNewerGeneration(generation, absl::Now() + RetryWait()));
+    MODELAVG_RETURN_IF_ERROR(client_->AdvanceGeneration());
+    return client_->DecisionAt(step);
+  };
   for (int attempt = 1;; ++attempt) {
     const std::vector<int32_t> members = decision.Members();
     if (!std::binary_search(members.begin(), members.end(), client_->rank())) {
@@ -149,7 +156,8 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
     options.step = step;
     options.contribute = !joining;
     options.contributors = static_cast<int>(members.size() - decision.joining.size());
-    options.commit = committed;
+    // Every round is committed (retried exactly), on Gloo and NCCL alike.
+    options.commit = true;
     if (options.contributors == 0) {
       return absl::FailedPreconditionError(absl::StrCat(
           where(decision), ": rank ", client_->rank(),
@@ -186,20 +194,15 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
       return Annotate(s, where(decision));
     }
     // The round failed: wait for the job to move on without the failed member (its death is
-    // declared within the heartbeat timeout; the wait ends as soon as this rank hears of it),
-    // then settle the round in the new generation. The bound only matters when the job does not
-    // move on (a transport failure with every member alive): the call then fails.
-    const absl::Time until = absl::Now() + RetryWait();
-    absl::Status moved = client_->AwaitNewerGeneration(decision.generation, until);
-    if (!moved.ok()) {
-      if (absl::IsDeadlineExceeded(moved)) return Annotate(s, where(decision));
-      return absl::Status(moved.code(), absl::StrCat(where(decision), " failed: ",
-                                                     moved.message(), " (round: ", s.message(),
-                                                     ")"));
+    // declared within the heartbeat timeout), then settle the round in the new generation. If
+    // the job does not move on in time, the call fails with the round's error.
+    absl::StatusOr<Decision> next = move_on(decision.generation);
+    if (!next.ok()) {
+      if (absl::IsDeadlineExceeded(next.status())) return Annotate(s, where(decision));
+      return absl::Status(next.status().code(),
+                          absl::StrCat(where(decision), " failed: ", next.status().message(),
+                                       " (round: ", s.message(), ")"));
     }
-    MODELAVG_RETURN_IF_ERROR(Annotate(client_->AdvanceGeneration(), where(decision)));
-    absl::StatusOr<Decision> next = client_->DecisionAt(step);
-    if (!next.ok()) return Annotate(next.status(), where(decision));
     // If any live member completed the round, every member holds its result (the commit
     // phase): keep it. Otherwise nobody kept it: retry with the live members.
     absl::StatusOr<bool> completed = client_->PeerCompletedRound(*next, decision.generation);
@@ -210,12 +213,12 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
             absl::IsFailedPrecondition(completed.status())) &&
            attempt < kMaxAttempts) {
       ++attempt;
-      const absl::Time again = absl::Now() + RetryWait();
-      MODELAVG_RETURN_IF_ERROR(
-          Annotate(client_->AwaitNewerGeneration(next->generation, again), where(*next)));
-      MODELAVG_RETURN_IF_ERROR(Annotate(client_->AdvanceGeneration(), where(*next)));
-      next = client_->DecisionAt(step);
-      if (!next.ok()) return Annotate(next.status(), where(decision));
+      const int64_t read_in = next->generation;
+      next = move_on(read_in);
+      if (!next.ok()) {
+        return Annotate(next.status(), absl::StrCat(where(decision), " (round notes of generation ",
+                                                    read_in, ")"));
+      }
       completed = client_->PeerCompletedRound(*next, decision.generation);
     }
     if (!completed.ok()) return Annotate(completed.status(), where(*next));

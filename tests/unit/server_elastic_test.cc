@@ -502,16 +502,17 @@ class ElasticJobTest : public ::testing::Test {
     return d;
   }
 
-  // World 4: levels (period 1, groups of 2), (period 2, the world); min_world_size 1.
-  std::shared_ptr<Job> MakeRunningJob() {
+  // Job "e" of `spec_text`, every rank joined (running). By default world 4: levels (period 1,
+  // groups of 2), (period 2, the world); min_world_size 1.
+  std::shared_ptr<Job> MakeRunningJob(
+      const std::string& spec_text =
+          R"pb(job_id: "e" world_size: 4 mode: HIERARCHICAL min_world_size: 1
+               levels { period: 1 group_size: 2 } levels { period: 2 group_size: 4 })pb") {
     v1::JobSpec spec;
-    EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(
-        R"pb(job_id: "e" world_size: 4 mode: HIERARCHICAL min_world_size: 1
-             levels { period: 1 group_size: 2 } levels { period: 2 group_size: 4 })pb",
-        &spec));
+    EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(spec_text, &spec));
     EXPECT_TRUE(registry_->CreateJob(spec, nullptr).ok());
     std::shared_ptr<Job> job = *registry_->Find("e");
-    for (int r = 0; r < 4; ++r) {
+    for (int r = 0; r < spec.world_size(); ++r) {
       v1::JoinRequest request;
       request.set_job_id("e");
       request.set_worker_id(absl::StrCat("w", r));
@@ -803,22 +804,8 @@ TEST_F(ElasticJobTest, HeartbeatStreamLost_DeadAfterHalfTheTimeoutUnlessItBeats)
 }
 
 TEST_F(ElasticJobTest, HeartbeatStreamLost_StrictJobWaitsTheWholeTimeout) {
-  v1::JobSpec spec;
-  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(
-      R"pb(job_id: "e" world_size: 2 mode: PERIODIC levels { period: 1 group_size: 2 })pb",
-      &spec));
-  ASSERT_TRUE(registry_->CreateJob(spec, nullptr).ok());
-  std::shared_ptr<Job> job = *registry_->Find("e");
-  for (int r = 0; r < 2; ++r) {
-    v1::JoinRequest request;
-    request.set_job_id("e");
-    request.set_worker_id(absl::StrCat("w", r));
-    request.set_rank(r);
-    job->Join(request, absl::InfiniteFuture(), registry_->NewWaitId(),
-              [this](absl::StatusOr<v1::JoinResponse> r) {
-                if (r.ok()) credentials_[r->rank()] = r->credential();
-              });
-  }
+  std::shared_ptr<Job> job = MakeRunningJob(
+      R"pb(job_id: "e" world_size: 2 mode: PERIODIC levels { period: 1 group_size: 2 })pb");
   job->HeartbeatStreamLost(1, credentials_[1]);
   clock_.Advance(absl::Milliseconds(2000));
   job->CheckStaleness();
