@@ -48,7 +48,11 @@ absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec) {
                                                    " levels, got ", spec.levels_size()));
   }
   for (const v1::Level& level : spec.levels()) {
-    out.levels.push_back(ScheduleLevel{level.period(), level.group_size()});
+    ScheduleLevel l{level.period(), level.group_size(), std::nullopt};
+    if (level.has_outer()) {
+      l.outer = OuterSgd{level.outer().lr(), level.outer().momentum(), level.outer().nesterov()};
+    }
+    out.levels.push_back(l);
   }
   if (absl::Status s = ValidateScheduleSpec(out); !s.ok()) return s;
   if (spec.heartbeat_timeout_ms() < 0 || spec.heartbeat_timeout_ms() > kMaxHeartbeatTimeoutMs) {
@@ -78,6 +82,11 @@ void ScheduleSpecToProto(const ScheduleSpec& spec, v1::JobSpec* out) {
     v1::Level* l = out->add_levels();
     l->set_period(level.period);
     l->set_group_size(level.group_size);
+    if (level.outer.has_value()) {
+      l->mutable_outer()->set_lr(level.outer->lr);
+      l->mutable_outer()->set_momentum(level.outer->momentum);
+      l->mutable_outer()->set_nesterov(level.outer->nesterov);
+    }
   }
 }
 
@@ -92,6 +101,7 @@ void DecisionToProto(const Decision& d, int64_t generation, v1::StepDecision* ou
   out->set_action(v1::AVERAGE);
   out->set_level(d.level);
   out->set_period(d.period);
+  out->set_outer(d.outer);
   out->set_subgroup(d.subgroup.index);
   out->mutable_ranks()->Reserve(d.subgroup.size);
   for (int32_t i = 0; i < d.subgroup.size; ++i) out->add_ranks(d.subgroup.first_rank + i);
@@ -111,6 +121,7 @@ Decision DecisionFromProto(const v1::StepDecision& d) {
   out.average = true;
   out.level = d.level();
   out.period = d.period();
+  out.outer = d.outer();
   out.subgroup.index = d.subgroup();
   out.subgroup.size = d.ranks_size();
   out.subgroup.first_rank = d.ranks_size() > 0 ? d.ranks(0) : 0;
