@@ -82,6 +82,9 @@ absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec) {
   for (int i = 0; i < spec.levels_size(); ++i) {
     const v1::Level& level = spec.levels(i);
     ScheduleLevel l{level.period(), level.group_size()};
+    if (level.has_outer()) {
+      l.outer = OuterSgd{level.outer().lr(), level.outer().momentum(), level.outer().nesterov()};
+    }
     MODELAVG_RETURN_IF_ERROR(StreamingFromProto(level, i, &l));
     out.levels.push_back(l);
   }
@@ -113,6 +116,11 @@ void ScheduleSpecToProto(const ScheduleSpec& spec, v1::JobSpec* out) {
     v1::Level* l = out->add_levels();
     l->set_period(level.period);
     l->set_group_size(level.group_size);
+    if (level.outer.has_value()) {
+      l->mutable_outer()->set_lr(level.outer->lr);
+      l->mutable_outer()->set_momentum(level.outer->momentum);
+      l->mutable_outer()->set_nesterov(level.outer->nesterov);
+    }
     if (level.fragments > 1) l->set_fragments(level.fragments);
     l->set_sync_delay(level.sync_delay);
     l->set_mix(level.mix);
@@ -133,6 +141,7 @@ void DecisionToProto(const Decision& d, int64_t generation, v1::StepDecision* ou
   out->set_action(v1::AVERAGE);
   out->set_level(d.level);
   out->set_period(d.period);
+  out->set_outer(d.outer);
   out->set_fragment(d.fragment);
   out->set_fragments(d.fragments);
   out->set_subgroup(d.subgroup.index);
@@ -154,6 +163,7 @@ Decision DecisionFromProto(const v1::StepDecision& d) {
   out.average = true;
   out.level = d.level();
   out.period = d.period();
+  out.outer = d.outer();
   out.fragment = d.fragment();
   out.fragments = d.fragments() > 0 ? d.fragments() : 1;
   out.subgroup.index = d.subgroup();

@@ -1,5 +1,6 @@
 #include "common/schedule.h"
 
+#include <cmath>
 #include <limits>
 #include <set>
 #include <utility>
@@ -59,7 +60,25 @@ absl::Status ValidateScheduleSpec(const ScheduleSpec& spec) {
                                                      " does not divide world_size ",
                                                      spec.world_size));
     }
-    if (absl::Status s = ValidateStreamingLevel(level, i, /*outer=*/false); !s.ok()) return s;
+    if (level.outer.has_value()) {
+      const OuterSgd& o = *level.outer;
+      if (!std::isfinite(o.lr) || o.lr <= 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "levels[", i, "].outer.lr must be finite and > 0 (DiLoCo's recipe: 0.7), got ",
+            o.lr));
+      }
+      if (!(o.momentum >= 0 && o.momentum < 1)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "levels[", i, "].outer.momentum must be in [0, 1) (DiLoCo's recipe: 0.9), got ",
+            o.momentum));
+      }
+      if (o.nesterov && o.momentum == 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "levels[", i, "].outer.nesterov needs levels[", i,
+            "].outer.momentum > 0 (PyTorch's SGD rule); set a momentum or drop nesterov"));
+      }
+    }
+    if (absl::Status s = ValidateStreamingLevel(level, i, level.outer.has_value()); !s.ok()) return s;
     if (!periods.insert(level.period).second) {
       return absl::InvalidArgumentError(absl::StrCat(
           "levels[", i, "].period ", level.period,
@@ -195,10 +214,22 @@ Decision Schedule::DecisionFor(int64_t step, int32_t rank) const {
   d.average = true;
   d.level = level;
   d.period = spec_.levels[level].period;
+  d.outer = spec_.levels[level].outer.has_value();
   d.fragment = FragmentAt(level, step);
   d.fragments = spec_.levels[level].fragments;
   d.subgroup = SubgroupOf(level, rank);
   return d;
+}
+
+int64_t Schedule::FirstStepOf(int level) const {
+  const int64_t period = spec_.levels[level].period;
+  const int64_t warmup = spec_.warmup_steps;
+  if (spec_.mode == AveragingMode::kPeriodic) return warmup;
+  // Hierarchical: the multiples of the period from warm-up on, the first no later level takes.
+  for (int64_t k = (warmup + period - 1) / period, n = 0; n < kFirstStepSearch; ++k, ++n) {
+    if (LevelAt(k * period) == level) return k * period;
+  }
+  return -1;
 }
 
 std::vector<Decision> Schedule::Window(int64_t from_step, int64_t count, int32_t rank) const {
@@ -230,6 +261,7 @@ std::vector<Decision> Schedule::WindowAllSubgroups(int64_t from_step, int64_t co
       d.average = true;
       d.level = level;
       d.period = spec_.levels[level].period;
+      d.outer = spec_.levels[level].outer.has_value();
       d.fragment = FragmentAt(level, step);
       d.fragments = spec_.levels[level].fragments;
       d.subgroup = group;

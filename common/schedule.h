@@ -11,6 +11,7 @@
 #define MODELAVG_COMMON_SCHEDULE_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,12 +22,26 @@ namespace modelavg {
 
 enum class AveragingMode { kPeriodic, kHierarchical };
 
+// A level's outer optimizer (DiLoCo): PyTorch's SGD on the member's anchor with the group's
+// mean pseudo-gradient (anchor - parameters) as the gradient. See client/outer_state.h.
+struct OuterSgd {
+  double lr = 1.0;
+  double momentum = 0.0;
+  bool nesterov = false;
+
+  bool operator==(const OuterSgd& o) const {
+    return lr == o.lr && momentum == o.momentum && nesterov == o.nesterov;
+  }
+};
+
 // How a level's pseudo-gradients travel (outer levels; plain levels send FP32 parameters).
 enum class Payload { kFp32, kBf16, kInt8 };
 
 struct ScheduleLevel {
   int64_t period = 0;
   int32_t group_size = 0;
+  // Absent: the level's members average their parameters (PyTorch's averagers).
+  std::optional<OuterSgd> outer;
   // Streaming sync (docs/streaming.md). The parameters are split into `fragments` fragments;
   // the level acts every period / fragments steps on one of them (see Schedule::LevelAt).
   int32_t fragments = 1;
@@ -57,6 +72,8 @@ inline constexpr size_t kMaxLevels = 16;
 // step arithmetic far from int64 overflow.
 inline constexpr int64_t kMaxPeriod = 1'000'000'000'000;
 inline constexpr int64_t kMaxWarmupSteps = 1'000'000'000'000;
+// How many multiples of a level's period Schedule::FirstStepOf looks at.
+inline constexpr int64_t kFirstStepSearch = 1'000'000;
 // Most fragments a level may have.
 inline constexpr int32_t kMaxFragments = 4096;
 
@@ -64,8 +81,10 @@ inline constexpr int32_t kMaxFragments = 4096;
 // world_size outside [1, kMaxWorldSize], warmup_steps outside [0, kMaxWarmupSteps], no levels or
 // more than kMaxLevels, period outside [1, kMaxPeriod], group size
 // <= 0, > world_size or not dividing world_size, the last level's group size != world_size,
-// duplicate periods (PyTorch keys its levels by period), and for kPeriodic anything but exactly
-// one level; and the streaming fields of each level (ValidateStreamingLevel).
+// duplicate periods (PyTorch keys its levels by period), for kPeriodic anything but exactly
+// one level, an outer optimizer whose lr is not finite and > 0, whose momentum is outside
+// [0, 1), or that asks for nesterov with momentum 0 (PyTorch's SGD rules), and the streaming
+// fields of each level (ValidateStreamingLevel).
 absl::Status ValidateScheduleSpec(const ScheduleSpec& spec);
 
 // The streaming fields of `levels[index]` (`outer`: the level has an outer optimizer):
@@ -111,6 +130,9 @@ struct Decision {
   // The job generation the decision was taken in (0: not known).
   int64_t generation = 0;
 
+  // The chosen level has an outer optimizer (ScheduleLevel::outer; average only).
+  bool outer = false;
+
   // The ranks averaging: `members`, or the whole subgroup when it is empty.
   std::vector<int32_t> Members() const {
     return members.empty() ? subgroup.Ranks() : members;
@@ -153,6 +175,11 @@ class Schedule {
 
   // Every block at `level`, in index order.
   std::vector<SubgroupRange> SubgroupsAt(int level) const;
+
+  // The first step >= warmup at which `level` averages, or -1 if there is none within
+  // kFirstStepSearch of its period's multiples (a level shadowed by a later one). The first
+  // averaging step of an outer level sets the anchors.
+  int64_t FirstStepOf(int level) const;
 
   // What `rank` does at `step`. Precondition: step >= 0, 0 <= rank < world_size.
   Decision DecisionFor(int64_t step, int32_t rank) const;

@@ -206,6 +206,22 @@ TEST(FragmentScheduleTest, BadStreamingFields_InvalidArgumentNamingField) {
   EXPECT_THAT(error(mixed), HasSubstr("levels[1].mix 0.5 needs an outer level"));
 }
 
+TEST(FragmentScheduleTest, StreamingFieldsOnOuterLevel_Valid) {
+  ScheduleLevel l = Frag(8, 2, 4);
+  l.outer = OuterSgd{0.7, 0.9, true};
+  l.sync_delay = 1;
+  l.mix = 0.5;
+  l.payload = Payload::kInt8;
+  const ScheduleSpec spec{2, 0, AveragingMode::kHierarchical, {{3, 1}, l}};
+  EXPECT_TRUE(Schedule::Create(spec).ok()) << Schedule::Create(spec).status();
+  l.sync_delay = 2;  // step period 2
+  EXPECT_THAT(std::string(Schedule::Create(ScheduleSpec{2, 0, AveragingMode::kHierarchical,
+                                                        {{3, 1}, l}})
+                              .status()
+                              .message()),
+              HasSubstr("levels[1].sync_delay must be in [0, period / fragments = 2)"));
+}
+
 v1::JobSpec Parse(const std::string& text) {
   v1::JobSpec spec;
   EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(text, &spec)) << text;
