@@ -25,3 +25,20 @@ if(TARGET modelavg-coordinator AND TARGET modelavg-cli)
             --coordinator=$<TARGET_FILE:modelavg-coordinator> --cli=$<TARGET_FILE:modelavg-cli>)
   set_tests_properties(cli_test PROPERTIES TIMEOUT 120 LABELS "integration")
 endif()
+
+# pip wheel ./python → a fresh venv → a 2-rank drop-in job (compiles in this build directory, so
+# it costs no second build).
+if(TARGET modelavg-coordinator AND MODELAVG_HAVE_PYTHON AND TARGET modelavg-cli)
+  add_test(NAME pip_venv_test
+    COMMAND /usr/bin/python3 ${CMAKE_CURRENT_SOURCE_DIR}/pip_venv_test.py
+            --coordinator=$<TARGET_FILE:modelavg-coordinator> --build_dir=${PROJECT_BINARY_DIR})
+  set_tests_properties(pip_venv_test PROPERTIES TIMEOUT 600 LABELS "integration;python")
+endif()
+
+# Launching like PyTorch: python3 -m modelavg.run and the installed torchrun, 2 ranks each.
+if(TARGET modelavg-coordinator AND MODELAVG_HAVE_PYTHON)
+  add_test(NAME torchrun_test
+    COMMAND /usr/bin/python3 ${CMAKE_CURRENT_SOURCE_DIR}/torchrun_test.py
+            --coordinator=$<TARGET_FILE:modelavg-coordinator> --python_dir=${MODELAVG_PYTHON_DIR})
+  set_tests_properties(torchrun_test PROPERTIES TIMEOUT 300 LABELS "integration;python")
+endif()
