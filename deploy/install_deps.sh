@@ -32,6 +32,9 @@ packages=(
   clang-14 libclang-rt-14-dev
   # Debian packages (cpack): dpkg-shlibdeps computes their dependencies, file finds the binaries.
   dpkg-dev file
+  # The cluster tests and the LM benchmark (network namespaces, veth, bridges, tc/tbf); the
+  # benchmark's corpus (fortunes) and its plot (matplotlib).
+  iproute2 fortunes python3-matplotlib
 )
 case "${1:-}" in
   "") ;;
