@@ -648,9 +648,22 @@ absl::Status Job::Leave(const v1::LeaveRequest& request, v1::LeaveResponse* resp
       !s.ok()) {
     return s;
   }
-  std::string reason = absl::StrCat("rank ", rank, " left");
+  std::string reason = absl::StrCat("rank ", rank, request.failed() ? " failed" : " left");
   if (!request.reason().empty()) {
     absl::StrAppend(&reason, " (", Truncate(request.reason(), kMaxReasonLength), ")");
+  }
+  // A worker that ends because it failed is no orderly departure: it counts as a death.
+  if (const Membership::Member& m = membership_.member(rank);
+      request.failed() && membership_.state() == v1::RUNNING && m.present &&
+      m.state == v1::ALIVE && m.generation == membership_.generation()) {
+    spdlog::warn("job {}: {} (worker \"{}\", generation {}); DEAD", id(), reason, m.worker_id,
+                 request.generation());
+    ++deaths_;
+    OnMembershipChange(membership_.Die({rank}, reason, clock_->Now()), &out);
+    if (absl::Status s = Persist(); !s.ok()) return s;
+    response->set_state(membership_.state());
+    response->set_generation(membership_.generation());
+    return absl::OkStatus();
   }
   absl::StatusOr<Membership::LeaveResult> left =
       membership_.Leave(rank, reason, clock_->Now(), id());
