@@ -268,11 +268,13 @@ absl::Status Client::Leave(absl::string_view reason) {
       failure.ok() ? std::string(reason) : absl::StrCat(reason, ": ", failure.message());
   req.set_reason(why);
   req.set_failed(!failure.ok());
-  // Through a coordinator outage (a restart at the end of the job) the Leave is retried, for at
-  // most leave_timeout: a finished worker is not failed by a coordinator that is back in seconds,
-  // and a destructor never waits long.
+  // Through a coordinator outage (a restart at the end of the job) the Leave of a worker that
+  // finished is retried, for at most leave_timeout: it is not failed by a coordinator that is
+  // back in seconds, and a destructor never waits long. A failed worker tries once: the
+  // coordinator counts it dead at its heartbeat timeout anyway.
   const absl::Time started = absl::Now();
-  const absl::Time deadline = started + options_.leave_timeout;
+  const absl::Time deadline = started + (failure.ok() ? options_.leave_timeout
+                                                      : absl::ZeroDuration());
   absl::Duration backoff = absl::Milliseconds(100);
   int attempts = 0;
   while (true) {

@@ -143,7 +143,7 @@ class Client {
   // Tells the coordinator this worker is done. Idempotent: later calls return OK. While the
   // coordinator is unreachable the call is retried for up to options().leave_timeout. After a
   // failed averaging call (RecordFailure) the departure is a failure, not an orderly one: the
-  // coordinator counts the rank as dead (LeaveRequest.failed).
+  // coordinator counts the rank as dead (LeaveRequest.failed); it is tried once.
   // Errors: UNAVAILABLE / DEADLINE_EXCEEDED (coordinator unreachable past leave_timeout),
   // NOT_FOUND (job deleted).
   absl::Status Leave(absl::string_view reason);
