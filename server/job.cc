@@ -659,11 +659,27 @@ absl::Status Job::Leave(const v1::LeaveRequest& request, v1::LeaveResponse* resp
       !s.ok()) {
     return s;
   }
-  std::string reason = absl::StrCat("rank ", rank, " left");
+  std::string reason = absl::StrCat("rank ", rank, request.failed() ? " failed" : " left");
   if (!request.reason().empty()) {
     absl::StrAppend(&reason, " (", Truncate(request.reason(), kMaxReasonLength), ")");
   }
   membership_.Begin();
+  // A worker that ends because it failed is no orderly departure: it counts as a death
+  // (written first, like every change: on a failed write nothing changed).
+  if (const Membership::Member& m = membership_.member(rank);
+      request.failed() && membership_.state() == v1::RUNNING && m.present &&
+      m.state == v1::ALIVE && m.generation == membership_.generation()) {
+    const std::string worker_id = m.worker_id;
+    const MembershipChange change = membership_.Die({rank}, reason, clock_->Now());
+    if (absl::Status s = Commit(); !s.ok()) return s;
+    spdlog::warn("job {}: {} (worker \"{}\", generation {}); DEAD", id(), reason, worker_id,
+                 request.generation());
+    ++deaths_;
+    OnMembershipChange(change, &out);
+    response->set_state(membership_.state());
+    response->set_generation(membership_.generation());
+    return absl::OkStatus();
+  }
   absl::StatusOr<Membership::LeaveResult> left =
       membership_.Leave(rank, reason, clock_->Now(), id());
   if (!left.ok()) {

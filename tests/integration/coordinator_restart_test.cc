@@ -373,6 +373,44 @@ TEST_F(CoordinatorRestartTest, ElasticJob_WorkerKilledDuringOutage_SurvivorsGoOn
   EXPECT_THAT(last, HasSubstr("\"members\": [0, 1, 2]")) << last;
 }
 
+// The end of a job inside an outage: the coordinator killed about 1 s before the last step and
+// restarted 3 s later. The workers finish every step on their existing communicators, then their
+// Leave waits for the coordinator (ClientOptions::leave_timeout): every worker exits 0, and the
+// restored job is FINISHED with every member LEFT. A strict and an elastic job.
+TEST_F(CoordinatorRestartTest, KilledJustBeforeTheLastStep_RestartedAfter3s_EveryWorkerExits0) {
+  ASSERT_TRUE(coordinator_.Start()) << coordinator_.log();
+  for (const bool elastic : {false, true}) {
+    SCOPED_TRACE(elastic ? "elastic job" : "strict job");
+    const std::string job = elastic ? "end-elastic" : "end-strict";
+    v1::JobSpec spec = MakeSpec(job, 4, v1::HIERARCHICAL, {{2, 2}, {4, 4}}, 0, kHeartbeatMs);
+    if (elastic) spec.set_min_world_size(2);
+    auto admin = coordinator_.Admin();
+    ASSERT_NE(admin, nullptr);
+    ASSERT_TRUE(admin->CreateJob(spec).ok());
+    constexpr int64_t kLast = 39;
+    // 100 ms a step: step 30 is about 1 s before the last one.
+    StartWorkers(job, 4, kLast + 1, 100);
+    ASSERT_TRUE(WaitForStep(kLast - 10, absl::Seconds(60))) << Diagnostics();
+    coordinator_.Kill();
+    absl::SleepFor(absl::Seconds(3));
+    ASSERT_TRUE(coordinator_.Start()) << coordinator_.log();
+    std::vector<int> codes = WaitAll(absl::Seconds(60));
+    for (size_t r = 0; r < codes.size(); ++r) {
+      EXPECT_EQ(codes[r], 0) << "rank " << r << "\n" << Diagnostics();
+      EXPECT_EQ(workers_[r]->OutLines().size(), static_cast<size_t>(kLast + 1)) << r;
+    }
+    // The record says what happened: every member left, and the job finished.
+    absl::StatusOr<v1::Job> after = coordinator_.Admin()->GetJob(job);
+    ASSERT_TRUE(after.ok()) << after.status();
+    EXPECT_EQ(after->state(), v1::FINISHED) << after->DebugString();
+    for (const v1::Member& m : after->members()) {
+      EXPECT_EQ(m.state(), v1::LEFT) << "rank " << m.rank() << ": " << after->DebugString();
+    }
+    EXPECT_THAT(coordinator_.log(), HasSubstr("sent again after the coordinator was unreachable"))
+        << Diagnostics();
+  }
+}
+
 // Stages of one job in the storm, in the order they are attempted.
 enum Stage { kAbsent = 0, kCreated, kJoined, kLeft, kDeleted };
 
