@@ -145,6 +145,13 @@ absl::StatusOr<Decision> ModelAverager::OuterRound(const Decision& decision,
                                             "the job's spec has no outer optimizer at level ",
                                             level));
   }
+  const ScheduleLevel& rule = client_->schedule().spec().levels[level];
+  if (rule.fragments > 1 || rule.sync_delay > 0 || rule.payload != Payload::kFp32) {
+    // Not silently a whole-model fp32 outer step: the streaming fields change the rule.
+    return absl::UnimplementedError(absl::StrCat(
+        where, ": this client applies an outer level as a whole (fragments 1, sync_delay 0, "
+               "payload FP32); level ", level, " asks for streaming sync (docs/streaming.md)"));
+  }
   if (!device.is_host()) {
     return absl::UnimplementedError(absl::StrCat(
         where, ": outer optimizers (Level.outer) run on host tensors (Gloo) in this version; "
