@@ -778,6 +778,23 @@ void Job::CancelWait(WaitId wait_id) {
   }
 }
 
+bool Job::SilentTogether(const std::vector<int32_t>& stale, absl::Time now) const {
+  if (stale.empty()) return false;
+  // Every member of the round (two or more) has been silent for over 3/4 of the timeout (a live
+  // client beats every 100 ms), and no heartbeat stream broke.
+  int32_t in_round = 0;
+  for (int32_t r = 0; r < schedule_.world_size(); ++r) {
+    if (!membership_.InRound(r)) continue;
+    ++in_round;
+    const Membership::Member& m = membership_.member(r);
+    if (m.stream_lost_at != absl::InfiniteFuture() ||
+        now - m.last_heartbeat <= heartbeat_timeout_ * 3 / 4) {
+      return false;
+    }
+  }
+  return in_round >= 2;
+}
+
 void Job::CheckStaleness() {
   Outbox out(this);
   absl::MutexLock lock(&mu_);
@@ -785,10 +802,24 @@ void Job::CheckStaleness() {
   const absl::Time now = clock_->Now();
   // After a restart, members re-attach within the grace period: a member is dead only once
   // both the grace period and its heartbeat timeout have passed.
-  if (std::vector<int32_t> dead =
-          now < grace_until_ ? std::vector<int32_t>{}
-                             : membership_.Stale(now, heartbeat_timeout_, StreamLostGrace());
-      !dead.empty()) {
+  std::vector<int32_t> dead =
+      now < grace_until_ ? std::vector<int32_t>{}
+                         : membership_.Stale(now, heartbeat_timeout_, StreamLostGrace());
+  if (SilentTogether(dead, now)) {
+    // Every member fell silent at once and no connection broke (a dead process's does): the
+    // coordinator's own network is the likelier fault (docs/cluster.md). Nobody is declared
+    // dead; the members get what a restart gives them, a grace to re-attach in, renewed while
+    // the silence lasts. A member that does not come back is declared dead once it is over.
+    if (now >= grace_until_ + heartbeat_timeout_ || grace_until_ == absl::InfinitePast()) {
+      spdlog::warn("job {}: all {} members sent no heartbeat for over {} ms and no connection "
+                   "broke: this coordinator looks cut off from them; declaring nobody dead "
+                   "while it lasts",
+                   id(), dead.size(), absl::ToInt64Milliseconds(heartbeat_timeout_));
+    }
+    grace_until_ = now + heartbeat_timeout_;
+    dead.clear();
+  }
+  if (!dead.empty()) {
     bool all_lost = true;
     for (int32_t r : dead) {
       all_lost = all_lost && membership_.member(r).stream_lost_at != absl::InfiniteFuture();

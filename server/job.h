@@ -193,6 +193,11 @@ class Job {
 
   // How long after a broken HeartbeatStream a member without a beat since is declared dead.
   absl::Duration StreamLostGrace() const { return heartbeat_timeout_ / 2; }
+  // Whether members are `stale` while every member of the round (two or more) has been silent
+  // for over 3/4 of the heartbeat timeout and none of their heartbeat streams broke: the
+  // coordinator, not the members, lost the network.
+  bool SilentTogether(const std::vector<int32_t>& stale, absl::Time now) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reacts to what a membership operation did: fails the waits of an old generation, drops its
   // ids, completes the round's Joins, logs and emits events.
   void OnMembershipChange(const MembershipChange& change, Outbox* out)

@@ -49,7 +49,8 @@ PORT = 7000  # the coordinator's port inside its own namespace
 HEARTBEAT_MS = 1500
 WORKERS = [("w0", "a"), ("w1", "a"), ("w2", "b"), ("w3", "b")]
 
-SCENARIOS = ["hierarchical", "worker_cut"]
+SCENARIOS = ["hierarchical", "coordinator_cut", "worker_cut", "site_cut_strict",
+             "site_cut_elastic"]
 
 
 def fail(message):
@@ -180,11 +181,12 @@ def job_spec(job_id, levels, mode="HIERARCHICAL", warmup=0, min_world=0):
             "min_world_size": min_world}
 
 
-def first_average_without(lines, rank, after_ms):
-    """The first AVERAGE line that ended after `after_ms` and whose members lack `rank`."""
+def first_average_without(lines, rank, after_ms, level=None):
+    """The first AVERAGE line (at `level`, if given) that ended after `after_ms` and whose
+    members lack `rank`."""
     for line in lines:
         if (line["action"] == "AVERAGE" and line["unix_ms"] > after_ms
-                and rank not in line["members"]):
+                and rank not in line["members"] and level in (None, line["level"])):
             return line
     return None
 
@@ -334,7 +336,8 @@ def site_cut(args, elastic):
             first = None
             deadline = time.monotonic() + 15
             while first is None and time.monotonic() < deadline:
-                first = first_average_without(run.lines("rank0"), 2, cut_at)
+                # (level 1, the whole world's average: level 0 never included site b)
+                first = first_average_without(run.lines("rank0"), 2, cut_at, level=1)
                 time.sleep(0.05)
             if first is None:
                 fail(f"site a did not average without site b after the cut\n{run.coord_tail()}")
@@ -345,7 +348,7 @@ def site_cut(args, elastic):
             report["site a went on after (ms)"] = took
             run.expect_exit(names[:2], 0, timeout_s=60)
             run.expect_exit(names[2:], 1, timeout_s=60)
-            run.check_traces(names[:2])
+            run.check_traces(names)
             for name in names[:2]:
                 tail = [ln for ln in run.lines(name) if ln["unix_ms"] > cut_at + HEARTBEAT_MS
                         + 1000 and ln["action"] == "AVERAGE"]
