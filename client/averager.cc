@@ -10,6 +10,7 @@
 #include "client/communicator_cache.h"
 #include "client/fragments.h"
 #include "client/outer_state.h"
+#include "client/pending_sync.h"
 #include "client/gloo_communicator.h"
 #if MODELAVG_HAVE_CUDA
 #include "client/nccl_communicator.h"
@@ -48,7 +49,10 @@ ModelAverager::ModelAverager(Client* client) : client_(client) {
                                                  : nullptr);
   }
 }
-ModelAverager::~ModelAverager() = default;
+ModelAverager::~ModelAverager() {
+  absl::MutexLock l(&mu_);
+  AbandonPending();
+}
 
 int64_t ModelAverager::step() const {
   absl::MutexLock l(&mu_);
@@ -82,6 +86,8 @@ absl::StatusOr<Decision> ModelAverager::AverageParameters(absl::Span<const Tenso
   client_->ReportStep(step_);
   if (!decision.ok()) return decision.status();
   MODELAVG_ASSIGN_OR_RETURN(Device device, CommonDevice(params));
+  // A fragment's background all-reduce due at this step is applied first (streaming sync).
+  if (!pending_.empty()) MODELAVG_RETURN_IF_ERROR(ApplyPending(step, params));
   if (!decision->average) return *decision;
   // Streaming sync (docs/streaming.md): a fragmented level averages one fragment of the
   // parameters, split the same way on every member (the split's signature joins the layout

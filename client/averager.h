@@ -64,6 +64,8 @@ struct AveragerState {
   std::map<int, std::vector<StateTensor>> momenta;  // level index -> tensors
 };
 
+struct PendingSync;
+
 class ModelAverager {
  public:
   virtual ~ModelAverager();
@@ -141,6 +143,19 @@ class ModelAverager {
   absl::Status TransferOuterState(const Decision& decision, Communicator* comm,
                                   absl::Span<const TensorView> layout)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Streaming sync with a delay (averager_streaming.cc): starts the fragment's all-reduce on a
+  // background thread and returns; ApplyPending, at the call of the apply step (before that
+  // step's own decision), waits for it and applies it to the parameters passed then.
+  absl::StatusOr<Decision> StartPending(const Decision& decision, const Device& device,
+                                        absl::Span<const TensorView> fragment,
+                                        OuterLevelState* state, bool first)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ApplyPending(int64_t step, absl::Span<const TensorView> params)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ApplyOne(std::unique_ptr<PendingSync> p, int64_t step,
+                        absl::Span<const TensorView> params) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Aborts and joins a background all-reduce (destruction).
+  void AbandonPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CountBytes(int level, int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (level < 0) return;
     if (traffic_.size() <= static_cast<size_t>(level)) traffic_.resize(level + 1);
@@ -172,6 +187,8 @@ class ModelAverager {
   Payload round_payload_ ABSL_GUARDED_BY(mu_) = Payload::kFp32;
   int64_t round_signature_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<LevelTraffic> traffic_ ABSL_GUARDED_BY(mu_);
+  // Background all-reduces not applied yet (at most one per streaming level), in start order.
+  std::vector<std::unique_ptr<PendingSync>> pending_ ABSL_GUARDED_BY(mu_);
 };
 
 // PyTorch's PeriodicModelAverager: the job must be PERIODIC (one level over the whole world,

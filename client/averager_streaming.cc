@@ -5,7 +5,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "spdlog/spdlog.h"
 #include "client/averager.h"
+#include "client/communicator_cache.h"
+#include "client/fragments.h"
+#include "client/pending_sync.h"
 #include "client/half.h"
 #include "client/outer_state.h"
 #include "common/status_util.h"
@@ -98,11 +103,11 @@ absl::StatusOr<Decision> ModelAverager::StreamingOuterRound(const Decision& deci
         where, ": streaming outer levels run on host tensors (Gloo) in this version; the "
                "parameters are on ", device.ToString()));
   }
-  if (spec.sync_delay != 0) {
+  if (spec.sync_delay != 0 && client_->elastic()) {
     return absl::UnimplementedError(absl::StrCat(
         where, ": levels[", level, "].sync_delay ", spec.sync_delay,
-        " (an all-reduce overlapped with training) is not implemented in this version; use "
-        "sync_delay 0"));
+        " (an all-reduce overlapped with training) runs in strict jobs only in this version; "
+        "use sync_delay 0 in an elastic job"));
   }
   if (!decision.joining.empty()) {
     return absl::UnimplementedError(absl::StrCat(
@@ -127,6 +132,7 @@ absl::StatusOr<Decision> ModelAverager::StreamingOuterRound(const Decision& deci
           first, "); a streaming level's outer state is not in state_dict() in this version: "
                  "restart the job from its first step"));
     }
+    if (spec.sync_delay != 0) return StartPending(decision, device, fragment, state, true);
     // The fragment's first sync: a plain average (FP32), its result the anchor.
     MODELAVG_ASSIGN_OR_RETURN(Decision done, Round(decision, device, fragment));
     MODELAVG_RETURN_IF_ERROR(Annotate(state->SetAnchor(fragment), where));
@@ -134,6 +140,7 @@ absl::StatusOr<Decision> ModelAverager::StreamingOuterRound(const Decision& deci
     return done;
   }
   MODELAVG_RETURN_IF_ERROR(Annotate(state->CheckLayout(0, fragment), where));
+  if (spec.sync_delay != 0) return StartPending(decision, device, fragment, state, false);
   if (pseudo_gradient_ == nullptr) pseudo_gradient_ = std::make_unique<OuterBuffer>();
   pseudo_gradient_->Shape(fragment);
   std::vector<TensorView> d = pseudo_gradient_->Views();
@@ -147,6 +154,138 @@ absl::StatusOr<Decision> ModelAverager::StreamingOuterRound(const Decision& deci
   MODELAVG_RETURN_IF_ERROR(Annotate(state->Step(0, d, fragment), where));
   if (spec.mix != 0) local.MixInto(fragment, spec.mix);
   return done;
+}
+
+absl::StatusOr<Decision> ModelAverager::StartPending(const Decision& decision,
+                                                     const Device& device,
+                                                     absl::Span<const TensorView> fragment,
+                                                     OuterLevelState* state, bool first) {
+  const ScheduleLevel& spec = client_->schedule().spec().levels[decision.level];
+  const std::string where =
+      absl::StrCat("starting the sync of fragment ", decision.fragment, " at step ",
+                   decision.step, " (level ", decision.level, ")");
+  MODELAVG_RETURN_IF_ERROR(Annotate(client_->CheckCanAverage(decision.subgroup), where));
+  absl::StatusOr<Communicator*> comm = client_->communicators()->Get(Setup(decision), device);
+  if (!comm.ok()) return Annotate(comm.status(), where);
+  auto p = std::make_unique<PendingSync>();
+  p->decision = decision;
+  p->apply_step = decision.step + spec.sync_delay;
+  p->first = first;
+  p->state = state;
+  p->comm = *comm;
+  p->buffer = std::make_unique<OuterBuffer>();
+  p->buffer->Shape(fragment);
+  std::vector<TensorView> views = p->buffer->Views();
+  if (first) {
+    for (size_t i = 0; i < fragment.size(); ++i) {
+      for (int64_t j = 0; j < fragment[i].numel; ++j) Write(views[i], j, Read(fragment[i], j));
+    }
+  } else {
+    MODELAVG_RETURN_IF_ERROR(Annotate(state->PseudoGradient(0, fragment, views), where));
+  }
+  RoundOptions options;
+  options.payload = first ? Payload::kFp32 : spec.payload;
+  options.layout_signature = round_signature_;
+  p->bytes_before = p->comm->bytes_sent();
+  PendingSync* raw = p.get();
+  // The thread owns nothing but the buffer's round: it never touches the parameters.
+  p->thread = std::thread([raw, views, options] {
+    raw->result = raw->comm->AllReduceAverage(views, options, nullptr);
+    raw->done.Notify();
+  });
+  pending_.push_back(std::move(p));
+  return decision;
+}
+
+absl::Status ModelAverager::ApplyPending(int64_t step, absl::Span<const TensorView> params) {
+  // Due ones, oldest first; each is taken out before it is applied (a failure drops it).
+  absl::Status first_error;
+  for (size_t i = 0; i < pending_.size();) {
+    if (pending_[i]->apply_step > step) {
+      ++i;
+      continue;
+    }
+    std::unique_ptr<PendingSync> p = std::move(pending_[i]);
+    pending_.erase(pending_.begin() + i);
+    absl::Status s = ApplyOne(std::move(p), step, params);
+    if (first_error.ok()) first_error = s;
+  }
+  return first_error;
+}
+
+absl::Status ModelAverager::ApplyOne(std::unique_ptr<PendingSync> p, int64_t step,
+                                     absl::Span<const TensorView> params) {
+  const Decision& d = p->decision;
+  const ScheduleLevel& spec = client_->schedule().spec().levels[d.level];
+  const std::string where =
+      absl::StrCat("applying at step ", step, " the sync of fragment ", d.fragment,
+                   " started at step ", d.step, " (level ", d.level, ", subgroup ",
+                   d.subgroup.index, ")");
+  const absl::Time start = absl::Now();
+  // The round is bounded by the collective timeout; past it (and a margin) it is aborted.
+  const absl::Duration bound = client_->options().collective_timeout + absl::Seconds(5);
+  if (!p->done.WaitForNotificationWithTimeout(bound)) {
+    p->comm->Abort(absl::DeadlineExceededError(
+        absl::StrCat(where, ": the background all-reduce did not end within ",
+                     absl::FormatDuration(bound))));
+    p->done.WaitForNotification();  // an aborted round returns promptly
+  }
+  if (p->thread.joinable()) p->thread.join();
+  if (traffic_.size() <= static_cast<size_t>(d.level)) traffic_.resize(d.level + 1);
+  traffic_[d.level].waited += absl::Now() - start;
+  CountBytes(d.level, p->comm->bytes_sent() - p->bytes_before);
+  if (!p->result.ok()) {
+    // Name the cause (a peer's death, a new generation) rather than the broken socket.
+    absl::Status why = client_->CheckCanAverage(d.subgroup);
+    if (!why.ok()) {
+      return absl::Status(why.code(), absl::StrCat(where, " failed: ", why.message(),
+                                                   " (round: ", p->result.message(), ")"));
+    }
+    return Annotate(p->result, where);
+  }
+  if (step != p->apply_step) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, ": it was due at step ", p->apply_step,
+        " (the step was moved with set_step); its result is dropped"));
+  }
+  const FragmentSplit split = SplitIntoFragments(params, std::max(1, d.fragments));
+  absl::Span<const TensorView> fragment =
+      d.fragments > 1 ? split.Fragment(params, d.fragment) : params;
+  std::vector<TensorView> mean = p->buffer->Views();
+  if (mean.size() != fragment.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": the fragment had ", mean.size(), " tensors when it started and has ",
+        fragment.size(), " now; pass the same parameter list to every call"));
+  }
+  for (size_t i = 0; i < fragment.size(); ++i) {
+    if (mean[i].numel != fragment[i].numel) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": tensor ", i, " of the fragment had ", mean[i].numel,
+          " elements when it started and has ", fragment[i].numel, " now"));
+    }
+  }
+  LocalCopy local;
+  if (spec.mix != 0) local.Take(fragment);
+  if (p->first) {
+    MODELAVG_RETURN_IF_ERROR(Annotate(p->state->SetAnchor(mean), where));
+    for (size_t i = 0; i < fragment.size(); ++i) {
+      for (int64_t j = 0; j < fragment[i].numel; ++j) Write(fragment[i], j, Read(mean[i], j));
+    }
+  } else {
+    MODELAVG_RETURN_IF_ERROR(Annotate(p->state->Step(0, mean, fragment), where));
+  }
+  if (spec.mix != 0) local.MixInto(fragment, spec.mix);
+  return absl::OkStatus();
+}
+
+void ModelAverager::AbandonPending() {
+  for (auto& p : pending_) {
+    if (!p->done.HasBeenNotified()) {
+      p->comm->Abort(absl::CancelledError(
+          "the averager was destroyed while a fragment's all-reduce was in flight"));
+    }
+  }
+  pending_.clear();  // joins the threads
 }
 
 }  // namespace modelavg::client

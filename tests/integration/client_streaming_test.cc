@@ -60,7 +60,9 @@ class ClientStreamingTest : public ::testing::Test {
   ClientStreamingTest() : cluster_("streaming") {}
   ~ClientStreamingTest() override { workers_.clear(); }
 
-  std::vector<Trace> Run(const v1::JobSpec& spec, int64_t steps, int64_t numel = 64) {
+  // `extra[r]`: more flags for rank r.
+  std::vector<Trace> Run(const v1::JobSpec& spec, int64_t steps, int64_t numel = 64,
+                         const std::vector<std::vector<std::string>>& extra = {}) {
     EXPECT_TRUE(cluster_.ok()) << cluster_.dir();
     absl::StatusOr<v1::Job> made = cluster_.admin()->CreateJob(spec);
     EXPECT_TRUE(made.ok()) << made.status();
@@ -79,6 +81,9 @@ class ClientStreamingTest : public ::testing::Test {
                                        "--backend=gloo",
                                        "--join_timeout_ms=30000",
                                        "--collective_timeout_ms=30000"};
+      if (static_cast<size_t>(r) < extra.size()) {
+        argv.insert(argv.end(), extra[r].begin(), extra[r].end());
+      }
       procs.push_back(std::make_unique<Process>(
           argv, absl::StrCat(cluster_.dir(), "/", spec.job_id(), "-rank", r)));
     }
@@ -187,6 +192,77 @@ TEST_F(ClientStreamingTest, CompressedPayloads_WithinDocumentedBound) {
     ExpectFollowsReference(spec, Run(spec, 24, 1000), 24,
                            p);
   }
+}
+
+// sync_delay: the all-reduce started at the sync step is applied tau steps later; the fragment's
+// first sync too. Periodic with warm-up, nesterov, mix.
+TEST_F(ClientStreamingTest, DelayedSyncWithMix_Periodic_FollowsRule) {
+  for (int tau : {1, 3}) {
+    v1::JobSpec spec =
+        MakeSpec(absl::StrCat("delay", tau), 2, v1::PERIODIC, {{8, 2}}, 2);
+    SetOuter(&spec, 0, 0.7, 0.9, true);
+    spec.mutable_levels(0)->set_fragments(2);
+    spec.mutable_levels(0)->set_sync_delay(tau);
+    spec.mutable_levels(0)->set_mix(0.5);
+    ExpectFollowsReference(spec, Run(spec, 40), 40);
+  }
+}
+
+// The apply step s + tau is itself an averaging step of another level: the pending fragment is
+// applied first, then that level averages the result.
+TEST_F(ClientStreamingTest, DelayedSyncLandingOnAnotherLevelsStep_AppliedFirst) {
+  v1::JobSpec spec = MakeSpec("landing", 4, v1::HIERARCHICAL, {{2, 2}, {8, 4}}, 0);
+  SetOuter(&spec, 1, 0.7, 0.9, false);
+  spec.mutable_levels(1)->set_fragments(2);
+  spec.mutable_levels(1)->set_sync_delay(2);
+  ExpectFollowsReference(spec, Run(spec, 34), 34);
+}
+
+TEST_F(ClientStreamingTest, DelayedSyncInt8_WithinDocumentedBound) {
+  v1::JobSpec spec = MakeSpec("delayint8", 3, v1::PERIODIC, {{4, 3}}, 0);
+  SetOuter(&spec, 0, 1.0, 0.0, false);
+  spec.mutable_levels(0)->set_fragments(2);
+  spec.mutable_levels(0)->set_sync_delay(1);
+  spec.mutable_levels(0)->set_payload(v1::INT8);
+  ExpectFollowsReference(spec, Run(spec, 24, 1000), 24, v1::INT8);
+}
+
+int64_t Field(const std::string& text, const std::string& name) {
+  const std::string key = "\"" + name + "\": ";
+  const size_t at = text.find(key);
+  if (at == std::string::npos) return -1;
+  int64_t v = -1;
+  const size_t from = at + key.size();
+  return absl::SimpleAtoi(text.substr(from, text.find_first_of(",}", from) - from), &v) ? v : -1;
+}
+
+// Overlap: rank 1 sleeps 1.5 s before its call at the sync step 8 (fragment 0's second sync).
+// Rank 0's call at step 8 returns at once (the all-reduce runs in the background); its call at
+// 8 + tau waits for rank 1. Values follow the rule throughout.
+TEST_F(ClientStreamingTest, DelayedSync_CallAtSyncStepReturnsBeforeAllReduceEnds) {
+  constexpr int kTau = 3;
+  constexpr int kSleepMs = 1500;
+  v1::JobSpec spec = MakeSpec("overlap", 2, v1::PERIODIC, {{8, 2}}, 0);
+  SetOuter(&spec, 0, 0.7, 0.9, true);
+  spec.mutable_levels(0)->set_fragments(2);
+  spec.mutable_levels(0)->set_sync_delay(kTau);
+  const std::vector<Trace> traces =
+      Run(spec, 16, 64,
+          {{"--unix_ms"},
+           {"--unix_ms", "--testing_sleep_at_step=8",
+            absl::StrCat("--testing_sleep_ms=", kSleepMs)}});
+  ExpectFollowsReference(spec, traces, 16);
+  ASSERT_EQ(traces.size(), 2u);
+  ASSERT_EQ(traces[0].lines.size(), 16u);
+  const std::string& at_sync = traces[0].lines[8].text;
+  const std::string& at_apply = traces[0].lines[8 + kTau].text;
+  // The sync step's call did not wait for the sleeping peer...
+  EXPECT_LT(Field(at_sync, "call_ms"), kSleepMs / 3) << at_sync;
+  // ...the apply step's call did (rank 0 reached it long before rank 1 woke).
+  EXPECT_GT(Field(at_apply, "call_ms"), kSleepMs / 3) << at_apply;
+  // And rank 0 finished step 8 before rank 1 had even started it.
+  EXPECT_LT(Field(at_sync, "unix_ms") + kSleepMs / 2,
+            Field(traces[1].lines[8].text, "unix_ms"));
 }
 
 }  // namespace

@@ -10,9 +10,14 @@
 //   plain: x := mean of the group; outer, first sync of the fragment: A := mean, then
 //   x := (1 - mix) A + mix x_local; later: D := mean of (A - x), SGD on A as in DiLoCo,
 //   x := (1 - mix) A' + mix x_local. Anchors and momenta per (level, tensor).
+//   With sync_delay tau > 0 the call at the sync step s changes nothing: the group's mean (first
+//   sync) or mean of (A - x) is taken from the values at s and applied at step s + tau, after
+//   that step's update and before that step's own decision, with x_local the values then.
 #ifndef MODELAVG_TESTS_INTEGRATION_STREAMING_REFERENCE_H_
 #define MODELAVG_TESTS_INTEGRATION_STREAMING_REFERENCE_H_
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -33,6 +38,27 @@ struct StreamingStep {
 
 inline int Fragments(const v1::Level& l) { return l.fragments() > 1 ? l.fragments() : 1; }
 
+// PyTorch's SGD step of one element: returns A', updates the momentum.
+inline double Sgd(const v1::Level& l, double d, std::optional<double>* momentum, double a) {
+  const double mu = l.outer().momentum();
+  double step = d;
+  if (mu != 0) {
+    const double buf = momentum->has_value() ? mu * **momentum + d : d;
+    *momentum = buf;
+    step = l.outer().nesterov() ? d + mu * buf : buf;
+  }
+  return a - l.outer().lr() * step;
+}
+
+// A sync in flight (sync_delay > 0): per rank, per tensor of the fragment, the group's mean.
+struct Pending {
+  int64_t apply = 0;
+  int level = 0;
+  bool first = false;
+  std::vector<int> tensors;
+  std::vector<std::vector<double>> mean;  // [rank][i]
+};
+
 // expected[s][r].
 inline std::vector<std::vector<StreamingStep>> StreamingReference(const v1::JobSpec& spec,
                                                                   int64_t steps, int tensors) {
@@ -46,6 +72,7 @@ inline std::vector<std::vector<StreamingStep>> StreamingReference(const v1::JobS
   State anchor(levels, std::vector<std::vector<std::optional<double>>>(
                            world, std::vector<std::optional<double>>(tensors)));
   State momentum = anchor;
+  std::vector<Pending> pending;
   std::vector<std::vector<StreamingStep>> out;
   for (int64_t s = 0; s < steps; ++s) {
     for (int r = 0; r < world; ++r) {
@@ -66,6 +93,29 @@ inline std::vector<std::vector<StreamingStep>> StreamingReference(const v1::JobS
           }
         }
       }
+    }
+    // Due background syncs first (their means were taken at their sync step).
+    for (size_t k = 0; k < pending.size();) {
+      if (pending[k].apply != s) {
+        ++k;
+        continue;
+      }
+      const Pending& p = pending[k];
+      const v1::Level& l = spec.levels(p.level);
+      for (int r = 0; r < world; ++r) {
+        for (size_t i = 0; i < p.tensors.size(); ++i) {
+          const int t = p.tensors[i];
+          double a;
+          if (p.first) {
+            a = p.mean[r][i];
+          } else {
+            a = Sgd(l, p.mean[r][i], &momentum[p.level][r][t], *anchor[p.level][r][t]);
+          }
+          anchor[p.level][r][t] = a;
+          x[r][t] = (1 - l.mix()) * a + l.mix() * x[r][t];
+        }
+      }
+      pending.erase(pending.begin() + k);
     }
     std::vector<std::vector<double>> next = x;
     State next_anchor = anchor, next_momentum = momentum;
@@ -88,6 +138,31 @@ inline std::vector<std::vector<StreamingStep>> StreamingReference(const v1::JobS
           continue;
         }
         const double mix = l.mix();
+        if (l.sync_delay() > 0) {
+          // Started now, applied at s + tau: record this member's view of the group's mean.
+          if (t == fragment * per) {
+            if (r == 0) {
+              Pending p;
+              p.apply = s + l.sync_delay();
+              p.level = level;
+              p.first = !anchor[level][0][t].has_value();
+              for (int u = fragment * per; u < (fragment + 1) * per; ++u) p.tensors.push_back(u);
+              p.mean.assign(world, std::vector<double>(per));
+              pending.push_back(p);
+            }
+          }
+          Pending& p = pending.back();
+          double v = 0;
+          for (int m = first; m < first + g; ++m) {
+            v += (p.first ? x[m][t] : *anchor[level][m][t] - x[m][t]) / g;
+            if (!p.first) {
+              row[r].max_delta[t] =
+                  std::max(row[r].max_delta[t], std::fabs(*anchor[level][m][t] - x[m][t]));
+            }
+          }
+          p.mean[r][t - fragment * per] = v;
+          continue;
+        }
         if (!anchor[level][r][t].has_value()) {
           next_anchor[level][r][t] = mean;
           next[r][t] = (1 - mix) * mean + mix * x[r][t];

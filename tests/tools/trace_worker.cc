@@ -73,6 +73,9 @@ ABSL_FLAG(int32_t, rank, -1,
 ABSL_FLAG(int32_t, world_size, 0, "the job's world size (required; must match the job's spec)");
 ABSL_FLAG(int64_t, steps, 0, "number of AverageParameters calls (steps 0 .. steps-1)");
 ABSL_FLAG(int64_t, numel, 1, "number of float32 parameters");
+ABSL_FLAG(int64_t, testing_sleep_at_step, -1,
+          "tests: before the call of this step, sleep --testing_sleep_ms (a slow peer)");
+ABSL_FLAG(int64_t, testing_sleep_ms, 0, "see --testing_sleep_at_step");
 ABSL_FLAG(int32_t, tensors, 1,
           "pass the parameters as this many tensors (numel split as evenly as possible, the "
           "first ones one element larger), tensor t starting at the rank's number and getting "
@@ -376,8 +379,10 @@ absl::Status Run() {
   for (int32_t t = 0; t < tensors; ++t) {
     first_of[t + 1] = first_of[t] + numel / tensors + (t < numel % tensors ? 1 : 0);
   }
+  const int64_t sleep_at = absl::GetFlag(FLAGS_testing_sleep_at_step);
   for (int64_t step = first_step; step < steps; ++step) {
     if (step_delay > absl::ZeroDuration()) absl::SleepFor(step_delay);
+    if (step == sleep_at) absl::SleepFor(absl::Milliseconds(absl::GetFlag(FLAGS_testing_sleep_ms)));
     const float delta = static_cast<float>((rank + 1) * (step + 1)) * 0.5f;
     if (tensors == 1) {
       for (float& v : params->host()) v += delta;
@@ -395,7 +400,9 @@ absl::Status Run() {
       v.numel = first_of[t + 1] - first_of[t];
       views.push_back(v);
     }
+    const absl::Time call_start = absl::Now();
     absl::StatusOr<Decision> decision = averager->AverageParameters(views);
+    const absl::Duration call_time = absl::Now() - call_start;
     if (!decision.ok()) {
       return Annotate(decision.status(), absl::StrCat("step ", step, ": AverageParameters"));
     }
@@ -447,7 +454,8 @@ absl::Status Run() {
     }
     if (replacement && step == first_step) absl::StrAppend(&line, ", \"admitted\": true");
     if (print_unix_ms) {
-      absl::StrAppend(&line, ", \"unix_ms\": ", absl::ToUnixMillis(absl::Now()));
+      absl::StrAppend(&line, ", \"unix_ms\": ", absl::ToUnixMillis(absl::Now()),
+                      ", \"call_ms\": ", absl::ToInt64Milliseconds(call_time));
     }
     std::cout << line << "}" << std::endl;
     if (step == die_after) _exit(9);
