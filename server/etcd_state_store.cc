@@ -85,8 +85,8 @@ struct EtcdStateStore::Mirror {
   std::map<int32_t, StoredMember> members;
 };
 
-EtcdStateStore::EtcdStateStore(EtcdClient* etcd, LeaderElection* election, std::string prefix)
-    : etcd_(etcd), election_(election), prefix_(std::move(prefix)) {}
+EtcdStateStore::EtcdStateStore(EtcdClient* etcd, EtcdFence* fence, std::string prefix)
+    : etcd_(etcd), election_(fence), prefix_(std::move(prefix)) {}
 
 EtcdStateStore::~EtcdStateStore() = default;
 

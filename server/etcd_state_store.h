@@ -27,7 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "server/etcd_client.h"
-#include "server/leader_election.h"
+#include "server/etcd_fence.h"
 #include "server/state_store.h"
 
 namespace modelavg::server {
@@ -37,8 +37,8 @@ inline constexpr int32_t kEtcdMemberBucket = 256;
 
 class EtcdStateStore final : public StateStore {
  public:
-  // Neither is owned; both outlive the store. Writes use `election`'s fence of the moment.
-  EtcdStateStore(EtcdClient* etcd, LeaderElection* election, std::string prefix);
+  // Neither is owned; both outlive the store. Writes use `fence`'s revision of the moment.
+  EtcdStateStore(EtcdClient* etcd, EtcdFence* fence, std::string prefix);
   ~EtcdStateStore() override;
 
   // Reads every job under the prefix (a linearizable read). DATA_LOSS naming the key for a
@@ -59,7 +59,7 @@ class EtcdStateStore final : public StateStore {
   absl::Status Commit(etcdserverpb::TxnRequest txn, absl::string_view what, bool* refused);
 
   EtcdClient* const etcd_;
-  LeaderElection* const election_;
+  EtcdFence* const election_;
   const std::string prefix_;
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<Mirror>, std::less<>> jobs_ ABSL_GUARDED_BY(mu_);

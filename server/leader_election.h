@@ -26,6 +26,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/etcd_client.h"
+#include "server/etcd_fence.h"
 
 namespace modelavg::server {
 
@@ -36,7 +37,7 @@ struct LeaderElectionOptions {
   absl::Duration ttl = absl::Seconds(5);
 };
 
-class LeaderElection {
+class LeaderElection final : public EtcdFence {
  public:
   // Called on the election's thread. `elected(fence)` makes this coordinator the leader: it
   // loads the state and returns OK to start serving, an error to step down again.
@@ -49,7 +50,7 @@ class LeaderElection {
 
   // `etcd` is not owned and outlives this object.
   LeaderElection(EtcdClient* etcd, LeaderElectionOptions options, Callbacks callbacks);
-  ~LeaderElection();  // Stop()
+  ~LeaderElection() override;  // Stop()
 
   // Starts campaigning on a thread of its own; `advertise` is what standbys tell clients: this
   // coordinator's address, as they dial it.
@@ -64,13 +65,13 @@ class LeaderElection {
   absl::Status CheckServing(std::string* leader = nullptr) const;
 
   // The fence of the current term (the leader key's create_revision), 0 when not leading.
-  int64_t fence() const;
-  const std::string& key() const { return options_.key; }
+  int64_t fence() const override;
+  const std::string& key() const override { return options_.key; }
 
   // The state store saw etcd refuse a write fenced with `fence` (another leader), or a write
   // whose fate is unknown: the term ends (deposed, on the election's thread) and the
   // coordinator campaigns again (and reloads). Any thread.
-  void LostLeadership(int64_t fence, const std::string& why);
+  void LostLeadership(int64_t fence, const std::string& why) override;
 
  private:
   using SteadyTime = std::chrono::steady_clock::time_point;
