@@ -50,7 +50,8 @@
 #include "common/cuda_check.h"
 #endif
 
-ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address HOST:PORT");
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051",
+          "coordinator address HOST:PORT, or several comma-separated (coordinators on etcd)");
 ABSL_FLAG(std::string, job, "demo", "id of the job to train in (it must exist)");
 ABSL_FLAG(std::string, compare_job, "",
           "optional second job (e.g. PERIODIC with period 1) in which the same training is "
