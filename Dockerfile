@@ -33,6 +33,7 @@ RUN cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMODELAVG_WITH_CUD
       install -m 0755 -s "$f" /out/bin/; \
     done \
  && bash deploy/runtime_packages.sh /out/bin/* > /out/runtime-packages.txt \
+ && echo etcd-server >> /out/runtime-packages.txt \
  && cat /out/runtime-packages.txt
 
 # ---- runtime: the programs and exactly the shared libraries they load ----

@@ -19,6 +19,9 @@ build_packages=(
   libsqlite3-dev
   # The coordinator's HTTP port (/metrics, the status page): an event-loop HTTP server.
   libmicrohttpd-dev
+  # Coordinator --etcd_endpoints: etcd's v3 API protos, from which the build generates its stubs.
+  golang-etcd-server-dev golang-github-gogo-protobuf-dev
+  golang-github-grpc-ecosystem-grpc-gateway-dev
 )
 packages=(
   "${build_packages[@]}" build-essential git
@@ -31,6 +34,8 @@ packages=(
   python3-dev pybind11-dev
   # Coordinator TLS tests make a throwaway certificate.
   openssl
+  # The coordinator HA tests run an etcd cluster on loopback (etcdctl to inspect it).
+  etcd-server etcd-client
   # tests/sanitize.sh: ASan+UBSan build and libFuzzer targets (the fuzzer runtime and
   # <fuzzer/FuzzedDataProvider.h> are in libclang-rt-14-dev).
   clang-14 libclang-rt-14-dev

@@ -51,7 +51,8 @@
 #include "common/cuda_check.h"
 #endif
 
-ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address HOST:PORT");
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051",
+          "coordinator address HOST:PORT, or several comma-separated (coordinators on etcd)");
 ABSL_FLAG(std::string, job, "demo", "id of the job to train in (it must exist)");
 ABSL_FLAG(std::string, compare_job, "",
           "optional further jobs, comma-separated (e.g. PERIODIC with period 1, or a DiLoCo "

@@ -24,6 +24,7 @@ namespace modelavg::server {
 class CoordinatorService;
 class HttpServer;
 class JobRegistry;
+class LeaderTerms;
 class RpcMetrics;
 class StateStore;
 
@@ -60,6 +61,17 @@ struct ServerOptions {
   // After a restart, how long the members of a running job have to re-attach (their next
   // heartbeat) before one is declared dead; at least the job's heartbeat timeout.
   absl::Duration recovery_grace = absl::Seconds(10);
+  // Non-empty ("host:port[,host:port...]"): keep the hard state in etcd under etcd_prefix and
+  // serve only while elected leader among the coordinators on the same endpoints and prefix
+  // (server/leader_terms.h); a standby answers UNAVAILABLE naming the leader. Excludes
+  // state_dir.
+  std::string etcd_endpoints;
+  std::string etcd_prefix = "/modelavg/";
+  absl::Duration leader_ttl = absl::Seconds(5);
+  // The address standbys name (as clients dial it); empty: the bound address.
+  std::string advertise;
+  std::string etcd_tls_ca_file, etcd_tls_cert_file, etcd_tls_key_file;
+  std::string etcd_user, etcd_password;
   Clock* clock = Clock::Real();
 };
 
@@ -88,6 +100,8 @@ class CoordinatorServer {
 
   // Declared before the registry, which writes to it: destroyed after it.
   std::unique_ptr<StateStore> store_;
+  // With etcd: the store and the leader's terms (stopped first in Shutdown).
+  std::unique_ptr<LeaderTerms> terms_;
   std::unique_ptr<JobRegistry> registry_;
   std::unique_ptr<RpcMetrics> metrics_;
   // The HTTP port; reads registry_ and metrics_, so destroyed before them.

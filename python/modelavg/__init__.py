@@ -235,7 +235,8 @@ def connect(coordinator: Optional[str] = None, job_id: Optional[str] = None,
     """Joins a job and returns its Client once every rank has joined.
 
     Args:
-      coordinator: the coordinator's "host:port"; default: ``$MODELAVG_COORDINATOR``.
+      coordinator: the coordinator's "host:port" (several comma-separated: coordinators on
+        etcd, the client fails over to the leader); default: ``$MODELAVG_COORDINATOR``.
       job_id: the job to join (it must exist); default: ``$MODELAVG_JOB``.
       rank: the rank to take; default: ``$RANK`` (as torchrun sets it), else the coordinator
         picks the lowest free one.
@@ -626,7 +627,7 @@ def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
         coordinator's defaults).
       min_world_size: 1..world_size makes the job elastic: it keeps running while that many
         ranks are alive, and admits replacements into vacant ranks. 0 (or world_size): strict.
-      coordinator: "host:port"; default ``$MODELAVG_COORDINATOR``.
+      coordinator: "host:port" (or several, comma-separated); default ``$MODELAVG_COORDINATOR``.
       **options: auth_token, tls, tls_ca_file, tls_cert_file, tls_key_file, rpc_timeout.
 
     Raises InvalidArgumentError (bad spec: the message names the field and the value),

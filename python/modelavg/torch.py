@@ -9,7 +9,7 @@ Change one import and keep the rest of the trainer::
     ...
     averager.average_parameters(model.parameters())
 
-The averagers connect from the environment — ``MODELAVG_COORDINATOR`` (host:port),
+The averagers connect from the environment — ``MODELAVG_COORDINATOR`` (host:port, or several comma-separated),
 ``MODELAVG_JOB`` (the job id), ``RANK`` and ``WORLD_SIZE`` as torchrun sets them, and optionally
 ``MODELAVG_GLOO_HOSTNAME`` (the address peers reach this process at; default 127.0.0.1) and
 ``MODELAVG_AUTH_TOKEN`` — or from :func:`set_options`. If the job does not exist yet, the first
