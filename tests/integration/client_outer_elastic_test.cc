@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/client_job_harness.h"
 #include "tests/integration/outer_trace_check.h"
@@ -145,6 +146,18 @@ class ClientOuterElasticTest : public ::testing::Test {
       world_steps += l.level == 1;
     }
     EXPECT_GT(world_steps, 2) << "too few world outer steps after the admission to prove it";
+    // The checker is not blind: the replacement's last outer value, off by 0.1% (far above
+    // its tolerance of 1e-5 relative).
+    for (size_t k = mine.lines.size(); k-- > 0;) {
+      if (mine.lines[k].action != "AVERAGE") continue;
+      std::vector<Trace> doctored = traces;
+      doctored[replacement].lines[k].value *= 1.001;
+      TraceCheckResult r = CheckOuterTraces(doctored, spec);
+      EXPECT_FALSE(r.ok()) << "a doctored value passed";
+      EXPECT_THAT(r.Report(), ::testing::HasSubstr(
+                                  absl::StrCat("rank ", victim, " step ", mine.lines[k].step)));
+      break;
+    }
     std::printf("outer trace check: %lld averaging lines; replacement admitted at step %lld\n",
                 static_cast<long long>(values.averages),
                 static_cast<long long>(mine.lines.front().step));

@@ -105,6 +105,23 @@ class ClientOuterTest : public ::testing::Test {
   std::vector<std::unique_ptr<Process>> workers_;
 };
 
+// The reference itself against the worked example of docs/diloco.md (two ranks, PERIODIC,
+// period 2, lr 0.5, momentum 0.5), computed by hand there.
+TEST(OuterReferenceTest, WorkedExample_MatchesTheDocs) {
+  v1::JobSpec spec = MakeSpec("example", 2, v1::PERIODIC, {{2, 2}}, 0);
+  SetOuter(&spec, 0, 0.5, 0.5, false);
+  const auto r = OuterReference(spec, 5);
+  EXPECT_EQ(r[0][0].value, 1.25);
+  EXPECT_EQ(r[1][0].value, 2.25);
+  EXPECT_EQ(r[1][1].value, 3.25);
+  EXPECT_EQ(r[2][0].value, 3.125);
+  EXPECT_EQ(r[2][1].value, 3.125);
+  EXPECT_EQ(r[3][1].value, 7.125);
+  EXPECT_EQ(r[4][0].value, 7.4375);
+  EXPECT_TRUE(r[4][0].outer);
+  EXPECT_FALSE(r[3][0].average);
+}
+
 TEST_F(ClientOuterTest, Periodic_WithWarmup_FollowsRule) {
   for (int world : {2, 4}) {
     v1::JobSpec spec =
