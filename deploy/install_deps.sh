@@ -39,6 +39,9 @@ packages=(
   # The status page in a real browser (headless Chromium over the DevTools protocol), and
   # promtool for the alerting rules in deploy/prometheus/.
   chromium python3-websocket prometheus
+  # The cluster tests and the LM benchmark (network namespaces, veth, bridges, tc/tbf); the
+  # benchmark's corpus (fortunes) and its plot (matplotlib).
+  iproute2 fortunes python3-matplotlib
 )
 case "${1:-}" in
   "") ;;

@@ -92,11 +92,14 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   if (!creds.ok()) return creds.status();
 
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
+  if (options.require_state && options.state_dir.empty()) {
+    return absl::InvalidArgumentError("--require_state needs --state_dir");
+  }
   if (options.state_dir.empty()) {
     server->store_ = std::make_unique<InMemoryStateStore>();
   } else {
     absl::StatusOr<std::unique_ptr<SqliteStateStore>> store =
-        SqliteStateStore::Open(options.state_dir);
+        SqliteStateStore::Open(options.state_dir, options.require_state);
     if (!store.ok()) return store.status();
     server->store_ = *std::move(store);
   }

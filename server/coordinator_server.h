@@ -54,6 +54,9 @@ struct ServerOptions {
   // Non-empty: keep the jobs' hard state in SQLite under this directory (locked against a
   // second coordinator) and continue the stored jobs on start. Empty: in memory only.
   std::string state_dir;
+  // With state_dir: refuse to start when the directory or its state file is missing (the
+  // volume was not mounted, or was lost) instead of starting with no jobs.
+  bool require_state = false;
   // After a restart, how long the members of a running job have to re-attach (their next
   // heartbeat) before one is declared dead; at least the job's heartbeat timeout.
   absl::Duration recovery_grace = absl::Seconds(10);

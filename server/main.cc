@@ -57,6 +57,10 @@ ABSL_FLAG(int64_t, default_join_timeout_ms, 300000, "Join timeout of jobs whose 
 ABSL_FLAG(std::string, state_dir, "",
           "Keep every job's state in SQLite under this directory (created 0700) and continue the "
           "stored jobs on a restart. Empty: in memory only (a restart forgets every job).");
+ABSL_FLAG(bool, require_state, false,
+          "With --state_dir: refuse to start (exit 2) when the directory or its state file is "
+          "missing, instead of starting with no jobs. For restarts of a coordinator whose state "
+          "must exist (Kubernetes: set it once the first start has made the state).");
 ABSL_FLAG(int64_t, recovery_grace_ms, 10000,
           "After a restart with --state_dir: how long the members of a running job have to "
           "re-attach (their next heartbeat) before any is declared dead; at least the job's "
@@ -100,6 +104,7 @@ int main(int argc, char** argv) {
   if (grace <= 0 || grace > 3600000) return Fail("--recovery_grace_ms must be in (0, 3600000]");
   options.recovery_grace = absl::Milliseconds(grace);
   options.state_dir = absl::GetFlag(FLAGS_state_dir);
+  options.require_state = absl::GetFlag(FLAGS_require_state);
   options.defaults.join_timeout = absl::Milliseconds(join);
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
