@@ -31,7 +31,8 @@ ABSL_FLAG(std::string, jobs_file, "",
           "Jobs to create at start-up: JSON or protobuf text format of JobSpecList "
           "({\"jobs\": [JobSpec, ...]}) or of one JobSpec.");
 ABSL_FLAG(std::string, metrics_listen, "",
-          "Serve Prometheus metrics on http://HOST:PORT/metrics (empty: off; port 0: any).");
+          "Serve Prometheus metrics on http://HOST:PORT/metrics and the status page on "
+          "http://HOST:PORT/ (empty: off; port 0: any).");
 ABSL_FLAG(std::string, metrics_port_file, "",
           "Once serving, write the metrics endpoint's bound HOST:PORT to this file (needs "
           "--metrics_listen).");

@@ -14,6 +14,7 @@ checked against a naive re-statement of PyTorch's rule.
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,7 +35,8 @@ for step in range(6):
     with torch.no_grad():
         p.add_((rank + 1) * (step + 1) * 0.5)
     averager.average_parameters([p])
-    print(json.dumps({"rank": rank, "step": step, "value": p[0].item()}), flush=True)
+    # One write per line: both workers share torchrun's stdout.
+    os.write(1, (json.dumps({"rank": rank, "step": step, "value": p[0].item()}) + "\n").encode())
 """
 
 
@@ -69,11 +71,9 @@ def run_job(group, coord, name, launcher, work, python_dir):
     if rc != 0:
         mt.fail(f"{' '.join(launcher)} exited {rc}:\n{out[-2000:]}\n{err[-3000:]}")
     got = {}
-    for line in out.splitlines():
-        line = line.strip()
-        if line.startswith("{"):
-            d = json.loads(line)
-            got[(d["rank"], d["step"])] = d["value"]
+    for obj in re.findall(r"\{[^{}]*\}", out):
+        d = json.loads(obj)
+        got[(d["rank"], d["step"])] = d["value"]
     want = expected(2, 6)
     if set(got) != set(want):
         mt.fail(f"{' '.join(launcher)}: printed steps {sorted(got)}, expected {sorted(want)}\n"
