@@ -146,6 +146,7 @@ void Membership::Restore(const StoredJobHeader& header, const std::vector<Stored
   }
   ClearDelta();
   decision_members_.reset();
+  stale_not_before_ = absl::InfinitePast();
   ResetProgress();
 }
 
@@ -447,6 +448,10 @@ std::vector<int32_t> Membership::Stale(absl::Time now, absl::Duration timeout,
                                        absl::Duration lost_grace) const {
   std::vector<int32_t> stale;
   if (state_ != v1::RUNNING) return stale;
+  if (now <= stale_not_before_ && timeout == stale_timeout_ && lost_grace == stale_grace_) {
+    return stale;
+  }
+  absl::Time earliest = absl::InfiniteFuture();
   for (int32_t r = 0; r < world_size(); ++r) {
     const Member& m = members_[r];
     if (!InRound(m)) continue;
@@ -454,13 +459,21 @@ std::vector<int32_t> Membership::Stale(absl::Time now, absl::Duration timeout,
         (m.stream_lost_at != absl::InfiniteFuture() && now - m.stream_lost_at > lost_grace)) {
       stale.push_back(r);
     }
+    earliest = std::min(earliest, m.last_heartbeat + timeout);
+    if (m.stream_lost_at != absl::InfiniteFuture()) {
+      earliest = std::min(earliest, m.stream_lost_at + lost_grace);
+    }
   }
+  stale_not_before_ = stale.empty() ? earliest : absl::InfinitePast();
+  stale_timeout_ = timeout;
+  stale_grace_ = lost_grace;
   return stale;
 }
 
 void Membership::StreamLost(int32_t rank, absl::Time now) {
   Member& m = members_[rank];
   if (InRound(m)) m.stream_lost_at = std::min(m.stream_lost_at, now);
+  stale_not_before_ = absl::InfinitePast();
 }
 
 void Membership::Heartbeat(int32_t rank, int64_t generation, int64_t step, absl::Time now) {
@@ -604,6 +617,7 @@ Membership::Member& Membership::Mutable(int32_t rank) {
   }
   dirty_members_.push_back(rank);
   decision_members_.reset();
+  stale_not_before_ = absl::InfinitePast();
   return members_[rank];
 }
 
@@ -642,6 +656,7 @@ void Membership::Rollback() {
   dirty_members_.resize(std::min(dirty_members_.size(), u.dirty_members));
   for (auto& [rank, m] : u.members) members_[rank] = std::move(m);
   decision_members_.reset();
+  stale_not_before_ = absl::InfinitePast();
   undo_.reset();
 }
 

@@ -193,7 +193,7 @@ class Membership {
                        absl::Time now);
 
   // Ranks of the running round whose last heartbeat is older than `timeout` (none unless
-  // RUNNING).
+  // RUNNING). O(1) until the earliest member could expire, O(world_size) then.
   // Also those whose HeartbeatStream broke more than `lost_grace` ago with no beat since (a
   // live client re-opens a broken stream well within it).
   std::vector<int32_t> Stale(absl::Time now, absl::Duration timeout,
@@ -266,6 +266,7 @@ class Membership {
   void MarkHeader() {
     dirty_header_ = true;
     decision_members_.reset();
+    stale_not_before_ = absl::InfinitePast();
   }
 
   const Schedule schedule_;
@@ -278,6 +279,13 @@ class Membership {
   std::optional<v1::GenerationChange> last_change_;
   // Built by DecisionMembers(), dropped at every change of the membership.
   mutable std::shared_ptr<const MemberSteps> decision_members_;
+  // Stale() finds nobody before this time (the earliest a member of the round can expire, as
+  // of its last scan with these arguments): it is called every few ms and its scan is
+  // O(world_size), while heartbeats only move expiries later. Reset by every change that can
+  // move one earlier (a broken stream, a membership change, a restore).
+  mutable absl::Time stale_not_before_ = absl::InfinitePast();
+  mutable absl::Duration stale_timeout_;
+  mutable absl::Duration stale_grace_;
 
   // Progress (soft state): the largest step reported since the job (re)formed, and the rate.
   int64_t progress_max_ = -1;

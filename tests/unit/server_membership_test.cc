@@ -217,6 +217,21 @@ TEST(MembershipTest, Restore_ContinuesGenerationAndRound) {
   EXPECT_EQ(restored.generation(), 3);
 }
 
+// Stale() skips its scan until the earliest member can expire; the skip never hides a death,
+// also not one that a broken stream brings forward.
+TEST(MembershipTest, Stale_SkippedScansStillFindEveryExpiry) {
+  Membership m(3);
+  JoinAll(m);
+  const absl::Duration timeout = absl::Seconds(3), grace = absl::Milliseconds(500);
+  EXPECT_TRUE(m.Stale(kT0 + absl::Seconds(1), timeout, grace).empty());
+  m.Heartbeat(1, 1, 0, kT0 + absl::Seconds(2));
+  m.Heartbeat(2, 1, 0, kT0 + absl::Seconds(2));
+  EXPECT_TRUE(m.Stale(kT0 + absl::Seconds(2), timeout, grace).empty());
+  m.StreamLost(2, kT0 + absl::Milliseconds(2100));
+  EXPECT_THAT(m.Stale(kT0 + absl::Milliseconds(2700), timeout, grace), ElementsAre(2));
+  EXPECT_THAT(m.Stale(kT0 + absl::Milliseconds(3100), timeout, grace), ElementsAre(0, 2));
+}
+
 // A rank of a round that was assembling when an older coordinator stored it had no answered
 // Join: restored, it is nobody's (it came back as a ghost member that held the rank).
 TEST(MembershipTest, Restore_AssemblingRoundRanks_AreFree) {
