@@ -9,6 +9,8 @@ set -euo pipefail
 # What building needs (with -DMODELAVG_BUILD_TESTS=OFF -DMODELAVG_BUILD_BENCH=OFF).
 build_packages=(
   g++ cmake ninja-build pkg-config
+  # Compiler cache: tests/run_all.sh and tests/sanitize.sh use it when present.
+  ccache
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libgloo-dev prometheus-cpp-dev
   # gRPC's health and reflection protos, for modelavg-health and modelavg-rpc.
@@ -18,6 +20,8 @@ build_packages=(
   # Coordinator --etcd_endpoints: etcd's v3 API protos, from which the build generates its stubs.
   golang-etcd-server-dev golang-github-gogo-protobuf-dev
   golang-github-grpc-ecosystem-grpc-gateway-dev
+  # The coordinator's HTTP port (/metrics, the status page): an event-loop HTTP server.
+  libmicrohttpd-dev
 )
 packages=(
   "${build_packages[@]}" build-essential git
@@ -37,6 +41,12 @@ packages=(
   clang-14 libclang-rt-14-dev
   # Debian packages (cpack): dpkg-shlibdeps computes their dependencies, file finds the binaries.
   dpkg-dev file
+  # The status page in a real browser (headless Chromium over the DevTools protocol), and
+  # promtool for the alerting rules in deploy/prometheus/.
+  chromium python3-websocket prometheus
+  # The cluster tests and the LM benchmark (network namespaces, veth, bridges, tc/tbf); the
+  # benchmark's corpus (fortunes) and its plot (matplotlib).
+  iproute2 fortunes python3-matplotlib
 )
 case "${1:-}" in
   "") ;;
