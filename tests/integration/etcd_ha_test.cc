@@ -606,25 +606,37 @@ TEST_F(EtcdHaTest, StormWithLeaderKills_EveryAcknowledgedChangeSurvives) {
           ++acknowledged;
         };
         attempt(kCreated);
-        if (!admin->CreateJob(MakeSpec(id, 1, v1::PERIODIC, {{1, 1}}, 0)).ok()) continue;
+        if (!admin->CreateJob(MakeSpec(id, 1, v1::PERIODIC, {{1, 1}}, 0)).ok()) {
+          absl::SleepFor(absl::Milliseconds(10));  // failing over: no busy loop
+          continue;
+        }
         ack(kCreated);
         v1::JoinRequest join;
         join.set_job_id(id);
         join.set_worker_id("w-" + id);
         join.set_rank(0);
         attempt(kJoined);
-        if (!admin->Join(join, absl::Seconds(5)).ok()) continue;
+        if (!admin->Join(join, absl::Seconds(5)).ok()) {
+          absl::SleepFor(absl::Milliseconds(10));  // failing over: no busy loop
+          continue;
+        }
         ack(kJoined);
         v1::LeaveRequest leave;
         leave.set_job_id(id);
         leave.set_rank(0);
         leave.set_generation(1);
         attempt(kLeft);
-        if (!admin->Leave(leave).ok()) continue;
+        if (!admin->Leave(leave).ok()) {
+          absl::SleepFor(absl::Milliseconds(10));  // failing over: no busy loop
+          continue;
+        }
         ack(kLeft);
         if (next_job % 2 == 0) {
           attempt(kDeleted);
-          if (!admin->DeleteJob(id).ok()) continue;
+          if (!admin->DeleteJob(id).ok()) {
+          absl::SleepFor(absl::Milliseconds(10));  // failing over: no busy loop
+          continue;
+        }
           ack(kDeleted);
         }
       }
