@@ -107,6 +107,15 @@ struct RoundOptions {
   // whose confirmation failed leaves its tensors untouched and keeps the result aside
   // (AdoptPendingResult): if any member completed the round, every member holds its result.
   bool commit = false;
+  // How the tensors travel (streaming sync, docs/streaming.md): FP32 is a plain all-reduce;
+  // BF16 and INT8 encode each member's contribution (client/payload_codec.h), sum the decoded
+  // values in float32 and send the sum encoded again, so every member ends with the same
+  // decoded result. For pseudo-gradients, not parameters: the level must be an outer one.
+  Payload payload = Payload::kFp32;
+  // Mixed into the layout agreement with the element count and dtype (0: none): the fragment
+  // split's signature (client/fragments.h), so that members whose splits differ fail with
+  // INVALID_ARGUMENT rather than average different tensors together.
+  int64_t layout_signature = 0;
 };
 
 // Where a round left this member.
@@ -151,6 +160,11 @@ class Communicator {
   // generation, so that no collective outlives its generation (a stopped or hung peer must not
   // hold the survivors for the collective timeout). Idempotent; the first `why` is kept.
   virtual void Abort(const absl::Status& why) = 0;
+
+  // Bytes this member has handed to the transport for averaging rounds so far (the algorithm's
+  // count: a ring all-reduce sends 2 (n - 1) / n of the buffer; set-up and agreement messages
+  // are not counted). 0 where not counted.
+  virtual int64_t bytes_sent() const { return 0; }
 
   // This member's index in the subgroup and the subgroup's size.
   virtual int rank() const = 0;

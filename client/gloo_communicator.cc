@@ -18,8 +18,11 @@
 #include "absl/time/clock.h"
 #include "client/error_kind.h"
 #include "client/host_staging.h"
+#include "client/payload_codec.h"
 #include "common/status_util.h"
+#include "gloo/allgather.h"
 #include "gloo/allreduce.h"
+#include "gloo/alltoall.h"
 #include "gloo/common/error.h"
 #include "gloo/math.h"
 #include "gloo/context.h"
@@ -207,6 +210,12 @@ RingChunk GlooRingChunk(size_t total_bytes, int size, int rank, size_t elem,
   c.begin = std::min(total_bytes, rank * per_rank * segment);
   c.end = std::min(total_bytes, (rank + 1) * per_rank * segment);
   return c;
+}
+
+// What one member sends in a ring all-reduce of `bytes`: a chunk of bytes / n in each of the
+// n - 1 steps of the reduce-scatter and of the all-gather.
+int64_t RingBytesSent(size_t bytes, int n) {
+  return static_cast<int64_t>(2 * (static_cast<unsigned __int128>(bytes) * (n - 1) / n));
 }
 
 constexpr size_t kDefaultMaxSegment = gloo::detail::AllreduceOptionsImpl::kMaxSegmentSize;
@@ -398,6 +407,7 @@ absl::Status GlooCommunicator::RunSum(void* data, int64_t numel, DType dtype) {
       opts.setReduceFunction(static_cast<ReduceFn>(&gloo::sum<float>));
     }
     gloo::allreduce(opts);
+    bytes_sent_ += RingBytesSent(static_cast<size_t>(numel) * DTypeSize(dtype), size_);
     return absl::OkStatus();
   } catch (const std::exception& e) {
     return FromGlooException(e, absl::StrCat("Gloo all-reduce of ", numel, " elements"), started,
@@ -447,6 +457,7 @@ absl::Status GlooCommunicator::RunAverage(void* data, int64_t numel, DType dtype
       opts.setReduceFunction(AverageReduction<float>(&st));
     }
     gloo::allreduce(opts);
+    bytes_sent_ += RingBytesSent(bytes, size_);
   } catch (const std::exception& e) {
     if (backup != nullptr) restore();
     return FromGlooException(e, absl::StrCat("Gloo all-reduce of ", numel, " elements"), started,
@@ -524,6 +535,7 @@ absl::Status GlooCommunicator::ProbeFusedAverage() {
   for (float v : probe) right = right && v == mean;
   if (!s.ok() && s.code() != absl::StatusCode::kInternal) return s;  // transport failure
   fused_ = right;
+  bytes_sent_ = 0;  // the probe is set-up, not averaging
   if (!fused_) {
     spdlog::warn("this Gloo build's ring all-reduce does not lay buffers out as modelavg "
                  "expects; averaging falls back to a staging copy with a separate division");
@@ -531,17 +543,23 @@ absl::Status GlooCommunicator::ProbeFusedAverage() {
   return absl::OkStatus();
 }
 
-absl::Status GlooCommunicator::CheckLayout(int64_t numel, DType dtype, int64_t step) {
-  // max over [n, -n, d, -d, s, -s] gives [max n, -min n, max d, -min d, max s, -min s]: equal
+bool GlooCommunicator::LayoutVerified(int64_t numel, DType dtype, int64_t signature) const {
+  return std::find(verified_layouts_.begin(), verified_layouts_.end(),
+                   std::make_tuple(numel, dtype, signature)) != verified_layouts_.end();
+}
+
+absl::Status GlooCommunicator::CheckLayout(int64_t numel, DType dtype, int64_t step,
+                                           int64_t signature) {
+  // max over [n, -n, d, -d, s, -s, g, -g] gives [max n, -min n, ..., max g, -min g]: equal
   // iff all agree.
-  int64_t sig[6] = {numel, -numel, static_cast<int64_t>(dtype), -static_cast<int64_t>(dtype),
-                    step, -step};
+  int64_t sig[8] = {numel, -numel, static_cast<int64_t>(dtype), -static_cast<int64_t>(dtype),
+                    step, -step, signature, -signature};
   const absl::Time started = absl::Now();
   try {
     gloo::AllreduceOptions opts(context_);
     opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
     opts.setTag(next_tag_++);
-    opts.setOutput(sig, 6);
+    opts.setOutput(sig, 8);
     opts.setReduceFunction(static_cast<ReduceFn>(&gloo::max<int64_t>));
     gloo::allreduce(opts);
   } catch (const std::exception& e) {
@@ -559,6 +577,15 @@ absl::Status GlooCommunicator::CheckLayout(int64_t numel, DType dtype, int64_t s
             "; every member must average the same list of tensors")),
         ErrorKind::kLayoutMismatch);
   }
+  if (sig[6] != -sig[7]) {
+    return SetErrorKind(
+        absl::InvalidArgumentError(absl::StrCat(
+            "the members of this subgroup split their parameters into fragments differently "
+            "(the tensors' sizes or dtypes differ between members, with the same total of ",
+            numel, " elements in this fragment); every member must average the same list of "
+            "tensors, in the same order")),
+        ErrorKind::kLayoutMismatch);
+  }
   if (sig[4] != -sig[5]) {
     return SetErrorKind(
         absl::InternalError(absl::StrCat(
@@ -572,6 +599,10 @@ absl::Status GlooCommunicator::CheckLayout(int64_t numel, DType dtype, int64_t s
   layout_checked_ = true;
   checked_numel_ = numel;
   checked_dtype_ = dtype;
+  if (!LayoutVerified(numel, dtype, signature)) {
+    if (verified_layouts_.size() >= 64) verified_layouts_.erase(verified_layouts_.begin());
+    verified_layouts_.emplace_back(numel, dtype, signature);
+  }
   return absl::OkStatus();
 }
 
@@ -594,9 +625,10 @@ absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
   if (!broken_.ok()) return broken_;
   if (absl::Status a = AbortedOr(absl::OkStatus()); !a.ok()) return broken_ = a;
   has_pending_ = false;
-  if (!layout_checked_ || checked_numel_ != *total || checked_dtype_ != dtype ||
+  if (!LayoutVerified(*total, dtype, options.layout_signature) ||
       (options.step >= 0 && !step_checked_)) {
-    absl::Status s = CheckLayout(*total, dtype, step_checked_ ? -1 : options.step);
+    absl::Status s = CheckLayout(*total, dtype, step_checked_ ? -1 : options.step,
+                                 options.layout_signature);
     if (!s.ok()) {
       if (s.code() != absl::StatusCode::kInvalidArgument) s = Break(s);
       return s;
@@ -607,6 +639,41 @@ absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
     return absl::OkStatus();
   }
   const size_t bytes = static_cast<size_t>(*total) * DTypeSize(dtype);
+  if (options.payload != Payload::kFp32) {
+    if (dtype != DType::kFloat32) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a ", PayloadName(options.payload),
+          " payload takes float32/float16/bfloat16 tensors; these include float64"));
+    }
+    // Packed into the staging (zeros for a member that does not contribute); the compressed
+    // result lands in the second half, and the tensors are written only on success.
+    const size_t words = (2 * bytes + 7) / 8;
+    if (staging_.size() < words) staging_.resize(words);
+    float* in = reinterpret_cast<float*>(staging_.data());
+    float* result = in + *total;
+    if (options.contribute) {
+      PackDivided(tensors, dtype, 1.0, in);
+    } else {
+      std::memset(in, 0, bytes);
+    }
+    absl::Status s = RunCompressed(in, *total, options.payload, divisor, result);
+    if (!s.ok()) return Break(s);
+    if (options.commit) {
+      if (absl::Status c = Commit(); !c.ok()) {
+        pending_.assign(reinterpret_cast<const double*>(result),
+                        reinterpret_cast<const double*>(result) + (bytes + 7) / 8);
+        has_pending_ = true;
+        pending_packed_ = true;
+        pending_numel_ = *total;
+        pending_dtype_ = dtype;
+        *outcome = RoundOutcome::kFailedHoldingResult;
+        return Break(c);
+      }
+    }
+    Unpack(result, dtype, tensors);
+    *outcome = RoundOutcome::kCompleted;
+    return absl::OkStatus();
+  }
   void* single = SingleBuffer(tensors);
   // A committed round needs the backup to undo (in_place is only for plain rounds).
   const bool keep_backup = !in_place_ || options.commit;
@@ -659,6 +726,71 @@ absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
   }
   Unpack(staging_.data(), dtype, tensors);
   *outcome = RoundOutcome::kCompleted;
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, Payload payload,
+                                             int divisor, float* out) {
+  const int n = size_;
+  // Chunk j: elements [j * chunk, min((j + 1) * chunk, numel)), encoded into `enc` bytes
+  // (zero-padded to `chunk` elements so that every member's pieces have one size).
+  const int64_t chunk = (numel + n - 1) / n;
+  const size_t enc = EncodedBytes(payload, chunk);
+  wire_send_.assign(enc * n, 0);
+  wire_recv_.assign(enc * n, 0);
+  chunk_.assign(static_cast<size_t>(chunk), 0.0f);
+  const auto range = [&](int j) {
+    const int64_t lo = std::min<int64_t>(numel, j * chunk);
+    return std::make_pair(lo, std::min<int64_t>(numel, lo + chunk) - lo);
+  };
+  for (int j = 0; j < n; ++j) {
+    const auto [lo, len] = range(j);
+    std::fill(chunk_.begin(), chunk_.end(), 0.0f);
+    std::memcpy(chunk_.data(), data + lo, static_cast<size_t>(len) * sizeof(float));
+    EncodePayload(payload, chunk_.data(), chunk, wire_send_.data() + j * enc);
+  }
+  const absl::Time started = absl::Now();
+  try {
+    {
+      gloo::AlltoallOptions opts(context_);
+      opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+      opts.setTag(next_tag_++);
+      opts.setInput(wire_send_.data(), wire_send_.size());
+      opts.setOutput(wire_recv_.data(), wire_recv_.size());
+      gloo::alltoall(opts);
+    }
+    bytes_sent_ += static_cast<int64_t>(enc) * (n - 1);
+    // This member's chunk: the float32 sum of every member's decoded piece, in rank order.
+    std::fill(chunk_.begin(), chunk_.end(), 0.0f);
+    for (int i = 0; i < n; ++i) {
+      DecodeAddPayload(payload, wire_recv_.data() + i * enc, chunk, chunk_.data());
+    }
+    const float inv = 1.0f / static_cast<float>(divisor);
+    for (float& v : chunk_) v *= inv;
+    EncodePayload(payload, chunk_.data(), chunk, wire_send_.data());
+    {
+      gloo::AllgatherOptions opts(context_);
+      opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+      opts.setTag(next_tag_++);
+      opts.setInput(wire_send_.data(), enc);
+      opts.setOutput(wire_recv_.data(), wire_recv_.size());
+      gloo::allgather(opts);
+    }
+    bytes_sent_ += static_cast<int64_t>(enc) * (n - 1);
+  } catch (const std::exception& e) {
+    return FromGlooException(
+        e, absl::StrCat("Gloo ", PayloadName(payload), " all-reduce of ", numel, " elements"),
+        started, timeout_);
+  } catch (...) {
+    return absl::InternalError("Gloo compressed all-reduce failed with an unknown exception");
+  }
+  // Every member decodes the same bytes: the results agree bit for bit.
+  for (int j = 0; j < n; ++j) {
+    const auto [lo, len] = range(j);
+    if (len <= 0) continue;
+    DecodePayload(payload, wire_recv_.data() + j * enc, chunk, chunk_.data());
+    std::memcpy(out + lo, chunk_.data(), static_cast<size_t>(len) * sizeof(float));
+  }
   return absl::OkStatus();
 }
 

@@ -17,6 +17,8 @@ build_packages=(
   grpc-proto
   # Coordinator --state_dir (SQLite).
   libsqlite3-dev
+  # The coordinator's HTTP port (/metrics, the status page): an event-loop HTTP server.
+  libmicrohttpd-dev
 )
 packages=(
   "${build_packages[@]}" build-essential git
@@ -34,6 +36,12 @@ packages=(
   clang-14 libclang-rt-14-dev
   # Debian packages (cpack): dpkg-shlibdeps computes their dependencies, file finds the binaries.
   dpkg-dev file
+  # The status page in a real browser (headless Chromium over the DevTools protocol), and
+  # promtool for the alerting rules in deploy/prometheus/.
+  chromium python3-websocket prometheus
+  # The cluster tests and the LM benchmark (network namespaces, veth, bridges, tc/tbf); the
+  # benchmark's corpus (fortunes) and its plot (matplotlib).
+  iproute2 fortunes python3-matplotlib
 )
 case "${1:-}" in
   "") ;;

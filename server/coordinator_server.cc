@@ -10,12 +10,14 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/coordinator_service.h"
+#include "server/http_server.h"
 #include "server/job_registry.h"
 #include "common/file_util.h"
 #include "server/jobs_file.h"
 #include "server/rpc_metrics.h"
 #include "server/sqlite_state_store.h"
 #include "server/state_store.h"
+#include "server/status_page.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::server {
@@ -109,10 +111,23 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   if (!loaded.ok()) return loaded.status();
   if (absl::Status s = server->registry_->MergeJobs(options.jobs); !s.ok()) return s;
   if (!options.metrics_listen.empty()) {
-    absl::StatusOr<std::unique_ptr<RpcMetrics>> metrics =
-        RpcMetrics::Start(options.metrics_listen, server->registry_.get());
-    if (!metrics.ok()) return metrics.status();
-    server->metrics_ = *std::move(metrics);
+    server->metrics_ = RpcMetrics::Create(server->registry_.get());
+    StatusPageOptions page_options;
+    page_options.operator_token = options.auth_token;
+    auto page = std::make_shared<StatusPage>(server->registry_.get(), page_options);
+    absl::StatusOr<std::unique_ptr<HttpServer>> http = HttpServer::Start(
+        options.metrics_listen,
+        [metrics = server->metrics_.get(), page](const HttpRequest& request) {
+          if (request.path == "/metrics") {
+            HttpResponse reply;
+            reply.content_type = "text/plain; version=0.0.4; charset=utf-8";
+            reply.body = metrics->TextExposition();
+            return reply;
+          }
+          return page->Handle(request);
+        });
+    if (!http.ok()) return http.status();
+    server->http_ = *std::move(http);
   }
   AuthOptions auth;
   auth.operator_token = options.auth_token;
@@ -144,7 +159,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
                : options.worker_token.empty() ? ", token auth on"
                                               : ", token auth on (operator and worker roles)");
   if (server->metrics_ != nullptr) {
-    spdlog::info("metrics on http://{}/metrics", server->metrics_->address());
+    spdlog::info("metrics on http://{}/metrics, status page on http://{}/",
+                 server->http_->address(), server->http_->address());
   }
   return server;
 }
@@ -152,7 +168,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 CoordinatorServer::~CoordinatorServer() { Shutdown(); }
 
 std::string CoordinatorServer::metrics_address() const {
-  return metrics_ == nullptr ? "" : metrics_->address();
+  return http_ == nullptr ? "" : http_->address();
 }
 
 void CoordinatorServer::Shutdown() {
@@ -176,8 +192,8 @@ void CoordinatorServer::Shutdown() {
     server_->Wait();
   }
   spdlog::debug("gRPC server stopped");
-  metrics_.reset();
-  spdlog::debug("metrics server stopped");
+  http_.reset();
+  spdlog::debug("HTTP server stopped");
   spdlog::info("coordinator stopped");
 }
 

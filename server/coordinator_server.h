@@ -22,6 +22,7 @@ class Server;
 namespace modelavg::server {
 
 class CoordinatorService;
+class HttpServer;
 class JobRegistry;
 class RpcMetrics;
 class StateStore;
@@ -44,7 +45,8 @@ struct ServerOptions {
   // listed here have the operator role; other verified client certificates the worker role.
   // Empty: every verified client certificate is an operator.
   std::vector<std::string> operator_cert_names;
-  // "HOST:PORT" for Prometheus' /metrics; empty: no metrics.
+  // "HOST:PORT" of the HTTP port: Prometheus' /metrics and the status page (/, /jobs/ID;
+  // server/status_page.h); empty: neither.
   std::string metrics_listen;
   // Jobs created before serving (e.g. from --jobs_file), merged with the stored ones
   // (JobRegistry::MergeJobs).
@@ -85,6 +87,8 @@ class CoordinatorServer {
   std::unique_ptr<StateStore> store_;
   std::unique_ptr<JobRegistry> registry_;
   std::unique_ptr<RpcMetrics> metrics_;
+  // The HTTP port; reads registry_ and metrics_, so destroyed before them.
+  std::unique_ptr<HttpServer> http_;
   std::unique_ptr<CoordinatorService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;

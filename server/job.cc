@@ -209,12 +209,10 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
                  membership_.generation(), change.admission_step, change.admission_floor,
                  change.max_reported_step, change.admission_margin,
                  std::max(0.0, membership_.steps_per_second()));
-    if (!watchers_.empty()) {
-      AddEvent(v1::JobEvent::MEMBER_ADMITTED, rank,
-               absl::StrCat("worker \"", m.worker_id, "\" admitted as rank ", rank, " at step ",
-                            change.admission_step),
-               true, &out);
-    }
+    AddEvent(v1::JobEvent::MEMBER_ADMITTED, rank,
+             absl::StrCat("worker \"", m.worker_id, "\" admitted as rank ", rank, " at step ",
+                          change.admission_step),
+             true, &out);
     OnMembershipChange(change, &out);
     // On a failed write the admission stays in memory (written with the next change); the
     // worker retries its Join and is admitted again in the same rank.
@@ -241,10 +239,8 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
   spdlog::info("job {}: worker \"{}\" ({}) joined as rank {} in generation {} ({}/{} joined)",
                id(), m.worker_id, m.host, rank, generation,
                joined->change.world_complete ? world : membership_.round_size(), world);
-  if (!watchers_.empty()) {
-    AddEvent(v1::JobEvent::MEMBER_JOINED, rank,
-             absl::StrCat("worker \"", m.worker_id, "\" joined as rank ", rank), false, &out);
-  }
+  AddEvent(v1::JobEvent::MEMBER_JOINED, rank,
+           absl::StrCat("worker \"", m.worker_id, "\" joined as rank ", rank), false, &out);
   if (absl::Status s = Persist(); !s.ok()) {
     if (!joined->change.world_complete) {
       membership_.Withdraw(rank);
@@ -266,10 +262,8 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
     }
     spdlog::info("job {}: all {} ranks joined; RUNNING in generation {}", id(), world,
                  generation);
-    if (!watchers_.empty()) {
-      AddEvent(v1::JobEvent::WORLD_COMPLETE, -1, absl::StrCat("RUNNING in generation ", generation),
-               true, &out);
-    }
+    AddEvent(v1::JobEvent::WORLD_COMPLETE, -1, absl::StrCat("RUNNING in generation ", generation),
+             true, &out);
   }
 }
 
@@ -306,10 +300,8 @@ void Job::OnMembershipChange(const MembershipChange& change, Outbox* out) {
                                       "): PENDING until every rank re-joins")
                        : std::string());
     }
-    if (!watchers_.empty()) {
-      AddEvent(v1::JobEvent::GENERATION_CHANGED, change.changed_by_rank, change.reason, true,
-               out);
-    }
+    AddEvent(v1::JobEvent::GENERATION_CHANGED, change.changed_by_rank, change.reason, true,
+             out);
   }
   if (change.finished) {
     FailAllWaits(absl::AbortedError(absl::StrCat("job ", id(), " finished: every member left")),
@@ -317,9 +309,7 @@ void Job::OnMembershipChange(const MembershipChange& change, Outbox* out) {
     comm_ids_.Clear();
     spdlog::info("job {}: FINISHED in generation {} (every member left)", id(),
                  membership_.generation());
-    if (!watchers_.empty()) {
-      AddEvent(v1::JobEvent::JOB_FINISHED, -1, "every member left", true, out);
-    }
+    AddEvent(v1::JobEvent::JOB_FINISHED, -1, "every member left", true, out);
   }
 }
 
@@ -713,6 +703,18 @@ void Job::Unwatch(uint64_t watcher_id) {
 
 void Job::AddEvent(v1::JobEvent::Kind kind, int32_t rank, const std::string& message,
                    bool with_members, Outbox* out) {
+  // The status page's history, whether or not anyone watches.
+  history_.AddEvent({kind, rank, message, UnixMs(clock_->Now()), membership_.generation()});
+  if (kind == v1::JobEvent::GENERATION_CHANGED && membership_.last_change()) {
+    history_.AddGeneration(*membership_.last_change());
+  } else if (kind == v1::JobEvent::WORLD_COMPLETE) {
+    v1::GenerationChange start;
+    start.set_generation(membership_.generation());
+    start.set_rank(-1);
+    start.set_reason(message);
+    start.set_unix_ms(UnixMs(clock_->Now()));
+    history_.AddGeneration(std::move(start));
+  }
   // Streams whose client went away are dropped here.
   watchers_.erase(std::remove_if(watchers_.begin(), watchers_.end(),
                                  [](const auto& w) { return w.second->Done(); }),
@@ -864,6 +866,16 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members, int64_t max_bytes) cons
   for (int32_t r : membership_.VacantRanks()) out->add_vacant_ranks(r);
   out->set_deaths(deaths_);
   out->set_admissions(admissions_);
+}
+
+std::vector<LoggedEvent> Job::RecentEvents() const {
+  absl::MutexLock lock(&mu_);
+  return history_.events();
+}
+
+std::vector<v1::GenerationChange> Job::GenerationHistory() const {
+  absl::MutexLock lock(&mu_);
+  return history_.generations();
 }
 
 Job::Stats Job::GetStats() const {

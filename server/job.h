@@ -24,6 +24,7 @@
 #include "common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
 #include "server/comm_id_store.h"
+#include "server/event_log.h"
 #include "server/membership.h"
 #include "server/pending_waits.h"
 #include "server/state_store.h"
@@ -171,6 +172,11 @@ class Job {
   };
   Stats GetStats() const;
 
+  // The job's recent events and generation changes (bounded, oldest first; since the job was
+  // created or the coordinator restarted). For people: the status page.
+  std::vector<LoggedEvent> RecentEvents() const;
+  std::vector<v1::GenerationChange> GenerationHistory() const;
+
   // Fails every pending wait with `status` and closes every watcher (ABORTED on DeleteJob,
   // UNAVAILABLE on stop). Later waits fail with `status` at once.
   void Close(const absl::Status& status, bool deleted);
@@ -224,6 +230,7 @@ class Job {
   // Replacements admitted since creation (or restore): a metric.
   int64_t admissions_ ABSL_GUARDED_BY(mu_) = 0;
   CommIdStore comm_ids_ ABSL_GUARDED_BY(mu_);
+  EventLog history_ ABSL_GUARDED_BY(mu_);
   PendingWaits waits_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<uint64_t, std::shared_ptr<JobWatcher>>> watchers_ ABSL_GUARDED_BY(mu_);
   uint64_t next_watcher_id_ ABSL_GUARDED_BY(mu_) = 1;
