@@ -28,6 +28,13 @@ Fn Real(const char* mangled) {
   return reinterpret_cast<Fn>(f);
 }
 
+// Abseil's deadlock detection keeps a graph of the locks in memory of its own (uninstrumented
+// allocator, instrumented memmove): TSan would take its bookkeeping for races. Off in this build.
+const bool kNoDeadlockGraph = [] {
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  return true;
+}();
+
 }  // namespace
 
 namespace absl {
