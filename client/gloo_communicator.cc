@@ -136,8 +136,12 @@ absl::StatusOr<std::shared_ptr<gloo::Context>> ConnectMesh(
     addresses.insert(addresses.end(), bytes.begin(), bytes.end());
   }
   // The pair table is complete and never changes again: a cancel may fail the pairs from any
-  // thread from here on (the hook keeps the transport context alive).
-  cancel->OnCancel([transport, rank, size](const absl::Status& why) {
+  // thread from here on. The hook holds the transport weakly: it is torn down by its owner
+  // (this thread, or the communicator), never by the thread that cancels.
+  cancel->OnCancel([weak = std::weak_ptr<gloo::transport::Context>(transport), rank,
+                    size](const absl::Status& why) {
+    std::shared_ptr<gloo::transport::Context> transport = weak.lock();
+    if (transport == nullptr) return;
     const std::string msg = absl::StrCat("set-up cancelled by modelavg: ", why.message());
     for (int i = 0; i < size; ++i) {
       if (i != rank) FailPair(transport->getPair(i).get(), i, msg);
@@ -750,6 +754,7 @@ absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, P
     std::memcpy(chunk_.data(), data + lo, static_cast<size_t>(len) * sizeof(float));
     EncodePayload(payload, chunk_.data(), chunk, wire_send_.data() + j * enc);
   }
+  const absl::Time started = absl::Now();
   try {
     {
       gloo::AlltoallOptions opts(context_);

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The tests again under AddressSanitizer + UndefinedBehaviorSanitizer, then each libFuzzer target
-# for a bounded time. A second build directory (clang-14; ccache is used when present but not
-# needed), only the test and fuzz binaries. Any sanitizer report, leak or fuzz crash fails it.
+# for a bounded time, then the client's threaded tests under ThreadSanitizer. A second and a
+# third build directory (clang-14; ccache is used when present but not needed), only the test and
+# fuzz binaries. Any sanitizer report, leak or fuzz crash fails it.
 #   bash tests/sanitize.sh                      # what CI runs (after tests/run_all.sh)
 #   MODELAVG_FUZZ_SECONDS=600 bash tests/sanitize.sh   # fuzz longer
 set -euo pipefail
@@ -42,4 +43,29 @@ tested=$(date +%s)
 echo "sanitize tests: $(( tested - built )) s"
 # One fuzz target at a time: each gets the whole machine for its seconds.
 ctest --test-dir "$build" --output-on-failure -j 1 -L fuzz
-echo "fuzz: $(( $(date +%s) - tested )) s (${seconds} s per target)"
+fuzzed=$(date +%s)
+echo "fuzz: $(( fuzzed - tested )) s (${seconds} s per target)"
+
+# ThreadSanitizer over the client's threaded tests (the heartbeat thread against an in-process
+# coordinator, aborts from another thread, the cancel of a communicator's set-up): a third build
+# directory, only those binaries. Debian's Abseil is not built for TSan: the test binaries link
+# tests/tools/tsan_absl_sync.cc, which makes its Mutex and Notification visible to it.
+tsan_build=${MODELAVG_TSAN_BUILD_DIR:-build-tsan}
+tsan="-fsanitize=thread"
+cmake -S . -B "$tsan_build" -G Ninja "${launcher[@]}" \
+  -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=None \
+  -DCMAKE_CXX_FLAGS="-O1 -g1 -fno-omit-frame-pointer $tsan" \
+  -DCMAKE_EXE_LINKER_FLAGS="$tsan" -DCMAKE_SHARED_LINKER_FLAGS="$tsan" \
+  -DMODELAVG_WITH_CUDA=OFF -DMODELAVG_BUILD_BENCH=OFF -DMODELAVG_BUILD_EXAMPLES=OFF \
+  -DMODELAVG_TSAN_ABSL_SHIM=ON
+tsan_targets=(client_gloo_abort_test client_gloo_setup_test client_coordinator_test)
+cmake --build "$tsan_build" -j "$jobs" --target "${tsan_targets[@]}"
+tsan_built=$(date +%s)
+echo "tsan build: $(( tsan_built - fuzzed )) s"
+# Races inside the uninstrumented system libraries are theirs (tests/tools/tsan.supp). Tests
+# against the in-process coordinator (ClientCoordinatorTest) are left out: under TSan its first
+# calls time out in gRPC's handshake, and its 2 s heartbeat timeouts are missed.
+export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tools/tsan.supp"
+ctest --test-dir "$tsan_build" --output-on-failure -j "$jobs" --timeout 300 \
+  -R '^(GlooAbortTest|GlooSetupTest|SilenceAndRandomBytes|ErrorKindTest|ClientHeartbeatTest)'
+echo "tsan tests: $(( $(date +%s) - tsan_built )) s"
