@@ -4,10 +4,10 @@
 #include <cstring>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/communicator_cache.h"
+#include "client/error_kind.h"
 #include "client/fragments.h"
 #include "client/outer_state.h"
 #include "client/pending_sync.h"
@@ -71,6 +71,17 @@ void ModelAverager::set_step(int64_t step) {
 
 absl::StatusOr<Decision> ModelAverager::AverageParameters(absl::Span<const TensorView> params) {
   absl::MutexLock l(&mu_);
+  absl::StatusOr<Decision> result = AverageStep(params);
+  // A failed round (not a call refused for its arguments) makes this worker's eventual Leave a
+  // failure, which the coordinator counts as a death rather than an orderly departure.
+  if (!result.ok() && (!absl::IsInvalidArgument(result.status()) ||
+                       ErrorKindOf(result.status()) == ErrorKind::kLayoutMismatch)) {
+    client_->RecordFailure(result.status());
+  }
+  return result;
+}
+
+absl::StatusOr<Decision> ModelAverager::AverageStep(absl::Span<const TensorView> params) {
   const int64_t step = step_;
   // Decide, then increment — whatever happens next, like PyTorch.
   ++step_;
@@ -150,7 +161,8 @@ absl::StatusOr<Decision> ModelAverager::Round(const Decision& decision_in, const
                            2 * client_->options().heartbeat_interval + absl::Milliseconds(500);
   while (absl::Now() < until) {
     absl::Status why = client_->CheckCanAverage(group);
-    if (!why.ok() && why.message() == s.message()) return Annotate(why, where);  // aborted
+    // The collective was aborted for the reason the client gives: say it once.
+    if (!why.ok() && ErrorKindOf(s) == ErrorKind::kGenerationMoved) return Annotate(why, where);
     if (!why.ok()) {
       return absl::Status(why.code(), absl::StrCat(where, " failed: ", why.message(),
                                                    " (transport error: ", s.message(), ")"));
@@ -172,6 +184,13 @@ absl::StatusOr<Decision> ModelAverager::OuterRound(const Decision& decision,
     return absl::InternalError(absl::StrCat(where, ": the coordinator's decision says outer but "
                                             "the job's spec has no outer optimizer at level ",
                                             level));
+  }
+  const ScheduleLevel& rule = client_->schedule().spec().levels[level];
+  if (rule.fragments > 1 || rule.sync_delay > 0 || rule.payload != Payload::kFp32) {
+    // Not silently a whole-model fp32 outer step: the streaming fields change the rule.
+    return absl::UnimplementedError(absl::StrCat(
+        where, ": this client applies an outer level as a whole (fragments 1, sync_delay 0, "
+               "payload FP32); level ", level, " asks for streaming sync (docs/streaming.md)"));
   }
   if (!device.is_host()) {
     return absl::UnimplementedError(absl::StrCat(
@@ -490,7 +509,7 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
       return decision;
     }
     if (s.code() == absl::StatusCode::kInvalidArgument ||
-        absl::StrContains(s.message(), "averaging different rounds")) {
+        ErrorKindOf(s) == ErrorKind::kRoundMismatch) {
       return Annotate(s, where(decision));
     }
     // The round failed: wait for the job to move on without the failed member (its death is

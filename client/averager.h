@@ -121,6 +121,9 @@ class ModelAverager {
   explicit ModelAverager(Client* client);
 
  private:
+  // AverageParameters under mu_ (the caller records a failure on the client).
+  absl::StatusOr<Decision> AverageStep(absl::Span<const TensorView> params)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Longest wait for the job to move on after a failed round of an elastic job.
   absl::Duration RetryWait() const;
   // How the communicator of `decision`'s round is bootstrapped.

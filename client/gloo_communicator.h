@@ -42,14 +42,19 @@ class GlooCommunicator : public Communicator {
   // its own `rank`) on `device` (see CreateGlooDevice). `timeout` bounds the rendezvous and
   // every later collective. `store_error`, when set, gives the cause of a store failure (its
   // status code is kept: ABORTED, FAILED_PRECONDITION, ...). `in_place`: see
-  // ClientOptions::gloo_in_place.
-  // Errors: INVALID_ARGUMENT (rank/size), DEADLINE_EXCEEDED (a member did not arrive in time),
-  // UNAVAILABLE (a member could not be reached), the store's error, INTERNAL (other Gloo
-  // failures).
+  // ClientOptions::gloo_in_place. `cancel` (may be null) cancels the set-up from another
+  // thread: every wait of it (the rendezvous, each pair's connection, the first collective)
+  // ends at once with the cancel's reason. The mesh is connected by modelavg (not Gloo's
+  // connectFullMesh, whose connect waits cannot be interrupted), and the whole set-up ends at
+  // `timeout` in any case.
+  // Errors: INVALID_ARGUMENT (rank/size), DEADLINE_EXCEEDED (a member did not arrive in time;
+  // ErrorKind::kTimeout), UNAVAILABLE (a member could not be reached: kStrayConnection when
+  // its port refused or dropped this member's connection, kPeerFailure otherwise), the store's
+  // error, the cancel's reason, INTERNAL (other Gloo failures).
   static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(
       gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
       int size, absl::Duration timeout, std::function<absl::Status()> store_error = nullptr,
-      bool in_place = false);
+      bool in_place = false, std::shared_ptr<SetupCanceller> cancel = nullptr);
 
   ~GlooCommunicator() override;
 

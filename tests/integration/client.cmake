@@ -26,6 +26,14 @@ if(TARGET modelavg-coordinator)
       MODELAVG_TRACE_WORKER_BIN="$<TARGET_FILE:modelavg-trace-worker>")
     add_dependencies(${t} modelavg-coordinator modelavg-trace-worker)
   endforeach()
+  # Churn: a rank killed and replaced per cycle (MODELAVG_CHURN_CYCLES, default 100, ~2 s each).
+  modelavg_add_gtest(client_elastic_churn_test SOURCES client_elastic_churn_test.cc
+    LIBS modelavg_client LABELS "integration;elastic" TIMEOUT 600)
+  target_compile_definitions(client_elastic_churn_test PRIVATE
+    MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>"
+    MODELAVG_CLIENT_WORKER_BIN="$<TARGET_FILE:modelavg_client_worker>"
+    MODELAVG_TRACE_WORKER_BIN="$<TARGET_FILE:modelavg-trace-worker>")
+  add_dependencies(client_elastic_churn_test modelavg-coordinator modelavg-trace-worker)
 endif()
 
 # The trace checker (trace_check.h) on synthetic traces: fast, no processes.

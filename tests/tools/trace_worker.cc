@@ -65,7 +65,9 @@
 #include "common/cuda_check.h"
 #endif
 
-ABSL_FLAG(std::string, coordinator, "", "coordinator address HOST:PORT (required)");
+ABSL_FLAG(std::string, coordinator, "",
+          "coordinator address HOST:PORT, or several comma-separated (coordinators on etcd: the "
+          "worker fails over to the leader) (required)");
 ABSL_FLAG(std::string, job, "", "id of an existing job to join (required)");
 ABSL_FLAG(int32_t, rank, -1,
           "this worker's rank, 0 <= rank < world_size; -1 (the default): the coordinator picks "

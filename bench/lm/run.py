@@ -1,0 +1,216 @@
+#!/usr/bin/python3
+"""Time to a target loss across a slow link: a small transformer LM on four workers, two sites.
+
+  sudo /usr/bin/python3 bench/lm/run.py                       # every mode, 50 Mbit/s
+  sudo /usr/bin/python3 bench/lm/run.py --rate_mbit=20 --modes=ddp,modelavg
+
+Builds a cluster of network namespaces (tests/cluster/netcluster.py): workers w0, w1 in site a,
+w2, w3 in site b, the sites joined by a link shaped with tbf to --rate_mbit in each direction, a
+modelavg coordinator on a host of its own. For each mode (bench/lm/modes.py) it starts the four
+workers (bench/lm/worker.py), which train a byte-level transformer on the training split of
+Debian's fortunes corpus (bench/lm/corpus.py) until rank 0's validation loss on the held-out
+split reaches --target_loss (or --max_steps). Then it prints a table:
+
+  mode      the mode
+  steps     steps to the target (rank 0's first evaluation at or below it)
+  seconds   training wall-clock to the target (rank 0's clock, evaluation time excluded)
+  x floor   seconds / (the compute floor's seconds per step x steps): 1.0 is communication
+            for free; the floor is the `none` mode's seconds per step (no communication at all,
+            the same four processes sharing the same CPUs)
+  link MB   megabytes that crossed site b's uplink in the whole run (interface counters, both
+            directions, Ethernet frames)
+  final     rank 0's last validation loss
+
+and writes --out_dir/lm_bench.png (validation loss against wall-clock, one line per mode) and
+--out_dir/lm_bench.json (every figure and every evaluation). Needs root (namespaces), python3-torch
+and python3-matplotlib, the `fortunes` package, and a build (modelavg-coordinator and the Python
+package: cmake --build build --target modelavg-coordinator modelavg-python).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(REPO, "tests", "cluster"))
+import corpus  # noqa: E402
+import modes  # noqa: E402
+import netcluster as nc  # noqa: E402
+
+WORKERS = [("w0", "a"), ("w1", "a"), ("w2", "b"), ("w3", "b")]
+COORD_PORT = 7000
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n", 2)[2])
+    p.add_argument("--modes", default="none,ddp,torch_avg,modelavg",
+                   help=f"comma-separated, from {sorted(modes.MODES)} (none first: the floor)")
+    p.add_argument("--rate_mbit", type=float, default=50, help="the site link's rate")
+    p.add_argument("--target_loss", type=float, default=2.2,
+                   help="validation loss (nats per byte) to reach")
+    p.add_argument("--max_steps", type=int, default=1500)
+    p.add_argument("--floor_steps", type=int, default=128,
+                   help="steps the `none` mode runs (it measures seconds per step)")
+    p.add_argument("--eval_every", type=int, default=32)
+    p.add_argument("--d_model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--timeout_s", type=float, default=1800, help="per mode")
+    p.add_argument("--out_dir", default=os.path.join(REPO, "bench", "lm", "out"))
+    p.add_argument("--build_dir", default=os.path.join(REPO, "build"))
+    p.add_argument("--python", default="/usr/bin/python3")
+    return p.parse_args()
+
+
+def run_mode(args, cluster, mode, tmp, corpus_path):
+    """Runs one mode to its end; returns its figures and rank 0's evaluations."""
+    coord = cluster.hosts["coord"]
+    master = cluster.hosts["w0"].address
+    stop_file = os.path.join(tmp, f"{mode}.stop")
+    procs = []
+    coordinator = None
+    env = dict(os.environ, PYTHONPATH=os.path.join(args.build_dir, "python"),
+               OMP_NUM_THREADS="1")
+    if mode in modes.NEEDS_COORDINATOR:
+        log = open(os.path.join(tmp, f"{mode}.coordinator.log"), "w")
+        coordinator = cluster.popen("coord", [
+            os.path.join(args.build_dir, "server", "modelavg-coordinator"),
+            f"--listen={coord.address}:{COORD_PORT}", "--log_level=warn"],
+            stdout=log, stderr=subprocess.STDOUT)
+        time.sleep(1.0)
+        if coordinator.poll() is not None:
+            raise SystemExit(f"the coordinator exited: {open(log.name).read()[-2000:]}")
+    steps = args.floor_steps if mode == "none" else args.max_steps
+    stop_period = 1 if mode == "ddp" else max(modes.LEVELS)
+    before = cluster.site_bytes("b")
+    started = time.monotonic()
+    for rank, (host, _) in enumerate(WORKERS):
+        argv = [args.python, os.path.join(HERE, "worker.py"), f"--mode={mode}",
+                f"--rank={rank}", f"--world_size={len(WORKERS)}",
+                f"--address={cluster.hosts[host].address}", f"--master={master}",
+                f"--coordinator={coord.address}:{COORD_PORT}", f"--job=lm-{mode}",
+                f"--corpus={corpus_path}", f"--out={os.path.join(tmp, f'{mode}.{rank}.jsonl')}",
+                f"--stop_file={stop_file}", f"--max_steps={steps}",
+                f"--eval_every={args.eval_every}", f"--target_loss={args.target_loss}",
+                f"--d_model={args.d_model}", f"--layers={args.layers}",
+                f"--context={args.context}", f"--batch={args.batch}", f"--lr={args.lr}",
+                f"--stop_period={stop_period}"]
+        err = open(os.path.join(tmp, f"{mode}.{rank}.err"), "w")
+        procs.append(cluster.popen(host, argv, stdout=err, stderr=subprocess.STDOUT, env=env))
+    deadline = time.monotonic() + args.timeout_s
+    failed = []
+    for rank, proc in enumerate(procs):
+        try:
+            rc = proc.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = "timeout"
+        if rc != 0:
+            failed.append((rank, rc, open(os.path.join(tmp, f"{mode}.{rank}.err")).read()[-3000:]))
+    wall = time.monotonic() - started
+    link_bytes = cluster.site_bytes("b") - before
+    if coordinator is not None:
+        coordinator.send_signal(signal.SIGTERM)
+        coordinator.wait(timeout=10)
+    if failed:
+        rank, rc, err = failed[0]
+        raise SystemExit(f"mode {mode}: rank {rank} ended with {rc}:\n{err}")
+    evals = [json.loads(line) for line in open(os.path.join(tmp, f"{mode}.0.jsonl"))]
+    hit = next((e for e in evals if e["val_loss"] <= args.target_loss), None)
+    return {"mode": mode, "evals": evals, "steps_run": evals[-1]["step"],
+            "seconds_run": evals[-1]["seconds"], "final_loss": evals[-1]["val_loss"],
+            "steps_to_target": hit["step"] if hit else None,
+            "seconds_to_target": hit["seconds"] if hit else None,
+            "link_bytes": link_bytes, "process_wall_s": wall}
+
+
+def table(results, floor):
+    rows = [("mode", "steps", "seconds", "x floor", "link MB", "final")]
+    for r in results:
+        steps, secs = r["steps_to_target"], r["seconds_to_target"]
+        ratio = (secs / (floor * steps)) if (steps and floor) else None
+        r["x_floor"] = ratio
+        rows.append((r["mode"], str(steps) if steps else f">{r['steps_run']}",
+                     f"{secs:.1f}" if secs is not None else f">{r['seconds_run']:.1f}",
+                     f"{ratio:.2f}" if ratio else "-", f"{r['link_bytes'] / 1e6:.1f}",
+                     f"{r['final_loss']:.3f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))) for row in rows)
+
+
+def plot(results, args, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in results:
+        ax.plot([e["seconds"] for e in r["evals"]], [e["val_loss"] for e in r["evals"]],
+                marker=".", label=r["mode"])
+    ax.axhline(args.target_loss, color="grey", linestyle="--", linewidth=1, label="target")
+    ax.set_xlabel("training wall-clock (s)")
+    ax.set_ylabel("validation loss (nats/byte)")
+    ax.set_title(f"4 workers, 2 sites, {args.rate_mbit:g} Mbit/s between them")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    args = parse_args()
+    mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in mode_list if m not in modes.MODES]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {unknown}; known: {sorted(modes.MODES)}")
+    reason = nc.unavailable_reason()
+    if reason:
+        raise SystemExit(f"the benchmark needs a cluster of network namespaces: {reason}")
+    signal.signal(signal.SIGTERM, lambda s, f: (_ for _ in ()).throw(SystemExit(143)))
+    os.makedirs(args.out_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="modelavg-lmbench-")
+    results = []
+    try:
+        corpus_path = os.path.join(tmp, "corpus.pt")
+        n_train, n_val = corpus.prepare(corpus_path)
+        print(f"corpus: {n_train} training bytes, {n_val} held-out bytes "
+              f"({corpus.FORTUNES})", flush=True)
+        hosts = [nc.Host("coord", None)] + [nc.Host(n, s) for n, s in WORKERS]
+        with nc.Cluster(hosts, site_rate_mbit=args.rate_mbit) as cluster:
+            for mode in mode_list:
+                t = time.monotonic()
+                r = run_mode(args, cluster, mode, tmp, corpus_path)
+                results.append(r)
+                print(f"{mode}: {r['steps_run']} steps in {r['seconds_run']:.1f} s, final loss "
+                      f"{r['final_loss']:.3f}, {r['link_bytes'] / 1e6:.1f} MB over the link "
+                      f"({time.monotonic() - t:.0f} s with start-up)", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    floor_r = next((r for r in results if r["mode"] == "none"), None)
+    floor = floor_r["seconds_run"] / floor_r["steps_run"] if floor_r else None
+    print()
+    print(f"target validation loss {args.target_loss}; link {args.rate_mbit:g} Mbit/s; "
+          f"compute floor {floor:.3f} s/step" if floor else "no `none` mode: no floor")
+    print(table(results, floor))
+    png = os.path.join(args.out_dir, "lm_bench.png")
+    plot(results, args, png)
+    with open(os.path.join(args.out_dir, "lm_bench.json"), "w") as f:
+        json.dump({"args": vars(args), "floor_s_per_step": floor, "results": results}, f,
+                  indent=1)
+    print(f"plot: {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+#!/usr/bin/python3
+"""One worker of the language-model benchmark (bench/lm/run.py starts four, one per host).
+
+Trains a small character-level transformer on the training split of the corpus, communicating
+as its mode says (modes.py), and writes one JSON line per evaluation to --out:
+``{"step", "seconds", "val_loss", "train_loss"}`` where seconds is the training time so far
+(wall clock since the first step, less the time this rank spent evaluating). Only rank 0
+evaluates; the others write their step times. It stops before the step named in the stop file
+(--stop_file, written by rank 0 once the target is reached, see run.py) or at --max_steps.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import corpus  # noqa: E402
+import model as lm  # noqa: E402
+import modes  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mode", required=True, choices=sorted(modes.MODES))
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world_size", type=int, required=True)
+    p.add_argument("--address", required=True, help="this host's data address")
+    p.add_argument("--master", required=True, help="rank 0's data address (torch.distributed)")
+    p.add_argument("--coordinator", default="", help="modelavg coordinator HOST:PORT")
+    p.add_argument("--job", default="lm-bench")
+    p.add_argument("--corpus", required=True, help="the corpus cache (corpus.py)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--stop_file", required=True)
+    p.add_argument("--max_steps", type=int, default=2000)
+    p.add_argument("--eval_every", type=int, default=32)
+    p.add_argument("--eval_batches", type=int, default=8)
+    p.add_argument("--target_loss", type=float, required=True)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--d_model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--stop_period", type=int, default=32,
+                   help="stop at a multiple of this (the largest averaging period)")
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    data = corpus.load(args.corpus)
+    torch.manual_seed(args.seed)  # the same initial model on every rank
+    net = lm.CharTransformer(vocab=corpus.VOCAB, context=args.context, d_model=args.d_model,
+                             layers=args.layers, heads=args.heads)
+    mode = modes.MODES[args.mode](args)
+    net = mode.wrap(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(1000 + args.rank)  # each rank its own batches
+    val = corpus.batches(data["val"], args.eval_batches, args.batch, args.context,
+                         torch.Generator().manual_seed(7))
+
+    out = open(args.out, "w")
+
+    def emit(**kv):
+        out.write(json.dumps(kv) + "\n")
+        out.flush()
+
+    start = time.monotonic()
+    eval_seconds = 0.0
+    stop_at = args.max_steps  # steps to run (a count)
+    done = 0
+    while done < stop_at:
+        i = done  # this step's index, from 0; the averagers average after index i's update
+        x, y = corpus.batch(data["train"], args.batch, args.context, gen)
+        loss = net(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        mode.after_step(net, i)
+        done += 1
+        if args.rank == 0 and ((i > 0 and i % args.eval_every == 0) or done == stop_at):
+            e0 = time.monotonic()
+            v = lm.evaluate(mode.module(net), val)
+            eval_seconds += time.monotonic() - e0
+            emit(step=done, seconds=time.monotonic() - start - eval_seconds, val_loss=v,
+                 train_loss=float(loss))
+            if not math.isfinite(v):
+                raise SystemExit(f"rank 0: validation loss is {v} at step {done}")
+            if v <= args.target_loss and stop_at == args.max_steps:
+                # Every rank stops at the same count, just after the next step that
+                # synchronises all ranks (index i + stop_period): no rank can pass that step
+                # before this file exists, and every rank reads it after each step.
+                stop_at = min(args.max_steps, done + args.stop_period)
+                tmp = args.stop_file + ".tmp"
+                with open(tmp, "w") as f:
+                    f.write(str(stop_at))
+                os.replace(tmp, args.stop_file)
+        elif args.rank != 0 and stop_at == args.max_steps and os.path.exists(args.stop_file):
+            with open(args.stop_file) as f:
+                stop_at = int(f.read())
+            if stop_at < done:
+                if mode.synchronous:
+                    raise SystemExit(f"rank {args.rank}: already {done} steps done, past the "
+                                     f"stop at {stop_at}")
+                stop_at = done  # no communication: stop where it is
+    if args.rank != 0:
+        emit(step=done, seconds=time.monotonic() - start)
+    mode.close()
+
+
+if __name__ == "__main__":
+    main()
