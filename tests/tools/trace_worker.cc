@@ -75,6 +75,9 @@ ABSL_FLAG(int32_t, rank, -1,
 ABSL_FLAG(int32_t, world_size, 0, "the job's world size (required; must match the job's spec)");
 ABSL_FLAG(int64_t, steps, 0, "number of AverageParameters calls (steps 0 .. steps-1)");
 ABSL_FLAG(int64_t, numel, 1, "number of float32 parameters");
+ABSL_FLAG(bool, print_traffic, false,
+          "after the last step, print one more JSON line: {\"traffic\": [{\"level\": l, "
+          "\"bytes_sent\": b, \"waited_ms\": w}, ...]} (the averager's per-level counts)");
 ABSL_FLAG(int64_t, testing_sleep_at_step, -1,
           "tests: before the call of this step, sleep --testing_sleep_ms (a slow peer)");
 ABSL_FLAG(int64_t, testing_sleep_ms, 0, "see --testing_sleep_at_step");
@@ -461,6 +464,16 @@ absl::Status Run() {
     }
     std::cout << line << "}" << std::endl;
     if (step == die_after) _exit(9);
+  }
+  if (absl::GetFlag(FLAGS_print_traffic)) {
+    std::vector<std::string> levels;
+    const std::vector<client::ModelAverager::LevelTraffic> traffic = averager->traffic();
+    for (size_t l = 0; l < traffic.size(); ++l) {
+      levels.push_back(absl::StrFormat("{\"level\": %d, \"bytes_sent\": %d, \"waited_ms\": %.3f}",
+                                       l, traffic[l].bytes_sent,
+                                       absl::ToDoubleMilliseconds(traffic[l].waited)));
+    }
+    std::cout << "{\"traffic\": [" << absl::StrJoin(levels, ", ") << "]}" << std::endl;
   }
   if (const std::string path = absl::GetFlag(FLAGS_save_state); !path.empty()) {
     MODELAVG_RETURN_IF_ERROR(SaveState(path, params->host(), averager->state_dict()));

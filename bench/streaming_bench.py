@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Streaming sync on loopback: bytes on the wire per worker-step and the longest stall of a
+training step, for fragments F = 1 and 4, sync_delay 0 and > 0, payloads FP32, BF16 and INT8.
+
+Starts a coordinator (--jobs_file) and `--world` modelavg-trace-worker processes per
+configuration; each worker holds --numel float32 parameters as --tensors tensors and spends
+--compute_ms per step before its averaging call (the "training step"). One outer level over the
+world (DiLoCo's recipe, lr 0.7, momentum 0.9, nesterov), period --period. Prints one JSON line
+per configuration: bytes_per_worker_step (the averager's count of bytes handed to Gloo,
+averaged over workers and steps), longest_stall_ms (the longest averaging call, any worker,
+after the first period), mean_call_ms, waited_ms (time calls waited for a background
+all-reduce, summed over a worker's run, slowest worker).
+
+  python3 bench/streaming_bench.py --build=build [--world=4 --numel=4194304 ...]
+"""
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args, build, name, fragments, delay, payload, tmp):
+    level = {"period": args.period, "group_size": args.world, "fragments": fragments,
+             "sync_delay": delay, "payload": payload,
+             "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}
+    spec = {"jobs": [{"job_id": name, "world_size": args.world, "warmup_steps": 0,
+                      "mode": "PERIODIC", "levels": [level]}]}
+    jobs = os.path.join(tmp, name + ".json")
+    with open(jobs, "w") as f:
+        json.dump(spec, f)
+    port = free_port()
+    coord = subprocess.Popen([os.path.join(build, "server", "modelavg-coordinator"),
+                              f"--listen=127.0.0.1:{port}", f"--jobs_file={jobs}",
+                              "--log_level=warn"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        workers = [subprocess.Popen(
+            [os.path.join(build, "tests", "tools", "modelavg-trace-worker"),
+             f"--coordinator=127.0.0.1:{port}", f"--job={name}", f"--rank={r}",
+             f"--world_size={args.world}", f"--steps={args.steps}", f"--numel={args.numel}",
+             f"--tensors={args.tensors}", f"--step_delay_ms={args.compute_ms}", "--unix_ms",
+             "--print_traffic", "--backend=gloo"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for r in range(args.world)]
+        outs = []
+        for w in workers:
+            out, err = w.communicate(timeout=600)
+            if w.returncode != 0:
+                sys.exit(f"{name}: a worker failed: {err.strip()}")
+            outs.append(out)
+    finally:
+        coord.terminate()
+        coord.wait(timeout=30)
+    calls, sent, waited = [], [], []
+    for out in outs:
+        for line in out.splitlines():
+            d = json.loads(line)
+            if "traffic" in d:
+                sent.append(sum(t["bytes_sent"] for t in d["traffic"]))
+                waited.append(sum(t["waited_ms"] for t in d["traffic"]))
+            elif d["step"] >= args.period:  # past the first (plain) syncs of every fragment
+                calls.append(d["call_ms"])
+    return {"fragments": fragments, "sync_delay": delay, "payload": payload,
+            "world": args.world, "numel": args.numel, "tensors": args.tensors,
+            "period": args.period, "compute_ms": args.compute_ms,
+            "bytes_per_worker_step": round(sum(sent) / len(sent) / args.steps),
+            "longest_stall_ms": max(calls), "mean_call_ms": round(sum(calls) / len(calls), 2),
+            "waited_ms": round(max(waited), 1)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--build", default="build")
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--numel", type=int, default=4 << 20)
+    p.add_argument("--tensors", type=int, default=16)
+    p.add_argument("--period", type=int, default=8)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--compute_ms", type=int, default=50)
+    args = p.parse_args()
+    tmp = tempfile.mkdtemp(prefix="modelavg-streaming-bench.")
+    try:
+        for fragments in (1, 4):
+            for delay in (0, max(1, args.period // fragments // 2)):
+                for payload in ("FP32", "BF16", "INT8"):
+                    name = f"f{fragments}-d{delay}-{payload.lower()}"
+                    print(json.dumps(run(args, args.build, name, fragments, delay, payload, tmp)),
+                          flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
