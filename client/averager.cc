@@ -1,12 +1,14 @@
 #include "client/averager.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/communicator_cache.h"
+#include "client/outer_state.h"
 #include "client/gloo_communicator.h"
 #if MODELAVG_HAVE_CUDA
 #include "client/nccl_communicator.h"
@@ -38,6 +40,12 @@ absl::StatusOr<Device> CommonDevice(absl::Span<const TensorView> params) {
 ModelAverager::ModelAverager(Client* client) : client_(client) {
   // A replacement starts at its admission step (the first call receives the parameters).
   if (client_->admission_step() > 0) step_ = client_->admission_step();
+  const std::vector<ScheduleLevel>& levels = client_->schedule().spec().levels;
+  for (size_t i = 0; i < levels.size(); ++i) {
+    outer_.push_back(levels[i].outer.has_value() ? std::make_unique<OuterLevelState>(
+                                                       static_cast<int>(i), *levels[i].outer)
+                                                 : nullptr);
+  }
 }
 ModelAverager::~ModelAverager() = default;
 
@@ -74,8 +82,19 @@ absl::StatusOr<Decision> ModelAverager::AverageParameters(absl::Span<const Tenso
   if (!decision.ok()) return decision.status();
   MODELAVG_ASSIGN_OR_RETURN(Device device, CommonDevice(params));
   if (!decision->average) return *decision;
-  if (client_->elastic()) return AverageElastic(*decision, device, params);
+  // The job's spec (as the coordinator sent it at join) says which levels are outer levels.
+  if (decision->level >= 0 && decision->level < static_cast<int>(outer_.size()) &&
+      outer_[decision->level] != nullptr) {
+    return OuterRound(*decision, device, params);
+  }
+  return Round(*decision, device, params);
+}
 
+absl::StatusOr<Decision> ModelAverager::Round(const Decision& decision_in, const Device& device,
+                                              absl::Span<const TensorView> params) {
+  if (client_->elastic()) return AverageElastic(decision_in, device, params);
+  const Decision* decision = &decision_in;
+  const int64_t step = decision->step;
   const std::string where = absl::StrCat("averaging at step ", step, " (level ", decision->level,
                                          ", subgroup ", decision->subgroup.index, ")");
   MODELAVG_RETURN_IF_ERROR(Annotate(client_->CheckCanAverage(decision->subgroup), where));
@@ -99,6 +118,241 @@ absl::StatusOr<Decision> ModelAverager::AverageParameters(absl::Span<const Tenso
     absl::SleepFor(absl::Milliseconds(50));
   }
   return Annotate(s, where);
+}
+
+absl::StatusOr<Decision> ModelAverager::OuterRound(const Decision& decision,
+                                                   const Device& device,
+                                                   absl::Span<const TensorView> params) {
+  const int level = decision.level;
+  const std::string where = absl::StrCat("outer step at step ", decision.step, " (level ", level,
+                                         ", subgroup ", decision.subgroup.index, ")");
+  OuterLevelState* state =
+      level >= 0 && level < static_cast<int>(outer_.size()) ? outer_[level].get() : nullptr;
+  if (state == nullptr) {
+    return absl::InternalError(absl::StrCat(where, ": the coordinator's decision says outer but "
+                                            "the job's spec has no outer optimizer at level ",
+                                            level));
+  }
+  if (!device.is_host()) {
+    return absl::UnimplementedError(absl::StrCat(
+        where, ": outer optimizers (Level.outer) run on host tensors (Gloo) in this version; "
+               "the parameters are on ",
+        device.ToString()));
+  }
+  // A replacement at its admission step receives the outer state in the round (see
+  // TransferOuterState) and contributes no pseudo-gradient.
+  const bool joining = std::binary_search(decision.joining.begin(), decision.joining.end(),
+                                          client_->rank());
+  const int64_t first = client_->schedule().FirstStepOf(level);
+  const bool first_step = first < 0 || decision.step == first;
+  if (joining && !first_step) {
+    if (pseudo_gradient_ == nullptr) pseudo_gradient_ = std::make_unique<OuterBuffer>();
+    pseudo_gradient_->Shape(params);
+    std::vector<TensorView> d = pseudo_gradient_->Views();
+    MODELAVG_ASSIGN_OR_RETURN(Decision done, Round(decision, device, d));
+    MODELAVG_RETURN_IF_ERROR(Annotate(state->Step(0, d, params), where));
+    return done;
+  }
+  if (!state->has_anchor()) {
+    // The level's first averaging step: a plain average; the result is the anchor. A later
+    // step without an anchor would mix a plain average into the group's outer step.
+    if (!first_step) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, ": this rank has no outer state for level ", level,
+          " (its first averaging step was ", first,
+          "): restore the averager with load_state_dict() from a checkpoint's state_dict() "
+          "rather than set_step() alone"));
+    }
+    MODELAVG_ASSIGN_OR_RETURN(Decision done, Round(decision, device, params));
+    MODELAVG_RETURN_IF_ERROR(Annotate(state->SetAnchor(params), where));
+    return done;
+  }
+  MODELAVG_RETURN_IF_ERROR(Annotate(state->CheckLayout(0, params), where));
+  if (pseudo_gradient_ == nullptr) pseudo_gradient_ = std::make_unique<OuterBuffer>();
+  pseudo_gradient_->Shape(params);
+  std::vector<TensorView> d = pseudo_gradient_->Views();
+  MODELAVG_RETURN_IF_ERROR(Annotate(state->PseudoGradient(0, params, d), where));
+  // The parameters and the state change only once the round has succeeded.
+  MODELAVG_ASSIGN_OR_RETURN(Decision done, Round(decision, device, d));
+  MODELAVG_RETURN_IF_ERROR(Annotate(state->Step(0, d, params), where));
+  return done;
+}
+
+absl::Status ModelAverager::TransferOuterState(const Decision& decision, Communicator* comm,
+                                               absl::Span<const TensorView> layout) {
+  if (decision.joining.empty()) return absl::OkStatus();
+  std::vector<OuterLevelState*> levels;
+  for (const auto& state : outer_) {
+    if (state != nullptr) levels.push_back(state.get());
+  }
+  if (levels.empty()) return absl::OkStatus();
+  const int32_t me = client_->rank();
+  const std::vector<int32_t> members = decision.Members();
+  auto joining = [&](int32_t r) {
+    return std::binary_search(decision.joining.begin(), decision.joining.end(), r);
+  };
+  // The state layout of the parameters (`layout` is them, or an outer step's pseudo-gradient,
+  // which is in the state layout already).
+  OuterBuffer state_layout;
+  state_layout.Shape(layout);
+  const size_t n = state_layout.size();
+  // One round per replacement: a header (per outer level: anchor set, momentum set), then per
+  // level its anchor and, with momentum, its momentum buffer. Each level's donor — the lowest
+  // contributing member of the replacement's block at that level — writes its part, everyone
+  // else zeros, and the divisor is 1: an exact broadcast on the round's communicator.
+  for (int32_t j : decision.joining) {
+    std::vector<TensorView> shape(1);
+    shape[0].numel = static_cast<int64_t>(2 * levels.size());
+    shape[0].dtype = DType::kFloat64;
+    std::vector<int32_t> donors;
+    for (OuterLevelState* level : levels) {
+      const int32_t g = client_->schedule().spec().levels[level->level()].group_size;
+      int32_t donor = -1;
+      for (int32_t m : members) {
+        if (!joining(m) && m / g == j / g) {
+          donor = m;
+          break;
+        }
+      }
+      donors.push_back(donor);
+      const int copies = level->rule().momentum != 0 ? 2 : 1;
+      for (int c = 0; c < copies; ++c) {
+        for (size_t i = 0; i < n; ++i) {
+          TensorView v;
+          v.numel = state_layout.numel(i);
+          v.dtype = state_layout.dtype(i);
+          shape.push_back(v);
+        }
+      }
+    }
+    OuterBuffer buffer;
+    buffer.Shape(shape);  // zeros
+    std::vector<TensorView> views = buffer.Views();
+    double* header = static_cast<double*>(views[0].data);
+    size_t at = 1;
+    for (size_t k = 0; k < levels.size(); ++k) {
+      OuterLevelState* level = levels[k];
+      const bool momentum = level->rule().momentum != 0;
+      if (donors[k] == me && level->has_anchor()) {
+        MODELAVG_RETURN_IF_ERROR(level->CheckLayout(0, absl::MakeConstSpan(views).subspan(at, n)));
+        header[2 * k] = 1;
+        const std::vector<StateTensor> a = level->AnchorTensors();
+        for (size_t i = 0; i < n; ++i) {
+          if (!a[i].bytes.empty()) std::memcpy(views[at + i].data, a[i].bytes.data(), a[i].bytes.size());
+        }
+        if (level->has_momentum()) {
+          header[2 * k + 1] = 1;
+          const std::vector<StateTensor> m = level->MomentumTensors();
+          for (size_t i = 0; i < n; ++i) {
+            if (!m[i].bytes.empty()) {
+              std::memcpy(views[at + n + i].data, m[i].bytes.data(), m[i].bytes.size());
+            }
+          }
+        }
+      }
+      at += momentum ? 2 * n : n;
+    }
+    RoundOptions options;
+    options.step = decision.step;
+    options.contributors = 1;
+    MODELAVG_RETURN_IF_ERROR(comm->AllReduceAverage(views, options, nullptr));
+    if (j != me) continue;
+    at = 1;
+    for (size_t k = 0; k < levels.size(); ++k) {
+      OuterLevelState* level = levels[k];
+      const bool momentum = level->rule().momentum != 0;
+      const size_t width = momentum ? 2 * n : n;
+      if (donors[k] < 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "rank ", me, " is admitted at step ", decision.step,
+            " but no live member of its block at level ", level->level(),
+            " takes part in the round to hand it that level's outer state; start the "
+            "replacement again"));
+      }
+      if (header[2 * k] == 1) {
+        auto copy = [&](size_t from) {
+          std::vector<StateTensor> out(n);
+          for (size_t i = 0; i < n; ++i) {
+            out[i].dtype = views[from + i].dtype;
+            out[i].numel = views[from + i].numel;
+            const uint8_t* p = static_cast<const uint8_t*>(views[from + i].data);
+            out[i].bytes.assign(p, p + views[from + i].nbytes());
+          }
+          return out;
+        };
+        const std::vector<StateTensor> a = copy(at);
+        std::vector<StateTensor> m;
+        if (header[2 * k + 1] == 1) m = copy(at + n);
+        MODELAVG_RETURN_IF_ERROR(level->Load(a, header[2 * k + 1] == 1 ? &m : nullptr));
+        spdlog::info("step {}: received the outer state of level {} from rank {}", decision.step,
+                     level->level(), donors[k]);
+      } else if (header[2 * k] != 0) {
+        return absl::InternalError(absl::StrCat("outer state of level ", level->level(),
+                                                " received from several members at once"));
+      }
+      at += width;
+    }
+  }
+  return absl::OkStatus();
+}
+
+AveragerState ModelAverager::state_dict() const {
+  absl::MutexLock l(&mu_);
+  AveragerState out;
+  out.step = step_;
+  for (const auto& state : outer_) {
+    if (state == nullptr || !state->has_anchor()) continue;
+    out.anchors[state->level()] = state->AnchorTensors();
+    if (state->has_momentum()) out.momenta[state->level()] = state->MomentumTensors();
+  }
+  return out;
+}
+
+absl::Status ModelAverager::load_state_dict(const AveragerState& state) {
+  const int levels = static_cast<int>(client_->schedule().spec().levels.size());
+  auto check_level = [&](int level, const char* what) -> absl::Status {
+    if (level < 0 || level >= levels) {
+      return absl::InvalidArgumentError(absl::StrCat(what, " has level ", level, "; the job has ",
+                                                     levels, " levels"));
+    }
+    if (!client_->schedule().spec().levels[level].outer.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " has level ", level, ", which has no outer optimizer in job ",
+          client_->job_id(), ": was the state_dict saved from another job's averager?"));
+    }
+    return absl::OkStatus();
+  };
+  for (const auto& [level, tensors] : state.anchors) {
+    MODELAVG_RETURN_IF_ERROR(check_level(level, "anchors"));
+  }
+  for (const auto& [level, tensors] : state.momenta) {
+    MODELAVG_RETURN_IF_ERROR(check_level(level, "momenta"));
+    if (state.anchors.count(level) == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("momenta has level ", level, " but anchors does not"));
+    }
+  }
+  // Built apart, swapped in at the end: nothing changes on an error.
+  std::vector<std::unique_ptr<OuterLevelState>> loaded;
+  const std::vector<ScheduleLevel>& spec_levels = client_->schedule().spec().levels;
+  for (int i = 0; i < levels; ++i) {
+    if (!spec_levels[i].outer.has_value()) {
+      loaded.push_back(nullptr);
+      continue;
+    }
+    auto s = std::make_unique<OuterLevelState>(i, *spec_levels[i].outer);
+    auto a = state.anchors.find(i);
+    if (a != state.anchors.end()) {
+      auto m = state.momenta.find(i);
+      MODELAVG_RETURN_IF_ERROR(
+          s->Load(a->second, m == state.momenta.end() ? nullptr : &m->second));
+    }
+    loaded.push_back(std::move(s));
+  }
+  set_step(state.step);
+  absl::MutexLock l(&mu_);
+  outer_ = std::move(loaded);
+  return absl::OkStatus();
 }
 
 absl::Duration ModelAverager::RetryWait() const {
@@ -177,8 +431,10 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
       }
 #endif
     }
-    absl::Status s =
-        comm.ok() ? (*comm)->AllReduceAverage(params, options, &outcome) : comm.status();
+    // An admission hands the replacements the outer state first (their part of this step's
+    // round needs it); a failure there is a failure of the round, retried the same way.
+    absl::Status s = comm.ok() ? TransferOuterState(decision, *comm, params) : comm.status();
+    if (s.ok()) s = (*comm)->AllReduceAverage(params, options, &outcome);
     client_->RecordRound(decision.level, step, decision.generation, outcome);
     if (s.ok()) {
       if (attempt > 1 || joining) {

@@ -16,11 +16,19 @@
 // steps and on averaging steps alike. On an averaging step every member of the chosen subgroup
 // ends with the element-wise mean of the members' values; on a failure the caller's parameters
 // are left either fully averaged or untouched, never half-written.
+//
+// A level with an outer optimizer (JobSpec Level.outer, DiLoCo; docs/diloco.md) keeps an anchor
+// and a momentum per member: its first averaging step is a plain average that sets the anchor;
+// each later one all-reduces the pseudo-gradient (anchor - parameters), steps the anchor with
+// PyTorch's SGD on it and writes the anchor into the parameters. Checkpoint the averager with
+// state_dict() (step, anchors, momenta) and restore it with load_state_dict().
 #ifndef MODELAVG_CLIENT_AVERAGER_H_
 #define MODELAVG_CLIENT_AVERAGER_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -33,6 +41,27 @@
 namespace modelavg::client {
 
 struct CommunicatorSetup;
+class Communicator;
+class OuterLevelState;
+class OuterBuffer;
+
+// One tensor of an averager's saved state: host bytes of `numel` elements of `dtype`.
+struct StateTensor {
+  DType dtype = DType::kFloat32;
+  int64_t numel = 0;
+  std::vector<uint8_t> bytes;
+};
+
+// What ModelAverager::state_dict() saves and load_state_dict() restores (PyTorch's convention:
+// a plain value a checkpoint can hold). For each level with an outer optimizer (Level.outer)
+// whose first averaging step has happened: its anchor, one tensor per parameter tensor, and,
+// once an outer step has set it (momentum > 0), its momentum buffer. Float32 for
+// float16/bfloat16 parameters, else the parameters' dtype.
+struct AveragerState {
+  int64_t step = 0;
+  std::map<int, std::vector<StateTensor>> anchors;  // level index -> tensors
+  std::map<int, std::vector<StateTensor>> momenta;  // level index -> tensors
+};
 
 class ModelAverager {
  public:
@@ -62,6 +91,17 @@ class ModelAverager {
   // step is logged as a warning and taken as 0.
   void set_step(int64_t step);
 
+  // The step and every outer level's anchor and momentum (host copies), to checkpoint beside
+  // the model: restoring them with load_state_dict() in a new process (same job spec, same
+  // parameter list) continues exactly as an uninterrupted run.
+  AveragerState state_dict() const;
+  // Restores a state_dict(): the step (as set_step) and the outer state. Levels absent from
+  // `state.anchors` start without an anchor (their next averaging step must be their first).
+  // Errors: INVALID_ARGUMENT (a level that is not an outer level of this job; tensors that do
+  // not fit each other: counts, dtypes, byte sizes; momenta for a level without momentum or
+  // without an anchor). Nothing changes on an error.
+  absl::Status load_state_dict(const AveragerState& state);
+
   Client* client() const { return client_; }
 
  protected:
@@ -78,9 +118,30 @@ class ModelAverager {
                                           absl::Span<const TensorView> params)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // One round of `decision` on `tensors` (the parameters, or an outer step's pseudo-gradient):
+  // strict or elastic, with the error handling of AverageParameters.
+  absl::StatusOr<Decision> Round(const Decision& decision, const Device& device,
+                                 absl::Span<const TensorView> tensors)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // An admission round of an elastic job (decision.joining not empty): every replacement
+  // receives, for each outer level, the anchor and momentum of the lowest contributing member
+  // of its block at that level, through `comm` before the step's own round. `layout`: the
+  // round's tensors (their state layout is the outer state's).
+  absl::Status TransferOuterState(const Decision& decision, Communicator* comm,
+                                  absl::Span<const TensorView> layout)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // An averaging step of a level with an outer optimizer (docs/diloco.md).
+  absl::StatusOr<Decision> OuterRound(const Decision& decision, const Device& device,
+                                      absl::Span<const TensorView> params)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   Client* const client_;
   mutable absl::Mutex mu_;
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
+  // Per level: its outer state, or null for a plain level.
+  std::vector<std::unique_ptr<OuterLevelState>> outer_ ABSL_GUARDED_BY(mu_);
+  // The pseudo-gradient of an outer step (shared by the levels: one step runs at a time).
+  std::unique_ptr<OuterBuffer> pseudo_gradient_ ABSL_GUARDED_BY(mu_);
 };
 
 // PyTorch's PeriodicModelAverager: the job must be PERIODIC (one level over the whole world,

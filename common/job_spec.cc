@@ -1,6 +1,7 @@
 #include "common/job_spec.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/status_util.h"
 
 namespace modelavg {
 
@@ -23,6 +24,37 @@ absl::Status ValidateJobId(absl::string_view job_id) {
   }
   return absl::OkStatus();
 }
+
+namespace {
+
+// The streaming fields of `level` (index `i`) into `out`; INVALID_ARGUMENT for a negative
+// fragment count or an unknown payload (the rest is checked with the schedule).
+absl::Status StreamingFromProto(const v1::Level& level, int i, ScheduleLevel* out) {
+  if (level.fragments() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "levels[", i, "].fragments must be >= 1 (0: one fragment), got ", level.fragments()));
+  }
+  out->fragments = level.fragments() == 0 ? 1 : level.fragments();
+  out->sync_delay = level.sync_delay();
+  out->mix = level.mix();
+  switch (level.payload()) {
+    case v1::FP32:
+      out->payload = Payload::kFp32;
+      break;
+    case v1::BF16:
+      out->payload = Payload::kBf16;
+      break;
+    case v1::INT8:
+      out->payload = Payload::kInt8;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "levels[", i, "].payload must be FP32, BF16 or INT8, got ", level.payload()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec) {
   if (absl::Status s = ValidateJobId(spec.job_id()); !s.ok()) return s;
@@ -47,8 +79,14 @@ absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec) {
     return absl::InvalidArgumentError(absl::StrCat("a job has at most ", kMaxLevels,
                                                    " levels, got ", spec.levels_size()));
   }
-  for (const v1::Level& level : spec.levels()) {
-    out.levels.push_back(ScheduleLevel{level.period(), level.group_size()});
+  for (int i = 0; i < spec.levels_size(); ++i) {
+    const v1::Level& level = spec.levels(i);
+    ScheduleLevel l{level.period(), level.group_size()};
+    if (level.has_outer()) {
+      l.outer = OuterSgd{level.outer().lr(), level.outer().momentum(), level.outer().nesterov()};
+    }
+    MODELAVG_RETURN_IF_ERROR(StreamingFromProto(level, i, &l));
+    out.levels.push_back(l);
   }
   if (absl::Status s = ValidateScheduleSpec(out); !s.ok()) return s;
   if (spec.heartbeat_timeout_ms() < 0 || spec.heartbeat_timeout_ms() > kMaxHeartbeatTimeoutMs) {
@@ -78,6 +116,17 @@ void ScheduleSpecToProto(const ScheduleSpec& spec, v1::JobSpec* out) {
     v1::Level* l = out->add_levels();
     l->set_period(level.period);
     l->set_group_size(level.group_size);
+    if (level.outer.has_value()) {
+      l->mutable_outer()->set_lr(level.outer->lr);
+      l->mutable_outer()->set_momentum(level.outer->momentum);
+      l->mutable_outer()->set_nesterov(level.outer->nesterov);
+    }
+    if (level.fragments > 1) l->set_fragments(level.fragments);
+    l->set_sync_delay(level.sync_delay);
+    l->set_mix(level.mix);
+    l->set_payload(level.payload == Payload::kBf16   ? v1::BF16
+                   : level.payload == Payload::kInt8 ? v1::INT8
+                                                     : v1::FP32);
   }
 }
 
@@ -92,6 +141,9 @@ void DecisionToProto(const Decision& d, int64_t generation, v1::StepDecision* ou
   out->set_action(v1::AVERAGE);
   out->set_level(d.level);
   out->set_period(d.period);
+  out->set_outer(d.outer);
+  out->set_fragment(d.fragment);
+  out->set_fragments(d.fragments);
   out->set_subgroup(d.subgroup.index);
   out->mutable_ranks()->Reserve(d.subgroup.size);
   for (int32_t i = 0; i < d.subgroup.size; ++i) out->add_ranks(d.subgroup.first_rank + i);
@@ -111,6 +163,9 @@ Decision DecisionFromProto(const v1::StepDecision& d) {
   out.average = true;
   out.level = d.level();
   out.period = d.period();
+  out.outer = d.outer();
+  out.fragment = d.fragment();
+  out.fragments = d.fragments() > 0 ? d.fragments() : 1;
   out.subgroup.index = d.subgroup();
   out.subgroup.size = d.ranks_size();
   out.subgroup.first_rank = d.ranks_size() > 0 ? d.ranks(0) : 0;

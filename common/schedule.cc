@@ -1,5 +1,6 @@
 #include "common/schedule.h"
 
+#include <cmath>
 #include <limits>
 #include <set>
 #include <utility>
@@ -59,6 +60,25 @@ absl::Status ValidateScheduleSpec(const ScheduleSpec& spec) {
                                                      " does not divide world_size ",
                                                      spec.world_size));
     }
+    if (level.outer.has_value()) {
+      const OuterSgd& o = *level.outer;
+      if (!std::isfinite(o.lr) || o.lr <= 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "levels[", i, "].outer.lr must be finite and > 0 (DiLoCo's recipe: 0.7), got ",
+            o.lr));
+      }
+      if (!(o.momentum >= 0 && o.momentum < 1)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "levels[", i, "].outer.momentum must be in [0, 1) (DiLoCo's recipe: 0.9), got ",
+            o.momentum));
+      }
+      if (o.nesterov && o.momentum == 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "levels[", i, "].outer.nesterov needs levels[", i,
+            "].outer.momentum > 0 (PyTorch's SGD rule); set a momentum or drop nesterov"));
+      }
+    }
+    if (absl::Status s = ValidateStreamingLevel(level, i, level.outer.has_value()); !s.ok()) return s;
     if (!periods.insert(level.period).second) {
       return absl::InvalidArgumentError(absl::StrCat(
           "levels[", i, "].period ", level.period,
@@ -73,6 +93,51 @@ absl::Status ValidateScheduleSpec(const ScheduleSpec& spec) {
   return absl::OkStatus();
 }
 
+absl::Status ValidateStreamingLevel(const ScheduleLevel& level, size_t index, bool outer) {
+  const std::string at = absl::StrCat("levels[", index, "]");
+  if (level.fragments < 1 || level.fragments > kMaxFragments) {
+    return absl::InvalidArgumentError(absl::StrCat(at, ".fragments must be in [1, ",
+                                                   kMaxFragments, "], got ", level.fragments));
+  }
+  if (level.period % level.fragments != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        at, ".fragments ", level.fragments, " does not divide ", at, ".period ", level.period,
+        ": each fragment syncs once a period, one every period / fragments steps"));
+  }
+  const int64_t step_period = level.StepPeriod();
+  if (level.sync_delay < 0 || level.sync_delay >= step_period) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        at, ".sync_delay must be in [0, period / fragments = ", step_period, "), got ",
+        level.sync_delay, " (a fragment's result is applied before the next fragment starts)"));
+  }
+  if (!(level.mix >= 0.0 && level.mix <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(at, ".mix must be in [0, 1], got ", level.mix));
+  }
+  if (!outer) {
+    if (level.payload != Payload::kFp32) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          at, ".payload ", level.payload == Payload::kBf16 ? "BF16" : "INT8",
+          " needs an outer level: a plain level averages the parameters themselves, which do "
+          "not survive compression; to average the compressed delta instead, give ", at,
+          " an outer optimizer with lr 1 and momentum 0 (equal to plain averaging)"));
+    }
+    if (level.sync_delay != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          at, ".sync_delay ", level.sync_delay,
+          " needs an outer level (a delayed result is applied to the level's anchor); give ", at,
+          " an outer optimizer (lr 1, momentum 0 is plain averaging) or set sync_delay 0"));
+    }
+    if (level.mix != 0.0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          at, ".mix ", level.mix,
+          " needs an outer level (it mixes the level's anchor with the local parameters); give ",
+          at, " an outer optimizer or set mix 0"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 std::vector<std::string> ScheduleWarnings(const ScheduleSpec& spec) {
   std::vector<std::string> warnings;
   if (spec.levels.empty()) return warnings;
@@ -82,11 +147,20 @@ std::vector<std::string> ScheduleWarnings(const ScheduleSpec& spec) {
         "as all-reducing gradients; plain data-parallel training is cheaper");
   }
   for (size_t i = 1; i < spec.levels.size(); ++i) {
-    if (spec.levels[i].period <= spec.levels[i - 1].period) {
-      warnings.push_back(absl::StrCat(
-          "periods are not ascending (levels[", i - 1, "].period ", spec.levels[i - 1].period,
-          ", levels[", i, "].period ", spec.levels[i].period,
-          "): later levels take precedence when several periods divide a step"));
+    const ScheduleLevel& a = spec.levels[i - 1];
+    const ScheduleLevel& b = spec.levels[i];
+    if (b.StepPeriod() <= a.StepPeriod()) {
+      if (a.fragments == 1 && b.fragments == 1) {
+        warnings.push_back(absl::StrCat(
+            "periods are not ascending (levels[", i - 1, "].period ", a.period, ", levels[", i,
+            "].period ", b.period,
+            "): later levels take precedence when several periods divide a step"));
+      } else {
+        warnings.push_back(absl::StrCat(
+            "step periods (period / fragments) are not ascending (levels[", i - 1, "]: ",
+            a.StepPeriod(), ", levels[", i, "]: ", b.StepPeriod(),
+            "): later levels take precedence when several step periods divide a step"));
+      }
       break;
     }
   }
@@ -101,12 +175,19 @@ absl::StatusOr<Schedule> Schedule::Create(ScheduleSpec spec) {
 int Schedule::LevelAt(int64_t step) const {
   if (step < spec_.warmup_steps) return -1;
   if (spec_.mode == AveragingMode::kPeriodic) {
-    return (step - spec_.warmup_steps) % spec_.levels[0].period == 0 ? 0 : -1;
+    return (step - spec_.warmup_steps) % spec_.levels[0].StepPeriod() == 0 ? 0 : -1;
   }
   for (int i = num_levels() - 1; i >= 0; --i) {
-    if (step % spec_.levels[i].period == 0) return i;
+    if (step % spec_.levels[i].StepPeriod() == 0) return i;
   }
   return -1;
+}
+
+int32_t Schedule::FragmentAt(int level, int64_t step) const {
+  const ScheduleLevel& l = spec_.levels[level];
+  if (l.fragments <= 1) return 0;
+  const int64_t from = spec_.mode == AveragingMode::kPeriodic ? step - spec_.warmup_steps : step;
+  return static_cast<int32_t>((from / l.StepPeriod()) % l.fragments);
 }
 
 SubgroupRange Schedule::SubgroupOf(int level, int32_t rank) const {
@@ -133,8 +214,22 @@ Decision Schedule::DecisionFor(int64_t step, int32_t rank) const {
   d.average = true;
   d.level = level;
   d.period = spec_.levels[level].period;
+  d.outer = spec_.levels[level].outer.has_value();
+  d.fragment = FragmentAt(level, step);
+  d.fragments = spec_.levels[level].fragments;
   d.subgroup = SubgroupOf(level, rank);
   return d;
+}
+
+int64_t Schedule::FirstStepOf(int level) const {
+  const int64_t period = spec_.levels[level].period;
+  const int64_t warmup = spec_.warmup_steps;
+  if (spec_.mode == AveragingMode::kPeriodic) return warmup;
+  // Hierarchical: the multiples of the period from warm-up on, the first no later level takes.
+  for (int64_t k = (warmup + period - 1) / period, n = 0; n < kFirstStepSearch; ++k, ++n) {
+    if (LevelAt(k * period) == level) return k * period;
+  }
+  return -1;
 }
 
 std::vector<Decision> Schedule::Window(int64_t from_step, int64_t count, int32_t rank) const {
@@ -166,6 +261,9 @@ std::vector<Decision> Schedule::WindowAllSubgroups(int64_t from_step, int64_t co
       d.average = true;
       d.level = level;
       d.period = spec_.levels[level].period;
+      d.outer = spec_.levels[level].outer.has_value();
+      d.fragment = FragmentAt(level, step);
+      d.fragments = spec_.levels[level].fragments;
       d.subgroup = group;
       out.push_back(d);
     }

@@ -9,6 +9,8 @@ set -euo pipefail
 # What building needs (with -DMODELAVG_BUILD_TESTS=OFF -DMODELAVG_BUILD_BENCH=OFF).
 build_packages=(
   g++ cmake ninja-build pkg-config
+  # Compiler cache: tests/run_all.sh and tests/sanitize.sh use it when present.
+  ccache
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libgloo-dev prometheus-cpp-dev
   # gRPC's health and reflection protos, for modelavg-health and modelavg-rpc.

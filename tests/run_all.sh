@@ -24,7 +24,11 @@ fi
 build=${MODELAVG_BUILD_DIR:-build}
 jobs=${MODELAVG_JOBS:-2}
 start=$(date +%s)
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo ${MODELAVG_CMAKE_ARGS:-}
+launcher=()
+# ccache: paths relative to the checkout, so that clones in other folders share objects.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$(pwd -P)} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
+command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" ${MODELAVG_CMAKE_ARGS:-}
 cmake --build "$build" -j "$jobs"
 echo "build: $(( $(date +%s) - start )) s"
 

@@ -13,6 +13,7 @@ seconds=${MODELAVG_FUZZ_SECONDS:-30}
 start=$(date +%s)
 sanitize="-fsanitize=address,undefined -fno-sanitize-recover=all"
 launcher=()
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$(pwd -P)} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 cmake -S . -B "$build" -G Ninja "${launcher[@]}" \
   -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=None \

@@ -3,8 +3,8 @@
 #   1. `cmake --install` into a temporary prefix;
 #   2. `cpack` builds the Debian packages, `dpkg -x` unpacks them into a temporary root (nothing is
 #      installed on the system), and their control fields are checked;
-#   3. from each of the two: the README's C++ example (CMakeLists.txt and trainer.cc, extracted from
-#      README.md, so the two cannot drift) is built as its own project with
+#   3. from each of the two: the documented C++ example (CMakeLists.txt and trainer.cc, extracted from
+#      docs/cpp.md, so the two cannot drift) is built as its own project with
 #      find_package(modelavg CONFIG REQUIRED) and CMAKE_PREFIX_PATH; a file that includes every
 #      installed header is built through pkg-config; and the example runs as a two-rank job against
 #      the installed modelavg-coordinator, whose result must be the averaged one.
@@ -34,12 +34,12 @@ run() {
 }
 start=$(date +%s)
 
-# The fenced block that follows the line "<!-- example: NAME ..." in README.md.
+# The fenced block that follows the line "<!-- example: NAME ..." in docs/cpp.md.
 extract() {
   awk -v marker="<!-- example: $1" '
     index($0, marker) == 1 { want = 1; next }
     want && /^```/ { if (inside) exit; inside = 1; next }
-    inside { print }' "$src_dir/README.md"
+    inside { print }' "$src_dir/docs/cpp.md"
 }
 
 # libdir_of PREFIX: the library directory of the installation under PREFIX.
@@ -58,11 +58,11 @@ check_prefix() {
   extract CMakeLists.txt > "$dir/example/CMakeLists.txt"
   extract trainer.cc > "$dir/example/trainer.cc"
   grep -q 'find_package(modelavg CONFIG REQUIRED)' "$dir/example/CMakeLists.txt" ||
-    fail "README.md has no '<!-- example: CMakeLists.txt' block with find_package(modelavg ...)"
+    fail "docs/cpp.md has no '<!-- example: CMakeLists.txt' block with find_package(modelavg ...)"
   grep -q '#include <modelavg/client/averager.h>' "$dir/example/trainer.cc" ||
-    fail "README.md has no '<!-- example: trainer.cc' block including <modelavg/client/averager.h>"
+    fail "docs/cpp.md has no '<!-- example: trainer.cc' block including <modelavg/client/averager.h>"
 
-  say "$name: building the README's example with find_package(modelavg) from $prefix"
+  say "$name: building the documented example (docs/cpp.md) with find_package(modelavg) from $prefix"
   run "$dir/configure.log" cmake -S "$dir/example" -B "$dir/example/build" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix"
   local found

@@ -14,8 +14,10 @@ if(TARGET modelavg-coordinator)
   # Elastic jobs of modelavg-trace-worker processes (defined in tests/tools, after this file:
   # referenced through generator expressions): client_elastic_regrow_test, 8 ranks, each test a
   # few seconds to ~20 s; client_elastic_adopt_test, a round kept by a member that lost its
-  # confirmation (4 ranks, a few seconds).
-  foreach(t client_elastic_regrow_test client_elastic_adopt_test)
+  # confirmation (4 ranks, a few seconds); client_outer_test, DiLoCo levels against a naive
+  # reference (worlds 2-8, a few seconds each).
+  foreach(t client_elastic_regrow_test client_elastic_adopt_test client_outer_test
+            client_outer_elastic_test)
     modelavg_add_gtest(${t} SOURCES ${t}.cc LIBS modelavg_client LABELS integration TIMEOUT 120)
     target_compile_definitions(${t} PRIVATE
       MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>"

@@ -16,6 +16,10 @@
 // admitted at that step (they contributed nothing and received the others' average; usually
 // empty); generation is the job's generation the decision was taken in. With --unix_ms each line
 // also has "unix_ms": the wall-clock time (ms since the epoch) when the call returned.
+// An AVERAGE line also has "outer": whether the step's level has an outer optimizer (the
+// decision's StepDecision.outer; DiLoCo, docs/diloco.md): its value then follows the outer rule.
+// --save_state writes the parameters and the averager's state_dict() after the last step;
+// --load_state restores them (load_state_dict) in a new process, which goes on from that step.
 // A replacement (Client::admission_step() > 0) runs steps admission_step .. steps-1: its first
 // line is the admission step, with the value it received, and has "admitted": true.
 // The same update run through PyTorch's own averagers (tests/conformance/torch_reference.py) must
@@ -26,6 +30,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -38,7 +46,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/averager.h"
@@ -84,6 +94,13 @@ ABSL_FLAG(std::string, log_level, "warn", "spdlog level for diagnostics on stder
 ABSL_FLAG(int64_t, testing_fail_commit_at_step, -1,
           "tests: the committed round of this step loses its confirmation on this rank after "
           "its peers completed it (elastic jobs, gloo)");
+ABSL_FLAG(std::string, save_state, "",
+          "after the last step, write the parameters and the averager's state_dict() (step, "
+          "every outer level's anchor and momentum) to this file, then leave the job");
+ABSL_FLAG(std::string, load_state, "",
+          "before the first step, restore the parameters and the averager's state "
+          "(load_state_dict) from a --save_state file of the same job spec and --numel; the "
+          "worker then runs steps <saved step> .. --steps-1");
 ABSL_FLAG(int64_t, testing_die_after_step, -1,
           "tests: exit abruptly (no Leave, exit code 9) right after printing this step's line, "
           "as a worker that dies would");
@@ -173,6 +190,89 @@ class Parameters {
   int device_index_ = 0;
 };
 
+// The --save_state file: text, every float as a hexadecimal literal (exact).
+//   step <s>
+//   params <n> <v>...
+//   anchor <level> <tensor> <n> <v>...     (float32 state: the worker's parameters are float32)
+//   momentum <level> <tensor> <n> <v>...
+std::string HexFloats(const float* v, int64_t n) {
+  std::string out = absl::StrCat(n);
+  for (int64_t i = 0; i < n; ++i) absl::StrAppend(&out, " ", absl::StrFormat("%a", v[i]));
+  return out;
+}
+
+absl::Status SaveState(const std::string& path, const std::vector<float>& params,
+                       const client::AveragerState& state) {
+  std::string text = absl::StrCat("step ", state.step, "\nparams ",
+                                  HexFloats(params.data(), params.size()), "\n");
+  auto add = [&](const char* kind, const std::map<int, std::vector<client::StateTensor>>& m) {
+    for (const auto& [level, tensors] : m) {
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        const float* v = reinterpret_cast<const float*>(tensors[i].bytes.data());
+        absl::StrAppend(&text, kind, " ", level, " ", i, " ", HexFloats(v, tensors[i].numel),
+                        "\n");
+      }
+    }
+  };
+  add("anchor", state.anchors);
+  add("momentum", state.momenta);
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    f << text;
+    if (!f.good()) return absl::InternalError(absl::StrCat("--save_state: cannot write ", tmp));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("--save_state: cannot rename ", tmp, " to ", path));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LoadState(const std::string& path, std::vector<float>* params,
+                       client::AveragerState* state) {
+  MODELAVG_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+  auto bad = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("--load_state=", path, ": ", why));
+  };
+  for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
+    std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    auto floats = [&](size_t at, std::vector<float>* out) -> absl::Status {
+      int64_t n = 0;
+      if (f.size() <= at || !absl::SimpleAtoi(f[at], &n) || n < 0 ||
+          f.size() != at + 1 + static_cast<size_t>(n)) {
+        return bad(absl::StrCat("malformed line: ", line));
+      }
+      out->clear();
+      for (int64_t i = 0; i < n; ++i) out->push_back(std::strtof(f[at + 1 + i].c_str(), nullptr));
+      return absl::OkStatus();
+    };
+    if (f.size() == 2 && f[0] == "step") {
+      if (!absl::SimpleAtoi(f[1], &state->step)) return bad(absl::StrCat("bad step: ", line));
+    } else if (!f.empty() && f[0] == "params") {
+      MODELAVG_RETURN_IF_ERROR(floats(1, params));
+    } else if (f.size() >= 3 && (f[0] == "anchor" || f[0] == "momentum")) {
+      int level = 0;
+      size_t index = 0;
+      if (!absl::SimpleAtoi(f[1], &level) || !absl::SimpleAtoi(f[2], &index)) {
+        return bad(absl::StrCat("malformed line: ", line));
+      }
+      std::vector<float> v;
+      MODELAVG_RETURN_IF_ERROR(floats(3, &v));
+      auto& tensors = (f[0] == "anchor" ? state->anchors : state->momenta)[level];
+      if (tensors.size() != index) return bad(absl::StrCat("tensors out of order: ", line));
+      client::StateTensor t;
+      t.dtype = client::DType::kFloat32;
+      t.numel = static_cast<int64_t>(v.size());
+      t.bytes.resize(v.size() * sizeof(float));
+      std::memcpy(t.bytes.data(), v.data(), t.bytes.size());
+      tensors.push_back(std::move(t));
+    } else {
+      return bad(absl::StrCat("unknown line: ", line));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Run() {
   const std::string coordinator = absl::GetFlag(FLAGS_coordinator);
   const std::string job = absl::GetFlag(FLAGS_job);
@@ -236,7 +336,20 @@ absl::Status Run() {
 
   const absl::Duration step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
   const bool print_unix_ms = absl::GetFlag(FLAGS_unix_ms);
-  // A replacement's averager starts at its admission step; the others' at 0.
+  if (const std::string path = absl::GetFlag(FLAGS_load_state); !path.empty()) {
+    client::AveragerState state;
+    std::vector<float> saved;
+    MODELAVG_RETURN_IF_ERROR(LoadState(path, &saved, &state));
+    if (saved.size() != params->host().size()) {
+      return absl::InvalidArgumentError(absl::StrCat("--load_state=", path, " holds ",
+                                                     saved.size(), " parameters but --numel=",
+                                                     numel));
+    }
+    params->host() = saved;
+    MODELAVG_RETURN_IF_ERROR(Annotate(averager->load_state_dict(state), "--load_state"));
+  }
+  // A replacement's averager starts at its admission step; the others' at 0 (or the step of
+  // --load_state).
   const int64_t first_step = averager->step();
   const bool replacement = client->admission_step() > 0;
   if (replacement && first_step != client->admission_step()) {
@@ -280,12 +393,18 @@ absl::Status Run() {
         step, rank, params->host()[0], decision->average ? "AVERAGE" : "SKIP",
         decision->average ? decision->level : -1, generation, absl::StrJoin(members, ", "),
         absl::StrJoin(decision->joining, ", "));
+    if (decision->average) {
+      absl::StrAppend(&line, ", \"outer\": ", decision->outer ? "true" : "false");
+    }
     if (replacement && step == first_step) absl::StrAppend(&line, ", \"admitted\": true");
     if (print_unix_ms) {
       absl::StrAppend(&line, ", \"unix_ms\": ", absl::ToUnixMillis(absl::Now()));
     }
     std::cout << line << "}" << std::endl;
     if (step == die_after) _exit(9);
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_save_state); !path.empty()) {
+    MODELAVG_RETURN_IF_ERROR(SaveState(path, params->host(), averager->state_dict()));
   }
   return client->Leave("finished");
 }

@@ -1,6 +1,9 @@
 # Client library unit tests (no coordinator process: ranks as threads, in-memory stores).
 modelavg_add_gtest(client_half_test SOURCES client_half_test.cc LIBS modelavg_client)
+modelavg_add_gtest(client_streaming_codec_test SOURCES client_streaming_codec_test.cc
+                   LIBS modelavg_client)
 modelavg_add_gtest(client_staging_test SOURCES client_staging_test.cc LIBS modelavg_client)
+modelavg_add_gtest(client_outer_state_test SOURCES client_outer_state_test.cc LIBS modelavg_client)
 modelavg_add_gtest(client_gloo_test SOURCES client_gloo_test.cc LIBS modelavg_client TIMEOUT 120)
 modelavg_add_gtest(client_gloo_abort_test SOURCES client_gloo_abort_test.cc LIBS modelavg_client
                    TIMEOUT 120)

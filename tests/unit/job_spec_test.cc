@@ -90,5 +90,82 @@ TEST(JobSpecTest, DecisionRoundTrip) {
   EXPECT_EQ(DecisionFromProto(proto), skip);
 }
 
+TEST(JobSpecTest, OuterLevel_ConvertsBothWays) {
+  v1::JobSpec spec = Parse(R"pb(
+    job_id: "diloco" world_size: 4 mode: HIERARCHICAL
+    levels { period: 2 group_size: 2 }
+    levels { period: 8 group_size: 4 outer { lr: 0.7 momentum: 0.9 nesterov: true } }
+  )pb");
+  absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(spec);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_FALSE(s->levels[0].outer.has_value());
+  ASSERT_TRUE(s->levels[1].outer.has_value());
+  EXPECT_EQ(s->levels[1].outer->lr, 0.7);
+  EXPECT_EQ(s->levels[1].outer->momentum, 0.9);
+  EXPECT_TRUE(s->levels[1].outer->nesterov);
+  v1::JobSpec back;
+  ScheduleSpecToProto(*s, &back);
+  EXPECT_FALSE(back.levels(0).has_outer());
+  ASSERT_TRUE(back.levels(1).has_outer());
+  EXPECT_EQ(back.levels(1).outer().lr(), 0.7);
+  EXPECT_TRUE(back.levels(1).outer().nesterov());
+}
+
+// lr 0, NaN, infinite; momentum 1 or negative; nesterov without momentum: each names its field.
+TEST(JobSpecTest, BadOuter_InvalidArgumentNamingField) {
+  struct Case {
+    std::string outer;
+    std::string field;
+  };
+  const Case cases[] = {
+      {"lr: 0", "levels[1].outer.lr"},
+      {"lr: -0.5", "levels[1].outer.lr"},
+      {"lr: nan", "levels[1].outer.lr"},
+      {"lr: inf", "levels[1].outer.lr"},
+      {"lr: 0.7 momentum: 1", "levels[1].outer.momentum"},
+      {"lr: 0.7 momentum: -0.1", "levels[1].outer.momentum"},
+      {"lr: 0.7 momentum: nan", "levels[1].outer.momentum"},
+      {"lr: 0.7 nesterov: true", "levels[1].outer.nesterov"},
+      {"lr: 0.7 momentum: 0 nesterov: true", "levels[1].outer.nesterov"},
+      // An empty outer {} has lr 0: refused rather than taken as "no outer".
+      {"", "levels[1].outer.lr"},
+  };
+  for (const Case& c : cases) {
+    v1::JobSpec spec = Parse(R"pb(
+      job_id: "j" world_size: 4 mode: HIERARCHICAL levels { period: 2 group_size: 2 }
+      levels { period: 4 group_size: 4 outer { )pb" + c.outer + R"pb( } }
+    )pb");
+    absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(spec);
+    ASSERT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << c.outer;
+    EXPECT_THAT(std::string(s.status().message()), HasSubstr(c.field)) << c.outer;
+  }
+  v1::JobSpec ok = Parse(R"pb(
+    job_id: "j" world_size: 2 mode: PERIODIC
+    levels { period: 4 group_size: 2 outer { lr: 1 momentum: 0.5 nesterov: true } }
+  )pb");
+  EXPECT_TRUE(ScheduleSpecFromProto(ok).ok()) << ScheduleSpecFromProto(ok).status();
+}
+
+TEST(JobSpecTest, OuterDecision_SaysSoAndRoundTrips) {
+  absl::StatusOr<ScheduleSpec> spec = ScheduleSpecFromProto(Parse(R"pb(
+    job_id: "j" world_size: 4 warmup_steps: 3 mode: HIERARCHICAL
+    levels { period: 2 group_size: 2 outer { lr: 0.7 } } levels { period: 6 group_size: 4 }
+  )pb"));
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  absl::StatusOr<Schedule> schedule = Schedule::Create(*spec);
+  ASSERT_TRUE(schedule.ok());
+  EXPECT_TRUE(schedule->DecisionFor(4, 1).outer);
+  EXPECT_FALSE(schedule->DecisionFor(6, 1).outer);  // level 1: plain
+  EXPECT_FALSE(schedule->DecisionFor(5, 1).outer);  // SKIP
+  EXPECT_EQ(schedule->FirstStepOf(0), 4);           // step 2 is in warm-up
+  EXPECT_EQ(schedule->FirstStepOf(1), 6);
+  v1::StepDecision proto;
+  DecisionToProto(schedule->DecisionFor(4, 1), 3, &proto);
+  EXPECT_TRUE(proto.outer());
+  EXPECT_TRUE(DecisionFromProto(proto).outer);
+  DecisionToProto(schedule->DecisionFor(6, 1), 3, &proto);
+  EXPECT_FALSE(proto.outer());
+}
+
 }  // namespace
 }  // namespace modelavg

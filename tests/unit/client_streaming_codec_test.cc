@@ -1,0 +1,171 @@
+// The fragment split and the payload codecs (streaming sync): pure functions, checked against
+// direct restatements of their contracts.
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "client/fragments.h"
+#include "client/payload_codec.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace modelavg::client {
+namespace {
+
+std::vector<TensorView> Views(const std::vector<int64_t>& numels, DType dtype = DType::kFloat32) {
+  std::vector<TensorView> out;
+  static float dummy;
+  for (int64_t n : numels) out.push_back(TensorView{&dummy, n, dtype});
+  return out;
+}
+
+// Checks the split's contract: F + 1 bounds, consecutive whole tensors, every tensor's middle
+// byte inside its fragment's share [f T / F, (f + 1) T / F].
+void ExpectValidSplit(const std::vector<TensorView>& t, int fragments) {
+  const FragmentSplit s = SplitIntoFragments(t, fragments);
+  ASSERT_EQ(s.fragments(), fragments);
+  ASSERT_EQ(s.begin.front(), 0u);
+  ASSERT_EQ(s.begin.back(), t.size());
+  double total = 0;
+  for (const TensorView& v : t) total += static_cast<double>(v.nbytes());
+  double start = 0;
+  for (int f = 0; f < fragments; ++f) {
+    ASSERT_LE(s.begin[f], s.begin[f + 1]);
+    for (size_t i = s.begin[f]; i < s.begin[f + 1]; ++i) {
+      const double mid = start + t[i].nbytes() / 2.0;
+      if (total > 0) {
+        EXPECT_GE(mid, f * total / fragments - 1e-9) << "tensor " << i << " fragment " << f;
+        EXPECT_LE(mid, (f + 1) * total / fragments + 1e-9) << "tensor " << i;
+      }
+      start += t[i].nbytes();
+    }
+  }
+}
+
+TEST(FragmentSplitTest, EqualTensors_EqualFragments) {
+  const FragmentSplit s = SplitIntoFragments(Views({10, 10, 10, 10, 10, 10, 10, 10}), 4);
+  EXPECT_EQ(s.begin, (std::vector<size_t>{0, 2, 4, 6, 8}));
+}
+
+TEST(FragmentSplitTest, OneFragment_EverythingInIt) {
+  const FragmentSplit s = SplitIntoFragments(Views({3, 1, 4}), 1);
+  EXPECT_EQ(s.begin, (std::vector<size_t>{0, 3}));
+}
+
+TEST(FragmentSplitTest, UnequalTensors_AboutEqualBytes) {
+  // A large tensor, then small ones: the large one is fragment 0 by itself.
+  const std::vector<TensorView> t = Views({240, 10, 20, 30, 40, 50, 60, 40});
+  const FragmentSplit s = SplitIntoFragments(t, 4);
+  EXPECT_EQ(s.begin[1], 1u);
+  ExpectValidSplit(t, 4);
+}
+
+TEST(FragmentSplitTest, FewerTensorsThanFragments_SomeEmpty) {
+  const std::vector<TensorView> t = Views({5, 5});
+  const FragmentSplit s = SplitIntoFragments(t, 4);
+  EXPECT_EQ(s.begin, (std::vector<size_t>{0, 0, 1, 1, 2}));
+  ExpectValidSplit(t, 4);
+  const FragmentSplit empty = SplitIntoFragments(Views({0, 0, 0, 0}), 2);
+  EXPECT_EQ(empty.begin, (std::vector<size_t>{0, 2, 4}));
+}
+
+TEST(FragmentSplitTest, RandomLists_ContractHolds) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 500; ++trial) {
+    std::vector<int64_t> numels(1 + rng() % 40);
+    for (int64_t& n : numels) n = rng() % 5 == 0 ? 0 : 1 + rng() % 100000;
+    const int fragments = 1 + rng() % 8;
+    SCOPED_TRACE(trial);
+    ExpectValidSplit(Views(numels, rng() % 2 ? DType::kFloat32 : DType::kBFloat16), fragments);
+  }
+}
+
+TEST(FragmentSplitTest, Signature_SameForSameSizes_DiffersOtherwise) {
+  const int64_t a = SplitIntoFragments(Views({4, 8, 16}), 2).signature;
+  EXPECT_EQ(a, SplitIntoFragments(Views({4, 8, 16}), 2).signature);
+  EXPECT_NE(a, SplitIntoFragments(Views({8, 4, 16}), 2).signature);
+  EXPECT_NE(a, SplitIntoFragments(Views({4, 8, 16}), 3).signature);
+  EXPECT_NE(a, SplitIntoFragments(Views({4, 8, 16}, DType::kFloat64), 2).signature);
+  EXPECT_GE(a, 0);
+  EXPECT_LT(a, int64_t{1} << 62);
+}
+
+std::vector<float> RoundTrip(Payload p, const std::vector<float>& x) {
+  std::vector<uint8_t> wire(EncodedBytes(p, static_cast<int64_t>(x.size())));
+  EncodePayload(p, x.data(), static_cast<int64_t>(x.size()), wire.data());
+  std::vector<float> out(x.size(), 0.0f);
+  DecodePayload(p, wire.data(), static_cast<int64_t>(x.size()), out.data());
+  std::vector<float> acc(x.size(), 1.0f);
+  DecodeAddPayload(p, wire.data(), static_cast<int64_t>(x.size()), acc.data());
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::isnan(out[i])) {
+      EXPECT_TRUE(std::isnan(acc[i])) << i;
+    } else {
+      EXPECT_EQ(acc[i], 1.0f + out[i]) << i;
+    }
+  }
+  return out;
+}
+
+TEST(PayloadCodecTest, Sizes_WithinTheIssueRatios) {
+  const int64_t n = 1 << 20;
+  EXPECT_EQ(EncodedBytes(Payload::kFp32, n), 4u * n);
+  EXPECT_EQ(EncodedBytes(Payload::kBf16, n), 2u * n);
+  EXPECT_EQ(EncodedBytes(Payload::kInt8, n), n + 4u * (n / kInt8Block));
+  EXPECT_LE(EncodedBytes(Payload::kBf16, n), 0.55 * EncodedBytes(Payload::kFp32, n));
+  EXPECT_LE(EncodedBytes(Payload::kInt8, n), 0.30 * EncodedBytes(Payload::kFp32, n));
+  EXPECT_EQ(EncodedBytes(Payload::kInt8, 1025), 1025u + 8u);  // two blocks
+}
+
+TEST(PayloadCodecTest, Fp32_Exact) {
+  const std::vector<float> x = {1.5f, -2.25f, 3e-30f, 1e30f};
+  EXPECT_EQ(RoundTrip(Payload::kFp32, x), x);
+}
+
+TEST(PayloadCodecTest, Bf16_RelativeErrorBound) {
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(5000);
+  for (float& v : x) v = normal(rng) * std::pow(10.0f, static_cast<float>(rng() % 20) - 10);
+  const std::vector<float> y = RoundTrip(Payload::kBf16, x);
+  for (size_t i = 0; i < x.size(); ++i) {
+    EXPECT_LE(std::fabs(y[i] - x[i]), std::ldexp(std::fabs(x[i]), -8)) << x[i];
+  }
+  // Exactly representable values pass unchanged; Inf and NaN survive.
+  EXPECT_EQ(RoundTrip(Payload::kBf16, {1.0f, -0.5f, 3.0f}), (std::vector<float>{1.0f, -0.5f, 3.0f}));
+  const std::vector<float> odd =
+      RoundTrip(Payload::kBf16, {std::numeric_limits<float>::infinity(), std::nanf("")});
+  EXPECT_TRUE(std::isinf(odd[0]));
+  EXPECT_TRUE(std::isnan(odd[1]));
+}
+
+TEST(PayloadCodecTest, Int8_BlockErrorBound) {
+  std::mt19937 rng(2);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  // Blocks of very different magnitudes, and a short last block.
+  std::vector<float> x(3 * kInt8Block + 77);
+  for (size_t i = 0; i < x.size(); ++i) {
+    x[i] = normal(rng) * std::pow(10.0f, static_cast<float>(i / kInt8Block) * 3 - 4);
+  }
+  const std::vector<float> y = RoundTrip(Payload::kInt8, x);
+  for (size_t lo = 0; lo < x.size(); lo += kInt8Block) {
+    const size_t hi = std::min(x.size(), lo + kInt8Block);
+    float max_abs = 0;
+    for (size_t i = lo; i < hi; ++i) max_abs = std::max(max_abs, std::fabs(x[i]));
+    const double bound = max_abs / 254.0 * (1 + 1e-5) + 1e-7 * max_abs;
+    for (size_t i = lo; i < hi; ++i) EXPECT_LE(std::fabs(y[i] - x[i]), bound) << i;
+    // The block's largest value is hit exactly (up to float rounding of 127 * s).
+  }
+  // Zeros stay zeros; a block with a NaN decodes as NaN, the other blocks are unaffected.
+  EXPECT_EQ(RoundTrip(Payload::kInt8, {0.0f, 0.0f}), (std::vector<float>{0.0f, 0.0f}));
+  std::vector<float> bad(2 * kInt8Block, 1.0f);
+  bad[5] = std::nanf("");
+  const std::vector<float> z = RoundTrip(Payload::kInt8, bad);
+  EXPECT_TRUE(std::isnan(z[0]));
+  EXPECT_FLOAT_EQ(z[kInt8Block], 1.0f);
+}
+
+}  // namespace
+}  // namespace modelavg::client
