@@ -24,14 +24,16 @@ RUN cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMODELAVG_WITH_CUD
         -DMODELAVG_BUILD_TOOLS=ON \
  && cmake --build /build -j "${MODELAVG_JOBS}" --target \
         modelavg-coordinator modelavg-demo modelavg-trace-worker modelavg-health modelavg-rpc \
+        modelavg-cli \
  && mkdir -p /out/bin \
  && for b in modelavg-coordinator modelavg-demo modelavg-trace-worker modelavg-health \
-             modelavg-rpc; do \
+             modelavg-rpc modelavg; do \
       f=$(find /build -type f -name "$b" -perm -u+x | head -1); \
       [ -n "$f" ] || { echo "missing binary $b" >&2; exit 1; }; \
       install -m 0755 -s "$f" /out/bin/; \
     done \
  && bash deploy/runtime_packages.sh /out/bin/* > /out/runtime-packages.txt \
+ && echo etcd-server >> /out/runtime-packages.txt \
  && cat /out/runtime-packages.txt
 
 # ---- runtime: the programs and exactly the shared libraries they load ----

@@ -14,7 +14,10 @@
 // With --state_dir=DIR, all of it runs twice in the same run, against a coordinator with its
 // state in memory and against one with --state_dir=DIR/<run> (SQLite), one JSON line each
 // ("state": "memory" / "sqlite"): the durable state must cost nothing on the step and heartbeat
-// path. Prints one JSON line per run; asserts nothing about speed.
+// path. With --etcd_endpoints=HOST:PORT,..., also against a coordinator on etcd ("state":
+// "etcd", a fresh --etcd_prefix per run; it is elected before the run starts), and the time
+// from the first run's coordinator start to its serving as leader (leader_elected_s).
+// Prints one JSON line per run; asserts nothing about speed.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -60,6 +63,9 @@ ABSL_FLAG(std::string, heartbeat, "stream",
 ABSL_FLAG(std::string, state_dir, "",
           "Also run against a coordinator with --state_dir under this directory (a fresh "
           "subdirectory), after the in-memory run; empty: in memory only.");
+ABSL_FLAG(std::string, etcd_endpoints, "",
+          "Also run against a coordinator with its state in etcd at these endpoints (under a "
+          "fresh prefix).");
 ABSL_FLAG(int, latency_jobs, 200,
           "CreateJob + Join pairs timed one after the other (0: none).");
 ABSL_FLAG(int64_t, reply_interval_ms, 1000,
@@ -464,7 +470,8 @@ class Load {
 };
 
 // Runs a coordinator in a child process; returns its pid and writes its address.
-int StartChildCoordinator(std::string* address, const std::string& state_dir) {
+int StartChildCoordinator(std::string* address, const std::string& state_dir,
+                          const std::string& etcd_endpoints = "") {
   int fds[2];
   if (pipe(fds) != 0) return -1;
   const int pid = fork();
@@ -481,6 +488,8 @@ int StartChildCoordinator(std::string* address, const std::string& state_dir) {
     server::ServerOptions options;
     options.listen = "127.0.0.1:0";
     options.state_dir = state_dir;
+    options.etcd_endpoints = etcd_endpoints;
+    options.etcd_prefix = absl::StrCat("/modelavg-bench-", getpid(), "/");
     auto server = server::CoordinatorServer::Start(options);
     if (!server.ok()) std::fprintf(stderr, "coordinator: %s\n", server.status().ToString().c_str());
     const std::string line = server.ok() ? (*server)->address() : "";
@@ -709,9 +718,12 @@ int Main() {
     std::filesystem::create_directories(state_dir, error);
     children.push_back({"sqlite", "", 0});
   }
+  const std::string etcd = absl::GetFlag(FLAGS_etcd_endpoints);
+  if (!etcd.empty()) children.push_back({"etcd", "", 0});
   for (Child& c : children) {
     c.pid = StartChildCoordinator(
-        &c.address, c.state == "sqlite" ? absl::StrCat(state_dir, "/bench-", getpid()) : "");
+        &c.address, c.state == "sqlite" ? absl::StrCat(state_dir, "/bench-", getpid()) : "",
+        c.state == "etcd" ? etcd : "");
     if (c.pid <= 0) {
       std::fprintf(stderr, "could not start a coordinator (%s)\n", c.state.c_str());
       for (Child& d : children) {
@@ -722,6 +734,27 @@ int Main() {
   }
   int rc = 0;
   for (Child& c : children) {
+    if (c.state == "etcd" && rc == 0) {
+      // Serves once elected: Ping answers (a standby's UNAVAILABLE before).
+      auto stub = v1::Coordinator::NewStub(
+          grpc::CreateChannel(c.address, grpc::InsecureChannelCredentials()));
+      const double start = SteadySeconds();
+      grpc::Status s;
+      do {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+        v1::PingResponse pong;
+        s = stub->Ping(&ctx, v1::PingRequest(), &pong);
+        if (!s.ok()) absl::SleepFor(absl::Milliseconds(5));
+      } while (!s.ok() && SteadySeconds() - start < 30);
+      if (!s.ok()) {
+        std::fprintf(stderr, "the etcd coordinator never led: %s\n", s.error_message().c_str());
+        rc = 1;
+      } else {
+        std::printf("{\"state\": \"etcd\", \"leader_elected_s\": %.4f}\n",
+                    SteadySeconds() - start);
+      }
+    }
     if (rc == 0) rc = RunOnce(c.address, c.pid, c.state);
     kill(c.pid, SIGTERM);
     waitpid(c.pid, nullptr, 0);

@@ -14,7 +14,8 @@ of a skip step (no averaging) of modelavg's Python layer, of the C++ binding alo
 PyTorch's averager. Prints one JSON line:
 
   world, tensors, mib, iters, modelavg_average_s, torch_average_s (medians),
-  speedup (torch / modelavg), skip_us (modelavg.torch averager), skip_core_us (the binding's
+  speedup (torch / modelavg), modelavg_outer_s (an outer step of a DiLoCo job on the same
+  tensors: modelavg.OuterSGD(0.7, momentum=0.9, nesterov=True)), outer_over_plain, skip_us (modelavg.torch averager), skip_core_us (the binding's
   take_skip alone), torch_skip_us (PyTorch's PeriodicModelAverager)
 
   PYTHONPATH=build/python python3 bench/python_average_bench.py \\
@@ -57,13 +58,20 @@ def run_rank(rank, args, address, store_port, out):
             p.grad = torch.zeros(1).expand(numel)  # only "is not None" matters; no memory
 
         ours = modelavg.torch.PeriodicModelAverager(period=1)
-        times = {"modelavg": [], "torch": []}
+        # DiLoCo on the same tensors: a job whose level has an outer optimizer (its first call,
+        # in the warm-up, is the plain average that sets the anchor).
+        modelavg.torch.set_options(job_id="bench-outer")
+        outer = modelavg.torch.PeriodicModelAverager(
+            period=1, outer=modelavg.OuterSGD(0.7, momentum=0.9, nesterov=True))
+        times = {"modelavg": [], "torch": [], "modelavg_outer": []}
         for it in range(args.warmup + args.iters):
-            for name in ("modelavg", "torch"):
+            for name in ("modelavg", "torch", "modelavg_outer"):
                 dist.barrier()
                 start = time.perf_counter()
                 if name == "modelavg":
                     ours.average_parameters(params)
+                elif name == "modelavg_outer":
+                    outer.average_parameters(params)
                 else:
                     utils.average_parameters(iter(params), dist.group.WORLD)
                 took = time.perf_counter() - start
@@ -77,8 +85,8 @@ def run_rank(rank, args, address, store_port, out):
 
         # Skip steps: an averager whose warm-up never ends.
         modelavg.torch.set_options(job_id="bench-skip")
-        skip = modelavg.torch.PeriodicModelAverager(period=4, warmup_steps=1 << 40)
-        theirs = averagers.PeriodicModelAverager(period=4, warmup_steps=1 << 40)
+        skip = modelavg.torch.PeriodicModelAverager(period=4, warmup_steps=10 ** 12)
+        theirs = averagers.PeriodicModelAverager(period=4, warmup_steps=10 ** 12)
         n = args.skip_calls
 
         def per_call_us(fn):
@@ -143,6 +151,8 @@ def main():
         "world": args.world, "tensors": args.tensors, "mib": args.mib, "iters": args.iters,
         "modelavg_average_s": round(ours, 5), "torch_average_s": round(theirs, 5),
         "speedup": round(theirs / ours, 2),
+        "modelavg_outer_s": round(statistics.median(r0["times"]["modelavg_outer"]), 5),
+        "outer_over_plain": round(statistics.median(r0["times"]["modelavg_outer"]) / ours, 3),
         "skip_us": round(max(r["skip_us"] for r in results.values()), 3),
         "skip_core_us": round(max(r["skip_core_us"] for r in results.values()), 3),
         "torch_skip_us": round(max(r["torch_skip_us"] for r in results.values()), 3),

@@ -4,11 +4,13 @@
 #include <cstring>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/communicator_cache.h"
+#include "client/error_kind.h"
+#include "client/fragments.h"
 #include "client/outer_state.h"
+#include "client/pending_sync.h"
 #include "client/gloo_communicator.h"
 #if MODELAVG_HAVE_CUDA
 #include "client/nccl_communicator.h"
@@ -47,7 +49,10 @@ ModelAverager::ModelAverager(Client* client) : client_(client) {
                                                  : nullptr);
   }
 }
-ModelAverager::~ModelAverager() = default;
+ModelAverager::~ModelAverager() {
+  absl::MutexLock l(&mu_);
+  AbandonPending();
+}
 
 int64_t ModelAverager::step() const {
   absl::MutexLock l(&mu_);
@@ -66,6 +71,17 @@ void ModelAverager::set_step(int64_t step) {
 
 absl::StatusOr<Decision> ModelAverager::AverageParameters(absl::Span<const TensorView> params) {
   absl::MutexLock l(&mu_);
+  absl::StatusOr<Decision> result = AverageStep(params);
+  // A failed round (not a call refused for its arguments) makes this worker's eventual Leave a
+  // failure, which the coordinator counts as a death rather than an orderly departure.
+  if (!result.ok() && (!absl::IsInvalidArgument(result.status()) ||
+                       ErrorKindOf(result.status()) == ErrorKind::kLayoutMismatch)) {
+    client_->RecordFailure(result.status());
+  }
+  return result;
+}
+
+absl::StatusOr<Decision> ModelAverager::AverageStep(absl::Span<const TensorView> params) {
   const int64_t step = step_;
   // Decide, then increment — whatever happens next, like PyTorch.
   ++step_;
@@ -81,13 +97,43 @@ absl::StatusOr<Decision> ModelAverager::AverageParameters(absl::Span<const Tenso
   client_->ReportStep(step_);
   if (!decision.ok()) return decision.status();
   MODELAVG_ASSIGN_OR_RETURN(Device device, CommonDevice(params));
+  // A fragment's background all-reduce due at this step is applied first (streaming sync).
+  if (!pending_.empty()) MODELAVG_RETURN_IF_ERROR(ApplyPending(step, params));
   if (!decision->average) return *decision;
+  // Streaming sync (docs/streaming.md): a fragmented level averages one fragment of the
+  // parameters, split the same way on every member (the split's signature joins the layout
+  // agreement). An admission to a plain level hands the replacement every fragment.
+  const std::vector<ScheduleLevel>& levels = client_->schedule().spec().levels;
+  const ScheduleLevel* spec_level = decision->level >= 0 &&
+                                            decision->level < static_cast<int>(levels.size())
+                                        ? &levels[decision->level]
+                                        : nullptr;
+  absl::Span<const TensorView> fragment = params;
+  round_signature_ = 0;
+  round_payload_ = Payload::kFp32;
+  if (decision->fragments > 1 && (decision->joining.empty() || spec_level == nullptr ||
+                                  spec_level->outer.has_value())) {
+    const FragmentSplit split = SplitIntoFragments(params, decision->fragments);
+    fragment = split.Fragment(params, decision->fragment);
+    round_signature_ = split.signature;
+  }
+  const bool streaming = spec_level != nullptr && spec_level->outer.has_value() &&
+                         (spec_level->fragments > 1 || spec_level->mix != 0 ||
+                          spec_level->payload != Payload::kFp32 || spec_level->sync_delay != 0);
+  if (streaming) return StreamingOuterRound(*decision, device, fragment);
   // The job's spec (as the coordinator sent it at join) says which levels are outer levels.
   if (decision->level >= 0 && decision->level < static_cast<int>(outer_.size()) &&
       outer_[decision->level] != nullptr) {
     return OuterRound(*decision, device, params);
   }
-  return Round(*decision, device, params);
+  return Round(*decision, device, fragment);
+}
+
+std::vector<ModelAverager::LevelTraffic> ModelAverager::traffic() const {
+  absl::MutexLock l(&mu_);
+  std::vector<LevelTraffic> out = traffic_;
+  out.resize(client_->schedule().spec().levels.size());
+  return out;
 }
 
 absl::StatusOr<Decision> ModelAverager::Round(const Decision& decision_in, const Device& device,
@@ -101,7 +147,12 @@ absl::StatusOr<Decision> ModelAverager::Round(const Decision& decision_in, const
   CommunicatorSetup setup = Setup(*decision);
   const SubgroupRange group = decision->subgroup;
   absl::StatusOr<Communicator*> comm = client_->communicators()->Get(setup, device);
-  absl::Status s = comm.ok() ? (*comm)->AllReduceAverage(params) : comm.status();
+  RoundOptions plain;
+  plain.payload = round_payload_;
+  plain.layout_signature = round_signature_;
+  const int64_t sent_before = comm.ok() ? (*comm)->bytes_sent() : 0;
+  absl::Status s = comm.ok() ? (*comm)->AllReduceAverage(params, plain, nullptr) : comm.status();
+  if (comm.ok()) CountBytes(decision->level, (*comm)->bytes_sent() - sent_before);
   if (s.ok()) return *decision;
   if (s.code() == absl::StatusCode::kInvalidArgument) return Annotate(s, where);
   // A transport failure usually means a peer died: give the coordinator up to a heartbeat
@@ -110,7 +161,8 @@ absl::StatusOr<Decision> ModelAverager::Round(const Decision& decision_in, const
                            2 * client_->options().heartbeat_interval + absl::Milliseconds(500);
   while (absl::Now() < until) {
     absl::Status why = client_->CheckCanAverage(group);
-    if (!why.ok() && why.message() == s.message()) return Annotate(why, where);  // aborted
+    // The collective was aborted for the reason the client gives: say it once.
+    if (!why.ok() && ErrorKindOf(s) == ErrorKind::kGenerationMoved) return Annotate(why, where);
     if (!why.ok()) {
       return absl::Status(why.code(), absl::StrCat(where, " failed: ", why.message(),
                                                    " (transport error: ", s.message(), ")"));
@@ -132,6 +184,13 @@ absl::StatusOr<Decision> ModelAverager::OuterRound(const Decision& decision,
     return absl::InternalError(absl::StrCat(where, ": the coordinator's decision says outer but "
                                             "the job's spec has no outer optimizer at level ",
                                             level));
+  }
+  const ScheduleLevel& rule = client_->schedule().spec().levels[level];
+  if (rule.fragments > 1 || rule.sync_delay > 0 || rule.payload != Payload::kFp32) {
+    // Not silently a whole-model fp32 outer step: the streaming fields change the rule.
+    return absl::UnimplementedError(absl::StrCat(
+        where, ": this client applies an outer level as a whole (fragments 1, sync_delay 0, "
+               "payload FP32); level ", level, " asks for streaming sync (docs/streaming.md)"));
   }
   if (!device.is_host()) {
     return absl::UnimplementedError(absl::StrCat(
@@ -434,7 +493,11 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
     // An admission hands the replacements the outer state first (their part of this step's
     // round needs it); a failure there is a failure of the round, retried the same way.
     absl::Status s = comm.ok() ? TransferOuterState(decision, *comm, params) : comm.status();
+    options.payload = round_payload_;
+    options.layout_signature = round_signature_;
+    const int64_t sent_before = comm.ok() ? (*comm)->bytes_sent() : 0;
     if (s.ok()) s = (*comm)->AllReduceAverage(params, options, &outcome);
+    if (comm.ok()) CountBytes(decision.level, (*comm)->bytes_sent() - sent_before);
     client_->RecordRound(decision.level, step, decision.generation, outcome);
     if (s.ok()) {
       if (attempt > 1 || joining) {
@@ -446,7 +509,7 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
       return decision;
     }
     if (s.code() == absl::StatusCode::kInvalidArgument ||
-        absl::StrContains(s.message(), "averaging different rounds")) {
+        ErrorKindOf(s) == ErrorKind::kRoundMismatch) {
       return Annotate(s, where(decision));
     }
     // The round failed: wait for the job to move on without the failed member (its death is

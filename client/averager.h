@@ -33,6 +33,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "modelavg/client/client.h"
 #include "modelavg/client/tensor.h"
@@ -62,6 +63,8 @@ struct AveragerState {
   std::map<int, std::vector<StateTensor>> anchors;  // level index -> tensors
   std::map<int, std::vector<StateTensor>> momenta;  // level index -> tensors
 };
+
+struct PendingSync;
 
 class ModelAverager {
  public:
@@ -104,10 +107,23 @@ class ModelAverager {
 
   Client* client() const { return client_; }
 
+  // Per level (index into the job's levels): the bytes this member has sent in the level's
+  // averaging rounds (the communicators' count, see Communicator::bytes_sent), and how long
+  // averaging calls waited for a fragment's background all-reduce (streaming sync,
+  // docs/streaming.md; zero without sync_delay).
+  struct LevelTraffic {
+    int64_t bytes_sent = 0;
+    absl::Duration waited = absl::ZeroDuration();
+  };
+  std::vector<LevelTraffic> traffic() const;
+
  protected:
   explicit ModelAverager(Client* client);
 
  private:
+  // AverageParameters under mu_ (the caller records a failure on the client).
+  absl::StatusOr<Decision> AverageStep(absl::Span<const TensorView> params)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Longest wait for the job to move on after a failed round of an elastic job.
   absl::Duration RetryWait() const;
   // How the communicator of `decision`'s round is bootstrapped.
@@ -130,6 +146,30 @@ class ModelAverager {
   absl::Status TransferOuterState(const Decision& decision, Communicator* comm,
                                   absl::Span<const TensorView> layout)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Streaming sync with a delay (averager_streaming.cc): starts the fragment's all-reduce on a
+  // background thread and returns; ApplyPending, at the call of the apply step (before that
+  // step's own decision), waits for it and applies it to the parameters passed then.
+  absl::StatusOr<Decision> StartPending(const Decision& decision, const Device& device,
+                                        absl::Span<const TensorView> fragment,
+                                        OuterLevelState* state, bool first)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ApplyPending(int64_t step, absl::Span<const TensorView> params)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ApplyOne(std::unique_ptr<PendingSync> p, int64_t step,
+                        absl::Span<const TensorView> params) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Aborts and joins a background all-reduce (destruction).
+  void AbandonPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CountBytes(int level, int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (level < 0) return;
+    if (traffic_.size() <= static_cast<size_t>(level)) traffic_.resize(level + 1);
+    traffic_[level].bytes_sent += bytes;
+  }
+  // An averaging step of an outer level with streaming fields (fragments > 1, mix, a
+  // compressed payload; docs/streaming.md): the outer step on the tensors of the decision's
+  // fragment, each fragment with its own outer state. averager_streaming.cc.
+  absl::StatusOr<Decision> StreamingOuterRound(const Decision& decision, const Device& device,
+                                               absl::Span<const TensorView> fragment)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // An averaging step of a level with an outer optimizer (docs/diloco.md).
   absl::StatusOr<Decision> OuterRound(const Decision& decision, const Device& device,
                                       absl::Span<const TensorView> params)
@@ -142,6 +182,16 @@ class ModelAverager {
   std::vector<std::unique_ptr<OuterLevelState>> outer_ ABSL_GUARDED_BY(mu_);
   // The pseudo-gradient of an outer step (shared by the levels: one step runs at a time).
   std::unique_ptr<OuterBuffer> pseudo_gradient_ ABSL_GUARDED_BY(mu_);
+  // Streaming sync: per level, per fragment, the outer state of a streaming outer level (empty
+  // for other levels).
+  std::vector<std::vector<std::unique_ptr<OuterLevelState>>> fragment_outer_ ABSL_GUARDED_BY(mu_);
+  // The current round's payload and fragment-split signature (RoundOptions), set around a
+  // round by the streaming code.
+  Payload round_payload_ ABSL_GUARDED_BY(mu_) = Payload::kFp32;
+  int64_t round_signature_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<LevelTraffic> traffic_ ABSL_GUARDED_BY(mu_);
+  // Background all-reduces not applied yet (at most one per streaming level), in start order.
+  std::vector<std::unique_ptr<PendingSync>> pending_ ABSL_GUARDED_BY(mu_);
 };
 
 // PyTorch's PeriodicModelAverager: the job must be PERIODIC (one level over the whole world,

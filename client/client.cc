@@ -16,6 +16,7 @@
 #include "client/communicator_cache.h"
 #include "client/coordinator_outage.h"
 #include "client/coordinator_client.h"
+#include "client/error_kind.h"
 #include "client/gloo_communicator.h"
 #include "common/job_spec.h"
 #include "common/status_util.h"
@@ -56,6 +57,11 @@ absl::Status ValidateOptions(const ClientOptions& o) {
     return absl::InvalidArgumentError(
         "ClientOptions: join_timeout, rpc_timeout, heartbeat_interval, collective_timeout and "
         "coordinator_outage_timeout must all be positive");
+  }
+  if (o.leave_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "ClientOptions.leave_timeout is negative: it is how long Leave retries through a "
+        "coordinator outage (0: one attempt)");
   }
   if (o.schedule_window < 1 || o.schedule_window > kMaxScheduleWindow) {
     return absl::InvalidArgumentError(absl::StrCat("ClientOptions.schedule_window is ",
@@ -236,11 +242,13 @@ Client::~Client() {
 }
 
 absl::Status Client::Leave(absl::string_view reason) {
+  absl::Status failure;
   {
     absl::MutexLock l(&mu_);
     if (left_) return absl::OkStatus();
     left_ = true;
     stopping_ = true;
+    failure = failure_;
     if (broken_.ok()) {
       broken_ = absl::FailedPreconditionError(
           absl::StrCat("rank ", rank_, " left job ", options_.job_id,
@@ -253,12 +261,63 @@ absl::Status Client::Leave(absl::string_view reason) {
   req.set_job_id(options_.job_id);
   req.set_rank(rank_);
   req.set_generation(generation());
-  req.set_reason(std::string(reason));
   req.set_credential(options_.credential);
-  absl::StatusOr<v1::LeaveResponse> resp = coordinator_->Leave(req);
-  if (!resp.ok()) return resp.status();
-  spdlog::info("rank {} left job {} ({})", rank_, options_.job_id, std::string(reason));
+  // A worker whose averaging failed does not leave in order: the coordinator counts it as a
+  // death (an elastic job below min_world_size stops instead of running on without it).
+  const std::string why =
+      failure.ok() ? std::string(reason) : absl::StrCat(reason, ": ", failure.message());
+  req.set_reason(why);
+  req.set_failed(!failure.ok());
+  // Through a coordinator outage (a restart at the end of the job) the Leave of a worker that
+  // finished is retried, for at most leave_timeout: it is not failed by a coordinator that is
+  // back in seconds, and a destructor never waits long. A failed worker tries once: the
+  // coordinator counts it dead at its heartbeat timeout anyway.
+  const absl::Time started = absl::Now();
+  const absl::Time deadline = started + (failure.ok() ? options_.leave_timeout
+                                                      : absl::ZeroDuration());
+  absl::Duration backoff = absl::Milliseconds(100);
+  int attempts = 0;
+  while (true) {
+    ++attempts;
+    absl::StatusOr<v1::LeaveResponse> resp = coordinator_->Leave(req);
+    if (resp.ok()) break;
+    const absl::Status& s = resp.status();
+    const bool unreachable = absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s);
+    if (!unreachable) return s;
+    outage_->NoteUnreachable(s);
+    // An outage already past coordinator_outage_timeout is not waited for again.
+    if (outage_->Exceeded() || absl::Now() + backoff >= deadline) {
+      return absl::Status(
+          s.code(), absl::StrCat("leaving job ", options_.job_id, ": the coordinator at ",
+                                 options_.coordinator, " did not answer within "
+                                 "ClientOptions.leave_timeout (",
+                                 absl::FormatDuration(options_.leave_timeout), ", ", attempts,
+                                 " attempts); it will count rank ", rank_,
+                                 " as dead at its heartbeat timeout: ", s.message()));
+    }
+    if (attempts == 1) {
+      spdlog::warn("leaving job {}: coordinator {} unreachable ({}); retrying for up to {}",
+                   options_.job_id, options_.coordinator, std::string(s.message()),
+                   absl::FormatDuration(options_.leave_timeout));
+    }
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Seconds(1));
+    // The record says what happened.
+    req.set_reason(absl::StrCat(why, "; sent again after the coordinator was unreachable for ",
+                                absl::FormatDuration(absl::Trunc(absl::Now() - started,
+                                                                 absl::Milliseconds(100)))));
+  }
+  spdlog::info("rank {} {} job {} ({}){}", rank_, failure.ok() ? "left" : "failed out of",
+               options_.job_id, why,
+               attempts > 1 ? absl::StrCat(" after ", attempts, " attempts (coordinator outage)")
+                            : std::string());
   return absl::OkStatus();
+}
+
+void Client::RecordFailure(const absl::Status& failure) {
+  if (failure.ok()) return;
+  absl::MutexLock l(&mu_);
+  if (failure_.ok()) failure_ = failure;
 }
 
 void Client::ReportStep(int64_t step) {
@@ -334,18 +393,23 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
                      "(vacant ranks: {})",
                      options_.job_id, view->generation, why, rank_,
                      vacant.empty() ? std::string("none") : absl::StrJoin(vacant, ","));
-        abort = absl::AbortedError(absl::StrCat(
-            "job ", options_.job_id, " moved to generation ", view->generation, " (", why,
-            "): a round of an older generation is retried with its live members"));
+        abort = SetErrorKind(
+            absl::AbortedError(absl::StrCat(
+                "job ", options_.job_id, " moved to generation ", view->generation, " (", why,
+                "): a round of an older generation is retried with its live members")),
+            ErrorKind::kGenerationMoved);
         generation = view->generation;
         follow_ = *std::move(view);
       }
       return;
     }
     if (broken_.ok()) {
-      broken_ = absl::FailedPreconditionError(absl::StrCat(
-          "job ", options_.job_id, " moved from generation ", generation_, " to ",
-          job->generation(), " (", why, "); rank ", rank_, " cannot average any more: ", gone));
+      broken_ = SetErrorKind(
+          absl::FailedPreconditionError(absl::StrCat(
+              "job ", options_.job_id, " moved from generation ", generation_, " to ",
+              job->generation(), " (", why, "); rank ", rank_, " cannot average any more: ",
+              gone)),
+          ErrorKind::kGenerationMoved);
       spdlog::error("{}", std::string(broken_.message()));
       abort = broken_;
       generation = job->generation();
@@ -366,10 +430,12 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
     if (job->members_size() < schedule_.world_size() && departed.empty()) hard = true;
   }
   if (hard && broken_.ok()) {
-    broken_ = absl::FailedPreconditionError(absl::StrCat(
-        "job ", options_.job_id, " moved from generation ", generation_, " to ", generation,
-        " because ", why, "; this rank's communicators are stale: connect a new Client to "
-        "re-join (or restart the job)"));
+    broken_ = SetErrorKind(
+        absl::FailedPreconditionError(absl::StrCat(
+            "job ", options_.job_id, " moved from generation ", generation_, " to ", generation,
+            " because ", why, "; this rank's communicators are stale: connect a new Client to "
+            "re-join (or restart the job)")),
+        ErrorKind::kGenerationMoved);
     spdlog::error("{}", std::string(broken_.message()));
     abort = broken_;
   } else {

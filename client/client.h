@@ -82,6 +82,10 @@ struct ClientOptions {
   // Longest wait for one collective (communicator set-up or one all-reduce); past it the
   // averaging call fails with DEADLINE_EXCEEDED instead of hanging on a dead peer.
   absl::Duration collective_timeout = absl::Seconds(60);
+  // Longest time Leave (and so the destructor) retries while the coordinator is unreachable
+  // (a restart at the end of a job), and never past coordinator_outage_timeout; past it Leave
+  // fails with UNAVAILABLE and the coordinator counts the rank dead at its heartbeat timeout.
+  absl::Duration leave_timeout = absl::Seconds(20);
   // Decisions prefetched per GetSchedule call (1..100000).
   int64_t schedule_window = 4096;
   // Address Gloo's TCP transport binds to (and that peers connect to).
@@ -136,9 +140,17 @@ class Client {
   // replacement's starts fresh.
   int64_t admission_step() const { return admission_step_; }
 
-  // Tells the coordinator this worker is done. Idempotent: later calls return OK.
-  // Errors: UNAVAILABLE / DEADLINE_EXCEEDED (coordinator unreachable), NOT_FOUND (job deleted).
+  // Tells the coordinator this worker is done. Idempotent: later calls return OK. While the
+  // coordinator is unreachable the call is retried for up to options().leave_timeout. After a
+  // failed averaging call (RecordFailure) the departure is a failure, not an orderly one: the
+  // coordinator counts the rank as dead (LeaveRequest.failed); it is tried once.
+  // Errors: UNAVAILABLE / DEADLINE_EXCEEDED (coordinator unreachable past leave_timeout),
+  // NOT_FOUND (job deleted).
   absl::Status Leave(absl::string_view reason);
+
+  // Records that this worker's averaging failed with `failure` (the first one is kept): its
+  // Leave then tells the coordinator it failed. Called by the averagers.
+  void RecordFailure(const absl::Status& failure);
 
   // --- Used by the averagers (and available to advanced callers). ---
 
@@ -287,6 +299,8 @@ class Client {
   std::vector<int32_t> departed_ ABSL_GUARDED_BY(mu_);
   std::string change_reason_ ABSL_GUARDED_BY(mu_);
   bool left_ ABSL_GUARDED_BY(mu_) = false;
+  // The first failed averaging call (RecordFailure); OK if none.
+  absl::Status failure_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time last_heartbeat_ok_ ABSL_GUARDED_BY(mu_);
   // After a coordinator restart: until when it waits for members to re-attach before it

@@ -5,12 +5,92 @@
 #define MODELAVG_CLIENT_COMMUNICATOR_H_
 
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "client/tensor.h"
+#include "common/schedule.h"
 
 namespace modelavg::client {
+
+class CoordinatorClient;
+
+// Cancels a communicator's set-up from another thread: every wait of the set-up (the
+// rendezvous through the coordinator, the connection of each pair of the mesh, the first
+// collectives) ends promptly with the cancel reason. The communicator cache cancels the set-up
+// of a generation that is over (CommunicatorCache::AbortBefore); a set-up also cancels itself
+// at its deadline. Thread-safe.
+class SetupCanceller {
+ public:
+  // The first reason stands; later calls do nothing. Runs the registered hooks (outside the
+  // lock) with `why` (OK becomes ABORTED).
+  void Cancel(absl::Status why);
+  // OK until cancelled; then the reason.
+  absl::Status status() const;
+  // Runs `hook` on Cancel, or at once (on this thread) if already cancelled. A hook must not
+  // block and must stay valid for the canceller's life (capture what it needs by value).
+  void OnCancel(std::function<void(const absl::Status&)> hook);
+
+ private:
+  mutable absl::Mutex mu_;
+  absl::Status why_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::function<void(const absl::Status&)>> hooks_ ABSL_GUARDED_BY(mu_);
+};
+
+// Everything a communicator needs to bootstrap one subgroup through the coordinator.
+struct CommunicatorSetup {
+  CoordinatorClient* coordinator = nullptr;
+  std::string job_id;
+  int64_t generation = 0;
+  int32_t level = 0;
+  SubgroupRange subgroup;
+  // This process's global rank (a member of `subgroup`).
+  int32_t rank = 0;
+  // That rank's credential (Client::credential()), sent with every comm-id request.
+  std::string credential;
+  // Bounds the bootstrap and every collective.
+  absl::Duration timeout = absl::Seconds(60);
+  // Polled while waiting (NCCL): non-OK aborts the wait with that status.
+  std::function<absl::Status()> check_alive;
+  // Cancels the set-up from another thread (set by CommunicatorCache::Get; may be null).
+  std::shared_ptr<SetupCanceller> cancel;
+  // Gloo: average one-buffer parameters in place (ClientOptions::gloo_in_place).
+  bool gloo_in_place = false;
+  // NCCL: which bootstrap of this subgroup in this generation (0, then 1, 2, ... after failed
+  // ones): each attempt exchanges a fresh unique id under its own key (NcclUniqueIdKey).
+  int32_t bootstrap_attempt = 0;
+  // The global ranks that form the communicator, ascending: the subgroup's live (and admitted)
+  // members in an elastic job. Empty: the whole subgroup.
+  std::vector<int32_t> members;
+
+  // This rank's index among the members, and their number.
+  int MemberIndex() const;
+  int MemberCount() const;
+  // A key prefix that tells this member set from the whole subgroup's (and from other sets of
+  // the same subgroup and generation): "" for the whole subgroup, else "m<hash>/".
+  std::string MemberScope() const;
+
+  // Scopes a v1::PublishCommIdRequest or v1::GetCommIdRequest to this job, generation, level,
+  // subgroup and rank, under `key` (empty: the communicator's unique id).
+  template <typename Request>
+  void ScopeCommIdRequest(const std::string& key, Request* req) const {
+    req->set_job_id(job_id);
+    req->set_generation(generation);
+    req->set_level(level);
+    req->set_subgroup(subgroup.index);
+    req->set_rank(rank);
+    req->set_key(key);
+    req->set_credential(credential);
+  }
+};
+
 
 // How one averaging round runs. The defaults are a plain average of every member.
 struct RoundOptions {
@@ -27,6 +107,15 @@ struct RoundOptions {
   // whose confirmation failed leaves its tensors untouched and keeps the result aside
   // (AdoptPendingResult): if any member completed the round, every member holds its result.
   bool commit = false;
+  // How the tensors travel (streaming sync, docs/streaming.md): FP32 is a plain all-reduce;
+  // BF16 and INT8 encode each member's contribution (client/payload_codec.h), sum the decoded
+  // values in float32 and send the sum encoded again, so every member ends with the same
+  // decoded result. For pseudo-gradients, not parameters: the level must be an outer one.
+  Payload payload = Payload::kFp32;
+  // Mixed into the layout agreement with the element count and dtype (0: none): the fragment
+  // split's signature (client/fragments.h), so that members whose splits differ fail with
+  // INVALID_ARGUMENT rather than average different tensors together.
+  int64_t layout_signature = 0;
 };
 
 // Where a round left this member.
@@ -71,6 +160,11 @@ class Communicator {
   // generation, so that no collective outlives its generation (a stopped or hung peer must not
   // hold the survivors for the collective timeout). Idempotent; the first `why` is kept.
   virtual void Abort(const absl::Status& why) = 0;
+
+  // Bytes this member has handed to the transport for averaging rounds so far (the algorithm's
+  // count: a ring all-reduce sends 2 (n - 1) / n of the buffer; set-up and agreement messages
+  // are not counted). 0 where not counted.
+  virtual int64_t bytes_sent() const { return 0; }
 
   // This member's index in the subgroup and the subgroup's size.
   virtual int rank() const = 0;

@@ -4,6 +4,7 @@
 #include <iterator>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/coordinator_store.h"
@@ -54,13 +55,20 @@ void CommunicatorCache::Clear() {
 }
 
 void CommunicatorCache::AbortBefore(int64_t generation, const absl::Status& why) {
-  absl::MutexLock l(&mu_);
-  if (generation <= abort_before_) return;
-  abort_before_ = generation;
-  abort_why_ = why;
-  for (auto& [key, comm] : comms_) {
-    if (key.generation < generation) comm->Abort(why);
+  std::shared_ptr<SetupCanceller> creating;
+  {
+    absl::MutexLock l(&mu_);
+    if (generation <= abort_before_) return;
+    abort_before_ = generation;
+    abort_why_ = why;
+    for (auto& [key, comm] : comms_) {
+      if (key.generation < generation) comm->Abort(why);
+    }
+    if (creating_ != nullptr && creating_generation_ < generation) creating = creating_;
   }
+  // A set-up of an older generation is abandoned at once (its connects and waits wake), not at
+  // its timeout. Outside mu_: the hooks take the transport's locks.
+  if (creating != nullptr) creating->Cancel(why);
 }
 
 void CommunicatorCache::DropBefore(int64_t generation) {
@@ -106,11 +114,27 @@ absl::StatusOr<Communicator*> CommunicatorCache::Get(const CommunicatorSetup& se
         ") or they are not ascending"));
   }
   absl::MutexLock create(&create_mu_);
+  auto cancel = std::make_shared<SetupCanceller>();
   {
     absl::MutexLock l(&mu_);
     auto it = comms_.find(key);
     if (it != comms_.end()) return it->second.get();
     if (key.generation < abort_before_) return abort_why_;
+    creating_ = cancel;
+    creating_generation_ = key.generation;
+  }
+  absl::Cleanup done_creating = [this] {
+    absl::MutexLock l(&mu_);
+    creating_.reset();
+  };
+  CommunicatorSetup watched = setup;
+  watched.cancel = cancel;
+  if (device.is_cuda()) {
+    // NCCL polls check_alive while it waits: the cancel ends that wait too.
+    watched.check_alive = [alive = setup.check_alive, cancel]() -> absl::Status {
+      if (absl::Status s = cancel->status(); !s.ok()) return s;
+      return alive ? alive() : absl::OkStatus();
+    };
   }
 
   const int member = setup.MemberIndex();
@@ -129,10 +153,10 @@ absl::StatusOr<Communicator*> CommunicatorCache::Get(const CommunicatorSetup& se
       comm = std::make_unique<SoloCommunicator>();
     } else {
       MODELAVG_ASSIGN_OR_RETURN(std::shared_ptr<gloo::transport::Device> dev, GlooDevice());
-      CoordinatorStore store(setup, "gloo/" + setup.MemberScope());
+      CoordinatorStore store(watched, "gloo/" + setup.MemberScope());
       absl::StatusOr<std::unique_ptr<GlooCommunicator>> gloo = GlooCommunicator::Create(
           store, std::move(dev), member, count, setup.timeout,
-          [&store] { return store.last_error(); }, setup.gloo_in_place);
+          [&store] { return store.last_error(); }, setup.gloo_in_place, cancel);
       if (!gloo.ok()) return Annotate(gloo.status(), absl::StrCat("creating the ", what));
       comm = *std::move(gloo);
     }
@@ -145,7 +169,7 @@ absl::StatusOr<Communicator*> CommunicatorCache::Get(const CommunicatorSetup& se
     for (auto a = nccl_attempts_.begin(); a != nccl_attempts_.end();) {
       a = a->first.generation < setup.generation ? nccl_attempts_.erase(a) : std::next(a);
     }
-    CommunicatorSetup attempt = setup;
+    CommunicatorSetup attempt = watched;
     attempt.bootstrap_attempt = nccl_attempts_[key]++;
     absl::StatusOr<std::unique_ptr<NcclCommunicator>> nccl =
         NcclCommunicator::Create(attempt, device.index);

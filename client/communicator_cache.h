@@ -27,53 +27,6 @@ class Device;
 
 namespace modelavg::client {
 
-class CoordinatorClient;
-
-// Everything a communicator needs to bootstrap one subgroup through the coordinator.
-struct CommunicatorSetup {
-  CoordinatorClient* coordinator = nullptr;
-  std::string job_id;
-  int64_t generation = 0;
-  int32_t level = 0;
-  SubgroupRange subgroup;
-  // This process's global rank (a member of `subgroup`).
-  int32_t rank = 0;
-  // That rank's credential (Client::credential()), sent with every comm-id request.
-  std::string credential;
-  // Bounds the bootstrap and every collective.
-  absl::Duration timeout = absl::Seconds(60);
-  // Polled while waiting (NCCL): non-OK aborts the wait with that status.
-  std::function<absl::Status()> check_alive;
-  // Gloo: average one-buffer parameters in place (ClientOptions::gloo_in_place).
-  bool gloo_in_place = false;
-  // NCCL: which bootstrap of this subgroup in this generation (0, then 1, 2, ... after failed
-  // ones): each attempt exchanges a fresh unique id under its own key (NcclUniqueIdKey).
-  int32_t bootstrap_attempt = 0;
-  // The global ranks that form the communicator, ascending: the subgroup's live (and admitted)
-  // members in an elastic job. Empty: the whole subgroup.
-  std::vector<int32_t> members;
-
-  // This rank's index among the members, and their number.
-  int MemberIndex() const;
-  int MemberCount() const;
-  // A key prefix that tells this member set from the whole subgroup's (and from other sets of
-  // the same subgroup and generation): "" for the whole subgroup, else "m<hash>/".
-  std::string MemberScope() const;
-
-  // Scopes a v1::PublishCommIdRequest or v1::GetCommIdRequest to this job, generation, level,
-  // subgroup and rank, under `key` (empty: the communicator's unique id).
-  template <typename Request>
-  void ScopeCommIdRequest(const std::string& key, Request* req) const {
-    req->set_job_id(job_id);
-    req->set_generation(generation);
-    req->set_level(level);
-    req->set_subgroup(subgroup.index);
-    req->set_rank(rank);
-    req->set_key(key);
-    req->set_credential(credential);
-  }
-};
-
 struct CommunicatorKey {
   int64_t generation = 0;
   int32_t level = 0;
@@ -105,9 +58,9 @@ class CommunicatorCache {
   void Clear();
 
   // Aborts every communicator of a generation below `generation` (Communicator::Abort with
-  // `why`), including one whose creation is under way (it is aborted as soon as it is made, and
-  // Get returns `why`). Thread-safe and non-blocking: a collective blocked on a stopped peer
-  // is broken from the heartbeat thread.
+  // `why`), including one whose creation is under way: its set-up is cancelled at once (every
+  // wait in it ends, SetupCanceller) and Get returns `why`. Thread-safe and non-blocking: a
+  // collective blocked on a stopped peer is broken from the heartbeat thread.
   void AbortBefore(int64_t generation, const absl::Status& why);
 
   // Drops the communicators of generations below `generation` (after a round in it
@@ -132,6 +85,10 @@ class CommunicatorCache {
   // Generations below abort_before_ are aborted, with abort_why_.
   int64_t abort_before_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status abort_why_ ABSL_GUARDED_BY(mu_);
+  // The set-up under way (create_mu_ allows one), cancelled by AbortBefore when its generation
+  // is over.
+  std::shared_ptr<SetupCanceller> creating_ ABSL_GUARDED_BY(mu_);
+  int64_t creating_generation_ ABSL_GUARDED_BY(mu_) = 0;
   // Failed NCCL bootstraps per key (the next attempt's number).
   std::map<CommunicatorKey, int32_t> nccl_attempts_ ABSL_GUARDED_BY(create_mu_);
 };

@@ -3,7 +3,12 @@
 #include <chrono>
 #include <utility>
 
+#include <algorithm>
+
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "spdlog/spdlog.h"
 #include "client/coordinator_outage.h"
 #include "common/file_util.h"
 #include "common/status_util.h"
@@ -29,10 +34,7 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) 
 
 absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(
     const CoordinatorClientOptions& options) {
-  if (options.address.empty()) {
-    return absl::InvalidArgumentError(
-        "coordinator address is empty: set it to the coordinator's host:port");
-  }
+  MODELAVG_ASSIGN_OR_RETURN(std::vector<std::string> addresses, ParseAddresses(options.address));
   if (options.rpc_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("rpc_timeout must be positive");
   }
@@ -59,6 +61,38 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(
     }
     creds = grpc::InsecureChannelCredentials();
   }
+  auto client =
+      std::unique_ptr<CoordinatorClient>(new CoordinatorClient(options, std::move(creds)));
+  absl::MutexLock lock(&client->targets_mu_);
+  for (const std::string& address : addresses) client->TargetFor(address);
+  return client;
+}
+
+absl::StatusOr<std::vector<std::string>> CoordinatorClient::ParseAddresses(
+    const std::string& list) {
+  std::vector<std::string> addresses;
+  for (absl::string_view a : absl::StrSplit(list, ',')) {
+    a = absl::StripAsciiWhitespace(a);
+    if (a.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "coordinator address \"", list, "\" is empty or has an empty entry: set it to the "
+          "coordinator's host:port (several, comma-separated, for coordinators on etcd)"));
+    }
+    if (std::find(addresses.begin(), addresses.end(), a) == addresses.end()) {
+      addresses.emplace_back(a);
+    }
+  }
+  return addresses;
+}
+
+CoordinatorClient::CoordinatorClient(CoordinatorClientOptions options,
+                                     std::shared_ptr<grpc::ChannelCredentials> creds)
+    : options_(std::move(options)), creds_(std::move(creds)) {}
+
+size_t CoordinatorClient::TargetFor(const std::string& address) {
+  for (size_t i = 0; i < targets_.size(); ++i) {
+    if (targets_[i]->address == address) return i;
+  }
   grpc::ChannelArguments args;
   // Fail fast when the coordinator is gone rather than waiting out long reconnect back-offs.
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
@@ -68,15 +102,44 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(
   // new IP when it restarts): look the name up again within a second of losing the connection,
   // not after gRPC's default 30 s, so that the workers re-attach within the recovery grace.
   args.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS, 1000);
-  auto channel = grpc::CreateCustomChannel(options.address, creds, args);
-  return std::unique_ptr<CoordinatorClient>(new CoordinatorClient(options, std::move(channel)));
+  auto target = std::make_unique<Target>();
+  target->address = address;
+  target->channel = grpc::CreateCustomChannel(address, creds_, args);
+  target->stub = v1::Coordinator::NewStub(target->channel);
+  targets_.push_back(std::move(target));
+  return targets_.size() - 1;
 }
 
-CoordinatorClient::CoordinatorClient(CoordinatorClientOptions options,
-                                     std::shared_ptr<grpc::Channel> channel)
-    : options_(std::move(options)),
-      channel_(std::move(channel)),
-      stub_(v1::Coordinator::NewStub(channel_)) {}
+std::pair<v1::Coordinator::Stub*, size_t> CoordinatorClient::Current() const {
+  absl::ReaderMutexLock lock(&targets_mu_);
+  return {targets_[current_]->stub.get(), current_};
+}
+
+std::string CoordinatorClient::current_address() const {
+  absl::ReaderMutexLock lock(&targets_mu_);
+  return targets_[current_]->address;
+}
+
+void CoordinatorClient::Failover(size_t index, const grpc::Status& status,
+                                 const grpc::ClientContext& context) {
+  if (status.error_code() != grpc::StatusCode::UNAVAILABLE) return;
+  std::string leader;
+  const auto& trailers = context.GetServerTrailingMetadata();
+  if (auto it = trailers.find("modelavg-leader"); it != trailers.end()) {
+    leader.assign(it->second.data(), it->second.size());
+  }
+  absl::MutexLock lock(&targets_mu_);
+  // Another call has moved on already.
+  if (index != current_) return;
+  // A single address stays where it is (a restarted coordinator comes back there).
+  if (targets_.size() == 1 && leader.empty()) return;
+  const std::string from = targets_[current_]->address;
+  current_ = !leader.empty() ? TargetFor(leader) : (current_ + 1) % targets_.size();
+  if (targets_[current_]->address != from) {
+    spdlog::info("coordinator {} is unavailable ({}); trying {}{}", from, status.error_message(),
+                 targets_[current_]->address, leader.empty() ? "" : " (it names the leader)");
+  }
+}
 
 std::string CoordinatorClient::Authorization() const {
   return options_.auth_token.empty() ? "" : absl::StrCat("Bearer ", options_.auth_token);
@@ -100,7 +163,7 @@ absl::StatusOr<v1::Job> CoordinatorClient::CreateJob(const v1::JobSpec& spec) {
   v1::CreateJobRequest req;
   *req.mutable_spec() = spec;
   v1::Job out;
-  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->CreateJob(&ctx, req, &out), "CreateJob"));
+  MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->CreateJob(&ctx, req, &out); }), "CreateJob"));
   return out;
 }
 
@@ -110,7 +173,7 @@ absl::StatusOr<v1::Job> CoordinatorClient::GetJob(const std::string& job_id) {
   v1::GetJobRequest req;
   req.set_job_id(job_id);
   v1::Job out;
-  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->GetJob(&ctx, req, &out), "GetJob"));
+  MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->GetJob(&ctx, req, &out); }), "GetJob"));
   return out;
 }
 
@@ -123,7 +186,7 @@ absl::StatusOr<v1::ListJobsResponse> CoordinatorClient::ListJobs() {
     grpc::ClientContext ctx;
     Prepare(&ctx, options_.rpc_timeout);
     v1::ListJobsResponse page;
-    MODELAVG_RETURN_IF_ERROR(Wrap(stub_->ListJobs(&ctx, req, &page), "ListJobs"));
+    MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->ListJobs(&ctx, req, &page); }), "ListJobs"));
     for (v1::Job& job : *page.mutable_jobs()) *all.add_jobs() = std::move(job);
     req.set_page_token(page.next_page_token());
   } while (!req.page_token().empty());
@@ -136,7 +199,7 @@ absl::Status CoordinatorClient::DeleteJob(const std::string& job_id) {
   v1::DeleteJobRequest req;
   req.set_job_id(job_id);
   v1::DeleteJobResponse out;
-  return Wrap(stub_->DeleteJob(&ctx, req, &out), "DeleteJob");
+  return Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->DeleteJob(&ctx, req, &out); }), "DeleteJob");
 }
 
 absl::StatusOr<v1::JoinResponse> CoordinatorClient::Join(const v1::JoinRequest& request,
@@ -144,7 +207,7 @@ absl::StatusOr<v1::JoinResponse> CoordinatorClient::Join(const v1::JoinRequest& 
   grpc::ClientContext ctx;
   Prepare(&ctx, timeout);
   v1::JoinResponse out;
-  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->Join(&ctx, request, &out), "Join"));
+  MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->Join(&ctx, request, &out); }), "Join"));
   return out;
 }
 
@@ -153,7 +216,7 @@ absl::StatusOr<v1::HeartbeatResponse> CoordinatorClient::Heartbeat(
   grpc::ClientContext ctx;
   Prepare(&ctx, options_.rpc_timeout);
   v1::HeartbeatResponse out;
-  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->Heartbeat(&ctx, request, &out), "Heartbeat"));
+  MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->Heartbeat(&ctx, request, &out); }), "Heartbeat"));
   return out;
 }
 
@@ -161,7 +224,7 @@ absl::StatusOr<v1::StepDecision> CoordinatorClient::Step(const v1::StepRequest& 
   grpc::ClientContext ctx;
   Prepare(&ctx, options_.rpc_timeout);
   v1::StepDecision out;
-  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->Step(&ctx, request, &out), "Step"));
+  MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->Step(&ctx, request, &out); }), "Step"));
   return out;
 }
 
@@ -170,7 +233,7 @@ absl::StatusOr<v1::GetScheduleResponse> CoordinatorClient::GetSchedule(
   grpc::ClientContext ctx;
   Prepare(&ctx, options_.rpc_timeout);
   v1::GetScheduleResponse out;
-  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->GetSchedule(&ctx, request, &out), "GetSchedule"));
+  MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->GetSchedule(&ctx, request, &out); }), "GetSchedule"));
   return out;
 }
 
@@ -179,7 +242,7 @@ absl::Status CoordinatorClient::PublishCommId(const v1::PublishCommIdRequest& re
     grpc::ClientContext ctx;
     Prepare(&ctx, options_.rpc_timeout);
     v1::PublishCommIdResponse out;
-    return Wrap(stub_->PublishCommId(&ctx, request, &out), "PublishCommId");
+    return Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->PublishCommId(&ctx, request, &out); }), "PublishCommId");
   };
   if (outage_ == nullptr) return call();
   return outage_->Retry(
@@ -194,7 +257,7 @@ absl::StatusOr<std::string> CoordinatorClient::GetCommId(const v1::GetCommIdRequ
     grpc::ClientContext ctx;
     Prepare(&ctx, absl::Milliseconds(request.timeout_ms()) + options_.rpc_timeout);
     v1::GetCommIdResponse out;
-    MODELAVG_RETURN_IF_ERROR(Wrap(stub_->GetCommId(&ctx, request, &out), "GetCommId"));
+    MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->GetCommId(&ctx, request, &out); }), "GetCommId"));
     return std::move(*out.mutable_unique_id());
   };
   if (outage_ == nullptr) return call();
@@ -208,7 +271,7 @@ absl::StatusOr<v1::LeaveResponse> CoordinatorClient::Leave(const v1::LeaveReques
   grpc::ClientContext ctx;
   Prepare(&ctx, options_.rpc_timeout);
   v1::LeaveResponse out;
-  MODELAVG_RETURN_IF_ERROR(Wrap(stub_->Leave(&ctx, request, &out), "Leave"));
+  MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->Leave(&ctx, request, &out); }), "Leave"));
   return out;
 }
 
@@ -217,19 +280,23 @@ absl::Status CoordinatorClient::Ping() {
   Prepare(&ctx, options_.rpc_timeout);
   v1::PingRequest req;
   v1::PingResponse out;
-  return Wrap(stub_->Ping(&ctx, req, &out), "Ping");
+  return Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->Ping(&ctx, req, &out); }), "Ping");
 }
 
 std::unique_ptr<HeartbeatStreamCall> CoordinatorClient::StartHeartbeatStream(
     HeartbeatStreamCall::ReplyCallback on_reply, HeartbeatStreamCall::EndCallback on_end) {
-  return std::make_unique<HeartbeatStreamCall>(stub_.get(), Authorization(), std::move(on_reply),
-                                               std::move(on_end));
+  auto [stub, index] = Current();
+  return std::make_unique<HeartbeatStreamCall>(
+      stub, Authorization(), std::move(on_reply), std::move(on_end),
+      [this, index = index](const grpc::Status& status, const grpc::ClientContext& context) {
+        Failover(index, status, context);
+      });
 }
 
 HeartbeatStreamCall::HeartbeatStreamCall(v1::Coordinator::Stub* stub,
                                          const std::string& authorization, ReplyCallback on_reply,
-                                         EndCallback on_end)
-    : on_reply_(std::move(on_reply)), on_end_(std::move(on_end)) {
+                                         EndCallback on_end, DoneCallback on_done)
+    : on_reply_(std::move(on_reply)), on_end_(std::move(on_end)), on_done_(std::move(on_done)) {
   if (!authorization.empty()) context_.AddMetadata("authorization", authorization);
   stub->async()->HeartbeatStream(&context_, this);
   StartRead(&reply_);
@@ -273,6 +340,7 @@ void HeartbeatStreamCall::OnReadDone(bool ok) {
 
 void HeartbeatStreamCall::OnDone(const grpc::Status& status) {
   status_ = status;
+  if (on_done_ && !status.ok()) on_done_(status, context_);
   done_.Notify();
 }
 

@@ -6,6 +6,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -14,13 +16,16 @@
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
+#include "grpcpp/security/credentials.h"
 #include "grpcpp/support/client_callback.h"
 #include "modelavg/v1/coordinator.grpc.pb.h"
 
 namespace modelavg::client {
 
 struct CoordinatorClientOptions {
-  // "host:port".
+  // "host:port", or several comma-separated ("a:50051,b:50051"): coordinators of which one
+  // leads (etcd, docs/high-availability.md). Calls go to one; when it answers UNAVAILABLE the
+  // next calls go to the leader it names, or else to the next address.
   std::string address;
   std::string auth_token;
   bool tls = false;
@@ -37,10 +42,13 @@ class HeartbeatStreamCall final
  public:
   using ReplyCallback = std::function<void(const v1::HeartbeatResponse&)>;
   using EndCallback = std::function<void()>;
+  // How the call ended, with the coordinator's trailers (for failover); on a gRPC thread.
+  using DoneCallback =
+      std::function<void(const grpc::Status&, const grpc::ClientContext& context)>;
 
   // Use CoordinatorClient::StartHeartbeatStream.
   HeartbeatStreamCall(v1::Coordinator::Stub* stub, const std::string& authorization,
-                      ReplyCallback on_reply, EndCallback on_end);
+                      ReplyCallback on_reply, EndCallback on_end, DoneCallback on_done = nullptr);
   // Finishes the call if the owner has not.
   ~HeartbeatStreamCall() override;
 
@@ -67,6 +75,7 @@ class HeartbeatStreamCall final
   v1::HeartbeatResponse reply_;   // the read in flight
   const ReplyCallback on_reply_;
   const EndCallback on_end_;
+  const DoneCallback on_done_;
   absl::Mutex mu_;
   bool WriteIdle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !writing_ || ended_; }
 
@@ -109,22 +118,51 @@ class CoordinatorClient {
                                                             HeartbeatStreamCall::EndCallback on_end);
 
   const CoordinatorClientOptions& options() const { return options_; }
+  // The address calls go to now (one of options().address's, or a leader one of them named).
+  std::string current_address() const;
 
   // With an outage tracker (not owned; outlives this object), PublishCommId and GetCommId wait
   // through an unreachable coordinator (CoordinatorOutage::Retry) instead of failing at once,
   // and every reply or failure updates it. Set once, before the calls start.
   void set_outage(CoordinatorOutage* outage) { outage_ = outage; }
 
+  // The addresses of a comma-separated list, in order. INVALID_ARGUMENT for an empty one.
+  static absl::StatusOr<std::vector<std::string>> ParseAddresses(const std::string& list);
+
  private:
-  CoordinatorClient(CoordinatorClientOptions options, std::shared_ptr<grpc::Channel> channel);
+  struct Target {
+    std::string address;
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<v1::Coordinator::Stub> stub;
+  };
+  CoordinatorClient(CoordinatorClientOptions options,
+                    std::shared_ptr<grpc::ChannelCredentials> creds);
   // Deadline and token on a fresh context.
   void Prepare(grpc::ClientContext* context, absl::Duration timeout) const;
   // "Bearer <token>", empty without a token.
   std::string Authorization() const;
+  // Adds a target for `address` (or finds it); its index.
+  size_t TargetFor(const std::string& address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(targets_mu_);
+  // The stub calls go to now, and its index for Failover.
+  std::pair<v1::Coordinator::Stub*, size_t> Current() const;
+  // A call to target `index` ended with `status`: an UNAVAILABLE moves the next calls to the
+  // leader named in the "modelavg-leader" trailer, or else to the next address.
+  void Failover(size_t index, const grpc::Status& status, const grpc::ClientContext& context);
+  // Runs `call(stub)` against the current target, then Failover.
+  template <typename F>
+  grpc::Status Send(grpc::ClientContext* context, F call) {
+    auto [stub, index] = Current();
+    grpc::Status s = call(stub);
+    if (!s.ok()) Failover(index, s, *context);
+    return s;
+  }
 
   const CoordinatorClientOptions options_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  const std::shared_ptr<grpc::ChannelCredentials> creds_;
+  mutable absl::Mutex targets_mu_;
+  // Only grows (stubs handed out stay valid).
+  std::vector<std::unique_ptr<Target>> targets_ ABSL_GUARDED_BY(targets_mu_);
+  size_t current_ ABSL_GUARDED_BY(targets_mu_) = 0;
   CoordinatorOutage* outage_ = nullptr;
 };
 

@@ -14,7 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "client/communicator_cache.h"
+#include "client/communicator.h"
 #include "gloo/rendezvous/store.h"
 
 namespace modelavg::client {

@@ -8,18 +8,25 @@
 #include <exception>
 #include <typeinfo>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
-#include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "client/error_kind.h"
 #include "client/host_staging.h"
+#include "client/payload_codec.h"
 #include "common/status_util.h"
+#include "gloo/allgather.h"
 #include "gloo/allreduce.h"
+#include "gloo/alltoall.h"
 #include "gloo/common/error.h"
 #include "gloo/math.h"
-#include "gloo/rendezvous/context.h"
+#include "gloo/context.h"
+#include "gloo/transport/context.h"
 #include "gloo/rendezvous/store.h"
 #include "gloo/transport/pair.h"
 #include "gloo/transport/tcp/device.h"
@@ -50,22 +57,131 @@ namespace {
 
 using ReduceFn = void (*)(void*, const void*, const void*, size_t);
 
-// A Gloo exception as a status a person can act on.
-absl::Status FromGlooException(const std::exception& e, absl::string_view what) {
+// A Gloo exception as a status a person can act on, with its kind (error_kind.h). Gloo reports
+// every transport failure as a gloo::IoException, a timeout included; which one it was is told
+// by the clock, not by the text: a wait that lasted its whole `timeout` timed out.
+absl::Status FromGlooException(const std::exception& e, absl::string_view what,
+                               absl::Time started, absl::Duration timeout) {
   const std::string msg = e.what();
-  const std::string lower = absl::AsciiStrToLower(msg);
-  if (absl::StrContains(lower, "timed out") || absl::StrContains(lower, "timeout")) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        what, " timed out: a peer did not take part in time (dead, stuck, or passing a "
-              "different schedule); Gloo: ", msg));
+  if (absl::Now() - started >= timeout) {
+    return SetErrorKind(
+        absl::DeadlineExceededError(absl::StrCat(
+            what, " timed out after ", absl::FormatDuration(timeout),
+            ": a peer did not take part in time (dead, stuck, or passing a different schedule); "
+            "Gloo: ", msg)),
+        ErrorKind::kTimeout);
   }
-  if (absl::StrContains(msg, "Connection reset") || absl::StrContains(msg, "Connection closed") ||
-      absl::StrContains(msg, "Broken pipe") || absl::StrContains(msg, "closed by peer") ||
-      absl::StrContains(msg, "Connection refused") || dynamic_cast<const gloo::IoException*>(&e)) {
-    return absl::UnavailableError(
-        absl::StrCat(what, " failed: a peer's connection broke (it probably died); Gloo: ", msg));
+  if (dynamic_cast<const gloo::IoException*>(&e) != nullptr) {
+    return SetErrorKind(
+        absl::UnavailableError(absl::StrCat(
+            what, " failed: a peer's connection broke (it probably died); Gloo: ", msg)),
+        ErrorKind::kPeerFailure);
   }
   return absl::InternalError(absl::StrCat(what, " failed; Gloo: ", msg));
+}
+
+// Fails one TCP pair at the transport (see MODELAVG_GLOO_PAIR_ABORT): its pending operations,
+// a connect in progress included, wake with an error and its socket closes.
+void FailPair(gloo::transport::Pair* pair, int member, const std::string& msg) {
+  if (pair == nullptr) return;
+#if MODELAVG_GLOO_PAIR_ABORT
+  if (std::string(typeid(*pair).name()) != "N4gloo9transport3tcp4PairE") {
+    spdlog::warn("Gloo pair to member {} is not a TCP pair ({}): it cannot be aborted; the "
+                 "collective ends at its timeout",
+                 member, typeid(*pair).name());
+    return;
+  }
+  try {
+    ModelavgGlooTcpPairSignalExceptionExternal(pair, msg);
+  } catch (const std::exception& e) {
+    spdlog::debug("aborting the Gloo pair to member {}: {}", member, e.what());
+  }
+#else
+  (void)member;
+  (void)msg;
+  spdlog::warn("this platform cannot abort a Gloo collective: it ends at its timeout");
+#endif
+}
+
+// A gloo::Context whose full mesh modelavg connects itself (ConnectMesh below) instead of
+// gloo::rendezvous::Context::connectFullMesh, which waits for each peer up to five times the
+// timeout and cannot be interrupted: a member still connecting the mesh of a generation that is
+// over would sit there for minutes.
+class MeshContext final : public gloo::Context {
+ public:
+  MeshContext(int rank, int size) : gloo::Context(rank, size) {}
+  void Adopt(std::shared_ptr<gloo::transport::Device> device,
+             std::shared_ptr<gloo::transport::Context> transport) {
+    device_ = std::move(device);
+    transportContext_ = std::move(transport);
+  }
+};
+
+// Connects the full mesh of `size` members through `store`, as connectFullMesh does (each
+// member publishes the addresses of its pairs under "<rank>", then connects each pair to the
+// address its peer published for it), with every wait watched by `cancel`: a cancel fails the
+// pairs, which wakes a connect in progress. Throws what Gloo and the store throw; a failed
+// connect is reported as a status (kStrayConnection: the peer's port refused or dropped us).
+absl::StatusOr<std::shared_ptr<gloo::Context>> ConnectMesh(
+    gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
+    int size, absl::Duration timeout, absl::Time deadline,
+    const std::shared_ptr<SetupCanceller>& cancel) {
+  std::shared_ptr<gloo::transport::Context> transport = device->createContext(rank, size);
+  transport->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
+  std::vector<char> addresses;
+  for (int i = 0; i < size; ++i) {
+    if (i == rank) continue;
+    std::unique_ptr<gloo::transport::Pair>& pair = transport->createPair(i);
+    const std::vector<char> bytes = pair->address().bytes();
+    addresses.insert(addresses.end(), bytes.begin(), bytes.end());
+  }
+  // The pair table is complete and never changes again: a cancel may fail the pairs from any
+  // thread from here on (the hook keeps the transport context alive).
+  cancel->OnCancel([transport, rank, size](const absl::Status& why) {
+    const std::string msg = absl::StrCat("set-up cancelled by modelavg: ", why.message());
+    for (int i = 0; i < size; ++i) {
+      if (i != rank) FailPair(transport->getPair(i).get(), i, msg);
+    }
+  });
+  store.set(std::to_string(rank), addresses);
+  for (int i = 0; i < size; ++i) {
+    if (i == rank) continue;
+    MODELAVG_RETURN_IF_ERROR(cancel->status());
+    const std::string key = std::to_string(i);
+    // Rounded up: a wait that ends at the deadline is reported as a timeout (FromGlooException).
+    store.wait({key}, std::chrono::milliseconds(std::max<int64_t>(
+                          1, absl::ToInt64Milliseconds(absl::Ceil(deadline - absl::Now(),
+                                                                  absl::Milliseconds(1))) +
+                                 1)));
+    const std::vector<char> all = store.get(key);
+    // Member i lists the addresses of its pairs in member order, without its own.
+    if (all.empty() || all.size() % (size - 1) != 0) {
+      return absl::InternalError(absl::StrCat("member ", i, " published ", all.size(),
+                                              " bytes of pair addresses: not a modelavg mesh"));
+    }
+    const size_t each = all.size() / (size - 1);
+    const size_t index = static_cast<size_t>(rank > i ? rank - 1 : rank);
+    const std::vector<char> address(all.begin() + index * each,
+                                    all.begin() + (index + 1) * each);
+    try {
+      transport->getPair(i)->connect(address);
+    } catch (const std::exception& e) {
+      MODELAVG_RETURN_IF_ERROR(cancel->status());
+      return SetErrorKind(
+          absl::UnavailableError(absl::StrCat(
+              "connecting the Gloo mesh to member ", i, " failed during set-up: its port "
+              "refused or dropped this member's connection, which happens when something that "
+              "is not a member connected to that port first (a stray connection: a port "
+              "scanner, a health check, a misdirected client) or when member ", i,
+              " is gone; if the coordinator reports no failure of member ", i,
+              ", look for the stray connection on this host's network; Gloo: ", e.what())),
+          ErrorKind::kStrayConnection, i);
+    }
+  }
+  auto context = std::make_shared<MeshContext>(rank, size);
+  context->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
+  context->Adopt(std::move(device), std::move(transport));
+  return context;
 }
 
 // Where Gloo's ring all-reduce (gloo/allreduce.cc) leaves the fully reduced data: the buffer is
@@ -94,6 +210,12 @@ RingChunk GlooRingChunk(size_t total_bytes, int size, int rank, size_t elem,
   c.begin = std::min(total_bytes, rank * per_rank * segment);
   c.end = std::min(total_bytes, (rank + 1) * per_rank * segment);
   return c;
+}
+
+// What one member sends in a ring all-reduce of `bytes`: a chunk of bytes / n in each of the
+// n - 1 steps of the reduce-scatter and of the all-gather.
+int64_t RingBytesSent(size_t bytes, int n) {
+  return static_cast<int64_t>(2 * (static_cast<unsigned __int128>(bytes) * (n - 1) / n));
 }
 
 constexpr size_t kDefaultMaxSegment = gloo::detail::AllreduceOptionsImpl::kMaxSegmentSize;
@@ -180,27 +302,51 @@ absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CreateGlooDevice(
 
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
-    int size, absl::Duration timeout, std::function<absl::Status()> store_error, bool in_place) {
+    int size, absl::Duration timeout, std::function<absl::Status()> store_error, bool in_place,
+    std::shared_ptr<SetupCanceller> cancel) {
   if (size < 1 || rank < 0 || rank >= size) {
     return absl::InvalidArgumentError(
         absl::StrCat("Gloo communicator rank ", rank, " of size ", size, " is out of range"));
   }
   if (device == nullptr) return absl::InvalidArgumentError("Gloo device is null");
   IgnoreDefaultSigpipe();
+  if (cancel == nullptr) cancel = std::make_shared<SetupCanceller>();
+  const absl::Time started = absl::Now();
+  // The whole set-up is bounded by `timeout`: past it, a watchdog cancels it (a connect waits
+  // for its peer with no deadline of ours otherwise).
+  absl::Notification finished;
+  std::thread watchdog([&finished, cancel, timeout, size] {
+    if (finished.WaitForNotificationWithTimeout(timeout)) return;
+    cancel->Cancel(SetErrorKind(
+        absl::DeadlineExceededError(absl::StrCat(
+            "the Gloo set-up of ", size, " members did not complete within ",
+            absl::FormatDuration(timeout),
+            " (ClientOptions.collective_timeout): a member did not arrive or connect")),
+        ErrorKind::kTimeout));
+  });
+  absl::Cleanup stop_watchdog = [&] {
+    finished.Notify();
+    watchdog.join();
+  };
   try {
-    auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
-    context->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
-    context->connectFullMesh(store, device);
+    absl::StatusOr<std::shared_ptr<gloo::Context>> context =
+        ConnectMesh(store, device, rank, size, timeout, started + timeout, cancel);
+    if (!context.ok()) return context.status();
     std::unique_ptr<GlooCommunicator> comm(
-        new GlooCommunicator(std::move(context), rank, size, timeout, in_place));
-    MODELAVG_RETURN_IF_ERROR(comm->ProbeFusedAverage());
+        new GlooCommunicator(*std::move(context), rank, size, timeout, in_place));
+    if (absl::Status probe = comm->ProbeFusedAverage(); !probe.ok()) {
+      MODELAVG_RETURN_IF_ERROR(cancel->status());
+      return probe;
+    }
     return comm;
   } catch (const std::exception& e) {
+    MODELAVG_RETURN_IF_ERROR(cancel->status());
     if (store_error) {
       absl::Status s = store_error();
       if (!s.ok()) return s;
     }
-    return FromGlooException(e, absl::StrCat("Gloo rendezvous of ", size, " members"));
+    return FromGlooException(e, absl::StrCat("Gloo rendezvous of ", size, " members"), started,
+                             timeout);
   } catch (...) {
     return absl::InternalError("Gloo rendezvous failed with an unknown exception");
   }
@@ -226,28 +372,11 @@ void GlooCommunicator::Abort(const absl::Status& why) {
 }
 
 void GlooCommunicator::CloseMesh(const std::string& msg) {
-#if MODELAVG_GLOO_PAIR_ABORT
-  // The pairs exist for the communicator's whole life (Create returns after connectFullMesh),
-  // and their table is not changed after it: reading it from this thread is safe.
+  // The pairs exist for the communicator's whole life (Create returns after the mesh is
+  // connected), and their table is not changed after it: reading it from this thread is safe.
   for (int i = 0; i < size_; ++i) {
-    if (i == rank_) continue;
-    gloo::transport::Pair* pair = context_->getPair(i).get();
-    if (pair == nullptr) continue;
-    if (std::string(typeid(*pair).name()) != "N4gloo9transport3tcp4PairE") {
-      spdlog::warn("Gloo pair to member {} is not a TCP pair ({}): it cannot be aborted; the "
-                   "collective ends at its timeout",
-                   i, typeid(*pair).name());
-      continue;
-    }
-    try {
-      ModelavgGlooTcpPairSignalExceptionExternal(pair, msg);
-    } catch (const std::exception& e) {
-      spdlog::debug("aborting the Gloo pair to member {}: {}", i, e.what());
-    }
+    if (i != rank_) FailPair(context_->getPair(i).get(), i, msg);
   }
-#else
-  spdlog::warn("this platform cannot abort a Gloo collective: it ends at its timeout");
-#endif
 }
 
 absl::Status GlooCommunicator::AbortedOr(absl::Status failure) const {
@@ -265,6 +394,7 @@ absl::Status GlooCommunicator::Break(const absl::Status& failure) {
 
 absl::Status GlooCommunicator::RunSum(void* data, int64_t numel, DType dtype) {
   if (numel == 0) return absl::OkStatus();
+  const absl::Time started = absl::Now();
   try {
     gloo::AllreduceOptions opts(context_);
     opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
@@ -277,9 +407,11 @@ absl::Status GlooCommunicator::RunSum(void* data, int64_t numel, DType dtype) {
       opts.setReduceFunction(static_cast<ReduceFn>(&gloo::sum<float>));
     }
     gloo::allreduce(opts);
+    bytes_sent_ += RingBytesSent(static_cast<size_t>(numel) * DTypeSize(dtype), size_);
     return absl::OkStatus();
   } catch (const std::exception& e) {
-    return FromGlooException(e, absl::StrCat("Gloo all-reduce of ", numel, " elements"));
+    return FromGlooException(e, absl::StrCat("Gloo all-reduce of ", numel, " elements"), started,
+                             timeout_);
   } catch (...) {
     return absl::InternalError("Gloo all-reduce failed with an unknown exception");
   }
@@ -311,6 +443,7 @@ absl::Status GlooCommunicator::RunAverage(void* data, int64_t numel, DType dtype
       std::memcpy(static_cast<char*>(data) + offset, static_cast<char*>(backup) + offset, len);
     }
   };
+  const absl::Time started = absl::Now();
   try {
     gloo::AllreduceOptions opts(context_);
     opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
@@ -324,9 +457,11 @@ absl::Status GlooCommunicator::RunAverage(void* data, int64_t numel, DType dtype
       opts.setReduceFunction(AverageReduction<float>(&st));
     }
     gloo::allreduce(opts);
+    bytes_sent_ += RingBytesSent(bytes, size_);
   } catch (const std::exception& e) {
     if (backup != nullptr) restore();
-    return FromGlooException(e, absl::StrCat("Gloo all-reduce of ", numel, " elements"));
+    return FromGlooException(e, absl::StrCat("Gloo all-reduce of ", numel, " elements"), started,
+                             timeout_);
   } catch (...) {
     if (backup != nullptr) restore();
     return absl::InternalError("Gloo all-reduce failed with an unknown exception");
@@ -360,6 +495,7 @@ absl::Status GlooCommunicator::RunAverage(void* data, int64_t numel, DType dtype
 
 absl::Status GlooCommunicator::Commit() {
   int64_t votes = 1;
+  const absl::Time started = absl::Now();
   try {
     gloo::AllreduceOptions opts(context_);
     opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
@@ -368,7 +504,8 @@ absl::Status GlooCommunicator::Commit() {
     opts.setReduceFunction(static_cast<ReduceFn>(&gloo::sum<int64_t>));
     gloo::allreduce(opts);
   } catch (const std::exception& e) {
-    return FromGlooException(e, "Gloo commit of an averaging round");
+    return FromGlooException(e, "Gloo commit of an averaging round", started,
+                             timeout_);
   } catch (...) {
     return absl::InternalError("Gloo commit failed with an unknown exception");
   }
@@ -378,7 +515,8 @@ absl::Status GlooCommunicator::Commit() {
   }
   if (fail_commit_) {
     fail_commit_ = false;
-    return absl::UnavailableError("injected commit failure (test)");
+    return SetErrorKind(absl::UnavailableError("injected commit failure (test)"),
+                        ErrorKind::kPeerFailure);
   }
   return absl::OkStatus();
 }
@@ -397,6 +535,7 @@ absl::Status GlooCommunicator::ProbeFusedAverage() {
   for (float v : probe) right = right && v == mean;
   if (!s.ok() && s.code() != absl::StatusCode::kInternal) return s;  // transport failure
   fused_ = right;
+  bytes_sent_ = 0;  // the probe is set-up, not averaging
   if (!fused_) {
     spdlog::warn("this Gloo build's ring all-reduce does not lay buffers out as modelavg "
                  "expects; averaging falls back to a staging copy with a separate division");
@@ -404,41 +543,66 @@ absl::Status GlooCommunicator::ProbeFusedAverage() {
   return absl::OkStatus();
 }
 
-absl::Status GlooCommunicator::CheckLayout(int64_t numel, DType dtype, int64_t step) {
-  // max over [n, -n, d, -d, s, -s] gives [max n, -min n, max d, -min d, max s, -min s]: equal
+bool GlooCommunicator::LayoutVerified(int64_t numel, DType dtype, int64_t signature) const {
+  return std::find(verified_layouts_.begin(), verified_layouts_.end(),
+                   std::make_tuple(numel, dtype, signature)) != verified_layouts_.end();
+}
+
+absl::Status GlooCommunicator::CheckLayout(int64_t numel, DType dtype, int64_t step,
+                                           int64_t signature) {
+  // max over [n, -n, d, -d, s, -s, g, -g] gives [max n, -min n, ..., max g, -min g]: equal
   // iff all agree.
-  int64_t sig[6] = {numel, -numel, static_cast<int64_t>(dtype), -static_cast<int64_t>(dtype),
-                    step, -step};
+  int64_t sig[8] = {numel, -numel, static_cast<int64_t>(dtype), -static_cast<int64_t>(dtype),
+                    step, -step, signature, -signature};
+  const absl::Time started = absl::Now();
   try {
     gloo::AllreduceOptions opts(context_);
     opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
     opts.setTag(next_tag_++);
-    opts.setOutput(sig, 6);
+    opts.setOutput(sig, 8);
     opts.setReduceFunction(static_cast<ReduceFn>(&gloo::max<int64_t>));
     gloo::allreduce(opts);
   } catch (const std::exception& e) {
-    return FromGlooException(e, "Gloo layout check");
+    return FromGlooException(e, "Gloo layout check", started,
+                             timeout_);
   } catch (...) {
     return absl::InternalError("Gloo layout check failed with an unknown exception");
   }
   if (sig[0] != -sig[1] || sig[2] != -sig[3]) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the members of this subgroup pass different parameter layouts: total element counts "
-        "range from ", -sig[1], " to ", sig[0], " (this rank: ", numel,
-        ")", sig[2] != -sig[3] ? " and the dtypes differ (float64 on some members only)" : "",
-        "; every member must average the same list of tensors"));
+    return SetErrorKind(
+        absl::InvalidArgumentError(absl::StrCat(
+            "the members of this subgroup pass different parameter layouts: total element "
+            "counts range from ", -sig[1], " to ", sig[0], " (this rank: ", numel, ")",
+            sig[2] != -sig[3] ? " and the dtypes differ (float64 on some members only)" : "",
+            "; every member must average the same list of tensors")),
+        ErrorKind::kLayoutMismatch);
+  }
+  if (sig[6] != -sig[7]) {
+    return SetErrorKind(
+        absl::InvalidArgumentError(absl::StrCat(
+            "the members of this subgroup split their parameters into fragments differently "
+            "(the tensors' sizes or dtypes differ between members, with the same total of ",
+            numel, " elements in this fragment); every member must average the same list of "
+            "tensors, in the same order")),
+        ErrorKind::kLayoutMismatch);
   }
   if (sig[4] != -sig[5]) {
-    return absl::InternalError(absl::StrCat(
-        "the members of this subgroup are averaging different rounds: steps range from ",
-        -sig[5], " to ", sig[4], " (this rank: ", step,
-        "); no member kept a mixed average; this is a bug in modelavg's round agreement, "
-        "please report it"));
+    return SetErrorKind(
+        absl::InternalError(absl::StrCat(
+            "the members of this subgroup are averaging different rounds: steps range from ",
+            -sig[5], " to ", sig[4], " (this rank: ", step,
+            "); no member kept a mixed average; this is a bug in modelavg's round agreement, "
+            "please report it")),
+        ErrorKind::kRoundMismatch);
   }
   if (step >= 0) step_checked_ = true;
   layout_checked_ = true;
   checked_numel_ = numel;
   checked_dtype_ = dtype;
+  if (!LayoutVerified(numel, dtype, signature)) {
+    if (verified_layouts_.size() >= 64) verified_layouts_.erase(verified_layouts_.begin());
+    verified_layouts_.emplace_back(numel, dtype, signature);
+  }
   return absl::OkStatus();
 }
 
@@ -461,9 +625,10 @@ absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
   if (!broken_.ok()) return broken_;
   if (absl::Status a = AbortedOr(absl::OkStatus()); !a.ok()) return broken_ = a;
   has_pending_ = false;
-  if (!layout_checked_ || checked_numel_ != *total || checked_dtype_ != dtype ||
+  if (!LayoutVerified(*total, dtype, options.layout_signature) ||
       (options.step >= 0 && !step_checked_)) {
-    absl::Status s = CheckLayout(*total, dtype, step_checked_ ? -1 : options.step);
+    absl::Status s = CheckLayout(*total, dtype, step_checked_ ? -1 : options.step,
+                                 options.layout_signature);
     if (!s.ok()) {
       if (s.code() != absl::StatusCode::kInvalidArgument) s = Break(s);
       return s;
@@ -474,6 +639,41 @@ absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
     return absl::OkStatus();
   }
   const size_t bytes = static_cast<size_t>(*total) * DTypeSize(dtype);
+  if (options.payload != Payload::kFp32) {
+    if (dtype != DType::kFloat32) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a ", PayloadName(options.payload),
+          " payload takes float32/float16/bfloat16 tensors; these include float64"));
+    }
+    // Packed into the staging (zeros for a member that does not contribute); the compressed
+    // result lands in the second half, and the tensors are written only on success.
+    const size_t words = (2 * bytes + 7) / 8;
+    if (staging_.size() < words) staging_.resize(words);
+    float* in = reinterpret_cast<float*>(staging_.data());
+    float* result = in + *total;
+    if (options.contribute) {
+      PackDivided(tensors, dtype, 1.0, in);
+    } else {
+      std::memset(in, 0, bytes);
+    }
+    absl::Status s = RunCompressed(in, *total, options.payload, divisor, result);
+    if (!s.ok()) return Break(s);
+    if (options.commit) {
+      if (absl::Status c = Commit(); !c.ok()) {
+        pending_.assign(reinterpret_cast<const double*>(result),
+                        reinterpret_cast<const double*>(result) + (bytes + 7) / 8);
+        has_pending_ = true;
+        pending_packed_ = true;
+        pending_numel_ = *total;
+        pending_dtype_ = dtype;
+        *outcome = RoundOutcome::kFailedHoldingResult;
+        return Break(c);
+      }
+    }
+    Unpack(result, dtype, tensors);
+    *outcome = RoundOutcome::kCompleted;
+    return absl::OkStatus();
+  }
   void* single = SingleBuffer(tensors);
   // A committed round needs the backup to undo (in_place is only for plain rounds).
   const bool keep_backup = !in_place_ || options.commit;
@@ -526,6 +726,71 @@ absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
   }
   Unpack(staging_.data(), dtype, tensors);
   *outcome = RoundOutcome::kCompleted;
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, Payload payload,
+                                             int divisor, float* out) {
+  const int n = size_;
+  const absl::Time started = absl::Now();
+  // Chunk j: elements [j * chunk, min((j + 1) * chunk, numel)), encoded into `enc` bytes
+  // (zero-padded to `chunk` elements so that every member's pieces have one size).
+  const int64_t chunk = (numel + n - 1) / n;
+  const size_t enc = EncodedBytes(payload, chunk);
+  wire_send_.assign(enc * n, 0);
+  wire_recv_.assign(enc * n, 0);
+  chunk_.assign(static_cast<size_t>(chunk), 0.0f);
+  const auto range = [&](int j) {
+    const int64_t lo = std::min<int64_t>(numel, j * chunk);
+    return std::make_pair(lo, std::min<int64_t>(numel, lo + chunk) - lo);
+  };
+  for (int j = 0; j < n; ++j) {
+    const auto [lo, len] = range(j);
+    std::fill(chunk_.begin(), chunk_.end(), 0.0f);
+    std::memcpy(chunk_.data(), data + lo, static_cast<size_t>(len) * sizeof(float));
+    EncodePayload(payload, chunk_.data(), chunk, wire_send_.data() + j * enc);
+  }
+  try {
+    {
+      gloo::AlltoallOptions opts(context_);
+      opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+      opts.setTag(next_tag_++);
+      opts.setInput(wire_send_.data(), wire_send_.size());
+      opts.setOutput(wire_recv_.data(), wire_recv_.size());
+      gloo::alltoall(opts);
+    }
+    bytes_sent_ += static_cast<int64_t>(enc) * (n - 1);
+    // This member's chunk: the float32 sum of every member's decoded piece, in rank order.
+    std::fill(chunk_.begin(), chunk_.end(), 0.0f);
+    for (int i = 0; i < n; ++i) {
+      DecodeAddPayload(payload, wire_recv_.data() + i * enc, chunk, chunk_.data());
+    }
+    const float inv = 1.0f / static_cast<float>(divisor);
+    for (float& v : chunk_) v *= inv;
+    EncodePayload(payload, chunk_.data(), chunk, wire_send_.data());
+    {
+      gloo::AllgatherOptions opts(context_);
+      opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+      opts.setTag(next_tag_++);
+      opts.setInput(wire_send_.data(), enc);
+      opts.setOutput(wire_recv_.data(), wire_recv_.size());
+      gloo::allgather(opts);
+    }
+    bytes_sent_ += static_cast<int64_t>(enc) * (n - 1);
+  } catch (const std::exception& e) {
+    return FromGlooException(
+        e, absl::StrCat("Gloo ", PayloadName(payload), " all-reduce of ", numel, " elements"),
+        started, timeout_);
+  } catch (...) {
+    return absl::InternalError("Gloo compressed all-reduce failed with an unknown exception");
+  }
+  // Every member decodes the same bytes: the results agree bit for bit.
+  for (int j = 0; j < n; ++j) {
+    const auto [lo, len] = range(j);
+    if (len <= 0) continue;
+    DecodePayload(payload, wire_recv_.data() + j * enc, chunk, chunk_.data());
+    std::memcpy(out + lo, chunk_.data(), static_cast<size_t>(len) * sizeof(float));
+  }
   return absl::OkStatus();
 }
 

@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -41,14 +42,19 @@ class GlooCommunicator : public Communicator {
   // its own `rank`) on `device` (see CreateGlooDevice). `timeout` bounds the rendezvous and
   // every later collective. `store_error`, when set, gives the cause of a store failure (its
   // status code is kept: ABORTED, FAILED_PRECONDITION, ...). `in_place`: see
-  // ClientOptions::gloo_in_place.
-  // Errors: INVALID_ARGUMENT (rank/size), DEADLINE_EXCEEDED (a member did not arrive in time),
-  // UNAVAILABLE (a member could not be reached), the store's error, INTERNAL (other Gloo
-  // failures).
+  // ClientOptions::gloo_in_place. `cancel` (may be null) cancels the set-up from another
+  // thread: every wait of it (the rendezvous, each pair's connection, the first collective)
+  // ends at once with the cancel's reason. The mesh is connected by modelavg (not Gloo's
+  // connectFullMesh, whose connect waits cannot be interrupted), and the whole set-up ends at
+  // `timeout` in any case.
+  // Errors: INVALID_ARGUMENT (rank/size), DEADLINE_EXCEEDED (a member did not arrive in time;
+  // ErrorKind::kTimeout), UNAVAILABLE (a member could not be reached: kStrayConnection when
+  // its port refused or dropped this member's connection, kPeerFailure otherwise), the store's
+  // error, the cancel's reason, INTERNAL (other Gloo failures).
   static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(
       gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
       int size, absl::Duration timeout, std::function<absl::Status()> store_error = nullptr,
-      bool in_place = false);
+      bool in_place = false, std::shared_ptr<SetupCanceller> cancel = nullptr);
 
   ~GlooCommunicator() override;
 
@@ -83,6 +89,10 @@ class GlooCommunicator : public Communicator {
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
+  int64_t bytes_sent() const override {
+    absl::MutexLock l(&mu_);
+    return bytes_sent_;
+  }
   // Tests only: the next averaging all-reduce fails after `n` reductions on this member.
   void InjectFailureAfterReductionsForTesting(int n) {
     absl::MutexLock l(&mu_);
@@ -117,9 +127,19 @@ class GlooCommunicator : public Communicator {
   // build; otherwise averaging uses the staging path with a separate division. Errors: the
   // transport's.
   absl::Status ProbeFusedAverage();
-  // Every member's (total numel, staging dtype) must be equal, and so must `step` (-1: any).
-  absl::Status CheckLayout(int64_t numel, DType dtype, int64_t step = -1)
+  // Every member's (total numel, staging dtype, signature) must be equal, and so must `step`
+  // (-1: any).
+  absl::Status CheckLayout(int64_t numel, DType dtype, int64_t step = -1, int64_t signature = 0)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether CheckLayout passed for this layout before.
+  bool LayoutVerified(int64_t numel, DType dtype, int64_t signature) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The compressed average of the float32 buffer `data` (numel elements): every member's chunk
+  // j of the encoded buffer goes to member j (all-to-all), which sums the decoded chunks in
+  // float32, divides by `divisor` and encodes the result; an all-gather of the encoded results
+  // gives every member the same decoded average in `out` (`data` is only read).
+  absl::Status RunCompressed(const float* data, int64_t numel, Payload payload, int divisor,
+                             float* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RunSum(void* data, int64_t numel, DType dtype) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The abort reason when Abort was called, `failure` otherwise.
   absl::Status AbortedOr(absl::Status failure) const;
@@ -148,6 +168,14 @@ class GlooCommunicator : public Communicator {
   bool layout_checked_ ABSL_GUARDED_BY(mu_) = false;
   int64_t checked_numel_ ABSL_GUARDED_BY(mu_) = 0;
   DType checked_dtype_ ABSL_GUARDED_BY(mu_) = DType::kFloat32;
+  // Every (numel, dtype, signature) that passed CheckLayout (a fragmented level alternates
+  // between a few layouts; each is agreed once).
+  std::vector<std::tuple<int64_t, DType, int64_t>> verified_layouts_ ABSL_GUARDED_BY(mu_);
+  int64_t bytes_sent_ ABSL_GUARDED_BY(mu_) = 0;
+  // The compressed path's buffers (RunCompressed).
+  std::vector<uint8_t> wire_send_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint8_t> wire_recv_ ABSL_GUARDED_BY(mu_);
+  std::vector<float> chunk_ ABSL_GUARDED_BY(mu_);
   // Persistent staging (doubles keep it aligned for either staging dtype).
   std::vector<double> staging_ ABSL_GUARDED_BY(mu_);
   // Whether the step of a round has been checked (the first call with a step).

@@ -31,7 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "client/communicator.h"
-#include "client/communicator_cache.h"
+#include "client/communicator.h"
 #include "client/nccl_core.h"
 #include "client/staging_kernels.h"
 

@@ -45,7 +45,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "client/communicator.h"
-#include "client/communicator_cache.h"
+#include "client/communicator.h"
 #include "client/staging_layout.h"
 #include "client/tensor.h"
 

@@ -6,7 +6,8 @@
 #                                             client, schedule and generated gRPC code)
 #   dev        libmodelavg-client-dev         <modelavg/...> headers, the .so link, the CMake
 #                                             package (modelavg::client) and modelavg.pc
-#   tools      modelavg                       modelavg-coordinator, modelavg-health, modelavg-rpc,
+#   tools      modelavg                       modelavg-coordinator, modelavg (the CLI),
+#                                             modelavg-health, modelavg-rpc,
 #                                             modelavg-demo, modelavg-trace-worker,
 #                                             modelavg-bench-coordinator
 #   python     python3-modelavg               whatever python/ installs with COMPONENT python
@@ -118,7 +119,7 @@ install(FILES ${PROJECT_BINARY_DIR}/modelavg.pc DESTINATION ${CMAKE_INSTALL_LIBD
 
 # ---- Programs ----
 set(_modelavg_programs "")
-foreach(program modelavg-coordinator modelavg-health modelavg-rpc modelavg-demo
+foreach(program modelavg-coordinator modelavg-cli modelavg-health modelavg-rpc modelavg-demo
                 modelavg-trace-worker modelavg-bench-coordinator)
   if(TARGET ${program})
     list(APPEND _modelavg_programs ${program})

@@ -45,7 +45,7 @@ set(CPACK_COMPONENT_DEV_DESCRIPTION
 set(CPACK_DEBIAN_TOOLS_PACKAGE_NAME modelavg)
 set(CPACK_DEBIAN_TOOLS_PACKAGE_SECTION net)
 set(CPACK_COMPONENT_TOOLS_DESCRIPTION
-  "modelavg coordinator and tools\nmodelavg-coordinator (the gRPC service that runs model-averaging jobs), modelavg-health\n(gRPC health probe) and, when built, modelavg-demo (a small trainer),\nmodelavg-trace-worker and modelavg-bench-coordinator.")
+  "modelavg coordinator and tools\nmodelavg-coordinator (the gRPC service that runs model-averaging jobs), modelavg\n(the operators' command line), modelavg-health (gRPC health probe), modelavg-rpc\n(a reflection-only gRPC client) and, when built, modelavg-demo (a small trainer),\nmodelavg-trace-worker and modelavg-bench-coordinator.")
 
 # The Python package: python/ installs it with COMPONENT python; then it is packaged here too.
 set(CPACK_DEBIAN_PYTHON_PACKAGE_NAME python3-modelavg)

@@ -222,7 +222,7 @@ Decision Schedule::DecisionFor(int64_t step, int32_t rank) const {
 }
 
 int64_t Schedule::FirstStepOf(int level) const {
-  const int64_t period = spec_.levels[level].period;
+  const int64_t period = spec_.levels[level].StepPeriod();
   const int64_t warmup = spec_.warmup_steps;
   if (spec_.mode == AveragingMode::kPeriodic) return warmup;
   // Hierarchical: the multiples of the period from warm-up on, the first no later level takes.

@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 
 namespace modelavg {
@@ -21,7 +22,11 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 
 absl::Status Annotate(const absl::Status& status, absl::string_view context) {
   if (status.ok()) return status;
-  return absl::Status(status.code(), absl::StrCat(context, ": ", status.message()));
+  absl::Status out(status.code(), absl::StrCat(context, ": ", status.message()));
+  // Payloads (the error's kind, client/error_kind.h) travel with it.
+  status.ForEachPayload(
+      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
 }
 
 }  // namespace modelavg

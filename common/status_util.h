@@ -12,7 +12,8 @@ namespace modelavg {
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
-// `status` with `context` prepended to its message ("context: message"); OK stays OK.
+// `status` with `context` prepended to its message ("context: message"), its payloads kept; OK
+// stays OK.
 absl::Status Annotate(const absl::Status& status, absl::string_view context);
 
 }  // namespace modelavg

@@ -17,6 +17,11 @@ build_packages=(
   grpc-proto
   # Coordinator --state_dir (SQLite).
   libsqlite3-dev
+  # The coordinator's HTTP port (/metrics, the status page): an event-loop HTTP server.
+  libmicrohttpd-dev
+  # Coordinator --etcd_endpoints: etcd's v3 API protos, from which the build generates its stubs.
+  golang-etcd-server-dev golang-github-gogo-protobuf-dev
+  golang-github-grpc-ecosystem-grpc-gateway-dev
 )
 packages=(
   "${build_packages[@]}" build-essential git
@@ -29,11 +34,16 @@ packages=(
   python3-dev pybind11-dev
   # Coordinator TLS tests make a throwaway certificate.
   openssl
+  # The coordinator HA tests run an etcd cluster on loopback (etcdctl to inspect it).
+  etcd-server etcd-client
   # tests/sanitize.sh: ASan+UBSan build and libFuzzer targets (the fuzzer runtime and
   # <fuzzer/FuzzedDataProvider.h> are in libclang-rt-14-dev).
   clang-14 libclang-rt-14-dev
   # Debian packages (cpack): dpkg-shlibdeps computes their dependencies, file finds the binaries.
   dpkg-dev file
+  # The status page in a real browser (headless Chromium over the DevTools protocol), and
+  # promtool for the alerting rules in deploy/prometheus/.
+  chromium python3-websocket prometheus
   # The cluster tests and the LM benchmark (network namespaces, veth, bridges, tc/tbf); the
   # benchmark's corpus (fortunes) and its plot (matplotlib).
   iproute2 fortunes python3-matplotlib

@@ -33,6 +33,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/averager.h"
@@ -50,11 +51,12 @@
 #include "common/cuda_check.h"
 #endif
 
-ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address HOST:PORT");
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051",
+          "coordinator address HOST:PORT, or several comma-separated (coordinators on etcd)");
 ABSL_FLAG(std::string, job, "demo", "id of the job to train in (it must exist)");
 ABSL_FLAG(std::string, compare_job, "",
-          "optional second job (e.g. PERIODIC with period 1) in which the same training is "
-          "repeated for comparison; empty: none");
+          "optional further jobs, comma-separated (e.g. PERIODIC with period 1, or a DiLoCo "
+          "job), in each of which the same training is repeated for comparison; empty: none");
 ABSL_FLAG(int32_t, rank, -1, "rank to take; -1: the coordinator assigns one");
 ABSL_FLAG(int64_t, steps, 200, "optimizer steps (= AverageParameters calls) per job");
 ABSL_FLAG(int32_t, batch_size, 32, "minibatch size of each local SGD step");
@@ -175,6 +177,11 @@ std::string DescribePlan(const Schedule& schedule) {
                                   l.group_size == spec.world_size
                                       ? absl::StrCat(" over all ", spec.world_size)
                                       : absl::StrCat(" in groups of ", l.group_size)));
+    if (l.outer.has_value()) {
+      absl::StrAppend(&levels.back(), absl::StrFormat(" (DiLoCo: outer SGD lr %g, momentum %g%s)",
+                                                      l.outer->lr, l.outer->momentum,
+                                                      l.outer->nesterov ? ", nesterov" : ""));
+    }
   }
   return absl::StrCat(spec.mode == AveragingMode::kPeriodic ? "periodic" : "hierarchical",
                       ", warm-up ", spec.warmup_steps, ": ", absl::StrJoin(levels, ", "));
@@ -321,9 +328,9 @@ absl::Status Run() {
   std::vector<PhaseResult> results;
   MODELAVG_ASSIGN_OR_RETURN(PhaseResult first, TrainInJob(absl::GetFlag(FLAGS_job), &rank));
   results.push_back(first);
-  const std::string compare = absl::GetFlag(FLAGS_compare_job);
-  if (!compare.empty()) {
-    MODELAVG_ASSIGN_OR_RETURN(PhaseResult second, TrainInJob(compare, &rank));
+  for (absl::string_view compare :
+       absl::StrSplit(absl::GetFlag(FLAGS_compare_job), ',', absl::SkipEmpty())) {
+    MODELAVG_ASSIGN_OR_RETURN(PhaseResult second, TrainInJob(std::string(compare), &rank));
     results.push_back(second);
   }
   // Rank 0 prints the table; the others one line. When the last step averages over every rank (as

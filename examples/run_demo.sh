@@ -104,9 +104,9 @@ done
 address=$(cat "$work/port")
 echo "coordinator serving on $address (log: coordinator.log, shown on failure)"
 
-say "${world} demo workers (${backend}): job 'demo' (hierarchical), then 'demo-every-step' (for comparison)"
+say "${world} demo workers (${backend}): job 'demo' (hierarchical), then 'demo-diloco' (the same with DiLoCo across all four) and 'demo-every-step' (for comparison)"
 for rank in $(seq 0 $((world - 1))); do
-  "$demo_bin" --coordinator="$address" --job=demo --compare_job=demo-every-step \
+  "$demo_bin" --coordinator="$address" --job=demo --compare_job=demo-diloco,demo-every-step \
     --rank="$rank" --steps="$steps" --backend="$backend" --log_every=20 &
   worker_pids+=("$!")
 done
@@ -133,4 +133,4 @@ if [ "$failed" -ne 0 ]; then
   say "demo FAILED"
   exit 1
 fi
-say "demo finished: all ${world} workers done (rank 0's summary above compares the two jobs)"
+say "demo finished: all ${world} workers done (rank 0's summary above compares the jobs)"

@@ -18,6 +18,10 @@ workers yourself, e.g. with torchrun, against a running coordinator:
 
 Each worker prints its loss; the launcher prints one summary line per worker and a final check
 that the workers ended with the same parameters (the last step is an all-worker averaging step).
+
+The launcher then trains again with DiLoCo on the all-worker level (``--diloco`` in a worker: the
+drop-in's ``outer`` keyword, ``modelavg.OuterSGD(0.7, momentum=0.9, nesterov=True)``; see
+docs/diloco.md) and prints both runs' mean final loss side by side.
 """
 
 import argparse
@@ -58,7 +62,12 @@ def worker(args):
     loader = DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True,
                         generator=torch.Generator().manual_seed(rank))
 
-    averager = HierarchicalModelAverager(period_group_size_dict=LEVELS, warmup_steps=WARMUP)
+    outer = None
+    if args.diloco:
+        import modelavg
+        outer = {16: modelavg.OuterSGD(0.7, momentum=0.9, nesterov=True)}  # the all-four level
+    averager = HierarchicalModelAverager(period_group_size_dict=LEVELS, warmup_steps=WARMUP,
+                                         outer=outer)
     averagings = collections.Counter()
     step, losses = 0, []
     while step < args.steps:
@@ -117,32 +126,17 @@ def launch(args):
                 sys.exit(f"train_torch: the coordinator did not start (log: {log.name})")
             time.sleep(0.05)
         address = open(port_file).read().strip()
-        print(f"coordinator at {address}; starting {WORLD} workers", flush=True)
-        for rank in range(WORLD):
-            env = dict(os.environ, MODELAVG_COORDINATOR=address, MODELAVG_JOB="train-torch",
-                       RANK=str(rank), WORLD_SIZE=str(WORLD))
-            workers.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--worker", f"--steps={args.steps}",
-                 f"--log_every={args.log_every}"], env=env, stdout=subprocess.PIPE, text=True))
-        summaries, failed = [], False
-        for rank, w in enumerate(workers):
-            out, _ = w.communicate(timeout=args.timeout_s)
-            for line in out.splitlines():
-                if line.startswith("{"):
-                    summaries.append(json.loads(line))
-                elif line.startswith("[rank"):
-                    print(line)
-            failed |= w.returncode != 0
-        for s in sorted(summaries, key=lambda s: s["rank"]):
-            print(json.dumps(s))
-        if failed or len(summaries) != WORLD:
-            log.flush()
-            print("train_torch: a worker failed (its error is above); the coordinator's log:\n"
-                  + open(log.name).read()[-4000:], file=sys.stderr)
-            return 1
-        same = len({s["param_checksum"] for s in summaries}) == 1
-        print(f"all {WORLD} workers ended with the same parameters: {same}")
-        return 0 if same else 1
+        final = {}
+        for diloco in (False, True):
+            name = "DiLoCo (outer SGD on the all-four level)" if diloco else "plain averaging"
+            print(f"coordinator at {address}; starting {WORLD} workers: {name}", flush=True)
+            workers = []
+            code, loss = run_job(args, address, diloco, workers, log)
+            if code != 0:
+                return code
+            final[name] = loss
+        print("mean final loss: " + ", ".join(f"{k} {v:.5f}" for k, v in final.items()))
+        return 0
     finally:
         for w in workers:
             if w.poll() is None:
@@ -156,6 +150,37 @@ def launch(args):
         shutil.rmtree(work, ignore_errors=True)
 
 
+def run_job(args, address, diloco, workers, log):
+    """One job of WORLD workers; (exit code, mean final loss)."""
+    for rank in range(WORLD):
+        env = dict(os.environ, MODELAVG_COORDINATOR=address,
+                   MODELAVG_JOB="train-torch-diloco" if diloco else "train-torch",
+                   RANK=str(rank), WORLD_SIZE=str(WORLD))
+        workers.append(subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", f"--steps={args.steps}",
+             f"--log_every={args.log_every}"] + (["--diloco"] if diloco else []),
+            env=env, stdout=subprocess.PIPE, text=True))
+    summaries, failed = [], False
+    for rank, w in enumerate(workers):
+        out, _ = w.communicate(timeout=args.timeout_s)
+        for line in out.splitlines():
+            if line.startswith("{"):
+                summaries.append(json.loads(line))
+            elif line.startswith("[rank"):
+                print(line)
+        failed |= w.returncode != 0
+    for s in sorted(summaries, key=lambda s: s["rank"]):
+        print(json.dumps(s))
+    if failed or len(summaries) != WORLD:
+        log.flush()
+        print("train_torch: a worker failed (its error is above); the coordinator's log:\n"
+              + open(log.name).read()[-4000:], file=sys.stderr)
+        return 1, 0.0
+    same = len({s["param_checksum"] for s in summaries}) == 1
+    print(f"all {WORLD} workers ended with the same parameters: {same}")
+    return (0 if same else 1), sum(s["final_loss"] for s in summaries) / len(summaries)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worker", action="store_true",
@@ -163,6 +188,9 @@ def main():
     p.add_argument("--steps", type=int, default=161,
                    help="steps per worker (161: step 160 averages over all four)")
     p.add_argument("--log_every", type=int, default=40)
+    p.add_argument("--diloco", action="store_true",
+                   help="(worker) DiLoCo on the all-four level: outer SGD lr 0.7, momentum 0.9, "
+                        "nesterov")
     p.add_argument("--coordinator_bin", help="default: build/server/modelavg-coordinator")
     p.add_argument("--timeout_s", type=float, default=600)
     args = p.parse_args()

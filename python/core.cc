@@ -13,6 +13,7 @@
 // uses meanwhile; an averager refuses new calls until its interrupted call has ended. A skip step
 // runs on the calling thread (it does not wait).
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -161,6 +162,60 @@ class PyAverager {
     return *d;
   }
 
+  // {"step": int, "anchors": {level: [(dtype code, numel, bytes)]}, "momenta": {...}}.
+  py::dict StateDict() {
+    CheckNoInterruptedCall();
+    mc::AveragerState state = averager_->state_dict();
+    auto tensors = [](const std::map<int, std::vector<mc::StateTensor>>& m) {
+      py::dict out;
+      for (const auto& [level, list] : m) {
+        py::list l;
+        for (const mc::StateTensor& t : list) {
+          l.append(py::make_tuple(static_cast<int>(t.dtype), t.numel,
+                                  py::bytes(reinterpret_cast<const char*>(t.bytes.data()),
+                                            t.bytes.size())));
+        }
+        out[py::int_(level)] = l;
+      }
+      return out;
+    };
+    py::dict d;
+    d["step"] = state.step;
+    d["anchors"] = tensors(state.anchors);
+    d["momenta"] = tensors(state.momenta);
+    return d;
+  }
+
+  void LoadStateDict(int64_t step, const py::dict& anchors, const py::dict& momenta) {
+    if (step < 0) {
+      throw py::value_error(absl::StrCat("step ", step, " is negative: steps count from 0"));
+    }
+    CheckNoInterruptedCall();
+    mc::AveragerState state;
+    state.step = step;
+    auto read = [](const py::dict& in, std::map<int, std::vector<mc::StateTensor>>* out) {
+      for (const auto& [key, value] : in) {
+        std::vector<mc::StateTensor>& list = (*out)[key.cast<int>()];
+        for (const py::handle item : value) {
+          auto [dtype, numel, bytes] = item.cast<std::tuple<int, int64_t, py::bytes>>();
+          if (dtype < 0 || dtype > static_cast<int>(mc::DType::kBFloat16)) {
+            throw py::value_error(absl::StrCat("dtype code ", dtype, " is not 0..3"));
+          }
+          mc::StateTensor t;
+          t.dtype = static_cast<mc::DType>(dtype);
+          t.numel = numel;
+          const std::string raw = bytes;
+          t.bytes.assign(raw.begin(), raw.end());
+          list.push_back(std::move(t));
+        }
+      }
+    };
+    read(anchors, &state.anchors);
+    read(momenta, &state.momenta);
+    absl::Status s = averager_->load_state_dict(state);
+    if (!s.ok()) Raise(s);
+  }
+
   int64_t step() const { return averager_->step(); }
   void set_step(int64_t step) {
     if (step < 0) {
@@ -279,6 +334,16 @@ Attributes:
                                  levels.append(py::make_tuple(l.period, l.group_size));
                                }
                                d["levels"] = levels;
+                               py::list outer;
+                               for (const auto& l : s.levels) {
+                                 if (l.outer.has_value()) {
+                                   outer.append(py::make_tuple(l.outer->lr, l.outer->momentum,
+                                                               l.outer->nesterov));
+                                 } else {
+                                   outer.append(py::none());
+                                 }
+                               }
+                               d["outer"] = outer;
                                return d;
                              })
       .def("check_usable",
@@ -296,7 +361,10 @@ Attributes:
            py::keep_alive<1, 2>())
       .def("take_skip", &PyAverager::TakeSkip)
       .def("average", &PyAverager::Average, py::arg("tensors"), py::arg("keep"))
-      .def_property("step", &PyAverager::step, &PyAverager::set_step);
+      .def_property("step", &PyAverager::step, &PyAverager::set_step)
+      .def("state_dict", &PyAverager::StateDict)
+      .def("load_state_dict", &PyAverager::LoadStateDict, py::arg("step"), py::arg("anchors"),
+           py::arg("momenta"));
 
   m.def(
       "create_job",

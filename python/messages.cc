@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -81,6 +82,21 @@ v1::JobSpec JobSpecFrom(const py::dict& d) {
       level->set_group_size(group_size);
     }
   }
+  // One entry per level: None (plain) or (lr, momentum, nesterov).
+  if (auto v = Get<std::vector<std::optional<std::tuple<double, double, bool>>>>(d, "outer")) {
+    if (static_cast<int>(v->size()) != spec.levels_size()) {
+      throw py::value_error(absl::StrCat("outer has ", v->size(), " entries for ",
+                                         spec.levels_size(), " levels"));
+    }
+    for (size_t i = 0; i < v->size(); ++i) {
+      if (!(*v)[i].has_value()) continue;
+      const auto& [lr, momentum, nesterov] = *(*v)[i];
+      v1::OuterOptimizer* o = spec.mutable_levels(static_cast<int>(i))->mutable_outer();
+      o->set_lr(lr);
+      o->set_momentum(momentum);
+      o->set_nesterov(nesterov);
+    }
+  }
   if (auto v = Get<int64_t>(d, "heartbeat_timeout_ms")) spec.set_heartbeat_timeout_ms(*v);
   if (auto v = Get<int64_t>(d, "join_timeout_ms")) spec.set_join_timeout_ms(*v);
   if (auto v = Get<int32_t>(d, "min_world_size")) spec.set_min_world_size(*v);
@@ -96,6 +112,15 @@ py::dict SpecDict(const v1::JobSpec& spec) {
   py::list levels;
   for (const v1::Level& l : spec.levels()) levels.append(py::make_tuple(l.period(), l.group_size()));
   d["levels"] = levels;
+  py::list outer;
+  for (const v1::Level& l : spec.levels()) {
+    if (l.has_outer()) {
+      outer.append(py::make_tuple(l.outer().lr(), l.outer().momentum(), l.outer().nesterov()));
+    } else {
+      outer.append(py::none());
+    }
+  }
+  d["outer"] = outer;
   d["heartbeat_timeout_ms"] = spec.heartbeat_timeout_ms();
   d["join_timeout_ms"] = spec.join_timeout_ms();
   d["min_world_size"] = spec.min_world_size();

@@ -17,7 +17,8 @@ client::ClientOptions ClientOptionsFrom(const pybind11::dict& d);
 // The coordinator address and the connection fields of ClientOptions.
 client::CoordinatorClientOptions CoordinatorOptionsFrom(const pybind11::dict& d);
 // job_id, world_size, warmup_steps, mode ("PERIODIC"/"HIERARCHICAL"; ValueError otherwise),
-// levels [(period, group_size)], heartbeat_timeout_ms, join_timeout_ms, min_world_size.
+// levels [(period, group_size)], outer [None or (lr, momentum, nesterov) per level],
+// heartbeat_timeout_ms, join_timeout_ms, min_world_size.
 v1::JobSpec JobSpecFrom(const pybind11::dict& d);
 // The same keys back.
 pybind11::dict SpecDict(const v1::JobSpec& spec);

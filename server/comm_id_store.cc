@@ -21,7 +21,24 @@ absl::StatusOr<bool> CommIdStore::CheckPublish(const CommKey& key, const std::st
     return absl::ResourceExhaustedError(absl::StrCat(
         "job ", job_id, " already holds ", ids_.size(), " ids in generation ", generation));
   }
+  const size_t more = std::get<2>(key).size() + blob.size();
+  if (bytes_ + more > kMaxCommIdBytesPerJob) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "job ", job_id, " already holds ", bytes_, " bytes of communicator ids in generation ",
+        generation, "; ", more, " more would pass the bound of ", kMaxCommIdBytesPerJob,
+        " bytes per job (keys and blobs). Only subgroup leaders publish, one id per subgroup "
+        "and key: is a worker publishing under ever new keys?"));
+  }
   return true;
+}
+
+void CommIdStore::Put(const CommKey& key, std::string blob) {
+  auto it = ids_.find(key);
+  if (it != ids_.end()) {
+    bytes_ -= std::get<2>(key).size() + it->second.size();
+  }
+  bytes_ += std::get<2>(key).size() + blob.size();
+  ids_.insert_or_assign(key, std::move(blob));
 }
 
 const std::string* CommIdStore::Find(const CommKey& key) const {

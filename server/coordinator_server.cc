@@ -10,12 +10,15 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/coordinator_service.h"
+#include "server/http_server.h"
 #include "server/job_registry.h"
 #include "common/file_util.h"
 #include "server/jobs_file.h"
+#include "server/leader_terms.h"
 #include "server/rpc_metrics.h"
 #include "server/sqlite_state_store.h"
 #include "server/state_store.h"
+#include "server/status_page.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::server {
@@ -90,29 +93,69 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   if (!creds.ok()) return creds.status();
 
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
-  if (options.state_dir.empty()) {
+  if (options.require_state && options.state_dir.empty()) {
+    return absl::InvalidArgumentError("--require_state needs --state_dir");
+  }
+  StateStore* store = nullptr;
+  if (!options.etcd_endpoints.empty()) {
+    if (!options.state_dir.empty()) {
+      return absl::InvalidArgumentError(
+          "--etcd_endpoints and --state_dir exclude each other: the state is in etcd");
+    }
+    LeaderTermsOptions terms;
+    terms.endpoints = options.etcd_endpoints;
+    terms.prefix = options.etcd_prefix;
+    terms.leader_ttl = options.leader_ttl;
+    terms.tls_ca_file = options.etcd_tls_ca_file;
+    terms.tls_cert_file = options.etcd_tls_cert_file;
+    terms.tls_key_file = options.etcd_tls_key_file;
+    terms.user = options.etcd_user;
+    terms.password = options.etcd_password;
+    absl::StatusOr<std::unique_ptr<LeaderTerms>> made = LeaderTerms::Create(terms);
+    if (!made.ok()) return made.status();
+    server->terms_ = *std::move(made);
+    store = server->terms_->store();
+  } else if (options.state_dir.empty()) {
     server->store_ = std::make_unique<InMemoryStateStore>();
   } else {
     absl::StatusOr<std::unique_ptr<SqliteStateStore>> store =
-        SqliteStateStore::Open(options.state_dir);
+        SqliteStateStore::Open(options.state_dir, options.require_state);
     if (!store.ok()) return store.status();
     server->store_ = *std::move(store);
   }
+  if (store == nullptr) store = server->store_.get();
   JobRegistryOptions registry_options;
   registry_options.defaults = options.defaults;
   registry_options.clock = options.clock;
-  registry_options.store = server->store_.get();
+  registry_options.store = store;
   server->registry_ = std::make_unique<JobRegistry>(registry_options);
   spdlog::info("coordinator incarnation {}; state: {}", server->registry_->incarnation(),
-               server->store_->Describe());
-  absl::StatusOr<int> loaded = server->registry_->LoadFromStore(options.recovery_grace);
-  if (!loaded.ok()) return loaded.status();
-  if (absl::Status s = server->registry_->MergeJobs(options.jobs); !s.ok()) return s;
+               store->Describe());
+  // With etcd the jobs are loaded at each election won, not here.
+  absl::StatusOr<int> loaded = 0;
+  if (server->terms_ == nullptr) {
+    loaded = server->registry_->LoadFromStore(options.recovery_grace);
+    if (!loaded.ok()) return loaded.status();
+    if (absl::Status s = server->registry_->MergeJobs(options.jobs); !s.ok()) return s;
+  }
   if (!options.metrics_listen.empty()) {
-    absl::StatusOr<std::unique_ptr<RpcMetrics>> metrics =
-        RpcMetrics::Start(options.metrics_listen, server->registry_.get());
-    if (!metrics.ok()) return metrics.status();
-    server->metrics_ = *std::move(metrics);
+    server->metrics_ = RpcMetrics::Create(server->registry_.get());
+    StatusPageOptions page_options;
+    page_options.operator_token = options.auth_token;
+    auto page = std::make_shared<StatusPage>(server->registry_.get(), page_options);
+    absl::StatusOr<std::unique_ptr<HttpServer>> http = HttpServer::Start(
+        options.metrics_listen,
+        [metrics = server->metrics_.get(), page](const HttpRequest& request) {
+          if (request.path == "/metrics") {
+            HttpResponse reply;
+            reply.content_type = "text/plain; version=0.0.4; charset=utf-8";
+            reply.body = metrics->TextExposition();
+            return reply;
+          }
+          return page->Handle(request);
+        });
+    if (!http.ok()) return http.status();
+    server->http_ = *std::move(http);
   }
   AuthOptions auth;
   auth.operator_token = options.auth_token;
@@ -128,6 +171,17 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   // channelz bookkeeping costs on every call and nothing here reads it.
   builder.AddChannelArgument(GRPC_ARG_ENABLE_CHANNELZ, 0);
   builder.AddListeningPort(options.listen, *creds, &server->port_);
+  if (server->terms_ != nullptr) {
+    server->service_->set_gate([terms = server->terms_.get()](grpc::CallbackServerContext* ctx) {
+      std::string leader;
+      absl::Status s = terms->CheckServing(&leader);
+      // Clients fail over to the address in this trailer (client/coordinator_client.h).
+      if (!s.ok() && ctx != nullptr && !leader.empty()) {
+        ctx->AddTrailingMetadata("modelavg-leader", leader);
+      }
+      return s;
+    });
+  }
   builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
@@ -135,6 +189,17 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
         "cannot listen on ", options.listen, " (address in use or not local?)"));
   }
   server->address_ = BoundAddress(options.listen, server->port_);
+  if (server->terms_ != nullptr) {
+    LeaderTerms::Hooks hooks;
+    hooks.jobs = options.jobs;
+    hooks.recovery_grace = options.recovery_grace;
+    hooks.set_serving = [health = server->server_->GetHealthCheckService()](bool serving) {
+      if (health != nullptr) health->SetServingStatus(serving);
+    };
+    server->terms_->Start(server->registry_.get(),
+                          options.advertise.empty() ? server->address_ : options.advertise,
+                          std::move(hooks));
+  }
   spdlog::info("coordinator serving on {} ({}{}), {} job(s) loaded from the state, {} in the "
                "jobs file{}",
                server->address_, options.tls_cert_file.empty() ? "plaintext" : "TLS",
@@ -144,7 +209,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
                : options.worker_token.empty() ? ", token auth on"
                                               : ", token auth on (operator and worker roles)");
   if (server->metrics_ != nullptr) {
-    spdlog::info("metrics on http://{}/metrics", server->metrics_->address());
+    spdlog::info("metrics on http://{}/metrics, status page on http://{}/",
+                 server->http_->address(), server->http_->address());
   }
   return server;
 }
@@ -152,7 +218,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 CoordinatorServer::~CoordinatorServer() { Shutdown(); }
 
 std::string CoordinatorServer::metrics_address() const {
-  return metrics_ == nullptr ? "" : metrics_->address();
+  return http_ == nullptr ? "" : http_->address();
 }
 
 void CoordinatorServer::Shutdown() {
@@ -168,6 +234,8 @@ void CoordinatorServer::Shutdown() {
   if (server_ != nullptr && server_->GetHealthCheckService() != nullptr) {
     server_->GetHealthCheckService()->SetServingStatus(false);
   }
+  // Steps down and hands the leadership over before the core stops.
+  if (terms_ != nullptr) terms_->Stop();
   if (registry_ != nullptr) registry_->Stop();
   if (server_ != nullptr) {
     // Every wait has already failed; what remains are short unary calls (and idle connections,
@@ -176,8 +244,8 @@ void CoordinatorServer::Shutdown() {
     server_->Wait();
   }
   spdlog::debug("gRPC server stopped");
-  metrics_.reset();
-  spdlog::debug("metrics server stopped");
+  http_.reset();
+  spdlog::debug("HTTP server stopped");
   spdlog::info("coordinator stopped");
 }
 

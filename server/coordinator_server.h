@@ -22,7 +22,9 @@ class Server;
 namespace modelavg::server {
 
 class CoordinatorService;
+class HttpServer;
 class JobRegistry;
+class LeaderTerms;
 class RpcMetrics;
 class StateStore;
 
@@ -44,7 +46,8 @@ struct ServerOptions {
   // listed here have the operator role; other verified client certificates the worker role.
   // Empty: every verified client certificate is an operator.
   std::vector<std::string> operator_cert_names;
-  // "HOST:PORT" for Prometheus' /metrics; empty: no metrics.
+  // "HOST:PORT" of the HTTP port: Prometheus' /metrics and the status page (/, /jobs/ID;
+  // server/status_page.h); empty: neither.
   std::string metrics_listen;
   // Jobs created before serving (e.g. from --jobs_file), merged with the stored ones
   // (JobRegistry::MergeJobs).
@@ -52,9 +55,23 @@ struct ServerOptions {
   // Non-empty: keep the jobs' hard state in SQLite under this directory (locked against a
   // second coordinator) and continue the stored jobs on start. Empty: in memory only.
   std::string state_dir;
+  // With state_dir: refuse to start when the directory or its state file is missing (the
+  // volume was not mounted, or was lost) instead of starting with no jobs.
+  bool require_state = false;
   // After a restart, how long the members of a running job have to re-attach (their next
   // heartbeat) before one is declared dead; at least the job's heartbeat timeout.
   absl::Duration recovery_grace = absl::Seconds(10);
+  // Non-empty ("host:port[,host:port...]"): keep the hard state in etcd under etcd_prefix and
+  // serve only while elected leader among the coordinators on the same endpoints and prefix
+  // (server/leader_terms.h); a standby answers UNAVAILABLE naming the leader. Excludes
+  // state_dir.
+  std::string etcd_endpoints;
+  std::string etcd_prefix = "/modelavg/";
+  absl::Duration leader_ttl = absl::Seconds(5);
+  // The address standbys name (as clients dial it); empty: the bound address.
+  std::string advertise;
+  std::string etcd_tls_ca_file, etcd_tls_cert_file, etcd_tls_key_file;
+  std::string etcd_user, etcd_password;
   Clock* clock = Clock::Real();
 };
 
@@ -83,8 +100,12 @@ class CoordinatorServer {
 
   // Declared before the registry, which writes to it: destroyed after it.
   std::unique_ptr<StateStore> store_;
+  // With etcd: the store and the leader's terms (stopped first in Shutdown).
+  std::unique_ptr<LeaderTerms> terms_;
   std::unique_ptr<JobRegistry> registry_;
   std::unique_ptr<RpcMetrics> metrics_;
+  // The HTTP port; reads registry_ and metrics_, so destroyed before them.
+  std::unique_ptr<HttpServer> http_;
   std::unique_ptr<CoordinatorService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;

@@ -245,8 +245,9 @@ bool SameNews(const v1::HeartbeatResponse& a, const v1::HeartbeatResponse& b) {
 class HeartbeatStreamReactor final
     : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  HeartbeatStreamReactor(JobRegistry* registry, RpcMetrics* metrics, absl::Status auth)
-      : registry_(registry), metrics_(metrics) {
+  HeartbeatStreamReactor(JobRegistry* registry, RpcMetrics* metrics, absl::Status auth,
+                         const CoordinatorService::Gate* gate)
+      : registry_(registry), metrics_(metrics), gate_(gate) {
     if (!auth.ok()) {
       End(auth);
       return;
@@ -258,6 +259,9 @@ class HeartbeatStreamReactor final
     if (!ok) return End(absl::OkStatus());  // the client half-closed (or went away)
     if (absl::Status s = Parse(raw_request_, &request_, "HeartbeatStream"); !s.ok()) {
       return End(s);
+    }
+    if (*gate_) {
+      if (absl::Status s = (*gate_)(nullptr); !s.ok()) return End(s);
     }
     // Only the read path touches request_, job_ and reply_interval_ (one read at a time).
     if (job_ == nullptr) {
@@ -388,6 +392,7 @@ class HeartbeatStreamReactor final
 
   JobRegistry* const registry_;
   RpcMetrics* const metrics_;
+  const CoordinatorService::Gate* const gate_;
   std::shared_ptr<Job> job_;
   grpc::ByteBuffer raw_request_;
   v1::HeartbeatRequest request_;
@@ -509,6 +514,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Serve(
                                         Call<Request, Response>*)) {
   auto* call = new Call<Request, Response>(reply, metrics_, method);
   absl::Status s = Authorize(ctx, need, rpc);
+  if (s.ok() && gate_) s = gate_(ctx);
   if (s.ok()) s = Parse(*raw, &call->request, rpc);
   if (!s.ok()) {
     call->Reply(s);
@@ -590,7 +596,9 @@ void CoordinatorService::DoHeartbeat(grpc::CallbackServerContext*,
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* CoordinatorService::HeartbeatStream(
     grpc::CallbackServerContext* ctx) {
-  return new HeartbeatStreamReactor(registry_, metrics_, Authorize(ctx));
+  absl::Status s = Authorize(ctx);
+  if (s.ok() && gate_) s = gate_(ctx);
+  return new HeartbeatStreamReactor(registry_, metrics_, std::move(s), &gate_);
 }
 
 void CoordinatorService::DoStep(grpc::CallbackServerContext*,
@@ -642,6 +650,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* CoordinatorService::WatchJob(
   auto* reactor = new WatchReactor(metrics_);
   v1::WatchJobRequest request;
   absl::Status s = Authorize(ctx);
+  if (s.ok() && gate_) s = gate_(ctx);
   if (s.ok()) s = Parse(*raw, &request, "WatchJob");
   absl::StatusOr<std::shared_ptr<Job>> job;
   if (s.ok()) {

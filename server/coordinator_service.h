@@ -4,6 +4,7 @@
 #ifndef MODELAVG_SERVER_COORDINATOR_SERVICE_H_
 #define MODELAVG_SERVER_COORDINATOR_SERVICE_H_
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,12 @@ class CoordinatorService final : public RawCoordinatorService {
  public:
   // `metrics` may be null. Both pointers must outlive the service.
   CoordinatorService(JobRegistry* registry, AuthOptions auth, RpcMetrics* metrics);
+
+  // Asked before every call and every HeartbeatStream beat, after authorization: a non-OK
+  // status is the answer (a standby's UNAVAILABLE naming the leader, server/leader_terms.h).
+  // `ctx` is null for a beat. Set once, before serving.
+  using Gate = std::function<absl::Status(grpc::CallbackServerContext* ctx)>;
+  void set_gate(Gate gate) { gate_ = std::move(gate); }
 
 #define MODELAVG_RAW_UNARY(Rpc)                                                          \
   grpc::ServerUnaryReactor* Rpc(grpc::CallbackServerContext* ctx,                        \
@@ -124,6 +131,7 @@ class CoordinatorService final : public RawCoordinatorService {
   const std::string operator_authorization_;  // "Bearer <token>", empty: no token auth
   const std::string worker_authorization_;    // "Bearer <token>", empty: no worker token
   RpcMetrics* const metrics_;
+  Gate gate_;
 };
 
 }  // namespace modelavg::server

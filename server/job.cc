@@ -144,19 +144,28 @@ void Job::Restore(const StoredJob& stored, absl::Duration grace) {
   }
 }
 
-absl::Status Job::Persist(std::optional<StoredCommId> comm_id) {
+absl::Status Job::Write(std::optional<StoredCommId> comm_id) {
   JobDelta delta = membership_.PeekDelta();
   delta.comm_id = std::move(comm_id);
-  if (delta.empty()) return absl::OkStatus();
-  if (absl::Status s = store_->Apply(id(), delta); !s.ok()) {
-    spdlog::error("job {}: could not save its state ({}); the change is kept in memory and "
-                  "written with the next one",
-                  id(), s.ToString());
-    return absl::UnavailableError(absl::StrCat("the coordinator could not save the state of job ",
-                                               id(), ": ", s.message(), "; retry"));
+  if (!delta.empty()) {
+    if (absl::Status s = store_->Apply(id(), delta); !s.ok()) {
+      membership_.Rollback();
+      return s;
+    }
+    membership_.ClearDelta();
   }
-  membership_.ClearDelta();
+  membership_.Commit();
   return absl::OkStatus();
+}
+
+absl::Status Job::Commit(std::optional<StoredCommId> comm_id) {
+  absl::Status s = Write(std::move(comm_id));
+  if (s.ok()) return s;
+  spdlog::error("job {}: could not save a change of its state ({}); the change was not made",
+                id(), s.ToString());
+  return absl::UnavailableError(absl::StrCat(
+      "the coordinator could not save the state of job ", id(), " (", s.message(),
+      "); nothing was changed: retry once the coordinator can write its state again"));
 }
 
 void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId wait_id,
@@ -169,6 +178,7 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
     });
   };
   if (!closed_.ok()) return fail(closed_);
+  if (!halted_.ok()) return fail(halted_);
   const int32_t world = schedule_.world_size();
   if (request.worker_id().empty()) {
     return fail(absl::InvalidArgumentError(
@@ -191,11 +201,26 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
   }
   const absl::Time now = clock_->Now();
   std::string credential = NewMemberCredential();
+  membership_.Begin();
   absl::StatusOr<Membership::JoinResult> joined = membership_.Join(
       request.worker_id(), request.host(),
       request.has_rank() ? std::optional<int32_t>(request.rank()) : std::nullopt, now, id(),
       request.credential(), CredentialDigest(credential));
-  if (!joined.ok()) return fail(joined.status());
+  if (!joined.ok()) {
+    membership_.Rollback();
+    return fail(joined.status());
+  }
+  const MembershipChange& joined_change = joined->change;
+  if (joined_change.admitted || joined_change.generation_changed ||
+      joined_change.world_complete) {
+    // Written before anything else happens: on a failed write nothing did, and a retry of this
+    // Join is a first Join again, not a re-join that would move the generation.
+    if (absl::Status s = Commit(); !s.ok()) return fail(s);
+  } else {
+    // A rank in a round that is still assembling is part of this Join's wait: nothing to write
+    // (see Membership::PeekDelta).
+    membership_.Commit();
+  }
   const int32_t rank = joined->rank;
   if (joined->change.admitted) {
     // A replacement in a RUNNING elastic job: answered at once.
@@ -209,16 +234,11 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
                  membership_.generation(), change.admission_step, change.admission_floor,
                  change.max_reported_step, change.admission_margin,
                  std::max(0.0, membership_.steps_per_second()));
-    if (!watchers_.empty()) {
-      AddEvent(v1::JobEvent::MEMBER_ADMITTED, rank,
-               absl::StrCat("worker \"", m.worker_id, "\" admitted as rank ", rank, " at step ",
-                            change.admission_step),
-               true, &out);
-    }
+    AddEvent(v1::JobEvent::MEMBER_ADMITTED, rank,
+             absl::StrCat("worker \"", m.worker_id, "\" admitted as rank ", rank, " at step ",
+                          change.admission_step),
+             true, &out);
     OnMembershipChange(change, &out);
-    // On a failed write the admission stays in memory (written with the next change); the
-    // worker retries its Join and is admitted again in the same rank.
-    if (absl::Status s = Persist(); !s.ok()) return fail(s);
     v1::JoinResponse response;
     FillJoinResponse(rank, &response);
     response.set_credential(std::move(credential));
@@ -241,18 +261,8 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
   spdlog::info("job {}: worker \"{}\" ({}) joined as rank {} in generation {} ({}/{} joined)",
                id(), m.worker_id, m.host, rank, generation,
                joined->change.world_complete ? world : membership_.round_size(), world);
-  if (!watchers_.empty()) {
-    AddEvent(v1::JobEvent::MEMBER_JOINED, rank,
-             absl::StrCat("worker \"", m.worker_id, "\" joined as rank ", rank), false, &out);
-  }
-  if (absl::Status s = Persist(); !s.ok()) {
-    if (!joined->change.world_complete) {
-      membership_.Withdraw(rank);
-      return fail(s);
-    }
-    // The round is complete in memory; its Joins are answered and the write is retried with
-    // the next change.
-  }
+  AddEvent(v1::JobEvent::MEMBER_JOINED, rank,
+           absl::StrCat("worker \"", m.worker_id, "\" joined as rank ", rank), false, &out);
   waits_.AddJoin(JoinWait{wait_id, rank, std::move(credential),
                           std::min(now + join_timeout_, call_deadline), std::move(done)});
   if (joined->change.world_complete) {
@@ -266,10 +276,8 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
     }
     spdlog::info("job {}: all {} ranks joined; RUNNING in generation {}", id(), world,
                  generation);
-    if (!watchers_.empty()) {
-      AddEvent(v1::JobEvent::WORLD_COMPLETE, -1, absl::StrCat("RUNNING in generation ", generation),
-               true, &out);
-    }
+    AddEvent(v1::JobEvent::WORLD_COMPLETE, -1, absl::StrCat("RUNNING in generation ", generation),
+             true, &out);
   }
 }
 
@@ -306,10 +314,8 @@ void Job::OnMembershipChange(const MembershipChange& change, Outbox* out) {
                                       "): PENDING until every rank re-joins")
                        : std::string());
     }
-    if (!watchers_.empty()) {
-      AddEvent(v1::JobEvent::GENERATION_CHANGED, change.changed_by_rank, change.reason, true,
-               out);
-    }
+    AddEvent(v1::JobEvent::GENERATION_CHANGED, change.changed_by_rank, change.reason, true,
+             out);
   }
   if (change.finished) {
     FailAllWaits(absl::AbortedError(absl::StrCat("job ", id(), " finished: every member left")),
@@ -317,9 +323,7 @@ void Job::OnMembershipChange(const MembershipChange& change, Outbox* out) {
     comm_ids_.Clear();
     spdlog::info("job {}: FINISHED in generation {} (every member left)", id(),
                  membership_.generation());
-    if (!watchers_.empty()) {
-      AddEvent(v1::JobEvent::JOB_FINISHED, -1, "every member left", true, out);
-    }
+    AddEvent(v1::JobEvent::JOB_FINISHED, -1, "every member left", true, out);
   }
 }
 
@@ -388,6 +392,8 @@ absl::Status Job::Heartbeat(const v1::HeartbeatRequest& request,
     }
   }
   membership_.Heartbeat(request.rank(), request.generation(), request.step(), now);
+  // Liveness still counts while halted: the death is written once it can be, of the same ranks.
+  if (!halted_.ok()) return halted_;
   response->set_state(membership_.state());
   response->set_generation(membership_.generation());
   if (now < grace_until_) {
@@ -424,6 +430,7 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
   std::shared_ptr<const MemberSteps> members;
   {
     absl::MutexLock lock(&mu_);
+    if (!halted_.ok()) return halted_;
     generation = membership_.generation();
     members = membership_.DecisionMembers();
     if (request.generation() != generation) {
@@ -568,6 +575,7 @@ absl::Status Job::PublishCommId(const v1::PublishCommIdRequest& request) {
   Outbox out(this);
   absl::MutexLock lock(&mu_);
   if (!closed_.ok()) return closed_;
+  if (!halted_.ok()) return halted_;
   if (absl::Status s = ValidateCommRequest(request.generation(), request.level(),
                                            request.subgroup(), request.rank(), request.key());
       !s.ok()) {
@@ -583,8 +591,9 @@ absl::Status Job::PublishCommId(const v1::PublishCommIdRequest& request) {
       comm_ids_.CheckPublish(key, request.unique_id(), id(), membership_.generation());
   if (!is_new.ok()) return is_new.status();
   if (!*is_new) return absl::OkStatus();
-  if (absl::Status s = Persist(StoredCommId{request.level(), request.subgroup(), request.key(),
-                                            request.unique_id()});
+  membership_.Begin();
+  if (absl::Status s = Commit(StoredCommId{request.level(), request.subgroup(), request.key(),
+                                           request.unique_id()});
       !s.ok()) {
     return s;
   }
@@ -611,6 +620,7 @@ void Job::GetCommId(const v1::GetCommIdRequest& request, absl::Time call_deadlin
     });
   };
   if (!closed_.ok()) return finish(closed_);
+  if (!halted_.ok()) return finish(halted_);
   if (request.timeout_ms() < 0) {
     return finish(absl::InvalidArgumentError(
         absl::StrCat("timeout_ms must be >= 0 (0: the call's deadline), got ",
@@ -644,18 +654,41 @@ absl::Status Job::Leave(const v1::LeaveRequest& request, v1::LeaveResponse* resp
   }
   Outbox out(this);
   absl::MutexLock lock(&mu_);
+  if (!halted_.ok()) return halted_;
   if (absl::Status s = membership_.CheckCredential(rank, request.credential(), "Leave", id());
       !s.ok()) {
     return s;
   }
-  std::string reason = absl::StrCat("rank ", rank, " left");
+  std::string reason = absl::StrCat("rank ", rank, request.failed() ? " failed" : " left");
   if (!request.reason().empty()) {
     absl::StrAppend(&reason, " (", Truncate(request.reason(), kMaxReasonLength), ")");
   }
+  membership_.Begin();
+  // A worker that ends because it failed is no orderly departure: it counts as a death
+  // (written first, like every change: on a failed write nothing changed).
+  if (const Membership::Member& m = membership_.member(rank);
+      request.failed() && membership_.state() == v1::RUNNING && m.present &&
+      m.state == v1::ALIVE && m.generation == membership_.generation()) {
+    const std::string worker_id = m.worker_id;
+    const MembershipChange change = membership_.Die({rank}, reason, clock_->Now());
+    if (absl::Status s = Commit(); !s.ok()) return s;
+    spdlog::warn("job {}: {} (worker \"{}\", generation {}); DEAD", id(), reason, worker_id,
+                 request.generation());
+    ++deaths_;
+    OnMembershipChange(change, &out);
+    response->set_state(membership_.state());
+    response->set_generation(membership_.generation());
+    return absl::OkStatus();
+  }
   absl::StatusOr<Membership::LeaveResult> left =
       membership_.Leave(rank, reason, clock_->Now(), id());
-  if (!left.ok()) return left.status();
+  if (!left.ok()) {
+    membership_.Rollback();
+    return left.status();
+  }
+  if (!left->left) membership_.Commit();
   if (left->left) {
+    if (absl::Status s = Commit(); !s.ok()) return s;
     spdlog::info("job {}: {} (worker \"{}\", generation {})", id(), reason,
                  membership_.member(rank).worker_id, request.generation());
     if (left->left_pending_round) {
@@ -666,7 +699,6 @@ absl::Status Job::Leave(const v1::LeaveRequest& request, v1::LeaveResponse* resp
       }
     }
     OnMembershipChange(left->change, &out);
-    if (absl::Status s = Persist(); !s.ok()) return s;
   }
   response->set_state(membership_.state());
   response->set_generation(membership_.generation());
@@ -700,6 +732,18 @@ void Job::Unwatch(uint64_t watcher_id) {
 
 void Job::AddEvent(v1::JobEvent::Kind kind, int32_t rank, const std::string& message,
                    bool with_members, Outbox* out) {
+  // The status page's history, whether or not anyone watches.
+  history_.AddEvent({kind, rank, message, UnixMs(clock_->Now()), membership_.generation()});
+  if (kind == v1::JobEvent::GENERATION_CHANGED && membership_.last_change()) {
+    history_.AddGeneration(*membership_.last_change());
+  } else if (kind == v1::JobEvent::WORLD_COMPLETE) {
+    v1::GenerationChange start;
+    start.set_generation(membership_.generation());
+    start.set_rank(-1);
+    start.set_reason(message);
+    start.set_unix_ms(UnixMs(clock_->Now()));
+    history_.AddGeneration(std::move(start));
+  }
   // Streams whose client went away are dropped here.
   watchers_.erase(std::remove_if(watchers_.begin(), watchers_.end(),
                                  [](const auto& w) { return w.second->Done(); }),
@@ -720,8 +764,8 @@ void Job::CancelWait(WaitId wait_id) {
   if (std::optional<JoinWait> w = waits_.TakeJoin(wait_id)) {
     spdlog::info("job {}: rank {} left the generation {} round (its Join was cancelled)", id(),
                  w->rank, membership_.generation());
+    // An assembling round's rank: nothing was written for it (Membership::PeekDelta).
     membership_.Withdraw(w->rank);
-    Persist().IgnoreError();  // logged; written with the next change
     out.Complete([cb = std::move(w->done)]() mutable {
       cb(absl::CancelledError("the Join call was cancelled"));
     });
@@ -778,27 +822,49 @@ void Job::CheckStaleness() {
   if (!dead.empty()) {
     bool all_lost = true;
     for (int32_t r : dead) {
-      const Membership::Member& m = membership_.member(r);
-      const bool lost = m.stream_lost_at != absl::InfiniteFuture();
-      all_lost = all_lost && lost;
-      if (lost) {
-        spdlog::warn("job {}: rank {} (worker \"{}\"): its heartbeat stream broke {} ms ago and "
-                     "no beat came since (the last {} ms ago); DEAD",
-                     id(), r, m.worker_id, absl::ToInt64Milliseconds(now - m.stream_lost_at),
-                     absl::ToInt64Milliseconds(now - m.last_heartbeat));
-      } else {
-        spdlog::warn("job {}: rank {} (worker \"{}\") sent no heartbeat for {} ms; DEAD", id(),
-                     r, m.worker_id, absl::ToInt64Milliseconds(now - m.last_heartbeat));
-      }
+      all_lost = all_lost && membership_.member(r).stream_lost_at != absl::InfiniteFuture();
     }
     std::string reason = absl::StrCat("rank ", dead[0],
                                       all_lost ? " connection lost" : " heartbeat timeout");
     if (dead.size() > 1) absl::StrAppend(&reason, " (and ", dead.size() - 1, " more ranks)");
-    deaths_ += static_cast<int64_t>(dead.size());
-    OnMembershipChange(membership_.Die(dead, reason, now), &out);
-    Persist().IgnoreError();  // logged; written with the next change
+    // Logged before the members change (their times are read here).
+    std::vector<std::string> notes;
+    for (int32_t r : dead) {
+      const Membership::Member& m = membership_.member(r);
+      if (m.stream_lost_at != absl::InfiniteFuture()) {
+        notes.push_back(absl::StrCat(
+            "rank ", r, " (worker \"", m.worker_id, "\"): its heartbeat stream broke ",
+            absl::ToInt64Milliseconds(now - m.stream_lost_at), " ms ago and no beat came since "
+            "(the last ", absl::ToInt64Milliseconds(now - m.last_heartbeat), " ms ago)"));
+      } else {
+        notes.push_back(absl::StrCat("rank ", r, " (worker \"", m.worker_id,
+                                     "\") sent no heartbeat for ",
+                                     absl::ToInt64Milliseconds(now - m.last_heartbeat), " ms"));
+      }
+    }
+    membership_.Begin();
+    const MembershipChange change = membership_.Die(dead, reason, now);
+    if (absl::Status s = Write(); !s.ok()) {
+      // The death cannot be recorded: going on without it would make a restarted coordinator
+      // bring the dead back (and issue the next generation twice). The job stops, loudly, until
+      // the write succeeds (tried again at every check).
+      if (halted_.ok()) {
+        halted_ = absl::UnavailableError(absl::StrCat(
+            "job ", id(), " is halted: the death of ", reason, " cannot be recorded (",
+            s.message(), "); the job resumes once the coordinator can write its state again"));
+        spdlog::error("{}", std::string(halted_.message()));
+        FailAllWaits(halted_, &out);
+      }
+    } else {
+      if (!halted_.ok()) {
+        spdlog::info("job {}: its state is written again; no longer halted", id());
+        halted_ = absl::OkStatus();
+      }
+      for (const std::string& note : notes) spdlog::warn("job {}: {}; DEAD", id(), note);
+      deaths_ += static_cast<int64_t>(dead.size());
+      OnMembershipChange(change, &out);
+    }
   }
-  bool withdrew = false;
   for (JoinWait& w : waits_.TakeExpiredJoins(now)) {
     const std::string missing = membership_.MissingRanks(kMaxListedRanks);
     std::string msg = absl::StrCat(
@@ -808,13 +874,11 @@ void Job::CheckStaleness() {
         "; start the missing workers or raise join_timeout_ms");
     spdlog::warn("job {}: rank {} (worker \"{}\") Join timed out; missing ranks: {}", id(),
                  w.rank, membership_.member(w.rank).worker_id, missing);
-    membership_.Withdraw(w.rank);
-    withdrew = true;
+    membership_.Withdraw(w.rank);  // nothing was written for it (Membership::PeekDelta)
     out.Complete([cb = std::move(w.done), msg = std::move(msg)]() mutable {
       cb(absl::DeadlineExceededError(msg));
     });
   }
-  if (withdrew) Persist().IgnoreError();  // logged; written with the next change
   for (CommIdWait& w : waits_.TakeExpiredCommIds(now)) {
     const auto& [level, subgroup, key] = w.key;
     const int32_t leader = schedule_.spec().levels[level].group_size * subgroup;
@@ -877,11 +941,22 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members, int64_t max_bytes) cons
   out->set_max_step(max_step);
   if (membership_.last_change()) *out->mutable_last_change() = *membership_.last_change();
   for (const std::string& w : warnings_) out->add_warnings(w);
+  if (!halted_.ok()) out->add_warnings(std::string(halted_.message()));
   out->set_created_unix_ms(created_unix_ms_);
   out->set_live_world_size(membership_.round_size());
   for (int32_t r : membership_.VacantRanks()) out->add_vacant_ranks(r);
   out->set_deaths(deaths_);
   out->set_admissions(admissions_);
+}
+
+std::vector<LoggedEvent> Job::RecentEvents() const {
+  absl::MutexLock lock(&mu_);
+  return history_.events();
+}
+
+std::vector<v1::GenerationChange> Job::GenerationHistory() const {
+  absl::MutexLock lock(&mu_);
+  return history_.generations();
 }
 
 Job::Stats Job::GetStats() const {

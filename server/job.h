@@ -24,6 +24,7 @@
 #include "common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
 #include "server/comm_id_store.h"
+#include "server/event_log.h"
 #include "server/membership.h"
 #include "server/pending_waits.h"
 #include "server/state_store.h"
@@ -57,9 +58,14 @@ struct JobDefaults {
   absl::Duration join_timeout = absl::Milliseconds(300000);
 };
 
-// Every call that changes hard state writes it to the StateStore before it answers; when the
-// write fails the call fails with the store's error (UNAVAILABLE, naming the store), the change
-// stays in memory and is written with the next one.
+// A change of hard state takes effect if and only if it is durable: every call that changes it
+// writes the change to the StateStore before anything in memory changes for others to see and
+// before it answers. When the write fails the call fails with UNAVAILABLE (naming the store and
+// why: disk full, read-only, directory gone) and memory is exactly as before the call, so a
+// retry is a first attempt again. A death the coordinator declares itself (heartbeat timeout)
+// that cannot be written halts the job instead: every call about it answers UNAVAILABLE saying
+// so, pending waits fail, and the write is tried again at every staleness check; once it
+// succeeds the job goes on.
 class Job {
  public:
   // `spec` must have been validated into `schedule` (ScheduleSpecFromProto). `store` (not owned,
@@ -171,6 +177,11 @@ class Job {
   };
   Stats GetStats() const;
 
+  // The job's recent events and generation changes (bounded, oldest first; since the job was
+  // created or the coordinator restarted). For people: the status page.
+  std::vector<LoggedEvent> RecentEvents() const;
+  std::vector<v1::GenerationChange> GenerationHistory() const;
+
   // Fails every pending wait with `status` and closes every watcher (ABORTED on DeleteJob,
   // UNAVAILABLE on stop). Later waits fail with `status` at once.
   void Close(const absl::Status& status, bool deleted);
@@ -191,10 +202,13 @@ class Job {
   // ids, completes the round's Joins, logs and emits events.
   void OnMembershipChange(const MembershipChange& change, Outbox* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Writes the pending hard-state changes (and `comm_id`) to the store. On failure they stay
-  // pending, so the next write carries them, and the error (naming the store) is returned for
-  // the RPC that made the change.
-  absl::Status Persist(std::optional<StoredCommId> comm_id = std::nullopt)
+  // Ends the membership transaction begun with membership_.Begin(): writes its hard-state
+  // changes (and `comm_id`) to the store and keeps them, or, when the write fails, rolls them
+  // back and returns UNAVAILABLE naming the store's error.
+  absl::Status Commit(std::optional<StoredCommId> comm_id = std::nullopt)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // As Commit, returning the store's own error.
+  absl::Status Write(std::optional<StoredCommId> comm_id = std::nullopt)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Completes every pending Join and GetCommId of the job with `status`.
   void FailAllWaits(const absl::Status& status, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -229,6 +243,7 @@ class Job {
   // Replacements admitted since creation (or restore): a metric.
   int64_t admissions_ ABSL_GUARDED_BY(mu_) = 0;
   CommIdStore comm_ids_ ABSL_GUARDED_BY(mu_);
+  EventLog history_ ABSL_GUARDED_BY(mu_);
   PendingWaits waits_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<uint64_t, std::shared_ptr<JobWatcher>>> watchers_ ABSL_GUARDED_BY(mu_);
   uint64_t next_watcher_id_ ABSL_GUARDED_BY(mu_) = 1;
@@ -236,6 +251,8 @@ class Job {
   absl::Time grace_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // Set by Close: every new wait fails with it.
   absl::Status closed_ ABSL_GUARDED_BY(mu_);
+  // Set while a death could not be written (UNAVAILABLE, saying why): every call fails with it.
+  absl::Status halted_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace modelavg::server

@@ -53,6 +53,7 @@ JobRegistry::JobRegistry(JobRegistryOptions options)
       owned_store_(options_.store == nullptr ? std::make_unique<InMemoryStateStore>() : nullptr),
       store_(options_.store != nullptr ? options_.store : owned_store_.get()),
       incarnation_(options_.incarnation.empty() ? NewIncarnation() : options_.incarnation) {
+  // (incarnation_ is set before any other thread can see the registry.)
   if (options_.start_staleness_thread) {
     staleness_thread_ = std::thread([this] { StalenessLoop(); });
   }
@@ -275,6 +276,24 @@ void JobRegistry::StalenessLoop() {
     CheckStaleness();
     mu_.Lock();
   }
+}
+
+std::string JobRegistry::incarnation() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return incarnation_;
+}
+
+void JobRegistry::Unload(const absl::Status& why) {
+  std::vector<std::shared_ptr<Job>> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, job] : jobs_) jobs.push_back(std::move(job));
+    jobs_.clear();
+    total_world_size_ = 0;
+    incarnation_ = NewIncarnation();
+  }
+  for (const std::shared_ptr<Job>& job : jobs) job->Close(why, /*deleted=*/false);
+  if (!jobs.empty()) spdlog::info("{} job(s) unloaded: {}", jobs.size(), std::string(why.message()));
 }
 
 void JobRegistry::Stop() {

@@ -95,11 +95,16 @@ class JobRegistry {
   // Stops the staleness thread and fails every pending wait with UNAVAILABLE. Idempotent.
   void Stop();
 
+  // Drops every job without touching the store (their waits fail and their watchers end with
+  // `why`) and takes a new incarnation: a coordinator that stopped leading (etcd,
+  // server/leader_terms.h), whose next term starts with LoadFromStore.
+  void Unload(const absl::Status& why);
+
   Clock* clock() const { return options_.clock; }
   const JobDefaults& defaults() const { return options_.defaults; }
   StateStore* store() const { return store_; }
-  // A new value every time the coordinator process starts.
-  const std::string& incarnation() const { return incarnation_; }
+  // A new value every time the coordinator process starts (and at each Unload).
+  std::string incarnation() const;
 
  private:
   void StalenessLoop();
@@ -108,10 +113,10 @@ class JobRegistry {
   // Set when options_.store is null.
   std::unique_ptr<StateStore> owned_store_;
   StateStore* const store_;
-  const std::string incarnation_;
   std::atomic<WaitId> next_wait_id_{1};
 
   mutable absl::Mutex mu_;
+  std::string incarnation_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   // Sum of the world sizes of jobs_.

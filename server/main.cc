@@ -56,10 +56,32 @@ ABSL_FLAG(int64_t, default_join_timeout_ms, 300000, "Join timeout of jobs whose 
 ABSL_FLAG(std::string, state_dir, "",
           "Keep every job's state in SQLite under this directory (created 0700) and continue the "
           "stored jobs on a restart. Empty: in memory only (a restart forgets every job).");
+ABSL_FLAG(bool, require_state, false,
+          "With --state_dir: refuse to start (exit 2) when the directory or its state file is "
+          "missing, instead of starting with no jobs. For restarts of a coordinator whose state "
+          "must exist (Kubernetes: set it once the first start has made the state).");
 ABSL_FLAG(int64_t, recovery_grace_ms, 10000,
           "After a restart with --state_dir: how long the members of a running job have to "
           "re-attach (their next heartbeat) before any is declared dead; at least the job's "
           "heartbeat timeout. In (0, 3600000].");
+ABSL_FLAG(std::string, etcd_endpoints, "",
+          "Keep every job's state in etcd (HOST:PORT[,HOST:PORT...], its v3 gRPC API) and serve "
+          "only while elected leader among the coordinators on the same endpoints and prefix; a "
+          "standby answers UNAVAILABLE naming the leader (see docs/high-availability.md). "
+          "Excludes --state_dir.");
+ABSL_FLAG(std::string, etcd_prefix, "/modelavg/", "The etcd keys' prefix (ends with '/').");
+ABSL_FLAG(int64_t, leader_ttl_ms, 5000,
+          "With --etcd_endpoints: the leader's etcd lease TTL (whole seconds, at least 2 s); a "
+          "standby takes over about this long after the leader is lost. In [1000, 600000].");
+ABSL_FLAG(std::string, advertise, "",
+          "With --etcd_endpoints: the HOST:PORT clients dial this coordinator at, which standbys "
+          "name; empty: the bound address.");
+ABSL_FLAG(std::string, etcd_tls_ca, "",
+          "PEM CA bundle that signed the etcd members' certificates: talk TLS to etcd.");
+ABSL_FLAG(std::string, etcd_tls_cert, "", "PEM client certificate for etcd (with --etcd_tls_key).");
+ABSL_FLAG(std::string, etcd_tls_key, "", "PEM private key for --etcd_tls_cert.");
+ABSL_FLAG(std::string, etcd_user, "", "etcd user (etcd auth; with --etcd_password_file).");
+ABSL_FLAG(std::string, etcd_password_file, "", "File holding the password of --etcd_user.");
 
 namespace {
 
@@ -74,7 +96,8 @@ int Fail(const std::string& what) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "modelavg-coordinator --listen=HOST:PORT [--state_dir=DIR] [--jobs_file=F] "
+      "modelavg-coordinator --listen=HOST:PORT [--state_dir=DIR | --etcd_endpoints=H:P,...] "
+      "[--jobs_file=F] "
       "[--metrics_listen=HOST:PORT] "
       "[--tls_cert=F --tls_key=F [--tls_client_ca=F]] [--auth_token_file=F] [--log_level=info]");
   absl::ParseCommandLine(argc, argv);
@@ -99,6 +122,7 @@ int main(int argc, char** argv) {
   if (grace <= 0 || grace > 3600000) return Fail("--recovery_grace_ms must be in (0, 3600000]");
   options.recovery_grace = absl::Milliseconds(grace);
   options.state_dir = absl::GetFlag(FLAGS_state_dir);
+  options.require_state = absl::GetFlag(FLAGS_require_state);
   options.defaults.join_timeout = absl::Milliseconds(join);
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
@@ -122,6 +146,23 @@ int main(int argc, char** argv) {
   for (absl::string_view name :
        absl::StrSplit(absl::GetFlag(FLAGS_tls_operator_names), ',', absl::SkipWhitespace())) {
     options.operator_cert_names.emplace_back(absl::StripAsciiWhitespace(name));
+  }
+  options.etcd_endpoints = absl::GetFlag(FLAGS_etcd_endpoints);
+  options.etcd_prefix = absl::GetFlag(FLAGS_etcd_prefix);
+  const int64_t ttl = absl::GetFlag(FLAGS_leader_ttl_ms);
+  if (ttl < 1000 || ttl > 600000) return Fail("--leader_ttl_ms must be in [1000, 600000]");
+  options.leader_ttl = absl::Milliseconds(ttl);
+  options.advertise = absl::GetFlag(FLAGS_advertise);
+  options.etcd_tls_ca_file = absl::GetFlag(FLAGS_etcd_tls_ca);
+  options.etcd_tls_cert_file = absl::GetFlag(FLAGS_etcd_tls_cert);
+  options.etcd_tls_key_file = absl::GetFlag(FLAGS_etcd_tls_key);
+  options.etcd_user = absl::GetFlag(FLAGS_etcd_user);
+  if (const std::string path = absl::GetFlag(FLAGS_etcd_password_file); !path.empty()) {
+    absl::StatusOr<std::string> password = modelavg::ReadTokenFile(path);
+    if (!password.ok()) {
+      return Fail(absl::StrCat("--etcd_password_file: ", password.status().message()));
+    }
+    options.etcd_password = *std::move(password);
   }
   if (const std::string path = absl::GetFlag(FLAGS_jobs_file); !path.empty()) {
     absl::StatusOr<std::string> text = modelavg::ReadFileToString(path);

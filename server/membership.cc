@@ -126,6 +126,11 @@ void Membership::Restore(const StoredJobHeader& header, const std::vector<Stored
   round_size_ = 0;
   for (const StoredMember& s : members) {
     if (s.rank < 0 || s.rank >= world_size()) continue;
+    // A rank of a round that was still assembling (stored by an older coordinator; such ranks are
+    // not stored any more): its Join was never answered, so it is nobody's.
+    if (header.state == v1::PENDING && s.state == v1::ALIVE && s.generation == header.generation) {
+      continue;
+    }
     Member& m = members_[s.rank];
     m.present = true;
     m.worker_id = s.worker_id;
@@ -211,6 +216,8 @@ absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worke
   if (round_size_ == world) {
     state_ = v1::RUNNING;
     MarkHeader();
+    // Soft state, not recorded for Rollback: heartbeat times count only while RUNNING, and a
+    // rolled-back completion leaves the round assembling.
     for (Member& each : members_) each.last_heartbeat = now;
     result.change.world_complete = true;
   }
@@ -322,11 +329,10 @@ absl::StatusOr<Membership::JoinResult> Membership::Admit(const std::string& work
   result.change.max_reported_step = max_reported;
   state_ = v1::RUNNING;
   for (int32_t r = 0; r < world; ++r) {
-    Member& m = members_[r];
+    const Member& m = members_[r];
     if (r != rank && m.present && m.state == v1::ALIVE && m.generation == old_generation) {
-      m.generation = generation_;
+      Mutable(r).generation = generation_;
       ++round_size_;
-      MarkMember(r);
     }
   }
   Seat(rank, worker_id, host, now, new_digest, *step);
@@ -336,7 +342,7 @@ absl::StatusOr<Membership::JoinResult> Membership::Admit(const std::string& work
 
 void Membership::Seat(int32_t rank, const std::string& worker_id, const std::string& host,
                       absl::Time now, const std::string& digest, int64_t admitted_step) {
-  Member& m = members_[rank];
+  Member& m = Mutable(rank);
   m.present = true;
   m.worker_id = worker_id;
   m.host = host;
@@ -348,7 +354,6 @@ void Membership::Seat(int32_t rank, const std::string& worker_id, const std::str
   m.credential_digest = digest;
   m.joined_generation = generation_;
   m.admitted_step = admitted_step;
-  MarkMember(rank);
 }
 
 absl::Status Membership::CheckCredential(int32_t rank, const std::string& credential,
@@ -373,16 +378,14 @@ absl::Status Membership::CheckCredential(int32_t rank, const std::string& creden
 }
 
 void Membership::Withdraw(int32_t rank) {
-  Member& m = members_[rank];
-  if (InRound(m)) --round_size_;
-  m = Member{};
-  MarkMember(rank);
+  if (InRound(members_[rank])) --round_size_;
+  Mutable(rank) = Member{};
 }
 
 absl::StatusOr<Membership::LeaveResult> Membership::Leave(int32_t rank, const std::string& reason,
                                                           absl::Time now,
                                                           const std::string& job_id) {
-  Member& m = members_[rank];
+  const Member& m = members_[rank];
   if (!m.present) {
     return absl::FailedPreconditionError(
         absl::StrCat("rank ", rank, " has not joined job ", job_id));
@@ -391,8 +394,7 @@ absl::StatusOr<Membership::LeaveResult> Membership::Leave(int32_t rank, const st
   if (m.state == v1::LEFT) return result;
   result.left = true;
   const bool in_round = InRound(m);
-  m.state = v1::LEFT;
-  MarkMember(rank);
+  Mutable(rank).state = v1::LEFT;
   if (in_round && state_ == v1::PENDING) {
     // Leaving a round that is still assembling: free the rank, no bump needed.
     --round_size_;
@@ -409,10 +411,7 @@ absl::StatusOr<Membership::LeaveResult> Membership::Leave(int32_t rank, const st
 MembershipChange Membership::Die(const std::vector<int32_t>& ranks, const std::string& reason,
                                  absl::Time now) {
   if (ranks.empty()) return MembershipChange{};
-  for (int32_t r : ranks) {
-    members_[r].state = v1::DEAD;
-    MarkMember(r);
-  }
+  for (int32_t r : ranks) Mutable(r).state = v1::DEAD;
   return Depart(ranks[0], reason, now, /*orderly=*/false);
 }
 
@@ -435,11 +434,10 @@ MembershipChange Membership::Shrink(int32_t rank, const std::string& reason, abs
   change.shrunk = true;
   state_ = v1::RUNNING;
   for (int32_t r = 0; r < world_size(); ++r) {
-    Member& m = members_[r];
+    const Member& m = members_[r];
     if (m.present && m.state == v1::ALIVE && m.generation == old_generation) {
-      m.generation = generation_;
+      Mutable(r).generation = generation_;
       ++round_size_;
-      MarkMember(r);
     }
   }
   return change;
@@ -572,6 +570,7 @@ JobDelta Membership::PeekDelta() const {
   ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
   for (int32_t r : ranks) {
     const Member& m = members_[r];
+    if (Assembling(m)) continue;
     StoredMember s;
     s.rank = r;
     if (m.present) {
@@ -591,7 +590,59 @@ JobDelta Membership::PeekDelta() const {
 void Membership::ClearDelta() {
   dirty_header_ = false;
   dirty_clear_comm_ids_ = false;
-  dirty_members_.clear();
+  // What PeekDelta left out stays pending.
+  std::vector<int32_t> kept;
+  for (int32_t r : dirty_members_) {
+    if (Assembling(members_[r])) kept.push_back(r);
+  }
+  dirty_members_ = std::move(kept);
+}
+
+Membership::Member& Membership::Mutable(int32_t rank) {
+  if (undo_.has_value() && undo_->saved.insert(rank).second) {
+    undo_->members.emplace_back(rank, members_[rank]);
+  }
+  dirty_members_.push_back(rank);
+  decision_members_.reset();
+  return members_[rank];
+}
+
+void Membership::Begin() {
+  undo_ = Undo{state_,
+               generation_,
+               round_size_,
+               last_change_,
+               progress_max_,
+               rate_sample_time_,
+               rate_sample_step_,
+               steps_per_second_,
+               dirty_header_,
+               dirty_clear_comm_ids_,
+               dirty_members_.size(),
+               {},
+               {}};
+}
+
+void Membership::Commit() { undo_.reset(); }
+
+void Membership::Rollback() {
+  if (!undo_.has_value()) return;
+  Undo& u = *undo_;
+  state_ = u.state;
+  generation_ = u.generation;
+  round_size_ = u.round_size;
+  last_change_ = std::move(u.last_change);
+  progress_max_ = u.progress_max;
+  rate_sample_time_ = u.rate_sample_time;
+  rate_sample_step_ = u.rate_sample_step;
+  steps_per_second_ = u.steps_per_second;
+  dirty_header_ = u.dirty_header;
+  dirty_clear_comm_ids_ = u.dirty_clear_comm_ids;
+  // Only appended to within a transaction (ClearDelta comes after Commit).
+  dirty_members_.resize(std::min(dirty_members_.size(), u.dirty_members));
+  for (auto& [rank, m] : u.members) members_[rank] = std::move(m);
+  decision_members_.reset();
+  undo_.reset();
 }
 
 }  // namespace modelavg::server

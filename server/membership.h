@@ -2,7 +2,9 @@
 // job's state (PENDING while a round assembles, RUNNING once complete, FINISHED once every member
 // left). A plain value class: no lock, no clock, no gRPC, no storage. Every operation returns
 // what changed, and the hard-state changes accumulate until PeekDelta() hands them to a
-// StateStore. Job (server/job.h) owns one under its mutex.
+// StateStore. Job (server/job.h) owns one under its mutex and makes each operation a
+// transaction: Begin(), the operation, then Commit() once the store has written PeekDelta(), or
+// Rollback() when it could not, which leaves the membership exactly as before Begin().
 #ifndef MODELAVG_SERVER_MEMBERSHIP_H_
 #define MODELAVG_SERVER_MEMBERSHIP_H_
 
@@ -12,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/schedule.h"
@@ -215,9 +218,20 @@ class Membership {
   std::string MissingRanks(int limit) const;
 
   // The hard-state changes since the last ClearDelta() (empty when none). The caller writes
-  // them and then clears them; after a failed write they stay, so the next write carries them.
+  // them and then clears them. The members of a round that is still assembling are left out
+  // (and stay pending): until the round completes, a rank in it is part of its Join's wait, which
+  // nobody has been answered about yet, so a coordinator that stops or dies then must not bring
+  // it back as a member.
   JobDelta PeekDelta() const;
   void ClearDelta();
+
+  // Transactions (see the top of this file). Begin() starts recording what the operations that
+  // follow change; Commit() keeps it (after ClearDelta() when its delta was written), Rollback()
+  // undoes it: the members, the state, the generation, the soft progress figures and the
+  // pending delta are exactly as at Begin(). Without Begin(), changes are not recorded.
+  void Begin();
+  void Commit();
+  void Rollback();
 
  private:
   bool InRound(const Member& m) const {
@@ -244,10 +258,11 @@ class Membership {
   void ResetProgress();
   // Finishes the job if every present member has left.
   bool MaybeFinish();
-  void MarkMember(int32_t rank) {
-    dirty_members_.push_back(rank);
-    decision_members_.reset();
-  }
+  // The member of `rank`, to be changed: recorded for Rollback (once per transaction) and
+  // marked for the next delta.
+  Member& Mutable(int32_t rank);
+  // True if PeekDelta leaves `m` out: an ALIVE member of a round that is still assembling.
+  bool Assembling(const Member& m) const { return state_ == v1::PENDING && InRound(m); }
   void MarkHeader() {
     dirty_header_ = true;
     decision_members_.reset();
@@ -274,6 +289,25 @@ class Membership {
   bool dirty_header_ = false;
   bool dirty_clear_comm_ids_ = false;
   std::vector<int32_t> dirty_members_;
+
+  // What Rollback restores; set by Begin.
+  struct Undo {
+    v1::JobState state;
+    int64_t generation;
+    int32_t round_size;
+    std::optional<v1::GenerationChange> last_change;
+    int64_t progress_max;
+    absl::Time rate_sample_time;
+    int64_t rate_sample_step;
+    double steps_per_second;
+    bool dirty_header;
+    bool dirty_clear_comm_ids;
+    size_t dirty_members;
+    // The members as they were before their first change in the transaction.
+    std::vector<std::pair<int32_t, Member>> members;
+    absl::flat_hash_set<int32_t> saved;
+  };
+  std::optional<Undo> undo_;
 };
 
 }  // namespace modelavg::server

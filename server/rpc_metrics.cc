@@ -1,17 +1,19 @@
 #include "server/rpc_metrics.h"
 
-#include <exception>
+#include <iterator>
 #include <map>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "prometheus/collectable.h"
 #include "prometheus/counter.h"
-#include "prometheus/exposer.h"
 #include "prometheus/family.h"
+#include "prometheus/gauge.h"
 #include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
 
 namespace modelavg::server {
 namespace {
@@ -43,6 +45,9 @@ class JobsCollector final : public prometheus::Collectable {
                                         "Elastic jobs: replacements admitted into the running "
                                         "job since it was created or the coordinator restarted",
                                         prometheus::MetricType::Gauge, {}};
+    prometheus::MetricFamily job_state{"modelavg_job_state",
+                                       "1 for the job's current state (label state), 0 for the "
+                                       "others", prometheus::MetricType::Gauge, {}};
     std::map<std::string, int> by_state = {{"PENDING", 0}, {"RUNNING", 0}, {"FINISHED", 0}};
     for (const auto& job : registry_->ListJobs()) {
       const Job::Stats stats = job->GetStats();
@@ -59,6 +64,13 @@ class JobsCollector final : public prometheus::Collectable {
       add(vacant, stats.vacant_ranks);
       add(deaths, static_cast<double>(stats.deaths));
       add(admissions, static_cast<double>(stats.admissions));
+      for (const auto& [state, n] : by_state) {
+        prometheus::ClientMetric m;
+        m.label.push_back({"job", job->id()});
+        m.label.push_back({"state", state});
+        m.gauge.value = state == v1::JobState_Name(stats.state) ? 1 : 0;
+        job_state.metric.push_back(std::move(m));
+      }
     }
     for (const auto& [state, n] : by_state) {
       prometheus::ClientMetric m;
@@ -66,8 +78,9 @@ class JobsCollector final : public prometheus::Collectable {
       m.gauge.value = n;
       jobs.metric.push_back(std::move(m));
     }
-    return {std::move(jobs),  std::move(workers), std::move(generation), std::move(lag),
-            std::move(vacant), std::move(deaths), std::move(admissions)};
+    return {std::move(jobs),   std::move(workers), std::move(generation),
+            std::move(lag),    std::move(vacant),  std::move(deaths),
+            std::move(admissions), std::move(job_state)};
   }
 
  private:
@@ -83,8 +96,7 @@ const char* RpcMethodName(RpcMethod method) {
   return kNames[static_cast<int>(method)];
 }
 
-absl::StatusOr<std::unique_ptr<RpcMetrics>> RpcMetrics::Start(const std::string& listen,
-                                                               const JobRegistry* registry) {
+std::unique_ptr<RpcMetrics> RpcMetrics::Create(const JobRegistry* registry) {
   std::unique_ptr<RpcMetrics> m(new RpcMetrics());
   m->registry_ = std::make_shared<prometheus::Registry>();
   auto& family = prometheus::BuildCounter()
@@ -99,18 +111,22 @@ absl::StatusOr<std::unique_ptr<RpcMetrics>> RpcMetrics::Start(const std::string&
     }
   }
   m->jobs_collector_ = std::make_shared<JobsCollector>(registry);
-  try {
-    m->exposer_ = std::make_unique<prometheus::Exposer>(listen);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve metrics on ", listen, ": ", e.what()));
-  }
-  m->exposer_->RegisterCollectable(m->registry_);
-  m->exposer_->RegisterCollectable(m->jobs_collector_);
-  const std::vector<int> ports = m->exposer_->GetListeningPorts();
-  const std::string host = std::string(listen.substr(0, listen.rfind(':')));
-  m->address_ = absl::StrCat(host, ":", ports.empty() ? 0 : ports[0]);
+  // A new value at every start: Prometheus sees a restart as a change of it.
+  prometheus::BuildGauge()
+      .Name("modelavg_coordinator_start_time_seconds")
+      .Help("When this coordinator process started, seconds since the Unix epoch")
+      .Register(*m->registry_)
+      .Add({})
+      .Set(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
   return m;
+}
+
+std::string RpcMetrics::TextExposition() const {
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  std::vector<prometheus::MetricFamily> jobs = jobs_collector_->Collect();
+  families.insert(families.end(), std::make_move_iterator(jobs.begin()),
+                  std::make_move_iterator(jobs.end()));
+  return prometheus::TextSerializer().Serialize(families);
 }
 
 RpcMetrics::~RpcMetrics() = default;

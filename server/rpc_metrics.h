@@ -1,5 +1,6 @@
-// Prometheus metrics of the coordinator (--metrics_listen): RPCs by method and code, and per-job
-// gauges (workers, generation, step lag) computed from the registry at each scrape.
+// Prometheus metrics of the coordinator: RPCs by method and code, and per-job gauges (workers,
+// generation, step lag) computed from the registry at each scrape. The coordinator's HTTP port
+// (server/http_server.h, --metrics_listen) serves TextExposition() as /metrics.
 #ifndef MODELAVG_SERVER_RPC_METRICS_H_
 #define MODELAVG_SERVER_RPC_METRICS_H_
 
@@ -14,7 +15,6 @@
 namespace prometheus {
 class Collectable;
 class Counter;
-class Exposer;
 class Registry;
 }  // namespace prometheus
 
@@ -30,27 +30,23 @@ const char* RpcMethodName(RpcMethod method);
 
 class RpcMetrics {
  public:
-  // Serves /metrics on `listen` ("HOST:PORT", port 0 allowed). UNAVAILABLE if it cannot bind.
   // `registry` must outlive the returned object.
-  static absl::StatusOr<std::unique_ptr<RpcMetrics>> Start(const std::string& listen,
-                                                           const JobRegistry* registry);
+  static std::unique_ptr<RpcMetrics> Create(const JobRegistry* registry);
   ~RpcMetrics();
 
   // Thread-safe, lock-free.
   void CountRpc(RpcMethod method, absl::StatusCode code);
 
-  // "HOST:PORT" actually bound.
-  const std::string& address() const { return address_; }
+  // Every metric in Prometheus' text format (version 0.0.4), as of now. Thread-safe.
+  std::string TextExposition() const;
 
  private:
   RpcMetrics() = default;
   static constexpr int kCodes = 17;
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<prometheus::Collectable> jobs_collector_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
   std::array<std::array<prometheus::Counter*, kCodes>, static_cast<int>(RpcMethod::kCount)>
       counters_{};
-  std::string address_;
 };
 
 }  // namespace modelavg::server

@@ -225,13 +225,27 @@ class SqliteStateStore::Statement {
   sqlite3_stmt* stmt_;
 };
 
-absl::StatusOr<std::unique_ptr<SqliteStateStore>> SqliteStateStore::Open(const std::string& dir) {
+absl::StatusOr<std::unique_ptr<SqliteStateStore>> SqliteStateStore::Open(const std::string& dir,
+                                                                          bool require_state) {
   if (dir.empty()) return absl::InvalidArgumentError("--state_dir must not be empty");
+  const std::string path = absl::StrCat(dir, "/state.db");
+  const auto missing = [&](const std::string& what) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--require_state: ", what, "; the coordinator will not start empty (that would forget "
+        "every job). Mount the volume that holds the state, restore it from a backup, or start "
+        "once without --require_state to begin with no jobs"));
+  };
+  if (require_state && !FileExists(dir)) {
+    return missing(absl::StrCat("the state directory ", dir, " does not exist"));
+  }
   if (absl::Status s = MakePrivateDir(dir); !s.ok()) return s;
   absl::StatusOr<std::unique_ptr<DirLock>> lock = DirLock::Acquire(dir);
   if (!lock.ok()) return lock.status();
-  const std::string path = absl::StrCat(dir, "/state.db");
   if (!FileExists(path)) {
+    if (require_state) {
+      return missing(absl::StrCat("the state directory ", dir, " holds no state file (",
+                                  path, ")"));
+    }
     if (absl::Status s = CreateStateFile(dir, path); !s.ok()) return s;
     spdlog::info("state: created {}", path);
   }
@@ -306,8 +320,12 @@ absl::StatusOr<std::unique_ptr<SqliteStateStore>> SqliteStateStore::Open(const s
     sqlite3_close(db);
     return s;
   }
+  if (stat(path.c_str(), &st) != 0) {
+    sqlite3_close(db);
+    return absl::InternalError(absl::StrCat("cannot stat the state file ", path, ": ", Errno()));
+  }
   std::unique_ptr<SqliteStateStore> store(
-      new SqliteStateStore(path, *std::move(lock), db));
+      new SqliteStateStore(path, *std::move(lock), db, st.st_dev, st.st_ino));
   if (absl::Status s = store->Prepare(); !s.ok()) {
     return absl::DataLossError(
         absl::StrCat("the state file ", path, " lacks the expected tables: ", s.message(),
@@ -316,8 +334,9 @@ absl::StatusOr<std::unique_ptr<SqliteStateStore>> SqliteStateStore::Open(const s
   return store;
 }
 
-SqliteStateStore::SqliteStateStore(std::string path, std::unique_ptr<DirLock> lock, sqlite3* db)
-    : path_(std::move(path)), lock_(std::move(lock)), db_(db) {}
+SqliteStateStore::SqliteStateStore(std::string path, std::unique_ptr<DirLock> lock, sqlite3* db,
+                                   dev_t dev, ino_t ino)
+    : path_(std::move(path)), lock_(std::move(lock)), file_dev_(dev), file_ino_(ino), db_(db) {}
 
 SqliteStateStore::~SqliteStateStore() {
   absl::MutexLock lock(&mu_);
@@ -369,8 +388,51 @@ absl::Status SqliteStateStore::Prepare() {
   return absl::OkStatus();
 }
 
-absl::Status SqliteStateStore::Error(const std::string& what) const {
-  return absl::UnavailableError(absl::StrCat("cannot write ", path_, ": ", what));
+absl::Status SqliteStateStore::Error(const std::string& what, int code) {
+  std::string why;
+  switch ((code < 0 ? sqlite3_errcode(db_) : code) & 0xff) {
+    case SQLITE_FULL:
+      why = "; the disk is full: free space on the state volume";
+      break;
+    case SQLITE_READONLY:
+      why = "; the state file or its volume is read-only: make it writable";
+      break;
+    case SQLITE_IOERR:
+      why = "; an I/O error: check the state volume (dmesg)";
+      break;
+    case SQLITE_CANTOPEN:
+      why = "; a file beside it cannot be opened: check the state directory";
+      break;
+    default:
+      break;
+  }
+  // Give back the space the failed transaction took in the write-ahead log (a later write that
+  // succeeds would otherwise fill the space just freed up again).
+  if (sqlite3_wal_checkpoint_v2(db_, nullptr, SQLITE_CHECKPOINT_TRUNCATE, nullptr, nullptr) !=
+      SQLITE_OK) {
+    spdlog::warn("state: could not checkpoint {} after a failed write: {}", path_,
+                 sqlite3_errmsg(db_));
+  }
+  return absl::UnavailableError(absl::StrCat("cannot write ", path_, ": ", what, why));
+}
+
+absl::Status SqliteStateStore::CheckInPlace() {
+  absl::Status s = lock_->Check();
+  if (s.ok()) {
+    struct stat st;
+    if (stat(path_.c_str(), &st) != 0) {
+      s = absl::UnavailableError(absl::StrCat(
+          "the state file ", path_, " was removed while the coordinator ran; what it writes now "
+          "would be lost, so it writes nothing. Restore it and restart the coordinator"));
+    } else if (st.st_dev != file_dev_ || st.st_ino != file_ino_) {
+      s = absl::UnavailableError(absl::StrCat(
+          "the state file ", path_, " was replaced while the coordinator ran; what it writes now "
+          "would go to the old one, so it writes nothing. Restart the coordinator"));
+    }
+  }
+  if (!s.ok() && !moved_logged_) spdlog::error("state: {}", std::string(s.message()));
+  moved_logged_ = !s.ok();
+  return s;
 }
 
 absl::Status SqliteStateStore::Exec(const char* sql) { return ExecOn(db_, sql, path_); }
@@ -497,6 +559,7 @@ absl::StatusOr<std::vector<StoredJob>> SqliteStateStore::LoadAll() {
 
 absl::Status SqliteStateStore::CreateJob(const v1::JobSpec& spec, int64_t created_unix_ms) {
   absl::MutexLock lock(&mu_);
+  if (absl::Status s = CheckInPlace(); !s.ok()) return s;
   absl::StatusOr<bool> exists = job_exists_->Bind(1, spec.job_id()).Exists();
   if (!exists.ok()) return Error(std::string(exists.status().message()));
   if (*exists) {
@@ -515,6 +578,7 @@ absl::Status SqliteStateStore::CreateJob(const v1::JobSpec& spec, int64_t create
 
 absl::Status SqliteStateStore::DeleteJob(absl::string_view job_id) {
   absl::MutexLock lock(&mu_);
+  if (absl::Status s = CheckInPlace(); !s.ok()) return s;
   if (absl::Status s = Exec("BEGIN IMMEDIATE"); !s.ok()) return Error(std::string(s.message()));
   absl::Status s;
   for (Statement* st : {delete_comm_ids_.get(), delete_members_.get(), delete_job_.get()}) {
@@ -526,8 +590,9 @@ absl::Status SqliteStateStore::DeleteJob(absl::string_view job_id) {
   }
   if (s.ok()) s = Exec("COMMIT");
   if (!s.ok()) {
+    const int code = sqlite3_errcode(db_);
     Exec("ROLLBACK").IgnoreError();
-    return Error(std::string(s.message()));
+    return Error(std::string(s.message()), code);
   }
   return absl::OkStatus();
 }
@@ -535,13 +600,15 @@ absl::Status SqliteStateStore::DeleteJob(absl::string_view job_id) {
 absl::Status SqliteStateStore::Apply(absl::string_view job_id, const JobDelta& delta) {
   if (delta.empty()) return absl::OkStatus();
   absl::MutexLock lock(&mu_);
+  if (absl::Status s = CheckInPlace(); !s.ok()) return s;
   if (absl::Status s = Exec("BEGIN IMMEDIATE"); !s.ok()) return Error(std::string(s.message()));
   absl::Status s = ApplyLocked(job_id, delta);
   if (s.ok()) s = Exec("COMMIT");
   if (!s.ok()) {
+    const int code = sqlite3_errcode(db_);
     Exec("ROLLBACK").IgnoreError();
     if (s.code() == absl::StatusCode::kNotFound) return s;
-    return Error(std::string(s.message()));
+    return Error(std::string(s.message()), code);
   }
   return absl::OkStatus();
 }

@@ -26,6 +26,12 @@ Two ways in:
 Failures raise :class:`modelavg.Error` subclasses (see :mod:`modelavg.errors`). Every wait
 (joining, an averaging step, an RPC) releases the GIL and is interrupted by Ctrl-C.
 
+DiLoCo: a level may carry an outer optimizer,
+``create_job(..., levels=[(2, 2), modelavg.Level(500, 8, outer=modelavg.OuterSGD(0.7,
+momentum=0.9, nesterov=True))])``: its members then step an anchor with SGD on the averaged
+pseudo-gradient instead of averaging parameters (docs/diloco.md). Checkpoint the averager with
+``state_dict()`` / ``load_state_dict()``.
+
 Elastic jobs (``create_job(..., min_world_size=m)``) keep running while ``m`` ranks are alive:
 a dead member costs the survivors one retried averaging round inside ``average_parameters``
 (the returned :class:`Decision` lists the ranks that actually averaged), and a worker that
@@ -51,7 +57,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "connect", "Client", "ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager",
-    "Decision", "JobSpec", "Job", "Member", "GenerationChange", "create_job", "get_job",
+    "Decision", "Level", "OuterSGD", "JobSpec", "Job", "Member", "GenerationChange", "create_job", "get_job",
     "list_jobs", "delete_job", "Error", "PeerFailureError", "InvalidArgumentError",
     "NotFoundError", "AlreadyExistsError", "FailedPreconditionError", "DeadlineExceededError",
     "UnavailableError", "PermissionDeniedError", "ResourceExhaustedError", "UnimplementedError",
@@ -189,7 +195,7 @@ class Client:
         elastic job)."""
         d = self._core.spec
         return JobSpec(job_id=d["job_id"], world_size=d["world_size"], mode=d["mode"],
-                       levels=[tuple(l) for l in d["levels"]], warmup_steps=d["warmup_steps"])
+                       levels=_levels_from(d), warmup_steps=d["warmup_steps"])
 
     def check_usable(self) -> None:
         """Raises PeerFailureError if the job's membership changed since this client joined
@@ -229,7 +235,8 @@ def connect(coordinator: Optional[str] = None, job_id: Optional[str] = None,
     """Joins a job and returns its Client once every rank has joined.
 
     Args:
-      coordinator: the coordinator's "host:port"; default: ``$MODELAVG_COORDINATOR``.
+      coordinator: the coordinator's "host:port" (several comma-separated: coordinators on
+        etcd, the client fails over to the leader); default: ``$MODELAVG_COORDINATOR``.
       job_id: the job to join (it must exist); default: ``$MODELAVG_JOB``.
       rank: the rank to take; default: ``$RANK`` (as torchrun sets it), else the coordinator
         picks the lowest free one.
@@ -311,6 +318,61 @@ class ModelAverager:
             raise TypeError(f"step must be an int, not {type(value).__name__}")
         self._core.step = value
 
+    def state_dict(self) -> Dict[str, Any]:
+        """The averager's state, to save beside the model and the optimizer (PyTorch's
+        convention): ``{"step": int, "anchors": {level: [tensor, ...]}, "momenta": {level:
+        [tensor, ...]}}`` — for each level with an outer optimizer whose first averaging step
+        has happened, its anchor (one flat CPU tensor per parameter, float32 for float16/bfloat16
+        parameters, else their dtype) and, once set, its momentum buffer. Copies: later steps
+        do not change them."""
+        import torch
+        d = self._core.state_dict()
+        kinds = {code: dtype for dtype, code in _params._dtype_codes().items()}
+
+        def tensors(m: Dict[int, Any]) -> Dict[int, List[Any]]:
+            return {level: [torch.frombuffer(bytearray(raw), dtype=kinds[code]).reshape(numel)
+                            if numel > 0 else torch.empty(0, dtype=kinds[code])
+                            for code, numel, raw in items]
+                    for level, items in m.items()}
+
+        return {"step": d["step"], "anchors": tensors(d["anchors"]),
+                "momenta": tensors(d["momenta"])}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restores a :meth:`state_dict` (the step and every outer level's anchor and momentum):
+        a run resumed from it in a new process — same job spec, same parameters restored —
+        continues exactly as the uninterrupted run. Tensors may be on any device.
+
+        Raises InvalidArgumentError (a level without an outer optimizer in this job, tensors
+        that do not fit: counts, dtypes, sizes) and TypeError/KeyError for a malformed dict;
+        nothing changes then."""
+        import ctypes
+        import torch
+        if not isinstance(state_dict, Mapping) or "step" not in state_dict:
+            raise TypeError("state_dict must be a dict from ModelAverager.state_dict() (with "
+                            "'step', 'anchors', 'momenta')")
+        codes = _params._dtype_codes()
+
+        def raw(m: Mapping[int, Any], what: str) -> Dict[int, List[Any]]:
+            out: Dict[int, List[Any]] = {}
+            for level, items in (m or {}).items():
+                out[int(level)] = []
+                for i, t in enumerate(items):
+                    if not isinstance(t, torch.Tensor) or t.dtype not in codes:
+                        raise _invalid(f"{what}[{level}][{i}]: expected a float tensor, got "
+                                       f"{type(t).__name__}")
+                    t = t.detach().to("cpu").contiguous()
+                    n = t.numel()
+                    data = ctypes.string_at(t.data_ptr(), n * t.element_size()) if n else b""
+                    out[int(level)].append((codes[t.dtype], n, data))
+            return out
+
+        step = state_dict["step"]
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"state_dict['step'] must be an int, not {type(step).__name__}")
+        self._core.load_state_dict(step, raw(state_dict.get("anchors", {}), "anchors"),
+                                   raw(state_dict.get("momenta", {}), "momenta"))
+
     def average_parameters(self, params: Iterable[Any]) -> Decision:
         """Averages ``params`` in place with this rank's subgroup if the schedule says so at
         ``step``, then increments ``step``. Returns the decision taken.
@@ -377,11 +439,54 @@ class HierarchicalModelAverager(ModelAverager):
 # ------------------------------------------------------------------------------------- jobs
 
 @dataclasses.dataclass(frozen=True)
+class OuterSGD:
+    """A level's outer optimizer (DiLoCo; proto ``modelavg.v1.OuterOptimizer``): PyTorch's
+    ``torch.optim.SGD(lr, momentum, nesterov)`` stepping each member's anchor with the group's
+    mean pseudo-gradient (anchor - parameters) as the gradient; the parameters then become the
+    anchor. ``OuterSGD(1.0)`` is plain averaging; DiLoCo's recipe is
+    ``OuterSGD(0.7, momentum=0.9, nesterov=True)``. Checked by the coordinator: lr finite and
+    > 0, 0 <= momentum < 1, nesterov needs momentum > 0."""
+
+    lr: float
+    momentum: float = 0.0
+    nesterov: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Level:
+    """One averaging level with an update rule: every ``period`` steps, blocks of
+    ``group_size`` consecutive ranks average (``outer`` None, PyTorch's averagers) or take an
+    outer optimizer step (``outer`` an :class:`OuterSGD`). ``create_job(levels=...)`` takes
+    these beside (period, group_size) pairs."""
+
+    period: int
+    group_size: int
+    outer: Optional[OuterSGD] = None
+
+
+LevelLike = Union[Tuple[int, int], Level]
+
+
+def _levels_from(d: Mapping[str, Any]) -> List[LevelLike]:
+    """A spec dict's levels: (period, group_size) pairs, Level for those with an outer
+    optimizer."""
+    outer = d.get("outer") or [None] * len(d["levels"])
+    out: List[LevelLike] = []
+    for (period, group_size), o in zip(d["levels"], outer):
+        if o is None:
+            out.append((period, group_size))
+        else:
+            out.append(Level(period, group_size, OuterSGD(o[0], momentum=o[1], nesterov=o[2])))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
 class JobSpec:
     """A job's averaging plan (proto ``modelavg.v1.JobSpec``).
 
     ``mode`` is "PERIODIC" or "HIERARCHICAL"; ``levels`` are (period, group_size) pairs in
-    PyTorch's order (the OrderedDict's); 0 timeouts mean the coordinator's defaults.
+    PyTorch's order (the OrderedDict's), a :class:`Level` for a level with an outer optimizer;
+    0 timeouts mean the coordinator's defaults.
     ``min_world_size`` (1..world_size) makes the job elastic: it keeps running while that many
     ranks are alive; 0 (or world_size) is a strict job.
     """
@@ -389,7 +494,7 @@ class JobSpec:
     job_id: str
     world_size: int
     mode: str
-    levels: List[Tuple[int, int]]
+    levels: List[LevelLike]
     warmup_steps: int = 0
     heartbeat_timeout_ms: int = 0
     join_timeout_ms: int = 0
@@ -448,7 +553,7 @@ class Job:
 def _job(d: Dict[str, Any]) -> Job:
     s = d["spec"]
     spec = JobSpec(job_id=s["job_id"], world_size=s["world_size"], mode=s["mode"],
-                   levels=[tuple(l) for l in s["levels"]], warmup_steps=s["warmup_steps"],
+                   levels=_levels_from(s), warmup_steps=s["warmup_steps"],
                    heartbeat_timeout_ms=s["heartbeat_timeout_ms"],
                    join_timeout_ms=s["join_timeout_ms"], min_world_size=s["min_world_size"])
     change = d["last_change"]
@@ -467,16 +572,39 @@ def _conn(coordinator: Optional[str], options: Mapping[str, Any]) -> Dict[str, A
     return conn
 
 
-def _levels(levels: Union[Mapping[int, int], Sequence[Tuple[int, int]]]) -> List[Tuple[int, int]]:
+def _outer_tuple(item: Any, outer: Any) -> Optional[Tuple[float, float, bool]]:
+    if outer is None:
+        return None
+    if not isinstance(outer, OuterSGD):
+        raise _invalid(f"level {item!r}: outer must be a modelavg.OuterSGD, not "
+                       f"{type(outer).__name__}")
+    try:
+        lr, momentum = float(outer.lr), float(outer.momentum)
+    except (TypeError, ValueError):
+        raise _invalid(f"level {item!r}: OuterSGD lr and momentum must be numbers") from None
+    if not isinstance(outer.nesterov, bool):
+        raise _invalid(f"level {item!r}: OuterSGD nesterov must be True or False")
+    return (lr, momentum, outer.nesterov)
+
+
+def _levels(levels: Union[Mapping[int, int], Sequence[LevelLike]]
+            ) -> Tuple[List[Tuple[int, int]], List[Optional[Tuple[float, float, bool]]]]:
+    """(period, group_size) pairs and, per level, None or (lr, momentum, nesterov)."""
     items = list(levels.items()) if isinstance(levels, Mapping) else list(levels)
-    out = []
+    pairs, outer = [], []
     for item in items:
+        if isinstance(item, Level):
+            pairs.append((int(item.period), int(item.group_size)))
+            outer.append(_outer_tuple(item, item.outer))
+            continue
         try:
             period, group_size = item
-            out.append((int(period), int(group_size)))
+            pairs.append((int(period), int(group_size)))
+            outer.append(None)
         except (TypeError, ValueError):
-            raise _invalid(f"level {item!r}: expected a (period, group_size) pair") from None
-    return out
+            raise _invalid(f"level {item!r}: expected a (period, group_size) pair or a "
+                           "modelavg.Level") from None
+    return pairs, outer
 
 
 def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
@@ -491,13 +619,15 @@ def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
       job_id: 1-128 characters of [A-Za-z0-9._-].
       world_size: the number of worker processes.
       mode: "PERIODIC" or "HIERARCHICAL" (any case).
-      levels: (period, group_size) pairs, or PyTorch's ``period_group_size_dict``, in order.
+      levels: (period, group_size) pairs, or PyTorch's ``period_group_size_dict``, in order;
+        a :class:`Level` in the list gives its level an outer optimizer
+        (``Level(period, group_size, outer=OuterSGD(lr, momentum=0.0, nesterov=False))``).
       period: for PERIODIC, instead of levels: one level over the whole world.
       warmup_steps, heartbeat_timeout_ms, join_timeout_ms: as in the JobSpec (0 timeouts: the
         coordinator's defaults).
       min_world_size: 1..world_size makes the job elastic: it keeps running while that many
         ranks are alive, and admits replacements into vacant ranks. 0 (or world_size): strict.
-      coordinator: "host:port"; default ``$MODELAVG_COORDINATOR``.
+      coordinator: "host:port" (or several, comma-separated); default ``$MODELAVG_COORDINATOR``.
       **options: auth_token, tls, tls_ca_file, tls_cert_file, tls_key_file, rpc_timeout.
 
     Raises InvalidArgumentError (bad spec: the message names the field and the value),
@@ -511,7 +641,9 @@ def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
     if levels is None:
         raise _invalid("no levels: pass levels=[(period, group_size), ...] (or period= for "
                        "a PERIODIC job)")
-    spec = {"job_id": job_id, "world_size": world_size, "mode": mode, "levels": _levels(levels),
+    pairs, outer = _levels(levels)
+    spec = {"job_id": job_id, "world_size": world_size, "mode": mode, "levels": pairs,
+            "outer": outer,
             "warmup_steps": warmup_steps, "heartbeat_timeout_ms": heartbeat_timeout_ms,
             "join_timeout_ms": join_timeout_ms, "min_world_size": min_world_size}
     try:

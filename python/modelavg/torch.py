@@ -9,7 +9,7 @@ Change one import and keep the rest of the trainer::
     ...
     averager.average_parameters(model.parameters())
 
-The averagers connect from the environment — ``MODELAVG_COORDINATOR`` (host:port),
+The averagers connect from the environment — ``MODELAVG_COORDINATOR`` (host:port, or several comma-separated),
 ``MODELAVG_JOB`` (the job id), ``RANK`` and ``WORLD_SIZE`` as torchrun sets them, and optionally
 ``MODELAVG_GLOO_HOSTNAME`` (the address peers reach this process at; default 127.0.0.1) and
 ``MODELAVG_AUTH_TOKEN`` — or from :func:`set_options`. If the job does not exist yet, the first
@@ -27,6 +27,10 @@ worker started without ``RANK`` while such a job runs with a vacant rank is admi
 replacement: its averager starts at ``averager.client.admission_step`` and its first
 ``average_parameters`` call overwrites the parameters with its peers' average; its optimizer
 state starts fresh (reset it when ``averager.client.admission_step > 0``).
+
+DiLoCo: the constructors' ``outer`` keyword (a :class:`modelavg.OuterSGD`) gives the job's last
+level — or, for the hierarchical averager, ``{period: OuterSGD}`` the levels of those periods —
+an outer optimizer; ``state_dict()`` / ``load_state_dict()`` checkpoint the averager.
 """
 
 import atexit
@@ -80,9 +84,38 @@ def _check_process_group(process_group: Any) -> None:
         "Pass process_group=None, and describe the groups with the job's levels")
 
 
+def _level_key(level: Any) -> Tuple[Any, ...]:
+    """A level as (period, group_size) or (period, group_size, lr, momentum, nesterov)."""
+    if isinstance(level, _ma.Level):
+        if level.outer is None:
+            return (level.period, level.group_size)
+        o = level.outer
+        return (level.period, level.group_size, float(o.lr), float(o.momentum), o.nesterov)
+    return tuple(level)
+
+
 def _describe(spec: "_ma.JobSpec") -> str:
     return (f"{spec.mode} world_size={spec.world_size} warmup_steps={spec.warmup_steps} "
-            f"levels(period, group_size)={list(map(tuple, spec.levels))}")
+            f"levels(period, group_size[, outer lr, momentum, nesterov])="
+            f"{[_level_key(l) for l in spec.levels]}")
+
+
+def _with_outer(levels: List[Tuple[int, int]], outer: Any) -> List[Any]:
+    """The levels with the drop-in's ``outer`` keyword applied: an OuterSGD for the last level
+    (the world), or {period: OuterSGD} for the levels of those periods."""
+    if outer is None:
+        return list(levels)
+    if isinstance(outer, _ma.OuterSGD):
+        outer = {levels[-1][0]: outer}
+    if not isinstance(outer, dict):
+        raise TypeError("outer must be a modelavg.OuterSGD (for the last level) or a dict "
+                        f"{{period: OuterSGD}}, not {type(outer).__name__}")
+    periods = [p for p, _ in levels]
+    for p in outer:
+        if p not in periods:
+            raise ValueError(f"outer names period {p}, which is not one of the levels' periods "
+                             f"{periods}")
+    return [_ma.Level(p, g, outer[p]) if p in outer else (p, g) for p, g in levels]
 
 
 def _job_client(mode: str, warmup_steps: int, levels_for: Any) -> "_ma.Client":
@@ -157,7 +190,7 @@ def _check_spec(spec: "_ma.JobSpec", mode: str, warmup_steps: int, levels_for: A
                          levels=levels_for(world), warmup_steps=warmup_steps)
     if (spec.mode != wanted.mode or spec.world_size != wanted.world_size
             or spec.warmup_steps != wanted.warmup_steps
-            or [tuple(l) for l in spec.levels] != [tuple(l) for l in wanted.levels]):
+            or [_level_key(l) for l in spec.levels] != [_level_key(l) for l in wanted.levels]):
         raise _ma.InvalidArgumentError(
             "INVALID_ARGUMENT",
             f"job {spec.job_id!r} on {coordinator} is {_describe(spec)}, but this averager's "
@@ -191,12 +224,16 @@ class PeriodicModelAverager(_ma.PeriodicModelAverager):
       period: steps per averaging (>= 1; 1 warns, as in PyTorch).
       warmup_steps: steps without averaging (>= 0).
       process_group: None (or the default group).
+      outer: (modelavg only) a :class:`modelavg.OuterSGD`: DiLoCo — instead of averaging the
+        parameters, each averaging step after the first steps an anchor with SGD on the
+        world's mean pseudo-gradient (docs/diloco.md).
 
     Raises ValueError for the same arguments PyTorch refuses, InvalidArgumentError (a ValueError)
     when the existing job's spec differs, and the errors of :func:`modelavg.connect`.
     """
 
-    def __init__(self, period: int, warmup_steps: int = 0, process_group: Any = None) -> None:
+    def __init__(self, period: int, warmup_steps: int = 0, process_group: Any = None,
+                 outer: Optional["_ma.OuterSGD"] = None) -> None:
         if warmup_steps < 0:
             raise ValueError("Arg ``warmup_steps`` must be a non-negative number.")
         if period < 1:
@@ -211,7 +248,9 @@ class PeriodicModelAverager(_ma.PeriodicModelAverager):
         self.period = period
         self.warmup_steps = warmup_steps
         self.process_group = process_group
-        client = _job_client("PERIODIC", warmup_steps, lambda world: [(period, world)])
+        self.outer = outer
+        client = _job_client("PERIODIC", warmup_steps,
+                             lambda world: _with_outer([(period, world)], outer))
         super().__init__(client)
 
 
@@ -225,13 +264,17 @@ class HierarchicalModelAverager(_ma.HierarchicalModelAverager):
         the world size.
       warmup_steps: steps without averaging (>= 0).
       process_group: None (or the default group).
+      outer: (modelavg only) DiLoCo's outer optimizer: a :class:`modelavg.OuterSGD` for the
+        last level (the world), or ``{period: OuterSGD}`` for the levels of those periods
+        (docs/diloco.md).
 
     Raises ValueError for the same arguments PyTorch refuses, InvalidArgumentError (a ValueError)
     when the existing job's spec differs, and the errors of :func:`modelavg.connect`.
     """
 
     def __init__(self, period_group_size_dict: Optional[Dict[int, int]] = None,
-                 warmup_steps: int = 0, process_group: Any = None) -> None:
+                 warmup_steps: int = 0, process_group: Any = None,
+                 outer: Any = None) -> None:
         if not period_group_size_dict:
             raise ValueError("Arg ``period_group_size_dict`` must not be empty.")
         levels: List[Tuple[int, int]] = [(int(p), int(g))
@@ -252,5 +295,7 @@ class HierarchicalModelAverager(_ma.HierarchicalModelAverager):
         self.period_group_size_dict = period_group_size_dict
         self.warmup_steps = warmup_steps
         self.process_group = process_group
-        client = _job_client("HIERARCHICAL", warmup_steps, lambda world: levels)
+        self.outer = outer
+        with_outer = _with_outer(levels, outer)
+        client = _job_client("HIERARCHICAL", warmup_steps, lambda world: with_outer)
         super().__init__(client)

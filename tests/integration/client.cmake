@@ -15,9 +15,10 @@ if(TARGET modelavg-coordinator)
   # referenced through generator expressions): client_elastic_regrow_test, 8 ranks, each test a
   # few seconds to ~20 s; client_elastic_adopt_test, a round kept by a member that lost its
   # confirmation (4 ranks, a few seconds); client_outer_test, DiLoCo levels against a naive
-  # reference (worlds 2-8, a few seconds each).
+  # reference (worlds 2-8, a few seconds each); client_streaming_test, fragments, mix and
+  # compressed payloads against a naive reference (worlds 2-4, a few seconds each).
   foreach(t client_elastic_regrow_test client_elastic_adopt_test client_outer_test
-            client_outer_elastic_test)
+            client_outer_elastic_test client_streaming_test)
     modelavg_add_gtest(${t} SOURCES ${t}.cc LIBS modelavg_client LABELS integration TIMEOUT 120)
     target_compile_definitions(${t} PRIVATE
       MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>"
@@ -25,6 +26,14 @@ if(TARGET modelavg-coordinator)
       MODELAVG_TRACE_WORKER_BIN="$<TARGET_FILE:modelavg-trace-worker>")
     add_dependencies(${t} modelavg-coordinator modelavg-trace-worker)
   endforeach()
+  # Churn: a rank killed and replaced per cycle (MODELAVG_CHURN_CYCLES, default 100, ~2 s each).
+  modelavg_add_gtest(client_elastic_churn_test SOURCES client_elastic_churn_test.cc
+    LIBS modelavg_client LABELS "integration;elastic" TIMEOUT 600)
+  target_compile_definitions(client_elastic_churn_test PRIVATE
+    MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>"
+    MODELAVG_CLIENT_WORKER_BIN="$<TARGET_FILE:modelavg_client_worker>"
+    MODELAVG_TRACE_WORKER_BIN="$<TARGET_FILE:modelavg-trace-worker>")
+  add_dependencies(client_elastic_churn_test modelavg-coordinator modelavg-trace-worker)
 endif()
 
 # The trace checker (trace_check.h) on synthetic traces: fast, no processes.

@@ -25,3 +25,10 @@ modelavg_add_gtest(server_hostile_test SOURCES server_hostile_test.cc LIBS model
 target_compile_definitions(server_hostile_test PRIVATE
   MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>")
 add_dependencies(server_hostile_test modelavg-coordinator)
+
+# The HTTP port: idle connections, SIGTERM, the status page's token (a separate process).
+modelavg_add_gtest(http_port_test SOURCES http_port_test.cc LIBS modelavg_common
+  LABELS integration TIMEOUT 120)
+target_compile_definitions(http_port_test PRIVATE
+  MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>")
+add_dependencies(http_port_test modelavg-coordinator)

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -843,12 +844,22 @@ class TlsTest : public ServerTest {
     EXPECT_TRUE(s.ok());
     return s.ok() ? *s : "";
   }
-  std::unique_ptr<v1::Coordinator::Stub> TlsStub(bool with_client_cert) {
+  // A self-signed client certificate NAME.crt / NAME.key with `subject` and `san`.
+  void MakeClientCert(const std::string& name, const std::string& subject,
+                      const std::string& san) {
+    const std::string cmd = absl::StrCat(
+        "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj ", subject,
+        " -addext subjectAltName=", san, " -keyout ", dir_, "/", name, ".key -out ", dir_, "/",
+        name, ".crt >/dev/null 2>&1");
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  }
+  std::unique_ptr<v1::Coordinator::Stub> TlsStub(bool with_client_cert,
+                                                 const std::string& client = "client") {
     grpc::SslCredentialsOptions ssl;
     ssl.pem_root_certs = File("server.crt");
     if (with_client_cert) {
-      ssl.pem_private_key = File("client.key");
-      ssl.pem_cert_chain = File("client.crt");
+      ssl.pem_private_key = File(client + ".key");
+      ssl.pem_cert_chain = File(client + ".crt");
     }
     grpc::ChannelArguments args;
     args.SetSslTargetNameOverride("localhost");
@@ -879,6 +890,56 @@ TEST_F(TlsTest, MutualTls_ClientCertRequired) {
   EXPECT_TRUE(TlsStub(true)->Ping(Context().get(), v1::PingRequest(), &pong).ok());
   EXPECT_FALSE(TlsStub(false)->Ping(Context(absl::Seconds(3)).get(), v1::PingRequest(), &pong)
                    .ok());
+}
+
+// The mTLS role mapping (--tls_operator_names): a verified client certificate whose common name
+// or subject alternative name is listed is an operator; any other verified one is a worker,
+// refused the operator RPCs with PERMISSION_DENIED naming both roles.
+TEST_F(TlsTest, MutualTls_OperatorNames_MapCertificatesToRoles) {
+  MakeClientCert("by_cn", "/CN=ops-admin", "DNS:ops-admin.example");
+  MakeClientCert("by_san", "/CN=someone", "DNS:ops-by-san");
+  MakeClientCert("trainer", "/CN=trainer-7", "DNS:trainer-7");
+  MakeClientCert("prefix", "/CN=ops-admin-not", "DNS:ops-by-san.evil");
+  {
+    std::ofstream bundle(dir_ + "/clients.pem");
+    for (const char* name : {"by_cn", "by_san", "trainer", "prefix"}) {
+      bundle << File(absl::StrCat(name, ".crt"));
+    }
+  }
+  ServerOptions options = TlsOptions(false);
+  options.tls_client_ca_file = dir_ + "/clients.pem";
+  options.operator_cert_names = {"ops-admin", "ops-by-san"};
+  Start(options);
+  struct Case {
+    const char* cert;
+    bool is_operator;
+  };
+  for (const Case& c : {Case{"by_cn", true}, Case{"by_san", true}, Case{"trainer", false},
+                        Case{"prefix", false}}) {
+    SCOPED_TRACE(c.cert);
+    std::unique_ptr<v1::Coordinator::Stub> stub = TlsStub(true, c.cert);
+    v1::CreateJobRequest create;
+    *create.mutable_spec() = Spec(absl::StrCat(
+        "job_id: \"role-", c.cert, "\" mode: PERIODIC world_size: 1 levels { period: 1 "
+        "group_size: 1 }"));
+    v1::Job job;
+    grpc::Status s = stub->CreateJob(Context().get(), create, &job);
+    if (c.is_operator) {
+      EXPECT_TRUE(s.ok()) << s.error_message();
+      continue;
+    }
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("needs the operator role"));
+    EXPECT_THAT(s.error_message(), HasSubstr("has the worker role"));
+    // A worker may do what workers do: join a job an operator made.
+    v1::JoinRequest join;
+    join.set_job_id("role-by_cn");
+    join.set_worker_id(c.cert);
+    v1::JoinResponse joined;
+    s = stub->Join(Context().get(), join, &joined);
+    EXPECT_NE(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_NE(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+  }
 }
 
 TEST_F(TlsTest, Start_MissingKeyFile_Error) {

@@ -422,7 +422,61 @@ def check_jobs_and_client(modelavg, coordinator, group):
         mt.fail(f"two ranks on two threads averaged to {results}")
 
 
+def check_outer_spec(modelavg, coordinator, group):
+    """DiLoCo levels: modelavg.Level / OuterSGD beside plain pairs, round-tripped by get_job and
+    Client.spec; a bad rule is an InvalidArgumentError naming the field."""
+    addr = coordinator.address
+    outer = modelavg.OuterSGD(0.7, momentum=0.9, nesterov=True)
+    levels = [(2, 2), modelavg.Level(8, 4, outer=outer)]
+    job = modelavg.create_job("outer-1", 4, "HIERARCHICAL", levels, coordinator=addr)
+    if job.spec.levels != levels:
+        mt.fail(f"create_job returned levels {job.spec.levels}, asked for {levels}")
+    if modelavg.get_job("outer-1", coordinator=addr).spec.levels != levels:
+        mt.fail("get_job did not return the outer level")
+    # A Level without outer is a plain level.
+    plain = modelavg.create_job("outer-2", 2, "PERIODIC", [modelavg.Level(4, 2)],
+                                coordinator=addr)
+    if plain.spec.levels != [(4, 2)]:
+        mt.fail(f"Level(4, 2) came back as {plain.spec.levels}")
+    bad = [(modelavg.OuterSGD(0.0), "levels[0].outer.lr"),
+           (modelavg.OuterSGD(float("nan")), "levels[0].outer.lr"),
+           (modelavg.OuterSGD(0.7, momentum=1.0), "levels[0].outer.momentum"),
+           (modelavg.OuterSGD(0.7, nesterov=True), "levels[0].outer.nesterov")]
+    for sgd, field in bad:
+        expect_raises(f"outer {sgd}", modelavg.InvalidArgumentError,
+                      lambda: modelavg.create_job("outer-bad", 2, "PERIODIC",
+                                                  [modelavg.Level(4, 2, outer=sgd)],
+                                                  coordinator=addr), field)
+    expect_raises("outer not an OuterSGD", ValueError,
+                  lambda: modelavg.create_job("outer-bad", 2, "PERIODIC",
+                                              [modelavg.Level(4, 2, outer=(0.7, 0.9))],
+                                              coordinator=addr), "OuterSGD")
+    # The client sees the rule too, and the averager's state starts empty.
+    proc = child(f"""
+        import modelavg
+        c = modelavg.connect({addr!r}, "outer-2", rank=1, join_timeout=30)
+        a = modelavg.PeriodicModelAverager(c)
+        assert a.state_dict() == {{"step": 0, "anchors": {{}}, "momenta": {{}}}}, a.state_dict()
+        c.leave()
+    """, group=group, name="outer-rank1")
+    client = modelavg.connect(addr, "outer-2", rank=0, join_timeout=30)
+    averager = modelavg.PeriodicModelAverager(client)
+    expect_raises("load_state_dict for a plain level", modelavg.InvalidArgumentError,
+                  lambda: averager.load_state_dict({"step": 3, "anchors": {0: []},
+                                                    "momenta": {}}), "no outer optimizer")
+    client.leave()
+    if proc.wait(timeout=60) != 0:
+        mt.fail(f"outer-rank1 failed: {proc.stderr.read()}")
+    with_outer = modelavg.create_job("outer-3", 1, "PERIODIC",
+                                     [modelavg.Level(2, 1, outer=outer)], coordinator=addr)
+    client = modelavg.connect(addr, "outer-3", rank=0, join_timeout=30)
+    if client.spec.levels != with_outer.spec.levels:
+        mt.fail(f"Client.spec levels {client.spec.levels}")
+    client.leave()
+
+
 CHECKS = {
+    "outer_spec": check_outer_spec,
     "no_such_job": check_no_such_job,
     "spec_mismatch": check_spec_mismatch,
     "dead_peer": check_dead_peer,

@@ -65,7 +65,9 @@
 #include "common/cuda_check.h"
 #endif
 
-ABSL_FLAG(std::string, coordinator, "", "coordinator address HOST:PORT (required)");
+ABSL_FLAG(std::string, coordinator, "",
+          "coordinator address HOST:PORT, or several comma-separated (coordinators on etcd: the "
+          "worker fails over to the leader) (required)");
 ABSL_FLAG(std::string, job, "", "id of an existing job to join (required)");
 ABSL_FLAG(int32_t, rank, -1,
           "this worker's rank, 0 <= rank < world_size; -1 (the default): the coordinator picks "
@@ -73,6 +75,14 @@ ABSL_FLAG(int32_t, rank, -1,
 ABSL_FLAG(int32_t, world_size, 0, "the job's world size (required; must match the job's spec)");
 ABSL_FLAG(int64_t, steps, 0, "number of AverageParameters calls (steps 0 .. steps-1)");
 ABSL_FLAG(int64_t, numel, 1, "number of float32 parameters");
+ABSL_FLAG(int64_t, testing_sleep_at_step, -1,
+          "tests: before the call of this step, sleep --testing_sleep_ms (a slow peer)");
+ABSL_FLAG(int64_t, testing_sleep_ms, 0, "see --testing_sleep_at_step");
+ABSL_FLAG(int32_t, tensors, 1,
+          "pass the parameters as this many tensors (numel split as evenly as possible, the "
+          "first ones one element larger), tensor t starting at the rank's number and getting "
+          "(t + 1) times the update: a level with Level.fragments > 1 syncs some of them at a "
+          "time; the line then has \"values\" (each tensor's first element) and \"fragment\"");
 ABSL_FLAG(std::string, backend, "gloo",
           "gloo: parameters in host memory, averaged with Gloo over TCP; "
           "nccl: parameters in CUDA device memory, averaged with NCCL");
@@ -357,12 +367,44 @@ absl::Status Run() {
                                             client->admission_step(),
                                             " but its averager starts at step ", first_step));
   }
+  const int32_t tensors = absl::GetFlag(FLAGS_tensors);
+  bool compressed = false;
+  for (const ScheduleLevel& l : client->schedule().spec().levels) {
+    compressed = compressed || l.payload != Payload::kFp32;
+  }
+  if (tensors < 1 || tensors > numel) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tensors must be in [1, --numel = ", numel, "], got ", tensors));
+  }
+  // Tensor t holds elements [first_of[t], first_of[t + 1]).
+  std::vector<int64_t> first_of(tensors + 1, 0);
+  for (int32_t t = 0; t < tensors; ++t) {
+    first_of[t + 1] = first_of[t] + numel / tensors + (t < numel % tensors ? 1 : 0);
+  }
+  const int64_t sleep_at = absl::GetFlag(FLAGS_testing_sleep_at_step);
   for (int64_t step = first_step; step < steps; ++step) {
     if (step_delay > absl::ZeroDuration()) absl::SleepFor(step_delay);
+    if (step == sleep_at) absl::SleepFor(absl::Milliseconds(absl::GetFlag(FLAGS_testing_sleep_ms)));
     const float delta = static_cast<float>((rank + 1) * (step + 1)) * 0.5f;
-    for (float& v : params->host()) v += delta;
+    if (tensors == 1) {
+      for (float& v : params->host()) v += delta;
+    } else {
+      for (int32_t t = 0; t < tensors; ++t) {
+        const float d = delta * static_cast<float>(t + 1);
+        for (int64_t i = first_of[t]; i < first_of[t + 1]; ++i) params->host()[i] += d;
+      }
+    }
     MODELAVG_ASSIGN_OR_RETURN(client::TensorView view, params->Upload());
-    absl::StatusOr<Decision> decision = averager->AverageParameters({view});
+    std::vector<client::TensorView> views;
+    for (int32_t t = 0; t < tensors; ++t) {
+      client::TensorView v = view;
+      v.data = static_cast<float*>(view.data) + first_of[t];
+      v.numel = first_of[t + 1] - first_of[t];
+      views.push_back(v);
+    }
+    const absl::Time call_start = absl::Now();
+    absl::StatusOr<Decision> decision = averager->AverageParameters(views);
+    const absl::Duration call_time = absl::Now() - call_start;
     if (!decision.ok()) {
       return Annotate(decision.status(), absl::StrCat("step ", step, ": AverageParameters"));
     }
@@ -371,14 +413,20 @@ absl::Status Run() {
     // float32 rounding (a ring all-reduce sums each chunk in its own order: with a member count
     // that is not a power of two, as an elastic job's, elements may differ in their last bits).
     // The value printed (the first) stands for the whole tensor.
+    // With --tensors, the same holds within each tensor (a fragment is whole tensors) — unless
+    // a level sends compressed pseudo-gradients (Level.payload): each element then carries its
+    // own rounding, within the bound of docs/streaming.md that the tests check.
     const std::vector<float>& host = params->host();
-    const double tolerance = kUnevenTolerance * std::max(1.0, std::fabs(double{host[0]}));
-    for (size_t i = 1; i < host.size(); ++i) {
-      if (std::fabs(double{host[i]} - double{host[0]}) > tolerance) {
-        return absl::InternalError(absl::StrFormat(
-            "step %d: element %d of the parameters is %.9g but element 0 is %.9g after the "
-            "call: an averaging call left the tensor uneven",
-            step, i, host[i], host[0]));
+    for (int32_t t = 0; t < tensors && !compressed; ++t) {
+      const float head = host[first_of[t]];
+      const double tolerance = kUnevenTolerance * std::max(1.0, std::fabs(double{head}));
+      for (int64_t i = first_of[t] + 1; i < first_of[t + 1]; ++i) {
+        if (std::fabs(double{host[i]} - double{head}) > tolerance) {
+          return absl::InternalError(absl::StrFormat(
+              "step %d: element %d of the parameters is %.9g but element %d is %.9g after the "
+              "call: an averaging call left the tensor uneven",
+              step, i, host[i], first_of[t], head));
+        }
       }
     }
     std::vector<int32_t> members;
@@ -396,9 +444,20 @@ absl::Status Run() {
     if (decision->average) {
       absl::StrAppend(&line, ", \"outer\": ", decision->outer ? "true" : "false");
     }
+    if (decision->average && decision->fragments > 1) {
+      absl::StrAppend(&line, ", \"fragment\": ", decision->fragment);
+    }
+    if (tensors > 1) {
+      std::vector<std::string> heads;
+      for (int32_t t = 0; t < tensors; ++t) {
+        heads.push_back(absl::StrFormat("%.9g", host[first_of[t]]));
+      }
+      absl::StrAppend(&line, ", \"values\": [", absl::StrJoin(heads, ", "), "]");
+    }
     if (replacement && step == first_step) absl::StrAppend(&line, ", \"admitted\": true");
     if (print_unix_ms) {
-      absl::StrAppend(&line, ", \"unix_ms\": ", absl::ToUnixMillis(absl::Now()));
+      absl::StrAppend(&line, ", \"unix_ms\": ", absl::ToUnixMillis(absl::Now()),
+                      ", \"call_ms\": ", absl::ToInt64Milliseconds(call_time));
     }
     std::cout << line << "}" << std::endl;
     if (step == die_after) _exit(9);

@@ -7,6 +7,10 @@ modelavg_add_gtest(client_outer_state_test SOURCES client_outer_state_test.cc LI
 modelavg_add_gtest(client_gloo_test SOURCES client_gloo_test.cc LIBS modelavg_client TIMEOUT 120)
 modelavg_add_gtest(client_gloo_abort_test SOURCES client_gloo_abort_test.cc LIBS modelavg_client
                    TIMEOUT 120)
+modelavg_add_gtest(client_gloo_compressed_test SOURCES client_gloo_compressed_test.cc
+                   LIBS modelavg_client TIMEOUT 120)
+modelavg_add_gtest(client_gloo_setup_test SOURCES client_gloo_setup_test.cc LIBS modelavg_client
+                   TIMEOUT 60)
 modelavg_add_gtest(client_gloo_round_test SOURCES client_gloo_round_test.cc LIBS modelavg_client
                    TIMEOUT 120)
 if(TARGET modelavg_server)

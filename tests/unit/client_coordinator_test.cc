@@ -308,6 +308,48 @@ TEST_F(ClientCoordinatorTest, GenerationChange_PeerLeaves_OnlyItsSubgroupsStop) 
   EXPECT_EQ(clients[0]->CheckUsable().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// A worker whose averaging failed (e.g. its Gloo set-up met a stray connection) does not leave
+// in order: the coordinator counts it as a death, so an elastic job that falls below
+// min_world_size stops (PENDING) instead of running on with too few ranks.
+TEST_F(ClientCoordinatorTest, Leave_AfterAFailure_CountsAsADeathBelowMinWorldSize) {
+  v1::JobSpec spec = testing::MakeSpec("fail", 4, v1::HIERARCHICAL, {{2, 2}, {4, 4}}, 0, 0);
+  spec.set_min_world_size(3);
+  ASSERT_TRUE(admin_->CreateJob(spec).ok());
+  auto clients = ConnectAll("fail", 4);
+  for (auto& c : clients) ASSERT_NE(c, nullptr);
+  for (int r : {2, 3}) {
+    clients[r]->RecordFailure(absl::UnavailableError("connecting the Gloo mesh failed"));
+    ASSERT_TRUE(clients[r]->Leave("exiting on an error").ok());
+  }
+  auto job = admin_->GetJob("fail");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->state(), v1::PENDING) << job->DebugString();
+  for (const v1::Member& m : job->members()) {
+    if (m.rank() >= 2) EXPECT_EQ(m.state(), v1::DEAD) << job->DebugString();
+  }
+  // The survivors learn that they cannot go on.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (clients[0]->AdvanceGeneration().ok() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_FALSE(clients[0]->AdvanceGeneration().ok());
+}
+
+TEST_F(ClientCoordinatorTest, Leave_WithoutAFailure_IsOrderly) {
+  v1::JobSpec spec = testing::MakeSpec("done", 4, v1::HIERARCHICAL, {{2, 2}, {4, 4}}, 0, 0);
+  spec.set_min_world_size(3);
+  ASSERT_TRUE(admin_->CreateJob(spec).ok());
+  auto clients = ConnectAll("done", 4);
+  for (auto& c : clients) ASSERT_NE(c, nullptr);
+  for (int r : {2, 3}) ASSERT_TRUE(clients[r]->Leave("finished").ok());
+  auto job = admin_->GetJob("done");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->state(), v1::RUNNING) << job->DebugString();
+  for (const v1::Member& m : job->members()) {
+    if (m.rank() >= 2) EXPECT_EQ(m.state(), v1::LEFT) << job->DebugString();
+  }
+}
+
 TEST_F(ClientCoordinatorTest, GenerationChange_CoordinatorGone_Unavailable) {
   CreateJob("gone", 1, v1::PERIODIC, {{1, 1}}, 0, /*heartbeat_ms=*/300);
   ClientOptions options = Options("gone", 0);

@@ -210,5 +210,39 @@ TEST_F(BoundsTest, Join_WrongExpectedWorldSize_InvalidArgumentNamingBoth) {
   EXPECT_EQ(job->GetStats().workers, 1);
 }
 
+// Distinct keys under the per-generation count let a worker make the coordinator hold (and
+// write) about 285 MB per job; the bytes are bounded per job, with a clear RESOURCE_EXHAUSTED.
+TEST_F(BoundsTest, PublishCommId_EverNewKeys_ResourceExhaustedAtTheByteBound) {
+  std::shared_ptr<Job> job = Create(Hierarchical("ids", 1, 1));
+  v1::JoinRequest join;
+  join.set_job_id("ids");
+  join.set_worker_id("w0");
+  auto credential = std::make_shared<std::string>();
+  job->Join(join, absl::InfiniteFuture(), registry_->NewWaitId(),
+            [credential](absl::StatusOr<v1::JoinResponse> r) {
+              if (r.ok()) *credential = r->credential();
+            });
+  ASSERT_FALSE(credential->empty());
+  v1::PublishCommIdRequest publish;
+  publish.set_job_id("ids");
+  publish.set_generation(1);
+  publish.set_credential(*credential);
+  publish.set_unique_id(std::string(kMaxCommIdBytes, 'x'));
+  absl::Status s;
+  size_t published = 0;
+  for (; published < kMaxCommIdsPerGeneration; ++published) {
+    publish.set_key(absl::StrCat("k", published));
+    s = job->PublishCommId(publish);
+    if (!s.ok()) break;
+  }
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("bytes per job"));
+  EXPECT_LE(published * kMaxCommIdBytes, kMaxCommIdBytesPerJob);
+  EXPECT_GT((published + 1) * (kMaxCommIdBytes + 8), kMaxCommIdBytesPerJob);
+  // A retried publish of an id already there still answers OK.
+  publish.set_key("k0");
+  EXPECT_TRUE(job->PublishCommId(publish).ok());
+}
+
 }  // namespace
 }  // namespace modelavg::server

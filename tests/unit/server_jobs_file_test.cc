@@ -45,6 +45,26 @@ TEST(JobsFileTest, ParseJobsFile_TextFormat_Parses) {
   EXPECT_EQ(jobs->size(), 2u);
 }
 
+// A level's outer optimizer (DiLoCo) in both formats; a bad one names the job and the field.
+TEST(JobsFileTest, ParseJobsFile_OuterLevel_ParsesAndValidates) {
+  auto jobs = ParseJobsFile(R"json({"jobs": [{"job_id": "d", "world_size": 2, "mode": "PERIODIC",
+      "levels": [{"period": 8, "group_size": 2,
+                  "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": true}}]}]})json",
+                            "jobs.json");
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  ASSERT_TRUE((*jobs)[0].levels(0).has_outer());
+  EXPECT_EQ((*jobs)[0].levels(0).outer().lr(), 0.7);
+  EXPECT_TRUE((*jobs)[0].levels(0).outer().nesterov());
+  auto bad = ParseJobsFile(R"pb(
+    jobs { job_id: "bad" world_size: 2 mode: PERIODIC
+           levels { period: 8 group_size: 2 outer { lr: 0.7 momentum: 1 } } }
+  )pb",
+                           "jobs.textproto");
+  ASSERT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("bad"));
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("levels[0].outer.momentum"));
+}
+
 TEST(JobsFileTest, ParseJobsFile_WrongJsonType_InvalidArgumentNamingFile) {
   auto jobs = ParseJobsFile(R"({"jobs": [{"job_id": "a", "world_size": "two"}]})", "jobs.json");
   ASSERT_EQ(jobs.status().code(), absl::StatusCode::kInvalidArgument);

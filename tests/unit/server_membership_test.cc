@@ -217,5 +217,39 @@ TEST(MembershipTest, Restore_ContinuesGenerationAndRound) {
   EXPECT_EQ(restored.generation(), 3);
 }
 
+// A rank of a round that was assembling when an older coordinator stored it had no answered
+// Join: restored, it is nobody's (it came back as a ghost member that held the rank).
+TEST(MembershipTest, Restore_AssemblingRoundRanks_AreFree) {
+  Membership m(2);
+  StoredJobHeader header;
+  header.state = v1::PENDING;
+  header.generation = 2;
+  StoredMember pending{0, "w0", "h", v1::ALIVE, 2, 2, "", -1};
+  StoredMember dead{1, "w1", "h", v1::DEAD, 1, 1, "", -1};
+  m.Restore(header, {pending, dead}, kT0);
+  EXPECT_EQ(m.round_size(), 0);
+  EXPECT_FALSE(m.member(0).present);
+  EXPECT_TRUE(m.member(1).present);
+  absl::StatusOr<Membership::JoinResult> j = m.Join("someone-else", "h", 0, kT0, "j");
+  ASSERT_TRUE(j.ok()) << j.status();
+}
+
+// Rollback leaves the membership exactly as before Begin.
+TEST(MembershipTest, Rollback_UndoesADeathAndItsGeneration) {
+  Membership m(2);
+  JoinAll(m);
+  m.ClearDelta();
+  m.Begin();
+  m.Die({1}, "rank 1 heartbeat timeout", kT0);
+  ASSERT_EQ(m.generation(), 2);
+  m.Rollback();
+  EXPECT_EQ(m.generation(), 1);
+  EXPECT_EQ(m.state(), v1::RUNNING);
+  EXPECT_EQ(m.round_size(), 2);
+  EXPECT_EQ(m.member(1).state, v1::ALIVE);
+  EXPECT_FALSE(m.last_change().has_value());
+  EXPECT_TRUE(m.PeekDelta().empty());
+}
+
 }  // namespace
 }  // namespace modelavg::server

@@ -242,6 +242,73 @@ TEST_F(SqliteStateStoreTest, SecondOpen_RefusedNamingTheHolder) {
   EXPECT_TRUE(SqliteStateStore::Open(dir_).ok());  // released with the first
 }
 
+// Issue: the lock was on DIR/coordinator.lock alone; once that file was deleted, a second
+// coordinator started on the same directory. The lock is on the directory itself.
+TEST_F(SqliteStateStoreTest, LockFileDeleted_SecondOpenStillRefused) {
+  auto first = Open();
+  ASSERT_NE(first, nullptr);
+  ASSERT_EQ(unlink((dir_ + "/coordinator.lock").c_str()), 0);
+  absl::StatusOr<std::unique_ptr<SqliteStateStore>> second = SqliteStateStore::Open(dir_);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition) << second.status();
+  EXPECT_THAT(std::string(second.status().message()), HasSubstr("in use by another coordinator"));
+  EXPECT_TRUE(first->CreateJob(Spec("a"), 1).ok());
+}
+
+// Issue: after rm -rf of the state directory the coordinator answered OK while writing into
+// deleted files.
+TEST_F(SqliteStateStoreTest, DirectoryRemoved_WritesRefusedSayingSo) {
+  auto store = Open();
+  ASSERT_NE(store, nullptr);
+  ASSERT_TRUE(store->CreateJob(Spec("a"), 1).ok());
+  std::filesystem::remove_all(dir_);
+  for (absl::Status s : {store->CreateJob(Spec("b"), 1), store->DeleteJob("a"),
+                         store->Apply("a", JobDelta{StoredJobHeader{}, {}, false, {}})}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("was removed while the coordinator ran"));
+    EXPECT_THAT(std::string(s.message()), HasSubstr(dir_));
+  }
+}
+
+TEST_F(SqliteStateStoreTest, DirectoryReplaced_SecondOpensTheNewOne_FirstRefusesWrites) {
+  auto first = Open();
+  ASSERT_NE(first, nullptr);
+  ASSERT_TRUE(first->CreateJob(Spec("a"), 1).ok());
+  std::filesystem::rename(dir_, root_ + "/moved");
+  auto second = Open();  // a fresh, empty directory at the same path
+  ASSERT_NE(second, nullptr);
+  absl::Status s = first->CreateJob(Spec("b"), 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("was replaced"));
+  EXPECT_TRUE(second->CreateJob(Spec("c"), 1).ok());
+}
+
+TEST_F(SqliteStateStoreTest, StateFileRemoved_WritesRefused) {
+  auto store = Open();
+  ASSERT_NE(store, nullptr);
+  ASSERT_TRUE(store->CreateJob(Spec("a"), 1).ok());
+  ASSERT_EQ(unlink(db().c_str()), 0);
+  absl::Status s = store->CreateJob(Spec("b"), 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr(db()));
+}
+
+TEST_F(SqliteStateStoreTest, RequireState_MissingOrEmptyDirectoryRefused_ExistingOpens) {
+  absl::StatusOr<std::unique_ptr<SqliteStateStore>> store =
+      SqliteStateStore::Open(dir_, /*require_state=*/true);
+  EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(store.status().message()), HasSubstr("does not exist"));
+  EXPECT_FALSE(std::filesystem::exists(dir_)) << "nothing is made";
+  std::filesystem::create_directories(dir_);
+  store = SqliteStateStore::Open(dir_, /*require_state=*/true);
+  EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(store.status().message()), HasSubstr("holds no state file"));
+  EXPECT_FALSE(std::filesystem::exists(db())) << "nothing is made";
+  Open()->CreateJob(Spec("a"), 1).IgnoreError();
+  store = SqliteStateStore::Open(dir_, /*require_state=*/true);
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_EQ((*store)->LoadAll()->size(), 1u);
+}
+
 // Damages the state file with `damage` and expects Open to refuse it by name.
 void ExpectRefused(const std::string& dir, const std::string& db) {
   absl::StatusOr<std::unique_ptr<SqliteStateStore>> store = SqliteStateStore::Open(dir);

@@ -158,13 +158,15 @@ TEST_F(StateStoreTest, DeleteJob_RemovesItFromTheStore) {
   EXPECT_TRUE(store_.LoadAll()->empty());
 }
 
-TEST_F(StateStoreTest, FailedWrites_FailTheRpcAndAreCarriedByTheNextWrite) {
+// A change takes effect if and only if it is durable: a refused write leaves memory as it was.
+TEST_F(StateStoreTest, FailedWrites_AnswerUnavailableAndChangeNothing) {
   std::shared_ptr<Job> job = CreateJob();
   ASSERT_EQ(JoinAll(*job), 4);
   store_.FailWrites(absl::InternalError("disk full"));
   absl::Status s = Publish(*job, 1, "blob");
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string(s.message()), HasSubstr("disk full"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("nothing was changed"));
   v1::LeaveRequest leave;
   leave.set_rank(2);
   leave.set_credential(credentials_[2]);
@@ -177,21 +179,271 @@ TEST_F(StateStoreTest, FailedWrites_FailTheRpcAndAreCarriedByTheNextWrite) {
   EXPECT_EQ(registry_->DeleteJob("j").code(), absl::StatusCode::kUnavailable);
   EXPECT_TRUE(registry_->Find("j").ok());
 
-  // The Leave happened in memory (generation 2); the store still says generation 1.
+  // Neither the Leave nor the id happened: memory and the store both say generation 1.
+  v1::Job proto;
+  job->ToProto(&proto);
+  EXPECT_EQ(proto.state(), v1::RUNNING);
+  EXPECT_EQ(proto.generation(), 1);
+  EXPECT_EQ(proto.members(2).state(), v1::ALIVE);
+  EXPECT_EQ(Stored().header.generation, 1);
+  v1::GetCommIdRequest get;
+  get.set_generation(1);
+  get.set_rank(1);
+  get.set_credential(credentials_[1]);
+  get.set_timeout_ms(1);
+  std::optional<absl::StatusOr<std::string>> got;
+  job->GetCommId(get, absl::InfiniteFuture(), registry_->NewWaitId(),
+                 [&](absl::StatusOr<std::string> r) { got = std::move(r); });
+  EXPECT_FALSE(got.has_value()) << "an id that was never stored was handed out";
+  job->CancelWait(registry_->NewWaitId());
+
+  // Once writes succeed the same calls work, each exactly once.
+  store_.FailWrites(absl::OkStatus());
+  ASSERT_TRUE(job->Leave(leave, &left).ok());
+  EXPECT_EQ(left.generation(), 2);
+  const StoredJob stored = Stored();
+  EXPECT_EQ(stored.header.generation, 2);
+  EXPECT_EQ(stored.members[2].state, v1::LEFT);
+}
+
+// The Join that completes a world (a world-1 job here) is answered only once the round is
+// written; refused, the job stays PENDING without it, and its retry completes it.
+TEST_F(StateStoreTest, FailedWriteOfTheCompletingJoin_NotAnsweredOkNotInMemory) {
+  v1::JobSpec one = Spec();
+  one.set_job_id("one");
+  one.set_world_size(1);
+  one.clear_levels();
+  one.set_mode(v1::PERIODIC);
+  one.add_levels()->set_period(1);
+  one.mutable_levels(0)->set_group_size(1);
+  ASSERT_TRUE(registry_->CreateJob(one, nullptr).ok());
+  std::shared_ptr<Job> job = *registry_->Find("one");
+  store_.FailWrites(absl::ResourceExhaustedError("database or disk is full"));
+  v1::JoinRequest join;
+  join.set_worker_id("w0");
+  std::optional<absl::StatusOr<v1::JoinResponse>> answer;
+  job->Join(join, absl::InfiniteFuture(), registry_->NewWaitId(),
+            [&](absl::StatusOr<v1::JoinResponse> r) { answer = std::move(r); });
+  ASSERT_TRUE(answer.has_value());
+  EXPECT_EQ(answer->status().code(), absl::StatusCode::kUnavailable) << answer->status();
+  v1::Job proto;
+  job->ToProto(&proto);
+  EXPECT_EQ(proto.state(), v1::PENDING);
+  EXPECT_EQ(proto.members_size(), 0);
+  EXPECT_EQ(proto.live_world_size(), 0);
+
+  store_.FailWrites(absl::OkStatus());
+  answer.reset();
+  job->Join(join, absl::InfiniteFuture(), registry_->NewWaitId(),
+            [&](absl::StatusOr<v1::JoinResponse> r) { answer = std::move(r); });
+  ASSERT_TRUE(answer.has_value());
+  ASSERT_TRUE(answer->ok()) << answer->status();
+  EXPECT_EQ((*answer)->generation(), 1);
+  absl::StatusOr<std::vector<StoredJob>> jobs = store_.LoadAll();
+  ASSERT_TRUE(jobs.ok());
+  ASSERT_EQ(jobs->size(), 1u);
+  const StoredJob& stored = (*jobs)[0];
+  ASSERT_EQ(stored.spec.job_id(), "one");
+  EXPECT_EQ(stored.header.state, v1::RUNNING);
+  ASSERT_EQ(stored.members.size(), 1u);
+  EXPECT_EQ(stored.members[0].state, v1::ALIVE);
+}
+
+// The last Join of a bigger world, refused: the others keep waiting, the retry completes it.
+TEST_F(StateStoreTest, FailedWriteOfTheLastJoin_OthersKeepWaiting_RetryCompletes) {
+  std::shared_ptr<Job> job = CreateJob();
+  int answered = 0, ok = 0;
+  auto join = [&](int r) {
+    v1::JoinRequest request;
+    request.set_worker_id(absl::StrCat("w", r));
+    request.set_rank(r);
+    job->Join(request, absl::InfiniteFuture(), registry_->NewWaitId(),
+              [&](absl::StatusOr<v1::JoinResponse> a) {
+                ++answered;
+                ok += a.ok() ? 1 : 0;
+              });
+  };
+  for (int r = 0; r < 3; ++r) join(r);
+  store_.FailWrites(absl::InternalError("disk full"));
+  join(3);
+  EXPECT_EQ(answered, 1);
+  EXPECT_EQ(ok, 0);
+  v1::Job proto;
+  job->ToProto(&proto);
+  EXPECT_EQ(proto.state(), v1::PENDING);
+  EXPECT_EQ(proto.live_world_size(), 3);
+  store_.FailWrites(absl::OkStatus());
+  join(3);
+  EXPECT_EQ(answered, 5);
+  EXPECT_EQ(ok, 4);
+  EXPECT_EQ(Stored().header.state, v1::RUNNING);
+  EXPECT_EQ(Stored().header.generation, 1);
+}
+
+// Issue: each retry of a refused Join counted as a re-join and moved the generation.
+TEST_F(StateStoreTest, RefusedReJoin_RetriedThreeTimes_MovesTheGenerationOnce) {
+  std::shared_ptr<Job> job = CreateJob();
+  ASSERT_EQ(JoinAll(*job), 4);
+  v1::JoinRequest rejoin;
+  rejoin.set_worker_id("w0-restarted");
+  rejoin.set_rank(0);
+  rejoin.set_credential(credentials_[0]);
+  store_.FailWrites(absl::InternalError("disk full"));
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    std::optional<absl::StatusOr<v1::JoinResponse>> answer;
+    job->Join(rejoin, absl::InfiniteFuture(), registry_->NewWaitId(),
+              [&](absl::StatusOr<v1::JoinResponse> r) { answer = std::move(r); });
+    ASSERT_TRUE(answer.has_value());
+    EXPECT_EQ(answer->status().code(), absl::StatusCode::kUnavailable);
+    v1::Job proto;
+    job->ToProto(&proto);
+    EXPECT_EQ(proto.generation(), 1);
+    EXPECT_EQ(proto.state(), v1::RUNNING);
+  }
+  store_.FailWrites(absl::OkStatus());
+  job->Join(rejoin, absl::InfiniteFuture(), registry_->NewWaitId(),
+            [](absl::StatusOr<v1::JoinResponse>) {});
+  v1::Job proto;
+  job->ToProto(&proto);
+  EXPECT_EQ(proto.generation(), 2);
+  EXPECT_EQ(Stored().header.generation, 2);
+}
+
+// An elastic replacement refused on a full disk is not admitted; its retries move nothing.
+TEST_F(StateStoreTest, ElasticAdmissionRefused_NotAdmitted_RetriesMoveNoGeneration) {
+  v1::JobSpec spec = Spec();
+  spec.set_job_id("e");
+  spec.set_min_world_size(2);
+  ASSERT_TRUE(registry_->CreateJob(spec, nullptr).ok());
+  std::shared_ptr<Job> job = *registry_->Find("e");
+  for (int r = 0; r < 4; ++r) {
+    v1::JoinRequest request;
+    request.set_worker_id(absl::StrCat("w", r));
+    request.set_rank(r);
+    job->Join(request, absl::InfiniteFuture(), registry_->NewWaitId(),
+              [this](absl::StatusOr<v1::JoinResponse> a) {
+                if (a.ok()) credentials_[a->rank()] = a->credential();
+              });
+  }
+  auto beat = [&](int r, int64_t generation) {
+    v1::HeartbeatRequest hb;
+    hb.set_rank(r);
+    hb.set_generation(generation);
+    hb.set_step(10);
+    hb.set_credential(credentials_[r]);
+    v1::HeartbeatResponse reply;
+    return job->Heartbeat(hb, &reply);
+  };
+  clock_.Advance(absl::Seconds(2));
+  for (int r = 0; r < 3; ++r) ASSERT_TRUE(beat(r, 1).ok());
+  clock_.Advance(absl::Seconds(2));
+  job->CheckStaleness();  // rank 3 dies: generation 2 of the survivors
+  v1::Job proto;
+  job->ToProto(&proto);
+  ASSERT_EQ(proto.generation(), 2);
+  ASSERT_EQ(proto.state(), v1::RUNNING);
+  for (int r = 0; r < 3; ++r) ASSERT_TRUE(beat(r, 2).ok());
+
+  store_.FailWrites(absl::InternalError("disk full"));
+  v1::JoinRequest replacement;
+  replacement.set_worker_id("new");
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    std::optional<absl::StatusOr<v1::JoinResponse>> answer;
+    job->Join(replacement, absl::InfiniteFuture(), registry_->NewWaitId(),
+              [&](absl::StatusOr<v1::JoinResponse> r) { answer = std::move(r); });
+    ASSERT_TRUE(answer.has_value());
+    EXPECT_EQ(answer->status().code(), absl::StatusCode::kUnavailable) << answer->status();
+  }
+  proto.Clear();
+  job->ToProto(&proto);
+  EXPECT_EQ(proto.generation(), 2);
+  EXPECT_EQ(proto.live_world_size(), 3);
+  EXPECT_EQ(proto.admissions(), 0);
+  ASSERT_EQ(proto.vacant_ranks_size(), 1);
+  EXPECT_EQ(proto.vacant_ranks(0), 3);
+
+  store_.FailWrites(absl::OkStatus());
+  std::optional<absl::StatusOr<v1::JoinResponse>> answer;
+  job->Join(replacement, absl::InfiniteFuture(), registry_->NewWaitId(),
+            [&](absl::StatusOr<v1::JoinResponse> r) { answer = std::move(r); });
+  ASSERT_TRUE(answer.has_value());
+  ASSERT_TRUE(answer->ok()) << answer->status();
+  EXPECT_EQ((*answer)->rank(), 3);
+  EXPECT_EQ((*answer)->generation(), 3);
+}
+
+// A death the coordinator cannot record stops the job, loudly, rather than diverge from what a
+// restarted coordinator would load; it goes on once the write succeeds.
+TEST_F(StateStoreTest, DeathThatCannotBeWritten_HaltsTheJobUntilItIs) {
+  std::shared_ptr<Job> job = CreateJob();
+  ASSERT_EQ(JoinAll(*job), 4);
+  store_.FailWrites(absl::InternalError("disk full"));
+  clock_.Advance(absl::Seconds(4));
+  job->CheckStaleness();
+  v1::Job proto;
+  job->ToProto(&proto);
+  EXPECT_EQ(proto.generation(), 1);  // as stored
+  EXPECT_EQ(proto.members(0).state(), v1::ALIVE);
+  ASSERT_GE(proto.warnings_size(), 1);
+  EXPECT_THAT(proto.warnings(proto.warnings_size() - 1), HasSubstr("halted"));
+  v1::StepRequest st;
+  st.set_rank(0);
+  st.set_generation(1);
+  st.set_step(3);
+  st.set_credential(credentials_[0]);
+  v1::StepDecision decision;
+  absl::Status s = job->Step(st, &decision);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("the death of rank 0 heartbeat timeout (and 3 more ranks) cannot be recorded"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("disk full"));
   EXPECT_EQ(Stored().header.generation, 1);
 
   store_.FailWrites(absl::OkStatus());
-  v1::JoinRequest join;
-  join.set_worker_id("w0");
-  join.set_rank(0);
-  job->Join(join, absl::InfiniteFuture(), registry_->NewWaitId(),
-            [](absl::StatusOr<v1::JoinResponse>) {});
-  const StoredJob stored = Stored();
-  EXPECT_EQ(stored.header.generation, 2);
-  ASSERT_EQ(stored.members.size(), 4u);
-  EXPECT_EQ(stored.members[2].state, v1::LEFT);
-  EXPECT_EQ(stored.members[0].generation, 2);
-  EXPECT_TRUE(stored.comm_ids.empty());
+  job->CheckStaleness();
+  EXPECT_EQ(Stored().header.generation, 2);
+  s = job->Step(st, &decision);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("stale"));
+}
+
+// Issue: Joins refused with "the coordinator is shutting down" were stored, reloaded as ALIVE
+// members, and a new worker asking for the rank got ALREADY_EXISTS.
+TEST_F(StateStoreTest, JoinsPendingAtShutdown_AreNeverStored) {
+  std::shared_ptr<Job> job = CreateJob();
+  int unavailable = 0;
+  for (int r = 0; r < 3; ++r) {
+    v1::JoinRequest request;
+    request.set_worker_id(absl::StrCat("w", r));
+    request.set_rank(r);
+    job->Join(request, absl::InfiniteFuture(), registry_->NewWaitId(),
+              [&](absl::StatusOr<v1::JoinResponse> a) {
+                unavailable += a.status().code() == absl::StatusCode::kUnavailable ? 1 : 0;
+              });
+  }
+  // Nothing is stored while the round assembles (a kill -9 now leaves no member behind either).
+  EXPECT_TRUE(Stored().members.empty());
+  registry_->Stop();
+  EXPECT_EQ(unavailable, 3);
+  EXPECT_TRUE(Stored().members.empty());
+
+  // After the restart the ranks are free for anyone.
+  job.reset();
+  registry_ = MakeRegistry();
+  ASSERT_TRUE(registry_->LoadFromStore(absl::Seconds(1)).ok());
+  std::shared_ptr<Job> restored = *registry_->Find("j");
+  v1::JoinRequest other;
+  other.set_worker_id("someone-else");
+  other.set_rank(0);
+  std::optional<absl::StatusOr<v1::JoinResponse>> answer;
+  restored->Join(other, absl::InfiniteFuture(), registry_->NewWaitId(),
+                 [&](absl::StatusOr<v1::JoinResponse> r) { answer = std::move(r); });
+  EXPECT_FALSE(answer.has_value()) << answer->status();  // waiting for the round, not refused
+  v1::Job proto;
+  restored->ToProto(&proto);
+  EXPECT_EQ(proto.live_world_size(), 1);
+  registry_->Stop();  // fails the Join while `answer` is alive
+  ASSERT_TRUE(answer.has_value());
+  EXPECT_EQ(answer->status().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST_F(StateStoreTest, Restore_ContinuesGenerationMembersAndIds) {

@@ -1,0 +1,291 @@
+// Streaming sync on outer levels (docs/streaming.md): the outer step of one fragment at a
+// time, each fragment with its own anchor and momentum, the pseudo-gradient sent in the level's
+// payload, and the result mixed with the local parameters.
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "spdlog/spdlog.h"
+#include "client/averager.h"
+#include "client/communicator_cache.h"
+#include "client/fragments.h"
+#include "client/pending_sync.h"
+#include "client/half.h"
+#include "client/outer_state.h"
+#include "common/status_util.h"
+
+namespace modelavg::client {
+namespace {
+
+double Read(const TensorView& t, int64_t i) {
+  switch (t.dtype) {
+    case DType::kFloat32:
+      return static_cast<const float*>(t.data)[i];
+    case DType::kFloat64:
+      return static_cast<const double*>(t.data)[i];
+    case DType::kFloat16:
+      return HalfToFloat(static_cast<const uint16_t*>(t.data)[i]);
+    case DType::kBFloat16:
+      return BFloat16ToFloat(static_cast<const uint16_t*>(t.data)[i]);
+  }
+  return 0;
+}
+
+void Write(const TensorView& t, int64_t i, double v) {
+  switch (t.dtype) {
+    case DType::kFloat32:
+      static_cast<float*>(t.data)[i] = static_cast<float>(v);
+      return;
+    case DType::kFloat64:
+      static_cast<double*>(t.data)[i] = v;
+      return;
+    case DType::kFloat16:
+      static_cast<uint16_t*>(t.data)[i] = FloatToHalf(static_cast<float>(v));
+      return;
+    case DType::kBFloat16:
+      static_cast<uint16_t*>(t.data)[i] = FloatToBFloat16(static_cast<float>(v));
+      return;
+  }
+}
+
+// The parameters passed to the call (x_local), kept while the round rewrites them.
+class LocalCopy {
+ public:
+  void Take(absl::Span<const TensorView> params) {
+    bytes_.resize(params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      const uint8_t* p = static_cast<const uint8_t*>(params[i].data);
+      bytes_[i].assign(p, p + params[i].nbytes());
+    }
+  }
+  // params := (1 - mix) * params + mix * x_local, element-wise in double.
+  void MixInto(absl::Span<const TensorView> params, double mix) const {
+    for (size_t i = 0; i < params.size(); ++i) {
+      TensorView local = params[i];
+      local.data = const_cast<uint8_t*>(bytes_[i].data());
+      for (int64_t j = 0; j < params[i].numel; ++j) {
+        Write(params[i], j, (1.0 - mix) * Read(params[i], j) + mix * Read(local, j));
+      }
+    }
+  }
+
+ private:
+  std::vector<std::vector<uint8_t>> bytes_;
+};
+
+// The first step at which `level` syncs `fragment`, or -1 within the search bound.
+int64_t FirstSyncOf(const Schedule& schedule, int level, int32_t fragment) {
+  const ScheduleLevel& l = schedule.spec().levels[level];
+  const int64_t p = l.StepPeriod();
+  const int64_t warmup = schedule.spec().warmup_steps;
+  int64_t s = schedule.spec().mode == AveragingMode::kPeriodic ? warmup
+                                                                : (warmup + p - 1) / p * p;
+  for (int64_t n = 0; n < kFirstStepSearch; ++n, s += p) {
+    if (schedule.LevelAt(s) == level && schedule.FragmentAt(level, s) == fragment) return s;
+  }
+  return -1;
+}
+
+}  // namespace
+
+absl::StatusOr<Decision> ModelAverager::StreamingOuterRound(const Decision& decision,
+                                                            const Device& device,
+                                                            absl::Span<const TensorView> fragment) {
+  const int level = decision.level;
+  const ScheduleLevel& spec = client_->schedule().spec().levels[level];
+  const std::string where =
+      absl::StrCat("outer step at step ", decision.step, " (level ", level, ", fragment ",
+                   decision.fragment, " of ", decision.fragments, ", subgroup ",
+                   decision.subgroup.index, ")");
+  if (!device.is_host()) {
+    return absl::UnimplementedError(absl::StrCat(
+        where, ": streaming outer levels run on host tensors (Gloo) in this version; the "
+               "parameters are on ", device.ToString()));
+  }
+  if (spec.sync_delay != 0 && client_->elastic()) {
+    return absl::UnimplementedError(absl::StrCat(
+        where, ": levels[", level, "].sync_delay ", spec.sync_delay,
+        " (an all-reduce overlapped with training) runs in strict jobs only in this version; "
+        "use sync_delay 0 in an elastic job"));
+  }
+  if (!decision.joining.empty()) {
+    return absl::UnimplementedError(absl::StrCat(
+        where, ": admitting a replacement to a streaming outer level (fragments, mix or a "
+               "compressed payload) is not implemented in this version"));
+  }
+  if (fragment_outer_.size() <= static_cast<size_t>(level)) fragment_outer_.resize(level + 1);
+  std::vector<std::unique_ptr<OuterLevelState>>& states = fragment_outer_[level];
+  if (states.empty()) {
+    for (int f = 0; f < std::max(1, spec.fragments); ++f) {
+      states.push_back(std::make_unique<OuterLevelState>(level, *spec.outer));
+    }
+  }
+  OuterLevelState* state = states[decision.fragment].get();
+  LocalCopy local;
+  if (spec.mix != 0) local.Take(fragment);
+  if (!state->has_anchor()) {
+    const int64_t first = FirstSyncOf(client_->schedule(), level, decision.fragment);
+    if (first >= 0 && decision.step != first) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, ": this rank has no outer state for this fragment (its first sync was step ",
+          first, "); a streaming level's outer state is not in state_dict() in this version: "
+                 "restart the job from its first step"));
+    }
+    if (spec.sync_delay != 0) return StartPending(decision, device, fragment, state, true);
+    // The fragment's first sync: a plain average (FP32), its result the anchor.
+    MODELAVG_ASSIGN_OR_RETURN(Decision done, Round(decision, device, fragment));
+    MODELAVG_RETURN_IF_ERROR(Annotate(state->SetAnchor(fragment), where));
+    if (spec.mix != 0) local.MixInto(fragment, spec.mix);
+    return done;
+  }
+  MODELAVG_RETURN_IF_ERROR(Annotate(state->CheckLayout(0, fragment), where));
+  if (spec.sync_delay != 0) return StartPending(decision, device, fragment, state, false);
+  if (pseudo_gradient_ == nullptr) pseudo_gradient_ = std::make_unique<OuterBuffer>();
+  pseudo_gradient_->Shape(fragment);
+  std::vector<TensorView> d = pseudo_gradient_->Views();
+  MODELAVG_RETURN_IF_ERROR(Annotate(state->PseudoGradient(0, fragment, d), where));
+  // The pseudo-gradient travels in the level's payload; the state and the parameters change
+  // only once the round has succeeded.
+  round_payload_ = spec.payload;
+  absl::StatusOr<Decision> done = Round(decision, device, d);
+  round_payload_ = Payload::kFp32;
+  if (!done.ok()) return done.status();
+  MODELAVG_RETURN_IF_ERROR(Annotate(state->Step(0, d, fragment), where));
+  if (spec.mix != 0) local.MixInto(fragment, spec.mix);
+  return done;
+}
+
+absl::StatusOr<Decision> ModelAverager::StartPending(const Decision& decision,
+                                                     const Device& device,
+                                                     absl::Span<const TensorView> fragment,
+                                                     OuterLevelState* state, bool first) {
+  const ScheduleLevel& spec = client_->schedule().spec().levels[decision.level];
+  const std::string where =
+      absl::StrCat("starting the sync of fragment ", decision.fragment, " at step ",
+                   decision.step, " (level ", decision.level, ")");
+  MODELAVG_RETURN_IF_ERROR(Annotate(client_->CheckCanAverage(decision.subgroup), where));
+  absl::StatusOr<Communicator*> comm = client_->communicators()->Get(Setup(decision), device);
+  if (!comm.ok()) return Annotate(comm.status(), where);
+  auto p = std::make_unique<PendingSync>();
+  p->decision = decision;
+  p->apply_step = decision.step + spec.sync_delay;
+  p->first = first;
+  p->state = state;
+  p->comm = *comm;
+  p->buffer = std::make_unique<OuterBuffer>();
+  p->buffer->Shape(fragment);
+  std::vector<TensorView> views = p->buffer->Views();
+  if (first) {
+    for (size_t i = 0; i < fragment.size(); ++i) {
+      for (int64_t j = 0; j < fragment[i].numel; ++j) Write(views[i], j, Read(fragment[i], j));
+    }
+  } else {
+    MODELAVG_RETURN_IF_ERROR(Annotate(state->PseudoGradient(0, fragment, views), where));
+  }
+  RoundOptions options;
+  options.payload = first ? Payload::kFp32 : spec.payload;
+  options.layout_signature = round_signature_;
+  p->bytes_before = p->comm->bytes_sent();
+  PendingSync* raw = p.get();
+  // The thread owns nothing but the buffer's round: it never touches the parameters.
+  p->thread = std::thread([raw, views, options] {
+    raw->result = raw->comm->AllReduceAverage(views, options, nullptr);
+    raw->done.Notify();
+  });
+  pending_.push_back(std::move(p));
+  return decision;
+}
+
+absl::Status ModelAverager::ApplyPending(int64_t step, absl::Span<const TensorView> params) {
+  // Due ones, oldest first; each is taken out before it is applied (a failure drops it).
+  absl::Status first_error;
+  for (size_t i = 0; i < pending_.size();) {
+    if (pending_[i]->apply_step > step) {
+      ++i;
+      continue;
+    }
+    std::unique_ptr<PendingSync> p = std::move(pending_[i]);
+    pending_.erase(pending_.begin() + i);
+    absl::Status s = ApplyOne(std::move(p), step, params);
+    if (first_error.ok()) first_error = s;
+  }
+  return first_error;
+}
+
+absl::Status ModelAverager::ApplyOne(std::unique_ptr<PendingSync> p, int64_t step,
+                                     absl::Span<const TensorView> params) {
+  const Decision& d = p->decision;
+  const ScheduleLevel& spec = client_->schedule().spec().levels[d.level];
+  const std::string where =
+      absl::StrCat("applying at step ", step, " the sync of fragment ", d.fragment,
+                   " started at step ", d.step, " (level ", d.level, ", subgroup ",
+                   d.subgroup.index, ")");
+  const absl::Time start = absl::Now();
+  // The round is bounded by the collective timeout; past it (and a margin) it is aborted.
+  const absl::Duration bound = client_->options().collective_timeout + absl::Seconds(5);
+  if (!p->done.WaitForNotificationWithTimeout(bound)) {
+    p->comm->Abort(absl::DeadlineExceededError(
+        absl::StrCat(where, ": the background all-reduce did not end within ",
+                     absl::FormatDuration(bound))));
+    p->done.WaitForNotification();  // an aborted round returns promptly
+  }
+  if (p->thread.joinable()) p->thread.join();
+  if (traffic_.size() <= static_cast<size_t>(d.level)) traffic_.resize(d.level + 1);
+  traffic_[d.level].waited += absl::Now() - start;
+  CountBytes(d.level, p->comm->bytes_sent() - p->bytes_before);
+  if (!p->result.ok()) {
+    // Name the cause (a peer's death, a new generation) rather than the broken socket.
+    absl::Status why = client_->CheckCanAverage(d.subgroup);
+    if (!why.ok()) {
+      return absl::Status(why.code(), absl::StrCat(where, " failed: ", why.message(),
+                                                   " (round: ", p->result.message(), ")"));
+    }
+    return Annotate(p->result, where);
+  }
+  if (step != p->apply_step) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, ": it was due at step ", p->apply_step,
+        " (the step was moved with set_step); its result is dropped"));
+  }
+  const FragmentSplit split = SplitIntoFragments(params, std::max(1, d.fragments));
+  absl::Span<const TensorView> fragment =
+      d.fragments > 1 ? split.Fragment(params, d.fragment) : params;
+  std::vector<TensorView> mean = p->buffer->Views();
+  if (mean.size() != fragment.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": the fragment had ", mean.size(), " tensors when it started and has ",
+        fragment.size(), " now; pass the same parameter list to every call"));
+  }
+  for (size_t i = 0; i < fragment.size(); ++i) {
+    if (mean[i].numel != fragment[i].numel) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": tensor ", i, " of the fragment had ", mean[i].numel,
+          " elements when it started and has ", fragment[i].numel, " now"));
+    }
+  }
+  LocalCopy local;
+  if (spec.mix != 0) local.Take(fragment);
+  if (p->first) {
+    MODELAVG_RETURN_IF_ERROR(Annotate(p->state->SetAnchor(mean), where));
+    for (size_t i = 0; i < fragment.size(); ++i) {
+      for (int64_t j = 0; j < fragment[i].numel; ++j) Write(fragment[i], j, Read(mean[i], j));
+    }
+  } else {
+    MODELAVG_RETURN_IF_ERROR(Annotate(p->state->Step(0, mean, fragment), where));
+  }
+  if (spec.mix != 0) local.MixInto(fragment, spec.mix);
+  return absl::OkStatus();
+}
+
+void ModelAverager::AbandonPending() {
+  for (auto& p : pending_) {
+    if (!p->done.HasBeenNotified()) {
+      p->comm->Abort(absl::CancelledError(
+          "the averager was destroyed while a fragment's all-reduce was in flight"));
+    }
+  }
+  pending_.clear();  // joins the threads
+}
+
+}  // namespace modelavg::client

@@ -1,0 +1,44 @@
+// A fragment's all-reduce running in the background (streaming sync with Level.sync_delay,
+// docs/streaming.md): started by the averaging call at the sync step s, applied by the call at
+// s + sync_delay. The background thread touches only `buffer` (a copy of the parameters or the
+// pseudo-gradient) and the communicator; the parameters are written only by the averaging call
+// that applies it.
+#ifndef MODELAVG_CLIENT_PENDING_SYNC_H_
+#define MODELAVG_CLIENT_PENDING_SYNC_H_
+
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/notification.h"
+#include "client/communicator.h"
+#include "client/outer_state.h"
+#include "common/schedule.h"
+
+namespace modelavg::client {
+
+struct PendingSync {
+  Decision decision;
+  int64_t apply_step = 0;
+  // The fragment's first sync: `buffer` holds the parameters (a plain average, the anchor's
+  // first value); otherwise the pseudo-gradient.
+  bool first = false;
+  OuterLevelState* state = nullptr;
+  Communicator* comm = nullptr;
+  std::unique_ptr<OuterBuffer> buffer;
+  int64_t bytes_before = 0;
+  // Written by the thread before `done` is notified.
+  absl::Status result;
+  absl::Notification done;
+  std::thread thread;
+
+  ~PendingSync() {
+    if (thread.joinable()) thread.join();
+  }
+};
+
+}  // namespace modelavg::client
+
+#endif  // MODELAVG_CLIENT_PENDING_SYNC_H_

@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""The `modelavg` command line against a real coordinator (token auth; and TLS).
+
+  * create -f spec.json, jobs, job ID, schedule ID --from --count [--rank], watch ID, delete ID,
+    as tables and with --json (checked against GetJob and against a naive re-statement of the
+    hierarchical schedule rule);
+  * the token: without it UNAUTHENTICATED with a hint, exit 1; with --token_file it works;
+  * TLS: --tls_ca_file against a coordinator with a throwaway certificate;
+  * usage errors exit 2, a call's error exits 1 with one line naming the code.
+Prints the CLI's output (docs/operations-ui.md shows it).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+import modelavg_testing as mt  # noqa: E402
+
+CHECKS = 0
+
+
+def check(cond, message):
+    global CHECKS
+    CHECKS += 1
+    if not cond:
+        mt.fail(message)
+
+
+def naive_decisions(world, levels, warmup, step):
+    """(level, [subgroups' rank lists]) of a hierarchical job at `step`, or None (PyTorch's rule:
+    from the last level to the first, the first whose period divides the step)."""
+    if step < warmup:
+        return None
+    for level in range(len(levels) - 1, -1, -1):
+        period, group = levels[level]
+        if step % period == 0:
+            return level, [list(range(g, g + group)) for g in range(0, world, group)]
+    return None
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--coordinator", required=True)
+    parser.add_argument("--cli", required=True)
+    args = parser.parse_args()
+    import grpc
+    pb, pb_grpc = mt.coordinator_stubs()
+
+    with mt.ProcessGroup() as group:
+        work = group.temp_dir("modelavg-cli-")
+        token_file = os.path.join(work, "token")
+        with open(token_file, "w") as f:
+            f.write("cli-operator-token\n")
+        coord = mt.Coordinator(group, args.coordinator, workdir=work,
+                               extra_flags=[f"--auth_token_file={token_file}"])
+
+        def run(*argv, token=True, expect=0, stdin=None):
+            cmd = [args.cli, f"--coordinator={coord.address}"]
+            if token:
+                cmd.append(f"--token_file={token_file}")
+            cmd += list(argv)
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, input=stdin)
+            check(out.returncode == expect,
+                  f"{' '.join(cmd[1:])}: exit {out.returncode}, expected {expect}\n"
+                  f"stdout: {out.stdout}\nstderr: {out.stderr}")
+            return out
+
+        def show(title, out):
+            print(f"$ modelavg {title}\n{out.stdout}", end="" if out.stdout.endswith("\n") else "\n")
+
+        spec_path = os.path.join(work, "spec.json")
+        levels = [(2, 2), (6, 4)]
+        with open(spec_path, "w") as f:
+            json.dump({"job_id": "cli-demo", "world_size": 4, "warmup_steps": 2,
+                       "mode": "HIERARCHICAL", "heartbeat_timeout_ms": 60000,
+                       "levels": [{"period": p, "group_size": g} for p, g in levels]}, f)
+        out = run("create", "-f", spec_path)
+        show("create -f spec.json", out)
+        check("created job cli-demo" in out.stdout, f"create said: {out.stdout}")
+        run("create", "-f", spec_path, expect=1)  # ALREADY_EXISTS
+        bad = os.path.join(work, "bad.json")
+        with open(bad, "w") as f:
+            f.write('{"job_id": "x", "world_size": "four"}')
+        out = run("create", "-f", bad, expect=1)
+        check("is not a JobSpec in JSON" in out.stderr, f"bad spec: {out.stderr}")
+
+        # Two workers join (over gRPC, as a trainer's client would), reporting steps.
+        channel = grpc.insecure_channel(coord.address)
+        stub = pb_grpc.CoordinatorStub(channel)
+        md = [("authorization", "Bearer cli-operator-token")]
+
+        watch_out = {}
+
+        def watch():
+            watch_out["r"] = subprocess.run(
+                [args.cli, f"--coordinator={coord.address}", f"--token_file={token_file}",
+                 "watch", "cli-demo", "--watch_ms=4000"],
+                capture_output=True, text=True, timeout=60)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        time.sleep(1.0)
+        joins = []
+        for r in range(4):
+            t = threading.Thread(target=lambda r=r: joins.append(stub.Join(
+                pb.JoinRequest(job_id="cli-demo", worker_id=f"trainer-{r}", host=f"node{r // 2}",
+                               rank=r), metadata=md, timeout=30)))
+            t.start()
+            joins.append(t)
+        for t in [j for j in joins if isinstance(j, threading.Thread)]:
+            t.join()
+        replies = {j.rank: j for j in joins if not isinstance(j, threading.Thread)}
+        check(len(replies) == 4, f"joins: {replies}")
+        for r, reply in replies.items():
+            stub.Heartbeat(pb.HeartbeatRequest(job_id="cli-demo", rank=r,
+                                               generation=reply.generation, step=10 + 3 * r,
+                                               credential=reply.credential),
+                           metadata=md, timeout=10)
+        watcher.join()
+        w = watch_out["r"]
+        check(w.returncode == 0, f"watch exit {w.returncode}: {w.stderr}")
+        print(f"$ modelavg watch cli-demo\n{w.stdout}", end="")
+        check("SNAPSHOT" in w.stdout and w.stdout.count("MEMBER_JOINED") == 4
+              and "WORLD_COMPLETE" in w.stdout, f"watch printed: {w.stdout}")
+
+        out = run("jobs")
+        show("jobs", out)
+        header, row = out.stdout.splitlines()[0:2]
+        check(header.split()[:3] == ["JOB", "STATE", "MODE"], f"jobs header: {header}")
+        check(row.split()[:3] == ["cli-demo", "RUNNING", "hierarchical"], f"jobs row: {row}")
+        listed = json.loads(run("jobs", "--json").stdout)
+        check([j["spec"]["job_id"] for j in listed["jobs"]] == ["cli-demo"], f"{listed}")
+
+        out = run("job", "cli-demo")
+        show("job cli-demo", out)
+        for r in range(4):
+            check(f"trainer-{r}" in out.stdout, f"job shows no trainer-{r}: {out.stdout}")
+        # Lag column: rank 0 is at step 10, the leader (rank 3) at 19.
+        member_lines = [ln.split() for ln in out.stdout.splitlines() if ln.startswith(("0 ", "1 ", "2 ", "3 "))]
+        lags = {int(c[0]): int(c[5]) for c in member_lines}
+        check(lags == {0: 9, 1: 6, 2: 3, 3: 0}, f"lags {lags} from {out.stdout}")
+        got = json.loads(run("job", "cli-demo", "--json").stdout)
+        truth = stub.GetJob(pb.GetJobRequest(job_id="cli-demo"), metadata=md, timeout=10)
+        check(int(got["generation"]) == truth.generation and
+              [m["worker_id"] for m in got["members"]] == [m.worker_id for m in truth.members],
+              f"job --json {got} vs GetJob {truth}")
+
+        out = run("schedule", "cli-demo", "--from=0", "--count=13")
+        show("schedule cli-demo --from=0 --count=13", out)
+        sched = json.loads(run("schedule", "cli-demo", "--from=0", "--count=13", "--json").stdout)
+        by_step = {}
+        for d in sched.get("decisions", []):
+            by_step.setdefault(int(d["step"]), []).append(d)
+        for step in range(13):
+            want = naive_decisions(4, levels, 2, step)
+            have = [d for d in by_step.get(step, []) if d["action"] == "AVERAGE"]
+            if want is None:
+                check(not have, f"step {step}: expected no averaging, got {have}")
+            else:
+                level, groups = want
+                check(sorted([int(x) for x in d["ranks"]] for d in have) == groups and
+                      all(int(d["level"]) == level for d in have),
+                      f"step {step}: expected level {level} {groups}, got {have}")
+        ranked = json.loads(run("schedule", "cli-demo", "--from=4", "--count=3", "--rank=3",
+                                "--json").stdout)
+        check([int(d["step"]) for d in ranked["decisions"]] == [4, 5, 6] and
+              [int(x) for x in ranked["decisions"][0]["ranks"]] == [2, 3],
+              f"schedule --rank=3: {ranked}")
+
+        # Errors and usage.
+        out = run("jobs", token=False, expect=1)
+        check("UNAUTHENTICATED" in out.stderr and "--token_file" in out.stderr, out.stderr)
+        out = run("job", "nope", expect=1)
+        check(out.stderr.startswith("modelavg: GetJob: NOT_FOUND"), out.stderr)
+        check(len(out.stderr.strip().splitlines()) == 1, f"more than one line: {out.stderr}")
+        run("job", expect=2)
+        run("frobnicate", expect=2)
+
+        out = run("delete", "cli-demo")
+        show("delete cli-demo", out)
+        check("deleted job cli-demo" in out.stdout, out.stdout)
+        check("no jobs" in run("jobs").stdout, "the job is still listed")
+        channel.close()
+        coord.stop()
+
+        # TLS: a throwaway certificate for 127.0.0.1.
+        key, cert = os.path.join(work, "key.pem"), os.path.join(work, "cert.pem")
+        gen = subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
+             "-out", cert, "-days", "1", "-subj", "/CN=127.0.0.1",
+             "-addext", "subjectAltName=IP:127.0.0.1"], capture_output=True, text=True,
+            timeout=60)
+        if gen.returncode != 0:
+            mt.fail(f"openssl could not make a certificate: {gen.stderr}")
+        tls_dir = group.temp_dir("modelavg-cli-tls-")
+        tls = mt.Coordinator(group, args.coordinator, workdir=tls_dir,
+                             extra_flags=[f"--tls_cert={cert}", f"--tls_key={key}"])
+        ok = subprocess.run([args.cli, f"--coordinator={tls.address}", f"--tls_ca_file={cert}",
+                             "jobs"], capture_output=True, text=True, timeout=60)
+        check(ok.returncode == 0 and "no jobs" in ok.stdout, f"TLS: {ok.stdout} {ok.stderr}")
+        plain = subprocess.run([args.cli, f"--coordinator={tls.address}", "--timeout_ms=3000",
+                                "jobs"], capture_output=True, text=True, timeout=60)
+        check(plain.returncode == 1 and "UNAVAILABLE" in plain.stderr,
+              f"plaintext to a TLS coordinator: {plain.returncode} {plain.stderr}")
+        tls.stop()
+    print(f"modelavg CLI: {CHECKS} passed, 0 failed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+// Streaming sync (Level.fragments, mix, payload; docs/streaming.md) with real processes:
+// modelavg-trace-worker ranks over Gloo on loopback, their parameters passed as 8 tensors,
+// against a coordinator started here. Every rank's every tensor at every step is compared with
+// an independent re-statement of the rule (streaming_reference.h, double precision): FP32
+// exactly (to float32 rounding), BF16 and INT8 within the documented bound of the averaged
+// pseudo-gradient, summed over the level's outer steps.
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/client_job_harness.h"
+#include "tests/integration/streaming_reference.h"
+#include "tests/integration/trace_check.h"
+
+namespace modelavg::testing {
+namespace {
+
+constexpr absl::Duration kRunDeadline = absl::Seconds(90);
+constexpr int kTensors = 8;
+
+void SetOuter(v1::JobSpec* spec, int level, double lr, double momentum, bool nesterov) {
+  v1::OuterOptimizer* o = spec->mutable_levels(level)->mutable_outer();
+  o->set_lr(lr);
+  o->set_momentum(momentum);
+  o->set_nesterov(nesterov);
+}
+
+// The "values" and "fragment" of a trace line.
+std::vector<double> Values(const std::string& text) {
+  std::vector<double> out;
+  const size_t at = text.find("\"values\": [");
+  if (at == std::string::npos) return out;
+  const size_t from = at + 11;
+  const size_t end = text.find(']', from);
+  for (absl::string_view v : absl::StrSplit(text.substr(from, end - from), ", ")) {
+    double d = 0;
+    if (absl::SimpleAtod(v, &d)) out.push_back(d);
+  }
+  return out;
+}
+
+int FragmentOf(const std::string& text) {
+  const size_t at = text.find("\"fragment\": ");
+  if (at == std::string::npos) return 0;
+  int f = 0;
+  return absl::SimpleAtoi(text.substr(at + 12, text.find_first_of(",}", at + 12) - at - 12), &f)
+             ? f
+             : -1;
+}
+
+class ClientStreamingTest : public ::testing::Test {
+ protected:
+  ClientStreamingTest() : cluster_("streaming") {}
+  ~ClientStreamingTest() override { workers_.clear(); }
+
+  // `extra[r]`: more flags for rank r.
+  std::vector<Trace> Run(const v1::JobSpec& spec, int64_t steps, int64_t numel = 64,
+                         const std::vector<std::vector<std::string>>& extra = {}) {
+    EXPECT_TRUE(cluster_.ok()) << cluster_.dir();
+    absl::StatusOr<v1::Job> made = cluster_.admin()->CreateJob(spec);
+    EXPECT_TRUE(made.ok()) << made.status();
+    if (!made.ok()) return {};
+    const int world = spec.world_size();
+    std::vector<std::unique_ptr<Process>> procs;
+    for (int r = 0; r < world; ++r) {
+      std::vector<std::string> argv = {MODELAVG_TRACE_WORKER_BIN,
+                                       "--coordinator=" + cluster_.coordinator().address(),
+                                       "--job=" + spec.job_id(),
+                                       absl::StrCat("--rank=", r),
+                                       absl::StrCat("--world_size=", world),
+                                       absl::StrCat("--steps=", steps),
+                                       absl::StrCat("--numel=", numel),
+                                       absl::StrCat("--tensors=", kTensors),
+                                       "--backend=gloo",
+                                       "--join_timeout_ms=30000",
+                                       "--collective_timeout_ms=30000"};
+      if (static_cast<size_t>(r) < extra.size()) {
+        argv.insert(argv.end(), extra[r].begin(), extra[r].end());
+      }
+      procs.push_back(std::make_unique<Process>(
+          argv, absl::StrCat(cluster_.dir(), "/", spec.job_id(), "-rank", r)));
+    }
+    std::vector<Trace> traces;
+    for (int r = 0; r < world; ++r) {
+      std::optional<int> code = procs[r]->Wait(kRunDeadline);
+      EXPECT_TRUE(code.has_value()) << "rank " << r << " still running";
+      EXPECT_EQ(code.value_or(-1), 0) << "rank " << r << ": " << procs[r]->err();
+      absl::StatusOr<Trace> t = ParseTrace(absl::StrCat("rank ", r), procs[r]->out());
+      EXPECT_TRUE(t.ok()) << t.status();
+      traces.push_back(t.ok() ? *std::move(t) : Trace{});
+    }
+    for (auto& p : procs) workers_.push_back(std::move(p));
+    return traces;
+  }
+
+  // Every rank, every step, every tensor. `int8`/`bf16`: the compressed payload's bound, per
+  // outer step of a tensor, added up over the run (the anchor carries the error on).
+  void ExpectFollowsReference(const v1::JobSpec& spec, const std::vector<Trace>& traces,
+                              int64_t steps, v1::Payload payload = v1::FP32) {
+    const auto want = StreamingReference(spec, steps, kTensors);
+    ASSERT_EQ(traces.size(), static_cast<size_t>(spec.world_size()));
+    int fragment_lines = 0;
+    int inexact = 0;
+    for (int r = 0; r < spec.world_size(); ++r) {
+      ASSERT_EQ(traces[r].lines.size(), static_cast<size_t>(steps)) << "rank " << r;
+      std::vector<double> allowed(kTensors, 0.0);
+      for (int64_t s = 0; s < steps; ++s) {
+        const TraceLine& l = traces[r].lines[s];
+        const StreamingStep& w = want[s][r];
+        const std::string where = absl::StrCat("rank ", r, " step ", s, ": ", l.text);
+        ASSERT_EQ(l.step, s) << where;
+        EXPECT_EQ(l.action, w.average ? "AVERAGE" : "SKIP") << where;
+        EXPECT_EQ(l.level, w.level) << where;
+        if (w.average) {
+          EXPECT_EQ(FragmentOf(l.text), w.fragment) << where;
+          fragment_lines += w.fragment > 0;
+        }
+        const std::vector<double> got = Values(l.text);
+        ASSERT_EQ(got.size(), static_cast<size_t>(kTensors)) << where;
+        // An INT8 block may hold several tensors of the fragment: its largest |A - x| is at most
+        // the fragment's.
+        double m_fragment = 0;
+        for (double m : w.max_delta) m_fragment = std::max(m_fragment, m);
+        for (int t = 0; t < kTensors; ++t) {
+          // Documented bound of one averaged pseudo-gradient element (docs/streaming.md):
+          // INT8 2 M / 254, BF16 2^-8 * 2 M, M the largest |A - x| of the block's members.
+          const double m = w.max_delta[t];
+          if (payload == v1::INT8 && m > 0) allowed[t] += 2 * m_fragment / 254 * 1.01;
+          if (payload == v1::BF16) allowed[t] += std::ldexp(2 * m, -8) * 1.01;
+          const double tol = std::max(1e-4, 2e-6 * std::fabs(w.values[t])) + allowed[t];
+          EXPECT_NEAR(got[t], w.values[t], tol) << where << " tensor " << t;
+          inexact += std::fabs(got[t] - w.values[t]) > 1e-3;
+        }
+      }
+    }
+    EXPECT_GT(fragment_lines, 0);
+    if (payload != v1::FP32) EXPECT_GT(inexact, 0) << "the payload was not compressed";
+  }
+
+  Cluster cluster_;
+  std::vector<std::unique_ptr<Process>> workers_;
+};
+
+// The documented example: (4, 2) then (8, 4, fragments 4): the fragmented level takes every
+// even step, one fragment at a time, and outranks the first level.
+TEST_F(ClientStreamingTest, PlainFragmentedLevelOutranksAnother_FollowsRule) {
+  v1::JobSpec spec = MakeSpec("plainfrag", 4, v1::HIERARCHICAL, {{4, 2}, {8, 4}}, 0);
+  spec.mutable_levels(1)->set_fragments(4);
+  ExpectFollowsReference(spec, Run(spec, 20), 20);
+}
+
+TEST_F(ClientStreamingTest, PlainFragmentsBelowWholeModelLevel_FollowsRule) {
+  v1::JobSpec spec = MakeSpec("plainbelow", 4, v1::HIERARCHICAL, {{4, 2}, {12, 4}}, 3);
+  spec.mutable_levels(0)->set_fragments(2);
+  ExpectFollowsReference(spec, Run(spec, 26), 26);
+}
+
+TEST_F(ClientStreamingTest, OuterFragmentsNesterovMix_Periodic_FollowsRule) {
+  for (int world : {2, 4}) {
+    v1::JobSpec spec =
+        MakeSpec(absl::StrCat("outerfrag", world), world, v1::PERIODIC, {{4, world}}, 3);
+    SetOuter(&spec, 0, 0.7, 0.9, true);
+    spec.mutable_levels(0)->set_fragments(2);
+    spec.mutable_levels(0)->set_mix(0.25);
+    ExpectFollowsReference(spec, Run(spec, 30), 30);
+  }
+}
+
+TEST_F(ClientStreamingTest, OuterFragmentedLevelLast_Hierarchical_FollowsRule) {
+  v1::JobSpec spec = MakeSpec("outerlast", 4, v1::HIERARCHICAL, {{2, 2}, {8, 4}}, 1);
+  SetOuter(&spec, 1, 0.7, 0.9, true);
+  spec.mutable_levels(1)->set_fragments(4);
+  ExpectFollowsReference(spec, Run(spec, 34), 34);
+}
+
+TEST_F(ClientStreamingTest, CompressedPayloads_WithinDocumentedBound) {
+  for (v1::Payload p : {v1::BF16, v1::INT8}) {
+    // World 3: a fragment of 4 tensors of 125 elements is cut into chunks of 167 that cross
+    // tensor boundaries, so INT8 blocks mix tensors of different magnitudes.
+    v1::JobSpec spec =
+        MakeSpec(absl::StrCat("payload", v1::Payload_Name(p)), 3, v1::PERIODIC, {{4, 3}}, 1);
+    SetOuter(&spec, 0, 1.0, 0.0, false);
+    spec.mutable_levels(0)->set_fragments(2);
+    spec.mutable_levels(0)->set_payload(p);
+    ExpectFollowsReference(spec, Run(spec, 24, 1000), 24,
+                           p);
+  }
+}
+
+// sync_delay: the all-reduce started at the sync step is applied tau steps later; the fragment's
+// first sync too. Periodic with warm-up, nesterov, mix.
+TEST_F(ClientStreamingTest, DelayedSyncWithMix_Periodic_FollowsRule) {
+  for (int tau : {1, 3}) {
+    v1::JobSpec spec =
+        MakeSpec(absl::StrCat("delay", tau), 2, v1::PERIODIC, {{8, 2}}, 2);
+    SetOuter(&spec, 0, 0.7, 0.9, true);
+    spec.mutable_levels(0)->set_fragments(2);
+    spec.mutable_levels(0)->set_sync_delay(tau);
+    spec.mutable_levels(0)->set_mix(0.5);
+    ExpectFollowsReference(spec, Run(spec, 40), 40);
+  }
+}
+
+// The apply step s + tau is itself an averaging step of another level: the pending fragment is
+// applied first, then that level averages the result.
+TEST_F(ClientStreamingTest, DelayedSyncLandingOnAnotherLevelsStep_AppliedFirst) {
+  v1::JobSpec spec = MakeSpec("landing", 4, v1::HIERARCHICAL, {{2, 2}, {8, 4}}, 0);
+  SetOuter(&spec, 1, 0.7, 0.9, false);
+  spec.mutable_levels(1)->set_fragments(2);
+  spec.mutable_levels(1)->set_sync_delay(2);
+  ExpectFollowsReference(spec, Run(spec, 34), 34);
+}
+
+TEST_F(ClientStreamingTest, DelayedSyncInt8_WithinDocumentedBound) {
+  v1::JobSpec spec = MakeSpec("delayint8", 3, v1::PERIODIC, {{4, 3}}, 0);
+  SetOuter(&spec, 0, 1.0, 0.0, false);
+  spec.mutable_levels(0)->set_fragments(2);
+  spec.mutable_levels(0)->set_sync_delay(1);
+  spec.mutable_levels(0)->set_payload(v1::INT8);
+  ExpectFollowsReference(spec, Run(spec, 24, 1000), 24, v1::INT8);
+}
+
+int64_t Field(const std::string& text, const std::string& name) {
+  const std::string key = "\"" + name + "\": ";
+  const size_t at = text.find(key);
+  if (at == std::string::npos) return -1;
+  int64_t v = -1;
+  const size_t from = at + key.size();
+  return absl::SimpleAtoi(text.substr(from, text.find_first_of(",}", from) - from), &v) ? v : -1;
+}
+
+// Overlap: rank 1 sleeps 1.5 s before its call at the sync step 8 (fragment 0's second sync).
+// Rank 0's call at step 8 returns at once (the all-reduce runs in the background); its call at
+// 8 + tau waits for rank 1. Values follow the rule throughout.
+TEST_F(ClientStreamingTest, DelayedSync_CallAtSyncStepReturnsBeforeAllReduceEnds) {
+  constexpr int kTau = 3;
+  constexpr int kSleepMs = 1500;
+  v1::JobSpec spec = MakeSpec("overlap", 2, v1::PERIODIC, {{8, 2}}, 0);
+  SetOuter(&spec, 0, 0.7, 0.9, true);
+  spec.mutable_levels(0)->set_fragments(2);
+  spec.mutable_levels(0)->set_sync_delay(kTau);
+  const std::vector<Trace> traces =
+      Run(spec, 16, 64,
+          {{"--unix_ms"},
+           {"--unix_ms", "--testing_sleep_at_step=8",
+            absl::StrCat("--testing_sleep_ms=", kSleepMs)}});
+  ExpectFollowsReference(spec, traces, 16);
+  ASSERT_EQ(traces.size(), 2u);
+  ASSERT_EQ(traces[0].lines.size(), 16u);
+  const std::string& at_sync = traces[0].lines[8].text;
+  const std::string& at_apply = traces[0].lines[8 + kTau].text;
+  // The sync step's call did not wait for the sleeping peer...
+  EXPECT_LT(Field(at_sync, "call_ms"), kSleepMs / 3) << at_sync;
+  // ...the apply step's call did (rank 0 reached it long before rank 1 woke).
+  EXPECT_GT(Field(at_apply, "call_ms"), kSleepMs / 3) << at_apply;
+  // And rank 0 finished step 8 before rank 1 had even started it.
+  EXPECT_LT(Field(at_sync, "unix_ms") + kSleepMs / 2,
+            Field(traces[1].lines[8].text, "unix_ms"));
+}
+
+}  // namespace
+}  // namespace modelavg::testing

@@ -1,0 +1,648 @@
+// Coordinator high availability on etcd: etcd-server members and modelavg-coordinator processes
+// started here on loopback (each member with its own data dir in a temp folder), workers
+// (modelavg-trace-worker over Gloo) given both coordinators' addresses.
+//
+//  * the store's writes are fenced: a store holding the fence of a term that has ended is
+//    refused by etcd and nothing changes (in-process, deterministic);
+//  * a standby answers UNAVAILABLE naming the leader and serves health NOT_SERVING;
+//  * kill -9 of the leader mid-job (three etcd members, an 8-rank three-level job): every worker
+//    finishes every step with exit 0 and values identical to an undisturbed run; the time from
+//    the kill to the standby serving and to the first averaging after it is printed;
+//  * the leader SIGSTOPped past its lease, then resumed: the standby has taken over, the old
+//    leader answers nothing but UNAVAILABLE naming the new one;
+//  * two of three etcd members killed: the coordinator refuses writes with UNAVAILABLE, the
+//    workers train on; the members restarted: everything resumes, nothing acknowledged is lost;
+//  * a storm of CreateJob/Join/Leave/DeleteJob with leader kills: every acknowledged change is
+//    there afterwards.
+// Skipped (saying why) without etcd-server; failed instead when MODELAVG_REQUIRE_ETCD=1 (CI).
+#include <signal.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/coordinator_client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/etcd_client.h"
+#include "server/etcd_fence.h"
+#include "server/etcd_state_store.h"
+#include "server/leader_election.h"
+#include "tests/integration/client_test_processes.h"
+#include "tests/integration/etcd_cluster.h"
+#include "tests/tools/make_job_spec.h"
+
+namespace modelavg::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kHeartbeatMs = 1500;
+constexpr int64_t kTtlMs = 2000;
+
+#define MODELAVG_NEED_ETCD()                                                                    \
+  do {                                                                                          \
+    if (EtcdBinary().empty()) {                                                                 \
+      if (EtcdRequired()) FAIL() << "MODELAVG_REQUIRE_ETCD=1 but there is no etcd binary "       \
+                                    "(install etcd-server: bash deploy/install_deps.sh)";        \
+      GTEST_SKIP() << "no etcd binary (/usr/bin/etcd or $MODELAVG_ETCD_BIN): install "          \
+                      "etcd-server (bash deploy/install_deps.sh) to run the HA tests";          \
+    }                                                                                           \
+  } while (0)
+
+// A fence that never moves: what a paused leader still believes.
+class FixedFence final : public server::EtcdFence {
+ public:
+  FixedFence(std::string key, int64_t fence) : key_(std::move(key)), fence_(fence) {}
+  const std::string& key() const override { return key_; }
+  int64_t fence() const override { return fence_; }
+  void LostLeadership(int64_t, const std::string& why) override { lost_ = why; }
+  std::string lost_;
+
+ private:
+  std::string key_;
+  int64_t fence_;
+};
+
+std::unique_ptr<server::EtcdClient> Etcd(const EtcdCluster& cluster) {
+  server::EtcdOptions options;
+  for (int i = 0; i < cluster.size(); ++i) options.endpoints.push_back(cluster.endpoint(i));
+  auto client = server::EtcdClient::Create(options);
+  return client.ok() ? *std::move(client) : nullptr;
+}
+
+// Every key and value under `prefix`, and the cluster's revision.
+std::map<std::string, std::string> Dump(server::EtcdClient* etcd, const std::string& prefix) {
+  etcdserverpb::RangeRequest range;
+  range.set_key(prefix);
+  range.set_range_end(server::EtcdPrefixEnd(prefix));
+  std::map<std::string, std::string> out;
+  auto reply = etcd->Range(range);
+  if (!reply.ok()) return {{"error", std::string(reply.status().message())}};
+  for (const auto& kv : reply->kvs()) out[kv.key()] = kv.value();
+  return out;
+}
+
+bool WaitFor(const std::function<bool()>& done, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (done()) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return done();
+}
+
+TEST(EtcdStateStoreTest, StaleFence_WriteRefusedByEtcd_NothingChanges) {
+  MODELAVG_NEED_ETCD();
+  TempDir dir("etcd_fence");
+  EtcdCluster cluster(dir.path(), 1);
+  ASSERT_TRUE(cluster.Start()) << cluster.Logs();
+  auto etcd = Etcd(cluster);
+  ASSERT_NE(etcd, nullptr);
+  const std::string prefix = "/fence-test/";
+  std::atomic<int> deposed_a{0};
+  server::LeaderElection a(etcd.get(), {prefix + "leader", absl::Seconds(6)},
+                           {[](int64_t) { return absl::OkStatus(); },
+                            [&](const std::string&) { ++deposed_a; }});
+  server::EtcdStateStore store_a(etcd.get(), &a, prefix);
+  a.Start("a:1");
+  ASSERT_TRUE(WaitFor([&] { return a.CheckServing().ok(); }, absl::Seconds(20)));
+  const int64_t fence_a = a.fence();
+
+  // A job with a round, members in two buckets and an id, written by the leader.
+  ASSERT_TRUE(store_a.CreateJob(MakeSpec("j", 300, v1::PERIODIC, {{2, 300}}, 0), 7).ok());
+  server::JobDelta delta;
+  delta.header = server::StoredJobHeader{v1::RUNNING, 1, std::nullopt};
+  for (int r : {0, 1, 299}) {
+    server::StoredMember m;
+    m.rank = r;
+    m.worker_id = absl::StrCat("w", r);
+    m.state = v1::ALIVE;
+    m.generation = 1;
+    delta.members.push_back(m);
+  }
+  delta.comm_id = server::StoredCommId{0, 0, "k", "blob"};
+  ASSERT_TRUE(store_a.Apply("j", delta).ok());
+
+  // A second coordinator on the same prefix is a standby naming the leader.
+  server::LeaderElection b(etcd.get(), {prefix + "leader", absl::Seconds(6)},
+                           {[](int64_t) { return absl::OkStatus(); }, [](const std::string&) {}});
+  b.Start("b:1");
+  absl::SleepFor(absl::Milliseconds(600));
+  std::string leader;
+  absl::Status standby = b.CheckServing(&leader);
+  EXPECT_EQ(standby.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(standby.message(), HasSubstr("the leader is at a:1"));
+  EXPECT_EQ(leader, "a:1");
+
+  // The leader's lease ends (as when it is paused past its TTL): b takes over.
+  etcdserverpb::RangeRequest key;
+  key.set_key(prefix + "leader");
+  auto held = etcd->Range(key);
+  ASSERT_TRUE(held.ok() && held->kvs_size() == 1);
+  ASSERT_TRUE(etcd->LeaseRevoke(held->kvs(0).lease()).ok());
+  ASSERT_TRUE(WaitFor([&] { return b.CheckServing().ok(); }, absl::Seconds(20)));
+  ASSERT_NE(b.fence(), fence_a);
+
+  // The old term's writes: refused by etcd, and nothing under the prefix changes.
+  const auto before = Dump(etcd.get(), prefix);
+  FixedFence stale(prefix + "leader", fence_a);
+  server::EtcdStateStore store_stale(etcd.get(), &stale, prefix);
+  ASSERT_TRUE(store_stale.LoadAll().ok());
+  server::JobDelta death;
+  death.header = server::StoredJobHeader{v1::RUNNING, 2, std::nullopt};
+  death.clear_comm_ids = true;
+  absl::Status refused = store_stale.Apply("j", death);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("lost the leadership"));
+  EXPECT_THAT(stale.lost_, HasSubstr("etcd refused a write"));
+  EXPECT_EQ(store_stale.CreateJob(MakeSpec("k", 1, v1::PERIODIC, {{1, 1}}, 0), 1).code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(store_stale.DeleteJob("j").code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(Dump(etcd.get(), prefix), before);
+
+  // The new leader reads back exactly what the old one wrote while it led.
+  server::EtcdStateStore store_b(etcd.get(), &b, prefix);
+  auto jobs = store_b.LoadAll();
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  ASSERT_EQ(jobs->size(), 1u);
+  const server::StoredJob& j = (*jobs)[0];
+  EXPECT_EQ(j.spec.job_id(), "j");
+  EXPECT_EQ(j.created_unix_ms, 7);
+  EXPECT_EQ(j.header.state, v1::RUNNING);
+  ASSERT_EQ(j.members.size(), 3u);
+  EXPECT_EQ(j.members[2].rank, 299);
+  EXPECT_EQ(j.members[2].worker_id, "w299");
+  ASSERT_EQ(j.comm_ids.size(), 1u);
+  EXPECT_EQ(j.comm_ids[0].blob, "blob");
+  // Its writes go through; a generation change drops the old ids.
+  ASSERT_TRUE(store_b.Apply("j", death).ok());
+  server::StoredMember gone;
+  gone.rank = 1;  // removed
+  server::JobDelta leave;
+  leave.members.push_back(gone);
+  ASSERT_TRUE(store_b.Apply("j", leave).ok());
+  jobs = store_b.LoadAll();
+  ASSERT_TRUE(jobs.ok());
+  EXPECT_EQ((*jobs)[0].header.generation, 2);
+  EXPECT_TRUE((*jobs)[0].comm_ids.empty());
+  EXPECT_EQ((*jobs)[0].members.size(), 2u);
+  ASSERT_TRUE(store_b.DeleteJob("j").ok());
+  EXPECT_TRUE(store_b.LoadAll()->empty());
+  b.Stop();
+  a.Stop();
+}
+
+// A coordinator process on a fixed port (kept across restarts) on the cluster's endpoints.
+class HaCoordinator {
+ public:
+  HaCoordinator(std::string dir, std::string name, std::string endpoints)
+      : dir_(std::move(dir)), name_(std::move(name)), endpoints_(std::move(endpoints)),
+        port_(FreePort()) {}
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+  bool Start() {
+    const std::string run = absl::StrCat(dir_, "/", name_, runs_++);
+    std::filesystem::create_directories(run);
+    for (int attempt = 0; attempt < 50; ++attempt) {
+      process_ = std::make_unique<CoordinatorProcess>(
+          MODELAVG_COORDINATOR_BIN, run,
+          std::vector<std::string>{absl::StrCat("--listen=", address()),
+                                   "--etcd_endpoints=" + endpoints_,
+                                   absl::StrCat("--leader_ttl_ms=", kTtlMs), "--log_level=info"});
+      if (!process_->address().empty()) return true;
+      if (!absl::StrContains(process_->process().err(), "cannot listen")) return false;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    return false;
+  }
+  void Kill() {
+    if (process_ == nullptr) return;
+    process_->process().Signal(SIGKILL);
+    process_->process().Wait(absl::Seconds(10));
+  }
+  void Signal(int sig) { process_->process().Signal(sig); }
+  std::string log() const { return process_ ? process_->process().err() : ""; }
+  // Answers Ping: it leads.
+  bool Leads() {
+    client::CoordinatorClientOptions options;
+    options.address = address();
+    options.rpc_timeout = absl::Milliseconds(500);
+    auto c = client::CoordinatorClient::Create(options);
+    return c.ok() && (*c)->Ping().ok();
+  }
+
+ private:
+  std::string dir_, name_, endpoints_;
+  int port_;
+  int runs_ = 0;
+  std::unique_ptr<CoordinatorProcess> process_;
+};
+
+class EtcdHaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (EtcdBinary().empty()) {
+      if (EtcdRequired()) {
+        FAIL() << "MODELAVG_REQUIRE_ETCD=1 but there is no etcd binary (install etcd-server: "
+                  "bash deploy/install_deps.sh)";
+      }
+      GTEST_SKIP() << "no etcd binary (/usr/bin/etcd or $MODELAVG_ETCD_BIN): install "
+                      "etcd-server (bash deploy/install_deps.sh) to run the HA tests";
+    }
+    dir_ = MakeTempDir("etcd_ha");
+  }
+  ~EtcdHaTest() override {
+    workers_.clear();
+    coordinators_.clear();
+    cluster_.reset();
+    if (!dir_.empty() && std::getenv("MODELAVG_KEEP_TEST_DIRS") == nullptr) {
+      std::filesystem::remove_all(dir_);
+    }
+  }
+
+  // `members` etcd members and two coordinators; the first one started leads.
+  void StartAll(int members) {
+    cluster_ = std::make_unique<EtcdCluster>(dir_ + "/etcd", members);
+    ASSERT_TRUE(cluster_->Start()) << cluster_->Logs();
+    for (const char* name : {"a", "b"}) {
+      coordinators_.push_back(std::make_unique<HaCoordinator>(dir_, name, cluster_->endpoints()));
+      ASSERT_TRUE(coordinators_.back()->Start()) << coordinators_.back()->log();
+      if (coordinators_.size() == 1) {
+        ASSERT_TRUE(WaitFor([&] { return coordinators_[0]->Leads(); }, absl::Seconds(30)))
+            << coordinators_[0]->log();
+      }
+    }
+  }
+  std::string Addresses() const {
+    return absl::StrCat(coordinators_[0]->address(), ",", coordinators_[1]->address());
+  }
+  // The index of the coordinator that leads, -1 if none within `timeout`.
+  int Leader(absl::Duration timeout = absl::Seconds(30)) {
+    int leader = -1;
+    WaitFor(
+        [&] {
+          for (size_t i = 0; i < coordinators_.size(); ++i) {
+            if (coordinators_[i]->Leads()) leader = static_cast<int>(i);
+          }
+          return leader >= 0;
+        },
+        timeout);
+    return leader;
+  }
+  std::unique_ptr<client::CoordinatorClient> Admin() {
+    client::CoordinatorClientOptions options;
+    options.address = Addresses();
+    options.rpc_timeout = absl::Seconds(5);
+    auto admin = client::CoordinatorClient::Create(options);
+    return admin.ok() ? *std::move(admin) : nullptr;
+  }
+  // Retries a call through a failover (UNAVAILABLE) for up to `timeout`.
+  template <typename F>
+  auto Retrying(F call, absl::Duration timeout = absl::Seconds(30)) -> decltype(call()) {
+    const absl::Time deadline = absl::Now() + timeout;
+    auto result = call();
+    while (!StatusOf(result).ok() && StatusOf(result).code() == absl::StatusCode::kUnavailable &&
+           absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(100));
+      result = call();
+    }
+    return result;
+  }
+  static absl::Status StatusOf(const absl::Status& s) { return s; }
+  template <typename T>
+  static absl::Status StatusOf(const absl::StatusOr<T>& s) {
+    return s.status();
+  }
+
+  void StartWorkers(const std::string& job, int world, int64_t steps, int64_t delay_ms) {
+    workers_.clear();
+    for (int r = 0; r < world; ++r) {
+      workers_.push_back(std::make_unique<Process>(
+          std::vector<std::string>{MODELAVG_TRACE_WORKER_BIN, "--coordinator=" + Addresses(),
+                                   "--job=" + job, absl::StrCat("--rank=", r),
+                                   absl::StrCat("--world_size=", world),
+                                   absl::StrCat("--steps=", steps), "--numel=3", "--backend=gloo",
+                                   absl::StrCat("--step_delay_ms=", delay_ms),
+                                   "--log_level=warn"},
+          absl::StrCat(dir_, "/", job, "-rank", r)));
+    }
+  }
+  static int64_t StepOf(const std::string& line) {
+    int64_t step = -1;
+    const size_t at = line.find("\"step\": ");
+    if (at != std::string::npos) {
+      const size_t end = line.find(',', at);
+      (void)absl::SimpleAtoi(line.substr(at + 8, end - at - 8), &step);
+    }
+    return step;
+  }
+  int64_t MaxStep() {
+    int64_t max_step = -1;
+    for (auto& w : workers_) {
+      for (const std::string& line : w->OutLines()) max_step = std::max(max_step, StepOf(line));
+    }
+    return max_step;
+  }
+  bool WaitForStep(int64_t step, absl::Duration timeout) {
+    return WaitFor([&] { return MaxStep() >= step; }, timeout);
+  }
+  std::vector<int> WaitAll(absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    std::vector<int> codes;
+    for (auto& w : workers_) {
+      codes.push_back(
+          w->Wait(std::max(absl::ZeroDuration(), deadline - absl::Now())).value_or(-1));
+    }
+    return codes;
+  }
+  std::vector<std::vector<std::string>> Lines() {
+    std::vector<std::vector<std::string>> lines;
+    for (auto& w : workers_) lines.push_back(w->OutLines());
+    return lines;
+  }
+  std::string Diagnostics() {
+    std::string s;
+    for (size_t i = 0; i < coordinators_.size(); ++i) {
+      absl::StrAppend(&s, "coordinator ", i, " log:\n", coordinators_[i]->log(), "\n");
+    }
+    for (size_t r = 0; r < workers_.size(); ++r) {
+      absl::StrAppend(&s, "rank ", r, " stderr:\n", workers_[r]->err(), "\n");
+    }
+    return s;
+  }
+  // Runs `job` undisturbed and returns its lines.
+  std::vector<std::vector<std::string>> Calm(const v1::JobSpec& spec, int64_t steps) {
+    auto admin = Admin();
+    EXPECT_TRUE(Retrying([&] { return admin->CreateJob(spec); }).ok());
+    StartWorkers(spec.job_id(), spec.world_size(), steps, 0);
+    for (int code : WaitAll(absl::Seconds(120))) EXPECT_EQ(code, 0) << Diagnostics();
+    return Lines();
+  }
+  void ExpectSame(const std::vector<std::vector<std::string>>& calm, int64_t steps) {
+    const auto lines = Lines();
+    for (size_t r = 0; r < lines.size(); ++r) {
+      ASSERT_EQ(lines[r].size(), static_cast<size_t>(steps)) << Diagnostics();
+      for (int64_t s = 0; s < steps; ++s) {
+        EXPECT_EQ(lines[r][s], calm[r][s]) << "rank " << r << " step " << s;
+      }
+    }
+  }
+
+  std::string dir_;
+  std::unique_ptr<EtcdCluster> cluster_;
+  std::vector<std::unique_ptr<HaCoordinator>> coordinators_;
+  std::vector<std::unique_ptr<Process>> workers_;
+};
+
+// 8 ranks, three levels: pairs every 2 steps, quads every 4, all eight every 16.
+v1::JobSpec EightRanks(const std::string& id) {
+  return MakeSpec(id, 8, v1::HIERARCHICAL, {{2, 2}, {4, 4}, {16, 8}}, 4, kHeartbeatMs);
+}
+constexpr int64_t kSteps = 40;
+
+TEST_F(EtcdHaTest, Standby_AnswersUnavailableNamingTheLeader_HealthNotServing) {
+  ASSERT_NO_FATAL_FAILURE(StartAll(1));
+  client::CoordinatorClientOptions options;
+  options.address = coordinators_[1]->address();
+  auto standby = client::CoordinatorClient::Create(options);
+  ASSERT_TRUE(standby.ok());
+  // (Once it has read the leader key: it campaigns within a moment of starting.)
+  absl::Status s;
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        client::CoordinatorClientOptions one;
+        one.address = coordinators_[1]->address();
+        s = (*client::CoordinatorClient::Create(one))->Ping();
+        return absl::StrContains(s.message(), "the leader is at");
+      },
+      absl::Seconds(20)))
+      << s;
+  s = (*standby)->CreateJob(MakeSpec("x", 1, v1::PERIODIC, {{1, 1}}, 0)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(s.message(), HasSubstr("standby; the leader is at " + coordinators_[0]->address()));
+  // The client followed the leader it named.
+  EXPECT_EQ((*standby)->current_address(), coordinators_[0]->address());
+  EXPECT_TRUE((*standby)->CreateJob(MakeSpec("x", 1, v1::PERIODIC, {{1, 1}}, 0)).ok());
+  Process health_a({MODELAVG_HEALTH_BIN, "--address=" + coordinators_[0]->address()},
+                   dir_ + "/health-a");
+  Process health_b({MODELAVG_HEALTH_BIN, "--address=" + coordinators_[1]->address()},
+                   dir_ + "/health-b");
+  EXPECT_EQ(health_a.Wait(absl::Seconds(20)), 0) << health_a.out() << health_a.err();
+  EXPECT_EQ(health_b.Wait(absl::Seconds(20)), 1) << health_b.out() << health_b.err();
+  EXPECT_THAT(health_b.err() + health_b.out(), HasSubstr("NOT_SERVING"));
+}
+
+TEST_F(EtcdHaTest, LeaderKilledMidJob_StandbyTakesOver_EveryWorkerFinishesSameValues) {
+  ASSERT_NO_FATAL_FAILURE(StartAll(3));
+  const auto calm = Calm(EightRanks("calm"), kSteps);
+  ASSERT_EQ(calm[0].size(), static_cast<size_t>(kSteps));
+
+  auto admin = Admin();
+  ASSERT_TRUE(admin->CreateJob(EightRanks("storm")).ok());
+  StartWorkers("storm", 8, kSteps, 100);
+  ASSERT_TRUE(WaitForStep(7, absl::Seconds(60))) << Diagnostics();
+  const int leader = Leader();
+  ASSERT_GE(leader, 0);
+  coordinators_[leader]->Kill();
+  const absl::Time killed = absl::Now();
+  const int64_t step_at_kill = MaxStep();
+  HaCoordinator& standby = *coordinators_[1 - leader];
+  ASSERT_TRUE(WaitFor([&] { return standby.Leads(); }, absl::Seconds(30))) << Diagnostics();
+  const absl::Time serving = absl::Now();
+  ASSERT_TRUE(WaitForStep(16, absl::Seconds(60))) << Diagnostics();
+  const absl::Time first_top = absl::Now();
+  for (int code : WaitAll(absl::Seconds(120))) ASSERT_EQ(code, 0) << Diagnostics();
+  ExpectSame(calm, kSteps);
+  EXPECT_THAT(standby.log(), HasSubstr("job storm: loaded (RUNNING in generation 1, 8 of 8 ranks"));
+  std::cout << "[figures] leader kill -9 at step " << step_at_kill << " (lease TTL " << kTtlMs
+            << " ms): kill -> standby serving "
+            << absl::FormatDuration(absl::Trunc(serving - killed, absl::Milliseconds(1)))
+            << ", kill -> first top-level averaging (step 16) "
+            << absl::FormatDuration(absl::Trunc(first_top - killed, absl::Milliseconds(1)))
+            << std::endl;
+}
+
+TEST_F(EtcdHaTest, LeaderPausedPastTtl_StandbyTakesOver_OldLeaderStopsServing) {
+  ASSERT_NO_FATAL_FAILURE(StartAll(1));
+  const auto calm = Calm(EightRanks("calm"), kSteps);
+  auto admin = Admin();
+  ASSERT_TRUE(admin->CreateJob(EightRanks("paused")).ok());
+  StartWorkers("paused", 8, kSteps, 100);
+  ASSERT_TRUE(WaitForStep(5, absl::Seconds(60))) << Diagnostics();
+  coordinators_[0]->Signal(SIGSTOP);
+  ASSERT_TRUE(WaitFor([&] { return coordinators_[1]->Leads(); }, absl::Seconds(30)))
+      << Diagnostics();
+  absl::SleepFor(absl::Milliseconds(500));
+  coordinators_[0]->Signal(SIGCONT);
+  // Its first answers after the pause: UNAVAILABLE naming the new leader, no write taken.
+  client::CoordinatorClientOptions options;
+  options.address = coordinators_[0]->address();
+  auto old = client::CoordinatorClient::Create(options);
+  ASSERT_TRUE(old.ok());
+  absl::Status s = (*old)->CreateJob(MakeSpec("late", 1, v1::PERIODIC, {{1, 1}}, 0)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_FALSE(coordinators_[0]->Leads());
+  for (int code : WaitAll(absl::Seconds(120))) ASSERT_EQ(code, 0) << Diagnostics();
+  ExpectSame(calm, kSteps);
+  EXPECT_THAT(coordinators_[0]->log(), HasSubstr("stops leading"));
+  // The write sent to the old leader never happened.
+  absl::StatusOr<v1::Job> late = Retrying([&] { return admin->GetJob("late"); });
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kNotFound) << late.status();
+  EXPECT_TRUE(coordinators_[1]->Leads());
+}
+
+TEST_F(EtcdHaTest, TwoOfThreeEtcdMembersKilled_WritesRefusedTrainingGoesOn_RestartResumes) {
+  ASSERT_NO_FATAL_FAILURE(StartAll(3));
+  // The world averages first at step 64: pairs and quads (their communicators made by step 6)
+  // go on through the outage; the world's bootstrap waits for the coordinator.
+  auto spec = [](const std::string& id) {
+    return MakeSpec(id, 8, v1::HIERARCHICAL, {{2, 2}, {4, 4}, {64, 8}}, 4, kHeartbeatMs);
+  };
+  const int64_t steps = 80;
+  const auto calm = Calm(spec("calm"), steps);
+  auto admin = Admin();
+  ASSERT_TRUE(admin->CreateJob(spec("quorum")).ok());
+  ASSERT_TRUE(admin->CreateJob(MakeSpec("kept", 2, v1::PERIODIC, {{2, 2}}, 0)).ok());
+  StartWorkers("quorum", 8, steps, 100);
+  ASSERT_TRUE(WaitForStep(8, absl::Seconds(60))) << Diagnostics();
+  cluster_->Kill(2);
+  absl::SleepFor(absl::Seconds(1));
+  cluster_->Kill(1);
+  // With one member left, no write can be made; the coordinators say so.
+  absl::SleepFor(absl::Milliseconds(kTtlMs + 1500));
+  absl::Status refused = admin->CreateJob(MakeSpec("refused", 1, v1::PERIODIC, {{1, 1}}, 0))
+                             .status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("etcd"));
+  // The workers train on the local schedule meanwhile.
+  const int64_t before = MaxStep();
+  absl::SleepFor(absl::Seconds(1));
+  EXPECT_GT(MaxStep(), before) << "training stopped without quorum";
+  EXPECT_LT(MaxStep(), 64) << "the world's first averaging needs the coordinator";
+  cluster_->StartMember(1);
+  cluster_->StartMember(2);
+  ASSERT_TRUE(cluster_->WaitHealthy(absl::Seconds(60))) << cluster_->Logs();
+  ASSERT_GE(Leader(), 0) << Diagnostics();
+  for (int code : WaitAll(absl::Seconds(180))) ASSERT_EQ(code, 0) << Diagnostics();
+  ExpectSame(calm, steps);
+  // Nothing acknowledged was lost; nothing refused was made.
+  EXPECT_TRUE(Retrying([&] { return admin->GetJob("kept"); }).ok());
+  EXPECT_EQ(Retrying([&] { return admin->GetJob("refused"); }).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+// Stages of one job in the storm, in the order they are attempted.
+enum Stage { kAbsent = 0, kCreated, kJoined, kLeft, kDeleted };
+
+TEST_F(EtcdHaTest, StormWithLeaderKills_EveryAcknowledgedChangeSurvives) {
+  ASSERT_NO_FATAL_FAILURE(StartAll(1));
+  std::mt19937 random(2222);
+  std::map<std::string, int> acked, attempted;
+  int next_job = 0;
+  int64_t acknowledged = 0;
+  auto admin = Admin();
+  constexpr int kKills = 5;
+  for (int round = 0; round <= kKills; ++round) {
+    SCOPED_TRACE(absl::StrCat("round ", round));
+    // Check what was acknowledged before the last kill.
+    absl::StatusOr<v1::ListJobsResponse> jobs =
+        Retrying([&] { return admin->ListJobs(); }, absl::Seconds(30));
+    ASSERT_TRUE(jobs.ok()) << jobs.status() << Diagnostics();
+    std::map<std::string, v1::Job> found;
+    for (const v1::Job& j : jobs->jobs()) found[j.spec().job_id()] = j;
+    for (const auto& [id, want] : acked) {
+      const int tried = attempted[id];
+      auto it = found.find(id);
+      if (it == found.end()) {
+        EXPECT_TRUE(want == kAbsent || want == kDeleted || tried == kDeleted)
+            << id << " acked stage " << want;
+        continue;
+      }
+      const v1::Job& j = it->second;
+      EXPECT_NE(want, kDeleted) << id << " was deleted (acknowledged) but is back";
+      int stage = kCreated;
+      if (j.state() == v1::RUNNING) {
+        stage = kJoined;
+      } else if (j.state() == v1::FINISHED) {
+        stage = kLeft;
+      }
+      EXPECT_LE(want, stage) << id << ": an acknowledged change is missing";
+      EXPECT_LE(stage, tried) << id << ": a change nobody asked for";
+    }
+    for (const auto& [id, j] : found) EXPECT_TRUE(attempted.count(id)) << "unknown job " << id;
+    for (const auto& [id, j] : found) {
+      ASSERT_TRUE(Retrying([&] { return admin->DeleteJob(id); }).ok());
+    }
+    acked.clear();
+    attempted.clear();
+    if (round == kKills) break;
+    ASSERT_GE(Leader(), 0) << Diagnostics();
+
+    std::atomic<bool> stop{false};
+    absl::Mutex mu;
+    std::thread storm([&] {
+      while (!stop.load()) {
+        const std::string id = absl::StrCat("s", next_job++);
+        auto attempt = [&](int stage) {
+          absl::MutexLock l(&mu);
+          attempted[id] = stage;
+        };
+        auto ack = [&](int stage) {
+          absl::MutexLock l(&mu);
+          acked[id] = stage;
+          ++acknowledged;
+        };
+        attempt(kCreated);
+        if (!admin->CreateJob(MakeSpec(id, 1, v1::PERIODIC, {{1, 1}}, 0)).ok()) continue;
+        ack(kCreated);
+        v1::JoinRequest join;
+        join.set_job_id(id);
+        join.set_worker_id("w-" + id);
+        join.set_rank(0);
+        attempt(kJoined);
+        if (!admin->Join(join, absl::Seconds(5)).ok()) continue;
+        ack(kJoined);
+        v1::LeaveRequest leave;
+        leave.set_job_id(id);
+        leave.set_rank(0);
+        leave.set_generation(1);
+        attempt(kLeft);
+        if (!admin->Leave(leave).ok()) continue;
+        ack(kLeft);
+        if (next_job % 2 == 0) {
+          attempt(kDeleted);
+          if (!admin->DeleteJob(id).ok()) continue;
+          ack(kDeleted);
+        }
+      }
+    });
+    absl::SleepFor(absl::Milliseconds(std::uniform_int_distribution<int>(300, 1500)(random)));
+    const int leader = Leader();
+    ASSERT_GE(leader, 0);
+    coordinators_[leader]->Kill();
+    stop = true;
+    storm.join();
+    for (const auto& [id, stage] : attempted) acked.emplace(id, kAbsent);
+    // The killed one comes back as a standby.
+    ASSERT_TRUE(coordinators_[leader]->Start()) << coordinators_[leader]->log();
+  }
+  std::cout << "[figures] etcd storm: 5 leader kills, " << acknowledged
+            << " acknowledged changes checked" << std::endl;
+  EXPECT_GT(acknowledged, 10);
+}
+
+}  // namespace
+}  // namespace modelavg::testing

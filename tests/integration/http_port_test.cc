@@ -1,0 +1,199 @@
+// The coordinator's HTTP port (--metrics_listen) as a separate process: idle connections do not
+// hold up other requests, SIGTERM stops it at once (well inside the shutdown deadline), and the
+// status page answers beside /metrics, behind the operator token when auth is on.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "common/file_util.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/tools/temp_dir.h"
+
+namespace modelavg::server {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+class HttpPortTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = modelavg::testing::MakeTempDir("http-port");
+    ASSERT_NE(dir_, "");
+  }
+  void TearDown() override {
+    for (int fd : idle_) close(fd);
+    if (pid_ > 0) {
+      kill(-pid_, SIGKILL);
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    std::system(absl::StrCat("rm -rf ", dir_).c_str());
+  }
+
+  // Starts the coordinator with an HTTP port and `extra` flags; returns the HTTP port (0 if it
+  // did not come up).
+  int Spawn(const std::vector<std::string>& extra) {
+    std::vector<std::string> args = {MODELAVG_COORDINATOR_BIN, "--listen=127.0.0.1:0",
+                                     "--metrics_listen=127.0.0.1:0",
+                                     "--metrics_port_file=" + dir_ + "/http_port",
+                                     "--port_file=" + dir_ + "/port"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const std::string err = absl::StrCat(dir_, "/stderr");
+    const pid_t parent = getpid();
+    pid_ = fork();
+    if (pid_ < 0) return 0;
+    if (pid_ == 0) {
+      setpgid(0, 0);
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(127);
+      const int fd = open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(fd, 2);
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    setpgid(pid_, pid_);
+    // --port_file is written after --metrics_port_file.
+    for (int i = 0; i < 3000; ++i) {
+      absl::StatusOr<std::string> text = ReadFileToString(dir_ + "/port");
+      if (text.ok() && absl::EndsWith(*text, "\n")) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    absl::StatusOr<std::string> http = ReadFileToString(dir_ + "/http_port");
+    int port = 0;
+    if (!http.ok()) return 0;
+    const std::string address(absl::StripSuffix(*http, "\n"));
+    if (!absl::SimpleAtoi(address.substr(address.rfind(':') + 1), &port)) return 0;
+    return port;
+  }
+
+  // Opens a TCP connection that sends nothing.
+  void OpenIdleConnection(int port) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(port);
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    idle_.push_back(fd);
+  }
+
+  std::string Stderr() {
+    absl::StatusOr<std::string> s = ReadFileToString(absl::StrCat(dir_, "/stderr"));
+    return s.ok() ? *s : "";
+  }
+
+  // Exit status (at most 30 s), -1 if it did not exit normally or in time.
+  int WaitExit() {
+    for (int i = 0; i < 3000; ++i) {
+      int status;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return -1;
+  }
+
+  std::string dir_;
+  pid_t pid_ = -1;
+  std::vector<int> idle_;
+};
+
+// One HTTP/1.0 request; the whole reply, or "" when nothing came back within `timeout_s`.
+std::string HttpGet(int port, const std::string& path, const std::string& headers = "",
+                    int timeout_s = 5) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  timeval tv{timeout_s, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return "";
+  }
+  const std::string request =
+      absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n", headers, "\r\n");
+  (void)!write(fd, request.data(), request.size());
+  std::string reply;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof(buf))) > 0) reply.append(buf, n);
+  close(fd);
+  return reply;
+}
+
+TEST_F(HttpPortTest, IdleConnections_MetricsStillAnswer) {
+  const int port = Spawn({});
+  ASSERT_GT(port, 0) << Stderr();
+  ASSERT_THAT(HttpGet(port, "/metrics"), HasSubstr("modelavg_jobs")) << Stderr();
+  // More idle connections than a thread-per-connection server has threads.
+  for (int i = 0; i < 8; ++i) OpenIdleConnection(port);
+  for (int i = 0; i < 3; ++i) {
+    const std::string reply = HttpGet(port, "/metrics");
+    EXPECT_THAT(reply, HasSubstr("200 OK")) << "request " << i << " while " << idle_.size()
+                                           << " idle connections are open";
+    EXPECT_THAT(reply, HasSubstr("modelavg_rpcs_total"));
+  }
+  EXPECT_THAT(HttpGet(port, "/"), HasSubstr("<h1>Jobs</h1>"));
+}
+
+TEST_F(HttpPortTest, Sigterm_WithHttpPortAndIdleConnections_StopsWithinTheDeadline) {
+  const int port = Spawn({"--log_level=debug"});
+  ASSERT_GT(port, 0) << Stderr();
+  ASSERT_THAT(HttpGet(port, "/metrics"), HasSubstr("200 OK"));
+  OpenIdleConnection(port);
+  OpenIdleConnection(port);
+  ASSERT_EQ(kill(pid_, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(), 0) << Stderr();
+  const std::string log = Stderr();
+  EXPECT_THAT(log, HasSubstr("received SIGTERM"));
+  // The process-wide deadline did not have to end it.
+  EXPECT_THAT(log, Not(HasSubstr("deadline; exiting with calls still in flight"))) << log;
+  EXPECT_THAT(log, HasSubstr("coordinator stopped")) << log;
+}
+
+TEST_F(HttpPortTest, StatusPage_WithAuth_NeedsTheOperatorToken) {
+  {
+    std::ofstream(dir_ + "/token") << "s3cret-token\n";
+  }
+  const int port = Spawn({"--auth_token_file=" + dir_ + "/token"});
+  ASSERT_GT(port, 0) << Stderr();
+  const std::string denied = HttpGet(port, "/");
+  EXPECT_THAT(denied, HasSubstr("401"));
+  EXPECT_THAT(denied, HasSubstr("<form class=\"login\""));
+  EXPECT_THAT(denied, Not(HasSubstr("s3cret-token")));
+  EXPECT_THAT(HttpGet(port, "/", "Authorization: Bearer wrong\r\n"), HasSubstr("401"));
+  const std::string page = HttpGet(port, "/", "Authorization: Bearer s3cret-token\r\n");
+  EXPECT_THAT(page, HasSubstr("200 OK"));
+  EXPECT_THAT(page, HasSubstr("<h1>Jobs</h1>"));
+  EXPECT_THAT(page, Not(HasSubstr("s3cret-token")));
+  // The metrics stay open to Prometheus as before.
+  EXPECT_THAT(HttpGet(port, "/metrics"), HasSubstr("200 OK"));
+}
+
+}  // namespace
+}  // namespace modelavg::server

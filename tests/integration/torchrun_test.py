@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Launching like PyTorch: a 2-process drop-in job started by a torchrun.
+
+  * ``python3 -m modelavg.run --standalone --nproc_per_node=2 worker.py`` (modelavg's torchrun,
+    which works around Debian 12's torchrun bug on Python 3.11 and is torchrun unchanged on
+    PyTorch 2.x);
+  * the installed ``torchrun`` itself: plain on a PyTorch without the bug; on one with it, with
+    the documented workaround ``--redirects=9:1 --tee=9:1``.
+Each worker averages with modelavg.torch's PeriodicModelAverager(period=2, warmup_steps=1) from
+the environment torchrun gives it (RANK, WORLD_SIZE) for 6 steps; every rank, every step is
+checked against a naive re-statement of PyTorch's rule.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+import modelavg_testing as mt  # noqa: E402
+
+WORKER = r"""
+import json, os
+import torch
+from modelavg.torch import PeriodicModelAverager
+rank = int(os.environ["RANK"])
+assert os.environ["WORLD_SIZE"] == "2", os.environ["WORLD_SIZE"]
+p = torch.nn.Parameter(torch.full((4,), float(rank)))
+p.grad = torch.zeros_like(p)  # PyTorch's averagers leave out parameters without a gradient
+averager = PeriodicModelAverager(period=2, warmup_steps=1)
+for step in range(6):
+    with torch.no_grad():
+        p.add_((rank + 1) * (step + 1) * 0.5)
+    averager.average_parameters([p])
+    print(json.dumps({"rank": rank, "step": step, "value": p[0].item()}), flush=True)
+"""
+
+
+def expected(world, steps):
+    x = [float(r) for r in range(world)]
+    out = {}
+    for s in range(steps):
+        x = [x[r] + (r + 1) * (s + 1) * 0.5 for r in range(world)]
+        if s >= 1 and (s - 1) % 2 == 0:
+            x = [sum(x) / world] * world
+        for r in range(world):
+            out[(r, s)] = x[r]
+    return out
+
+
+def torch_has_the_bug():
+    from torch.distributed.elastic.multiprocessing import api
+    return api.Std.from_str("0") is not api.Std.NONE
+
+
+def run_job(group, coord, name, launcher, work, python_dir):
+    script = os.path.join(work, "worker.py")
+    with open(script, "w") as f:
+        f.write(WORKER)
+    env = dict(os.environ, MODELAVG_COORDINATOR=coord.address, MODELAVG_JOB=name,
+               PYTHONPATH=python_dir, OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = group.start(launcher + ["--standalone", "--nproc_per_node=2", script], name, env=env)
+    results = mt.wait_all([proc], timeout_s=240)
+    rc, out, err = results[name]
+    if rc != 0:
+        mt.fail(f"{' '.join(launcher)} exited {rc}:\n{out[-2000:]}\n{err[-3000:]}")
+    got = {}
+    for line in out.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            d = json.loads(line)
+            got[(d["rank"], d["step"])] = d["value"]
+    want = expected(2, 6)
+    if set(got) != set(want):
+        mt.fail(f"{' '.join(launcher)}: printed steps {sorted(got)}, expected {sorted(want)}\n"
+                f"{out[-2000:]}\n{err[-2000:]}")
+    for key, w in want.items():
+        if abs(got[key] - w) > 1e-6:
+            mt.fail(f"{' '.join(launcher)}: rank {key[0]} step {key[1]}: {got[key]}, expected {w}")
+    print(f"{' '.join(os.path.basename(a) for a in launcher)}: 2 ranks x 6 steps as PyTorch's rule")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--coordinator", required=True)
+    parser.add_argument("--python_dir", required=True)
+    args = parser.parse_args()
+    sys.path.insert(0, args.python_dir)
+    with mt.ProcessGroup() as group:
+        work = group.temp_dir("modelavg-torchrun-")
+        coord = mt.Coordinator(group, args.coordinator, workdir=work)
+        run_job(group, coord, "via-modelavg-run", ["/usr/bin/python3", "-m", "modelavg.run"],
+                work, args.python_dir)
+        torchrun = shutil.which("torchrun")
+        passed = 2
+        if torchrun is None:
+            print("no torchrun on PATH: only python3 -m modelavg.run was checked")
+            passed = 1
+        elif torch_has_the_bug():
+            print("this torch has the Std.from_str bug (Python 3.11, PyTorch 1.13): torchrun "
+                  "with --redirects=9:1 --tee=9:1")
+            run_job(group, coord, "via-torchrun-workaround",
+                    [torchrun, "--redirects=9:1", "--tee=9:1"], work, args.python_dir)
+        else:
+            run_job(group, coord, "via-torchrun", [torchrun], work, args.python_dir)
+        coord.stop()
+    print(f"torchrun: {passed} passed, 0 failed")
+
+
+if __name__ == "__main__":
+    main()

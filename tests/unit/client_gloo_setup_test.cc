@@ -1,0 +1,218 @@
+// The set-up of a Gloo mesh: every wait in it has a deadline and can be cancelled, and a
+// connection that is not a member's (a stray connection to a pair's port as it opens) is named
+// as such. Members are threads of this process, the rendezvous an in-memory store.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/communicator.h"
+#include "client/error_kind.h"
+#include "client/gloo_communicator.h"
+#include "common/status_util.h"
+#include "gloo/rendezvous/hash_store.h"
+#include "gloo/rendezvous/store.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace modelavg::client {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// Publishes, under member 1's key, member 0's own pair address with the highest port: member 0
+// then takes the listening side of the pair (Gloo's rule compares the addresses) and waits for a
+// member 1 that never connects, as a survivor does for a peer that moved on to the next
+// generation.
+void PublishAPeerThatNeverConnects(gloo::rendezvous::HashStore& store) {
+  store.wait({"0"}, std::chrono::seconds(10));
+  std::vector<char> fake = store.get("0");
+  ASSERT_GE(fake.size(), sizeof(sockaddr_in));
+  auto* sa = reinterpret_cast<sockaddr_in*>(fake.data());
+  ASSERT_EQ(sa->sin_family, AF_INET);
+  sa->sin_port = 0xFFFF;  // compared as stored: above any port member 0 has
+  store.set("1", fake);
+}
+
+TEST(GlooSetupTest, Create_CancelledWhileAPeerNeverConnects_ReturnsTheReasonAtOnce) {
+  gloo::rendezvous::HashStore store;
+  auto dev = CreateGlooDevice("127.0.0.1");
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  auto cancel = std::make_shared<SetupCanceller>();
+  absl::StatusOr<std::unique_ptr<GlooCommunicator>> comm = absl::UnknownError("not run");
+  absl::Time returned;
+  std::thread member([&] {
+    comm = GlooCommunicator::Create(store, *dev, 0, 2, absl::Seconds(60), nullptr, false, cancel);
+    returned = absl::Now();
+  });
+  PublishAPeerThatNeverConnects(store);
+  absl::SleepFor(absl::Milliseconds(300));  // member 0 is waiting in the pair's connect now
+  const absl::Status why = SetErrorKind(absl::AbortedError("generation 7 is over"),
+                                        ErrorKind::kGenerationMoved);
+  const absl::Time cancelled = absl::Now();
+  cancel->Cancel(why);
+  member.join();
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status(), why);
+  EXPECT_EQ(ErrorKindOf(comm.status()), ErrorKind::kGenerationMoved);
+  // At once, not at the 60 s timeout (Gloo's own connect waits five times that).
+  EXPECT_LT(returned - cancelled, absl::Seconds(10));
+}
+
+TEST(GlooSetupTest, Create_APeerNeverConnects_DeadlineExceededAtTheTimeout) {
+  gloo::rendezvous::HashStore store;
+  auto dev = CreateGlooDevice("127.0.0.1");
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  constexpr absl::Duration kTimeout = absl::Seconds(1);
+  absl::StatusOr<std::unique_ptr<GlooCommunicator>> comm = absl::UnknownError("not run");
+  const absl::Time start = absl::Now();
+  absl::Time returned;
+  std::thread member([&] {
+    comm = GlooCommunicator::Create(store, *dev, 0, 2, kTimeout);
+    returned = absl::Now();
+  });
+  PublishAPeerThatNeverConnects(store);
+  member.join();
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().code(), absl::StatusCode::kDeadlineExceeded) << comm.status();
+  EXPECT_EQ(ErrorKindOf(comm.status()), ErrorKind::kTimeout);
+  // Bounded by the timeout (Gloo's connect alone would wait 5 s): a generous margin for load.
+  EXPECT_LT(returned - start, kTimeout + absl::Seconds(3));
+}
+
+TEST(GlooSetupTest, Cancel_BeforeCreate_CreateReturnsTheReason) {
+  gloo::rendezvous::HashStore store;
+  auto dev = CreateGlooDevice("127.0.0.1");
+  ASSERT_TRUE(dev.ok());
+  auto cancel = std::make_shared<SetupCanceller>();
+  cancel->Cancel(absl::AbortedError("over before it began"));
+  auto comm = GlooCommunicator::Create(store, *dev, 0, 2, absl::Seconds(60), nullptr, false, cancel);
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().message(), "over before it began");
+}
+
+// A store for two members that, before handing the connecting member its peer's address,
+// connects a stray socket to that address first (and optionally writes random bytes on it), as
+// a port scanner or a misdirected client would while the port is open.
+class StrayStore : public gloo::rendezvous::Store {
+ public:
+  StrayStore(gloo::rendezvous::HashStore* shared, int reader, bool random_bytes,
+             std::vector<int>* strays, absl::Mutex* mu)
+      : shared_(shared), reader_(reader), random_(random_bytes), strays_(strays), mu_(mu) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    shared_->set(key, data);
+  }
+  void wait(const std::vector<std::string>& keys) override { shared_->wait(keys); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    shared_->wait(keys, timeout);
+  }
+  std::vector<char> get(const std::string& key) override {
+    std::vector<char> value = shared_->get(key);
+    int writer = -1;
+    if (!absl::SimpleAtoi(key, &writer) || writer == reader_) return value;
+    std::vector<char> mine = shared_->get(std::to_string(reader_));
+    const auto* own = reinterpret_cast<const sockaddr_in*>(mine.data());
+    const auto* peer = reinterpret_cast<const sockaddr_in*>(value.data());
+    // Gloo's rule (tcp::Pair::connect): the greater address connects.
+    const int rv = std::memcmp(&own->sin_addr, &peer->sin_addr, sizeof(in_addr));
+    const bool connects = rv != 0 ? rv > 0 : own->sin_port - peer->sin_port > 0;
+    if (!connects) return value;
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd >= 0 && connect(fd, reinterpret_cast<const sockaddr*>(peer), sizeof(*peer)) == 0) {
+      if (random_) {
+        std::mt19937 gen(42);
+        std::vector<char> junk(256);
+        for (char& c : junk) c = static_cast<char>(gen());
+        (void)!write(fd, junk.data(), junk.size());
+      }
+      absl::MutexLock l(mu_);
+      strays_->push_back(fd);
+    } else if (fd >= 0) {
+      close(fd);
+    }
+    // Let the listening member's transport accept the stray before the member connects.
+    absl::SleepFor(absl::Milliseconds(200));
+    return value;
+  }
+
+ private:
+  gloo::rendezvous::HashStore* const shared_;
+  const int reader_;
+  const bool random_;
+  std::vector<int>* const strays_;
+  absl::Mutex* const mu_;
+};
+
+class GlooStrayTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(GlooStrayTest, Create_StrayConnectionTakesThePort_NamedAsStrayNotAsADeadPeer) {
+  gloo::rendezvous::HashStore shared;
+  std::vector<int> strays;
+  absl::Mutex mu;
+  constexpr absl::Duration kTimeout = absl::Seconds(2);
+  std::vector<absl::Status> statuses(2);
+  std::vector<std::thread> members;
+  for (int r = 0; r < 2; ++r) {
+    members.emplace_back([&, r] {
+      StrayStore store(&shared, r, GetParam(), &strays, &mu);
+      auto dev = CreateGlooDevice("127.0.0.1");
+      if (!dev.ok()) {
+        statuses[r] = dev.status();
+        return;
+      }
+      statuses[r] = GlooCommunicator::Create(store, *dev, r, 2, kTimeout).status();
+    });
+  }
+  for (auto& t : members) t.join();
+  {
+    absl::MutexLock l(&mu);
+    ASSERT_EQ(strays.size(), 1u);
+    for (int fd : strays) close(fd);
+  }
+  // The connecting member found the port taken: it says so, naming the member it tried.
+  int named = 0;
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(absl::StrCat("member ", r, ": ", statuses[r].ToString()));
+    EXPECT_FALSE(statuses[r].ok());
+    if (ErrorKindOf(statuses[r]) != ErrorKind::kStrayConnection) continue;
+    ++named;
+    EXPECT_EQ(statuses[r].code(), absl::StatusCode::kUnavailable);
+    EXPECT_EQ(ErrorPeerOf(statuses[r]), 1 - r);
+    EXPECT_THAT(statuses[r].message(), HasSubstr("a stray connection"));
+    EXPECT_THAT(statuses[r].message(), Not(HasSubstr("probably died")));
+  }
+  EXPECT_EQ(named, 1);
+}
+
+TEST(ErrorKindTest, SetErrorKind_KeptThroughAnnotate_ReadBack) {
+  absl::Status s = SetErrorKind(absl::UnavailableError("x"), ErrorKind::kPeerFailure, 3);
+  s = Annotate(Annotate(s, "inner"), "outer");
+  EXPECT_EQ(s.message(), "outer: inner: x");
+  EXPECT_EQ(ErrorKindOf(s), ErrorKind::kPeerFailure);
+  EXPECT_EQ(ErrorPeerOf(s), 3);
+  EXPECT_EQ(ErrorKindOf(absl::UnavailableError("no kind")), ErrorKind::kUnknown);
+  EXPECT_EQ(ErrorPeerOf(absl::UnavailableError("no kind")), -1);
+  EXPECT_EQ(ErrorKindOf(SetErrorKind(absl::OkStatus(), ErrorKind::kTimeout)), ErrorKind::kUnknown);
+}
+
+INSTANTIATE_TEST_SUITE_P(SilenceAndRandomBytes, GlooStrayTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "RandomBytes" : "Silence"; });
+
+}  // namespace
+}  // namespace modelavg::client

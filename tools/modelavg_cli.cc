@@ -1,0 +1,465 @@
+// modelavg: the command line for a running coordinator.
+//
+//   modelavg jobs                                   every job, one line each
+//   modelavg job ID                                 one job: its plan, members, last change
+//   modelavg schedule ID --from=S --count=N [--rank=R]   the averaging decisions of N steps
+//   modelavg watch ID [--watch_ms=T]                the job's events as they happen
+//   modelavg create -f spec.json                    create a job from a JobSpec in JSON
+//   modelavg delete ID                              delete a job
+//
+// Connection: --coordinator=HOST:PORT (default $MODELAVG_COORDINATOR, else 127.0.0.1:50051),
+// --token_file (sends "authorization: Bearer <token>"; default $MODELAVG_TOKEN_FILE), --tls
+// with --tls_ca_file, and --tls_cert_file/--tls_key_file for mutual TLS. Output: tables for people
+// by default, --json for scripts (one JSON object; `watch`: one per line). Exit status 0 on
+// success; 1 with one line on stderr saying what failed; 2 on a usage error.
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/file_util.h"
+#include "google/protobuf/util/json_util.h"
+#include "grpcpp/grpcpp.h"
+#include "modelavg/v1/coordinator.grpc.pb.h"
+
+namespace {
+
+std::string EnvOr(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : fallback;
+}
+
+}  // namespace
+
+ABSL_FLAG(std::string, coordinator, EnvOr("MODELAVG_COORDINATOR", "127.0.0.1:50051"),
+          "HOST:PORT of the coordinator (default: $MODELAVG_COORDINATOR, else 127.0.0.1:50051)");
+ABSL_FLAG(std::string, token_file, EnvOr("MODELAVG_TOKEN_FILE", ""),
+          "file holding the operator token, sent as \"authorization: Bearer <token>\" "
+          "(default: $MODELAVG_TOKEN_FILE)");
+ABSL_FLAG(bool, tls, false, "TLS to the coordinator (implied by --tls_ca_file)");
+ABSL_FLAG(std::string, tls_ca_file, "",
+          "PEM file of the CA that signed the coordinator's certificate (empty with --tls: the "
+          "system's roots)");
+ABSL_FLAG(std::string, tls_cert_file, "", "mutual TLS: this client's certificate (PEM)");
+ABSL_FLAG(std::string, tls_key_file, "", "mutual TLS: this client's private key (PEM)");
+ABSL_FLAG(int64_t, timeout_ms, 10000, "deadline of each call, milliseconds");
+ABSL_FLAG(bool, json, false, "print JSON (the API's messages) instead of tables");
+ABSL_FLAG(int64_t, from, 0, "schedule: first step");
+ABSL_FLAG(int64_t, count, 20, "schedule: number of steps");
+ABSL_FLAG(int32_t, rank, -1, "schedule: only this rank's decisions (-1: every subgroup)");
+ABSL_FLAG(std::string, f, "", "create: the JobSpec file (JSON), '-' for standard input");
+ABSL_FLAG(int64_t, watch_ms, 0, "watch: stop after this many milliseconds (0: until the job "
+                                "is deleted or the coordinator stops)");
+
+namespace {
+
+namespace v1 = modelavg::v1;
+using google::protobuf::util::JsonPrintOptions;
+
+constexpr char kUsage[] =
+    "The command line for a modelavg coordinator.\n"
+    "  modelavg [flags] jobs\n"
+    "  modelavg [flags] job ID\n"
+    "  modelavg [flags] schedule ID --from=S --count=N [--rank=R]\n"
+    "  modelavg [flags] watch ID [--watch_ms=T]\n"
+    "  modelavg [flags] create -f spec.json\n"
+    "  modelavg [flags] delete ID\n"
+    "Flags: --coordinator=HOST:PORT --token_file=F --tls --tls_ca_file=F --tls_cert_file=F "
+    "--tls_key_file=F --timeout_ms=T --json (see --help)";
+
+std::atomic<bool> g_interrupted{false};
+
+class Failure : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+std::string ReadOrFail(const std::string& path, const char* flag) {
+  absl::StatusOr<std::string> text = modelavg::ReadFileToString(path);
+  if (!text.ok()) throw Failure(absl::StrCat("--", flag, ": ", text.status().message()));
+  return *std::move(text);
+}
+
+std::string CodeName(grpc::StatusCode code) {
+  static const char* const kNames[] = {
+      "OK",        "CANCELLED",         "UNKNOWN",          "INVALID_ARGUMENT",
+      "DEADLINE_EXCEEDED", "NOT_FOUND",  "ALREADY_EXISTS",   "PERMISSION_DENIED",
+      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+      "UNIMPLEMENTED", "INTERNAL",      "UNAVAILABLE",      "DATA_LOSS",
+      "UNAUTHENTICATED"};
+  const int c = static_cast<int>(code);
+  return c >= 0 && c < 17 ? kNames[c] : absl::StrCat("code ", c);
+}
+
+void Check(const grpc::Status& status, const std::string& what) {
+  if (status.ok()) return;
+  std::string hint;
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    hint = absl::StrCat(" (is the coordinator running at ", absl::GetFlag(FLAGS_coordinator),
+                        "? TLS on one side only? set --coordinator or $MODELAVG_COORDINATOR)");
+  } else if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+    hint = " (pass the operator token: --token_file or $MODELAVG_TOKEN_FILE)";
+  }
+  throw Failure(absl::StrCat(what, ": ", CodeName(status.error_code()), ": ",
+                             status.error_message(), hint));
+}
+
+class Cli {
+ public:
+  Cli() {
+    std::shared_ptr<grpc::ChannelCredentials> creds;
+    const bool tls = absl::GetFlag(FLAGS_tls) || !absl::GetFlag(FLAGS_tls_ca_file).empty() ||
+                     !absl::GetFlag(FLAGS_tls_cert_file).empty();
+    if (tls) {
+      grpc::SslCredentialsOptions ssl;
+      if (const std::string ca = absl::GetFlag(FLAGS_tls_ca_file); !ca.empty()) {
+        ssl.pem_root_certs = ReadOrFail(ca, "tls_ca_file");
+      }
+      const std::string cert = absl::GetFlag(FLAGS_tls_cert_file);
+      const std::string key = absl::GetFlag(FLAGS_tls_key_file);
+      if (cert.empty() != key.empty()) {
+        throw Failure("mutual TLS needs both --tls_cert_file and --tls_key_file");
+      }
+      if (!cert.empty()) {
+        ssl.pem_cert_chain = ReadOrFail(cert, "tls_cert_file");
+        ssl.pem_private_key = ReadOrFail(key, "tls_key_file");
+      }
+      creds = grpc::SslCredentials(ssl);
+    } else {
+      if (!absl::GetFlag(FLAGS_tls_key_file).empty()) {
+        throw Failure("--tls_key_file needs --tls_cert_file");
+      }
+      creds = grpc::InsecureChannelCredentials();
+    }
+    if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+      absl::StatusOr<std::string> token = modelavg::ReadTokenFile(path);
+      if (!token.ok()) throw Failure(absl::StrCat("--token_file: ", token.status().message()));
+      token_ = *std::move(token);
+    }
+    stub_ = v1::Coordinator::NewStub(grpc::CreateChannel(absl::GetFlag(FLAGS_coordinator), creds));
+  }
+
+  std::unique_ptr<grpc::ClientContext> Context(bool deadline = true) const {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    if (deadline) {
+      ctx->set_deadline(std::chrono::system_clock::now() +
+                        std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));
+    }
+    if (!token_.empty()) ctx->AddMetadata("authorization", "Bearer " + token_);
+    return ctx;
+  }
+
+  v1::Coordinator::Stub* stub() { return stub_.get(); }
+
+ private:
+  std::string token_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+};
+
+std::string Json(const google::protobuf::Message& m, bool one_line = false) {
+  JsonPrintOptions options;
+  options.add_whitespace = !one_line;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  std::string out;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, options);
+  if (!one_line && !out.empty() && out.back() != '\n') out += "\n";
+  return out;
+}
+
+// Columns padded to their widest cell.
+class Table {
+ public:
+  explicit Table(std::vector<std::string> header) { rows_.push_back(std::move(header)); }
+  void Add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  void Print(std::ostream& out) const {
+    std::vector<size_t> width;
+    for (const auto& row : rows_) {
+      for (size_t i = 0; i < row.size(); ++i) {
+        if (width.size() <= i) width.push_back(0);
+        width[i] = std::max(width[i], row[i].size());
+      }
+    }
+    for (const auto& row : rows_) {
+      std::string line;
+      for (size_t i = 0; i < row.size(); ++i) {
+        line += row[i];
+        if (i + 1 < row.size()) line += std::string(width[i] - row[i].size() + 2, ' ');
+      }
+      out << line << "\n";
+    }
+  }
+
+ private:
+  std::vector<std::vector<std::string>> rows_;
+};
+
+std::string Step(int64_t s) { return s < 0 ? "-" : absl::StrCat(s); }
+
+std::string Mode(const v1::JobSpec& spec) {
+  return spec.mode() == v1::PERIODIC ? "periodic" : "hierarchical";
+}
+
+std::string Levels(const v1::JobSpec& spec) {
+  std::vector<std::string> levels;
+  for (const v1::Level& l : spec.levels()) {
+    levels.push_back(absl::StrCat("(", l.period(), ", ", l.group_size(), ")"));
+  }
+  return absl::StrJoin(levels, " ");
+}
+
+std::string When(int64_t unix_ms) {
+  if (unix_ms <= 0) return "-";
+  return absl::FormatTime("%Y-%m-%d %H:%M:%E3S", absl::FromUnixMillis(unix_ms),
+                          absl::LocalTimeZone());
+}
+
+int Jobs(Cli& cli) {
+  v1::ListJobsResponse all;
+  v1::ListJobsRequest request;
+  request.set_page_size(1000);
+  while (true) {
+    v1::ListJobsResponse page;
+    Check(cli.stub()->ListJobs(cli.Context().get(), request, &page), "ListJobs");
+    for (v1::Job& j : *page.mutable_jobs()) *all.add_jobs() = std::move(j);
+    if (page.next_page_token().empty()) break;
+    request.set_page_token(page.next_page_token());
+  }
+  if (absl::GetFlag(FLAGS_json)) {
+    std::cout << Json(all);
+    return 0;
+  }
+  if (all.jobs().empty()) {
+    std::cout << "no jobs\n";
+    return 0;
+  }
+  Table t({"JOB", "STATE", "MODE", "LEVELS", "GEN", "LIVE/WORLD", "VACANT", "DEATHS",
+           "ADMITTED", "MIN_STEP", "MAX_STEP"});
+  for (const v1::Job& j : all.jobs()) {
+    t.Add({j.spec().job_id(), v1::JobState_Name(j.state()), Mode(j.spec()), Levels(j.spec()),
+           absl::StrCat(j.generation()),
+           absl::StrCat(j.live_world_size(), "/", j.spec().world_size()),
+           j.vacant_ranks().empty() ? "-" : absl::StrJoin(j.vacant_ranks(), ","),
+           absl::StrCat(j.deaths()), absl::StrCat(j.admissions()), Step(j.min_step()),
+           Step(j.max_step())});
+  }
+  t.Print(std::cout);
+  return 0;
+}
+
+void PrintJob(const v1::Job& j) {
+  const v1::JobSpec& s = j.spec();
+  Table kv({"job", s.job_id()});
+  kv.Add({"state", v1::JobState_Name(j.state())});
+  kv.Add({"generation", absl::StrCat(j.generation())});
+  kv.Add({"plan", absl::StrCat(Mode(s), ", warm-up ", s.warmup_steps(),
+                               ", levels (period, group size): ", Levels(s))});
+  kv.Add({"world", absl::StrCat(j.live_world_size(), " live of ", s.world_size(),
+                                s.min_world_size() > 0
+                                    ? absl::StrCat(" (elastic, at least ", s.min_world_size(), ")")
+                                    : std::string())});
+  if (!j.vacant_ranks().empty()) kv.Add({"vacant ranks", absl::StrJoin(j.vacant_ranks(), ", ")});
+  kv.Add({"steps", j.min_step() < 0 ? "none reported"
+                                    : absl::StrCat(j.min_step(), " to ", j.max_step())});
+  kv.Add({"deaths", absl::StrCat(j.deaths(), ", admissions ", j.admissions())});
+  kv.Add({"heartbeat timeout", absl::StrCat(s.heartbeat_timeout_ms(), " ms")});
+  kv.Add({"created", When(j.created_unix_ms())});
+  if (j.has_last_change()) {
+    kv.Add({"last change", absl::StrCat("generation ", j.last_change().generation(), ": ",
+                                        j.last_change().reason(), " (", When(j.last_change().unix_ms()),
+                                        ")")});
+  }
+  for (const std::string& w : j.warnings()) kv.Add({"warning", w});
+  kv.Print(std::cout);
+  std::cout << "\n";
+  if (j.members_omitted()) {
+    std::cout << "members: too many to list (use --json with GetJob's limits in mind)\n";
+    return;
+  }
+  if (j.members().empty()) {
+    std::cout << "members: none yet\n";
+    return;
+  }
+  Table t({"RANK", "WORKER", "HOST", "STATE", "STEP", "LAG", "HEARTBEAT_MS", "ADMITTED_AT", "GEN"});
+  for (const v1::Member& m : j.members()) {
+    const bool lag = m.last_step() >= 0 && j.max_step() >= 0;
+    t.Add({absl::StrCat(m.rank()), m.worker_id(), m.host(), v1::MemberState_Name(m.state()),
+           Step(m.last_step()), lag ? absl::StrCat(j.max_step() - m.last_step()) : "-",
+           absl::StrCat(m.ms_since_heartbeat()), Step(m.admitted_step()),
+           absl::StrCat(m.generation())});
+  }
+  t.Print(std::cout);
+}
+
+int GetJob(Cli& cli, const std::string& id) {
+  v1::GetJobRequest request;
+  request.set_job_id(id);
+  v1::Job job;
+  Check(cli.stub()->GetJob(cli.Context().get(), request, &job), "GetJob");
+  if (absl::GetFlag(FLAGS_json)) {
+    std::cout << Json(job);
+  } else {
+    PrintJob(job);
+  }
+  return 0;
+}
+
+int Schedule(Cli& cli, const std::string& id) {
+  v1::GetScheduleRequest request;
+  request.set_job_id(id);
+  request.set_from_step(absl::GetFlag(FLAGS_from));
+  request.set_count(absl::GetFlag(FLAGS_count));
+  if (absl::GetFlag(FLAGS_rank) >= 0) request.set_rank(absl::GetFlag(FLAGS_rank));
+  v1::GetScheduleResponse reply;
+  Check(cli.stub()->GetSchedule(cli.Context().get(), request, &reply), "GetSchedule");
+  if (absl::GetFlag(FLAGS_json)) {
+    std::cout << Json(reply);
+    return 0;
+  }
+  Table t({"STEP", "ACTION", "LEVEL", "PERIOD", "SUBGROUP", "RANKS", "GEN"});
+  for (const v1::StepDecision& d : reply.decisions()) {
+    const bool avg = d.action() == v1::AVERAGE;
+    t.Add({absl::StrCat(d.step()), v1::Action_Name(d.action()),
+           avg ? absl::StrCat(d.level()) : "-", avg ? absl::StrCat(d.period()) : "-",
+           avg ? absl::StrCat(d.subgroup()) : "-", avg ? absl::StrJoin(d.ranks(), ",") : "-",
+           absl::StrCat(d.generation())});
+  }
+  t.Print(std::cout);
+  return 0;
+}
+
+int Watch(Cli& cli, const std::string& id) {
+  v1::WatchJobRequest request;
+  request.set_job_id(id);
+  std::unique_ptr<grpc::ClientContext> ctx = cli.Context(/*deadline=*/false);
+  grpc::ClientContext* raw = ctx.get();
+  const int64_t limit_ms = absl::GetFlag(FLAGS_watch_ms);
+  // Ends the stream on Ctrl-C / SIGTERM or after --watch_ms.
+  std::atomic<bool> done{false};
+  std::thread stopper([raw, &done, limit_ms] {
+    const absl::Time end = limit_ms > 0 ? absl::Now() + absl::Milliseconds(limit_ms)
+                                        : absl::InfiniteFuture();
+    while (!done.load() && !g_interrupted.load() && absl::Now() < end) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    if (!done.load()) raw->TryCancel();
+  });
+  std::unique_ptr<grpc::ClientReader<v1::JobEvent>> reader =
+      cli.stub()->WatchJob(raw, request);
+  v1::JobEvent event;
+  const bool json = absl::GetFlag(FLAGS_json);
+  while (reader->Read(&event)) {
+    if (json) {
+      std::cout << Json(event, /*one_line=*/true) << "\n" << std::flush;
+      continue;
+    }
+    const v1::Job& j = event.job();
+    std::string kind = v1::JobEvent::Kind_Name(event.kind());
+    std::cout << When(event.unix_ms()) << "  " << kind << "  generation " << j.generation()
+              << "  " << v1::JobState_Name(j.state()) << "  live " << j.live_world_size() << "/"
+              << j.spec().world_size();
+    if (event.rank() >= 0) std::cout << "  rank " << event.rank();
+    if (!event.message().empty()) std::cout << "  " << event.message();
+    std::cout << "\n" << std::flush;
+  }
+  const grpc::Status status = reader->Finish();
+  done.store(true);
+  stopper.join();
+  if (status.error_code() == grpc::StatusCode::CANCELLED) return 0;  // we stopped it
+  Check(status, "WatchJob");
+  return 0;
+}
+
+int Create(Cli& cli) {
+  const std::string path = absl::GetFlag(FLAGS_f);
+  if (path.empty()) throw Failure("create needs -f FILE (a JobSpec in JSON; '-' for stdin)");
+  std::string text;
+  if (path == "-") {
+    text.assign(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
+  } else {
+    text = ReadOrFail(path, "f");
+  }
+  v1::CreateJobRequest request;
+  google::protobuf::util::JsonParseOptions parse;
+  const auto parsed =
+      google::protobuf::util::JsonStringToMessage(text, request.mutable_spec(), parse);
+  if (!parsed.ok()) {
+    throw Failure(absl::StrCat(path, " is not a JobSpec in JSON: ", parsed.ToString(),
+                               " (e.g. {\"job_id\": \"demo\", \"world_size\": 4, \"mode\": "
+                               "\"PERIODIC\", \"levels\": [{\"period\": 4, \"group_size\": 4}]})"));
+  }
+  v1::Job job;
+  Check(cli.stub()->CreateJob(cli.Context().get(), request, &job), "CreateJob");
+  if (absl::GetFlag(FLAGS_json)) {
+    std::cout << Json(job);
+  } else {
+    std::cout << "created job " << job.spec().job_id() << "\n";
+    PrintJob(job);
+  }
+  return 0;
+}
+
+int Delete(Cli& cli, const std::string& id) {
+  v1::DeleteJobRequest request;
+  request.set_job_id(id);
+  v1::DeleteJobResponse reply;
+  Check(cli.stub()->DeleteJob(cli.Context().get(), request, &reply), "DeleteJob");
+  if (absl::GetFlag(FLAGS_json)) {
+    v1::GetJobRequest deleted;  // {"job_id": ...}, escaped as JSON
+    deleted.set_job_id(id);
+    std::cout << Json(deleted);
+  } else {
+    std::cout << "deleted job " << id << "\n";
+  }
+  return 0;
+}
+
+int Usage(const std::string& why) {
+  std::cerr << "modelavg: " << why << "\n" << kUsage << "\n";
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(kUsage);
+  std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  std::vector<std::string> args(positional.begin() + 1, positional.end());
+  if (args.empty()) return Usage("no command");
+  const std::string& command = args[0];
+  const bool needs_id = command == "job" || command == "schedule" || command == "watch" ||
+                        command == "delete";
+  if (needs_id && args.size() != 2) return Usage(absl::StrCat(command, " needs one job id"));
+  if ((command == "jobs" || command == "create") && args.size() != 1) {
+    return Usage(absl::StrCat(command, " takes no arguments"));
+  }
+  signal(SIGINT, [](int) { g_interrupted.store(true); });
+  signal(SIGTERM, [](int) { g_interrupted.store(true); });
+  try {
+    Cli cli;
+    if (command == "jobs") return Jobs(cli);
+    if (command == "job") return GetJob(cli, args[1]);
+    if (command == "schedule") return Schedule(cli, args[1]);
+    if (command == "watch") return Watch(cli, args[1]);
+    if (command == "create") return Create(cli);
+    if (command == "delete") return Delete(cli, args[1]);
+    return Usage(absl::StrCat("unknown command \"", command, "\""));
+  } catch (const Failure& e) {
+    std::cerr << "modelavg: " << e.what() << "\n";
+    return 1;
+  }
+}
