@@ -736,7 +736,6 @@ absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
 absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, Payload payload,
                                              int divisor, float* out) {
   const int n = size_;
-  const absl::Time started = absl::Now();
   // Chunk j: elements [j * chunk, min((j + 1) * chunk, numel)), encoded into `enc` bytes
   // (zero-padded to `chunk` elements so that every member's pieces have one size).
   const int64_t chunk = (numel + n - 1) / n;

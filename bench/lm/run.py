@@ -56,22 +56,30 @@ def parse_args():
     p.add_argument("--modes", default="none,ddp,torch_avg,modelavg",
                    help=f"comma-separated, from {sorted(modes.MODES)} (none first: the floor)")
     p.add_argument("--rate_mbit", type=float, default=50, help="the site link's rate")
-    p.add_argument("--target_loss", type=float, default=2.2,
+    p.add_argument("--target_loss", type=float, default=2.6,
                    help="validation loss (nats per byte) to reach")
-    p.add_argument("--max_steps", type=int, default=1500)
+    p.add_argument("--max_steps", type=int, default=1200)
     p.add_argument("--floor_steps", type=int, default=128,
                    help="steps the `none` mode runs (it measures seconds per step)")
     p.add_argument("--eval_every", type=int, default=32)
     p.add_argument("--d_model", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--context", type=int, default=32)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--timeout_s", type=float, default=1800, help="per mode")
     p.add_argument("--out_dir", default=os.path.join(REPO, "bench", "lm", "out"))
     p.add_argument("--build_dir", default=os.path.join(REPO, "build"))
     p.add_argument("--python", default="/usr/bin/python3")
-    return p.parse_args()
+    p.add_argument("--smoke", action="store_true",
+                   help="CI: a tiny model for a few dozen steps, every mode; fails unless each "
+                        "mode's loss fell and PyTorch's averagers and modelavg's agree; skips "
+                        "(77) without namespaces unless MODELAVG_REQUIRE_CLUSTER=1")
+    args = p.parse_args()
+    if args.smoke:
+        args.d_model, args.layers, args.batch, args.max_steps = 32, 1, 4, 66
+        args.floor_steps, args.target_loss = 66, 0.0
+    return args
 
 
 def run_mode(args, cluster, mode, tmp, corpus_path):
@@ -82,7 +90,7 @@ def run_mode(args, cluster, mode, tmp, corpus_path):
     procs = []
     coordinator = None
     env = dict(os.environ, PYTHONPATH=os.path.join(args.build_dir, "python"),
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     if mode in modes.NEEDS_COORDINATOR:
         log = open(os.path.join(tmp, f"{mode}.coordinator.log"), "w")
         coordinator = cluster.popen("coord", [
@@ -176,6 +184,9 @@ def main():
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; known: {sorted(modes.MODES)}")
     reason = nc.unavailable_reason()
+    if reason and args.smoke and os.environ.get("MODELAVG_REQUIRE_CLUSTER") != "1":
+        print(f"SKIP: {reason} (MODELAVG_REQUIRE_CLUSTER=1 fails instead)")
+        sys.exit(77)
     if reason:
         raise SystemExit(f"the benchmark needs a cluster of network namespaces: {reason}")
     signal.signal(signal.SIGTERM, lambda s, f: (_ for _ in ()).throw(SystemExit(143)))
@@ -210,6 +221,23 @@ def main():
         json.dump({"args": vars(args), "floor_s_per_step": floor, "results": results}, f,
                   indent=1)
     print(f"plot: {png}")
+    if args.smoke:
+        smoke_check(results)
+
+
+def smoke_check(results):
+    by = {r["mode"]: r for r in results}
+    for r in results:
+        first, last = r["evals"][0]["val_loss"], r["final_loss"]
+        if not last < first:
+            raise SystemExit(f"FAIL: mode {r['mode']}: validation loss went from {first:.3f} "
+                             f"to {last:.3f}")
+    if "torch_avg" in by and "modelavg" in by:
+        a, b = by["torch_avg"]["final_loss"], by["modelavg"]["final_loss"]
+        if abs(a - b) > 0.01:
+            raise SystemExit(f"FAIL: the same schedule gave {a:.4f} with PyTorch's averagers "
+                             f"and {b:.4f} with modelavg's")
+    print("smoke: every mode's loss fell; PyTorch's averagers and modelavg agree")
 
 
 if __name__ == "__main__":

@@ -13,5 +13,7 @@ modelavg_add_gtest(server_bounds_test SOURCES server_bounds_test.cc LIBS modelav
 # Per-member credentials: each rank-scoped call without, with a wrong and with the right one.
 modelavg_add_gtest(server_credentials_test SOURCES server_credentials_test.cc
   LIBS modelavg_server_core)
+modelavg_add_gtest(server_silent_members_test SOURCES server_silent_members_test.cc
+                   LIBS modelavg_server_core)
 # The status page of the HTTP port: contents, escaping, the operator token.
 modelavg_add_gtest(status_page_test SOURCES status_page_test.cc LIBS modelavg_server)

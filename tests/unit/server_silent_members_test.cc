@@ -1,0 +1,111 @@
+// The coordinator cut off from its members: when every member of a running job falls silent at
+// once and none of their connections broke, nobody is declared dead (the coordinator's own
+// network is the likelier fault); a member that does not come back after the others do is.
+// One member silent alone is declared dead as before.
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/clock.h"
+#include "gtest/gtest.h"
+#include "google/protobuf/text_format.h"
+#include "server/job.h"
+#include "server/job_registry.h"
+#include "server/state_store.h"
+
+namespace modelavg::server {
+namespace {
+
+class SilentMembersTest : public ::testing::Test {
+ protected:
+  SilentMembersTest() {
+    JobRegistryOptions options;
+    options.clock = &clock_;
+    options.start_staleness_thread = false;
+    options.defaults.heartbeat_timeout = absl::Seconds(2);
+    options.store = &store_;
+    registry_ = std::make_unique<JobRegistry>(options);
+  }
+
+  std::shared_ptr<Job> RunningJob(const std::string& extra) {
+    v1::JobSpec spec;
+    EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(
+        absl::StrCat(R"pb(job_id: "s" world_size: 4 mode: PERIODIC
+                          levels { period: 2 group_size: 4 } )pb",
+                     extra),
+        &spec));
+    EXPECT_TRUE(registry_->CreateJob(spec, nullptr).ok());
+    std::shared_ptr<Job> job = *registry_->Find("s");
+    for (int r = 0; r < 4; ++r) {
+      v1::JoinRequest request;
+      request.set_job_id("s");
+      request.set_worker_id(absl::StrCat("w", r));
+      request.set_rank(r);
+      job->Join(request, absl::InfiniteFuture(), registry_->NewWaitId(),
+                [this](absl::StatusOr<v1::JoinResponse> resp) {
+                  if (resp.ok()) credentials_[resp->rank()] = resp->credential();
+                });
+    }
+    return job;
+  }
+
+  void Beat(Job& job, int rank) {
+    v1::HeartbeatRequest hb;
+    hb.set_job_id("s");
+    hb.set_rank(rank);
+    hb.set_generation(1);
+    hb.set_step(5);
+    hb.set_credential(credentials_[rank]);
+    v1::HeartbeatResponse reply;
+    EXPECT_TRUE(job.Heartbeat(hb, &reply).ok());
+  }
+
+  v1::Job State(const Job& job) {
+    v1::Job state;
+    job.ToProto(&state);
+    return state;
+  }
+
+  FakeClock clock_;
+  InMemoryStateStore store_;
+  std::unique_ptr<JobRegistry> registry_;
+  std::map<int, std::string> credentials_;
+};
+
+TEST_F(SilentMembersTest, AllSilentTogether_NobodyDeclaredDead_UntilOneStaysAway) {
+  std::shared_ptr<Job> job = RunningJob("");
+  ASSERT_EQ(State(*job).state(), v1::RUNNING);
+  // Four times the heartbeat timeout without a beat from anyone.
+  for (int i = 0; i < 16; ++i) {
+    clock_.Advance(absl::Milliseconds(500));
+    job->CheckStaleness();
+  }
+  EXPECT_EQ(State(*job).generation(), 1);
+  EXPECT_EQ(State(*job).state(), v1::RUNNING);
+  // Three come back; rank 3 does not: once the others beat again it is declared dead.
+  for (int i = 0; i < 12; ++i) {
+    for (int r = 0; r < 3; ++r) Beat(*job, r);
+    clock_.Advance(absl::Milliseconds(500));
+    job->CheckStaleness();
+  }
+  const v1::Job state = State(*job);
+  EXPECT_EQ(state.generation(), 2);
+  EXPECT_NE(state.last_change().reason().find("rank 3"), std::string::npos)
+      << state.last_change().reason();
+}
+
+TEST_F(SilentMembersTest, OneSilent_DeclaredDeadAfterTheTimeout) {
+  std::shared_ptr<Job> job = RunningJob("min_world_size: 3");
+  for (int i = 0; i < 6; ++i) {
+    for (int r = 0; r < 3; ++r) Beat(*job, r);
+    clock_.Advance(absl::Milliseconds(500));
+    job->CheckStaleness();
+  }
+  const v1::Job state = State(*job);
+  EXPECT_EQ(state.generation(), 2);
+  EXPECT_EQ(state.live_world_size(), 3);
+}
+
+}  // namespace
+}  // namespace modelavg::server
