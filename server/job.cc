@@ -779,7 +779,10 @@ void Job::CancelWait(WaitId wait_id) {
 }
 
 bool Job::SilentTogether(const std::vector<int32_t>& stale, absl::Time now) const {
-  if (stale.empty()) return false;
+  return !stale.empty() && AllSilent(now);
+}
+
+bool Job::AllSilent(absl::Time now) const {
   // Every member of the round (two or more) has been silent for over 3/4 of the timeout (a live
   // client beats every 100 ms), and no heartbeat stream broke.
   int32_t in_round = 0;
@@ -805,11 +808,14 @@ void Job::CheckStaleness() {
   std::vector<int32_t> dead =
       now < grace_until_ ? std::vector<int32_t>{}
                          : membership_.Stale(now, heartbeat_timeout_, StreamLostGrace());
-  if (SilentTogether(dead, now)) {
+  if (!AllSilent(now)) silent_since_ = absl::InfiniteFuture();
+  if (SilentTogether(dead, now) && silent_since_ == absl::InfiniteFuture()) silent_since_ = now;
+  if (SilentTogether(dead, now) && now - silent_since_ < MaxSilentTogether()) {
     // Every member fell silent at once and no connection broke (a dead process's does): the
     // coordinator's own network is the likelier fault (docs/cluster.md). Nobody is declared
     // dead; the members get what a restart gives them, a grace to re-attach in, renewed while
-    // the silence lasts. A member that does not come back is declared dead once it is over.
+    // the silence lasts, for at most MaxSilentTogether(). A member that does not come back is
+    // declared dead once it is over.
     if (now >= grace_until_ + heartbeat_timeout_ || grace_until_ == absl::InfinitePast()) {
       spdlog::warn("job {}: all {} members sent no heartbeat for over {} ms and no connection "
                    "broke: this coordinator looks cut off from them; declaring nobody dead "

@@ -198,6 +198,11 @@ class Job {
   // coordinator, not the members, lost the network.
   bool SilentTogether(const std::vector<int32_t>& stale, absl::Time now) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every member of the round (two or more) silent for over 3/4 of the timeout, no stream broke.
+  bool AllSilent(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // How long a silence of every member is ridden through before the silent are declared dead
+  // as usual (they may all be gone: a whole job killed at once).
+  absl::Duration MaxSilentTogether() const { return 3 * heartbeat_timeout_; }
   // Reacts to what a membership operation did: fails the waits of an old generation, drops its
   // ids, completes the round's Joins, logs and emits events.
   void OnMembershipChange(const MembershipChange& change, Outbox* out)
@@ -249,6 +254,8 @@ class Job {
   uint64_t next_watcher_id_ ABSL_GUARDED_BY(mu_) = 1;
   // Restore: no heartbeat timeout before this time.
   absl::Time grace_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  // When every member of the round fell silent together (InfiniteFuture: not now).
+  absl::Time silent_since_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   // Set by Close: every new wait fails with it.
   absl::Status closed_ ABSL_GUARDED_BY(mu_);
   // Set while a death could not be written (UNAVAILABLE, saying why): every call fails with it.

@@ -88,7 +88,9 @@ def start_chromium(group, chromium, url, profile):
             "--window-size=1280,1100", url]
     log_path = os.path.join(os.path.dirname(profile), "chromium.log")
     log = open(log_path, "w")
-    proc = group.start(argv, "chromium", stdout=subprocess.DEVNULL, stderr=log)
+    # Chromium keeps org.chromium.Chromium.* folders in TMPDIR: the test's own, removed after.
+    env = dict(os.environ, TMPDIR=os.path.dirname(profile))
+    proc = group.start(argv, "chromium", stdout=subprocess.DEVNULL, stderr=log, env=env)
     # "DevTools listening on ws://127.0.0.1:PORT/devtools/browser/..." on stderr.
     deadline = time.monotonic() + 60
     text = ""

@@ -62,7 +62,9 @@ def run_job(group, coord, name, launcher, work, python_dir):
     with open(script, "w") as f:
         f.write(WORKER)
     env = dict(os.environ, MODELAVG_COORDINATOR=coord.address, MODELAVG_JOB=name,
-               PYTHONPATH=python_dir, OMP_NUM_THREADS="1")
+               PYTHONPATH=python_dir, OMP_NUM_THREADS="1",
+               # torch.distributed.run keeps its torchelastic_* folder in TMPDIR: ours, removed.
+               TMPDIR=work)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     proc = group.start(launcher + ["--standalone", "--nproc_per_node=2", script], name, env=env)

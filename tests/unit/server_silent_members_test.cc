@@ -76,8 +76,8 @@ class SilentMembersTest : public ::testing::Test {
 TEST_F(SilentMembersTest, AllSilentTogether_NobodyDeclaredDead_UntilOneStaysAway) {
   std::shared_ptr<Job> job = RunningJob("");
   ASSERT_EQ(State(*job).state(), v1::RUNNING);
-  // Four times the heartbeat timeout without a beat from anyone.
-  for (int i = 0; i < 16; ++i) {
+  // Three times the heartbeat timeout without a beat from anyone.
+  for (int i = 0; i < 12; ++i) {
     clock_.Advance(absl::Milliseconds(500));
     job->CheckStaleness();
   }
@@ -92,6 +92,21 @@ TEST_F(SilentMembersTest, AllSilentTogether_NobodyDeclaredDead_UntilOneStaysAway
   const v1::Job state = State(*job);
   EXPECT_EQ(state.generation(), 2);
   EXPECT_NE(state.last_change().reason().find("rank 3"), std::string::npos)
+      << state.last_change().reason();
+}
+
+TEST_F(SilentMembersTest, AllSilentLongerThanTheBound_DeclaredDead) {
+  std::shared_ptr<Job> job = RunningJob("");
+  // A whole job killed at once (no stream to break) is not ridden through forever: three
+  // heartbeat timeouts after the silence was noticed, the silent are declared dead as usual.
+  for (int i = 0; i < 24; ++i) {
+    clock_.Advance(absl::Milliseconds(500));
+    job->CheckStaleness();
+  }
+  const v1::Job state = State(*job);
+  EXPECT_EQ(state.generation(), 2);
+  EXPECT_EQ(state.state(), v1::PENDING);
+  EXPECT_NE(state.last_change().reason().find("heartbeat timeout"), std::string::npos)
       << state.last_change().reason();
 }
 
