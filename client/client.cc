@@ -19,6 +19,7 @@
 #include "client/decision_window.h"
 #include "client/error_kind.h"
 #include "client/gloo_communicator.h"
+#include "client/heartbeat.h"
 #include "client/round_notes.h"
 #include "common/job_spec.h"
 #include "common/status_util.h"
@@ -186,7 +187,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
     absl::StatusOr<v1::Job> job = client->coordinator_->GetJob(client->job_id());
     if (!job.ok()) return Annotate(job.status(), "reading the job a replacement was admitted to");
     std::string why;
-    std::optional<View> view = client->ViewOf(*job, &why);
+    std::optional<MembershipView> view = client->ViewOf(*job, &why);
     if (!view.has_value()) {
       return absl::AbortedError(absl::StrCat("job ", client->job_id(), " changed while rank ",
                                              joined.rank(), " was being admitted (", why,
@@ -222,10 +223,23 @@ Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordin
       last_heartbeat_ok_(absl::Now()),
       incarnation_(std::move(incarnation)) {
   generation_ = generation;
-  view_.generation = generation;
-  view_.live.assign(schedule_.world_size(), true);
-  view_.admitted.assign(schedule_.world_size(), -1);
-  heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
+  view_ = MembershipView::Initial(generation, schedule_.world_size());
+  Heartbeat::Hooks hooks;
+  hooks.current = [this] {
+    absl::MutexLock l(&mu_);
+    return Heartbeat::Beat{step_, generation_, latest_generation_};
+  };
+  hooks.on_reply = [this](const v1::HeartbeatResponse& reply) { NoteHeartbeatReply(reply); };
+  hooks.on_change = [this](const v1::HeartbeatResponse& reply, int64_t seen) {
+    HandleHeartbeatReply(reply, seen);
+  };
+  hooks.on_failure = [this](const absl::Status& error) { NoteHeartbeatFailure(error); };
+  heartbeat_ = std::make_unique<Heartbeat>(
+      *coordinator_,
+      Heartbeat::Options{options_.coordinator, options_.job_id, rank_, options_.credential,
+                         options_.heartbeat_interval, heartbeat_timeout_,
+                         options_.heartbeat_stream},
+      std::move(hooks));
 }
 
 Client::~Client() {
@@ -242,7 +256,7 @@ Client::~Client() {
     absl::MutexLock l(&mu_);
     stopping_ = true;
   }
-  if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+  heartbeat_->Stop();
   // Communicators go before the coordinator connection they were built on.
   communicators_.reset();
 }
@@ -261,7 +275,7 @@ absl::Status Client::Leave(absl::string_view reason) {
                        "; connect a new Client to take part again"));
     }
   }
-  if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+  heartbeat_->Stop();
   communicators_->Clear();
   v1::LeaveRequest req;
   req.set_job_id(options_.job_id);
@@ -386,7 +400,7 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
     // generation if it is one of them. Its collectives of older generations are aborted (a
     // round in flight is retried there, see ModelAverager).
     std::string gone;
-    std::optional<View> view = ViewOf(*job, &gone);
+    std::optional<MembershipView> view = ViewOf(*job, &gone);
     if (view.has_value()) {
       latest_generation_ = std::max(latest_generation_, view->generation);
       const int64_t known = follow_.has_value() ? follow_->generation : generation_;
@@ -422,19 +436,12 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
     }
     return;
   }
-  bool hard = !job.ok();
-  std::vector<int32_t> departed;
-  if (job.ok()) {
-    for (const v1::Member& m : job->members()) {
-      if (m.state() == v1::LEFT) {
-        departed.push_back(m.rank());
-      } else if (m.state() == v1::DEAD || m.generation() > generation_) {
-        hard = true;  // A death or a re-join: every communicator with that rank is broken.
-      }
-    }
-    // A rank missing from the member list has been replaced or removed.
-    if (job->members_size() < schedule_.world_size() && departed.empty()) hard = true;
-  }
+  // Without the job's record, every communicator counts as broken.
+  Departures departures;
+  departures.hard = true;
+  if (job.ok()) departures = DeparturesOf(*job, generation_, schedule_.world_size());
+  const bool hard = departures.hard;
+  std::vector<int32_t> departed = std::move(departures.left);
   if (hard && broken_.ok()) {
     broken_ = SetErrorKind(
         absl::FailedPreconditionError(absl::StrCat(
@@ -448,170 +455,6 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
     departed_ = std::move(departed);
     spdlog::info("job {} moved to generation {} ({}); ranks that left: {}", options_.job_id,
                  generation, why, absl::StrJoin(departed_, ","));
-  }
-}
-
-void Client::HeartbeatLoop() {
-  bool stream = options_.heartbeat_stream;
-  // Between failed streams: from one beat interval, doubling, to at most a quarter of the
-  // heartbeat timeout (so that a coordinator back from a blip hears this rank in time) or 1 s.
-  const absl::Duration min_backoff = options_.heartbeat_interval;
-  const absl::Duration max_backoff =
-      std::max(min_backoff, std::min(absl::Seconds(1), heartbeat_timeout_ / 4));
-  absl::Duration backoff = min_backoff;
-  while (true) {
-    if (!stream) {
-      if (!UnaryHeartbeat()) return;
-      continue;
-    }
-    bool answered = false;
-    const absl::Status s = StreamHeartbeats(&answered);
-    {
-      absl::MutexLock l(&mu_);
-      if (stopping_) return;
-    }
-    if (absl::IsUnimplemented(s) && !answered) {
-      spdlog::warn("the coordinator at {} has no HeartbeatStream (an older version): "
-                   "heartbeating with one call per beat", options_.coordinator);
-      stream = false;
-      continue;
-    }
-    if (answered) backoff = min_backoff;
-    spdlog::debug("heartbeat stream to {} ended: {}; re-opening in {}", options_.coordinator,
-                  s.ToString(), absl::FormatDuration(backoff));
-    NoteHeartbeatFailure(s);
-    {
-      absl::MutexLock l(&mu_);
-      if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), backoff)) return;
-    }
-    backoff = std::min(backoff * 2, max_backoff);
-  }
-}
-
-bool Client::UnaryHeartbeat() {
-  int64_t step;
-  int64_t seen;
-  int64_t generation;
-  {
-    absl::MutexLock l(&mu_);
-    if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.heartbeat_interval)) {
-      return false;
-    }
-    step = step_;
-    seen = latest_generation_;
-    generation = generation_;
-  }
-  v1::HeartbeatRequest req;
-  req.set_job_id(options_.job_id);
-  req.set_rank(rank_);
-  req.set_generation(generation);
-  req.set_step(step);
-  req.set_credential(options_.credential);
-  absl::StatusOr<v1::HeartbeatResponse> resp = coordinator_->Heartbeat(req);
-  if (!resp.ok()) {
-    NoteHeartbeatFailure(resp.status());
-    return true;
-  }
-  NoteHeartbeatReply(*resp);
-  HandleHeartbeatReply(*resp, seen);
-  return true;
-}
-
-absl::Status Client::StreamHeartbeats(bool* answered) {
-  {
-    absl::MutexLock l(&mu_);
-    stream_ended_ = false;
-    stream_change_.reset();
-  }
-  // The coordinator stays silent while nothing changes; it answers at least this often.
-  const int64_t reply_interval_ms = std::max<int64_t>(
-      1, std::min<int64_t>(1000, absl::ToInt64Milliseconds(heartbeat_timeout_) / 3));
-  std::unique_ptr<HeartbeatStreamCall> call = coordinator_->StartHeartbeatStream(
-      [this](const v1::HeartbeatResponse& reply) { OnStreamReply(reply); },
-      [this] {
-        absl::MutexLock l(&mu_);
-        stream_ended_ = true;
-      });
-  const absl::Time opened = absl::Now();
-  absl::Time next_beat = opened;
-  absl::Status silence;
-  bool first = true;
-  while (true) {
-    int64_t step;
-    int64_t seen;
-    int64_t generation;
-    absl::Time last_reply;
-    std::optional<v1::HeartbeatResponse> change;
-    bool ended;
-    {
-      absl::MutexLock l(&mu_);
-      mu_.AwaitWithDeadline(
-          absl::Condition(static_cast<const Client*>(this), &Client::StreamWakeUp), next_beat);
-      if (stopping_) break;
-      change.swap(stream_change_);
-      ended = stream_ended_;
-      step = step_;
-      seen = latest_generation_;
-      generation = generation_;
-      last_reply = last_heartbeat_ok_;
-    }
-    if (change.has_value()) {
-      *answered = true;
-      HandleHeartbeatReply(*change, seen);
-    }
-    if (ended) break;
-    const absl::Time now = absl::Now();
-    // Silent for longer than the heartbeat timeout (counted from the stream's opening at the
-    // earliest): the connection is likely dead without gRPC having noticed; re-open it.
-    const absl::Duration silent = now - std::max(last_reply, opened);
-    if (silent > heartbeat_timeout_) {
-      silence = absl::UnavailableError(absl::StrCat("no reply on the HeartbeatStream for ",
-                                                    absl::FormatDuration(silent)));
-      break;
-    }
-    if (last_reply > opened) *answered = true;
-    if (now < next_beat) continue;  // woken early for a reply
-    v1::HeartbeatRequest req;
-    req.set_job_id(options_.job_id);
-    req.set_rank(rank_);
-    req.set_generation(generation);
-    req.set_step(step);
-    req.set_credential(options_.credential);
-    if (first) req.set_reply_interval_ms(reply_interval_ms);
-    // A beat not sent because the previous write is still in flight is simply skipped; the
-    // first one is retried until it goes out (it carries reply_interval_ms).
-    if (call->Write(req)) first = false;
-    next_beat = std::max(next_beat + options_.heartbeat_interval, now);
-  }
-  v1::HeartbeatRequest closing;
-  bool stopping;
-  {
-    absl::MutexLock l(&mu_);
-    stopping = stopping_;
-    closing.set_generation(generation_);
-    closing.set_step(step_);
-  }
-  // Stopping: say so, so that the coordinator does not take the stream's end for a lost
-  // connection (an elastic job declares such a member dead sooner).
-  closing.set_job_id(options_.job_id);
-  closing.set_rank(rank_);
-  closing.set_credential(options_.credential);
-  closing.set_closing(true);
-  const absl::Status status = stopping ? call->Finish(&closing) : call->Finish();
-  if (!silence.ok()) return silence;
-  {
-    absl::MutexLock l(&mu_);
-    if (stopping_) return absl::OkStatus();
-  }
-  return status.ok() ? absl::UnavailableError("the coordinator ended the HeartbeatStream")
-                     : status;
-}
-
-void Client::OnStreamReply(const v1::HeartbeatResponse& reply) {
-  NoteHeartbeatReply(reply);
-  absl::MutexLock l(&mu_);
-  if (reply.generation() != generation_ && reply.generation() != latest_generation_) {
-    stream_change_ = reply;
   }
 }
 
@@ -719,50 +562,10 @@ absl::StatusOr<Decision> Client::DecisionAt(int64_t step) {
   return d;
 }
 
-std::optional<Client::View> Client::ViewOf(const v1::Job& job, std::string* why) const {
-  if (job.members_omitted()) {
-    *why = "the job's member list is too large to read";
-    return std::nullopt;
-  }
-  View v;
-  v.generation = job.generation();
-  v.live.assign(schedule_.world_size(), false);
-  v.admitted.assign(schedule_.world_size(), -1);
-  bool me = false;
-  for (const v1::Member& m : job.members()) {
-    if (m.rank() < 0 || m.rank() >= schedule_.world_size()) continue;
-    const bool live = m.state() == v1::ALIVE && m.generation() == job.generation();
-    v.live[m.rank()] = live;
-    v.admitted[m.rank()] = m.admitted_step() > 0 ? m.admitted_step() : -1;
-    if (m.rank() != rank_) continue;
-    if (m.worker_id() != options_.worker_id) {
-      *why = absl::StrCat("rank ", rank_, " is now held by worker \"", m.worker_id(), "\"");
-    } else if (m.state() == v1::DEAD) {
-      *why = absl::StrCat("the coordinator declared this rank dead (no heartbeat within ",
-                          absl::FormatDuration(heartbeat_timeout_),
-                          "); connect a new Client to re-join");
-    } else if (m.state() == v1::LEFT) {
-      *why = "this rank left";
-    } else {
-      me = live;
-    }
-  }
-  if (job.state() != v1::RUNNING) {
-    int live = 0;
-    for (bool b : v.live) live += b ? 1 : 0;
-    *why = absl::StrCat(
-        "the job is ", v1::JobState_Name(job.state()),
-        job.state() == v1::PENDING
-            ? absl::StrCat(": fewer than min_world_size (", job.spec().min_world_size(),
-                           ") ranks are alive; every worker must re-join (connect a new Client)")
-            : std::string());
-    return std::nullopt;
-  }
-  if (!me) {
-    if (why->empty()) *why = absl::StrCat("rank ", rank_, " is not a live member of it");
-    return std::nullopt;
-  }
-  return v;
+std::optional<MembershipView> Client::ViewOf(const v1::Job& job, std::string* why) const {
+  return client::ViewOf(job, ViewReader{rank_, options_.worker_id, schedule_.world_size(),
+                                        heartbeat_timeout_},
+                        why);
 }
 
 absl::Status Client::AdvanceGeneration() {

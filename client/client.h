@@ -21,7 +21,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -30,6 +29,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "modelavg/client/membership_view.h"
 #include "modelavg/common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
 
@@ -39,6 +39,7 @@ class CoordinatorClient;
 class CoordinatorOutage;
 class CommunicatorCache;
 class DecisionWindow;
+class Heartbeat;
 class RoundNotes;
 enum class RoundOutcome;
 
@@ -215,32 +216,12 @@ class Client {
   CommunicatorCache* communicators() const { return communicators_.get(); }
 
  private:
-  // Who is a live member of one generation, and from which step (elastic jobs).
-  struct View {
-    int64_t generation = 0;
-    std::vector<bool> live;
-    // Per rank: the admission step of a replacement, -1 for the initial world.
-    std::vector<int64_t> admitted;
-  };
   Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator,
          std::unique_ptr<CoordinatorOutage> outage, int32_t rank, int64_t generation,
          Schedule schedule, absl::Duration heartbeat_timeout, std::string incarnation,
          bool elastic);
-  // The view of `job` (its current generation), or nullopt when this rank is not a live member
-  // of it; *why then says what happened to it.
-  std::optional<View> ViewOf(const v1::Job& job, std::string* why) const;
-  void HeartbeatLoop();
-  // One unary beat after heartbeat_interval. False once stopping.
-  bool UnaryHeartbeat() ABSL_LOCKS_EXCLUDED(mu_);
-  // Beats over one HeartbeatStream until it ends, stays silent past the heartbeat timeout, or
-  // the client stops. Returns why it ended (OK when stopping); *answered: a reply came.
-  absl::Status StreamHeartbeats(bool* answered) ABSL_LOCKS_EXCLUDED(mu_);
-  // A heartbeat reply: records the coordinator as alive, and a generation change not seen yet
-  // for the heartbeat thread to act on. Does not block (runs on gRPC threads).
-  void OnStreamReply(const v1::HeartbeatResponse& reply) ABSL_LOCKS_EXCLUDED(mu_);
-  bool StreamWakeUp() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return stopping_ || stream_ended_ || stream_change_.has_value();
-  }
+  // The view of `job` as this rank reads it (membership_view.h).
+  std::optional<MembershipView> ViewOf(const v1::Job& job, std::string* why) const;
   // A reply whose generation is neither this client's nor the latest seen: NoteGenerationChange.
   void HandleHeartbeatReply(const v1::HeartbeatResponse& reply, int64_t seen)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -278,8 +259,8 @@ class Client {
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
   // The generation averaged in (generation()) and its view; a newer one to move to.
   int64_t generation_ ABSL_GUARDED_BY(mu_);
-  View view_ ABSL_GUARDED_BY(mu_);
-  std::optional<View> follow_ ABSL_GUARDED_BY(mu_);
+  MembershipView view_ ABSL_GUARDED_BY(mu_);
+  std::optional<MembershipView> follow_ ABSL_GUARDED_BY(mu_);
   int64_t latest_generation_ ABSL_GUARDED_BY(mu_);
   // Non-OK once nothing may be averaged any more (a peer died or re-joined, this client left).
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
@@ -296,10 +277,9 @@ class Client {
   absl::Time recovery_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // The coordinator incarnation of the last reply (a restart changes it).
   std::string incarnation_ ABSL_GUARDED_BY(mu_);
-  // The current HeartbeatStream has ended; a reply with a generation change to act on.
-  bool stream_ended_ ABSL_GUARDED_BY(mu_) = false;
-  std::optional<v1::HeartbeatResponse> stream_change_ ABSL_GUARDED_BY(mu_);
-  std::thread heartbeat_thread_;
+  // Last: its thread calls into the fields above, so it is started once they are set and
+  // stopped before they go.
+  std::unique_ptr<Heartbeat> heartbeat_;
 };
 
 }  // namespace modelavg::client
