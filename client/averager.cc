@@ -54,6 +54,14 @@ ModelAverager::~ModelAverager() {
   AbandonPending();
 }
 
+bool ModelAverager::NeedsParametersAt(int64_t step) const {
+  absl::MutexLock l(&mu_);
+  for (const auto& p : pending_) {
+    if (p->apply_step <= step) return true;
+  }
+  return false;
+}
+
 int64_t ModelAverager::step() const {
   absl::MutexLock l(&mu_);
   return step_;
@@ -364,6 +372,7 @@ AveragerState ModelAverager::state_dict() const {
     out.anchors[state->level()] = state->AnchorTensors();
     if (state->has_momentum()) out.momenta[state->level()] = state->MomentumTensors();
   }
+  StreamingStateInto(&out);
   return out;
 }
 
@@ -378,6 +387,11 @@ absl::Status ModelAverager::load_state_dict(const AveragerState& state) {
       return absl::InvalidArgumentError(absl::StrCat(
           what, " has level ", level, ", which has no outer optimizer in job ",
           client_->job_id(), ": was the state_dict saved from another job's averager?"));
+    }
+    if (StreamingOuterLevel(client_->schedule().spec().levels[level])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " has level ", level, ", a streaming level of job ", client_->job_id(),
+          ", whose state is per fragment (AveragerState::fragments)"));
     }
     return absl::OkStatus();
   };
@@ -408,9 +422,15 @@ absl::Status ModelAverager::load_state_dict(const AveragerState& state) {
     }
     loaded.push_back(std::move(s));
   }
+  std::vector<std::vector<std::unique_ptr<OuterLevelState>>> fragments;
+  std::vector<std::unique_ptr<PendingSync>> pending;
+  MODELAVG_RETURN_IF_ERROR(LoadStreamingState(state, &fragments, &pending));
   set_step(state.step);
   absl::MutexLock l(&mu_);
+  AbandonPending();
   outer_ = std::move(loaded);
+  fragment_outer_ = std::move(fragments);
+  pending_ = std::move(pending);
   return absl::OkStatus();
 }
 
