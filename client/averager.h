@@ -184,6 +184,11 @@ class ModelAverager {
   absl::Status TransferOuterState(const Decision& decision, Communicator* comm,
                                   absl::Span<const TensorView> layout)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // An admission at a streaming outer level's step: the replacements receive the mean of the
+  // contributing members' parameters (round_params_), which stay as they are
+  // (averager_streaming.cc).
+  absl::Status TransferParameters(const Decision& decision, Communicator* comm)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Streaming sync with a delay (averager_streaming.cc): starts the fragment's all-reduce on a
   // background thread and returns; ApplyPending, at the call of the apply step (before that
   // step's own decision), waits for it and applies it to the parameters passed then.
@@ -235,6 +240,8 @@ class ModelAverager {
   Payload round_payload_ ABSL_GUARDED_BY(mu_) = Payload::kFp32;
   int64_t round_signature_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<LevelTraffic> traffic_ ABSL_GUARDED_BY(mu_);
+  // The parameters of the AverageParameters call in progress (valid during the call only).
+  absl::Span<const TensorView> round_params_ ABSL_GUARDED_BY(mu_);
   // Background all-reduces not applied yet (at most one per streaming level), in start order.
   std::vector<std::unique_ptr<PendingSync>> pending_ ABSL_GUARDED_BY(mu_);
 };

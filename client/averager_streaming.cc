@@ -112,11 +112,11 @@ absl::StatusOr<Decision> ModelAverager::StreamingOuterRound(const Decision& deci
         " (an all-reduce overlapped with training) runs in strict jobs only in this version; "
         "use sync_delay 0 in an elastic job"));
   }
-  if (!decision.joining.empty()) {
-    return absl::UnimplementedError(absl::StrCat(
-        where, ": admitting a replacement to a streaming outer level (fragments, mix or a "
-               "compressed payload) is not implemented in this version"));
-  }
+  // A replacement admitted at this step (elastic jobs) receives, inside the round, every outer
+  // state and the mean of its block's parameters (TransferOuterState), contributes nothing, and
+  // takes the same branch as its peers: the fragment's first sync or an outer step.
+  const bool me_joining = std::binary_search(decision.joining.begin(), decision.joining.end(),
+                                             client_->rank());
   if (fragment_outer_.size() <= static_cast<size_t>(level)) fragment_outer_.resize(level + 1);
   std::vector<std::unique_ptr<OuterLevelState>>& states = fragment_outer_[level];
   if (states.empty()) {
@@ -126,7 +126,28 @@ absl::StatusOr<Decision> ModelAverager::StreamingOuterRound(const Decision& deci
   }
   OuterLevelState* state = states[decision.fragment].get();
   LocalCopy local;
-  if (spec.mix != 0) local.Take(fragment);
+  if (spec.mix != 0 && !me_joining) local.Take(fragment);
+  if (me_joining) {
+    const bool first = FirstSyncOf(client_->schedule(), level, decision.fragment) == decision.step;
+    if (first) {
+      MODELAVG_ASSIGN_OR_RETURN(Decision done, Round(decision, device, fragment));
+      MODELAVG_RETURN_IF_ERROR(Annotate(state->SetAnchor(fragment), where));
+      return done;
+    }
+    if (pseudo_gradient_ == nullptr) pseudo_gradient_ = std::make_unique<OuterBuffer>();
+    pseudo_gradient_->Shape(fragment);
+    std::vector<TensorView> d = pseudo_gradient_->Views();
+    round_payload_ = spec.payload;
+    absl::StatusOr<Decision> done = Round(decision, device, d);
+    round_payload_ = Payload::kFp32;
+    if (!done.ok()) return done.status();
+    // x_local of a replacement: the block's mean it has just received.
+    if (spec.mix != 0) local.Take(fragment);
+    MODELAVG_RETURN_IF_ERROR(Annotate(state->CheckLayout(0, fragment), where));
+    MODELAVG_RETURN_IF_ERROR(Annotate(state->Step(0, d, fragment), where));
+    if (spec.mix != 0) local.MixInto(fragment, spec.mix);
+    return done;
+  }
   if (!state->has_anchor()) {
     const int64_t first = FirstSyncOf(client_->schedule(), level, decision.fragment);
     if (first >= 0 && decision.step != first) {
@@ -285,6 +306,34 @@ absl::Status ModelAverager::ApplyOne(std::unique_ptr<PendingSync> p, int64_t ste
     MODELAVG_RETURN_IF_ERROR(Annotate(p->state->Step(0, mean, fragment), where));
   }
   if (spec.mix != 0) local.MixInto(fragment, spec.mix);
+  return absl::OkStatus();
+}
+
+absl::Status ModelAverager::TransferParameters(const Decision& decision, Communicator* comm) {
+  const bool me_joining = std::binary_search(decision.joining.begin(), decision.joining.end(),
+                                             client_->rank());
+  OuterBuffer buffer;
+  buffer.Shape(round_params_);
+  std::vector<TensorView> views = buffer.Views();
+  if (!me_joining) {
+    for (size_t i = 0; i < views.size(); ++i) {
+      for (int64_t j = 0; j < views[i].numel; ++j) Write(views[i], j, Read(round_params_[i], j));
+    }
+  }
+  RoundOptions options;
+  options.step = decision.step;
+  options.contribute = !me_joining;
+  options.contributors =
+      static_cast<int>(decision.Members().size() - decision.joining.size());
+  MODELAVG_RETURN_IF_ERROR(Annotate(comm->AllReduceAverage(views, options, nullptr),
+                                    "handing the replacement its block's parameters"));
+  if (me_joining) {
+    for (size_t i = 0; i < views.size(); ++i) {
+      for (int64_t j = 0; j < views[i].numel; ++j) Write(round_params_[i], j, Read(views[i], j));
+    }
+    spdlog::info("step {}: received the mean of the parameters of {} members", decision.step,
+                 options.contributors);
+  }
   return absl::OkStatus();
 }
 
