@@ -737,9 +737,18 @@ std::optional<Client::View> Client::ViewOf(const v1::Job& job, std::string* why)
     if (m.worker_id() != options_.worker_id) {
       *why = absl::StrCat("rank ", rank_, " is now held by worker \"", m.worker_id(), "\"");
     } else if (m.state() == v1::DEAD) {
-      *why = absl::StrCat("the coordinator declared this rank dead (no heartbeat within ",
-                          absl::FormatDuration(heartbeat_timeout_),
-                          "); connect a new Client to re-join");
+      // A death the coordinator confirmed from peer failure reports (docs/cluster.md): this
+      // rank still beat, but its peers could not reach it over the data network.
+      const bool unreachable = absl::StartsWith(
+          job.last_change().reason(), absl::StrCat("rank ", rank_, " unreachable by its peers"));
+      *why = unreachable
+                 ? std::string("the coordinator declared this rank dead (its peers could not "
+                               "reach it over the data network though its heartbeats came "
+                               "through: check this host's data link); connect a new Client "
+                               "to re-join")
+                 : absl::StrCat("the coordinator declared this rank dead (no heartbeat within ",
+                                absl::FormatDuration(heartbeat_timeout_),
+                                "); connect a new Client to re-join");
     } else if (m.state() == v1::LEFT) {
       *why = "this rank left";
     } else {
