@@ -16,8 +16,10 @@
 #include "client/communicator_cache.h"
 #include "client/coordinator_outage.h"
 #include "client/coordinator_client.h"
+#include "client/decision_window.h"
 #include "client/error_kind.h"
 #include "client/gloo_communicator.h"
+#include "client/round_notes.h"
 #include "common/job_spec.h"
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
@@ -211,6 +213,11 @@ Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordin
       elastic_(elastic),
       heartbeat_timeout_(heartbeat_timeout),
       communicators_(std::make_unique<CommunicatorCache>(options_.gloo_hostname)),
+      decisions_(std::make_unique<DecisionWindow>(*coordinator_, *outage_, schedule_,
+                                                  options_.job_id, rank_,
+                                                  options_.schedule_window)),
+      round_notes_(std::make_unique<RoundNotes>(*coordinator_, options_.job_id, rank_,
+                                                options_.credential, schedule_.num_levels())),
       latest_generation_(generation),
       last_heartbeat_ok_(absl::Now()),
       incarnation_(std::move(incarnation)) {
@@ -218,7 +225,6 @@ Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordin
   view_.generation = generation;
   view_.live.assign(schedule_.world_size(), true);
   view_.admitted.assign(schedule_.world_size(), -1);
-  rounds_.resize(schedule_.num_levels());
   heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
 }
 
@@ -696,14 +702,9 @@ absl::StatusOr<Decision> Client::DecisionAt(int64_t step) {
     return absl::InvalidArgumentError(absl::StrCat("step is ", step, ": steps count from 0"));
   }
   ReportStep(step);
-  Decision d;
-  {
-    absl::MutexLock l(&cache_mu_);
-    if (step < window_start_ || step >= window_start_ + static_cast<int64_t>(window_.size())) {
-      MODELAVG_RETURN_IF_ERROR(FetchWindow(step));
-    }
-    d = window_[step - window_start_];
-  }
+  absl::StatusOr<Decision> fetched = decisions_->At(step);
+  MODELAVG_RETURN_IF_ERROR(fetched.status());
+  Decision d = *std::move(fetched);
   absl::MutexLock l(&mu_);
   d.generation = generation_;
   if (!elastic_ || !d.average) return d;
@@ -787,7 +788,7 @@ absl::Status Client::AdvanceGeneration() {
   }
   spdlog::info("rank {} of job {} averages in generation {} now (was {})", rank_,
                options_.job_id, to, from);
-  PublishRoundNote(to);
+  round_notes_->Publish(to);
   return absl::OkStatus();
 }
 
@@ -825,141 +826,13 @@ absl::Status Client::AwaitNewerGeneration(int64_t generation, absl::Time deadlin
 }
 
 void Client::RecordRound(int32_t level, int64_t step, int64_t generation, RoundOutcome outcome) {
-  absl::MutexLock l(&mu_);
-  if (level < 0 || level >= static_cast<int32_t>(rounds_.size())) return;
-  rounds_[level] = RoundRecord{step, generation, static_cast<int>(outcome)};
-}
-
-namespace {
-constexpr char kRoundNotePrefix[] = "round/";
-}  // namespace
-
-void Client::PublishRoundNote(int64_t generation) {
-  // "v1" then one "level:step:generation:outcome" per level.
-  std::string blob = "v1";
-  {
-    absl::MutexLock l(&mu_);
-    for (size_t level = 0; level < rounds_.size(); ++level) {
-      const RoundRecord& r = rounds_[level];
-      absl::StrAppend(&blob, ";", level, ":", r.step, ":", r.generation, ":", r.outcome);
-    }
-  }
-  v1::PublishCommIdRequest req;
-  req.set_job_id(options_.job_id);
-  req.set_generation(generation);
-  req.set_level(schedule_.num_levels() - 1);  // the world's block: every rank may read it
-  req.set_subgroup(0);
-  req.set_key(absl::StrCat(kRoundNotePrefix, rank_));
-  req.set_unique_id(blob);
-  req.set_rank(rank_);
-  req.set_credential(options_.credential);
-  absl::Status s = coordinator_->PublishCommId(req);
-  if (!s.ok()) {
-    // A newer generation gets a note of its own; otherwise the members that wait for this one
-    // see their wait end in an error.
-    spdlog::warn("rank {}: publishing the round note of generation {}: {}", rank_, generation,
-                 s.ToString());
-  }
+  round_notes_->Record(level, step, generation, outcome);
 }
 
 absl::StatusOr<bool> Client::PeerCompletedRound(const Decision& decision,
                                                 int64_t attempt_generation) {
-  const int64_t generation = decision.generation;
-  const absl::Time deadline = absl::Now() + options_.collective_timeout;
-  for (int32_t peer : decision.Members()) {
-    if (peer == rank_ || std::binary_search(decision.joining.begin(), decision.joining.end(),
-                                            peer)) {
-      continue;
-    }
-    v1::GetCommIdRequest req;
-    req.set_job_id(options_.job_id);
-    req.set_generation(generation);
-    req.set_level(schedule_.num_levels() - 1);
-    req.set_subgroup(0);
-    req.set_key(absl::StrCat(kRoundNotePrefix, peer));
-    req.set_rank(rank_);
-    req.set_credential(options_.credential);
-    req.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - absl::Now())));
-    absl::StatusOr<std::string> blob = coordinator_->GetCommId(req);
-    if (!blob.ok()) {
-      return Annotate(blob.status(), absl::StrCat("reading rank ", peer, "'s round note of generation ",
-                                                  generation));
-    }
-    for (absl::string_view field : absl::StrSplit(*blob, ';')) {
-      std::vector<absl::string_view> parts = absl::StrSplit(field, ':');
-      int64_t level, step, gen, outcome;
-      if (parts.size() != 4 || !absl::SimpleAtoi(parts[0], &level) ||
-          !absl::SimpleAtoi(parts[1], &step) || !absl::SimpleAtoi(parts[2], &gen) ||
-          !absl::SimpleAtoi(parts[3], &outcome)) {
-        continue;
-      }
-      if (level != decision.level || step != decision.step ||
-          outcome != static_cast<int>(RoundOutcome::kCompleted)) {
-        continue;
-      }
-      if (gen != attempt_generation) {
-        return absl::InternalError(absl::StrCat(
-            "rank ", peer, " completed the round of step ", step, " at level ", level,
-            " in generation ", gen, ", this rank attempted it in generation ",
-            attempt_generation, "; the round notes contradict each other"));
-      }
-      spdlog::info("rank {} completed the round of step {} (level {}) before the failure: rank "
-                   "{} keeps that result",
-                   peer, step, level, rank_);
-      return true;
-    }
-  }
-  return false;
-}
-
-absl::Status Client::FetchWindow(int64_t from_step) {
-  // The schedule is a pure function of the spec this rank joined with: during an outage the
-  // local one stands in for the coordinator's.
-  auto local_window = [&] {
-    window_ = schedule_.Window(from_step, options_.schedule_window, rank_);
-    window_start_ = from_step;
-    return absl::OkStatus();
-  };
-  if (outage_->OutageLength() > absl::ZeroDuration()) return local_window();
-  v1::GetScheduleRequest req;
-  req.set_job_id(options_.job_id);
-  req.set_from_step(from_step);
-  req.set_count(options_.schedule_window);
-  req.set_rank(rank_);
-  absl::StatusOr<v1::GetScheduleResponse> reply = coordinator_->GetSchedule(req);
-  if (!reply.ok() && outage_->IsOutage(reply.status())) {
-    outage_->NoteUnreachable(reply.status());
-    return local_window();
-  }
-  MODELAVG_RETURN_IF_ERROR(reply.status());
-  const v1::GetScheduleResponse& resp = *reply;
-  if (resp.decisions_size() != options_.schedule_window) {
-    return absl::InternalError(absl::StrCat("GetSchedule(from ", from_step, ", count ",
-                                            options_.schedule_window, ") returned ",
-                                            resp.decisions_size(), " decisions"));
-  }
-  std::vector<Decision> window;
-  window.reserve(resp.decisions_size());
-  for (int64_t i = 0; i < resp.decisions_size(); ++i) {
-    Decision got = DecisionFromProto(resp.decisions(static_cast<int>(i)));
-    const Decision want = schedule_.DecisionFor(from_step + i, rank_);
-    if (!(got == want)) {
-      return absl::InternalError(absl::StrCat(
-          "the coordinator's decision for step ", from_step + i, " (",
-          got.average ? absl::StrCat("average at level ", got.level, " subgroup ",
-                                     got.subgroup.index)
-                      : std::string("skip"),
-          ") differs from the schedule of the job's spec (",
-          want.average ? absl::StrCat("average at level ", want.level, " subgroup ",
-                                      want.subgroup.index)
-                       : std::string("skip"),
-          "); client and coordinator versions disagree"));
-    }
-    window.push_back(got);
-  }
-  window_ = std::move(window);
-  window_start_ = from_step;
-  return absl::OkStatus();
+  return round_notes_->PeerCompleted(decision, attempt_generation,
+                                     absl::Now() + options_.collective_timeout);
 }
 
 }  // namespace modelavg::client

@@ -38,6 +38,8 @@ namespace modelavg::client {
 class CoordinatorClient;
 class CoordinatorOutage;
 class CommunicatorCache;
+class DecisionWindow;
+class RoundNotes;
 enum class RoundOutcome;
 
 struct ClientOptions {
@@ -220,13 +222,6 @@ class Client {
     // Per rank: the admission step of a replacement, -1 for the initial world.
     std::vector<int64_t> admitted;
   };
-  // Where this rank's last round at one level stands.
-  struct RoundRecord {
-    int64_t step = -1;
-    int64_t generation = 0;
-    int outcome = 0;  // RoundOutcome
-  };
-
   Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator,
          std::unique_ptr<CoordinatorOutage> outage, int32_t rank, int64_t generation,
          Schedule schedule, absl::Duration heartbeat_timeout, std::string incarnation,
@@ -234,8 +229,6 @@ class Client {
   // The view of `job` (its current generation), or nullopt when this rank is not a live member
   // of it; *why then says what happened to it.
   std::optional<View> ViewOf(const v1::Job& job, std::string* why) const;
-  // Publishes this rank's round note for `generation` (its RoundRecords).
-  void PublishRoundNote(int64_t generation);
   void HeartbeatLoop();
   // One unary beat after heartbeat_interval. False once stopping.
   bool UnaryHeartbeat() ABSL_LOCKS_EXCLUDED(mu_);
@@ -264,7 +257,6 @@ class Client {
   // change breaks every communicator (a death or re-join) or only those with departed ranks.
   void NoteGenerationChange(int64_t generation, const std::string& why)
       ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status FetchWindow(int64_t from_step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(cache_mu_);
 
   const ClientOptions options_;
   // Declared before the coordinator connection, which points to it: destroyed after it.
@@ -278,11 +270,9 @@ class Client {
   int64_t admission_step_ = -1;
   std::atomic<int64_t> fail_commit_step_{-1};
   std::unique_ptr<CommunicatorCache> communicators_;
-
-  // The decision window [window_start_, window_start_ + window_.size()).
-  mutable absl::Mutex cache_mu_;
-  int64_t window_start_ ABSL_GUARDED_BY(cache_mu_) = 0;
-  std::vector<Decision> window_ ABSL_GUARDED_BY(cache_mu_);
+  // The parts, each with its own lock, built on the coordinator connection above.
+  const std::unique_ptr<DecisionWindow> decisions_;
+  const std::unique_ptr<RoundNotes> round_notes_;
 
   mutable absl::Mutex mu_;
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
@@ -290,8 +280,6 @@ class Client {
   int64_t generation_ ABSL_GUARDED_BY(mu_);
   View view_ ABSL_GUARDED_BY(mu_);
   std::optional<View> follow_ ABSL_GUARDED_BY(mu_);
-  // Per level (round notes).
-  std::vector<RoundRecord> rounds_ ABSL_GUARDED_BY(mu_);
   int64_t latest_generation_ ABSL_GUARDED_BY(mu_);
   // Non-OK once nothing may be averaged any more (a peer died or re-joined, this client left).
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
