@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/communicator_cache.h"
+#include "client/coordinator_client.h"
 #include "client/error_kind.h"
 #include "client/fragments.h"
 #include "client/outer_state.h"
@@ -35,6 +36,63 @@ absl::StatusOr<Device> CommonDevice(absl::Span<const TensorView> params) {
     if (absl::Status s = ValidateTensorView(i, t); !s.ok()) return s;
   }
   return first;
+}
+
+// After a failed round: probes the round's peers over the data network and, when some do not
+// answer, reports them to the coordinator (a gray failure: they still beat to it, so only their
+// peers can tell). The coordinator evicts nobody on one report alone (docs/cluster.md, "Gray
+// failures"); when the reports agree it declares the unreachable dead and the job moves on,
+// which the caller's wait for a newer generation then sees.
+void ReportUnreachablePeers(Client* client, const Decision& decision, Communicator* comm,
+                            const absl::Status& failure) {
+  const int64_t generation =
+      decision.generation > 0 ? decision.generation : client->generation();
+  if (comm == nullptr || ErrorKindOf(failure) == ErrorKind::kGenerationMoved ||
+      client->latest_generation() != generation) {
+    return;  // aborted for a generation change: nothing to report
+  }
+  // A quarter of the collective timeout, at most 1 s: a host answers a connect in a round trip.
+  const absl::Duration timeout = std::clamp(client->options().collective_timeout / 4,
+                                            absl::Milliseconds(100), absl::Seconds(1));
+  absl::StatusOr<std::vector<PeerReach>> reach = comm->ProbePeers(timeout);
+  if (!reach.ok()) {
+    spdlog::debug("not probing the peers of the failed round: {}", reach.status().ToString());
+    return;
+  }
+  const std::vector<int32_t> members = decision.Members();
+  v1::ReportPeerFailureRequest req;
+  std::vector<std::string> notes;
+  for (const PeerReach& p : *reach) {
+    if (p.member < 0 || p.member >= static_cast<int>(members.size())) continue;
+    const int32_t rank = members[p.member];
+    if (p.reachable) {
+      req.add_reachable_ranks(rank);
+    } else {
+      req.add_unreachable_ranks(rank);
+      notes.push_back(absl::StrCat("rank ", rank, ": ", p.detail));
+    }
+  }
+  if (req.unreachable_ranks().empty()) return;  // every host answers: not a gray failure
+  req.set_job_id(client->job_id());
+  req.set_rank(client->rank());
+  req.set_generation(generation);
+  req.set_credential(client->credential());
+  req.set_step(decision.step);
+  req.set_level(decision.level);
+  req.set_reason(std::string(failure.message().substr(0, 256)));
+  spdlog::warn("averaging at step {} (level {}) failed and peers do not answer on the data "
+               "network ({}); reporting them to the coordinator",
+               decision.step, decision.level, absl::StrJoin(notes, "; "));
+  absl::StatusOr<v1::ReportPeerFailureResponse> reply =
+      client->coordinator()->ReportPeerFailure(req);
+  if (!reply.ok()) {
+    spdlog::warn("the coordinator took no peer failure report{}: {}",
+                 absl::IsUnimplemented(reply.status()) ? " (it predates them)" : "",
+                 reply.status().ToString());
+  } else if (!reply->declared_dead().empty()) {
+    spdlog::warn("the coordinator confirmed the report: ranks {} declared dead, generation {}",
+                 absl::StrJoin(reply->declared_dead(), ","), reply->generation());
+  }
 }
 
 }  // namespace
@@ -164,6 +222,7 @@ absl::StatusOr<Decision> ModelAverager::Round(const Decision& decision_in, const
   if (comm.ok()) CountBytes(decision->level, (*comm)->bytes_sent() - sent_before);
   if (s.ok()) return *decision;
   if (s.code() == absl::StatusCode::kInvalidArgument) return Annotate(s, where);
+  ReportUnreachablePeers(client_, *decision, comm.ok() ? *comm : nullptr, s);
   // A transport failure usually means a peer died: give the coordinator up to a heartbeat
   // timeout to say so, so the error names the cause rather than a broken socket.
   const absl::Time until = absl::Now() + client_->heartbeat_timeout() +
@@ -573,6 +632,7 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
         ErrorKindOf(s) == ErrorKind::kRoundMismatch) {
       return Annotate(s, where(decision));
     }
+    ReportUnreachablePeers(client_, decision, comm.ok() ? *comm : nullptr, s);
     // The round failed: wait for the job to move on without the failed member (its death is
     // declared within the heartbeat timeout), then settle the round in the new generation. If
     // the job does not move on in time, the call fails with the round's error.

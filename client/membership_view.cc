@@ -1,5 +1,6 @@
 #include "client/membership_view.h"
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace modelavg::client {
@@ -32,9 +33,19 @@ std::optional<MembershipView> ViewOf(const v1::Job& job, const ViewReader& reade
     if (m.worker_id() != reader.worker_id) {
       *why = absl::StrCat("rank ", reader.rank, " is now held by worker \"", m.worker_id(), "\"");
     } else if (m.state() == v1::DEAD) {
-      *why = absl::StrCat("the coordinator declared this rank dead (no heartbeat within ",
-                          absl::FormatDuration(reader.heartbeat_timeout),
-                          "); connect a new Client to re-join");
+      // A death the coordinator confirmed from peer failure reports (docs/cluster.md): this
+      // rank still beat, but its peers could not reach it over the data network.
+      const bool unreachable =
+          absl::StartsWith(job.last_change().reason(),
+                           absl::StrCat("rank ", reader.rank, " unreachable by its peers"));
+      *why = unreachable
+                 ? std::string("the coordinator declared this rank dead (its peers could not "
+                               "reach it over the data network though its heartbeats came "
+                               "through: check this host's data link); connect a new Client "
+                               "to re-join")
+                 : absl::StrCat("the coordinator declared this rank dead (no heartbeat within ",
+                                absl::FormatDuration(reader.heartbeat_timeout),
+                                "); connect a new Client to re-join");
     } else if (m.state() == v1::LEFT) {
       *why = "this rank left";
     } else {
