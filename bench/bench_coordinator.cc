@@ -620,21 +620,26 @@ int RunOnce(const std::string& address, int pid, const std::string& state) {
   double hb_us = -1;  // coordinator CPU per heartbeat
   double hb_rate = 0;  // heartbeats/s delivered in the heartbeat-only phase
   double hb_reply_rate = 0;  // of which answered on a stream
+  double hb_load_cores = -1;  // this process's (the load generator's) CPU meanwhile
   if (hb_seconds > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));  // settle
     const double cpu0 = pid > 0 ? ProcessCpuSeconds(pid) : 0;
+    const double self0 = ProcessCpuSeconds(getpid());
     const int64_t beats0 = load.heartbeats();
     const int64_t replies0 = load.heartbeat_replies();
     const double t0 = SteadySeconds();
     std::this_thread::sleep_for(std::chrono::duration<double>(hb_seconds));
     const double wall = SteadySeconds() - t0;
     if (pid > 0) hb_cores = (ProcessCpuSeconds(pid) - cpu0) / wall;
+    hb_load_cores = (ProcessCpuSeconds(getpid()) - self0) / wall;
     const double rate = (load.heartbeats() - beats0) / wall;
     hb_rate = rate;
     hb_reply_rate = (load.heartbeat_replies() - replies0) / wall;
     if (rate > 0 && hb_cores >= 0) hb_us = hb_cores / rate * 1e6;
-    std::fprintf(stderr, "heartbeat-only: %.0f heartbeats/s, coordinator %.3f cores\n",
-                 (load.heartbeats() - beats0) / wall, hb_cores);
+    std::fprintf(stderr,
+                 "heartbeat-only: %.0f heartbeats/s (%.0f replies/s), coordinator %.3f cores "
+                 "(%.1f us/beat), load generator %.3f cores\n",
+                 rate, hb_reply_rate, hb_cores, hb_us, hb_load_cores);
   }
 
   load.StartSteps(absl::GetFlag(FLAGS_max_inflight_steps));
@@ -671,7 +676,8 @@ int RunOnce(const std::string& address, int pid, const std::string& state) {
       "\"errors\": %lld, \"channels\": %d, \"coordinator_cpu_us_per_rpc\": %.1f, "
       "\"heartbeat_cpu_us\": %.1f, \"heartbeat\": \"%s\", \"skipped_beats\": %lld, "
       "\"max_inflight_steps\": %d, \"heartbeat_only_per_s\": %.0f, "
-      "\"heartbeat_only_replies_per_s\": %.0f, \"reply_interval_ms\": %lld, "
+      "\"heartbeat_only_replies_per_s\": %.0f, \"heartbeat_only_load_cpu_cores\": %.3f, "
+      "\"reply_interval_ms\": %lld, "
       "\"state\": \"%s\", \"create_job_p50_us\": %.0f, \"create_job_p99_us\": %.0f, "
       "\"join_p50_us\": %.0f, \"join_p99_us\": %.0f, \"latency_jobs\": %lld}\n",
       n, wall, decisions / wall, load.step_latency().Percentile(0.5), step_p99,
@@ -679,7 +685,7 @@ int RunOnce(const std::string& address, int pid, const std::string& state) {
       cores, beats / wall, hb_cores, static_cast<long long>(load.ping_latency().count()),
       static_cast<long long>(load.errors()), channels, cpu_us_per_rpc, hb_us,
       heartbeat_mode.c_str(), static_cast<long long>(load.skipped_beats()),
-      absl::GetFlag(FLAGS_max_inflight_steps), hb_rate, hb_reply_rate,
+      absl::GetFlag(FLAGS_max_inflight_steps), hb_rate, hb_reply_rate, hb_load_cores,
       static_cast<long long>(heartbeat_mode == "stream" ? reply_interval_ms : 0),
       state.c_str(),
       create_latency.Percentile(0.5), create_latency.Percentile(0.99),

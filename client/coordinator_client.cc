@@ -97,7 +97,12 @@ size_t CoordinatorClient::TargetFor(const std::string& address) {
   // Fail fast when the coordinator is gone rather than waiting out long reconnect back-offs.
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  // gRPC takes this as the time one connection attempt may take (TCP and the HTTP/2 handshake
+  // up to the server's SETTINGS frame), not as a back-off. At 100 ms a busy coordinator (many
+  // workers re-attaching at once, a loaded or sanitizer-slowed machine) failed calls with
+  // "connection attempt timed out before receiving SETTINGS frame"; a refused connection (the
+  // coordinator gone) fails at once either way.
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 2000);
   // A restarted coordinator may answer at a new address under the same name (a container gets a
   // new IP when it restarts): look the name up again within a second of losing the connection,
   // not after gRPC's default 30 s, so that the workers re-attach within the recovery grace.

@@ -291,7 +291,6 @@ class HeartbeatStreamReactor final
       beat_seen_ = true;
       closing_ = closing_ || request_.closing();
     }
-    reply.set_coordinator_incarnation(registry_->incarnation());
     const bool per_beat = reply_interval_ == absl::ZeroDuration();
     const absl::Time now = absl::Now();
     bool write = false;
@@ -301,6 +300,8 @@ class HeartbeatStreamReactor final
       const bool due = per_beat || !replied_ || !SameNews(reply, last_reply_) ||
                        now - last_reply_time_ >= reply_interval_;
       if (due) {
+        // (Looked up only for a reply: most streamed beats have none. SameNews ignores it.)
+        reply.set_coordinator_incarnation(registry_->incarnation());
         last_reply_ = reply;
         last_reply_time_ = now;
         replied_ = true;

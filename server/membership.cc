@@ -1,5 +1,7 @@
 #include "server/membership.h"
 
+#include <openssl/crypto.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -369,7 +371,16 @@ absl::Status Membership::CheckCredential(int32_t rank, const std::string& creden
         rpc, " as rank ", rank, " of job ", job_id,
         " needs the rank's credential (JoinResponse.credential)"));
   }
-  if (!CredentialMatches(credential, m.credential_digest)) {
+  // Every beat and Step carries the credential: hash it only when it is not the one already
+  // found to match this member's digest.
+  const bool known = !m.verified_digest.empty() && m.verified_digest == m.credential_digest &&
+                     m.verified_credential.size() == credential.size() &&
+                     CRYPTO_memcmp(m.verified_credential.data(), credential.data(),
+                                   credential.size()) == 0;
+  if (!known && CredentialMatches(credential, m.credential_digest)) {
+    m.verified_credential = credential;
+    m.verified_digest = m.credential_digest;
+  } else if (!known) {
     return absl::PermissionDeniedError(absl::StrCat(
         rpc, " as rank ", rank, " of job ", job_id,
         ": the credential is not that of the rank's current member (worker \"", m.worker_id,

@@ -106,6 +106,11 @@ class Membership {
     int64_t generation = 0;
     // Digest of the credential its Join was given (server/member_credential.h).
     std::string credential_digest;
+    // The last credential CheckCredential found to match `verified_digest` (memory only, never
+    // stored): a beat that brings it again is checked by comparison instead of a SHA-256. It
+    // counts only while verified_digest is still credential_digest.
+    mutable std::string verified_credential;
+    mutable std::string verified_digest;
     // The generation in which this worker joined (its heartbeats count from then on).
     int64_t joined_generation = 0;
     // The step from which it takes part in the averaging: -1 for a member of the world that

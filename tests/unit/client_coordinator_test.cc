@@ -1,7 +1,11 @@
 // The client against an in-process coordinator: Connect, the decision cache, generation
 // tracking, the coordinator-backed Gloo store, and averagers with ranks as threads. The heartbeat
 // transport (HeartbeatStream, and the fallback to unary calls) against a fake coordinator.
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <atomic>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -18,19 +22,23 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "server/coordinator_server.h"
+#include "tests/tools/gloo_link_proxy.h"
 #include "tests/tools/make_job_spec.h"
+#include "tests/tools/time_scale.h"
 
 namespace modelavg::client {
 namespace {
 
 using ::testing::HasSubstr;
+using ::modelavg::testing::Scaled;
 
 class ClientCoordinatorTest : public ::testing::Test {
  protected:
   void SetUp() override {
     server::ServerOptions opts;
     opts.listen = "127.0.0.1:0";
-    opts.defaults.heartbeat_timeout = absl::Seconds(2);
+    // (Every timeout these tests grant is Scaled: a sanitizer build is far slower.)
+    opts.defaults.heartbeat_timeout = Scaled(absl::Seconds(2));
     auto s = server::CoordinatorServer::Start(opts);
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = *std::move(s);
@@ -54,8 +62,9 @@ class ClientCoordinatorTest : public ::testing::Test {
     o.coordinator = server_->address();
     o.job_id = job;
     o.rank = rank;
-    o.join_timeout = absl::Seconds(20);
-    o.collective_timeout = absl::Seconds(20);
+    o.join_timeout = Scaled(absl::Seconds(20));
+    o.collective_timeout = Scaled(absl::Seconds(20));
+    o.rpc_timeout = Scaled(o.rpc_timeout);
     o.heartbeat_interval = absl::Milliseconds(50);
     return o;
   }
@@ -133,6 +142,41 @@ TEST_F(ClientCoordinatorTest, Connect_NoCoordinator_Unavailable) {
   EXPECT_THAT(std::string(c.status().message()), HasSubstr("cannot reach the coordinator"));
 }
 
+// A coordinator slow to answer a new connection (busy with many workers re-attaching, a loaded
+// machine) is waited for within the call's deadline: the HTTP/2 handshake is held for 600 ms by
+// a proxy. gRPC gave the connection attempt only the 100 ms of the reconnect back-off before
+// ("connection attempt timed out before receiving SETTINGS frame").
+TEST_F(ClientCoordinatorTest, Call_CoordinatorSlowToHandshake_Answered) {
+  const int listen_fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listen_fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(bind(listen_fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(listen_fd, 16), 0);
+  ASSERT_EQ(getsockname(listen_fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  sockaddr_in target{};
+  target.sin_family = AF_INET;
+  target.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  target.sin_port = htons(server_->port());
+  modelavg::testing::LinkProxy proxy(listen_fd, target);
+  proxy.StallAfter(0);
+  CoordinatorClientOptions copts;
+  copts.address = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  auto slow = CoordinatorClient::Create(copts);
+  ASSERT_TRUE(slow.ok()) << slow.status();
+  std::thread release([&] {
+    absl::SleepFor(absl::Milliseconds(600));
+    proxy.StallAfter(std::numeric_limits<int64_t>::max() / 2);
+  });
+  const absl::Time start = absl::Now();
+  auto job = (*slow)->CreateJob(testing::MakeSpec("slow", 1, v1::PERIODIC, {{2, 1}}, 0));
+  release.join();
+  EXPECT_TRUE(job.ok()) << job.status();
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(500));  // it did wait for the handshake
+}
+
 TEST_F(ClientCoordinatorTest, Connect_CoordinatorStartsLate_JoinsOnceItIsUp) {
   // Learn a free port, then free it: the worker starts before its coordinator does.
   ClientOptions o = Options("late", 0);
@@ -180,6 +224,8 @@ TEST_F(ClientCoordinatorTest, DecisionAt_WithinPrefetchedWindow_CostsNoRpc) {
   CreateJob("cache", 1, v1::HIERARCHICAL, {{2, 1}, {3, 1}}, /*warmup=*/2);
   ClientOptions o = Options("cache", 0);
   o.schedule_window = 16;
+  // The coordinator is shut down below: the destructor's Leave need not retry for long.
+  o.leave_timeout = absl::Seconds(1);
   auto c = Client::Connect(o);
   ASSERT_TRUE(c.ok()) << c.status();
   ASSERT_TRUE((*c)->DecisionAt(0).ok());
@@ -270,7 +316,7 @@ TEST_F(ClientCoordinatorTest, CoordinatorStore_LargeValue_SplitOverKeysAndReasse
     s.subgroup = clients[r]->schedule().SubgroupOf(0, r);
     s.rank = r;
     s.credential = clients[r]->credential();
-    s.timeout = absl::Seconds(5);
+    s.timeout = Scaled(absl::Seconds(5));
     return s;
   };
   CoordinatorStore writer(setup(0), "test/");
@@ -294,7 +340,7 @@ TEST_F(ClientCoordinatorTest, GenerationChange_PeerLeaves_OnlyItsSubgroupsStop) 
   auto clients = ConnectAll("leave", 4);
   for (auto& c : clients) ASSERT_NE(c, nullptr);
   ASSERT_TRUE(clients[3]->Leave("finished").ok());
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  const absl::Time deadline = absl::Now() + Scaled(absl::Seconds(10));
   while (clients[0]->latest_generation() == clients[0]->generation() &&
          absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(20));
@@ -328,7 +374,7 @@ TEST_F(ClientCoordinatorTest, Leave_AfterAFailure_CountsAsADeathBelowMinWorldSiz
     if (m.rank() >= 2) EXPECT_EQ(m.state(), v1::DEAD) << job->DebugString();
   }
   // The survivors learn that they cannot go on.
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  const absl::Time deadline = absl::Now() + Scaled(absl::Seconds(10));
   while (clients[0]->AdvanceGeneration().ok() && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(20));
   }
@@ -357,7 +403,7 @@ TEST_F(ClientCoordinatorTest, GenerationChange_CoordinatorGone_Unavailable) {
   auto c = Client::Connect(options);
   ASSERT_TRUE(c.ok()) << c.status();
   server_->Shutdown();
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  const absl::Time deadline = absl::Now() + Scaled(absl::Seconds(10));
   while ((*c)->CheckUsable().ok() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
   EXPECT_EQ((*c)->CheckUsable().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string((*c)->CheckUsable().message()), HasSubstr("has not answered"));
@@ -392,7 +438,7 @@ TEST(ClientAuthTest, Connect_TokenRequired_RightTokenJoinsWrongOneUnauthenticate
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_TRUE((*c)->DecisionAt(7).ok());  // GetSchedule carries the token too
   // So does the HeartbeatStream: the step it reports arrives.
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  const absl::Time deadline = absl::Now() + Scaled(absl::Seconds(10));
   int64_t reported = -1;
   while (reported != 7 && absl::Now() < deadline) {
     auto job = (*admin)->GetJob("auth");
@@ -538,7 +584,7 @@ class ClientHeartbeatTest : public ::testing::Test {
   // Waits (at most 10 s) until `done` holds.
   template <typename Pred>
   static bool WaitFor(Pred done) {
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    const absl::Time deadline = absl::Now() + Scaled(absl::Seconds(10));
     while (!done()) {
       if (absl::Now() > deadline) return false;
       absl::SleepFor(absl::Milliseconds(10));

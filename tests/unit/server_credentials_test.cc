@@ -213,6 +213,27 @@ TEST_F(CredentialTest, Join_LiveRankByItsHolder_RetakesIt) {
   EXPECT_EQ(Heartbeat(1, old, 1).code(), absl::StatusCode::kPermissionDenied);
 }
 
+// A credential once found right is not hashed again, but it stays the member's only: beats with
+// it count, a forged one of the same length after it is still refused, and once the rank is
+// re-taken the old one (checked many times before) is refused.
+TEST_F(CredentialTest, Heartbeat_AfterTheRightCredential_OnlyItStillCounts) {
+  const std::string old = Credential(1);
+  for (int step = 1; step <= 3; ++step) ASSERT_TRUE(Heartbeat(1, old, step).ok());
+  std::string forged = old;
+  forged.back() = forged.back() == '0' ? '1' : '0';
+  EXPECT_EQ(Heartbeat(1, forged, 99).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(Heartbeat(1, Credential(0), 99).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(Heartbeat(1, old, 4).ok());
+  EXPECT_EQ(Proto().members(1).last_step(), 4);
+  std::optional<absl::StatusOr<v1::JoinResponse>> again, zero;
+  Join(1, "w1-restarted", old, &again);
+  Join(0, "w0", "", &zero);
+  ASSERT_TRUE(again.has_value() && again->ok());
+  EXPECT_EQ(Heartbeat(1, old, 5).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(Heartbeat(1, (*again)->credential(), 5).ok());
+  EXPECT_EQ(Heartbeat(1, old, 6).code(), absl::StatusCode::kPermissionDenied);
+}
+
 // A rank whose holder died is free again, for anyone.
 TEST_F(CredentialTest, Join_DeadHoldersRank_FreeForAnyone) {
   clock_.Advance(absl::Seconds(4));
