@@ -255,6 +255,20 @@ TEST_F(ClientOuterElasticTest, StreamingLevel_KilledAndReplaced_ReplacementRecei
     EXPECT_EQ(mine.lines.front().action, "AVERAGE") << mine.lines.front().text;
     EXPECT_EQ(mine.lines.back().step, kSteps - 1);
     const std::vector<Trace> peers = {TraceOf(ids[0]), TraceOf(ids[1]), TraceOf(ids[2])};
+    // At the admission step the fragment not synced then holds the mean of the peers' values
+    // (theirs do not change at that step).
+    {
+      const TraceLine& first = mine.lines.front();
+      const int other = static_cast<int>((first.step / 2 + 1) % 2);
+      const std::vector<double> got = Values(first.text);
+      ASSERT_EQ(got.size(), static_cast<size_t>(kTensors)) << first.text;
+      for (int t = other * kTensors / 2; t < (other + 1) * kTensors / 2; ++t) {
+        double mean = 0;
+        for (const Trace& peer : peers) mean += Values(peer.lines[first.step].text)[t] / 3;
+        EXPECT_NEAR(got[t], mean, std::max(1e-4, 1e-5 * std::fabs(mean)))
+            << "tensor " << t << " of the admission line " << first.text;
+      }
+    }
     int compared = 0;
     for (const TraceLine& l : mine.lines) {
       if (l.action != "AVERAGE") continue;

@@ -2,6 +2,8 @@
 
 #include <string>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
@@ -165,6 +167,26 @@ TEST(JobSpecTest, OuterDecision_SaysSoAndRoundTrips) {
   EXPECT_TRUE(DecisionFromProto(proto).outer);
   DecisionToProto(schedule->DecisionFor(6, 1), 3, &proto);
   EXPECT_FALSE(proto.outer());
+}
+
+// sync_delay > 0 needs a strict job in this version: refused when the job is created, not at
+// its first sync step; the other streaming fields are fine in an elastic job.
+TEST(JobSpecTest, SyncDelayInElasticJob_UnimplementedNamingField) {
+  const std::string level = R"pb(
+    levels { period: 8 group_size: 4 fragments: 2 %s outer { lr: 0.7 momentum: 0.9 } })pb";
+  const std::string base = R"pb(job_id: "e" world_size: 4 mode: PERIODIC )pb";
+  auto spec = [&](const std::string& delay, int min_world) {
+    std::string text = base + absl::StrFormat(level.c_str(), delay);
+    if (min_world > 0) text += absl::StrCat(" min_world_size: ", min_world);
+    return Parse(text);
+  };
+  absl::StatusOr<ScheduleSpec> elastic = ScheduleSpecFromProto(spec("sync_delay: 1", 2));
+  ASSERT_EQ(elastic.status().code(), absl::StatusCode::kUnimplemented) << elastic.status();
+  EXPECT_THAT(elastic.status().message(), HasSubstr("levels[0].sync_delay 1 in an elastic job"));
+  EXPECT_THAT(elastic.status().message(), HasSubstr("use sync_delay 0"));
+  EXPECT_TRUE(ScheduleSpecFromProto(spec("sync_delay: 1", 4)).ok());  // min = world: strict
+  EXPECT_TRUE(ScheduleSpecFromProto(spec("sync_delay: 1", 0)).ok());
+  EXPECT_TRUE(ScheduleSpecFromProto(spec("payload: INT8 mix: 0.5", 2)).ok());
 }
 
 }  // namespace
