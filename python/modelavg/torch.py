@@ -227,13 +227,15 @@ class PeriodicModelAverager(_ma.PeriodicModelAverager):
       outer: (modelavg only) a :class:`modelavg.OuterSGD`: DiLoCo — instead of averaging the
         parameters, each averaging step after the first steps an anchor with SGD on the
         world's mean pseudo-gradient (docs/diloco.md).
+      backup_device: (modelavg only, torchft's name) None or ``"cpu"``: where the outer
+        state of CUDA parameters lives (``"cpu"``: pinned host memory).
 
     Raises ValueError for the same arguments PyTorch refuses, InvalidArgumentError (a ValueError)
     when the existing job's spec differs, and the errors of :func:`modelavg.connect`.
     """
 
     def __init__(self, period: int, warmup_steps: int = 0, process_group: Any = None,
-                 outer: Optional["_ma.OuterSGD"] = None) -> None:
+                 outer: Optional["_ma.OuterSGD"] = None, backup_device: Any = None) -> None:
         if warmup_steps < 0:
             raise ValueError("Arg ``warmup_steps`` must be a non-negative number.")
         if period < 1:
@@ -249,9 +251,10 @@ class PeriodicModelAverager(_ma.PeriodicModelAverager):
         self.warmup_steps = warmup_steps
         self.process_group = process_group
         self.outer = outer
+        _ma._backup_on_host(backup_device)  # a bad value fails before the job is joined
         client = _job_client("PERIODIC", warmup_steps,
                              lambda world: _with_outer([(period, world)], outer))
-        super().__init__(client)
+        super().__init__(client, backup_device=backup_device)
 
 
 class HierarchicalModelAverager(_ma.HierarchicalModelAverager):
@@ -267,6 +270,8 @@ class HierarchicalModelAverager(_ma.HierarchicalModelAverager):
       outer: (modelavg only) DiLoCo's outer optimizer: a :class:`modelavg.OuterSGD` for the
         last level (the world), or ``{period: OuterSGD}`` for the levels of those periods
         (docs/diloco.md).
+      backup_device: (modelavg only, torchft's name) None or ``"cpu"``: where the outer
+        state of CUDA parameters lives (``"cpu"``: pinned host memory).
 
     Raises ValueError for the same arguments PyTorch refuses, InvalidArgumentError (a ValueError)
     when the existing job's spec differs, and the errors of :func:`modelavg.connect`.
@@ -274,7 +279,7 @@ class HierarchicalModelAverager(_ma.HierarchicalModelAverager):
 
     def __init__(self, period_group_size_dict: Optional[Dict[int, int]] = None,
                  warmup_steps: int = 0, process_group: Any = None,
-                 outer: Any = None) -> None:
+                 outer: Any = None, backup_device: Any = None) -> None:
         if not period_group_size_dict:
             raise ValueError("Arg ``period_group_size_dict`` must not be empty.")
         levels: List[Tuple[int, int]] = [(int(p), int(g))
@@ -297,5 +302,6 @@ class HierarchicalModelAverager(_ma.HierarchicalModelAverager):
         self.process_group = process_group
         self.outer = outer
         with_outer = _with_outer(levels, outer)
+        _ma._backup_on_host(backup_device)  # a bad value fails before the job is joined
         client = _job_client("HIERARCHICAL", warmup_steps, lambda world: with_outer)
-        super().__init__(client)
+        super().__init__(client, backup_device=backup_device)
