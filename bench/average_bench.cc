@@ -16,7 +16,8 @@
 // "committed_over_plain" (-1 where the backend has no committed rounds). With --in_place the
 // plain round keeps no backup, so the ratio is the whole cost of an elastic round.
 // With --outer the level has an outer optimizer (DiLoCo): average_s is then an outer step and
-// "outer_over_plain" = average_s / plain_round_s, on the same buffers and communicator.
+// "outer_over_plain" = average_s / plain_round_s, on the same buffers and communicator;
+// --backup_device=cpu keeps the outer state of CUDA parameters in pinned host memory.
 #include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -62,6 +63,10 @@ ABSL_FLAG(bool, outer, false,
           "every measured AverageParameters call is an outer step (pseudo-gradient, all-reduce, "
           "SGD step); compare average_s with plain_round_s (a plain average of the same "
           "buffers on the same communicator): \"outer_over_plain\".");
+ABSL_FLAG(std::string, backup_device, "parameters",
+          "With --outer: where the outer state lives (AveragerOptions::backup_device): "
+          "\"parameters\" (the parameters' device) or \"cpu\" (pinned host memory for CUDA "
+          "parameters; host parameters keep host memory either way).");
 // Internal: worker mode.
 ABSL_FLAG(int32_t, worker_rank, -1, "internal");
 ABSL_FLAG(std::string, coordinator, "", "internal");
@@ -164,7 +169,12 @@ absl::Status Worker() {
   o.collective_timeout = absl::Seconds(120);
   o.gloo_in_place = absl::GetFlag(FLAGS_in_place);
   MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Connect(o));
-  MODELAVG_ASSIGN_OR_RETURN(auto averager, client::PeriodicModelAverager::Create(client.get()));
+  client::AveragerOptions averager_options;
+  if (absl::GetFlag(FLAGS_backup_device) == "cpu") {
+    averager_options.backup_device = client::AveragerOptions::BackupDevice::kHost;
+  }
+  MODELAVG_ASSIGN_OR_RETURN(auto averager,
+                            client::PeriodicModelAverager::Create(client.get(), averager_options));
   const int64_t numel = absl::GetFlag(FLAGS_numel);
   const int tensors = absl::GetFlag(FLAGS_tensors);
   const bool nccl = absl::GetFlag(FLAGS_backend) == "nccl";
@@ -252,6 +262,10 @@ absl::Status Driver(const char* self) {
     return absl::InvalidArgumentError(
         "need --world >= 1, --numel >= 1, 1 <= --tensors <= --numel, --iters >= 1");
   }
+  if (absl::GetFlag(FLAGS_backup_device) != "parameters" &&
+      absl::GetFlag(FLAGS_backup_device) != "cpu") {
+    return absl::InvalidArgumentError("--backup_device must be parameters or cpu");
+  }
   if (backend != "gloo" && backend != "nccl") {
     return absl::InvalidArgumentError("--backend must be gloo or nccl");
   }
@@ -286,7 +300,8 @@ absl::Status Driver(const char* self) {
         absl::StrCat("--iters=", absl::GetFlag(FLAGS_iters)),
         absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)), "--backend=" + backend,
         "--log_level=" + absl::GetFlag(FLAGS_log_level),
-        absl::StrCat("--in_place=", absl::GetFlag(FLAGS_in_place) ? "true" : "false")};
+        absl::StrCat("--in_place=", absl::GetFlag(FLAGS_in_place) ? "true" : "false"),
+        "--backup_device=" + absl::GetFlag(FLAGS_backup_device)};
     std::vector<char*> args;
     for (auto& a : argv) args.push_back(a.data());
     args.push_back(nullptr);
@@ -335,13 +350,14 @@ absl::Status Driver(const char* self) {
       "\"average_s\": %.6g, \"raw_allreduce_s\": %.6g, \"avg_over_raw\": %.4f, "
       "\"average_gbps\": %.4g, \"raw_gbps\": %.4g, \"plain_round_s\": %.6g, "
       "\"committed_round_s\": %.6g, \"committed_over_plain\": %.4f, \"outer\": %s, "
-      "\"outer_over_plain\": %.4f}\n",
+      "\"outer_over_plain\": %.4f, \"backup_device\": \"%s\"}\n",
       world, static_cast<long long>(numel), tensors, backend.c_str(),
       absl::GetFlag(FLAGS_in_place) ? "true" : "false", absl::GetFlag(FLAGS_iters), average_s, raw_s, raw_s > 0 ? average_s / raw_s : 0.0,
       bytes / average_s / 1e9, bytes / raw_s / 1e9, plain_s, committed_s,
       committed_s > 0 && plain_s > 0 ? committed_s / plain_s : -1.0,
       absl::GetFlag(FLAGS_outer) ? "true" : "false",
-      absl::GetFlag(FLAGS_outer) && plain_s > 0 ? average_s / plain_s : -1.0);
+      absl::GetFlag(FLAGS_outer) && plain_s > 0 ? average_s / plain_s : -1.0,
+      absl::GetFlag(FLAGS_backup_device).c_str());
   return absl::OkStatus();
 }
 

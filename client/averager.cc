@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -13,7 +14,10 @@
 #include "client/outer_state.h"
 #include "client/pending_sync.h"
 #include "client/gloo_communicator.h"
+#include "client/nccl_core.h"
+#include "client/nccl_outer.h"
 #if MODELAVG_HAVE_CUDA
+#include "client/cuda_local_ops.h"
 #include "client/nccl_communicator.h"
 #endif
 #include "common/status_util.h"
@@ -36,6 +40,29 @@ absl::StatusOr<Device> CommonDevice(absl::Span<const TensorView> params) {
     if (absl::Status s = ValidateTensorView(i, t); !s.ok()) return s;
   }
   return first;
+}
+
+// Runs `round` on a device copy of the host buffer that `views` cover (one allocation of
+// `bytes` from views[0]), placed like `like` (device, stream), and copies the result back.
+absl::Status TransferThroughDevice(
+    NcclDeviceOps* ops, const TensorView& like, std::vector<TensorView>& views, size_t bytes,
+    const std::function<absl::Status(absl::Span<const TensorView>)>& round) {
+  GrowableBuffer scratch;
+  absl::Status s = scratch.Reserve(*ops, bytes);
+  char* host = static_cast<char*>(views[0].data);
+  std::vector<TensorView> on_device = views;
+  for (TensorView& v : on_device) {
+    if (v.data != nullptr) v.data = static_cast<char*>(scratch.data()) + (static_cast<char*>(v.data) - host);
+    v.device = like.device;
+    v.cuda_stream = like.cuda_stream;
+  }
+  if (s.ok()) s = ops->Copy(scratch.data(), host, bytes, like.cuda_stream);
+  if (s.ok()) s = ops->WaitLocal(like.cuda_stream, "copying the outer state to the device");
+  if (s.ok()) s = round(on_device);
+  if (s.ok()) s = ops->Copy(host, scratch.data(), bytes, like.cuda_stream);
+  if (s.ok()) s = ops->WaitLocal(like.cuda_stream, "copying the outer state from the device");
+  scratch.Release(*ops);
+  return s;
 }
 
 // After a failed round: probes the round's peers over the data network and, when some do not
@@ -97,7 +124,8 @@ void ReportUnreachablePeers(Client* client, const Decision& decision, Communicat
 
 }  // namespace
 
-ModelAverager::ModelAverager(Client* client) : client_(client) {
+ModelAverager::ModelAverager(Client* client, AveragerOptions options)
+    : client_(client), options_(options) {
   // A replacement starts at its admission step (the first call receives the parameters).
   if (client_->admission_step() > 0) step_ = client_->admission_step();
   const std::vector<ScheduleLevel>& levels = client_->schedule().spec().levels;
@@ -110,6 +138,11 @@ ModelAverager::ModelAverager(Client* client) : client_(client) {
 ModelAverager::~ModelAverager() {
   absl::MutexLock l(&mu_);
   AbandonPending();
+  // The device states go before the operations they were allocated with.
+  outer_.clear();
+  if (device_gradient_ != nullptr && device_ops_ != nullptr) {
+    device_gradient_->Release(*device_ops_);
+  }
 }
 
 bool ModelAverager::NeedsParametersAt(int64_t step) const {
@@ -260,18 +293,35 @@ absl::StatusOr<Decision> ModelAverager::OuterRound(const Decision& decision,
         where, ": this client applies an outer level as a whole (fragments 1, sync_delay 0, "
                "payload FP32); level ", level, " asks for streaming sync (docs/streaming.md)"));
   }
-  if (!device.is_host()) {
-    return absl::UnimplementedError(absl::StrCat(
-        where, ": outer optimizers (Level.outer) run on host tensors (Gloo) in this version; "
-               "the parameters are on ",
-        device.ToString()));
-  }
   // A replacement at its admission step receives the outer state in the round (see
   // TransferOuterState) and contributes no pseudo-gradient.
   const bool joining = std::binary_search(decision.joining.begin(), decision.joining.end(),
                                           client_->rank());
   const int64_t first = client_->schedule().FirstStepOf(level);
   const bool first_step = first < 0 || decision.step == first;
+  const auto no_anchor = [&] {
+    // A later step without an anchor would mix a plain average into the group's outer step.
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, ": this rank has no outer state for level ", level,
+        " (its first averaging step was ", first,
+        "): restore the averager with load_state_dict() from a checkpoint's state_dict() "
+        "rather than set_step() alone"));
+  };
+  if (!device.is_host()) {
+    // CUDA parameters (nccl_outer.h): the same rule, on the device.
+    MODELAVG_ASSIGN_OR_RETURN(DeviceOuterState * on_device, DeviceState(state, device));
+    if (!joining && !on_device->has_anchor() && !first_step) return no_anchor();
+    Decision done = decision;
+    absl::Status s = RunDeviceOuterStep(
+        on_device, device_gradient_.get(), params, first_step, joining,
+        [&](absl::Span<const TensorView> tensors) {
+          absl::StatusOr<Decision> r = Round(decision, device, tensors);
+          if (r.ok()) done = *r;
+          return r.status();
+        });
+    if (!s.ok()) return Annotate(s, where);
+    return done;
+  }
   if (joining && !first_step) {
     if (pseudo_gradient_ == nullptr) pseudo_gradient_ = std::make_unique<OuterBuffer>();
     pseudo_gradient_->Shape(params);
@@ -281,15 +331,8 @@ absl::StatusOr<Decision> ModelAverager::OuterRound(const Decision& decision,
     return done;
   }
   if (!state->has_anchor()) {
-    // The level's first averaging step: a plain average; the result is the anchor. A later
-    // step without an anchor would mix a plain average into the group's outer step.
-    if (!first_step) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          where, ": this rank has no outer state for level ", level,
-          " (its first averaging step was ", first,
-          "): restore the averager with load_state_dict() from a checkpoint's state_dict() "
-          "rather than set_step() alone"));
-    }
+    // The level's first averaging step: a plain average; the result is the anchor.
+    if (!first_step) return no_anchor();
     MODELAVG_ASSIGN_OR_RETURN(Decision done, Round(decision, device, params));
     MODELAVG_RETURN_IF_ERROR(Annotate(state->SetAnchor(params), where));
     return done;
@@ -303,6 +346,38 @@ absl::StatusOr<Decision> ModelAverager::OuterRound(const Decision& decision,
   MODELAVG_ASSIGN_OR_RETURN(Decision done, Round(decision, device, d));
   MODELAVG_RETURN_IF_ERROR(Annotate(state->Step(0, d, params), where));
   return done;
+}
+
+absl::StatusOr<NcclDeviceOps*> ModelAverager::DeviceOps(const Device& device) {
+#if MODELAVG_HAVE_CUDA
+  if (device_ops_ == nullptr) {
+    device_ops_ = std::make_unique<CudaLocalOps>(device.index,
+                                                 client_->options().collective_timeout);
+    device_gradient_ = std::make_unique<GrowableBuffer>();
+  }
+  const int on = static_cast<CudaLocalOps*>(device_ops_.get())->device();
+  if (on != device.index) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the parameters are on ", device.ToString(), " but this averager's outer state is on cuda:",
+        on, ": keep the model on one device (or make a new averager)"));
+  }
+  return device_ops_.get();
+#else
+  return absl::UnimplementedError(absl::StrCat(
+      "the parameters are on ", device.ToString(),
+      " but this build of modelavg has no CUDA support (configure with -DMODELAVG_WITH_CUDA=ON)"));
+#endif
+}
+
+absl::StatusOr<DeviceOuterState*> ModelAverager::DeviceState(OuterLevelState* state,
+                                                             const Device& device) {
+  MODELAVG_ASSIGN_OR_RETURN(NcclDeviceOps * ops, DeviceOps(device));
+  if (state->device() == nullptr) {
+    MODELAVG_RETURN_IF_ERROR(state->AttachDevice(std::make_unique<DeviceOuterState>(
+        ops, state->level(), state->rule(),
+        options_.backup_device == AveragerOptions::BackupDevice::kHost)));
+  }
+  return state->device();
 }
 
 absl::Status ModelAverager::TransferOuterState(const Decision& decision, Communicator* comm,
@@ -414,7 +489,17 @@ absl::Status ModelAverager::TransferOuterState(const Decision& decision, Communi
     RoundOptions options;
     options.step = decision.step;
     options.contributors = 1;
-    MODELAVG_RETURN_IF_ERROR(comm->AllReduceAverage(views, options, nullptr));
+    if (!layout.empty() && layout[0].device.is_cuda()) {
+      // An NCCL round: the hand-over travels through a device copy of the buffer.
+      MODELAVG_ASSIGN_OR_RETURN(NcclDeviceOps * ops, DeviceOps(layout[0].device));
+      MODELAVG_RETURN_IF_ERROR(TransferThroughDevice(ops, layout[0], views, buffer.total_bytes(),
+                                                     [&](absl::Span<const TensorView> on_device) {
+                                                       return comm->AllReduceAverage(
+                                                           on_device, options, nullptr);
+                                                     }));
+    } else {
+      MODELAVG_RETURN_IF_ERROR(comm->AllReduceAverage(views, options, nullptr));
+    }
     if (j != me) continue;
     at = 1;
     for (size_t k = 0; k < entries.size(); ++k) {
@@ -685,7 +770,7 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
 }
 
 absl::StatusOr<std::unique_ptr<PeriodicModelAverager>> PeriodicModelAverager::Create(
-    Client* client) {
+    Client* client, AveragerOptions options) {
   if (client == nullptr) return absl::InvalidArgumentError("client is null");
   if (client->schedule().spec().mode != AveragingMode::kPeriodic) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -693,18 +778,18 @@ absl::StatusOr<std::unique_ptr<PeriodicModelAverager>> PeriodicModelAverager::Cr
         " is HIERARCHICAL: use HierarchicalModelAverager (or create the job with mode "
         "PERIODIC)"));
   }
-  return std::unique_ptr<PeriodicModelAverager>(new PeriodicModelAverager(client));
+  return std::unique_ptr<PeriodicModelAverager>(new PeriodicModelAverager(client, options));
 }
 
 absl::StatusOr<std::unique_ptr<HierarchicalModelAverager>> HierarchicalModelAverager::Create(
-    Client* client) {
+    Client* client, AveragerOptions options) {
   if (client == nullptr) return absl::InvalidArgumentError("client is null");
   if (client->schedule().spec().mode != AveragingMode::kHierarchical) {
     return absl::FailedPreconditionError(absl::StrCat(
         "job ", client->job_id(),
         " is PERIODIC: use PeriodicModelAverager (or create the job with mode HIERARCHICAL)"));
   }
-  return std::unique_ptr<HierarchicalModelAverager>(new HierarchicalModelAverager(client));
+  return std::unique_ptr<HierarchicalModelAverager>(new HierarchicalModelAverager(client, options));
 }
 
 }  // namespace modelavg::client

@@ -46,6 +46,21 @@ struct CommunicatorSetup;
 class Communicator;
 class OuterLevelState;
 class OuterBuffer;
+class NcclDeviceOps;
+class GrowableBuffer;
+class DeviceOuterState;
+
+// How an averager keeps its outer levels' state (Level.outer, docs/diloco.md); the job's spec
+// holds the rule, these are this process's choices.
+struct AveragerOptions {
+  // Where the anchors and momenta of CUDA parameters live (torchft's `backup_device`):
+  // kParameters, on the parameters' device (the default: the outer step reads and writes device
+  // memory only); kHost, in pinned host memory, which the step's kernels read and write over the
+  // bus (two parameter-sized buffers per outer level move off the device; the pseudo-gradient
+  // stays there). Host parameters (Gloo) keep their state in host memory either way.
+  enum class BackupDevice { kParameters, kHost };
+  BackupDevice backup_device = BackupDevice::kParameters;
+};
 
 // One tensor of an averager's saved state: host bytes of `numel` elements of `dtype`.
 struct StateTensor {
@@ -144,6 +159,7 @@ class ModelAverager {
   absl::Status load_state_dict(const AveragerState& state);
 
   Client* client() const { return client_; }
+  const AveragerOptions& options() const { return options_; }
 
   // Per level (index into the job's levels): the bytes this member has sent in the level's
   // averaging rounds (the communicators' count, see Communicator::bytes_sent), and how long
@@ -156,7 +172,7 @@ class ModelAverager {
   std::vector<LevelTraffic> traffic() const;
 
  protected:
-  explicit ModelAverager(Client* client);
+  ModelAverager(Client* client, AveragerOptions options);
 
  private:
   // AverageParameters under mu_ (the caller records a failure on the client).
@@ -224,10 +240,21 @@ class ModelAverager {
   absl::StatusOr<Decision> OuterRound(const Decision& decision, const Device& device,
                                       absl::Span<const TensorView> params)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // CUDA parameters: the device operations of the outer state (created at the first use, on
+  // `device`), and `state`'s device state (attached at its first CUDA step).
+  absl::StatusOr<NcclDeviceOps*> DeviceOps(const Device& device)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<DeviceOuterState*> DeviceState(OuterLevelState* state, const Device& device)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Client* const client_;
+  const AveragerOptions options_;
   mutable absl::Mutex mu_;
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
+  // CUDA parameters with outer levels: the device operations the outer state runs on (declared
+  // before outer_, so that the states are freed first) and the pseudo-gradient on the device.
+  std::unique_ptr<NcclDeviceOps> device_ops_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<GrowableBuffer> device_gradient_ ABSL_GUARDED_BY(mu_);
   // Per level: its outer state, or null for a plain level.
   std::vector<std::unique_ptr<OuterLevelState>> outer_ ABSL_GUARDED_BY(mu_);
   // The pseudo-gradient of an outer step (shared by the levels: one step runs at a time).
@@ -252,7 +279,8 @@ class PeriodicModelAverager : public ModelAverager {
  public:
   // Errors: INVALID_ARGUMENT (null client), FAILED_PRECONDITION (the job is HIERARCHICAL: use
   // HierarchicalModelAverager).
-  static absl::StatusOr<std::unique_ptr<PeriodicModelAverager>> Create(Client* client);
+  static absl::StatusOr<std::unique_ptr<PeriodicModelAverager>> Create(
+      Client* client, AveragerOptions options = AveragerOptions());
 
  private:
   using ModelAverager::ModelAverager;
@@ -264,7 +292,8 @@ class HierarchicalModelAverager : public ModelAverager {
  public:
   // Errors: INVALID_ARGUMENT (null client), FAILED_PRECONDITION (the job is PERIODIC: use
   // PeriodicModelAverager).
-  static absl::StatusOr<std::unique_ptr<HierarchicalModelAverager>> Create(Client* client);
+  static absl::StatusOr<std::unique_ptr<HierarchicalModelAverager>> Create(
+      Client* client, AveragerOptions options = AveragerOptions());
 
  private:
   using ModelAverager::ModelAverager;

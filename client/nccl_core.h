@@ -45,7 +45,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "client/communicator.h"
-#include "client/communicator.h"
+#include "client/outer_step_args.h"
 #include "client/staging_layout.h"
 #include "client/tensor.h"
 
@@ -85,6 +85,20 @@ class NcclDeviceOps {
   virtual absl::Status WaitLocal(void* stream, const char* what) = 0;
   // ncclCommAbort (once).
   virtual void AbortCommunicator() = 0;
+
+  // The outer optimizer's passes on CUDA parameters (nccl_outer.h), enqueued on `stream`. In
+  // `chunks` (device memory), staging_offset is the element's offset in the state buffers, all of
+  // `state_code` (kStageF32 or kStageF64). OuterDifference: gradient[o + i] := anchor[o + i] -
+  // tensor[i]; OuterStep: the SGD step of OuterStepArgs, then tensor[i] := anchor[o + i].
+  virtual absl::Status OuterDifference(const StagingChunk* /*chunks*/, int64_t /*num_chunks*/,
+                                       const void* /*anchor*/, void* /*gradient*/,
+                                       int32_t /*state_code*/, void* /*stream*/) {
+    return absl::UnimplementedError("this device has no outer optimizer kernels");
+  }
+  virtual absl::Status OuterStep(const StagingChunk* /*chunks*/, int64_t /*num_chunks*/,
+                                 const OuterStepArgs& /*args*/, void* /*stream*/) {
+    return absl::UnimplementedError("this device has no outer optimizer kernels");
+  }
 };
 
 // A device (or pinned) allocation that only grows. After a failed growth it holds nothing:

@@ -4,6 +4,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/half.h"
+#include "client/nccl_outer.h"
+#include "spdlog/spdlog.h"
 
 namespace modelavg::client {
 namespace {
@@ -124,7 +126,42 @@ std::vector<TensorView> OuterBuffer::Views(size_t first, size_t n) {
   return out;
 }
 
+OuterLevelState::OuterLevelState(int level, OuterSgd rule) : level_(level), rule_(rule) {}
+OuterLevelState::~OuterLevelState() = default;
+
+bool OuterLevelState::has_anchor() const {
+  return device_ != nullptr ? device_->has_anchor() : has_anchor_;
+}
+bool OuterLevelState::has_momentum() const {
+  return device_ != nullptr ? device_->has_momentum() : has_momentum_;
+}
+size_t OuterLevelState::bytes() const {
+  return device_ != nullptr ? device_->bytes() : anchor_.total_bytes() + momentum_.total_bytes();
+}
+
+absl::Status OuterLevelState::AttachDevice(std::unique_ptr<DeviceOuterState> device) {
+  if (has_anchor_) {
+    const std::vector<StateTensor> a = AnchorTensors();
+    const std::vector<StateTensor> m = MomentumTensors();
+    if (absl::Status s = device->Load(a, has_momentum_ ? &m : nullptr); !s.ok()) return s;
+  }
+  anchor_ = OuterBuffer();
+  momentum_ = OuterBuffer();
+  has_anchor_ = false;
+  has_momentum_ = false;
+  device_ = std::move(device);
+  return absl::OkStatus();
+}
+
+namespace {
+absl::Status OnDevice(int level) {
+  return absl::InternalError(absl::StrCat("the outer state of level ", level,
+                                          " is on a CUDA device; host tensors were passed"));
+}
+}  // namespace
+
 absl::Status OuterLevelState::SetAnchor(absl::Span<const TensorView> params) {
+  if (device_ != nullptr) return OnDevice(level_);
   anchor_.Shape(params);
   for (size_t i = 0; i < params.size(); ++i) {
     const TensorView& x = params[i];
@@ -145,6 +182,10 @@ absl::Status OuterLevelState::SetAnchor(absl::Span<const TensorView> params) {
 
 absl::Status OuterLevelState::CheckLayout(size_t first,
                                           absl::Span<const TensorView> params) const {
+  if (device_ != nullptr) {
+    if (first != 0) return absl::UnimplementedError("fragments of a CUDA outer state");
+    return device_->CheckLayout(params);
+  }
   if (!has_anchor_) {
     return absl::FailedPreconditionError(absl::StrCat("level ", level_, " has no anchor yet"));
   }
@@ -170,6 +211,7 @@ absl::Status OuterLevelState::CheckLayout(size_t first,
 
 absl::Status OuterLevelState::PseudoGradient(size_t first, absl::Span<const TensorView> params,
                                              absl::Span<const TensorView> out) const {
+  if (device_ != nullptr) return OnDevice(level_);
   if (absl::Status s = CheckLayout(first, params); !s.ok()) return s;
   if (out.size() != params.size()) {
     return absl::InternalError("pseudo-gradient buffer of the wrong tensor count");
@@ -191,6 +233,7 @@ absl::Status OuterLevelState::PseudoGradient(size_t first, absl::Span<const Tens
 
 absl::Status OuterLevelState::Step(size_t first, absl::Span<const TensorView> mean,
                                    absl::Span<const TensorView> params) {
+  if (device_ != nullptr) return OnDevice(level_);
   if (absl::Status s = CheckLayout(first, params); !s.ok()) return s;
   if (rule_.momentum != 0 && momentum_.size() == 0) {
     // Allocated at the first outer step; unset until then (PyTorch's momentum_buffer None).
@@ -272,16 +315,32 @@ absl::Status Fill(const std::vector<StateTensor>& tensors, const char* what, int
 }  // namespace
 
 std::vector<StateTensor> OuterLevelState::AnchorTensors() const {
+  if (device_ != nullptr) {
+    absl::StatusOr<std::vector<StateTensor>> a = device_->AnchorTensors();
+    if (a.ok()) return *std::move(a);
+    // A device that cannot copy its memory out is broken: its next call fails too.
+    spdlog::error("level {}: copying the outer anchor from the device failed: {}", level_,
+                  a.status().ToString());
+    return {};
+  }
   return has_anchor_ ? Copy(anchor_) : std::vector<StateTensor>{};
 }
 
 std::vector<StateTensor> OuterLevelState::MomentumTensors() const {
+  if (device_ != nullptr) {
+    absl::StatusOr<std::vector<StateTensor>> m = device_->MomentumTensors();
+    if (m.ok()) return *std::move(m);
+    spdlog::error("level {}: copying the outer momentum from the device failed: {}", level_,
+                  m.status().ToString());
+    return {};
+  }
   return has_momentum_ ? Copy(momentum_) : std::vector<StateTensor>{};
 }
 
 absl::Status OuterLevelState::Load(const std::vector<StateTensor>& anchor,
                                    const std::vector<StateTensor>* momentum_or_null) {
   static const std::vector<StateTensor> kNone;
+  if (device_ != nullptr) return device_->Load(anchor, momentum_or_null);
   const std::vector<StateTensor>& momentum = momentum_or_null ? *momentum_or_null : kNone;
   if (momentum_or_null != nullptr && rule_.momentum == 0) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -16,6 +16,7 @@
 #define MODELAVG_CLIENT_OUTER_STATE_H_
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -25,6 +26,8 @@
 #include "common/schedule.h"
 
 namespace modelavg::client {
+
+class DeviceOuterState;
 
 // float32 for float16/bfloat16, else `param`.
 DType OuterStateDType(DType param);
@@ -57,13 +60,22 @@ class OuterBuffer {
 
 class OuterLevelState {
  public:
-  OuterLevelState(int level, OuterSgd rule) : level_(level), rule_(rule) {}
+  OuterLevelState(int level, OuterSgd rule);
+  ~OuterLevelState();
+
+  // CUDA parameters (NCCL): from now on the state lives in `device` (nccl_outer.h), which takes
+  // over a host anchor and momentum this state holds (loaded from a state_dict, received at an
+  // admission) and then frees them. has_anchor, has_momentum, CheckLayout, AnchorTensors,
+  // MomentumTensors, Load and bytes then answer for the device state; SetAnchor,
+  // PseudoGradient and Step (host tensors) fail. Errors: the upload's.
+  absl::Status AttachDevice(std::unique_ptr<DeviceOuterState> device);
+  DeviceOuterState* device() const { return device_.get(); }
 
   int level() const { return level_; }
   const OuterSgd& rule() const { return rule_; }
-  bool has_anchor() const { return has_anchor_; }
+  bool has_anchor() const;
   // The momentum buffer holds a value (after the first outer step, with momentum > 0).
-  bool has_momentum() const { return has_momentum_; }
+  bool has_momentum() const;
 
   // A := params (host tensors), M unset: the level's first averaging step, a plain average.
   absl::Status SetAnchor(absl::Span<const TensorView> params);
@@ -96,7 +108,7 @@ class OuterLevelState {
                     const std::vector<StateTensor>* momentum);
 
   // Bytes held (anchor + momentum).
-  size_t bytes() const { return anchor_.total_bytes() + momentum_.total_bytes(); }
+  size_t bytes() const;
 
  private:
   const int level_;
@@ -105,6 +117,7 @@ class OuterLevelState {
   bool has_momentum_ = false;
   OuterBuffer anchor_;
   OuterBuffer momentum_;
+  std::unique_ptr<DeviceOuterState> device_;
 };
 
 }  // namespace modelavg::client

@@ -91,13 +91,17 @@ void Leave(const PyClient& self, const std::string& reason) {
 // One averager and its client. An interrupted averaging call keeps both alive until it ends.
 class PyAverager {
  public:
-  PyAverager(const PyClient& client, bool hierarchical) : client_(client.get()) {
+  // `backup_host`: the outer state of CUDA parameters in pinned host memory (backup_device).
+  PyAverager(const PyClient& client, bool hierarchical, bool backup_host)
+      : client_(client.get()) {
+    mc::AveragerOptions options;
+    if (backup_host) options.backup_device = mc::AveragerOptions::BackupDevice::kHost;
     if (hierarchical) {
       averager_ = ValueOrRaise<std::shared_ptr<mc::ModelAverager>>(
-          mc::HierarchicalModelAverager::Create(client_.get()));
+          mc::HierarchicalModelAverager::Create(client_.get(), options));
     } else {
       averager_ = ValueOrRaise<std::shared_ptr<mc::ModelAverager>>(
-          mc::PeriodicModelAverager::Create(client_.get()));
+          mc::PeriodicModelAverager::Create(client_.get(), options));
     }
   }
 
@@ -452,8 +456,8 @@ Attributes:
         "Joins a job (ClientOptions fields as a dict; durations in seconds).");
 
   py::class_<PyAverager>(m, "Averager", "A periodic or hierarchical averager on one client.")
-      .def(py::init<const PyClient&, bool>(), py::arg("client"), py::arg("hierarchical"),
-           py::keep_alive<1, 2>())
+      .def(py::init<const PyClient&, bool, bool>(), py::arg("client"), py::arg("hierarchical"),
+           py::arg("backup_host") = false, py::keep_alive<1, 2>())
       .def("take_skip", &PyAverager::TakeSkip)
       .def("average", &PyAverager::Average, py::arg("tensors"), py::arg("keep"))
       .def_property("step", &PyAverager::step, &PyAverager::set_step)

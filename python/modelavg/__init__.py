@@ -281,6 +281,19 @@ def connect(coordinator: Optional[str] = None, job_id: Optional[str] = None,
 
 # ------------------------------------------------------------------------------------- averagers
 
+def _backup_on_host(backup_device: Any) -> bool:
+    """torchft's ``backup_device`` for an averager's outer state (docs/diloco.md): None keeps the
+    anchors and momenta on the parameters' device; ``"cpu"`` (or ``torch.device("cpu")``) keeps
+    those of CUDA parameters in pinned host memory. Host parameters keep theirs in host memory
+    either way."""
+    if backup_device is None:
+        return False
+    if str(backup_device) == "cpu":
+        return True
+    raise ValueError(f"backup_device must be None (the parameters' device) or 'cpu' (pinned host "
+                     f"memory), not {backup_device!r}")
+
+
 class ModelAverager:
     """What PeriodicModelAverager and HierarchicalModelAverager share (PyTorch's ModelAverager).
 
@@ -301,16 +314,22 @@ class ModelAverager:
         for step in range(averager.step, total_steps):
             ...
             averager.average_parameters(model.parameters())
+
+    ``backup_device`` (torchft's name): where the outer levels' anchors and momenta of CUDA
+    parameters live — None, on the parameters' device; ``"cpu"``, in pinned host memory (two
+    parameter-sized buffers per outer level move off the GPU; docs/diloco.md).
     """
 
     _hierarchical = False
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, backup_device: Any = None) -> None:
         if not isinstance(client, Client):
             raise TypeError(f"client must be a modelavg.Client (from modelavg.connect), not "
                             f"{type(client).__name__}")
         self.client = client
-        self._core = _core.Averager(client._core, self._hierarchical)
+        self.backup_device = backup_device
+        self._core = _core.Averager(client._core, self._hierarchical,
+                                    _backup_on_host(backup_device))
 
     @property
     def step(self) -> int:

@@ -257,13 +257,15 @@ class PeriodicModelAverager(_ma.PeriodicModelAverager):
         world's mean pseudo-gradient (docs/diloco.md); or a :class:`modelavg.Level` of
         ``period`` and the world size with streaming fields (``fragments``, ``sync_delay``,
         ``mix``, ``payload``; docs/streaming.md).
+      backup_device: (modelavg only, torchft's name) None or ``"cpu"``: where the outer
+        state of CUDA parameters lives (``"cpu"``: pinned host memory).
 
     Raises ValueError for the same arguments PyTorch refuses, InvalidArgumentError (a ValueError)
     when the existing job's spec differs, and the errors of :func:`modelavg.connect`.
     """
 
     def __init__(self, period: int, warmup_steps: int = 0, process_group: Any = None,
-                 outer: Any = None) -> None:
+                 outer: Any = None, backup_device: Any = None) -> None:
         if warmup_steps < 0:
             raise ValueError("Arg ``warmup_steps`` must be a non-negative number.")
         if period < 1:
@@ -279,9 +281,10 @@ class PeriodicModelAverager(_ma.PeriodicModelAverager):
         self.warmup_steps = warmup_steps
         self.process_group = process_group
         self.outer = outer
+        _ma._backup_on_host(backup_device)  # a bad value fails before the job is joined
         client = _job_client("PERIODIC", warmup_steps,
                              lambda world: _with_outer([(period, world)], outer))
-        super().__init__(client)
+        super().__init__(client, backup_device=backup_device)
 
 
 class HierarchicalModelAverager(_ma.HierarchicalModelAverager):
@@ -298,6 +301,8 @@ class HierarchicalModelAverager(_ma.HierarchicalModelAverager):
         last level (the world), or ``{period: OuterSGD}`` for the levels of those periods
         (docs/diloco.md); a :class:`modelavg.Level` (of that period and group size) in place
         of an OuterSGD adds streaming sync (docs/streaming.md).
+      backup_device: (modelavg only, torchft's name) None or ``"cpu"``: where the outer
+        state of CUDA parameters lives (``"cpu"``: pinned host memory).
 
     Raises ValueError for the same arguments PyTorch refuses, InvalidArgumentError (a ValueError)
     when the existing job's spec differs, and the errors of :func:`modelavg.connect`.
@@ -305,7 +310,7 @@ class HierarchicalModelAverager(_ma.HierarchicalModelAverager):
 
     def __init__(self, period_group_size_dict: Optional[Dict[int, int]] = None,
                  warmup_steps: int = 0, process_group: Any = None,
-                 outer: Any = None) -> None:
+                 outer: Any = None, backup_device: Any = None) -> None:
         if not period_group_size_dict:
             raise ValueError("Arg ``period_group_size_dict`` must not be empty.")
         levels: List[Tuple[int, int]] = [(int(p), int(g))
@@ -328,5 +333,6 @@ class HierarchicalModelAverager(_ma.HierarchicalModelAverager):
         self.process_group = process_group
         self.outer = outer
         with_outer = _with_outer(levels, outer)
+        _ma._backup_on_host(backup_device)  # a bad value fails before the job is joined
         client = _job_client("HIERARCHICAL", warmup_steps, lambda world: with_outer)
-        super().__init__(client)
+        super().__init__(client, backup_device=backup_device)

@@ -45,6 +45,10 @@ CONFIGS = {
     "periodic_w4_p3_wu5_nesterov": ("periodic", 4, 5, [(3, 4, (0.7, 0.9, True))], 26,
                                     "explicit"),
     "periodic_w2_dropin": ("periodic", 2, 2, [(2, 2, (0.7, 0.9, True))], 20, "dropin"),
+    # backup_device="cpu" (torchft's name): host parameters keep their state in host memory
+    # either way, so the values are the reference's exactly as without it.
+    "periodic_w2_dropin_backup_cpu": ("periodic", 2, 2, [(2, 2, (0.7, 0.9, True))], 20,
+                                      "dropin_backup"),
     "hierarchical_w8_outer_last": ("hierarchical", 8, 1,
                                    [(2, 2, None), (4, 4, None), (8, 8, (0.7, 0.9, True))], 34,
                                    "explicit"),
@@ -152,18 +156,27 @@ def job_levels(modelavg, levels):
 
 
 def make_averager(modelavg, mode, world, warmup, levels, how, job_id, address, rank):
-    if how == "dropin":
+    if how in ("dropin", "dropin_backup"):
         import modelavg.torch
+        backup = {"backup_device": "cpu"} if how == "dropin_backup" else {}
+        if backup:
+            try:
+                modelavg.torch.PeriodicModelAverager(period=2, backup_device="cuda:7")
+                raise AssertionError("backup_device='cuda:7' was accepted")
+            except ValueError as e:
+                assert "backup_device" in str(e), e
         os.environ.update({"MODELAVG_COORDINATOR": address, "MODELAVG_JOB": job_id,
                            "RANK": str(rank), "WORLD_SIZE": str(world)})
         sgd = {p: modelavg.OuterSGD(o[0], momentum=o[1], nesterov=o[2])
                for p, _, o in levels if o is not None}
         if mode == "periodic":
-            return modelavg.torch.PeriodicModelAverager(period=levels[0][0], warmup_steps=warmup,
-                                                        outer=sgd[levels[0][0]])
+            avg = modelavg.torch.PeriodicModelAverager(period=levels[0][0], warmup_steps=warmup,
+                                                       outer=sgd[levels[0][0]], **backup)
+            assert avg.backup_device == backup.get("backup_device"), avg.backup_device
+            return avg
         return modelavg.torch.HierarchicalModelAverager(
             period_group_size_dict={p: g for p, g, _ in levels}, warmup_steps=warmup,
-            outer=sgd)
+            outer=sgd, **backup)
     if rank == 0:
         modelavg.create_job(job_id, world, mode, job_levels(modelavg, levels),
                             warmup_steps=warmup, coordinator=address)

@@ -167,7 +167,10 @@ class FakeOps : public NcclDeviceOps {
     ASSERT_EQ(live_.erase(p), 1u) << "free of memory that is not a live allocation";
     std::free(p);
   }
-  absl::Status MallocHost(void** p, size_t bytes) override { return Malloc(p, bytes); }
+  absl::Status MallocHost(void** p, size_t bytes) override {
+    ++host_mallocs;
+    return Malloc(p, bytes);
+  }
   void FreeHost(void* p) override { Free(p); }
   absl::Status Zero(void* p, size_t bytes, void*) override {
     log.push_back(absl::StrCat("zero", bytes));
@@ -232,6 +235,22 @@ class FakeOps : public NcclDeviceOps {
     return absl::OkStatus();
   }
   void AbortCommunicator() override { aborted = true; }
+  // The outer optimizer's kernels (nccl_outer_kernels.cu), element by element with the same
+  // arithmetic: every operation in the state dtype S, rounded on its own.
+  absl::Status OuterDifference(const StagingChunk* chunks, int64_t n, const void* anchor,
+                               void* gradient, int32_t code, void*) override {
+    log.push_back("outer_difference");
+    if (!Live(chunks, n * sizeof(StagingChunk))) return Illegal("chunk table");
+    return code == kStageF64 ? Difference<double>(chunks, n, anchor, gradient)
+                             : Difference<float>(chunks, n, anchor, gradient);
+  }
+  absl::Status OuterStep(const StagingChunk* chunks, int64_t n, const OuterStepArgs& args,
+                         void*) override {
+    log.push_back("outer_step");
+    if (!Live(chunks, n * sizeof(StagingChunk))) return Illegal("chunk table");
+    return args.state_code == kStageF64 ? SgdStep<double>(chunks, n, args)
+                                        : SgdStep<float>(chunks, n, args);
+  }
   // The caller's tensors (which are not device allocations of this fake): Zero may write them.
   void SetParams(const void* p, size_t bytes) { params_ = {p, bytes}; }
 
@@ -242,6 +261,7 @@ class FakeOps : public NcclDeviceOps {
   int fail_average_waits = 0;  // the next this many data all-reduces fail after running
   int skip_commits = 0;        // the next this many commits are not issued by this member
   int mallocs = 0;
+  int host_mallocs = 0;  // of which pinned host memory
   bool aborted = false;
   bool illegal = false;
   std::vector<std::string> ops;  // the collectives this member issued
@@ -278,6 +298,50 @@ class FakeOps : public NcclDeviceOps {
         } else {
           StoreAs(ch.tensor, ch.tensor_dtype, i, LoadAs(staging, code, ch.staging_offset + i));
         }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  template <typename S>
+  absl::Status Difference(const StagingChunk* chunks, int64_t n, const void* anchor,
+                          void* gradient) {
+    for (int64_t c = 0; c < n; ++c) {
+      const StagingChunk& ch = chunks[c];
+      const size_t end = (ch.staging_offset + ch.numel) * sizeof(S);
+      if (!Live(anchor, end) || !Live(gradient, end)) return Illegal("outer state buffer");
+      const S* a = static_cast<const S*>(anchor) + ch.staging_offset;
+      S* d = static_cast<S*>(gradient) + ch.staging_offset;
+      for (int64_t i = 0; i < ch.numel; ++i) {
+        d[i] = a[i] - static_cast<S>(LoadAs(ch.tensor, ch.tensor_dtype, i));
+      }
+    }
+    return absl::OkStatus();
+  }
+  template <typename S>
+  absl::Status SgdStep(const StagingChunk* chunks, int64_t n, const OuterStepArgs& args) {
+    const S lr = static_cast<S>(args.lr);
+    const S mu = static_cast<S>(args.momentum_factor);
+    for (int64_t c = 0; c < n; ++c) {
+      const StagingChunk& ch = chunks[c];
+      const size_t end = (ch.staging_offset + ch.numel) * sizeof(S);
+      if (!Live(args.gradient, end) || !Live(args.anchor, end) ||
+          (args.momentum_factor != 0 && !Live(args.momentum, end))) {
+        return Illegal("outer state buffer");
+      }
+      const S* d = static_cast<const S*>(args.gradient) + ch.staging_offset;
+      S* a = static_cast<S*>(args.anchor) + ch.staging_offset;
+      S* m = args.momentum_factor != 0 ? static_cast<S*>(args.momentum) + ch.staging_offset
+                                       : nullptr;
+      for (int64_t i = 0; i < ch.numel; ++i) {
+        S g = d[i];
+        if (m != nullptr) {
+          const S buf = args.momentum_set ? static_cast<S>(m[i] * mu) + d[i] : d[i];
+          m[i] = buf;
+          g = args.nesterov ? d[i] + static_cast<S>(mu * buf) : buf;
+        }
+        a[i] = a[i] + static_cast<S>(-lr * g);
+        StoreAs(ch.tensor, ch.tensor_dtype, i, a[i]);
       }
     }
     return absl::OkStatus();

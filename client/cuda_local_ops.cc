@@ -1,0 +1,114 @@
+#include "client/cuda_local_ops.h"
+
+#include <cuda_runtime_api.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/nccl_outer_kernels.h"
+#include "client/staging_kernels.h"
+#include "common/cuda_check.h"
+#include "common/status_util.h"
+
+namespace modelavg::client {
+
+#define MODELAVG_ON_DEVICE()              \
+  ScopedCudaDevice on_device_(device_);   \
+  MODELAVG_RETURN_IF_ERROR(on_device_.status())
+
+absl::Status CudaLocalOps::Malloc(void** p, size_t bytes) {
+  MODELAVG_ON_DEVICE();
+  *p = nullptr;
+  MODELAVG_CUDA_RETURN_IF_ERROR(cudaMalloc(p, bytes > 0 ? bytes : 1));
+  return absl::OkStatus();
+}
+
+void CudaLocalOps::Free(void* p) {
+  ScopedCudaDevice on(device_);
+  cudaFree(p);
+}
+
+absl::Status CudaLocalOps::MallocHost(void** p, size_t bytes) {
+  MODELAVG_ON_DEVICE();
+  *p = nullptr;
+  // Pinned and, with unified addressing (every 64-bit CUDA platform), mapped: the kernels read
+  // and write it through the same pointer.
+  MODELAVG_CUDA_RETURN_IF_ERROR(cudaMallocHost(p, bytes > 0 ? bytes : 1));
+  return absl::OkStatus();
+}
+
+void CudaLocalOps::FreeHost(void* p) { cudaFreeHost(p); }
+
+absl::Status CudaLocalOps::Zero(void* p, size_t bytes, void* stream) {
+  MODELAVG_ON_DEVICE();
+  MODELAVG_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p, 0, bytes, static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaLocalOps::Copy(void* dst, const void* src, size_t bytes, void* stream) {
+  MODELAVG_ON_DEVICE();
+  MODELAVG_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaLocalOps::Gather(const StagingChunk* chunks, int64_t num_chunks, void* staging,
+                                  int32_t staging_code, void* stream) {
+  MODELAVG_ON_DEVICE();
+  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchGather(chunks, num_chunks, staging, staging_code,
+                                             static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaLocalOps::Scatter(const StagingChunk* chunks, int64_t num_chunks,
+                                   const void* staging, int32_t staging_code, void* stream) {
+  MODELAVG_ON_DEVICE();
+  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchScatter(chunks, num_chunks, staging, staging_code,
+                                              static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaLocalOps::AllReduce(void*, size_t, Reduce, int32_t, int, void*) {
+  return absl::FailedPreconditionError("CudaLocalOps has no communicator: no collectives");
+}
+
+absl::Status CudaLocalOps::Wait(void* stream, const char* what) {
+  return WaitLocal(stream, what);
+}
+
+absl::Status CudaLocalOps::WaitLocal(void* stream_arg, const char* what) {
+  MODELAVG_ON_DEVICE();
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_arg);
+  const absl::Time deadline = absl::Now() + timeout_;
+  for (int polls = 0;; ++polls) {
+    const cudaError_t q = cudaStreamQuery(stream);
+    if (q == cudaSuccess) return absl::OkStatus();
+    if (q != cudaErrorNotReady) return CudaStatus(q, what, __FILE__, __LINE__);
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(what, " did not finish within ", absl::FormatDuration(timeout_)));
+    }
+    if (polls > 100) absl::SleepFor(absl::Microseconds(20));
+  }
+}
+
+absl::Status CudaLocalOps::OuterDifference(const StagingChunk* chunks, int64_t num_chunks,
+                                           const void* anchor, void* gradient,
+                                           int32_t state_code, void* stream) {
+  MODELAVG_ON_DEVICE();
+  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchOuterDifference(chunks, num_chunks, anchor, gradient,
+                                                      state_code,
+                                                      static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaLocalOps::OuterStep(const StagingChunk* chunks, int64_t num_chunks,
+                                     const OuterStepArgs& args, void* stream) {
+  MODELAVG_ON_DEVICE();
+  MODELAVG_CUDA_RETURN_IF_ERROR(
+      LaunchOuterStep(chunks, num_chunks, args, static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+#undef MODELAVG_ON_DEVICE
+
+}  // namespace modelavg::client

@@ -1,0 +1,116 @@
+// The outer optimizer's state of one level on CUDA parameters (DiLoCo on the NCCL path,
+// docs/diloco.md): the device counterpart of OuterLevelState (outer_state.h), whose rule and
+// arithmetic it follows exactly. The host logic only: every device operation goes through
+// NcclDeviceOps (nccl_core.h) — CudaLocalOps (cuda_local_ops.h) on a GPU, a simulated device in
+// the unit tests.
+//
+// Memory: the anchor A and, with momentum, the momentum M, each one buffer of the state dtype
+// (float32 for float32/float16/bfloat16 parameters, float64 for float64 ones), on the
+// parameters' device, or, with `pinned_host` (AveragerOptions::backup_device), in pinned host
+// memory that the kernels read and write over the bus. The pseudo-gradient D is a device buffer
+// of the same layout (the caller's, shared by the levels); its tensors lie back to back in one
+// dtype, so NCCL reduces it in place (no staging copy): the difference pass is the gather and
+// the step pass the scatter of a staged average, with the optimizer fused into them.
+//
+// An outer step is RunDeviceOuterStep below: D := A - x (one kernel); the round all-reduces D
+// (the caller's: strict or elastic, committed, retried, adopted); SGD on A and x := A (one
+// kernel). The state and the parameters change only in the last pass, after the round.
+#ifndef MODELAVG_CLIENT_NCCL_OUTER_H_
+#define MODELAVG_CLIENT_NCCL_OUTER_H_
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "client/averager.h"
+#include "client/nccl_core.h"
+#include "client/tensor.h"
+#include "common/schedule.h"
+
+namespace modelavg::client {
+
+class DeviceOuterState {
+ public:
+  // `ops` outlives the state. `level`: for messages.
+  DeviceOuterState(NcclDeviceOps* ops, int level, OuterSgd rule, bool pinned_host);
+  ~DeviceOuterState();  // frees its buffers
+  DeviceOuterState(const DeviceOuterState&) = delete;
+  DeviceOuterState& operator=(const DeviceOuterState&) = delete;
+
+  const OuterSgd& rule() const { return rule_; }
+  bool pinned_host() const { return pinned_host_; }
+  bool has_anchor() const { return has_anchor_; }
+  bool has_momentum() const { return has_momentum_; }
+
+  // INVALID_ARGUMENT unless `params` (CUDA parameters, or views in the state layout) have the
+  // anchor's layout (element counts, state dtypes); FAILED_PRECONDITION without an anchor.
+  absl::Status CheckLayout(absl::Span<const TensorView> params) const;
+
+  // A := params, M unset (the level's first averaging step, after its plain average). Waits.
+  // UNIMPLEMENTED for parameters that mix float64 with other dtypes (one state dtype on CUDA).
+  absl::Status SetAnchor(absl::Span<const TensorView> params);
+  // Shapes `gradient` (device memory, grown as needed) for `params` and returns D's views: CUDA
+  // tensors on the parameters' device and stream, back to back in the state dtype.
+  absl::StatusOr<std::vector<TensorView>> GradientViews(absl::Span<const TensorView> params,
+                                                        GrowableBuffer* gradient);
+  // D := A - params into `gradient` (shaped by GradientViews), enqueued on the parameters'
+  // stream (no wait: the round that follows orders after it). Changes nothing of the state.
+  absl::Status PseudoGradient(absl::Span<const TensorView> params, const GrowableBuffer& gradient);
+  // PyTorch's SGD with `gradient` (the group's mean D) on A, then params := A. Waits.
+  absl::Status Step(absl::Span<const TensorView> params, const GrowableBuffer& gradient);
+
+  // Host copies (state_dict, the admission hand-over), in the state dtype; waits.
+  absl::StatusOr<std::vector<StateTensor>> AnchorTensors() const;
+  absl::StatusOr<std::vector<StateTensor>> MomentumTensors() const;
+  // Sets A (and M, `momentum` not null) from host tensors (one state dtype: float32 or float64,
+  // counts and byte sizes matching). Nothing changes on an error. Waits.
+  absl::Status Load(const std::vector<StateTensor>& anchor,
+                    const std::vector<StateTensor>* momentum);
+
+  // Bytes held (anchor + momentum), wherever they are.
+  size_t bytes() const;
+
+ private:
+  // The layout of `params` (state dtype of every tensor; UNIMPLEMENTED when they differ).
+  absl::Status Shape(absl::Span<const TensorView> params, int32_t* code) const;
+  // Makes the device chunk table that of `params` (pad-free staging layout in the state dtype).
+  absl::Status UseTable(absl::Span<const TensorView> params, int32_t code, void* stream);
+  absl::Status Download(const GrowableBuffer& from, std::vector<StateTensor>* out) const;
+  // Bytes of one state buffer (A or M).
+  size_t bytes_per_buffer() const;
+
+  NcclDeviceOps* const ops_;
+  const int level_;
+  const OuterSgd rule_;
+  const bool pinned_host_;
+  bool has_anchor_ = false;
+  bool has_momentum_ = false;
+  // The state layout: element counts, one state code.
+  std::vector<int64_t> numel_;
+  int32_t code_ = kStageF32;
+  GrowableBuffer anchor_;
+  GrowableBuffer momentum_;
+  GrowableBuffer chunks_device_;
+  std::vector<StagingChunk> chunks_host_;
+  // The stream of the last call with parameters (state_dict copies run on it).
+  void* stream_ = nullptr;
+};
+
+// One averaging step of an outer level on CUDA parameters, as ModelAverager takes it (and the
+// tests, with the simulated device): `first_step` is the level's first averaging step (a plain
+// average of the parameters, after which A := x); `joining`: this member is admitted at this step
+// and contributes no pseudo-gradient (it receives the level's state within `round`, from its
+// donor, then steps). Otherwise D := A - x, `round` all-reduces D, and the SGD step writes A into
+// the parameters. `round` averages the tensors it is given in place (OK: they hold the average).
+// A state without an anchor outside the first step is FAILED_PRECONDITION (the caller says why).
+absl::Status RunDeviceOuterStep(
+    DeviceOuterState* state, GrowableBuffer* gradient, absl::Span<const TensorView> params,
+    bool first_step, bool joining,
+    const std::function<absl::Status(absl::Span<const TensorView>)>& round);
+
+}  // namespace modelavg::client
+
+#endif  // MODELAVG_CLIENT_NCCL_OUTER_H_

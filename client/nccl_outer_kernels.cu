@@ -1,0 +1,132 @@
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "client/nccl_outer_kernels.h"
+
+namespace modelavg::client {
+namespace {
+
+// Each operation rounded on its own: the host (and PyTorch's CPU kernels) never fuse a multiply
+// and an add, and neither may these, or the device's steps would differ from the host's in the
+// last bit.
+__device__ __forceinline__ float Mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float Add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float Sub(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double Mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ double Add(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ double Sub(double a, double b) { return __dsub_rn(a, b); }
+
+template <typename S>
+__device__ __forceinline__ S LoadAs(const void* p, int32_t dtype, int64_t i) {
+  switch (dtype) {
+    case kStageF32:
+      return static_cast<S>(static_cast<const float*>(p)[i]);
+    case kStageF64:
+      return static_cast<S>(static_cast<const double*>(p)[i]);
+    case kStageF16:
+      return static_cast<S>(__half2float(static_cast<const __half*>(p)[i]));
+    default:
+      return static_cast<S>(__bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]));
+  }
+}
+
+template <typename S>
+__device__ __forceinline__ void StoreFrom(void* p, int32_t dtype, int64_t i, S v) {
+  switch (dtype) {
+    case kStageF32:
+      static_cast<float*>(p)[i] = static_cast<float>(v);
+      break;
+    case kStageF64:
+      static_cast<double*>(p)[i] = static_cast<double>(v);
+      break;
+    case kStageF16:
+      static_cast<__half*>(p)[i] = __float2half_rn(static_cast<float>(v));
+      break;
+    default:
+      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(static_cast<float>(v));
+      break;
+  }
+}
+
+// One block per chunk (grid-stride over chunks), threads over its elements.
+template <typename S>
+__global__ void DifferenceKernel(const StagingChunk* chunks, int64_t num_chunks,
+                                 const S* anchor, S* gradient) {
+  for (int64_t c = blockIdx.x; c < num_chunks; c += gridDim.x) {
+    const StagingChunk ch = chunks[c];
+    const S* a = anchor + ch.staging_offset;
+    S* d = gradient + ch.staging_offset;
+    for (int64_t i = threadIdx.x; i < ch.numel; i += blockDim.x) {
+      d[i] = Sub(a[i], LoadAs<S>(ch.tensor, ch.tensor_dtype, i));
+    }
+  }
+}
+
+template <typename S>
+__global__ void StepKernel(const StagingChunk* chunks, int64_t num_chunks, const S* gradient,
+                           S* anchor, S* momentum, S lr, S mu, bool nesterov, bool momentum_set) {
+  for (int64_t c = blockIdx.x; c < num_chunks; c += gridDim.x) {
+    const StagingChunk ch = chunks[c];
+    const S* d = gradient + ch.staging_offset;
+    S* a = anchor + ch.staging_offset;
+    S* m = momentum == nullptr ? nullptr : momentum + ch.staging_offset;
+    for (int64_t i = threadIdx.x; i < ch.numel; i += blockDim.x) {
+      S g = d[i];
+      if (m != nullptr) {
+        const S buf = momentum_set ? Add(Mul(m[i], mu), d[i]) : d[i];
+        m[i] = buf;
+        g = nesterov ? Add(d[i], Mul(mu, buf)) : buf;
+      }
+      const S next = Add(a[i], Mul(-lr, g));
+      a[i] = next;
+      StoreFrom<S>(ch.tensor, ch.tensor_dtype, i, next);
+    }
+  }
+}
+
+constexpr int kThreads = 512;
+
+unsigned Grid(int64_t num_chunks) {
+  return static_cast<unsigned>(std::min<int64_t>(num_chunks, 65535));
+}
+
+template <typename S>
+void LaunchStep(const StagingChunk* chunks, int64_t num_chunks, const OuterStepArgs& args,
+                cudaStream_t stream) {
+  StepKernel<S><<<Grid(num_chunks), kThreads, 0, stream>>>(
+      chunks, num_chunks, static_cast<const S*>(args.gradient), static_cast<S*>(args.anchor),
+      args.momentum_factor != 0 ? static_cast<S*>(args.momentum) : nullptr,
+      static_cast<S>(args.lr), static_cast<S>(args.momentum_factor), args.nesterov,
+      args.momentum_set);
+}
+
+}  // namespace
+
+cudaError_t LaunchOuterDifference(const StagingChunk* chunks, int64_t num_chunks,
+                                  const void* anchor, void* gradient, int32_t state_code,
+                                  cudaStream_t stream) {
+  if (num_chunks == 0) return cudaSuccess;
+  if (state_code == kStageF64) {
+    DifferenceKernel<double><<<Grid(num_chunks), kThreads, 0, stream>>>(
+        chunks, num_chunks, static_cast<const double*>(anchor), static_cast<double*>(gradient));
+  } else {
+    DifferenceKernel<float><<<Grid(num_chunks), kThreads, 0, stream>>>(
+        chunks, num_chunks, static_cast<const float*>(anchor), static_cast<float*>(gradient));
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchOuterStep(const StagingChunk* chunks, int64_t num_chunks,
+                            const OuterStepArgs& args, cudaStream_t stream) {
+  if (num_chunks == 0) return cudaSuccess;
+  if (args.state_code == kStageF64) {
+    LaunchStep<double>(chunks, num_chunks, args, stream);
+  } else {
+    LaunchStep<float>(chunks, num_chunks, args, stream);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace modelavg::client
