@@ -157,6 +157,13 @@ absl::Status NcclCore::JoinGathers(void* stream) {
   return absl::OkStatus();
 }
 
+void NcclCore::SettleGathers(void* stream) {
+  if (!gathers_pending_) return;
+  absl::Status s = JoinGathers(stream);
+  if (s.ok()) s = ops_->WaitLocal(stream, "the gathers of a failed call");
+  if (!s.ok()) spdlog::warn("NCCL member {}: {}", member_, s.ToString());
+}
+
 absl::Status NcclCore::ReduceBuckets(void* buffer, int64_t count, int32_t code, int divisor,
                                      void* stream) {
   const std::vector<std::pair<int64_t, int64_t>> buckets =
@@ -399,7 +406,7 @@ absl::Status NcclCore::Run(absl::Span<const TensorView> tensors, const RoundOpti
     // The peers are entering the data all-reduce: a member that cannot take part cannot say so
     // in band.
     if (!local.ok()) {
-      JoinGathers(stream).IgnoreError();
+      SettleGathers(stream);
       return FailAlone(local);
     }
   } else {
@@ -425,8 +432,8 @@ absl::Status NcclCore::Run(absl::Span<const TensorView> tensors, const RoundOpti
     // Step 3: the shared decision.
     const LayoutDecision d = DecideLayout(reduced, count, total, local, options.step);
     if (!d.status.ok()) {
-      // Nobody reduces: the caller's later work waits for the gathers that read its tensors.
-      JoinGathers(stream).IgnoreError();
+      // Nobody reduces: no gather may still read the caller's tensors once the call returns.
+      SettleGathers(stream);
       return d.status;
     }
     unpadded = d.unpadded;

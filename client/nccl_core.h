@@ -236,6 +236,9 @@ class NcclCore {
   // Makes `stream`'s later work wait for every gather enqueued so far (nothing when none is
   // pending).
   absl::Status JoinGathers(void* stream);
+  // After a failed call: JoinGathers, then waits for them (a deadline, local work only), so
+  // that nothing of the call still reads the caller's tensors once it returns.
+  void SettleGathers(void* stream);
   // The commit: OK when every member's data all-reduce succeeded.
   absl::Status Commit(void* stream);
   // Copies the backup back into the caller's `bytes` at `data` and waits.
