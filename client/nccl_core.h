@@ -5,7 +5,8 @@
 // One call, on every member alike:
 //   1. local preparation: validate the tensors and the round's options; for the staged path,
 //      grow the staging buffer, upload the chunk table (padded layout, staging_layout.h) and
-//      launch the gather (zeros for a member that does not contribute); for the zero-copy path
+//      launch the gathers, bucket by bucket on the gather stream, each bucket's event recorded
+//      (zeros for a member that does not contribute); for the zero-copy path
 //      of a committed round (or of a member that does not contribute), copy the caller's buffer
 //      to the device backup;
 //   2. the layout agreement, at the communicator's first call (and again only where every member
@@ -26,7 +27,8 @@
 //      divisors differ -> INTERNAL "averaging different rounds" everywhere (same); the padded
 //      counts differ (one member reduces in place, or splits its tensors differently) -> every
 //      member falls back to the unpadded layout;
-//   4. the data ncclAllReduce; with RoundOptions::commit, the commit (a one-int64 ncclSum of 1
+//   4. the data ncclAllReduce, bucket by bucket (BucketRanges of the agreed count: the same on
+//      every member), each after its own bucket's gather only; with RoundOptions::commit, the commit (a one-int64 ncclSum of 1
 //      per member, which completes only once every member's data all-reduce has); then, for the
 //      staged path, the scatter back. A failure from step 2 on aborts the communicator (it is
 //      broken from then on); the zero-copy path then restores the caller's buffer from the
