@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/communicator_cache.h"
+#include "client/coordinator_client.h"
 #include "client/error_kind.h"
 #include "client/fragments.h"
 #include "client/outer_state.h"
@@ -37,6 +38,63 @@ absl::StatusOr<Device> CommonDevice(absl::Span<const TensorView> params) {
   return first;
 }
 
+// After a failed round: probes the round's peers over the data network and, when some do not
+// answer, reports them to the coordinator (a gray failure: they still beat to it, so only their
+// peers can tell). The coordinator evicts nobody on one report alone (docs/cluster.md, "Gray
+// failures"); when the reports agree it declares the unreachable dead and the job moves on,
+// which the caller's wait for a newer generation then sees.
+void ReportUnreachablePeers(Client* client, const Decision& decision, Communicator* comm,
+                            const absl::Status& failure) {
+  const int64_t generation =
+      decision.generation > 0 ? decision.generation : client->generation();
+  if (comm == nullptr || ErrorKindOf(failure) == ErrorKind::kGenerationMoved ||
+      client->latest_generation() != generation) {
+    return;  // aborted for a generation change: nothing to report
+  }
+  // A quarter of the collective timeout, at most 1 s: a host answers a connect in a round trip.
+  const absl::Duration timeout = std::clamp(client->options().collective_timeout / 4,
+                                            absl::Milliseconds(100), absl::Seconds(1));
+  absl::StatusOr<std::vector<PeerReach>> reach = comm->ProbePeers(timeout);
+  if (!reach.ok()) {
+    spdlog::debug("not probing the peers of the failed round: {}", reach.status().ToString());
+    return;
+  }
+  const std::vector<int32_t> members = decision.Members();
+  v1::ReportPeerFailureRequest req;
+  std::vector<std::string> notes;
+  for (const PeerReach& p : *reach) {
+    if (p.member < 0 || p.member >= static_cast<int>(members.size())) continue;
+    const int32_t rank = members[p.member];
+    if (p.reachable) {
+      req.add_reachable_ranks(rank);
+    } else {
+      req.add_unreachable_ranks(rank);
+      notes.push_back(absl::StrCat("rank ", rank, ": ", p.detail));
+    }
+  }
+  if (req.unreachable_ranks().empty()) return;  // every host answers: not a gray failure
+  req.set_job_id(client->job_id());
+  req.set_rank(client->rank());
+  req.set_generation(generation);
+  req.set_credential(client->credential());
+  req.set_step(decision.step);
+  req.set_level(decision.level);
+  req.set_reason(std::string(failure.message().substr(0, 256)));
+  spdlog::warn("averaging at step {} (level {}) failed and peers do not answer on the data "
+               "network ({}); reporting them to the coordinator",
+               decision.step, decision.level, absl::StrJoin(notes, "; "));
+  absl::StatusOr<v1::ReportPeerFailureResponse> reply =
+      client->coordinator()->ReportPeerFailure(req);
+  if (!reply.ok()) {
+    spdlog::warn("the coordinator took no peer failure report{}: {}",
+                 absl::IsUnimplemented(reply.status()) ? " (it predates them)" : "",
+                 reply.status().ToString());
+  } else if (!reply->declared_dead().empty()) {
+    spdlog::warn("the coordinator confirmed the report: ranks {} declared dead, generation {}",
+                 absl::StrJoin(reply->declared_dead(), ","), reply->generation());
+  }
+}
+
 }  // namespace
 
 ModelAverager::ModelAverager(Client* client) : client_(client) {
@@ -52,6 +110,14 @@ ModelAverager::ModelAverager(Client* client) : client_(client) {
 ModelAverager::~ModelAverager() {
   absl::MutexLock l(&mu_);
   AbandonPending();
+}
+
+bool ModelAverager::NeedsParametersAt(int64_t step) const {
+  absl::MutexLock l(&mu_);
+  for (const auto& p : pending_) {
+    if (p->apply_step <= step) return true;
+  }
+  return false;
 }
 
 int64_t ModelAverager::step() const {
@@ -97,6 +163,7 @@ absl::StatusOr<Decision> ModelAverager::AverageStep(absl::Span<const TensorView>
   client_->ReportStep(step_);
   if (!decision.ok()) return decision.status();
   MODELAVG_ASSIGN_OR_RETURN(Device device, CommonDevice(params));
+  round_params_ = params;
   // A fragment's background all-reduce due at this step is applied first (streaming sync).
   if (!pending_.empty()) MODELAVG_RETURN_IF_ERROR(ApplyPending(step, params));
   if (!decision->average) return *decision;
@@ -155,6 +222,7 @@ absl::StatusOr<Decision> ModelAverager::Round(const Decision& decision_in, const
   if (comm.ok()) CountBytes(decision->level, (*comm)->bytes_sent() - sent_before);
   if (s.ok()) return *decision;
   if (s.code() == absl::StatusCode::kInvalidArgument) return Annotate(s, where);
+  ReportUnreachablePeers(client_, *decision, comm.ok() ? *comm : nullptr, s);
   // A transport failure usually means a peer died: give the coordinator up to a heartbeat
   // timeout to say so, so the error names the cause rather than a broken socket.
   const absl::Time until = absl::Now() + client_->heartbeat_timeout() +
@@ -240,32 +308,62 @@ absl::StatusOr<Decision> ModelAverager::OuterRound(const Decision& decision,
 absl::Status ModelAverager::TransferOuterState(const Decision& decision, Communicator* comm,
                                                absl::Span<const TensorView> layout) {
   if (decision.joining.empty()) return absl::OkStatus();
-  std::vector<OuterLevelState*> levels;
+  // Every outer state to hand over, with the parameter tensors it covers: a whole outer level
+  // all of them, a streaming level's fragment its run of tensors (docs/streaming.md). The
+  // parameters of the call (round_params_), or `layout` (the round's tensors, in the state
+  // layout already) when the call passed none.
+  const absl::Span<const TensorView> all = round_params_.empty() ? layout : round_params_;
+  struct Entry {
+    OuterLevelState* state;
+    size_t first;
+    size_t n;
+    int fragment;  // -1: the whole level
+  };
+  std::vector<Entry> entries;
+  const std::vector<ScheduleLevel>& spec_levels = client_->schedule().spec().levels;
   for (const auto& state : outer_) {
-    if (state != nullptr) levels.push_back(state.get());
+    if (state == nullptr) continue;
+    const ScheduleLevel& l = spec_levels[state->level()];
+    if (!StreamingOuterLevel(l)) {
+      entries.push_back({state.get(), 0, all.size(), -1});
+      continue;
+    }
+    const int level = state->level();
+    if (fragment_outer_.size() <= static_cast<size_t>(level)) fragment_outer_.resize(level + 1);
+    std::vector<std::unique_ptr<OuterLevelState>>& states = fragment_outer_[level];
+    if (states.empty()) {
+      for (int f = 0; f < std::max(1, l.fragments); ++f) {
+        states.push_back(std::make_unique<OuterLevelState>(level, *l.outer));
+      }
+    }
+    const FragmentSplit split = SplitIntoFragments(all, std::max(1, l.fragments));
+    for (int f = 0; f < static_cast<int>(states.size()); ++f) {
+      entries.push_back({states[f].get(), split.begin[f], split.begin[f + 1] - split.begin[f], f});
+    }
   }
-  if (levels.empty()) return absl::OkStatus();
+  if (entries.empty()) return absl::OkStatus();
   const int32_t me = client_->rank();
   const std::vector<int32_t> members = decision.Members();
   auto joining = [&](int32_t r) {
     return std::binary_search(decision.joining.begin(), decision.joining.end(), r);
   };
-  // The state layout of the parameters (`layout` is them, or an outer step's pseudo-gradient,
-  // which is in the state layout already).
   OuterBuffer state_layout;
-  state_layout.Shape(layout);
-  const size_t n = state_layout.size();
-  // One round per replacement: a header (per outer level: anchor set, momentum set), then per
-  // level its anchor and, with momentum, its momentum buffer. Each level's donor — the lowest
+  state_layout.Shape(all);
+  auto name = [](const Entry& e) {
+    return e.fragment < 0 ? absl::StrCat("level ", e.state->level())
+                          : absl::StrCat("level ", e.state->level(), " fragment ", e.fragment);
+  };
+  // One round per replacement: a header (per entry: anchor set, momentum set), then per entry
+  // its anchor and, with momentum, its momentum buffer. Each entry's donor — the lowest
   // contributing member of the replacement's block at that level — writes its part, everyone
   // else zeros, and the divisor is 1: an exact broadcast on the round's communicator.
   for (int32_t j : decision.joining) {
     std::vector<TensorView> shape(1);
-    shape[0].numel = static_cast<int64_t>(2 * levels.size());
+    shape[0].numel = static_cast<int64_t>(2 * entries.size());
     shape[0].dtype = DType::kFloat64;
     std::vector<int32_t> donors;
-    for (OuterLevelState* level : levels) {
-      const int32_t g = client_->schedule().spec().levels[level->level()].group_size;
+    for (const Entry& e : entries) {
+      const int32_t g = spec_levels[e.state->level()].group_size;
       int32_t donor = -1;
       for (int32_t m : members) {
         if (!joining(m) && m / g == j / g) {
@@ -274,9 +372,9 @@ absl::Status ModelAverager::TransferOuterState(const Decision& decision, Communi
         }
       }
       donors.push_back(donor);
-      const int copies = level->rule().momentum != 0 ? 2 : 1;
+      const int copies = e.state->rule().momentum != 0 ? 2 : 1;
       for (int c = 0; c < copies; ++c) {
-        for (size_t i = 0; i < n; ++i) {
+        for (size_t i = e.first; i < e.first + e.n; ++i) {
           TensorView v;
           v.numel = state_layout.numel(i);
           v.dtype = state_layout.dtype(i);
@@ -289,8 +387,10 @@ absl::Status ModelAverager::TransferOuterState(const Decision& decision, Communi
     std::vector<TensorView> views = buffer.Views();
     double* header = static_cast<double*>(views[0].data);
     size_t at = 1;
-    for (size_t k = 0; k < levels.size(); ++k) {
-      OuterLevelState* level = levels[k];
+    for (size_t k = 0; k < entries.size(); ++k) {
+      const Entry& e = entries[k];
+      OuterLevelState* level = e.state;
+      const size_t n = e.n;
       const bool momentum = level->rule().momentum != 0;
       if (donors[k] == me && level->has_anchor()) {
         MODELAVG_RETURN_IF_ERROR(level->CheckLayout(0, absl::MakeConstSpan(views).subspan(at, n)));
@@ -317,8 +417,10 @@ absl::Status ModelAverager::TransferOuterState(const Decision& decision, Communi
     MODELAVG_RETURN_IF_ERROR(comm->AllReduceAverage(views, options, nullptr));
     if (j != me) continue;
     at = 1;
-    for (size_t k = 0; k < levels.size(); ++k) {
-      OuterLevelState* level = levels[k];
+    for (size_t k = 0; k < entries.size(); ++k) {
+      const Entry& e = entries[k];
+      OuterLevelState* level = e.state;
+      const size_t n = e.n;
       const bool momentum = level->rule().momentum != 0;
       const size_t width = momentum ? 2 * n : n;
       if (donors[k] < 0) {
@@ -343,14 +445,20 @@ absl::Status ModelAverager::TransferOuterState(const Decision& decision, Communi
         std::vector<StateTensor> m;
         if (header[2 * k + 1] == 1) m = copy(at + n);
         MODELAVG_RETURN_IF_ERROR(level->Load(a, header[2 * k + 1] == 1 ? &m : nullptr));
-        spdlog::info("step {}: received the outer state of level {} from rank {}", decision.step,
-                     level->level(), donors[k]);
+        spdlog::info("step {}: received the outer state of {} from rank {}", decision.step,
+                     name(e), donors[k]);
       } else if (header[2 * k] != 0) {
-        return absl::InternalError(absl::StrCat("outer state of level ", level->level(),
+        return absl::InternalError(absl::StrCat("outer state of ", name(e),
                                                 " received from several members at once"));
       }
       at += width;
     }
+  }
+  // An admission at a streaming level's step syncs one fragment only: the replacement receives
+  // the mean of its block's parameters first (the others' parameters do not change).
+  if (decision.level >= 0 && decision.level < static_cast<int>(spec_levels.size()) &&
+      StreamingOuterLevel(spec_levels[decision.level]) && !round_params_.empty()) {
+    MODELAVG_RETURN_IF_ERROR(TransferParameters(decision, comm));
   }
   return absl::OkStatus();
 }
@@ -364,6 +472,7 @@ AveragerState ModelAverager::state_dict() const {
     out.anchors[state->level()] = state->AnchorTensors();
     if (state->has_momentum()) out.momenta[state->level()] = state->MomentumTensors();
   }
+  StreamingStateInto(&out);
   return out;
 }
 
@@ -378,6 +487,11 @@ absl::Status ModelAverager::load_state_dict(const AveragerState& state) {
       return absl::InvalidArgumentError(absl::StrCat(
           what, " has level ", level, ", which has no outer optimizer in job ",
           client_->job_id(), ": was the state_dict saved from another job's averager?"));
+    }
+    if (StreamingOuterLevel(client_->schedule().spec().levels[level])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " has level ", level, ", a streaming level of job ", client_->job_id(),
+          ", whose state is per fragment (AveragerState::fragments)"));
     }
     return absl::OkStatus();
   };
@@ -408,9 +522,15 @@ absl::Status ModelAverager::load_state_dict(const AveragerState& state) {
     }
     loaded.push_back(std::move(s));
   }
+  std::vector<std::vector<std::unique_ptr<OuterLevelState>>> fragments;
+  std::vector<std::unique_ptr<PendingSync>> pending;
+  MODELAVG_RETURN_IF_ERROR(LoadStreamingState(state, &fragments, &pending));
   set_step(state.step);
   absl::MutexLock l(&mu_);
+  AbandonPending();
   outer_ = std::move(loaded);
+  fragment_outer_ = std::move(fragments);
+  pending_ = std::move(pending);
   return absl::OkStatus();
 }
 
@@ -513,6 +633,7 @@ absl::StatusOr<Decision> ModelAverager::AverageElastic(Decision decision, const 
         ErrorKindOf(s) == ErrorKind::kRoundMismatch) {
       return Annotate(s, where(decision));
     }
+    ReportUnreachablePeers(client_, decision, comm.ok() ? *comm : nullptr, s);
     // The round failed: wait for the job to move on without the failed member (its death is
     // declared within the heartbeat timeout), then settle the round in the new generation. If
     // the job does not move on in time, the call fails with the round's error.

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -58,10 +59,36 @@ struct StateTensor {
 // whose first averaging step has happened: its anchor, one tensor per parameter tensor, and,
 // once an outer step has set it (momentum > 0), its momentum buffer. Float32 for
 // float16/bfloat16 parameters, else the parameters' dtype.
+//
+// A streaming outer level (fragments, sync_delay, mix or a compressed payload;
+// docs/streaming.md) keeps its state per fragment instead: `fragments` holds one entry per
+// fragment whose first sync has been applied (its anchor over the fragment's tensors and, once
+// set, its momentum), and `pending` the fragments' background all-reduces started but not yet
+// applied (sync_delay > 0), with their results: state_dict() waits for them to end.
+struct FragmentState {
+  int level = 0;
+  int fragment = 0;
+  std::vector<StateTensor> anchor;    // the fragment's tensors, in order
+  std::vector<StateTensor> momentum;  // empty until an outer step has set it
+};
+struct PendingState {
+  int level = 0;
+  int fragment = 0;
+  int64_t start_step = 0;  // the sync step that started it
+  int64_t apply_step = 0;  // start_step + sync_delay
+  // The fragment's first sync: `result` is the group's mean of the parameters (the anchor's
+  // first value); otherwise the group's mean pseudo-gradient (in the payload's precision).
+  bool first = false;
+  std::vector<StateTensor> result;
+  // Not empty when the all-reduce failed: load_state_dict() refuses such a state.
+  std::string error;
+};
 struct AveragerState {
   int64_t step = 0;
   std::map<int, std::vector<StateTensor>> anchors;  // level index -> tensors
   std::map<int, std::vector<StateTensor>> momenta;  // level index -> tensors
+  std::vector<FragmentState> fragments;             // streaming outer levels
+  std::vector<PendingState> pending;                // streaming outer levels, sync_delay > 0
 };
 
 struct PendingSync;
@@ -88,6 +115,12 @@ class ModelAverager {
   // a build without CUDA), INTERNAL (other transport/CUDA failures; the message has the cause).
   absl::StatusOr<Decision> AverageParameters(absl::Span<const TensorView> params);
 
+  // Whether the call at `step` needs the parameters even when the schedule skips that step: a
+  // fragment's background all-reduce is due then (streaming sync with sync_delay), and the call
+  // applies it to the parameters it is passed. Callers that pass no parameters on skip steps
+  // must pass them when this is true.
+  bool NeedsParametersAt(int64_t step) const;
+
   // The step of the next AverageParameters call.
   int64_t step() const;
   // Sets the step of the next call (checkpoint restore; warm-up is not replayed). A negative
@@ -96,13 +129,18 @@ class ModelAverager {
 
   // The step and every outer level's anchor and momentum (host copies), to checkpoint beside
   // the model: restoring them with load_state_dict() in a new process (same job spec, same
-  // parameter list) continues exactly as an uninterrupted run.
+  // parameter list) continues exactly as an uninterrupted run. Streaming levels: per fragment,
+  // and the background all-reduces not applied yet, which this call waits for (at most the
+  // collective timeout; one that has not ended by then is aborted and saved as failed).
   AveragerState state_dict() const;
   // Restores a state_dict(): the step (as set_step) and the outer state. Levels absent from
   // `state.anchors` start without an anchor (their next averaging step must be their first).
   // Errors: INVALID_ARGUMENT (a level that is not an outer level of this job; tensors that do
   // not fit each other: counts, dtypes, byte sizes; momenta for a level without momentum or
-  // without an anchor). Nothing changes on an error.
+  // without an anchor; whole-level anchors for a streaming level or fragments for another;
+  // a fragment or a pending sync that the level's spec does not have), FAILED_PRECONDITION (a
+  // pending sync that had failed). Nothing changes on an error. A background all-reduce of
+  // this averager still in flight is abandoned.
   absl::Status load_state_dict(const AveragerState& state);
 
   Client* client() const { return client_; }
@@ -146,6 +184,11 @@ class ModelAverager {
   absl::Status TransferOuterState(const Decision& decision, Communicator* comm,
                                   absl::Span<const TensorView> layout)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // An admission at a streaming outer level's step: the replacements receive the mean of the
+  // contributing members' parameters (round_params_), which stay as they are
+  // (averager_streaming.cc).
+  absl::Status TransferParameters(const Decision& decision, Communicator* comm)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Streaming sync with a delay (averager_streaming.cc): starts the fragment's all-reduce on a
   // background thread and returns; ApplyPending, at the call of the apply step (before that
   // step's own decision), waits for it and applies it to the parameters passed then.
@@ -159,6 +202,13 @@ class ModelAverager {
                         absl::Span<const TensorView> params) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Aborts and joins a background all-reduce (destruction).
   void AbandonPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // state_dict / load_state_dict of the streaming levels (averager_streaming.cc). The loader
+  // builds into `states` and `pending` (swapped in by the caller once everything fits).
+  void StreamingStateInto(AveragerState* out) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status LoadStreamingState(
+      const AveragerState& state,
+      std::vector<std::vector<std::unique_ptr<OuterLevelState>>>* states,
+      std::vector<std::unique_ptr<PendingSync>>* pending) const;
   void CountBytes(int level, int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (level < 0) return;
     if (traffic_.size() <= static_cast<size_t>(level)) traffic_.resize(level + 1);
@@ -190,6 +240,8 @@ class ModelAverager {
   Payload round_payload_ ABSL_GUARDED_BY(mu_) = Payload::kFp32;
   int64_t round_signature_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<LevelTraffic> traffic_ ABSL_GUARDED_BY(mu_);
+  // The parameters of the AverageParameters call in progress (valid during the call only).
+  absl::Span<const TensorView> round_params_ ABSL_GUARDED_BY(mu_);
   // Background all-reduces not applied yet (at most one per streaming level), in start order.
   std::vector<std::unique_ptr<PendingSync>> pending_ ABSL_GUARDED_BY(mu_);
 };

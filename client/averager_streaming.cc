@@ -1,7 +1,10 @@
 // Streaming sync on outer levels (docs/streaming.md): the outer step of one fragment at a
 // time, each fragment with its own anchor and momentum, the pseudo-gradient sent in the level's
 // payload, and the result mixed with the local parameters.
+#include <algorithm>
 #include <cstring>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -109,11 +112,11 @@ absl::StatusOr<Decision> ModelAverager::StreamingOuterRound(const Decision& deci
         " (an all-reduce overlapped with training) runs in strict jobs only in this version; "
         "use sync_delay 0 in an elastic job"));
   }
-  if (!decision.joining.empty()) {
-    return absl::UnimplementedError(absl::StrCat(
-        where, ": admitting a replacement to a streaming outer level (fragments, mix or a "
-               "compressed payload) is not implemented in this version"));
-  }
+  // A replacement admitted at this step (elastic jobs) receives, inside the round, every outer
+  // state and the mean of its block's parameters (TransferOuterState), contributes nothing, and
+  // takes the same branch as its peers: the fragment's first sync or an outer step.
+  const bool me_joining = std::binary_search(decision.joining.begin(), decision.joining.end(),
+                                             client_->rank());
   if (fragment_outer_.size() <= static_cast<size_t>(level)) fragment_outer_.resize(level + 1);
   std::vector<std::unique_ptr<OuterLevelState>>& states = fragment_outer_[level];
   if (states.empty()) {
@@ -123,14 +126,35 @@ absl::StatusOr<Decision> ModelAverager::StreamingOuterRound(const Decision& deci
   }
   OuterLevelState* state = states[decision.fragment].get();
   LocalCopy local;
-  if (spec.mix != 0) local.Take(fragment);
+  if (spec.mix != 0 && !me_joining) local.Take(fragment);
+  if (me_joining) {
+    const bool first = FirstSyncOf(client_->schedule(), level, decision.fragment) == decision.step;
+    if (first) {
+      MODELAVG_ASSIGN_OR_RETURN(Decision done, Round(decision, device, fragment));
+      MODELAVG_RETURN_IF_ERROR(Annotate(state->SetAnchor(fragment), where));
+      return done;
+    }
+    if (pseudo_gradient_ == nullptr) pseudo_gradient_ = std::make_unique<OuterBuffer>();
+    pseudo_gradient_->Shape(fragment);
+    std::vector<TensorView> d = pseudo_gradient_->Views();
+    round_payload_ = spec.payload;
+    absl::StatusOr<Decision> done = Round(decision, device, d);
+    round_payload_ = Payload::kFp32;
+    if (!done.ok()) return done.status();
+    // x_local of a replacement: the block's mean it has just received.
+    if (spec.mix != 0) local.Take(fragment);
+    MODELAVG_RETURN_IF_ERROR(Annotate(state->CheckLayout(0, fragment), where));
+    MODELAVG_RETURN_IF_ERROR(Annotate(state->Step(0, d, fragment), where));
+    if (spec.mix != 0) local.MixInto(fragment, spec.mix);
+    return done;
+  }
   if (!state->has_anchor()) {
     const int64_t first = FirstSyncOf(client_->schedule(), level, decision.fragment);
     if (first >= 0 && decision.step != first) {
       return absl::FailedPreconditionError(absl::StrCat(
           where, ": this rank has no outer state for this fragment (its first sync was step ",
-          first, "); a streaming level's outer state is not in state_dict() in this version: "
-                 "restart the job from its first step"));
+          first, "): restore the averager with load_state_dict() from a checkpoint's "
+                 "state_dict() rather than set_step() alone"));
     }
     if (spec.sync_delay != 0) return StartPending(decision, device, fragment, state, true);
     // The fragment's first sync: a plain average (FP32), its result the anchor.
@@ -224,7 +248,7 @@ absl::Status ModelAverager::ApplyOne(std::unique_ptr<PendingSync> p, int64_t ste
   const absl::Time start = absl::Now();
   // The round is bounded by the collective timeout; past it (and a margin) it is aborted.
   const absl::Duration bound = client_->options().collective_timeout + absl::Seconds(5);
-  if (!p->done.WaitForNotificationWithTimeout(bound)) {
+  if (!p->done.WaitForNotificationWithTimeout(bound) && p->comm != nullptr) {
     p->comm->Abort(absl::DeadlineExceededError(
         absl::StrCat(where, ": the background all-reduce did not end within ",
                      absl::FormatDuration(bound))));
@@ -233,7 +257,7 @@ absl::Status ModelAverager::ApplyOne(std::unique_ptr<PendingSync> p, int64_t ste
   if (p->thread.joinable()) p->thread.join();
   if (traffic_.size() <= static_cast<size_t>(d.level)) traffic_.resize(d.level + 1);
   traffic_[d.level].waited += absl::Now() - start;
-  CountBytes(d.level, p->comm->bytes_sent() - p->bytes_before);
+  if (p->comm != nullptr) CountBytes(d.level, p->comm->bytes_sent() - p->bytes_before);
   if (!p->result.ok()) {
     // Name the cause (a peer's death, a new generation) rather than the broken socket: give
     // the coordinator up to a heartbeat timeout to declare it, as a blocking round does.
@@ -282,6 +306,190 @@ absl::Status ModelAverager::ApplyOne(std::unique_ptr<PendingSync> p, int64_t ste
     MODELAVG_RETURN_IF_ERROR(Annotate(p->state->Step(0, mean, fragment), where));
   }
   if (spec.mix != 0) local.MixInto(fragment, spec.mix);
+  return absl::OkStatus();
+}
+
+absl::Status ModelAverager::TransferParameters(const Decision& decision, Communicator* comm) {
+  const bool me_joining = std::binary_search(decision.joining.begin(), decision.joining.end(),
+                                             client_->rank());
+  OuterBuffer buffer;
+  buffer.Shape(round_params_);
+  std::vector<TensorView> views = buffer.Views();
+  if (!me_joining) {
+    for (size_t i = 0; i < views.size(); ++i) {
+      for (int64_t j = 0; j < views[i].numel; ++j) Write(views[i], j, Read(round_params_[i], j));
+    }
+  }
+  RoundOptions options;
+  options.step = decision.step;
+  options.contribute = !me_joining;
+  options.contributors =
+      static_cast<int>(decision.Members().size() - decision.joining.size());
+  MODELAVG_RETURN_IF_ERROR(Annotate(comm->AllReduceAverage(views, options, nullptr),
+                                    "handing the replacement its block's parameters"));
+  if (me_joining) {
+    for (size_t i = 0; i < views.size(); ++i) {
+      for (int64_t j = 0; j < views[i].numel; ++j) Write(round_params_[i], j, Read(views[i], j));
+    }
+    spdlog::info("step {}: received the mean of the parameters of {} members", decision.step,
+                 options.contributors);
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+std::vector<StateTensor> BufferTensors(OuterBuffer& buffer) {
+  std::vector<StateTensor> out(buffer.size());
+  for (size_t i = 0; i < buffer.size(); ++i) {
+    out[i].dtype = buffer.dtype(i);
+    out[i].numel = buffer.numel(i);
+    const uint8_t* p = static_cast<const uint8_t*>(buffer.data(i));
+    out[i].bytes.assign(p, p + buffer.nbytes(i));
+  }
+  return out;
+}
+
+}  // namespace
+
+void ModelAverager::StreamingStateInto(AveragerState* out) const {
+  for (size_t level = 0; level < fragment_outer_.size(); ++level) {
+    for (size_t f = 0; f < fragment_outer_[level].size(); ++f) {
+      const OuterLevelState* state = fragment_outer_[level][f].get();
+      if (state == nullptr || !state->has_anchor()) continue;
+      FragmentState fs;
+      fs.level = static_cast<int>(level);
+      fs.fragment = static_cast<int>(f);
+      fs.anchor = state->AnchorTensors();
+      if (state->has_momentum()) fs.momentum = state->MomentumTensors();
+      out->fragments.push_back(std::move(fs));
+    }
+  }
+  for (const std::unique_ptr<PendingSync>& p : pending_) {
+    // Its result is part of the state: wait for it, as the call at its apply step would.
+    const absl::Duration bound = client_->options().collective_timeout + absl::Seconds(5);
+    if (!p->done.WaitForNotificationWithTimeout(bound) && p->comm != nullptr) {
+      p->comm->Abort(absl::DeadlineExceededError(absl::StrCat(
+          "state_dict(): the background all-reduce of fragment ", p->decision.fragment,
+          " started at step ", p->decision.step, " did not end within ",
+          absl::FormatDuration(bound))));
+      p->done.WaitForNotification();
+    }
+    if (p->thread.joinable()) p->thread.join();
+    PendingState ps;
+    ps.level = p->decision.level;
+    ps.fragment = p->decision.fragment;
+    ps.start_step = p->decision.step;
+    ps.apply_step = p->apply_step;
+    ps.first = p->first;
+    if (p->result.ok()) {
+      ps.result = BufferTensors(*p->buffer);
+    } else {
+      ps.error = p->result.ToString();
+    }
+    out->pending.push_back(std::move(ps));
+  }
+}
+
+absl::Status ModelAverager::LoadStreamingState(
+    const AveragerState& state, std::vector<std::vector<std::unique_ptr<OuterLevelState>>>* states,
+    std::vector<std::unique_ptr<PendingSync>>* pending) const {
+  const std::vector<ScheduleLevel>& levels = client_->schedule().spec().levels;
+  states->clear();
+  states->resize(levels.size());
+  for (size_t level = 0; level < levels.size(); ++level) {
+    if (!StreamingOuterLevel(levels[level])) continue;
+    for (int f = 0; f < std::max(1, levels[level].fragments); ++f) {
+      (*states)[level].push_back(
+          std::make_unique<OuterLevelState>(static_cast<int>(level), *levels[level].outer));
+    }
+  }
+  auto check = [&](int level, int fragment, const std::string& what) -> absl::Status {
+    if (level < 0 || level >= static_cast<int>(levels.size()) ||
+        !StreamingOuterLevel(levels[level])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " names level ", level, ", which is not a streaming outer level of job ",
+          client_->job_id(), ": was the state_dict saved from another job's averager?"));
+    }
+    const int fragments = std::max(1, levels[level].fragments);
+    if (fragment < 0 || fragment >= fragments) {
+      return absl::InvalidArgumentError(absl::StrCat(what, " names fragment ", fragment,
+                                                     " of level ", level, ", which has ",
+                                                     fragments, " fragments"));
+    }
+    return absl::OkStatus();
+  };
+  for (const FragmentState& fs : state.fragments) {
+    const std::string what = absl::StrCat("fragments[level ", fs.level, ", fragment ",
+                                          fs.fragment, "]");
+    MODELAVG_RETURN_IF_ERROR(check(fs.level, fs.fragment, what));
+    OuterLevelState* s = (*states)[fs.level][fs.fragment].get();
+    if (s->has_anchor()) {
+      return absl::InvalidArgumentError(absl::StrCat(what, " appears twice"));
+    }
+    MODELAVG_RETURN_IF_ERROR(
+        Annotate(s->Load(fs.anchor, fs.momentum.empty() ? nullptr : &fs.momentum), what));
+  }
+  pending->clear();
+  for (const PendingState& ps : state.pending) {
+    const std::string what = absl::StrCat("pending[level ", ps.level, ", fragment ",
+                                          ps.fragment, ", started at step ", ps.start_step, "]");
+    MODELAVG_RETURN_IF_ERROR(check(ps.level, ps.fragment, what));
+    const ScheduleLevel& spec = levels[ps.level];
+    if (!ps.error.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, ": the background all-reduce had failed when the state was saved (", ps.error,
+          "); resume from an earlier checkpoint"));
+    }
+    if (spec.sync_delay == 0 || ps.apply_step != ps.start_step + spec.sync_delay ||
+        ps.apply_step < state.step || ps.start_step >= state.step) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": due at step ", ps.apply_step, " does not fit level ", ps.level,
+          "'s sync_delay ", spec.sync_delay, " and the saved step ", state.step));
+    }
+    OuterLevelState* s = (*states)[ps.level][ps.fragment].get();
+    if (ps.first == s->has_anchor()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ps.first ? ": the fragment's first sync, but the fragment has an anchor"
+                         : ": an outer step, but the fragment has no anchor"));
+    }
+    std::vector<TensorView> shape(ps.result.size());
+    for (size_t i = 0; i < ps.result.size(); ++i) {
+      const StateTensor& t = ps.result[i];
+      if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat64) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, ": result tensor ", i, " is not float32 or float64"));
+      }
+      if (t.numel < 0 || t.bytes.size() != static_cast<size_t>(t.numel) * DTypeSize(t.dtype)) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": result tensor ", i, " has ",
+                                                       t.bytes.size(), " bytes for ", t.numel,
+                                                       " elements"));
+      }
+      shape[i].numel = t.numel;
+      shape[i].dtype = t.dtype;
+    }
+    auto p = std::make_unique<PendingSync>();
+    p->decision.step = ps.start_step;
+    p->decision.average = true;
+    p->decision.level = ps.level;
+    p->decision.period = spec.period;
+    p->decision.fragment = ps.fragment;
+    p->decision.fragments = std::max(1, spec.fragments);
+    p->decision.outer = true;
+    p->apply_step = ps.apply_step;
+    p->first = ps.first;
+    p->state = s;
+    p->buffer = std::make_unique<OuterBuffer>();
+    p->buffer->Shape(shape);
+    for (size_t i = 0; i < ps.result.size(); ++i) {
+      if (!ps.result[i].bytes.empty()) {
+        std::memcpy(p->buffer->data(i), ps.result[i].bytes.data(), ps.result[i].bytes.size());
+      }
+    }
+    p->result = absl::OkStatus();
+    p->done.Notify();
+    pending->push_back(std::move(p));
+  }
   return absl::OkStatus();
 }
 

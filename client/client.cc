@@ -16,8 +16,11 @@
 #include "client/communicator_cache.h"
 #include "client/coordinator_outage.h"
 #include "client/coordinator_client.h"
+#include "client/decision_window.h"
 #include "client/error_kind.h"
 #include "client/gloo_communicator.h"
+#include "client/heartbeat.h"
+#include "client/round_notes.h"
 #include "common/job_spec.h"
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
@@ -184,7 +187,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
     absl::StatusOr<v1::Job> job = client->coordinator_->GetJob(client->job_id());
     if (!job.ok()) return Annotate(job.status(), "reading the job a replacement was admitted to");
     std::string why;
-    std::optional<View> view = client->ViewOf(*job, &why);
+    std::optional<MembershipView> view = client->ViewOf(*job, &why);
     if (!view.has_value()) {
       return absl::AbortedError(absl::StrCat("job ", client->job_id(), " changed while rank ",
                                              joined.rank(), " was being admitted (", why,
@@ -211,15 +214,32 @@ Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordin
       elastic_(elastic),
       heartbeat_timeout_(heartbeat_timeout),
       communicators_(std::make_unique<CommunicatorCache>(options_.gloo_hostname)),
+      decisions_(std::make_unique<DecisionWindow>(*coordinator_, *outage_, schedule_,
+                                                  options_.job_id, rank_,
+                                                  options_.schedule_window)),
+      round_notes_(std::make_unique<RoundNotes>(*coordinator_, options_.job_id, rank_,
+                                                options_.credential, schedule_.num_levels())),
       latest_generation_(generation),
       last_heartbeat_ok_(absl::Now()),
       incarnation_(std::move(incarnation)) {
   generation_ = generation;
-  view_.generation = generation;
-  view_.live.assign(schedule_.world_size(), true);
-  view_.admitted.assign(schedule_.world_size(), -1);
-  rounds_.resize(schedule_.num_levels());
-  heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
+  view_ = MembershipView::Initial(generation, schedule_.world_size());
+  Heartbeat::Hooks hooks;
+  hooks.current = [this] {
+    absl::MutexLock l(&mu_);
+    return Heartbeat::Beat{step_, generation_, latest_generation_};
+  };
+  hooks.on_reply = [this](const v1::HeartbeatResponse& reply) { NoteHeartbeatReply(reply); };
+  hooks.on_change = [this](const v1::HeartbeatResponse& reply, int64_t seen) {
+    HandleHeartbeatReply(reply, seen);
+  };
+  hooks.on_failure = [this](const absl::Status& error) { NoteHeartbeatFailure(error); };
+  heartbeat_ = std::make_unique<Heartbeat>(
+      *coordinator_,
+      Heartbeat::Options{options_.coordinator, options_.job_id, rank_, options_.credential,
+                         options_.heartbeat_interval, heartbeat_timeout_,
+                         options_.heartbeat_stream},
+      std::move(hooks));
 }
 
 Client::~Client() {
@@ -236,7 +256,7 @@ Client::~Client() {
     absl::MutexLock l(&mu_);
     stopping_ = true;
   }
-  if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+  heartbeat_->Stop();
   // Communicators go before the coordinator connection they were built on.
   communicators_.reset();
 }
@@ -255,7 +275,7 @@ absl::Status Client::Leave(absl::string_view reason) {
                        "; connect a new Client to take part again"));
     }
   }
-  if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+  heartbeat_->Stop();
   communicators_->Clear();
   v1::LeaveRequest req;
   req.set_job_id(options_.job_id);
@@ -410,7 +430,7 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
     // generation if it is one of them. Its collectives of older generations are aborted (a
     // round in flight is retried there, see ModelAverager).
     std::string gone;
-    std::optional<View> view = ViewOf(*job, &gone);
+    std::optional<MembershipView> view = ViewOf(*job, &gone);
     if (view.has_value()) {
       latest_generation_ = std::max(latest_generation_, view->generation);
       const int64_t known = follow_.has_value() ? follow_->generation : generation_;
@@ -446,19 +466,12 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
     }
     return;
   }
-  bool hard = !job.ok();
-  std::vector<int32_t> departed;
-  if (job.ok()) {
-    for (const v1::Member& m : job->members()) {
-      if (m.state() == v1::LEFT) {
-        departed.push_back(m.rank());
-      } else if (m.state() == v1::DEAD || m.generation() > generation_) {
-        hard = true;  // A death or a re-join: every communicator with that rank is broken.
-      }
-    }
-    // A rank missing from the member list has been replaced or removed.
-    if (job->members_size() < schedule_.world_size() && departed.empty()) hard = true;
-  }
+  // Without the job's record, every communicator counts as broken.
+  Departures departures;
+  departures.hard = true;
+  if (job.ok()) departures = DeparturesOf(*job, generation_, schedule_.world_size());
+  const bool hard = departures.hard;
+  std::vector<int32_t> departed = std::move(departures.left);
   if (hard && broken_.ok()) {
     broken_ = SetErrorKind(
         absl::FailedPreconditionError(absl::StrCat(
@@ -472,170 +485,6 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
     departed_ = std::move(departed);
     spdlog::info("job {} moved to generation {} ({}); ranks that left: {}", options_.job_id,
                  generation, why, absl::StrJoin(departed_, ","));
-  }
-}
-
-void Client::HeartbeatLoop() {
-  bool stream = options_.heartbeat_stream;
-  // Between failed streams: from one beat interval, doubling, to at most a quarter of the
-  // heartbeat timeout (so that a coordinator back from a blip hears this rank in time) or 1 s.
-  const absl::Duration min_backoff = options_.heartbeat_interval;
-  const absl::Duration max_backoff =
-      std::max(min_backoff, std::min(absl::Seconds(1), heartbeat_timeout_ / 4));
-  absl::Duration backoff = min_backoff;
-  while (true) {
-    if (!stream) {
-      if (!UnaryHeartbeat()) return;
-      continue;
-    }
-    bool answered = false;
-    const absl::Status s = StreamHeartbeats(&answered);
-    {
-      absl::MutexLock l(&mu_);
-      if (stopping_) return;
-    }
-    if (absl::IsUnimplemented(s) && !answered) {
-      spdlog::warn("the coordinator at {} has no HeartbeatStream (an older version): "
-                   "heartbeating with one call per beat", options_.coordinator);
-      stream = false;
-      continue;
-    }
-    if (answered) backoff = min_backoff;
-    spdlog::debug("heartbeat stream to {} ended: {}; re-opening in {}", options_.coordinator,
-                  s.ToString(), absl::FormatDuration(backoff));
-    NoteHeartbeatFailure(s);
-    {
-      absl::MutexLock l(&mu_);
-      if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), backoff)) return;
-    }
-    backoff = std::min(backoff * 2, max_backoff);
-  }
-}
-
-bool Client::UnaryHeartbeat() {
-  int64_t step;
-  int64_t seen;
-  int64_t generation;
-  {
-    absl::MutexLock l(&mu_);
-    if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.heartbeat_interval)) {
-      return false;
-    }
-    step = step_;
-    seen = latest_generation_;
-    generation = generation_;
-  }
-  v1::HeartbeatRequest req;
-  req.set_job_id(options_.job_id);
-  req.set_rank(rank_);
-  req.set_generation(generation);
-  req.set_step(step);
-  req.set_credential(options_.credential);
-  absl::StatusOr<v1::HeartbeatResponse> resp = coordinator_->Heartbeat(req);
-  if (!resp.ok()) {
-    NoteHeartbeatFailure(resp.status());
-    return true;
-  }
-  NoteHeartbeatReply(*resp);
-  HandleHeartbeatReply(*resp, seen);
-  return true;
-}
-
-absl::Status Client::StreamHeartbeats(bool* answered) {
-  {
-    absl::MutexLock l(&mu_);
-    stream_ended_ = false;
-    stream_change_.reset();
-  }
-  // The coordinator stays silent while nothing changes; it answers at least this often.
-  const int64_t reply_interval_ms = std::max<int64_t>(
-      1, std::min<int64_t>(1000, absl::ToInt64Milliseconds(heartbeat_timeout_) / 3));
-  std::unique_ptr<HeartbeatStreamCall> call = coordinator_->StartHeartbeatStream(
-      [this](const v1::HeartbeatResponse& reply) { OnStreamReply(reply); },
-      [this] {
-        absl::MutexLock l(&mu_);
-        stream_ended_ = true;
-      });
-  const absl::Time opened = absl::Now();
-  absl::Time next_beat = opened;
-  absl::Status silence;
-  bool first = true;
-  while (true) {
-    int64_t step;
-    int64_t seen;
-    int64_t generation;
-    absl::Time last_reply;
-    std::optional<v1::HeartbeatResponse> change;
-    bool ended;
-    {
-      absl::MutexLock l(&mu_);
-      mu_.AwaitWithDeadline(
-          absl::Condition(static_cast<const Client*>(this), &Client::StreamWakeUp), next_beat);
-      if (stopping_) break;
-      change.swap(stream_change_);
-      ended = stream_ended_;
-      step = step_;
-      seen = latest_generation_;
-      generation = generation_;
-      last_reply = last_heartbeat_ok_;
-    }
-    if (change.has_value()) {
-      *answered = true;
-      HandleHeartbeatReply(*change, seen);
-    }
-    if (ended) break;
-    const absl::Time now = absl::Now();
-    // Silent for longer than the heartbeat timeout (counted from the stream's opening at the
-    // earliest): the connection is likely dead without gRPC having noticed; re-open it.
-    const absl::Duration silent = now - std::max(last_reply, opened);
-    if (silent > heartbeat_timeout_) {
-      silence = absl::UnavailableError(absl::StrCat("no reply on the HeartbeatStream for ",
-                                                    absl::FormatDuration(silent)));
-      break;
-    }
-    if (last_reply > opened) *answered = true;
-    if (now < next_beat) continue;  // woken early for a reply
-    v1::HeartbeatRequest req;
-    req.set_job_id(options_.job_id);
-    req.set_rank(rank_);
-    req.set_generation(generation);
-    req.set_step(step);
-    req.set_credential(options_.credential);
-    if (first) req.set_reply_interval_ms(reply_interval_ms);
-    // A beat not sent because the previous write is still in flight is simply skipped; the
-    // first one is retried until it goes out (it carries reply_interval_ms).
-    if (call->Write(req)) first = false;
-    next_beat = std::max(next_beat + options_.heartbeat_interval, now);
-  }
-  v1::HeartbeatRequest closing;
-  bool stopping;
-  {
-    absl::MutexLock l(&mu_);
-    stopping = stopping_;
-    closing.set_generation(generation_);
-    closing.set_step(step_);
-  }
-  // Stopping: say so, so that the coordinator does not take the stream's end for a lost
-  // connection (an elastic job declares such a member dead sooner).
-  closing.set_job_id(options_.job_id);
-  closing.set_rank(rank_);
-  closing.set_credential(options_.credential);
-  closing.set_closing(true);
-  const absl::Status status = stopping ? call->Finish(&closing) : call->Finish();
-  if (!silence.ok()) return silence;
-  {
-    absl::MutexLock l(&mu_);
-    if (stopping_) return absl::OkStatus();
-  }
-  return status.ok() ? absl::UnavailableError("the coordinator ended the HeartbeatStream")
-                     : status;
-}
-
-void Client::OnStreamReply(const v1::HeartbeatResponse& reply) {
-  NoteHeartbeatReply(reply);
-  absl::MutexLock l(&mu_);
-  if (reply.generation() != generation_ && reply.generation() != latest_generation_) {
-    stream_change_ = reply;
   }
 }
 
@@ -726,14 +575,9 @@ absl::StatusOr<Decision> Client::DecisionAt(int64_t step) {
     return absl::InvalidArgumentError(absl::StrCat("step is ", step, ": steps count from 0"));
   }
   ReportStep(step);
-  Decision d;
-  {
-    absl::MutexLock l(&cache_mu_);
-    if (step < window_start_ || step >= window_start_ + static_cast<int64_t>(window_.size())) {
-      MODELAVG_RETURN_IF_ERROR(FetchWindow(step));
-    }
-    d = window_[step - window_start_];
-  }
+  absl::StatusOr<Decision> fetched = decisions_->At(step);
+  MODELAVG_RETURN_IF_ERROR(fetched.status());
+  Decision d = *std::move(fetched);
   absl::MutexLock l(&mu_);
   d.generation = generation_;
   if (!elastic_ || !d.average) return d;
@@ -748,50 +592,10 @@ absl::StatusOr<Decision> Client::DecisionAt(int64_t step) {
   return d;
 }
 
-std::optional<Client::View> Client::ViewOf(const v1::Job& job, std::string* why) const {
-  if (job.members_omitted()) {
-    *why = "the job's member list is too large to read";
-    return std::nullopt;
-  }
-  View v;
-  v.generation = job.generation();
-  v.live.assign(schedule_.world_size(), false);
-  v.admitted.assign(schedule_.world_size(), -1);
-  bool me = false;
-  for (const v1::Member& m : job.members()) {
-    if (m.rank() < 0 || m.rank() >= schedule_.world_size()) continue;
-    const bool live = m.state() == v1::ALIVE && m.generation() == job.generation();
-    v.live[m.rank()] = live;
-    v.admitted[m.rank()] = m.admitted_step() > 0 ? m.admitted_step() : -1;
-    if (m.rank() != rank_) continue;
-    if (m.worker_id() != options_.worker_id) {
-      *why = absl::StrCat("rank ", rank_, " is now held by worker \"", m.worker_id(), "\"");
-    } else if (m.state() == v1::DEAD) {
-      *why = absl::StrCat("the coordinator declared this rank dead (no heartbeat within ",
-                          absl::FormatDuration(heartbeat_timeout_),
-                          "); connect a new Client to re-join");
-    } else if (m.state() == v1::LEFT) {
-      *why = "this rank left";
-    } else {
-      me = live;
-    }
-  }
-  if (job.state() != v1::RUNNING) {
-    int live = 0;
-    for (bool b : v.live) live += b ? 1 : 0;
-    *why = absl::StrCat(
-        "the job is ", v1::JobState_Name(job.state()),
-        job.state() == v1::PENDING
-            ? absl::StrCat(": fewer than min_world_size (", job.spec().min_world_size(),
-                           ") ranks are alive; every worker must re-join (connect a new Client)")
-            : std::string());
-    return std::nullopt;
-  }
-  if (!me) {
-    if (why->empty()) *why = absl::StrCat("rank ", rank_, " is not a live member of it");
-    return std::nullopt;
-  }
-  return v;
+std::optional<MembershipView> Client::ViewOf(const v1::Job& job, std::string* why) const {
+  return client::ViewOf(job, ViewReader{rank_, options_.worker_id, schedule_.world_size(),
+                                        heartbeat_timeout_},
+                        why);
 }
 
 absl::Status Client::AdvanceGeneration() {
@@ -808,7 +612,7 @@ absl::Status Client::AdvanceGeneration() {
   }
   spdlog::info("rank {} of job {} averages in generation {} now (was {})", rank_,
                options_.job_id, to, from);
-  PublishRoundNote(to);
+  round_notes_->Publish(to);
   return absl::OkStatus();
 }
 
@@ -846,141 +650,13 @@ absl::Status Client::AwaitNewerGeneration(int64_t generation, absl::Time deadlin
 }
 
 void Client::RecordRound(int32_t level, int64_t step, int64_t generation, RoundOutcome outcome) {
-  absl::MutexLock l(&mu_);
-  if (level < 0 || level >= static_cast<int32_t>(rounds_.size())) return;
-  rounds_[level] = RoundRecord{step, generation, static_cast<int>(outcome)};
-}
-
-namespace {
-constexpr char kRoundNotePrefix[] = "round/";
-}  // namespace
-
-void Client::PublishRoundNote(int64_t generation) {
-  // "v1" then one "level:step:generation:outcome" per level.
-  std::string blob = "v1";
-  {
-    absl::MutexLock l(&mu_);
-    for (size_t level = 0; level < rounds_.size(); ++level) {
-      const RoundRecord& r = rounds_[level];
-      absl::StrAppend(&blob, ";", level, ":", r.step, ":", r.generation, ":", r.outcome);
-    }
-  }
-  v1::PublishCommIdRequest req;
-  req.set_job_id(options_.job_id);
-  req.set_generation(generation);
-  req.set_level(schedule_.num_levels() - 1);  // the world's block: every rank may read it
-  req.set_subgroup(0);
-  req.set_key(absl::StrCat(kRoundNotePrefix, rank_));
-  req.set_unique_id(blob);
-  req.set_rank(rank_);
-  req.set_credential(options_.credential);
-  absl::Status s = coordinator_->PublishCommId(req);
-  if (!s.ok()) {
-    // A newer generation gets a note of its own; otherwise the members that wait for this one
-    // see their wait end in an error.
-    spdlog::warn("rank {}: publishing the round note of generation {}: {}", rank_, generation,
-                 s.ToString());
-  }
+  round_notes_->Record(level, step, generation, outcome);
 }
 
 absl::StatusOr<bool> Client::PeerCompletedRound(const Decision& decision,
                                                 int64_t attempt_generation) {
-  const int64_t generation = decision.generation;
-  const absl::Time deadline = absl::Now() + options_.collective_timeout;
-  for (int32_t peer : decision.Members()) {
-    if (peer == rank_ || std::binary_search(decision.joining.begin(), decision.joining.end(),
-                                            peer)) {
-      continue;
-    }
-    v1::GetCommIdRequest req;
-    req.set_job_id(options_.job_id);
-    req.set_generation(generation);
-    req.set_level(schedule_.num_levels() - 1);
-    req.set_subgroup(0);
-    req.set_key(absl::StrCat(kRoundNotePrefix, peer));
-    req.set_rank(rank_);
-    req.set_credential(options_.credential);
-    req.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - absl::Now())));
-    absl::StatusOr<std::string> blob = coordinator_->GetCommId(req);
-    if (!blob.ok()) {
-      return Annotate(blob.status(), absl::StrCat("reading rank ", peer, "'s round note of generation ",
-                                                  generation));
-    }
-    for (absl::string_view field : absl::StrSplit(*blob, ';')) {
-      std::vector<absl::string_view> parts = absl::StrSplit(field, ':');
-      int64_t level, step, gen, outcome;
-      if (parts.size() != 4 || !absl::SimpleAtoi(parts[0], &level) ||
-          !absl::SimpleAtoi(parts[1], &step) || !absl::SimpleAtoi(parts[2], &gen) ||
-          !absl::SimpleAtoi(parts[3], &outcome)) {
-        continue;
-      }
-      if (level != decision.level || step != decision.step ||
-          outcome != static_cast<int>(RoundOutcome::kCompleted)) {
-        continue;
-      }
-      if (gen != attempt_generation) {
-        return absl::InternalError(absl::StrCat(
-            "rank ", peer, " completed the round of step ", step, " at level ", level,
-            " in generation ", gen, ", this rank attempted it in generation ",
-            attempt_generation, "; the round notes contradict each other"));
-      }
-      spdlog::info("rank {} completed the round of step {} (level {}) before the failure: rank "
-                   "{} keeps that result",
-                   peer, step, level, rank_);
-      return true;
-    }
-  }
-  return false;
-}
-
-absl::Status Client::FetchWindow(int64_t from_step) {
-  // The schedule is a pure function of the spec this rank joined with: during an outage the
-  // local one stands in for the coordinator's.
-  auto local_window = [&] {
-    window_ = schedule_.Window(from_step, options_.schedule_window, rank_);
-    window_start_ = from_step;
-    return absl::OkStatus();
-  };
-  if (outage_->OutageLength() > absl::ZeroDuration()) return local_window();
-  v1::GetScheduleRequest req;
-  req.set_job_id(options_.job_id);
-  req.set_from_step(from_step);
-  req.set_count(options_.schedule_window);
-  req.set_rank(rank_);
-  absl::StatusOr<v1::GetScheduleResponse> reply = coordinator_->GetSchedule(req);
-  if (!reply.ok() && outage_->IsOutage(reply.status())) {
-    outage_->NoteUnreachable(reply.status());
-    return local_window();
-  }
-  MODELAVG_RETURN_IF_ERROR(reply.status());
-  const v1::GetScheduleResponse& resp = *reply;
-  if (resp.decisions_size() != options_.schedule_window) {
-    return absl::InternalError(absl::StrCat("GetSchedule(from ", from_step, ", count ",
-                                            options_.schedule_window, ") returned ",
-                                            resp.decisions_size(), " decisions"));
-  }
-  std::vector<Decision> window;
-  window.reserve(resp.decisions_size());
-  for (int64_t i = 0; i < resp.decisions_size(); ++i) {
-    Decision got = DecisionFromProto(resp.decisions(static_cast<int>(i)));
-    const Decision want = schedule_.DecisionFor(from_step + i, rank_);
-    if (!(got == want)) {
-      return absl::InternalError(absl::StrCat(
-          "the coordinator's decision for step ", from_step + i, " (",
-          got.average ? absl::StrCat("average at level ", got.level, " subgroup ",
-                                     got.subgroup.index)
-                      : std::string("skip"),
-          ") differs from the schedule of the job's spec (",
-          want.average ? absl::StrCat("average at level ", want.level, " subgroup ",
-                                      want.subgroup.index)
-                       : std::string("skip"),
-          "); client and coordinator versions disagree"));
-    }
-    window.push_back(got);
-  }
-  window_ = std::move(window);
-  window_start_ = from_step;
-  return absl::OkStatus();
+  return round_notes_->PeerCompleted(decision, attempt_generation,
+                                     absl::Now() + options_.collective_timeout);
 }
 
 }  // namespace modelavg::client

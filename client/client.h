@@ -21,7 +21,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -30,6 +29,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "modelavg/client/membership_view.h"
 #include "modelavg/common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
 
@@ -38,6 +38,9 @@ namespace modelavg::client {
 class CoordinatorClient;
 class CoordinatorOutage;
 class CommunicatorCache;
+class DecisionWindow;
+class Heartbeat;
+class RoundNotes;
 enum class RoundOutcome;
 
 struct ClientOptions {
@@ -222,41 +225,12 @@ class Client {
   CommunicatorCache* communicators() const { return communicators_.get(); }
 
  private:
-  // Who is a live member of one generation, and from which step (elastic jobs).
-  struct View {
-    int64_t generation = 0;
-    std::vector<bool> live;
-    // Per rank: the admission step of a replacement, -1 for the initial world.
-    std::vector<int64_t> admitted;
-  };
-  // Where this rank's last round at one level stands.
-  struct RoundRecord {
-    int64_t step = -1;
-    int64_t generation = 0;
-    int outcome = 0;  // RoundOutcome
-  };
-
   Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator,
          std::unique_ptr<CoordinatorOutage> outage, int32_t rank, int64_t generation,
          Schedule schedule, absl::Duration heartbeat_timeout, std::string incarnation,
          bool elastic);
-  // The view of `job` (its current generation), or nullopt when this rank is not a live member
-  // of it; *why then says what happened to it.
-  std::optional<View> ViewOf(const v1::Job& job, std::string* why) const;
-  // Publishes this rank's round note for `generation` (its RoundRecords).
-  void PublishRoundNote(int64_t generation);
-  void HeartbeatLoop();
-  // One unary beat after heartbeat_interval. False once stopping.
-  bool UnaryHeartbeat() ABSL_LOCKS_EXCLUDED(mu_);
-  // Beats over one HeartbeatStream until it ends, stays silent past the heartbeat timeout, or
-  // the client stops. Returns why it ended (OK when stopping); *answered: a reply came.
-  absl::Status StreamHeartbeats(bool* answered) ABSL_LOCKS_EXCLUDED(mu_);
-  // A heartbeat reply: records the coordinator as alive, and a generation change not seen yet
-  // for the heartbeat thread to act on. Does not block (runs on gRPC threads).
-  void OnStreamReply(const v1::HeartbeatResponse& reply) ABSL_LOCKS_EXCLUDED(mu_);
-  bool StreamWakeUp() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return stopping_ || stream_ended_ || stream_change_.has_value();
-  }
+  // The view of `job` as this rank reads it (membership_view.h).
+  std::optional<MembershipView> ViewOf(const v1::Job& job, std::string* why) const;
   // A reply whose generation is neither this client's nor the latest seen: NoteGenerationChange.
   void HandleHeartbeatReply(const v1::HeartbeatResponse& reply, int64_t seen)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -273,7 +247,6 @@ class Client {
   // change breaks every communicator (a death or re-join) or only those with departed ranks.
   void NoteGenerationChange(int64_t generation, const std::string& why)
       ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status FetchWindow(int64_t from_step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(cache_mu_);
 
   const ClientOptions options_;
   // Declared before the coordinator connection, which points to it: destroyed after it.
@@ -287,20 +260,16 @@ class Client {
   int64_t admission_step_ = -1;
   std::atomic<int64_t> fail_commit_step_{-1};
   std::unique_ptr<CommunicatorCache> communicators_;
-
-  // The decision window [window_start_, window_start_ + window_.size()).
-  mutable absl::Mutex cache_mu_;
-  int64_t window_start_ ABSL_GUARDED_BY(cache_mu_) = 0;
-  std::vector<Decision> window_ ABSL_GUARDED_BY(cache_mu_);
+  // The parts, each with its own lock, built on the coordinator connection above.
+  const std::unique_ptr<DecisionWindow> decisions_;
+  const std::unique_ptr<RoundNotes> round_notes_;
 
   mutable absl::Mutex mu_;
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
   // The generation averaged in (generation()) and its view; a newer one to move to.
   int64_t generation_ ABSL_GUARDED_BY(mu_);
-  View view_ ABSL_GUARDED_BY(mu_);
-  std::optional<View> follow_ ABSL_GUARDED_BY(mu_);
-  // Per level (round notes).
-  std::vector<RoundRecord> rounds_ ABSL_GUARDED_BY(mu_);
+  MembershipView view_ ABSL_GUARDED_BY(mu_);
+  std::optional<MembershipView> follow_ ABSL_GUARDED_BY(mu_);
   int64_t latest_generation_ ABSL_GUARDED_BY(mu_);
   // Non-OK once nothing may be averaged any more (a peer died or re-joined, this client left).
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
@@ -317,10 +286,9 @@ class Client {
   absl::Time recovery_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // The coordinator incarnation of the last reply (a restart changes it).
   std::string incarnation_ ABSL_GUARDED_BY(mu_);
-  // The current HeartbeatStream has ended; a reply with a generation change to act on.
-  bool stream_ended_ ABSL_GUARDED_BY(mu_) = false;
-  std::optional<v1::HeartbeatResponse> stream_change_ ABSL_GUARDED_BY(mu_);
-  std::thread heartbeat_thread_;
+  // Last: its thread calls into the fields above, so it is started once they are set and
+  // stopped before they go.
+  std::unique_ptr<Heartbeat> heartbeat_;
 };
 
 }  // namespace modelavg::client

@@ -134,6 +134,15 @@ enum class RoundOutcome {
   kFailedHoldingResult,
 };
 
+// Whether a member of the communicator answered a reachability probe (Communicator::ProbePeers).
+struct PeerReach {
+  // The member's index in the communicator (0 .. size() - 1, not this member's own).
+  int member = -1;
+  bool reachable = false;
+  // What the probe saw ("refused: the host answered", "no answer in 1s", ...), for logs.
+  std::string detail;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -171,6 +180,14 @@ class Communicator {
   // are not counted). 0 where not counted.
   virtual int64_t bytes_sent() const { return 0; }
 
+  // After a failed round: whether each other member's host still answers on the data network
+  // the communicator uses (a gray failure cuts that path while the member's heartbeats still
+  // reach the coordinator; docs/cluster.md). Bounded by `timeout`; works on a broken
+  // communicator. UNIMPLEMENTED where the transport cannot tell (NCCL).
+  virtual absl::StatusOr<std::vector<PeerReach>> ProbePeers(absl::Duration timeout) {
+    (void)timeout;
+    return absl::UnimplementedError("this communicator cannot probe its peers");
+  }
   // This member's index in the subgroup and the subgroup's size.
   virtual int rank() const = 0;
   virtual int size() const = 0;

@@ -275,6 +275,19 @@ absl::StatusOr<v1::LeaveResponse> CoordinatorClient::Leave(const v1::LeaveReques
   return out;
 }
 
+absl::StatusOr<v1::ReportPeerFailureResponse> CoordinatorClient::ReportPeerFailure(
+    const v1::ReportPeerFailureRequest& request) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, options_.rpc_timeout);
+  v1::ReportPeerFailureResponse out;
+  MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx,
+                                     [&](v1::Coordinator::Stub* stub) {
+                                       return stub->ReportPeerFailure(&ctx, request, &out);
+                                     }),
+                                "ReportPeerFailure"));
+  return out;
+}
+
 absl::Status CoordinatorClient::Ping() {
   grpc::ClientContext ctx;
   Prepare(&ctx, options_.rpc_timeout);

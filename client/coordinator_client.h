@@ -111,6 +111,9 @@ class CoordinatorClient {
   // DEADLINE_EXCEEDED itself at timeout_ms).
   absl::StatusOr<std::string> GetCommId(const v1::GetCommIdRequest& request);
   absl::StatusOr<v1::LeaveResponse> Leave(const v1::LeaveRequest& request);
+  // UNIMPLEMENTED from a coordinator older than the RPC.
+  absl::StatusOr<v1::ReportPeerFailureResponse> ReportPeerFailure(
+      const v1::ReportPeerFailureRequest& request);
   absl::Status Ping();
   // Opens a HeartbeatStream carrying the token, without a deadline (it lasts as long as the
   // membership): see HeartbeatStreamCall. Never fails here; errors end the stream.

@@ -1,5 +1,12 @@
 #include "client/gloo_communicator.h"
 
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <csignal>
 
 #include <algorithm>
@@ -27,6 +34,7 @@
 #include "gloo/math.h"
 #include "gloo/context.h"
 #include "gloo/transport/context.h"
+#include "gloo/transport/tcp/address.h"
 #include "gloo/rendezvous/store.h"
 #include "gloo/transport/pair.h"
 #include "gloo/transport/tcp/device.h"
@@ -125,7 +133,8 @@ class MeshContext final : public gloo::Context {
 absl::StatusOr<std::shared_ptr<gloo::Context>> ConnectMesh(
     gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
     int size, absl::Duration timeout, absl::Time deadline,
-    const std::shared_ptr<SetupCanceller>& cancel) {
+    const std::shared_ptr<SetupCanceller>& cancel, std::vector<sockaddr_storage>* peers) {
+  peers->assign(static_cast<size_t>(size), sockaddr_storage{});
   std::shared_ptr<gloo::transport::Context> transport = device->createContext(rank, size);
   transport->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
   std::vector<char> addresses;
@@ -167,6 +176,9 @@ absl::StatusOr<std::shared_ptr<gloo::Context>> ConnectMesh(
     const size_t index = static_cast<size_t>(rank > i ? rank - 1 : rank);
     const std::vector<char> address(all.begin() + index * each,
                                     all.begin() + (index + 1) * each);
+    if (address.size() == gloo::transport::tcp::Address().bytes().size()) {
+      (*peers)[i] = gloo::transport::tcp::Address(address).getSockaddr();
+    }
     try {
       transport->getPair(i)->connect(address);
     } catch (const std::exception& e) {
@@ -333,11 +345,13 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     watchdog.join();
   };
   try {
+    std::vector<sockaddr_storage> peers;
     absl::StatusOr<std::shared_ptr<gloo::Context>> context =
-        ConnectMesh(store, device, rank, size, timeout, started + timeout, cancel);
+        ConnectMesh(store, device, rank, size, timeout, started + timeout, cancel, &peers);
     if (!context.ok()) return context.status();
     std::unique_ptr<GlooCommunicator> comm(
         new GlooCommunicator(*std::move(context), rank, size, timeout, in_place));
+    comm->peer_addresses_ = std::move(peers);
     if (absl::Status probe = comm->ProbeFusedAverage(); !probe.ok()) {
       MODELAVG_RETURN_IF_ERROR(cancel->status());
       return probe;
@@ -381,6 +395,78 @@ void GlooCommunicator::CloseMesh(const std::string& msg) {
   for (int i = 0; i < size_; ++i) {
     if (i != rank_) FailPair(context_->getPair(i).get(), i, msg);
   }
+}
+
+absl::StatusOr<std::vector<PeerReach>> GlooCommunicator::ProbePeers(absl::Duration timeout) {
+  struct Probe {
+    int member;
+    int fd = -1;
+    bool done = false;
+    PeerReach reach;
+  };
+  std::vector<Probe> probes;
+  for (int i = 0; i < size_; ++i) {
+    if (i == rank_ || i >= static_cast<int>(peer_addresses_.size())) continue;
+    const sockaddr_storage& ss = peer_addresses_[i];
+    if (ss.ss_family != AF_INET && ss.ss_family != AF_INET6) continue;
+    Probe p{i};
+    p.reach.member = i;
+    p.fd = ::socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (p.fd < 0) {
+      return absl::InternalError(absl::StrCat("probing member ", i, ": socket() failed: ",
+                                              std::strerror(errno)));
+    }
+    const socklen_t len =
+        ss.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+    const int rv = ::connect(p.fd, reinterpret_cast<const sockaddr*>(&ss), len);
+    const int err = rv == 0 ? 0 : errno;
+    if (err != EINPROGRESS) {
+      p.done = true;
+      p.reach.reachable = err == 0 || err == ECONNREFUSED;
+      p.reach.detail = err == 0 ? "connected" : std::strerror(err);
+    }
+    probes.push_back(std::move(p));
+  }
+  const absl::Cleanup close_all = [&probes] {
+    for (Probe& p : probes) {
+      if (p.fd >= 0) ::close(p.fd);
+    }
+  };
+  const absl::Time deadline = absl::Now() + timeout;
+  for (;;) {
+    std::vector<pollfd> fds;
+    std::vector<Probe*> waiting;
+    for (Probe& p : probes) {
+      if (!p.done) {
+        fds.push_back(pollfd{p.fd, POLLOUT, 0});
+        waiting.push_back(&p);
+      }
+    }
+    const absl::Duration left = deadline - absl::Now();
+    if (fds.empty() || left <= absl::ZeroDuration()) break;
+    const int n = ::poll(fds.data(), fds.size(),
+                         static_cast<int>(std::max<int64_t>(1, absl::ToInt64Milliseconds(left))));
+    if (n < 0 && errno != EINTR) {
+      return absl::InternalError(absl::StrCat("probing the members: poll() failed: ",
+                                              std::strerror(errno)));
+    }
+    for (size_t k = 0; n > 0 && k < fds.size(); ++k) {
+      if (fds[k].revents == 0) continue;
+      int err = 0;
+      socklen_t err_len = sizeof(err);
+      ::getsockopt(fds[k].fd, SOL_SOCKET, SO_ERROR, &err, &err_len);
+      waiting[k]->done = true;
+      // A refusal is the host's own answer: its network works.
+      waiting[k]->reach.reachable = err == 0 || err == ECONNREFUSED;
+      waiting[k]->reach.detail = err == 0 ? "connected" : std::strerror(err);
+    }
+  }
+  std::vector<PeerReach> out;
+  for (Probe& p : probes) {
+    if (!p.done) p.reach.detail = absl::StrCat("no answer in ", absl::FormatDuration(timeout));
+    out.push_back(p.reach);
+  }
+  return out;
 }
 
 absl::Status GlooCommunicator::AbortedOr(absl::Status failure) const {

@@ -11,6 +11,8 @@
 #include <tuple>
 #include <vector>
 
+#include <sys/socket.h>
+
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -87,6 +89,10 @@ class GlooCommunicator : public Communicator {
   // `why`, as does every later call.
   void Abort(const absl::Status& why) override;
 
+  // A TCP connect to each member's data address, all at once: a connection or a refusal (the
+  // pair's listening port closes once the mesh is up) is an answer; no answer within `timeout`
+  // or an unreachable network is none.
+  absl::StatusOr<std::vector<PeerReach>> ProbePeers(absl::Duration timeout) override;
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   int64_t bytes_sent() const override {
@@ -151,6 +157,9 @@ class GlooCommunicator : public Communicator {
   absl::Status Break(const absl::Status& failure) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::shared_ptr<gloo::Context> context_;
+  // Each member's data address (its pair's, for this member), for ProbePeers; empty where the
+  // transport is not TCP. Set once by Create.
+  std::vector<sockaddr_storage> peer_addresses_;
   const int rank_;
   const int size_;
   const absl::Duration timeout_;

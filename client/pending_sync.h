@@ -19,6 +19,13 @@
 
 namespace modelavg::client {
 
+// Whether `level` is an outer level with streaming fields (fragments > 1, sync_delay, mix or a
+// compressed payload): its outer state is per fragment.
+inline bool StreamingOuterLevel(const ScheduleLevel& level) {
+  return level.outer.has_value() && (level.fragments > 1 || level.sync_delay != 0 ||
+                                     level.mix != 0 || level.payload != Payload::kFp32);
+}
+
 struct PendingSync {
   Decision decision;
   int64_t apply_step = 0;
@@ -26,6 +33,7 @@ struct PendingSync {
   // first value); otherwise the pseudo-gradient.
   bool first = false;
   OuterLevelState* state = nullptr;
+  // Null for a sync restored by load_state_dict (already done, its result in `buffer`).
   Communicator* comm = nullptr;
   std::unique_ptr<OuterBuffer> buffer;
   int64_t bytes_before = 0;

@@ -34,6 +34,7 @@ set(MODELAVG_PUBLIC_HEADERS
   client/averager.h
   client/client.h
   client/contiguous_parameters.h
+  client/membership_view.h
   client/tensor.h
   common/schedule.h)
 set(MODELAVG_PROTO_HEADERS

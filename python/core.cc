@@ -12,6 +12,7 @@
 // thread until its own deadline (join_timeout, collective_timeout, rpc_timeout) and owns what it
 // uses meanwhile; an averager refuses new calls until its interrupted call has ended. A skip step
 // runs on the calling thread (it does not wait).
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -106,8 +107,8 @@ class PyAverager {
   }
 
   // The decision at step() when it is a skip, taken (the step advances); None when the step
-  // averages (or the decision is not known yet): the caller then collects its tensors and calls
-  // Average. Cheap: no RPC within the prefetched window, no thread, no tensors.
+  // averages, applies a fragment's background all-reduce (streaming sync), or the decision is
+  // not known yet: the caller then collects its tensors and calls Average. Cheap: no RPC within the prefetched window, no thread, no tensors.
   // Without the GIL: once per schedule_window steps the decision costs a GetSchedule RPC (at
   // most rpc_timeout; not interruptible, unlike the waits of an averaging step).
   std::optional<Decision> TakeSkip() {
@@ -115,8 +116,11 @@ class PyAverager {
     absl::StatusOr<Decision> d;
     {
       py::gil_scoped_release nogil;
-      absl::StatusOr<Decision> next = client_->DecisionAt(averager_->step());
+      const int64_t step = averager_->step();
+      absl::StatusOr<Decision> next = client_->DecisionAt(step);
       if (!next.ok() || next->average) return std::nullopt;
+      // A fragment's background all-reduce applied at this step needs the parameters.
+      if (averager_->NeedsParametersAt(step)) return std::nullopt;
       d = averager_->AverageParameters({});
     }
     if (!d.ok()) Raise(d.status(), /*averaging=*/true);
@@ -162,7 +166,9 @@ class PyAverager {
     return *d;
   }
 
-  // {"step": int, "anchors": {level: [(dtype code, numel, bytes)]}, "momenta": {...}}.
+  // {"step": int, "anchors": {level: [(dtype code, numel, bytes)]}, "momenta": {...},
+  //  "fragments": [(level, fragment, [anchor tensors], [momentum tensors])],
+  //  "pending": [{"level", "fragment", "start_step", "apply_step", "first", "result", "error"}]}.
   py::dict StateDict() {
     CheckNoInterruptedCall();
     mc::AveragerState state = averager_->state_dict();
@@ -179,41 +185,101 @@ class PyAverager {
       }
       return out;
     };
+    auto list = [](const std::vector<mc::StateTensor>& ts) {
+      py::list l;
+      for (const mc::StateTensor& t : ts) {
+        l.append(py::make_tuple(static_cast<int>(t.dtype), t.numel,
+                                py::bytes(reinterpret_cast<const char*>(t.bytes.data()),
+                                          t.bytes.size())));
+      }
+      return l;
+    };
     py::dict d;
     d["step"] = state.step;
     d["anchors"] = tensors(state.anchors);
     d["momenta"] = tensors(state.momenta);
+    py::list fragments;
+    for (const mc::FragmentState& f : state.fragments) {
+      fragments.append(py::make_tuple(f.level, f.fragment, list(f.anchor), list(f.momentum)));
+    }
+    d["fragments"] = fragments;
+    py::list pending;
+    for (const mc::PendingState& p : state.pending) {
+      py::dict e;
+      e["level"] = p.level;
+      e["fragment"] = p.fragment;
+      e["start_step"] = p.start_step;
+      e["apply_step"] = p.apply_step;
+      e["first"] = p.first;
+      e["result"] = list(p.result);
+      e["error"] = p.error;
+      pending.append(e);
+    }
+    d["pending"] = pending;
     return d;
   }
 
-  void LoadStateDict(int64_t step, const py::dict& anchors, const py::dict& momenta) {
+  // fragments: [(level, fragment, anchor tensors, momentum tensors)]; pending: [dict] as
+  // StateDict gives them.
+  void LoadStateDict(int64_t step, const py::dict& anchors, const py::dict& momenta,
+                     const py::list& fragments, const py::list& pending) {
     if (step < 0) {
       throw py::value_error(absl::StrCat("step ", step, " is negative: steps count from 0"));
     }
     CheckNoInterruptedCall();
     mc::AveragerState state;
     state.step = step;
-    auto read = [](const py::dict& in, std::map<int, std::vector<mc::StateTensor>>* out) {
-      for (const auto& [key, value] : in) {
-        std::vector<mc::StateTensor>& list = (*out)[key.cast<int>()];
-        for (const py::handle item : value) {
-          auto [dtype, numel, bytes] = item.cast<std::tuple<int, int64_t, py::bytes>>();
-          if (dtype < 0 || dtype > static_cast<int>(mc::DType::kBFloat16)) {
-            throw py::value_error(absl::StrCat("dtype code ", dtype, " is not 0..3"));
-          }
-          mc::StateTensor t;
-          t.dtype = static_cast<mc::DType>(dtype);
-          t.numel = numel;
-          const std::string raw = bytes;
-          t.bytes.assign(raw.begin(), raw.end());
-          list.push_back(std::move(t));
+    auto read_list = [](py::handle value, std::vector<mc::StateTensor>* list) {
+      for (const py::handle item : value) {
+        auto [dtype, numel, bytes] = item.cast<std::tuple<int, int64_t, py::bytes>>();
+        if (dtype < 0 || dtype > static_cast<int>(mc::DType::kBFloat16)) {
+          throw py::value_error(absl::StrCat("dtype code ", dtype, " is not 0..3"));
         }
+        mc::StateTensor t;
+        t.dtype = static_cast<mc::DType>(dtype);
+        t.numel = numel;
+        const std::string raw = bytes;
+        t.bytes.assign(raw.begin(), raw.end());
+        list->push_back(std::move(t));
       }
+    };
+    auto read = [&](const py::dict& in, std::map<int, std::vector<mc::StateTensor>>* out) {
+      for (const auto& [key, value] : in) read_list(value, &(*out)[key.cast<int>()]);
     };
     read(anchors, &state.anchors);
     read(momenta, &state.momenta);
+    for (const py::handle item : fragments) {
+      auto t = item.cast<py::tuple>();
+      mc::FragmentState f;
+      f.level = t[0].cast<int>();
+      f.fragment = t[1].cast<int>();
+      read_list(t[2], &f.anchor);
+      read_list(t[3], &f.momentum);
+      state.fragments.push_back(std::move(f));
+    }
+    for (const py::handle item : pending) {
+      auto e = item.cast<py::dict>();
+      mc::PendingState p;
+      p.level = e["level"].cast<int>();
+      p.fragment = e["fragment"].cast<int>();
+      p.start_step = e["start_step"].cast<int64_t>();
+      p.apply_step = e["apply_step"].cast<int64_t>();
+      p.first = e["first"].cast<bool>();
+      read_list(e["result"], &p.result);
+      p.error = e.contains("error") ? e["error"].cast<std::string>() : std::string();
+      state.pending.push_back(std::move(p));
+    }
     absl::Status s = averager_->load_state_dict(state);
     if (!s.ok()) Raise(s);
+  }
+
+  // Per level: (bytes sent, seconds waited for background all-reduces).
+  std::vector<std::pair<int64_t, double>> Traffic() const {
+    std::vector<std::pair<int64_t, double>> out;
+    for (const mc::ModelAverager::LevelTraffic& t : averager_->traffic()) {
+      out.emplace_back(t.bytes_sent, absl::ToDoubleSeconds(t.waited));
+    }
+    return out;
   }
 
   int64_t step() const { return averager_->step(); }
@@ -245,6 +311,18 @@ class PyAverager {
   py::object interrupted_tensors_ = py::none();
 };
 
+const char* PayloadName(modelavg::Payload p) {
+  switch (p) {
+    case modelavg::Payload::kFp32:
+      return "FP32";
+    case modelavg::Payload::kBf16:
+      return "BF16";
+    case modelavg::Payload::kInt8:
+      return "INT8";
+  }
+  return "FP32";
+}
+
 std::string ActionName(const Decision& d) { return d.average ? "AVERAGE" : "SKIP"; }
 
 // The ranks that averaged: the subgroup's live members (Decision::Members()); none on a skip.
@@ -269,6 +347,9 @@ Attributes:
   average: True when the parameters were averaged.
   level: index into the job's levels of the averaging level; -1 for SKIP.
   period: that level's period; 0 for SKIP.
+  fragment: the fragment of the parameters this step synced (Level.fragments; 0 for a level of
+    one fragment); -1 for SKIP.
+  fragments: the level's fragment count (1: the whole model); 0 for SKIP.
   subgroup: index of the subgroup (block of ranks) that averaged; -1 for SKIP.
   ranks: the ranks whose parameters were actually averaged, ascending; [] for SKIP. The whole
     subgroup in a strict job; in an elastic job its live members only (vacant ranks left out).
@@ -283,6 +364,10 @@ Attributes:
       .def_readonly("average", &Decision::average)
       .def_readonly("level", &Decision::level)
       .def_readonly("period", &Decision::period)
+      .def_property_readonly("fragment",
+                             [](const Decision& d) { return d.average ? d.fragment : -1; })
+      .def_property_readonly("fragments",
+                             [](const Decision& d) { return d.average ? d.fragments : 0; })
       .def_property_readonly("subgroup",
                              [](const Decision& d) { return d.average ? d.subgroup.index : -1; })
       .def_property_readonly("ranks", &DecisionMembers)
@@ -298,6 +383,9 @@ Attributes:
         std::string repr = absl::StrCat(
             "Decision(step=", d.step, ", action='AVERAGE', level=", d.level, ", period=",
             d.period, ", ranks=[", absl::StrJoin(d.Members(), ", "), "]");
+        if (d.fragments > 1) {
+          absl::StrAppend(&repr, ", fragment=", d.fragment, ", fragments=", d.fragments);
+        }
         if (!d.joining.empty()) {
           absl::StrAppend(&repr, ", joining=[", absl::StrJoin(d.joining, ", "), "]");
         }
@@ -344,6 +432,13 @@ Attributes:
                                  }
                                }
                                d["outer"] = outer;
+                               py::list streaming;
+                               for (const auto& l : s.levels) {
+                                 streaming.append(py::make_tuple(
+                                     std::max(1, l.fragments), l.sync_delay, l.mix,
+                                     PayloadName(l.payload)));
+                               }
+                               d["streaming"] = streaming;
                                return d;
                              })
       .def("check_usable",
@@ -364,7 +459,8 @@ Attributes:
       .def_property("step", &PyAverager::step, &PyAverager::set_step)
       .def("state_dict", &PyAverager::StateDict)
       .def("load_state_dict", &PyAverager::LoadStateDict, py::arg("step"), py::arg("anchors"),
-           py::arg("momenta"));
+           py::arg("momenta"), py::arg("fragments"), py::arg("pending"))
+      .def("traffic", &PyAverager::Traffic);
 
   m.def(
       "create_job",

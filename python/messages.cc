@@ -1,5 +1,6 @@
 #include "python/messages.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -97,6 +98,27 @@ v1::JobSpec JobSpecFrom(const py::dict& d) {
       o->set_nesterov(nesterov);
     }
   }
+  // One entry per level: (fragments, sync_delay, mix, payload name).
+  if (auto v = Get<std::vector<std::tuple<int32_t, int64_t, double, std::string>>>(d,
+                                                                                  "streaming")) {
+    if (static_cast<int>(v->size()) != spec.levels_size()) {
+      throw py::value_error(absl::StrCat("streaming has ", v->size(), " entries for ",
+                                         spec.levels_size(), " levels"));
+    }
+    for (size_t i = 0; i < v->size(); ++i) {
+      const auto& [fragments, sync_delay, mix, payload_name] = (*v)[i];
+      v1::Level* level = spec.mutable_levels(static_cast<int>(i));
+      v1::Payload payload;
+      if (!v1::Payload_Parse(payload_name, &payload)) {
+        throw py::value_error(absl::StrCat("levels[", i, "].payload '", payload_name,
+                                           "': expected FP32, BF16 or INT8"));
+      }
+      level->set_fragments(fragments);
+      level->set_sync_delay(sync_delay);
+      level->set_mix(mix);
+      level->set_payload(payload);
+    }
+  }
   if (auto v = Get<int64_t>(d, "heartbeat_timeout_ms")) spec.set_heartbeat_timeout_ms(*v);
   if (auto v = Get<int64_t>(d, "join_timeout_ms")) spec.set_join_timeout_ms(*v);
   if (auto v = Get<int32_t>(d, "min_world_size")) spec.set_min_world_size(*v);
@@ -121,6 +143,12 @@ py::dict SpecDict(const v1::JobSpec& spec) {
     }
   }
   d["outer"] = outer;
+  py::list streaming;
+  for (const v1::Level& l : spec.levels()) {
+    streaming.append(py::make_tuple(std::max(1, l.fragments()), l.sync_delay(), l.mix(),
+                                    v1::Payload_Name(l.payload())));
+  }
+  d["streaming"] = streaming;
   d["heartbeat_timeout_ms"] = spec.heartbeat_timeout_ms();
   d["join_timeout_ms"] = spec.join_timeout_ms();
   d["min_world_size"] = spec.min_world_size();

@@ -18,6 +18,7 @@ client::ClientOptions ClientOptionsFrom(const pybind11::dict& d);
 client::CoordinatorClientOptions CoordinatorOptionsFrom(const pybind11::dict& d);
 // job_id, world_size, warmup_steps, mode ("PERIODIC"/"HIERARCHICAL"; ValueError otherwise),
 // levels [(period, group_size)], outer [None or (lr, momentum, nesterov) per level],
+// streaming [(fragments, sync_delay, mix, payload "FP32"/"BF16"/"INT8") per level],
 // heartbeat_timeout_ms, join_timeout_ms, min_world_size.
 v1::JobSpec JobSpecFrom(const pybind11::dict& d);
 // The same keys back.

@@ -196,6 +196,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     hooks.set_serving = [health = server->server_->GetHealthCheckService()](bool serving) {
       if (health != nullptr) health->SetServingStatus(serving);
     };
+    hooks.fatal = options.on_fatal;
     server->terms_->Start(server->registry_.get(),
                           options.advertise.empty() ? server->address_ : options.advertise,
                           std::move(hooks));

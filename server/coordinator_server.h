@@ -4,6 +4,7 @@
 #ifndef MODELAVG_SERVER_COORDINATOR_SERVER_H_
 #define MODELAVG_SERVER_COORDINATOR_SERVER_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -72,6 +73,10 @@ struct ServerOptions {
   std::string advertise;
   std::string etcd_tls_ca_file, etcd_tls_cert_file, etcd_tls_key_file;
   std::string etcd_user, etcd_password;
+  // With etcd_endpoints: called once, on another thread, when etcd refuses this coordinator's
+  // options for good before it ever campaigned (authentication, TLS: the status says what to
+  // fix); it never serves then. Unset: only logged.
+  std::function<void(const absl::Status& status)> on_fatal;
   Clock* clock = Clock::Real();
 };
 

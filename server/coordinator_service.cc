@@ -544,6 +544,8 @@ MODELAVG_SERVE(PublishCommId, v1::PublishCommIdRequest, v1::PublishCommIdRespons
 MODELAVG_SERVE(GetCommId, v1::GetCommIdRequest, v1::GetCommIdResponse, Role::kWorker)
 MODELAVG_SERVE(Leave, v1::LeaveRequest, v1::LeaveResponse, Role::kWorker)
 MODELAVG_SERVE(Ping, v1::PingRequest, v1::PingResponse, Role::kWorker)
+MODELAVG_SERVE(ReportPeerFailure, v1::ReportPeerFailureRequest, v1::ReportPeerFailureResponse,
+               Role::kWorker)
 #undef MODELAVG_SERVE
 
 void CoordinatorService::DoCreateJob(grpc::CallbackServerContext*,
@@ -643,6 +645,14 @@ void CoordinatorService::DoLeave(grpc::CallbackServerContext*,
   absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
   if (!job.ok()) return call->Reply(job.status());
   call->Reply((*job)->Leave(call->request, &call->response));
+}
+
+void CoordinatorService::DoReportPeerFailure(
+    grpc::CallbackServerContext*,
+    Call<v1::ReportPeerFailureRequest, v1::ReportPeerFailureResponse>* call) {
+  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
+  if (!job.ok()) return call->Reply(job.status());
+  call->Reply((*job)->ReportPeerFailure(call->request, &call->response));
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* CoordinatorService::WatchJob(

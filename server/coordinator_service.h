@@ -19,7 +19,7 @@ namespace modelavg::server {
 // Who may call what. Two roles:
 //  * operator: every RPC;
 //  * worker: what a worker and an observer need: Join, Heartbeat(Stream), Step, GetSchedule,
-//    PublishCommId, GetCommId, Leave, GetJob, ListJobs, WatchJob, Ping (not CreateJob,
+//    PublishCommId, GetCommId, Leave, ReportPeerFailure, GetJob, ListJobs, WatchJob, Ping (not CreateJob,
 //    DeleteJob: PERMISSION_DENIED naming the role).
 // A call has the role of its bearer token ("authorization: Bearer <token>": operator_token or
 // worker_token) or, with mutual TLS, of its client certificate; the higher of the two.
@@ -55,7 +55,8 @@ using RawCoordinatorService =
     v1::Coordinator::WithRawCallbackMethod_Leave<
     v1::Coordinator::WithRawCallbackMethod_WatchJob<
     v1::Coordinator::WithRawCallbackMethod_Ping<
-    v1::Coordinator::Service>>>>>>>>>>>>>>;
+    v1::Coordinator::WithRawCallbackMethod_ReportPeerFailure<
+    v1::Coordinator::Service>>>>>>>>>>>>>>>;
 
 class CoordinatorService final : public RawCoordinatorService {
  public:
@@ -84,6 +85,7 @@ class CoordinatorService final : public RawCoordinatorService {
   MODELAVG_RAW_UNARY(GetCommId)
   MODELAVG_RAW_UNARY(Leave)
   MODELAVG_RAW_UNARY(Ping)
+  MODELAVG_RAW_UNARY(ReportPeerFailure)
 #undef MODELAVG_RAW_UNARY
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* HeartbeatStream(
       grpc::CallbackServerContext* ctx) override;
@@ -118,6 +120,9 @@ class CoordinatorService final : public RawCoordinatorService {
                    Call<v1::GetCommIdRequest, v1::GetCommIdResponse>* call);
   void DoLeave(grpc::CallbackServerContext* ctx, Call<v1::LeaveRequest, v1::LeaveResponse>* call);
   void DoPing(grpc::CallbackServerContext* ctx, Call<v1::PingRequest, v1::PingResponse>* call);
+  void DoReportPeerFailure(
+      grpc::CallbackServerContext* ctx,
+      Call<v1::ReportPeerFailureRequest, v1::ReportPeerFailureResponse>* call);
 
   // The caller's role: UNAUTHENTICATED without a valid token or certificate (always operator
   // without auth).

@@ -70,6 +70,40 @@ absl::StatusOr<std::vector<std::string>> ParseEtcdEndpoints(const std::string& l
   return endpoints;
 }
 
+EtcdProblem ClassifyEtcdError(const absl::Status& status) {
+  if (status.ok()) return EtcdProblem::kNone;
+  const std::string text = absl::AsciiStrToLower(status.message());
+  switch (status.code()) {
+    case absl::StatusCode::kUnauthenticated:
+    case absl::StatusCode::kPermissionDenied:
+      return EtcdProblem::kAuth;
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kFailedPrecondition:
+      // etcd's ErrGRPCUserEmpty, ErrGRPCAuthFailed, ErrGRPCAuthNotEnabled.
+      if (absl::StrContains(text, "user name is empty") ||
+          absl::StrContains(text, "authentication failed") ||
+          absl::StrContains(text, "authentication is not enabled")) {
+        return EtcdProblem::kAuth;
+      }
+      return EtcdProblem::kOther;
+    case absl::StatusCode::kUnavailable:
+      // gRPC's words for a connection that fails after TCP: the handshake (a certificate
+      // not trusted either way, TLS against plaintext), or the peer closing it unanswered.
+      if (absl::StrContains(text, "handshake") || absl::StrContains(text, "certificate") ||
+          absl::StrContains(text, "ssl")) {
+        return EtcdProblem::kTls;
+      }
+      if (absl::StrContains(text, "socket closed") ||
+          absl::StrContains(text, "endpoint read failed") ||
+          absl::StrContains(text, "connection reset")) {
+        return EtcdProblem::kClosesConnections;
+      }
+      return EtcdProblem::kUnreachable;
+    default:
+      return EtcdProblem::kOther;
+  }
+}
+
 std::string EtcdPrefixEnd(const std::string& prefix) {
   std::string end = prefix;
   while (!end.empty()) {

@@ -44,6 +44,19 @@ struct EtcdOptions {
 // INVALID_ARGUMENT naming the bad entry.
 absl::StatusOr<std::vector<std::string>> ParseEtcdEndpoints(const std::string& list);
 
+// What a failed etcd call says about this coordinator's etcd options.
+enum class EtcdProblem {
+  kNone,               // OK
+  kUnreachable,        // refused, unresolvable, timed out, no quorum: etcd may come (back)
+  kClosesConnections,  // the TCP connection is made but closed before any answer: typically a
+                       // plaintext client on a TLS port, or no client certificate where etcd
+                       // requires one (--client-cert-auth)
+  kTls,                // the TLS handshake failed (certificate verification, protocol)
+  kAuth,               // etcd's authentication or authorization refused the call
+  kOther,              // any other answer of etcd's
+};
+EtcdProblem ClassifyEtcdError(const absl::Status& status);
+
 // The end of the key range that holds every key starting with `prefix` (etcd's range_end).
 std::string EtcdPrefixEnd(const std::string& prefix);
 

@@ -705,6 +705,85 @@ absl::Status Job::Leave(const v1::LeaveRequest& request, v1::LeaveResponse* resp
   return absl::OkStatus();
 }
 
+absl::Status Job::ReportPeerFailure(const v1::ReportPeerFailureRequest& request,
+                                    v1::ReportPeerFailureResponse* response) {
+  const int32_t rank = request.rank();
+  const int32_t world = schedule_.world_size();
+  const auto outside = [world](int32_t r) { return r < 0 || r >= world; };
+  if (outside(rank)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is outside [0, ", world, ") for job ", id()));
+  }
+  PeerReport report;
+  report.reporter = rank;
+  for (const auto* list : {&request.unreachable_ranks(), &request.reachable_ranks()}) {
+    if (list->size() > world) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a peer failure report names ", list->size(), " ranks; job ", id(), " has ", world));
+    }
+    for (int32_t r : *list) {
+      if (outside(r)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the peer failure report names rank ", r, ", outside [0, ", world, ") for job ",
+            id()));
+      }
+    }
+  }
+  report.unreachable.assign(request.unreachable_ranks().begin(),
+                            request.unreachable_ranks().end());
+  report.reachable.assign(request.reachable_ranks().begin(), request.reachable_ranks().end());
+  Outbox out(this);
+  absl::MutexLock lock(&mu_);
+  if (!closed_.ok()) return closed_;
+  if (!halted_.ok()) return halted_;
+  if (absl::Status s =
+          membership_.CheckCredential(rank, request.credential(), "ReportPeerFailure", id());
+      !s.ok()) {
+    return s;
+  }
+  const int64_t generation = membership_.generation();
+  response->set_state(membership_.state());
+  response->set_generation(generation);
+  // The job moved on already (the failure was a death the coordinator saw itself, say).
+  if (request.generation() != generation) return absl::OkStatus();
+  if (membership_.state() != v1::RUNNING || !membership_.InRound(rank)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " is not a member of job ", id(), "'s running round (generation ",
+        generation, "); a peer failure report is not taken from it"));
+  }
+  const absl::Time now = clock_->Now();
+  report.at = now;
+  spdlog::info("job {}: rank {} reports its round at step {} (level {}) failed: could not reach "
+               "ranks [{}], reached [{}] ({})",
+               id(), rank, request.step(), request.level(),
+               absl::StrJoin(report.unreachable, ","), absl::StrJoin(report.reachable, ","),
+               Truncate(request.reason(), kMaxReasonLength));
+  peer_reports_.Add(generation, std::move(report));
+  std::vector<ConfirmedPeer> confirmed = peer_reports_.Confirmed(
+      generation, now, [this](int32_t r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return membership_.InRound(r);
+      });
+  if (confirmed.empty()) return absl::OkStatus();
+  std::vector<int32_t> dead;
+  for (const ConfirmedPeer& c : confirmed) dead.push_back(c.rank);
+  std::string reason = absl::StrCat("rank ", dead[0], " unreachable by its peers");
+  if (dead.size() > 1) absl::StrAppend(&reason, " (and ", dead.size() - 1, " more ranks)");
+  membership_.Begin();
+  const MembershipChange change = membership_.Die(dead, reason, now);
+  if (absl::Status s = Commit(); !s.ok()) return s;
+  for (const ConfirmedPeer& c : confirmed) {
+    spdlog::warn("job {}: rank {} (worker \"{}\") still beats but its peers cannot reach it: {}; "
+                 "DEAD",
+                 id(), c.rank, membership_.member(c.rank).worker_id, c.why);
+    response->add_declared_dead(c.rank);
+  }
+  deaths_ += static_cast<int64_t>(dead.size());
+  OnMembershipChange(change, &out);
+  response->set_state(membership_.state());
+  response->set_generation(membership_.generation());
+  return absl::OkStatus();
+}
+
 uint64_t Job::Watch(std::shared_ptr<JobWatcher> watcher) {
   Outbox out(this);
   absl::MutexLock lock(&mu_);

@@ -8,6 +8,7 @@
 #ifndef MODELAVG_SERVER_JOB_H_
 #define MODELAVG_SERVER_JOB_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -26,6 +27,7 @@
 #include "server/comm_id_store.h"
 #include "server/event_log.h"
 #include "server/membership.h"
+#include "server/peer_reports.h"
 #include "server/pending_waits.h"
 #include "server/state_store.h"
 
@@ -146,6 +148,21 @@ class Job {
   // FAILED_PRECONDITION if the rank never joined.
   absl::Status Leave(const v1::LeaveRequest& request, v1::LeaveResponse* response);
 
+  // A member's round failed and it names the peers it could not reach over the data network
+  // (a gray failure). The report is kept for PeerReportTtl(); once the reports confirm a
+  // suspect (server/peer_reports.h) it is declared DEAD and the generation moves on, as after a
+  // heartbeat timeout; response->declared_dead lists who. A report alone evicts nobody.
+  // A report of an older generation is answered with the current one and ignored.
+  // INVALID_ARGUMENT (bad rank, a named rank outside the world), PERMISSION_DENIED
+  // (credential), FAILED_PRECONDITION (the job is not RUNNING, or the rank is not in its round).
+  absl::Status ReportPeerFailure(const v1::ReportPeerFailureRequest& request,
+                                 v1::ReportPeerFailureResponse* response);
+  // How long a peer failure report counts: twice the heartbeat timeout, at least 5 s (the
+  // members of a failed round report within about a second of each other).
+  absl::Duration PeerReportTtl() const {
+    return std::max(2 * heartbeat_timeout_, absl::Seconds(5));
+  }
+
   // Registers a watcher; its first event is a SNAPSHOT. Returns an id for Unwatch.
   uint64_t Watch(std::shared_ptr<JobWatcher> watcher);
   void Unwatch(uint64_t watcher_id);
@@ -248,6 +265,8 @@ class Job {
   // Replacements admitted since creation (or restore): a metric.
   int64_t admissions_ ABSL_GUARDED_BY(mu_) = 0;
   CommIdStore comm_ids_ ABSL_GUARDED_BY(mu_);
+  // Peer failure reports of the current generation (ReportPeerFailure).
+  PeerReports peer_reports_ ABSL_GUARDED_BY(mu_){PeerReportTtl()};
   EventLog history_ ABSL_GUARDED_BY(mu_);
   PendingWaits waits_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<uint64_t, std::shared_ptr<JobWatcher>>> watchers_ ABSL_GUARDED_BY(mu_);

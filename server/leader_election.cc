@@ -91,6 +91,7 @@ bool LeaderElection::KeepAlive() {
   if (id == 0) {
     absl::StatusOr<etcdserverpb::LeaseGrantResponse> grant = etcd_->LeaseGrant(ttl_seconds_);
     absl::MutexLock lock(&mu_);
+    etcd_error_ = grant.status();
     if (!grant.ok()) {
       not_serving_why_ = absl::StrCat("this coordinator (", advertise_,
                                       ") cannot reach etcd: ", grant.status().message(),
@@ -107,6 +108,7 @@ bool LeaderElection::KeepAlive() {
   absl::StatusOr<etcdserverpb::LeaseKeepAliveResponse> reply =
       etcd_->LeaseKeepAlive(id, std::min(ttl / 3, etcd_->options().call_timeout));
   absl::MutexLock lock(&mu_);
+  etcd_error_ = reply.status();
   if (!reply.ok()) {
     not_serving_why_ = absl::StrCat("this coordinator (", advertise_,
                                     ") cannot keep its etcd lease alive: ",
@@ -149,12 +151,14 @@ bool LeaderElection::Campaign() {
   txn.add_failure()->mutable_request_range()->set_key(options_.key);
   absl::StatusOr<etcdserverpb::TxnResponse> reply = etcd_->Txn(txn);
   absl::MutexLock lock(&mu_);
+  etcd_error_ = reply.status();
   if (!reply.ok()) {
     not_serving_why_ = absl::StrCat("this coordinator (", advertise_,
                                     ") cannot campaign for leadership in etcd: ",
                                     reply.status().message(), "; not serving until it can");
     return false;
   }
+  campaign_answered_ = true;
   if (reply->succeeded()) {
     fence_ = reply->header().revision();
     leader_ = advertise_;
@@ -192,6 +196,60 @@ void LeaderElection::StepDown(const std::string& why) {
   callbacks_.deposed(why);
 }
 
+absl::Status LeaderElection::ReviewEtcdError() {
+  absl::Status error;
+  bool answered;
+  {
+    absl::MutexLock lock(&mu_);
+    error = etcd_error_;
+    answered = campaign_answered_;
+  }
+  const Steady::time_point now = Steady::now();
+  const EtcdProblem problem = ClassifyEtcdError(error);
+  if (problem != EtcdProblem::kClosesConnections) closing_since_ = {};
+  if (error.ok()) {
+    if (!logged_.empty()) spdlog::info("etcd answers again ({})", Describe());
+    logged_.clear();
+    return absl::OkStatus();
+  }
+  if (problem == EtcdProblem::kClosesConnections && closing_since_ == Steady::time_point{}) {
+    closing_since_ = now;
+  }
+  const std::string text(error.message());
+  if (text != logged_ || now - logged_at_ > std::chrono::seconds(10)) {
+    spdlog::warn("etcd: {}", text);
+    logged_ = text;
+    logged_at_ = now;
+  }
+  if (answered) return absl::OkStatus();
+  switch (problem) {
+    case EtcdProblem::kAuth:
+      return absl::FailedPreconditionError(absl::StrCat(
+          "etcd refused this coordinator's credentials: ", text,
+          ". With etcd's auth enabled, pass --etcd_user and --etcd_password_file of a user "
+          "whose role may read and write the keys under the prefix (--etcd_prefix)"));
+    case EtcdProblem::kTls:
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the TLS connection to etcd failed: ", text,
+          ". --etcd_tls_ca must be the CA that signed the members' certificates (whose names "
+          "must include the endpoint's host), and --etcd_tls_cert/--etcd_tls_key a client "
+          "certificate that the members' --trusted-ca-file trusts; against plaintext members "
+          "(http:// client URLs) pass no --etcd_tls_* flag"));
+    case EtcdProblem::kClosesConnections:
+      if (now - closing_since_ >= ToSteady(kFatalAfter)) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "etcd closed every connection of this coordinator unanswered for ",
+            absl::FormatDuration(kFatalAfter), " (", text,
+            "): a TLS mismatch. Members with https:// client URLs need --etcd_tls_ca, and "
+            "--etcd_tls_cert/--etcd_tls_key where they require client certificates "
+            "(--client-cert-auth)"));
+      }
+      return absl::OkStatus();
+    default:
+      return absl::OkStatus();
+  }
+}
+
 void LeaderElection::Run() {
   const absl::Duration tick =
       std::clamp(absl::Seconds(ttl_seconds_) / 10, absl::Milliseconds(50), absl::Milliseconds(250));
@@ -202,12 +260,14 @@ void LeaderElection::Run() {
   }
   spdlog::info("campaigning for leadership ({}, lease TTL {} s, advertising {})", Describe(),
                ttl_seconds_, advertise);
+  absl::Status fatal;
   for (;;) {
     {
       absl::MutexLock lock(&mu_);
       if (stop_) break;
     }
     const bool lease_ok = KeepAlive();
+    if (fatal = ReviewEtcdError(); !fatal.ok()) break;
     std::string why;
     int64_t fence = 0;
     {
@@ -226,26 +286,40 @@ void LeaderElection::Run() {
       StepDown(why);
       continue;
     }
-    if (fence == 0 && lease_ok && Campaign()) {
-      fence = this->fence();
-      spdlog::info("this coordinator ({}) won the election (fence revision {}); loading the jobs",
-                   advertise, fence);
-      absl::Status s = callbacks_.elected(fence);
-      bool serving = false;
-      {
-        absl::MutexLock lock(&mu_);
-        if (s.ok() && fence_ == fence && lost_.empty()) serving = serving_ = true;
+    if (fence == 0 && lease_ok) {
+      const bool won = Campaign();
+      if (fatal = ReviewEtcdError(); !fatal.ok()) break;
+      if (won) {
+        fence = this->fence();
+        spdlog::info("this coordinator ({}) won the election (fence revision {}); loading the "
+                     "jobs", advertise, fence);
+        absl::Status s = callbacks_.elected(fence);
+        bool serving = false;
+        {
+          absl::MutexLock lock(&mu_);
+          if (s.ok() && fence_ == fence && lost_.empty()) serving = serving_ = true;
+        }
+        if (serving) {
+          spdlog::info("this coordinator ({}) leads and serves", advertise);
+        } else {
+          StepDown(s.ok() ? "the term ended while loading"
+                          : absl::StrCat("loading failed: ", s.message()));
+        }
+        continue;
       }
-      if (serving) {
-        spdlog::info("this coordinator ({}) leads and serves", advertise);
-      } else {
-        StepDown(s.ok() ? "the term ended while loading" : absl::StrCat("loading failed: ",
-                                                                        s.message()));
-      }
-      continue;
     }
     absl::MutexLock lock(&mu_);
     mu_.AwaitWithTimeout(absl::Condition(&stop_), tick);
+  }
+  if (!fatal.ok()) {
+    // Never led (no campaign was ever answered): nothing to step down from.
+    spdlog::error("{}", std::string(fatal.message()));
+    {
+      absl::MutexLock lock(&mu_);
+      not_serving_why_ = absl::StrCat("this coordinator (", advertise, ") cannot use etcd: ",
+                                      fatal.message());
+    }
+    if (callbacks_.fatal) callbacks_.fatal(fatal);
   }
 }
 

@@ -43,10 +43,18 @@ class LeaderElection final : public EtcdFence {
   // loads the state and returns OK to start serving, an error to step down again.
   // `deposed(why)` tells it to stop serving: the lease ran out, etcd refused a write, or the
   // election stops.
+  // `fatal(status)`: before this coordinator has ever had an answer to a campaign, etcd refused
+  // its options for good (authentication, TLS; or every connection closed unanswered for
+  // kFatalAfter): the election has stopped and `status` (FAILED_PRECONDITION) says what to fix.
+  // Unset: only logged.
   struct Callbacks {
     std::function<absl::Status(int64_t fence)> elected;
     std::function<void(const std::string& why)> deposed;
+    std::function<void(const absl::Status& status)> fatal;
   };
+  // How long connections closed unanswered (EtcdProblem::kClosesConnections) are retried before
+  // they are a fatal misconfiguration.
+  static constexpr absl::Duration kFatalAfter = absl::Seconds(10);
 
   // `etcd` is not owned and outlives this object.
   LeaderElection(EtcdClient* etcd, LeaderElectionOptions options, Callbacks callbacks);
@@ -81,6 +89,9 @@ class LeaderElection final : public EtcdFence {
   // One campaign: true when this coordinator won (fence_ set).
   bool Campaign();
   void StepDown(const std::string& why);
+  // Logs the last etcd error (at most every few seconds while it stays the same) and says
+  // whether it is fatal (see Callbacks::fatal); OK when there is none or it may pass.
+  absl::Status ReviewEtcdError();
   std::string Describe() const;
 
   EtcdClient* const etcd_;
@@ -105,6 +116,15 @@ class LeaderElection final : public EtcdFence {
   std::string leader_ ABSL_GUARDED_BY(mu_);
   // Why this coordinator is not serving, for CheckServing.
   std::string not_serving_why_ ABSL_GUARDED_BY(mu_);
+  // The last etcd call's error (OK after a success), and whether a campaign has ever been
+  // answered (after which no error is fatal: the options worked).
+  absl::Status etcd_error_ ABSL_GUARDED_BY(mu_);
+  bool campaign_answered_ ABSL_GUARDED_BY(mu_) = false;
+  // Since when every call failed with connections closed unanswered (kClosesConnections).
+  SteadyTime closing_since_{};
+  // What was logged last, and when (the election's thread only).
+  std::string logged_;
+  SteadyTime logged_at_{};
   std::thread thread_;
 };
 

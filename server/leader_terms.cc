@@ -42,7 +42,10 @@ class EtcdLeaderTerms final : public LeaderTerms {
                                         options.leader_ttl},
                   LeaderElection::Callbacks{
                       [this](int64_t fence) { return Elected(fence); },
-                      [this](const std::string& why) { Deposed(why); }}),
+                      [this](const std::string& why) { Deposed(why); },
+                      [this](const absl::Status& status) {
+                        if (hooks_.fatal) hooks_.fatal(status);
+                      }}),
         store_(etcd_.get(), &election_, options.prefix) {}
   ~EtcdLeaderTerms() override { Stop(); }
 

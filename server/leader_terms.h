@@ -48,6 +48,9 @@ class LeaderTerms {
     absl::Duration recovery_grace = absl::Seconds(10);
     // Health: SERVING while leading.
     std::function<void(bool serving)> set_serving;
+    // etcd refused this coordinator's options for good before it ever campaigned
+    // (LeaderElection::Callbacks::fatal): the election has stopped. Unset: only logged.
+    std::function<void(const absl::Status& status)> fatal;
   };
 
   // INVALID_ARGUMENT for bad options (naming the flag), NOT_FOUND for unreadable TLS files,

@@ -1,8 +1,12 @@
 // modelavg-coordinator: the coordinator daemon. See the README's "Coordinator" section.
+#include <signal.h>
+#include <unistd.h>
+
 #include <csignal>
 #include <cstdlib>
 #include <cstdio>
 #include <fstream>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -93,6 +97,11 @@ int Fail(const std::string& what) {
   return 2;
 }
 
+// Set (once) when the coordinator cannot go on (CoordinatorServerOptions::on_fatal); main exits
+// with it.
+std::mutex fatal_mu;
+std::string fatal_error;
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -182,6 +191,14 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // etcd refused this coordinator's options for good: shut down as on SIGTERM, then exit 2.
+  options.on_fatal = [](const absl::Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(fatal_mu);
+      fatal_error = std::string(status.message());
+    }
+    kill(getpid(), SIGTERM);
+  };
   absl::StatusOr<std::unique_ptr<modelavg::server::CoordinatorServer>> server =
       modelavg::server::CoordinatorServer::Start(options);
   if (!server.ok()) return Fail(server.status().ToString());
@@ -208,16 +225,26 @@ int main(int argc, char** argv) {
   }
   int sig = 0;
   sigwait(&signals, &sig);
-  spdlog::info("received {}; shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  std::string fatal;
+  {
+    std::lock_guard<std::mutex> lock(fatal_mu);
+    fatal = fatal_error;
+  }
+  if (fatal.empty()) {
+    spdlog::info("received {}; shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  } else {
+    spdlog::error("cannot go on ({}); shutting down", fatal);
+  }
   // A deadline on shutdown: whatever is still in flight, the process is gone within about a
   // second (waits are failed first and calls poll their cancellation, so this rarely fires).
-  std::thread([] {
+  std::thread([code = fatal.empty() ? 0 : 2] {
     absl::SleepFor(kShutdownDeadline);
     spdlog::error("shutdown passed its {} ms deadline; exiting with calls still in flight",
                   absl::ToInt64Milliseconds(kShutdownDeadline));
     spdlog::default_logger()->flush();
-    std::_Exit(0);
+    std::_Exit(code);
   }).detach();
   (*server)->Shutdown();
+  if (!fatal.empty()) return Fail(fatal);
   return 0;
 }

@@ -92,7 +92,8 @@ class JobsCollector final : public prometheus::Collectable {
 const char* RpcMethodName(RpcMethod method) {
   static constexpr const char* kNames[] = {
       "CreateJob", "GetJob",        "ListJobs",  "DeleteJob", "Join",     "Heartbeat", "Step",
-      "GetSchedule", "PublishCommId", "GetCommId", "Leave",     "WatchJob", "Ping", "HeartbeatStream"};
+      "GetSchedule", "PublishCommId", "GetCommId", "Leave",     "WatchJob", "Ping", "HeartbeatStream",
+      "ReportPeerFailure"};
   return kNames[static_cast<int>(method)];
 }
 

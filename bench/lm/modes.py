@@ -130,11 +130,30 @@ class Modelavg(Mode):
         self.averager.average_parameters(net.parameters())
 
 
+class DiLoCo(Modelavg):
+    """modelavg's drop-in with LEVELS, the cross-site level an outer step (DiLoCo's recipe:
+    SGD, lr 0.7, Nesterov momentum 0.9, on the pseudo-gradient since the level's last sync);
+    the pairs inside a site average plainly."""
+
+    def wrap(self, net):
+        os.environ.update(MODELAVG_COORDINATOR=self.args.coordinator,
+                          MODELAVG_JOB=self.args.job, RANK=str(self.args.rank),
+                          WORLD_SIZE=str(self.args.world_size),
+                          MODELAVG_GLOO_HOSTNAME=self.args.address)
+        import modelavg
+        import modelavg.torch
+        outer = modelavg.OuterSGD(0.7, momentum=0.9, nesterov=True)
+        self.averager = modelavg.torch.HierarchicalModelAverager(
+            period_group_size_dict=LEVELS, outer={max(LEVELS): outer})
+        return net
+
+
 MODES = {
     "none": NoCommunication,
     "ddp": DDP,
     "torch_avg": TorchAveragers,
     "modelavg": Modelavg,
+    "diloco": DiLoCo,
 }
 # Modes that need a modelavg coordinator (run.py starts one, and a job per run).
-NEEDS_COORDINATOR = {"modelavg"}
+NEEDS_COORDINATOR = {"modelavg", "diloco"}

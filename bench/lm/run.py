@@ -20,6 +20,8 @@ split reaches --target_loss (or --max_steps). Then it prints a table:
   link MB   megabytes that crossed site b's uplink in the whole run (interface counters, both
             directions, Ethernet frames)
   final     rank 0's last validation loss
+  avg ms    rank 0's milliseconds per step in the mode's after-step call (the averagers' whole
+            cost: decisions, copies, all-reduces; DDP's communication is inside backward: -)
 
 and writes --out_dir/lm_bench.png (validation loss against wall-clock, one line per mode) and
 --out_dir/lm_bench.json (every figure and every evaluation). Needs root (namespaces), python3-torch
@@ -53,7 +55,7 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 2)[2])
-    p.add_argument("--modes", default="none,ddp,torch_avg,modelavg",
+    p.add_argument("--modes", default="none,ddp,torch_avg,modelavg,diloco",
                    help=f"comma-separated, from {sorted(modes.MODES)} (none first: the floor)")
     p.add_argument("--rate_mbit", type=float, default=50, help="the site link's rate")
     p.add_argument("--target_loss", type=float, default=2.6,
@@ -144,8 +146,16 @@ def run_mode(args, cluster, mode, tmp, corpus_path):
             "link_bytes": link_bytes, "process_wall_s": wall}
 
 
+def after_ms(r):
+    """Rank 0's milliseconds per step in the after-step call, over the whole run."""
+    last = r["evals"][-1]
+    if r["mode"] == "ddp" or "after_step_seconds" not in last or not last["step"]:
+        return "-"
+    return f"{1000 * last['after_step_seconds'] / last['step']:.1f}"
+
+
 def table(results, floor):
-    rows = [("mode", "steps", "seconds", "x floor", "link MB", "final")]
+    rows = [("mode", "steps", "seconds", "x floor", "link MB", "final", "avg ms")]
     for r in results:
         steps, secs = r["steps_to_target"], r["seconds_to_target"]
         ratio = (secs / (floor * steps)) if (steps and floor) else None
@@ -153,7 +163,7 @@ def table(results, floor):
         rows.append((r["mode"], str(steps) if steps else f">{r['steps_run']}",
                      f"{secs:.1f}" if secs is not None else f">{r['seconds_run']:.1f}",
                      f"{ratio:.2f}" if ratio else "-", f"{r['link_bytes'] / 1e6:.1f}",
-                     f"{r['final_loss']:.3f}"))
+                     f"{r['final_loss']:.3f}", after_ms(r)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(row, widths))) for row in rows)

@@ -3,8 +3,10 @@
 
 Trains a small character-level transformer on the training split of the corpus, communicating
 as its mode says (modes.py), and writes one JSON line per evaluation to --out:
-``{"step", "seconds", "val_loss", "train_loss"}`` where seconds is the training time so far
-(wall clock since the first step, less the time this rank spent evaluating). Only rank 0
+``{"step", "seconds", "val_loss", "train_loss", "after_step_seconds"}`` where seconds is the
+training time so far (wall clock since the first step, less the time this rank spent
+evaluating) and after_step_seconds the part of it spent in the mode's after-step call (the
+averagers' whole cost; DDP communicates inside backward, so 0 there). Only rank 0
 evaluates; the others write their step times. It stops before the step named in the stop file
 (--stop_file, written by rank 0 once the target is reached, see run.py) or at --max_steps.
 """
@@ -72,6 +74,7 @@ def main():
 
     start = time.monotonic()
     eval_seconds = 0.0
+    after_seconds = 0.0
     stop_at = args.max_steps  # steps to run (a count)
     done = 0
     while done < stop_at:
@@ -81,14 +84,16 @@ def main():
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        a0 = time.monotonic()
         mode.after_step(net, i)
+        after_seconds += time.monotonic() - a0
         done += 1
         if args.rank == 0 and ((i > 0 and i % args.eval_every == 0) or done == stop_at):
             e0 = time.monotonic()
             v = lm.evaluate(mode.module(net), val)
             eval_seconds += time.monotonic() - e0
             emit(step=done, seconds=time.monotonic() - start - eval_seconds, val_loss=v,
-                 train_loss=float(loss))
+                 train_loss=float(loss), after_step_seconds=after_seconds)
             if not math.isfinite(v):
                 raise SystemExit(f"rank 0: validation loss is {v} at step {done}")
             if v <= args.target_loss and stop_at == args.max_steps:

@@ -26,6 +26,11 @@ Two ways in:
 Failures raise :class:`modelavg.Error` subclasses (see :mod:`modelavg.errors`). Every wait
 (joining, an averaging step, an RPC) releases the GIL and is interrupted by Ctrl-C.
 
+Streaming DiLoCo: ``modelavg.Level(period, group_size, outer=..., fragments=1, sync_delay=0,
+mix=0.0, payload="FP32")`` syncs an outer level a fragment at a time, overlaps its all-reduce
+with ``sync_delay`` steps of training and sends BF16 or INT8 pseudo-gradients
+(docs/streaming.md); ``averager.traffic()`` gives the bytes sent and the time waited per level.
+
 DiLoCo: a level may carry an outer optimizer,
 ``create_job(..., levels=[(2, 2), modelavg.Level(500, 8, outer=modelavg.OuterSGD(0.7,
 momentum=0.9, nesterov=True))])``: its members then step an anchor with SGD on the averaged
@@ -57,7 +62,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "connect", "Client", "ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager",
-    "Decision", "Level", "OuterSGD", "JobSpec", "Job", "Member", "GenerationChange", "create_job", "get_job",
+    "Decision", "Level", "LevelTraffic", "PAYLOADS", "OuterSGD", "JobSpec", "Job", "Member", "GenerationChange", "create_job", "get_job",
     "list_jobs", "delete_job", "Error", "PeerFailureError", "InvalidArgumentError",
     "NotFoundError", "AlreadyExistsError", "FailedPreconditionError", "DeadlineExceededError",
     "UnavailableError", "PermissionDeniedError", "ResourceExhaustedError", "UnimplementedError",
@@ -324,19 +329,44 @@ class ModelAverager:
         [tensor, ...]}}`` — for each level with an outer optimizer whose first averaging step
         has happened, its anchor (one flat CPU tensor per parameter, float32 for float16/bfloat16
         parameters, else their dtype) and, once set, its momentum buffer. Copies: later steps
-        do not change them."""
+        do not change them.
+
+        A streaming outer level (``Level`` with fragments, sync_delay, mix or payload) keeps its
+        state per fragment, under ``"fragments": {level: {fragment: {"anchor": [tensor, ...],
+        "momentum": [tensor, ...]}}}`` (the fragment's tensors; "momentum" empty until set), and
+        its background all-reduces not applied yet under ``"pending": [{"level", "fragment",
+        "start_step", "apply_step", "first", "result": [tensor, ...]}]`` (the group's mean,
+        applied at ``apply_step`` by the resumed run). This call waits for those to end (at
+        most collective_timeout); one that failed carries ``"error"``, and loading it fails."""
         import torch
         d = self._core.state_dict()
         kinds = {code: dtype for dtype, code in _params._dtype_codes().items()}
 
-        def tensors(m: Dict[int, Any]) -> Dict[int, List[Any]]:
-            return {level: [torch.frombuffer(bytearray(raw), dtype=kinds[code]).reshape(numel)
-                            if numel > 0 else torch.empty(0, dtype=kinds[code])
-                            for code, numel, raw in items]
-                    for level, items in m.items()}
+        def tensor_list(items: List[Any]) -> List[Any]:
+            return [torch.frombuffer(bytearray(raw), dtype=kinds[code]).reshape(numel)
+                    if numel > 0 else torch.empty(0, dtype=kinds[code])
+                    for code, numel, raw in items]
 
-        return {"step": d["step"], "anchors": tensors(d["anchors"]),
-                "momenta": tensors(d["momenta"])}
+        def tensors(m: Dict[int, Any]) -> Dict[int, List[Any]]:
+            return {level: tensor_list(items) for level, items in m.items()}
+
+        fragments: Dict[int, Dict[int, Dict[str, List[Any]]]] = {}
+        for level, fragment, anchor, momentum in d["fragments"]:
+            fragments.setdefault(level, {})[fragment] = {"anchor": tensor_list(anchor),
+                                                         "momentum": tensor_list(momentum)}
+        pending = []
+        for p in d["pending"]:
+            entry = {k: p[k] for k in ("level", "fragment", "start_step", "apply_step", "first")}
+            entry["result"] = tensor_list(p["result"])
+            if p["error"]:
+                entry["error"] = p["error"]
+            pending.append(entry)
+        out = {"step": d["step"], "anchors": tensors(d["anchors"]),
+               "momenta": tensors(d["momenta"])}
+        if fragments or pending:
+            out["fragments"] = fragments
+            out["pending"] = pending
+        return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restores a :meth:`state_dict` (the step and every outer level's anchor and momentum):
@@ -344,8 +374,9 @@ class ModelAverager:
         continues exactly as the uninterrupted run. Tensors may be on any device.
 
         Raises InvalidArgumentError (a level without an outer optimizer in this job, tensors
-        that do not fit: counts, dtypes, sizes) and TypeError/KeyError for a malformed dict;
-        nothing changes then."""
+        that do not fit: counts, dtypes, sizes; fragments or pending syncs the job's levels do
+        not have), FailedPreconditionError (a pending sync that had failed) and
+        TypeError/KeyError for a malformed dict; nothing changes then."""
         import ctypes
         import torch
         if not isinstance(state_dict, Mapping) or "step" not in state_dict:
@@ -353,25 +384,49 @@ class ModelAverager:
                             "'step', 'anchors', 'momenta')")
         codes = _params._dtype_codes()
 
-        def raw(m: Mapping[int, Any], what: str) -> Dict[int, List[Any]]:
-            out: Dict[int, List[Any]] = {}
-            for level, items in (m or {}).items():
-                out[int(level)] = []
-                for i, t in enumerate(items):
-                    if not isinstance(t, torch.Tensor) or t.dtype not in codes:
-                        raise _invalid(f"{what}[{level}][{i}]: expected a float tensor, got "
-                                       f"{type(t).__name__}")
-                    t = t.detach().to("cpu").contiguous()
-                    n = t.numel()
-                    data = ctypes.string_at(t.data_ptr(), n * t.element_size()) if n else b""
-                    out[int(level)].append((codes[t.dtype], n, data))
+        def raw_list(items: Sequence[Any], what: str) -> List[Any]:
+            out = []
+            for i, t in enumerate(items or []):
+                if not isinstance(t, torch.Tensor) or t.dtype not in codes:
+                    raise _invalid(f"{what}[{i}]: expected a float tensor, got "
+                                   f"{type(t).__name__}")
+                t = t.detach().to("cpu").contiguous()
+                n = t.numel()
+                data = ctypes.string_at(t.data_ptr(), n * t.element_size()) if n else b""
+                out.append((codes[t.dtype], n, data))
             return out
+
+        def raw(m: Mapping[int, Any], what: str) -> Dict[int, List[Any]]:
+            return {int(level): raw_list(items, f"{what}[{level}]")
+                    for level, items in (m or {}).items()}
 
         step = state_dict["step"]
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"state_dict['step'] must be an int, not {type(step).__name__}")
+        fragments = []
+        for level, per_fragment in (state_dict.get("fragments") or {}).items():
+            for fragment, entry in per_fragment.items():
+                what = f"fragments[{level}][{fragment}]"
+                fragments.append((int(level), int(fragment),
+                                  raw_list(entry["anchor"], f"{what}['anchor']"),
+                                  raw_list(entry.get("momentum") or [], f"{what}['momentum']")))
+        pending = []
+        for i, entry in enumerate(state_dict.get("pending") or []):
+            p = {k: entry[k] for k in ("level", "fragment", "start_step", "apply_step", "first")}
+            p["result"] = raw_list(entry["result"], f"pending[{i}]['result']")
+            p["error"] = str(entry.get("error") or "")
+            pending.append(p)
         self._core.load_state_dict(step, raw(state_dict.get("anchors", {}), "anchors"),
-                                   raw(state_dict.get("momenta", {}), "momenta"))
+                                   raw(state_dict.get("momenta", {}), "momenta"), fragments,
+                                   pending)
+
+    def traffic(self) -> List["LevelTraffic"]:
+        """Per level of the job (its index), what this member's averaging cost so far: the
+        bytes it handed to the transport in the level's rounds, and the seconds its calls
+        waited for a fragment's background all-reduce (streaming sync with ``sync_delay``;
+        0.0 otherwise). Counts since the averager was made (not in ``state_dict``)."""
+        return [LevelTraffic(level=i, bytes_sent=b, waited_s=w)
+                for i, (b, w) in enumerate(self._core.traffic())]
 
     def average_parameters(self, params: Iterable[Any]) -> Decision:
         """Averages ``params`` in place with this rank's subgroup if the schedule says so at
@@ -379,7 +434,8 @@ class ModelAverager:
 
         ``params`` is what PyTorch's averagers take: ``model.parameters()`` or an optimizer's
         ``param_groups``; parameters whose ``.grad`` is None are left out, as PyTorch does. On a
-        skip step ``params`` is not even iterated. Tensors: float32, float64, float16 or
+        skip step ``params`` is not even iterated (unless a fragment's background all-reduce
+        is applied at that step: streaming sync with ``sync_delay``). Tensors: float32, float64, float16 or
         bfloat16, all on the CPU (Gloo) or all on one CUDA device (NCCL, ordered on the current
         stream); a non-contiguous tensor is averaged through a contiguous copy.
 
@@ -413,6 +469,16 @@ class ModelAverager:
                 for dst, src in copy_back:
                     dst.copy_(src)
         return decision
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelTraffic:
+    """One level's entry of :meth:`ModelAverager.traffic`: ``bytes_sent`` by this member in the
+    level's rounds, ``waited_s`` seconds its calls waited for background all-reduces."""
+
+    level: int
+    bytes_sent: int
+    waited_s: float
 
 
 class PeriodicModelAverager(ModelAverager):
@@ -452,16 +518,87 @@ class OuterSGD:
     nesterov: bool = False
 
 
+# Level.payload: how an outer level's pseudo-gradients travel (proto enum modelavg.v1.Payload).
+PAYLOADS = ("FP32", "BF16", "INT8")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class Level:
     """One averaging level with an update rule: every ``period`` steps, blocks of
     ``group_size`` consecutive ranks average (``outer`` None, PyTorch's averagers) or take an
     outer optimizer step (``outer`` an :class:`OuterSGD`). ``create_job(levels=...)`` takes
-    these beside (period, group_size) pairs."""
+    these beside (period, group_size) pairs.
+
+    Streaming sync (docs/streaming.md):
+
+    * ``fragments`` F >= 1, dividing ``period``: the parameters are split into F runs of whole
+      tensors of about equal bytes; the level acts every period / F steps on fragment
+      (s / (period / F)) mod F (each fragment still syncs once every ``period`` steps).
+    * ``sync_delay`` tau, 0 <= tau < period / F (outer levels): the call at a sync step s starts
+      the fragment's all-reduce in the background and returns; the call at s + tau applies it.
+    * ``mix`` alpha in [0, 1] (outer levels): the fragment then becomes
+      (1 - alpha) * anchor + alpha * the parameters passed to that call.
+    * ``payload`` "FP32" (default), "BF16" or "INT8" (outer levels): how the pseudo-gradient
+      travels; the sum is accumulated in float32.
+
+    A delay, a mix or a compressed payload needs ``outer``: give a plain level
+    ``outer=OuterSGD(1.0)`` (lr 1, momentum 0 averages the delta, which equals plain
+    averaging). Raises InvalidArgumentError (a ValueError) naming the field otherwise; the
+    coordinator checks the whole spec again.
+    """
 
     period: int
     group_size: int
     outer: Optional[OuterSGD] = None
+    fragments: int = 1
+    sync_delay: int = 0
+    mix: float = 0.0
+    payload: str = "FP32"
+
+    def __post_init__(self) -> None:
+        where = f"Level(period={self.period!r}, group_size={self.group_size!r})"
+        if not _is_int(self.fragments) or self.fragments < 1:
+            raise _invalid(f"{where}: fragments={self.fragments!r}: expected an int >= 1 that "
+                           "divides the period (1: the whole model at once)")
+        if not _is_int(self.sync_delay) or self.sync_delay < 0:
+            raise _invalid(f"{where}: sync_delay={self.sync_delay!r}: expected an int >= 0 "
+                           "(steps between a fragment's sync step and the step it is applied "
+                           "at; 0 blocks)")
+        if (isinstance(self.mix, bool) or not isinstance(self.mix, (int, float))
+                or not 0.0 <= float(self.mix) <= 1.0):
+            raise _invalid(f"{where}: mix={self.mix!r}: expected a number in [0, 1]")
+        object.__setattr__(self, "mix", float(self.mix))
+        if not isinstance(self.payload, str) or self.payload.upper() not in PAYLOADS:
+            raise _invalid(f"{where}: payload={self.payload!r}: expected one of "
+                           f"{', '.join(PAYLOADS)}")
+        object.__setattr__(self, "payload", self.payload.upper())
+        if _is_int(self.period) and self.period > 0:
+            if self.period % self.fragments != 0:
+                raise _invalid(f"{where}: fragments={self.fragments} does not divide the period "
+                               f"{self.period}: each fragment must sync once every period")
+            if self.sync_delay >= self.period // self.fragments:
+                raise _invalid(
+                    f"{where}: sync_delay={self.sync_delay} must be below period / fragments = "
+                    f"{self.period // self.fragments} (a fragment's result is applied before "
+                    "the level's next sync)")
+        if self.outer is None:
+            asked = [f"{name}={value!r}" for name, value, default in
+                     (("sync_delay", self.sync_delay, 0), ("mix", self.mix, 0.0),
+                      ("payload", self.payload, "FP32")) if value != default]
+            if asked:
+                raise _invalid(
+                    f"{where}: {', '.join(asked)} needs an outer level: a plain level averages "
+                    "the parameters themselves. Use outer=modelavg.OuterSGD(1.0) (lr 1, "
+                    "momentum 0), which averages the delta and equals plain averaging")
+
+    @property
+    def streaming(self) -> bool:
+        """Whether any streaming field differs from its default."""
+        return (self.fragments, self.sync_delay, self.mix, self.payload) != (1, 0, 0.0, "FP32")
 
 
 LevelLike = Union[Tuple[int, int], Level]
@@ -469,14 +606,27 @@ LevelLike = Union[Tuple[int, int], Level]
 
 def _levels_from(d: Mapping[str, Any]) -> List[LevelLike]:
     """A spec dict's levels: (period, group_size) pairs, Level for those with an outer
-    optimizer."""
-    outer = d.get("outer") or [None] * len(d["levels"])
+    optimizer or streaming fields."""
+    n = len(d["levels"])
+    outer = d.get("outer") or [None] * n
+    streaming = d.get("streaming") or [None] * n
     out: List[LevelLike] = []
-    for (period, group_size), o in zip(d["levels"], outer):
-        if o is None:
+    for (period, group_size), o, st in zip(d["levels"], outer, streaming):
+        fields = {}
+        if st is not None and tuple(st) != (1, 0, 0.0, "FP32"):
+            fields = dict(zip(("fragments", "sync_delay", "mix", "payload"), st))
+        if o is None and not fields:
             out.append((period, group_size))
-        else:
-            out.append(Level(period, group_size, OuterSGD(o[0], momentum=o[1], nesterov=o[2])))
+            continue
+        sgd = None if o is None else OuterSGD(o[0], momentum=o[1], nesterov=o[2])
+        try:
+            out.append(Level(period, group_size, sgd, **fields))
+        except InvalidArgumentError:
+            # A spec the coordinator accepted: show it as it is rather than fail to read it.
+            level = Level(period, group_size, sgd)
+            for name, value in fields.items():
+                object.__setattr__(level, name, value)
+            out.append(level)
     return out
 
 
@@ -587,24 +737,31 @@ def _outer_tuple(item: Any, outer: Any) -> Optional[Tuple[float, float, bool]]:
     return (lr, momentum, outer.nesterov)
 
 
+StreamingTuple = Tuple[int, int, float, str]
+
+
 def _levels(levels: Union[Mapping[int, int], Sequence[LevelLike]]
-            ) -> Tuple[List[Tuple[int, int]], List[Optional[Tuple[float, float, bool]]]]:
-    """(period, group_size) pairs and, per level, None or (lr, momentum, nesterov)."""
+            ) -> Tuple[List[Tuple[int, int]], List[Optional[Tuple[float, float, bool]]],
+                       List[StreamingTuple]]:
+    """(period, group_size) pairs and, per level, None or (lr, momentum, nesterov), and
+    (fragments, sync_delay, mix, payload)."""
     items = list(levels.items()) if isinstance(levels, Mapping) else list(levels)
-    pairs, outer = [], []
+    pairs, outer, streaming = [], [], []
     for item in items:
         if isinstance(item, Level):
             pairs.append((int(item.period), int(item.group_size)))
             outer.append(_outer_tuple(item, item.outer))
+            streaming.append((item.fragments, item.sync_delay, item.mix, item.payload))
             continue
         try:
             period, group_size = item
             pairs.append((int(period), int(group_size)))
             outer.append(None)
+            streaming.append((1, 0, 0.0, "FP32"))
         except (TypeError, ValueError):
             raise _invalid(f"level {item!r}: expected a (period, group_size) pair or a "
                            "modelavg.Level") from None
-    return pairs, outer
+    return pairs, outer, streaming
 
 
 def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
@@ -621,7 +778,8 @@ def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
       mode: "PERIODIC" or "HIERARCHICAL" (any case).
       levels: (period, group_size) pairs, or PyTorch's ``period_group_size_dict``, in order;
         a :class:`Level` in the list gives its level an outer optimizer
-        (``Level(period, group_size, outer=OuterSGD(lr, momentum=0.0, nesterov=False))``).
+        (``Level(period, group_size, outer=OuterSGD(lr, momentum=0.0, nesterov=False))``)
+        and streaming sync (``fragments=1, sync_delay=0, mix=0.0, payload="FP32"``).
       period: for PERIODIC, instead of levels: one level over the whole world.
       warmup_steps, heartbeat_timeout_ms, join_timeout_ms: as in the JobSpec (0 timeouts: the
         coordinator's defaults).
@@ -641,9 +799,9 @@ def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
     if levels is None:
         raise _invalid("no levels: pass levels=[(period, group_size), ...] (or period= for "
                        "a PERIODIC job)")
-    pairs, outer = _levels(levels)
+    pairs, outer, streaming = _levels(levels)
     spec = {"job_id": job_id, "world_size": world_size, "mode": mode, "levels": pairs,
-            "outer": outer,
+            "outer": outer, "streaming": streaming,
             "warmup_steps": warmup_steps, "heartbeat_timeout_ms": heartbeat_timeout_ms,
             "join_timeout_ms": join_timeout_ms, "min_world_size": min_world_size}
     try:

@@ -30,7 +30,11 @@ state starts fresh (reset it when ``averager.client.admission_step > 0``).
 
 DiLoCo: the constructors' ``outer`` keyword (a :class:`modelavg.OuterSGD`) gives the job's last
 level — or, for the hierarchical averager, ``{period: OuterSGD}`` the levels of those periods —
-an outer optimizer; ``state_dict()`` / ``load_state_dict()`` checkpoint the averager.
+an outer optimizer; ``state_dict()`` / ``load_state_dict()`` checkpoint the averager. Streaming
+sync: a :class:`modelavg.Level` with ``fragments``, ``sync_delay``, ``mix`` or ``payload`` in
+place of an OuterSGD (its period and group size those of the level), e.g.
+``PeriodicModelAverager(period=8, outer=modelavg.Level(8, world, outer=modelavg.OuterSGD(0.7,
+momentum=0.9, nesterov=True), fragments=4, sync_delay=1, payload="INT8"))``.
 """
 
 import atexit
@@ -85,37 +89,61 @@ def _check_process_group(process_group: Any) -> None:
 
 
 def _level_key(level: Any) -> Tuple[Any, ...]:
-    """A level as (period, group_size) or (period, group_size, lr, momentum, nesterov)."""
+    """A level as (period, group_size), then (lr, momentum, nesterov) with an outer optimizer,
+    then (fragments, sync_delay, mix, payload) with streaming fields."""
     if isinstance(level, _ma.Level):
-        if level.outer is None:
-            return (level.period, level.group_size)
-        o = level.outer
-        return (level.period, level.group_size, float(o.lr), float(o.momentum), o.nesterov)
+        key: Tuple[Any, ...] = (level.period, level.group_size)
+        if level.outer is not None:
+            o = level.outer
+            key += (float(o.lr), float(o.momentum), o.nesterov)
+        if level.streaming:
+            key += (level.fragments, level.sync_delay, level.mix, level.payload)
+        return key
     return tuple(level)
 
 
 def _describe(spec: "_ma.JobSpec") -> str:
     return (f"{spec.mode} world_size={spec.world_size} warmup_steps={spec.warmup_steps} "
-            f"levels(period, group_size[, outer lr, momentum, nesterov])="
-            f"{[_level_key(l) for l in spec.levels]}")
+            f"levels(period, group_size[, outer lr, momentum, nesterov][, fragments, "
+            f"sync_delay, mix, payload])={[_level_key(l) for l in spec.levels]}")
 
 
 def _with_outer(levels: List[Tuple[int, int]], outer: Any) -> List[Any]:
-    """The levels with the drop-in's ``outer`` keyword applied: an OuterSGD for the last level
-    (the world), or {period: OuterSGD} for the levels of those periods."""
+    """The levels with the drop-in's ``outer`` keyword applied: an OuterSGD or a Level for the
+    last level (the world), or {period: OuterSGD or Level} for the levels of those periods. A
+    Level (streaming sync: fragments, sync_delay, mix, payload) must have that level's period
+    and group size."""
     if outer is None:
         return list(levels)
-    if isinstance(outer, _ma.OuterSGD):
+    if isinstance(outer, (_ma.OuterSGD, _ma.Level)):
         outer = {levels[-1][0]: outer}
     if not isinstance(outer, dict):
-        raise TypeError("outer must be a modelavg.OuterSGD (for the last level) or a dict "
-                        f"{{period: OuterSGD}}, not {type(outer).__name__}")
+        raise TypeError("outer must be a modelavg.OuterSGD or modelavg.Level (for the last "
+                        "level) or a dict {period: OuterSGD or Level}, not "
+                        f"{type(outer).__name__}")
     periods = [p for p, _ in levels]
     for p in outer:
         if p not in periods:
             raise ValueError(f"outer names period {p}, which is not one of the levels' periods "
                              f"{periods}")
-    return [_ma.Level(p, g, outer[p]) if p in outer else (p, g) for p, g in levels]
+    out: List[Any] = []
+    for p, g in levels:
+        o = outer.get(p)
+        if o is None:
+            out.append((p, g))
+        elif isinstance(o, _ma.Level):
+            if (o.period, o.group_size) != (p, g):
+                raise ValueError(
+                    f"outer[{p}] is {o}, but that level is period {p}, group_size {g}: give the "
+                    f"Level the level's period and group size (the world size, {g}, for the "
+                    "last level)")
+            out.append(o)
+        elif isinstance(o, _ma.OuterSGD):
+            out.append(_ma.Level(p, g, o))
+        else:
+            raise TypeError(f"outer[{p}] must be a modelavg.OuterSGD or modelavg.Level, not "
+                            f"{type(o).__name__}")
+    return out
 
 
 def _job_client(mode: str, warmup_steps: int, levels_for: Any) -> "_ma.Client":
@@ -226,14 +254,16 @@ class PeriodicModelAverager(_ma.PeriodicModelAverager):
       process_group: None (or the default group).
       outer: (modelavg only) a :class:`modelavg.OuterSGD`: DiLoCo — instead of averaging the
         parameters, each averaging step after the first steps an anchor with SGD on the
-        world's mean pseudo-gradient (docs/diloco.md).
+        world's mean pseudo-gradient (docs/diloco.md); or a :class:`modelavg.Level` of
+        ``period`` and the world size with streaming fields (``fragments``, ``sync_delay``,
+        ``mix``, ``payload``; docs/streaming.md).
 
     Raises ValueError for the same arguments PyTorch refuses, InvalidArgumentError (a ValueError)
     when the existing job's spec differs, and the errors of :func:`modelavg.connect`.
     """
 
     def __init__(self, period: int, warmup_steps: int = 0, process_group: Any = None,
-                 outer: Optional["_ma.OuterSGD"] = None) -> None:
+                 outer: Any = None) -> None:
         if warmup_steps < 0:
             raise ValueError("Arg ``warmup_steps`` must be a non-negative number.")
         if period < 1:
@@ -266,7 +296,8 @@ class HierarchicalModelAverager(_ma.HierarchicalModelAverager):
       process_group: None (or the default group).
       outer: (modelavg only) DiLoCo's outer optimizer: a :class:`modelavg.OuterSGD` for the
         last level (the world), or ``{period: OuterSGD}`` for the levels of those periods
-        (docs/diloco.md).
+        (docs/diloco.md); a :class:`modelavg.Level` (of that period and group size) in place
+        of an OuterSGD adds streaming sync (docs/streaming.md).
 
     Raises ValueError for the same arguments PyTorch refuses, InvalidArgumentError (a ValueError)
     when the existing job's spec differs, and the errors of :func:`modelavg.connect`.

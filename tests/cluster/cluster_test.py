@@ -16,8 +16,12 @@ and checks every value every worker printed against the averaging rule (trace_ru
                    admitted and ends with its peers' values.
 * site_cut_strict, site_cut_elastic -- the coordinator in site a, site b's uplink cut for twice
                    the heartbeat timeout: what each side sees (docs/cluster.md).
-* gray_failure  -- not a CTest test, a probe of today's behaviour (docs/cluster.md): w3's data
-                   link cut while its control link stays up; prints what every worker saw.
+* gray_failure  -- an elastic job on a separate control network; w3's data link cut while its
+                   control link stays up (it still beats to the coordinator): the round fails at
+                   the collective timeout, the survivors' peer failure reports against rank 3
+                   are confirmed and the survivors average without it within collective
+                   timeout + 1 s of the cut (the collective timeout is the heartbeat timeout
+                   here); nobody else is evicted; rank 3 exits saying it was declared dead.
 
 Without root or network namespaces a scenario prints why and exits 77 (CTest: skipped);
 with MODELAVG_REQUIRE_CLUSTER=1 (.ci/run) that is a failure instead.
@@ -43,11 +47,13 @@ import trace_rule  # noqa: E402
 SKIP = 77
 PORT = 7000  # the coordinator's port inside its own namespace
 HEARTBEAT_MS = 1500
-GRAY_TIMEOUT_MS = 8000
+# The gray scenario's collective timeout: the heartbeat timeout, so that its bound
+# (collective timeout + 1 s) is the issue's heartbeat timeout + 1 s.
+GRAY_TIMEOUT_MS = HEARTBEAT_MS
 WORKERS = [("w0", "a"), ("w1", "a"), ("w2", "b"), ("w3", "b")]
 
 SCENARIOS = ["hierarchical", "coordinator_cut", "worker_cut", "site_cut_strict",
-             "site_cut_elastic"]
+             "site_cut_elastic", "gray_failure"]
 
 
 def fail(message):
@@ -375,7 +381,7 @@ def _exit_on_sigterm(signum, frame):
 
 
 def gray_failure(args):
-    """Today's behaviour (docs/cluster.md): rank 3 reaches the coordinator but not its peers."""
+    """Rank 3 reaches the coordinator but not its peers: its peers' reports evict it."""
     run = Run(args, control=True, jobs=[job_spec("gray", [(2, 4)], mode="PERIODIC",
                                                  min_world=3)])
     try:
@@ -387,16 +393,46 @@ def gray_failure(args):
         run.wait_for_step("rank0", 10)
         cut_at = now_ms()
         run.cluster.cut_host("w3")  # the data path only: its control link stays up
-        codes = run.wait(names, timeout_s=90)
-        report = {"exit codes": codes, "seconds after the cut": (now_ms() - cut_at) / 1000}
-        for name in names:
-            err = [ln for ln in run.stderr(name).strip().splitlines() if ln.strip()]
-            report[name] = err[-1] if err else ""
-            ls = run.lines(name)
-            report[f"{name} last step"] = ls[-1]["step"] if ls else None
-        print("gray_failure: " + json.dumps(report, indent=1))
-        print(run.coord_tail())
-        run.check_traces(names)
+        bound = GRAY_TIMEOUT_MS + 1000
+        deadline = time.monotonic() + 20
+        first = None
+        while first is None and time.monotonic() < deadline:
+            first = first_average_without(run.lines("rank0"), 3, cut_at)
+            time.sleep(0.05)
+        if first is None:
+            fail(f"rank 0 did not average without the gray rank 3 within 20 s of the cut\n"
+                 f"{run.coord_tail()}")
+        took = first["unix_ms"] - cut_at
+        if took > bound:
+            fail(f"the survivors' first average without rank 3 came {took} ms after the cut; "
+                 f"the bound is the collective timeout + 1 s = {bound} ms\n{run.coord_tail()}")
+        if sorted(first["members"]) != [0, 1, 2]:
+            fail(f"the survivors averaged with ranks {first['members']}, expected [0, 1, 2]: "
+                 f"the reports evicted a healthy member\n{run.coord_tail()}")
+        # Rank 3 beat to the coordinator throughout: only the confirmed reports evicted it.
+        rc = run.wait(["rank3"], timeout_s=40)["rank3"]
+        err = [ln for ln in run.stderr("rank3").strip().splitlines() if ln.strip()]
+        last_err = err[-1] if err else "(nothing on stderr)"
+        if rc == 0 or not any(w in last_err.lower() for w in ("dead", "removed", "no longer")):
+            fail(f"the gray rank 3 exited with {rc}; expected an error saying it was removed: "
+                 f"{last_err}")
+        run.expect_exit(names[:3], 0, timeout_s=60)
+        n = run.check_traces(names)
+        job = run.rpc("GetJob", {"job_id": "gray"})
+        if int(job.get("deaths", 0)) != 1:
+            fail(f"deaths {job.get('deaths')}, expected 1 (rank 3 only)\n{run.coord_tail()}")
+        with open(run.coord_log.name) as f:
+            log = f.read()
+        # The death came from the confirmed reports (a heartbeat timeout would mean the control
+        # link was cut too), and it was the only generation change before the workers left.
+        changes = [ln for ln in log.splitlines() if "generation 1 -> 2" in ln]
+        if not changes or "rank 3 unreachable by its peers" not in changes[0]:
+            fail(f"generation 1 -> 2 was not rank 3 unreachable by its peers: {changes}\n"
+                 f"{run.coord_tail()}")
+        reports = log.count("reports its round at step")
+        print(f"gray_failure: survivors went on {took} ms after the cut (bound {bound} ms) with "
+              f"ranks {sorted(first['members'])}; {reports} peer failure reports; rank 3 said: "
+              f"{last_err}; {n} lines checked")
     finally:
         run.close()
 
@@ -407,7 +443,7 @@ def main():
     parser.add_argument("--coordinator_bin")
     parser.add_argument("--trace_worker_bin")
     parser.add_argument("--rpc_bin")
-    parser.add_argument("--scenario", choices=SCENARIOS + ["gray_failure"])
+    parser.add_argument("--scenario", choices=SCENARIOS)
     parser.add_argument("--rate_mbit", type=float, default=50)
     parser.add_argument("--list", action="store_true")
     args = parser.parse_args()

@@ -18,6 +18,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/numbers.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
@@ -51,7 +53,8 @@ class ClientOuterElasticTest : public ::testing::Test {
   ClientOuterElasticTest() : cluster_("outer-elastic") {}
   ~ClientOuterElasticTest() override { workers_.clear(); }
 
-  size_t Start(const std::string& job, int rank, int64_t steps, int64_t delay_ms, int64_t numel) {
+  size_t Start(const std::string& job, int rank, int64_t steps, int64_t delay_ms, int64_t numel,
+               const std::vector<std::string>& extra = {}) {
     std::vector<std::string> argv = {MODELAVG_TRACE_WORKER_BIN,
                                      "--coordinator=" + cluster_.coordinator().address(),
                                      "--job=" + job,
@@ -64,6 +67,7 @@ class ClientOuterElasticTest : public ::testing::Test {
                                      "--collective_timeout_ms=60000",
                                      "--log_level=info"};
     if (rank >= 0) argv.push_back(absl::StrCat("--rank=", rank));
+    argv.insert(argv.end(), extra.begin(), extra.end());
     const size_t i = workers_.size();
     workers_.push_back(std::make_unique<Process>(
         argv, absl::StrCat(cluster_.dir(), "/", job, "-worker", i)));
@@ -186,6 +190,92 @@ TEST_F(ClientOuterElasticTest, KilledBetweenOuterSteps_ReplacementReceivesOuterS
 TEST_F(ClientOuterElasticTest, KilledInsideOuterStep_ReplacementReceivesOuterState) {
   KillReplaceAndCheck("inside", /*steps=*/400, /*delay_ms=*/0, /*numel=*/1 << 20,
                       /*at_step=*/10);
+}
+
+// Streaming sync in an elastic job (docs/streaming.md): one outer level of the world, period 4 in
+// 2 fragments (every even step syncs one), nesterov, optionally INT8. Rank 3 is killed with
+// SIGKILL; a worker started without --rank replaces it at a step of that level. The replacement
+// receives each fragment's anchor and momentum and its block's mean parameters, so from its
+// admission on every synced fragment is the same on every member: its outer steps are its
+// peers' (they differ if any anchor or momentum differed).
+std::vector<double> Values(const std::string& text) {
+  std::vector<double> out;
+  const size_t at = text.find("\"values\": [");
+  if (at == std::string::npos) return out;
+  const size_t from = at + 11;
+  for (absl::string_view v :
+       absl::StrSplit(text.substr(from, text.find(']', from) - from), ", ")) {
+    double d = 0;
+    if (absl::SimpleAtod(v, &d)) out.push_back(d);
+  }
+  return out;
+}
+
+TEST_F(ClientOuterElasticTest, StreamingLevel_KilledAndReplaced_ReplacementReceivesFragmentState) {
+  for (v1::Payload payload : {v1::FP32, v1::INT8}) {
+    SCOPED_TRACE(v1::Payload_Name(payload));
+    const std::string job = absl::StrCat("streaming-", v1::Payload_Name(payload));
+    v1::JobSpec spec = MakeSpec(job, kWorld, v1::PERIODIC, {{4, kWorld}}, 0,
+                                /*heartbeat_ms=*/2000);
+    spec.set_min_world_size(2);
+    v1::Level* level = spec.mutable_levels(0);
+    level->mutable_outer()->set_lr(0.7);
+    level->mutable_outer()->set_momentum(0.9);
+    level->mutable_outer()->set_nesterov(true);
+    level->set_fragments(2);
+    level->set_payload(payload);
+    ASSERT_TRUE(cluster_.ok()) << cluster_.dir();
+    ASSERT_TRUE(cluster_.admin()->CreateJob(spec).ok());
+    constexpr int64_t kSteps = 60;
+    constexpr int kTensors = 8;
+    workers_.clear();
+    const std::vector<std::string> tensors = {absl::StrCat("--tensors=", kTensors)};
+    std::vector<size_t> ids;
+    for (int r = 0; r < kWorld; ++r) ids.push_back(Start(job, r, kSteps, 100, 800, tensors));
+    ASSERT_TRUE(WaitForStep(ids[0], 9)) << Diagnostics();
+    workers_[ids[3]]->Signal(SIGKILL);
+    ASSERT_TRUE(workers_[ids[3]]->Wait(absl::Seconds(10)).has_value());
+    // The survivors averaged without rank 3.
+    ASSERT_TRUE(WaitFor(kRunDeadline, [&] {
+      for (const TraceLine& l : TraceOf(ids[0]).lines) {
+        if (l.action == "AVERAGE" && l.members == std::vector<int32_t>{0, 1, 2}) return true;
+      }
+      return false;
+    })) << Diagnostics();
+    const size_t replacement = Start(job, -1, kSteps, 100, 800, tensors);
+    for (size_t i : {ids[0], ids[1], ids[2], replacement}) {
+      std::optional<int> code = workers_[i]->Wait(kRunDeadline);
+      ASSERT_TRUE(code.has_value()) << "worker " << i << " still running" << Diagnostics();
+      ASSERT_EQ(*code, 0) << "worker " << i << Diagnostics();
+    }
+    const Trace mine = TraceOf(replacement);
+    ASSERT_FALSE(mine.lines.empty());
+    EXPECT_EQ(mine.lines.front().rank, 3);
+    EXPECT_TRUE(mine.lines.front().admitted) << mine.lines.front().text;
+    EXPECT_EQ(mine.lines.front().action, "AVERAGE") << mine.lines.front().text;
+    EXPECT_EQ(mine.lines.back().step, kSteps - 1);
+    const std::vector<Trace> peers = {TraceOf(ids[0]), TraceOf(ids[1]), TraceOf(ids[2])};
+    int compared = 0;
+    for (const TraceLine& l : mine.lines) {
+      if (l.action != "AVERAGE") continue;
+      const int fragment = static_cast<int>((l.step / 2) % 2);
+      const std::vector<double> got = Values(l.text);
+      ASSERT_EQ(got.size(), static_cast<size_t>(kTensors)) << l.text;
+      for (const Trace& peer : peers) {
+        const std::vector<double> want = Values(peer.lines[l.step].text);
+        ASSERT_EQ(want.size(), static_cast<size_t>(kTensors)) << peer.lines[l.step].text;
+        for (int t = fragment * kTensors / 2; t < (fragment + 1) * kTensors / 2; ++t) {
+          EXPECT_NEAR(got[t], want[t], std::max(1e-5, 1e-6 * std::fabs(want[t])))
+              << "step " << l.step << " tensor " << t << ": replacement " << l.text
+              << "\n peer " << peer.lines[l.step].text;
+        }
+      }
+      ++compared;
+    }
+    EXPECT_GT(compared, 8) << "too few outer steps after the admission to prove it";
+    std::printf("%s: replacement admitted at step %lld, %d outer steps compared\n",
+                job.c_str(), static_cast<long long>(mine.lines.front().step), compared);
+  }
 }
 
 }  // namespace

@@ -9,12 +9,14 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "common/file_util.h"
 #include "tests/integration/client_job_harness.h"
 #include "tests/integration/streaming_reference.h"
 #include "tests/integration/trace_check.h"
@@ -303,6 +305,57 @@ TEST_F(ClientStreamingTest, MemberKilledDuringBackgroundAllReduce_SurvivorFailsC
     for (int t = 0; t < kTensors; ++t) {
       EXPECT_NEAR(got[t], want[s][0].values[t], std::max(1e-4, 2e-6 * std::fabs(got[t])))
           << "step " << s << " tensor " << t;
+    }
+  }
+}
+
+// state_dict() of a streaming level: per-fragment anchors and momenta, and the background
+// all-reduce in flight at the checkpoint (fragment 1's sync started at step 20, due at 22).
+// Steps 0..20 saved with --save_state, steps 21..29 in new processes (a new job of the same
+// spec) from --load_state: the same values, exactly, as one run of steps 0..29; and that run
+// follows the rule.
+TEST_F(ClientStreamingTest, StateDict_ResumedWithPendingSync_EqualsUninterruptedRun) {
+  for (v1::Payload payload : {v1::FP32, v1::INT8}) {
+    SCOPED_TRACE(v1::Payload_Name(payload));
+    const std::string name = absl::AsciiStrToLower(v1::Payload_Name(payload));
+    v1::JobSpec spec = MakeSpec("whole" + name, 4, v1::HIERARCHICAL, {{2, 2}, {8, 4}}, 1);
+    SetOuter(&spec, 1, 0.8, 0.9, true);
+    spec.mutable_levels(1)->set_fragments(2);
+    spec.mutable_levels(1)->set_sync_delay(2);
+    spec.mutable_levels(1)->set_mix(0.25);
+    spec.mutable_levels(1)->set_payload(payload);
+    constexpr int64_t kSteps = 30;
+    constexpr int64_t kSaveAfter = 21;  // steps 0..20
+    const std::vector<Trace> whole = Run(spec, kSteps);
+    if (payload == v1::FP32) ExpectFollowsReference(spec, whole, kSteps);
+    const std::string prefix = absl::StrCat(cluster_.dir(), "/state-", name, "-rank");
+    std::vector<std::vector<std::string>> save(4), load(4);
+    for (int r = 0; r < 4; ++r) {
+      save[r] = {absl::StrCat("--save_state=", prefix, r)};
+      load[r] = {absl::StrCat("--load_state=", prefix, r)};
+    }
+    spec.set_job_id("before" + name);
+    const std::vector<Trace> before = Run(spec, kSaveAfter, 64, save);
+    // The checkpoint holds the pending sync and both fragments' state.
+    const absl::StatusOr<std::string> saved = ReadFileToString(prefix + "0");
+    ASSERT_TRUE(saved.ok()) << saved.status();
+    EXPECT_THAT(*saved, ::testing::HasSubstr("\npending 1 1 20 22 0\n"));
+    EXPECT_THAT(*saved, ::testing::HasSubstr("\nfanchor 1 1 0 "));
+    EXPECT_THAT(*saved, ::testing::HasSubstr("\nfmomentum 1 0 0 "));
+    spec.set_job_id("after" + name);
+    const std::vector<Trace> after = Run(spec, kSteps, 64, load);
+    ASSERT_EQ(whole.size(), 4u);
+    ASSERT_EQ(after.size(), 4u);
+    for (int r = 0; r < 4; ++r) {
+      ASSERT_EQ(before[r].lines.size(), static_cast<size_t>(kSaveAfter));
+      ASSERT_EQ(after[r].lines.size(), static_cast<size_t>(kSteps - kSaveAfter)) << "rank " << r;
+      for (size_t i = 0; i < after[r].lines.size(); ++i) {
+        const TraceLine& got = after[r].lines[i];
+        const TraceLine& want = whole[r].lines[kSaveAfter + i];
+        EXPECT_EQ(got.step, want.step);
+        EXPECT_EQ(Values(got.text), Values(want.text)) << "rank " << r << " step " << got.step;
+        EXPECT_EQ(got.action, want.action);
+      }
     }
   }
 }

@@ -20,7 +20,9 @@
 #include <sys/mount.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -44,6 +46,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/client_test_processes.h"
+#include "tests/integration/streaming_reference.h"
 #include "tests/integration/trace_check.h"
 #include "tests/tools/make_job_spec.h"
 
@@ -125,8 +128,10 @@ class CoordinatorRestartTest : public ::testing::Test {
     std::filesystem::remove_all(dir_);
   }
 
+  // `per_rank[r]`: more flags for rank r only.
   void StartWorkers(const std::string& job, int world, int64_t steps, int64_t delay_ms,
-                    std::vector<std::string> extra = {}) {
+                    std::vector<std::string> extra = {},
+                    std::map<int, std::vector<std::string>> per_rank = {}) {
     workers_.clear();
     for (int r = 0; r < world; ++r) {
       std::vector<std::string> argv = {MODELAVG_TRACE_WORKER_BIN,
@@ -140,6 +145,7 @@ class CoordinatorRestartTest : public ::testing::Test {
                                        absl::StrCat("--step_delay_ms=", delay_ms),
                                        "--log_level=warn"};
       for (const std::string& f : extra) argv.push_back(f);
+      for (const std::string& f : per_rank[r]) argv.push_back(f);
       workers_.push_back(
           std::make_unique<Process>(argv, absl::StrCat(dir_, "/", job, "-rank", r)));
     }
@@ -266,6 +272,80 @@ TEST_F(CoordinatorRestartTest, KilledMidJob_RestartedAfter2sAndAfterTwiceHeartbe
     EXPECT_LT(step_at_kill, 16);
     EXPECT_LE(step_at_restart, 16) << "the top level's first averaging needs the coordinator";
   }
+}
+
+// Streaming sync (docs/streaming.md): the coordinator is killed while a fragment's background
+// all-reduce is in flight — ranks 0-2 started fragment 1's sync at step 12 and trained on, rank 3
+// sleeps before its call at 12 — and restarted 2 s later. Nobody hangs, every worker exits 0, and
+// every rank's every tensor at every step equals an undisturbed run's exactly, which follows the
+// rule (streaming_reference.h), in generation 1.
+TEST_F(CoordinatorRestartTest, StreamingJob_KilledDuringBackgroundAllReduce_SameValuesAsRule) {
+  constexpr int kWorld = 4;
+  constexpr int64_t kStreamSteps = 24;
+  constexpr int64_t kSyncStep = 12;
+  constexpr int kTensors = 8;
+  ASSERT_TRUE(coordinator_.Start()) << coordinator_.log();
+  auto spec = [&](const std::string& id) {
+    v1::JobSpec s = MakeSpec(id, kWorld, v1::PERIODIC, {{8, kWorld}}, 0, kHeartbeatMs);
+    v1::Level* l = s.mutable_levels(0);
+    l->mutable_outer()->set_lr(0.7);
+    l->mutable_outer()->set_momentum(0.9);
+    l->mutable_outer()->set_nesterov(true);
+    l->set_fragments(2);
+    l->set_sync_delay(3);
+    l->set_mix(0.25);
+    return s;
+  };
+  const std::vector<std::string> flags = {absl::StrCat("--tensors=", kTensors), "--numel=64"};
+  ASSERT_TRUE(coordinator_.Admin()->CreateJob(spec("scalm")).ok());
+  StartWorkers("scalm", kWorld, kStreamSteps, 0, flags);
+  for (int code : WaitAll(absl::Seconds(120))) ASSERT_EQ(code, 0) << Diagnostics();
+  const std::vector<std::vector<std::string>> calm = Lines(workers_);
+  // The undisturbed run follows the rule.
+  const auto want = StreamingReference(spec("scalm"), kStreamSteps, kTensors);
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_EQ(calm[r].size(), static_cast<size_t>(kStreamSteps)) << Diagnostics();
+    for (int64_t s = 0; s < kStreamSteps; ++s) {
+      const std::string& line = calm[r][s];
+      const size_t at = line.find("\"values\": [");
+      ASSERT_NE(at, std::string::npos) << line;
+      const std::vector<std::string> parts =
+          absl::StrSplit(line.substr(at + 11, line.find(']', at) - at - 11), ", ");
+      ASSERT_EQ(parts.size(), static_cast<size_t>(kTensors)) << line;
+      for (int t = 0; t < kTensors; ++t) {
+        double v = 0;
+        ASSERT_TRUE(absl::SimpleAtod(parts[t], &v)) << line;
+        const double w = want[s][r].values[t];
+        EXPECT_NEAR(v, w, std::max(1e-4, 2e-6 * std::fabs(w)))
+            << "rank " << r << " step " << s << " tensor " << t << ": " << line;
+      }
+    }
+  }
+
+  ASSERT_TRUE(coordinator_.Admin()->CreateJob(spec("sstorm")).ok());
+  StartWorkers("sstorm", kWorld, kStreamSteps, 50, flags,
+               {{kWorld - 1, {absl::StrCat("--testing_sleep_at_step=", kSyncStep),
+                              "--testing_sleep_ms=4000"}}});
+  ASSERT_TRUE(WaitForStep(kSyncStep, absl::Seconds(60))) << Diagnostics();
+  coordinator_.Kill();
+  // The all-reduce of step 12 is in flight: started by the others, not yet by rank 3.
+  int64_t sleeper_step = -1;
+  for (const std::string& line : workers_[kWorld - 1]->OutLines()) {
+    sleeper_step = std::max(sleeper_step, StepOf(line));
+  }
+  EXPECT_LT(sleeper_step, kSyncStep) << "rank 3 was not asleep before its sync step";
+  absl::SleepFor(absl::Seconds(2));
+  ASSERT_TRUE(coordinator_.Start()) << coordinator_.log();
+  for (int code : WaitAll(absl::Seconds(120))) ASSERT_EQ(code, 0) << Diagnostics();
+  const std::vector<std::vector<std::string>> lines = Lines(workers_);
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_EQ(lines[r].size(), static_cast<size_t>(kStreamSteps)) << Diagnostics();
+    for (int64_t s = 0; s < kStreamSteps; ++s) {
+      EXPECT_EQ(lines[r][s], calm[r][s]) << "rank " << r << " step " << s;
+    }
+  }
+  EXPECT_THAT(coordinator_.log(),
+              HasSubstr("job sstorm: loaded (RUNNING in generation 1, 4 of 4 ranks"));
 }
 
 // The reproduction: without --state_dir, a restart with the same jobs file has the job

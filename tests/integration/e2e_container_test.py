@@ -6,18 +6,22 @@ Uses the engine and compose command that `deploy/container_setup.sh --check` rep
 why) when there is none. Under a project name of its own, with the host ports on free loopback
 ports:
   1. builds the image through compose (the Dockerfile, as a user would);
-  2. starts the coordinator and waits until its health check passes;
+  2. starts etcd and waits until its health check passes, then the two coordinators: exactly one
+     (the leader) turns healthy; the other's health service says NOT_SERVING and its answers
+     name the leader;
   3. starts the four workers;
   4. from a container on the compose network, lists the services and reads the demo job's
      schedule through server reflection (modelavg-rpc), and checks it against
      deploy/jobs/demo-jobs.json;
-  5. when worker-0 is a tenth into the second (every-step) job, restarts the coordinator's
-     container; every worker must ride through, re-attach to the restarted coordinator (which
-     continues the job from the `state` volume), exit 0 and print its final losses;
-  6. reads the Prometheus metrics over HTTP: before the restart every worker joined both jobs;
-     after the job both jobs are FINISHED and the restarted coordinator saw every worker leave;
-  7. stops the coordinator (exit 0 on SIGTERM), removes its container and starts a new one, which
-     must continue the finished job from the `state` volume (same state, generation, creation
+  5. when worker-0 is a tenth into the second (every-step) job, kills the leader's container
+     (SIGKILL): the standby must turn healthy; every worker must ride through, re-attach to it
+     (it loads the jobs from etcd), exit 0 and print its final losses; the killed container,
+     started again, must be a standby;
+  6. reads the Prometheus metrics over HTTP: before the kill every worker joined both jobs (on
+     the first leader); after the job both jobs are FINISHED and the new leader saw every
+     worker leave;
+  7. stops both coordinators (exit 0 on SIGTERM), removes their containers and starts new ones,
+     whose leader must continue the finished job from etcd (same state, generation, creation
      time and members);
   8. takes everything down and checks that no container, network or volume of the project is
      left.
@@ -44,6 +48,7 @@ ROOT = mt.REPO_ROOT
 COMPOSE_FILE = os.path.join(ROOT, "deploy", "docker-compose.yml")
 JOBS_FILE = os.path.join(ROOT, "deploy", "jobs", "demo-jobs.json")
 WORKERS = ["worker-0", "worker-1", "worker-2", "worker-3"]
+COORDINATORS = ["coordinator-a", "coordinator-b"]
 
 
 def log(message):
@@ -144,12 +149,58 @@ class Project:
         mt.fail(f"{service} not healthy after {timeout_s} s (health status '{status}'):\n"
                 f"{self.logs(cid)[-3000:]}")
 
-    def inspect_service(self, *argv):
-        """Runs modelavg-rpc in a one-off container of the `inspect` service (on the network)."""
+    def inspect_service(self, service, *argv, check=True):
+        """Runs modelavg-rpc against `service` in a one-off container of the `inspect` service
+        (on the network)."""
         out = self.compose_cmd("run", "--rm", "-T", "--no-deps", "inspect", "modelavg-rpc",
-                               "--address=coordinator:50051", "--timeout_ms=20000", *argv,
-                               timeout_s=120)
-        return out.stdout
+                               f"--address={service}:50051", "--timeout_ms=20000", *argv,
+                               timeout_s=120, check=check)
+        return out.stdout if check else out
+
+    def serving(self, service):
+        """(SERVING?, what the gRPC health probe said), probed inside the service's container."""
+        out = self.run([self.engine, "exec", self.container(service), "modelavg-health",
+                        "--address=127.0.0.1:50051", "--timeout_ms=2000"], check=False, quiet=True)
+        return out.returncode == 0, (out.stdout + out.stderr).strip()
+
+    def wait_leader(self, services, timeout_s):
+        """Until exactly one of the coordinators is SERVING (the leader); every other one must
+        say NOT_SERVING and answer a call with UNAVAILABLE naming the leader."""
+        end = time.monotonic() + timeout_s
+        states = {}
+        while True:
+            for service in services:
+                cid = self.container(service)
+                if self.inspect(cid, "{{.State.Status}}") in ("exited", "dead"):
+                    mt.fail(f"{service} exited:\n{self.logs(cid)[-3000:]}")
+            states = {s: self.serving(s) for s in services}
+            leaders = [s for s, (ok, _) in states.items() if ok]
+            if len(leaders) > 1:
+                mt.fail(f"two coordinators serve at once: {states}")
+            if leaders:
+                break
+            if time.monotonic() > end:
+                mt.fail(f"no coordinator of {services} serves after {timeout_s} s: {states}\n" +
+                        "\n".join(f"{s} log:\n{self.logs(self.container(s))[-2000:]}"
+                                  for s in services))
+            time.sleep(0.2)
+        leader = leaders[0]
+        for service in services:
+            if service == leader:
+                continue
+            if "NOT_SERVING" not in states[service][1]:
+                mt.fail(f"{service}, a standby, should be NOT_SERVING; its probe said "
+                        f"{states[service][1]!r}")
+            want = f"is a standby; the leader is at {leader}:50051"
+            out = self.inspect_service(service, "call", "modelavg.v1.Coordinator/ListJobs",
+                                       check=False)
+            if out.returncode == 0 or want not in out.stdout + out.stderr:
+                mt.fail(f"{service}, a standby, answered ListJobs with exit {out.returncode}, "
+                        f"not UNAVAILABLE naming the leader ({want}):\n"
+                        f"{(out.stdout + out.stderr)[-2000:]}")
+        log(f"{leader} leads; standby: {[s for s in services if s != leader]} (NOT_SERVING, "
+            "its answers name the leader)")
+        return leader
 
 
 def check_schedule(decisions, from_step, count):
@@ -227,7 +278,10 @@ def main():
     found = dict(line.split("=", 1) for line in check.stdout.splitlines() if "=" in line)
     engine, compose = found["engine"], found["compose"]
     name = f"modelavg-e2e-{os.getpid()}"
-    ports = {"MODELAVG_GRPC_PORT": free_port(), "MODELAVG_METRICS_PORT": free_port()}
+    ports = {"MODELAVG_GRPC_PORT": free_port(), "MODELAVG_METRICS_PORT": free_port(),
+             "MODELAVG_GRPC_PORT_B": free_port(), "MODELAVG_METRICS_PORT_B": free_port()}
+    metrics_port = {"coordinator-a": ports["MODELAVG_METRICS_PORT"],
+                    "coordinator-b": ports["MODELAVG_METRICS_PORT_B"]}
     env = dict(os.environ, BUILDAH_FORMAT="docker",  # podman: keep the HEALTHCHECK
                MODELAVG_DEMO_STEPS=str(args.steps),
                MODELAVG_DEMO_STEP_DELAY_MS=str(args.step_delay_ms),
@@ -239,57 +293,68 @@ def main():
     started = time.monotonic()
     try:
         t = time.monotonic()
-        project.compose_cmd("build", "coordinator", timeout_s=1800)
+        project.compose_cmd("build", "coordinator-a", timeout_s=1800)
         log(f"image built in {time.monotonic() - t:.0f} s")
 
-        project.compose_cmd("up", "-d", "coordinator")
-        project.wait_healthy("coordinator", timeout_s=90)
+        project.compose_cmd("up", "-d", "etcd")
+        project.wait_healthy("etcd", timeout_s=90)
+        project.compose_cmd("up", "-d", *COORDINATORS)
+        leader = project.wait_leader(COORDINATORS, timeout_s=90)
+        project.wait_healthy(leader, timeout_s=90)
 
         project.compose_cmd("up", "-d", *WORKERS)
 
-        services = project.inspect_service("list").split()
+        services = project.inspect_service(leader, "list").split()
         if "modelavg.v1.Coordinator" not in services:
             mt.fail(f"reflection lists {services}, not modelavg.v1.Coordinator")
         text = project.inspect_service(
-            "call", "modelavg.v1.Coordinator/GetSchedule",
+            leader, "call", "modelavg.v1.Coordinator/GetSchedule",
             json.dumps({"job_id": "demo", "from_step": 0, "count": 24}))
         check_schedule(json_object(text).get("decisions", []), 0, 24)
         log("the schedule read through reflection matches deploy/jobs/demo-jobs.json")
 
-        def read_metrics():
-            url = f"http://127.0.0.1:{ports['MODELAVG_METRICS_PORT']}/metrics"
+        def read_metrics(service):
+            url = f"http://127.0.0.1:{metrics_port[service]}/metrics"
             with urllib.request.urlopen(url, timeout=deadline.left(10)) as response:
                 return response.read().decode()
 
-        # The coordinator container restarts while the workers are in the middle of the
-        # every-step job: they ride through the outage, re-attach to the restarted coordinator
-        # (which continues the job from the state volume) and finish.
-        restart_at = args.steps // 10
+        # The leader's container is killed while the workers are in the middle of the
+        # every-step job: the standby takes over (loading the jobs from etcd), the workers ride
+        # through the outage, re-attach to it and finish.
+        kill_at = args.steps // 10
         end = time.monotonic() + args.worker_timeout_s
         step_line = re.compile(r"demo-every-step step +(\d+)/")
         while True:
             steps = [int(m.group(1)) for m in step_line.finditer(
                 project.logs(project.container("worker-0")))]
-            if steps and max(steps) >= restart_at:
+            if steps and max(steps) >= kill_at:
                 break
             exited = [s for s in WORKERS
                       if project.inspect(project.container(s), "{{.State.Status}}") != "running"]
             if exited or time.monotonic() > end:
-                mt.fail(f"no restart: {exited or 'no worker'} stopped before worker-0 reached "
-                        f"step {restart_at} of demo-every-step (last: {steps[-1:]})\n"
+                mt.fail(f"no leader kill: {exited or 'no worker'} stopped before worker-0 "
+                        f"reached step {kill_at} of demo-every-step (last: {steps[-1:]})\n"
                         f"{project.logs(project.container('worker-0'))[-2000:]}")
             time.sleep(0.5)
-        metrics = read_metrics()
+        metrics = read_metrics(leader)
         joins = metric(metrics, "modelavg_rpcs_total", {"method": "Join", "code": "OK"})
         if joins is None or joins < 2 * len(WORKERS):
             mt.fail(f"metrics: expected >= {2 * len(WORKERS)} successful Joins (every worker, "
                     f"both jobs), got {joins}:\n{metrics[:3000]}")
         log(f"metrics over HTTP: {joins:.0f} successful Joins")
-        cid = project.container("coordinator")
-        log(f"worker-0 is at step {max(steps)} of {args.steps} of demo-every-step: restarting the "
-            "coordinator")
-        project.run([engine, "restart", "-t", "30", cid], timeout_s=90)
-        project.wait_healthy("coordinator", timeout_s=90)
+        killed = leader
+        cid = project.container(killed)
+        log(f"worker-0 is at step {max(steps)} of {args.steps} of demo-every-step: killing the "
+            f"leader {killed} (SIGKILL)")
+        t = time.monotonic()
+        project.run([engine, "kill", cid], timeout_s=60)
+        standby = [s for s in COORDINATORS if s != killed]
+        leader = project.wait_leader(standby, timeout_s=60)
+        log(f"[figures] the leader's container killed -> {leader} serving in "
+            f"{time.monotonic() - t:.1f} s")
+        project.run([engine, "start", cid], timeout_s=60)
+        if project.wait_leader(COORDINATORS, timeout_s=60) != leader:
+            mt.fail(f"{killed}, started again, took the leadership from {leader}")
 
         end = time.monotonic() + args.worker_timeout_s
         while project.containers(running_only=True) and time.monotonic() < end:
@@ -307,57 +372,60 @@ def main():
             lines = [l for l in output.splitlines() if "final loss" in l]
             reattached = "re-attached to job demo-every-step" in output
             log(f"{service}: {state}, exit {code}, " +
-                ("re-attached after the restart; " if reattached else "did not re-attach; ") +
+                ("re-attached after the kill; " if reattached else "did not re-attach; ") +
                 (" | ".join(lines) or "no final loss"))
             if state != "exited" or code != "0" or not lines or not reattached:
                 problems.append(f"{service}: {state}, exit code {code}, final losses {lines}, "
-                                f"re-attached after the restart: {reattached}:\n"
+                                f"re-attached after the kill: {reattached}:\n"
                                 f"{output[-2000:]}")
         if problems:
-            coordinator_log = project.logs(project.container("coordinator"))
-            mt.fail("the demo job did not finish:\n" + "\n".join(problems) +
-                    f"\ncoordinator log:\n{coordinator_log[-3000:]}")
+            mt.fail("the demo job did not finish:\n" + "\n".join(problems) + "\n" +
+                    "\n".join(f"{s} log:\n{project.logs(project.container(s))[-3000:]}"
+                              for s in COORDINATORS))
 
-        metrics = read_metrics()
+        metrics = read_metrics(leader)
         finished = metric(metrics, "modelavg_jobs", {"state": "FINISHED"})
         leaves = metric(metrics, "modelavg_rpcs_total", {"method": "Leave", "code": "OK"})
         if finished != 2 or leaves is None or leaves < len(WORKERS):
             mt.fail(f"metrics after the job: expected 2 FINISHED jobs and >= {len(WORKERS)} "
-                    f"successful Leaves (of the every-step job, from the restarted coordinator), "
+                    f"successful Leaves (of the every-step job, from the new leader), "
                     f"got {finished} and {leaves}:\n{metrics[:3000]}")
-        log(f"metrics over HTTP after the job: {finished:.0f} jobs FINISHED, the restarted "
-            f"coordinator saw {leaves:.0f} successful Leaves")
+        log(f"metrics over HTTP after the job: {finished:.0f} jobs FINISHED, the new leader "
+            f"saw {leaves:.0f} successful Leaves")
 
-        # A new coordinator container continues the jobs from the volume `state` (--state_dir):
-        # the finished job comes back finished, not fresh from the jobs file.
-        def get_job():
+        # New coordinator containers continue the jobs from etcd (the volume `etcd`): the
+        # finished job comes back finished, not fresh from the jobs file.
+        def get_job(service):
             return json_object(project.inspect_service(
-                "call", "modelavg.v1.Coordinator/GetJob", json.dumps({"job_id": "demo"})))
+                service, "call", "modelavg.v1.Coordinator/GetJob", json.dumps({"job_id": "demo"})))
 
         def summary(job):
             return {k: job.get(k) for k in ("state", "generation", "created_unix_ms")} | {
                 "members": sorted((m.get("rank", 0), m.get("worker_id"), m.get("state"))
                                   for m in job.get("members", []))}
 
-        before = summary(get_job())
+        before = summary(get_job(leader))
         if before["state"] != "FINISHED" or len(before["members"]) != len(WORKERS):
             mt.fail(f"after the demo, job demo is {before}; expected FINISHED with "
                     f"{len(WORKERS)} members")
-        cid = project.container("coordinator")
-        project.run([engine, "stop", "-t", "30", cid], timeout_s=60)
-        code = project.inspect(cid, "{{.State.ExitCode}}")
-        if code != "0":
-            mt.fail(f"the coordinator exited with {code} on SIGTERM:\n{project.logs(cid)[-3000:]}")
-        project.run([engine, "rm", cid])
-        project.compose_cmd("up", "-d", "coordinator")
-        if project.container("coordinator") == cid:
-            mt.fail("compose did not make a new coordinator container")
-        project.wait_healthy("coordinator", timeout_s=90)
-        after = summary(get_job())
+        old = {}
+        for service in [leader] + [s for s in COORDINATORS if s != leader]:
+            cid = old[service] = project.container(service)
+            project.run([engine, "stop", "-t", "30", cid], timeout_s=60)
+            code = project.inspect(cid, "{{.State.ExitCode}}")
+            if code != "0":
+                mt.fail(f"{service} exited with {code} on SIGTERM:\n{project.logs(cid)[-3000:]}")
+            project.run([engine, "rm", cid])
+        project.compose_cmd("up", "-d", *COORDINATORS)
+        for service in COORDINATORS:
+            if project.container(service) == old[service]:
+                mt.fail(f"compose did not make a new {service} container")
+        leader = project.wait_leader(COORDINATORS, timeout_s=90)
+        after = summary(get_job(leader))
         if after != before:
-            mt.fail(f"a new coordinator container did not continue job demo from the volume:\n"
+            mt.fail(f"new coordinator containers did not continue job demo from etcd:\n"
                     f"  before: {before}\n  after:  {after}")
-        log(f"a new coordinator container continued job demo from the state volume: {after}")
+        log(f"new coordinator containers ({leader} leads) continued job demo from etcd: {after}")
     finally:
         project.compose_cmd("down", "-v", check=False, timeout_s=180)
         if compose == "podman-compose":
@@ -378,7 +446,8 @@ def main():
             for vol in project.volumes():  # not the unnamed ones: they may be someone else's
                 project.run([engine, "volume", "rm", "-f", vol], check=False)
             mt.fail(f"'down -v' left {left}")
-    log(f"PASS: image, coordinator and {len(WORKERS)} workers in {engine} containers "
+    log(f"PASS: image, etcd, {len(COORDINATORS)} coordinators (the leader killed mid-job) and "
+        f"{len(WORKERS)} workers in {engine} containers "
         f"({time.monotonic() - started:.0f} s), nothing left behind")
     return 0
 

@@ -54,9 +54,20 @@ inline int FreePort() {
   return port;
 }
 
+// TLS on the members' client port (empty cert_file: plaintext). The peers stay plaintext.
+struct EtcdClientTls {
+  std::string ca_file;    // --trusted-ca-file: the CA of the client certificates
+  std::string cert_file;  // --cert-file / --key-file: the members' certificate
+  std::string key_file;
+  bool client_cert_auth = false;  // --client-cert-auth: clients need a certificate
+  // What the cluster's own health check presents (with client_cert_auth).
+  std::string client_cert_file, client_key_file;
+};
+
 class EtcdCluster {
  public:
-  EtcdCluster(std::string dir, int members) : dir_(std::move(dir)) {
+  EtcdCluster(std::string dir, int members, EtcdClientTls tls = {})
+      : dir_(std::move(dir)), tls_(std::move(tls)) {
     static int clusters = 0;
     token_ = absl::StrCat("modelavg-test-", getpid(), "-", clusters++);
     for (int i = 0; i < members; ++i) {
@@ -85,7 +96,8 @@ class EtcdCluster {
     for (int j = 0; j < size(); ++j) {
       peers.push_back(absl::StrCat("m", j, "=http://127.0.0.1:", peer_ports_[j]));
     }
-    const std::string client = absl::StrCat("http://", endpoint(i));
+    const std::string client =
+        absl::StrCat(tls_.cert_file.empty() ? "http://" : "https://", endpoint(i));
     const std::string peer = absl::StrCat("http://127.0.0.1:", peer_ports_[i]);
     std::filesystem::create_directories(dir_);
     std::vector<std::string> argv = {
@@ -96,6 +108,12 @@ class EtcdCluster {
         "--initial-cluster=" + absl::StrJoin(peers, ","), "--initial-cluster-state=new",
         "--initial-cluster-token=" + token_, "--heartbeat-interval=100",
         "--election-timeout=1000", "--logger=zap", "--log-level=warn"};
+    if (!tls_.cert_file.empty()) {
+      argv.push_back("--cert-file=" + tls_.cert_file);
+      argv.push_back("--key-file=" + tls_.key_file);
+      argv.push_back("--trusted-ca-file=" + tls_.ca_file);
+      if (tls_.client_cert_auth) argv.push_back("--client-cert-auth");
+    }
     processes_[i] = std::make_unique<Process>(argv, absl::StrCat(dir_, "/m", i, "-", starts_++));
   }
   void Kill(int i) {
@@ -111,6 +129,11 @@ class EtcdCluster {
     options.endpoints = {endpoint(0)};
     for (int i = 1; i < size(); ++i) options.endpoints.push_back(endpoint(i));
     options.call_timeout = absl::Seconds(1);
+    if (!tls_.cert_file.empty()) {
+      options.tls_ca_file = tls_.ca_file;
+      options.tls_cert_file = tls_.client_cert_file;
+      options.tls_key_file = tls_.client_key_file;
+    }
     auto client = server::EtcdClient::Create(options);
     if (!client.ok()) return false;
     const absl::Time deadline = absl::Now() + timeout;
@@ -135,6 +158,7 @@ class EtcdCluster {
 
  private:
   std::string dir_;
+  EtcdClientTls tls_;
   std::string token_;
   std::vector<int> client_ports_, peer_ports_;
   std::vector<std::unique_ptr<Process>> processes_;

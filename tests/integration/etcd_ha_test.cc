@@ -16,12 +16,14 @@
 //    there afterwards.
 // Skipped (saying why) without etcd-server; failed instead when MODELAVG_REQUIRE_ETCD=1 (CI).
 #include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <memory>
 #include <random>
 #include <string>
@@ -31,6 +33,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -49,6 +52,7 @@ namespace modelavg::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr int64_t kHeartbeatMs = 1500;
 constexpr int64_t kTtlMs = 2000;
@@ -209,19 +213,22 @@ TEST(EtcdStateStoreTest, StaleFence_WriteRefusedByEtcd_NothingChanges) {
 // A coordinator process on a fixed port (kept across restarts) on the cluster's endpoints.
 class HaCoordinator {
  public:
-  HaCoordinator(std::string dir, std::string name, std::string endpoints)
+  HaCoordinator(std::string dir, std::string name, std::string endpoints,
+                std::vector<std::string> extra_flags = {})
       : dir_(std::move(dir)), name_(std::move(name)), endpoints_(std::move(endpoints)),
-        port_(FreePort()) {}
+        extra_flags_(std::move(extra_flags)), port_(FreePort()) {}
   std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
   bool Start() {
     const std::string run = absl::StrCat(dir_, "/", name_, runs_++);
     std::filesystem::create_directories(run);
     for (int attempt = 0; attempt < 50; ++attempt) {
-      process_ = std::make_unique<CoordinatorProcess>(
-          MODELAVG_COORDINATOR_BIN, run,
-          std::vector<std::string>{absl::StrCat("--listen=", address()),
-                                   "--etcd_endpoints=" + endpoints_,
-                                   absl::StrCat("--leader_ttl_ms=", kTtlMs), "--log_level=info"});
+      std::vector<std::string> flags = {absl::StrCat("--listen=", address()),
+                                        "--etcd_endpoints=" + endpoints_,
+                                        absl::StrCat("--leader_ttl_ms=", kTtlMs),
+                                        "--log_level=info"};
+      flags.insert(flags.end(), extra_flags_.begin(), extra_flags_.end());
+      process_ = std::make_unique<CoordinatorProcess>(MODELAVG_COORDINATOR_BIN, run,
+                                                      std::move(flags));
       if (!process_->address().empty()) return true;
       if (!absl::StrContains(process_->process().err(), "cannot listen")) return false;
       absl::SleepFor(absl::Milliseconds(100));
@@ -234,6 +241,8 @@ class HaCoordinator {
     process_->process().Wait(absl::Seconds(10));
   }
   void Signal(int sig) { process_->process().Signal(sig); }
+  // The exit code once it has exited, nullopt if it still runs after `timeout`.
+  std::optional<int> Wait(absl::Duration timeout) { return process_->process().Wait(timeout); }
   std::string log() const { return process_ ? process_->process().err() : ""; }
   // Answers Ping: it leads.
   bool Leads() {
@@ -246,6 +255,7 @@ class HaCoordinator {
 
  private:
   std::string dir_, name_, endpoints_;
+  std::vector<std::string> extra_flags_;
   int port_;
   int runs_ = 0;
   std::unique_ptr<CoordinatorProcess> process_;
@@ -287,7 +297,9 @@ class EtcdHaTest : public ::testing::Test {
     }
   }
   std::string Addresses() const {
-    return absl::StrCat(coordinators_[0]->address(), ",", coordinators_[1]->address());
+    std::vector<std::string> all;
+    for (const auto& c : coordinators_) all.push_back(c->address());
+    return absl::StrJoin(all, ",");
   }
   // The index of the coordinator that leads, -1 if none within `timeout`.
   int Leader(absl::Duration timeout = absl::Seconds(30)) {
@@ -654,6 +666,190 @@ TEST_F(EtcdHaTest, StormWithLeaderKills_EveryAcknowledgedChangeSurvives) {
   std::cout << "[figures] etcd storm: 5 leader kills, " << acknowledged
             << " acknowledged changes checked" << std::endl;
   EXPECT_GT(acknowledged, 10);
+}
+
+// ---- etcd's TLS and authentication (--etcd_tls_*, --etcd_user/--etcd_password_file) ----
+
+// Runs `command` with /bin/sh (openssl, etcdctl); true on exit 0. Its output goes to
+// <prefix>.out/.err, which `log` gets on failure.
+bool Shell(const std::string& command, const std::string& prefix, std::string* log) {
+  Process p({"/bin/sh", "-c", command}, prefix);
+  const std::optional<int> code = p.Wait(absl::Seconds(60));
+  if (code == 0) return true;
+  absl::StrAppend(log, "$ ", command, "\n", p.out(), p.err(), "\n");
+  return false;
+}
+
+#define MODELAVG_NEED_PROGRAM(path, package)                                                   \
+  do {                                                                                          \
+    if (access(path, X_OK) != 0) {                                                              \
+      if (EtcdRequired()) FAIL() << "MODELAVG_REQUIRE_ETCD=1 but there is no " path             \
+                                    " (install " package ": bash deploy/install_deps.sh)";      \
+      GTEST_SKIP() << "no " path " (install " package ")";                                      \
+    }                                                                                           \
+  } while (0)
+
+// In `dir`: ca.pem (a CA), server.pem/server.key (127.0.0.1, signed by it), client.pem/
+// client.key (signed by it), other-ca.pem (a CA that signed none of them). openssl's CLI.
+bool MakeCertificates(const std::string& dir, std::string* log) {
+  const std::string ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
+  const std::string cd = "cd '" + dir + "' && ";
+  return Shell(cd + "openssl req -x509 " + ec + " -days 2 -subj /CN=modelavg-test-ca "
+                    "-keyout ca.key -out ca.pem",
+               dir + "/ca", log) &&
+         Shell(cd + "openssl req -x509 " + ec + " -days 2 -subj /CN=modelavg-other-ca "
+                    "-keyout other-ca.key -out other-ca.pem",
+               dir + "/other-ca", log) &&
+         Shell(cd + "openssl req " + ec + " -subj /CN=etcd -keyout server.key -out server.csr && "
+                    "printf 'subjectAltName=IP:127.0.0.1\\nextendedKeyUsage=serverAuth\\n' "
+                    "> server.ext && openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key "
+                    "-CAcreateserial -days 2 -extfile server.ext -out server.pem",
+               dir + "/server", log) &&
+         Shell(cd + "openssl req " + ec + " -subj /CN=coordinator -keyout client.key "
+                    "-out client.csr && printf 'extendedKeyUsage=clientAuth\\n' > client.ext && "
+                    "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
+                    "-days 2 -extfile client.ext -out client.pem",
+               dir + "/client", log);
+}
+
+// A coordinator that etcd refuses exits with 2 within `timeout`, never having served, and says
+// why on stderr.
+void ExpectRefused(HaCoordinator& c, const std::string& what, absl::Duration timeout,
+                   const std::vector<std::string>& words) {
+  const std::optional<int> code = c.Wait(timeout);
+  ASSERT_TRUE(code.has_value()) << what << ": still running after " << timeout << ":\n"
+                                << c.log();
+  EXPECT_EQ(*code, 2) << what << ":\n" << c.log();
+  EXPECT_THAT(c.log(), Not(HasSubstr("leads and serves"))) << what;
+  for (const std::string& w : words) EXPECT_THAT(c.log(), HasSubstr(w)) << what;
+}
+
+TEST_F(EtcdHaTest, EtcdTls_RightCertificatesServeAJob_WrongOnesExitNamingTls) {
+  MODELAVG_NEED_PROGRAM("/usr/bin/openssl", "openssl");
+  const std::string certs = dir_ + "/certs";
+  std::filesystem::create_directories(certs);
+  std::string log;
+  ASSERT_TRUE(MakeCertificates(certs, &log)) << log;
+  EtcdClientTls tls;
+  tls.ca_file = certs + "/ca.pem";
+  tls.cert_file = certs + "/server.pem";
+  tls.key_file = certs + "/server.key";
+  tls.client_cert_auth = true;
+  tls.client_cert_file = certs + "/client.pem";
+  tls.client_key_file = certs + "/client.key";
+  cluster_ = std::make_unique<EtcdCluster>(dir_ + "/etcd", 1, tls);
+  ASSERT_TRUE(cluster_->Start()) << cluster_->Logs();
+
+  // Wrong options, all at once: each exits 2 naming the TLS problem.
+  HaCoordinator plaintext(dir_, "plaintext", cluster_->endpoints());
+  HaCoordinator no_client_cert(dir_, "no-client-cert", cluster_->endpoints(),
+                               {"--etcd_tls_ca=" + certs + "/ca.pem"});
+  HaCoordinator wrong_ca(dir_, "wrong-ca", cluster_->endpoints(),
+                         {"--etcd_tls_ca=" + certs + "/other-ca.pem",
+                          "--etcd_tls_cert=" + certs + "/client.pem",
+                          "--etcd_tls_key=" + certs + "/client.key"});
+  for (HaCoordinator* c : {&plaintext, &no_client_cert, &wrong_ca}) {
+    ASSERT_TRUE(c->Start()) << c->log();
+  }
+  // (A plaintext client, or a missing client certificate, only sees its connections closed:
+  // refused after LeaderElection::kFatalAfter.)
+  const absl::Duration timeout = server::LeaderElection::kFatalAfter + absl::Seconds(20);
+  ExpectRefused(wrong_ca, "a CA that did not sign etcd's certificate", timeout,
+                {"the TLS connection to etcd failed", "certificate verify failed",
+                 "--etcd_tls_ca"});
+  ExpectRefused(plaintext, "plaintext against TLS", timeout, {"TLS", "--etcd_tls_ca"});
+  ExpectRefused(no_client_cert, "no client certificate", timeout, {"TLS", "--etcd_tls_cert"});
+
+  // The right ones: it leads, and a 2-rank job runs to the end through it.
+  coordinators_.push_back(std::make_unique<HaCoordinator>(
+      dir_, "tls", cluster_->endpoints(),
+      std::vector<std::string>{"--etcd_tls_ca=" + certs + "/ca.pem",
+                               "--etcd_tls_cert=" + certs + "/client.pem",
+                               "--etcd_tls_key=" + certs + "/client.key"}));
+  ASSERT_TRUE(coordinators_[0]->Start()) << coordinators_[0]->log();
+  ASSERT_TRUE(WaitFor([&] { return coordinators_[0]->Leads(); }, absl::Seconds(30)))
+      << coordinators_[0]->log();
+  auto admin = Admin();
+  ASSERT_TRUE(Retrying([&] {
+                return admin->CreateJob(MakeSpec("tls", 2, v1::PERIODIC, {{2, 2}}, 0));
+              }).ok());
+  StartWorkers("tls", 2, 12, 0);
+  for (int code : WaitAll(absl::Seconds(120))) EXPECT_EQ(code, 0) << Diagnostics();
+  for (const auto& lines : Lines()) EXPECT_EQ(lines.size(), 12u) << Diagnostics();
+  // The job is in etcd, read back over TLS with the client certificate.
+  server::EtcdOptions options;
+  options.endpoints = {cluster_->endpoint(0)};
+  options.tls_ca_file = tls.ca_file;
+  options.tls_cert_file = tls.client_cert_file;
+  options.tls_key_file = tls.client_key_file;
+  auto etcd = server::EtcdClient::Create(options);
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  const auto keys = Dump(etcd->get(), "/modelavg/jobs/tls/");
+  EXPECT_EQ(keys.count("/modelavg/jobs/tls/h"), 1u) << ::testing::PrintToString(keys);
+}
+
+TEST_F(EtcdHaTest, EtcdAuth_RightPasswordServes_WrongMissingOrUnauthorizedExitNamingAuth) {
+  MODELAVG_NEED_PROGRAM("/usr/bin/etcdctl", "etcd-client");
+  cluster_ = std::make_unique<EtcdCluster>(dir_ + "/etcd", 1);
+  ASSERT_TRUE(cluster_->Start()) << cluster_->Logs();
+  // etcd's own users and roles: root (required by `auth enable`), and modelavg, which may read
+  // and write under /modelavg/ only.
+  const std::string ctl = "ETCDCTL_API=3 etcdctl --endpoints=" + cluster_->endpoints() + " ";
+  std::string log;
+  for (const std::string& command :
+       {ctl + "user add root:root-pw", ctl + "user grant-role root root",
+        ctl + "user add modelavg:s3cret", ctl + "role add modelavg",
+        ctl + "role grant-permission modelavg --prefix=true readwrite /modelavg/",
+        ctl + "user grant-role modelavg modelavg", ctl + "auth enable"}) {
+    ASSERT_TRUE(Shell(command, dir_ + "/etcdctl", &log)) << log;
+  }
+  const std::string right = dir_ + "/right.pw", wrong = dir_ + "/wrong.pw";
+  ASSERT_TRUE(Shell("printf s3cret > '" + right + "' && printf guess > '" + wrong + "'",
+                    dir_ + "/pw", &log))
+      << log;
+
+  HaCoordinator missing(dir_, "missing", cluster_->endpoints());
+  HaCoordinator bad_password(dir_, "bad-password", cluster_->endpoints(),
+                             {"--etcd_user=modelavg", "--etcd_password_file=" + wrong});
+  HaCoordinator other_prefix(dir_, "other-prefix", cluster_->endpoints(),
+                             {"--etcd_user=modelavg", "--etcd_password_file=" + right,
+                              "--etcd_prefix=/elsewhere/"});
+  for (HaCoordinator* c : {&missing, &bad_password, &other_prefix}) {
+    ASSERT_TRUE(c->Start()) << c->log();
+  }
+  const absl::Duration timeout = absl::Seconds(30);
+  ExpectRefused(bad_password, "a wrong password", timeout,
+                {"etcd refused this coordinator's credentials", "authentication failed",
+                 "--etcd_password_file"});
+  ExpectRefused(missing, "no user where etcd's auth is on", timeout,
+                {"etcd refused this coordinator's credentials", "--etcd_user"});
+  ExpectRefused(other_prefix, "a user without permission on the prefix", timeout,
+                {"etcd refused this coordinator's credentials", "permission denied",
+                 "--etcd_prefix"});
+
+  coordinators_.push_back(std::make_unique<HaCoordinator>(
+      dir_, "auth", cluster_->endpoints(),
+      std::vector<std::string>{"--etcd_user=modelavg", "--etcd_password_file=" + right}));
+  ASSERT_TRUE(coordinators_[0]->Start()) << coordinators_[0]->log();
+  ASSERT_TRUE(WaitFor([&] { return coordinators_[0]->Leads(); }, absl::Seconds(30)))
+      << coordinators_[0]->log();
+  auto admin = Admin();
+  ASSERT_TRUE(Retrying([&] {
+                return admin->CreateJob(MakeSpec("auth", 2, v1::PERIODIC, {{2, 2}}, 0));
+              }).ok());
+  StartWorkers("auth", 2, 12, 0);
+  for (int code : WaitAll(absl::Seconds(120))) EXPECT_EQ(code, 0) << Diagnostics();
+  for (const auto& lines : Lines()) EXPECT_EQ(lines.size(), 12u) << Diagnostics();
+  // The job is in etcd (read as root); without credentials etcd refuses to show it.
+  server::EtcdOptions options;
+  options.endpoints = {cluster_->endpoint(0)};
+  options.user = "root";
+  options.password = "root-pw";
+  auto etcd = server::EtcdClient::Create(options);
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  const auto keys = Dump(etcd->get(), "/modelavg/jobs/auth/");
+  EXPECT_EQ(keys.count("/modelavg/jobs/auth/h"), 1u) << ::testing::PrintToString(keys);
+  EXPECT_EQ(Dump(Etcd(*cluster_).get(), "/modelavg/").count("error"), 1u);
 }
 
 }  // namespace

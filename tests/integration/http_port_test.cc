@@ -2,17 +2,16 @@
 // hold up other requests, SIGTERM stops it at once (well inside the shutdown deadline), and the
 // status page answers beside /metrics, behind the operator token when auth is on.
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -24,6 +23,8 @@
 #include "common/file_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/tools/http_get.h"
+#include "tests/tools/process.h"
 #include "tests/tools/temp_dir.h"
 
 namespace modelavg::server {
@@ -40,11 +41,7 @@ class HttpPortTest : public ::testing::Test {
   }
   void TearDown() override {
     for (int fd : idle_) close(fd);
-    if (pid_ > 0) {
-      kill(-pid_, SIGKILL);
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
+    process_.reset();  // kills it if it still runs
     std::system(absl::StrCat("rm -rf ", dir_).c_str());
   }
 
@@ -56,27 +53,12 @@ class HttpPortTest : public ::testing::Test {
                                      "--metrics_port_file=" + dir_ + "/http_port",
                                      "--port_file=" + dir_ + "/port"};
     args.insert(args.end(), extra.begin(), extra.end());
-    const std::string err = absl::StrCat(dir_, "/stderr");
-    const pid_t parent = getpid();
-    pid_ = fork();
-    if (pid_ < 0) return 0;
-    if (pid_ == 0) {
-      setpgid(0, 0);
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (getppid() != parent) _exit(127);
-      const int fd = open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      dup2(fd, 2);
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    setpgid(pid_, pid_);
+    process_ = std::make_unique<modelavg::testing::Process>(args, dir_ + "/coordinator");
     // --port_file is written after --metrics_port_file.
     for (int i = 0; i < 3000; ++i) {
       absl::StatusOr<std::string> text = ReadFileToString(dir_ + "/port");
       if (text.ok() && absl::EndsWith(*text, "\n")) break;
+      if (process_->Wait(absl::ZeroDuration()).has_value()) return 0;
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     absl::StatusOr<std::string> http = ReadFileToString(dir_ + "/http_port");
@@ -98,53 +80,20 @@ class HttpPortTest : public ::testing::Test {
     idle_.push_back(fd);
   }
 
-  std::string Stderr() {
-    absl::StatusOr<std::string> s = ReadFileToString(absl::StrCat(dir_, "/stderr"));
-    return s.ok() ? *s : "";
-  }
+  std::string Stderr() { return process_ ? process_->err() : ""; }
 
   // Exit status (at most 30 s), -1 if it did not exit normally or in time.
   int WaitExit() {
-    for (int i = 0; i < 3000; ++i) {
-      int status;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return -1;
+    const std::optional<int> code = process_->Wait(absl::Seconds(30));
+    return code.has_value() && *code < 128 ? *code : -1;
   }
 
   std::string dir_;
-  pid_t pid_ = -1;
+  std::unique_ptr<modelavg::testing::Process> process_;
   std::vector<int> idle_;
 };
 
-// One HTTP/1.0 request; the whole reply, or "" when nothing came back within `timeout_s`.
-std::string HttpGet(int port, const std::string& path, const std::string& headers = "",
-                    int timeout_s = 5) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  timeval tv{timeout_s, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return "";
-  }
-  const std::string request =
-      absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n", headers, "\r\n");
-  (void)!write(fd, request.data(), request.size());
-  std::string reply;
-  char buf[4096];
-  ssize_t n;
-  while ((n = read(fd, buf, sizeof(buf))) > 0) reply.append(buf, n);
-  close(fd);
-  return reply;
-}
+using ::modelavg::testing::HttpGet;
 
 TEST_F(HttpPortTest, IdleConnections_MetricsStillAnswer) {
   const int port = Spawn({});
@@ -167,7 +116,7 @@ TEST_F(HttpPortTest, Sigterm_WithHttpPortAndIdleConnections_StopsWithinTheDeadli
   ASSERT_THAT(HttpGet(port, "/metrics"), HasSubstr("200 OK"));
   OpenIdleConnection(port);
   OpenIdleConnection(port);
-  ASSERT_EQ(kill(pid_, SIGTERM), 0);
+  ASSERT_EQ(kill(process_->pid(), SIGTERM), 0);
   EXPECT_EQ(WaitExit(), 0) << Stderr();
   const std::string log = Stderr();
   EXPECT_THAT(log, HasSubstr("received SIGTERM"));

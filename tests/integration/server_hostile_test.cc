@@ -31,6 +31,8 @@
 #include "server/coordinator_server.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
+#include "tests/tools/process.h"
+#include "tests/tools/temp_dir.h"
 
 namespace modelavg::server {
 namespace {
@@ -505,20 +507,13 @@ TEST_F(HostileTest, Credentials_RankScopedCallsNeedThem_NeverLogged) {
 // SIGTERM took 15.8 s while a heavy GetSchedule ran. Now the daemon exits within about a second
 // whatever is in flight: here GetSchedule calls in a loop on four threads and a pending Join.
 TEST(HostileDaemonTest, Sigterm_WithCallsInFlight_ExitsPromptly) {
-  char tmpl[] = "/tmp/modelavg_hostile_XXXXXX";
-  ASSERT_NE(mkdtemp(tmpl), nullptr);
-  const std::string dir = tmpl;
-  const std::string port_file = dir + "/port";
-  const pid_t pid = fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    const int fd = open((dir + "/stderr").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    dup2(fd, 2);
-    std::string port_flag = "--port_file=" + port_file;
-    execl(MODELAVG_COORDINATOR_BIN, MODELAVG_COORDINATOR_BIN, "--listen=127.0.0.1:0",
-          port_flag.c_str(), static_cast<char*>(nullptr));
-    _exit(127);
-  }
+  modelavg::testing::TempDir dir("hostile");
+  ASSERT_NE(dir.path(), "");
+  const std::string port_file = dir.path() + "/port";
+  modelavg::testing::Process daemon(
+      {MODELAVG_COORDINATOR_BIN, "--listen=127.0.0.1:0", "--port_file=" + port_file},
+      dir.path() + "/coordinator");
+  ASSERT_GT(daemon.pid(), 0);
   std::string address;
   for (int i = 0; i < 3000 && address.empty(); ++i) {
     absl::StatusOr<std::string> text = ReadFileToString(port_file);
@@ -557,24 +552,14 @@ TEST(HostileDaemonTest, Sigterm_WithCallsInFlight_ExitsPromptly) {
   stub->async()->Join(join_ctx.get(), &join, &joined, [&](grpc::Status) { join_done.Notify(); });
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   const absl::Time sent = absl::Now();
-  ASSERT_EQ(kill(pid, SIGTERM), 0);
-  int status = 0;
-  bool exited = false;
-  for (int i = 0; i < 1000 && !exited; ++i) {
-    exited = waitpid(pid, &status, WNOHANG) == pid;
-    if (!exited) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  ASSERT_EQ(kill(daemon.pid(), SIGTERM), 0);
+  const std::optional<int> code = daemon.Wait(absl::Seconds(10));
   const absl::Duration took = absl::Now() - sent;
   stop = true;
   for (auto& t : callers) t.join();
   join_done.WaitForNotificationWithTimeout(absl::Seconds(30));
-  if (!exited) {
-    kill(pid, SIGKILL);
-    waitpid(pid, &status, 0);
-  }
-  std::system(absl::StrCat("rm -rf ", dir).c_str());
-  ASSERT_TRUE(exited) << "still running 10 s after SIGTERM";
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  ASSERT_TRUE(code.has_value()) << "still running 10 s after SIGTERM";  // ~Process kills it
+  EXPECT_EQ(*code, 0) << daemon.err();
   // The daemon's deadline is 1 s; this bound is generous for a loaded CI machine (it was 15.8 s).
   EXPECT_LT(took, absl::Seconds(5)) << absl::FormatDuration(took);
 }

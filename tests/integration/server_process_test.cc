@@ -1,18 +1,14 @@
 // modelavg-coordinator as a separate process: --port_file, --jobs_file, --auth_token_file,
 // --metrics_listen, workers on threads over the wire, and SIGTERM → pending waits UNAVAILABLE,
 // exit status 0.
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/prctl.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,6 +23,8 @@
 #include "modelavg/v1/coordinator.grpc.pb.h"
 #include "common/file_util.h"
 #include "server/jobs_file.h"
+#include "tests/tools/http_get.h"
+#include "tests/tools/process.h"
 #include "tests/tools/temp_dir.h"
 
 namespace modelavg::server {
@@ -41,11 +39,7 @@ class DaemonTest : public ::testing::Test {
     ASSERT_NE(dir_, "");
   }
   void TearDown() override {
-    if (pid_ > 0) {
-      kill(-pid_, SIGKILL);  // its process group (see Spawn)
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
+    process_.reset();  // kills it if it still runs
     std::system(absl::StrCat("rm -rf ", dir_).c_str());
   }
 
@@ -55,28 +49,13 @@ class DaemonTest : public ::testing::Test {
     return path;
   }
 
-  // Starts the daemon with `flags`; stderr goes to dir_/stderr.
+  // Starts the daemon with `flags`; its output goes to dir_/coordinator.{out,err}.
   void Spawn(const std::vector<std::string>& flags) {
     std::vector<std::string> args = {MODELAVG_COORDINATOR_BIN};
     args.insert(args.end(), flags.begin(), flags.end());
-    const std::string err = absl::StrCat(dir_, "/stderr");
-    const pid_t parent = getpid();
-    pid_ = fork();
-    ASSERT_GE(pid_, 0);
-    if (pid_ == 0) {
-      // Its own process group, killed as a group; killed too if this test process dies.
-      setpgid(0, 0);
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (getppid() != parent) _exit(127);
-      const int fd = open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      dup2(fd, 2);
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    setpgid(pid_, pid_);
+    process_.reset();
+    process_ = std::make_unique<modelavg::testing::Process>(args, dir_ + "/coordinator");
+    ASSERT_GT(process_->pid(), 0);
   }
 
   // Waits for the port file; "" if the daemon exited first or nothing came within 30 s.
@@ -86,36 +65,22 @@ class DaemonTest : public ::testing::Test {
       if (text.ok() && absl::EndsWith(*text, "\n")) {
         return std::string(absl::StripSuffix(*text, "\n"));
       }
-      int status;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return "";
-      }
+      if (process_->Wait(absl::ZeroDuration()).has_value()) return "";
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     return "";
   }
 
-  // Exit status after SIGTERM-free waiting (at most 30 s), -1 if it did not exit normally.
+  // Exit status (at most 30 s), -1 if it did not exit normally or in time.
   int WaitExit() {
-    for (int i = 0; i < 3000; ++i) {
-      int status;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return -1;
+    const std::optional<int> code = process_->Wait(absl::Seconds(30));
+    return code.has_value() && *code < 128 ? *code : -1;
   }
 
-  std::string Stderr() {
-    absl::StatusOr<std::string> s = ReadFileToString(absl::StrCat(dir_, "/stderr"));
-    return s.ok() ? *s : "";
-  }
+  std::string Stderr() { return process_ ? process_->err() : ""; }
 
   std::string dir_;
-  pid_t pid_ = -1;
+  std::unique_ptr<modelavg::testing::Process> process_;
 };
 
 std::unique_ptr<grpc::ClientContext> Context(const std::string& token = "tok") {
@@ -125,26 +90,7 @@ std::unique_ptr<grpc::ClientContext> Context(const std::string& token = "tok") {
   return ctx;
 }
 
-std::string HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return "";
-  }
-  const std::string request =
-      absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-  (void)!write(fd, request.data(), request.size());
-  std::string reply;
-  char buf[4096];
-  ssize_t n;
-  while ((n = read(fd, buf, sizeof(buf))) > 0) reply.append(buf, n);
-  close(fd);
-  return reply;
-}
+using ::modelavg::testing::HttpGet;
 
 TEST_F(DaemonTest, Daemon_JobsFileWorkersAndSigterm_PendingJoinsUnavailableExitZero) {
   const std::string jobs = Write("jobs.json", R"({"jobs": [
@@ -198,7 +144,7 @@ TEST_F(DaemonTest, Daemon_JobsFileWorkersAndSigterm_PendingJoinsUnavailableExitZ
   EXPECT_THAT(metrics, HasSubstr("modelavg_job_workers{job=\"from-file\"} 2"));
   EXPECT_THAT(metrics, HasSubstr("modelavg_rpcs_total{code=\"UNAUTHENTICATED\",method=\"GetJob\"} 1"));
 
-  ASSERT_EQ(kill(pid_, SIGTERM), 0);
+  ASSERT_EQ(kill(process_->pid(), SIGTERM), 0);
   EXPECT_EQ(WaitExit(), 0) << Stderr();
   for (auto& t : workers) t.join();
   for (const grpc::Status& s : statuses) {
@@ -304,7 +250,7 @@ TEST_F(DaemonTest, Daemon_ElasticReplacement_WatchMetricsAndLog) {
   EXPECT_THAT(metrics, HasSubstr("modelavg_job_admissions{job=\"e\"} 1"));
   EXPECT_THAT(metrics, HasSubstr("modelavg_job_deaths{job=\"e\"} 1"));
   watch_ctx->TryCancel();
-  ASSERT_EQ(kill(pid_, SIGTERM), 0);
+  ASSERT_EQ(kill(process_->pid(), SIGTERM), 0);
   EXPECT_EQ(WaitExit(), 0) << Stderr();
   const std::string log = Stderr();
   EXPECT_THAT(log, HasSubstr(absl::StrCat("worker \"replacement\" () admitted as rank 1 in "

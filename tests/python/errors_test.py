@@ -17,6 +17,8 @@ Checks:
                     join_timeout
   interrupt         SIGINT while connect waits for a world that never completes: KeyboardInterrupt
                     at once (not after join_timeout), and the process exits normally
+  streaming_spec    Level(fragments=, sync_delay=, mix=, payload=): round trips, bad fields named
+                    by the package and the coordinator, the drop-in's Level, fragment state
   jobs_and_client   create/get/list/delete_job, duplicate and invalid specs, min_world_size,
                     unknown options, the client's properties (a strict job's elastic fields:
                     admission_step -1, no vacancy) and context manager, the wrong averager for the
@@ -475,8 +477,99 @@ def check_outer_spec(modelavg, coordinator, group):
     client.leave()
 
 
+def check_streaming_spec(modelavg, coordinator, group):
+    """Streaming levels: Level(fragments=, sync_delay=, mix=, payload=) round-tripped by
+    create_job, get_job and Client.spec; a bad field is an InvalidArgumentError naming it, from
+    the package and (for a Level that skipped its own checks) from the coordinator; the
+    drop-in's Level must describe its level; a streaming state for another job's level is
+    refused."""
+    addr = coordinator.address
+    sgd = modelavg.OuterSGD(0.7, momentum=0.9, nesterov=True)
+    level = modelavg.Level(8, 4, outer=sgd, fragments=4, sync_delay=1, mix=0.25, payload="int8")
+    if level.payload != "INT8" or not level.streaming:
+        mt.fail(f"Level did not normalize its payload: {level}")
+    levels = [modelavg.Level(2, 2, fragments=2), level]
+    job = modelavg.create_job("streaming-1", 4, "HIERARCHICAL", levels, coordinator=addr)
+    if job.spec.levels != levels:
+        mt.fail(f"create_job returned levels {job.spec.levels}, asked for {levels}")
+    if modelavg.get_job("streaming-1", coordinator=addr).spec.levels != levels:
+        mt.fail("get_job did not return the streaming fields")
+    # Defaults are a plain (period, group_size) pair or a DiLoCo Level, as before.
+    same = modelavg.create_job("streaming-2", 1, "PERIODIC",
+                               [modelavg.Level(4, 1, fragments=1, payload="FP32")],
+                               coordinator=addr)
+    if same.spec.levels != [(4, 1)]:
+        mt.fail(f"a Level with default streaming fields came back as {same.spec.levels}")
+    bad = [(dict(fragments=3), "fragments=3 does not divide the period 8"),
+           (dict(fragments=0), "fragments=0"),
+           (dict(fragments=2.0), "fragments=2.0"),
+           (dict(sync_delay=-1), "sync_delay=-1"),
+           (dict(fragments=4, sync_delay=2), "sync_delay=2 must be below period / fragments = 2"),
+           (dict(mix=1.5), "mix=1.5"),
+           (dict(mix=True), "mix=True"),
+           (dict(payload="FP8"), "payload='FP8': expected one of FP32, BF16, INT8")]
+    for fields, text in bad:
+        expect_raises(f"Level(8, 4, outer, **{fields})", modelavg.InvalidArgumentError,
+                      lambda: modelavg.Level(8, 4, outer=sgd, **fields), text)
+    for fields in (dict(payload="BF16"), dict(sync_delay=1), dict(mix=0.5)):
+        expect_raises(f"plain Level(8, 4, **{fields})", ValueError,
+                      lambda: modelavg.Level(8, 4, **fields), "outer=modelavg.OuterSGD(1.0)")
+    # The coordinator checks the spec again (a Level whose fields were changed after its own
+    # checks): INVALID_ARGUMENT naming the field.
+    sneaky = modelavg.Level(8, 2, outer=sgd)
+    object.__setattr__(sneaky, "fragments", 3)
+    expect_raises("a Level past its own checks", modelavg.InvalidArgumentError,
+                  lambda: modelavg.create_job("streaming-bad", 2, "PERIODIC", [sneaky],
+                                              coordinator=addr), "levels[0].fragments")
+    plain = modelavg.Level(8, 2)
+    object.__setattr__(plain, "payload", "BF16")
+    expect_raises("a compressed payload on a plain level", modelavg.InvalidArgumentError,
+                  lambda: modelavg.create_job("streaming-bad", 2, "PERIODIC", [plain],
+                                              coordinator=addr), "levels[0].payload")
+    # The drop-in: a Level in `outer` must describe its level.
+    import modelavg.torch
+    os.environ.update({"MODELAVG_COORDINATOR": addr, "MODELAVG_JOB": "streaming-dropin",
+                       "RANK": "0", "WORLD_SIZE": "1"})
+    expect_raises("drop-in Level of another group size", ValueError,
+                  lambda: modelavg.torch.PeriodicModelAverager(
+                      period=8, outer=modelavg.Level(8, 2, outer=sgd, fragments=2)),
+                  "group_size 1")
+    dropin = modelavg.torch.PeriodicModelAverager(
+        period=8, outer=modelavg.Level(8, 1, outer=sgd, fragments=2, sync_delay=1))
+    want = [modelavg.Level(8, 1, outer=sgd, fragments=2, sync_delay=1)]
+    if dropin.client.spec.levels != want:
+        mt.fail(f"the drop-in's job has levels {dropin.client.spec.levels}, expected {want}")
+    if [t.level for t in dropin.traffic()] != [0] or dropin.traffic()[0].bytes_sent != 0:
+        mt.fail(f"traffic() before any step: {dropin.traffic()}")
+    expect_raises("fragment state for a level that has none", modelavg.InvalidArgumentError,
+                  lambda: dropin.load_state_dict({"step": 3, "anchors": {}, "momenta": {},
+                                                  "fragments": {0: {5: {"anchor": []}}}}),
+                  "fragment 5 of level 0, which has 2 fragments")
+    expect_raises("whole-level anchors for a streaming level", modelavg.InvalidArgumentError,
+                  lambda: dropin.load_state_dict({"step": 3, "anchors": {0: []}, "momenta": {}}),
+                  "per fragment")
+    import torch
+    x = torch.nn.Parameter(torch.ones(4))
+    x.grad = torch.zeros(4)
+    d = dropin.average_parameters([x])
+    if (d.level, d.fragment, d.fragments) != (0, 0, 2):
+        mt.fail(f"step 0 decided {d}, expected level 0, fragment 0 of 2")
+    state = dropin.state_dict()
+    if len(state.get("pending", [])) != 1 or state["pending"][0]["first"] is not True:
+        mt.fail(f"state_dict after a delayed first sync: {state}")
+    bad_state = dict(state, pending=[dict(state["pending"][0], error="UNAVAILABLE: gone")])
+    expect_raises("a failed pending sync", modelavg.FailedPreconditionError,
+                  lambda: dropin.load_state_dict(bad_state), "had failed", "earlier checkpoint")
+    dropin.load_state_dict(state)  # its own state fits
+    dropin.average_parameters([x])
+    if dropin.traffic()[0].bytes_sent < 0:
+        mt.fail(f"traffic after a step: {dropin.traffic()}")
+    dropin.client.leave()
+
+
 CHECKS = {
     "outer_spec": check_outer_spec,
+    "streaming_spec": check_streaming_spec,
     "no_such_job": check_no_such_job,
     "spec_mismatch": check_spec_mismatch,
     "dead_peer": check_dead_peer,

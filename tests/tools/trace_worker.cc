@@ -241,6 +241,10 @@ class Parameters {
 //   params <n> <v>...
 //   anchor <level> <tensor> <n> <v>...     (float32 state: the worker's parameters are float32)
 //   momentum <level> <tensor> <n> <v>...
+//   fanchor <level> <fragment> <tensor> <n> <v>...      (streaming levels, per fragment)
+//   fmomentum <level> <fragment> <tensor> <n> <v>...
+//   pending <level> <fragment> <start step> <apply step> <first 0|1>   (not applied yet)
+//   presult <pending index> <tensor> <n> <v>...
 std::string HexFloats(const float* v, int64_t n) {
   std::string out = absl::StrCat(n);
   for (int64_t i = 0; i < n; ++i) absl::StrAppend(&out, " ", absl::StrFormat("%a", v[i]));
@@ -262,6 +266,26 @@ absl::Status SaveState(const std::string& path, const std::vector<float>& params
   };
   add("anchor", state.anchors);
   add("momentum", state.momenta);
+  auto add_list = [&](const std::string& head, const std::vector<client::StateTensor>& tensors) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const float* v = reinterpret_cast<const float*>(tensors[i].bytes.data());
+      absl::StrAppend(&text, head, " ", i, " ", HexFloats(v, tensors[i].numel), "\n");
+    }
+  };
+  for (const client::FragmentState& fs : state.fragments) {
+    add_list(absl::StrCat("fanchor ", fs.level, " ", fs.fragment), fs.anchor);
+    add_list(absl::StrCat("fmomentum ", fs.level, " ", fs.fragment), fs.momentum);
+  }
+  for (size_t k = 0; k < state.pending.size(); ++k) {
+    const client::PendingState& ps = state.pending[k];
+    if (!ps.error.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--save_state: a background all-reduce had failed: ", ps.error));
+    }
+    absl::StrAppend(&text, "pending ", ps.level, " ", ps.fragment, " ", ps.start_step, " ",
+                    ps.apply_step, " ", ps.first ? 1 : 0, "\n");
+    add_list(absl::StrCat("presult ", k), ps.result);
+  }
   const std::string tmp = path + ".tmp";
   {
     std::ofstream f(tmp, std::ios::trunc);
@@ -272,6 +296,15 @@ absl::Status SaveState(const std::string& path, const std::vector<float>& params
     return absl::InternalError(absl::StrCat("--save_state: cannot rename ", tmp, " to ", path));
   }
   return absl::OkStatus();
+}
+
+client::StateTensor Float32Tensor(const std::vector<float>& v) {
+  client::StateTensor t;
+  t.dtype = client::DType::kFloat32;
+  t.numel = static_cast<int64_t>(v.size());
+  t.bytes.resize(v.size() * sizeof(float));
+  if (!v.empty()) std::memcpy(t.bytes.data(), v.data(), t.bytes.size());
+  return t;
 }
 
 absl::Status LoadState(const std::string& path, std::vector<float>* params,
@@ -312,6 +345,47 @@ absl::Status LoadState(const std::string& path, std::vector<float>* params,
       t.bytes.resize(v.size() * sizeof(float));
       std::memcpy(t.bytes.data(), v.data(), t.bytes.size());
       tensors.push_back(std::move(t));
+    } else if (f.size() >= 4 && (f[0] == "fanchor" || f[0] == "fmomentum")) {
+      int level = 0, fragment = 0;
+      size_t index = 0;
+      if (!absl::SimpleAtoi(f[1], &level) || !absl::SimpleAtoi(f[2], &fragment) ||
+          !absl::SimpleAtoi(f[3], &index)) {
+        return bad(absl::StrCat("malformed line: ", line));
+      }
+      std::vector<float> v;
+      MODELAVG_RETURN_IF_ERROR(floats(4, &v));
+      if (index == 0 && f[0] == "fanchor") {
+        state->fragments.emplace_back();
+        state->fragments.back().level = level;
+        state->fragments.back().fragment = fragment;
+      }
+      if (state->fragments.empty() || state->fragments.back().level != level ||
+          state->fragments.back().fragment != fragment) {
+        return bad(absl::StrCat("fragment tensors out of order: ", line));
+      }
+      auto& tensors = f[0] == "fanchor" ? state->fragments.back().anchor
+                                        : state->fragments.back().momentum;
+      if (tensors.size() != index) return bad(absl::StrCat("tensors out of order: ", line));
+      tensors.push_back(Float32Tensor(v));
+    } else if (f.size() == 6 && f[0] == "pending") {
+      client::PendingState ps;
+      int first = 0;
+      if (!absl::SimpleAtoi(f[1], &ps.level) || !absl::SimpleAtoi(f[2], &ps.fragment) ||
+          !absl::SimpleAtoi(f[3], &ps.start_step) || !absl::SimpleAtoi(f[4], &ps.apply_step) ||
+          !absl::SimpleAtoi(f[5], &first)) {
+        return bad(absl::StrCat("malformed line: ", line));
+      }
+      ps.first = first != 0;
+      state->pending.push_back(std::move(ps));
+    } else if (f.size() >= 3 && f[0] == "presult") {
+      size_t k = 0, index = 0;
+      if (!absl::SimpleAtoi(f[1], &k) || !absl::SimpleAtoi(f[2], &index) ||
+          k >= state->pending.size() || state->pending[k].result.size() != index) {
+        return bad(absl::StrCat("malformed line: ", line));
+      }
+      std::vector<float> v;
+      MODELAVG_RETURN_IF_ERROR(floats(3, &v));
+      state->pending[k].result.push_back(Float32Tensor(v));
     } else {
       return bad(absl::StrCat("unknown line: ", line));
     }

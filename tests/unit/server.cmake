@@ -17,3 +17,6 @@ modelavg_add_gtest(server_silent_members_test SOURCES server_silent_members_test
                    LIBS modelavg_server_core)
 # The status page of the HTTP port: contents, escaping, the operator token.
 modelavg_add_gtest(status_page_test SOURCES status_page_test.cc LIBS modelavg_server)
+# Gray failures: peer failure reports, confirmed before anyone is evicted.
+modelavg_add_gtest(server_peer_reports_test SOURCES server_peer_reports_test.cc
+                   LIBS modelavg_server_core)

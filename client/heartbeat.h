@@ -1,0 +1,94 @@
+// The heartbeat of one rank: a thread that reports the rank's step every interval, over one
+// HeartbeatStream (falling back to one unary Heartbeat call per beat for a coordinator without
+// it), re-opens a broken or silent stream with backoff, and hands every reply, generation change
+// and failure to its owner (the Client), which decides what they mean.
+#ifndef MODELAVG_CLIENT_HEARTBEAT_H_
+#define MODELAVG_CLIENT_HEARTBEAT_H_
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "modelavg/v1/coordinator.pb.h"
+
+namespace modelavg::client {
+
+class CoordinatorClient;
+
+class Heartbeat {
+ public:
+  // What a beat reports, and the latest generation the owner has seen.
+  struct Beat {
+    int64_t step = 0;
+    int64_t generation = 0;
+    int64_t seen = 0;
+  };
+  struct Options {
+    std::string coordinator;  // the address, for the logs
+    std::string job_id;
+    int32_t rank = 0;
+    std::string credential;
+    absl::Duration interval;
+    // The job's heartbeat timeout: a stream silent for longer is re-opened.
+    absl::Duration timeout;
+    bool stream = true;
+  };
+  // The owner's side. `current` and `on_reply` may run on gRPC threads and must not block;
+  // `on_change` and `on_failure` run on the heartbeat thread.
+  struct Hooks {
+    std::function<Beat()> current;
+    // Any reply (the coordinator is reachable).
+    std::function<void(const v1::HeartbeatResponse&)> on_reply;
+    // A reply whose generation may be new to the owner (`seen`: the latest it had then).
+    std::function<void(const v1::HeartbeatResponse&, int64_t seen)> on_change;
+    // A failed beat or a stream that ended.
+    std::function<void(const absl::Status&)> on_failure;
+  };
+
+  // `coordinator` outlives this. Starts the thread.
+  Heartbeat(CoordinatorClient& coordinator, Options options, Hooks hooks);
+  // Stops.
+  ~Heartbeat();
+  Heartbeat(const Heartbeat&) = delete;
+  Heartbeat& operator=(const Heartbeat&) = delete;
+
+  // Ends the thread (an open stream is closed saying so) and waits for it. Idempotent; never
+  // called from a hook.
+  void Stop() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  void Loop();
+  // One unary beat after the interval. False once stopping.
+  bool Unary() ABSL_LOCKS_EXCLUDED(mu_);
+  // Beats over one HeartbeatStream until it ends, stays silent past the timeout, or stopping.
+  // Returns why it ended (OK when stopping); *answered: a reply came.
+  absl::Status Stream(bool* answered) ABSL_LOCKS_EXCLUDED(mu_);
+  void OnStreamReply(const v1::HeartbeatResponse& reply) ABSL_LOCKS_EXCLUDED(mu_);
+  bool WakeUp() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopping_ || stream_ended_ || stream_change_.has_value();
+  }
+  v1::HeartbeatRequest Request(const Beat& beat) const;
+
+  CoordinatorClient& coordinator_;
+  const Options options_;
+  const Hooks hooks_;
+
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // When the last reply came.
+  absl::Time last_reply_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  // The current stream has ended; a reply with a generation change to act on.
+  bool stream_ended_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<v1::HeartbeatResponse> stream_change_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
+}  // namespace modelavg::client
+
+#endif  // MODELAVG_CLIENT_HEARTBEAT_H_
