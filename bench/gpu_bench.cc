@@ -9,8 +9,8 @@
 //    "plain_s" (a plain zero-copy round), "committed_s" (a committed zero-copy round: the device
 //    backup copy + the data all-reduce + the one-int64 commit all-reduce and its host wait),
 //    "committed_staged_s" (a committed staged round: the commit only), "committed_over_plain"}
-// then {"layout_check_s"} (AverageParameters' per-call layout check: one 88-byte all-reduce and
-// a host wait), {"bf16_bytes", "raw_bf16_s", "bf16_via_fp32_s", "bf16_via_fp32_over_raw"}
+// then {"layout_check_s"} (a call with nothing to average on an agreed communicator: what a call
+// costs beyond its data all-reduce, since the layout is agreed once per communicator), {"bf16_bytes", "raw_bf16_s", "bf16_via_fp32_s", "bf16_via_fp32_over_raw"}
 // (bfloat16 reduced through float32 vs NCCL's native bfloat16 average), and one line per
 // staging kernel alone (cudaEvent timing, large buffer):
 //   {"kernel": "gather"|"scatter", "bytes", "s", "tbps" (read + write bytes / s),

@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
 # The GPU checks as one script, for a machine with a CUDA device.
 #
-#   bash bench/gpu_bench.sh [BUILD_DIR]          build mode: configures and builds the NCCL path
-#                                                 (needs the build dependencies), then checks
-#   bash bench/gpu_bench.sh --prebuilt DIR       prebuilt mode: DIR holds client_nccl_gpu_test,
-#                                                 modelavg-coordinator, modelavg-trace-worker and
-#                                                 modelavg-bench-gpu (see bench/gpu_pack.sh); an
-#                                                 env.sh beside DIR is sourced first
+#   bash bench/gpu_bench.sh [--out DIR] [BUILD_DIR]     build mode: configures and builds the NCCL
+#                                                        path (needs the build dependencies)
+#   bash bench/gpu_bench.sh [--out DIR] --prebuilt DIR  prebuilt mode: DIR holds the programs of
+#                                                        bench/gpu_pack.sh; an env.sh beside DIR is
+#                                                        sourced first
 #
 # The checks: print the driver, runtime and NCCL versions; run every gpu test with
-# MODELAVG_REQUIRE_GPU=1 (no usable device fails instead of skipping) and NCCL_DEBUG=WARN;
-# start a coordinator on loopback with a one-rank job and run modelavg-trace-worker
-# --backend=nccl against it; run the GPU benchmark (JSON lines). Exits non-zero on any failure,
-# any SKIPPED test, any NCCL WARN line (except from the two tests that abort a communicator on
-# purpose, whose warnings are shown) and any illegal memory access. Takes ~2-4 minutes on an
-# H200. Environment: GPU_BENCH_ITERS (benchmark iterations, default 20), GPU_BENCH_SIZES_MIB.
+# MODELAVG_REQUIRE_GPU=1 (no usable device fails instead of skipping) and NCCL_DEBUG=WARN: the
+# one-rank tests, then the multi-rank ones (nccl_multirank_gpu_test: 2/4/8 real NCCL ranks on
+# this GPU, one process and NCCL_HOSTID each, over NCCL's socket transport; a hierarchical job;
+# in place and staged; a killed and a stopped rank); start a coordinator on loopback with a
+# one-rank job and run modelavg-trace-worker --backend=nccl against it; run the world-1
+# benchmark (raw / zero-copy / staged, committed over plain, the per-call cost, bf16, staging
+# kernel bandwidth: JSON lines); then the socket-transport table: 2, 4 and 8 trace workers on
+# this GPU averaging GPU_BENCH_SOCKET_MIB MiB (default 16) in place and staged (256 tensors),
+# the slowest rank's median call. Exits non-zero on any failure, any SKIPPED test, any NCCL
+# WARN line (except from the tests that abort a communicator on purpose, whose warnings are
+# shown) and any illegal memory access. Every phase has a time limit: at most ~8 minutes on an
+# H200. Writes DIR/gpu_bench.log (everything printed) and DIR/gpu_bench.json (the figures);
+# DIR defaults to gpu-bench-out. Environment: GPU_BENCH_ITERS (benchmark iterations, default
+# 20), GPU_BENCH_SIZES_MIB, GPU_BENCH_SOCKET_MIB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +29,16 @@ die() { echo "gpu_bench: FAILED: $*" >&2; exit 1; }
 
 prebuilt=""
 build="build-gpu"
+out_dir="gpu-bench-out"
+if [ "${1:-}" = "--out" ]; then
+  out_dir=${2:?"--out needs a directory for the log and the JSON"}
+  shift 2
+fi
+mkdir -p "$out_dir" || die "cannot create the output directory $out_dir"
+out_dir=$(cd "$out_dir" && pwd)
+# Everything printed from here on also goes to the log.
+exec > >(tee "$out_dir/gpu_bench.log") 2>&1
+started=$SECONDS
 if [ "${1:-}" = "--prebuilt" ]; then
   prebuilt=${2:?"--prebuilt needs the directory of the prebuilt programs"}
   [ -d "$prebuilt" ] || die "--prebuilt $prebuilt: no such directory"
@@ -31,6 +48,7 @@ if [ "${1:-}" = "--prebuilt" ]; then
     source "$prebuilt/../env.sh"
   fi
   gpu_test=$prebuilt/client_nccl_gpu_test
+  multirank_test=$prebuilt/nccl_multirank_gpu_test
   coordinator=$prebuilt/modelavg-coordinator
   trace_worker=$prebuilt/modelavg-trace-worker
   bench=$prebuilt/modelavg-bench-gpu
@@ -38,14 +56,15 @@ else
   build=${1:-build-gpu}
   cmake -S . -B "$build" -G Ninja -DMODELAVG_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DMODELAVG_BUILD_EXAMPLES=OFF >/dev/null
-  cmake --build "$build" -j "$(nproc)" --target client_nccl_gpu_test modelavg-coordinator \
-    modelavg-trace-worker modelavg-bench-gpu
+  cmake --build "$build" -j "$(nproc)" --target client_nccl_gpu_test nccl_multirank_gpu_test \
+    modelavg-coordinator modelavg-trace-worker modelavg-bench-gpu
   gpu_test=$build/tests/gpu/client_nccl_gpu_test
+  multirank_test=$build/tests/gpu/nccl_multirank_gpu_test
   coordinator=$build/server/modelavg-coordinator
   trace_worker=$build/tests/tools/modelavg-trace-worker
   bench=$build/bench/modelavg-bench-gpu
 fi
-for p in "$gpu_test" "$coordinator" "$trace_worker" "$bench"; do
+for p in "$gpu_test" "$multirank_test" "$coordinator" "$trace_worker" "$bench"; do
   [ -x "$p" ] || die "missing program $p"
 done
 
@@ -82,14 +101,22 @@ export MODELAVG_REQUIRE_GPU=1 NCCL_DEBUG=WARN
 aborting='*Create_PeerNeverArrives*:*Create_GenerationMovesOnWhileWaiting*'
 
 echo "== gpu tests (MODELAVG_REQUIRE_GPU=1 NCCL_DEBUG=WARN)"
-"$gpu_test" --gtest_filter="-$aborting" 2>&1 | tee "$work/tests.log" ||
-  die "gpu tests failed"
+timeout 90 "$gpu_test" --gtest_filter="-$aborting" 2>&1 | tee "$work/tests.log" ||
+  die "gpu tests failed (or ran past 90 s)"
 scan "$work/tests.log"
 echo "== gpu tests that abort a communicator on purpose (NCCL may warn)"
-"$gpu_test" --gtest_filter="$aborting" 2>&1 | tee "$work/abort_tests.log" ||
-  die "gpu abort tests failed"
+timeout 60 "$gpu_test" --gtest_filter="$aborting" 2>&1 | tee "$work/abort_tests.log" ||
+  die "gpu abort tests failed (or ran past 60 s)"
 scan "$work/abort_tests.log" allow-warn
 grep -q "PASSED" "$work/tests.log" || die "the gpu tests printed no PASSED line"
+
+echo "== multi-rank gpu tests: real NCCL ranks on this GPU, one NCCL_HOSTID each"
+# The killed and the stopped rank make NCCL warn (a peer's socket closed) and abort on purpose.
+MODELAVG_COORDINATOR_BIN=$coordinator MODELAVG_TRACE_WORKER_BIN=$trace_worker \
+  timeout 210 "$multirank_test" 2>&1 | tee "$work/multirank.log" ||
+  die "multi-rank gpu tests failed (or ran past 210 s)"
+scan "$work/multirank.log" allow-warn
+grep -q "PASSED" "$work/multirank.log" || die "the multi-rank gpu tests printed no PASSED line"
 
 echo "== trace worker, --backend=nccl, world 1"
 cat >"$work/jobs.json" <<'JSON'
@@ -123,9 +150,77 @@ last=$(tail -n 1 "$work/trace.out" | sed -E 's/.*"value": ([-0-9.e+]+).*/\1/')
 awk -v v="$last" -v n="$steps" 'BEGIN { want = 0.25 * n * (n + 1); exit !(v == want) }' ||
   die "trace worker's last value $last, expected $(awk -v n=$steps 'BEGIN{print 0.25*n*(n+1)}')"
 
-echo "== benchmark"
-"$bench" --iters="${GPU_BENCH_ITERS:-20}" \
+echo "== benchmark, world 1"
+timeout 120 "$bench" --iters="${GPU_BENCH_ITERS:-20}" \
   ${GPU_BENCH_SIZES_MIB:+--sizes_mib="$GPU_BENCH_SIZES_MIB"} 2>&1 | tee "$work/bench.log" ||
-  die "modelavg-bench-gpu failed"
+  die "modelavg-bench-gpu failed (or ran past 120 s)"
 scan "$work/bench.log"
+
+echo "== socket transport: 2, 4 and 8 ranks on this GPU (one NCCL_HOSTID each)"
+socket_mib=${GPU_BENCH_SOCKET_MIB:-16}
+socket_numel=$((socket_mib * 262144))
+socket_steps=15
+jobs=""
+for w in 2 4 8; do
+  for kind in zc st; do
+    jobs="$jobs${jobs:+,}{\"job_id\": \"sock$w$kind\", \"world_size\": $w, \"mode\": \"PERIODIC\", \"levels\": [{\"period\": 1, \"group_size\": $w}]}"
+  done
+done
+echo "{\"jobs\": [$jobs]}" >"$work/socket_jobs.json"
+kill "$coord_pid" 2>/dev/null || true
+wait "$coord_pid" 2>/dev/null || true
+rm -f "$work/port"
+"$coordinator" --listen=127.0.0.1:0 --port_file="$work/port" --jobs_file="$work/socket_jobs.json" \
+  --log_level=warn >"$work/socket_coordinator.log" 2>&1 &
+coord_pid=$!
+for _ in $(seq 300); do [ -s "$work/port" ] && break; sleep 0.1; done
+[ -s "$work/port" ] || die "the socket-table coordinator wrote no port file within 30 s"
+address=$(cat "$work/port")
+case $address in *:*) ;; *) address=127.0.0.1:$address ;; esac
+# The slowest rank's median call time (s) over the steps after the first three.
+median_call_s() {
+  local job=$1 w=$2 worst=0 r m
+  for r in $(seq 0 $((w - 1))); do
+    m=$(sed -n 's/.*"step": \([0-9]*\).*"call_us": \([0-9]*\).*/\1 \2/p' "$work/$job-$r.out" |
+      awk '$1 >= 3 {print $2}' | sort -n | awk '{v[NR]=$1} END {if (NR) print v[int((NR+1)/2)]; else print -1}')
+    [ "$m" -ge 0 ] || die "$job rank $r printed no timed step: $(tail -n 3 "$work/$job-$r.err")"
+    [ "$m" -gt "$worst" ] && worst=$m
+  done
+  awk -v us="$worst" 'BEGIN { printf "%.6g", us / 1e6 }'
+}
+: >"$work/socket.jsonl"
+for w in 2 4 8; do
+  for kind in zc st; do
+    job=sock$w$kind
+    extra=""
+    [ "$kind" = st ] && extra="--tensors=256 --cuda_gap_elems=3"
+    pids=""
+    for r in $(seq 0 $((w - 1))); do
+      # shellcheck disable=SC2086
+      NCCL_HOSTID="modelavg-bench-$job-$r" timeout 60 "$trace_worker" --coordinator="$address" \
+        --job="$job" --rank="$r" --world_size="$w" --steps=$socket_steps --numel=$socket_numel \
+        --backend=nccl --unix_ms --join_timeout_ms=30000 --collective_timeout_ms=30000 $extra \
+        >"$work/$job-$r.out" 2>"$work/$job-$r.err" &
+      pids="$pids $!"
+    done
+    for p in $pids; do
+      wait "$p" || { tail -n 5 "$work/$job"-*.err >&2; die "socket table: $job failed"; }
+    done
+  done
+  zc=$(median_call_s "sock${w}zc" "$w")
+  st=$(median_call_s "sock${w}st" "$w")
+  line=$(awk -v w="$w" -v b="$((socket_numel * 4))" -v zc="$zc" -v st="$st" \
+    'BEGIN { printf "{\"socket_world\": %d, \"bytes\": %d, \"zero_copy_s\": %s, \"staged_s\": %s, \"staged_over_zero_copy\": %.4f}", w, b, zc, st, st / zc }')
+  echo "$line" | tee -a "$work/socket.jsonl"
+done
+
+# The figures as one JSON document.
+json_array() { grep -h '^{' "$@" 2>/dev/null | paste -sd, -; }
+{
+  echo "{\"world1\": [$(json_array "$work/bench.log")],"
+  echo " \"socket\": [$(json_array "$work/socket.jsonl")],"
+  echo " \"trace_worker_world1_steps\": $steps, \"seconds\": $((SECONDS - started))}"
+} >"$out_dir/gpu_bench.json"
+echo "gpu_bench: wrote $out_dir/gpu_bench.json and $out_dir/gpu_bench.log in $((SECONDS - started)) s"
+[ $((SECONDS - started)) -le 480 ] || echo "gpu_bench: WARNING: took more than 8 minutes"
 echo "gpu_bench: all GPU checks passed"

@@ -13,7 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 pack=${1:-../shared/device/pack.sh}
 build=${2:-build}
-programs=(client_nccl_gpu_test modelavg-coordinator modelavg-trace-worker modelavg-bench-gpu)
+programs=(client_nccl_gpu_test nccl_multirank_gpu_test modelavg-coordinator modelavg-trace-worker
+          modelavg-bench-gpu)
 [ -f "$pack" ] || { echo "gpu_pack: no pack script at $pack" >&2; exit 1; }
 [ -f "$build/CMakeCache.txt" ] || { echo "gpu_pack: $build is not a configured build" >&2; exit 1; }
 cmake --build "$build" -j 2 --target "${programs[@]}" ||

@@ -640,6 +640,7 @@ CommunicatorSetup ModelAverager::Setup(const Decision& decision) const {
   Client* client = client_;
   const SubgroupRange group = decision.subgroup;
   setup.check_alive = [client, group] { return client->CheckCanAverage(group); };
+  setup.request_new_generation = [client](const absl::Status& why) { client->FailOut(why); };
   return setup;
 }
 

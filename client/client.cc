@@ -334,6 +334,36 @@ absl::Status Client::Leave(absl::string_view reason) {
   return absl::OkStatus();
 }
 
+void Client::FailOut(const absl::Status& failure) {
+  if (failure.ok()) return;
+  RecordFailure(failure);
+  BreakOnce(failure);
+  {
+    absl::MutexLock l(&mu_);
+    if (left_) return;
+    left_ = true;
+    stopping_ = true;
+  }
+  v1::LeaveRequest req;
+  req.set_job_id(options_.job_id);
+  req.set_rank(rank_);
+  req.set_generation(generation());
+  req.set_credential(options_.credential);
+  req.set_reason(absl::StrCat("failed out: ", failure.message()));
+  req.set_failed(true);
+  absl::StatusOr<v1::LeaveResponse> resp = coordinator_->Leave(req);
+  if (!resp.ok()) {
+    // Its peers then learn it at this rank's heartbeat timeout (its heartbeats have stopped).
+    spdlog::error("rank {} failed out of job {} but could not tell the coordinator ({}); its "
+                  "peers will count it dead at its heartbeat timeout",
+                  rank_, options_.job_id, resp.status().ToString());
+    return;
+  }
+  spdlog::error("rank {} failed out of job {} (generation {} -> {}): {}", rank_,
+                options_.job_id, req.generation(), resp->generation(),
+                std::string(failure.message()));
+}
+
 void Client::RecordFailure(const absl::Status& failure) {
   if (failure.ok()) return;
   absl::MutexLock l(&mu_);

@@ -155,6 +155,15 @@ class Client {
   // Leave then tells the coordinator it failed. Called by the averagers.
   void RecordFailure(const absl::Status& failure);
 
+  // This worker can no longer take part in a collective its peers have entered or are about to
+  // (its NCCL parameter layout changed after its communicator agreed on one): records
+  // `failure`, breaks this client with it, and tells the coordinator at once that this rank
+  // failed (LeaveRequest.failed, one attempt), so that the job moves to a new generation and the
+  // peers' heartbeats abort their collective within about a heartbeat rather than at the
+  // collective timeout. Later Leave calls return OK. Does not wait for the heartbeat thread
+  // (it may be called from inside a communicator). Thread-safe; idempotent.
+  void FailOut(const absl::Status& failure);
+
   // --- Used by the averagers (and available to advanced callers). ---
 
   // This rank's decision at `step` (>= 0), from the prefetched window; fetches the window

@@ -59,6 +59,11 @@ struct CommunicatorSetup {
   absl::Duration timeout = absl::Seconds(60);
   // Polled while waiting (NCCL): non-OK aborts the wait with that status.
   std::function<absl::Status()> check_alive;
+  // NCCL: called (on the averaging thread) with the error when this member fails a call after
+  // its communicator agreed on the layout — its layout changed — where its peers cannot learn
+  // it in band: moves the job to a new generation so that their collective is aborted within
+  // about a heartbeat (Client::FailOut). May be empty.
+  std::function<void(const absl::Status&)> request_new_generation;
   // Cancels the set-up from another thread (set by CommunicatorCache::Get; may be null).
   std::shared_ptr<SetupCanceller> cancel;
   // Gloo: average one-buffer parameters in place (ClientOptions::gloo_in_place).

@@ -68,8 +68,14 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
                                             " bytes, expected ", sizeof(id.internal)));
   }
   std::memcpy(id.internal, blob->data(), sizeof(id.internal));
-  return CreateWithId(id, setup.MemberIndex(), setup.MemberCount(), device, setup.timeout,
-                      setup.check_alive);
+  absl::StatusOr<std::unique_ptr<NcclCommunicator>> out =
+      CreateWithId(id, setup.MemberIndex(), setup.MemberCount(), device, setup.timeout,
+                   setup.check_alive);
+  if (out.ok() && setup.request_new_generation) {
+    absl::MutexLock l(&(*out)->mu_);
+    (*out)->core_.SetNewGenerationRequest(setup.request_new_generation);
+  }
+  return out;
 }
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::CreateWithId(
@@ -182,6 +188,37 @@ absl::Status NcclCommunicator::Zero(void* p, size_t bytes, void* stream) {
 absl::Status NcclCommunicator::Copy(void* dst, const void* src, size_t bytes, void* stream) {
   MODELAVG_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::CreateStream(void** stream) {
+  *stream = nullptr;
+  cudaStream_t s = nullptr;
+  MODELAVG_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  *stream = s;
+  return absl::OkStatus();
+}
+void NcclCommunicator::DestroyStream(void* stream) {
+  if (stream != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+}
+absl::Status NcclCommunicator::CreateEvent(void** event) {
+  *event = nullptr;
+  cudaEvent_t e = nullptr;
+  MODELAVG_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  *event = e;
+  return absl::OkStatus();
+}
+void NcclCommunicator::DestroyEvent(void* event) {
+  if (event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event));
+}
+absl::Status NcclCommunicator::RecordEvent(void* event, void* stream) {
+  MODELAVG_CUDA_RETURN_IF_ERROR(
+      cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+absl::Status NcclCommunicator::StreamWaitEvent(void* stream, void* event) {
+  MODELAVG_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
+                                                    static_cast<cudaEvent_t>(event), 0));
   return absl::OkStatus();
 }
 

@@ -10,8 +10,11 @@
 // the members always issue the same collectives. When the tensors are back to back in one buffer of one dtype (see
 // ContiguousParameters) the all-reduce then runs in place with no copy; otherwise one fused
 // gather kernel fills a persistent staging buffer (every tensor at a 16-byte aligned offset) and
-// one fused scatter copies the result back; bfloat16 is reduced in float32. All work is ordered
-// on the first tensor's stream; the host waits by polling cudaStreamQuery and
+// one fused scatter copies the result back; bfloat16 is reduced in float32. The staged path
+// gathers bucket by bucket (kStagingBucketBytes) on a stream of its own, and the all-reduce of
+// bucket k waits only for bucket k's gather (an event), so that the gathers overlap the
+// reduction; the scatter follows the whole reduction. All other work is ordered on the first
+// tensor's stream; the host waits by polling cudaStreamQuery and
 // ncclCommGetAsyncError against a deadline (never cudaDeviceSynchronize) and aborts the
 // communicator on a timeout or a generation change. Every entry point restores the calling
 // thread's current CUDA device before returning.
@@ -120,6 +123,12 @@ class NcclCommunicator : public Communicator, private NcclDeviceOps {
   absl::Status Wait(void* stream, const char* what) override;
   absl::Status WaitLocal(void* stream, const char* what) override;
   void AbortCommunicator() override;
+  absl::Status CreateStream(void** stream) override;
+  void DestroyStream(void* stream) override;
+  absl::Status CreateEvent(void** event) override;
+  void DestroyEvent(void* event) override;
+  absl::Status RecordEvent(void* event, void* stream) override;
+  absl::Status StreamWaitEvent(void* stream, void* event) override;
 
   // Polls `stream` until it drains or the deadline; `with_peers` (Wait) also watches NCCL's
   // async errors, Abort and the generation (check_alive_), WaitLocal only the stream.

@@ -1,10 +1,13 @@
 #include "client/nccl_core.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "client/error_kind.h"
+#include "spdlog/spdlog.h"
 #include "client/coordinator_client.h"
 #include "common/status_util.h"
 
@@ -65,11 +68,11 @@ LayoutDecision DecideLayout(const LayoutSignature& reduced, int64_t count, int64
     return d;
   }
   if (reduced[4] != -reduced[5] || reduced[2] != -reduced[3]) {
-    d.status = absl::InvalidArgumentError(absl::StrCat(
+    d.status = SetErrorKind(absl::InvalidArgumentError(absl::StrCat(
         "the members of this subgroup pass different parameter layouts: total element counts "
         "range from ", -reduced[5], " to ", reduced[4], " (this rank: ", total, ")",
         reduced[2] != -reduced[3] ? " and the dtypes differ" : "",
-        "; every member must average the same list of tensors"));
+        "; every member must average the same list of tensors")), ErrorKind::kLayoutMismatch);
     return d;
   }
   // Every member that passes a step passes the same one, and every member divides alike:
@@ -77,21 +80,41 @@ LayoutDecision DecideLayout(const LayoutSignature& reduced, int64_t count, int64
   const bool steps_differ =
       reduced[9] != std::numeric_limits<int64_t>::min() && reduced[9] != -reduced[10];
   if (steps_differ || reduced[7] != -reduced[8]) {
-    d.status = absl::InternalError(absl::StrCat(
+    d.status = SetErrorKind(absl::InternalError(absl::StrCat(
         "the members of this subgroup are averaging different rounds: ",
         steps_differ ? absl::StrCat("steps range from ", -reduced[10], " to ", reduced[9],
                                     " (this rank: ", step, ")")
                      : absl::StrCat("divisors (contributing members) range from ", -reduced[8],
                                     " to ", reduced[7]),
-        "; no member averaged; this is a bug in modelavg's round agreement, please report it"));
+        "; no member averaged; this is a bug in modelavg's round agreement, please report it")),
+        ErrorKind::kRoundMismatch);
     return d;
   }
   d.unpadded = reduced[0] != -reduced[1] || reduced[0] != count;
   return d;
 }
 
-NcclCore::NcclCore(NcclDeviceOps* ops, int member, int size, int device)
-    : ops_(ops), member_(member), size_(size), device_(device) {}
+uint64_t LayoutFingerprint(absl::Span<const TensorView> tensors, int32_t code, int64_t count) {
+  // FNV-1a over the words that make the layout.
+  uint64_t h = 1469598103934665603ull;
+  const auto mix = [&h](uint64_t v) {
+    for (int b = 0; b < 8; ++b) {
+      h ^= (v >> (8 * b)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  mix(tensors.size());
+  mix(static_cast<uint64_t>(code));
+  mix(static_cast<uint64_t>(count));
+  for (const TensorView& t : tensors) {
+    mix(static_cast<uint64_t>(t.numel));
+    mix(static_cast<uint64_t>(t.dtype));
+  }
+  return h;
+}
+
+NcclCore::NcclCore(NcclDeviceOps* ops, int member, int size, int device, size_t bucket_bytes)
+    : ops_(ops), member_(member), size_(size), device_(device), bucket_bytes_(bucket_bytes) {}
 
 NcclCore::~NcclCore() { Release(); }
 
@@ -104,6 +127,60 @@ void NcclCore::Release() {
   pending_buffer_.Release(*ops_);
   sig_device_.Release(*ops_);
   sig_host_.Release(*ops_);
+  for (void* e : gathered_) ops_->DestroyEvent(e);
+  gathered_.clear();
+  if (start_event_ != nullptr) ops_->DestroyEvent(start_event_);
+  if (gather_stream_ != nullptr) ops_->DestroyStream(gather_stream_);
+  start_event_ = gather_stream_ = nullptr;
+  streams_made_ = false;
+  gathers_pending_ = false;
+}
+
+StagingLayout NcclCore::MakeLayout(absl::Span<const TensorView> tensors, int32_t code,
+                                   bool pad) const {
+  StagingLayout layout = BuildStagingLayout(tensors, code, pad);
+  SplitIntoBuckets(&layout, BucketElems(code));
+  return layout;
+}
+
+int64_t NcclCore::BucketElems(int32_t code) const {
+  return std::max<int64_t>(1, static_cast<int64_t>(bucket_bytes_ / StagingCodeSize(code)));
+}
+
+absl::Status NcclCore::JoinGathers(void* stream) {
+  if (!gathers_pending_) return absl::OkStatus();
+  gathers_pending_ = false;
+  // The gather stream runs in order: its last bucket's event covers every earlier one.
+  for (auto it = gathered_.rbegin(); it != gathered_.rend(); ++it) {
+    if (*it != nullptr) return ops_->StreamWaitEvent(stream, *it);
+  }
+  return absl::OkStatus();
+}
+
+void NcclCore::SettleGathers(void* stream) {
+  if (!gathers_pending_) return;
+  absl::Status s = JoinGathers(stream);
+  if (s.ok()) s = ops_->WaitLocal(stream, "the gathers of a failed call");
+  if (!s.ok()) spdlog::warn("NCCL member {}: {}", member_, s.ToString());
+}
+
+absl::Status NcclCore::ReduceBuckets(void* buffer, int64_t count, int32_t code, int divisor,
+                                     void* stream) {
+  const std::vector<std::pair<int64_t, int64_t>> buckets =
+      BucketRanges(count, BucketElems(code));
+  const bool pipelined = gathers_pending_;
+  gathers_pending_ = false;
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    const auto [begin, end] = buckets[k];
+    if (pipelined && k < gathered_.size()) {
+      MODELAVG_RETURN_IF_ERROR(ops_->StreamWaitEvent(stream, gathered_[k]));
+    }
+    MODELAVG_RETURN_IF_ERROR(ops_->AllReduce(
+        static_cast<char*>(buffer) + begin * static_cast<int64_t>(StagingCodeSize(code)),
+        static_cast<size_t>(end - begin), NcclDeviceOps::Reduce::kAverage, code, divisor,
+        stream));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status NcclCore::Init() {
@@ -115,6 +192,14 @@ absl::Status NcclCore::Init() {
 absl::Status NcclCore::Fail(absl::Status status) {
   ops_->AbortCommunicator();
   broken_ = status;
+  return status;
+}
+
+absl::Status NcclCore::FailAlone(absl::Status status) {
+  Fail(status).IgnoreError();
+  spdlog::error("NCCL member {} of {}: {}; asking for a new generation so that its peers' "
+                "collective is aborted", member_, size_, status.ToString());
+  if (request_new_generation_) request_new_generation_(status);
   return status;
 }
 
@@ -151,11 +236,46 @@ absl::Status NcclCore::UseTable(const StagingLayout& layout, size_t bytes, bool 
 absl::Status NcclCore::PrepareStaged(const StagingLayout& layout, int32_t code, bool contribute,
                                      void* stream) {
   const size_t bytes = static_cast<size_t>(layout.elems) * StagingCodeSize(code);
+  // A re-staging (the unpadded fallback, a failed call's gathers) must not race the gathers
+  // still on the gather stream.
+  MODELAVG_RETURN_IF_ERROR(JoinGathers(stream));
   MODELAVG_RETURN_IF_ERROR(UseTable(layout, bytes, /*may_grow=*/true, stream));
   // A member that does not contribute reduces zeros (its tensors are only written).
   if (!contribute) return ops_->Zero(staging_.data(), bytes, stream);
-  return ops_->Gather(static_cast<const StagingChunk*>(chunks_device_.data()),
-                      static_cast<int64_t>(layout.chunks.size()), staging_.data(), code, stream);
+  const auto* table = static_cast<const StagingChunk*>(chunks_device_.data());
+  if (!streams_made_) {
+    MODELAVG_RETURN_IF_ERROR(ops_->CreateStream(&gather_stream_));
+    if (absl::Status e = ops_->CreateEvent(&start_event_); !e.ok()) {
+      ops_->DestroyStream(gather_stream_);
+      gather_stream_ = nullptr;
+      return Annotate(e, "creating the staging pipeline's events");
+    }
+    streams_made_ = true;
+  }
+  if (gather_stream_ == nullptr) {
+    // No stream of its own: one gather on the caller's stream, in order.
+    return ops_->Gather(table, static_cast<int64_t>(layout.chunks.size()), staging_.data(), code,
+                        stream);
+  }
+  while (gathered_.size() < layout.buckets.size()) {
+    void* e = nullptr;
+    MODELAVG_RETURN_IF_ERROR(ops_->CreateEvent(&e));
+    gathered_.push_back(e);
+  }
+  // The gathers start after the caller's earlier work on its stream (the parameters' last
+  // writes, the staging buffer's zeroing and the table's upload).
+  MODELAVG_RETURN_IF_ERROR(ops_->RecordEvent(start_event_, stream));
+  MODELAVG_RETURN_IF_ERROR(ops_->StreamWaitEvent(gather_stream_, start_event_));
+  for (size_t k = 0; k < layout.buckets.size(); ++k) {
+    const StagingBucket& b = layout.buckets[k];
+    if (b.num_chunks > 0) {
+      MODELAVG_RETURN_IF_ERROR(ops_->Gather(table + b.first_chunk, b.num_chunks,
+                                            staging_.data(), code, gather_stream_));
+    }
+    MODELAVG_RETURN_IF_ERROR(ops_->RecordEvent(gathered_[k], gather_stream_));
+    gathers_pending_ = true;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status NcclCore::Commit(void* stream) {
@@ -231,13 +351,43 @@ absl::Status NcclCore::Run(absl::Span<const TensorView> tensors, const RoundOpti
   void* stream = tensors.empty() ? nullptr : tensors[0].cuda_stream;
   const int32_t code = StagingCode(tensors);
   const bool zero_copy = local.ok() && IsZeroCopy(tensors);
+  // Step 2 is due at the first call, and later only where every member knows alike that it is:
+  // another divisor (the round after an admission), or a fragment round (each fragment its own
+  // layout). Otherwise the agreed layout is compared locally.
+  // A world of one has no peer to leave in a mismatched collective: it agrees again instead.
+  bool agree = !agreed_ || options.layout_signature != 0 || divisor != agreed_divisor_;
   StagingLayout layout;
   int64_t count = total;
-  if (local.ok() && !zero_copy && total > 0) {
-    layout = BuildStagingLayout(tensors, code, /*pad=*/true);
+  if (!agree && local.ok()) {
+    if (!zero_copy && total > 0) {
+      layout = MakeLayout(tensors, code, /*pad=*/!agreed_unpadded_);
+      count = layout.elems;
+    }
+    if (LayoutFingerprint(tensors, code, count) != agreed_fingerprint_) {
+      if (size_ == 1) {
+        agree = true;
+      } else {
+        local = SetErrorKind(
+            absl::InvalidArgumentError(absl::StrCat(
+                "this member's parameter layout changed after its NCCL communicator agreed on "
+                "one (agreed: ", agreed_tensors_, " tensors, ", agreed_total_, " elements; now ",
+                tensors.size(), " tensors, ", total, " elements",
+                total == agreed_total_ ? ", other sizes or dtypes" : "",
+                "); every member must average the same list of tensors on every call. This "
+                "member fails out of the job so that its peers are aborted")),
+            ErrorKind::kLayoutMismatch);
+      }
+    }
+  }
+  if (agree && local.ok() && !zero_copy && total > 0) {
+    layout = MakeLayout(tensors, code, /*pad=*/true);
     count = layout.elems;
+  }
+  if (local.ok() && !zero_copy && total > 0) {
     local = PrepareStaged(layout, code, options.contribute, stream);
   }
+  // At world 1 a local failure is carried in the agreement, as at a first call.
+  if (!local.ok() && size_ == 1) agree = true;
   // The zero-copy path reduces the caller's buffer in place: a committed round (or a member
   // that does not contribute, whose buffer is zeroed) first copies it to the backup, so that a
   // failure leaves it as it was. Enqueued before the all-reduce, it costs no wait of its own.
@@ -250,36 +400,60 @@ absl::Status NcclCore::Run(absl::Span<const TensorView> tensors, const RoundOpti
   }
   last_zero_copy_ = zero_copy;
 
-  // Step 2: the layout check, on every call.
-  if (sig_host_.data() == nullptr || sig_device_.data() == nullptr) {
-    return Fail(absl::InternalError("NcclCore::Run before Init"));
-  }
-  auto* sig = static_cast<int64_t*>(sig_host_.data());
-  const LayoutSignature mine =
-      EncodeLayout(count, code, total, !local.ok(), member_, divisor, options.step);
-  std::memcpy(sig, mine.data(), sizeof(mine));
-  absl::Status s = ops_->Copy(sig_device_.data(), sig, sizeof(mine), stream);
-  if (s.ok()) {
-    s = ops_->AllReduce(sig_device_.data(), kLayoutWords, NcclDeviceOps::Reduce::kLayoutMax,
-                        code, divisor, stream);
-  }
-  if (s.ok()) s = ops_->Copy(sig, sig_device_.data(), sizeof(mine), stream);
-  if (s.ok()) s = ops_->Wait(stream, "layout check");
-  if (!s.ok()) return Fail(Annotate(s, "layout check"));
-  LayoutSignature reduced;
-  std::memcpy(reduced.data(), sig, sizeof(reduced));
+  absl::Status s;
+  bool unpadded = agreed_unpadded_;
+  if (!agree) {
+    // The peers are entering the data all-reduce: a member that cannot take part cannot say so
+    // in band.
+    if (!local.ok()) {
+      SettleGathers(stream);
+      return FailAlone(local);
+    }
+  } else {
+    // Step 2: the layout agreement.
+    if (sig_host_.data() == nullptr || sig_device_.data() == nullptr) {
+      return Fail(absl::InternalError("NcclCore::Run before Init"));
+    }
+    auto* sig = static_cast<int64_t*>(sig_host_.data());
+    const LayoutSignature mine =
+        EncodeLayout(count, code, total, !local.ok(), member_, divisor, options.step);
+    std::memcpy(sig, mine.data(), sizeof(mine));
+    s = ops_->Copy(sig_device_.data(), sig, sizeof(mine), stream);
+    if (s.ok()) {
+      s = ops_->AllReduce(sig_device_.data(), kLayoutWords, NcclDeviceOps::Reduce::kLayoutMax,
+                          code, divisor, stream);
+    }
+    if (s.ok()) s = ops_->Copy(sig, sig_device_.data(), sizeof(mine), stream);
+    if (s.ok()) s = ops_->Wait(stream, "layout check");
+    if (!s.ok()) return Fail(Annotate(s, "layout check"));
+    LayoutSignature reduced;
+    std::memcpy(reduced.data(), sig, sizeof(reduced));
 
-  // Step 3: the shared decision.
-  const LayoutDecision d = DecideLayout(reduced, count, total, local, options.step);
-  if (!d.status.ok()) return d.status;
+    // Step 3: the shared decision.
+    const LayoutDecision d = DecideLayout(reduced, count, total, local, options.step);
+    if (!d.status.ok()) {
+      // Nobody reduces: no gather may still read the caller's tensors once the call returns.
+      SettleGathers(stream);
+      return d.status;
+    }
+    unpadded = d.unpadded;
+    if (d.unpadded && !zero_copy && total > 0) {
+      layout = MakeLayout(tensors, code, /*pad=*/false);
+      s = PrepareStaged(layout, code, options.contribute, stream);
+      if (!s.ok()) return Fail(Annotate(s, "staging the unpadded layout"));
+    }
+    if (options.layout_signature == 0) {
+      agreed_ = true;
+      agreed_fingerprint_ = LayoutFingerprint(tensors, code, zero_copy ? total : layout.elems);
+      agreed_divisor_ = divisor;
+      agreed_unpadded_ = d.unpadded;
+      agreed_tensors_ = tensors.size();
+      agreed_total_ = total;
+    }
+  }
   if (total == 0) {
     *outcome = RoundOutcome::kCompleted;
     return absl::OkStatus();
-  }
-  if (d.unpadded && !zero_copy) {
-    layout = BuildStagingLayout(tensors, code, /*pad=*/false);
-    s = PrepareStaged(layout, code, options.contribute, stream);
-    if (!s.ok()) return Fail(Annotate(s, "staging the unpadded layout"));
   }
   count = total;
   if (!zero_copy) count = layout.elems;
@@ -290,8 +464,7 @@ absl::Status NcclCore::Run(absl::Span<const TensorView> tensors, const RoundOpti
     s = ops_->Zero(buffer, bytes, stream);
     if (!s.ok()) return FailAndRestore(s, buffer, bytes, backup, stream);
   }
-  s = ops_->AllReduce(buffer, static_cast<size_t>(count), NcclDeviceOps::Reduce::kAverage, code,
-                      divisor, stream);
+  s = ReduceBuckets(buffer, count, code, divisor, stream);
   if (s.ok()) s = ops_->Wait(stream, "ncclAllReduce");
   if (!s.ok()) return FailAndRestore(s, buffer, bytes, backup, stream);
   // A failure once the result is in the staging buffer: the communicator is broken, the result
@@ -299,7 +472,7 @@ absl::Status NcclCore::Run(absl::Span<const TensorView> tensors, const RoundOpti
   const auto keep_staged = [&](const absl::Status& failure) {
     Fail(failure).IgnoreError();
     pending_ = Pending::kStaged;
-    pending_padded_ = !d.unpadded;
+    pending_padded_ = !unpadded;
     pending_code_ = code;
     pending_total_ = total;
     pending_elems_ = layout.elems;
@@ -395,14 +568,17 @@ absl::Status NcclCore::Adopt(absl::Span<const TensorView> tensors) {
     }
     s = ops_->Copy(tensors[0].data, pending_buffer_.data(), bytes, stream);
   } else {
-    const StagingLayout layout = BuildStagingLayout(tensors, code, pending_padded_);
+    const StagingLayout layout = MakeLayout(tensors, code, pending_padded_);
     if (layout.elems != pending_elems_) {
       return absl::InvalidArgumentError(absl::StrCat(
           "the kept result spans ", pending_elems_, " staging elements; these tensors ",
           layout.elems, ": pass the list of the round that kept it"));
     }
-    s = UseTable(layout, static_cast<size_t>(layout.elems) * StagingCodeSize(code),
-                 /*may_grow=*/false, stream);
+    s = JoinGathers(stream);
+    if (s.ok()) {
+      s = UseTable(layout, static_cast<size_t>(layout.elems) * StagingCodeSize(code),
+                   /*may_grow=*/false, stream);
+    }
     if (s.ok()) {
       s = ops_->Scatter(static_cast<const StagingChunk*>(chunks_device_.data()),
                         static_cast<int64_t>(chunks_host_.size()), staging_.data(), code,

@@ -5,21 +5,30 @@
 // One call, on every member alike:
 //   1. local preparation: validate the tensors and the round's options; for the staged path,
 //      grow the staging buffer, upload the chunk table (padded layout, staging_layout.h) and
-//      launch the gather (zeros for a member that does not contribute); for the zero-copy path
+//      launch the gathers, bucket by bucket on the gather stream, each bucket's event recorded
+//      (zeros for a member that does not contribute); for the zero-copy path
 //      of a committed round (or of a member that does not contribute), copy the caller's buffer
 //      to the device backup;
-//   2. the layout check, run on EVERY call: one ncclAllReduce(ncclMax) of kLayoutWords int64
+//   2. the layout agreement, at the communicator's first call (and again only where every member
+//      knows it is due alike: a round with another divisor — an admission — or a fragment round,
+//      RoundOptions::layout_signature != 0): one ncclAllReduce(ncclMax) of kLayoutWords int64
 //      holding max/min pairs of (count, dtype, total, divisor, step) and the failed member + 1.
-//      Whether a member takes part never depends on its own history, so the members always
-//      issue the same collectives; a local failure of step 1 is carried in it instead of
-//      skipping it;
+//      A local failure of step 1 is carried in it instead of skipping it. Once the members
+//      agreed, each keeps a local fingerprint of the layout (LayoutFingerprint: every tensor's
+//      size and dtype, the staging dtype and the agreed staging plan) and later calls compare it
+//      with no collective at all. A member whose fingerprint changed, or that fails locally on
+//      such a call, cannot tell its peers in band (they are already in the data all-reduce): it
+//      fails loudly (ErrorKind::kLayoutMismatch for a changed layout), aborts its communicator
+//      and asks for a new generation (SetNewGenerationRequest), so that the coordinator aborts
+//      its peers' collective within about a heartbeat;
 //   3. the decision, identical on every member (DecideLayout): a member failed locally ->
 //      every member returns an error and nobody enters the data collective (the communicator
 //      stays usable); totals or dtypes differ -> INVALID_ARGUMENT everywhere (same); steps or
 //      divisors differ -> INTERNAL "averaging different rounds" everywhere (same); the padded
 //      counts differ (one member reduces in place, or splits its tensors differently) -> every
 //      member falls back to the unpadded layout;
-//   4. the data ncclAllReduce; with RoundOptions::commit, the commit (a one-int64 ncclSum of 1
+//   4. the data ncclAllReduce, bucket by bucket (BucketRanges of the agreed count: the same on
+//      every member), each after its own bucket's gather only; with RoundOptions::commit, the commit (a one-int64 ncclSum of 1
 //      per member, which completes only once every member's data all-reduce has); then, for the
 //      staged path, the scatter back. A failure from step 2 on aborts the communicator (it is
 //      broken from then on); the zero-copy path then restores the caller's buffer from the
@@ -39,12 +48,14 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "client/communicator.h"
+#include "client/error_kind.h"
 #include "client/outer_step_args.h"
 #include "client/staging_layout.h"
 #include "client/tensor.h"
@@ -99,7 +110,32 @@ class NcclDeviceOps {
                                  const OuterStepArgs& /*args*/, void* /*stream*/) {
     return absl::UnimplementedError("this device has no outer optimizer kernels");
   }
+  // The staged path's pipeline: a stream of its own for the gathers (cudaStream_t,
+  // non-blocking) and events between it and the caller's stream (cudaEvent_t, no timing).
+  // A device without streams of its own keeps these defaults: *stream = nullptr means "none",
+  // and the pipeline then runs on the caller's stream, in order.
+  virtual absl::Status CreateStream(void** stream) {
+    *stream = nullptr;
+    return absl::OkStatus();
+  }
+  virtual void DestroyStream(void* /*stream*/) {}
+  virtual absl::Status CreateEvent(void** event) {
+    *event = nullptr;
+    return absl::OkStatus();
+  }
+  virtual void DestroyEvent(void* /*event*/) {}
+  // Enqueued on `stream`: the event fires once the work enqueued on it before has run.
+  virtual absl::Status RecordEvent(void* /*event*/, void* /*stream*/) { return absl::OkStatus(); }
+  // `stream`'s later work waits until `event` (as last recorded) fires.
+  virtual absl::Status StreamWaitEvent(void* /*stream*/, void* /*event*/) {
+    return absl::OkStatus();
+  }
 };
+
+// The staged path's bucket: the data all-reduce runs in pieces of this many bytes (one piece
+// per bucket), each gathered on a stream of its own, so that bucket k + 1 is gathered while
+// bucket k is reduced. Large enough that NCCL runs each piece at full bandwidth.
+inline constexpr size_t kStagingBucketBytes = size_t{32} << 20;
 
 // A device (or pinned) allocation that only grows. After a failed growth it holds nothing:
 // never a freed or null pointer with an old size recorded.
@@ -139,13 +175,22 @@ struct LayoutDecision {
 LayoutDecision DecideLayout(const LayoutSignature& reduced, int64_t count, int64_t total,
                             const absl::Status& local, int64_t step = -1);
 
+// A cheap local summary of one call's layout as its communicator agreed on it: every tensor's
+// element count and dtype, the staging dtype `code` and `count`, the elements the data
+// all-reduce reduces (the staging plan: padded or not, in place or staged). Not its addresses:
+// the same layout in other buffers is the same layout.
+uint64_t LayoutFingerprint(absl::Span<const TensorView> tensors, int32_t code, int64_t count);
+
 class NcclCore {
  public:
   // `ops` outlives the core. `member` of `size`; `device`: the CUDA ordinal every tensor must
   // be on.
-  NcclCore(NcclDeviceOps* ops, int member, int size, int device);
+  // `bucket_bytes`: the data all-reduce's bucket (kStagingBucketBytes; every member of a
+  // communicator must use the same).
+  NcclCore(NcclDeviceOps* ops, int member, int size, int device,
+           size_t bucket_bytes = kStagingBucketBytes);
   ~NcclCore();  // Release()
-  // Frees the buffers (not the communicator); idempotent.
+  // Frees the buffers, streams and events (not the communicator); idempotent.
   void Release();
   NcclCore(const NcclCore&) = delete;
   NcclCore& operator=(const NcclCore&) = delete;
@@ -164,6 +209,16 @@ class NcclCore {
   absl::Status Adopt(absl::Span<const TensorView> tensors);
   // Aborts the communicator and makes every later Run return `status`.
   absl::Status Fail(absl::Status status);
+  // Called (on the calling thread, once per failure) with the error when a member fails after
+  // its communicator agreed on the layout, where its peers cannot learn it in band: moves the
+  // job to a new generation, so that their collective is aborted (Client::FailOut). May be
+  // empty (single-process uses: the failure is still reported and the communicator aborted).
+  void SetNewGenerationRequest(std::function<void(const absl::Status&)> request) {
+    request_new_generation_ = std::move(request);
+  }
+  // Whether the members agreed on a layout (a first call succeeded): later calls with the same
+  // fingerprint run no agreement collective.
+  bool layout_agreed() const { return agreed_; }
 
   // Tests only: the next committed round's commit fails on this member after it succeeded
   // everywhere, as when this member's wait on it breaks while its peers complete.
@@ -178,7 +233,11 @@ class NcclCore {
   const GrowableBuffer& backup() const { return backup_; }
 
  private:
-  // Step 1 of the staged path with `layout`: the gather, or zeros when `!contribute`.
+  // The layout of `tensors` in the staging buffer, cut into this core's buckets.
+  StagingLayout MakeLayout(absl::Span<const TensorView> tensors, int32_t code, bool pad) const;
+  int64_t BucketElems(int32_t code) const;
+  // Step 1 of the staged path with `layout`: the gather (bucket by bucket on the gather stream,
+  // each bucket's event recorded), or zeros when `!contribute`.
   absl::Status PrepareStaged(const StagingLayout& layout, int32_t code, bool contribute,
                              void* stream);
   // Makes the device chunk table `layout`'s (uploading it when it differs). `staging_bytes`:
@@ -186,6 +245,16 @@ class NcclCore {
   // `may_grow`.
   absl::Status UseTable(const StagingLayout& layout, size_t staging_bytes, bool may_grow,
                         void* stream);
+  // The data all-reduce of `count` elements at `buffer`, bucket by bucket on `stream`, each
+  // after its gather (when the gathers are pending on the gather stream).
+  absl::Status ReduceBuckets(void* buffer, int64_t count, int32_t code, int divisor,
+                             void* stream);
+  // Makes `stream`'s later work wait for every gather enqueued so far (nothing when none is
+  // pending).
+  absl::Status JoinGathers(void* stream);
+  // After a failed call: JoinGathers, then waits for them (a deadline, local work only), so
+  // that nothing of the call still reads the caller's tensors once it returns.
+  void SettleGathers(void* stream);
   // The commit: OK when every member's data all-reduce succeeded.
   absl::Status Commit(void* stream);
   // Copies the backup back into the caller's `bytes` at `data` and waits.
@@ -195,12 +264,17 @@ class NcclCore {
   absl::Status FailAndRestore(absl::Status status, void* data, size_t bytes, bool restore,
                               void* stream);
 
+  // A call after the agreement whose layout or preparation failed on this member only: aborts
+  // the communicator, asks for a new generation and returns the error.
+  absl::Status FailAlone(absl::Status status);
+
   enum class Pending { kNone, kStaged, kZeroCopy };
 
   NcclDeviceOps* const ops_;
   const int member_;
   const int size_;
   const int device_;
+  const size_t bucket_bytes_;
   absl::Status broken_;
   bool last_zero_copy_ = false;
   bool fail_commit_ = false;
@@ -220,6 +294,22 @@ class NcclCore {
   int64_t pending_elems_ = 0;
   // The chunk table on the device (uploaded when it changes) and the staging bytes it spans.
   std::vector<StagingChunk> chunks_host_;
+  // The layout the members agreed on (step 2), kept as a local fingerprint.
+  bool agreed_ = false;
+  uint64_t agreed_fingerprint_ = 0;
+  int agreed_divisor_ = 0;
+  bool agreed_unpadded_ = false;
+  size_t agreed_tensors_ = 0;
+  int64_t agreed_total_ = 0;
+  std::function<void(const absl::Status&)> request_new_generation_;
+  // The pipeline: the gather stream (null: the caller's), the event that orders the gathers after
+  // the caller's earlier work, and one event per bucket.
+  bool streams_made_ = false;
+  void* gather_stream_ = nullptr;
+  void* start_event_ = nullptr;
+  std::vector<void*> gathered_;
+  // Gathers enqueued on gather_stream_ that the caller's stream does not wait for yet.
+  bool gathers_pending_ = false;
 };
 
 // The coordinator key of the NCCL unique id of bootstrap attempt `attempt` (0, 1, ...) of one

@@ -67,4 +67,45 @@ StagingLayout BuildStagingLayout(absl::Span<const TensorView> tensors, int32_t s
   return out;
 }
 
+std::vector<std::pair<int64_t, int64_t>> BucketRanges(int64_t elems, int64_t bucket_elems) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  if (elems <= 0) return out;
+  if (bucket_elems <= 0) bucket_elems = elems;
+  for (int64_t begin = 0; begin < elems; begin += bucket_elems) {
+    out.emplace_back(begin, std::min(elems, begin + bucket_elems));
+  }
+  return out;
+}
+
+void SplitIntoBuckets(StagingLayout* layout, int64_t bucket_elems) {
+  layout->buckets.clear();
+  for (const auto& [begin, end] : BucketRanges(layout->elems, bucket_elems)) {
+    StagingBucket b;
+    b.begin = begin;
+    b.end = end;
+    layout->buckets.push_back(b);
+  }
+  std::vector<StagingChunk> out;
+  out.reserve(layout->chunks.size() + layout->buckets.size());
+  size_t k = 0;
+  for (const StagingChunk& c : layout->chunks) {
+    for (int64_t start = 0; start < c.numel;) {
+      const int64_t at = c.staging_offset + start;
+      while (layout->buckets[k].end <= at) ++k;
+      StagingBucket& b = layout->buckets[k];
+      const int64_t n = std::min(c.numel - start, b.end - at);
+      StagingChunk piece = c;
+      piece.tensor = static_cast<char*>(c.tensor) +
+                     start * static_cast<int64_t>(StagingCodeSize(c.tensor_dtype));
+      piece.staging_offset = at;
+      piece.numel = n;
+      if (b.num_chunks == 0) b.first_chunk = static_cast<int64_t>(out.size());
+      ++b.num_chunks;
+      out.push_back(piece);
+      start += n;
+    }
+  }
+  layout->chunks = std::move(out);
+}
+
 }  // namespace modelavg::client

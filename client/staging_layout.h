@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -28,11 +29,33 @@ int32_t StagingCode(absl::Span<const TensorView> tensors);
 // and that dtype is the staging dtype.
 bool IsZeroCopy(absl::Span<const TensorView> tensors);
 
+// One bucket of the staged path's pipeline: the data all-reduce's elements [begin, end) of the
+// staging buffer, and the chunks [first_chunk, first_chunk + num_chunks) of the layout that are
+// gathered into it (none may straddle two buckets).
+struct StagingBucket {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t first_chunk = 0;
+  int64_t num_chunks = 0;
+};
+
 struct StagingLayout {
   std::vector<StagingChunk> chunks;
   // Elements of the staging buffer, padding included: the all-reduce's count.
   int64_t elems = 0;
+  // Filled by SplitIntoBuckets; empty otherwise.
+  std::vector<StagingBucket> buckets;
 };
+
+// The data all-reduce's buckets: [0, elems) cut every `bucket_elems` elements (the last bucket
+// shorter; one bucket when bucket_elems <= 0). A function of the reduced count and the bucket
+// size alone, so that every member that agreed on the count issues the same all-reduces
+// whatever its tensors (in place or staged, padded or not).
+std::vector<std::pair<int64_t, int64_t>> BucketRanges(int64_t elems, int64_t bucket_elems);
+
+// Cuts `layout`'s chunks at BucketRanges(layout->elems, bucket_elems)'s boundaries and fills
+// layout->buckets, so that each bucket can be gathered on its own.
+void SplitIntoBuckets(StagingLayout* layout, int64_t bucket_elems);
 
 // The chunk table for `tensors` in a staging buffer of `staging_code`. With `pad`, every tensor
 // starts at a multiple of kStagingAlignBytes (the gaps hold zeros and are reduced along, never

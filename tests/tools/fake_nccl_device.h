@@ -4,15 +4,20 @@
 // (an illegal address on a GPU), and matches the members' collectives through a FakeWorld the way
 // NCCL needs them matched, reporting a mismatch (which NCCL would not detect: a hang or mixed
 // data) or a member that never arrives (a hang). Its ncclAvg arithmetic is NCCL's: inputs are
-// pre-multiplied by 1/n rounded to the reduction dtype (1/d for a round divided by d). It logs
-// every operation, so that a test can count what a call costs. Params is host memory standing in
-// for one member's CUDA tensors.
+// pre-multiplied by 1/n rounded to the reduction dtype (1/d for a round divided by d). Work
+// enqueued on a stream runs when the host waits, in stream order, with events between streams,
+// in one of two adversarial orders (FakeOps::Policy), so that a missing dependency shows. It logs
+// every operation as enqueued and as run, so that a test can count what a call costs. A
+// FakeWorld can be aborted, as a generation move aborts the peers' collectives. Params is host
+// memory standing in for one member's CUDA tensors.
 #ifndef MODELAVG_TESTS_TOOLS_FAKE_NCCL_DEVICE_H_
 #define MODELAVG_TESTS_TOOLS_FAKE_NCCL_DEVICE_H_
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -26,10 +31,13 @@
 #include "absl/time/time.h"
 #include "client/nccl_core.h"
 #include "client/staging_layout.h"
+#include "common/status_util.h"
 #include "gtest/gtest.h"
 #include "tests/tools/staging_reference.h"
 
 namespace modelavg::client {
+
+using FakeReduce = NcclDeviceOps::Reduce;
 
 // Rounds to what `code` can hold.
 inline double RoundTo(int32_t code, double v) {
@@ -41,7 +49,7 @@ inline double RoundTo(int32_t code, double v) {
 }
 
 struct Post {
-  NcclDeviceOps::Reduce op;
+  FakeReduce op;
   size_t count;
   int32_t code;
   void* buffer;
@@ -51,12 +59,11 @@ struct Post {
 // The members' collectives, matched by sequence number.
 class FakeWorld {
  public:
-  using Reduce = NcclDeviceOps::Reduce;
-
   explicit FakeWorld(int n) : n_(n) {}
 
   absl::Status Collective(int member, int64_t seq, const Post& p) {
     absl::MutexLock l(&mu_);
+    if (!aborted_.ok()) return aborted_;
     std::vector<std::optional<Post>>& posts = posts_[seq];
     posts.resize(n_);
     posts[member] = p;
@@ -65,17 +72,25 @@ class FakeWorld {
     }
     const bool done = mu_.AwaitWithTimeout(
         absl::Condition(
-            +[](std::pair<std::map<int64_t, absl::Status>*, int64_t>* a) {
-              return a->first->count(a->second) > 0;
+            +[](std::pair<FakeWorld*, int64_t>* a) {
+              return !a->first->aborted_.ok() || a->first->results_.count(a->second) > 0;
             },
             new_pair(seq)),
         absl::Seconds(1));
+    if (results_.count(seq) == 0 && !aborted_.ok()) return aborted_;
     if (!done) {
       hang_ = true;
       return absl::DeadlineExceededError(absl::StrCat(
           "member ", member, ": collective #", seq, " never matched (a hang on a GPU)"));
     }
     return results_[seq];
+  }
+
+  // What the coordinator and the heartbeat do once a member asked for a new generation: every
+  // collective in flight and every later one fails with `why`.
+  void Abort(absl::Status why) {
+    absl::MutexLock l(&mu_);
+    if (aborted_.ok()) aborted_ = std::move(why);
   }
 
   bool mismatch() const {
@@ -88,10 +103,8 @@ class FakeWorld {
   }
 
  private:
-  std::pair<std::map<int64_t, absl::Status>*, int64_t>* new_pair(int64_t seq)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    pairs_.push_back(std::make_unique<std::pair<std::map<int64_t, absl::Status>*, int64_t>>(
-        &results_, seq));
+  std::pair<FakeWorld*, int64_t>* new_pair(int64_t seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    pairs_.push_back(std::make_unique<std::pair<FakeWorld*, int64_t>>(this, seq));
     return pairs_.back().get();
   }
 
@@ -100,12 +113,12 @@ class FakeWorld {
     const Post& a = *posts[0];
     for (const auto& p : posts) {
       if (p->op != a.op || p->count != a.count ||
-          (a.op == Reduce::kAverage && (p->code != a.code || p->divisor != a.divisor))) {
+          (a.op == FakeReduce::kAverage && (p->code != a.code || p->divisor != a.divisor))) {
         mismatch_ = true;
         return absl::InternalError("mismatched collectives (NCCL would hang or mix data)");
       }
     }
-    if (a.op == Reduce::kLayoutMax) {
+    if (a.op == FakeReduce::kLayoutMax) {
       for (size_t i = 0; i < a.count; ++i) {
         int64_t m = static_cast<int64_t*>(posts[0]->buffer)[i];
         for (const auto& p : posts) m = std::max(m, static_cast<int64_t*>(p->buffer)[i]);
@@ -113,7 +126,7 @@ class FakeWorld {
       }
       return absl::OkStatus();
     }
-    if (a.op == Reduce::kCommitSum) {
+    if (a.op == FakeReduce::kCommitSum) {
       int64_t sum = 0;
       for (const auto& p : posts) sum += *static_cast<int64_t*>(p->buffer);
       for (const auto& p : posts) *static_cast<int64_t*>(p->buffer) = sum;
@@ -136,14 +149,24 @@ class FakeWorld {
   mutable absl::Mutex mu_;
   std::map<int64_t, std::vector<std::optional<Post>>> posts_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, absl::Status> results_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::unique_ptr<std::pair<std::map<int64_t, absl::Status>*, int64_t>>> pairs_
-      ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<std::pair<FakeWorld*, int64_t>>> pairs_ ABSL_GUARDED_BY(mu_);
+  absl::Status aborted_ ABSL_GUARDED_BY(mu_);
   bool mismatch_ ABSL_GUARDED_BY(mu_) = false;
   bool hang_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// One member's device. Work enqueued on a stream runs only when the host waits (Wait,
+// WaitLocal, Free, as cudaFree synchronizes), in stream order, each stream's head once the
+// event it waits for (if any) has fired; between streams, `policy` picks which ready head runs
+// next, so that a missing event shows as wrong values or an out-of-order run. `log` records the
+// operations as they are enqueued, `exec` as they run.
 class FakeOps : public NcclDeviceOps {
  public:
+  enum class Policy {
+    kCallerFirst,  // the stream being waited on runs whenever it can (others lag)
+    kOthersFirst,  // every other ready stream runs first (the waited-on stream lags)
+  };
+
   FakeOps(FakeWorld* world, int member) : world_(world), member_(member) {}
   ~FakeOps() override {
     for (auto& [p, n] : live_) std::free(p);
@@ -164,6 +187,7 @@ class FakeOps : public NcclDeviceOps {
     return absl::OkStatus();
   }
   void Free(void* p) override {
+    DrainAll();  // cudaFree waits for the device
     ASSERT_EQ(live_.erase(p), 1u) << "free of memory that is not a live allocation";
     std::free(p);
   }
@@ -172,55 +196,72 @@ class FakeOps : public NcclDeviceOps {
     return Malloc(p, bytes);
   }
   void FreeHost(void* p) override { Free(p); }
-  absl::Status Zero(void* p, size_t bytes, void*) override {
+  absl::Status Zero(void* p, size_t bytes, void* stream) override {
     log.push_back(absl::StrCat("zero", bytes));
-    if (!Live(p, bytes) && !IsParams(p, bytes)) return Illegal("memset");
-    std::memset(p, 0, bytes);
-    return absl::OkStatus();
+    return Enqueue(stream, "zero", [this, p, bytes] {
+      if (!Live(p, bytes) && !IsParams(p, bytes)) return Illegal("memset");
+      std::memset(p, 0, bytes);
+      return absl::OkStatus();
+    });
   }
-  absl::Status Copy(void* dst, const void* src, size_t bytes, void*) override {
+  absl::Status Copy(void* dst, const void* src, size_t bytes, void* stream) override {
     log.push_back(absl::StrCat("copy", bytes));
     if (dst == nullptr || src == nullptr) return Illegal("memcpy");
-    std::memcpy(dst, src, bytes);
-    return absl::OkStatus();
+    return Enqueue(stream, "copy", [dst, src, bytes] {
+      std::memcpy(dst, src, bytes);
+      return absl::OkStatus();
+    });
   }
   absl::Status Gather(const StagingChunk* chunks, int64_t n, void* staging, int32_t code,
-                      void*) override {
+                      void* stream) override {
     log.push_back("gather");
     if (fail_gathers > 0) {
       --fail_gathers;
       return absl::InternalError("gather launch failed (simulated)");
     }
-    return Stage(chunks, n, staging, code, /*gather=*/true);
+    ++gathers;
+    return Enqueue(stream, absl::StrCat("gather@", StreamName(stream)),
+                   [=] { return Stage(chunks, n, staging, code, /*gather=*/true); });
   }
   absl::Status Scatter(const StagingChunk* chunks, int64_t n, const void* staging, int32_t code,
-                       void*) override {
+                       void* stream) override {
     log.push_back("scatter");
-    return Stage(chunks, n, const_cast<void*>(staging), code, /*gather=*/false);
+    return Enqueue(stream, absl::StrCat("scatter@", StreamName(stream)), [=] {
+      return Stage(chunks, n, const_cast<void*>(staging), code, /*gather=*/false);
+    });
   }
-  absl::Status AllReduce(void* buffer, size_t count, Reduce op, int32_t code, int divisor,
-                         void*) override {
-    const std::string name = op == Reduce::kLayoutMax   ? std::string("check")
-                             : op == Reduce::kCommitSum ? std::string("commit")
+  absl::Status AllReduce(void* buffer, size_t count, FakeReduce op, int32_t code, int divisor,
+                         void* stream) override {
+    const std::string name = op == FakeReduce::kLayoutMax   ? std::string("check")
+                             : op == FakeReduce::kCommitSum ? std::string("commit")
                                                         : absl::StrCat("avg", count);
     log.push_back(name);
     if (aborted) return absl::InternalError("communicator aborted");
-    if (op == Reduce::kAverage && fail_averages > 0) {
+    if (op == FakeReduce::kAverage && fail_averages > 0) {
       --fail_averages;
       return absl::InternalError("ncclAllReduce failed (simulated)");
     }
-    if (op == Reduce::kAverage) last_average_ = {buffer, count * StagingCodeSize(code)};
-    if (op == Reduce::kCommitSum && skip_commits > 0) {
+    if (op == FakeReduce::kAverage) last_average_ = {buffer, count * StagingCodeSize(code)};
+    if (op == FakeReduce::kCommitSum && skip_commits > 0) {
       // This member never issues the commit (it died, or hangs, right after the data).
       --skip_commits;
       return absl::UnavailableError("the commit was never issued (simulated)");
     }
     ops.push_back(name);
-    return world_->Collective(member_, seq_++, Post{op, count, code, buffer, divisor});
+    const int64_t seq = seq_++;
+    const Post post{op, count, code, buffer, divisor};
+    return Enqueue(stream, absl::StrCat(name, "@", StreamName(stream)), [this, seq, post] {
+      if (aborted) return absl::InternalError("communicator aborted");
+      absl::Status s = world_->Collective(member_, seq, post);
+      if (!s.ok() && async_error_.ok()) async_error_ = s;
+      return absl::OkStatus();
+    });
   }
-  absl::Status Wait(void*, const char* what) override {
+  absl::Status Wait(void* stream, const char* what) override {
     log.push_back("wait");
     if (aborted) return absl::InternalError("communicator aborted");
+    MODELAVG_RETURN_IF_ERROR(Drain(stream));
+    if (!async_error_.ok()) return async_error_;
     if (fail_average_waits > 0 && std::string(what) == "ncclAllReduce") {
       // The collective ran (its peers have their result) but failed here: NCCL leaves the
       // buffer partly reduced.
@@ -230,27 +271,67 @@ class FakeOps : public NcclDeviceOps {
     }
     return absl::OkStatus();
   }
-  absl::Status WaitLocal(void*, const char*) override {
+  absl::Status WaitLocal(void* stream, const char*) override {
     log.push_back("wait_local");
-    return absl::OkStatus();
+    return Drain(stream);
   }
   void AbortCommunicator() override { aborted = true; }
   // The outer optimizer's kernels (nccl_outer_kernels.cu), element by element with the same
   // arithmetic: every operation in the state dtype S, rounded on its own.
   absl::Status OuterDifference(const StagingChunk* chunks, int64_t n, const void* anchor,
-                               void* gradient, int32_t code, void*) override {
+                               void* gradient, int32_t code, void* stream) override {
     log.push_back("outer_difference");
     if (!Live(chunks, n * sizeof(StagingChunk))) return Illegal("chunk table");
-    return code == kStageF64 ? Difference<double>(chunks, n, anchor, gradient)
-                             : Difference<float>(chunks, n, anchor, gradient);
+    return Enqueue(stream, "outer_difference", [this, chunks, n, anchor, gradient, code] {
+      return code == kStageF64 ? Difference<double>(chunks, n, anchor, gradient)
+                               : Difference<float>(chunks, n, anchor, gradient);
+    });
   }
   absl::Status OuterStep(const StagingChunk* chunks, int64_t n, const OuterStepArgs& args,
-                         void*) override {
+                         void* stream) override {
     log.push_back("outer_step");
     if (!Live(chunks, n * sizeof(StagingChunk))) return Illegal("chunk table");
-    return args.state_code == kStageF64 ? SgdStep<double>(chunks, n, args)
-                                        : SgdStep<float>(chunks, n, args);
+    return Enqueue(stream, "outer_step", [this, chunks, n, args] {
+      return args.state_code == kStageF64 ? SgdStep<double>(chunks, n, args)
+                                          : SgdStep<float>(chunks, n, args);
+    });
   }
+
+  absl::Status CreateStream(void** stream) override {
+    streams_.push_back(std::make_unique<int>(static_cast<int>(streams_.size()) + 1));
+    *stream = streams_.back().get();
+    return absl::OkStatus();
+  }
+  void DestroyStream(void* stream) override {
+    DrainAll();
+    EXPECT_TRUE(queues_[stream].empty());
+    ++destroyed_streams;
+  }
+  absl::Status CreateEvent(void** event) override {
+    events_.push_back(std::make_unique<Event>());
+    *event = events_.back().get();
+    return absl::OkStatus();
+  }
+  void DestroyEvent(void*) override { ++destroyed_events; }
+  absl::Status RecordEvent(void* event, void* stream) override {
+    auto* e = static_cast<Event*>(event);
+    const int64_t version = ++e->recorded;
+    return Enqueue(stream, "record", [e, version] {
+      e->fired = std::max(e->fired, version);
+      return absl::OkStatus();
+    });
+  }
+  absl::Status StreamWaitEvent(void* stream, void* event) override {
+    auto* e = static_cast<Event*>(event);
+    Op op;
+    op.name = "wait_event";
+    op.event = e;
+    op.version = e->recorded;  // the last record at the time of the call, as CUDA's
+    op.run = [] { return absl::OkStatus(); };
+    queues_[stream].push_back(std::move(op));
+    return absl::OkStatus();
+  }
+
   // The caller's tensors (which are not device allocations of this fake): Zero may write them.
   void SetParams(const void* p, size_t bytes) { params_ = {p, bytes}; }
 
@@ -262,12 +343,85 @@ class FakeOps : public NcclDeviceOps {
   int skip_commits = 0;        // the next this many commits are not issued by this member
   int mallocs = 0;
   int host_mallocs = 0;  // of which pinned host memory
+  int gathers = 0;
+  int destroyed_streams = 0;
+  int destroyed_events = 0;
   bool aborted = false;
   bool illegal = false;
-  std::vector<std::string> ops;  // the collectives this member issued
-  std::vector<std::string> log;  // every operation, in order
+  bool deadlock = false;  // a wait found no stream able to run (an event never recorded)
+  Policy policy = Policy::kCallerFirst;
+  std::vector<std::string> ops;   // the collectives this member issued
+  std::vector<std::string> log;   // every operation, in the order enqueued
+  std::vector<std::string> exec;  // every operation that ran, in the order it ran
 
  private:
+  struct Event {
+    int64_t recorded = 0;
+    int64_t fired = 0;
+  };
+  struct Op {
+    std::string name;
+    std::function<absl::Status()> run;
+    Event* event = nullptr;  // a wait: ready once event->fired >= version
+    int64_t version = 0;
+  };
+
+  std::string StreamName(void* stream) const {
+    return stream == nullptr ? "caller" : absl::StrCat("s", *static_cast<int*>(stream));
+  }
+  absl::Status Enqueue(void* stream, std::string name, std::function<absl::Status()> run) {
+    Op op;
+    op.name = std::move(name);
+    op.run = std::move(run);
+    queues_[stream].push_back(std::move(op));
+    return absl::OkStatus();
+  }
+  bool Ready(void* stream) {
+    auto it = queues_.find(stream);
+    if (it == queues_.end() || it->second.empty()) return false;
+    const Op& head = it->second.front();
+    return head.event == nullptr || head.event->fired >= head.version;
+  }
+  void RunHead(void* stream) {
+    Op op = std::move(queues_[stream].front());
+    queues_[stream].pop_front();
+    if (op.event == nullptr) exec.push_back(op.name);
+    absl::Status s = op.run();
+    if (!s.ok() && local_error_.ok()) local_error_ = s;
+  }
+  // Runs work until `stream` is empty.
+  absl::Status Drain(void* stream) {
+    while (!queues_[stream].empty()) {
+      void* next = nullptr;
+      bool found = false;
+      if (policy == Policy::kCallerFirst && Ready(stream)) {
+        next = stream;
+        found = true;
+      }
+      for (auto& [s, q] : queues_) {
+        if (found) break;
+        if (s != stream && Ready(s)) {
+          next = s;
+          found = true;
+        }
+      }
+      if (!found && Ready(stream)) {
+        next = stream;
+        found = true;
+      }
+      if (!found) {
+        deadlock = true;
+        return absl::InternalError("a stream waits for an event that never fires");
+      }
+      RunHead(next);
+    }
+    return local_error_;
+  }
+  void DrainAll() {
+    for (auto& [s, q] : queues_) {
+      if (!q.empty()) Drain(s).IgnoreError();
+    }
+  }
   bool IsParams(const void* p, size_t bytes) const {
     const char* b = static_cast<const char*>(params_.first);
     const char* q = static_cast<const char*>(p);
@@ -353,6 +507,11 @@ class FakeOps : public NcclDeviceOps {
   std::map<void*, size_t> live_;
   std::pair<void*, size_t> last_average_{nullptr, 0};
   std::pair<const void*, size_t> params_{nullptr, 0};
+  std::map<void*, std::deque<Op>> queues_;
+  std::vector<std::unique_ptr<Event>> events_;
+  std::vector<std::unique_ptr<int>> streams_;
+  absl::Status async_error_;  // a collective's failure, reported by the next Wait
+  absl::Status local_error_;  // a local operation's failure (an illegal access)
 };
 
 // Host memory standing in for one member's CUDA tensors.
@@ -395,6 +554,21 @@ struct Params {
     return p;
   }
   // One buffer of one dtype (the zero-copy path).
+  // Separately allocated tensors, each starting `shift` bytes past a 16-byte boundary (a
+  // multiple of its element size): the kernels' unaligned path.
+  static Params Misaligned(const std::vector<std::pair<DType, int64_t>>& spec) {
+    Params p;
+    p.storage.reserve(spec.size());
+    for (size_t t = 0; t < spec.size(); ++t) {
+      const auto& [dtype, n] = spec[t];
+      p.storage.emplace_back(DTypeSize(dtype) * n + 64);
+      char* base = p.storage.back().data();
+      char* aligned = base + ((16 - reinterpret_cast<uintptr_t>(base) % 16) % 16);
+      const size_t shift = DTypeSize(dtype) * (1 + t % 3) % 16;
+      p.views.push_back(TensorView{aligned + shift, n, dtype, Device::Cuda(0), nullptr});
+    }
+    return p;
+  }
   static Params Contiguous(DType dtype, const std::vector<int64_t>& numels) {
     Params p;
     int64_t total = 0;

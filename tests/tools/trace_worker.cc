@@ -81,6 +81,10 @@ ABSL_FLAG(bool, print_traffic, false,
 ABSL_FLAG(int64_t, testing_sleep_at_step, -1,
           "tests: before the call of this step, sleep --testing_sleep_ms (a slow peer)");
 ABSL_FLAG(int64_t, testing_sleep_ms, 0, "see --testing_sleep_at_step");
+ABSL_FLAG(int64_t, cuda_gap_elems, 0,
+          "--backend=nccl with --tensors > 1: leave this many unused float32 elements between "
+          "consecutive tensors in device memory, so that they are not back to back (the NCCL "
+          "staged path; an odd gap also misaligns them)");
 ABSL_FLAG(int32_t, tensors, 1,
           "pass the parameters as this many tensors (numel split as evenly as possible, the "
           "first ones one element larger), tensor t starting at the rank's number and getting "
@@ -134,8 +138,10 @@ int32_t joined_rank = -1;
 class Parameters {
  public:
   // With `cuda`, the parameters live on device rank % (number of devices).
+  // `extra_elems`: device room for the gaps of SetGaps.
   static absl::StatusOr<std::unique_ptr<Parameters>> Create(bool cuda, int64_t numel, float initial,
-                                                            int32_t rank) {
+                                                            int32_t rank,
+                                                            int64_t extra_elems = 0) {
     auto p = std::unique_ptr<Parameters>(new Parameters(cuda, numel, initial));
     if (cuda) {
 #ifdef MODELAVG_HAVE_CUDA
@@ -147,7 +153,8 @@ class Parameters {
       }
       p->device_index_ = rank % count;
       MODELAVG_CUDA_RETURN_IF_ERROR(cudaSetDevice(p->device_index_));
-      MODELAVG_CUDA_RETURN_IF_ERROR(cudaMalloc(&p->device_, numel * sizeof(float)));
+      MODELAVG_CUDA_RETURN_IF_ERROR(
+          cudaMalloc(&p->device_, (numel + extra_elems) * sizeof(float)));
 #else
       return absl::FailedPreconditionError(
           "--backend=nccl: this build has no CUDA/NCCL support (configure with "
@@ -164,6 +171,15 @@ class Parameters {
 
   std::vector<float>& host() { return host_; }
 
+  // Device memory only: tensor t (host elements [first_of[t], first_of[t + 1])) sits at device
+  // element first_of[t] + t * gap.
+  void SetGaps(std::vector<int64_t> first_of, int64_t gap) {
+    first_of_ = std::move(first_of);
+    gap_ = gap;
+  }
+  // Where host element `i` of tensor `t` lives in the view's buffer.
+  int64_t DeviceOffset(int32_t t, int64_t i) const { return i + t * gap_; }
+
   // The view to average: the host vector, or the device copy after uploading the host values.
   absl::StatusOr<client::TensorView> Upload() {
     client::TensorView view;
@@ -175,8 +191,15 @@ class Parameters {
       return view;
     }
 #ifdef MODELAVG_HAVE_CUDA
-    MODELAVG_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(device_, host_.data(), host_.size() * sizeof(float), cudaMemcpyHostToDevice));
+    if (gap_ == 0) {
+      MODELAVG_CUDA_RETURN_IF_ERROR(cudaMemcpy(device_, host_.data(), host_.size() * sizeof(float),
+                                               cudaMemcpyHostToDevice));
+    }
+    for (size_t t = 0; gap_ > 0 && t + 1 < first_of_.size(); ++t) {
+      MODELAVG_CUDA_RETURN_IF_ERROR(cudaMemcpy(
+          static_cast<float*>(device_) + DeviceOffset(t, first_of_[t]), host_.data() + first_of_[t],
+          (first_of_[t + 1] - first_of_[t]) * sizeof(float), cudaMemcpyHostToDevice));
+    }
 #endif
     view.data = device_;
     view.device = client::Device::Cuda(device_index_);
@@ -187,8 +210,16 @@ class Parameters {
   absl::Status Download() {
     if (!cuda_) return absl::OkStatus();
 #ifdef MODELAVG_HAVE_CUDA
-    MODELAVG_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(host_.data(), device_, host_.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    if (gap_ == 0) {
+      MODELAVG_CUDA_RETURN_IF_ERROR(cudaMemcpy(host_.data(), device_, host_.size() * sizeof(float),
+                                               cudaMemcpyDeviceToHost));
+    }
+    for (size_t t = 0; gap_ > 0 && t + 1 < first_of_.size(); ++t) {
+      MODELAVG_CUDA_RETURN_IF_ERROR(cudaMemcpy(
+          host_.data() + first_of_[t],
+          static_cast<float*>(device_) + DeviceOffset(t, first_of_[t]),
+          (first_of_[t + 1] - first_of_[t]) * sizeof(float), cudaMemcpyDeviceToHost));
+    }
 #endif
     return absl::OkStatus();
   }
@@ -201,6 +232,8 @@ class Parameters {
   std::vector<float> host_;
   void* device_ = nullptr;
   int device_index_ = 0;
+  std::vector<int64_t> first_of_;
+  int64_t gap_ = 0;
 };
 
 // The --save_state file: text, every float as a hexadecimal literal (exact).
@@ -411,9 +444,15 @@ absl::Status Run() {
   joined_rank = rank;
   client->FailCommitForTesting(absl::GetFlag(FLAGS_testing_fail_commit_at_step));
   const int64_t die_after = absl::GetFlag(FLAGS_testing_die_after_step);
+  const int64_t gap = absl::GetFlag(FLAGS_cuda_gap_elems);
+  if (gap < 0 || (gap > 0 && backend != "nccl")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--cuda_gap_elems=", gap, ": must be >= 0, and is for --backend=nccl only"));
+  }
   MODELAVG_ASSIGN_OR_RETURN(
       std::unique_ptr<Parameters> params,
-      Parameters::Create(backend == "nccl", numel, static_cast<float>(rank), rank));
+      Parameters::Create(backend == "nccl", numel, static_cast<float>(rank), rank,
+                         gap * absl::GetFlag(FLAGS_tensors)));
   std::unique_ptr<client::ModelAverager> averager;
   if (client->schedule().spec().mode == AveragingMode::kPeriodic) {
     MODELAVG_ASSIGN_OR_RETURN(averager, client::PeriodicModelAverager::Create(client.get()));
@@ -458,6 +497,7 @@ absl::Status Run() {
   for (int32_t t = 0; t < tensors; ++t) {
     first_of[t + 1] = first_of[t] + numel / tensors + (t < numel % tensors ? 1 : 0);
   }
+  params->SetGaps(first_of, gap);
   const int64_t sleep_at = absl::GetFlag(FLAGS_testing_sleep_at_step);
   for (int64_t step = first_step; step < steps; ++step) {
     if (step_delay > absl::ZeroDuration()) absl::SleepFor(step_delay);
@@ -475,7 +515,7 @@ absl::Status Run() {
     std::vector<client::TensorView> views;
     for (int32_t t = 0; t < tensors; ++t) {
       client::TensorView v = view;
-      v.data = static_cast<float*>(view.data) + first_of[t];
+      v.data = static_cast<float*>(view.data) + params->DeviceOffset(t, first_of[t]);
       v.numel = first_of[t + 1] - first_of[t];
       views.push_back(v);
     }
@@ -534,7 +574,8 @@ absl::Status Run() {
     if (replacement && step == first_step) absl::StrAppend(&line, ", \"admitted\": true");
     if (print_unix_ms) {
       absl::StrAppend(&line, ", \"unix_ms\": ", absl::ToUnixMillis(absl::Now()),
-                      ", \"call_ms\": ", absl::ToInt64Milliseconds(call_time));
+                      ", \"call_ms\": ", absl::ToInt64Milliseconds(call_time),
+                      ", \"call_us\": ", absl::ToInt64Microseconds(call_time));
     }
     std::cout << line << "}" << std::endl;
     if (step == die_after) _exit(9);

@@ -1,11 +1,15 @@
 // The NCCL path's host logic (NcclCore, the staging layout) with simulated members as threads
-// on the fake device of tests/tools/fake_nccl_device.h. Covers the rounds of an elastic
-// job too: the step and divisor agreement, members that contribute nothing, the zero-copy
-// path's backup, the commit and a lost commit's kept result. Runs without a GPU.
+// on the fake device of tests/tools/fake_nccl_device.h. Covers the layout agreed once per
+// communicator (no collective on later calls; a member whose layout changed fails alone and asks
+// for a new generation), the staged path's pipeline (buckets gathered on their own stream, each
+// reduced after its own gather), and the rounds of an elastic job: the step and divisor
+// agreement, members that contribute nothing, the zero-copy path's backup, the commit and a lost
+// commit's kept result. Runs without a GPU.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <map>
 #include <optional>
@@ -18,9 +22,11 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/communicator.h"
+#include "client/error_kind.h"
 #include "client/half.h"
 #include "client/nccl_core.h"
 #include "client/staging_layout.h"
+#include "common/status_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/tools/fake_nccl_device.h"
@@ -34,12 +40,29 @@ using Reduce = NcclDeviceOps::Reduce;
 
 class NcclCoreTest : public ::testing::Test {
  protected:
-  void MakeWorld(int n) {
+  void MakeWorld(int n, size_t bucket_bytes = kStagingBucketBytes,
+                 FakeOps::Policy policy = FakeOps::Policy::kCallerFirst) {
+    cores_.clear();
+    ops_.clear();
+    {
+      absl::MutexLock l(&requests_mu_);
+      requests_.clear();
+    }
     world_ = std::make_unique<FakeWorld>(n);
     for (int m = 0; m < n; ++m) {
       ops_.push_back(std::make_unique<FakeOps>(world_.get(), m));
-      cores_.push_back(std::make_unique<NcclCore>(ops_.back().get(), m, n, 0));
+      ops_.back()->policy = policy;
+      cores_.push_back(std::make_unique<NcclCore>(ops_.back().get(), m, n, 0, bucket_bytes));
       ASSERT_TRUE(cores_.back()->Init().ok());
+      // A member that asks for a new generation gets it: the peers' collectives are aborted.
+      cores_.back()->SetNewGenerationRequest([this, m](const absl::Status& why) {
+        {
+          absl::MutexLock l(&requests_mu_);
+          requests_.emplace_back(m, why);
+        }
+        world_->Abort(absl::AbortedError(
+            absl::StrCat("the job moved to a new generation: member ", m, " failed out")));
+      });
     }
   }
   // One call on every member at once; returns their results.
@@ -130,7 +153,15 @@ class NcclCoreTest : public ::testing::Test {
     return out;
   }
 
+  // The members' requests for a new generation: (member, why).
+  std::vector<std::pair<int, absl::Status>> requests() {
+    absl::MutexLock l(&requests_mu_);
+    return requests_;
+  }
+
   std::unique_ptr<FakeWorld> world_;
+  absl::Mutex requests_mu_;
+  std::vector<std::pair<int, absl::Status>> requests_ ABSL_GUARDED_BY(requests_mu_);
   std::vector<std::unique_ptr<FakeOps>> ops_;
   std::vector<std::unique_ptr<NcclCore>> cores_;
 };
@@ -203,48 +234,147 @@ TEST_F(NcclCoreTest, MixedDTypes_ThreeMembers_StagedAverageMatchesHostReference)
   EXPECT_FALSE(cores_[0]->last_was_zero_copy());
 }
 
-TEST_F(NcclCoreTest, LayoutChangesOnOneMemberOnly_BothRunTheCheck_InvalidArgumentOnBoth) {
-  MakeWorld(2);
-  std::vector<Params> params = {Params::Separate({{DType::kFloat32, 4}, {DType::kFloat32, 6}}),
-                                Params::Separate({{DType::kFloat32, 4}, {DType::kFloat32, 6}})};
+TEST_F(NcclCoreTest, SameLayoutAgain_NoAgreementCollective_OnlyTheDataAllReduce) {
+  MakeWorld(3);
+  std::vector<Params> params = {Params::Separate(kMixed), Params::Separate(kMixed),
+                                Params::Separate(kMixed)};
   FillAll(params);
   for (const absl::Status& s : RunAll(params)) ASSERT_TRUE(s.ok()) << s;
-  // Member 0 passes one more element; member 1's layout is as before.
-  std::vector<Params> changed = {
-      Params::Separate({{DType::kFloat32, 4}, {DType::kFloat32, 7}}),
-      Params::Separate({{DType::kFloat32, 4}, {DType::kFloat32, 6}})};
-  for (const absl::Status& s : RunAll(changed)) {
-    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-    EXPECT_THAT(std::string(s.message()), HasSubstr("different parameter layouts"));
+  for (int m = 0; m < 3; ++m) {
+    EXPECT_TRUE(cores_[m]->layout_agreed());
+    EXPECT_EQ(ops_[m]->ops.front(), "check") << "the first call agrees";
+    ops_[m]->ops.clear();
+  }
+  // The same layout in other buffers (a fresh copy): compared locally, no collective but the
+  // data's.
+  for (int call = 0; call < 3; ++call) {
+    std::vector<Params> again = {Params::Separate(kMixed), Params::Separate(kMixed),
+                                 Params::Separate(kMixed)};
+    FillAll(again);
+    for (const absl::Status& s : RunAll(again)) ASSERT_TRUE(s.ok()) << s;
+    ExpectAveraged(again);
   }
   ExpectNoHangMismatchOrIllegal();
-  EXPECT_EQ(ops_[0]->ops, ops_[1]->ops) << "the members issued different collectives";
-  // Back to the common layout: averaging works on both.
-  FillAll(params);
-  for (const absl::Status& s : RunAll(params)) EXPECT_TRUE(s.ok()) << s;
-  ExpectNoHangMismatchOrIllegal();
-  ExpectAveraged(params);
+  for (int m = 0; m < 3; ++m) {
+    EXPECT_FALSE(ops_[m]->ops.empty());
+    for (const std::string& op : ops_[m]->ops) {
+      EXPECT_EQ(op.rfind("avg", 0), 0u) << "member " << m << " issued " << op;
+    }
+  }
+  EXPECT_TRUE(requests().empty());
 }
 
-TEST_F(NcclCoreTest, DTypeChangesOnOneMemberOnly_InvalidArgumentOnBoth) {
-  MakeWorld(2);
-  std::vector<Params> params = {Params::Contiguous(DType::kFloat32, {8}),
-                                Params::Contiguous(DType::kFloat32, {8})};
+// A member whose layout changed after the agreement: it fails loudly, asks for a new
+// generation, and never enters a collective its peers do not; the peers' data all-reduce is
+// aborted (by the generation move), not left hanging or mixed.
+struct LayoutChange {
+  const char* name;
+  std::function<Params()> before;
+  std::function<Params()> after;
+};
+
+class NcclCoreLayoutChangeTest : public NcclCoreTest,
+                                 public ::testing::WithParamInterface<LayoutChange> {};
+
+TEST_P(NcclCoreLayoutChangeTest, OnOneMember_ItFailsWithLayoutMismatchAndAsksForANewGeneration) {
+  const LayoutChange& c = GetParam();
+  MakeWorld(3);
+  std::vector<Params> params = {c.before(), c.before(), c.before()};
+  FillAll(params);
   for (const absl::Status& s : RunAll(params)) ASSERT_TRUE(s.ok()) << s;
-  params[0] = Params::Contiguous(DType::kFloat64, {8});
-  for (const absl::Status& s : RunAll(params)) {
-    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  for (auto& o : ops_) o->ops.clear();
+  std::vector<Params> changed = {c.before(), c.after(), c.before()};
+  FillAll(changed);
+  std::vector<std::vector<std::string>> before;
+  for (const Params& p : changed) before.push_back(Bytes(p));
+  const std::vector<absl::Status> r = RunAll(changed);
+  EXPECT_EQ(r[1].code(), absl::StatusCode::kInvalidArgument) << r[1];
+  EXPECT_EQ(ErrorKindOf(r[1]), ErrorKind::kLayoutMismatch) << r[1];
+  EXPECT_THAT(std::string(r[1].message()), HasSubstr("layout changed after"));
+  EXPECT_TRUE(ops_[1]->ops.empty()) << "the changed member entered a collective";
+  EXPECT_TRUE(ops_[1]->aborted) << "its communicator is aborted";
+  const auto req = requests();
+  ASSERT_EQ(req.size(), 1u) << "exactly one request for a new generation";
+  EXPECT_EQ(req[0].first, 1);
+  EXPECT_EQ(ErrorKindOf(req[0].second), ErrorKind::kLayoutMismatch);
+  for (int m : {0, 2}) {
+    EXPECT_EQ(r[m].code(), absl::StatusCode::kAborted) << "member " << m << ": " << r[m];
+    EXPECT_THAT(std::string(r[m].message()), HasSubstr("new generation"));
+    EXPECT_EQ(ops_[m]->ops.size(), 1u) << "member " << m << ": only the data all-reduce";
+    EXPECT_FALSE(cores_[m]->broken().ok());
+    if (!cores_[m]->last_was_zero_copy()) {
+      EXPECT_EQ(Bytes(changed[m]), before[m]) << "member " << m << ": staged tensors untouched";
+    }
   }
-  ExpectNoHangMismatchOrIllegal();
+  EXPECT_FALSE(world_->mismatch()) << "the members issued different collectives";
+  EXPECT_FALSE(world_->hang()) << "a peer was left waiting instead of aborted";
+  EXPECT_EQ(cores_[1]->Run(changed[1].views).code(), absl::StatusCode::kInvalidArgument)
+      << "the changed member's communicator stays failed";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Changes, NcclCoreLayoutChangeTest,
+    ::testing::Values(
+        LayoutChange{"OneMoreElement",
+                     [] { return Params::Separate({{DType::kFloat32, 4}, {DType::kFloat32, 6}}); },
+                     [] { return Params::Separate({{DType::kFloat32, 4}, {DType::kFloat32, 7}}); }},
+        LayoutChange{"SameTotalOtherSizes",
+                     [] { return Params::Separate({{DType::kFloat32, 4}, {DType::kFloat32, 6}}); },
+                     [] { return Params::Separate({{DType::kFloat32, 5}, {DType::kFloat32, 5}}); }},
+        LayoutChange{"ZeroCopyDTypeChanges",
+                     [] { return Params::Contiguous(DType::kFloat32, {8}); },
+                     [] { return Params::Contiguous(DType::kFloat64, {8}); }},
+        LayoutChange{"StagedDTypeChangesSameStagingCode",
+                     [] { return Params::Separate({{DType::kFloat16, 8}, {DType::kFloat32, 8}}); },
+                     [] { return Params::Separate({{DType::kBFloat16, 8}, {DType::kFloat32, 8}}); }},
+        LayoutChange{"OneTensorFewer", [] { return Params::Separate(kMixed); },
+                     [] {
+                       auto fewer = kMixed;
+                       fewer.pop_back();
+                       return Params::Separate(fewer);
+                     }}),
+    [](const ::testing::TestParamInfo<LayoutChange>& i) { return std::string(i.param.name); });
+
+TEST_F(NcclCoreTest, LocalFailureAfterTheAgreement_FailsAloneAndAsksForANewGeneration) {
+  MakeWorld(2);
+  std::vector<Params> params = {Params::Separate({{DType::kFloat32, 4}}),
+                                Params::Separate({{DType::kFloat32, 4}})};
+  for (const absl::Status& s : RunAll(params)) ASSERT_TRUE(s.ok()) << s;
+  params[0].views[0].device = Device::Host();
+  const std::vector<absl::Status> r = RunAll(params);
+  EXPECT_EQ(r[0].code(), absl::StatusCode::kInvalidArgument) << r[0];
+  EXPECT_THAT(std::string(r[0].message()), HasSubstr("tensor 0 is on host"));
+  EXPECT_EQ(r[1].code(), absl::StatusCode::kAborted) << r[1];
+  ASSERT_EQ(requests().size(), 1u);
+  EXPECT_EQ(requests()[0].first, 0);
+  EXPECT_FALSE(world_->mismatch());
+  EXPECT_FALSE(world_->hang());
+}
+
+TEST_F(NcclCoreTest, WorldOfOne_LayoutChanges_AgreesAgainAndStaysUsable) {
+  MakeWorld(1);
+  std::vector<Params> a = {Params::Separate({{DType::kFloat32, 4}})};
+  std::vector<Params> b = {Params::Separate({{DType::kFloat32, 4}, {DType::kFloat16, 9}})};
+  for (int call = 0; call < 2; ++call) {
+    FillAll(a);
+    FillAll(b);
+    for (const absl::Status& s : RunAll(a)) ASSERT_TRUE(s.ok()) << s;
+    for (const absl::Status& s : RunAll(b)) ASSERT_TRUE(s.ok()) << s;
+    ExpectAveraged(a);
+    ExpectAveraged(b);
+  }
+  // A local error is carried in the agreement, as at a first call: still usable.
+  std::vector<Params> bad = a;
+  bad[0].views[0].device = Device::Host();
+  EXPECT_EQ(RunAll(bad)[0].code(), absl::StatusCode::kInvalidArgument);
+  for (const absl::Status& s : RunAll(a)) ASSERT_TRUE(s.ok()) << s;
+  EXPECT_TRUE(requests().empty());
+  EXPECT_TRUE(cores_[0]->broken().ok());
 }
 
 TEST_F(NcclCoreTest, StagingMallocFailsOnOneMember_EveryMemberErrsWithoutHang_NextCallAverages) {
   MakeWorld(2);
-  std::vector<Params> small = {Params::Separate({{DType::kFloat32, 3}, {DType::kFloat32, 5}}),
-                               Params::Separate({{DType::kFloat32, 3}, {DType::kFloat32, 5}})};
-  FillAll(small);
-  for (const absl::Status& s : RunAll(small)) ASSERT_TRUE(s.ok()) << s;
-  // A larger layout needs a larger staging buffer: member 1's cudaMalloc fails.
+  // At the first call (the agreement): member 1's cudaMalloc of the staging buffer fails.
   const std::vector<std::pair<DType, int64_t>> big = {{DType::kFloat32, 1000},
                                                       {DType::kFloat32, 3000}};
   std::vector<Params> params = {Params::Separate(big), Params::Separate(big)};
@@ -396,8 +526,18 @@ TEST_F(NcclCoreTest, PlainRound_CostsWhatItCostBefore_NoBackupNoCommit) {
   for (int m = 0; m < 2; ++m) {
     EXPECT_EQ(ops_[m]->log, kPlainZeroCopyOps) << "member " << m;
     EXPECT_EQ(cores_[m]->backup().data(), nullptr) << "a plain round allocates no backup";
+    ops_[m]->log.clear();
   }
-  // Staged, same layout as the last call: gather, the check, the all-reduce, the scatter.
+  // Once agreed, a call is the data all-reduce and its wait: nothing else.
+  FillAll(params);
+  for (const Result& r : RunRound(params, RoundOptions{})) ASSERT_TRUE(r.status.ok()) << r.status;
+  for (int m = 0; m < 2; ++m) {
+    EXPECT_EQ(ops_[m]->log, (std::vector<std::string>{"avg79", "wait"})) << "member " << m;
+  }
+  ExpectAveraged(params);
+  // Staged (a new communicator), same layout as its first call: the gather, the all-reduce,
+  // the scatter.
+  MakeWorld(2);
   std::vector<Params> staged = {
       Params::Separate({{DType::kFloat32, 3}, {DType::kFloat16, 5}}),
       Params::Separate({{DType::kFloat32, 3}, {DType::kFloat16, 5}})};
@@ -407,8 +547,8 @@ TEST_F(NcclCoreTest, PlainRound_CostsWhatItCostBefore_NoBackupNoCommit) {
   ops_[0]->log.clear();
   FillAll(staged);
   for (const Result& r : RunRound(staged, RoundOptions{})) ASSERT_TRUE(r.status.ok()) << r.status;
-  EXPECT_EQ(ops_[0]->log, (std::vector<std::string>{"gather", "copy88", "check", "copy88",
-                                                    "wait", "avg9", "wait", "scatter", "wait"}));
+  EXPECT_EQ(ops_[0]->log,
+            (std::vector<std::string>{"gather", "avg9", "wait", "scatter", "wait"}));
   EXPECT_EQ(ops_[0]->mallocs, mallocs);
   ExpectNoHangMismatchOrIllegal();
   ExpectAveraged(staged);
@@ -433,7 +573,9 @@ TEST_F(NcclCoreTest, CommittedRound_CostsOneBackupCopyAndOneOneWordAllReduce) {
   EXPECT_EQ(ops_[0]->ops, (std::vector<std::string>{"check", "avg79", "commit"}));
   EXPECT_EQ(ops_[1]->ops, ops_[0]->ops);
   EXPECT_GE(cores_[0]->backup().capacity(), 316u);
-  // Staged: no backup (the tensors are only written on success), the commit only.
+  // Staged (a new communicator): no backup (the tensors are only written on success), the
+  // commit only.
+  MakeWorld(2);
   std::vector<Params> staged = {
       Params::Separate({{DType::kFloat32, 3}, {DType::kFloat16, 5}}),
       Params::Separate({{DType::kFloat32, 3}, {DType::kFloat16, 5}})};
@@ -446,9 +588,8 @@ TEST_F(NcclCoreTest, CommittedRound_CostsOneBackupCopyAndOneOneWordAllReduce) {
     EXPECT_EQ(r.outcome, RoundOutcome::kCompleted);
   }
   EXPECT_EQ(ops_[0]->log,
-            (std::vector<std::string>{"gather", "copy88", "check", "copy88", "wait", "avg9", "wait",
-                                      "copy8", "commit", "copy8", "wait", "scatter",
-                                      "wait_local"}));
+            (std::vector<std::string>{"gather", "avg9", "wait", "copy8", "commit", "copy8", "wait",
+                                      "scatter", "wait_local"}));
   ExpectNoHangMismatchOrIllegal();
   ExpectAveraged(staged);
 }
@@ -718,6 +859,175 @@ TEST_F(NcclCoreTest, MemberThatNeverConfirms_EveryOtherMemberHoldsTheResult_None
     EXPECT_EQ(r[m].outcome, RoundOutcome::kFailedHoldingResult) << "member " << m;
     EXPECT_EQ(Bytes(params[m]), before[m]) << "member " << m;
   }
+}
+
+// ---- The staged path's pipeline: gathers bucket by bucket on a stream of their own, each
+// ---- bucket's all-reduce after its own gather only.
+
+// 256 tensors of mixed sizes (1 to ~3 buckets each at a 4 KiB bucket) in `dtypes`, in turn.
+std::vector<std::pair<DType, int64_t>> ManyTensors(const std::vector<DType>& dtypes) {
+  std::vector<std::pair<DType, int64_t>> out;
+  for (int t = 0; t < 256; ++t) {
+    const int64_t n = 1 + (t * 37) % 97 + (t % 16 == 0 ? 3000 : 0);
+    out.emplace_back(dtypes[t % dtypes.size()], n);
+  }
+  return out;
+}
+
+struct PipelineCase {
+  const char* name;
+  std::vector<DType> dtypes;
+  FakeOps::Policy policy;
+};
+
+class NcclCorePipelineTest : public NcclCoreTest,
+                             public ::testing::WithParamInterface<PipelineCase> {};
+
+TEST_P(NcclCorePipelineTest, ManyMisalignedTensors_EveryCall_MatchesTheReference) {
+  const PipelineCase& c = GetParam();
+  MakeWorld(3, /*bucket_bytes=*/4096, c.policy);
+  const auto spec = ManyTensors(c.dtypes);
+  const bool sixteen = c.dtypes.size() == 1 && c.dtypes[0] == DType::kFloat16;
+  for (int call = 0; call < 3; ++call) {
+    std::vector<Params> params = {Params::Misaligned(spec), Params::Misaligned(spec),
+                                  Params::Misaligned(spec)};
+    FillAll(params);
+    for (const absl::Status& s : RunAll(params)) ASSERT_TRUE(s.ok()) << s;
+    ExpectNoHangMismatchOrIllegal();
+    // NCCL's ncclAvg multiplies each input by a rounded 1/3 and rounds the sum per member: a
+    // few ulps of the reduction dtype (float16 for float16, float32 otherwise).
+    ExpectAveraged(params, sixteen ? 4 : 2);
+  }
+  for (int m = 0; m < 3; ++m) {
+    EXPECT_FALSE(ops_[m]->deadlock);
+    int gathers_on_own_stream = 0;
+    for (const std::string& op : ops_[m]->exec) {
+      if (op.rfind("gather@", 0) == 0) {
+        EXPECT_EQ(op, "gather@s1") << "a gather on the caller's stream";
+        ++gathers_on_own_stream;
+      }
+    }
+    EXPECT_GT(gathers_on_own_stream, 3 * 10) << "more than ten buckets a call";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    DTypesAndOrders, NcclCorePipelineTest,
+    ::testing::Values(
+        PipelineCase{"Float32CallerFirst", {DType::kFloat32}, FakeOps::Policy::kCallerFirst},
+        PipelineCase{"Float32OthersFirst", {DType::kFloat32}, FakeOps::Policy::kOthersFirst},
+        PipelineCase{"BFloat16CallerFirst", {DType::kBFloat16}, FakeOps::Policy::kCallerFirst},
+        PipelineCase{"BFloat16OthersFirst", {DType::kBFloat16}, FakeOps::Policy::kOthersFirst},
+        PipelineCase{"Float16CallerFirst", {DType::kFloat16}, FakeOps::Policy::kCallerFirst},
+        PipelineCase{"Float16OthersFirst", {DType::kFloat16}, FakeOps::Policy::kOthersFirst},
+        PipelineCase{"MixedCallerFirst",
+                     {DType::kFloat32, DType::kBFloat16, DType::kFloat16},
+                     FakeOps::Policy::kCallerFirst},
+        PipelineCase{"MixedOthersFirst",
+                     {DType::kFloat32, DType::kBFloat16, DType::kFloat16},
+                     FakeOps::Policy::kOthersFirst}),
+    [](const ::testing::TestParamInfo<PipelineCase>& i) { return std::string(i.param.name); });
+
+TEST_F(NcclCoreTest, StagedPipeline_BucketKPlusOneIsGatheredWhileBucketKIsReduced) {
+  MakeWorld(2, /*bucket_bytes=*/1024);
+  // 8 float32 tensors of 1000: 32000 bytes in 32 buckets of (at most) 256 elements.
+  const std::vector<std::pair<DType, int64_t>> spec(8, {DType::kFloat32, 1000});
+  std::vector<Params> params = {Params::Separate(spec), Params::Separate(spec)};
+  FillAll(params);
+  for (const absl::Status& s : RunAll(params)) ASSERT_TRUE(s.ok()) << s;
+  for (auto& o : ops_) {
+    o->exec.clear();
+    o->log.clear();
+  }
+  FillAll(params);
+  for (const absl::Status& s : RunAll(params)) ASSERT_TRUE(s.ok()) << s;
+  ExpectNoHangMismatchOrIllegal();
+  ExpectAveraged(params);
+  const std::vector<std::string>& exec = ops_[0]->exec;
+  std::vector<std::string> expected;
+  // The caller's stream runs as soon as it may: bucket k's all-reduce waits for bucket k's
+  // gather and nothing else, so the two streams alternate (on a GPU: they overlap).
+  for (int k = 0; k < 32; ++k) {
+    expected.push_back("gather@s1");
+    expected.push_back("record");
+    expected.push_back(k < 31 ? "avg256@caller" : "avg64@caller");  // 8000 = 31 * 256 + 64
+  }
+  expected.insert(expected.begin(), "record");  // the gathers start after the caller's work
+  expected.push_back("scatter@caller");
+  EXPECT_EQ(exec, expected);
+  EXPECT_EQ(ops_[0]->ops, ops_[1]->ops);
+  EXPECT_EQ(std::count(ops_[0]->log.begin(), ops_[0]->log.end(), "wait"), 2)
+      << "one host wait for the reduction, one for the scatter";
+  // The streams and events go with the core.
+  cores_.clear();
+  EXPECT_EQ(ops_[0]->destroyed_streams, 1);
+  EXPECT_EQ(ops_[0]->destroyed_events, 33);
+}
+
+TEST_F(NcclCoreTest, StagedPipeline_ZeroCopyAndStagedMembers_IssueTheSameBuckets) {
+  MakeWorld(2, /*bucket_bytes=*/64);
+  std::vector<Params> params = {Params::Contiguous(DType::kFloat32, {1, 3, 5, 70}),
+                                Params::Separate({{DType::kFloat32, 1},
+                                                  {DType::kFloat32, 3},
+                                                  {DType::kFloat32, 5},
+                                                  {DType::kFloat32, 70}})};
+  for (int call = 0; call < 2; ++call) {
+    FillAll(params);
+    for (const absl::Status& s : RunAll(params)) ASSERT_TRUE(s.ok()) << s;
+    ExpectNoHangMismatchOrIllegal();
+    ExpectAveraged(params);
+  }
+  // 79 elements, unpadded, in buckets of 16: 16, 16, 16, 16, 15, every call.
+  const std::vector<std::string> call = {"avg16", "avg16", "avg16", "avg16", "avg15"};
+  std::vector<std::string> expected = {"check"};
+  expected.insert(expected.end(), call.begin(), call.end());
+  expected.insert(expected.end(), call.begin(), call.end());
+  EXPECT_EQ(ops_[0]->ops, expected);
+  EXPECT_EQ(ops_[1]->ops, expected);
+}
+
+TEST_F(NcclCoreTest, StagedPipeline_JoiningMember_ReducesZerosWithoutGathers) {
+  MakeWorld(3, /*bucket_bytes=*/256);
+  std::vector<Params> params = {Params::Separate(kMixed), Params::Separate(kMixed),
+                                Params::Separate(kMixed)};
+  FillAll(params);
+  std::vector<RoundOptions> options(3);
+  for (RoundOptions& o : options) o.contributors = 2;
+  options[2].contribute = false;
+  for (const Result& r : RunRound(params, options)) ASSERT_TRUE(r.status.ok()) << r.status;
+  ExpectNoHangMismatchOrIllegal();
+  ExpectMeanOf(params, {0, 1}, 2);
+  EXPECT_EQ(ops_[2]->gathers, 0);
+  EXPECT_GT(ops_[0]->gathers, 1);
+}
+
+TEST(StagingBucketsTest, SplitAtBucketBoundaries_EveryElementOnceInItsBucket) {
+  std::vector<char> dummy(16);
+  std::vector<TensorView> tensors;
+  for (const auto& [dtype, n] : kMixed) {
+    tensors.push_back(TensorView{dummy.data(), n, dtype, Device::Cuda(0)});
+  }
+  StagingLayout layout = BuildStagingLayout(tensors, kStageF32, /*pad=*/true);
+  const int64_t elems = layout.elems;
+  int64_t total = 0;
+  for (const auto& t : tensors) total += t.numel;
+  SplitIntoBuckets(&layout, 1000);
+  ASSERT_EQ(layout.buckets.size(), static_cast<size_t>((elems + 999) / 1000));
+  int64_t covered = 0;
+  for (size_t k = 0; k < layout.buckets.size(); ++k) {
+    const StagingBucket& b = layout.buckets[k];
+    EXPECT_EQ(b.begin, static_cast<int64_t>(k) * 1000);
+    EXPECT_EQ(b.end, std::min<int64_t>(elems, b.begin + 1000));
+    for (int64_t c = b.first_chunk; c < b.first_chunk + b.num_chunks; ++c) {
+      const StagingChunk& ch = layout.chunks[c];
+      EXPECT_GE(ch.staging_offset, b.begin);
+      EXPECT_LE(ch.staging_offset + ch.numel, b.end);
+      covered += ch.numel;
+    }
+  }
+  EXPECT_EQ(covered, total) << "every tensor element gathered exactly once";
+  EXPECT_EQ(BucketRanges(10, 0), (std::vector<std::pair<int64_t, int64_t>>{{0, 10}}));
+  EXPECT_TRUE(BucketRanges(0, 4).empty());
 }
 
 TEST(DecideLayoutTest, SameOnEveryMember) {
