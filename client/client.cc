@@ -344,6 +344,7 @@ void Client::FailOut(const absl::Status& failure) {
     left_ = true;
     stopping_ = true;
   }
+  heartbeat_->Stop();
   v1::LeaveRequest req;
   req.set_job_id(options_.job_id);
   req.set_rank(rank_);
