@@ -314,8 +314,12 @@ absl::StatusOr<Decision> ModelAverager::OuterRound(const Decision& decision,
     Decision done = decision;
     absl::Status s = RunDeviceOuterStep(
         on_device, device_gradient_.get(), params, first_step, joining,
-        [&](absl::Span<const TensorView> tensors) {
+        [&](absl::Span<const TensorView> tensors, int64_t layout_signature) {
+          // The pseudo-gradient's rounds agree on their own layout (nccl_outer.h).
+          const int64_t signature = round_signature_;
+          round_signature_ = signature ^ layout_signature;
           absl::StatusOr<Decision> r = Round(decision, device, tensors);
+          round_signature_ = signature;
           if (r.ok()) done = *r;
           return r.status();
         });

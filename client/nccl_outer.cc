@@ -280,23 +280,24 @@ absl::Status DeviceOuterState::Load(const std::vector<StateTensor>& anchor,
 absl::Status RunDeviceOuterStep(
     DeviceOuterState* state, GrowableBuffer* gradient, absl::Span<const TensorView> params,
     bool first_step, bool joining,
-    const std::function<absl::Status(absl::Span<const TensorView>)>& round) {
+    const std::function<absl::Status(absl::Span<const TensorView>, int64_t layout_signature)>&
+        round) {
   if (joining && !first_step) {
     // The replacement's D is never read (it contributes nothing); the round hands it the state.
     MODELAVG_ASSIGN_OR_RETURN(std::vector<TensorView> d, state->GradientViews(params, gradient));
-    MODELAVG_RETURN_IF_ERROR(round(d));
+    MODELAVG_RETURN_IF_ERROR(round(d, kOuterRoundSignature));
     return state->Step(params, *gradient);
   }
   if (!state->has_anchor()) {
     if (!first_step) return absl::FailedPreconditionError("no outer state for this level");
-    MODELAVG_RETURN_IF_ERROR(round(params));
+    MODELAVG_RETURN_IF_ERROR(round(params, 0));
     return state->SetAnchor(params);
   }
   MODELAVG_RETURN_IF_ERROR(state->CheckLayout(params));
   MODELAVG_ASSIGN_OR_RETURN(std::vector<TensorView> d, state->GradientViews(params, gradient));
   MODELAVG_RETURN_IF_ERROR(state->PseudoGradient(params, *gradient));
   // The parameters and the state change only once the round has succeeded.
-  MODELAVG_RETURN_IF_ERROR(round(d));
+  MODELAVG_RETURN_IF_ERROR(round(d, kOuterRoundSignature));
   return state->Step(params, *gradient);
 }
 

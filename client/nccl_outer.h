@@ -104,12 +104,19 @@ class DeviceOuterState {
 // average of the parameters, after which A := x); `joining`: this member is admitted at this step
 // and contributes no pseudo-gradient (it receives the level's state within `round`, from its
 // donor, then steps). Otherwise D := A - x, `round` all-reduces D, and the SGD step writes A into
-// the parameters. `round` averages the tensors it is given in place (OK: they hold the average).
+// the parameters. `round` averages the tensors it is given in place (OK: they hold the average),
+// mixing `layout_signature` into the layout agreement (RoundOptions::layout_signature): 0 for the
+// parameters, kOuterRoundSignature for the pseudo-gradient's buffer, whose layout differs from
+// the parameters' that the level's first round averaged on the same communicator (every member
+// takes the same steps, so all agree on it afresh alike).
 // A state without an anchor outside the first step is FAILED_PRECONDITION (the caller says why).
 absl::Status RunDeviceOuterStep(
     DeviceOuterState* state, GrowableBuffer* gradient, absl::Span<const TensorView> params,
     bool first_step, bool joining,
-    const std::function<absl::Status(absl::Span<const TensorView>)>& round);
+    const std::function<absl::Status(absl::Span<const TensorView>, int64_t layout_signature)>&
+        round);
+
+inline constexpr int64_t kOuterRoundSignature = 0x6f75746572;  // "outer"
 
 }  // namespace modelavg::client
 

@@ -112,10 +112,11 @@ TEST_P(NcclOuterGpuTest, DeviceOuterSteps_EqualTheHostImplementationBitForBit) {
     int64_t step = s;
     absl::Status d = RunDeviceOuterStep(
         device_state.get(), &gradient, device_views, /*first_step=*/s == 0, false,
-        [&](absl::Span<const TensorView> tensors) {
+        [&](absl::Span<const TensorView> tensors, int64_t layout_signature) {
           RoundOptions o;
           o.step = step;
           o.commit = true;
+          o.layout_signature = layout_signature;
           return (*comm)->AllReduceAverage(tensors, o, nullptr);
         });
     ASSERT_TRUE(d.ok()) << "step " << s << ": " << d;

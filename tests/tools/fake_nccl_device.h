@@ -282,19 +282,19 @@ class FakeOps : public NcclDeviceOps {
                                void* gradient, int32_t code, void* stream) override {
     log.push_back("outer_difference");
     if (!Live(chunks, n * sizeof(StagingChunk))) return Illegal("chunk table");
-    return Enqueue(stream, "outer_difference", [this, chunks, n, anchor, gradient, code] {
-      return code == kStageF64 ? Difference<double>(chunks, n, anchor, gradient)
-                               : Difference<float>(chunks, n, anchor, gradient);
-    });
+    // Run at once, after what `stream` holds: the outer state's device and the communicator's
+    // are separate fakes here (one stream on a GPU), so the pass must not wait in a queue.
+    MODELAVG_RETURN_IF_ERROR(Drain(stream));
+    return code == kStageF64 ? Difference<double>(chunks, n, anchor, gradient)
+                             : Difference<float>(chunks, n, anchor, gradient);
   }
   absl::Status OuterStep(const StagingChunk* chunks, int64_t n, const OuterStepArgs& args,
                          void* stream) override {
     log.push_back("outer_step");
     if (!Live(chunks, n * sizeof(StagingChunk))) return Illegal("chunk table");
-    return Enqueue(stream, "outer_step", [this, chunks, n, args] {
-      return args.state_code == kStageF64 ? SgdStep<double>(chunks, n, args)
-                                          : SgdStep<float>(chunks, n, args);
-    });
+    MODELAVG_RETURN_IF_ERROR(Drain(stream));  // as OuterDifference
+    return args.state_code == kStageF64 ? SgdStep<double>(chunks, n, args)
+                                        : SgdStep<float>(chunks, n, args);
   }
 
   absl::Status CreateStream(void** stream) override {

@@ -144,7 +144,11 @@ class NcclOuterTest : public ::testing::Test {
           out[k] = RunDeviceOuterStep(
               state, &m.gradient, m.params.views, /*first_step=*/!state->has_anchor(),
               /*joining=*/false,
-              [&](absl::Span<const TensorView> tensors) { return core->Run(tensors); });
+              [&](absl::Span<const TensorView> tensors, int64_t layout_signature) {
+                RoundOptions options;
+                options.layout_signature = layout_signature;
+                return core->Run(tensors, options, nullptr);
+              });
         });
       }
       for (auto& t : threads) t.join();
@@ -353,7 +357,7 @@ TEST_F(NcclOuterTest, OtherParameterList_InvalidArgument_NothingChanges) {
   const std::vector<StateTensor> before = m.outer[0]->AnchorTensors();
   const absl::Status s = RunDeviceOuterStep(m.outer[0]->device(), &m.gradient, other.views,
                                             false, false,
-                                            [](absl::Span<const TensorView>) {
+                                            [](absl::Span<const TensorView>, int64_t) {
                                               ADD_FAILURE() << "no round for a bad list";
                                               return absl::OkStatus();
                                             });
@@ -414,7 +418,8 @@ TEST_F(NcclOuterTest, ElasticCommittedRound_JoinerAndLostCommit_EveryMemberFollo
       options.contribute = k != 2;
       out[k] = RunDeviceOuterStep(
           level->device(), &m.gradient, m.params.views, /*first_step=*/false,
-          /*joining=*/k == 2, [&](absl::Span<const TensorView> d) {
+          /*joining=*/k == 2, [&](absl::Span<const TensorView> d, int64_t layout_signature) {
+            options.layout_signature = layout_signature;
             if (k == 2) {
               // The hand-over (ModelAverager::TransferOuterState): the donor's host copies.
               std::vector<StateTensor> mo = m0;
@@ -466,7 +471,9 @@ TEST_F(NcclOuterTest, RoundFails_StateAndParametersUnchanged) {
   const std::vector<StateTensor> mo = m.outer[0]->MomentumTensors();
   const absl::Status s = RunDeviceOuterStep(
       m.outer[0]->device(), &m.gradient, m.params.views, false, false,
-      [](absl::Span<const TensorView>) { return absl::UnavailableError("peer died (test)"); });
+      [](absl::Span<const TensorView>, int64_t) {
+        return absl::UnavailableError("peer died (test)");
+      });
   EXPECT_TRUE(absl::IsUnavailable(s)) << s;
   EXPECT_EQ(Bytes(m.params), before);
   for (size_t t = 0; t < a.size(); ++t) {
