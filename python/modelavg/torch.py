@@ -45,6 +45,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import modelavg as _ma
+from modelavg import _options as _ma_options
 
 __all__ = ["PeriodicModelAverager", "HierarchicalModelAverager", "set_options"]
 
@@ -150,7 +151,7 @@ def _job_client(mode: str, warmup_steps: int, levels_for: Any) -> "_ma.Client":
     """The process's client of the job, creating the job if needed and checking its spec.
     levels_for(world_size) -> the levels the constructor's arguments mean in that world."""
     opts = dict(_options)
-    coordinator = _ma._coordinator(opts.pop("coordinator", None))
+    coordinator = _ma_options._coordinator(opts.pop("coordinator", None))
     job_id = opts.pop("job_id", None) or os.environ.get("MODELAVG_JOB")
     if not job_id:
         raise _ma.InvalidArgumentError(
@@ -158,13 +159,13 @@ def _job_client(mode: str, warmup_steps: int, levels_for: Any) -> "_ma.Client":
     rank = opts.pop("rank", None)
     min_world = opts.pop("min_world_size", None)
     if min_world is None:
-        min_world = _ma._env_int("MODELAVG_MIN_WORLD_SIZE")
-    world_env = _ma._env_int("WORLD_SIZE")
+        min_world = _ma_options._env_int("MODELAVG_MIN_WORLD_SIZE")
+    world_env = _ma_options._env_int("WORLD_SIZE")
     if "gloo_hostname" not in opts and os.environ.get("MODELAVG_GLOO_HOSTNAME"):
         opts["gloo_hostname"] = os.environ["MODELAVG_GLOO_HOSTNAME"]
     if "auth_token" not in opts and os.environ.get("MODELAVG_AUTH_TOKEN"):
         opts["auth_token"] = os.environ["MODELAVG_AUTH_TOKEN"]
-    conn = {k: v for k, v in opts.items() if k in _ma._CONNECTION_OPTIONS}
+    conn = {k: v for k, v in opts.items() if k in _ma_options._CONNECTION_OPTIONS}
 
     def find_or_create() -> "_ma.Job":
         try:
@@ -189,7 +190,7 @@ def _job_client(mode: str, warmup_steps: int, levels_for: Any) -> "_ma.Client":
         if client is None:
             # Like connect(): while the coordinator is unreachable (not started yet, restarting,
             # overloaded), retry with backoff until join_timeout.
-            join_timeout = _ma._seconds("join_timeout", opts.get("join_timeout", 300.0))
+            join_timeout = _ma_options._seconds("join_timeout", opts.get("join_timeout", 300.0))
             deadline = time.monotonic() + join_timeout
             backoff = 0.1
             while True:
@@ -281,7 +282,7 @@ class PeriodicModelAverager(_ma.PeriodicModelAverager):
         self.warmup_steps = warmup_steps
         self.process_group = process_group
         self.outer = outer
-        _ma._backup_on_host(backup_device)  # a bad value fails before the job is joined
+        _ma_options._backup_on_host(backup_device)  # a bad value fails before the job is joined
         client = _job_client("PERIODIC", warmup_steps,
                              lambda world: _with_outer([(period, world)], outer))
         super().__init__(client, backup_device=backup_device)
@@ -333,6 +334,6 @@ class HierarchicalModelAverager(_ma.HierarchicalModelAverager):
         self.process_group = process_group
         self.outer = outer
         with_outer = _with_outer(levels, outer)
-        _ma._backup_on_host(backup_device)  # a bad value fails before the job is joined
+        _ma_options._backup_on_host(backup_device)  # a bad value fails before the job is joined
         client = _job_client("HIERARCHICAL", warmup_steps, lambda world: with_outer)
         super().__init__(client, backup_device=backup_device)

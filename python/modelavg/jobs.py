@@ -1,0 +1,327 @@
+"""Jobs: their spec (levels, outer optimizers, streaming), their record, and the calls that
+create, read, list and delete them."""
+
+import dataclasses
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from . import _core
+from ._options import _conn, _invalid
+from .errors import Error, InvalidArgumentError
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterSGD:
+    """A level's outer optimizer (DiLoCo; proto ``modelavg.v1.OuterOptimizer``): PyTorch's
+    ``torch.optim.SGD(lr, momentum, nesterov)`` stepping each member's anchor with the group's
+    mean pseudo-gradient (anchor - parameters) as the gradient; the parameters then become the
+    anchor. ``OuterSGD(1.0)`` is plain averaging; DiLoCo's recipe is
+    ``OuterSGD(0.7, momentum=0.9, nesterov=True)``. Checked by the coordinator: lr finite and
+    > 0, 0 <= momentum < 1, nesterov needs momentum > 0."""
+
+    lr: float
+    momentum: float = 0.0
+    nesterov: bool = False
+
+
+# Level.payload: how an outer level's pseudo-gradients travel (proto enum modelavg.v1.Payload).
+PAYLOADS = ("FP32", "BF16", "INT8")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Level:
+    """One averaging level with an update rule: every ``period`` steps, blocks of
+    ``group_size`` consecutive ranks average (``outer`` None, PyTorch's averagers) or take an
+    outer optimizer step (``outer`` an :class:`OuterSGD`). ``create_job(levels=...)`` takes
+    these beside (period, group_size) pairs.
+
+    Streaming sync (docs/streaming.md):
+
+    * ``fragments`` F >= 1, dividing ``period``: the parameters are split into F runs of whole
+      tensors of about equal bytes; the level acts every period / F steps on fragment
+      (s / (period / F)) mod F (each fragment still syncs once every ``period`` steps).
+    * ``sync_delay`` tau, 0 <= tau < period / F (outer levels): the call at a sync step s starts
+      the fragment's all-reduce in the background and returns; the call at s + tau applies it.
+    * ``mix`` alpha in [0, 1] (outer levels): the fragment then becomes
+      (1 - alpha) * anchor + alpha * the parameters passed to that call.
+    * ``payload`` "FP32" (default), "BF16" or "INT8" (outer levels): how the pseudo-gradient
+      travels; the sum is accumulated in float32.
+
+    A delay, a mix or a compressed payload needs ``outer``: give a plain level
+    ``outer=OuterSGD(1.0)`` (lr 1, momentum 0 averages the delta, which equals plain
+    averaging). Raises InvalidArgumentError (a ValueError) naming the field otherwise; the
+    coordinator checks the whole spec again.
+    """
+
+    period: int
+    group_size: int
+    outer: Optional[OuterSGD] = None
+    fragments: int = 1
+    sync_delay: int = 0
+    mix: float = 0.0
+    payload: str = "FP32"
+
+    def __post_init__(self) -> None:
+        where = f"Level(period={self.period!r}, group_size={self.group_size!r})"
+        if not _is_int(self.fragments) or self.fragments < 1:
+            raise _invalid(f"{where}: fragments={self.fragments!r}: expected an int >= 1 that "
+                           "divides the period (1: the whole model at once)")
+        if not _is_int(self.sync_delay) or self.sync_delay < 0:
+            raise _invalid(f"{where}: sync_delay={self.sync_delay!r}: expected an int >= 0 "
+                           "(steps between a fragment's sync step and the step it is applied "
+                           "at; 0 blocks)")
+        if (isinstance(self.mix, bool) or not isinstance(self.mix, (int, float))
+                or not 0.0 <= float(self.mix) <= 1.0):
+            raise _invalid(f"{where}: mix={self.mix!r}: expected a number in [0, 1]")
+        object.__setattr__(self, "mix", float(self.mix))
+        if not isinstance(self.payload, str) or self.payload.upper() not in PAYLOADS:
+            raise _invalid(f"{where}: payload={self.payload!r}: expected one of "
+                           f"{', '.join(PAYLOADS)}")
+        object.__setattr__(self, "payload", self.payload.upper())
+        if _is_int(self.period) and self.period > 0:
+            if self.period % self.fragments != 0:
+                raise _invalid(f"{where}: fragments={self.fragments} does not divide the period "
+                               f"{self.period}: each fragment must sync once every period")
+            if self.sync_delay >= self.period // self.fragments:
+                raise _invalid(
+                    f"{where}: sync_delay={self.sync_delay} must be below period / fragments = "
+                    f"{self.period // self.fragments} (a fragment's result is applied before "
+                    "the level's next sync)")
+        if self.outer is None:
+            asked = [f"{name}={value!r}" for name, value, default in
+                     (("sync_delay", self.sync_delay, 0), ("mix", self.mix, 0.0),
+                      ("payload", self.payload, "FP32")) if value != default]
+            if asked:
+                raise _invalid(
+                    f"{where}: {', '.join(asked)} needs an outer level: a plain level averages "
+                    "the parameters themselves. Use outer=modelavg.OuterSGD(1.0) (lr 1, "
+                    "momentum 0), which averages the delta and equals plain averaging")
+
+    @property
+    def streaming(self) -> bool:
+        """Whether any streaming field differs from its default."""
+        return (self.fragments, self.sync_delay, self.mix, self.payload) != (1, 0, 0.0, "FP32")
+
+
+LevelLike = Union[Tuple[int, int], Level]
+
+
+def _levels_from(d: Mapping[str, Any]) -> List[LevelLike]:
+    """A spec dict's levels: (period, group_size) pairs, Level for those with an outer
+    optimizer or streaming fields."""
+    n = len(d["levels"])
+    outer = d.get("outer") or [None] * n
+    streaming = d.get("streaming") or [None] * n
+    out: List[LevelLike] = []
+    for (period, group_size), o, st in zip(d["levels"], outer, streaming):
+        fields = {}
+        if st is not None and tuple(st) != (1, 0, 0.0, "FP32"):
+            fields = dict(zip(("fragments", "sync_delay", "mix", "payload"), st))
+        if o is None and not fields:
+            out.append((period, group_size))
+            continue
+        sgd = None if o is None else OuterSGD(o[0], momentum=o[1], nesterov=o[2])
+        try:
+            out.append(Level(period, group_size, sgd, **fields))
+        except InvalidArgumentError:
+            # A spec the coordinator accepted: show it as it is rather than fail to read it.
+            level = Level(period, group_size, sgd)
+            for name, value in fields.items():
+                object.__setattr__(level, name, value)
+            out.append(level)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """A job's averaging plan (proto ``modelavg.v1.JobSpec``).
+
+    ``mode`` is "PERIODIC" or "HIERARCHICAL"; ``levels`` are (period, group_size) pairs in
+    PyTorch's order (the OrderedDict's), a :class:`Level` for a level with an outer optimizer;
+    0 timeouts mean the coordinator's defaults.
+    ``min_world_size`` (1..world_size) makes the job elastic: it keeps running while that many
+    ranks are alive; 0 (or world_size) is a strict job.
+    """
+
+    job_id: str
+    world_size: int
+    mode: str
+    levels: List[LevelLike]
+    warmup_steps: int = 0
+    heartbeat_timeout_ms: int = 0
+    join_timeout_ms: int = 0
+    min_world_size: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One member of a job's current generation. ``admitted_step``: the step a replacement was
+    admitted at (elastic jobs), -1 for a member of the world that started the job."""
+
+    rank: int
+    worker_id: str
+    host: str
+    last_step: int
+    ms_since_heartbeat: int
+    state: str
+    generation: int
+    admitted_step: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationChange:
+    """Why a job's generation last changed."""
+
+    generation: int
+    rank: int
+    reason: str
+    unix_ms: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A job as the coordinator reports it (proto ``modelavg.v1.Job``).
+
+    ``live_world_size``: ranks alive in the current generation; ``vacant_ranks``: ranks of a
+    running elastic job that no live worker holds; ``deaths``: members declared dead;
+    ``admissions``: replacements admitted into the running elastic job.
+    """
+
+    spec: JobSpec
+    state: str
+    generation: int
+    members: List[Member]
+    min_step: int
+    max_step: int
+    warnings: List[str]
+    created_unix_ms: int
+    last_change: Optional[GenerationChange]
+    live_world_size: int = 0
+    vacant_ranks: List[int] = dataclasses.field(default_factory=list)
+    deaths: int = 0
+    admissions: int = 0
+
+
+def _job(d: Dict[str, Any]) -> Job:
+    s = d["spec"]
+    spec = JobSpec(job_id=s["job_id"], world_size=s["world_size"], mode=s["mode"],
+                   levels=_levels_from(s), warmup_steps=s["warmup_steps"],
+                   heartbeat_timeout_ms=s["heartbeat_timeout_ms"],
+                   join_timeout_ms=s["join_timeout_ms"], min_world_size=s["min_world_size"])
+    change = d["last_change"]
+    return Job(spec=spec, state=d["state"], generation=d["generation"],
+               members=[Member(**m) for m in d["members"]], min_step=d["min_step"],
+               max_step=d["max_step"], warnings=list(d["warnings"]),
+               created_unix_ms=d["created_unix_ms"],
+               last_change=GenerationChange(**change) if change else None,
+               live_world_size=d["live_world_size"], vacant_ranks=list(d["vacant_ranks"]),
+               deaths=d["deaths"], admissions=d["admissions"])
+
+
+def _outer_tuple(item: Any, outer: Any) -> Optional[Tuple[float, float, bool]]:
+    if outer is None:
+        return None
+    if not isinstance(outer, OuterSGD):
+        raise _invalid(f"level {item!r}: outer must be a modelavg.OuterSGD, not "
+                       f"{type(outer).__name__}")
+    try:
+        lr, momentum = float(outer.lr), float(outer.momentum)
+    except (TypeError, ValueError):
+        raise _invalid(f"level {item!r}: OuterSGD lr and momentum must be numbers") from None
+    if not isinstance(outer.nesterov, bool):
+        raise _invalid(f"level {item!r}: OuterSGD nesterov must be True or False")
+    return (lr, momentum, outer.nesterov)
+
+
+StreamingTuple = Tuple[int, int, float, str]
+
+
+def _levels(levels: Union[Mapping[int, int], Sequence[LevelLike]]
+            ) -> Tuple[List[Tuple[int, int]], List[Optional[Tuple[float, float, bool]]],
+                       List[StreamingTuple]]:
+    """(period, group_size) pairs and, per level, None or (lr, momentum, nesterov), and
+    (fragments, sync_delay, mix, payload)."""
+    items = list(levels.items()) if isinstance(levels, Mapping) else list(levels)
+    pairs, outer, streaming = [], [], []
+    for item in items:
+        if isinstance(item, Level):
+            pairs.append((int(item.period), int(item.group_size)))
+            outer.append(_outer_tuple(item, item.outer))
+            streaming.append((item.fragments, item.sync_delay, item.mix, item.payload))
+            continue
+        try:
+            period, group_size = item
+            pairs.append((int(period), int(group_size)))
+            outer.append(None)
+            streaming.append((1, 0, 0.0, "FP32"))
+        except (TypeError, ValueError):
+            raise _invalid(f"level {item!r}: expected a (period, group_size) pair or a "
+                           "modelavg.Level") from None
+    return pairs, outer, streaming
+
+
+def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
+               levels: Optional[Union[Mapping[int, int], Sequence[Tuple[int, int]]]] = None, *,
+               period: Optional[int] = None, warmup_steps: int = 0,
+               heartbeat_timeout_ms: int = 0, join_timeout_ms: int = 0,
+               min_world_size: int = 0, coordinator: Optional[str] = None,
+               **options: Any) -> Job:
+    """Registers a job with the coordinator and returns it.
+
+    Args:
+      job_id: 1-128 characters of [A-Za-z0-9._-].
+      world_size: the number of worker processes.
+      mode: "PERIODIC" or "HIERARCHICAL" (any case).
+      levels: (period, group_size) pairs, or PyTorch's ``period_group_size_dict``, in order;
+        a :class:`Level` in the list gives its level an outer optimizer
+        (``Level(period, group_size, outer=OuterSGD(lr, momentum=0.0, nesterov=False))``)
+        and streaming sync (``fragments=1, sync_delay=0, mix=0.0, payload="FP32"``).
+      period: for PERIODIC, instead of levels: one level over the whole world.
+      warmup_steps, heartbeat_timeout_ms, join_timeout_ms: as in the JobSpec (0 timeouts: the
+        coordinator's defaults).
+      min_world_size: 1..world_size makes the job elastic: it keeps running while that many
+        ranks are alive, and admits replacements into vacant ranks. 0 (or world_size): strict.
+      coordinator: "host:port" (or several, comma-separated); default ``$MODELAVG_COORDINATOR``.
+      **options: auth_token, tls, tls_ca_file, tls_cert_file, tls_key_file, rpc_timeout.
+
+    Raises InvalidArgumentError (bad spec: the message names the field and the value),
+    AlreadyExistsError, ResourceExhaustedError, UnavailableError, UnimplementedError (a
+    level with sync_delay in an elastic job: not in this version).
+    """
+    mode = str(mode).upper()
+    if period is not None:
+        if levels is not None:
+            raise _invalid("pass levels or period, not both")
+        levels = [(period, world_size)]
+    if levels is None:
+        raise _invalid("no levels: pass levels=[(period, group_size), ...] (or period= for "
+                       "a PERIODIC job)")
+    pairs, outer, streaming = _levels(levels)
+    spec = {"job_id": job_id, "world_size": world_size, "mode": mode, "levels": pairs,
+            "outer": outer, "streaming": streaming,
+            "warmup_steps": warmup_steps, "heartbeat_timeout_ms": heartbeat_timeout_ms,
+            "join_timeout_ms": join_timeout_ms, "min_world_size": min_world_size}
+    try:
+        return _job(_core.create_job(_conn(coordinator, options), spec))
+    except (ValueError, RuntimeError, TypeError) as e:
+        if isinstance(e, Error):
+            raise
+        raise _invalid(f"job spec {spec}: {e}") from None
+
+
+def get_job(job_id: str, *, coordinator: Optional[str] = None, **options: Any) -> Job:
+    """The job's spec, state, generation and members. Raises NotFoundError if unknown."""
+    return _job(_core.get_job(_conn(coordinator, options), job_id))
+
+
+def list_jobs(*, coordinator: Optional[str] = None, **options: Any) -> List[Job]:
+    """Every job of the coordinator, in job id order."""
+    return [_job(j) for j in _core.list_jobs(_conn(coordinator, options))]
+
+
+def delete_job(job_id: str, *, coordinator: Optional[str] = None, **options: Any) -> None:
+    """Removes a job; its pending waits fail. Raises NotFoundError if unknown."""
+    _core.delete_job(_conn(coordinator, options), job_id)
