@@ -277,11 +277,7 @@ absl::Status Client::Leave(absl::string_view reason) {
   }
   heartbeat_->Stop();
   communicators_->Clear();
-  v1::LeaveRequest req;
-  req.set_job_id(options_.job_id);
-  req.set_rank(rank_);
-  req.set_generation(generation());
-  req.set_credential(options_.credential);
+  v1::LeaveRequest req = LeaveRequestNow();
   // A worker whose averaging failed does not leave in order: the coordinator counts it as a
   // death (an elastic job below min_world_size stops instead of running on without it).
   const std::string why =
@@ -345,11 +341,7 @@ void Client::FailOut(const absl::Status& failure) {
     stopping_ = true;
   }
   heartbeat_->Stop();
-  v1::LeaveRequest req;
-  req.set_job_id(options_.job_id);
-  req.set_rank(rank_);
-  req.set_generation(generation());
-  req.set_credential(options_.credential);
+  v1::LeaveRequest req = LeaveRequestNow();
   req.set_reason(absl::StrCat("failed out: ", failure.message()));
   req.set_failed(true);
   absl::StatusOr<v1::LeaveResponse> resp = coordinator_->Leave(req);
@@ -363,6 +355,15 @@ void Client::FailOut(const absl::Status& failure) {
   spdlog::error("rank {} failed out of job {} (generation {} -> {}): {}", rank_,
                 options_.job_id, req.generation(), resp->generation(),
                 std::string(failure.message()));
+}
+
+v1::LeaveRequest Client::LeaveRequestNow() const {
+  v1::LeaveRequest req;
+  req.set_job_id(options_.job_id);
+  req.set_rank(rank_);
+  req.set_generation(generation());
+  req.set_credential(options_.credential);
+  return req;
 }
 
 void Client::RecordFailure(const absl::Status& failure) {

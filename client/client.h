@@ -231,6 +231,8 @@ class Client {
          bool elastic);
   // The view of `job` as this rank reads it (membership_view.h).
   std::optional<MembershipView> ViewOf(const v1::Job& job, std::string* why) const;
+  // A LeaveRequest for this rank at its current generation (reason and failed left unset).
+  v1::LeaveRequest LeaveRequestNow() const;
   // A reply whose generation is neither this client's nor the latest seen: NoteGenerationChange.
   void HandleHeartbeatReply(const v1::HeartbeatResponse& reply, int64_t seen)
       ABSL_LOCKS_EXCLUDED(mu_);

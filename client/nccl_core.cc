@@ -26,6 +26,18 @@ absl::Status GrowableBuffer::Reserve(NcclDeviceOps& ops, size_t bytes, bool* gro
   return absl::OkStatus();
 }
 
+absl::Status UploadChunkTable(NcclDeviceOps& ops, const std::vector<StagingChunk>& chunks,
+                              std::vector<StagingChunk>* host, GrowableBuffer* device,
+                              void* stream) {
+  host->clear();
+  MODELAVG_RETURN_IF_ERROR(device->Reserve(ops, chunks.size() * sizeof(StagingChunk)));
+  *host = chunks;
+  absl::Status s =
+      ops.Copy(device->data(), host->data(), host->size() * sizeof(StagingChunk), stream);
+  if (!s.ok()) host->clear();
+  return s;
+}
+
 void GrowableBuffer::Release(NcclDeviceOps& ops) {
   if (data_ != nullptr) {
     if (pinned_host_) {
@@ -222,15 +234,7 @@ absl::Status NcclCore::UseTable(const StagingLayout& layout, size_t bytes, bool 
     return absl::InternalError(absl::StrCat("the staging buffer holds ", staging_.capacity(),
                                             " bytes where ", bytes, " are needed"));
   }
-  MODELAVG_RETURN_IF_ERROR(
-      chunks_device_.Reserve(*ops_, layout.chunks.size() * sizeof(StagingChunk)));
-  // The upload may read the host table asynchronously: it is the member's copy, unchanged
-  // until a later call's layout differs (every call waits on the stream before that).
-  chunks_host_ = layout.chunks;
-  absl::Status s = ops_->Copy(chunks_device_.data(), chunks_host_.data(),
-                              chunks_host_.size() * sizeof(StagingChunk), stream);
-  if (!s.ok()) chunks_host_.clear();
-  return s;
+  return UploadChunkTable(*ops_, layout.chunks, &chunks_host_, &chunks_device_, stream);
 }
 
 absl::Status NcclCore::PrepareStaged(const StagingLayout& layout, int32_t code, bool contribute,

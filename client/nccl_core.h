@@ -154,6 +154,13 @@ class GrowableBuffer {
   size_t capacity_ = 0;
 };
 
+// Uploads a staging chunk table to `device` (grown as needed) on `stream`. The upload may read
+// the host table asynchronously: `host` keeps it, unchanged until the next upload (every call
+// waits on the stream before that); it is cleared when the upload fails.
+absl::Status UploadChunkTable(NcclDeviceOps& ops, const std::vector<StagingChunk>& chunks,
+                              std::vector<StagingChunk>* host, GrowableBuffer* device,
+                              void* stream);
+
 // The layout check's int64 words, before and after the ncclMax all-reduce: (count, -count,
 // code, -code, total, -total, failed member + 1, divisor, -divisor, step, -step). A step of -1
 // (not checked) is encoded as INT64_MIN in both of its words, so that it agrees with any.

@@ -86,14 +86,7 @@ absl::Status DeviceOuterState::UseTable(absl::Span<const TensorView> params, int
                    layout.chunks.size() * sizeof(StagingChunk)) == 0)) {
     return absl::OkStatus();
   }
-  chunks_host_.clear();
-  MODELAVG_RETURN_IF_ERROR(
-      chunks_device_.Reserve(*ops_, layout.chunks.size() * sizeof(StagingChunk)));
-  chunks_host_ = layout.chunks;
-  absl::Status s = ops_->Copy(chunks_device_.data(), chunks_host_.data(),
-                              chunks_host_.size() * sizeof(StagingChunk), stream);
-  if (!s.ok()) chunks_host_.clear();
-  return s;
+  return UploadChunkTable(*ops_, layout.chunks, &chunks_host_, &chunks_device_, stream);
 }
 
 absl::Status DeviceOuterState::SetAnchor(absl::Span<const TensorView> params) {

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "client/device_dtype.cuh"
 #include "client/nccl_outer_kernels.h"
 
 namespace modelavg::client {
@@ -17,38 +18,6 @@ __device__ __forceinline__ float Sub(float a, float b) { return __fsub_rn(a, b);
 __device__ __forceinline__ double Mul(double a, double b) { return __dmul_rn(a, b); }
 __device__ __forceinline__ double Add(double a, double b) { return __dadd_rn(a, b); }
 __device__ __forceinline__ double Sub(double a, double b) { return __dsub_rn(a, b); }
-
-template <typename S>
-__device__ __forceinline__ S LoadAs(const void* p, int32_t dtype, int64_t i) {
-  switch (dtype) {
-    case kStageF32:
-      return static_cast<S>(static_cast<const float*>(p)[i]);
-    case kStageF64:
-      return static_cast<S>(static_cast<const double*>(p)[i]);
-    case kStageF16:
-      return static_cast<S>(__half2float(static_cast<const __half*>(p)[i]));
-    default:
-      return static_cast<S>(__bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]));
-  }
-}
-
-template <typename S>
-__device__ __forceinline__ void StoreFrom(void* p, int32_t dtype, int64_t i, S v) {
-  switch (dtype) {
-    case kStageF32:
-      static_cast<float*>(p)[i] = static_cast<float>(v);
-      break;
-    case kStageF64:
-      static_cast<double*>(p)[i] = static_cast<double>(v);
-      break;
-    case kStageF16:
-      static_cast<__half*>(p)[i] = __float2half_rn(static_cast<float>(v));
-      break;
-    default:
-      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(static_cast<float>(v));
-      break;
-  }
-}
 
 // One block per chunk (grid-stride over chunks), threads over its elements.
 template <typename S>

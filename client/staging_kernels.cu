@@ -3,40 +3,11 @@
 
 #include <algorithm>
 
+#include "client/device_dtype.cuh"
 #include "client/staging_kernels.h"
 
 namespace modelavg::client {
 namespace {
-
-__device__ __forceinline__ double Load(const void* p, int32_t dtype, int64_t i) {
-  switch (dtype) {
-    case kStageF32:
-      return static_cast<const float*>(p)[i];
-    case kStageF64:
-      return static_cast<const double*>(p)[i];
-    case kStageF16:
-      return __half2float(static_cast<const __half*>(p)[i]);
-    default:
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-  }
-}
-
-__device__ __forceinline__ void Store(void* p, int32_t dtype, int64_t i, double v) {
-  switch (dtype) {
-    case kStageF32:
-      static_cast<float*>(p)[i] = static_cast<float>(v);
-      break;
-    case kStageF64:
-      static_cast<double*>(p)[i] = v;
-      break;
-    case kStageF16:
-      static_cast<__half*>(p)[i] = __float2half_rn(static_cast<float>(v));
-      break;
-    default:
-      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(static_cast<float>(v));
-      break;
-  }
-}
 
 __device__ __forceinline__ int ElemSize(int32_t dtype) {
   return dtype == kStageF64 ? 8 : (dtype == kStageF32 ? 4 : 2);
@@ -76,9 +47,11 @@ __global__ void StagingKernel(const StagingChunk* chunks, int64_t num_chunks, vo
     }
     for (int64_t i = threadIdx.x; i < ch.numel; i += blockDim.x) {
       if (kGather) {
-        Store(stage, staging_dtype, i, Load(ch.tensor, ch.tensor_dtype, i));
+        StoreFrom<double>(stage, staging_dtype, i,
+                          LoadAs<double>(ch.tensor, ch.tensor_dtype, i));
       } else {
-        Store(ch.tensor, ch.tensor_dtype, i, Load(stage, staging_dtype, i));
+        StoreFrom<double>(ch.tensor, ch.tensor_dtype, i,
+                          LoadAs<double>(stage, staging_dtype, i));
       }
     }
   }
