@@ -29,7 +29,6 @@ uninterrupted run of a third job.
 import argparse
 import multiprocessing
 import os
-import queue as queue_module
 import sys
 import traceback
 import warnings
@@ -195,15 +194,6 @@ def make_averager(modelavg, mode, world, warmup, levels, how, job_id, address, r
     return cls(client)
 
 
-def as_parameters(torch, params):
-    out = []
-    for t in params.values():
-        p = torch.nn.Parameter(t)
-        p.grad = torch.zeros_like(p)  # PyTorch's averagers skip parameters without .grad
-        out.append(p)
-    return out
-
-
 def check_close(torch, step, rank, ours, ref):
     for (name, x), (_, y) in zip(ours.items(), ref.items()):
         tol = 1e-2 if x.dtype == torch.bfloat16 else 1e-5
@@ -232,7 +222,7 @@ def run_rank(rank, name, config, address, store_port, python_dir, out_queue):
         reference = Reference(torch, dist, world,
                               [(p, g, None) for p, g, _ in levels] if plain else levels)
         ours_t, ref_t = make_params(torch, rank), make_params(torch, rank)
-        ours_p = as_parameters(torch, ours_t)
+        ours_p = mt.as_parameters(torch, ours_t)
         averager = make_averager(modelavg, mode, world, warmup, levels, how,
                                  name.replace("_", "-"), address, rank)
         outer_steps = 0
@@ -285,7 +275,7 @@ def run_checkpoint_rank(rank, name, config, address, store_port, python_dir, out
         import modelavg
         torch.set_num_threads(1)
         params = make_params(torch, rank)
-        ps = as_parameters(torch, params)
+        ps = mt.as_parameters(torch, params)
         averager = make_averager(modelavg, mode, world, warmup, levels, "explicit",
                                  f"{name.replace('_', '-')}-{phase}", address, rank)
         path = os.path.join(state_dir, f"rank{rank}.pt")
@@ -318,32 +308,6 @@ def run_checkpoint_rank(rank, name, config, address, store_port, python_dir, out
         out_queue.put((rank, None, f"rank {rank} ({phase}): {type(e).__name__}: {e}"))
 
 
-def start_ranks(ctx, world, target, args_for, timeout_s):
-    results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=args_for(r, results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    errors, done = [], {}
-    try:
-        for _ in procs:
-            rank, value, error = results.get(timeout=timeout_s)
-            if error:
-                errors.append(error)
-                break
-            done[rank] = value
-    except queue_module.Empty:
-        errors.append(f"timed out after {timeout_s} s (finished ranks: {sorted(done)})")
-    for p in procs:
-        p.join(timeout=10 if not errors else 1)
-        if p.is_alive():
-            p.kill()
-    bad_exit = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
-    if not errors and bad_exit:
-        errors.append(f"ranks exited non-zero: {bad_exit}")
-    return done, errors
-
-
 def run(name, args):
     config = CONFIGS[name]
     world = config[1]
@@ -357,7 +321,7 @@ def run(name, args):
             state_dir = group.temp_dir("modelavg-diloco-")
             traces = {}
             for phase in ("whole", "first", "second"):
-                done, errors = start_ranks(
+                done, errors = mt.start_ranks(
                     ctx, world, run_checkpoint_rank,
                     lambda r, q: (r, name, config, coordinator.address, 0, args.python_dir, q,
                                   phase, state_dir), args.timeout_s)
@@ -379,7 +343,7 @@ def run(name, args):
                   f"new processes equal an uninterrupted run ({compared} rank-steps, exactly)")
             return
         store = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
-        done, errors = start_ranks(
+        done, errors = mt.start_ranks(
             ctx, world, run_rank,
             lambda r, q: (r, name, config, coordinator.address, store.port, args.python_dir, q),
             args.timeout_s)

@@ -39,7 +39,6 @@ the same spec, load them and go on. Their values must equal, exactly, an uninter
 import argparse
 import multiprocessing
 import os
-import queue as queue_module
 import sys
 import time
 import traceback
@@ -296,15 +295,6 @@ def make_averager(modelavg, mode, world, warmup, levels, how, job_id, address, r
     return cls(client)
 
 
-def as_parameters(torch, params):
-    out = []
-    for t in params.values():
-        p = torch.nn.Parameter(t)
-        p.grad = torch.zeros_like(p)  # PyTorch's averagers skip parameters without .grad
-        out.append(p)
-    return out
-
-
 def check(torch, step, rank, ours, ref, bound):
     for i, ((name, x), (_, y)) in enumerate(zip(ours.items(), ref.items())):
         diff = (x.double() - y.double()).abs().max().item()
@@ -331,7 +321,7 @@ def run_rank(rank, name, config, address, store_port, python_dir, out_queue):
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         reference = Reference(torch, dist, world, levels)
         ours_t, ref_t = make_params(torch, rank, levels), make_params(torch, rank, levels)
-        ours_p = as_parameters(torch, ours_t)
+        ours_p = mt.as_parameters(torch, ours_t)
         averager = make_averager(modelavg, mode, world, warmup, levels, how,
                                  name.replace("_", "-"), address, rank)
         outer_steps, averaged = 0, set()
@@ -381,7 +371,7 @@ def run_payload_rank(rank, name, config, address, store_port, python_dir, out_qu
         for payload in ("FP32", "BF16", "INT8"):
             lv = [dict(levels[0], payload=payload)]
             params = make_params(torch, rank, lv)
-            ps = as_parameters(torch, params)
+            ps = mt.as_parameters(torch, params)
             averager = make_averager(modelavg, mode, world, warmup, lv, "explicit",
                                      f"{name.replace('_', '-')}-{payload.lower()}", address, rank)
             after_first = None
@@ -413,7 +403,7 @@ def run_checkpoint_rank(rank, name, config, address, store_port, python_dir, out
         import modelavg
         torch.set_num_threads(1)
         params = make_params(torch, rank, levels)
-        ps = as_parameters(torch, params)
+        ps = mt.as_parameters(torch, params)
         averager = make_averager(modelavg, mode, world, warmup, levels, "explicit",
                                  f"{name.replace('_', '-')}-{phase}", address, rank)
         path = os.path.join(state_dir, f"rank{rank}.pt")
@@ -450,38 +440,12 @@ def run_checkpoint_rank(rank, name, config, address, store_port, python_dir, out
         out_queue.put((rank, None, f"rank {rank} ({phase}): {type(e).__name__}: {e}"))
 
 
-def start_ranks(ctx, world, target, args_for, timeout_s):
-    results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=args_for(r, results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    errors, done = [], {}
-    try:
-        for _ in procs:
-            rank, value, error = results.get(timeout=timeout_s)
-            if error:
-                errors.append(error)
-                break
-            done[rank] = value
-    except queue_module.Empty:
-        errors.append(f"timed out after {timeout_s} s (finished ranks: {sorted(done)})")
-    for p in procs:
-        p.join(timeout=10 if not errors else 1)
-        if p.is_alive():
-            p.kill()
-    bad_exit = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
-    if not errors and bad_exit:
-        errors.append(f"ranks exited non-zero: {bad_exit}")
-    return done, errors
-
-
 def run_checkpoint(name, config, coordinator, group, ctx, args):
     world = config[1]
     state_dir = group.temp_dir("modelavg-streaming-")
     traces = {}
     for phase in ("whole", "first", "second"):
-        done, errors = start_ranks(
+        done, errors = mt.start_ranks(
             ctx, world, run_checkpoint_rank,
             lambda r, q: (r, name, config, coordinator.address, 0, args.python_dir, q, phase,
                           state_dir), args.timeout_s)
@@ -503,7 +467,7 @@ def run_checkpoint(name, config, coordinator, group, ctx, args):
 
 def run_payload_bytes(name, config, coordinator, ctx, args):
     world = config[1]
-    done, errors = start_ranks(
+    done, errors = mt.start_ranks(
         ctx, world, run_payload_rank,
         lambda r, q: (r, name, config, coordinator.address, 0, args.python_dir, q),
         args.timeout_s)
@@ -543,7 +507,7 @@ def run(name, args):
             summary = run_payload_bytes(name, config, coordinator, ctx, args)
         else:
             store = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
-            done, errors = start_ranks(
+            done, errors = mt.start_ranks(
                 ctx, world, run_rank,
                 lambda r, q: (r, name, config, coordinator.address, store.port, args.python_dir,
                               q), args.timeout_s)

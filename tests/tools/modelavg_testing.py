@@ -7,6 +7,7 @@ at once, once imported).
 """
 
 import os
+import queue
 import re
 import shutil
 import signal
@@ -217,3 +218,42 @@ def wait_all(procs, timeout_s):
             err = (err or "") + f"\n[killed after the {timeout_s} s deadline]"
         results[proc.name] = (proc.returncode, out or "", err or "")
     return results
+
+
+def start_ranks(ctx, world, target, args_for, timeout_s):
+    """Runs `target(*args_for(rank, results))` in one process per rank (multiprocessing context
+    `ctx`); each puts (rank, value, error) on `results`. Returns ({rank: value}, [errors]): the
+    first error, a timeout after `timeout_s`, or ranks that exited non-zero."""
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=args_for(r, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    errors, done = [], {}
+    try:
+        for _ in procs:
+            rank, value, error = results.get(timeout=timeout_s)
+            if error:
+                errors.append(error)
+                break
+            done[rank] = value
+    except queue.Empty:
+        errors.append(f"timed out after {timeout_s} s (finished ranks: {sorted(done)})")
+    for p in procs:
+        p.join(timeout=10 if not errors else 1)
+        if p.is_alive():
+            p.kill()
+    bad_exit = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
+    if not errors and bad_exit:
+        errors.append(f"ranks exited non-zero: {bad_exit}")
+    return done, errors
+
+
+def as_parameters(torch, params):
+    """The tensors of dict `params` as torch Parameters with zero gradients."""
+    out = []
+    for t in params.values():
+        p = torch.nn.Parameter(t)
+        p.grad = torch.zeros_like(p)  # PyTorch's averagers skip parameters without .grad
+        out.append(p)
+    return out
