@@ -17,6 +17,7 @@
 #include "server/job_registry.h"
 #include "server/peer_reports.h"
 #include "server/state_store.h"
+#include "tests/unit/running_job_fixture.h"
 
 namespace modelavg::server {
 namespace {
@@ -121,38 +122,9 @@ TEST(PeerReportsRule, APeerReachedByAnyoneIsNotConfirmed) {
 }
 
 // The rule in a running job.
-class PeerReportsJobTest : public ::testing::Test {
+class PeerReportsJobTest : public RunningJobTest {
  protected:
-  PeerReportsJobTest() {
-    JobRegistryOptions options;
-    options.clock = &clock_;
-    options.start_staleness_thread = false;
-    options.defaults.heartbeat_timeout = absl::Seconds(2);
-    options.store = &store_;
-    registry_ = std::make_unique<JobRegistry>(options);
-  }
-
-  std::shared_ptr<Job> RunningJob(const std::string& extra) {
-    v1::JobSpec spec;
-    EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(
-        absl::StrCat(R"pb(job_id: "g" world_size: 4 mode: PERIODIC
-                          levels { period: 2 group_size: 4 } )pb",
-                     extra),
-        &spec));
-    EXPECT_TRUE(registry_->CreateJob(spec, nullptr).ok());
-    std::shared_ptr<Job> job = *registry_->Find("g");
-    for (int r = 0; r < 4; ++r) {
-      v1::JoinRequest request;
-      request.set_job_id("g");
-      request.set_worker_id(absl::StrCat("w", r));
-      request.set_rank(r);
-      job->Join(request, absl::InfiniteFuture(), registry_->NewWaitId(),
-                [this](absl::StatusOr<v1::JoinResponse> resp) {
-                  if (resp.ok()) credentials_[resp->rank()] = resp->credential();
-                });
-    }
-    return job;
-  }
+  PeerReportsJobTest() : RunningJobTest("g") {}
 
   absl::StatusOr<v1::ReportPeerFailureResponse> ReportOf(Job& job, int rank,
                                                          std::vector<int32_t> unreachable,
@@ -175,28 +147,8 @@ class PeerReportsJobTest : public ::testing::Test {
   }
 
   void BeatAll(Job& job) {
-    for (int r = 0; r < 4; ++r) {
-      v1::HeartbeatRequest hb;
-      hb.set_job_id("g");
-      hb.set_rank(r);
-      hb.set_generation(1);
-      hb.set_step(6);
-      hb.set_credential(credentials_[r]);
-      v1::HeartbeatResponse reply;
-      EXPECT_TRUE(job.Heartbeat(hb, &reply).ok());
-    }
+    for (int r = 0; r < 4; ++r) Beat(job, r, 6);
   }
-
-  v1::Job State(const Job& job) {
-    v1::Job state;
-    job.ToProto(&state);
-    return state;
-  }
-
-  FakeClock clock_;
-  InMemoryStateStore store_;
-  std::unique_ptr<JobRegistry> registry_;
-  std::map<int, std::string> credentials_;
 };
 
 TEST_F(PeerReportsJobTest, AReportAloneDoesNotEvict) {

@@ -13,64 +13,15 @@
 #include "server/job.h"
 #include "server/job_registry.h"
 #include "server/state_store.h"
+#include "tests/unit/running_job_fixture.h"
 
 namespace modelavg::server {
 namespace {
 
-class SilentMembersTest : public ::testing::Test {
+class SilentMembersTest : public RunningJobTest {
  protected:
-  SilentMembersTest() {
-    JobRegistryOptions options;
-    options.clock = &clock_;
-    options.start_staleness_thread = false;
-    options.defaults.heartbeat_timeout = absl::Seconds(2);
-    options.store = &store_;
-    registry_ = std::make_unique<JobRegistry>(options);
-  }
-
-  std::shared_ptr<Job> RunningJob(const std::string& extra) {
-    v1::JobSpec spec;
-    EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(
-        absl::StrCat(R"pb(job_id: "s" world_size: 4 mode: PERIODIC
-                          levels { period: 2 group_size: 4 } )pb",
-                     extra),
-        &spec));
-    EXPECT_TRUE(registry_->CreateJob(spec, nullptr).ok());
-    std::shared_ptr<Job> job = *registry_->Find("s");
-    for (int r = 0; r < 4; ++r) {
-      v1::JoinRequest request;
-      request.set_job_id("s");
-      request.set_worker_id(absl::StrCat("w", r));
-      request.set_rank(r);
-      job->Join(request, absl::InfiniteFuture(), registry_->NewWaitId(),
-                [this](absl::StatusOr<v1::JoinResponse> resp) {
-                  if (resp.ok()) credentials_[resp->rank()] = resp->credential();
-                });
-    }
-    return job;
-  }
-
-  void Beat(Job& job, int rank) {
-    v1::HeartbeatRequest hb;
-    hb.set_job_id("s");
-    hb.set_rank(rank);
-    hb.set_generation(1);
-    hb.set_step(5);
-    hb.set_credential(credentials_[rank]);
-    v1::HeartbeatResponse reply;
-    EXPECT_TRUE(job.Heartbeat(hb, &reply).ok());
-  }
-
-  v1::Job State(const Job& job) {
-    v1::Job state;
-    job.ToProto(&state);
-    return state;
-  }
-
-  FakeClock clock_;
-  InMemoryStateStore store_;
-  std::unique_ptr<JobRegistry> registry_;
-  std::map<int, std::string> credentials_;
+  SilentMembersTest() : RunningJobTest("s") {}
+  void Beat(Job& job, int rank) { RunningJobTest::Beat(job, rank, 5); }
 };
 
 TEST_F(SilentMembersTest, AllSilentTogether_NobodyDeclaredDead_UntilOneStaysAway) {
