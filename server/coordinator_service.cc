@@ -423,89 +423,7 @@ class HeartbeatStreamReactor final
 
 CoordinatorService::CoordinatorService(JobRegistry* registry, AuthOptions auth,
                                        RpcMetrics* metrics)
-    : registry_(registry),
-      auth_(std::move(auth)),
-      operator_authorization_(
-          auth_.operator_token.empty() ? "" : absl::StrCat("Bearer ", auth_.operator_token)),
-      worker_authorization_(
-          auth_.worker_token.empty() ? "" : absl::StrCat("Bearer ", auth_.worker_token)),
-      metrics_(metrics) {}
-
-namespace {
-
-// Equal, in time independent of where the first difference is.
-bool SameSecret(grpc::string_ref got, const std::string& want) {
-  unsigned char diff = got.size() == want.size() ? 0 : 1;
-  for (size_t i = 0; i < want.size(); ++i) {
-    diff |= static_cast<unsigned char>(want[i] ^ (i < got.size() ? got.data()[i] : 0));
-  }
-  return diff == 0;
-}
-
-const char* RoleName(Role role) {
-  switch (role) {
-    case Role::kOperator:
-      return "operator";
-    case Role::kWorker:
-      return "worker";
-    default:
-      return "no";
-  }
-}
-
-}  // namespace
-
-absl::StatusOr<Role> CoordinatorService::Authenticate(
-    const grpc::CallbackServerContext* ctx) const {
-  if (operator_authorization_.empty() && !auth_.client_certificates) return Role::kOperator;
-  Role role = Role::kNone;
-  if (auth_.client_certificates) {
-    // The TLS handshake verified the certificate; without the list every such client is an
-    // operator.
-    role = Role::kOperator;
-    if (!auth_.operator_cert_names.empty()) {
-      role = Role::kWorker;
-      const std::shared_ptr<const grpc::AuthContext> auth = ctx->auth_context();
-      if (auth != nullptr) {
-        for (const char* property : {"x509_common_name", "x509_subject_alternative_name"}) {
-          for (const grpc::string_ref& name : auth->FindPropertyValues(property)) {
-            for (const std::string& want : auth_.operator_cert_names) {
-              if (name.size() == want.size() && want.compare(0, want.size(), name.data(),
-                                                             name.size()) == 0) {
-                role = Role::kOperator;
-              }
-            }
-          }
-        }
-      }
-    }
-  }
-  if (operator_authorization_.empty() || role == Role::kOperator) return role;
-  const auto& md = ctx->client_metadata();
-  auto it = md.find("authorization");
-  if (it == md.end()) {
-    if (role != Role::kNone) return role;
-    return absl::UnauthenticatedError(
-        "this coordinator needs metadata \"authorization: Bearer <token>\"");
-  }
-  if (SameSecret(it->second, operator_authorization_)) return Role::kOperator;
-  if (!worker_authorization_.empty() && SameSecret(it->second, worker_authorization_)) {
-    return Role::kWorker;
-  }
-  if (role != Role::kNone) return role;
-  return absl::UnauthenticatedError("the authorization token is wrong");
-}
-
-absl::Status CoordinatorService::Authorize(const grpc::CallbackServerContext* ctx, Role need,
-                                           const char* rpc) const {
-  absl::StatusOr<Role> role = Authenticate(ctx);
-  if (!role.ok()) return role.status();
-  if (*role >= need) return absl::OkStatus();
-  return absl::PermissionDeniedError(absl::StrCat(
-      rpc, " needs the ", RoleName(need), " role; this call has the ", RoleName(*role),
-      " role: use the operator token (the coordinator's --auth_token_file) or an operator's "
-      "client certificate"));
-}
+    : registry_(registry), auth_(std::move(auth)), metrics_(metrics) {}
 
 template <typename Request, typename Response>
 grpc::ServerUnaryReactor* CoordinatorService::Serve(
@@ -514,7 +432,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Serve(
     void (CoordinatorService::*handler)(grpc::CallbackServerContext*,
                                         Call<Request, Response>*)) {
   auto* call = new Call<Request, Response>(reply, metrics_, method);
-  absl::Status s = Authorize(ctx, need, rpc);
+  absl::Status s = auth_.Authorize(*ctx, need, rpc);
   if (s.ok() && gate_) s = gate_(ctx);
   if (s.ok()) s = Parse(*raw, &call->request, rpc);
   if (!s.ok()) {
@@ -599,7 +517,7 @@ void CoordinatorService::DoHeartbeat(grpc::CallbackServerContext*,
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* CoordinatorService::HeartbeatStream(
     grpc::CallbackServerContext* ctx) {
-  absl::Status s = Authorize(ctx);
+  absl::Status s = auth_.Authorize(*ctx);
   if (s.ok() && gate_) s = gate_(ctx);
   return new HeartbeatStreamReactor(registry_, metrics_, std::move(s), &gate_);
 }
@@ -660,7 +578,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* CoordinatorService::WatchJob(
     grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw) {
   auto* reactor = new WatchReactor(metrics_);
   v1::WatchJobRequest request;
-  absl::Status s = Authorize(ctx);
+  absl::Status s = auth_.Authorize(*ctx);
   if (s.ok() && gate_) s = gate_(ctx);
   if (s.ok()) s = Parse(*raw, &request, "WatchJob");
   absl::StatusOr<std::shared_ptr<Job>> job;
