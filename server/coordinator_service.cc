@@ -2,12 +2,14 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/status_util.h"
+#include "server/heartbeat_replies.h"
 #include "server/stream_writes.h"
 #include "spdlog/spdlog.h"
 
@@ -137,27 +139,12 @@ class WatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   RpcMetrics* const metrics_;
 };
 
-// Longest reply_interval_ms a HeartbeatStream may ask for.
-constexpr int64_t kMaxReplyIntervalMs = 60000;
-
-// What a heartbeat reply says; two replies that say the same need not both be sent.
-bool SameNews(const v1::HeartbeatResponse& a, const v1::HeartbeatResponse& b) {
-  if (a.state() != b.state() || a.generation() != b.generation() ||
-      a.has_last_change() != b.has_last_change()) {
-    return false;
-  }
-  const v1::GenerationChange& x = a.last_change();
-  const v1::GenerationChange& y = b.last_change();
-  return x.generation() == y.generation() && x.rank() == y.rank() && x.reason() == y.reason() &&
-         x.unix_ms() == y.unix_ms();
-}
-
-// HeartbeatStream. The job is looked up once, from the first beat, which also picks the mode:
+// HeartbeatStream. The job is looked up once, from the first beat, which also picks the mode
+// (which beats are answered is HeartbeatReplies'):
 //  * reply_interval_ms = 0: read a beat, answer it, read the next (one reply per beat);
-//  * reply_interval_ms > 0: beats are read back to back and answered only when there is news
-//    (the first beat; state, generation or last_change differ from the last reply) or that
-//    long has passed since the last reply. At most one write is in flight; a reply due
-//    meanwhile waits (the newest replaces an older one) and goes out when it completes.
+//  * reply_interval_ms > 0: beats are read back to back and answered only when due. At most
+//    one write is in flight; a reply due meanwhile waits (the newest replaces an older one) and
+//    goes out when it completes.
 // Reads and writes complete on different threads; the writes and the stream's end go through
 // writes_, which finishes the stream once no write is in flight.
 class HeartbeatStreamReactor final
@@ -184,8 +171,8 @@ class HeartbeatStreamReactor final
 
   void OnWriteDone(bool ok) override {
     // One reply per beat: the next read waits for the write (streaming mode has one
-    // outstanding already).
-    if (writes_.OnWriteDone(ok) && reply_interval_ == absl::ZeroDuration()) {
+    // outstanding already). (replies_ is set before the first write, and per_beat() is fixed.)
+    if (writes_.OnWriteDone(ok) && replies_.has_value() && replies_->per_beat()) {
       StartRead(&raw_request_);
     }
   }
@@ -218,16 +205,12 @@ class HeartbeatStreamReactor final
   absl::Status Beat() {
     MODELAVG_RETURN_IF_ERROR(Parse(raw_request_, &request_, "HeartbeatStream"));
     if (*gate_) MODELAVG_RETURN_IF_ERROR((*gate_)(nullptr));
-    // Only the read path touches request_, job_, reply_interval_ and the reply state (one read
-    // at a time).
+    // Only the read path touches request_, job_ and replies_ (one read at a time).
     if (job_ == nullptr) {
-      const int64_t interval_ms = request_.reply_interval_ms();
-      if (interval_ms < 0 || interval_ms > kMaxReplyIntervalMs) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "reply_interval_ms is ", interval_ms, ": it must be in 0..", kMaxReplyIntervalMs,
-            " (0: one reply per beat; otherwise replies on change and at least that often)"));
-      }
-      reply_interval_ = absl::Milliseconds(interval_ms);
+      absl::StatusOr<HeartbeatReplies> replies =
+          HeartbeatReplies::Create(request_.reply_interval_ms(), registry_->clock());
+      if (!replies.ok()) return replies.status();
+      replies_.emplace(*std::move(replies));
       absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request_.job_id());
       if (!job.ok()) return job.status();
       job_ = *std::move(job);
@@ -248,16 +231,11 @@ class HeartbeatStreamReactor final
       closing_ = closing_ || request_.closing();
     }
     if (writes_.ending()) return absl::OkStatus();  // a failed write ended the stream
-    const bool per_beat = reply_interval_ == absl::ZeroDuration();
-    const absl::Time now = absl::Now();
+    const bool per_beat = replies_->per_beat();
     bool started = false;
-    if (per_beat || !replied_ || !SameNews(reply, last_reply_) ||
-        now - last_reply_time_ >= reply_interval_) {
-      // (Looked up only for a reply: most streamed beats have none. SameNews ignores it.)
+    if (replies_->Due(reply)) {
+      // (Looked up only for a reply: most streamed beats have none. Due ignores it.)
       reply.set_coordinator_incarnation(registry_->incarnation());
-      last_reply_ = reply;
-      last_reply_time_ = now;
-      replied_ = true;
       grpc::ByteBuffer bytes;
       Serialize(reply, &bytes);
       started = writes_.Write(std::move(bytes)) == Writes::Queued::kWriting;
@@ -275,10 +253,7 @@ class HeartbeatStreamReactor final
   std::shared_ptr<Job> job_;
   grpc::ByteBuffer raw_request_;
   v1::HeartbeatRequest request_;
-  absl::Duration reply_interval_ = absl::ZeroDuration();
-  bool replied_ = false;
-  v1::HeartbeatResponse last_reply_;
-  absl::Time last_reply_time_;
+  std::optional<HeartbeatReplies> replies_;  // from the first beat
   bool beat_seen_ = false;
 
   // The stream's member (from its first beat) and whether it said it ends on purpose: OnCancel's.

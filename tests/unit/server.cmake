@@ -23,3 +23,6 @@ modelavg_add_gtest(server_peer_reports_test SOURCES server_peer_reports_test.cc
 # The streaming reactors' write queue (one write in flight, the deferred Finish).
 modelavg_add_gtest(server_stream_writes_test SOURCES server_stream_writes_test.cc
                    LIBS modelavg_server)
+# Which HeartbeatStream beats are answered (fake clock).
+modelavg_add_gtest(server_heartbeat_replies_test SOURCES server_heartbeat_replies_test.cc
+                   LIBS modelavg_server_core)
