@@ -110,6 +110,13 @@ class NcclDeviceOps {
                                  const OuterStepArgs& /*args*/, void* /*stream*/) {
     return absl::UnimplementedError("this device has no outer optimizer kernels");
   }
+  // Streaming sync's mix (Level.mix): tensor[i] := (1 - mix) * tensor[i] + mix * local[o + i]
+  // in double, rounded once to the tensor's dtype; `local` in the state dtype `state_code`.
+  virtual absl::Status OuterMix(const StagingChunk* /*chunks*/, int64_t /*num_chunks*/,
+                                const void* /*local*/, int32_t /*state_code*/, double /*mix*/,
+                                void* /*stream*/) {
+    return absl::UnimplementedError("this device has no outer optimizer kernels");
+  }
   // Compressed payloads (RoundOptions::payload, client/payload_codec.h), enqueued on `stream`.
   // A buffer of `numel` float32 elements is cut into `parts` parts of `part` elements (the last
   // ones zero-padded); part j's encoding lies at byte j * stride of the wire buffer (stride: a

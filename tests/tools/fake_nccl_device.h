@@ -391,6 +391,26 @@ class FakeOps : public NcclDeviceOps {
                                         : SgdStep<float>(chunks, n, args);
   }
 
+  absl::Status OuterMix(const StagingChunk* chunks, int64_t n, const void* local, int32_t code,
+                        double mix, void* stream) override {
+    log.push_back("outer_mix");
+    if (!Live(chunks, n * sizeof(StagingChunk))) return Illegal("chunk table");
+    MODELAVG_RETURN_IF_ERROR(Drain(stream));  // as OuterDifference
+    for (int64_t c = 0; c < n; ++c) {
+      const StagingChunk& ch = chunks[c];
+      if (!Live(local, (ch.staging_offset + ch.numel) * StagingCodeSize(code))) {
+        return Illegal("copy of the parameters");
+      }
+      for (int64_t i = 0; i < ch.numel; ++i) {
+        const double v = (1.0 - mix) * LoadAs(ch.tensor, ch.tensor_dtype, i) +
+                         mix * LoadAs(local, code, ch.staging_offset + i);
+        StoreAs(ch.tensor, ch.tensor_dtype, i,
+                ch.tensor_dtype == kStageF64 ? v : static_cast<double>(static_cast<float>(v)));
+      }
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status CreateStream(void** stream) override {
     streams_.push_back(std::make_unique<int>(static_cast<int>(streams_.size()) + 1));
     *stream = streams_.back().get();
