@@ -36,6 +36,11 @@ class Mode:
     def __init__(self, args):
         self.args = args
 
+    @staticmethod
+    def levels(args):
+        """The averaging levels (period -> group size) of this mode."""
+        return LEVELS
+
     def wrap(self, net):
         return net
 
@@ -131,9 +136,18 @@ class Modelavg(Mode):
 
 
 class DiLoCo(Modelavg):
-    """modelavg's drop-in with LEVELS, the cross-site level an outer step (DiLoCo's recipe:
-    SGD, lr 0.7, Nesterov momentum 0.9, on the pseudo-gradient since the level's last sync);
-    the pairs inside a site average plainly."""
+    """modelavg's drop-in, the pairs inside a site averaging plainly every --diloco_site_period
+    steps (2, as in LEVELS, by default), the cross-site level every --diloco_period steps an outer
+    step (SGD with Nesterov momentum,
+    --outer_lr and --outer_momentum, on the pseudo-gradient since the level's last sync)."""
+
+    @staticmethod
+    def levels(args):
+        return collections.OrderedDict([(args.diloco_site_period, 2), (args.diloco_period, 4)])
+
+    def outer(self, modelavg):
+        return modelavg.OuterSGD(self.args.outer_lr, momentum=self.args.outer_momentum,
+                                 nesterov=True)
 
     def wrap(self, net):
         os.environ.update(MODELAVG_COORDINATOR=self.args.coordinator,
@@ -142,10 +156,31 @@ class DiLoCo(Modelavg):
                           MODELAVG_GLOO_HOSTNAME=self.args.address)
         import modelavg
         import modelavg.torch
-        outer = modelavg.OuterSGD(0.7, momentum=0.9, nesterov=True)
+        levels = self.levels(self.args)
         self.averager = modelavg.torch.HierarchicalModelAverager(
-            period_group_size_dict=LEVELS, outer={max(LEVELS): outer})
+            period_group_size_dict=levels, outer={max(levels): self.outer(modelavg)})
         return net
+
+
+class Streaming(DiLoCo):
+    """The cross-site level synced a quarter of the parameters at a time (a fragment every 8
+    steps, each once every 32), its all-reduce overlapping one step of training (sync_delay 1),
+    the rule plain averaging (outer lr 1, no momentum): docs/streaming.md."""
+    payload = "FP32"
+
+    @staticmethod
+    def levels(args):
+        return LEVELS
+
+    def outer(self, modelavg):
+        period = max(LEVELS)
+        return modelavg.Level(period, LEVELS[period], outer=modelavg.OuterSGD(1.0), fragments=4,
+                              sync_delay=1, payload=self.payload)
+
+
+class StreamingInt8(Streaming):
+    """Streaming with the cross-site pseudo-gradients sent as INT8 (a quarter of the bytes)."""
+    payload = "INT8"
 
 
 MODES = {
@@ -154,6 +189,8 @@ MODES = {
     "torch_avg": TorchAveragers,
     "modelavg": Modelavg,
     "diloco": DiLoCo,
+    "streaming": Streaming,
+    "int8": StreamingInt8,
 }
 # Modes that need a modelavg coordinator (run.py starts one, and a job per run).
-NEEDS_COORDINATOR = {"modelavg", "diloco"}
+NEEDS_COORDINATOR = {"modelavg", "diloco", "streaming", "int8"}

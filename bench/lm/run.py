@@ -16,7 +16,7 @@ split reaches --target_loss (or --max_steps). Then it prints a table:
   seconds   training wall-clock to the target (rank 0's clock, evaluation time excluded)
   x floor   seconds / (the compute floor's seconds per step x steps): 1.0 is communication
             for free; the floor is the `none` mode's seconds per step (no communication at all,
-            the same four processes sharing the same CPUs)
+            run first and again last, the two averaged, since the machine's load drifts;            the same four processes sharing the same CPUs)
   link MB   megabytes that crossed site b's uplink in the whole run (interface counters, both
             directions, Ethernet frames)
   final     rank 0's last validation loss
@@ -56,7 +56,7 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 2)[2])
-    p.add_argument("--modes", default="none,ddp,torch_avg,modelavg,diloco",
+    p.add_argument("--modes", default="none,ddp,torch_avg,modelavg,diloco,streaming,int8",
                    help=f"comma-separated, from {sorted(modes.MODES)} (none first: the floor)")
     p.add_argument("--rate_mbit", type=float, default=50, help="the site link's rate")
     p.add_argument("--target_loss", type=float, default=2.6,
@@ -70,6 +70,14 @@ def parse_args():
     p.add_argument("--context", type=int, default=32)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--diloco_period", type=int, default=128,
+                   help="the diloco mode's cross-site period (its outer step)")
+    p.add_argument("--diloco_site_period", type=int, default=2,
+                   help="the diloco mode's period of the plain average inside a site")
+    p.add_argument("--outer_lr", type=float, default=0.9,
+                   help="the diloco mode's outer learning rate")
+    p.add_argument("--outer_momentum", type=float, default=0.3,
+                   help="the diloco mode's outer Nesterov momentum")
     p.add_argument("--timeout_s", type=float, default=1800, help="per mode")
     p.add_argument("--out_dir", default=os.path.join(REPO, "bench", "lm", "out"))
     p.add_argument("--build_dir", default=os.path.join(REPO, "build"))
@@ -82,6 +90,7 @@ def parse_args():
     if args.smoke:
         args.d_model, args.layers, args.batch, args.max_steps = 32, 1, 4, 66
         args.floor_steps, args.target_loss = 66, 0.0
+        args.diloco_period = 32  # two outer steps in the smoke run's 66
     return args
 
 
@@ -104,7 +113,7 @@ def run_mode(args, cluster, mode, tmp, corpus_path):
         if coordinator.poll() is not None:
             raise SystemExit(f"the coordinator exited: {open(log.name).read()[-2000:]}")
     steps = args.floor_steps if mode == "none" else args.max_steps
-    stop_period = 1 if mode == "ddp" else max(modes.LEVELS)
+    stop_period = 1 if mode == "ddp" else max(modes.MODES[mode].levels(args))
     before = cluster.site_bytes("b")
     started = time.monotonic()
     for rank, (host, _) in enumerate(WORKERS):
@@ -117,7 +126,10 @@ def run_mode(args, cluster, mode, tmp, corpus_path):
                 f"--eval_every={args.eval_every}", f"--target_loss={args.target_loss}",
                 f"--d_model={args.d_model}", f"--layers={args.layers}",
                 f"--context={args.context}", f"--batch={args.batch}", f"--lr={args.lr}",
-                f"--stop_period={stop_period}"]
+                f"--stop_period={stop_period}", f"--outer_lr={args.outer_lr}",
+                f"--diloco_period={args.diloco_period}",
+                f"--diloco_site_period={args.diloco_site_period}",
+                f"--outer_momentum={args.outer_momentum}"]
         err = open(os.path.join(tmp, f"{mode}.{rank}.err"), "w")
         procs.append(cluster.popen(host, argv, stdout=err, stderr=subprocess.STDOUT, env=env))
     deadline = time.monotonic() + args.timeout_s
@@ -191,6 +203,8 @@ def plot(results, args, path):
 def main():
     args = parse_args()
     mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if "none" in mode_list and len(mode_list) > 1 and not args.smoke:
+        mode_list.append("none")  # the floor again at the end: the average of the two is used
     unknown = [m for m in mode_list if m not in modes.MODES]
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; known: {sorted(modes.MODES)}")
@@ -220,11 +234,13 @@ def main():
                       f"({time.monotonic() - t:.0f} s with start-up)", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    floor_r = next((r for r in results if r["mode"] == "none"), None)
-    floor = floor_r["seconds_run"] / floor_r["steps_run"] if floor_r else None
+    floors = [r["seconds_run"] / r["steps_run"] for r in results if r["mode"] == "none"]
+    floor = sum(floors) / len(floors) if floors else None
+    results = [r for i, r in enumerate(results) if r["mode"] != "none" or i == 0]
     print()
     print(f"target validation loss {args.target_loss}; link {args.rate_mbit:g} Mbit/s; "
-          f"compute floor {floor:.3f} s/step" if floor else "no `none` mode: no floor")
+          f"compute floor {floor:.3f} s/step (first and last: "
+          f"{', '.join(f'{f:.3f}' for f in floors)})" if floor else "no `none` mode: no floor")
     print(table(results, floor))
     png = os.path.join(args.out_dir, "lm_bench.png")
     plot(results, args, png)
@@ -241,9 +257,9 @@ def smoke_check(results):
     for r in results:
         first, last = r["evals"][0]["val_loss"], r["final_loss"]
         if r["mode"] == "diloco":
-            # Two outer steps of DiLoCo's recipe (lr 0.7, Nesterov 0.9) in a 66-step run
-            # extrapolate past the group's mean and need not lower the loss yet; it must have
-            # learned something: below a uniform guess over the bytes, ln(256).
+            # Two outer steps with Nesterov momentum in a 66-step run extrapolate past the
+            # group's mean and need not lower the loss yet; it must have learned something:
+            # below a uniform guess over the bytes, ln(256).
             if not last < math.log(256):
                 raise SystemExit(f"FAIL: mode diloco: validation loss {last:.3f} is no better "
                                  f"than a uniform guess ({math.log(256):.3f})")

@@ -50,6 +50,12 @@ def main():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--diloco_period", type=int, default=32, help="diloco mode's outer period")
+    p.add_argument("--diloco_site_period", type=int, default=2,
+                   help="diloco mode's period inside a site")
+    p.add_argument("--outer_lr", type=float, default=0.7, help="diloco mode's outer lr")
+    p.add_argument("--outer_momentum", type=float, default=0.9,
+                   help="diloco mode's outer Nesterov momentum")
     p.add_argument("--stop_period", type=int, default=32,
                    help="stop at a multiple of this (the largest averaging period)")
     args = p.parse_args()
