@@ -72,6 +72,15 @@ absl::StatusOr<Decision> ModelAverager::StartDevicePending(const Decision& decis
   MODELAVG_RETURN_IF_ERROR(Annotate(client_->CheckCanAverage(decision.subgroup), where));
   absl::StatusOr<Communicator*> comm = client_->communicators()->Get(Setup(decision), device);
   if (!comm.ok()) return Annotate(comm.status(), where);
+  for (const std::unique_ptr<PendingSync>& other : pending_) {
+    // The schedule never lets this happen (a level's next sync comes H/F > sync_delay steps
+    // later, after the last one was applied); a second collective must not queue behind one.
+    if (other->comm == *comm) {
+      return absl::InternalError(absl::StrCat(
+          where, ": the sync of fragment ", other->decision.fragment, " started at step ",
+          other->decision.step, " is still in flight on this communicator"));
+    }
+  }
   auto p = std::make_unique<PendingSync>();
   p->decision = decision;
   p->apply_step = decision.step + spec.sync_delay;
