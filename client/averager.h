@@ -43,6 +43,7 @@
 namespace modelavg::client {
 
 struct CommunicatorSetup;
+struct RoundOptions;
 class Communicator;
 class OuterLevelState;
 class OuterBuffer;
@@ -184,10 +185,50 @@ class ModelAverager {
   // How the communicator of `decision`'s round is bootstrapped.
   CommunicatorSetup Setup(const Decision& decision) const;
   // An averaging step of an elastic job: the round, retried with the live members of the next
-  // generation when it fails (see AverageParameters).
+  // generation when it fails (see AverageParameters). `transfer`: an admission round hands the
+  // replacements the outer state first (TransferOuterState).
   absl::StatusOr<Decision> AverageElastic(Decision decision, const Device& device,
-                                          absl::Span<const TensorView> params)
+                                          absl::Span<const TensorView> params,
+                                          bool transfer = true)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The steps of AverageElastic (averager.cc). One attempt of the round in decision.generation:
+  // the communicator, the transfer, the committed all-reduce, its outcome in the round notes.
+  // A non-OK result is final (this rank is no member, nobody can give a replacement the
+  // parameters); a failure of the round itself is the attempt's status.
+  struct ElasticAttempt;
+  absl::StatusOr<ElasticAttempt> RunElasticAttempt(const Decision& decision,
+                                                   const Device& device,
+                                                   absl::Span<const TensorView> params,
+                                                   bool transfer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // This rank's options for `decision`'s committed round (contributing unless it is joining).
+  absl::StatusOr<RoundOptions> ElasticRoundOptions(const Decision& decision) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tests: the round on `comm` loses its confirmation on this rank (Client::FailCommitForTesting).
+  void InjectLostCommitIfAsked(const Decision& decision, Communicator* comm);
+  // The round succeeded: logs a retried or admission round, drops older communicators.
+  Decision CommitElasticRound(const Decision& decision, int attempt);
+  // Waits for the job to move past `generation`, enters the newer generation and decides `step`
+  // there. DEADLINE_EXCEEDED when the job does not move on within RetryWait().
+  absl::StatusOr<Decision> MoveOn(int64_t generation, int64_t step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // MoveOn after the round of `failed` failed with `why`: the error names both.
+  absl::StatusOr<Decision> MoveOnAfterFailure(const Decision& failed, const absl::Status& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether a live peer completed the failed round (the round notes of next->generation); while
+  // the job moves on during the read, moves on again, updating *next and counting *attempt.
+  absl::StatusOr<bool> PeerCompletedAttempt(const Decision& failed, Decision* next, int* attempt)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A peer completed the round whose confirmation this rank lost: keep the result it holds.
+  absl::Status AdoptLostCommit(const Decision& decision, const ElasticAttempt& tried,
+                               absl::Span<const TensorView> params)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After a failed round: probes its peers and reports those that do not answer (a gray
+  // failure) to the coordinator.
+  void ReportUnreachablePeersOf(const Decision& decision, Communicator* comm,
+                                const absl::Status& failure) const;
+  // Client::AdvanceGeneration: this client into the generation the job moved to, if any.
+  absl::Status EnterNewerGeneration() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // One round of `decision` on `tensors` (the parameters, or an outer step's pseudo-gradient):
   // strict or elastic, with the error handling of AverageParameters.
