@@ -50,6 +50,7 @@ class OuterBuffer;
 class NcclDeviceOps;
 class GrowableBuffer;
 class DeviceOuterState;
+class OwnedDeviceBuffer;
 
 // How an averager keeps its outer levels' state (Level.outer, docs/diloco.md); the job's spec
 // holds the rule, these are this process's choices.
@@ -277,6 +278,20 @@ class ModelAverager {
   absl::StatusOr<Decision> StreamingOuterRound(const Decision& decision, const Device& device,
                                                absl::Span<const TensorView> fragment)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // StreamingOuterRound on CUDA parameters (averager_streaming_device.cc): `state` is the
+  // fragment's, `first_sync` the step of the fragment's first sync (-1: unknown).
+  absl::StatusOr<Decision> DeviceStreamingRound(const Decision& decision, const Device& device,
+                                                absl::Span<const TensorView> fragment,
+                                                OuterLevelState* state, bool joining,
+                                                int64_t first_sync)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Decision> StartDevicePending(const Decision& decision, const Device& device,
+                                              absl::Span<const TensorView> fragment,
+                                              OuterLevelState* state, bool first)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ApplyOne's last part on CUDA parameters: the pending sync's result into the fragment.
+  absl::Status ApplyDevicePending(PendingSync* p, absl::Span<const TensorView> fragment,
+                                  double mix) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // An averaging step of a level with an outer optimizer (docs/diloco.md).
   absl::StatusOr<Decision> OuterRound(const Decision& decision, const Device& device,
                                       absl::Span<const TensorView> params)
@@ -296,6 +311,8 @@ class ModelAverager {
   // before outer_, so that the states are freed first) and the pseudo-gradient on the device.
   std::unique_ptr<NcclDeviceOps> device_ops_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<GrowableBuffer> device_gradient_ ABSL_GUARDED_BY(mu_);
+  // A streaming level's copy of the parameters on the device (x_local of a mix).
+  std::unique_ptr<OwnedDeviceBuffer> device_local_ ABSL_GUARDED_BY(mu_);
   // Per level: its outer state, or null for a plain level.
   std::vector<std::unique_ptr<OuterLevelState>> outer_ ABSL_GUARDED_BY(mu_);
   // The pseudo-gradient of an outer step (shared by the levels: one step runs at a time).

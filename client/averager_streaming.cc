@@ -101,11 +101,6 @@ absl::StatusOr<Decision> ModelAverager::StreamingOuterRound(const Decision& deci
       absl::StrCat("outer step at step ", decision.step, " (level ", level, ", fragment ",
                    decision.fragment, " of ", decision.fragments, ", subgroup ",
                    decision.subgroup.index, ")");
-  if (!device.is_host()) {
-    return absl::UnimplementedError(absl::StrCat(
-        where, ": streaming outer levels run on host tensors (Gloo) in this version; the "
-               "parameters are on ", device.ToString()));
-  }
   if (spec.sync_delay != 0 && client_->elastic()) {
     return absl::UnimplementedError(absl::StrCat(
         where, ": levels[", level, "].sync_delay ", spec.sync_delay,
@@ -125,6 +120,10 @@ absl::StatusOr<Decision> ModelAverager::StreamingOuterRound(const Decision& deci
     }
   }
   OuterLevelState* state = states[decision.fragment].get();
+  if (!device.is_host()) {
+    return DeviceStreamingRound(decision, device, fragment, state, me_joining,
+                                FirstSyncOf(client_->schedule(), level, decision.fragment));
+  }
   LocalCopy local;
   if (spec.mix != 0 && !me_joining) local.Take(fragment);
   if (me_joining) {
@@ -282,6 +281,9 @@ absl::Status ModelAverager::ApplyOne(std::unique_ptr<PendingSync> p, int64_t ste
   const FragmentSplit split = SplitIntoFragments(params, std::max(1, d.fragments));
   absl::Span<const TensorView> fragment =
       d.fragments > 1 ? split.Fragment(params, d.fragment) : params;
+  if (p->device != nullptr || (!fragment.empty() && !fragment[0].device.is_host())) {
+    return Annotate(ApplyDevicePending(p.get(), fragment, spec.mix), where);
+  }
   std::vector<TensorView> mean = p->buffer->Views();
   if (mean.size() != fragment.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -382,7 +384,11 @@ void ModelAverager::StreamingStateInto(AveragerState* out) const {
     ps.start_step = p->decision.step;
     ps.apply_step = p->apply_step;
     ps.first = p->first;
-    if (p->result.ok()) {
+    if (p->result.ok() && p->device != nullptr) {
+      absl::StatusOr<std::vector<StateTensor>> r = p->device->ResultTensors();
+      if (r.ok()) ps.result = *std::move(r);
+      if (!r.ok()) ps.error = r.status().ToString();
+    } else if (p->result.ok()) {
       ps.result = BufferTensors(*p->buffer);
     } else {
       ps.error = p->result.ToString();

@@ -432,6 +432,33 @@ absl::Status DevicePendingSync::Apply(absl::Span<const TensorView> params, doubl
   return absl::OkStatus();
 }
 
+absl::Status DevicePendingSync::LoadResult(absl::Span<const TensorView> params,
+                                           absl::Span<const TensorView> result) {
+  if (result.size() != params.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the saved sync's result has ", result.size(), " tensors but the fragment has ",
+        params.size()));
+  }
+  MODELAVG_ASSIGN_OR_RETURN(std::vector<TensorView> views, state_->GradientViews(params, &buffer_));
+  void* stream = params.empty() ? nullptr : params[0].cuda_stream;
+  numel_.clear();
+  for (size_t i = 0; i < views.size(); ++i) {
+    if (result[i].numel != views[i].numel || result[i].dtype != views[i].dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the saved sync's result tensor ", i, " is ", result[i].numel, " ",
+          DTypeName(result[i].dtype), " but the fragment's tensor needs ", views[i].numel, " ",
+          DTypeName(views[i].dtype)));
+    }
+    if (views[i].numel > 0) {
+      MODELAVG_RETURN_IF_ERROR(
+          ops_->Copy(views[i].data, result[i].data, result[i].nbytes(), stream));
+    }
+    numel_.push_back(views[i].numel);
+    f64_ = views[i].dtype == DType::kFloat64;
+  }
+  return ops_->WaitLocal(stream, "copying a saved sync's result to the device");
+}
+
 absl::StatusOr<std::vector<StateTensor>> DevicePendingSync::ResultTensors() const {
   const size_t elem = f64_ ? 8 : 4;
   int64_t total = 0;

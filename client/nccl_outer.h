@@ -142,6 +142,20 @@ absl::Status RunDeviceStreamingStep(
     const std::function<absl::Status(absl::Span<const TensorView>, int64_t layout_signature)>&
         round);
 
+// A device buffer that frees itself with the operations it was allocated with.
+class OwnedDeviceBuffer {
+ public:
+  explicit OwnedDeviceBuffer(NcclDeviceOps* ops) : ops_(ops) {}
+  ~OwnedDeviceBuffer() { buffer_.Release(*ops_); }
+  OwnedDeviceBuffer(const OwnedDeviceBuffer&) = delete;
+  OwnedDeviceBuffer& operator=(const OwnedDeviceBuffer&) = delete;
+  GrowableBuffer* get() { return &buffer_; }
+
+ private:
+  NcclDeviceOps* const ops_;
+  GrowableBuffer buffer_;
+};
+
 // A fragment's sync with sync_delay > 0 on CUDA parameters, between the call at its sync step s
 // (Fill) and the call at s + sync_delay (Apply): its own device buffer (the fragment's
 // parameters at s for its first sync, else D := A - x at s, in the state dtype) and its own
@@ -166,6 +180,11 @@ class DevicePendingSync {
   absl::Status Apply(absl::Span<const TensorView> params, double mix, GrowableBuffer* local);
   // The round's result, host copies in the state dtype (state_dict); waits.
   absl::StatusOr<std::vector<StateTensor>> ResultTensors() const;
+  // A sync restored by load_state_dict (its round done, its result on the host, in the state
+  // dtype): uploads `result` as the round's result for the fragment's `params`. Waits.
+  // INVALID_ARGUMENT when the result does not fit the parameters.
+  absl::Status LoadResult(absl::Span<const TensorView> params,
+                          absl::Span<const TensorView> result);
 
  private:
   NcclDeviceOps* const ops_;

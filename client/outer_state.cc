@@ -183,7 +183,12 @@ absl::Status OuterLevelState::SetAnchor(absl::Span<const TensorView> params) {
 absl::Status OuterLevelState::CheckLayout(size_t first,
                                           absl::Span<const TensorView> params) const {
   if (device_ != nullptr) {
-    if (first != 0) return absl::UnimplementedError("fragments of a CUDA outer state");
+    if (first != 0) {
+      // On CUDA a streaming level keeps one device state per fragment, over its tensors alone.
+      return absl::InternalError(absl::StrCat(
+          "level ", level_, ": a CUDA outer state covers its own tensors only (one state per "
+          "fragment); tensor ", first, " of a longer list was asked for"));
+    }
     return device_->CheckLayout(params);
   }
   if (!has_anchor_) {

@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/notification.h"
 #include "client/communicator.h"
+#include "client/nccl_outer.h"
 #include "client/outer_state.h"
 #include "common/schedule.h"
 
@@ -36,6 +37,9 @@ struct PendingSync {
   // Null for a sync restored by load_state_dict (already done, its result in `buffer`).
   Communicator* comm = nullptr;
   std::unique_ptr<OuterBuffer> buffer;
+  // CUDA parameters: the sync's device buffer and stream instead of `buffer`
+  // (averager_streaming_device.cc).
+  std::unique_ptr<DevicePendingSync> device;
   int64_t bytes_before = 0;
   // Written by the thread before `done` is notified.
   absl::Status result;

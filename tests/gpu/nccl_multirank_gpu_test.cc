@@ -40,6 +40,7 @@ inline std::string ProgramFromEnv(const char* name, const char* built) {
 // The harness's Gloo worker is not used here.
 #define MODELAVG_CLIENT_WORKER_BIN "unused"
 #include "tests/integration/client_job_harness.h"
+#include "tests/integration/streaming_reference.h"
 #include "tests/integration/trace_check.h"
 
 namespace modelavg::testing {
@@ -144,6 +145,69 @@ INSTANTIATE_TEST_SUITE_P(
         WorldCase{"h8", 8, v1::HIERARCHICAL, {{1, 2}, {2, 4}, {4, 8}}, false},
         WorldCase{"h8staged", 8, v1::HIERARCHICAL, {{1, 2}, {2, 4}, {4, 8}}, true}),
     [](const ::testing::TestParamInfo<WorldCase>& i) { return std::string(i.param.name); });
+
+// Streaming sync on CUDA parameters through real NCCL ranks: one outer level of 4 fragments,
+// each fragment's INT8 pseudo-gradient all-reduced in the background for sync_delay steps and
+// mixed with the local parameters, every rank every step against the streaming reference within
+// the INT8 bound (docs/streaming.md), as tests/integration/client_streaming_test checks Gloo.
+TEST_F(NcclMultiRankTest, Streaming_Fragments_Delay_Mix_Int8_EveryRankFollowsTheReference) {
+  Cluster cluster("nccl-streaming");
+  ASSERT_TRUE(cluster.ok()) << "coordinator did not start; see " << cluster.dir();
+  constexpr int kWorld = 4;
+  constexpr int kTensors = 8;
+  constexpr int64_t kSteps = 34;
+  v1::JobSpec spec;
+  spec.set_job_id("nccl-streaming");
+  spec.set_world_size(kWorld);
+  spec.set_warmup_steps(1);
+  spec.set_mode(v1::PERIODIC);
+  v1::Level* l = spec.add_levels();
+  l->set_period(8);
+  l->set_group_size(kWorld);
+  l->set_fragments(4);
+  l->set_sync_delay(1);
+  l->set_mix(0.5);
+  l->set_payload(v1::INT8);
+  l->mutable_outer()->set_lr(1.0);
+  ASSERT_TRUE(cluster.admin()->CreateJob(spec).ok());
+  // 8 tensors of 1001 elements: a fragment's parts (one per rank) straddle its two tensors, so
+  // an INT8 block mixes them.
+  for (int r = 0; r < kWorld; ++r) {
+    Start(cluster, spec.job_id(), kWorld, r,
+          {absl::StrCat("--steps=", kSteps), absl::StrCat("--numel=", kTensors * 1001),
+           absl::StrCat("--tensors=", kTensors)});
+  }
+  for (auto& w : workers_) {
+    const std::optional<int> code = w->Wait(absl::Seconds(240));
+    ASSERT_TRUE(code.has_value()) << "a rank hung" << Errors();
+    ASSERT_EQ(*code, 0) << Errors();
+  }
+  const std::vector<Trace> traces = Traces();
+  ASSERT_EQ(traces.size(), static_cast<size_t>(kWorld));
+  const auto want = StreamingReference(spec, kSteps, kTensors);
+  int inexact = 0;
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_EQ(traces[r].lines.size(), static_cast<size_t>(kSteps)) << traces[r].who;
+    std::vector<double> allowed(kTensors, 0.0);
+    for (int64_t s = 0; s < kSteps; ++s) {
+      const TraceLine& line = traces[r].lines[s];
+      const StreamingStep& w = want[s][line.rank];
+      EXPECT_EQ(line.action, w.average ? "AVERAGE" : "SKIP") << line.text;
+      if (w.average) EXPECT_EQ(line.fragment, w.fragment) << line.text;
+      ASSERT_EQ(line.values.size(), static_cast<size_t>(kTensors)) << line.text;
+      double m_fragment = 0;
+      for (double m : w.max_delta) m_fragment = std::max(m_fragment, m);
+      for (int t = 0; t < kTensors; ++t) {
+        // INT8: 2 M / 254 per outer step, M at most the fragment's largest |A - x|.
+        if (w.max_delta[t] > 0) allowed[t] += 2 * m_fragment / 254 * 1.01;
+        const double tol = std::max(1e-4, 2e-6 * std::fabs(w.values[t])) + allowed[t];
+        EXPECT_NEAR(line.values[t], w.values[t], tol) << line.text << " tensor " << t;
+        inexact += std::fabs(line.values[t] - w.values[t]) > 1e-3;
+      }
+    }
+  }
+  EXPECT_GT(inexact, 0) << "the payload was not compressed";
+}
 
 TEST_F(NcclMultiRankTest, Elastic_OneRankKilled_ReplacementAdmitted_ValuesHold) {
   Cluster cluster("nccl-elastic");

@@ -53,6 +53,8 @@ struct TraceLine {
   bool outer = false;  // "outer" (AVERAGE lines of a level with an outer optimizer)
   int64_t unix_ms = -1;  // -1: the worker ran without --unix_ms
   std::string text;      // the line as printed
+  int32_t fragment = 0;  // "fragment" (streaming levels; 0 when absent)
+  std::vector<double> values;  // "values": one per tensor (--tensors=T); empty when absent
 };
 
 // The lines of one worker process.
@@ -119,6 +121,20 @@ inline absl::StatusOr<TraceLine> ParseTraceLine(const std::string& text) {
       return absl::InvalidArgumentError(absl::StrCat("\"outer\" is not a bool: ", text));
     }
     line.outer = outer->second.bool_value();
+  }
+  double fragment = 0;
+  if (absl::Status s = number("fragment", false, &fragment); !s.ok()) return s;
+  line.fragment = static_cast<int32_t>(fragment);
+  if (auto values = f.find("values"); values != f.end()) {
+    if (values->second.kind_case() != google::protobuf::Value::kListValue) {
+      return absl::InvalidArgumentError(absl::StrCat("\"values\" is not a list: ", text));
+    }
+    for (const auto& v : values->second.list_value().values()) {
+      if (v.kind_case() != google::protobuf::Value::kNumberValue) {
+        return absl::InvalidArgumentError(absl::StrCat("\"values\" holds a non-number: ", text));
+      }
+      line.values.push_back(v.number_value());
+    }
   }
   auto admitted = f.find("admitted");
   if (admitted != f.end()) {

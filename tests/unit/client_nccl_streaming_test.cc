@@ -263,6 +263,25 @@ class NcclStreamingTest : public ::testing::Test {
       }
       ExpectAnchorsAgree(s);
     }
+    // Syncs started near the end are still in flight: let them end before reading the logs.
+    for (auto& m : members_) {
+      for (auto& p : m->pending) {
+        if (p->thread.joinable()) p->thread.join();
+      }
+    }
+    // A delayed level's rounds ran on the sync's own stream, none on the caller's.
+    for (auto& [key, group] : groups_) {
+      const v1::Level& l = spec_.levels(key.first);
+      if (!l.has_outer() || l.sync_delay() == 0) continue;
+      int own = 0, caller = 0;
+      for (const std::string& op : group->ops[0]->exec) {
+        const bool data = op.rfind("avg", 0) == 0 || op.rfind("alltoall", 0) == 0;
+        own += data && op.find("@s") != std::string::npos;
+        caller += data && op.find("@caller") != std::string::npos;
+      }
+      EXPECT_GT(own, 0) << "level " << key.first;
+      EXPECT_EQ(caller, 0) << "level " << key.first << ": a background round on the caller's stream";
+    }
     if (compressed) {
       EXPECT_GT(inexact, 0) << "the payload was not compressed";
       int alltoall = 0;
