@@ -40,6 +40,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/heartbeat_keepalive.h"
 #include "common/logging.h"
 #include "grpcpp/grpcpp.h"
 #include "modelavg/v1/coordinator.grpc.pb.h"
@@ -68,10 +69,15 @@ ABSL_FLAG(std::string, etcd_endpoints, "",
           "fresh prefix).");
 ABSL_FLAG(int, latency_jobs, 200,
           "CreateJob + Join pairs timed one after the other (0: none).");
-ABSL_FLAG(int64_t, reply_interval_ms, 1000,
+ABSL_FLAG(int64_t, reply_interval_ms, -1,
           "With --heartbeat=stream: the streams' reply_interval_ms (the coordinator answers "
           "only news, and otherwise at most this often; beats are written without waiting). "
-          "0: one reply per beat, each awaited before the next beat.");
+          "0: one reply per beat, each awaited before the next beat. -1: what the client "
+          "library asks for the job's heartbeat timeout and --heartbeat_hz "
+          "(common/heartbeat_keepalive.h).");
+ABSL_FLAG(int64_t, heartbeat_timeout_ms, 600000,
+          "The job's heartbeat_timeout_ms (long by default, so that no worker is declared dead "
+          "under load).");
 
 namespace modelavg {
 namespace {
@@ -585,7 +591,7 @@ int RunOnce(const std::string& address, int pid, const std::string& state) {
     v1::Level* top = spec->add_levels();
     top->set_period(64);
     top->set_group_size(n);
-    spec->set_heartbeat_timeout_ms(600000);
+    spec->set_heartbeat_timeout_ms(absl::GetFlag(FLAGS_heartbeat_timeout_ms));
     spec->set_join_timeout_ms(120000);
     grpc::ClientContext ctx;
     v1::Job job;
@@ -608,9 +614,14 @@ int RunOnce(const std::string& address, int pid, const std::string& state) {
     stop_child();
     return 2;
   }
-  const int64_t reply_interval_ms = absl::GetFlag(FLAGS_reply_interval_ms);
-  if (reply_interval_ms < 0 || reply_interval_ms > 60000) {
-    std::fprintf(stderr, "--reply_interval_ms must be in [0, 60000]\n");
+  int64_t reply_interval_ms = absl::GetFlag(FLAGS_reply_interval_ms);
+  if (reply_interval_ms == -1) {
+    reply_interval_ms = StreamReplyIntervalMs(
+        absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout_ms)),
+        absl::Seconds(1 / std::max(1e-3, absl::GetFlag(FLAGS_heartbeat_hz))));
+  }
+  if (reply_interval_ms < 0 || reply_interval_ms > kMaxReplyIntervalMs) {
+    std::fprintf(stderr, "--reply_interval_ms must be -1 or in [0, 60000]\n");
     stop_child();
     return 2;
   }

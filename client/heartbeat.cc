@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/coordinator_client.h"
+#include "common/heartbeat_keepalive.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::client {
@@ -99,9 +100,9 @@ absl::Status Heartbeat::Stream(bool* answered) {
     stream_ended_ = false;
     stream_change_.reset();
   }
-  // The coordinator stays silent while nothing changes; it answers at least this often.
-  const int64_t reply_interval_ms = std::max<int64_t>(
-      1, std::min<int64_t>(1000, absl::ToInt64Milliseconds(options_.timeout) / 3));
+  // The coordinator stays silent while nothing changes; it answers at least this often, well
+  // within the silence after which the stream is re-opened (common/heartbeat_keepalive.h).
+  const int64_t reply_interval_ms = StreamReplyIntervalMs(options_.timeout, options_.interval);
   std::unique_ptr<HeartbeatStreamCall> call = coordinator_.StartHeartbeatStream(
       [this](const v1::HeartbeatResponse& reply) { OnStreamReply(reply); },
       [this] {

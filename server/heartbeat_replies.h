@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "common/heartbeat_keepalive.h"
 #include "modelavg/v1/coordinator.pb.h"
 
 namespace modelavg::server {
@@ -19,7 +20,7 @@ namespace modelavg::server {
 class HeartbeatReplies {
  public:
   // Longest reply_interval_ms a stream may ask for.
-  static constexpr int64_t kMaxReplyIntervalMs = 60000;
+  static constexpr int64_t kMaxReplyIntervalMs = modelavg::kMaxReplyIntervalMs;
 
   // From the stream's first beat. INVALID_ARGUMENT when reply_interval_ms is outside
   // 0..kMaxReplyIntervalMs. `clock` outlives this.

@@ -1,6 +1,11 @@
 // HeartbeatReplies: which beats of a HeartbeatStream are answered, driven by a fake clock.
 #include "server/heartbeat_replies.h"
 
+#include <algorithm>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/heartbeat_keepalive.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -79,6 +84,54 @@ TEST(HeartbeatRepliesTest, Interval_NewLastChange_Answered) {
   d.set_coordinator_incarnation("other");
   d.set_recovery_grace_ms(5);
   EXPECT_FALSE(r.Due(d));
+}
+
+TEST(StreamReplyIntervalTest, Values_LongerWithTheTimeout_NeverBelowWhatEarlierClientsAsked) {
+  EXPECT_EQ(StreamReplyIntervalMs(absl::Seconds(3), absl::Milliseconds(100)), 1000);
+  EXPECT_EQ(StreamReplyIntervalMs(absl::Seconds(10), absl::Milliseconds(100)), 3300);
+  EXPECT_EQ(StreamReplyIntervalMs(absl::Seconds(10), absl::Seconds(1)), 3000);
+  EXPECT_EQ(StreamReplyIntervalMs(absl::Seconds(600), absl::Seconds(1)), kMaxReplyIntervalMs);
+  EXPECT_EQ(StreamReplyIntervalMs(absl::Milliseconds(300), absl::Milliseconds(100)), 100);
+  EXPECT_EQ(StreamReplyIntervalMs(absl::Milliseconds(2), absl::Milliseconds(1)), 1);
+}
+
+// A worker that beats every P and asks for StreamReplyIntervalMs(T, P), against the policy on a
+// fake clock: at each of its beats, the time since the last reply it got (what it compares with T
+// before re-opening the stream) stays within (T + P) / 2, leaving at least half the slack for the
+// network; and with a long timeout most beats go unanswered.
+TEST(StreamReplyIntervalTest, SteadyBeats_SilenceWellWithinTheTimeout) {
+  struct Case {
+    absl::Duration timeout, beat;
+  };
+  for (const Case& c : {Case{absl::Milliseconds(500), absl::Milliseconds(100)},
+                        Case{absl::Seconds(3), absl::Milliseconds(100)},
+                        Case{absl::Seconds(3), absl::Seconds(1)},
+                        Case{absl::Seconds(10), absl::Milliseconds(100)},
+                        Case{absl::Seconds(10), absl::Seconds(3)},
+                        Case{absl::Seconds(600), absl::Seconds(1)}}) {
+    FakeClock clock;
+    HeartbeatReplies r =
+        *HeartbeatReplies::Create(StreamReplyIntervalMs(c.timeout, c.beat), &clock);
+    absl::Time last_reply = clock.Now();
+    absl::Duration worst = absl::ZeroDuration();
+    int replies = 0;
+    const int beats = static_cast<int>(4 * kMaxReplyIntervalMs /
+                                       absl::ToInt64Milliseconds(c.beat));
+    for (int i = 0; i < beats; ++i) {
+      worst = std::max(worst, clock.Now() - last_reply);
+      if (r.Due(Reply(1))) {
+        last_reply = clock.Now();
+        ++replies;
+      }
+      clock.Advance(c.beat);
+    }
+    const std::string what = absl::StrCat("timeout ", absl::FormatDuration(c.timeout), ", beat ",
+                                          absl::FormatDuration(c.beat));
+    EXPECT_LE(worst, (c.timeout + c.beat) / 2) << what;
+    EXPECT_GE(replies, 4) << what;
+    if (c.beat <= c.timeout / 100) EXPECT_LE(replies * 20, beats) << what;
+    if (c.timeout >= absl::Seconds(600)) EXPECT_LE(replies * 50, beats) << what;
+  }
 }
 
 }  // namespace
