@@ -269,7 +269,12 @@ void ModelAverager::EndBackgroundRoundsBefore(int64_t generation) {
             "'s sync started at step ", p->decision.step, " ran; it is settled at step ",
             p->apply_step)),
         ErrorKind::kGenerationMoved));
-    p->done.WaitForNotification();  // an aborted round returns promptly
+    // An aborted round returns promptly; past the bound the note goes out without it.
+    const absl::Duration bound = client_->options().collective_timeout + absl::Seconds(5);
+    if (!p->done.WaitForNotificationWithTimeout(bound)) {
+      spdlog::error("fragment {}'s sync started at step {} did not end within {} of its abort",
+                    p->decision.fragment, p->decision.step, absl::FormatDuration(bound));
+    }
   }
 }
 
