@@ -109,6 +109,28 @@ absl::Status CudaLocalOps::OuterStep(const StagingChunk* chunks, int64_t num_chu
   return absl::OkStatus();
 }
 
+absl::Status CudaLocalOps::OuterMix(const StagingChunk* chunks, int64_t num_chunks,
+                                    const void* local, int32_t state_code, double mix,
+                                    void* stream) {
+  MODELAVG_ON_DEVICE();
+  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchOuterMix(chunks, num_chunks, local, state_code, mix,
+                                               static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaLocalOps::CreateStream(void** stream) {
+  MODELAVG_ON_DEVICE();
+  cudaStream_t s = nullptr;
+  MODELAVG_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  *stream = s;
+  return absl::OkStatus();
+}
+
+void CudaLocalOps::DestroyStream(void* stream) {
+  ScopedCudaDevice on(device_);
+  if (on.status().ok() && stream != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+}
+
 #undef MODELAVG_ON_DEVICE
 
 }  // namespace modelavg::client

@@ -38,6 +38,11 @@ class CudaLocalOps final : public NcclDeviceOps {
                                void* gradient, int32_t state_code, void* stream) override;
   absl::Status OuterStep(const StagingChunk* chunks, int64_t num_chunks,
                          const OuterStepArgs& args, void* stream) override;
+  absl::Status OuterMix(const StagingChunk* chunks, int64_t num_chunks, const void* local,
+                        int32_t state_code, double mix, void* stream) override;
+  // A non-blocking stream (a streaming level's background all-reduce runs on one).
+  absl::Status CreateStream(void** stream) override;
+  void DestroyStream(void* stream) override;
 
  private:
   const int device_;

@@ -8,12 +8,20 @@
 #include "absl/time/clock.h"
 #include "client/coordinator_client.h"
 #include "client/half.h"
+#include "client/payload_codec.h"
+#include "client/payload_kernels.h"
 #include "common/cuda_check.h"
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::client {
 namespace {
+
+static_assert(kWireInt8Block == kInt8Block, "payload_kernels.h's INT8 block is the codec's");
+static_assert(static_cast<int32_t>(Payload::kFp32) == kWireFp32 &&
+                  static_cast<int32_t>(Payload::kBf16) == kWireBf16 &&
+                  static_cast<int32_t>(Payload::kInt8) == kWireInt8,
+              "payload_kernels.h's payload codes are Payload's");
 
 ncclDataType_t NcclType(int32_t code) {
   switch (code) {
@@ -373,6 +381,61 @@ void NcclCommunicator::InjectCommitFailureForTesting() {
   core_.InjectCommitFailureForTesting();
 }
 
+absl::Status NcclCommunicator::EncodeParts(Payload payload, const float* in, int64_t numel,
+                                           int64_t part, int parts, size_t stride, void* wire,
+                                           void* stream) {
+  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchEncodeParts(static_cast<int32_t>(payload), in, numel, part,
+                                                  parts, stride, wire,
+                                                  static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::DecodeSumParts(Payload payload, const void* wire, int parts,
+                                              int64_t part, size_t stride, float scale,
+                                              float* out, void* stream) {
+  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchDecodeSumParts(static_cast<int32_t>(payload), wire, parts,
+                                                     part, stride, scale, out,
+                                                     static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::DecodeParts(Payload payload, const void* wire, int64_t numel,
+                                           int64_t part, size_t stride, float* out,
+                                           void* stream) {
+  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchDecodeParts(static_cast<int32_t>(payload), wire, numel,
+                                                  part, stride, out,
+                                                  static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::AllToAll(const void* send, void* recv, size_t bytes,
+                                        void* stream) {
+  const char* what = "ncclSend/ncclRecv (compressed all-to-all)";
+  auto s_ = static_cast<cudaStream_t>(stream);
+  ncclResult_t r = ncclGroupStart();
+  for (int peer = 0; peer < size_ && r == ncclSuccess; ++peer) {
+    r = ncclSend(static_cast<const char*>(send) + peer * bytes, bytes, ncclUint8, peer, comm_,
+                 s_);
+    if (r == ncclSuccess || r == ncclInProgress) {
+      r = ncclRecv(static_cast<char*>(recv) + peer * bytes, bytes, ncclUint8, peer, comm_, s_);
+    }
+    if (r == ncclInProgress) r = ncclSuccess;
+  }
+  const ncclResult_t end = ncclGroupEnd();
+  if (r != ncclSuccess) return NcclStatus(r, what, __FILE__, __LINE__);
+  return end == ncclInProgress ? WaitNcclReady(what) : NcclStatus(end, what, __FILE__, __LINE__);
+}
+
+absl::Status NcclCommunicator::AllGather(const void* send, void* recv, size_t bytes,
+                                         void* stream) {
+  const char* what = "ncclAllGather (compressed)";
+  const ncclResult_t r =
+      ncclAllGather(send, recv, bytes, ncclUint8, comm_, static_cast<cudaStream_t>(stream));
+  return r == ncclInProgress ? WaitNcclReady(what) : NcclStatus(r, what, __FILE__, __LINE__);
+}
+
+int64_t NcclCommunicator::bytes_sent() const { return bytes_sent_.load(); }
+
 absl::Status NcclCommunicator::AllReduceAverage(absl::Span<const TensorView> tensors,
                                                 const RoundOptions& options,
                                                 RoundOutcome* outcome) {
@@ -382,7 +445,10 @@ absl::Status NcclCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
   ScopedCudaDevice on(device_);
   MODELAVG_RETURN_IF_ERROR(on.status());
   if (absl::Status a = AbortRequested(); !a.ok()) return core_.Fail(a);
-  return core_.Run(tensors, options, outcome);
+  absl::Status s = core_.Run(tensors, options, outcome);
+  // Read without mu_ (a background round may hold it for long).
+  bytes_sent_.store(core_.bytes_sent());
+  return s;
 }
 
 absl::Status NcclCommunicator::RawAllReduce(void* data, int64_t numel, DType dtype,

@@ -90,6 +90,9 @@ class NcclCommunicator : public Communicator, private NcclDeviceOps {
   // Whether the last AllReduceAverage ran without staging copies.
   bool last_was_zero_copy() const;
 
+  // Bytes handed to NCCL in averaging rounds (NcclCore::bytes_sent).
+  int64_t bytes_sent() const override;
+
   int rank() const override { return member_; }
   int size() const override { return size_; }
 
@@ -120,6 +123,16 @@ class NcclCommunicator : public Communicator, private NcclDeviceOps {
   // operation with 1/divisor (created and destroyed per call: admission rounds only).
   absl::Status AllReduce(void* buffer, size_t count, Reduce op, int32_t staging_code,
                          int divisor, void* stream) override;
+  // Compressed payloads: the codec kernels (payload_kernels.h) and the byte collectives (an
+  // all-to-all of ncclSend/ncclRecv pairs in one group, ncclAllGather).
+  absl::Status EncodeParts(Payload payload, const float* in, int64_t numel, int64_t part,
+                           int parts, size_t stride, void* wire, void* stream) override;
+  absl::Status DecodeSumParts(Payload payload, const void* wire, int parts, int64_t part,
+                              size_t stride, float scale, float* out, void* stream) override;
+  absl::Status DecodeParts(Payload payload, const void* wire, int64_t numel, int64_t part,
+                           size_t stride, float* out, void* stream) override;
+  absl::Status AllToAll(const void* send, void* recv, size_t bytes, void* stream) override;
+  absl::Status AllGather(const void* send, void* recv, size_t bytes, void* stream) override;
   absl::Status Wait(void* stream, const char* what) override;
   absl::Status WaitLocal(void* stream, const char* what) override;
   void AbortCommunicator() override;
@@ -143,6 +156,7 @@ class NcclCommunicator : public Communicator, private NcclDeviceOps {
   const absl::Duration timeout_;
   const std::function<absl::Status()> check_alive_;
   std::atomic<bool> aborted_{false};
+  std::atomic<int64_t> bytes_sent_{0};
   // Abort(why) from another thread; polled by Wait and WaitNcclReady.
   std::atomic<bool> abort_requested_{false};
   mutable absl::Mutex abort_mu_;

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/error_kind.h"
+#include "client/payload_codec.h"
 #include "spdlog/spdlog.h"
 #include "client/coordinator_client.h"
 #include "common/status_util.h"
@@ -137,6 +138,9 @@ void NcclCore::Release() {
   chunks_device_.Release(*ops_);
   backup_.Release(*ops_);
   pending_buffer_.Release(*ops_);
+  wire_send_.Release(*ops_);
+  wire_recv_.Release(*ops_);
+  wire_part_.Release(*ops_);
   sig_device_.Release(*ops_);
   sig_host_.Release(*ops_);
   for (void* e : gathered_) ops_->DestroyEvent(e);
@@ -192,6 +196,43 @@ absl::Status NcclCore::ReduceBuckets(void* buffer, int64_t count, int32_t code, 
         static_cast<size_t>(end - begin), NcclDeviceOps::Reduce::kAverage, code, divisor,
         stream));
   }
+  // A ring all-reduce hands every member 2 (n - 1) / n of the buffer to send.
+  const int64_t bytes = count * static_cast<int64_t>(StagingCodeSize(code));
+  bytes_sent_ += 2 * (bytes * (size_ - 1) / size_);
+  return absl::OkStatus();
+}
+
+absl::Status NcclCore::ReduceCompressed(void* buffer, int64_t count, Payload payload,
+                                        int divisor, void* stream) {
+  // Gathers pending on the gather stream must have filled the buffer first.
+  MODELAVG_RETURN_IF_ERROR(JoinGathers(stream));
+  const int n = size_;
+  const int64_t part = (count + n - 1) / n;
+  // Every part at a 16-byte aligned offset, so that the kernels read the INT8 scales aligned.
+  const size_t stride = (EncodedBytes(payload, part) + 15) / 16 * 16;
+  MODELAVG_RETURN_IF_ERROR(Annotate(wire_send_.Reserve(*ops_, stride * n),
+                                    "allocating the compressed round's send buffer"));
+  MODELAVG_RETURN_IF_ERROR(Annotate(wire_recv_.Reserve(*ops_, stride * n),
+                                    "allocating the compressed round's receive buffer"));
+  MODELAVG_RETURN_IF_ERROR(Annotate(wire_part_.Reserve(*ops_, static_cast<size_t>(part) * 4),
+                                    "allocating the compressed round's part"));
+  float* data = static_cast<float*>(buffer);
+  float* mine = static_cast<float*>(wire_part_.data());
+  MODELAVG_RETURN_IF_ERROR(
+      ops_->EncodeParts(payload, data, count, part, n, stride, wire_send_.data(), stream));
+  MODELAVG_RETURN_IF_ERROR(ops_->AllToAll(wire_send_.data(), wire_recv_.data(), stride, stream));
+  // This member's part: the float32 sum of every member's decoded piece, in member order, then
+  // times 1/divisor (as the Gloo path computes it).
+  const float scale = 1.0f / static_cast<float>(divisor);
+  MODELAVG_RETURN_IF_ERROR(
+      ops_->DecodeSumParts(payload, wire_recv_.data(), n, part, stride, scale, mine, stream));
+  MODELAVG_RETURN_IF_ERROR(
+      ops_->EncodeParts(payload, mine, part, part, 1, stride, wire_send_.data(), stream));
+  MODELAVG_RETURN_IF_ERROR(ops_->AllGather(wire_send_.data(), wire_recv_.data(), stride, stream));
+  // Every member decodes the same bytes: the results agree bit for bit.
+  MODELAVG_RETURN_IF_ERROR(
+      ops_->DecodeParts(payload, wire_recv_.data(), count, part, stride, data, stream));
+  bytes_sent_ += 2 * static_cast<int64_t>(stride) * (n - 1);
   return absl::OkStatus();
 }
 
@@ -354,6 +395,11 @@ absl::Status NcclCore::Run(absl::Span<const TensorView> tensors, const RoundOpti
   }
   void* stream = tensors.empty() ? nullptr : tensors[0].cuda_stream;
   const int32_t code = StagingCode(tensors);
+  if (local.ok() && options.payload != Payload::kFp32 && total > 0 && code != kStageF32) {
+    local = absl::InvalidArgumentError(absl::StrCat(
+        "a ", PayloadName(options.payload),
+        " payload takes float32/float16/bfloat16 tensors; these include float64"));
+  }
   const bool zero_copy = local.ok() && IsZeroCopy(tensors);
   // Step 2 is due at the first call, and later only where every member knows alike that it is:
   // another divisor (the round after an admission), or a fragment round (each fragment its own
@@ -468,7 +514,9 @@ absl::Status NcclCore::Run(absl::Span<const TensorView> tensors, const RoundOpti
     s = ops_->Zero(buffer, bytes, stream);
     if (!s.ok()) return FailAndRestore(s, buffer, bytes, backup, stream);
   }
-  s = ReduceBuckets(buffer, count, code, divisor, stream);
+  s = options.payload == Payload::kFp32
+          ? ReduceBuckets(buffer, count, code, divisor, stream)
+          : ReduceCompressed(buffer, count, options.payload, divisor, stream);
   if (s.ok()) s = ops_->Wait(stream, "ncclAllReduce");
   if (!s.ok()) return FailAndRestore(s, buffer, bytes, backup, stream);
   // A failure once the result is in the staging buffer: the communicator is broken, the result

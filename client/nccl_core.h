@@ -110,6 +110,49 @@ class NcclDeviceOps {
                                  const OuterStepArgs& /*args*/, void* /*stream*/) {
     return absl::UnimplementedError("this device has no outer optimizer kernels");
   }
+  // Streaming sync's mix (Level.mix): tensor[i] := (1 - mix) * tensor[i] + mix * local[o + i]
+  // in double, rounded once to the tensor's dtype; `local` in the state dtype `state_code`.
+  virtual absl::Status OuterMix(const StagingChunk* /*chunks*/, int64_t /*num_chunks*/,
+                                const void* /*local*/, int32_t /*state_code*/, double /*mix*/,
+                                void* /*stream*/) {
+    return absl::UnimplementedError("this device has no outer optimizer kernels");
+  }
+  // Compressed payloads (RoundOptions::payload, client/payload_codec.h), enqueued on `stream`.
+  // A buffer of `numel` float32 elements is cut into `parts` parts of `part` elements (the last
+  // ones zero-padded); part j's encoding lies at byte j * stride of the wire buffer (stride: a
+  // multiple of 16 at least EncodedBytes(payload, part)). The arithmetic is the host codec's,
+  // so that every member decodes the same bytes to the same floats.
+  // EncodeParts: wire part j := encode(in[j * part, (j + 1) * part)).
+  virtual absl::Status EncodeParts(Payload /*payload*/, const float* /*in*/, int64_t /*numel*/,
+                                   int64_t /*part*/, int /*parts*/, size_t /*stride*/,
+                                   void* /*wire*/, void* /*stream*/) {
+    return absl::UnimplementedError("this device has no payload kernels");
+  }
+  // out[i] := (sum over j = 0, 1, ... of decode(wire part j)[i], in float32) * scale, i < part.
+  virtual absl::Status DecodeSumParts(Payload /*payload*/, const void* /*wire*/, int /*parts*/,
+                                      int64_t /*part*/, size_t /*stride*/, float /*scale*/,
+                                      float* /*out*/, void* /*stream*/) {
+    return absl::UnimplementedError("this device has no payload kernels");
+  }
+  // out[j * part + i] := decode(wire part j)[i], for the first `numel` elements.
+  virtual absl::Status DecodeParts(Payload /*payload*/, const void* /*wire*/, int64_t /*numel*/,
+                                   int64_t /*part*/, size_t /*stride*/, float* /*out*/,
+                                   void* /*stream*/) {
+    return absl::UnimplementedError("this device has no payload kernels");
+  }
+  // The byte collectives of a compressed round: AllToAll sends bytes [j * bytes, (j + 1) *
+  // bytes) of `send` to member j and receives member j's into the same range of `recv`;
+  // AllGather puts member j's `bytes` of `send` at j * bytes of `recv`. Return once NCCL has
+  // accepted them (Wait reports their completion).
+  virtual absl::Status AllToAll(const void* /*send*/, void* /*recv*/, size_t /*bytes*/,
+                                void* /*stream*/) {
+    return absl::UnimplementedError("this communicator has no all-to-all");
+  }
+  virtual absl::Status AllGather(const void* /*send*/, void* /*recv*/, size_t /*bytes*/,
+                                 void* /*stream*/) {
+    return absl::UnimplementedError("this communicator has no all-gather");
+  }
+
   // The staged path's pipeline: a stream of its own for the gathers (cudaStream_t,
   // non-blocking) and events between it and the caller's stream (cudaEvent_t, no timing).
   // A device without streams of its own keeps these defaults: *stream = nullptr means "none",
@@ -238,6 +281,9 @@ class NcclCore {
   const GrowableBuffer& staging() const { return staging_; }
   // The zero-copy path's backup of the caller's buffer (committed rounds).
   const GrowableBuffer& backup() const { return backup_; }
+  // Bytes this member has handed to NCCL in data collectives (Communicator::bytes_sent): a ring
+  // all-reduce of B bytes counts 2 (n - 1) / n B, a compressed round 2 (n - 1) wire parts.
+  int64_t bytes_sent() const { return bytes_sent_; }
 
  private:
   // The layout of `tensors` in the staging buffer, cut into this core's buckets.
@@ -256,6 +302,12 @@ class NcclCore {
   // after its gather (when the gathers are pending on the gather stream).
   absl::Status ReduceBuckets(void* buffer, int64_t count, int32_t code, int divisor,
                              void* stream);
+  // The data collective of a compressed round (RoundOptions::payload) over `count` float32
+  // elements at `buffer`, in place: an all-to-all of every member's encoded parts, a float32 sum
+  // of the decoded parts of this member's part divided by `divisor`, an all-gather of the
+  // encoded results, and every member decodes the same bytes (bit-identical results).
+  absl::Status ReduceCompressed(void* buffer, int64_t count, Payload payload, int divisor,
+                                void* stream);
   // Makes `stream`'s later work wait for every gather enqueued so far (nothing when none is
   // pending).
   absl::Status JoinGathers(void* stream);
@@ -292,6 +344,11 @@ class NcclCore {
   // The zero-copy path's backup of the caller's buffer, and its kept result.
   GrowableBuffer backup_;
   GrowableBuffer pending_buffer_;
+  // A compressed round's wire buffers (send, receive) and its float32 part.
+  GrowableBuffer wire_send_;
+  GrowableBuffer wire_recv_;
+  GrowableBuffer wire_part_;
+  int64_t bytes_sent_ = 0;
   // A result kept aside by a failed commit: in staging_ (pending_elems_ elements, padded or not) or in
   // pending_buffer_ (pending_total_ elements of pending_code_).
   Pending pending_ = Pending::kNone;

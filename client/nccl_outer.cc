@@ -177,6 +177,62 @@ absl::Status DeviceOuterState::Step(absl::Span<const TensorView> params,
   return ops_->WaitLocal(stream, "the outer optimizer step");
 }
 
+absl::Status DeviceOuterState::Snapshot(absl::Span<const TensorView> params,
+                                        GrowableBuffer* local) {
+  int32_t code = kStageF32;
+  MODELAVG_RETURN_IF_ERROR(Shape(params, &code));
+  void* stream = params.empty() ? nullptr : params[0].cuda_stream;
+  int64_t total = 0;
+  for (const TensorView& t : params) total += t.numel;
+  MODELAVG_RETURN_IF_ERROR(Annotate(
+      local->Reserve(*ops_, static_cast<size_t>(total) * StagingCodeSize(code)),
+      "allocating the copy of the parameters"));
+  MODELAVG_RETURN_IF_ERROR(UseTable(params, code, stream));
+  // The staging gather in the state dtype: exact for every parameter dtype.
+  MODELAVG_RETURN_IF_ERROR(ops_->Gather(static_cast<const StagingChunk*>(chunks_device_.data()),
+                                        static_cast<int64_t>(chunks_host_.size()),
+                                        local->data(), code, stream));
+  return ops_->WaitLocal(stream, "copying the parameters");
+}
+
+absl::Status DeviceOuterState::Mix(absl::Span<const TensorView> params,
+                                   const GrowableBuffer& local, double mix) {
+  int32_t code = kStageF32;
+  MODELAVG_RETURN_IF_ERROR(Shape(params, &code));
+  void* stream = params.empty() ? nullptr : params[0].cuda_stream;
+  MODELAVG_RETURN_IF_ERROR(UseTable(params, code, stream));
+  MODELAVG_RETURN_IF_ERROR(ops_->OuterMix(static_cast<const StagingChunk*>(chunks_device_.data()),
+                                          static_cast<int64_t>(chunks_host_.size()),
+                                          local.data(), code, mix, stream));
+  return ops_->WaitLocal(stream, "mixing the synced fragment with the local parameters");
+}
+
+absl::Status DeviceOuterState::SetAnchorFrom(absl::Span<const TensorView> params,
+                                             const GrowableBuffer& mean) {
+  int32_t code = kStageF32;
+  MODELAVG_RETURN_IF_ERROR(Shape(params, &code));
+  void* stream = params.empty() ? nullptr : params[0].cuda_stream;
+  int64_t total = 0;
+  for (const TensorView& t : params) total += t.numel;
+  const size_t bytes = static_cast<size_t>(total) * StagingCodeSize(code);
+  has_anchor_ = false;
+  has_momentum_ = false;
+  MODELAVG_RETURN_IF_ERROR(anchor_.Reserve(*ops_, bytes));
+  if (bytes > 0) MODELAVG_RETURN_IF_ERROR(ops_->Copy(anchor_.data(), mean.data(), bytes, stream));
+  MODELAVG_RETURN_IF_ERROR(UseTable(params, code, stream));
+  // params := A is the staging scatter from the state dtype.
+  MODELAVG_RETURN_IF_ERROR(ops_->Scatter(static_cast<const StagingChunk*>(chunks_device_.data()),
+                                         static_cast<int64_t>(chunks_host_.size()),
+                                         anchor_.data(), code, stream));
+  MODELAVG_RETURN_IF_ERROR(ops_->WaitLocal(stream, "setting the outer anchor"));
+  numel_.clear();
+  for (const TensorView& t : params) numel_.push_back(t.numel);
+  code_ = code;
+  stream_ = stream;
+  has_anchor_ = true;
+  return absl::OkStatus();
+}
+
 absl::Status DeviceOuterState::Download(const GrowableBuffer& from,
                                         std::vector<StateTensor>* out) const {
   out->clear();
@@ -292,6 +348,110 @@ absl::Status RunDeviceOuterStep(
   // The parameters and the state change only once the round has succeeded.
   MODELAVG_RETURN_IF_ERROR(round(d, kOuterRoundSignature));
   return state->Step(params, *gradient);
+}
+
+absl::Status RunDeviceStreamingStep(
+    DeviceOuterState* state, GrowableBuffer* gradient, GrowableBuffer* local,
+    absl::Span<const TensorView> params, bool first_step, bool joining, double mix,
+    const std::function<absl::Status(absl::Span<const TensorView>, int64_t layout_signature)>&
+        round) {
+  // A replacement's first sync of the fragment takes the plain average alone (as on the host).
+  const bool mixes = mix != 0 && !(joining && first_step);
+  if (mixes && !joining) MODELAVG_RETURN_IF_ERROR(state->Snapshot(params, local));
+  absl::Status s = RunDeviceOuterStep(
+      state, gradient, params, first_step, joining,
+      [&](absl::Span<const TensorView> tensors, int64_t layout_signature) {
+        MODELAVG_RETURN_IF_ERROR(round(tensors, layout_signature));
+        // x_local of a replacement: the block's mean it has just received in the round.
+        if (mixes && joining) return state->Snapshot(params, local);
+        return absl::OkStatus();
+      });
+  MODELAVG_RETURN_IF_ERROR(s);
+  if (mixes) return state->Mix(params, *local, mix);
+  return absl::OkStatus();
+}
+
+DevicePendingSync::DevicePendingSync(NcclDeviceOps* ops, DeviceOuterState* state, bool first)
+    : ops_(ops), state_(state), first_(first) {}
+
+DevicePendingSync::~DevicePendingSync() {
+  buffer_.Release(*ops_);
+  if (stream_made_) ops_->DestroyStream(stream_);
+}
+
+absl::StatusOr<std::vector<TensorView>> DevicePendingSync::Fill(
+    absl::Span<const TensorView> params) {
+  if (!first_) MODELAVG_RETURN_IF_ERROR(state_->CheckLayout(params));
+  MODELAVG_ASSIGN_OR_RETURN(std::vector<TensorView> views, state_->GradientViews(params, &buffer_));
+  if (first_) {
+    MODELAVG_RETURN_IF_ERROR(state_->Snapshot(params, &buffer_));
+  } else {
+    MODELAVG_RETURN_IF_ERROR(state_->PseudoGradient(params, buffer_));
+    // The background round reads the buffer on another stream, and the caller may change the
+    // parameters as soon as this returns.
+    MODELAVG_RETURN_IF_ERROR(ops_->WaitLocal(params.empty() ? nullptr : params[0].cuda_stream,
+                                             "computing the pseudo-gradient"));
+  }
+  if (!stream_made_) {
+    MODELAVG_RETURN_IF_ERROR(Annotate(ops_->CreateStream(&stream_),
+                                      "creating the background all-reduce's stream"));
+    stream_made_ = true;
+  }
+  numel_.clear();
+  for (TensorView& v : views) {
+    // A device without streams of its own (null) keeps the parameters' stream.
+    if (stream_ != nullptr) v.cuda_stream = stream_;
+    numel_.push_back(v.numel);
+    f64_ = v.dtype == DType::kFloat64;
+  }
+  return views;
+}
+
+absl::Status DevicePendingSync::Apply(absl::Span<const TensorView> params, double mix,
+                                      GrowableBuffer* local) {
+  if (params.size() != numel_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the fragment had ", numel_.size(), " tensors when its sync started and has ",
+        params.size(), " now; pass the same parameter list to every call"));
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].numel != numel_[i]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", i, " of the fragment had ", numel_[i], " elements when its sync started "
+          "and has ", params[i].numel, " now"));
+    }
+  }
+  if (mix != 0) MODELAVG_RETURN_IF_ERROR(state_->Snapshot(params, local));
+  if (first_) {
+    MODELAVG_RETURN_IF_ERROR(state_->SetAnchorFrom(params, buffer_));
+  } else {
+    MODELAVG_RETURN_IF_ERROR(state_->CheckLayout(params));
+    MODELAVG_RETURN_IF_ERROR(state_->Step(params, buffer_));
+  }
+  if (mix != 0) return state_->Mix(params, *local, mix);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<StateTensor>> DevicePendingSync::ResultTensors() const {
+  const size_t elem = f64_ ? 8 : 4;
+  int64_t total = 0;
+  for (int64_t n : numel_) total += n;
+  std::vector<uint8_t> all(static_cast<size_t>(total) * elem);
+  if (!all.empty()) {
+    MODELAVG_RETURN_IF_ERROR(ops_->Copy(all.data(), buffer_.data(), all.size(), stream_));
+    MODELAVG_RETURN_IF_ERROR(ops_->WaitLocal(stream_, "copying a pending sync's result"));
+  }
+  std::vector<StateTensor> out;
+  size_t at = 0;
+  for (int64_t n : numel_) {
+    StateTensor t;
+    t.dtype = f64_ ? DType::kFloat64 : DType::kFloat32;
+    t.numel = n;
+    t.bytes.assign(all.begin() + at, all.begin() + at + n * elem);
+    at += n * elem;
+    out.push_back(std::move(t));
+  }
+  return out;
 }
 
 }  // namespace modelavg::client

@@ -62,6 +62,17 @@ class DeviceOuterState {
   // PyTorch's SGD with `gradient` (the group's mean D) on A, then params := A. Waits.
   absl::Status Step(absl::Span<const TensorView> params, const GrowableBuffer& gradient);
 
+  // Streaming sync (docs/streaming.md), where one state covers one fragment's tensors:
+  // Snapshot: `local` (grown as needed) := params in the state dtype (x_local of a mix, or the
+  // parameters a background first sync averages). Waits, so that the parameters may change
+  // once it returns. Needs no anchor.
+  absl::Status Snapshot(absl::Span<const TensorView> params, GrowableBuffer* local);
+  // params := (1 - mix) * params + mix * local (local: Snapshot's of the same params). Waits.
+  absl::Status Mix(absl::Span<const TensorView> params, const GrowableBuffer& local, double mix);
+  // A := mean (a buffer in the state layout of `params`: a background first sync's result), M
+  // unset, then params := A. Waits.
+  absl::Status SetAnchorFrom(absl::Span<const TensorView> params, const GrowableBuffer& mean);
+
   // Host copies (state_dict, the admission hand-over), in the state dtype; waits.
   absl::StatusOr<std::vector<StateTensor>> AnchorTensors() const;
   absl::StatusOr<std::vector<StateTensor>> MomentumTensors() const;
@@ -117,6 +128,55 @@ absl::Status RunDeviceOuterStep(
         round);
 
 inline constexpr int64_t kOuterRoundSignature = 0x6f75746572;  // "outer"
+
+// One sync of a fragment of a streaming outer level with sync_delay 0 on CUDA parameters
+// (docs/streaming.md): `state` is the fragment's (its own anchor and momentum), `params` the
+// fragment's tensors. RunDeviceOuterStep (the first sync a plain FP32 average, later D := A - x,
+// `round` of D, SGD), then, with `mix` != 0, params := (1 - mix) A' + mix x_local, x_local the
+// parameters passed (kept in `local`; a replacement's, the block's mean it received in the
+// round). The pseudo-gradient's round (layout_signature kOuterRoundSignature) is where the
+// caller applies the level's payload. Parameters and state change only after the round.
+absl::Status RunDeviceStreamingStep(
+    DeviceOuterState* state, GrowableBuffer* gradient, GrowableBuffer* local,
+    absl::Span<const TensorView> params, bool first_step, bool joining, double mix,
+    const std::function<absl::Status(absl::Span<const TensorView>, int64_t layout_signature)>&
+        round);
+
+// A fragment's sync with sync_delay > 0 on CUDA parameters, between the call at its sync step s
+// (Fill) and the call at s + sync_delay (Apply): its own device buffer (the fragment's
+// parameters at s for its first sync, else D := A - x at s, in the state dtype) and its own
+// stream, on which the background all-reduce of that buffer runs. Fill waits for the buffer, so
+// the parameters may change once it returns; nothing of the parameters or the state changes
+// until Apply, which is called on the averaging thread only.
+class DevicePendingSync {
+ public:
+  // `ops` and `state` outlive it.
+  DevicePendingSync(NcclDeviceOps* ops, DeviceOuterState* state, bool first);
+  ~DevicePendingSync();  // frees the buffer and the stream (after its round has ended)
+  DevicePendingSync(const DevicePendingSync&) = delete;
+  DevicePendingSync& operator=(const DevicePendingSync&) = delete;
+
+  bool first() const { return first_; }
+  // Fills the buffer from the fragment's `params` and returns its views, on the sync's own
+  // stream: what the background round averages in place. FAILED_PRECONDITION without an
+  // anchor (not first), INVALID_ARGUMENT for another layout than the anchor's.
+  absl::StatusOr<std::vector<TensorView>> Fill(absl::Span<const TensorView> params);
+  // Once the round has succeeded: A := the mean (first) or PyTorch's SGD with the mean D, then
+  // params := (1 - mix) A' + mix x_local, x_local the `params` passed now (kept in `local`).
+  absl::Status Apply(absl::Span<const TensorView> params, double mix, GrowableBuffer* local);
+  // The round's result, host copies in the state dtype (state_dict); waits.
+  absl::StatusOr<std::vector<StateTensor>> ResultTensors() const;
+
+ private:
+  NcclDeviceOps* const ops_;
+  DeviceOuterState* const state_;
+  const bool first_;
+  GrowableBuffer buffer_;
+  std::vector<int64_t> numel_;
+  bool f64_ = false;
+  void* stream_ = nullptr;
+  bool stream_made_ = false;
+};
 
 }  // namespace modelavg::client
 

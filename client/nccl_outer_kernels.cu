@@ -55,6 +55,27 @@ __global__ void StepKernel(const StagingChunk* chunks, int64_t num_chunks, const
   }
 }
 
+// tensor[i] := (1 - mix) * tensor[i] + mix * local[o + i], in double, rounded once to the
+// tensor's dtype (the host's LocalCopy::MixInto).
+template <typename S>
+__global__ void MixKernel(const StagingChunk* chunks, int64_t num_chunks, const S* local,
+                          double keep, double mix) {
+  for (int64_t c = blockIdx.x; c < num_chunks; c += gridDim.x) {
+    const StagingChunk ch = chunks[c];
+    const S* l = local + ch.staging_offset;
+    for (int64_t i = threadIdx.x; i < ch.numel; i += blockDim.x) {
+      const double x = LoadAs<double>(ch.tensor, ch.tensor_dtype, i);
+      const double v = Add(Mul(keep, x), Mul(mix, static_cast<double>(l[i])));
+      if (ch.tensor_dtype == kStageF64) {
+        static_cast<double*>(ch.tensor)[i] = v;
+      } else {
+        // Through float32, as the host writes float16/bfloat16 from a float.
+        StoreFrom<float>(ch.tensor, ch.tensor_dtype, i, static_cast<float>(v));
+      }
+    }
+  }
+}
+
 constexpr int kThreads = 512;
 
 unsigned Grid(int64_t num_chunks) {
@@ -83,6 +104,20 @@ cudaError_t LaunchOuterDifference(const StagingChunk* chunks, int64_t num_chunks
   } else {
     DifferenceKernel<float><<<Grid(num_chunks), kThreads, 0, stream>>>(
         chunks, num_chunks, static_cast<const float*>(anchor), static_cast<float*>(gradient));
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchOuterMix(const StagingChunk* chunks, int64_t num_chunks, const void* local,
+                           int32_t state_code, double mix, cudaStream_t stream) {
+  if (num_chunks == 0) return cudaSuccess;
+  const double keep = 1.0 - mix;
+  if (state_code == kStageF64) {
+    MixKernel<double><<<Grid(num_chunks), kThreads, 0, stream>>>(
+        chunks, num_chunks, static_cast<const double*>(local), keep, mix);
+  } else {
+    MixKernel<float><<<Grid(num_chunks), kThreads, 0, stream>>>(
+        chunks, num_chunks, static_cast<const float*>(local), keep, mix);
   }
   return cudaGetLastError();
 }

@@ -19,6 +19,10 @@ namespace modelavg::client {
 cudaError_t LaunchOuterDifference(const StagingChunk* chunks, int64_t num_chunks,
                                   const void* anchor, void* gradient, int32_t state_code,
                                   cudaStream_t stream);
+// tensor[i] = (1 - mix) * tensor[i] + mix * local[o + i] (streaming sync's Level.mix), in
+// double, rounded once to the tensor's dtype; `local` in the state dtype of `state_code`.
+cudaError_t LaunchOuterMix(const StagingChunk* chunks, int64_t num_chunks, const void* local,
+                           int32_t state_code, double mix, cudaStream_t stream);
 // The SGD step of `args` (outer_step_args.h) on every chunk's state elements, then
 // tensor[i] = anchor[o + i] rounded to the tensor's dtype.
 cudaError_t LaunchOuterStep(const StagingChunk* chunks, int64_t num_chunks,

@@ -1,14 +1,16 @@
 #include "server/coordinator_service.h"
 
 #include <chrono>
-#include <deque>
 #include <memory>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/status_util.h"
+#include "server/heartbeat_replies.h"
+#include "server/stream_writes.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::server {
@@ -84,118 +86,35 @@ class CoordinatorService::Call final : public grpc::ServerUnaryReactor {
 
 namespace {
 
-// One WatchJob stream. The Job pushes events (in order, never concurrently for one job); at most
-// one write is in flight; the rest queue here.
+// One WatchJob stream. The Job pushes events (in order, never concurrently for one job); they
+// are written one at a time, up to kMaxQueuedEvents waiting.
 class WatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
+  using Writes = StreamWrites<WatchReactor>;
+
   // Shared between the Job (as its watcher) and the reactor; outlives whichever ends first.
   class Sink final : public JobWatcher {
    public:
-    explicit Sink(WatchReactor* reactor) : reactor_(reactor) {}
+    explicit Sink(WatchReactor* reactor)
+        : writes_(reactor, kMaxQueuedEvents, Writes::WhenFull::kRefuse,
+                  "the WatchJob stream broke") {}
 
     void OnEvent(const v1::JobEvent& event) override {
-      WatchReactor* start = nullptr;
-      const grpc::ByteBuffer* first = nullptr;
-      bool overflow = false;
       grpc::ByteBuffer bytes;
       Serialize(event, &bytes);
-      {
-        absl::MutexLock lock(&mu_);
-        if (finishing_ || reactor_ == nullptr) return;
-        if (queue_.size() >= kMaxQueuedEvents) {
-          overflow = true;
-        } else {
-          queue_.push_back(std::move(bytes));
-          if (!writing_) {
-            writing_ = true;
-            start = reactor_;
-            first = &queue_.front();
-          }
-        }
-      }
-      if (overflow) {
+      if (writes_.Write(std::move(bytes)) == Writes::Queued::kFull) {
         OnClosed(absl::ResourceExhaustedError(
             "the WatchJob reader fell too far behind; watch again"));
       }
-      if (start != nullptr) start->StartWrite(first);
     }
+    // The events queued before are written first.
+    void OnClosed(const absl::Status& status) override { writes_.End(status); }
+    bool Done() const override { return writes_.ending(); }
 
-    void OnClosed(const absl::Status& status) override {
-      WatchReactor* finish = nullptr;
-      {
-        absl::MutexLock lock(&mu_);
-        if (finishing_ || reactor_ == nullptr) return;
-        if (writing_) {
-          close_pending_ = true;
-          close_status_ = status;
-          return;
-        }
-        finishing_ = true;
-        final_code_ = status.code();
-        finish = reactor_;
-      }
-      finish->Finish(ToGrpcStatus(status));
-    }
-
-    absl::StatusCode final_code() const {
-      absl::MutexLock lock(&mu_);
-      return final_code_;
-    }
-
-    bool Done() const override {
-      absl::MutexLock lock(&mu_);
-      return finishing_ || reactor_ == nullptr;
-    }
-
-    void WriteDone(bool ok) {
-      WatchReactor* reactor = nullptr;
-      const grpc::ByteBuffer* next = nullptr;
-      absl::Status close;
-      bool finish = false;
-      {
-        absl::MutexLock lock(&mu_);
-        queue_.pop_front();
-        reactor = reactor_;
-        if (!ok) {
-          writing_ = false;
-          if (finishing_) return;
-          finishing_ = true;
-          finish = true;
-          close = absl::CancelledError("the WatchJob stream broke");
-          final_code_ = close.code();
-        } else if (!queue_.empty()) {
-          next = &queue_.front();
-        } else {
-          writing_ = false;
-          if (close_pending_ && !finishing_) {
-            finishing_ = true;
-            finish = true;
-            close = close_status_;
-            final_code_ = close.code();
-          }
-        }
-      }
-      if (next != nullptr) {
-        reactor->StartWrite(next);
-      } else if (finish) {
-        reactor->Finish(ToGrpcStatus(close));
-      }
-    }
-
-    void Detach() {
-      absl::MutexLock lock(&mu_);
-      reactor_ = nullptr;
-    }
+    Writes& writes() { return writes_; }
 
    private:
-    mutable absl::Mutex mu_;
-    WatchReactor* reactor_ ABSL_GUARDED_BY(mu_);
-    std::deque<grpc::ByteBuffer> queue_ ABSL_GUARDED_BY(mu_);
-    bool writing_ ABSL_GUARDED_BY(mu_) = false;
-    bool finishing_ ABSL_GUARDED_BY(mu_) = false;
-    bool close_pending_ ABSL_GUARDED_BY(mu_) = false;
-    absl::Status close_status_ ABSL_GUARDED_BY(mu_);
-    absl::StatusCode final_code_ ABSL_GUARDED_BY(mu_) = absl::StatusCode::kOk;
+    Writes writes_;
   };
 
   explicit WatchReactor(RpcMetrics* metrics) : sink_(std::make_shared<Sink>(this)), metrics_(metrics) {}
@@ -205,11 +124,13 @@ class WatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   void Start(const std::shared_ptr<Job>& job) { job->Watch(sink_); }
   void FinishNow(const absl::Status& status) { sink_->OnClosed(status); }
 
-  void OnWriteDone(bool ok) override { sink_->WriteDone(ok); }
+  void OnWriteDone(bool ok) override { sink_->writes().OnWriteDone(ok); }
   void OnCancel() override { sink_->OnClosed(absl::CancelledError("the watcher went away")); }
   void OnDone() override {
-    sink_->Detach();
-    if (metrics_ != nullptr) metrics_->CountRpc(RpcMethod::kWatchJob, sink_->final_code());
+    sink_->writes().Detach();
+    if (metrics_ != nullptr) {
+      metrics_->CountRpc(RpcMethod::kWatchJob, sink_->writes().final_code());
+    }
     delete this;
   }
 
@@ -218,139 +139,40 @@ class WatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   RpcMetrics* const metrics_;
 };
 
-// Longest reply_interval_ms a HeartbeatStream may ask for.
-constexpr int64_t kMaxReplyIntervalMs = 60000;
-
-// What a heartbeat reply says; two replies that say the same need not both be sent.
-bool SameNews(const v1::HeartbeatResponse& a, const v1::HeartbeatResponse& b) {
-  if (a.state() != b.state() || a.generation() != b.generation() ||
-      a.has_last_change() != b.has_last_change()) {
-    return false;
-  }
-  const v1::GenerationChange& x = a.last_change();
-  const v1::GenerationChange& y = b.last_change();
-  return x.generation() == y.generation() && x.rank() == y.rank() && x.reason() == y.reason() &&
-         x.unix_ms() == y.unix_ms();
-}
-
-// HeartbeatStream. The job is looked up once, from the first beat, which also picks the mode:
+// HeartbeatStream. The job is looked up once, from the first beat, which also picks the mode
+// (which beats are answered is HeartbeatReplies'):
 //  * reply_interval_ms = 0: read a beat, answer it, read the next (one reply per beat);
-//  * reply_interval_ms > 0: beats are read back to back and answered only when there is news
-//    (the first beat; state, generation or last_change differ from the last reply) or that
-//    long has passed since the last reply. At most one write is in flight; a reply due
-//    meanwhile waits in pending_ (the newest replaces an older one) and goes out when it
-//    completes.
-// Reads and writes complete on different threads: the write state is guarded by mu_. Finish is
-// called once, when no write is in flight (End defers it otherwise).
+//  * reply_interval_ms > 0: beats are read back to back and answered only when due. At most
+//    one write is in flight; a reply due meanwhile waits (the newest replaces an older one) and
+//    goes out when it completes.
+// Reads and writes complete on different threads; the writes and the stream's end go through
+// writes_, which finishes the stream once no write is in flight.
 class HeartbeatStreamReactor final
     : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
+  using Writes = StreamWrites<HeartbeatStreamReactor>;
+
   HeartbeatStreamReactor(JobRegistry* registry, RpcMetrics* metrics, absl::Status auth,
                          const CoordinatorService::Gate* gate)
-      : registry_(registry), metrics_(metrics), gate_(gate) {
+      : registry_(registry), metrics_(metrics), gate_(gate),
+        writes_(this, 1, Writes::WhenFull::kReplaceNewest, "the HeartbeatStream broke") {
     if (!auth.ok()) {
-      End(auth);
+      writes_.End(auth);
       return;
     }
     StartRead(&raw_request_);
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) return End(absl::OkStatus());  // the client half-closed (or went away)
-    if (absl::Status s = Parse(raw_request_, &request_, "HeartbeatStream"); !s.ok()) {
-      return End(s);
-    }
-    if (*gate_) {
-      if (absl::Status s = (*gate_)(nullptr); !s.ok()) return End(s);
-    }
-    // Only the read path touches request_, job_ and reply_interval_ (one read at a time).
-    if (job_ == nullptr) {
-      const int64_t interval_ms = request_.reply_interval_ms();
-      if (interval_ms < 0 || interval_ms > kMaxReplyIntervalMs) {
-        return End(absl::InvalidArgumentError(absl::StrCat(
-            "reply_interval_ms is ", interval_ms, ": it must be in 0..", kMaxReplyIntervalMs,
-            " (0: one reply per beat; otherwise replies on change and at least that often)")));
-      }
-      reply_interval_ = absl::Milliseconds(interval_ms);
-      absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request_.job_id());
-      if (!job.ok()) return End(job.status());
-      job_ = *std::move(job);
-    } else if (request_.job_id() != job_->id()) {
-      return End(absl::InvalidArgumentError(absl::StrCat(
-          "this HeartbeatStream is for job ", job_->id(), "; open another stream for job ",
-          request_.job_id().substr(0, 256))));
-    }
-    v1::HeartbeatResponse reply;
-    if (absl::Status s = job_->Heartbeat(request_, &reply); !s.ok()) return End(s);
-    if (!beat_seen_ || request_.closing()) {
-      // Whose stream this is, and whether it ends on purpose, for OnCancel (another thread).
-      absl::MutexLock lock(&mu_);
-      beat_job_ = job_;
-      beat_rank_ = request_.rank();
-      beat_credential_ = request_.credential();
-      beat_seen_ = true;
-      closing_ = closing_ || request_.closing();
-    }
-    const bool per_beat = reply_interval_ == absl::ZeroDuration();
-    const absl::Time now = absl::Now();
-    bool write = false;
-    {
-      absl::MutexLock lock(&mu_);
-      if (finishing_) return;
-      const bool due = per_beat || !replied_ || !SameNews(reply, last_reply_) ||
-                       now - last_reply_time_ >= reply_interval_;
-      if (due) {
-        // (Looked up only for a reply: most streamed beats have none. SameNews ignores it.)
-        reply.set_coordinator_incarnation(registry_->incarnation());
-        last_reply_ = reply;
-        last_reply_time_ = now;
-        replied_ = true;
-        if (writing_) {
-          pending_ = std::move(reply);
-          has_pending_ = true;
-        } else {
-          Serialize(reply, &raw_out_);
-          writing_ = true;
-          write = true;
-        }
-      }
-    }
-    if (write) StartWrite(&raw_out_);
-    // One reply per beat: the next read waits for the write (OnWriteDone starts it).
-    if (!per_beat || !write) StartRead(&raw_request_);
+    // The client half-closed (or went away).
+    if (!ok) return writes_.End(absl::OkStatus());
+    if (absl::Status s = Beat(); !s.ok()) return writes_.End(s);
   }
 
   void OnWriteDone(bool ok) override {
-    bool write = false;
-    bool read = false;
-    bool finish = false;
-    absl::Status status;
-    {
-      absl::MutexLock lock(&mu_);
-      writing_ = false;
-      if (!ok && !finishing_) {
-        finishing_ = true;
-        finish_status_ = absl::CancelledError("the HeartbeatStream broke");
-      }
-      if (finishing_) {
-        finish = !finished_;
-        finished_ = true;
-        status = finish_status_;
-      } else if (has_pending_) {
-        Serialize(pending_, &raw_out_);
-        has_pending_ = false;
-        writing_ = true;
-        write = true;
-      } else {
-        // Streaming mode has a read outstanding already.
-        read = reply_interval_ == absl::ZeroDuration();
-      }
-    }
-    if (write) {
-      StartWrite(&raw_out_);
-    } else if (finish) {
-      FinishWith(status);
-    } else if (read) {
+    // One reply per beat: the next read waits for the write (streaming mode has one
+    // outstanding already). (replies_ is set before the first write, and per_beat() is fixed.)
+    if (writes_.OnWriteDone(ok) && replies_.has_value() && replies_->per_beat()) {
       StartRead(&raw_request_);
     }
   }
@@ -371,48 +193,71 @@ class HeartbeatStreamReactor final
     job->HeartbeatStreamLost(rank, credential);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    if (metrics_ != nullptr) {
+      metrics_->CountRpc(RpcMethod::kHeartbeatStream, writes_.final_code());
+    }
+    delete this;
+  }
 
  private:
-  // Ends the stream with `status` now, or once the write in flight completes.
-  void End(const absl::Status& status) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (finishing_) return;
-      finishing_ = true;
-      finish_status_ = status;
-      if (writing_) return;  // OnWriteDone finishes
-      finished_ = true;
+  // Records the beat just read, replies if due and reads on. Not OK: the stream's end.
+  absl::Status Beat() {
+    MODELAVG_RETURN_IF_ERROR(Parse(raw_request_, &request_, "HeartbeatStream"));
+    if (*gate_) MODELAVG_RETURN_IF_ERROR((*gate_)(nullptr));
+    // Only the read path touches request_, job_ and replies_ (one read at a time).
+    if (job_ == nullptr) {
+      absl::StatusOr<HeartbeatReplies> replies =
+          HeartbeatReplies::Create(request_.reply_interval_ms(), registry_->clock());
+      if (!replies.ok()) return replies.status();
+      replies_.emplace(*std::move(replies));
+      absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request_.job_id());
+      if (!job.ok()) return job.status();
+      job_ = *std::move(job);
+    } else if (request_.job_id() != job_->id()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "this HeartbeatStream is for job ", job_->id(), "; open another stream for job ",
+          request_.job_id().substr(0, 256)));
     }
-    FinishWith(status);
-  }
-  void FinishWith(const absl::Status& status) {
-    if (metrics_ != nullptr) metrics_->CountRpc(RpcMethod::kHeartbeatStream, status.code());
-    Finish(ToGrpcStatus(status));
+    v1::HeartbeatResponse reply;
+    MODELAVG_RETURN_IF_ERROR(job_->Heartbeat(request_, &reply));
+    if (!beat_seen_ || request_.closing()) {
+      // Whose stream this is, and whether it ends on purpose, for OnCancel (another thread).
+      absl::MutexLock lock(&mu_);
+      beat_job_ = job_;
+      beat_rank_ = request_.rank();
+      beat_credential_ = request_.credential();
+      beat_seen_ = true;
+      closing_ = closing_ || request_.closing();
+    }
+    if (writes_.ending()) return absl::OkStatus();  // a failed write ended the stream
+    const bool per_beat = replies_->per_beat();
+    bool started = false;
+    if (replies_->Due(reply)) {
+      // (Looked up only for a reply: most streamed beats have none. Due ignores it.)
+      reply.set_coordinator_incarnation(registry_->incarnation());
+      grpc::ByteBuffer bytes;
+      Serialize(reply, &bytes);
+      started = writes_.Write(std::move(bytes)) == Writes::Queued::kWriting;
+    }
+    // One reply per beat: the next read waits for the write (OnWriteDone starts it).
+    if (!per_beat || !started) StartRead(&raw_request_);
+    return absl::OkStatus();
   }
 
   JobRegistry* const registry_;
   RpcMetrics* const metrics_;
   const CoordinatorService::Gate* const gate_;
+  Writes writes_;
+  // The read path's.
   std::shared_ptr<Job> job_;
   grpc::ByteBuffer raw_request_;
   v1::HeartbeatRequest request_;
-  absl::Duration reply_interval_ = absl::ZeroDuration();
+  std::optional<HeartbeatReplies> replies_;  // from the first beat
+  bool beat_seen_ = false;
 
-  absl::Mutex mu_;
-  // The write in flight, serialized; set under mu_, and only while no write is in flight.
-  grpc::ByteBuffer raw_out_;
-  v1::HeartbeatResponse pending_ ABSL_GUARDED_BY(mu_);
-  bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool replied_ ABSL_GUARDED_BY(mu_) = false;
-  v1::HeartbeatResponse last_reply_ ABSL_GUARDED_BY(mu_);
-  absl::Time last_reply_time_ ABSL_GUARDED_BY(mu_);
-  bool finishing_ ABSL_GUARDED_BY(mu_) = false;  // End was called (Finish may be deferred)
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;   // Finish was called
-  absl::Status finish_status_ ABSL_GUARDED_BY(mu_);
   // The stream's member (from its first beat) and whether it said it ends on purpose: OnCancel's.
-  bool beat_seen_ = false;  // the read path's
+  absl::Mutex mu_;
   std::shared_ptr<Job> beat_job_ ABSL_GUARDED_BY(mu_);
   int32_t beat_rank_ ABSL_GUARDED_BY(mu_) = -1;
   std::string beat_credential_ ABSL_GUARDED_BY(mu_);
@@ -423,89 +268,7 @@ class HeartbeatStreamReactor final
 
 CoordinatorService::CoordinatorService(JobRegistry* registry, AuthOptions auth,
                                        RpcMetrics* metrics)
-    : registry_(registry),
-      auth_(std::move(auth)),
-      operator_authorization_(
-          auth_.operator_token.empty() ? "" : absl::StrCat("Bearer ", auth_.operator_token)),
-      worker_authorization_(
-          auth_.worker_token.empty() ? "" : absl::StrCat("Bearer ", auth_.worker_token)),
-      metrics_(metrics) {}
-
-namespace {
-
-// Equal, in time independent of where the first difference is.
-bool SameSecret(grpc::string_ref got, const std::string& want) {
-  unsigned char diff = got.size() == want.size() ? 0 : 1;
-  for (size_t i = 0; i < want.size(); ++i) {
-    diff |= static_cast<unsigned char>(want[i] ^ (i < got.size() ? got.data()[i] : 0));
-  }
-  return diff == 0;
-}
-
-const char* RoleName(Role role) {
-  switch (role) {
-    case Role::kOperator:
-      return "operator";
-    case Role::kWorker:
-      return "worker";
-    default:
-      return "no";
-  }
-}
-
-}  // namespace
-
-absl::StatusOr<Role> CoordinatorService::Authenticate(
-    const grpc::CallbackServerContext* ctx) const {
-  if (operator_authorization_.empty() && !auth_.client_certificates) return Role::kOperator;
-  Role role = Role::kNone;
-  if (auth_.client_certificates) {
-    // The TLS handshake verified the certificate; without the list every such client is an
-    // operator.
-    role = Role::kOperator;
-    if (!auth_.operator_cert_names.empty()) {
-      role = Role::kWorker;
-      const std::shared_ptr<const grpc::AuthContext> auth = ctx->auth_context();
-      if (auth != nullptr) {
-        for (const char* property : {"x509_common_name", "x509_subject_alternative_name"}) {
-          for (const grpc::string_ref& name : auth->FindPropertyValues(property)) {
-            for (const std::string& want : auth_.operator_cert_names) {
-              if (name.size() == want.size() && want.compare(0, want.size(), name.data(),
-                                                             name.size()) == 0) {
-                role = Role::kOperator;
-              }
-            }
-          }
-        }
-      }
-    }
-  }
-  if (operator_authorization_.empty() || role == Role::kOperator) return role;
-  const auto& md = ctx->client_metadata();
-  auto it = md.find("authorization");
-  if (it == md.end()) {
-    if (role != Role::kNone) return role;
-    return absl::UnauthenticatedError(
-        "this coordinator needs metadata \"authorization: Bearer <token>\"");
-  }
-  if (SameSecret(it->second, operator_authorization_)) return Role::kOperator;
-  if (!worker_authorization_.empty() && SameSecret(it->second, worker_authorization_)) {
-    return Role::kWorker;
-  }
-  if (role != Role::kNone) return role;
-  return absl::UnauthenticatedError("the authorization token is wrong");
-}
-
-absl::Status CoordinatorService::Authorize(const grpc::CallbackServerContext* ctx, Role need,
-                                           const char* rpc) const {
-  absl::StatusOr<Role> role = Authenticate(ctx);
-  if (!role.ok()) return role.status();
-  if (*role >= need) return absl::OkStatus();
-  return absl::PermissionDeniedError(absl::StrCat(
-      rpc, " needs the ", RoleName(need), " role; this call has the ", RoleName(*role),
-      " role: use the operator token (the coordinator's --auth_token_file) or an operator's "
-      "client certificate"));
-}
+    : registry_(registry), auth_(std::move(auth)), metrics_(metrics) {}
 
 template <typename Request, typename Response>
 grpc::ServerUnaryReactor* CoordinatorService::Serve(
@@ -514,7 +277,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Serve(
     void (CoordinatorService::*handler)(grpc::CallbackServerContext*,
                                         Call<Request, Response>*)) {
   auto* call = new Call<Request, Response>(reply, metrics_, method);
-  absl::Status s = Authorize(ctx, need, rpc);
+  absl::Status s = auth_.Authorize(*ctx, need, rpc);
   if (s.ok() && gate_) s = gate_(ctx);
   if (s.ok()) s = Parse(*raw, &call->request, rpc);
   if (!s.ok()) {
@@ -599,7 +362,7 @@ void CoordinatorService::DoHeartbeat(grpc::CallbackServerContext*,
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* CoordinatorService::HeartbeatStream(
     grpc::CallbackServerContext* ctx) {
-  absl::Status s = Authorize(ctx);
+  absl::Status s = auth_.Authorize(*ctx);
   if (s.ok() && gate_) s = gate_(ctx);
   return new HeartbeatStreamReactor(registry_, metrics_, std::move(s), &gate_);
 }
@@ -660,7 +423,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* CoordinatorService::WatchJob(
     grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw) {
   auto* reactor = new WatchReactor(metrics_);
   v1::WatchJobRequest request;
-  absl::Status s = Authorize(ctx);
+  absl::Status s = auth_.Authorize(*ctx);
   if (s.ok() && gate_) s = gate_(ctx);
   if (s.ok()) s = Parse(*raw, &request, "WatchJob");
   absl::StatusOr<std::shared_ptr<Job>> job;

@@ -5,37 +5,15 @@
 #define MODELAVG_SERVER_COORDINATOR_SERVICE_H_
 
 #include <functional>
-#include <string>
-#include <vector>
 
 #include "absl/status/status.h"
 #include "grpcpp/grpcpp.h"
 #include "modelavg/v1/coordinator.grpc.pb.h"
 #include "server/job_registry.h"
 #include "server/rpc_metrics.h"
+#include "server/service_auth.h"
 
 namespace modelavg::server {
-
-// Who may call what. Two roles:
-//  * operator: every RPC;
-//  * worker: what a worker and an observer need: Join, Heartbeat(Stream), Step, GetSchedule,
-//    PublishCommId, GetCommId, Leave, ReportPeerFailure, GetJob, ListJobs, WatchJob, Ping (not CreateJob,
-//    DeleteJob: PERMISSION_DENIED naming the role).
-// A call has the role of its bearer token ("authorization: Bearer <token>": operator_token or
-// worker_token) or, with mutual TLS, of its client certificate; the higher of the two.
-struct AuthOptions {
-  // Empty: no token auth (and no roles unless client certificates give them).
-  std::string operator_token;
-  // Empty: no worker token. Needs operator_token.
-  std::string worker_token;
-  // True when the server verifies client certificates (mutual TLS).
-  bool client_certificates = false;
-  // With client_certificates: certificates naming one of these (subject CN or a SAN) are
-  // operators, the others workers. Empty: every verified certificate is an operator.
-  std::vector<std::string> operator_cert_names;
-};
-
-enum class Role { kNone = 0, kWorker = 1, kOperator = 2 };
 
 // Every method takes its request as bytes and parses it itself: bytes that are not the
 // method's message get INVALID_ARGUMENT with a message (gRPC's generated handlers answer
@@ -124,17 +102,8 @@ class CoordinatorService final : public RawCoordinatorService {
       grpc::CallbackServerContext* ctx,
       Call<v1::ReportPeerFailureRequest, v1::ReportPeerFailureResponse>* call);
 
-  // The caller's role: UNAUTHENTICATED without a valid token or certificate (always operator
-  // without auth).
-  absl::StatusOr<Role> Authenticate(const grpc::CallbackServerContext* ctx) const;
-  // OK when the caller's role is at least `need`; PERMISSION_DENIED naming the RPC otherwise.
-  absl::Status Authorize(const grpc::CallbackServerContext* ctx, Role need = Role::kWorker,
-                         const char* rpc = "") const;
-
   JobRegistry* const registry_;
-  const AuthOptions auth_;
-  const std::string operator_authorization_;  // "Bearer <token>", empty: no token auth
-  const std::string worker_authorization_;    // "Bearer <token>", empty: no worker token
+  const ServiceAuth auth_;
   RpcMetrics* const metrics_;
   Gate gate_;
 };

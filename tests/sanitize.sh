@@ -59,6 +59,14 @@ cmake -S . -B "$tsan_build" -G Ninja "${launcher[@]}" \
   -DMODELAVG_WITH_CUDA=OFF -DMODELAVG_BUILD_BENCH=OFF -DMODELAVG_BUILD_EXAMPLES=OFF \
   -DMODELAVG_TSAN_ABSL_SHIM=ON
 tsan_targets=(client_gloo_abort_test client_gloo_setup_test client_coordinator_test)
+# The Python package's threads (each averaging call on a thread of its own, Ctrl-C abandoning
+# one, two ranks on two Python threads, streaming sync's background all-reduces): the module
+# built for TSan, run by an interpreter that carries the sanitizer (tests/tools/tsan_python.cc).
+tsan_python=OFF
+if [[ -x /usr/bin/python3 ]] && /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+  tsan_python=ON
+  tsan_targets+=(modelavg-python modelavg-tsan-python)
+fi
 cmake --build "$tsan_build" -j "$jobs" --target "${tsan_targets[@]}"
 tsan_built=$(date +%s)
 echo "tsan build: $(( tsan_built - fuzzed )) s"
@@ -69,3 +77,33 @@ export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/t
 ctest --test-dir "$tsan_build" --output-on-failure -j "$jobs" --timeout 300 \
   -R '^(GlooAbortTest|GlooSetupTest|SilenceAndRandomBytes|ErrorKindTest|ClientHeartbeatTest|ClientCoordinatorTest|ClientAuthTest)'
 echo "tsan tests: $(( $(date +%s) - tsan_built )) s"
+if [[ $tsan_python == ON ]]; then
+  # Ranks start as new processes (spawn): TSan cannot follow a fork of a threaded process. The
+  # coordinator is the ASan build's (the first stage built it). A report fails the run (exit 66).
+  export MODELAVG_TEST_START_METHOD=spawn
+  # Not errors_test's `interrupt`: a call abandoned by Ctrl-C still runs while the interpreter
+  # exits, and TSan reports it logging through spdlog's registry as the registry is destroyed
+  # (a real race at exit, docs/python.md "Ctrl-C"; not fixed yet).
+  py_checks=("errors_test.py --check=jobs_and_client"
+             "dropin_test.py --config=features_periodic_w2_p2"
+             "diloco_test.py --config=periodic_w2_dropin_backup_cpu"
+             "streaming_test.py --config=delay_dropin_w2" "streaming_test.py --config=int8_delay_w4")
+  for check in "${py_checks[@]}"; do
+    # shellcheck disable=SC2086
+    timeout 600 "$tsan_build/python/modelavg-tsan-python" tests/python/$check \
+      --coordinator_bin="$build/server/modelavg-coordinator" --python_dir="$tsan_build/python" \
+      >"$tsan_build/python-tsan.log" 2>&1 || {
+        tail -80 "$tsan_build/python-tsan.log"
+        echo "FAIL under TSan: tests/python/$check"
+        exit 1
+      }
+    echo "tsan python: $check passed"
+  done
+  unset MODELAVG_TEST_START_METHOD
+  echo "tsan python: $(( $(date +%s) - tsan_built )) s since the TSan build"
+elif [[ ${CI:-} == true ]]; then
+  echo "FAIL: CI runs the Python package under TSan, but /usr/bin/python3 cannot import torch"
+  exit 1
+else
+  echo "SKIP: the Python package under TSan needs /usr/bin/python3 with torch (python3-torch)"
+fi

@@ -24,7 +24,6 @@ to as well).
 
 import argparse
 import collections
-import multiprocessing
 import os
 import queue as queue_module
 import sys
@@ -224,7 +223,7 @@ def run(name, args):
         coordinator = mt.Coordinator(group, args.coordinator_bin,
                                      extra_flags=["--default_heartbeat_timeout_ms=15000"])
         store = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
-        ctx = multiprocessing.get_context("fork")  # torch imported once; gRPC not yet started
+        ctx = mt.rank_context()  # fork: torch imported once; gRPC not yet started
         results = ctx.Queue()
         procs = [ctx.Process(target=run_rank, args=(r, name, config, coordinator.address,
                                                     store.port, args.python_dir, results),

@@ -37,7 +37,6 @@ the same spec, load them and go on. Their values must equal, exactly, an uninter
 """
 
 import argparse
-import multiprocessing
 import os
 import sys
 import time
@@ -496,7 +495,7 @@ def run(name, args):
     world = config[1]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch.distributed as dist
-    ctx = multiprocessing.get_context("fork")  # torch imported once; gRPC not yet started
+    ctx = mt.rank_context()  # fork: torch imported once; gRPC not yet started
     with mt.ProcessGroup() as group:
         coordinator = mt.Coordinator(group, args.coordinator_bin,
                                      extra_flags=["--default_heartbeat_timeout_ms=15000"])

@@ -30,6 +30,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/nccl_core.h"
+#include "client/payload_codec.h"
 #include "client/staging_layout.h"
 #include "common/status_util.h"
 #include "gtest/gtest.h"
@@ -48,18 +49,26 @@ inline double RoundTo(int32_t code, double v) {
   return out;
 }
 
+// What a member posts: an all-reduce (kind kReduce: op, count, code, buffer, divisor) or a byte
+// collective of a compressed round (kAllToAll, kAllGather: send, buffer as the receive buffer,
+// `bytes` per member).
 struct Post {
+  enum class Kind { kReduce, kAllToAll, kAllGather };
   FakeReduce op;
   size_t count;
   int32_t code;
   void* buffer;
   int divisor;
+  Kind kind = Kind::kReduce;
+  const void* send = nullptr;
+  size_t bytes = 0;
 };
 
 // The members' collectives, matched by sequence number.
 class FakeWorld {
  public:
   explicit FakeWorld(int n) : n_(n) {}
+  int size() const { return n_; }
 
   absl::Status Collective(int member, int64_t seq, const Post& p) {
     absl::MutexLock l(&mu_);
@@ -111,6 +120,31 @@ class FakeWorld {
   absl::Status Reduce_(const std::vector<std::optional<Post>>& posts)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const Post& a = *posts[0];
+    for (const auto& p : posts) {
+      if (p->kind != a.kind || p->bytes != a.bytes) {
+        mismatch_ = true;
+        return absl::InternalError("mismatched collectives (NCCL would hang or mix data)");
+      }
+    }
+    if (a.kind == Post::Kind::kAllToAll) {
+      // Member m receives member j's piece m at j * bytes.
+      for (int m = 0; m < n_; ++m) {
+        for (int j = 0; j < n_; ++j) {
+          std::memcpy(static_cast<char*>(posts[m]->buffer) + j * a.bytes,
+                      static_cast<const char*>(posts[j]->send) + m * a.bytes, a.bytes);
+        }
+      }
+      return absl::OkStatus();
+    }
+    if (a.kind == Post::Kind::kAllGather) {
+      for (int m = 0; m < n_; ++m) {
+        for (int j = 0; j < n_; ++j) {
+          std::memcpy(static_cast<char*>(posts[m]->buffer) + j * a.bytes, posts[j]->send,
+                      a.bytes);
+        }
+      }
+      return absl::OkStatus();
+    }
     for (const auto& p : posts) {
       if (p->op != a.op || p->count != a.count ||
           (a.op == FakeReduce::kAverage && (p->code != a.code || p->divisor != a.divisor))) {
@@ -241,7 +275,12 @@ class FakeOps : public NcclDeviceOps {
       --fail_averages;
       return absl::InternalError("ncclAllReduce failed (simulated)");
     }
-    if (op == FakeReduce::kAverage) last_average_ = {buffer, count * StagingCodeSize(code)};
+    if (op == FakeReduce::kAverage) {
+      last_average_ = {buffer, count * StagingCodeSize(code)};
+      // A ring all-reduce: 2 (n - 1) / n of the buffer leaves this member.
+      const int64_t b = static_cast<int64_t>(count * StagingCodeSize(code));
+      wire_bytes += 2 * (b * (world_->size() - 1) / world_->size());
+    }
     if (op == FakeReduce::kCommitSum && skip_commits > 0) {
       // This member never issues the commit (it died, or hangs, right after the data).
       --skip_commits;
@@ -257,6 +296,61 @@ class FakeOps : public NcclDeviceOps {
       return absl::OkStatus();
     });
   }
+  // The compressed round's codec (payload_kernels.cu), with the host codec's arithmetic.
+  absl::Status EncodeParts(Payload payload, const float* in, int64_t numel, int64_t part,
+                           int parts, size_t stride, void* wire, void* stream) override {
+    log.push_back("encode");
+    if (!Live(wire, stride * parts)) return Illegal("wire buffer");
+    return Enqueue(stream, "encode", [=] {
+      std::vector<float> tmp(static_cast<size_t>(part));
+      for (int j = 0; j < parts; ++j) {
+        std::fill(tmp.begin(), tmp.end(), 0.0f);
+        const int64_t lo = std::min<int64_t>(numel, j * part);
+        const int64_t len = std::min<int64_t>(numel, lo + part) - lo;
+        if (len > 0) std::memcpy(tmp.data(), in + lo, static_cast<size_t>(len) * sizeof(float));
+        uint8_t* out = static_cast<uint8_t*>(wire) + j * stride;
+        std::memset(out, 0, stride);
+        EncodePayload(payload, tmp.data(), part, out);
+      }
+      return absl::OkStatus();
+    });
+  }
+  absl::Status DecodeSumParts(Payload payload, const void* wire, int parts, int64_t part,
+                              size_t stride, float scale, float* out, void* stream) override {
+    log.push_back("decode_sum");
+    if (!Live(wire, stride * parts)) return Illegal("wire buffer");
+    if (!Live(out, static_cast<size_t>(part) * sizeof(float))) return Illegal("wire part");
+    return Enqueue(stream, "decode_sum", [=] {
+      std::fill(out, out + part, 0.0f);
+      for (int j = 0; j < parts; ++j) {
+        DecodeAddPayload(payload, static_cast<const uint8_t*>(wire) + j * stride, part, out);
+      }
+      for (int64_t i = 0; i < part; ++i) out[i] *= scale;
+      return absl::OkStatus();
+    });
+  }
+  absl::Status DecodeParts(Payload payload, const void* wire, int64_t numel, int64_t part,
+                           size_t stride, float* out, void* stream) override {
+    log.push_back("decode");
+    const int parts = world_ != nullptr ? world_->size() : 1;
+    if (!Live(wire, stride * parts)) return Illegal("wire buffer");
+    return Enqueue(stream, "decode", [=] {
+      std::vector<float> tmp(static_cast<size_t>(part));
+      for (int64_t lo = 0, j = 0; lo < numel; lo += part, ++j) {
+        DecodePayload(payload, static_cast<const uint8_t*>(wire) + j * stride, part, tmp.data());
+        const int64_t len = std::min<int64_t>(numel - lo, part);
+        std::memcpy(out + lo, tmp.data(), static_cast<size_t>(len) * sizeof(float));
+      }
+      return absl::OkStatus();
+    });
+  }
+  absl::Status AllToAll(const void* send, void* recv, size_t bytes, void* stream) override {
+    return Bytes(Post::Kind::kAllToAll, "alltoall", send, recv, bytes, stream);
+  }
+  absl::Status AllGather(const void* send, void* recv, size_t bytes, void* stream) override {
+    return Bytes(Post::Kind::kAllGather, "allgather", send, recv, bytes, stream);
+  }
+
   absl::Status Wait(void* stream, const char* what) override {
     log.push_back("wait");
     if (aborted) return absl::InternalError("communicator aborted");
@@ -295,6 +389,26 @@ class FakeOps : public NcclDeviceOps {
     MODELAVG_RETURN_IF_ERROR(Drain(stream));  // as OuterDifference
     return args.state_code == kStageF64 ? SgdStep<double>(chunks, n, args)
                                         : SgdStep<float>(chunks, n, args);
+  }
+
+  absl::Status OuterMix(const StagingChunk* chunks, int64_t n, const void* local, int32_t code,
+                        double mix, void* stream) override {
+    log.push_back("outer_mix");
+    if (!Live(chunks, n * sizeof(StagingChunk))) return Illegal("chunk table");
+    MODELAVG_RETURN_IF_ERROR(Drain(stream));  // as OuterDifference
+    for (int64_t c = 0; c < n; ++c) {
+      const StagingChunk& ch = chunks[c];
+      if (!Live(local, (ch.staging_offset + ch.numel) * StagingCodeSize(code))) {
+        return Illegal("copy of the parameters");
+      }
+      for (int64_t i = 0; i < ch.numel; ++i) {
+        const double v = (1.0 - mix) * LoadAs(ch.tensor, ch.tensor_dtype, i) +
+                         mix * LoadAs(local, code, ch.staging_offset + i);
+        StoreAs(ch.tensor, ch.tensor_dtype, i,
+                ch.tensor_dtype == kStageF64 ? v : static_cast<double>(static_cast<float>(v)));
+      }
+    }
+    return absl::OkStatus();
   }
 
   absl::Status CreateStream(void** stream) override {
@@ -341,6 +455,7 @@ class FakeOps : public NcclDeviceOps {
   int fail_averages = 0;
   int fail_average_waits = 0;  // the next this many data all-reduces fail after running
   int skip_commits = 0;        // the next this many commits are not issued by this member
+  int64_t wire_bytes = 0;  // what the data collectives sent from this member (the transport's)
   int mallocs = 0;
   int host_mallocs = 0;  // of which pinned host memory
   int gathers = 0;
@@ -366,6 +481,28 @@ class FakeOps : public NcclDeviceOps {
     int64_t version = 0;
   };
 
+  // A byte collective of a compressed round: every member's piece but its own leaves it.
+  absl::Status Bytes(Post::Kind kind, const std::string& name, const void* send, void* recv,
+                     size_t bytes, void* stream) {
+    log.push_back(name);
+    if (aborted) return absl::InternalError("communicator aborted");
+    const int n = world_->size();
+    const size_t sent = kind == Post::Kind::kAllToAll ? bytes * n : bytes;
+    if (!Live(send, sent) || !Live(recv, bytes * n)) return Illegal(name.c_str());
+    wire_bytes += static_cast<int64_t>(bytes) * (n - 1);
+    ops.push_back(name);
+    const int64_t seq = seq_++;
+    Post post{FakeReduce::kAverage, 0, 0, recv, 1};
+    post.kind = kind;
+    post.send = send;
+    post.bytes = bytes;
+    return Enqueue(stream, absl::StrCat(name, "@", StreamName(stream)), [this, seq, post] {
+      if (aborted) return absl::InternalError("communicator aborted");
+      absl::Status s = world_->Collective(member_, seq, post);
+      if (!s.ok() && async_error_.ok()) async_error_ = s;
+      return absl::OkStatus();
+    });
+  }
   std::string StreamName(void* stream) const {
     return stream == nullptr ? "caller" : absl::StrCat("s", *static_cast<int*>(stream));
   }

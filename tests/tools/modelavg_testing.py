@@ -220,6 +220,14 @@ def wait_all(procs, timeout_s):
     return results
 
 
+def rank_context():
+    """The multiprocessing context the tests start ranks with: "fork" (torch imported once), or
+    MODELAVG_TEST_START_METHOD: tests/sanitize.sh sets "spawn", since ThreadSanitizer cannot
+    follow a fork of a process that already runs threads (torch's TCPStore server)."""
+    import multiprocessing
+    return multiprocessing.get_context(os.environ.get("MODELAVG_TEST_START_METHOD", "fork"))
+
+
 def start_ranks(ctx, world, target, args_for, timeout_s):
     """Runs `target(*args_for(rank, results))` in one process per rank (multiprocessing context
     `ctx`); each puts (rank, value, error) on `results`. Returns ({rank: value}, [errors]): the

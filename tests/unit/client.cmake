@@ -21,3 +21,7 @@ if(TARGET modelavg_server)
 endif()
 modelavg_add_gtest(client_nccl_core_test SOURCES client_nccl_core_test.cc LIBS modelavg_client)
 modelavg_add_gtest(client_nccl_outer_test SOURCES client_nccl_outer_test.cc LIBS modelavg_client)
+modelavg_add_gtest(client_nccl_streaming_test SOURCES client_nccl_streaming_test.cc
+                   LIBS modelavg_client)
+modelavg_add_gtest(client_nccl_compressed_test SOURCES client_nccl_compressed_test.cc
+                   LIBS modelavg_client)
