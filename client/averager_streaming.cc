@@ -92,6 +92,31 @@ int64_t FirstSyncOf(const Schedule& schedule, int level, int32_t fragment) {
   return -1;
 }
 
+// The body of a background all-reduce's thread. It owns nothing but the buffer's round: it
+// never touches the parameters. `notes`: the client of an elastic job, whose round notes get
+// the outcome (null in a strict job).
+void RunInBackground(PendingSync* p, const std::vector<TensorView>& views, Client* notes) {
+  p->result = p->comm->AllReduceAverage(views, p->options, &p->outcome);
+  p->bytes_after = p->comm->bytes_sent();
+  if (notes != nullptr) {
+    if (p->outcome == RoundOutcome::kFailedHoldingResult) {
+      // Kept apart from the inputs, which a re-run would need.
+      p->held = std::make_unique<OuterBuffer>();
+      p->held->Shape(views);
+      absl::Status kept = p->comm->AdoptPendingResult(p->held->Views());
+      if (!kept.ok()) {
+        spdlog::warn("the result of fragment {}'s sync started at step {} is lost: {}",
+                     p->decision.fragment, p->decision.step, kept.ToString());
+        p->held.reset();
+        p->outcome = RoundOutcome::kFailedWithoutResult;
+      }
+    }
+    // Before `done`: a round note published once this round has ended says how it ended.
+    notes->RecordRound(p->decision.level, p->decision.step, p->decision.generation, p->outcome);
+  }
+  p->done.Notify();
+}
+
 }  // namespace
 
 absl::StatusOr<Decision> ModelAverager::StreamingOuterRound(const Decision& decision,
@@ -234,28 +259,7 @@ absl::StatusOr<Decision> ModelAverager::StartPending(const Decision& decision,
   p->bytes_before = p->comm->bytes_sent();
   PendingSync* raw = p.get();
   Client* client = client_->elastic() ? client_ : nullptr;
-  // The thread owns nothing but the buffer's round: it never touches the parameters.
-  p->thread = std::thread([raw, views, client] {
-    raw->result = raw->comm->AllReduceAverage(views, raw->options, &raw->outcome);
-    raw->bytes_after = raw->comm->bytes_sent();
-    if (client != nullptr) {
-      if (raw->outcome == RoundOutcome::kFailedHoldingResult) {
-        raw->held = std::make_unique<OuterBuffer>();
-        raw->held->Shape(views);
-        absl::Status kept = raw->comm->AdoptPendingResult(raw->held->Views());
-        if (!kept.ok()) {
-          spdlog::warn("the result of fragment {}'s sync started at step {} is lost: {}",
-                       raw->decision.fragment, raw->decision.step, kept.ToString());
-          raw->held.reset();
-          raw->outcome = RoundOutcome::kFailedWithoutResult;
-        }
-      }
-      // Before `done`: a round note published once this round has ended says how it ended.
-      client->RecordRound(raw->decision.level, raw->decision.step, raw->decision.generation,
-                          raw->outcome);
-    }
-    raw->done.Notify();
-  });
+  p->thread = std::thread([raw, views, client] { RunInBackground(raw, views, client); });
   pending_.push_back(std::move(p));
   return decision;
 }
