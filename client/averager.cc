@@ -774,7 +774,12 @@ void ModelAverager::ReportUnreachablePeersOf(const Decision& decision, Communica
   ReportUnreachablePeers(client_, decision, comm, failure);
 }
 
-absl::Status ModelAverager::EnterNewerGeneration() { return client_->AdvanceGeneration(); }
+absl::Status ModelAverager::EnterNewerGeneration() {
+  return client_->AdvanceGeneration([this](int64_t generation) {
+    mu_.AssertHeld();  // called back inside this averager's call
+    EndBackgroundRoundsBefore(generation);
+  });
+}
 
 absl::StatusOr<Decision> ModelAverager::MoveOn(int64_t generation, int64_t step) {
   // The wait ends as soon as this rank hears of the change; its bound only matters when the

@@ -227,8 +227,17 @@ class ModelAverager {
   // failure) to the coordinator.
   void ReportUnreachablePeersOf(const Decision& decision, Communicator* comm,
                                 const absl::Status& failure) const;
-  // Client::AdvanceGeneration: this client into the generation the job moved to, if any.
+  // Client::AdvanceGeneration, once no background all-reduce of an older generation is in
+  // flight (its outcome must be in the round note published there).
   absl::Status EnterNewerGeneration() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Aborts the background all-reduces of generations before `generation` and waits for them to
+  // end (averager_streaming.cc); their outcomes are in the round notes then.
+  void EndBackgroundRoundsBefore(int64_t generation) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Elastic jobs: the call at a background all-reduce's apply step found it failed. Settles it
+  // as AverageElastic settles a failed round, in this call: keeps the result it holds if a live
+  // peer completed it, else runs it again with the sync step's live members and the same
+  // inputs (averager_streaming.cc).
+  absl::Status SettleBackgroundRound(PendingSync& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // One round of `decision` on `tensors` (the parameters, or an outer step's pseudo-gradient):
   // strict or elastic, with the error handling of AverageParameters.

@@ -8,10 +8,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "spdlog/spdlog.h"
 #include "client/averager.h"
 #include "client/communicator_cache.h"
+#include "client/error_kind.h"
 #include "client/fragments.h"
 #include "client/pending_sync.h"
 #include "client/half.h"
@@ -90,6 +92,31 @@ int64_t FirstSyncOf(const Schedule& schedule, int level, int32_t fragment) {
   return -1;
 }
 
+// The body of a background all-reduce's thread. It owns nothing but the buffer's round: it
+// never touches the parameters. `notes`: the client of an elastic job, whose round notes get
+// the outcome (null in a strict job).
+void RunInBackground(PendingSync* p, const std::vector<TensorView>& views, Client* notes) {
+  p->result = p->comm->AllReduceAverage(views, p->options, &p->outcome);
+  p->bytes_after = p->comm->bytes_sent();
+  if (notes != nullptr) {
+    if (p->outcome == RoundOutcome::kFailedHoldingResult) {
+      // Kept apart from the inputs, which a re-run would need.
+      p->held = std::make_unique<OuterBuffer>();
+      p->held->Shape(views);
+      absl::Status kept = p->comm->AdoptPendingResult(p->held->Views());
+      if (!kept.ok()) {
+        spdlog::warn("the result of fragment {}'s sync started at step {} is lost: {}",
+                     p->decision.fragment, p->decision.step, kept.ToString());
+        p->held.reset();
+        p->outcome = RoundOutcome::kFailedWithoutResult;
+      }
+    }
+    // Before `done`: a round note published once this round has ended says how it ended.
+    notes->RecordRound(p->decision.level, p->decision.step, p->decision.generation, p->outcome);
+  }
+  p->done.Notify();
+}
+
 }  // namespace
 
 absl::StatusOr<Decision> ModelAverager::StreamingOuterRound(const Decision& decision,
@@ -101,11 +128,13 @@ absl::StatusOr<Decision> ModelAverager::StreamingOuterRound(const Decision& deci
       absl::StrCat("outer step at step ", decision.step, " (level ", level, ", fragment ",
                    decision.fragment, " of ", decision.fragments, ", subgroup ",
                    decision.subgroup.index, ")");
-  if (spec.sync_delay != 0 && client_->elastic()) {
+  if (!device.is_host() && spec.sync_delay != 0 && client_->elastic()) {
+    // The elastic settle of a background round (docs/streaming.md, "Elastic jobs") runs on
+    // host buffers; the device's background sync has no such path yet.
     return absl::UnimplementedError(absl::StrCat(
         where, ": levels[", level, "].sync_delay ", spec.sync_delay,
-        " (an all-reduce overlapped with training) runs in strict jobs only in this version; "
-        "use sync_delay 0 in an elastic job"));
+        " on CUDA parameters runs in strict jobs only in this version (elastic jobs: host "
+        "parameters, or sync_delay 0); the parameters are on ", device.ToString()));
   }
   // A replacement admitted at this step (elastic jobs) receives, inside the round, every outer
   // state and the mean of its block's parameters (TransferOuterState), contributes nothing, and
@@ -128,6 +157,7 @@ absl::StatusOr<Decision> ModelAverager::StreamingOuterRound(const Decision& deci
   if (spec.mix != 0 && !me_joining) local.Take(fragment);
   if (me_joining) {
     const bool first = FirstSyncOf(client_->schedule(), level, decision.fragment) == decision.step;
+    if (spec.sync_delay != 0) return StartPending(decision, device, fragment, state, first);
     if (first) {
       MODELAVG_ASSIGN_OR_RETURN(Decision done, Round(decision, device, fragment));
       MODELAVG_RETURN_IF_ERROR(Annotate(state->SetAnchor(fragment), where));
@@ -187,37 +217,122 @@ absl::StatusOr<Decision> ModelAverager::StartPending(const Decision& decision,
   const std::string where =
       absl::StrCat("starting the sync of fragment ", decision.fragment, " at step ",
                    decision.step, " (level ", decision.level, ")");
-  MODELAVG_RETURN_IF_ERROR(Annotate(client_->CheckCanAverage(decision.subgroup), where));
-  absl::StatusOr<Communicator*> comm = client_->communicators()->Get(Setup(decision), device);
-  if (!comm.ok()) return Annotate(comm.status(), where);
   auto p = std::make_unique<PendingSync>();
   p->decision = decision;
   p->apply_step = decision.step + spec.sync_delay;
   p->first = first;
   p->state = state;
-  p->comm = *comm;
   p->buffer = std::make_unique<OuterBuffer>();
   p->buffer->Shape(fragment);
   std::vector<TensorView> views = p->buffer->Views();
-  if (first) {
+  const bool joining = std::binary_search(decision.joining.begin(), decision.joining.end(),
+                                          client_->rank());
+  if (joining) {
+    // A replacement contributes nothing (it receives the outer state in the round).
+  } else if (first) {
     for (size_t i = 0; i < fragment.size(); ++i) {
       for (int64_t j = 0; j < fragment[i].numel; ++j) Write(views[i], j, Read(fragment[i], j));
     }
   } else {
     MODELAVG_RETURN_IF_ERROR(Annotate(state->PseudoGradient(0, fragment, views), where));
   }
-  RoundOptions options;
-  options.payload = first ? Payload::kFp32 : spec.payload;
-  options.layout_signature = round_signature_;
+  const Payload payload = first ? Payload::kFp32 : spec.payload;
+  if (client_->elastic() && !decision.joining.empty()) {
+    // An admission at a delayed sync step: the replacement needs its parameters now, so the
+    // round runs in this call, handing it the outer state and the parameters first, like any
+    // admission round; its result is applied at the apply step like any other.
+    round_payload_ = payload;
+    absl::StatusOr<Decision> done = AverageElastic(decision, device, views);
+    round_payload_ = Payload::kFp32;
+    if (!done.ok()) return done.status();
+    p->result = absl::OkStatus();
+    p->outcome = RoundOutcome::kCompleted;
+    p->done.Notify();
+    pending_.push_back(std::move(p));
+    return *done;
+  }
+  MODELAVG_RETURN_IF_ERROR(Annotate(client_->CheckCanAverage(decision.subgroup), where));
+  absl::StatusOr<Communicator*> comm = client_->communicators()->Get(Setup(decision), device);
+  if (!comm.ok()) return Annotate(comm.status(), where);
+  p->comm = *comm;
+  if (client_->elastic()) {
+    // Committed at the sync step like a blocking round, so that the call at the apply step
+    // can settle a failure exactly (SettleBackgroundRound).
+    MODELAVG_ASSIGN_OR_RETURN(p->options, ElasticRoundOptions(decision));
+    InjectLostCommitIfAsked(decision, p->comm);
+  }
+  p->options.payload = payload;
+  p->options.layout_signature = round_signature_;
   p->bytes_before = p->comm->bytes_sent();
   PendingSync* raw = p.get();
-  // The thread owns nothing but the buffer's round: it never touches the parameters.
-  p->thread = std::thread([raw, views, options] {
-    raw->result = raw->comm->AllReduceAverage(views, options, nullptr);
-    raw->done.Notify();
-  });
+  Client* client = client_->elastic() ? client_ : nullptr;
+  p->thread = std::thread([raw, views, client] { RunInBackground(raw, views, client); });
   pending_.push_back(std::move(p));
   return decision;
+}
+
+void ModelAverager::EndBackgroundRoundsBefore(int64_t generation) {
+  for (const std::unique_ptr<PendingSync>& p : pending_) {
+    if (p->done.HasBeenNotified() || p->decision.generation >= generation) continue;
+    p->comm->Abort(SetErrorKind(
+        absl::AbortedError(absl::StrCat(
+            "the job moved to generation ", generation, " while fragment ", p->decision.fragment,
+            "'s sync started at step ", p->decision.step, " ran; it is settled at step ",
+            p->apply_step)),
+        ErrorKind::kGenerationMoved));
+    // An aborted round returns promptly; past the bound the note goes out without it.
+    const absl::Duration bound = client_->options().collective_timeout + absl::Seconds(5);
+    if (!p->done.WaitForNotificationWithTimeout(bound)) {
+      spdlog::error("fragment {}'s sync started at step {} did not end within {} of its abort",
+                    p->decision.fragment, p->decision.step, absl::FormatDuration(bound));
+    }
+  }
+}
+
+absl::Status ModelAverager::SettleBackgroundRound(PendingSync& p) {
+  const Decision& failed = p.decision;
+  if (absl::IsInvalidArgument(p.result) || ErrorKindOf(p.result) == ErrorKind::kRoundMismatch) {
+    return p.result;
+  }
+  // Its communicator is gone once this client has moved on.
+  if (client_->generation() == failed.generation) {
+    ReportUnreachablePeersOf(failed, p.comm, p.result);
+  }
+  absl::StatusOr<Decision> next = MoveOnAfterFailure(failed, p.result);
+  int attempt = 1;
+  absl::StatusOr<bool> completed =
+      next.ok() ? PeerCompletedAttempt(failed, &*next, &attempt) : next.status();
+  client_->ReportStep(step_);  // deciding the sync step again reported that step
+  MODELAVG_RETURN_IF_ERROR(completed.status());
+  if (*completed) {
+    if (p.held == nullptr) {
+      return absl::InternalError(absl::StrCat(
+          "a peer completed the round but this rank holds no result (", p.result.message(),
+          "); restore a checkpoint"));
+    }
+    for (size_t i = 0; i < p.buffer->size(); ++i) {
+      std::memcpy(p.buffer->data(i), p.held->data(i), p.buffer->nbytes(i));
+    }
+    client_->RecordRound(failed.level, failed.step, failed.generation, RoundOutcome::kCompleted);
+    spdlog::info("the sync of fragment {} started at step {} completed on a peer before the "
+                 "failure ({}); its result is kept",
+                 failed.fragment, failed.step, std::string(p.result.message()));
+    return absl::OkStatus();
+  }
+  // Nobody kept it: the same inputs, now, with the live members of the sync step.
+  spdlog::warn("the sync of fragment {} started at step {} failed ({}); running it again in "
+               "generation {} with ranks {}",
+               failed.fragment, failed.step, std::string(p.result.message()), next->generation,
+               absl::StrJoin(next->Members(), ","));
+  const int64_t signature = round_signature_;
+  round_payload_ = p.options.payload;
+  round_signature_ = p.options.layout_signature;
+  absl::StatusOr<Decision> again =
+      AverageElastic(*next, Device::Host(), p.buffer->Views(), !next->joining.empty());
+  round_payload_ = Payload::kFp32;
+  round_signature_ = signature;
+  client_->ReportStep(step_);
+  return again.status();
 }
 
 absl::Status ModelAverager::ApplyPending(int64_t step, absl::Span<const TensorView> params) {
@@ -256,7 +371,12 @@ absl::Status ModelAverager::ApplyOne(std::unique_ptr<PendingSync> p, int64_t ste
   if (p->thread.joinable()) p->thread.join();
   if (traffic_.size() <= static_cast<size_t>(d.level)) traffic_.resize(d.level + 1);
   traffic_[d.level].waited += absl::Now() - start;
-  if (p->comm != nullptr) CountBytes(d.level, p->comm->bytes_sent() - p->bytes_before);
+  CountBytes(d.level, p->bytes_after - p->bytes_before);
+  if (!p->result.ok() && client_->elastic()) {
+    absl::Status settled = SettleBackgroundRound(*p);
+    if (!settled.ok()) return Annotate(settled, where);
+    p->result = absl::OkStatus();
+  }
   if (!p->result.ok()) {
     // Name the cause (a peer's death, a new generation) rather than the broken socket: give
     // the coordinator up to a heartbeat timeout to declare it, as a blocking round does.

@@ -601,6 +601,10 @@ std::optional<MembershipView> Client::ViewOf(const v1::Job& job, std::string* wh
 }
 
 absl::Status Client::AdvanceGeneration() {
+  return AdvanceGeneration([](int64_t) {});
+}
+
+absl::Status Client::AdvanceGeneration(absl::FunctionRef<void(int64_t)> before_note) {
   int64_t from, to;
   {
     absl::MutexLock l(&mu_);
@@ -614,6 +618,7 @@ absl::Status Client::AdvanceGeneration() {
   }
   spdlog::info("rank {} of job {} averages in generation {} now (was {})", rank_,
                options_.job_id, to, from);
+  before_note(to);
   round_notes_->Publish(to);
   return absl::OkStatus();
 }

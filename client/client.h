@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -197,6 +198,10 @@ class Client {
   // there (its round note, see PeerCompletedRound). Then the error that stops averaging, if
   // any (a death of this rank, a job below min_world_size, ...), else OK.
   absl::Status AdvanceGeneration();
+  // The same, calling `before_note(generation)` once this client has moved to a newer
+  // generation and before its round note is published there (an averager ends its background
+  // all-reduces of older generations then: their outcomes belong in the note).
+  absl::Status AdvanceGeneration(absl::FunctionRef<void(int64_t)> before_note);
   // Waits until this client can move past `generation` (AdvanceGeneration) or is broken, at most
   // until `deadline`, which is pushed back while the coordinator is unreachable (up to
   // coordinator_outage_timeout, past which the client is broken). OK, the error that stops

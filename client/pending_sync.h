@@ -34,15 +34,25 @@ struct PendingSync {
   // first value); otherwise the pseudo-gradient.
   bool first = false;
   OuterLevelState* state = nullptr;
-  // Null for a sync restored by load_state_dict (already done, its result in `buffer`).
+  // Null for a sync restored by load_state_dict (already done, its result in `buffer`). Used
+  // only while the round runs: once the job moves to a newer generation the communicator may
+  // be dropped.
   Communicator* comm = nullptr;
+  // The round's options (elastic jobs: committed, at the sync step).
+  RoundOptions options;
   std::unique_ptr<OuterBuffer> buffer;
   // CUDA parameters: the sync's device buffer and stream instead of `buffer`
   // (averager_streaming_device.cc).
   std::unique_ptr<DevicePendingSync> device;
   int64_t bytes_before = 0;
   // Written by the thread before `done` is notified.
+  int64_t bytes_after = 0;
   absl::Status result;
+  RoundOutcome outcome = RoundOutcome::kFailedWithoutResult;
+  // Elastic jobs, a round that failed holding its result (its confirmation was lost): that
+  // result, kept apart from `buffer` (still the round's inputs) until the call at apply_step
+  // settles the round (ModelAverager::SettleBackgroundRound).
+  std::unique_ptr<OuterBuffer> held;
   absl::Notification done;
   std::thread thread;
 

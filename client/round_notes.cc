@@ -31,17 +31,28 @@ RoundNotes::RoundNotes(CoordinatorClient& coordinator, std::string job_id, int32
 void RoundNotes::Record(int32_t level, int64_t step, int64_t generation, RoundOutcome outcome) {
   absl::MutexLock l(&mu_);
   if (level < 0 || level >= static_cast<int32_t>(entries_.size())) return;
-  entries_[level] = Entry{step, generation, static_cast<int>(outcome)};
+  std::array<Entry, 2>& e = entries_[level];
+  const Entry now{step, generation, static_cast<int>(outcome)};
+  if (e[0].step == step) {
+    e[0] = now;
+  } else if (e[1].step == step) {
+    e[1] = now;  // an older round settled late (a background all-reduce)
+  } else {
+    e[1] = e[0];
+    e[0] = now;
+  }
 }
 
 void RoundNotes::Publish(int64_t generation) {
-  // "v1" then one "level:step:generation:outcome" per level.
+  // "v1" then "level:step:generation:outcome" per level and recorded round.
   std::string blob = "v1";
   {
     absl::MutexLock l(&mu_);
     for (size_t level = 0; level < entries_.size(); ++level) {
-      const Entry& e = entries_[level];
-      absl::StrAppend(&blob, ";", level, ":", e.step, ":", e.generation, ":", e.outcome);
+      for (const Entry& e : entries_[level]) {
+        if (e.step < 0) continue;
+        absl::StrAppend(&blob, ";", level, ":", e.step, ":", e.generation, ":", e.outcome);
+      }
     }
   }
   v1::PublishCommIdRequest req;

@@ -1,10 +1,12 @@
-// Round notes of one rank in an elastic job: where its last round at each level stands (step,
-// generation, outcome). The rank publishes its note when it enters a generation, through the
+// Round notes of one rank in an elastic job: where its last two rounds at each level stand
+// (step, generation, outcome; two because a level with sync_delay may start its next round
+// before a peer has settled the one before, docs/streaming.md). The rank publishes its note when it enters a generation, through the
 // coordinator's id exchange under the world's block; after a failed round a member reads its
 // peers' notes to learn whether one of them completed the round (then it keeps that result).
 #ifndef MODELAVG_CLIENT_ROUND_NOTES_H_
 #define MODELAVG_CLIENT_ROUND_NOTES_H_
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -26,7 +28,8 @@ class RoundNotes {
   RoundNotes(CoordinatorClient& coordinator, std::string job_id, int32_t rank,
              std::string credential, int32_t num_levels);
 
-  // Records where this rank's last round at `level` stands. Thread-safe.
+  // Records where this rank's round at `level` and `step` stands (the latest, or the one before
+  // it). Thread-safe.
   void Record(int32_t level, int64_t step, int64_t generation, RoundOutcome outcome)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Publishes this rank's note for `generation`. A failure is logged: the members waiting for
@@ -53,7 +56,8 @@ class RoundNotes {
   const int32_t num_levels_;
 
   absl::Mutex mu_;
-  std::vector<Entry> entries_ ABSL_GUARDED_BY(mu_);  // per level
+  // Per level: the latest round, then the one before it.
+  std::vector<std::array<Entry, 2>> entries_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace modelavg::client

@@ -99,20 +99,6 @@ absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec) {
         "min_world_size must be in [1, world_size = ", spec.world_size(),
         "] (0: world_size, a strict job), got ", spec.min_world_size()));
   }
-  // An elastic job retries a lost round inside the averaging call; a background all-reduce
-  // (sync_delay > 0) has no such call around it in this version.
-  if (spec.min_world_size() > 0 && spec.min_world_size() < spec.world_size()) {
-    for (int i = 0; i < spec.levels_size(); ++i) {
-      if (spec.levels(i).sync_delay() > 0) {
-        return absl::UnimplementedError(absl::StrCat(
-            "levels[", i, "].sync_delay ", spec.levels(i).sync_delay(),
-            " in an elastic job (min_world_size ", spec.min_world_size(), " < world_size ",
-            spec.world_size(), "): a background all-reduce runs in strict jobs only in this "
-            "version; use sync_delay 0 (fragments, mix and compressed payloads do run in "
-            "elastic jobs) or a strict job"));
-      }
-    }
-  }
   if (spec.join_timeout_ms() < 0 || spec.join_timeout_ms() > kMaxJoinTimeoutMs) {
     return absl::InvalidArgumentError(
         absl::StrCat("join_timeout_ms must be in [0, ", kMaxJoinTimeoutMs,

@@ -22,8 +22,7 @@ inline constexpr int64_t kMaxJoinTimeoutMs = 24 * 3600 * 1000;
 absl::Status ValidateJobId(absl::string_view job_id);
 
 // Validates everything in a JobSpec (job id, mode, schedule, timeouts) and returns its schedule
-// spec. INVALID_ARGUMENT naming the field and the value otherwise; UNIMPLEMENTED for a level
-// with sync_delay > 0 in an elastic job (min_world_size below world_size).
+// spec. INVALID_ARGUMENT naming the field and the value otherwise.
 absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec);
 
 // The schedule spec as the wire message's mode/world/warm-up/levels (other fields untouched).

@@ -41,6 +41,16 @@ int64_t NextAveragingStep(const Schedule& schedule, int64_t step) {
 
 }  // namespace
 
+bool InsideDelayedSync(const Schedule& schedule, int64_t step) {
+  const std::vector<ScheduleLevel>& levels = schedule.spec().levels;
+  for (int level = 0; level < static_cast<int>(levels.size()); ++level) {
+    for (int64_t d = 1; d < levels[level].sync_delay && d <= step; ++d) {
+      if (schedule.LevelAt(step - d) == level) return true;
+    }
+  }
+  return false;
+}
+
 absl::StatusOr<int64_t> FindAdmissionStep(const Schedule& schedule, int32_t rank,
                                           const std::vector<int64_t>& from_step, int64_t floor,
                                           const std::string& job_id) {
@@ -72,7 +82,7 @@ absl::StatusOr<int64_t> FindAdmissionStep(const Schedule& schedule, int32_t rank
     s = NextAveragingStep(schedule, s);
     if (s >= end) break;
     const int level = schedule.LevelAt(s);
-    if (level >= 0 && earliest[level] < s) return s;
+    if (level >= 0 && earliest[level] < s && !InsideDelayedSync(schedule, s)) return s;
   }
   return absl::FailedPreconditionError(absl::StrCat(
       "job ", job_id, ": no averaging step in [", start, ", ", end,

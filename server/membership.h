@@ -50,8 +50,14 @@ struct MemberSteps {
   bool all_from_start = true;
 };
 
+// Whether a background all-reduce (Level.sync_delay, docs/streaming.md) started before `step`
+// is applied after it: a sync step s of a level with delay tau and s < step < s + tau. The
+// members' outer state is then half-way through a sync, so no replacement is admitted there.
+bool InsideDelayedSync(const Schedule& schedule, int64_t step);
+
 // The admission step of a replacement taking `rank`: the first step s >= max(floor, 1) at
-// which the schedule averages (at level L) and `rank`'s block at L has a rank other than `rank`
+// which the schedule averages (at level L), no delayed sync is pending (InsideDelayedSync),
+// and `rank`'s block at L has a rank other than `rank`
 // with from_step[r] < s (a live member admitted before s, whose parameters it can receive).
 // `from_step` as MemberSteps, with `rank` itself ignored. FAILED_PRECONDITION when no such step
 // is among the next kMaxAdmissionScan steps (no block of `rank` has a live member, or the

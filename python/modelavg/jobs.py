@@ -288,8 +288,7 @@ def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
       **options: auth_token, tls, tls_ca_file, tls_cert_file, tls_key_file, rpc_timeout.
 
     Raises InvalidArgumentError (bad spec: the message names the field and the value),
-    AlreadyExistsError, ResourceExhaustedError, UnavailableError, UnimplementedError (a
-    level with sync_delay in an elastic job: not in this version).
+    AlreadyExistsError, ResourceExhaustedError, UnavailableError.
     """
     mode = str(mode).upper()
     if period is not None:

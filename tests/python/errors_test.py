@@ -526,13 +526,10 @@ def check_streaming_spec(modelavg, coordinator, group):
     expect_raises("a compressed payload on a plain level", modelavg.InvalidArgumentError,
                   lambda: modelavg.create_job("streaming-bad", 2, "PERIODIC", [plain],
                                               coordinator=addr), "levels[0].payload")
-    # sync_delay needs a strict job in this version: refused at create_job, not mid-training.
-    expect_raises("sync_delay in an elastic job", modelavg.UnimplementedError,
-                  lambda: modelavg.create_job(
-                      "streaming-elastic", 4, "PERIODIC",
-                      [modelavg.Level(8, 4, outer=sgd, fragments=2, sync_delay=1)],
-                      min_world_size=2, coordinator=addr),
-                  "levels[0].sync_delay 1 in an elastic job", "use sync_delay 0")
+    # Every streaming field runs in an elastic job, sync_delay included.
+    modelavg.create_job("streaming-elastic-delay", 4, "PERIODIC",
+                        [modelavg.Level(8, 4, outer=sgd, fragments=2, sync_delay=1)],
+                        min_world_size=2, coordinator=addr)
     modelavg.create_job("streaming-elastic", 4, "PERIODIC",
                         [modelavg.Level(8, 4, outer=sgd, fragments=2, payload="INT8")],
                         min_world_size=2, coordinator=addr)

@@ -168,9 +168,8 @@ TEST(JobSpecTest, OuterDecision_SaysSoAndRoundTrips) {
   EXPECT_FALSE(proto.outer());
 }
 
-// sync_delay > 0 needs a strict job in this version: refused when the job is created, not at
-// its first sync step; the other streaming fields are fine in an elastic job.
-TEST(JobSpecTest, SyncDelayInElasticJob_UnimplementedNamingField) {
+// Every streaming field, sync_delay included, is fine in an elastic job as in a strict one.
+TEST(JobSpecTest, SyncDelayInElasticJob_Accepted) {
   const std::string base = R"pb(job_id: "e" world_size: 4 mode: PERIODIC )pb";
   auto spec = [&](const std::string& fields, int min_world) {
     std::string text = absl::StrCat(base, "levels { period: 8 group_size: 4 fragments: 2 ",
@@ -179,9 +178,8 @@ TEST(JobSpecTest, SyncDelayInElasticJob_UnimplementedNamingField) {
     return Parse(text);
   };
   absl::StatusOr<ScheduleSpec> elastic = ScheduleSpecFromProto(spec("sync_delay: 1", 2));
-  ASSERT_EQ(elastic.status().code(), absl::StatusCode::kUnimplemented) << elastic.status();
-  EXPECT_THAT(elastic.status().message(), HasSubstr("levels[0].sync_delay 1 in an elastic job"));
-  EXPECT_THAT(elastic.status().message(), HasSubstr("use sync_delay 0"));
+  ASSERT_TRUE(elastic.ok()) << elastic.status();
+  EXPECT_EQ(elastic->levels[0].sync_delay, 1);
   EXPECT_TRUE(ScheduleSpecFromProto(spec("sync_delay: 1", 4)).ok());  // min = world: strict
   EXPECT_TRUE(ScheduleSpecFromProto(spec("sync_delay: 1", 0)).ok());
   EXPECT_TRUE(ScheduleSpecFromProto(spec("payload: INT8 mix: 0.5", 2)).ok());

@@ -398,6 +398,28 @@ TEST(FindAdmissionStepTest, SkipsStepsWhoseBlockHasNoAdmittedLiveMember) {
   EXPECT_EQ(*FindAdmissionStep(s, 3, {-1, -1, kNotMember, -1}, 3, "j"), 8);
 }
 
+TEST(FindAdmissionStepTest, DelayedSyncPending_StepsInsideItsWindowSkipped) {
+  // Pairs every 2 steps; the world's outer level in 2 fragments (a sync every 4 steps) whose
+  // all-reduce started at s is applied at s + 3: steps s + 1 and s + 2 are inside it.
+  ScheduleLevel world{8, 4};
+  world.outer = OuterSgd{0.7, 0.9, false};
+  world.fragments = 2;
+  world.sync_delay = 3;
+  const Schedule s = Hierarchical(4, {{2, 2}, world});
+  for (int64_t step : {1, 2, 5, 6, 9, 10}) EXPECT_TRUE(InsideDelayedSync(s, step)) << step;
+  for (int64_t step : {0, 3, 4, 7, 8, 11}) EXPECT_FALSE(InsideDelayedSync(s, step)) << step;
+  const std::vector<int64_t> partner_alive = {-1, -1, -1, kNotMember};
+  // Pair step 2 is inside the sync of step 0: the world's sync step 4 (the admission round
+  // runs blocking there), or, from floor 5, step 8 (6 is inside the sync of 4).
+  EXPECT_EQ(*FindAdmissionStep(s, 3, partner_alive, 1, "j"), 4);
+  EXPECT_EQ(*FindAdmissionStep(s, 3, partner_alive, 5, "j"), 8);
+  // The apply step itself (s + 3 = 7) is not inside: the sync is applied first.
+  ScheduleLevel late = world;
+  late.sync_delay = 1;
+  const Schedule t = Hierarchical(4, {{2, 2}, late});
+  EXPECT_EQ(*FindAdmissionStep(t, 3, partner_alive, 5, "j"), 6);
+}
+
 TEST(FindAdmissionStepTest, WarmupAndPeriodicPhase) {
   const Schedule s = Hierarchical(2, {{10, 2}}, /*warmup=*/95, AveragingMode::kPeriodic);
   EXPECT_EQ(*FindAdmissionStep(s, 1, {-1, kNotMember}, 3, "j"), 95);
