@@ -47,6 +47,7 @@ absl::StatusOr<Decision> ModelAverager::DeviceStreamingRound(
   absl::Status s = RunDeviceStreamingStep(
       on_device, device_gradient_.get(), device_local_->get(), fragment, first_step, joining,
       spec.mix, [&](absl::Span<const TensorView> tensors, int64_t layout_signature) {
+        mu_.AssertHeld();  // called within this call, on this thread
         // The pseudo-gradient's rounds agree on their own layout and travel in the payload.
         const int64_t signature = round_signature_;
         round_signature_ = signature ^ layout_signature;
