@@ -633,7 +633,10 @@ int RunOnce(const std::string& address, int pid, const std::string& state) {
   double hb_reply_rate = 0;  // of which answered on a stream
   double hb_load_cores = -1;  // this process's (the load generator's) CPU meanwhile
   if (hb_seconds > 0) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // settle
+    // Settle: every worker has sent its first beat (a stream's first beat, which opens it and
+    // is always answered, costs far more than a steady one), and 300 ms more.
+    std::this_thread::sleep_for(std::chrono::duration<double>(
+        0.3 + 1 / std::max(1e-3, absl::GetFlag(FLAGS_heartbeat_hz))));
     const double cpu0 = pid > 0 ? ProcessCpuSeconds(pid) : 0;
     const double self0 = ProcessCpuSeconds(getpid());
     const int64_t beats0 = load.heartbeats();

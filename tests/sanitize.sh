@@ -27,7 +27,8 @@ cmake -S . -B "$build" -G Ninja "${launcher[@]}" \
 # targets.
 targets=(schedule_test job_spec_test server_job_test server_bounds_test server_jobs_file_test
          server_membership_test server_state_store_test server_elastic_test
-         server_credentials_test server_hostile_test
+         server_credentials_test server_hostile_test server_stream_writes_test
+         server_heartbeat_replies_test
          server_grpc_test server_process_test modelavg-coordinator client_gloo_round_test
          job_spec_fuzzer jobs_file_fuzzer job_handlers_fuzzer
          job_spec_fuzzer_replay jobs_file_fuzzer_replay job_handlers_fuzzer_replay)
