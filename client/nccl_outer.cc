@@ -105,12 +105,17 @@ absl::Status DeviceOuterState::SetAnchor(absl::Span<const TensorView> params) {
                                         static_cast<int64_t>(chunks_host_.size()),
                                         anchor_.data(), code, stream));
   MODELAVG_RETURN_IF_ERROR(ops_->WaitLocal(stream, "setting the outer anchor"));
+  AnchorSetFor(params, code, stream);
+  return absl::OkStatus();
+}
+
+void DeviceOuterState::AnchorSetFor(absl::Span<const TensorView> params, int32_t code,
+                                    void* stream) {
   numel_.clear();
   for (const TensorView& t : params) numel_.push_back(t.numel);
   code_ = code;
   stream_ = stream;
   has_anchor_ = true;
-  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<TensorView>> DeviceOuterState::GradientViews(
@@ -225,11 +230,7 @@ absl::Status DeviceOuterState::SetAnchorFrom(absl::Span<const TensorView> params
                                          static_cast<int64_t>(chunks_host_.size()),
                                          anchor_.data(), code, stream));
   MODELAVG_RETURN_IF_ERROR(ops_->WaitLocal(stream, "setting the outer anchor"));
-  numel_.clear();
-  for (const TensorView& t : params) numel_.push_back(t.numel);
-  code_ = code;
-  stream_ = stream;
-  has_anchor_ = true;
+  AnchorSetFor(params, code, stream);
   return absl::OkStatus();
 }
 

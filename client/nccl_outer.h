@@ -89,6 +89,8 @@ class DeviceOuterState {
   absl::Status Shape(absl::Span<const TensorView> params, int32_t* code) const;
   // Makes the device chunk table that of `params` (pad-free staging layout in the state dtype).
   absl::Status UseTable(absl::Span<const TensorView> params, int32_t code, void* stream);
+  // After the anchor was written for `params`: remembers their layout, the dtype and stream.
+  void AnchorSetFor(absl::Span<const TensorView> params, int32_t code, void* stream);
   absl::Status Download(const GrowableBuffer& from, std::vector<StateTensor>* out) const;
   // Bytes of one state buffer (A or M).
   size_t bytes_per_buffer() const;
