@@ -2,7 +2,6 @@
 add_executable(modelavg-bench-coordinator ${CMAKE_CURRENT_LIST_DIR}/bench_coordinator.cc)
 target_link_libraries(modelavg-bench-coordinator PRIVATE modelavg_server absl::flags
   absl::flags_parse)
-install(TARGETS modelavg-bench-coordinator RUNTIME DESTINATION bin)
 
 # modelavg-soak-coordinator: minutes of churn (joins, deaths, leaves, restarts) and hostile
 # requests against the daemon; prints RSS and Ping latency per window.

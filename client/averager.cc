@@ -13,12 +13,10 @@
 #include "client/fragments.h"
 #include "client/outer_state.h"
 #include "client/pending_sync.h"
-#include "client/gloo_communicator.h"
 #include "client/nccl_core.h"
 #include "client/nccl_outer.h"
 #if MODELAVG_HAVE_CUDA
 #include "client/cuda_local_ops.h"
-#include "client/nccl_communicator.h"
 #endif
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
@@ -734,7 +732,6 @@ absl::StatusOr<ModelAverager::ElasticAttempt> ModelAverager::RunElasticAttempt(
     return tried;
   }
   tried.comm = *comm;
-  InjectLostCommitIfAsked(decision, tried.comm);
   // An admission hands the replacements the outer state first (their part of this step's
   // round needs it); a failure there is a failure of the round, retried the same way.
   if (transfer) tried.status = TransferOuterState(decision, tried.comm, params);
@@ -745,15 +742,6 @@ absl::StatusOr<ModelAverager::ElasticAttempt> ModelAverager::RunElasticAttempt(
   CountBytes(decision.level, tried.comm->bytes_sent() - sent_before);
   client_->RecordRound(decision.level, decision.step, decision.generation, tried.outcome);
   return tried;
-}
-
-void ModelAverager::InjectLostCommitIfAsked(const Decision& decision, Communicator* comm) {
-  if (!client_->TakeCommitFailureForTesting(decision.step)) return;
-  spdlog::warn("{}: injecting a lost commit on this rank (test)", ElasticWhere(decision));
-  if (auto* gloo = dynamic_cast<GlooCommunicator*>(comm)) gloo->InjectCommitFailureForTesting();
-#if MODELAVG_HAVE_CUDA
-  if (auto* nccl = dynamic_cast<NcclCommunicator*>(comm)) nccl->InjectCommitFailureForTesting();
-#endif
 }
 
 Decision ModelAverager::CommitElasticRound(const Decision& decision, int attempt) {

@@ -204,8 +204,6 @@ class ModelAverager {
   // This rank's options for `decision`'s committed round (contributing unless it is joining).
   absl::StatusOr<RoundOptions> ElasticRoundOptions(const Decision& decision) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Tests: the round on `comm` loses its confirmation on this rank (Client::FailCommitForTesting).
-  void InjectLostCommitIfAsked(const Decision& decision, Communicator* comm);
   // The round succeeded: logs a retried or admission round, drops older communicators.
   Decision CommitElasticRound(const Decision& decision, int attempt);
   // Waits for the job to move past `generation`, enters the newer generation and decides `step`

@@ -259,7 +259,6 @@ absl::StatusOr<Decision> ModelAverager::StartPending(const Decision& decision,
     // Committed at the sync step like a blocking round, so that the call at the apply step
     // can settle a failure exactly (SettleBackgroundRound).
     MODELAVG_ASSIGN_OR_RETURN(p->options, ElasticRoundOptions(decision));
-    InjectLostCommitIfAsked(decision, p->comm);
   }
   p->options.payload = payload;
   p->options.layout_signature = round_signature_;

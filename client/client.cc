@@ -18,6 +18,7 @@
 #include "client/coordinator_client.h"
 #include "client/decision_window.h"
 #include "client/error_kind.h"
+#include "client/fault_injection.h"
 #include "client/gloo_communicator.h"
 #include "client/heartbeat.h"
 #include "client/round_notes.h"
@@ -213,7 +214,8 @@ Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordin
       schedule_(std::move(schedule)),
       elastic_(elastic),
       heartbeat_timeout_(heartbeat_timeout),
-      communicators_(std::make_unique<CommunicatorCache>(options_.gloo_hostname)),
+      faults_(std::make_shared<FaultInjection>()),
+      communicators_(std::make_unique<CommunicatorCache>(options_.gloo_hostname, faults_)),
       decisions_(std::make_unique<DecisionWindow>(*coordinator_, *outage_, schedule_,
                                                   options_.job_id, rank_,
                                                   options_.schedule_window)),

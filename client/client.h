@@ -39,6 +39,7 @@ namespace modelavg::client {
 class CoordinatorClient;
 class CoordinatorOutage;
 class CommunicatorCache;
+class FaultInjection;
 class DecisionWindow;
 class Heartbeat;
 class RoundNotes;
@@ -216,13 +217,9 @@ class Client {
   // on again), DEADLINE_EXCEEDED, INTERNAL (the notes contradict each other).
   absl::StatusOr<bool> PeerCompletedRound(const Decision& decision, int64_t attempt_generation);
 
-  // Tests only: the committed round at `step` loses its confirmation on this rank after its
-  // peers completed it (GlooCommunicator::InjectCommitFailureForTesting). -1: none.
-  void FailCommitForTesting(int64_t step) { fail_commit_step_.store(step); }
-  bool TakeCommitFailureForTesting(int64_t step) {
-    int64_t expected = step;
-    return step >= 0 && fail_commit_step_.compare_exchange_strong(expected, -1);
-  }
+  // Tests (the one seam, client/fault_injection.h): faults for every communicator of this
+  // client, e.g. faults()->LoseCommitAt(step).
+  FaultInjection* faults() const { return faults_.get(); }
 
   // The RPC wrapper (communicator bootstrap). Owned by this client.
   CoordinatorClient* coordinator() const { return coordinator_.get(); }
@@ -265,7 +262,8 @@ class Client {
   const bool elastic_;
   const absl::Duration heartbeat_timeout_;
   int64_t admission_step_ = -1;
-  std::atomic<int64_t> fail_commit_step_{-1};
+  // Before communicators_: the cache hands it to every communicator it makes.
+  const std::shared_ptr<FaultInjection> faults_;
   std::unique_ptr<CommunicatorCache> communicators_;
   // The parts, each with its own lock, built on the coordinator connection above.
   const std::unique_ptr<DecisionWindow> decisions_;

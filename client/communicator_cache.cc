@@ -40,8 +40,9 @@ std::string CommunicatorSetup::MemberScope() const {
   return absl::StrCat("m", members.size(), "-", absl::Hex(h), "/");
 }
 
-CommunicatorCache::CommunicatorCache(std::string gloo_hostname)
-    : gloo_hostname_(std::move(gloo_hostname)) {}
+CommunicatorCache::CommunicatorCache(std::string gloo_hostname,
+                                     std::shared_ptr<FaultInjection> faults)
+    : gloo_hostname_(std::move(gloo_hostname)), faults_(std::move(faults)) {}
 
 CommunicatorCache::~CommunicatorCache() { Clear(); }
 
@@ -156,7 +157,7 @@ absl::StatusOr<Communicator*> CommunicatorCache::Get(const CommunicatorSetup& se
       CoordinatorStore store(watched, "gloo/" + setup.MemberScope());
       absl::StatusOr<std::unique_ptr<GlooCommunicator>> gloo = GlooCommunicator::Create(
           store, std::move(dev), member, count, setup.timeout,
-          [&store] { return store.last_error(); }, setup.gloo_in_place, cancel);
+          [&store] { return store.last_error(); }, setup.gloo_in_place, cancel, faults_);
       if (!gloo.ok()) return Annotate(gloo.status(), absl::StrCat("creating the ", what));
       comm = *std::move(gloo);
     }
@@ -182,6 +183,7 @@ absl::StatusOr<Communicator*> CommunicatorCache::Get(const CommunicatorSetup& se
 #endif
   }
   spdlog::debug("created the {}", what);
+  if (faults_ != nullptr) comm->set_faults(faults_);
   Communicator* out = comm.get();
   absl::MutexLock l(&mu_);
   // Aborted while it was being made: keep it (so that Clear tears it down like the others), but

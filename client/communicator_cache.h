@@ -44,7 +44,8 @@ struct CommunicatorKey {
 class CommunicatorCache {
  public:
   // `gloo_hostname`: the address the shared Gloo TCP device binds to.
-  explicit CommunicatorCache(std::string gloo_hostname);
+  // `faults` (tests, client/fault_injection.h; may be null) goes to every communicator made.
+  CommunicatorCache(std::string gloo_hostname, std::shared_ptr<FaultInjection> faults = nullptr);
   ~CommunicatorCache();
 
   // The communicator for `setup`'s subgroup on `device`: cached, or created now (blocking until
@@ -75,6 +76,7 @@ class CommunicatorCache {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(create_mu_);
 
   const std::string gloo_hostname_;
+  const std::shared_ptr<FaultInjection> faults_;
   // Held while creating (one creation at a time: two creations of one key must not race on the
   // coordinator's keys), which may block up to the setup's timeout.
   absl::Mutex create_mu_;

@@ -125,6 +125,18 @@ class MeshContext final : public gloo::Context {
   }
 };
 
+// Whether this end of `pair` is the one that connects to `peer` (Gloo's tcp::Pair::connect: the
+// greater address connects, the other accepts).
+bool ConnectsTo(gloo::transport::Pair& pair, const sockaddr_storage& peer) {
+  const std::vector<char> own_bytes = pair.address().bytes();
+  const sockaddr_storage own = gloo::transport::tcp::Address(own_bytes).getSockaddr();
+  if (own.ss_family != AF_INET || peer.ss_family != AF_INET) return true;
+  const auto* a = reinterpret_cast<const sockaddr_in*>(&own);
+  const auto* b = reinterpret_cast<const sockaddr_in*>(&peer);
+  const int rv = std::memcmp(&a->sin_addr, &b->sin_addr, sizeof(in_addr));
+  return rv != 0 ? rv > 0 : a->sin_port - b->sin_port > 0;
+}
+
 // Connects the full mesh of `size` members through `store`, as connectFullMesh does (each
 // member publishes the addresses of its pairs under "<rank>", then connects each pair to the
 // address its peer published for it), with every wait watched by `cancel`: a cancel fails the
@@ -133,7 +145,8 @@ class MeshContext final : public gloo::Context {
 absl::StatusOr<std::shared_ptr<gloo::Context>> ConnectMesh(
     gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
     int size, absl::Duration timeout, absl::Time deadline,
-    const std::shared_ptr<SetupCanceller>& cancel, std::vector<sockaddr_storage>* peers) {
+    const std::shared_ptr<SetupCanceller>& cancel, std::vector<sockaddr_storage>* peers,
+    FaultInjection* faults) {
   peers->assign(static_cast<size_t>(size), sockaddr_storage{});
   std::shared_ptr<gloo::transport::Context> transport = device->createContext(rank, size);
   transport->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
@@ -178,6 +191,9 @@ absl::StatusOr<std::shared_ptr<gloo::Context>> ConnectMesh(
                                     all.begin() + (index + 1) * each);
     if (address.size() == gloo::transport::tcp::Address().bytes().size()) {
       (*peers)[i] = gloo::transport::tcp::Address(address).getSockaddr();
+      if (faults != nullptr && ConnectsTo(*transport->getPair(i), (*peers)[i])) {
+        faults->MaybeStrayConnectTo((*peers)[i]);
+      }
     }
     try {
       transport->getPair(i)->connect(address);
@@ -319,7 +335,7 @@ absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CreateGlooDevice(
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
     int size, absl::Duration timeout, std::function<absl::Status()> store_error, bool in_place,
-    std::shared_ptr<SetupCanceller> cancel) {
+    std::shared_ptr<SetupCanceller> cancel, std::shared_ptr<FaultInjection> faults) {
   if (size < 1 || rank < 0 || rank >= size) {
     return absl::InvalidArgumentError(
         absl::StrCat("Gloo communicator rank ", rank, " of size ", size, " is out of range"));
@@ -347,10 +363,12 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
   try {
     std::vector<sockaddr_storage> peers;
     absl::StatusOr<std::shared_ptr<gloo::Context>> context =
-        ConnectMesh(store, device, rank, size, timeout, started + timeout, cancel, &peers);
+        ConnectMesh(store, device, rank, size, timeout, started + timeout, cancel, &peers,
+                    faults.get());
     if (!context.ok()) return context.status();
     std::unique_ptr<GlooCommunicator> comm(
         new GlooCommunicator(*std::move(context), rank, size, timeout, in_place));
+    comm->set_faults(std::move(faults));
     comm->peer_addresses_ = std::move(peers);
     if (absl::Status probe = comm->ProbeFusedAverage(); !probe.ok()) {
       MODELAVG_RETURN_IF_ERROR(cancel->status());
@@ -517,8 +535,7 @@ absl::Status GlooCommunicator::RunAverage(void* data, int64_t numel, DType dtype
   st.backup = backup;
   st.final_chunk = GlooRingChunk(bytes, size_, rank_, elem, max_segment);
   st.size = divisor;
-  st.fail_after = fail_after_reductions_;
-  fail_after_reductions_ = -1;
+  st.fail_after = faults_ != nullptr ? faults_->TakeFailAfterReductions() : -1;
   if (backup != nullptr) {
     // The chunk this member sends first is never reduced here (the hook above never sees it)
     // but is overwritten by the all-gather: save it up front.
@@ -603,8 +620,9 @@ absl::Status GlooCommunicator::Commit() {
     return absl::InternalError(absl::StrCat("Gloo commit counted ", votes, " of ", size_,
                                             " members"));
   }
-  if (fail_commit_) {
-    fail_commit_ = false;
+  if (TakeLostCommit(round_step_)) {
+    spdlog::warn("round at step {}: injecting a lost commit on this member (test fault)",
+                 round_step_);
     return SetErrorKind(absl::UnavailableError("injected commit failure (test)"),
                         ErrorKind::kPeerFailure);
   }
@@ -715,6 +733,7 @@ absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
   if (!broken_.ok()) return broken_;
   if (absl::Status a = AbortedOr(absl::OkStatus()); !a.ok()) return broken_ = a;
   has_pending_ = false;
+  round_step_ = options.step;
   if (!LayoutVerified(*total, dtype, options.layout_signature) ||
       (options.step >= 0 && !step_checked_)) {
     absl::Status s = CheckLayout(*total, dtype, step_checked_ ? -1 : options.step,

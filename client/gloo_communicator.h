@@ -56,7 +56,8 @@ class GlooCommunicator : public Communicator {
   static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(
       gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
       int size, absl::Duration timeout, std::function<absl::Status()> store_error = nullptr,
-      bool in_place = false, std::shared_ptr<SetupCanceller> cancel = nullptr);
+      bool in_place = false, std::shared_ptr<SetupCanceller> cancel = nullptr,
+      std::shared_ptr<FaultInjection> faults = nullptr);
 
   ~GlooCommunicator() override;
 
@@ -98,17 +99,6 @@ class GlooCommunicator : public Communicator {
   int64_t bytes_sent() const override {
     absl::MutexLock l(&mu_);
     return bytes_sent_;
-  }
-  // Tests only: the next averaging all-reduce fails after `n` reductions on this member.
-  void InjectFailureAfterReductionsForTesting(int n) {
-    absl::MutexLock l(&mu_);
-    fail_after_reductions_ = n;
-  }
-  // Tests only: the next committed round's confirmation fails on this member after it
-  // succeeded everywhere, as when this member's last receive breaks while its peers complete.
-  void InjectCommitFailureForTesting() {
-    absl::MutexLock l(&mu_);
-    fail_commit_ = true;
   }
   // Whether averaging fuses the division into Gloo's ring (false: a separate pass).
   bool fused() const {
@@ -170,8 +160,8 @@ class GlooCommunicator : public Communicator {
   mutable absl::Mutex mu_;
   // Whether the division can be fused into Gloo's ring (ProbeFusedAverage).
   bool fused_ ABSL_GUARDED_BY(mu_) = false;
-  int fail_after_reductions_ ABSL_GUARDED_BY(mu_) = -1;
-  bool fail_commit_ ABSL_GUARDED_BY(mu_) = false;
+  // The step of the round in progress (RoundOptions::step), for the fault seam's lost commit.
+  int64_t round_step_ ABSL_GUARDED_BY(mu_) = -1;
   // Non-OK once a collective failed: the mesh is then in an unknown state.
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
   bool layout_checked_ ABSL_GUARDED_BY(mu_) = false;

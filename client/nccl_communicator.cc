@@ -376,9 +376,9 @@ absl::Status NcclCommunicator::AdoptPendingResult(absl::Span<const TensorView> t
   return core_.Adopt(tensors);
 }
 
-void NcclCommunicator::InjectCommitFailureForTesting() {
+void NcclCommunicator::set_faults(std::shared_ptr<FaultInjection> faults) {
   absl::MutexLock l(&mu_);
-  core_.InjectCommitFailureForTesting();
+  core_.set_faults(std::move(faults));
 }
 
 absl::Status NcclCommunicator::EncodeParts(Payload payload, const float* in, int64_t numel,

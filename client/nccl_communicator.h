@@ -75,9 +75,7 @@ class NcclCommunicator : public Communicator, private NcclDeviceOps {
   // Writes the result a failed commit kept aside (staging buffer or pending device buffer)
   // into `tensors`; works on the aborted communicator (local copies only).
   absl::Status AdoptPendingResult(absl::Span<const TensorView> tensors) override;
-  // Tests only: the next committed round's commit fails on this member after it succeeded
-  // everywhere (the result is kept aside: RoundOutcome::kFailedHoldingResult).
-  void InjectCommitFailureForTesting();
+  void set_faults(std::shared_ptr<FaultInjection> faults) override;
 
   // A raw in-place ncclAllReduce of one buffer (ncclAvg, or ncclSum with `sum`), waited for
   // (benchmark baseline; tests of NCCL's arithmetic).

@@ -323,7 +323,7 @@ absl::Status NcclCore::PrepareStaged(const StagingLayout& layout, int32_t code, 
   return absl::OkStatus();
 }
 
-absl::Status NcclCore::Commit(void* stream) {
+absl::Status NcclCore::Commit(void* stream, int64_t step) {
   auto* vote = static_cast<int64_t*>(sig_host_.data());
   *vote = 1;
   absl::Status s = ops_->Copy(sig_device_.data(), vote, sizeof(int64_t), stream);
@@ -337,8 +337,8 @@ absl::Status NcclCore::Commit(void* stream) {
     return absl::InternalError(absl::StrCat("the commit of the averaging round counted ", *vote,
                                             " of ", size_, " members"));
   }
-  if (fail_commit_) {
-    fail_commit_ = false;
+  if (faults_ != nullptr && faults_->TakeLostCommit(step)) {
+    spdlog::warn("round at step {}: injecting a lost commit on this member (test fault)", step);
     return absl::UnavailableError("injected commit failure (test)");
   }
   return absl::OkStatus();
@@ -532,7 +532,7 @@ absl::Status NcclCore::Run(absl::Span<const TensorView> tensors, const RoundOpti
     return failure;
   };
   if (options.commit) {
-    s = Commit(stream);
+    s = Commit(stream, options.step);
     if (!s.ok()) {
       if (!zero_copy) {
         // The result stays in the staging buffer; the tensors were never touched.

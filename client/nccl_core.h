@@ -47,6 +47,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -270,9 +271,8 @@ class NcclCore {
   // fingerprint run no agreement collective.
   bool layout_agreed() const { return agreed_; }
 
-  // Tests only: the next committed round's commit fails on this member after it succeeded
-  // everywhere, as when this member's wait on it breaks while its peers complete.
-  void InjectCommitFailureForTesting() { fail_commit_ = true; }
+  // Tests (client/fault_injection.h): the faults this core takes. Null: none.
+  void set_faults(std::shared_ptr<FaultInjection> faults) { faults_ = std::move(faults); }
 
   const absl::Status& broken() const { return broken_; }
   bool last_was_zero_copy() const { return last_zero_copy_; }
@@ -315,7 +315,8 @@ class NcclCore {
   // that nothing of the call still reads the caller's tensors once it returns.
   void SettleGathers(void* stream);
   // The commit: OK when every member's data all-reduce succeeded.
-  absl::Status Commit(void* stream);
+  // The members confirm the round at `step` (RoundOptions::step).
+  absl::Status Commit(void* stream, int64_t step);
   // Copies the backup back into the caller's `bytes` at `data` and waits.
   absl::Status Restore(void* data, size_t bytes, void* stream);
   // After a failure from the data collective on: aborts the communicator and, on the zero-copy
@@ -336,7 +337,7 @@ class NcclCore {
   const size_t bucket_bytes_;
   absl::Status broken_;
   bool last_zero_copy_ = false;
-  bool fail_commit_ = false;
+  std::shared_ptr<FaultInjection> faults_;
   GrowableBuffer sig_device_;
   GrowableBuffer sig_host_{/*pinned_host=*/true};
   GrowableBuffer staging_;

@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/contiguous_parameters.h"
+#include "client/fault_injection.h"
 #include "client/half.h"
 #include "client/nccl_communicator.h"
 #include "client/staging_kernels.h"
@@ -400,7 +401,7 @@ TEST_F(NcclGpuTest, OneRankCommunicator_CommittedRounds_LostCommitKeepsTheResult
     EXPECT_EQ(outcome, RoundOutcome::kCompleted);
     EXPECT_EQ((*comm)->last_was_zero_copy(), zero_copy);
     EXPECT_EQ(Download<float>(d, v.size()), v);
-    (*comm)->InjectCommitFailureForTesting();
+    (*comm)->set_faults(FaultInjection::LosingNextCommit());
     options.step = 4;
     const absl::Status s = (*comm)->AllReduceAverage(views, options, &outcome);
     EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;

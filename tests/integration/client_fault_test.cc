@@ -231,6 +231,46 @@ TEST(ClientFaultTest, MismatchedParameterSizes_EveryMemberGetsAClearError) {
   }
 }
 
+// A stray connection takes a Gloo port while the mesh is set up (the fault seam's
+// StrayConnectionFirst: before the connecting member of the pair connects, a socket of its own
+// connects to the peer's port and stays, as a port scanner or a misdirected client would).
+// The member that finds the port taken says so, naming a stray connection rather than a dead
+// peer; neither member hangs (both end well within the collective timeout plus the heartbeat
+// timeout); and the failed set-up is no orderly Leave: the job counts a death.
+TEST(ClientFaultTest, StrayConnectionDuringSetUp_NamedAsSuch_CountsAsADeath) {
+  Cluster cluster("stray");
+  ASSERT_TRUE(cluster.ok()) << cluster.dir();
+  ASSERT_TRUE(cluster.admin()->CreateJob(MakeSpec("stray", 2, v1::PERIODIC, {{1, 2}}, 0)).ok());
+  std::vector<std::unique_ptr<Process>> workers;
+  const absl::Time start = absl::Now();
+  for (int r = 0; r < 2; ++r) {
+    std::vector<std::string> argv = {
+        MODELAVG_CLIENT_WORKER_BIN, "--coordinator=" + cluster.coordinator().address(),
+        "--job=stray", absl::StrCat("--rank=", r), "--steps=3", "--testing_stray_connection"};
+    for (std::string& f : WorkerFlags({})) argv.push_back(std::move(f));
+    workers.push_back(
+        std::make_unique<Process>(argv, absl::StrCat(cluster.dir(), "/stray-rank", r)));
+  }
+  const std::vector<Exit> exits =
+      WaitForExits(workers, {0, 1}, start, kCollective + kHeartbeat + 3 * kSlack);
+  int named = 0;
+  for (int r = 0; r < 2; ++r) {
+    const std::string err = workers[r]->err();
+    ASSERT_TRUE(exits[r].code.has_value()) << "rank " << r << " still running: " << err;
+    EXPECT_EQ(*exits[r].code, 1) << "rank " << r << ": " << err;
+    if (err.find("a stray connection") != std::string::npos) {
+      ++named;
+      EXPECT_THAT(err, HasSubstr("error: UNAVAILABLE: ")) << "rank " << r;
+      EXPECT_THAT(err, ::testing::Not(HasSubstr("probably died"))) << "rank " << r;
+    }
+  }
+  EXPECT_EQ(named, 1) << workers[0]->err() << "\n---\n" << workers[1]->err();
+  absl::StatusOr<v1::Job> job = cluster.admin()->GetJob("stray");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_GE(job->deaths(), 1) << job->DebugString();
+  EXPECT_NE(job->state(), v1::FINISHED) << job->DebugString();
+}
+
 // Whether `pid` is gone (or a zombie waiting for its new parent to reap it).
 bool Gone(pid_t pid) {
   const std::string stat = ReadWholeFile(absl::StrCat("/proc/", pid, "/stat"));

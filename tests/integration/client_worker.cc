@@ -24,6 +24,7 @@
 #include "absl/time/clock.h"
 #include "client/averager.h"
 #include "client/client.h"
+#include "client/fault_injection.h"
 #include "client/half.h"
 #include "common/logging.h"
 #include "common/status_util.h"
@@ -43,6 +44,9 @@ ABSL_FLAG(int64_t, start_step, 0, "set_step() before the first call (checkpoint 
 ABSL_FLAG(bool, check_untouched, false,
           "On a failed call, say whether the parameters are exactly as before it.");
 ABSL_FLAG(std::string, log_level, "warn", "spdlog level.");
+ABSL_FLAG(bool, testing_stray_connection, false,
+          "Fault seam: at the first Gloo mesh set-up, a stray socket connects to the peer's port "
+          "ahead of this member (FaultInjection::StrayConnectionFirst).");
 
 namespace modelavg::client {
 namespace {
@@ -134,6 +138,7 @@ absl::Status Run() {
       absl::Milliseconds(absl::GetFlag(FLAGS_coordinator_outage_timeout_ms));
   opts.rpc_timeout = absl::Seconds(5);
   MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Connect(opts));
+  if (absl::GetFlag(FLAGS_testing_stray_connection)) client->faults()->StrayConnectionFirst();
   std::unique_ptr<ModelAverager> averager;
   if (client->schedule().spec().mode == AveragingMode::kPeriodic) {
     MODELAVG_ASSIGN_OR_RETURN(averager, PeriodicModelAverager::Create(client.get()));

@@ -53,6 +53,7 @@
 #include "absl/time/time.h"
 #include "client/averager.h"
 #include "client/client.h"
+#include "client/fault_injection.h"
 #include "common/file_util.h"
 #include "client/tensor.h"
 #include "common/logging.h"
@@ -442,7 +443,9 @@ absl::Status Run() {
   }
   const int32_t rank = client->rank();
   joined_rank = rank;
-  client->FailCommitForTesting(absl::GetFlag(FLAGS_testing_fail_commit_at_step));
+  if (const int64_t at = absl::GetFlag(FLAGS_testing_fail_commit_at_step); at >= 0) {
+    client->faults()->LoseCommitAt(at);
+  }
   const int64_t die_after = absl::GetFlag(FLAGS_testing_die_after_step);
   const int64_t gap = absl::GetFlag(FLAGS_cuda_gap_elems);
   if (gap < 0 || (gap > 0 && backend != "nccl")) {

@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "client/communicator.h"
+#include "client/fault_injection.h"
 #include "client/gloo_communicator.h"
 #include "tests/unit/gloo_test_mesh.h"
 #include "gmock/gmock.h"
@@ -64,7 +65,7 @@ TEST_P(GlooRoundTest, CommitLostOnOneMember_PeersCompleteItHoldsAndAdoptsTheResu
   constexpr int64_t kN = 300000;  // several ring segments
   std::vector<Member> m = Members(3, kN);
   const std::vector<Member> before = m;
-  mesh[1]->InjectCommitFailureForTesting();
+  mesh[1]->set_faults(FaultInjection::LosingNextCommit());
   RoundOptions opts;
   opts.step = 8;
   opts.commit = true;

@@ -2,6 +2,7 @@
 // HashStore (the coordinator-backed store is covered by client_coordinator_test). Silent links
 // go through tests/tools/gloo_link_proxy.h.
 #include "client/gloo_communicator.h"
+#include "client/fault_injection.h"
 
 #include <cmath>
 #include <cstdint>
@@ -406,7 +407,7 @@ TEST(GlooCommunicatorTest, AllReduceAverage_FailsMidRing_OneBufferRestoredExactl
   auto statuses = RunRanks(2, absl::Seconds(2), [&](int r, GlooCommunicator& c) {
     vals[r].resize(n);
     for (int64_t i = 0; i < n; ++i) vals[r][i] = static_cast<float>(i % 977 + r);
-    if (r == 0) c.InjectFailureAfterReductionsForTesting(3);
+    if (r == 0) c.set_faults(FaultInjection::FailingAfterReductions(3));
     return c.AllReduceAverage({TensorView{vals[r].data(), n, DType::kFloat32}});
   });
   ASSERT_FALSE(statuses[0].ok());

@@ -22,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/communicator.h"
+#include "client/fault_injection.h"
 #include "client/error_kind.h"
 #include "client/half.h"
 #include "client/nccl_core.h"
@@ -609,7 +610,7 @@ TEST_P(NcclCoreRoundTest, LostCommitOnOneMember_OthersComplete_ItHoldsTheResultA
   std::vector<Params> params = {Make(), Make(), Make()};
   FillAll(params);
   const std::vector<std::string> before = Bytes(params[1]);
-  cores_[1]->InjectCommitFailureForTesting();
+  cores_[1]->set_faults(FaultInjection::LosingNextCommit());
   const std::vector<Result> r = RunRound(params, Committed(12));
   ExpectNoHangMismatchOrIllegal();
   EXPECT_TRUE(r[0].status.ok()) << r[0].status;
@@ -638,7 +639,7 @@ TEST_P(NcclCoreRoundTest, AdoptWithAnotherLayout_InvalidArgument_ResultStillKept
   MakeWorld(2);
   std::vector<Params> params = {Make(), Make()};
   FillAll(params);
-  cores_[0]->InjectCommitFailureForTesting();
+  cores_[0]->set_faults(FaultInjection::LosingNextCommit());
   const std::vector<Result> r = RunRound(params, Committed(1));
   ASSERT_EQ(r[0].outcome, RoundOutcome::kFailedHoldingResult);
   Params other = Params::Contiguous(DType::kFloat32, {11});
@@ -692,7 +693,7 @@ TEST_F(NcclCoreTest, LostCommit_UnpaddedFallback_AdoptedIntoOtherBuffersOfTheSam
                                                   {DType::kFloat32, 70}})};
   FillAll(params);
   const std::vector<std::string> before = Bytes(params[1]);
-  cores_[1]->InjectCommitFailureForTesting();
+  cores_[1]->set_faults(FaultInjection::LosingNextCommit());
   const std::vector<Result> r = RunRound(params, Committed(2));
   ExpectNoHangMismatchOrIllegal();
   ASSERT_TRUE(r[0].status.ok()) << r[0].status;

@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "client/nccl_core.h"
+#include "client/fault_injection.h"
 #include "client/nccl_outer.h"
 #include "client/outer_state.h"
 #include "gmock/gmock.h"
@@ -403,7 +404,7 @@ TEST_F(NcclOuterTest, ElasticCommittedRound_JoinerAndLostCommit_EveryMemberFollo
     }
   }
   Group group(3);
-  group.cores[1]->InjectCommitFailureForTesting();
+  group.cores[1]->set_faults(FaultInjection::LosingNextCommit());
   std::vector<absl::Status> out(3);
   std::vector<RoundOutcome> outcomes(3, RoundOutcome::kCompleted);
   std::vector<std::thread> threads;
