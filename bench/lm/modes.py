@@ -122,32 +122,9 @@ class Modelavg(Mode):
     """modelavg's drop-in HierarchicalModelAverager with LEVELS (the coordinator on its own
     host, Gloo between the workers)."""
 
-    def wrap(self, net):
-        os.environ.update(MODELAVG_COORDINATOR=self.args.coordinator,
-                          MODELAVG_JOB=self.args.job, RANK=str(self.args.rank),
-                          WORLD_SIZE=str(self.args.world_size),
-                          MODELAVG_GLOO_HOSTNAME=self.args.address)
-        import modelavg.torch
-        self.averager = modelavg.torch.HierarchicalModelAverager(period_group_size_dict=LEVELS)
-        return net
-
-    def after_step(self, net, step):
-        self.averager.average_parameters(net.parameters())
-
-
-class DiLoCo(Modelavg):
-    """modelavg's drop-in, the pairs inside a site averaging plainly every --diloco_site_period
-    steps (2, as in LEVELS, by default), the cross-site level every --diloco_period steps an outer
-    step (SGD with Nesterov momentum,
-    --outer_lr and --outer_momentum, on the pseudo-gradient since the level's last sync)."""
-
-    @staticmethod
-    def levels(args):
-        return collections.OrderedDict([(args.diloco_site_period, 2), (args.diloco_period, 4)])
-
     def outer(self, modelavg):
-        return modelavg.OuterSGD(self.args.outer_lr, momentum=self.args.outer_momentum,
-                                 nesterov=True)
+        """The cross-site level's outer rule (None: a plain average)."""
+        return None
 
     def wrap(self, net):
         os.environ.update(MODELAVG_COORDINATOR=self.args.coordinator,
@@ -157,20 +134,36 @@ class DiLoCo(Modelavg):
         import modelavg
         import modelavg.torch
         levels = self.levels(self.args)
+        outer = self.outer(modelavg)
         self.averager = modelavg.torch.HierarchicalModelAverager(
-            period_group_size_dict=levels, outer={max(levels): self.outer(modelavg)})
+            period_group_size_dict=levels,
+            **({"outer": {max(levels): outer}} if outer is not None else {}))
         return net
 
+    def after_step(self, net, step):
+        self.averager.average_parameters(net.parameters())
 
-class Streaming(DiLoCo):
+
+class DiLoCo(Modelavg):
+    """modelavg's drop-in, the pairs inside a site averaging plainly every --diloco_site_period
+    steps (2, as in LEVELS, by default), the cross-site level every --diloco_period steps an outer
+    step (SGD with Nesterov momentum, --outer_lr and --outer_momentum, on the pseudo-gradient
+    since the level's last sync)."""
+
+    @staticmethod
+    def levels(args):
+        return collections.OrderedDict([(args.diloco_site_period, 2), (args.diloco_period, 4)])
+
+    def outer(self, modelavg):
+        return modelavg.OuterSGD(self.args.outer_lr, momentum=self.args.outer_momentum,
+                                 nesterov=True)
+
+
+class Streaming(Modelavg):
     """The cross-site level synced a quarter of the parameters at a time (a fragment every 8
     steps, each once every 32), its all-reduce overlapping one step of training (sync_delay 1),
     the rule plain averaging (outer lr 1, no momentum): docs/streaming.md."""
     payload = "FP32"
-
-    @staticmethod
-    def levels(args):
-        return LEVELS
 
     def outer(self, modelavg):
         period = max(LEVELS)
