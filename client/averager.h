@@ -254,6 +254,10 @@ class ModelAverager {
   // (averager_streaming.cc).
   absl::Status TransferParameters(const Decision& decision, Communicator* comm)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The record of a sync of `decision`'s fragment that starts now and is applied at its step
+  // plus the level's sync_delay (host and device syncs alike).
+  std::unique_ptr<PendingSync> NewPendingSync(const Decision& decision, OuterLevelState* state,
+                                              bool first) const;
   // Streaming sync with a delay (averager_streaming.cc): starts the fragment's all-reduce on a
   // background thread and returns; ApplyPending, at the call of the apply step (before that
   // step's own decision), waits for it and applies it to the parameters passed then.

@@ -209,6 +209,18 @@ absl::StatusOr<Decision> ModelAverager::StreamingOuterRound(const Decision& deci
   return done;
 }
 
+std::unique_ptr<PendingSync> ModelAverager::NewPendingSync(const Decision& decision,
+                                                          OuterLevelState* state,
+                                                          bool first) const {
+  auto p = std::make_unique<PendingSync>();
+  p->decision = decision;
+  p->apply_step =
+      decision.step + client_->schedule().spec().levels[decision.level].sync_delay;
+  p->first = first;
+  p->state = state;
+  return p;
+}
+
 absl::StatusOr<Decision> ModelAverager::StartPending(const Decision& decision,
                                                      const Device& device,
                                                      absl::Span<const TensorView> fragment,
@@ -217,11 +229,7 @@ absl::StatusOr<Decision> ModelAverager::StartPending(const Decision& decision,
   const std::string where =
       absl::StrCat("starting the sync of fragment ", decision.fragment, " at step ",
                    decision.step, " (level ", decision.level, ")");
-  auto p = std::make_unique<PendingSync>();
-  p->decision = decision;
-  p->apply_step = decision.step + spec.sync_delay;
-  p->first = first;
-  p->state = state;
+  std::unique_ptr<PendingSync> p = NewPendingSync(decision, state, first);
   p->buffer = std::make_unique<OuterBuffer>();
   p->buffer->Shape(fragment);
   std::vector<TensorView> views = p->buffer->Views();

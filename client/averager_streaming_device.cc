@@ -82,11 +82,7 @@ absl::StatusOr<Decision> ModelAverager::StartDevicePending(const Decision& decis
           other->decision.step, " is still in flight on this communicator"));
     }
   }
-  auto p = std::make_unique<PendingSync>();
-  p->decision = decision;
-  p->apply_step = decision.step + spec.sync_delay;
-  p->first = first;
-  p->state = state;
+  std::unique_ptr<PendingSync> p = NewPendingSync(decision, state, first);
   p->comm = *comm;
   p->device = std::make_unique<DevicePendingSync>(device_ops_.get(), state->device(), first);
   // The buffer is filled (and waited for) before the call returns: the caller may train on.
