@@ -28,7 +28,6 @@ import os
 import queue as queue_module
 import sys
 import traceback
-import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tools"))
@@ -113,10 +112,7 @@ def run_rank(rank, name, config, address, store_port, python_dir, out_queue):
         import torch_reference
         import modelavg.torch
 
-        torch.set_num_threads(1)
-        warnings.simplefilter("ignore")  # a period of 1 warns, in both
-        store = dist.TCPStore("127.0.0.1", store_port, world + 1, False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        mt.join_rank_group(torch, dist, store_port, rank, world)
         dist.new_subgroups = torch_reference.gloo_new_subgroups  # PyTorch's needs CUDA
 
         averaged = []

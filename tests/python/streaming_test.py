@@ -41,7 +41,6 @@ import os
 import sys
 import time
 import traceback
-import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tools"))
@@ -314,10 +313,7 @@ def run_rank(rank, name, config, address, store_port, python_dir, out_queue):
         import torch
         import torch.distributed as dist
         import modelavg
-        torch.set_num_threads(1)
-        warnings.simplefilter("ignore")
-        store = dist.TCPStore("127.0.0.1", store_port, world + 1, False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        mt.join_rank_group(torch, dist, store_port, rank, world)
         reference = Reference(torch, dist, world, levels)
         ours_t, ref_t = make_params(torch, rank, levels), make_params(torch, rank, levels)
         ours_p = mt.as_parameters(torch, ours_t)

@@ -220,6 +220,17 @@ def wait_all(procs, timeout_s):
     return results
 
 
+def join_rank_group(torch, dist, store_port, rank, world):
+    """What every rank of a Python test does first: one compute thread, PyTorch's warnings off
+    (a period of 1 warns, in PyTorch's averagers and the drop-in alike), and the gloo group of
+    the test's TCPStore, whose server the parent holds (world + 1 clients)."""
+    import warnings
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    store = dist.TCPStore("127.0.0.1", store_port, world + 1, False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+
+
 def rank_context():
     """The multiprocessing context the tests start ranks with: "fork" (torch imported once), or
     MODELAVG_TEST_START_METHOD: tests/sanitize.sh sets "spawn", since ThreadSanitizer cannot
