@@ -198,6 +198,18 @@ TEST_F(HostileTest, GarbageOnStreams_EndWithInvalidArgument) {
     EXPECT_EQ(stream.replies(), 1);  // the first beat's reply, nothing after the garbage
   }
   {
+    v1::HostHeartbeatRequest host;
+    *host.add_beats() = beat;
+    host.set_reply_interval_ms(1000);
+    RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HostHeartbeatStream",
+                     {Bytes(host), Garbage(), Bytes(host)});
+    const grpc::Status s = stream.Wait();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(),
+                HasSubstr("HostHeartbeatStream takes a modelavg.v1.HostHeartbeatRequest"));
+    EXPECT_EQ(stream.replies(), 1);
+  }
+  {
     RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/WatchJob", {Garbage()});
     const grpc::Status s = stream.Wait();
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
@@ -300,6 +312,17 @@ TEST_F(HostileTest, Roles_EachRoleOnEachRpc) {
   const grpc::Status streamed = stream.Wait();
   EXPECT_THAT(streamed.error_message(), Not(HasSubstr("role")));
   EXPECT_NE(streamed.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  v1::HostHeartbeatRequest host;
+  *host.add_beats() = beat;
+  host.set_reply_interval_ms(1000);
+  RawStream shared(generic_.get(), "/modelavg.v1.Coordinator/HostHeartbeatStream",
+                   {Bytes(host)}, kWorker);
+  const grpc::Status host_streamed = shared.Wait();
+  EXPECT_THAT(host_streamed.error_message(), Not(HasSubstr("role")));
+  EXPECT_NE(host_streamed.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  RawStream anonymous(generic_.get(), "/modelavg.v1.Coordinator/HostHeartbeatStream",
+                      {Bytes(host)});
+  EXPECT_EQ(anonymous.Wait().error_code(), grpc::StatusCode::UNAUTHENTICATED);
 }
 
 TEST_F(HostileTest, Roles_WorkerTokenWithoutOperatorToken_Refused) {
