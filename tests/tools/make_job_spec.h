@@ -30,6 +30,14 @@ inline v1::JobSpec MakeSpec(const std::string& id, int world, v1::Mode mode,
   return spec;
 }
 
+// Gives level `level` of `spec` an outer optimizer (DiLoCo, Level.outer).
+inline void SetOuter(v1::JobSpec* spec, int level, double lr, double momentum, bool nesterov) {
+  v1::OuterOptimizer* o = spec->mutable_levels(level)->mutable_outer();
+  o->set_lr(lr);
+  o->set_momentum(momentum);
+  o->set_nesterov(nesterov);
+}
+
 }  // namespace modelavg::testing
 
 #endif  // MODELAVG_TESTS_TOOLS_MAKE_JOB_SPEC_H_
