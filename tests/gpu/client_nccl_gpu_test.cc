@@ -29,7 +29,7 @@
 #include "client/staging_layout.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/gpu/gpu_test_env.h"
+#include "tests/gpu/cuda_device_test.h"
 #include "tests/tools/staging_reference.h"
 #if MODELAVG_TEST_WITH_SERVER
 #include "client/averager.h"
@@ -44,26 +44,15 @@ namespace {
 
 const DType kAllDTypes[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16};
 
-class NcclGpuTest : public ::testing::Test {
+class NcclGpuTest : public ::modelavg::testing::CudaDeviceTest<> {
  protected:
-  void SetUp() override {
-    MODELAVG_REQUIRE_OR_SKIP_GPU();
-    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-    ASSERT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess);
-  }
-  void TearDown() override {
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
-  }
-
   // A device tensor filled from `host` (raw bytes of its dtype).
   void* Upload(const void* host, size_t bytes) {
-    void* d = nullptr;
-    EXPECT_EQ(cudaMalloc(&d, bytes > 0 ? bytes : 1), cudaSuccess);
+    void* d = Alloc(bytes);
     EXPECT_EQ(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
     // A pageable host-to-device cudaMemcpy may return before its DMA has landed, and the
     // legacy stream it runs on does not order the non-blocking stream_ the kernels use.
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    allocations_.push_back(d);
     return d;
   }
   template <typename T>
@@ -72,10 +61,6 @@ class NcclGpuTest : public ::testing::Test {
     EXPECT_EQ(cudaMemcpy(out.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
     return out;
   }
-  ~NcclGpuTest() override {
-    for (void* p : allocations_) cudaFree(p);
-  }
-
 
   // Tensors of `spec` (values exact in every dtype), each `shift` bytes past a cudaMalloc'd
   // (256-byte aligned) allocation. The padded gather into a `code` staging buffer must match a
@@ -138,9 +123,6 @@ class NcclGpuTest : public ::testing::Test {
       }
     }
   }
-
-  cudaStream_t stream_ = nullptr;
-  std::vector<void*> allocations_;
 };
 
 TEST_F(NcclGpuTest, StagingKernels_MixedDTypesAndChunks_GatherThenScatterRoundTrips) {

@@ -24,6 +24,7 @@
 #include "client/outer_state.h"
 #include "client/staging_layout.h"
 #include "gtest/gtest.h"
+#include "tests/gpu/cuda_device_test.h"
 #include "tests/gpu/gpu_test_env.h"
 #include "tests/tools/staging_reference.h"
 #if MODELAVG_TEST_WITH_SERVER
@@ -42,26 +43,7 @@ struct Case {
   bool pinned;
 };
 
-class NcclOuterGpuTest : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override {
-    MODELAVG_REQUIRE_OR_SKIP_GPU();
-    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-    ASSERT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess);
-  }
-  void TearDown() override {
-    for (void* p : allocations_) cudaFree(p);
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
-  }
-  void* Alloc(size_t bytes) {
-    void* d = nullptr;
-    EXPECT_EQ(cudaMalloc(&d, bytes), cudaSuccess);
-    allocations_.push_back(d);
-    return d;
-  }
-  cudaStream_t stream_ = nullptr;
-  std::vector<void*> allocations_;
-};
+using NcclOuterGpuTest = ::modelavg::testing::CudaDeviceTest<::testing::TestWithParam<Case>>;
 
 // Element i of tensor t at step s before the call: a varying update on each element.
 double Update(size_t t, int64_t i, int64_t s) {
