@@ -22,6 +22,7 @@
 #include "server/coordinator_server.h"
 #include "common/file_util.h"
 #include "server/jobs_file.h"
+#include "tests/tools/in_process_coordinator.h"
 #include "tests/tools/temp_dir.h"
 
 namespace modelavg::server {
@@ -37,34 +38,17 @@ v1::JobSpec Spec(const std::string& text) {
 
 std::unique_ptr<grpc::ClientContext> Context(absl::Duration timeout = absl::Seconds(20),
                                              const std::string& token = "") {
-  auto ctx = std::make_unique<grpc::ClientContext>();
-  ctx->set_deadline(std::chrono::system_clock::now() +
-                    std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
-  if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
-  return ctx;
+  return CallContext(timeout, token);
 }
 
-class ServerTest : public ::testing::Test {
+class ServerTest : public InProcessCoordinatorTest {
  protected:
-  void Start(ServerOptions options = {}) {
-    options.listen = "127.0.0.1:0";
-    auto server = CoordinatorServer::Start(options);
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = *std::move(server);
-    channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
-    stub_ = v1::Coordinator::NewStub(channel_);
-  }
-
   grpc::Status CreateJob(const std::string& text, v1::Job* job = nullptr) {
     v1::CreateJobRequest request;
     *request.mutable_spec() = Spec(text);
     v1::Job ignored;
     return stub_->CreateJob(Context().get(), request, job != nullptr ? job : &ignored);
   }
-
-  std::unique_ptr<CoordinatorServer> server_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Coordinator::Stub> stub_;
 };
 
 // One simulated worker: Join, Steps, comm ids for every subgroup it averages in, heartbeats,
