@@ -46,6 +46,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/client_test_processes.h"
+#include "tests/integration/staged_job_storm.h"
 #include "tests/integration/streaming_reference.h"
 #include "tests/integration/trace_check.h"
 #include "tests/tools/make_job_spec.h"
@@ -491,9 +492,6 @@ TEST_F(CoordinatorRestartTest, KilledJustBeforeTheLastStep_RestartedAfter3s_Ever
   }
 }
 
-// Stages of one job in the storm, in the order they are attempted.
-enum Stage { kAbsent = 0, kCreated, kJoined, kLeft, kDeleted };
-
 TEST_F(CoordinatorRestartTest, SigkillStorm_EveryAcknowledgedChangeSurvives) {
   std::mt19937 random(12345);
   std::map<std::string, int> acked;      // job -> highest acknowledged stage
@@ -563,28 +561,7 @@ TEST_F(CoordinatorRestartTest, SigkillStorm_EveryAcknowledgedChangeSurvives) {
           round_acked[id] = stage;
           ++acknowledged;
         };
-        attempt(kCreated);
-        if (!admin->CreateJob(MakeSpec(id, 1, v1::PERIODIC, {{1, 1}}, 0)).ok()) return;
-        ack(kCreated);
-        v1::JoinRequest join;
-        join.set_job_id(id);
-        join.set_worker_id("w-" + id);
-        join.set_rank(0);
-        attempt(kJoined);
-        if (!admin->Join(join, absl::Seconds(5)).ok()) return;
-        ack(kJoined);
-        v1::LeaveRequest leave;
-        leave.set_job_id(id);
-        leave.set_rank(0);
-        leave.set_generation(1);
-        attempt(kLeft);
-        if (!admin->Leave(leave).ok()) return;
-        ack(kLeft);
-        if (next_job % 2 == 0) {
-          attempt(kDeleted);
-          if (!admin->DeleteJob(id).ok()) return;
-          ack(kDeleted);
-        }
+        if (!DriveJobThroughStages(*admin, id, next_job % 2 == 0, attempt, ack)) return;
       }
     });
     absl::SleepFor(absl::Milliseconds(std::uniform_int_distribution<int>(50, 400)(random)));

@@ -46,6 +46,7 @@
 #include "server/leader_election.h"
 #include "tests/integration/client_test_processes.h"
 #include "tests/integration/etcd_cluster.h"
+#include "tests/integration/staged_job_storm.h"
 #include "tests/tools/make_job_spec.h"
 
 namespace modelavg::testing {
@@ -556,9 +557,6 @@ TEST_F(EtcdHaTest, TwoOfThreeEtcdMembersKilled_WritesRefusedTrainingGoesOn_Resta
             absl::StatusCode::kNotFound);
 }
 
-// Stages of one job in the storm, in the order they are attempted.
-enum Stage { kAbsent = 0, kCreated, kJoined, kLeft, kDeleted };
-
 TEST_F(EtcdHaTest, StormWithLeaderKills_EveryAcknowledgedChangeSurvives) {
   ASSERT_NO_FATAL_FAILURE(StartAll(1));
   std::mt19937 random(2222);
@@ -617,39 +615,8 @@ TEST_F(EtcdHaTest, StormWithLeaderKills_EveryAcknowledgedChangeSurvives) {
           acked[id] = stage;
           ++acknowledged;
         };
-        attempt(kCreated);
-        if (!admin->CreateJob(MakeSpec(id, 1, v1::PERIODIC, {{1, 1}}, 0)).ok()) {
+        if (!DriveJobThroughStages(*admin, id, next_job % 2 == 0, attempt, ack)) {
           absl::SleepFor(absl::Milliseconds(10));  // failing over: no busy loop
-          continue;
-        }
-        ack(kCreated);
-        v1::JoinRequest join;
-        join.set_job_id(id);
-        join.set_worker_id("w-" + id);
-        join.set_rank(0);
-        attempt(kJoined);
-        if (!admin->Join(join, absl::Seconds(5)).ok()) {
-          absl::SleepFor(absl::Milliseconds(10));  // failing over: no busy loop
-          continue;
-        }
-        ack(kJoined);
-        v1::LeaveRequest leave;
-        leave.set_job_id(id);
-        leave.set_rank(0);
-        leave.set_generation(1);
-        attempt(kLeft);
-        if (!admin->Leave(leave).ok()) {
-          absl::SleepFor(absl::Milliseconds(10));  // failing over: no busy loop
-          continue;
-        }
-        ack(kLeft);
-        if (next_job % 2 == 0) {
-          attempt(kDeleted);
-          if (!admin->DeleteJob(id).ok()) {
-          absl::SleepFor(absl::Milliseconds(10));  // failing over: no busy loop
-          continue;
-        }
-          ack(kDeleted);
         }
       }
     });
