@@ -276,3 +276,33 @@ def as_parameters(torch, params):
         p.grad = torch.zeros_like(p)  # PyTorch's averagers skip parameters without .grad
         out.append(p)
     return out
+
+
+def local_update(torch, params, rank, step):
+    """A deterministic local 'training' step on dict `params`, different per rank and step: each
+    tensor gets 0.1 * N(0, 1) noise drawn (in float64, then cast) from a seed of (rank, step,
+    tensor index), so that a test's two copies of the parameters see the same update."""
+    with torch.no_grad():
+        for i, p in enumerate(params.values()):
+            g = torch.Generator().manual_seed(rank * 100003 + step * 101 + i)
+            p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * 0.1)
+
+
+def config_main(doc, configs, run):
+    """The command line of a test with one ctest entry per configuration: --list prints the names
+    of `configs`; otherwise run(name, args) for --config=name, with --coordinator_bin,
+    --python_dir and --timeout_s (default 150) in args."""
+    import argparse
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--coordinator_bin")
+    parser.add_argument("--python_dir")
+    parser.add_argument("--config", choices=sorted(configs))
+    parser.add_argument("--timeout_s", type=float, default=150)
+    parser.add_argument("--list", action="store_true")
+    args = parser.parse_args()
+    if args.list:
+        print("\n".join(configs))
+        return
+    if not (args.coordinator_bin and args.python_dir and args.config):
+        parser.error("--coordinator_bin, --python_dir and --config are required")
+    run(args.config, args)
