@@ -306,3 +306,47 @@ def config_main(doc, configs, run):
     if not (args.coordinator_bin and args.python_dir and args.config):
         parser.error("--coordinator_bin, --python_dir and --config are required")
     run(args.config, args)
+
+
+DROPIN_STEPS = 6
+
+_DROPIN_WORKER = r"""
+import json, os, sys
+import torch
+import modelavg, modelavg.torch
+from modelavg.torch import PeriodicModelAverager
+rank = int(os.environ["RANK"])
+@CHECKS@
+p = torch.nn.Parameter(torch.full((4,), float(rank)))
+p.grad = torch.zeros_like(p)  # PyTorch's averagers leave out parameters without a gradient
+averager = PeriodicModelAverager(period=2, warmup_steps=1)
+for step in range(@STEPS@):
+    with torch.no_grad():
+        p.add_((rank + 1) * (step + 1) * 0.5)
+    averager.average_parameters([p])
+@EMIT@
+"""
+
+
+def dropin_worker(emit, checks=""):
+    """The script of one rank (RANK from the environment) of a drop-in job launched like
+    PyTorch's: a parameter x_r = rank gets (rank + 1) * (step + 1) * 0.5 before each of
+    DROPIN_STEPS calls of modelavg.torch's PeriodicModelAverager(period=2, warmup_steps=1).
+    `checks` run first; `emit` (indented by four spaces) after every call, with rank, step and p
+    in scope: it prints the step's line."""
+    return (_DROPIN_WORKER.replace("@CHECKS@", checks).replace("@STEPS@", str(DROPIN_STEPS))
+            .replace("@EMIT@", emit))
+
+
+def dropin_expected(world):
+    """values[rank][step] of dropin_worker's ranks: PyTorch's periodic rule (period 2, warm-up
+    1) restated naively."""
+    x = [float(r) for r in range(world)]
+    out = [[] for _ in range(world)]
+    for s in range(DROPIN_STEPS):
+        x = [x[r] + (r + 1) * (s + 1) * 0.5 for r in range(world)]
+        if s >= 1 and (s - 1) % 2 == 0:
+            x = [sum(x) / world] * world
+        for r in range(world):
+            out[r].append(x[r])
+    return out
