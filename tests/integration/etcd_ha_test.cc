@@ -560,9 +560,10 @@ TEST_F(EtcdHaTest, TwoOfThreeEtcdMembersKilled_WritesRefusedTrainingGoesOn_Resta
 TEST_F(EtcdHaTest, StormWithLeaderKills_EveryAcknowledgedChangeSurvives) {
   ASSERT_NO_FATAL_FAILURE(StartAll(1));
   std::mt19937 random(2222);
-  std::map<std::string, int> acked, attempted;
+  StageLedger ledger;
+  std::map<std::string, int>& acked = ledger.acked;
+  std::map<std::string, int>& attempted = ledger.attempted;
   int next_job = 0;
-  int64_t acknowledged = 0;
   auto admin = Admin();
   constexpr int kKills = 5;
   for (int round = 0; round <= kKills; ++round) {
@@ -602,20 +603,10 @@ TEST_F(EtcdHaTest, StormWithLeaderKills_EveryAcknowledgedChangeSurvives) {
     ASSERT_GE(Leader(), 0) << Diagnostics();
 
     std::atomic<bool> stop{false};
-    absl::Mutex mu;
     std::thread storm([&] {
       while (!stop.load()) {
         const std::string id = absl::StrCat("s", next_job++);
-        auto attempt = [&](int stage) {
-          absl::MutexLock l(&mu);
-          attempted[id] = stage;
-        };
-        auto ack = [&](int stage) {
-          absl::MutexLock l(&mu);
-          acked[id] = stage;
-          ++acknowledged;
-        };
-        if (!DriveJobThroughStages(*admin, id, next_job % 2 == 0, attempt, ack)) {
+        if (!DriveJobThroughStages(*admin, id, next_job % 2 == 0, &ledger)) {
           absl::SleepFor(absl::Milliseconds(10));  // failing over: no busy loop
         }
       }
@@ -630,9 +621,9 @@ TEST_F(EtcdHaTest, StormWithLeaderKills_EveryAcknowledgedChangeSurvives) {
     // The killed one comes back as a standby.
     ASSERT_TRUE(coordinators_[leader]->Start()) << coordinators_[leader]->log();
   }
-  std::cout << "[figures] etcd storm: 5 leader kills, " << acknowledged
+  std::cout << "[figures] etcd storm: 5 leader kills, " << ledger.acknowledged
             << " acknowledged changes checked" << std::endl;
-  EXPECT_GT(acknowledged, 10);
+  EXPECT_GT(ledger.acknowledged, 10);
 }
 
 // ---- etcd's TLS and authentication (--etcd_tls_*, --etcd_user/--etcd_password_file) ----

@@ -6,9 +6,11 @@
 #ifndef MODELAVG_TESTS_INTEGRATION_STAGED_JOB_STORM_H_
 #define MODELAVG_TESTS_INTEGRATION_STAGED_JOB_STORM_H_
 
-#include <functional>
+#include <cstdint>
+#include <map>
 #include <string>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/coordinator_client.h"
 #include "modelavg/v1/coordinator.pb.h"
@@ -19,12 +21,30 @@ namespace modelavg::testing {
 // Stages of one job in the storm, in the order they are attempted.
 enum Stage { kAbsent = 0, kCreated, kJoined, kLeft, kDeleted };
 
+// What the storm attempted and what the coordinator acknowledged. The storm thread writes under
+// `mu`; the test reads once it has joined the thread.
+struct StageLedger {
+  absl::Mutex mu;
+  std::map<std::string, int> attempted;  // job -> highest attempted stage
+  std::map<std::string, int> acked;      // job -> highest acknowledged stage
+  int64_t acknowledged = 0;              // acknowledged calls, all rounds together
+};
+
 // Drives job `id` (world 1, period 1) through created, joined (worker "w-<id>", rank 0), left
-// and, with `and_delete`, deleted. Each stage goes to `attempt` before its call and to `ack`
-// once the call succeeded; false at the first call that fails (the later stages are not tried).
+// and, with `and_delete`, deleted, recording in `ledger` each stage as attempted before its call
+// and as acknowledged once the call succeeded. False at the first call that fails (the later
+// stages are not tried).
 inline bool DriveJobThroughStages(client::CoordinatorClient& admin, const std::string& id,
-                                  bool and_delete, const std::function<void(int)>& attempt,
-                                  const std::function<void(int)>& ack) {
+                                  bool and_delete, StageLedger* ledger) {
+  auto attempt = [&](int stage) {
+    absl::MutexLock l(&ledger->mu);
+    ledger->attempted[id] = stage;
+  };
+  auto ack = [&](int stage) {
+    absl::MutexLock l(&ledger->mu);
+    ledger->acked[id] = stage;
+    ++ledger->acknowledged;
+  };
   attempt(kCreated);
   if (!admin.CreateJob(MakeSpec(id, 1, v1::PERIODIC, {{1, 1}}, 0)).ok()) return false;
   ack(kCreated);
