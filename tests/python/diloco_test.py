@@ -168,16 +168,7 @@ def make_averager(modelavg, mode, world, warmup, levels, how, job_id, address, r
     if rank == 0:
         modelavg.create_job(job_id, world, mode, job_levels(modelavg, levels),
                             warmup_steps=warmup, coordinator=address)
-    import time
-    deadline = time.monotonic() + 60
-    while True:  # rank 0 may not have created the job yet
-        try:
-            client = modelavg.connect(address, job_id, rank=rank, join_timeout=60)
-            break
-        except modelavg.NotFoundError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    client = mt.connect_rank(modelavg, address, job_id, rank)
     cls = (modelavg.PeriodicModelAverager if mode == "periodic"
            else modelavg.HierarchicalModelAverager)
     return cls(client)

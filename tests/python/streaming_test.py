@@ -254,17 +254,6 @@ def job_levels(modelavg, levels):
     return out
 
 
-def connect(modelavg, address, job_id, rank):
-    deadline = time.monotonic() + 60
-    while True:  # rank 0 may not have created the job yet
-        try:
-            return modelavg.connect(address, job_id, rank=rank, join_timeout=60)
-        except modelavg.NotFoundError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
 def make_averager(modelavg, mode, world, warmup, levels, how, job_id, address, rank):
     if how == "dropin":
         import modelavg.torch
@@ -278,7 +267,7 @@ def make_averager(modelavg, mode, world, warmup, levels, how, job_id, address, r
                                   warmup_steps=warmup, coordinator=address)
         if job.spec.levels != job_levels(modelavg, levels):
             raise AssertionError(f"the job's levels came back as {job.spec.levels}")
-    client = connect(modelavg, address, job_id, rank)
+    client = mt.connect_rank(modelavg, address, job_id, rank)
     cls = (modelavg.PeriodicModelAverager if mode == "periodic"
            else modelavg.HierarchicalModelAverager)
     return cls(client)

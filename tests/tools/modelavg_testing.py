@@ -350,3 +350,16 @@ def dropin_expected(world):
         for r in range(world):
             out[r].append(x[r])
     return out
+
+
+def connect_rank(modelavg, address, job_id, rank, timeout_s=60):
+    """modelavg.connect(...) for `rank`, retried while the job does not exist yet (rank 0 makes
+    it, and may not have made it when another rank connects) up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return modelavg.connect(address, job_id, rank=rank, join_timeout=timeout_s)
+        except modelavg.NotFoundError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
