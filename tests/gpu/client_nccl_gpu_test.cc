@@ -30,6 +30,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/gpu/cuda_device_test.h"
+#include "tests/tools/make_job_spec.h"
 #include "tests/tools/staging_reference.h"
 #if MODELAVG_TEST_WITH_SERVER
 #include "client/averager.h"
@@ -447,15 +448,8 @@ TEST_F(NcclGpuTest, Averager_OneRankJob_BootstrapsThroughTheCoordinator) {
   aopts.address = (*server)->address();
   auto admin = CoordinatorClient::Create(aopts);
   ASSERT_TRUE(admin.ok());
-  v1::JobSpec spec;
-  spec.set_job_id("gpu1");
-  spec.set_world_size(1);
-  spec.set_mode(v1::HIERARCHICAL);
-  for (auto [p, g] : std::vector<std::pair<int, int>>{{1, 1}, {2, 1}}) {
-    v1::Level* l = spec.add_levels();
-    l->set_period(p);
-    l->set_group_size(g);
-  }
+  const v1::JobSpec spec =
+      ::modelavg::testing::MakeSpec("gpu1", 1, v1::HIERARCHICAL, {{1, 1}, {2, 1}}, 0);
   ASSERT_TRUE((*admin)->CreateJob(spec).ok());
   ClientOptions copts;
   copts.coordinator = (*server)->address();

@@ -26,6 +26,7 @@
 #include "gtest/gtest.h"
 #include "tests/gpu/cuda_device_test.h"
 #include "tests/gpu/gpu_test_env.h"
+#include "tests/tools/make_job_spec.h"
 #include "tests/tools/staging_reference.h"
 #if MODELAVG_TEST_WITH_SERVER
 #include "client/averager.h"
@@ -167,16 +168,8 @@ TEST(NcclOuterAveragerGpuTest, OneRankOuterJob_CudaParameters_FollowTheRule) {
   ASSERT_TRUE(admin.ok());
   for (int pinned = 0; pinned < 2; ++pinned) {
     const std::string job = absl::StrCat("gpu-outer-", pinned);
-    v1::JobSpec spec;
-    spec.set_job_id(job);
-    spec.set_world_size(1);
-    spec.set_mode(v1::PERIODIC);
-    v1::Level* l = spec.add_levels();
-    l->set_period(2);
-    l->set_group_size(1);
-    l->mutable_outer()->set_lr(0.7);
-    l->mutable_outer()->set_momentum(0.9);
-    l->mutable_outer()->set_nesterov(true);
+    v1::JobSpec spec = ::modelavg::testing::MakeSpec(job, 1, v1::PERIODIC, {{2, 1}}, 0);
+    ::modelavg::testing::SetOuter(&spec, 0, 0.7, 0.9, true);
     ASSERT_TRUE((*admin)->CreateJob(spec).ok());
     ClientOptions copts;
     copts.coordinator = (*server)->address();
