@@ -32,6 +32,7 @@
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
 #include "tests/tools/in_process_coordinator.h"
+#include "tests/tools/make_job_spec.h"
 #include "tests/tools/process.h"
 #include "tests/tools/temp_dir.h"
 
@@ -50,14 +51,7 @@ std::unique_ptr<grpc::ClientContext> Context(const std::string& token = "",
 }
 
 v1::JobSpec Spec(const std::string& id, int32_t world) {
-  v1::JobSpec spec;
-  spec.set_job_id(id);
-  spec.set_world_size(world);
-  spec.set_mode(v1::PERIODIC);
-  v1::Level* level = spec.add_levels();
-  level->set_period(2);
-  level->set_group_size(world);
-  return spec;
+  return ::modelavg::testing::MakeSpec(id, world, v1::PERIODIC, {{2, world}}, 0);
 }
 
 // Bytes that no protobuf parser accepts: a varint that never ends.
