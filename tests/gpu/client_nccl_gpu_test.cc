@@ -37,6 +37,7 @@
 #include "client/client.h"
 #include "client/coordinator_client.h"
 #include "server/coordinator_server.h"
+#include "tests/tools/served_coordinator.h"
 #endif
 
 namespace modelavg::client {
@@ -441,18 +442,13 @@ TEST_F(NcclGpuTest, Create_GenerationMovesOnWhileWaiting_AbortedWithThatReason) 
 
 #if MODELAVG_TEST_WITH_SERVER
 TEST_F(NcclGpuTest, Averager_OneRankJob_BootstrapsThroughTheCoordinator) {
-  server::ServerOptions sopts;
-  auto server = server::CoordinatorServer::Start(sopts);
-  ASSERT_TRUE(server.ok()) << server.status();
-  CoordinatorClientOptions aopts;
-  aopts.address = (*server)->address();
-  auto admin = CoordinatorClient::Create(aopts);
-  ASSERT_TRUE(admin.ok());
+  auto served = ::modelavg::testing::ServeCoordinator();
+  ASSERT_TRUE(served.ok()) << served.status();
   const v1::JobSpec spec =
       ::modelavg::testing::MakeSpec("gpu1", 1, v1::HIERARCHICAL, {{1, 1}, {2, 1}}, 0);
-  ASSERT_TRUE((*admin)->CreateJob(spec).ok());
+  ASSERT_TRUE(served->admin->CreateJob(spec).ok());
   ClientOptions copts;
-  copts.coordinator = (*server)->address();
+  copts.coordinator = served->server->address();
   copts.job_id = "gpu1";
   auto client = Client::Connect(copts);
   ASSERT_TRUE(client.ok()) << client.status();

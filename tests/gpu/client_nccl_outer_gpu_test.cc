@@ -34,6 +34,7 @@
 #include "client/contiguous_parameters.h"
 #include "client/coordinator_client.h"
 #include "server/coordinator_server.h"
+#include "tests/tools/served_coordinator.h"
 #endif
 
 namespace modelavg::client {
@@ -159,20 +160,15 @@ TEST(NcclOuterAveragerGpuTest, OneRankOuterJob_CudaParameters_FollowTheRule) {
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  server::ServerOptions sopts;
-  auto server = server::CoordinatorServer::Start(sopts);
-  ASSERT_TRUE(server.ok()) << server.status();
-  CoordinatorClientOptions aopts;
-  aopts.address = (*server)->address();
-  auto admin = CoordinatorClient::Create(aopts);
-  ASSERT_TRUE(admin.ok());
+  auto served = ::modelavg::testing::ServeCoordinator();
+  ASSERT_TRUE(served.ok()) << served.status();
   for (int pinned = 0; pinned < 2; ++pinned) {
     const std::string job = absl::StrCat("gpu-outer-", pinned);
     v1::JobSpec spec = ::modelavg::testing::MakeSpec(job, 1, v1::PERIODIC, {{2, 1}}, 0);
     ::modelavg::testing::SetOuter(&spec, 0, 0.7, 0.9, true);
-    ASSERT_TRUE((*admin)->CreateJob(spec).ok());
+    ASSERT_TRUE(served->admin->CreateJob(spec).ok());
     ClientOptions copts;
-    copts.coordinator = (*server)->address();
+    copts.coordinator = served->server->address();
     copts.job_id = job;
     auto client = Client::Connect(copts);
     ASSERT_TRUE(client.ok()) << client.status();
