@@ -260,7 +260,8 @@ class ModelAverager {
                                               bool first) const;
   // Streaming sync with a delay (averager_streaming.cc): starts the fragment's all-reduce on a
   // background thread and returns; ApplyPending, at the call of the apply step (before that
-  // step's own decision), waits for it and applies it to the parameters passed then.
+  // step's own decision), waits for it and applies it to the parameters passed then. CUDA
+  // parameters go on to StartDevicePending.
   absl::StatusOr<Decision> StartPending(const Decision& decision, const Device& device,
                                         absl::Span<const TensorView> fragment,
                                         OuterLevelState* state, bool first)
@@ -296,9 +297,12 @@ class ModelAverager {
                                                 OuterLevelState* state, bool joining,
                                                 int64_t first_sync)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // StartPending on CUDA parameters (averager_streaming_device.cc): `spec` is the level's,
+  // `where` the context of its errors.
   absl::StatusOr<Decision> StartDevicePending(const Decision& decision, const Device& device,
                                               absl::Span<const TensorView> fragment,
-                                              OuterLevelState* state, bool first)
+                                              OuterLevelState* state, bool first,
+                                              const ScheduleLevel& spec, const std::string& where)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ApplyOne's last part on CUDA parameters: the pending sync's result into the fragment.
   absl::Status ApplyDevicePending(PendingSync* p, absl::Span<const TensorView> fragment,

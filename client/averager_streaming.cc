@@ -226,9 +226,13 @@ absl::StatusOr<Decision> ModelAverager::StartPending(const Decision& decision,
                                                      absl::Span<const TensorView> fragment,
                                                      OuterLevelState* state, bool first) {
   const ScheduleLevel& spec = client_->schedule().spec().levels[decision.level];
-  const std::string where =
-      absl::StrCat("starting the sync of fragment ", decision.fragment, " at step ",
-                   decision.step, " (level ", decision.level, ")");
+  const std::string where = absl::StrCat(
+      "starting the sync of fragment ", decision.fragment, " at step ", decision.step,
+      " (level ", decision.level, device.is_host() ? "" : absl::StrCat(", ", device.ToString()),
+      ")");
+  if (!device.is_host()) {
+    return StartDevicePending(decision, device, fragment, state, first, spec, where);
+  }
   std::unique_ptr<PendingSync> p = NewPendingSync(decision, state, first);
   p->buffer = std::make_unique<OuterBuffer>();
   p->buffer->Shape(fragment);

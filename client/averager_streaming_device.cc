@@ -37,7 +37,7 @@ absl::StatusOr<Decision> ModelAverager::DeviceStreamingRound(
                     "state_dict() rather than set_step() alone"));
   }
   if (spec.sync_delay != 0) {
-    return StartDevicePending(decision, device, fragment, state, !on_device->has_anchor());
+    return StartPending(decision, device, fragment, state, !on_device->has_anchor());
   }
   if (device_local_ == nullptr) {
     device_local_ = std::make_unique<OwnedDeviceBuffer>(device_ops_.get());
@@ -62,14 +62,9 @@ absl::StatusOr<Decision> ModelAverager::DeviceStreamingRound(
   return done;
 }
 
-absl::StatusOr<Decision> ModelAverager::StartDevicePending(const Decision& decision,
-                                                           const Device& device,
-                                                           absl::Span<const TensorView> fragment,
-                                                           OuterLevelState* state, bool first) {
-  const ScheduleLevel& spec = client_->schedule().spec().levels[decision.level];
-  const std::string where =
-      absl::StrCat("starting the sync of fragment ", decision.fragment, " at step ",
-                   decision.step, " (level ", decision.level, ", ", device.ToString(), ")");
+absl::StatusOr<Decision> ModelAverager::StartDevicePending(
+    const Decision& decision, const Device& device, absl::Span<const TensorView> fragment,
+    OuterLevelState* state, bool first, const ScheduleLevel& spec, const std::string& where) {
   MODELAVG_RETURN_IF_ERROR(Annotate(client_->CheckCanAverage(decision.subgroup), where));
   absl::StatusOr<Communicator*> comm = client_->communicators()->Get(Setup(decision), device);
   if (!comm.ok()) return Annotate(comm.status(), where);

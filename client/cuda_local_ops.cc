@@ -5,11 +5,19 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/nccl_outer_kernels.h"
+#include "client/payload_codec.h"
+#include "client/payload_kernels.h"
 #include "client/staging_kernels.h"
 #include "common/cuda_check.h"
 #include "common/status_util.h"
 
 namespace modelavg::client {
+
+static_assert(kWireInt8Block == kInt8Block, "payload_kernels.h's INT8 block is the codec's");
+static_assert(static_cast<int32_t>(Payload::kFp32) == kWireFp32 &&
+                  static_cast<int32_t>(Payload::kBf16) == kWireBf16 &&
+                  static_cast<int32_t>(Payload::kInt8) == kWireInt8,
+              "payload_kernels.h's payload codes are Payload's");
 
 #define MODELAVG_ON_DEVICE()              \
   ScopedCudaDevice on_device_(device_);   \
@@ -118,7 +126,37 @@ absl::Status CudaLocalOps::OuterMix(const StagingChunk* chunks, int64_t num_chun
   return absl::OkStatus();
 }
 
+absl::Status CudaLocalOps::EncodeParts(Payload payload, const float* in, int64_t numel,
+                                       int64_t part, int parts, size_t stride, void* wire,
+                                       void* stream) {
+  MODELAVG_ON_DEVICE();
+  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchEncodeParts(static_cast<int32_t>(payload), in, numel, part,
+                                                  parts, stride, wire,
+                                                  static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaLocalOps::DecodeSumParts(Payload payload, const void* wire, int parts,
+                                          int64_t part, size_t stride, float scale, float* out,
+                                          void* stream) {
+  MODELAVG_ON_DEVICE();
+  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchDecodeSumParts(static_cast<int32_t>(payload), wire, parts,
+                                                     part, stride, scale, out,
+                                                     static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaLocalOps::DecodeParts(Payload payload, const void* wire, int64_t numel,
+                                       int64_t part, size_t stride, float* out, void* stream) {
+  MODELAVG_ON_DEVICE();
+  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchDecodeParts(static_cast<int32_t>(payload), wire, numel,
+                                                  part, stride, out,
+                                                  static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
 absl::Status CudaLocalOps::CreateStream(void** stream) {
+  *stream = nullptr;
   MODELAVG_ON_DEVICE();
   cudaStream_t s = nullptr;
   MODELAVG_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -129,6 +167,34 @@ absl::Status CudaLocalOps::CreateStream(void** stream) {
 void CudaLocalOps::DestroyStream(void* stream) {
   ScopedCudaDevice on(device_);
   if (on.status().ok() && stream != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+}
+
+absl::Status CudaLocalOps::CreateEvent(void** event) {
+  *event = nullptr;
+  MODELAVG_ON_DEVICE();
+  cudaEvent_t e = nullptr;
+  MODELAVG_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  *event = e;
+  return absl::OkStatus();
+}
+
+void CudaLocalOps::DestroyEvent(void* event) {
+  ScopedCudaDevice on(device_);
+  if (on.status().ok() && event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event));
+}
+
+absl::Status CudaLocalOps::RecordEvent(void* event, void* stream) {
+  MODELAVG_ON_DEVICE();
+  MODELAVG_CUDA_RETURN_IF_ERROR(
+      cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaLocalOps::StreamWaitEvent(void* stream, void* event) {
+  MODELAVG_ON_DEVICE();
+  MODELAVG_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
+                                                    static_cast<cudaEvent_t>(event), 0));
+  return absl::OkStatus();
 }
 
 #undef MODELAVG_ON_DEVICE

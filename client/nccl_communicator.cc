@@ -8,20 +8,12 @@
 #include "absl/time/clock.h"
 #include "client/coordinator_client.h"
 #include "client/half.h"
-#include "client/payload_codec.h"
-#include "client/payload_kernels.h"
 #include "common/cuda_check.h"
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::client {
 namespace {
-
-static_assert(kWireInt8Block == kInt8Block, "payload_kernels.h's INT8 block is the codec's");
-static_assert(static_cast<int32_t>(Payload::kFp32) == kWireFp32 &&
-                  static_cast<int32_t>(Payload::kBf16) == kWireBf16 &&
-                  static_cast<int32_t>(Payload::kInt8) == kWireInt8,
-              "payload_kernels.h's payload codes are Payload's");
 
 ncclDataType_t NcclType(int32_t code) {
   switch (code) {
@@ -119,17 +111,16 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::CreateWithId
 NcclCommunicator::NcclCommunicator(ncclComm_t comm, int member, int size, int device,
                                    absl::Duration timeout,
                                    std::function<absl::Status()> check_alive)
-    : comm_(comm),
+    : CudaLocalOps(device, timeout),
+      comm_(comm),
       member_(member),
       size_(size),
-      device_(device),
-      timeout_(timeout),
       check_alive_(std::move(check_alive)),
       core_(this, member, size, device) {}
 
 NcclCommunicator::~NcclCommunicator() {
   absl::MutexLock l(&mu_);
-  ScopedCudaDevice on(device_);
+  ScopedCudaDevice on(device());
   if (!aborted_.load()) {
     // A healthy non-blocking communicator is finalized (flushing its work, polled with a
     // deadline) and then destroyed; one that does not finalize in time is aborted.
@@ -137,7 +128,7 @@ NcclCommunicator::~NcclCommunicator() {
     if (core_.broken().ok()) {
       const ncclResult_t r = ncclCommFinalize(comm_);  // may answer ncclInProgress
       if (r == ncclSuccess || r == ncclInProgress) {
-        const absl::Time deadline = absl::Now() + timeout_;
+        const absl::Time deadline = absl::Now() + timeout();
         ncclResult_t state = ncclInProgress;
         while (ncclCommGetAsyncError(comm_, &state) == ncclSuccess &&
                state == ncclInProgress && absl::Now() < deadline) {
@@ -173,75 +164,6 @@ void NcclCommunicator::AbortCommunicator() {
     ncclCommAbort(comm_);
     spdlog::error("NCCL communicator (member {} of {}) aborted", member_, size_);
   }
-}
-
-absl::Status NcclCommunicator::Malloc(void** p, size_t bytes) {
-  *p = nullptr;
-  MODELAVG_CUDA_RETURN_IF_ERROR(cudaMalloc(p, bytes > 0 ? bytes : 1));
-  return absl::OkStatus();
-}
-void NcclCommunicator::Free(void* p) { cudaFree(p); }
-absl::Status NcclCommunicator::MallocHost(void** p, size_t bytes) {
-  *p = nullptr;
-  MODELAVG_CUDA_RETURN_IF_ERROR(cudaMallocHost(p, bytes > 0 ? bytes : 1));
-  return absl::OkStatus();
-}
-void NcclCommunicator::FreeHost(void* p) { cudaFreeHost(p); }
-
-absl::Status NcclCommunicator::Zero(void* p, size_t bytes, void* stream) {
-  MODELAVG_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p, 0, bytes, static_cast<cudaStream_t>(stream)));
-  return absl::OkStatus();
-}
-
-absl::Status NcclCommunicator::Copy(void* dst, const void* src, size_t bytes, void* stream) {
-  MODELAVG_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
-  return absl::OkStatus();
-}
-
-absl::Status NcclCommunicator::CreateStream(void** stream) {
-  *stream = nullptr;
-  cudaStream_t s = nullptr;
-  MODELAVG_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  *stream = s;
-  return absl::OkStatus();
-}
-void NcclCommunicator::DestroyStream(void* stream) {
-  if (stream != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream));
-}
-absl::Status NcclCommunicator::CreateEvent(void** event) {
-  *event = nullptr;
-  cudaEvent_t e = nullptr;
-  MODELAVG_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  *event = e;
-  return absl::OkStatus();
-}
-void NcclCommunicator::DestroyEvent(void* event) {
-  if (event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event));
-}
-absl::Status NcclCommunicator::RecordEvent(void* event, void* stream) {
-  MODELAVG_CUDA_RETURN_IF_ERROR(
-      cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
-  return absl::OkStatus();
-}
-absl::Status NcclCommunicator::StreamWaitEvent(void* stream, void* event) {
-  MODELAVG_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
-                                                    static_cast<cudaEvent_t>(event), 0));
-  return absl::OkStatus();
-}
-
-absl::Status NcclCommunicator::Gather(const StagingChunk* chunks, int64_t num_chunks,
-                                      void* staging, int32_t staging_code, void* stream) {
-  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchGather(chunks, num_chunks, staging, staging_code,
-                                             static_cast<cudaStream_t>(stream)));
-  return absl::OkStatus();
-}
-
-absl::Status NcclCommunicator::Scatter(const StagingChunk* chunks, int64_t num_chunks,
-                                       const void* staging, int32_t staging_code, void* stream) {
-  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchScatter(chunks, num_chunks, staging, staging_code,
-                                              static_cast<cudaStream_t>(stream)));
-  return absl::OkStatus();
 }
 
 absl::Status NcclCommunicator::AllReduce(void* buffer, size_t count, Reduce op,
@@ -306,12 +228,8 @@ absl::Status NcclCommunicator::AllReduce(void* buffer, size_t count, Reduce op,
   return s;
 }
 
-absl::Status NcclCommunicator::WaitLocal(void* stream_arg, const char* what) {
-  return PollStream(stream_arg, what, /*with_peers=*/false);
-}
-
 absl::Status NcclCommunicator::WaitNcclReady(const char* what) {
-  const absl::Time deadline = absl::Now() + timeout_;
+  const absl::Time deadline = absl::Now() + timeout();
   while (true) {
     ncclResult_t state = ncclInProgress;
     ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
@@ -327,38 +245,30 @@ absl::Status NcclCommunicator::WaitNcclReady(const char* what) {
 }
 
 absl::Status NcclCommunicator::Wait(void* stream_arg, const char* what) {
-  return PollStream(stream_arg, what, /*with_peers=*/true);
-}
-
-absl::Status NcclCommunicator::PollStream(void* stream_arg, const char* what, bool with_peers) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_arg);
-  const absl::Time deadline = absl::Now() + timeout_;
+  const absl::Time deadline = absl::Now() + timeout();
   int polls = 0;
   while (true) {
     const cudaError_t q = cudaStreamQuery(stream);
     if (q == cudaSuccess) return absl::OkStatus();
     if (q != cudaErrorNotReady) return CudaStatus(q, what, __FILE__, __LINE__);
-    if (with_peers) {
-      ncclResult_t state = ncclSuccess;
-      ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
-      if (r != ncclSuccess) return NcclStatus(r, "ncclCommGetAsyncError", __FILE__, __LINE__);
-      if (state != ncclSuccess && state != ncclInProgress) {
-        return NcclStatus(state, what, __FILE__, __LINE__);
-      }
+    ncclResult_t state = ncclSuccess;
+    ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+    if (r != ncclSuccess) return NcclStatus(r, "ncclCommGetAsyncError", __FILE__, __LINE__);
+    if (state != ncclSuccess && state != ncclInProgress) {
+      return NcclStatus(state, what, __FILE__, __LINE__);
     }
     if (absl::Now() > deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          what, " did not finish within ", absl::FormatDuration(timeout_),
-          with_peers ? ": a peer is dead or stuck; the communicator was aborted" : ""));
+      return absl::DeadlineExceededError(
+          absl::StrCat(what, " did not finish within ", absl::FormatDuration(timeout()),
+                       ": a peer is dead or stuck; the communicator was aborted"));
     }
     ++polls;
-    if (with_peers) {
-      MODELAVG_RETURN_IF_ERROR(AbortRequested());
-      // The generation check is cheap (no RPC) but not free: every 64 polls.
-      if (check_alive_ && (polls & 63) == 0) {
-        absl::Status alive = check_alive_();
-        if (!alive.ok()) return Annotate(alive, absl::StrCat(what, " abandoned"));
-      }
+    MODELAVG_RETURN_IF_ERROR(AbortRequested());
+    // The generation check is cheap (no RPC) but not free: every 64 polls.
+    if (check_alive_ && (polls & 63) == 0) {
+      absl::Status alive = check_alive_();
+      if (!alive.ok()) return Annotate(alive, absl::StrCat(what, " abandoned"));
     }
     if (polls > 100) absl::SleepFor(kPollSleep);
   }
@@ -371,7 +281,7 @@ bool NcclCommunicator::last_was_zero_copy() const {
 
 absl::Status NcclCommunicator::AdoptPendingResult(absl::Span<const TensorView> tensors) {
   absl::MutexLock l(&mu_);
-  ScopedCudaDevice on(device_);
+  ScopedCudaDevice on(device());
   MODELAVG_RETURN_IF_ERROR(on.status());
   return core_.Adopt(tensors);
 }
@@ -379,33 +289,6 @@ absl::Status NcclCommunicator::AdoptPendingResult(absl::Span<const TensorView> t
 void NcclCommunicator::set_faults(std::shared_ptr<FaultInjection> faults) {
   absl::MutexLock l(&mu_);
   core_.set_faults(std::move(faults));
-}
-
-absl::Status NcclCommunicator::EncodeParts(Payload payload, const float* in, int64_t numel,
-                                           int64_t part, int parts, size_t stride, void* wire,
-                                           void* stream) {
-  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchEncodeParts(static_cast<int32_t>(payload), in, numel, part,
-                                                  parts, stride, wire,
-                                                  static_cast<cudaStream_t>(stream)));
-  return absl::OkStatus();
-}
-
-absl::Status NcclCommunicator::DecodeSumParts(Payload payload, const void* wire, int parts,
-                                              int64_t part, size_t stride, float scale,
-                                              float* out, void* stream) {
-  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchDecodeSumParts(static_cast<int32_t>(payload), wire, parts,
-                                                     part, stride, scale, out,
-                                                     static_cast<cudaStream_t>(stream)));
-  return absl::OkStatus();
-}
-
-absl::Status NcclCommunicator::DecodeParts(Payload payload, const void* wire, int64_t numel,
-                                           int64_t part, size_t stride, float* out,
-                                           void* stream) {
-  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchDecodeParts(static_cast<int32_t>(payload), wire, numel,
-                                                  part, stride, out,
-                                                  static_cast<cudaStream_t>(stream)));
-  return absl::OkStatus();
 }
 
 absl::Status NcclCommunicator::AllToAll(const void* send, void* recv, size_t bytes,
@@ -442,7 +325,7 @@ absl::Status NcclCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
   if (outcome != nullptr) *outcome = RoundOutcome::kFailedWithoutResult;
   absl::MutexLock l(&mu_);
   if (!core_.broken().ok()) return core_.broken();
-  ScopedCudaDevice on(device_);
+  ScopedCudaDevice on(device());
   MODELAVG_RETURN_IF_ERROR(on.status());
   if (absl::Status a = AbortRequested(); !a.ok()) return core_.Fail(a);
   absl::Status s = core_.Run(tensors, options, outcome);
@@ -455,7 +338,7 @@ absl::Status NcclCommunicator::RawAllReduce(void* data, int64_t numel, DType dty
                                             cudaStream_t stream, bool sum) {
   absl::MutexLock l(&mu_);
   if (!core_.broken().ok()) return core_.broken();
-  ScopedCudaDevice on(device_);
+  ScopedCudaDevice on(device());
   MODELAVG_RETURN_IF_ERROR(on.status());
   const ncclResult_t r = ncclAllReduce(data, data, static_cast<size_t>(numel),
                                        NcclType(StagingCodeOf(dtype)), sum ? ncclSum : ncclAvg,

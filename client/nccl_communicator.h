@@ -34,13 +34,15 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "client/communicator.h"
-#include "client/communicator.h"
+#include "client/cuda_local_ops.h"
 #include "client/nccl_core.h"
 #include "client/staging_kernels.h"
 
 namespace modelavg::client {
 
-class NcclCommunicator : public Communicator, private NcclDeviceOps {
+// The device-local operations (memory, copies, kernels, streams, events, the local wait) are
+// CudaLocalOps'; this class adds the collectives on its communicator.
+class NcclCommunicator : public Communicator, private CudaLocalOps {
  public:
   // Bootstraps the subgroup's communicator on CUDA device `device` (attempt
   // setup.bootstrap_attempt).
@@ -106,52 +108,26 @@ class NcclCommunicator : public Communicator, private NcclDeviceOps {
   NcclCommunicator(ncclComm_t comm, int member, int size, int device, absl::Duration timeout,
                    std::function<absl::Status()> check_alive);
 
-  // NcclDeviceOps (called with mu_ held, from NcclCore).
-  absl::Status Malloc(void** p, size_t bytes) override;
-  void Free(void* p) override;
-  absl::Status MallocHost(void** p, size_t bytes) override;
-  void FreeHost(void* p) override;
-  absl::Status Zero(void* p, size_t bytes, void* stream) override;
-  absl::Status Copy(void* dst, const void* src, size_t bytes, void* stream) override;
-  absl::Status Gather(const StagingChunk* chunks, int64_t num_chunks, void* staging,
-                      int32_t staging_code, void* stream) override;
-  absl::Status Scatter(const StagingChunk* chunks, int64_t num_chunks, const void* staging,
-                       int32_t staging_code, void* stream) override;
+  // The collectives of NcclDeviceOps (called with mu_ held, from NcclCore).
   // kAverage: ncclAvg when `divisor` is size(), otherwise a ncclRedOpCreatePreMulSum
   // operation with 1/divisor (created and destroyed per call: admission rounds only).
   absl::Status AllReduce(void* buffer, size_t count, Reduce op, int32_t staging_code,
                          int divisor, void* stream) override;
-  // Compressed payloads: the codec kernels (payload_kernels.h) and the byte collectives (an
-  // all-to-all of ncclSend/ncclRecv pairs in one group, ncclAllGather).
-  absl::Status EncodeParts(Payload payload, const float* in, int64_t numel, int64_t part,
-                           int parts, size_t stride, void* wire, void* stream) override;
-  absl::Status DecodeSumParts(Payload payload, const void* wire, int parts, int64_t part,
-                              size_t stride, float scale, float* out, void* stream) override;
-  absl::Status DecodeParts(Payload payload, const void* wire, int64_t numel, int64_t part,
-                           size_t stride, float* out, void* stream) override;
+  // The byte collectives of compressed payloads: an all-to-all of ncclSend/ncclRecv pairs in one
+  // group, ncclAllGather.
   absl::Status AllToAll(const void* send, void* recv, size_t bytes, void* stream) override;
   absl::Status AllGather(const void* send, void* recv, size_t bytes, void* stream) override;
+  // Polls `stream` until it drains or the deadline, watching NCCL's async errors, Abort and
+  // the generation (check_alive_) too.
   absl::Status Wait(void* stream, const char* what) override;
-  absl::Status WaitLocal(void* stream, const char* what) override;
   void AbortCommunicator() override;
-  absl::Status CreateStream(void** stream) override;
-  void DestroyStream(void* stream) override;
-  absl::Status CreateEvent(void** event) override;
-  void DestroyEvent(void* event) override;
-  absl::Status RecordEvent(void* event, void* stream) override;
-  absl::Status StreamWaitEvent(void* stream, void* event) override;
 
-  // Polls `stream` until it drains or the deadline; `with_peers` (Wait) also watches NCCL's
-  // async errors, Abort and the generation (check_alive_), WaitLocal only the stream.
-  absl::Status PollStream(void* stream, const char* what, bool with_peers);
   // Waits for a non-blocking NCCL call to leave ncclInProgress.
   absl::Status WaitNcclReady(const char* what);
 
   ncclComm_t comm_;
   const int member_;
   const int size_;
-  const int device_;
-  const absl::Duration timeout_;
   const std::function<absl::Status()> check_alive_;
   std::atomic<bool> aborted_{false};
   std::atomic<int64_t> bytes_sent_{0};

@@ -42,13 +42,27 @@ __device__ __forceinline__ float Decoded(int32_t payload, const uint8_t* p, int6
   return reinterpret_cast<const float*>(p)[i];
 }
 
-__global__ void EncodeBf16Kernel(const float* in, int64_t numel, int64_t part, int parts,
-                                 size_t stride, uint8_t* wire) {
+// The element-wise encodings: FP32 as it is, BF16 rounded (ToBFloat16).
+template <typename Wire>
+__device__ __forceinline__ Wire Encoded(float x);
+template <>
+__device__ __forceinline__ float Encoded<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ uint16_t Encoded<uint16_t>(float x) {
+  return ToBFloat16(x);
+}
+
+// Every element of every part, each into its Wire element (float: FP32, uint16_t: BF16).
+template <typename Wire>
+__global__ void EncodeElementwiseKernel(const float* in, int64_t numel, int64_t part, int parts,
+                                        size_t stride, uint8_t* wire) {
   const int64_t total = part * parts;
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < total;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t j = k / part, i = k % part;
-    reinterpret_cast<uint16_t*>(wire + j * stride)[i] = ToBFloat16(Input(in, numel, part, j, i));
+    reinterpret_cast<Wire*>(wire + j * stride)[i] = Encoded<Wire>(Input(in, numel, part, j, i));
   }
 }
 
@@ -96,16 +110,6 @@ __global__ void EncodeInt8Kernel(const float* in, int64_t numel, int64_t part,
   }
 }
 
-__global__ void EncodeFp32Kernel(const float* in, int64_t numel, int64_t part, int parts,
-                                 size_t stride, uint8_t* wire) {
-  const int64_t total = part * parts;
-  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < total;
-       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t j = k / part, i = k % part;
-    reinterpret_cast<float*>(wire + j * stride)[i] = Input(in, numel, part, j, i);
-  }
-}
-
 __global__ void DecodeSumKernel(int32_t payload, const uint8_t* wire, int parts, int64_t part,
                                 size_t stride, float scale, float* out) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < part;
@@ -140,8 +144,8 @@ cudaError_t LaunchEncodeParts(int32_t payload, const float* in, int64_t numel, i
   uint8_t* w = static_cast<uint8_t*>(wire);
   switch (payload) {
     case kWireBf16:
-      EncodeBf16Kernel<<<Grid(part * parts), kThreads, 0, stream>>>(in, numel, part, parts,
-                                                                    stride, w);
+      EncodeElementwiseKernel<uint16_t><<<Grid(part * parts), kThreads, 0, stream>>>(
+          in, numel, part, parts, stride, w);
       break;
     case kWireInt8: {
       const int64_t blocks = (part + kWireInt8Block - 1) / kWireInt8Block;
@@ -150,8 +154,8 @@ cudaError_t LaunchEncodeParts(int32_t payload, const float* in, int64_t numel, i
       break;
     }
     default:
-      EncodeFp32Kernel<<<Grid(part * parts), kThreads, 0, stream>>>(in, numel, part, parts,
-                                                                    stride, w);
+      EncodeElementwiseKernel<float><<<Grid(part * parts), kThreads, 0, stream>>>(
+          in, numel, part, parts, stride, w);
   }
   return cudaGetLastError();
 }

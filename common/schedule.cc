@@ -206,19 +206,27 @@ std::vector<SubgroupRange> Schedule::SubgroupsAt(int level) const {
   return out;
 }
 
-Decision Schedule::DecisionFor(int64_t step, int32_t rank) const {
+Decision Schedule::AveragingDecision(int64_t step, int level, const SubgroupRange& group) const {
   Decision d;
   d.step = step;
-  const int level = LevelAt(step);
-  if (level < 0) return d;
   d.average = true;
   d.level = level;
   d.period = spec_.levels[level].period;
   d.outer = spec_.levels[level].outer.has_value();
   d.fragment = FragmentAt(level, step);
   d.fragments = spec_.levels[level].fragments;
-  d.subgroup = SubgroupOf(level, rank);
+  d.subgroup = group;
   return d;
+}
+
+Decision Schedule::DecisionFor(int64_t step, int32_t rank) const {
+  const int level = LevelAt(step);
+  if (level < 0) {
+    Decision skip;
+    skip.step = step;
+    return skip;
+  }
+  return AveragingDecision(step, level, SubgroupOf(level, rank));
 }
 
 int64_t Schedule::FirstStepOf(int level) const {
@@ -256,16 +264,7 @@ std::vector<Decision> Schedule::WindowAllSubgroups(int64_t from_step, int64_t co
       continue;
     }
     for (const SubgroupRange& group : SubgroupsAt(level)) {
-      Decision d;
-      d.step = step;
-      d.average = true;
-      d.level = level;
-      d.period = spec_.levels[level].period;
-      d.outer = spec_.levels[level].outer.has_value();
-      d.fragment = FragmentAt(level, step);
-      d.fragments = spec_.levels[level].fragments;
-      d.subgroup = group;
-      out.push_back(d);
+      out.push_back(AveragingDecision(step, level, group));
     }
   }
   return out;

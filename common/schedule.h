@@ -193,6 +193,8 @@ class Schedule {
 
  private:
   explicit Schedule(ScheduleSpec spec) : spec_(std::move(spec)) {}
+  // The decision of `group` at `step`, where `level` (>= 0) averages.
+  Decision AveragingDecision(int64_t step, int level, const SubgroupRange& group) const;
   ScheduleSpec spec_;
 };
 
