@@ -1,6 +1,7 @@
-// Averaging of host tensors over Gloo's TCP transport. Every Gloo exception stops here and
-// becomes an absl::Status; every wait is bounded by the communicator's timeout, so a dead peer
-// ends in an error, never a hang.
+// Averaging of host tensors over Gloo's TCP transport: the collectives (the mesh below them,
+// its set-up and teardown, is gloo_mesh.h). Every Gloo exception stops here and becomes an
+// absl::Status; every wait is bounded by the communicator's timeout, so a dead peer ends in an
+// error, never a hang.
 #ifndef MODELAVG_CLIENT_GLOO_COMMUNICATOR_H_
 #define MODELAVG_CLIENT_GLOO_COMMUNICATOR_H_
 
@@ -19,24 +20,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/communicator.h"
-
-namespace gloo {
-class Context;
-namespace rendezvous {
-class Store;
-}  // namespace rendezvous
-namespace transport {
-class Device;
-}  // namespace transport
-}  // namespace gloo
+#include "client/gloo_mesh.h"  // CreateGlooDevice, IgnoreDefaultSigpipe; gloo's declarations
 
 namespace modelavg::client {
-
-// Gloo's TCP transport writes without MSG_NOSIGNAL: with SIGPIPE at its default, a peer that
-// dies mid-collective would kill this process instead of failing the all-reduce. Ignores
-// SIGPIPE when its disposition is the default; a handler the application installed is left
-// alone. Called by GlooCommunicator::Create and Client::Connect.
-void IgnoreDefaultSigpipe();
 
 class GlooCommunicator : public Communicator {
  public:
@@ -188,11 +174,6 @@ class GlooCommunicator : public Communicator {
   DType pending_dtype_ ABSL_GUARDED_BY(mu_) = DType::kFloat32;
   uint32_t next_tag_ ABSL_GUARDED_BY(mu_) = 0;
 };
-
-// A Gloo TCP device bound to `hostname` (shared by every Gloo communicator of a process).
-// INVALID_ARGUMENT / UNAVAILABLE when the address cannot be resolved or bound.
-absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CreateGlooDevice(
-    const std::string& hostname);
 
 // A communicator of one member: averaging is the identity, nothing is sent.
 class SoloCommunicator : public Communicator {

@@ -13,6 +13,8 @@ modelavg_add_gtest(client_gloo_setup_test SOURCES client_gloo_setup_test.cc LIBS
                    TIMEOUT 60)
 modelavg_add_gtest(client_gloo_round_test SOURCES client_gloo_round_test.cc LIBS modelavg_client
                    TIMEOUT 120)
+modelavg_add_gtest(client_peer_probe_test SOURCES client_peer_probe_test.cc LIBS modelavg_client
+                   TIMEOUT 30)
 if(TARGET modelavg_server)
   modelavg_add_gtest(client_coordinator_test SOURCES client_coordinator_test.cc
                      LIBS modelavg_client modelavg_server TIMEOUT 120)
