@@ -8,13 +8,12 @@
 #include "common/job_spec.h"
 #include "server/decisions.h"
 #include "server/member_credential.h"
+#include "server/request_checks.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::server {
 namespace {
 
-constexpr size_t kMaxWorkerIdLength = 256;
-constexpr size_t kMaxHostLength = 256;
 constexpr size_t kMaxReasonLength = 256;
 // Messages list at most this many missing ranks.
 constexpr int kMaxListedRanks = 32;
@@ -160,25 +159,7 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
   if (!closed_.ok()) return fail(closed_);
   if (!halted_.ok()) return fail(halted_);
   const int32_t world = schedule_.world_size();
-  if (request.worker_id().empty()) {
-    return fail(absl::InvalidArgumentError(
-        "worker_id must not be empty; use a stable identity such as \"host:pid\""));
-  }
-  if (request.worker_id().size() > kMaxWorkerIdLength || request.host().size() > kMaxHostLength) {
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat("worker_id and host must be at most ", kMaxWorkerIdLength, " characters")));
-  }
-  if (request.world_size() != 0 && request.world_size() != world) {
-    return fail(absl::InvalidArgumentError(absl::StrCat(
-        "the worker expects world_size ", request.world_size(), " but job ", id(),
-        " has world_size ", world, "; start every worker with world_size ", world,
-        " or join a job of that size")));
-  }
-  if (request.has_rank() && (request.rank() < 0 || request.rank() >= world)) {
-    return fail(absl::InvalidArgumentError(absl::StrCat(
-        "rank ", request.rank(), " is outside [0, ", world, ") for job ", id(),
-        "; ask for a rank below world_size or leave rank unset")));
-  }
+  if (absl::Status s = CheckJoinRequest(request, world, id()); !s.ok()) return fail(s);
   const absl::Time now = clock_->Now();
   std::string credential = NewMemberCredential();
   // Written before anything else happens: on a failed write nothing did, and a retry of this
@@ -192,28 +173,7 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
   const int32_t rank = joined->rank;
   if (joined->change.admitted) {
     // A replacement in a RUNNING elastic job: answered at once.
-    const MembershipChange& change = joined->change;
-    const LiveMember& m = membership_.member(rank);
-    ++admissions_;
-    spdlog::info("job {}: worker \"{}\" ({}) admitted as rank {}{} in generation {} at step {} "
-                 "(floor {} = largest step reported {} + margin {}; {:.1f} steps/s)",
-                 id(), m.worker_id, m.host, rank,
-                 change.replaced_live_member ? " (its earlier membership departed)" : "",
-                 membership_.generation(), change.admission_step, change.admission_floor,
-                 change.max_reported_step, change.admission_margin,
-                 std::max(0.0, membership_.steps_per_second()));
-    AddEvent(v1::JobEvent::MEMBER_ADMITTED, rank,
-             absl::StrCat("worker \"", m.worker_id, "\" admitted as rank ", rank, " at step ",
-                          change.admission_step),
-             true, &out);
-    OnMembershipChange(change, &out);
-    v1::JoinResponse response;
-    FillJoinResponse(rank, &response);
-    response.set_credential(std::move(credential));
-    out.Complete([done = std::move(done), response = std::move(response)]() mutable {
-      done(std::move(response));
-    });
-    return;
+    return AnswerAdmission(rank, joined->change, std::move(credential), std::move(done), &out);
   }
   OnMembershipChange(joined->change, &out);
   if (joined->was_in_round) {
@@ -233,20 +193,47 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
            absl::StrCat("worker \"", m.worker_id, "\" joined as rank ", rank), false, &out);
   waits_.AddJoin(JoinWait{wait_id, rank, std::move(credential),
                           std::min(now + join_timeout_, call_deadline), std::move(done)});
-  if (joined->change.world_complete) {
-    for (JoinWait& w : waits_.TakeAllJoins()) {
-      v1::JoinResponse response;
-      FillJoinResponse(w.rank, &response);
-      response.set_credential(std::move(w.credential));
-      out.Complete([cb = std::move(w.done), response = std::move(response)]() mutable {
-        cb(std::move(response));
-      });
-    }
-    spdlog::info("job {}: all {} ranks joined; RUNNING in generation {}", id(), world,
-                 generation);
-    AddEvent(v1::JobEvent::WORLD_COMPLETE, -1, absl::StrCat("RUNNING in generation ", generation),
-             true, &out);
+  if (joined->change.world_complete) CompleteRound(&out);
+}
+
+void Job::AnswerAdmission(int32_t rank, const MembershipChange& change, std::string credential,
+                          JoinCallback done, Outbox* out) {
+  const LiveMember& m = membership_.member(rank);
+  ++admissions_;
+  spdlog::info("job {}: worker \"{}\" ({}) admitted as rank {}{} in generation {} at step {} "
+               "(floor {} = largest step reported {} + margin {}; {:.1f} steps/s)",
+               id(), m.worker_id, m.host, rank,
+               change.replaced_live_member ? " (its earlier membership departed)" : "",
+               membership_.generation(), change.admission_step, change.admission_floor,
+               change.max_reported_step, change.admission_margin,
+               std::max(0.0, membership_.steps_per_second()));
+  AddEvent(v1::JobEvent::MEMBER_ADMITTED, rank,
+           absl::StrCat("worker \"", m.worker_id, "\" admitted as rank ", rank, " at step ",
+                        change.admission_step),
+           true, out);
+  OnMembershipChange(change, out);
+  v1::JoinResponse response;
+  FillJoinResponse(rank, &response);
+  response.set_credential(std::move(credential));
+  out->Complete([done = std::move(done), response = std::move(response)]() mutable {
+    done(std::move(response));
+  });
+}
+
+void Job::CompleteRound(Outbox* out) {
+  const int64_t generation = membership_.generation();
+  for (JoinWait& w : waits_.TakeAllJoins()) {
+    v1::JoinResponse response;
+    FillJoinResponse(w.rank, &response);
+    response.set_credential(std::move(w.credential));
+    out->Complete([cb = std::move(w.done), response = std::move(response)]() mutable {
+      cb(std::move(response));
+    });
   }
+  spdlog::info("job {}: all {} ranks joined; RUNNING in generation {}", id(),
+               schedule_.world_size(), generation);
+  AddEvent(v1::JobEvent::WORLD_COMPLETE, -1, absl::StrCat("RUNNING in generation ", generation),
+           true, out);
 }
 
 void Job::OnMembershipChange(const MembershipChange& change, Outbox* out) {
@@ -338,14 +325,10 @@ std::string Job::StaleMessage(int64_t generation) const {
 
 absl::Status Job::Heartbeat(const v1::HeartbeatRequest& request,
                             v1::HeartbeatResponse* response) {
-  if (request.rank() < 0 || request.rank() >= schedule_.world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", request.rank(), " is outside [0, ",
-                                                   schedule_.world_size(), ") for job ", id()));
+  if (absl::Status s = CheckRank(request.rank(), schedule_.world_size(), id()); !s.ok()) {
+    return s;
   }
-  if (request.step() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("step must be >= 0, got ", request.step()));
-  }
+  if (absl::Status s = CheckStep(request.step()); !s.ok()) return s;
   const absl::Time now = clock_->Now();
   absl::MutexLock lock(&mu_);
   if (!closed_.ok()) return closed_;  // deleted while a stream still held it
@@ -386,13 +369,8 @@ void Job::HeartbeatStreamLost(int32_t rank, const std::string& credential) {
 
 absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* response) {
   const int32_t rank = request.rank();
-  if (rank < 0 || rank >= schedule_.world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " is outside [0, ",
-                                                   schedule_.world_size(), ") for job ", id()));
-  }
-  if (request.step() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("step must be >= 0, got ", request.step()));
-  }
+  if (absl::Status s = CheckRank(rank, schedule_.world_size(), id()); !s.ok()) return s;
+  if (absl::Status s = CheckStep(request.step()); !s.ok()) return s;
   const absl::Time now = clock_->Now();
   int64_t generation;
   std::shared_ptr<const MemberSteps> members;
@@ -437,24 +415,8 @@ absl::Status Job::GetSchedule(const v1::GetScheduleRequest& request,
 
 absl::Status Job::ValidateCommRequest(int64_t generation, int32_t level, int32_t subgroup,
                                       int32_t rank, const std::string& key) const {
-  if (level < 0 || level >= schedule_.num_levels()) {
-    return absl::InvalidArgumentError(absl::StrCat("level ", level, " is outside [0, ",
-                                                   schedule_.num_levels(), ") for job ", id()));
-  }
-  const int32_t groups = schedule_.world_size() / schedule_.spec().levels[level].group_size;
-  if (subgroup < 0 || subgroup >= groups) {
-    return absl::InvalidArgumentError(absl::StrCat("subgroup ", subgroup, " is outside [0, ",
-                                                   groups, ") at level ", level, " of job ",
-                                                   id()));
-  }
-  if (rank < 0 || rank >= schedule_.world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " is outside [0, ",
-                                                   schedule_.world_size(), ") for job ", id()));
-  }
-  if (key.size() > kMaxCommIdKeyLength) {
-    return absl::InvalidArgumentError(absl::StrCat("key is ", key.size(),
-                                                   " characters; at most ", kMaxCommIdKeyLength,
-                                                   " are allowed"));
+  if (absl::Status s = CheckCommRequest(schedule_, level, subgroup, rank, key, id()); !s.ok()) {
+    return s;
   }
   if (generation != membership_.generation()) {
     return absl::FailedPreconditionError(StaleMessage(generation));
@@ -474,14 +436,7 @@ absl::Status Job::ValidateCommRequest(int64_t generation, int32_t level, int32_t
 }
 
 absl::Status Job::PublishCommId(const v1::PublishCommIdRequest& request) {
-  if (request.unique_id().empty()) {
-    return absl::InvalidArgumentError("unique_id must not be empty");
-  }
-  if (request.unique_id().size() > kMaxCommIdBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("unique_id is ", request.unique_id().size(),
-                                                   " bytes; at most ", kMaxCommIdBytes,
-                                                   " are allowed"));
-  }
+  if (absl::Status s = CheckCommIdBlob(request.unique_id()); !s.ok()) return s;
   Outbox out(this);
   absl::MutexLock lock(&mu_);
   if (!closed_.ok()) return closed_;
@@ -556,10 +511,7 @@ void Job::GetCommId(const v1::GetCommIdRequest& request, absl::Time call_deadlin
 
 absl::Status Job::Leave(const v1::LeaveRequest& request, v1::LeaveResponse* response) {
   const int32_t rank = request.rank();
-  if (rank < 0 || rank >= schedule_.world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " is outside [0, ",
-                                                   schedule_.world_size(), ") for job ", id()));
-  }
+  if (absl::Status s = CheckRank(rank, schedule_.world_size(), id()); !s.ok()) return s;
   Outbox out(this);
   absl::MutexLock lock(&mu_);
   if (!halted_.ok()) return halted_;
@@ -610,27 +562,11 @@ absl::Status Job::Leave(const v1::LeaveRequest& request, v1::LeaveResponse* resp
 absl::Status Job::ReportPeerFailure(const v1::ReportPeerFailureRequest& request,
                                     v1::ReportPeerFailureResponse* response) {
   const int32_t rank = request.rank();
-  const int32_t world = schedule_.world_size();
-  const auto outside = [world](int32_t r) { return r < 0 || r >= world; };
-  if (outside(rank)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", rank, " is outside [0, ", world, ") for job ", id()));
+  if (absl::Status s = CheckPeerReport(request, schedule_.world_size(), id()); !s.ok()) {
+    return s;
   }
   PeerReport report;
   report.reporter = rank;
-  for (const auto* list : {&request.unreachable_ranks(), &request.reachable_ranks()}) {
-    if (list->size() > world) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "a peer failure report names ", list->size(), " ranks; job ", id(), " has ", world));
-    }
-    for (int32_t r : *list) {
-      if (outside(r)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "the peer failure report names rank ", r, ", outside [0, ", world, ") for job ",
-            id()));
-      }
-    }
-  }
   report.unreachable.assign(request.unreachable_ranks().begin(),
                             request.unreachable_ranks().end());
   report.reachable.assign(request.reachable_ranks().begin(), request.reachable_ranks().end());
@@ -805,52 +741,58 @@ void Job::CheckStaleness() {
     grace_until_ = now + heartbeat_timeout_;
     dead.clear();
   }
-  if (!dead.empty()) {
-    bool all_lost = true;
-    for (int32_t r : dead) {
-      all_lost = all_lost && membership_.member(r).stream_lost_at != absl::InfiniteFuture();
-    }
-    std::string reason = absl::StrCat("rank ", dead[0],
-                                      all_lost ? " connection lost" : " heartbeat timeout");
-    if (dead.size() > 1) absl::StrAppend(&reason, " (and ", dead.size() - 1, " more ranks)");
-    // Logged before the members change (their times are read here).
-    std::vector<std::string> notes;
-    for (int32_t r : dead) {
-      const LiveMember& m = membership_.member(r);
-      if (m.stream_lost_at != absl::InfiniteFuture()) {
-        notes.push_back(absl::StrCat(
-            "rank ", r, " (worker \"", m.worker_id, "\"): its heartbeat stream broke ",
-            absl::ToInt64Milliseconds(now - m.stream_lost_at), " ms ago and no beat came since "
-            "(the last ", absl::ToInt64Milliseconds(now - m.last_heartbeat), " ms ago)"));
-      } else {
-        notes.push_back(absl::StrCat("rank ", r, " (worker \"", m.worker_id,
-                                     "\") sent no heartbeat for ",
-                                     absl::ToInt64Milliseconds(now - m.last_heartbeat), " ms"));
-      }
-    }
-    absl::StatusOr<MembershipChange> died = membership_.Die(dead, reason, now);
-    if (!died.ok()) {
-      // The death cannot be recorded: going on without it would make a restarted coordinator
-      // bring the dead back (and issue the next generation twice). The job stops, loudly, until
-      // the write succeeds (tried again at every check).
-      if (halted_.ok()) {
-        halted_ = absl::UnavailableError(absl::StrCat(
-            "job ", id(), " is halted: the death of ", reason, " cannot be recorded (",
-            last_save_error_.message(),
-            "); the job resumes once the coordinator can write its state again"));
-        spdlog::error("{}", std::string(halted_.message()));
-        FailAllWaits(halted_, &out);
-      }
+  if (!dead.empty()) DeclareDead(dead, now, &out);
+  ExpireWaits(now, &out);
+}
+
+void Job::DeclareDead(const std::vector<int32_t>& dead, absl::Time now, Outbox* out) {
+  bool all_lost = true;
+  for (int32_t r : dead) {
+    all_lost = all_lost && membership_.member(r).stream_lost_at != absl::InfiniteFuture();
+  }
+  std::string reason = absl::StrCat("rank ", dead[0],
+                                    all_lost ? " connection lost" : " heartbeat timeout");
+  if (dead.size() > 1) absl::StrAppend(&reason, " (and ", dead.size() - 1, " more ranks)");
+  // Logged before the members change (their times are read here).
+  std::vector<std::string> notes;
+  for (int32_t r : dead) {
+    const LiveMember& m = membership_.member(r);
+    if (m.stream_lost_at != absl::InfiniteFuture()) {
+      notes.push_back(absl::StrCat(
+          "rank ", r, " (worker \"", m.worker_id, "\"): its heartbeat stream broke ",
+          absl::ToInt64Milliseconds(now - m.stream_lost_at), " ms ago and no beat came since "
+          "(the last ", absl::ToInt64Milliseconds(now - m.last_heartbeat), " ms ago)"));
     } else {
-      if (!halted_.ok()) {
-        spdlog::info("job {}: its state is written again; no longer halted", id());
-        halted_ = absl::OkStatus();
-      }
-      for (const std::string& note : notes) spdlog::warn("job {}: {}; DEAD", id(), note);
-      deaths_ += static_cast<int64_t>(dead.size());
-      OnMembershipChange(*died, &out);
+      notes.push_back(absl::StrCat("rank ", r, " (worker \"", m.worker_id,
+                                   "\") sent no heartbeat for ",
+                                   absl::ToInt64Milliseconds(now - m.last_heartbeat), " ms"));
     }
   }
+  absl::StatusOr<MembershipChange> died = membership_.Die(dead, reason, now);
+  if (!died.ok()) {
+    // The death cannot be recorded: going on without it would make a restarted coordinator
+    // bring the dead back (and issue the next generation twice). The job stops, loudly, until
+    // the write succeeds (tried again at every check).
+    if (halted_.ok()) {
+      halted_ = absl::UnavailableError(absl::StrCat(
+          "job ", id(), " is halted: the death of ", reason, " cannot be recorded (",
+          last_save_error_.message(),
+          "); the job resumes once the coordinator can write its state again"));
+      spdlog::error("{}", std::string(halted_.message()));
+      FailAllWaits(halted_, out);
+    }
+  } else {
+    if (!halted_.ok()) {
+      spdlog::info("job {}: its state is written again; no longer halted", id());
+      halted_ = absl::OkStatus();
+    }
+    for (const std::string& note : notes) spdlog::warn("job {}: {}; DEAD", id(), note);
+    deaths_ += static_cast<int64_t>(dead.size());
+    OnMembershipChange(*died, out);
+  }
+}
+
+void Job::ExpireWaits(absl::Time now, Outbox* out) {
   for (JoinWait& w : waits_.TakeExpiredJoins(now)) {
     const std::string missing = membership_.MissingRanks(kMaxListedRanks);
     std::string msg = absl::StrCat(
@@ -861,7 +803,7 @@ void Job::CheckStaleness() {
     spdlog::warn("job {}: rank {} (worker \"{}\") Join timed out; missing ranks: {}", id(),
                  w.rank, membership_.member(w.rank).worker_id, missing);
     membership_.Withdraw(w.rank);  // nothing was written for it (Membership::Withdraw)
-    out.Complete([cb = std::move(w.done), msg = std::move(msg)]() mutable {
+    out->Complete([cb = std::move(w.done), msg = std::move(msg)]() mutable {
       cb(absl::DeadlineExceededError(msg));
     });
   }
@@ -872,7 +814,7 @@ void Job::CheckStaleness() {
         "no id was published for level ", level, ", subgroup ", subgroup, ", key \"", key,
         "\" of job ", id(), " in generation ", membership_.generation(),
         " before the deadline; is rank ", leader, " (the subgroup's leader) alive?");
-    out.Complete([cb = std::move(w.done), msg = std::move(msg)]() mutable {
+    out->Complete([cb = std::move(w.done), msg = std::move(msg)]() mutable {
       cb(absl::DeadlineExceededError(msg));
     });
   }

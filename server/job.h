@@ -30,6 +30,7 @@
 #include "server/membership.h"
 #include "server/peer_reports.h"
 #include "server/pending_waits.h"
+#include "server/request_checks.h"
 #include "server/state_store.h"
 
 namespace modelavg::server {
@@ -46,9 +47,6 @@ class JobWatcher {
   virtual bool Done() const { return false; }
 };
 
-// Limits on what a worker may store and ask for (GetSchedule's: server/decisions.h).
-inline constexpr size_t kMaxCommIdBytes = 4096;
-inline constexpr size_t kMaxCommIdKeyLength = 256;
 // GetJob and ListJobs answers stay below gRPC's default 4 MiB receive limit (clients, grpcurl):
 // a job whose members would pass this is shown without them.
 inline constexpr int64_t kMaxJobReplyBytes = 4 * 1024 * 1024 - 64 * 1024;
@@ -219,6 +217,11 @@ class Job {
   // How long a silence of every member is ridden through before the silent are declared dead
   // as usual (they may all be gone: a whole job killed at once).
   absl::Duration MaxSilentTogether() const { return 3 * heartbeat_timeout_; }
+  // Answers the Join of a replacement admitted into the running elastic job (at once).
+  void AnswerAdmission(int32_t rank, const MembershipChange& change, std::string credential,
+                       JoinCallback done, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The round is complete: answers every Join waiting for it.
+  void CompleteRound(Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reacts to what a membership operation did: fails the waits of an old generation, drops its
   // ids, completes the round's Joins, logs and emits events.
   void OnMembershipChange(const MembershipChange& change, Outbox* out)
@@ -227,6 +230,12 @@ class Job {
   // has hard state, before it takes effect) and PublishCommId. UNAVAILABLE naming the store's
   // error (kept in last_save_error_) when the write fails.
   absl::Status Save(const JobDelta& delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Members the staleness check found dead (heartbeat timeout, broken stream): written, then
+  // the generation moves on; a death that cannot be written halts the job (see the class).
+  void DeclareDead(const std::vector<int32_t>& dead, absl::Time now, Outbox* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails the Join and GetCommId waits whose deadline passed.
+  void ExpireWaits(absl::Time now, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Completes every pending Join and GetCommId of the job with `status`.
   void FailAllWaits(const absl::Status& status, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FillJoinResponse(int32_t rank, v1::JoinResponse* out) const
