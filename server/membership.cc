@@ -211,8 +211,8 @@ absl::Status Membership::HeldByOther(int32_t rank, const std::string& job_id) co
       "credential; ask for another rank or leave rank unset"));
 }
 
-absl::StatusOr<Membership::JoinResult> Membership::Admit(const Joiner& joiner, absl::Time now,
-                                                         const std::string& job_id) {
+absl::StatusOr<Membership::Vacancy> Membership::FindVacancy(const Joiner& joiner,
+                                                            const std::string& job_id) const {
   const int32_t world = world_size();
   // A live member whose place this Join takes: its holder re-joining (a restart, proven by the
   // credential), or the same worker retrying a replacement's Join whose reply it never got (it
@@ -248,7 +248,12 @@ absl::StatusOr<Membership::JoinResult> Membership::Admit(const Joiner& joiner, a
           "(one whose member died or left)"));
     }
   }
+  return Vacancy{rank, replaced};
+}
 
+absl::StatusOr<Membership::AdmissionStep> Membership::ChooseAdmissionStep(
+    int32_t rank, const std::string& job_id) const {
+  const int32_t world = world_size();
   // The floor: past every step a live member may have reached before it hears of the new
   // generation. A member that never reported its step (it just joined, or this coordinator
   // restarted) could be anywhere: the Join waits for its report.
@@ -287,32 +292,46 @@ absl::StatusOr<Membership::JoinResult> Membership::Admit(const Joiner& joiner, a
                             : max_reported + margin;
   absl::StatusOr<int64_t> step = FindAdmissionStep(schedule_, rank, from_step, floor, job_id);
   if (!step.ok()) return step.status();
+  return AdmissionStep{*step, floor, margin, max_reported};
+}
+
+absl::StatusOr<Membership::JoinResult> Membership::Admit(const Joiner& joiner, absl::Time now,
+                                                         const std::string& job_id) {
+  absl::StatusOr<Vacancy> vacancy = FindVacancy(joiner, job_id);
+  if (!vacancy.ok()) return vacancy.status();
+  const int32_t rank = vacancy->rank;
+  absl::StatusOr<AdmissionStep> step = ChooseAdmissionStep(rank, job_id);
+  if (!step.ok()) return step.status();
 
   const int64_t old_generation = generation_;
   JoinResult result;
   result.rank = rank;
-  result.change = Bump(rank,
-                       absl::StrCat("rank ", rank, replaced ? " re-joined and was" : " was",
-                                    " admitted at step ", *step, " (worker \"", joiner.worker_id,
-                                    "\")"),
-                       now);
+  result.change =
+      Bump(rank,
+           absl::StrCat("rank ", rank, vacancy->replaced ? " re-joined and was" : " was",
+                        " admitted at step ", step->step, " (worker \"", joiner.worker_id, "\")"),
+           now);
   result.change.admitted = true;
-  result.change.replaced_live_member = replaced;
-  result.change.admission_step = *step;
-  result.change.admission_floor = floor;
-  result.change.admission_margin = margin;
-  result.change.max_reported_step = max_reported;
+  result.change.replaced_live_member = vacancy->replaced;
+  result.change.admission_step = step->step;
+  result.change.admission_floor = step->floor;
+  result.change.admission_margin = step->margin;
+  result.change.max_reported_step = step->max_reported;
   state_ = v1::RUNNING;
-  for (int32_t r = 0; r < world; ++r) {
+  CarryOver(old_generation, /*except=*/rank);
+  Seat(rank, joiner.worker_id, joiner.host, now, joiner.new_digest, step->step);
+  ++round_size_;
+  return result;
+}
+
+void Membership::CarryOver(int64_t old_generation, int32_t except) {
+  for (int32_t r = 0; r < world_size(); ++r) {
     const LiveMember& m = members_[r];
-    if (r != rank && m.present() && m.state == v1::ALIVE && m.generation == old_generation) {
+    if (r != except && m.present() && m.state == v1::ALIVE && m.generation == old_generation) {
       Mutable(r).generation = generation_;
       ++round_size_;
     }
   }
-  Seat(rank, joiner.worker_id, joiner.host, now, joiner.new_digest, *step);
-  ++round_size_;
-  return result;
 }
 
 void Membership::Seat(int32_t rank, const std::string& worker_id, const std::string& host,
@@ -433,13 +452,7 @@ MembershipChange Membership::Shrink(int32_t rank, const std::string& reason, abs
   MembershipChange change = Bump(rank, reason, now);
   change.shrunk = true;
   state_ = v1::RUNNING;
-  for (int32_t r = 0; r < world_size(); ++r) {
-    const LiveMember& m = members_[r];
-    if (m.present() && m.state == v1::ALIVE && m.generation == old_generation) {
-      Mutable(r).generation = generation_;
-      ++round_size_;
-    }
-  }
+  CarryOver(old_generation, /*except=*/-1);
   return change;
 }
 

@@ -236,6 +236,25 @@ class Membership {
   // Join of a RUNNING elastic job: a replacement.
   absl::StatusOr<JoinResult> Admit(const Joiner& joiner, absl::Time now,
                                    const std::string& job_id);
+  // Where a replacement goes: the rank it asked for or the lowest vacant one, and whether it
+  // takes the place of a live member (its holder re-joining, or the same worker retrying).
+  struct Vacancy {
+    int32_t rank = -1;
+    bool replaced = false;
+  };
+  absl::StatusOr<Vacancy> FindVacancy(const Joiner& joiner, const std::string& job_id) const;
+  // When the replacement taking `rank` is admitted (MembershipChange's admission_* figures).
+  struct AdmissionStep {
+    int64_t step = -1;
+    int64_t floor = -1;
+    int64_t margin = 0;
+    int64_t max_reported = -1;
+  };
+  absl::StatusOr<AdmissionStep> ChooseAdmissionStep(int32_t rank,
+                                                    const std::string& job_id) const;
+  // Moves every live member of `old_generation` but `except` into the current generation's
+  // round (an elastic job going on with them).
+  void CarryOver(int64_t old_generation, int32_t except);
   absl::Status HeldByOther(int32_t rank, const std::string& job_id) const;
   // A step report of a live member: the running maximum and the rate estimate.
   void NoteProgress(int64_t step, absl::Time now);
