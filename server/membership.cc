@@ -141,7 +141,33 @@ absl::StatusOr<Membership::JoinResult> Membership::JoinInMemory(const Joiner& jo
   if (state_ == v1::RUNNING && elastic()) {
     return Admit(joiner, now, job_id);
   }
+  absl::StatusOr<int32_t> rank = ChooseRank(joiner, job_id);
+  if (!rank.ok()) return rank.status();
   JoinResult result;
+  if (state_ == v1::RUNNING) {
+    // A re-join of the running round: a new generation, which every worker joins again.
+    result.change = Bump(*rank, absl::StrCat("rank ", *rank, " re-joined"), now);
+    ResetProgress();
+  }
+  result.rank = *rank;
+  result.was_in_round = InRound(members_[*rank]);
+  if (!result.was_in_round) ++round_size_;
+  Seat(*rank, joiner.worker_id, joiner.host, now, joiner.new_digest, /*admitted_step=*/-1);
+  if (round_size_ == world) {
+    state_ = v1::RUNNING;
+    MarkHeader();
+    // The round's members were left out of the changes while it assembled: all are written now.
+    for (int32_t r = 0; r < world; ++r) {
+      if (InRound(members_[r])) tx_->ranks.push_back(r);
+    }
+    result.change.world_complete = true;
+  }
+  return result;
+}
+
+absl::StatusOr<int32_t> Membership::ChooseRank(const Joiner& joiner,
+                                               const std::string& job_id) const {
+  const int32_t world = world_size();
   int32_t rank = -1;
   if (state_ == v1::RUNNING) {
     if (joiner.rank.has_value()) {
@@ -164,8 +190,6 @@ absl::StatusOr<Membership::JoinResult> Membership::JoinInMemory(const Joiner& jo
           "job ", job_id, " is RUNNING with all ", world, " ranks joined in generation ",
           generation_, "; a worker restarting after a crash re-joins by naming its rank"));
     }
-    result.change = Bump(rank, absl::StrCat("rank ", rank, " re-joined"), now);
-    ResetProgress();
   } else if (joiner.rank.has_value()) {
     rank = *joiner.rank;
     const LiveMember& m = members_[rank];
@@ -185,21 +209,7 @@ absl::StatusOr<Membership::JoinResult> Membership::JoinInMemory(const Joiner& jo
       if (!InRound(members_[r])) rank = r;
     }
   }
-
-  result.rank = rank;
-  result.was_in_round = InRound(members_[rank]);
-  if (!result.was_in_round) ++round_size_;
-  Seat(rank, joiner.worker_id, joiner.host, now, joiner.new_digest, /*admitted_step=*/-1);
-  if (round_size_ == world) {
-    state_ = v1::RUNNING;
-    MarkHeader();
-    // The round's members were left out of the changes while it assembled: all are written now.
-    for (int32_t r = 0; r < world; ++r) {
-      if (InRound(members_[r])) tx_->ranks.push_back(r);
-    }
-    result.change.world_complete = true;
-  }
-  return result;
+  return rank;
 }
 
 absl::Status Membership::HeldByOther(int32_t rank, const std::string& job_id) const {

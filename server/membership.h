@@ -219,6 +219,9 @@ class Membership {
   // What Join, Leave and Die change in memory (see Transact).
   absl::StatusOr<JoinResult> JoinInMemory(const Joiner& joiner, absl::Time now,
                                           const std::string& job_id);
+  // The rank a Join of a strict job, or of a round that is assembling, takes: the requested
+  // one, else (RUNNING) the holder's own, else the worker's earlier one, else the lowest free one.
+  absl::StatusOr<int32_t> ChooseRank(const Joiner& joiner, const std::string& job_id) const;
   absl::StatusOr<LeaveResult> LeaveInMemory(int32_t rank, const std::string& reason,
                                             absl::Time now, const std::string& job_id);
   MembershipChange DieInMemory(const std::vector<int32_t>& ranks, const std::string& reason,
