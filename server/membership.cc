@@ -607,21 +607,31 @@ void Membership::MarkHeader() {
 absl::Status Membership::WriteAndKeep(MembershipChange* change) {
   Transaction& tx = *tx_;
   if (tx.header_changed) change->header = MembershipHeader{state_, generation_, last_change_};
-  std::vector<int32_t> ranks = tx.ranks;
-  ranks.insert(ranks.end(), unwritten_.begin(), unwritten_.end());
-  std::sort(ranks.begin(), ranks.end());
-  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
-  for (int32_t r : ranks) {
-    if (!Assembling(members_[r])) change->members.push_back(members_[r]);
+  const auto records = [&](std::vector<int32_t> ranks) {
+    std::sort(ranks.begin(), ranks.end());
+    ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+    change->members.clear();
+    for (int32_t r : ranks) {
+      if (!Assembling(members_[r])) change->members.push_back(members_[r]);
+    }
+  };
+  records(tx.ranks);
+  // A change with nothing to write (a rank seated in an assembling round) writes nothing; one
+  // that writes takes the withdrawn ranks' removals along.
+  const bool writes = change->changes_hard_state();
+  if (writes && !unwritten_.empty()) {
+    std::vector<int32_t> ranks = tx.ranks;
+    ranks.insert(ranks.end(), unwritten_.begin(), unwritten_.end());
+    records(std::move(ranks));
   }
-  if (write_ != nullptr && change->changes_hard_state()) {
+  if (write_ != nullptr && writes) {
     if (absl::Status s = write_(*change); !s.ok()) {
       Rollback();
       return s;
     }
   }
-  // A withdrawn rank is written with this change, or seated again (in the round assembling).
-  unwritten_.clear();
+  // Written with this change (a withdrawn rank seated again belongs to the assembling round).
+  if (writes) unwritten_.clear();
   tx_.reset();
   return absl::OkStatus();
 }

@@ -302,8 +302,8 @@ class Membership {
   int64_t rate_sample_step_ = -1;
   double steps_per_second_ = -1;
 
-  // Ranks withdrawn (Withdraw) since the last change was written: their removal goes with the
-  // next one.
+  // Ranks withdrawn (Withdraw) since the last change that wrote anything: their removal goes
+  // with the next one.
   std::vector<int32_t> unwritten_;
 
   // The transaction in progress (Transact): what it changed and what undoes it.

@@ -164,14 +164,19 @@ TEST(MembershipTest, Withdraw_FreesRank_RemovalWrittenWithTheNextChange) {
   EXPECT_EQ(m.round_size(), 2);
   EXPECT_FALSE(m.member(0).present());
   EXPECT_TRUE(w.written.empty());
-  // The next change that writes anything carries the removal.
+  // A Join into the assembling round writes nothing, the removal included.
+  absl::StatusOr<Membership::JoinResult> d = m.Join("d", "h", 3, kT0, "j");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_FALSE(d->change.changes_hard_state());
+  EXPECT_TRUE(w.written.empty());
+  // The next change that writes anything carries it.
   absl::StatusOr<Membership::LeaveResult> l = m.Leave(1, "rank 1 left", kT0, "j");
   ASSERT_TRUE(l.ok());
   ASSERT_THAT(Ranks(l->change), ElementsAre(0, 1));
   EXPECT_TRUE(l->change.members[0].worker_id.empty());  // removed
   EXPECT_EQ(l->change.members[1].state, v1::LEFT);
   ASSERT_EQ(w.written.size(), 1u);
-  absl::StatusOr<Membership::JoinResult> j = m.Join("d", "h", std::nullopt, kT0, "j");
+  absl::StatusOr<Membership::JoinResult> j = m.Join("e", "h", std::nullopt, kT0, "j");
   ASSERT_TRUE(j.ok()) << j.status();
   EXPECT_EQ(j->rank, 0);
   EXPECT_FALSE(j->change.changes_hard_state());
