@@ -21,7 +21,7 @@ constexpr int kMaxTxnOps = 128;
 std::string Epoch(int64_t epoch) { return absl::StrFormat("%020d", epoch); }
 std::string Bucket(int32_t bucket) { return absl::StrFormat("%06d", bucket); }
 
-etcd::EtcdMember ToRecord(const StoredMember& m) {
+etcd::EtcdMember ToRecord(const Member& m) {
   etcd::EtcdMember r;
   r.set_rank(m.rank);
   r.set_worker_id(m.worker_id);
@@ -34,8 +34,8 @@ etcd::EtcdMember ToRecord(const StoredMember& m) {
   return r;
 }
 
-StoredMember FromRecord(const etcd::EtcdMember& r) {
-  StoredMember m;
+Member FromRecord(const etcd::EtcdMember& r) {
+  Member m;
   m.rank = r.rank();
   m.worker_id = r.worker_id();
   m.host = r.host();
@@ -47,7 +47,7 @@ StoredMember FromRecord(const etcd::EtcdMember& r) {
   return m;
 }
 
-void SetHeader(const StoredJobHeader& h, etcd::EtcdJobRecord* r) {
+void SetHeader(const MembershipHeader& h, etcd::EtcdJobRecord* r) {
   r->set_state(h.state);
   r->set_generation(h.generation);
   if (h.last_change.has_value()) {
@@ -57,8 +57,8 @@ void SetHeader(const StoredJobHeader& h, etcd::EtcdJobRecord* r) {
   }
 }
 
-StoredJobHeader GetHeader(const etcd::EtcdJobRecord& r) {
-  StoredJobHeader h;
+MembershipHeader GetHeader(const etcd::EtcdJobRecord& r) {
+  MembershipHeader h;
   h.state = r.state();
   h.generation = r.generation();
   if (r.has_last_change()) h.last_change = r.last_change();
@@ -82,7 +82,7 @@ void DeleteRange(etcdserverpb::TxnRequest* txn, const std::string& key, const st
 // What the store last wrote for a job.
 struct EtcdStateStore::Mirror {
   etcd::EtcdJobRecord record;
-  std::map<int32_t, StoredMember> members;
+  std::map<int32_t, Member> members;
 };
 
 EtcdStateStore::EtcdStateStore(EtcdClient* etcd, EtcdFence* fence, std::string prefix)
@@ -228,7 +228,7 @@ absl::Status EtcdStateStore::CreateJob(const v1::JobSpec& spec, int64_t created_
   auto mirror = std::make_unique<Mirror>();
   *mirror->record.mutable_spec() = spec;
   mirror->record.set_created_unix_ms(created_unix_ms);
-  SetHeader(StoredJobHeader{}, &mirror->record);
+  SetHeader(MembershipHeader{}, &mirror->record);
   const std::string key = absl::StrCat(JobPrefix(spec.job_id()), "h");
   etcdserverpb::TxnRequest txn;
   etcdserverpb::Compare* absent = txn.add_compare();
@@ -280,14 +280,14 @@ absl::Status EtcdStateStore::Apply(absl::string_view job_id, const JobDelta& del
   if (header_changes) Put(&txn, absl::StrCat(job_prefix, "h"), record.SerializeAsString());
 
   // The members after the delta, for the buckets it touches.
-  std::map<int32_t, const StoredMember*> changed;
-  for (const StoredMember& m : delta.members) changed[m.rank] = &m;
+  std::map<int32_t, const Member*> changed;
+  for (const Member& m : delta.members) changed[m.rank] = &m;
   std::set<int32_t> touched;
   for (const auto& [rank, m] : changed) touched.insert(rank / kEtcdMemberBucket);
   for (int32_t b : touched) {
     const int32_t lo = b * kEtcdMemberBucket;
     const int32_t hi = lo + kEtcdMemberBucket;
-    std::map<int32_t, const StoredMember*> now;
+    std::map<int32_t, const Member*> now;
     for (auto m = mirror.members.lower_bound(lo); m != mirror.members.end() && m->first < hi; ++m) {
       now[m->first] = &m->second;
     }

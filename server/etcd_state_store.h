@@ -48,7 +48,6 @@ class EtcdStateStore final : public StateStore {
   absl::Status DeleteJob(absl::string_view job_id) override;
   absl::Status Apply(absl::string_view job_id, const JobDelta& delta) override;
   std::string Describe() const override;
-  bool durable() const override { return true; }
 
  private:
   struct Mirror;

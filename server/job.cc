@@ -6,36 +6,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/job_spec.h"
+#include "server/decisions.h"
 #include "server/member_credential.h"
+#include "server/request_checks.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::server {
 namespace {
 
-// Restricts a decision to the ranks that are members at its step (MemberSteps): vacant ranks
-// and replacements not admitted yet are left out; replacements admitted at that step are listed
-// as joining. O(subgroup size). True if a rank of the subgroup was left out.
-bool ApplyMembers(const MemberSteps& view, v1::StepDecision* d) {
-  if (view.all_from_start || d->action() != v1::AVERAGE) return false;
-  const int64_t step = d->step();
-  auto* members = d->mutable_members();
-  members->Clear();
-  d->clear_joining();
-  bool left_out = false;
-  for (int32_t r : d->ranks()) {
-    const int64_t from = view.from_step[r];
-    if (from == kNotMember || from > step) {
-      left_out = true;
-      continue;
-    }
-    members->Add(r);
-    if (from == step) d->add_joining(r);
-  }
-  return left_out;
-}
-
-constexpr size_t kMaxWorkerIdLength = 256;
-constexpr size_t kMaxHostLength = 256;
 constexpr size_t kMaxReasonLength = 256;
 // Messages list at most this many missing ranks.
 constexpr int kMaxListedRanks = 32;
@@ -58,8 +36,15 @@ v1::JobSpec Stripped(v1::JobSpec spec) {
   return spec;
 }
 
-// How often GetSchedule polls its cancellation, in steps.
-constexpr int64_t kCancelPollSteps = 4096;
+// The store's record of a membership change: its header and members' records, and the ids of
+// the old generation dropped when the generation moved on or the job finished.
+JobDelta StoreDeltaOf(const MembershipChange& change) {
+  JobDelta delta;
+  delta.header = change.header;
+  delta.members = change.members;
+  delta.clear_comm_ids = change.generation_changed || change.finished;
+  return delta;
+}
 
 }  // namespace
 
@@ -129,7 +114,11 @@ Job::Job(v1::JobSpec spec, Schedule schedule, const JobDefaults& defaults, Clock
       created_unix_ms_(created_unix_ms),
       warnings_(ScheduleWarnings(schedule_.spec())),
       store_(store),
-      membership_(schedule_, spec_.min_world_size()) {}
+      membership_(schedule_, spec_.min_world_size(),
+                  [this](const MembershipChange& change) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                    // Called by membership_'s operations, under mu_.
+                    return Save(StoreDeltaOf(change));
+                  }) {}
 
 Job::~Job() = default;
 
@@ -144,25 +133,15 @@ void Job::Restore(const StoredJob& stored, absl::Duration grace) {
   }
 }
 
-absl::Status Job::Write(std::optional<StoredCommId> comm_id) {
-  JobDelta delta = membership_.PeekDelta();
-  delta.comm_id = std::move(comm_id);
-  if (!delta.empty()) {
-    if (absl::Status s = store_->Apply(id(), delta); !s.ok()) {
-      membership_.Rollback();
-      return s;
-    }
-    membership_.ClearDelta();
-  }
-  membership_.Commit();
-  return absl::OkStatus();
-}
-
-absl::Status Job::Commit(std::optional<StoredCommId> comm_id) {
-  absl::Status s = Write(std::move(comm_id));
+absl::Status Job::Save(const JobDelta& delta) {
+  absl::Status s = store_->Apply(id(), delta);
   if (s.ok()) return s;
-  spdlog::error("job {}: could not save a change of its state ({}); the change was not made",
-                id(), s.ToString());
+  last_save_error_ = s;
+  // A halted job tries again at every staleness check: it said so once.
+  if (halted_.ok()) {
+    spdlog::error("job {}: could not save a change of its state ({}); the change was not made",
+                  id(), s.ToString());
+  }
   return absl::UnavailableError(absl::StrCat(
       "the coordinator could not save the state of job ", id(), " (", s.message(),
       "); nothing was changed: retry once the coordinator can write its state again"));
@@ -180,72 +159,21 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
   if (!closed_.ok()) return fail(closed_);
   if (!halted_.ok()) return fail(halted_);
   const int32_t world = schedule_.world_size();
-  if (request.worker_id().empty()) {
-    return fail(absl::InvalidArgumentError(
-        "worker_id must not be empty; use a stable identity such as \"host:pid\""));
-  }
-  if (request.worker_id().size() > kMaxWorkerIdLength || request.host().size() > kMaxHostLength) {
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat("worker_id and host must be at most ", kMaxWorkerIdLength, " characters")));
-  }
-  if (request.world_size() != 0 && request.world_size() != world) {
-    return fail(absl::InvalidArgumentError(absl::StrCat(
-        "the worker expects world_size ", request.world_size(), " but job ", id(),
-        " has world_size ", world, "; start every worker with world_size ", world,
-        " or join a job of that size")));
-  }
-  if (request.has_rank() && (request.rank() < 0 || request.rank() >= world)) {
-    return fail(absl::InvalidArgumentError(absl::StrCat(
-        "rank ", request.rank(), " is outside [0, ", world, ") for job ", id(),
-        "; ask for a rank below world_size or leave rank unset")));
-  }
+  if (absl::Status s = CheckJoinRequest(request, world, id()); !s.ok()) return fail(s);
   const absl::Time now = clock_->Now();
   std::string credential = NewMemberCredential();
-  membership_.Begin();
+  // Written before anything else happens: on a failed write nothing did, and a retry of this
+  // Join is a first Join again, not a re-join that would move the generation. (A rank in a
+  // round that is still assembling is part of this Join's wait: nothing is written for it.)
   absl::StatusOr<Membership::JoinResult> joined = membership_.Join(
       request.worker_id(), request.host(),
       request.has_rank() ? std::optional<int32_t>(request.rank()) : std::nullopt, now, id(),
       request.credential(), CredentialDigest(credential));
-  if (!joined.ok()) {
-    membership_.Rollback();
-    return fail(joined.status());
-  }
-  const MembershipChange& joined_change = joined->change;
-  if (joined_change.admitted || joined_change.generation_changed ||
-      joined_change.world_complete) {
-    // Written before anything else happens: on a failed write nothing did, and a retry of this
-    // Join is a first Join again, not a re-join that would move the generation.
-    if (absl::Status s = Commit(); !s.ok()) return fail(s);
-  } else {
-    // A rank in a round that is still assembling is part of this Join's wait: nothing to write
-    // (see Membership::PeekDelta).
-    membership_.Commit();
-  }
+  if (!joined.ok()) return fail(joined.status());
   const int32_t rank = joined->rank;
   if (joined->change.admitted) {
     // A replacement in a RUNNING elastic job: answered at once.
-    const MembershipChange& change = joined->change;
-    const Membership::Member& m = membership_.member(rank);
-    ++admissions_;
-    spdlog::info("job {}: worker \"{}\" ({}) admitted as rank {}{} in generation {} at step {} "
-                 "(floor {} = largest step reported {} + margin {}; {:.1f} steps/s)",
-                 id(), m.worker_id, m.host, rank,
-                 change.replaced_live_member ? " (its earlier membership departed)" : "",
-                 membership_.generation(), change.admission_step, change.admission_floor,
-                 change.max_reported_step, change.admission_margin,
-                 std::max(0.0, membership_.steps_per_second()));
-    AddEvent(v1::JobEvent::MEMBER_ADMITTED, rank,
-             absl::StrCat("worker \"", m.worker_id, "\" admitted as rank ", rank, " at step ",
-                          change.admission_step),
-             true, &out);
-    OnMembershipChange(change, &out);
-    v1::JoinResponse response;
-    FillJoinResponse(rank, &response);
-    response.set_credential(std::move(credential));
-    out.Complete([done = std::move(done), response = std::move(response)]() mutable {
-      done(std::move(response));
-    });
-    return;
+    return AnswerAdmission(rank, joined->change, std::move(credential), std::move(done), &out);
   }
   OnMembershipChange(joined->change, &out);
   if (joined->was_in_round) {
@@ -256,7 +184,7 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
       });
     }
   }
-  const Membership::Member& m = membership_.member(rank);
+  const LiveMember& m = membership_.member(rank);
   const int64_t generation = membership_.generation();
   spdlog::info("job {}: worker \"{}\" ({}) joined as rank {} in generation {} ({}/{} joined)",
                id(), m.worker_id, m.host, rank, generation,
@@ -265,20 +193,47 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
            absl::StrCat("worker \"", m.worker_id, "\" joined as rank ", rank), false, &out);
   waits_.AddJoin(JoinWait{wait_id, rank, std::move(credential),
                           std::min(now + join_timeout_, call_deadline), std::move(done)});
-  if (joined->change.world_complete) {
-    for (JoinWait& w : waits_.TakeAllJoins()) {
-      v1::JoinResponse response;
-      FillJoinResponse(w.rank, &response);
-      response.set_credential(std::move(w.credential));
-      out.Complete([cb = std::move(w.done), response = std::move(response)]() mutable {
-        cb(std::move(response));
-      });
-    }
-    spdlog::info("job {}: all {} ranks joined; RUNNING in generation {}", id(), world,
-                 generation);
-    AddEvent(v1::JobEvent::WORLD_COMPLETE, -1, absl::StrCat("RUNNING in generation ", generation),
-             true, &out);
+  if (joined->change.world_complete) CompleteRound(&out);
+}
+
+void Job::AnswerAdmission(int32_t rank, const MembershipChange& change, std::string credential,
+                          JoinCallback done, Outbox* out) {
+  const LiveMember& m = membership_.member(rank);
+  ++admissions_;
+  spdlog::info("job {}: worker \"{}\" ({}) admitted as rank {}{} in generation {} at step {} "
+               "(floor {} = largest step reported {} + margin {}; {:.1f} steps/s)",
+               id(), m.worker_id, m.host, rank,
+               change.replaced_live_member ? " (its earlier membership departed)" : "",
+               membership_.generation(), change.admission_step, change.admission_floor,
+               change.max_reported_step, change.admission_margin,
+               std::max(0.0, membership_.steps_per_second()));
+  AddEvent(v1::JobEvent::MEMBER_ADMITTED, rank,
+           absl::StrCat("worker \"", m.worker_id, "\" admitted as rank ", rank, " at step ",
+                        change.admission_step),
+           true, out);
+  OnMembershipChange(change, out);
+  v1::JoinResponse response;
+  FillJoinResponse(rank, &response);
+  response.set_credential(std::move(credential));
+  out->Complete([done = std::move(done), response = std::move(response)]() mutable {
+    done(std::move(response));
+  });
+}
+
+void Job::CompleteRound(Outbox* out) {
+  const int64_t generation = membership_.generation();
+  for (JoinWait& w : waits_.TakeAllJoins()) {
+    v1::JoinResponse response;
+    FillJoinResponse(w.rank, &response);
+    response.set_credential(std::move(w.credential));
+    out->Complete([cb = std::move(w.done), response = std::move(response)]() mutable {
+      cb(std::move(response));
+    });
   }
+  spdlog::info("job {}: all {} ranks joined; RUNNING in generation {}", id(),
+               schedule_.world_size(), generation);
+  AddEvent(v1::JobEvent::WORLD_COMPLETE, -1, absl::StrCat("RUNNING in generation ", generation),
+           true, out);
 }
 
 void Job::OnMembershipChange(const MembershipChange& change, Outbox* out) {
@@ -370,21 +325,17 @@ std::string Job::StaleMessage(int64_t generation) const {
 
 absl::Status Job::Heartbeat(const v1::HeartbeatRequest& request,
                             v1::HeartbeatResponse* response) {
-  if (request.rank() < 0 || request.rank() >= schedule_.world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", request.rank(), " is outside [0, ",
-                                                   schedule_.world_size(), ") for job ", id()));
+  if (absl::Status s = CheckRank(request.rank(), schedule_.world_size(), id()); !s.ok()) {
+    return s;
   }
-  if (request.step() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("step must be >= 0, got ", request.step()));
-  }
+  if (absl::Status s = CheckStep(request.step()); !s.ok()) return s;
   const absl::Time now = clock_->Now();
   absl::MutexLock lock(&mu_);
   if (!closed_.ok()) return closed_;  // deleted while a stream still held it
   // A rank without a member is answered (the reply tells a worker whose coordinator lost the
   // job's state that it has the job afresh) and nothing is recorded; a member's rank needs the
   // member's credential.
-  if (membership_.member(request.rank()).present) {
+  if (membership_.member(request.rank()).present()) {
     if (absl::Status s = membership_.CheckCredential(request.rank(), request.credential(),
                                                      "Heartbeat", id());
         !s.ok()) {
@@ -418,13 +369,8 @@ void Job::HeartbeatStreamLost(int32_t rank, const std::string& credential) {
 
 absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* response) {
   const int32_t rank = request.rank();
-  if (rank < 0 || rank >= schedule_.world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " is outside [0, ",
-                                                   schedule_.world_size(), ") for job ", id()));
-  }
-  if (request.step() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("step must be >= 0, got ", request.step()));
-  }
+  if (absl::Status s = CheckRank(rank, schedule_.world_size(), id()); !s.ok()) return s;
+  if (absl::Status s = CheckStep(request.step()); !s.ok()) return s;
   const absl::Time now = clock_->Now();
   int64_t generation;
   std::shared_ptr<const MemberSteps> members;
@@ -454,44 +400,8 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
 absl::Status Job::GetSchedule(const v1::GetScheduleRequest& request,
                               v1::GetScheduleResponse* response,
                               const std::function<bool()>& cancelled) const {
-  const auto gone = [&](int64_t i) {
-    return i % kCancelPollSteps == 0 && cancelled != nullptr && cancelled();
-  };
-  const absl::Status cancelled_status =
-      absl::CancelledError("the GetSchedule call was cancelled by its caller");
-  if (request.from_step() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("from_step must be >= 0, got ", request.from_step()));
-  }
-  if (request.count() < 1 || request.count() > kMaxScheduleCount) {
-    return absl::InvalidArgumentError(absl::StrCat("count must be in [1, ", kMaxScheduleCount,
-                                                   "], got ", request.count()));
-  }
-  if (request.from_step() > INT64_MAX - request.count()) {
-    return absl::InvalidArgumentError("from_step + count overflows int64");
-  }
-  const int32_t world = schedule_.world_size();
-  if (request.has_rank() && (request.rank() < 0 || request.rank() >= world)) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", request.rank(), " is outside [0, ",
-                                                   world, ") for job ", id()));
-  }
-  // A cheap estimate first (20 bytes a decision, 1 a listed rank: a lower bound) so that a huge
-  // answer is never built; the exact size is checked once built.
-  const std::string too_big = absl::StrCat(
-      "the answer for count ", request.count(), " would exceed ", kMaxScheduleReplyBytes,
-      " bytes (gRPC's default message limit); ask for a smaller count",
-      request.has_rank() ? "" : " or for one rank");
-  int64_t bytes = 0;
-  for (int64_t s = request.from_step(); s < request.from_step() + request.count(); ++s) {
-    if (gone(s - request.from_step())) return cancelled_status;
-    const int level = schedule_.LevelAt(s);
-    if (level < 0) {
-      bytes += 20;
-      continue;
-    }
-    const int64_t g = schedule_.spec().levels[level].group_size;
-    bytes += request.has_rank() ? 20 + g : 20 * (world / g) + int64_t{world};
-    if (bytes > kMaxScheduleReplyBytes) return absl::InvalidArgumentError(too_big);
+  if (absl::Status s = CheckDecisionWindow(schedule_, request, id(), cancelled); !s.ok()) {
+    return s;
   }
   int64_t generation;
   std::shared_ptr<const MemberSteps> members;
@@ -500,51 +410,13 @@ absl::Status Job::GetSchedule(const v1::GetScheduleRequest& request,
     generation = membership_.generation();
     members = membership_.DecisionMembers();
   }
-  response->set_generation(generation);
-  const std::vector<Decision> decisions =
-      request.has_rank() ? schedule_.Window(request.from_step(), request.count(), request.rank())
-                         : schedule_.WindowAllSubgroups(request.from_step(), request.count());
-  response->mutable_decisions()->Reserve(static_cast<int>(decisions.size()));
-  for (size_t i = 0; i < decisions.size(); ++i) {
-    if (gone(static_cast<int64_t>(i) + 1)) {
-      response->Clear();
-      return cancelled_status;
-    }
-    v1::StepDecision* out = response->add_decisions();
-    DecisionToProto(decisions[i], generation, out);
-    // A block with no member at that step does not average: listed for every subgroup, it is
-    // left out.
-    if (ApplyMembers(*members, out) && out->members().empty() && !request.has_rank()) {
-      response->mutable_decisions()->RemoveLast();
-    }
-  }
-  if (static_cast<int64_t>(response->ByteSizeLong()) > kMaxScheduleReplyBytes) {
-    response->Clear();
-    return absl::InvalidArgumentError(too_big);
-  }
-  return absl::OkStatus();
+  return DecisionWindow(schedule_, *members, generation, request, response, cancelled);
 }
 
 absl::Status Job::ValidateCommRequest(int64_t generation, int32_t level, int32_t subgroup,
                                       int32_t rank, const std::string& key) const {
-  if (level < 0 || level >= schedule_.num_levels()) {
-    return absl::InvalidArgumentError(absl::StrCat("level ", level, " is outside [0, ",
-                                                   schedule_.num_levels(), ") for job ", id()));
-  }
-  const int32_t groups = schedule_.world_size() / schedule_.spec().levels[level].group_size;
-  if (subgroup < 0 || subgroup >= groups) {
-    return absl::InvalidArgumentError(absl::StrCat("subgroup ", subgroup, " is outside [0, ",
-                                                   groups, ") at level ", level, " of job ",
-                                                   id()));
-  }
-  if (rank < 0 || rank >= schedule_.world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " is outside [0, ",
-                                                   schedule_.world_size(), ") for job ", id()));
-  }
-  if (key.size() > kMaxCommIdKeyLength) {
-    return absl::InvalidArgumentError(absl::StrCat("key is ", key.size(),
-                                                   " characters; at most ", kMaxCommIdKeyLength,
-                                                   " are allowed"));
+  if (absl::Status s = CheckCommRequest(schedule_, level, subgroup, rank, key, id()); !s.ok()) {
+    return s;
   }
   if (generation != membership_.generation()) {
     return absl::FailedPreconditionError(StaleMessage(generation));
@@ -564,14 +436,7 @@ absl::Status Job::ValidateCommRequest(int64_t generation, int32_t level, int32_t
 }
 
 absl::Status Job::PublishCommId(const v1::PublishCommIdRequest& request) {
-  if (request.unique_id().empty()) {
-    return absl::InvalidArgumentError("unique_id must not be empty");
-  }
-  if (request.unique_id().size() > kMaxCommIdBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("unique_id is ", request.unique_id().size(),
-                                                   " bytes; at most ", kMaxCommIdBytes,
-                                                   " are allowed"));
-  }
+  if (absl::Status s = CheckCommIdBlob(request.unique_id()); !s.ok()) return s;
   Outbox out(this);
   absl::MutexLock lock(&mu_);
   if (!closed_.ok()) return closed_;
@@ -591,12 +456,10 @@ absl::Status Job::PublishCommId(const v1::PublishCommIdRequest& request) {
       comm_ids_.CheckPublish(key, request.unique_id(), id(), membership_.generation());
   if (!is_new.ok()) return is_new.status();
   if (!*is_new) return absl::OkStatus();
-  membership_.Begin();
-  if (absl::Status s = Commit(StoredCommId{request.level(), request.subgroup(), request.key(),
-                                           request.unique_id()});
-      !s.ok()) {
-    return s;
-  }
+  JobDelta published;
+  published.comm_id =
+      StoredCommId{request.level(), request.subgroup(), request.key(), request.unique_id()};
+  if (absl::Status s = Save(published); !s.ok()) return s;
   comm_ids_.Put(key, request.unique_id());
   spdlog::debug("job {}: rank {} published a {}-byte id for level {}, subgroup {}, key \"{}\" "
                 "in generation {}",
@@ -648,10 +511,7 @@ void Job::GetCommId(const v1::GetCommIdRequest& request, absl::Time call_deadlin
 
 absl::Status Job::Leave(const v1::LeaveRequest& request, v1::LeaveResponse* response) {
   const int32_t rank = request.rank();
-  if (rank < 0 || rank >= schedule_.world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " is outside [0, ",
-                                                   schedule_.world_size(), ") for job ", id()));
-  }
+  if (absl::Status s = CheckRank(rank, schedule_.world_size(), id()); !s.ok()) return s;
   Outbox out(this);
   absl::MutexLock lock(&mu_);
   if (!halted_.ok()) return halted_;
@@ -663,32 +523,26 @@ absl::Status Job::Leave(const v1::LeaveRequest& request, v1::LeaveResponse* resp
   if (!request.reason().empty()) {
     absl::StrAppend(&reason, " (", Truncate(request.reason(), kMaxReasonLength), ")");
   }
-  membership_.Begin();
   // A worker that ends because it failed is no orderly departure: it counts as a death
   // (written first, like every change: on a failed write nothing changed).
-  if (const Membership::Member& m = membership_.member(rank);
-      request.failed() && membership_.state() == v1::RUNNING && m.present &&
+  if (const LiveMember& m = membership_.member(rank);
+      request.failed() && membership_.state() == v1::RUNNING && m.present() &&
       m.state == v1::ALIVE && m.generation == membership_.generation()) {
     const std::string worker_id = m.worker_id;
-    const MembershipChange change = membership_.Die({rank}, reason, clock_->Now());
-    if (absl::Status s = Commit(); !s.ok()) return s;
+    absl::StatusOr<MembershipChange> died = membership_.Die({rank}, reason, clock_->Now());
+    if (!died.ok()) return died.status();
     spdlog::warn("job {}: {} (worker \"{}\", generation {}); DEAD", id(), reason, worker_id,
                  request.generation());
     ++deaths_;
-    OnMembershipChange(change, &out);
+    OnMembershipChange(*died, &out);
     response->set_state(membership_.state());
     response->set_generation(membership_.generation());
     return absl::OkStatus();
   }
   absl::StatusOr<Membership::LeaveResult> left =
       membership_.Leave(rank, reason, clock_->Now(), id());
-  if (!left.ok()) {
-    membership_.Rollback();
-    return left.status();
-  }
-  if (!left->left) membership_.Commit();
+  if (!left.ok()) return left.status();
   if (left->left) {
-    if (absl::Status s = Commit(); !s.ok()) return s;
     spdlog::info("job {}: {} (worker \"{}\", generation {})", id(), reason,
                  membership_.member(rank).worker_id, request.generation());
     if (left->left_pending_round) {
@@ -708,27 +562,11 @@ absl::Status Job::Leave(const v1::LeaveRequest& request, v1::LeaveResponse* resp
 absl::Status Job::ReportPeerFailure(const v1::ReportPeerFailureRequest& request,
                                     v1::ReportPeerFailureResponse* response) {
   const int32_t rank = request.rank();
-  const int32_t world = schedule_.world_size();
-  const auto outside = [world](int32_t r) { return r < 0 || r >= world; };
-  if (outside(rank)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", rank, " is outside [0, ", world, ") for job ", id()));
+  if (absl::Status s = CheckPeerReport(request, schedule_.world_size(), id()); !s.ok()) {
+    return s;
   }
   PeerReport report;
   report.reporter = rank;
-  for (const auto* list : {&request.unreachable_ranks(), &request.reachable_ranks()}) {
-    if (list->size() > world) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "a peer failure report names ", list->size(), " ranks; job ", id(), " has ", world));
-    }
-    for (int32_t r : *list) {
-      if (outside(r)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "the peer failure report names rank ", r, ", outside [0, ", world, ") for job ",
-            id()));
-      }
-    }
-  }
   report.unreachable.assign(request.unreachable_ranks().begin(),
                             request.unreachable_ranks().end());
   report.reachable.assign(request.reachable_ranks().begin(), request.reachable_ranks().end());
@@ -768,9 +606,8 @@ absl::Status Job::ReportPeerFailure(const v1::ReportPeerFailureRequest& request,
   for (const ConfirmedPeer& c : confirmed) dead.push_back(c.rank);
   std::string reason = absl::StrCat("rank ", dead[0], " unreachable by its peers");
   if (dead.size() > 1) absl::StrAppend(&reason, " (and ", dead.size() - 1, " more ranks)");
-  membership_.Begin();
-  const MembershipChange change = membership_.Die(dead, reason, now);
-  if (absl::Status s = Commit(); !s.ok()) return s;
+  absl::StatusOr<MembershipChange> died = membership_.Die(dead, reason, now);
+  if (!died.ok()) return died.status();
   for (const ConfirmedPeer& c : confirmed) {
     spdlog::warn("job {}: rank {} (worker \"{}\") still beats but its peers cannot reach it: {}; "
                  "DEAD",
@@ -778,7 +615,7 @@ absl::Status Job::ReportPeerFailure(const v1::ReportPeerFailureRequest& request,
     response->add_declared_dead(c.rank);
   }
   deaths_ += static_cast<int64_t>(dead.size());
-  OnMembershipChange(change, &out);
+  OnMembershipChange(*died, &out);
   response->set_state(membership_.state());
   response->set_generation(membership_.generation());
   return absl::OkStatus();
@@ -843,7 +680,7 @@ void Job::CancelWait(WaitId wait_id) {
   if (std::optional<JoinWait> w = waits_.TakeJoin(wait_id)) {
     spdlog::info("job {}: rank {} left the generation {} round (its Join was cancelled)", id(),
                  w->rank, membership_.generation());
-    // An assembling round's rank: nothing was written for it (Membership::PeekDelta).
+    // An assembling round's rank: nothing was written for it (Membership::Withdraw).
     membership_.Withdraw(w->rank);
     out.Complete([cb = std::move(w->done)]() mutable {
       cb(absl::CancelledError("the Join call was cancelled"));
@@ -868,7 +705,7 @@ bool Job::AllSilent(absl::Time now) const {
   for (int32_t r = 0; r < schedule_.world_size(); ++r) {
     if (!membership_.InRound(r)) continue;
     ++in_round;
-    const Membership::Member& m = membership_.member(r);
+    const LiveMember& m = membership_.member(r);
     if (m.stream_lost_at != absl::InfiniteFuture() ||
         now - m.last_heartbeat <= heartbeat_timeout_ * 3 / 4) {
       return false;
@@ -904,52 +741,58 @@ void Job::CheckStaleness() {
     grace_until_ = now + heartbeat_timeout_;
     dead.clear();
   }
-  if (!dead.empty()) {
-    bool all_lost = true;
-    for (int32_t r : dead) {
-      all_lost = all_lost && membership_.member(r).stream_lost_at != absl::InfiniteFuture();
-    }
-    std::string reason = absl::StrCat("rank ", dead[0],
-                                      all_lost ? " connection lost" : " heartbeat timeout");
-    if (dead.size() > 1) absl::StrAppend(&reason, " (and ", dead.size() - 1, " more ranks)");
-    // Logged before the members change (their times are read here).
-    std::vector<std::string> notes;
-    for (int32_t r : dead) {
-      const Membership::Member& m = membership_.member(r);
-      if (m.stream_lost_at != absl::InfiniteFuture()) {
-        notes.push_back(absl::StrCat(
-            "rank ", r, " (worker \"", m.worker_id, "\"): its heartbeat stream broke ",
-            absl::ToInt64Milliseconds(now - m.stream_lost_at), " ms ago and no beat came since "
-            "(the last ", absl::ToInt64Milliseconds(now - m.last_heartbeat), " ms ago)"));
-      } else {
-        notes.push_back(absl::StrCat("rank ", r, " (worker \"", m.worker_id,
-                                     "\") sent no heartbeat for ",
-                                     absl::ToInt64Milliseconds(now - m.last_heartbeat), " ms"));
-      }
-    }
-    membership_.Begin();
-    const MembershipChange change = membership_.Die(dead, reason, now);
-    if (absl::Status s = Write(); !s.ok()) {
-      // The death cannot be recorded: going on without it would make a restarted coordinator
-      // bring the dead back (and issue the next generation twice). The job stops, loudly, until
-      // the write succeeds (tried again at every check).
-      if (halted_.ok()) {
-        halted_ = absl::UnavailableError(absl::StrCat(
-            "job ", id(), " is halted: the death of ", reason, " cannot be recorded (",
-            s.message(), "); the job resumes once the coordinator can write its state again"));
-        spdlog::error("{}", std::string(halted_.message()));
-        FailAllWaits(halted_, &out);
-      }
+  if (!dead.empty()) DeclareDead(dead, now, &out);
+  ExpireWaits(now, &out);
+}
+
+void Job::DeclareDead(const std::vector<int32_t>& dead, absl::Time now, Outbox* out) {
+  bool all_lost = true;
+  for (int32_t r : dead) {
+    all_lost = all_lost && membership_.member(r).stream_lost_at != absl::InfiniteFuture();
+  }
+  std::string reason = absl::StrCat("rank ", dead[0],
+                                    all_lost ? " connection lost" : " heartbeat timeout");
+  if (dead.size() > 1) absl::StrAppend(&reason, " (and ", dead.size() - 1, " more ranks)");
+  // Logged before the members change (their times are read here).
+  std::vector<std::string> notes;
+  for (int32_t r : dead) {
+    const LiveMember& m = membership_.member(r);
+    if (m.stream_lost_at != absl::InfiniteFuture()) {
+      notes.push_back(absl::StrCat(
+          "rank ", r, " (worker \"", m.worker_id, "\"): its heartbeat stream broke ",
+          absl::ToInt64Milliseconds(now - m.stream_lost_at), " ms ago and no beat came since "
+          "(the last ", absl::ToInt64Milliseconds(now - m.last_heartbeat), " ms ago)"));
     } else {
-      if (!halted_.ok()) {
-        spdlog::info("job {}: its state is written again; no longer halted", id());
-        halted_ = absl::OkStatus();
-      }
-      for (const std::string& note : notes) spdlog::warn("job {}: {}; DEAD", id(), note);
-      deaths_ += static_cast<int64_t>(dead.size());
-      OnMembershipChange(change, &out);
+      notes.push_back(absl::StrCat("rank ", r, " (worker \"", m.worker_id,
+                                   "\") sent no heartbeat for ",
+                                   absl::ToInt64Milliseconds(now - m.last_heartbeat), " ms"));
     }
   }
+  absl::StatusOr<MembershipChange> died = membership_.Die(dead, reason, now);
+  if (!died.ok()) {
+    // The death cannot be recorded: going on without it would make a restarted coordinator
+    // bring the dead back (and issue the next generation twice). The job stops, loudly, until
+    // the write succeeds (tried again at every check).
+    if (halted_.ok()) {
+      halted_ = absl::UnavailableError(absl::StrCat(
+          "job ", id(), " is halted: the death of ", reason, " cannot be recorded (",
+          last_save_error_.message(),
+          "); the job resumes once the coordinator can write its state again"));
+      spdlog::error("{}", std::string(halted_.message()));
+      FailAllWaits(halted_, out);
+    }
+  } else {
+    if (!halted_.ok()) {
+      spdlog::info("job {}: its state is written again; no longer halted", id());
+      halted_ = absl::OkStatus();
+    }
+    for (const std::string& note : notes) spdlog::warn("job {}: {}; DEAD", id(), note);
+    deaths_ += static_cast<int64_t>(dead.size());
+    OnMembershipChange(*died, out);
+  }
+}
+
+void Job::ExpireWaits(absl::Time now, Outbox* out) {
   for (JoinWait& w : waits_.TakeExpiredJoins(now)) {
     const std::string missing = membership_.MissingRanks(kMaxListedRanks);
     std::string msg = absl::StrCat(
@@ -959,8 +802,8 @@ void Job::CheckStaleness() {
         "; start the missing workers or raise join_timeout_ms");
     spdlog::warn("job {}: rank {} (worker \"{}\") Join timed out; missing ranks: {}", id(),
                  w.rank, membership_.member(w.rank).worker_id, missing);
-    membership_.Withdraw(w.rank);  // nothing was written for it (Membership::PeekDelta)
-    out.Complete([cb = std::move(w.done), msg = std::move(msg)]() mutable {
+    membership_.Withdraw(w.rank);  // nothing was written for it (Membership::Withdraw)
+    out->Complete([cb = std::move(w.done), msg = std::move(msg)]() mutable {
       cb(absl::DeadlineExceededError(msg));
     });
   }
@@ -971,7 +814,7 @@ void Job::CheckStaleness() {
         "no id was published for level ", level, ", subgroup ", subgroup, ", key \"", key,
         "\" of job ", id(), " in generation ", membership_.generation(),
         " before the deadline; is rank ", leader, " (the subgroup's leader) alive?");
-    out.Complete([cb = std::move(w.done), msg = std::move(msg)]() mutable {
+    out->Complete([cb = std::move(w.done), msg = std::move(msg)]() mutable {
       cb(absl::DeadlineExceededError(msg));
     });
   }
@@ -988,8 +831,8 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members, int64_t max_bytes) cons
     // and 3 tags/lengths each.
     int64_t bytes = 0;
     for (int32_t r = 0; r < membership_.world_size(); ++r) {
-      const Membership::Member& m = membership_.member(r);
-      if (m.present) bytes += static_cast<int64_t>(m.worker_id.size() + m.host.size()) + 112;
+      const LiveMember& m = membership_.member(r);
+      if (m.present()) bytes += static_cast<int64_t>(m.worker_id.size() + m.host.size()) + 112;
     }
     if (bytes > max_bytes - 16 * 1024) {
       with_members = false;
@@ -1005,8 +848,8 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members, int64_t max_bytes) cons
   const absl::Time now = clock_->Now();
   int64_t min_step = -1, max_step = -1;
   for (int32_t r = 0; r < membership_.world_size(); ++r) {
-    const Membership::Member& m = membership_.member(r);
-    if (!m.present) continue;
+    const LiveMember& m = membership_.member(r);
+    if (!m.present()) continue;
     if (m.generation == generation && m.last_step >= 0) {
       min_step = min_step < 0 ? m.last_step : std::min(min_step, m.last_step);
       max_step = std::max(max_step, m.last_step);
@@ -1052,7 +895,7 @@ Job::Stats Job::GetStats() const {
   stats.state = membership_.state();
   int64_t min_step = -1, max_step = -1;
   for (int32_t r = 0; r < membership_.world_size(); ++r) {
-    const Membership::Member& m = membership_.member(r);
+    const LiveMember& m = membership_.member(r);
     if (!membership_.InRound(r) || m.last_step < 0) continue;
     min_step = min_step < 0 ? m.last_step : std::min(min_step, m.last_step);
     max_step = std::max(max_step, m.last_step);

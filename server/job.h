@@ -25,10 +25,12 @@
 #include "common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
 #include "server/comm_id_store.h"
+#include "server/decisions.h"
 #include "server/event_log.h"
 #include "server/membership.h"
 #include "server/peer_reports.h"
 #include "server/pending_waits.h"
+#include "server/request_checks.h"
 #include "server/state_store.h"
 
 namespace modelavg::server {
@@ -45,13 +47,8 @@ class JobWatcher {
   virtual bool Done() const { return false; }
 };
 
-// Limits on what a worker may store and ask for.
-inline constexpr size_t kMaxCommIdBytes = 4096;
-inline constexpr size_t kMaxCommIdKeyLength = 256;
-inline constexpr int64_t kMaxScheduleCount = 100000;
-// GetSchedule answers stay below gRPC's default 4 MiB receive limit (clients, grpcurl).
-inline constexpr int64_t kMaxScheduleReplyBytes = 4 * 1024 * 1024 - 16 * 1024;
-// So do GetJob and ListJobs answers: a job whose members would pass this is shown without them.
+// GetJob and ListJobs answers stay below gRPC's default 4 MiB receive limit (clients, grpcurl):
+// a job whose members would pass this is shown without them.
 inline constexpr int64_t kMaxJobReplyBytes = 4 * 1024 * 1024 - 64 * 1024;
 
 // Daemon-wide defaults for the per-job timeouts (a spec's 0 means "use these").
@@ -220,18 +217,25 @@ class Job {
   // How long a silence of every member is ridden through before the silent are declared dead
   // as usual (they may all be gone: a whole job killed at once).
   absl::Duration MaxSilentTogether() const { return 3 * heartbeat_timeout_; }
+  // Answers the Join of a replacement admitted into the running elastic job (at once).
+  void AnswerAdmission(int32_t rank, const MembershipChange& change, std::string credential,
+                       JoinCallback done, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The round is complete: answers every Join waiting for it.
+  void CompleteRound(Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reacts to what a membership operation did: fails the waits of an old generation, drops its
   // ids, completes the round's Joins, logs and emits events.
   void OnMembershipChange(const MembershipChange& change, Outbox* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Ends the membership transaction begun with membership_.Begin(): writes its hard-state
-  // changes (and `comm_id`) to the store and keeps them, or, when the write fails, rolls them
-  // back and returns UNAVAILABLE naming the store's error.
-  absl::Status Commit(std::optional<StoredCommId> comm_id = std::nullopt)
+  // Writes one transition to the store: membership_'s writer (every membership change that
+  // has hard state, before it takes effect) and PublishCommId. UNAVAILABLE naming the store's
+  // error (kept in last_save_error_) when the write fails.
+  absl::Status Save(const JobDelta& delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Members the staleness check found dead (heartbeat timeout, broken stream): written, then
+  // the generation moves on; a death that cannot be written halts the job (see the class).
+  void DeclareDead(const std::vector<int32_t>& dead, absl::Time now, Outbox* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // As Commit, returning the store's own error.
-  absl::Status Write(std::optional<StoredCommId> comm_id = std::nullopt)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails the Join and GetCommId waits whose deadline passed.
+  void ExpireWaits(absl::Time now, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Completes every pending Join and GetCommId of the job with `status`.
   void FailAllWaits(const absl::Status& status, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FillJoinResponse(int32_t rank, v1::JoinResponse* out) const
@@ -259,6 +263,7 @@ class Job {
   mutable absl::Mutex mu_;
   // Serializes event delivery across calls; taken while mu_ is held, mu_ released first.
   absl::Mutex delivery_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  // Its changes are written through Save before they take effect.
   Membership membership_ ABSL_GUARDED_BY(mu_);
   // Members declared dead since creation (or restore): a metric.
   int64_t deaths_ ABSL_GUARDED_BY(mu_) = 0;
@@ -279,6 +284,8 @@ class Job {
   absl::Status closed_ ABSL_GUARDED_BY(mu_);
   // Set while a death could not be written (UNAVAILABLE, saying why): every call fails with it.
   absl::Status halted_ ABSL_GUARDED_BY(mu_);
+  // The store's error of the last write that failed (Save).
+  absl::Status last_save_error_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace modelavg::server

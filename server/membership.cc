@@ -23,83 +23,40 @@ Schedule EveryStepOverTheWorld(int32_t world_size) {
   return *Schedule::Create(std::move(spec));
 }
 
-// The first step >= `step` at which `schedule` averages at some level.
-int64_t NextAveragingStep(const Schedule& schedule, int64_t step) {
-  const ScheduleSpec& spec = schedule.spec();
-  step = std::max(step, spec.warmup_steps);
-  if (spec.mode == AveragingMode::kPeriodic) {
-    const int64_t p = spec.levels[0].period;
-    const int64_t offset = step - spec.warmup_steps;
-    return spec.warmup_steps + (offset + p - 1) / p * p;
-  }
-  int64_t next = std::numeric_limits<int64_t>::max();
-  for (const ScheduleLevel& level : spec.levels) {
-    next = std::min(next, (step + level.period - 1) / level.period * level.period);
-  }
-  return next;
-}
-
 }  // namespace
 
-bool InsideDelayedSync(const Schedule& schedule, int64_t step) {
-  const std::vector<ScheduleLevel>& levels = schedule.spec().levels;
-  for (int level = 0; level < static_cast<int>(levels.size()); ++level) {
-    for (int64_t d = 1; d < levels[level].sync_delay && d <= step; ++d) {
-      if (schedule.LevelAt(step - d) == level) return true;
-    }
-  }
-  return false;
-}
-
-absl::StatusOr<int64_t> FindAdmissionStep(const Schedule& schedule, int32_t rank,
-                                          const std::vector<int64_t>& from_step, int64_t floor,
-                                          const std::string& job_id) {
-  // Per level, the earliest step from which a member of rank's block other than rank averages.
-  std::vector<int64_t> earliest(schedule.num_levels(), kNotMember);
-  bool any = false;
-  for (int level = 0; level < schedule.num_levels(); ++level) {
-    const SubgroupRange g = schedule.SubgroupOf(level, rank);
-    for (int32_t r = g.first_rank; r < g.first_rank + g.size; ++r) {
-      if (r != rank) earliest[level] = std::min(earliest[level], from_step[r]);
-    }
-    any = any || earliest[level] != kNotMember;
-  }
-  if (!any) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job ", job_id, " has no live member other than rank ", rank,
-        " to give a replacement its parameters; it cannot be admitted"));
-  }
-  // Steps far beyond any real run keep the arithmetic below clear of overflow.
-  constexpr int64_t kMaxFloor = std::numeric_limits<int64_t>::max() / 4;
-  const int64_t start = std::max<int64_t>(floor, 1);
-  if (start > kMaxFloor) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job ", job_id, ": the members report step ", floor,
-        ", too large to choose an admission step after it"));
-  }
-  const int64_t end = start + kMaxAdmissionScan;
-  for (int64_t s = start;; ++s) {
-    s = NextAveragingStep(schedule, s);
-    if (s >= end) break;
-    const int level = schedule.LevelAt(s);
-    if (level >= 0 && earliest[level] < s && !InsideDelayedSync(schedule, s)) return s;
-  }
-  return absl::FailedPreconditionError(absl::StrCat(
-      "job ", job_id, ": no averaging step in [", start, ", ", end,
-      ") gives rank ", rank, " a live peer in its subgroup (one admitted before that step) to "
-      "receive the parameters from; a replacement is admitted at an averaging step of a block "
-      "that still has a live member"));
-}
-
-Membership::Membership(Schedule schedule, int32_t min_world_size)
+Membership::Membership(Schedule schedule, int32_t min_world_size, MembershipWriter write)
     : schedule_(std::move(schedule)),
       min_world_size_(min_world_size > 0 && min_world_size < schedule_.world_size()
                           ? min_world_size
                           : schedule_.world_size()),
-      members_(schedule_.world_size()) {}
+      write_(std::move(write)),
+      members_(schedule_.world_size()) {
+  for (int32_t r = 0; r < world_size(); ++r) members_[r].rank = r;
+}
 
-Membership::Membership(int32_t world_size, int32_t min_world_size)
-    : Membership(EveryStepOverTheWorld(world_size), min_world_size) {}
+Membership::Membership(int32_t world_size, int32_t min_world_size, MembershipWriter write)
+    : Membership(EveryStepOverTheWorld(world_size), min_world_size, std::move(write)) {}
+
+namespace {
+
+MembershipChange& ChangeOf(Membership::JoinResult& r) { return r.change; }
+MembershipChange& ChangeOf(Membership::LeaveResult& r) { return r.change; }
+MembershipChange& ChangeOf(MembershipChange& c) { return c; }
+
+}  // namespace
+
+template <typename Op>
+auto Membership::Transact(Op op) -> decltype(op()) {
+  Begin();
+  auto result = op();
+  if (!result.ok()) {
+    Rollback();
+    return result;
+  }
+  if (absl::Status s = WriteAndKeep(&ChangeOf(*result)); !s.ok()) return s;
+  return result;
+}
 
 std::shared_ptr<const MemberSteps> Membership::DecisionMembers() const {
   if (decision_members_ != nullptr) return decision_members_;
@@ -107,7 +64,7 @@ std::shared_ptr<const MemberSteps> Membership::DecisionMembers() const {
   view->from_step.assign(members_.size(), -1);
   if (state_ == v1::RUNNING) {
     for (int32_t r = 0; r < world_size(); ++r) {
-      const Member& m = members_[r];
+      const LiveMember& m = members_[r];
       if (!InRound(m)) {
         view->from_step[r] = kNotMember;
         view->all_from_start = false;
@@ -130,33 +87,27 @@ std::vector<int32_t> Membership::VacantRanks() const {
   return vacant;
 }
 
-void Membership::Restore(const StoredJobHeader& header, const std::vector<StoredMember>& members,
+void Membership::Restore(const MembershipHeader& header, const std::vector<Member>& members,
                          absl::Time now) {
   state_ = header.state;
   generation_ = header.generation;
   last_change_ = header.last_change;
   round_size_ = 0;
-  for (const StoredMember& s : members) {
+  for (const Member& s : members) {
     if (s.rank < 0 || s.rank >= world_size()) continue;
     // A rank of a round that was still assembling (stored by an older coordinator; such ranks are
     // not stored any more): its Join was never answered, so it is nobody's.
     if (header.state == v1::PENDING && s.state == v1::ALIVE && s.generation == header.generation) {
       continue;
     }
-    Member& m = members_[s.rank];
-    m.present = true;
-    m.worker_id = s.worker_id;
-    m.host = s.host;
-    m.state = s.state;
-    m.generation = s.generation;
-    m.credential_digest = s.credential_digest;
-    m.joined_generation = s.joined_generation > 0 ? s.joined_generation : s.generation;
-    m.admitted_step = s.admitted_step;
+    LiveMember& m = members_[s.rank];
+    static_cast<Member&>(m) = s;
+    if (m.joined_generation <= 0) m.joined_generation = m.generation;
     m.last_step = -1;
     m.last_heartbeat = now;
     if (InRound(m)) ++round_size_;
   }
-  ClearDelta();
+  unwritten_.clear();
   decision_members_.reset();
   stale_not_before_ = absl::InfinitePast();
   ResetProgress();
@@ -169,30 +120,69 @@ absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worke
                                                         const std::string& job_id,
                                                         const std::string& credential,
                                                         const std::string& new_digest) {
+  const Joiner joiner{worker_id, host, requested, credential, new_digest};
+  absl::StatusOr<JoinResult> joined =
+      Transact([&] { return JoinInMemory(joiner, now, job_id); });
+  // Soft state: heartbeat times count only while RUNNING, from the round's completion.
+  if (joined.ok() && joined->change.world_complete) {
+    for (LiveMember& each : members_) each.last_heartbeat = now;
+  }
+  return joined;
+}
+
+absl::StatusOr<Membership::JoinResult> Membership::JoinInMemory(const Joiner& joiner,
+                                                                absl::Time now,
+                                                                const std::string& job_id) {
   const int32_t world = world_size();
   if (state_ == v1::FINISHED) {
     return absl::FailedPreconditionError(absl::StrCat(
         "job ", job_id, " is FINISHED (every member left); create a new job to train again"));
   }
   if (state_ == v1::RUNNING && elastic()) {
-    return Admit(worker_id, host, requested, now, job_id, credential, new_digest);
+    return Admit(joiner, now, job_id);
   }
+  absl::StatusOr<int32_t> rank = ChooseRank(joiner, job_id);
+  if (!rank.ok()) return rank.status();
   JoinResult result;
+  if (state_ == v1::RUNNING) {
+    // A re-join of the running round: a new generation, which every worker joins again.
+    result.change = Bump(*rank, absl::StrCat("rank ", *rank, " re-joined"), now);
+    ResetProgress();
+  }
+  result.rank = *rank;
+  result.was_in_round = InRound(members_[*rank]);
+  if (!result.was_in_round) ++round_size_;
+  Seat(*rank, joiner.worker_id, joiner.host, now, joiner.new_digest, /*admitted_step=*/-1);
+  if (round_size_ == world) {
+    state_ = v1::RUNNING;
+    MarkHeader();
+    // The round's members were left out of the changes while it assembled: all are written now.
+    for (int32_t r = 0; r < world; ++r) {
+      if (InRound(members_[r])) tx_->ranks.push_back(r);
+    }
+    result.change.world_complete = true;
+  }
+  return result;
+}
+
+absl::StatusOr<int32_t> Membership::ChooseRank(const Joiner& joiner,
+                                               const std::string& job_id) const {
+  const int32_t world = world_size();
   int32_t rank = -1;
   if (state_ == v1::RUNNING) {
-    if (requested.has_value()) {
-      rank = *requested;
+    if (joiner.rank.has_value()) {
+      rank = *joiner.rank;
     } else {
       // Only the holder (its credential) finds its rank back.
       for (int32_t r = 0; r < world; ++r) {
         if (InRound(members_[r]) &&
-            CredentialMatches(credential, members_[r].credential_digest)) {
+            CredentialMatches(joiner.credential, members_[r].credential_digest)) {
           rank = r;
         }
       }
     }
     if (rank >= 0 && InRound(members_[rank]) &&
-        !CredentialMatches(credential, members_[rank].credential_digest)) {
+        !CredentialMatches(joiner.credential, members_[rank].credential_digest)) {
       return HeldByOther(rank, job_id);
     }
     if (rank < 0) {
@@ -200,45 +190,30 @@ absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worke
           "job ", job_id, " is RUNNING with all ", world, " ranks joined in generation ",
           generation_, "; a worker restarting after a crash re-joins by naming its rank"));
     }
-    result.change = Bump(rank, absl::StrCat("rank ", rank, " re-joined"), now);
-    ResetProgress();
-  } else if (requested.has_value()) {
-    rank = *requested;
-    const Member& m = members_[rank];
+  } else if (joiner.rank.has_value()) {
+    rank = *joiner.rank;
+    const LiveMember& m = members_[rank];
     // The same worker id again in an assembling round is a retried Join (its reply, and so
     // its credential, may never have arrived).
-    if (InRound(m) && m.worker_id != worker_id &&
-        !CredentialMatches(credential, m.credential_digest)) {
+    if (InRound(m) && m.worker_id != joiner.worker_id &&
+        !CredentialMatches(joiner.credential, m.credential_digest)) {
       return HeldByOther(rank, job_id);
     }
   } else {
     // The same worker again keeps its rank; a survivor of an earlier generation gets its old
     // rank back if free; anyone else the lowest free rank.
     for (int32_t r = 0; r < world && rank < 0; ++r) {
-      if (members_[r].present && members_[r].worker_id == worker_id) rank = r;
+      if (members_[r].present() && members_[r].worker_id == joiner.worker_id) rank = r;
     }
     for (int32_t r = 0; r < world && rank < 0; ++r) {
       if (!InRound(members_[r])) rank = r;
     }
   }
-
-  result.rank = rank;
-  result.was_in_round = InRound(members_[rank]);
-  if (!result.was_in_round) ++round_size_;
-  Seat(rank, worker_id, host, now, new_digest, /*admitted_step=*/-1);
-  if (round_size_ == world) {
-    state_ = v1::RUNNING;
-    MarkHeader();
-    // Soft state, not recorded for Rollback: heartbeat times count only while RUNNING, and a
-    // rolled-back completion leaves the round assembling.
-    for (Member& each : members_) each.last_heartbeat = now;
-    result.change.world_complete = true;
-  }
-  return result;
+  return rank;
 }
 
 absl::Status Membership::HeldByOther(int32_t rank, const std::string& job_id) const {
-  const Member& m = members_[rank];
+  const LiveMember& m = members_[rank];
   return absl::AlreadyExistsError(absl::StrCat(
       "rank ", rank, " of job ", job_id, " is held by worker \"", m.worker_id, "\" (host ",
       m.host.empty() ? "unknown" : m.host, "), alive in generation ", generation_,
@@ -246,26 +221,22 @@ absl::Status Membership::HeldByOther(int32_t rank, const std::string& job_id) co
       "credential; ask for another rank or leave rank unset"));
 }
 
-absl::StatusOr<Membership::JoinResult> Membership::Admit(const std::string& worker_id,
-                                                         const std::string& host,
-                                                         std::optional<int32_t> requested,
-                                                         absl::Time now,
-                                                         const std::string& job_id,
-                                                         const std::string& credential,
-                                                         const std::string& new_digest) {
+absl::StatusOr<Membership::Vacancy> Membership::FindVacancy(const Joiner& joiner,
+                                                            const std::string& job_id) const {
   const int32_t world = world_size();
   // A live member whose place this Join takes: its holder re-joining (a restart, proven by the
   // credential), or the same worker retrying a replacement's Join whose reply it never got (it
   // has not been heard from since).
   const auto replaces = [&](int32_t r) {
-    const Member& m = members_[r];
-    return InRound(m) && (CredentialMatches(credential, m.credential_digest) ||
-                          (m.worker_id == worker_id && m.admitted_step >= 0 && m.last_step < 0));
+    const LiveMember& m = members_[r];
+    return InRound(m) &&
+           (CredentialMatches(joiner.credential, m.credential_digest) ||
+            (m.worker_id == joiner.worker_id && m.admitted_step >= 0 && m.last_step < 0));
   };
   int32_t rank = -1;
   bool replaced = false;
-  if (requested.has_value()) {
-    rank = *requested;
+  if (joiner.rank.has_value()) {
+    rank = *joiner.rank;
     if (InRound(members_[rank])) {
       if (!replaces(rank)) return HeldByOther(rank, job_id);
       replaced = true;
@@ -287,7 +258,12 @@ absl::StatusOr<Membership::JoinResult> Membership::Admit(const std::string& work
           "(one whose member died or left)"));
     }
   }
+  return Vacancy{rank, replaced};
+}
 
+absl::StatusOr<Membership::AdmissionStep> Membership::ChooseAdmissionStep(
+    int32_t rank, const std::string& job_id) const {
+  const int32_t world = world_size();
   // The floor: past every step a live member may have reached before it hears of the new
   // generation. A member that never reported its step (it just joined, or this coordinator
   // restarted) could be anywhere: the Join waits for its report.
@@ -295,7 +271,7 @@ absl::StatusOr<Membership::JoinResult> Membership::Admit(const std::string& work
   std::vector<int32_t> unreported;
   std::vector<int64_t> from_step(world, kNotMember);
   for (int32_t r = 0; r < world; ++r) {
-    const Member& m = members_[r];
+    const LiveMember& m = members_[r];
     if (r == rank || !InRound(m)) continue;
     from_step[r] = m.admitted_step;
     if (m.last_step >= 0) {
@@ -326,37 +302,51 @@ absl::StatusOr<Membership::JoinResult> Membership::Admit(const std::string& work
                             : max_reported + margin;
   absl::StatusOr<int64_t> step = FindAdmissionStep(schedule_, rank, from_step, floor, job_id);
   if (!step.ok()) return step.status();
+  return AdmissionStep{*step, floor, margin, max_reported};
+}
+
+absl::StatusOr<Membership::JoinResult> Membership::Admit(const Joiner& joiner, absl::Time now,
+                                                         const std::string& job_id) {
+  absl::StatusOr<Vacancy> vacancy = FindVacancy(joiner, job_id);
+  if (!vacancy.ok()) return vacancy.status();
+  const int32_t rank = vacancy->rank;
+  absl::StatusOr<AdmissionStep> step = ChooseAdmissionStep(rank, job_id);
+  if (!step.ok()) return step.status();
 
   const int64_t old_generation = generation_;
   JoinResult result;
   result.rank = rank;
-  result.change = Bump(rank,
-                       absl::StrCat("rank ", rank, replaced ? " re-joined and was" : " was",
-                                    " admitted at step ", *step, " (worker \"", worker_id, "\")"),
-                       now);
+  result.change =
+      Bump(rank,
+           absl::StrCat("rank ", rank, vacancy->replaced ? " re-joined and was" : " was",
+                        " admitted at step ", step->step, " (worker \"", joiner.worker_id, "\")"),
+           now);
   result.change.admitted = true;
-  result.change.replaced_live_member = replaced;
-  result.change.admission_step = *step;
-  result.change.admission_floor = floor;
-  result.change.admission_margin = margin;
-  result.change.max_reported_step = max_reported;
+  result.change.replaced_live_member = vacancy->replaced;
+  result.change.admission_step = step->step;
+  result.change.admission_floor = step->floor;
+  result.change.admission_margin = step->margin;
+  result.change.max_reported_step = step->max_reported;
   state_ = v1::RUNNING;
-  for (int32_t r = 0; r < world; ++r) {
-    const Member& m = members_[r];
-    if (r != rank && m.present && m.state == v1::ALIVE && m.generation == old_generation) {
-      Mutable(r).generation = generation_;
-      ++round_size_;
-    }
-  }
-  Seat(rank, worker_id, host, now, new_digest, *step);
+  CarryOver(old_generation, /*except=*/rank);
+  Seat(rank, joiner.worker_id, joiner.host, now, joiner.new_digest, step->step);
   ++round_size_;
   return result;
 }
 
+void Membership::CarryOver(int64_t old_generation, int32_t except) {
+  for (int32_t r = 0; r < world_size(); ++r) {
+    const LiveMember& m = members_[r];
+    if (r != except && m.present() && m.state == v1::ALIVE && m.generation == old_generation) {
+      Mutable(r).generation = generation_;
+      ++round_size_;
+    }
+  }
+}
+
 void Membership::Seat(int32_t rank, const std::string& worker_id, const std::string& host,
                       absl::Time now, const std::string& digest, int64_t admitted_step) {
-  Member& m = Mutable(rank);
-  m.present = true;
+  LiveMember& m = Mutable(rank);
   m.worker_id = worker_id;
   m.host = host;
   m.last_step = -1;
@@ -371,8 +361,8 @@ void Membership::Seat(int32_t rank, const std::string& worker_id, const std::str
 
 absl::Status Membership::CheckCredential(int32_t rank, const std::string& credential,
                                          const char* rpc, const std::string& job_id) const {
-  const Member& m = members_[rank];
-  if (!m.present) {
+  const LiveMember& m = members_[rank];
+  if (!m.present()) {
     return absl::PermissionDeniedError(absl::StrCat(
         rpc, " as rank ", rank, " of job ", job_id, ": the rank has no member; Join first"));
   }
@@ -401,14 +391,25 @@ absl::Status Membership::CheckCredential(int32_t rank, const std::string& creden
 
 void Membership::Withdraw(int32_t rank) {
   if (InRound(members_[rank])) --round_size_;
-  Mutable(rank) = Member{};
+  members_[rank] = LiveMember{};
+  members_[rank].rank = rank;
+  unwritten_.push_back(rank);
+  decision_members_.reset();
+  stale_not_before_ = absl::InfinitePast();
 }
 
 absl::StatusOr<Membership::LeaveResult> Membership::Leave(int32_t rank, const std::string& reason,
                                                           absl::Time now,
                                                           const std::string& job_id) {
-  const Member& m = members_[rank];
-  if (!m.present) {
+  return Transact([&] { return LeaveInMemory(rank, reason, now, job_id); });
+}
+
+absl::StatusOr<Membership::LeaveResult> Membership::LeaveInMemory(int32_t rank,
+                                                                  const std::string& reason,
+                                                                  absl::Time now,
+                                                                  const std::string& job_id) {
+  const LiveMember& m = members_[rank];
+  if (!m.present()) {
     return absl::FailedPreconditionError(
         absl::StrCat("rank ", rank, " has not joined job ", job_id));
   }
@@ -430,8 +431,14 @@ absl::StatusOr<Membership::LeaveResult> Membership::Leave(int32_t rank, const st
   return result;
 }
 
-MembershipChange Membership::Die(const std::vector<int32_t>& ranks, const std::string& reason,
-                                 absl::Time now) {
+absl::StatusOr<MembershipChange> Membership::Die(const std::vector<int32_t>& ranks,
+                                                 const std::string& reason, absl::Time now) {
+  return Transact(
+      [&]() -> absl::StatusOr<MembershipChange> { return DieInMemory(ranks, reason, now); });
+}
+
+MembershipChange Membership::DieInMemory(const std::vector<int32_t>& ranks,
+                                         const std::string& reason, absl::Time now) {
   if (ranks.empty()) return MembershipChange{};
   for (int32_t r : ranks) Mutable(r).state = v1::DEAD;
   return Depart(ranks[0], reason, now, /*orderly=*/false);
@@ -441,7 +448,7 @@ MembershipChange Membership::Depart(int32_t rank, const std::string& reason, abs
                                     bool orderly) {
   if (state_ == v1::RUNNING && elastic()) {
     int32_t live = 0;
-    for (const Member& m : members_) live += InRound(m) ? 1 : 0;
+    for (const LiveMember& m : members_) live += InRound(m) ? 1 : 0;
     // An orderly Leave winds the job down (the end of a run, where workers finish at different
     // times) without failing the others: only deaths count against min_world_size.
     if (live >= min_world_size_ || (orderly && live > 0)) return Shrink(rank, reason, now);
@@ -455,13 +462,7 @@ MembershipChange Membership::Shrink(int32_t rank, const std::string& reason, abs
   MembershipChange change = Bump(rank, reason, now);
   change.shrunk = true;
   state_ = v1::RUNNING;
-  for (int32_t r = 0; r < world_size(); ++r) {
-    const Member& m = members_[r];
-    if (m.present && m.state == v1::ALIVE && m.generation == old_generation) {
-      Mutable(r).generation = generation_;
-      ++round_size_;
-    }
-  }
+  CarryOver(old_generation, /*except=*/-1);
   return change;
 }
 
@@ -474,7 +475,7 @@ std::vector<int32_t> Membership::Stale(absl::Time now, absl::Duration timeout,
   }
   absl::Time earliest = absl::InfiniteFuture();
   for (int32_t r = 0; r < world_size(); ++r) {
-    const Member& m = members_[r];
+    const LiveMember& m = members_[r];
     if (!InRound(m)) continue;
     if (now - m.last_heartbeat > timeout ||
         (m.stream_lost_at != absl::InfiniteFuture() && now - m.stream_lost_at > lost_grace)) {
@@ -492,15 +493,15 @@ std::vector<int32_t> Membership::Stale(absl::Time now, absl::Duration timeout,
 }
 
 void Membership::StreamLost(int32_t rank, absl::Time now) {
-  Member& m = members_[rank];
+  LiveMember& m = members_[rank];
   if (InRound(m)) m.stream_lost_at = std::min(m.stream_lost_at, now);
   stale_not_before_ = absl::InfinitePast();
 }
 
 void Membership::Heartbeat(int32_t rank, int64_t generation, int64_t step, absl::Time now) {
-  Member& m = members_[rank];
+  LiveMember& m = members_[rank];
   // Only the worker of that generation counts: a straggler of an older one keeps nobody alive.
-  if (m.present && m.state == v1::ALIVE && generation >= m.joined_generation &&
+  if (m.present() && m.state == v1::ALIVE && generation >= m.joined_generation &&
       generation <= generation_) {
     m.last_heartbeat = now;
     m.stream_lost_at = absl::InfiniteFuture();
@@ -532,7 +533,7 @@ void Membership::ResetProgress() {
 }
 
 void Membership::RecordStep(int32_t rank, int64_t step, absl::Time now) {
-  Member& m = members_[rank];
+  LiveMember& m = members_[rank];
   m.last_heartbeat = now;
   m.stream_lost_at = absl::InfiniteFuture();
   m.last_step = step;
@@ -570,14 +571,13 @@ MembershipChange Membership::Bump(int32_t rank, const std::string& reason, absl:
   state_ = v1::PENDING;
   round_size_ = 0;
   MarkHeader();
-  dirty_clear_comm_ids_ = true;
   return change;
 }
 
 bool Membership::MaybeFinish() {
   bool any = false;
-  for (const Member& m : members_) {
-    if (!m.present) continue;
+  for (const LiveMember& m : members_) {
+    if (!m.present()) continue;
     any = true;
     if (m.state != v1::LEFT) return false;
   }
@@ -585,100 +585,76 @@ bool Membership::MaybeFinish() {
   state_ = v1::FINISHED;
   round_size_ = 0;
   MarkHeader();
-  dirty_clear_comm_ids_ = true;
   return true;
 }
 
-JobDelta Membership::PeekDelta() const {
-  JobDelta delta;
-  if (dirty_header_) {
-    StoredJobHeader header;
-    header.state = state_;
-    header.generation = generation_;
-    header.last_change = last_change_;
-    delta.header = std::move(header);
+LiveMember& Membership::Mutable(int32_t rank) {
+  if (tx_->saved.insert(rank).second) {
+    tx_->members.emplace_back(rank, members_[rank]);
+    tx_->ranks.push_back(rank);
   }
-  delta.clear_comm_ids = dirty_clear_comm_ids_;
-  std::vector<int32_t> ranks = dirty_members_;
-  std::sort(ranks.begin(), ranks.end());
-  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
-  for (int32_t r : ranks) {
-    const Member& m = members_[r];
-    if (Assembling(m)) continue;
-    StoredMember s;
-    s.rank = r;
-    if (m.present) {
-      s.worker_id = m.worker_id;
-      s.host = m.host;
-      s.state = m.state;
-      s.generation = m.generation;
-      s.credential_digest = m.credential_digest;
-      s.joined_generation = m.joined_generation;
-      s.admitted_step = m.admitted_step;
-    }
-    delta.members.push_back(std::move(s));
-  }
-  return delta;
-}
-
-void Membership::ClearDelta() {
-  dirty_header_ = false;
-  dirty_clear_comm_ids_ = false;
-  // What PeekDelta left out stays pending.
-  std::vector<int32_t> kept;
-  for (int32_t r : dirty_members_) {
-    if (Assembling(members_[r])) kept.push_back(r);
-  }
-  dirty_members_ = std::move(kept);
-}
-
-Membership::Member& Membership::Mutable(int32_t rank) {
-  if (undo_.has_value() && undo_->saved.insert(rank).second) {
-    undo_->members.emplace_back(rank, members_[rank]);
-  }
-  dirty_members_.push_back(rank);
   decision_members_.reset();
   stale_not_before_ = absl::InfinitePast();
   return members_[rank];
 }
 
-void Membership::Begin() {
-  undo_ = Undo{state_,
-               generation_,
-               round_size_,
-               last_change_,
-               progress_max_,
-               rate_sample_time_,
-               rate_sample_step_,
-               steps_per_second_,
-               dirty_header_,
-               dirty_clear_comm_ids_,
-               dirty_members_.size(),
-               {},
-               {}};
-}
-
-void Membership::Commit() { undo_.reset(); }
-
-void Membership::Rollback() {
-  if (!undo_.has_value()) return;
-  Undo& u = *undo_;
-  state_ = u.state;
-  generation_ = u.generation;
-  round_size_ = u.round_size;
-  last_change_ = std::move(u.last_change);
-  progress_max_ = u.progress_max;
-  rate_sample_time_ = u.rate_sample_time;
-  rate_sample_step_ = u.rate_sample_step;
-  steps_per_second_ = u.steps_per_second;
-  dirty_header_ = u.dirty_header;
-  dirty_clear_comm_ids_ = u.dirty_clear_comm_ids;
-  // Only appended to within a transaction (ClearDelta comes after Commit).
-  dirty_members_.resize(std::min(dirty_members_.size(), u.dirty_members));
-  for (auto& [rank, m] : u.members) members_[rank] = std::move(m);
+void Membership::MarkHeader() {
+  tx_->header_changed = true;
   decision_members_.reset();
   stale_not_before_ = absl::InfinitePast();
-  undo_.reset();
+}
+
+absl::Status Membership::WriteAndKeep(MembershipChange* change) {
+  Transaction& tx = *tx_;
+  if (tx.header_changed) change->header = MembershipHeader{state_, generation_, last_change_};
+  const auto records = [&](std::vector<int32_t> ranks) {
+    std::sort(ranks.begin(), ranks.end());
+    ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+    change->members.clear();
+    for (int32_t r : ranks) {
+      if (!Assembling(members_[r])) change->members.push_back(members_[r]);
+    }
+  };
+  records(tx.ranks);
+  // A change with nothing to write (a rank seated in an assembling round) writes nothing; one
+  // that writes takes the withdrawn ranks' removals along.
+  const bool writes = change->changes_hard_state();
+  if (writes && !unwritten_.empty()) {
+    std::vector<int32_t> ranks = tx.ranks;
+    ranks.insert(ranks.end(), unwritten_.begin(), unwritten_.end());
+    records(std::move(ranks));
+  }
+  if (write_ != nullptr && writes) {
+    if (absl::Status s = write_(*change); !s.ok()) {
+      Rollback();
+      return s;
+    }
+  }
+  // Written with this change (a withdrawn rank seated again belongs to the assembling round).
+  if (writes) unwritten_.clear();
+  tx_.reset();
+  return absl::OkStatus();
+}
+
+void Membership::Begin() {
+  tx_ = Transaction{state_,           generation_,       round_size_,       last_change_,
+                    progress_max_,    rate_sample_time_, rate_sample_step_, steps_per_second_};
+}
+
+void Membership::Rollback() {
+  Transaction& tx = *tx_;
+  state_ = tx.state;
+  generation_ = tx.generation;
+  round_size_ = tx.round_size;
+  last_change_ = std::move(tx.last_change);
+  progress_max_ = tx.progress_max;
+  rate_sample_time_ = tx.rate_sample_time;
+  rate_sample_step_ = tx.rate_sample_step;
+  steps_per_second_ = tx.steps_per_second;
+  for (auto& [rank, m] : tx.members) members_[rank] = std::move(m);
+  decision_members_.reset();
+  stale_not_before_ = absl::InfinitePast();
+  tx_.reset();
 }
 
 }  // namespace modelavg::server

@@ -1,14 +1,15 @@
 // One job's membership and generations: who holds which rank, in which generation, and the
 // job's state (PENDING while a round assembles, RUNNING once complete, FINISHED once every member
-// left). A plain value class: no lock, no clock, no gRPC, no storage. Every operation returns
-// what changed, and the hard-state changes accumulate until PeekDelta() hands them to a
-// StateStore. Job (server/job.h) owns one under its mutex and makes each operation a
-// transaction: Begin(), the operation, then Commit() once the store has written PeekDelta(), or
-// Rollback() when it could not, which leaves the membership exactly as before Begin().
+// left). A plain value class: no lock, no clock, no gRPC, no storage. Every operation reports
+// what it changed (a MembershipChange: the generation moved, the round completed, which members'
+// records changed) and takes effect only once its writer (given at construction; Job's writes
+// the change to its StateStore) has accepted that report: when the writer fails, the operation
+// fails with its error and the membership is exactly as before.
 #ifndef MODELAVG_SERVER_MEMBERSHIP_H_
 #define MODELAVG_SERVER_MEMBERSHIP_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -19,52 +20,25 @@
 #include "absl/time/time.h"
 #include "common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
-#include "server/state_store.h"
+#include "server/admission.h"
+#include "server/member.h"
 
 namespace modelavg::server {
 
-// Admission of replacements into a RUNNING elastic job (Membership::Join).
-// The admission step is at least the largest step the live members reported plus this margin:
-// kMinAdmissionMargin, plus the steps the job advances in kAdmissionNotice (estimated from the
-// reported steps), at most kMaxAdmissionMargin in all.
-inline constexpr int64_t kMinAdmissionMargin = 2;
-inline constexpr int64_t kMaxAdmissionMargin = 100000;
-inline constexpr absl::Duration kAdmissionNotice = absl::Seconds(1);
-// The progress rate is re-estimated from two samples of the largest reported step at least
-// this far apart.
-inline constexpr absl::Duration kRateSampleInterval = absl::Seconds(1);
-// The admission step is searched among the next kMaxAdmissionScan steps from the floor.
-inline constexpr int64_t kMaxAdmissionScan = 1000000;
-// MemberSteps::from_step of a rank no live member holds.
-inline constexpr int64_t kNotMember = INT64_MAX;
-
-// Which ranks take part in decisions, step by step: from_step[r] is the first step at which
-// rank r is a member of its subgroups' averaging: -1 for a member of the world that started
-// the job (and for every rank while the job is not RUNNING), the admission step of a
-// replacement, kNotMember for a vacant rank. A decision at step s lists the ranks with
-// from_step <= s as members, and those with from_step == s as joining.
-struct MemberSteps {
-  std::vector<int64_t> from_step;
-  // Every rank is a member at every step (no vacancy, no replacement): decisions are the
-  // schedule's.
-  bool all_from_start = true;
+// A member as Membership holds it: its hard state (Member, what a StateStore keeps) and what the
+// coordinator knows of it in memory only, never written.
+struct LiveMember : Member {
+  int64_t last_step = -1;
+  absl::Time last_heartbeat;
+  // When its HeartbeatStream broke without a clean end (the process died, its host went away)
+  // with no beat since; InfiniteFuture otherwise.
+  absl::Time stream_lost_at = absl::InfiniteFuture();
+  // The last credential CheckCredential found to match `verified_digest`: a beat that brings it
+  // again is checked by comparison instead of a SHA-256. It counts only while verified_digest is
+  // still credential_digest.
+  mutable std::string verified_credential;
+  mutable std::string verified_digest;
 };
-
-// Whether a background all-reduce (Level.sync_delay, docs/streaming.md) started before `step`
-// is applied after it: a sync step s of a level with delay tau and s < step < s + tau. The
-// members' outer state is then half-way through a sync, so no replacement is admitted there.
-bool InsideDelayedSync(const Schedule& schedule, int64_t step);
-
-// The admission step of a replacement taking `rank`: the first step s >= max(floor, 1) at
-// which the schedule averages (at level L), no delayed sync is pending (InsideDelayedSync),
-// and `rank`'s block at L has a rank other than `rank`
-// with from_step[r] < s (a live member admitted before s, whose parameters it can receive).
-// `from_step` as MemberSteps, with `rank` itself ignored. FAILED_PRECONDITION when no such step
-// is among the next kMaxAdmissionScan steps (no block of `rank` has a live member, or the
-// period that would give one is too far).
-absl::StatusOr<int64_t> FindAdmissionStep(const Schedule& schedule, int32_t rank,
-                                          const std::vector<int64_t>& from_step, int64_t floor,
-                                          const std::string& job_id);
 
 // What one operation did to the membership.
 struct MembershipChange {
@@ -93,38 +67,27 @@ struct MembershipChange {
   int64_t admission_floor = -1;
   int64_t admission_margin = 0;
   int64_t max_reported_step = -1;
+
+  // The hard state it changed: the header after it, when that changed, and the records of the
+  // members whose hard state changed (in rank order; a record without a worker_id: the rank's
+  // member was removed). The members of a round that is still assembling are left out until it
+  // completes (then all of them are listed): until then a rank in it is part of its Join's wait,
+  // which nobody has been answered about yet, so a coordinator that stops or dies then must not
+  // bring it back as a member.
+  std::optional<MembershipHeader> header;
+  std::vector<Member> members;
+
+  // True if the change has hard state to write.
+  bool changes_hard_state() const { return header.has_value() || !members.empty(); }
 };
+
+// Accepts a change before it takes effect (Job writes it to its StateStore). An error rejects
+// it: the operation fails with that error and changes nothing. It must not call back into the
+// Membership.
+using MembershipWriter = std::function<absl::Status(const MembershipChange&)>;
 
 class Membership {
  public:
-  struct Member {
-    bool present = false;
-    std::string worker_id;
-    std::string host;
-    int64_t last_step = -1;
-    absl::Time last_heartbeat;
-    // When its HeartbeatStream broke without a clean end (the process died, its host went away)
-    // with no beat since; InfiniteFuture otherwise.
-    absl::Time stream_lost_at = absl::InfiniteFuture();
-    v1::MemberState state = v1::MEMBER_STATE_UNSPECIFIED;
-    // The generation of this member's round: the one it joined, or a later one that an elastic
-    // job shrank into with it as a survivor; 0 when not in any round.
-    int64_t generation = 0;
-    // Digest of the credential its Join was given (server/member_credential.h).
-    std::string credential_digest;
-    // The last credential CheckCredential found to match `verified_digest` (memory only, never
-    // stored): a beat that brings it again is checked by comparison instead of a SHA-256. It
-    // counts only while verified_digest is still credential_digest.
-    mutable std::string verified_credential;
-    mutable std::string verified_digest;
-    // The generation in which this worker joined (its heartbeats count from then on).
-    int64_t joined_generation = 0;
-    // The step from which it takes part in the averaging: -1 for a member of the world that
-    // started the job (or re-formed it after a fall-back to PENDING), its admission step for a
-    // replacement admitted into the RUNNING elastic job.
-    int64_t admitted_step = -1;
-  };
-
   struct JoinResult {
     int32_t rank = -1;
     // The same worker was already in the current round (it retried): its older Join is
@@ -142,14 +105,17 @@ class Membership {
   };
 
   // `min_world_size`: 0 (or world_size) for a strict job; otherwise 1..world_size-1, an elastic
-  // job (see JobSpec.min_world_size). `schedule` chooses admission steps.
-  Membership(Schedule schedule, int32_t min_world_size);
+  // job (see JobSpec.min_world_size). `schedule` chooses admission steps. `write` accepts each
+  // change that has hard state to write before it takes effect; without one, every change takes
+  // effect as it is made.
+  Membership(Schedule schedule, int32_t min_world_size, MembershipWriter write = nullptr);
   // A membership whose schedule averages the whole world at every step (PERIODIC, period 1).
-  explicit Membership(int32_t world_size, int32_t min_world_size = 0);
+  explicit Membership(int32_t world_size, int32_t min_world_size = 0,
+                      MembershipWriter write = nullptr);
 
   // Continues from stored state (after a coordinator restart). Every restored member of the
-  // current generation counts as having sent a heartbeat at `now`.
-  void Restore(const StoredJobHeader& header, const std::vector<StoredMember>& members,
+  // current generation counts as having sent a heartbeat at `now`. Nothing is written.
+  void Restore(const MembershipHeader& header, const std::vector<Member>& members,
                absl::Time now);
 
   int32_t world_size() const { return static_cast<int32_t>(members_.size()); }
@@ -160,7 +126,7 @@ class Membership {
   v1::JobState state() const { return state_; }
   int64_t generation() const { return generation_; }
   int32_t round_size() const { return round_size_; }
-  const Member& member(int32_t rank) const { return members_[rank]; }
+  const LiveMember& member(int32_t rank) const { return members_[rank]; }
   const std::optional<v1::GenerationChange>& last_change() const { return last_change_; }
   bool InRound(int32_t rank) const { return InRound(members_[rank]); }
 
@@ -179,6 +145,7 @@ class Membership {
   //   ALREADY_EXISTS       another worker holds the rank, alive (the message names it)
   //   UNAVAILABLE          elastic admission: a live member has not reported its step since it
   //                        joined or the coordinator restarted (retry shortly)
+  //   the writer's error   the change could not be written (nothing changed)
   absl::StatusOr<JoinResult> Join(const std::string& worker_id, const std::string& host,
                                   std::optional<int32_t> rank, absl::Time now,
                                   const std::string& job_id, const std::string& credential = "",
@@ -190,18 +157,21 @@ class Membership {
                                const std::string& job_id) const;
 
   // Takes a rank out of a round that is still assembling (its Join was cancelled or timed out),
-  // freeing it for anyone.
+  // freeing it for anyone. Nothing is written now (nothing was for its seat); the removal is
+  // part of the next change that has hard state to write.
   void Withdraw(int32_t rank);
 
-  // Orderly exit of a rank that joined at some point. FAILED_PRECONDITION if it never did.
+  // Orderly exit of a rank that joined at some point. FAILED_PRECONDITION if it never did; the
+  // writer's error (nothing changed).
   absl::StatusOr<LeaveResult> Leave(int32_t rank, const std::string& reason, absl::Time now,
                                     const std::string& job_id);
 
   // Marks `ranks` (members of the running round) DEAD and starts a new generation: in an
   // elastic job with at least min_world_size survivors, one of the survivors (still RUNNING,
-  // change.shrunk); otherwise a PENDING one that every worker must re-join.
-  MembershipChange Die(const std::vector<int32_t>& ranks, const std::string& reason,
-                       absl::Time now);
+  // change.shrunk); otherwise a PENDING one that every worker must re-join. Fails only with the
+  // writer's error (nothing changed).
+  absl::StatusOr<MembershipChange> Die(const std::vector<int32_t>& ranks,
+                                       const std::string& reason, absl::Time now);
 
   // Ranks of the running round whose last heartbeat is older than `timeout` (none unless
   // RUNNING). O(1) until the earliest member could expire, O(world_size) then.
@@ -228,26 +198,34 @@ class Membership {
   // Ranks missing from the current round, at most `limit` listed, then "and N more".
   std::string MissingRanks(int limit) const;
 
-  // The hard-state changes since the last ClearDelta() (empty when none). The caller writes
-  // them and then clears them. The members of a round that is still assembling are left out
-  // (and stay pending): until the round completes, a rank in it is part of its Join's wait, which
-  // nobody has been answered about yet, so a coordinator that stops or dies then must not bring
-  // it back as a member.
-  JobDelta PeekDelta() const;
-  void ClearDelta();
-
-  // Transactions (see the top of this file). Begin() starts recording what the operations that
-  // follow change; Commit() keeps it (after ClearDelta() when its delta was written), Rollback()
-  // undoes it: the members, the state, the generation, the soft progress figures and the
-  // pending delta are exactly as at Begin(). Without Begin(), changes are not recorded.
-  void Begin();
-  void Commit();
-  void Rollback();
-
  private:
   bool InRound(const Member& m) const {
-    return m.present && m.generation == generation_ && m.state == v1::ALIVE;
+    return m.present() && m.generation == generation_ && m.state == v1::ALIVE;
   }
+  // Runs `op` (one of the *InMemory operations below, returning a StatusOr of a result with its
+  // MembershipChange) as one transaction: its change is completed with the hard state it
+  // changed and handed to the writer; it is kept once the writer accepts it (or when there is
+  // nothing to write), undone when `op` or the writer fails.
+  template <typename Op>
+  auto Transact(Op op) -> decltype(op());
+  // Who asks to Join, and with what (Join's arguments).
+  struct Joiner {
+    const std::string& worker_id;
+    const std::string& host;
+    std::optional<int32_t> rank;
+    const std::string& credential;
+    const std::string& new_digest;
+  };
+  // What Join, Leave and Die change in memory (see Transact).
+  absl::StatusOr<JoinResult> JoinInMemory(const Joiner& joiner, absl::Time now,
+                                          const std::string& job_id);
+  // The rank a Join of a strict job, or of a round that is assembling, takes: the requested
+  // one, else (RUNNING) the holder's own, else the worker's earlier one, else the lowest free one.
+  absl::StatusOr<int32_t> ChooseRank(const Joiner& joiner, const std::string& job_id) const;
+  absl::StatusOr<LeaveResult> LeaveInMemory(int32_t rank, const std::string& reason,
+                                            absl::Time now, const std::string& job_id);
+  MembershipChange DieInMemory(const std::vector<int32_t>& ranks, const std::string& reason,
+                               absl::Time now);
   MembershipChange Bump(int32_t rank, const std::string& reason, absl::Time now);
   // Puts a worker into `rank` as an ALIVE member of the current generation (round_size_ is the
   // caller's).
@@ -259,33 +237,53 @@ class Membership {
   MembershipChange Depart(int32_t rank, const std::string& reason, absl::Time now, bool orderly);
   MembershipChange Shrink(int32_t rank, const std::string& reason, absl::Time now);
   // Join of a RUNNING elastic job: a replacement.
-  absl::StatusOr<JoinResult> Admit(const std::string& worker_id, const std::string& host,
-                                   std::optional<int32_t> rank, absl::Time now,
-                                   const std::string& job_id, const std::string& credential,
-                                   const std::string& new_digest);
+  absl::StatusOr<JoinResult> Admit(const Joiner& joiner, absl::Time now,
+                                   const std::string& job_id);
+  // Where a replacement goes: the rank it asked for or the lowest vacant one, and whether it
+  // takes the place of a live member (its holder re-joining, or the same worker retrying).
+  struct Vacancy {
+    int32_t rank = -1;
+    bool replaced = false;
+  };
+  absl::StatusOr<Vacancy> FindVacancy(const Joiner& joiner, const std::string& job_id) const;
+  // When the replacement taking `rank` is admitted (MembershipChange's admission_* figures).
+  struct AdmissionStep {
+    int64_t step = -1;
+    int64_t floor = -1;
+    int64_t margin = 0;
+    int64_t max_reported = -1;
+  };
+  absl::StatusOr<AdmissionStep> ChooseAdmissionStep(int32_t rank,
+                                                    const std::string& job_id) const;
+  // Moves every live member of `old_generation` but `except` into the current generation's
+  // round (an elastic job going on with them).
+  void CarryOver(int64_t old_generation, int32_t except);
   absl::Status HeldByOther(int32_t rank, const std::string& job_id) const;
   // A step report of a live member: the running maximum and the rate estimate.
   void NoteProgress(int64_t step, absl::Time now);
   void ResetProgress();
   // Finishes the job if every present member has left.
   bool MaybeFinish();
-  // The member of `rank`, to be changed: recorded for Rollback (once per transaction) and
-  // marked for the next delta.
-  Member& Mutable(int32_t rank);
-  // True if PeekDelta leaves `m` out: an ALIVE member of a round that is still assembling.
+  // The member of `rank`, to be changed by the transaction: kept for its undo (once per
+  // transaction) and listed in its change.
+  LiveMember& Mutable(int32_t rank);
+  // True if a change leaves `m` out: an ALIVE member of a round that is still assembling.
   bool Assembling(const Member& m) const { return state_ == v1::PENDING && InRound(m); }
-  void MarkHeader() {
-    dirty_header_ = true;
-    decision_members_.reset();
-    stale_not_before_ = absl::InfinitePast();
-  }
+  // The header changed in this transaction.
+  void MarkHeader();
+  // Fills in the hard state `change` changed, then has the writer accept it: OK and kept, or
+  // the writer's error and undone.
+  absl::Status WriteAndKeep(MembershipChange* change);
+  void Begin();
+  void Rollback();
 
   const Schedule schedule_;
   const int32_t min_world_size_;
+  const MembershipWriter write_;
   v1::JobState state_ = v1::PENDING;
   int64_t generation_ = 1;
   // Indexed by rank; kept across generations.
-  std::vector<Member> members_;
+  std::vector<LiveMember> members_;
   int32_t round_size_ = 0;
   std::optional<v1::GenerationChange> last_change_;
   // Built by DecisionMembers(), dropped at every change of the membership.
@@ -304,13 +302,12 @@ class Membership {
   int64_t rate_sample_step_ = -1;
   double steps_per_second_ = -1;
 
-  // Hard-state changes not yet cleared by ClearDelta.
-  bool dirty_header_ = false;
-  bool dirty_clear_comm_ids_ = false;
-  std::vector<int32_t> dirty_members_;
+  // Ranks withdrawn (Withdraw) since the last change that wrote anything: their removal goes
+  // with the next one.
+  std::vector<int32_t> unwritten_;
 
-  // What Rollback restores; set by Begin.
-  struct Undo {
+  // The transaction in progress (Transact): what it changed and what undoes it.
+  struct Transaction {
     v1::JobState state;
     int64_t generation;
     int32_t round_size;
@@ -319,14 +316,14 @@ class Membership {
     absl::Time rate_sample_time;
     int64_t rate_sample_step;
     double steps_per_second;
-    bool dirty_header;
-    bool dirty_clear_comm_ids;
-    size_t dirty_members;
+    bool header_changed = false;
+    // Ranks whose record the change lists (unless assembling), in the order first touched.
+    std::vector<int32_t> ranks;
     // The members as they were before their first change in the transaction.
-    std::vector<std::pair<int32_t, Member>> members;
+    std::vector<std::pair<int32_t, LiveMember>> members;
     absl::flat_hash_set<int32_t> saved;
   };
-  std::optional<Undo> undo_;
+  std::optional<Transaction> tx_;
 };
 
 }  // namespace modelavg::server

@@ -519,7 +519,7 @@ absl::StatusOr<std::vector<StoredJob>> SqliteStateStore::LoadAll() {
   while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
     StoredJob* job = find(text(0));
     if (job == nullptr) continue;  // rows of a deleted job cannot exist; ignore defensively
-    StoredMember m;
+    Member m;
     m.rank = static_cast<int32_t>(sqlite3_column_int64(stmt, 1));
     m.worker_id = text(2);
     m.host = text(3);
@@ -615,7 +615,7 @@ absl::Status SqliteStateStore::Apply(absl::string_view job_id, const JobDelta& d
 
 absl::Status SqliteStateStore::ApplyLocked(absl::string_view job_id, const JobDelta& delta) {
   if (delta.header.has_value()) {
-    const StoredJobHeader& h = *delta.header;
+    const MembershipHeader& h = *delta.header;
     update_header_->Bind(1, job_id).Bind(2, int64_t{h.state}).Bind(3, h.generation);
     if (h.last_change.has_value()) {
       update_header_->BindBlob(4, h.last_change->SerializeAsString());
@@ -630,7 +630,7 @@ absl::Status SqliteStateStore::ApplyLocked(absl::string_view job_id, const JobDe
     if (!exists.ok()) return exists.status();
     if (!*exists) return absl::NotFoundError(absl::StrCat("job ", job_id, " is not stored"));
   }
-  for (const StoredMember& m : delta.members) {
+  for (const Member& m : delta.members) {
     absl::StatusOr<int> done =
         m.worker_id.empty()
             ? delete_member_->Bind(1, job_id).Bind(2, int64_t{m.rank}).Run()

@@ -52,7 +52,6 @@ class SqliteStateStore final : public StateStore {
   absl::Status DeleteJob(absl::string_view job_id) override;
   absl::Status Apply(absl::string_view job_id, const JobDelta& delta) override;
   std::string Describe() const override;
-  bool durable() const override { return true; }
 
   const std::string& path() const { return path_; }
 

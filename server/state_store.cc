@@ -53,7 +53,7 @@ absl::Status InMemoryStateStore::Apply(absl::string_view job_id, const JobDelta&
   }
   Entry& e = it->second;
   if (delta.header.has_value()) e.header = *delta.header;
-  for (const StoredMember& m : delta.members) {
+  for (const Member& m : delta.members) {
     if (m.worker_id.empty()) {
       e.members.erase(m.rank);
     } else {

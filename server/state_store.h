@@ -25,34 +25,9 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "modelavg/v1/coordinator.pb.h"
+#include "server/member.h"
 
 namespace modelavg::server {
-
-// The hard state of one rank: who holds it and in which generation it last joined.
-struct StoredMember {
-  int32_t rank = 0;
-  std::string worker_id;
-  std::string host;
-  v1::MemberState state = v1::MEMBER_STATE_UNSPECIFIED;
-  // The generation of this member's round; 0 when not in any round.
-  int64_t generation = 0;
-  // The generation in which the worker joined (an elastic job's survivors keep theirs while
-  // `generation` moves on); 0: the same as `generation`.
-  int64_t joined_generation = 0;
-  // Digest of the member's credential (server/member_credential.h); never the credential.
-  std::string credential_digest;
-  // The step from which it averages: -1 for a member of the world that started the job, the
-  // admission step of a replacement admitted into the RUNNING elastic job.
-  int64_t admitted_step = -1;
-};
-
-// The job-wide hard state besides its members.
-struct StoredJobHeader {
-  v1::JobState state = v1::PENDING;
-  int64_t generation = 1;
-  // Set once the generation changed at least once.
-  std::optional<v1::GenerationChange> last_change;
-};
 
 // One communicator bootstrap id of the current generation.
 struct StoredCommId {
@@ -66,18 +41,18 @@ struct StoredCommId {
 struct StoredJob {
   v1::JobSpec spec;
   int64_t created_unix_ms = 0;
-  StoredJobHeader header;
+  MembershipHeader header;
   // Only ranks that ever joined (present members), in rank order.
-  std::vector<StoredMember> members;
+  std::vector<Member> members;
   std::vector<StoredCommId> comm_ids;
 };
 
 // One transition of a job, written atomically: all of it or nothing.
 struct JobDelta {
   // The header after the transition, when it changed.
-  std::optional<StoredJobHeader> header;
+  std::optional<MembershipHeader> header;
   // Members whose hard state changed. A member with an empty worker_id is removed.
-  std::vector<StoredMember> members;
+  std::vector<Member> members;
   // The generation changed or the job finished: the ids of the old generation are dropped
   // (before comm_id below is added).
   bool clear_comm_ids = false;
@@ -109,9 +84,6 @@ class StateStore {
 
   // For the start-up log: "in memory (...)" or the file it writes.
   virtual std::string Describe() const = 0;
-
-  // True if the state outlives the process.
-  virtual bool durable() const = 0;
 };
 
 // Keeps the state in this process only: the coordinator's behaviour without --state_dir, and a
@@ -123,7 +95,6 @@ class InMemoryStateStore final : public StateStore {
   absl::Status DeleteJob(absl::string_view job_id) override;
   absl::Status Apply(absl::string_view job_id, const JobDelta& delta) override;
   std::string Describe() const override;
-  bool durable() const override { return false; }
 
   // Makes every later write fail with `status` (OK: writes succeed again). For tests.
   void FailWrites(absl::Status status);
@@ -135,8 +106,8 @@ class InMemoryStateStore final : public StateStore {
   struct Entry {
     v1::JobSpec spec;
     int64_t created_unix_ms = 0;
-    StoredJobHeader header;
-    std::map<int32_t, StoredMember> members;
+    MembershipHeader header;
+    std::map<int32_t, Member> members;
     std::map<CommKey, std::string> comm_ids;
   };
   mutable absl::Mutex mu_;

@@ -130,9 +130,9 @@ TEST(EtcdStateStoreTest, StaleFence_WriteRefusedByEtcd_NothingChanges) {
   // A job with a round, members in two buckets and an id, written by the leader.
   ASSERT_TRUE(store_a.CreateJob(MakeSpec("j", 300, v1::PERIODIC, {{2, 300}}, 0), 7).ok());
   server::JobDelta delta;
-  delta.header = server::StoredJobHeader{v1::RUNNING, 1, std::nullopt};
+  delta.header = server::MembershipHeader{v1::RUNNING, 1, std::nullopt};
   for (int r : {0, 1, 299}) {
-    server::StoredMember m;
+    server::Member m;
     m.rank = r;
     m.worker_id = absl::StrCat("w", r);
     m.state = v1::ALIVE;
@@ -168,7 +168,7 @@ TEST(EtcdStateStoreTest, StaleFence_WriteRefusedByEtcd_NothingChanges) {
   server::EtcdStateStore store_stale(etcd.get(), &stale, prefix);
   ASSERT_TRUE(store_stale.LoadAll().ok());
   server::JobDelta death;
-  death.header = server::StoredJobHeader{v1::RUNNING, 2, std::nullopt};
+  death.header = server::MembershipHeader{v1::RUNNING, 2, std::nullopt};
   death.clear_comm_ids = true;
   absl::Status refused = store_stale.Apply("j", death);
   EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
@@ -195,7 +195,7 @@ TEST(EtcdStateStoreTest, StaleFence_WriteRefusedByEtcd_NothingChanges) {
   EXPECT_EQ(j.comm_ids[0].blob, "blob");
   // Its writes go through; a generation change drops the old ids.
   ASSERT_TRUE(store_b.Apply("j", death).ok());
-  server::StoredMember gone;
+  server::Member gone;
   gone.rank = 1;  // removed
   server::JobDelta leave;
   leave.members.push_back(gone);

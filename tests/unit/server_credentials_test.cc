@@ -253,7 +253,7 @@ TEST_F(CredentialTest, Credentials_StoredAsDigests_SurviveARestart) {
   ASSERT_EQ(stored->size(), 1u);
   const StoredJob& j = (*stored)[0];
   ASSERT_EQ(j.members.size(), 2u);
-  for (const StoredMember& m : j.members) {
+  for (const Member& m : j.members) {
     EXPECT_EQ(m.credential_digest, CredentialDigest(Credential(m.rank)));
     EXPECT_NE(m.credential_digest, Credential(m.rank));
   }

@@ -15,6 +15,7 @@
 #include "gmock/gmock.h"
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
+#include "server/admission.h"
 #include "server/job.h"
 #include "server/job_registry.h"
 #include "server/member_credential.h"
@@ -42,7 +43,7 @@ TEST(ElasticMembershipTest, StrictByDefault_DeathFallsBackToPending) {
   Membership m(4);
   EXPECT_FALSE(m.elastic());
   JoinAll(m);
-  const MembershipChange c = m.Die({2}, "rank 2 heartbeat timeout", kT0);
+  const MembershipChange c = m.Die({2}, "rank 2 heartbeat timeout", kT0).value();
   EXPECT_TRUE(c.generation_changed);
   EXPECT_FALSE(c.shrunk);
   EXPECT_EQ(m.state(), v1::PENDING);
@@ -52,8 +53,7 @@ TEST(ElasticMembershipTest, Death_ShrinksIntoNewGenerationOfSurvivors_RankVacant
   Membership m(4, /*min_world_size=*/2);
   EXPECT_TRUE(m.elastic());
   JoinAll(m);
-  m.ClearDelta();
-  const MembershipChange c = m.Die({2}, "rank 2 heartbeat timeout", kT0);
+  const MembershipChange c = m.Die({2}, "rank 2 heartbeat timeout", kT0).value();
   EXPECT_TRUE(c.generation_changed);
   EXPECT_TRUE(c.shrunk);
   EXPECT_EQ(c.old_generation, 1);
@@ -67,18 +67,16 @@ TEST(ElasticMembershipTest, Death_ShrinksIntoNewGenerationOfSurvivors_RankVacant
   }
   EXPECT_EQ(m.member(2).state, v1::DEAD);
   // The transition is hard state: the header, the dead rank and the survivors' generation.
-  const JobDelta delta = m.PeekDelta();
-  ASSERT_TRUE(delta.header.has_value());
-  EXPECT_EQ(delta.header->generation, 2);
-  EXPECT_EQ(delta.header->state, v1::RUNNING);
-  EXPECT_TRUE(delta.clear_comm_ids);
-  EXPECT_EQ(delta.members.size(), 4u);
+  ASSERT_TRUE(c.header.has_value());
+  EXPECT_EQ(c.header->generation, 2);
+  EXPECT_EQ(c.header->state, v1::RUNNING);
+  EXPECT_EQ(c.members.size(), 4u);
 }
 
 TEST(ElasticMembershipTest, SurvivorsHeartbeatsWithTheirJoinGenerationStillCount) {
   Membership m(3, 2);
   JoinAll(m);
-  m.Die({1}, "rank 1 heartbeat timeout", kT0);
+  ASSERT_TRUE(m.Die({1}, "rank 1 heartbeat timeout", kT0).ok());
   ASSERT_EQ(m.generation(), 2);
   // Rank 0 still reports generation 1 (it learns of the change later); that keeps it alive.
   m.Heartbeat(0, 1, 7, kT0 + absl::Seconds(2));
@@ -94,13 +92,13 @@ TEST(ElasticMembershipTest, LeaveShrinks_TwoDeathsAtOnce_ThenBelowMinFallsBackTo
   ASSERT_TRUE(left.ok());
   EXPECT_TRUE(left->change.shrunk);
   EXPECT_EQ(m.generation(), 2);
-  const MembershipChange two = m.Die({0, 1}, "ranks 0, 1 heartbeat timeout", kT0);
+  const MembershipChange two = m.Die({0, 1}, "ranks 0, 1 heartbeat timeout", kT0).value();
   EXPECT_TRUE(two.shrunk);
   EXPECT_EQ(m.generation(), 3);
   EXPECT_EQ(m.round_size(), 3);
   EXPECT_THAT(m.VacantRanks(), ElementsAre(0, 1, 5));
   // 2 of 6 alive, min 3: fails loudly, as a strict job does.
-  const MembershipChange below = m.Die({3}, "rank 3 heartbeat timeout", kT0);
+  const MembershipChange below = m.Die({3}, "rank 3 heartbeat timeout", kT0).value();
   EXPECT_TRUE(below.generation_changed);
   EXPECT_FALSE(below.shrunk);
   EXPECT_EQ(m.state(), v1::PENDING);
@@ -120,7 +118,7 @@ TEST(ElasticMembershipTest, LeavesBelowMin_StayRunningUntilTheLast_DeathBelowMin
     EXPECT_EQ(m.state(), v1::RUNNING) << "after rank " << r << " left";
   }
   EXPECT_EQ(m.round_size(), 2);  // below min 3, still RUNNING
-  const MembershipChange died = m.Die({2}, "rank 2 heartbeat timeout", kT0);
+  const MembershipChange died = m.Die({2}, "rank 2 heartbeat timeout", kT0).value();
   EXPECT_FALSE(died.shrunk);
   EXPECT_EQ(m.state(), v1::PENDING);
 
@@ -147,9 +145,8 @@ void JoinAllReporting(Membership& m, int64_t step, absl::Time t = kT0) {
 TEST(ElasticAdmissionTest, TakesLowestVacancy_NewGenerationRunning_AdmittedAfterFloor) {
   Membership m(4, 2);
   JoinAllReporting(m, 10);
-  m.Die({1, 2}, "ranks 1, 2 heartbeat timeout", kT0);
+  ASSERT_TRUE(m.Die({1, 2}, "ranks 1, 2 heartbeat timeout", kT0).ok());
   ASSERT_EQ(m.generation(), 2);
-  m.ClearDelta();
   absl::StatusOr<Membership::JoinResult> j = m.Join("new", "h2", std::nullopt, kT0, "j");
   ASSERT_TRUE(j.ok()) << j.status();
   EXPECT_EQ(j->rank, 1);
@@ -179,21 +176,19 @@ TEST(ElasticAdmissionTest, TakesLowestVacancy_NewGenerationRunning_AdmittedAfter
     EXPECT_EQ(m.member(r).admitted_step, -1) << r;
   }
   // Hard state: the header and every member of the new generation (with its admitted step).
-  const JobDelta delta = m.PeekDelta();
-  ASSERT_TRUE(delta.header.has_value());
-  EXPECT_EQ(delta.header->generation, 3);
-  EXPECT_EQ(delta.header->state, v1::RUNNING);
-  EXPECT_TRUE(delta.clear_comm_ids);
-  ASSERT_EQ(delta.members.size(), 3u);
-  EXPECT_EQ(delta.members[1].rank, 1);
-  EXPECT_EQ(delta.members[1].admitted_step, 12);
-  EXPECT_EQ(delta.members[0].admitted_step, -1);
+  ASSERT_TRUE(c.header.has_value());
+  EXPECT_EQ(c.header->generation, 3);
+  EXPECT_EQ(c.header->state, v1::RUNNING);
+  ASSERT_EQ(c.members.size(), 3u);
+  EXPECT_EQ(c.members[1].rank, 1);
+  EXPECT_EQ(c.members[1].admitted_step, 12);
+  EXPECT_EQ(c.members[0].admitted_step, -1);
 }
 
 TEST(ElasticAdmissionTest, RequestedVacancy_HeldRankRefusedNamingHolder_FullJobRefused) {
   Membership m(4, 2);
   JoinAllReporting(m, 5);
-  m.Die({1, 2}, "ranks 1, 2 heartbeat timeout", kT0);
+  ASSERT_TRUE(m.Die({1, 2}, "ranks 1, 2 heartbeat timeout", kT0).ok());
   absl::StatusOr<Membership::JoinResult> held = m.Join("x", "h", 3, kT0, "j");
   ASSERT_FALSE(held.ok());
   EXPECT_EQ(held.status().code(), absl::StatusCode::kAlreadyExists);
@@ -248,7 +243,7 @@ TEST(ElasticAdmissionTest, HolderRejoiningWithCredential_ReplacesItselfInSameRan
 TEST(ElasticAdmissionTest, RetriedJoinOfSameWorker_KeepsItsRankUntilHeardFrom) {
   Membership m(4, 2);
   JoinAllReporting(m, 3);
-  m.Die({1, 2}, "ranks 1, 2 heartbeat timeout", kT0);
+  ASSERT_TRUE(m.Die({1, 2}, "ranks 1, 2 heartbeat timeout", kT0).ok());
   ASSERT_EQ(m.Join("new", "h", std::nullopt, kT0, "j")->rank, 1);
   // Its reply was lost: the same worker asks again, without a credential.
   absl::StatusOr<Membership::JoinResult> again = m.Join("new", "h", std::nullopt, kT0, "j");
@@ -267,7 +262,7 @@ TEST(ElasticAdmissionTest, MemberNotReportedYet_UnavailableUntilItReports) {
   Membership m(3, 1);
   for (int32_t r = 0; r < 3; ++r) ASSERT_TRUE(m.Join("w" + std::to_string(r), "h", r, kT0, "j").ok());
   m.Heartbeat(0, 1, 50, kT0);
-  m.Die({2}, "rank 2 heartbeat timeout", kT0);
+  ASSERT_TRUE(m.Die({2}, "rank 2 heartbeat timeout", kT0).ok());
   absl::StatusOr<Membership::JoinResult> j = m.Join("new", "h", std::nullopt, kT0, "j");
   ASSERT_FALSE(j.ok());
   EXPECT_EQ(j.status().code(), absl::StatusCode::kUnavailable);
@@ -286,7 +281,7 @@ TEST(ElasticAdmissionTest, MarginAddsOneSecondOfProgress_Capped) {
   for (int32_t r = 0; r < 4; ++r) m.Heartbeat(r, 1, 100, kT0 + absl::Milliseconds(500));
   for (int32_t r = 0; r < 4; ++r) m.Heartbeat(r, 1, 300, kT0 + absl::Milliseconds(1500));
   EXPECT_DOUBLE_EQ(m.steps_per_second(), 200);
-  m.Die({3}, "rank 3 heartbeat timeout", kT0 + absl::Seconds(2));
+  ASSERT_TRUE(m.Die({3}, "rank 3 heartbeat timeout", kT0 + absl::Seconds(2)).ok());
   absl::StatusOr<Membership::JoinResult> j =
       m.Join("new", "h", std::nullopt, kT0 + absl::Seconds(2), "j");
   ASSERT_TRUE(j.ok()) << j.status();
@@ -297,7 +292,7 @@ TEST(ElasticAdmissionTest, MarginAddsOneSecondOfProgress_Capped) {
   Membership fast(2, 1);
   JoinAllReporting(fast, 0);
   fast.Heartbeat(0, 1, 10'000'000, kT0 + absl::Seconds(1));
-  fast.Die({1}, "rank 1 heartbeat timeout", kT0 + absl::Seconds(1));
+  ASSERT_TRUE(fast.Die({1}, "rank 1 heartbeat timeout", kT0 + absl::Seconds(1)).ok());
   j = fast.Join("new", "h", std::nullopt, kT0 + absl::Seconds(1), "j");
   ASSERT_TRUE(j.ok()) << j.status();
   EXPECT_EQ(j->change.admission_margin, kMaxAdmissionMargin);
@@ -307,7 +302,7 @@ TEST(ElasticAdmissionTest, MarginAddsOneSecondOfProgress_Capped) {
 TEST(ElasticAdmissionTest, ReportedStepNearInt64Max_FailedPreconditionNoOverflow) {
   Membership m(2, 1);
   JoinAllReporting(m, std::numeric_limits<int64_t>::max() - 1);
-  m.Die({1}, "rank 1 heartbeat timeout", kT0);
+  ASSERT_TRUE(m.Die({1}, "rank 1 heartbeat timeout", kT0).ok());
   absl::StatusOr<Membership::JoinResult> j = m.Join("new", "h", std::nullopt, kT0, "j");
   ASSERT_FALSE(j.ok());
   EXPECT_EQ(j.status().code(), absl::StatusCode::kFailedPrecondition);
@@ -318,7 +313,7 @@ TEST(ElasticAdmissionTest, ReportedStepNearInt64Max_FailedPreconditionNoOverflow
 TEST(ElasticAdmissionTest, NewcomerDyingBeforeItsStep_ShrunkOutLikeAnyone) {
   Membership m(4, 2);
   JoinAllReporting(m, 3);
-  m.Die({3}, "rank 3 heartbeat timeout", kT0);
+  ASSERT_TRUE(m.Die({3}, "rank 3 heartbeat timeout", kT0).ok());
   const absl::Time joined = kT0 + absl::Seconds(10);
   for (int32_t r = 0; r < 3; ++r) m.Heartbeat(r, 2, 4, joined);
   ASSERT_TRUE(m.Join("new", "h", std::nullopt, joined, "j").ok());
@@ -327,7 +322,8 @@ TEST(ElasticAdmissionTest, NewcomerDyingBeforeItsStep_ShrunkOutLikeAnyone) {
   for (int32_t r = 0; r < 3; ++r) m.Heartbeat(r, 3, 5, joined + absl::Seconds(2));
   EXPECT_THAT(m.Stale(joined + absl::Seconds(2), absl::Seconds(3)), IsEmpty());
   EXPECT_THAT(m.Stale(joined + absl::Seconds(4), absl::Seconds(3)), ElementsAre(3));
-  const MembershipChange c = m.Die({3}, "rank 3 heartbeat timeout", joined + absl::Seconds(4));
+  const MembershipChange c =
+      m.Die({3}, "rank 3 heartbeat timeout", joined + absl::Seconds(4)).value();
   EXPECT_TRUE(c.shrunk);
   EXPECT_EQ(m.state(), v1::RUNNING);
   EXPECT_THAT(m.VacantRanks(), ElementsAre(3));
@@ -337,11 +333,11 @@ TEST(ElasticAdmissionTest, NewcomerDyingBeforeItsStep_ShrunkOutLikeAnyone) {
 TEST(ElasticAdmissionTest, FallBackToPending_RejoinedWorldStartsOverFromTheStart) {
   Membership m(3, 2);
   JoinAllReporting(m, 3);
-  m.Die({2}, "rank 2 heartbeat timeout", kT0);
+  ASSERT_TRUE(m.Die({2}, "rank 2 heartbeat timeout", kT0).ok());
   ASSERT_TRUE(m.Join("new", "h", std::nullopt, kT0, "j").ok());
   ASSERT_EQ(m.member(2).admitted_step, 5);
   // Two die: below min_world_size, PENDING; the world re-forms and nobody is a replacement.
-  m.Die({0, 1}, "ranks 0, 1 heartbeat timeout", kT0);
+  ASSERT_TRUE(m.Die({0, 1}, "ranks 0, 1 heartbeat timeout", kT0).ok());
   ASSERT_EQ(m.state(), v1::PENDING);
   for (int32_t r = 0; r < 3; ++r) ASSERT_TRUE(m.Join("v" + std::to_string(r), "h", r, kT0, "j").ok());
   ASSERT_EQ(m.state(), v1::RUNNING);
@@ -357,7 +353,7 @@ TEST(ElasticAdmissionTest, DecisionMembers_FromStepPerRank_CachedUntilAChange) {
   EXPECT_EQ(m.DecisionMembers(), start);  // the same view while nothing changes
   m.Heartbeat(0, 1, 4, kT0);
   EXPECT_EQ(m.DecisionMembers(), start);
-  m.Die({2}, "rank 2 heartbeat timeout", kT0);
+  ASSERT_TRUE(m.Die({2}, "rank 2 heartbeat timeout", kT0).ok());
   std::shared_ptr<const MemberSteps> shrunk = m.DecisionMembers();
   EXPECT_FALSE(shrunk->all_from_start);
   EXPECT_THAT(shrunk->from_step, ElementsAre(-1, -1, kNotMember, -1));

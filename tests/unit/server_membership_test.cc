@@ -1,5 +1,5 @@
-// Membership and generations as a plain value class (no threads, no clock), and the hard-state
-// deltas it hands to a StateStore.
+// Membership and generations as a plain value class (no threads, no clock), and the changes it
+// hands to its writer before they take effect.
 #include <optional>
 #include <string>
 #include <vector>
@@ -17,11 +17,24 @@ using ::testing::HasSubstr;
 
 const absl::Time kT0 = absl::FromUnixSeconds(1'700'000'000);
 
-std::vector<int32_t> Ranks(const JobDelta& delta) {
+std::vector<int32_t> Ranks(const MembershipChange& change) {
   std::vector<int32_t> ranks;
-  for (const StoredMember& m : delta.members) ranks.push_back(m.rank);
+  for (const Member& m : change.members) ranks.push_back(m.rank);
   return ranks;
 }
+
+// A writer that keeps what it was handed and fails while `fail` is set.
+struct RecordingWriter {
+  std::vector<MembershipChange> written;
+  absl::Status fail;
+  MembershipWriter writer() {
+    return [this](const MembershipChange& c) {
+      if (!fail.ok()) return fail;
+      written.push_back(c);
+      return absl::OkStatus();
+    };
+  }
+};
 
 // Joins ranks 0..world-1 as workers "w<r>"; the last completes the round.
 void JoinAll(Membership& m) {
@@ -34,30 +47,41 @@ void JoinAll(Membership& m) {
   }
 }
 
-TEST(MembershipTest, Join_LastRank_CompletesWorldAndRecordsHeaderAndMembers) {
-  Membership m(3);
-  JoinAll(m);
+// The ranks of an assembling round are written only once it completes, all at once.
+TEST(MembershipTest, Join_LastRank_CompletesWorldAndWritesHeaderAndEveryMember) {
+  RecordingWriter w;
+  Membership m(3, 0, w.writer());
+  for (int32_t r = 0; r < 2; ++r) {
+    absl::StatusOr<Membership::JoinResult> j = m.Join("w" + std::to_string(r), "h", r, kT0, "j");
+    ASSERT_TRUE(j.ok()) << j.status();
+    EXPECT_FALSE(j->change.changes_hard_state());
+  }
+  EXPECT_TRUE(w.written.empty());
+  absl::StatusOr<Membership::JoinResult> last = m.Join("w2", "h", 2, kT0, "j");
+  ASSERT_TRUE(last.ok()) << last.status();
   EXPECT_EQ(m.state(), v1::RUNNING);
   EXPECT_EQ(m.generation(), 1);
   EXPECT_EQ(m.round_size(), 3);
-  const JobDelta delta = m.PeekDelta();
-  ASSERT_TRUE(delta.header.has_value());
-  EXPECT_EQ(delta.header->state, v1::RUNNING);
-  EXPECT_THAT(Ranks(delta), ElementsAre(0, 1, 2));
-  EXPECT_EQ(delta.members[1].worker_id, "w1");
-  EXPECT_EQ(delta.members[1].generation, 1);
-  EXPECT_FALSE(delta.clear_comm_ids);
-  m.ClearDelta();
-  EXPECT_TRUE(m.PeekDelta().empty());
+  const MembershipChange& change = last->change;
+  EXPECT_TRUE(change.world_complete);
+  ASSERT_TRUE(change.header.has_value());
+  EXPECT_EQ(change.header->state, v1::RUNNING);
+  EXPECT_EQ(change.header->generation, 1);
+  EXPECT_THAT(Ranks(change), ElementsAre(0, 1, 2));
+  EXPECT_EQ(change.members[1].worker_id, "w1");
+  EXPECT_EQ(change.members[1].generation, 1);
+  ASSERT_EQ(w.written.size(), 1u);
+  EXPECT_THAT(Ranks(w.written[0]), ElementsAre(0, 1, 2));
 }
 
 TEST(MembershipTest, HeartbeatAndStep_WriteNoHardState) {
-  Membership m(2);
+  RecordingWriter w;
+  Membership m(2, 0, w.writer());
   JoinAll(m);
-  m.ClearDelta();
+  ASSERT_EQ(w.written.size(), 1u);
   m.Heartbeat(0, 1, 5, kT0 + absl::Seconds(1));
   m.RecordStep(1, 6, kT0 + absl::Seconds(1));
-  EXPECT_TRUE(m.PeekDelta().empty());
+  EXPECT_EQ(w.written.size(), 1u);
   EXPECT_EQ(m.member(0).last_step, 5);
   EXPECT_EQ(m.member(1).last_step, 6);
 }
@@ -81,8 +105,7 @@ TEST(MembershipTest, Stale_OnlyRunningRoundMembersPastTimeout) {
 TEST(MembershipTest, Die_MarksDeadAndBumpsGenerationClearingIds) {
   Membership m(2);
   JoinAll(m);
-  m.ClearDelta();
-  const MembershipChange change = m.Die({1}, "rank 1 heartbeat timeout", kT0);
+  const MembershipChange change = m.Die({1}, "rank 1 heartbeat timeout", kT0).value();
   EXPECT_TRUE(change.generation_changed);
   EXPECT_EQ(change.old_generation, 1);
   EXPECT_EQ(change.changed_by_rank, 1);
@@ -92,13 +115,11 @@ TEST(MembershipTest, Die_MarksDeadAndBumpsGenerationClearingIds) {
   EXPECT_EQ(m.member(1).state, v1::DEAD);
   ASSERT_TRUE(m.last_change().has_value());
   EXPECT_EQ(m.last_change()->reason(), "rank 1 heartbeat timeout");
-  const JobDelta delta = m.PeekDelta();
-  ASSERT_TRUE(delta.header.has_value());
-  EXPECT_EQ(delta.header->generation, 2);
-  ASSERT_TRUE(delta.header->last_change.has_value());
-  EXPECT_TRUE(delta.clear_comm_ids);
-  EXPECT_THAT(Ranks(delta), ElementsAre(1));
-  EXPECT_EQ(delta.members[0].state, v1::DEAD);
+  ASSERT_TRUE(change.header.has_value());
+  EXPECT_EQ(change.header->generation, 2);
+  ASSERT_TRUE(change.header->last_change.has_value());
+  EXPECT_THAT(Ranks(change), ElementsAre(1));
+  EXPECT_EQ(change.members[0].state, v1::DEAD);
 }
 
 TEST(MembershipTest, Join_RejoinWhileRunning_BumpsThenJoinsNewRound) {
@@ -133,18 +154,32 @@ TEST(MembershipTest, Join_TakenRank_AlreadyExists_SameWorkerWasInRound) {
   EXPECT_EQ(m.round_size(), 1);
 }
 
-TEST(MembershipTest, Withdraw_FreesRankAndStoresRemoval) {
-  Membership m(2);
-  ASSERT_TRUE(m.Join("a", "h", 0, kT0, "j").ok());
-  m.ClearDelta();
+TEST(MembershipTest, Withdraw_FreesRank_RemovalWrittenWithTheNextChange) {
+  RecordingWriter w;
+  Membership m(4, 0, w.writer());
+  for (int32_t r = 0; r < 3; ++r) {
+    ASSERT_TRUE(m.Join(std::string(1, static_cast<char>('a' + r)), "h", r, kT0, "j").ok());
+  }
   m.Withdraw(0);
-  EXPECT_EQ(m.round_size(), 0);
-  const JobDelta delta = m.PeekDelta();
-  ASSERT_THAT(Ranks(delta), ElementsAre(0));
-  EXPECT_TRUE(delta.members[0].worker_id.empty());  // removed
-  absl::StatusOr<Membership::JoinResult> j = m.Join("b", "h", std::nullopt, kT0, "j");
-  ASSERT_TRUE(j.ok());
+  EXPECT_EQ(m.round_size(), 2);
+  EXPECT_FALSE(m.member(0).present());
+  EXPECT_TRUE(w.written.empty());
+  // A Join into the assembling round writes nothing, the removal included.
+  absl::StatusOr<Membership::JoinResult> d = m.Join("d", "h", 3, kT0, "j");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_FALSE(d->change.changes_hard_state());
+  EXPECT_TRUE(w.written.empty());
+  // The next change that writes anything carries it.
+  absl::StatusOr<Membership::LeaveResult> l = m.Leave(1, "rank 1 left", kT0, "j");
+  ASSERT_TRUE(l.ok());
+  ASSERT_THAT(Ranks(l->change), ElementsAre(0, 1));
+  EXPECT_TRUE(l->change.members[0].worker_id.empty());  // removed
+  EXPECT_EQ(l->change.members[1].state, v1::LEFT);
+  ASSERT_EQ(w.written.size(), 1u);
+  absl::StatusOr<Membership::JoinResult> j = m.Join("e", "h", std::nullopt, kT0, "j");
+  ASSERT_TRUE(j.ok()) << j.status();
   EXPECT_EQ(j->rank, 0);
+  EXPECT_FALSE(j->change.changes_hard_state());
 }
 
 TEST(MembershipTest, Leave_RunningThenAll_BumpsThenFinishes) {
@@ -187,23 +222,21 @@ TEST(MembershipTest, Leave_PendingRound_FreesRankWithoutBump) {
 TEST(MembershipTest, Restore_ContinuesGenerationAndRound) {
   Membership m(2);
   JoinAll(m);
-  m.Die({0}, "rank 0 heartbeat timeout", kT0);
+  ASSERT_TRUE(m.Die({0}, "rank 0 heartbeat timeout", kT0).ok());
   ASSERT_TRUE(m.Join("w0", "h", 0, kT0, "j").ok());
   ASSERT_TRUE(m.Join("w1", "h", 1, kT0, "j").ok());
   ASSERT_EQ(m.generation(), 2);
   ASSERT_EQ(m.state(), v1::RUNNING);
 
   // What a store would hold: the header and every member.
-  StoredJobHeader header;
+  MembershipHeader header;
   header.state = m.state();
   header.generation = m.generation();
   header.last_change = m.last_change();
-  std::vector<StoredMember> members;
-  for (int32_t r = 0; r < 2; ++r) {
-    members.push_back(StoredMember{r, m.member(r).worker_id, m.member(r).host,
-                                   m.member(r).state, m.member(r).generation});
-  }
-  Membership restored(2);
+  std::vector<Member> members;
+  for (int32_t r = 0; r < 2; ++r) members.push_back(m.member(r));
+  RecordingWriter w;
+  Membership restored(2, 0, w.writer());
   const absl::Time later = kT0 + absl::Minutes(5);
   restored.Restore(header, members, later);
   EXPECT_EQ(restored.state(), v1::RUNNING);
@@ -211,9 +244,9 @@ TEST(MembershipTest, Restore_ContinuesGenerationAndRound) {
   EXPECT_EQ(restored.round_size(), 2);
   EXPECT_EQ(restored.member(1).last_heartbeat, later);
   EXPECT_TRUE(restored.Stale(later + absl::Seconds(1), absl::Seconds(3)).empty());
-  EXPECT_TRUE(restored.PeekDelta().empty());
+  EXPECT_TRUE(w.written.empty());
   // Numbering continues: the next change is generation 3, never 2 again.
-  EXPECT_EQ(restored.Die({1}, "x", later).old_generation, 2);
+  EXPECT_EQ(restored.Die({1}, "x", later).value().old_generation, 2);
   EXPECT_EQ(restored.generation(), 3);
 }
 
@@ -236,34 +269,65 @@ TEST(MembershipTest, Stale_SkippedScansStillFindEveryExpiry) {
 // Join: restored, it is nobody's (it came back as a ghost member that held the rank).
 TEST(MembershipTest, Restore_AssemblingRoundRanks_AreFree) {
   Membership m(2);
-  StoredJobHeader header;
+  MembershipHeader header;
   header.state = v1::PENDING;
   header.generation = 2;
-  StoredMember pending{0, "w0", "h", v1::ALIVE, 2, 2, "", -1};
-  StoredMember dead{1, "w1", "h", v1::DEAD, 1, 1, "", -1};
+  Member pending{0, "w0", "h", v1::ALIVE, 2, 2, "", -1};
+  Member dead{1, "w1", "h", v1::DEAD, 1, 1, "", -1};
   m.Restore(header, {pending, dead}, kT0);
   EXPECT_EQ(m.round_size(), 0);
-  EXPECT_FALSE(m.member(0).present);
-  EXPECT_TRUE(m.member(1).present);
+  EXPECT_FALSE(m.member(0).present());
+  EXPECT_TRUE(m.member(1).present());
   absl::StatusOr<Membership::JoinResult> j = m.Join("someone-else", "h", 0, kT0, "j");
   ASSERT_TRUE(j.ok()) << j.status();
 }
 
-// Rollback leaves the membership exactly as before Begin.
-TEST(MembershipTest, Rollback_UndoesADeathAndItsGeneration) {
-  Membership m(2);
+// A change takes effect only once its writer accepted it: a rejected one fails the operation
+// with the writer's error and leaves the membership exactly as before.
+TEST(MembershipTest, Die_WriterFails_ErrorAndNothingChanged_ThenWrittenOnRetry) {
+  RecordingWriter w;
+  Membership m(2, 0, w.writer());
   JoinAll(m);
-  m.ClearDelta();
-  m.Begin();
-  m.Die({1}, "rank 1 heartbeat timeout", kT0);
-  ASSERT_EQ(m.generation(), 2);
-  m.Rollback();
+  w.fail = absl::UnavailableError("disk full");
+  absl::StatusOr<MembershipChange> died = m.Die({1}, "rank 1 heartbeat timeout", kT0);
+  EXPECT_EQ(died.status(), w.fail);
   EXPECT_EQ(m.generation(), 1);
   EXPECT_EQ(m.state(), v1::RUNNING);
   EXPECT_EQ(m.round_size(), 2);
   EXPECT_EQ(m.member(1).state, v1::ALIVE);
+  EXPECT_EQ(m.member(1).generation, 1);
   EXPECT_FALSE(m.last_change().has_value());
-  EXPECT_TRUE(m.PeekDelta().empty());
+  w.fail = absl::OkStatus();
+  died = m.Die({1}, "rank 1 heartbeat timeout", kT0);
+  ASSERT_TRUE(died.ok()) << died.status();
+  EXPECT_EQ(died->old_generation, 1);  // the generation was not issued by the refused one
+  EXPECT_EQ(m.generation(), 2);
+  ASSERT_EQ(w.written.size(), 2u);  // the round's completion, then the death
+  EXPECT_THAT(Ranks(w.written[1]), ElementsAre(1));
+}
+
+// A refused completion leaves the round assembling without the last rank; its retry completes
+// it as a first Join (no re-join that would move the generation).
+TEST(MembershipTest, Join_CompletionRefused_RoundStillAssembling_RetryCompletes) {
+  RecordingWriter w;
+  Membership m(2, 0, w.writer());
+  ASSERT_TRUE(m.Join("w0", "h", 0, kT0, "j").ok());
+  w.fail = absl::UnavailableError("read-only");
+  absl::StatusOr<Membership::JoinResult> refused =
+      m.Join("w1", "h", 1, kT0 + absl::Seconds(1), "j");
+  EXPECT_EQ(refused.status(), w.fail);
+  EXPECT_EQ(m.state(), v1::PENDING);
+  EXPECT_EQ(m.round_size(), 1);
+  EXPECT_FALSE(m.member(1).present());
+  EXPECT_EQ(m.member(0).last_heartbeat, kT0);
+  w.fail = absl::OkStatus();
+  absl::StatusOr<Membership::JoinResult> retried =
+      m.Join("w1", "h", 1, kT0 + absl::Seconds(2), "j");
+  ASSERT_TRUE(retried.ok()) << retried.status();
+  EXPECT_TRUE(retried->change.world_complete);
+  EXPECT_FALSE(retried->change.generation_changed);
+  EXPECT_EQ(m.generation(), 1);
+  EXPECT_EQ(m.member(0).last_heartbeat, kT0 + absl::Seconds(2));
 }
 
 }  // namespace

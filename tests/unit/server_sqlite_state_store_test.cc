@@ -66,7 +66,6 @@ TEST_F(SqliteStateStoreTest, Open_NewDirectory_PrivateDirAndFiles) {
   EXPECT_EQ(Mode(db() + "-wal"), 0600u);
   EXPECT_EQ(Mode(dir_ + "/coordinator.lock"), 0600u);
   EXPECT_THAT(store->Describe(), HasSubstr(db()));
-  EXPECT_TRUE(store->durable());
 }
 
 TEST_F(SqliteStateStoreTest, Reopen_EveryTransitionIsThere) {
@@ -75,18 +74,18 @@ TEST_F(SqliteStateStoreTest, Reopen_EveryTransitionIsThere) {
     ASSERT_TRUE(store->CreateJob(Spec("a"), 123).ok());
     ASSERT_TRUE(store->CreateJob(Spec("b"), 124).ok());
     JobDelta d;
-    d.header = StoredJobHeader{v1::RUNNING, 7, std::nullopt};
+    d.header = MembershipHeader{v1::RUNNING, 7, std::nullopt};
     v1::GenerationChange change;
     change.set_generation(7);
     change.set_reason("rank 1 re-joined");
     d.header->last_change = change;
-    d.members.push_back(StoredMember{0, "w0", "h0", v1::ALIVE, 7, 5});
-    d.members.push_back(StoredMember{1, "w1", "h1", v1::DEAD, 6});
-    d.members.push_back(StoredMember{2, "w2", "h2", v1::ALIVE, 7});
+    d.members.push_back(Member{0, "w0", "h0", v1::ALIVE, 7, 5});
+    d.members.push_back(Member{1, "w1", "h1", v1::DEAD, 6});
+    d.members.push_back(Member{2, "w2", "h2", v1::ALIVE, 7});
     d.comm_id = StoredCommId{1, 0, "k", std::string("\0\1\2", 3)};
     ASSERT_TRUE(store->Apply("a", d).ok());
     JobDelta remove;
-    remove.members.push_back(StoredMember{2, "", "", v1::MEMBER_STATE_UNSPECIFIED, 0});
+    remove.members.push_back(Member{2, "", "", v1::MEMBER_STATE_UNSPECIFIED, 0});
     ASSERT_TRUE(store->Apply("a", remove).ok());
     ASSERT_TRUE(store->DeleteJob("b").ok());
     EXPECT_EQ(store->Apply("b", d).code(), absl::StatusCode::kNotFound);
@@ -121,8 +120,8 @@ TEST_F(SqliteStateStoreTest, Reopen_AdmittedStepKept) {
     auto store = Open();
     ASSERT_TRUE(store->CreateJob(Spec("a"), 1).ok());
     JobDelta d;
-    d.members.push_back(StoredMember{0, "w0", "h0", v1::ALIVE, 3, 1});
-    StoredMember newcomer{3, "new", "h3", v1::ALIVE, 3, 3, "digest"};
+    d.members.push_back(Member{0, "w0", "h0", v1::ALIVE, 3, 1});
+    Member newcomer{3, "new", "h3", v1::ALIVE, 3, 3, "digest"};
     newcomer.admitted_step = 120;
     d.members.push_back(newcomer);
     ASSERT_TRUE(store->Apply("a", d).ok());
@@ -198,7 +197,7 @@ INSERT INTO members VALUES('a', 1, 'w1', 'h1', 2, 3, 1, 'd1');
     EXPECT_EQ(a.members[0].admitted_step, -1);
     EXPECT_EQ(a.members[1].admitted_step, -1);
     JobDelta d;
-    StoredMember newcomer{1, "new", "h", v1::ALIVE, 5, 5, "d2"};
+    Member newcomer{1, "new", "h", v1::ALIVE, 5, 5, "d2"};
     newcomer.admitted_step = 42;
     d.members.push_back(newcomer);
     ASSERT_TRUE(store->Apply("a", d).ok());
@@ -218,7 +217,7 @@ TEST_F(SqliteStateStoreTest, ClearCommIds_DropsTheOldGenerationsIds) {
   publish.comm_id = StoredCommId{0, 0, "", "old"};
   ASSERT_TRUE(store->Apply("a", publish).ok());
   JobDelta bump;
-  bump.header = StoredJobHeader{v1::PENDING, 2, std::nullopt};
+  bump.header = MembershipHeader{v1::PENDING, 2, std::nullopt};
   bump.clear_comm_ids = true;
   ASSERT_TRUE(store->Apply("a", bump).ok());
   EXPECT_TRUE((*store->LoadAll())[0].comm_ids.empty());
@@ -256,7 +255,7 @@ TEST_F(SqliteStateStoreTest, DirectoryRemoved_WritesRefusedSayingSo) {
   ASSERT_TRUE(store->CreateJob(Spec("a"), 1).ok());
   std::filesystem::remove_all(dir_);
   for (absl::Status s : {store->CreateJob(Spec("b"), 1), store->DeleteJob("a"),
-                         store->Apply("a", JobDelta{StoredJobHeader{}, {}, false, {}})}) {
+                         store->Apply("a", JobDelta{MembershipHeader{}, {}, false, {}})}) {
     EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
     EXPECT_THAT(std::string(s.message()), HasSubstr("was removed while the coordinator ran"));
     EXPECT_THAT(std::string(s.message()), HasSubstr(dir_));

@@ -148,7 +148,7 @@ TEST_F(StateStoreTest, HeartbeatTimeout_StoresNewGenerationAndDropsOldIds) {
   ASSERT_TRUE(stored.header.last_change.has_value());
   EXPECT_THAT(stored.header.last_change->reason(), HasSubstr("heartbeat timeout"));
   EXPECT_TRUE(stored.comm_ids.empty());
-  for (const StoredMember& m : stored.members) EXPECT_EQ(m.state, v1::DEAD);
+  for (const Member& m : stored.members) EXPECT_EQ(m.state, v1::DEAD);
 }
 
 TEST_F(StateStoreTest, DeleteJob_RemovesItFromTheStore) {
