@@ -84,9 +84,13 @@ absl::StatusOr<v1::JoinResponse> JoinWithRetry(CoordinatorClient& coordinator,
   absl::Time next_warning = absl::Now();
   while (true) {
     const absl::Duration left = std::max(absl::Milliseconds(1), deadline - absl::Now());
-    absl::StatusOr<v1::JoinResponse> reply = coordinator.Join(join, left);
+    absl::StatusOr<v1::JoinResponse> reply = coordinator.Join(join, left, options.cancel.get());
     if (reply.ok()) return reply;
     const absl::Status& s = reply.status();
+    if (options.cancel != nullptr && options.cancel->cancelled()) {
+      return absl::CancelledError(absl::StrCat("joining job ", options.job_id,
+                                               ": cancelled (ClientOptions.cancel)"));
+    }
     if (absl::IsDeadlineExceeded(s) && absl::Now() >= deadline) {
       return absl::DeadlineExceededError(absl::StrCat(
           "joining job ", options.job_id, ": the world did not complete within "
@@ -105,7 +109,11 @@ absl::StatusOr<v1::JoinResponse> JoinWithRetry(CoordinatorClient& coordinator,
                    options.coordinator, std::string(s.message()));
       next_warning = absl::Now() + absl::Seconds(5);
     }
-    absl::SleepFor(backoff);
+    if (options.cancel != nullptr) {
+      options.cancel->SleepFor(backoff);  // the next Join then ends at once if it was cancelled
+    } else {
+      absl::SleepFor(backoff);
+    }
     backoff = std::min(backoff * 2, absl::Seconds(2));
   }
 }

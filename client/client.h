@@ -30,6 +30,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "modelavg/client/cancel_token.h"
 #include "modelavg/client/membership_view.h"
 #include "modelavg/common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
@@ -105,6 +106,10 @@ struct ClientOptions {
   // the staging copy that keeps them untouched when a collective fails: faster for large
   // models, but a failure mid-collective leaves them undefined (restore from a checkpoint).
   bool gloo_in_place = false;
+  // Cancels Connect from another thread: once cancel->Cancel() is called, Connect's Join (in
+  // flight or in its retry backoff) ends at once and Connect fails with CANCELLED. Null: none.
+  // Only Connect watches it.
+  std::shared_ptr<CancelToken> cancel;
 };
 
 // One rank's membership in one job. Thread-safe.
@@ -120,7 +125,8 @@ class Client {
   // NOT_FOUND (no such job: create it first), ALREADY_EXISTS (the requested rank is taken),
   // FAILED_PRECONDITION (the job is full and running), DEADLINE_EXCEEDED (the world did not
   // complete in time; the message names the missing ranks), UNAVAILABLE (coordinator
-  // unreachable), UNAUTHENTICATED / PERMISSION_DENIED (token or TLS).
+  // unreachable), UNAUTHENTICATED / PERMISSION_DENIED (token or TLS), CANCELLED
+  // (options.cancel was cancelled while joining).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
 
   // Leaves the job (reason "client destroyed") unless Leave was called, and stops the heartbeat.

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -208,9 +209,15 @@ absl::Status CoordinatorClient::DeleteJob(const std::string& job_id) {
 }
 
 absl::StatusOr<v1::JoinResponse> CoordinatorClient::Join(const v1::JoinRequest& request,
-                                                         absl::Duration timeout) {
+                                                         absl::Duration timeout,
+                                                         CancelToken* cancel) {
   grpc::ClientContext ctx;
   Prepare(&ctx, timeout);
+  // Cancel() cancels the call; the context outlives the registration.
+  const uint64_t watch = cancel ? cancel->Register([&ctx] { ctx.TryCancel(); }) : 0;
+  absl::Cleanup unwatch = [cancel, watch] {
+    if (cancel) cancel->Unregister(watch);
+  };
   v1::JoinResponse out;
   MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->Join(&ctx, request, &out); }), "Join"));
   return out;

@@ -14,6 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "client/cancel_token.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/security/credentials.h"
@@ -114,7 +115,9 @@ class CoordinatorClient {
   // Every job: walks ListJobs' pages (next_page_token stays empty in the result).
   absl::StatusOr<v1::ListJobsResponse> ListJobs();
   absl::Status DeleteJob(const std::string& job_id);
-  absl::StatusOr<v1::JoinResponse> Join(const v1::JoinRequest& request, absl::Duration timeout);
+  // With `cancel` (not owned; outlives the call), its Cancel() ends the call with CANCELLED.
+  absl::StatusOr<v1::JoinResponse> Join(const v1::JoinRequest& request, absl::Duration timeout,
+                                        CancelToken* cancel = nullptr);
   absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
   absl::StatusOr<v1::StepDecision> Step(const v1::StepRequest& request);
   absl::StatusOr<v1::GetScheduleResponse> GetSchedule(const v1::GetScheduleRequest& request);

@@ -32,6 +32,7 @@ endif()
 # build tree offers exactly the installed include layout.
 set(MODELAVG_PUBLIC_HEADERS
   client/averager.h
+  client/cancel_token.h
   client/client.h
   client/contiguous_parameters.h
   client/membership_view.h

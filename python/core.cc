@@ -8,10 +8,13 @@
 //
 // Every call that can wait (connecting, an averaging step, leaving, the job RPCs) runs on a
 // helper thread while the calling thread waits without the GIL and checks for signals every
-// kSignalPoll: Ctrl-C raises KeyboardInterrupt at once. The interrupted call keeps running on its
-// thread until its own deadline (join_timeout, collective_timeout, rpc_timeout) and owns what it
-// uses meanwhile; an averager refuses new calls until its interrupted call has ended. A skip step
-// runs on the calling thread (it does not wait).
+// kSignalPoll: Ctrl-C raises KeyboardInterrupt at once. An interrupted connect is cancelled and
+// ends at once; another interrupted call keeps running on its thread until its own deadline
+// (collective_timeout, leave_timeout, rpc_timeout) and owns what it uses meanwhile; an averager
+// refuses new calls until its interrupted call has ended. The interpreter's exit waits up to
+// kExitWait for the calls still running (an atexit handler registered at import, so it runs after
+// those the package registers later, like modelavg.torch's leave). A skip step runs on the
+// calling thread (it does not wait).
 #include <algorithm>
 #include <cstdint>
 #include <map>
@@ -70,12 +73,17 @@ class PyClient {
 
 std::unique_ptr<PyClient> Connect(const py::dict& options) {
   mc::ClientOptions o = ClientOptionsFrom(options);
+  // Ctrl-C cancels the Join: the abandoned call ends at once, not at join_timeout.
+  auto cancel = std::make_shared<mc::CancelToken>();
+  o.cancel = cancel;
   using Result = absl::StatusOr<std::shared_ptr<mc::Client>>;
-  Result client = RunInterruptibly<Result>([o]() -> Result {
-    absl::StatusOr<std::unique_ptr<mc::Client>> c = mc::Client::Connect(o);
-    if (!c.ok()) return c.status();
-    return std::shared_ptr<mc::Client>(std::move(*c));
-  });
+  Result client = RunInterruptibly<Result>(
+      [o]() -> Result {
+        absl::StatusOr<std::unique_ptr<mc::Client>> c = mc::Client::Connect(o);
+        if (!c.ok()) return c.status();
+        return std::shared_ptr<mc::Client>(std::move(*c));
+      },
+      [cancel] { cancel->Cancel(); });
   return std::make_unique<PyClient>(ValueOrRaise(std::move(client)));
 }
 
@@ -341,6 +349,14 @@ PYBIND11_MODULE(_core, m) {
   using namespace modelavg::python;  // NOLINT
   using modelavg::Decision;
   m.doc() = "The C++ client library's binding. Use the modelavg package, not this module.";
+  m.def("_background_calls_at_exit", &WaitForBackgroundCallsAtExit,
+        "Waits (a bounded time) for the calls interrupted by Ctrl-C; run at interpreter exit.");
+  m.def(
+      "_background_calls_running",
+      [] { return BackgroundCalls::Get().WaitFor(absl::ZeroDuration()); },
+      "The number of calls running on background threads (those interrupted by Ctrl-C).");
+  // atexit runs its handlers last registered first: this one after any the package registers.
+  py::module_::import("atexit").attr("register")(m.attr("_background_calls_at_exit"));
 
   py::class_<Decision>(m, "Decision", R"doc(
 What one rank did at one step: SKIP, or AVERAGE with a level and the ranks that averaged.

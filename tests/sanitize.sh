@@ -83,10 +83,9 @@ if [[ $tsan_python == ON ]]; then
   # Ranks start as new processes (spawn): TSan cannot follow a fork of a threaded process. The
   # coordinator is the ASan build's (the first stage built it). A report fails the run (exit 66).
   export MODELAVG_TEST_START_METHOD=spawn
-  # Not errors_test's `interrupt`: a call abandoned by Ctrl-C still runs while the interpreter
-  # exits, and TSan reports it logging through spdlog's registry as the registry is destroyed
-  # (a real race at exit, docs/python.md "Ctrl-C"; not fixed yet).
-  py_checks=("errors_test.py --check=jobs_and_client"
+  # errors_test's `interrupt`: calls abandoned by Ctrl-C, then the interpreter's exit (which
+  # waits for them, so that none runs while logging is torn down).
+  py_checks=("errors_test.py --check=jobs_and_client" "errors_test.py --check=interrupt"
              "dropin_test.py --config=features_periodic_w2_p2"
              "diloco_test.py --config=periodic_w2_dropin_backup_cpu"
              "streaming_test.py --config=delay_dropin_w2" "streaming_test.py --config=int8_delay_w4")

@@ -142,6 +142,56 @@ TEST_F(ClientCoordinatorTest, Connect_NoCoordinator_Unavailable) {
   EXPECT_THAT(std::string(c.status().message()), HasSubstr("cannot reach the coordinator"));
 }
 
+// ClientOptions::cancel ends a Join that waits for a world that never completes at once (not at
+// join_timeout), and the coordinator frees the rank: another worker can take it.
+TEST_F(ClientCoordinatorTest, Connect_CancelledWhileWaitingForTheWorld_CancelledAndRankFreed) {
+  CreateJob("never", 2, v1::PERIODIC, {{2, 2}});
+  ClientOptions o = Options("never", 0);
+  o.join_timeout = absl::Minutes(5);
+  o.cancel = std::make_shared<CancelToken>();
+  absl::StatusOr<std::unique_ptr<Client>> c;
+  std::thread joiner([&] { c = Client::Connect(o); });
+  // Wait until rank 0 is in the round, then cancel.
+  const absl::Time until = absl::Now() + Scaled(absl::Seconds(20));
+  while (absl::Now() < until) {
+    auto job = admin_->GetJob("never");
+    ASSERT_TRUE(job.ok()) << job.status();
+    if (job->members_size() == 1) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  const absl::Time cancelled = absl::Now();
+  o.cancel->Cancel();
+  joiner.join();
+  EXPECT_LT(absl::Now() - cancelled, Scaled(absl::Seconds(5)));
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kCancelled) << c.status();
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("cancelled"));
+  // The coordinator saw the call end: the rank is free for another worker.
+  absl::StatusOr<v1::Job> job;
+  while (absl::Now() < until) {
+    job = admin_->GetJob("never");
+    ASSERT_TRUE(job.ok()) << job.status();
+    if (job->members_size() == 0) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(job->members_size(), 0) << job->DebugString();
+}
+
+// Cancelled while retrying an unreachable coordinator (in the backoff): ends at once.
+TEST_F(ClientCoordinatorTest, Connect_CancelledWhileCoordinatorUnreachable_Cancelled) {
+  ClientOptions o = Options("x", 0);
+  o.coordinator = "127.0.0.1:1";
+  o.join_timeout = absl::Minutes(5);
+  o.cancel = std::make_shared<CancelToken>();
+  absl::StatusOr<std::unique_ptr<Client>> c;
+  std::thread joiner([&] { c = Client::Connect(o); });
+  absl::SleepFor(absl::Milliseconds(500));
+  const absl::Time cancelled = absl::Now();
+  o.cancel->Cancel();
+  joiner.join();
+  EXPECT_LT(absl::Now() - cancelled, Scaled(absl::Seconds(5)));
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kCancelled) << c.status();
+}
+
 // A coordinator slow to answer a new connection (busy with many workers re-attaching, a loaded
 // machine) is waited for within the call's deadline: the HTTP/2 handshake is held for 600 ms by
 // a proxy. gRPC gave the connection attempt only the 100 ms of the reconnect back-off before
