@@ -47,6 +47,170 @@ absl::Status TransferThroughDevice(
   return s;
 }
 
+// An outer state to hand over at an admission, with the parameter tensors it covers: a whole
+// outer level all of them, a streaming level's fragment its run of tensors (docs/streaming.md).
+struct HandOver {
+  OuterLevelState* state;
+  size_t first;
+  size_t n;
+  int fragment;  // -1: the whole level
+
+  std::string Name() const {
+    return fragment < 0 ? absl::StrCat("level ", state->level())
+                        : absl::StrCat("level ", state->level(), " fragment ", fragment);
+  }
+  // Its tensors in the hand-over buffer: the anchor's, then with momentum the momentum's.
+  size_t Width() const { return state->rule().momentum != 0 ? 2 * n : n; }
+};
+
+// Every outer state to hand over, for the parameters `all`: the whole levels of `outer`, and
+// each fragment of a streaming level (its states in `fragment_outer`, made here if need be).
+std::vector<HandOver> HandOvers(
+    const std::vector<std::unique_ptr<OuterLevelState>>& outer,
+    std::vector<std::vector<std::unique_ptr<OuterLevelState>>>& fragment_outer,
+    const std::vector<ScheduleLevel>& spec_levels, absl::Span<const TensorView> all) {
+  std::vector<HandOver> out;
+  for (const auto& state : outer) {
+    if (state == nullptr) continue;
+    const ScheduleLevel& l = spec_levels[state->level()];
+    if (!StreamingOuterLevel(l)) {
+      out.push_back({state.get(), 0, all.size(), -1});
+      continue;
+    }
+    const int level = state->level();
+    if (fragment_outer.size() <= static_cast<size_t>(level)) fragment_outer.resize(level + 1);
+    std::vector<std::unique_ptr<OuterLevelState>>& states = fragment_outer[level];
+    if (states.empty()) {
+      for (int f = 0; f < std::max(1, l.fragments); ++f) {
+        states.push_back(std::make_unique<OuterLevelState>(level, *l.outer));
+      }
+    }
+    const FragmentSplit split = SplitIntoFragments(all, std::max(1, l.fragments));
+    for (int f = 0; f < static_cast<int>(states.size()); ++f) {
+      out.push_back({states[f].get(), split.begin[f], split.begin[f + 1] - split.begin[f], f});
+    }
+  }
+  return out;
+}
+
+// Each hand-over's donor to replacement `j`: the lowest contributing member of j's block at
+// that hand-over's level, or -1 when there is none.
+std::vector<int32_t> DonorsTo(int32_t j, const std::vector<HandOver>& hand_overs,
+                              const Decision& decision,
+                              const std::vector<ScheduleLevel>& spec_levels) {
+  const std::vector<int32_t> members = decision.Members();
+  std::vector<int32_t> donors;
+  for (const HandOver& h : hand_overs) {
+    const int32_t g = spec_levels[h.state->level()].group_size;
+    int32_t donor = -1;
+    for (int32_t m : members) {
+      if (!std::binary_search(decision.joining.begin(), decision.joining.end(), m) &&
+          m / g == j / g) {
+        donor = m;
+        break;
+      }
+    }
+    donors.push_back(donor);
+  }
+  return donors;
+}
+
+// The hand-over buffer's tensors: a float64 header (per hand-over: anchor set, momentum set),
+// then per hand-over its anchor and, with momentum, its momentum, in the state layout.
+std::vector<TensorView> HandOverShape(const std::vector<HandOver>& hand_overs,
+                                      const OuterBuffer& state_layout) {
+  std::vector<TensorView> shape(1);
+  shape[0].numel = static_cast<int64_t>(2 * hand_overs.size());
+  shape[0].dtype = DType::kFloat64;
+  for (const HandOver& h : hand_overs) {
+    const int copies = h.state->rule().momentum != 0 ? 2 : 1;
+    for (int c = 0; c < copies; ++c) {
+      for (size_t i = h.first; i < h.first + h.n; ++i) {
+        TensorView v;
+        v.numel = state_layout.numel(i);
+        v.dtype = state_layout.dtype(i);
+        shape.push_back(v);
+      }
+    }
+  }
+  return shape;
+}
+
+// The donor's part of the buffer: the states this member (`me`) donates, with their header
+// entries; everything else stays zero.
+absl::Status WriteDonatedStates(const std::vector<HandOver>& hand_overs,
+                                const std::vector<int32_t>& donors, int32_t me,
+                                std::vector<TensorView>& views) {
+  double* header = static_cast<double*>(views[0].data);
+  size_t at = 1;
+  for (size_t k = 0; k < hand_overs.size(); ++k) {
+    OuterLevelState* level = hand_overs[k].state;
+    const size_t n = hand_overs[k].n;
+    if (donors[k] == me && level->has_anchor()) {
+      MODELAVG_RETURN_IF_ERROR(level->CheckLayout(0, absl::MakeConstSpan(views).subspan(at, n)));
+      header[2 * k] = 1;
+      const std::vector<StateTensor> a = level->AnchorTensors();
+      for (size_t i = 0; i < n; ++i) {
+        if (!a[i].bytes.empty()) std::memcpy(views[at + i].data, a[i].bytes.data(), a[i].bytes.size());
+      }
+      if (level->has_momentum()) {
+        header[2 * k + 1] = 1;
+        const std::vector<StateTensor> m = level->MomentumTensors();
+        for (size_t i = 0; i < n; ++i) {
+          if (!m[i].bytes.empty()) {
+            std::memcpy(views[at + n + i].data, m[i].bytes.data(), m[i].bytes.size());
+          }
+        }
+      }
+    }
+    at += hand_overs[k].Width();
+  }
+  return absl::OkStatus();
+}
+
+// The replacement's side, once the round has run: loads every state the buffer holds.
+absl::Status LoadHandedStates(const std::vector<HandOver>& hand_overs,
+                              const std::vector<int32_t>& donors, const Decision& decision,
+                              int32_t me, const std::vector<TensorView>& views) {
+  const double* header = static_cast<const double*>(views[0].data);
+  size_t at = 1;
+  for (size_t k = 0; k < hand_overs.size(); ++k) {
+    const HandOver& h = hand_overs[k];
+    OuterLevelState* level = h.state;
+    const size_t n = h.n;
+    if (donors[k] < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", me, " is admitted at step ", decision.step,
+          " but no live member of its block at level ", level->level(),
+          " takes part in the round to hand it that level's outer state; start the "
+          "replacement again"));
+    }
+    if (header[2 * k] == 1) {
+      auto copy = [&](size_t from) {
+        std::vector<StateTensor> out(n);
+        for (size_t i = 0; i < n; ++i) {
+          out[i].dtype = views[from + i].dtype;
+          out[i].numel = views[from + i].numel;
+          const uint8_t* p = static_cast<const uint8_t*>(views[from + i].data);
+          out[i].bytes.assign(p, p + views[from + i].nbytes());
+        }
+        return out;
+      };
+      const std::vector<StateTensor> a = copy(at);
+      std::vector<StateTensor> m;
+      if (header[2 * k + 1] == 1) m = copy(at + n);
+      MODELAVG_RETURN_IF_ERROR(level->Load(a, header[2 * k + 1] == 1 ? &m : nullptr));
+      spdlog::info("step {}: received the outer state of {} from rank {}", decision.step,
+                   h.Name(), donors[k]);
+    } else if (header[2 * k] != 0) {
+      return absl::InternalError(absl::StrCat("outer state of ", h.Name(),
+                                              " received from several members at once"));
+    }
+    at += h.Width();
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<Decision> ModelAverager::OuterRound(const Decision& decision,
@@ -163,109 +327,23 @@ absl::StatusOr<DeviceOuterState*> ModelAverager::DeviceState(OuterLevelState* st
 absl::Status ModelAverager::TransferOuterState(const Decision& decision, Communicator* comm,
                                                absl::Span<const TensorView> layout) {
   if (decision.joining.empty()) return absl::OkStatus();
-  // Every outer state to hand over, with the parameter tensors it covers: a whole outer level
-  // all of them, a streaming level's fragment its run of tensors (docs/streaming.md). The
-  // parameters of the call (round_params_), or `layout` (the round's tensors, in the state
+  // The parameters of the call (round_params_), or `layout` (the round's tensors, in the state
   // layout already) when the call passed none.
   const absl::Span<const TensorView> all = round_params_.empty() ? layout : round_params_;
-  struct Entry {
-    OuterLevelState* state;
-    size_t first;
-    size_t n;
-    int fragment;  // -1: the whole level
-  };
-  std::vector<Entry> entries;
   const std::vector<ScheduleLevel>& spec_levels = client_->schedule().spec().levels;
-  for (const auto& state : outer_) {
-    if (state == nullptr) continue;
-    const ScheduleLevel& l = spec_levels[state->level()];
-    if (!StreamingOuterLevel(l)) {
-      entries.push_back({state.get(), 0, all.size(), -1});
-      continue;
-    }
-    const int level = state->level();
-    if (fragment_outer_.size() <= static_cast<size_t>(level)) fragment_outer_.resize(level + 1);
-    std::vector<std::unique_ptr<OuterLevelState>>& states = fragment_outer_[level];
-    if (states.empty()) {
-      for (int f = 0; f < std::max(1, l.fragments); ++f) {
-        states.push_back(std::make_unique<OuterLevelState>(level, *l.outer));
-      }
-    }
-    const FragmentSplit split = SplitIntoFragments(all, std::max(1, l.fragments));
-    for (int f = 0; f < static_cast<int>(states.size()); ++f) {
-      entries.push_back({states[f].get(), split.begin[f], split.begin[f + 1] - split.begin[f], f});
-    }
-  }
-  if (entries.empty()) return absl::OkStatus();
+  const std::vector<HandOver> hand_overs = HandOvers(outer_, fragment_outer_, spec_levels, all);
+  if (hand_overs.empty()) return absl::OkStatus();
   const int32_t me = client_->rank();
-  const std::vector<int32_t> members = decision.Members();
-  auto joining = [&](int32_t r) {
-    return std::binary_search(decision.joining.begin(), decision.joining.end(), r);
-  };
   OuterBuffer state_layout;
   state_layout.Shape(all);
-  auto name = [](const Entry& e) {
-    return e.fragment < 0 ? absl::StrCat("level ", e.state->level())
-                          : absl::StrCat("level ", e.state->level(), " fragment ", e.fragment);
-  };
-  // One round per replacement: a header (per entry: anchor set, momentum set), then per entry
-  // its anchor and, with momentum, its momentum buffer. Each entry's donor — the lowest
-  // contributing member of the replacement's block at that level — writes its part, everyone
-  // else zeros, and the divisor is 1: an exact broadcast on the round's communicator.
+  // One round per replacement: each hand-over's donor writes its part, everyone else zeros, and
+  // the divisor is 1: an exact broadcast on the round's communicator.
   for (int32_t j : decision.joining) {
-    std::vector<TensorView> shape(1);
-    shape[0].numel = static_cast<int64_t>(2 * entries.size());
-    shape[0].dtype = DType::kFloat64;
-    std::vector<int32_t> donors;
-    for (const Entry& e : entries) {
-      const int32_t g = spec_levels[e.state->level()].group_size;
-      int32_t donor = -1;
-      for (int32_t m : members) {
-        if (!joining(m) && m / g == j / g) {
-          donor = m;
-          break;
-        }
-      }
-      donors.push_back(donor);
-      const int copies = e.state->rule().momentum != 0 ? 2 : 1;
-      for (int c = 0; c < copies; ++c) {
-        for (size_t i = e.first; i < e.first + e.n; ++i) {
-          TensorView v;
-          v.numel = state_layout.numel(i);
-          v.dtype = state_layout.dtype(i);
-          shape.push_back(v);
-        }
-      }
-    }
+    const std::vector<int32_t> donors = DonorsTo(j, hand_overs, decision, spec_levels);
     OuterBuffer buffer;
-    buffer.Shape(shape);  // zeros
+    buffer.Shape(HandOverShape(hand_overs, state_layout));  // zeros
     std::vector<TensorView> views = buffer.Views();
-    double* header = static_cast<double*>(views[0].data);
-    size_t at = 1;
-    for (size_t k = 0; k < entries.size(); ++k) {
-      const Entry& e = entries[k];
-      OuterLevelState* level = e.state;
-      const size_t n = e.n;
-      const bool momentum = level->rule().momentum != 0;
-      if (donors[k] == me && level->has_anchor()) {
-        MODELAVG_RETURN_IF_ERROR(level->CheckLayout(0, absl::MakeConstSpan(views).subspan(at, n)));
-        header[2 * k] = 1;
-        const std::vector<StateTensor> a = level->AnchorTensors();
-        for (size_t i = 0; i < n; ++i) {
-          if (!a[i].bytes.empty()) std::memcpy(views[at + i].data, a[i].bytes.data(), a[i].bytes.size());
-        }
-        if (level->has_momentum()) {
-          header[2 * k + 1] = 1;
-          const std::vector<StateTensor> m = level->MomentumTensors();
-          for (size_t i = 0; i < n; ++i) {
-            if (!m[i].bytes.empty()) {
-              std::memcpy(views[at + n + i].data, m[i].bytes.data(), m[i].bytes.size());
-            }
-          }
-        }
-      }
-      at += momentum ? 2 * n : n;
-    }
+    MODELAVG_RETURN_IF_ERROR(WriteDonatedStates(hand_overs, donors, me, views));
     RoundOptions options;
     options.step = decision.step;
     options.contributors = 1;
@@ -280,43 +358,8 @@ absl::Status ModelAverager::TransferOuterState(const Decision& decision, Communi
     } else {
       MODELAVG_RETURN_IF_ERROR(comm->AllReduceAverage(views, options, nullptr));
     }
-    if (j != me) continue;
-    at = 1;
-    for (size_t k = 0; k < entries.size(); ++k) {
-      const Entry& e = entries[k];
-      OuterLevelState* level = e.state;
-      const size_t n = e.n;
-      const bool momentum = level->rule().momentum != 0;
-      const size_t width = momentum ? 2 * n : n;
-      if (donors[k] < 0) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "rank ", me, " is admitted at step ", decision.step,
-            " but no live member of its block at level ", level->level(),
-            " takes part in the round to hand it that level's outer state; start the "
-            "replacement again"));
-      }
-      if (header[2 * k] == 1) {
-        auto copy = [&](size_t from) {
-          std::vector<StateTensor> out(n);
-          for (size_t i = 0; i < n; ++i) {
-            out[i].dtype = views[from + i].dtype;
-            out[i].numel = views[from + i].numel;
-            const uint8_t* p = static_cast<const uint8_t*>(views[from + i].data);
-            out[i].bytes.assign(p, p + views[from + i].nbytes());
-          }
-          return out;
-        };
-        const std::vector<StateTensor> a = copy(at);
-        std::vector<StateTensor> m;
-        if (header[2 * k + 1] == 1) m = copy(at + n);
-        MODELAVG_RETURN_IF_ERROR(level->Load(a, header[2 * k + 1] == 1 ? &m : nullptr));
-        spdlog::info("step {}: received the outer state of {} from rank {}", decision.step,
-                     name(e), donors[k]);
-      } else if (header[2 * k] != 0) {
-        return absl::InternalError(absl::StrCat("outer state of ", name(e),
-                                                " received from several members at once"));
-      }
-      at += width;
+    if (j == me) {
+      MODELAVG_RETURN_IF_ERROR(LoadHandedStates(hand_overs, donors, decision, me, views));
     }
   }
   // An admission at a streaming level's step syncs one fragment only: the replacement receives
