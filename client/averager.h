@@ -184,14 +184,14 @@ class ModelAverager {
   absl::Duration RetryWait() const;
   // How the communicator of `decision`'s round is bootstrapped.
   CommunicatorSetup Setup(const Decision& decision) const;
-  // An averaging step of an elastic job: the round, retried with the live members of the next
-  // generation when it fails (see AverageParameters). `transfer`: an admission round hands the
+  // An averaging step of an elastic job (averager_elastic.cc): the round, retried with the live
+  // members of the next generation when it fails (see AverageParameters). `transfer`: an admission round hands the
   // replacements the outer state first (TransferOuterState).
   absl::StatusOr<Decision> AverageElastic(Decision decision, const Device& device,
                                           absl::Span<const TensorView> params,
                                           bool transfer = true)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The steps of AverageElastic (averager.cc). One attempt of the round in decision.generation:
+  // The steps of AverageElastic (averager_elastic.cc). One attempt of the round in decision.generation:
   // the communicator, the transfer, the committed all-reduce, its outcome in the round notes.
   // A non-OK result is final (this rank is no member, nobody can give a replacement the
   // parameters); a failure of the round itself is the attempt's status.
@@ -242,10 +242,10 @@ class ModelAverager {
   absl::StatusOr<Decision> Round(const Decision& decision, const Device& device,
                                  absl::Span<const TensorView> tensors)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // An admission round of an elastic job (decision.joining not empty): every replacement
-  // receives, for each outer level, the anchor and momentum of the lowest contributing member
-  // of its block at that level, through `comm` before the step's own round. `layout`: the
-  // round's tensors (their state layout is the outer state's).
+  // An admission round of an elastic job (decision.joining not empty; averager_outer.cc):
+  // every replacement receives, for each outer level, the anchor and momentum of the lowest
+  // contributing member of its block at that level, through `comm` before the step's own
+  // round. `layout`: the round's tensors (their state layout is the outer state's).
   absl::Status TransferOuterState(const Decision& decision, Communicator* comm,
                                   absl::Span<const TensorView> layout)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -307,7 +307,7 @@ class ModelAverager {
   // ApplyOne's last part on CUDA parameters: the pending sync's result into the fragment.
   absl::Status ApplyDevicePending(PendingSync* p, absl::Span<const TensorView> fragment,
                                   double mix) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // An averaging step of a level with an outer optimizer (docs/diloco.md).
+  // An averaging step of a level with an outer optimizer (docs/diloco.md; averager_outer.cc).
   absl::StatusOr<Decision> OuterRound(const Decision& decision, const Device& device,
                                       absl::Span<const TensorView> params)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

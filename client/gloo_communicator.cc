@@ -313,10 +313,7 @@ absl::Status GlooCommunicator::RunAverage(void* data, int64_t numel, DType dtype
       const size_t words = (bytes + 7) / 8;
       if (pending_.size() < words) pending_.resize(words);
       std::memcpy(pending_.data(), data, bytes);
-      has_pending_ = true;
-      pending_packed_ = false;
-      pending_numel_ = numel;
-      pending_dtype_ = dtype;
+      KeepPending(/*packed=*/false, numel, dtype);
       if (backup != nullptr) restore();
       if (holding != nullptr) *holding = true;
       return c;
@@ -439,6 +436,13 @@ absl::Status GlooCommunicator::CheckLayout(int64_t numel, DType dtype, int64_t s
   return absl::OkStatus();
 }
 
+void GlooCommunicator::KeepPending(bool packed, int64_t numel, DType dtype) {
+  has_pending_ = true;
+  pending_packed_ = packed;
+  pending_numel_ = numel;
+  pending_dtype_ = dtype;
+}
+
 absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> tensors,
                                                 const RoundOptions& options,
                                                 RoundOutcome* outcome) {
@@ -472,88 +476,101 @@ absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
     *outcome = RoundOutcome::kCompleted;
     return absl::OkStatus();
   }
-  const size_t bytes = static_cast<size_t>(*total) * DTypeSize(dtype);
   if (options.payload != Payload::kFp32) {
-    if (dtype != DType::kFloat32) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "a ", PayloadName(options.payload),
-          " payload takes float32/float16/bfloat16 tensors; these include float64"));
-    }
-    // Packed into the staging (zeros for a member that does not contribute); the compressed
-    // result lands in the second half, and the tensors are written only on success.
-    const size_t words = (2 * bytes + 7) / 8;
-    if (staging_.size() < words) staging_.resize(words);
-    float* in = reinterpret_cast<float*>(staging_.data());
-    float* result = in + *total;
-    if (options.contribute) {
-      PackDivided(tensors, dtype, 1.0, in);
-    } else {
-      std::memset(in, 0, bytes);
-    }
-    absl::Status s = RunCompressed(in, *total, options.payload, divisor, result);
-    if (!s.ok()) return Break(s);
-    if (options.commit) {
-      if (absl::Status c = Commit(); !c.ok()) {
-        pending_.assign(reinterpret_cast<const double*>(result),
-                        reinterpret_cast<const double*>(result) + (bytes + 7) / 8);
-        has_pending_ = true;
-        pending_packed_ = true;
-        pending_numel_ = *total;
-        pending_dtype_ = dtype;
-        *outcome = RoundOutcome::kFailedHoldingResult;
-        return Break(c);
-      }
-    }
-    Unpack(result, dtype, tensors);
-    *outcome = RoundOutcome::kCompleted;
-    return absl::OkStatus();
+    return AverageCompressed(tensors, options, *total, dtype, divisor, outcome);
   }
   void* single = SingleBuffer(tensors);
-  // A committed round needs the backup to undo (in_place is only for plain rounds).
-  const bool keep_backup = !in_place_ || options.commit;
-  bool holding = false;
   if (fused_ && single != nullptr && options.contribute) {
-    // One buffer: reduced in place, the division fused into the ring. Unless in_place, every
-    // segment is saved to a backup as the ring first touches it, and restored if the
-    // collective fails.
-    void* backup = nullptr;
-    if (keep_backup) {
-      if (staging_.size() * sizeof(double) < bytes) staging_.resize((bytes + 7) / 8);
-      backup = staging_.data();
-    }
-    absl::Status s = RunAverage(single, *total, dtype, backup, kDefaultMaxSegment, divisor,
-                                options.commit, &holding);
-    if (!s.ok()) {
-      *outcome = holding ? RoundOutcome::kFailedHoldingResult : RoundOutcome::kFailedWithoutResult;
-      return Break(s);
-    }
-    *outcome = RoundOutcome::kCompleted;
-    return absl::OkStatus();
+    return AverageInPlace(single, options, *total, dtype, divisor, outcome);
   }
-  // Anything else: one flat staging buffer, copied back only on success. A member that does not
-  // contribute reduces zeros.
+  return AverageStaged(tensors, options, *total, dtype, divisor, outcome);
+}
+
+absl::Status GlooCommunicator::AverageCompressed(absl::Span<const TensorView> tensors,
+                                                 const RoundOptions& options, int64_t total,
+                                                 DType dtype, int divisor,
+                                                 RoundOutcome* outcome) {
+  const size_t bytes = static_cast<size_t>(total) * DTypeSize(dtype);
+  if (dtype != DType::kFloat32) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a ", PayloadName(options.payload),
+        " payload takes float32/float16/bfloat16 tensors; these include float64"));
+  }
+  // Packed into the staging (zeros for a member that does not contribute); the compressed
+  // result lands in the second half, and the tensors are written only on success.
+  const size_t words = (2 * bytes + 7) / 8;
+  if (staging_.size() < words) staging_.resize(words);
+  float* in = reinterpret_cast<float*>(staging_.data());
+  float* result = in + total;
+  if (options.contribute) {
+    PackDivided(tensors, dtype, 1.0, in);
+  } else {
+    std::memset(in, 0, bytes);
+  }
+  absl::Status s = RunCompressed(in, total, options.payload, divisor, result);
+  if (!s.ok()) return Break(s);
+  if (options.commit) {
+    if (absl::Status c = Commit(); !c.ok()) {
+      pending_.assign(reinterpret_cast<const double*>(result),
+                      reinterpret_cast<const double*>(result) + (bytes + 7) / 8);
+      KeepPending(/*packed=*/true, total, dtype);
+      *outcome = RoundOutcome::kFailedHoldingResult;
+      return Break(c);
+    }
+  }
+  Unpack(result, dtype, tensors);
+  *outcome = RoundOutcome::kCompleted;
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::AverageInPlace(void* single, const RoundOptions& options,
+                                              int64_t total, DType dtype, int divisor,
+                                              RoundOutcome* outcome) {
+  const size_t bytes = static_cast<size_t>(total) * DTypeSize(dtype);
+  // Reduced in place, the division fused into the ring. Unless in_place, every segment is saved
+  // to a backup as the ring first touches it, and restored if the collective fails; a committed
+  // round needs the backup to undo (in_place is only for plain rounds).
+  void* backup = nullptr;
+  if (!in_place_ || options.commit) {
+    if (staging_.size() * sizeof(double) < bytes) staging_.resize((bytes + 7) / 8);
+    backup = staging_.data();
+  }
+  bool holding = false;
+  absl::Status s = RunAverage(single, total, dtype, backup, kDefaultMaxSegment, divisor,
+                              options.commit, &holding);
+  if (!s.ok()) {
+    *outcome = holding ? RoundOutcome::kFailedHoldingResult : RoundOutcome::kFailedWithoutResult;
+    return Break(s);
+  }
+  *outcome = RoundOutcome::kCompleted;
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::AverageStaged(absl::Span<const TensorView> tensors,
+                                             const RoundOptions& options, int64_t total,
+                                             DType dtype, int divisor, RoundOutcome* outcome) {
+  const size_t bytes = static_cast<size_t>(total) * DTypeSize(dtype);
+  // One flat staging buffer, copied back only on success. A member that does not contribute
+  // reduces zeros.
   if (staging_.size() * sizeof(double) < bytes) staging_.resize((bytes + 7) / 8);
   absl::Status s;
   if (!options.contribute) std::memset(staging_.data(), 0, bytes);
   if (fused_) {
     if (options.contribute) PackDivided(tensors, dtype, 1.0, staging_.data());
-    s = RunAverage(staging_.data(), *total, dtype, /*backup=*/nullptr, kDefaultMaxSegment,
+    s = RunAverage(staging_.data(), total, dtype, /*backup=*/nullptr, kDefaultMaxSegment,
                    divisor);
   } else {
     if (options.contribute) {
       PackDivided(tensors, dtype, static_cast<double>(divisor), staging_.data());
     }
-    s = RunSum(staging_.data(), *total, dtype);
+    s = RunSum(staging_.data(), total, dtype);
   }
   if (!s.ok()) return Break(s);
   if (options.commit) {
     if (absl::Status c = Commit(); !c.ok()) {
       // Keep the packed result aside; the tensors were never touched.
       pending_.swap(staging_);
-      has_pending_ = true;
-      pending_packed_ = true;
-      pending_numel_ = *total;
-      pending_dtype_ = dtype;
+      KeepPending(/*packed=*/true, total, dtype);
       *outcome = RoundOutcome::kFailedHoldingResult;
       return Break(c);
     }

@@ -116,6 +116,23 @@ class GlooCommunicator : public Communicator {
   // Whether CheckLayout passed for this layout before.
   bool LayoutVerified(int64_t numel, DType dtype, int64_t signature) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The three ways of AllReduceAverage, for a round of `total` elements of staging `dtype` that
+  // passed the layout check: a compressed payload (packed, RunCompressed); one contributing
+  // buffer with the division fused (RunAverage in place, with a backup unless in_place_ in a
+  // plain round); anything else through the staging buffer (packed, reduced, unpacked on
+  // success). Each sets *outcome and breaks the communicator on a transport failure.
+  absl::Status AverageCompressed(absl::Span<const TensorView> tensors, const RoundOptions& options,
+                                 int64_t total, DType dtype, int divisor, RoundOutcome* outcome)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status AverageInPlace(void* single, const RoundOptions& options, int64_t total,
+                              DType dtype, int divisor, RoundOutcome* outcome)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status AverageStaged(absl::Span<const TensorView> tensors, const RoundOptions& options,
+                             int64_t total, DType dtype, int divisor, RoundOutcome* outcome)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records that pending_ now holds a result kept aside by a failed commit: `packed` (the
+  // staging layout) or one buffer's raw bytes, of numel elements of dtype.
+  void KeepPending(bool packed, int64_t numel, DType dtype) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The compressed average of the float32 buffer `data` (numel elements): every member's chunk
   // j of the encoded buffer goes to member j (all-to-all), which sums the decoded chunks in
   // float32, divides by `divisor` and encodes the result; an all-gather of the encoded results
