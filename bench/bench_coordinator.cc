@@ -59,8 +59,13 @@ ABSL_FLAG(int, max_inflight_steps, 0,
 ABSL_FLAG(int, channels, 4, "gRPC channels (TCP connections) the workers share.");
 ABSL_FLAG(double, heartbeat_hz, 10, "Heartbeats per second per worker.");
 ABSL_FLAG(std::string, heartbeat, "stream",
-          "How workers heartbeat: 'unary' (one Heartbeat call per beat) or 'stream' (default: one "
-          "HeartbeatStream per worker, as the client library does).");
+          "How workers heartbeat: 'unary' (one Heartbeat call per beat), 'stream' (default: one "
+          "HeartbeatStream per worker, as the client library does), or 'host' (one "
+          "HostHeartbeatStream per --ranks_per_stream workers, each message carrying all their "
+          "beats, as the client library does for the ranks of one process with "
+          "share_heartbeat_stream).");
+ABSL_FLAG(int, ranks_per_stream, 8,
+          "With --heartbeat=host: the workers (one host's ranks) whose beats share one stream.");
 ABSL_FLAG(std::string, state_dir, "",
           "Also run against a coordinator with --state_dir under this directory (a fresh "
           "subdirectory), after the in-memory run; empty: in memory only.");
@@ -70,7 +75,7 @@ ABSL_FLAG(std::string, etcd_endpoints, "",
 ABSL_FLAG(int, latency_jobs, 200,
           "CreateJob + Join pairs timed one after the other (0: none).");
 ABSL_FLAG(int64_t, reply_interval_ms, -1,
-          "With --heartbeat=stream: the streams' reply_interval_ms (the coordinator answers "
+          "With --heartbeat=stream or host: the streams' reply_interval_ms (the coordinator answers "
           "only news, and otherwise at most this often; beats are written without waiting). "
           "0: one reply per beat, each awaited before the next beat. -1: what the client "
           "library asks for the job's heartbeat timeout and --heartbeat_hz "
@@ -238,6 +243,82 @@ class HeartbeatStreamClient final
   absl::Notification done_;
 };
 
+// One host's HostHeartbeatStream: each Beat writes the beats of all its workers in one message
+// (at most one write in flight; a beat due meanwhile is skipped and counted), a read is always
+// outstanding, and the beats count once written.
+class HostStreamClient final
+    : public grpc::ClientBidiReactor<v1::HostHeartbeatRequest, v1::HostHeartbeatResponse> {
+ public:
+  HostStreamClient(Stub* stub, std::vector<Worker*> workers, int64_t reply_interval_ms,
+                   std::atomic<int64_t>* beats, std::atomic<int64_t>* replies,
+                   std::atomic<int64_t>* errors)
+      : workers_(std::move(workers)), beats_(beats), replies_(replies), errors_(errors) {
+    request_.set_reply_interval_ms(std::max<int64_t>(1, reply_interval_ms));
+    stub->async()->HostHeartbeatStream(&ctx_, this);
+    StartRead(&response_);
+    AddHold();  // until Close
+    StartCall();
+  }
+  // Called from one thread only (the heartbeat thread).
+  void Beat(const std::string& job_id) {
+    if (busy_.exchange(true)) {
+      skipped_.fetch_add(static_cast<int64_t>(workers_.size()), std::memory_order_relaxed);
+      return;
+    }
+    request_.clear_beats();
+    for (const Worker* w : workers_) {
+      v1::HeartbeatRequest* b = request_.add_beats();
+      b->set_job_id(job_id);
+      b->set_rank(w->rank);
+      b->set_generation(w->generation);
+      b->set_step(w->step.load());
+      b->set_credential(w->credential);
+    }
+    StartWrite(&request_);
+  }
+  void Close() {
+    while (busy_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    StartWritesDone();
+    RemoveHold();
+  }
+  void Wait() { done_.WaitForNotification(); }
+  int64_t skipped() const { return skipped_.load(); }
+
+  void OnWriteDone(bool ok) override {
+    if (ok) beats_->fetch_add(request_.beats_size(), std::memory_order_relaxed);
+    busy_ = false;
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) return;
+    for (const v1::MemberHeartbeatReply& m : response_.members()) {
+      if (m.error_code() != 0 && errors_->fetch_add(1) == 0) {
+        std::fprintf(stderr, "a beat on a HostHeartbeatStream failed: %s\n",
+                     m.error_message().c_str());
+      }
+    }
+    replies_->fetch_add(response_.members_size(), std::memory_order_relaxed);
+    StartRead(&response_);
+  }
+  void OnDone(const grpc::Status& s) override {
+    if (!s.ok() && errors_->fetch_add(1) == 0) {
+      std::fprintf(stderr, "HostHeartbeatStream failed: %s\n", s.error_message().c_str());
+    }
+    done_.Notify();
+  }
+
+ private:
+  const std::vector<Worker*> workers_;
+  grpc::ClientContext ctx_;
+  v1::HostHeartbeatRequest request_;
+  v1::HostHeartbeatResponse response_;
+  std::atomic<bool> busy_{false};
+  std::atomic<int64_t> skipped_{0};
+  std::atomic<int64_t>* beats_;
+  std::atomic<int64_t>* replies_;
+  std::atomic<int64_t>* errors_;
+  absl::Notification done_;
+};
+
 class Load {
  public:
   Stub* stub() { return stubs_[0].get(); }
@@ -284,26 +365,46 @@ class Load {
     return failed.load() == 0;
   }
 
-  // Heartbeats for every worker at `hz`, spread evenly, until StopHeartbeats().
-  void StartHeartbeats(double hz, bool stream, int64_t reply_interval_ms) {
-    if (stream) {
+  // Heartbeats for every worker at `hz`, spread evenly, until StopHeartbeats(): `mode` is
+  // "unary", "stream" or "host" (see --heartbeat).
+  void StartHeartbeats(double hz, const std::string& mode, int64_t reply_interval_ms,
+                       int ranks_per_stream) {
+    if (mode == "stream") {
       for (Worker& w : workers_) {
         streams_.push_back(std::make_unique<HeartbeatStreamClient>(
             w.stub, reply_interval_ms, &heartbeats_, &heartbeat_replies_, &errors_));
         w.stream = streams_.back().get();
       }
     }
+    if (mode == "host") {
+      for (size_t first = 0; first < workers_.size(); first += ranks_per_stream) {
+        std::vector<Worker*> host;
+        for (size_t i = first; i < std::min(workers_.size(), first + ranks_per_stream); ++i) {
+          host.push_back(&workers_[i]);
+        }
+        Stub* stub = stubs_[hosts_.size() % stubs_.size()].get();
+        hosts_.push_back(std::make_unique<HostStreamClient>(
+            stub, std::move(host), reply_interval_ms, &heartbeats_,
+            &heartbeat_replies_, &errors_));
+      }
+    }
     heartbeat_thread_ = std::thread([this, hz] {
       constexpr double kTick = 0.01;
-      const double per_tick = workers_.size() * hz * kTick;
+      // What beats at once: a worker, or a host's workers together.
+      const size_t units = hosts_.empty() ? workers_.size() : hosts_.size();
+      const double per_tick = units * hz * kTick;
       double owed = 0;
       size_t next = 0;
       double t = SteadySeconds();
       while (!stop_heartbeats_.load()) {
         owed += per_tick;
         for (; owed >= 1; owed -= 1) {
-          Heartbeat(&workers_[next]);
-          next = (next + 1) % workers_.size();
+          if (hosts_.empty()) {
+            Heartbeat(&workers_[next]);
+          } else {
+            hosts_[next]->Beat(job_id_);
+          }
+          next = (next + 1) % units;
         }
         t += kTick;
         const double sleep = t - SteadySeconds();
@@ -315,11 +416,14 @@ class Load {
     stop_heartbeats_ = true;
     if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
     for (auto& s : streams_) s->Close();
+    for (auto& h : hosts_) h->Close();
     for (auto& s : streams_) s->Wait();
+    for (auto& h : hosts_) h->Wait();
   }
   int64_t skipped_beats() const {
     int64_t n = skipped_unary_.load();
     for (const auto& s : streams_) n += s->skipped();
+    for (const auto& h : hosts_) n += h->skipped();
     return n;
   }
 
@@ -461,6 +565,7 @@ class Load {
   int lanes_ = 0;
   std::thread heartbeat_thread_;
   std::vector<std::unique_ptr<HeartbeatStreamClient>> streams_;
+  std::vector<std::unique_ptr<HostStreamClient>> hosts_;
   std::atomic<bool> stop_heartbeats_{false};
   std::atomic<bool> stop_steps_{false};
   std::atomic<bool> measuring_{false};
@@ -609,8 +714,14 @@ int RunOnce(const std::string& address, int pid, const std::string& state) {
   }
 
   const std::string heartbeat_mode = absl::GetFlag(FLAGS_heartbeat);
-  if (heartbeat_mode != "unary" && heartbeat_mode != "stream") {
-    std::fprintf(stderr, "--heartbeat must be unary or stream\n");
+  const int ranks_per_stream = absl::GetFlag(FLAGS_ranks_per_stream);
+  if (heartbeat_mode != "unary" && heartbeat_mode != "stream" && heartbeat_mode != "host") {
+    std::fprintf(stderr, "--heartbeat must be unary, stream or host\n");
+    stop_child();
+    return 2;
+  }
+  if (ranks_per_stream < 1 || ranks_per_stream > 4096) {
+    std::fprintf(stderr, "--ranks_per_stream must be in [1, 4096]\n");
     stop_child();
     return 2;
   }
@@ -625,8 +736,8 @@ int RunOnce(const std::string& address, int pid, const std::string& state) {
     stop_child();
     return 2;
   }
-  load.StartHeartbeats(absl::GetFlag(FLAGS_heartbeat_hz), heartbeat_mode == "stream",
-                       reply_interval_ms);
+  load.StartHeartbeats(absl::GetFlag(FLAGS_heartbeat_hz), heartbeat_mode, reply_interval_ms,
+                       ranks_per_stream);
   double hb_cores = -1;
   double hb_us = -1;  // coordinator CPU per heartbeat
   double hb_rate = 0;  // heartbeats/s delivered in the heartbeat-only phase
@@ -691,7 +802,7 @@ int RunOnce(const std::string& address, int pid, const std::string& state) {
       "\"heartbeat_cpu_us\": %.1f, \"heartbeat\": \"%s\", \"skipped_beats\": %lld, "
       "\"max_inflight_steps\": %d, \"heartbeat_only_per_s\": %.0f, "
       "\"heartbeat_only_replies_per_s\": %.0f, \"heartbeat_only_load_cpu_cores\": %.3f, "
-      "\"reply_interval_ms\": %lld, "
+      "\"reply_interval_ms\": %lld, \"ranks_per_stream\": %d, "
       "\"state\": \"%s\", \"create_job_p50_us\": %.0f, \"create_job_p99_us\": %.0f, "
       "\"join_p50_us\": %.0f, \"join_p99_us\": %.0f, \"latency_jobs\": %lld}\n",
       n, wall, decisions / wall, load.step_latency().Percentile(0.5), step_p99,
@@ -700,7 +811,8 @@ int RunOnce(const std::string& address, int pid, const std::string& state) {
       static_cast<long long>(load.errors()), channels, cpu_us_per_rpc, hb_us,
       heartbeat_mode.c_str(), static_cast<long long>(load.skipped_beats()),
       absl::GetFlag(FLAGS_max_inflight_steps), hb_rate, hb_reply_rate, hb_load_cores,
-      static_cast<long long>(heartbeat_mode == "stream" ? reply_interval_ms : 0),
+      static_cast<long long>(heartbeat_mode != "unary" ? reply_interval_ms : 0),
+      heartbeat_mode == "host" ? ranks_per_stream : 1,
       state.c_str(),
       create_latency.Percentile(0.5), create_latency.Percentile(0.99),
       join_latency.Percentile(0.5), join_latency.Percentile(0.99),

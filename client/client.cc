@@ -240,7 +240,7 @@ Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordin
       *coordinator_,
       Heartbeat::Options{options_.coordinator, options_.job_id, rank_, options_.credential,
                          options_.heartbeat_interval, heartbeat_timeout_,
-                         options_.heartbeat_stream},
+                         options_.heartbeat_stream, options_.share_heartbeat_stream},
       std::move(hooks));
 }
 

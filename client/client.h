@@ -78,6 +78,12 @@ struct ClientOptions {
   // stream is re-opened with backoff. false: one unary Heartbeat call per beat. A coordinator
   // without HeartbeatStream (an older version) gets unary calls either way.
   bool heartbeat_stream = true;
+  // With heartbeat_stream: the beats of every Client of this process that talks to the same
+  // coordinator (same addresses, token and TLS files) go in one HostHeartbeatStream, one message
+  // per beat interval (the shortest of theirs), so that the coordinator pays its per-message
+  // cost once per process instead of once per rank (for trainers that drive several ranks from
+  // one process). A coordinator without HostHeartbeatStream gets a stream per client.
+  bool share_heartbeat_stream = false;
   // While the coordinator is unreachable, training goes on (local schedule, existing
   // communicators, heartbeats retried with backoff); work that needs the coordinator (a
   // subgroup's first communicator in the generation) waits for it up to this long, counted from

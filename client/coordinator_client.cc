@@ -305,48 +305,76 @@ std::unique_ptr<HeartbeatStreamCall> CoordinatorClient::StartHeartbeatStream(
     HeartbeatStreamCall::ReplyCallback on_reply, HeartbeatStreamCall::EndCallback on_end) {
   auto [stub, index] = Current();
   return std::make_unique<HeartbeatStreamCall>(
-      stub, Authorization(), std::move(on_reply), std::move(on_end),
+      [stub = stub](grpc::ClientContext* ctx,
+                    grpc::ClientBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>* r) {
+        stub->async()->HeartbeatStream(ctx, r);
+      },
+      "HeartbeatStream", Authorization(), std::move(on_reply), std::move(on_end),
       [this, index = index](const grpc::Status& status, const grpc::ClientContext& context) {
         Failover(index, status, context);
       });
 }
 
-HeartbeatStreamCall::HeartbeatStreamCall(v1::Coordinator::Stub* stub,
-                                         const std::string& authorization, ReplyCallback on_reply,
-                                         EndCallback on_end, DoneCallback on_done)
-    : on_reply_(std::move(on_reply)), on_end_(std::move(on_end)), on_done_(std::move(on_done)) {
-  if (!authorization.empty()) context_.AddMetadata("authorization", authorization);
-  stub->async()->HeartbeatStream(&context_, this);
-  StartRead(&reply_);
-  // Held until Finish, so that OnDone cannot come (and the reactor be released) before the
-  // owner stops writing.
-  AddHold();
-  StartCall();
+std::unique_ptr<HostHeartbeatStreamCall> CoordinatorClient::StartHostHeartbeatStream(
+    HostHeartbeatStreamCall::ReplyCallback on_reply, HostHeartbeatStreamCall::EndCallback on_end) {
+  auto [stub, index] = Current();
+  return std::make_unique<HostHeartbeatStreamCall>(
+      [stub = stub](
+          grpc::ClientContext* ctx,
+          grpc::ClientBidiReactor<v1::HostHeartbeatRequest, v1::HostHeartbeatResponse>* r) {
+        stub->async()->HostHeartbeatStream(ctx, r);
+      },
+      "HostHeartbeatStream", Authorization(), std::move(on_reply), std::move(on_end),
+      [this, index = index](const grpc::Status& status, const grpc::ClientContext& context) {
+        Failover(index, status, context);
+      });
 }
 
-HeartbeatStreamCall::~HeartbeatStreamCall() { (void)Finish(); }
+template <typename Request, typename Response>
+BeatStreamCall<Request, Response>::BeatStreamCall(const StartRpc& start, const char* rpc,
+                                                  const std::string& authorization,
+                                                  ReplyCallback on_reply, EndCallback on_end,
+                                                  DoneCallback on_done)
+    : rpc_(rpc), on_reply_(std::move(on_reply)), on_end_(std::move(on_end)),
+      on_done_(std::move(on_done)) {
+  if (!authorization.empty()) context_.AddMetadata("authorization", authorization);
+  start(&context_, this);
+  this->StartRead(&reply_);
+  // Held until Finish, so that OnDone cannot come (and the reactor be released) before the
+  // owner stops writing.
+  this->AddHold();
+  this->StartCall();
+}
 
-bool HeartbeatStreamCall::Write(const v1::HeartbeatRequest& request) {
+template <typename Request, typename Response>
+BeatStreamCall<Request, Response>::~BeatStreamCall() {
+  (void)Finish();
+}
+
+template <typename Request, typename Response>
+bool BeatStreamCall<Request, Response>::Write(const Request& request) {
   {
     absl::MutexLock lock(&mu_);
     if (writing_ || ended_ || finished_) return false;
     writing_ = true;
   }
   request_ = request;
-  StartWrite(&request_);
+  this->StartWrite(&request_);
   return true;
 }
 
-void HeartbeatStreamCall::OnWriteDone(bool ok) {
+template <typename Request, typename Response>
+void BeatStreamCall<Request, Response>::OnWriteDone(bool) {
   absl::MutexLock lock(&mu_);
   writing_ = false;
   // A failed write means the stream is over; the failed read reports it.
 }
 
-void HeartbeatStreamCall::OnReadDone(bool ok) {
+template <typename Request, typename Response>
+void BeatStreamCall<Request, Response>::OnReadDone(bool ok) {
   if (ok) {
     on_reply_(reply_);
-    StartRead(&reply_);
+    this->StartRead(&reply_);
     return;
   }
   {
@@ -356,20 +384,22 @@ void HeartbeatStreamCall::OnReadDone(bool ok) {
   on_end_();
 }
 
-void HeartbeatStreamCall::OnDone(const grpc::Status& status) {
+template <typename Request, typename Response>
+void BeatStreamCall<Request, Response>::OnDone(const grpc::Status& status) {
   status_ = status;
   if (on_done_ && !status.ok()) on_done_(status, context_);
   done_.Notify();
 }
 
-absl::Status HeartbeatStreamCall::Finish(const v1::HeartbeatRequest* closing,
-                                         absl::Duration wait) {
+template <typename Request, typename Response>
+absl::Status BeatStreamCall<Request, Response>::Finish(const Request* closing,
+                                                       absl::Duration wait) {
   if (!finished_ && closing != nullptr) {
     const absl::Time deadline = absl::Now() + wait;
     bool send = false;
     {
       absl::MutexLock lock(&mu_);
-      mu_.AwaitWithDeadline(absl::Condition(this, &HeartbeatStreamCall::WriteIdle), deadline);
+      mu_.AwaitWithDeadline(absl::Condition(this, &BeatStreamCall::WriteIdle), deadline);
       if (!writing_ && !ended_) {
         writing_ = true;
         send = true;
@@ -377,7 +407,7 @@ absl::Status HeartbeatStreamCall::Finish(const v1::HeartbeatRequest* closing,
     }
     if (send) {
       request_ = *closing;
-      StartWriteLast(&request_, grpc::WriteOptions());
+      this->StartWriteLast(&request_, grpc::WriteOptions());
       // The coordinator answers the half-close by ending the call.
       done_.WaitForNotificationWithDeadline(deadline + wait);
     }
@@ -385,11 +415,14 @@ absl::Status HeartbeatStreamCall::Finish(const v1::HeartbeatRequest* closing,
   if (!finished_) {
     finished_ = true;
     context_.TryCancel();
-    RemoveHold();
+    this->RemoveHold();
   }
   // Prompt: the call is cancelled, so every operation in flight completes now.
   done_.WaitForNotification();
-  return Wrap(status_, "HeartbeatStream");
+  return Wrap(status_, rpc_);
 }
+
+template class BeatStreamCall<v1::HeartbeatRequest, v1::HeartbeatResponse>;
+template class BeatStreamCall<v1::HostHeartbeatRequest, v1::HostHeartbeatResponse>;
 
 }  // namespace modelavg::client

@@ -34,35 +34,40 @@ struct CoordinatorClientOptions {
   absl::Duration rpc_timeout = absl::Seconds(10);
 };
 
-// One HeartbeatStream call (gRPC callback API: nothing here blocks but Finish). The owner writes
-// beats with Write and ends the call with Finish; replies and the end of the stream are reported
-// through the callbacks given at the start, which run on gRPC threads and must not block.
-class HeartbeatStreamCall final
-    : public grpc::ClientBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse> {
+// One beat stream call, HeartbeatStream or HostHeartbeatStream (gRPC callback API: nothing here
+// blocks but Finish). The owner writes beats with Write and ends the call with Finish; replies
+// and the end of the stream are reported through the callbacks given at the start, which run on
+// gRPC threads and must not block.
+template <typename Request, typename Response>
+class BeatStreamCall final : public grpc::ClientBidiReactor<Request, Response> {
  public:
-  using ReplyCallback = std::function<void(const v1::HeartbeatResponse&)>;
+  using ReplyCallback = std::function<void(const Response&)>;
   using EndCallback = std::function<void()>;
   // How the call ended, with the coordinator's trailers (for failover); on a gRPC thread.
   using DoneCallback =
       std::function<void(const grpc::Status&, const grpc::ClientContext& context)>;
+  // Starts the RPC on the stub (`stub->async()->HeartbeatStream(context, reactor)`).
+  using StartRpc =
+      std::function<void(grpc::ClientContext*, grpc::ClientBidiReactor<Request, Response>*)>;
 
-  // Use CoordinatorClient::StartHeartbeatStream.
-  HeartbeatStreamCall(v1::Coordinator::Stub* stub, const std::string& authorization,
-                      ReplyCallback on_reply, EndCallback on_end, DoneCallback on_done = nullptr);
+  // Use CoordinatorClient::StartHeartbeatStream / StartHostHeartbeatStream. `rpc` names the
+  // stream in errors.
+  BeatStreamCall(const StartRpc& start, const char* rpc, const std::string& authorization,
+                 ReplyCallback on_reply, EndCallback on_end, DoneCallback on_done = nullptr);
   // Finishes the call if the owner has not.
-  ~HeartbeatStreamCall() override;
+  ~BeatStreamCall() override;
 
-  // Sends one beat. False when it was not sent: the previous write is still in flight, or the
-  // stream has ended (on_end has been or is about to be called). Only the owner's thread calls
-  // Write and Finish.
-  bool Write(const v1::HeartbeatRequest& request);
+  // Sends one request. False when it was not sent: the previous write is still in flight, or
+  // the stream has ended (on_end has been or is about to be called). Only the owner's thread
+  // calls Write and Finish.
+  bool Write(const Request& request);
   // Cancels the call (a no-op if it has ended), waits for gRPC to release it and returns its
   // status: OK or CANCELLED when ended here, the coordinator's error otherwise (UNIMPLEMENTED
-  // from a coordinator without HeartbeatStream, UNAVAILABLE when unreachable, ...). With
-  // `closing` (a beat with HeartbeatRequest.closing set), the stream is first ended on purpose:
-  // that beat is written last and the coordinator's end awaited, each for at most `wait`, so
-  // that the coordinator does not take the end for a lost connection.
-  absl::Status Finish(const v1::HeartbeatRequest* closing = nullptr,
+  // from a coordinator without the RPC, UNAVAILABLE when unreachable, ...). With `closing` (a
+  // request whose beats set HeartbeatRequest.closing), the stream is first ended on purpose:
+  // that request is written last and the coordinator's end awaited, each for at most `wait`,
+  // so that the coordinator does not take the end for a lost connection.
+  absl::Status Finish(const Request* closing = nullptr,
                       absl::Duration wait = absl::Milliseconds(200));
 
   void OnWriteDone(bool ok) override;
@@ -70,21 +75,28 @@ class HeartbeatStreamCall final
   void OnDone(const grpc::Status& status) override;
 
  private:
+  bool WriteIdle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !writing_ || ended_; }
+
+  const char* const rpc_;
   grpc::ClientContext context_;
-  v1::HeartbeatRequest request_;  // the write in flight
-  v1::HeartbeatResponse reply_;   // the read in flight
+  Request request_;  // the write in flight
+  Response reply_;   // the read in flight
   const ReplyCallback on_reply_;
   const EndCallback on_end_;
   const DoneCallback on_done_;
   absl::Mutex mu_;
-  bool WriteIdle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !writing_ || ended_; }
-
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool ended_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ = false;  // the owner's thread only
   grpc::Status status_;    // set by OnDone, read after done_
   absl::Notification done_;
 };
+
+using HeartbeatStreamCall = BeatStreamCall<v1::HeartbeatRequest, v1::HeartbeatResponse>;
+using HostHeartbeatStreamCall =
+    BeatStreamCall<v1::HostHeartbeatRequest, v1::HostHeartbeatResponse>;
+extern template class BeatStreamCall<v1::HeartbeatRequest, v1::HeartbeatResponse>;
+extern template class BeatStreamCall<v1::HostHeartbeatRequest, v1::HostHeartbeatResponse>;
 
 // Thread-safe (the stub is).
 class CoordinatorOutage;
@@ -119,6 +131,9 @@ class CoordinatorClient {
   // membership): see HeartbeatStreamCall. Never fails here; errors end the stream.
   std::unique_ptr<HeartbeatStreamCall> StartHeartbeatStream(HeartbeatStreamCall::ReplyCallback on_reply,
                                                             HeartbeatStreamCall::EndCallback on_end);
+  // The same for a HostHeartbeatStream (the beats of several members per message).
+  std::unique_ptr<HostHeartbeatStreamCall> StartHostHeartbeatStream(
+      HostHeartbeatStreamCall::ReplyCallback on_reply, HostHeartbeatStreamCall::EndCallback on_end);
 
   const CoordinatorClientOptions& options() const { return options_; }
   // The address calls go to now (one of options().address's, or a leader one of them named).

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/coordinator_client.h"
+#include "client/heartbeat_hub.h"
 #include "common/heartbeat_keepalive.h"
 #include "spdlog/spdlog.h"
 
@@ -14,26 +15,51 @@ namespace modelavg::client {
 
 Heartbeat::Heartbeat(CoordinatorClient& coordinator, Options options, Hooks hooks)
     : coordinator_(coordinator), options_(std::move(options)), hooks_(std::move(hooks)) {
-  thread_ = std::thread([this] { Loop(); });
+  if (options_.share && options_.stream) {
+    absl::StatusOr<std::shared_ptr<HeartbeatHub>> hub = HeartbeatHub::For(coordinator_.options());
+    if (hub.ok()) {
+      hub_ = *std::move(hub);
+      hub_id_ = hub_->Add(options_, hooks_, [this] { StartOwnThread(); });
+      return;
+    }
+    spdlog::warn("rank {} heartbeats on a stream of its own: no shared stream to {} ({})",
+                 options_.rank, options_.coordinator, hub.status().ToString());
+  }
+  StartOwnThread();
 }
 
 Heartbeat::~Heartbeat() { Stop(); }
+
+void Heartbeat::StartOwnThread() {
+  absl::MutexLock l(&thread_mu_);
+  if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
+}
 
 void Heartbeat::Stop() {
   {
     absl::MutexLock l(&mu_);
     stopping_ = true;
   }
-  if (thread_.joinable()) thread_.join();
+  if (hub_ != nullptr) {
+    // After Remove no hook runs from the hub (nor can it start this rank's own thread).
+    hub_->Remove(hub_id_);
+    hub_.reset();
+  }
+  std::thread thread;
+  {
+    absl::MutexLock l(&thread_mu_);
+    thread.swap(thread_);
+  }
+  if (thread.joinable()) thread.join();
 }
 
-v1::HeartbeatRequest Heartbeat::Request(const Beat& beat) const {
+v1::HeartbeatRequest BeatRequest(const Heartbeat::Options& options, const Heartbeat::Beat& beat) {
   v1::HeartbeatRequest req;
-  req.set_job_id(options_.job_id);
-  req.set_rank(options_.rank);
+  req.set_job_id(options.job_id);
+  req.set_rank(options.rank);
   req.set_generation(beat.generation);
   req.set_step(beat.step);
-  req.set_credential(options_.credential);
+  req.set_credential(options.credential);
   return req;
 }
 
@@ -80,7 +106,7 @@ bool Heartbeat::Unary() {
     if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.interval)) return false;
   }
   const Beat beat = hooks_.current();
-  absl::StatusOr<v1::HeartbeatResponse> resp = coordinator_.Heartbeat(Request(beat));
+  absl::StatusOr<v1::HeartbeatResponse> resp = coordinator_.Heartbeat(BeatRequest(options_, beat));
   if (!resp.ok()) {
     hooks_.on_failure(resp.status());
     return true;
@@ -142,7 +168,7 @@ absl::Status Heartbeat::Stream(bool* answered) {
     }
     if (last_reply > opened) *answered = true;
     if (now < next_beat) continue;  // woken early for a reply
-    v1::HeartbeatRequest req = Request(beat);
+    v1::HeartbeatRequest req = BeatRequest(options_, beat);
     if (first) req.set_reply_interval_ms(reply_interval_ms);
     // A beat not sent because the previous write is still in flight is simply skipped; the
     // first one is retried until it goes out (it carries reply_interval_ms).
@@ -156,7 +182,7 @@ absl::Status Heartbeat::Stream(bool* answered) {
   }
   // Stopping: say so, so that the coordinator does not take the stream's end for a lost
   // connection (an elastic job declares such a member dead sooner).
-  v1::HeartbeatRequest closing = Request(hooks_.current());
+  v1::HeartbeatRequest closing = BeatRequest(options_, hooks_.current());
   closing.set_closing(true);
   const absl::Status status = stopping ? call->Finish(&closing) : call->Finish();
   if (!silence.ok()) return silence;

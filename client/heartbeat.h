@@ -1,12 +1,15 @@
 // The heartbeat of one rank: a thread that reports the rank's step every interval, over one
 // HeartbeatStream (falling back to one unary Heartbeat call per beat for a coordinator without
 // it), re-opens a broken or silent stream with backoff, and hands every reply, generation change
-// and failure to its owner (the Client), which decides what they mean.
+// and failure to its owner (the Client), which decides what they mean. With Options::share, the
+// rank's beats go instead with those of the process's other ranks in one HostHeartbeatStream
+// (client/heartbeat_hub.h), and its own thread starts only for a coordinator without it.
 #ifndef MODELAVG_CLIENT_HEARTBEAT_H_
 #define MODELAVG_CLIENT_HEARTBEAT_H_
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -20,6 +23,7 @@
 namespace modelavg::client {
 
 class CoordinatorClient;
+class HeartbeatHub;
 
 class Heartbeat {
  public:
@@ -38,9 +42,11 @@ class Heartbeat {
     // The job's heartbeat timeout: a stream silent for longer is re-opened.
     absl::Duration timeout;
     bool stream = true;
+    // Carry the beats in the process's shared HostHeartbeatStream to this coordinator.
+    bool share = false;
   };
   // The owner's side. `current` and `on_reply` may run on gRPC threads and must not block;
-  // `on_change` and `on_failure` run on the heartbeat thread.
+  // `on_change` and `on_failure` run on the heartbeat thread (a shared stream's: every hook).
   struct Hooks {
     std::function<Beat()> current;
     // Any reply (the coordinator is reachable).
@@ -51,7 +57,7 @@ class Heartbeat {
     std::function<void(const absl::Status&)> on_failure;
   };
 
-  // `coordinator` outlives this. Starts the thread.
+  // `coordinator` outlives this. Starts the thread (or joins the shared stream).
   Heartbeat(CoordinatorClient& coordinator, Options options, Hooks hooks);
   // Stops.
   ~Heartbeat();
@@ -63,6 +69,8 @@ class Heartbeat {
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  // The rank's own thread (its stream, or unary calls).
+  void StartOwnThread() ABSL_LOCKS_EXCLUDED(thread_mu_);
   void Loop();
   // One unary beat after the interval. False once stopping.
   bool Unary() ABSL_LOCKS_EXCLUDED(mu_);
@@ -73,7 +81,6 @@ class Heartbeat {
   bool WakeUp() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return stopping_ || stream_ended_ || stream_change_.has_value();
   }
-  v1::HeartbeatRequest Request(const Beat& beat) const;
 
   CoordinatorClient& coordinator_;
   const Options options_;
@@ -86,8 +93,15 @@ class Heartbeat {
   // The current stream has ended; a reply with a generation change to act on.
   bool stream_ended_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<v1::HeartbeatResponse> stream_change_ ABSL_GUARDED_BY(mu_);
-  std::thread thread_;
+  // Set when shared: the hub and this rank's id there.
+  std::shared_ptr<HeartbeatHub> hub_;
+  uint64_t hub_id_ = 0;
+  absl::Mutex thread_mu_;  // the hub's thread may start thread_ (no HostHeartbeatStream)
+  std::thread thread_ ABSL_GUARDED_BY(thread_mu_);
 };
+
+// The beat a rank with these options sends.
+v1::HeartbeatRequest BeatRequest(const Heartbeat::Options& options, const Heartbeat::Beat& beat);
 
 }  // namespace modelavg::client
 

@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "common/status_util.h"
 #include "server/heartbeat_replies.h"
+#include "server/host_heartbeats.h"
 #include "server/stream_writes.h"
 #include "spdlog/spdlog.h"
 
@@ -264,6 +265,98 @@ class HeartbeatStreamReactor final
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// HostHeartbeatStream: the beats of several members per message (HostHeartbeats decides what is
+// recorded and answered). Reads follow one another back to back; at most one reply is being
+// written, and the answers due meanwhile are merged into the next one (unsent_), which goes out
+// when the write completes.
+class HostHeartbeatStreamReactor final
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  using Writes = StreamWrites<HostHeartbeatStreamReactor>;
+
+  HostHeartbeatStreamReactor(JobRegistry* registry, RpcMetrics* metrics, absl::Status auth,
+                             const CoordinatorService::Gate* gate)
+      : metrics_(metrics), gate_(gate), beats_(registry),
+        writes_(this, 0, Writes::WhenFull::kRefuse, "the HostHeartbeatStream broke") {
+    if (!auth.ok()) {
+      writes_.End(auth);
+      return;
+    }
+    StartRead(&raw_request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return writes_.End(absl::OkStatus());  // the client half-closed (or went away)
+    if (absl::Status s = Beat(); !s.ok()) return writes_.End(s);
+    StartRead(&raw_request_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!writes_.OnWriteDone(ok)) return;
+    grpc::ByteBuffer next;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!TakeUnsent(&next)) return;
+    }
+    (void)writes_.Write(std::move(next));
+  }
+
+  // The stream broke: every member still on it is told (an elastic job declares a member that
+  // does not beat again within half its heartbeat timeout dead).
+  void OnCancel() override {
+    for (const HostHeartbeats::Member& m : beats_.Members()) {
+      m.job->HeartbeatStreamLost(m.rank, m.credential);
+    }
+  }
+
+  void OnDone() override {
+    if (metrics_ != nullptr) {
+      metrics_->CountRpc(RpcMethod::kHostHeartbeatStream, writes_.final_code());
+    }
+    delete this;
+  }
+
+ private:
+  absl::Status Beat() {
+    MODELAVG_RETURN_IF_ERROR(Parse(raw_request_, &request_, "HostHeartbeatStream"));
+    if (*gate_) MODELAVG_RETURN_IF_ERROR((*gate_)(nullptr));
+    grpc::ByteBuffer bytes;
+    {
+      absl::MutexLock lock(&mu_);
+      absl::StatusOr<bool> due = beats_.Beat(request_, &unsent_);
+      if (!due.ok()) return due.status();
+      due_ = due_ || *due;
+      if (!TakeUnsent(&bytes)) return absl::OkStatus();
+    }
+    (void)writes_.Write(std::move(bytes));
+    return absl::OkStatus();
+  }
+
+  // Serializes what is due into *bytes and starts counting a write in flight. False when a
+  // write is in flight or the stream is ending.
+  bool TakeUnsent(grpc::ByteBuffer* bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (writing_ || !due_ || writes_.ending()) return false;
+    Serialize(unsent_, bytes);
+    unsent_.Clear();
+    due_ = false;
+    writing_ = true;
+    beats_.Sent();
+    return true;
+  }
+
+  RpcMetrics* const metrics_;
+  const CoordinatorService::Gate* const gate_;
+  HostHeartbeats beats_;
+  Writes writes_;
+  grpc::ByteBuffer raw_request_;  // the read path's
+  v1::HostHeartbeatRequest request_;
+  absl::Mutex mu_;  // the read path and the write completions
+  v1::HostHeartbeatResponse unsent_ ABSL_GUARDED_BY(mu_);
+  bool due_ ABSL_GUARDED_BY(mu_) = false;      // unsent_ is to be written
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;  // a reply is being written
+};
+
 }  // namespace
 
 CoordinatorService::CoordinatorService(JobRegistry* registry, AuthOptions auth,
@@ -365,6 +458,13 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* CoordinatorService:
   absl::Status s = auth_.Authorize(*ctx);
   if (s.ok() && gate_) s = gate_(ctx);
   return new HeartbeatStreamReactor(registry_, metrics_, std::move(s), &gate_);
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>*
+CoordinatorService::HostHeartbeatStream(grpc::CallbackServerContext* ctx) {
+  absl::Status s = auth_.Authorize(*ctx);
+  if (s.ok() && gate_) s = gate_(ctx);
+  return new HostHeartbeatStreamReactor(registry_, metrics_, std::move(s), &gate_);
 }
 
 void CoordinatorService::DoStep(grpc::CallbackServerContext*,

@@ -26,6 +26,7 @@ using RawCoordinatorService =
     v1::Coordinator::WithRawCallbackMethod_Join<
     v1::Coordinator::WithRawCallbackMethod_Heartbeat<
     v1::Coordinator::WithRawCallbackMethod_HeartbeatStream<
+    v1::Coordinator::WithRawCallbackMethod_HostHeartbeatStream<
     v1::Coordinator::WithRawCallbackMethod_Step<
     v1::Coordinator::WithRawCallbackMethod_GetSchedule<
     v1::Coordinator::WithRawCallbackMethod_PublishCommId<
@@ -34,14 +35,14 @@ using RawCoordinatorService =
     v1::Coordinator::WithRawCallbackMethod_WatchJob<
     v1::Coordinator::WithRawCallbackMethod_Ping<
     v1::Coordinator::WithRawCallbackMethod_ReportPeerFailure<
-    v1::Coordinator::Service>>>>>>>>>>>>>>>;
+    v1::Coordinator::Service>>>>>>>>>>>>>>>>;
 
 class CoordinatorService final : public RawCoordinatorService {
  public:
   // `metrics` may be null. Both pointers must outlive the service.
   CoordinatorService(JobRegistry* registry, AuthOptions auth, RpcMetrics* metrics);
 
-  // Asked before every call and every HeartbeatStream beat, after authorization: a non-OK
+  // Asked before every call and every HeartbeatStream beat (HostHeartbeatStream message), after authorization: a non-OK
   // status is the answer (a standby's UNAVAILABLE naming the leader, server/leader_terms.h).
   // `ctx` is null for a beat. Set once, before serving.
   using Gate = std::function<absl::Status(grpc::CallbackServerContext* ctx)>;
@@ -66,6 +67,8 @@ class CoordinatorService final : public RawCoordinatorService {
   MODELAVG_RAW_UNARY(ReportPeerFailure)
 #undef MODELAVG_RAW_UNARY
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* HeartbeatStream(
+      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* HostHeartbeatStream(
       grpc::CallbackServerContext* ctx) override;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* WatchJob(grpc::CallbackServerContext* ctx,
                                                        const grpc::ByteBuffer* request) override;

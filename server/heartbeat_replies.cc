@@ -4,12 +4,8 @@
 #include "absl/strings/str_cat.h"
 
 namespace modelavg::server {
-namespace {
 
-// What a heartbeat reply says; two replies that say the same need not both be sent.
-// (coordinator_incarnation is the same for a stream's whole life; recovery_grace_ms only
-// shrinks.)
-bool SameNews(const v1::HeartbeatResponse& a, const v1::HeartbeatResponse& b) {
+bool SameHeartbeatNews(const v1::HeartbeatResponse& a, const v1::HeartbeatResponse& b) {
   if (a.state() != b.state() || a.generation() != b.generation() ||
       a.has_last_change() != b.has_last_change()) {
     return false;
@@ -19,8 +15,6 @@ bool SameNews(const v1::HeartbeatResponse& a, const v1::HeartbeatResponse& b) {
   return x.generation() == y.generation() && x.rank() == y.rank() && x.reason() == y.reason() &&
          x.unix_ms() == y.unix_ms();
 }
-
-}  // namespace
 
 absl::StatusOr<HeartbeatReplies> HeartbeatReplies::Create(int64_t reply_interval_ms,
                                                           const Clock* clock) {
@@ -34,7 +28,7 @@ absl::StatusOr<HeartbeatReplies> HeartbeatReplies::Create(int64_t reply_interval
 
 bool HeartbeatReplies::Due(const v1::HeartbeatResponse& reply) {
   const absl::Time now = clock_->Now();
-  if (!per_beat() && replied_ && SameNews(reply, last_) && now - last_time_ < interval_) {
+  if (!per_beat() && replied_ && SameHeartbeatNews(reply, last_) && now - last_time_ < interval_) {
     return false;
   }
   last_ = reply;

@@ -93,7 +93,7 @@ const char* RpcMethodName(RpcMethod method) {
   static constexpr const char* kNames[] = {
       "CreateJob", "GetJob",        "ListJobs",  "DeleteJob", "Join",     "Heartbeat", "Step",
       "GetSchedule", "PublishCommId", "GetCommId", "Leave",     "WatchJob", "Ping", "HeartbeatStream",
-      "ReportPeerFailure"};
+      "ReportPeerFailure", "HostHeartbeatStream"};
   return kNames[static_cast<int>(method)];
 }
 

@@ -24,7 +24,7 @@ namespace modelavg::server {
 enum class RpcMethod {
   kCreateJob, kGetJob, kListJobs, kDeleteJob, kJoin, kHeartbeat, kStep, kGetSchedule,
   kPublishCommId, kGetCommId, kLeave, kWatchJob, kPing, kHeartbeatStream,
-  kReportPeerFailure,
+  kReportPeerFailure, kHostHeartbeatStream,
   kCount  // number of methods
 };
 const char* RpcMethodName(RpcMethod method);

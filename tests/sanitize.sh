@@ -59,7 +59,8 @@ cmake -S . -B "$tsan_build" -G Ninja "${launcher[@]}" \
   -DCMAKE_EXE_LINKER_FLAGS="$tsan" -DCMAKE_SHARED_LINKER_FLAGS="$tsan" \
   -DMODELAVG_WITH_CUDA=OFF -DMODELAVG_BUILD_BENCH=OFF -DMODELAVG_BUILD_EXAMPLES=OFF \
   -DMODELAVG_TSAN_ABSL_SHIM=ON
-tsan_targets=(client_gloo_abort_test client_gloo_setup_test client_coordinator_test)
+tsan_targets=(client_gloo_abort_test client_gloo_setup_test client_coordinator_test
+  client_shared_heartbeat_test)
 # The Python package's threads (each averaging call on a thread of its own, Ctrl-C abandoning
 # one, two ranks on two Python threads, streaming sync's background all-reduces): the module
 # built for TSan, run by an interpreter that carries the sanitizer (tests/tools/tsan_python.cc).
@@ -72,11 +73,11 @@ cmake --build "$tsan_build" -j "$jobs" --target "${tsan_targets[@]}"
 tsan_built=$(date +%s)
 echo "tsan build: $(( tsan_built - fuzzed )) s"
 # Races inside the uninstrumented system libraries are theirs (tests/tools/tsan.supp). The tests
-# against the in-process coordinator (ClientCoordinatorTest, ClientAuthTest) stretch the
+# against the in-process coordinator (ClientCoordinatorTest, ClientAuthTest, SharedHeartbeatTest) stretch the
 # timeouts they grant under TSan (tests/tools/time_scale.h; MODELAVG_TEST_TIME_SCALE overrides).
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tools/tsan.supp"
 ctest --test-dir "$tsan_build" --output-on-failure -j "$jobs" --timeout 300 \
-  -R '^(GlooAbortTest|GlooSetupTest|SilenceAndRandomBytes|ErrorKindTest|ClientHeartbeatTest|ClientCoordinatorTest|ClientAuthTest)'
+  -R '^(GlooAbortTest|GlooSetupTest|SilenceAndRandomBytes|ErrorKindTest|ClientHeartbeatTest|ClientCoordinatorTest|ClientAuthTest|SharedHeartbeatTest)'
 echo "tsan tests: $(( $(date +%s) - tsan_built )) s"
 if [[ $tsan_python == ON ]]; then
   # Ranks start as new processes (spawn): TSan cannot follow a fork of a threaded process. The

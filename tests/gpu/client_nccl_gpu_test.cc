@@ -29,13 +29,15 @@
 #include "client/staging_layout.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/gpu/gpu_test_env.h"
+#include "tests/gpu/cuda_device_test.h"
+#include "tests/tools/make_job_spec.h"
 #include "tests/tools/staging_reference.h"
 #if MODELAVG_TEST_WITH_SERVER
 #include "client/averager.h"
 #include "client/client.h"
 #include "client/coordinator_client.h"
 #include "server/coordinator_server.h"
+#include "tests/tools/served_coordinator.h"
 #endif
 
 namespace modelavg::client {
@@ -44,26 +46,15 @@ namespace {
 
 const DType kAllDTypes[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16};
 
-class NcclGpuTest : public ::testing::Test {
+class NcclGpuTest : public ::modelavg::testing::CudaDeviceTest<> {
  protected:
-  void SetUp() override {
-    MODELAVG_REQUIRE_OR_SKIP_GPU();
-    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-    ASSERT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess);
-  }
-  void TearDown() override {
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
-  }
-
   // A device tensor filled from `host` (raw bytes of its dtype).
   void* Upload(const void* host, size_t bytes) {
-    void* d = nullptr;
-    EXPECT_EQ(cudaMalloc(&d, bytes > 0 ? bytes : 1), cudaSuccess);
+    void* d = Alloc(bytes);
     EXPECT_EQ(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
     // A pageable host-to-device cudaMemcpy may return before its DMA has landed, and the
     // legacy stream it runs on does not order the non-blocking stream_ the kernels use.
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    allocations_.push_back(d);
     return d;
   }
   template <typename T>
@@ -72,10 +63,6 @@ class NcclGpuTest : public ::testing::Test {
     EXPECT_EQ(cudaMemcpy(out.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
     return out;
   }
-  ~NcclGpuTest() override {
-    for (void* p : allocations_) cudaFree(p);
-  }
-
 
   // Tensors of `spec` (values exact in every dtype), each `shift` bytes past a cudaMalloc'd
   // (256-byte aligned) allocation. The padded gather into a `code` staging buffer must match a
@@ -138,9 +125,6 @@ class NcclGpuTest : public ::testing::Test {
       }
     }
   }
-
-  cudaStream_t stream_ = nullptr;
-  std::vector<void*> allocations_;
 };
 
 TEST_F(NcclGpuTest, StagingKernels_MixedDTypesAndChunks_GatherThenScatterRoundTrips) {
@@ -458,25 +442,13 @@ TEST_F(NcclGpuTest, Create_GenerationMovesOnWhileWaiting_AbortedWithThatReason) 
 
 #if MODELAVG_TEST_WITH_SERVER
 TEST_F(NcclGpuTest, Averager_OneRankJob_BootstrapsThroughTheCoordinator) {
-  server::ServerOptions sopts;
-  auto server = server::CoordinatorServer::Start(sopts);
-  ASSERT_TRUE(server.ok()) << server.status();
-  CoordinatorClientOptions aopts;
-  aopts.address = (*server)->address();
-  auto admin = CoordinatorClient::Create(aopts);
-  ASSERT_TRUE(admin.ok());
-  v1::JobSpec spec;
-  spec.set_job_id("gpu1");
-  spec.set_world_size(1);
-  spec.set_mode(v1::HIERARCHICAL);
-  for (auto [p, g] : std::vector<std::pair<int, int>>{{1, 1}, {2, 1}}) {
-    v1::Level* l = spec.add_levels();
-    l->set_period(p);
-    l->set_group_size(g);
-  }
-  ASSERT_TRUE((*admin)->CreateJob(spec).ok());
+  auto served = ::modelavg::testing::ServeCoordinator();
+  ASSERT_TRUE(served.ok()) << served.status();
+  const v1::JobSpec spec =
+      ::modelavg::testing::MakeSpec("gpu1", 1, v1::HIERARCHICAL, {{1, 1}, {2, 1}}, 0);
+  ASSERT_TRUE(served->admin->CreateJob(spec).ok());
   ClientOptions copts;
-  copts.coordinator = (*server)->address();
+  copts.coordinator = served->server->address();
   copts.job_id = "gpu1";
   auto client = Client::Connect(copts);
   ASSERT_TRUE(client.ok()) << client.status();

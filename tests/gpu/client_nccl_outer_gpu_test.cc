@@ -24,7 +24,9 @@
 #include "client/outer_state.h"
 #include "client/staging_layout.h"
 #include "gtest/gtest.h"
+#include "tests/gpu/cuda_device_test.h"
 #include "tests/gpu/gpu_test_env.h"
+#include "tests/tools/make_job_spec.h"
 #include "tests/tools/staging_reference.h"
 #if MODELAVG_TEST_WITH_SERVER
 #include "client/averager.h"
@@ -32,6 +34,7 @@
 #include "client/contiguous_parameters.h"
 #include "client/coordinator_client.h"
 #include "server/coordinator_server.h"
+#include "tests/tools/served_coordinator.h"
 #endif
 
 namespace modelavg::client {
@@ -42,26 +45,7 @@ struct Case {
   bool pinned;
 };
 
-class NcclOuterGpuTest : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override {
-    MODELAVG_REQUIRE_OR_SKIP_GPU();
-    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-    ASSERT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess);
-  }
-  void TearDown() override {
-    for (void* p : allocations_) cudaFree(p);
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
-  }
-  void* Alloc(size_t bytes) {
-    void* d = nullptr;
-    EXPECT_EQ(cudaMalloc(&d, bytes), cudaSuccess);
-    allocations_.push_back(d);
-    return d;
-  }
-  cudaStream_t stream_ = nullptr;
-  std::vector<void*> allocations_;
-};
+using NcclOuterGpuTest = ::modelavg::testing::CudaDeviceTest<::testing::TestWithParam<Case>>;
 
 // Element i of tensor t at step s before the call: a varying update on each element.
 double Update(size_t t, int64_t i, int64_t s) {
@@ -176,28 +160,15 @@ TEST(NcclOuterAveragerGpuTest, OneRankOuterJob_CudaParameters_FollowTheRule) {
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  server::ServerOptions sopts;
-  auto server = server::CoordinatorServer::Start(sopts);
-  ASSERT_TRUE(server.ok()) << server.status();
-  CoordinatorClientOptions aopts;
-  aopts.address = (*server)->address();
-  auto admin = CoordinatorClient::Create(aopts);
-  ASSERT_TRUE(admin.ok());
+  auto served = ::modelavg::testing::ServeCoordinator();
+  ASSERT_TRUE(served.ok()) << served.status();
   for (int pinned = 0; pinned < 2; ++pinned) {
     const std::string job = absl::StrCat("gpu-outer-", pinned);
-    v1::JobSpec spec;
-    spec.set_job_id(job);
-    spec.set_world_size(1);
-    spec.set_mode(v1::PERIODIC);
-    v1::Level* l = spec.add_levels();
-    l->set_period(2);
-    l->set_group_size(1);
-    l->mutable_outer()->set_lr(0.7);
-    l->mutable_outer()->set_momentum(0.9);
-    l->mutable_outer()->set_nesterov(true);
-    ASSERT_TRUE((*admin)->CreateJob(spec).ok());
+    v1::JobSpec spec = ::modelavg::testing::MakeSpec(job, 1, v1::PERIODIC, {{2, 1}}, 0);
+    ::modelavg::testing::SetOuter(&spec, 0, 0.7, 0.9, true);
+    ASSERT_TRUE(served->admin->CreateJob(spec).ok());
     ClientOptions copts;
-    copts.coordinator = (*server)->address();
+    copts.coordinator = served->server->address();
     copts.job_id = job;
     auto client = Client::Connect(copts);
     ASSERT_TRUE(client.ok()) << client.status();

@@ -23,29 +23,14 @@
 #include "client/payload_kernels.h"
 #include "client/staging_layout.h"
 #include "gtest/gtest.h"
-#include "tests/gpu/gpu_test_env.h"
+#include "tests/gpu/cuda_device_test.h"
 #include "tests/tools/staging_reference.h"
 
 namespace modelavg::client {
 namespace {
 
-class NcclStreamingGpuTest : public ::testing::Test {
+class NcclStreamingGpuTest : public ::modelavg::testing::CudaDeviceTest<> {
  protected:
-  void SetUp() override {
-    MODELAVG_REQUIRE_OR_SKIP_GPU();
-    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-    ASSERT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess);
-  }
-  void TearDown() override {
-    for (void* p : allocations_) cudaFree(p);
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
-  }
-  void* Alloc(size_t bytes) {
-    void* d = nullptr;
-    EXPECT_EQ(cudaMalloc(&d, bytes > 0 ? bytes : 1), cudaSuccess);
-    allocations_.push_back(d);
-    return d;
-  }
   template <typename T>
   T* Upload(const std::vector<T>& v) {
     T* d = static_cast<T*>(Alloc(v.size() * sizeof(T)));
@@ -59,8 +44,6 @@ class NcclStreamingGpuTest : public ::testing::Test {
     EXPECT_EQ(cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
     return v;
   }
-  cudaStream_t stream_ = nullptr;
-  std::vector<void*> allocations_;
 };
 
 // Values with magnitudes that change by block, a zero block, and (optionally) non-finite ones.

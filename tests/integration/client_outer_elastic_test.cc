@@ -370,7 +370,9 @@ std::vector<std::vector<std::vector<double>>> Reference(const v1::JobSpec& spec,
         if (!m.Present(r, s)) continue;
         for (int i = 0; i < per; ++i) {
           const int t = p.fragment * per + i;
-          const double a = p.first ? p.mean[i] : Sgd(l, p.mean[i], &momentum[r][t], *anchor[r][t]);
+          const double a = p.first ? p.mean[i]
+                                   : NaiveOuterSgd(l.outer(), p.mean[i], &momentum[r][t],
+                                                   *anchor[r][t]);
           anchor[r][t] = a;
           x[r][t] = (1 - l.mix()) * a + l.mix() * x[r][t];
         }

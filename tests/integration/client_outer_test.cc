@@ -15,65 +15,34 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/integration/client_job_harness.h"
 #include "tests/integration/outer_reference.h"
 #include "tests/integration/trace_check.h"
+#include "tests/integration/trace_job_fixture.h"
+#include "tests/tools/make_job_spec.h"
 
 namespace modelavg::testing {
 namespace {
 
-constexpr absl::Duration kRunDeadline = absl::Seconds(90);
-
-void SetOuter(v1::JobSpec* spec, int level, double lr, double momentum, bool nesterov) {
-  v1::OuterOptimizer* o = spec->mutable_levels(level)->mutable_outer();
-  o->set_lr(lr);
-  o->set_momentum(momentum);
-  o->set_nesterov(nesterov);
-}
-
-class ClientOuterTest : public ::testing::Test {
+class ClientOuterTest : public TraceJobTest {
  protected:
-  ClientOuterTest() : cluster_("outer") {}
-  ~ClientOuterTest() override { workers_.clear(); }
+  ClientOuterTest() : TraceJobTest("outer") {}
 
-  // Runs ranks 0..world-1 of `spec` (created here) for steps first..steps-1; their traces by
+  // Runs ranks 0..world-1 of `spec` (created here) for steps first..steps-1, rank r loading its
+  // state from <load_prefix>r and saving it to <save_prefix>r where given; their traces by
   // rank, or empty with a test failure.
   std::vector<Trace> Run(const v1::JobSpec& spec, int64_t steps, int64_t numel = 64,
                          const std::string& load_prefix = "",
                          const std::string& save_prefix = "") {
-    EXPECT_TRUE(cluster_.ok()) << cluster_.dir();
-    absl::StatusOr<v1::Job> made = cluster_.admin()->CreateJob(spec);
-    EXPECT_TRUE(made.ok()) << made.status();
-    if (!made.ok()) return {};
-    const int world = spec.world_size();
-    std::vector<std::unique_ptr<Process>> procs;
-    for (int r = 0; r < world; ++r) {
-      std::vector<std::string> argv = {MODELAVG_TRACE_WORKER_BIN,
-                                       "--coordinator=" + cluster_.coordinator().address(),
-                                       "--job=" + spec.job_id(),
-                                       absl::StrCat("--rank=", r),
-                                       absl::StrCat("--world_size=", world),
-                                       absl::StrCat("--steps=", steps),
-                                       absl::StrCat("--numel=", numel),
-                                       "--backend=gloo",
-                                       "--join_timeout_ms=30000",
-                                       "--collective_timeout_ms=30000"};
-      if (!load_prefix.empty()) argv.push_back(absl::StrCat("--load_state=", load_prefix, r));
-      if (!save_prefix.empty()) argv.push_back(absl::StrCat("--save_state=", save_prefix, r));
-      procs.push_back(std::make_unique<Process>(
-          argv, absl::StrCat(cluster_.dir(), "/", spec.job_id(), "-rank", r)));
+    std::vector<std::vector<std::string>> rank_flags(spec.world_size());
+    for (int r = 0; r < spec.world_size(); ++r) {
+      if (!load_prefix.empty()) {
+        rank_flags[r].push_back(absl::StrCat("--load_state=", load_prefix, r));
+      }
+      if (!save_prefix.empty()) {
+        rank_flags[r].push_back(absl::StrCat("--save_state=", save_prefix, r));
+      }
     }
-    std::vector<Trace> traces;
-    for (int r = 0; r < world; ++r) {
-      std::optional<int> code = procs[r]->Wait(kRunDeadline);
-      EXPECT_TRUE(code.has_value()) << "rank " << r << " still running";
-      EXPECT_EQ(code.value_or(-1), 0) << "rank " << r << ": " << procs[r]->err();
-      absl::StatusOr<Trace> t = ParseTrace(absl::StrCat("rank ", r), procs[r]->out());
-      EXPECT_TRUE(t.ok()) << t.status();
-      traces.push_back(t.ok() ? *std::move(t) : Trace{});
-    }
-    for (auto& p : procs) workers_.push_back(std::move(p));
-    return traces;
+    return RunJob(spec, steps, numel, {}, rank_flags);
   }
 
   // Every rank, every step: the reference's action, level, "outer" and value.
@@ -100,9 +69,6 @@ class ClientOuterTest : public ::testing::Test {
     }
     EXPECT_GT(outer_lines, 0);
   }
-
-  Cluster cluster_;
-  std::vector<std::unique_ptr<Process>> workers_;
 };
 
 // The reference itself against the worked example of docs/diloco.md (two ranks, PERIODIC,

@@ -17,22 +17,15 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "common/file_util.h"
-#include "tests/integration/client_job_harness.h"
 #include "tests/integration/streaming_reference.h"
 #include "tests/integration/trace_check.h"
+#include "tests/integration/trace_job_fixture.h"
+#include "tests/tools/make_job_spec.h"
 
 namespace modelavg::testing {
 namespace {
 
-constexpr absl::Duration kRunDeadline = absl::Seconds(90);
 constexpr int kTensors = 8;
-
-void SetOuter(v1::JobSpec* spec, int level, double lr, double momentum, bool nesterov) {
-  v1::OuterOptimizer* o = spec->mutable_levels(level)->mutable_outer();
-  o->set_lr(lr);
-  o->set_momentum(momentum);
-  o->set_nesterov(nesterov);
-}
 
 // The "values" and "fragment" of a trace line.
 std::vector<double> Values(const std::string& text) {
@@ -57,54 +50,16 @@ int FragmentOf(const std::string& text) {
              : -1;
 }
 
-class ClientStreamingTest : public ::testing::Test {
+class ClientStreamingTest : public TraceJobTest {
  protected:
-  ClientStreamingTest() : cluster_("streaming") {}
-  ~ClientStreamingTest() override { workers_.clear(); }
+  ClientStreamingTest() : TraceJobTest("streaming") {}
 
-  // `extra[r]`: more flags for rank r.
+  // Each rank's parameters as kTensors tensors; `extra[r]`: more flags for rank r; `errors`: as
+  // RunJob's.
   std::vector<Trace> Run(const v1::JobSpec& spec, int64_t steps, int64_t numel = 64,
                          const std::vector<std::vector<std::string>>& extra = {},
                          std::vector<std::string>* errors = nullptr) {
-    EXPECT_TRUE(cluster_.ok()) << cluster_.dir();
-    absl::StatusOr<v1::Job> made = cluster_.admin()->CreateJob(spec);
-    EXPECT_TRUE(made.ok()) << made.status();
-    if (!made.ok()) return {};
-    const int world = spec.world_size();
-    std::vector<std::unique_ptr<Process>> procs;
-    for (int r = 0; r < world; ++r) {
-      std::vector<std::string> argv = {MODELAVG_TRACE_WORKER_BIN,
-                                       "--coordinator=" + cluster_.coordinator().address(),
-                                       "--job=" + spec.job_id(),
-                                       absl::StrCat("--rank=", r),
-                                       absl::StrCat("--world_size=", world),
-                                       absl::StrCat("--steps=", steps),
-                                       absl::StrCat("--numel=", numel),
-                                       absl::StrCat("--tensors=", kTensors),
-                                       "--backend=gloo",
-                                       "--join_timeout_ms=30000",
-                                       "--collective_timeout_ms=30000"};
-      if (static_cast<size_t>(r) < extra.size()) {
-        argv.insert(argv.end(), extra[r].begin(), extra[r].end());
-      }
-      procs.push_back(std::make_unique<Process>(
-          argv, absl::StrCat(cluster_.dir(), "/", spec.job_id(), "-rank", r)));
-    }
-    std::vector<Trace> traces;
-    for (int r = 0; r < world; ++r) {
-      std::optional<int> code = procs[r]->Wait(kRunDeadline);
-      EXPECT_TRUE(code.has_value()) << "rank " << r << " still running";
-      if (errors != nullptr) {
-        errors->push_back(absl::StrCat("exit ", code.value_or(-1), ": ", procs[r]->err()));
-      } else {
-        EXPECT_EQ(code.value_or(-1), 0) << "rank " << r << ": " << procs[r]->err();
-      }
-      absl::StatusOr<Trace> t = ParseTrace(absl::StrCat("rank ", r), procs[r]->out());
-      if (errors == nullptr) EXPECT_TRUE(t.ok()) << t.status();
-      traces.push_back(t.ok() ? *std::move(t) : Trace{});
-    }
-    for (auto& p : procs) workers_.push_back(std::move(p));
-    return traces;
+    return RunJob(spec, steps, numel, {absl::StrCat("--tensors=", kTensors)}, extra, errors);
   }
 
   // Every rank, every step, every tensor. `int8`/`bf16`: the compressed payload's bound, per
@@ -150,9 +105,6 @@ class ClientStreamingTest : public ::testing::Test {
     EXPECT_GT(fragment_lines, 0);
     if (payload != v1::FP32) EXPECT_GT(inexact, 0) << "the payload was not compressed";
   }
-
-  Cluster cluster_;
-  std::vector<std::unique_ptr<Process>> workers_;
 };
 
 // The documented example: (4, 2) then (8, 4, fragments 4): the fragmented level takes every

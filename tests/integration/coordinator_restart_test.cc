@@ -46,6 +46,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/client_test_processes.h"
+#include "tests/integration/staged_job_storm.h"
 #include "tests/integration/streaming_reference.h"
 #include "tests/integration/trace_check.h"
 #include "tests/tools/make_job_spec.h"
@@ -491,15 +492,12 @@ TEST_F(CoordinatorRestartTest, KilledJustBeforeTheLastStep_RestartedAfter3s_Ever
   }
 }
 
-// Stages of one job in the storm, in the order they are attempted.
-enum Stage { kAbsent = 0, kCreated, kJoined, kLeft, kDeleted };
-
 TEST_F(CoordinatorRestartTest, SigkillStorm_EveryAcknowledgedChangeSurvives) {
   std::mt19937 random(12345);
-  std::map<std::string, int> acked;      // job -> highest acknowledged stage
-  std::map<std::string, int> attempted;  // job -> highest attempted stage
+  StageLedger ledger;
+  std::map<std::string, int>& acked = ledger.acked;
+  std::map<std::string, int>& attempted = ledger.attempted;
   int next_job = 0;
-  int64_t acknowledged = 0;
   for (int round = 0; round < 6; ++round) {
     SCOPED_TRACE(absl::StrCat("round ", round));
     ASSERT_TRUE(coordinator_.Start()) << coordinator_.log();
@@ -549,55 +547,21 @@ TEST_F(CoordinatorRestartTest, SigkillStorm_EveryAcknowledgedChangeSurvives) {
     // The storm: a client thread drives jobs through their stages; the coordinator dies at a
     // random moment.
     std::atomic<bool> stop{false};
-    std::map<std::string, int> round_acked, round_attempted;
-    absl::Mutex mu;
     std::thread storm([&] {
       while (!stop.load()) {
         const std::string id = absl::StrCat("s", next_job++);
-        auto attempt = [&](int stage) {
-          absl::MutexLock l(&mu);
-          round_attempted[id] = stage;
-        };
-        auto ack = [&](int stage) {
-          absl::MutexLock l(&mu);
-          round_acked[id] = stage;
-          ++acknowledged;
-        };
-        attempt(kCreated);
-        if (!admin->CreateJob(MakeSpec(id, 1, v1::PERIODIC, {{1, 1}}, 0)).ok()) return;
-        ack(kCreated);
-        v1::JoinRequest join;
-        join.set_job_id(id);
-        join.set_worker_id("w-" + id);
-        join.set_rank(0);
-        attempt(kJoined);
-        if (!admin->Join(join, absl::Seconds(5)).ok()) return;
-        ack(kJoined);
-        v1::LeaveRequest leave;
-        leave.set_job_id(id);
-        leave.set_rank(0);
-        leave.set_generation(1);
-        attempt(kLeft);
-        if (!admin->Leave(leave).ok()) return;
-        ack(kLeft);
-        if (next_job % 2 == 0) {
-          attempt(kDeleted);
-          if (!admin->DeleteJob(id).ok()) return;
-          ack(kDeleted);
-        }
+        if (!DriveJobThroughStages(*admin, id, next_job % 2 == 0, &ledger)) return;
       }
     });
     absl::SleepFor(absl::Milliseconds(std::uniform_int_distribution<int>(50, 400)(random)));
     coordinator_.Kill();
     stop = true;
     storm.join();
-    acked = round_acked;
-    attempted = round_attempted;
     for (const auto& [id, stage] : attempted) acked.emplace(id, kAbsent);
   }
-  std::cout << "[figures] SIGKILL storm: 6 kills, " << acknowledged
+  std::cout << "[figures] SIGKILL storm: 6 kills, " << ledger.acknowledged
             << " acknowledged changes checked" << std::endl;
-  EXPECT_GT(acknowledged, 10);
+  EXPECT_GT(ledger.acknowledged, 10);
 }
 
 TEST_F(CoordinatorRestartTest, DamagedStateFile_RefusesToStartNamingIt) {

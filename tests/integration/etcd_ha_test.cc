@@ -46,6 +46,7 @@
 #include "server/leader_election.h"
 #include "tests/integration/client_test_processes.h"
 #include "tests/integration/etcd_cluster.h"
+#include "tests/integration/staged_job_storm.h"
 #include "tests/tools/make_job_spec.h"
 
 namespace modelavg::testing {
@@ -556,15 +557,13 @@ TEST_F(EtcdHaTest, TwoOfThreeEtcdMembersKilled_WritesRefusedTrainingGoesOn_Resta
             absl::StatusCode::kNotFound);
 }
 
-// Stages of one job in the storm, in the order they are attempted.
-enum Stage { kAbsent = 0, kCreated, kJoined, kLeft, kDeleted };
-
 TEST_F(EtcdHaTest, StormWithLeaderKills_EveryAcknowledgedChangeSurvives) {
   ASSERT_NO_FATAL_FAILURE(StartAll(1));
   std::mt19937 random(2222);
-  std::map<std::string, int> acked, attempted;
+  StageLedger ledger;
+  std::map<std::string, int>& acked = ledger.acked;
+  std::map<std::string, int>& attempted = ledger.attempted;
   int next_job = 0;
-  int64_t acknowledged = 0;
   auto admin = Admin();
   constexpr int kKills = 5;
   for (int round = 0; round <= kKills; ++round) {
@@ -604,52 +603,11 @@ TEST_F(EtcdHaTest, StormWithLeaderKills_EveryAcknowledgedChangeSurvives) {
     ASSERT_GE(Leader(), 0) << Diagnostics();
 
     std::atomic<bool> stop{false};
-    absl::Mutex mu;
     std::thread storm([&] {
       while (!stop.load()) {
         const std::string id = absl::StrCat("s", next_job++);
-        auto attempt = [&](int stage) {
-          absl::MutexLock l(&mu);
-          attempted[id] = stage;
-        };
-        auto ack = [&](int stage) {
-          absl::MutexLock l(&mu);
-          acked[id] = stage;
-          ++acknowledged;
-        };
-        attempt(kCreated);
-        if (!admin->CreateJob(MakeSpec(id, 1, v1::PERIODIC, {{1, 1}}, 0)).ok()) {
+        if (!DriveJobThroughStages(*admin, id, next_job % 2 == 0, &ledger)) {
           absl::SleepFor(absl::Milliseconds(10));  // failing over: no busy loop
-          continue;
-        }
-        ack(kCreated);
-        v1::JoinRequest join;
-        join.set_job_id(id);
-        join.set_worker_id("w-" + id);
-        join.set_rank(0);
-        attempt(kJoined);
-        if (!admin->Join(join, absl::Seconds(5)).ok()) {
-          absl::SleepFor(absl::Milliseconds(10));  // failing over: no busy loop
-          continue;
-        }
-        ack(kJoined);
-        v1::LeaveRequest leave;
-        leave.set_job_id(id);
-        leave.set_rank(0);
-        leave.set_generation(1);
-        attempt(kLeft);
-        if (!admin->Leave(leave).ok()) {
-          absl::SleepFor(absl::Milliseconds(10));  // failing over: no busy loop
-          continue;
-        }
-        ack(kLeft);
-        if (next_job % 2 == 0) {
-          attempt(kDeleted);
-          if (!admin->DeleteJob(id).ok()) {
-          absl::SleepFor(absl::Milliseconds(10));  // failing over: no busy loop
-          continue;
-        }
-          ack(kDeleted);
         }
       }
     });
@@ -663,9 +621,9 @@ TEST_F(EtcdHaTest, StormWithLeaderKills_EveryAcknowledgedChangeSurvives) {
     // The killed one comes back as a standby.
     ASSERT_TRUE(coordinators_[leader]->Start()) << coordinators_[leader]->log();
   }
-  std::cout << "[figures] etcd storm: 5 leader kills, " << acknowledged
+  std::cout << "[figures] etcd storm: 5 leader kills, " << ledger.acknowledged
             << " acknowledged changes checked" << std::endl;
-  EXPECT_GT(acknowledged, 10);
+  EXPECT_GT(ledger.acknowledged, 10);
 }
 
 // ---- etcd's TLS and authentication (--etcd_tls_*, --etcd_user/--etcd_password_file) ----

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "modelavg/v1/coordinator.pb.h"
+#include "tests/integration/naive_outer_sgd.h"
 #include "tests/integration/naive_schedule.h"
 
 namespace modelavg::testing {
@@ -61,16 +62,9 @@ inline std::vector<std::vector<OuterReferenceStep>> OuterReference(const v1::Job
       }
       double sum = 0;
       for (int m : d.group) sum += *anchor[d.level][m] - x[m];
-      const double D = sum / n;
-      const double mu = level.outer().momentum();
-      double g = D;
-      if (mu != 0) {
-        const std::optional<double>& m = momentum[d.level][r];
-        const double buf = m.has_value() ? mu * *m + D : D;
-        next_momentum[d.level][r] = buf;
-        g = level.outer().nesterov() ? D + mu * buf : buf;
-      }
-      const double a = *anchor[d.level][r] - level.outer().lr() * g;
+      std::optional<double> m = momentum[d.level][r];
+      const double a = NaiveOuterSgd(level.outer(), sum / n, &m, *anchor[d.level][r]);
+      next_momentum[d.level][r] = m;
       next_anchor[d.level][r] = a;
       next[r] = a;
     }

@@ -24,36 +24,9 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 import modelavg_testing as mt  # noqa: E402
 
-WORKER = r"""
-import json, os, sys
-import torch
-import modelavg, modelavg.torch
-from modelavg.torch import PeriodicModelAverager
-rank = int(os.environ["RANK"])
-p = torch.nn.Parameter(torch.full((4,), float(rank)))
-p.grad = torch.zeros_like(p)  # PyTorch's averagers leave out parameters without a gradient
-averager = PeriodicModelAverager(period=2, warmup_steps=1)
-for step in range(6):
-    with torch.no_grad():
-        p.add_((rank + 1) * (step + 1) * 0.5)
-    averager.average_parameters([p])
-    print(json.dumps({"rank": rank, "step": step, "value": p[0].item(),
-                      "module": modelavg.__file__}), flush=True)
-"""
-
-
-def expected(world, steps):
-    """values[rank][step] under PyTorch's periodic rule (period 2, warm-up 1)."""
-    x = [float(r) for r in range(world)]
-    out = [[] for _ in range(world)]
-    for s in range(steps):
-        x = [x[r] + (r + 1) * (s + 1) * 0.5 for r in range(world)]
-        if s >= 1 and (s - 1) % 2 == 0:
-            mean = sum(x) / world
-            x = [mean] * world
-        for r in range(world):
-            out[r].append(x[r])
-    return out
+WORKER = mt.dropin_worker(
+    '    print(json.dumps({"rank": rank, "step": step, "value": p[0].item(),\n'
+    '                      "module": modelavg.__file__}), flush=True)')
 
 
 def main():
@@ -109,7 +82,7 @@ def main():
                         MODELAVG_JOB="pip-dropin")
             procs.append(group.start([py, "-c", WORKER], f"rank{rank}", env=wenv))
         results = mt.wait_all(procs, timeout_s=180)
-        want = expected(2, 6)
+        want = mt.dropin_expected(2)
         for rank in range(2):
             rc, out, err = results[f"rank{rank}"]
             if rc != 0:

@@ -13,7 +13,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
-#include "google/protobuf/text_format.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -22,49 +21,29 @@
 #include "server/coordinator_server.h"
 #include "common/file_util.h"
 #include "server/jobs_file.h"
+#include "tests/tools/in_process_coordinator.h"
+#include "tests/tools/make_job_spec.h"
 #include "tests/tools/temp_dir.h"
 
 namespace modelavg::server {
 namespace {
 
+using ::modelavg::testing::SpecFromText;
 using ::testing::HasSubstr;
-
-v1::JobSpec Spec(const std::string& text) {
-  v1::JobSpec spec;
-  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(text, &spec)) << text;
-  return spec;
-}
 
 std::unique_ptr<grpc::ClientContext> Context(absl::Duration timeout = absl::Seconds(20),
                                              const std::string& token = "") {
-  auto ctx = std::make_unique<grpc::ClientContext>();
-  ctx->set_deadline(std::chrono::system_clock::now() +
-                    std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
-  if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
-  return ctx;
+  return CallContext(timeout, token);
 }
 
-class ServerTest : public ::testing::Test {
+class ServerTest : public InProcessCoordinatorTest {
  protected:
-  void Start(ServerOptions options = {}) {
-    options.listen = "127.0.0.1:0";
-    auto server = CoordinatorServer::Start(options);
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = *std::move(server);
-    channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
-    stub_ = v1::Coordinator::NewStub(channel_);
-  }
-
   grpc::Status CreateJob(const std::string& text, v1::Job* job = nullptr) {
     v1::CreateJobRequest request;
-    *request.mutable_spec() = Spec(text);
+    *request.mutable_spec() = SpecFromText(text);
     v1::Job ignored;
     return stub_->CreateJob(Context().get(), request, job != nullptr ? job : &ignored);
   }
-
-  std::unique_ptr<CoordinatorServer> server_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Coordinator::Stub> stub_;
 };
 
 // One simulated worker: Join, Steps, comm ids for every subgroup it averages in, heartbeats,
@@ -919,7 +898,7 @@ TEST_F(TlsTest, MutualTls_OperatorNames_MapCertificatesToRoles) {
     SCOPED_TRACE(c.cert);
     std::unique_ptr<v1::Coordinator::Stub> stub = TlsStub(true, c.cert);
     v1::CreateJobRequest create;
-    *create.mutable_spec() = Spec(absl::StrCat(
+    *create.mutable_spec() = SpecFromText(absl::StrCat(
         "job_id: \"role-", c.cert, "\" mode: PERIODIC world_size: 1 levels { period: 1 "
         "group_size: 1 }"));
     v1::Job job;

@@ -31,6 +31,8 @@
 #include "server/coordinator_server.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
+#include "tests/tools/in_process_coordinator.h"
+#include "tests/tools/make_job_spec.h"
 #include "tests/tools/process.h"
 #include "tests/tools/temp_dir.h"
 
@@ -45,22 +47,11 @@ constexpr char kWorker[] = "worker-secret";
 
 std::unique_ptr<grpc::ClientContext> Context(const std::string& token = "",
                                              absl::Duration timeout = absl::Seconds(20)) {
-  auto ctx = std::make_unique<grpc::ClientContext>();
-  ctx->set_deadline(std::chrono::system_clock::now() +
-                    std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
-  if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
-  return ctx;
+  return CallContext(timeout, token);
 }
 
 v1::JobSpec Spec(const std::string& id, int32_t world) {
-  v1::JobSpec spec;
-  spec.set_job_id(id);
-  spec.set_world_size(world);
-  spec.set_mode(v1::PERIODIC);
-  v1::Level* level = spec.add_levels();
-  level->set_period(2);
-  level->set_group_size(world);
-  return spec;
+  return ::modelavg::testing::MakeSpec(id, world, v1::PERIODIC, {{2, world}}, 0);
 }
 
 // Bytes that no protobuf parser accepts: a varint that never ends.
@@ -121,18 +112,8 @@ grpc::ByteBuffer Bytes(const google::protobuf::Message& m) {
   return grpc::ByteBuffer(&slice, 1);
 }
 
-class HostileTest : public ::testing::Test {
+class HostileTest : public InProcessCoordinatorTest {
  protected:
-  void Start(ServerOptions options = {}) {
-    options.listen = "127.0.0.1:0";
-    auto server = CoordinatorServer::Start(options);
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = *std::move(server);
-    channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
-    stub_ = v1::Coordinator::NewStub(channel_);
-    generic_ = std::make_unique<grpc::GenericStub>(channel_);
-  }
-
   grpc::Status RawUnary(const std::string& rpc, const grpc::ByteBuffer& request,
                         const std::string& token = "") {
     grpc::ByteBuffer reply;
@@ -147,11 +128,6 @@ class HostileTest : public ::testing::Test {
     done.WaitForNotification();
     return status;
   }
-
-  std::unique_ptr<CoordinatorServer> server_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Coordinator::Stub> stub_;
-  std::unique_ptr<grpc::GenericStub> generic_;
 };
 
 constexpr const char* kUnary[] = {"CreateJob",     "GetJob",    "ListJobs", "DeleteJob",
@@ -196,6 +172,18 @@ TEST_F(HostileTest, GarbageOnStreams_EndWithInvalidArgument) {
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_THAT(s.error_message(), HasSubstr("HeartbeatStream takes a modelavg.v1.HeartbeatRequest"));
     EXPECT_EQ(stream.replies(), 1);  // the first beat's reply, nothing after the garbage
+  }
+  {
+    v1::HostHeartbeatRequest host;
+    *host.add_beats() = beat;
+    host.set_reply_interval_ms(1000);
+    RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HostHeartbeatStream",
+                     {Bytes(host), Garbage(), Bytes(host)});
+    const grpc::Status s = stream.Wait();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(),
+                HasSubstr("HostHeartbeatStream takes a modelavg.v1.HostHeartbeatRequest"));
+    EXPECT_EQ(stream.replies(), 1);
   }
   {
     RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/WatchJob", {Garbage()});
@@ -300,6 +288,17 @@ TEST_F(HostileTest, Roles_EachRoleOnEachRpc) {
   const grpc::Status streamed = stream.Wait();
   EXPECT_THAT(streamed.error_message(), Not(HasSubstr("role")));
   EXPECT_NE(streamed.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  v1::HostHeartbeatRequest host;
+  *host.add_beats() = beat;
+  host.set_reply_interval_ms(1000);
+  RawStream shared(generic_.get(), "/modelavg.v1.Coordinator/HostHeartbeatStream",
+                   {Bytes(host)}, kWorker);
+  const grpc::Status host_streamed = shared.Wait();
+  EXPECT_THAT(host_streamed.error_message(), Not(HasSubstr("role")));
+  EXPECT_NE(host_streamed.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  RawStream anonymous(generic_.get(), "/modelavg.v1.Coordinator/HostHeartbeatStream",
+                      {Bytes(host)});
+  EXPECT_EQ(anonymous.Wait().error_code(), grpc::StatusCode::UNAUTHENTICATED);
 }
 
 TEST_F(HostileTest, Roles_WorkerTokenWithoutOperatorToken_Refused) {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "modelavg/v1/coordinator.pb.h"
+#include "tests/integration/naive_outer_sgd.h"
 
 namespace modelavg::testing {
 
@@ -37,18 +38,6 @@ struct StreamingStep {
 };
 
 inline int Fragments(const v1::Level& l) { return l.fragments() > 1 ? l.fragments() : 1; }
-
-// PyTorch's SGD step of one element: returns A', updates the momentum.
-inline double Sgd(const v1::Level& l, double d, std::optional<double>* momentum, double a) {
-  const double mu = l.outer().momentum();
-  double step = d;
-  if (mu != 0) {
-    const double buf = momentum->has_value() ? mu * **momentum + d : d;
-    *momentum = buf;
-    step = l.outer().nesterov() ? d + mu * buf : buf;
-  }
-  return a - l.outer().lr() * step;
-}
 
 // A sync in flight (sync_delay > 0): per rank, per tensor of the fragment, the group's mean.
 struct Pending {
@@ -109,7 +98,8 @@ inline std::vector<std::vector<StreamingStep>> StreamingReference(const v1::JobS
           if (p.first) {
             a = p.mean[r][i];
           } else {
-            a = Sgd(l, p.mean[r][i], &momentum[p.level][r][t], *anchor[p.level][r][t]);
+            a = NaiveOuterSgd(l.outer(), p.mean[r][i], &momentum[p.level][r][t],
+                              *anchor[p.level][r][t]);
           }
           anchor[p.level][r][t] = a;
           x[r][t] = (1 - l.mix()) * a + l.mix() * x[r][t];
@@ -174,15 +164,9 @@ inline std::vector<std::vector<StreamingStep>> StreamingReference(const v1::JobS
           max_delta = std::max(max_delta, std::fabs(*anchor[level][m][t] - x[m][t]));
         }
         row[r].max_delta[t] = max_delta;
-        const double mu = l.outer().momentum();
-        double step = d;
-        if (mu != 0) {
-          const std::optional<double>& old = momentum[level][r][t];
-          const double buf = old.has_value() ? mu * *old + d : d;
-          next_momentum[level][r][t] = buf;
-          step = l.outer().nesterov() ? d + mu * buf : buf;
-        }
-        const double a = *anchor[level][r][t] - l.outer().lr() * step;
+        std::optional<double> m = momentum[level][r][t];
+        const double a = NaiveOuterSgd(l.outer(), d, &m, *anchor[level][r][t]);
+        next_momentum[level][r][t] = m;
         next_anchor[level][r][t] = a;
         next[r][t] = (1 - mix) * a + mix * x[r][t];
       }

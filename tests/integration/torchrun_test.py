@@ -22,34 +22,11 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 import modelavg_testing as mt  # noqa: E402
 
-WORKER = r"""
-import json, os
-import torch
-from modelavg.torch import PeriodicModelAverager
-rank = int(os.environ["RANK"])
-assert os.environ["WORLD_SIZE"] == "2", os.environ["WORLD_SIZE"]
-p = torch.nn.Parameter(torch.full((4,), float(rank)))
-p.grad = torch.zeros_like(p)  # PyTorch's averagers leave out parameters without a gradient
-averager = PeriodicModelAverager(period=2, warmup_steps=1)
-for step in range(6):
-    with torch.no_grad():
-        p.add_((rank + 1) * (step + 1) * 0.5)
-    averager.average_parameters([p])
+WORKER = mt.dropin_worker(
     # One write per line: both workers share torchrun's stdout.
-    os.write(1, (json.dumps({"rank": rank, "step": step, "value": p[0].item()}) + "\n").encode())
-"""
-
-
-def expected(world, steps):
-    x = [float(r) for r in range(world)]
-    out = {}
-    for s in range(steps):
-        x = [x[r] + (r + 1) * (s + 1) * 0.5 for r in range(world)]
-        if s >= 1 and (s - 1) % 2 == 0:
-            x = [sum(x) / world] * world
-        for r in range(world):
-            out[(r, s)] = x[r]
-    return out
+    '    os.write(1, (json.dumps({"rank": rank, "step": step, "value": p[0].item()}) + "\\n")'
+    '.encode())',
+    checks='assert os.environ["WORLD_SIZE"] == "2", os.environ["WORLD_SIZE"]')
 
 
 def torch_has_the_bug():
@@ -76,7 +53,8 @@ def run_job(group, coord, name, launcher, work, python_dir):
     for obj in re.findall(r"\{[^{}]*\}", out):
         d = json.loads(obj)
         got[(d["rank"], d["step"])] = d["value"]
-    want = expected(2, 6)
+    want = {(r, s): v for r, values in enumerate(mt.dropin_expected(2))
+            for s, v in enumerate(values)}
     if set(got) != set(want):
         mt.fail(f"{' '.join(launcher)}: printed steps {sorted(got)}, expected {sorted(want)}\n"
                 f"{out[-2000:]}\n{err[-2000:]}")

@@ -26,7 +26,6 @@ uninterrupted run of a third job.
   diloco_test.py --list
 """
 
-import argparse
 import os
 import sys
 import traceback
@@ -72,14 +71,6 @@ def make_params(torch, rank):
                                ("d", (3,), torch.float64), ("h", (6,), torch.bfloat16)]:
         out[name] = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
     return out
-
-
-def local_update(torch, params, rank, step):
-    """A deterministic local 'training' step, different per rank."""
-    with torch.no_grad():
-        for i, (name, p) in enumerate(params.items()):
-            g = torch.Generator().manual_seed(rank * 100003 + step * 101 + i)
-            p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * 0.1)
 
 
 def decide(mode, warmup, levels, step, rank):
@@ -177,16 +168,7 @@ def make_averager(modelavg, mode, world, warmup, levels, how, job_id, address, r
     if rank == 0:
         modelavg.create_job(job_id, world, mode, job_levels(modelavg, levels),
                             warmup_steps=warmup, coordinator=address)
-    import time
-    deadline = time.monotonic() + 60
-    while True:  # rank 0 may not have created the job yet
-        try:
-            client = modelavg.connect(address, job_id, rank=rank, join_timeout=60)
-            break
-        except modelavg.NotFoundError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    client = mt.connect_rank(modelavg, address, job_id, rank)
     cls = (modelavg.PeriodicModelAverager if mode == "periodic"
            else modelavg.HierarchicalModelAverager)
     return cls(client)
@@ -222,8 +204,8 @@ def run_rank(rank, name, config, address, store_port, python_dir, out_queue):
                                  name.replace("_", "-"), address, rank)
         outer_steps = 0
         for step in range(steps):
-            local_update(torch, ours_t, rank, step)
-            local_update(torch, ref_t, rank, step)
+            mt.local_update(torch, ours_t, rank, step)
+            mt.local_update(torch, ref_t, rank, step)
             decision = averager.average_parameters(ours_p)
             want = decide(mode, warmup, levels, step, rank)
             if decision.average != (want is not None) or (want and decision.level != want[0]):
@@ -289,7 +271,7 @@ def run_checkpoint_rank(rank, name, config, address, store_port, python_dir, out
                                      f"{CHECKPOINT_AT}")
         trace = {}
         for step in range(first, last):
-            local_update(torch, params, rank, step)
+            mt.local_update(torch, params, rank, step)
             averager.average_parameters(ps)
             trace[step] = [p.detach().clone() for p in ps]
         if phase == "first":
@@ -352,21 +334,5 @@ def run(name, args):
           f"({done[0]} outer-level averaging steps on rank 0)")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--coordinator_bin")
-    parser.add_argument("--python_dir")
-    parser.add_argument("--config", choices=sorted(CONFIGS))
-    parser.add_argument("--timeout_s", type=float, default=150)
-    parser.add_argument("--list", action="store_true")
-    args = parser.parse_args()
-    if args.list:
-        print("\n".join(CONFIGS))
-        return
-    if not (args.coordinator_bin and args.python_dir and args.config):
-        parser.error("--coordinator_bin, --python_dir and --config are required")
-    run(args.config, args)
-
-
 if __name__ == "__main__":
-    main()
+    mt.config_main(__doc__, CONFIGS, run)

@@ -36,7 +36,6 @@ the same spec, load them and go on. Their values must equal, exactly, an uninter
   streaming_test.py --list
 """
 
-import argparse
 import os
 import sys
 import time
@@ -100,14 +99,6 @@ def make_params(torch, rank, levels):
     return {name: torch.randn(shape, generator=g, dtype=torch.float64).to(
                 torch.float32 if compressed else getattr(torch, dt))
             for name, shape, dt in SHAPES}
-
-
-def local_update(torch, params, rank, step):
-    """A deterministic local 'training' step, different per rank."""
-    with torch.no_grad():
-        for i, p in enumerate(params.values()):
-            g = torch.Generator().manual_seed(rank * 100003 + step * 101 + i)
-            p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * 0.1)
 
 
 def split(tensors, fragments):
@@ -263,17 +254,6 @@ def job_levels(modelavg, levels):
     return out
 
 
-def connect(modelavg, address, job_id, rank):
-    deadline = time.monotonic() + 60
-    while True:  # rank 0 may not have created the job yet
-        try:
-            return modelavg.connect(address, job_id, rank=rank, join_timeout=60)
-        except modelavg.NotFoundError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
 def make_averager(modelavg, mode, world, warmup, levels, how, job_id, address, rank):
     if how == "dropin":
         import modelavg.torch
@@ -287,7 +267,7 @@ def make_averager(modelavg, mode, world, warmup, levels, how, job_id, address, r
                                   warmup_steps=warmup, coordinator=address)
         if job.spec.levels != job_levels(modelavg, levels):
             raise AssertionError(f"the job's levels came back as {job.spec.levels}")
-    client = connect(modelavg, address, job_id, rank)
+    client = mt.connect_rank(modelavg, address, job_id, rank)
     cls = (modelavg.PeriodicModelAverager if mode == "periodic"
            else modelavg.HierarchicalModelAverager)
     return cls(client)
@@ -321,8 +301,8 @@ def run_rank(rank, name, config, address, store_port, python_dir, out_queue):
                                  name.replace("_", "-"), address, rank)
         outer_steps, averaged = 0, set()
         for step in range(steps):
-            local_update(torch, ours_t, rank, step)
-            local_update(torch, ref_t, rank, step)
+            mt.local_update(torch, ours_t, rank, step)
+            mt.local_update(torch, ref_t, rank, step)
             decision = averager.average_parameters(ours_p)
             want = decide(mode, warmup, levels, step, rank)
             got = (decision.level, decision.fragment) if decision.average else None
@@ -371,7 +351,7 @@ def run_payload_rank(rank, name, config, address, store_port, python_dir, out_qu
                                      f"{name.replace('_', '-')}-{payload.lower()}", address, rank)
             after_first = None
             for step in range(steps):
-                local_update(torch, params, rank, step)
+                mt.local_update(torch, params, rank, step)
                 if rank == SLEEPER and decide(mode, warmup, lv, step, rank) and step > 0:
                     time.sleep(SLEEP_S)  # the others wait for this rank at step + sync_delay
                 averager.average_parameters(ps)
@@ -416,7 +396,7 @@ def run_checkpoint_rank(rank, name, config, address, store_port, python_dir, out
                 raise AssertionError(f"rank {rank}: restored step {first}, saved at {at}")
         trace = {}
         for step in range(first, last):
-            local_update(torch, params, rank, step)
+            mt.local_update(torch, params, rank, step)
             averager.average_parameters(ps)
             trace[step] = [p.detach().clone() for p in ps]
         if phase == "first":
@@ -517,21 +497,5 @@ def run(name, args):
     print(f"PASS {name}: {summary}")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--coordinator_bin")
-    parser.add_argument("--python_dir")
-    parser.add_argument("--config", choices=sorted(CONFIGS))
-    parser.add_argument("--timeout_s", type=float, default=150)
-    parser.add_argument("--list", action="store_true")
-    args = parser.parse_args()
-    if args.list:
-        print("\n".join(CONFIGS))
-        return
-    if not (args.coordinator_bin and args.python_dir and args.config):
-        parser.error("--coordinator_bin, --python_dir and --config are required")
-    run(args.config, args)
-
-
 if __name__ == "__main__":
-    main()
+    mt.config_main(__doc__, CONFIGS, run)

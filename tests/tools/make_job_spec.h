@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "google/protobuf/text_format.h"
+#include "gtest/gtest.h"
 #include "modelavg/v1/coordinator.pb.h"
 
 namespace modelavg::testing {
@@ -28,6 +30,21 @@ inline v1::JobSpec MakeSpec(const std::string& id, int world, v1::Mode mode,
     l->set_group_size(g);
   }
   return spec;
+}
+
+// `text`, a JobSpec in protobuf text format; a test failure that shows it if it does not parse.
+inline v1::JobSpec SpecFromText(const std::string& text) {
+  v1::JobSpec spec;
+  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(text, &spec)) << text;
+  return spec;
+}
+
+// Gives level `level` of `spec` an outer optimizer (DiLoCo, Level.outer).
+inline void SetOuter(v1::JobSpec* spec, int level, double lr, double momentum, bool nesterov) {
+  v1::OuterOptimizer* o = spec->mutable_levels(level)->mutable_outer();
+  o->set_lr(lr);
+  o->set_momentum(momentum);
+  o->set_nesterov(nesterov);
 }
 
 }  // namespace modelavg::testing

@@ -276,3 +276,90 @@ def as_parameters(torch, params):
         p.grad = torch.zeros_like(p)  # PyTorch's averagers skip parameters without .grad
         out.append(p)
     return out
+
+
+def local_update(torch, params, rank, step):
+    """A deterministic local 'training' step on dict `params`, different per rank and step: each
+    tensor gets 0.1 * N(0, 1) noise drawn (in float64, then cast) from a seed of (rank, step,
+    tensor index), so that a test's two copies of the parameters see the same update."""
+    with torch.no_grad():
+        for i, p in enumerate(params.values()):
+            g = torch.Generator().manual_seed(rank * 100003 + step * 101 + i)
+            p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * 0.1)
+
+
+def config_main(doc, configs, run):
+    """The command line of a test with one ctest entry per configuration: --list prints the names
+    of `configs`; otherwise run(name, args) for --config=name, with --coordinator_bin,
+    --python_dir and --timeout_s (default 150) in args."""
+    import argparse
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--coordinator_bin")
+    parser.add_argument("--python_dir")
+    parser.add_argument("--config", choices=sorted(configs))
+    parser.add_argument("--timeout_s", type=float, default=150)
+    parser.add_argument("--list", action="store_true")
+    args = parser.parse_args()
+    if args.list:
+        print("\n".join(configs))
+        return
+    if not (args.coordinator_bin and args.python_dir and args.config):
+        parser.error("--coordinator_bin, --python_dir and --config are required")
+    run(args.config, args)
+
+
+DROPIN_STEPS = 6
+
+_DROPIN_WORKER = r"""
+import json, os, sys
+import torch
+import modelavg, modelavg.torch
+from modelavg.torch import PeriodicModelAverager
+rank = int(os.environ["RANK"])
+@CHECKS@
+p = torch.nn.Parameter(torch.full((4,), float(rank)))
+p.grad = torch.zeros_like(p)  # PyTorch's averagers leave out parameters without a gradient
+averager = PeriodicModelAverager(period=2, warmup_steps=1)
+for step in range(@STEPS@):
+    with torch.no_grad():
+        p.add_((rank + 1) * (step + 1) * 0.5)
+    averager.average_parameters([p])
+@EMIT@
+"""
+
+
+def dropin_worker(emit, checks=""):
+    """The script of one rank (RANK from the environment) of a drop-in job launched like
+    PyTorch's: a parameter x_r = rank gets (rank + 1) * (step + 1) * 0.5 before each of
+    DROPIN_STEPS calls of modelavg.torch's PeriodicModelAverager(period=2, warmup_steps=1).
+    `checks` run first; `emit` (indented by four spaces) after every call, with rank, step and p
+    in scope: it prints the step's line."""
+    return (_DROPIN_WORKER.replace("@CHECKS@", checks).replace("@STEPS@", str(DROPIN_STEPS))
+            .replace("@EMIT@", emit))
+
+
+def dropin_expected(world):
+    """values[rank][step] of dropin_worker's ranks: PyTorch's periodic rule (period 2, warm-up
+    1) restated naively."""
+    x = [float(r) for r in range(world)]
+    out = [[] for _ in range(world)]
+    for s in range(DROPIN_STEPS):
+        x = [x[r] + (r + 1) * (s + 1) * 0.5 for r in range(world)]
+        if s >= 1 and (s - 1) % 2 == 0:
+            x = [sum(x) / world] * world
+        for r in range(world):
+            out[r].append(x[r])
+    return out
+
+
+def connect_rank(modelavg, address, job_id, rank, timeout_s=60):
+    """modelavg.connect(...) for `rank`, retried while the job does not exist yet (rank 0 makes
+    it, and may not have made it when another rank connects) up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return modelavg.connect(address, job_id, rank=rank, join_timeout=timeout_s)
+        except modelavg.NotFoundError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)

@@ -20,6 +20,9 @@ if(TARGET modelavg_server)
                      LIBS modelavg_client modelavg_server TIMEOUT 120)
   modelavg_add_gtest(client_nccl_bootstrap_test SOURCES client_nccl_bootstrap_test.cc
                      LIBS modelavg_client modelavg_server TIMEOUT 60)
+  # share_heartbeat_stream: one process's ranks in one HostHeartbeatStream.
+  modelavg_add_gtest(client_shared_heartbeat_test SOURCES client_shared_heartbeat_test.cc
+                     LIBS modelavg_client modelavg_server TIMEOUT 120)
 endif()
 modelavg_add_gtest(client_nccl_core_test SOURCES client_nccl_core_test.cc LIBS modelavg_client)
 modelavg_add_gtest(client_nccl_outer_test SOURCES client_nccl_outer_test.cc LIBS modelavg_client)

@@ -559,7 +559,7 @@ class ClientHeartbeatTest : public ::testing::Test {
     }
   }
 
-  void Connect(bool heartbeat_stream) {
+  void Connect(bool heartbeat_stream, bool share = false) {
     ClientOptions o;
     o.coordinator = address_;
     o.job_id = "fake";
@@ -567,6 +567,7 @@ class ClientHeartbeatTest : public ::testing::Test {
     o.join_timeout = absl::Seconds(20);
     o.heartbeat_interval = absl::Milliseconds(20);
     o.heartbeat_stream = heartbeat_stream;
+    o.share_heartbeat_stream = share;
     auto c = Client::Connect(o);
     ASSERT_TRUE(c.ok()) << c.status();
     client_ = *std::move(c);
@@ -620,6 +621,19 @@ TEST_F(ClientHeartbeatTest, CoordinatorWithoutStream_FallsBackToUnaryCalls) {
   EXPECT_EQ(fake_->stream_calls(), 1);  // tried once, then unary for good
   ExpectGenerationChangeNoticed();
   EXPECT_TRUE(client_->CheckUsable().code() != absl::StatusCode::kUnavailable);
+}
+
+// A shared stream asked of a coordinator without HostHeartbeatStream: the rank heartbeats on a
+// HeartbeatStream of its own, and learns of changes as before.
+TEST_F(ClientHeartbeatTest, SharedStream_CoordinatorWithoutIt_FallsBackToTheRanksOwnStream) {
+  Start(/*stream=*/true);
+  Connect(/*heartbeat_stream=*/true, /*share=*/true);
+  ASSERT_TRUE(WaitFor([&] { return fake_->stream_beats() >= 5; }));
+  EXPECT_EQ(fake_->stream_calls(), 1);
+  EXPECT_EQ(fake_->unary_beats(), 0);
+  ExpectGenerationChangeNoticed();
+  EXPECT_TRUE(client_->Leave("done").ok());
+  client_.reset();
 }
 
 TEST_F(ClientHeartbeatTest, StreamOff_UnaryCallsOnly) {

@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "server/coordinator_server.h"
 #include "tests/tools/make_job_spec.h"
+#include "tests/tools/served_coordinator.h"
 
 namespace modelavg::client {
 namespace {
@@ -23,17 +24,11 @@ namespace {
 class NcclBootstrapTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    server::ServerOptions opts;
-    opts.listen = "127.0.0.1:0";
-    auto s = server::CoordinatorServer::Start(opts);
-    ASSERT_TRUE(s.ok()) << s.status();
-    server_ = *std::move(s);
-    CoordinatorClientOptions copts;
-    copts.address = server_->address();
-    auto admin = CoordinatorClient::Create(copts);
-    ASSERT_TRUE(admin.ok());
+    auto served = testing::ServeCoordinator();
+    ASSERT_TRUE(served.ok()) << served.status();
+    server_ = std::move(served->server);
     ASSERT_TRUE(
-        (*admin)->CreateJob(testing::MakeSpec("boot", 2, v1::PERIODIC, {{1, 2}}, 0)).ok());
+        served->admin->CreateJob(testing::MakeSpec("boot", 2, v1::PERIODIC, {{1, 2}}, 0)).ok());
     clients_.resize(2);
     std::vector<std::thread> threads;
     for (int r = 0; r < 2; ++r) {

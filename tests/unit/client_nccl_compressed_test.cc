@@ -21,23 +21,16 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/tools/fake_nccl_device.h"
+#include "tests/tools/fake_nccl_group.h"
 
 namespace modelavg::client {
 namespace {
 
 using ::testing::HasSubstr;
 
-struct World {
-  std::unique_ptr<FakeWorld> world;
-  std::vector<std::unique_ptr<FakeOps>> ops;
-  std::vector<std::unique_ptr<NcclCore>> cores;
-  explicit World(int n) : world(std::make_unique<FakeWorld>(n)) {
-    for (int m = 0; m < n; ++m) {
-      ops.push_back(std::make_unique<FakeOps>(world.get(), m));
-      cores.push_back(std::make_unique<NcclCore>(ops.back().get(), m, n, 0));
-      EXPECT_TRUE(cores.back()->Init().ok());
-    }
-  }
+// A group whose members' rounds run at once, as threads.
+struct World : FakeNcclGroup {
+  using FakeNcclGroup::FakeNcclGroup;
   std::vector<absl::Status> Run(std::vector<Params>& params, const RoundOptions& options) {
     std::vector<absl::Status> out(cores.size());
     std::vector<std::thread> threads;

@@ -24,25 +24,21 @@
 #include "tests/integration/naive_schedule.h"
 #include "tests/integration/outer_reference.h"
 #include "tests/tools/fake_nccl_device.h"
+#include "tests/tools/fake_nccl_group.h"
+#include "tests/tools/make_job_spec.h"
 
 namespace modelavg::client {
 namespace {
 
+using ::modelavg::testing::MakeSpec;
 using ::modelavg::testing::NaiveDecide;
 using ::modelavg::testing::NaiveDecision;
 using ::modelavg::testing::OuterReference;
+using ::modelavg::testing::SetOuter;
 using ::testing::HasSubstr;
 
 // Element (t, i)'s offset from the rank's scalar trace value.
 double Offset(size_t t, int64_t i) { return 0.25 * static_cast<double>(t) + 0.001 * i; }
-
-OuterSgd RuleOf(const v1::Level& l) {
-  OuterSgd r;
-  r.lr = l.outer().lr();
-  r.momentum = l.outer().momentum();
-  r.nesterov = l.outer().nesterov();
-  return r;
-}
 
 // One simulated trainer: its parameters, and per outer level its state on its own device.
 struct Member {
@@ -53,20 +49,6 @@ struct Member {
   ~Member() {
     outer.clear();
     gradient.Release(*device);
-  }
-};
-
-// A subgroup's communicator: one NcclCore per member on one FakeWorld.
-struct Group {
-  std::unique_ptr<FakeWorld> world;
-  std::vector<std::unique_ptr<FakeOps>> ops;
-  std::vector<std::unique_ptr<NcclCore>> cores;
-  explicit Group(int n) : world(std::make_unique<FakeWorld>(n)) {
-    for (int m = 0; m < n; ++m) {
-      ops.push_back(std::make_unique<FakeOps>(world.get(), m));
-      cores.push_back(std::make_unique<NcclCore>(ops.back().get(), m, n, 0));
-      EXPECT_TRUE(cores.back()->Init().ok());
-    }
   }
 };
 
@@ -86,10 +68,10 @@ class NcclOuterTest : public ::testing::Test {
           m->outer.push_back(nullptr);
           continue;
         }
-        auto state = std::make_unique<OuterLevelState>(l, RuleOf(spec.levels(l)));
+        auto state = std::make_unique<OuterLevelState>(l, OuterSgdOf(spec.levels(l)));
         EXPECT_TRUE(state
                         ->AttachDevice(std::make_unique<DeviceOuterState>(
-                            m->device.get(), l, RuleOf(spec.levels(l)), pinned_host))
+                            m->device.get(), l, OuterSgdOf(spec.levels(l)), pinned_host))
                         .ok());
         m->outer.push_back(std::move(state));
       }
@@ -130,7 +112,9 @@ class NcclOuterTest : public ::testing::Test {
     for (const auto& [key, ranks] : groups) {
       const int level = key.first;
       auto& group = groups_[key];
-      if (group == nullptr) group = std::make_unique<Group>(static_cast<int>(ranks.size()));
+      if (group == nullptr) {
+        group = std::make_unique<FakeNcclGroup>(static_cast<int>(ranks.size()));
+      }
       std::vector<absl::Status> out(ranks.size());
       std::vector<std::thread> threads;
       for (size_t k = 0; k < ranks.size(); ++k) {
@@ -198,22 +182,13 @@ class NcclOuterTest : public ::testing::Test {
 
   v1::JobSpec spec_;
   std::vector<std::unique_ptr<Member>> members_;
-  std::map<std::pair<int, int>, std::unique_ptr<Group>> groups_;
+  std::map<std::pair<int, int>, std::unique_ptr<FakeNcclGroup>> groups_;
 };
 
 v1::JobSpec Periodic(int world, int64_t period, int64_t warmup, double lr, double momentum,
                      bool nesterov) {
-  v1::JobSpec spec;
-  spec.set_job_id("outer");
-  spec.set_world_size(world);
-  spec.set_warmup_steps(warmup);
-  spec.set_mode(v1::PERIODIC);
-  v1::Level* l = spec.add_levels();
-  l->set_period(period);
-  l->set_group_size(world);
-  l->mutable_outer()->set_lr(lr);
-  l->mutable_outer()->set_momentum(momentum);
-  l->mutable_outer()->set_nesterov(nesterov);
+  v1::JobSpec spec = MakeSpec("outer", world, v1::PERIODIC, {{period, world}}, warmup);
+  SetOuter(&spec, 0, lr, momentum, nesterov);
   return spec;
 }
 
@@ -318,11 +293,11 @@ TEST_F(NcclOuterTest, StateDictFromTheDevice_LoadedIntoAFreshState_ContinuesExac
     const std::vector<StateTensor> a = m->outer[0]->AnchorTensors();
     const std::vector<StateTensor> mo = m->outer[0]->MomentumTensors();
     ASSERT_FALSE(mo.empty());
-    auto fresh = std::make_unique<OuterLevelState>(0, RuleOf(spec_.levels(0)));
+    auto fresh = std::make_unique<OuterLevelState>(0, OuterSgdOf(spec_.levels(0)));
     ASSERT_TRUE(fresh->Load(a, &mo).ok());  // host, as load_state_dict leaves it
     ASSERT_TRUE(fresh
                     ->AttachDevice(std::make_unique<DeviceOuterState>(
-                        m->device.get(), 0, RuleOf(spec_.levels(0)), false))
+                        m->device.get(), 0, OuterSgdOf(spec_.levels(0)), false))
                     .ok());
     EXPECT_TRUE(fresh->has_momentum());
     EXPECT_EQ(fresh->AnchorTensors()[2].bytes, a[2].bytes);
@@ -376,7 +351,7 @@ TEST_F(NcclOuterTest, ElasticCommittedRound_JoinerAndLostCommit_EveryMemberFollo
   Start(spec, kFp32);
   RunAndCheck(5, 2e-5);  // steps 0, 2, 4 averaged: anchors and momenta set
   if (HasFatalFailure()) return;
-  const OuterSgd rule = RuleOf(spec.levels(0));
+  const OuterSgd rule = OuterSgdOf(spec.levels(0));
   // Step 5 (a skip) moves the members apart; at step 6, rank 2 is a fresh replacement.
   for (int r = 0; r < 3; ++r) {
     Set(*members_[r], [&](size_t t, int64_t i) {
@@ -403,7 +378,7 @@ TEST_F(NcclOuterTest, ElasticCommittedRound_JoinerAndLostCommit_EveryMemberFollo
       want[t].push_back(a - rule.lr * (d + rule.momentum * buf));
     }
   }
-  Group group(3);
+  FakeNcclGroup group(3);
   group.cores[1]->set_faults(FaultInjection::LosingNextCommit());
   std::vector<absl::Status> out(3);
   std::vector<RoundOutcome> outcomes(3, RoundOutcome::kCompleted);

@@ -24,10 +24,14 @@
 #include "modelavg/v1/coordinator.pb.h"
 #include "tests/integration/streaming_reference.h"
 #include "tests/tools/fake_nccl_device.h"
+#include "tests/tools/fake_nccl_group.h"
+#include "tests/tools/make_job_spec.h"
 
 namespace modelavg::client {
 namespace {
 
+using ::modelavg::testing::MakeSpec;
+using ::modelavg::testing::SetOuter;
 using ::modelavg::testing::StreamingReference;
 using ::modelavg::testing::StreamingStep;
 
@@ -36,14 +40,6 @@ constexpr int kTensors = 8;
 constexpr int64_t kNumel = 271;
 
 double Offset(size_t t, int64_t i) { return 0.125 * static_cast<double>(t) + 0.002 * i; }
-
-OuterSgd RuleOf(const v1::Level& l) {
-  OuterSgd r;
-  r.lr = l.outer().lr();
-  r.momentum = l.outer().momentum();
-  r.nesterov = l.outer().nesterov();
-  return r;
-}
 
 Payload PayloadOf(const v1::Level& l) {
   return l.payload() == v1::BF16 ? Payload::kBf16
@@ -82,19 +78,6 @@ struct Member {
   }
 };
 
-struct Group {
-  std::unique_ptr<FakeWorld> world;
-  std::vector<std::unique_ptr<FakeOps>> ops;
-  std::vector<std::unique_ptr<NcclCore>> cores;
-  explicit Group(int n) : world(std::make_unique<FakeWorld>(n)) {
-    for (int m = 0; m < n; ++m) {
-      ops.push_back(std::make_unique<FakeOps>(world.get(), m));
-      cores.push_back(std::make_unique<NcclCore>(ops.back().get(), m, n, 0));
-      EXPECT_TRUE(cores.back()->Init().ok());
-    }
-  }
-};
-
 class NcclStreamingTest : public ::testing::Test {
  protected:
   void Start(const v1::JobSpec& spec) {
@@ -109,7 +92,7 @@ class NcclStreamingTest : public ::testing::Test {
         if (!spec.levels(l).has_outer()) continue;
         for (int f = 0; f < FragmentsOf(spec.levels(l)); ++f) {
           m->outer[l].push_back(std::make_unique<DeviceOuterState>(
-              m->device.get(), l, RuleOf(spec.levels(l)), /*pinned_host=*/false));
+              m->device.get(), l, OuterSgdOf(spec.levels(l)), /*pinned_host=*/false));
         }
       }
       for (size_t t = 0; t < m->params.views.size(); ++t) {
@@ -171,7 +154,7 @@ class NcclStreamingTest : public ::testing::Test {
     const int g = l.group_size();
     for (int first = 0; first < spec_.world_size(); first += g) {
       auto& group = groups_[{level, first}];
-      if (group == nullptr) group = std::make_unique<Group>(g);
+      if (group == nullptr) group = std::make_unique<FakeNcclGroup>(g);
       std::vector<absl::Status> out(g);
       std::vector<std::thread> threads;
       for (int k = 0; k < g; ++k) {
@@ -321,26 +304,18 @@ class NcclStreamingTest : public ::testing::Test {
 
   v1::JobSpec spec_;
   std::vector<std::unique_ptr<Member>> members_;
-  std::map<std::pair<int, int>, std::unique_ptr<Group>> groups_;
+  std::map<std::pair<int, int>, std::unique_ptr<FakeNcclGroup>> groups_;
 };
 
 v1::JobSpec Streaming(int world, int64_t period, int fragments, int64_t delay, double mix,
                       v1::Payload payload, double lr, double momentum, bool nesterov) {
-  v1::JobSpec spec;
-  spec.set_job_id("streaming");
-  spec.set_world_size(world);
-  spec.set_warmup_steps(1);
-  spec.set_mode(v1::PERIODIC);
-  v1::Level* l = spec.add_levels();
-  l->set_period(period);
-  l->set_group_size(world);
+  v1::JobSpec spec = MakeSpec("streaming", world, v1::PERIODIC, {{period, world}}, 1);
+  v1::Level* l = spec.mutable_levels(0);
   l->set_fragments(fragments);
   l->set_sync_delay(delay);
   l->set_mix(mix);
   l->set_payload(payload);
-  l->mutable_outer()->set_lr(lr);
-  l->mutable_outer()->set_momentum(momentum);
-  l->mutable_outer()->set_nesterov(nesterov);
+  SetOuter(&spec, 0, lr, momentum, nesterov);
   return spec;
 }
 

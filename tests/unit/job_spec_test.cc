@@ -4,23 +4,18 @@
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
-#include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
+#include "tests/tools/make_job_spec.h"
 
 namespace modelavg {
 namespace {
 
+using ::modelavg::testing::SpecFromText;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-v1::JobSpec Parse(const std::string& text) {
-  v1::JobSpec spec;
-  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(text, &spec)) << text;
-  return spec;
-}
-
 TEST(JobSpecTest, ValidHierarchicalSpec_Converts) {
-  absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(Parse(R"pb(
+  absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(SpecFromText(R"pb(
     job_id: "llm-7b.run_3" world_size: 8 warmup_steps: 10 mode: HIERARCHICAL
     levels { period: 2 group_size: 4 } levels { period: 8 group_size: 8 }
   )pb"));
@@ -34,7 +29,7 @@ TEST(JobSpecTest, ValidHierarchicalSpec_Converts) {
 
 TEST(JobSpecTest, UnspecifiedMode_InvalidArgument) {
   absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(
-      Parse(R"pb(job_id: "j" world_size: 2 levels { period: 2 group_size: 2 })pb"));
+      SpecFromText(R"pb(job_id: "j" world_size: 2 levels { period: 2 group_size: 2 })pb"));
   ASSERT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.status().message()),
               HasSubstr("mode must be PERIODIC or HIERARCHICAL, got MODE_UNSPECIFIED"));
@@ -49,7 +44,7 @@ TEST(JobSpecTest, BadJobIds_InvalidArgument) {
 }
 
 TEST(JobSpecTest, BadTimeouts_InvalidArgumentNamingField) {
-  v1::JobSpec spec = Parse(R"pb(
+  v1::JobSpec spec = SpecFromText(R"pb(
     job_id: "j" world_size: 2 mode: PERIODIC levels { period: 2 group_size: 2 }
   )pb");
   spec.set_heartbeat_timeout_ms(-1);
@@ -62,7 +57,7 @@ TEST(JobSpecTest, BadTimeouts_InvalidArgumentNamingField) {
 }
 
 TEST(JobSpecTest, ScheduleErrorsPassThrough) {
-  absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(Parse(R"pb(
+  absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(SpecFromText(R"pb(
     job_id: "j" world_size: 6 mode: HIERARCHICAL
     levels { period: 2 group_size: 4 } levels { period: 4 group_size: 6 }
   )pb"));
@@ -92,7 +87,7 @@ TEST(JobSpecTest, DecisionRoundTrip) {
 }
 
 TEST(JobSpecTest, OuterLevel_ConvertsBothWays) {
-  v1::JobSpec spec = Parse(R"pb(
+  v1::JobSpec spec = SpecFromText(R"pb(
     job_id: "diloco" world_size: 4 mode: HIERARCHICAL
     levels { period: 2 group_size: 2 }
     levels { period: 8 group_size: 4 outer { lr: 0.7 momentum: 0.9 nesterov: true } }
@@ -132,7 +127,7 @@ TEST(JobSpecTest, BadOuter_InvalidArgumentNamingField) {
       {"", "levels[1].outer.lr"},
   };
   for (const Case& c : cases) {
-    v1::JobSpec spec = Parse(R"pb(
+    v1::JobSpec spec = SpecFromText(R"pb(
       job_id: "j" world_size: 4 mode: HIERARCHICAL levels { period: 2 group_size: 2 }
       levels { period: 4 group_size: 4 outer { )pb" + c.outer + R"pb( } }
     )pb");
@@ -140,7 +135,7 @@ TEST(JobSpecTest, BadOuter_InvalidArgumentNamingField) {
     ASSERT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << c.outer;
     EXPECT_THAT(std::string(s.status().message()), HasSubstr(c.field)) << c.outer;
   }
-  v1::JobSpec ok = Parse(R"pb(
+  v1::JobSpec ok = SpecFromText(R"pb(
     job_id: "j" world_size: 2 mode: PERIODIC
     levels { period: 4 group_size: 2 outer { lr: 1 momentum: 0.5 nesterov: true } }
   )pb");
@@ -148,7 +143,7 @@ TEST(JobSpecTest, BadOuter_InvalidArgumentNamingField) {
 }
 
 TEST(JobSpecTest, OuterDecision_SaysSoAndRoundTrips) {
-  absl::StatusOr<ScheduleSpec> spec = ScheduleSpecFromProto(Parse(R"pb(
+  absl::StatusOr<ScheduleSpec> spec = ScheduleSpecFromProto(SpecFromText(R"pb(
     job_id: "j" world_size: 4 warmup_steps: 3 mode: HIERARCHICAL
     levels { period: 2 group_size: 2 outer { lr: 0.7 } } levels { period: 6 group_size: 4 }
   )pb"));
@@ -175,7 +170,7 @@ TEST(JobSpecTest, SyncDelayInElasticJob_Accepted) {
     std::string text = absl::StrCat(base, "levels { period: 8 group_size: 4 fragments: 2 ",
                                     fields, " outer { lr: 0.7 momentum: 0.9 } }");
     if (min_world > 0) text += absl::StrCat(" min_world_size: ", min_world);
-    return Parse(text);
+    return SpecFromText(text);
   };
   absl::StatusOr<ScheduleSpec> elastic = ScheduleSpecFromProto(spec("sync_delay: 1", 2));
   ASSERT_TRUE(elastic.ok()) << elastic.status();

@@ -11,12 +11,13 @@
 #include "common/job_spec.h"
 #include "common/schedule.h"
 #include "gmock/gmock.h"
-#include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
+#include "tests/tools/make_job_spec.h"
 
 namespace modelavg {
 namespace {
 
+using ::modelavg::testing::SpecFromText;
 using ::testing::HasSubstr;
 
 ScheduleLevel Frag(int64_t period, int32_t group, int32_t fragments) {
@@ -222,14 +223,8 @@ TEST(FragmentScheduleTest, StreamingFieldsOnOuterLevel_Valid) {
               HasSubstr("levels[1].sync_delay must be in [0, period / fragments = 2)"));
 }
 
-v1::JobSpec Parse(const std::string& text) {
-  v1::JobSpec spec;
-  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(text, &spec)) << text;
-  return spec;
-}
-
 TEST(FragmentJobSpecTest, ProtoFields_ConvertAndRoundTrip) {
-  absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(Parse(R"pb(
+  absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(SpecFromText(R"pb(
     job_id: "j" world_size: 4 mode: HIERARCHICAL
     levels { period: 2 group_size: 2 } levels { period: 8 group_size: 4 fragments: 4 }
   )pb"));
@@ -242,13 +237,13 @@ TEST(FragmentJobSpecTest, ProtoFields_ConvertAndRoundTrip) {
   EXPECT_EQ(back.levels(0).fragments(), 0);
   EXPECT_EQ(back.levels(1).payload(), v1::FP32);
 
-  absl::StatusOr<ScheduleSpec> bad = ScheduleSpecFromProto(Parse(R"pb(
+  absl::StatusOr<ScheduleSpec> bad = ScheduleSpecFromProto(SpecFromText(R"pb(
     job_id: "j" world_size: 2 mode: PERIODIC levels { period: 4 group_size: 2 payload: INT8 }
   )pb"));
   ASSERT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(bad.status().message()),
               HasSubstr("levels[0].payload INT8 needs an outer level"));
-  absl::StatusOr<ScheduleSpec> negative = ScheduleSpecFromProto(Parse(R"pb(
+  absl::StatusOr<ScheduleSpec> negative = ScheduleSpecFromProto(SpecFromText(R"pb(
     job_id: "j" world_size: 2 mode: PERIODIC levels { period: 4 group_size: 2 fragments: -2 }
   )pb"));
   EXPECT_THAT(std::string(negative.status().message()),

@@ -26,3 +26,6 @@ modelavg_add_gtest(server_stream_writes_test SOURCES server_stream_writes_test.c
 # Which HeartbeatStream beats are answered (fake clock).
 modelavg_add_gtest(server_heartbeat_replies_test SOURCES server_heartbeat_replies_test.cc
                    LIBS modelavg_server_core)
+# The core of a HostHeartbeatStream: several members' beats per message (fake clock).
+modelavg_add_gtest(server_host_heartbeats_test SOURCES server_host_heartbeats_test.cc
+                   LIBS modelavg_server_core)

@@ -9,14 +9,15 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
-#include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
 #include "server/job.h"
 #include "server/job_registry.h"
+#include "tests/tools/make_job_spec.h"
 
 namespace modelavg::server {
 namespace {
 
+using ::modelavg::testing::SpecFromText;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
@@ -66,12 +67,6 @@ class RecordingWatcher final : public JobWatcher {
   std::optional<absl::Status> closed_;
 };
 
-v1::JobSpec Spec(const std::string& text) {
-  v1::JobSpec spec;
-  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(text, &spec)) << text;
-  return spec;
-}
-
 class JobTest : public ::testing::Test {
  protected:
   JobTest() {
@@ -85,7 +80,7 @@ class JobTest : public ::testing::Test {
 
   // A hierarchical job: world 4, levels (period 2, groups of 2), (period 4, world).
   std::shared_ptr<Job> MakeJob(int world = 4) {
-    v1::JobSpec spec = Spec(absl::StrCat(
+    v1::JobSpec spec = SpecFromText(absl::StrCat(
         R"pb(job_id: "j" mode: HIERARCHICAL levels { period: 2 group_size: 2 } )pb",
         "world_size: ", world, " levels { period: 4 group_size: ", world, " }"));
     EXPECT_TRUE(registry_->CreateJob(spec, nullptr).ok());
@@ -210,7 +205,7 @@ class JobTest : public ::testing::Test {
 TEST_F(JobTest, CreateJob_Valid_StartsPendingAtGenerationOne) {
   v1::Job job;
   ASSERT_TRUE(registry_
-                  ->CreateJob(Spec(R"pb(job_id: "a" world_size: 2 mode: PERIODIC
+                  ->CreateJob(SpecFromText(R"pb(job_id: "a" world_size: 2 mode: PERIODIC
                                         levels { period: 4 group_size: 2 })pb"),
                               &job)
                   .ok());
@@ -223,7 +218,7 @@ TEST_F(JobTest, CreateJob_Valid_StartsPendingAtGenerationOne) {
 
 TEST_F(JobTest, CreateJob_Duplicate_AlreadyExists) {
   MakeJob();
-  v1::JobSpec spec = Spec(R"pb(job_id: "j" world_size: 2 mode: PERIODIC
+  v1::JobSpec spec = SpecFromText(R"pb(job_id: "j" world_size: 2 mode: PERIODIC
                                levels { period: 4 group_size: 2 })pb");
   EXPECT_EQ(registry_->CreateJob(spec, nullptr).code(), absl::StatusCode::kAlreadyExists);
 }
@@ -254,7 +249,7 @@ TEST_F(JobTest, CreateJob_InvalidSpecs_InvalidArgumentNamingTheField) {
        "join_timeout_ms"},
   };
   for (const auto& [text, field] : cases) {
-    absl::Status s = registry_->CreateJob(Spec(text), nullptr);
+    absl::Status s = registry_->CreateJob(SpecFromText(text), nullptr);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << text;
     EXPECT_THAT(std::string(s.message()), HasSubstr(field)) << text;
   }
@@ -266,14 +261,16 @@ TEST_F(JobTest, CreateJob_TooManyRanksInAll_ResourceExhaustedUntilDeleted) {
                                levels { period: 1 group_size: 65536 })pb";
   const int fit = static_cast<int>(kMaxTotalWorldSize / 65536);
   for (int i = 0; i < fit; ++i) {
-    ASSERT_TRUE(registry_->CreateJob(Spec(absl::StrCat("job_id: \"b", i, "\" ", big)), nullptr)
-                    .ok());
+    ASSERT_TRUE(
+        registry_->CreateJob(SpecFromText(absl::StrCat("job_id: \"b", i, "\" ", big)), nullptr)
+            .ok());
   }
-  absl::Status s = registry_->CreateJob(Spec(absl::StrCat("job_id: \"one-more\" ", big)), nullptr);
+  const v1::JobSpec one_more = SpecFromText(absl::StrCat("job_id: \"one-more\" ", big));
+  absl::Status s = registry_->CreateJob(one_more, nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(s.message()), HasSubstr("delete finished jobs"));
   ASSERT_TRUE(registry_->DeleteJob("b0").ok());
-  EXPECT_TRUE(registry_->CreateJob(Spec(absl::StrCat("job_id: \"one-more\" ", big)), nullptr).ok());
+  EXPECT_TRUE(registry_->CreateJob(one_more, nullptr).ok());
 }
 
 TEST_F(JobTest, Find_UnknownJob_NotFound) {
@@ -604,7 +601,7 @@ TEST_F(JobTest, GetSchedule_AllSubgroups_OneDecisionPerSubgroup) {
 
 TEST_F(JobTest, GetSchedule_HugeReply_InvalidArgumentInsteadOfOversizeMessage) {
   ASSERT_TRUE(registry_
-                  ->CreateJob(Spec(R"pb(job_id: "big" world_size: 65536 mode: PERIODIC
+                  ->CreateJob(SpecFromText(R"pb(job_id: "big" world_size: 65536 mode: PERIODIC
                                         levels { period: 1 group_size: 65536 })pb"),
                               nullptr)
                   .ok());
@@ -778,7 +775,7 @@ TEST_F(JobTest, Stop_WithWaiters_Unavailable) {
   EXPECT_EQ(waiting.code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(registry_->Find("j").status().code(), absl::StatusCode::kUnavailable);
   v1::Job out;
-  EXPECT_EQ(registry_->CreateJob(Spec(R"pb(job_id: "x" world_size: 1 mode: PERIODIC
+  EXPECT_EQ(registry_->CreateJob(SpecFromText(R"pb(job_id: "x" world_size: 1 mode: PERIODIC
                                            levels { period: 1 group_size: 1 })pb"),
                                  &out)
                 .code(),
@@ -805,7 +802,7 @@ TEST_F(JobTest, StalenessThread_RealClock_ExpiresWaits) {
   options.staleness_interval = absl::Milliseconds(5);
   JobRegistry registry(options);
   ASSERT_TRUE(registry
-                  .CreateJob(Spec(R"pb(job_id: "t" world_size: 2 mode: PERIODIC
+                  .CreateJob(SpecFromText(R"pb(job_id: "t" world_size: 2 mode: PERIODIC
                                        join_timeout_ms: 30 levels { period: 1 group_size: 2 })pb"),
                              nullptr)
                   .ok());

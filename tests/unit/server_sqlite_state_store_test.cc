@@ -16,10 +16,10 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
-#include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
 #include "server/job_registry.h"
 #include "server/sqlite_state_store.h"
+#include "tests/tools/make_job_spec.h"
 
 namespace modelavg::server {
 namespace {
@@ -27,13 +27,7 @@ namespace {
 using ::testing::HasSubstr;
 
 v1::JobSpec Spec(const std::string& id, int world = 4) {
-  v1::JobSpec spec;
-  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(
-      absl::StrCat("job_id: \"", id, "\" mode: HIERARCHICAL world_size: ", world,
-                   " levels { period: 2 group_size: 2 } levels { period: 4 group_size: ", world,
-                   " }"),
-      &spec));
-  return spec;
+  return ::modelavg::testing::MakeSpec(id, world, v1::HIERARCHICAL, {{2, 2}, {4, world}}, 0);
 }
 
 class SqliteStateStoreTest : public ::testing::Test {

@@ -9,12 +9,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
-#include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
 #include "common/job_spec.h"
 #include "server/job.h"
 #include "server/job_registry.h"
 #include "server/state_store.h"
+#include "tests/tools/make_job_spec.h"
 
 namespace modelavg::server {
 namespace {
@@ -22,12 +22,7 @@ namespace {
 using ::testing::HasSubstr;
 
 v1::JobSpec Spec() {
-  v1::JobSpec spec;
-  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(
-      R"pb(job_id: "j" mode: HIERARCHICAL world_size: 4
-           levels { period: 2 group_size: 2 } levels { period: 4 group_size: 4 })pb",
-      &spec));
-  return spec;
+  return ::modelavg::testing::MakeSpec("j", 4, v1::HIERARCHICAL, {{2, 2}, {4, 4}}, 0);
 }
 
 class StateStoreTest : public ::testing::Test {
