@@ -215,8 +215,9 @@ absl::Status EtcdClient::Invoke(const char* what, absl::Duration timeout, bool f
       s = attempt(endpoint, &context);
       if (s.ok()) return absl::OkStatus();
       if (!token->empty() && !reauthenticated &&
-          absl::StrContains(s.error_message(), "invalid auth token")) {
-        // Simple tokens expire (etcd's --auth-token-ttl): fetch a new one and try again here.
+          s.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+        // Simple tokens expire (etcd's --auth-token-ttl; etcd answers UNAUTHENTICATED): fetch a
+        // new one and try again here, once (a refused user or password fails the fetch itself).
         {
           absl::MutexLock lock(&token_mu_);
           token_.clear();

@@ -21,6 +21,7 @@
 #include "server/coordinator_server.h"
 #include "tests/tools/http_get.h"
 #include "tests/tools/make_job_spec.h"
+#include "tests/tools/served_coordinator.h"
 #include "tests/tools/time_scale.h"
 
 namespace modelavg::client {
@@ -36,14 +37,10 @@ class SharedHeartbeatTest : public ::testing::Test {
     server::ServerOptions opts;
     opts.listen = "127.0.0.1:0";
     opts.metrics_listen = "127.0.0.1:0";
-    auto s = server::CoordinatorServer::Start(opts);
-    ASSERT_TRUE(s.ok()) << s.status();
-    server_ = *std::move(s);
-    CoordinatorClientOptions copts;
-    copts.address = server_->address();
-    auto c = CoordinatorClient::Create(copts);
-    ASSERT_TRUE(c.ok());
-    admin_ = *std::move(c);
+    absl::StatusOr<testing::ServedCoordinator> served = testing::ServeCoordinator(opts);
+    ASSERT_TRUE(served.ok()) << served.status();
+    server_ = std::move(served->server);
+    admin_ = std::move(served->admin);
   }
 
   // An elastic job of kWorld ranks (a departure moves the generation, the job runs on).
