@@ -160,21 +160,60 @@ struct Worker {
   std::atomic<bool> heartbeat_busy{false};
 };
 
+// What both kinds of heartbeat stream here share: at most one write in flight (busy_; a beat due
+// meanwhile is skipped and counted), a hold until Close, and the stream's end.
+template <typename Request, typename Response>
+class BenchStream : public grpc::ClientBidiReactor<Request, Response> {
+ public:
+  // Half-closes once nothing is in flight; Wait() returns when the server has ended the stream.
+  void Close() {
+    while (busy_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    this->StartWritesDone();
+    this->RemoveHold();
+  }
+  void Wait() { done_.WaitForNotification(); }
+  int64_t skipped() const { return skipped_.load(); }
+  void OnDone(const grpc::Status& s) override {
+    if (!s.ok() && errors_->fetch_add(1) == 0) {
+      std::fprintf(stderr, "%s failed: %s\n", rpc_, s.error_message().c_str());
+    }
+    done_.Notify();
+  }
+
+ protected:
+  BenchStream(const char* rpc, std::atomic<int64_t>* beats, std::atomic<int64_t>* replies,
+              std::atomic<int64_t>* errors)
+      : rpc_(rpc), beats_(beats), replies_(replies), errors_(errors) {}
+  // After the RPC is started on ctx_ and the first read posted.
+  void Begin() {
+    this->AddHold();  // until Close: no OnDone while beats may still be written
+    this->StartCall();
+  }
+
+  const char* const rpc_;
+  grpc::ClientContext ctx_;
+  std::atomic<bool> busy_{false};
+  std::atomic<int64_t> skipped_{0};
+  std::atomic<int64_t>* beats_;
+  std::atomic<int64_t>* replies_;
+  std::atomic<int64_t>* errors_;
+  absl::Notification done_;
+};
+
 // One worker's HeartbeatStream. With reply_interval_ms > 0, as the client library: beats are
 // written without waiting for replies (at most one write in flight; a beat due meanwhile is
 // skipped and counted), a read is always outstanding, and a beat counts once written. With 0:
 // one reply per beat, and a beat due while the previous one is unanswered is skipped.
 class HeartbeatStreamClient final
-    : public grpc::ClientBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse> {
+    : public BenchStream<v1::HeartbeatRequest, v1::HeartbeatResponse> {
  public:
   HeartbeatStreamClient(Stub* stub, int64_t reply_interval_ms, std::atomic<int64_t>* beats,
                         std::atomic<int64_t>* replies, std::atomic<int64_t>* errors)
-      : reply_interval_ms_(reply_interval_ms), beats_(beats), replies_(replies),
-        errors_(errors) {
+      : BenchStream("HeartbeatStream", beats, replies, errors),
+        reply_interval_ms_(reply_interval_ms) {
     stub->async()->HeartbeatStream(&ctx_, this);
     if (!per_beat()) StartRead(&response_);
-    AddHold();  // until Close: no OnDone while beats may still be written
-    StartCall();
+    Begin();
   }
   // Called from one thread only (the heartbeat thread).
   void Beat(const std::string& job_id, int32_t rank, int64_t generation, int64_t step,
@@ -193,14 +232,6 @@ class HeartbeatStreamClient final
     if (per_beat()) StartRead(&response_);
     StartWrite(&request_);
   }
-  // Half-closes once nothing is in flight; Wait() returns when the server has ended the stream.
-  void Close() {
-    while (busy_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    StartWritesDone();
-    RemoveHold();
-  }
-  void Wait() { done_.WaitForNotification(); }
-  int64_t skipped() const { return skipped_.load(); }
 
   void OnWriteDone(bool ok) override {
     if (per_beat()) return;
@@ -220,44 +251,30 @@ class HeartbeatStreamClient final
       StartRead(&response_);
     }
   }
-  void OnDone(const grpc::Status& s) override {
-    if (!s.ok() && errors_->fetch_add(1) == 0) {
-      std::fprintf(stderr, "HeartbeatStream failed: %s\n", s.error_message().c_str());
-    }
-    done_.Notify();
-  }
 
  private:
   bool per_beat() const { return reply_interval_ms_ == 0; }
 
   const int64_t reply_interval_ms_;
-  grpc::ClientContext ctx_;
   v1::HeartbeatRequest request_;
   v1::HeartbeatResponse response_;
   bool first_ = true;
-  std::atomic<bool> busy_{false};
-  std::atomic<int64_t> skipped_{0};
-  std::atomic<int64_t>* beats_;
-  std::atomic<int64_t>* replies_;
-  std::atomic<int64_t>* errors_;
-  absl::Notification done_;
 };
 
 // One host's HostHeartbeatStream: each Beat writes the beats of all its workers in one message
 // (at most one write in flight; a beat due meanwhile is skipped and counted), a read is always
 // outstanding, and the beats count once written.
 class HostStreamClient final
-    : public grpc::ClientBidiReactor<v1::HostHeartbeatRequest, v1::HostHeartbeatResponse> {
+    : public BenchStream<v1::HostHeartbeatRequest, v1::HostHeartbeatResponse> {
  public:
   HostStreamClient(Stub* stub, std::vector<Worker*> workers, int64_t reply_interval_ms,
                    std::atomic<int64_t>* beats, std::atomic<int64_t>* replies,
                    std::atomic<int64_t>* errors)
-      : workers_(std::move(workers)), beats_(beats), replies_(replies), errors_(errors) {
+      : BenchStream("HostHeartbeatStream", beats, replies, errors), workers_(std::move(workers)) {
     request_.set_reply_interval_ms(std::max<int64_t>(1, reply_interval_ms));
     stub->async()->HostHeartbeatStream(&ctx_, this);
     StartRead(&response_);
-    AddHold();  // until Close
-    StartCall();
+    Begin();
   }
   // Called from one thread only (the heartbeat thread).
   void Beat(const std::string& job_id) {
@@ -276,13 +293,6 @@ class HostStreamClient final
     }
     StartWrite(&request_);
   }
-  void Close() {
-    while (busy_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    StartWritesDone();
-    RemoveHold();
-  }
-  void Wait() { done_.WaitForNotification(); }
-  int64_t skipped() const { return skipped_.load(); }
 
   void OnWriteDone(bool ok) override {
     if (ok) beats_->fetch_add(request_.beats_size(), std::memory_order_relaxed);
@@ -299,24 +309,11 @@ class HostStreamClient final
     replies_->fetch_add(response_.members_size(), std::memory_order_relaxed);
     StartRead(&response_);
   }
-  void OnDone(const grpc::Status& s) override {
-    if (!s.ok() && errors_->fetch_add(1) == 0) {
-      std::fprintf(stderr, "HostHeartbeatStream failed: %s\n", s.error_message().c_str());
-    }
-    done_.Notify();
-  }
 
  private:
   const std::vector<Worker*> workers_;
-  grpc::ClientContext ctx_;
   v1::HostHeartbeatRequest request_;
   v1::HostHeartbeatResponse response_;
-  std::atomic<bool> busy_{false};
-  std::atomic<int64_t> skipped_{0};
-  std::atomic<int64_t>* beats_;
-  std::atomic<int64_t>* replies_;
-  std::atomic<int64_t>* errors_;
-  absl::Notification done_;
 };
 
 class Load {

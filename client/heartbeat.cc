@@ -53,6 +53,14 @@ void Heartbeat::Stop() {
   if (thread.joinable()) thread.join();
 }
 
+absl::Status StreamSilence::Check(absl::Time now, absl::Time last_reply, absl::Duration timeout,
+                                  const char* rpc) const {
+  const absl::Duration silent = now - std::max(last_reply, opened);
+  if (silent <= timeout) return absl::OkStatus();
+  return absl::UnavailableError(
+      absl::StrCat("no reply on the ", rpc, " for ", absl::FormatDuration(silent)));
+}
+
 v1::HeartbeatRequest BeatRequest(const Heartbeat::Options& options, const Heartbeat::Beat& beat) {
   v1::HeartbeatRequest req;
   req.set_job_id(options.job_id);
@@ -135,7 +143,8 @@ absl::Status Heartbeat::Stream(bool* answered) {
         absl::MutexLock l(&mu_);
         stream_ended_ = true;
       });
-  const absl::Time opened = absl::Now();
+  const StreamSilence silence_check;
+  const absl::Time opened = silence_check.opened;
   absl::Time next_beat = opened;
   absl::Status silence;
   bool first = true;
@@ -158,14 +167,8 @@ absl::Status Heartbeat::Stream(bool* answered) {
     }
     if (ended) break;
     const absl::Time now = absl::Now();
-    // Silent for longer than the heartbeat timeout (counted from the stream's opening at the
-    // earliest): the connection is likely dead without gRPC having noticed; re-open it.
-    const absl::Duration silent = now - std::max(last_reply, opened);
-    if (silent > options_.timeout) {
-      silence = absl::UnavailableError(absl::StrCat("no reply on the HeartbeatStream for ",
-                                                    absl::FormatDuration(silent)));
-      break;
-    }
+    silence = silence_check.Check(now, last_reply, options_.timeout, "HeartbeatStream");
+    if (!silence.ok()) break;
     if (last_reply > opened) *answered = true;
     if (now < next_beat) continue;  // woken early for a reply
     v1::HeartbeatRequest req = BeatRequest(options_, beat);

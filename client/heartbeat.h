@@ -100,6 +100,17 @@ class Heartbeat {
   std::thread thread_ ABSL_GUARDED_BY(thread_mu_);
 };
 
+// When a beat stream was opened, and whether it has been silent for too long: a connection that
+// answers nothing for longer than the heartbeat timeout (counted from the opening at the
+// earliest) is likely dead without gRPC having noticed, and the stream is re-opened. Shared by a
+// rank's own stream and the process's shared one.
+struct StreamSilence {
+  absl::Time opened = absl::Now();
+  // UNAVAILABLE naming `rpc` when nothing came since max(last_reply, opened) for over `timeout`.
+  absl::Status Check(absl::Time now, absl::Time last_reply, absl::Duration timeout,
+                     const char* rpc) const;
+};
+
 // The beat a rank with these options sends.
 v1::HeartbeatRequest BeatRequest(const Heartbeat::Options& options, const Heartbeat::Beat& beat);
 

@@ -204,8 +204,8 @@ absl::Status HeartbeatHub::Stream(bool* answered) {
         absl::MutexLock l(&mu_);
         stream_ended_ = true;
       });
-  const absl::Time opened = absl::Now();
-  absl::Time next_beat = opened;
+  const StreamSilence silence_check;
+  absl::Time next_beat = silence_check.opened;
   absl::Status silence;
   bool stopping = false;
   std::optional<v1::HostHeartbeatRequest> closing;  // the last members' closing beats
@@ -233,14 +233,9 @@ absl::Status HeartbeatHub::Stream(bool* answered) {
     if (stopping) break;
     if (ended) break;
     const absl::Time now = absl::Now();
-    // Silent for longer than the shortest heartbeat timeout (from the stream's opening at the
-    // earliest): the connection is likely dead without gRPC having noticed; re-open it.
-    const absl::Duration silent = now - std::max(last_reply, opened);
-    if (silent > timeout) {
-      silence = absl::UnavailableError(absl::StrCat(
-          "no reply on the HostHeartbeatStream for ", absl::FormatDuration(silent)));
-      break;
-    }
+    // (The shortest heartbeat timeout of the members.)
+    silence = silence_check.Check(now, last_reply, timeout, "HostHeartbeatStream");
+    if (!silence.ok()) break;
     if (now < next_beat && !changed) continue;  // woken early for a reply
     bool dropped = false;
     v1::HostHeartbeatRequest req = NextRequest(&dropped);
