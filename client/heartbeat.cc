@@ -53,6 +53,10 @@ void Heartbeat::Stop() {
   if (thread.joinable()) thread.join();
 }
 
+absl::Duration MaxStreamBackoff(absl::Duration interval, absl::Duration timeout) {
+  return std::max(interval, std::min(absl::Seconds(1), timeout / 4));
+}
+
 absl::Status StreamSilence::Check(absl::Time now, absl::Time last_reply, absl::Duration timeout,
                                   const char* rpc) const {
   const absl::Duration silent = now - std::max(last_reply, opened);
@@ -73,11 +77,9 @@ v1::HeartbeatRequest BeatRequest(const Heartbeat::Options& options, const Heartb
 
 void Heartbeat::Loop() {
   bool stream = options_.stream;
-  // Between failed streams: from one beat interval, doubling, to at most a quarter of the
-  // heartbeat timeout (so that a coordinator back from a blip hears this rank in time) or 1 s.
+  // Between failed streams: from one beat interval, doubling (MaxStreamBackoff).
   const absl::Duration min_backoff = options_.interval;
-  const absl::Duration max_backoff =
-      std::max(min_backoff, std::min(absl::Seconds(1), options_.timeout / 4));
+  const absl::Duration max_backoff = MaxStreamBackoff(min_backoff, options_.timeout);
   absl::Duration backoff = min_backoff;
   while (true) {
     if (!stream) {

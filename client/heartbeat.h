@@ -111,6 +111,11 @@ struct StreamSilence {
                      const char* rpc) const;
 };
 
+// Between failed beat streams the wait starts at one beat interval and doubles, to at most a
+// quarter of the heartbeat timeout (so that a coordinator back from a blip hears the rank in
+// time) or 1 s, and never below the interval: that ceiling.
+absl::Duration MaxStreamBackoff(absl::Duration interval, absl::Duration timeout);
+
 // The beat a rank with these options sends.
 v1::HeartbeatRequest BeatRequest(const Heartbeat::Options& options, const Heartbeat::Beat& beat);
 

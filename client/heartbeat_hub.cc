@@ -93,6 +93,12 @@ absl::Duration HeartbeatHub::Interval() const {
   return d == absl::InfiniteDuration() ? kDefaultInterval : d;
 }
 
+void HeartbeatHub::DropRemoved() {
+  for (auto it = members_.begin(); it != members_.end();) {
+    it = it->second.removing ? members_.erase(it) : std::next(it);
+  }
+}
+
 absl::Duration HeartbeatHub::Timeout() const {
   absl::Duration d = absl::InfiniteDuration();
   for (const auto& [id, m] : members_) d = std::min(d, m.options.timeout);
@@ -111,10 +117,9 @@ void HeartbeatHub::Loop() {
       };
       mu_.Await(absl::Condition(&idle));
       if (stopping_) return;
-      // Between failed streams: from one beat interval, doubling, to at most a quarter of the
-      // heartbeat timeout or 1 s (as a rank's own stream, client/heartbeat.cc).
+      // (As a rank's own stream, for the members' shortest interval and timeout.)
       min_backoff = Interval();
-      max_backoff = std::max(min_backoff, std::min(absl::Seconds(1), Timeout() / 4));
+      max_backoff = MaxStreamBackoff(min_backoff, Timeout());
     }
     if (backoff < min_backoff) backoff = min_backoff;
     bool answered = false;
@@ -146,9 +151,7 @@ void HeartbeatHub::Loop() {
     absl::MutexLock l(&mu_);
     while (true) {
       // Members taken off meanwhile need no closing beat: no stream carries them.
-      for (auto it = members_.begin(); it != members_.end();) {
-        it = it->second.removing ? members_.erase(it) : std::next(it);
-      }
+      DropRemoved();
       changed_ = false;
       auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || changed_; };
       if (mu_.AwaitWithDeadline(absl::Condition(&wake), until)) {
@@ -247,9 +250,7 @@ absl::Status HeartbeatHub::Stream(bool* answered) {
     if (call->Write(req)) {
       if (dropped) {
         absl::MutexLock l(&mu_);
-        for (auto it = members_.begin(); it != members_.end();) {
-          it = it->second.removing ? members_.erase(it) : std::next(it);
-        }
+        DropRemoved();
       }
     } else if (dropped) {
       // The previous write is still in flight: the closing beats go with the next one, soon.
@@ -270,9 +271,7 @@ absl::Status HeartbeatHub::Stream(bool* answered) {
       closing.has_value() ? call->Finish(&*closing) : call->Finish();
   if (closing.has_value()) {
     absl::MutexLock l(&mu_);
-    for (auto it = members_.begin(); it != members_.end();) {
-      it = it->second.removing ? members_.erase(it) : std::next(it);
-    }
+    DropRemoved();
     return absl::OkStatus();
   }
   if (!silence.ok()) return silence;

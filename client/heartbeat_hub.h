@@ -79,6 +79,9 @@ class HeartbeatHub {
     return stopping_ || stream_ended_ || !inbox_.empty() || changed_;
   }
   absl::Duration Interval() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the members being removed (their closing beat is out, or no stream carries them);
+  // only the hub's thread drops members.
+  void DropRemoved() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Duration Timeout() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::unique_ptr<CoordinatorClient> coordinator_;
@@ -89,8 +92,6 @@ class HeartbeatHub {
   bool changed_ ABSL_GUARDED_BY(mu_) = false;  // a member was added or is being removed
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, Member> members_ ABSL_GUARDED_BY(mu_);
-  // How many times the hub's thread has dealt with removals (Remove waits for it to move on).
-  uint64_t removals_done_ ABSL_GUARDED_BY(mu_) = 0;
   // The current stream: replies not yet delivered, when the last one came, and its end.
   std::vector<v1::HostHeartbeatResponse> inbox_ ABSL_GUARDED_BY(mu_);
   absl::Time last_reply_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
