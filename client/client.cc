@@ -21,6 +21,7 @@
 #include "client/fault_injection.h"
 #include "client/gloo_communicator.h"
 #include "client/heartbeat.h"
+#include "client/heartbeat_relay.h"
 #include "client/round_notes.h"
 #include "common/job_spec.h"
 #include "common/status_util.h"
@@ -71,6 +72,11 @@ absl::Status ValidateOptions(const ClientOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat("ClientOptions.schedule_window is ",
                                                    o.schedule_window, ": it must be in 1..",
                                                    kMaxScheduleWindow));
+  }
+  if (!o.heartbeat_relay_dir.empty()) {
+    // (The key does not matter here: only the directory is checked.)
+    MODELAVG_RETURN_IF_ERROR(
+        Annotate(RelayPathsFor(o.heartbeat_relay_dir, "").status(), "ClientOptions"));
   }
   return absl::OkStatus();
 }
@@ -248,7 +254,9 @@ Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordin
       *coordinator_,
       Heartbeat::Options{options_.coordinator, options_.job_id, rank_, options_.credential,
                          options_.heartbeat_interval, heartbeat_timeout_,
-                         options_.heartbeat_stream, options_.share_heartbeat_stream},
+                         options_.heartbeat_stream,
+                         options_.share_heartbeat_stream || !options_.heartbeat_relay_dir.empty(),
+                         options_.heartbeat_relay_dir},
       std::move(hooks));
 }
 

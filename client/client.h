@@ -85,6 +85,16 @@ struct ClientOptions {
   // cost once per process instead of once per rank (for trainers that drive several ranks from
   // one process). A coordinator without HostHeartbeatStream gets a stream per client.
   bool share_heartbeat_stream = false;
+  // The beats of every process of this host that reaches the same coordinator in one stream
+  // (for launchers that start a process per rank, such as torchrun): an absolute path to a
+  // directory of this user's, closed to others (created with mode 0700 if missing; the socket
+  // path must fit in about 100 bytes). The first process to take the lock there serves the
+  // others' beats over a Unix socket beside it and forwards them with its own, at most one beat
+  // interval later; when it is gone, the next process to try the lock takes its place within
+  // milliseconds. A process that dies is still counted lost by the coordinator at once (an elastic
+  // job declares its ranks dead at half the heartbeat timeout). Implies share_heartbeat_stream.
+  // Empty: no relay. Connect fails with INVALID_ARGUMENT for a directory that cannot serve.
+  std::string heartbeat_relay_dir;
   // While the coordinator is unreachable, training goes on (local schedule, existing
   // communicators, heartbeats retried with backoff); work that needs the coordinator (a
   // subgroup's first communicator in the generation) waits for it up to this long, counted from

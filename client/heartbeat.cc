@@ -16,7 +16,7 @@ namespace modelavg::client {
 Heartbeat::Heartbeat(CoordinatorClient& coordinator, Options options, Hooks hooks)
     : coordinator_(coordinator), options_(std::move(options)), hooks_(std::move(hooks)) {
   if (options_.share && options_.stream) {
-    absl::StatusOr<std::shared_ptr<HeartbeatHub>> hub = HeartbeatHub::For(coordinator_.options());
+    absl::StatusOr<std::shared_ptr<HeartbeatHub>> hub = HeartbeatHub::For(coordinator_.options(), options_.relay_dir);
     if (hub.ok()) {
       hub_ = *std::move(hub);
       hub_id_ = hub_->Add(options_, hooks_, [this] { StartOwnThread(); });

@@ -44,6 +44,8 @@ class Heartbeat {
     bool stream = true;
     // Carry the beats in the process's shared HostHeartbeatStream to this coordinator.
     bool share = false;
+    // With share: the host's relay directory (ClientOptions::heartbeat_relay_dir); empty: none.
+    std::string relay_dir;
   };
   // The owner's side. `current` and `on_reply` may run on gRPC threads and must not block;
   // `on_change` and `on_failure` run on the heartbeat thread (a shared stream's: every hook).

@@ -1,5 +1,7 @@
 #include "client/heartbeat_hub.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <utility>
 
@@ -23,27 +25,37 @@ std::string KeyOf(const CoordinatorClientOptions& o) {
 // A Heartbeat of one unary call per beat: written before the stream had members to share.
 constexpr absl::Duration kDefaultInterval = absl::Milliseconds(100);
 
+// Beats in one message (as the coordinator takes): the relay's wait for the next when more.
+constexpr size_t kMaxBeatsPerMessage = 4096;
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<HeartbeatHub>> HeartbeatHub::For(
-    const CoordinatorClientOptions& options) {
+    const CoordinatorClientOptions& options, const std::string& relay_dir) {
   absl::MutexLock lock(&hubs_mu);
   if (hubs == nullptr) hubs = new std::map<std::string, std::weak_ptr<HeartbeatHub>>();
   for (auto it = hubs->begin(); it != hubs->end();) {
     it = it->second.expired() ? hubs->erase(it) : std::next(it);
   }
-  std::weak_ptr<HeartbeatHub>& slot = (*hubs)[KeyOf(options)];
+  std::weak_ptr<HeartbeatHub>& slot = (*hubs)[absl::StrCat(KeyOf(options), "\n", relay_dir)];
   if (std::shared_ptr<HeartbeatHub> hub = slot.lock()) return hub;
+  std::optional<RelayPaths> paths;
+  if (!relay_dir.empty()) {
+    absl::StatusOr<RelayPaths> p = RelayPathsFor(relay_dir, KeyOf(options));
+    if (!p.ok()) return p.status();
+    paths = *std::move(p);
+  }
   absl::StatusOr<std::unique_ptr<CoordinatorClient>> coordinator =
       CoordinatorClient::Create(options);
   if (!coordinator.ok()) return coordinator.status();
-  std::shared_ptr<HeartbeatHub> hub(new HeartbeatHub(*std::move(coordinator)));
+  std::shared_ptr<HeartbeatHub> hub(new HeartbeatHub(*std::move(coordinator), std::move(paths)));
   slot = hub;
   return hub;
 }
 
-HeartbeatHub::HeartbeatHub(std::unique_ptr<CoordinatorClient> coordinator)
-    : coordinator_(std::move(coordinator)) {
+HeartbeatHub::HeartbeatHub(std::unique_ptr<CoordinatorClient> coordinator,
+                           std::optional<RelayPaths> relay_paths)
+    : coordinator_(std::move(coordinator)), relay_paths_(std::move(relay_paths)) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -53,6 +65,46 @@ HeartbeatHub::~HeartbeatHub() {
     stopping_ = true;
   }
   if (thread_.joinable()) thread_.join();
+  relay_.reset();  // (the thread is gone: the followers go to the next relay)
+}
+
+void HeartbeatHub::Wake() {
+  absl::MutexLock l(&mu_);
+  changed_ = true;
+}
+
+void HeartbeatHub::PickRoute() {
+  if (!relay_paths_.has_value() || route_ == Route::kLeader) return;
+  auto direct = [this](const absl::Status& why) {
+    spdlog::warn("heartbeat relay in {} unusable ({}): this process's ranks beat on a stream "
+                 "of their own to the coordinator",
+                 relay_paths_->socket, why.ToString());
+    relay_paths_.reset();
+    route_ = Route::kDirect;
+  };
+  absl::StatusOr<int> lock = TryRelayLock(*relay_paths_);
+  if (!lock.ok()) return direct(lock.status());
+  if (*lock < 0) {
+    // Another process serves: its socket.
+    if (local_ == nullptr) {
+      CoordinatorClientOptions o;
+      o.address = "unix:" + relay_paths_->socket;
+      o.rpc_timeout = coordinator_->options().rpc_timeout;
+      absl::StatusOr<std::unique_ptr<CoordinatorClient>> c = CoordinatorClient::Create(o);
+      if (!c.ok()) return direct(c.status());
+      local_ = *std::move(c);
+    }
+    if (route_ != Route::kFollower) {
+      spdlog::debug("heartbeat relay: this process's beats go through {}", relay_paths_->socket);
+    }
+    route_ = Route::kFollower;
+    return;
+  }
+  absl::StatusOr<std::unique_ptr<HeartbeatRelay>> relay =
+      HeartbeatRelay::Start(*relay_paths_, *lock, [this] { Wake(); });
+  if (!relay.ok()) return direct(relay.status());
+  relay_ = *std::move(relay);
+  route_ = Route::kLeader;
 }
 
 uint64_t HeartbeatHub::Add(const Heartbeat::Options& options, Heartbeat::Hooks hooks,
@@ -88,7 +140,7 @@ void HeartbeatHub::Remove(uint64_t id) {
 }
 
 absl::Duration HeartbeatHub::Interval() const {
-  absl::Duration d = absl::InfiniteDuration();
+  absl::Duration d = relay_ != nullptr ? relay_->Interval() : absl::InfiniteDuration();
   for (const auto& [id, m] : members_) d = std::min(d, m.options.interval);
   return d == absl::InfiniteDuration() ? kDefaultInterval : d;
 }
@@ -121,6 +173,13 @@ void HeartbeatHub::Loop() {
       min_backoff = Interval();
       max_backoff = MaxStreamBackoff(min_backoff, Timeout());
     }
+    PickRoute();
+    if (route_ == Route::kFollower) {
+      // The relay is on this host: a broken stream to it is mostly a relay that died, whose
+      // place another process takes within milliseconds.
+      min_backoff = std::min(min_backoff, absl::Milliseconds(10));
+      max_backoff = std::min(max_backoff, absl::Milliseconds(100));
+    }
     if (backoff < min_backoff) backoff = min_backoff;
     bool answered = false;
     const absl::Status s = Stream(&answered);
@@ -129,6 +188,8 @@ void HeartbeatHub::Loop() {
       spdlog::warn("the coordinator at {} has no HostHeartbeatStream (an older version): each "
                    "rank heartbeats on a stream of its own",
                    coordinator_->options().address);
+      // (The relay's followers are told the same, now and when they come.)
+      if (relay_ != nullptr) relay_->EndAll(s, /*unsupported=*/true);
       std::vector<std::function<void()>*> fallbacks;
       {
         absl::MutexLock l(&mu_);
@@ -147,6 +208,7 @@ void HeartbeatHub::Loop() {
     spdlog::debug("shared heartbeat stream to {} ended: {}; re-opening in {}",
                   coordinator_->options().address, s.ToString(), absl::FormatDuration(backoff));
     FailAll(s);
+    if (relay_ != nullptr) relay_->EndAll(s);
     const absl::Time until = absl::Now() + backoff;
     absl::MutexLock l(&mu_);
     while (true) {
@@ -164,13 +226,16 @@ void HeartbeatHub::Loop() {
   }
 }
 
-v1::HostHeartbeatRequest HeartbeatHub::NextRequest(bool* dropped) {
+v1::HostHeartbeatRequest HeartbeatHub::NextRequest(bool* dropped, bool closing_all,
+                                                  std::vector<HeartbeatRelay::Taken>* taken) {
   v1::HostHeartbeatRequest req;
-  int64_t keepalive_ms = kMaxReplyIntervalMs;
+  int64_t keepalive_ms = relay_ != nullptr ? relay_->ReplyIntervalMs() : kMaxReplyIntervalMs;
   std::vector<std::pair<const Member*, bool>> beats;
+  absl::Duration interval;
   {
     absl::MutexLock l(&mu_);
     changed_ = false;
+    interval = Interval();
     for (const auto& [id, m] : members_) {
       beats.emplace_back(&m, m.removing);
       keepalive_ms =
@@ -182,12 +247,19 @@ v1::HostHeartbeatRequest HeartbeatHub::NextRequest(bool* dropped) {
   for (const auto& [m, closing] : beats) {
     v1::HeartbeatRequest* beat = req.add_beats();
     *beat = BeatRequest(m->options, m->hooks.current());
-    if (closing) {
+    if (closing || closing_all) {
       beat->set_closing(true);
       *dropped = true;
     }
   }
+  if (relay_ != nullptr) {
+    *taken = relay_->Collect(kMaxBeatsPerMessage - std::min(kMaxBeatsPerMessage, beats.size()),
+                             closing_all, &req);
+  }
   req.set_reply_interval_ms(std::max<int64_t>(1, keepalive_ms));
+  if (interval != absl::InfiniteDuration()) {
+    req.set_beat_interval_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(interval)));
+  }
   return req;
 }
 
@@ -197,8 +269,12 @@ absl::Status HeartbeatHub::Stream(bool* answered) {
     stream_ended_ = false;
     inbox_.clear();
   }
-  std::unique_ptr<HostHeartbeatStreamCall> call = coordinator_->StartHostHeartbeatStream(
-      [this](const v1::HostHeartbeatResponse& reply) {
+  CoordinatorClient* upstream = route_ == Route::kFollower ? local_.get() : coordinator_.get();
+  HeartbeatRelay* relay = relay_.get();  // (kept until the call has ended)
+  std::unique_ptr<HostHeartbeatStreamCall> call = upstream->StartHostHeartbeatStream(
+      [this, relay](const v1::HostHeartbeatResponse& reply) {
+        // The followers' answers go out at once, from here.
+        if (relay != nullptr) relay->Deliver(reply);
         absl::MutexLock l(&mu_);
         inbox_.push_back(reply);
         last_reply_ = absl::Now();
@@ -241,13 +317,17 @@ absl::Status HeartbeatHub::Stream(bool* answered) {
     if (!silence.ok()) break;
     if (now < next_beat && !changed) continue;  // woken early for a reply
     bool dropped = false;
-    v1::HostHeartbeatRequest req = NextRequest(&dropped);
+    std::vector<HeartbeatRelay::Taken> taken;
+    // (No rank of this process is left: the relay's followers are closed here too, and go to
+    // the relay that takes over.)
+    v1::HostHeartbeatRequest req = NextRequest(&dropped, /*closing_all=*/!live, &taken);
     if (!live) {
       // Every member is leaving: their closing beats end the stream.
       closing = std::move(req);
       break;
     }
     if (call->Write(req)) {
+      if (relay != nullptr) relay->Sent(taken);
       if (dropped) {
         absl::MutexLock l(&mu_);
         DropRemoved();
@@ -264,12 +344,17 @@ absl::Status HeartbeatHub::Stream(bool* answered) {
   }
   if (stopping && !closing.has_value()) {
     bool dropped = false;
-    closing = NextRequest(&dropped);
-    for (v1::HeartbeatRequest& beat : *closing->mutable_beats()) beat.set_closing(true);
+    std::vector<HeartbeatRelay::Taken> taken;
+    closing = NextRequest(&dropped, /*closing_all=*/true, &taken);
   }
   const absl::Status status =
       closing.has_value() ? call->Finish(&*closing) : call->Finish();
   if (closing.has_value()) {
+    if (relay_ != nullptr) {
+      // The followers go to the next process that takes the relay's lock.
+      relay_.reset();
+      route_ = Route::kDirect;
+    }
     absl::MutexLock l(&mu_);
     DropRemoved();
     return absl::OkStatus();

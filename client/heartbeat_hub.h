@@ -5,7 +5,9 @@
 // re-opens a broken or silent stream with backoff, and hands each member its replies, its
 // generation changes and its failures through the member's Heartbeat hooks, on that thread. A
 // coordinator without the RPC (an older version): every member is told, and falls back to a
-// stream of its own.
+// stream of its own. With a relay directory (ClientOptions::heartbeat_relay_dir) the hubs of the
+// host's processes share one stream too: one of them serves the others (client/heartbeat_relay.h)
+// and the others' streams go to it, each taking over when the one that serves is gone.
 #ifndef MODELAVG_CLIENT_HEARTBEAT_HUB_H_
 #define MODELAVG_CLIENT_HEARTBEAT_HUB_H_
 
@@ -25,6 +27,7 @@
 #include "absl/time/time.h"
 #include "client/coordinator_client.h"
 #include "client/heartbeat.h"
+#include "client/heartbeat_relay.h"
 #include "modelavg/v1/coordinator.pb.h"
 
 namespace modelavg::client {
@@ -34,8 +37,9 @@ class HeartbeatHub {
   // The hub of this process for the coordinator `options` reach (the same addresses,
   // credentials and TLS files): made on first use, gone with the last Heartbeat that holds it.
   // The CoordinatorClient's errors (unreadable TLS files, ...).
+  // With `relay_dir`, the hub shares the host's relay there (RelayPathsFor's errors).
   static absl::StatusOr<std::shared_ptr<HeartbeatHub>> For(
-      const CoordinatorClientOptions& options);
+      const CoordinatorClientOptions& options, const std::string& relay_dir = "");
 
   ~HeartbeatHub();
   HeartbeatHub(const HeartbeatHub&) = delete;
@@ -61,8 +65,14 @@ class HeartbeatHub {
     bool removing = false;  // Remove waits for its closing beat
   };
 
-  explicit HeartbeatHub(std::unique_ptr<CoordinatorClient> coordinator);
+  HeartbeatHub(std::unique_ptr<CoordinatorClient> coordinator,
+               std::optional<RelayPaths> relay_paths);
   void Loop();
+  // With a relay directory, before each stream: serves the host's relay if its lock is free
+  // (kLeader), else goes to the relay that serves (kFollower). Hub thread only.
+  void PickRoute();
+  // The relay has a new member (its first beat goes out now).
+  void Wake() ABSL_LOCKS_EXCLUDED(mu_);
   // Beats over one stream until it ends, stays silent past the members' shortest heartbeat
   // timeout, or the hub has no member left. Returns why it ended (OK: no member left);
   // *answered: a reply came.
@@ -74,7 +84,11 @@ class HeartbeatHub {
   void FailAll(const absl::Status& s) ABSL_LOCKS_EXCLUDED(mu_);
   // The next message: a beat for each member (closing for those being removed, which are then
   // dropped), and the keep-alive the members need.
-  v1::HostHeartbeatRequest NextRequest(bool* dropped) ABSL_LOCKS_EXCLUDED(mu_);
+  // The relay's followers' beats are added (all closing with `closing_all`); *taken says which,
+  // for HeartbeatRelay::Sent.
+  v1::HostHeartbeatRequest NextRequest(bool* dropped, bool closing_all,
+                                       std::vector<HeartbeatRelay::Taken>* taken)
+      ABSL_LOCKS_EXCLUDED(mu_);
   bool WakeUp() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return stopping_ || stream_ended_ || !inbox_.empty() || changed_;
   }
@@ -85,6 +99,12 @@ class HeartbeatHub {
   absl::Duration Timeout() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::unique_ptr<CoordinatorClient> coordinator_;
+  // The host's relay, when there is a relay directory (the hub's thread's, as is what follows).
+  std::optional<RelayPaths> relay_paths_;
+  enum class Route { kDirect, kLeader, kFollower };
+  Route route_ = Route::kDirect;
+  std::unique_ptr<HeartbeatRelay> relay_;   // kLeader: serving the host's other processes
+  std::unique_ptr<CoordinatorClient> local_;  // kFollower: to the relay's socket
   std::thread thread_;
 
   mutable absl::Mutex mu_;

@@ -118,7 +118,9 @@ class WatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     Writes writes_;
   };
 
-  explicit WatchReactor(RpcMetrics* metrics) : sink_(std::make_shared<Sink>(this)), metrics_(metrics) {}
+  explicit WatchReactor(RpcMetrics* metrics) : sink_(std::make_shared<Sink>(this)), metrics_(metrics) {
+    if (metrics_ != nullptr) metrics_->StreamOpened(RpcMethod::kWatchJob);
+  }
 
   // Registers with the job; the snapshot is the first write.
   // Nothing may touch the reactor after this call: a closed job finishes the stream at once.
@@ -130,6 +132,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   void OnDone() override {
     sink_->writes().Detach();
     if (metrics_ != nullptr) {
+      metrics_->StreamClosed(RpcMethod::kWatchJob);
       metrics_->CountRpc(RpcMethod::kWatchJob, sink_->writes().final_code());
     }
     delete this;
@@ -157,6 +160,7 @@ class HeartbeatStreamReactor final
                          const CoordinatorService::Gate* gate)
       : registry_(registry), metrics_(metrics), gate_(gate),
         writes_(this, 1, Writes::WhenFull::kReplaceNewest, "the HeartbeatStream broke") {
+    if (metrics_ != nullptr) metrics_->StreamOpened(RpcMethod::kHeartbeatStream);
     if (!auth.ok()) {
       writes_.End(auth);
       return;
@@ -196,6 +200,7 @@ class HeartbeatStreamReactor final
 
   void OnDone() override {
     if (metrics_ != nullptr) {
+      metrics_->StreamClosed(RpcMethod::kHeartbeatStream);
       metrics_->CountRpc(RpcMethod::kHeartbeatStream, writes_.final_code());
     }
     delete this;
@@ -278,6 +283,7 @@ class HostHeartbeatStreamReactor final
                              const CoordinatorService::Gate* gate)
       : metrics_(metrics), gate_(gate), beats_(registry),
         writes_(this, 0, Writes::WhenFull::kRefuse, "the HostHeartbeatStream broke") {
+    if (metrics_ != nullptr) metrics_->StreamOpened(RpcMethod::kHostHeartbeatStream);
     if (!auth.ok()) {
       writes_.End(auth);
       return;
@@ -312,6 +318,7 @@ class HostHeartbeatStreamReactor final
 
   void OnDone() override {
     if (metrics_ != nullptr) {
+      metrics_->StreamClosed(RpcMethod::kHostHeartbeatStream);
       metrics_->CountRpc(RpcMethod::kHostHeartbeatStream, writes_.final_code());
     }
     delete this;

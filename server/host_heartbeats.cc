@@ -80,7 +80,7 @@ absl::StatusOr<bool> HostHeartbeats::BeatOne(const v1::HeartbeatRequest& beat,
     auto it = members_.find(key);
     if (it != members_.end()) {
       job = it->second.member.job;
-    } else if (members_.size() >= kMaxMembers && !beat.closing()) {
+    } else if (members_.size() >= kMaxMembers && !beat.closing() && !beat.lost()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "a HostHeartbeatStream carries at most ", kMaxMembers,
           " members; open another stream for rank ", beat.rank(), " of job ",
@@ -90,10 +90,25 @@ absl::StatusOr<bool> HostHeartbeats::BeatOne(const v1::HeartbeatRequest& beat,
   if (job == nullptr) {
     absl::StatusOr<std::shared_ptr<Job>> found = registry_->Find(beat.job_id());
     if (!found.ok()) {
+      // (A relay's lost member of a job that is gone: nobody to tell.)
+      if (beat.lost()) return false;
       SetError(found.status(), reply);
       return true;
     }
     job = *std::move(found);
+  }
+  if (beat.lost()) {
+    // Not a beat: the relay's process lost the one that carried this member. Off the stream,
+    // and lost as a broken stream of its own (the job checks the credential).
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = members_.find(key);
+      if (it != members_.end() && it->second.member.credential == beat.credential()) {
+        members_.erase(it);
+      }
+    }
+    job->HeartbeatStreamLost(beat.rank(), beat.credential());
+    return false;
   }
   v1::HeartbeatResponse answer;
   if (absl::Status s = job->Heartbeat(beat, &answer); !s.ok()) {

@@ -111,6 +111,16 @@ std::unique_ptr<RpcMetrics> RpcMetrics::Create(const JobRegistry* registry) {
            {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(code))}});
     }
   }
+  auto& streams = prometheus::BuildGauge()
+                      .Name("modelavg_streams_open")
+                      .Help("Streams open now, by method (a HostHeartbeatStream carries the "
+                            "beats of one host's or process's ranks)")
+                      .Register(*m->registry_);
+  for (RpcMethod method :
+       {RpcMethod::kWatchJob, RpcMethod::kHeartbeatStream, RpcMethod::kHostHeartbeatStream}) {
+    m->open_streams_[static_cast<int>(method)] =
+        &streams.Add({{"method", RpcMethodName(method)}});
+  }
   m->jobs_collector_ = std::make_shared<JobsCollector>(registry);
   // A new value at every start: Prometheus sees a restart as a change of it.
   prometheus::BuildGauge()
@@ -136,6 +146,18 @@ void RpcMetrics::CountRpc(RpcMethod method, absl::StatusCode code) {
   const int c = static_cast<int>(code);
   if (c < 0 || c >= kCodes) return;
   counters_[static_cast<int>(method)][c]->Increment();
+}
+
+}  // namespace modelavg::server
+
+namespace modelavg::server {
+
+void RpcMetrics::StreamOpened(RpcMethod method) {
+  if (prometheus::Gauge* g = open_streams_[static_cast<int>(method)]; g != nullptr) g->Increment();
+}
+
+void RpcMetrics::StreamClosed(RpcMethod method) {
+  if (prometheus::Gauge* g = open_streams_[static_cast<int>(method)]; g != nullptr) g->Decrement();
 }
 
 }  // namespace modelavg::server

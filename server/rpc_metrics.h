@@ -15,6 +15,7 @@
 namespace prometheus {
 class Collectable;
 class Counter;
+class Gauge;
 class Registry;
 }  // namespace prometheus
 
@@ -37,6 +38,10 @@ class RpcMetrics {
 
   // Thread-safe, lock-free.
   void CountRpc(RpcMethod method, absl::StatusCode code);
+  // A stream (WatchJob, HeartbeatStream, HostHeartbeatStream) opened or ended: the gauge
+  // modelavg_streams_open{method}. Thread-safe; other methods are ignored.
+  void StreamOpened(RpcMethod method);
+  void StreamClosed(RpcMethod method);
 
   // Every metric in Prometheus' text format (version 0.0.4), as of now. Thread-safe.
   std::string TextExposition() const;
@@ -48,6 +53,7 @@ class RpcMetrics {
   std::shared_ptr<prometheus::Collectable> jobs_collector_;
   std::array<std::array<prometheus::Counter*, kCodes>, static_cast<int>(RpcMethod::kCount)>
       counters_{};
+  std::array<prometheus::Gauge*, static_cast<int>(RpcMethod::kCount)> open_streams_{};
 };
 
 }  // namespace modelavg::server

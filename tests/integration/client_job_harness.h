@@ -138,9 +138,11 @@ inline std::vector<std::vector<StepLine>> Simulate(const v1::JobSpec& spec,
 // that they are stopped before it.
 class Cluster {
  public:
-  explicit Cluster(const std::string& name) : dir_(name) {
+  explicit Cluster(const std::string& name, std::vector<std::string> coordinator_flags = {})
+      : dir_(name) {
     if (dir_.path().empty()) return;
-    coordinator_ = std::make_unique<CoordinatorProcess>(MODELAVG_COORDINATOR_BIN, dir_.path());
+    coordinator_ = std::make_unique<CoordinatorProcess>(MODELAVG_COORDINATOR_BIN, dir_.path(),
+                                                        std::move(coordinator_flags));
     if (coordinator_->address().empty()) return;
     client::CoordinatorClientOptions o;
     o.address = coordinator_->address();

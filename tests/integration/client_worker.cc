@@ -38,6 +38,7 @@ ABSL_FLAG(std::string, layout, "f32:16",
 ABSL_FLAG(int64_t, step_sleep_ms, 0, "Sleep before each step (fault tests).");
 ABSL_FLAG(int64_t, collective_timeout_ms, 30000, "ClientOptions.collective_timeout.");
 ABSL_FLAG(int64_t, heartbeat_interval_ms, 100, "ClientOptions.heartbeat_interval.");
+ABSL_FLAG(std::string, heartbeat_relay_dir, "", "ClientOptions.heartbeat_relay_dir.");
 ABSL_FLAG(int64_t, coordinator_outage_timeout_ms, 300000,
           "ClientOptions.coordinator_outage_timeout.");
 ABSL_FLAG(int64_t, start_step, 0, "set_step() before the first call (checkpoint restore).");
@@ -134,6 +135,7 @@ absl::Status Run() {
   opts.join_timeout = absl::Seconds(60);
   opts.collective_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_collective_timeout_ms));
   opts.heartbeat_interval = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_interval_ms));
+  opts.heartbeat_relay_dir = absl::GetFlag(FLAGS_heartbeat_relay_dir);
   opts.coordinator_outage_timeout =
       absl::Milliseconds(absl::GetFlag(FLAGS_coordinator_outage_timeout_ms));
   opts.rpc_timeout = absl::Seconds(5);

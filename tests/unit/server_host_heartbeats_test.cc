@@ -206,6 +206,36 @@ TEST_F(HostHeartbeatsTest, Closing_TakesTheMemberOff_TheRestAreReportedWhenTheSt
   EXPECT_THAT(ranks, ::testing::UnorderedElementsAre(0, 2));
 }
 
+// A relay's `lost` beat: not recorded as a beat, the member is off the stream, and it dies at
+// half the heartbeat timeout as a broken stream's member would; a lost beat with a wrong
+// credential changes nothing.
+TEST_F(HostHeartbeatsTest, LostBeat_NotRecorded_MemberOff_DeadAtHalfTheTimeout) {
+  HostHeartbeats beats(registry_.get());
+  v1::HostHeartbeatResponse out;
+  ASSERT_TRUE(beats.Beat(Request({Beat(0, 1), Beat(1, 1), Beat(2, 1)}), &out).ok());
+  v1::HeartbeatRequest lost = Beat(1, 7);
+  lost.set_lost(true);
+  v1::HeartbeatRequest forged = Beat(2, 7);
+  forged.set_lost(true);
+  forged.set_credential("not-rank-2s");
+  out.Clear();
+  absl::StatusOr<bool> due = beats.Beat(Request({Beat(0, 2), lost, forged}), &out);
+  ASSERT_TRUE(due.ok()) << due.status();
+  EXPECT_THAT(Ranks(out), ::testing::IsEmpty()) << out.DebugString();
+  EXPECT_THAT(Steps(), ::testing::ElementsAre(2, 1, 1));
+  std::vector<int> on_stream;
+  for (const HostHeartbeats::Member& m : beats.Members()) on_stream.push_back(m.rank);
+  EXPECT_THAT(on_stream, ::testing::UnorderedElementsAre(0, 2));
+  // 6 s of the 10 s timeout: ranks 0 and 2 beat on; rank 1 is past its 5 s grace.
+  clock_.Advance(absl::Seconds(6));
+  ASSERT_TRUE(beats.Beat(Request({Beat(0, 3), Beat(2, 3)}), &out).ok());
+  job_->CheckStaleness();
+  v1::Job proto;
+  job_->ToProto(&proto);
+  EXPECT_THAT(proto.vacant_ranks(), ::testing::ElementsAre(1)) << proto.DebugString();
+  EXPECT_EQ(proto.generation(), 2) << proto.DebugString();
+}
+
 TEST_F(HostHeartbeatsTest, MalformedRequests_InvalidArgument_SayingWhat) {
   HostHeartbeats beats(registry_.get());
   v1::HostHeartbeatResponse out;
