@@ -118,7 +118,10 @@ def connect(coordinator: Optional[str] = None, job_id: Optional[str] = None,
       **options: any field of the C++ ``ClientOptions``: ``worker_id``, ``auth_token``, ``tls``,
         ``tls_ca_file``, ``tls_cert_file``, ``tls_key_file``, ``join_timeout`` (default 300 s),
         ``rpc_timeout`` (10 s), ``heartbeat_interval`` (0.1 s), ``heartbeat_stream`` (True),
-        ``collective_timeout`` (60 s), ``schedule_window`` (4096), ``gloo_hostname``
+        ``share_heartbeat_stream`` (False: the ranks of this process in one stream),
+        ``heartbeat_relay_dir`` (default ``$MODELAVG_HEARTBEAT_RELAY_DIR``; "" for none: the
+        processes of this host in one stream, through a relay in that directory of yours,
+        mode 0700), ``collective_timeout`` (60 s), ``schedule_window`` (4096), ``gloo_hostname``
         ("127.0.0.1"; the address peers reach this process at), ``gloo_in_place`` (False).
         Durations are seconds or ``datetime.timedelta``.
 
@@ -136,6 +139,8 @@ def connect(coordinator: Optional[str] = None, job_id: Optional[str] = None,
     """
     opts = _options(options, _CLIENT_OPTIONS)
     opts["coordinator"] = _coordinator(coordinator)
+    if "heartbeat_relay_dir" not in opts and os.environ.get("MODELAVG_HEARTBEAT_RELAY_DIR"):
+        opts["heartbeat_relay_dir"] = os.environ["MODELAVG_HEARTBEAT_RELAY_DIR"]
     job_id = job_id or os.environ.get("MODELAVG_JOB")
     if not job_id:
         raise _invalid("no job: pass job_id='...' or set MODELAVG_JOB")

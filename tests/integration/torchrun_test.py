@@ -8,7 +8,9 @@
     the documented workaround ``--redirects=9:1 --tee=9:1``.
 Each worker averages with modelavg.torch's PeriodicModelAverager(period=2, warmup_steps=1) from
 the environment torchrun gives it (RANK, WORLD_SIZE) for 6 steps; every rank, every step is
-checked against a naive re-statement of PyTorch's rule.
+checked against a naive re-statement of PyTorch's rule. The first job runs with
+$MODELAVG_HEARTBEAT_RELAY_DIR: its two processes carry their beats through the host's relay,
+so the coordinator sees HostHeartbeatStreams only, and no stream of a rank's own.
 """
 
 import argparse
@@ -34,7 +36,19 @@ def torch_has_the_bug():
     return api.Std.from_str("0") is not api.Std.NONE
 
 
-def run_job(group, coord, name, launcher, work, python_dir):
+def rpc_totals(metrics_port_file):
+    """modelavg_rpcs_total summed over codes, by method, from the coordinator's /metrics."""
+    import urllib.request
+    address = open(metrics_port_file).read().strip()
+    page = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    totals = {}
+    for m in re.finditer(r'^modelavg_rpcs_total\{code="[A-Z_]+",method="(\w+)"\} (\S+)$', page,
+                         re.M):
+        totals[m.group(1)] = totals.get(m.group(1), 0) + float(m.group(2))
+    return totals
+
+
+def run_job(group, coord, name, launcher, work, python_dir, relay_dir=None):
     script = os.path.join(work, "worker.py")
     with open(script, "w") as f:
         f.write(WORKER)
@@ -42,6 +56,9 @@ def run_job(group, coord, name, launcher, work, python_dir):
                PYTHONPATH=python_dir, OMP_NUM_THREADS="1",
                # torch.distributed.run keeps its torchelastic_* folder in TMPDIR: ours, removed.
                TMPDIR=work)
+    env.pop("MODELAVG_HEARTBEAT_RELAY_DIR", None)
+    if relay_dir is not None:
+        env["MODELAVG_HEARTBEAT_RELAY_DIR"] = relay_dir
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     proc = group.start(launcher + ["--standalone", "--nproc_per_node=2", script], name, env=env)
@@ -72,9 +89,22 @@ def main():
     sys.path.insert(0, args.python_dir)
     with mt.ProcessGroup() as group:
         work = group.temp_dir("modelavg-torchrun-")
-        coord = mt.Coordinator(group, args.coordinator, workdir=work)
+        metrics_port_file = os.path.join(work, "metrics.port")
+        coord = mt.Coordinator(group, args.coordinator, workdir=work,
+                               extra_flags=["--metrics_listen=127.0.0.1:0",
+                                            f"--metrics_port_file={metrics_port_file}"])
+        relay_dir = os.path.join(work, "relay")
         run_job(group, coord, "via-modelavg-run", ["/usr/bin/python3", "-m", "modelavg.run"],
-                work, args.python_dir)
+                work, args.python_dir, relay_dir=relay_dir)
+        # Through the relay: HostHeartbeatStreams only (the one that served, and the one that
+        # took over when the first process finished), no HeartbeatStream of a rank's own.
+        totals = rpc_totals(metrics_port_file)
+        locks = [f for f in os.listdir(relay_dir) if f.endswith(".lock")]
+        if (totals.get("HeartbeatStream", 0) != 0 or totals.get("Heartbeat", 0) != 0
+                or not 1 <= totals.get("HostHeartbeatStream", 0) <= 2 or len(locks) != 1):
+            mt.fail(f"with MODELAVG_HEARTBEAT_RELAY_DIR: RPCs {totals}, relay dir {locks}")
+        print(f"via the host's heartbeat relay: {int(totals['HostHeartbeatStream'])} "
+              "HostHeartbeatStream(s), no stream of a rank's own")
         torchrun = shutil.which("torchrun")
         passed = 2
         if torchrun is None:

@@ -2,6 +2,9 @@
 // process carry their beats in one HostHeartbeatStream (counted by the coordinator's metrics),
 // every rank stays alive and its step is recorded, each learns of a generation change, and a
 // process that dies (its stream broken) loses all its ranks at half the heartbeat timeout.
+#include <sys/stat.h>
+
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -22,12 +25,14 @@
 #include "tests/tools/http_get.h"
 #include "tests/tools/make_job_spec.h"
 #include "tests/tools/served_coordinator.h"
+#include "tests/tools/temp_dir.h"
 #include "tests/tools/time_scale.h"
 
 namespace modelavg::client {
 namespace {
 
 using ::modelavg::testing::Scaled;
+using ::testing::HasSubstr;
 
 class SharedHeartbeatTest : public ::testing::Test {
  protected:
@@ -209,6 +214,153 @@ TEST_F(SharedHeartbeatTest, BrokenStream_EveryRankItCarriedDeclaredDeadForConnec
   for (auto& c : live) {
     if (c != nullptr) EXPECT_TRUE(c->Leave("done").ok());
   }
+}
+
+// The host's relay from a follower's side, in one process: rank 0's Client serves the relay (its
+// lock was free); a raw HostHeartbeatStream on the relay's socket carries ranks 1 and 2. Their
+// first answers come back through the relay, then its keep-alives; a beat with `lost` set is
+// refused (only the relay sets it); when the follower's stream breaks, both its ranks are
+// declared dead for "connection lost" before the heartbeat timeout; when rank 0 leaves, the
+// relay stops (its socket is gone).
+TEST_F(SharedHeartbeatTest, Relay_FollowerStream_AnswersAndKeepAlives_LostOnBreak_StopsOnLeave) {
+  const absl::Duration timeout = Scaled(absl::Seconds(6));
+  CreateJob("relay", timeout);
+  testing::TempDir dir("relay-unit");
+  ASSERT_FALSE(dir.path().empty());
+  const std::string relay_dir = dir.path() + "/relay";
+  std::unique_ptr<Client> served, own;
+  std::vector<v1::JoinResponse> joined(kWorld);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      if (r == 0 || r == 3) {
+        ClientOptions o;
+        o.coordinator = server_->address();
+        o.job_id = "relay";
+        o.rank = r;
+        o.join_timeout = Scaled(absl::Seconds(20));
+        o.heartbeat_interval = absl::Milliseconds(50);
+        if (r == 0) o.heartbeat_relay_dir = relay_dir;
+        auto c = Client::Connect(o);
+        EXPECT_TRUE(c.ok()) << c.status();
+        if (c.ok()) (r == 0 ? served : own) = *std::move(c);
+        return;
+      }
+      v1::JoinRequest join;
+      join.set_job_id("relay");
+      join.set_worker_id(absl::StrCat("raw-", r));
+      join.set_rank(r);
+      absl::StatusOr<v1::JoinResponse> j = admin_->Join(join, Scaled(absl::Seconds(20)));
+      EXPECT_TRUE(j.ok()) << j.status();
+      if (j.ok()) joined[r] = *j;
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_NE(served, nullptr);
+  ASSERT_NE(own, nullptr);
+  struct stat st;
+  ASSERT_EQ(::stat(relay_dir.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  std::string socket;
+  const absl::Time found_by = absl::Now() + Scaled(absl::Seconds(10));
+  while (socket.empty() && absl::Now() < found_by) {
+    for (const auto& e : std::filesystem::directory_iterator(relay_dir)) {
+      if (absl::EndsWith(e.path().string(), ".sock")) socket = e.path().string();
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_FALSE(socket.empty()) << "rank 0 serves no relay in " << relay_dir;
+  auto stub = v1::Coordinator::NewStub(
+      grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
+  auto beats = [&](bool lost) {
+    v1::HostHeartbeatRequest req;
+    req.set_reply_interval_ms(300);
+    req.set_beat_interval_ms(50);
+    for (int r = 1; r <= 2; ++r) {
+      v1::HeartbeatRequest* b = req.add_beats();
+      b->set_job_id("relay");
+      b->set_rank(r);
+      b->set_generation(1);
+      b->set_step(40 + r);
+      b->set_credential(joined[r].credential());
+      b->set_lost(lost && r == 2);
+    }
+    return req;
+  };
+  const absl::Time broken_at = [&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + Scaled(absl::Seconds(30))));
+    auto stream = stub->HostHeartbeatStream(&ctx);
+    EXPECT_TRUE(stream->Write(beats(false)));
+    std::vector<int> answered;
+    int keepalives = 0;
+    v1::HostHeartbeatResponse reply;
+    // Both first answers, then two keep-alives (the relay's, about every 150 ms), beating on.
+    while (keepalives < 2 && stream->Read(&reply)) {
+      if (reply.members().empty()) ++keepalives;
+      for (const v1::MemberHeartbeatReply& m : reply.members()) {
+        EXPECT_EQ(m.error_code(), 0) << m.DebugString();
+        EXPECT_EQ(m.reply().state(), v1::RUNNING) << m.DebugString();
+        answered.push_back(m.rank());
+      }
+      stream->Write(beats(false));
+    }
+    EXPECT_THAT(answered, ::testing::UnorderedElementsAre(1, 2));
+    EXPECT_EQ(keepalives, 2);
+    v1::Job job = GetJob("relay");
+    for (const v1::Member& m : job.members()) {
+      if (m.rank() == 1 || m.rank() == 2) EXPECT_EQ(m.last_step(), 40 + m.rank()) << m.DebugString();
+    }
+    ctx.TryCancel();
+    stream->Finish();
+    return absl::Now();
+  }();
+  {
+    grpc::ClientContext ctx;
+    auto stream = stub->HostHeartbeatStream(&ctx);
+    ASSERT_TRUE(stream->Write(beats(/*lost=*/true)));
+    stream->WritesDone();
+    const grpc::Status s = stream->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("only the relay sets it"));
+  }
+  v1::Job job;
+  const absl::Time deadline = absl::Now() + 2 * timeout;
+  while (absl::Now() < deadline) {
+    job = GetJob("relay");
+    if (job.vacant_ranks_size() >= 2) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_THAT(job.vacant_ranks(), ::testing::UnorderedElementsAre(1, 2)) << job.DebugString();
+  EXPECT_LT(absl::Now() - broken_at, timeout) << "declared dead only at the heartbeat timeout";
+  EXPECT_THAT(job.last_change().reason(), HasSubstr("connection lost"));
+  // Rank 0 leaves: the relay goes with its process's last rank.
+  EXPECT_TRUE(served->Leave("done").ok());
+  served.reset();
+  EXPECT_FALSE(std::filesystem::exists(socket));
+  EXPECT_TRUE(own->Leave("done").ok());
+}
+
+// A relay directory that others could read (the ranks' credentials pass through its socket) is
+// refused at Connect, saying what to do.
+TEST_F(SharedHeartbeatTest, RelayDirOpenToOthers_ConnectRefusedSayingChmod) {
+  CreateJob("open-dir", Scaled(absl::Seconds(6)));
+  testing::TempDir dir("relay-open");
+  ASSERT_FALSE(dir.path().empty());
+  ASSERT_EQ(::chmod(dir.path().c_str(), 0755), 0);
+  ClientOptions o;
+  o.coordinator = server_->address();
+  o.job_id = "open-dir";
+  o.rank = 0;
+  o.heartbeat_relay_dir = dir.path();
+  auto c = Client::Connect(o);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_THAT(c.status().message(), HasSubstr("chmod 700")) << c.status();
+  o.heartbeat_relay_dir = "relative/dir";
+  c = Client::Connect(o);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("not an absolute path")) << c.status();
 }
 
 }  // namespace
