@@ -18,17 +18,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// Waits until `p` has printed at least `lines` lines (or exited).
-bool WaitForLines(Process& p, size_t lines, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    if (p.OutLines().size() >= lines) return true;
-    if (p.Wait(absl::ZeroDuration()).has_value()) return false;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return false;
-}
-
 // A strict job (no min_world_size): one worker is stopped with SIGSTOP while the others average
 // back to back, so they are blocked in an all-reduce with it. Once the coordinator declares it
 // dead (heartbeat timeout 1 s) the survivors' collectives are aborted: they fail with an error

@@ -40,17 +40,6 @@ constexpr absl::Duration kSlack = absl::Seconds(2);
 // peer's last beat, up to two 100 ms beat intervals before the stop.
 const absl::Duration kEarliestDeath = kHeartbeat - absl::Milliseconds(200);
 
-// Waits until `p` has printed at least `lines` lines (or exited).
-bool WaitForLines(Process& p, size_t lines, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    if (p.OutLines().size() >= lines) return true;
-    if (p.Wait(absl::ZeroDuration()).has_value()) return false;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return false;
-}
-
 struct Exit {
   std::optional<int> code;  // nullopt: still running at the deadline
   absl::Duration after;     // since `since`

@@ -26,16 +26,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-bool WaitForLines(Process& p, size_t lines, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    if (p.OutLines().size() >= lines) return true;
-    if (p.Wait(absl::ZeroDuration()).has_value()) return false;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return false;
-}
-
 class HeartbeatRelayTest : public ::testing::Test {
  protected:
   static constexpr int kWorld = 4;

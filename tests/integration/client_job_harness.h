@@ -133,6 +133,18 @@ inline std::vector<std::vector<StepLine>> Simulate(const v1::JobSpec& spec,
   return out;
 }
 
+// Waits until `p` has printed at least `lines` lines; false if it exits first or `timeout`
+// passes.
+inline bool WaitForLines(Process& p, size_t lines, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (p.OutLines().size() >= lines) return true;
+    if (p.Wait(absl::ZeroDuration()).has_value()) return false;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return false;
+}
+
 // A coordinator process plus an admin connection to it, in a temporary directory that holds
 // every process's output and is removed with the Cluster. Start workers after the Cluster so
 // that they are stopped before it.

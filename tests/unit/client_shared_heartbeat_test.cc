@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -79,6 +80,44 @@ class SharedHeartbeatTest : public ::testing::Test {
     return clients;
   }
 
+  // Every rank joins at once: ranks for which `as_client` holds get a Client (options through
+  // `configure`, if given), the others are joined raw (their answers in `raw`).
+  struct Mixed {
+    std::vector<std::unique_ptr<Client>> clients;
+    std::vector<v1::JoinResponse> raw;
+  };
+  Mixed JoinMixed(const std::string& job, const std::function<bool(int)>& as_client,
+                  const std::function<void(int, ClientOptions*)>& configure = nullptr) {
+    Mixed out{std::vector<std::unique_ptr<Client>>(kWorld), std::vector<v1::JoinResponse>(kWorld)};
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kWorld; ++r) {
+      threads.emplace_back([&, r] {
+        if (as_client(r)) {
+          ClientOptions o;
+          o.coordinator = server_->address();
+          o.job_id = job;
+          o.rank = r;
+          o.join_timeout = Scaled(absl::Seconds(20));
+          o.heartbeat_interval = absl::Milliseconds(50);
+          if (configure) configure(r, &o);
+          auto c = Client::Connect(o);
+          EXPECT_TRUE(c.ok()) << c.status();
+          if (c.ok()) out.clients[r] = *std::move(c);
+          return;
+        }
+        v1::JoinRequest join;
+        join.set_job_id(job);
+        join.set_worker_id(absl::StrCat("raw-", r));
+        join.set_rank(r);
+        absl::StatusOr<v1::JoinResponse> j = admin_->Join(join, Scaled(absl::Seconds(20)));
+        EXPECT_TRUE(j.ok()) << j.status();
+        if (j.ok()) out.raw[r] = *j;
+      });
+    }
+    for (auto& t : threads) t.join();
+    return out;
+  }
+
   // modelavg_rpcs_total for `method` and `code` on the HTTP port; 0 when absent.
   double RpcCount(const std::string& method, const std::string& code) {
     const std::vector<std::string> parts = absl::StrSplit(server_->metrics_address(), ':');
@@ -150,33 +189,9 @@ TEST_F(SharedHeartbeatTest, BrokenStream_EveryRankItCarriedDeclaredDeadForConnec
   CreateJob("lost", timeout);
   // Ranks 0 and 1 live on (their own clients); ranks 2 and 3 beat on one raw stream that is then
   // cancelled, as a process's death would.
-  std::vector<v1::JoinResponse> joined(kWorld);
-  std::vector<std::unique_ptr<Client>> live(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < kWorld; ++r) {
-    threads.emplace_back([&, r] {
-      if (r < 2) {
-        ClientOptions o;
-        o.coordinator = server_->address();
-        o.job_id = "lost";
-        o.rank = r;
-        o.join_timeout = Scaled(absl::Seconds(20));
-        o.heartbeat_interval = absl::Milliseconds(50);
-        auto c = Client::Connect(o);
-        EXPECT_TRUE(c.ok()) << c.status();
-        if (c.ok()) live[r] = *std::move(c);
-        return;
-      }
-      v1::JoinRequest join;
-      join.set_job_id("lost");
-      join.set_worker_id(absl::StrCat("raw-", r));
-      join.set_rank(r);
-      absl::StatusOr<v1::JoinResponse> j = admin_->Join(join, Scaled(absl::Seconds(20)));
-      EXPECT_TRUE(j.ok()) << j.status();
-      if (j.ok()) joined[r] = *j;
-    });
-  }
-  for (auto& t : threads) t.join();
+  Mixed mixed = JoinMixed("lost", [](int r) { return r < 2; });
+  const std::vector<v1::JoinResponse>& joined = mixed.raw;
+  std::vector<std::unique_ptr<Client>>& live = mixed.clients;
   auto channel = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
   auto stub = v1::Coordinator::NewStub(channel);
   const absl::Time broken_at = absl::Now();
@@ -228,34 +243,14 @@ TEST_F(SharedHeartbeatTest, Relay_FollowerStream_AnswersAndKeepAlives_LostOnBrea
   testing::TempDir dir("relay-unit");
   ASSERT_FALSE(dir.path().empty());
   const std::string relay_dir = dir.path() + "/relay";
-  std::unique_ptr<Client> served, own;
-  std::vector<v1::JoinResponse> joined(kWorld);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < kWorld; ++r) {
-    threads.emplace_back([&, r] {
-      if (r == 0 || r == 3) {
-        ClientOptions o;
-        o.coordinator = server_->address();
-        o.job_id = "relay";
-        o.rank = r;
-        o.join_timeout = Scaled(absl::Seconds(20));
-        o.heartbeat_interval = absl::Milliseconds(50);
-        if (r == 0) o.heartbeat_relay_dir = relay_dir;
-        auto c = Client::Connect(o);
-        EXPECT_TRUE(c.ok()) << c.status();
-        if (c.ok()) (r == 0 ? served : own) = *std::move(c);
-        return;
-      }
-      v1::JoinRequest join;
-      join.set_job_id("relay");
-      join.set_worker_id(absl::StrCat("raw-", r));
-      join.set_rank(r);
-      absl::StatusOr<v1::JoinResponse> j = admin_->Join(join, Scaled(absl::Seconds(20)));
-      EXPECT_TRUE(j.ok()) << j.status();
-      if (j.ok()) joined[r] = *j;
-    });
-  }
-  for (auto& t : threads) t.join();
+  Mixed mixed = JoinMixed(
+      "relay", [](int r) { return r == 0 || r == 3; },
+      [&](int r, ClientOptions* o) {
+        if (r == 0) o->heartbeat_relay_dir = relay_dir;
+      });
+  const std::vector<v1::JoinResponse>& joined = mixed.raw;
+  std::unique_ptr<Client>& served = mixed.clients[0];
+  std::unique_ptr<Client>& own = mixed.clients[3];
   ASSERT_NE(served, nullptr);
   ASSERT_NE(own, nullptr);
   struct stat st;
