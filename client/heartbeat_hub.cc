@@ -28,6 +28,10 @@ constexpr absl::Duration kDefaultInterval = absl::Milliseconds(100);
 // Beats in one message (as the coordinator takes): the relay's wait for the next when more.
 constexpr size_t kMaxBeatsPerMessage = 4096;
 
+// Streams to the host's relay in a row that got no answer, its lock held all along, before this
+// process gives up on it (with the follower's backoff, about a quarter of a second).
+constexpr int kMaxRelayFailures = 5;
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<HeartbeatHub>> HeartbeatHub::For(
@@ -174,6 +178,17 @@ void HeartbeatHub::Loop() {
       max_backoff = MaxStreamBackoff(min_backoff, Timeout());
     }
     PickRoute();
+    if (route_ == Route::kFollower && (relay_silent_ || relay_failures_ >= kMaxRelayFailures)) {
+      // The process that holds the relay's lock does not serve (stopped, hung, or not listening
+      // yet for this long): this process beats on a stream of its own until that one breaks.
+      spdlog::warn("heartbeat relay at {}: {}; this process's ranks beat on a stream of their own "
+                   "to the coordinator",
+                   relay_paths_->socket,
+                   relay_silent_ ? "it went silent" : "it refused every connection");
+      route_ = Route::kDirect;
+      relay_silent_ = false;
+      relay_failures_ = 0;
+    }
     if (route_ == Route::kFollower) {
       // The relay is on this host: a broken stream to it is mostly a relay that died, whose
       // place another process takes within milliseconds.
@@ -205,6 +220,7 @@ void HeartbeatHub::Loop() {
       continue;
     }
     if (answered) backoff = min_backoff;
+    relay_failures_ = route_ == Route::kFollower && !answered ? relay_failures_ + 1 : 0;
     spdlog::debug("shared heartbeat stream to {} ended: {}; re-opening in {}",
                   coordinator_->options().address, s.ToString(), absl::FormatDuration(backoff));
     FailAll(s);
@@ -313,7 +329,11 @@ absl::Status HeartbeatHub::Stream(bool* answered) {
     if (ended) break;
     const absl::Time now = absl::Now();
     // (The shortest heartbeat timeout of the members.)
-    silence = silence_check.Check(now, last_reply, timeout, "HostHeartbeatStream");
+    // (To the host's relay, half that: a relay that hangs, its lock still held, must leave its
+    // followers time to beat on streams of their own before the coordinator times them out.)
+    silence = silence_check.Check(now, last_reply,
+                                  route_ == Route::kFollower ? timeout / 2 : timeout,
+                                  "HostHeartbeatStream");
     if (!silence.ok()) break;
     if (now < next_beat && !changed) continue;  // woken early for a reply
     bool dropped = false;
@@ -359,7 +379,10 @@ absl::Status HeartbeatHub::Stream(bool* answered) {
     DropRemoved();
     return absl::OkStatus();
   }
-  if (!silence.ok()) return silence;
+  if (!silence.ok()) {
+    if (route_ == Route::kFollower) relay_silent_ = true;
+    return silence;
+  }
   return status.ok() ? absl::UnavailableError("the coordinator ended the HostHeartbeatStream")
                      : status;
 }

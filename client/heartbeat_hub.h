@@ -105,6 +105,9 @@ class HeartbeatHub {
   Route route_ = Route::kDirect;
   std::unique_ptr<HeartbeatRelay> relay_;   // kLeader: serving the host's other processes
   std::unique_ptr<CoordinatorClient> local_;  // kFollower: to the relay's socket
+  // kFollower: the last stream to the relay went silent; streams to it in a row unanswered.
+  bool relay_silent_ = false;
+  int relay_failures_ = 0;
   std::thread thread_;
 
   mutable absl::Mutex mu_;

@@ -162,6 +162,37 @@ TEST_F(HeartbeatRelayTest, FourProcesses_OneStream_ServerKilled_AnotherTakesOver
   EXPECT_EQ(Metric("modelavg_rpcs_total", "code=\"OK\",method=\"Heartbeat\""), 0);
 }
 
+// The process that serves the relay is stopped (SIGSTOP): it holds the lock but answers nothing.
+// The others notice within half the heartbeat timeout and beat on streams of their own, so that
+// only the stopped one is declared dead, and they finish every step.
+TEST_F(HeartbeatRelayTest, ServerStopped_OthersBeatOnTheirOwn_OnlyItDies) {
+  CreateJob("stopped", /*heartbeat_ms=*/3000);
+  constexpr int kSteps = 300;
+  auto workers = Start("stopped", kSteps);
+  for (auto& w : workers) ASSERT_TRUE(WaitForLines(*w, 5, absl::Seconds(60))) << w->err();
+  std::vector<int> pids;
+  for (auto& w : workers) pids.push_back(w->pid());
+  const int serving = WaitForOneStream(pids, absl::Seconds(10));
+  ASSERT_GE(serving, 0);
+  workers[serving]->Signal(SIGSTOP);
+  for (int r = 0; r < kWorld; ++r) {
+    if (r == serving) continue;
+    auto code = workers[r]->Wait(absl::Seconds(90));
+    ASSERT_TRUE(code.has_value()) << "rank " << r << " still running";
+    EXPECT_EQ(*code, 0) << "rank " << r << ": " << workers[r]->err();
+    EXPECT_EQ(workers[r]->OutLines().size(), static_cast<size_t>(kSteps)) << "rank " << r;
+    EXPECT_THAT(workers[r]->err(), HasSubstr("went silent")) << "rank " << r;
+  }
+  absl::StatusOr<v1::Job> job = cluster_->admin()->GetJob("stopped");
+  ASSERT_TRUE(job.ok()) << job.status();
+  std::vector<int> dead;
+  for (const v1::Member& m : job->members()) {
+    if (m.state() == v1::DEAD) dead.push_back(m.rank());
+  }
+  EXPECT_THAT(dead, ::testing::ElementsAre(serving)) << job->DebugString();
+  workers[serving]->Signal(SIGKILL);
+}
+
 // A process that does not serve the relay dies: the relay forwards its rank as lost, and the
 // coordinator declares it dead for "connection lost" at half the heartbeat timeout, before the
 // timeout itself; the relay's stream stays the only one.
