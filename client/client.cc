@@ -279,7 +279,7 @@ Client::~Client() {
   communicators_.reset();
 }
 
-absl::Status Client::Leave(absl::string_view reason) {
+absl::Status Client::Leave(absl::string_view reason, CancelToken* cancel) {
   absl::Status failure;
   {
     absl::MutexLock l(&mu_);
@@ -313,9 +313,15 @@ absl::Status Client::Leave(absl::string_view reason) {
   int attempts = 0;
   while (true) {
     ++attempts;
-    absl::StatusOr<v1::LeaveResponse> resp = coordinator_->Leave(req);
+    absl::StatusOr<v1::LeaveResponse> resp = coordinator_->Leave(req, cancel);
     if (resp.ok()) break;
     const absl::Status& s = resp.status();
+    if (cancel != nullptr && cancel->cancelled()) {
+      return absl::CancelledError(absl::StrCat(
+          "leaving job ", options_.job_id, ": cancelled after ", attempts,
+          " attempt(s); unless the Leave reached the coordinator, it counts rank ", rank_,
+          " as dead at its heartbeat timeout"));
+    }
     const bool unreachable = absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s);
     if (!unreachable) return s;
     outage_->NoteUnreachable(s);
@@ -334,7 +340,11 @@ absl::Status Client::Leave(absl::string_view reason) {
                    options_.job_id, options_.coordinator, std::string(s.message()),
                    absl::FormatDuration(options_.leave_timeout));
     }
-    absl::SleepFor(backoff);
+    if (cancel != nullptr) {
+      cancel->SleepFor(backoff);  // the next Leave then ends at once if it was cancelled
+    } else {
+      absl::SleepFor(backoff);
+    }
     backoff = std::min(backoff * 2, absl::Seconds(1));
     // The record says what happened.
     req.set_reason(absl::StrCat(why, "; sent again after the coordinator was unreachable for ",

@@ -172,8 +172,11 @@ class Client {
   // failed averaging call (RecordFailure) the departure is a failure, not an orderly one: the
   // coordinator counts the rank as dead (LeaveRequest.failed); it is tried once.
   // Errors: UNAVAILABLE / DEADLINE_EXCEEDED (coordinator unreachable past leave_timeout),
-  // NOT_FOUND (job deleted).
-  absl::Status Leave(absl::string_view reason);
+  // NOT_FOUND (job deleted). With `cancel` (not owned; outlives the call), its Cancel() ends the
+  // call at once with CANCELLED (the RPC in flight is cancelled, no retry follows): the worker
+  // has left all the same, and the coordinator counts the rank dead at its heartbeat timeout
+  // unless the Leave reached it.
+  absl::Status Leave(absl::string_view reason, CancelToken* cancel = nullptr);
 
   // Records that this worker's averaging failed with `failure` (the first one is kept): its
   // Leave then tells the coordinator it failed. Called by the averagers.

@@ -279,9 +279,14 @@ absl::StatusOr<std::string> CoordinatorClient::GetCommId(const v1::GetCommIdRequ
       call);
 }
 
-absl::StatusOr<v1::LeaveResponse> CoordinatorClient::Leave(const v1::LeaveRequest& request) {
+absl::StatusOr<v1::LeaveResponse> CoordinatorClient::Leave(const v1::LeaveRequest& request,
+                                                           CancelToken* cancel) {
   grpc::ClientContext ctx;
   Prepare(&ctx, options_.rpc_timeout);
+  const uint64_t watch = cancel ? cancel->Register([&ctx] { ctx.TryCancel(); }) : 0;
+  absl::Cleanup unwatch = [cancel, watch] {
+    if (cancel) cancel->Unregister(watch);
+  };
   v1::LeaveResponse out;
   MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->Leave(&ctx, request, &out); }), "Leave"));
   return out;

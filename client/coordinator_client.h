@@ -125,7 +125,9 @@ class CoordinatorClient {
   // The call's deadline is request.timeout_ms plus rpc_timeout (the server answers
   // DEADLINE_EXCEEDED itself at timeout_ms).
   absl::StatusOr<std::string> GetCommId(const v1::GetCommIdRequest& request);
-  absl::StatusOr<v1::LeaveResponse> Leave(const v1::LeaveRequest& request);
+  // With `cancel`, as for Join.
+  absl::StatusOr<v1::LeaveResponse> Leave(const v1::LeaveRequest& request,
+                                          CancelToken* cancel = nullptr);
   // UNIMPLEMENTED from a coordinator older than the RPC.
   absl::StatusOr<v1::ReportPeerFailureResponse> ReportPeerFailure(
       const v1::ReportPeerFailureRequest& request);

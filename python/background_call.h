@@ -56,9 +56,9 @@ class BackgroundCalls {
 };
 
 // How long the interpreter's exit waits for the calls interrupted by Ctrl-C (at_exit in
-// python/core.cc). An interrupted connect is cancelled and ends well within it; an interrupted
-// averaging step runs to its end or collective_timeout, an interrupted leave or job RPC to
-// leave_timeout or rpc_timeout.
+// python/core.cc). An interrupted connect or leave is cancelled and ends well within it; an
+// interrupted averaging step runs to its end or collective_timeout, an interrupted job RPC to
+// rpc_timeout.
 inline constexpr absl::Duration kExitWait = absl::Seconds(5);
 
 // At the interpreter's exit: waits (kExitWait at most, without the GIL) for the background calls

@@ -8,9 +8,9 @@
 //
 // Every call that can wait (connecting, an averaging step, leaving, the job RPCs) runs on a
 // helper thread while the calling thread waits without the GIL and checks for signals every
-// kSignalPoll: Ctrl-C raises KeyboardInterrupt at once. An interrupted connect is cancelled and
-// ends at once; another interrupted call keeps running on its thread until its own deadline
-// (collective_timeout, leave_timeout, rpc_timeout) and owns what it uses meanwhile; an averager
+// kSignalPoll: Ctrl-C raises KeyboardInterrupt at once. An interrupted connect or leave is
+// cancelled and ends at once; another interrupted call keeps running on its thread until its own
+// deadline (collective_timeout, rpc_timeout) and owns what it uses meanwhile; an averager
 // refuses new calls until its interrupted call has ended. The interpreter's exit waits up to
 // kExitWait for the calls still running (an atexit handler registered at import, so it runs after
 // those the package registers later, like modelavg.torch's leave). A skip step runs on the
@@ -89,8 +89,11 @@ std::unique_ptr<PyClient> Connect(const py::dict& options) {
 
 void Leave(const PyClient& self, const std::string& reason) {
   std::shared_ptr<mc::Client> client = self.get();
-  absl::Status s =
-      RunInterruptibly<absl::Status>([client, reason] { return client->Leave(reason); });
+  // Ctrl-C cancels the Leave (its retries through an outage): the abandoned call ends at once.
+  auto cancel = std::make_shared<mc::CancelToken>();
+  absl::Status s = RunInterruptibly<absl::Status>(
+      [client, reason, cancel] { return client->Leave(reason, cancel.get()); },
+      [cancel] { cancel->Cancel(); });
   if (!s.ok()) Raise(s);
 }
 

@@ -48,6 +48,10 @@ mc::ClientOptions ClientOptionsFrom(const py::dict& d) {
   if (auto v = Get<bool>(d, "share_heartbeat_stream")) o.share_heartbeat_stream = *v;
   if (auto v = Get<std::string>(d, "heartbeat_relay_dir")) o.heartbeat_relay_dir = *v;
   if (auto v = Get<double>(d, "collective_timeout")) o.collective_timeout = Seconds(*v);
+  if (auto v = Get<double>(d, "leave_timeout")) o.leave_timeout = Seconds(*v);
+  if (auto v = Get<double>(d, "coordinator_outage_timeout")) {
+    o.coordinator_outage_timeout = Seconds(*v);
+  }
   if (auto v = Get<int64_t>(d, "schedule_window")) o.schedule_window = *v;
   if (auto v = Get<std::string>(d, "gloo_hostname")) o.gloo_hostname = *v;
   if (auto v = Get<bool>(d, "gloo_in_place")) o.gloo_in_place = *v;

@@ -13,7 +13,8 @@ _CLIENT_OPTIONS = {
     "worker_id": str, "auth_token": str, "tls": bool, "tls_ca_file": str, "tls_cert_file": str,
     "tls_key_file": str, "join_timeout": Duration, "rpc_timeout": Duration,
     "heartbeat_interval": Duration, "heartbeat_stream": bool, "share_heartbeat_stream": bool,
-    "heartbeat_relay_dir": str, "collective_timeout": Duration,
+    "heartbeat_relay_dir": str, "collective_timeout": Duration, "leave_timeout": Duration,
+    "coordinator_outage_timeout": Duration,
     "schedule_window": int, "gloo_hostname": str, "gloo_in_place": bool,
 }
 # What the job-management calls take besides the coordinator's address.

@@ -121,7 +121,8 @@ def connect(coordinator: Optional[str] = None, job_id: Optional[str] = None,
         ``share_heartbeat_stream`` (False: the ranks of this process in one stream),
         ``heartbeat_relay_dir`` (default ``$MODELAVG_HEARTBEAT_RELAY_DIR``; "" for none: the
         processes of this host in one stream, through a relay in that directory of yours,
-        mode 0700), ``collective_timeout`` (60 s), ``schedule_window`` (4096), ``gloo_hostname``
+        mode 0700), ``collective_timeout`` (60 s), ``leave_timeout`` (20 s),
+        ``coordinator_outage_timeout`` (300 s), ``schedule_window`` (4096), ``gloo_hostname``
         ("127.0.0.1"; the address peers reach this process at), ``gloo_in_place`` (False).
         Durations are seconds or ``datetime.timedelta``.
 

@@ -363,6 +363,65 @@ def check_interrupt(modelavg, coordinator, group):
         mt.fail(f"the interrupted averaging process took {took:.1f} s to end")
     print(f"averaging interrupted; process ended {took:.2f} s after SIGINT")
 
+    # Ctrl-C in a leave that retries through a coordinator outage (leave_timeout 30 s): the
+    # abandoned Leave is cancelled, so no call is left running and the exit is clean.
+    gone = mt.Coordinator(group, ARGS.coordinator_bin)
+    modelavg.create_job("leave-outage", 1, "PERIODIC", period=1, coordinator=gone.address)
+    flag = os.path.join(group.temp_dir("modelavg-leave-"), "coordinator-killed")
+    code = """
+        import os, sys, time
+        import modelavg
+
+        def main():
+            client = modelavg.connect(os.environ["ADDR"], "leave-outage", rank=0,
+                                      leave_timeout=30)
+            print("connected", flush=True)
+            while not os.path.exists(os.environ["FLAG"]):
+                time.sleep(0.02)
+            print("leaving", flush=True)
+            start = time.monotonic()
+            try:
+                client.leave("done")
+                print("leave returned", flush=True)
+                return 1
+            except KeyboardInterrupt:
+                print(f"interrupted after {time.monotonic() - start:.2f} s", flush=True)
+            interrupted = time.monotonic()
+            while modelavg._core._background_calls_running() != 0:
+                if time.monotonic() - interrupted > 5:
+                    print("the interrupted leave is still running", flush=True)
+                    return 3
+                time.sleep(0.02)
+            print(f"leave cancelled {time.monotonic() - interrupted:.2f} s after the interrupt",
+                  flush=True)
+            return 0
+
+        sys.exit(main())
+    """
+    proc = child(code, {"ADDR": gone.address, "FLAG": flag}, group, "leaver")
+    if not any(proc.stdout.readline().strip() == "connected" for _ in range(50)):
+        mt.fail("the leaver did not connect")
+    gone.proc.kill()
+    gone.proc.wait()
+    open(flag, "w").close()
+    if not any(proc.stdout.readline().strip() == "leaving" for _ in range(50)):
+        mt.fail("the leaver did not start leaving")
+    time.sleep(1.0)  # retrying against the dead coordinator by now
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        mt.fail("Ctrl-C did not interrupt leave, or the process did not exit, within 20 s")
+    took = time.monotonic() - sent
+    if proc.returncode != 0 or "interrupted after" not in out or "leave cancelled" not in out:
+        mt.fail(f"leave: exit {proc.returncode}, stdout {out!r}, stderr {err[-2000:]}")
+    for bad in ("ThreadSanitizer", "Segmentation", "Aborted", "Traceback", "still running",
+                "terminate called"):
+        if bad in err:
+            mt.fail(f"the interrupted leaver's stderr has {bad!r}: {err[-3000:]}")
+    print(f"{' '.join(out.split())}; process ended {took:.2f} s after SIGINT")
+
 
 def check_jobs_and_client(modelavg, coordinator, group):
     addr = coordinator.address
