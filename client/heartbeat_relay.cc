@@ -402,7 +402,9 @@ absl::Duration HeartbeatRelay::Interval() const {
 int64_t HeartbeatRelay::ReplyIntervalMs() const {
   absl::MutexLock l(&mu_);
   int64_t ms = kMaxReplyIntervalMs;
-  for (const Follower* f : followers_) ms = std::min(ms, std::max<int64_t>(1, f->reply_interval_ms / 2));
+  for (const Follower* f : followers_) {
+    ms = std::min(ms, std::max<int64_t>(1, f->reply_interval_ms / 2));
+  }
   return ms;
 }
 

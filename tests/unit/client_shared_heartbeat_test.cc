@@ -304,7 +304,9 @@ TEST_F(SharedHeartbeatTest, Relay_FollowerStream_AnswersAndKeepAlives_LostOnBrea
     EXPECT_EQ(keepalives, 2);
     v1::Job job = GetJob("relay");
     for (const v1::Member& m : job.members()) {
-      if (m.rank() == 1 || m.rank() == 2) EXPECT_EQ(m.last_step(), 40 + m.rank()) << m.DebugString();
+      if (m.rank() == 1 || m.rank() == 2) {
+        EXPECT_EQ(m.last_step(), 40 + m.rank()) << m.DebugString();
+      }
     }
     ctx.TryCancel();
     stream->Finish();
