@@ -87,8 +87,8 @@ struct ClientOptions {
   bool share_heartbeat_stream = false;
   // The beats of every process of this host that reaches the same coordinator in one stream
   // (for launchers that start a process per rank, such as torchrun): an absolute path to a
-  // directory of this user's, closed to others (created with mode 0700 if missing; the socket
-  // path must fit in about 100 bytes). The first process to take the lock there serves the
+  // directory of this user's, closed to others (created with mode 0700 if missing; at most 82
+  // bytes, for the socket's path in it), local to the host best ($XDG_RUNTIME_DIR/modelavg). The first process to take the lock there serves the
   // others' beats over a Unix socket beside it and forwards them with its own, at most one beat
   // interval later; when it is gone, the next process to try the lock takes its place within
   // milliseconds. A process that dies is still counted lost by the coordinator at once (an elastic

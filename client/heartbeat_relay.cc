@@ -70,7 +70,11 @@ absl::StatusOr<RelayPaths> RelayPathsFor(const std::string& dir, const std::stri
         "relay; chmod 700 it",
         dir, st.st_mode & 07777));
   }
-  const std::string base = absl::StrFormat("%s/hb-%016x", dir, Fnv1a(key));
+  // (The host's name too: a directory on a shared file system holds a relay per host.)
+  char host[256] = {};
+  if (::gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
+  const std::string base =
+      absl::StrFormat("%s/hb-%016x", dir, Fnv1a(absl::StrCat(key, "\n", host)));
   RelayPaths paths{base + ".lock", base + ".sock"};
   if (paths.socket.size() >= sizeof(sockaddr_un{}.sun_path)) {
     return absl::InvalidArgumentError(absl::StrCat(

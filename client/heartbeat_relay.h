@@ -48,8 +48,10 @@ struct RelayPaths {
 };
 
 // The paths for the coordinator `key` names (addresses, token, TLS files) in `dir`, creating
-// `dir` (mode 0700) if it is missing. INVALID_ARGUMENT when `dir` is not a directory, is not the
-// caller's, is open to group or others, or is too long for a socket path (about 90 bytes).
+// `dir` (mode 0700) if it is missing; the names hold a hash of `key` and of the host's name. A
+// directory on a shared file system gets a relay per host. INVALID_ARGUMENT when `dir` is not
+// absolute, not a directory, not the caller's, open to group or others, or longer than 82 bytes
+// (a Unix socket's path in it would not fit).
 absl::StatusOr<RelayPaths> RelayPathsFor(const std::string& dir, const std::string& key);
 
 // The relay's lock, taken without waiting: an open descriptor holding it, -1 when another
