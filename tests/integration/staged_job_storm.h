@@ -53,12 +53,14 @@ inline bool DriveJobThroughStages(client::CoordinatorClient& admin, const std::s
   join.set_worker_id("w-" + id);
   join.set_rank(0);
   attempt(kJoined);
-  if (!admin.Join(join, absl::Seconds(5)).ok()) return false;
+  absl::StatusOr<v1::JoinResponse> joined = admin.Join(join, absl::Seconds(5));
+  if (!joined.ok()) return false;
   ack(kJoined);
   v1::LeaveRequest leave;
   leave.set_job_id(id);
   leave.set_rank(0);
   leave.set_generation(1);
+  leave.set_credential(joined->credential());
   attempt(kLeft);
   if (!admin.Leave(leave).ok()) return false;
   ack(kLeft);
