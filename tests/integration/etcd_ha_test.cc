@@ -594,7 +594,9 @@ TEST_F(EtcdHaTest, StormWithLeaderKills_EveryAcknowledgedChangeSurvives) {
       EXPECT_LE(stage, tried) << id << ": a change nobody asked for";
     }
     for (const auto& [id, j] : found) EXPECT_TRUE(attempted.count(id)) << "unknown job " << id;
-    for (const auto& [id, j] : found) {
+    for (const auto& entry : found) {
+      // (Not a structured binding: a lambda may capture one only from C++20.)
+      const std::string& id = entry.first;
       ASSERT_TRUE(Retrying([&] { return admin->DeleteJob(id); }).ok());
     }
     acked.clear();

@@ -109,7 +109,11 @@ class NcclOuterTest : public ::testing::Test {
       const NaiveDecision d = NaiveDecide(spec_, s, r);
       if (d.average) groups[{d.level, d.group.front()}].push_back(r);
     }
-    for (const auto& [key, ranks] : groups) {
+    for (const auto& entry : groups) {
+      // (Not a structured binding: the threads' lambda captures these, which C++17 allows only
+      // for variables.)
+      const std::pair<int, int>& key = entry.first;
+      const std::vector<int>& ranks = entry.second;
       const int level = key.first;
       auto& group = groups_[key];
       if (group == nullptr) {
