@@ -106,6 +106,41 @@ class HeartbeatRelayTest : public ::testing::Test {
     return -1;
   }
 
+  // Starts the job's workers, waits until each has taken a few steps and one of them serves the
+  // relay (one stream at the coordinator): its index, or -1.
+  int StartAndFindServer(const std::string& job, int64_t steps,
+                         std::vector<std::unique_ptr<Process>>* workers, std::vector<int>* pids) {
+    *workers = Start(job, steps);
+    for (auto& w : *workers) {
+      if (!WaitForLines(*w, 5, absl::Seconds(60))) {
+        ADD_FAILURE() << w->err();
+        return -1;
+      }
+    }
+    for (auto& w : *workers) pids->push_back(w->pid());
+    return WaitForOneStream(*pids, absl::Seconds(10));
+  }
+
+  // Every worker but `gone` exits 0 after all `steps`; the job's DEAD ranks are only `gone`.
+  void ExpectOthersFinishAndOnlyItDies(const std::string& job,
+                                       std::vector<std::unique_ptr<Process>>& workers, int gone,
+                                       int64_t steps) {
+    for (int r = 0; r < kWorld; ++r) {
+      if (r == gone) continue;
+      auto code = workers[r]->Wait(absl::Seconds(90));
+      ASSERT_TRUE(code.has_value()) << "rank " << r << " still running";
+      EXPECT_EQ(*code, 0) << "rank " << r << ": " << workers[r]->err();
+      EXPECT_EQ(workers[r]->OutLines().size(), static_cast<size_t>(steps)) << "rank " << r;
+    }
+    absl::StatusOr<v1::Job> j = cluster_->admin()->GetJob(job);
+    ASSERT_TRUE(j.ok()) << j.status();
+    std::vector<int> dead;
+    for (const v1::Member& m : j->members()) {
+      if (m.state() == v1::DEAD) dead.push_back(m.rank());
+    }
+    EXPECT_THAT(dead, ::testing::ElementsAre(gone)) << j->DebugString();
+  }
+
   TempDir tmp_{"relay-test"};
   std::string metrics_file_, relay_dir_;
   std::unique_ptr<Cluster> cluster_;
@@ -117,11 +152,9 @@ class HeartbeatRelayTest : public ::testing::Test {
 TEST_F(HeartbeatRelayTest, FourProcesses_OneStream_ServerKilled_AnotherTakesOver_NoneElseDies) {
   CreateJob("relay", /*heartbeat_ms=*/2000);
   constexpr int kSteps = 250;
-  auto workers = Start("relay", kSteps);
-  for (auto& w : workers) ASSERT_TRUE(WaitForLines(*w, 5, absl::Seconds(60))) << w->err();
+  std::vector<std::unique_ptr<Process>> workers;
   std::vector<int> pids;
-  for (auto& w : workers) pids.push_back(w->pid());
-  const int serving = WaitForOneStream(pids, absl::Seconds(10));
+  const int serving = StartAndFindServer("relay", kSteps, &workers, &pids);
   ASSERT_GE(serving, 0) << "HostHeartbeatStreams open: " << OpenStreams("HostHeartbeatStream")
                         << ", HeartbeatStreams: " << OpenStreams("HeartbeatStream")
                         << ", lock names pid " << ServingPid();
@@ -135,20 +168,7 @@ TEST_F(HeartbeatRelayTest, FourProcesses_OneStream_ServerKilled_AnotherTakesOver
   EXPECT_GE(next, 0) << "no survivor serves the relay: lock names pid " << ServingPid()
                      << ", HostHeartbeatStreams open: " << OpenStreams("HostHeartbeatStream");
 
-  for (int r = 0; r < kWorld; ++r) {
-    if (r == serving) continue;
-    auto code = workers[r]->Wait(absl::Seconds(90));
-    ASSERT_TRUE(code.has_value()) << "rank " << r << " still running";
-    EXPECT_EQ(*code, 0) << "rank " << r << ": " << workers[r]->err();
-    EXPECT_EQ(workers[r]->OutLines().size(), static_cast<size_t>(kSteps)) << "rank " << r;
-  }
-  absl::StatusOr<v1::Job> job = cluster_->admin()->GetJob("relay");
-  ASSERT_TRUE(job.ok()) << job.status();
-  std::vector<int> dead;
-  for (const v1::Member& m : job->members()) {
-    if (m.state() == v1::DEAD) dead.push_back(m.rank());
-  }
-  EXPECT_THAT(dead, ::testing::ElementsAre(serving)) << job->DebugString();
+  ExpectOthersFinishAndOnlyItDies("relay", workers, serving, kSteps);
   // The last even step (level 1, the world) averaged the three survivors alike.
   std::set<std::string> last;
   for (int r = 0; r < kWorld; ++r) {
@@ -168,28 +188,15 @@ TEST_F(HeartbeatRelayTest, FourProcesses_OneStream_ServerKilled_AnotherTakesOver
 TEST_F(HeartbeatRelayTest, ServerStopped_OthersBeatOnTheirOwn_OnlyItDies) {
   CreateJob("stopped", /*heartbeat_ms=*/3000);
   constexpr int kSteps = 300;
-  auto workers = Start("stopped", kSteps);
-  for (auto& w : workers) ASSERT_TRUE(WaitForLines(*w, 5, absl::Seconds(60))) << w->err();
+  std::vector<std::unique_ptr<Process>> workers;
   std::vector<int> pids;
-  for (auto& w : workers) pids.push_back(w->pid());
-  const int serving = WaitForOneStream(pids, absl::Seconds(10));
+  const int serving = StartAndFindServer("stopped", kSteps, &workers, &pids);
   ASSERT_GE(serving, 0);
   workers[serving]->Signal(SIGSTOP);
+  ExpectOthersFinishAndOnlyItDies("stopped", workers, serving, kSteps);
   for (int r = 0; r < kWorld; ++r) {
-    if (r == serving) continue;
-    auto code = workers[r]->Wait(absl::Seconds(90));
-    ASSERT_TRUE(code.has_value()) << "rank " << r << " still running";
-    EXPECT_EQ(*code, 0) << "rank " << r << ": " << workers[r]->err();
-    EXPECT_EQ(workers[r]->OutLines().size(), static_cast<size_t>(kSteps)) << "rank " << r;
-    EXPECT_THAT(workers[r]->err(), HasSubstr("went silent")) << "rank " << r;
+    if (r != serving) EXPECT_THAT(workers[r]->err(), HasSubstr("went silent")) << "rank " << r;
   }
-  absl::StatusOr<v1::Job> job = cluster_->admin()->GetJob("stopped");
-  ASSERT_TRUE(job.ok()) << job.status();
-  std::vector<int> dead;
-  for (const v1::Member& m : job->members()) {
-    if (m.state() == v1::DEAD) dead.push_back(m.rank());
-  }
-  EXPECT_THAT(dead, ::testing::ElementsAre(serving)) << job->DebugString();
   workers[serving]->Signal(SIGKILL);
 }
 
@@ -199,11 +206,9 @@ TEST_F(HeartbeatRelayTest, ServerStopped_OthersBeatOnTheirOwn_OnlyItDies) {
 TEST_F(HeartbeatRelayTest, FollowerKilled_DeclaredDeadForConnectionLost_BeforeTheTimeout) {
   constexpr int64_t kHeartbeatMs = 8000;
   CreateJob("lost", kHeartbeatMs);
-  auto workers = Start("lost", 1000000);
-  for (auto& w : workers) ASSERT_TRUE(WaitForLines(*w, 5, absl::Seconds(60))) << w->err();
+  std::vector<std::unique_ptr<Process>> workers;
   std::vector<int> pids;
-  for (auto& w : workers) pids.push_back(w->pid());
-  const int serving = WaitForOneStream(pids, absl::Seconds(10));
+  const int serving = StartAndFindServer("lost", 1000000, &workers, &pids);
   ASSERT_GE(serving, 0);
   const int victim = (serving + 1) % kWorld;
   workers[victim]->Signal(SIGKILL);

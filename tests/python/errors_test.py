@@ -241,6 +241,24 @@ def check_unreachable(modelavg, coordinator, group):
                   lambda: modelavg.connect(job_id="x"), "MODELAVG_COORDINATOR")
 
 
+def interrupt(proc, what, timeout_s):
+    """SIGINT to `proc`; (stdout, stderr, seconds it took to end). Fails when it does not end
+    within `timeout_s` or its stderr shows a crash, a sanitizer report or a call left running."""
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        mt.fail(f"Ctrl-C did not interrupt {what}, or the process did not exit, within "
+                f"{timeout_s} s")
+    took = time.monotonic() - sent
+    for bad in ("ThreadSanitizer", "Segmentation", "Aborted", "Traceback", "still running",
+                "terminate called"):
+        if bad in err:
+            mt.fail(f"the process interrupted in {what} has {bad!r} on stderr: {err[-3000:]}")
+    return out, err, took
+
+
 def check_interrupt(modelavg, coordinator, group):
     modelavg.create_job("never-complete", 2, "PERIODIC", period=2,
                         coordinator=coordinator.address)
@@ -284,20 +302,10 @@ def check_interrupt(modelavg, coordinator, group):
         if not any(proc.stdout.readline().strip() == "connecting" for _ in range(20)):
             mt.fail("the child did not start connecting")
         time.sleep(1.0)  # inside connect's wait by now
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            mt.fail("Ctrl-C did not interrupt connect, or the process did not exit, within 30 s")
-        took = time.monotonic() - sent
+        out, err, took = interrupt(proc, "connect", timeout_s=30)
         if proc.returncode != 0 or "interrupted after" not in out \
                 or (wait == "1" and "join cancelled" not in out):
             mt.fail(f"exit {proc.returncode}, stdout {out!r}, stderr {err[-2000:]}")
-        for bad in ("ThreadSanitizer", "Segmentation", "Aborted", "Traceback", "still running",
-                    "terminate called"):
-            if bad in err:
-                mt.fail(f"the interrupted process's stderr has {bad!r}: {err[-3000:]}")
         if took > 10:
             mt.fail(f"the interrupted process took {took:.1f} s to end")
         print(f"{' '.join(out.split())}; process ended {took:.2f} s after SIGINT")
@@ -407,19 +415,9 @@ def check_interrupt(modelavg, coordinator, group):
     if not any(proc.stdout.readline().strip() == "leaving" for _ in range(50)):
         mt.fail("the leaver did not start leaving")
     time.sleep(1.0)  # retrying against the dead coordinator by now
-    sent = time.monotonic()
-    proc.send_signal(signal.SIGINT)
-    try:
-        out, err = proc.communicate(timeout=20)
-    except subprocess.TimeoutExpired:
-        mt.fail("Ctrl-C did not interrupt leave, or the process did not exit, within 20 s")
-    took = time.monotonic() - sent
+    out, err, took = interrupt(proc, "leave", timeout_s=20)
     if proc.returncode != 0 or "interrupted after" not in out or "leave cancelled" not in out:
         mt.fail(f"leave: exit {proc.returncode}, stdout {out!r}, stderr {err[-2000:]}")
-    for bad in ("ThreadSanitizer", "Segmentation", "Aborted", "Traceback", "still running",
-                "terminate called"):
-        if bad in err:
-            mt.fail(f"the interrupted leaver's stderr has {bad!r}: {err[-3000:]}")
     print(f"{' '.join(out.split())}; process ended {took:.2f} s after SIGINT")
 
 
