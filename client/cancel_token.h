@@ -12,6 +12,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 
 namespace modelavg::client {
@@ -62,6 +63,17 @@ class CancelToken {
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uint64_t, std::function<void()>> callbacks_ ABSL_GUARDED_BY(mu_);
 };
+
+// A retry's wait: cut short by `cancel` (when given) being cancelled, so that the next attempt
+// ends at once.
+inline void SleepUnlessCancelled(const CancelToken* cancel, absl::Duration d) {
+  if (cancel != nullptr) {
+    cancel->SleepFor(d);
+  } else {
+    absl::SleepFor(d);
+  }
+}
+
 
 }  // namespace modelavg::client
 

@@ -115,11 +115,7 @@ absl::StatusOr<v1::JoinResponse> JoinWithRetry(CoordinatorClient& coordinator,
                    options.coordinator, std::string(s.message()));
       next_warning = absl::Now() + absl::Seconds(5);
     }
-    if (options.cancel != nullptr) {
-      options.cancel->SleepFor(backoff);  // the next Join then ends at once if it was cancelled
-    } else {
-      absl::SleepFor(backoff);
-    }
+    SleepUnlessCancelled(options.cancel.get(), backoff);
     backoff = std::min(backoff * 2, absl::Seconds(2));
   }
 }
@@ -340,11 +336,7 @@ absl::Status Client::Leave(absl::string_view reason, CancelToken* cancel) {
                    options_.job_id, options_.coordinator, std::string(s.message()),
                    absl::FormatDuration(options_.leave_timeout));
     }
-    if (cancel != nullptr) {
-      cancel->SleepFor(backoff);  // the next Leave then ends at once if it was cancelled
-    } else {
-      absl::SleepFor(backoff);
-    }
+    SleepUnlessCancelled(cancel, backoff);
     backoff = std::min(backoff * 2, absl::Seconds(1));
     // The record says what happened.
     req.set_reason(absl::StrCat(why, "; sent again after the coordinator was unreachable for ",

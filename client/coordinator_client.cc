@@ -31,6 +31,15 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) 
   return text;
 }
 
+// With `cancel`, its Cancel() cancels the call of `ctx` until the returned guard goes (`ctx`
+// outlives it).
+auto WatchCancel(CancelToken* cancel, grpc::ClientContext* ctx) {
+  const uint64_t id = cancel != nullptr ? cancel->Register([ctx] { ctx->TryCancel(); }) : 0;
+  return absl::Cleanup([cancel, id] {
+    if (cancel != nullptr) cancel->Unregister(id);
+  });
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(
@@ -213,11 +222,7 @@ absl::StatusOr<v1::JoinResponse> CoordinatorClient::Join(const v1::JoinRequest& 
                                                          CancelToken* cancel) {
   grpc::ClientContext ctx;
   Prepare(&ctx, timeout);
-  // Cancel() cancels the call; the context outlives the registration.
-  const uint64_t watch = cancel ? cancel->Register([&ctx] { ctx.TryCancel(); }) : 0;
-  absl::Cleanup unwatch = [cancel, watch] {
-    if (cancel) cancel->Unregister(watch);
-  };
+  auto watch = WatchCancel(cancel, &ctx);
   v1::JoinResponse out;
   MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->Join(&ctx, request, &out); }), "Join"));
   return out;
@@ -283,10 +288,7 @@ absl::StatusOr<v1::LeaveResponse> CoordinatorClient::Leave(const v1::LeaveReques
                                                            CancelToken* cancel) {
   grpc::ClientContext ctx;
   Prepare(&ctx, options_.rpc_timeout);
-  const uint64_t watch = cancel ? cancel->Register([&ctx] { ctx.TryCancel(); }) : 0;
-  absl::Cleanup unwatch = [cancel, watch] {
-    if (cancel) cancel->Unregister(watch);
-  };
+  auto watch = WatchCancel(cancel, &ctx);
   v1::LeaveResponse out;
   MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->Leave(&ctx, request, &out); }), "Leave"));
   return out;

@@ -25,9 +25,6 @@ std::string KeyOf(const CoordinatorClientOptions& o) {
 // A Heartbeat of one unary call per beat: written before the stream had members to share.
 constexpr absl::Duration kDefaultInterval = absl::Milliseconds(100);
 
-// Beats in one message (as the coordinator takes): the relay's wait for the next when more.
-constexpr size_t kMaxBeatsPerMessage = 4096;
-
 // Streams to the host's relay in a row that got no answer, its lock held all along, before this
 // process gives up on it (with the follower's backoff, about a quarter of a second).
 constexpr int kMaxRelayFailures = 5;
@@ -269,8 +266,10 @@ v1::HostHeartbeatRequest HeartbeatHub::NextRequest(bool* dropped, bool closing_a
     }
   }
   if (relay_ != nullptr) {
-    *taken = relay_->Collect(kMaxBeatsPerMessage - std::min(kMaxBeatsPerMessage, beats.size()),
-                             closing_all, &req);
+    // (Past the coordinator's bound per request, the followers' beats wait for the next one.)
+    *taken = relay_->Collect(
+        kMaxHostBeatsPerRequest - std::min(kMaxHostBeatsPerRequest, beats.size()), closing_all,
+        &req);
   }
   req.set_reply_interval_ms(std::max<int64_t>(1, keepalive_ms));
   if (interval != absl::InfiniteDuration()) {

@@ -20,9 +20,6 @@
 namespace modelavg::client {
 namespace {
 
-// Beats in one follower message (as the coordinator takes).
-constexpr int kMaxBeatsPerRequest = 4096;
-
 // FNV-1a: names the relay of one coordinator key in the directory, the same in every process.
 uint64_t Fnv1a(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
@@ -293,9 +290,9 @@ HeartbeatRelay::~HeartbeatRelay() {
 
 absl::Status HeartbeatRelay::Take(Follower* from, const v1::HostHeartbeatRequest& request,
                                   bool* woke) {
-  if (request.beats_size() > kMaxBeatsPerRequest) {
+  if (static_cast<size_t>(request.beats_size()) > kMaxHostBeatsPerRequest) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "a HostHeartbeatRequest carries at most ", kMaxBeatsPerRequest, " beats, this one ",
+        "a HostHeartbeatRequest carries at most ", kMaxHostBeatsPerRequest, " beats, this one ",
         request.beats_size()));
   }
   if (request.reply_interval_ms() < 1 || request.reply_interval_ms() > kMaxReplyIntervalMs) {

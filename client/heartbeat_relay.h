@@ -36,6 +36,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/heartbeat_keepalive.h"
 #include "grpcpp/grpcpp.h"
 #include "modelavg/v1/coordinator.grpc.pb.h"
 
@@ -60,8 +61,8 @@ absl::StatusOr<int> TryRelayLock(const RelayPaths& paths);
 
 class HeartbeatRelay {
  public:
-  // Members through one relay.
-  static constexpr size_t kMaxMembers = 4096;
+  // Members through one relay: as many as its one stream to the coordinator may carry.
+  static constexpr size_t kMaxMembers = kMaxHostStreamMembers;
 
   // Serves on paths.socket; `lock_fd` (from TryRelayLock) is released with the relay. `wake`
   // runs (on a gRPC thread, no lock held) when a member is new to the relay, so that its first

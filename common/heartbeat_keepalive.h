@@ -13,6 +13,7 @@
 #define MODELAVG_COMMON_HEARTBEAT_KEEPALIVE_H_
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 
 #include "absl/time/time.h"
@@ -21,6 +22,12 @@ namespace modelavg {
 
 // The longest reply_interval_ms a HeartbeatStream may ask for.
 inline constexpr int64_t kMaxReplyIntervalMs = 60000;
+
+// A HostHeartbeatStream's bounds (coordinator.proto): beats in one request, and members one
+// stream tracks. The coordinator enforces them; a host's relay, which forwards its followers'
+// beats in one such stream, holds to them too.
+inline constexpr size_t kMaxHostBeatsPerRequest = 4096;
+inline constexpr size_t kMaxHostStreamMembers = 4096;
 
 // reply_interval_ms for a stream that beats every `beat_interval` in a job whose heartbeat
 // timeout is `heartbeat_timeout`: in 1..kMaxReplyIntervalMs.

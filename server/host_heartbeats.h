@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/heartbeat_keepalive.h"
 #include "modelavg/v1/coordinator.pb.h"
 #include "server/job_registry.h"
 
@@ -27,8 +28,8 @@ namespace modelavg::server {
 class HostHeartbeats {
  public:
   // Beats in one request, and members one stream tracks.
-  static constexpr size_t kMaxBeatsPerRequest = 4096;
-  static constexpr size_t kMaxMembers = 4096;
+  static constexpr size_t kMaxBeatsPerRequest = kMaxHostBeatsPerRequest;
+  static constexpr size_t kMaxMembers = kMaxHostStreamMembers;
 
   // `registry` outlives this.
   explicit HostHeartbeats(JobRegistry* registry) : registry_(registry) {}
