@@ -35,18 +35,18 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "client/averager.h"
-#include "client/client.h"
-#include "client/communicator_cache.h"
-#include "client/coordinator_client.h"
-#include "client/gloo_communicator.h"
+#include "client/comm/communicator_cache.h"
+#include "client/comm/gloo/gloo_communicator.h"
+#include "client/rpc/coordinator_client.h"
 #include "common/logging.h"
 #include "common/status_util.h"
+#include "modelavg/client/averager.h"
+#include "modelavg/client/client.h"
 #include "server/coordinator_server.h"
 #if MODELAVG_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-#include "client/nccl_communicator.h"
+#include "client/comm/nccl/cuda/nccl_communicator.h"
 #include "common/cuda_check.h"
 #endif
 

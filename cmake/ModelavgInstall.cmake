@@ -13,8 +13,9 @@
 #   python     python3-modelavg               whatever python/ installs with COMPONENT python
 #
 # In the build tree nothing changes for the project's own targets: they keep linking the static
-# modelavg_client / modelavg_common / modelavg_proto. The shared library is linked from those
-# same objects (no second compile), so tests and installed library run the same code.
+# libraries (one per folder of client/, modelavg_common, modelavg_proto). The shared library is
+# linked from those same objects (no second compile), so tests and installed library run the
+# same code.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
@@ -26,38 +27,19 @@ else()
   set(MODELAVG_SOVERSION ${PROJECT_VERSION_MAJOR})
 endif()
 
-# ---- Public headers: what a trainer includes, as <modelavg/...>. Everything else is private. ----
-# Public headers include each other as "modelavg/...". In the build tree these names resolve
-# through links under build/include/modelavg/ that point at the sources (no file moves), so the
-# build tree offers exactly the installed include layout.
-set(MODELAVG_PUBLIC_HEADERS
-  client/averager.h
-  client/cancel_token.h
-  client/client.h
-  client/contiguous_parameters.h
-  client/membership_view.h
-  client/tensor.h
-  common/schedule.h)
+# ---- Public headers: what a trainer includes, as <modelavg/...>: the folder include/modelavg/,
+# installed as it is (the project's own code includes them by the same names). Everything else
+# is private. The generated API headers go beside them as <modelavg/v1/...>. ----
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/modelavg DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
+        COMPONENT dev FILES_MATCHING PATTERN "*.h")
 set(MODELAVG_PROTO_HEADERS
   ${PROJECT_BINARY_DIR}/proto/gen/modelavg/v1/coordinator.pb.h
   ${PROJECT_BINARY_DIR}/proto/gen/modelavg/v1/coordinator.grpc.pb.h)
-set(_modelavg_include_dir ${PROJECT_BINARY_DIR}/include)
-foreach(header ${MODELAVG_PUBLIC_HEADERS})
-  get_filename_component(_dir ${header} DIRECTORY)
-  file(MAKE_DIRECTORY ${_modelavg_include_dir}/modelavg/${_dir})
-  file(CREATE_LINK ${PROJECT_SOURCE_DIR}/${header} ${_modelavg_include_dir}/modelavg/${header}
-       SYMBOLIC)
-  install(FILES ${header} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/modelavg/${_dir}
-          COMPONENT dev)
-endforeach()
 install(FILES ${MODELAVG_PROTO_HEADERS} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/modelavg/v1
         COMPONENT dev)
-# Every target that compiles a public header gets the prefixed names (modelavg_client links
-# modelavg_common publicly).
-target_include_directories(modelavg_common PUBLIC $<BUILD_INTERFACE:${_modelavg_include_dir}>)
 
 # ---- The shared client library: modelavg::client for other projects. ----
-set(_modelavg_static modelavg_client modelavg_common modelavg_proto)
+set(_modelavg_static ${MODELAVG_CLIENT_LIBRARIES} modelavg_common modelavg_proto modelavg_proto_grpc)
 add_library(modelavg_client_shared SHARED)
 foreach(lib ${_modelavg_static})
   target_sources(modelavg_client_shared PRIVATE $<TARGET_OBJECTS:${lib}>)
@@ -78,7 +60,7 @@ target_link_libraries(modelavg_client_shared PUBLIC
   protobuf::libprotobuf gRPC::grpc++ absl::base absl::status absl::statusor absl::span
   absl::strings absl::synchronization absl::time Threads::Threads)
 target_include_directories(modelavg_client_shared INTERFACE
-  $<BUILD_INTERFACE:${_modelavg_include_dir}>
+  $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include>
   $<BUILD_INTERFACE:${PROJECT_BINARY_DIR}/proto/gen>
   $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
 target_compile_features(modelavg_client_shared INTERFACE cxx_std_17)

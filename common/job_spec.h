@@ -8,7 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "common/schedule.h"
+#include "modelavg/common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
 
 namespace modelavg {

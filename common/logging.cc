@@ -3,8 +3,8 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
-#include "spdlog/sinks/stdout_sinks.h"
 #include "spdlog/logger.h"
+#include "spdlog/sinks/stdout_sinks.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg {

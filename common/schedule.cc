@@ -1,4 +1,4 @@
-#include "common/schedule.h"
+#include "modelavg/common/schedule.h"
 
 #include <cmath>
 #include <limits>

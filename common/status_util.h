@@ -1,16 +1,12 @@
-// Conversions between absl::Status and grpc::Status, and status helpers used on both sides of the
-// wire. Only the RPC layers (server/grpc_service, client/coordinator_client) convert.
+// Status helpers used everywhere: annotation, and the return-on-error macros. (The conversion to
+// and from grpc::Status is the RPC layers' own: proto/status_conversion.h.)
 #ifndef MODELAVG_COMMON_STATUS_UTIL_H_
 #define MODELAVG_COMMON_STATUS_UTIL_H_
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "grpcpp/support/status.h"
 
 namespace modelavg {
-
-grpc::Status ToGrpcStatus(const absl::Status& status);
-absl::Status FromGrpcStatus(const grpc::Status& status);
 
 // `status` with `context` prepended to its message ("context: message"), its payloads kept; OK
 // stays OK.

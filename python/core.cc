@@ -1,4 +1,4 @@
-// modelavg._core: the Python binding of the client library (client/client.h, client/averager.h).
+// modelavg._core: the Python binding of the client library (include/modelavg/client/client.h, include/modelavg/client/averager.h).
 //
 // A thin layer: the schedule, the protocol and the collectives are the C++ client's. Tensors
 // cross as (data pointer, element count, dtype, device, CUDA stream) tuples that the pure-Python
@@ -30,11 +30,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
-#include "client/averager.h"
-#include "client/client.h"
-#include "client/coordinator_client.h"
-#include "client/tensor.h"
-#include "common/schedule.h"
+#include "client/rpc/coordinator_client.h"
+#include "modelavg/client/averager.h"
+#include "modelavg/client/client.h"
+#include "modelavg/client/tensor.h"
+#include "modelavg/common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
 #include "pybind11/pybind11.h"
 #include "pybind11/stl.h"

@@ -4,8 +4,8 @@
 #ifndef MODELAVG_PYTHON_MESSAGES_H_
 #define MODELAVG_PYTHON_MESSAGES_H_
 
-#include "client/client.h"
-#include "client/coordinator_client.h"
+#include "client/rpc/coordinator_client.h"
+#include "modelavg/client/client.h"
 #include "modelavg/v1/coordinator.pb.h"
 #include "pybind11/pybind11.h"
 

@@ -6,19 +6,19 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/file_util.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "server/coordinator_service.h"
-#include "server/http_server.h"
-#include "server/job_registry.h"
-#include "common/file_util.h"
+#include "server/core/job_registry.h"
+#include "server/http/http_server.h"
+#include "server/http/status_page.h"
 #include "server/jobs_file.h"
 #include "server/leader_terms.h"
-#include "server/rpc_metrics.h"
-#include "server/sqlite_state_store.h"
-#include "server/state_store.h"
-#include "server/status_page.h"
+#include "server/rpc/coordinator_service.h"
+#include "server/rpc/rpc_metrics.h"
+#include "server/store/sqlite/sqlite_state_store.h"
+#include "server/store/state_store.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::server {
@@ -175,7 +175,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     server->service_->set_gate([terms = server->terms_.get()](grpc::CallbackServerContext* ctx) {
       std::string leader;
       absl::Status s = terms->CheckServing(&leader);
-      // Clients fail over to the address in this trailer (client/coordinator_client.h).
+      // Clients fail over to the address in this trailer (client/rpc/coordinator_client.h).
       if (!s.ok() && ctx != nullptr && !leader.empty()) {
         ctx->AddTrailingMetadata("modelavg-leader", leader);
       }

@@ -10,11 +10,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/time/time.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/clock.h"
 #include "modelavg/v1/coordinator.pb.h"
-#include "server/job.h"
+#include "server/core/job.h"
 
 namespace grpc {
 class Server;
@@ -48,7 +48,7 @@ struct ServerOptions {
   // Empty: every verified client certificate is an operator.
   std::vector<std::string> operator_cert_names;
   // "HOST:PORT" of the HTTP port: Prometheus' /metrics and the status page (/, /jobs/ID;
-  // server/status_page.h); empty: neither.
+  // server/http/status_page.h); empty: neither.
   std::string metrics_listen;
   // Jobs created before serving (e.g. from --jobs_file), merged with the stored ones
   // (JobRegistry::MergeJobs).

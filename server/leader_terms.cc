@@ -6,10 +6,10 @@
 
 #ifdef MODELAVG_HAVE_ETCD
 #include "absl/synchronization/mutex.h"
-#include "server/etcd_client.h"
-#include "server/etcd_state_store.h"
-#include "server/job_registry.h"
-#include "server/leader_election.h"
+#include "server/core/job_registry.h"
+#include "server/store/etcd/etcd_client.h"
+#include "server/store/etcd/etcd_state_store.h"
+#include "server/store/etcd/leader_election.h"
 #include "spdlog/spdlog.h"
 #endif
 

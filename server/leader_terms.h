@@ -1,6 +1,6 @@
 // A coordinator that keeps its state in etcd and serves only while it leads
-// (--etcd_endpoints): owns the etcd client, the election (server/leader_election.h) and the
-// fenced state store (server/etcd_state_store.h), and runs the JobRegistry's terms. Each time
+// (--etcd_endpoints): owns the etcd client, the election (server/store/etcd/leader_election.h) and the
+// fenced state store (server/store/etcd/etcd_state_store.h), and runs the JobRegistry's terms. Each time
 // this coordinator wins it loads every job from etcd, as a restarted --state_dir coordinator
 // does (the members get the recovery grace to re-attach), merges the jobs file, and serves;
 // each time it loses, it stops serving at once, drops every job (pending waits fail with

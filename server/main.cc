@@ -21,10 +21,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/file_util.h"
 #include "common/job_spec.h"
 #include "common/logging.h"
 #include "server/coordinator_server.h"
-#include "common/file_util.h"
 #include "server/jobs_file.h"
 #include "spdlog/spdlog.h"
 

@@ -8,7 +8,7 @@ from .errors import InvalidArgumentError
 
 Duration = Union[float, int, datetime.timedelta]
 
-# ClientOptions fields (client/client.h) that connect() takes as keywords, with their kinds.
+# ClientOptions fields (include/modelavg/client/client.h) that connect() takes as keywords, with their kinds.
 _CLIENT_OPTIONS = {
     "worker_id": str, "auth_token": str, "tls": bool, "tls_ca_file": str, "tls_cert_file": str,
     "tls_key_file": str, "join_timeout": Duration, "rpc_timeout": Duration,

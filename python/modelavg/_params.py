@@ -9,7 +9,7 @@ the current stream — torch is never linked, only imported here.
 
 from typing import Any, Iterable, List, Tuple
 
-_DTYPE_CODES = None  # torch dtype -> modelavg DType code (client/tensor.h order)
+_DTYPE_CODES = None  # torch dtype -> modelavg DType code (include/modelavg/client/tensor.h order)
 
 
 def _torch():

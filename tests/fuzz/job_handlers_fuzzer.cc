@@ -15,8 +15,8 @@
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include "common/clock.h"
-#include "server/job.h"
-#include "server/job_registry.h"
+#include "server/core/job.h"
+#include "server/core/job_registry.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::server {

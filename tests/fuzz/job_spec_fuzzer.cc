@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "common/job_spec.h"
-#include "common/schedule.h"
+#include "modelavg/common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

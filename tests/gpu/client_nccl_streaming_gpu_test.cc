@@ -16,12 +16,12 @@
 #include <vector>
 
 #include "absl/time/time.h"
-#include "client/cuda_local_ops.h"
-#include "client/half.h"
-#include "client/nccl_communicator.h"
-#include "client/payload_codec.h"
-#include "client/payload_kernels.h"
-#include "client/staging_layout.h"
+#include "client/base/half.h"
+#include "client/comm/nccl/cuda/cuda_local_ops.h"
+#include "client/comm/nccl/cuda/nccl_communicator.h"
+#include "client/comm/nccl/cuda/payload_kernels.h"
+#include "client/payload/payload_codec.h"
+#include "client/payload/staging_layout.h"
 #include "gtest/gtest.h"
 #include "tests/gpu/cuda_device_test.h"
 #include "tests/tools/staging_reference.h"

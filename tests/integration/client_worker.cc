@@ -22,12 +22,12 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "client/averager.h"
-#include "client/client.h"
-#include "client/fault_injection.h"
-#include "client/half.h"
+#include "client/base/half.h"
+#include "client/comm/fault_injection.h"
 #include "common/logging.h"
 #include "common/status_util.h"
+#include "modelavg/client/averager.h"
+#include "modelavg/client/client.h"
 
 ABSL_FLAG(std::string, coordinator, "", "Coordinator HOST:PORT.");
 ABSL_FLAG(std::string, job, "", "Job id (the job must exist).");

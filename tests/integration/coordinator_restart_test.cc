@@ -42,7 +42,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "client/coordinator_client.h"
+#include "client/rpc/coordinator_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/client_test_processes.h"

@@ -19,7 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "server/etcd_client.h"
+#include "server/store/etcd/etcd_client.h"
 #include "tests/integration/client_test_processes.h"
 
 namespace modelavg::testing {

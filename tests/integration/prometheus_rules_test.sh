@@ -18,7 +18,7 @@ promtool check config prometheus.yml
 promtool test rules alerts_test.yml
 # Every metric the rules use is one the coordinator exports (docs/operations.md lists them).
 for metric in $(grep -o 'modelavg_[a-z_]*' alerts.yml | sort -u); do
-  grep -q "\"$metric\"" "$dir/../../server/rpc_metrics.cc" ||
-    { echo "FAIL: alerts.yml uses $metric, which server/rpc_metrics.cc does not export" >&2; exit 1; }
+  grep -q "\"$metric\"" "$dir/../../server/rpc/rpc_metrics.cc" ||
+    { echo "FAIL: alerts.yml uses $metric, which server/rpc/rpc_metrics.cc does not export" >&2; exit 1; }
 done
 echo "prometheus rules: 1 passed, 0 failed"

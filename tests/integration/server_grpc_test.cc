@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/file_util.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -19,7 +20,6 @@
 #include "gtest/gtest.h"
 #include "modelavg/v1/coordinator.grpc.pb.h"
 #include "server/coordinator_server.h"
-#include "common/file_util.h"
 #include "server/jobs_file.h"
 #include "tests/tools/in_process_coordinator.h"
 #include "tests/tools/make_job_spec.h"

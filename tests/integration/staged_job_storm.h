@@ -12,7 +12,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "client/coordinator_client.h"
+#include "client/rpc/coordinator_client.h"
 #include "modelavg/v1/coordinator.pb.h"
 #include "tests/tools/make_job_spec.h"
 

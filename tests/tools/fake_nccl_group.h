@@ -8,9 +8,9 @@
 #include <memory>
 #include <vector>
 
-#include "client/nccl_core.h"
-#include "common/schedule.h"
+#include "client/comm/nccl/nccl_core.h"
 #include "gtest/gtest.h"
+#include "modelavg/common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
 #include "tests/tools/fake_nccl_device.h"
 

@@ -7,7 +7,7 @@
 #include <utility>
 
 #include "absl/status/statusor.h"
-#include "client/coordinator_client.h"
+#include "client/rpc/coordinator_client.h"
 #include "server/coordinator_server.h"
 
 namespace modelavg::testing {

@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
-#include "client/half.h"
-#include "client/staging_chunk.h"
+#include "client/base/half.h"
+#include "client/payload/staging_chunk.h"
 
 namespace modelavg::client {
 

@@ -8,10 +8,11 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "client/gloo_communicator.h"
-#include "tests/unit/gloo_test_mesh.h"
+#include "client/comm/gloo/gloo_communicator.h"
+#include "client/comm/solo_communicator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/unit/gloo_test_mesh.h"
 
 namespace modelavg::client {
 namespace {

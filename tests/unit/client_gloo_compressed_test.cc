@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/fragments.h"
-#include "client/gloo_communicator.h"
-#include "client/payload_codec.h"
+#include "client/averaging/fragments.h"
+#include "client/comm/gloo/gloo_communicator.h"
+#include "client/payload/payload_codec.h"
 #include "gloo/rendezvous/hash_store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -6,12 +6,13 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "client/communicator.h"
-#include "client/fault_injection.h"
-#include "client/gloo_communicator.h"
-#include "tests/unit/gloo_test_mesh.h"
+#include "client/comm/communicator.h"
+#include "client/comm/fault_injection.h"
+#include "client/comm/gloo/gloo_communicator.h"
+#include "client/comm/solo_communicator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/unit/gloo_test_mesh.h"
 
 namespace modelavg::client {
 namespace {

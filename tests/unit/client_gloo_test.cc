@@ -1,8 +1,9 @@
 // GlooCommunicator with ranks as threads over loopback, rendezvous through Gloo's in-memory
 // HashStore (the coordinator-backed store is covered by client_coordinator_test). Silent links
 // go through tests/tools/gloo_link_proxy.h.
-#include "client/gloo_communicator.h"
-#include "client/fault_injection.h"
+#include "client/comm/fault_injection.h"
+#include "client/comm/gloo/gloo_communicator.h"
+#include "client/comm/solo_communicator.h"
 
 #include <cmath>
 #include <cstdint>
@@ -16,7 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "client/half.h"
+#include "client/base/half.h"
 #include "gloo/rendezvous/hash_store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

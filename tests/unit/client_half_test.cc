@@ -1,4 +1,4 @@
-#include "client/half.h"
+#include "client/base/half.h"
 
 #include <cmath>
 #include <cstdint>

@@ -14,10 +14,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "client/communicator.h"
-#include "client/nccl_core.h"
-#include "client/payload_codec.h"
-#include "client/staging_layout.h"
+#include "client/comm/communicator.h"
+#include "client/comm/nccl/nccl_core.h"
+#include "client/payload/payload_codec.h"
+#include "client/payload/staging_layout.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/tools/fake_nccl_device.h"

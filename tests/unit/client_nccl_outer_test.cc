@@ -14,10 +14,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "client/nccl_core.h"
-#include "client/fault_injection.h"
-#include "client/nccl_outer.h"
-#include "client/outer_state.h"
+#include "client/averaging/device_outer_state.h"
+#include "client/averaging/outer_state.h"
+#include "client/comm/fault_injection.h"
+#include "client/comm/nccl/nccl_core.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "modelavg/v1/coordinator.pb.h"

@@ -1,11 +1,11 @@
-// OuterLevelState (client/outer_state.h) on its own: the SGD step against the rule written out
+// OuterLevelState (client/averaging/outer_state.h) on its own: the SGD step against the rule written out
 // by hand, the state dtypes, and the errors of a state that does not fit.
-#include "client/outer_state.h"
+#include "client/averaging/outer_state.h"
 
 #include <cstring>
 #include <vector>
 
-#include "client/half.h"
+#include "client/base/half.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

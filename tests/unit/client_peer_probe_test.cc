@@ -1,6 +1,6 @@
-// ProbeTcpPeers (client/peer_probe.h): which peers' hosts answer a TCP connect. The peers are
+// ProbeTcpPeers (client/comm/peer_probe.h): which peers' hosts answer a TCP connect. The peers are
 // sockets of this process on the loopback: listening, refusing, and silent.
-#include "client/peer_probe.h"
+#include "client/comm/peer_probe.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

@@ -11,16 +11,16 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/match.h"
 #include "absl/time/clock.h"
-#include "client/client.h"
-#include "client/coordinator_client.h"
+#include "client/rpc/coordinator_client.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "modelavg/client/client.h"
 #include "modelavg/v1/coordinator.grpc.pb.h"
 #include "server/coordinator_server.h"
 #include "tests/tools/http_get.h"

@@ -1,9 +1,9 @@
-#include "client/host_staging.h"
+#include "client/payload/host_staging.h"
 
 #include <cstdint>
 #include <vector>
 
-#include "client/half.h"
+#include "client/base/half.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

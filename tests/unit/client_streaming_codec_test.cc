@@ -6,8 +6,8 @@
 #include <random>
 #include <vector>
 
-#include "client/fragments.h"
-#include "client/payload_codec.h"
+#include "client/averaging/fragments.h"
+#include "client/payload/payload_codec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/time/time.h"
-#include "client/gloo_communicator.h"
+#include "client/comm/gloo/gloo_communicator.h"
 #include "gloo/rendezvous/hash_store.h"
 
 namespace modelavg::client {

@@ -13,9 +13,9 @@
 #include "common/clock.h"
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
-#include "server/job.h"
-#include "server/job_registry.h"
-#include "server/state_store.h"
+#include "server/core/job.h"
+#include "server/core/job_registry.h"
+#include "server/store/state_store.h"
 
 namespace modelavg::server {
 

@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "common/job_spec.h"
-#include "common/schedule.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "modelavg/common/schedule.h"
 #include "tests/tools/make_job_spec.h"
 
 namespace modelavg {

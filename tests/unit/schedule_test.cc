@@ -1,7 +1,7 @@
 // The schedule must reproduce PyTorch's PeriodicModelAverager and HierarchicalModelAverager step
 // for step. Scenarios come from PyTorch's own tests; the reference loops below transcribe the
 // averagers' `average_parameters` bodies (decide, then increment the step counter).
-#include "common/schedule.h"
+#include "modelavg/common/schedule.h"
 
 #include <limits>
 #include <map>

@@ -6,7 +6,7 @@ modelavg_add_gtest(server_state_store_test SOURCES server_state_store_test.cc
   LIBS modelavg_server_core)
 modelavg_add_gtest(server_jobs_file_test SOURCES server_jobs_file_test.cc LIBS modelavg_server)
 modelavg_add_gtest(server_sqlite_state_store_test SOURCES server_sqlite_state_store_test.cc
-  LIBS modelavg_server_sqlite)
+  LIBS modelavg_server_sqlite modelavg_server_core)
 modelavg_add_gtest(server_elastic_test SOURCES server_elastic_test.cc LIBS modelavg_server_core)
 # Bounds on what a client can make the core hold and compute (specs, pages, cancellation).
 modelavg_add_gtest(server_bounds_test SOURCES server_bounds_test.cc LIBS modelavg_server_core)

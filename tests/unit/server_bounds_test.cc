@@ -8,8 +8,8 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/job.h"
-#include "server/job_registry.h"
+#include "server/core/job.h"
+#include "server/core/job_registry.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::server {

@@ -7,13 +7,13 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/job_spec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "common/job_spec.h"
-#include "server/job.h"
-#include "server/job_registry.h"
-#include "server/member_credential.h"
-#include "server/state_store.h"
+#include "server/core/job.h"
+#include "server/core/job_registry.h"
+#include "server/membership/member_credential.h"
+#include "server/store/state_store.h"
 
 namespace modelavg::server {
 namespace {

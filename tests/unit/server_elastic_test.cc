@@ -15,12 +15,12 @@
 #include "gmock/gmock.h"
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
-#include "server/admission.h"
-#include "server/job.h"
-#include "server/job_registry.h"
-#include "server/member_credential.h"
-#include "server/membership.h"
-#include "server/state_store.h"
+#include "server/core/job.h"
+#include "server/core/job_registry.h"
+#include "server/membership/admission.h"
+#include "server/membership/member_credential.h"
+#include "server/membership/membership.h"
+#include "server/store/state_store.h"
 
 namespace modelavg::server {
 namespace {

@@ -1,5 +1,5 @@
 // HeartbeatReplies: which beats of a HeartbeatStream are answered, driven by a fake clock.
-#include "server/heartbeat_replies.h"
+#include "server/core/heartbeat_replies.h"
 
 #include <algorithm>
 #include <string>

@@ -2,7 +2,7 @@
 // beats of several members in one request are each recorded; which members' answers go out
 // (first beats, news, errors); merging into an unsent reply; the keep-alive; the bounds; the
 // members a broken stream reports.
-#include "server/host_heartbeats.h"
+#include "server/core/host_heartbeats.h"
 
 #include <memory>
 #include <optional>
@@ -12,9 +12,9 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/job.h"
-#include "server/job_registry.h"
-#include "server/state_store.h"
+#include "server/core/job.h"
+#include "server/core/job_registry.h"
+#include "server/store/state_store.h"
 
 namespace modelavg::server {
 namespace {

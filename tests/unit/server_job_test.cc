@@ -10,8 +10,8 @@
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/job.h"
-#include "server/job_registry.h"
+#include "server/core/job.h"
+#include "server/core/job_registry.h"
 #include "tests/tools/make_job_spec.h"
 
 namespace modelavg::server {

@@ -6,8 +6,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/membership.h"
-#include "server/member_credential.h"
+#include "server/membership/member_credential.h"
+#include "server/membership/membership.h"
 
 namespace modelavg::server {
 namespace {

@@ -11,18 +11,18 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/clock.h"
-#include "gtest/gtest.h"
 #include "google/protobuf/text_format.h"
-#include "server/job.h"
-#include "server/job_registry.h"
-#include "server/peer_reports.h"
-#include "server/state_store.h"
+#include "gtest/gtest.h"
+#include "server/core/job.h"
+#include "server/core/job_registry.h"
+#include "server/membership/peer_reports.h"
+#include "server/store/state_store.h"
 #include "tests/unit/running_job_fixture.h"
 
 namespace modelavg::server {
 namespace {
 
-// The rule alone (server/peer_reports.h).
+// The rule alone (server/membership/peer_reports.h).
 PeerReport Report(int32_t reporter, std::vector<int32_t> unreachable,
                   std::vector<int32_t> reachable, absl::Time at) {
   PeerReport r;

@@ -8,11 +8,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/clock.h"
-#include "gtest/gtest.h"
 #include "google/protobuf/text_format.h"
-#include "server/job.h"
-#include "server/job_registry.h"
-#include "server/state_store.h"
+#include "gtest/gtest.h"
+#include "server/core/job.h"
+#include "server/core/job_registry.h"
+#include "server/store/state_store.h"
 #include "tests/unit/running_job_fixture.h"
 
 namespace modelavg::server {

@@ -17,8 +17,8 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/job_registry.h"
-#include "server/sqlite_state_store.h"
+#include "server/core/job_registry.h"
+#include "server/store/sqlite/sqlite_state_store.h"
 #include "tests/tools/make_job_spec.h"
 
 namespace modelavg::server {

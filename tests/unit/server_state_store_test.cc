@@ -8,12 +8,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/job_spec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "common/job_spec.h"
-#include "server/job.h"
-#include "server/job_registry.h"
-#include "server/state_store.h"
+#include "server/core/job.h"
+#include "server/core/job_registry.h"
+#include "server/store/state_store.h"
 #include "tests/tools/make_job_spec.h"
 
 namespace modelavg::server {

@@ -1,6 +1,6 @@
 // StreamWrites, the one-write-in-flight queue of the streaming reactors, against a fake reactor
 // that records what it is asked to do and completes writes only when the test says so.
-#include "server/stream_writes.h"
+#include "server/rpc/stream_writes.h"
 
 #include <string>
 #include <vector>

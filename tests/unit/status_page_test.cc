@@ -1,7 +1,7 @@
 // The status page over a coordinator core with a fake clock: what the pages show (members, lag,
 // generation history with reasons, events, the schedule's next averaging steps), that every value
 // is escaped, that no credential shows, and the operator token (bearer header, login cookie).
-#include "server/status_page.h"
+#include "server/http/status_page.h"
 
 #include <map>
 #include <memory>
@@ -12,7 +12,7 @@
 #include "gmock/gmock.h"
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
-#include "server/job_registry.h"
+#include "server/core/job_registry.h"
 
 namespace modelavg::server {
 namespace {

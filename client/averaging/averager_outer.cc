@@ -1,0 +1,374 @@
+// The outer optimizer's rounds on a whole level (DiLoCo, docs/diloco.md): the pseudo-gradient's
+// average and the outer step, on host or CUDA parameters; the CUDA device state they run on;
+// and, at an elastic admission, the hand-over of every outer state to the replacements.
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/averaging/device_outer_state.h"
+#include "client/averaging/fragments.h"
+#include "client/averaging/outer_state.h"
+#include "client/averaging/pending_sync.h"  // StreamingOuterLevel
+#include "client/comm/nccl/nccl_core.h"
+#include "modelavg/client/averager.h"
+#if MODELAVG_HAVE_CUDA
+#include "client/comm/nccl/cuda/cuda_local_ops.h"
+#endif
+#include "common/status_util.h"
+#include "spdlog/spdlog.h"
+
+namespace modelavg::client {
+namespace {
+
+// Runs `round` on a device copy of the host buffer that `views` cover (one allocation of
+// `bytes` from views[0]), placed like `like` (device, stream), and copies the result back.
+absl::Status TransferThroughDevice(
+    NcclDeviceOps* ops, const TensorView& like, std::vector<TensorView>& views, size_t bytes,
+    const std::function<absl::Status(absl::Span<const TensorView>)>& round) {
+  GrowableBuffer scratch;
+  absl::Status s = scratch.Reserve(*ops, bytes);
+  char* host = static_cast<char*>(views[0].data);
+  std::vector<TensorView> on_device = views;
+  for (TensorView& v : on_device) {
+    if (v.data != nullptr) v.data = static_cast<char*>(scratch.data()) + (static_cast<char*>(v.data) - host);
+    v.device = like.device;
+    v.cuda_stream = like.cuda_stream;
+  }
+  if (s.ok()) s = ops->Copy(scratch.data(), host, bytes, like.cuda_stream);
+  if (s.ok()) s = ops->WaitLocal(like.cuda_stream, "copying the outer state to the device");
+  if (s.ok()) s = round(on_device);
+  if (s.ok()) s = ops->Copy(host, scratch.data(), bytes, like.cuda_stream);
+  if (s.ok()) s = ops->WaitLocal(like.cuda_stream, "copying the outer state from the device");
+  scratch.Release(*ops);
+  return s;
+}
+
+// An outer state to hand over at an admission, with the parameter tensors it covers: a whole
+// outer level all of them, a streaming level's fragment its run of tensors (docs/streaming.md).
+struct HandOver {
+  OuterLevelState* state;
+  size_t first;
+  size_t n;
+  int fragment;  // -1: the whole level
+
+  std::string Name() const {
+    return fragment < 0 ? absl::StrCat("level ", state->level())
+                        : absl::StrCat("level ", state->level(), " fragment ", fragment);
+  }
+  // Its tensors in the hand-over buffer: the anchor's, then with momentum the momentum's.
+  size_t Width() const { return state->rule().momentum != 0 ? 2 * n : n; }
+};
+
+// Every outer state to hand over, for the parameters `all`: the whole levels of `outer`, and
+// each fragment of a streaming level (its states in `fragment_outer`, made here if need be).
+std::vector<HandOver> HandOvers(
+    const std::vector<std::unique_ptr<OuterLevelState>>& outer,
+    std::vector<std::vector<std::unique_ptr<OuterLevelState>>>& fragment_outer,
+    const std::vector<ScheduleLevel>& spec_levels, absl::Span<const TensorView> all) {
+  std::vector<HandOver> out;
+  for (const auto& state : outer) {
+    if (state == nullptr) continue;
+    const ScheduleLevel& l = spec_levels[state->level()];
+    if (!StreamingOuterLevel(l)) {
+      out.push_back({state.get(), 0, all.size(), -1});
+      continue;
+    }
+    const int level = state->level();
+    if (fragment_outer.size() <= static_cast<size_t>(level)) fragment_outer.resize(level + 1);
+    std::vector<std::unique_ptr<OuterLevelState>>& states = fragment_outer[level];
+    if (states.empty()) {
+      for (int f = 0; f < std::max(1, l.fragments); ++f) {
+        states.push_back(std::make_unique<OuterLevelState>(level, *l.outer));
+      }
+    }
+    const FragmentSplit split = SplitIntoFragments(all, std::max(1, l.fragments));
+    for (int f = 0; f < static_cast<int>(states.size()); ++f) {
+      out.push_back({states[f].get(), split.begin[f], split.begin[f + 1] - split.begin[f], f});
+    }
+  }
+  return out;
+}
+
+// Each hand-over's donor to replacement `j`: the lowest contributing member of j's block at
+// that hand-over's level, or -1 when there is none.
+std::vector<int32_t> DonorsTo(int32_t j, const std::vector<HandOver>& hand_overs,
+                              const Decision& decision,
+                              const std::vector<ScheduleLevel>& spec_levels) {
+  const std::vector<int32_t> members = decision.Members();
+  std::vector<int32_t> donors;
+  for (const HandOver& h : hand_overs) {
+    const int32_t g = spec_levels[h.state->level()].group_size;
+    int32_t donor = -1;
+    for (int32_t m : members) {
+      if (!std::binary_search(decision.joining.begin(), decision.joining.end(), m) &&
+          m / g == j / g) {
+        donor = m;
+        break;
+      }
+    }
+    donors.push_back(donor);
+  }
+  return donors;
+}
+
+// The hand-over buffer's tensors: a float64 header (per hand-over: anchor set, momentum set),
+// then per hand-over its anchor and, with momentum, its momentum, in the state layout.
+std::vector<TensorView> HandOverShape(const std::vector<HandOver>& hand_overs,
+                                      const OuterBuffer& state_layout) {
+  std::vector<TensorView> shape(1);
+  shape[0].numel = static_cast<int64_t>(2 * hand_overs.size());
+  shape[0].dtype = DType::kFloat64;
+  for (const HandOver& h : hand_overs) {
+    const int copies = h.state->rule().momentum != 0 ? 2 : 1;
+    for (int c = 0; c < copies; ++c) {
+      for (size_t i = h.first; i < h.first + h.n; ++i) {
+        TensorView v;
+        v.numel = state_layout.numel(i);
+        v.dtype = state_layout.dtype(i);
+        shape.push_back(v);
+      }
+    }
+  }
+  return shape;
+}
+
+// The donor's part of the buffer: the states this member (`me`) donates, with their header
+// entries; everything else stays zero.
+absl::Status WriteDonatedStates(const std::vector<HandOver>& hand_overs,
+                                const std::vector<int32_t>& donors, int32_t me,
+                                std::vector<TensorView>& views) {
+  double* header = static_cast<double*>(views[0].data);
+  size_t at = 1;
+  for (size_t k = 0; k < hand_overs.size(); ++k) {
+    OuterLevelState* level = hand_overs[k].state;
+    const size_t n = hand_overs[k].n;
+    if (donors[k] == me && level->has_anchor()) {
+      MODELAVG_RETURN_IF_ERROR(level->CheckLayout(0, absl::MakeConstSpan(views).subspan(at, n)));
+      header[2 * k] = 1;
+      const std::vector<StateTensor> a = level->AnchorTensors();
+      for (size_t i = 0; i < n; ++i) {
+        if (!a[i].bytes.empty()) std::memcpy(views[at + i].data, a[i].bytes.data(), a[i].bytes.size());
+      }
+      if (level->has_momentum()) {
+        header[2 * k + 1] = 1;
+        const std::vector<StateTensor> m = level->MomentumTensors();
+        for (size_t i = 0; i < n; ++i) {
+          if (!m[i].bytes.empty()) {
+            std::memcpy(views[at + n + i].data, m[i].bytes.data(), m[i].bytes.size());
+          }
+        }
+      }
+    }
+    at += hand_overs[k].Width();
+  }
+  return absl::OkStatus();
+}
+
+// The replacement's side, once the round has run: loads every state the buffer holds.
+absl::Status LoadHandedStates(const std::vector<HandOver>& hand_overs,
+                              const std::vector<int32_t>& donors, const Decision& decision,
+                              int32_t me, const std::vector<TensorView>& views) {
+  const double* header = static_cast<const double*>(views[0].data);
+  size_t at = 1;
+  for (size_t k = 0; k < hand_overs.size(); ++k) {
+    const HandOver& h = hand_overs[k];
+    OuterLevelState* level = h.state;
+    const size_t n = h.n;
+    if (donors[k] < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", me, " is admitted at step ", decision.step,
+          " but no live member of its block at level ", level->level(),
+          " takes part in the round to hand it that level's outer state; start the "
+          "replacement again"));
+    }
+    if (header[2 * k] == 1) {
+      auto copy = [&](size_t from) {
+        std::vector<StateTensor> out(n);
+        for (size_t i = 0; i < n; ++i) {
+          out[i].dtype = views[from + i].dtype;
+          out[i].numel = views[from + i].numel;
+          const uint8_t* p = static_cast<const uint8_t*>(views[from + i].data);
+          out[i].bytes.assign(p, p + views[from + i].nbytes());
+        }
+        return out;
+      };
+      const std::vector<StateTensor> a = copy(at);
+      std::vector<StateTensor> m;
+      if (header[2 * k + 1] == 1) m = copy(at + n);
+      MODELAVG_RETURN_IF_ERROR(level->Load(a, header[2 * k + 1] == 1 ? &m : nullptr));
+      spdlog::info("step {}: received the outer state of {} from rank {}", decision.step,
+                   h.Name(), donors[k]);
+    } else if (header[2 * k] != 0) {
+      return absl::InternalError(absl::StrCat("outer state of ", h.Name(),
+                                              " received from several members at once"));
+    }
+    at += h.Width();
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<Decision> ModelAverager::OuterRound(const Decision& decision,
+                                                   const Device& device,
+                                                   absl::Span<const TensorView> params) {
+  const int level = decision.level;
+  const std::string where = absl::StrCat("outer step at step ", decision.step, " (level ", level,
+                                         ", subgroup ", decision.subgroup.index, ")");
+  OuterLevelState* state =
+      level >= 0 && level < static_cast<int>(outer_.size()) ? outer_[level].get() : nullptr;
+  if (state == nullptr) {
+    return absl::InternalError(absl::StrCat(where, ": the coordinator's decision says outer but "
+                                            "the job's spec has no outer optimizer at level ",
+                                            level));
+  }
+  const ScheduleLevel& rule = client_->schedule().spec().levels[level];
+  if (rule.fragments > 1 || rule.sync_delay > 0 || rule.payload != Payload::kFp32) {
+    // Not silently a whole-model fp32 outer step: the streaming fields change the rule.
+    return absl::UnimplementedError(absl::StrCat(
+        where, ": this client applies an outer level as a whole (fragments 1, sync_delay 0, "
+               "payload FP32); level ", level, " asks for streaming sync (docs/streaming.md)"));
+  }
+  // A replacement at its admission step receives the outer state in the round (see
+  // TransferOuterState) and contributes no pseudo-gradient.
+  const bool joining = std::binary_search(decision.joining.begin(), decision.joining.end(),
+                                          client_->rank());
+  const int64_t first = client_->schedule().FirstStepOf(level);
+  const bool first_step = first < 0 || decision.step == first;
+  const auto no_anchor = [&] {
+    // A later step without an anchor would mix a plain average into the group's outer step.
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, ": this rank has no outer state for level ", level,
+        " (its first averaging step was ", first,
+        "): restore the averager with load_state_dict() from a checkpoint's state_dict() "
+        "rather than set_step() alone"));
+  };
+  if (!device.is_host()) {
+    // CUDA parameters (device_outer_state.h): the same rule, on the device.
+    MODELAVG_ASSIGN_OR_RETURN(DeviceOuterState * on_device, DeviceState(state, device));
+    if (!joining && !on_device->has_anchor() && !first_step) return no_anchor();
+    Decision done = decision;
+    absl::Status s = RunDeviceOuterStep(
+        on_device, device_gradient_.get(), params, first_step, joining,
+        [&](absl::Span<const TensorView> tensors, int64_t layout_signature) {
+          // The pseudo-gradient's rounds agree on their own layout (device_outer_state.h).
+          const int64_t signature = round_signature_;
+          round_signature_ = signature ^ layout_signature;
+          absl::StatusOr<Decision> r = Round(decision, device, tensors);
+          round_signature_ = signature;
+          if (r.ok()) done = *r;
+          return r.status();
+        });
+    if (!s.ok()) return Annotate(s, where);
+    return done;
+  }
+  if (joining && !first_step) {
+    if (pseudo_gradient_ == nullptr) pseudo_gradient_ = std::make_unique<OuterBuffer>();
+    pseudo_gradient_->Shape(params);
+    std::vector<TensorView> d = pseudo_gradient_->Views();
+    MODELAVG_ASSIGN_OR_RETURN(Decision done, Round(decision, device, d));
+    MODELAVG_RETURN_IF_ERROR(Annotate(state->Step(0, d, params), where));
+    return done;
+  }
+  if (!state->has_anchor()) {
+    // The level's first averaging step: a plain average; the result is the anchor.
+    if (!first_step) return no_anchor();
+    MODELAVG_ASSIGN_OR_RETURN(Decision done, Round(decision, device, params));
+    MODELAVG_RETURN_IF_ERROR(Annotate(state->SetAnchor(params), where));
+    return done;
+  }
+  MODELAVG_RETURN_IF_ERROR(Annotate(state->CheckLayout(0, params), where));
+  if (pseudo_gradient_ == nullptr) pseudo_gradient_ = std::make_unique<OuterBuffer>();
+  pseudo_gradient_->Shape(params);
+  std::vector<TensorView> d = pseudo_gradient_->Views();
+  MODELAVG_RETURN_IF_ERROR(Annotate(state->PseudoGradient(0, params, d), where));
+  // The parameters and the state change only once the round has succeeded.
+  MODELAVG_ASSIGN_OR_RETURN(Decision done, Round(decision, device, d));
+  MODELAVG_RETURN_IF_ERROR(Annotate(state->Step(0, d, params), where));
+  return done;
+}
+
+absl::StatusOr<NcclDeviceOps*> ModelAverager::DeviceOps(const Device& device) {
+#if MODELAVG_HAVE_CUDA
+  if (device_ops_ == nullptr) {
+    device_ops_ = std::make_unique<CudaLocalOps>(device.index,
+                                                 client_->options().collective_timeout);
+    device_gradient_ = std::make_unique<GrowableBuffer>();
+  }
+  const int on = static_cast<CudaLocalOps*>(device_ops_.get())->device();
+  if (on != device.index) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the parameters are on ", device.ToString(), " but this averager's outer state is on cuda:",
+        on, ": keep the model on one device (or make a new averager)"));
+  }
+  return device_ops_.get();
+#else
+  return absl::UnimplementedError(absl::StrCat(
+      "the parameters are on ", device.ToString(),
+      " but this build of modelavg has no CUDA support (configure with -DMODELAVG_WITH_CUDA=ON)"));
+#endif
+}
+
+absl::StatusOr<DeviceOuterState*> ModelAverager::DeviceState(OuterLevelState* state,
+                                                             const Device& device) {
+  MODELAVG_ASSIGN_OR_RETURN(NcclDeviceOps * ops, DeviceOps(device));
+  if (state->device() == nullptr) {
+    MODELAVG_RETURN_IF_ERROR(state->AttachDevice(std::make_unique<DeviceOuterState>(
+        ops, state->level(), state->rule(),
+        options_.backup_device == AveragerOptions::BackupDevice::kHost)));
+  }
+  return state->device();
+}
+
+absl::Status ModelAverager::TransferOuterState(const Decision& decision, Communicator* comm,
+                                               absl::Span<const TensorView> layout) {
+  if (decision.joining.empty()) return absl::OkStatus();
+  // The parameters of the call (round_params_), or `layout` (the round's tensors, in the state
+  // layout already) when the call passed none.
+  const absl::Span<const TensorView> all = round_params_.empty() ? layout : round_params_;
+  const std::vector<ScheduleLevel>& spec_levels = client_->schedule().spec().levels;
+  const std::vector<HandOver> hand_overs = HandOvers(outer_, fragment_outer_, spec_levels, all);
+  if (hand_overs.empty()) return absl::OkStatus();
+  const int32_t me = client_->rank();
+  OuterBuffer state_layout;
+  state_layout.Shape(all);
+  // One round per replacement: each hand-over's donor writes its part, everyone else zeros, and
+  // the divisor is 1: an exact broadcast on the round's communicator.
+  for (int32_t j : decision.joining) {
+    const std::vector<int32_t> donors = DonorsTo(j, hand_overs, decision, spec_levels);
+    OuterBuffer buffer;
+    buffer.Shape(HandOverShape(hand_overs, state_layout));  // zeros
+    std::vector<TensorView> views = buffer.Views();
+    MODELAVG_RETURN_IF_ERROR(WriteDonatedStates(hand_overs, donors, me, views));
+    RoundOptions options;
+    options.step = decision.step;
+    options.contributors = 1;
+    if (!layout.empty() && layout[0].device.is_cuda()) {
+      // An NCCL round: the hand-over travels through a device copy of the buffer.
+      MODELAVG_ASSIGN_OR_RETURN(NcclDeviceOps * ops, DeviceOps(layout[0].device));
+      MODELAVG_RETURN_IF_ERROR(TransferThroughDevice(ops, layout[0], views, buffer.total_bytes(),
+                                                     [&](absl::Span<const TensorView> on_device) {
+                                                       return comm->AllReduceAverage(
+                                                           on_device, options, nullptr);
+                                                     }));
+    } else {
+      MODELAVG_RETURN_IF_ERROR(comm->AllReduceAverage(views, options, nullptr));
+    }
+    if (j == me) {
+      MODELAVG_RETURN_IF_ERROR(LoadHandedStates(hand_overs, donors, decision, me, views));
+    }
+  }
+  // An admission at a streaming level's step syncs one fragment only: the replacement receives
+  // the mean of its block's parameters first (the others' parameters do not change).
+  if (decision.level >= 0 && decision.level < static_cast<int>(spec_levels.size()) &&
+      StreamingOuterLevel(spec_levels[decision.level]) && !round_params_.empty()) {
+    MODELAVG_RETURN_IF_ERROR(TransferParameters(decision, comm));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace modelavg::client

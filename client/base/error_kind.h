@@ -1,0 +1,52 @@
+// What kind of failure an error status describes, carried as a payload on the status itself so
+// that the code that handles an error branches on its kind, never on its message (the message is
+// for people and may change). Set where the error is made; read where it is handled; kept by
+// Annotate (common/status_util.h) as the error travels up.
+//
+//   absl::Status s = SetErrorKind(absl::UnavailableError("..."), ErrorKind::kPeerFailure, 3);
+//   if (ErrorKindOf(s) == ErrorKind::kPeerFailure) { int peer = ErrorPeerOf(s); ... }
+#ifndef MODELAVG_CLIENT_BASE_ERROR_KIND_H_
+#define MODELAVG_CLIENT_BASE_ERROR_KIND_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace modelavg::client {
+
+enum class ErrorKind : int {
+  // No kind attached (an error from elsewhere: the coordinator, the caller's arguments).
+  kUnknown = 0,
+  // The members of a round were at different steps (a bug in the round agreement).
+  kRoundMismatch = 1,
+  // A peer's connection broke or the peer stopped answering; ErrorPeerOf names the member
+  // index when known.
+  kPeerFailure = 2,
+  // The job moved to another generation (a death, a re-join, a departure, an admission): the
+  // communicator of the old one was aborted.
+  kGenerationMoved = 3,
+  // The members passed different parameter layouts (element counts or dtypes).
+  kLayoutMismatch = 4,
+  // Setting up a mesh, a member's connection was refused or taken by something that is not a
+  // member (a stray connection to a port as it opened), or its handshake was wrong.
+  kStrayConnection = 5,
+  // A collective or its set-up ran past its deadline.
+  kTimeout = 6,
+};
+
+// The payload's type URL.
+inline constexpr absl::string_view kErrorKindPayloadUrl = "type.modelavg.dev/modelavg.ErrorKind";
+
+// `status` with the kind (and the peer, -1: none) attached; OK stays OK.
+absl::Status SetErrorKind(absl::Status status, ErrorKind kind, int32_t peer = -1);
+// The kind attached to `status`; kUnknown when none is (or it is OK).
+ErrorKind ErrorKindOf(const absl::Status& status);
+// The peer attached with the kind; -1 when none is.
+int32_t ErrorPeerOf(const absl::Status& status);
+// "peer failure", "generation moved", ... (for logs).
+absl::string_view ErrorKindName(ErrorKind kind);
+
+}  // namespace modelavg::client
+
+#endif  // MODELAVG_CLIENT_BASE_ERROR_KIND_H_

@@ -1,0 +1,685 @@
+#include "client/comm/gloo/gloo_communicator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "client/base/error_kind.h"
+#include "client/comm/gloo/gloo_mesh.h"
+#include "client/comm/peer_probe.h"
+#include "client/payload/host_staging.h"
+#include "client/payload/payload_codec.h"
+#include "common/status_util.h"
+#include "gloo/allgather.h"
+#include "gloo/allreduce.h"
+#include "gloo/alltoall.h"
+#include "gloo/common/error.h"
+#include "gloo/context.h"
+#include "gloo/math.h"
+#include "gloo/transport/pair.h"
+#include "spdlog/spdlog.h"
+
+namespace modelavg::client {
+namespace {
+
+using ReduceFn = void (*)(void*, const void*, const void*, size_t);
+
+// Where Gloo's ring all-reduce (gloo/allreduce.cc) leaves the fully reduced data: the buffer is
+// cut into a multiple of `size` segments (at least two per member, each at most
+// `max_segment` bytes unless that needs more), all of one size; member r ends the
+// reduce-scatter holding chunk r, its segments [r * per_rank, (r + 1) * per_rank). The only
+// reduction of a chunk-r segment at member r is that segment's last, so dividing there (1/size
+// of the data, while it is in cache) gives the average without a pass of its own. Gloo does
+// not promise this layout: GlooCommunicator checks it at creation (see ProbeFusedAverage) and
+// counts, on every call, that exactly its chunk was divided.
+struct RingChunk {
+  size_t begin = 0;  // bytes
+  size_t end = 0;
+};
+
+size_t RoundUp(size_t v, size_t m) { return v % m == 0 ? v : v + m - v % m; }
+
+RingChunk GlooRingChunk(size_t total_bytes, int size, int rank, size_t elem,
+                        size_t max_segment) {
+  const size_t n = static_cast<size_t>(size);
+  const size_t segments =
+      RoundUp(std::max((total_bytes + max_segment - 1) / max_segment, n * 2), n);
+  const size_t segment = RoundUp((total_bytes + segments - 1) / segments, elem);
+  const size_t per_rank = segments / n;
+  RingChunk c;
+  c.begin = std::min(total_bytes, rank * per_rank * segment);
+  c.end = std::min(total_bytes, (rank + 1) * per_rank * segment);
+  return c;
+}
+
+// What one member sends in a ring all-reduce of `bytes`: a chunk of bytes / n in each of the
+// n - 1 steps of the reduce-scatter and of the all-gather.
+int64_t RingBytesSent(size_t bytes, int n) {
+  return static_cast<int64_t>(2 * (static_cast<unsigned __int128>(bytes) * (n - 1) / n));
+}
+
+constexpr size_t kDefaultMaxSegment = gloo::detail::AllreduceOptionsImpl::kMaxSegmentSize;
+
+// The ring's reduction: a sum, divided by the group size where it is final (this member's
+// chunk). Counts the elements it divided, so the caller can check the layout assumption.
+// With a backup, each segment is first copied there — it is about to be read for the sum
+// anyway — so that a failed collective can be undone; `saved` lists the copied byte ranges.
+struct RingState {
+  const void* base = nullptr;
+  void* backup = nullptr;
+  RingChunk final_chunk;
+  // What the final reduction divides by: the number of contributing members.
+  int size = 1;
+  int64_t divided = 0;
+  std::vector<std::pair<size_t, size_t>> saved;
+  // Tests: throw (as a transport failure would) once this many reductions have run.
+  int fail_after = -1;
+};
+
+template <typename T>
+gloo::AllreduceOptions::Func AverageReduction(RingState* st) {
+  return [st](void* c, const void* a, const void* b, size_t n) {
+    const size_t offset = static_cast<const char*>(c) - static_cast<const char*>(st->base);
+    if (st->backup != nullptr) {
+      CopyToBackup(static_cast<char*>(st->backup) + offset, c, n * sizeof(T));
+      st->saved.emplace_back(offset, n * sizeof(T));
+    }
+    gloo::sum<T>(c, a, b, n);
+    if (st->fail_after >= 0 && st->fail_after-- == 0) {
+      throw gloo::IoException("injected failure (test)");
+    }
+    if (offset >= st->final_chunk.begin && offset < st->final_chunk.end) {
+      DivideInto(static_cast<const T*>(c), static_cast<int64_t>(n), static_cast<T>(st->size),
+                 static_cast<T*>(c));
+      st->divided += static_cast<int64_t>(n);
+    }
+  };
+}
+
+// The tensors as one buffer when they are float32/float64 of one dtype, back to back in memory
+// (one tensor, or ContiguousParameters); nullptr otherwise.
+void* SingleBuffer(absl::Span<const TensorView> tensors) {
+  const TensorView* first = nullptr;
+  char* next = nullptr;
+  for (const TensorView& t : tensors) {
+    if (t.numel == 0) continue;
+    if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat64) return nullptr;
+    if (first == nullptr) {
+      first = &t;
+    } else if (t.dtype != first->dtype || static_cast<char*>(t.data) != next) {
+      return nullptr;
+    }
+    next = static_cast<char*>(t.data) + t.nbytes();
+  }
+  return first == nullptr ? nullptr : first->data;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
+    gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
+    int size, absl::Duration timeout, std::function<absl::Status()> store_error, bool in_place,
+    std::shared_ptr<SetupCanceller> cancel, std::shared_ptr<FaultInjection> faults) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Gloo communicator rank ", rank, " of size ", size, " is out of range"));
+  }
+  if (device == nullptr) return absl::InvalidArgumentError("Gloo device is null");
+  IgnoreDefaultSigpipe();
+  if (cancel == nullptr) cancel = std::make_shared<SetupCanceller>();
+  const absl::Time started = absl::Now();
+  // The whole set-up is bounded by `timeout`: past it, a watchdog cancels it (a connect waits
+  // for its peer with no deadline of ours otherwise).
+  absl::Notification finished;
+  std::thread watchdog([&finished, cancel, timeout, size] {
+    if (finished.WaitForNotificationWithTimeout(timeout)) return;
+    cancel->Cancel(SetErrorKind(
+        absl::DeadlineExceededError(absl::StrCat(
+            "the Gloo set-up of ", size, " members did not complete within ",
+            absl::FormatDuration(timeout),
+            " (ClientOptions.collective_timeout): a member did not arrive or connect")),
+        ErrorKind::kTimeout));
+  });
+  absl::Cleanup stop_watchdog = [&] {
+    finished.Notify();
+    watchdog.join();
+  };
+  try {
+    std::vector<sockaddr_storage> peers;
+    absl::StatusOr<std::shared_ptr<gloo::Context>> context =
+        ConnectMesh(store, device, rank, size, timeout, started + timeout, cancel, &peers,
+                    faults.get());
+    if (!context.ok()) return context.status();
+    std::unique_ptr<GlooCommunicator> comm(
+        new GlooCommunicator(*std::move(context), rank, size, timeout, in_place));
+    comm->set_faults(std::move(faults));
+    comm->peer_addresses_ = std::move(peers);
+    if (absl::Status probe = comm->ProbeFusedAverage(); !probe.ok()) {
+      MODELAVG_RETURN_IF_ERROR(cancel->status());
+      return probe;
+    }
+    return comm;
+  } catch (const std::exception& e) {
+    MODELAVG_RETURN_IF_ERROR(cancel->status());
+    if (store_error) {
+      absl::Status s = store_error();
+      if (!s.ok()) return s;
+    }
+    return FromGlooException(e, absl::StrCat("Gloo rendezvous of ", size, " members"), started,
+                             timeout);
+  } catch (...) {
+    return absl::InternalError("Gloo rendezvous failed with an unknown exception");
+  }
+}
+
+GlooCommunicator::GlooCommunicator(std::shared_ptr<gloo::Context> context, int rank, int size,
+                                   absl::Duration timeout, bool in_place)
+    : context_(std::move(context)),
+      rank_(rank),
+      size_(size),
+      timeout_(timeout),
+      in_place_(in_place) {}
+
+GlooCommunicator::~GlooCommunicator() = default;
+
+void GlooCommunicator::Abort(const absl::Status& why) {
+  {
+    absl::MutexLock l(&abort_mu_);
+    if (!aborted_.ok()) return;
+    aborted_ = why.ok() ? absl::AbortedError("the Gloo communicator was aborted") : why;
+  }
+  CloseMesh(absl::StrCat("aborted by modelavg: ", why.message()));
+}
+
+void GlooCommunicator::CloseMesh(const std::string& msg) {
+  // The pairs exist for the communicator's whole life (Create returns after the mesh is
+  // connected), and their table is not changed after it: reading it from this thread is safe.
+  for (int i = 0; i < size_; ++i) {
+    if (i != rank_) FailPair(context_->getPair(i).get(), i, msg);
+  }
+}
+
+absl::StatusOr<std::vector<PeerReach>> GlooCommunicator::ProbePeers(absl::Duration timeout) {
+  return ProbeTcpPeers(peer_addresses_, rank_, timeout);
+}
+
+absl::Status GlooCommunicator::AbortedOr(absl::Status failure) const {
+  absl::MutexLock l(&abort_mu_);
+  return aborted_.ok() ? failure : aborted_;
+}
+
+absl::Status GlooCommunicator::Break(const absl::Status& failure) {
+  broken_ = AbortedOr(failure);
+  // Gloo leaves a mesh's other pairs open when one fails: a member waiting on this one would
+  // wait out its timeout. Closing them passes the failure on at once.
+  CloseMesh(absl::StrCat("a peer's collective failed: ", failure.message()));
+  return broken_;
+}
+
+absl::Status GlooCommunicator::RunSum(void* data, int64_t numel, DType dtype) {
+  if (numel == 0) return absl::OkStatus();
+  const absl::Time started = absl::Now();
+  try {
+    gloo::AllreduceOptions opts(context_);
+    opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+    opts.setTag(next_tag_++);
+    if (dtype == DType::kFloat64) {
+      opts.setOutput(static_cast<double*>(data), static_cast<size_t>(numel));
+      opts.setReduceFunction(static_cast<ReduceFn>(&gloo::sum<double>));
+    } else {
+      opts.setOutput(static_cast<float*>(data), static_cast<size_t>(numel));
+      opts.setReduceFunction(static_cast<ReduceFn>(&gloo::sum<float>));
+    }
+    gloo::allreduce(opts);
+    bytes_sent_ += RingBytesSent(static_cast<size_t>(numel) * DTypeSize(dtype), size_);
+    return absl::OkStatus();
+  } catch (const std::exception& e) {
+    return FromGlooException(e, absl::StrCat("Gloo all-reduce of ", numel, " elements"), started,
+                             timeout_);
+  } catch (...) {
+    return absl::InternalError("Gloo all-reduce failed with an unknown exception");
+  }
+}
+
+absl::Status GlooCommunicator::RunAverage(void* data, int64_t numel, DType dtype, void* backup,
+                                          size_t max_segment, int divisor, bool commit,
+                                          bool* holding) {
+  const size_t elem = DTypeSize(dtype);
+  const size_t bytes = static_cast<size_t>(numel) * elem;
+  RingState st;
+  st.base = data;
+  st.backup = backup;
+  st.final_chunk = GlooRingChunk(bytes, size_, rank_, elem, max_segment);
+  st.size = divisor;
+  st.fail_after = faults_ != nullptr ? faults_->TakeFailAfterReductions() : -1;
+  if (backup != nullptr) {
+    // The chunk this member sends first is never reduced here (the hook above never sees it)
+    // but is overwritten by the all-gather: save it up front.
+    const RingChunk first =
+        GlooRingChunk(bytes, size_, (rank_ + 1) % size_, elem, max_segment);
+    CopyToBackup(static_cast<char*>(backup) + first.begin,
+                 static_cast<char*>(data) + first.begin, first.end - first.begin);
+    st.saved.emplace_back(first.begin, first.end - first.begin);
+  }
+  auto restore = [&] {
+    for (const auto& [offset, len] : st.saved) {
+      std::memcpy(static_cast<char*>(data) + offset, static_cast<char*>(backup) + offset, len);
+    }
+  };
+  const absl::Time started = absl::Now();
+  try {
+    gloo::AllreduceOptions opts(context_);
+    opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+    opts.setTag(next_tag_++);
+    opts.setMaxSegmentSize(max_segment);
+    if (dtype == DType::kFloat64) {
+      opts.setOutput(static_cast<double*>(data), static_cast<size_t>(numel));
+      opts.setReduceFunction(AverageReduction<double>(&st));
+    } else {
+      opts.setOutput(static_cast<float*>(data), static_cast<size_t>(numel));
+      opts.setReduceFunction(AverageReduction<float>(&st));
+    }
+    gloo::allreduce(opts);
+    bytes_sent_ += RingBytesSent(bytes, size_);
+  } catch (const std::exception& e) {
+    if (backup != nullptr) restore();
+    return FromGlooException(e, absl::StrCat("Gloo all-reduce of ", numel, " elements"), started,
+                             timeout_);
+  } catch (...) {
+    if (backup != nullptr) restore();
+    return absl::InternalError("Gloo all-reduce failed with an unknown exception");
+  }
+  const int64_t expected =
+      static_cast<int64_t>((st.final_chunk.end - st.final_chunk.begin) / elem);
+  if (st.divided != expected) {
+    if (backup != nullptr) restore();
+    return absl::InternalError(absl::StrCat(
+        "Gloo's ring all-reduce finished ", st.divided, " elements on this member where ",
+        expected, " were expected: this Gloo build cuts buffers differently than modelavg "
+        "assumes; the parameters may be partly reduced; report the Gloo version"));
+  }
+  if (commit) {
+    if (absl::Status c = Commit(); !c.ok()) {
+      // The result is kept aside; the caller's data goes back to what it was.
+      const size_t words = (bytes + 7) / 8;
+      if (pending_.size() < words) pending_.resize(words);
+      std::memcpy(pending_.data(), data, bytes);
+      KeepPending(/*packed=*/false, numel, dtype);
+      if (backup != nullptr) restore();
+      if (holding != nullptr) *holding = true;
+      return c;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::Commit() {
+  int64_t votes = 1;
+  const absl::Time started = absl::Now();
+  try {
+    gloo::AllreduceOptions opts(context_);
+    opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+    opts.setTag(next_tag_++);
+    opts.setOutput(&votes, 1);
+    opts.setReduceFunction(static_cast<ReduceFn>(&gloo::sum<int64_t>));
+    gloo::allreduce(opts);
+  } catch (const std::exception& e) {
+    return FromGlooException(e, "Gloo commit of an averaging round", started,
+                             timeout_);
+  } catch (...) {
+    return absl::InternalError("Gloo commit failed with an unknown exception");
+  }
+  if (votes != size_) {
+    return absl::InternalError(absl::StrCat("Gloo commit counted ", votes, " of ", size_,
+                                            " members"));
+  }
+  if (TakeLostCommit(round_step_)) {
+    spdlog::warn("round at step {}: injecting a lost commit on this member (test fault)",
+                 round_step_);
+    return SetErrorKind(absl::UnavailableError("injected commit failure (test)"),
+                        ErrorKind::kPeerFailure);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::ProbeFusedAverage() {
+  // A small buffer cut into many segments, so that every branch of the layout rule is used.
+  constexpr int64_t kProbe = 1000;
+  constexpr size_t kProbeSegment = 256;
+  std::vector<float> probe(kProbe, static_cast<float>(rank_ + 1));
+  absl::MutexLock l(&mu_);
+  absl::Status s =
+      RunAverage(probe.data(), kProbe, DType::kFloat32, nullptr, kProbeSegment, size_);
+  // Every member runs the same Gloo, so every member reaches the same verdict.
+  const float mean = static_cast<float>(size_ + 1) / 2;  // exact
+  bool right = s.ok();
+  for (float v : probe) right = right && v == mean;
+  if (!s.ok() && s.code() != absl::StatusCode::kInternal) return s;  // transport failure
+  fused_ = right;
+  bytes_sent_ = 0;  // the probe is set-up, not averaging
+  if (!fused_) {
+    spdlog::warn("this Gloo build's ring all-reduce does not lay buffers out as modelavg "
+                 "expects; averaging falls back to a staging copy with a separate division");
+  }
+  return absl::OkStatus();
+}
+
+bool GlooCommunicator::LayoutVerified(int64_t numel, DType dtype, int64_t signature) const {
+  return std::find(verified_layouts_.begin(), verified_layouts_.end(),
+                   std::make_tuple(numel, dtype, signature)) != verified_layouts_.end();
+}
+
+absl::Status GlooCommunicator::CheckLayout(int64_t numel, DType dtype, int64_t step,
+                                           int64_t signature) {
+  // max over [n, -n, d, -d, s, -s, g, -g] gives [max n, -min n, ..., max g, -min g]: equal
+  // iff all agree.
+  int64_t sig[8] = {numel, -numel, static_cast<int64_t>(dtype), -static_cast<int64_t>(dtype),
+                    step, -step, signature, -signature};
+  const absl::Time started = absl::Now();
+  try {
+    gloo::AllreduceOptions opts(context_);
+    opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+    opts.setTag(next_tag_++);
+    opts.setOutput(sig, 8);
+    opts.setReduceFunction(static_cast<ReduceFn>(&gloo::max<int64_t>));
+    gloo::allreduce(opts);
+  } catch (const std::exception& e) {
+    return FromGlooException(e, "Gloo layout check", started,
+                             timeout_);
+  } catch (...) {
+    return absl::InternalError("Gloo layout check failed with an unknown exception");
+  }
+  if (sig[0] != -sig[1] || sig[2] != -sig[3]) {
+    return SetErrorKind(
+        absl::InvalidArgumentError(absl::StrCat(
+            "the members of this subgroup pass different parameter layouts: total element "
+            "counts range from ", -sig[1], " to ", sig[0], " (this rank: ", numel, ")",
+            sig[2] != -sig[3] ? " and the dtypes differ (float64 on some members only)" : "",
+            "; every member must average the same list of tensors")),
+        ErrorKind::kLayoutMismatch);
+  }
+  if (sig[6] != -sig[7]) {
+    return SetErrorKind(
+        absl::InvalidArgumentError(absl::StrCat(
+            "the members of this subgroup split their parameters into fragments differently "
+            "(the tensors' sizes or dtypes differ between members, with the same total of ",
+            numel, " elements in this fragment); every member must average the same list of "
+            "tensors, in the same order")),
+        ErrorKind::kLayoutMismatch);
+  }
+  if (sig[4] != -sig[5]) {
+    return SetErrorKind(
+        absl::InternalError(absl::StrCat(
+            "the members of this subgroup are averaging different rounds: steps range from ",
+            -sig[5], " to ", sig[4], " (this rank: ", step,
+            "); no member kept a mixed average; this is a bug in modelavg's round agreement, "
+            "please report it")),
+        ErrorKind::kRoundMismatch);
+  }
+  if (step >= 0) step_checked_ = true;
+  layout_checked_ = true;
+  checked_numel_ = numel;
+  checked_dtype_ = dtype;
+  if (!LayoutVerified(numel, dtype, signature)) {
+    if (verified_layouts_.size() >= 64) verified_layouts_.erase(verified_layouts_.begin());
+    verified_layouts_.emplace_back(numel, dtype, signature);
+  }
+  return absl::OkStatus();
+}
+
+void GlooCommunicator::KeepPending(bool packed, int64_t numel, DType dtype) {
+  has_pending_ = true;
+  pending_packed_ = packed;
+  pending_numel_ = numel;
+  pending_dtype_ = dtype;
+}
+
+absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> tensors,
+                                                const RoundOptions& options,
+                                                RoundOutcome* outcome) {
+  RoundOutcome ignored;
+  if (outcome == nullptr) outcome = &ignored;
+  *outcome = RoundOutcome::kFailedWithoutResult;
+  absl::StatusOr<int64_t> total = CheckHostTensors(tensors);
+  if (!total.ok()) return total.status();
+  const DType dtype = StagingDType(tensors);
+  const int divisor = options.contributors > 0 ? options.contributors : size_;
+  if (divisor > size_ || (!options.contribute && divisor >= size_)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        divisor, " contributing members of ", size_, (options.contribute ? "" : " (this one not)"),
+        ": the round has no valid divisor"));
+  }
+  absl::MutexLock l(&mu_);
+  if (!broken_.ok()) return broken_;
+  if (absl::Status a = AbortedOr(absl::OkStatus()); !a.ok()) return broken_ = a;
+  has_pending_ = false;
+  round_step_ = options.step;
+  if (!LayoutVerified(*total, dtype, options.layout_signature) ||
+      (options.step >= 0 && !step_checked_)) {
+    absl::Status s = CheckLayout(*total, dtype, step_checked_ ? -1 : options.step,
+                                 options.layout_signature);
+    if (!s.ok()) {
+      if (s.code() != absl::StatusCode::kInvalidArgument) s = Break(s);
+      return s;
+    }
+  }
+  if (*total == 0) {
+    *outcome = RoundOutcome::kCompleted;
+    return absl::OkStatus();
+  }
+  if (options.payload != Payload::kFp32) {
+    return AverageCompressed(tensors, options, *total, dtype, divisor, outcome);
+  }
+  void* single = SingleBuffer(tensors);
+  if (fused_ && single != nullptr && options.contribute) {
+    return AverageInPlace(single, options, *total, dtype, divisor, outcome);
+  }
+  return AverageStaged(tensors, options, *total, dtype, divisor, outcome);
+}
+
+absl::Status GlooCommunicator::AverageCompressed(absl::Span<const TensorView> tensors,
+                                                 const RoundOptions& options, int64_t total,
+                                                 DType dtype, int divisor,
+                                                 RoundOutcome* outcome) {
+  const size_t bytes = static_cast<size_t>(total) * DTypeSize(dtype);
+  if (dtype != DType::kFloat32) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a ", PayloadName(options.payload),
+        " payload takes float32/float16/bfloat16 tensors; these include float64"));
+  }
+  // Packed into the staging (zeros for a member that does not contribute); the compressed
+  // result lands in the second half, and the tensors are written only on success.
+  const size_t words = (2 * bytes + 7) / 8;
+  if (staging_.size() < words) staging_.resize(words);
+  float* in = reinterpret_cast<float*>(staging_.data());
+  float* result = in + total;
+  if (options.contribute) {
+    PackDivided(tensors, dtype, 1.0, in);
+  } else {
+    std::memset(in, 0, bytes);
+  }
+  absl::Status s = RunCompressed(in, total, options.payload, divisor, result);
+  if (!s.ok()) return Break(s);
+  if (options.commit) {
+    if (absl::Status c = Commit(); !c.ok()) {
+      pending_.assign(reinterpret_cast<const double*>(result),
+                      reinterpret_cast<const double*>(result) + (bytes + 7) / 8);
+      KeepPending(/*packed=*/true, total, dtype);
+      *outcome = RoundOutcome::kFailedHoldingResult;
+      return Break(c);
+    }
+  }
+  Unpack(result, dtype, tensors);
+  *outcome = RoundOutcome::kCompleted;
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::AverageInPlace(void* single, const RoundOptions& options,
+                                              int64_t total, DType dtype, int divisor,
+                                              RoundOutcome* outcome) {
+  const size_t bytes = static_cast<size_t>(total) * DTypeSize(dtype);
+  // Reduced in place, the division fused into the ring. Unless in_place, every segment is saved
+  // to a backup as the ring first touches it, and restored if the collective fails; a committed
+  // round needs the backup to undo (in_place is only for plain rounds).
+  void* backup = nullptr;
+  if (!in_place_ || options.commit) {
+    if (staging_.size() * sizeof(double) < bytes) staging_.resize((bytes + 7) / 8);
+    backup = staging_.data();
+  }
+  bool holding = false;
+  absl::Status s = RunAverage(single, total, dtype, backup, kDefaultMaxSegment, divisor,
+                              options.commit, &holding);
+  if (!s.ok()) {
+    *outcome = holding ? RoundOutcome::kFailedHoldingResult : RoundOutcome::kFailedWithoutResult;
+    return Break(s);
+  }
+  *outcome = RoundOutcome::kCompleted;
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::AverageStaged(absl::Span<const TensorView> tensors,
+                                             const RoundOptions& options, int64_t total,
+                                             DType dtype, int divisor, RoundOutcome* outcome) {
+  const size_t bytes = static_cast<size_t>(total) * DTypeSize(dtype);
+  // One flat staging buffer, copied back only on success. A member that does not contribute
+  // reduces zeros.
+  if (staging_.size() * sizeof(double) < bytes) staging_.resize((bytes + 7) / 8);
+  absl::Status s;
+  if (!options.contribute) std::memset(staging_.data(), 0, bytes);
+  if (fused_) {
+    if (options.contribute) PackDivided(tensors, dtype, 1.0, staging_.data());
+    s = RunAverage(staging_.data(), total, dtype, /*backup=*/nullptr, kDefaultMaxSegment,
+                   divisor);
+  } else {
+    if (options.contribute) {
+      PackDivided(tensors, dtype, static_cast<double>(divisor), staging_.data());
+    }
+    s = RunSum(staging_.data(), total, dtype);
+  }
+  if (!s.ok()) return Break(s);
+  if (options.commit) {
+    if (absl::Status c = Commit(); !c.ok()) {
+      // Keep the packed result aside; the tensors were never touched.
+      pending_.swap(staging_);
+      KeepPending(/*packed=*/true, total, dtype);
+      *outcome = RoundOutcome::kFailedHoldingResult;
+      return Break(c);
+    }
+  }
+  Unpack(staging_.data(), dtype, tensors);
+  *outcome = RoundOutcome::kCompleted;
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, Payload payload,
+                                             int divisor, float* out) {
+  const int n = size_;
+  // Chunk j: elements [j * chunk, min((j + 1) * chunk, numel)), encoded into `enc` bytes
+  // (zero-padded to `chunk` elements so that every member's pieces have one size).
+  const int64_t chunk = (numel + n - 1) / n;
+  const size_t enc = EncodedBytes(payload, chunk);
+  wire_send_.assign(enc * n, 0);
+  wire_recv_.assign(enc * n, 0);
+  chunk_.assign(static_cast<size_t>(chunk), 0.0f);
+  const auto range = [&](int j) {
+    const int64_t lo = std::min<int64_t>(numel, j * chunk);
+    return std::make_pair(lo, std::min<int64_t>(numel, lo + chunk) - lo);
+  };
+  for (int j = 0; j < n; ++j) {
+    const auto [lo, len] = range(j);
+    std::fill(chunk_.begin(), chunk_.end(), 0.0f);
+    std::memcpy(chunk_.data(), data + lo, static_cast<size_t>(len) * sizeof(float));
+    EncodePayload(payload, chunk_.data(), chunk, wire_send_.data() + j * enc);
+  }
+  const absl::Time started = absl::Now();
+  try {
+    {
+      gloo::AlltoallOptions opts(context_);
+      opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+      opts.setTag(next_tag_++);
+      opts.setInput(wire_send_.data(), wire_send_.size());
+      opts.setOutput(wire_recv_.data(), wire_recv_.size());
+      gloo::alltoall(opts);
+    }
+    bytes_sent_ += static_cast<int64_t>(enc) * (n - 1);
+    // This member's chunk: the float32 sum of every member's decoded piece, in rank order.
+    std::fill(chunk_.begin(), chunk_.end(), 0.0f);
+    for (int i = 0; i < n; ++i) {
+      DecodeAddPayload(payload, wire_recv_.data() + i * enc, chunk, chunk_.data());
+    }
+    const float inv = 1.0f / static_cast<float>(divisor);
+    for (float& v : chunk_) v *= inv;
+    EncodePayload(payload, chunk_.data(), chunk, wire_send_.data());
+    {
+      gloo::AllgatherOptions opts(context_);
+      opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+      opts.setTag(next_tag_++);
+      opts.setInput(wire_send_.data(), enc);
+      opts.setOutput(wire_recv_.data(), wire_recv_.size());
+      gloo::allgather(opts);
+    }
+    bytes_sent_ += static_cast<int64_t>(enc) * (n - 1);
+  } catch (const std::exception& e) {
+    return FromGlooException(
+        e, absl::StrCat("Gloo ", PayloadName(payload), " all-reduce of ", numel, " elements"),
+        started, timeout_);
+  } catch (...) {
+    return absl::InternalError("Gloo compressed all-reduce failed with an unknown exception");
+  }
+  // Every member decodes the same bytes: the results agree bit for bit.
+  for (int j = 0; j < n; ++j) {
+    const auto [lo, len] = range(j);
+    if (len <= 0) continue;
+    DecodePayload(payload, wire_recv_.data() + j * enc, chunk, chunk_.data());
+    std::memcpy(out + lo, chunk_.data(), static_cast<size_t>(len) * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::AdoptPendingResult(absl::Span<const TensorView> tensors) {
+  absl::StatusOr<int64_t> total = CheckHostTensors(tensors);
+  if (!total.ok()) return total.status();
+  const DType dtype = StagingDType(tensors);
+  absl::MutexLock l(&mu_);
+  if (!has_pending_) {
+    return absl::FailedPreconditionError("no averaging result is kept aside on this member");
+  }
+  if (*total != pending_numel_ || dtype != pending_dtype_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the kept result has ", pending_numel_, " elements; these tensors have ", *total));
+  }
+  if (pending_packed_) {
+    Unpack(pending_.data(), dtype, tensors);
+  } else {
+    void* single = SingleBuffer(tensors);
+    if (single == nullptr) {
+      return absl::InvalidArgumentError("the kept result is one buffer; these tensors are not");
+    }
+    std::memcpy(single, pending_.data(), static_cast<size_t>(*total) * DTypeSize(dtype));
+  }
+  has_pending_ = false;
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::AllReduceSum(void* data, int64_t numel, DType dtype) {
+  if (dtype != DType::kFloat32 && dtype != DType::kFloat64) {
+    return absl::InvalidArgumentError("AllReduceSum takes float32 or float64");
+  }
+  absl::MutexLock l(&mu_);
+  if (!broken_.ok()) return broken_;
+  if (absl::Status a = AbortedOr(absl::OkStatus()); !a.ok()) return broken_ = a;
+  absl::Status s = RunSum(data, numel, dtype);
+  if (!s.ok()) s = Break(s);
+  return s;
+}
+
+}  // namespace modelavg::client

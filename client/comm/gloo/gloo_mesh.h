@@ -1,0 +1,77 @@
+// The Gloo TCP mesh below GlooCommunicator's collectives: the device, the full mesh connected by
+// modelavg so that a cancel can interrupt it (ConnectMesh), failing a pair at the transport
+// (FailPair), and Gloo's exceptions as statuses with their kind (FromGlooException). Every Gloo
+// exception of set-up and teardown stops here.
+#ifndef MODELAVG_CLIENT_COMM_GLOO_GLOO_MESH_H_
+#define MODELAVG_CLIENT_COMM_GLOO_GLOO_MESH_H_
+
+#include <sys/socket.h>
+
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "client/comm/communicator.h"
+#include "client/comm/fault_injection.h"
+
+namespace gloo {
+class Context;
+namespace rendezvous {
+class Store;
+}  // namespace rendezvous
+namespace transport {
+class Device;
+class Pair;
+}  // namespace transport
+}  // namespace gloo
+
+namespace modelavg::client {
+
+// Gloo's TCP transport writes without MSG_NOSIGNAL: with SIGPIPE at its default, a peer that
+// dies mid-collective would kill this process instead of failing the all-reduce. Ignores
+// SIGPIPE when its disposition is the default; a handler the application installed is left
+// alone. Called by GlooCommunicator::Create and Client::Connect.
+void IgnoreDefaultSigpipe();
+
+// A Gloo TCP device bound to `hostname` (shared by every Gloo communicator of a process).
+// INVALID_ARGUMENT / UNAVAILABLE when the address cannot be resolved or bound.
+absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CreateGlooDevice(
+    const std::string& hostname);
+
+// A Gloo exception as a status a person can act on, with its kind (error_kind.h). Gloo reports
+// every transport failure as a gloo::IoException, a timeout included; which one it was is told
+// by the clock, not by the text: a wait that lasted its whole `timeout` (since `started`) timed
+// out (DEADLINE_EXCEEDED, kTimeout); another IoException is UNAVAILABLE (kPeerFailure); the
+// rest INTERNAL. `what` names the operation.
+absl::Status FromGlooException(const std::exception& e, absl::string_view what,
+                               absl::Time started, absl::Duration timeout);
+
+// Fails one TCP pair at the transport: its pending operations, a connect in progress included,
+// wake with an error and its socket closes, so that the peer's collectives on the mesh fail as
+// well. Where the platform cannot (not x86-64 with libstdc++, or not a TCP pair) it logs that
+// the collective ends at its timeout. `member` is the pair's peer, for the logs.
+void FailPair(gloo::transport::Pair* pair, int member, const std::string& msg);
+
+// Connects the full mesh of `size` members through `store`, as Gloo's connectFullMesh does
+// (each member publishes the addresses of its pairs under "<rank>", then connects each pair to
+// the address its peer published for it), with every wait watched by `cancel`: a cancel fails
+// the pairs, which wakes a connect in progress. connectFullMesh is not used: it waits for each
+// peer up to five times the timeout and cannot be interrupted. The store's waits end at
+// `deadline`; `timeout` is the transport's and the context's. `peers` receives each member's
+// data address (unset where the transport is not TCP); `faults` (may be null) may put a stray
+// connection ahead of this member's. Throws what Gloo and the store throw; a failed connect is
+// UNAVAILABLE with kStrayConnection and the peer's rank (its port refused or dropped us).
+absl::StatusOr<std::shared_ptr<gloo::Context>> ConnectMesh(
+    gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
+    int size, absl::Duration timeout, absl::Time deadline,
+    const std::shared_ptr<SetupCanceller>& cancel, std::vector<sockaddr_storage>* peers,
+    FaultInjection* faults);
+
+}  // namespace modelavg::client
+
+#endif  // MODELAVG_CLIENT_COMM_GLOO_GLOO_MESH_H_

@@ -1,0 +1,136 @@
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "client/comm/nccl/cuda/device_dtype.cuh"
+#include "client/comm/nccl/cuda/nccl_outer_kernels.h"
+
+namespace modelavg::client {
+namespace {
+
+// Each operation rounded on its own: the host (and PyTorch's CPU kernels) never fuse a multiply
+// and an add, and neither may these, or the device's steps would differ from the host's in the
+// last bit.
+__device__ __forceinline__ float Mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float Add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float Sub(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double Mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ double Add(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ double Sub(double a, double b) { return __dsub_rn(a, b); }
+
+// One block per chunk (grid-stride over chunks), threads over its elements.
+template <typename S>
+__global__ void DifferenceKernel(const StagingChunk* chunks, int64_t num_chunks,
+                                 const S* anchor, S* gradient) {
+  for (int64_t c = blockIdx.x; c < num_chunks; c += gridDim.x) {
+    const StagingChunk ch = chunks[c];
+    const S* a = anchor + ch.staging_offset;
+    S* d = gradient + ch.staging_offset;
+    for (int64_t i = threadIdx.x; i < ch.numel; i += blockDim.x) {
+      d[i] = Sub(a[i], LoadAs<S>(ch.tensor, ch.tensor_dtype, i));
+    }
+  }
+}
+
+template <typename S>
+__global__ void StepKernel(const StagingChunk* chunks, int64_t num_chunks, const S* gradient,
+                           S* anchor, S* momentum, S lr, S mu, bool nesterov, bool momentum_set) {
+  for (int64_t c = blockIdx.x; c < num_chunks; c += gridDim.x) {
+    const StagingChunk ch = chunks[c];
+    const S* d = gradient + ch.staging_offset;
+    S* a = anchor + ch.staging_offset;
+    S* m = momentum == nullptr ? nullptr : momentum + ch.staging_offset;
+    for (int64_t i = threadIdx.x; i < ch.numel; i += blockDim.x) {
+      S g = d[i];
+      if (m != nullptr) {
+        const S buf = momentum_set ? Add(Mul(m[i], mu), d[i]) : d[i];
+        m[i] = buf;
+        g = nesterov ? Add(d[i], Mul(mu, buf)) : buf;
+      }
+      const S next = Add(a[i], Mul(-lr, g));
+      a[i] = next;
+      StoreFrom<S>(ch.tensor, ch.tensor_dtype, i, next);
+    }
+  }
+}
+
+// tensor[i] := (1 - mix) * tensor[i] + mix * local[o + i], in double, rounded once to the
+// tensor's dtype (the host's LocalCopy::MixInto).
+template <typename S>
+__global__ void MixKernel(const StagingChunk* chunks, int64_t num_chunks, const S* local,
+                          double keep, double mix) {
+  for (int64_t c = blockIdx.x; c < num_chunks; c += gridDim.x) {
+    const StagingChunk ch = chunks[c];
+    const S* l = local + ch.staging_offset;
+    for (int64_t i = threadIdx.x; i < ch.numel; i += blockDim.x) {
+      const double x = LoadAs<double>(ch.tensor, ch.tensor_dtype, i);
+      const double v = Add(Mul(keep, x), Mul(mix, static_cast<double>(l[i])));
+      if (ch.tensor_dtype == kStageF64) {
+        static_cast<double*>(ch.tensor)[i] = v;
+      } else {
+        // Through float32, as the host writes float16/bfloat16 from a float.
+        StoreFrom<float>(ch.tensor, ch.tensor_dtype, i, static_cast<float>(v));
+      }
+    }
+  }
+}
+
+constexpr int kThreads = 512;
+
+unsigned Grid(int64_t num_chunks) {
+  return static_cast<unsigned>(std::min<int64_t>(num_chunks, 65535));
+}
+
+template <typename S>
+void LaunchStep(const StagingChunk* chunks, int64_t num_chunks, const OuterStepArgs& args,
+                cudaStream_t stream) {
+  StepKernel<S><<<Grid(num_chunks), kThreads, 0, stream>>>(
+      chunks, num_chunks, static_cast<const S*>(args.gradient), static_cast<S*>(args.anchor),
+      args.momentum_factor != 0 ? static_cast<S*>(args.momentum) : nullptr,
+      static_cast<S>(args.lr), static_cast<S>(args.momentum_factor), args.nesterov,
+      args.momentum_set);
+}
+
+}  // namespace
+
+cudaError_t LaunchOuterDifference(const StagingChunk* chunks, int64_t num_chunks,
+                                  const void* anchor, void* gradient, int32_t state_code,
+                                  cudaStream_t stream) {
+  if (num_chunks == 0) return cudaSuccess;
+  if (state_code == kStageF64) {
+    DifferenceKernel<double><<<Grid(num_chunks), kThreads, 0, stream>>>(
+        chunks, num_chunks, static_cast<const double*>(anchor), static_cast<double*>(gradient));
+  } else {
+    DifferenceKernel<float><<<Grid(num_chunks), kThreads, 0, stream>>>(
+        chunks, num_chunks, static_cast<const float*>(anchor), static_cast<float*>(gradient));
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchOuterMix(const StagingChunk* chunks, int64_t num_chunks, const void* local,
+                           int32_t state_code, double mix, cudaStream_t stream) {
+  if (num_chunks == 0) return cudaSuccess;
+  const double keep = 1.0 - mix;
+  if (state_code == kStageF64) {
+    MixKernel<double><<<Grid(num_chunks), kThreads, 0, stream>>>(
+        chunks, num_chunks, static_cast<const double*>(local), keep, mix);
+  } else {
+    MixKernel<float><<<Grid(num_chunks), kThreads, 0, stream>>>(
+        chunks, num_chunks, static_cast<const float*>(local), keep, mix);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchOuterStep(const StagingChunk* chunks, int64_t num_chunks,
+                            const OuterStepArgs& args, cudaStream_t stream) {
+  if (num_chunks == 0) return cudaSuccess;
+  if (args.state_code == kStageF64) {
+    LaunchStep<double>(chunks, num_chunks, args, stream);
+  } else {
+    LaunchStep<float>(chunks, num_chunks, args, stream);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace modelavg::client

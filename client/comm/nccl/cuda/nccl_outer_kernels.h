@@ -1,0 +1,33 @@
+// CUDA kernels of the outer optimizer on CUDA parameters (DiLoCo, device_outer_state.h): one launch per
+// pass over a chunk table (staging_chunk.h), whatever the number of tensors. Only built with
+// MODELAVG_HAVE_CUDA. Their arithmetic is the host's (outer_state.cc, and the tests' simulated
+// device): every operation rounded on its own (no FMA), conversions round to nearest even.
+#ifndef MODELAVG_CLIENT_COMM_NCCL_CUDA_NCCL_OUTER_KERNELS_H_
+#define MODELAVG_CLIENT_COMM_NCCL_CUDA_NCCL_OUTER_KERNELS_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "client/comm/nccl/outer_step_args.h"
+#include "client/payload/staging_chunk.h"
+
+namespace modelavg::client {
+
+// gradient[o + i] = anchor[o + i] - S(tensor[i]) for every chunk (o its staging_offset), in the
+// state dtype S of `state_code`. `chunks` is device memory. Returns the launch error.
+cudaError_t LaunchOuterDifference(const StagingChunk* chunks, int64_t num_chunks,
+                                  const void* anchor, void* gradient, int32_t state_code,
+                                  cudaStream_t stream);
+// tensor[i] = (1 - mix) * tensor[i] + mix * local[o + i] (streaming sync's Level.mix), in
+// double, rounded once to the tensor's dtype; `local` in the state dtype of `state_code`.
+cudaError_t LaunchOuterMix(const StagingChunk* chunks, int64_t num_chunks, const void* local,
+                           int32_t state_code, double mix, cudaStream_t stream);
+// The SGD step of `args` (outer_step_args.h) on every chunk's state elements, then
+// tensor[i] = anchor[o + i] rounded to the tensor's dtype.
+cudaError_t LaunchOuterStep(const StagingChunk* chunks, int64_t num_chunks,
+                            const OuterStepArgs& args, cudaStream_t stream);
+
+}  // namespace modelavg::client
+
+#endif  // MODELAVG_CLIENT_COMM_NCCL_CUDA_NCCL_OUTER_KERNELS_H_

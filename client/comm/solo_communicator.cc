@@ -1,0 +1,40 @@
+#include "client/comm/solo_communicator.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace modelavg::client {
+
+void SoloCommunicator::Abort(const absl::Status& why) {
+  absl::MutexLock l(&mu_);
+  if (aborted_.ok()) aborted_ = why.ok() ? absl::AbortedError("aborted") : why;
+}
+
+absl::Status SoloCommunicator::AdoptPendingResult(absl::Span<const TensorView> /*tensors*/) {
+  return absl::FailedPreconditionError("a one-member round keeps nothing aside");
+}
+
+absl::Status SoloCommunicator::AllReduceAverage(absl::Span<const TensorView> tensors,
+                                                const RoundOptions& options,
+                                                RoundOutcome* outcome) {
+  if (outcome != nullptr) *outcome = RoundOutcome::kFailedWithoutResult;
+  if (!options.contribute) {
+    return absl::InvalidArgumentError(
+        "a round of one member that does not contribute has nothing to average");
+  }
+  {
+    absl::MutexLock l(&mu_);
+    if (!aborted_.ok()) return aborted_;
+  }
+  // The mean of one member is its own value; only the arguments are checked.
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].numel < 0 || (tensors[i].numel > 0 && tensors[i].data == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", i, " has numel ", tensors[i].numel, " and data ",
+                       tensors[i].data == nullptr ? "null" : "set"));
+    }
+  }
+  if (outcome != nullptr) *outcome = RoundOutcome::kCompleted;
+  return absl::OkStatus();
+}
+
+}  // namespace modelavg::client

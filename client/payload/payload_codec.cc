@@ -1,0 +1,151 @@
+#include "client/payload/payload_codec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "client/base/half.h"
+
+namespace modelavg::client {
+namespace {
+
+int64_t Blocks(int64_t n) { return (n + kInt8Block - 1) / kInt8Block; }
+
+// The INT8 layout: every block's scale first (float32), then the int8 values.
+void EncodeInt8(const float* in, int64_t n, uint8_t* out) {
+  const int64_t blocks = Blocks(n);
+  int8_t* q = reinterpret_cast<int8_t*>(out + blocks * sizeof(float));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * kInt8Block;
+    const int64_t hi = std::min(n, lo + kInt8Block);
+    float max_abs = 0.0f;
+    bool finite = true;
+    for (int64_t i = lo; i < hi; ++i) {
+      const float a = std::fabs(in[i]);
+      finite = finite && std::isfinite(in[i]);
+      max_abs = std::max(max_abs, a);
+    }
+    float scale = max_abs / 127.0f;
+    if (!finite) scale = std::numeric_limits<float>::quiet_NaN();
+    std::memcpy(out + b * sizeof(float), &scale, sizeof(float));
+    if (!(scale > 0.0f)) {  // zero block, or NaN: values are 0 (NaN scale decodes to NaN)
+      std::memset(q + lo, 0, static_cast<size_t>(hi - lo));
+      continue;
+    }
+    const float inv = 1.0f / scale;
+    for (int64_t i = lo; i < hi; ++i) {
+      float v = std::nearbyint(in[i] * inv);
+      v = std::min(127.0f, std::max(-127.0f, v));
+      q[i] = static_cast<int8_t>(v);
+    }
+  }
+}
+
+template <bool kAdd>
+void DecodeInt8(const uint8_t* in, int64_t n, float* out) {
+  const int64_t blocks = Blocks(n);
+  const int8_t* q = reinterpret_cast<const int8_t*>(in + blocks * sizeof(float));
+  for (int64_t b = 0; b < blocks; ++b) {
+    float scale;
+    std::memcpy(&scale, in + b * sizeof(float), sizeof(float));
+    const int64_t lo = b * kInt8Block;
+    const int64_t hi = std::min(n, lo + kInt8Block);
+    for (int64_t i = lo; i < hi; ++i) {
+      const float v = static_cast<float>(q[i]) * scale;
+      if (kAdd) {
+        out[i] += v;
+      } else {
+        out[i] = v;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+size_t EncodedBytes(Payload payload, int64_t n) {
+  switch (payload) {
+    case Payload::kBf16:
+      return static_cast<size_t>(n) * 2;
+    case Payload::kInt8:
+      return static_cast<size_t>(n) + static_cast<size_t>(Blocks(n)) * sizeof(float);
+    case Payload::kFp32:
+    default:
+      return static_cast<size_t>(n) * 4;
+  }
+}
+
+void EncodePayload(Payload payload, const float* in, int64_t n, uint8_t* out) {
+  switch (payload) {
+    case Payload::kBf16:
+      for (int64_t i = 0; i < n; ++i) {
+        const uint16_t b = FloatToBFloat16(in[i]);
+        std::memcpy(out + 2 * i, &b, 2);
+      }
+      return;
+    case Payload::kInt8:
+      EncodeInt8(in, n, out);
+      return;
+    case Payload::kFp32:
+    default:
+      std::memcpy(out, in, static_cast<size_t>(n) * 4);
+      return;
+  }
+}
+
+void DecodeAddPayload(Payload payload, const uint8_t* in, int64_t n, float* acc) {
+  switch (payload) {
+    case Payload::kBf16:
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t b;
+        std::memcpy(&b, in + 2 * i, 2);
+        acc[i] += BFloat16ToFloat(b);
+      }
+      return;
+    case Payload::kInt8:
+      DecodeInt8<true>(in, n, acc);
+      return;
+    case Payload::kFp32:
+    default:
+      for (int64_t i = 0; i < n; ++i) {
+        float v;
+        std::memcpy(&v, in + 4 * i, 4);
+        acc[i] += v;
+      }
+      return;
+  }
+}
+
+void DecodePayload(Payload payload, const uint8_t* in, int64_t n, float* out) {
+  switch (payload) {
+    case Payload::kBf16:
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t b;
+        std::memcpy(&b, in + 2 * i, 2);
+        out[i] = BFloat16ToFloat(b);
+      }
+      return;
+    case Payload::kInt8:
+      DecodeInt8<false>(in, n, out);
+      return;
+    case Payload::kFp32:
+    default:
+      std::memcpy(out, in, static_cast<size_t>(n) * 4);
+      return;
+  }
+}
+
+const char* PayloadName(Payload payload) {
+  switch (payload) {
+    case Payload::kBf16:
+      return "BF16";
+    case Payload::kInt8:
+      return "INT8";
+    case Payload::kFp32:
+    default:
+      return "FP32";
+  }
+}
+
+}  // namespace modelavg::client

@@ -1,0 +1,44 @@
+// The wire encodings of a level's pseudo-gradients (Level.payload, docs/streaming.md). Pure
+// functions over float32 buffers; the compressed all-reduce (GlooCommunicator) encodes each
+// member's chunks with them, sums the decoded values in float32 and encodes the sum again for
+// the all-gather.
+//
+//   FP32: the float32 values themselves (4 bytes an element).
+//   BF16: bfloat16, rounded to nearest even (2 bytes an element). |decode(encode(x)) - x| <=
+//         2^-8 |x| (half a unit in its 8 significant bits) for every finite x in bfloat16's normal range (and Inf/NaN preserved).
+//   INT8: blocks of kInt8Block elements (the last one shorter), each one float32 scale
+//         s = max|x| / 127 followed by its int8 values q = round(x / s) in [-127, 127] (1 byte an
+//         element plus 4 bytes a block). |decode(encode(x)) - x| <= s / 2 = max|x over the
+//         block| / 254 (plus float32 rounding of q * s). A block holding a non-finite value
+//         decodes as NaN throughout.
+#ifndef MODELAVG_CLIENT_PAYLOAD_PAYLOAD_CODEC_H_
+#define MODELAVG_CLIENT_PAYLOAD_PAYLOAD_CODEC_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "modelavg/common/schedule.h"
+
+namespace modelavg::client {
+
+// Elements per INT8 block (each block has its own scale).
+inline constexpr int64_t kInt8Block = 1024;
+
+// Bytes of the encoding of `n` float32 elements.
+size_t EncodedBytes(Payload payload, int64_t n);
+
+// Writes the encoding of in[0, n) to out[0, EncodedBytes(payload, n)).
+void EncodePayload(Payload payload, const float* in, int64_t n, uint8_t* out);
+
+// acc[i] += the decoded value of element i, for i in [0, n) (float32 accumulation).
+void DecodeAddPayload(Payload payload, const uint8_t* in, int64_t n, float* acc);
+
+// out[i] = the decoded value of element i.
+void DecodePayload(Payload payload, const uint8_t* in, int64_t n, float* out);
+
+// "FP32", "BF16", "INT8".
+const char* PayloadName(Payload payload);
+
+}  // namespace modelavg::client
+
+#endif  // MODELAVG_CLIENT_PAYLOAD_PAYLOAD_CODEC_H_

@@ -1,0 +1,203 @@
+// The averaging schedule: a pure function of a job's plan and a step.
+//
+// It reproduces PyTorch's torch.distributed.algorithms.model_averaging exactly:
+//   * PeriodicModelAverager(period, warmup_steps): average over the whole world at step s iff
+//     s >= warmup_steps && (s - warmup_steps) % period == 0 (phase relative to warm-up).
+//   * HierarchicalModelAverager(period_group_size_dict, warmup_steps): at s >= warmup_steps walk
+//     the levels from last to first and take the first whose period divides s (phase absolute;
+//     warm-up only masks). No level divides: no averaging.
+// The coordinator, the client's decision cache and the tests share this one implementation.
+#ifndef MODELAVG_COMMON_SCHEDULE_H_
+#define MODELAVG_COMMON_SCHEDULE_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace modelavg {
+
+enum class AveragingMode { kPeriodic, kHierarchical };
+
+// A level's outer optimizer (DiLoCo): PyTorch's SGD on the member's anchor with the group's
+// mean pseudo-gradient (anchor - parameters) as the gradient. See client/averaging/outer_state.h.
+struct OuterSgd {
+  double lr = 1.0;
+  double momentum = 0.0;
+  bool nesterov = false;
+
+  bool operator==(const OuterSgd& o) const {
+    return lr == o.lr && momentum == o.momentum && nesterov == o.nesterov;
+  }
+};
+
+// How a level's pseudo-gradients travel (outer levels; plain levels send FP32 parameters).
+enum class Payload { kFp32, kBf16, kInt8 };
+
+struct ScheduleLevel {
+  int64_t period = 0;
+  int32_t group_size = 0;
+  // Absent: the level's members average their parameters (PyTorch's averagers).
+  std::optional<OuterSgd> outer;
+  // Streaming sync (docs/streaming.md). The parameters are split into `fragments` fragments;
+  // the level acts every period / fragments steps on one of them (see Schedule::LevelAt).
+  int32_t fragments = 1;
+  // Outer levels: a fragment's all-reduce starts at its sync step s and is applied at
+  // s + sync_delay, mixing (1 - mix) * anchor + mix * local; pseudo-gradients sent as `payload`.
+  int64_t sync_delay = 0;
+  double mix = 0.0;
+  Payload payload = Payload::kFp32;
+
+  // The hierarchy walk's period of this level: period / fragments.
+  int64_t StepPeriod() const { return fragments > 1 ? period / fragments : period; }
+};
+
+// The part of a job spec the schedule depends on.
+struct ScheduleSpec {
+  int32_t world_size = 0;
+  int64_t warmup_steps = 0;
+  AveragingMode mode = AveragingMode::kHierarchical;
+  std::vector<ScheduleLevel> levels;
+};
+
+// Largest world a job may have.
+inline constexpr int32_t kMaxWorldSize = 65536;
+// Most levels a job may have. PyTorch's hierarchies have a handful; every level costs work on
+// every step of every schedule query.
+inline constexpr size_t kMaxLevels = 16;
+// Largest period and warm-up: 10^12 steps (31 years at a step a millisecond). Keeps every
+// step arithmetic far from int64 overflow.
+inline constexpr int64_t kMaxPeriod = 1'000'000'000'000;
+inline constexpr int64_t kMaxWarmupSteps = 1'000'000'000'000;
+// How many multiples of a level's period Schedule::FirstStepOf looks at.
+inline constexpr int64_t kFirstStepSearch = 1'000'000;
+// Most fragments a level may have.
+inline constexpr int32_t kMaxFragments = 4096;
+
+// Checks every rule of DESIGN.md; INVALID_ARGUMENT naming the field and the value otherwise:
+// world_size outside [1, kMaxWorldSize], warmup_steps outside [0, kMaxWarmupSteps], no levels or
+// more than kMaxLevels, period outside [1, kMaxPeriod], group size
+// <= 0, > world_size or not dividing world_size, the last level's group size != world_size,
+// duplicate periods (PyTorch keys its levels by period), for kPeriodic anything but exactly
+// one level, an outer optimizer whose lr is not finite and > 0, whose momentum is outside
+// [0, 1), or that asks for nesterov with momentum 0 (PyTorch's SGD rules), and the streaming
+// fields of each level (ValidateStreamingLevel).
+absl::Status ValidateScheduleSpec(const ScheduleSpec& spec);
+
+// The streaming fields of `levels[index]` (`outer`: the level has an outer optimizer):
+// fragments in [1, kMaxFragments] and dividing the period; sync_delay in [0, period /
+// fragments); mix in [0, 1]; and sync_delay, mix and a compressed payload only on an outer
+// level. INVALID_ARGUMENT naming the field otherwise.
+absl::Status ValidateStreamingLevel(const ScheduleLevel& level, size_t index, bool outer);
+
+// Things PyTorch only warns about (largest period 1, periods not ascending — step periods,
+// period / fragments, for fragmented levels): valid, but likely not what the user meant.
+std::vector<std::string> ScheduleWarnings(const ScheduleSpec& spec);
+
+// A rank's block at one level: ranks [first_rank, first_rank + size).
+struct SubgroupRange {
+  int32_t index = 0;
+  int32_t first_rank = 0;
+  int32_t size = 0;
+
+  std::vector<int32_t> Ranks() const;
+  bool Contains(int32_t rank) const { return rank >= first_rank && rank < first_rank + size; }
+};
+
+// What one rank does at one step.
+struct Decision {
+  int64_t step = 0;
+  bool average = false;
+  // Index into the spec's levels; -1 when !average.
+  int32_t level = -1;
+  int64_t period = 0;
+  // The fragment of the level's parameters synced at this step, in [0, fragments), and the
+  // level's fragment count (1: the whole model). Meaningful only when average.
+  int32_t fragment = 0;
+  int32_t fragments = 1;
+  // The subgroup that averages (meaningful only when average).
+  SubgroupRange subgroup;
+  // The ranks that actually average (AVERAGE only): the subgroup's ranks, less the vacant ranks
+  // of an elastic job and the replacements not admitted yet. Empty means the whole subgroup
+  // (a decision of the schedule alone, which knows nothing of membership).
+  std::vector<int32_t> members;
+  // Members admitted at this step (elastic replacements): they receive the average of the
+  // others and contribute nothing. Usually empty.
+  std::vector<int32_t> joining;
+  // The job generation the decision was taken in (0: not known).
+  int64_t generation = 0;
+
+  // The chosen level has an outer optimizer (ScheduleLevel::outer; average only).
+  bool outer = false;
+
+  // The ranks averaging: `members`, or the whole subgroup when it is empty.
+  std::vector<int32_t> Members() const {
+    return members.empty() ? subgroup.Ranks() : members;
+  }
+
+  // Compares what the schedule decides (step, level, subgroup), not the membership.
+  bool operator==(const Decision& o) const {
+    return step == o.step && average == o.average && level == o.level && period == o.period &&
+           fragment == o.fragment && fragments == o.fragments && subgroup.index == o.subgroup.index && subgroup.first_rank == o.subgroup.first_rank &&
+           subgroup.size == o.subgroup.size;
+  }
+};
+
+// A validated spec and the decisions it implies. Cheap to copy.
+class Schedule {
+ public:
+  // INVALID_ARGUMENT as ValidateScheduleSpec.
+  static absl::StatusOr<Schedule> Create(ScheduleSpec spec);
+
+  const ScheduleSpec& spec() const { return spec_; }
+  int32_t world_size() const { return spec_.world_size; }
+  int num_levels() const { return static_cast<int>(spec_.levels.size()); }
+
+  // The level that averages at `step` (the same for every rank), or -1. O(levels).
+  // A level of F fragments takes part in the walk with its step period H / F (H its period):
+  // periodic, it acts at s >= warmup with (s - warmup) % (H / F) == 0; hierarchical, the walk
+  // from the last level to the first takes the first level whose H / F divides s. Example:
+  // levels (period 4, group 2) and (period 8, group 4, fragments 4): the second level's step
+  // period is 2, so it takes every even step (fragments 0, 1, 2, 3, 0, ... at steps 0, 2, 4,
+  // 6, 8, ...) and outranks the first level at every step the first would have taken.
+  // Precondition: step >= 0.
+  int LevelAt(int64_t step) const;
+
+  // The fragment `level` syncs at `step`, when it acts there: (s / (H / F)) mod F, with s taken
+  // from warm-up in a periodic job (s - warmup). 0 for a level of one fragment.
+  int32_t FragmentAt(int level, int64_t step) const;
+
+  // The block of `rank` at `level`. Precondition: 0 <= rank < world_size, valid level.
+  SubgroupRange SubgroupOf(int level, int32_t rank) const;
+
+  // Every block at `level`, in index order.
+  std::vector<SubgroupRange> SubgroupsAt(int level) const;
+
+  // The first step >= warmup at which `level` averages, or -1 if there is none within
+  // kFirstStepSearch of its period's multiples (a level shadowed by a later one). The first
+  // averaging step of an outer level sets the anchors.
+  int64_t FirstStepOf(int level) const;
+
+  // What `rank` does at `step`. Precondition: step >= 0, 0 <= rank < world_size.
+  Decision DecisionFor(int64_t step, int32_t rank) const;
+
+  // Decisions of `rank` for steps [from_step, from_step + count). O(count * levels).
+  std::vector<Decision> Window(int64_t from_step, int64_t count, int32_t rank) const;
+
+  // Like Window, but for every rank at once: a SKIP step gives one decision, an averaging step
+  // one decision per subgroup of the chosen level.
+  std::vector<Decision> WindowAllSubgroups(int64_t from_step, int64_t count) const;
+
+ private:
+  explicit Schedule(ScheduleSpec spec) : spec_(std::move(spec)) {}
+  // The decision of `group` at `step`, where `level` (>= 0) averages.
+  Decision AveragingDecision(int64_t step, int level, const SubgroupRange& group) const;
+  ScheduleSpec spec_;
+};
+
+}  // namespace modelavg
+
+#endif  // MODELAVG_COMMON_SCHEDULE_H_

@@ -1,0 +1,100 @@
+#include "server/core/request_checks.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace modelavg::server {
+namespace {
+
+constexpr size_t kMaxWorkerIdLength = 256;
+constexpr size_t kMaxHostLength = 256;
+
+}  // namespace
+
+absl::Status CheckRank(int32_t rank, int32_t world_size, const std::string& job_id) {
+  if (rank >= 0 && rank < world_size) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("rank ", rank, " is outside [0, ", world_size, ") for job ", job_id));
+}
+
+absl::Status CheckStep(int64_t step) {
+  if (step >= 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("step must be >= 0, got ", step));
+}
+
+absl::Status CheckJoinRequest(const v1::JoinRequest& request, int32_t world_size,
+                              const std::string& job_id) {
+  if (request.worker_id().empty()) {
+    return absl::InvalidArgumentError(
+        "worker_id must not be empty; use a stable identity such as \"host:pid\"");
+  }
+  if (request.worker_id().size() > kMaxWorkerIdLength || request.host().size() > kMaxHostLength) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker_id and host must be at most ", kMaxWorkerIdLength, " characters"));
+  }
+  if (request.world_size() != 0 && request.world_size() != world_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the worker expects world_size ", request.world_size(), " but job ", job_id,
+        " has world_size ", world_size, "; start every worker with world_size ", world_size,
+        " or join a job of that size"));
+  }
+  if (request.has_rank()) {
+    if (absl::Status s = CheckRank(request.rank(), world_size, job_id); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(s.message(), "; ask for a rank below world_size or leave rank unset"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckCommRequest(const Schedule& schedule, int32_t level, int32_t subgroup,
+                              int32_t rank, const std::string& key, const std::string& job_id) {
+  if (level < 0 || level >= schedule.num_levels()) {
+    return absl::InvalidArgumentError(absl::StrCat("level ", level, " is outside [0, ",
+                                                   schedule.num_levels(), ") for job ", job_id));
+  }
+  const int32_t groups = schedule.world_size() / schedule.spec().levels[level].group_size;
+  if (subgroup < 0 || subgroup >= groups) {
+    return absl::InvalidArgumentError(absl::StrCat("subgroup ", subgroup, " is outside [0, ",
+                                                   groups, ") at level ", level, " of job ",
+                                                   job_id));
+  }
+  if (absl::Status s = CheckRank(rank, schedule.world_size(), job_id); !s.ok()) return s;
+  if (key.size() > kMaxCommIdKeyLength) {
+    return absl::InvalidArgumentError(absl::StrCat("key is ", key.size(),
+                                                   " characters; at most ", kMaxCommIdKeyLength,
+                                                   " are allowed"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckCommIdBlob(const std::string& unique_id) {
+  if (unique_id.empty()) return absl::InvalidArgumentError("unique_id must not be empty");
+  if (unique_id.size() > kMaxCommIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("unique_id is ", unique_id.size(),
+                                                   " bytes; at most ", kMaxCommIdBytes,
+                                                   " are allowed"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPeerReport(const v1::ReportPeerFailureRequest& request, int32_t world_size,
+                             const std::string& job_id) {
+  if (absl::Status s = CheckRank(request.rank(), world_size, job_id); !s.ok()) return s;
+  for (const auto* list : {&request.unreachable_ranks(), &request.reachable_ranks()}) {
+    if (list->size() > world_size) {
+      return absl::InvalidArgumentError(absl::StrCat("a peer failure report names ",
+                                                     list->size(), " ranks; job ", job_id,
+                                                     " has ", world_size));
+    }
+    for (int32_t r : *list) {
+      if (r < 0 || r >= world_size) {
+        return absl::InvalidArgumentError(absl::StrCat("the peer failure report names rank ", r,
+                                                       ", outside [0, ", world_size,
+                                                       ") for job ", job_id));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace modelavg::server

@@ -1,0 +1,545 @@
+#include "server/http/status_page.h"
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/job_spec.h"
+#include "modelavg/common/schedule.h"
+
+namespace modelavg::server {
+namespace {
+
+constexpr char kCookieName[] = "modelavg_status";
+
+constexpr char kStyle[] = R"css(
+body { font: 14px/1.4 system-ui, sans-serif; margin: 0; color: #1d2330; background: #f6f7f9; }
+header { background: #1d2330; color: #fff; padding: 10px 20px; display: flex; gap: 20px;
+         align-items: baseline; }
+header a { color: #fff; text-decoration: none; font-weight: 600; }
+header .right { margin-left: auto; font-size: 12px; opacity: .8; }
+main { padding: 12px 20px 40px; }
+h1 { font-size: 20px; margin: 8px 0; }
+h2 { font-size: 15px; margin: 22px 0 6px; }
+table { border-collapse: collapse; background: #fff; min-width: 40%; }
+th, td { border: 1px solid #d8dce3; padding: 3px 8px; text-align: left; vertical-align: top; }
+th { background: #eceff4; font-weight: 600; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.state { font-weight: 600; padding: 1px 6px; border-radius: 3px; }
+.RUNNING, .ALIVE { background: #d7f5dd; color: #135c22; }
+.PENDING { background: #fff2c7; color: #6b5200; }
+.FINISHED, .LEFT { background: #e3e6ec; color: #3b4252; }
+.DEAD, .VACANT { background: #fbd9d9; color: #8a1111; }
+.lagging { color: #8a1111; font-weight: 600; }
+.kv { display: grid; grid-template-columns: max-content auto; gap: 2px 14px; }
+.kv dt { color: #5c6577; } .kv dd { margin: 0; }
+.note { color: #5c6577; font-size: 12px; }
+.banner { background: #fbd9d9; color: #8a1111; padding: 6px 20px; display: none; }
+.banner.shown { display: block; }
+svg { background: #fff; border: 1px solid #d8dce3; }
+svg text { font: 11px system-ui, sans-serif; fill: #1d2330; }
+form.login { background: #fff; padding: 16px; border: 1px solid #d8dce3; width: 360px; }
+form.login input[type=password] { width: 100%; box-sizing: border-box; margin: 6px 0 10px; }
+)css";
+
+// Refreshes the page's #content in place (no reload: scroll position and selection stay), and
+// shows a banner while the coordinator does not answer.
+constexpr char kScript[] = R"js(
+(function () {
+  var period = Number(document.body.getAttribute('data-refresh-ms')) || 1000;
+  var banner = document.getElementById('unreachable');
+  function tick() {
+    fetch(window.location.href, {credentials: 'same-origin', cache: 'no-store'})
+      .then(function (r) {
+        if (r.status === 401) { window.location.reload(); return null; }
+        return r.text();
+      })
+      .then(function (text) {
+        if (text === null) return;
+        var doc = new DOMParser().parseFromString(text, 'text/html');
+        var fresh = doc.getElementById('content');
+        var current = document.getElementById('content');
+        if (fresh && current) current.replaceWith(document.importNode(fresh, true));
+        banner.className = 'banner';
+      })
+      .catch(function () { banner.className = 'banner shown'; })
+      .then(function () { window.setTimeout(tick, period); });
+  }
+  window.setTimeout(tick, period);
+})();
+)js";
+
+const char* const kLevelColors[] = {"#3b6fd6", "#d6793b", "#2f9e5a", "#9b3bd6",
+                                    "#d63b6a", "#3bb5d6", "#8c8c2f", "#5a5a5a"};
+
+std::string Td(const std::string& text) { return absl::StrCat("<td>", HtmlEscape(text), "</td>"); }
+std::string TdNum(int64_t v) { return absl::StrCat("<td class=\"num\">", v, "</td>"); }
+// -1 (nothing reported yet) as a dash.
+std::string TdStep(int64_t v) {
+  return v < 0 ? std::string("<td class=\"num\">&ndash;</td>") : TdNum(v);
+}
+std::string StateSpan(const std::string& state) {
+  return absl::StrCat("<span class=\"state ", HtmlEscape(state), "\">", HtmlEscape(state),
+                      "</span>");
+}
+std::string TimeText(int64_t unix_ms) {
+  if (unix_ms <= 0) return "";
+  return absl::FormatTime("%Y-%m-%d %H:%M:%E3S UTC", absl::FromUnixMillis(unix_ms),
+                          absl::UTCTimeZone());
+}
+
+std::string EventKindName(v1::JobEvent::Kind kind) {
+  switch (kind) {
+    case v1::JobEvent::MEMBER_JOINED: return "member joined";
+    case v1::JobEvent::WORLD_COMPLETE: return "world complete";
+    case v1::JobEvent::GENERATION_CHANGED: return "generation changed";
+    case v1::JobEvent::JOB_FINISHED: return "job finished";
+    case v1::JobEvent::JOB_DELETED: return "job deleted";
+    case v1::JobEvent::MEMBER_ADMITTED: return "member admitted";
+    default: return v1::JobEvent::Kind_Name(kind);
+  }
+}
+
+std::string Hex(const unsigned char* data, size_t n) {
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(data), n));
+}
+
+std::string CookieValueFor(const std::string& token) {
+  if (token.empty()) return "";
+  static constexpr char kPurpose[] = "modelavg status page login v1";
+  unsigned char mac[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()),
+       reinterpret_cast<const unsigned char*>(kPurpose), sizeof(kPurpose) - 1, mac, &len);
+  return Hex(mac, len);
+}
+
+bool SameSecret(const std::string& a, const std::string& b) {
+  return a.size() == b.size() && !a.empty() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+// The timeline: the next averaging steps after `from`, one row per level.
+std::string Timeline(const Schedule& schedule, int64_t from, int64_t search, int max_marks,
+                     std::string* listing) {
+  struct Mark {
+    int64_t step;
+    int level;
+  };
+  std::vector<Mark> marks;
+  for (int64_t s = from; s < from + search && static_cast<int>(marks.size()) < max_marks; ++s) {
+    const int level = schedule.LevelAt(s);
+    if (level >= 0) marks.push_back({s, level});
+  }
+  const int levels = schedule.num_levels();
+  const ScheduleSpec& spec = schedule.spec();
+  if (marks.empty()) {
+    *listing = absl::StrCat("<p>No averaging step in the ", search, " steps from step ", from,
+                            ".</p>");
+    return "";
+  }
+  const int64_t first = from;
+  const int64_t last = std::max(marks.back().step, from + 1);
+  const int left = 200, right = 20, top = 14, row = 26, width = 960;
+  const int height = top + row * levels + 34;
+  const double scale = static_cast<double>(width - left - right) / static_cast<double>(last - first);
+  auto x_of = [&](int64_t step) { return left + static_cast<double>(step - first) * scale; };
+  std::string svg = absl::StrCat(
+      "<svg id=\"timeline\" xmlns=\"http://www.w3.org/2000/svg\" width=\"", width,
+      "\" height=\"", height, "\" viewBox=\"0 0 ", width, " ", height,
+      "\" role=\"img\" aria-label=\"next averaging steps\">");
+  for (int l = 0; l < levels; ++l) {
+    const int y = top + row * l + row / 2;
+    absl::StrAppend(&svg, "<text x=\"6\" y=\"", y + 4, "\">level ", l, ": every ",
+                    spec.levels[l].period, ", groups of ", spec.levels[l].group_size, "</text>",
+                    "<line x1=\"", left, "\" y1=\"", y, "\" x2=\"", width - right, "\" y2=\"", y,
+                    "\" stroke=\"#d8dce3\"/>");
+  }
+  const int axis = top + row * levels + 6;
+  absl::StrAppend(&svg, "<line x1=\"", left, "\" y1=\"", axis, "\" x2=\"", width - right,
+                  "\" y2=\"", axis, "\" stroke=\"#5c6577\"/>");
+  double last_label_x = -1e9;
+  for (const Mark& m : marks) {
+    const double x = x_of(m.step);
+    const int y = top + row * m.level + row / 2;
+    const char* color = kLevelColors[m.level % (sizeof(kLevelColors) / sizeof(kLevelColors[0]))];
+    absl::StrAppendFormat(&svg,
+                          "<g class=\"mark\"><title>step %d: level %d</title>"
+                          "<rect x=\"%.1f\" y=\"%d\" width=\"6\" height=\"16\" rx=\"2\" "
+                          "fill=\"%s\"/></g>",
+                          m.step, m.level, x - 3, y - 8, color);
+    if (x - last_label_x > 42) {
+      absl::StrAppendFormat(&svg,
+                            "<line x1=\"%.1f\" y1=\"%d\" x2=\"%.1f\" y2=\"%d\" "
+                            "stroke=\"#5c6577\"/><text x=\"%.1f\" y=\"%d\" "
+                            "text-anchor=\"middle\">%d</text>",
+                            x, axis, x, axis + 4, x, axis + 16, m.step);
+      last_label_x = x;
+    }
+  }
+  absl::StrAppend(&svg, "</svg>");
+  std::vector<std::string> items;
+  constexpr size_t kListed = 12;
+  for (const Mark& m : marks) {
+    if (items.size() == kListed) break;
+    const int32_t g = spec.levels[m.level].group_size;
+    items.push_back(absl::StrCat(m.step, " (level ", m.level, ", ", spec.world_size / g,
+                                 spec.world_size / g == 1 ? " group" : " groups", " of ", g,
+                                 ")"));
+  }
+  *listing = absl::StrCat("<p class=\"note\" id=\"next-steps\">Next averaging steps: ",
+                          HtmlEscape(absl::StrJoin(items, ", ")),
+                          marks.size() > items.size() ? ", &hellip;" : "", "</p>");
+  return svg;
+}
+
+}  // namespace
+
+std::string HtmlEscape(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  for (char c : text) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      case '\'': out += "&#39;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+std::string UrlEncode(const std::string& text) {
+  std::string out;
+  for (unsigned char c : text) {
+    if (absl::ascii_isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~') {
+      out += static_cast<char>(c);
+    } else {
+      char buf[4];
+      std::snprintf(buf, sizeof(buf), "%%%02X", c);
+      out += buf;
+    }
+  }
+  return out;
+}
+
+StatusPage::StatusPage(const JobRegistry* registry, StatusPageOptions options)
+    : registry_(registry),
+      options_(std::move(options)),
+      cookie_value_(CookieValueFor(options_.operator_token)) {}
+
+bool StatusPage::Authorized(const HttpRequest& request) const {
+  if (options_.operator_token.empty()) return true;
+  const std::string header = request.Header("authorization");
+  if (absl::StartsWith(header, "Bearer ") &&
+      SameSecret(header.substr(7), options_.operator_token)) {
+    return true;
+  }
+  return SameSecret(request.Cookie(kCookieName), cookie_value_);
+}
+
+HttpResponse StatusPage::Page(int status, const std::string& title,
+                              const std::string& body) const {
+  HttpResponse reply;
+  reply.status = status;
+  reply.content_type = "text/html; charset=utf-8";
+  reply.headers = {
+      {"Content-Security-Policy",
+       "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+       "img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"},
+      {"X-Content-Type-Options", "nosniff"},
+      {"Referrer-Policy", "no-referrer"},
+      {"Cache-Control", "no-store"}};
+  const bool auth = !options_.operator_token.empty();
+  reply.body = absl::StrCat(
+      "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+      "<meta name=\"viewport\" content=\"width=device-width\">"
+      "<title>",
+      HtmlEscape(title),
+      " &middot; modelavg</title>"
+      "<link rel=\"stylesheet\" href=\"/static/status.css\">"
+      "<noscript><meta http-equiv=\"refresh\" content=\"5\"></noscript>"
+      "</head><body data-refresh-ms=\"",
+      options_.refresh_ms,
+      "\"><header><a href=\"/\">modelavg coordinator</a><a href=\"/metrics\">metrics</a>",
+      auth ? "<a href=\"/logout\">log out</a>" : "",
+      "<span class=\"right\">refreshes every ", options_.refresh_ms,
+      " ms &middot; incarnation ", HtmlEscape(registry_->incarnation()),
+      "</span></header><div id=\"unreachable\" class=\"banner\">The coordinator does not "
+      "answer; showing what it said last.</div><main>",
+      body, "</main><script src=\"/static/status.js\"></script></body></html>\n");
+  return reply;
+}
+
+HttpResponse StatusPage::LoginPage(const HttpRequest& request, int status,
+                                   const std::string& note) const {
+  std::string next = request.Query("next");
+  if (!absl::StartsWith(next, "/") || absl::StartsWith(next, "//")) next = "/";
+  HttpResponse reply = Page(
+      status, "log in",
+      absl::StrCat(
+          "<h1>Log in</h1><form class=\"login\" method=\"post\" action=\"/login?next=",
+          HtmlEscape(UrlEncode(next)),
+          "\"><label for=\"token\">Operator token (the coordinator's --auth_token_file)</label>"
+          "<input type=\"password\" id=\"token\" name=\"token\" autocomplete=\"current-password\""
+          " autofocus><button type=\"submit\">Log in</button>",
+          note.empty() ? "" : absl::StrCat("<p class=\"lagging\">", HtmlEscape(note), "</p>"),
+          "<p class=\"note\">Or send <code>Authorization: Bearer &lt;token&gt;</code>.</p>"
+          "</form>"));
+  if (status == 401) reply.headers.push_back({"WWW-Authenticate", "Bearer realm=\"modelavg\""});
+  return reply;
+}
+
+HttpResponse StatusPage::Login(const HttpRequest& request) const {
+  if (options_.operator_token.empty()) {
+    HttpResponse reply;
+    reply.status = 303;
+    reply.headers.push_back({"Location", "/"});
+    return reply;
+  }
+  if (request.method != "POST") return LoginPage(request, 200, "");
+  if (!SameSecret(request.Form("token"), options_.operator_token)) {
+    return LoginPage(request, 401, "That is not the operator token.");
+  }
+  std::string next = request.Query("next");
+  if (!absl::StartsWith(next, "/") || absl::StartsWith(next, "//")) next = "/";
+  HttpResponse reply;
+  reply.status = 303;
+  reply.headers.push_back({"Location", next});
+  reply.headers.push_back({"Set-Cookie", absl::StrCat(kCookieName, "=", cookie_value_,
+                                                      "; Path=/; HttpOnly; SameSite=Strict")});
+  reply.body = "logged in\n";
+  return reply;
+}
+
+HttpResponse StatusPage::Handle(const HttpRequest& request) const {
+  const std::string& path = request.path;
+  if (path == "/static/status.css" || path == "/static/status.js") {
+    HttpResponse reply;
+    const bool css = absl::EndsWith(path, ".css");
+    reply.content_type = css ? "text/css; charset=utf-8" : "text/javascript; charset=utf-8";
+    reply.body = css ? kStyle : kScript;
+    reply.headers = {{"X-Content-Type-Options", "nosniff"}, {"Cache-Control", "max-age=60"}};
+    return reply;
+  }
+  if (path == "/login") return Login(request);
+  if (path == "/logout") {
+    HttpResponse reply;
+    reply.status = 303;
+    reply.headers = {{"Location", "/login"},
+                     {"Set-Cookie", absl::StrCat(kCookieName,
+                                                 "=; Path=/; HttpOnly; SameSite=Strict; "
+                                                 "Max-Age=0")}};
+    return reply;
+  }
+  const bool known = path == "/" || absl::StartsWith(path, "/jobs/");
+  if (!known) {
+    HttpResponse reply = Page(404, "not found",
+                              absl::StrCat("<h1>Not found</h1><p>No page ", HtmlEscape(path),
+                                           ". <a href=\"/\">All jobs</a></p>"));
+    return reply;
+  }
+  if (request.method != "GET" && request.method != "HEAD") {
+    HttpResponse reply;
+    reply.status = 405;
+    reply.headers.push_back({"Allow", "GET, HEAD"});
+    reply.body = "only GET and HEAD here\n";
+    return reply;
+  }
+  if (!Authorized(request)) {
+    HttpRequest login = request;
+    login.query["next"] = path;
+    return LoginPage(login, 401, "");
+  }
+  if (path == "/") return Index();
+  return JobPage(path.substr(6));
+}
+
+HttpResponse StatusPage::Index() const {
+  std::string rows;
+  int n = 0;
+  for (const std::shared_ptr<Job>& job : registry_->ListJobs()) {
+    v1::Job j;
+    job->ToProto(&j, /*max_bytes=*/0);  // without members: min/max step are still set
+    ++n;
+    const v1::JobSpec& spec = j.spec();
+    absl::StrAppend(
+        &rows, "<tr><td><a href=\"/jobs/", HtmlEscape(UrlEncode(spec.job_id())), "\">",
+        HtmlEscape(spec.job_id()), "</a></td><td>", StateSpan(v1::JobState_Name(j.state())),
+        "</td>", Td(spec.mode() == v1::PERIODIC ? "periodic" : "hierarchical"),
+        TdNum(j.generation()),
+        absl::StrCat("<td class=\"num\">", j.live_world_size(), " / ", spec.world_size(),
+                     "</td>"),
+        Td(j.vacant_ranks().empty() ? "" : absl::StrJoin(j.vacant_ranks(), ", ")),
+        TdNum(j.deaths()), TdNum(j.admissions()), TdStep(j.min_step()), TdStep(j.max_step()),
+        "</tr>");
+  }
+  std::string body = absl::StrCat(
+      "<div id=\"content\"><h1>Jobs</h1>",
+      n == 0 ? std::string("<p>No jobs.</p>")
+             : absl::StrCat("<table id=\"jobs\"><tr><th>job</th><th>state</th><th>mode</th>"
+                            "<th>generation</th><th>live / world</th><th>vacant ranks</th>"
+                            "<th>deaths</th><th>admissions</th><th>min step</th>"
+                            "<th>max step</th></tr>",
+                            rows, "</table>"),
+      "<p class=\"note\">", n, n == 1 ? " job" : " jobs", " &middot; as of ",
+      HtmlEscape(TimeText(absl::ToUnixMillis(registry_->clock()->Now()))), "</p></div>");
+  return Page(200, "jobs", body);
+}
+
+HttpResponse StatusPage::JobPage(const std::string& job_id) const {
+  absl::StatusOr<std::shared_ptr<Job>> found = registry_->Find(job_id);
+  if (!found.ok()) {
+    return Page(404, "no such job",
+                absl::StrCat("<div id=\"content\"><h1>No job ", HtmlEscape(job_id), "</h1><p>",
+                             HtmlEscape(std::string(found.status().message())),
+                             ". <a href=\"/\">All jobs</a></p></div>"));
+  }
+  const std::shared_ptr<Job>& job = *found;
+  v1::Job j;
+  job->ToProto(&j);
+  const std::vector<v1::GenerationChange> generations = job->GenerationHistory();
+  const std::vector<LoggedEvent> events = job->RecentEvents();
+  const v1::JobSpec& spec = j.spec();
+
+  std::vector<std::string> levels;
+  for (const v1::Level& l : spec.levels()) {
+    levels.push_back(absl::StrCat("every ", l.period(), " steps in groups of ", l.group_size()));
+  }
+  std::string body = absl::StrCat(
+      "<div id=\"content\"><h1>Job <span id=\"job-id\">", HtmlEscape(spec.job_id()),
+      "</span> ", StateSpan(v1::JobState_Name(j.state())), "</h1><dl class=\"kv\">",
+      "<dt>generation</dt><dd id=\"generation\">", j.generation(), "</dd>",
+      "<dt>live / world</dt><dd>", j.live_world_size(), " / ", spec.world_size(), "</dd>",
+      spec.min_world_size() > 0
+          ? absl::StrCat("<dt>elastic</dt><dd>runs on with at least ", spec.min_world_size(),
+                         " ranks</dd>")
+          : std::string(),
+      "<dt>vacant ranks</dt><dd>",
+      j.vacant_ranks().empty() ? "none" : absl::StrJoin(j.vacant_ranks(), ", "), "</dd>",
+      "<dt>deaths</dt><dd id=\"deaths\">", j.deaths(), "</dd>", "<dt>admissions</dt><dd>",
+      j.admissions(), "</dd>", "<dt>steps</dt><dd>",
+      j.min_step() < 0 ? std::string("none reported")
+                       : absl::StrCat(j.min_step(), " to ", j.max_step()),
+      "</dd><dt>plan</dt><dd>",
+      HtmlEscape(absl::StrCat(spec.mode() == v1::PERIODIC ? "periodic" : "hierarchical",
+                              ", warm-up ", spec.warmup_steps(), " steps; ",
+                              absl::StrJoin(levels, "; "))),
+      "</dd><dt>heartbeat timeout</dt><dd>", spec.heartbeat_timeout_ms(), " ms</dd>",
+      "<dt>created</dt><dd>", HtmlEscape(TimeText(j.created_unix_ms())), "</dd></dl>");
+  for (const std::string& w : j.warnings()) {
+    absl::StrAppend(&body, "<p class=\"lagging\">warning: ", HtmlEscape(w), "</p>");
+  }
+
+  // Members.
+  absl::StrAppend(&body, "<h2>Members</h2>");
+  if (j.members_omitted()) {
+    absl::StrAppend(&body, "<p class=\"note\">Too many members to list.</p>");
+  } else {
+    absl::StrAppend(&body,
+                    "<table id=\"members\"><tr><th>rank</th><th>worker</th><th>host</th>"
+                    "<th>state</th><th>step</th><th>lag</th><th>ms since heartbeat</th>"
+                    "<th>admitted at step</th><th>joined generation</th></tr>");
+    int shown = 0;
+    const int64_t leader = j.max_step();
+    const int64_t lag_alarm = std::max<int64_t>(2, spec.levels_size() > 0
+                                                       ? spec.levels(0).period()
+                                                       : 2);
+    std::vector<bool> listed(spec.world_size(), false);
+    for (const v1::Member& m : j.members()) {
+      if (shown++ >= options_.max_member_rows) break;
+      if (m.rank() >= 0 && m.rank() < spec.world_size()) listed[m.rank()] = true;
+      const std::string state = v1::MemberState_Name(m.state());
+      // Lag behind the leader, for the members of the current generation.
+      const int64_t lag = (m.state() == v1::ALIVE && m.generation() == j.generation() &&
+                           m.last_step() >= 0 && leader >= 0)
+                              ? leader - m.last_step()
+                              : -1;
+      absl::StrAppend(
+          &body, "<tr class=\"member", m.state() == v1::DEAD ? " dead" : "", "\" data-rank=\"",
+          m.rank(), "\">", TdNum(m.rank()),
+          Td(m.worker_id()), Td(m.host()), "<td>", StateSpan(state), "</td>",
+          TdStep(m.last_step()),
+          lag < 0 ? std::string("<td class=\"num\">&ndash;</td>")
+                  : absl::StrCat("<td class=\"num", lag > lag_alarm ? " lagging" : "", "\">",
+                                 lag, "</td>"),
+          TdNum(m.ms_since_heartbeat()), TdStep(m.admitted_step()), TdNum(m.generation()),
+          "</tr>");
+    }
+    for (int32_t r : j.vacant_ranks()) {
+      if (r >= 0 && r < spec.world_size() && listed[r]) continue;  // its departed member shows
+      absl::StrAppend(&body, "<tr class=\"vacant\">", TdNum(r),
+                      "<td colspan=\"2\">(no live worker)</td><td>", StateSpan("VACANT"),
+                      "</td><td colspan=\"5\"></td></tr>");
+    }
+    absl::StrAppend(&body, "</table>");
+    if (j.members_size() > options_.max_member_rows) {
+      absl::StrAppend(&body, "<p class=\"note\">", j.members_size() - options_.max_member_rows,
+                      " more members not shown (modelavg job ID --json lists them all).</p>");
+    }
+  }
+
+  // The schedule.
+  absl::StrAppend(&body, "<h2>Next averaging steps</h2>");
+  absl::StatusOr<ScheduleSpec> schedule_spec = ScheduleSpecFromProto(spec);
+  absl::StatusOr<Schedule> schedule =
+      schedule_spec.ok() ? Schedule::Create(*schedule_spec) : schedule_spec.status();
+  if (schedule.ok()) {
+    const int64_t from = std::max<int64_t>(0, j.max_step() + 1);
+    std::string listing;
+    const std::string svg = Timeline(*schedule, from, options_.timeline_search_steps,
+                                     options_.timeline_max_marks, &listing);
+    absl::StrAppend(&body, "<p class=\"note\">From step ", from,
+                    " (after the leader's last step).</p>", svg, listing);
+  } else {
+    absl::StrAppend(&body, "<p>", HtmlEscape(std::string(schedule.status().message())), "</p>");
+  }
+
+  // Generation history, newest first.
+  absl::StrAppend(&body,
+                  "<h2>Generation history</h2><table id=\"generations\"><tr><th>generation</th>"
+                  "<th>reason</th><th>rank</th><th>when</th></tr>");
+  if (generations.empty() && j.has_last_change()) {
+    const v1::GenerationChange& c = j.last_change();
+    absl::StrAppend(&body, "<tr>", TdNum(c.generation()), Td(c.reason()),
+                    c.rank() < 0 ? Td("") : TdNum(c.rank()), Td(TimeText(c.unix_ms())),
+                    "</tr>");
+  }
+  for (auto it = generations.rbegin(); it != generations.rend(); ++it) {
+    absl::StrAppend(&body, "<tr>", TdNum(it->generation()), Td(it->reason()),
+                    it->rank() < 0 ? Td("") : TdNum(it->rank()), Td(TimeText(it->unix_ms())),
+                    "</tr>");
+  }
+  absl::StrAppend(&body, "</table>");
+
+  // Recent events, newest first.
+  absl::StrAppend(&body,
+                  "<h2>Recent events</h2><table id=\"events\"><tr><th>when</th><th>event</th>"
+                  "<th>rank</th><th>generation</th><th>message</th></tr>");
+  for (auto it = events.rbegin(); it != events.rend(); ++it) {
+    absl::StrAppend(&body, "<tr>", Td(TimeText(it->unix_ms)), Td(EventKindName(it->kind)),
+                    it->rank < 0 ? Td("") : TdNum(it->rank), TdNum(it->generation),
+                    Td(it->message), "</tr>");
+  }
+  absl::StrAppend(&body, "</table><p class=\"note\">History since the coordinator started; ",
+                  "as of ", HtmlEscape(TimeText(absl::ToUnixMillis(registry_->clock()->Now()))),
+                  ".</p></div>");
+  return Page(200, absl::StrCat("job ", spec.job_id()), body);
+}
+
+}  // namespace modelavg::server

@@ -1,0 +1,660 @@
+#include "server/membership/membership.h"
+
+#include <openssl/crypto.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "server/membership/member_credential.h"
+
+namespace modelavg::server {
+namespace {
+
+Schedule EveryStepOverTheWorld(int32_t world_size) {
+  ScheduleSpec spec;
+  spec.world_size = world_size;
+  spec.mode = AveragingMode::kPeriodic;
+  spec.levels.push_back(ScheduleLevel{1, world_size});
+  return *Schedule::Create(std::move(spec));
+}
+
+}  // namespace
+
+Membership::Membership(Schedule schedule, int32_t min_world_size, MembershipWriter write)
+    : schedule_(std::move(schedule)),
+      min_world_size_(min_world_size > 0 && min_world_size < schedule_.world_size()
+                          ? min_world_size
+                          : schedule_.world_size()),
+      write_(std::move(write)),
+      members_(schedule_.world_size()) {
+  for (int32_t r = 0; r < world_size(); ++r) members_[r].rank = r;
+}
+
+Membership::Membership(int32_t world_size, int32_t min_world_size, MembershipWriter write)
+    : Membership(EveryStepOverTheWorld(world_size), min_world_size, std::move(write)) {}
+
+namespace {
+
+MembershipChange& ChangeOf(Membership::JoinResult& r) { return r.change; }
+MembershipChange& ChangeOf(Membership::LeaveResult& r) { return r.change; }
+MembershipChange& ChangeOf(MembershipChange& c) { return c; }
+
+}  // namespace
+
+template <typename Op>
+auto Membership::Transact(Op op) -> decltype(op()) {
+  Begin();
+  auto result = op();
+  if (!result.ok()) {
+    Rollback();
+    return result;
+  }
+  if (absl::Status s = WriteAndKeep(&ChangeOf(*result)); !s.ok()) return s;
+  return result;
+}
+
+std::shared_ptr<const MemberSteps> Membership::DecisionMembers() const {
+  if (decision_members_ != nullptr) return decision_members_;
+  auto view = std::make_shared<MemberSteps>();
+  view->from_step.assign(members_.size(), -1);
+  if (state_ == v1::RUNNING) {
+    for (int32_t r = 0; r < world_size(); ++r) {
+      const LiveMember& m = members_[r];
+      if (!InRound(m)) {
+        view->from_step[r] = kNotMember;
+        view->all_from_start = false;
+      } else if (m.admitted_step >= 0) {
+        view->from_step[r] = m.admitted_step;
+        view->all_from_start = false;
+      }
+    }
+  }
+  decision_members_ = std::move(view);
+  return decision_members_;
+}
+
+std::vector<int32_t> Membership::VacantRanks() const {
+  std::vector<int32_t> vacant;
+  if (state_ != v1::RUNNING) return vacant;
+  for (int32_t r = 0; r < world_size(); ++r) {
+    if (!InRound(members_[r])) vacant.push_back(r);
+  }
+  return vacant;
+}
+
+void Membership::Restore(const MembershipHeader& header, const std::vector<Member>& members,
+                         absl::Time now) {
+  state_ = header.state;
+  generation_ = header.generation;
+  last_change_ = header.last_change;
+  round_size_ = 0;
+  for (const Member& s : members) {
+    if (s.rank < 0 || s.rank >= world_size()) continue;
+    // A rank of a round that was still assembling (stored by an older coordinator; such ranks are
+    // not stored any more): its Join was never answered, so it is nobody's.
+    if (header.state == v1::PENDING && s.state == v1::ALIVE && s.generation == header.generation) {
+      continue;
+    }
+    LiveMember& m = members_[s.rank];
+    static_cast<Member&>(m) = s;
+    if (m.joined_generation <= 0) m.joined_generation = m.generation;
+    m.last_step = -1;
+    m.last_heartbeat = now;
+    if (InRound(m)) ++round_size_;
+  }
+  unwritten_.clear();
+  decision_members_.reset();
+  stale_not_before_ = absl::InfinitePast();
+  ResetProgress();
+}
+
+absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worker_id,
+                                                        const std::string& host,
+                                                        std::optional<int32_t> requested,
+                                                        absl::Time now,
+                                                        const std::string& job_id,
+                                                        const std::string& credential,
+                                                        const std::string& new_digest) {
+  const Joiner joiner{worker_id, host, requested, credential, new_digest};
+  absl::StatusOr<JoinResult> joined =
+      Transact([&] { return JoinInMemory(joiner, now, job_id); });
+  // Soft state: heartbeat times count only while RUNNING, from the round's completion.
+  if (joined.ok() && joined->change.world_complete) {
+    for (LiveMember& each : members_) each.last_heartbeat = now;
+  }
+  return joined;
+}
+
+absl::StatusOr<Membership::JoinResult> Membership::JoinInMemory(const Joiner& joiner,
+                                                                absl::Time now,
+                                                                const std::string& job_id) {
+  const int32_t world = world_size();
+  if (state_ == v1::FINISHED) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", job_id, " is FINISHED (every member left); create a new job to train again"));
+  }
+  if (state_ == v1::RUNNING && elastic()) {
+    return Admit(joiner, now, job_id);
+  }
+  absl::StatusOr<int32_t> rank = ChooseRank(joiner, job_id);
+  if (!rank.ok()) return rank.status();
+  JoinResult result;
+  if (state_ == v1::RUNNING) {
+    // A re-join of the running round: a new generation, which every worker joins again.
+    result.change = Bump(*rank, absl::StrCat("rank ", *rank, " re-joined"), now);
+    ResetProgress();
+  }
+  result.rank = *rank;
+  result.was_in_round = InRound(members_[*rank]);
+  if (!result.was_in_round) ++round_size_;
+  Seat(*rank, joiner.worker_id, joiner.host, now, joiner.new_digest, /*admitted_step=*/-1);
+  if (round_size_ == world) {
+    state_ = v1::RUNNING;
+    MarkHeader();
+    // The round's members were left out of the changes while it assembled: all are written now.
+    for (int32_t r = 0; r < world; ++r) {
+      if (InRound(members_[r])) tx_->ranks.push_back(r);
+    }
+    result.change.world_complete = true;
+  }
+  return result;
+}
+
+absl::StatusOr<int32_t> Membership::ChooseRank(const Joiner& joiner,
+                                               const std::string& job_id) const {
+  const int32_t world = world_size();
+  int32_t rank = -1;
+  if (state_ == v1::RUNNING) {
+    if (joiner.rank.has_value()) {
+      rank = *joiner.rank;
+    } else {
+      // Only the holder (its credential) finds its rank back.
+      for (int32_t r = 0; r < world; ++r) {
+        if (InRound(members_[r]) &&
+            CredentialMatches(joiner.credential, members_[r].credential_digest)) {
+          rank = r;
+        }
+      }
+    }
+    if (rank >= 0 && InRound(members_[rank]) &&
+        !CredentialMatches(joiner.credential, members_[rank].credential_digest)) {
+      return HeldByOther(rank, job_id);
+    }
+    if (rank < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", job_id, " is RUNNING with all ", world, " ranks joined in generation ",
+          generation_, "; a worker restarting after a crash re-joins by naming its rank"));
+    }
+  } else if (joiner.rank.has_value()) {
+    rank = *joiner.rank;
+    const LiveMember& m = members_[rank];
+    // The same worker id again in an assembling round is a retried Join (its reply, and so
+    // its credential, may never have arrived).
+    if (InRound(m) && m.worker_id != joiner.worker_id &&
+        !CredentialMatches(joiner.credential, m.credential_digest)) {
+      return HeldByOther(rank, job_id);
+    }
+  } else {
+    // The same worker again keeps its rank; a survivor of an earlier generation gets its old
+    // rank back if free; anyone else the lowest free rank.
+    for (int32_t r = 0; r < world && rank < 0; ++r) {
+      if (members_[r].present() && members_[r].worker_id == joiner.worker_id) rank = r;
+    }
+    for (int32_t r = 0; r < world && rank < 0; ++r) {
+      if (!InRound(members_[r])) rank = r;
+    }
+  }
+  return rank;
+}
+
+absl::Status Membership::HeldByOther(int32_t rank, const std::string& job_id) const {
+  const LiveMember& m = members_[rank];
+  return absl::AlreadyExistsError(absl::StrCat(
+      "rank ", rank, " of job ", job_id, " is held by worker \"", m.worker_id, "\" (host ",
+      m.host.empty() ? "unknown" : m.host, "), alive in generation ", generation_,
+      "; a rank is re-taken once its holder is dead or has left, or by its holder with its "
+      "credential; ask for another rank or leave rank unset"));
+}
+
+absl::StatusOr<Membership::Vacancy> Membership::FindVacancy(const Joiner& joiner,
+                                                            const std::string& job_id) const {
+  const int32_t world = world_size();
+  // A live member whose place this Join takes: its holder re-joining (a restart, proven by the
+  // credential), or the same worker retrying a replacement's Join whose reply it never got (it
+  // has not been heard from since).
+  const auto replaces = [&](int32_t r) {
+    const LiveMember& m = members_[r];
+    return InRound(m) &&
+           (CredentialMatches(joiner.credential, m.credential_digest) ||
+            (m.worker_id == joiner.worker_id && m.admitted_step >= 0 && m.last_step < 0));
+  };
+  int32_t rank = -1;
+  bool replaced = false;
+  if (joiner.rank.has_value()) {
+    rank = *joiner.rank;
+    if (InRound(members_[rank])) {
+      if (!replaces(rank)) return HeldByOther(rank, job_id);
+      replaced = true;
+    }
+  } else {
+    for (int32_t r = 0; r < world && rank < 0; ++r) {
+      if (replaces(r)) {
+        rank = r;
+        replaced = true;
+      }
+    }
+    for (int32_t r = 0; r < world && rank < 0; ++r) {
+      if (!InRound(members_[r])) rank = r;
+    }
+    if (rank < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", job_id, " is full: an elastic job RUNNING in generation ", generation_,
+          " with all ", world, " ranks alive; a replacement is admitted only into a vacant rank "
+          "(one whose member died or left)"));
+    }
+  }
+  return Vacancy{rank, replaced};
+}
+
+absl::StatusOr<Membership::AdmissionStep> Membership::ChooseAdmissionStep(
+    int32_t rank, const std::string& job_id) const {
+  const int32_t world = world_size();
+  // The floor: past every step a live member may have reached before it hears of the new
+  // generation. A member that never reported its step (it just joined, or this coordinator
+  // restarted) could be anywhere: the Join waits for its report.
+  int64_t max_reported = -1;
+  std::vector<int32_t> unreported;
+  std::vector<int64_t> from_step(world, kNotMember);
+  for (int32_t r = 0; r < world; ++r) {
+    const LiveMember& m = members_[r];
+    if (r == rank || !InRound(m)) continue;
+    from_step[r] = m.admitted_step;
+    if (m.last_step >= 0) {
+      max_reported = std::max(max_reported, m.last_step);
+    } else if (m.admitted_step >= 0) {
+      // A replacement waits at its admission step until it has averaged there.
+      max_reported = std::max(max_reported, m.admitted_step);
+    } else {
+      unreported.push_back(r);
+    }
+  }
+  if (!unreported.empty()) {
+    return absl::UnavailableError(absl::StrCat(
+        "job ", job_id, ": rank ", unreported[0],
+        unreported.size() > 1 ? absl::StrCat(" (and ", unreported.size() - 1, " more)") : "",
+        " has not reported its step since it joined or the coordinator restarted; a replacement "
+        "is admitted at a step chosen from the members' steps: retry in a second (the modelavg "
+        "client retries by itself)"));
+  }
+  int64_t margin = kMinAdmissionMargin;
+  if (steps_per_second_ > 0) {
+    const double notice = std::ceil(steps_per_second_ * absl::ToDoubleSeconds(kAdmissionNotice));
+    margin = static_cast<int64_t>(
+        std::min(notice + kMinAdmissionMargin, static_cast<double>(kMaxAdmissionMargin)));
+  }
+  const int64_t floor = max_reported > std::numeric_limits<int64_t>::max() - margin
+                            ? std::numeric_limits<int64_t>::max()
+                            : max_reported + margin;
+  absl::StatusOr<int64_t> step = FindAdmissionStep(schedule_, rank, from_step, floor, job_id);
+  if (!step.ok()) return step.status();
+  return AdmissionStep{*step, floor, margin, max_reported};
+}
+
+absl::StatusOr<Membership::JoinResult> Membership::Admit(const Joiner& joiner, absl::Time now,
+                                                         const std::string& job_id) {
+  absl::StatusOr<Vacancy> vacancy = FindVacancy(joiner, job_id);
+  if (!vacancy.ok()) return vacancy.status();
+  const int32_t rank = vacancy->rank;
+  absl::StatusOr<AdmissionStep> step = ChooseAdmissionStep(rank, job_id);
+  if (!step.ok()) return step.status();
+
+  const int64_t old_generation = generation_;
+  JoinResult result;
+  result.rank = rank;
+  result.change =
+      Bump(rank,
+           absl::StrCat("rank ", rank, vacancy->replaced ? " re-joined and was" : " was",
+                        " admitted at step ", step->step, " (worker \"", joiner.worker_id, "\")"),
+           now);
+  result.change.admitted = true;
+  result.change.replaced_live_member = vacancy->replaced;
+  result.change.admission_step = step->step;
+  result.change.admission_floor = step->floor;
+  result.change.admission_margin = step->margin;
+  result.change.max_reported_step = step->max_reported;
+  state_ = v1::RUNNING;
+  CarryOver(old_generation, /*except=*/rank);
+  Seat(rank, joiner.worker_id, joiner.host, now, joiner.new_digest, step->step);
+  ++round_size_;
+  return result;
+}
+
+void Membership::CarryOver(int64_t old_generation, int32_t except) {
+  for (int32_t r = 0; r < world_size(); ++r) {
+    const LiveMember& m = members_[r];
+    if (r != except && m.present() && m.state == v1::ALIVE && m.generation == old_generation) {
+      Mutable(r).generation = generation_;
+      ++round_size_;
+    }
+  }
+}
+
+void Membership::Seat(int32_t rank, const std::string& worker_id, const std::string& host,
+                      absl::Time now, const std::string& digest, int64_t admitted_step) {
+  LiveMember& m = Mutable(rank);
+  m.worker_id = worker_id;
+  m.host = host;
+  m.last_step = -1;
+  m.last_heartbeat = now;
+  m.stream_lost_at = absl::InfiniteFuture();
+  m.state = v1::ALIVE;
+  m.generation = generation_;
+  m.credential_digest = digest;
+  m.joined_generation = generation_;
+  m.admitted_step = admitted_step;
+}
+
+absl::Status Membership::CheckCredential(int32_t rank, const std::string& credential,
+                                         const char* rpc, const std::string& job_id) const {
+  const LiveMember& m = members_[rank];
+  if (!m.present()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        rpc, " as rank ", rank, " of job ", job_id, ": the rank has no member; Join first"));
+  }
+  if (credential.empty()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        rpc, " as rank ", rank, " of job ", job_id,
+        " needs the rank's credential (JoinResponse.credential)"));
+  }
+  // Every beat and Step carries the credential: hash it only when it is not the one already
+  // found to match this member's digest.
+  const bool known = !m.verified_digest.empty() && m.verified_digest == m.credential_digest &&
+                     m.verified_credential.size() == credential.size() &&
+                     CRYPTO_memcmp(m.verified_credential.data(), credential.data(),
+                                   credential.size()) == 0;
+  if (!known && CredentialMatches(credential, m.credential_digest)) {
+    m.verified_credential = credential;
+    m.verified_digest = m.credential_digest;
+  } else if (!known) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        rpc, " as rank ", rank, " of job ", job_id,
+        ": the credential is not that of the rank's current member (worker \"", m.worker_id,
+        "\"); a worker whose rank was re-taken re-joins"));
+  }
+  return absl::OkStatus();
+}
+
+void Membership::Withdraw(int32_t rank) {
+  if (InRound(members_[rank])) --round_size_;
+  members_[rank] = LiveMember{};
+  members_[rank].rank = rank;
+  unwritten_.push_back(rank);
+  decision_members_.reset();
+  stale_not_before_ = absl::InfinitePast();
+}
+
+absl::StatusOr<Membership::LeaveResult> Membership::Leave(int32_t rank, const std::string& reason,
+                                                          absl::Time now,
+                                                          const std::string& job_id) {
+  return Transact([&] { return LeaveInMemory(rank, reason, now, job_id); });
+}
+
+absl::StatusOr<Membership::LeaveResult> Membership::LeaveInMemory(int32_t rank,
+                                                                  const std::string& reason,
+                                                                  absl::Time now,
+                                                                  const std::string& job_id) {
+  const LiveMember& m = members_[rank];
+  if (!m.present()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", rank, " has not joined job ", job_id));
+  }
+  LeaveResult result;
+  if (m.state == v1::LEFT) return result;
+  result.left = true;
+  const bool in_round = InRound(m);
+  Mutable(rank).state = v1::LEFT;
+  if (in_round && state_ == v1::PENDING) {
+    // Leaving a round that is still assembling: free the rank, no bump needed.
+    --round_size_;
+    result.left_pending_round = true;
+  }
+  if (MaybeFinish()) {
+    result.change.finished = true;
+  } else if (state_ == v1::RUNNING && in_round) {
+    result.change = Depart(rank, reason, now, /*orderly=*/true);
+  }
+  return result;
+}
+
+absl::StatusOr<MembershipChange> Membership::Die(const std::vector<int32_t>& ranks,
+                                                 const std::string& reason, absl::Time now) {
+  return Transact(
+      [&]() -> absl::StatusOr<MembershipChange> { return DieInMemory(ranks, reason, now); });
+}
+
+MembershipChange Membership::DieInMemory(const std::vector<int32_t>& ranks,
+                                         const std::string& reason, absl::Time now) {
+  if (ranks.empty()) return MembershipChange{};
+  for (int32_t r : ranks) Mutable(r).state = v1::DEAD;
+  return Depart(ranks[0], reason, now, /*orderly=*/false);
+}
+
+MembershipChange Membership::Depart(int32_t rank, const std::string& reason, absl::Time now,
+                                    bool orderly) {
+  if (state_ == v1::RUNNING && elastic()) {
+    int32_t live = 0;
+    for (const LiveMember& m : members_) live += InRound(m) ? 1 : 0;
+    // An orderly Leave winds the job down (the end of a run, where workers finish at different
+    // times) without failing the others: only deaths count against min_world_size.
+    if (live >= min_world_size_ || (orderly && live > 0)) return Shrink(rank, reason, now);
+  }
+  ResetProgress();
+  return Bump(rank, reason, now);
+}
+
+MembershipChange Membership::Shrink(int32_t rank, const std::string& reason, absl::Time now) {
+  const int64_t old_generation = generation_;
+  MembershipChange change = Bump(rank, reason, now);
+  change.shrunk = true;
+  state_ = v1::RUNNING;
+  CarryOver(old_generation, /*except=*/-1);
+  return change;
+}
+
+std::vector<int32_t> Membership::Stale(absl::Time now, absl::Duration timeout,
+                                       absl::Duration lost_grace) const {
+  std::vector<int32_t> stale;
+  if (state_ != v1::RUNNING) return stale;
+  if (now <= stale_not_before_ && timeout == stale_timeout_ && lost_grace == stale_grace_) {
+    return stale;
+  }
+  absl::Time earliest = absl::InfiniteFuture();
+  for (int32_t r = 0; r < world_size(); ++r) {
+    const LiveMember& m = members_[r];
+    if (!InRound(m)) continue;
+    if (now - m.last_heartbeat > timeout ||
+        (m.stream_lost_at != absl::InfiniteFuture() && now - m.stream_lost_at > lost_grace)) {
+      stale.push_back(r);
+    }
+    earliest = std::min(earliest, m.last_heartbeat + timeout);
+    if (m.stream_lost_at != absl::InfiniteFuture()) {
+      earliest = std::min(earliest, m.stream_lost_at + lost_grace);
+    }
+  }
+  stale_not_before_ = stale.empty() ? earliest : absl::InfinitePast();
+  stale_timeout_ = timeout;
+  stale_grace_ = lost_grace;
+  return stale;
+}
+
+void Membership::StreamLost(int32_t rank, absl::Time now) {
+  LiveMember& m = members_[rank];
+  if (InRound(m)) m.stream_lost_at = std::min(m.stream_lost_at, now);
+  stale_not_before_ = absl::InfinitePast();
+}
+
+void Membership::Heartbeat(int32_t rank, int64_t generation, int64_t step, absl::Time now) {
+  LiveMember& m = members_[rank];
+  // Only the worker of that generation counts: a straggler of an older one keeps nobody alive.
+  if (m.present() && m.state == v1::ALIVE && generation >= m.joined_generation &&
+      generation <= generation_) {
+    m.last_heartbeat = now;
+    m.stream_lost_at = absl::InfiniteFuture();
+    m.last_step = step;
+    NoteProgress(step, now);
+  }
+}
+
+void Membership::NoteProgress(int64_t step, absl::Time now) {
+  progress_max_ = std::max(progress_max_, step);
+  if (rate_sample_time_ == absl::InfinitePast()) {
+    rate_sample_time_ = now;
+    rate_sample_step_ = progress_max_;
+    return;
+  }
+  const absl::Duration elapsed = now - rate_sample_time_;
+  if (elapsed < kRateSampleInterval) return;
+  steps_per_second_ =
+      static_cast<double>(progress_max_ - rate_sample_step_) / absl::ToDoubleSeconds(elapsed);
+  rate_sample_time_ = now;
+  rate_sample_step_ = progress_max_;
+}
+
+void Membership::ResetProgress() {
+  progress_max_ = -1;
+  rate_sample_time_ = absl::InfinitePast();
+  rate_sample_step_ = -1;
+  steps_per_second_ = -1;
+}
+
+void Membership::RecordStep(int32_t rank, int64_t step, absl::Time now) {
+  LiveMember& m = members_[rank];
+  m.last_heartbeat = now;
+  m.stream_lost_at = absl::InfiniteFuture();
+  m.last_step = step;
+  NoteProgress(step, now);
+}
+
+std::string Membership::MissingRanks(int limit) const {
+  std::vector<int32_t> missing;
+  int total = 0;
+  for (int32_t r = 0; r < world_size(); ++r) {
+    if (InRound(members_[r])) continue;
+    ++total;
+    if (static_cast<int>(missing.size()) < limit) missing.push_back(r);
+  }
+  std::string s = absl::StrJoin(missing, ", ");
+  if (total > static_cast<int>(missing.size())) {
+    absl::StrAppend(&s, " and ", total - missing.size(), " more");
+  }
+  return s;
+}
+
+MembershipChange Membership::Bump(int32_t rank, const std::string& reason, absl::Time now) {
+  MembershipChange change;
+  change.generation_changed = true;
+  change.old_generation = generation_;
+  change.changed_by_rank = rank;
+  change.reason = reason;
+  ++generation_;
+  v1::GenerationChange last;
+  last.set_generation(generation_);
+  last.set_rank(rank);
+  last.set_reason(reason);
+  last.set_unix_ms(absl::ToUnixMillis(now));
+  last_change_ = std::move(last);
+  state_ = v1::PENDING;
+  round_size_ = 0;
+  MarkHeader();
+  return change;
+}
+
+bool Membership::MaybeFinish() {
+  bool any = false;
+  for (const LiveMember& m : members_) {
+    if (!m.present()) continue;
+    any = true;
+    if (m.state != v1::LEFT) return false;
+  }
+  if (!any) return false;
+  state_ = v1::FINISHED;
+  round_size_ = 0;
+  MarkHeader();
+  return true;
+}
+
+LiveMember& Membership::Mutable(int32_t rank) {
+  if (tx_->saved.insert(rank).second) {
+    tx_->members.emplace_back(rank, members_[rank]);
+    tx_->ranks.push_back(rank);
+  }
+  decision_members_.reset();
+  stale_not_before_ = absl::InfinitePast();
+  return members_[rank];
+}
+
+void Membership::MarkHeader() {
+  tx_->header_changed = true;
+  decision_members_.reset();
+  stale_not_before_ = absl::InfinitePast();
+}
+
+absl::Status Membership::WriteAndKeep(MembershipChange* change) {
+  Transaction& tx = *tx_;
+  if (tx.header_changed) change->header = MembershipHeader{state_, generation_, last_change_};
+  const auto records = [&](std::vector<int32_t> ranks) {
+    std::sort(ranks.begin(), ranks.end());
+    ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+    change->members.clear();
+    for (int32_t r : ranks) {
+      if (!Assembling(members_[r])) change->members.push_back(members_[r]);
+    }
+  };
+  records(tx.ranks);
+  // A change with nothing to write (a rank seated in an assembling round) writes nothing; one
+  // that writes takes the withdrawn ranks' removals along.
+  const bool writes = change->changes_hard_state();
+  if (writes && !unwritten_.empty()) {
+    std::vector<int32_t> ranks = tx.ranks;
+    ranks.insert(ranks.end(), unwritten_.begin(), unwritten_.end());
+    records(std::move(ranks));
+  }
+  if (write_ != nullptr && writes) {
+    if (absl::Status s = write_(*change); !s.ok()) {
+      Rollback();
+      return s;
+    }
+  }
+  // Written with this change (a withdrawn rank seated again belongs to the assembling round).
+  if (writes) unwritten_.clear();
+  tx_.reset();
+  return absl::OkStatus();
+}
+
+void Membership::Begin() {
+  tx_ = Transaction{state_,           generation_,       round_size_,       last_change_,
+                    progress_max_,    rate_sample_time_, rate_sample_step_, steps_per_second_};
+}
+
+void Membership::Rollback() {
+  Transaction& tx = *tx_;
+  state_ = tx.state;
+  generation_ = tx.generation;
+  round_size_ = tx.round_size;
+  last_change_ = std::move(tx.last_change);
+  progress_max_ = tx.progress_max;
+  rate_sample_time_ = tx.rate_sample_time;
+  rate_sample_step_ = tx.rate_sample_step;
+  steps_per_second_ = tx.steps_per_second;
+  for (auto& [rank, m] : tx.members) members_[rank] = std::move(m);
+  decision_members_.reset();
+  stale_not_before_ = absl::InfinitePast();
+  tx_.reset();
+}
+
+}  // namespace modelavg::server

@@ -1,0 +1,331 @@
+// One job's membership and generations: who holds which rank, in which generation, and the
+// job's state (PENDING while a round assembles, RUNNING once complete, FINISHED once every member
+// left). A plain value class: no lock, no clock, no gRPC, no storage. Every operation reports
+// what it changed (a MembershipChange: the generation moved, the round completed, which members'
+// records changed) and takes effect only once its writer (given at construction; Job's writes
+// the change to its StateStore) has accepted that report: when the writer fails, the operation
+// fails with its error and the membership is exactly as before.
+#ifndef MODELAVG_SERVER_MEMBERSHIP_MEMBERSHIP_H_
+#define MODELAVG_SERVER_MEMBERSHIP_MEMBERSHIP_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "modelavg/common/schedule.h"
+#include "modelavg/v1/coordinator.pb.h"
+#include "server/membership/admission.h"
+#include "server/membership/member.h"
+
+namespace modelavg::server {
+
+// A member as Membership holds it: its hard state (Member, what a StateStore keeps) and what the
+// coordinator knows of it in memory only, never written.
+struct LiveMember : Member {
+  int64_t last_step = -1;
+  absl::Time last_heartbeat;
+  // When its HeartbeatStream broke without a clean end (the process died, its host went away)
+  // with no beat since; InfiniteFuture otherwise.
+  absl::Time stream_lost_at = absl::InfiniteFuture();
+  // The last credential CheckCredential found to match `verified_digest`: a beat that brings it
+  // again is checked by comparison instead of a SHA-256. It counts only while verified_digest is
+  // still credential_digest.
+  mutable std::string verified_credential;
+  mutable std::string verified_digest;
+};
+
+// What one operation did to the membership.
+struct MembershipChange {
+  // The generation moved on (re-join while RUNNING, Leave or Die of a round member).
+  bool generation_changed = false;
+  int64_t old_generation = 0;
+  int32_t changed_by_rank = -1;
+  std::string reason;
+  // The round became complete: the job is RUNNING in the current generation.
+  bool world_complete = false;
+  // Every member has left: the job is FINISHED.
+  bool finished = false;
+  // Elastic job: the generation moved on with the survivors as its members, still RUNNING (the
+  // departed ranks are vacant). False when it fell back to PENDING (strict, or below
+  // min_world_size).
+  bool shrunk = false;
+  // Elastic job: a replacement took `changed_by_rank` and the generation moved on with every
+  // live member and it (still RUNNING). It is admitted at `admission_step`, chosen from
+  // `admission_floor` = the largest step the live members reported (`max_reported_step`, -1
+  // if none) + `admission_margin`.
+  bool admitted = false;
+  // The newcomer took the rank of a live member (its holder re-joining with its credential, or
+  // the same worker retrying its Join): that membership departed.
+  bool replaced_live_member = false;
+  int64_t admission_step = -1;
+  int64_t admission_floor = -1;
+  int64_t admission_margin = 0;
+  int64_t max_reported_step = -1;
+
+  // The hard state it changed: the header after it, when that changed, and the records of the
+  // members whose hard state changed (in rank order; a record without a worker_id: the rank's
+  // member was removed). The members of a round that is still assembling are left out until it
+  // completes (then all of them are listed): until then a rank in it is part of its Join's wait,
+  // which nobody has been answered about yet, so a coordinator that stops or dies then must not
+  // bring it back as a member.
+  std::optional<MembershipHeader> header;
+  std::vector<Member> members;
+
+  // True if the change has hard state to write.
+  bool changes_hard_state() const { return header.has_value() || !members.empty(); }
+};
+
+// Accepts a change before it takes effect (Job writes it to its StateStore). An error rejects
+// it: the operation fails with that error and changes nothing. It must not call back into the
+// Membership.
+using MembershipWriter = std::function<absl::Status(const MembershipChange&)>;
+
+class Membership {
+ public:
+  struct JoinResult {
+    int32_t rank = -1;
+    // The same worker was already in the current round (it retried): its older Join is
+    // superseded.
+    bool was_in_round = false;
+    MembershipChange change;
+  };
+
+  struct LeaveResult {
+    // The rank was in a round that is still assembling: its pending Join is aborted.
+    bool left_pending_round = false;
+    // False when the rank had already left.
+    bool left = false;
+    MembershipChange change;
+  };
+
+  // `min_world_size`: 0 (or world_size) for a strict job; otherwise 1..world_size-1, an elastic
+  // job (see JobSpec.min_world_size). `schedule` chooses admission steps. `write` accepts each
+  // change that has hard state to write before it takes effect; without one, every change takes
+  // effect as it is made.
+  Membership(Schedule schedule, int32_t min_world_size, MembershipWriter write = nullptr);
+  // A membership whose schedule averages the whole world at every step (PERIODIC, period 1).
+  explicit Membership(int32_t world_size, int32_t min_world_size = 0,
+                      MembershipWriter write = nullptr);
+
+  // Continues from stored state (after a coordinator restart). Every restored member of the
+  // current generation counts as having sent a heartbeat at `now`. Nothing is written.
+  void Restore(const MembershipHeader& header, const std::vector<Member>& members,
+               absl::Time now);
+
+  int32_t world_size() const { return static_cast<int32_t>(members_.size()); }
+  int32_t min_world_size() const { return min_world_size_; }
+  bool elastic() const { return min_world_size_ < world_size(); }
+  // RUNNING: ranks no live member holds (vacancies of an elastic job), ascending; else empty.
+  std::vector<int32_t> VacantRanks() const;
+  v1::JobState state() const { return state_; }
+  int64_t generation() const { return generation_; }
+  int32_t round_size() const { return round_size_; }
+  const LiveMember& member(int32_t rank) const { return members_[rank]; }
+  const std::optional<v1::GenerationChange>& last_change() const { return last_change_; }
+  bool InRound(int32_t rank) const { return InRound(members_[rank]); }
+
+  // Adds a worker to the current round. `rank` was validated against world_size. The rank is
+  // the requested one, else the worker's earlier rank, else the lowest free one. A re-join
+  // while RUNNING starts a new generation first; only the holder may do that, proving it with
+  // `credential` (its earlier membership's). The member gets `new_digest`.
+  // An elastic job that is RUNNING admits the worker at once as a replacement (change.admitted):
+  // into the requested rank if vacant, or its own if it is the live holder (credential) or the
+  // same worker retrying a Join it got no answer to (worker_id, not heard from since), else the
+  // lowest vacant rank; a new generation of every live member and the newcomer, RUNNING, with
+  // the newcomer's admitted_step chosen by FindAdmissionStep from the members' reported steps.
+  // Errors:
+  //   FAILED_PRECONDITION  FINISHED; RUNNING and the worker names no rank and holds none (strict
+  //                        job) or no rank is vacant (elastic job: it is full); no admission step
+  //   ALREADY_EXISTS       another worker holds the rank, alive (the message names it)
+  //   UNAVAILABLE          elastic admission: a live member has not reported its step since it
+  //                        joined or the coordinator restarted (retry shortly)
+  //   the writer's error   the change could not be written (nothing changed)
+  absl::StatusOr<JoinResult> Join(const std::string& worker_id, const std::string& host,
+                                  std::optional<int32_t> rank, absl::Time now,
+                                  const std::string& job_id, const std::string& credential = "",
+                                  const std::string& new_digest = "");
+
+  // OK when `credential` is the one `rank`'s member was given; PERMISSION_DENIED otherwise
+  // (no member, no credential, another's), naming `rpc`. Never says anything of the secret.
+  absl::Status CheckCredential(int32_t rank, const std::string& credential, const char* rpc,
+                               const std::string& job_id) const;
+
+  // Takes a rank out of a round that is still assembling (its Join was cancelled or timed out),
+  // freeing it for anyone. Nothing is written now (nothing was for its seat); the removal is
+  // part of the next change that has hard state to write.
+  void Withdraw(int32_t rank);
+
+  // Orderly exit of a rank that joined at some point. FAILED_PRECONDITION if it never did; the
+  // writer's error (nothing changed).
+  absl::StatusOr<LeaveResult> Leave(int32_t rank, const std::string& reason, absl::Time now,
+                                    const std::string& job_id);
+
+  // Marks `ranks` (members of the running round) DEAD and starts a new generation: in an
+  // elastic job with at least min_world_size survivors, one of the survivors (still RUNNING,
+  // change.shrunk); otherwise a PENDING one that every worker must re-join. Fails only with the
+  // writer's error (nothing changed).
+  absl::StatusOr<MembershipChange> Die(const std::vector<int32_t>& ranks,
+                                       const std::string& reason, absl::Time now);
+
+  // Ranks of the running round whose last heartbeat is older than `timeout` (none unless
+  // RUNNING). O(1) until the earliest member could expire, O(world_size) then.
+  // Also those whose HeartbeatStream broke more than `lost_grace` ago with no beat since (a
+  // live client re-opens a broken stream well within it).
+  std::vector<int32_t> Stale(absl::Time now, absl::Duration timeout,
+                             absl::Duration lost_grace = absl::InfiniteDuration()) const;
+  // The rank's HeartbeatStream broke (its connection dropped, not a clean end).
+  void StreamLost(int32_t rank, absl::Time now);
+
+  // Liveness and progress of a rank; counts only for the worker of `generation`.
+  void Heartbeat(int32_t rank, int64_t generation, int64_t step, absl::Time now);
+  // Progress reported through Step (the generation was checked by the caller).
+  void RecordStep(int32_t rank, int64_t step, absl::Time now);
+
+  // Who takes part in decisions from which step (see MemberSteps). Cached until the membership
+  // changes: O(1) while it does not, O(world_size) once after a change.
+  std::shared_ptr<const MemberSteps> DecisionMembers() const;
+
+  // Steps per second the job advances (the largest reported step over the latest sample of at
+  // least kRateSampleInterval); negative while there is no estimate.
+  double steps_per_second() const { return steps_per_second_; }
+
+  // Ranks missing from the current round, at most `limit` listed, then "and N more".
+  std::string MissingRanks(int limit) const;
+
+ private:
+  bool InRound(const Member& m) const {
+    return m.present() && m.generation == generation_ && m.state == v1::ALIVE;
+  }
+  // Runs `op` (one of the *InMemory operations below, returning a StatusOr of a result with its
+  // MembershipChange) as one transaction: its change is completed with the hard state it
+  // changed and handed to the writer; it is kept once the writer accepts it (or when there is
+  // nothing to write), undone when `op` or the writer fails.
+  template <typename Op>
+  auto Transact(Op op) -> decltype(op());
+  // Who asks to Join, and with what (Join's arguments).
+  struct Joiner {
+    const std::string& worker_id;
+    const std::string& host;
+    std::optional<int32_t> rank;
+    const std::string& credential;
+    const std::string& new_digest;
+  };
+  // What Join, Leave and Die change in memory (see Transact).
+  absl::StatusOr<JoinResult> JoinInMemory(const Joiner& joiner, absl::Time now,
+                                          const std::string& job_id);
+  // The rank a Join of a strict job, or of a round that is assembling, takes: the requested
+  // one, else (RUNNING) the holder's own, else the worker's earlier one, else the lowest free one.
+  absl::StatusOr<int32_t> ChooseRank(const Joiner& joiner, const std::string& job_id) const;
+  absl::StatusOr<LeaveResult> LeaveInMemory(int32_t rank, const std::string& reason,
+                                            absl::Time now, const std::string& job_id);
+  MembershipChange DieInMemory(const std::vector<int32_t>& ranks, const std::string& reason,
+                               absl::Time now);
+  MembershipChange Bump(int32_t rank, const std::string& reason, absl::Time now);
+  // Puts a worker into `rank` as an ALIVE member of the current generation (round_size_ is the
+  // caller's).
+  void Seat(int32_t rank, const std::string& worker_id, const std::string& host, absl::Time now,
+            const std::string& digest, int64_t admitted_step);
+  // Members of the running round departed (already marked DEAD or LEFT): Shrink when the job
+  // is elastic and enough survive, Bump otherwise.
+  // An `orderly` departure (Leave) of an elastic job shrinks it even below min_world_size.
+  MembershipChange Depart(int32_t rank, const std::string& reason, absl::Time now, bool orderly);
+  MembershipChange Shrink(int32_t rank, const std::string& reason, absl::Time now);
+  // Join of a RUNNING elastic job: a replacement.
+  absl::StatusOr<JoinResult> Admit(const Joiner& joiner, absl::Time now,
+                                   const std::string& job_id);
+  // Where a replacement goes: the rank it asked for or the lowest vacant one, and whether it
+  // takes the place of a live member (its holder re-joining, or the same worker retrying).
+  struct Vacancy {
+    int32_t rank = -1;
+    bool replaced = false;
+  };
+  absl::StatusOr<Vacancy> FindVacancy(const Joiner& joiner, const std::string& job_id) const;
+  // When the replacement taking `rank` is admitted (MembershipChange's admission_* figures).
+  struct AdmissionStep {
+    int64_t step = -1;
+    int64_t floor = -1;
+    int64_t margin = 0;
+    int64_t max_reported = -1;
+  };
+  absl::StatusOr<AdmissionStep> ChooseAdmissionStep(int32_t rank,
+                                                    const std::string& job_id) const;
+  // Moves every live member of `old_generation` but `except` into the current generation's
+  // round (an elastic job going on with them).
+  void CarryOver(int64_t old_generation, int32_t except);
+  absl::Status HeldByOther(int32_t rank, const std::string& job_id) const;
+  // A step report of a live member: the running maximum and the rate estimate.
+  void NoteProgress(int64_t step, absl::Time now);
+  void ResetProgress();
+  // Finishes the job if every present member has left.
+  bool MaybeFinish();
+  // The member of `rank`, to be changed by the transaction: kept for its undo (once per
+  // transaction) and listed in its change.
+  LiveMember& Mutable(int32_t rank);
+  // True if a change leaves `m` out: an ALIVE member of a round that is still assembling.
+  bool Assembling(const Member& m) const { return state_ == v1::PENDING && InRound(m); }
+  // The header changed in this transaction.
+  void MarkHeader();
+  // Fills in the hard state `change` changed, then has the writer accept it: OK and kept, or
+  // the writer's error and undone.
+  absl::Status WriteAndKeep(MembershipChange* change);
+  void Begin();
+  void Rollback();
+
+  const Schedule schedule_;
+  const int32_t min_world_size_;
+  const MembershipWriter write_;
+  v1::JobState state_ = v1::PENDING;
+  int64_t generation_ = 1;
+  // Indexed by rank; kept across generations.
+  std::vector<LiveMember> members_;
+  int32_t round_size_ = 0;
+  std::optional<v1::GenerationChange> last_change_;
+  // Built by DecisionMembers(), dropped at every change of the membership.
+  mutable std::shared_ptr<const MemberSteps> decision_members_;
+  // Stale() finds nobody before this time (the earliest a member of the round can expire, as
+  // of its last scan with these arguments): it is called every few ms and its scan is
+  // O(world_size), while heartbeats only move expiries later. Reset by every change that can
+  // move one earlier (a broken stream, a membership change, a restore).
+  mutable absl::Time stale_not_before_ = absl::InfinitePast();
+  mutable absl::Duration stale_timeout_;
+  mutable absl::Duration stale_grace_;
+
+  // Progress (soft state): the largest step reported since the job (re)formed, and the rate.
+  int64_t progress_max_ = -1;
+  absl::Time rate_sample_time_ = absl::InfinitePast();
+  int64_t rate_sample_step_ = -1;
+  double steps_per_second_ = -1;
+
+  // Ranks withdrawn (Withdraw) since the last change that wrote anything: their removal goes
+  // with the next one.
+  std::vector<int32_t> unwritten_;
+
+  // The transaction in progress (Transact): what it changed and what undoes it.
+  struct Transaction {
+    v1::JobState state;
+    int64_t generation;
+    int32_t round_size;
+    std::optional<v1::GenerationChange> last_change;
+    int64_t progress_max;
+    absl::Time rate_sample_time;
+    int64_t rate_sample_step;
+    double steps_per_second;
+    bool header_changed = false;
+    // Ranks whose record the change lists (unless assembling), in the order first touched.
+    std::vector<int32_t> ranks;
+    // The members as they were before their first change in the transaction.
+    std::vector<std::pair<int32_t, LiveMember>> members;
+    absl::flat_hash_set<int32_t> saved;
+  };
+  std::optional<Transaction> tx_;
+};
+
+}  // namespace modelavg::server
+
+#endif  // MODELAVG_SERVER_MEMBERSHIP_MEMBERSHIP_H_

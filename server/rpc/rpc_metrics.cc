@@ -1,0 +1,163 @@
+#include "server/rpc/rpc_metrics.h"
+
+#include <iterator>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "prometheus/collectable.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
+
+namespace modelavg::server {
+namespace {
+
+// Per-job gauges, read from the registry when Prometheus scrapes (no bookkeeping on hot paths).
+class JobsCollector final : public prometheus::Collectable {
+ public:
+  explicit JobsCollector(const JobRegistry* registry) : registry_(registry) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    prometheus::MetricFamily jobs{"modelavg_jobs", "Jobs by state", prometheus::MetricType::Gauge,
+                                  {}};
+    prometheus::MetricFamily workers{"modelavg_job_workers",
+                                     "Workers joined to the job's current generation",
+                                     prometheus::MetricType::Gauge, {}};
+    prometheus::MetricFamily generation{"modelavg_job_generation", "The job's generation",
+                                        prometheus::MetricType::Gauge, {}};
+    prometheus::MetricFamily lag{"modelavg_job_step_lag",
+                                 "Largest minus smallest step reported by the current members",
+                                 prometheus::MetricType::Gauge, {}};
+    prometheus::MetricFamily vacant{"modelavg_job_vacant_ranks",
+                                    "Elastic jobs: ranks of the running job no live worker holds",
+                                    prometheus::MetricType::Gauge, {}};
+    prometheus::MetricFamily deaths{"modelavg_job_deaths",
+                                    "Members declared dead (heartbeat timeout) since the job "
+                                    "was created or the coordinator restarted",
+                                    prometheus::MetricType::Gauge, {}};
+    prometheus::MetricFamily admissions{"modelavg_job_admissions",
+                                        "Elastic jobs: replacements admitted into the running "
+                                        "job since it was created or the coordinator restarted",
+                                        prometheus::MetricType::Gauge, {}};
+    prometheus::MetricFamily job_state{"modelavg_job_state",
+                                       "1 for the job's current state (label state), 0 for the "
+                                       "others", prometheus::MetricType::Gauge, {}};
+    std::map<std::string, int> by_state = {{"PENDING", 0}, {"RUNNING", 0}, {"FINISHED", 0}};
+    for (const auto& job : registry_->ListJobs()) {
+      const Job::Stats stats = job->GetStats();
+      ++by_state[v1::JobState_Name(stats.state)];
+      auto add = [&](prometheus::MetricFamily& f, double v) {
+        prometheus::ClientMetric m;
+        m.label.push_back({"job", job->id()});
+        m.gauge.value = v;
+        f.metric.push_back(std::move(m));
+      };
+      add(workers, stats.workers);
+      add(generation, static_cast<double>(stats.generation));
+      add(lag, static_cast<double>(stats.step_lag));
+      add(vacant, stats.vacant_ranks);
+      add(deaths, static_cast<double>(stats.deaths));
+      add(admissions, static_cast<double>(stats.admissions));
+      for (const auto& [state, n] : by_state) {
+        prometheus::ClientMetric m;
+        m.label.push_back({"job", job->id()});
+        m.label.push_back({"state", state});
+        m.gauge.value = state == v1::JobState_Name(stats.state) ? 1 : 0;
+        job_state.metric.push_back(std::move(m));
+      }
+    }
+    for (const auto& [state, n] : by_state) {
+      prometheus::ClientMetric m;
+      m.label.push_back({"state", state});
+      m.gauge.value = n;
+      jobs.metric.push_back(std::move(m));
+    }
+    return {std::move(jobs),   std::move(workers), std::move(generation),
+            std::move(lag),    std::move(vacant),  std::move(deaths),
+            std::move(admissions), std::move(job_state)};
+  }
+
+ private:
+  const JobRegistry* registry_;
+};
+
+}  // namespace
+
+const char* RpcMethodName(RpcMethod method) {
+  static constexpr const char* kNames[] = {
+      "CreateJob", "GetJob",        "ListJobs",  "DeleteJob", "Join",     "Heartbeat", "Step",
+      "GetSchedule", "PublishCommId", "GetCommId", "Leave",     "WatchJob", "Ping", "HeartbeatStream",
+      "ReportPeerFailure", "HostHeartbeatStream"};
+  return kNames[static_cast<int>(method)];
+}
+
+std::unique_ptr<RpcMetrics> RpcMetrics::Create(const JobRegistry* registry) {
+  std::unique_ptr<RpcMetrics> m(new RpcMetrics());
+  m->registry_ = std::make_shared<prometheus::Registry>();
+  auto& family = prometheus::BuildCounter()
+                     .Name("modelavg_rpcs_total")
+                     .Help("Coordinator RPCs by method and status code")
+                     .Register(*m->registry_);
+  for (int method = 0; method < static_cast<int>(RpcMethod::kCount); ++method) {
+    for (int code = 0; code < kCodes; ++code) {
+      m->counters_[method][code] = &family.Add(
+          {{"method", RpcMethodName(static_cast<RpcMethod>(method))},
+           {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(code))}});
+    }
+  }
+  auto& streams = prometheus::BuildGauge()
+                      .Name("modelavg_streams_open")
+                      .Help("Streams open now, by method (a HostHeartbeatStream carries the "
+                            "beats of one host's or process's ranks)")
+                      .Register(*m->registry_);
+  for (RpcMethod method :
+       {RpcMethod::kWatchJob, RpcMethod::kHeartbeatStream, RpcMethod::kHostHeartbeatStream}) {
+    m->open_streams_[static_cast<int>(method)] =
+        &streams.Add({{"method", RpcMethodName(method)}});
+  }
+  m->jobs_collector_ = std::make_shared<JobsCollector>(registry);
+  // A new value at every start: Prometheus sees a restart as a change of it.
+  prometheus::BuildGauge()
+      .Name("modelavg_coordinator_start_time_seconds")
+      .Help("When this coordinator process started, seconds since the Unix epoch")
+      .Register(*m->registry_)
+      .Add({})
+      .Set(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
+  return m;
+}
+
+std::string RpcMetrics::TextExposition() const {
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  std::vector<prometheus::MetricFamily> jobs = jobs_collector_->Collect();
+  families.insert(families.end(), std::make_move_iterator(jobs.begin()),
+                  std::make_move_iterator(jobs.end()));
+  return prometheus::TextSerializer().Serialize(families);
+}
+
+RpcMetrics::~RpcMetrics() = default;
+
+void RpcMetrics::CountRpc(RpcMethod method, absl::StatusCode code) {
+  const int c = static_cast<int>(code);
+  if (c < 0 || c >= kCodes) return;
+  counters_[static_cast<int>(method)][c]->Increment();
+}
+
+}  // namespace modelavg::server
+
+namespace modelavg::server {
+
+void RpcMetrics::StreamOpened(RpcMethod method) {
+  if (prometheus::Gauge* g = open_streams_[static_cast<int>(method)]; g != nullptr) g->Increment();
+}
+
+void RpcMetrics::StreamClosed(RpcMethod method) {
+  if (prometheus::Gauge* g = open_streams_[static_cast<int>(method)]; g != nullptr) g->Decrement();
+}
+
+}  // namespace modelavg::server

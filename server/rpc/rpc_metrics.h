@@ -1,0 +1,61 @@
+// Prometheus metrics of the coordinator: RPCs by method and code, and per-job gauges (workers,
+// generation, step lag) computed from the registry at each scrape. The coordinator's HTTP port
+// (server/http/http_server.h, --metrics_listen) serves TextExposition() as /metrics.
+#ifndef MODELAVG_SERVER_RPC_RPC_METRICS_H_
+#define MODELAVG_SERVER_RPC_RPC_METRICS_H_
+
+#include <array>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "server/core/job_registry.h"
+
+namespace prometheus {
+class Collectable;
+class Counter;
+class Gauge;
+class Registry;
+}  // namespace prometheus
+
+namespace modelavg::server {
+
+// The coordinator's RPCs, for counting.
+enum class RpcMethod {
+  kCreateJob, kGetJob, kListJobs, kDeleteJob, kJoin, kHeartbeat, kStep, kGetSchedule,
+  kPublishCommId, kGetCommId, kLeave, kWatchJob, kPing, kHeartbeatStream,
+  kReportPeerFailure, kHostHeartbeatStream,
+  kCount  // number of methods
+};
+const char* RpcMethodName(RpcMethod method);
+
+class RpcMetrics {
+ public:
+  // `registry` must outlive the returned object.
+  static std::unique_ptr<RpcMetrics> Create(const JobRegistry* registry);
+  ~RpcMetrics();
+
+  // Thread-safe, lock-free.
+  void CountRpc(RpcMethod method, absl::StatusCode code);
+  // A stream (WatchJob, HeartbeatStream, HostHeartbeatStream) opened or ended: the gauge
+  // modelavg_streams_open{method}. Thread-safe; other methods are ignored.
+  void StreamOpened(RpcMethod method);
+  void StreamClosed(RpcMethod method);
+
+  // Every metric in Prometheus' text format (version 0.0.4), as of now. Thread-safe.
+  std::string TextExposition() const;
+
+ private:
+  RpcMetrics() = default;
+  static constexpr int kCodes = 17;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<prometheus::Collectable> jobs_collector_;
+  std::array<std::array<prometheus::Counter*, kCodes>, static_cast<int>(RpcMethod::kCount)>
+      counters_{};
+  std::array<prometheus::Gauge*, static_cast<int>(RpcMethod::kCount)> open_streams_{};
+};
+
+}  // namespace modelavg::server
+
+#endif  // MODELAVG_SERVER_RPC_RPC_METRICS_H_
