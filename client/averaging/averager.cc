@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/averaging/device_outer_state.h"
@@ -178,8 +179,13 @@ absl::StatusOr<Decision> ModelAverager::Round(const Decision& decision_in, const
     // The collective was aborted for the reason the client gives: say it once.
     if (!why.ok() && ErrorKindOf(s) == ErrorKind::kGenerationMoved) return Annotate(why, where);
     if (!why.ok()) {
-      return absl::Status(why.code(), absl::StrCat(where, " failed: ", why.message(),
+      absl::Status failed(why.code(), absl::StrCat(where, " failed: ", why.message(),
                                                    " (transport error: ", s.message(), ")"));
+      // The kind and the blamed rank of the client's reason (error_kind.h) go with it.
+      why.ForEachPayload([&failed](absl::string_view url, const absl::Cord& payload) {
+        failed.SetPayload(url, payload);
+      });
+      return failed;
     }
     absl::SleepFor(absl::Milliseconds(50));
   }

@@ -128,16 +128,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   const std::string host = HostName();
   if (options.worker_id.empty()) options.worker_id = absl::StrCat(host, ":", getpid());
 
-  CoordinatorClientOptions copts;
-  copts.address = options.coordinator;
-  copts.auth_token = options.auth_token;
-  copts.tls = options.tls;
-  copts.tls_ca_file = options.tls_ca_file;
-  copts.tls_cert_file = options.tls_cert_file;
-  copts.tls_key_file = options.tls_key_file;
-  copts.rpc_timeout = options.rpc_timeout;
   MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<CoordinatorClient> coordinator,
-                            CoordinatorClient::Create(copts));
+                            CoordinatorClient::Create(options));
+  // The token as read (from auth_token_file): never the file again, whatever happens to it.
+  options.auth_token = coordinator->options().auth_token;
+  options.auth_token_file.clear();
 
   v1::JoinRequest join;
   join.set_job_id(options.job_id);
@@ -436,7 +431,8 @@ absl::Status Client::CheckCanAverage(const SubgroupRange& group) const {
   return absl::OkStatus();
 }
 
-void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
+void Client::NoteGenerationChange(int64_t generation, const std::string& why,
+                                  int32_t blamed_rank) {
   // Who is gone? Only orderly departures of other ranks leave communicators without them usable.
   absl::StatusOr<v1::Job> job = coordinator_->GetJob(options_.job_id);
   absl::Status abort;
@@ -471,7 +467,7 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
             absl::AbortedError(absl::StrCat(
                 "job ", options_.job_id, " moved to generation ", view->generation, " (", why,
                 "): a round of an older generation is retried with its live members")),
-            ErrorKind::kGenerationMoved);
+            ErrorKind::kGenerationMoved, /*peer=*/-1, blamed_rank);
         generation = view->generation;
         follow_ = *std::move(view);
       }
@@ -483,7 +479,7 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
               "job ", options_.job_id, " moved from generation ", generation_, " to ",
               job->generation(), " (", why, "); rank ", rank_, " cannot average any more: ",
               gone)),
-          ErrorKind::kGenerationMoved);
+          ErrorKind::kGenerationMoved, /*peer=*/-1, blamed_rank);
       spdlog::error("{}", std::string(broken_.message()));
       abort = broken_;
       generation = job->generation();
@@ -502,7 +498,7 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
             "job ", options_.job_id, " moved from generation ", generation_, " to ", generation,
             " because ", why, "; this rank's communicators are stale: connect a new Client to "
             "re-join (or restart the job)")),
-        ErrorKind::kGenerationMoved);
+        ErrorKind::kGenerationMoved, /*peer=*/-1, blamed_rank);
     spdlog::error("{}", std::string(broken_.message()));
     abort = broken_;
   } else {
@@ -515,6 +511,7 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
 void Client::HandleHeartbeatReply(const v1::HeartbeatResponse& reply, int64_t seen) {
   if (reply.generation() == generation() || reply.generation() == seen) return;
   std::string why = "membership changed";
+  const int32_t blamed_rank = reply.has_last_change() ? reply.last_change().rank() : -1;
   if (reply.has_last_change() && !reply.last_change().reason().empty()) {
     why = reply.last_change().reason();
     const std::string who = absl::StrCat("rank ", reply.last_change().rank());
@@ -522,7 +519,7 @@ void Client::HandleHeartbeatReply(const v1::HeartbeatResponse& reply, int64_t se
       absl::StrAppend(&why, " (", who, ")");
     }
   }
-  NoteGenerationChange(reply.generation(), why);
+  NoteGenerationChange(reply.generation(), why, blamed_rank);
 }
 
 void Client::NoteHeartbeatReply(const v1::HeartbeatResponse& reply) {

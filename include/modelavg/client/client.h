@@ -31,6 +31,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "modelavg/client/cancel_token.h"
+#include "modelavg/client/connection.h"
 #include "modelavg/client/membership_view.h"
 #include "modelavg/common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
@@ -46,9 +47,9 @@ class Heartbeat;
 class RoundNotes;
 enum class RoundOutcome;
 
-struct ClientOptions {
-  // The coordinator's "host:port".
-  std::string coordinator;
+// The connection (ConnectionOptions: coordinator, auth_token or auth_token_file, tls, tls_*_file,
+// rpc_timeout, the deadline of every RPC but the Join) and what this rank joins with.
+struct ClientOptions : ConnectionOptions {
   std::string job_id;
   // The rank to take; absent: the coordinator picks the lowest free one.
   std::optional<int32_t> rank;
@@ -62,16 +63,8 @@ struct ClientOptions {
   std::string credential;
   // This worker's identity; empty: "<hostname>:<pid>".
   std::string worker_id;
-  // Sent as "authorization: Bearer <token>" when non-empty.
-  std::string auth_token;
-  // TLS to the coordinator. tls_ca_file: PEM roots (empty: the system's); tls_cert_file and
-  // tls_key_file: a client certificate for mutual TLS (both or neither).
-  bool tls = false;
-  std::string tls_ca_file, tls_cert_file, tls_key_file;
   // How long Connect waits for the whole world to join.
   absl::Duration join_timeout = absl::Minutes(5);
-  // Deadline of every other RPC to the coordinator.
-  absl::Duration rpc_timeout = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::Milliseconds(100);
   // Heartbeat over one HeartbeatStream per client: beats are written without waiting, and the
   // coordinator answers only when the job changed, and otherwise about once a second (at least
@@ -274,7 +267,9 @@ class Client {
   void NoteHeartbeatReply(const v1::HeartbeatResponse& reply) ABSL_LOCKS_EXCLUDED(mu_);
   // Records a generation change seen by the heartbeat: which ranks departed, and whether the
   // change breaks every communicator (a death or re-join) or only those with departed ranks.
-  void NoteGenerationChange(int64_t generation, const std::string& why)
+  // `blamed_rank`: the rank whose change moved the job (-1: unknown), carried by the errors it
+  // causes (client/base/error_kind.h).
+  void NoteGenerationChange(int64_t generation, const std::string& why, int32_t blamed_rank)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   const ClientOptions options_;
