@@ -8,7 +8,7 @@ and the ``rank`` it blames (None when it blames none)::
 
     try:
         averager.average_parameters(model.parameters())
-    except modelavg.PeerFailureError as e:   # a peer died, left or stalled: restart from a checkpoint
+    except modelavg.PeerFailureError as e:  # a peer died, left or stalled: restart (checkpoint)
         print(f"rank {e.rank} is gone ({e.kind}): {e}")
     except modelavg.Error as e:
         print(e.code, e.message)

@@ -13,8 +13,8 @@ The averagers connect from the environment — ``MODELAVG_COORDINATOR`` (host:po
 ``MODELAVG_JOB`` (the job id), ``RANK`` and ``WORLD_SIZE`` as torchrun sets them, and optionally
 ``MODELAVG_GLOO_HOSTNAME`` (the address peers reach this process at; default 127.0.0.1),
 ``MODELAVG_AUTH_TOKEN_FILE`` and ``MODELAVG_TLS_CA_FILE`` (the connection variables of every
-modelavg program, as :func:`modelavg.connect` reads them) — or from :func:`set_options`. If the job does not exist yet, the first
-rank creates it from the constructor's arguments and ``WORLD_SIZE``; if it exists, its spec must
+modelavg program, as :func:`modelavg.connect` reads them) — or from :func:`set_options`. If the
+job does not exist yet, the first rank creates it from the constructor's arguments and ``WORLD_SIZE``; if it exists, its spec must
 match them (``InvalidArgumentError``, a ``ValueError``, naming both otherwise). While the
 coordinator cannot be reached, the averager retries until ``join_timeout`` (300 s unless set). One connection
 per process serves every drop-in averager of the same job; it leaves the job at exit.
