@@ -116,14 +116,11 @@ void Check(const grpc::Status& status, const std::string& what) {
 class Cli {
  public:
   Cli() {
-    const modelavg::client::ConnectionOptions& conn = Connection();
-    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds =
-        modelavg::client::ChannelCredentialsFor(conn);
-    if (!creds.ok()) throw Failure(std::string(creds.status().message()));
-    absl::StatusOr<std::string> token = modelavg::client::AuthTokenOf(conn);
-    if (!token.ok()) throw Failure(std::string(token.status().message()));
-    token_ = *std::move(token);
-    stub_ = v1::Coordinator::NewStub(grpc::CreateChannel(conn.coordinator, *creds));
+    absl::StatusOr<modelavg::client::CoordinatorChannel> c =
+        modelavg::client::OpenChannel(Connection());
+    if (!c.ok()) throw Failure(std::string(c.status().message()));
+    token_ = c->token;
+    stub_ = v1::Coordinator::NewStub(c->channel);
   }
 
   std::unique_ptr<grpc::ClientContext> Context(bool deadline = true) const {

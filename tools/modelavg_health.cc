@@ -6,7 +6,7 @@
 // The connection flags are every modelavg program's (client/flags/connection_flags.h; the old
 // --address and --timeout_ms still work): --coordinator (default $MODELAVG_COORDINATOR, else
 // 127.0.0.1:50051), --tls, --tls_ca_file, --tls_cert_file/--tls_key_file, --rpc_timeout_ms
-// (default 2000 here). Health needs no token.
+// (default 2000 here), --auth_token_file (sent, though the coordinator's health needs none).
 //
 // Exit status 0 when the server answers SERVING, 1 otherwise, with one line on stderr saying
 // why. Container HEALTHCHECKs and Kubernetes exec probes run it.
@@ -46,14 +46,15 @@ int main(int argc, char** argv) {
       modelavg::client::ConnectionFromFlags(defaults);
   if (!conn.ok()) return Fail(std::string(conn.status().message()));
   const std::string address = conn->coordinator;
-  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds =
-      modelavg::client::ChannelCredentialsFor(*conn);
-  if (!creds.ok()) return Fail(std::string(creds.status().message()));
-  auto channel = grpc::CreateChannel(address, *creds);
-  auto stub = grpc::health::v1::Health::NewStub(channel);
+  absl::StatusOr<modelavg::client::CoordinatorChannel> c = modelavg::client::OpenChannel(*conn);
+  if (!c.ok()) return Fail(std::string(c.status().message()));
+  auto stub = grpc::health::v1::Health::NewStub(c->channel);
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() +
                        absl::ToChronoMilliseconds(conn->rpc_timeout));
+  // The coordinator's health service needs no token; one given is sent all the same (a proxy
+  // in front of it may want it).
+  if (!c->token.empty()) context.AddMetadata("authorization", "Bearer " + c->token);
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(absl::GetFlag(FLAGS_service));
   grpc::health::v1::HealthCheckResponse response;

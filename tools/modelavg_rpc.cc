@@ -65,15 +65,12 @@ std::string StatusText(const grpc::Status& status) {
 class Client {
  public:
   explicit Client(const modelavg::client::ConnectionOptions& conn) {
-    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds =
-        modelavg::client::ChannelCredentialsFor(conn);
-    if (!creds.ok()) throw Failure(std::string(creds.status().message()));
-    absl::StatusOr<std::string> token = modelavg::client::AuthTokenOf(conn);
-    if (!token.ok()) throw Failure(std::string(token.status().message()));
-    token_ = *std::move(token);
+    absl::StatusOr<modelavg::client::CoordinatorChannel> c = modelavg::client::OpenChannel(conn);
+    if (!c.ok()) throw Failure(std::string(c.status().message()));
+    token_ = c->token;
+    channel_ = c->channel;
     address_ = conn.coordinator;
     deadline_ = std::chrono::system_clock::now() + absl::ToChronoMilliseconds(conn.rpc_timeout);
-    channel_ = grpc::CreateChannel(address_, *creds);
   }
 
   void Prepare(grpc::ClientContext* context) const {

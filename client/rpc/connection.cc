@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/file_util.h"
+#include "grpcpp/create_channel.h"
 #include "common/status_util.h"
 
 namespace modelavg::client {
@@ -135,6 +136,14 @@ absl::StatusOr<std::string> AuthTokenOf(const ConnectionOptions& options) {
         absl::StrCat("auth_token_file: ", token.status().message()));
   }
   return token;
+}
+
+absl::StatusOr<CoordinatorChannel> OpenChannel(const ConnectionOptions& options) {
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds = ChannelCredentialsFor(options);
+  if (!creds.ok()) return creds.status();
+  absl::StatusOr<std::string> token = AuthTokenOf(options);
+  if (!token.ok()) return token.status();
+  return CoordinatorChannel{grpc::CreateChannel(options.coordinator, *creds), *std::move(token)};
 }
 
 }  // namespace modelavg::client

@@ -21,6 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "grpcpp/channel.h"
 #include "grpcpp/security/credentials.h"
 #include "modelavg/client/connection.h"
 
@@ -39,6 +40,15 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
 // The bearer token: auth_token, or the contents of auth_token_file (whitespace stripped); empty
 // for none. INVALID_ARGUMENT when both are set, or for an unreadable or empty file.
 absl::StatusOr<std::string> AuthTokenOf(const ConnectionOptions& options);
+
+// What a program that makes its own calls needs (the CLI, modelavg-rpc, modelavg-health): a
+// channel to options.coordinator (one address) with ChannelCredentialsFor's credentials, and
+// AuthTokenOf's token ("" for none), to send as "authorization: Bearer <token>".
+struct CoordinatorChannel {
+  std::shared_ptr<grpc::Channel> channel;
+  std::string token;
+};
+absl::StatusOr<CoordinatorChannel> OpenChannel(const ConnectionOptions& options);
 
 // Writes once per process, per `old_name`, that it is deprecated and `new_name` replaces it
 // (stderr, so that a program's output stays clean).

@@ -246,8 +246,8 @@ def check_environment(modelavg, coordinator, group):
     token = os.path.join(work, "token")
     with open(token, "w") as f:
         f.write("py-operator-token\n")
-    binary = coordinator.proc.args[0]
-    authed = mt.Coordinator(group, binary, extra_flags=[f"--auth_token_file={token}"])
+    authed = mt.Coordinator(group, coordinator.binary,
+                            extra_flags=[f"--auth_token_file={token}"])
     for var in ("MODELAVG_AUTH_TOKEN_FILE", "MODELAVG_TOKEN_FILE", "MODELAVG_AUTH_TOKEN",
                 "MODELAVG_COORDINATOR"):
         os.environ.pop(var, None)
@@ -407,7 +407,7 @@ def check_interrupt(modelavg, coordinator, group):
 
     # Ctrl-C in a leave that retries through a coordinator outage (leave_timeout 30 s): the
     # abandoned Leave is cancelled, so no call is left running and the exit is clean.
-    gone = mt.Coordinator(group, ARGS.coordinator_bin)
+    gone = mt.Coordinator(group, coordinator.binary)
     modelavg.create_job("leave-outage", 1, "PERIODIC", period=1, coordinator=gone.address)
     flag = os.path.join(group.temp_dir("modelavg-leave-"), "coordinator-killed")
     code = """

@@ -104,6 +104,7 @@ class Coordinator:
     """A modelavg-coordinator on 127.0.0.1, port chosen by the kernel."""
 
     def __init__(self, group, binary, extra_flags=(), workdir=None):
+        self.binary = binary
         self.workdir = workdir or group.temp_dir("modelavg-coord-")
         self.port_file = os.path.join(self.workdir, "coordinator.port")
         self.log_path = os.path.join(self.workdir, "coordinator.log")
