@@ -7,6 +7,7 @@
 #   bash deploy/install_deps.sh --build   # only what building the programs needs (the image)
 #   bash deploy/install_deps.sh --demo    # what examples/run_demo.sh needs: the build packages
 #                                         # (it runs only the coordinator and the demo it builds)
+#   ... --list                            # print the set's packages, install nothing
 set -euo pipefail
 # What building needs (with -DMODELAVG_BUILD_TESTS=OFF -DMODELAVG_BUILD_BENCH=OFF).
 build_packages=(
@@ -53,11 +54,18 @@ packages=(
   # Debian's PyTorch uses the system BLAS: OpenBLAS instead of the reference one (10x faster).
   libopenblas0-pthread
 )
-case "${1:-}" in
-  "") ;;
-  --build | --demo) packages=("${build_packages[@]}") ;;
-  *) echo "usage: $0 [--build | --demo]" >&2; exit 2 ;;
-esac
+list=0
+for arg in "$@"; do
+  case "$arg" in
+    --build | --demo) packages=("${build_packages[@]}") ;;
+    --list) list=1 ;;
+    *) echo "usage: $0 [--build | --demo] [--list]" >&2; exit 2 ;;
+  esac
+done
+if [ "$list" = 1 ]; then
+  printf '%s\n' "${packages[@]}"
+  exit 0
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
