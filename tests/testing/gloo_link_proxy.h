@@ -2,8 +2,9 @@
 // through a proxy that can stop forwarding (at once, or after a given number of bytes) while
 // keeping every socket open, so the peers see neither a reset nor a close — only silence, as with
 // a stopped process or a dropped route — or that closes them after a given number of bytes, as
-// when a peer's process dies or its connection is reset mid-collective. Gloo's rendezvous is steered through the proxy by a store
-// view that hands the connecting side of each of that rank's pairs the proxy's address.
+// when a peer's process dies or its connection is reset mid-collective. Gloo's rendezvous is
+// steered through the proxy by a store view that hands the connecting side of each of that rank's
+// pairs the proxy's address.
 #ifndef MODELAVG_TESTS_TESTING_GLOO_LINK_PROXY_H_
 #define MODELAVG_TESTS_TESTING_GLOO_LINK_PROXY_H_
 

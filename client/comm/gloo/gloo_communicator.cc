@@ -461,8 +461,9 @@ absl::Status GlooCommunicator::AverageCompressed(absl::Span<const TensorView> te
                                                  DType dtype, int divisor,
                                                  RoundOutcome* outcome) {
   const size_t bytes = static_cast<size_t>(total) * DTypeSize(dtype);
-  // float32 only (PrepareRound). Packed into the staging (zeros for a member that does not contribute); the compressed
-  // result lands in the second half, and the tensors are written only on success.
+  // float32 only (PrepareRound). Packed into the staging (zeros for a member that does not
+  // contribute); the compressed result lands in the second half, and the tensors are written
+  // only on success.
   const size_t words = (2 * bytes + 7) / 8;
   if (staging_.size() < words) staging_.resize(words);
   float* in = reinterpret_cast<float*>(staging_.data());
