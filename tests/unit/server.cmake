@@ -29,3 +29,5 @@ modelavg_add_gtest(server_heartbeat_replies_test SOURCES server_heartbeat_replie
 # The core of a HostHeartbeatStream: several members' beats per message (fake clock).
 modelavg_add_gtest(server_host_heartbeats_test SOURCES server_host_heartbeats_test.cc
                    LIBS modelavg_server_core)
+# Control characters escaped for terminals and logs.
+modelavg_add_gtest(printable_test SOURCES printable_test.cc LIBS modelavg_common)
