@@ -9,7 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
+#include <cstdio>
 #include <chrono>
 #include <fstream>
 #include <map>
@@ -73,7 +73,8 @@ class Daemon {
     std::string line;
     while (std::getline(in, line)) {
       if (!absl::StartsWith(line, field + ":")) continue;
-      std::vector<std::string> parts = absl::StrSplit(line, ' ', absl::SkipWhitespace());
+      std::vector<std::string> parts =
+          absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipWhitespace());
       int64_t kb = -1;
       if (parts.size() >= 2 && absl::SimpleAtoi(parts[1], &kb)) return kb;
     }
@@ -248,7 +249,7 @@ TEST(FloodTest, IdleConnectionsPastTheSoftFileLimit_CoordinatorStillAnswers) {
                  << "; this test needs 4096 (ulimit -Hn)";
   }
   Daemon daemon;
-  setrlimit(RLIMIT_NOFILE, &old);  // this process opens the 1,100
+  SetOpenFileLimit(old.rlim_max);  // this process opens the 1,100
   ASSERT_FALSE(daemon.address().empty()) << daemon.process().err();
   std::vector<int> idle = IdleConnections(PortOf(daemon.address()), 1100);
   EXPECT_EQ(idle.size(), 1100u);
