@@ -514,7 +514,7 @@ TEST_F(HostileTest, Join_ControlCharactersInNames_RefusedNamingTheField) {
   v1::CreateJobRequest create;
   *create.mutable_spec() = Spec("names", 1);
   v1::Job job;
-  ASSERT_TRUE(stub_->CreateJob(Context().get(), create, &job).ok());
+  ASSERT_TRUE(stub()->CreateJob(Context().get(), create, &job).ok());
   struct Case {
     std::string worker_id, host, field;
   };
@@ -533,7 +533,7 @@ TEST_F(HostileTest, Join_ControlCharactersInNames_RefusedNamingTheField) {
     join.set_worker_id(c.worker_id);
     join.set_host(c.host);
     v1::JoinResponse joined;
-    const grpc::Status s = stub_->Join(Context("", absl::Seconds(5)).get(), join, &joined);
+    const grpc::Status s = stub()->Join(Context("", absl::Seconds(5)).get(), join, &joined);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.field;
     EXPECT_THAT(s.error_message(), HasSubstr(c.field + " \"")) << c.field;
     EXPECT_THAT(s.error_message(), HasSubstr("control character")) << c.field;
@@ -543,7 +543,7 @@ TEST_F(HostileTest, Join_ControlCharactersInNames_RefusedNamingTheField) {
   }
   v1::GetJobRequest get;
   get.set_job_id("names");
-  ASSERT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
+  ASSERT_TRUE(stub()->GetJob(Context().get(), get, &job).ok());
   EXPECT_EQ(job.state(), v1::PENDING);
   EXPECT_EQ(job.members_size(), 0);
   // Printable names, UTF-8 included, are taken.
@@ -552,7 +552,7 @@ TEST_F(HostileTest, Join_ControlCharactersInNames_RefusedNamingTheField) {
   join.set_worker_id("trainer-\xc3\xa9t\xc3\xa9:42");
   join.set_host("node-7.example");
   v1::JoinResponse joined;
-  const grpc::Status s = stub_->Join(Context().get(), join, &joined);
+  const grpc::Status s = stub()->Join(Context().get(), join, &joined);
   EXPECT_TRUE(s.ok()) << s.error_message();
 }
 
