@@ -171,17 +171,14 @@ absl::StatusOr<Decision> ModelAverager::Round(const Decision& decision_in, const
   ReportUnreachablePeersOf(*decision, comm.ok() ? *comm : nullptr, s);
   // A transport failure usually means a peer died: give the coordinator up to a heartbeat
   // timeout to say so, so the error names the cause rather than a broken socket.
-  const absl::Time until = absl::Now() + client_->heartbeat_timeout() +
-                           2 * client_->options().heartbeat_interval + absl::Milliseconds(500);
-  while (absl::Now() < until) {
-    absl::Status why = client_->CheckCanAverage(group);
-    // The collective was aborted for the reason the client gives: say it once.
-    if (!why.ok() && ErrorKindOf(s) == ErrorKind::kGenerationMoved) return Annotate(why, where);
-    if (!why.ok()) {
-      return absl::Status(why.code(), absl::StrCat(where, " failed: ", why.message(),
-                                                   " (transport error: ", s.message(), ")"));
-    }
-    absl::SleepFor(absl::Milliseconds(50));
+  absl::Status why = client_->AwaitCannotAverage(
+      group, client_->heartbeat_timeout() + 2 * client_->options().heartbeat_interval +
+                 absl::Milliseconds(500));
+  // The collective was aborted for the reason the client gives: say it once.
+  if (!why.ok() && ErrorKindOf(s) == ErrorKind::kGenerationMoved) return Annotate(why, where);
+  if (!why.ok()) {
+    return absl::Status(why.code(), absl::StrCat(where, " failed: ", why.message(),
+                                                 " (transport error: ", s.message(), ")"));
   }
   return Annotate(s, where);
 }

@@ -137,7 +137,7 @@ Decision ModelAverager::CommitElasticRound(const Decision& decision, int attempt
 absl::StatusOr<Decision> ModelAverager::MoveOn(int64_t generation, int64_t step) {
   // The wait ends as soon as this rank hears of the change; its bound only matters when the
   // job does not move on (a transport failure with every member alive).
-  MODELAVG_RETURN_IF_ERROR(client_->AwaitNewerGeneration(generation, absl::Now() + RetryWait()));
+  MODELAVG_RETURN_IF_ERROR(client_->AwaitNewerGeneration(generation, RetryWait()));
   MODELAVG_RETURN_IF_ERROR(EnterNewerGeneration());
   return client_->DecisionAt(step);
 }

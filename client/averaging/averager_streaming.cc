@@ -391,16 +391,14 @@ absl::Status ModelAverager::ApplyOne(std::unique_ptr<PendingSync> p, int64_t ste
   if (!p->result.ok()) {
     // Name the cause (a peer's death, a new generation) rather than the broken socket: give
     // the coordinator up to a heartbeat timeout to declare it, as a blocking round does.
-    const absl::Time until = absl::Now() + client_->heartbeat_timeout() +
-                             2 * client_->options().heartbeat_interval + absl::Milliseconds(500);
-    while (p->result.code() != absl::StatusCode::kInvalidArgument) {
-      absl::Status why = client_->CheckCanAverage(d.subgroup);
+    if (p->result.code() != absl::StatusCode::kInvalidArgument) {
+      absl::Status why = client_->AwaitCannotAverage(
+          d.subgroup, client_->heartbeat_timeout() + 2 * client_->options().heartbeat_interval +
+                          absl::Milliseconds(500));
       if (!why.ok()) {
         return absl::Status(why.code(), absl::StrCat(where, " failed: ", why.message(),
                                                      " (round: ", p->result.message(), ")"));
       }
-      if (absl::Now() >= until) break;
-      absl::SleepFor(absl::Milliseconds(50));
     }
     return Annotate(p->result, where);
   }
