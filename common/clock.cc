@@ -1,6 +1,5 @@
 #include "common/clock.h"
 
-
 namespace modelavg {
 namespace {
 
@@ -45,6 +44,12 @@ bool FakeClock::AwaitWithDeadline(absl::Mutex& mu, const absl::Condition& condit
     mu.AwaitWithTimeout(condition, absl::Milliseconds(1));
   }
   return true;
+}
+
+bool FakeClock::AwaitWaits(int n, absl::Duration timeout) const {
+  absl::MutexLock lock(&mu_);
+  auto enough = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return waits_ >= n; };
+  return mu_.AwaitWithTimeout(absl::Condition(&enough), timeout);
 }
 
 }  // namespace modelavg

@@ -51,12 +51,14 @@ class FakeClock final : public Clock {
   }
   bool AwaitWithDeadline(absl::Mutex& mu, const absl::Condition& condition,
                          absl::Time deadline) const override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // How many waits have begun on this clock so far (a test advances the clock once the code
-  // under test waits).
+  // How many waits have begun on this clock so far.
   int waits() const {
     absl::MutexLock lock(&mu_);
     return waits_;
   }
+  // Blocks until at least `n` waits have begun on this clock (a test moves the clock once the
+  // code under test waits on it), at most `timeout` of real time. Whether they have.
+  bool AwaitWaits(int n, absl::Duration timeout) const;
 
  private:
   const bool advance_on_wait_;
