@@ -126,7 +126,9 @@ class GenerationTracker {
   // Whether a wait for a generation newer than `generation` is over: there is one (averaged in
   // or followed), or the client is broken or left.
   bool NewerThan(int64_t generation) const;
-  bool WaitOver(int64_t generation) const { return !broken_.ok() || left_ || NewerThan(generation); }
+  bool WaitOver(int64_t generation) const {
+    return !broken_.ok() || left_ || NewerThan(generation);
+  }
 
   // How long a wait for a newer generation (Client::AwaitNewerGeneration) goes on once its
   // deadline has passed without one. While the coordinator is unreachable nobody can declare a
