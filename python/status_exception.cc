@@ -2,6 +2,9 @@
 
 #include <string>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_replace.h"
+#include "client/base/error_kind.h"
 #include "pybind11/pybind11.h"
 
 namespace py = pybind11;
@@ -10,8 +13,18 @@ namespace modelavg::python {
 
 [[noreturn]] void Raise(const absl::Status& status, bool averaging) {
   py::object errors = py::module_::import("modelavg.errors");
-  py::object exc = errors.attr("_from_status")(static_cast<int>(status.code()),
-                                               std::string(status.message()), averaging);
+  // The typed kind (client/base/error_kind.h) as "PEER_FAILURE", "GENERATION_MOVED", ... (None
+  // without one), and the rank it blames (None: none).
+  const client::ErrorKind kind = client::ErrorKindOf(status);
+  py::object kind_name = py::none();
+  if (kind != client::ErrorKind::kUnknown) {
+    kind_name = py::str(absl::AsciiStrToUpper(
+        absl::StrReplaceAll(client::ErrorKindName(kind), {{" ", "_"}})));
+  }
+  const int32_t rank = client::ErrorRankOf(status);
+  py::object exc = errors.attr("_from_status")(
+      static_cast<int>(status.code()), std::string(status.message()), averaging, kind_name,
+      rank >= 0 ? py::object(py::int_(rank)) : py::object(py::none()));
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   throw py::error_already_set();
 }

@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/base/error_kind.h"
@@ -82,8 +83,13 @@ absl::StatusOr<Decision> RoundRunner::Run(const Decision& decision, const Device
   // The collective was aborted for the reason the client gives: say it once.
   if (!why.ok() && ErrorKindOf(s) == ErrorKind::kGenerationMoved) return Annotate(why, where);
   if (!why.ok()) {
-    return absl::Status(why.code(), absl::StrCat(where, " failed: ", why.message(),
+    absl::Status failed(why.code(), absl::StrCat(where, " failed: ", why.message(),
                                                  " (transport error: ", s.message(), ")"));
+    // The kind and the blamed rank of the client's reason (error_kind.h) go with it.
+    why.ForEachPayload([&failed](absl::string_view url, const absl::Cord& payload) {
+      failed.SetPayload(url, payload);
+    });
+    return failed;
   }
   return Annotate(s, where);
 }

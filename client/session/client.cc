@@ -34,7 +34,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   const std::string host = HostName();
   if (options.worker_id.empty()) options.worker_id = absl::StrCat(host, ":", getpid());
   MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<CoordinatorClient> coordinator,
-                            CoordinatorClient::Create(ConnectionOptions(options)));
+                            CoordinatorClient::Create(options));
+  // The token as read (from auth_token_file): never the file again, whatever happens to it.
+  options.auth_token = coordinator->options().auth_token;
+  options.auth_token_file.clear();
   IgnoreDefaultSigpipe();
   MODELAVG_ASSIGN_OR_RETURN(Joined joined, JoinJob(*coordinator, options, host, clock));
   options.credential = joined.credential;
@@ -206,7 +209,8 @@ void Client::OnGenerationSeen(const v1::HeartbeatResponse& reply, int64_t seen) 
   {
     absl::MutexLock l(&mu_);
     abort = tracker_->OnGenerationChange(reply.generation(),
-                                         GenerationTracker::ChangeReason(reply), job);
+                                         GenerationTracker::ChangeReason(reply),
+                                         GenerationTracker::BlamedRank(reply), job);
   }
   // No collective outlives its generation: one blocked on a dead or stopped peer is broken now
   // rather than at the collective timeout (outside mu_: the averaging thread reads it).

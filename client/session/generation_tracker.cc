@@ -38,7 +38,8 @@ std::string GenerationTracker::ChangeReason(const v1::HeartbeatResponse& reply) 
 }
 
 GenerationTracker::Abort GenerationTracker::OnGenerationChange(
-    int64_t generation, const std::string& why, const absl::StatusOr<v1::Job>& job) {
+    int64_t generation, const std::string& why, int32_t blamed_rank,
+    const absl::StatusOr<v1::Job>& job) {
   const std::string& job_id = options_.job_id;
   const int32_t rank = options_.reader.rank;
   const int32_t world_size = options_.reader.world_size;
@@ -63,13 +64,11 @@ GenerationTracker::Abort GenerationTracker::OnGenerationChange(
                    "(vacant ranks: {})",
                    job_id, view->generation, why, rank,
                    vacant.empty() ? std::string("none") : absl::StrJoin(vacant, ","));
+      const absl::Status retried = absl::AbortedError(
+          absl::StrCat("job ", job_id, " moved to generation ", view->generation, " (", why,
+                       "): a round of an older generation is retried with its live members"));
       Abort abort{view->generation,
-                  SetErrorKind(absl::AbortedError(absl::StrCat(
-                                   "job ", job_id, " moved to generation ", view->generation,
-                                   " (", why,
-                                   "): a round of an older generation is retried with its live "
-                                   "members")),
-                               ErrorKind::kGenerationMoved)};
+                  SetErrorKind(retried, ErrorKind::kGenerationMoved, /*peer=*/-1, blamed_rank)};
       follow_ = *std::move(view);
       return abort;
     }
@@ -78,7 +77,7 @@ GenerationTracker::Abort GenerationTracker::OnGenerationChange(
         absl::FailedPreconditionError(absl::StrCat(
             "job ", job_id, " moved from generation ", generation_, " to ", job->generation(),
             " (", why, "); rank ", rank, " cannot average any more: ", gone)),
-        ErrorKind::kGenerationMoved);
+        ErrorKind::kGenerationMoved, /*peer=*/-1, blamed_rank);
     spdlog::error("{}", std::string(broken_.message()));
     return {job->generation(), broken_};
   }
@@ -92,7 +91,7 @@ GenerationTracker::Abort GenerationTracker::OnGenerationChange(
             "job ", job_id, " moved from generation ", generation_, " to ", generation,
             " because ", why, "; this rank's communicators are stale: connect a new Client to "
             "re-join (or restart the job)")),
-        ErrorKind::kGenerationMoved);
+        ErrorKind::kGenerationMoved, /*peer=*/-1, blamed_rank);
     spdlog::error("{}", std::string(broken_.message()));
     return {generation, broken_};
   }

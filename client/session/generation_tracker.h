@@ -57,8 +57,11 @@ class GenerationTracker {
     return generation != generation_ && generation != seen;
   }
   // Why the job moved to the reply's generation, as its last change says ("membership changed"
-  // when it does not).
+  // when it does not), and the rank whose change it was (-1: unknown).
   static std::string ChangeReason(const v1::HeartbeatResponse& reply);
+  static int32_t BlamedRank(const v1::HeartbeatResponse& reply) {
+    return reply.has_last_change() ? reply.last_change().rank() : -1;
+  }
 
   // The collectives to abort after a generation change: every one of a generation before
   // `before`, with `why`.
@@ -67,12 +70,13 @@ class GenerationTracker {
     absl::Status why;
     bool needed() const { return !why.ok(); }
   };
-  // The job moved to `generation` because of `why`; `job` is its record as read after the
-  // change (or the error reading it). An elastic job's rank that is a live member of the job's
-  // current generation follows it (AdvanceGeneration then moves to it); otherwise a change that
+  // The job moved to `generation` because of `why` (a change of `blamed_rank`, -1: unknown,
+  // which the errors it causes carry: client/base/error_kind.h); `job` is its record as read
+  // after the change (or the error reading it). An elastic job's rank that is a live member of
+  // the job's current generation follows it (Advance then moves to it); otherwise a change that
   // breaks communicators (a death, a re-join, an unreadable record) breaks the client, and
   // orderly departures are remembered (CheckCanAverage).
-  Abort OnGenerationChange(int64_t generation, const std::string& why,
+  Abort OnGenerationChange(int64_t generation, const std::string& why, int32_t blamed_rank,
                            const absl::StatusOr<v1::Job>& job);
 
   // A heartbeat reply, received at `now`: a recovery grace starts; a coordinator that has the

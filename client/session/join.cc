@@ -140,18 +140,6 @@ absl::Status ValidateOptions(const ClientOptions& o) {
   return absl::OkStatus();
 }
 
-CoordinatorClientOptions ConnectionOptions(const ClientOptions& options) {
-  CoordinatorClientOptions copts;
-  copts.address = options.coordinator;
-  copts.auth_token = options.auth_token;
-  copts.tls = options.tls;
-  copts.tls_ca_file = options.tls_ca_file;
-  copts.tls_cert_file = options.tls_cert_file;
-  copts.tls_key_file = options.tls_key_file;
-  copts.rpc_timeout = options.rpc_timeout;
-  return copts;
-}
-
 absl::StatusOr<Joined> JoinJob(CoordinatorClient& coordinator, const ClientOptions& options,
                                const std::string& host, const Clock& clock) {
   v1::JoinRequest join;

@@ -11,7 +11,6 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "client/rpc/coordinator_client.h"
 #include "common/clock.h"
 #include "modelavg/client/client.h"
 #include "modelavg/client/membership_view.h"
@@ -19,11 +18,10 @@
 
 namespace modelavg::client {
 
+class CoordinatorClient;
+
 // INVALID_ARGUMENT naming the first field of `options` that cannot work, and what it must be.
 absl::Status ValidateOptions(const ClientOptions& options);
-
-// How the session reaches the coordinator (address, token, TLS, RPC timeout).
-CoordinatorClientOptions ConnectionOptions(const ClientOptions& options);
 
 // What the coordinator's Join reply says, checked.
 struct Joined {

@@ -1,12 +1,15 @@
 """The exceptions modelavg raises: one class per kind of failure a trainer handles differently.
 
 Every exception is a :class:`modelavg.Error` that carries the status ``code`` (a name such as
-``"NOT_FOUND"``) and the library's ``message``, which says what went wrong and what to do::
+``"NOT_FOUND"``), the library's ``message``, which says what went wrong and what to do, and,
+from the library's typed errors, the ``kind`` of failure (``"PEER_FAILURE"``,
+``"GENERATION_MOVED"``, ``"TIMEOUT"``, ``"LAYOUT_MISMATCH"``, ...; None when the error has none)
+and the ``rank`` it blames (None when it blames none)::
 
     try:
         averager.average_parameters(model.parameters())
-    except modelavg.PeerFailureError as e:   # a peer died, left or stalled: restart from a checkpoint
-        print(f"rank {e.rank} is gone: {e}")
+    except modelavg.PeerFailureError as e:  # a peer died, left or stalled: restart (checkpoint)
+        print(f"rank {e.rank} is gone ({e.kind}): {e}")
     except modelavg.Error as e:
         print(e.code, e.message)
 
@@ -33,7 +36,6 @@ Error                       anything else (INTERNAL, ...)                    —
 ==========================  ===============================================  ===================
 """
 
-import re
 from typing import Dict, Optional, Type
 
 __all__ = [
@@ -52,31 +54,31 @@ _CODE_NAMES = {
 
 
 class Error(Exception):
-    """A modelavg failure: ``code`` is the status code's name, ``message`` what to do."""
+    """A modelavg failure: ``code`` is the status code's name, ``message`` what to do, ``kind``
+    the library's kind of failure (None: none), ``rank`` the rank it blames (None: none)."""
 
     code: str
     message: str
+    kind: Optional[str]
+    rank: Optional[int]
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, kind: Optional[str] = None,
+                 rank: Optional[int] = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.kind = kind
+        self.rank = rank
 
 
 class PeerFailureError(Error):
     """An averaging step failed because a peer (or the coordinator) failed.
 
-    ``rank`` is the rank the coordinator blamed for the membership change, when the message
-    names one (None otherwise). The client cannot average any more: restart from the last
-    checkpoint with a new client.
+    ``rank`` is the rank the coordinator blamed for the membership change (None when the
+    failure names none, e.g. the coordinator is gone); ``kind`` says what happened
+    (``"GENERATION_MOVED"``, ``"PEER_FAILURE"``, ``"TIMEOUT"``, ...). The client cannot average
+    any more: restart from the last checkpoint with a new client.
     """
-
-    rank: Optional[int]
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(code, message)
-        m = re.search(r"\bbecause rank (\d+)", message) or re.search(r"\brank (\d+)\b", message)
-        self.rank = int(m.group(1)) if m else None
 
 
 class InvalidArgumentError(Error, ValueError):
@@ -133,9 +135,10 @@ _BY_CODE: Dict[str, Type[Error]] = {
 _PEER_CODES = frozenset({"FAILED_PRECONDITION", "ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED"})
 
 
-def _from_status(code: int, message: str, averaging: bool = False) -> Error:
-    """The exception for a status (called by modelavg._core)."""
+def _from_status(code: int, message: str, averaging: bool = False, kind: Optional[str] = None,
+                 rank: Optional[int] = None) -> Error:
+    """The exception for a status (called by modelavg._core with the status's kind and rank)."""
     name = _CODE_NAMES.get(code, f"CODE_{code}")
     if averaging and name in _PEER_CODES:
-        return PeerFailureError(name, message)
-    return _BY_CODE.get(name, Error)(name, message)
+        return PeerFailureError(name, message, kind, rank)
+    return _BY_CODE.get(name, Error)(name, message, kind, rank)

@@ -285,7 +285,8 @@ def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
       min_world_size: 1..world_size makes the job elastic: it keeps running while that many
         ranks are alive, and admits replacements into vacant ranks. 0 (or world_size): strict.
       coordinator: "host:port" (or several, comma-separated); default ``$MODELAVG_COORDINATOR``.
-      **options: auth_token, tls, tls_ca_file, tls_cert_file, tls_key_file, rpc_timeout.
+      **options: auth_token or auth_token_file, tls, tls_ca_file, tls_cert_file, tls_key_file,
+        rpc_timeout (default: the environment, as connect() reads it).
 
     Raises InvalidArgumentError (bad spec: the message names the field and the value),
     AlreadyExistsError, ResourceExhaustedError, UnavailableError.

@@ -22,6 +22,7 @@ LAYERS = {
     "common": ["include/modelavg"],
     "client/base": ["common"],
     "client/rpc": ["client/base", "proto/grpc"],
+    "client/flags": ["client/rpc"],  # the programs' connection flags (not in modelavg_client)
     "client/heartbeat": ["client/rpc"],
     "client/payload": ["client/base"],
     "client/comm": ["client/base", "client/payload"],

@@ -23,8 +23,8 @@ inline absl::StatusOr<ServedCoordinator> ServeCoordinator(server::ServerOptions 
   absl::StatusOr<std::unique_ptr<server::CoordinatorServer>> server =
       server::CoordinatorServer::Start(options);
   if (!server.ok()) return server.status();
-  client::CoordinatorClientOptions admin_options;
-  admin_options.address = (*server)->address();
+  client::ConnectionOptions admin_options;
+  admin_options.coordinator = (*server)->address();
   admin_options.auth_token = options.auth_token;
   absl::StatusOr<std::unique_ptr<client::CoordinatorClient>> admin =
       client::CoordinatorClient::Create(admin_options);

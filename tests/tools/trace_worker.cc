@@ -52,6 +52,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/comm/fault_injection.h"
+#include "client/flags/connection_flags.h"
 #include "common/file_util.h"
 #include "common/logging.h"
 #include "common/status_util.h"
@@ -66,9 +67,6 @@
 #include "common/cuda_check.h"
 #endif
 
-ABSL_FLAG(std::string, coordinator, "",
-          "coordinator address HOST:PORT, or several comma-separated (coordinators on etcd: the "
-          "worker fails over to the leader) (required)");
 ABSL_FLAG(std::string, job, "", "id of an existing job to join (required)");
 ABSL_FLAG(int32_t, rank, -1,
           "this worker's rank, 0 <= rank < world_size; -1 (the default): the coordinator picks "
@@ -96,7 +94,6 @@ ABSL_FLAG(std::string, backend, "gloo",
           "nccl: parameters in CUDA device memory, averaged with NCCL");
 ABSL_FLAG(std::string, gloo_hostname, "127.0.0.1",
           "address Gloo's TCP transport binds to (reachable by the other ranks)");
-ABSL_FLAG(std::string, auth_token_file, "", "file holding the coordinator's bearer token");
 ABSL_FLAG(int64_t, join_timeout_ms, 60000, "how long to wait for the whole world to join");
 ABSL_FLAG(int64_t, collective_timeout_ms, 60000, "longest wait for one averaging collective");
 ABSL_FLAG(int64_t, step_delay_ms, 0,
@@ -395,14 +392,20 @@ absl::Status LoadState(const std::string& path, std::vector<float>* params,
 }
 
 absl::Status Run() {
-  const std::string coordinator = absl::GetFlag(FLAGS_coordinator);
+  // The connection flags (--coordinator, --auth_token_file, --tls_*, --rpc_timeout_ms) and their
+  // environment, as every modelavg program reads them.
+  MODELAVG_ASSIGN_OR_RETURN(client::ConnectionOptions conn, client::ConnectionFromFlags());
+  const std::string coordinator = conn.coordinator;
   const std::string job = absl::GetFlag(FLAGS_job);
   const int32_t requested_rank = absl::GetFlag(FLAGS_rank);
   const int32_t world_size = absl::GetFlag(FLAGS_world_size);
   const int64_t steps = absl::GetFlag(FLAGS_steps);
   const int64_t numel = absl::GetFlag(FLAGS_numel);
   const std::string backend = absl::GetFlag(FLAGS_backend);
-  if (coordinator.empty()) return absl::InvalidArgumentError("--coordinator=HOST:PORT is required");
+  if (coordinator.empty()) {
+    return absl::InvalidArgumentError(
+        "--coordinator=HOST:PORT (or $MODELAVG_COORDINATOR) is required");
+  }
   if (job.empty()) return absl::InvalidArgumentError("--job is required (an existing job's id)");
   if (world_size < 1) return absl::InvalidArgumentError("--world_size must be >= 1");
   if (requested_rank < -1 || requested_rank >= world_size) {
@@ -418,7 +421,7 @@ absl::Status Run() {
   }
 
   client::ClientOptions options;
-  options.coordinator = coordinator;
+  static_cast<client::ConnectionOptions&>(options) = std::move(conn);
   options.job_id = job;
   if (requested_rank >= 0) options.rank = requested_rank;
   options.expected_world_size = world_size;
@@ -429,11 +432,6 @@ absl::Status Run() {
       absl::Milliseconds(absl::GetFlag(FLAGS_coordinator_outage_timeout_ms));
   if (absl::GetFlag(FLAGS_step_delay_ms) < 0) {
     return absl::InvalidArgumentError("--step_delay_ms must be >= 0");
-  }
-  if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
-    absl::StatusOr<std::string> token = ReadTokenFile(path);
-    if (!token.ok()) return Annotate(token.status(), "--auth_token_file");
-    options.auth_token = *std::move(token);
   }
 
   MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> client, client::Client::Connect(options));

@@ -15,6 +15,10 @@ modelavg_add_gtest(client_gloo_round_test SOURCES client_gloo_round_test.cc LIBS
                    TIMEOUT 120)
 modelavg_add_gtest(client_peer_probe_test SOURCES client_peer_probe_test.cc LIBS modelavg_client
                    TIMEOUT 30)
+# The programs' connection flags and environment variables (new and old names), the typed
+# errors' blamed rank.
+modelavg_add_gtest(client_connection_flags_test SOURCES client_connection_flags_test.cc
+                   LIBS modelavg_client modelavg_client_flags TIMEOUT 30)
 if(TARGET modelavg_server)
   modelavg_add_gtest(client_coordinator_test SOURCES client_coordinator_test.cc
                      LIBS modelavg_client modelavg_server TIMEOUT 120)

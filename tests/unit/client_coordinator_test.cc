@@ -43,8 +43,8 @@ class ClientCoordinatorTest : public ::testing::Test {
     auto s = server::CoordinatorServer::Start(opts);
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = *std::move(s);
-    CoordinatorClientOptions copts;
-    copts.address = server_->address();
+    ConnectionOptions copts;
+    copts.coordinator = server_->address();
     auto c = CoordinatorClient::Create(copts);
     ASSERT_TRUE(c.ok());
     admin_ = *std::move(c);
@@ -220,8 +220,8 @@ TEST_F(ClientCoordinatorTest, Call_CoordinatorSlowToHandshake_Answered) {
   target.sin_port = htons(server_->port());
   modelavg::testing::LinkProxy proxy(listen_fd, target);
   proxy.StallAfter(0);
-  CoordinatorClientOptions copts;
-  copts.address = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  ConnectionOptions copts;
+  copts.coordinator = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
   auto slow = CoordinatorClient::Create(copts);
   ASSERT_TRUE(slow.ok()) << slow.status();
   std::thread release([&] {
@@ -474,8 +474,8 @@ TEST(ClientAuthTest, Connect_TokenRequired_RightTokenJoinsWrongOneUnauthenticate
   opts.auth_token = "s3cret";
   auto s = server::CoordinatorServer::Start(opts);
   ASSERT_TRUE(s.ok()) << s.status();
-  CoordinatorClientOptions admin_opts;
-  admin_opts.address = (*s)->address();
+  ConnectionOptions admin_opts;
+  admin_opts.coordinator = (*s)->address();
   admin_opts.auth_token = "s3cret";
   auto admin = CoordinatorClient::Create(admin_opts);
   ASSERT_TRUE(admin.ok());
@@ -510,8 +510,8 @@ TEST(ClientAuthTest, Connect_TokenRequired_RightTokenJoinsWrongOneUnauthenticate
 }
 
 TEST(ClientAuthTest, Create_TlsFilesWithoutTls_InvalidArgument) {
-  CoordinatorClientOptions o;
-  o.address = "127.0.0.1:1";
+  ConnectionOptions o;
+  o.coordinator = "127.0.0.1:1";
   o.tls_ca_file = "/nonexistent/ca.pem";
   EXPECT_EQ(CoordinatorClient::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
   o.tls = true;

@@ -1,7 +1,5 @@
 // GenerationTracker on its own: what the heartbeat and the coordinator say, handed in as values,
 // and the times as arguments. No coordinator, no threads, no sleeps.
-#include "client/session/generation_tracker.h"
-
 #include <string>
 #include <utility>
 #include <vector>
@@ -10,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "client/base/error_kind.h"
+#include "client/session/generation_tracker.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -55,6 +54,17 @@ v1::Job JobAt(int64_t generation, const std::vector<int>& states,
   return job;
 }
 
+// A heartbeat reply at `generation` in `state` from a coordinator of `incarnation`.
+v1::HeartbeatResponse Reply(int64_t generation, v1::JobState state, std::string incarnation,
+                            int64_t recovery_grace_ms = 0) {
+  v1::HeartbeatResponse reply;
+  reply.set_generation(generation);
+  reply.set_state(state);
+  reply.set_coordinator_incarnation(std::move(incarnation));
+  reply.set_recovery_grace_ms(recovery_grace_ms);
+  return reply;
+}
+
 Decision AverageAt(int64_t step, SubgroupRange group) {
   Decision d;
   d.step = step;
@@ -93,7 +103,7 @@ TEST(GenerationTrackerTest, ChangeReason_NamesTheRankOnce) {
 TEST(GenerationTrackerTest, OnGenerationChange_StrictOrderlyDeparture_OnlyItsGroupsStop) {
   GenerationTracker t(Opts(false), 1, "");
   const GenerationTracker::Abort abort = t.OnGenerationChange(
-      2, "rank 3 left",
+      2, "rank 3 left", /*blamed_rank=*/3,
       JobAt(2, {v1::ALIVE, v1::ALIVE, v1::ALIVE, v1::LEFT}, {}, /*alive_in=*/1));
   EXPECT_FALSE(abort.needed());
   EXPECT_EQ(t.generation(), 1);
@@ -111,11 +121,12 @@ TEST(GenerationTrackerTest, OnGenerationChange_StrictOrderlyDeparture_OnlyItsGro
 TEST(GenerationTrackerTest, OnGenerationChange_StrictDeath_BreaksAndAbortsTheOlderCollectives) {
   GenerationTracker t(Opts(false), 1, "");
   const GenerationTracker::Abort abort = t.OnGenerationChange(
-      2, "rank 1 died",
+      2, "rank 1 died", /*blamed_rank=*/1,
       JobAt(2, {v1::ALIVE, v1::DEAD, v1::ALIVE, v1::ALIVE}, {}, /*alive_in=*/1));
   ASSERT_TRUE(abort.needed());
   EXPECT_EQ(abort.before, 2);
   EXPECT_EQ(ErrorKindOf(abort.why), ErrorKind::kGenerationMoved);
+  EXPECT_EQ(ErrorRankOf(abort.why), 1);
   EXPECT_EQ(t.broken(), abort.why);
   EXPECT_THAT(std::string(t.broken().message()), HasSubstr("because rank 1 died"));
   EXPECT_EQ(t.CheckCanAverage(SubgroupRange{0, 0, 1}), abort.why);
@@ -126,24 +137,25 @@ TEST(GenerationTrackerTest, OnGenerationChange_StrictReJoin_Breaks) {
   // Rank 2 is a member of generation 2: it re-joined, its communicators are new.
   v1::Job job = JobAt(2, {v1::ALIVE, v1::ALIVE, v1::ALIVE, v1::ALIVE}, {}, /*alive_in=*/1);
   job.mutable_members(2)->set_generation(2);
-  EXPECT_TRUE(t.OnGenerationChange(2, "rank 2 re-joined", job).needed());
+  EXPECT_TRUE(t.OnGenerationChange(2, "rank 2 re-joined", /*blamed_rank=*/2, job).needed());
   EXPECT_FALSE(t.broken().ok());
 }
 
 TEST(GenerationTrackerTest, OnGenerationChange_StrictJobUnreadable_Breaks) {
   GenerationTracker t(Opts(false), 1, "");
-  const GenerationTracker::Abort abort =
-      t.OnGenerationChange(2, "rank 3 left", absl::UnavailableError("no answer"));
+  const GenerationTracker::Abort abort = t.OnGenerationChange(2, "rank 3 left", /*blamed_rank=*/3,
+                                                              absl::UnavailableError("no answer"));
   EXPECT_TRUE(abort.needed());
   EXPECT_EQ(t.broken().code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(GenerationTrackerTest, OnGenerationChange_Broken_FirstReasonStandsNoSecondAbort) {
   GenerationTracker t(Opts(false), 1, "");
-  t.OnGenerationChange(2, "rank 1 died", JobAt(2, {v1::ALIVE, v1::DEAD, v1::ALIVE, v1::ALIVE}));
+  t.OnGenerationChange(2, "rank 1 died", /*blamed_rank=*/1,
+                       JobAt(2, {v1::ALIVE, v1::DEAD, v1::ALIVE, v1::ALIVE}));
   const absl::Status first = t.broken();
   const GenerationTracker::Abort again = t.OnGenerationChange(
-      2, "rank 2 died", JobAt(2, {v1::ALIVE, v1::DEAD, v1::DEAD, v1::ALIVE}));
+      2, "rank 2 died", /*blamed_rank=*/2, JobAt(2, {v1::ALIVE, v1::DEAD, v1::DEAD, v1::ALIVE}));
   EXPECT_FALSE(again.needed());
   EXPECT_EQ(t.broken(), first);
 }
@@ -151,11 +163,12 @@ TEST(GenerationTrackerTest, OnGenerationChange_Broken_FirstReasonStandsNoSecondA
 TEST(GenerationTrackerTest, OnGenerationChange_ElasticLiveMember_FollowsUntilAdvance) {
   GenerationTracker t(Opts(true), 1, "");
   const GenerationTracker::Abort abort = t.OnGenerationChange(
-      2, "rank 2 died", JobAt(2, {v1::ALIVE, v1::ALIVE, v1::DEAD, v1::ALIVE}));
+      2, "rank 2 died", /*blamed_rank=*/2, JobAt(2, {v1::ALIVE, v1::ALIVE, v1::DEAD, v1::ALIVE}));
   ASSERT_TRUE(abort.needed());
   EXPECT_EQ(abort.before, 2);
   EXPECT_EQ(abort.why.code(), absl::StatusCode::kAborted);
   EXPECT_EQ(ErrorKindOf(abort.why), ErrorKind::kGenerationMoved);
+  EXPECT_EQ(ErrorRankOf(abort.why), 2);
   // Followed, not moved to yet: the rank still averages in generation 1.
   EXPECT_EQ(t.generation(), 1);
   EXPECT_EQ(t.latest_generation(), 2);
@@ -165,7 +178,7 @@ TEST(GenerationTrackerTest, OnGenerationChange_ElasticLiveMember_FollowsUntilAdv
   EXPECT_TRUE(t.WaitOver(1));
   EXPECT_FALSE(t.WaitOver(2));
   // The same change seen again aborts nothing more.
-  EXPECT_FALSE(t.OnGenerationChange(2, "rank 2 died",
+  EXPECT_FALSE(t.OnGenerationChange(2, "rank 2 died", /*blamed_rank=*/2,
                                     JobAt(2, {v1::ALIVE, v1::ALIVE, v1::DEAD, v1::ALIVE}))
                    .needed());
   absl::StatusOr<GenerationTracker::Move> move = t.Advance();
@@ -188,7 +201,7 @@ TEST(GenerationTrackerTest, OnGenerationChange_ElasticLiveMember_FollowsUntilAdv
 TEST(GenerationTrackerTest, OnGenerationChange_ElasticRankDeclaredDead_Breaks) {
   GenerationTracker t(Opts(true, /*rank=*/1), 1, "");
   const GenerationTracker::Abort abort = t.OnGenerationChange(
-      2, "rank 1 died", JobAt(2, {v1::ALIVE, v1::DEAD, v1::ALIVE, v1::ALIVE}));
+      2, "rank 1 died", /*blamed_rank=*/1, JobAt(2, {v1::ALIVE, v1::DEAD, v1::ALIVE, v1::ALIVE}));
   ASSERT_TRUE(abort.needed());
   EXPECT_EQ(abort.why.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(t.broken().message()),
@@ -200,9 +213,8 @@ TEST(GenerationTrackerTest, OnGenerationChange_ElasticRankDeclaredDead_Breaks) {
 TEST(GenerationTrackerTest, Decide_ElasticReplacement_JoinsAtItsAdmissionStep) {
   GenerationTracker t(Opts(true, /*rank=*/3), 1, "");
   std::string why;
-  std::optional<MembershipView> view =
-      ViewOf(JobAt(3, {v1::ALIVE, v1::ALIVE, v1::ALIVE, v1::ALIVE}, {0, 0, 0, 10}),
-             t.reader(), &why);
+  std::optional<MembershipView> view = ViewOf(
+      JobAt(3, {v1::ALIVE, v1::ALIVE, v1::ALIVE, v1::ALIVE}, {0, 0, 0, 10}), t.reader(), &why);
   ASSERT_TRUE(view.has_value()) << why;
   t.Admit(*std::move(view));
   EXPECT_EQ(t.generation(), 3);
@@ -219,11 +231,7 @@ TEST(GenerationTrackerTest, Decide_ElasticReplacement_JoinsAtItsAdmissionStep) {
 
 TEST(GenerationTrackerTest, OnReply_SameGenerationPending_BrokenAsAJobHadAfresh) {
   GenerationTracker t(Opts(false), 1, "inc-a");
-  v1::HeartbeatResponse reply;
-  reply.set_generation(1);
-  reply.set_state(v1::PENDING);
-  reply.set_coordinator_incarnation("inc-b");
-  t.OnReply(reply, kT0);
+  t.OnReply(Reply(1, v1::PENDING, "inc-b"), kT0);
   EXPECT_EQ(t.broken().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(t.broken().message()),
               HasSubstr("(incarnation inc-b, this rank joined under inc-a) has job job afresh"));
@@ -231,11 +239,7 @@ TEST(GenerationTrackerTest, OnReply_SameGenerationPending_BrokenAsAJobHadAfresh)
 
 TEST(GenerationTrackerTest, OnReply_Restart_NotBrokenAndTheNewIncarnationNamedLater) {
   GenerationTracker t(Opts(false), 1, "inc-a");
-  v1::HeartbeatResponse reply;
-  reply.set_generation(1);
-  reply.set_state(v1::RUNNING);
-  reply.set_coordinator_incarnation("inc-b");
-  t.OnReply(reply, kT0);
+  t.OnReply(Reply(1, v1::RUNNING, "inc-b"), kT0);
   EXPECT_TRUE(t.broken().ok());
   ASSERT_TRUE(t.OnRefusal(absl::NotFoundError("no job")));
   EXPECT_THAT(std::string(t.broken().message()), HasSubstr("joined under incarnation inc-b"));
@@ -281,9 +285,9 @@ TEST(GenerationTrackerTest, MarkLeft_AlreadyBroken_KeepsTheReason) {
 TEST(GenerationTrackerTest, ExtendWait_NothingPending_WaitIsOver) {
   GenerationTracker t(Opts(true), 1, "");
   GenerationTracker::AwaitWindow wait{absl::Seconds(10)};
-  EXPECT_FALSE(t.ExtendWait(wait, kT0 + absl::Seconds(10), kT0 + absl::Seconds(10),
-                            absl::ZeroDuration())
-                   .has_value());
+  EXPECT_FALSE(
+      t.ExtendWait(wait, kT0 + absl::Seconds(10), kT0 + absl::Seconds(10), absl::ZeroDuration())
+          .has_value());
 }
 
 TEST(GenerationTrackerTest, ExtendWait_Outage_LooksAgainThenWaitsAsLongAgain) {
@@ -305,11 +309,7 @@ TEST(GenerationTrackerTest, ExtendWait_Outage_LooksAgainThenWaitsAsLongAgain) {
 
 TEST(GenerationTrackerTest, ExtendWait_RecoveryGrace_WaitsItOutAndTheWindowAgain) {
   GenerationTracker t(Opts(true), 1, "");
-  v1::HeartbeatResponse reply;
-  reply.set_generation(1);
-  reply.set_state(v1::RUNNING);
-  reply.set_recovery_grace_ms(8000);
-  t.OnReply(reply, kT0);
+  t.OnReply(Reply(1, v1::RUNNING, "", /*recovery_grace_ms=*/8000), kT0);
   GenerationTracker::AwaitWindow wait{absl::Seconds(2)};
   const absl::Time deadline = kT0 + absl::Seconds(2);
   std::optional<absl::Time> next = t.ExtendWait(wait, deadline, deadline, absl::ZeroDuration());

@@ -135,8 +135,8 @@ TEST(CoordinatorOutageTest, Retry_AnswersAgain_ResultAndOutageOver) {
 class SessionOnClockTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    CoordinatorClientOptions copts;
-    copts.address = kNowhere;
+    ConnectionOptions copts;
+    copts.coordinator = kNowhere;
     auto c = CoordinatorClient::Create(copts);
     ASSERT_TRUE(c.ok()) << c.status();
     coordinator_ = *std::move(c);

@@ -31,6 +31,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "modelavg/client/cancel_token.h"
+#include "modelavg/client/connection.h"
 #include "modelavg/client/membership_view.h"
 #include "modelavg/common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
@@ -52,9 +53,9 @@ class RoundNotes;
 struct Joined;
 enum class RoundOutcome;
 
-struct ClientOptions {
-  // The coordinator's "host:port".
-  std::string coordinator;
+// The connection (ConnectionOptions: coordinator, auth_token or auth_token_file, tls, tls_*_file,
+// rpc_timeout, the deadline of every RPC but the Join) and what this rank joins with.
+struct ClientOptions : ConnectionOptions {
   std::string job_id;
   // The rank to take; absent: the coordinator picks the lowest free one.
   std::optional<int32_t> rank;
@@ -68,16 +69,8 @@ struct ClientOptions {
   std::string credential;
   // This worker's identity; empty: "<hostname>:<pid>".
   std::string worker_id;
-  // Sent as "authorization: Bearer <token>" when non-empty.
-  std::string auth_token;
-  // TLS to the coordinator. tls_ca_file: PEM roots (empty: the system's); tls_cert_file and
-  // tls_key_file: a client certificate for mutual TLS (both or neither).
-  bool tls = false;
-  std::string tls_ca_file, tls_cert_file, tls_key_file;
   // How long Connect waits for the whole world to join.
   absl::Duration join_timeout = absl::Minutes(5);
-  // Deadline of every other RPC to the coordinator.
-  absl::Duration rpc_timeout = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::Milliseconds(100);
   // Heartbeat over one HeartbeatStream per client: beats are written without waiting, and the
   // coordinator answers only when the job changed, and otherwise about once a second (at least
