@@ -11,7 +11,6 @@
 #include "absl/strings/str_cat.h"
 #include "client/comm/communicator.h"
 #include "client/comm/communicator_cache.h"
-#include "client/comm/fault_injection.h"
 #include "client/comm/gloo/gloo_mesh.h"  // IgnoreDefaultSigpipe
 #include "client/heartbeat/heartbeat.h"
 #include "client/rpc/coordinator_client.h"
@@ -29,7 +28,15 @@
 namespace modelavg::client {
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
+  return Connect(std::move(options), nullptr);
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
+    ClientOptions options, std::unique_ptr<CommunicatorFactory> communicators) {
   MODELAVG_RETURN_IF_ERROR(ValidateOptions(options));
+  if (communicators == nullptr) {
+    communicators = std::make_unique<BackendFactory>(options.gloo_hostname);
+  }
   const Clock& clock = options.clock != nullptr ? *options.clock : *Clock::Real();
   const std::string host = HostName();
   if (options.worker_id.empty()) options.worker_id = absl::StrCat(host, ":", getpid());
@@ -45,9 +52,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
                                                     options.coordinator_outage_timeout, &clock);
   coordinator->set_outage(outage.get());
   const int64_t admission_step = joined.admission_step;
-  std::unique_ptr<Client> client(
-      new Client(std::move(options), std::move(coordinator), std::move(outage),
-                 std::move(joined)));
+  std::unique_ptr<Client> client(new Client(std::move(options), std::move(coordinator),
+                                            std::move(outage), std::move(joined),
+                                            std::move(communicators)));
   if (admission_step > 0) {
     client->ReportStep(admission_step);
     ViewReader reader;
@@ -65,7 +72,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
 }
 
 Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator,
-               std::unique_ptr<CoordinatorOutage> outage, Joined joined)
+               std::unique_ptr<CoordinatorOutage> outage, Joined joined,
+               std::unique_ptr<CommunicatorFactory> communicators)
     : options_(std::move(options)),
       clock_(options_.clock != nullptr ? *options_.clock : *Clock::Real()),
       outage_(std::move(outage)),
@@ -76,9 +84,7 @@ Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordin
       elastic_(joined.elastic),
       heartbeat_timeout_(joined.heartbeat_timeout),
       admission_step_(joined.admission_step),
-      faults_(std::make_shared<FaultInjection>()),
-      communicators_(std::make_unique<CommunicatorCache>(
-          std::make_unique<BackendFactory>(options_.gloo_hostname, faults_), faults_)),
+      communicators_(std::make_unique<CommunicatorCache>(std::move(communicators))),
       decisions_(std::make_unique<DecisionWindow>(*coordinator_, *outage_, schedule_,
                                                   options_.job_id, rank_,
                                                   options_.schedule_window)),

@@ -51,8 +51,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "client/comm/fault_injection.h"
 #include "client/flags/connection_flags.h"
+#include "client/session/backends.h"
 #include "common/file_util.h"
 #include "common/logging.h"
 #include "common/status_util.h"
@@ -61,6 +61,7 @@
 #include "modelavg/client/tensor.h"
 #include "modelavg/common/schedule.h"
 #include "spdlog/spdlog.h"
+#include "tests/testing/faulty_communicator.h"
 #ifdef MODELAVG_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
@@ -434,16 +435,25 @@ absl::Status Run() {
     return absl::InvalidArgumentError("--step_delay_ms must be >= 0");
   }
 
-  MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> client, client::Client::Connect(options));
+  // A lost commit is made by a communicator that wraps the real one (tests/testing/).
+  std::unique_ptr<client::CommunicatorFactory> communicators;
+  if (const int64_t at = absl::GetFlag(FLAGS_testing_fail_commit_at_step); at >= 0) {
+    auto faults = std::make_shared<testing::CommunicatorFaults>();
+    faults->LoseCommitAt(at);
+    communicators = std::make_unique<testing::FaultyCommunicatorFactory>(
+        std::make_unique<client::BackendFactory>(options.gloo_hostname), std::move(faults),
+        options.gloo_hostname);
+  }
+  MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> client,
+                            communicators != nullptr
+                                ? client::Client::Connect(options, std::move(communicators))
+                                : client::Client::Connect(options));
   if (client->world_size() != world_size) {
     return absl::InvalidArgumentError(absl::StrCat("--world_size=", world_size, " but job ", job,
                                                    " has world size ", client->world_size()));
   }
   const int32_t rank = client->rank();
   joined_rank = rank;
-  if (const int64_t at = absl::GetFlag(FLAGS_testing_fail_commit_at_step); at >= 0) {
-    client->faults()->LoseCommitAt(at);
-  }
   const int64_t die_after = absl::GetFlag(FLAGS_testing_die_after_step);
   const int64_t gap = absl::GetFlag(FLAGS_cuda_gap_elems);
   if (gap < 0 || (gap > 0 && backend != "nccl")) {

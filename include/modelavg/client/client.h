@@ -45,7 +45,7 @@ namespace modelavg::client {
 class CoordinatorClient;
 class CoordinatorOutage;
 class CommunicatorCache;
-class FaultInjection;
+class CommunicatorFactory;
 class DecisionWindow;
 class GenerationTracker;
 class Heartbeat;
@@ -141,6 +141,11 @@ class Client {
   // unreachable), UNAUTHENTICATED / PERMISSION_DENIED (token or TLS), CANCELLED
   // (options.cancel was cancelled while joining).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
+  // The same, with this client's communicators made by `communicators` (the library's internal
+  // interface, client/comm/communicator_factory.h; null: this build's backends) instead of the
+  // backends themselves: for tests and tools that wrap the real communicators in fakes.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(
+      ClientOptions options, std::unique_ptr<CommunicatorFactory> communicators);
 
   // Leaves the job (reason "client destroyed") unless Leave was called, and stops the heartbeat.
   ~Client();
@@ -249,10 +254,6 @@ class Client {
   // on again), DEADLINE_EXCEEDED, INTERNAL (the notes contradict each other).
   absl::StatusOr<bool> PeerCompletedRound(const Decision& decision, int64_t attempt_generation);
 
-  // Tests (the one seam, client/comm/fault_injection.h): faults for every communicator of this
-  // client, e.g. faults()->LoseCommitAt(step).
-  FaultInjection* faults() const { return faults_.get(); }
-
   // The RPC wrapper (communicator bootstrap). Owned by this client.
   CoordinatorClient* coordinator() const { return coordinator_.get(); }
   // The communicators of this membership, shared by every averager on this client.
@@ -260,7 +261,8 @@ class Client {
 
  private:
   Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator,
-         std::unique_ptr<CoordinatorOutage> outage, Joined joined);
+         std::unique_ptr<CoordinatorOutage> outage, Joined joined,
+         std::unique_ptr<CommunicatorFactory> communicators);
   // A LeaveRequest for this rank at its current generation (reason and failed left unset).
   v1::LeaveRequest LeaveRequestNow() const;
   // What the heartbeat brings (Heartbeat::Hooks): any reply; a reply whose generation may be
@@ -283,8 +285,6 @@ class Client {
   const bool elastic_;
   const absl::Duration heartbeat_timeout_;
   const int64_t admission_step_;
-  // Before communicators_: the cache hands it to every communicator it makes.
-  const std::shared_ptr<FaultInjection> faults_;
   std::unique_ptr<CommunicatorCache> communicators_;
   // The parts, each with its own lock, built on the coordinator connection above.
   const std::unique_ptr<DecisionWindow> decisions_;
