@@ -14,8 +14,13 @@
 //   vote       a one-element all-reduce: what one more round trip costs
 //   copies     (host) packing the tensors into one buffer and back: the copies a staging
 //              buffer costs; raw + copies is the copy floor
+//   ring       (Gloo) the plain round on a second communicator that averages with Gloo's ring
+//              at every size (GlooAlgorithms without the direct exchange): the algorithm
+//              choice measured in the same run
+//   ring_committed  the same, committed
 // Prints one JSON line; each *_s is the median over the iterations of the slowest rank's time
-// (*_p10_s and *_p90_s the spread), -1 for a phase not run:
+// (*_p10_s and *_p90_s the spread; *_cpu_s the median CPU time of all ranks together, every
+// thread, which a loaded machine disturbs less), -1 for a phase not run:
 //   {"world", "numel", "tensors", "backend", "in_place", "elastic", "contiguous", "iters",
 //    "average_s", "raw_allreduce_s", "plain_round_s", "committed_round_s", "vote_s", "copies_s",
 //    "avg_over_raw", "raw_over_average" (throughput against the raw all-reduce's),
@@ -26,6 +31,7 @@
 // --backup_device=cpu keeps the outer state of CUDA parameters in pinned host memory.
 // --world=1 measures the call's own cost (no transport: phases average and copies only).
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -46,9 +52,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/comm/communicator_cache.h"
+#include "client/comm/gloo/coordinator_store.h"
 #include "client/comm/gloo/gloo_communicator.h"
 #include "client/rpc/coordinator_client.h"
 #include "common/logging.h"
@@ -101,6 +109,14 @@ namespace {
 using client::Client;
 using client::DType;
 using client::TensorView;
+
+// This process's CPU time so far (user and system, every thread).
+double ProcessCpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
+}
 
 // The q-quantile (0..1) of `v`.
 double Quantile(std::vector<double> v, double q) {
@@ -277,6 +293,21 @@ absl::Status Worker() {
     return absl::UnimplementedError("this build has no CUDA/NCCL: use --backend=gloo");
 #endif
   }
+  // The ring-only communicator, when a phase needs it (Gloo, two or more members).
+  std::unique_ptr<client::GlooCommunicator> ring;
+  if (!nccl && client->schedule().spec().world_size > 1 &&
+      absl::StrContains(absl::GetFlag(FLAGS_phases), "ring")) {
+    client::CoordinatorStore store(setup, "bench-ring/");
+    MODELAVG_ASSIGN_OR_RETURN(auto device, client::CreateGlooDevice("127.0.0.1"));
+    client::GlooAlgorithms ring_only;
+    ring_only.direct_pairs = false;
+    ring_only.direct_max_bytes = 0;
+    MODELAVG_ASSIGN_OR_RETURN(
+        ring, client::GlooCommunicator::Create(store, device, client->rank(),
+                                               client->schedule().spec().world_size,
+                                               o.collective_timeout, nullptr, setup.gloo_in_place,
+                                               nullptr, ring_only));
+  }
   std::vector<TensorView> views = buffers->views();
   client::RoundOptions commit;
   commit.commit = true;
@@ -287,6 +318,15 @@ absl::Status Worker() {
       {"committed", [&] { return round_comm->AllReduceAverage(views, commit, nullptr); }},
       {"vote", [&] { return buffers->Vote(); }},
       {"copies", [&] { return buffers->Copies(); }},
+      {"ring",
+       [&] {
+         return ring == nullptr ? absl::UnimplementedError("no ring") : ring->AllReduceAverage(views);
+       }},
+      {"ring_committed",
+       [&] {
+         return ring == nullptr ? absl::UnimplementedError("no ring")
+                                : ring->AllReduceAverage(views, commit, nullptr);
+       }},
   };
   // Each phase's samples; a phase the backend or the world cannot run is dropped (alike on
   // every member: a property of the backend and the world).
@@ -298,24 +338,38 @@ absl::Status Worker() {
     samples.emplace_back(std::string(p), std::vector<double>{});
   }
   const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
+  const int world = client->schedule().spec().world_size;
+  // phase -> per iteration, this process's CPU time (every thread: the transport's too).
+  std::map<std::string, std::vector<double>> cpu;
   for (int i = 0; i < warmup + iters; ++i) {
     for (auto it = samples.begin(); it != samples.end();) {
+      // The members start each call together (a one-element all-reduce, not timed), so that a
+      // call's time is not the previous call's skew between members.
+      if (world > 1) MODELAVG_RETURN_IF_ERROR(buffers->Vote());
+      const double c0 = ProcessCpuSeconds();
       const absl::Time t0 = absl::Now();
       absl::Status s = calls.at(it->first)();
       const absl::Time t1 = absl::Now();
+      const double c1 = ProcessCpuSeconds();
       if (absl::IsUnimplemented(s)) {
         it = samples.erase(it);
         continue;
       }
       MODELAVG_RETURN_IF_ERROR(s);
-      if (i >= warmup) it->second.push_back(absl::ToDoubleSeconds(t1 - t0));
+      if (i >= warmup) {
+        it->second.push_back(absl::ToDoubleSeconds(t1 - t0));
+        cpu[it->first].push_back(c1 - c0);
+      }
       ++it;
     }
   }
-  // One line per phase: its name, then its samples in iteration order.
+  // One line per phase: its name, then its samples in iteration order; then its CPU times
+  // under the name "cpu:<phase>".
   for (const auto& [name, values] : samples) {
     std::printf("%s", name.c_str());
     for (double v : values) std::printf(" %.9g", v);
+    std::printf("\ncpu:%s", name.c_str());
+    for (double v : cpu[name]) std::printf(" %.9g", v);
     std::printf("\n");
   }
   std::fflush(stdout);
@@ -407,11 +461,13 @@ absl::Status Driver(const char* self) {
       std::istringstream words(line);
       std::string name;
       words >> name;
+      // Wall times: the slowest rank's; CPU times: every rank's together.
+      const bool is_cpu = absl::StartsWith(name, "cpu:");
       std::vector<double>& all = slowest[name];
       double v;
       for (size_t i = 0; words >> v; ++i) {
-        if (i >= all.size()) all.push_back(v);
-        all[i] = std::max(all[i], v);
+        if (i >= all.size()) all.push_back(is_cpu ? 0 : v);
+        all[i] = is_cpu ? all[i] + v : std::max(all[i], v);
       }
       ++phases;
     }
@@ -435,12 +491,16 @@ absl::Status Driver(const char* self) {
       absl::GetFlag(FLAGS_contiguous) ? "true" : "false", absl::GetFlag(FLAGS_iters));
   const std::pair<const char*, const char*> keys[] = {
       {"average", "average_s"}, {"raw", "raw_allreduce_s"}, {"plain", "plain_round_s"},
-      {"committed", "committed_round_s"}, {"vote", "vote_s"}, {"copies", "copies_s"}};
+      {"committed", "committed_round_s"}, {"vote", "vote_s"}, {"copies", "copies_s"},
+      {"ring", "ring_round_s"}, {"ring_committed", "ring_committed_s"}};
   for (const auto& [phase, key] : keys) {
     std::string k(key);
     k.resize(k.size() - 2);
-    absl::StrAppendFormat(&out, ", \"%s\": %.6g, \"%s_p10_s\": %.6g, \"%s_p90_s\": %.6g", key,
-                          q(phase, 0.5), k, q(phase, 0.1), k, q(phase, 0.9));
+    absl::StrAppendFormat(&out,
+                          ", \"%s\": %.6g, \"%s_p10_s\": %.6g, \"%s_p90_s\": %.6g, "
+                          "\"%s_cpu_s\": %.6g",
+                          key, q(phase, 0.5), k, q(phase, 0.1), k, q(phase, 0.9), k,
+                          q(absl::StrCat("cpu:", phase).c_str(), 0.5));
   }
   absl::StrAppendFormat(
       &out,
