@@ -88,6 +88,10 @@ ABSL_FLAG(std::string, phases, "average,raw,plain,committed,vote,copies",
 ABSL_FLAG(bool, contiguous, false,
           "The tensors back to back in one allocation (as ContiguousParameters): averaged in "
           "place.");
+ABSL_FLAG(int64_t, ring_direct_max_bytes, 0,
+          "The ring phases' communicator (Gloo, more than two members): "
+          "GlooAlgorithms::direct_max_bytes (0: Gloo's ring at every size; more: the direct "
+          "exchange up to that many bytes, to compare thresholds in one run).");
 ABSL_FLAG(std::string, log_level, "warn", "spdlog level.");
 ABSL_FLAG(bool, outer, false,
           "DiLoCo: the job's level has an outer optimizer (lr 0.7, momentum 0.9, nesterov), so "
@@ -301,7 +305,7 @@ absl::Status Worker() {
     MODELAVG_ASSIGN_OR_RETURN(auto device, client::CreateGlooDevice("127.0.0.1"));
     client::GlooAlgorithms ring_only;
     ring_only.direct_pairs = false;
-    ring_only.direct_max_bytes = 0;
+    ring_only.direct_max_bytes = absl::GetFlag(FLAGS_ring_direct_max_bytes);
     MODELAVG_ASSIGN_OR_RETURN(
         ring, client::GlooCommunicator::Create(store, device, client->rank(),
                                                client->schedule().spec().world_size,
@@ -429,7 +433,8 @@ absl::Status Driver(const char* self) {
         absl::StrCat("--elastic=", absl::GetFlag(FLAGS_elastic) ? "true" : "false"),
         "--phases=" + absl::GetFlag(FLAGS_phases),
         absl::StrCat("--contiguous=", absl::GetFlag(FLAGS_contiguous) ? "true" : "false"),
-        "--backup_device=" + absl::GetFlag(FLAGS_backup_device)};
+        "--backup_device=" + absl::GetFlag(FLAGS_backup_device),
+        absl::StrCat("--ring_direct_max_bytes=", absl::GetFlag(FLAGS_ring_direct_max_bytes))};
     std::vector<char*> args;
     for (auto& a : argv) args.push_back(a.data());
     args.push_back(nullptr);
