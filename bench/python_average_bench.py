@@ -51,7 +51,7 @@ def run_rank(rank, args, address, store_port, out):
 
         store = dist.TCPStore("127.0.0.1", store_port, args.world + 1, False)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=args.world)
-        numel = args.mib * (1 << 20) // 4 // args.tensors
+        numel = max(1, args.kib * 1024 // 4 // args.tensors)
         params = [torch.nn.Parameter(torch.full((numel,), float(rank + i % 7)))
                   for i in range(args.tensors)]
         for p in params:
@@ -129,6 +129,7 @@ def main():
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--tensors", type=int, default=64)
     p.add_argument("--mib", type=int, default=128)
+    p.add_argument("--kib", type=int, default=0, help="the size in KiB instead of --mib")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--skip_calls", type=int, default=20000,
@@ -139,6 +140,8 @@ def main():
                         "rounds), outer (DiLoCo), torch (PyTorch's average_parameters), raw "
                         "(torch.distributed.all_reduce of one flat buffer of the same size)")
     args = p.parse_args()
+    if args.kib <= 0:
+        args.kib = args.mib * 1024
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch.distributed as dist
     with mt.ProcessGroup() as group:
@@ -165,7 +168,7 @@ def main():
         coordinator.stop()
     r0 = results[0]
     med = {name: statistics.median(t) for name, t in r0["times"].items()}
-    out = {"world": args.world, "tensors": args.tensors, "mib": args.mib, "iters": args.iters}
+    out = {"world": args.world, "tensors": args.tensors, "mib": args.kib / 1024, "iters": args.iters}
     for name, key in (("modelavg", "modelavg_average_s"), ("torch", "torch_average_s"),
                       ("elastic", "elastic_average_s"), ("outer", "modelavg_outer_s"),
                       ("raw", "raw_allreduce_s")):
