@@ -166,9 +166,9 @@ class PyAverager {
     std::shared_ptr<mc::ModelAverager> averager = averager_;
     std::shared_ptr<mc::Client> client = client_;  // outlives the averager in the call
     using Result = absl::StatusOr<Decision>;
-    auto call = BackgroundCall<Result>::Start([client, averager, views]() -> Result {
-      return averager->AverageParameters(views);
-    });
+    auto call = BackgroundCall<Result>::Start(
+        [client, averager, views]() -> Result { return averager->AverageParameters(views); },
+        &calls_);
     Result d = [&] {
       try {
         return call->Wait();
@@ -324,6 +324,8 @@ class PyAverager {
   std::shared_ptr<mc::Client> client_;
   std::shared_ptr<mc::ModelAverager> averager_;
   std::shared_ptr<BackgroundCall<absl::StatusOr<Decision>>> interrupted_;
+  // The thread averaging calls run on (kept between calls).
+  CallThread calls_;
   py::object interrupted_tensors_ = py::none();
 };
 
