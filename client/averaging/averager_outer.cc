@@ -94,7 +94,8 @@ std::vector<HandOver> HandOvers(
 }
 
 // Each hand-over's donor to replacement `j`: the lowest contributing member of j's block at
-// that hand-over's level, or -1 when there is none.
+// that hand-over's level, or -1 when there is none. The round's members all hold j's shard
+// (sharded replicas), so the donor is always of the same shard of a live replica.
 std::vector<int32_t> DonorsTo(int32_t j, const std::vector<HandOver>& hand_overs,
                               const Decision& decision,
                               const std::vector<ScheduleLevel>& spec_levels) {

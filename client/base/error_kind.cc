@@ -27,7 +27,7 @@ Parsed Parse(const absl::Status& status) {
   int kind = 0;
   int32_t peer = -1;
   if (!absl::SimpleAtoi(parts.first, &kind) || kind < 0 ||
-      kind > static_cast<int>(ErrorKind::kTimeout)) {
+      kind > static_cast<int>(ErrorKind::kReplicaLost)) {
     return p;
   }
   if (!parts.second.empty() && !absl::SimpleAtoi(parts.second, &peer)) peer = -1;
@@ -65,6 +65,8 @@ absl::string_view ErrorKindName(ErrorKind kind) {
       return "stray connection";
     case ErrorKind::kTimeout:
       return "timeout";
+    case ErrorKind::kReplicaLost:
+      return "replica lost";
   }
   return "unknown";
 }

@@ -168,8 +168,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   for (const v1::Subgroup& g : joined.subgroups()) {
     if (g.level() < 0 || g.level() >= schedule.num_levels()) continue;
     const SubgroupRange mine = schedule.SubgroupOf(g.level(), joined.rank());
-    if (g.subgroup() != mine.index || g.ranks_size() != mine.size ||
-        (g.ranks_size() > 0 && g.ranks(0) != mine.first_rank)) {
+    if (g.subgroup() != mine.index ||
+        std::vector<int32_t>(g.ranks().begin(), g.ranks().end()) != mine.Ranks()) {
       return absl::InternalError(absl::StrCat(
           "the coordinator's subgroup at level ", g.level(), " (", g.subgroup(), ": ",
           absl::StrJoin(g.ranks(), ","), ") differs from the local schedule's (", mine.index,
@@ -385,6 +385,11 @@ v1::LeaveRequest Client::LeaveRequestNow() const {
   req.set_rank(rank_);
   req.set_generation(generation());
   req.set_credential(options_.credential);
+  {
+    // The first step this rank did not start: its replica mates finish the ones it did.
+    absl::MutexLock l(&mu_);
+    req.set_next_step(step_);
+  }
   return req;
 }
 
@@ -428,8 +433,7 @@ absl::Status Client::CheckCanAverage(const SubgroupRange& group) const {
   for (int32_t r : departed_) {
     if (group.Contains(r)) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "cannot average with ranks ", group.first_rank, "..", group.first_rank + group.size - 1,
-          ": rank ", r, " left job ", options_.job_id, " (generation ", generation_, " -> ",
+          "cannot average with ranks ", group.Describe(), ": rank ", r, " left job ", options_.job_id, " (generation ", generation_, " -> ",
           latest_generation_, ": ", change_reason_, "); connect a new Client to re-join"));
     }
   }
@@ -454,7 +458,8 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
     // generation if it is one of them. Its collectives of older generations are aborted (a
     // round in flight is retried there, see ModelAverager).
     std::string gone;
-    std::optional<MembershipView> view = ViewOf(*job, &gone);
+    int32_t retired_by = -1;
+    std::optional<MembershipView> view = ViewOf(*job, &gone, &retired_by);
     if (view.has_value()) {
       latest_generation_ = std::max(latest_generation_, view->generation);
       const int64_t known = follow_.has_value() ? follow_->generation : generation_;
@@ -478,12 +483,14 @@ void Client::NoteGenerationChange(int64_t generation, const std::string& why) {
       return;
     }
     if (broken_.ok()) {
+      // Sharded replicas: this rank's replica lost a rank and was retired (its own kind).
       broken_ = SetErrorKind(
           absl::FailedPreconditionError(absl::StrCat(
               "job ", options_.job_id, " moved from generation ", generation_, " to ",
               job->generation(), " (", why, "); rank ", rank_, " cannot average any more: ",
               gone)),
-          ErrorKind::kGenerationMoved);
+          retired_by >= 0 ? ErrorKind::kReplicaLost : ErrorKind::kGenerationMoved,
+          retired_by);
       spdlog::error("{}", std::string(broken_.message()));
       abort = broken_;
       generation = job->generation();
@@ -604,22 +611,38 @@ absl::StatusOr<Decision> Client::DecisionAt(int64_t step) {
   Decision d = *std::move(fetched);
   absl::MutexLock l(&mu_);
   d.generation = generation_;
+  if (elastic_ && step >= view_.until[rank_]) {
+    // Sharded replicas: this rank's replica was retired after a mate left (it finished the
+    // steps the mate started).
+    if (broken_.ok()) {
+      broken_ = SetErrorKind(absl::FailedPreconditionError(absl::StrCat(
+                                 "averaging at step ", step, ": ", view_.retired_why)),
+                             ErrorKind::kReplicaLost, view_.retired_by);
+    }
+    return broken_;
+  }
   if (!elastic_ || !d.average) return d;
-  // The members of this generation that average at this step: live, and admitted by then.
+  // The members of this generation that average at this step: live, admitted by then, and
+  // not retired by then.
   d.members.clear();
   d.joining.clear();
-  for (int32_t r = d.subgroup.first_rank; r < d.subgroup.first_rank + d.subgroup.size; ++r) {
-    if (!view_.live[r] || (view_.admitted[r] >= 0 && view_.admitted[r] > step)) continue;
+  for (int32_t r : d.subgroup.Ranks()) {
+    if (!view_.live[r] || (view_.admitted[r] >= 0 && view_.admitted[r] > step) ||
+        step >= view_.until[r]) {
+      continue;
+    }
     d.members.push_back(r);
     if (view_.admitted[r] == step) d.joining.push_back(r);
   }
   return d;
 }
 
-std::optional<MembershipView> Client::ViewOf(const v1::Job& job, std::string* why) const {
-  return client::ViewOf(job, ViewReader{rank_, options_.worker_id, schedule_.world_size(),
-                                        heartbeat_timeout_},
-                        why);
+std::optional<MembershipView> Client::ViewOf(const v1::Job& job, std::string* why,
+                                             int32_t* retired_by) const {
+  return client::ViewOf(job,
+                        ViewReader{rank_, options_.worker_id, schedule_.world_size(),
+                                   heartbeat_timeout_, schedule_.replica_size()},
+                        why, retired_by);
 }
 
 absl::Status Client::AdvanceGeneration() {

@@ -947,7 +947,10 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members, int64_t max_bytes) cons
     p->set_admitted_step(m.admitted_step);
     p->set_replica(schedule_.ReplicaOf(r));
     p->set_shard(schedule_.ShardOf(r));
-    if (m.state == v1::RETIRED) p->set_retired_by(m.retired_by);
+    if (m.state == v1::RETIRED) {
+      p->set_retired_by(m.retired_by);
+      p->set_retired_at_step(m.retired_at_step);
+    }
   }
   out->set_min_step(min_step);
   out->set_max_step(max_step);

@@ -39,6 +39,6 @@ endif()
 
 # The trace checker (trace_check.h) on synthetic traces: fast, no processes.
 modelavg_add_gtest(trace_check_test SOURCES trace_check_test.cc
-  LIBS protobuf::libprotobuf absl::status absl::statusor absl::strings absl::str_format
+  LIBS modelavg_proto protobuf::libprotobuf absl::status absl::statusor absl::strings absl::str_format
   LABELS unit TIMEOUT 60)
 target_include_directories(trace_check_test PRIVATE ${PROJECT_SOURCE_DIR})

@@ -147,6 +147,11 @@ class Client {
 
   int32_t rank() const { return rank_; }
   int32_t world_size() const { return schedule_.world_size(); }
+  // Sharded replicas (JobSpec.replica_size; 1: none): the ranks of one replica, this rank's
+  // replica (rank / replica_size) and the shard it holds (rank % replica_size).
+  int32_t replica_size() const { return schedule_.replica_size(); }
+  int32_t replica() const { return schedule_.ReplicaOf(rank_); }
+  int32_t shard() const { return schedule_.ShardOf(rank_); }
   // The generation this client averages in: the one it joined, or in an elastic job a later
   // one it followed (a shrink around a dead member, an admission) as a live member.
   int64_t generation() const;
@@ -257,7 +262,8 @@ class Client {
          Schedule schedule, absl::Duration heartbeat_timeout, std::string incarnation,
          bool elastic);
   // The view of `job` as this rank reads it (membership_view.h).
-  std::optional<MembershipView> ViewOf(const v1::Job& job, std::string* why) const;
+  std::optional<MembershipView> ViewOf(const v1::Job& job, std::string* why,
+                                       int32_t* retired_by = nullptr) const;
   // A LeaveRequest for this rank at its current generation (reason and failed left unset).
   v1::LeaveRequest LeaveRequestNow() const;
   // A reply whose generation is neither this client's nor the latest seen: NoteGenerationChange.
