@@ -231,8 +231,9 @@ Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordin
       decisions_(std::make_unique<DecisionWindow>(*coordinator_, *outage_, schedule_,
                                                   options_.job_id, rank_,
                                                   options_.schedule_window)),
-      round_notes_(std::make_unique<RoundNotes>(*coordinator_, options_.job_id, rank_,
-                                                options_.credential, schedule_.num_levels())),
+      round_notes_(std::make_unique<RoundNotes>(
+          *coordinator_, options_.job_id, rank_, options_.credential, schedule_.num_levels(),
+          schedule_.SubgroupOf(schedule_.num_levels() - 1, rank_).index)),
       latest_generation_(generation),
       last_heartbeat_ok_(absl::Now()),
       incarnation_(std::move(incarnation)) {

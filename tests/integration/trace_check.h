@@ -355,13 +355,15 @@ inline TraceCheckResult CheckTraces(const std::vector<Trace>& traces,
 // Every line of `traces` against the rule restated naively for `spec` (NaiveDecide; levels of
 // one fragment): the same action and level, and as members the rule's group — exactly, with
 // `every_rank_lived` (a job that kept all its ranks the whole run), else a subset of it that
-// holds the line's rank. Then CheckTraces (values, agreement between members).
+// holds the line's rank. Then CheckTraces (values unless !check_values: a job with outer
+// levels, whose values outer_trace_check.h checks; agreement between members).
 inline TraceCheckResult CheckTracesFollowRule(const std::vector<Trace>& traces,
                                               const v1::JobSpec& spec,
-                                              bool every_rank_lived = true) {
+                                              bool every_rank_lived = true,
+                                              bool check_values = true) {
   std::vector<int32_t> group_sizes;
   for (const v1::Level& l : spec.levels()) group_sizes.push_back(l.group_size());
-  TraceCheckResult result = CheckTraces(traces, group_sizes);
+  TraceCheckResult result = CheckTraces(traces, group_sizes, check_values);
   for (const Trace& t : traces) {
     for (const TraceLine& l : t.lines) {
       const NaiveDecision d = NaiveDecide(spec, l.step, l.rank);
