@@ -18,7 +18,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
@@ -105,7 +107,8 @@ class ClientShardedElasticTest : public ::testing::Test {
   ~ClientShardedElasticTest() override { workers_.clear(); }
 
   // Starts a worker (rank -1: a replacement, the coordinator picks its rank).
-  size_t Start(const std::string& job, int rank, int64_t steps) {
+  size_t Start(const std::string& job, int rank, int64_t steps,
+               const std::vector<std::string>& extra = {}) {
     std::vector<std::string> argv = {MODELAVG_TRACE_WORKER_BIN,
                                      "--coordinator=" + cluster_.coordinator().address(),
                                      "--job=" + job,
@@ -118,6 +121,7 @@ class ClientShardedElasticTest : public ::testing::Test {
                                      "--collective_timeout_ms=60000",
                                      "--log_level=info"};
     if (rank >= 0) argv.push_back(absl::StrCat("--rank=", rank));
+    argv.insert(argv.end(), extra.begin(), extra.end());
     const size_t i = workers_.size();
     workers_.push_back(std::make_unique<Process>(
         argv, absl::StrCat(cluster_.dir(), "/", job, "-worker", i)));
@@ -249,6 +253,88 @@ TEST_F(ClientShardedElasticTest, RankKilled_MateEndsClearly_SurvivorsExact_Repli
     EXPECT_FALSE(CheckOuterTraces(doctored, spec).ok()) << "a doctored value passed";
     break;
   }
+}
+
+std::vector<double> Values(const std::string& text) {
+  std::vector<double> out;
+  const size_t at = text.find("\"values\": [");
+  if (at == std::string::npos) return out;
+  const size_t from = at + 11;
+  for (absl::string_view v :
+       absl::StrSplit(text.substr(from, text.find(']', from) - from), ", ")) {
+    double d = 0;
+    if (absl::SimpleAtod(v, &d)) out.push_back(d);
+  }
+  return out;
+}
+
+// Streaming sync (docs/streaming.md) with replicas of 2: one outer level of the world in 2
+// fragments. Rank 3 (replica 1) is killed; its mate ends; a replacement replica takes ranks 2
+// and 3, each receiving every fragment's anchor and momentum of its own shard: from its admission
+// on every fragment it syncs equals its shard's peers' (ranks 0, 4, 6 or 1, 5, 7).
+TEST_F(ClientShardedElasticTest, StreamingLevel_ReplicaReplaced_EachRankReceivesItsShardsState) {
+  ASSERT_TRUE(cluster_.ok()) << cluster_.dir();
+  const std::string job = "streaming-replicas";
+  v1::JobSpec spec = MakeSpec(job, kWorld, v1::PERIODIC, {{4, kWorld}}, 0, kHeartbeatMs);
+  spec.set_replica_size(2);
+  spec.set_min_world_size(4);
+  SetOuter(&spec, 0, 0.7, 0.9, true);
+  spec.mutable_levels(0)->set_fragments(2);
+  ASSERT_TRUE(cluster_.admin()->CreateJob(spec).ok());
+  constexpr int64_t kSteps = 80;
+  constexpr int kTensors = 8;
+  const std::vector<std::string> tensors = {absl::StrCat("--tensors=", kTensors)};
+  for (int r = 0; r < kWorld; ++r) Start(job, r, kSteps, tensors);
+  ASSERT_TRUE(WaitFor([&] {
+    const Trace t = TraceOf(0);
+    return !t.lines.empty() && t.lines.back().step >= 9;
+  })) << Diagnostics();
+  workers_[3]->Signal(SIGKILL);
+  ASSERT_TRUE(workers_[3]->Wait(absl::Seconds(10)).has_value());
+  const std::optional<int> mate = workers_[2]->Wait(absl::Seconds(10));
+  ASSERT_TRUE(mate.has_value()) << Diagnostics();
+  EXPECT_EQ(*mate, 1);
+  EXPECT_THAT(workers_[2]->err(), HasSubstr("replica 1 (ranks 2..3)"));
+  const size_t a = Start(job, 2, kSteps, tensors);  // each asks for its rank
+  const size_t b = Start(job, 3, kSteps, tensors);
+  for (size_t i : {size_t{0}, size_t{1}, size_t{4}, size_t{5}, size_t{6}, size_t{7}, a, b}) {
+    const std::optional<int> code = workers_[i]->Wait(kRunDeadline);
+    ASSERT_TRUE(code.has_value()) << "worker " << i << " still running" << Diagnostics();
+    ASSERT_EQ(*code, 0) << "worker " << i << Diagnostics();
+  }
+  int compared = 0;
+  for (size_t replacement : {a, b}) {
+    const Trace mine = TraceOf(replacement);
+    ASSERT_FALSE(mine.lines.empty());
+    const int32_t rank = mine.lines.front().rank;
+    EXPECT_TRUE(mine.lines.front().admitted) << mine.lines.front().text;
+    EXPECT_EQ(mine.lines.back().step, kSteps - 1);
+    std::vector<Trace> peers;
+    for (int32_t p = rank % 2; p < kWorld; p += 2) {
+      if (p != 2 && p != 3) peers.push_back(TraceOf(static_cast<size_t>(p)));
+    }
+    for (const TraceLine& l : mine.lines) {
+      if (l.action != "AVERAGE") continue;
+      const int fragment = static_cast<int>((l.step / 2) % 2);
+      const std::vector<double> got = Values(l.text);
+      ASSERT_EQ(got.size(), static_cast<size_t>(kTensors)) << l.text;
+      for (const Trace& peer : peers) {
+        const std::vector<double> want = Values(peer.lines[l.step].text);
+        ASSERT_EQ(want.size(), static_cast<size_t>(kTensors));
+        for (int t = fragment * kTensors / 2; t < (fragment + 1) * kTensors / 2; ++t) {
+          EXPECT_NEAR(got[t], want[t], std::max(1e-5, 1e-6 * std::fabs(want[t])))
+              << "rank " << rank << " step " << l.step << " tensor " << t << ": " << l.text
+              << "\n peer " << peer.lines[l.step].text;
+        }
+      }
+      ++compared;
+    }
+  }
+  EXPECT_GT(compared, 2 * 6) << "too few outer steps after the admission to prove it";
+  // The shards differ: had a replacement taken the other shard's state, it would not match.
+  const std::vector<double> shard0 = Values(TraceOf(0).lines.back().text);
+  const std::vector<double> shard1 = Values(TraceOf(1).lines.back().text);
+  EXPECT_NE(shard0, shard1);
 }
 
 }  // namespace
