@@ -178,8 +178,8 @@ absl::StatusOr<Decision> ModelAverager::Round(const Decision& decision_in, const
     // The collective was aborted for the reason the client gives: say it once.
     if (!why.ok() && ErrorKindOf(s) == ErrorKind::kGenerationMoved) return Annotate(why, where);
     if (!why.ok()) {
-      return absl::Status(why.code(), absl::StrCat(where, " failed: ", why.message(),
-                                                   " (transport error: ", s.message(), ")"));
+      return Restate(why, absl::StrCat(where, " failed: ", why.message(),
+                                       " (transport error: ", s.message(), ")"));
     }
     absl::SleepFor(absl::Milliseconds(50));
   }

@@ -149,9 +149,9 @@ absl::StatusOr<Decision> ModelAverager::MoveOnAfterFailure(const Decision& faile
   absl::StatusOr<Decision> next = MoveOn(failed.generation, failed.step);
   if (next.ok()) return next;
   if (absl::IsDeadlineExceeded(next.status())) return Annotate(why, ElasticWhere(failed));
-  return absl::Status(next.status().code(),
-                      absl::StrCat(ElasticWhere(failed), " failed: ", next.status().message(),
-                                   " (round: ", why.message(), ")"));
+  return Restate(next.status(),
+                 absl::StrCat(ElasticWhere(failed), " failed: ", next.status().message(),
+                              " (round: ", why.message(), ")"));
 }
 
 absl::StatusOr<bool> ModelAverager::PeerCompletedAttempt(const Decision& failed, Decision* next,

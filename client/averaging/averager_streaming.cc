@@ -396,8 +396,8 @@ absl::Status ModelAverager::ApplyOne(std::unique_ptr<PendingSync> p, int64_t ste
     while (p->result.code() != absl::StatusCode::kInvalidArgument) {
       absl::Status why = client_->CheckCanAverage(d.subgroup);
       if (!why.ok()) {
-        return absl::Status(why.code(), absl::StrCat(where, " failed: ", why.message(),
-                                                     " (round: ", p->result.message(), ")"));
+        return Restate(why, absl::StrCat(where, " failed: ", why.message(), " (round: ",
+                                         p->result.message(), ")"));
       }
       if (absl::Now() >= until) break;
       absl::SleepFor(absl::Milliseconds(50));

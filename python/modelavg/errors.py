@@ -18,6 +18,10 @@ PeerFailureError            an averaging step failed because the job's       —
                             joined), a peer did not take part in time, its
                             connection broke, or the coordinator is gone.
                             The client is no longer usable: connect again.
+ReplicaLostError            (a PeerFailureError) sharded replicas: another   —
+                            rank of this rank's replica died, left or
+                            failed, so the replica was retired; restart
+                            the replica's workers together.
 InvalidArgumentError        a bad argument, option or job spec               ValueError
 NotFoundError               no such job                                      LookupError
 AlreadyExistsError          the job id, or the requested rank, is taken      —
@@ -37,7 +41,7 @@ import re
 from typing import Dict, Optional, Type
 
 __all__ = [
-    "Error", "PeerFailureError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError",
+    "Error", "PeerFailureError", "ReplicaLostError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError",
     "FailedPreconditionError", "DeadlineExceededError", "UnavailableError",
     "PermissionDeniedError", "ResourceExhaustedError", "UnimplementedError",
 ]
@@ -77,6 +81,27 @@ class PeerFailureError(Error):
         super().__init__(code, message)
         m = re.search(r"\bbecause rank (\d+)", message) or re.search(r"\brank (\d+)\b", message)
         self.rank = int(m.group(1)) if m else None
+
+
+class ReplicaLostError(PeerFailureError):
+    """Sharded replicas (``replica_size``): another rank of this rank's replica died, left or
+    failed, so the coordinator retired the whole replica from the job's generation (the other
+    replicas go on). ``replica`` is this rank's replica and ``rank`` the rank that was lost.
+    The client cannot average any more: restart every worker of the replica, which re-join
+    together as a replacement replica (each healing from its own shard of a live replica).
+    """
+
+    replica: Optional[int]
+
+    def __init__(self, code: str, message: str, rank: Optional[int] = None,
+                 replica: Optional[int] = None) -> None:
+        super().__init__(code, message)
+        if rank is not None:
+            self.rank = rank
+        self.replica = replica
+        if replica is None:
+            m = re.search(r"\breplica (\d+)", message)
+            self.replica = int(m.group(1)) if m else None
 
 
 class InvalidArgumentError(Error, ValueError):
@@ -133,9 +158,16 @@ _BY_CODE: Dict[str, Type[Error]] = {
 _PEER_CODES = frozenset({"FAILED_PRECONDITION", "ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED"})
 
 
-def _from_status(code: int, message: str, averaging: bool = False) -> Error:
-    """The exception for a status (called by modelavg._core)."""
+# client/base/error_kind.h: ErrorKind::kReplicaLost.
+_KIND_REPLICA_LOST = 7
+
+
+def _from_status(code: int, message: str, averaging: bool = False, kind: int = 0,
+                 peer: int = -1) -> Error:
+    """The exception for a status (called by modelavg._core with the error's kind and peer)."""
     name = _CODE_NAMES.get(code, f"CODE_{code}")
+    if kind == _KIND_REPLICA_LOST:
+        return ReplicaLostError(name, message, rank=peer if peer >= 0 else None)
     if averaging and name in _PEER_CODES:
         return PeerFailureError(name, message)
     return _BY_CODE.get(name, Error)(name, message)
