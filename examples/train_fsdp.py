@@ -33,12 +33,8 @@ both replicas hold the same model, shard by shard.
 import argparse
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 
 WORLD = 4
 REPLICA_SIZE = 2
@@ -156,19 +152,6 @@ def worker(args):
     dist.destroy_process_group()
 
 
-def find_coordinator(explicit):
-    if explicit:
-        return explicit
-    here = os.path.dirname(os.path.abspath(__file__))
-    for candidate in (os.path.join(here, "..", os.environ.get("MODELAVG_BUILD_DIR", "build"),
-                                   "server", "modelavg-coordinator"),
-                      shutil.which("modelavg-coordinator")):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    sys.exit("train_fsdp: no modelavg-coordinator: build it (cmake --build build --target "
-             "modelavg-coordinator) or pass --coordinator_bin")
-
-
 def free_port():
     import socket
     with socket.socket() as sock:
@@ -178,69 +161,37 @@ def free_port():
 
 def launch(args):
     """Starts a coordinator on 127.0.0.1 and WORLD workers of this script; stops them all."""
-    work = tempfile.mkdtemp(prefix="modelavg-train-fsdp-")
-    port_file = os.path.join(work, "port")
-    log = open(os.path.join(work, "coordinator.log"), "w")
-    coordinator = subprocess.Popen(
-        [find_coordinator(args.coordinator_bin), "--listen=127.0.0.1:0",
-         f"--port_file={port_file}", "--log_level=warn", "--default_heartbeat_timeout_ms=15000"],
-        stdout=log, stderr=subprocess.STDOUT)
-    workers = []
-    try:
-        deadline = time.monotonic() + 30
-        while not (os.path.exists(port_file) and open(port_file).read().strip()):
-            if coordinator.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"train_fsdp: the coordinator did not start (log: {log.name})")
-            time.sleep(0.05)
-        address = open(port_file).read().strip()
-        print(f"coordinator at {address}; {WORLD} workers in replicas of {REPLICA_SIZE}",
-              flush=True)
+    from local_launch import LocalCoordinator, find_coordinator, gather
+    with LocalCoordinator(find_coordinator(args.coordinator_bin, "train_fsdp"),
+                          "train-fsdp") as coordinator:
+        print(f"coordinator at {coordinator.address}; {WORLD} workers in replicas of "
+              f"{REPLICA_SIZE}", flush=True)
         master_port = str(free_port())
+        workers = []
         for rank in range(WORLD):
-            env = dict(os.environ, MODELAVG_COORDINATOR=address, MODELAVG_JOB="train-fsdp",
-                       MODELAVG_REPLICA_SIZE=str(REPLICA_SIZE), RANK=str(rank),
-                       WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=master_port,
+            env = dict(os.environ, MODELAVG_COORDINATOR=coordinator.address,
+                       MODELAVG_JOB="train-fsdp", MODELAVG_REPLICA_SIZE=str(REPLICA_SIZE),
+                       RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=master_port,
                        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
             workers.append(subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--worker", f"--steps={args.steps}",
                  f"--log_every={args.log_every}", f"--sharding={args.sharding}"],
                 env=env, stdout=subprocess.PIPE, text=True))
-        summaries, failed = [], False
-        for w in workers:
-            out, _ = w.communicate(timeout=args.timeout_s)
-            for line in out.splitlines():
-                if line.startswith("{"):
-                    summaries.append(json.loads(line))
-                elif line.startswith("[rank"):
-                    print(line)
-            failed |= w.returncode != 0
-        for s in sorted(summaries, key=lambda s: s["rank"]):
-            print(json.dumps(s))
+        summaries, failed = gather(workers, args.timeout_s)
         if failed or len(summaries) != WORLD:
-            log.flush()
             print("train_fsdp: a worker failed (its error is above); the coordinator's log:\n"
-                  + open(log.name).read()[-4000:], file=sys.stderr)
+                  + coordinator.log_tail(), file=sys.stderr)
             return 1
-        # The last step averaged: each shard is the same in both replicas.
-        by_shard = {}
-        for s in summaries:
-            by_shard.setdefault(s["shard"], set()).add(s["shard_checksum"])
-        same = all(len(v) == 1 for v in by_shard.values())
-        learned = all(s["last_loss"] < s["first_loss"] for s in summaries)
-        print(f"both replicas ended with the same model, shard by shard: {same}; every rank's "
-              f"loss went down: {learned}")
-        return 0 if same and learned else 1
-    finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-        coordinator.send_signal(signal.SIGTERM)
-        try:
-            coordinator.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            coordinator.kill()
-        log.close()
-        shutil.rmtree(work, ignore_errors=True)
+    # The last step averaged: each shard is the same in both replicas.
+    by_shard = {}
+    for s in summaries:
+        by_shard.setdefault(s["shard"], set()).add(s["shard_checksum"])
+    same = all(len(v) == 1 for v in by_shard.values())
+    learned = all(s["last_loss"] < s["first_loss"] for s in summaries)
+    print(f"both replicas ended with the same model, shard by shard: {same}; every rank's loss "
+          f"went down: {learned}")
+    return 0 if same and learned else 1
 
 
 def main():
