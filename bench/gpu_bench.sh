@@ -18,9 +18,9 @@
 # this GPU averaging GPU_BENCH_SOCKET_MIB MiB (default 16) in place and staged (256 tensors),
 # the slowest rank's median call; then sharded replicas with FSDP inside each replica
 # (tests/python/sharded_test.py --config=fsdp_cpu, where this machine's PyTorch runs FSDP and the
-# Python package is there: MODELAVG_PYTHON_DIR). Exits non-zero on any failure, any SKIPPED test, any NCCL
-# WARN line (except from the tests that abort a communicator on purpose, whose warnings are
-# shown) and any illegal memory access. Every phase has a time limit: at most ~8 minutes on an
+# Python package is there: MODELAVG_PYTHON_DIR). Exits non-zero on any failure, any SKIPPED
+# test, any NCCL WARN line (except from the tests that abort a communicator on purpose, whose
+# warnings are shown) and any illegal memory access. Every phase has a time limit: at most ~8 minutes on an
 # H200. Writes DIR/gpu_bench.log (everything printed) and DIR/gpu_bench.json (the figures);
 # DIR defaults to gpu-bench-out. Environment: GPU_BENCH_ITERS (benchmark iterations, default
 # 20), GPU_BENCH_SIZES_MIB, GPU_BENCH_SOCKET_MIB.

@@ -434,7 +434,8 @@ absl::Status Client::CheckCanAverage(const SubgroupRange& group) const {
   for (int32_t r : departed_) {
     if (group.Contains(r)) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "cannot average with ranks ", group.Describe(), ": rank ", r, " left job ", options_.job_id, " (generation ", generation_, " -> ",
+          "cannot average with ranks ", group.Describe(), ": rank ", r, " left job ",
+          options_.job_id, " (generation ", generation_, " -> ",
           latest_generation_, ": ", change_reason_, "); connect a new Client to re-join"));
     }
   }
