@@ -596,10 +596,16 @@ MembershipChange Membership::Depart(const std::vector<int32_t>& ranks,
       }
     }
     int32_t live = -static_cast<int32_t>(retire.size());
-    for (const LiveMember& m : members_) live += InRound(m) ? 1 : 0;
+    int32_t lingering = 0;
+    for (const LiveMember& m : members_) {
+      live += InRound(m) ? 1 : 0;
+      lingering += Lingering(m) ? 1 : 0;
+    }
     // An orderly Leave winds the job down (the end of a run, where workers finish at different
-    // times) without failing the others: only deaths count against min_world_size.
-    if (live >= min_world_size_ || (orderly && (live > 0 || !retire.empty()))) {
+    // times) without failing the others — those still averaging their last steps included: only
+    // deaths count against min_world_size.
+    if (live >= min_world_size_ ||
+        (orderly && (live > 0 || lingering > 0 || !retire.empty()))) {
       std::string why = reason;
       for (int32_t r : retire) {
         LiveMember& m = Mutable(r);

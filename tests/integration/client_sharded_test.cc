@@ -330,7 +330,7 @@ TEST_F(ClientShardedElasticTest, StreamingLevel_ReplicaReplaced_EachRankReceives
       ++compared;
     }
   }
-  EXPECT_GT(compared, 2 * 6) << "too few outer steps after the admission to prove it";
+  EXPECT_GE(compared, 2 * 4) << "too few outer steps after the admission to prove it";
   // The shards differ: had a replacement taken the other shard's state, it would not match.
   const std::vector<double> shard0 = Values(TraceOf(0).lines.back().text);
   const std::vector<double> shard1 = Values(TraceOf(1).lines.back().text);

@@ -143,6 +143,23 @@ TEST(ShardedMembershipTest, OrderlyLeave_MatesTakePartUntilTheLeaversNextStep) {
   EXPECT_EQ(m.DecisionMembers()->from_step[3], kNotMember);
 }
 
+// The end of a run: one rank of each replica leaves first; the job stays RUNNING while their
+// mates finish their last steps, and is FINISHED once the last one has left.
+TEST(ShardedMembershipTest, EndOfRun_MatesFinishingTheirStepsKeepTheJobRunning) {
+  Membership m(ShardedSchedule(), 4);
+  JoinAll(m);
+  for (int32_t r : {0, 2, 4, 6}) ASSERT_TRUE(m.Leave(r, "finished", kT0, "j", 30).ok()) << r;
+  EXPECT_EQ(m.state(), v1::RUNNING);
+  EXPECT_EQ(m.round_size(), 0);
+  for (int32_t r : {1, 3, 5}) {
+    ASSERT_TRUE(m.Leave(r, "finished", kT0, "j", 30).ok()) << r;
+    EXPECT_EQ(m.state(), v1::RUNNING) << "after rank " << r << " left";
+    EXPECT_EQ(m.DecisionMembers()->until_step[7], 30);
+  }
+  ASSERT_TRUE(m.Leave(7, "finished", kT0, "j", 30).ok());
+  EXPECT_EQ(m.state(), v1::FINISHED);
+}
+
 TEST(ShardedMembershipTest, LeaveWithoutNextStep_RetiresAtOnce) {
   Membership m(ShardedSchedule(), 4);
   JoinAll(m);
