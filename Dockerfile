@@ -59,6 +59,6 @@ WORKDIR /var/lib/modelavg
 # 50051: gRPC (Coordinator, health, reflection). 9464: Prometheus metrics.
 EXPOSE 50051 9464
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
-    CMD ["modelavg-health", "--address=127.0.0.1:50051", "--timeout_ms=2000"]
+    CMD ["modelavg-health", "--coordinator=127.0.0.1:50051", "--rpc_timeout_ms=2000"]
 CMD ["modelavg-coordinator", "--listen=0.0.0.0:50051", "--metrics_listen=0.0.0.0:9464", \
      "--jobs_file=/etc/modelavg/demo-jobs.json", "--log_level=info"]

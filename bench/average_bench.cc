@@ -271,8 +271,8 @@ absl::Status Driver(const char* self) {
   }
   server::ServerOptions sopts;
   MODELAVG_ASSIGN_OR_RETURN(auto server, server::CoordinatorServer::Start(sopts));
-  client::CoordinatorClientOptions aopts;
-  aopts.address = server->address();
+  client::ConnectionOptions aopts;
+  aopts.coordinator = server->address();
   MODELAVG_ASSIGN_OR_RETURN(auto admin, client::CoordinatorClient::Create(aopts));
   const std::string job = absl::StrCat("bench-average-", getpid());
   v1::JobSpec spec;

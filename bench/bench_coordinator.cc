@@ -40,6 +40,8 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/flags/connection_flags.h"
+#include "client/rpc/connection.h"
 #include "common/heartbeat_keepalive.h"
 #include "common/logging.h"
 #include "grpcpp/grpcpp.h"
@@ -49,8 +51,9 @@
 ABSL_FLAG(int, workers, 64, "Simulated workers (the job's world size).");
 ABSL_FLAG(double, seconds, 5, "Length of the Step load phase.");
 ABSL_FLAG(double, heartbeat_seconds, 2, "Length of the heartbeat-only phase before it.");
-ABSL_FLAG(std::string, coordinator, "",
-          "HOST:PORT of a running coordinator; empty: start one for the run.");
+// --coordinator (or $MODELAVG_COORDINATOR): a running coordinator, reached with the connection
+// flags of every modelavg program (client/flags/connection_flags.h: TLS, no token); none given:
+// one started for the run.
 ABSL_FLAG(int, coordinator_pid, 0,
           "With --coordinator: its process id, to report its CPU (0: not reported).");
 ABSL_FLAG(int, max_inflight_steps, 0,
@@ -660,8 +663,10 @@ void TimeCreateAndJoin(Stub* stub, int count, Histogram* create, Histogram* join
 }
 
 // One measurement against the coordinator at `address` (process `pid`, 0: unknown), labelled
-// `state` in the JSON line.
-int RunOnce(const std::string& address, int pid, const std::string& state) {
+// `state` in the JSON line, over channels with `creds`.
+int RunOnce(const std::string& address, int pid, const std::string& state,
+            const std::shared_ptr<grpc::ChannelCredentials>& creds =
+                grpc::InsecureChannelCredentials()) {
   const int n = absl::GetFlag(FLAGS_workers);
   const double seconds = absl::GetFlag(FLAGS_seconds);
   const double hb_seconds = absl::GetFlag(FLAGS_heartbeat_seconds);
@@ -673,7 +678,7 @@ int RunOnce(const std::string& address, int pid, const std::string& state) {
     args.SetInt("modelavg.bench_channel", i);  // distinct args: a connection per channel
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     stubs.push_back(v1::Coordinator::NewStub(
-        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
+        grpc::CreateCustomChannel(address, creds, args)));
   }
   // Pairs average every 4 steps, the whole world every 64 (a realistic hierarchy whose
   // decisions mostly list a few ranks).
@@ -828,12 +833,29 @@ int Main() {
     return 2;
   }
   const std::string state_dir = absl::GetFlag(FLAGS_state_dir);
-  if (const std::string address = absl::GetFlag(FLAGS_coordinator); !address.empty()) {
+  absl::StatusOr<modelavg::client::ConnectionOptions> conn =
+      modelavg::client::ConnectionFromFlags();
+  if (!conn.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(conn.status().message()).c_str());
+    return 2;
+  }
+  if (!conn->coordinator.empty()) {
     if (!state_dir.empty()) {
       std::fprintf(stderr, "--state_dir starts its own coordinators: leave --coordinator out\n");
       return 2;
     }
-    return RunOnce(address, absl::GetFlag(FLAGS_coordinator_pid), "external");
+    if (!conn->auth_token.empty() || !conn->auth_token_file.empty()) {
+      std::fprintf(stderr, "the load benchmark sends no token: run it against a coordinator "
+                           "without --auth_token_file\n");
+      return 2;
+    }
+    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds =
+        modelavg::client::ChannelCredentialsFor(*conn);
+    if (!creds.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(creds.status().message()).c_str());
+      return 2;
+    }
+    return RunOnce(conn->coordinator, absl::GetFlag(FLAGS_coordinator_pid), "external", *creds);
   }
   // Every child is forked before this process creates any gRPC state.
   struct Child {

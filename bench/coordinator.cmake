@@ -1,6 +1,7 @@
 # modelavg-bench-coordinator: N simulated workers against a coordinator; prints one JSON line.
 add_executable(modelavg-bench-coordinator ${CMAKE_CURRENT_LIST_DIR}/bench_coordinator.cc)
-target_link_libraries(modelavg-bench-coordinator PRIVATE modelavg_server absl::flags
+target_link_libraries(modelavg-bench-coordinator PRIVATE modelavg_server modelavg_client_flags
+  absl::flags
   absl::flags_parse)
 
 # modelavg-soak-coordinator: minutes of churn (joins, deaths, leaves, restarts) and hostile

@@ -76,8 +76,8 @@ absl::Status Run() {
 
   server::ServerOptions sopts;
   MODELAVG_ASSIGN_OR_RETURN(auto server, server::CoordinatorServer::Start(sopts));
-  client::CoordinatorClientOptions aopts;
-  aopts.address = server->address();
+  client::ConnectionOptions aopts;
+  aopts.coordinator = server->address();
   MODELAVG_ASSIGN_OR_RETURN(auto admin, client::CoordinatorClient::Create(aopts));
   v1::JobSpec spec;
   spec.set_job_id("bench-gpu");

@@ -17,8 +17,8 @@
 # kernel bandwidth: JSON lines); then the socket-transport table: 2, 4 and 8 trace workers on
 # this GPU averaging GPU_BENCH_SOCKET_MIB MiB (default 16) in place and staged (256 tensors),
 # the slowest rank's median call; then sharded replicas with FSDP inside each replica
-# (tests/python/sharded_test.py --config=fsdp_cpu, where this machine's PyTorch runs FSDP and the
-# Python package is there: MODELAVG_PYTHON_DIR). Exits non-zero on any failure, any SKIPPED
+# (tests/python/sharded_test.py::test_sharded[fsdp_cpu], where this machine's PyTorch runs FSDP
+# and the Python package is there: MODELAVG_PYTHON_DIR). Exits non-zero on any failure, any SKIPPED
 # test, any NCCL WARN line (except from the tests that abort a communicator on purpose, whose
 # warnings are shown) and any illegal memory access. Every phase has a time limit: at most ~8 minutes on an
 # H200. Writes DIR/gpu_bench.log (everything printed) and DIR/gpu_bench.json (the figures);
@@ -229,15 +229,16 @@ if [ -z "$python_dir" ] || [ ! -d "$python_dir/modelavg" ]; then
   echo "sharded FSDP check not run: no Python package (set MODELAVG_PYTHON_DIR)"
 else
   set +e
-  timeout 180 python3 tests/python/sharded_test.py --coordinator_bin="$coordinator" \
-    --python_dir="$python_dir" --config=fsdp_cpu 2>&1 | tee "$work/fsdp.log"
+  MODELAVG_PYTHON_DIR="$python_dir" MODELAVG_COORDINATOR_BIN="$coordinator" \
+    timeout 180 python3 -m pytest -q -rs "tests/python/sharded_test.py::test_sharded[fsdp_cpu]" \
+    2>&1 | tee "$work/fsdp.log"
   fsdp_rc=${PIPESTATUS[0]}
   set -e
-  case $fsdp_rc in
-    0) ;;
-    77) echo "sharded FSDP check not run: this machine's PyTorch cannot either (above)" ;;
-    *) die "sharded_test.py --config=fsdp_cpu failed (exit $fsdp_rc)" ;;
-  esac
+  if [ "$fsdp_rc" -ne 0 ]; then
+    die "sharded_test.py::test_sharded[fsdp_cpu] failed (exit $fsdp_rc)"
+  elif grep -q '1 skipped' "$work/fsdp.log"; then
+    echo "sharded FSDP check not run: this machine's PyTorch cannot either (above)"
+  fi
 fi
 
 # The figures as one JSON document.

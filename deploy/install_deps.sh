@@ -3,8 +3,11 @@
 # CUDA and NCCL are not Debian packages: the build finds them under /usr/local/cuda when present
 # and builds everything else without them.
 # The container engine (podman or Docker) is set up by deploy/container_setup.sh.
-#   bash deploy/install_deps.sh           # everything: build, tests, development
+#   bash deploy/install_deps.sh           # everything: build, tests, development (tests/run_all.sh)
 #   bash deploy/install_deps.sh --build   # only what building the programs needs (the image)
+#   bash deploy/install_deps.sh --demo    # what examples/run_demo.sh needs: the build packages
+#                                         # (it runs only the coordinator and the demo it builds)
+#   ... --list                            # print the set's packages, install nothing
 set -euo pipefail
 # What building needs (with -DMODELAVG_BUILD_TESTS=OFF -DMODELAVG_BUILD_BENCH=OFF).
 build_packages=(
@@ -28,8 +31,9 @@ packages=(
   libgtest-dev libgmock-dev
   # The sqlite3 shell backs the coordinator's state up while it runs (README).
   sqlite3
-  # Tests: reflection-only client (like grpcurl), PyTorch conformance, compose/k8s file checks.
-  python3 python3-grpcio python3-grpc-tools python3-torch python3-yaml
+  # Tests: reflection-only client (like grpcurl), PyTorch conformance, compose/k8s file checks;
+  # the Python tests run under pytest.
+  python3 python3-grpcio python3-grpc-tools python3-torch python3-yaml python3-pytest
   # The Python package (pybind11 binding, built for the system's python3).
   python3-dev pybind11-dev
   # Coordinator TLS tests make a throwaway certificate.
@@ -50,11 +54,18 @@ packages=(
   # Debian's PyTorch uses the system BLAS: OpenBLAS instead of the reference one (10x faster).
   libopenblas0-pthread
 )
-case "${1:-}" in
-  "") ;;
-  --build) packages=("${build_packages[@]}") ;;
-  *) echo "usage: $0 [--build]" >&2; exit 2 ;;
-esac
+list=0
+for arg in "$@"; do
+  case "$arg" in
+    --build | --demo) packages=("${build_packages[@]}") ;;
+    --list) list=1 ;;
+    *) echo "usage: $0 [--build | --demo] [--list]" >&2; exit 2 ;;
+  esac
+done
+if [ "$list" = 1 ]; then
+  printf '%s\n' "${packages[@]}"
+  exit 0
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -36,7 +36,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/file_util.h"
+#include "client/flags/connection_flags.h"
 #include "common/logging.h"
 #include "common/status_util.h"
 #include "examples/tiny_mlp.h"
@@ -51,8 +51,6 @@
 #include "common/cuda_check.h"
 #endif
 
-ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051",
-          "coordinator address HOST:PORT, or several comma-separated (coordinators on etcd)");
 ABSL_FLAG(std::string, job, "demo", "id of the job to train in (it must exist)");
 ABSL_FLAG(std::string, compare_job, "",
           "optional further jobs, comma-separated (e.g. PERIODIC with period 1, or a DiLoCo "
@@ -75,7 +73,6 @@ ABSL_FLAG(std::string, backend, "gloo",
 ABSL_FLAG(std::string, gloo_hostname, "127.0.0.1",
           "address Gloo binds to; the other ranks must reach it (in containers: this "
           "container's host name)");
-ABSL_FLAG(std::string, auth_token_file, "", "file holding the coordinator's bearer token");
 ABSL_FLAG(int64_t, join_timeout_ms, 120000, "how long to wait for the whole world to join");
 ABSL_FLAG(std::string, log_level, "warn", "spdlog level of the library's diagnostics (stderr)");
 
@@ -207,16 +204,16 @@ struct PhaseResult {
 
 absl::StatusOr<client::ClientOptions> BaseOptions(const std::string& job, int32_t rank) {
   client::ClientOptions options;
-  options.coordinator = absl::GetFlag(FLAGS_coordinator);
+  // --coordinator (default $MODELAVG_COORDINATOR, else 127.0.0.1:50051), --auth_token_file,
+  // --tls_*, --rpc_timeout_ms: the connection flags of every modelavg program.
+  client::ConnectionOptions defaults;
+  defaults.coordinator = "127.0.0.1:50051";
+  MODELAVG_ASSIGN_OR_RETURN(static_cast<client::ConnectionOptions&>(options),
+                            client::ConnectionFromFlags(defaults));
   options.job_id = job;
   if (rank >= 0) options.rank = rank;
   options.gloo_hostname = absl::GetFlag(FLAGS_gloo_hostname);
   options.join_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_join_timeout_ms));
-  if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
-    absl::StatusOr<std::string> token = ReadTokenFile(path);
-    if (!token.ok()) return Annotate(token.status(), "--auth_token_file");
-    options.auth_token = *std::move(token);
-  }
   return options;
 }
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job in one command: installs what is missing, builds, starts a coordinator on loopback
+# The main job in one command: installs what building needs (deploy/install_deps.sh --demo, not
+# the tests' packages), builds the coordinator and the demo, starts a coordinator on loopback
 # with the jobs of deploy/jobs/demo-jobs.json, runs four demo workers (a two-level hierarchy:
 # pairs average every 4 steps, all four every 20), shows their progress, and stops everything.
 #
@@ -44,12 +45,15 @@ fi
 if [ "${MODELAVG_DEMO_PREBUILT:-0}" = 1 ]; then
   say "prebuilt binaries in ${build} (MODELAVG_DEMO_PREBUILT=1: nothing installed or built)"
 else
-  say "dependencies"
-  bash deploy/install_deps.sh
+  say "dependencies (the build's; tests/run_all.sh installs the tests' own)"
+  bash deploy/install_deps.sh --demo
 
   say "build (${build}, -j${jobs})"
   if [ ! -f "$build/CMakeCache.txt" ]; then
-    cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+    # Without the tests and benchmarks, which need packages the demo does not (tests/run_all.sh
+    # turns them on in the same build directory).
+    cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DMODELAVG_BUILD_TESTS=OFF -DMODELAVG_BUILD_BENCH=OFF >/dev/null
   fi
   cmake --build "$build" -j "$jobs" --target modelavg-coordinator modelavg-demo
 fi

@@ -30,6 +30,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "client/rpc/connection.h"
 #include "client/rpc/coordinator_client.h"
 #include "modelavg/client/averager.h"
 #include "modelavg/client/client.h"
@@ -51,7 +52,7 @@ namespace {
 
 std::shared_ptr<mc::CoordinatorClient> MakeCoordinatorClient(const py::dict& conn) {
   return ValueOrRaise<std::shared_ptr<mc::CoordinatorClient>>(
-      mc::CoordinatorClient::Create(CoordinatorOptionsFrom(conn)));
+      mc::CoordinatorClient::Create(ConnectionOptionsFrom(conn)));
 }
 
 // ---------------------------------------------------------------- client
@@ -478,6 +479,12 @@ Attributes:
 
   m.def("connect", &Connect, py::arg("options"),
         "Joins a job (ClientOptions fields as a dict; durations in seconds).");
+  m.attr("OPTIONS") = OptionTable();
+  m.def(
+      "connection_from_environment",
+      [] { return ConnectionDict(ValueOrRaise(mc::ConnectionFromEnvironment({}))); },
+      "The connection options the environment sets (MODELAVG_COORDINATOR, "
+      "MODELAVG_AUTH_TOKEN_FILE, ...), by name; deprecated names are reported once on stderr.");
 
   py::class_<PyAverager>(m, "Averager", "A periodic or hierarchical averager on one client.")
       .def(py::init<const PyClient&, bool, bool>(), py::arg("client"), py::arg("hierarchical"),

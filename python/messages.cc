@@ -30,44 +30,108 @@ std::optional<T> Get(const py::dict& d, const char* key) {
 
 }  // namespace
 
+namespace {
+
+void Set(std::string* field, const py::handle& v) { *field = v.cast<std::string>(); }
+void Set(bool* field, const py::handle& v) { *field = v.cast<bool>(); }
+void Set(int64_t* field, const py::handle& v) { *field = v.cast<int64_t>(); }
+void Set(absl::Duration* field, const py::handle& v) { *field = Seconds(v.cast<double>()); }
+
+const char* KindOf(const std::string*) { return "str"; }
+const char* KindOf(const bool*) { return "bool"; }
+const char* KindOf(const int64_t*) { return "int"; }
+const char* KindOf(const absl::Duration*) { return "duration"; }
+
+// One row per keyword option of connect(): a field of ClientOptions, named as in C++, its kind
+// for the package's checks, and whether the job calls (create_job, ...) take it too (a field of
+// ConnectionOptions).
+struct OptionField {
+  const char* name;
+  const char* kind;
+  bool connection;
+  void (*set)(mc::ClientOptions*, const py::handle&);
+};
+
+#define MODELAVG_OPTION(field, connection)                                                   \
+  OptionField {                                                                              \
+    #field, KindOf(static_cast<decltype(mc::ClientOptions::field)*>(nullptr)), connection,   \
+        [](mc::ClientOptions* o, const py::handle& v) { Set(&o->field, v); }                 \
+  }
+
+const std::vector<OptionField>& OptionFields() {
+  static const auto* fields = new std::vector<OptionField>{
+      MODELAVG_OPTION(auth_token, true),
+      MODELAVG_OPTION(auth_token_file, true),
+      MODELAVG_OPTION(tls, true),
+      MODELAVG_OPTION(tls_ca_file, true),
+      MODELAVG_OPTION(tls_cert_file, true),
+      MODELAVG_OPTION(tls_key_file, true),
+      MODELAVG_OPTION(rpc_timeout, true),
+      MODELAVG_OPTION(worker_id, false),
+      MODELAVG_OPTION(join_timeout, false),
+      MODELAVG_OPTION(heartbeat_interval, false),
+      MODELAVG_OPTION(heartbeat_stream, false),
+      MODELAVG_OPTION(share_heartbeat_stream, false),
+      MODELAVG_OPTION(heartbeat_relay_dir, false),
+      MODELAVG_OPTION(collective_timeout, false),
+      MODELAVG_OPTION(leave_timeout, false),
+      MODELAVG_OPTION(coordinator_outage_timeout, false),
+      MODELAVG_OPTION(schedule_window, false),
+      MODELAVG_OPTION(gloo_hostname, false),
+      MODELAVG_OPTION(gloo_in_place, false),
+  };
+  return *fields;
+}
+
+#undef MODELAVG_OPTION
+
+// The rows of `fields` that `d` has (and not None) applied to `o`.
+void ApplyOptions(const py::dict& d, bool connection_only, mc::ClientOptions* o) {
+  if (auto v = Get<std::string>(d, "coordinator")) o->coordinator = *v;
+  for (const OptionField& f : OptionFields()) {
+    if (connection_only && !f.connection) continue;
+    if (!d.contains(f.name)) continue;
+    py::object v = d[f.name];
+    if (!v.is_none()) f.set(o, v);
+  }
+}
+
+}  // namespace
+
 mc::ClientOptions ClientOptionsFrom(const py::dict& d) {
   mc::ClientOptions o;
-  if (auto v = Get<std::string>(d, "coordinator")) o.coordinator = *v;
+  ApplyOptions(d, /*connection_only=*/false, &o);
   if (auto v = Get<std::string>(d, "job_id")) o.job_id = *v;
   if (auto v = Get<int32_t>(d, "rank")) o.rank = *v;
-  if (auto v = Get<std::string>(d, "worker_id")) o.worker_id = *v;
-  if (auto v = Get<std::string>(d, "auth_token")) o.auth_token = *v;
-  if (auto v = Get<bool>(d, "tls")) o.tls = *v;
-  if (auto v = Get<std::string>(d, "tls_ca_file")) o.tls_ca_file = *v;
-  if (auto v = Get<std::string>(d, "tls_cert_file")) o.tls_cert_file = *v;
-  if (auto v = Get<std::string>(d, "tls_key_file")) o.tls_key_file = *v;
-  if (auto v = Get<double>(d, "join_timeout")) o.join_timeout = Seconds(*v);
-  if (auto v = Get<double>(d, "rpc_timeout")) o.rpc_timeout = Seconds(*v);
-  if (auto v = Get<double>(d, "heartbeat_interval")) o.heartbeat_interval = Seconds(*v);
-  if (auto v = Get<bool>(d, "heartbeat_stream")) o.heartbeat_stream = *v;
-  if (auto v = Get<bool>(d, "share_heartbeat_stream")) o.share_heartbeat_stream = *v;
-  if (auto v = Get<std::string>(d, "heartbeat_relay_dir")) o.heartbeat_relay_dir = *v;
-  if (auto v = Get<double>(d, "collective_timeout")) o.collective_timeout = Seconds(*v);
-  if (auto v = Get<double>(d, "leave_timeout")) o.leave_timeout = Seconds(*v);
-  if (auto v = Get<double>(d, "coordinator_outage_timeout")) {
-    o.coordinator_outage_timeout = Seconds(*v);
-  }
-  if (auto v = Get<int64_t>(d, "schedule_window")) o.schedule_window = *v;
-  if (auto v = Get<std::string>(d, "gloo_hostname")) o.gloo_hostname = *v;
-  if (auto v = Get<bool>(d, "gloo_in_place")) o.gloo_in_place = *v;
   return o;
 }
 
-mc::CoordinatorClientOptions CoordinatorOptionsFrom(const py::dict& d) {
-  mc::CoordinatorClientOptions o;
-  if (auto v = Get<std::string>(d, "coordinator")) o.address = *v;
-  if (auto v = Get<std::string>(d, "auth_token")) o.auth_token = *v;
-  if (auto v = Get<bool>(d, "tls")) o.tls = *v;
-  if (auto v = Get<std::string>(d, "tls_ca_file")) o.tls_ca_file = *v;
-  if (auto v = Get<std::string>(d, "tls_cert_file")) o.tls_cert_file = *v;
-  if (auto v = Get<std::string>(d, "tls_key_file")) o.tls_key_file = *v;
-  if (auto v = Get<double>(d, "rpc_timeout")) o.rpc_timeout = Seconds(*v);
+mc::ConnectionOptions ConnectionOptionsFrom(const py::dict& d) {
+  mc::ClientOptions o;
+  ApplyOptions(d, /*connection_only=*/true, &o);
   return o;
+}
+
+py::dict OptionTable() {
+  py::dict table;
+  for (const OptionField& f : OptionFields()) table[f.name] = py::make_tuple(f.kind, f.connection);
+  return table;
+}
+
+py::dict ConnectionDict(const mc::ConnectionOptions& o) {
+  const mc::ConnectionOptions defaults;
+  py::dict d;
+  if (o.coordinator != defaults.coordinator) d["coordinator"] = o.coordinator;
+  if (o.auth_token != defaults.auth_token) d["auth_token"] = o.auth_token;
+  if (o.auth_token_file != defaults.auth_token_file) d["auth_token_file"] = o.auth_token_file;
+  if (o.tls != defaults.tls) d["tls"] = o.tls;
+  if (o.tls_ca_file != defaults.tls_ca_file) d["tls_ca_file"] = o.tls_ca_file;
+  if (o.tls_cert_file != defaults.tls_cert_file) d["tls_cert_file"] = o.tls_cert_file;
+  if (o.tls_key_file != defaults.tls_key_file) d["tls_key_file"] = o.tls_key_file;
+  if (o.rpc_timeout != defaults.rpc_timeout) {
+    d["rpc_timeout"] = absl::ToDoubleSeconds(o.rpc_timeout);
+  }
+  return d;
 }
 
 v1::JobSpec JobSpecFrom(const py::dict& d) {

@@ -4,18 +4,24 @@
 #ifndef MODELAVG_PYTHON_MESSAGES_H_
 #define MODELAVG_PYTHON_MESSAGES_H_
 
-#include "client/rpc/coordinator_client.h"
+#include "modelavg/client/connection.h"
 #include "modelavg/client/client.h"
 #include "modelavg/v1/coordinator.pb.h"
 #include "pybind11/pybind11.h"
 
 namespace modelavg::python {
 
-// ClientOptions from connect()'s keywords: coordinator, job_id, rank, every ClientOptions field
-// (durations in seconds). Absent or None keys keep the defaults.
+// ClientOptions from connect()'s keywords: coordinator, job_id, rank and the options of
+// OptionTable() (durations in seconds). Absent or None keys keep the defaults.
 client::ClientOptions ClientOptionsFrom(const pybind11::dict& d);
-// The coordinator address and the connection fields of ClientOptions.
-client::CoordinatorClientOptions CoordinatorOptionsFrom(const pybind11::dict& d);
+// The coordinator address and the connection options (ConnectionOptions).
+client::ConnectionOptions ConnectionOptionsFrom(const pybind11::dict& d);
+// The package's table of connect()'s keyword options (modelavg._core.OPTIONS): name -> (kind,
+// connection), kind "str", "bool", "int" or "duration" (seconds), connection: whether the job
+// calls take it too. Made from the same rows as the two conversions above.
+pybind11::dict OptionTable();
+// The fields of `o` that differ from a default ConnectionOptions, by the options' names.
+pybind11::dict ConnectionDict(const client::ConnectionOptions& o);
 // job_id, world_size, warmup_steps, mode ("PERIODIC"/"HIERARCHICAL"; ValueError otherwise),
 // levels [(period, group_size)], outer [None or (lr, momentum, nesterov) per level],
 // streaming [(fragments, sync_delay, mix, payload "FP32"/"BF16"/"INT8") per level],

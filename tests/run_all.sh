@@ -28,7 +28,9 @@ launcher=()
 # ccache: paths relative to the checkout, so that clones in other folders share objects.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$(pwd -P)} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" ${MODELAVG_CMAKE_ARGS:-}
+# Tests and benchmarks on, also in a build directory that examples/run_demo.sh configured without.
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" \
+  -DMODELAVG_BUILD_TESTS=ON -DMODELAVG_BUILD_BENCH=ON ${MODELAVG_CMAKE_ARGS:-}
 cmake --build "$build" -j "$jobs"
 echo "build: $(( $(date +%s) - start )) s"
 

@@ -22,13 +22,15 @@ cmake -S . -B "$build" -G Ninja "${launcher[@]}" \
   -DCMAKE_EXE_LINKER_FLAGS="$sanitize" -DCMAKE_SHARED_LINKER_FLAGS="$sanitize" \
   -DMODELAVG_WITH_CUDA=OFF -DMODELAVG_BUILD_BENCH=OFF -DMODELAVG_BUILD_EXAMPLES=OFF \
   -DMODELAVG_BUILD_FUZZERS=ON -DMODELAVG_FUZZ_SECONDS="$seconds"
-# The coordinator's tests (core, jobs file, gRPC service in-process, the daemon as a process), the
-# schedule's, the Gloo rounds of elastic jobs (backup, kept result, admission), and the fuzz
-# targets.
+# The coordinator's tests (core, jobs file, gRPC service in-process, the daemon as a process, its
+# HTTP port and status page, tokens), the schedule's, the Gloo rounds of elastic jobs (backup,
+# kept result, admission), and the fuzz targets. (server_flood_test is left out: its bounds are
+# on the RSS of a build without the sanitizers' shadow memory and quarantine.)
 targets=(schedule_test job_spec_test server_job_test server_bounds_test server_jobs_file_test
          server_membership_test server_state_store_test server_elastic_test
          server_credentials_test server_hostile_test server_stream_writes_test
-         server_heartbeat_replies_test
+         server_heartbeat_replies_test status_page_test http_port_test service_auth_test
+         printable_test
          server_grpc_test server_process_test modelavg-coordinator client_gloo_round_test
          job_spec_fuzzer jobs_file_fuzzer job_handlers_fuzzer
          job_spec_fuzzer_replay jobs_file_fuzzer_replay job_handlers_fuzzer_replay)
@@ -65,7 +67,7 @@ tsan_targets=(client_gloo_abort_test client_gloo_setup_test client_coordinator_t
 # one, two ranks on two Python threads, streaming sync's background all-reduces): the module
 # built for TSan, run by an interpreter that carries the sanitizer (tests/tools/tsan_python.cc).
 tsan_python=OFF
-if [[ -x /usr/bin/python3 ]] && /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+if [[ -x /usr/bin/python3 ]] && /usr/bin/python3 -c 'import torch, pytest' 2>/dev/null; then
   tsan_python=ON
   tsan_targets+=(modelavg-python modelavg-tsan-python)
 fi
@@ -85,14 +87,16 @@ if [[ $tsan_python == ON ]]; then
   export MODELAVG_TEST_START_METHOD=spawn
   # errors_test's `interrupt`: calls abandoned by Ctrl-C, then the interpreter's exit (which
   # waits for them, so that none runs while logging is torn down).
-  py_checks=("errors_test.py --check=jobs_and_client" "errors_test.py --check=interrupt"
-             "dropin_test.py --config=features_periodic_w2_p2"
-             "diloco_test.py --config=periodic_w2_dropin_backup_cpu"
-             "streaming_test.py --config=delay_dropin_w2" "streaming_test.py --config=int8_delay_w4")
+  # pytest's node ids (tests/python/conftest.py takes the build from the environment).
+  py_checks=("errors_test.py::test_api[jobs_and_client]" "errors_test.py::test_api[interrupt]"
+             "dropin_test.py::test_dropin[features_periodic_w2_p2]"
+             "diloco_test.py::test_diloco[periodic_w2_dropin_backup_cpu]"
+             "streaming_test.py::test_streaming[delay_dropin_w2]"
+             "streaming_test.py::test_streaming[int8_delay_w4]")
   for check in "${py_checks[@]}"; do
-    # shellcheck disable=SC2086
-    timeout 600 "$tsan_build/python/modelavg-tsan-python" tests/python/$check \
-      --coordinator_bin="$build/server/modelavg-coordinator" --python_dir="$tsan_build/python" \
+    MODELAVG_PYTHON_DIR="$tsan_build/python" \
+      MODELAVG_COORDINATOR_BIN="$build/server/modelavg-coordinator" \
+      timeout 600 "$tsan_build/python/modelavg-tsan-python" -m pytest -q "tests/python/$check" \
       >"$tsan_build/python-tsan.log" 2>&1 || {
         tail -80 "$tsan_build/python-tsan.log"
         echo "FAIL under TSan: tests/python/$check"
@@ -103,8 +107,8 @@ if [[ $tsan_python == ON ]]; then
   unset MODELAVG_TEST_START_METHOD
   echo "tsan python: $(( $(date +%s) - tsan_built )) s since the TSan build"
 elif [[ ${CI:-} == true ]]; then
-  echo "FAIL: CI runs the Python package under TSan, but /usr/bin/python3 cannot import torch"
+  echo "FAIL: CI runs the Python package under TSan, but /usr/bin/python3 cannot import torch and pytest"
   exit 1
 else
-  echo "SKIP: the Python package under TSan needs /usr/bin/python3 with torch (python3-torch)"
+  echo "SKIP: the Python package under TSan needs /usr/bin/python3 with torch and pytest (python3-torch, python3-pytest)"
 fi

@@ -7,9 +7,10 @@
 //   modelavg create -f spec.json                    create a job from a JobSpec in JSON
 //   modelavg delete ID                              delete a job
 //
-// Connection: --coordinator=HOST:PORT (default $MODELAVG_COORDINATOR, else 127.0.0.1:50051),
-// --token_file (sends "authorization: Bearer <token>"; default $MODELAVG_TOKEN_FILE), --tls
-// with --tls_ca_file, and --tls_cert_file/--tls_key_file for mutual TLS. Output: tables for people
+// Connection (client/flags/connection_flags.h, as every modelavg program): --coordinator=HOST:PORT
+// (default $MODELAVG_COORDINATOR, else 127.0.0.1:50051), --auth_token_file (sends "authorization:
+// Bearer <token>"; default $MODELAVG_AUTH_TOKEN_FILE), --tls with --tls_ca_file, --tls_cert_file/
+// --tls_key_file for mutual TLS, --rpc_timeout_ms (each call's deadline). Output: tables for people
 // by default, --json for scripts (one JSON object; `watch`: one per line). Exit status 0 on
 // success; 1 with one line on stderr saying what failed; 2 on a usage error.
 #include <signal.h>
@@ -31,32 +32,14 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/flags/connection_flags.h"
+#include "client/rpc/connection.h"
 #include "common/file_util.h"
+#include "common/printable.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
 #include "modelavg/v1/coordinator.grpc.pb.h"
 
-namespace {
-
-std::string EnvOr(const char* name, const char* fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? v : fallback;
-}
-
-}  // namespace
-
-ABSL_FLAG(std::string, coordinator, EnvOr("MODELAVG_COORDINATOR", "127.0.0.1:50051"),
-          "HOST:PORT of the coordinator (default: $MODELAVG_COORDINATOR, else 127.0.0.1:50051)");
-ABSL_FLAG(std::string, token_file, EnvOr("MODELAVG_TOKEN_FILE", ""),
-          "file holding the operator token, sent as \"authorization: Bearer <token>\" "
-          "(default: $MODELAVG_TOKEN_FILE)");
-ABSL_FLAG(bool, tls, false, "TLS to the coordinator (implied by --tls_ca_file)");
-ABSL_FLAG(std::string, tls_ca_file, "",
-          "PEM file of the CA that signed the coordinator's certificate (empty with --tls: the "
-          "system's roots)");
-ABSL_FLAG(std::string, tls_cert_file, "", "mutual TLS: this client's certificate (PEM)");
-ABSL_FLAG(std::string, tls_key_file, "", "mutual TLS: this client's private key (PEM)");
-ABSL_FLAG(int64_t, timeout_ms, 10000, "deadline of each call, milliseconds");
 ABSL_FLAG(bool, json, false, "print JSON (the API's messages) instead of tables");
 ABSL_FLAG(int64_t, from, 0, "schedule: first step");
 ABSL_FLAG(int64_t, count, 20, "schedule: number of steps");
@@ -78,8 +61,8 @@ constexpr char kUsage[] =
     "  modelavg [flags] watch ID [--watch_ms=T]\n"
     "  modelavg [flags] create -f spec.json\n"
     "  modelavg [flags] delete ID\n"
-    "Flags: --coordinator=HOST:PORT --token_file=F --tls --tls_ca_file=F --tls_cert_file=F "
-    "--tls_key_file=F --timeout_ms=T --json (see --help)";
+    "Flags: --coordinator=HOST:PORT --auth_token_file=F --tls --tls_ca_file=F --tls_cert_file=F "
+    "--tls_key_file=F --rpc_timeout_ms=T --json (see --help)";
 
 std::atomic<bool> g_interrupted{false};
 
@@ -92,6 +75,19 @@ std::string ReadOrFail(const std::string& path, const char* flag) {
   absl::StatusOr<std::string> text = modelavg::ReadFileToString(path);
   if (!text.ok()) throw Failure(absl::StrCat("--", flag, ": ", text.status().message()));
   return *std::move(text);
+}
+
+// The connection from the flags and the environment (127.0.0.1:50051 when neither names one).
+const modelavg::client::ConnectionOptions& Connection() {
+  static const modelavg::client::ConnectionOptions* conn = [] {
+    modelavg::client::ConnectionOptions defaults;
+    defaults.coordinator = "127.0.0.1:50051";
+    absl::StatusOr<modelavg::client::ConnectionOptions> c =
+        modelavg::client::ConnectionFromFlags(defaults);
+    if (!c.ok()) throw Failure(std::string(c.status().message()));
+    return new modelavg::client::ConnectionOptions(*std::move(c));
+  }();
+  return *conn;
 }
 
 std::string CodeName(grpc::StatusCode code) {
@@ -109,55 +105,30 @@ void Check(const grpc::Status& status, const std::string& what) {
   if (status.ok()) return;
   std::string hint;
   if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
-    hint = absl::StrCat(" (is the coordinator running at ", absl::GetFlag(FLAGS_coordinator),
+    hint = absl::StrCat(" (is the coordinator running at ", Connection().coordinator,
                         "? TLS on one side only? set --coordinator or $MODELAVG_COORDINATOR)");
   } else if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
-    hint = " (pass the operator token: --token_file or $MODELAVG_TOKEN_FILE)";
+    hint = " (pass the operator token: --auth_token_file or $MODELAVG_AUTH_TOKEN_FILE)";
   }
   throw Failure(absl::StrCat(what, ": ", CodeName(status.error_code()), ": ",
-                             status.error_message(), hint));
+                             modelavg::EscapeControlCharacters(status.error_message()), hint));
 }
 
 class Cli {
  public:
   Cli() {
-    std::shared_ptr<grpc::ChannelCredentials> creds;
-    const bool tls = absl::GetFlag(FLAGS_tls) || !absl::GetFlag(FLAGS_tls_ca_file).empty() ||
-                     !absl::GetFlag(FLAGS_tls_cert_file).empty();
-    if (tls) {
-      grpc::SslCredentialsOptions ssl;
-      if (const std::string ca = absl::GetFlag(FLAGS_tls_ca_file); !ca.empty()) {
-        ssl.pem_root_certs = ReadOrFail(ca, "tls_ca_file");
-      }
-      const std::string cert = absl::GetFlag(FLAGS_tls_cert_file);
-      const std::string key = absl::GetFlag(FLAGS_tls_key_file);
-      if (cert.empty() != key.empty()) {
-        throw Failure("mutual TLS needs both --tls_cert_file and --tls_key_file");
-      }
-      if (!cert.empty()) {
-        ssl.pem_cert_chain = ReadOrFail(cert, "tls_cert_file");
-        ssl.pem_private_key = ReadOrFail(key, "tls_key_file");
-      }
-      creds = grpc::SslCredentials(ssl);
-    } else {
-      if (!absl::GetFlag(FLAGS_tls_key_file).empty()) {
-        throw Failure("--tls_key_file needs --tls_cert_file");
-      }
-      creds = grpc::InsecureChannelCredentials();
-    }
-    if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
-      absl::StatusOr<std::string> token = modelavg::ReadTokenFile(path);
-      if (!token.ok()) throw Failure(absl::StrCat("--token_file: ", token.status().message()));
-      token_ = *std::move(token);
-    }
-    stub_ = v1::Coordinator::NewStub(grpc::CreateChannel(absl::GetFlag(FLAGS_coordinator), creds));
+    absl::StatusOr<modelavg::client::CoordinatorChannel> c =
+        modelavg::client::OpenChannel(Connection());
+    if (!c.ok()) throw Failure(std::string(c.status().message()));
+    token_ = c->token;
+    stub_ = v1::Coordinator::NewStub(c->channel);
   }
 
   std::unique_ptr<grpc::ClientContext> Context(bool deadline = true) const {
     auto ctx = std::make_unique<grpc::ClientContext>();
     if (deadline) {
       ctx->set_deadline(std::chrono::system_clock::now() +
-                        std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));
+                        absl::ToChronoMilliseconds(Connection().rpc_timeout));
     }
     if (!token_.empty()) ctx->AddMetadata("authorization", "Bearer " + token_);
     return ctx;
@@ -181,11 +152,19 @@ std::string Json(const google::protobuf::Message& m, bool one_line = false) {
   return out;
 }
 
-// Columns padded to their widest cell.
+// What a table or line shows of a value from the coordinator: control characters escaped, so
+// that a worker id, host or reason (or one stored before the coordinator refused them) cannot
+// drive the operator's terminal.
+std::string Shown(const std::string& value) { return modelavg::EscapeControlCharacters(value); }
+
+// Columns padded to their widest cell; every cell escaped (Shown).
 class Table {
  public:
-  explicit Table(std::vector<std::string> header) { rows_.push_back(std::move(header)); }
-  void Add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  explicit Table(std::vector<std::string> header) { Add(std::move(header)); }
+  void Add(std::vector<std::string> row) {
+    for (std::string& cell : row) cell = Shown(cell);
+    rows_.push_back(std::move(row));
+  }
   void Print(std::ostream& out) const {
     std::vector<size_t> width;
     for (const auto& row : rows_) {
@@ -399,7 +378,7 @@ int Watch(Cli& cli, const std::string& id) {
               << "  " << v1::JobState_Name(j.state()) << "  live " << j.live_world_size() << "/"
               << j.spec().world_size();
     if (event.rank() >= 0) std::cout << "  rank " << event.rank();
-    if (!event.message().empty()) std::cout << "  " << event.message();
+    if (!event.message().empty()) std::cout << "  " << Shown(event.message());
     std::cout << "\n" << std::flush;
   }
   const grpc::Status status = reader->Finish();
@@ -433,7 +412,7 @@ int Create(Cli& cli) {
   if (absl::GetFlag(FLAGS_json)) {
     std::cout << Json(job);
   } else {
-    std::cout << "created job " << job.spec().job_id() << "\n";
+    std::cout << "created job " << Shown(job.spec().job_id()) << "\n";
     PrintJob(job);
   }
   return 0;
@@ -449,7 +428,7 @@ int Delete(Cli& cli, const std::string& id) {
     deleted.set_job_id(id);
     std::cout << Json(deleted);
   } else {
-    std::cout << "deleted job " << id << "\n";
+    std::cout << "deleted job " << Shown(id) << "\n";
   }
   return 0;
 }

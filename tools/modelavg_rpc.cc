@@ -2,33 +2,36 @@
 // reflection service tells it (no .proto files). Shipped in the container image so that a
 // person, or a test, can inspect a running coordinator from inside the compose network.
 //
-//   modelavg-rpc --address=coordinator:50051 list
-//   modelavg-rpc --address=coordinator:50051 describe modelavg.v1.Coordinator
-//   modelavg-rpc --address=coordinator:50051 call modelavg.v1.Coordinator/GetSchedule \
+//   modelavg-rpc --coordinator=coordinator:50051 list
+//   modelavg-rpc --coordinator=coordinator:50051 describe modelavg.v1.Coordinator
+//   modelavg-rpc --coordinator=coordinator:50051 call modelavg.v1.Coordinator/GetSchedule \
 //       '{"job_id": "demo", "from_step": 0, "count": 24}'
 //
-// Flags: --timeout_ms (deadline of the whole command), --token_file (sends
-// "authorization: Bearer <token>"), --tls_ca_file (TLS instead of plaintext).
+// The connection flags are every modelavg program's (client/flags/connection_flags.h; the old
+// --address, --token_file and --timeout_ms still work): --coordinator (default
+// $MODELAVG_COORDINATOR, else 127.0.0.1:50051), --auth_token_file (sends "authorization: Bearer
+// <token>"), --tls, --tls_ca_file, --tls_cert_file/--tls_key_file, --rpc_timeout_ms (here the
+// deadline of the whole command).
 // Unary methods only. Exit status 0 on success; 1 with one line on stderr saying what failed
 // (unreachable server, unknown service or method, bad JSON, the call's gRPC error); 2 on usage.
 #include <chrono>
 #include <condition_variable>
-#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "client/flags/connection_flags.h"
+#include "client/rpc/connection.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/descriptor.pb.h"
 #include "google/protobuf/descriptor_database.h"
@@ -38,13 +41,6 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 
-ABSL_FLAG(std::string, address, "127.0.0.1:50051", "HOST:PORT of the gRPC server");
-ABSL_FLAG(int64_t, timeout_ms, 10000, "deadline of the whole command, milliseconds");
-ABSL_FLAG(std::string, token_file, "",
-          "file holding a bearer token, sent as \"authorization: Bearer <token>\"");
-ABSL_FLAG(std::string, tls_ca_file, "",
-          "PEM file of the CA that signed the server's certificate; empty: plaintext");
-
 namespace {
 
 namespace pb = google::protobuf;
@@ -52,22 +48,14 @@ namespace refl = grpc::reflection::v1alpha;
 
 constexpr char kUsage[] =
     "Calls a gRPC server through its reflection service.\n"
-    "  modelavg-rpc [--address=HOST:PORT] list\n"
-    "  modelavg-rpc [--address=HOST:PORT] describe SERVICE|MESSAGE\n"
-    "  modelavg-rpc [--address=HOST:PORT] call SERVICE/METHOD [JSON]";
+    "  modelavg-rpc [--coordinator=HOST:PORT] list\n"
+    "  modelavg-rpc [--coordinator=HOST:PORT] describe SERVICE|MESSAGE\n"
+    "  modelavg-rpc [--coordinator=HOST:PORT] call SERVICE/METHOD [JSON]";
 
 class Failure : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
-
-std::string ReadFile(const std::string& path, const char* flag) {
-  std::ifstream in(path);
-  if (!in) throw Failure(absl::StrCat("cannot read --", flag, "=", path));
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
 
 std::string StatusText(const grpc::Status& status) {
   return absl::StrCat("code ", static_cast<int>(status.error_code()), ": ",
@@ -76,23 +64,13 @@ std::string StatusText(const grpc::Status& status) {
 
 class Client {
  public:
-  Client() {
-    std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
-    const std::string ca_file = absl::GetFlag(FLAGS_tls_ca_file);
-    if (!ca_file.empty()) {
-      grpc::SslCredentialsOptions options;
-      options.pem_root_certs = ReadFile(ca_file, "tls_ca_file");
-      creds = grpc::SslCredentials(options);
-    }
-    const std::string token_file = absl::GetFlag(FLAGS_token_file);
-    if (!token_file.empty()) {
-      token_ = std::string(absl::StripAsciiWhitespace(ReadFile(token_file, "token_file")));
-      if (token_.empty()) throw Failure(absl::StrCat("--token_file=", token_file, " is empty"));
-    }
-    address_ = absl::GetFlag(FLAGS_address);
-    deadline_ = std::chrono::system_clock::now() +
-                std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms));
-    channel_ = grpc::CreateChannel(address_, creds);
+  explicit Client(const modelavg::client::ConnectionOptions& conn) {
+    absl::StatusOr<modelavg::client::CoordinatorChannel> c = modelavg::client::OpenChannel(conn);
+    if (!c.ok()) throw Failure(std::string(c.status().message()));
+    token_ = c->token;
+    channel_ = c->channel;
+    address_ = conn.coordinator;
+    deadline_ = std::chrono::system_clock::now() + absl::ToChronoMilliseconds(conn.rpc_timeout);
   }
 
   void Prepare(grpc::ClientContext* context) const {
@@ -288,13 +266,17 @@ int main(int argc, char** argv) {
     return 2;
   };
   if (args.size() < 2) return usage();
-  if (absl::GetFlag(FLAGS_timeout_ms) <= 0) {
-    std::cerr << "modelavg-rpc: --timeout_ms must be > 0" << std::endl;
+  modelavg::client::ConnectionOptions defaults;
+  defaults.coordinator = "127.0.0.1:50051";
+  absl::StatusOr<modelavg::client::ConnectionOptions> conn =
+      modelavg::client::ConnectionFromFlags(defaults);
+  if (!conn.ok()) {
+    std::cerr << "modelavg-rpc: " << conn.status().message() << std::endl;
     return 2;
   }
   const std::string command = args[1];
   try {
-    Client client;
+    Client client(*conn);
     if (command == "list" && args.size() == 2) return List(client);
     if (command == "describe" && args.size() == 3) return Describe(client, args[2]);
     if (command == "call" && (args.size() == 3 || args.size() == 4)) {

@@ -2,6 +2,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
@@ -11,10 +12,11 @@
 namespace modelavg::client {
 namespace {
 
-// The payload is "<kind>,<peer>" in decimal: tiny, and readable in a debugger.
+// The payload is "<kind>,<peer>,<rank>" in decimal: tiny, and readable in a debugger.
 struct Parsed {
   ErrorKind kind = ErrorKind::kUnknown;
   int32_t peer = -1;
+  int32_t rank = -1;
 };
 
 Parsed Parse(const absl::Status& status) {
@@ -23,31 +25,32 @@ Parsed Parse(const absl::Status& status) {
   auto payload = status.GetPayload(kErrorKindPayloadUrl);
   if (!payload.has_value()) return p;
   const std::string text(*payload);
-  std::pair<std::string, std::string> parts = absl::StrSplit(text, absl::MaxSplits(',', 1));
+  std::vector<std::string> parts = absl::StrSplit(text, ',');
   int kind = 0;
-  int32_t peer = -1;
-  if (!absl::SimpleAtoi(parts.first, &kind) || kind < 0 ||
+  if (!absl::SimpleAtoi(parts[0], &kind) || kind < 0 ||
       kind > static_cast<int>(ErrorKind::kReplicaLost)) {
     return p;
   }
-  if (!parts.second.empty() && !absl::SimpleAtoi(parts.second, &peer)) peer = -1;
   p.kind = static_cast<ErrorKind>(kind);
-  p.peer = peer;
+  if (parts.size() > 1 && !absl::SimpleAtoi(parts[1], &p.peer)) p.peer = -1;
+  if (parts.size() > 2 && !absl::SimpleAtoi(parts[2], &p.rank)) p.rank = -1;
   return p;
 }
 
 }  // namespace
 
-absl::Status SetErrorKind(absl::Status status, ErrorKind kind, int32_t peer) {
+absl::Status SetErrorKind(absl::Status status, ErrorKind kind, int32_t peer, int32_t rank) {
   if (status.ok()) return status;
   status.SetPayload(kErrorKindPayloadUrl,
-                    absl::Cord(absl::StrCat(static_cast<int>(kind), ",", peer)));
+                    absl::Cord(absl::StrCat(static_cast<int>(kind), ",", peer, ",", rank)));
   return status;
 }
 
 ErrorKind ErrorKindOf(const absl::Status& status) { return Parse(status).kind; }
 
 int32_t ErrorPeerOf(const absl::Status& status) { return Parse(status).peer; }
+
+int32_t ErrorRankOf(const absl::Status& status) { return Parse(status).rank; }
 
 absl::string_view ErrorKindName(ErrorKind kind) {
   switch (kind) {

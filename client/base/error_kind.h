@@ -5,6 +5,9 @@
 //
 //   absl::Status s = SetErrorKind(absl::UnavailableError("..."), ErrorKind::kPeerFailure, 3);
 //   if (ErrorKindOf(s) == ErrorKind::kPeerFailure) { int peer = ErrorPeerOf(s); ... }
+//
+// The Python package raises these as exceptions with the kind and the blamed rank as attributes
+// (modelavg.Error.kind, .rank).
 #ifndef MODELAVG_CLIENT_BASE_ERROR_KIND_H_
 #define MODELAVG_CLIENT_BASE_ERROR_KIND_H_
 
@@ -34,7 +37,7 @@ enum class ErrorKind : int {
   // A collective or its set-up ran past its deadline.
   kTimeout = 6,
   // Sharded replicas (JobSpec.replica_size): another rank of this rank's replica died, left or
-  // failed, so the coordinator retired the whole replica; ErrorPeerOf names the lost rank. The
+  // failed, so the coordinator retired the whole replica; ErrorRankOf names the lost rank. The
   // replica's workers must restart and re-join together as a replacement replica.
   kReplicaLost = 7,
 };
@@ -42,12 +45,17 @@ enum class ErrorKind : int {
 // The payload's type URL.
 inline constexpr absl::string_view kErrorKindPayloadUrl = "type.modelavg.dev/modelavg.ErrorKind";
 
-// `status` with the kind (and the peer, -1: none) attached; OK stays OK.
-absl::Status SetErrorKind(absl::Status status, ErrorKind kind, int32_t peer = -1);
+// `status` with the kind attached, and the peer (its index among the communicator's members) and
+// the rank in the job blamed for it, -1 for none (a generation that moved because rank 3 died:
+// kGenerationMoved, rank 3); OK stays OK.
+absl::Status SetErrorKind(absl::Status status, ErrorKind kind, int32_t peer = -1,
+                          int32_t rank = -1);
 // The kind attached to `status`; kUnknown when none is (or it is OK).
 ErrorKind ErrorKindOf(const absl::Status& status);
 // The peer attached with the kind; -1 when none is.
 int32_t ErrorPeerOf(const absl::Status& status);
+// The rank attached with the kind; -1 when none is.
+int32_t ErrorRankOf(const absl::Status& status);
 // "peer failure", "generation moved", ... (for logs).
 absl::string_view ErrorKindName(ErrorKind kind);
 

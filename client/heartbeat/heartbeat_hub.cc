@@ -17,8 +17,8 @@ namespace {
 absl::Mutex hubs_mu(absl::kConstInit);
 std::map<std::string, std::weak_ptr<HeartbeatHub>>* hubs ABSL_GUARDED_BY(hubs_mu) = nullptr;
 
-std::string KeyOf(const CoordinatorClientOptions& o) {
-  return absl::StrCat(o.address, "\n", o.auth_token, "\n", o.tls, "\n", o.tls_ca_file, "\n",
+std::string KeyOf(const ConnectionOptions& o) {
+  return absl::StrCat(o.coordinator, "\n", o.auth_token, "\n", o.tls, "\n", o.tls_ca_file, "\n",
                       o.tls_cert_file, "\n", o.tls_key_file);
 }
 
@@ -32,7 +32,7 @@ constexpr int kMaxRelayFailures = 5;
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<HeartbeatHub>> HeartbeatHub::For(
-    const CoordinatorClientOptions& options, const std::string& relay_dir) {
+    const ConnectionOptions& options, const std::string& relay_dir) {
   absl::MutexLock lock(&hubs_mu);
   if (hubs == nullptr) hubs = new std::map<std::string, std::weak_ptr<HeartbeatHub>>();
   for (auto it = hubs->begin(); it != hubs->end();) {
@@ -88,8 +88,8 @@ void HeartbeatHub::PickRoute() {
   if (*lock < 0) {
     // Another process serves: its socket.
     if (local_ == nullptr) {
-      CoordinatorClientOptions o;
-      o.address = "unix:" + relay_paths_->socket;
+      ConnectionOptions o;
+      o.coordinator = "unix:" + relay_paths_->socket;
       o.rpc_timeout = coordinator_->options().rpc_timeout;
       absl::StatusOr<std::unique_ptr<CoordinatorClient>> c = CoordinatorClient::Create(o);
       if (!c.ok()) return direct(c.status());
@@ -199,7 +199,7 @@ void HeartbeatHub::Loop() {
     if (absl::IsUnimplemented(s) && !answered) {
       spdlog::warn("the coordinator at {} has no HostHeartbeatStream (an older version): each "
                    "rank heartbeats on a stream of its own",
-                   coordinator_->options().address);
+                   coordinator_->options().coordinator);
       // (The relay's followers are told the same, now and when they come.)
       if (relay_ != nullptr) relay_->EndAll(s, /*unsupported=*/true);
       std::vector<std::function<void()>*> fallbacks;
@@ -219,7 +219,7 @@ void HeartbeatHub::Loop() {
     if (answered) backoff = min_backoff;
     relay_failures_ = route_ == Route::kFollower && !answered ? relay_failures_ + 1 : 0;
     spdlog::debug("shared heartbeat stream to {} ended: {}; re-opening in {}",
-                  coordinator_->options().address, s.ToString(), absl::FormatDuration(backoff));
+                  coordinator_->options().coordinator, s.ToString(), absl::FormatDuration(backoff));
     FailAll(s);
     if (relay_ != nullptr) relay_->EndAll(s);
     const absl::Time until = absl::Now() + backoff;

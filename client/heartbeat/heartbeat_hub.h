@@ -39,7 +39,7 @@ class HeartbeatHub {
   // The CoordinatorClient's errors (unreadable TLS files, ...).
   // With `relay_dir`, the hub shares the host's relay there (RelayPathsFor's errors).
   static absl::StatusOr<std::shared_ptr<HeartbeatHub>> For(
-      const CoordinatorClientOptions& options, const std::string& relay_dir = "");
+      const ConnectionOptions& options, const std::string& relay_dir = "");
 
   ~HeartbeatHub();
   HeartbeatHub(const HeartbeatHub&) = delete;

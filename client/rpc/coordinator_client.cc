@@ -9,6 +9,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "client/rpc/connection.h"
 #include "client/rpc/coordinator_outage.h"
 #include "common/file_util.h"
 #include "common/status_util.h"
@@ -22,16 +23,6 @@
 namespace modelavg::client {
 namespace {
 
-absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
-  absl::StatusOr<std::string> text = ReadFileToString(path);
-  if (!text.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("ClientOptions.", what, ": ",
-                                                   text.status().message(),
-                                                   " (check the path and permissions)"));
-  }
-  return text;
-}
-
 // With `cancel`, its Cancel() cancels the call of `ctx` until the returned guard goes (`ctx`
 // outlives it).
 auto WatchCancel(CancelToken* cancel, grpc::ClientContext* ctx) {
@@ -44,36 +35,22 @@ auto WatchCancel(CancelToken* cancel, grpc::ClientContext* ctx) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(
-    const CoordinatorClientOptions& options) {
-  MODELAVG_ASSIGN_OR_RETURN(std::vector<std::string> addresses, ParseAddresses(options.address));
+    const ConnectionOptions& options) {
+  MODELAVG_ASSIGN_OR_RETURN(std::vector<std::string> addresses,
+                            ParseAddresses(options.coordinator));
   if (options.rpc_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("rpc_timeout must be positive");
   }
-  std::shared_ptr<grpc::ChannelCredentials> creds;
-  if (options.tls) {
-    grpc::SslCredentialsOptions ssl;
-    if (!options.tls_ca_file.empty()) {
-      MODELAVG_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(options.tls_ca_file, "tls_ca_file"));
-    }
-    if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
-      return absl::InvalidArgumentError(
-          "tls_cert_file and tls_key_file go together: set both (mutual TLS) or neither");
-    }
-    if (!options.tls_cert_file.empty()) {
-      MODELAVG_ASSIGN_OR_RETURN(ssl.pem_cert_chain,
-                                ReadFile(options.tls_cert_file, "tls_cert_file"));
-      MODELAVG_ASSIGN_OR_RETURN(ssl.pem_private_key,
-                                ReadFile(options.tls_key_file, "tls_key_file"));
-    }
-    creds = grpc::SslCredentials(ssl);
-  } else {
-    if (!options.tls_ca_file.empty() || !options.tls_cert_file.empty()) {
-      return absl::InvalidArgumentError("TLS files given but tls is false: set tls = true");
-    }
-    creds = grpc::InsecureChannelCredentials();
-  }
-  auto client =
-      std::unique_ptr<CoordinatorClient>(new CoordinatorClient(options, std::move(creds)));
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds = ChannelCredentialsFor(options);
+  if (!creds.ok()) return Annotate(creds.status(), "ClientOptions");
+  // The token is read once, here: options() then carries it, not the file.
+  absl::StatusOr<std::string> token = AuthTokenOf(options);
+  if (!token.ok()) return Annotate(token.status(), "ClientOptions");
+  ConnectionOptions resolved = options;
+  resolved.auth_token = *std::move(token);
+  resolved.auth_token_file.clear();
+  auto client = std::unique_ptr<CoordinatorClient>(
+      new CoordinatorClient(std::move(resolved), *std::move(creds)));
   absl::MutexLock lock(&client->targets_mu_);
   for (const std::string& address : addresses) client->TargetFor(address);
   return client;
@@ -96,7 +73,7 @@ absl::StatusOr<std::vector<std::string>> CoordinatorClient::ParseAddresses(
   return addresses;
 }
 
-CoordinatorClient::CoordinatorClient(CoordinatorClientOptions options,
+CoordinatorClient::CoordinatorClient(ConnectionOptions options,
                                      std::shared_ptr<grpc::ChannelCredentials> creds)
     : options_(std::move(options)), creds_(std::move(creds)) {}
 

@@ -19,21 +19,10 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/client_callback.h"
 #include "modelavg/client/cancel_token.h"
+#include "modelavg/client/connection.h"
 #include "modelavg/v1/coordinator.grpc.pb.h"
 
 namespace modelavg::client {
-
-struct CoordinatorClientOptions {
-  // "host:port", or several comma-separated ("a:50051,b:50051"): coordinators of which one
-  // leads (etcd, docs/high-availability.md). Calls go to one; when it answers UNAVAILABLE the
-  // next calls go to the leader it names, or else to the next address.
-  std::string address;
-  std::string auth_token;
-  bool tls = false;
-  std::string tls_ca_file, tls_cert_file, tls_key_file;
-  // Default deadline of a call that does not say otherwise.
-  absl::Duration rpc_timeout = absl::Seconds(10);
-};
 
 // One beat stream call, HeartbeatStream or HostHeartbeatStream (gRPC callback API: nothing here
 // blocks but Finish). The owner writes beats with Write and ends the call with Finish; replies
@@ -104,9 +93,10 @@ class CoordinatorOutage;
 
 class CoordinatorClient {
  public:
-  // INVALID_ARGUMENT for an empty address or unreadable TLS files. Does not connect yet.
+  // INVALID_ARGUMENT for an empty address, unreadable TLS or token files, both auth_token and
+  // auth_token_file. Reads the token file now. Does not connect yet.
   static absl::StatusOr<std::unique_ptr<CoordinatorClient>> Create(
-      const CoordinatorClientOptions& options);
+      const ConnectionOptions& options);
 
   // Each returns the RPC's reply or its status (the coordinator's codes, see coordinator.proto;
   // UNAVAILABLE when unreachable, DEADLINE_EXCEEDED past `timeout` or rpc_timeout).
@@ -140,8 +130,9 @@ class CoordinatorClient {
   std::unique_ptr<HostHeartbeatStreamCall> StartHostHeartbeatStream(
       HostHeartbeatStreamCall::ReplyCallback on_reply, HostHeartbeatStreamCall::EndCallback on_end);
 
-  const CoordinatorClientOptions& options() const { return options_; }
-  // The address calls go to now (one of options().address's, or a leader one of them named).
+  // The options it was made with, the token read (auth_token set, auth_token_file empty).
+  const ConnectionOptions& options() const { return options_; }
+  // The address calls go to now (one of options().coordinator's, or a leader one of them named).
   std::string current_address() const;
 
   // With an outage tracker (not owned; outlives this object), PublishCommId and GetCommId wait
@@ -158,7 +149,7 @@ class CoordinatorClient {
     std::shared_ptr<grpc::Channel> channel;
     std::unique_ptr<v1::Coordinator::Stub> stub;
   };
-  CoordinatorClient(CoordinatorClientOptions options,
+  CoordinatorClient(ConnectionOptions options,
                     std::shared_ptr<grpc::ChannelCredentials> creds);
   // Deadline and token on a fresh context.
   void Prepare(grpc::ClientContext* context, absl::Duration timeout) const;
@@ -180,7 +171,7 @@ class CoordinatorClient {
     return s;
   }
 
-  const CoordinatorClientOptions options_;
+  const ConnectionOptions options_;
   const std::shared_ptr<grpc::ChannelCredentials> creds_;
   mutable absl::Mutex targets_mu_;
   // Only grows (stubs handed out stay valid).

@@ -1,25 +1,27 @@
-"""The options that connect() and the job calls take as keywords, and how they are checked."""
+"""The options that connect() and the job calls take as keywords, and how they are checked.
+
+The table of options is the binding's (``_core.OPTIONS``, made from the same rows that copy them
+into the C++ ``ClientOptions``), and the environment (``MODELAVG_COORDINATOR``,
+``MODELAVG_AUTH_TOKEN_FILE``, ``MODELAVG_TLS_CA_FILE``, ...) is read by the C++ parser that every
+modelavg program uses (``_core.connection_from_environment``): nothing is written twice here.
+"""
 
 import datetime
 import os
 from typing import Any, Dict, Iterable, Mapping, Optional, Union
 
+from . import _core
 from .errors import InvalidArgumentError
 
 Duration = Union[float, int, datetime.timedelta]
 
-# ClientOptions fields (include/modelavg/client/client.h) that connect() takes as keywords, with their kinds.
-_CLIENT_OPTIONS = {
-    "worker_id": str, "auth_token": str, "tls": bool, "tls_ca_file": str, "tls_cert_file": str,
-    "tls_key_file": str, "join_timeout": Duration, "rpc_timeout": Duration,
-    "heartbeat_interval": Duration, "heartbeat_stream": bool, "share_heartbeat_stream": bool,
-    "heartbeat_relay_dir": str, "collective_timeout": Duration, "leave_timeout": Duration,
-    "coordinator_outage_timeout": Duration,
-    "schedule_window": int, "gloo_hostname": str, "gloo_in_place": bool,
-}
-# What the job-management calls take besides the coordinator's address.
-_CONNECTION_OPTIONS = ("auth_token", "tls", "tls_ca_file", "tls_cert_file", "tls_key_file",
-                       "rpc_timeout")
+_KINDS = {"str": str, "bool": bool, "int": int, "duration": Duration}
+# ClientOptions fields (include/modelavg/client/client.h) that connect() takes as keywords, with
+# their kinds.
+_CLIENT_OPTIONS = {name: _KINDS[kind] for name, (kind, _) in _core.OPTIONS.items()}
+# What the job-management calls take besides the coordinator's address (ConnectionOptions).
+_CONNECTION_OPTIONS = tuple(name for name, (_, connection) in _core.OPTIONS.items() if connection)
+_TOKEN_OPTIONS = ("auth_token", "auth_token_file")
 
 
 def _invalid(message: str) -> InvalidArgumentError:
@@ -58,8 +60,20 @@ def _options(options: Mapping[str, Any], allowed: Iterable[str]) -> Dict[str, An
     return out
 
 
+def _with_environment(opts: Dict[str, Any]) -> Dict[str, Any]:
+    """`opts` (keywords already checked) completed from the environment: what a keyword gives
+    stays; the token comes from the keywords or from the environment, never both."""
+    env = _core.connection_from_environment()
+    token_given = any(name in opts for name in _TOKEN_OPTIONS)
+    for name, value in env.items():
+        if name in _TOKEN_OPTIONS and token_given:
+            continue
+        opts.setdefault(name, value)
+    return opts
+
+
 def _coordinator(coordinator: Optional[str]) -> str:
-    coordinator = coordinator or os.environ.get("MODELAVG_COORDINATOR")
+    coordinator = coordinator or _core.connection_from_environment().get("coordinator")
     if not coordinator:
         raise _invalid("no coordinator: pass coordinator='host:port' or set "
                        "MODELAVG_COORDINATOR")
@@ -92,4 +106,4 @@ def _backup_on_host(backup_device: Any) -> bool:
 def _conn(coordinator: Optional[str], options: Mapping[str, Any]) -> Dict[str, Any]:
     conn = _options(options, _CONNECTION_OPTIONS)
     conn["coordinator"] = _coordinator(coordinator)
-    return conn
+    return _with_environment(conn)

@@ -4,7 +4,8 @@ import os
 from typing import Any, Optional
 
 from . import _core
-from ._options import _CLIENT_OPTIONS, _coordinator, _env_int, _invalid, _options
+from ._options import (_CLIENT_OPTIONS, _coordinator, _env_int, _invalid, _options,
+                       _with_environment)
 from .errors import Error
 from .jobs import JobSpec, _levels_from
 
@@ -134,8 +135,10 @@ def connect(coordinator: Optional[str] = None, job_id: Optional[str] = None,
       job_id: the job to join (it must exist); default: ``$MODELAVG_JOB``.
       rank: the rank to take; default: ``$RANK`` (as torchrun sets it), else the coordinator
         picks the lowest free one.
-      **options: any field of the C++ ``ClientOptions``: ``worker_id``, ``auth_token``, ``tls``,
-        ``tls_ca_file``, ``tls_cert_file``, ``tls_key_file``, ``join_timeout`` (default 300 s),
+      **options: any field of the C++ ``ClientOptions``: ``worker_id``, ``auth_token`` or
+        ``auth_token_file`` (default ``$MODELAVG_AUTH_TOKEN_FILE``), ``tls`` (``$MODELAVG_TLS``),
+        ``tls_ca_file``, ``tls_cert_file``, ``tls_key_file`` (``$MODELAVG_TLS_CA_FILE``, ...;
+        a TLS file implies ``tls``), ``join_timeout`` (default 300 s),
         ``rpc_timeout`` (10 s), ``heartbeat_interval`` (0.1 s), ``heartbeat_stream`` (True),
         ``share_heartbeat_stream`` (False: the ranks of this process in one stream),
         ``heartbeat_relay_dir`` (default ``$MODELAVG_HEARTBEAT_RELAY_DIR``; "" for none: the
@@ -159,6 +162,7 @@ def connect(coordinator: Optional[str] = None, job_id: Optional[str] = None,
     """
     opts = _options(options, _CLIENT_OPTIONS)
     opts["coordinator"] = _coordinator(coordinator)
+    _with_environment(opts)
     if "heartbeat_relay_dir" not in opts and os.environ.get("MODELAVG_HEARTBEAT_RELAY_DIR"):
         opts["heartbeat_relay_dir"] = os.environ["MODELAVG_HEARTBEAT_RELAY_DIR"]
     job_id = job_id or os.environ.get("MODELAVG_JOB")

@@ -1,12 +1,15 @@
 """The exceptions modelavg raises: one class per kind of failure a trainer handles differently.
 
 Every exception is a :class:`modelavg.Error` that carries the status ``code`` (a name such as
-``"NOT_FOUND"``) and the library's ``message``, which says what went wrong and what to do::
+``"NOT_FOUND"``), the library's ``message``, which says what went wrong and what to do, and,
+from the library's typed errors, the ``kind`` of failure (``"PEER_FAILURE"``,
+``"GENERATION_MOVED"``, ``"TIMEOUT"``, ``"LAYOUT_MISMATCH"``, ...; None when the error has none)
+and the ``rank`` it blames (None when it blames none)::
 
     try:
         averager.average_parameters(model.parameters())
-    except modelavg.PeerFailureError as e:   # a peer died, left or stalled: restart from a checkpoint
-        print(f"rank {e.rank} is gone: {e}")
+    except modelavg.PeerFailureError as e:  # a peer died, left or stalled: restart (checkpoint)
+        print(f"rank {e.rank} is gone ({e.kind}): {e}")
     except modelavg.Error as e:
         print(e.code, e.message)
 
@@ -41,8 +44,8 @@ import re
 from typing import Dict, Optional, Type
 
 __all__ = [
-    "Error", "PeerFailureError", "ReplicaLostError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError",
-    "FailedPreconditionError", "DeadlineExceededError", "UnavailableError",
+    "Error", "PeerFailureError", "ReplicaLostError", "InvalidArgumentError", "NotFoundError",
+    "AlreadyExistsError", "FailedPreconditionError", "DeadlineExceededError", "UnavailableError",
     "PermissionDeniedError", "ResourceExhaustedError", "UnimplementedError",
 ]
 
@@ -56,48 +59,47 @@ _CODE_NAMES = {
 
 
 class Error(Exception):
-    """A modelavg failure: ``code`` is the status code's name, ``message`` what to do."""
+    """A modelavg failure: ``code`` is the status code's name, ``message`` what to do, ``kind``
+    the library's kind of failure (None: none), ``rank`` the rank it blames (None: none)."""
 
     code: str
     message: str
+    kind: Optional[str]
+    rank: Optional[int]
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, kind: Optional[str] = None,
+                 rank: Optional[int] = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.kind = kind
+        self.rank = rank
 
 
 class PeerFailureError(Error):
     """An averaging step failed because a peer (or the coordinator) failed.
 
-    ``rank`` is the rank the coordinator blamed for the membership change, when the message
-    names one (None otherwise). The client cannot average any more: restart from the last
-    checkpoint with a new client.
+    ``rank`` is the rank the coordinator blamed for the membership change (None when the
+    failure names none, e.g. the coordinator is gone); ``kind`` says what happened
+    (``"GENERATION_MOVED"``, ``"PEER_FAILURE"``, ``"TIMEOUT"``, ...). The client cannot average
+    any more: restart from the last checkpoint with a new client.
     """
-
-    rank: Optional[int]
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(code, message)
-        m = re.search(r"\bbecause rank (\d+)", message) or re.search(r"\brank (\d+)\b", message)
-        self.rank = int(m.group(1)) if m else None
 
 
 class ReplicaLostError(PeerFailureError):
     """Sharded replicas (``replica_size``): another rank of this rank's replica died, left or
     failed, so the coordinator retired the whole replica from the job's generation (the other
-    replicas go on). ``replica`` is this rank's replica and ``rank`` the rank that was lost.
-    The client cannot average any more: restart every worker of the replica, which re-join
-    together as a replacement replica (each healing from its own shard of a live replica).
+    replicas go on). ``kind`` is ``"REPLICA_LOST"``, ``rank`` the rank that was lost and
+    ``replica`` this rank's replica. The client cannot average any more: restart every worker
+    of the replica, which re-join together as a replacement replica (each healing from its own
+    shard of a live replica).
     """
 
     replica: Optional[int]
 
-    def __init__(self, code: str, message: str, rank: Optional[int] = None,
-                 replica: Optional[int] = None) -> None:
-        super().__init__(code, message)
-        if rank is not None:
-            self.rank = rank
+    def __init__(self, code: str, message: str, kind: Optional[str] = "REPLICA_LOST",
+                 rank: Optional[int] = None, replica: Optional[int] = None) -> None:
+        super().__init__(code, message, kind, rank)
         self.replica = replica
         if replica is None:
             m = re.search(r"\breplica (\d+)", message)
@@ -158,16 +160,12 @@ _BY_CODE: Dict[str, Type[Error]] = {
 _PEER_CODES = frozenset({"FAILED_PRECONDITION", "ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED"})
 
 
-# client/base/error_kind.h: ErrorKind::kReplicaLost.
-_KIND_REPLICA_LOST = 7
-
-
-def _from_status(code: int, message: str, averaging: bool = False, kind: int = 0,
-                 peer: int = -1) -> Error:
-    """The exception for a status (called by modelavg._core with the error's kind and peer)."""
+def _from_status(code: int, message: str, averaging: bool = False, kind: Optional[str] = None,
+                 rank: Optional[int] = None) -> Error:
+    """The exception for a status (called by modelavg._core with the status's kind and rank)."""
     name = _CODE_NAMES.get(code, f"CODE_{code}")
-    if kind == _KIND_REPLICA_LOST:
-        return ReplicaLostError(name, message, rank=peer if peer >= 0 else None)
+    if kind == "REPLICA_LOST":  # client/base/error_kind.h: ErrorKind::kReplicaLost
+        return ReplicaLostError(name, message, kind, rank)
     if averaging and name in _PEER_CODES:
-        return PeerFailureError(name, message)
-    return _BY_CODE.get(name, Error)(name, message)
+        return PeerFailureError(name, message, kind, rank)
+    return _BY_CODE.get(name, Error)(name, message, kind, rank)

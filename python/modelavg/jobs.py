@@ -305,7 +305,8 @@ def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
         divide world_size, every group size and min_world_size. 0 or 1: every rank holds a
         whole replica.
       coordinator: "host:port" (or several, comma-separated); default ``$MODELAVG_COORDINATOR``.
-      **options: auth_token, tls, tls_ca_file, tls_cert_file, tls_key_file, rpc_timeout.
+      **options: auth_token or auth_token_file, tls, tls_ca_file, tls_cert_file, tls_key_file,
+        rpc_timeout (default: the environment, as connect() reads it).
 
     Raises InvalidArgumentError (bad spec: the message names the field and the value),
     AlreadyExistsError, ResourceExhaustedError, UnavailableError.

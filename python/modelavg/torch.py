@@ -11,9 +11,10 @@ Change one import and keep the rest of the trainer::
 
 The averagers connect from the environment — ``MODELAVG_COORDINATOR`` (host:port, or several comma-separated),
 ``MODELAVG_JOB`` (the job id), ``RANK`` and ``WORLD_SIZE`` as torchrun sets them, and optionally
-``MODELAVG_GLOO_HOSTNAME`` (the address peers reach this process at; default 127.0.0.1) and
-``MODELAVG_AUTH_TOKEN`` — or from :func:`set_options`. If the job does not exist yet, the first
-rank creates it from the constructor's arguments and ``WORLD_SIZE``; if it exists, its spec must
+``MODELAVG_GLOO_HOSTNAME`` (the address peers reach this process at; default 127.0.0.1),
+``MODELAVG_AUTH_TOKEN_FILE`` and ``MODELAVG_TLS_CA_FILE`` (the connection variables of every
+modelavg program, as :func:`modelavg.connect` reads them) — or from :func:`set_options`. If the
+job does not exist yet, the first rank creates it from the constructor's arguments and ``WORLD_SIZE``; if it exists, its spec must
 match them (``InvalidArgumentError``, a ``ValueError``, naming both otherwise). While the
 coordinator cannot be reached, the averager retries until ``join_timeout`` (300 s unless set). One connection
 per process serves every drop-in averager of the same job; it leaves the job at exit.
@@ -173,8 +174,6 @@ def _job_client(mode: str, warmup_steps: int, levels_for: Any) -> "_ma.Client":
     world_env = _ma_options._env_int("WORLD_SIZE")
     if "gloo_hostname" not in opts and os.environ.get("MODELAVG_GLOO_HOSTNAME"):
         opts["gloo_hostname"] = os.environ["MODELAVG_GLOO_HOSTNAME"]
-    if "auth_token" not in opts and os.environ.get("MODELAVG_AUTH_TOKEN"):
-        opts["auth_token"] = os.environ["MODELAVG_AUTH_TOKEN"]
     conn = {k: v for k, v in opts.items() if k in _ma_options._CONNECTION_OPTIONS}
 
     def find_or_create() -> "_ma.Job":

@@ -91,7 +91,7 @@ class Job {
   absl::Duration heartbeat_timeout() const { return heartbeat_timeout_; }
   absl::Duration join_timeout() const { return join_timeout_; }
 
-  // Rendezvous (the contract in the coordinator's README). `done` gets the JoinResponse once
+  // Rendezvous (the contract in docs/coordinator.md). `done` gets the JoinResponse once
   // every rank has joined this generation; a Join of a RUNNING elastic job (a replacement, see
   // Membership::Join) is answered at once with its admission_step. Or:
   //   INVALID_ARGUMENT    empty/too long worker_id, rank outside [0, world_size), a world_size

@@ -96,8 +96,8 @@ class Run:
 
     def rpc(self, method, request, check=True):
         """A Coordinator RPC from the coordinator's own host (modelavg-rpc); the reply as JSON."""
-        out = self.cluster.run("coord", [self.args.rpc_bin, f"--address={self.address}",
-                                         "--timeout_ms=5000", "call",
+        out = self.cluster.run("coord", [self.args.rpc_bin, f"--coordinator={self.address}",
+                                         "--rpc_timeout_ms=5000", "call",
                                          f"modelavg.v1.Coordinator/{method}",
                                          json.dumps(request)], check=False)
         if out.returncode != 0:

@@ -4,7 +4,10 @@
   * create -f spec.json, jobs, job ID, schedule ID --from --count [--rank], watch ID, delete ID,
     as tables and with --json (checked against GetJob and against a naive re-statement of the
     hierarchical schedule rule);
-  * the token: without it UNAUTHENTICATED with a hint, exit 1; with --token_file it works;
+  * the token: without it UNAUTHENTICATED with a hint, exit 1; with --auth_token_file it works;
+  * the connection's old names (--address, --token_file, --timeout_ms, $MODELAVG_TOKEN_FILE)
+    still work, each reported once on stderr naming its new name; $MODELAVG_COORDINATOR and
+    $MODELAVG_AUTH_TOKEN_FILE stand in for the flags, which win over them;
   * TLS: --tls_ca_file against a coordinator with a throwaway certificate;
   * usage errors exit 2, a call's error exits 1 with one line naming the code.
 Prints the CLI's output (docs/operations-ui.md shows it).
@@ -62,7 +65,7 @@ def main():
         def run(*argv, token=True, expect=0, stdin=None):
             cmd = [args.cli, f"--coordinator={coord.address}"]
             if token:
-                cmd.append(f"--token_file={token_file}")
+                cmd.append(f"--auth_token_file={token_file}")
             cmd += list(argv)
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, input=stdin)
             check(out.returncode == expect,
@@ -98,7 +101,7 @@ def main():
 
         def watch():
             watch_out["r"] = subprocess.run(
-                [args.cli, f"--coordinator={coord.address}", f"--token_file={token_file}",
+                [args.cli, f"--coordinator={coord.address}", f"--auth_token_file={token_file}",
                  "watch", "cli-demo", "--watch_ms=4000"],
                 capture_output=True, text=True, timeout=60)
 
@@ -223,12 +226,40 @@ def main():
 
         # Errors and usage.
         out = run("jobs", token=False, expect=1)
-        check("UNAUTHENTICATED" in out.stderr and "--token_file" in out.stderr, out.stderr)
+        check("UNAUTHENTICATED" in out.stderr and "--auth_token_file" in out.stderr, out.stderr)
         out = run("job", "nope", expect=1)
         check(out.stderr.startswith("modelavg: GetJob: NOT_FOUND"), out.stderr)
         check(len(out.stderr.strip().splitlines()) == 1, f"more than one line: {out.stderr}")
         run("job", expect=2)
         run("frobnicate", expect=2)
+
+        # The connection's names: the old ones work, each reported once, naming the new one.
+        def bare(argv, env_extra):
+            env = {k: v for k, v in os.environ.items() if not k.startswith("MODELAVG_")}
+            env.update(env_extra)
+            return subprocess.run([args.cli, *argv], capture_output=True, text=True,
+                                  timeout=60, env=env)
+        old = bare([f"--address={coord.address}", f"--token_file={token_file}",
+                    "--timeout_ms=5000", "jobs"], {})
+        check(old.returncode == 0 and "cli-demo" in old.stdout, f"old flags: {old.stderr}")
+        for name, new in (("--address", "--coordinator"), ("--token_file", "--auth_token_file"),
+                          ("--timeout_ms", "--rpc_timeout_ms")):
+            warned = [l for l in old.stderr.splitlines() if f"{name} is deprecated" in l]
+            check(len(warned) == 1 and f"use {new}" in warned[0],
+                  f"the warning for {name}: {old.stderr}")
+        env = bare(["jobs"], {"MODELAVG_COORDINATOR": coord.address,
+                              "MODELAVG_TOKEN_FILE": token_file})
+        check(env.returncode == 0 and "cli-demo" in env.stdout and
+              "MODELAVG_TOKEN_FILE is deprecated: use MODELAVG_AUTH_TOKEN_FILE" in env.stderr,
+              f"$MODELAVG_TOKEN_FILE: {env.returncode} {env.stderr}")
+        new = bare(["jobs"], {"MODELAVG_COORDINATOR": coord.address,
+                              "MODELAVG_AUTH_TOKEN_FILE": token_file})
+        check(new.returncode == 0 and "cli-demo" in new.stdout and new.stderr == "",
+              f"$MODELAVG_AUTH_TOKEN_FILE: {new.returncode} {new.stderr}")
+        # The flag wins over the variable (which names a port nobody serves).
+        both = bare([f"--coordinator={coord.address}", "jobs"],
+                    {"MODELAVG_COORDINATOR": "127.0.0.1:1", "MODELAVG_AUTH_TOKEN_FILE": token_file})
+        check(both.returncode == 0 and "cli-demo" in both.stdout, f"flag over env: {both.stderr}")
 
         out = run("delete", "cli-demo")
         show("delete cli-demo", out)
@@ -252,7 +283,7 @@ def main():
         ok = subprocess.run([args.cli, f"--coordinator={tls.address}", f"--tls_ca_file={cert}",
                              "jobs"], capture_output=True, text=True, timeout=60)
         check(ok.returncode == 0 and "no jobs" in ok.stdout, f"TLS: {ok.stdout} {ok.stderr}")
-        plain = subprocess.run([args.cli, f"--coordinator={tls.address}", "--timeout_ms=3000",
+        plain = subprocess.run([args.cli, f"--coordinator={tls.address}", "--rpc_timeout_ms=3000",
                                 "jobs"], capture_output=True, text=True, timeout=60)
         check(plain.returncode == 1 and "UNAVAILABLE" in plain.stderr,
               f"plaintext to a TLS coordinator: {plain.returncode} {plain.stderr}")

@@ -156,8 +156,8 @@ class Cluster {
     coordinator_ = std::make_unique<CoordinatorProcess>(MODELAVG_COORDINATOR_BIN, dir_.path(),
                                                         std::move(coordinator_flags));
     if (coordinator_->address().empty()) return;
-    client::CoordinatorClientOptions o;
-    o.address = coordinator_->address();
+    client::ConnectionOptions o;
+    o.coordinator = coordinator_->address();
     auto c = client::CoordinatorClient::Create(o);
     if (c.ok()) admin_ = *std::move(c);
   }

@@ -103,8 +103,8 @@ class Coordinator {
   std::string log() { return process_ ? process_->process().err() : ""; }
 
   std::unique_ptr<client::CoordinatorClient> Admin() {
-    client::CoordinatorClientOptions options;
-    options.address = address_;
+    client::ConnectionOptions options;
+    options.coordinator = address_;
     options.rpc_timeout = absl::Seconds(10);
     auto admin = client::CoordinatorClient::Create(options);
     return admin.ok() ? *std::move(admin) : nullptr;

@@ -153,14 +153,15 @@ class Project:
         """Runs modelavg-rpc against `service` in a one-off container of the `inspect` service
         (on the network)."""
         out = self.compose_cmd("run", "--rm", "-T", "--no-deps", "inspect", "modelavg-rpc",
-                               f"--address={service}:50051", "--timeout_ms=20000", *argv,
+                               f"--coordinator={service}:50051", "--rpc_timeout_ms=20000", *argv,
                                timeout_s=120, check=check)
         return out.stdout if check else out
 
     def serving(self, service):
         """(SERVING?, what the gRPC health probe said), probed inside the service's container."""
         out = self.run([self.engine, "exec", self.container(service), "modelavg-health",
-                        "--address=127.0.0.1:50051", "--timeout_ms=2000"], check=False, quiet=True)
+                        "--coordinator=127.0.0.1:50051", "--rpc_timeout_ms=2000"], check=False,
+                       quiet=True)
         return out.returncode == 0, (out.stdout + out.stderr).strip()
 
     def wait_leader(self, services, timeout_s):

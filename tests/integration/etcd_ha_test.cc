@@ -248,8 +248,8 @@ class HaCoordinator {
   std::string log() const { return process_ ? process_->process().err() : ""; }
   // Answers Ping: it leads.
   bool Leads() {
-    client::CoordinatorClientOptions options;
-    options.address = address();
+    client::ConnectionOptions options;
+    options.coordinator = address();
     options.rpc_timeout = absl::Milliseconds(500);
     auto c = client::CoordinatorClient::Create(options);
     return c.ok() && (*c)->Ping().ok();
@@ -317,8 +317,8 @@ class EtcdHaTest : public ::testing::Test {
     return leader;
   }
   std::unique_ptr<client::CoordinatorClient> Admin() {
-    client::CoordinatorClientOptions options;
-    options.address = Addresses();
+    client::ConnectionOptions options;
+    options.coordinator = Addresses();
     options.rpc_timeout = absl::Seconds(5);
     auto admin = client::CoordinatorClient::Create(options);
     return admin.ok() ? *std::move(admin) : nullptr;
@@ -429,16 +429,16 @@ constexpr int64_t kSteps = 40;
 
 TEST_F(EtcdHaTest, Standby_AnswersUnavailableNamingTheLeader_HealthNotServing) {
   ASSERT_NO_FATAL_FAILURE(StartAll(1));
-  client::CoordinatorClientOptions options;
-  options.address = coordinators_[1]->address();
+  client::ConnectionOptions options;
+  options.coordinator = coordinators_[1]->address();
   auto standby = client::CoordinatorClient::Create(options);
   ASSERT_TRUE(standby.ok());
   // (Once it has read the leader key: it campaigns within a moment of starting.)
   absl::Status s;
   ASSERT_TRUE(WaitFor(
       [&] {
-        client::CoordinatorClientOptions one;
-        one.address = coordinators_[1]->address();
+        client::ConnectionOptions one;
+        one.coordinator = coordinators_[1]->address();
         s = (*client::CoordinatorClient::Create(one))->Ping();
         return absl::StrContains(s.message(), "the leader is at");
       },
@@ -450,9 +450,9 @@ TEST_F(EtcdHaTest, Standby_AnswersUnavailableNamingTheLeader_HealthNotServing) {
   // The client followed the leader it named.
   EXPECT_EQ((*standby)->current_address(), coordinators_[0]->address());
   EXPECT_TRUE((*standby)->CreateJob(MakeSpec("x", 1, v1::PERIODIC, {{1, 1}}, 0)).ok());
-  Process health_a({MODELAVG_HEALTH_BIN, "--address=" + coordinators_[0]->address()},
+  Process health_a({MODELAVG_HEALTH_BIN, "--coordinator=" + coordinators_[0]->address()},
                    dir_ + "/health-a");
-  Process health_b({MODELAVG_HEALTH_BIN, "--address=" + coordinators_[1]->address()},
+  Process health_b({MODELAVG_HEALTH_BIN, "--coordinator=" + coordinators_[1]->address()},
                    dir_ + "/health-b");
   EXPECT_EQ(health_a.Wait(absl::Seconds(20)), 0) << health_a.out() << health_a.err();
   EXPECT_EQ(health_b.Wait(absl::Seconds(20)), 1) << health_b.out() << health_b.err();
@@ -556,8 +556,8 @@ TEST_F(EtcdHaTest, LeaderPausedPastTtl_StandbyTakesOver_OldLeaderStopsServing) {
   absl::SleepFor(absl::Milliseconds(500));
   coordinators_[0]->Signal(SIGCONT);
   // Its first answers after the pause: UNAVAILABLE naming the new leader, no write taken.
-  client::CoordinatorClientOptions options;
-  options.address = coordinators_[0]->address();
+  client::ConnectionOptions options;
+  options.coordinator = coordinators_[0]->address();
   auto old = client::CoordinatorClient::Create(options);
   ASSERT_TRUE(old.ok());
   absl::Status s = (*old)->CreateJob(MakeSpec("late", 1, v1::PERIODIC, {{1, 1}}, 0)).status();
@@ -848,6 +848,8 @@ TEST_F(EtcdHaTest, EtcdAuth_RightPasswordServes_WrongMissingOrUnauthorizedExitNa
   ASSERT_TRUE(coordinators_[0]->Start()) << coordinators_[0]->log();
   ASSERT_TRUE(WaitFor([&] { return coordinators_[0]->Leads(); }, absl::Seconds(30)))
       << coordinators_[0]->log();
+  // The password goes over plaintext here: said at start.
+  EXPECT_THAT(coordinators_[0]->log(), HasSubstr("etcd auth without TLS"));
   auto admin = Admin();
   ASSERT_TRUE(Retrying([&] {
                 return admin->CreateJob(MakeSpec("auth", 2, v1::PERIODIC, {{2, 2}}, 0));

@@ -31,7 +31,7 @@
 #include "server/coordinator_server.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
-#include "tests/tools/in_process_coordinator.h"
+#include "tests/testing/in_process_coordinator.h"
 #include "tests/tools/make_job_spec.h"
 #include "tests/tools/process.h"
 #include "tests/tools/temp_dir.h"
@@ -39,6 +39,8 @@
 namespace modelavg::server {
 namespace {
 
+using ::modelavg::testing::CallContext;
+using ::modelavg::testing::InProcessCoordinatorTest;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -120,7 +122,7 @@ class HostileTest : public InProcessCoordinatorTest {
     absl::Notification done;
     grpc::Status status;
     auto ctx = Context(token);
-    generic_->UnaryCall(ctx.get(), "/modelavg.v1.Coordinator/" + rpc, grpc::StubOptions(),
+    generic()->UnaryCall(ctx.get(), "/modelavg.v1.Coordinator/" + rpc, grpc::StubOptions(),
                         &request, &reply, [&](grpc::Status s) {
                           status = std::move(s);
                           done.Notify();
@@ -145,7 +147,7 @@ TEST_F(HostileTest, GarbageRequest_EveryUnaryRpc_InvalidArgumentWithMessage) {
     EXPECT_THAT(s.error_message(), HasSubstr(absl::StrCat(rpc, " takes a modelavg.v1."))) << rpc;
   }
   v1::PingResponse pong;
-  EXPECT_TRUE(stub_->Ping(Context().get(), v1::PingRequest(), &pong).ok());
+  EXPECT_TRUE(stub()->Ping(Context().get(), v1::PingRequest(), &pong).ok());
 }
 
 // A HeartbeatStream that received garbage ended with status OK and dropped the next beats
@@ -155,18 +157,18 @@ TEST_F(HostileTest, GarbageOnStreams_EndWithInvalidArgument) {
   v1::CreateJobRequest create;
   *create.mutable_spec() = Spec("s", 1);
   v1::Job job;
-  ASSERT_TRUE(stub_->CreateJob(Context().get(), create, &job).ok());
+  ASSERT_TRUE(stub()->CreateJob(Context().get(), create, &job).ok());
   v1::JoinRequest join;
   join.set_job_id("s");
   join.set_worker_id("w");
   v1::JoinResponse joined;
-  ASSERT_TRUE(stub_->Join(Context().get(), join, &joined).ok());
+  ASSERT_TRUE(stub()->Join(Context().get(), join, &joined).ok());
   v1::HeartbeatRequest beat;
   beat.set_job_id("s");
   beat.set_generation(1);
   beat.set_credential(joined.credential());
   {
-    RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HeartbeatStream",
+    RawStream stream(generic(), "/modelavg.v1.Coordinator/HeartbeatStream",
                      {Bytes(beat), Garbage(), Bytes(beat)});
     const grpc::Status s = stream.Wait();
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
@@ -177,7 +179,7 @@ TEST_F(HostileTest, GarbageOnStreams_EndWithInvalidArgument) {
     v1::HostHeartbeatRequest host;
     *host.add_beats() = beat;
     host.set_reply_interval_ms(1000);
-    RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HostHeartbeatStream",
+    RawStream stream(generic(), "/modelavg.v1.Coordinator/HostHeartbeatStream",
                      {Bytes(host), Garbage(), Bytes(host)});
     const grpc::Status s = stream.Wait();
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
@@ -186,7 +188,7 @@ TEST_F(HostileTest, GarbageOnStreams_EndWithInvalidArgument) {
     EXPECT_EQ(stream.replies(), 1);
   }
   {
-    RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/WatchJob", {Garbage()});
+    RawStream stream(generic(), "/modelavg.v1.Coordinator/WatchJob", {Garbage()});
     const grpc::Status s = stream.Wait();
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_THAT(s.error_message(), HasSubstr("WatchJob takes a modelavg.v1.WatchJobRequest"));
@@ -203,11 +205,11 @@ TEST_F(HostileTest, Roles_EachRoleOnEachRpc) {
   v1::CreateJobRequest create;
   *create.mutable_spec() = Spec("r", 1);
   v1::Job job;
-  grpc::Status s = stub_->CreateJob(Context(kWorker).get(), create, &job);
+  grpc::Status s = stub()->CreateJob(Context(kWorker).get(), create, &job);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_THAT(s.error_message(), HasSubstr("CreateJob needs the operator role"));
   EXPECT_THAT(s.error_message(), HasSubstr("has the worker role"));
-  ASSERT_TRUE(stub_->CreateJob(Context(kOperator).get(), create, &job).ok());
+  ASSERT_TRUE(stub()->CreateJob(Context(kOperator).get(), create, &job).ok());
 
   // Every RPC with a request that names the job: with the worker token none is refused for its
   // role but CreateJob and DeleteJob; without a token or with a wrong one all are.
@@ -277,13 +279,13 @@ TEST_F(HostileTest, Roles_EachRoleOnEachRpc) {
     EXPECT_THAT(op.error_message(), Not(HasSubstr("role"))) << rpc;
     EXPECT_NE(op.error_code(), grpc::StatusCode::UNAUTHENTICATED) << rpc;
   }
-  EXPECT_EQ(stub_->GetJob(Context(kOperator).get(), v1::GetJobRequest(), &job).error_code(),
+  EXPECT_EQ(stub()->GetJob(Context(kOperator).get(), v1::GetJobRequest(), &job).error_code(),
             grpc::StatusCode::NOT_FOUND);
   // Streams: the worker role may heartbeat and watch.
   v1::HeartbeatRequest beat;
   beat.set_job_id("r2");
   beat.set_generation(1);
-  RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HeartbeatStream", {Bytes(beat)},
+  RawStream stream(generic(), "/modelavg.v1.Coordinator/HeartbeatStream", {Bytes(beat)},
                    kWorker);
   const grpc::Status streamed = stream.Wait();
   EXPECT_THAT(streamed.error_message(), Not(HasSubstr("role")));
@@ -291,12 +293,12 @@ TEST_F(HostileTest, Roles_EachRoleOnEachRpc) {
   v1::HostHeartbeatRequest host;
   *host.add_beats() = beat;
   host.set_reply_interval_ms(1000);
-  RawStream shared(generic_.get(), "/modelavg.v1.Coordinator/HostHeartbeatStream",
+  RawStream shared(generic(), "/modelavg.v1.Coordinator/HostHeartbeatStream",
                    {Bytes(host)}, kWorker);
   const grpc::Status host_streamed = shared.Wait();
   EXPECT_THAT(host_streamed.error_message(), Not(HasSubstr("role")));
   EXPECT_NE(host_streamed.error_code(), grpc::StatusCode::UNAUTHENTICATED);
-  RawStream anonymous(generic_.get(), "/modelavg.v1.Coordinator/HostHeartbeatStream",
+  RawStream anonymous(generic(), "/modelavg.v1.Coordinator/HostHeartbeatStream",
                       {Bytes(host)});
   EXPECT_EQ(anonymous.Wait().error_code(), grpc::StatusCode::UNAUTHENTICATED);
 }
@@ -324,7 +326,7 @@ TEST_F(HostileTest, ListJobs_ManyBigJobs_EveryPageReadableWithDefaultLimits) {
     v1::CreateJobRequest create;
     *create.mutable_spec() = Spec(absl::StrCat("big-", j), kWorld);
     v1::Job job;
-    ASSERT_TRUE(stub_->CreateJob(Context().get(), create, &job).ok());
+    ASSERT_TRUE(stub()->CreateJob(Context().get(), create, &job).ok());
   }
   // Fill the members of one job with long worker ids and hosts through the wire (Join waits;
   // the calls are cancelled at teardown, which frees their ranks).
@@ -338,7 +340,7 @@ TEST_F(HostileTest, ListJobs_ManyBigJobs_EveryPageReadableWithDefaultLimits) {
     join.set_host(std::string(250, 'h'));
     join.set_rank(r);
     joins.push_back(Context("", absl::Seconds(60)));
-    stub_->async()->Join(joins.back().get(), &join, &replies[r],
+    stub()->async()->Join(joins.back().get(), &join, &replies[r],
                          [&finished](grpc::Status) { ++finished; });
   }
   // Wait until the coordinator holds them all.
@@ -347,7 +349,7 @@ TEST_F(HostileTest, ListJobs_ManyBigJobs_EveryPageReadableWithDefaultLimits) {
   v1::Job big;
   for (int i = 0; i < 600; ++i) {
     big.Clear();
-    ASSERT_TRUE(stub_->GetJob(Context().get(), get, &big).ok());
+    ASSERT_TRUE(stub()->GetJob(Context().get(), get, &big).ok());
     if (big.members_omitted()) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
@@ -357,7 +359,7 @@ TEST_F(HostileTest, ListJobs_ManyBigJobs_EveryPageReadableWithDefaultLimits) {
   request.set_page_size(1000);
   for (int page = 0; page < 20; ++page) {
     v1::ListJobsResponse response;
-    const grpc::Status s = stub_->ListJobs(Context().get(), request, &response);
+    const grpc::Status s = stub()->ListJobs(Context().get(), request, &response);
     ASSERT_TRUE(s.ok()) << s.error_message();
     EXPECT_LT(response.ByteSizeLong(), 4u * 1024 * 1024);
     seen += response.jobs_size();
@@ -380,14 +382,14 @@ TEST_F(HostileTest, Join_WrongWorldSize_RefusedAtOnce) {
   v1::CreateJobRequest create;
   *create.mutable_spec() = Spec("four", 4);
   v1::Job job;
-  ASSERT_TRUE(stub_->CreateJob(Context().get(), create, &job).ok());
+  ASSERT_TRUE(stub()->CreateJob(Context().get(), create, &job).ok());
   v1::JoinRequest join;
   join.set_job_id("four");
   join.set_worker_id("w");
   join.set_rank(0);
   join.set_world_size(8);
   v1::JoinResponse joined;
-  const grpc::Status s = stub_->Join(Context("", absl::Seconds(30)).get(), join, &joined);
+  const grpc::Status s = stub()->Join(Context("", absl::Seconds(30)).get(), join, &joined);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(s.error_message(), HasSubstr("expects world_size 8 but job four has world_size 4"));
 }
@@ -409,7 +411,7 @@ TEST_F(HostileTest, Credentials_RankScopedCallsNeedThem_NeverLogged) {
   *create.mutable_spec() = Spec("two", 2);
   create.mutable_spec()->set_heartbeat_timeout_ms(60000);
   v1::Job job;
-  ASSERT_TRUE(stub_->CreateJob(Context(kOperator).get(), create, &job).ok());
+  ASSERT_TRUE(stub()->CreateJob(Context(kOperator).get(), create, &job).ok());
   std::vector<v1::JoinResponse> joined(2);
   std::vector<std::thread> joins;
   for (int r = 0; r < 2; ++r) {
@@ -418,7 +420,7 @@ TEST_F(HostileTest, Credentials_RankScopedCallsNeedThem_NeverLogged) {
       join.set_job_id("two");
       join.set_worker_id(absl::StrCat("w", r));
       join.set_rank(r);
-      EXPECT_TRUE(stub_->Join(Context(kOperator).get(), join, &joined[r]).ok());
+      EXPECT_TRUE(stub()->Join(Context(kOperator).get(), join, &joined[r]).ok());
     });
   }
   for (auto& t : joins) t.join();
@@ -433,13 +435,13 @@ TEST_F(HostileTest, Credentials_RankScopedCallsNeedThem_NeverLogged) {
   v1::HeartbeatResponse beat_reply;
   for (const std::string& wrong : {std::string(), joined[0].credential()}) {
     beat.set_credential(wrong);
-    EXPECT_EQ(stub_->Heartbeat(Context(kOperator).get(), beat, &beat_reply).error_code(),
+    EXPECT_EQ(stub()->Heartbeat(Context(kOperator).get(), beat, &beat_reply).error_code(),
               grpc::StatusCode::PERMISSION_DENIED);
   }
   // The same on a stream: it ends with PERMISSION_DENIED.
   {
     beat.set_credential("");
-    RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HeartbeatStream", {Bytes(beat)},
+    RawStream stream(generic(), "/modelavg.v1.Coordinator/HeartbeatStream", {Bytes(beat)},
                      kOperator);
     EXPECT_EQ(stream.Wait().error_code(), grpc::StatusCode::PERMISSION_DENIED);
   }
@@ -451,20 +453,20 @@ TEST_F(HostileTest, Credentials_RankScopedCallsNeedThem_NeverLogged) {
   publish.set_rank(0);
   publish.set_unique_id("EVIL");
   v1::PublishCommIdResponse published;
-  EXPECT_EQ(stub_->PublishCommId(Context(kOperator).get(), publish, &published).error_code(),
+  EXPECT_EQ(stub()->PublishCommId(Context(kOperator).get(), publish, &published).error_code(),
             grpc::StatusCode::PERMISSION_DENIED);
   publish.set_unique_id("leader-id");
   publish.set_credential(joined[0].credential());
-  ASSERT_TRUE(stub_->PublishCommId(Context(kOperator).get(), publish, &published).ok());
+  ASSERT_TRUE(stub()->PublishCommId(Context(kOperator).get(), publish, &published).ok());
   v1::GetCommIdRequest fetch;
   fetch.set_job_id("two");
   fetch.set_generation(1);
   fetch.set_rank(1);
   v1::GetCommIdResponse fetched;
-  EXPECT_EQ(stub_->GetCommId(Context(kOperator).get(), fetch, &fetched).error_code(),
+  EXPECT_EQ(stub()->GetCommId(Context(kOperator).get(), fetch, &fetched).error_code(),
             grpc::StatusCode::PERMISSION_DENIED);
   fetch.set_credential(joined[1].credential());
-  ASSERT_TRUE(stub_->GetCommId(Context(kOperator).get(), fetch, &fetched).ok());
+  ASSERT_TRUE(stub()->GetCommId(Context(kOperator).get(), fetch, &fetched).ok());
   EXPECT_EQ(fetched.unique_id(), "leader-id");
   // Leave for the other rank: refused, no new generation.
   v1::LeaveRequest leave;
@@ -472,7 +474,7 @@ TEST_F(HostileTest, Credentials_RankScopedCallsNeedThem_NeverLogged) {
   leave.set_rank(1);
   leave.set_generation(1);
   v1::LeaveResponse left;
-  EXPECT_EQ(stub_->Leave(Context(kOperator).get(), leave, &left).error_code(),
+  EXPECT_EQ(stub()->Leave(Context(kOperator).get(), leave, &left).error_code(),
             grpc::StatusCode::PERMISSION_DENIED);
   // Join of the live rank 1 by another worker: ALREADY_EXISTS naming the holder.
   v1::JoinRequest intruder;
@@ -480,27 +482,260 @@ TEST_F(HostileTest, Credentials_RankScopedCallsNeedThem_NeverLogged) {
   intruder.set_worker_id("intruder");
   intruder.set_rank(1);
   v1::JoinResponse none;
-  const grpc::Status taken = stub_->Join(Context(kOperator).get(), intruder, &none);
+  const grpc::Status taken = stub()->Join(Context(kOperator).get(), intruder, &none);
   EXPECT_EQ(taken.error_code(), grpc::StatusCode::ALREADY_EXISTS);
   EXPECT_THAT(taken.error_message(), HasSubstr("held by worker \"w1\""));
   v1::GetJobRequest get;
   get.set_job_id("two");
-  ASSERT_TRUE(stub_->GetJob(Context(kOperator).get(), get, &job).ok());
+  ASSERT_TRUE(stub()->GetJob(Context(kOperator).get(), get, &job).ok());
   EXPECT_EQ(job.generation(), 1);
   EXPECT_EQ(job.state(), v1::RUNNING);
   EXPECT_EQ(job.members(1).last_step(), -1);
   // With the credential each call works.
   beat.set_credential(joined[1].credential());
-  ASSERT_TRUE(stub_->Heartbeat(Context(kOperator).get(), beat, &beat_reply).ok());
+  ASSERT_TRUE(stub()->Heartbeat(Context(kOperator).get(), beat, &beat_reply).ok());
   leave.set_credential(joined[1].credential());
-  ASSERT_TRUE(stub_->Leave(Context(kOperator).get(), leave, &left).ok());
+  ASSERT_TRUE(stub()->Leave(Context(kOperator).get(), leave, &left).ok());
   EXPECT_EQ(left.generation(), 2);
 
-  server_.reset();
+  StopServer();
   spdlog::set_default_logger(previous);
   const std::string text = log->str();
   EXPECT_THAT(text, HasSubstr("joined as rank 1"));  // the capture did see the coordinator
   for (const auto& j : joined) EXPECT_THAT(text, Not(HasSubstr(j.credential())));
+}
+
+// worker_id and host took ESC, CR and NUL, which the modelavg CLI then printed raw into an
+// operator's terminal (retitle it, clear it, forge lines) and the coordinator into its log.
+// Now Join refuses a control character in either with INVALID_ARGUMENT naming the field; the
+// job is unchanged.
+TEST_F(HostileTest, Join_ControlCharactersInNames_RefusedNamingTheField) {
+  Start();
+  v1::CreateJobRequest create;
+  *create.mutable_spec() = Spec("names", 1);
+  v1::Job job;
+  ASSERT_TRUE(stub()->CreateJob(Context().get(), create, &job).ok());
+  struct Case {
+    std::string worker_id, host, field;
+  };
+  const std::vector<Case> cases = {
+      {"w\x1b]0;owned\x07", "h", "worker_id"},
+      {"w\x1b[2J\x1b[H", "h", "worker_id"},
+      {std::string("w\0x", 3), "h", "worker_id"},
+      {"w\x7f", "h", "worker_id"},
+      {"w\xc2\x9b" "31m", "h", "worker_id"},  // C1 CSI in UTF-8
+      {"w", "h\r\n[info] job names: all ranks joined", "host"},
+      {"w", "h\tx", "host"},
+  };
+  for (const Case& c : cases) {
+    v1::JoinRequest join;
+    join.set_job_id("names");
+    join.set_worker_id(c.worker_id);
+    join.set_host(c.host);
+    v1::JoinResponse joined;
+    const grpc::Status s = stub()->Join(Context("", absl::Seconds(5)).get(), join, &joined);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.field;
+    EXPECT_THAT(s.error_message(), HasSubstr(c.field + " \"")) << c.field;
+    EXPECT_THAT(s.error_message(), HasSubstr("control character")) << c.field;
+    // The message shows the value escaped, never raw.
+    EXPECT_EQ(s.error_message().find_first_of(std::string("\x1b\r\n\x07\0", 5)), std::string::npos)
+        << s.error_message();
+  }
+  v1::GetJobRequest get;
+  get.set_job_id("names");
+  ASSERT_TRUE(stub()->GetJob(Context().get(), get, &job).ok());
+  EXPECT_EQ(job.state(), v1::PENDING);
+  EXPECT_EQ(job.members_size(), 0);
+  // Printable names, UTF-8 included, are taken.
+  v1::JoinRequest join;
+  join.set_job_id("names");
+  join.set_worker_id("trainer-\xc3\xa9t\xc3\xa9:42");
+  join.set_host("node-7.example");
+  v1::JoinResponse joined;
+  const grpc::Status s = stub()->Join(Context().get(), join, &joined);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+// The daemon started with `flags` (and --listen, --port_file) in `dir`; its address once it
+// serves, "" if it did not start.
+std::string StartDaemon(const std::string& dir, const std::vector<std::string>& flags,
+                        std::unique_ptr<modelavg::testing::Process>* daemon) {
+  const std::string port_file = dir + "/port";
+  std::vector<std::string> args = {MODELAVG_COORDINATOR_BIN, "--listen=127.0.0.1:0",
+                                   "--port_file=" + port_file};
+  args.insert(args.end(), flags.begin(), flags.end());
+  *daemon = std::make_unique<modelavg::testing::Process>(args, dir + "/coordinator");
+  for (int i = 0; i < 3000; ++i) {
+    absl::StatusOr<std::string> text = ReadFileToString(port_file);
+    if (text.ok() && absl::EndsWith(*text, "\n")) {
+      return std::string(absl::StripSuffix(*text, "\n"));
+    }
+    if ((*daemon)->Wait(absl::ZeroDuration()).has_value()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return "";
+}
+
+// One worker token for every job let anyone who held it take a free rank of any job. Now each
+// line of --worker_token_file may list the jobs its token may use (ids, or prefixes ending in
+// '*'): a call of such a token that names another job is refused PERMISSION_DENIED naming the
+// job (Join and every other worker call), and ListJobs shows it only its jobs; a token alone on
+// its line (the old file) may use every job.
+TEST(HostileDaemonTest, WorkerTokenLimitedToJobA_RefusedOnJobB) {
+  modelavg::testing::TempDir dir("worker-tokens");
+  ASSERT_NE(dir.path(), "");
+  {
+    std::ofstream(dir.path() + "/operator") << kOperator << "\n";
+    std::ofstream(dir.path() + "/workers") << "# the trainers' tokens\n"
+                                           << "token-a  job-a\n"
+                                           << "token-b  job-b, team-*\n"
+                                           << "token-all\n";
+  }
+  std::unique_ptr<modelavg::testing::Process> daemon;
+  const std::string address =
+      StartDaemon(dir.path(),
+                  {"--auth_token_file=" + dir.path() + "/operator",
+                   "--worker_token_file=" + dir.path() + "/workers"},
+                  &daemon);
+  ASSERT_FALSE(address.empty()) << daemon->err();
+  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  auto stub = v1::Coordinator::NewStub(channel);
+  grpc::GenericStub generic(channel);
+  for (const char* id : {"job-a", "job-b", "team-x"}) {
+    v1::CreateJobRequest create;
+    *create.mutable_spec() = Spec(id, 2);
+    create.mutable_spec()->set_heartbeat_timeout_ms(60000);
+    v1::Job job;
+    ASSERT_TRUE(stub->CreateJob(Context(kOperator).get(), create, &job).ok());
+  }
+  auto join = [&](const std::string& token, const std::string& job, v1::JoinResponse* joined) {
+    v1::JoinRequest request;
+    request.set_job_id(job);
+    request.set_worker_id("w");
+    return stub->Join(Context(token, absl::Milliseconds(300)).get(), request, joined);
+  };
+  v1::JoinResponse joined;
+  // Job A's token on job B: refused at once, naming the job.
+  grpc::Status s = join("token-a", "job-b", &joined);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(s.error_message(), HasSubstr("Join of job job-b"));
+  EXPECT_THAT(s.error_message(), HasSubstr("limited to job(s) job-a"));
+  // On its own job it is a worker (the Join waits for the second rank: its deadline passes).
+  EXPECT_EQ(join("token-a", "job-a", &joined).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  // A prefix, and the token without jobs.
+  EXPECT_EQ(join("token-b", "team-x", &joined).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(join("token-b", "job-a", &joined).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  for (const char* job : {"job-a", "job-b", "team-x"}) {
+    EXPECT_EQ(join("token-all", job, &joined).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+        << job;
+  }
+
+  // Every other worker call that names job B.
+  std::vector<std::pair<std::string, grpc::ByteBuffer>> calls;
+  {
+    v1::GetJobRequest get;
+    get.set_job_id("job-b");
+    calls.emplace_back("GetJob", Bytes(get));
+    v1::HeartbeatRequest beat;
+    beat.set_job_id("job-b");
+    calls.emplace_back("Heartbeat", Bytes(beat));
+    v1::StepRequest step;
+    step.set_job_id("job-b");
+    calls.emplace_back("Step", Bytes(step));
+    v1::GetScheduleRequest schedule;
+    schedule.set_job_id("job-b");
+    schedule.set_count(4);
+    calls.emplace_back("GetSchedule", Bytes(schedule));
+    v1::PublishCommIdRequest publish;
+    publish.set_job_id("job-b");
+    publish.set_unique_id("id");
+    calls.emplace_back("PublishCommId", Bytes(publish));
+    v1::GetCommIdRequest fetch;
+    fetch.set_job_id("job-b");
+    calls.emplace_back("GetCommId", Bytes(fetch));
+    v1::LeaveRequest leave;
+    leave.set_job_id("job-b");
+    calls.emplace_back("Leave", Bytes(leave));
+    v1::ReportPeerFailureRequest report;
+    report.set_job_id("job-b");
+    calls.emplace_back("ReportPeerFailure", Bytes(report));
+  }
+  for (const auto& [rpc, bytes] : calls) {
+    grpc::ByteBuffer reply;
+    absl::Notification done;
+    grpc::Status status;
+    auto ctx = Context("token-a");
+    generic.UnaryCall(ctx.get(), "/modelavg.v1.Coordinator/" + rpc, grpc::StubOptions(), &bytes,
+                      &reply, [&](grpc::Status st) {
+                        status = std::move(st);
+                        done.Notify();
+                      });
+    done.WaitForNotification();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << rpc;
+    EXPECT_THAT(status.error_message(), HasSubstr(rpc + " of job job-b")) << rpc;
+  }
+  {
+    v1::WatchJobRequest watch;
+    watch.set_job_id("job-b");
+    RawStream stream(&generic, "/modelavg.v1.Coordinator/WatchJob", {Bytes(watch)}, "token-a");
+    const grpc::Status st = stream.Wait();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+    EXPECT_THAT(st.error_message(), HasSubstr("WatchJob of job job-b"));
+  }
+  v1::HeartbeatRequest beat;
+  beat.set_job_id("job-b");
+  {
+    RawStream stream(&generic, "/modelavg.v1.Coordinator/HeartbeatStream", {Bytes(beat)},
+                     "token-a");
+    const grpc::Status st = stream.Wait();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+    EXPECT_THAT(st.error_message(), HasSubstr("HeartbeatStream of job job-b"));
+  }
+  {
+    // A host's stream: the member of job B is answered with its error; the stream goes on.
+    v1::HostHeartbeatRequest host;
+    *host.add_beats() = beat;
+    host.set_reply_interval_ms(1000);
+    auto ctx = Context("token-a");
+    auto stream = v1::Coordinator::NewStub(channel)->HostHeartbeatStream(ctx.get());
+    ASSERT_TRUE(stream->Write(host));
+    v1::HostHeartbeatResponse reply;
+    ASSERT_TRUE(stream->Read(&reply));
+    ASSERT_EQ(reply.members_size(), 1);
+    EXPECT_EQ(reply.members(0).job_id(), "job-b");
+    EXPECT_EQ(reply.members(0).error_code(), static_cast<int>(grpc::StatusCode::PERMISSION_DENIED));
+    EXPECT_THAT(reply.members(0).error_message(), HasSubstr("HostHeartbeatStream of job job-b"));
+    stream->WritesDone();
+    EXPECT_TRUE(stream->Finish().ok());
+  }
+  // ListJobs shows a limited token only its jobs.
+  v1::ListJobsResponse listed;
+  ASSERT_TRUE(stub->ListJobs(Context("token-b").get(), v1::ListJobsRequest(), &listed).ok());
+  std::vector<std::string> ids;
+  for (const v1::Job& j : listed.jobs()) ids.push_back(j.spec().job_id());
+  EXPECT_THAT(ids, ::testing::ElementsAre("job-b", "team-x"));
+  ASSERT_TRUE(stub->ListJobs(Context("token-all").get(), v1::ListJobsRequest(), &listed).ok());
+  EXPECT_EQ(listed.jobs_size(), 3);
+}
+
+// A worker token file that is not one: refused at start naming the file and the line.
+TEST(HostileDaemonTest, WorkerTokenFile_BadJob_RefusedAtStart) {
+  modelavg::testing::TempDir dir("worker-tokens-bad");
+  ASSERT_NE(dir.path(), "");
+  {
+    std::ofstream(dir.path() + "/operator") << kOperator << "\n";
+    std::ofstream(dir.path() + "/workers") << "token-a job-a\ntoken-b job/b\n";
+  }
+  std::unique_ptr<modelavg::testing::Process> daemon;
+  EXPECT_EQ(StartDaemon(dir.path(),
+                        {"--auth_token_file=" + dir.path() + "/operator",
+                         "--worker_token_file=" + dir.path() + "/workers"},
+                        &daemon),
+            "");
+  EXPECT_EQ(daemon->Wait(absl::Seconds(10)), std::optional<int>(2));
+  EXPECT_THAT(daemon->err(), HasSubstr("/workers line 2: \"job/b\" is neither a job id"));
 }
 
 // SIGTERM took 15.8 s while a heavy GetSchedule ran. Now the daemon exits within about a second

@@ -1,9 +1,8 @@
-#!/usr/bin/python3
 """DiLoCo (a level's outer optimizer) from Python against plain PyTorch, every rank, every step.
 
-For one named configuration: starts a coordinator, then W forked processes. Each keeps two
-copies of the same parameters and applies the same local update to both before every step. One
-copy goes through modelavg (``average_parameters`` on a job whose levels carry
+For one named configuration: starts a coordinator, then W processes (from a fork server). Each
+keeps two copies of the same parameters and applies the same local update to both before every
+step. One copy goes through modelavg (``average_parameters`` on a job whose levels carry
 ``modelavg.OuterSGD``); the other through a reference written here from the rule alone, on a
 Gloo process group:
 
@@ -22,17 +21,15 @@ step and save ``averager.state_dict()`` with the parameters (torch.save); new pr
 job of the same spec, load them and go on. Their values must equal, exactly, those of an
 uninterrupted run of a third job.
 
-  diloco_test.py --coordinator_bin=B --python_dir=build/python --config=NAME
-  diloco_test.py --list
+  pytest tests/python/diloco_test.py ["-k NAME"]      (conftest.py: which build)
 """
 
 import os
-import sys
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tools"))
-import modelavg_testing as mt  # noqa: E402
+import pytest
+
+import modelavg_testing as mt
 
 # Levels: (period, group_size, outer) with outer None or (lr, momentum, nesterov).
 # name: (mode, world, warmup, levels, steps, how) with how "explicit" (create_job + averager)
@@ -189,7 +186,6 @@ def run_rank(rank, name, config, address, store_port, python_dir, out_queue):
     """Compares modelavg with the reference on every step."""
     try:
         mode, world, warmup, levels, steps, how = config
-        sys.path.insert(0, python_dir)
         import torch
         import torch.distributed as dist
         import modelavg
@@ -247,7 +243,6 @@ def run_checkpoint_rank(rank, name, config, address, store_port, python_dir, out
     then CHECKPOINT_AT..steps-1. Reports every step's parameters (as lists)."""
     try:
         mode, world, warmup, levels, steps, _ = config
-        sys.path.insert(0, python_dir)
         import torch
         import modelavg
         torch.set_num_threads(1)
@@ -290,7 +285,7 @@ def run(name, args):
     world = config[1]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch.distributed as dist
-    ctx = mt.rank_context()  # fork: torch imported once; gRPC not yet started
+    ctx = mt.rank_context()  # forked from a server that imported torch once
     with mt.ProcessGroup() as group:
         coordinator = mt.Coordinator(group, args.coordinator_bin,
                                      extra_flags=["--default_heartbeat_timeout_ms=15000"])
@@ -334,5 +329,6 @@ def run(name, args):
           f"({done[0]} outer-level averaging steps on rank 0)")
 
 
-if __name__ == "__main__":
-    mt.config_main(__doc__, CONFIGS, run)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_diloco(name, suite_args):
+    run(name, suite_args)

@@ -1,7 +1,6 @@
-#!/usr/bin/python3
 """modelavg.torch's drop-in averagers side by side with PyTorch's own, in the same processes.
 
-For one named configuration: starts a coordinator, then W processes (forked, Gloo process group
+For one named configuration: starts a coordinator, then W processes (from a fork server, Gloo group
 on 127.0.0.1). Each builds PyTorch's averager and modelavg's drop-in with the same constructor
 arguments, keeps two copies of the same parameters, applies the same update to both before every
 step, averages one copy with each, and asserts after every step that
@@ -13,8 +12,7 @@ step, averages one copy with each, and asserts after every step that
 The drop-in creates the job itself from its arguments and WORLD_SIZE (the first rank wins, the
 others check the spec).
 
-  dropin_test.py --coordinator_bin=B --python_dir=build/python --config=NAME
-  dropin_test.py --list
+  pytest tests/python/dropin_test.py ["-k NAME"]      (conftest.py: which build)
 
 The `features_*` configurations also cover: optimizer param_groups as input, parameters whose
 .grad is None (left alone, as PyTorch does), float32/float64/float16/bfloat16 in one call, a
@@ -22,17 +20,14 @@ non-contiguous parameter, and `averager.step` set on resume (to a step PyTorch's
 to as well).
 """
 
-import argparse
 import collections
 import os
 import queue as queue_module
-import sys
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tools"))
-sys.path.insert(0, os.path.join(HERE, "..", "conformance"))
-import modelavg_testing as mt  # noqa: E402
+import pytest
+
+import modelavg_testing as mt
 
 # name: (mode, world, warmup, levels [(period, group_size)], steps, features)
 CONFIGS = {
@@ -103,7 +98,6 @@ def run_rank(rank, name, config, address, store_port, python_dir, out_queue):
         mode, world, warmup, levels, steps, features = config
         os.environ.update({"MODELAVG_COORDINATOR": address, "MODELAVG_JOB": name.replace("_", "-"),
                            "RANK": str(rank), "WORLD_SIZE": str(world)})
-        sys.path.insert(0, python_dir)
         import torch
         import torch.distributed as dist
         from torch.distributed.algorithms.model_averaging import averagers
@@ -219,7 +213,7 @@ def run(name, args):
         coordinator = mt.Coordinator(group, args.coordinator_bin,
                                      extra_flags=["--default_heartbeat_timeout_ms=15000"])
         store = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
-        ctx = mt.rank_context()  # fork: torch imported once; gRPC not yet started
+        ctx = mt.rank_context()  # forked from a server that imported torch once
         results = ctx.Queue()
         procs = [ctx.Process(target=run_rank, args=(r, name, config, coordinator.address,
                                                     store.port, args.python_dir, results),
@@ -254,25 +248,6 @@ def run(name, args):
           f"({averages} averaging steps on rank 0)")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--coordinator_bin")
-    p.add_argument("--python_dir", help="the build's python/ directory (holds modelavg/)")
-    p.add_argument("--config", action="append")
-    p.add_argument("--timeout_s", type=float, default=150)
-    p.add_argument("--list", action="store_true")
-    args = p.parse_args()
-    if args.list:
-        print("\n".join(CONFIGS))
-        return 0
-    if not args.coordinator_bin or not args.python_dir:
-        p.error("--coordinator_bin and --python_dir are required")
-    for name in args.config or list(CONFIGS):
-        if name not in CONFIGS:
-            mt.fail(f"unknown --config={name}; known: {', '.join(CONFIGS)}")
-        run(name, args)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_dropin(name, suite_args):
+    run(name, suite_args)

@@ -1,4 +1,3 @@
-#!/usr/bin/python3
 """An elastic job from Python: a worker killed mid-run, then a replacement (one CTest test).
 
 Starts a coordinator and an elastic PERIODIC job (world 4, min_world_size 3, period 2), then four
@@ -21,10 +20,9 @@ one JSON line per step (decision, parameters before and after); the test then as
   * get_job shows min_world_size, live_world_size, vacant_ranks, deaths, admissions and the
     replacement's admitted_step.
 
-  elastic_test.py --coordinator_bin=B --python_dir=build/python
+  pytest tests/python/elastic_test.py      (conftest.py: which build)
 """
 
-import argparse
 import json
 import os
 import signal
@@ -32,9 +30,7 @@ import sys
 import textwrap
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tools"))
-import modelavg_testing as mt  # noqa: E402
+import modelavg_testing as mt
 
 JOB = "elastic-py"
 WORLD = 4
@@ -121,7 +117,6 @@ def tail(path, n=40):
 
 
 def run(args):
-    sys.path.insert(0, args.python_dir)
     import modelavg
     started = time.monotonic()
     with mt.ProcessGroup() as group:
@@ -267,15 +262,7 @@ def check(lines, admitted_steps, failure):
                 "expected to grow at the kill and at the admission")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--coordinator_bin", required=True)
-    p.add_argument("--python_dir", required=True, help="the build's python/ (holds modelavg/)")
-    p.add_argument("--timeout_s", type=float, default=90)
-    args = p.parse_args()
-    run(args)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def test_elastic(suite_args):
+    if "MODELAVG_TEST_TIMEOUT_S" not in os.environ:
+        suite_args.timeout_s = 90  # the survivors' whole run and the replacement's
+    run(suite_args)

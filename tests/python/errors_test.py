@@ -1,20 +1,23 @@
-#!/usr/bin/python3
 """The modelavg package's API and errors against a real coordinator (one check per CTest test).
 
-  errors_test.py --coordinator_bin=B --python_dir=build/python --check=NAME
-  errors_test.py --list
+  pytest tests/python/errors_test.py ["-k NAME"]      (conftest.py: which build)
 
 Checks:
   no_such_job       connect / the drop-in on a job that does not exist: NotFoundError naming it
   spec_mismatch     the drop-in on an existing job with another plan (or min_world_size): a
                     ValueError naming both; a process group other than the default: a clear error
   dead_peer         a peer is killed (SIGKILL) mid-training: the survivor's next averaging step
-                    raises PeerFailureError naming rank 1
+                    raises PeerFailureError naming rank 1 (its rank attribute, from the typed
+                    error, and its message)
   elastic_below_min an elastic job of 3 (min_world_size 2): the survivors go on after one
                     SIGKILL (decisions list [0, 1]); after a second one the last survivor gets
                     PeerFailureError saying the job fell below min_world_size
   unreachable       nothing listens at the address: UnavailableError (a ConnectionError) within
                     join_timeout
+  environment       the connection from the environment, as every modelavg program reads it:
+                    $MODELAVG_COORDINATOR and $MODELAVG_AUTH_TOKEN_FILE reach a coordinator
+                    that needs a token; the old $MODELAVG_TOKEN_FILE works, reported once on
+                    stderr; a token passed as a keyword wins over the environment's
   interrupt         SIGINT while connect waits for a world that never completes: KeyboardInterrupt
                     at once (not after join_timeout), the Join is cancelled (the rank is free
                     again), and the process returns from main and exits cleanly; SIGINT in
@@ -28,7 +31,6 @@ Checks:
                     the GIL is released during connect and averaging)
 """
 
-import argparse
 import json
 import os
 import signal
@@ -39,11 +41,9 @@ import textwrap
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tools"))
-import modelavg_testing as mt  # noqa: E402
+import pytest
 
-ARGS = None
+import modelavg_testing as mt
 
 
 def expect_raises(what, cls, fn, *contains):
@@ -61,8 +61,8 @@ def expect_raises(what, cls, fn, *contains):
 
 
 def child(code, env_extra=None, group=None, name="child"):
-    """A Python process running `code` with the package importable."""
-    env = dict(os.environ, PYTHONPATH=ARGS.python_dir, **(env_extra or {}))
+    """A Python process running `code` with the package importable (conftest.py)."""
+    env = dict(os.environ, **(env_extra or {}))
     return group.start([sys.executable, "-c", textwrap.dedent(code)], name, env=env)
 
 
@@ -241,6 +241,40 @@ def check_unreachable(modelavg, coordinator, group):
                   lambda: modelavg.connect(job_id="x"), "MODELAVG_COORDINATOR")
 
 
+def check_environment(modelavg, coordinator, group):
+    work = group.temp_dir("modelavg-env-")
+    token = os.path.join(work, "token")
+    with open(token, "w") as f:
+        f.write("py-operator-token\n")
+    authed = mt.Coordinator(group, coordinator.binary,
+                            extra_flags=[f"--auth_token_file={token}"])
+    for var in ("MODELAVG_AUTH_TOKEN_FILE", "MODELAVG_TOKEN_FILE", "MODELAVG_AUTH_TOKEN",
+                "MODELAVG_COORDINATOR"):
+        os.environ.pop(var, None)
+    expect_raises("no token", modelavg.PermissionDeniedError,
+                  lambda: modelavg.list_jobs(coordinator=authed.address), "UNAUTHENTICATED")
+    os.environ.update(MODELAVG_COORDINATOR=authed.address, MODELAVG_AUTH_TOKEN_FILE=token)
+    modelavg.create_job("from-env", 1, "PERIODIC", period=2)  # coordinator and token: env
+    if [j.spec.job_id for j in modelavg.list_jobs()] != ["from-env"]:
+        mt.fail(f"list_jobs through the environment: {modelavg.list_jobs()}")
+    expect_raises("a keyword token over the environment's", modelavg.PermissionDeniedError,
+                  lambda: modelavg.list_jobs(auth_token="wrong"))
+    # The old name, in a process of its own (the warning is once per process).
+    code = """
+        import modelavg
+        modelavg.get_job("from-env")
+        modelavg.get_job("from-env")
+        print("ok")
+    """
+    env = {"MODELAVG_TOKEN_FILE": token, "MODELAVG_AUTH_TOKEN_FILE": ""}
+    out, err = child(code, env, group, "old token variable").communicate(timeout=60)
+    warned = [l for l in err.splitlines() if "MODELAVG_TOKEN_FILE is deprecated" in l]
+    if out.strip() != "ok" or len(warned) != 1 or "MODELAVG_AUTH_TOKEN_FILE" not in warned[0]:
+        mt.fail(f"$MODELAVG_TOKEN_FILE: stdout {out!r}, stderr {err[-2000:]!r}")
+    if authed.stop() != 0:
+        mt.fail(f"the coordinator with a token did not stop cleanly:\n{authed.log_tail()}")
+
+
 def interrupt(proc, what, timeout_s):
     """SIGINT to `proc`; (stdout, stderr, seconds it took to end). Fails when it does not end
     within `timeout_s` or its stderr shows a crash, a sanitizer report or a call left running."""
@@ -373,7 +407,7 @@ def check_interrupt(modelavg, coordinator, group):
 
     # Ctrl-C in a leave that retries through a coordinator outage (leave_timeout 30 s): the
     # abandoned Leave is cancelled, so no call is left running and the exit is clean.
-    gone = mt.Coordinator(group, ARGS.coordinator_bin)
+    gone = mt.Coordinator(group, coordinator.binary)
     modelavg.create_job("leave-outage", 1, "PERIODIC", period=1, coordinator=gone.address)
     flag = os.path.join(group.temp_dir("modelavg-leave-"), "coordinator-killed")
     code = """
@@ -679,38 +713,23 @@ CHECKS = {
     "dead_peer": check_dead_peer,
     "elastic_below_min": check_elastic_below_min,
     "unreachable": check_unreachable,
+    "environment": check_environment,
     "interrupt": check_interrupt,
     "jobs_and_client": check_jobs_and_client,
 }
 
 
-def main():
-    global ARGS
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--coordinator_bin")
-    p.add_argument("--python_dir")
-    p.add_argument("--check", action="append")
-    p.add_argument("--list", action="store_true")
-    ARGS = p.parse_args()
-    if ARGS.list:
-        print("\n".join(CHECKS))
-        return 0
-    if not ARGS.coordinator_bin or not ARGS.python_dir:
-        p.error("--coordinator_bin and --python_dir are required")
-    sys.path.insert(0, ARGS.python_dir)
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_api(name, suite_args):
     import modelavg
-    for name in ARGS.check or list(CHECKS):
-        if name not in CHECKS:
-            mt.fail(f"unknown --check={name}; known: {', '.join(CHECKS)}")
+    environ = dict(os.environ)  # the checks set MODELAVG_COORDINATOR, RANK, ...
+    try:
         with mt.ProcessGroup() as group:
-            coordinator = mt.Coordinator(group, ARGS.coordinator_bin)
+            coordinator = mt.Coordinator(group, suite_args.coordinator_bin)
             CHECKS[name](modelavg, coordinator, group)
             if coordinator.stop() != 0:
                 mt.fail(f"{name}: the coordinator did not stop cleanly:\n"
                         f"{coordinator.log_tail()}")
-        print(f"PASS {name}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)

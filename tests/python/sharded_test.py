@@ -1,4 +1,3 @@
-#!/usr/bin/python3
 """Sharded replicas (``create_job(..., replica_size=S)``) from Python against plain PyTorch.
 
 For one named configuration: starts a coordinator, then W forked processes, replica k being
@@ -19,8 +18,7 @@ where PyTorch has no DTensor. ``replica_lost_w4_s2`` kills one rank of an elasti
 its mate gets ``modelavg.ReplicaLostError`` naming the replica and the lost rank, the others go on.
 ``bad_specs``: each replica_size that does not fit the job is an InvalidArgumentError naming it.
 
-  sharded_test.py --coordinator_bin=B --python_dir=build/python --config=NAME
-  sharded_test.py --list
+  pytest tests/python/sharded_test.py ["-k NAME"]      (conftest.py: which build)
 """
 
 import os
@@ -29,12 +27,9 @@ import sys
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tools"))
-import modelavg_testing as mt  # noqa: E402
+import pytest
 
-# ctest's SKIP_RETURN_CODE for this script.
-SKIP = 77
+import modelavg_testing as mt
 
 # name: (mode, world, replica_size, warmup, levels, steps, how); levels (period, group_size).
 CONFIGS = {
@@ -272,9 +267,8 @@ def check_dtensor(args):
     import torch
     from modelavg import _params
     if not _params._dtensor_types():
-        print(f"SKIPPED: torch {torch.__version__} has no DTensor (PyTorch 2.x has "
-              "torch.distributed.tensor); nothing to average through to_local()")
-        sys.exit(SKIP)
+        pytest.skip(f"torch {torch.__version__} has no DTensor (PyTorch 2.x has "
+                    "torch.distributed.tensor); nothing to average through to_local()")
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -344,8 +338,7 @@ def run(name, args):
     if how == "fsdp":
         why = fsdp_unavailable()
         if why:
-            print(f"SKIPPED: {why}; bench/gpu_bench.sh runs this test where PyTorch can")
-            sys.exit(SKIP)
+            pytest.skip(f"{why}; bench/gpu_bench.sh runs this test where PyTorch can")
     world = config[1]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch.distributed as dist
@@ -395,5 +388,6 @@ def run(name, args):
               "steps)")
 
 
-if __name__ == "__main__":
-    mt.config_main(__doc__, CONFIGS, run)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_sharded(name, suite_args):
+    run(name, suite_args)

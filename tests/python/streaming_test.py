@@ -1,13 +1,11 @@
-#!/usr/bin/python3
 """Streaming sync (Level.fragments, sync_delay, mix, payload) from Python against plain PyTorch,
 every rank, every step.
 
-For one named configuration: starts a coordinator, then W forked processes. Each keeps two
-copies of the same parameters (float32 and float64 tensors of different sizes; float32 only with
-a compressed payload) and applies the
-same local update to both before every step. One copy goes through modelavg
-(``average_parameters`` on a job whose levels are ``modelavg.Level(..., fragments=,
-sync_delay=, mix=, payload=)``); the other through a reference written here from the rule alone
+For one named configuration: starts a coordinator, then W processes (from a fork server). Each
+keeps two copies of the same parameters (float32 and float64 tensors of different sizes; float32
+only with a compressed payload) and applies the same local update to both before every step.
+One copy goes through modelavg (``average_parameters`` on a job whose levels are
+``modelavg.Level(..., fragments=, sync_delay=, mix=, payload=)``); the other through a reference written here from the rule alone
 (docs/streaming.md), on a Gloo process group with blocking ``dist.all_reduce``:
 
   * the schedule: a level of period H and F fragments takes part in PyTorch's walk with period
@@ -32,18 +30,16 @@ run the job in two halves: the first processes stop at a step where a background
 in flight and save ``averager.state_dict()`` with the parameters; new processes, in a new job of
 the same spec, load them and go on. Their values must equal, exactly, an uninterrupted run's.
 
-  streaming_test.py --coordinator_bin=B --python_dir=build/python --config=NAME
-  streaming_test.py --list
+  pytest tests/python/streaming_test.py ["-k NAME"]      (conftest.py: which build)
 """
 
 import os
-import sys
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tools"))
-import modelavg_testing as mt  # noqa: E402
+import pytest
+
+import modelavg_testing as mt
 
 # A level: dict with period, group, and optionally outer (lr, momentum, nesterov), fragments,
 # sync_delay, mix, payload.
@@ -289,7 +285,6 @@ def run_rank(rank, name, config, address, store_port, python_dir, out_queue):
     """Compares modelavg with the reference on every step; reports (outer steps, traffic)."""
     try:
         mode, world, warmup, levels, steps, how = config
-        sys.path.insert(0, python_dir)
         import torch
         import torch.distributed as dist
         import modelavg
@@ -338,7 +333,6 @@ def run_payload_rank(rank, name, config, address, store_port, python_dir, out_qu
     """One job per payload; reports {payload: (bytes after the first sync, waited_s)}."""
     try:
         mode, world, warmup, levels, steps, _ = config
-        sys.path.insert(0, python_dir)
         import torch
         import modelavg
         torch.set_num_threads(1)
@@ -373,7 +367,6 @@ def run_checkpoint_rank(rank, name, config, address, store_port, python_dir, out
     try:
         mode, world, warmup, levels, steps, _ = config
         at = CHECKPOINT_AT[name]
-        sys.path.insert(0, python_dir)
         import torch
         import modelavg
         torch.set_num_threads(1)
@@ -471,7 +464,7 @@ def run(name, args):
     world = config[1]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch.distributed as dist
-    ctx = mt.rank_context()  # fork: torch imported once; gRPC not yet started
+    ctx = mt.rank_context()  # forked from a server that imported torch once
     with mt.ProcessGroup() as group:
         coordinator = mt.Coordinator(group, args.coordinator_bin,
                                      extra_flags=["--default_heartbeat_timeout_ms=15000"])
@@ -497,5 +490,6 @@ def run(name, args):
     print(f"PASS {name}: {summary}")
 
 
-if __name__ == "__main__":
-    mt.config_main(__doc__, CONFIGS, run)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_streaming(name, suite_args):
+    run(name, suite_args)

@@ -19,8 +19,15 @@ import time
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
+class Failure(AssertionError):
+    """A check of a test failed (the message says which and how)."""
+
+
 def fail(message):
-    """Ends the test with one line saying what went wrong."""
+    """Ends the test saying what went wrong: under pytest (tests/python) its failure; in a test
+    script, one line on stderr and exit status 1."""
+    if "PYTEST_CURRENT_TEST" in os.environ:
+        raise Failure(message)
     print(f"FAIL: {message}", file=sys.stderr)
     sys.exit(1)
 
@@ -97,6 +104,7 @@ class Coordinator:
     """A modelavg-coordinator on 127.0.0.1, port chosen by the kernel."""
 
     def __init__(self, group, binary, extra_flags=(), workdir=None):
+        self.binary = binary
         self.workdir = workdir or group.temp_dir("modelavg-coord-")
         self.port_file = os.path.join(self.workdir, "coordinator.port")
         self.log_path = os.path.join(self.workdir, "coordinator.log")
@@ -232,11 +240,17 @@ def join_rank_group(torch, dist, store_port, rank, world):
 
 
 def rank_context():
-    """The multiprocessing context the tests start ranks with: "fork" (torch imported once), or
+    """The multiprocessing context the tests start ranks with: "forkserver", whose server
+    imports torch once and forks each rank from a process that never started gRPC (the test's
+    own process may have: a fork of it could hang in the child), or
     MODELAVG_TEST_START_METHOD: tests/sanitize.sh sets "spawn", since ThreadSanitizer cannot
-    follow a fork of a process that already runs threads (torch's TCPStore server)."""
+    follow a fork of a process that already runs threads."""
     import multiprocessing
-    return multiprocessing.get_context(os.environ.get("MODELAVG_TEST_START_METHOD", "fork"))
+    method = os.environ.get("MODELAVG_TEST_START_METHOD", "forkserver")
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
 
 
 def start_ranks(ctx, world, target, args_for, timeout_s):
@@ -286,26 +300,6 @@ def local_update(torch, params, rank, step):
         for i, p in enumerate(params.values()):
             g = torch.Generator().manual_seed(rank * 100003 + step * 101 + i)
             p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * 0.1)
-
-
-def config_main(doc, configs, run):
-    """The command line of a test with one ctest entry per configuration: --list prints the names
-    of `configs`; otherwise run(name, args) for --config=name, with --coordinator_bin,
-    --python_dir and --timeout_s (default 150) in args."""
-    import argparse
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--coordinator_bin")
-    parser.add_argument("--python_dir")
-    parser.add_argument("--config", choices=sorted(configs))
-    parser.add_argument("--timeout_s", type=float, default=150)
-    parser.add_argument("--list", action="store_true")
-    args = parser.parse_args()
-    if args.list:
-        print("\n".join(configs))
-        return
-    if not (args.coordinator_bin and args.python_dir and args.config):
-        parser.error("--coordinator_bin, --python_dir and --config are required")
-    run(args.config, args)
 
 
 DROPIN_STEPS = 6

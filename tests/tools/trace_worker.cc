@@ -51,7 +51,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "client/comm/fault_injection.h"
+#include "client/flags/connection_flags.h"
+#include "client/session/backends.h"
 #include "common/file_util.h"
 #include "common/logging.h"
 #include "common/status_util.h"
@@ -60,15 +61,13 @@
 #include "modelavg/client/tensor.h"
 #include "modelavg/common/schedule.h"
 #include "spdlog/spdlog.h"
+#include "tests/testing/faulty_communicator.h"
 #ifdef MODELAVG_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
 #include "common/cuda_check.h"
 #endif
 
-ABSL_FLAG(std::string, coordinator, "",
-          "coordinator address HOST:PORT, or several comma-separated (coordinators on etcd: the "
-          "worker fails over to the leader) (required)");
 ABSL_FLAG(std::string, job, "", "id of an existing job to join (required)");
 ABSL_FLAG(int32_t, rank, -1,
           "this worker's rank, 0 <= rank < world_size; -1 (the default): the coordinator picks "
@@ -96,7 +95,6 @@ ABSL_FLAG(std::string, backend, "gloo",
           "nccl: parameters in CUDA device memory, averaged with NCCL");
 ABSL_FLAG(std::string, gloo_hostname, "127.0.0.1",
           "address Gloo's TCP transport binds to (reachable by the other ranks)");
-ABSL_FLAG(std::string, auth_token_file, "", "file holding the coordinator's bearer token");
 ABSL_FLAG(int64_t, join_timeout_ms, 60000, "how long to wait for the whole world to join");
 ABSL_FLAG(int64_t, collective_timeout_ms, 60000, "longest wait for one averaging collective");
 ABSL_FLAG(int64_t, step_delay_ms, 0,
@@ -395,14 +393,20 @@ absl::Status LoadState(const std::string& path, std::vector<float>* params,
 }
 
 absl::Status Run() {
-  const std::string coordinator = absl::GetFlag(FLAGS_coordinator);
+  // The connection flags (--coordinator, --auth_token_file, --tls_*, --rpc_timeout_ms) and their
+  // environment, as every modelavg program reads them.
+  MODELAVG_ASSIGN_OR_RETURN(client::ConnectionOptions conn, client::ConnectionFromFlags());
+  const std::string coordinator = conn.coordinator;
   const std::string job = absl::GetFlag(FLAGS_job);
   const int32_t requested_rank = absl::GetFlag(FLAGS_rank);
   const int32_t world_size = absl::GetFlag(FLAGS_world_size);
   const int64_t steps = absl::GetFlag(FLAGS_steps);
   const int64_t numel = absl::GetFlag(FLAGS_numel);
   const std::string backend = absl::GetFlag(FLAGS_backend);
-  if (coordinator.empty()) return absl::InvalidArgumentError("--coordinator=HOST:PORT is required");
+  if (coordinator.empty()) {
+    return absl::InvalidArgumentError(
+        "--coordinator=HOST:PORT (or $MODELAVG_COORDINATOR) is required");
+  }
   if (job.empty()) return absl::InvalidArgumentError("--job is required (an existing job's id)");
   if (world_size < 1) return absl::InvalidArgumentError("--world_size must be >= 1");
   if (requested_rank < -1 || requested_rank >= world_size) {
@@ -418,7 +422,7 @@ absl::Status Run() {
   }
 
   client::ClientOptions options;
-  options.coordinator = coordinator;
+  static_cast<client::ConnectionOptions&>(options) = std::move(conn);
   options.job_id = job;
   if (requested_rank >= 0) options.rank = requested_rank;
   options.expected_world_size = world_size;
@@ -430,22 +434,26 @@ absl::Status Run() {
   if (absl::GetFlag(FLAGS_step_delay_ms) < 0) {
     return absl::InvalidArgumentError("--step_delay_ms must be >= 0");
   }
-  if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
-    absl::StatusOr<std::string> token = ReadTokenFile(path);
-    if (!token.ok()) return Annotate(token.status(), "--auth_token_file");
-    options.auth_token = *std::move(token);
-  }
 
-  MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> client, client::Client::Connect(options));
+  // A lost commit is made by a communicator that wraps the real one (tests/testing/).
+  std::unique_ptr<client::CommunicatorFactory> communicators;
+  if (const int64_t at = absl::GetFlag(FLAGS_testing_fail_commit_at_step); at >= 0) {
+    auto faults = std::make_shared<testing::CommunicatorFaults>();
+    faults->LoseCommitAt(at);
+    communicators = std::make_unique<testing::FaultyCommunicatorFactory>(
+        std::make_unique<client::BackendFactory>(options.gloo_hostname), std::move(faults),
+        options.gloo_hostname);
+  }
+  MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> client,
+                            communicators != nullptr
+                                ? client::Client::Connect(options, std::move(communicators))
+                                : client::Client::Connect(options));
   if (client->world_size() != world_size) {
     return absl::InvalidArgumentError(absl::StrCat("--world_size=", world_size, " but job ", job,
                                                    " has world size ", client->world_size()));
   }
   const int32_t rank = client->rank();
   joined_rank = rank;
-  if (const int64_t at = absl::GetFlag(FLAGS_testing_fail_commit_at_step); at >= 0) {
-    client->faults()->LoseCommitAt(at);
-  }
   const int64_t die_after = absl::GetFlag(FLAGS_testing_die_after_step);
   const int64_t gap = absl::GetFlag(FLAGS_cuda_gap_elems);
   if (gap < 0 || (gap > 0 && backend != "nccl")) {

@@ -31,24 +31,31 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "modelavg/client/cancel_token.h"
+#include "modelavg/client/connection.h"
 #include "modelavg/client/membership_view.h"
 #include "modelavg/common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
+
+namespace modelavg {
+class Clock;  // common/clock.h
+}  // namespace modelavg
 
 namespace modelavg::client {
 
 class CoordinatorClient;
 class CoordinatorOutage;
 class CommunicatorCache;
-class FaultInjection;
+class CommunicatorFactory;
 class DecisionWindow;
+class GenerationTracker;
 class Heartbeat;
 class RoundNotes;
+struct Joined;
 enum class RoundOutcome;
 
-struct ClientOptions {
-  // The coordinator's "host:port".
-  std::string coordinator;
+// The connection (ConnectionOptions: coordinator, auth_token or auth_token_file, tls, tls_*_file,
+// rpc_timeout, the deadline of every RPC but the Join) and what this rank joins with.
+struct ClientOptions : ConnectionOptions {
   std::string job_id;
   // The rank to take; absent: the coordinator picks the lowest free one.
   std::optional<int32_t> rank;
@@ -62,16 +69,8 @@ struct ClientOptions {
   std::string credential;
   // This worker's identity; empty: "<hostname>:<pid>".
   std::string worker_id;
-  // Sent as "authorization: Bearer <token>" when non-empty.
-  std::string auth_token;
-  // TLS to the coordinator. tls_ca_file: PEM roots (empty: the system's); tls_cert_file and
-  // tls_key_file: a client certificate for mutual TLS (both or neither).
-  bool tls = false;
-  std::string tls_ca_file, tls_cert_file, tls_key_file;
   // How long Connect waits for the whole world to join.
   absl::Duration join_timeout = absl::Minutes(5);
-  // Deadline of every other RPC to the coordinator.
-  absl::Duration rpc_timeout = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::Milliseconds(100);
   // Heartbeat over one HeartbeatStream per client: beats are written without waiting, and the
   // coordinator answers only when the job changed, and otherwise about once a second (at least
@@ -120,6 +119,10 @@ struct ClientOptions {
   // flight or in its retry backoff) ends at once and Connect fails with CANCELLED. Null: none.
   // Only Connect watches it.
   std::shared_ptr<CancelToken> cancel;
+  // The clock the session reads and waits on for its timeouts (join, leave, outage, the wait
+  // for a new generation, the round notes); not owned, outlives the Client. Null: the real
+  // clock. Tests pass a FakeClock (common/clock.h) to advance time instead of sleeping.
+  const Clock* clock = nullptr;
 };
 
 // One rank's membership in one job. Thread-safe.
@@ -138,6 +141,11 @@ class Client {
   // unreachable), UNAUTHENTICATED / PERMISSION_DENIED (token or TLS), CANCELLED
   // (options.cancel was cancelled while joining).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
+  // The same, with this client's communicators made by `communicators` (the library's internal
+  // interface, client/comm/communicator_factory.h; null: this build's backends) instead of the
+  // backends themselves: for tests and tools that wrap the real communicators in fakes.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(
+      ClientOptions options, std::unique_ptr<CommunicatorFactory> communicators);
 
   // Leaves the job (reason "client destroyed") unless Leave was called, and stops the heartbeat.
   ~Client();
@@ -234,10 +242,14 @@ class Client {
   // all-reduces of older generations then: their outcomes belong in the note).
   absl::Status AdvanceGeneration(absl::FunctionRef<void(int64_t)> before_note);
   // Waits until this client can move past `generation` (AdvanceGeneration) or is broken, at most
-  // until `deadline`, which is pushed back while the coordinator is unreachable (up to
-  // coordinator_outage_timeout, past which the client is broken). OK, the error that stops
-  // averaging, or DEADLINE_EXCEEDED.
-  absl::Status AwaitNewerGeneration(int64_t generation, absl::Time deadline);
+  // `wait` (on the session's clock), which is pushed back while the coordinator is unreachable
+  // (up to coordinator_outage_timeout, past which the client is broken). OK, the error that
+  // stops averaging, or DEADLINE_EXCEEDED.
+  absl::Status AwaitNewerGeneration(int64_t generation, absl::Duration wait);
+  // After a failed round with `group`: waits at most `wait` (on the session's clock) for
+  // CheckCanAverage(group) to fail (the coordinator declaring a peer's death, a new generation)
+  // and returns its result then: the cause of the failure, or OK when none came in time.
+  absl::Status AwaitCannotAverage(const SubgroupRange& group, absl::Duration wait) const;
   // Records where this rank's last round at `level` stands (round notes).
   void RecordRound(int32_t level, int64_t step, int64_t generation, RoundOutcome outcome);
   // After a failed round: whether a live member of `decision`'s subgroup (the same step in the
@@ -247,10 +259,6 @@ class Client {
   // on again), DEADLINE_EXCEEDED, INTERNAL (the notes contradict each other).
   absl::StatusOr<bool> PeerCompletedRound(const Decision& decision, int64_t attempt_generation);
 
-  // Tests (the one seam, client/comm/fault_injection.h): faults for every communicator of this
-  // client, e.g. faults()->LoseCommitAt(step).
-  FaultInjection* faults() const { return faults_.get(); }
-
   // The RPC wrapper (communicator bootstrap). Owned by this client.
   CoordinatorClient* coordinator() const { return coordinator_.get(); }
   // The communicators of this membership, shared by every averager on this client.
@@ -258,32 +266,21 @@ class Client {
 
  private:
   Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator,
-         std::unique_ptr<CoordinatorOutage> outage, int32_t rank, int64_t generation,
-         Schedule schedule, absl::Duration heartbeat_timeout, std::string incarnation,
-         bool elastic);
-  // The view of `job` as this rank reads it (membership_view.h).
-  std::optional<MembershipView> ViewOf(const v1::Job& job, std::string* why,
-                                       int32_t* retired_by = nullptr) const;
+         std::unique_ptr<CoordinatorOutage> outage, Joined joined,
+         std::unique_ptr<CommunicatorFactory> communicators);
   // A LeaveRequest for this rank at its current generation (reason and failed left unset).
   v1::LeaveRequest LeaveRequestNow() const;
-  // A reply whose generation is neither this client's nor the latest seen: NoteGenerationChange.
-  void HandleHeartbeatReply(const v1::HeartbeatResponse& reply, int64_t seen)
+  // What the heartbeat brings (Heartbeat::Hooks): any reply; a reply whose generation may be
+  // new (`seen`: the latest the heartbeat had reported); a failed beat.
+  void OnHeartbeatReply(const v1::HeartbeatResponse& reply) ABSL_LOCKS_EXCLUDED(mu_);
+  void OnGenerationSeen(const v1::HeartbeatResponse& reply, int64_t seen)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // A heartbeat failed: an outage starts (or goes on). The client is marked broken when the
-  // coordinator answers that it does not know the job (it restarted without its state), or
-  // once the outage has lasted coordinator_outage_timeout.
-  void NoteHeartbeatFailure(const absl::Status& error) ABSL_LOCKS_EXCLUDED(mu_);
-  // Marks this client broken with `why` unless it already is (the first reason stands), and
-  // logs it.
-  void BreakOnce(absl::Status why) ABSL_LOCKS_EXCLUDED(mu_);
-  // A heartbeat reply: the outage (if any) is over; a new incarnation is logged.
-  void NoteHeartbeatReply(const v1::HeartbeatResponse& reply) ABSL_LOCKS_EXCLUDED(mu_);
-  // Records a generation change seen by the heartbeat: which ranks departed, and whether the
-  // change breaks every communicator (a death or re-join) or only those with departed ranks.
-  void NoteGenerationChange(int64_t generation, const std::string& why)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  void OnHeartbeatFailure(const absl::Status& error) ABSL_LOCKS_EXCLUDED(mu_);
+  // Marks this client broken with `why` unless it already is (the first reason stands).
+  void Break(absl::Status why) ABSL_LOCKS_EXCLUDED(mu_);
 
   const ClientOptions options_;
+  const Clock& clock_;
   // Declared before the coordinator connection, which points to it: destroyed after it.
   const std::unique_ptr<CoordinatorOutage> outage_;
   const std::unique_ptr<CoordinatorClient> coordinator_;
@@ -292,9 +289,7 @@ class Client {
   const Schedule schedule_;
   const bool elastic_;
   const absl::Duration heartbeat_timeout_;
-  int64_t admission_step_ = -1;
-  // Before communicators_: the cache hands it to every communicator it makes.
-  const std::shared_ptr<FaultInjection> faults_;
+  const int64_t admission_step_;
   std::unique_ptr<CommunicatorCache> communicators_;
   // The parts, each with its own lock, built on the coordinator connection above.
   const std::unique_ptr<DecisionWindow> decisions_;
@@ -302,26 +297,8 @@ class Client {
 
   mutable absl::Mutex mu_;
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
-  // The generation averaged in (generation()) and its view; a newer one to move to.
-  int64_t generation_ ABSL_GUARDED_BY(mu_);
-  MembershipView view_ ABSL_GUARDED_BY(mu_);
-  std::optional<MembershipView> follow_ ABSL_GUARDED_BY(mu_);
-  int64_t latest_generation_ ABSL_GUARDED_BY(mu_);
-  // Non-OK once nothing may be averaged any more (a peer died or re-joined, this client left).
-  absl::Status broken_ ABSL_GUARDED_BY(mu_);
-  // Ranks that left in an orderly way since generation_, and why the generation moved.
-  std::vector<int32_t> departed_ ABSL_GUARDED_BY(mu_);
-  std::string change_reason_ ABSL_GUARDED_BY(mu_);
-  bool left_ ABSL_GUARDED_BY(mu_) = false;
-  // The first failed averaging call (RecordFailure); OK if none.
-  absl::Status failure_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Time last_heartbeat_ok_ ABSL_GUARDED_BY(mu_);
-  // After a coordinator restart: until when it waits for members to re-attach before it
-  // declares any dead (HeartbeatResponse.recovery_grace_ms).
-  absl::Time recovery_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
-  // The coordinator incarnation of the last reply (a restart changes it).
-  std::string incarnation_ ABSL_GUARDED_BY(mu_);
+  // The generations, the membership view and what stops averaging (no lock of its own).
+  const std::unique_ptr<GenerationTracker> tracker_ ABSL_PT_GUARDED_BY(mu_);
   // Last: its thread calls into the fields above, so it is started once they are set and
   // stopped before they go.
   std::unique_ptr<Heartbeat> heartbeat_;
