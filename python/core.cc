@@ -428,6 +428,10 @@ Attributes:
       .def_property_readonly("admission_step",
                              [](const PyClient& c) { return c.get()->admission_step(); })
       .def_property_readonly("elastic", [](const PyClient& c) { return c.get()->elastic(); })
+      .def_property_readonly("replica_size",
+                             [](const PyClient& c) { return c.get()->replica_size(); })
+      .def_property_readonly("replica", [](const PyClient& c) { return c.get()->replica(); })
+      .def_property_readonly("shard", [](const PyClient& c) { return c.get()->shard(); })
       .def_property_readonly("job_id", [](const PyClient& c) { return c.get()->job_id(); })
       .def_property_readonly("heartbeat_timeout",
                              [](const PyClient& c) {
@@ -439,6 +443,7 @@ Attributes:
                                py::dict d;
                                d["job_id"] = c.get()->job_id();
                                d["world_size"] = s.world_size;
+                               d["replica_size"] = s.replica_size;
                                d["warmup_steps"] = s.warmup_steps;
                                d["mode"] = s.mode == modelavg::AveragingMode::kPeriodic
                                                ? "PERIODIC"

@@ -28,7 +28,7 @@ Parsed Parse(const absl::Status& status) {
   std::vector<std::string> parts = absl::StrSplit(text, ',');
   int kind = 0;
   if (!absl::SimpleAtoi(parts[0], &kind) || kind < 0 ||
-      kind > static_cast<int>(ErrorKind::kTimeout)) {
+      kind > static_cast<int>(ErrorKind::kReplicaLost)) {
     return p;
   }
   p.kind = static_cast<ErrorKind>(kind);
@@ -68,6 +68,8 @@ absl::string_view ErrorKindName(ErrorKind kind) {
       return "stray connection";
     case ErrorKind::kTimeout:
       return "timeout";
+    case ErrorKind::kReplicaLost:
+      return "replica lost";
   }
   return "unknown";
 }

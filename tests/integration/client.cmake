@@ -17,9 +17,11 @@ if(TARGET modelavg-coordinator)
   # few seconds to ~20 s; client_elastic_adopt_test, a round kept by a member that lost its
   # confirmation (4 ranks, a few seconds); client_outer_test, DiLoCo levels against a naive
   # reference (worlds 2-8, a few seconds each); client_streaming_test, fragments, mix and
-  # compressed payloads against a naive reference (worlds 2-4, a few seconds each).
+  # compressed payloads against a naive reference (worlds 2-4, a few seconds each);
+  # client_sharded_test, sharded replicas (worlds 8 and 12, a few seconds each; a replica lost
+  # and replaced in an elastic job, ~10 s).
   foreach(t client_elastic_regrow_test client_elastic_adopt_test client_outer_test
-            client_outer_elastic_test client_streaming_test)
+            client_outer_elastic_test client_streaming_test client_sharded_test)
     modelavg_add_gtest(${t} SOURCES ${t}.cc LIBS modelavg_client LABELS integration TIMEOUT 120)
     target_compile_definitions(${t} PRIVATE
       MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>"
@@ -39,6 +41,6 @@ endif()
 
 # The trace checker (trace_check.h) on synthetic traces: fast, no processes.
 modelavg_add_gtest(trace_check_test SOURCES trace_check_test.cc
-  LIBS protobuf::libprotobuf absl::status absl::statusor absl::strings absl::str_format
+  LIBS modelavg_proto protobuf::libprotobuf absl::status absl::statusor absl::strings absl::str_format
   LABELS unit TIMEOUT 60)
 target_include_directories(trace_check_test PRIVATE ${PROJECT_SOURCE_DIR})

@@ -1,5 +1,7 @@
 # Client library unit tests (no coordinator process: ranks as threads, in-memory stores).
 modelavg_add_gtest(client_half_test SOURCES client_half_test.cc LIBS modelavg_client)
+modelavg_add_gtest(client_membership_view_test SOURCES client_membership_view_test.cc
+                   LIBS modelavg_client)
 modelavg_add_gtest(client_streaming_codec_test SOURCES client_streaming_codec_test.cc
                    LIBS modelavg_client)
 modelavg_add_gtest(client_staging_test SOURCES client_staging_test.cc LIBS modelavg_client)
