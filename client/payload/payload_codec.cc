@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "client/base/half.h"
 
@@ -11,6 +12,60 @@ namespace modelavg::client {
 namespace {
 
 int64_t Blocks(int64_t n) { return (n + kInt8Block - 1) / kInt8Block; }
+
+// A block's scale: max|x| / levels, NaN when the block holds a non-finite value.
+float BlockScale(const float* in, int64_t lo, int64_t hi, float levels) {
+  float max_abs = 0.0f;
+  bool finite = true;
+  for (int64_t i = lo; i < hi; ++i) {
+    finite = finite && std::isfinite(in[i]);
+    max_abs = std::max(max_abs, std::fabs(in[i]));
+  }
+  return finite ? max_abs / levels : std::numeric_limits<float>::quiet_NaN();
+}
+
+// The INT4 layout: every block's scale first (float32), then the values q + 8 in [1, 15], two
+// to a byte (element i in the low nibble of byte i / 2 when i is even, the high one when odd).
+void EncodeInt4(const float* in, int64_t n, uint8_t* out) {
+  const int64_t blocks = Blocks(n);
+  uint8_t* q = out + blocks * sizeof(float);
+  std::memset(q, 0, static_cast<size_t>((n + 1) / 2));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * kInt8Block;
+    const int64_t hi = std::min(n, lo + kInt8Block);
+    const float scale = BlockScale(in, lo, hi, 7.0f);
+    std::memcpy(out + b * sizeof(float), &scale, sizeof(float));
+    const bool zero = !(scale > 0.0f);  // zero block, or NaN (decodes to NaN)
+    for (int64_t i = lo; i < hi; ++i) {
+      // x / s in float32, rounded half to even (the documented rule, exactly).
+      float v = zero ? 0.0f : std::nearbyint(in[i] / scale);
+      v = std::min(7.0f, std::max(-7.0f, v));
+      const uint8_t nibble = static_cast<uint8_t>(static_cast<int>(v) + 8);
+      q[i / 2] |= (i % 2 == 0) ? nibble : static_cast<uint8_t>(nibble << 4);
+    }
+  }
+}
+
+template <bool kAdd>
+void DecodeInt4(const uint8_t* in, int64_t n, float* out) {
+  const int64_t blocks = Blocks(n);
+  const uint8_t* q = in + blocks * sizeof(float);
+  for (int64_t b = 0; b < blocks; ++b) {
+    float scale;
+    std::memcpy(&scale, in + b * sizeof(float), sizeof(float));
+    const int64_t lo = b * kInt8Block;
+    const int64_t hi = std::min(n, lo + kInt8Block);
+    for (int64_t i = lo; i < hi; ++i) {
+      const int nibble = (i % 2 == 0) ? (q[i / 2] & 0x0f) : (q[i / 2] >> 4);
+      const float v = static_cast<float>(nibble - 8) * scale;
+      if (kAdd) {
+        out[i] += v;
+      } else {
+        out[i] = v;
+      }
+    }
+  }
+}
 
 // The INT8 layout: every block's scale first (float32), then the int8 values.
 void EncodeInt8(const float* in, int64_t n, uint8_t* out) {
@@ -70,6 +125,8 @@ size_t EncodedBytes(Payload payload, int64_t n) {
       return static_cast<size_t>(n) * 2;
     case Payload::kInt8:
       return static_cast<size_t>(n) + static_cast<size_t>(Blocks(n)) * sizeof(float);
+    case Payload::kInt4:
+      return static_cast<size_t>((n + 1) / 2) + static_cast<size_t>(Blocks(n)) * sizeof(float);
     case Payload::kFp32:
     default:
       return static_cast<size_t>(n) * 4;
@@ -86,6 +143,9 @@ void EncodePayload(Payload payload, const float* in, int64_t n, uint8_t* out) {
       return;
     case Payload::kInt8:
       EncodeInt8(in, n, out);
+      return;
+    case Payload::kInt4:
+      EncodeInt4(in, n, out);
       return;
     case Payload::kFp32:
     default:
@@ -105,6 +165,9 @@ void DecodeAddPayload(Payload payload, const uint8_t* in, int64_t n, float* acc)
       return;
     case Payload::kInt8:
       DecodeInt8<true>(in, n, acc);
+      return;
+    case Payload::kInt4:
+      DecodeInt4<true>(in, n, acc);
       return;
     case Payload::kFp32:
     default:
@@ -129,11 +192,24 @@ void DecodePayload(Payload payload, const uint8_t* in, int64_t n, float* out) {
     case Payload::kInt8:
       DecodeInt8<false>(in, n, out);
       return;
+    case Payload::kInt4:
+      DecodeInt4<false>(in, n, out);
+      return;
     case Payload::kFp32:
     default:
       std::memcpy(out, in, static_cast<size_t>(n) * 4);
       return;
   }
+}
+
+int64_t PayloadBlock(Payload payload) {
+  return payload == Payload::kInt8 || payload == Payload::kInt4 ? kInt8Block : 1;
+}
+
+void RoundTripPayload(Payload payload, const float* in, int64_t n, float* out) {
+  std::vector<uint8_t> wire(EncodedBytes(payload, n));
+  EncodePayload(payload, in, n, wire.data());
+  DecodePayload(payload, wire.data(), n, out);
 }
 
 const char* PayloadName(Payload payload) {
@@ -142,6 +218,10 @@ const char* PayloadName(Payload payload) {
       return "BF16";
     case Payload::kInt8:
       return "INT8";
+    case Payload::kInt4:
+      return "INT4";
+    case Payload::kTopk:
+      return "TOPK";
     case Payload::kFp32:
     default:
       return "FP32";

@@ -11,6 +11,18 @@
 //         element plus 4 bytes a block). |decode(encode(x)) - x| <= s / 2 = max|x over the
 //         block| / 254 (plus float32 rounding of q * s). A block holding a non-finite value
 //         decodes as NaN throughout.
+//   INT4: blocks of kInt8Block elements as INT8's, each one float32 scale s = max|x| / 7, the
+//         values q = round-half-even(x / s) in [-7, 7] (s and x / s in float32) stored as
+//         q + 8, two to a byte (element i in the low
+//         nibble of byte i / 2 when i is even, the high one when odd), all scales first
+//         (ceil(n / 2) bytes plus 4 bytes a block: 0.504 bytes an element, 0.126 of FP32).
+//         |decode(encode(x)) - x| <= s / 2 = max|x over the block| / 14 (plus float32 rounding
+//         of q * s). A block holding a non-finite value decodes as NaN throughout.
+//
+// Blocks start at multiples of kInt8Block of the whole buffer: the compressed all-reduce cuts
+// the buffer into pieces at block boundaries (PayloadBlock), so that decode(encode(x)) of a
+// member's buffer (RoundTripPayload) is exactly what its peers decode from it, whatever the
+// number of members (error feedback, docs/streaming.md, keeps the difference).
 #ifndef MODELAVG_CLIENT_PAYLOAD_PAYLOAD_CODEC_H_
 #define MODELAVG_CLIENT_PAYLOAD_PAYLOAD_CODEC_H_
 
@@ -36,7 +48,15 @@ void DecodeAddPayload(Payload payload, const uint8_t* in, int64_t n, float* acc)
 // out[i] = the decoded value of element i.
 void DecodePayload(Payload payload, const uint8_t* in, int64_t n, float* out);
 
-// "FP32", "BF16", "INT8".
+// The alignment of the pieces the compressed all-reduce may cut a buffer into: kInt8Block for
+// the block payloads (INT8, INT4), 1 for the others.
+int64_t PayloadBlock(Payload payload);
+
+// out[i] = decode(encode(in))[i], for i in [0, n): exactly the values a peer decodes from this
+// buffer. `in` and `out` may be the same.
+void RoundTripPayload(Payload payload, const float* in, int64_t n, float* out);
+
+// "FP32", "BF16", "INT8", "INT4", "TOPK".
 const char* PayloadName(Payload payload);
 
 }  // namespace modelavg::client

@@ -64,9 +64,13 @@ class ClientStreamingTest : public TraceJobTest {
 
   // Every rank, every step, every tensor. `int8`/`bf16`: the compressed payload's bound, per
   // outer step of a tensor, added up over the run (the anchor carries the error on).
+  // `modelled`: the reference restates the level's INT8/INT4 payload and error feedback
+  // (StreamingReference's model_payload), so the values must match to float32 rounding.
   void ExpectFollowsReference(const v1::JobSpec& spec, const std::vector<Trace>& traces,
-                              int64_t steps, v1::Payload payload = v1::FP32) {
-    const auto want = StreamingReference(spec, steps, kTensors);
+                              int64_t steps, v1::Payload payload = v1::FP32,
+                              bool modelled = false) {
+    const auto want = StreamingReference(spec, steps, kTensors, modelled);
+    if (modelled) payload = v1::FP32;  // no allowance: the payload is in the reference
     ASSERT_EQ(traces.size(), static_cast<size_t>(spec.world_size()));
     int fragment_lines = 0;
     int inexact = 0;
@@ -267,7 +271,8 @@ TEST_F(ClientStreamingTest, MemberKilledDuringBackgroundAllReduce_SurvivorFailsC
 // spec) from --load_state: the same values, exactly, as one run of steps 0..29; and that run
 // follows the rule.
 TEST_F(ClientStreamingTest, StateDict_ResumedWithPendingSync_EqualsUninterruptedRun) {
-  for (v1::Payload payload : {v1::FP32, v1::INT8}) {
+  // INT4 with error feedback: the residual is part of the state too.
+  for (v1::Payload payload : {v1::FP32, v1::INT8, v1::INT4}) {
     SCOPED_TRACE(v1::Payload_Name(payload));
     const std::string name = absl::AsciiStrToLower(v1::Payload_Name(payload));
     v1::JobSpec spec = MakeSpec("whole" + name, 4, v1::HIERARCHICAL, {{2, 2}, {8, 4}}, 1);
@@ -276,6 +281,7 @@ TEST_F(ClientStreamingTest, StateDict_ResumedWithPendingSync_EqualsUninterrupted
     spec.mutable_levels(1)->set_sync_delay(2);
     spec.mutable_levels(1)->set_mix(0.25);
     spec.mutable_levels(1)->set_payload(payload);
+    if (payload == v1::INT4) spec.mutable_levels(1)->set_error_feedback(0.9);
     constexpr int64_t kSteps = 30;
     constexpr int64_t kSaveAfter = 21;  // steps 0..20
     const std::vector<Trace> whole = Run(spec, kSteps);
@@ -294,6 +300,10 @@ TEST_F(ClientStreamingTest, StateDict_ResumedWithPendingSync_EqualsUninterrupted
     EXPECT_THAT(*saved, ::testing::HasSubstr("\npending 1 1 20 22 0\n"));
     EXPECT_THAT(*saved, ::testing::HasSubstr("\nfanchor 1 1 0 "));
     EXPECT_THAT(*saved, ::testing::HasSubstr("\nfmomentum 1 0 0 "));
+    if (payload == v1::INT4) {
+      EXPECT_THAT(*saved, ::testing::HasSubstr("\nfresidual 1 0 0 "));
+      EXPECT_THAT(*saved, ::testing::HasSubstr("\nfresidual 1 1 0 "));
+    }
     spec.set_job_id("after" + name);
     const std::vector<Trace> after = Run(spec, kSteps, 64, load);
     ASSERT_EQ(whole.size(), 4u);
@@ -309,6 +319,69 @@ TEST_F(ClientStreamingTest, StateDict_ResumedWithPendingSync_EqualsUninterrupted
         EXPECT_EQ(got.action, want.action);
       }
     }
+  }
+}
+
+// Error feedback (Level.error_feedback, docs/streaming.md): every member, every step, against
+// the reference that restates U = beta E + D, C = decode(encode(U)), E = U - C and the group's
+// re-encoded mean of C from the payload's documented encoding. W 2 and 4, beta 1 and 0.9,
+// INT4 (and INT8 once), fragments, nesterov momentum, a mix; and with a sync delay.
+class ClientFeedbackTest : public ClientStreamingTest {
+ protected:
+  static v1::JobSpec FeedbackSpec(const std::string& id, int world, v1::Payload payload,
+                                  double beta, int64_t delay) {
+    v1::JobSpec spec = MakeSpec(id, world, v1::PERIODIC, {{4, world}}, 1);
+    SetOuter(&spec, 0, 0.7, 0.9, true);
+    spec.mutable_levels(0)->set_fragments(2);
+    spec.mutable_levels(0)->set_payload(payload);
+    spec.mutable_levels(0)->set_error_feedback(beta);
+    spec.mutable_levels(0)->set_sync_delay(delay);
+    if (delay == 0) spec.mutable_levels(0)->set_mix(0.25);
+    return spec;
+  }
+
+  void ExpectFeedbackRun(const v1::JobSpec& spec, int64_t steps) {
+    // 64 elements in 8 tensors: a fragment is 32 elements, one block of the payload.
+    ExpectFollowsReference(spec, Run(spec, steps), steps, spec.levels(0).payload(),
+                           /*modelled=*/true);
+    // The payload matters: the modelled run leaves the FP32 rule's values.
+    const auto exact = StreamingReference(spec, steps, kTensors, false);
+    const auto modelled = StreamingReference(spec, steps, kTensors, true);
+    double apart = 0;
+    for (int64_t s = 0; s < steps; ++s) {
+      for (int t = 0; t < kTensors; ++t) {
+        apart = std::max(apart, std::fabs(exact[s][0].values[t] - modelled[s][0].values[t]));
+      }
+    }
+    EXPECT_GT(apart, 1e-2) << "the payload changed nothing: the test would not see it";
+  }
+};
+
+TEST_F(ClientFeedbackTest, Int4_Blocking_FollowsReference) {
+  for (int world : {2, 4}) {
+    for (double beta : {1.0, 0.9}) {
+      SCOPED_TRACE(absl::StrCat("world ", world, " beta ", beta));
+      ExpectFeedbackRun(FeedbackSpec(absl::StrCat("fb", world, "b", beta == 1 ? 10 : 9), world,
+                                     v1::INT4, beta, 0),
+                        26);
+    }
+  }
+}
+
+TEST_F(ClientFeedbackTest, Int4WithoutFeedback_FollowsReference) {
+  ExpectFeedbackRun(FeedbackSpec("fbnone", 2, v1::INT4, 0.0, 0), 26);
+}
+
+TEST_F(ClientFeedbackTest, Int8_Blocking_FollowsReference) {
+  ExpectFeedbackRun(FeedbackSpec("fbint8", 4, v1::INT8, 1.0, 0), 26);
+}
+
+TEST_F(ClientFeedbackTest, Int4_SyncDelay_FollowsReference) {
+  for (int world : {2, 4}) {
+    const double beta = world == 2 ? 1.0 : 0.9;
+    SCOPED_TRACE(absl::StrCat("world ", world, " beta ", beta));
+    ExpectFeedbackRun(FeedbackSpec(absl::StrCat("fbdelay", world), world, v1::INT4, beta, 1),
+                      26);
   }
 }
 

@@ -167,5 +167,62 @@ TEST(PayloadCodecTest, Int8_BlockErrorBound) {
   EXPECT_FLOAT_EQ(z[kInt8Block], 1.0f);
 }
 
+// INT4 against a naive restatement of its documented decode: per block of 1024 from the start,
+// s = max|x| / 7, q = round-half-even(x / s) in [-7, 7], decode q * s; ceil(n / 2) bytes plus
+// 4 a block.
+TEST(PayloadCodecTest, Int4_MatchesDocumentedRuleAndBound) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(3 * kInt8Block + 77);
+  for (size_t i = 0; i < x.size(); ++i) {
+    x[i] = normal(rng) * std::pow(10.0f, static_cast<float>(i / kInt8Block) * 3 - 4);
+  }
+  const std::vector<float> y = RoundTrip(Payload::kInt4, x);
+  int64_t exact = 0;
+  for (size_t lo = 0; lo < x.size(); lo += kInt8Block) {
+    const size_t hi = std::min(x.size(), lo + kInt8Block);
+    double max_abs = 0;
+    for (size_t i = lo; i < hi; ++i) max_abs = std::max(max_abs, double{std::fabs(x[i])});
+    const double s = max_abs / 7;
+    for (size_t i = lo; i < hi; ++i) {
+      const double q = std::max(-7.0, std::min(7.0, std::nearbyint(x[i] / s)));
+      // The reference decode, to float32 rounding of the scale.
+      EXPECT_NEAR(y[i], q * s, 1e-6 * max_abs) << i;
+      EXPECT_LE(std::fabs(y[i] - x[i]), max_abs / 14 * (1 + 1e-5)) << i;
+      exact += y[i] == x[i];
+    }
+  }
+  EXPECT_LT(exact, static_cast<int64_t>(x.size()) / 2);
+  EXPECT_EQ(EncodedBytes(Payload::kInt4, 1025), 513u + 8u);
+  EXPECT_EQ(EncodedBytes(Payload::kInt4, 1), 1u + 4u);
+  EXPECT_LE(EncodedBytes(Payload::kInt4, 1 << 20), 0.15 * EncodedBytes(Payload::kFp32, 1 << 20));
+  // The grid's values pass unchanged: -7..7 times a scale of 1.
+  std::vector<float> grid;
+  for (int q = -7; q <= 7; ++q) grid.push_back(static_cast<float>(q));
+  EXPECT_EQ(RoundTrip(Payload::kInt4, grid), grid);
+  // Zeros stay zeros; a block with a NaN decodes as NaN, the other blocks are unaffected.
+  EXPECT_EQ(RoundTrip(Payload::kInt4, {0.0f, 0.0f, 0.0f}), (std::vector<float>{0.0f, 0.0f, 0.0f}));
+  std::vector<float> bad(2 * kInt8Block + 1, 1.0f);
+  bad[5] = std::nanf("");
+  const std::vector<float> z = RoundTrip(Payload::kInt4, bad);
+  EXPECT_TRUE(std::isnan(z[0]));
+  EXPECT_FLOAT_EQ(z[kInt8Block], 1.0f);
+  EXPECT_FLOAT_EQ(z[2 * kInt8Block], 1.0f);
+}
+
+TEST(PayloadCodecTest, RoundTripPayload_EqualsEncodeThenDecode) {
+  std::mt19937 rng(4);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(2 * kInt8Block + 5);
+  for (float& v : x) v = normal(rng);
+  for (Payload p : {Payload::kFp32, Payload::kBf16, Payload::kInt8, Payload::kInt4}) {
+    std::vector<float> got(x.size());
+    RoundTripPayload(p, x.data(), static_cast<int64_t>(x.size()), got.data());
+    EXPECT_EQ(got, RoundTrip(p, x)) << PayloadName(p);
+  }
+  EXPECT_EQ(PayloadBlock(Payload::kInt4), kInt8Block);
+  EXPECT_EQ(PayloadBlock(Payload::kBf16), 1);
+}
+
 }  // namespace
 }  // namespace modelavg::client
