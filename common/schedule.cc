@@ -131,11 +131,7 @@ absl::Status ValidateStreamingLevel(const ScheduleLevel& level, size_t index, bo
               "entries sent), got ",
           level.topk_density));
     }
-    return absl::InvalidArgumentError(absl::StrCat(
-        at, ".payload TOPK is not supported by this version; use INT4 or INT8 (with "
-            "error_feedback to keep what rounding drops)"));
-  }
-  if (level.topk_density != 0.0) {
+  } else if (level.topk_density != 0.0) {
     return absl::InvalidArgumentError(absl::StrCat(
         at, ".topk_density ", level.topk_density, " needs payload TOPK; the payload is ",
         payload_name, " (set topk_density 0)"));
@@ -143,7 +139,7 @@ absl::Status ValidateStreamingLevel(const ScheduleLevel& level, size_t index, bo
   if (level.error_feedback != 0.0 && outer && level.payload == Payload::kFp32) {
     return absl::InvalidArgumentError(absl::StrCat(
         at, ".error_feedback ", level.error_feedback,
-        " needs a compressed payload (BF16, INT8 or INT4): FP32 loses nothing to feed back; "
+        " needs a compressed payload (BF16, INT8, INT4 or TOPK): FP32 loses nothing to feed back; "
         "set error_feedback 0 or choose a payload"));
   }
   if (!outer) {

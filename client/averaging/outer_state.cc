@@ -400,7 +400,7 @@ absl::Status OuterLevelState::AddResidual(double beta, absl::Span<const TensorVi
   return absl::OkStatus();
 }
 
-OuterBuffer OuterLevelState::NextResidual(Payload payload, absl::Span<const TensorView> u) {
+OuterBuffer OuterLevelState::NextResidual(WireFormat format, absl::Span<const TensorView> u) {
   // Packed in order, as the compressed all-reduce packs its tensors: the payload's blocks run
   // across tensor boundaries.
   int64_t total = 0;
@@ -412,7 +412,7 @@ OuterBuffer OuterLevelState::NextResidual(Payload payload, absl::Span<const Tens
     at += t.numel;
   }
   std::vector<float> decoded(packed.size());
-  RoundTripPayload(payload, packed.data(), total, decoded.data());
+  RoundTripPayload(format, packed.data(), total, decoded.data());
   OuterBuffer e;
   e.Shape(u);
   at = 0;

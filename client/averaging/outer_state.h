@@ -22,6 +22,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "client/payload/payload_codec.h"
 #include "modelavg/client/averager.h"
 #include "modelavg/client/tensor.h"
 #include "modelavg/common/schedule.h"
@@ -120,7 +121,7 @@ class OuterLevelState {
   absl::Status AddResidual(double beta, absl::Span<const TensorView> u) const;
   // The residual E := fl32(U - decode(encode(U))) that sending `u` (float32) in `payload`
   // leaves: decode(encode(U)) is exactly what the peers decode (client/payload/payload_codec.h).
-  static OuterBuffer NextResidual(Payload payload, absl::Span<const TensorView> u);
+  static OuterBuffer NextResidual(WireFormat format, absl::Span<const TensorView> u);
   // Swaps in `residual` (has_residual: `present`); returns the previous one and whether there
   // was one, to restore it if the round fails.
   std::pair<OuterBuffer, bool> SwapResidual(OuterBuffer residual, bool present);

@@ -178,7 +178,8 @@ absl::StatusOr<Decision> StreamingLevel::Round(const Decision& decision, const D
   }
   const RoundWire plain{Payload::kFp32, split_signature};
   // The pseudo-gradient travels in the level's payload.
-  const RoundWire outer{spec.payload, split_signature};
+  const RoundWire outer{spec.payload, split_signature, TopkPerBlock(spec.topk_density)};
+  const WireFormat format(spec.payload, outer.topk);
   LocalCopy local;
   if (spec.mix != 0 && !me_joining) local.Take(fragment);
   if (me_joining) {
@@ -230,7 +231,7 @@ absl::StatusOr<Decision> StreamingLevel::Round(const Decision& decision, const D
   OuterBuffer residual;
   if (spec.error_feedback != 0) {
     MODELAVG_RETURN_IF_ERROR(Annotate(state->AddResidual(spec.error_feedback, d), where));
-    residual = OuterLevelState::NextResidual(spec.payload, d);
+    residual = OuterLevelState::NextResidual(format, d);
   }
   // The state and the parameters change only once the round has succeeded.
   absl::StatusOr<Decision> done = rounds_->Run(decision, device, d, outer);
@@ -285,8 +286,8 @@ absl::StatusOr<Decision> StreamingLevel::Start(const Decision& decision, const D
       // call if the round fails (so that a checkpoint taken with the sync pending holds the
       // residual the sync leaves).
       MODELAVG_RETURN_IF_ERROR(Annotate(state->AddResidual(spec.error_feedback, views), where));
-      next_residual = std::make_unique<OuterBuffer>(
-          OuterLevelState::NextResidual(spec.payload, views));
+      next_residual = std::make_unique<OuterBuffer>(OuterLevelState::NextResidual(
+          WireFormat(spec.payload, TopkPerBlock(spec.topk_density)), views));
     }
   }
   // Once the round starts: the state takes the residual it leaves, the record the one before.
@@ -296,7 +297,8 @@ absl::StatusOr<Decision> StreamingLevel::Start(const Decision& decision, const D
     p->residual_before = std::make_unique<OuterBuffer>(std::move(before));
     p->had_residual = had;
   };
-  const RoundWire wire{first ? Payload::kFp32 : spec.payload, split_signature};
+  const RoundWire wire{first ? Payload::kFp32 : spec.payload, split_signature,
+                       TopkPerBlock(spec.topk_density)};
   if (client_->elastic() && !decision.joining.empty()) {
     // An admission at a delayed sync step: the replacement needs its parameters now, so the
     // round runs in this call, handing it the outer state and the parameters first, like any
@@ -326,6 +328,7 @@ absl::StatusOr<Decision> StreamingLevel::Start(const Decision& decision, const D
     MODELAVG_ASSIGN_OR_RETURN(p->options, rounds_->ElasticOptions(decision, wire));
   }
   p->options.payload = wire.payload;
+  p->options.topk = wire.topk;
   p->options.layout_signature = wire.layout_signature;
   p->bytes_before = p->comm->bytes_sent();
   keep_residual();
@@ -391,7 +394,8 @@ absl::Status StreamingLevel::Settle(PendingSync& p, int64_t report_step) {
                absl::StrJoin(next->Members(), ","));
   absl::StatusOr<Decision> again = rounds_->RunElastic(
       *next, Device::Host(), p.buffer->Views(),
-      RoundWire{p.options.payload, p.options.layout_signature}, !next->joining.empty());
+      RoundWire{p.options.payload, p.options.layout_signature, p.options.topk},
+      !next->joining.empty());
   client_->ReportStep(report_step);
   return again.status();
 }

@@ -5,6 +5,9 @@
 // exactly (to float32 rounding), BF16 and INT8 within the documented bound of the averaged
 // pseudo-gradient, summed over the level's outer steps.
 #include <cmath>
+#include <cstring>
+#include <optional>
+#include <utility>
 #include <memory>
 #include <string>
 #include <vector>
@@ -382,6 +385,154 @@ TEST_F(ClientFeedbackTest, Int4_SyncDelay_FollowsReference) {
     SCOPED_TRACE(absl::StrCat("world ", world, " beta ", beta));
     ExpectFeedbackRun(FeedbackSpec(absl::StrCat("fbdelay", world), world, v1::INT4, beta, 1),
                       26);
+  }
+}
+
+// bfloat16 rounding, to nearest even, restated (finite values).
+double NaiveBf16(double v) {
+  const float f = static_cast<float>(v);
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits += 0x7fff + ((bits >> 16) & 1);
+  bits &= 0xffff0000u;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// TOPK with error feedback restated element by element (the elements of a tensor part ways
+// once some are sent and others not), for the trace worker's update with --tensors=T and
+// `numel` elements: a periodic job of one outer level (group = world, fragments F, no delay, no
+// mix). Per member at a fragment's outer step: U = beta E + (A - x) (U in float32), C = the k
+// entries of largest |U| of each block of 1024 of the fragment (ties: lower index) rounded to
+// bfloat16, the rest 0; E = U - C (beta > 0); the mean of C over the members rounded to
+// bfloat16 is D. Returns [step][rank][tensor]: each tensor's first element; `moved[t]`: how far
+// the anchor of tensor t's first element moved from its fragment's first sync to the end.
+std::vector<std::vector<std::vector<double>>> TopkReference(const v1::JobSpec& spec,
+                                                            int64_t steps, int tensors,
+                                                            int64_t numel,
+                                                            std::vector<double>* moved) {
+  const v1::Level& l = spec.levels(0);
+  const int world = spec.world_size();
+  const int fragments = Fragments(l);
+  const int64_t per_tensor = numel / tensors;
+  const int64_t k = static_cast<int64_t>(std::ceil(l.topk_density() * 1024));
+  const double beta = l.error_feedback();
+  std::vector<std::vector<double>> x(world, std::vector<double>(numel));
+  std::vector<std::vector<double>> e(world, std::vector<double>(numel, 0.0));
+  std::vector<double> anchor(numel, 0.0);  // the same on every member
+  std::vector<double> first_anchor(numel, 0.0);
+  std::vector<std::optional<double>> momentum(numel);
+  std::vector<bool> has_anchor(fragments, false);
+  for (int r = 0; r < world; ++r) std::fill(x[r].begin(), x[r].end(), r);
+  std::vector<std::vector<std::vector<double>>> out;
+  const int64_t h = l.period() / fragments;
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int r = 0; r < world; ++r) {
+      for (int64_t i = 0; i < numel; ++i) {
+        x[r][i] += static_cast<double>(static_cast<float>((r + 1) * (s + 1)) * 0.5f) *
+                   static_cast<double>(i / per_tensor + 1);
+      }
+    }
+    if (s >= spec.warmup_steps() && (s - spec.warmup_steps()) % h == 0) {
+      const int f = static_cast<int>(((s - spec.warmup_steps()) / h) % fragments);
+      const int64_t lo = f * (tensors / fragments) * per_tensor;
+      const int64_t hi = lo + (tensors / fragments) * per_tensor;
+      if (!has_anchor[f]) {
+        has_anchor[f] = true;
+        for (int64_t i = lo; i < hi; ++i) {
+          double mean = 0;
+          for (int r = 0; r < world; ++r) mean += x[r][i] / world;
+          anchor[i] = first_anchor[i] = mean;
+          for (int r = 0; r < world; ++r) x[r][i] = mean;
+        }
+      } else {
+        std::vector<double> mean(numel, 0.0);
+        for (int r = 0; r < world; ++r) {
+          std::vector<double> u(numel, 0.0);
+          for (int64_t i = lo; i < hi; ++i) {
+            u[i] = static_cast<float>(beta * e[r][i] + (anchor[i] - x[r][i]));
+          }
+          std::vector<double> c(numel, 0.0);
+          for (int64_t b = lo; b < hi; b += 1024) {
+            const int64_t end = std::min(hi, b + 1024);
+            std::vector<int64_t> order;
+            for (int64_t i = b; i < end; ++i) order.push_back(i);
+            std::stable_sort(order.begin(), order.end(), [&](int64_t p, int64_t q) {
+              return std::fabs(u[p]) > std::fabs(u[q]);
+            });
+            for (int64_t j = 0; j < std::min<int64_t>(k, end - b); ++j) {
+              c[order[j]] = NaiveBf16(u[order[j]]);
+            }
+          }
+          for (int64_t i = lo; i < hi; ++i) {
+            if (beta != 0) e[r][i] = u[i] - c[i];
+            mean[i] += c[i] / world;
+          }
+        }
+        for (int64_t i = lo; i < hi; ++i) {
+          anchor[i] = NaiveOuterSgd(l.outer(), NaiveBf16(mean[i]), &momentum[i], anchor[i]);
+          for (int r = 0; r < world; ++r) x[r][i] = anchor[i];
+        }
+      }
+    }
+    std::vector<std::vector<double>> row(world, std::vector<double>(tensors));
+    for (int r = 0; r < world; ++r) {
+      for (int t = 0; t < tensors; ++t) row[r][t] = x[r][t * per_tensor];
+    }
+    out.push_back(row);
+  }
+  moved->assign(tensors, 0.0);
+  for (int t = 0; t < tensors; ++t) {
+    (*moved)[t] = std::fabs(anchor[t * per_tensor] - first_anchor[t * per_tensor]);
+  }
+  return out;
+}
+
+// TOPK with and without feedback, W 2 and 4, beta 1, 0.9 and 0: every member, every step,
+// against TopkReference. k = 125 of a fragment's 500 elements: exactly one tensor a sync, so
+// that the selection never cuts through a tensor's equal elements (a tie that float32 rounding
+// of the member's anchors would break differently from the reference's float64). Runs longer
+// than 42 steps meet bfloat16 rounding ties of the mean that the float64 reference rounds
+// differently; the rule is the same.
+TEST_F(ClientFeedbackTest, Topk_FollowsReference_FeedbackSendsWhatTopkDrops) {
+  constexpr int64_t kNumel = 1000;
+  constexpr int64_t kSteps = 42;
+  for (const auto& [world, beta] : std::vector<std::pair<int, double>>{
+           {2, 0.9}, {4, 0.9}, {2, 0.0}, {4, 0.0}, {2, 1.0}, {4, 1.0}}) {
+    SCOPED_TRACE(absl::StrCat("world ", world, " beta ", beta));
+    v1::JobSpec spec = MakeSpec(absl::StrCat("topk", world, "b", static_cast<int>(beta * 10)),
+                                world, v1::PERIODIC, {{4, world}}, 1);
+    SetOuter(&spec, 0, 0.7, 0.9, true);
+    spec.mutable_levels(0)->set_fragments(2);
+    spec.mutable_levels(0)->set_payload(v1::TOPK);
+    spec.mutable_levels(0)->set_topk_density(125.0 / 1024);
+    spec.mutable_levels(0)->set_error_feedback(beta);
+    std::vector<double> moved_by;
+    const auto want = TopkReference(spec, kSteps, kTensors, kNumel, &moved_by);
+    const std::vector<Trace> traces = Run(spec, kSteps, kNumel);
+    ASSERT_EQ(traces.size(), static_cast<size_t>(world));
+    for (int r = 0; r < world; ++r) {
+      ASSERT_EQ(traces[r].lines.size(), static_cast<size_t>(kSteps)) << "rank " << r;
+      for (int64_t s = 0; s < kSteps; ++s) {
+        const std::vector<double> got = Values(traces[r].lines[s].text);
+        ASSERT_EQ(got.size(), static_cast<size_t>(kTensors));
+        for (int t = 0; t < kTensors; ++t) {
+          EXPECT_NEAR(got[t], want[s][r][t], std::max(1e-4, 2e-6 * std::fabs(want[s][r][t])))
+              << "rank " << r << " step " << s << " tensor " << t;
+        }
+      }
+    }
+    // The point of feedback: without it the top-k keeps picking the largest tensor of each
+    // fragment and the others' anchors never move; with it the residuals of the others grow
+    // until they are sent (all but the smallest tensor within these 10 syncs a fragment).
+    int moved = 0;
+    for (int t = 0; t < kTensors; ++t) moved += moved_by[t] > 1e-6;
+    if (beta == 0) {
+      EXPECT_EQ(moved, 2) << "without feedback only the largest tensor of a fragment moves";
+    } else {
+      EXPECT_GE(moved, kTensors - 1) << "with feedback the residuals were never sent";
+    }
   }
 }
 

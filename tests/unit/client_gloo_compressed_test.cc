@@ -116,6 +116,60 @@ INSTANTIATE_TEST_SUITE_P(Payloads, CompressedTest,
                                             ::testing::Values(Payload::kBf16, Payload::kInt8,
                                                               Payload::kInt4)));
 
+// TOPK: every member sends its k largest per block; the result is the float32 mean of the
+// members' decoded pieces, each non-zero rounded to bfloat16 (the all-gather keeps up to n k a
+// block), bit-identical on every rank. Checked against a naive restatement.
+TEST(CompressedRoundTest, Topk_MeanOfEachMembersTopK_EveryRankIdentical) {
+  for (int n : {2, 4}) {
+    SCOPED_TRACE(n);
+    const int64_t numel = 2 * kInt8Block + 300;
+    const int32_t k = TopkPerBlock(0.02);
+    auto mesh = MakeGlooMesh(n, absl::Seconds(30));
+    for (auto& c : mesh) ASSERT_NE(c, nullptr);
+    std::vector<std::vector<float>> inputs, v(n);
+    for (int r = 0; r < n; ++r) inputs.push_back(Input(r, numel));
+    std::vector<absl::Status> status(n);
+    OnRanks(n, [&](int r) {
+      v[r] = inputs[r];
+      RoundOptions o;
+      o.payload = Payload::kTopk;
+      o.topk = k;
+      status[r] = mesh[r]->AllReduceAverage({TensorView{v[r].data(), numel, DType::kFloat32}},
+                                            o, nullptr);
+    });
+    // The reference: each member's top k per block (ties: lower index), mean over members.
+    std::vector<double> want(numel, 0.0), want_abs(numel, 0.0);
+    for (int r = 0; r < n; ++r) {
+      for (int64_t lo = 0; lo < numel; lo += kInt8Block) {
+        const int64_t hi = std::min(numel, lo + kInt8Block);
+        std::vector<int64_t> order;
+        for (int64_t i = lo; i < hi; ++i) order.push_back(i);
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+          return std::fabs(inputs[r][a]) > std::fabs(inputs[r][b]);
+        });
+        for (int64_t e = 0; e < std::min<int64_t>(k, hi - lo); ++e) {
+          want[order[e]] += double{inputs[r][order[e]]} / n;
+          want_abs[order[e]] += std::fabs(double{inputs[r][order[e]]}) / n;
+        }
+      }
+    }
+    int64_t nonzero = 0;
+    for (int r = 0; r < n; ++r) {
+      ASSERT_TRUE(status[r].ok()) << status[r];
+      EXPECT_EQ(std::memcmp(v[r].data(), v[0].data(), numel * sizeof(float)), 0) << r;
+      for (int64_t i = 0; i < numel; ++i) {
+        // bfloat16 twice (each member's value, the mean's) and float32 sums.
+        ASSERT_NEAR(v[r][i], want[i],
+                    std::ldexp(want_abs[i] + std::fabs(want[i]), -8) * 1.01 + 1e-9)
+            << "rank " << r << " element " << i;
+        nonzero += r == 0 && v[r][i] != 0;
+      }
+    }
+    EXPECT_GT(nonzero, k);
+    EXPECT_LE(nonzero, 3 * n * k);
+  }
+}
+
 // Error feedback's premise: a member's own decode(encode(x)) (RoundTripPayload) is exactly what
 // its peers decode from it, whatever the member count. One member contributes x, the others
 // zeros (divisor 1): the result is decode(encode(decode(encode(x)))) on every rank, which a

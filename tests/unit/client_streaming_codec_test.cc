@@ -210,6 +210,52 @@ TEST(PayloadCodecTest, Int4_MatchesDocumentedRuleAndBound) {
   EXPECT_FLOAT_EQ(z[2 * kInt8Block], 1.0f);
 }
 
+// TOPK against a naive restatement: per block of 1024, the k entries of largest |x| (ties: lower
+// index), each rounded to bfloat16 (relative error <= 2^-8), the others 0; 4 bytes an entry.
+TEST(PayloadCodecTest, Topk_KeepsLargestPerBlock) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(2 * kInt8Block + 100);
+  for (float& v : x) v = normal(rng);
+  x[7] = x[9] = 50.0f;  // a tie: both kept (k >= 2)
+  const int32_t k = TopkPerBlock(0.02);
+  EXPECT_EQ(k, 21);  // ceil(0.02 * 1024)
+  const WireFormat f(Payload::kTopk, k);
+  std::vector<uint8_t> wire(EncodedBytes(f, static_cast<int64_t>(x.size())));
+  EXPECT_EQ(wire.size(), 4u * (21 + 21 + 21));
+  EncodePayload(f, x.data(), static_cast<int64_t>(x.size()), wire.data());
+  std::vector<float> y(x.size(), -1.0f);
+  DecodePayload(f, wire.data(), static_cast<int64_t>(x.size()), y.data());
+  for (size_t lo = 0; lo < x.size(); lo += kInt8Block) {
+    const size_t hi = std::min(x.size(), lo + kInt8Block);
+    std::vector<size_t> order;
+    for (size_t i = lo; i < hi; ++i) order.push_back(i);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return std::fabs(x[a]) > std::fabs(x[b]); });
+    std::vector<bool> kept(x.size(), false);
+    for (size_t e = 0; e < std::min<size_t>(k, order.size()); ++e) kept[order[e]] = true;
+    for (size_t i = lo; i < hi; ++i) {
+      if (kept[i]) {
+        EXPECT_LE(std::fabs(y[i] - x[i]), std::ldexp(std::fabs(x[i]), -8)) << i;
+        EXPECT_NE(y[i], 0.0f) << i;
+      } else {
+        EXPECT_EQ(y[i], 0.0f) << i;
+      }
+    }
+  }
+  EXPECT_EQ(y[7], 50.0f);
+  EXPECT_EQ(y[9], 50.0f);
+  // Decode-add adds the kept values only.
+  std::vector<float> acc(x.size(), 1.0f);
+  DecodeAddPayload(f, wire.data(), static_cast<int64_t>(x.size()), acc.data());
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(acc[i], 1.0f + y[i]) << i;
+  // A block shorter than k keeps everything; densities round up and stay in [1, 1024].
+  EXPECT_EQ(EncodedBytes(WireFormat(Payload::kTopk, 21), 5), 20u);
+  EXPECT_EQ(TopkPerBlock(1e-9), 1);
+  EXPECT_EQ(TopkPerBlock(0.999), 1023);
+  EXPECT_LE(EncodedBytes(f, 1 << 20), 0.025 * EncodedBytes(Payload::kFp32, 1 << 20));
+}
+
 TEST(PayloadCodecTest, RoundTripPayload_EqualsEncodeThenDecode) {
   std::mt19937 rng(4);
   std::normal_distribution<float> normal(0.0f, 1.0f);

@@ -190,7 +190,8 @@ TEST(JobSpecTest, ErrorFeedbackAndPayloads_ValidatedAndKept) {
   };
   for (const char* ok : {"payload: INT4 error_feedback: 1", "payload: INT4 error_feedback: 0.9",
                          "payload: INT8 error_feedback: 0.5", "payload: BF16 error_feedback: 1",
-                         "payload: INT4"}) {
+                         "payload: INT4", "payload: TOPK topk_density: 0.02",
+                         "payload: TOPK topk_density: 0.02 error_feedback: 1"}) {
     absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(spec(ok));
     ASSERT_TRUE(s.ok()) << ok << ": " << s.status();
   }
@@ -216,7 +217,6 @@ TEST(JobSpecTest, ErrorFeedbackAndPayloads_ValidatedAndKept) {
       {"payload: INT4 error_feedback: 1", false, {"levels[0].error_feedback", "outer"}},
       {"payload: TOPK topk_density: 0", true, {"levels[0].topk_density", "(0, 1)"}},
       {"payload: TOPK topk_density: 1", true, {"levels[0].topk_density", "(0, 1)"}},
-      {"payload: TOPK topk_density: 0.02", true, {"TOPK", "not supported"}},
       {"payload: INT4 topk_density: 0.02", true, {"levels[0].topk_density", "TOPK"}},
       {"payload: INT4", false, {"levels[0].payload INT4", "outer"}},
   };

@@ -475,7 +475,8 @@ absl::Status GlooCommunicator::AverageCompressed(absl::Span<const TensorView> te
   } else {
     std::memset(in, 0, bytes);
   }
-  absl::Status s = RunCompressed(in, total, options.payload, divisor, result);
+  absl::Status s = RunCompressed(in, total, WireFormat(options.payload, options.topk), divisor,
+                                 result);
   if (!s.ok()) return Break(s);
   if (options.commit) {
     if (absl::Status c = Commit(); !c.ok()) {
@@ -548,31 +549,39 @@ absl::Status GlooCommunicator::AverageStaged(absl::Span<const TensorView> tensor
   return absl::OkStatus();
 }
 
-absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, Payload payload,
+absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, WireFormat format,
                                              int divisor, float* out) {
   const int n = size_;
+  const Payload payload = format.payload;
+  // The all-gather's format: TOPK sends every non-zero of the mean (at most n k a block).
+  const WireFormat gather(payload, payload == Payload::kTopk
+                                       ? static_cast<int32_t>(std::min<int64_t>(
+                                             kInt8Block, int64_t{n} * format.topk))
+                                       : format.topk);
   // Piece j: elements [lo_j, lo_j + len_j), cut at multiples of the payload's block so that
   // every block is encoded whole, as the member's own decode(encode(x)) sees it
   // (RoundTripPayload); member j reduces piece j. Pieces may be empty.
   const int64_t align = PayloadBlock(payload);
   const int64_t units = (numel + align - 1) / align;
   const int64_t per = (units + n - 1) / n;
-  std::vector<int64_t> lo(n), len(n), enc(n);
-  int64_t wire_total = 0;
+  std::vector<int64_t> lo(n), len(n), enc(n), genc(n);
+  int64_t send_total = 0, gather_total = 0;
   for (int j = 0; j < n; ++j) {
     lo[j] = std::min<int64_t>(numel, j * per * align);
     len[j] = std::min<int64_t>(numel, lo[j] + per * align) - lo[j];
-    enc[j] = static_cast<int64_t>(EncodedBytes(payload, len[j]));
-    wire_total += enc[j];
+    enc[j] = static_cast<int64_t>(EncodedBytes(format, len[j]));
+    genc[j] = static_cast<int64_t>(EncodedBytes(gather, len[j]));
+    send_total += enc[j];
+    gather_total += genc[j];
   }
   const int me = rank_;
-  wire_send_.assign(static_cast<size_t>(std::max(wire_total, enc[me] * n)), 0);
-  wire_recv_.assign(static_cast<size_t>(std::max(wire_total, enc[me] * n)), 0);
+  wire_send_.assign(static_cast<size_t>(std::max<int64_t>(send_total, 1)), 0);
+  wire_recv_.assign(static_cast<size_t>(std::max({gather_total, enc[me] * n, int64_t{1}})), 0);
   chunk_.assign(static_cast<size_t>(std::max<int64_t>(len[me], 1)), 0.0f);
   {
     int64_t at = 0;
     for (int j = 0; j < n; ++j) {
-      EncodePayload(payload, data + lo[j], len[j], wire_send_.data() + at);
+      EncodePayload(format, data + lo[j], len[j], wire_send_.data() + at);
       at += enc[j];
     }
   }
@@ -588,25 +597,25 @@ absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, P
       opts.setOutput(wire_recv_.data(), std::vector<int64_t>(n, enc[me]));
       gloo::alltoallv(opts);
     }
-    bytes_sent_ += wire_total - enc[me];
+    bytes_sent_ += send_total - enc[me];
     // This member's piece: the float32 sum of every member's decoded piece, in rank order.
     std::fill(chunk_.begin(), chunk_.end(), 0.0f);
     for (int i = 0; i < n; ++i) {
-      DecodeAddPayload(payload, wire_recv_.data() + i * enc[me], len[me], chunk_.data());
+      DecodeAddPayload(format, wire_recv_.data() + i * enc[me], len[me], chunk_.data());
     }
     const float inv = 1.0f / static_cast<float>(divisor);
     for (float& v : chunk_) v *= inv;
-    std::vector<uint8_t> mine(static_cast<size_t>(std::max<int64_t>(enc[me], 1)));
-    EncodePayload(payload, chunk_.data(), len[me], mine.data());
+    std::vector<uint8_t> mine(static_cast<size_t>(std::max<int64_t>(genc[me], 1)));
+    EncodePayload(gather, chunk_.data(), len[me], mine.data());
     {
       gloo::AllgathervOptions opts(context_);
       opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
       opts.setTag(next_tag_++);
-      opts.setInput(mine.data(), static_cast<size_t>(enc[me]));
-      opts.setOutput(wire_recv_.data(), std::vector<size_t>(enc.begin(), enc.end()));
+      opts.setInput(mine.data(), static_cast<size_t>(genc[me]));
+      opts.setOutput(wire_recv_.data(), std::vector<size_t>(genc.begin(), genc.end()));
       gloo::allgatherv(opts);
     }
-    bytes_sent_ += enc[me] * (n - 1);
+    bytes_sent_ += genc[me] * (n - 1);
   } catch (const std::exception& e) {
     return FromGlooException(
         e, absl::StrCat("Gloo ", PayloadName(payload), " all-reduce of ", numel, " elements"),
@@ -617,8 +626,8 @@ absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, P
   // Every member decodes the same bytes: the results agree bit for bit.
   int64_t at = 0;
   for (int j = 0; j < n; ++j) {
-    if (len[j] > 0) DecodePayload(payload, wire_recv_.data() + at, len[j], out + lo[j]);
-    at += enc[j];
+    if (len[j] > 0) DecodePayload(gather, wire_recv_.data() + at, len[j], out + lo[j]);
+    at += genc[j];
   }
   return absl::OkStatus();
 }
