@@ -65,7 +65,8 @@ class FakeCore(types.ModuleType):
     def get_job(self, conn, job_id):
         self.calls.append(("get_job", dict(conn), job_id))
         return job_dict({"job_id": job_id, "world_size": 2, "mode": "PERIODIC",
-                         "levels": [(4, 2)], "outer": [None], "streaming": [(1, 0, 0.0, "FP32", 0.0, 0.0)],
+                         "levels": [(4, 2)], "outer": [None],
+                         "streaming": [(1, 0, 0.0, "FP32", 0.0, 0.0)],
                          "warmup_steps": 0, "heartbeat_timeout_ms": 0, "join_timeout_ms": 0,
                          "min_world_size": 0})
 
