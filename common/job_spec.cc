@@ -49,10 +49,19 @@ absl::Status StreamingFromProto(const v1::Level& level, int i, ScheduleLevel* ou
     case v1::INT8:
       out->payload = Payload::kInt8;
       break;
+    case v1::INT4:
+      out->payload = Payload::kInt4;
+      break;
+    case v1::TOPK:
+      out->payload = Payload::kTopk;
+      break;
     default:
       return absl::InvalidArgumentError(absl::StrCat(
-          "levels[", i, "].payload must be FP32, BF16 or INT8, got ", level.payload()));
+          "levels[", i, "].payload must be FP32, BF16, INT8, INT4 or TOPK, got ",
+          level.payload()));
   }
+  out->error_feedback = level.error_feedback();
+  out->topk_density = level.topk_density();
   return absl::OkStatus();
 }
 
@@ -144,9 +153,25 @@ void ScheduleSpecToProto(const ScheduleSpec& spec, v1::JobSpec* out) {
     if (level.fragments > 1) l->set_fragments(level.fragments);
     l->set_sync_delay(level.sync_delay);
     l->set_mix(level.mix);
-    l->set_payload(level.payload == Payload::kBf16   ? v1::BF16
-                   : level.payload == Payload::kInt8 ? v1::INT8
-                                                     : v1::FP32);
+    switch (level.payload) {
+      case Payload::kFp32:
+        l->set_payload(v1::FP32);
+        break;
+      case Payload::kBf16:
+        l->set_payload(v1::BF16);
+        break;
+      case Payload::kInt8:
+        l->set_payload(v1::INT8);
+        break;
+      case Payload::kInt4:
+        l->set_payload(v1::INT4);
+        break;
+      case Payload::kTopk:
+        l->set_payload(v1::TOPK);
+        break;
+    }
+    l->set_error_feedback(level.error_feedback);
+    l->set_topk_density(level.topk_density);
   }
 }
 

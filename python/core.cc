@@ -183,7 +183,7 @@ class PyAverager {
   }
 
   // {"step": int, "anchors": {level: [(dtype code, numel, bytes)]}, "momenta": {...},
-  //  "fragments": [(level, fragment, [anchor tensors], [momentum tensors])],
+  //  "fragments": [(level, fragment, [anchor tensors], [momentum tensors], [residual tensors])],
   //  "pending": [{"level", "fragment", "start_step", "apply_step", "first", "result", "error"}]}.
   py::dict StateDict() {
     CheckNoInterruptedCall();
@@ -216,7 +216,8 @@ class PyAverager {
     d["momenta"] = tensors(state.momenta);
     py::list fragments;
     for (const mc::FragmentState& f : state.fragments) {
-      fragments.append(py::make_tuple(f.level, f.fragment, list(f.anchor), list(f.momentum)));
+      fragments.append(py::make_tuple(f.level, f.fragment, list(f.anchor), list(f.momentum),
+                                      list(f.residual)));
     }
     d["fragments"] = fragments;
     py::list pending;
@@ -235,7 +236,8 @@ class PyAverager {
     return d;
   }
 
-  // fragments: [(level, fragment, anchor tensors, momentum tensors)]; pending: [dict] as
+  // fragments: [(level, fragment, anchor tensors, momentum tensors[, residual tensors])];
+  // pending: [dict] as
   // StateDict gives them.
   void LoadStateDict(int64_t step, const py::dict& anchors, const py::dict& momenta,
                      const py::list& fragments, const py::list& pending) {
@@ -271,6 +273,7 @@ class PyAverager {
       f.fragment = t[1].cast<int>();
       read_list(t[2], &f.anchor);
       read_list(t[3], &f.momentum);
+      if (t.size() > 4) read_list(t[4], &f.residual);
       state.fragments.push_back(std::move(f));
     }
     for (const py::handle item : pending) {
@@ -337,6 +340,10 @@ const char* PayloadName(modelavg::Payload p) {
       return "BF16";
     case modelavg::Payload::kInt8:
       return "INT8";
+    case modelavg::Payload::kInt4:
+      return "INT4";
+    case modelavg::Payload::kTopk:
+      return "TOPK";
   }
   return "FP32";
 }
@@ -467,7 +474,8 @@ Attributes:
                                for (const auto& l : s.levels) {
                                  streaming.append(py::make_tuple(
                                      std::max(1, l.fragments), l.sync_delay, l.mix,
-                                     PayloadName(l.payload)));
+                                     PayloadName(l.payload), l.error_feedback,
+                                     l.topk_density));
                                }
                                d["streaming"] = streaming;
                                return d;

@@ -168,25 +168,29 @@ v1::JobSpec JobSpecFrom(const py::dict& d) {
       o->set_nesterov(nesterov);
     }
   }
-  // One entry per level: (fragments, sync_delay, mix, payload name).
-  if (auto v = Get<std::vector<std::tuple<int32_t, int64_t, double, std::string>>>(d,
-                                                                                  "streaming")) {
+  // One entry per level: (fragments, sync_delay, mix, payload name, error_feedback,
+  // topk_density).
+  if (auto v = Get<std::vector<std::tuple<int32_t, int64_t, double, std::string, double, double>>>(
+          d, "streaming")) {
     if (static_cast<int>(v->size()) != spec.levels_size()) {
       throw py::value_error(absl::StrCat("streaming has ", v->size(), " entries for ",
                                          spec.levels_size(), " levels"));
     }
     for (size_t i = 0; i < v->size(); ++i) {
-      const auto& [fragments, sync_delay, mix, payload_name] = (*v)[i];
+      const auto& [fragments, sync_delay, mix, payload_name, error_feedback, topk_density] =
+          (*v)[i];
       v1::Level* level = spec.mutable_levels(static_cast<int>(i));
       v1::Payload payload;
       if (!v1::Payload_Parse(payload_name, &payload)) {
         throw py::value_error(absl::StrCat("levels[", i, "].payload '", payload_name,
-                                           "': expected FP32, BF16 or INT8"));
+                                           "': expected FP32, BF16, INT8, INT4 or TOPK"));
       }
       level->set_fragments(fragments);
       level->set_sync_delay(sync_delay);
       level->set_mix(mix);
       level->set_payload(payload);
+      level->set_error_feedback(error_feedback);
+      level->set_topk_density(topk_density);
     }
   }
   if (auto v = Get<int64_t>(d, "heartbeat_timeout_ms")) spec.set_heartbeat_timeout_ms(*v);
@@ -217,7 +221,8 @@ py::dict SpecDict(const v1::JobSpec& spec) {
   py::list streaming;
   for (const v1::Level& l : spec.levels()) {
     streaming.append(py::make_tuple(std::max(1, l.fragments()), l.sync_delay(), l.mix(),
-                                    v1::Payload_Name(l.payload())));
+                                    v1::Payload_Name(l.payload()), l.error_feedback(),
+                                    l.topk_density()));
   }
   d["streaming"] = streaming;
   d["heartbeat_timeout_ms"] = spec.heartbeat_timeout_ms();

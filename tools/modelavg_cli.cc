@@ -196,7 +196,11 @@ std::string Mode(const v1::JobSpec& spec) {
 std::string Levels(const v1::JobSpec& spec) {
   std::vector<std::string> levels;
   for (const v1::Level& l : spec.levels()) {
-    levels.push_back(absl::StrCat("(", l.period(), ", ", l.group_size(), ")"));
+    std::string text = absl::StrCat("(", l.period(), ", ", l.group_size());
+    if (l.payload() != v1::FP32) absl::StrAppend(&text, ", ", v1::Payload_Name(l.payload()));
+    if (l.payload() == v1::TOPK) absl::StrAppend(&text, " density ", l.topk_density());
+    if (l.error_feedback() != 0) absl::StrAppend(&text, ", error feedback ", l.error_feedback());
+    levels.push_back(text + ")");
   }
   return absl::StrJoin(levels, " ");
 }

@@ -93,6 +93,7 @@ void Checkpoint::SaveStreaming(StreamingLevel& streaming, AveragerState* out) co
       fs.fragment = static_cast<int>(f);
       fs.anchor = state->AnchorTensors();
       if (state->has_momentum()) fs.momentum = state->MomentumTensors();
+      fs.residual = state->ResidualTensors();
       out->fragments.push_back(std::move(fs));
     }
   }
@@ -164,6 +165,12 @@ absl::Status Checkpoint::RestoreStreaming(const AveragerState& state, Restored* 
     }
     MODELAVG_RETURN_IF_ERROR(
         Annotate(s->Load(fs.anchor, fs.momentum.empty() ? nullptr : &fs.momentum), what));
+    if (!fs.residual.empty() && levels[fs.level].error_feedback == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " has a residual but level ", fs.level,
+          " has no error_feedback: was the state_dict saved from another job's averager?"));
+    }
+    MODELAVG_RETURN_IF_ERROR(Annotate(s->LoadResidual(fs.residual), what));
   }
   pending->clear();
   for (const PendingState& ps : state.pending) {

@@ -5,6 +5,8 @@
 #include "absl/strings/str_cat.h"
 #include "client/averaging/device_outer_state.h"
 #include "client/base/half.h"
+#include "client/payload/payload_codec.h"
+#include "common/status_util.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::client {
@@ -136,7 +138,9 @@ bool OuterLevelState::has_momentum() const {
   return device_ != nullptr ? device_->has_momentum() : has_momentum_;
 }
 size_t OuterLevelState::bytes() const {
-  return device_ != nullptr ? device_->bytes() : anchor_.total_bytes() + momentum_.total_bytes();
+  return device_ != nullptr ? device_->bytes()
+                            : anchor_.total_bytes() + momentum_.total_bytes() +
+                                  residual_.total_bytes();
 }
 
 absl::Status OuterLevelState::AttachDevice(std::unique_ptr<DeviceOuterState> device) {
@@ -371,6 +375,88 @@ absl::Status OuterLevelState::Load(const std::vector<StateTensor>& anchor,
   momentum_ = std::move(m);
   has_anchor_ = true;
   has_momentum_ = momentum_or_null != nullptr;
+  return absl::OkStatus();
+}
+
+absl::Status OuterLevelState::AddResidual(double beta, absl::Span<const TensorView> u) const {
+  if (!has_residual_) return absl::OkStatus();
+  if (residual_.size() != u.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("level ", level_, ": the residual has ",
+                                                   residual_.size(), " tensors, the step ",
+                                                   u.size()));
+  }
+  for (size_t i = 0; i < u.size(); ++i) {
+    if (u[i].dtype != DType::kFloat32 || residual_.numel(i) != u[i].numel) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "level ", level_, ": residual tensor ", i, " has ", residual_.numel(i),
+          " float32 elements, the pseudo-gradient ", u[i].numel, " ", DTypeName(u[i].dtype)));
+    }
+    const float* e = static_cast<const float*>(residual_.data(i));
+    float* d = static_cast<float*>(u[i].data);
+    for (int64_t j = 0; j < u[i].numel; ++j) {
+      d[j] = static_cast<float>(beta * static_cast<double>(e[j]) + static_cast<double>(d[j]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+OuterBuffer OuterLevelState::NextResidual(WireFormat format, absl::Span<const TensorView> u) {
+  // Packed in order, as the compressed all-reduce packs its tensors: the payload's blocks run
+  // across tensor boundaries.
+  int64_t total = 0;
+  for (const TensorView& t : u) total += t.numel;
+  std::vector<float> packed(static_cast<size_t>(total));
+  int64_t at = 0;
+  for (const TensorView& t : u) {
+    std::memcpy(packed.data() + at, t.data, static_cast<size_t>(t.numel) * sizeof(float));
+    at += t.numel;
+  }
+  std::vector<float> decoded(packed.size());
+  RoundTripPayload(format, packed.data(), total, decoded.data());
+  OuterBuffer e;
+  e.Shape(u);
+  at = 0;
+  for (size_t i = 0; i < u.size(); ++i) {
+    float* out = static_cast<float*>(e.data(i));
+    for (int64_t j = 0; j < u[i].numel; ++j, ++at) out[j] = packed[at] - decoded[at];
+  }
+  return e;
+}
+
+std::pair<OuterBuffer, bool> OuterLevelState::SwapResidual(OuterBuffer residual, bool present) {
+  std::pair<OuterBuffer, bool> old(std::move(residual_), has_residual_);
+  residual_ = std::move(residual);
+  has_residual_ = present;
+  return old;
+}
+
+std::vector<StateTensor> OuterLevelState::ResidualTensors() const {
+  return has_residual_ ? Copy(residual_) : std::vector<StateTensor>{};
+}
+
+absl::Status OuterLevelState::LoadResidual(const std::vector<StateTensor>& residual) {
+  if (residual.empty()) {
+    residual_ = OuterBuffer();
+    has_residual_ = false;
+    return absl::OkStatus();
+  }
+  const std::vector<StateTensor> anchor = AnchorTensors();
+  if (residual.size() != anchor.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("residual of level ", level_, " has ",
+                                                   residual.size(), " tensors but its anchor has ",
+                                                   anchor.size()));
+  }
+  for (size_t i = 0; i < residual.size(); ++i) {
+    if (residual[i].dtype != DType::kFloat32 || residual[i].numel != anchor[i].numel) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "residual[", i, "] of level ", level_, " must be float32 with ", anchor[i].numel,
+          " elements (its anchor's), got ", residual[i].numel, " ", DTypeName(residual[i].dtype)));
+    }
+  }
+  OuterBuffer e;
+  MODELAVG_RETURN_IF_ERROR(Fill(residual, "residual", level_, &e));
+  residual_ = std::move(e);
+  has_residual_ = true;
   return absl::OkStatus();
 }
 

@@ -17,10 +17,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "client/payload/payload_codec.h"
 #include "modelavg/client/averager.h"
 #include "modelavg/client/tensor.h"
 #include "modelavg/common/schedule.h"
@@ -107,8 +109,26 @@ class OuterLevelState {
   absl::Status Load(const std::vector<StateTensor>& anchor,
                     const std::vector<StateTensor>* momentum);
 
-  // Bytes held (anchor + momentum).
+  // Bytes held (anchor + momentum + residual).
   size_t bytes() const;
+
+  // Error feedback (Level.error_feedback, docs/streaming.md), host states: the residual E, a
+  // float32 per element of the state's tensors, zero until an outer step keeps one (the
+  // residual is a member's own: a replacement starts at zero).
+  bool has_residual() const { return has_residual_; }
+  // u[i] := fl32(beta * E[i] + u[i]) (u holds the pseudo-gradient D, float32, in the state
+  // layout); nothing without a residual. INVALID_ARGUMENT when the residual's layout differs.
+  absl::Status AddResidual(double beta, absl::Span<const TensorView> u) const;
+  // The residual E := fl32(U - decode(encode(U))) that sending `u` (float32) in `payload`
+  // leaves: decode(encode(U)) is exactly what the peers decode (client/payload/payload_codec.h).
+  static OuterBuffer NextResidual(WireFormat format, absl::Span<const TensorView> u);
+  // Swaps in `residual` (has_residual: `present`); returns the previous one and whether there
+  // was one, to restore it if the round fails.
+  std::pair<OuterBuffer, bool> SwapResidual(OuterBuffer residual, bool present);
+  // state_dict / load_state_dict: the residual's tensors (empty without one), and setting them
+  // (empty: none). INVALID_ARGUMENT unless they are float32 and match the anchor's counts.
+  std::vector<StateTensor> ResidualTensors() const;
+  absl::Status LoadResidual(const std::vector<StateTensor>& residual);
 
  private:
   const int level_;
@@ -117,6 +137,8 @@ class OuterLevelState {
   bool has_momentum_ = false;
   OuterBuffer anchor_;
   OuterBuffer momentum_;
+  bool has_residual_ = false;
+  OuterBuffer residual_;
   std::unique_ptr<DeviceOuterState> device_;
 };
 

@@ -69,6 +69,7 @@ absl::StatusOr<Decision> RoundRunner::Run(const Decision& decision, const Device
   absl::StatusOr<Communicator*> comm = client_->communicators()->Get(Setup(decision), device);
   RoundOptions plain;
   plain.payload = wire.payload;
+  plain.topk = wire.topk;
   plain.layout_signature = wire.layout_signature;
   const int64_t sent_before = comm.ok() ? (*comm)->bytes_sent() : 0;
   absl::Status s = comm.ok() ? (*comm)->AllReduceAverage(tensors, plain, nullptr) : comm.status();
@@ -215,6 +216,7 @@ absl::StatusOr<RoundOptions> RoundRunner::ElasticOptions(const Decision& decisio
   // Every round is committed (retried exactly), on Gloo and NCCL alike.
   options.commit = true;
   options.payload = wire.payload;
+  options.topk = wire.topk;
   options.layout_signature = wire.layout_signature;
   if (options.contributors == 0) {
     return absl::FailedPreconditionError(absl::StrCat(

@@ -34,6 +34,8 @@ namespace modelavg::client {
 struct RoundWire {
   Payload payload = Payload::kFp32;
   int64_t layout_signature = 0;
+  // TOPK: entries kept per block (RoundOptions::topk).
+  int32_t topk = 0;
 };
 
 // Per level: the bytes this member sent in its rounds, and how long averaging calls waited for

@@ -13,6 +13,7 @@
 #include "client/base/error_kind.h"
 #include "client/base/half.h"
 #include "client/comm/communicator_cache.h"
+#include "client/payload/payload_codec.h"
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
 
@@ -153,6 +154,17 @@ absl::StatusOr<Decision> StreamingLevel::Round(const Decision& decision, const D
         " on CUDA parameters runs in strict jobs only in this version (elastic jobs: host "
         "parameters, or sync_delay 0); the parameters are on ", device.ToString()));
   }
+  if (!device.is_host() && (spec.error_feedback != 0 || (spec.payload != Payload::kFp32 &&
+                                                           spec.payload != Payload::kBf16 &&
+                                                           spec.payload != Payload::kInt8))) {
+    // Not silently another rule: the device path has no INT4 kernels nor residual yet.
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, ": levels[", level, "] has payload ", PayloadName(spec.payload),
+        spec.error_feedback != 0 ? absl::StrCat(" with error_feedback ", spec.error_feedback)
+                                 : std::string(),
+        ", which runs on host parameters (Gloo) only in this version; the parameters are on ",
+        device.ToString(), " (use BF16 or INT8 without error_feedback on CUDA parameters)"));
+  }
   // A replacement admitted at this step (elastic jobs) receives, inside the round, every outer
   // state and the mean of its block's parameters (the round's hand-over), contributes nothing, and
   // takes the same branch as its peers: the fragment's first sync or an outer step.
@@ -166,7 +178,8 @@ absl::StatusOr<Decision> StreamingLevel::Round(const Decision& decision, const D
   }
   const RoundWire plain{Payload::kFp32, split_signature};
   // The pseudo-gradient travels in the level's payload.
-  const RoundWire outer{spec.payload, split_signature};
+  const RoundWire outer{spec.payload, split_signature, TopkPerBlock(spec.topk_density)};
+  const WireFormat format(spec.payload, outer.topk);
   LocalCopy local;
   if (spec.mix != 0 && !me_joining) local.Take(fragment);
   if (me_joining) {
@@ -214,9 +227,16 @@ absl::StatusOr<Decision> StreamingLevel::Round(const Decision& decision, const D
   pseudo_gradient_->Shape(fragment);
   std::vector<TensorView> d = pseudo_gradient_->Views();
   MODELAVG_RETURN_IF_ERROR(Annotate(state->PseudoGradient(0, fragment, d), where));
+  // Error feedback: U = beta * E + D is sent, and E := U - decode(encode(U)) once it is.
+  OuterBuffer residual;
+  if (spec.error_feedback != 0) {
+    MODELAVG_RETURN_IF_ERROR(Annotate(state->AddResidual(spec.error_feedback, d), where));
+    residual = OuterLevelState::NextResidual(format, d);
+  }
   // The state and the parameters change only once the round has succeeded.
   absl::StatusOr<Decision> done = rounds_->Run(decision, device, d, outer);
   if (!done.ok()) return done.status();
+  if (spec.error_feedback != 0) state->SwapResidual(std::move(residual), true);
   MODELAVG_RETURN_IF_ERROR(Annotate(state->Step(0, d, fragment), where));
   if (spec.mix != 0) local.MixInto(fragment, spec.mix);
   return done;
@@ -252,6 +272,7 @@ absl::StatusOr<Decision> StreamingLevel::Start(const Decision& decision, const D
   std::vector<TensorView> views = p->buffer->Views();
   const bool joining = std::binary_search(decision.joining.begin(), decision.joining.end(),
                                           client_->rank());
+  std::unique_ptr<OuterBuffer> next_residual;
   if (joining) {
     // A replacement contributes nothing (it receives the outer state in the round).
   } else if (first) {
@@ -260,14 +281,36 @@ absl::StatusOr<Decision> StreamingLevel::Start(const Decision& decision, const D
     }
   } else {
     MODELAVG_RETURN_IF_ERROR(Annotate(state->PseudoGradient(0, fragment, views), where));
+    if (spec.error_feedback != 0) {
+      // U = beta * E + D is sent; E := U - decode(encode(U)) now, restored by the apply step's
+      // call if the round fails (so that a checkpoint taken with the sync pending holds the
+      // residual the sync leaves).
+      MODELAVG_RETURN_IF_ERROR(Annotate(state->AddResidual(spec.error_feedback, views), where));
+      next_residual = std::make_unique<OuterBuffer>(OuterLevelState::NextResidual(
+          WireFormat(spec.payload, TopkPerBlock(spec.topk_density)), views));
+    }
   }
-  const RoundWire wire{first ? Payload::kFp32 : spec.payload, split_signature};
+  // Once the round starts: the state takes the residual it leaves, the record the one before.
+  const auto keep_residual = [&] {
+    if (next_residual == nullptr) return;
+    auto [before, had] = state->SwapResidual(std::move(*next_residual), true);
+    p->residual_before = std::make_unique<OuterBuffer>(std::move(before));
+    p->had_residual = had;
+  };
+  const RoundWire wire{first ? Payload::kFp32 : spec.payload, split_signature,
+                       TopkPerBlock(spec.topk_density)};
   if (client_->elastic() && !decision.joining.empty()) {
     // An admission at a delayed sync step: the replacement needs its parameters now, so the
     // round runs in this call, handing it the outer state and the parameters first, like any
     // admission round; its result is applied at the apply step like any other.
+    keep_residual();
     absl::StatusOr<Decision> done = rounds_->RunElastic(decision, device, views, wire);
-    if (!done.ok()) return done.status();
+    if (!done.ok()) {
+      if (p->residual_before != nullptr) {
+        state->SwapResidual(std::move(*p->residual_before), p->had_residual);
+      }
+      return done.status();
+    }
     p->result = absl::OkStatus();
     p->outcome = RoundOutcome::kCompleted;
     p->done.Notify();
@@ -285,8 +328,10 @@ absl::StatusOr<Decision> StreamingLevel::Start(const Decision& decision, const D
     MODELAVG_ASSIGN_OR_RETURN(p->options, rounds_->ElasticOptions(decision, wire));
   }
   p->options.payload = wire.payload;
+  p->options.topk = wire.topk;
   p->options.layout_signature = wire.layout_signature;
   p->bytes_before = p->comm->bytes_sent();
+  keep_residual();
   PendingSync* raw = p.get();
   Client* client = client_->elastic() ? client_ : nullptr;
   p->thread = std::thread([raw, views, client] { RunInBackground(raw, views, client); });
@@ -349,7 +394,8 @@ absl::Status StreamingLevel::Settle(PendingSync& p, int64_t report_step) {
                absl::StrJoin(next->Members(), ","));
   absl::StatusOr<Decision> again = rounds_->RunElastic(
       *next, Device::Host(), p.buffer->Views(),
-      RoundWire{p.options.payload, p.options.layout_signature}, !next->joining.empty());
+      RoundWire{p.options.payload, p.options.layout_signature, p.options.topk},
+      !next->joining.empty());
   client_->ReportStep(report_step);
   return again.status();
 }
@@ -373,6 +419,17 @@ absl::Status StreamingLevel::ApplyDue(int64_t step, absl::Span<const TensorView>
 
 absl::Status StreamingLevel::ApplyOne(std::unique_ptr<PendingSync> p, int64_t step,
                                       absl::Span<const TensorView> params, int64_t report_step) {
+  absl::Status s = ApplyOneInner(p.get(), step, params, report_step);
+  if (!s.ok() && p->residual_before != nullptr && p->state != nullptr) {
+    // The sync was not applied: the residual is as it was before its start.
+    p->state->SwapResidual(std::move(*p->residual_before), p->had_residual);
+  }
+  return s;
+}
+
+absl::Status StreamingLevel::ApplyOneInner(PendingSync* p, int64_t step,
+                                           absl::Span<const TensorView> params,
+                                           int64_t report_step) {
   const Decision& d = p->decision;
   const ScheduleLevel& spec = client_->schedule().spec().levels[d.level];
   const std::string where =
@@ -417,7 +474,7 @@ absl::Status StreamingLevel::ApplyOne(std::unique_ptr<PendingSync> p, int64_t st
   absl::Span<const TensorView> fragment =
       d.fragments > 1 ? split.Fragment(params, d.fragment) : params;
   if (p->device != nullptr || (!fragment.empty() && !fragment[0].device.is_host())) {
-    return Annotate(ApplyDevice(p.get(), fragment, spec.mix), where);
+    return Annotate(ApplyDevice(p, fragment, spec.mix), where);
   }
   std::vector<TensorView> mean = p->buffer->Views();
   if (mean.size() != fragment.size()) {

@@ -60,6 +60,10 @@ struct PendingSync {
   // result, kept apart from `buffer` (still the round's inputs) until the call at apply_step
   // settles the round (StreamingLevel::Settle).
   std::unique_ptr<OuterBuffer> held;
+  // Error feedback: the fragment's residual before this sync started (the state holds the one
+  // it leaves), restored if the sync is not applied. Null without feedback.
+  std::unique_ptr<OuterBuffer> residual_before;
+  bool had_residual = false;
   absl::Notification done;
   std::thread thread;
 
@@ -127,6 +131,8 @@ class StreamingLevel {
                                  bool first, int64_t split_signature);
   absl::Status ApplyOne(std::unique_ptr<PendingSync> p, int64_t step,
                         absl::Span<const TensorView> params, int64_t report_step);
+  absl::Status ApplyOneInner(PendingSync* p, int64_t step, absl::Span<const TensorView> params,
+                             int64_t report_step);
   // Elastic jobs: the call at a background all-reduce's apply step found it failed. Settles it
   // as a blocking round is settled: keeps the result it holds if a live peer completed it,
   // else runs it again with the sync step's live members and the same inputs.

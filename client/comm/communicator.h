@@ -118,6 +118,8 @@ struct RoundOptions {
   // values in float32 and send the sum encoded again, so every member ends with the same
   // decoded result. For pseudo-gradients, not parameters: the level must be an outer one.
   Payload payload = Payload::kFp32;
+  // TOPK: the entries kept per block of 1024 (client/payload/payload_codec.h).
+  int32_t topk = 0;
   // Mixed into the layout agreement with the element count and dtype (0: none): the fragment
   // split's signature (client/averaging/fragments.h), so that members whose splits differ fail with
   // INVALID_ARGUMENT rather than average different tensors together.

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "client/base/half.h"
 
@@ -11,6 +12,114 @@ namespace modelavg::client {
 namespace {
 
 int64_t Blocks(int64_t n) { return (n + kInt8Block - 1) / kInt8Block; }
+
+// A block's scale: max|x| / levels, NaN when the block holds a non-finite value.
+float BlockScale(const float* in, int64_t lo, int64_t hi, float levels) {
+  float max_abs = 0.0f;
+  bool finite = true;
+  for (int64_t i = lo; i < hi; ++i) {
+    finite = finite && std::isfinite(in[i]);
+    max_abs = std::max(max_abs, std::fabs(in[i]));
+  }
+  return finite ? max_abs / levels : std::numeric_limits<float>::quiet_NaN();
+}
+
+// The INT4 layout: every block's scale first (float32), then the values q + 8 in [1, 15], two
+// to a byte (element i in the low nibble of byte i / 2 when i is even, the high one when odd).
+void EncodeInt4(const float* in, int64_t n, uint8_t* out) {
+  const int64_t blocks = Blocks(n);
+  uint8_t* q = out + blocks * sizeof(float);
+  std::memset(q, 0, static_cast<size_t>((n + 1) / 2));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * kInt8Block;
+    const int64_t hi = std::min(n, lo + kInt8Block);
+    const float scale = BlockScale(in, lo, hi, 7.0f);
+    std::memcpy(out + b * sizeof(float), &scale, sizeof(float));
+    const bool zero = !(scale > 0.0f);  // zero block, or NaN (decodes to NaN)
+    for (int64_t i = lo; i < hi; ++i) {
+      // x / s in float32, rounded half to even (the documented rule, exactly).
+      float v = zero ? 0.0f : std::nearbyint(in[i] / scale);
+      v = std::min(7.0f, std::max(-7.0f, v));
+      const uint8_t nibble = static_cast<uint8_t>(static_cast<int>(v) + 8);
+      q[i / 2] |= (i % 2 == 0) ? nibble : static_cast<uint8_t>(nibble << 4);
+    }
+  }
+}
+
+template <bool kAdd>
+void DecodeInt4(const uint8_t* in, int64_t n, float* out) {
+  const int64_t blocks = Blocks(n);
+  const uint8_t* q = in + blocks * sizeof(float);
+  for (int64_t b = 0; b < blocks; ++b) {
+    float scale;
+    std::memcpy(&scale, in + b * sizeof(float), sizeof(float));
+    const int64_t lo = b * kInt8Block;
+    const int64_t hi = std::min(n, lo + kInt8Block);
+    for (int64_t i = lo; i < hi; ++i) {
+      const int nibble = (i % 2 == 0) ? (q[i / 2] & 0x0f) : (q[i / 2] >> 4);
+      const float v = static_cast<float>(nibble - 8) * scale;
+      if (kAdd) {
+        out[i] += v;
+      } else {
+        out[i] = v;
+      }
+    }
+  }
+}
+
+// A TOPK block's entries: indices by decreasing magnitude (NaN first), ties by index.
+int64_t TopkEntries(int32_t topk, int64_t len) { return std::min<int64_t>(topk, len); }
+
+size_t TopkBytes(int32_t topk, int64_t n) {
+  size_t bytes = 0;
+  for (int64_t lo = 0; lo < n; lo += kInt8Block) {
+    bytes += 4 * static_cast<size_t>(TopkEntries(topk, std::min(n - lo, kInt8Block)));
+  }
+  return bytes;
+}
+
+void EncodeTopk(int32_t topk, const float* in, int64_t n, uint8_t* out) {
+  std::vector<uint16_t> order;
+  for (int64_t lo = 0; lo < n; lo += kInt8Block) {
+    const int64_t len = std::min(n - lo, kInt8Block);
+    const int64_t k = TopkEntries(topk, len);
+    order.resize(static_cast<size_t>(len));
+    for (int64_t i = 0; i < len; ++i) order[i] = static_cast<uint16_t>(i);
+    const auto mag = [&](uint16_t i) {
+      const float v = in[lo + i];
+      return std::isnan(v) ? std::numeric_limits<float>::infinity() : std::fabs(v);
+    };
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](uint16_t a, uint16_t b) {
+                        const float ma = mag(a), mb = mag(b);
+                        return ma != mb ? ma > mb : a < b;
+                      });
+    std::sort(order.begin(), order.begin() + k);
+    for (int64_t e = 0; e < k; ++e) {
+      const uint16_t index = order[e];
+      const uint16_t value = FloatToBFloat16(in[lo + index]);
+      std::memcpy(out, &index, 2);
+      std::memcpy(out + 2, &value, 2);
+      out += 4;
+    }
+  }
+}
+
+template <bool kAdd>
+void DecodeTopk(int32_t topk, const uint8_t* in, int64_t n, float* out) {
+  for (int64_t lo = 0; lo < n; lo += kInt8Block) {
+    const int64_t len = std::min(n - lo, kInt8Block);
+    const int64_t k = TopkEntries(topk, len);
+    if (!kAdd) std::fill(out + lo, out + lo + len, 0.0f);
+    for (int64_t e = 0; e < k; ++e) {
+      uint16_t index, value;
+      std::memcpy(&index, in, 2);
+      std::memcpy(&value, in + 2, 2);
+      in += 4;
+      if (index < len) out[lo + index] += BFloat16ToFloat(value);
+    }
+  }
+}
 
 // The INT8 layout: every block's scale first (float32), then the int8 values.
 void EncodeInt8(const float* in, int64_t n, uint8_t* out) {
@@ -64,20 +173,24 @@ void DecodeInt8(const uint8_t* in, int64_t n, float* out) {
 
 }  // namespace
 
-size_t EncodedBytes(Payload payload, int64_t n) {
-  switch (payload) {
+size_t EncodedBytes(WireFormat format, int64_t n) {
+  switch (format.payload) {
     case Payload::kBf16:
       return static_cast<size_t>(n) * 2;
     case Payload::kInt8:
       return static_cast<size_t>(n) + static_cast<size_t>(Blocks(n)) * sizeof(float);
+    case Payload::kInt4:
+      return static_cast<size_t>((n + 1) / 2) + static_cast<size_t>(Blocks(n)) * sizeof(float);
+    case Payload::kTopk:
+      return TopkBytes(format.topk, n);
     case Payload::kFp32:
     default:
       return static_cast<size_t>(n) * 4;
   }
 }
 
-void EncodePayload(Payload payload, const float* in, int64_t n, uint8_t* out) {
-  switch (payload) {
+void EncodePayload(WireFormat format, const float* in, int64_t n, uint8_t* out) {
+  switch (format.payload) {
     case Payload::kBf16:
       for (int64_t i = 0; i < n; ++i) {
         const uint16_t b = FloatToBFloat16(in[i]);
@@ -87,6 +200,12 @@ void EncodePayload(Payload payload, const float* in, int64_t n, uint8_t* out) {
     case Payload::kInt8:
       EncodeInt8(in, n, out);
       return;
+    case Payload::kInt4:
+      EncodeInt4(in, n, out);
+      return;
+    case Payload::kTopk:
+      EncodeTopk(format.topk, in, n, out);
+      return;
     case Payload::kFp32:
     default:
       std::memcpy(out, in, static_cast<size_t>(n) * 4);
@@ -94,8 +213,8 @@ void EncodePayload(Payload payload, const float* in, int64_t n, uint8_t* out) {
   }
 }
 
-void DecodeAddPayload(Payload payload, const uint8_t* in, int64_t n, float* acc) {
-  switch (payload) {
+void DecodeAddPayload(WireFormat format, const uint8_t* in, int64_t n, float* acc) {
+  switch (format.payload) {
     case Payload::kBf16:
       for (int64_t i = 0; i < n; ++i) {
         uint16_t b;
@@ -105,6 +224,12 @@ void DecodeAddPayload(Payload payload, const uint8_t* in, int64_t n, float* acc)
       return;
     case Payload::kInt8:
       DecodeInt8<true>(in, n, acc);
+      return;
+    case Payload::kInt4:
+      DecodeInt4<true>(in, n, acc);
+      return;
+    case Payload::kTopk:
+      DecodeTopk<true>(format.topk, in, n, acc);
       return;
     case Payload::kFp32:
     default:
@@ -117,8 +242,8 @@ void DecodeAddPayload(Payload payload, const uint8_t* in, int64_t n, float* acc)
   }
 }
 
-void DecodePayload(Payload payload, const uint8_t* in, int64_t n, float* out) {
-  switch (payload) {
+void DecodePayload(WireFormat format, const uint8_t* in, int64_t n, float* out) {
+  switch (format.payload) {
     case Payload::kBf16:
       for (int64_t i = 0; i < n; ++i) {
         uint16_t b;
@@ -129,11 +254,34 @@ void DecodePayload(Payload payload, const uint8_t* in, int64_t n, float* out) {
     case Payload::kInt8:
       DecodeInt8<false>(in, n, out);
       return;
+    case Payload::kInt4:
+      DecodeInt4<false>(in, n, out);
+      return;
+    case Payload::kTopk:
+      DecodeTopk<false>(format.topk, in, n, out);
+      return;
     case Payload::kFp32:
     default:
       std::memcpy(out, in, static_cast<size_t>(n) * 4);
       return;
   }
+}
+
+int32_t TopkPerBlock(double density) {
+  const double k = std::ceil(density * static_cast<double>(kInt8Block));
+  return static_cast<int32_t>(std::min<double>(kInt8Block, std::max(1.0, k)));
+}
+
+int64_t PayloadBlock(Payload payload) {
+  return payload == Payload::kInt8 || payload == Payload::kInt4 || payload == Payload::kTopk
+             ? kInt8Block
+             : 1;
+}
+
+void RoundTripPayload(WireFormat format, const float* in, int64_t n, float* out) {
+  std::vector<uint8_t> wire(EncodedBytes(format, n));
+  EncodePayload(format, in, n, wire.data());
+  DecodePayload(format, wire.data(), n, out);
 }
 
 const char* PayloadName(Payload payload) {
@@ -142,6 +290,10 @@ const char* PayloadName(Payload payload) {
       return "BF16";
     case Payload::kInt8:
       return "INT8";
+    case Payload::kInt4:
+      return "INT4";
+    case Payload::kTopk:
+      return "TOPK";
     case Payload::kFp32:
     default:
       return "FP32";

@@ -68,7 +68,8 @@ class ModelAverager:
 
         A streaming outer level (``Level`` with fragments, sync_delay, mix or payload) keeps its
         state per fragment, under ``"fragments": {level: {fragment: {"anchor": [tensor, ...],
-        "momentum": [tensor, ...]}}}`` (the fragment's tensors; "momentum" empty until set), and
+        "momentum": [tensor, ...]}}}`` (the fragment's tensors; "momentum" empty until set; with
+        ``error_feedback``, "residual": the member's float32 residual E, empty until set), and
         its background all-reduces not applied yet under ``"pending": [{"level", "fragment",
         "start_step", "apply_step", "first", "result": [tensor, ...]}]`` (the group's mean,
         applied at ``apply_step`` by the resumed run). This call waits for those to end (at
@@ -86,9 +87,11 @@ class ModelAverager:
             return {level: tensor_list(items) for level, items in m.items()}
 
         fragments: Dict[int, Dict[int, Dict[str, List[Any]]]] = {}
-        for level, fragment, anchor, momentum in d["fragments"]:
-            fragments.setdefault(level, {})[fragment] = {"anchor": tensor_list(anchor),
-                                                         "momentum": tensor_list(momentum)}
+        for level, fragment, anchor, momentum, residual in d["fragments"]:
+            entry = {"anchor": tensor_list(anchor), "momentum": tensor_list(momentum)}
+            if residual:
+                entry["residual"] = tensor_list(residual)
+            fragments.setdefault(level, {})[fragment] = entry
         pending = []
         for p in d["pending"]:
             entry = {k: p[k] for k in ("level", "fragment", "start_step", "apply_step", "first")}
@@ -144,7 +147,8 @@ class ModelAverager:
                 what = f"fragments[{level}][{fragment}]"
                 fragments.append((int(level), int(fragment),
                                   raw_list(entry["anchor"], f"{what}['anchor']"),
-                                  raw_list(entry.get("momentum") or [], f"{what}['momentum']")))
+                                  raw_list(entry.get("momentum") or [], f"{what}['momentum']"),
+                                  raw_list(entry.get("residual") or [], f"{what}['residual']")))
         pending = []
         for i, entry in enumerate(state_dict.get("pending") or []):
             p = {k: entry[k] for k in ("level", "fragment", "start_step", "apply_step", "first")}

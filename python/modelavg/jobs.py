@@ -24,7 +24,8 @@ class OuterSGD:
 
 
 # Level.payload: how an outer level's pseudo-gradients travel (proto enum modelavg.v1.Payload).
-PAYLOADS = ("FP32", "BF16", "INT8")
+PAYLOADS = ("FP32", "BF16", "INT8", "INT4", "TOPK")
+_NO_STREAMING = (1, 0, 0.0, "FP32", 0.0, 0.0)
 
 
 def _is_int(value: Any) -> bool:
@@ -47,8 +48,12 @@ class Level:
       the fragment's all-reduce in the background and returns; the call at s + tau applies it.
     * ``mix`` alpha in [0, 1] (outer levels): the fragment then becomes
       (1 - alpha) * anchor + alpha * the parameters passed to that call.
-    * ``payload`` "FP32" (default), "BF16" or "INT8" (outer levels): how the pseudo-gradient
-      travels; the sum is accumulated in float32.
+    * ``payload`` "FP32" (default), "BF16", "INT8", "INT4" or "TOPK" (outer levels): how the
+      pseudo-gradient travels; the sum is accumulated in float32. "TOPK" sends the
+      ``topk_density`` (in (0, 1)) fraction of each block's entries of largest magnitude.
+    * ``error_feedback`` beta in [0, 1] (outer levels with a compressed payload; 0: off): each
+      member sends U = beta * E + D, its residual E plus its pseudo-gradient D, and keeps
+      E = U - decode(encode(U)), what the payload dropped, for the next sync.
 
     A delay, a mix or a compressed payload needs ``outer``: give a plain level
     ``outer=OuterSGD(1.0)`` (lr 1, momentum 0 averages the delta, which equals plain
@@ -63,6 +68,8 @@ class Level:
     sync_delay: int = 0
     mix: float = 0.0
     payload: str = "FP32"
+    error_feedback: float = 0.0
+    topk_density: float = 0.0
 
     def __post_init__(self) -> None:
         where = f"Level(period={self.period!r}, group_size={self.group_size!r})"
@@ -81,6 +88,25 @@ class Level:
             raise _invalid(f"{where}: payload={self.payload!r}: expected one of "
                            f"{', '.join(PAYLOADS)}")
         object.__setattr__(self, "payload", self.payload.upper())
+        if (isinstance(self.error_feedback, bool)
+                or not isinstance(self.error_feedback, (int, float))
+                or not 0.0 <= float(self.error_feedback) <= 1.0):
+            raise _invalid(f"{where}: error_feedback={self.error_feedback!r}: expected a number "
+                           "in [0, 1] (0: off, 1: classic error feedback)")
+        object.__setattr__(self, "error_feedback", float(self.error_feedback))
+        if (isinstance(self.topk_density, bool)
+                or not isinstance(self.topk_density, (int, float))):
+            raise _invalid(f"{where}: topk_density={self.topk_density!r}: expected a number")
+        object.__setattr__(self, "topk_density", float(self.topk_density))
+        if self.payload == "TOPK" and not 0.0 < self.topk_density < 1.0:
+            raise _invalid(f"{where}: topk_density={self.topk_density!r}: expected a number in "
+                           "(0, 1) with payload TOPK (the fraction of each block's entries sent)")
+        if self.payload != "TOPK" and self.topk_density != 0.0:
+            raise _invalid(f"{where}: topk_density={self.topk_density!r} needs payload TOPK "
+                           f"(payload is {self.payload})")
+        if self.error_feedback != 0.0 and self.payload == "FP32":
+            raise _invalid(f"{where}: error_feedback={self.error_feedback!r} needs a compressed "
+                           "payload (BF16, INT8 or INT4): FP32 loses nothing to feed back")
         if _is_int(self.period) and self.period > 0:
             if self.period % self.fragments != 0:
                 raise _invalid(f"{where}: fragments={self.fragments} does not divide the period "
@@ -93,7 +119,8 @@ class Level:
         if self.outer is None:
             asked = [f"{name}={value!r}" for name, value, default in
                      (("sync_delay", self.sync_delay, 0), ("mix", self.mix, 0.0),
-                      ("payload", self.payload, "FP32")) if value != default]
+                      ("payload", self.payload, "FP32"),
+                      ("error_feedback", self.error_feedback, 0.0)) if value != default]
             if asked:
                 raise _invalid(
                     f"{where}: {', '.join(asked)} needs an outer level: a plain level averages "
@@ -103,7 +130,8 @@ class Level:
     @property
     def streaming(self) -> bool:
         """Whether any streaming field differs from its default."""
-        return (self.fragments, self.sync_delay, self.mix, self.payload) != (1, 0, 0.0, "FP32")
+        return (self.fragments, self.sync_delay, self.mix, self.payload, self.error_feedback,
+                self.topk_density) != _NO_STREAMING
 
 
 LevelLike = Union[Tuple[int, int], Level]
@@ -118,8 +146,9 @@ def _levels_from(d: Mapping[str, Any]) -> List[LevelLike]:
     out: List[LevelLike] = []
     for (period, group_size), o, st in zip(d["levels"], outer, streaming):
         fields = {}
-        if st is not None and tuple(st) != (1, 0, 0.0, "FP32"):
-            fields = dict(zip(("fragments", "sync_delay", "mix", "payload"), st))
+        if st is not None and tuple(st) != _NO_STREAMING:
+            fields = dict(zip(("fragments", "sync_delay", "mix", "payload", "error_feedback",
+                               "topk_density"), st))
         if o is None and not fields:
             out.append((period, group_size))
             continue
@@ -251,27 +280,28 @@ def _outer_tuple(item: Any, outer: Any) -> Optional[Tuple[float, float, bool]]:
     return (lr, momentum, outer.nesterov)
 
 
-StreamingTuple = Tuple[int, int, float, str]
+StreamingTuple = Tuple[int, int, float, str, float, float]
 
 
 def _levels(levels: Union[Mapping[int, int], Sequence[LevelLike]]
             ) -> Tuple[List[Tuple[int, int]], List[Optional[Tuple[float, float, bool]]],
                        List[StreamingTuple]]:
     """(period, group_size) pairs and, per level, None or (lr, momentum, nesterov), and
-    (fragments, sync_delay, mix, payload)."""
+    (fragments, sync_delay, mix, payload, error_feedback, topk_density)."""
     items = list(levels.items()) if isinstance(levels, Mapping) else list(levels)
     pairs, outer, streaming = [], [], []
     for item in items:
         if isinstance(item, Level):
             pairs.append((int(item.period), int(item.group_size)))
             outer.append(_outer_tuple(item, item.outer))
-            streaming.append((item.fragments, item.sync_delay, item.mix, item.payload))
+            streaming.append((item.fragments, item.sync_delay, item.mix, item.payload,
+                              item.error_feedback, item.topk_density))
             continue
         try:
             period, group_size = item
             pairs.append((int(period), int(group_size)))
             outer.append(None)
-            streaming.append((1, 0, 0.0, "FP32"))
+            streaming.append(_NO_STREAMING)
         except (TypeError, ValueError):
             raise _invalid(f"level {item!r}: expected a (period, group_size) pair or a "
                            "modelavg.Level") from None

@@ -106,7 +106,8 @@ def _level_key(level: Any) -> Tuple[Any, ...]:
             o = level.outer
             key += (float(o.lr), float(o.momentum), o.nesterov)
         if level.streaming:
-            key += (level.fragments, level.sync_delay, level.mix, level.payload)
+            key += (level.fragments, level.sync_delay, level.mix, level.payload,
+                    level.error_feedback, level.topk_density)
         return key
     return tuple(level)
 

@@ -488,7 +488,15 @@ HttpResponse StatusPage::JobPage(const std::string& job_id) const {
 
   std::vector<std::string> levels;
   for (const v1::Level& l : spec.levels()) {
-    levels.push_back(absl::StrCat("every ", l.period(), " steps in groups of ", l.group_size()));
+    std::string text =
+        absl::StrCat("every ", l.period(), " steps in groups of ", l.group_size());
+    // How an outer level's pseudo-gradient travels, when it is compressed.
+    if (l.payload() != v1::FP32) {
+      absl::StrAppend(&text, ", payload ", v1::Payload_Name(l.payload()));
+    }
+    if (l.payload() == v1::TOPK) absl::StrAppend(&text, " (density ", l.topk_density(), ")");
+    if (l.error_feedback() != 0) absl::StrAppend(&text, ", error feedback ", l.error_feedback());
+    levels.push_back(std::move(text));
   }
   std::string body = absl::StrCat(
       "<div id=\"content\"><h1>Job <span id=\"job-id\">", HtmlEscape(spec.job_id()),

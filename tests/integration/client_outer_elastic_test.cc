@@ -195,7 +195,8 @@ TEST_F(ClientOuterElasticTest, KilledInsideOuterStep_ReplacementReceivesOuterSta
 }
 
 // Streaming sync in an elastic job (docs/streaming.md): one outer level of the world, period 4 in
-// 2 fragments (every even step syncs one), nesterov, optionally INT8. Rank 3 is killed with
+// 2 fragments (every even step syncs one), nesterov, optionally INT8 or INT4 with error
+// feedback. Rank 3 is killed with
 // SIGKILL; a worker started without --rank replaces it at a step of that level. The replacement
 // receives each fragment's anchor and momentum and its block's mean parameters, so from its
 // admission on every synced fragment is the same on every member: its outer steps are its
@@ -227,11 +228,14 @@ std::vector<double> Values(const std::string& text) {
 }
 
 TEST_F(ClientOuterElasticTest, StreamingLevel_KilledAndReplaced_ReplacementReceivesFragmentState) {
-  for (v1::Payload payload : {v1::FP32, v1::INT8}) {
+  // INT4 with error feedback: each member keeps its own residual (the replacement starts at 0),
+  // and the mean every member applies is still common.
+  for (v1::Payload payload : {v1::FP32, v1::INT8, v1::INT4}) {
     SCOPED_TRACE(v1::Payload_Name(payload));
     const std::string job = absl::StrCat("streaming-", v1::Payload_Name(payload));
     v1::JobSpec spec = StreamingElasticSpec(job, /*period=*/4);
     spec.mutable_levels(0)->set_payload(payload);
+    if (payload == v1::INT4) spec.mutable_levels(0)->set_error_feedback(1.0);
     ASSERT_TRUE(cluster_.ok()) << cluster_.dir();
     ASSERT_TRUE(cluster_.admin()->CreateJob(spec).ok());
     constexpr int64_t kSteps = 60;

@@ -5,6 +5,9 @@
 // exactly (to float32 rounding), BF16 and INT8 within the documented bound of the averaged
 // pseudo-gradient, summed over the level's outer steps.
 #include <cmath>
+#include <cstring>
+#include <optional>
+#include <utility>
 #include <memory>
 #include <string>
 #include <vector>
@@ -64,9 +67,13 @@ class ClientStreamingTest : public TraceJobTest {
 
   // Every rank, every step, every tensor. `int8`/`bf16`: the compressed payload's bound, per
   // outer step of a tensor, added up over the run (the anchor carries the error on).
+  // `modelled`: the reference restates the level's INT8/INT4 payload and error feedback
+  // (StreamingReference's model_payload), so the values must match to float32 rounding.
   void ExpectFollowsReference(const v1::JobSpec& spec, const std::vector<Trace>& traces,
-                              int64_t steps, v1::Payload payload = v1::FP32) {
-    const auto want = StreamingReference(spec, steps, kTensors);
+                              int64_t steps, v1::Payload payload = v1::FP32,
+                              bool modelled = false) {
+    const auto want = StreamingReference(spec, steps, kTensors, modelled);
+    if (modelled) payload = v1::FP32;  // no allowance: the payload is in the reference
     ASSERT_EQ(traces.size(), static_cast<size_t>(spec.world_size()));
     int fragment_lines = 0;
     int inexact = 0;
@@ -279,7 +286,8 @@ TEST_F(ClientStreamingTest, MemberKilledDuringBackgroundAllReduce_SurvivorFailsC
 // spec) from --load_state: the same values, exactly, as one run of steps 0..29; and that run
 // follows the rule.
 TEST_F(ClientStreamingTest, StateDict_ResumedWithPendingSync_EqualsUninterruptedRun) {
-  for (v1::Payload payload : {v1::FP32, v1::INT8}) {
+  // INT4 with error feedback: the residual is part of the state too.
+  for (v1::Payload payload : {v1::FP32, v1::INT8, v1::INT4}) {
     SCOPED_TRACE(v1::Payload_Name(payload));
     const std::string name = absl::AsciiStrToLower(v1::Payload_Name(payload));
     v1::JobSpec spec = MakeSpec("whole" + name, 4, v1::HIERARCHICAL, {{2, 2}, {8, 4}}, 1);
@@ -288,6 +296,7 @@ TEST_F(ClientStreamingTest, StateDict_ResumedWithPendingSync_EqualsUninterrupted
     spec.mutable_levels(1)->set_sync_delay(2);
     spec.mutable_levels(1)->set_mix(0.25);
     spec.mutable_levels(1)->set_payload(payload);
+    if (payload == v1::INT4) spec.mutable_levels(1)->set_error_feedback(0.9);
     constexpr int64_t kSteps = 30;
     constexpr int64_t kSaveAfter = 21;  // steps 0..20
     const std::vector<Trace> whole = Run(spec, kSteps);
@@ -306,6 +315,10 @@ TEST_F(ClientStreamingTest, StateDict_ResumedWithPendingSync_EqualsUninterrupted
     EXPECT_THAT(*saved, ::testing::HasSubstr("\npending 1 1 20 22 0\n"));
     EXPECT_THAT(*saved, ::testing::HasSubstr("\nfanchor 1 1 0 "));
     EXPECT_THAT(*saved, ::testing::HasSubstr("\nfmomentum 1 0 0 "));
+    if (payload == v1::INT4) {
+      EXPECT_THAT(*saved, ::testing::HasSubstr("\nfresidual 1 0 0 "));
+      EXPECT_THAT(*saved, ::testing::HasSubstr("\nfresidual 1 1 0 "));
+    }
     spec.set_job_id("after" + name);
     const std::vector<Trace> after = Run(spec, kSteps, 64, load);
     ASSERT_EQ(whole.size(), 4u);
@@ -320,6 +333,217 @@ TEST_F(ClientStreamingTest, StateDict_ResumedWithPendingSync_EqualsUninterrupted
         EXPECT_EQ(Values(got.text), Values(want.text)) << "rank " << r << " step " << got.step;
         EXPECT_EQ(got.action, want.action);
       }
+    }
+  }
+}
+
+// Error feedback (Level.error_feedback, docs/streaming.md): every member, every step, against
+// the reference that restates U = beta E + D, C = decode(encode(U)), E = U - C and the group's
+// re-encoded mean of C from the payload's documented encoding. W 2 and 4, beta 1 and 0.9,
+// INT4 (and INT8 once), fragments, nesterov momentum, a mix; and with a sync delay.
+class ClientFeedbackTest : public ClientStreamingTest {
+ protected:
+  static v1::JobSpec FeedbackSpec(const std::string& id, int world, v1::Payload payload,
+                                  double beta, int64_t delay) {
+    v1::JobSpec spec = MakeSpec(id, world, v1::PERIODIC, {{4, world}}, 1);
+    SetOuter(&spec, 0, 0.7, 0.9, true);
+    spec.mutable_levels(0)->set_fragments(2);
+    spec.mutable_levels(0)->set_payload(payload);
+    spec.mutable_levels(0)->set_error_feedback(beta);
+    spec.mutable_levels(0)->set_sync_delay(delay);
+    if (delay == 0) spec.mutable_levels(0)->set_mix(0.25);
+    return spec;
+  }
+
+  void ExpectFeedbackRun(const v1::JobSpec& spec, int64_t steps) {
+    // 64 elements in 8 tensors: a fragment is 32 elements, one block of the payload.
+    ExpectFollowsReference(spec, Run(spec, steps), steps, spec.levels(0).payload(),
+                           /*modelled=*/true);
+    // The payload matters: the modelled run leaves the FP32 rule's values.
+    const auto exact = StreamingReference(spec, steps, kTensors, false);
+    const auto modelled = StreamingReference(spec, steps, kTensors, true);
+    double apart = 0;
+    for (int64_t s = 0; s < steps; ++s) {
+      for (int t = 0; t < kTensors; ++t) {
+        apart = std::max(apart, std::fabs(exact[s][0].values[t] - modelled[s][0].values[t]));
+      }
+    }
+    EXPECT_GT(apart, 1e-2) << "the payload changed nothing: the test would not see it";
+  }
+};
+
+TEST_F(ClientFeedbackTest, Int4_Blocking_FollowsReference) {
+  for (int world : {2, 4}) {
+    for (double beta : {1.0, 0.9}) {
+      SCOPED_TRACE(absl::StrCat("world ", world, " beta ", beta));
+      ExpectFeedbackRun(FeedbackSpec(absl::StrCat("fb", world, "b", beta == 1 ? 10 : 9), world,
+                                     v1::INT4, beta, 0),
+                        26);
+    }
+  }
+}
+
+TEST_F(ClientFeedbackTest, Int4WithoutFeedback_FollowsReference) {
+  ExpectFeedbackRun(FeedbackSpec("fbnone", 2, v1::INT4, 0.0, 0), 26);
+}
+
+TEST_F(ClientFeedbackTest, Int8_Blocking_FollowsReference) {
+  ExpectFeedbackRun(FeedbackSpec("fbint8", 4, v1::INT8, 1.0, 0), 26);
+}
+
+TEST_F(ClientFeedbackTest, Int4_SyncDelay_FollowsReference) {
+  for (int world : {2, 4}) {
+    const double beta = world == 2 ? 1.0 : 0.9;
+    SCOPED_TRACE(absl::StrCat("world ", world, " beta ", beta));
+    ExpectFeedbackRun(FeedbackSpec(absl::StrCat("fbdelay", world), world, v1::INT4, beta, 1),
+                      26);
+  }
+}
+
+// bfloat16 rounding, to nearest even, restated (finite values).
+double NaiveBf16(double v) {
+  const float f = static_cast<float>(v);
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits += 0x7fff + ((bits >> 16) & 1);
+  bits &= 0xffff0000u;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// TOPK with error feedback restated element by element (the elements of a tensor part ways
+// once some are sent and others not), for the trace worker's update with --tensors=T and
+// `numel` elements: a periodic job of one outer level (group = world, fragments F, no delay, no
+// mix). Per member at a fragment's outer step: U = beta E + (A - x) (U in float32), C = the k
+// entries of largest |U| of each block of 1024 of the fragment (ties: lower index) rounded to
+// bfloat16, the rest 0; E = U - C (beta > 0); the mean of C over the members rounded to
+// bfloat16 is D. Returns [step][rank][tensor]: each tensor's first element; `moved[t]`: how far
+// the anchor of tensor t's first element moved from its fragment's first sync to the end.
+std::vector<std::vector<std::vector<double>>> TopkReference(const v1::JobSpec& spec,
+                                                            int64_t steps, int tensors,
+                                                            int64_t numel,
+                                                            std::vector<double>* moved) {
+  const v1::Level& l = spec.levels(0);
+  const int world = spec.world_size();
+  const int fragments = Fragments(l);
+  const int64_t per_tensor = numel / tensors;
+  const int64_t k = static_cast<int64_t>(std::ceil(l.topk_density() * 1024));
+  const double beta = l.error_feedback();
+  std::vector<std::vector<double>> x(world, std::vector<double>(numel));
+  std::vector<std::vector<double>> e(world, std::vector<double>(numel, 0.0));
+  std::vector<double> anchor(numel, 0.0);  // the same on every member
+  std::vector<double> first_anchor(numel, 0.0);
+  std::vector<std::optional<double>> momentum(numel);
+  std::vector<bool> has_anchor(fragments, false);
+  for (int r = 0; r < world; ++r) std::fill(x[r].begin(), x[r].end(), r);
+  std::vector<std::vector<std::vector<double>>> out;
+  const int64_t h = l.period() / fragments;
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int r = 0; r < world; ++r) {
+      for (int64_t i = 0; i < numel; ++i) {
+        x[r][i] += static_cast<double>(static_cast<float>((r + 1) * (s + 1)) * 0.5f) *
+                   static_cast<double>(i / per_tensor + 1);
+      }
+    }
+    if (s >= spec.warmup_steps() && (s - spec.warmup_steps()) % h == 0) {
+      const int f = static_cast<int>(((s - spec.warmup_steps()) / h) % fragments);
+      const int64_t lo = f * (tensors / fragments) * per_tensor;
+      const int64_t hi = lo + (tensors / fragments) * per_tensor;
+      if (!has_anchor[f]) {
+        has_anchor[f] = true;
+        for (int64_t i = lo; i < hi; ++i) {
+          double mean = 0;
+          for (int r = 0; r < world; ++r) mean += x[r][i] / world;
+          anchor[i] = first_anchor[i] = mean;
+          for (int r = 0; r < world; ++r) x[r][i] = mean;
+        }
+      } else {
+        std::vector<double> mean(numel, 0.0);
+        for (int r = 0; r < world; ++r) {
+          std::vector<double> u(numel, 0.0);
+          for (int64_t i = lo; i < hi; ++i) {
+            u[i] = static_cast<float>(beta * e[r][i] + (anchor[i] - x[r][i]));
+          }
+          std::vector<double> c(numel, 0.0);
+          for (int64_t b = lo; b < hi; b += 1024) {
+            const int64_t end = std::min(hi, b + 1024);
+            std::vector<int64_t> order;
+            for (int64_t i = b; i < end; ++i) order.push_back(i);
+            std::stable_sort(order.begin(), order.end(), [&](int64_t p, int64_t q) {
+              return std::fabs(u[p]) > std::fabs(u[q]);
+            });
+            for (int64_t j = 0; j < std::min<int64_t>(k, end - b); ++j) {
+              c[order[j]] = NaiveBf16(u[order[j]]);
+            }
+          }
+          for (int64_t i = lo; i < hi; ++i) {
+            if (beta != 0) e[r][i] = u[i] - c[i];
+            mean[i] += c[i] / world;
+          }
+        }
+        for (int64_t i = lo; i < hi; ++i) {
+          anchor[i] = NaiveOuterSgd(l.outer(), NaiveBf16(mean[i]), &momentum[i], anchor[i]);
+          for (int r = 0; r < world; ++r) x[r][i] = anchor[i];
+        }
+      }
+    }
+    std::vector<std::vector<double>> row(world, std::vector<double>(tensors));
+    for (int r = 0; r < world; ++r) {
+      for (int t = 0; t < tensors; ++t) row[r][t] = x[r][t * per_tensor];
+    }
+    out.push_back(row);
+  }
+  moved->assign(tensors, 0.0);
+  for (int t = 0; t < tensors; ++t) {
+    (*moved)[t] = std::fabs(anchor[t * per_tensor] - first_anchor[t * per_tensor]);
+  }
+  return out;
+}
+
+// TOPK with and without feedback, W 2 and 4, beta 1, 0.9 and 0: every member, every step,
+// against TopkReference. k = 125 of a fragment's 500 elements: exactly one tensor a sync, so
+// that the selection never cuts through a tensor's equal elements (a tie that float32 rounding
+// of the member's anchors would break differently from the reference's float64). Runs longer
+// than 42 steps meet bfloat16 rounding ties of the mean that the float64 reference rounds
+// differently; the rule is the same.
+TEST_F(ClientFeedbackTest, Topk_FollowsReference_FeedbackSendsWhatTopkDrops) {
+  constexpr int64_t kNumel = 1000;
+  constexpr int64_t kSteps = 42;
+  for (const auto& [world, beta] : std::vector<std::pair<int, double>>{
+           {2, 0.9}, {4, 0.9}, {2, 0.0}, {4, 0.0}, {2, 1.0}, {4, 1.0}}) {
+    SCOPED_TRACE(absl::StrCat("world ", world, " beta ", beta));
+    v1::JobSpec spec = MakeSpec(absl::StrCat("topk", world, "b", static_cast<int>(beta * 10)),
+                                world, v1::PERIODIC, {{4, world}}, 1);
+    SetOuter(&spec, 0, 0.7, 0.9, true);
+    spec.mutable_levels(0)->set_fragments(2);
+    spec.mutable_levels(0)->set_payload(v1::TOPK);
+    spec.mutable_levels(0)->set_topk_density(125.0 / 1024);
+    spec.mutable_levels(0)->set_error_feedback(beta);
+    std::vector<double> moved_by;
+    const auto want = TopkReference(spec, kSteps, kTensors, kNumel, &moved_by);
+    const std::vector<Trace> traces = Run(spec, kSteps, kNumel);
+    ASSERT_EQ(traces.size(), static_cast<size_t>(world));
+    for (int r = 0; r < world; ++r) {
+      ASSERT_EQ(traces[r].lines.size(), static_cast<size_t>(kSteps)) << "rank " << r;
+      for (int64_t s = 0; s < kSteps; ++s) {
+        const std::vector<double> got = Values(traces[r].lines[s].text);
+        ASSERT_EQ(got.size(), static_cast<size_t>(kTensors));
+        for (int t = 0; t < kTensors; ++t) {
+          EXPECT_NEAR(got[t], want[s][r][t], std::max(1e-4, 2e-6 * std::fabs(want[s][r][t])))
+              << "rank " << r << " step " << s << " tensor " << t;
+        }
+      }
+    }
+    // The point of feedback: without it the top-k keeps picking the largest tensor of each
+    // fragment and the others' anchors never move; with it the residuals of the others grow
+    // until they are sent (all but the smallest tensor within these 10 syncs a fragment).
+    int moved = 0;
+    for (int t = 0; t < kTensors; ++t) moved += moved_by[t] > 1e-6;
+    if (beta == 0) {
+      EXPECT_EQ(moved, 2) << "without feedback only the largest tensor of a fragment moves";
+    } else {
+      EXPECT_GE(moved, kTensors - 1) << "with feedback the residuals were never sent";
     }
   }
 }

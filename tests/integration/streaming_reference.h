@@ -13,6 +13,13 @@
 //   With sync_delay tau > 0 the call at the sync step s changes nothing: the group's mean (first
 //   sync) or mean of (A - x) is taken from the values at s and applied at step s + tau, after
 //   that step's update and before that step's own decision, with x_local the values then.
+//
+//   With `model_payload` (INT8/INT4 levels of at most 1024 elements a fragment: one block) the
+//   payload is restated too, from its documented encoding: per member U := beta E + D (beta the
+//   level's error_feedback, E a residual per (level, tensor) starting at 0; beta 0: U = D),
+//   C := q s with s = max |U| / L over the fragment and q = round-half-even(U / s) (L 127 or 7;
+//   s and U / s rounded to float32 as documented), E := U - C; the group's mean of C is encoded
+//   the same way again and its decoded value is the D of the outer step.
 #ifndef MODELAVG_TESTS_INTEGRATION_STREAMING_REFERENCE_H_
 #define MODELAVG_TESTS_INTEGRATION_STREAMING_REFERENCE_H_
 
@@ -40,6 +47,22 @@ struct StreamingStep {
 
 inline int Fragments(const v1::Level& l) { return l.fragments() > 1 ? l.fragments() : 1; }
 
+// The documented INT8/INT4 round trip of one block: s = max|u| / levels, q = round-half-even(u /
+// s) clamped to [-levels, levels], decoded q * s; s and u / s in float32.
+inline std::vector<double> NaiveBlockRoundTrip(const std::vector<double>& u, float levels) {
+  float max_abs = 0;
+  for (double v : u) max_abs = std::max(max_abs, std::fabs(static_cast<float>(v)));
+  const float s = max_abs / levels;
+  std::vector<double> out(u.size(), 0.0);
+  if (!(s > 0)) return out;
+  for (size_t i = 0; i < u.size(); ++i) {
+    const float ratio = static_cast<float>(u[i]) / s;
+    const double q = std::max(-1.0 * levels, std::min(1.0 * levels, std::nearbyint(1.0 * ratio)));
+    out[i] = q * s;
+  }
+  return out;
+}
+
 // A sync in flight (sync_delay > 0): per rank, per tensor of the fragment, the group's mean.
 struct Pending {
   int64_t apply = 0;
@@ -51,7 +74,8 @@ struct Pending {
 
 // expected[s][r].
 inline std::vector<std::vector<StreamingStep>> StreamingReference(const v1::JobSpec& spec,
-                                                                  int64_t steps, int tensors) {
+                                                                  int64_t steps, int tensors,
+                                                                  bool model_payload = false) {
   const int world = spec.world_size();
   const int levels = spec.levels_size();
   std::vector<std::vector<double>> x(world, std::vector<double>(tensors));
@@ -62,6 +86,9 @@ inline std::vector<std::vector<StreamingStep>> StreamingReference(const v1::JobS
   State anchor(levels, std::vector<std::vector<std::optional<double>>>(
                            world, std::vector<std::optional<double>>(tensors)));
   State momentum = anchor;
+  // Error feedback's residual E per (level, rank, tensor).
+  std::vector<std::vector<std::vector<double>>> residual(
+      levels, std::vector<std::vector<double>>(world, std::vector<double>(tensors, 0.0)));
   std::vector<Pending> pending;
   std::vector<std::vector<StreamingStep>> out;
   for (int64_t s = 0; s < steps; ++s) {
@@ -108,6 +135,41 @@ inline std::vector<std::vector<StreamingStep>> StreamingReference(const v1::JobS
       }
       pending.erase(pending.begin() + k);
     }
+    // The modelled payload: each group's decoded mean pseudo-gradient per tensor of the
+    // fragment, dbar[r][t] (the same on every member of r's group); E updated.
+    std::vector<std::vector<double>> dbar(world, std::vector<double>(tensors, 0.0));
+    bool modelled = false;
+    if (level >= 0 && model_payload) {
+      const v1::Level& l = spec.levels(level);
+      const int per = tensors / Fragments(l);
+      const int t0 = fragment * per;
+      if (l.has_outer() && (l.payload() == v1::INT8 || l.payload() == v1::INT4) &&
+          anchor[level][0][t0].has_value()) {
+        modelled = true;
+        const float levels_q = l.payload() == v1::INT8 ? 127.0f : 7.0f;
+        const int g = l.group_size();
+        for (int first = 0; first < world; first += g) {
+          std::vector<double> sum(per, 0.0);
+          for (int m = first; m < first + g; ++m) {
+            std::vector<double> u(per);
+            for (int i = 0; i < per; ++i) {
+              u[i] = l.error_feedback() * residual[level][m][t0 + i] +
+                     (*anchor[level][m][t0 + i] - x[m][t0 + i]);
+            }
+            const std::vector<double> c = NaiveBlockRoundTrip(u, levels_q);
+            for (int i = 0; i < per; ++i) {
+              if (l.error_feedback() != 0) residual[level][m][t0 + i] = u[i] - c[i];
+              sum[i] += c[i];
+            }
+          }
+          for (double& v : sum) v /= g;
+          const std::vector<double> mean = NaiveBlockRoundTrip(sum, levels_q);
+          for (int m = first; m < first + g; ++m) {
+            for (int i = 0; i < per; ++i) dbar[m][t0 + i] = mean[i];
+          }
+        }
+      }
+    }
     std::vector<std::vector<double>> next = x;
     State next_anchor = anchor, next_momentum = momentum;
     std::vector<StreamingStep> row(world);
@@ -152,7 +214,7 @@ inline std::vector<std::vector<StreamingStep>> StreamingReference(const v1::JobS
                   std::max(row[r].max_delta[t], std::fabs(*anchor[level][m][t] - x[m][t]));
             }
           }
-          p.mean[r][t - fragment * per] = v;
+          p.mean[r][t - fragment * per] = modelled ? dbar[r][t] : v;
           continue;
         }
         if (!anchor[level][r][t].has_value()) {
@@ -166,6 +228,7 @@ inline std::vector<std::vector<StreamingStep>> StreamingReference(const v1::JobS
           max_delta = std::max(max_delta, std::fabs(*anchor[level][m][t] - x[m][t]));
         }
         row[r].max_delta[t] = max_delta;
+        if (modelled) d = dbar[r][t];
         std::optional<double> m = momentum[level][r][t];
         const double a = NaiveOuterSgd(l.outer(), d, &m, *anchor[level][r][t]);
         next_momentum[level][r][t] = m;

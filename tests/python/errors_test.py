@@ -625,6 +625,13 @@ def check_streaming_spec(modelavg, coordinator, group):
         mt.fail(f"create_job returned levels {job.spec.levels}, asked for {levels}")
     if modelavg.get_job("streaming-1", coordinator=addr).spec.levels != levels:
         mt.fail("get_job did not return the streaming fields")
+    # Error feedback and the 4-bit and top-k payloads round-trip too.
+    for i, fb in enumerate([modelavg.Level(8, 4, outer=sgd, payload="INT4", error_feedback=0.9),
+                            modelavg.Level(8, 4, outer=sgd, payload="TOPK", topk_density=0.02,
+                                           error_feedback=1.0)]):
+        got = modelavg.create_job(f"feedback-{i}", 4, "PERIODIC", [fb], coordinator=addr)
+        if got.spec.levels != [fb]:
+            mt.fail(f"create_job returned levels {got.spec.levels}, asked for {[fb]}")
     # Defaults are a plain (period, group_size) pair or a DiLoCo Level, as before.
     same = modelavg.create_job("streaming-2", 1, "PERIODIC",
                                [modelavg.Level(4, 1, fragments=1, payload="FP32")],
@@ -638,11 +645,18 @@ def check_streaming_spec(modelavg, coordinator, group):
            (dict(fragments=4, sync_delay=2), "sync_delay=2 must be below period / fragments = 2"),
            (dict(mix=1.5), "mix=1.5"),
            (dict(mix=True), "mix=True"),
-           (dict(payload="FP8"), "payload='FP8': expected one of FP32, BF16, INT8")]
+           (dict(payload="FP8"), "payload='FP8': expected one of FP32, BF16, INT8"),
+           (dict(payload="INT4", error_feedback=1.5), "error_feedback=1.5"),
+           (dict(payload="INT4", error_feedback=-0.5), "error_feedback=-0.5"),
+           (dict(error_feedback=1.0), "error_feedback=1.0 needs a compressed payload"),
+           (dict(payload="TOPK"), "topk_density=0.0"),
+           (dict(payload="TOPK", topk_density=1.0), "topk_density=1.0"),
+           (dict(payload="INT8", topk_density=0.1), "topk_density=0.1 needs payload TOPK")]
     for fields, text in bad:
         expect_raises(f"Level(8, 4, outer, **{fields})", modelavg.InvalidArgumentError,
                       lambda: modelavg.Level(8, 4, outer=sgd, **fields), text)
-    for fields in (dict(payload="BF16"), dict(sync_delay=1), dict(mix=0.5)):
+    for fields in (dict(payload="BF16"), dict(sync_delay=1), dict(mix=0.5),
+                   dict(payload="INT4", error_feedback=1.0)):
         expect_raises(f"plain Level(8, 4, **{fields})", ValueError,
                       lambda: modelavg.Level(8, 4, **fields), "outer=modelavg.OuterSGD(1.0)")
     # The coordinator checks the spec again (a Level whose fields were changed after its own
@@ -657,6 +671,11 @@ def check_streaming_spec(modelavg, coordinator, group):
     expect_raises("a compressed payload on a plain level", modelavg.InvalidArgumentError,
                   lambda: modelavg.create_job("streaming-bad", 2, "PERIODIC", [plain],
                                               coordinator=addr), "levels[0].payload")
+    beyond = modelavg.Level(8, 2, outer=sgd, payload="INT4")
+    object.__setattr__(beyond, "error_feedback", 2.0)
+    expect_raises("error_feedback past its own checks", modelavg.InvalidArgumentError,
+                  lambda: modelavg.create_job("streaming-bad", 2, "PERIODIC", [beyond],
+                                              coordinator=addr), "levels[0].error_feedback")
     # Every streaming field runs in an elastic job, sync_delay included.
     modelavg.create_job("streaming-elastic-delay", 4, "PERIODIC",
                         [modelavg.Level(8, 4, outer=sgd, fragments=2, sync_delay=1)],

@@ -65,7 +65,8 @@ class FakeCore(types.ModuleType):
     def get_job(self, conn, job_id):
         self.calls.append(("get_job", dict(conn), job_id))
         return job_dict({"job_id": job_id, "world_size": 2, "mode": "PERIODIC",
-                         "levels": [(4, 2)], "outer": [None], "streaming": [(1, 0, 0.0, "FP32")],
+                         "levels": [(4, 2)], "outer": [None],
+                         "streaming": [(1, 0, 0.0, "FP32", 0.0, 0.0)],
                          "warmup_steps": 0, "heartbeat_timeout_ms": 0, "join_timeout_ms": 0,
                          "min_world_size": 0, "replica_size": 0})
 
@@ -177,7 +178,7 @@ def test_createJob_Levels_SentAsTheBindingsSpec(package):
     assert conn == {"coordinator": "c:1"}
     assert spec == {"job_id": "j", "world_size": 4, "mode": "HIERARCHICAL",
                     "levels": [(2, 2), (8, 4)], "outer": [None, (0.7, 0.9, True)],
-                    "streaming": [(1, 0, 0.0, "FP32"), (2, 0, 0.0, "FP32")],
+                    "streaming": [(1, 0, 0.0, "FP32", 0.0, 0.0), (2, 0, 0.0, "FP32", 0.0, 0.0)],
                     "warmup_steps": 3, "heartbeat_timeout_ms": 0, "join_timeout_ms": 0,
                     "min_world_size": 3, "replica_size": 1}
     assert job.spec.job_id == "j" and job.state == "PENDING" and job.spec.replica_size == 1

@@ -46,7 +46,8 @@ import modelavg_testing as mt
 def L(period, group, outer=None, **streaming):
     return dict(period=period, group=group, outer=outer, fragments=streaming.get("fragments", 1),
                 sync_delay=streaming.get("sync_delay", 0), mix=streaming.get("mix", 0.0),
-                payload=streaming.get("payload", "FP32"))
+                payload=streaming.get("payload", "FP32"),
+                error_feedback=streaming.get("error_feedback", 0.0))
 
 
 DILOCO = (0.7, 0.9, True)
@@ -77,9 +78,14 @@ CONFIGS = {
                                               [L(12, 2, (1.0, 0.0, False), fragments=3,
                                                  sync_delay=2, payload="INT8")], 30,
                                               "checkpoint"),
+    # Error feedback: the residual is part of state_dict; resumed with an outer sync in flight.
+    "checkpoint_int4_feedback_w2": ("periodic", 2, 0,
+                                    [L(12, 2, (1.0, 0.0, False), fragments=3, sync_delay=2,
+                                       payload="INT4", error_feedback=0.9)], 30, "checkpoint"),
 }
 # The step the checkpoint runs stop before: a background all-reduce is in flight there.
-CHECKPOINT_AT = {"checkpoint_delay_w4": 13, "checkpoint_int8_first_sync_pending_w2": 5}
+CHECKPOINT_AT = {"checkpoint_delay_w4": 13, "checkpoint_int8_first_sync_pending_w2": 5,
+                 "checkpoint_int4_feedback_w2": 17}
 # The rank that sleeps before its sync steps in the payload_bytes configuration, and how long.
 SLEEPER, SLEEP_S = 3, 0.6
 
@@ -239,9 +245,10 @@ class Reference:
 def job_levels(modelavg, levels):
     out = []
     for lv in levels:
-        streaming = {k: lv[k] for k in ("fragments", "sync_delay", "mix", "payload")}
+        streaming = {k: lv[k] for k in ("fragments", "sync_delay", "mix", "payload",
+                                        "error_feedback")}
         if lv["outer"] is None and streaming == {"fragments": 1, "sync_delay": 0, "mix": 0.0,
-                                                 "payload": "FP32"}:
+                                                 "payload": "FP32", "error_feedback": 0.0}:
             out.append((lv["period"], lv["group"]))
             continue
         o = lv["outer"]
@@ -394,6 +401,10 @@ def run_checkpoint_rank(rank, name, config, address, store_port, python_dir, out
             trace[step] = [p.detach().clone() for p in ps]
         if phase == "first":
             state = averager.state_dict()
+            if any(lv["error_feedback"] for lv in levels) and not any(
+                    entry.get("residual") for per in state["fragments"].values()
+                    for entry in per.values()):
+                raise AssertionError(f"rank {rank}: no residual in state_dict at step {at}")
             if not state.get("pending"):
                 raise AssertionError(f"rank {rank}: no background all-reduce in flight at step "
                                      f"{at}: the checkpoint proves less than it should")

@@ -242,6 +242,7 @@ class Parameters {
 //   momentum <level> <tensor> <n> <v>...
 //   fanchor <level> <fragment> <tensor> <n> <v>...      (streaming levels, per fragment)
 //   fmomentum <level> <fragment> <tensor> <n> <v>...
+//   fresidual <level> <fragment> <tensor> <n> <v>...    (error feedback's residual)
 //   pending <level> <fragment> <start step> <apply step> <first 0|1>   (not applied yet)
 //   presult <pending index> <tensor> <n> <v>...
 std::string HexFloats(const float* v, int64_t n) {
@@ -274,6 +275,7 @@ absl::Status SaveState(const std::string& path, const std::vector<float>& params
   for (const client::FragmentState& fs : state.fragments) {
     add_list(absl::StrCat("fanchor ", fs.level, " ", fs.fragment), fs.anchor);
     add_list(absl::StrCat("fmomentum ", fs.level, " ", fs.fragment), fs.momentum);
+    add_list(absl::StrCat("fresidual ", fs.level, " ", fs.fragment), fs.residual);
   }
   for (size_t k = 0; k < state.pending.size(); ++k) {
     const client::PendingState& ps = state.pending[k];
@@ -344,7 +346,8 @@ absl::Status LoadState(const std::string& path, std::vector<float>* params,
       t.bytes.resize(v.size() * sizeof(float));
       std::memcpy(t.bytes.data(), v.data(), t.bytes.size());
       tensors.push_back(std::move(t));
-    } else if (f.size() >= 4 && (f[0] == "fanchor" || f[0] == "fmomentum")) {
+    } else if (f.size() >= 4 && (f[0] == "fanchor" || f[0] == "fmomentum" ||
+                              f[0] == "fresidual")) {
       int level = 0, fragment = 0;
       size_t index = 0;
       if (!absl::SimpleAtoi(f[1], &level) || !absl::SimpleAtoi(f[2], &fragment) ||
@@ -362,8 +365,9 @@ absl::Status LoadState(const std::string& path, std::vector<float>* params,
           state->fragments.back().fragment != fragment) {
         return bad(absl::StrCat("fragment tensors out of order: ", line));
       }
-      auto& tensors = f[0] == "fanchor" ? state->fragments.back().anchor
-                                        : state->fragments.back().momentum;
+      auto& tensors = f[0] == "fanchor"     ? state->fragments.back().anchor
+                       : f[0] == "fmomentum" ? state->fragments.back().momentum
+                                             : state->fragments.back().residual;
       if (tensors.size() != index) return bad(absl::StrCat("tensors out of order: ", line));
       tensors.push_back(Float32Tensor(v));
     } else if (f.size() == 6 && f[0] == "pending") {

@@ -136,5 +136,54 @@ TEST(OuterLevelStateTest, Load_RefusesWhatDoesNotFit) {
   EXPECT_TRUE(state.has_momentum());
 }
 
+// Error feedback's residual: U = beta E + D against the rule written out, E = U - the INT4
+// round trip of U restated by hand (one block: s = max|U| / 7, q = round(U / s)), the swap that
+// restores it after a failed round, and state_dict's copy and its checks.
+TEST(OuterLevelStateTest, Residual_FollowsRule_SwapsAndLoads) {
+  OuterLevelState state(0, OuterSgd{1.0, 0.0, false});
+  std::vector<float> x = {0.0f, 0.0f, 0.0f};
+  ASSERT_TRUE(state.SetAnchor({View(x)}).ok());
+  EXPECT_FALSE(state.has_residual());
+  EXPECT_TRUE(state.ResidualTensors().empty());
+  // No residual yet: U = D.
+  std::vector<float> u = {7.0f, 1.2f, -0.4f};
+  ASSERT_TRUE(state.AddResidual(0.9, {View(u)}).ok());
+  EXPECT_EQ(u, (std::vector<float>{7.0f, 1.2f, -0.4f}));
+  // s = 1: C = (7, 1, 0), E = U - C.
+  OuterBuffer e = OuterLevelState::NextResidual(Payload::kInt4, {View(u)});
+  const float* ev = static_cast<const float*>(e.data(0));
+  EXPECT_FLOAT_EQ(ev[0], 0.0f);
+  EXPECT_FLOAT_EQ(ev[1], 1.2f - 1.0f);
+  EXPECT_FLOAT_EQ(ev[2], -0.4f);
+  auto [before, had] = state.SwapResidual(std::move(e), true);
+  EXPECT_FALSE(had);
+  EXPECT_TRUE(state.has_residual());
+  // The next sync: U = 0.9 E + D.
+  std::vector<float> d = {1.0f, 2.0f, 3.0f};
+  ASSERT_TRUE(state.AddResidual(0.9, {View(d)}).ok());
+  EXPECT_FLOAT_EQ(d[0], 1.0f);
+  EXPECT_FLOAT_EQ(d[1], static_cast<float>(0.9 * (1.2f - 1.0f) + 2.0));
+  EXPECT_FLOAT_EQ(d[2], static_cast<float>(0.9 * -0.4f + 3.0));
+  // state_dict's copy, and a failed round's restore of the previous (absent) residual.
+  const std::vector<StateTensor> saved = state.ResidualTensors();
+  ASSERT_EQ(saved.size(), 1u);
+  EXPECT_EQ(saved[0].numel, 3);
+  state.SwapResidual(std::move(before), had);
+  EXPECT_FALSE(state.has_residual());
+  ASSERT_TRUE(state.LoadResidual(saved).ok());
+  EXPECT_EQ(state.ResidualTensors()[0].bytes, saved[0].bytes);
+  // A residual that does not fit the anchor.
+  std::vector<StateTensor> wrong = saved;
+  wrong[0].numel = 2;
+  wrong[0].bytes.resize(8);
+  absl::Status s = state.LoadResidual(wrong);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("residual[0]"));
+  std::vector<float> two = {1.0f, 2.0f};
+  EXPECT_EQ(state.AddResidual(1.0, {View(two)}).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(state.LoadResidual({}).ok());
+  EXPECT_FALSE(state.has_residual());
+}
+
 }  // namespace
 }  // namespace modelavg::client

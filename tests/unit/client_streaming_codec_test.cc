@@ -167,5 +167,108 @@ TEST(PayloadCodecTest, Int8_BlockErrorBound) {
   EXPECT_FLOAT_EQ(z[kInt8Block], 1.0f);
 }
 
+// INT4 against a naive restatement of its documented decode: per block of 1024 from the start,
+// s = max|x| / 7, q = round-half-even(x / s) in [-7, 7], decode q * s; ceil(n / 2) bytes plus
+// 4 a block.
+TEST(PayloadCodecTest, Int4_MatchesDocumentedRuleAndBound) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(3 * kInt8Block + 77);
+  for (size_t i = 0; i < x.size(); ++i) {
+    x[i] = normal(rng) * std::pow(10.0f, static_cast<float>(i / kInt8Block) * 3 - 4);
+  }
+  const std::vector<float> y = RoundTrip(Payload::kInt4, x);
+  int64_t exact = 0;
+  for (size_t lo = 0; lo < x.size(); lo += kInt8Block) {
+    const size_t hi = std::min(x.size(), lo + kInt8Block);
+    double max_abs = 0;
+    for (size_t i = lo; i < hi; ++i) max_abs = std::max(max_abs, double{std::fabs(x[i])});
+    const double s = max_abs / 7;
+    for (size_t i = lo; i < hi; ++i) {
+      const double q = std::max(-7.0, std::min(7.0, std::nearbyint(x[i] / s)));
+      // The reference decode, to float32 rounding of the scale.
+      EXPECT_NEAR(y[i], q * s, 1e-6 * max_abs) << i;
+      EXPECT_LE(std::fabs(y[i] - x[i]), max_abs / 14 * (1 + 1e-5)) << i;
+      exact += y[i] == x[i];
+    }
+  }
+  EXPECT_LT(exact, static_cast<int64_t>(x.size()) / 2);
+  EXPECT_EQ(EncodedBytes(Payload::kInt4, 1025), 513u + 8u);
+  EXPECT_EQ(EncodedBytes(Payload::kInt4, 1), 1u + 4u);
+  EXPECT_LE(EncodedBytes(Payload::kInt4, 1 << 20), 0.15 * EncodedBytes(Payload::kFp32, 1 << 20));
+  // The grid's values pass unchanged: -7..7 times a scale of 1.
+  std::vector<float> grid;
+  for (int q = -7; q <= 7; ++q) grid.push_back(static_cast<float>(q));
+  EXPECT_EQ(RoundTrip(Payload::kInt4, grid), grid);
+  // Zeros stay zeros; a block with a NaN decodes as NaN, the other blocks are unaffected.
+  EXPECT_EQ(RoundTrip(Payload::kInt4, {0.0f, 0.0f, 0.0f}), (std::vector<float>{0.0f, 0.0f, 0.0f}));
+  std::vector<float> bad(2 * kInt8Block + 1, 1.0f);
+  bad[5] = std::nanf("");
+  const std::vector<float> z = RoundTrip(Payload::kInt4, bad);
+  EXPECT_TRUE(std::isnan(z[0]));
+  EXPECT_FLOAT_EQ(z[kInt8Block], 1.0f);
+  EXPECT_FLOAT_EQ(z[2 * kInt8Block], 1.0f);
+}
+
+// TOPK against a naive restatement: per block of 1024, the k entries of largest |x| (ties: lower
+// index), each rounded to bfloat16 (relative error <= 2^-8), the others 0; 4 bytes an entry.
+TEST(PayloadCodecTest, Topk_KeepsLargestPerBlock) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(2 * kInt8Block + 100);
+  for (float& v : x) v = normal(rng);
+  x[7] = x[9] = 50.0f;  // a tie: both kept (k >= 2)
+  const int32_t k = TopkPerBlock(0.02);
+  EXPECT_EQ(k, 21);  // ceil(0.02 * 1024)
+  const WireFormat f(Payload::kTopk, k);
+  std::vector<uint8_t> wire(EncodedBytes(f, static_cast<int64_t>(x.size())));
+  EXPECT_EQ(wire.size(), 4u * (21 + 21 + 21));
+  EncodePayload(f, x.data(), static_cast<int64_t>(x.size()), wire.data());
+  std::vector<float> y(x.size(), -1.0f);
+  DecodePayload(f, wire.data(), static_cast<int64_t>(x.size()), y.data());
+  for (size_t lo = 0; lo < x.size(); lo += kInt8Block) {
+    const size_t hi = std::min(x.size(), lo + kInt8Block);
+    std::vector<size_t> order;
+    for (size_t i = lo; i < hi; ++i) order.push_back(i);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return std::fabs(x[a]) > std::fabs(x[b]); });
+    std::vector<bool> kept(x.size(), false);
+    for (size_t e = 0; e < std::min<size_t>(k, order.size()); ++e) kept[order[e]] = true;
+    for (size_t i = lo; i < hi; ++i) {
+      if (kept[i]) {
+        EXPECT_LE(std::fabs(y[i] - x[i]), std::ldexp(std::fabs(x[i]), -8)) << i;
+        EXPECT_NE(y[i], 0.0f) << i;
+      } else {
+        EXPECT_EQ(y[i], 0.0f) << i;
+      }
+    }
+  }
+  EXPECT_EQ(y[7], 50.0f);
+  EXPECT_EQ(y[9], 50.0f);
+  // Decode-add adds the kept values only.
+  std::vector<float> acc(x.size(), 1.0f);
+  DecodeAddPayload(f, wire.data(), static_cast<int64_t>(x.size()), acc.data());
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(acc[i], 1.0f + y[i]) << i;
+  // A block shorter than k keeps everything; densities round up and stay in [1, 1024].
+  EXPECT_EQ(EncodedBytes(WireFormat(Payload::kTopk, 21), 5), 20u);
+  EXPECT_EQ(TopkPerBlock(1e-9), 1);
+  EXPECT_EQ(TopkPerBlock(0.999), 1023);
+  EXPECT_LE(EncodedBytes(f, 1 << 20), 0.025 * EncodedBytes(Payload::kFp32, 1 << 20));
+}
+
+TEST(PayloadCodecTest, RoundTripPayload_EqualsEncodeThenDecode) {
+  std::mt19937 rng(4);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(2 * kInt8Block + 5);
+  for (float& v : x) v = normal(rng);
+  for (Payload p : {Payload::kFp32, Payload::kBf16, Payload::kInt8, Payload::kInt4}) {
+    std::vector<float> got(x.size());
+    RoundTripPayload(p, x.data(), static_cast<int64_t>(x.size()), got.data());
+    EXPECT_EQ(got, RoundTrip(p, x)) << PayloadName(p);
+  }
+  EXPECT_EQ(PayloadBlock(Payload::kInt4), kInt8Block);
+  EXPECT_EQ(PayloadBlock(Payload::kBf16), 1);
+}
+
 }  // namespace
 }  // namespace modelavg::client

@@ -260,5 +260,55 @@ TEST(JobSpecTest, ShardedDecision_ListsTheShardsRanksAndRoundTrips) {
   EXPECT_EQ(DecisionFromProto(proto), schedule->DecisionFor(5, 2));
 }
 
+// Error feedback and the 4-bit and top-k payloads: accepted where the rule applies, round-trip
+// through the proto; INVALID_ARGUMENT naming the field and the value otherwise.
+TEST(JobSpecTest, ErrorFeedbackAndPayloads_ValidatedAndKept) {
+  auto spec = [](const std::string& fields, bool outer = true) {
+    return SpecFromText(absl::StrCat(
+        R"pb(job_id: "f" world_size: 2 mode: PERIODIC levels { period: 4 group_size: 2 )pb",
+        fields, outer ? " outer { lr: 1 } }" : " }"));
+  };
+  for (const char* ok : {"payload: INT4 error_feedback: 1", "payload: INT4 error_feedback: 0.9",
+                         "payload: INT8 error_feedback: 0.5", "payload: BF16 error_feedback: 1",
+                         "payload: INT4", "payload: TOPK topk_density: 0.02",
+                         "payload: TOPK topk_density: 0.02 error_feedback: 1"}) {
+    absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(spec(ok));
+    ASSERT_TRUE(s.ok()) << ok << ": " << s.status();
+  }
+  absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(spec("payload: INT4 error_feedback: 0.9"));
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->levels[0].payload, Payload::kInt4);
+  EXPECT_EQ(s->levels[0].error_feedback, 0.9);
+  v1::JobSpec back;
+  ScheduleSpecToProto(*s, &back);
+  EXPECT_EQ(back.levels(0).payload(), v1::INT4);
+  EXPECT_EQ(back.levels(0).error_feedback(), 0.9);
+
+  struct Bad {
+    std::string fields;
+    bool outer;
+    std::vector<std::string> says;
+  };
+  const std::vector<Bad> bad = {
+      {"payload: INT4 error_feedback: 1.5", true, {"levels[0].error_feedback", "[0, 1]", "1.5"}},
+      {"payload: INT4 error_feedback: -0.1", true, {"levels[0].error_feedback", "-0.1"}},
+      {"payload: INT4 error_feedback: nan", true, {"levels[0].error_feedback", "nan"}},
+      {"error_feedback: 1", true, {"levels[0].error_feedback", "FP32"}},
+      {"payload: INT4 error_feedback: 1", false, {"levels[0].error_feedback", "outer"}},
+      {"payload: TOPK topk_density: 0", true, {"levels[0].topk_density", "(0, 1)"}},
+      {"payload: TOPK topk_density: 1", true, {"levels[0].topk_density", "(0, 1)"}},
+      {"payload: INT4 topk_density: 0.02", true, {"levels[0].topk_density", "TOPK"}},
+      {"payload: INT4", false, {"levels[0].payload INT4", "outer"}},
+  };
+  for (const Bad& b : bad) {
+    absl::StatusOr<ScheduleSpec> got = ScheduleSpecFromProto(spec(b.fields, b.outer));
+    ASSERT_FALSE(got.ok()) << b.fields;
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << b.fields;
+    for (const std::string& word : b.says) {
+      EXPECT_THAT(std::string(got.status().message()), ::testing::HasSubstr(word)) << b.fields;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace modelavg

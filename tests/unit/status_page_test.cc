@@ -171,6 +171,20 @@ TEST_F(StatusPageTest, ShardedJob_MembersByReplica_RetiredReplicaShown) {
   EXPECT_THAT(body, HasSubstr("<dt>vacant ranks</dt><dd>2, 3</dd>"));
 }
 
+// A level's compressed payload and error feedback show beside its period.
+TEST_F(StatusPageTest, JobPage_ShowsPayloadAndErrorFeedback) {
+  v1::JobSpec spec;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(
+      "job_id: 'fb' world_size: 2 mode: PERIODIC levels { period: 4 group_size: 2 "
+      "outer { lr: 1 } payload: TOPK topk_density: 0.02 error_feedback: 0.9 }",
+      &spec));
+  ASSERT_TRUE(registry_->CreateJob(spec, nullptr).ok());
+  StatusPage page(registry_.get(), {});
+  const std::string body = Get(page, "/jobs/fb").body;
+  EXPECT_THAT(body, HasSubstr("every 4 steps in groups of 2, payload TOPK (density 0.02), "
+                              "error feedback 0.9"));
+}
+
 TEST_F(StatusPageTest, UnknownJob_NotFoundEscaped) {
   StatusPage page(registry_.get(), {});
   const HttpResponse reply = Get(page, "/jobs/<script>");

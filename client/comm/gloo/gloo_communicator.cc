@@ -22,7 +22,9 @@
 #include "common/status_util.h"
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
+#include "gloo/allgatherv.h"
 #include "gloo/alltoall.h"
+#include "gloo/alltoallv.h"
 #include "gloo/common/error.h"
 #include "gloo/context.h"
 #include "gloo/math.h"
@@ -575,7 +577,8 @@ absl::Status GlooCommunicator::AverageCompressed(absl::Span<const TensorView> te
   } else {
     std::memset(in, 0, bytes);
   }
-  absl::Status s = RunCompressed(in, total, options.payload, divisor, result);
+  absl::Status s = RunCompressed(in, total, WireFormat(options.payload, options.topk), divisor,
+                                 result);
   if (!s.ok()) return Break(s);
   if (options.commit) {
     if (absl::Status c = Commit(); !c.ok()) {
@@ -648,54 +651,73 @@ absl::Status GlooCommunicator::AverageStaged(absl::Span<const TensorView> tensor
   return absl::OkStatus();
 }
 
-absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, Payload payload,
+absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, WireFormat format,
                                              int divisor, float* out) {
   const int n = size_;
-  // Chunk j: elements [j * chunk, min((j + 1) * chunk, numel)), encoded into `enc` bytes
-  // (zero-padded to `chunk` elements so that every member's pieces have one size).
-  const int64_t chunk = (numel + n - 1) / n;
-  const size_t enc = EncodedBytes(payload, chunk);
-  wire_send_.assign(enc * n, 0);
-  wire_recv_.assign(enc * n, 0);
-  chunk_.assign(static_cast<size_t>(chunk), 0.0f);
-  const auto range = [&](int j) {
-    const int64_t lo = std::min<int64_t>(numel, j * chunk);
-    return std::make_pair(lo, std::min<int64_t>(numel, lo + chunk) - lo);
-  };
+  const Payload payload = format.payload;
+  // The all-gather's format: TOPK sends every non-zero of the mean (at most n k a block).
+  const WireFormat gather(payload, payload == Payload::kTopk
+                                       ? static_cast<int32_t>(std::min<int64_t>(
+                                             kInt8Block, int64_t{n} * format.topk))
+                                       : format.topk);
+  // Piece j: elements [lo_j, lo_j + len_j), cut at multiples of the payload's block so that
+  // every block is encoded whole, as the member's own decode(encode(x)) sees it
+  // (RoundTripPayload); member j reduces piece j. Pieces may be empty.
+  const int64_t align = PayloadBlock(payload);
+  const int64_t units = (numel + align - 1) / align;
+  const int64_t per = (units + n - 1) / n;
+  std::vector<int64_t> lo(n), len(n), enc(n), genc(n);
+  int64_t send_total = 0, gather_total = 0;
   for (int j = 0; j < n; ++j) {
-    const auto [lo, len] = range(j);
-    std::fill(chunk_.begin(), chunk_.end(), 0.0f);
-    std::memcpy(chunk_.data(), data + lo, static_cast<size_t>(len) * sizeof(float));
-    EncodePayload(payload, chunk_.data(), chunk, wire_send_.data() + j * enc);
+    lo[j] = std::min<int64_t>(numel, j * per * align);
+    len[j] = std::min<int64_t>(numel, lo[j] + per * align) - lo[j];
+    enc[j] = static_cast<int64_t>(EncodedBytes(format, len[j]));
+    genc[j] = static_cast<int64_t>(EncodedBytes(gather, len[j]));
+    send_total += enc[j];
+    gather_total += genc[j];
+  }
+  const int me = rank_;
+  wire_send_.assign(static_cast<size_t>(std::max<int64_t>(send_total, 1)), 0);
+  wire_recv_.assign(static_cast<size_t>(std::max({gather_total, enc[me] * n, int64_t{1}})), 0);
+  chunk_.assign(static_cast<size_t>(std::max<int64_t>(len[me], 1)), 0.0f);
+  {
+    int64_t at = 0;
+    for (int j = 0; j < n; ++j) {
+      EncodePayload(format, data + lo[j], len[j], wire_send_.data() + at);
+      at += enc[j];
+    }
   }
   const absl::Time started = absl::Now();
   try {
     {
-      gloo::AlltoallOptions opts(context_);
+      // Member i sends its encoding of piece j to member j: this member receives n encodings
+      // of its own piece.
+      gloo::AlltoallvOptions opts(context_);
       opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
       opts.setTag(next_tag_++);
-      opts.setInput(wire_send_.data(), wire_send_.size());
-      opts.setOutput(wire_recv_.data(), wire_recv_.size());
-      gloo::alltoall(opts);
+      opts.setInput(wire_send_.data(), std::vector<int64_t>(enc.begin(), enc.end()));
+      opts.setOutput(wire_recv_.data(), std::vector<int64_t>(n, enc[me]));
+      gloo::alltoallv(opts);
     }
-    bytes_sent_ += static_cast<int64_t>(enc) * (n - 1);
-    // This member's chunk: the float32 sum of every member's decoded piece, in rank order.
+    bytes_sent_ += send_total - enc[me];
+    // This member's piece: the float32 sum of every member's decoded piece, in rank order.
     std::fill(chunk_.begin(), chunk_.end(), 0.0f);
     for (int i = 0; i < n; ++i) {
-      DecodeAddPayload(payload, wire_recv_.data() + i * enc, chunk, chunk_.data());
+      DecodeAddPayload(format, wire_recv_.data() + i * enc[me], len[me], chunk_.data());
     }
     const float inv = 1.0f / static_cast<float>(divisor);
     for (float& v : chunk_) v *= inv;
-    EncodePayload(payload, chunk_.data(), chunk, wire_send_.data());
+    std::vector<uint8_t> mine(static_cast<size_t>(std::max<int64_t>(genc[me], 1)));
+    EncodePayload(gather, chunk_.data(), len[me], mine.data());
     {
-      gloo::AllgatherOptions opts(context_);
+      gloo::AllgathervOptions opts(context_);
       opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
       opts.setTag(next_tag_++);
-      opts.setInput(wire_send_.data(), enc);
-      opts.setOutput(wire_recv_.data(), wire_recv_.size());
-      gloo::allgather(opts);
+      opts.setInput(mine.data(), static_cast<size_t>(genc[me]));
+      opts.setOutput(wire_recv_.data(), std::vector<size_t>(genc.begin(), genc.end()));
+      gloo::allgatherv(opts);
     }
-    bytes_sent_ += static_cast<int64_t>(enc) * (n - 1);
+    bytes_sent_ += genc[me] * (n - 1);
   } catch (const std::exception& e) {
     return FromGlooException(
         e, absl::StrCat("Gloo ", PayloadName(payload), " all-reduce of ", numel, " elements"),
@@ -704,11 +726,10 @@ absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, P
     return absl::InternalError("Gloo compressed all-reduce failed with an unknown exception");
   }
   // Every member decodes the same bytes: the results agree bit for bit.
+  int64_t at = 0;
   for (int j = 0; j < n; ++j) {
-    const auto [lo, len] = range(j);
-    if (len <= 0) continue;
-    DecodePayload(payload, wire_recv_.data() + j * enc, chunk, chunk_.data());
-    std::memcpy(out + lo, chunk_.data(), static_cast<size_t>(len) * sizeof(float));
+    if (len[j] > 0) DecodePayload(gather, wire_recv_.data() + at, len[j], out + lo[j]);
+    at += genc[j];
   }
   return absl::OkStatus();
 }

@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "client/payload/payload_codec.h"
 #include "absl/time/time.h"
 #include "client/comm/communicator.h"
 #include "client/comm/round_agreement.h"
@@ -176,7 +177,7 @@ class GlooCommunicator : public Communicator {
   // j of the encoded buffer goes to member j (all-to-all), which sums the decoded chunks in
   // float32, divides by `divisor` and encodes the result; an all-gather of the encoded results
   // gives every member the same decoded average in `out` (`data` is only read).
-  absl::Status RunCompressed(const float* data, int64_t numel, Payload payload, int divisor,
+  absl::Status RunCompressed(const float* data, int64_t numel, WireFormat format, int divisor,
                              float* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RunSum(void* data, int64_t numel, DType dtype) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The abort reason when Abort was called, `failure` otherwise.

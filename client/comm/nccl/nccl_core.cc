@@ -321,6 +321,12 @@ void NcclCore::ValidateRound(Round& r) const {
         "a ", PayloadName(options.payload),
         " payload takes float32/float16/bfloat16 tensors; these include float64"));
   }
+  if (r.local.ok() && options.payload != Payload::kFp32 && options.payload != Payload::kBf16 &&
+      options.payload != Payload::kInt8) {
+    r.local = absl::InvalidArgumentError(absl::StrCat(
+        "the NCCL backend takes payloads FP32, BF16 and INT8; ", PayloadName(options.payload),
+        " runs on host parameters (Gloo) only in this version"));
+  }
   r.zero_copy = r.local.ok() && IsZeroCopy(r.tensors);
   r.bytes = static_cast<size_t>(p.total) * StagingCodeSize(p.dtype);
 }

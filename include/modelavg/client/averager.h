@@ -77,6 +77,9 @@ struct FragmentState {
   int fragment = 0;
   std::vector<StateTensor> anchor;    // the fragment's tensors, in order
   std::vector<StateTensor> momentum;  // empty until an outer step has set it
+  // Error feedback (Level.error_feedback): the member's residual E, float32, the fragment's
+  // tensors in order; empty until an outer step has kept one.
+  std::vector<StateTensor> residual;
 };
 struct PendingState {
   int level = 0;

@@ -38,7 +38,7 @@ struct OuterSgd {
 };
 
 // How a level's pseudo-gradients travel (outer levels; plain levels send FP32 parameters).
-enum class Payload { kFp32, kBf16, kInt8 };
+enum class Payload { kFp32, kBf16, kInt8, kInt4, kTopk };
 
 struct ScheduleLevel {
   int64_t period = 0;
@@ -53,6 +53,11 @@ struct ScheduleLevel {
   int64_t sync_delay = 0;
   double mix = 0.0;
   Payload payload = Payload::kFp32;
+  // Error feedback's decay beta (0: off): each member sends U = beta * E + D and keeps
+  // E := U - decode(encode(U)) (docs/streaming.md). Needs a compressed payload.
+  double error_feedback = 0.0;
+  // Payload kTopk: the fraction of each block's entries sent, in (0, 1).
+  double topk_density = 0.0;
 
   // The hierarchy walk's period of this level: period / fragments.
   int64_t StepPeriod() const { return fragments > 1 ? period / fragments : period; }
