@@ -32,6 +32,7 @@ targets=(schedule_test job_spec_test server_job_test server_bounds_test server_j
          server_heartbeat_replies_test status_page_test http_port_test service_auth_test
          printable_test
          server_grpc_test server_process_test modelavg-coordinator client_gloo_round_test
+         modelavg-cli
          job_spec_fuzzer jobs_file_fuzzer job_handlers_fuzzer
          job_spec_fuzzer_replay jobs_file_fuzzer_replay job_handlers_fuzzer_replay)
 cmake --build "$build" -j "$jobs" --target "${targets[@]}"
