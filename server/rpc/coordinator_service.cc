@@ -411,6 +411,8 @@ MODELAVG_SERVE(Leave, v1::LeaveRequest, v1::LeaveResponse, Role::kWorker)
 MODELAVG_SERVE(Ping, v1::PingRequest, v1::PingResponse, Role::kWorker)
 MODELAVG_SERVE(ReportPeerFailure, v1::ReportPeerFailureRequest, v1::ReportPeerFailureResponse,
                Role::kWorker)
+MODELAVG_SERVE(ReportNonFinite, v1::ReportNonFiniteRequest, v1::ReportNonFiniteResponse,
+               Role::kWorker)
 #undef MODELAVG_SERVE
 
 void CoordinatorService::DoCreateJob(grpc::CallbackServerContext*,
@@ -525,6 +527,14 @@ void CoordinatorService::DoReportPeerFailure(
   absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
   if (!job.ok()) return call->Reply(job.status());
   call->Reply((*job)->ReportPeerFailure(call->request, &call->response));
+}
+
+void CoordinatorService::DoReportNonFinite(
+    grpc::CallbackServerContext*,
+    Call<v1::ReportNonFiniteRequest, v1::ReportNonFiniteResponse>* call) {
+  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
+  if (!job.ok()) return call->Reply(job.status());
+  call->Reply((*job)->ReportNonFinite(call->request, &call->response));
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* CoordinatorService::WatchJob(

@@ -35,7 +35,8 @@ using RawCoordinatorService =
     v1::Coordinator::WithRawCallbackMethod_WatchJob<
     v1::Coordinator::WithRawCallbackMethod_Ping<
     v1::Coordinator::WithRawCallbackMethod_ReportPeerFailure<
-    v1::Coordinator::Service>>>>>>>>>>>>>>>>;
+    v1::Coordinator::WithRawCallbackMethod_ReportNonFinite<
+    v1::Coordinator::Service>>>>>>>>>>>>>>>>>;
 
 class CoordinatorService final : public RawCoordinatorService {
  public:
@@ -65,6 +66,7 @@ class CoordinatorService final : public RawCoordinatorService {
   MODELAVG_RAW_UNARY(Leave)
   MODELAVG_RAW_UNARY(Ping)
   MODELAVG_RAW_UNARY(ReportPeerFailure)
+  MODELAVG_RAW_UNARY(ReportNonFinite)
 #undef MODELAVG_RAW_UNARY
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* HeartbeatStream(
       grpc::CallbackServerContext* ctx) override;
@@ -104,6 +106,8 @@ class CoordinatorService final : public RawCoordinatorService {
   void DoReportPeerFailure(
       grpc::CallbackServerContext* ctx,
       Call<v1::ReportPeerFailureRequest, v1::ReportPeerFailureResponse>* call);
+  void DoReportNonFinite(grpc::CallbackServerContext* ctx,
+                         Call<v1::ReportNonFiniteRequest, v1::ReportNonFiniteResponse>* call);
 
   JobRegistry* const registry_;
   const ServiceAuth auth_;
