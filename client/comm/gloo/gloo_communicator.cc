@@ -155,12 +155,13 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
   };
   try {
     std::vector<sockaddr_storage> peers;
+    auto waits = std::make_shared<MeshWaits>();
     absl::StatusOr<std::shared_ptr<gloo::Context>> context =
         ConnectMesh(store, device, rank, size, timeout, started + timeout, cancel, &peers,
-                    faults.get());
+                    faults.get(), waits);
     if (!context.ok()) return context.status();
-    std::unique_ptr<GlooCommunicator> comm(
-        new GlooCommunicator(*std::move(context), rank, size, timeout, in_place));
+    std::unique_ptr<GlooCommunicator> comm(new GlooCommunicator(
+        *std::move(context), std::move(waits), rank, size, timeout, in_place));
     comm->set_faults(std::move(faults));
     comm->peer_addresses_ = std::move(peers);
     if (absl::Status probe = comm->ProbeFusedAverage(); !probe.ok()) {
@@ -181,9 +182,11 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
   }
 }
 
-GlooCommunicator::GlooCommunicator(std::shared_ptr<gloo::Context> context, int rank, int size,
+GlooCommunicator::GlooCommunicator(std::shared_ptr<gloo::Context> context,
+                                   std::shared_ptr<MeshWaits> waits, int rank, int size,
                                    absl::Duration timeout, bool in_place)
     : context_(std::move(context)),
+      waits_(std::move(waits)),
       rank_(rank),
       size_(size),
       timeout_(timeout),
@@ -198,6 +201,16 @@ void GlooCommunicator::Abort(const absl::Status& why) {
     aborted_ = why.ok() ? absl::AbortedError("the Gloo communicator was aborted") : why;
   }
   CloseMesh(absl::StrCat("aborted by modelavg: ", why.message()));
+  // What failing the pairs does not wake (a send queued in a pair's transmit queue) ends here.
+  waits_->AbortAll();
+}
+
+void GlooCommunicator::ThrowIfAborted() const {
+  // A collective that an abort cut short may return without an exception (Gloo's algorithms do
+  // not look at what an aborted wait returns): its result is incomplete.
+  if (waits_->aborted()) {
+    throw gloo::IoException("the collective was aborted by modelavg before it completed");
+  }
 }
 
 void GlooCommunicator::CloseMesh(const std::string& msg) {
@@ -240,6 +253,7 @@ absl::Status GlooCommunicator::RunSum(void* data, int64_t numel, DType dtype) {
       opts.setReduceFunction(static_cast<ReduceFn>(&gloo::sum<float>));
     }
     gloo::allreduce(opts);
+    ThrowIfAborted();
     bytes_sent_ += RingBytesSent(static_cast<size_t>(numel) * DTypeSize(dtype), size_);
     return absl::OkStatus();
   } catch (const std::exception& e) {
@@ -289,6 +303,7 @@ absl::Status GlooCommunicator::RunAverage(void* data, int64_t numel, DType dtype
       opts.setReduceFunction(AverageReduction<float>(&st));
     }
     gloo::allreduce(opts);
+    ThrowIfAborted();
     bytes_sent_ += RingBytesSent(bytes, size_);
   } catch (const std::exception& e) {
     if (backup != nullptr) restore();
@@ -332,6 +347,7 @@ absl::Status GlooCommunicator::Commit() {
     opts.setOutput(&votes, 1);
     opts.setReduceFunction(static_cast<ReduceFn>(&gloo::sum<int64_t>));
     gloo::allreduce(opts);
+    ThrowIfAborted();
   } catch (const std::exception& e) {
     return FromGlooException(e, "Gloo commit of an averaging round", started,
                              timeout_);
@@ -392,6 +408,7 @@ absl::Status GlooCommunicator::CheckLayout(int64_t numel, DType dtype, int64_t s
     opts.setOutput(sig, 8);
     opts.setReduceFunction(static_cast<ReduceFn>(&gloo::max<int64_t>));
     gloo::allreduce(opts);
+    ThrowIfAborted();
   } catch (const std::exception& e) {
     return FromGlooException(e, "Gloo layout check", started,
                              timeout_);
@@ -609,6 +626,7 @@ absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, P
       opts.setInput(wire_send_.data(), wire_send_.size());
       opts.setOutput(wire_recv_.data(), wire_recv_.size());
       gloo::alltoall(opts);
+      ThrowIfAborted();
     }
     bytes_sent_ += static_cast<int64_t>(enc) * (n - 1);
     // This member's chunk: the float32 sum of every member's decoded piece, in rank order.
@@ -626,6 +644,7 @@ absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, P
       opts.setInput(wire_send_.data(), enc);
       opts.setOutput(wire_recv_.data(), wire_recv_.size());
       gloo::allgather(opts);
+      ThrowIfAborted();
     }
     bytes_sent_ += static_cast<int64_t>(enc) * (n - 1);
   } catch (const std::exception& e) {

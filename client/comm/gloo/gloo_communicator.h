@@ -93,8 +93,8 @@ class GlooCommunicator : public Communicator {
   }
 
  private:
-  GlooCommunicator(std::shared_ptr<gloo::Context> context, int rank, int size,
-                   absl::Duration timeout, bool in_place);
+  GlooCommunicator(std::shared_ptr<gloo::Context> context, std::shared_ptr<MeshWaits> waits,
+                   int rank, int size, absl::Duration timeout, bool in_place);
   // Averages `data` (numel elements) in place: Gloo's ring SUM all-reduce with the division
   // by `divisor` fused into each segment's last reduction. With `backup` (numel elements),
   // `data` is restored on failure. With `commit`, the members then confirm (Commit); when that
@@ -140,6 +140,9 @@ class GlooCommunicator : public Communicator {
   absl::Status RunCompressed(const float* data, int64_t numel, Payload payload, int divisor,
                              float* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RunSum(void* data, int64_t numel, DType dtype) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Throws (a gloo::IoException, as a broken pair does) once Abort ended the mesh's waits: a
+  // collective that returned after that is incomplete. Called after every collective.
+  void ThrowIfAborted() const;
   // The abort reason when Abort was called, `failure` otherwise.
   absl::Status AbortedOr(absl::Status failure) const;
   // Fails every pair of the mesh with `msg` (their pending operations wake with an error and
@@ -150,6 +153,8 @@ class GlooCommunicator : public Communicator {
   absl::Status Break(const absl::Status& failure) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::shared_ptr<gloo::Context> context_;
+  // The waits of the mesh's collectives, which Abort ends (the pairs' failure misses some).
+  const std::shared_ptr<MeshWaits> waits_;
   // Each member's data address (its pair's, for this member), for ProbePeers; empty where the
   // transport is not TCP. Set once by Create.
   std::vector<sockaddr_storage> peer_addresses_;
