@@ -24,6 +24,11 @@
 namespace modelavg::client {
 namespace {
 
+// The hand-over rounds' RoundOptions::layout_signature: their buffer has a layout of its own
+// (the outer states), which the members agree on afresh in every such round, so that the
+// communicator's agreed layout stays the parameters' (client/comm/round_agreement.h).
+constexpr int64_t kHandOverSignature = 0x68616e646f766572;  // "handover"
+
 // Runs `round` on a device copy of the host buffer that `views` cover (one allocation of
 // `bytes` from views[0]), placed like `like` (device, stream), and copies the result back.
 absl::Status TransferThroughDevice(
@@ -347,6 +352,7 @@ absl::Status ModelAverager::TransferOuterState(const Decision& decision, Communi
     RoundOptions options;
     options.step = decision.step;
     options.contributors = 1;
+    options.layout_signature = kHandOverSignature;
     if (!layout.empty() && layout[0].device.is_cuda()) {
       // An NCCL round: the hand-over travels through a device copy of the buffer.
       MODELAVG_ASSIGN_OR_RETURN(NcclDeviceOps * ops, DeviceOps(layout[0].device));

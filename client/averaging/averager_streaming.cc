@@ -458,6 +458,9 @@ absl::Status ModelAverager::TransferParameters(const Decision& decision, Communi
   options.contribute = !me_joining;
   options.contributors =
       static_cast<int>(decision.Members().size() - decision.joining.size());
+  // A round of its own between the hand-over and the step's round: agreed afresh, like them
+  // (client/comm/round_agreement.h).
+  options.layout_signature = 0x626c6f636b;  // "block"
   MODELAVG_RETURN_IF_ERROR(Annotate(comm->AllReduceAverage(views, options, nullptr),
                                     "handing the replacement its block's parameters"));
   if (me_joining) {

@@ -12,10 +12,10 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "client/comm/fault_injection.h"
 #include "modelavg/client/tensor.h"
 #include "modelavg/common/schedule.h"
 
@@ -192,17 +192,6 @@ class Communicator {
   // This member's index in the subgroup and the subgroup's size.
   virtual int rank() const = 0;
   virtual int size() const = 0;
-
-  // Tests (the one seam, client/comm/fault_injection.h): the faults this communicator takes; the
-  // communicator cache hands every communicator its client's. Null: none.
-  virtual void set_faults(std::shared_ptr<FaultInjection> faults) { faults_ = std::move(faults); }
-
- protected:
-  // Whether the committed round at `step` is to lose this member's confirmation (tests).
-  bool TakeLostCommit(int64_t step) const {
-    return faults_ != nullptr && faults_->TakeLostCommit(step);
-  }
-  std::shared_ptr<FaultInjection> faults_;
 };
 
 }  // namespace modelavg::client

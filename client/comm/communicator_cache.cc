@@ -36,9 +36,8 @@ std::string CommunicatorSetup::MemberScope() const {
   return absl::StrCat("m", members.size(), "-", absl::Hex(h), "/");
 }
 
-CommunicatorCache::CommunicatorCache(std::unique_ptr<CommunicatorFactory> factory,
-                                     std::shared_ptr<FaultInjection> faults)
-    : factory_(std::move(factory)), faults_(std::move(faults)) {}
+CommunicatorCache::CommunicatorCache(std::unique_ptr<CommunicatorFactory> factory)
+    : factory_(std::move(factory)) {}
 
 CommunicatorCache::~CommunicatorCache() { Clear(); }
 
@@ -155,7 +154,6 @@ absl::StatusOr<Communicator*> CommunicatorCache::Get(const CommunicatorSetup& se
     comm = *std::move(made);
   }
   spdlog::debug("created the {}", what);
-  if (faults_ != nullptr) comm->set_faults(faults_);
   Communicator* out = comm.get();
   absl::MutexLock l(&mu_);
   // Aborted while it was being made: keep it (so that Clear tears it down like the others), but

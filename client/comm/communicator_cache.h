@@ -40,10 +40,8 @@ struct CommunicatorKey {
 
 class CommunicatorCache {
  public:
-  // `factory` makes each communicator (not null). `faults` (tests, client/comm/fault_injection.h;
-  // may be null) goes to every communicator made.
-  explicit CommunicatorCache(std::unique_ptr<CommunicatorFactory> factory,
-                             std::shared_ptr<FaultInjection> faults = nullptr);
+  // `factory` makes each communicator (not null).
+  explicit CommunicatorCache(std::unique_ptr<CommunicatorFactory> factory);
   ~CommunicatorCache();
 
   // The communicator for `setup`'s subgroup on `device`: cached, or created now (blocking until
@@ -70,7 +68,6 @@ class CommunicatorCache {
 
  private:
   const std::unique_ptr<CommunicatorFactory> factory_;
-  const std::shared_ptr<FaultInjection> faults_;
   // Held while creating (one creation at a time: two creations of one key must not race on the
   // coordinator's keys), which may block up to the setup's timeout.
   absl::Mutex create_mu_;

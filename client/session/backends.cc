@@ -11,8 +11,8 @@
 
 namespace modelavg::client {
 
-BackendFactory::BackendFactory(std::string gloo_hostname, std::shared_ptr<FaultInjection> faults)
-    : gloo_hostname_(std::move(gloo_hostname)), faults_(std::move(faults)) {}
+BackendFactory::BackendFactory(std::string gloo_hostname)
+    : gloo_hostname_(std::move(gloo_hostname)) {}
 
 BackendFactory::~BackendFactory() = default;
 
@@ -33,7 +33,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> BackendFactory::Create(
         std::unique_ptr<GlooCommunicator> gloo,
         GlooCommunicator::Create(store, std::move(dev), setup.MemberIndex(), setup.MemberCount(),
                                  setup.timeout, [&store] { return store.last_error(); },
-                                 setup.gloo_in_place, setup.cancel, faults_));
+                                 setup.gloo_in_place, setup.cancel));
+    gloo->SetNewGenerationRequest(setup.request_new_generation);
     return gloo;
   }
 #if MODELAVG_HAVE_CUDA

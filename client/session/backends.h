@@ -11,7 +11,6 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "client/comm/communicator_factory.h"
-#include "client/comm/fault_injection.h"
 
 namespace gloo::transport {
 class Device;
@@ -22,8 +21,8 @@ namespace modelavg::client {
 class BackendFactory : public CommunicatorFactory {
  public:
   // `gloo_hostname`: the address the shared Gloo TCP device binds to (made at the first Gloo
-  // communicator). `gloo_in_place`, `faults`: as ClientOptions and CommunicatorCache say.
-  BackendFactory(std::string gloo_hostname, std::shared_ptr<FaultInjection> faults = nullptr);
+  // communicator).
+  explicit BackendFactory(std::string gloo_hostname);
   ~BackendFactory() override;
 
   // Host memory: a GlooCommunicator over the coordinator's rendezvous store. CUDA memory: an
@@ -35,7 +34,6 @@ class BackendFactory : public CommunicatorFactory {
   absl::StatusOr<std::shared_ptr<gloo::transport::Device>> GlooDevice() ABSL_LOCKS_EXCLUDED(mu_);
 
   const std::string gloo_hostname_;
-  const std::shared_ptr<FaultInjection> faults_;
   absl::Mutex mu_;
   std::shared_ptr<gloo::transport::Device> gloo_device_ ABSL_GUARDED_BY(mu_);
 };

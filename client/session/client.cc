@@ -15,7 +15,6 @@
 #include "client/base/error_kind.h"
 #include "client/comm/communicator.h"
 #include "client/comm/communicator_cache.h"
-#include "client/comm/fault_injection.h"
 #include "client/comm/gloo/gloo_mesh.h"  // IgnoreDefaultSigpipe
 #include "client/heartbeat/heartbeat.h"
 #include "client/heartbeat/heartbeat_relay.h"
@@ -124,7 +123,15 @@ absl::StatusOr<v1::JoinResponse> JoinWithRetry(CoordinatorClient& coordinator,
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
+  return Connect(std::move(options), nullptr);
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
+    ClientOptions options, std::unique_ptr<CommunicatorFactory> communicators) {
   MODELAVG_RETURN_IF_ERROR(ValidateOptions(options));
+  if (communicators == nullptr) {
+    communicators = std::make_unique<BackendFactory>(options.gloo_hostname);
+  }
   const std::string host = HostName();
   if (options.worker_id.empty()) options.worker_id = absl::StrCat(host, ":", getpid());
 
@@ -184,7 +191,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
       std::move(options), std::move(coordinator), std::move(outage), joined.rank(),
       joined.generation(), std::move(schedule), hb_timeout, joined.coordinator_incarnation(),
       joined.spec().min_world_size() > 0 &&
-          joined.spec().min_world_size() < joined.spec().world_size()));
+          joined.spec().min_world_size() < joined.spec().world_size(),
+      std::move(communicators)));
   if (joined.admission_step() > 0) {
     client->admission_step_ = joined.admission_step();
     client->ReportStep(joined.admission_step());
@@ -211,7 +219,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
 Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator,
                std::unique_ptr<CoordinatorOutage> outage, int32_t rank, int64_t generation,
                Schedule schedule, absl::Duration heartbeat_timeout, std::string incarnation,
-               bool elastic)
+               bool elastic, std::unique_ptr<CommunicatorFactory> communicators)
     : options_(std::move(options)),
       outage_(std::move(outage)),
       coordinator_(std::move(coordinator)),
@@ -220,9 +228,7 @@ Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordin
       schedule_(std::move(schedule)),
       elastic_(elastic),
       heartbeat_timeout_(heartbeat_timeout),
-      faults_(std::make_shared<FaultInjection>()),
-      communicators_(std::make_unique<CommunicatorCache>(
-          std::make_unique<BackendFactory>(options_.gloo_hostname, faults_), faults_)),
+      communicators_(std::make_unique<CommunicatorCache>(std::move(communicators))),
       decisions_(std::make_unique<DecisionWindow>(*coordinator_, *outage_, schedule_,
                                                   options_.job_id, rank_,
                                                   options_.schedule_window)),

@@ -22,7 +22,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/base/half.h"
-#include "client/comm/fault_injection.h"
 #include "client/comm/nccl/cuda/nccl_communicator.h"
 #include "client/comm/nccl/cuda/staging_kernels.h"
 #include "client/payload/staging_layout.h"
@@ -30,6 +29,7 @@
 #include "gtest/gtest.h"
 #include "modelavg/client/contiguous_parameters.h"
 #include "tests/gpu/cuda_device_test.h"
+#include "tests/testing/faulty_communicator.h"
 #include "tests/tools/make_job_spec.h"
 #include "tests/tools/staging_reference.h"
 #if MODELAVG_TEST_WITH_SERVER
@@ -37,7 +37,7 @@
 #include "modelavg/client/averager.h"
 #include "modelavg/client/client.h"
 #include "server/coordinator_server.h"
-#include "tests/tools/served_coordinator.h"
+#include "tests/testing/in_process_coordinator.h"
 #endif
 
 namespace modelavg::client {
@@ -356,10 +356,12 @@ TEST_F(NcclGpuTest, OneRankCommunicator_AbortFromAnotherThread_LaterCallsFailWit
 }
 
 TEST_F(NcclGpuTest, OneRankCommunicator_CommittedRounds_LostCommitKeepsTheResultAside) {
-  // The committed round's device work (the backup copy, the int64 ncclSum commit, the restore
-  // and the adoption after ncclCommAbort, on the caller's stream) on both paths. With one
-  // member the average is the input, so the values are checked for being unchanged; the
-  // multi-member arithmetic is in client_nccl_core_test.
+  // The committed round's device work (the backup copy, the int64 ncclSum commit, on the
+  // caller's stream) on both paths; then a lost commit, made by a FaultyCommunicator around the
+  // real one (tests/testing/: it undoes the completed round with device copies and aborts the
+  // communicator), and the adoption of the kept result. With one member the average is the
+  // input, so the values are checked for being unchanged; the multi-member arithmetic and
+  // NcclCore's own restore and adoption after a failed commit are in client_nccl_core_test.
   for (bool zero_copy : {true, false}) {
     SCOPED_TRACE(zero_copy ? "zero copy" : "staged");
     ncclUniqueId id;
@@ -385,17 +387,19 @@ TEST_F(NcclGpuTest, OneRankCommunicator_CommittedRounds_LostCommitKeepsTheResult
     EXPECT_EQ(outcome, RoundOutcome::kCompleted);
     EXPECT_EQ((*comm)->last_was_zero_copy(), zero_copy);
     EXPECT_EQ(Download<float>(d, v.size()), v);
-    (*comm)->set_faults(FaultInjection::LosingNextCommit());
+    auto faults = std::make_shared<::modelavg::testing::CommunicatorFaults>();
+    faults->LoseCommitAt(::modelavg::testing::CommunicatorFaults::kAnyStep);
+    ::modelavg::testing::FaultyCommunicator faulty(*std::move(comm), faults);
     options.step = 4;
-    const absl::Status s = (*comm)->AllReduceAverage(views, options, &outcome);
+    const absl::Status s = faulty.AllReduceAverage(views, options, &outcome);
     EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
     EXPECT_EQ(outcome, RoundOutcome::kFailedHoldingResult);
     EXPECT_EQ(Download<float>(d, v.size()), v);
     // The communicator is aborted; the kept result is still adopted (local copies only).
-    EXPECT_FALSE((*comm)->AllReduceAverage(views).ok());
-    ASSERT_TRUE((*comm)->AdoptPendingResult(views).ok());
+    EXPECT_FALSE(faulty.AllReduceAverage(views).ok());
+    ASSERT_TRUE(faulty.AdoptPendingResult(views).ok());
     EXPECT_EQ(Download<float>(d, v.size()), v);
-    EXPECT_EQ((*comm)->AdoptPendingResult(views).code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(faulty.AdoptPendingResult(views).code(), absl::StatusCode::kFailedPrecondition);
   }
 }
 
@@ -442,7 +446,7 @@ TEST_F(NcclGpuTest, Create_GenerationMovesOnWhileWaiting_AbortedWithThatReason) 
 
 #if MODELAVG_TEST_WITH_SERVER
 TEST_F(NcclGpuTest, Averager_OneRankJob_BootstrapsThroughTheCoordinator) {
-  auto served = ::modelavg::testing::ServeCoordinator();
+  auto served = ::modelavg::testing::InProcessCoordinator::Start();
   ASSERT_TRUE(served.ok()) << served.status();
   const v1::JobSpec spec =
       ::modelavg::testing::MakeSpec("gpu1", 1, v1::HIERARCHICAL, {{1, 1}, {2, 1}}, 0);

@@ -34,7 +34,7 @@
 #include "modelavg/client/client.h"
 #include "modelavg/client/contiguous_parameters.h"
 #include "server/coordinator_server.h"
-#include "tests/tools/served_coordinator.h"
+#include "tests/testing/in_process_coordinator.h"
 #endif
 
 namespace modelavg::client {
@@ -160,7 +160,7 @@ TEST(NcclOuterAveragerGpuTest, OneRankOuterJob_CudaParameters_FollowTheRule) {
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  auto served = ::modelavg::testing::ServeCoordinator();
+  auto served = ::modelavg::testing::InProcessCoordinator::Start();
   ASSERT_TRUE(served.ok()) << served.status();
   for (int pinned = 0; pinned < 2; ++pinned) {
     const std::string job = absl::StrCat("gpu-outer-", pinned);

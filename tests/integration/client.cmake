@@ -2,8 +2,8 @@
 # loopback). Need the coordinator binary from server/.
 if(TARGET modelavg-coordinator)
   add_executable(modelavg_client_worker client_worker.cc)
-  target_link_libraries(modelavg_client_worker PRIVATE modelavg_client absl::flags
-                        absl::flags_parse absl::str_format)
+  target_link_libraries(modelavg_client_worker PRIVATE modelavg_client modelavg_testing
+                        absl::flags absl::flags_parse absl::str_format)
   foreach(t client_averaging_test client_fault_test client_elastic_test
             client_heartbeat_relay_test)
     modelavg_add_gtest(${t} SOURCES ${t}.cc LIBS modelavg_client LABELS integration TIMEOUT 240)

@@ -220,9 +220,10 @@ TEST(ClientFaultTest, MismatchedParameterSizes_EveryMemberGetsAClearError) {
   }
 }
 
-// A stray connection takes a Gloo port while the mesh is set up (the fault seam's
-// StrayConnectionFirst: before the connecting member of the pair connects, a socket of its own
-// connects to the peer's port and stays, as a port scanner or a misdirected client would).
+// A stray connection takes a Gloo port while the mesh is set up (the worker's
+// --testing_stray_connection, tests/testing/stray_connection_store.h: before the connecting member
+// of the pair connects, a socket of the test's connects to the peer's port and stays, as a port
+// scanner or a misdirected client would).
 // The member that finds the port taken says so, naming a stray connection rather than a dead
 // peer; neither member hangs (both end well within the collective timeout plus the heartbeat
 // timeout); and the failed set-up is no orderly Leave: the job counts a death.

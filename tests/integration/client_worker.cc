@@ -23,11 +23,12 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/base/half.h"
-#include "client/comm/fault_injection.h"
+#include "client/session/backends.h"
 #include "common/logging.h"
 #include "common/status_util.h"
 #include "modelavg/client/averager.h"
 #include "modelavg/client/client.h"
+#include "tests/testing/faulty_communicator.h"
 
 ABSL_FLAG(std::string, coordinator, "", "Coordinator HOST:PORT.");
 ABSL_FLAG(std::string, job, "", "Job id (the job must exist).");
@@ -46,8 +47,8 @@ ABSL_FLAG(bool, check_untouched, false,
           "On a failed call, say whether the parameters are exactly as before it.");
 ABSL_FLAG(std::string, log_level, "warn", "spdlog level.");
 ABSL_FLAG(bool, testing_stray_connection, false,
-          "Fault seam: at the first Gloo mesh set-up, a stray socket connects to the peer's port "
-          "ahead of this member (FaultInjection::StrayConnectionFirst).");
+          "Fault: at the first Gloo mesh set-up, a stray socket connects to the peer's port "
+          "ahead of this member (CommunicatorFaults::StrayConnectionFirst, tests/testing/).");
 
 namespace modelavg::client {
 namespace {
@@ -139,8 +140,18 @@ absl::Status Run() {
   opts.coordinator_outage_timeout =
       absl::Milliseconds(absl::GetFlag(FLAGS_coordinator_outage_timeout_ms));
   opts.rpc_timeout = absl::Seconds(5);
-  MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Connect(opts));
-  if (absl::GetFlag(FLAGS_testing_stray_connection)) client->faults()->StrayConnectionFirst();
+  std::unique_ptr<Client> client;
+  if (absl::GetFlag(FLAGS_testing_stray_connection)) {
+    // The stray comes from a store view around the real set-up (tests/testing/).
+    auto faults = std::make_shared<::modelavg::testing::CommunicatorFaults>();
+    faults->StrayConnectionFirst();
+    auto communicators = std::make_unique<::modelavg::testing::FaultyCommunicatorFactory>(
+        std::make_unique<BackendFactory>(opts.gloo_hostname), std::move(faults),
+        opts.gloo_hostname);
+    MODELAVG_ASSIGN_OR_RETURN(client, Client::Connect(opts, std::move(communicators)));
+  } else {
+    MODELAVG_ASSIGN_OR_RETURN(client, Client::Connect(opts));
+  }
   std::unique_ptr<ModelAverager> averager;
   if (client->schedule().spec().mode == AveragingMode::kPeriodic) {
     MODELAVG_ASSIGN_OR_RETURN(averager, PeriodicModelAverager::Create(client.get()));

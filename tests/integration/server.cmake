@@ -1,7 +1,7 @@
 # Coordinator integration tests: a real server on loopback (in-process and as a separate
 # process), and a reflection-only client like grpcurl.
-modelavg_add_gtest(server_grpc_test SOURCES server_grpc_test.cc LIBS modelavg_server
-  LABELS integration TIMEOUT 120)
+modelavg_add_gtest(server_grpc_test SOURCES server_grpc_test.cc
+  LIBS modelavg_server modelavg_testing LABELS integration TIMEOUT 120)
 modelavg_add_gtest(server_process_test SOURCES server_process_test.cc LIBS modelavg_server
   LABELS integration TIMEOUT 120)
 target_compile_definitions(server_process_test PRIVATE
@@ -20,8 +20,8 @@ set_tests_properties(server_reflection_test_reverse_order PROPERTIES TIMEOUT 120
 
 # Hostile clients: unparseable requests on every RPC and stream, roles, ListJobs pages, the
 # expected world size, SIGTERM with calls in flight.
-modelavg_add_gtest(server_hostile_test SOURCES server_hostile_test.cc LIBS modelavg_server
-  LABELS integration TIMEOUT 120)
+modelavg_add_gtest(server_hostile_test SOURCES server_hostile_test.cc
+  LIBS modelavg_server modelavg_testing LABELS integration TIMEOUT 120)
 target_compile_definitions(server_hostile_test PRIVATE
   MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>")
 add_dependencies(server_hostile_test modelavg-coordinator)

@@ -21,13 +21,15 @@
 #include "modelavg/v1/coordinator.grpc.pb.h"
 #include "server/coordinator_server.h"
 #include "server/jobs_file.h"
-#include "tests/tools/in_process_coordinator.h"
+#include "tests/testing/in_process_coordinator.h"
 #include "tests/tools/make_job_spec.h"
 #include "tests/tools/temp_dir.h"
 
 namespace modelavg::server {
 namespace {
 
+using ::modelavg::testing::CallContext;
+using ::modelavg::testing::InProcessCoordinatorTest;
 using ::modelavg::testing::SpecFromText;
 using ::testing::HasSubstr;
 
@@ -42,7 +44,7 @@ class ServerTest : public InProcessCoordinatorTest {
     v1::CreateJobRequest request;
     *request.mutable_spec() = SpecFromText(text);
     v1::Job ignored;
-    return stub_->CreateJob(Context().get(), request, job != nullptr ? job : &ignored);
+    return stub()->CreateJob(Context().get(), request, job != nullptr ? job : &ignored);
   }
 };
 
@@ -129,7 +131,7 @@ TEST_F(ServerTest, FullWorkerPath_EightThreads_JoinStepCommIdHeartbeatLeave) {
   std::vector<std::thread> threads;
   for (int i = 0; i < kWorkers; ++i) {
     threads.emplace_back(
-        [&, i] { errors[i] = RunWorker(stub_.get(), i, kSteps, &averages, &credentials); });
+        [&, i] { errors[i] = RunWorker(stub(), i, kSteps, &averages, &credentials); });
   }
   for (auto& t : threads) t.join();
   for (int i = 0; i < kWorkers; ++i) EXPECT_EQ(errors[i], "") << "worker " << i;
@@ -138,7 +140,7 @@ TEST_F(ServerTest, FullWorkerPath_EightThreads_JoinStepCommIdHeartbeatLeave) {
   v1::GetJobRequest get;
   get.set_job_id("train");
   v1::Job job;
-  ASSERT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
+  ASSERT_TRUE(stub()->GetJob(Context().get(), get, &job).ok());
   EXPECT_EQ(job.state(), v1::RUNNING);
   EXPECT_EQ(job.members_size(), kWorkers);
   EXPECT_EQ(job.min_step(), kSteps);
@@ -153,11 +155,11 @@ TEST_F(ServerTest, FullWorkerPath_EightThreads_JoinStepCommIdHeartbeatLeave) {
     leave.set_reason("finished");
     leave.set_credential(credentials[r]);
     v1::LeaveResponse left;
-    ASSERT_TRUE(stub_->Leave(Context().get(), leave, &left).ok());
+    ASSERT_TRUE(stub()->Leave(Context().get(), leave, &left).ok());
     if (r == kWorkers - 1) EXPECT_EQ(left.state(), v1::FINISHED);
   }
   v1::ListJobsResponse list;
-  ASSERT_TRUE(stub_->ListJobs(Context().get(), v1::ListJobsRequest(), &list).ok());
+  ASSERT_TRUE(stub()->ListJobs(Context().get(), v1::ListJobsRequest(), &list).ok());
   ASSERT_EQ(list.jobs_size(), 1);
   EXPECT_EQ(list.jobs(0).state(), v1::FINISHED);
 }
@@ -176,7 +178,7 @@ TEST_F(ServerTest, HeartbeatTimeout_SurvivorsLearnNewGenerationAndRejoin) {
         join.set_job_id("elastic");
         join.set_worker_id(workers[r]);
         join.set_rank(static_cast<int>(r));
-        EXPECT_TRUE(stub_->Join(Context().get(), join, &(*out)[r]).ok());
+        EXPECT_TRUE(stub()->Join(Context().get(), join, &(*out)[r]).ok());
       });
     }
     for (auto& t : threads) t.join();
@@ -194,7 +196,7 @@ TEST_F(ServerTest, HeartbeatTimeout_SurvivorsLearnNewGenerationAndRejoin) {
       hb.set_generation(1);
       hb.set_step(i);
       hb.set_credential(joined[r].credential());
-      ASSERT_TRUE(stub_->Heartbeat(Context().get(), hb, &reply).ok());
+      ASSERT_TRUE(stub()->Heartbeat(Context().get(), hb, &reply).ok());
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
@@ -207,14 +209,14 @@ TEST_F(ServerTest, HeartbeatTimeout_SurvivorsLearnNewGenerationAndRejoin) {
   step.set_rank(0);
   step.set_generation(1);
   v1::StepDecision decision;
-  grpc::Status stale = stub_->Step(Context().get(), step, &decision);
+  grpc::Status stale = stub()->Step(Context().get(), step, &decision);
   EXPECT_EQ(stale.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(stale.error_message(), HasSubstr("generation 1 is stale"));
   // The survivors keep their ranks; a replacement takes rank 2.
   join_all({"a", "b", "c-replacement"}, &joined);
   for (const auto& j : joined) EXPECT_EQ(j.generation(), 2);
   step.set_generation(2);
-  EXPECT_TRUE(stub_->Step(Context().get(), step, &decision).ok());
+  EXPECT_TRUE(stub()->Step(Context().get(), step, &decision).ok());
 }
 
 TEST_F(ServerTest, WatchJob_StreamsSnapshotThenMembershipEvents) {
@@ -225,7 +227,7 @@ TEST_F(ServerTest, WatchJob_StreamsSnapshotThenMembershipEvents) {
   v1::WatchJobRequest watch;
   watch.set_job_id("w");
   auto ctx = Context();
-  auto reader = stub_->WatchJob(ctx.get(), watch);
+  auto reader = stub()->WatchJob(ctx.get(), watch);
   v1::JobEvent event;
   ASSERT_TRUE(reader->Read(&event));
   EXPECT_EQ(event.kind(), v1::JobEvent::SNAPSHOT);
@@ -238,7 +240,7 @@ TEST_F(ServerTest, WatchJob_StreamsSnapshotThenMembershipEvents) {
       join.set_worker_id(absl::StrCat("w", r));
       join.set_rank(r);
       v1::JoinResponse joined;
-      EXPECT_TRUE(stub_->Join(Context().get(), join, &joined).ok());
+      EXPECT_TRUE(stub()->Join(Context().get(), join, &joined).ok());
     });
   }
   for (auto& t : joiners) t.join();
@@ -251,7 +253,7 @@ TEST_F(ServerTest, WatchJob_StreamsSnapshotThenMembershipEvents) {
   v1::DeleteJobRequest del;
   del.set_job_id("w");
   v1::DeleteJobResponse deleted;
-  ASSERT_TRUE(stub_->DeleteJob(Context().get(), del, &deleted).ok());
+  ASSERT_TRUE(stub()->DeleteJob(Context().get(), del, &deleted).ok());
   ASSERT_TRUE(reader->Read(&event));
   EXPECT_EQ(event.kind(), v1::JobEvent::JOB_DELETED);
   EXPECT_FALSE(reader->Read(&event));
@@ -267,10 +269,10 @@ TEST_F(ServerTest, HeartbeatStream_OneReplyPerBeat_ErrorsEndTheStream) {
   join.set_job_id("hb");
   join.set_worker_id("w");
   v1::JoinResponse joined;
-  ASSERT_TRUE(stub_->Join(Context().get(), join, &joined).ok());
+  ASSERT_TRUE(stub()->Join(Context().get(), join, &joined).ok());
   {
     auto ctx = Context();
-    auto stream = stub_->HeartbeatStream(ctx.get());
+    auto stream = stub()->HeartbeatStream(ctx.get());
     for (int step = 0; step < 5; ++step) {
       v1::HeartbeatRequest beat;
       beat.set_job_id("hb");
@@ -295,11 +297,11 @@ TEST_F(ServerTest, HeartbeatStream_OneReplyPerBeat_ErrorsEndTheStream) {
   v1::GetJobRequest get;
   get.set_job_id("hb");
   v1::Job job;
-  ASSERT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
+  ASSERT_TRUE(stub()->GetJob(Context().get(), get, &job).ok());
   EXPECT_EQ(job.members(0).last_step(), 40);
   {
     auto ctx = Context();
-    auto stream = stub_->HeartbeatStream(ctx.get());
+    auto stream = stub()->HeartbeatStream(ctx.get());
     v1::HeartbeatRequest beat;
     beat.set_job_id("ghost");
     ASSERT_TRUE(stream->Write(beat));
@@ -309,7 +311,7 @@ TEST_F(ServerTest, HeartbeatStream_OneReplyPerBeat_ErrorsEndTheStream) {
   }
   {
     auto ctx = Context();
-    auto stream = stub_->HeartbeatStream(ctx.get());
+    auto stream = stub()->HeartbeatStream(ctx.get());
     ASSERT_TRUE(stream->WritesDone());  // a client that only half-closes: a clean end
     EXPECT_TRUE(stream->Finish().ok());
   }
@@ -333,7 +335,7 @@ TEST_F(ServerTest, HeartbeatStream_Dropped_ElasticMemberDeadForConnectionLost_Cl
         join.set_job_id("drop");
         join.set_worker_id(absl::StrCat("w", r));
         join.set_rank(r);
-        EXPECT_TRUE(stub_->Join(Context().get(), join, &joined[r]).ok()) << r;
+        EXPECT_TRUE(stub()->Join(Context().get(), join, &joined[r]).ok()) << r;
       });
     }
     for (auto& t : joins) t.join();
@@ -353,13 +355,13 @@ TEST_F(ServerTest, HeartbeatStream_Dropped_ElasticMemberDeadForConnectionLost_Cl
   std::thread beats([&] {
     while (!stop) {
       v1::HeartbeatResponse reply;
-      stub_->Heartbeat(Context().get(), beat(2, false), &reply);
+      stub()->Heartbeat(Context().get(), beat(2, false), &reply);
       absl::SleepFor(absl::Milliseconds(100));
     }
   });
   {  // Rank 1: a stream ended on purpose (the closing beat), then cancelled.
     auto ctx = Context();
-    auto stream = stub_->HeartbeatStream(ctx.get());
+    auto stream = stub()->HeartbeatStream(ctx.get());
     v1::HeartbeatResponse reply;
     ASSERT_TRUE(stream->Write(beat(1, false)));
     ASSERT_TRUE(stream->Read(&reply));
@@ -370,7 +372,7 @@ TEST_F(ServerTest, HeartbeatStream_Dropped_ElasticMemberDeadForConnectionLost_Cl
   }
   {  // Rank 0: a stream that breaks.
     auto ctx = Context();
-    auto stream = stub_->HeartbeatStream(ctx.get());
+    auto stream = stub()->HeartbeatStream(ctx.get());
     v1::HeartbeatResponse reply;
     ASSERT_TRUE(stream->Write(beat(0, false)));
     ASSERT_TRUE(stream->Read(&reply));
@@ -383,7 +385,7 @@ TEST_F(ServerTest, HeartbeatStream_Dropped_ElasticMemberDeadForConnectionLost_Cl
     v1::GetJobRequest get;
     get.set_job_id("drop");
     job.Clear();
-    ASSERT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
+    ASSERT_TRUE(stub()->GetJob(Context().get(), get, &job).ok());
     if (job.generation() > 1) break;
     absl::SleepFor(absl::Milliseconds(50));
   }
@@ -411,14 +413,14 @@ TEST_F(ServerTest, HeartbeatStream_ReplyInterval_AnswersOnlyTheFirstBeatAndChang
       join.set_worker_id(absl::StrCat("w", r));
       join.set_rank(r);
       v1::JoinResponse joined;
-      EXPECT_TRUE(stub_->Join(Context().get(), join, &joined).ok());
+      EXPECT_TRUE(stub()->Join(Context().get(), join, &joined).ok());
       credentials[r] = joined.credential();
     });
   }
   for (auto& t : joins) t.join();
 
   auto ctx = Context();
-  auto stream = stub_->HeartbeatStream(ctx.get());
+  auto stream = stub()->HeartbeatStream(ctx.get());
   auto beat = [&](int64_t step) {
     v1::HeartbeatRequest b;
     b.set_job_id("news");
@@ -441,7 +443,7 @@ TEST_F(ServerTest, HeartbeatStream_ReplyInterval_AnswersOnlyTheFirstBeatAndChang
   v1::Job job;
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   do {
-    ASSERT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
+    ASSERT_TRUE(stub()->GetJob(Context().get(), get, &job).ok());
   } while (job.members(0).last_step() != 5 && absl::Now() < deadline);
   EXPECT_EQ(job.members(0).last_step(), 5);
 
@@ -454,7 +456,7 @@ TEST_F(ServerTest, HeartbeatStream_ReplyInterval_AnswersOnlyTheFirstBeatAndChang
   leave.set_reason("done");
   leave.set_credential(credentials[1]);
   v1::LeaveResponse left;
-  ASSERT_TRUE(stub_->Leave(Context().get(), leave, &left).ok());
+  ASSERT_TRUE(stub()->Leave(Context().get(), leave, &left).ok());
   ASSERT_TRUE(beat(6));
   ASSERT_TRUE(stream->Read(&reply));
   EXPECT_EQ(reply.generation(), 2);
@@ -478,9 +480,9 @@ TEST_F(ServerTest, HeartbeatStream_ReplyInterval_AnswersAtLeastThatOften) {
   join.set_job_id("alive");
   join.set_worker_id("w");
   v1::JoinResponse joined;
-  ASSERT_TRUE(stub_->Join(Context().get(), join, &joined).ok());
+  ASSERT_TRUE(stub()->Join(Context().get(), join, &joined).ok());
   auto ctx = Context();
-  auto stream = stub_->HeartbeatStream(ctx.get());
+  auto stream = stub()->HeartbeatStream(ctx.get());
   for (int step = 0; step < 3; ++step) {
     v1::HeartbeatRequest beat;
     beat.set_job_id("alive");
@@ -506,7 +508,7 @@ TEST_F(ServerTest, HeartbeatStream_BadReplyInterval_InvalidArgument) {
                   .ok());
   for (int64_t interval : {-1, 60001}) {
     auto ctx = Context();
-    auto stream = stub_->HeartbeatStream(ctx.get());
+    auto stream = stub()->HeartbeatStream(ctx.get());
     v1::HeartbeatRequest beat;
     beat.set_job_id("bad");
     beat.set_reply_interval_ms(interval);
@@ -524,7 +526,7 @@ TEST_F(ServerTest, WatchJob_UnknownJob_NotFound) {
   v1::WatchJobRequest watch;
   watch.set_job_id("nope");
   auto ctx = Context();
-  auto reader = stub_->WatchJob(ctx.get(), watch);
+  auto reader = stub()->WatchJob(ctx.get(), watch);
   v1::JobEvent event;
   EXPECT_FALSE(reader->Read(&event));
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
@@ -558,31 +560,31 @@ TEST_F(ServerTest, HostileInput_EachGetsItsCodeAndServerKeepsServing) {
     v1::GetJobRequest r;
     r.set_job_id("ghost");
     v1::Job out;
-    EXPECT_EQ(stub_->GetJob(Context().get(), r, &out).error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_EQ(stub()->GetJob(Context().get(), r, &out).error_code(), grpc::StatusCode::NOT_FOUND);
     v1::StepRequest step;
     step.set_job_id("ghost");
     v1::StepDecision d;
-    EXPECT_EQ(stub_->Step(Context().get(), step, &d).error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_EQ(stub()->Step(Context().get(), step, &d).error_code(), grpc::StatusCode::NOT_FOUND);
     v1::JoinRequest join;
     join.set_job_id("ghost");
     join.set_worker_id("w");
     v1::JoinResponse joined;
-    EXPECT_EQ(stub_->Join(Context().get(), join, &joined).error_code(),
+    EXPECT_EQ(stub()->Join(Context().get(), join, &joined).error_code(),
               grpc::StatusCode::NOT_FOUND);
     v1::HeartbeatRequest hb;
     hb.set_job_id("ghost");
     v1::HeartbeatResponse hbr;
-    EXPECT_EQ(stub_->Heartbeat(Context().get(), hb, &hbr).error_code(),
+    EXPECT_EQ(stub()->Heartbeat(Context().get(), hb, &hbr).error_code(),
               grpc::StatusCode::NOT_FOUND);
     v1::GetCommIdRequest get;
     get.set_job_id("ghost");
     v1::GetCommIdResponse got;
-    EXPECT_EQ(stub_->GetCommId(Context().get(), get, &got).error_code(),
+    EXPECT_EQ(stub()->GetCommId(Context().get(), get, &got).error_code(),
               grpc::StatusCode::NOT_FOUND);
     v1::DeleteJobRequest del;
     del.set_job_id(std::string(100000, 'g'));
     v1::DeleteJobResponse deleted;
-    EXPECT_EQ(stub_->DeleteJob(Context().get(), del, &deleted).error_code(),
+    EXPECT_EQ(stub()->DeleteJob(Context().get(), del, &deleted).error_code(),
               grpc::StatusCode::NOT_FOUND);
   }
   // Huge counts and negative steps.
@@ -591,22 +593,22 @@ TEST_F(ServerTest, HostileInput_EachGetsItsCodeAndServerKeepsServing) {
     r.set_job_id("j");
     r.set_count(int64_t{1} << 62);
     v1::GetScheduleResponse out;
-    grpc::Status s = stub_->GetSchedule(Context().get(), r, &out);
+    grpc::Status s = stub()->GetSchedule(Context().get(), r, &out);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_THAT(s.error_message(), HasSubstr("count must be in [1, 100000]"));
     r.set_count(10);
     r.set_from_step(-1);
-    EXPECT_EQ(stub_->GetSchedule(Context().get(), r, &out).error_code(),
+    EXPECT_EQ(stub()->GetSchedule(Context().get(), r, &out).error_code(),
               grpc::StatusCode::INVALID_ARGUMENT);
     r.set_from_step(0);
     r.set_rank(1 << 30);
-    EXPECT_EQ(stub_->GetSchedule(Context().get(), r, &out).error_code(),
+    EXPECT_EQ(stub()->GetSchedule(Context().get(), r, &out).error_code(),
               grpc::StatusCode::INVALID_ARGUMENT);
     v1::StepRequest step;
     step.set_job_id("j");
     step.set_step(-5);
     v1::StepDecision d;
-    EXPECT_EQ(stub_->Step(Context().get(), step, &d).error_code(),
+    EXPECT_EQ(stub()->Step(Context().get(), step, &d).error_code(),
               grpc::StatusCode::INVALID_ARGUMENT);
   }
   // Oversize comm id (the job must be running for the id to reach the size check's peers).
@@ -618,7 +620,7 @@ TEST_F(ServerTest, HostileInput_EachGetsItsCodeAndServerKeepsServing) {
         join.set_job_id("j");
         join.set_worker_id(absl::StrCat("w", r));
         v1::JoinResponse joined;
-        EXPECT_TRUE(stub_->Join(Context().get(), join, &joined).ok());
+        EXPECT_TRUE(stub()->Join(Context().get(), join, &joined).ok());
       });
     }
     for (auto& t : joiners) t.join();
@@ -627,7 +629,7 @@ TEST_F(ServerTest, HostileInput_EachGetsItsCodeAndServerKeepsServing) {
     publish.set_generation(1);
     publish.set_unique_id(std::string(1 << 20, 'x'));
     v1::PublishCommIdResponse published;
-    grpc::Status s = stub_->PublishCommId(Context().get(), publish, &published);
+    grpc::Status s = stub()->PublishCommId(Context().get(), publish, &published);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_THAT(s.error_message(), HasSubstr("at most 4096"));
   }
@@ -637,18 +639,18 @@ TEST_F(ServerTest, HostileInput_EachGetsItsCodeAndServerKeepsServing) {
     publish.set_job_id("j");
     publish.set_unique_id(std::string(5 << 20, 'x'));
     v1::PublishCommIdResponse published;
-    EXPECT_EQ(stub_->PublishCommId(Context().get(), publish, &published).error_code(),
+    EXPECT_EQ(stub()->PublishCommId(Context().get(), publish, &published).error_code(),
               grpc::StatusCode::RESOURCE_EXHAUSTED);
     v1::JoinRequest join;
     join.set_job_id("j");
     join.set_worker_id(std::string(100000, 'w'));
     v1::JoinResponse joined;
-    EXPECT_EQ(stub_->Join(Context().get(), join, &joined).error_code(),
+    EXPECT_EQ(stub()->Join(Context().get(), join, &joined).error_code(),
               grpc::StatusCode::INVALID_ARGUMENT);
   }
   // Bytes that are not a protobuf message at all.
   {
-    grpc::GenericStub generic(channel_);
+    grpc::GenericStub generic(channel());
     grpc::ByteBuffer garbage, reply;
     grpc::Slice slice(std::string("\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", 11));
     garbage = grpc::ByteBuffer(&slice, 1);
@@ -665,7 +667,7 @@ TEST_F(ServerTest, HostileInput_EachGetsItsCodeAndServerKeepsServing) {
   }
   // Still serving.
   v1::PingResponse pong;
-  EXPECT_TRUE(stub_->Ping(Context().get(), v1::PingRequest(), &pong).ok());
+  EXPECT_TRUE(stub()->Ping(Context().get(), v1::PingRequest(), &pong).ok());
   EXPECT_GT(pong.unix_ms(), 0);
 }
 
@@ -679,7 +681,7 @@ TEST_F(ServerTest, Join_ClientDeadline_DeadlineExceededAndRankFreed) {
   join.set_worker_id("impatient");
   join.set_rank(0);
   v1::JoinResponse joined;
-  EXPECT_EQ(stub_->Join(Context(absl::Milliseconds(200)).get(), join, &joined).error_code(),
+  EXPECT_EQ(stub()->Join(Context(absl::Milliseconds(200)).get(), join, &joined).error_code(),
             grpc::StatusCode::DEADLINE_EXCEEDED);
   // The server sees the expiry on its own (its deadline timer or the staleness thread), a little
   // after the client: wait until the rank is released.
@@ -687,7 +689,7 @@ TEST_F(ServerTest, Join_ClientDeadline_DeadlineExceededAndRankFreed) {
     v1::GetJobRequest get;
     get.set_job_id("j");
     v1::Job job;
-    ASSERT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
+    ASSERT_TRUE(stub()->GetJob(Context().get(), get, &job).ok());
     if (job.members_size() == 0) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
@@ -696,12 +698,12 @@ TEST_F(ServerTest, Join_ClientDeadline_DeadlineExceededAndRankFreed) {
     v1::JoinRequest j2 = join;
     j2.set_worker_id("other");
     v1::JoinResponse r;
-    EXPECT_TRUE(stub_->Join(Context().get(), j2, &r).ok());
+    EXPECT_TRUE(stub()->Join(Context().get(), j2, &r).ok());
   });
   v1::JoinRequest j1 = join;
   j1.set_worker_id("second");
   j1.set_rank(1);
-  EXPECT_TRUE(stub_->Join(Context().get(), j1, &joined).ok());
+  EXPECT_TRUE(stub()->Join(Context().get(), j1, &joined).ok());
   other.join();
 }
 
@@ -717,7 +719,7 @@ TEST_F(ServerTest, Shutdown_PendingWaits_Unavailable) {
     join.set_job_id("j");
     join.set_worker_id("w");
     v1::JoinResponse joined;
-    status = stub_->Join(Context().get(), join, &joined);
+    status = stub()->Join(Context().get(), join, &joined);
     returned = true;
   });
   // Wait until the Join is registered, then stop the server under it.
@@ -725,7 +727,7 @@ TEST_F(ServerTest, Shutdown_PendingWaits_Unavailable) {
   for (int i = 0; i < 2000; ++i) {
     v1::GetJobRequest get;
     get.set_job_id("j");
-    ASSERT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
+    ASSERT_TRUE(stub()->GetJob(Context().get(), get, &job).ok());
     if (job.members_size() == 1) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
@@ -734,7 +736,7 @@ TEST_F(ServerTest, Shutdown_PendingWaits_Unavailable) {
   ASSERT_EQ(job.members_size(), 1) << "the Join never registered";
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   ASSERT_FALSE(returned) << "the Join returned before the shutdown: " << status.error_message();
-  server_->Shutdown();
+  server()->Shutdown();
   waiter.join();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
   EXPECT_THAT(status.error_message(), HasSubstr("the coordinator is shutting down"));
@@ -744,7 +746,7 @@ TEST_F(ServerTest, Health_DefaultService_Serving) {
   Start();
   grpc::Slice empty("");  // an empty HealthCheckRequest: the whole server
   grpc::ByteBuffer request(&empty, 1), reply;
-  grpc::GenericStub generic(channel_);
+  grpc::GenericStub generic(channel());
   std::atomic<bool> done{false};
   grpc::Status status;
   auto ctx = Context();
@@ -769,29 +771,29 @@ TEST_F(ServerTest, TokenAuth_RightTokenAccepted_MissingOrWrongRefused) {
   options.auth_token = "s3cret-token";
   Start(options);
   v1::PingResponse pong;
-  grpc::Status none = stub_->Ping(Context().get(), v1::PingRequest(), &pong);
+  grpc::Status none = stub()->Ping(Context().get(), v1::PingRequest(), &pong);
   EXPECT_EQ(none.error_code(), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_THAT(none.error_message(), HasSubstr("authorization: Bearer"));
-  EXPECT_EQ(stub_->Ping(Context(absl::Seconds(20), "wrong").get(), v1::PingRequest(), &pong)
+  EXPECT_EQ(stub()->Ping(Context(absl::Seconds(20), "wrong").get(), v1::PingRequest(), &pong)
                 .error_code(),
             grpc::StatusCode::UNAUTHENTICATED);
-  EXPECT_EQ(stub_->Ping(Context(absl::Seconds(20), "s3cret-token-longer").get(),
+  EXPECT_EQ(stub()->Ping(Context(absl::Seconds(20), "s3cret-token-longer").get(),
                         v1::PingRequest(), &pong)
                 .error_code(),
             grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_TRUE(
-      stub_->Ping(Context(absl::Seconds(20), "s3cret-token").get(), v1::PingRequest(), &pong)
+      stub()->Ping(Context(absl::Seconds(20), "s3cret-token").get(), v1::PingRequest(), &pong)
           .ok());
   v1::ListJobsResponse list;
-  EXPECT_EQ(stub_->ListJobs(Context().get(), v1::ListJobsRequest(), &list).error_code(),
+  EXPECT_EQ(stub()->ListJobs(Context().get(), v1::ListJobsRequest(), &list).error_code(),
             grpc::StatusCode::UNAUTHENTICATED);
-  EXPECT_TRUE(stub_->ListJobs(Context(absl::Seconds(20), "s3cret-token").get(),
+  EXPECT_TRUE(stub()->ListJobs(Context(absl::Seconds(20), "s3cret-token").get(),
                               v1::ListJobsRequest(), &list)
                   .ok());
   v1::WatchJobRequest watch;
   watch.set_job_id("any");
   auto ctx = Context();
-  auto reader = stub_->WatchJob(ctx.get(), watch);
+  auto reader = stub()->WatchJob(ctx.get(), watch);
   v1::JobEvent event;
   EXPECT_FALSE(reader->Read(&event));
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
@@ -815,7 +817,7 @@ class TlsTest : public ServerTest {
     }
   }
   void TearDown() override {
-    server_.reset();
+    StopServer();
     if (!dir_.empty()) std::system(absl::StrCat("rm -rf ", dir_).c_str());
   }
   std::string File(const std::string& name) {
@@ -843,7 +845,7 @@ class TlsTest : public ServerTest {
     grpc::ChannelArguments args;
     args.SetSslTargetNameOverride("localhost");
     return v1::Coordinator::NewStub(
-        grpc::CreateCustomChannel(server_->address(), grpc::SslCredentials(ssl), args));
+        grpc::CreateCustomChannel(server()->address(), grpc::SslCredentials(ssl), args));
   }
   ServerOptions TlsOptions(bool mutual) {
     ServerOptions options;
@@ -859,8 +861,8 @@ TEST_F(TlsTest, Tls_TrustedClientAccepted_PlaintextRefused) {
   Start(TlsOptions(false));
   v1::PingResponse pong;
   EXPECT_TRUE(TlsStub(false)->Ping(Context().get(), v1::PingRequest(), &pong).ok());
-  // stub_ is a plaintext channel: the TLS port does not speak it.
-  EXPECT_FALSE(stub_->Ping(Context(absl::Seconds(3)).get(), v1::PingRequest(), &pong).ok());
+  // stub() is a plaintext channel: the TLS port does not speak it.
+  EXPECT_FALSE(stub()->Ping(Context(absl::Seconds(3)).get(), v1::PingRequest(), &pong).ok());
 }
 
 TEST_F(TlsTest, MutualTls_ClientCertRequired) {

@@ -31,7 +31,7 @@
 #include "server/coordinator_server.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
-#include "tests/tools/in_process_coordinator.h"
+#include "tests/testing/in_process_coordinator.h"
 #include "tests/tools/make_job_spec.h"
 #include "tests/tools/process.h"
 #include "tests/tools/temp_dir.h"
@@ -39,6 +39,8 @@
 namespace modelavg::server {
 namespace {
 
+using ::modelavg::testing::CallContext;
+using ::modelavg::testing::InProcessCoordinatorTest;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -120,7 +122,7 @@ class HostileTest : public InProcessCoordinatorTest {
     absl::Notification done;
     grpc::Status status;
     auto ctx = Context(token);
-    generic_->UnaryCall(ctx.get(), "/modelavg.v1.Coordinator/" + rpc, grpc::StubOptions(),
+    generic()->UnaryCall(ctx.get(), "/modelavg.v1.Coordinator/" + rpc, grpc::StubOptions(),
                         &request, &reply, [&](grpc::Status s) {
                           status = std::move(s);
                           done.Notify();
@@ -145,7 +147,7 @@ TEST_F(HostileTest, GarbageRequest_EveryUnaryRpc_InvalidArgumentWithMessage) {
     EXPECT_THAT(s.error_message(), HasSubstr(absl::StrCat(rpc, " takes a modelavg.v1."))) << rpc;
   }
   v1::PingResponse pong;
-  EXPECT_TRUE(stub_->Ping(Context().get(), v1::PingRequest(), &pong).ok());
+  EXPECT_TRUE(stub()->Ping(Context().get(), v1::PingRequest(), &pong).ok());
 }
 
 // A HeartbeatStream that received garbage ended with status OK and dropped the next beats
@@ -155,18 +157,18 @@ TEST_F(HostileTest, GarbageOnStreams_EndWithInvalidArgument) {
   v1::CreateJobRequest create;
   *create.mutable_spec() = Spec("s", 1);
   v1::Job job;
-  ASSERT_TRUE(stub_->CreateJob(Context().get(), create, &job).ok());
+  ASSERT_TRUE(stub()->CreateJob(Context().get(), create, &job).ok());
   v1::JoinRequest join;
   join.set_job_id("s");
   join.set_worker_id("w");
   v1::JoinResponse joined;
-  ASSERT_TRUE(stub_->Join(Context().get(), join, &joined).ok());
+  ASSERT_TRUE(stub()->Join(Context().get(), join, &joined).ok());
   v1::HeartbeatRequest beat;
   beat.set_job_id("s");
   beat.set_generation(1);
   beat.set_credential(joined.credential());
   {
-    RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HeartbeatStream",
+    RawStream stream(generic(), "/modelavg.v1.Coordinator/HeartbeatStream",
                      {Bytes(beat), Garbage(), Bytes(beat)});
     const grpc::Status s = stream.Wait();
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
@@ -177,7 +179,7 @@ TEST_F(HostileTest, GarbageOnStreams_EndWithInvalidArgument) {
     v1::HostHeartbeatRequest host;
     *host.add_beats() = beat;
     host.set_reply_interval_ms(1000);
-    RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HostHeartbeatStream",
+    RawStream stream(generic(), "/modelavg.v1.Coordinator/HostHeartbeatStream",
                      {Bytes(host), Garbage(), Bytes(host)});
     const grpc::Status s = stream.Wait();
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
@@ -186,7 +188,7 @@ TEST_F(HostileTest, GarbageOnStreams_EndWithInvalidArgument) {
     EXPECT_EQ(stream.replies(), 1);
   }
   {
-    RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/WatchJob", {Garbage()});
+    RawStream stream(generic(), "/modelavg.v1.Coordinator/WatchJob", {Garbage()});
     const grpc::Status s = stream.Wait();
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_THAT(s.error_message(), HasSubstr("WatchJob takes a modelavg.v1.WatchJobRequest"));
@@ -203,11 +205,11 @@ TEST_F(HostileTest, Roles_EachRoleOnEachRpc) {
   v1::CreateJobRequest create;
   *create.mutable_spec() = Spec("r", 1);
   v1::Job job;
-  grpc::Status s = stub_->CreateJob(Context(kWorker).get(), create, &job);
+  grpc::Status s = stub()->CreateJob(Context(kWorker).get(), create, &job);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_THAT(s.error_message(), HasSubstr("CreateJob needs the operator role"));
   EXPECT_THAT(s.error_message(), HasSubstr("has the worker role"));
-  ASSERT_TRUE(stub_->CreateJob(Context(kOperator).get(), create, &job).ok());
+  ASSERT_TRUE(stub()->CreateJob(Context(kOperator).get(), create, &job).ok());
 
   // Every RPC with a request that names the job: with the worker token none is refused for its
   // role but CreateJob and DeleteJob; without a token or with a wrong one all are.
@@ -277,13 +279,13 @@ TEST_F(HostileTest, Roles_EachRoleOnEachRpc) {
     EXPECT_THAT(op.error_message(), Not(HasSubstr("role"))) << rpc;
     EXPECT_NE(op.error_code(), grpc::StatusCode::UNAUTHENTICATED) << rpc;
   }
-  EXPECT_EQ(stub_->GetJob(Context(kOperator).get(), v1::GetJobRequest(), &job).error_code(),
+  EXPECT_EQ(stub()->GetJob(Context(kOperator).get(), v1::GetJobRequest(), &job).error_code(),
             grpc::StatusCode::NOT_FOUND);
   // Streams: the worker role may heartbeat and watch.
   v1::HeartbeatRequest beat;
   beat.set_job_id("r2");
   beat.set_generation(1);
-  RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HeartbeatStream", {Bytes(beat)},
+  RawStream stream(generic(), "/modelavg.v1.Coordinator/HeartbeatStream", {Bytes(beat)},
                    kWorker);
   const grpc::Status streamed = stream.Wait();
   EXPECT_THAT(streamed.error_message(), Not(HasSubstr("role")));
@@ -291,12 +293,12 @@ TEST_F(HostileTest, Roles_EachRoleOnEachRpc) {
   v1::HostHeartbeatRequest host;
   *host.add_beats() = beat;
   host.set_reply_interval_ms(1000);
-  RawStream shared(generic_.get(), "/modelavg.v1.Coordinator/HostHeartbeatStream",
+  RawStream shared(generic(), "/modelavg.v1.Coordinator/HostHeartbeatStream",
                    {Bytes(host)}, kWorker);
   const grpc::Status host_streamed = shared.Wait();
   EXPECT_THAT(host_streamed.error_message(), Not(HasSubstr("role")));
   EXPECT_NE(host_streamed.error_code(), grpc::StatusCode::UNAUTHENTICATED);
-  RawStream anonymous(generic_.get(), "/modelavg.v1.Coordinator/HostHeartbeatStream",
+  RawStream anonymous(generic(), "/modelavg.v1.Coordinator/HostHeartbeatStream",
                       {Bytes(host)});
   EXPECT_EQ(anonymous.Wait().error_code(), grpc::StatusCode::UNAUTHENTICATED);
 }
@@ -324,7 +326,7 @@ TEST_F(HostileTest, ListJobs_ManyBigJobs_EveryPageReadableWithDefaultLimits) {
     v1::CreateJobRequest create;
     *create.mutable_spec() = Spec(absl::StrCat("big-", j), kWorld);
     v1::Job job;
-    ASSERT_TRUE(stub_->CreateJob(Context().get(), create, &job).ok());
+    ASSERT_TRUE(stub()->CreateJob(Context().get(), create, &job).ok());
   }
   // Fill the members of one job with long worker ids and hosts through the wire (Join waits;
   // the calls are cancelled at teardown, which frees their ranks).
@@ -338,7 +340,7 @@ TEST_F(HostileTest, ListJobs_ManyBigJobs_EveryPageReadableWithDefaultLimits) {
     join.set_host(std::string(250, 'h'));
     join.set_rank(r);
     joins.push_back(Context("", absl::Seconds(60)));
-    stub_->async()->Join(joins.back().get(), &join, &replies[r],
+    stub()->async()->Join(joins.back().get(), &join, &replies[r],
                          [&finished](grpc::Status) { ++finished; });
   }
   // Wait until the coordinator holds them all.
@@ -347,7 +349,7 @@ TEST_F(HostileTest, ListJobs_ManyBigJobs_EveryPageReadableWithDefaultLimits) {
   v1::Job big;
   for (int i = 0; i < 600; ++i) {
     big.Clear();
-    ASSERT_TRUE(stub_->GetJob(Context().get(), get, &big).ok());
+    ASSERT_TRUE(stub()->GetJob(Context().get(), get, &big).ok());
     if (big.members_omitted()) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
@@ -357,7 +359,7 @@ TEST_F(HostileTest, ListJobs_ManyBigJobs_EveryPageReadableWithDefaultLimits) {
   request.set_page_size(1000);
   for (int page = 0; page < 20; ++page) {
     v1::ListJobsResponse response;
-    const grpc::Status s = stub_->ListJobs(Context().get(), request, &response);
+    const grpc::Status s = stub()->ListJobs(Context().get(), request, &response);
     ASSERT_TRUE(s.ok()) << s.error_message();
     EXPECT_LT(response.ByteSizeLong(), 4u * 1024 * 1024);
     seen += response.jobs_size();
@@ -380,14 +382,14 @@ TEST_F(HostileTest, Join_WrongWorldSize_RefusedAtOnce) {
   v1::CreateJobRequest create;
   *create.mutable_spec() = Spec("four", 4);
   v1::Job job;
-  ASSERT_TRUE(stub_->CreateJob(Context().get(), create, &job).ok());
+  ASSERT_TRUE(stub()->CreateJob(Context().get(), create, &job).ok());
   v1::JoinRequest join;
   join.set_job_id("four");
   join.set_worker_id("w");
   join.set_rank(0);
   join.set_world_size(8);
   v1::JoinResponse joined;
-  const grpc::Status s = stub_->Join(Context("", absl::Seconds(30)).get(), join, &joined);
+  const grpc::Status s = stub()->Join(Context("", absl::Seconds(30)).get(), join, &joined);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(s.error_message(), HasSubstr("expects world_size 8 but job four has world_size 4"));
 }
@@ -409,7 +411,7 @@ TEST_F(HostileTest, Credentials_RankScopedCallsNeedThem_NeverLogged) {
   *create.mutable_spec() = Spec("two", 2);
   create.mutable_spec()->set_heartbeat_timeout_ms(60000);
   v1::Job job;
-  ASSERT_TRUE(stub_->CreateJob(Context(kOperator).get(), create, &job).ok());
+  ASSERT_TRUE(stub()->CreateJob(Context(kOperator).get(), create, &job).ok());
   std::vector<v1::JoinResponse> joined(2);
   std::vector<std::thread> joins;
   for (int r = 0; r < 2; ++r) {
@@ -418,7 +420,7 @@ TEST_F(HostileTest, Credentials_RankScopedCallsNeedThem_NeverLogged) {
       join.set_job_id("two");
       join.set_worker_id(absl::StrCat("w", r));
       join.set_rank(r);
-      EXPECT_TRUE(stub_->Join(Context(kOperator).get(), join, &joined[r]).ok());
+      EXPECT_TRUE(stub()->Join(Context(kOperator).get(), join, &joined[r]).ok());
     });
   }
   for (auto& t : joins) t.join();
@@ -433,13 +435,13 @@ TEST_F(HostileTest, Credentials_RankScopedCallsNeedThem_NeverLogged) {
   v1::HeartbeatResponse beat_reply;
   for (const std::string& wrong : {std::string(), joined[0].credential()}) {
     beat.set_credential(wrong);
-    EXPECT_EQ(stub_->Heartbeat(Context(kOperator).get(), beat, &beat_reply).error_code(),
+    EXPECT_EQ(stub()->Heartbeat(Context(kOperator).get(), beat, &beat_reply).error_code(),
               grpc::StatusCode::PERMISSION_DENIED);
   }
   // The same on a stream: it ends with PERMISSION_DENIED.
   {
     beat.set_credential("");
-    RawStream stream(generic_.get(), "/modelavg.v1.Coordinator/HeartbeatStream", {Bytes(beat)},
+    RawStream stream(generic(), "/modelavg.v1.Coordinator/HeartbeatStream", {Bytes(beat)},
                      kOperator);
     EXPECT_EQ(stream.Wait().error_code(), grpc::StatusCode::PERMISSION_DENIED);
   }
@@ -451,20 +453,20 @@ TEST_F(HostileTest, Credentials_RankScopedCallsNeedThem_NeverLogged) {
   publish.set_rank(0);
   publish.set_unique_id("EVIL");
   v1::PublishCommIdResponse published;
-  EXPECT_EQ(stub_->PublishCommId(Context(kOperator).get(), publish, &published).error_code(),
+  EXPECT_EQ(stub()->PublishCommId(Context(kOperator).get(), publish, &published).error_code(),
             grpc::StatusCode::PERMISSION_DENIED);
   publish.set_unique_id("leader-id");
   publish.set_credential(joined[0].credential());
-  ASSERT_TRUE(stub_->PublishCommId(Context(kOperator).get(), publish, &published).ok());
+  ASSERT_TRUE(stub()->PublishCommId(Context(kOperator).get(), publish, &published).ok());
   v1::GetCommIdRequest fetch;
   fetch.set_job_id("two");
   fetch.set_generation(1);
   fetch.set_rank(1);
   v1::GetCommIdResponse fetched;
-  EXPECT_EQ(stub_->GetCommId(Context(kOperator).get(), fetch, &fetched).error_code(),
+  EXPECT_EQ(stub()->GetCommId(Context(kOperator).get(), fetch, &fetched).error_code(),
             grpc::StatusCode::PERMISSION_DENIED);
   fetch.set_credential(joined[1].credential());
-  ASSERT_TRUE(stub_->GetCommId(Context(kOperator).get(), fetch, &fetched).ok());
+  ASSERT_TRUE(stub()->GetCommId(Context(kOperator).get(), fetch, &fetched).ok());
   EXPECT_EQ(fetched.unique_id(), "leader-id");
   // Leave for the other rank: refused, no new generation.
   v1::LeaveRequest leave;
@@ -472,7 +474,7 @@ TEST_F(HostileTest, Credentials_RankScopedCallsNeedThem_NeverLogged) {
   leave.set_rank(1);
   leave.set_generation(1);
   v1::LeaveResponse left;
-  EXPECT_EQ(stub_->Leave(Context(kOperator).get(), leave, &left).error_code(),
+  EXPECT_EQ(stub()->Leave(Context(kOperator).get(), leave, &left).error_code(),
             grpc::StatusCode::PERMISSION_DENIED);
   // Join of the live rank 1 by another worker: ALREADY_EXISTS naming the holder.
   v1::JoinRequest intruder;
@@ -480,23 +482,23 @@ TEST_F(HostileTest, Credentials_RankScopedCallsNeedThem_NeverLogged) {
   intruder.set_worker_id("intruder");
   intruder.set_rank(1);
   v1::JoinResponse none;
-  const grpc::Status taken = stub_->Join(Context(kOperator).get(), intruder, &none);
+  const grpc::Status taken = stub()->Join(Context(kOperator).get(), intruder, &none);
   EXPECT_EQ(taken.error_code(), grpc::StatusCode::ALREADY_EXISTS);
   EXPECT_THAT(taken.error_message(), HasSubstr("held by worker \"w1\""));
   v1::GetJobRequest get;
   get.set_job_id("two");
-  ASSERT_TRUE(stub_->GetJob(Context(kOperator).get(), get, &job).ok());
+  ASSERT_TRUE(stub()->GetJob(Context(kOperator).get(), get, &job).ok());
   EXPECT_EQ(job.generation(), 1);
   EXPECT_EQ(job.state(), v1::RUNNING);
   EXPECT_EQ(job.members(1).last_step(), -1);
   // With the credential each call works.
   beat.set_credential(joined[1].credential());
-  ASSERT_TRUE(stub_->Heartbeat(Context(kOperator).get(), beat, &beat_reply).ok());
+  ASSERT_TRUE(stub()->Heartbeat(Context(kOperator).get(), beat, &beat_reply).ok());
   leave.set_credential(joined[1].credential());
-  ASSERT_TRUE(stub_->Leave(Context(kOperator).get(), leave, &left).ok());
+  ASSERT_TRUE(stub()->Leave(Context(kOperator).get(), leave, &left).ok());
   EXPECT_EQ(left.generation(), 2);
 
-  server_.reset();
+  StopServer();
   spdlog::set_default_logger(previous);
   const std::string text = log->str();
   EXPECT_THAT(text, HasSubstr("joined as rank 1"));  // the capture did see the coordinator

@@ -6,12 +6,19 @@
   table as docs/architecture.md): dependencies point down, never up or sideways.
 * The public headers (include/modelavg/) include only each other, the generated API and
   third-party headers: nothing private.
+* No test hook in product code (client/, server/, common/, include/): no `FaultInjection` and no
+  `...ForTesting` name. Faults come from fakes that tests wrap around the product
+  (tests/testing/), never from a switch inside it.
 
-Usage: check_layers.py [REPO_ROOT]. Prints every violation and exits 1 if there is any.
+Usage: check_layers.py [REPO_ROOT] prints every violation and exits 1 if there is any.
+check_layers.py --self-test [REPO_ROOT] checks that the rules catch seeded violations: it
+copies the tree's product folders, seeds one of each kind, and expects every one reported.
 """
 import os
 import re
+import shutil
 import sys
+import tempfile
 
 # folder -> the folders it may include from (besides itself). Transitive: a folder may include
 # what its dependencies may.
@@ -45,6 +52,9 @@ SOURCE = (".h", ".cc", ".cu", ".cuh", ".proto")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 # Folders of the table that are a part of another's files, not a directory of their own.
 VIRTUAL = {"proto/grpc"}
+# Product code: what ships. Test hooks have no place in it.
+PRODUCT = ("client", "server", "common", "include")
+HOOK = re.compile(r"\b(FaultInjection\w*|\w*ForTesting\w*)\b")
 
 
 def closure(folder):
@@ -79,9 +89,17 @@ def included_path(inc):
     return inc
 
 
-def main():
-    root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "..")
+def check(root):
+    """Every violation of the house rules in the tree at `root`, as lines for people."""
+    cwd = os.getcwd()
     os.chdir(root)
+    try:
+        return check_here()
+    finally:
+        os.chdir(cwd)
+
+
+def check_here():
     problems = []
     for folder in sorted(LAYERS):
         if folder in VIRTUAL:
@@ -106,6 +124,12 @@ def main():
                     problems.append(f"{path}: its folder is not in the layer table")
                     continue
                 text = open(path, encoding="utf-8").read()
+                if top in PRODUCT:
+                    for number, line in enumerate(text.splitlines(), 1):
+                        for hook in HOOK.findall(line):
+                            problems.append(f"{path}:{number}: names {hook}, a test hook in "
+                                            "product code: wrap the product in a fake from "
+                                            "tests/testing/ instead (docs/architecture.md)")
                 allowed = closure(folder) | {folder}
                 for inc in INCLUDE.findall(text):
                     target = included_path(inc)
@@ -118,6 +142,57 @@ def main():
                     if dep not in allowed:
                         problems.append(f'{path}: includes "{inc}" ({dep}), which {folder} may '
                                         "not depend on (docs/architecture.md)")
+    return problems
+
+
+# The self-test's seeds: (file to create or append to, text, what the report must name).
+SEEDS = [
+    ("client/comm/seeded_hook.h", "class FaultInjection;\n", "names FaultInjection"),
+    ("server/core/seeded_hook.cc", "int ResetClockForTesting() { return 0; }\n",
+     "names ResetClockForTesting"),
+    ("common/seeded_hook.h", "// set_faults(FaultInjection::LosingNextCommit())\n",
+     "names FaultInjection"),
+    ("include/modelavg/client/seeded_hook.h", "bool InjectedForTesting();\n",
+     "names InjectedForTesting"),
+    ("client/base/seeded_include.cc", '#include "client/session/backends.h"\n',
+     "which client/base may not depend on"),
+]
+
+
+def self_test(root):
+    """0 when the rules hold on the tree and catch every seeded violation in a copy of it."""
+    root = os.path.abspath(root)
+    clean = check(root)
+    if clean:
+        print("self-test: the tree itself has violations:")
+        for p in clean:
+            print(p)
+        return 1
+    with tempfile.TemporaryDirectory(prefix="check_layers.") as tmp:
+        for top in PRODUCT + ("proto",):
+            shutil.copytree(os.path.join(root, top), os.path.join(tmp, top),
+                            ignore=shutil.ignore_patterns("*.py", "*.txt", "*.md", "*.cmake"))
+        for path, text, _ in SEEDS:
+            with open(os.path.join(tmp, path), "a", encoding="utf-8") as f:
+                f.write(text)
+        seeded = check(tmp)
+    missed = [(path, want) for path, _, want in SEEDS
+              if not any(p.startswith(path) and want in p for p in seeded)]
+    for path, want in missed:
+        print(f"self-test: a seeded violation in {path} was not reported ({want})")
+    if missed:
+        return 1
+    print(f"self-test: all {len(SEEDS)} seeded violations reported")
+    return 0
+
+
+def main():
+    args = sys.argv[1:]
+    if args and args[0] == "--self-test":
+        rest = args[1:]
+        return self_test(rest[0] if rest else os.path.join(os.path.dirname(__file__), "..", ".."))
+    root = args[0] if args else os.path.join(os.path.dirname(__file__), "..", "..")
+    problems = check(root)
     for p in problems:
         print(p)
     if problems:

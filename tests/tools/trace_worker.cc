@@ -57,8 +57,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "client/comm/fault_injection.h"
 #include "client/flags/connection_flags.h"
+#include "client/session/backends.h"
 #include "common/file_util.h"
 #include "common/logging.h"
 #include "common/status_util.h"
@@ -68,6 +68,7 @@
 #include "modelavg/client/tensor.h"
 #include "modelavg/common/schedule.h"
 #include "spdlog/spdlog.h"
+#include "tests/testing/faulty_communicator.h"
 #ifdef MODELAVG_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
@@ -485,10 +486,21 @@ absl::Status Run(StopSignals& stop, std::string* stopped) {
     return absl::InvalidArgumentError("--step_delay_ms must be >= 0");
   }
 
+  // A lost commit is made by a communicator that wraps the real one (tests/testing/).
+  std::unique_ptr<client::CommunicatorFactory> communicators;
+  if (const int64_t at = absl::GetFlag(FLAGS_testing_fail_commit_at_step); at >= 0) {
+    auto faults = std::make_shared<testing::CommunicatorFaults>();
+    faults->LoseCommitAt(at);
+    communicators = std::make_unique<testing::FaultyCommunicatorFactory>(
+        std::make_unique<client::BackendFactory>(options.gloo_hostname), std::move(faults),
+        options.gloo_hostname);
+  }
   // A stop signal cuts a Join in progress (or its retry backoff) short.
   options.cancel = std::make_shared<client::CancelToken>();
   stop.OnStop([cancel = options.cancel](int) { cancel->Cancel(); });
-  absl::StatusOr<std::unique_ptr<client::Client>> connected = client::Client::Connect(options);
+  absl::StatusOr<std::unique_ptr<client::Client>> connected =
+      communicators != nullptr ? client::Client::Connect(options, std::move(communicators))
+                               : client::Client::Connect(options);
   if (!connected.ok() && stop.requested()) {
     *stopped = absl::StrCat("stopped by ", stop.name(), " while joining job ", job);
     return absl::OkStatus();
@@ -501,9 +513,6 @@ absl::Status Run(StopSignals& stop, std::string* stopped) {
   }
   const int32_t rank = client->rank();
   joined_rank = rank;
-  if (const int64_t at = absl::GetFlag(FLAGS_testing_fail_commit_at_step); at >= 0) {
-    client->faults()->LoseCommitAt(at);
-  }
   const int64_t die_after = absl::GetFlag(FLAGS_testing_die_after_step);
   const int64_t gap = absl::GetFlag(FLAGS_cuda_gap_elems);
   if (gap < 0 || (gap > 0 && backend != "nccl")) {

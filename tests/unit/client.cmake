@@ -4,15 +4,19 @@ modelavg_add_gtest(client_streaming_codec_test SOURCES client_streaming_codec_te
                    LIBS modelavg_client)
 modelavg_add_gtest(client_staging_test SOURCES client_staging_test.cc LIBS modelavg_client)
 modelavg_add_gtest(client_outer_state_test SOURCES client_outer_state_test.cc LIBS modelavg_client)
-modelavg_add_gtest(client_gloo_test SOURCES client_gloo_test.cc LIBS modelavg_client TIMEOUT 120)
+modelavg_add_gtest(client_gloo_test SOURCES client_gloo_test.cc LIBS modelavg_client modelavg_testing
+                   TIMEOUT 120)
 modelavg_add_gtest(client_gloo_abort_test SOURCES client_gloo_abort_test.cc LIBS modelavg_client
                    TIMEOUT 120)
 modelavg_add_gtest(client_gloo_compressed_test SOURCES client_gloo_compressed_test.cc
                    LIBS modelavg_client TIMEOUT 120)
-modelavg_add_gtest(client_gloo_setup_test SOURCES client_gloo_setup_test.cc LIBS modelavg_client
-                   TIMEOUT 60)
-modelavg_add_gtest(client_gloo_round_test SOURCES client_gloo_round_test.cc LIBS modelavg_client
-                   TIMEOUT 120)
+modelavg_add_gtest(client_gloo_setup_test SOURCES client_gloo_setup_test.cc
+                   LIBS modelavg_client modelavg_testing TIMEOUT 60)
+modelavg_add_gtest(client_gloo_round_test SOURCES client_gloo_round_test.cc
+                   LIBS modelavg_client modelavg_testing TIMEOUT 120)
+# The round protocol both backends speak (client/comm/round_agreement.h), on its own.
+modelavg_add_gtest(client_round_agreement_test SOURCES client_round_agreement_test.cc
+                   LIBS modelavg_client)
 modelavg_add_gtest(client_peer_probe_test SOURCES client_peer_probe_test.cc LIBS modelavg_client
                    TIMEOUT 30)
 # The programs' connection flags and environment variables (new and old names), the typed
@@ -21,16 +25,18 @@ modelavg_add_gtest(client_connection_flags_test SOURCES client_connection_flags_
                    LIBS modelavg_client modelavg_client_flags TIMEOUT 30)
 if(TARGET modelavg_server)
   modelavg_add_gtest(client_coordinator_test SOURCES client_coordinator_test.cc
-                     LIBS modelavg_client modelavg_server TIMEOUT 120)
+                     LIBS modelavg_client modelavg_testing modelavg_server TIMEOUT 120)
   modelavg_add_gtest(client_nccl_bootstrap_test SOURCES client_nccl_bootstrap_test.cc
-                     LIBS modelavg_client modelavg_server TIMEOUT 60)
+                     LIBS modelavg_client modelavg_testing modelavg_server TIMEOUT 60)
   # share_heartbeat_stream: one process's ranks in one HostHeartbeatStream.
   modelavg_add_gtest(client_shared_heartbeat_test SOURCES client_shared_heartbeat_test.cc
-                     LIBS modelavg_client modelavg_server TIMEOUT 120)
+                     LIBS modelavg_client modelavg_testing modelavg_server TIMEOUT 120)
 endif()
-modelavg_add_gtest(client_nccl_core_test SOURCES client_nccl_core_test.cc LIBS modelavg_client)
-modelavg_add_gtest(client_nccl_outer_test SOURCES client_nccl_outer_test.cc LIBS modelavg_client)
+modelavg_add_gtest(client_nccl_core_test SOURCES client_nccl_core_test.cc
+                   LIBS modelavg_client modelavg_testing)
+modelavg_add_gtest(client_nccl_outer_test SOURCES client_nccl_outer_test.cc
+                   LIBS modelavg_client modelavg_testing)
 modelavg_add_gtest(client_nccl_streaming_test SOURCES client_nccl_streaming_test.cc
-                   LIBS modelavg_client)
+                   LIBS modelavg_client modelavg_testing)
 modelavg_add_gtest(client_nccl_compressed_test SOURCES client_nccl_compressed_test.cc
-                   LIBS modelavg_client)
+                   LIBS modelavg_client modelavg_testing)

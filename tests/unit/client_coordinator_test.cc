@@ -22,7 +22,7 @@
 #include "modelavg/client/averager.h"
 #include "modelavg/client/client.h"
 #include "server/coordinator_server.h"
-#include "tests/tools/gloo_link_proxy.h"
+#include "tests/testing/gloo_link_proxy.h"
 #include "tests/tools/make_job_spec.h"
 #include "tests/tools/time_scale.h"
 

@@ -102,7 +102,7 @@ TEST(GlooAbortTest, AWaitThePairsDoNotReach_EndsAtAbortAll) {
       std::vector<sockaddr_storage> peers;
       auto mesh = ConnectMesh(store, *dev, r, 2, absl::Seconds(20),
                               absl::Now() + absl::Seconds(20),
-                              std::make_shared<SetupCanceller>(), &peers, nullptr, waits[r]);
+                              std::make_shared<SetupCanceller>(), &peers, waits[r]);
       if (mesh.ok()) contexts[r] = *std::move(mesh);
     });
   }

@@ -176,7 +176,7 @@ TEST(FragmentLayoutTest, DifferingSplit_FailsLoudlyOnEveryMember_NothingWritten)
   }
 }
 
-TEST(FragmentLayoutTest, AlternatingFragments_EachLayoutAgreedOnce_ValuesExact) {
+TEST(FragmentLayoutTest, AlternatingFragments_EveryFragmentRoundAgreed_ValuesExact) {
   const int n = 2;
   auto mesh = MakeGlooMesh(n, absl::Seconds(30));
   for (auto& c : mesh) ASSERT_NE(c, nullptr);

@@ -1,22 +1,15 @@
 // The set-up of a Gloo mesh: every wait in it has a deadline and can be cancelled, and a
 // connection that is not a member's (a stray connection to a pair's port as it opens) is named
 // as such. Members are threads of this process, the rendezvous an in-memory store.
-#include <arpa/inet.h>
 #include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
-#include <cstring>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/base/error_kind.h"
@@ -27,6 +20,7 @@
 #include "gloo/rendezvous/store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/stray_connection_store.h"
 
 namespace modelavg::client {
 namespace {
@@ -105,72 +99,19 @@ TEST(GlooSetupTest, Cancel_BeforeCreate_CreateReturnsTheReason) {
   EXPECT_EQ(comm.status().message(), "over before it began");
 }
 
-// A store for two members that, before handing the connecting member its peer's address,
-// connects a stray socket to that address first (and optionally writes random bytes on it), as
-// a port scanner or a misdirected client would while the port is open.
-class StrayStore : public gloo::rendezvous::Store {
- public:
-  StrayStore(gloo::rendezvous::HashStore* shared, int reader, bool random_bytes,
-             std::vector<int>* strays, absl::Mutex* mu)
-      : shared_(shared), reader_(reader), random_(random_bytes), strays_(strays), mu_(mu) {}
-
-  void set(const std::string& key, const std::vector<char>& data) override {
-    shared_->set(key, data);
-  }
-  void wait(const std::vector<std::string>& keys) override { shared_->wait(keys); }
-  void wait(const std::vector<std::string>& keys,
-            const std::chrono::milliseconds& timeout) override {
-    shared_->wait(keys, timeout);
-  }
-  std::vector<char> get(const std::string& key) override {
-    std::vector<char> value = shared_->get(key);
-    int writer = -1;
-    if (!absl::SimpleAtoi(key, &writer) || writer == reader_) return value;
-    std::vector<char> mine = shared_->get(std::to_string(reader_));
-    const auto* own = reinterpret_cast<const sockaddr_in*>(mine.data());
-    const auto* peer = reinterpret_cast<const sockaddr_in*>(value.data());
-    // Gloo's rule (tcp::Pair::connect): the greater address connects.
-    const int rv = std::memcmp(&own->sin_addr, &peer->sin_addr, sizeof(in_addr));
-    const bool connects = rv != 0 ? rv > 0 : own->sin_port - peer->sin_port > 0;
-    if (!connects) return value;
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd >= 0 && connect(fd, reinterpret_cast<const sockaddr*>(peer), sizeof(*peer)) == 0) {
-      if (random_) {
-        std::mt19937 gen(42);
-        std::vector<char> junk(256);
-        for (char& c : junk) c = static_cast<char>(gen());
-        (void)!write(fd, junk.data(), junk.size());
-      }
-      absl::MutexLock l(mu_);
-      strays_->push_back(fd);
-    } else if (fd >= 0) {
-      close(fd);
-    }
-    // Let the listening member's transport accept the stray before the member connects.
-    absl::SleepFor(absl::Milliseconds(200));
-    return value;
-  }
-
- private:
-  gloo::rendezvous::HashStore* const shared_;
-  const int reader_;
-  const bool random_;
-  std::vector<int>* const strays_;
-  absl::Mutex* const mu_;
-};
-
 class GlooStrayTest : public ::testing::TestWithParam<bool> {};
 
+// A stray connection (tests/testing/stray_connection_store.h: silent, or writing random bytes)
+// takes the connecting member's place at its peer's port while the mesh is set up.
 TEST_P(GlooStrayTest, Create_StrayConnectionTakesThePort_NamedAsStrayNotAsADeadPeer) {
   gloo::rendezvous::HashStore shared;
-  std::vector<int> strays;
-  absl::Mutex mu;
+  modelavg::testing::StrayConnections strays;
   constexpr absl::Duration kTimeout = absl::Seconds(2);
   std::vector<absl::Status> statuses(2);
   std::vector<std::thread> members;
   for (int r = 0; r < 2; ++r) {
     members.emplace_back([&, r] {
-      StrayStore store(&shared, r, GetParam(), &strays, &mu);
+      modelavg::testing::StrayConnectionStore store(&shared, r, 2, &strays, GetParam());
       auto dev = CreateGlooDevice("127.0.0.1");
       if (!dev.ok()) {
         statuses[r] = dev.status();
@@ -180,11 +121,7 @@ TEST_P(GlooStrayTest, Create_StrayConnectionTakesThePort_NamedAsStrayNotAsADeadP
     });
   }
   for (auto& t : members) t.join();
-  {
-    absl::MutexLock l(&mu);
-    ASSERT_EQ(strays.size(), 1u);
-    for (int fd : strays) close(fd);
-  }
+  ASSERT_EQ(strays.count(), 1u);
   // The connecting member found the port taken: it says so, naming the member it tried.
   int named = 0;
   for (int r = 0; r < 2; ++r) {

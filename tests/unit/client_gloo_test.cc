@@ -1,7 +1,6 @@
 // GlooCommunicator with ranks as threads over loopback, rendezvous through Gloo's in-memory
-// HashStore (the coordinator-backed store is covered by client_coordinator_test). Silent links
-// go through tests/tools/gloo_link_proxy.h.
-#include "client/comm/fault_injection.h"
+// HashStore (the coordinator-backed store is covered by client_coordinator_test). Silent and
+// broken links go through tests/testing/gloo_link_proxy.h.
 #include "client/comm/gloo/gloo_communicator.h"
 #include "client/comm/solo_communicator.h"
 
@@ -21,7 +20,7 @@
 #include "gloo/rendezvous/hash_store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/tools/gloo_link_proxy.h"
+#include "tests/testing/gloo_link_proxy.h"
 
 namespace modelavg::client {
 namespace {
@@ -401,22 +400,42 @@ TEST(GlooCommunicatorTest, AllReduceAverage_BackToBackTensorsInPlace_MatchesPyTo
   CheckSingleBuffer(2, /*in_place=*/true, /*tensors=*/7);
 }
 
-// A failure after part of the buffer has been reduced in place: the backup restores it.
-TEST(GlooCommunicatorTest, AllReduceAverage_FailsMidRing_OneBufferRestoredExactly) {
+// The connection breaks after part of the buffer has been reduced in place (after a fixed number
+// of bytes of a 12 MB all-reduce): both members fail at once, and the backup restores it exactly.
+TEST(GlooCommunicatorTest, AllReduceAverage_ConnectionBrokenMidRing_UnavailableAtOnceRestoredExactly) {
   const int64_t n = 3000000;  // many segments
+  constexpr int64_t kDropAfter = 4 << 20;  // of about 2 x 12 MB that the ring moves
+  modelavg::testing::DroppingStore::Shared shared;
+  shared.size = 2;
+  shared.silent = 0;
+  modelavg::testing::DroppingStore s0(&shared, 0), s1(&shared, 1);
+  Barrier barrier(2);
   std::vector<std::vector<float>> vals(2);
-  auto statuses = RunRanks(2, absl::Seconds(2), [&](int r, GlooCommunicator& c) {
-    vals[r].resize(n);
-    for (int64_t i = 0; i < n; ++i) vals[r][i] = static_cast<float>(i % 977 + r);
-    if (r == 0) c.set_faults(FaultInjection::FailingAfterReductions(3));
-    return c.AllReduceAverage({TensorView{vals[r].data(), n, DType::kFloat32}});
-  });
-  ASSERT_FALSE(statuses[0].ok());
-  EXPECT_EQ(statuses[0].code(), absl::StatusCode::kUnavailable) << statuses[0];
-  EXPECT_THAT(std::string(statuses[0].message()), HasSubstr("injected"));
-  // The other member loses its peer mid-ring (the injecting rank's sockets close).
-  EXPECT_EQ(statuses[1].code(), absl::StatusCode::kUnavailable) << statuses[1];
+  std::vector<absl::Duration> took(2);
+  auto statuses = RunRanks(
+      2, absl::Seconds(20),
+      [&](int r, GlooCommunicator& c) -> absl::Status {
+        vals[r].resize(n);
+        for (int64_t i = 0; i < n; ++i) vals[r][i] = static_cast<float>(i % 977 + r);
+        if (r == 0) {
+          auto proxies = s0.proxies();
+          if (proxies.size() != 1) return absl::InternalError("expected one proxied link");
+          proxies[0]->DropAfter(kDropAfter);
+        }
+        if (!barrier.Wait()) return absl::InternalError("barrier");
+        const absl::Time start = absl::Now();
+        absl::Status s = c.AllReduceAverage({TensorView{vals[r].data(), n, DType::kFloat32}});
+        took[r] = absl::Now() - start;
+        return s;
+      },
+      /*in_place=*/false, [&](int r) { return r == 0 ? &s0 : &s1; }, /*hold=*/true);
+  ASSERT_EQ(s0.proxies().size(), 1u);
+  EXPECT_TRUE(s0.proxies()[0]->dropped());
   for (int r = 0; r < 2; ++r) {
+    // The peer's connection broke: not a timeout, and well before it.
+    EXPECT_EQ(statuses[r].code(), absl::StatusCode::kUnavailable) << statuses[r];
+    EXPECT_THAT(std::string(statuses[r].message()), HasSubstr("connection broke"));
+    EXPECT_LT(took[r], absl::Seconds(10)) << "rank " << r;
     for (int64_t i = 0; i < n; ++i) {
       ASSERT_EQ(vals[r][i], static_cast<float>(i % 977 + r)) << "rank " << r << " element " << i;
     }

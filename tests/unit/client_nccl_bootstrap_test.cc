@@ -10,13 +10,13 @@
 #include "absl/status/status.h"
 #include "absl/time/clock.h"
 #include "client/comm/communicator_cache.h"
-#include "client/comm/nccl/nccl_core.h"
+#include "client/comm/nccl/nccl_bootstrap.h"
 #include "client/rpc/coordinator_client.h"
 #include "gtest/gtest.h"
 #include "modelavg/client/client.h"
 #include "server/coordinator_server.h"
 #include "tests/tools/make_job_spec.h"
-#include "tests/tools/served_coordinator.h"
+#include "tests/testing/in_process_coordinator.h"
 
 namespace modelavg::client {
 namespace {
@@ -24,7 +24,7 @@ namespace {
 class NcclBootstrapTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto served = testing::ServeCoordinator();
+    auto served = testing::InProcessCoordinator::Start();
     ASSERT_TRUE(served.ok()) << served.status();
     server_ = std::move(served->server);
     ASSERT_TRUE(

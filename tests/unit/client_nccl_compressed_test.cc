@@ -1,6 +1,6 @@
 // Compressed payloads on the NCCL path (RoundOptions::payload: BF16, INT8; NcclCore's
 // all-to-all / float32 sum / all-gather round) with simulated members as threads on the fake
-// device of tests/tools/fake_nccl_device.h. Every member's every element against the exact mean
+// device of tests/testing/fake_nccl_device.h. Every member's every element against the exact mean
 // (double precision) within the documented bound (docs/streaming.md): BF16 <= 2^-7 M, INT8 <=
 // 2 M / 254, M the largest |d| of the element's INT8 block over the members; every member's
 // result bit-identical; the bytes on the wire (the fake transport's count, and the core's)
@@ -20,8 +20,8 @@
 #include "client/payload/staging_layout.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/tools/fake_nccl_device.h"
-#include "tests/tools/fake_nccl_group.h"
+#include "tests/testing/fake_nccl_device.h"
+#include "tests/testing/fake_nccl_group.h"
 
 namespace modelavg::client {
 namespace {

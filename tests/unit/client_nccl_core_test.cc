@@ -1,5 +1,5 @@
 // The NCCL path's host logic (NcclCore, the staging layout) with simulated members as threads
-// on the fake device of tests/tools/fake_nccl_device.h. Covers the layout agreed once per
+// on the fake device of tests/testing/fake_nccl_device.h. Covers the layout agreed once per
 // communicator (no collective on later calls; a member whose layout changed fails alone and asks
 // for a new generation), the staged path's pipeline (buckets gathered on their own stream, each
 // reduced after its own gather), and the rounds of an elastic job: the step and divisor
@@ -24,13 +24,12 @@
 #include "client/base/error_kind.h"
 #include "client/base/half.h"
 #include "client/comm/communicator.h"
-#include "client/comm/fault_injection.h"
 #include "client/comm/nccl/nccl_core.h"
 #include "client/payload/staging_layout.h"
 #include "common/status_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/tools/fake_nccl_device.h"
+#include "tests/testing/fake_nccl_device.h"
 #include "tests/tools/staging_reference.h"
 
 namespace modelavg::client {
@@ -508,13 +507,14 @@ RoundOptions Committed(int64_t step) {
 
 // The operations of one call, as the fake device logs them (collectives, copies with their
 // bytes, kernels, host waits).
-const std::vector<std::string> kPlainZeroCopyOps = {"copy88", "check", "copy88", "wait",
+const std::vector<std::string> kPlainZeroCopyOps = {"copy104", "check", "copy104", "wait",
                                                     "avg79", "wait"};
 
 TEST_F(NcclCoreTest, PlainRound_CostsWhatItCostBefore_NoBackupNoCommit) {
   MakeWorld(2);
   // Zero copy: the signature out and back, its all-reduce, the data all-reduce, two waits. The
-  // same as before rounds had options, but for the signature's size (88 bytes, was 64).
+  // same as before rounds had options, but for the signature's size (104 bytes with the
+  // fragment split's words, was 64).
   std::vector<Params> params = {Params::Contiguous(DType::kFloat32, {1, 3, 5, 70}),
                                 Params::Contiguous(DType::kFloat32, {1, 3, 5, 70})};
   FillAll(params);
@@ -569,7 +569,7 @@ TEST_F(NcclCoreTest, CommittedRound_CostsOneBackupCopyAndOneOneWordAllReduce) {
   // Beyond a plain round: the backup (79 float32, enqueued before the check, no wait of its
   // own) and the commit (8 bytes out, the all-reduce, 8 bytes back, one wait).
   EXPECT_EQ(ops_[0]->log,
-            (std::vector<std::string>{"copy316", "copy88", "check", "copy88", "wait", "avg79",
+            (std::vector<std::string>{"copy316", "copy104", "check", "copy104", "wait", "avg79",
                                       "wait", "copy8", "commit", "copy8", "wait"}));
   EXPECT_EQ(ops_[0]->ops, (std::vector<std::string>{"check", "avg79", "commit"}));
   EXPECT_EQ(ops_[1]->ops, ops_[0]->ops);
@@ -610,7 +610,7 @@ TEST_P(NcclCoreRoundTest, LostCommitOnOneMember_OthersComplete_ItHoldsTheResultA
   std::vector<Params> params = {Make(), Make(), Make()};
   FillAll(params);
   const std::vector<std::string> before = Bytes(params[1]);
-  cores_[1]->set_faults(FaultInjection::LosingNextCommit());
+  ops_[1]->lose_commits = 1;
   const std::vector<Result> r = RunRound(params, Committed(12));
   ExpectNoHangMismatchOrIllegal();
   EXPECT_TRUE(r[0].status.ok()) << r[0].status;
@@ -639,7 +639,7 @@ TEST_P(NcclCoreRoundTest, AdoptWithAnotherLayout_InvalidArgument_ResultStillKept
   MakeWorld(2);
   std::vector<Params> params = {Make(), Make()};
   FillAll(params);
-  cores_[0]->set_faults(FaultInjection::LosingNextCommit());
+  ops_[0]->lose_commits = 1;
   const std::vector<Result> r = RunRound(params, Committed(1));
   ASSERT_EQ(r[0].outcome, RoundOutcome::kFailedHoldingResult);
   Params other = Params::Contiguous(DType::kFloat32, {11});
@@ -693,7 +693,7 @@ TEST_F(NcclCoreTest, LostCommit_UnpaddedFallback_AdoptedIntoOtherBuffersOfTheSam
                                                   {DType::kFloat32, 70}})};
   FillAll(params);
   const std::vector<std::string> before = Bytes(params[1]);
-  cores_[1]->set_faults(FaultInjection::LosingNextCommit());
+  ops_[1]->lose_commits = 1;
   const std::vector<Result> r = RunRound(params, Committed(2));
   ExpectNoHangMismatchOrIllegal();
   ASSERT_TRUE(r[0].status.ok()) << r[0].status;
@@ -1029,26 +1029,6 @@ TEST(StagingBucketsTest, SplitAtBucketBoundaries_EveryElementOnceInItsBucket) {
   EXPECT_EQ(covered, total) << "every tensor element gathered exactly once";
   EXPECT_EQ(BucketRanges(10, 0), (std::vector<std::pair<int64_t, int64_t>>{{0, 10}}));
   EXPECT_TRUE(BucketRanges(0, 4).empty());
-}
-
-TEST(DecideLayoutTest, SameOnEveryMember) {
-  // Two members: counts 12 and 10 padded, totals 9 and 9, same dtype.
-  LayoutSignature a = EncodeLayout(12, kStageF32, 9, false, 0);
-  LayoutSignature b = EncodeLayout(9, kStageF32, 9, false, 1);
-  LayoutSignature r;
-  for (int i = 0; i < kLayoutWords; ++i) r[i] = std::max(a[i], b[i]);
-  const LayoutDecision da = DecideLayout(r, 12, 9, absl::OkStatus());
-  const LayoutDecision db = DecideLayout(r, 9, 9, absl::OkStatus());
-  EXPECT_TRUE(da.status.ok());
-  EXPECT_TRUE(da.unpadded);
-  EXPECT_TRUE(db.unpadded);
-  // A local failure of member 1 reaches member 0.
-  b = EncodeLayout(9, kStageF32, 9, true, 1);
-  for (int i = 0; i < kLayoutWords; ++i) r[i] = std::max(a[i], b[i]);
-  EXPECT_EQ(DecideLayout(r, 12, 9, absl::OkStatus()).status.code(),
-            absl::StatusCode::kAborted);
-  EXPECT_EQ(DecideLayout(r, 9, 9, absl::UnavailableError("x")).status.code(),
-            absl::StatusCode::kUnavailable);
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // The outer optimizer on CUDA parameters (DeviceOuterState, RunDeviceOuterStep: DiLoCo on the
 // NCCL path) with simulated members as threads on the fake device of
-// tests/tools/fake_nccl_device.h: each member's state in its own simulated device memory, its
+// tests/testing/fake_nccl_device.h: each member's state in its own simulated device memory, its
 // rounds on NcclCore over a FakeWorld per (level, subgroup). Every member, every step, against
 // the independent double-precision restatement of the rule in tests/integration/outer_reference.h
 // (the trace worker's synthetic update, here applied to every element with a per-element offset,
@@ -16,15 +16,14 @@
 #include "absl/status/status.h"
 #include "client/averaging/device_outer_state.h"
 #include "client/averaging/outer_state.h"
-#include "client/comm/fault_injection.h"
 #include "client/comm/nccl/nccl_core.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "modelavg/v1/coordinator.pb.h"
 #include "tests/integration/naive_schedule.h"
 #include "tests/integration/outer_reference.h"
-#include "tests/tools/fake_nccl_device.h"
-#include "tests/tools/fake_nccl_group.h"
+#include "tests/testing/fake_nccl_device.h"
+#include "tests/testing/fake_nccl_group.h"
 #include "tests/tools/make_job_spec.h"
 
 namespace modelavg::client {
@@ -383,7 +382,7 @@ TEST_F(NcclOuterTest, ElasticCommittedRound_JoinerAndLostCommit_EveryMemberFollo
     }
   }
   FakeNcclGroup group(3);
-  group.cores[1]->set_faults(FaultInjection::LosingNextCommit());
+  group.ops[1]->lose_commits = 1;
   std::vector<absl::Status> out(3);
   std::vector<RoundOutcome> outcomes(3, RoundOutcome::kCompleted);
   std::vector<std::thread> threads;

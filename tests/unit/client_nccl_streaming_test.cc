@@ -1,6 +1,6 @@
 // Streaming sync on CUDA parameters (docs/streaming.md; RunDeviceStreamingStep and
 // DevicePendingSync of client/averaging/device_outer_state.h over NcclCore) with simulated members as threads on
-// the fake device of tests/tools/fake_nccl_device.h: fragments F = 4, each with its own device
+// the fake device of tests/testing/fake_nccl_device.h: fragments F = 4, each with its own device
 // outer state; sync_delay tau > 0, whose all-reduce runs on a thread of its own, on a stream of
 // its own, from the call at s to the call at s + tau; mix alpha; payloads FP32, BF16 and INT8.
 // Every member's every element after every step against the independent re-statement of the
@@ -23,8 +23,8 @@
 #include "gtest/gtest.h"
 #include "modelavg/v1/coordinator.pb.h"
 #include "tests/integration/streaming_reference.h"
-#include "tests/tools/fake_nccl_device.h"
-#include "tests/tools/fake_nccl_group.h"
+#include "tests/testing/fake_nccl_device.h"
+#include "tests/testing/fake_nccl_group.h"
 #include "tests/tools/make_job_spec.h"
 
 namespace modelavg::client {

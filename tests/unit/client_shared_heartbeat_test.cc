@@ -25,7 +25,7 @@
 #include "server/coordinator_server.h"
 #include "tests/tools/http_get.h"
 #include "tests/tools/make_job_spec.h"
-#include "tests/tools/served_coordinator.h"
+#include "tests/testing/in_process_coordinator.h"
 #include "tests/tools/temp_dir.h"
 #include "tests/tools/time_scale.h"
 
@@ -43,7 +43,7 @@ class SharedHeartbeatTest : public ::testing::Test {
     server::ServerOptions opts;
     opts.listen = "127.0.0.1:0";
     opts.metrics_listen = "127.0.0.1:0";
-    absl::StatusOr<testing::ServedCoordinator> served = testing::ServeCoordinator(opts);
+    auto served = testing::InProcessCoordinator::Start(opts);
     ASSERT_TRUE(served.ok()) << served.status();
     server_ = std::move(served->server);
     admin_ = std::move(served->admin);

@@ -3,6 +3,7 @@
 #ifndef MODELAVG_TESTS_UNIT_GLOO_TEST_MESH_H_
 #define MODELAVG_TESTS_UNIT_GLOO_TEST_MESH_H_
 
+#include <functional>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -13,16 +14,20 @@
 
 namespace modelavg::client {
 
-// A member whose creation failed is null (the test asserts on it).
-inline std::vector<std::unique_ptr<GlooCommunicator>> MakeGlooMesh(int size,
-                                                                   absl::Duration timeout) {
-  gloo::rendezvous::HashStore store;
+// A member whose creation failed is null (the test asserts on it). `store_for` (may be empty):
+// each member's view of the rendezvous store (tests/testing/gloo_link_proxy.h's DroppingStore);
+// by default one shared in-memory store.
+inline std::vector<std::unique_ptr<GlooCommunicator>> MakeGlooMesh(
+    int size, absl::Duration timeout,
+    const std::function<gloo::rendezvous::Store*(int member)>& store_for = nullptr) {
+  gloo::rendezvous::HashStore shared;
   std::vector<std::unique_ptr<GlooCommunicator>> out(size);
   std::vector<std::thread> threads;
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
       auto dev = CreateGlooDevice("127.0.0.1");
       if (!dev.ok()) return;
+      gloo::rendezvous::Store& store = store_for ? *store_for(r) : shared;
       auto comm = GlooCommunicator::Create(store, *dev, r, size, timeout);
       if (comm.ok()) out[r] = *std::move(comm);
     });

@@ -81,8 +81,6 @@ struct RingState {
   int size = 1;
   int64_t divided = 0;
   std::vector<std::pair<size_t, size_t>> saved;
-  // Tests: throw (as a transport failure would) once this many reductions have run.
-  int fail_after = -1;
 };
 
 template <typename T>
@@ -94,9 +92,6 @@ gloo::AllreduceOptions::Func AverageReduction(RingState* st) {
       st->saved.emplace_back(offset, n * sizeof(T));
     }
     gloo::sum<T>(c, a, b, n);
-    if (st->fail_after >= 0 && st->fail_after-- == 0) {
-      throw gloo::IoException("injected failure (test)");
-    }
     if (offset >= st->final_chunk.begin && offset < st->final_chunk.end) {
       DivideInto(static_cast<const T*>(c), static_cast<int64_t>(n), static_cast<T>(st->size),
                  static_cast<T*>(c));
@@ -128,7 +123,7 @@ void* SingleBuffer(absl::Span<const TensorView> tensors) {
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
     int size, absl::Duration timeout, std::function<absl::Status()> store_error, bool in_place,
-    std::shared_ptr<SetupCanceller> cancel, std::shared_ptr<FaultInjection> faults) {
+    std::shared_ptr<SetupCanceller> cancel) {
   if (size < 1 || rank < 0 || rank >= size) {
     return absl::InvalidArgumentError(
         absl::StrCat("Gloo communicator rank ", rank, " of size ", size, " is out of range"));
@@ -158,11 +153,10 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     auto waits = std::make_shared<MeshWaits>();
     absl::StatusOr<std::shared_ptr<gloo::Context>> context =
         ConnectMesh(store, device, rank, size, timeout, started + timeout, cancel, &peers,
-                    faults.get(), waits);
+                    waits);
     if (!context.ok()) return context.status();
     std::unique_ptr<GlooCommunicator> comm(new GlooCommunicator(
         *std::move(context), std::move(waits), rank, size, timeout, in_place));
-    comm->set_faults(std::move(faults));
     comm->peer_addresses_ = std::move(peers);
     if (absl::Status probe = comm->ProbeFusedAverage(); !probe.ok()) {
       MODELAVG_RETURN_IF_ERROR(cancel->status());
@@ -190,9 +184,15 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<gloo::Context> context,
       rank_(rank),
       size_(size),
       timeout_(timeout),
-      in_place_(in_place) {}
+      in_place_(in_place),
+      agreement_(rank, size, "Gloo") {}
 
 GlooCommunicator::~GlooCommunicator() = default;
+
+void GlooCommunicator::SetNewGenerationRequest(std::function<void(const absl::Status&)> request) {
+  absl::MutexLock l(&mu_);
+  agreement_.SetNewGenerationRequest(std::move(request));
+}
 
 void GlooCommunicator::Abort(const absl::Status& why) {
   {
@@ -274,7 +274,6 @@ absl::Status GlooCommunicator::RunAverage(void* data, int64_t numel, DType dtype
   st.backup = backup;
   st.final_chunk = GlooRingChunk(bytes, size_, rank_, elem, max_segment);
   st.size = divisor;
-  st.fail_after = faults_ != nullptr ? faults_->TakeFailAfterReductions() : -1;
   if (backup != nullptr) {
     // The chunk this member sends first is never reduced here (the hook above never sees it)
     // but is overwritten by the all-gather: save it up front.
@@ -328,7 +327,7 @@ absl::Status GlooCommunicator::RunAverage(void* data, int64_t numel, DType dtype
       const size_t words = (bytes + 7) / 8;
       if (pending_.size() < words) pending_.resize(words);
       std::memcpy(pending_.data(), data, bytes);
-      KeepPending(/*packed=*/false, numel, dtype);
+      kept_.Keep(KeptResult::Form::kOneBuffer, numel, static_cast<int32_t>(dtype));
       if (backup != nullptr) restore();
       if (holding != nullptr) *holding = true;
       return c;
@@ -337,34 +336,30 @@ absl::Status GlooCommunicator::RunAverage(void* data, int64_t numel, DType dtype
   return absl::OkStatus();
 }
 
-absl::Status GlooCommunicator::Commit() {
-  int64_t votes = 1;
+absl::Status GlooCommunicator::AllReduceWords(int64_t* words, size_t n, bool max,
+                                              const char* what) {
   const absl::Time started = absl::Now();
   try {
     gloo::AllreduceOptions opts(context_);
     opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
     opts.setTag(next_tag_++);
-    opts.setOutput(&votes, 1);
-    opts.setReduceFunction(static_cast<ReduceFn>(&gloo::sum<int64_t>));
+    opts.setOutput(words, n);
+    opts.setReduceFunction(max ? static_cast<ReduceFn>(&gloo::max<int64_t>)
+                               : static_cast<ReduceFn>(&gloo::sum<int64_t>));
     gloo::allreduce(opts);
     ThrowIfAborted();
   } catch (const std::exception& e) {
-    return FromGlooException(e, "Gloo commit of an averaging round", started,
-                             timeout_);
+    return FromGlooException(e, what, started, timeout_);
   } catch (...) {
-    return absl::InternalError("Gloo commit failed with an unknown exception");
-  }
-  if (votes != size_) {
-    return absl::InternalError(absl::StrCat("Gloo commit counted ", votes, " of ", size_,
-                                            " members"));
-  }
-  if (TakeLostCommit(round_step_)) {
-    spdlog::warn("round at step {}: injecting a lost commit on this member (test fault)",
-                 round_step_);
-    return SetErrorKind(absl::UnavailableError("injected commit failure (test)"),
-                        ErrorKind::kPeerFailure);
+    return absl::InternalError(absl::StrCat(what, " failed with an unknown exception"));
   }
   return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::Commit() {
+  return CommitVote(size_, [this](int64_t& votes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return AllReduceWords(&votes, 1, /*max=*/false, "Gloo commit of an averaging round");
+  });
 }
 
 absl::Status GlooCommunicator::ProbeFusedAverage() {
@@ -389,75 +384,64 @@ absl::Status GlooCommunicator::ProbeFusedAverage() {
   return absl::OkStatus();
 }
 
-bool GlooCommunicator::LayoutVerified(int64_t numel, DType dtype, int64_t signature) const {
-  return std::find(verified_layouts_.begin(), verified_layouts_.end(),
-                   std::make_tuple(numel, dtype, signature)) != verified_layouts_.end();
-}
-
-absl::Status GlooCommunicator::CheckLayout(int64_t numel, DType dtype, int64_t step,
-                                           int64_t signature) {
-  // max over [n, -n, d, -d, s, -s, g, -g] gives [max n, -min n, ..., max g, -min g]: equal
-  // iff all agree.
-  int64_t sig[8] = {numel, -numel, static_cast<int64_t>(dtype), -static_cast<int64_t>(dtype),
-                    step, -step, signature, -signature};
-  const absl::Time started = absl::Now();
-  try {
-    gloo::AllreduceOptions opts(context_);
-    opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
-    opts.setTag(next_tag_++);
-    opts.setOutput(sig, 8);
-    opts.setReduceFunction(static_cast<ReduceFn>(&gloo::max<int64_t>));
-    gloo::allreduce(opts);
-    ThrowIfAborted();
-  } catch (const std::exception& e) {
-    return FromGlooException(e, "Gloo layout check", started,
-                             timeout_);
-  } catch (...) {
-    return absl::InternalError("Gloo layout check failed with an unknown exception");
+absl::Status GlooCommunicator::PrepareRound(absl::Span<const TensorView> tensors,
+                                            const RoundOptions& options,
+                                            RoundLayout* layout) const {
+  const DType dtype = StagingDType(tensors);
+  layout->dtype = static_cast<int32_t>(dtype);
+  layout->divisor = options.contributors > 0 ? options.contributors : size_;
+  layout->step = options.step;
+  layout->fragment_signature = options.layout_signature;
+  absl::StatusOr<int64_t> total = CheckHostTensors(tensors);
+  if (!total.ok()) return total.status();
+  layout->total = layout->count = *total;
+  if (layout->divisor > size_ || (!options.contribute && layout->divisor >= size_)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        layout->divisor, " contributing members of ", size_,
+        options.contribute ? "" : " (this one not)", ": the round has no valid divisor"));
   }
-  if (sig[0] != -sig[1] || sig[2] != -sig[3]) {
-    return SetErrorKind(
-        absl::InvalidArgumentError(absl::StrCat(
-            "the members of this subgroup pass different parameter layouts: total element "
-            "counts range from ", -sig[1], " to ", sig[0], " (this rank: ", numel, ")",
-            sig[2] != -sig[3] ? " and the dtypes differ (float64 on some members only)" : "",
-            "; every member must average the same list of tensors")),
-        ErrorKind::kLayoutMismatch);
-  }
-  if (sig[6] != -sig[7]) {
-    return SetErrorKind(
-        absl::InvalidArgumentError(absl::StrCat(
-            "the members of this subgroup split their parameters into fragments differently "
-            "(the tensors' sizes or dtypes differ between members, with the same total of ",
-            numel, " elements in this fragment); every member must average the same list of "
-            "tensors, in the same order")),
-        ErrorKind::kLayoutMismatch);
-  }
-  if (sig[4] != -sig[5]) {
-    return SetErrorKind(
-        absl::InternalError(absl::StrCat(
-            "the members of this subgroup are averaging different rounds: steps range from ",
-            -sig[5], " to ", sig[4], " (this rank: ", step,
-            "); no member kept a mixed average; this is a bug in modelavg's round agreement, "
-            "please report it")),
-        ErrorKind::kRoundMismatch);
-  }
-  if (step >= 0) step_checked_ = true;
-  layout_checked_ = true;
-  checked_numel_ = numel;
-  checked_dtype_ = dtype;
-  if (!LayoutVerified(numel, dtype, signature)) {
-    if (verified_layouts_.size() >= 64) verified_layouts_.erase(verified_layouts_.begin());
-    verified_layouts_.emplace_back(numel, dtype, signature);
+  if (options.payload != Payload::kFp32 && *total > 0 && dtype != DType::kFloat32) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a ", PayloadName(options.payload),
+        " payload takes float32/float16/bfloat16 tensors; these include float64"));
   }
   return absl::OkStatus();
 }
 
-void GlooCommunicator::KeepPending(bool packed, int64_t numel, DType dtype) {
-  has_pending_ = true;
-  pending_packed_ = packed;
-  pending_numel_ = numel;
-  pending_dtype_ = dtype;
+absl::Status GlooCommunicator::AgreeOnRound(absl::Span<const TensorView> tensors,
+                                            const RoundOptions& options,
+                                            const RoundLayout& layout,
+                                            const absl::Status& local_arg) {
+  absl::Status local = local_arg;
+  // Gloo packs without padding: its collectives depend on the total and the dtype alone, not
+  // on how the tensors split them.
+  const uint64_t fingerprint = LayoutFingerprint({}, layout.dtype, layout.count);
+  bool agree = agreement_.Due(options.layout_signature, layout.divisor);
+  if (!agree && local.ok()) {
+    local = agreement_.CheckUnchanged(fingerprint, tensors.size(), layout.total, &agree);
+  }
+  // A world of one carries a local failure in the agreement, as at a first call.
+  if (!local.ok() && size_ == 1) agree = true;
+  if (!agree) {
+    // The peers are entering the data all-reduce: a member that cannot take part cannot say so
+    // in band. Closing the mesh fails their collective at once.
+    if (local.ok()) return absl::OkStatus();
+    return agreement_.FailedAlone(Break(local));
+  }
+  absl::StatusOr<LayoutDecision> decision =
+      agreement_.Agree(layout, local, [this](LayoutSignature& words)
+                                          ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                                            return AllReduceWords(words.data(), words.size(),
+                                                                  /*max=*/true,
+                                                                  "Gloo layout check");
+                                          });
+  if (!decision.ok()) return Break(decision.status());
+  // Every member decided alike: nobody averages, and the communicator stays usable.
+  if (!decision->status.ok()) return decision->status;
+  if (options.layout_signature == 0) {
+    agreement_.Record(layout, fingerprint, /*unpadded=*/false, tensors.size());
+  }
+  return absl::OkStatus();
 }
 
 absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> tensors,
@@ -466,41 +450,27 @@ absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
   RoundOutcome ignored;
   if (outcome == nullptr) outcome = &ignored;
   *outcome = RoundOutcome::kFailedWithoutResult;
-  absl::StatusOr<int64_t> total = CheckHostTensors(tensors);
-  if (!total.ok()) return total.status();
-  const DType dtype = StagingDType(tensors);
-  const int divisor = options.contributors > 0 ? options.contributors : size_;
-  if (divisor > size_ || (!options.contribute && divisor >= size_)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        divisor, " contributing members of ", size_, (options.contribute ? "" : " (this one not)"),
-        ": the round has no valid divisor"));
-  }
   absl::MutexLock l(&mu_);
   if (!broken_.ok()) return broken_;
   if (absl::Status a = AbortedOr(absl::OkStatus()); !a.ok()) return broken_ = a;
-  has_pending_ = false;
-  round_step_ = options.step;
-  if (!LayoutVerified(*total, dtype, options.layout_signature) ||
-      (options.step >= 0 && !step_checked_)) {
-    absl::Status s = CheckLayout(*total, dtype, step_checked_ ? -1 : options.step,
-                                 options.layout_signature);
-    if (!s.ok()) {
-      if (s.code() != absl::StatusCode::kInvalidArgument) s = Break(s);
-      return s;
-    }
-  }
-  if (*total == 0) {
+  kept_.Forget();
+  RoundLayout layout;
+  const absl::Status local = PrepareRound(tensors, options, &layout);
+  MODELAVG_RETURN_IF_ERROR(AgreeOnRound(tensors, options, layout, local));
+  const int64_t total = layout.total;
+  const DType dtype = static_cast<DType>(layout.dtype);
+  if (total == 0) {
     *outcome = RoundOutcome::kCompleted;
     return absl::OkStatus();
   }
   if (options.payload != Payload::kFp32) {
-    return AverageCompressed(tensors, options, *total, dtype, divisor, outcome);
+    return AverageCompressed(tensors, options, total, dtype, layout.divisor, outcome);
   }
   void* single = SingleBuffer(tensors);
   if (fused_ && single != nullptr && options.contribute) {
-    return AverageInPlace(single, options, *total, dtype, divisor, outcome);
+    return AverageInPlace(single, options, total, dtype, layout.divisor, outcome);
   }
-  return AverageStaged(tensors, options, *total, dtype, divisor, outcome);
+  return AverageStaged(tensors, options, total, dtype, layout.divisor, outcome);
 }
 
 absl::Status GlooCommunicator::AverageCompressed(absl::Span<const TensorView> tensors,
@@ -508,13 +478,9 @@ absl::Status GlooCommunicator::AverageCompressed(absl::Span<const TensorView> te
                                                  DType dtype, int divisor,
                                                  RoundOutcome* outcome) {
   const size_t bytes = static_cast<size_t>(total) * DTypeSize(dtype);
-  if (dtype != DType::kFloat32) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a ", PayloadName(options.payload),
-        " payload takes float32/float16/bfloat16 tensors; these include float64"));
-  }
-  // Packed into the staging (zeros for a member that does not contribute); the compressed
-  // result lands in the second half, and the tensors are written only on success.
+  // float32 only (PrepareRound). Packed into the staging (zeros for a member that does not
+  // contribute); the compressed result lands in the second half, and the tensors are written
+  // only on success.
   const size_t words = (2 * bytes + 7) / 8;
   if (staging_.size() < words) staging_.resize(words);
   float* in = reinterpret_cast<float*>(staging_.data());
@@ -530,7 +496,7 @@ absl::Status GlooCommunicator::AverageCompressed(absl::Span<const TensorView> te
     if (absl::Status c = Commit(); !c.ok()) {
       pending_.assign(reinterpret_cast<const double*>(result),
                       reinterpret_cast<const double*>(result) + (bytes + 7) / 8);
-      KeepPending(/*packed=*/true, total, dtype);
+      kept_.Keep(KeptResult::Form::kStaged, total, static_cast<int32_t>(dtype));
       *outcome = RoundOutcome::kFailedHoldingResult;
       return Break(c);
     }
@@ -587,7 +553,7 @@ absl::Status GlooCommunicator::AverageStaged(absl::Span<const TensorView> tensor
     if (absl::Status c = Commit(); !c.ok()) {
       // Keep the packed result aside; the tensors were never touched.
       pending_.swap(staging_);
-      KeepPending(/*packed=*/true, total, dtype);
+      kept_.Keep(KeptResult::Form::kStaged, total, static_cast<int32_t>(dtype));
       *outcome = RoundOutcome::kFailedHoldingResult;
       return Break(c);
     }
@@ -665,27 +631,20 @@ absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, P
 }
 
 absl::Status GlooCommunicator::AdoptPendingResult(absl::Span<const TensorView> tensors) {
+  absl::MutexLock l(&mu_);
+  MODELAVG_RETURN_IF_ERROR(kept_.CheckHeld());
   absl::StatusOr<int64_t> total = CheckHostTensors(tensors);
   if (!total.ok()) return total.status();
   const DType dtype = StagingDType(tensors);
-  absl::MutexLock l(&mu_);
-  if (!has_pending_) {
-    return absl::FailedPreconditionError("no averaging result is kept aside on this member");
-  }
-  if (*total != pending_numel_ || dtype != pending_dtype_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the kept result has ", pending_numel_, " elements; these tensors have ", *total));
-  }
-  if (pending_packed_) {
+  void* single = SingleBuffer(tensors);
+  MODELAVG_RETURN_IF_ERROR(
+      kept_.CheckLayout(*total, static_cast<int32_t>(dtype), single != nullptr));
+  if (kept_.form() == KeptResult::Form::kStaged) {
     Unpack(pending_.data(), dtype, tensors);
   } else {
-    void* single = SingleBuffer(tensors);
-    if (single == nullptr) {
-      return absl::InvalidArgumentError("the kept result is one buffer; these tensors are not");
-    }
     std::memcpy(single, pending_.data(), static_cast<size_t>(*total) * DTypeSize(dtype));
   }
-  has_pending_ = false;
+  kept_.Forget();
   return absl::OkStatus();
 }
 

@@ -9,7 +9,6 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include <sys/socket.h>
@@ -20,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/comm/communicator.h"
+#include "client/comm/round_agreement.h"
 #include "client/comm/gloo/gloo_mesh.h"  // CreateGlooDevice, IgnoreDefaultSigpipe; gloo's declarations
 
 namespace modelavg::client {
@@ -42,10 +42,14 @@ class GlooCommunicator : public Communicator {
   static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(
       gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
       int size, absl::Duration timeout, std::function<absl::Status()> store_error = nullptr,
-      bool in_place = false, std::shared_ptr<SetupCanceller> cancel = nullptr,
-      std::shared_ptr<FaultInjection> faults = nullptr);
+      bool in_place = false, std::shared_ptr<SetupCanceller> cancel = nullptr);
 
   ~GlooCommunicator() override;
+
+  // CommunicatorSetup::request_new_generation: called with the error when this member fails a
+  // round that was not agreed (its layout changed, or its preparation failed), where its peers
+  // cannot learn it in band (round_agreement.h). May be empty.
+  void SetNewGenerationRequest(std::function<void(const absl::Status&)> request);
 
   // One SUM all-reduce whose last reduction of each segment also divides by size(), so the
   // average costs no pass of its own (PyTorch divides first; the results agree to rounding,
@@ -54,13 +58,14 @@ class GlooCommunicator : public Communicator {
   // ring first touches it (while in cache) and restored if the collective fails (no backup with
   // in_place). Otherwise every tensor is packed
   // (converted) into one flat staging buffer, reduced, and copied back on success.
-  // The first call, and any call whose layout (total element count, staging dtype) differs
-  // from the last verified one, first checks that every member passes the same layout.
-  // With options.commit the result is confirmed by a one-element all-reduce before it is kept
-  // (see RoundOptions); a member that does not contribute (a replacement at its admission)
-  // reduces zeros, and the division is by options.contributors. options.step is checked with
-  // the layout on the communicator's first call.
-  // Errors as Communicator::AllReduceAverage; UNAVAILABLE when a peer's connection broke.
+  // The round protocol is round_agreement.h's: the members agree on the layout (total element
+  // count, staging dtype, divisor, step, fragment split; a local failure is carried in it) at
+  // the first call, at every fragment round and when the divisor changes, and compare it
+  // locally otherwise. With options.commit the result is confirmed by the commit vote before
+  // it is kept (see RoundOptions); a member that does not contribute (a replacement at its
+  // admission) reduces zeros, and the division is by options.contributors.
+  // Errors as Communicator::AllReduceAverage; UNAVAILABLE when a peer's connection broke;
+  // ABORTED when another member failed before the collective (this communicator stays usable).
   using Communicator::AllReduceAverage;
   absl::Status AllReduceAverage(absl::Span<const TensorView> tensors, const RoundOptions& options,
                                 RoundOutcome* outcome) override;
@@ -97,24 +102,29 @@ class GlooCommunicator : public Communicator {
                    int rank, int size, absl::Duration timeout, bool in_place);
   // Averages `data` (numel elements) in place: Gloo's ring SUM all-reduce with the division
   // by `divisor` fused into each segment's last reduction. With `backup` (numel elements),
-  // `data` is restored on failure. With `commit`, the members then confirm (Commit); when that
-  // fails, the result is moved to pending_ and `data` restored (*holding set).
+  // `data` is restored on failure. With `commit`, the members then vote (Commit); when that
+  // fails, the result is kept aside in pending_ and `data` restored (*holding set).
   absl::Status RunAverage(void* data, int64_t numel, DType dtype, void* backup,
                           size_t max_segment, int divisor, bool commit = false,
                           bool* holding = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The second phase of a committed round: a one-element all-reduce that succeeds only if
-  // every member's data all-reduce did.
+  // The commit vote of a committed round (CommitVote over a one-element sum all-reduce).
   absl::Status Commit() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Checks, with a small all-reduce, that the fused division lands where expected on this Gloo
   // build; otherwise averaging uses the staging path with a separate division. Errors: the
   // transport's.
   absl::Status ProbeFusedAverage();
-  // Every member's (total numel, staging dtype, signature) must be equal, and so must `step`
-  // (-1: any).
-  absl::Status CheckLayout(int64_t numel, DType dtype, int64_t step = -1, int64_t signature = 0)
+  // Step 1 of a round (round_agreement.h): `tensors` and `options` as this member's RoundLayout;
+  // non-OK when this member cannot take part (carried into the agreement).
+  absl::Status PrepareRound(absl::Span<const TensorView> tensors, const RoundOptions& options,
+                            RoundLayout* layout) const;
+  // Step 2: the agreement when it is due, the local comparison otherwise. Non-OK: the round
+  // ends here with that status (the communicator broken where the protocol says so).
+  absl::Status AgreeOnRound(absl::Span<const TensorView> tensors, const RoundOptions& options,
+                            const RoundLayout& layout, const absl::Status& local)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether CheckLayout passed for this layout before.
-  bool LayoutVerified(int64_t numel, DType dtype, int64_t signature) const
+  // The protocol's small all-reduces, in place: the agreement's max of the words, the commit
+  // vote's sum (`max` false). `what` names it in errors.
+  absl::Status AllReduceWords(int64_t* words, size_t n, bool max, const char* what)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The three ways of AllReduceAverage, for a round of `total` elements of staging `dtype` that
   // passed the layout check: a compressed payload (packed, RunCompressed); one contributing
@@ -130,9 +140,6 @@ class GlooCommunicator : public Communicator {
   absl::Status AverageStaged(absl::Span<const TensorView> tensors, const RoundOptions& options,
                              int64_t total, DType dtype, int divisor, RoundOutcome* outcome)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Records that pending_ now holds a result kept aside by a failed commit: `packed` (the
-  // staging layout) or one buffer's raw bytes, of numel elements of dtype.
-  void KeepPending(bool packed, int64_t numel, DType dtype) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The compressed average of the float32 buffer `data` (numel elements): every member's chunk
   // j of the encoded buffer goes to member j (all-to-all), which sums the decoded chunks in
   // float32, divides by `divisor` and encodes the result; an all-gather of the encoded results
@@ -168,16 +175,10 @@ class GlooCommunicator : public Communicator {
   mutable absl::Mutex mu_;
   // Whether the division can be fused into Gloo's ring (ProbeFusedAverage).
   bool fused_ ABSL_GUARDED_BY(mu_) = false;
-  // The step of the round in progress (RoundOptions::step), for the fault seam's lost commit.
-  int64_t round_step_ ABSL_GUARDED_BY(mu_) = -1;
   // Non-OK once a collective failed: the mesh is then in an unknown state.
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
-  bool layout_checked_ ABSL_GUARDED_BY(mu_) = false;
-  int64_t checked_numel_ ABSL_GUARDED_BY(mu_) = 0;
-  DType checked_dtype_ ABSL_GUARDED_BY(mu_) = DType::kFloat32;
-  // Every (numel, dtype, signature) that passed CheckLayout (a fragmented level alternates
-  // between a few layouts; each is agreed once).
-  std::vector<std::tuple<int64_t, DType, int64_t>> verified_layouts_ ABSL_GUARDED_BY(mu_);
+  // The layout the members agreed on, and when they agree again.
+  RoundAgreement agreement_ ABSL_GUARDED_BY(mu_);
   int64_t bytes_sent_ ABSL_GUARDED_BY(mu_) = 0;
   // The compressed path's buffers (RunCompressed).
   std::vector<uint8_t> wire_send_ ABSL_GUARDED_BY(mu_);
@@ -185,15 +186,10 @@ class GlooCommunicator : public Communicator {
   std::vector<float> chunk_ ABSL_GUARDED_BY(mu_);
   // Persistent staging (doubles keep it aligned for either staging dtype).
   std::vector<double> staging_ ABSL_GUARDED_BY(mu_);
-  // Whether the step of a round has been checked (the first call with a step).
-  bool step_checked_ ABSL_GUARDED_BY(mu_) = false;
-  // A result kept aside by a failed commit: the raw bytes of one buffer, or the packed staging
-  // (pending_packed_), for numel elements of dtype.
+  // A result kept aside by a failed commit vote (kept_ says of what): the raw bytes of one
+  // buffer, or the packed staging.
   std::vector<double> pending_ ABSL_GUARDED_BY(mu_);
-  bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
-  bool pending_packed_ ABSL_GUARDED_BY(mu_) = false;
-  int64_t pending_numel_ ABSL_GUARDED_BY(mu_) = 0;
-  DType pending_dtype_ ABSL_GUARDED_BY(mu_) = DType::kFloat32;
+  KeptResult kept_ ABSL_GUARDED_BY(mu_);
   uint32_t next_tag_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

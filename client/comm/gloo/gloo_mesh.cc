@@ -12,7 +12,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/base/error_kind.h"
-#include "client/comm/fault_injection.h"
 #include "common/status_util.h"
 #include "gloo/common/error.h"
 #include "gloo/context.h"
@@ -127,18 +126,6 @@ class TrackedTransport final : public gloo::transport::Context {
   const std::shared_ptr<MeshWaits> waits_;
 };
 
-// Whether this end of `pair` is the one that connects to `peer` (Gloo's tcp::Pair::connect: the
-// greater address connects, the other accepts).
-bool ConnectsTo(gloo::transport::Pair& pair, const sockaddr_storage& peer) {
-  const std::vector<char> own_bytes = pair.address().bytes();
-  const sockaddr_storage own = gloo::transport::tcp::Address(own_bytes).getSockaddr();
-  if (own.ss_family != AF_INET || peer.ss_family != AF_INET) return true;
-  const auto* a = reinterpret_cast<const sockaddr_in*>(&own);
-  const auto* b = reinterpret_cast<const sockaddr_in*>(&peer);
-  const int rv = std::memcmp(&a->sin_addr, &b->sin_addr, sizeof(in_addr));
-  return rv != 0 ? rv > 0 : a->sin_port - b->sin_port > 0;
-}
-
 }  // namespace
 
 void MeshWaits::AbortAll() {
@@ -238,7 +225,7 @@ absl::StatusOr<std::shared_ptr<gloo::Context>> ConnectMesh(
     gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
     int size, absl::Duration timeout, absl::Time deadline,
     const std::shared_ptr<SetupCanceller>& cancel, std::vector<sockaddr_storage>* peers,
-    FaultInjection* faults, std::shared_ptr<MeshWaits> waits) {
+    std::shared_ptr<MeshWaits> waits) {
   peers->assign(static_cast<size_t>(size), sockaddr_storage{});
   std::shared_ptr<gloo::transport::Context> transport = device->createContext(rank, size);
   transport->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
@@ -283,9 +270,6 @@ absl::StatusOr<std::shared_ptr<gloo::Context>> ConnectMesh(
                                     all.begin() + (index + 1) * each);
     if (address.size() == gloo::transport::tcp::Address().bytes().size()) {
       (*peers)[i] = gloo::transport::tcp::Address(address).getSockaddr();
-      if (faults != nullptr && ConnectsTo(*transport->getPair(i), (*peers)[i])) {
-        faults->MaybeStrayConnectTo((*peers)[i]);
-      }
     }
     try {
       transport->getPair(i)->connect(address);

@@ -21,7 +21,6 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "client/comm/communicator.h"
-#include "client/comm/fault_injection.h"
 
 namespace gloo {
 class Context;
@@ -97,15 +96,14 @@ class MeshWaits {
 // the pairs, which wakes a connect in progress. connectFullMesh is not used: it waits for each
 // peer up to five times the timeout and cannot be interrupted. The store's waits end at
 // `deadline`; `timeout` is the transport's and the context's. `peers` receives each member's
-// data address (unset where the transport is not TCP); `faults` (may be null) may put a stray
-// connection ahead of this member's. Throws what Gloo and the store throw; a failed connect is
-// UNAVAILABLE with kStrayConnection and the peer's rank (its port refused or dropped us). Every
-// unbound buffer the context makes is registered with `waits` (not null).
+// data address (unset where the transport is not TCP). Throws what Gloo and the store throw; a
+// failed connect is UNAVAILABLE with kStrayConnection and the peer's rank (its port refused or
+// dropped us). Every unbound buffer the context makes is registered with `waits` (not null).
 absl::StatusOr<std::shared_ptr<gloo::Context>> ConnectMesh(
     gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
     int size, absl::Duration timeout, absl::Time deadline,
     const std::shared_ptr<SetupCanceller>& cancel, std::vector<sockaddr_storage>* peers,
-    FaultInjection* faults, std::shared_ptr<MeshWaits> waits);
+    std::shared_ptr<MeshWaits> waits);
 
 }  // namespace modelavg::client
 

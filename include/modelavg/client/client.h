@@ -41,7 +41,7 @@ namespace modelavg::client {
 class CoordinatorClient;
 class CoordinatorOutage;
 class CommunicatorCache;
-class FaultInjection;
+class CommunicatorFactory;
 class DecisionWindow;
 class Heartbeat;
 class RoundNotes;
@@ -131,6 +131,11 @@ class Client {
   // unreachable), UNAUTHENTICATED / PERMISSION_DENIED (token or TLS), CANCELLED
   // (options.cancel was cancelled while joining).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
+  // The same, with this client's communicators made by `communicators` (the library's internal
+  // interface, client/comm/communicator_factory.h; null: this build's backends) instead of the
+  // backends themselves: for tests and tools that wrap the real communicators in fakes.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(
+      ClientOptions options, std::unique_ptr<CommunicatorFactory> communicators);
 
   // Leaves the job (reason "client destroyed") unless Leave was called, and stops the heartbeat.
   ~Client();
@@ -235,10 +240,6 @@ class Client {
   // on again), DEADLINE_EXCEEDED, INTERNAL (the notes contradict each other).
   absl::StatusOr<bool> PeerCompletedRound(const Decision& decision, int64_t attempt_generation);
 
-  // Tests (the one seam, client/comm/fault_injection.h): faults for every communicator of this
-  // client, e.g. faults()->LoseCommitAt(step).
-  FaultInjection* faults() const { return faults_.get(); }
-
   // The RPC wrapper (communicator bootstrap). Owned by this client.
   CoordinatorClient* coordinator() const { return coordinator_.get(); }
   // The communicators of this membership, shared by every averager on this client.
@@ -248,7 +249,7 @@ class Client {
   Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator,
          std::unique_ptr<CoordinatorOutage> outage, int32_t rank, int64_t generation,
          Schedule schedule, absl::Duration heartbeat_timeout, std::string incarnation,
-         bool elastic);
+         bool elastic, std::unique_ptr<CommunicatorFactory> communicators);
   // The view of `job` as this rank reads it (membership_view.h).
   std::optional<MembershipView> ViewOf(const v1::Job& job, std::string* why) const;
   // A LeaveRequest for this rank at its current generation (reason and failed left unset).
@@ -282,8 +283,6 @@ class Client {
   const bool elastic_;
   const absl::Duration heartbeat_timeout_;
   int64_t admission_step_ = -1;
-  // Before communicators_: the cache hands it to every communicator it makes.
-  const std::shared_ptr<FaultInjection> faults_;
   std::unique_ptr<CommunicatorCache> communicators_;
   // The parts, each with its own lock, built on the coordinator connection above.
   const std::unique_ptr<DecisionWindow> decisions_;

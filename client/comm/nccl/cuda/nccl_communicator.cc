@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/base/half.h"
+#include "client/comm/nccl/nccl_bootstrap.h"
 #include "client/rpc/coordinator_client.h"
 #include "common/cuda_check.h"
 #include "common/status_util.h"
@@ -284,11 +285,6 @@ absl::Status NcclCommunicator::AdoptPendingResult(absl::Span<const TensorView> t
   ScopedCudaDevice on(device());
   MODELAVG_RETURN_IF_ERROR(on.status());
   return core_.Adopt(tensors);
-}
-
-void NcclCommunicator::set_faults(std::shared_ptr<FaultInjection> faults) {
-  absl::MutexLock l(&mu_);
-  core_.set_faults(std::move(faults));
 }
 
 absl::Status NcclCommunicator::AllToAll(const void* send, void* recv, size_t bytes,

@@ -5,9 +5,10 @@
 // PublishCommId under the attempt's key (NcclUniqueIdKey); the others fetch it with GetCommId;
 // all call ncclCommInitRankConfig with blocking = 0, so that both the init and every collective
 // can be abandoned with ncclCommAbort.
-// Averaging (the host logic is NcclCore, nccl_core.h): every call first all-reduces a small
-// int64 layout signature (layout, step, divisor), which also carries local failures, so that
-// the members always issue the same collectives. When the tensors are back to back in one buffer of one dtype (see
+// Averaging (the host logic is NcclCore, nccl_core.h; the round protocol round_agreement.h's):
+// the first call, and every call where the members know alike that it is due, first all-reduces
+// a small int64 layout signature (layout, step, divisor, fragment split), which also carries
+// local failures, so that the members always issue the same collectives. When the tensors are back to back in one buffer of one dtype (see
 // ContiguousParameters) the all-reduce then runs in place with no copy; otherwise one fused
 // gather kernel fills a persistent staging buffer (every tensor at a 16-byte aligned offset) and
 // one fused scatter copies the result back; bfloat16 is reduced in float32. The staged path
@@ -77,7 +78,6 @@ class NcclCommunicator : public Communicator, private CudaLocalOps {
   // Writes the result a failed commit kept aside (staging buffer or pending device buffer)
   // into `tensors`; works on the aborted communicator (local copies only).
   absl::Status AdoptPendingResult(absl::Span<const TensorView> tensors) override;
-  void set_faults(std::shared_ptr<FaultInjection> faults) override;
 
   // A raw in-place ncclAllReduce of one buffer (ncclAvg, or ncclSum with `sum`), waited for
   // (benchmark baseline; tests of NCCL's arithmetic).

@@ -10,8 +10,8 @@
 // every operation as enqueued and as run, so that a test can count what a call costs. A
 // FakeWorld can be aborted, as a generation move aborts the peers' collectives. Params is host
 // memory standing in for one member's CUDA tensors.
-#ifndef MODELAVG_TESTS_TOOLS_FAKE_NCCL_DEVICE_H_
-#define MODELAVG_TESTS_TOOLS_FAKE_NCCL_DEVICE_H_
+#ifndef MODELAVG_TESTS_TESTING_FAKE_NCCL_DEVICE_H_
+#define MODELAVG_TESTS_TESTING_FAKE_NCCL_DEVICE_H_
 
 #include <algorithm>
 #include <cstdlib>
@@ -356,6 +356,12 @@ class FakeOps : public NcclDeviceOps {
     if (aborted) return absl::InternalError("communicator aborted");
     MODELAVG_RETURN_IF_ERROR(Drain(stream));
     if (!async_error_.ok()) return async_error_;
+    if (lose_commits > 0 && std::string(what) == "commit of the averaging round") {
+      // The commit ran everywhere (its peers completed the round) but this member's wait for it
+      // failed, as when its last receive breaks.
+      --lose_commits;
+      return absl::UnavailableError("the commit's last receive broke on this member (simulated)");
+    }
     if (fail_average_waits > 0 && std::string(what) == "ncclAllReduce") {
       // The collective ran (its peers have their result) but failed here: NCCL leaves the
       // buffer partly reduced.
@@ -455,6 +461,7 @@ class FakeOps : public NcclDeviceOps {
   int fail_averages = 0;
   int fail_average_waits = 0;  // the next this many data all-reduces fail after running
   int skip_commits = 0;        // the next this many commits are not issued by this member
+  int lose_commits = 0;        // the next this many commits complete but fail on this member
   int64_t wire_bytes = 0;  // what the data collectives sent from this member (the transport's)
   int mallocs = 0;
   int host_mallocs = 0;  // of which pinned host memory
@@ -732,4 +739,4 @@ struct Params {
 
 }  // namespace modelavg::client
 
-#endif  // MODELAVG_TESTS_TOOLS_FAKE_NCCL_DEVICE_H_
+#endif  // MODELAVG_TESTS_TESTING_FAKE_NCCL_DEVICE_H_

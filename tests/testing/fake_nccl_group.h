@@ -1,9 +1,9 @@
-// A communicator of simulated members on the fake device of tests/tools/fake_nccl_device.h, for
+// A communicator of simulated members on the fake device of tests/testing/fake_nccl_device.h, for
 // tests that run a group's rounds with its members as threads: one FakeWorld, and per member a
 // FakeOps and an initialised NcclCore (member m is rank m of n). Also the outer rule of a spec's
 // level as the device outer states take it.
-#ifndef MODELAVG_TESTS_TOOLS_FAKE_NCCL_GROUP_H_
-#define MODELAVG_TESTS_TOOLS_FAKE_NCCL_GROUP_H_
+#ifndef MODELAVG_TESTS_TESTING_FAKE_NCCL_GROUP_H_
+#define MODELAVG_TESTS_TESTING_FAKE_NCCL_GROUP_H_
 
 #include <memory>
 #include <vector>
@@ -12,7 +12,7 @@
 #include "gtest/gtest.h"
 #include "modelavg/common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
-#include "tests/tools/fake_nccl_device.h"
+#include "tests/testing/fake_nccl_device.h"
 
 namespace modelavg::client {
 
@@ -41,4 +41,4 @@ inline OuterSgd OuterSgdOf(const v1::Level& l) {
 
 }  // namespace modelavg::client
 
-#endif  // MODELAVG_TESTS_TOOLS_FAKE_NCCL_GROUP_H_
+#endif  // MODELAVG_TESTS_TESTING_FAKE_NCCL_GROUP_H_

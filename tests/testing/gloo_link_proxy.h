@@ -1,10 +1,12 @@
-// A silent link for Gloo tests with ranks as threads: the TCP connections of one rank go through
-// a proxy that can stop forwarding (at once, or after a given number of bytes) while keeping
-// every socket open, so the peers see neither a reset nor a close — only silence, as with a
-// stopped process or a dropped route. Gloo's rendezvous is steered through the proxy by a store
-// view that hands the connecting side of each of that rank's pairs the proxy's address.
-#ifndef MODELAVG_TESTS_TOOLS_GLOO_LINK_PROXY_H_
-#define MODELAVG_TESTS_TOOLS_GLOO_LINK_PROXY_H_
+// A silent or broken link for Gloo tests with ranks as threads: the TCP connections of one rank go
+// through a proxy that can stop forwarding (at once, or after a given number of bytes) while
+// keeping every socket open, so the peers see neither a reset nor a close — only silence, as with
+// a stopped process or a dropped route — or that closes them after a given number of bytes, as
+// when a peer's process dies or its connection is reset mid-collective. Gloo's rendezvous is
+// steered through the proxy by a store view that hands the connecting side of each of that rank's
+// pairs the proxy's address.
+#ifndef MODELAVG_TESTS_TESTING_GLOO_LINK_PROXY_H_
+#define MODELAVG_TESTS_TESTING_GLOO_LINK_PROXY_H_
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -55,6 +57,18 @@ class LinkProxy {
   void StallAfter(int64_t bytes) {
     absl::MutexLock l(&mu_);
     stall_at_ = forwarded_ + bytes;
+    drop_ = false;
+  }
+  // Closes both ends of every connection once `bytes` more bytes (both directions together)
+  // have passed: the peers see their connection broken.
+  void DropAfter(int64_t bytes) {
+    absl::MutexLock l(&mu_);
+    stall_at_ = forwarded_ + bytes;
+    drop_ = true;
+  }
+  bool dropped() const {
+    absl::MutexLock l(&mu_);
+    return dropped_;
   }
   int64_t forwarded() const {
     absl::MutexLock l(&mu_);
@@ -72,9 +86,24 @@ class LinkProxy {
     return stall_at_ < 0 ? -1 : stall_at_ - forwarded_;
   }
 
+  // Whether the budget is spent on a link that is to break (then marked broken).
+  bool DropDue() {
+    absl::MutexLock l(&mu_);
+    if (!drop_ || stall_at_ < 0 || forwarded_ < stall_at_) return false;
+    dropped_ = true;
+    return true;
+  }
+
   void Loop() {
     std::vector<char> buf(1 << 16);
     while (!stop_) {
+      if (DropDue()) {
+        for (auto& [a, b] : conns_) {
+          close(a);
+          close(b);
+        }
+        conns_.clear();
+      }
       const int64_t budget = Budget();
       std::vector<pollfd> fds = {{listen_fd_, POLLIN, 0}};
       if (budget != 0) {
@@ -137,6 +166,9 @@ class LinkProxy {
   mutable absl::Mutex mu_;
   int64_t forwarded_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t stall_at_ ABSL_GUARDED_BY(mu_) = -1;
+  // Past stall_at_ the connections are closed rather than left silent.
+  bool drop_ ABSL_GUARDED_BY(mu_) = false;
+  bool dropped_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 
@@ -245,4 +277,4 @@ class DroppingStore : public gloo::rendezvous::Store {
 
 }  // namespace modelavg::testing
 
-#endif  // MODELAVG_TESTS_TOOLS_GLOO_LINK_PROXY_H_
+#endif  // MODELAVG_TESTS_TESTING_GLOO_LINK_PROXY_H_

@@ -1,0 +1,162 @@
+// What the NCCL round (nccl_core.h) needs from CUDA and NCCL, as an interface (NcclDeviceOps):
+// NcclCommunicator supplies the real operations (cuda/), tests a simulated device. Also the
+// device buffers that only grow (GrowableBuffer) and the staging chunk table's upload.
+#ifndef MODELAVG_CLIENT_COMM_NCCL_NCCL_DEVICE_OPS_H_
+#define MODELAVG_CLIENT_COMM_NCCL_NCCL_DEVICE_OPS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "client/comm/nccl/outer_step_args.h"
+#include "client/payload/staging_layout.h"
+#include "modelavg/common/schedule.h"
+
+namespace modelavg::client {
+
+// What NcclCore needs from CUDA and NCCL. Stream arguments are cudaStream_t.
+class NcclDeviceOps {
+ public:
+  enum class Reduce {
+    kLayoutMax,  // int64, ncclMax
+    kAverage,    // staging code; the sum of every member's x / divisor (ncclAvg when the
+                 // divisor is the communicator's size, see NcclCommunicator::AllReduce)
+    kCommitSum,  // int64, ncclSum
+  };
+
+  virtual ~NcclDeviceOps() = default;
+  virtual absl::Status Malloc(void** p, size_t bytes) = 0;      // device memory
+  virtual void Free(void* p) = 0;
+  virtual absl::Status MallocHost(void** p, size_t bytes) = 0;  // pinned host memory
+  virtual void FreeHost(void* p) = 0;
+  // Enqueued on `stream`.
+  virtual absl::Status Zero(void* p, size_t bytes, void* stream) = 0;
+  virtual absl::Status Copy(void* dst, const void* src, size_t bytes, void* stream) = 0;
+  virtual absl::Status Gather(const StagingChunk* chunks, int64_t num_chunks, void* staging,
+                              int32_t staging_code, void* stream) = 0;
+  virtual absl::Status Scatter(const StagingChunk* chunks, int64_t num_chunks,
+                               const void* staging, int32_t staging_code, void* stream) = 0;
+  // An in-place ncclAllReduce of `count` elements; returns once NCCL has accepted it.
+  // `divisor` (kAverage only; >= 1): what the sum is divided by.
+  virtual absl::Status AllReduce(void* buffer, size_t count, Reduce op, int32_t staging_code,
+                                 int divisor, void* stream) = 0;
+  // Waits until `stream` has drained (deadline, NCCL async errors, generation check).
+  virtual absl::Status Wait(void* stream, const char* what) = 0;
+  // Waits until `stream` has drained, for local work only (copies, kernels): a deadline, but no
+  // NCCL call and no generation check, so that it works on an aborted communicator (restoring
+  // the backup, adopting a kept result).
+  virtual absl::Status WaitLocal(void* stream, const char* what) = 0;
+  // ncclCommAbort (once).
+  virtual void AbortCommunicator() = 0;
+
+  // The outer optimizer's passes on CUDA parameters (device_outer_state.h), enqueued on `stream`. In
+  // `chunks` (device memory), staging_offset is the element's offset in the state buffers, all of
+  // `state_code` (kStageF32 or kStageF64). OuterDifference: gradient[o + i] := anchor[o + i] -
+  // tensor[i]; OuterStep: the SGD step of OuterStepArgs, then tensor[i] := anchor[o + i].
+  virtual absl::Status OuterDifference(const StagingChunk* /*chunks*/, int64_t /*num_chunks*/,
+                                       const void* /*anchor*/, void* /*gradient*/,
+                                       int32_t /*state_code*/, void* /*stream*/) {
+    return absl::UnimplementedError("this device has no outer optimizer kernels");
+  }
+  virtual absl::Status OuterStep(const StagingChunk* /*chunks*/, int64_t /*num_chunks*/,
+                                 const OuterStepArgs& /*args*/, void* /*stream*/) {
+    return absl::UnimplementedError("this device has no outer optimizer kernels");
+  }
+  // Streaming sync's mix (Level.mix): tensor[i] := (1 - mix) * tensor[i] + mix * local[o + i]
+  // in double, rounded once to the tensor's dtype; `local` in the state dtype `state_code`.
+  virtual absl::Status OuterMix(const StagingChunk* /*chunks*/, int64_t /*num_chunks*/,
+                                const void* /*local*/, int32_t /*state_code*/, double /*mix*/,
+                                void* /*stream*/) {
+    return absl::UnimplementedError("this device has no outer optimizer kernels");
+  }
+  // Compressed payloads (RoundOptions::payload, client/payload/payload_codec.h), enqueued on `stream`.
+  // A buffer of `numel` float32 elements is cut into `parts` parts of `part` elements (the last
+  // ones zero-padded); part j's encoding lies at byte j * stride of the wire buffer (stride: a
+  // multiple of 16 at least EncodedBytes(payload, part)). The arithmetic is the host codec's,
+  // so that every member decodes the same bytes to the same floats.
+  // EncodeParts: wire part j := encode(in[j * part, (j + 1) * part)).
+  virtual absl::Status EncodeParts(Payload /*payload*/, const float* /*in*/, int64_t /*numel*/,
+                                   int64_t /*part*/, int /*parts*/, size_t /*stride*/,
+                                   void* /*wire*/, void* /*stream*/) {
+    return absl::UnimplementedError("this device has no payload kernels");
+  }
+  // out[i] := (sum over j = 0, 1, ... of decode(wire part j)[i], in float32) * scale, i < part.
+  virtual absl::Status DecodeSumParts(Payload /*payload*/, const void* /*wire*/, int /*parts*/,
+                                      int64_t /*part*/, size_t /*stride*/, float /*scale*/,
+                                      float* /*out*/, void* /*stream*/) {
+    return absl::UnimplementedError("this device has no payload kernels");
+  }
+  // out[j * part + i] := decode(wire part j)[i], for the first `numel` elements.
+  virtual absl::Status DecodeParts(Payload /*payload*/, const void* /*wire*/, int64_t /*numel*/,
+                                   int64_t /*part*/, size_t /*stride*/, float* /*out*/,
+                                   void* /*stream*/) {
+    return absl::UnimplementedError("this device has no payload kernels");
+  }
+  // The byte collectives of a compressed round: AllToAll sends bytes [j * bytes, (j + 1) *
+  // bytes) of `send` to member j and receives member j's into the same range of `recv`;
+  // AllGather puts member j's `bytes` of `send` at j * bytes of `recv`. Return once NCCL has
+  // accepted them (Wait reports their completion).
+  virtual absl::Status AllToAll(const void* /*send*/, void* /*recv*/, size_t /*bytes*/,
+                                void* /*stream*/) {
+    return absl::UnimplementedError("this communicator has no all-to-all");
+  }
+  virtual absl::Status AllGather(const void* /*send*/, void* /*recv*/, size_t /*bytes*/,
+                                 void* /*stream*/) {
+    return absl::UnimplementedError("this communicator has no all-gather");
+  }
+
+  // The staged path's pipeline: a stream of its own for the gathers (cudaStream_t,
+  // non-blocking) and events between it and the caller's stream (cudaEvent_t, no timing).
+  // A device without streams of its own keeps these defaults: *stream = nullptr means "none",
+  // and the pipeline then runs on the caller's stream, in order.
+  virtual absl::Status CreateStream(void** stream) {
+    *stream = nullptr;
+    return absl::OkStatus();
+  }
+  virtual void DestroyStream(void* /*stream*/) {}
+  virtual absl::Status CreateEvent(void** event) {
+    *event = nullptr;
+    return absl::OkStatus();
+  }
+  virtual void DestroyEvent(void* /*event*/) {}
+  // Enqueued on `stream`: the event fires once the work enqueued on it before has run.
+  virtual absl::Status RecordEvent(void* /*event*/, void* /*stream*/) { return absl::OkStatus(); }
+  // `stream`'s later work waits until `event` (as last recorded) fires.
+  virtual absl::Status StreamWaitEvent(void* /*stream*/, void* /*event*/) {
+    return absl::OkStatus();
+  }
+};
+
+// The staged path's bucket: the data all-reduce runs in pieces of this many bytes (one piece
+// per bucket), each gathered on a stream of its own, so that bucket k + 1 is gathered while
+// bucket k is reduced. Large enough that NCCL runs each piece at full bandwidth.
+inline constexpr size_t kStagingBucketBytes = size_t{32} << 20;
+
+// A device (or pinned) allocation that only grows. After a failed growth it holds nothing:
+// never a freed or null pointer with an old size recorded.
+class GrowableBuffer {
+ public:
+  explicit GrowableBuffer(bool pinned_host = false) : pinned_host_(pinned_host) {}
+  // Ensures capacity() >= bytes; `*grown` says whether it (re)allocated.
+  absl::Status Reserve(NcclDeviceOps& ops, size_t bytes, bool* grown = nullptr);
+  void Release(NcclDeviceOps& ops);
+  void* data() const { return data_; }
+  size_t capacity() const { return capacity_; }
+
+ private:
+  const bool pinned_host_;
+  void* data_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+// Uploads a staging chunk table to `device` (grown as needed) on `stream`. The upload may read
+// the host table asynchronously: `host` keeps it, unchanged until the next upload (every call
+// waits on the stream before that); it is cleared when the upload fails.
+absl::Status UploadChunkTable(NcclDeviceOps& ops, const std::vector<StagingChunk>& chunks,
+                              std::vector<StagingChunk>* host, GrowableBuffer* device,
+                              void* stream);
+
+}  // namespace modelavg::client
+
+#endif  // MODELAVG_CLIENT_COMM_NCCL_NCCL_DEVICE_OPS_H_
