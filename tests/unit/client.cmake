@@ -14,6 +14,9 @@ modelavg_add_gtest(client_gloo_setup_test SOURCES client_gloo_setup_test.cc
                    LIBS modelavg_client modelavg_testing TIMEOUT 60)
 modelavg_add_gtest(client_gloo_round_test SOURCES client_gloo_round_test.cc
                    LIBS modelavg_client modelavg_testing TIMEOUT 120)
+# The finite check (client/comm/finite_check.h): the scan, and Gloo rounds with a NaN or an Inf.
+modelavg_add_gtest(client_finite_check_test SOURCES client_finite_check_test.cc
+                   LIBS modelavg_client TIMEOUT 120)
 # The round protocol both backends speak (client/comm/round_agreement.h), on its own.
 modelavg_add_gtest(client_round_agreement_test SOURCES client_round_agreement_test.cc
                    LIBS modelavg_client)

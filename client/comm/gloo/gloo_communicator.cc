@@ -14,6 +14,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/base/error_kind.h"
+#include "client/comm/finite_check.h"
 #include "client/comm/gloo/gloo_mesh.h"
 #include "client/comm/peer_probe.h"
 #include "client/payload/host_staging.h"
@@ -392,6 +393,7 @@ absl::Status GlooCommunicator::PrepareRound(absl::Span<const TensorView> tensors
   layout->divisor = options.contributors > 0 ? options.contributors : size_;
   layout->step = options.step;
   layout->fragment_signature = options.layout_signature;
+  layout->check_finite = options.check_finite;
   absl::StatusOr<int64_t> total = CheckHostTensors(tensors);
   if (!total.ok()) return total.status();
   layout->total = layout->count = *total;
@@ -416,7 +418,7 @@ absl::Status GlooCommunicator::AgreeOnRound(absl::Span<const TensorView> tensors
   // Gloo packs without padding: its collectives depend on the total and the dtype alone, not
   // on how the tensors split them.
   const uint64_t fingerprint = LayoutFingerprint({}, layout.dtype, layout.count);
-  bool agree = agreement_.Due(options.layout_signature, layout.divisor);
+  bool agree = agreement_.Due(options.layout_signature, layout.divisor, layout.check_finite);
   if (!agree && local.ok()) {
     local = agreement_.CheckUnchanged(fingerprint, tensors.size(), layout.total, &agree);
   }
@@ -467,7 +469,8 @@ absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
     return AverageCompressed(tensors, options, total, dtype, layout.divisor, outcome);
   }
   void* single = SingleBuffer(tensors);
-  if (fused_ && single != nullptr && options.contribute) {
+  // The finite check travels in slots after the data (finite_check.h): staged.
+  if (fused_ && single != nullptr && options.contribute && !options.check_finite) {
     return AverageInPlace(single, options, total, dtype, layout.divisor, outcome);
   }
   return AverageStaged(tensors, options, total, dtype, layout.divisor, outcome);
@@ -485,13 +488,19 @@ absl::Status GlooCommunicator::AverageCompressed(absl::Span<const TensorView> te
   if (staging_.size() < words) staging_.resize(words);
   float* in = reinterpret_cast<float*>(staging_.data());
   float* result = in + total;
+  NonFiniteFinding finding;
   if (options.contribute) {
-    PackDivided(tensors, dtype, 1.0, in);
+    PackDivided(tensors, dtype, 1.0, in, options.check_finite ? &finding : nullptr);
   } else {
     std::memset(in, 0, bytes);
   }
-  absl::Status s = RunCompressed(in, total, options.payload, divisor, result);
+  // With the finite check, every member's code rides in each encoded part it sends: after the
+  // all-to-all every member has all of them, and all decide alike before the all-gather.
+  std::vector<int64_t> codes;
+  absl::Status s = RunCompressed(in, total, options.payload, divisor, result,
+                                 options.check_finite ? &codes : nullptr, FindingCode(finding));
   if (!s.ok()) return Break(s);
+  if (options.check_finite) MODELAVG_RETURN_IF_ERROR(DecideFinite(codes, options.step));
   if (options.commit) {
     if (absl::Status c = Commit(); !c.ok()) {
       pending_.assign(reinterpret_cast<const double*>(result),
@@ -533,12 +542,25 @@ absl::Status GlooCommunicator::AverageStaged(absl::Span<const TensorView> tensor
                                              const RoundOptions& options, int64_t total,
                                              DType dtype, int divisor, RoundOutcome* outcome) {
   const size_t bytes = static_cast<size_t>(total) * DTypeSize(dtype);
+  // With the finite check, one slot per member after the data (finite_check.h).
+  const int slots = options.check_finite ? size_ : 0;
+  const size_t staged = bytes + static_cast<size_t>(slots) * DTypeSize(dtype);
   // One flat staging buffer, copied back only on success. A member that does not contribute
   // reduces zeros.
-  if (staging_.size() * sizeof(double) < bytes) staging_.resize((bytes + 7) / 8);
+  if (staging_.size() * sizeof(double) < staged) staging_.resize((staged + 7) / 8);
   absl::Status s;
   if (!options.contribute) std::memset(staging_.data(), 0, bytes);
-  if (fused_) {
+  void* slot_area = reinterpret_cast<char*>(staging_.data()) + bytes;
+  if (options.check_finite) {
+    // Divided before the sum, as PyTorch does (the largest floats cannot overflow into a
+    // false Inf), the test fused into the copy; the slots are summed whole.
+    NonFiniteFinding finding;
+    if (options.contribute) {
+      PackDivided(tensors, dtype, static_cast<double>(divisor), staging_.data(), &finding);
+    }
+    WriteFiniteSlots(slot_area, dtype, size_, rank_, FindingCode(finding));
+    s = RunSum(staging_.data(), total + slots, dtype);
+  } else if (fused_) {
     if (options.contribute) PackDivided(tensors, dtype, 1.0, staging_.data());
     s = RunAverage(staging_.data(), total, dtype, /*backup=*/nullptr, kDefaultMaxSegment,
                    divisor);
@@ -549,6 +571,12 @@ absl::Status GlooCommunicator::AverageStaged(absl::Span<const TensorView> tensor
     s = RunSum(staging_.data(), total, dtype);
   }
   if (!s.ok()) return Break(s);
+  if (options.check_finite) {
+    // Every member read the same slots: all decide alike, nobody writes a result a NaN or an
+    // Inf went into, and the communicator stays usable.
+    MODELAVG_RETURN_IF_ERROR(
+        DecideFinite(ReadFiniteSlots(slot_area, dtype, size_), options.step));
+  }
   if (options.commit) {
     if (absl::Status c = Commit(); !c.ok()) {
       // Keep the packed result aside; the tensors were never touched.
@@ -564,14 +592,18 @@ absl::Status GlooCommunicator::AverageStaged(absl::Span<const TensorView> tensor
 }
 
 absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, Payload payload,
-                                             int divisor, float* out) {
+                                             int divisor, float* out,
+                                             std::vector<int64_t>* codes, int64_t code) {
   const int n = size_;
   // Chunk j: elements [j * chunk, min((j + 1) * chunk, numel)), encoded into `enc` bytes
-  // (zero-padded to `chunk` elements so that every member's pieces have one size).
+  // (zero-padded to `chunk` elements so that every member's pieces have one size). With
+  // `codes`, each piece of the all-to-all also carries this member's finite-check code after
+  // its encoding (`stride` bytes a piece).
   const int64_t chunk = (numel + n - 1) / n;
   const size_t enc = EncodedBytes(payload, chunk);
-  wire_send_.assign(enc * n, 0);
-  wire_recv_.assign(enc * n, 0);
+  const size_t stride = codes != nullptr ? (enc + 7) / 8 * 8 + sizeof(int64_t) : enc;
+  wire_send_.assign(std::max(stride, enc) * n, 0);
+  wire_recv_.assign(std::max(stride, enc) * n, 0);
   chunk_.assign(static_cast<size_t>(chunk), 0.0f);
   const auto range = [&](int j) {
     const int64_t lo = std::min<int64_t>(numel, j * chunk);
@@ -581,7 +613,10 @@ absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, P
     const auto [lo, len] = range(j);
     std::fill(chunk_.begin(), chunk_.end(), 0.0f);
     std::memcpy(chunk_.data(), data + lo, static_cast<size_t>(len) * sizeof(float));
-    EncodePayload(payload, chunk_.data(), chunk, wire_send_.data() + j * enc);
+    EncodePayload(payload, chunk_.data(), chunk, wire_send_.data() + j * stride);
+    if (codes != nullptr) {
+      std::memcpy(wire_send_.data() + (j + 1) * stride - sizeof(int64_t), &code, sizeof(code));
+    }
   }
   const absl::Time started = absl::Now();
   try {
@@ -589,16 +624,27 @@ absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, P
       gloo::AlltoallOptions opts(context_);
       opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
       opts.setTag(next_tag_++);
-      opts.setInput(wire_send_.data(), wire_send_.size());
-      opts.setOutput(wire_recv_.data(), wire_recv_.size());
+      opts.setInput(wire_send_.data(), stride * n);
+      opts.setOutput(wire_recv_.data(), stride * n);
       gloo::alltoall(opts);
       ThrowIfAborted();
     }
-    bytes_sent_ += static_cast<int64_t>(enc) * (n - 1);
+    bytes_sent_ += static_cast<int64_t>(stride) * (n - 1);
+    if (codes != nullptr) {
+      codes->assign(n, 0);
+      bool any = false;
+      for (int i = 0; i < n; ++i) {
+        std::memcpy(&(*codes)[i], wire_recv_.data() + (i + 1) * stride - sizeof(int64_t),
+                    sizeof(int64_t));
+        any = any || (*codes)[i] != 0;
+      }
+      // Every member received every code: all stop here alike, before the all-gather.
+      if (any) return absl::OkStatus();
+    }
     // This member's chunk: the float32 sum of every member's decoded piece, in rank order.
     std::fill(chunk_.begin(), chunk_.end(), 0.0f);
     for (int i = 0; i < n; ++i) {
-      DecodeAddPayload(payload, wire_recv_.data() + i * enc, chunk, chunk_.data());
+      DecodeAddPayload(payload, wire_recv_.data() + i * stride, chunk, chunk_.data());
     }
     const float inv = 1.0f / static_cast<float>(divisor);
     for (float& v : chunk_) v *= inv;
@@ -608,7 +654,7 @@ absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, P
       opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
       opts.setTag(next_tag_++);
       opts.setInput(wire_send_.data(), enc);
-      opts.setOutput(wire_recv_.data(), wire_recv_.size());
+      opts.setOutput(wire_recv_.data(), enc * n);
       gloo::allgather(opts);
       ThrowIfAborted();
     }

@@ -143,9 +143,13 @@ class GlooCommunicator : public Communicator {
   // The compressed average of the float32 buffer `data` (numel elements): every member's chunk
   // j of the encoded buffer goes to member j (all-to-all), which sums the decoded chunks in
   // float32, divides by `divisor` and encodes the result; an all-gather of the encoded results
-  // gives every member the same decoded average in `out` (`data` is only read).
+  // gives every member the same decoded average in `out` (`data` is only read). With `codes`,
+  // every member's finite-check `code` (finite_check.h) rides in its all-to-all parts and
+  // `codes` receives all of them; when one is set, every member stops after the all-to-all
+  // (`out` is then not written).
   absl::Status RunCompressed(const float* data, int64_t numel, Payload payload, int divisor,
-                             float* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                             float* out, std::vector<int64_t>* codes = nullptr,
+                             int64_t code = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RunSum(void* data, int64_t numel, DType dtype) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Throws (a gloo::IoException, as a broken pair does) once Abort ended the mesh's waits: a
   // collective that returned after that is incomplete. Called after every collective.
