@@ -6,28 +6,71 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/base/error_kind.h"
+#include "client/base/half.h"
 
 namespace modelavg::client {
 
-void WriteFiniteSlots(void* slots, DType dtype, int members, int member, int64_t code) {
-  if (dtype == DType::kFloat64) {
-    double* s = static_cast<double*>(slots);
-    for (int i = 0; i < members; ++i) s[i] = i == member ? static_cast<double>(code) : 0.0;
-  } else {
-    float* s = static_cast<float*>(slots);
-    for (int i = 0; i < members; ++i) s[i] = i == member ? static_cast<float>(code) : 0.0f;
+namespace {
+
+double SlotAt(const void* slots, int32_t code, int64_t i) {
+  switch (code) {
+    case kStageF64:
+      return static_cast<const double*>(slots)[i];
+    case kStageF16:
+      return HalfToFloat(static_cast<const uint16_t*>(slots)[i]);
+    default:
+      return static_cast<const float*>(slots)[i];
   }
 }
 
-std::vector<int64_t> ReadFiniteSlots(const void* slots, DType dtype, int members,
+void SetSlot(void* slots, int32_t code, int64_t i, double v) {
+  switch (code) {
+    case kStageF64:
+      static_cast<double*>(slots)[i] = v;
+      break;
+    case kStageF16:
+      static_cast<uint16_t*>(slots)[i] = FloatToHalf(static_cast<float>(v));
+      break;
+    default:
+      static_cast<float*>(slots)[i] = static_cast<float>(v);
+  }
+}
+
+}  // namespace
+
+int FiniteSlotWidth(int32_t staging_code) { return staging_code == kStageF16 ? 3 : 1; }
+
+void WriteFiniteSlots(void* slots, int32_t staging_code, int members, int member, int64_t code) {
+  const int width = FiniteSlotWidth(staging_code);
+  for (int i = 0; i < members; ++i) {
+    int64_t rest = i == member ? code : 0;
+    for (int d = 0; d < width; ++d) {
+      // Least significant digit last; one element holds the whole code where width is 1.
+      const int64_t digit = width == 1 ? rest : rest % 256;
+      SetSlot(slots, staging_code, static_cast<int64_t>(i) * width + (width - 1 - d),
+              static_cast<double>(digit));
+      rest = width == 1 ? 0 : rest / 256;
+    }
+  }
+}
+
+std::vector<int64_t> ReadFiniteSlots(const void* slots, int32_t staging_code, int members,
                                      double scale) {
+  const int width = FiniteSlotWidth(staging_code);
   std::vector<int64_t> codes(members, 0);
   for (int i = 0; i < members; ++i) {
-    const double v = dtype == DType::kFloat64 ? static_cast<const double*>(slots)[i]
-                                              : static_cast<const float*>(slots)[i];
-    // A slot is reduced with the data: a NaN there would mean the slots themselves were
-    // overwritten, which no member ever does; read it as a finding of the member.
-    codes[i] = std::isfinite(v) ? static_cast<int64_t>(std::llround(v / scale)) : 1;
+    int64_t code = 0;
+    for (int d = 0; d < width; ++d) {
+      const double v = SlotAt(slots, staging_code, static_cast<int64_t>(i) * width + d);
+      // A slot is reduced with the data: a NaN there would mean the slots themselves were
+      // overwritten, which no member does; read it as a finding of the member.
+      if (!std::isfinite(v)) {
+        code = 1;
+        break;
+      }
+      code = code * (width == 1 ? 1 : 256) + static_cast<int64_t>(std::llround(v / scale));
+    }
+    codes[i] = code;
   }
   return codes;
 }

@@ -22,16 +22,21 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "client/payload/finite_scan.h"
+#include "client/payload/staging_chunk.h"
 #include "modelavg/client/tensor.h"
 
 namespace modelavg::client {
 
-// The `members` slots at `slots` (float32 or float64 `dtype`): `code` at `member`, zeros at the
-// others.
-void WriteFiniteSlots(void* slots, DType dtype, int members, int member, int64_t code);
+// How many staging elements of `staging_code` (staging_chunk.h) one member's code takes: one in
+// float32 and float64; in float16, three base-256 digits (each exact in float16 after an
+// average and back).
+int FiniteSlotWidth(int32_t staging_code);
+// The `members` slots at `slots` (FiniteSlotWidth elements each, of `staging_code`): `code`
+// (< 2^24) at `member`, zeros at the others.
+void WriteFiniteSlots(void* slots, int32_t staging_code, int members, int member, int64_t code);
 // The members' codes from the reduced slots. `scale`: what the reduction multiplied the slots
 // by (1 for a sum; 1 / divisor for an average), undone before rounding.
-std::vector<int64_t> ReadFiniteSlots(const void* slots, DType dtype, int members,
+std::vector<int64_t> ReadFiniteSlots(const void* slots, int32_t staging_code, int members,
                                      double scale = 1.0);
 
 // The round's verdict from every member's code, the same on every member: OK when none found a

@@ -77,9 +77,16 @@ TEST(FiniteScanTest, FindingCode_RoundTripsAndSurvivesAnAverage) {
       // Through float32 slots divided by a member count and read back.
       for (int n : {1, 3, 7, 64}) {
         std::vector<float> slots(n, 0.0f);
-        WriteFiniteSlots(slots.data(), DType::kFloat32, n, n - 1, code);
+        WriteFiniteSlots(slots.data(), kStageF32, n, n - 1, code);
         for (float& s : slots) s /= static_cast<float>(n);
-        EXPECT_EQ(ReadFiniteSlots(slots.data(), DType::kFloat32, n, 1.0 / n)[n - 1], code);
+        EXPECT_EQ(ReadFiniteSlots(slots.data(), kStageF32, n, 1.0 / n)[n - 1], code);
+        // Float16 slots (three digits a member), divided in float16.
+        std::vector<uint16_t> half(3 * n, 0);
+        WriteFiniteSlots(half.data(), kStageF16, n, n - 1, code);
+        for (uint16_t& h : half) {
+          h = FloatToHalf(HalfToFloat(h) / static_cast<float>(n));
+        }
+        EXPECT_EQ(ReadFiniteSlots(half.data(), kStageF16, n, 1.0 / n)[n - 1], code) << n;
       }
     }
   }

@@ -19,6 +19,7 @@
 #include "client/comm/peer_probe.h"
 #include "client/payload/host_staging.h"
 #include "client/payload/payload_codec.h"
+#include "client/payload/staging_layout.h"
 #include "common/status_util.h"
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
@@ -558,7 +559,7 @@ absl::Status GlooCommunicator::AverageStaged(absl::Span<const TensorView> tensor
     if (options.contribute) {
       PackDivided(tensors, dtype, static_cast<double>(divisor), staging_.data(), &finding);
     }
-    WriteFiniteSlots(slot_area, dtype, size_, rank_, FindingCode(finding));
+    WriteFiniteSlots(slot_area, StagingCodeOf(dtype), size_, rank_, FindingCode(finding));
     s = RunSum(staging_.data(), total + slots, dtype);
   } else if (fused_) {
     if (options.contribute) PackDivided(tensors, dtype, 1.0, staging_.data());
@@ -575,7 +576,7 @@ absl::Status GlooCommunicator::AverageStaged(absl::Span<const TensorView> tensor
     // Every member read the same slots: all decide alike, nobody writes a result a NaN or an
     // Inf went into, and the communicator stays usable.
     MODELAVG_RETURN_IF_ERROR(
-        DecideFinite(ReadFiniteSlots(slot_area, dtype, size_), options.step));
+        DecideFinite(ReadFiniteSlots(slot_area, StagingCodeOf(dtype), size_), options.step));
   }
   if (options.commit) {
     if (absl::Status c = Commit(); !c.ok()) {
