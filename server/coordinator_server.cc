@@ -24,6 +24,15 @@
 namespace modelavg::server {
 namespace {
 
+// The PEM certificate chain and private key of --tls_cert and --tls_key.
+absl::StatusOr<std::pair<std::string, std::string>> ReadCertAndKey(const ServerOptions& options) {
+  absl::StatusOr<std::string> cert = ReadFileToString(options.tls_cert_file);
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadFileToString(options.tls_key_file);
+  if (!key.ok()) return key.status();
+  return std::make_pair(*std::move(cert), *std::move(key));
+}
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
     const ServerOptions& options) {
   const bool tls = !options.tls_cert_file.empty() || !options.tls_key_file.empty();
@@ -39,12 +48,10 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
   }
   grpc::SslServerCredentialsOptions ssl;
   grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-  absl::StatusOr<std::string> cert = ReadFileToString(options.tls_cert_file);
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadFileToString(options.tls_key_file);
-  if (!key.ok()) return key.status();
-  pair.cert_chain = *std::move(cert);
-  pair.private_key = *std::move(key);
+  absl::StatusOr<std::pair<std::string, std::string>> cert_and_key = ReadCertAndKey(options);
+  if (!cert_and_key.ok()) return cert_and_key.status();
+  pair.cert_chain = std::move(cert_and_key->first);
+  pair.private_key = std::move(cert_and_key->second);
   ssl.pem_key_cert_pairs.push_back(std::move(pair));
   if (!options.tls_client_ca_file.empty()) {
     absl::StatusOr<std::string> ca = ReadFileToString(options.tls_client_ca_file);
@@ -76,14 +83,33 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     return absl::InvalidArgumentError(absl::StrCat(
         "listen address \"", options.listen, "\" must be HOST:PORT with PORT in [0, 65535]"));
   }
-  if (!options.worker_token.empty() && options.auth_token.empty()) {
+  std::vector<WorkerToken> worker_tokens = options.worker_tokens;
+  if (!options.worker_token.empty()) worker_tokens.push_back({options.worker_token, {}});
+  if (!worker_tokens.empty() && options.auth_token.empty()) {
     return absl::InvalidArgumentError(
         "a worker token needs an operator token too (--worker_token_file with "
         "--auth_token_file): someone must be able to create jobs");
   }
-  if (!options.worker_token.empty() && options.worker_token == options.auth_token) {
+  for (const WorkerToken& w : worker_tokens) {
+    if (w.token.empty()) return absl::InvalidArgumentError("a worker token is empty");
+    if (w.token == options.auth_token) {
+      return absl::InvalidArgumentError(
+          "the worker token and the operator token are the same; give each role its own");
+    }
+    if (absl::Status s = ValidateJobPatterns(w.jobs); !s.ok()) return s;
+  }
+  if (options.max_request_bytes < 4096 || options.max_request_bytes > (size_t{1} << 30)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_request_bytes is ", options.max_request_bytes, "; it must be in [4096, 2^30]"));
+  }
+  if (options.rpc_memory_quota_bytes < 0 ||
+      (options.rpc_memory_quota_bytes > 0 && options.rpc_memory_quota_bytes < (16 << 20))) {
     return absl::InvalidArgumentError(
-        "the worker token and the operator token are the same; give each role its own");
+        absl::StrCat("the gRPC memory quota is ", options.rpc_memory_quota_bytes,
+                     " bytes; give at least 16 MiB (or 0 for none)"));
+  }
+  if (options.http_tls && (options.tls_cert_file.empty() || options.tls_key_file.empty())) {
+    return absl::InvalidArgumentError("--metrics_tls needs --tls_cert and --tls_key");
   }
   if (!options.operator_cert_names.empty() && options.tls_client_ca_file.empty()) {
     return absl::InvalidArgumentError(
@@ -142,7 +168,19 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     server->metrics_ = RpcMetrics::Create(server->registry_.get());
     StatusPageOptions page_options;
     page_options.operator_token = options.auth_token;
+    page_options.session_ttl = options.http_session_ttl;
+    page_options.secure_cookie = options.http_tls;
     auto page = std::make_shared<StatusPage>(server->registry_.get(), page_options);
+    HttpServerOptions http_options;
+    http_options.max_connections = options.http_max_connections;
+    http_options.max_connections_per_client = options.http_max_connections_per_client;
+    http_options.request_timeout = options.http_request_timeout;
+    if (options.http_tls) {
+      absl::StatusOr<std::pair<std::string, std::string>> cert_and_key = ReadCertAndKey(options);
+      if (!cert_and_key.ok()) return cert_and_key.status();
+      http_options.tls_cert_pem = std::move(cert_and_key->first);
+      http_options.tls_key_pem = std::move(cert_and_key->second);
+    }
     absl::StatusOr<std::unique_ptr<HttpServer>> http = HttpServer::Start(
         options.metrics_listen,
         [metrics = server->metrics_.get(), page](const HttpRequest& request) {
@@ -153,23 +191,44 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
             return reply;
           }
           return page->Handle(request);
-        });
+        },
+        std::move(http_options));
     if (!http.ok()) return http.status();
     server->http_ = *std::move(http);
   }
   AuthOptions auth;
   auth.operator_token = options.auth_token;
-  auth.worker_token = options.worker_token;
+  server->worker_tokens_ = static_cast<int>(worker_tokens.size());
+  auth.worker_tokens = std::move(worker_tokens);
   auth.client_certificates = !options.tls_client_ca_file.empty();
   auth.operator_cert_names = options.operator_cert_names;
-  server->service_ = std::make_unique<CoordinatorService>(server->registry_.get(),
-                                                          std::move(auth), server->metrics_.get());
+  server->service_ = std::make_unique<CoordinatorService>(
+      server->registry_.get(), std::move(auth), server->metrics_.get(),
+      options.max_request_bytes);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   // channelz bookkeeping costs on every call and nothing here reads it.
   builder.AddChannelArgument(GRPC_ARG_ENABLE_CHANNELZ, 0);
+  // Bounds on what a client costs before it is known: gRPC reads no message larger than the
+  // largest legitimate request (each method checks its own bound as well), holds a connection
+  // that has not finished its handshake for a bounded time, and keeps its memory within the
+  // quota. (Calls from a client without a valid credential are refused before their request is
+  // read: CoordinatorService.)
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_request_bytes));
+  // Bandwidth-delay probing grows the window a client may send into ahead of any read to many
+  // megabytes per stream, which lets even a refused call push that much at the coordinator;
+  // every request here is small, so the fixed 64 KiB window costs nothing.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  builder.AddChannelArgument(
+      GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+      static_cast<int>(absl::ToInt64Milliseconds(options.rpc_handshake_timeout)));
+  if (options.rpc_memory_quota_bytes > 0) {
+    server->quota_ = std::make_unique<grpc::ResourceQuota>("modelavg-coordinator");
+    server->quota_->Resize(static_cast<size_t>(options.rpc_memory_quota_bytes));
+    builder.SetResourceQuota(*server->quota_);
+  }
   builder.AddListeningPort(options.listen, *creds, &server->port_);
   if (server->terms_ != nullptr) {
     server->service_->set_gate([terms = server->terms_.get()](grpc::CallbackServerContext* ctx) {
@@ -183,6 +242,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     });
   }
   builder.RegisterService(server->service_.get());
+  // Every method but the heartbeat streams (see CoordinatorService).
+  builder.RegisterCallbackGenericService(server->service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     return absl::UnavailableError(absl::StrCat(
@@ -206,12 +267,15 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
                server->address_, options.tls_cert_file.empty() ? "plaintext" : "TLS",
                options.tls_client_ca_file.empty() ? "" : ", client certificates required",
                *loaded, options.jobs.size(),
-               options.auth_token.empty()    ? ""
-               : options.worker_token.empty() ? ", token auth on"
-                                              : ", token auth on (operator and worker roles)");
+               options.auth_token.empty()       ? ""
+               : server->worker_tokens_ == 0 ? ", token auth on"
+                                                : absl::StrCat(", token auth on (operator and ",
+                                                               server->worker_tokens_,
+                                                               " worker token(s))"));
   if (server->metrics_ != nullptr) {
-    spdlog::info("metrics on http://{}/metrics, status page on http://{}/",
-                 server->http_->address(), server->http_->address());
+    const char* scheme = options.http_tls ? "https" : "http";
+    spdlog::info("metrics on {}://{}/metrics, status page on {}://{}/", scheme,
+                 server->http_->address(), scheme, server->http_->address());
   }
   return server;
 }

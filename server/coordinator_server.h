@@ -15,8 +15,10 @@
 #include "common/clock.h"
 #include "modelavg/v1/coordinator.pb.h"
 #include "server/core/job.h"
+#include "server/rpc/service_auth.h"
 
 namespace grpc {
+class ResourceQuota;
 class Server;
 }  // namespace grpc
 
@@ -41,8 +43,11 @@ struct ServerOptions {
   // Non-empty: every Coordinator RPC needs "authorization: Bearer <auth_token>" (the operator
   // token) or, for the calls of a worker, the worker token. See AuthOptions.
   std::string auth_token;
-  // Non-empty (needs auth_token): the worker role's token.
+  // Non-empty (needs auth_token): a worker role's token that may use every job.
   std::string worker_token;
+  // More worker tokens (needs auth_token), each limited to the jobs it lists (none: every job);
+  // --worker_token_file.
+  std::vector<WorkerToken> worker_tokens;
   // Mutual TLS: client certificates whose subject common name or a subject alternative name is
   // listed here have the operator role; other verified client certificates the worker role.
   // Empty: every verified client certificate is an operator.
@@ -50,6 +55,24 @@ struct ServerOptions {
   // "HOST:PORT" of the HTTP port: Prometheus' /metrics and the status page (/, /jobs/ID;
   // server/http/status_page.h); empty: neither.
   std::string metrics_listen;
+  // The largest request message the gRPC port reads (gRPC's receive limit); each method takes
+  // at most the smaller of this and its own bound (server/rpc/coordinator_service.h).
+  size_t max_request_bytes = size_t{1} << 20;  // kDefaultMaxRequestBytes
+  // gRPC's memory quota (its transport buffers and calls), bytes; 0: none. Near it gRPC reads
+  // less per connection, and past it closes connections (GOAWAY) to stay under.
+  int64_t rpc_memory_quota_bytes = int64_t{1} << 30;
+  // A connection to the gRPC port that has not finished its handshake (TLS, HTTP/2) in this long
+  // is closed.
+  absl::Duration rpc_handshake_timeout = absl::Seconds(10);
+  // The HTTP port's bounds (server/http/http_server.h): connections at once, from one client
+  // address, and the time a client has to send a whole request.
+  int http_max_connections = 1024;
+  int http_max_connections_per_client = 32;
+  absl::Duration http_request_timeout = absl::Seconds(10);
+  // Serve the HTTP port over TLS with tls_cert_file/tls_key_file (login cookies are then Secure).
+  bool http_tls = false;
+  // How long a status page login (its session cookie) lasts.
+  absl::Duration http_session_ttl = absl::Hours(12);
   // Jobs created before serving (e.g. from --jobs_file), merged with the stored ones
   // (JobRegistry::MergeJobs).
   std::vector<v1::JobSpec> jobs;
@@ -112,9 +135,11 @@ class CoordinatorServer {
   // The HTTP port; reads registry_ and metrics_, so destroyed before them.
   std::unique_ptr<HttpServer> http_;
   std::unique_ptr<CoordinatorService> service_;
+  std::unique_ptr<grpc::ResourceQuota> quota_;  // outlives the server
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
   int port_ = 0;
+  int worker_tokens_ = 0;
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };

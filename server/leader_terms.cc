@@ -119,6 +119,11 @@ absl::StatusOr<std::unique_ptr<LeaderTerms>> LeaderTerms::Create(
   if (options.leader_ttl < absl::Seconds(1) || options.leader_ttl > absl::Seconds(600)) {
     return absl::InvalidArgumentError("--leader_ttl_ms must be in [1000, 600000]");
   }
+  if (!options.user.empty() && options.tls_ca_file.empty()) {
+    spdlog::warn("etcd auth without TLS (--etcd_user without --etcd_tls_ca): the password, "
+                 "etcd's auth tokens and the jobs' state (communicator ids included) cross the "
+                 "network in the clear; give --etcd_tls_ca unless etcd is on this host");
+  }
   EtcdOptions etcd;
   etcd.endpoints = *std::move(endpoints);
   etcd.tls_ca_file = options.tls_ca_file;

@@ -1,14 +1,18 @@
 // modelavg-coordinator: the coordinator daemon. See the README's "Coordinator" section.
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <csignal>
 #include <cstdlib>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <pthread.h>
 
@@ -26,6 +30,7 @@
 #include "common/logging.h"
 #include "server/coordinator_server.h"
 #include "server/jobs_file.h"
+#include "server/rpc/service_auth.h"
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "Address to serve on, HOST:PORT (port 0: any).");
@@ -47,9 +52,33 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(std::string, auth_token_file, "",
           "File holding a token; every RPC then needs metadata 'authorization: Bearer <token>'.");
 ABSL_FLAG(std::string, worker_token_file, "",
-          "File holding the worker role's token (needs --auth_token_file, which then holds the "
+          "File of worker role tokens (needs --auth_token_file, which then holds the "
           "operator's): enough for Join and the calls of a member, and reads; not CreateJob or "
-          "DeleteJob.");
+          "DeleteJob. One token a line, alone (every job) or followed by the jobs it may use: "
+          "\"TOKEN job-a,job-b,team-*\".");
+ABSL_FLAG(int64_t, max_request_bytes, 1 << 20,
+          "The largest request message the gRPC port reads; each method takes at most the "
+          "smaller of this and its own bound (64 KiB for most). In [4096, 2^30].");
+ABSL_FLAG(int64_t, rpc_memory_quota_mb, 1024,
+          "gRPC's memory quota (its connections' buffers and calls), MiB; near it gRPC reads less "
+          "per connection, past it closes connections (clients retry). 0: none; else >= 16.");
+ABSL_FLAG(int64_t, rpc_handshake_timeout_ms, 10000,
+          "A gRPC connection that has not finished its TLS and HTTP/2 handshake in this long is "
+          "closed. In [100, 600000].");
+ABSL_FLAG(int32_t, http_max_connections, 1024,
+          "The HTTP port's most connections at once. In [1, 65536].");
+ABSL_FLAG(int32_t, http_max_connections_per_client, 32,
+          "The HTTP port's most connections at once from one client address; its next ones are "
+          "closed at once. In [1, --http_max_connections].");
+ABSL_FLAG(int64_t, http_request_timeout_ms, 10000,
+          "How long an HTTP client has to send a whole request and take its reply (from when it "
+          "connected or got its previous reply); past it the connection is closed, however "
+          "steadily it sends. In [100, 600000].");
+ABSL_FLAG(bool, metrics_tls, false,
+          "Serve the HTTP port (--metrics_listen) over TLS with --tls_cert and --tls_key; the "
+          "status page's login cookie is then Secure.");
+ABSL_FLAG(int64_t, login_ttl_minutes, 720,
+          "How long a status page login (its session cookie) lasts. In [1, 44640].");
 ABSL_FLAG(std::string, tls_operator_names, "",
           "Mutual TLS: comma-separated names (subject CN or SAN); client certificates naming one "
           "are operators, other verified ones workers. Empty: every verified client is an "
@@ -97,6 +126,25 @@ int Fail(const std::string& what) {
   return 2;
 }
 
+// Every connection (gRPC, HTTP) and the state files take a file descriptor. A service started
+// with the common soft limit of 1024 would stop accepting connections (workers, Prometheus, the
+// operator's CLI) once about a thousand are open, which one client opening idle connections
+// reaches in a second; the hard limit is the bound meant for it, so the soft one is raised to
+// it.
+void RaiseOpenFileLimit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= limit.rlim_max) return;
+  const rlim_t before = limit.rlim_cur;
+  limit.rlim_cur = limit.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &limit) == 0) {
+    spdlog::debug("open file limit raised from {} to its hard limit {}", before, limit.rlim_max);
+  } else {
+    spdlog::warn("open file limit is {}; raising it to the hard limit {} failed: {} (clients "
+                 "opening many connections can exhaust it)",
+                 before, limit.rlim_max, std::strerror(errno));
+  }
+}
+
 // Set (once) when the coordinator cannot go on (CoordinatorServerOptions::on_fatal); main exits
 // with it.
 std::mutex fatal_mu;
@@ -109,7 +157,8 @@ int main(int argc, char** argv) {
       "modelavg-coordinator --listen=HOST:PORT [--state_dir=DIR | --etcd_endpoints=H:P,...] "
       "[--jobs_file=F] "
       "[--metrics_listen=HOST:PORT] "
-      "[--tls_cert=F --tls_key=F [--tls_client_ca=F]] [--auth_token_file=F] [--log_level=info]");
+      "[--tls_cert=F --tls_key=F [--tls_client_ca=F]] [--auth_token_file=F "
+      "[--worker_token_file=F]] [--log_level=info]");
   absl::ParseCommandLine(argc, argv);
   // Lock-order cycle detection (on in this Abseil build) costs a graph update per lock on every
   // RPC; the unit tests run with it on.
@@ -147,12 +196,52 @@ int main(int argc, char** argv) {
     options.auth_token = *std::move(token);
   }
   if (const std::string path = absl::GetFlag(FLAGS_worker_token_file); !path.empty()) {
-    absl::StatusOr<std::string> token = modelavg::ReadTokenFile(path);
-    if (!token.ok()) {
-      return Fail(absl::StrCat("--worker_token_file: ", token.status().message()));
+    absl::StatusOr<std::string> text = modelavg::ReadFileToString(path);
+    absl::StatusOr<std::vector<modelavg::server::WorkerToken>> tokens =
+        text.ok() ? modelavg::server::ParseWorkerTokenFile(*text, path) : text.status();
+    if (!tokens.ok()) {
+      return Fail(absl::StrCat("--worker_token_file: ", tokens.status().message()));
     }
-    options.worker_token = *std::move(token);
+    options.worker_tokens = *std::move(tokens);
   }
+  // The bounds on what a client can hold (docs/operations.md, "Hostile clients").
+  const int64_t max_request = absl::GetFlag(FLAGS_max_request_bytes);
+  if (max_request < 4096 || max_request > (int64_t{1} << 30)) {
+    return Fail("--max_request_bytes must be in [4096, 1073741824]");
+  }
+  options.max_request_bytes = static_cast<size_t>(max_request);
+  const int64_t quota_mb = absl::GetFlag(FLAGS_rpc_memory_quota_mb);
+  if (quota_mb != 0 && (quota_mb < 16 || quota_mb > (int64_t{1} << 22))) {
+    return Fail("--rpc_memory_quota_mb must be 0 (none) or in [16, 4194304]");
+  }
+  options.rpc_memory_quota_bytes = quota_mb << 20;
+  const int64_t handshake_ms = absl::GetFlag(FLAGS_rpc_handshake_timeout_ms);
+  if (handshake_ms < 100 || handshake_ms > 600000) {
+    return Fail("--rpc_handshake_timeout_ms must be in [100, 600000]");
+  }
+  options.rpc_handshake_timeout = absl::Milliseconds(handshake_ms);
+  options.http_max_connections = absl::GetFlag(FLAGS_http_max_connections);
+  options.http_max_connections_per_client = absl::GetFlag(FLAGS_http_max_connections_per_client);
+  if (options.http_max_connections < 1 || options.http_max_connections > 65536 ||
+      options.http_max_connections_per_client < 1 ||
+      options.http_max_connections_per_client > options.http_max_connections) {
+    return Fail("--http_max_connections must be in [1, 65536] and "
+                "--http_max_connections_per_client in [1, --http_max_connections]");
+  }
+  const int64_t request_ms = absl::GetFlag(FLAGS_http_request_timeout_ms);
+  if (request_ms < 100 || request_ms > 600000) {
+    return Fail("--http_request_timeout_ms must be in [100, 600000]");
+  }
+  options.http_request_timeout = absl::Milliseconds(request_ms);
+  options.http_tls = absl::GetFlag(FLAGS_metrics_tls);
+  if (options.http_tls && options.metrics_listen.empty()) {
+    return Fail("--metrics_tls needs --metrics_listen");
+  }
+  const int64_t login_minutes = absl::GetFlag(FLAGS_login_ttl_minutes);
+  if (login_minutes < 1 || login_minutes > 44640) {
+    return Fail("--login_ttl_minutes must be in [1, 44640] (a month)");
+  }
+  options.http_session_ttl = absl::Minutes(login_minutes);
   for (absl::string_view name :
        absl::StrSplit(absl::GetFlag(FLAGS_tls_operator_names), ',', absl::SkipWhitespace())) {
     options.operator_cert_names.emplace_back(absl::StripAsciiWhitespace(name));
@@ -199,6 +288,7 @@ int main(int argc, char** argv) {
     }
     kill(getpid(), SIGTERM);
   };
+  RaiseOpenFileLimit();
   absl::StatusOr<std::unique_ptr<modelavg::server::CoordinatorServer>> server =
       modelavg::server::CoordinatorServer::Start(options);
   if (!server.ok()) return Fail(server.status().ToString());

@@ -35,6 +35,7 @@
 #include "client/flags/connection_flags.h"
 #include "client/rpc/connection.h"
 #include "common/file_util.h"
+#include "common/printable.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
 #include "modelavg/v1/coordinator.grpc.pb.h"
@@ -110,7 +111,7 @@ void Check(const grpc::Status& status, const std::string& what) {
     hint = " (pass the operator token: --auth_token_file or $MODELAVG_AUTH_TOKEN_FILE)";
   }
   throw Failure(absl::StrCat(what, ": ", CodeName(status.error_code()), ": ",
-                             status.error_message(), hint));
+                             modelavg::EscapeControlCharacters(status.error_message()), hint));
 }
 
 class Cli {
@@ -151,11 +152,19 @@ std::string Json(const google::protobuf::Message& m, bool one_line = false) {
   return out;
 }
 
-// Columns padded to their widest cell.
+// What a table or line shows of a value from the coordinator: control characters escaped, so
+// that a worker id, host or reason (or one stored before the coordinator refused them) cannot
+// drive the operator's terminal.
+std::string Shown(const std::string& value) { return modelavg::EscapeControlCharacters(value); }
+
+// Columns padded to their widest cell; every cell escaped (Shown).
 class Table {
  public:
-  explicit Table(std::vector<std::string> header) { rows_.push_back(std::move(header)); }
-  void Add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  explicit Table(std::vector<std::string> header) { Add(std::move(header)); }
+  void Add(std::vector<std::string> row) {
+    for (std::string& cell : row) cell = Shown(cell);
+    rows_.push_back(std::move(row));
+  }
   void Print(std::ostream& out) const {
     std::vector<size_t> width;
     for (const auto& row : rows_) {
@@ -350,7 +359,7 @@ int Watch(Cli& cli, const std::string& id) {
               << "  " << v1::JobState_Name(j.state()) << "  live " << j.live_world_size() << "/"
               << j.spec().world_size();
     if (event.rank() >= 0) std::cout << "  rank " << event.rank();
-    if (!event.message().empty()) std::cout << "  " << event.message();
+    if (!event.message().empty()) std::cout << "  " << Shown(event.message());
     std::cout << "\n" << std::flush;
   }
   const grpc::Status status = reader->Finish();
@@ -384,7 +393,7 @@ int Create(Cli& cli) {
   if (absl::GetFlag(FLAGS_json)) {
     std::cout << Json(job);
   } else {
-    std::cout << "created job " << job.spec().job_id() << "\n";
+    std::cout << "created job " << Shown(job.spec().job_id()) << "\n";
     PrintJob(job);
   }
   return 0;
@@ -400,7 +409,7 @@ int Delete(Cli& cli, const std::string& id) {
     deleted.set_job_id(id);
     std::cout << Json(deleted);
   } else {
-    std::cout << "deleted job " << id << "\n";
+    std::cout << "deleted job " << Shown(id) << "\n";
   }
   return 0;
 }

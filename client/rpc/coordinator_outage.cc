@@ -10,12 +10,12 @@ void CoordinatorOutage::NoteReachable() {
   if (!out_) return;
   out_ = false;
   spdlog::warn("coordinator {} answers again after {} unreachable", coordinator_,
-               absl::FormatDuration(absl::Trunc(absl::Now() - since_, absl::Milliseconds(1))));
+               absl::FormatDuration(absl::Trunc(clock_->Now() - since_, absl::Milliseconds(1))));
 }
 
 void CoordinatorOutage::NoteUnreachable(const absl::Status& error) {
   absl::MutexLock l(&mu_);
-  const absl::Time now = absl::Now();
+  const absl::Time now = clock_->Now();
   last_error_ = error;
   if (!out_) {
     out_ = true;
@@ -37,7 +37,7 @@ void CoordinatorOutage::NoteUnreachable(const absl::Status& error) {
 
 absl::Duration CoordinatorOutage::OutageLength() const {
   absl::MutexLock l(&mu_);
-  return out_ ? absl::Now() - since_ : absl::ZeroDuration();
+  return out_ ? clock_->Now() - since_ : absl::ZeroDuration();
 }
 
 bool CoordinatorOutage::IsOutage(const absl::Status& status) const {

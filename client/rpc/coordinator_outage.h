@@ -16,15 +16,17 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 
 namespace modelavg::client {
 
 class CoordinatorOutage {
  public:
-  CoordinatorOutage(std::string coordinator, absl::Duration timeout)
-      : coordinator_(std::move(coordinator)), timeout_(timeout) {}
+  // Times outages and waits between retries on `clock` (not owned; outlives this).
+  CoordinatorOutage(std::string coordinator, absl::Duration timeout,
+                    const Clock* clock = Clock::Real())
+      : coordinator_(std::move(coordinator)), timeout_(timeout), clock_(clock) {}
 
   // A reply came: ends an outage (logged with its length).
   void NoteReachable();
@@ -62,7 +64,7 @@ class CoordinatorOutage {
       if (!IsOutage(status)) return result;
       NoteUnreachable(status);
       if (Exceeded()) return Error(what, status);
-      absl::SleepFor(std::min(backoff, std::max(absl::Milliseconds(1),
+      clock_->SleepFor(std::min(backoff, std::max(absl::Milliseconds(1),
                                                 timeout_ - OutageLength())));
       // Short: the sooner the coordinator is seen back, the sooner training needs nothing else.
       backoff = std::min(backoff * 2, absl::Milliseconds(250));
@@ -78,6 +80,7 @@ class CoordinatorOutage {
 
   const std::string coordinator_;
   const absl::Duration timeout_;
+  const Clock* const clock_;
   mutable absl::Mutex mu_;
   bool out_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time since_ ABSL_GUARDED_BY(mu_);

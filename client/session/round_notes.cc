@@ -6,7 +6,6 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "absl/time/clock.h"
 #include "client/comm/communicator.h"
 #include "client/rpc/coordinator_client.h"
 #include "common/status_util.h"
@@ -19,9 +18,10 @@ constexpr char kRoundNotePrefix[] = "round/";
 
 }  // namespace
 
-RoundNotes::RoundNotes(CoordinatorClient& coordinator, std::string job_id, int32_t rank,
-                       std::string credential, int32_t num_levels)
+RoundNotes::RoundNotes(CoordinatorClient& coordinator, const Clock& clock, std::string job_id,
+                       int32_t rank, std::string credential, int32_t num_levels)
     : coordinator_(coordinator),
+      clock_(clock),
       job_id_(std::move(job_id)),
       rank_(rank),
       credential_(std::move(credential)),
@@ -90,7 +90,7 @@ absl::StatusOr<bool> RoundNotes::PeerCompleted(const Decision& decision,
     req.set_key(absl::StrCat(kRoundNotePrefix, peer));
     req.set_rank(rank_);
     req.set_credential(credential_);
-    req.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - absl::Now())));
+    req.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - clock_.Now())));
     absl::StatusOr<std::string> blob = coordinator_.GetCommId(req);
     if (!blob.ok()) {
       return Annotate(blob.status(),

@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "modelavg/common/schedule.h"
 
 namespace modelavg::client {
@@ -24,9 +25,10 @@ enum class RoundOutcome;
 
 class RoundNotes {
  public:
-  // `coordinator` outlives this; `credential` is the membership's (sent with every call).
-  RoundNotes(CoordinatorClient& coordinator, std::string job_id, int32_t rank,
-             std::string credential, int32_t num_levels);
+  // `coordinator` and `clock` outlive this; `credential` is the membership's (sent with every
+  // call).
+  RoundNotes(CoordinatorClient& coordinator, const Clock& clock, std::string job_id,
+             int32_t rank, std::string credential, int32_t num_levels);
 
   // Records where this rank's round at `level` and `step` stands (the latest, or the one before
   // it). Thread-safe.
@@ -37,7 +39,7 @@ class RoundNotes {
   void Publish(int64_t generation) ABSL_LOCKS_EXCLUDED(mu_);
   // Whether a live member of `decision`'s subgroup (other than this rank and those joining)
   // completed the round at decision.level/step in `attempt_generation`, reading each member's
-  // note of decision.generation until `deadline`. Errors: those of the read (ABORTED when the
+  // note of decision.generation until `deadline` (on the clock). Errors: those of the read (ABORTED when the
   // job moved on, DEADLINE_EXCEEDED), INTERNAL when the notes contradict each other.
   absl::StatusOr<bool> PeerCompleted(const Decision& decision, int64_t attempt_generation,
                                      absl::Time deadline) const;
@@ -50,6 +52,7 @@ class RoundNotes {
   };
 
   CoordinatorClient& coordinator_;
+  const Clock& clock_;
   const std::string job_id_;
   const int32_t rank_;
   const std::string credential_;

@@ -95,6 +95,13 @@ absl::StatusOr<bool> HostHeartbeats::BeatOne(const v1::HeartbeatRequest& beat,
     }
   }
   if (job == nullptr) {
+    if (check_) {
+      if (absl::Status s = check_(beat.job_id()); !s.ok()) {
+        if (beat.lost()) return false;
+        SetError(s, reply);
+        return true;
+      }
+    }
     absl::StatusOr<std::shared_ptr<Job>> found = registry_->Find(beat.job_id());
     if (!found.ok()) {
       // (A relay's lost member of a job that is gone: nobody to tell.)

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -17,6 +18,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/heartbeat_keepalive.h"
@@ -31,8 +33,13 @@ class HostHeartbeats {
   static constexpr size_t kMaxBeatsPerRequest = kMaxHostBeatsPerRequest;
   static constexpr size_t kMaxMembers = kMaxHostStreamMembers;
 
-  // `registry` outlives this.
-  explicit HostHeartbeats(JobRegistry* registry) : registry_(registry) {}
+  // May a beat name this job? OK, or the error that member's beat is answered with.
+  using JobCheck = std::function<absl::Status(absl::string_view job_id)>;
+
+  // `registry` outlives this. `check` (optional) is asked about each member's job before its
+  // beat is recorded.
+  explicit HostHeartbeats(JobRegistry* registry, JobCheck check = nullptr)
+      : registry_(registry), check_(std::move(check)) {}
   HostHeartbeats(const HostHeartbeats&) = delete;
   HostHeartbeats& operator=(const HostHeartbeats&) = delete;
 
@@ -70,6 +77,7 @@ class HostHeartbeats {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   JobRegistry* const registry_;
+  const JobCheck check_;
   bool written_ = false;          // a reply went out (or is due) on this stream
   absl::Time last_written_;       // when
   mutable absl::Mutex mu_;        // the read path writes, Members() reads

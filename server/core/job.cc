@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/job_spec.h"
+#include "common/printable.h"
 #include "server/core/request_checks.h"
 #include "server/membership/decisions.h"
 #include "server/membership/member_credential.h"
@@ -26,8 +27,10 @@ absl::Duration OrDefault(int64_t ms, absl::Duration fallback) {
   return ms > 0 ? absl::Milliseconds(ms) : fallback;
 }
 
+// A worker's free text (a Leave's or a report's reason), as the coordinator keeps, logs and shows
+// it: at most n bytes of it, its control characters escaped.
 std::string Truncate(const std::string& s, size_t n) {
-  return s.size() <= n ? s : s.substr(0, n) + "...";
+  return EscapeControlCharacters(s.size() <= n ? s : s.substr(0, n) + "...");
 }
 
 // What the job keeps of a spec: its known fields (unknown ones would cost memory for nothing).

@@ -1,6 +1,9 @@
 #include "server/core/request_checks.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
+#include "common/printable.h"
 
 namespace modelavg::server {
 namespace {
@@ -30,6 +33,17 @@ absl::Status CheckJoinRequest(const v1::JoinRequest& request, int32_t world_size
   if (request.worker_id().size() > kMaxWorkerIdLength || request.host().size() > kMaxHostLength) {
     return absl::InvalidArgumentError(
         absl::StrCat("worker_id and host must be at most ", kMaxWorkerIdLength, " characters"));
+  }
+  // Both are shown to operators (the modelavg CLI's tables, the logs): a control character
+  // there could drive their terminal.
+  for (const auto& [field, value] : {std::pair<const char*, const std::string&>{
+                                         "worker_id", request.worker_id()},
+                                     {"host", request.host()}}) {
+    if (const size_t at = FindControlCharacter(value); at != absl::string_view::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " \"", EscapeControlCharacters(value), "\" has a control character (byte ", at,
+          "); use printable characters only, such as \"host:pid\""));
+    }
   }
   if (request.world_size() != 0 && request.world_size() != world_size) {
     return absl::InvalidArgumentError(absl::StrCat(

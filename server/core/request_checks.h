@@ -22,7 +22,8 @@ inline constexpr size_t kMaxCommIdKeyLength = 256;
 absl::Status CheckRank(int32_t rank, int32_t world_size, const std::string& job_id);
 // A reported step is >= 0.
 absl::Status CheckStep(int64_t step);
-// A Join's worker_id (set, bounded), host (bounded), world_size (0 or the job's) and rank.
+// A Join's worker_id (set, bounded, no control character), host (bounded, no control character),
+// world_size (0 or the job's) and rank.
 absl::Status CheckJoinRequest(const v1::JoinRequest& request, int32_t world_size,
                               const std::string& job_id);
 // The level, subgroup, rank and key length of a PublishCommId or GetCommId.

@@ -7,6 +7,7 @@
 
 #include <microhttpd.h>
 
+#include <algorithm>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -15,6 +16,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::server {
@@ -129,9 +131,23 @@ MHD_Result OnRequest(void* cls, MHD_Connection* connection, const char* url, con
   return Respond(connection, reply);
 }
 
-void OnCompleted(void*, MHD_Connection*, void** con_cls, MHD_RequestTerminationCode) {
+void OnCompleted(void* cls, MHD_Connection* connection, void** con_cls,
+                 MHD_RequestTerminationCode) {
   delete static_cast<RequestState*>(*con_cls);
   *con_cls = nullptr;
+  static_cast<HttpServer*>(cls)->RequestEnded(connection);
+}
+
+void OnConnection(void* cls, MHD_Connection* connection, void**,
+                  MHD_ConnectionNotificationCode code) {
+  auto* server = static_cast<HttpServer*>(cls);
+  if (code == MHD_CONNECTION_NOTIFY_STARTED) {
+    const MHD_ConnectionInfo* info =
+        MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CONNECTION_FD);
+    server->ConnectionOpened(connection, info == nullptr ? -1 : info->connect_fd);
+  } else {
+    server->ConnectionClosed(connection);
+  }
 }
 
 void LogFromLibrary(void*, const char* format, va_list args) {
@@ -180,18 +196,43 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string&
   const int family = found->ai_family;
   freeaddrinfo(found);
 
-  std::unique_ptr<HttpServer> server(new HttpServer(std::move(handler), options));
+  if (options.max_connections < 1 || options.max_connections_per_client < 1 ||
+      options.request_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the HTTP port needs at least one connection (", options.max_connections,
+        "), one per client (", options.max_connections_per_client,
+        ") and a request timeout above 0 (", absl::FormatDuration(options.request_timeout),
+        ")"));
+  }
+  const bool tls = !options.tls_cert_pem.empty() || !options.tls_key_pem.empty();
+  if (tls && (options.tls_cert_pem.empty() || options.tls_key_pem.empty())) {
+    return absl::InvalidArgumentError("HTTPS needs both a certificate and a key");
+  }
+  std::unique_ptr<HttpServer> server(new HttpServer(std::move(handler), std::move(options)));
+  const HttpServerOptions& o = server->options_;
   unsigned int flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_USE_ERROR_LOG;
   if (family == AF_INET6) flags |= MHD_USE_IPv6;
+  // The TLS options (only with TLS), pointing at the options' strings, which outlive the daemon.
+  std::vector<MHD_OptionItem> tls_options;
+  if (tls) {
+    flags |= MHD_USE_TLS;
+    tls_options.push_back({MHD_OPTION_HTTPS_MEM_CERT, 0, const_cast<char*>(o.tls_cert_pem.c_str())});
+    tls_options.push_back({MHD_OPTION_HTTPS_MEM_KEY, 0, const_cast<char*>(o.tls_key_pem.c_str())});
+  }
+  tls_options.push_back({MHD_OPTION_END, 0, nullptr});
+  server->deadlines_ = std::thread([s = server.get()] { s->EnforceDeadlines(); });
   server->daemon_ = MHD_start_daemon(
       flags, static_cast<uint16_t>(port), nullptr, nullptr, &OnRequest, server.get(),
       MHD_OPTION_SOCK_ADDR, reinterpret_cast<sockaddr*>(&addr),
-      MHD_OPTION_THREAD_POOL_SIZE, static_cast<unsigned int>(options.threads),
+      MHD_OPTION_THREAD_POOL_SIZE, static_cast<unsigned int>(o.threads),
       MHD_OPTION_CONNECTION_TIMEOUT,
-      static_cast<unsigned int>(absl::ToInt64Seconds(options.idle_timeout)),
-      MHD_OPTION_CONNECTION_LIMIT, static_cast<unsigned int>(options.max_connections),
-      MHD_OPTION_NOTIFY_COMPLETED, &OnCompleted, nullptr,
+      static_cast<unsigned int>(absl::ToInt64Seconds(o.idle_timeout)),
+      MHD_OPTION_CONNECTION_LIMIT, static_cast<unsigned int>(o.max_connections),
+      MHD_OPTION_PER_IP_CONNECTION_LIMIT, static_cast<unsigned int>(o.max_connections_per_client),
+      MHD_OPTION_NOTIFY_COMPLETED, &OnCompleted, server.get(),
+      MHD_OPTION_NOTIFY_CONNECTION, &OnConnection, server.get(),
       MHD_OPTION_EXTERNAL_LOGGER, &LogFromLibrary, nullptr,
+      MHD_OPTION_ARRAY, tls_options.data(),
       MHD_OPTION_END);
   if (server->daemon_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("cannot serve HTTP on ", listen,
@@ -206,7 +247,52 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string&
 }
 
 HttpServer::~HttpServer() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (deadlines_.joinable()) deadlines_.join();
   if (daemon_ != nullptr) MHD_stop_daemon(daemon_);
+}
+
+int64_t HttpServer::requests_timed_out() const {
+  absl::MutexLock lock(&mu_);
+  return timed_out_;
+}
+
+void HttpServer::ConnectionOpened(MHD_Connection* connection, int fd) {
+  absl::MutexLock lock(&mu_);
+  open_[connection] = Open{fd, absl::Now() + options_.request_timeout, false};
+}
+
+void HttpServer::ConnectionClosed(MHD_Connection* connection) {
+  absl::MutexLock lock(&mu_);
+  open_.erase(connection);
+}
+
+void HttpServer::RequestEnded(MHD_Connection* connection) {
+  absl::MutexLock lock(&mu_);
+  auto it = open_.find(connection);
+  if (it != open_.end()) it->second.deadline = absl::Now() + options_.request_timeout;
+}
+
+void HttpServer::EnforceDeadlines() {
+  const absl::Duration tick = std::clamp(options_.request_timeout / 10, absl::Milliseconds(10),
+                                         absl::Milliseconds(500));
+  absl::MutexLock lock(&mu_);
+  while (!mu_.AwaitWithTimeout(absl::Condition(&stopping_), tick)) {
+    const absl::Time now = absl::Now();
+    for (auto& [connection, open] : open_) {
+      if (open.shut || open.fd < 0 || now < open.deadline) continue;
+      // The event loop sees the end of the stream and closes the connection; the socket is
+      // still this connection's (ConnectionClosed waits for mu_ before it is closed).
+      shutdown(open.fd, SHUT_RDWR);
+      open.shut = true;
+      ++timed_out_;
+      spdlog::debug("HTTP port: closed a connection that took longer than {} over one request",
+                    absl::FormatDuration(options_.request_timeout));
+    }
+  }
 }
 
 }  // namespace modelavg::server

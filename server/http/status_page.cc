@@ -1,8 +1,8 @@
 #include "server/http/status_page.h"
 
 #include <openssl/crypto.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
+#include <openssl/rand.h>
+#include <openssl/sha.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/job_spec.h"
@@ -130,14 +131,17 @@ std::string Hex(const unsigned char* data, size_t n) {
       absl::string_view(reinterpret_cast<const char*>(data), n));
 }
 
-std::string CookieValueFor(const std::string& token) {
-  if (token.empty()) return "";
-  static constexpr char kPurpose[] = "modelavg status page login v1";
-  unsigned char mac[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()),
-       reinterpret_cast<const unsigned char*>(kPurpose), sizeof(kPurpose) - 1, mac, &len);
-  return Hex(mac, len);
+// 256 random bits, hex.
+std::string NewSessionId() {
+  unsigned char bytes[32];
+  if (RAND_bytes(bytes, sizeof(bytes)) != 1) return "";
+  return Hex(bytes, sizeof(bytes));
+}
+
+std::string Sha256Hex(const std::string& text) {
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(text.data()), text.size(), digest);
+  return Hex(digest, sizeof(digest));
 }
 
 bool SameSecret(const std::string& a, const std::string& b) {
@@ -250,10 +254,59 @@ std::string UrlEncode(const std::string& text) {
   return out;
 }
 
+std::string LoginRedirect(const std::string& next) {
+  if (next == "/") return next;
+  // The only pages behind the login; a job id is [A-Za-z0-9._-]: no '/', '\\', '%', ':' or
+  // control character that could make a browser leave this server.
+  absl::string_view id = next;
+  if (absl::ConsumePrefix(&id, "/jobs/") && ValidateJobId(id).ok()) return next;
+  return "/";
+}
+
 StatusPage::StatusPage(const JobRegistry* registry, StatusPageOptions options)
-    : registry_(registry),
-      options_(std::move(options)),
-      cookie_value_(CookieValueFor(options_.operator_token)) {}
+    : registry_(registry), options_(std::move(options)) {}
+
+std::string StatusPage::StartSession() const {
+  const std::string id = NewSessionId();
+  if (id.empty()) return "";
+  const absl::Time now = registry_->clock()->Now();
+  absl::MutexLock lock(&mu_);
+  // Expired logins go first; if still full, the one closest to its expiry.
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    if (it->second <= now) {
+      sessions_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  if (sessions_.size() >= options_.max_sessions && !sessions_.empty()) {
+    auto oldest = std::min_element(sessions_.begin(), sessions_.end(),
+                                   [](const auto& a, const auto& b) { return a.second < b.second; });
+    sessions_.erase(oldest);
+  }
+  sessions_[Sha256Hex(id)] = now + options_.session_ttl;
+  return id;
+}
+
+void StatusPage::EndSession(const std::string& id) const {
+  if (id.empty()) return;
+  absl::MutexLock lock(&mu_);
+  sessions_.erase(Sha256Hex(id));
+}
+
+bool StatusPage::ValidSession(const std::string& id) const {
+  if (id.empty()) return false;
+  const std::string key = Sha256Hex(id);
+  const absl::Time now = registry_->clock()->Now();
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(key);
+  if (it == sessions_.end()) return false;
+  if (it->second <= now) {
+    sessions_.erase(it);
+    return false;
+  }
+  return true;
+}
 
 bool StatusPage::Authorized(const HttpRequest& request) const {
   if (options_.operator_token.empty()) return true;
@@ -262,7 +315,7 @@ bool StatusPage::Authorized(const HttpRequest& request) const {
       SameSecret(header.substr(7), options_.operator_token)) {
     return true;
   }
-  return SameSecret(request.Cookie(kCookieName), cookie_value_);
+  return ValidSession(request.Cookie(kCookieName));
 }
 
 HttpResponse StatusPage::Page(int status, const std::string& title,
@@ -300,8 +353,7 @@ HttpResponse StatusPage::Page(int status, const std::string& title,
 
 HttpResponse StatusPage::LoginPage(const HttpRequest& request, int status,
                                    const std::string& note) const {
-  std::string next = request.Query("next");
-  if (!absl::StartsWith(next, "/") || absl::StartsWith(next, "//")) next = "/";
+  const std::string next = LoginRedirect(request.Query("next"));
   HttpResponse reply = Page(
       status, "log in",
       absl::StrCat(
@@ -328,13 +380,22 @@ HttpResponse StatusPage::Login(const HttpRequest& request) const {
   if (!SameSecret(request.Form("token"), options_.operator_token)) {
     return LoginPage(request, 401, "That is not the operator token.");
   }
-  std::string next = request.Query("next");
-  if (!absl::StartsWith(next, "/") || absl::StartsWith(next, "//")) next = "/";
+  const std::string session = StartSession();
+  if (session.empty()) {
+    HttpResponse reply;
+    reply.status = 500;
+    reply.body = "could not make a session id (no random bytes); send the token as a bearer "
+                 "header instead\n";
+    return reply;
+  }
   HttpResponse reply;
   reply.status = 303;
-  reply.headers.push_back({"Location", next});
-  reply.headers.push_back({"Set-Cookie", absl::StrCat(kCookieName, "=", cookie_value_,
-                                                      "; Path=/; HttpOnly; SameSite=Strict")});
+  reply.headers.push_back({"Location", LoginRedirect(request.Query("next"))});
+  reply.headers.push_back(
+      {"Set-Cookie",
+       absl::StrCat(kCookieName, "=", session, "; Path=/; Max-Age=",
+                    absl::ToInt64Seconds(options_.session_ttl), "; HttpOnly; SameSite=Strict",
+                    options_.secure_cookie ? "; Secure" : "")});
   reply.body = "logged in\n";
   return reply;
 }
@@ -351,12 +412,15 @@ HttpResponse StatusPage::Handle(const HttpRequest& request) const {
   }
   if (path == "/login") return Login(request);
   if (path == "/logout") {
+    // The session ends here, not only in this browser: a copy of the cookie is refused too.
+    EndSession(request.Cookie(kCookieName));
     HttpResponse reply;
     reply.status = 303;
     reply.headers = {{"Location", "/login"},
                      {"Set-Cookie", absl::StrCat(kCookieName,
                                                  "=; Path=/; HttpOnly; SameSite=Strict; "
-                                                 "Max-Age=0")}};
+                                                 "Max-Age=0",
+                                                 options_.secure_cookie ? "; Secure" : "")}};
     return reply;
   }
   const bool known = path == "/" || absl::StartsWith(path, "/jobs/");

@@ -6,12 +6,21 @@
 // Content-Security-Policy allows no inline or remote script or style.
 //
 // With an operator token set, every page but /login and /static/ needs it: either
-// "Authorization: Bearer <token>" or the cookie that the /login form sets (a keyed hash of the
-// token, never the token itself). Credentials and communicator ids are never shown.
+// "Authorization: Bearer <token>" or the cookie that the /login form sets: a random session id
+// (never the token), valid until session_ttl passes, /logout ends it, or the coordinator
+// restarts (sessions live in its memory only). After login the browser goes back to the page
+// it came from, and only to a page of this server (`next`: "/" or "/jobs/<id>", anything else
+// is replaced by "/"). Credentials and communicator ids are never shown.
 #ifndef MODELAVG_SERVER_HTTP_STATUS_PAGE_H_
 #define MODELAVG_SERVER_HTTP_STATUS_PAGE_H_
 
+#include <cstddef>
 #include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 
 #include "server/core/job_registry.h"
 #include "server/http/http_server.h"
@@ -28,6 +37,12 @@ struct StatusPageOptions {
   int max_member_rows = 2000;
   // How often the page refreshes itself.
   int refresh_ms = 1000;
+  // How long a login lasts; its cookie expires then too.
+  absl::Duration session_ttl = absl::Hours(12);
+  // Most logins held at once; past it a new one ends the one closest to its expiry.
+  size_t max_sessions = 4096;
+  // Mark the login cookie Secure (the HTTP port serves TLS).
+  bool secure_cookie = false;
 };
 
 class StatusPage {
@@ -47,11 +62,21 @@ class StatusPage {
   HttpResponse JobPage(const std::string& job_id) const;
   HttpResponse Page(int status, const std::string& title, const std::string& body) const;
 
+  // A new login's session id (added to sessions_), and the end of one.
+  std::string StartSession() const ABSL_LOCKS_EXCLUDED(mu_);
+  void EndSession(const std::string& id) const ABSL_LOCKS_EXCLUDED(mu_);
+  bool ValidSession(const std::string& id) const ABSL_LOCKS_EXCLUDED(mu_);
+
   const JobRegistry* const registry_;
   const StatusPageOptions options_;
-  // The login cookie's value: a keyed hash of the operator token ("" without a token).
-  const std::string cookie_value_;
+  mutable absl::Mutex mu_;
+  // The logins: SHA-256 of each session id (the id itself is kept only by the browser) to its
+  // expiry.
+  mutable absl::flat_hash_map<std::string, absl::Time> sessions_ ABSL_GUARDED_BY(mu_);
 };
+
+// The page a login goes back to: `next` when it is "/" or "/jobs/<job id>", else "/".
+std::string LoginRedirect(const std::string& next);
 
 // HTML-escapes & < > " ' (for text and attribute values alike).
 std::string HtmlEscape(const std::string& text);

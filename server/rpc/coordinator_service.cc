@@ -1,6 +1,9 @@
 #include "server/rpc/coordinator_service.h"
 
+#include <algorithm>
 #include <chrono>
+#include <functional>
+#include <type_traits>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -44,6 +47,15 @@ absl::Status Parse(const grpc::ByteBuffer& raw, google::protobuf::Message* messa
       " (protobuf), and these ", raw.Length(), " bytes are not one"));
 }
 
+// At most `max_bytes`: RESOURCE_EXHAUSTED naming the bound otherwise.
+absl::Status CheckRequestSize(const grpc::ByteBuffer& raw, size_t max_bytes, const char* rpc,
+                              const google::protobuf::Message& request) {
+  if (raw.Length() <= max_bytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      rpc, " takes a request of at most ", max_bytes, " bytes; this one has ", raw.Length(),
+      " (no ", request.GetDescriptor()->full_name(), " of any legitimate call is near that)"));
+}
+
 void Serialize(const google::protobuf::Message& message, grpc::ByteBuffer* out) {
   bool own = false;
   out->Clear();
@@ -52,26 +64,38 @@ void Serialize(const google::protobuf::Message& message, grpc::ByteBuffer* out) 
 
 }  // namespace
 
-// One unary call: its parsed request, its typed response, and the raw reply that the response is
-// serialized into when the call succeeds. Reply() finishes it exactly once; a call that waits in
-// the core (Join, GetCommId) sets what its cancellation does.
+// One unary call, served through the generic API: the caller is checked before anything is
+// read (Serve), then the request is read, bounded, parsed and handed to the method's handler.
+// Reply() finishes it exactly once; a call that waits in the core (Join, GetCommId) sets what
+// its cancellation does.
 template <typename Request, typename Response>
-class CoordinatorService::Call final : public grpc::ServerUnaryReactor {
+class CoordinatorService::Call final : public grpc::ServerGenericBidiReactor {
  public:
-  Call(grpc::ByteBuffer* reply, RpcMetrics* metrics, RpcMethod method)
-      : reply_(reply), metrics_(metrics), method_(method) {}
+  Call(RpcMetrics* metrics, RpcMethod method) : metrics_(metrics), method_(method) {}
 
   Request request;
   Response response;
+  Caller caller;
+  grpc::ByteBuffer raw;  // the request as read (cleared once parsed)
 
   void Reply(const absl::Status& status) {
     if (metrics_ != nullptr) metrics_->CountRpc(method_, status.code());
-    if (status.ok()) Serialize(response, reply_);
-    Finish(ToGrpcStatus(status));
+    if (!status.ok()) return Finish(ToGrpcStatus(status));
+    Serialize(response, &reply_);
+    StartWriteAndFinish(&reply_, grpc::WriteOptions(), grpc::Status::OK);
+  }
+  // Reads the request; `on_read` runs when it is in (false: the call ended without one).
+  void Read(absl::AnyInvocable<void(bool)> on_read) {
+    on_read_ = std::move(on_read);
+    StartRead(&raw);
   }
   // Must be set before the handler returns (OnCancel comes only after).
   void SetOnCancel(absl::AnyInvocable<void()> on_cancel) { on_cancel_ = std::move(on_cancel); }
 
+  void OnReadDone(bool ok) override {
+    absl::AnyInvocable<void(bool)> on_read = std::move(on_read_);
+    if (on_read) on_read(ok);
+  }
   void OnCancel() override {
     // The wait's completion may finish this call inside on_cancel.
     absl::AnyInvocable<void()> on_cancel = std::move(on_cancel_);
@@ -80,17 +104,30 @@ class CoordinatorService::Call final : public grpc::ServerUnaryReactor {
   void OnDone() override { delete this; }
 
  private:
-  grpc::ByteBuffer* const reply_;
+  grpc::ByteBuffer reply_;
   RpcMetrics* const metrics_;
   const RpcMethod method_;
+  absl::AnyInvocable<void(bool)> on_read_;
   absl::AnyInvocable<void()> on_cancel_;
+};
+
+// A method of the generic API: who may call it, how big its request may be, and what serves it.
+struct CoordinatorService::Route {
+  RpcMethod method;
+  Role need;
+  const char* name;
+  size_t max_request_bytes;
+  std::function<grpc::ServerGenericBidiReactor*(grpc::GenericCallbackServerContext*,
+                                                const Route&)>
+      serve;
 };
 
 namespace {
 
-// One WatchJob stream. The Job pushes events (in order, never concurrently for one job); they
-// are written one at a time, up to kMaxQueuedEvents waiting.
-class WatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+// One WatchJob stream (a server stream, served through the generic API: its request is read
+// only once the caller is checked). The Job pushes events (in order, never concurrently for one
+// job); they are written one at a time, up to kMaxQueuedEvents waiting.
+class WatchReactor final : public grpc::ServerGenericBidiReactor {
  public:
   using Writes = StreamWrites<WatchReactor>;
 
@@ -123,11 +160,22 @@ class WatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     if (metrics_ != nullptr) metrics_->StreamOpened(RpcMethod::kWatchJob);
   }
 
+  // Reads the request; `on_read` runs when it is in (false: the call ended without one).
+  void Read(absl::AnyInvocable<void(bool)> on_read) {
+    on_read_ = std::move(on_read);
+    StartRead(&raw);
+  }
   // Registers with the job; the snapshot is the first write.
   // Nothing may touch the reactor after this call: a closed job finishes the stream at once.
   void Start(const std::shared_ptr<Job>& job) { job->Watch(sink_); }
   void FinishNow(const absl::Status& status) { sink_->OnClosed(status); }
 
+  grpc::ByteBuffer raw;  // the request as read
+
+  void OnReadDone(bool ok) override {
+    absl::AnyInvocable<void(bool)> on_read = std::move(on_read_);
+    if (on_read) on_read(ok);
+  }
   void OnWriteDone(bool ok) override { sink_->writes().OnWriteDone(ok); }
   void OnCancel() override { sink_->OnClosed(absl::CancelledError("the watcher went away")); }
   void OnDone() override {
@@ -142,6 +190,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  private:
   const std::shared_ptr<Sink> sink_;
   RpcMetrics* const metrics_;
+  absl::AnyInvocable<void(bool)> on_read_;
 };
 
 // HeartbeatStream. The job is looked up once, from the first beat, which also picks the mode
@@ -157,13 +206,15 @@ class HeartbeatStreamReactor final
  public:
   using Writes = StreamWrites<HeartbeatStreamReactor>;
 
-  HeartbeatStreamReactor(JobRegistry* registry, RpcMetrics* metrics, absl::Status auth,
-                         const CoordinatorService::Gate* gate)
+  // `caller`: the stream's caller, or why it may not open one (the stream's end).
+  HeartbeatStreamReactor(JobRegistry* registry, RpcMetrics* metrics,
+                         absl::StatusOr<Caller> caller, const CoordinatorService::Gate* gate)
       : registry_(registry), metrics_(metrics), gate_(gate),
+        caller_(caller.ok() ? *caller : Caller()),
         writes_(this, 1, Writes::WhenFull::kReplaceNewest, "the HeartbeatStream broke") {
     if (metrics_ != nullptr) metrics_->StreamOpened(RpcMethod::kHeartbeatStream);
-    if (!auth.ok()) {
-      writes_.End(auth);
+    if (!caller.ok()) {
+      writes_.End(caller.status());
       return;
     }
     StartRead(&raw_request_);
@@ -210,6 +261,8 @@ class HeartbeatStreamReactor final
  private:
   // Records the beat just read, replies if due and reads on. Not OK: the stream's end.
   absl::Status Beat() {
+    MODELAVG_RETURN_IF_ERROR(
+        CheckRequestSize(raw_request_, kSmallRequestBytes, "HeartbeatStream", request_));
     MODELAVG_RETURN_IF_ERROR(Parse(raw_request_, &request_, "HeartbeatStream"));
     if (*gate_) MODELAVG_RETURN_IF_ERROR((*gate_)(nullptr));
     // Only the read path touches request_, job_ and replies_ (one read at a time).
@@ -218,6 +271,7 @@ class HeartbeatStreamReactor final
           HeartbeatReplies::Create(request_.reply_interval_ms(), registry_->clock());
       if (!replies.ok()) return replies.status();
       replies_.emplace(*std::move(replies));
+      MODELAVG_RETURN_IF_ERROR(caller_.CheckJob(request_.job_id(), "HeartbeatStream"));
       absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(request_.job_id());
       if (!job.ok()) return job.status();
       job_ = *std::move(job);
@@ -255,6 +309,7 @@ class HeartbeatStreamReactor final
   JobRegistry* const registry_;
   RpcMetrics* const metrics_;
   const CoordinatorService::Gate* const gate_;
+  const Caller caller_;
   Writes writes_;
   // The read path's.
   std::shared_ptr<Job> job_;
@@ -280,13 +335,19 @@ class HostHeartbeatStreamReactor final
  public:
   using Writes = StreamWrites<HostHeartbeatStreamReactor>;
 
-  HostHeartbeatStreamReactor(JobRegistry* registry, RpcMetrics* metrics, absl::Status auth,
-                             const CoordinatorService::Gate* gate)
-      : metrics_(metrics), gate_(gate), beats_(registry),
+  // `caller`: the stream's caller, or why it may not open one (the stream's end). A beat for a
+  // job the caller may not use is answered PERMISSION_DENIED (that member's error).
+  HostHeartbeatStreamReactor(JobRegistry* registry, RpcMetrics* metrics,
+                             absl::StatusOr<Caller> caller, const CoordinatorService::Gate* gate)
+      : metrics_(metrics), gate_(gate),
+        beats_(registry,
+               [caller = caller.ok() ? *caller : Caller()](absl::string_view job_id) {
+                 return caller.CheckJob(job_id, "HostHeartbeatStream");
+               }),
         writes_(this, 0, Writes::WhenFull::kRefuse, "the HostHeartbeatStream broke") {
     if (metrics_ != nullptr) metrics_->StreamOpened(RpcMethod::kHostHeartbeatStream);
-    if (!auth.ok()) {
-      writes_.End(auth);
+    if (!caller.ok()) {
+      writes_.End(caller.status());
       return;
     }
     StartRead(&raw_request_);
@@ -367,53 +428,127 @@ class HostHeartbeatStreamReactor final
 
 }  // namespace
 
-CoordinatorService::CoordinatorService(JobRegistry* registry, AuthOptions auth,
-                                       RpcMetrics* metrics)
-    : registry_(registry), auth_(std::move(auth)), metrics_(metrics) {}
+namespace {
 
-template <typename Request, typename Response>
-grpc::ServerUnaryReactor* CoordinatorService::Serve(
-    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw, grpc::ByteBuffer* reply,
-    RpcMethod method, Role need, const char* rpc,
-    void (CoordinatorService::*handler)(grpc::CallbackServerContext*,
-                                        Call<Request, Response>*)) {
-  auto* call = new Call<Request, Response>(reply, metrics_, method);
-  absl::Status s = auth_.Authorize(*ctx, need, rpc);
-  if (s.ok() && gate_) s = gate_(ctx);
-  if (s.ok()) s = Parse(*raw, &call->request, rpc);
-  if (!s.ok()) {
-    call->Reply(s);
-  } else {
-    // The handler replies, now or (waits) later; nothing may touch `call` after it.
-    (this->*handler)(ctx, call);
+// Whether a request names one job (every worker request but ListJobs and Ping).
+template <typename Request, typename = void>
+struct NamesJob : std::false_type {};
+template <typename Request>
+struct NamesJob<Request, std::void_t<decltype(std::declval<const Request&>().job_id())>>
+    : std::true_type {};
+
+// A request read whole (`ok`: it arrived), checked against its method's bound and parsed.
+absl::Status ReadRequest(bool ok, const grpc::CallbackServerContext& ctx, grpc::ByteBuffer* raw,
+                         size_t max_bytes, const char* rpc, google::protobuf::Message* request) {
+  if (!ok) {
+    if (ctx.IsCancelled()) return absl::CancelledError("the caller went away");
+    return absl::InvalidArgumentError(
+        absl::StrCat(rpc, " takes one request message; the call ended without one"));
   }
-  return call;
+  MODELAVG_RETURN_IF_ERROR(CheckRequestSize(*raw, max_bytes, rpc, *request));
+  MODELAVG_RETURN_IF_ERROR(Parse(*raw, request, rpc));
+  raw->Clear();  // a waiting call (Join) keeps nothing of its bytes
+  return absl::OkStatus();
 }
 
-#define MODELAVG_SERVE(Rpc, Request, Response, need)                                        \
-  grpc::ServerUnaryReactor* CoordinatorService::Rpc(                                        \
-      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,                    \
-      grpc::ByteBuffer* response) {                                                         \
-    return Serve<Request, Response>(ctx, request, response, RpcMethod::k##Rpc, need, #Rpc,  \
-                                    &CoordinatorService::Do##Rpc);                          \
+// The answer to a method the coordinator does not have (nothing of the call is read).
+class UnknownMethod final : public grpc::ServerGenericBidiReactor {
+ public:
+  explicit UnknownMethod(const std::string& method) {
+    Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                        absl::StrCat("no method ", method.substr(0, 256),
+                                     " here; this is a modelavg.v1.Coordinator (server "
+                                     "reflection lists its methods)")));
   }
-MODELAVG_SERVE(CreateJob, v1::CreateJobRequest, v1::Job, Role::kOperator)
-MODELAVG_SERVE(GetJob, v1::GetJobRequest, v1::Job, Role::kWorker)
-MODELAVG_SERVE(ListJobs, v1::ListJobsRequest, v1::ListJobsResponse, Role::kWorker)
-MODELAVG_SERVE(DeleteJob, v1::DeleteJobRequest, v1::DeleteJobResponse, Role::kOperator)
-MODELAVG_SERVE(Join, v1::JoinRequest, v1::JoinResponse, Role::kWorker)
-MODELAVG_SERVE(Heartbeat, v1::HeartbeatRequest, v1::HeartbeatResponse, Role::kWorker)
-MODELAVG_SERVE(Step, v1::StepRequest, v1::StepDecision, Role::kWorker)
-MODELAVG_SERVE(GetSchedule, v1::GetScheduleRequest, v1::GetScheduleResponse, Role::kWorker)
-MODELAVG_SERVE(PublishCommId, v1::PublishCommIdRequest, v1::PublishCommIdResponse, Role::kWorker)
-MODELAVG_SERVE(GetCommId, v1::GetCommIdRequest, v1::GetCommIdResponse, Role::kWorker)
-MODELAVG_SERVE(Leave, v1::LeaveRequest, v1::LeaveResponse, Role::kWorker)
-MODELAVG_SERVE(Ping, v1::PingRequest, v1::PingResponse, Role::kWorker)
-MODELAVG_SERVE(ReportPeerFailure, v1::ReportPeerFailureRequest, v1::ReportPeerFailureResponse,
-               Role::kWorker)
-MODELAVG_SERVE(ReportNonFinite, v1::ReportNonFiniteRequest, v1::ReportNonFiniteResponse,
-               Role::kWorker)
-#undef MODELAVG_SERVE
+  void OnDone() override { delete this; }
+};
+
+}  // namespace
+
+CoordinatorService::CoordinatorService(JobRegistry* registry, AuthOptions auth,
+                                       RpcMetrics* metrics, size_t max_request_bytes)
+    : registry_(registry), auth_(std::move(auth)), metrics_(metrics),
+      max_request_bytes_(max_request_bytes) {
+  const auto add = [this](RpcMethod method, Role need, const char* name, size_t max_bytes,
+                          auto serve) {
+    auto route = std::make_unique<Route>();
+    route->method = method;
+    route->need = need;
+    route->name = name;
+    route->max_request_bytes = std::min(max_bytes, max_request_bytes_);
+    route->serve = std::move(serve);
+    routes_[absl::StrCat("/modelavg.v1.Coordinator/", name)] = std::move(route);
+  };
+#define MODELAVG_ROUTE(Rpc, Request, Response, need, max_bytes)                         \
+  add(RpcMethod::k##Rpc, need, #Rpc, max_bytes,                                        \
+      [this](grpc::GenericCallbackServerContext* ctx, const Route& route) {            \
+        return Serve<Request, Response>(ctx, route, &CoordinatorService::Do##Rpc);     \
+      })
+  MODELAVG_ROUTE(CreateJob, v1::CreateJobRequest, v1::Job, Role::kOperator, kSmallRequestBytes);
+  MODELAVG_ROUTE(GetJob, v1::GetJobRequest, v1::Job, Role::kWorker, kSmallRequestBytes);
+  MODELAVG_ROUTE(ListJobs, v1::ListJobsRequest, v1::ListJobsResponse, Role::kWorker,
+                 kSmallRequestBytes);
+  MODELAVG_ROUTE(DeleteJob, v1::DeleteJobRequest, v1::DeleteJobResponse, Role::kOperator,
+                 kSmallRequestBytes);
+  MODELAVG_ROUTE(Join, v1::JoinRequest, v1::JoinResponse, Role::kWorker, kSmallRequestBytes);
+  MODELAVG_ROUTE(Heartbeat, v1::HeartbeatRequest, v1::HeartbeatResponse, Role::kWorker,
+                 kSmallRequestBytes);
+  MODELAVG_ROUTE(Step, v1::StepRequest, v1::StepDecision, Role::kWorker, kSmallRequestBytes);
+  MODELAVG_ROUTE(GetSchedule, v1::GetScheduleRequest, v1::GetScheduleResponse, Role::kWorker,
+                 kSmallRequestBytes);
+  MODELAVG_ROUTE(PublishCommId, v1::PublishCommIdRequest, v1::PublishCommIdResponse,
+                 Role::kWorker, kSmallRequestBytes);
+  MODELAVG_ROUTE(GetCommId, v1::GetCommIdRequest, v1::GetCommIdResponse, Role::kWorker,
+                 kSmallRequestBytes);
+  MODELAVG_ROUTE(Leave, v1::LeaveRequest, v1::LeaveResponse, Role::kWorker, kSmallRequestBytes);
+  MODELAVG_ROUTE(Ping, v1::PingRequest, v1::PingResponse, Role::kWorker, kSmallRequestBytes);
+  MODELAVG_ROUTE(ReportPeerFailure, v1::ReportPeerFailureRequest,
+                 v1::ReportPeerFailureResponse, Role::kWorker, kPeerReportRequestBytes);
+  MODELAVG_ROUTE(ReportNonFinite, v1::ReportNonFiniteRequest, v1::ReportNonFiniteResponse,
+                 Role::kWorker, kSmallRequestBytes);
+#undef MODELAVG_ROUTE
+  add(RpcMethod::kWatchJob, Role::kWorker, "WatchJob", kSmallRequestBytes,
+      [this](grpc::GenericCallbackServerContext* ctx, const Route& route) {
+        return ServeWatchJob(ctx, route);
+      });
+}
+
+CoordinatorService::~CoordinatorService() = default;
+
+grpc::ServerGenericBidiReactor* CoordinatorService::CreateReactor(
+    grpc::GenericCallbackServerContext* ctx) {
+  auto it = routes_.find(ctx->method());
+  if (it == routes_.end()) return new UnknownMethod(ctx->method());
+  return it->second->serve(ctx, *it->second);
+}
+
+template <typename Request, typename Response>
+grpc::ServerGenericBidiReactor* CoordinatorService::Serve(
+    grpc::GenericCallbackServerContext* ctx, const Route& route,
+    void (CoordinatorService::*handler)(grpc::CallbackServerContext*,
+                                        Call<Request, Response>*)) {
+  auto* call = new Call<Request, Response>(metrics_, route.method);
+  // Nothing of the request is read until the caller may make this call.
+  absl::StatusOr<Caller> caller = auth_.Authorize(*ctx, route.need, route.name);
+  absl::Status s = caller.status();
+  if (s.ok() && gate_) s = gate_(ctx);
+  if (!s.ok()) {
+    call->Reply(s);
+    return call;
+  }
+  call->caller = *caller;
+  call->Read([this, ctx, call, &route, handler](bool ok) {
+    absl::Status s = ReadRequest(ok, *ctx, &call->raw, route.max_request_bytes, route.name,
+                                 &call->request);
+    if constexpr (NamesJob<Request>::value) {
+      if (s.ok()) s = call->caller.CheckJob(call->request.job_id(), route.name);
+    }
+    if (!s.ok()) return call->Reply(s);
+    // The handler replies, now or (waits) later; nothing may touch `call` after it.
+    (this->*handler)(ctx, call);
+  });
+  return call;
+}
 
 void CoordinatorService::DoCreateJob(grpc::CallbackServerContext*,
                                      Call<v1::CreateJobRequest, v1::Job>* call) {
@@ -429,7 +564,15 @@ void CoordinatorService::DoGetJob(grpc::CallbackServerContext*,
 
 void CoordinatorService::DoListJobs(grpc::CallbackServerContext*,
                                     Call<v1::ListJobsRequest, v1::ListJobsResponse>* call) {
-  call->Reply(registry_->ListJobsPage(call->request, &call->response));
+  absl::Status s = registry_->ListJobsPage(call->request, &call->response);
+  // A worker token limited to some jobs lists only those (a page may come out short).
+  auto* jobs = call->response.mutable_jobs();
+  jobs->erase(std::remove_if(jobs->begin(), jobs->end(),
+                             [call](const v1::Job& j) {
+                               return !call->caller.MayUse(j.spec().job_id());
+                             }),
+              jobs->end());
+  call->Reply(s);
 }
 
 void CoordinatorService::DoDeleteJob(grpc::CallbackServerContext*,
@@ -465,16 +608,20 @@ void CoordinatorService::DoHeartbeat(grpc::CallbackServerContext*,
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* CoordinatorService::HeartbeatStream(
     grpc::CallbackServerContext* ctx) {
-  absl::Status s = auth_.Authorize(*ctx);
-  if (s.ok() && gate_) s = gate_(ctx);
-  return new HeartbeatStreamReactor(registry_, metrics_, std::move(s), &gate_);
+  absl::StatusOr<Caller> caller = auth_.Authorize(*ctx);
+  if (caller.ok() && gate_) {
+    if (absl::Status s = gate_(ctx); !s.ok()) caller = s;
+  }
+  return new HeartbeatStreamReactor(registry_, metrics_, std::move(caller), &gate_);
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>*
 CoordinatorService::HostHeartbeatStream(grpc::CallbackServerContext* ctx) {
-  absl::Status s = auth_.Authorize(*ctx);
-  if (s.ok() && gate_) s = gate_(ctx);
-  return new HostHeartbeatStreamReactor(registry_, metrics_, std::move(s), &gate_);
+  absl::StatusOr<Caller> caller = auth_.Authorize(*ctx);
+  if (caller.ok() && gate_) {
+    if (absl::Status s = gate_(ctx); !s.ok()) caller = s;
+  }
+  return new HostHeartbeatStreamReactor(registry_, metrics_, std::move(caller), &gate_);
 }
 
 void CoordinatorService::DoStep(grpc::CallbackServerContext*,
@@ -537,23 +684,29 @@ void CoordinatorService::DoReportNonFinite(
   call->Reply((*job)->ReportNonFinite(call->request, &call->response));
 }
 
-grpc::ServerWriteReactor<grpc::ByteBuffer>* CoordinatorService::WatchJob(
-    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw) {
+grpc::ServerGenericBidiReactor* CoordinatorService::ServeWatchJob(
+    grpc::GenericCallbackServerContext* ctx, const Route& route) {
   auto* reactor = new WatchReactor(metrics_);
-  v1::WatchJobRequest request;
-  absl::Status s = auth_.Authorize(*ctx);
+  absl::StatusOr<Caller> caller = auth_.Authorize(*ctx, route.need, route.name);
+  absl::Status s = caller.status();
   if (s.ok() && gate_) s = gate_(ctx);
-  if (s.ok()) s = Parse(*raw, &request, "WatchJob");
-  absl::StatusOr<std::shared_ptr<Job>> job;
-  if (s.ok()) {
-    job = registry_->Find(request.job_id());
-    s = job.status();
-  }
   if (!s.ok()) {
     reactor->FinishNow(s);
-  } else {
-    reactor->Start(*job);
+    return reactor;
   }
+  reactor->Read([this, ctx, reactor, &route, caller = *caller](bool ok) {
+    v1::WatchJobRequest request;
+    absl::Status s =
+        ReadRequest(ok, *ctx, &reactor->raw, route.max_request_bytes, route.name, &request);
+    if (s.ok()) s = caller.CheckJob(request.job_id(), route.name);
+    absl::StatusOr<std::shared_ptr<Job>> job;
+    if (s.ok()) {
+      job = registry_->Find(request.job_id());
+      s = job.status();
+    }
+    if (!s.ok()) return reactor->FinishNow(s);
+    reactor->Start(*job);
+  });
   return reactor;
 }
 

@@ -1,12 +1,17 @@
 // The thin gRPC adapter: every Coordinator RPC as a callback-API handler over the JobRegistry.
 // Handlers never block: Join and GetCommId return reactors that the core finishes; WatchJob is a
-// server-streaming reactor fed by the Job's events.
+// streaming reactor fed by the Job's events.
 #ifndef MODELAVG_SERVER_RPC_COORDINATOR_SERVICE_H_
 #define MODELAVG_SERVER_RPC_COORDINATOR_SERVICE_H_
 
+#include <cstddef>
 #include <functional>
+#include <memory>
+#include <string>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
 #include "modelavg/v1/coordinator.grpc.pb.h"
 #include "server/core/job_registry.h"
@@ -15,76 +20,79 @@
 
 namespace modelavg::server {
 
-// Every method takes its request as bytes and parses it itself: bytes that are not the
-// method's message get INVALID_ARGUMENT with a message (gRPC's generated handlers answer
-// UNIMPLEMENTED with none), on every RPC and stream.
-using RawCoordinatorService =
-    v1::Coordinator::WithRawCallbackMethod_CreateJob<
-    v1::Coordinator::WithRawCallbackMethod_GetJob<
-    v1::Coordinator::WithRawCallbackMethod_ListJobs<
-    v1::Coordinator::WithRawCallbackMethod_DeleteJob<
-    v1::Coordinator::WithRawCallbackMethod_Join<
-    v1::Coordinator::WithRawCallbackMethod_Heartbeat<
+// The callback API reads a unary or server-streaming call's request whole before it hands the
+// call to a handler, whoever sent it. So only the two heartbeat streams are typed methods here
+// (their caller is checked when the stream opens, before any message is read); every other
+// method is marked generic and served by CreateReactor, which checks the caller first and reads
+// the request only for a caller that may make the call: a refused call costs no more than its
+// headers. Every request is taken as bytes and parsed here: bytes that are not the method's
+// message get INVALID_ARGUMENT with a message (gRPC's generated handlers answer UNIMPLEMENTED
+// with none), on every RPC and stream.
+using TypedCoordinatorService =
+    v1::Coordinator::WithGenericMethod_CreateJob<
+    v1::Coordinator::WithGenericMethod_GetJob<
+    v1::Coordinator::WithGenericMethod_ListJobs<
+    v1::Coordinator::WithGenericMethod_DeleteJob<
+    v1::Coordinator::WithGenericMethod_Join<
+    v1::Coordinator::WithGenericMethod_Heartbeat<
     v1::Coordinator::WithRawCallbackMethod_HeartbeatStream<
     v1::Coordinator::WithRawCallbackMethod_HostHeartbeatStream<
-    v1::Coordinator::WithRawCallbackMethod_Step<
-    v1::Coordinator::WithRawCallbackMethod_GetSchedule<
-    v1::Coordinator::WithRawCallbackMethod_PublishCommId<
-    v1::Coordinator::WithRawCallbackMethod_GetCommId<
-    v1::Coordinator::WithRawCallbackMethod_Leave<
-    v1::Coordinator::WithRawCallbackMethod_WatchJob<
-    v1::Coordinator::WithRawCallbackMethod_Ping<
-    v1::Coordinator::WithRawCallbackMethod_ReportPeerFailure<
-    v1::Coordinator::WithRawCallbackMethod_ReportNonFinite<
+    v1::Coordinator::WithGenericMethod_Step<
+    v1::Coordinator::WithGenericMethod_GetSchedule<
+    v1::Coordinator::WithGenericMethod_PublishCommId<
+    v1::Coordinator::WithGenericMethod_GetCommId<
+    v1::Coordinator::WithGenericMethod_Leave<
+    v1::Coordinator::WithGenericMethod_WatchJob<
+    v1::Coordinator::WithGenericMethod_Ping<
+    v1::Coordinator::WithGenericMethod_ReportPeerFailure<
+    v1::Coordinator::WithGenericMethod_ReportNonFinite<
     v1::Coordinator::Service>>>>>>>>>>>>>>>>>;
 
-class CoordinatorService final : public RawCoordinatorService {
- public:
-  // `metrics` may be null. Both pointers must outlive the service.
-  CoordinatorService(JobRegistry* registry, AuthOptions auth, RpcMetrics* metrics);
+// The largest request each method takes, in bytes (serialized): sized to the largest legitimate
+// message, each capped by the server's receive limit (ServerOptions::max_request_bytes).
+//  * HostHeartbeatStream: 4096 beats of at most ~210 bytes (a 128-character job id, a 32-hex
+//    credential, five numbers): ~850 KiB; so the default receive limit is 1 MiB.
+//  * ReportPeerFailure: two lists of up to 65536 ranks (3 bytes each): 384 KiB.
+//  * every other request (a HeartbeatStream's beats too): a few hundred bytes (a spec of 16
+//    levels, a 4096-byte comm id).
+inline constexpr size_t kDefaultMaxRequestBytes = 1 << 20;
+inline constexpr size_t kSmallRequestBytes = 64 << 10;
+inline constexpr size_t kPeerReportRequestBytes = 512 << 10;
 
-  // Asked before every call and every HeartbeatStream beat (HostHeartbeatStream message), after authorization: a non-OK
-  // status is the answer (a standby's UNAVAILABLE naming the leader, server/leader_terms.h).
-  // `ctx` is null for a beat. Set once, before serving.
+class CoordinatorService final : public TypedCoordinatorService,
+                                 public grpc::CallbackGenericService {
+ public:
+  // `metrics` may be null. Both pointers must outlive the service. `max_request_bytes` caps
+  // every method's request size (gRPC's own receive limit is set to it as well).
+  CoordinatorService(JobRegistry* registry, AuthOptions auth, RpcMetrics* metrics,
+                     size_t max_request_bytes = kDefaultMaxRequestBytes);
+  ~CoordinatorService() override;
+
+  // Asked before every call and every HeartbeatStream beat (HostHeartbeatStream message), after
+  // authorization: a non-OK status is the answer (a standby's UNAVAILABLE naming the leader,
+  // server/leader_terms.h). `ctx` is null for a beat. Set once, before serving.
   using Gate = std::function<absl::Status(grpc::CallbackServerContext* ctx)>;
   void set_gate(Gate gate) { gate_ = std::move(gate); }
 
-#define MODELAVG_RAW_UNARY(Rpc)                                                          \
-  grpc::ServerUnaryReactor* Rpc(grpc::CallbackServerContext* ctx,                        \
-                                const grpc::ByteBuffer* request, grpc::ByteBuffer* response) \
-      override;
-  MODELAVG_RAW_UNARY(CreateJob)
-  MODELAVG_RAW_UNARY(GetJob)
-  MODELAVG_RAW_UNARY(ListJobs)
-  MODELAVG_RAW_UNARY(DeleteJob)
-  MODELAVG_RAW_UNARY(Join)
-  MODELAVG_RAW_UNARY(Heartbeat)
-  MODELAVG_RAW_UNARY(Step)
-  MODELAVG_RAW_UNARY(GetSchedule)
-  MODELAVG_RAW_UNARY(PublishCommId)
-  MODELAVG_RAW_UNARY(GetCommId)
-  MODELAVG_RAW_UNARY(Leave)
-  MODELAVG_RAW_UNARY(Ping)
-  MODELAVG_RAW_UNARY(ReportPeerFailure)
-  MODELAVG_RAW_UNARY(ReportNonFinite)
-#undef MODELAVG_RAW_UNARY
+  // Every method but the two heartbeat streams (and UNIMPLEMENTED for unknown ones).
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override;
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* HeartbeatStream(
       grpc::CallbackServerContext* ctx) override;
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* HostHeartbeatStream(
       grpc::CallbackServerContext* ctx) override;
-  grpc::ServerWriteReactor<grpc::ByteBuffer>* WatchJob(grpc::CallbackServerContext* ctx,
-                                                       const grpc::ByteBuffer* request) override;
 
  private:
   template <typename Request, typename Response>
   class Call;
-  // Authorizes, parses and hands the call to `handler`, which replies.
+  struct Route;
+  // Authorizes, reads, checks, parses and hands the call to `handler`, which replies.
   template <typename Request, typename Response>
-  grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw,
-                                  grpc::ByteBuffer* reply, RpcMethod method, Role need,
-                                  const char* rpc,
-                                  void (CoordinatorService::*handler)(
-                                      grpc::CallbackServerContext*, Call<Request, Response>*));
+  grpc::ServerGenericBidiReactor* Serve(grpc::GenericCallbackServerContext* ctx,
+                                        const Route& route,
+                                        void (CoordinatorService::*handler)(
+                                            grpc::CallbackServerContext*, Call<Request, Response>*));
+  grpc::ServerGenericBidiReactor* ServeWatchJob(grpc::GenericCallbackServerContext* ctx,
+                                                const Route& route);
   void DoCreateJob(grpc::CallbackServerContext* ctx, Call<v1::CreateJobRequest, v1::Job>* call);
   void DoGetJob(grpc::CallbackServerContext* ctx, Call<v1::GetJobRequest, v1::Job>* call);
   void DoListJobs(grpc::CallbackServerContext* ctx,
@@ -106,12 +114,16 @@ class CoordinatorService final : public RawCoordinatorService {
   void DoReportPeerFailure(
       grpc::CallbackServerContext* ctx,
       Call<v1::ReportPeerFailureRequest, v1::ReportPeerFailureResponse>* call);
-  void DoReportNonFinite(grpc::CallbackServerContext* ctx,
-                         Call<v1::ReportNonFiniteRequest, v1::ReportNonFiniteResponse>* call);
+  void DoReportNonFinite(
+      grpc::CallbackServerContext* ctx,
+      Call<v1::ReportNonFiniteRequest, v1::ReportNonFiniteResponse>* call);
 
   JobRegistry* const registry_;
   const ServiceAuth auth_;
   RpcMetrics* const metrics_;
+  const size_t max_request_bytes_;
+  // By full method name ("/modelavg.v1.Coordinator/Join").
+  absl::flat_hash_map<std::string, std::unique_ptr<Route>> routes_;
   Gate gate_;
 };
 

@@ -793,6 +793,8 @@ TEST_F(EtcdHaTest, EtcdAuth_RightPasswordServes_WrongMissingOrUnauthorizedExitNa
   ASSERT_TRUE(coordinators_[0]->Start()) << coordinators_[0]->log();
   ASSERT_TRUE(WaitFor([&] { return coordinators_[0]->Leads(); }, absl::Seconds(30)))
       << coordinators_[0]->log();
+  // The password goes over plaintext here: said at start.
+  EXPECT_THAT(coordinators_[0]->log(), HasSubstr("etcd auth without TLS"));
   auto admin = Admin();
   ASSERT_TRUE(Retrying([&] {
                 return admin->CreateJob(MakeSpec("auth", 2, v1::PERIODIC, {{2, 2}}, 0));

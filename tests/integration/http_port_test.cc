@@ -4,9 +4,11 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
@@ -20,6 +22,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
 #include "common/file_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -142,6 +145,123 @@ TEST_F(HttpPortTest, StatusPage_WithAuth_NeedsTheOperatorToken) {
   EXPECT_THAT(page, Not(HasSubstr("s3cret-token")));
   // The metrics stay open to Prometheus as before.
   EXPECT_THAT(HttpGet(port, "/metrics"), HasSubstr("200 OK"));
+}
+
+// A TCP connection to 127.0.0.1:`port` from `source` (another loopback address: another
+// client), or -1.
+int ConnectFrom(const char* source, int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in local{};
+  local.sin_family = AF_INET;
+  inet_pton(AF_INET, source, &local.sin_addr);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&local), sizeof(local)) != 0 ||
+      connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// 1,100 connections from one client, each holding a request head open (a header line now and
+// then), kept /metrics and the status page from answering anyone while they stayed: the port
+// took 1,024 connections in all, none per client. Now one client address gets at most
+// --http_max_connections_per_client (32) at once and the others keep answering.
+TEST_F(HttpPortTest, SlowClientFromOneAddress_OthersStillAnswered) {
+  rlimit files{};
+  getrlimit(RLIMIT_NOFILE, &files);
+  files.rlim_cur = files.rlim_max;  // this process holds the 1,100
+  setrlimit(RLIMIT_NOFILE, &files);
+  const int port = Spawn({});
+  ASSERT_GT(port, 0) << Stderr();
+  int connected = 0;
+  for (int i = 0; i < 1100; ++i) {
+    const int fd = ConnectFrom("127.0.0.2", port);
+    if (fd < 0) continue;
+    ++connected;
+    idle_.push_back(fd);
+    const std::string head = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n";
+    (void)!send(fd, head.data(), head.size(), MSG_NOSIGNAL);
+  }
+  EXPECT_EQ(connected, 1100);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the server takes them in
+  for (int fd : idle_) (void)!send(fd, "X-Slow: 1\r\n", 11, MSG_NOSIGNAL);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_THAT(HttpGet(port, "/metrics"), HasSubstr("200 OK"))
+        << "request " << i << " while one client holds " << idle_.size() << " connections";
+  }
+  EXPECT_THAT(HttpGet(port, "/"), HasSubstr("<h1>Jobs</h1>"));
+}
+
+// A client that trickles its request head a line every 100 ms was never closed (each byte
+// reset the 30 s idle timeout). Now its connection is closed at --http_request_timeout_ms from
+// its start, however steadily it sends; a client that sends its request at once is answered.
+TEST_F(HttpPortTest, TricklingClient_ClosedAtTheRequestTimeout) {
+  const int port = Spawn({"--http_request_timeout_ms=1000"});
+  ASSERT_GT(port, 0) << Stderr();
+  const int fd = ConnectFrom("127.0.0.1", port);
+  ASSERT_GE(fd, 0);
+  idle_.push_back(fd);
+  const absl::Time start = absl::Now();
+  const std::string first = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n";
+  ASSERT_EQ(send(fd, first.data(), first.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(first.size()));
+  bool closed = false;
+  while (!closed && absl::Now() - start < absl::Seconds(8)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (send(fd, "X-Slow: 1\r\n", 11, MSG_NOSIGNAL) < 0) closed = true;
+    char byte;
+    const ssize_t got = recv(fd, &byte, 1, MSG_DONTWAIT);
+    if (got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) closed = true;
+  }
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_TRUE(closed) << "still open after " << absl::FormatDuration(took);
+  EXPECT_LT(took, absl::Seconds(4)) << absl::FormatDuration(took);
+  EXPECT_GE(took, absl::Milliseconds(900)) << absl::FormatDuration(took);
+  EXPECT_THAT(HttpGet(port, "/metrics"), HasSubstr("200 OK"));
+}
+
+// --metrics_tls: the HTTP port speaks HTTPS with the gRPC port's certificate, and the status
+// page's login cookie is Secure.
+TEST_F(HttpPortTest, MetricsTls_HttpsAndSecureLoginCookie) {
+  ASSERT_EQ(std::system(absl::StrCat("openssl req -x509 -newkey rsa:2048 -nodes -days 2 "
+                                     "-subj /CN=localhost -addext subjectAltName=IP:127.0.0.1 "
+                                     "-keyout ", dir_, "/key.pem -out ", dir_,
+                                     "/cert.pem 2>/dev/null")
+                            .c_str()),
+            0);
+  {
+    std::ofstream(dir_ + "/token") << "tls-token\n";
+  }
+  const int port = Spawn({"--tls_cert=" + dir_ + "/cert.pem", "--tls_key=" + dir_ + "/key.pem",
+                          "--metrics_tls", "--auth_token_file=" + dir_ + "/token"});
+  ASSERT_GT(port, 0) << Stderr();
+  // One HTTP/1.0 request over TLS (openssl s_client, verifying the certificate); the reply.
+  auto https = [&](const std::string& request) {
+    {
+      std::ofstream(dir_ + "/request") << request;
+    }
+    const std::string out = dir_ + "/reply";
+    std::system(absl::StrCat("timeout 10 openssl s_client -quiet -verify_return_error -CAfile ",
+                             dir_, "/cert.pem -connect 127.0.0.1:", port, " < ", dir_,
+                             "/request > ", out, " 2>/dev/null")
+                    .c_str());
+    return ReadFileToString(out).value_or("");
+  };
+  EXPECT_THAT(https("GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n"),
+              HasSubstr("modelavg_rpcs_total"));
+  const std::string login =
+      https("POST /login?next=/ HTTP/1.0\r\nHost: 127.0.0.1\r\n"
+            "Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 15\r\n\r\n"
+            "token=tls-token");
+  EXPECT_THAT(login, HasSubstr("303"));
+  EXPECT_THAT(login, HasSubstr("; Secure"));
+  // Plain HTTP gets no page.
+  EXPECT_THAT(HttpGet(port, "/metrics", "", 2), Not(HasSubstr("modelavg_rpcs_total")));
 }
 
 }  // namespace

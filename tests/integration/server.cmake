@@ -32,3 +32,11 @@ modelavg_add_gtest(http_port_test SOURCES http_port_test.cc LIBS modelavg_common
 target_compile_definitions(http_port_test PRIVATE
   MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>")
 add_dependencies(http_port_test modelavg-coordinator)
+
+# Floods against the coordinator process: unauthenticated big messages (RSS bounded), many
+# connections on the gRPC port, HeartbeatStreams held open without a token.
+modelavg_add_gtest(server_flood_test SOURCES server_flood_test.cc LIBS modelavg_common
+  modelavg_proto_grpc LABELS integration TIMEOUT 120)
+target_compile_definitions(server_flood_test PRIVATE
+  MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>")
+add_dependencies(server_flood_test modelavg-coordinator)

@@ -582,7 +582,7 @@ TEST_F(ServerTest, HostileInput_EachGetsItsCodeAndServerKeepsServing) {
     EXPECT_EQ(stub()->GetCommId(Context().get(), get, &got).error_code(),
               grpc::StatusCode::NOT_FOUND);
     v1::DeleteJobRequest del;
-    del.set_job_id(std::string(100000, 'g'));
+    del.set_job_id(std::string(10000, 'g'));
     v1::DeleteJobResponse deleted;
     EXPECT_EQ(stub()->DeleteJob(Context().get(), del, &deleted).error_code(),
               grpc::StatusCode::NOT_FOUND);
@@ -627,13 +627,14 @@ TEST_F(ServerTest, HostileInput_EachGetsItsCodeAndServerKeepsServing) {
     v1::PublishCommIdRequest publish;
     publish.set_job_id("j");
     publish.set_generation(1);
-    publish.set_unique_id(std::string(1 << 20, 'x'));
+    publish.set_unique_id(std::string(8192, 'x'));
     v1::PublishCommIdResponse published;
     grpc::Status s = stub()->PublishCommId(Context().get(), publish, &published);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_THAT(s.error_message(), HasSubstr("at most 4096"));
   }
-  // A message past gRPC's 4 MiB receive limit, and a worker id far past ours.
+  // A message past gRPC's receive limit (1 MiB), one past the method's bound (64 KiB), and a
+  // worker id past ours.
   {
     v1::PublishCommIdRequest publish;
     publish.set_job_id("j");
@@ -645,6 +646,10 @@ TEST_F(ServerTest, HostileInput_EachGetsItsCodeAndServerKeepsServing) {
     join.set_job_id("j");
     join.set_worker_id(std::string(100000, 'w'));
     v1::JoinResponse joined;
+    grpc::Status s = stub()->Join(Context().get(), join, &joined);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_THAT(s.error_message(), HasSubstr("Join takes a request of at most 65536 bytes"));
+    join.set_worker_id(std::string(10000, 'w'));
     EXPECT_EQ(stub()->Join(Context().get(), join, &joined).error_code(),
               grpc::StatusCode::INVALID_ARGUMENT);
   }

@@ -505,6 +505,239 @@ TEST_F(HostileTest, Credentials_RankScopedCallsNeedThem_NeverLogged) {
   for (const auto& j : joined) EXPECT_THAT(text, Not(HasSubstr(j.credential())));
 }
 
+// worker_id and host took ESC, CR and NUL, which the modelavg CLI then printed raw into an
+// operator's terminal (retitle it, clear it, forge lines) and the coordinator into its log.
+// Now Join refuses a control character in either with INVALID_ARGUMENT naming the field; the
+// job is unchanged.
+TEST_F(HostileTest, Join_ControlCharactersInNames_RefusedNamingTheField) {
+  Start();
+  v1::CreateJobRequest create;
+  *create.mutable_spec() = Spec("names", 1);
+  v1::Job job;
+  ASSERT_TRUE(stub()->CreateJob(Context().get(), create, &job).ok());
+  struct Case {
+    std::string worker_id, host, field;
+  };
+  const std::vector<Case> cases = {
+      {"w\x1b]0;owned\x07", "h", "worker_id"},
+      {"w\x1b[2J\x1b[H", "h", "worker_id"},
+      {std::string("w\0x", 3), "h", "worker_id"},
+      {"w\x7f", "h", "worker_id"},
+      {"w\xc2\x9b" "31m", "h", "worker_id"},  // C1 CSI in UTF-8
+      {"w", "h\r\n[info] job names: all ranks joined", "host"},
+      {"w", "h\tx", "host"},
+  };
+  for (const Case& c : cases) {
+    v1::JoinRequest join;
+    join.set_job_id("names");
+    join.set_worker_id(c.worker_id);
+    join.set_host(c.host);
+    v1::JoinResponse joined;
+    const grpc::Status s = stub()->Join(Context("", absl::Seconds(5)).get(), join, &joined);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.field;
+    EXPECT_THAT(s.error_message(), HasSubstr(c.field + " \"")) << c.field;
+    EXPECT_THAT(s.error_message(), HasSubstr("control character")) << c.field;
+    // The message shows the value escaped, never raw.
+    EXPECT_EQ(s.error_message().find_first_of(std::string("\x1b\r\n\x07\0", 5)), std::string::npos)
+        << s.error_message();
+  }
+  v1::GetJobRequest get;
+  get.set_job_id("names");
+  ASSERT_TRUE(stub()->GetJob(Context().get(), get, &job).ok());
+  EXPECT_EQ(job.state(), v1::PENDING);
+  EXPECT_EQ(job.members_size(), 0);
+  // Printable names, UTF-8 included, are taken.
+  v1::JoinRequest join;
+  join.set_job_id("names");
+  join.set_worker_id("trainer-\xc3\xa9t\xc3\xa9:42");
+  join.set_host("node-7.example");
+  v1::JoinResponse joined;
+  const grpc::Status s = stub()->Join(Context().get(), join, &joined);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+// The daemon started with `flags` (and --listen, --port_file) in `dir`; its address once it
+// serves, "" if it did not start.
+std::string StartDaemon(const std::string& dir, const std::vector<std::string>& flags,
+                        std::unique_ptr<modelavg::testing::Process>* daemon) {
+  const std::string port_file = dir + "/port";
+  std::vector<std::string> args = {MODELAVG_COORDINATOR_BIN, "--listen=127.0.0.1:0",
+                                   "--port_file=" + port_file};
+  args.insert(args.end(), flags.begin(), flags.end());
+  *daemon = std::make_unique<modelavg::testing::Process>(args, dir + "/coordinator");
+  for (int i = 0; i < 3000; ++i) {
+    absl::StatusOr<std::string> text = ReadFileToString(port_file);
+    if (text.ok() && absl::EndsWith(*text, "\n")) {
+      return std::string(absl::StripSuffix(*text, "\n"));
+    }
+    if ((*daemon)->Wait(absl::ZeroDuration()).has_value()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return "";
+}
+
+// One worker token for every job let anyone who held it take a free rank of any job. Now each
+// line of --worker_token_file may list the jobs its token may use (ids, or prefixes ending in
+// '*'): a call of such a token that names another job is refused PERMISSION_DENIED naming the
+// job (Join and every other worker call), and ListJobs shows it only its jobs; a token alone on
+// its line (the old file) may use every job.
+TEST(HostileDaemonTest, WorkerTokenLimitedToJobA_RefusedOnJobB) {
+  modelavg::testing::TempDir dir("worker-tokens");
+  ASSERT_NE(dir.path(), "");
+  {
+    std::ofstream(dir.path() + "/operator") << kOperator << "\n";
+    std::ofstream(dir.path() + "/workers") << "# the trainers' tokens\n"
+                                           << "token-a  job-a\n"
+                                           << "token-b  job-b, team-*\n"
+                                           << "token-all\n";
+  }
+  std::unique_ptr<modelavg::testing::Process> daemon;
+  const std::string address =
+      StartDaemon(dir.path(),
+                  {"--auth_token_file=" + dir.path() + "/operator",
+                   "--worker_token_file=" + dir.path() + "/workers"},
+                  &daemon);
+  ASSERT_FALSE(address.empty()) << daemon->err();
+  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  auto stub = v1::Coordinator::NewStub(channel);
+  grpc::GenericStub generic(channel);
+  for (const char* id : {"job-a", "job-b", "team-x"}) {
+    v1::CreateJobRequest create;
+    *create.mutable_spec() = Spec(id, 2);
+    create.mutable_spec()->set_heartbeat_timeout_ms(60000);
+    v1::Job job;
+    ASSERT_TRUE(stub->CreateJob(Context(kOperator).get(), create, &job).ok());
+  }
+  auto join = [&](const std::string& token, const std::string& job, v1::JoinResponse* joined) {
+    v1::JoinRequest request;
+    request.set_job_id(job);
+    request.set_worker_id("w");
+    return stub->Join(Context(token, absl::Milliseconds(300)).get(), request, joined);
+  };
+  v1::JoinResponse joined;
+  // Job A's token on job B: refused at once, naming the job.
+  grpc::Status s = join("token-a", "job-b", &joined);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(s.error_message(), HasSubstr("Join of job job-b"));
+  EXPECT_THAT(s.error_message(), HasSubstr("limited to job(s) job-a"));
+  // On its own job it is a worker (the Join waits for the second rank: its deadline passes).
+  EXPECT_EQ(join("token-a", "job-a", &joined).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  // A prefix, and the token without jobs.
+  EXPECT_EQ(join("token-b", "team-x", &joined).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(join("token-b", "job-a", &joined).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  for (const char* job : {"job-a", "job-b", "team-x"}) {
+    EXPECT_EQ(join("token-all", job, &joined).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+        << job;
+  }
+
+  // Every other worker call that names job B.
+  std::vector<std::pair<std::string, grpc::ByteBuffer>> calls;
+  {
+    v1::GetJobRequest get;
+    get.set_job_id("job-b");
+    calls.emplace_back("GetJob", Bytes(get));
+    v1::HeartbeatRequest beat;
+    beat.set_job_id("job-b");
+    calls.emplace_back("Heartbeat", Bytes(beat));
+    v1::StepRequest step;
+    step.set_job_id("job-b");
+    calls.emplace_back("Step", Bytes(step));
+    v1::GetScheduleRequest schedule;
+    schedule.set_job_id("job-b");
+    schedule.set_count(4);
+    calls.emplace_back("GetSchedule", Bytes(schedule));
+    v1::PublishCommIdRequest publish;
+    publish.set_job_id("job-b");
+    publish.set_unique_id("id");
+    calls.emplace_back("PublishCommId", Bytes(publish));
+    v1::GetCommIdRequest fetch;
+    fetch.set_job_id("job-b");
+    calls.emplace_back("GetCommId", Bytes(fetch));
+    v1::LeaveRequest leave;
+    leave.set_job_id("job-b");
+    calls.emplace_back("Leave", Bytes(leave));
+    v1::ReportPeerFailureRequest report;
+    report.set_job_id("job-b");
+    calls.emplace_back("ReportPeerFailure", Bytes(report));
+  }
+  for (const auto& [rpc, bytes] : calls) {
+    grpc::ByteBuffer reply;
+    absl::Notification done;
+    grpc::Status status;
+    auto ctx = Context("token-a");
+    generic.UnaryCall(ctx.get(), "/modelavg.v1.Coordinator/" + rpc, grpc::StubOptions(), &bytes,
+                      &reply, [&](grpc::Status st) {
+                        status = std::move(st);
+                        done.Notify();
+                      });
+    done.WaitForNotification();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << rpc;
+    EXPECT_THAT(status.error_message(), HasSubstr(rpc + " of job job-b")) << rpc;
+  }
+  {
+    v1::WatchJobRequest watch;
+    watch.set_job_id("job-b");
+    RawStream stream(&generic, "/modelavg.v1.Coordinator/WatchJob", {Bytes(watch)}, "token-a");
+    const grpc::Status st = stream.Wait();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+    EXPECT_THAT(st.error_message(), HasSubstr("WatchJob of job job-b"));
+  }
+  v1::HeartbeatRequest beat;
+  beat.set_job_id("job-b");
+  {
+    RawStream stream(&generic, "/modelavg.v1.Coordinator/HeartbeatStream", {Bytes(beat)},
+                     "token-a");
+    const grpc::Status st = stream.Wait();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+    EXPECT_THAT(st.error_message(), HasSubstr("HeartbeatStream of job job-b"));
+  }
+  {
+    // A host's stream: the member of job B is answered with its error; the stream goes on.
+    v1::HostHeartbeatRequest host;
+    *host.add_beats() = beat;
+    host.set_reply_interval_ms(1000);
+    auto ctx = Context("token-a");
+    auto stream = v1::Coordinator::NewStub(channel)->HostHeartbeatStream(ctx.get());
+    ASSERT_TRUE(stream->Write(host));
+    v1::HostHeartbeatResponse reply;
+    ASSERT_TRUE(stream->Read(&reply));
+    ASSERT_EQ(reply.members_size(), 1);
+    EXPECT_EQ(reply.members(0).job_id(), "job-b");
+    EXPECT_EQ(reply.members(0).error_code(), static_cast<int>(grpc::StatusCode::PERMISSION_DENIED));
+    EXPECT_THAT(reply.members(0).error_message(), HasSubstr("HostHeartbeatStream of job job-b"));
+    stream->WritesDone();
+    EXPECT_TRUE(stream->Finish().ok());
+  }
+  // ListJobs shows a limited token only its jobs.
+  v1::ListJobsResponse listed;
+  ASSERT_TRUE(stub->ListJobs(Context("token-b").get(), v1::ListJobsRequest(), &listed).ok());
+  std::vector<std::string> ids;
+  for (const v1::Job& j : listed.jobs()) ids.push_back(j.spec().job_id());
+  EXPECT_THAT(ids, ::testing::ElementsAre("job-b", "team-x"));
+  ASSERT_TRUE(stub->ListJobs(Context("token-all").get(), v1::ListJobsRequest(), &listed).ok());
+  EXPECT_EQ(listed.jobs_size(), 3);
+}
+
+// A worker token file that is not one: refused at start naming the file and the line.
+TEST(HostileDaemonTest, WorkerTokenFile_BadJob_RefusedAtStart) {
+  modelavg::testing::TempDir dir("worker-tokens-bad");
+  ASSERT_NE(dir.path(), "");
+  {
+    std::ofstream(dir.path() + "/operator") << kOperator << "\n";
+    std::ofstream(dir.path() + "/workers") << "token-a job-a\ntoken-b job/b\n";
+  }
+  std::unique_ptr<modelavg::testing::Process> daemon;
+  EXPECT_EQ(StartDaemon(dir.path(),
+                        {"--auth_token_file=" + dir.path() + "/operator",
+                         "--worker_token_file=" + dir.path() + "/workers"},
+                        &daemon),
+            "");
+  EXPECT_EQ(daemon->Wait(absl::Seconds(10)), std::optional<int>(2));
+  EXPECT_THAT(daemon->err(), HasSubstr("/workers line 2: \"job/b\" is neither a job id"));
+}
+
 // SIGTERM took 15.8 s while a heavy GetSchedule ran. Now the daemon exits within about a second
 // whatever is in flight: here GetSchedule calls in a loop on four threads and a pending Join.
 TEST(HostileDaemonTest, Sigterm_WithCallsInFlight_ExitsPromptly) {

@@ -35,6 +35,12 @@ if(TARGET modelavg_server)
   modelavg_add_gtest(client_shared_heartbeat_test SOURCES client_shared_heartbeat_test.cc
                      LIBS modelavg_client modelavg_testing modelavg_server TIMEOUT 120)
 endif()
+# The session's parts on their own: the generation tracker (no threads, no clock), and the
+# timeouts of the outage, Join and Leave on a FakeClock.
+modelavg_add_gtest(client_generation_tracker_test SOURCES client_generation_tracker_test.cc
+                   LIBS modelavg_client)
+modelavg_add_gtest(client_session_clock_test SOURCES client_session_clock_test.cc
+                   LIBS modelavg_client TIMEOUT 60)
 modelavg_add_gtest(client_nccl_core_test SOURCES client_nccl_core_test.cc
                    LIBS modelavg_client modelavg_testing)
 modelavg_add_gtest(client_nccl_outer_test SOURCES client_nccl_outer_test.cc

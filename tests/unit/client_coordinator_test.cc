@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "client/comm/gloo/coordinator_store.h"
 #include "client/rpc/coordinator_client.h"
+#include "common/clock.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -136,10 +137,14 @@ TEST_F(ClientCoordinatorTest, Connect_UnknownJob_NotFound) {
 TEST_F(ClientCoordinatorTest, Connect_NoCoordinator_Unavailable) {
   ClientOptions o = Options("x", 0);
   o.coordinator = "127.0.0.1:1";
-  o.join_timeout = absl::Seconds(2);
+  // The default join timeout, gone through at once: each retry's backoff moves the clock.
+  o.join_timeout = absl::Minutes(5);
+  FakeClock clock(absl::FromUnixSeconds(1'700'000'000), /*advance_on_wait=*/true);
+  o.clock = &clock;
   auto c = Client::Connect(o);
   EXPECT_EQ(c.status().code(), absl::StatusCode::kUnavailable) << c.status();
   EXPECT_THAT(std::string(c.status().message()), HasSubstr("cannot reach the coordinator"));
+  EXPECT_GE(clock.Now() - absl::FromUnixSeconds(1'700'000'000), absl::Minutes(4));
 }
 
 // ClientOptions::cancel ends a Join that waits for a world that never completes at once (not at
@@ -182,9 +187,12 @@ TEST_F(ClientCoordinatorTest, Connect_CancelledWhileCoordinatorUnreachable_Cance
   o.coordinator = "127.0.0.1:1";
   o.join_timeout = absl::Minutes(5);
   o.cancel = std::make_shared<CancelToken>();
+  FakeClock clock;  // does not move: the backoff ends only by the cancel
+  o.clock = &clock;
   absl::StatusOr<std::unique_ptr<Client>> c;
   std::thread joiner([&] { c = Client::Connect(o); });
-  absl::SleepFor(absl::Milliseconds(500));
+  // The first Join failed; the worker waits before the next one.
+  ASSERT_TRUE(clock.AwaitWaits(1, Scaled(absl::Seconds(20))));
   const absl::Time cancelled = absl::Now();
   o.cancel->Cancel();
   joiner.join();
@@ -265,8 +273,10 @@ TEST_F(ClientCoordinatorTest, DecisionAt_WithinPrefetchedWindow_CostsNoRpc) {
   CreateJob("cache", 1, v1::HIERARCHICAL, {{2, 1}, {3, 1}}, /*warmup=*/2);
   ClientOptions o = Options("cache", 0);
   o.schedule_window = 16;
-  // The coordinator is shut down below: the destructor's Leave need not retry for long.
-  o.leave_timeout = absl::Seconds(1);
+  // The coordinator is shut down below: the destructor's Leave retries for leave_timeout on a
+  // clock that each backoff moves at once.
+  FakeClock clock(absl::FromUnixSeconds(1'700'000'000), /*advance_on_wait=*/true);
+  o.clock = &clock;
   auto c = Client::Connect(o);
   ASSERT_TRUE(c.ok()) << c.status();
   ASSERT_TRUE((*c)->DecisionAt(0).ok());
@@ -437,17 +447,26 @@ TEST_F(ClientCoordinatorTest, Leave_WithoutAFailure_IsOrderly) {
   }
 }
 
+// The outage bound (the default five minutes) on a fake clock: each failed heartbeat finds the
+// outage longer by the minute the clock moved since the last look.
 TEST_F(ClientCoordinatorTest, GenerationChange_CoordinatorGone_Unavailable) {
   CreateJob("gone", 1, v1::PERIODIC, {{1, 1}}, 0, /*heartbeat_ms=*/300);
   ClientOptions options = Options("gone", 0);
-  options.coordinator_outage_timeout = absl::Milliseconds(300);
+  options.coordinator_outage_timeout = absl::Minutes(5);
+  FakeClock clock;
+  options.clock = &clock;
   auto c = Client::Connect(options);
   ASSERT_TRUE(c.ok()) << c.status();
   server_->Shutdown();
   const absl::Time deadline = absl::Now() + Scaled(absl::Seconds(10));
-  while ((*c)->CheckUsable().ok() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+  while ((*c)->CheckUsable().ok() && absl::Now() < deadline) {
+    clock.Advance(absl::Minutes(1));
+    absl::SleepFor(options.heartbeat_interval);
+  }
   EXPECT_EQ((*c)->CheckUsable().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string((*c)->CheckUsable().message()), HasSubstr("has not answered"));
+  EXPECT_THAT(std::string((*c)->CheckUsable().message()),
+              HasSubstr("coordinator_outage_timeout is 5m"));
 }
 
 TEST(ClientAuthTest, Connect_TokenRequired_RightTokenJoinsWrongOneUnauthenticated) {

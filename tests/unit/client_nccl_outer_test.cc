@@ -400,7 +400,7 @@ TEST_F(NcclOuterTest, ElasticCommittedRound_JoinerAndLostCommit_EveryMemberFollo
           /*joining=*/k == 2, [&](absl::Span<const TensorView> d, int64_t layout_signature) {
             options.layout_signature = layout_signature;
             if (k == 2) {
-              // The hand-over (ModelAverager::TransferOuterState): the donor's host copies.
+              // The hand-over (OuterLevel::HandOver): the donor's host copies.
               std::vector<StateTensor> mo = m0;
               absl::Status s = level->Load(a0, &mo);
               if (!s.ok()) return s;

@@ -32,3 +32,7 @@ modelavg_add_gtest(server_heartbeat_replies_test SOURCES server_heartbeat_replie
 # The core of a HostHeartbeatStream: several members' beats per message (fake clock).
 modelavg_add_gtest(server_host_heartbeats_test SOURCES server_host_heartbeats_test.cc
                    LIBS modelavg_server_core)
+# The worker token file and the jobs a limited worker token may name.
+modelavg_add_gtest(service_auth_test SOURCES service_auth_test.cc LIBS modelavg_server_rpc)
+# Control characters escaped for terminals and logs.
+modelavg_add_gtest(printable_test SOURCES printable_test.cc LIBS modelavg_common)

@@ -191,5 +191,112 @@ TEST_F(StatusPageTest, WithToken_BearerOrLoginCookie_NeverTheTokenItself) {
   }
 }
 
+// A POST /login with `token` and `next`; the reply's Location and the session cookie's value
+// (each "" when absent).
+struct LoginReply {
+  int status = 0;
+  std::string location, cookie, set_cookie;
+};
+LoginReply LogIn(const StatusPage& page, const std::string& token, const std::string& next) {
+  HttpRequest login;
+  login.method = "POST";
+  login.path = "/login";
+  login.query["next"] = next;
+  login.form["token"] = token;
+  const HttpResponse reply = page.Handle(login);
+  LoginReply out;
+  out.status = reply.status;
+  for (const auto& [name, value] : reply.headers) {
+    if (name == "Location") out.location = value;
+    if (name == "Set-Cookie") {
+      out.set_cookie = value;
+      const size_t eq = value.find('=');
+      out.cookie = value.substr(eq + 1, value.find(';') - eq - 1);
+    }
+  }
+  return out;
+}
+
+// POST /login?next=/%5Cevil.example answered "Location: /\evil.example", which browsers take for
+// another host. Now only a page of this server ("/" or "/jobs/<id>") is gone back to; anything
+// else (absolute URLs, //host, backslashes, control characters, other paths) becomes "/", in the
+// redirect and in the login form alike.
+TEST_F(StatusPageTest, Login_NextOffThisServer_ReplacedBySlash) {
+  MakeRunningJob("j");
+  StatusPageOptions options;
+  options.operator_token = "op-token";
+  StatusPage page(registry_.get(), options);
+  for (const std::string& next :
+       {std::string("/\\evil.example"), std::string("/\\/evil.example"),
+        std::string("//evil.example/"), std::string("///evil.example"),
+        std::string("https://evil.example/"), std::string("javascript:alert(1)"),
+        std::string("/\t/evil.example"), std::string("/jobs/j\r\nSet-Cookie: x=1"),
+        std::string("/jobs/../..//evil.example"), std::string("/jobs/j/../../x"),
+        std::string("/%5Cevil.example"), std::string("evil.example"), std::string("")}) {
+    const LoginReply reply = LogIn(page, "op-token", next);
+    EXPECT_EQ(reply.status, 303) << next;
+    EXPECT_EQ(reply.location, "/") << next;
+    HttpRequest form;
+    form.method = "GET";
+    form.path = "/login";
+    form.query["next"] = next;
+    EXPECT_THAT(page.Handle(form).body, HasSubstr("action=\"/login?next=%2F\"")) << next;
+  }
+  for (const std::string& next : {std::string("/"), std::string("/jobs/j"),
+                                  std::string("/jobs/train.v1-a_b")}) {
+    EXPECT_EQ(LogIn(page, "op-token", next).location, next);
+  }
+}
+
+// The login cookie was an HMAC of the token with a fixed message: it kept working after
+// /logout and across restarts. Now it is a session: /logout ends it on the server (a copy of
+// the cookie is refused too), it expires (12 h by default), and a restart ends every one.
+TEST_F(StatusPageTest, Logout_EndsTheSession_CopiedCookieRefused) {
+  MakeRunningJob("j");
+  StatusPageOptions options;
+  options.operator_token = "op-token";
+  StatusPage page(registry_.get(), options);
+  const LoginReply login = LogIn(page, "op-token", "/jobs/j");
+  ASSERT_FALSE(login.cookie.empty());
+  EXPECT_THAT(login.set_cookie, HasSubstr("Max-Age="));
+  EXPECT_THAT(login.set_cookie, HasSubstr("HttpOnly"));
+  EXPECT_THAT(login.set_cookie, HasSubstr("SameSite=Strict"));
+  EXPECT_EQ(Get(page, "/jobs/j", {}, {{"modelavg_status", login.cookie}}).status, 200);
+  // Two logins are two sessions: ending one leaves the other.
+  const LoginReply other = LogIn(page, "op-token", "/");
+  EXPECT_NE(other.cookie, login.cookie);
+  const HttpResponse out = Get(page, "/logout", {}, {{"modelavg_status", login.cookie}});
+  EXPECT_EQ(out.status, 303);
+  EXPECT_EQ(Get(page, "/jobs/j", {}, {{"modelavg_status", login.cookie}}).status, 401);
+  EXPECT_EQ(Get(page, "/jobs/j", {}, {{"modelavg_status", other.cookie}}).status, 200);
+}
+
+TEST_F(StatusPageTest, Login_Expires) {
+  MakeRunningJob("j");
+  StatusPageOptions options;
+  options.operator_token = "op-token";
+  StatusPage page(registry_.get(), options);
+  const LoginReply login = LogIn(page, "op-token", "/");
+  EXPECT_EQ(Get(page, "/", {}, {{"modelavg_status", login.cookie}}).status, 200);
+  clock_.Advance(absl::Hours(11));
+  EXPECT_EQ(Get(page, "/", {}, {{"modelavg_status", login.cookie}}).status, 200);
+  clock_.Advance(absl::Hours(2));
+  EXPECT_EQ(Get(page, "/", {}, {{"modelavg_status", login.cookie}}).status, 401);
+}
+
+TEST_F(StatusPageTest, Restart_EndsEveryLogin) {
+  MakeRunningJob("j");
+  StatusPageOptions options;
+  options.operator_token = "op-token";
+  std::string cookie;
+  {
+    StatusPage before(registry_.get(), options);
+    cookie = LogIn(before, "op-token", "/").cookie;
+    EXPECT_EQ(Get(before, "/", {}, {{"modelavg_status", cookie}}).status, 200);
+  }
+  StatusPage after(registry_.get(), options);  // the same token, a new process
+  EXPECT_EQ(Get(after, "/", {}, {{"modelavg_status", cookie}}).status, 401);
+}
+
 }  // namespace
 }  // namespace modelavg::server

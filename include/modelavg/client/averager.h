@@ -42,16 +42,6 @@
 
 namespace modelavg::client {
 
-struct CommunicatorSetup;
-struct RoundOptions;
-class Communicator;
-class OuterLevelState;
-class OuterBuffer;
-class NcclDeviceOps;
-class GrowableBuffer;
-class DeviceOuterState;
-class OwnedDeviceBuffer;
-
 // How an averager keeps its outer levels' state (Level.outer, docs/diloco.md); the job's spec
 // holds the rule, these are this process's choices.
 struct AveragerOptions {
@@ -107,8 +97,6 @@ struct AveragerState {
   std::vector<FragmentState> fragments;             // streaming outer levels
   std::vector<PendingState> pending;                // streaming outer levels, sync_delay > 0
 };
-
-struct PendingSync;
 
 class ModelAverager {
  public:
@@ -177,173 +165,15 @@ class ModelAverager {
   ModelAverager(Client* client, AveragerOptions options);
 
  private:
-  // AverageParameters under mu_ (the caller records a failure on the client).
-  absl::StatusOr<Decision> AverageStep(absl::Span<const TensorView> params)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Longest wait for the job to move on after a failed round of an elastic job.
-  absl::Duration RetryWait() const;
-  // How the communicator of `decision`'s round is bootstrapped.
-  CommunicatorSetup Setup(const Decision& decision) const;
-  // An averaging step of an elastic job (averager_elastic.cc): the round, retried with the live
-  // members of the next generation when it fails (see AverageParameters). `transfer`: an admission round hands the
-  // replacements the outer state first (TransferOuterState).
-  absl::StatusOr<Decision> AverageElastic(Decision decision, const Device& device,
-                                          absl::Span<const TensorView> params,
-                                          bool transfer = true)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The steps of AverageElastic (averager_elastic.cc). One attempt of the round in decision.generation:
-  // the communicator, the transfer, the committed all-reduce, its outcome in the round notes.
-  // A non-OK result is final (this rank is no member, nobody can give a replacement the
-  // parameters); a failure of the round itself is the attempt's status.
-  struct ElasticAttempt;
-  absl::StatusOr<ElasticAttempt> RunElasticAttempt(const Decision& decision,
-                                                   const Device& device,
-                                                   absl::Span<const TensorView> params,
-                                                   bool transfer)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // This rank's options for `decision`'s committed round (contributing unless it is joining).
-  absl::StatusOr<RoundOptions> ElasticRoundOptions(const Decision& decision) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The round succeeded: logs a retried or admission round, drops older communicators.
-  Decision CommitElasticRound(const Decision& decision, int attempt);
-  // Waits for the job to move past `generation`, enters the newer generation and decides `step`
-  // there. DEADLINE_EXCEEDED when the job does not move on within RetryWait().
-  absl::StatusOr<Decision> MoveOn(int64_t generation, int64_t step)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // MoveOn after the round of `failed` failed with `why`: the error names both.
-  absl::StatusOr<Decision> MoveOnAfterFailure(const Decision& failed, const absl::Status& why)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether a live peer completed the failed round (the round notes of next->generation); while
-  // the job moves on during the read, moves on again, updating *next and counting *attempt.
-  absl::StatusOr<bool> PeerCompletedAttempt(const Decision& failed, Decision* next, int* attempt)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A peer completed the round whose confirmation this rank lost: keep the result it holds.
-  absl::Status AdoptLostCommit(const Decision& decision, const ElasticAttempt& tried,
-                               absl::Span<const TensorView> params)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // After a failed round: probes its peers and reports those that do not answer (a gray
-  // failure) to the coordinator.
-  void ReportUnreachablePeersOf(const Decision& decision, Communicator* comm,
-                                const absl::Status& failure) const;
-  // Client::AdvanceGeneration, once no background all-reduce of an older generation is in
-  // flight (its outcome must be in the round note published there).
-  absl::Status EnterNewerGeneration() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Aborts the background all-reduces of generations before `generation` and waits for them to
-  // end (averager_streaming.cc); their outcomes are in the round notes then.
-  void EndBackgroundRoundsBefore(int64_t generation) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Elastic jobs: the call at a background all-reduce's apply step found it failed. Settles it
-  // as AverageElastic settles a failed round, in this call: keeps the result it holds if a live
-  // peer completed it, else runs it again with the sync step's live members and the same
-  // inputs (averager_streaming.cc).
-  absl::Status SettleBackgroundRound(PendingSync& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  // One round of `decision` on `tensors` (the parameters, or an outer step's pseudo-gradient):
-  // strict or elastic, with the error handling of AverageParameters.
-  absl::StatusOr<Decision> Round(const Decision& decision, const Device& device,
-                                 absl::Span<const TensorView> tensors)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // An admission round of an elastic job (decision.joining not empty; averager_outer.cc):
-  // every replacement receives, for each outer level, the anchor and momentum of the lowest
-  // contributing member of its block at that level, through `comm` before the step's own
-  // round. `layout`: the round's tensors (their state layout is the outer state's).
-  absl::Status TransferOuterState(const Decision& decision, Communicator* comm,
-                                  absl::Span<const TensorView> layout)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // An admission at a streaming outer level's step: the replacements receive the mean of the
-  // contributing members' parameters (round_params_), which stay as they are
-  // (averager_streaming.cc).
-  absl::Status TransferParameters(const Decision& decision, Communicator* comm)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The record of a sync of `decision`'s fragment that starts now and is applied at its step
-  // plus the level's sync_delay (host and device syncs alike).
-  std::unique_ptr<PendingSync> NewPendingSync(const Decision& decision, OuterLevelState* state,
-                                              bool first) const;
-  // Streaming sync with a delay (averager_streaming.cc): starts the fragment's all-reduce on a
-  // background thread and returns; ApplyPending, at the call of the apply step (before that
-  // step's own decision), waits for it and applies it to the parameters passed then. CUDA
-  // parameters go on to StartDevicePending.
-  absl::StatusOr<Decision> StartPending(const Decision& decision, const Device& device,
-                                        absl::Span<const TensorView> fragment,
-                                        OuterLevelState* state, bool first)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ApplyPending(int64_t step, absl::Span<const TensorView> params)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ApplyOne(std::unique_ptr<PendingSync> p, int64_t step,
-                        absl::Span<const TensorView> params) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Aborts and joins a background all-reduce (destruction).
-  void AbandonPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // state_dict / load_state_dict of the streaming levels (averager_streaming.cc). The loader
-  // builds into `states` and `pending` (swapped in by the caller once everything fits).
-  void StreamingStateInto(AveragerState* out) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status LoadStreamingState(
-      const AveragerState& state,
-      std::vector<std::vector<std::unique_ptr<OuterLevelState>>>* states,
-      std::vector<std::unique_ptr<PendingSync>>* pending) const;
-  void CountBytes(int level, int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (level < 0) return;
-    if (traffic_.size() <= static_cast<size_t>(level)) traffic_.resize(level + 1);
-    traffic_[level].bytes_sent += bytes;
-  }
-  // An averaging step of an outer level with streaming fields (fragments > 1, mix, a
-  // compressed payload; docs/streaming.md): the outer step on the tensors of the decision's
-  // fragment, each fragment with its own outer state. averager_streaming.cc.
-  absl::StatusOr<Decision> StreamingOuterRound(const Decision& decision, const Device& device,
-                                               absl::Span<const TensorView> fragment)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // StreamingOuterRound on CUDA parameters (averager_streaming_device.cc): `state` is the
-  // fragment's, `first_sync` the step of the fragment's first sync (-1: unknown).
-  absl::StatusOr<Decision> DeviceStreamingRound(const Decision& decision, const Device& device,
-                                                absl::Span<const TensorView> fragment,
-                                                OuterLevelState* state, bool joining,
-                                                int64_t first_sync)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // StartPending on CUDA parameters (averager_streaming_device.cc): `spec` is the level's,
-  // `where` the context of its errors.
-  absl::StatusOr<Decision> StartDevicePending(const Decision& decision, const Device& device,
-                                              absl::Span<const TensorView> fragment,
-                                              OuterLevelState* state, bool first,
-                                              const ScheduleLevel& spec, const std::string& where)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // ApplyOne's last part on CUDA parameters: the pending sync's result into the fragment.
-  absl::Status ApplyDevicePending(PendingSync* p, absl::Span<const TensorView> fragment,
-                                  double mix) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // An averaging step of a level with an outer optimizer (docs/diloco.md; averager_outer.cc).
-  absl::StatusOr<Decision> OuterRound(const Decision& decision, const Device& device,
-                                      absl::Span<const TensorView> params)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // CUDA parameters: the device operations of the outer state (created at the first use, on
-  // `device`), and `state`'s device state (attached at its first CUDA step).
-  absl::StatusOr<NcclDeviceOps*> DeviceOps(const Device& device)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<DeviceOuterState*> DeviceState(OuterLevelState* state, const Device& device)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What an averaging call goes through (client/averaging/): the round of a decision (strict or
+  // elastic: RoundRunner), the outer levels (OuterLevel), the streaming levels
+  // (StreamingLevel), the checkpoint (Checkpoint), each with its own state, all used under mu_.
+  class Parts;
 
   Client* const client_;
   const AveragerOptions options_;
   mutable absl::Mutex mu_;
-  int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
-  // CUDA parameters with outer levels: the device operations the outer state runs on (declared
-  // before outer_, so that the states are freed first) and the pseudo-gradient on the device.
-  std::unique_ptr<NcclDeviceOps> device_ops_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<GrowableBuffer> device_gradient_ ABSL_GUARDED_BY(mu_);
-  // A streaming level's copy of the parameters on the device (x_local of a mix).
-  std::unique_ptr<OwnedDeviceBuffer> device_local_ ABSL_GUARDED_BY(mu_);
-  // Per level: its outer state, or null for a plain level.
-  std::vector<std::unique_ptr<OuterLevelState>> outer_ ABSL_GUARDED_BY(mu_);
-  // The pseudo-gradient of an outer step (shared by the levels: one step runs at a time).
-  std::unique_ptr<OuterBuffer> pseudo_gradient_ ABSL_GUARDED_BY(mu_);
-  // Streaming sync: per level, per fragment, the outer state of a streaming outer level (empty
-  // for other levels).
-  std::vector<std::vector<std::unique_ptr<OuterLevelState>>> fragment_outer_ ABSL_GUARDED_BY(mu_);
-  // The current round's payload and fragment-split signature (RoundOptions), set around a
-  // round by the streaming code.
-  Payload round_payload_ ABSL_GUARDED_BY(mu_) = Payload::kFp32;
-  int64_t round_signature_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<LevelTraffic> traffic_ ABSL_GUARDED_BY(mu_);
-  // The parameters of the AverageParameters call in progress (valid during the call only).
-  absl::Span<const TensorView> round_params_ ABSL_GUARDED_BY(mu_);
-  // Background all-reduces not applied yet (at most one per streaming level), in start order.
-  std::vector<std::unique_ptr<PendingSync>> pending_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Parts> parts_ ABSL_PT_GUARDED_BY(mu_);
 };
 
 // PyTorch's PeriodicModelAverager: the job must be PERIODIC (one level over the whole world,

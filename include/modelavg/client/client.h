@@ -36,6 +36,10 @@
 #include "modelavg/common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
 
+namespace modelavg {
+class Clock;  // common/clock.h
+}  // namespace modelavg
+
 namespace modelavg::client {
 
 class CoordinatorClient;
@@ -43,8 +47,10 @@ class CoordinatorOutage;
 class CommunicatorCache;
 class CommunicatorFactory;
 class DecisionWindow;
+class GenerationTracker;
 class Heartbeat;
 class RoundNotes;
+struct Joined;
 enum class RoundOutcome;
 
 // The connection (ConnectionOptions: coordinator, auth_token or auth_token_file, tls, tls_*_file,
@@ -113,6 +119,10 @@ struct ClientOptions : ConnectionOptions {
   // flight or in its retry backoff) ends at once and Connect fails with CANCELLED. Null: none.
   // Only Connect watches it.
   std::shared_ptr<CancelToken> cancel;
+  // The clock the session reads and waits on for its timeouts (join, leave, outage, the wait
+  // for a new generation, the round notes); not owned, outlives the Client. Null: the real
+  // clock. Tests pass a FakeClock (common/clock.h) to advance time instead of sleeping.
+  const Clock* clock = nullptr;
 };
 
 // One rank's membership in one job. Thread-safe.
@@ -227,10 +237,14 @@ class Client {
   // all-reduces of older generations then: their outcomes belong in the note).
   absl::Status AdvanceGeneration(absl::FunctionRef<void(int64_t)> before_note);
   // Waits until this client can move past `generation` (AdvanceGeneration) or is broken, at most
-  // until `deadline`, which is pushed back while the coordinator is unreachable (up to
-  // coordinator_outage_timeout, past which the client is broken). OK, the error that stops
-  // averaging, or DEADLINE_EXCEEDED.
-  absl::Status AwaitNewerGeneration(int64_t generation, absl::Time deadline);
+  // `wait` (on the session's clock), which is pushed back while the coordinator is unreachable
+  // (up to coordinator_outage_timeout, past which the client is broken). OK, the error that
+  // stops averaging, or DEADLINE_EXCEEDED.
+  absl::Status AwaitNewerGeneration(int64_t generation, absl::Duration wait);
+  // After a failed round with `group`: waits at most `wait` (on the session's clock) for
+  // CheckCanAverage(group) to fail (the coordinator declaring a peer's death, a new generation)
+  // and returns its result then: the cause of the failure, or OK when none came in time.
+  absl::Status AwaitCannotAverage(const SubgroupRange& group, absl::Duration wait) const;
   // Records where this rank's last round at `level` stands (round notes).
   void RecordRound(int32_t level, int64_t step, int64_t generation, RoundOutcome outcome);
   // After a failed round: whether a live member of `decision`'s subgroup (the same step in the
@@ -247,33 +261,21 @@ class Client {
 
  private:
   Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator,
-         std::unique_ptr<CoordinatorOutage> outage, int32_t rank, int64_t generation,
-         Schedule schedule, absl::Duration heartbeat_timeout, std::string incarnation,
-         bool elastic, std::unique_ptr<CommunicatorFactory> communicators);
-  // The view of `job` as this rank reads it (membership_view.h).
-  std::optional<MembershipView> ViewOf(const v1::Job& job, std::string* why) const;
+         std::unique_ptr<CoordinatorOutage> outage, Joined joined,
+         std::unique_ptr<CommunicatorFactory> communicators);
   // A LeaveRequest for this rank at its current generation (reason and failed left unset).
   v1::LeaveRequest LeaveRequestNow() const;
-  // A reply whose generation is neither this client's nor the latest seen: NoteGenerationChange.
-  void HandleHeartbeatReply(const v1::HeartbeatResponse& reply, int64_t seen)
+  // What the heartbeat brings (Heartbeat::Hooks): any reply; a reply whose generation may be
+  // new (`seen`: the latest the heartbeat had reported); a failed beat.
+  void OnHeartbeatReply(const v1::HeartbeatResponse& reply) ABSL_LOCKS_EXCLUDED(mu_);
+  void OnGenerationSeen(const v1::HeartbeatResponse& reply, int64_t seen)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // A heartbeat failed: an outage starts (or goes on). The client is marked broken when the
-  // coordinator answers that it does not know the job (it restarted without its state), or
-  // once the outage has lasted coordinator_outage_timeout.
-  void NoteHeartbeatFailure(const absl::Status& error) ABSL_LOCKS_EXCLUDED(mu_);
-  // Marks this client broken with `why` unless it already is (the first reason stands), and
-  // logs it.
-  void BreakOnce(absl::Status why) ABSL_LOCKS_EXCLUDED(mu_);
-  // A heartbeat reply: the outage (if any) is over; a new incarnation is logged.
-  void NoteHeartbeatReply(const v1::HeartbeatResponse& reply) ABSL_LOCKS_EXCLUDED(mu_);
-  // Records a generation change seen by the heartbeat: which ranks departed, and whether the
-  // change breaks every communicator (a death or re-join) or only those with departed ranks.
-  // `blamed_rank`: the rank whose change moved the job (-1: unknown), carried by the errors it
-  // causes (client/base/error_kind.h).
-  void NoteGenerationChange(int64_t generation, const std::string& why, int32_t blamed_rank)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  void OnHeartbeatFailure(const absl::Status& error) ABSL_LOCKS_EXCLUDED(mu_);
+  // Marks this client broken with `why` unless it already is (the first reason stands).
+  void Break(absl::Status why) ABSL_LOCKS_EXCLUDED(mu_);
 
   const ClientOptions options_;
+  const Clock& clock_;
   // Declared before the coordinator connection, which points to it: destroyed after it.
   const std::unique_ptr<CoordinatorOutage> outage_;
   const std::unique_ptr<CoordinatorClient> coordinator_;
@@ -282,7 +284,7 @@ class Client {
   const Schedule schedule_;
   const bool elastic_;
   const absl::Duration heartbeat_timeout_;
-  int64_t admission_step_ = -1;
+  const int64_t admission_step_;
   std::unique_ptr<CommunicatorCache> communicators_;
   // The parts, each with its own lock, built on the coordinator connection above.
   const std::unique_ptr<DecisionWindow> decisions_;
@@ -290,26 +292,8 @@ class Client {
 
   mutable absl::Mutex mu_;
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
-  // The generation averaged in (generation()) and its view; a newer one to move to.
-  int64_t generation_ ABSL_GUARDED_BY(mu_);
-  MembershipView view_ ABSL_GUARDED_BY(mu_);
-  std::optional<MembershipView> follow_ ABSL_GUARDED_BY(mu_);
-  int64_t latest_generation_ ABSL_GUARDED_BY(mu_);
-  // Non-OK once nothing may be averaged any more (a peer died or re-joined, this client left).
-  absl::Status broken_ ABSL_GUARDED_BY(mu_);
-  // Ranks that left in an orderly way since generation_, and why the generation moved.
-  std::vector<int32_t> departed_ ABSL_GUARDED_BY(mu_);
-  std::string change_reason_ ABSL_GUARDED_BY(mu_);
-  bool left_ ABSL_GUARDED_BY(mu_) = false;
-  // The first failed averaging call (RecordFailure); OK if none.
-  absl::Status failure_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Time last_heartbeat_ok_ ABSL_GUARDED_BY(mu_);
-  // After a coordinator restart: until when it waits for members to re-attach before it
-  // declares any dead (HeartbeatResponse.recovery_grace_ms).
-  absl::Time recovery_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
-  // The coordinator incarnation of the last reply (a restart changes it).
-  std::string incarnation_ ABSL_GUARDED_BY(mu_);
+  // The generations, the membership view and what stops averaging (no lock of its own).
+  const std::unique_ptr<GenerationTracker> tracker_ ABSL_PT_GUARDED_BY(mu_);
   // Last: its thread calls into the fields above, so it is started once they are set and
   // stopped before they go.
   std::unique_ptr<Heartbeat> heartbeat_;

@@ -1,6 +1,6 @@
-// Streaming sync on CUDA parameters (docs/streaming.md): the averager's side of
-// RunDeviceStreamingStep and DevicePendingSync (device_outer_state.h), on the NCCL communicators. The
-// same rule as the host path (averager_streaming.cc): each fragment its own device outer state,
+// Streaming sync on CUDA parameters (docs/streaming.md): StreamingLevel's side of
+// RunDeviceStreamingStep and DevicePendingSync (device_outer_state.h), on the NCCL communicators.
+// The same rule as the host path (streaming_level.cc): each fragment its own device outer state,
 // the pseudo-gradient in the level's payload, the background all-reduce on a thread and a stream
 // of its own between the call at s and the call at s + sync_delay, and the parameters written
 // only inside averaging calls.
@@ -11,23 +11,22 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/averaging/device_outer_state.h"
-#include "client/averaging/pending_sync.h"
+#include "client/averaging/streaming_level.h"
 #include "client/comm/communicator_cache.h"
 #include "common/status_util.h"
-#include "modelavg/client/averager.h"
 
 namespace modelavg::client {
 
-absl::StatusOr<Decision> ModelAverager::DeviceStreamingRound(
-    const Decision& decision, const Device& device, absl::Span<const TensorView> fragment,
-    OuterLevelState* state, bool joining, int64_t first_sync) {
+absl::StatusOr<Decision> StreamingLevel::DeviceRound(const Decision& decision,
+                                                     const Device& device,
+                                                     absl::Span<const TensorView> fragment,
+                                                     OuterLevelState* state, bool joining,
+                                                     int64_t first_sync,
+                                                     int64_t split_signature) {
   const int level = decision.level;
   const ScheduleLevel& spec = client_->schedule().spec().levels[level];
-  const std::string where =
-      absl::StrCat("outer step at step ", decision.step, " (level ", level, ", fragment ",
-                   decision.fragment, " of ", decision.fragments, ", subgroup ",
-                   decision.subgroup.index, ", ", device.ToString(), ")");
-  absl::StatusOr<DeviceOuterState*> attached = DeviceState(state, device);
+  const std::string where = Where(decision, &device);
+  absl::StatusOr<DeviceOuterState*> attached = device_->StateOf(state, device);
   if (!attached.ok()) return Annotate(attached.status(), where);
   DeviceOuterState* on_device = *attached;
   if (!joining && !on_device->has_anchor() && first_sync >= 0 && decision.step != first_sync) {
@@ -37,24 +36,18 @@ absl::StatusOr<Decision> ModelAverager::DeviceStreamingRound(
                     "state_dict() rather than set_step() alone"));
   }
   if (spec.sync_delay != 0) {
-    return StartPending(decision, device, fragment, state, !on_device->has_anchor());
-  }
-  if (device_local_ == nullptr) {
-    device_local_ = std::make_unique<OwnedDeviceBuffer>(device_ops_.get());
+    return Start(decision, device, fragment, state, !on_device->has_anchor(), split_signature);
   }
   const bool first_step = joining ? first_sync == decision.step : !on_device->has_anchor();
   Decision done = decision;
   absl::Status s = RunDeviceStreamingStep(
-      on_device, device_gradient_.get(), device_local_->get(), fragment, first_step, joining,
-      spec.mix, [&](absl::Span<const TensorView> tensors, int64_t layout_signature) {
-        mu_.AssertHeld();  // called within this call, on this thread
+      on_device, device_->gradient(), device_->local(), fragment, first_step, joining, spec.mix,
+      [&](absl::Span<const TensorView> tensors, int64_t layout_signature) {
         // The pseudo-gradient's rounds agree on their own layout and travel in the payload.
-        const int64_t signature = round_signature_;
-        round_signature_ = signature ^ layout_signature;
-        round_payload_ = layout_signature == kOuterRoundSignature ? spec.payload : Payload::kFp32;
-        absl::StatusOr<Decision> r = Round(decision, device, tensors);
-        round_signature_ = signature;
-        round_payload_ = Payload::kFp32;
+        const RoundWire wire{
+            layout_signature == kOuterRoundSignature ? spec.payload : Payload::kFp32,
+            split_signature ^ layout_signature};
+        absl::StatusOr<Decision> r = rounds_->Run(decision, device, tensors, wire);
         if (r.ok()) done = *r;
         return r.status();
       });
@@ -62,11 +55,16 @@ absl::StatusOr<Decision> ModelAverager::DeviceStreamingRound(
   return done;
 }
 
-absl::StatusOr<Decision> ModelAverager::StartDevicePending(
-    const Decision& decision, const Device& device, absl::Span<const TensorView> fragment,
-    OuterLevelState* state, bool first, const ScheduleLevel& spec, const std::string& where) {
+absl::StatusOr<Decision> StreamingLevel::StartDevice(const Decision& decision,
+                                                     const Device& device,
+                                                     absl::Span<const TensorView> fragment,
+                                                     OuterLevelState* state, bool first,
+                                                     int64_t split_signature,
+                                                     const std::string& where) {
+  const ScheduleLevel& spec = client_->schedule().spec().levels[decision.level];
   MODELAVG_RETURN_IF_ERROR(Annotate(client_->CheckCanAverage(decision.subgroup), where));
-  absl::StatusOr<Communicator*> comm = client_->communicators()->Get(Setup(decision), device);
+  absl::StatusOr<Communicator*> comm =
+      client_->communicators()->Get(rounds_->Setup(decision), device);
   if (!comm.ok()) return Annotate(comm.status(), where);
   for (const std::unique_ptr<PendingSync>& other : pending_) {
     // The schedule never lets this happen (a level's next sync comes H/F > sync_delay steps
@@ -79,13 +77,13 @@ absl::StatusOr<Decision> ModelAverager::StartDevicePending(
   }
   std::unique_ptr<PendingSync> p = NewPendingSync(decision, state, first);
   p->comm = *comm;
-  p->device = std::make_unique<DevicePendingSync>(device_ops_.get(), state->device(), first);
+  p->device = std::make_unique<DevicePendingSync>(device_->ops(), state->device(), first);
   // The buffer is filled (and waited for) before the call returns: the caller may train on.
   absl::StatusOr<std::vector<TensorView>> views = p->device->Fill(fragment);
   if (!views.ok()) return Annotate(views.status(), where);
   RoundOptions options;
   options.payload = first ? Payload::kFp32 : spec.payload;
-  options.layout_signature = round_signature_ ^ (first ? 0 : kOuterRoundSignature);
+  options.layout_signature = split_signature ^ (first ? 0 : kOuterRoundSignature);
   p->bytes_before = p->comm->bytes_sent();
   PendingSync* raw = p.get();
   // The thread owns nothing but the buffer's round (on the sync's own stream): it never
@@ -99,25 +97,21 @@ absl::StatusOr<Decision> ModelAverager::StartDevicePending(
   return decision;
 }
 
-absl::Status ModelAverager::ApplyDevicePending(PendingSync* p,
-                                               absl::Span<const TensorView> fragment,
-                                               double mix) {
+absl::Status StreamingLevel::ApplyDevice(PendingSync* p, absl::Span<const TensorView> fragment,
+                                         double mix) {
   if (p->device == nullptr) {
     // Restored by load_state_dict: its result is on the host (ApplyOne routes a restored sync
     // here only for a fragment of CUDA tensors).
     MODELAVG_ASSIGN_OR_RETURN(DeviceOuterState * on_device,
-                              DeviceState(p->state, fragment[0].device));
-    p->device = std::make_unique<DevicePendingSync>(device_ops_.get(), on_device, p->first);
+                              device_->StateOf(p->state, fragment[0].device));
+    p->device = std::make_unique<DevicePendingSync>(device_->ops(), on_device, p->first);
     MODELAVG_RETURN_IF_ERROR(p->device->LoadResult(fragment, p->buffer->Views()));
   } else if (!fragment.empty() && fragment[0].device.is_host()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the sync started on CUDA parameters but the parameters are on ",
         fragment[0].device.ToString(), " now: keep the model on one device"));
   }
-  if (device_local_ == nullptr) {
-    device_local_ = std::make_unique<OwnedDeviceBuffer>(device_ops_.get());
-  }
-  return p->device->Apply(fragment, mix, device_local_->get());
+  return p->device->Apply(fragment, mix, device_->local());
 }
 
 }  // namespace modelavg::client

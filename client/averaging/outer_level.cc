@@ -1,20 +1,15 @@
-// The outer optimizer's rounds on a whole level (DiLoCo, docs/diloco.md): the pseudo-gradient's
-// average and the outer step, on host or CUDA parameters; the CUDA device state they run on;
-// and, at an elastic admission, the hand-over of every outer state to the replacements.
+#include "client/averaging/outer_level.h"
+
 #include <algorithm>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/averaging/device_outer_state.h"
 #include "client/averaging/fragments.h"
-#include "client/averaging/outer_state.h"
-#include "client/averaging/pending_sync.h"  // StreamingOuterLevel
-#include "client/comm/nccl/nccl_core.h"
-#include "modelavg/client/averager.h"
 #if MODELAVG_HAVE_CUDA
 #include "client/comm/nccl/cuda/cuda_local_ops.h"
 #endif
@@ -54,7 +49,7 @@ absl::Status TransferThroughDevice(
 
 // An outer state to hand over at an admission, with the parameter tensors it covers: a whole
 // outer level all of them, a streaming level's fragment its run of tensors (docs/streaming.md).
-struct HandOver {
+struct StateHandOver {
   OuterLevelState* state;
   size_t first;
   size_t n;
@@ -70,11 +65,11 @@ struct HandOver {
 
 // Every outer state to hand over, for the parameters `all`: the whole levels of `outer`, and
 // each fragment of a streaming level (its states in `fragment_outer`, made here if need be).
-std::vector<HandOver> HandOvers(
-    const std::vector<std::unique_ptr<OuterLevelState>>& outer,
-    std::vector<std::vector<std::unique_ptr<OuterLevelState>>>& fragment_outer,
-    const std::vector<ScheduleLevel>& spec_levels, absl::Span<const TensorView> all) {
-  std::vector<HandOver> out;
+std::vector<StateHandOver> HandOvers(const std::vector<std::unique_ptr<OuterLevelState>>& outer,
+                                     FragmentStates& fragment_outer,
+                                     const std::vector<ScheduleLevel>& spec_levels,
+                                     absl::Span<const TensorView> all) {
+  std::vector<StateHandOver> out;
   for (const auto& state : outer) {
     if (state == nullptr) continue;
     const ScheduleLevel& l = spec_levels[state->level()];
@@ -83,13 +78,7 @@ std::vector<HandOver> HandOvers(
       continue;
     }
     const int level = state->level();
-    if (fragment_outer.size() <= static_cast<size_t>(level)) fragment_outer.resize(level + 1);
-    std::vector<std::unique_ptr<OuterLevelState>>& states = fragment_outer[level];
-    if (states.empty()) {
-      for (int f = 0; f < std::max(1, l.fragments); ++f) {
-        states.push_back(std::make_unique<OuterLevelState>(level, *l.outer));
-      }
-    }
+    std::vector<std::unique_ptr<OuterLevelState>>& states = FragmentsOf(fragment_outer, level, l);
     const FragmentSplit split = SplitIntoFragments(all, std::max(1, l.fragments));
     for (int f = 0; f < static_cast<int>(states.size()); ++f) {
       out.push_back({states[f].get(), split.begin[f], split.begin[f + 1] - split.begin[f], f});
@@ -100,12 +89,12 @@ std::vector<HandOver> HandOvers(
 
 // Each hand-over's donor to replacement `j`: the lowest contributing member of j's block at
 // that hand-over's level, or -1 when there is none.
-std::vector<int32_t> DonorsTo(int32_t j, const std::vector<HandOver>& hand_overs,
+std::vector<int32_t> DonorsTo(int32_t j, const std::vector<StateHandOver>& hand_overs,
                               const Decision& decision,
                               const std::vector<ScheduleLevel>& spec_levels) {
   const std::vector<int32_t> members = decision.Members();
   std::vector<int32_t> donors;
-  for (const HandOver& h : hand_overs) {
+  for (const StateHandOver& h : hand_overs) {
     const int32_t g = spec_levels[h.state->level()].group_size;
     int32_t donor = -1;
     for (int32_t m : members) {
@@ -122,12 +111,12 @@ std::vector<int32_t> DonorsTo(int32_t j, const std::vector<HandOver>& hand_overs
 
 // The hand-over buffer's tensors: a float64 header (per hand-over: anchor set, momentum set),
 // then per hand-over its anchor and, with momentum, its momentum, in the state layout.
-std::vector<TensorView> HandOverShape(const std::vector<HandOver>& hand_overs,
+std::vector<TensorView> HandOverShape(const std::vector<StateHandOver>& hand_overs,
                                       const OuterBuffer& state_layout) {
   std::vector<TensorView> shape(1);
   shape[0].numel = static_cast<int64_t>(2 * hand_overs.size());
   shape[0].dtype = DType::kFloat64;
-  for (const HandOver& h : hand_overs) {
+  for (const StateHandOver& h : hand_overs) {
     const int copies = h.state->rule().momentum != 0 ? 2 : 1;
     for (int c = 0; c < copies; ++c) {
       for (size_t i = h.first; i < h.first + h.n; ++i) {
@@ -143,7 +132,7 @@ std::vector<TensorView> HandOverShape(const std::vector<HandOver>& hand_overs,
 
 // The donor's part of the buffer: the states this member (`me`) donates, with their header
 // entries; everything else stays zero.
-absl::Status WriteDonatedStates(const std::vector<HandOver>& hand_overs,
+absl::Status WriteDonatedStates(const std::vector<StateHandOver>& hand_overs,
                                 const std::vector<int32_t>& donors, int32_t me,
                                 std::vector<TensorView>& views) {
   double* header = static_cast<double*>(views[0].data);
@@ -174,13 +163,13 @@ absl::Status WriteDonatedStates(const std::vector<HandOver>& hand_overs,
 }
 
 // The replacement's side, once the round has run: loads every state the buffer holds.
-absl::Status LoadHandedStates(const std::vector<HandOver>& hand_overs,
+absl::Status LoadHandedStates(const std::vector<StateHandOver>& hand_overs,
                               const std::vector<int32_t>& donors, const Decision& decision,
                               int32_t me, const std::vector<TensorView>& views) {
   const double* header = static_cast<const double*>(views[0].data);
   size_t at = 1;
   for (size_t k = 0; k < hand_overs.size(); ++k) {
-    const HandOver& h = hand_overs[k];
+    const StateHandOver& h = hand_overs[k];
     OuterLevelState* level = h.state;
     const size_t n = h.n;
     if (donors[k] < 0) {
@@ -218,14 +207,87 @@ absl::Status LoadHandedStates(const std::vector<HandOver>& hand_overs,
 
 }  // namespace
 
-absl::StatusOr<Decision> ModelAverager::OuterRound(const Decision& decision,
-                                                   const Device& device,
-                                                   absl::Span<const TensorView> params) {
+std::vector<std::unique_ptr<OuterLevelState>>& FragmentsOf(FragmentStates& states, int level,
+                                                          const ScheduleLevel& spec) {
+  if (states.size() <= static_cast<size_t>(level)) states.resize(level + 1);
+  std::vector<std::unique_ptr<OuterLevelState>>& fragments = states[level];
+  if (fragments.empty()) {
+    for (int f = 0; f < std::max(1, spec.fragments); ++f) {
+      fragments.push_back(std::make_unique<OuterLevelState>(level, *spec.outer));
+    }
+  }
+  return fragments;
+}
+
+OuterDevice::~OuterDevice() {
+  local_.reset();
+  if (gradient_ != nullptr && ops_ != nullptr) gradient_->Release(*ops_);
+}
+
+absl::StatusOr<NcclDeviceOps*> OuterDevice::Ops(const Device& device) {
+#if MODELAVG_HAVE_CUDA
+  if (ops_ == nullptr) {
+    ops_ = std::make_unique<CudaLocalOps>(device.index, timeout_);
+    gradient_ = std::make_unique<GrowableBuffer>();
+  }
+  const int on = static_cast<CudaLocalOps*>(ops_.get())->device();
+  if (on != device.index) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the parameters are on ", device.ToString(), " but this averager's outer state is on cuda:",
+        on, ": keep the model on one device (or make a new averager)"));
+  }
+  return ops_.get();
+#else
+  return absl::UnimplementedError(absl::StrCat(
+      "the parameters are on ", device.ToString(),
+      " but this build of modelavg has no CUDA support (configure with -DMODELAVG_WITH_CUDA=ON)"));
+#endif
+}
+
+absl::StatusOr<DeviceOuterState*> OuterDevice::StateOf(OuterLevelState* state,
+                                                       const Device& device) {
+  MODELAVG_ASSIGN_OR_RETURN(NcclDeviceOps * ops, Ops(device));
+  if (state->device() == nullptr) {
+    MODELAVG_RETURN_IF_ERROR(state->AttachDevice(
+        std::make_unique<DeviceOuterState>(ops, state->level(), state->rule(), pinned_host_)));
+  }
+  return state->device();
+}
+
+GrowableBuffer* OuterDevice::local() {
+  if (local_ == nullptr) local_ = std::make_unique<OwnedDeviceBuffer>(ops_.get());
+  return local_->get();
+}
+
+OuterLevel::OuterLevel(Client* client, OuterDevice* device, OuterBuffer* pseudo_gradient,
+                       RoundRunner* rounds)
+    : client_(client),
+      device_(device),
+      pseudo_gradient_(pseudo_gradient),
+      rounds_(rounds),
+      states_(FreshStates(client->schedule())) {}
+
+std::vector<std::unique_ptr<OuterLevelState>> OuterLevel::FreshStates(const Schedule& schedule) {
+  std::vector<std::unique_ptr<OuterLevelState>> states;
+  const std::vector<ScheduleLevel>& levels = schedule.spec().levels;
+  for (size_t i = 0; i < levels.size(); ++i) {
+    states.push_back(levels[i].outer.has_value()
+                         ? std::make_unique<OuterLevelState>(static_cast<int>(i), *levels[i].outer)
+                         : nullptr);
+  }
+  return states;
+}
+
+bool OuterLevel::Has(int level) const {
+  return level >= 0 && level < static_cast<int>(states_.size()) && states_[level] != nullptr;
+}
+
+absl::StatusOr<Decision> OuterLevel::Round(const Decision& decision, const Device& device,
+                                           absl::Span<const TensorView> params, RoundWire wire) {
   const int level = decision.level;
   const std::string where = absl::StrCat("outer step at step ", decision.step, " (level ", level,
                                          ", subgroup ", decision.subgroup.index, ")");
-  OuterLevelState* state =
-      level >= 0 && level < static_cast<int>(outer_.size()) ? outer_[level].get() : nullptr;
+  OuterLevelState* state = Has(level) ? states_[level].get() : nullptr;
   if (state == nullptr) {
     return absl::InternalError(absl::StrCat(where, ": the coordinator's decision says outer but "
                                             "the job's spec has no outer optimizer at level ",
@@ -239,7 +301,7 @@ absl::StatusOr<Decision> ModelAverager::OuterRound(const Decision& decision,
                "payload FP32); level ", level, " asks for streaming sync (docs/streaming.md)"));
   }
   // A replacement at its admission step receives the outer state in the round (see
-  // TransferOuterState) and contributes no pseudo-gradient.
+  // HandOver) and contributes no pseudo-gradient.
   const bool joining = std::binary_search(decision.joining.begin(), decision.joining.end(),
                                           client_->rank());
   const int64_t first = client_->schedule().FirstStepOf(level);
@@ -254,17 +316,16 @@ absl::StatusOr<Decision> ModelAverager::OuterRound(const Decision& decision,
   };
   if (!device.is_host()) {
     // CUDA parameters (device_outer_state.h): the same rule, on the device.
-    MODELAVG_ASSIGN_OR_RETURN(DeviceOuterState * on_device, DeviceState(state, device));
+    MODELAVG_ASSIGN_OR_RETURN(DeviceOuterState * on_device, device_->StateOf(state, device));
     if (!joining && !on_device->has_anchor() && !first_step) return no_anchor();
     Decision done = decision;
     absl::Status s = RunDeviceOuterStep(
-        on_device, device_gradient_.get(), params, first_step, joining,
+        on_device, device_->gradient(), params, first_step, joining,
         [&](absl::Span<const TensorView> tensors, int64_t layout_signature) {
           // The pseudo-gradient's rounds agree on their own layout (device_outer_state.h).
-          const int64_t signature = round_signature_;
-          round_signature_ = signature ^ layout_signature;
-          absl::StatusOr<Decision> r = Round(decision, device, tensors);
-          round_signature_ = signature;
+          RoundWire own = wire;
+          own.layout_signature ^= layout_signature;
+          absl::StatusOr<Decision> r = rounds_->Run(decision, device, tensors, own);
           if (r.ok()) done = *r;
           return r.status();
         });
@@ -272,71 +333,36 @@ absl::StatusOr<Decision> ModelAverager::OuterRound(const Decision& decision,
     return done;
   }
   if (joining && !first_step) {
-    if (pseudo_gradient_ == nullptr) pseudo_gradient_ = std::make_unique<OuterBuffer>();
     pseudo_gradient_->Shape(params);
     std::vector<TensorView> d = pseudo_gradient_->Views();
-    MODELAVG_ASSIGN_OR_RETURN(Decision done, Round(decision, device, d));
+    MODELAVG_ASSIGN_OR_RETURN(Decision done, rounds_->Run(decision, device, d, wire));
     MODELAVG_RETURN_IF_ERROR(Annotate(state->Step(0, d, params), where));
     return done;
   }
   if (!state->has_anchor()) {
     // The level's first averaging step: a plain average; the result is the anchor.
     if (!first_step) return no_anchor();
-    MODELAVG_ASSIGN_OR_RETURN(Decision done, Round(decision, device, params));
+    MODELAVG_ASSIGN_OR_RETURN(Decision done, rounds_->Run(decision, device, params, wire));
     MODELAVG_RETURN_IF_ERROR(Annotate(state->SetAnchor(params), where));
     return done;
   }
   MODELAVG_RETURN_IF_ERROR(Annotate(state->CheckLayout(0, params), where));
-  if (pseudo_gradient_ == nullptr) pseudo_gradient_ = std::make_unique<OuterBuffer>();
   pseudo_gradient_->Shape(params);
   std::vector<TensorView> d = pseudo_gradient_->Views();
   MODELAVG_RETURN_IF_ERROR(Annotate(state->PseudoGradient(0, params, d), where));
   // The parameters and the state change only once the round has succeeded.
-  MODELAVG_ASSIGN_OR_RETURN(Decision done, Round(decision, device, d));
+  MODELAVG_ASSIGN_OR_RETURN(Decision done, rounds_->Run(decision, device, d, wire));
   MODELAVG_RETURN_IF_ERROR(Annotate(state->Step(0, d, params), where));
   return done;
 }
 
-absl::StatusOr<NcclDeviceOps*> ModelAverager::DeviceOps(const Device& device) {
-#if MODELAVG_HAVE_CUDA
-  if (device_ops_ == nullptr) {
-    device_ops_ = std::make_unique<CudaLocalOps>(device.index,
-                                                 client_->options().collective_timeout);
-    device_gradient_ = std::make_unique<GrowableBuffer>();
-  }
-  const int on = static_cast<CudaLocalOps*>(device_ops_.get())->device();
-  if (on != device.index) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the parameters are on ", device.ToString(), " but this averager's outer state is on cuda:",
-        on, ": keep the model on one device (or make a new averager)"));
-  }
-  return device_ops_.get();
-#else
-  return absl::UnimplementedError(absl::StrCat(
-      "the parameters are on ", device.ToString(),
-      " but this build of modelavg has no CUDA support (configure with -DMODELAVG_WITH_CUDA=ON)"));
-#endif
-}
-
-absl::StatusOr<DeviceOuterState*> ModelAverager::DeviceState(OuterLevelState* state,
-                                                             const Device& device) {
-  MODELAVG_ASSIGN_OR_RETURN(NcclDeviceOps * ops, DeviceOps(device));
-  if (state->device() == nullptr) {
-    MODELAVG_RETURN_IF_ERROR(state->AttachDevice(std::make_unique<DeviceOuterState>(
-        ops, state->level(), state->rule(),
-        options_.backup_device == AveragerOptions::BackupDevice::kHost)));
-  }
-  return state->device();
-}
-
-absl::Status ModelAverager::TransferOuterState(const Decision& decision, Communicator* comm,
-                                               absl::Span<const TensorView> layout) {
+absl::Status OuterLevel::HandOver(const Decision& decision, Communicator* comm,
+                                  absl::Span<const TensorView> all,
+                                  absl::Span<const TensorView> layout,
+                                  FragmentStates& fragments) {
   if (decision.joining.empty()) return absl::OkStatus();
-  // The parameters of the call (round_params_), or `layout` (the round's tensors, in the state
-  // layout already) when the call passed none.
-  const absl::Span<const TensorView> all = round_params_.empty() ? layout : round_params_;
   const std::vector<ScheduleLevel>& spec_levels = client_->schedule().spec().levels;
-  const std::vector<HandOver> hand_overs = HandOvers(outer_, fragment_outer_, spec_levels, all);
+  const std::vector<StateHandOver> hand_overs = HandOvers(states_, fragments, spec_levels, all);
   if (hand_overs.empty()) return absl::OkStatus();
   const int32_t me = client_->rank();
   OuterBuffer state_layout;
@@ -355,7 +381,7 @@ absl::Status ModelAverager::TransferOuterState(const Decision& decision, Communi
     options.layout_signature = kHandOverSignature;
     if (!layout.empty() && layout[0].device.is_cuda()) {
       // An NCCL round: the hand-over travels through a device copy of the buffer.
-      MODELAVG_ASSIGN_OR_RETURN(NcclDeviceOps * ops, DeviceOps(layout[0].device));
+      MODELAVG_ASSIGN_OR_RETURN(NcclDeviceOps * ops, device_->Ops(layout[0].device));
       MODELAVG_RETURN_IF_ERROR(TransferThroughDevice(ops, layout[0], views, buffer.total_bytes(),
                                                      [&](absl::Span<const TensorView> on_device) {
                                                        return comm->AllReduceAverage(
@@ -367,12 +393,6 @@ absl::Status ModelAverager::TransferOuterState(const Decision& decision, Communi
     if (j == me) {
       MODELAVG_RETURN_IF_ERROR(LoadHandedStates(hand_overs, donors, decision, me, views));
     }
-  }
-  // An admission at a streaming level's step syncs one fragment only: the replacement receives
-  // the mean of its block's parameters first (the others' parameters do not change).
-  if (decision.level >= 0 && decision.level < static_cast<int>(spec_levels.size()) &&
-      StreamingOuterLevel(spec_levels[decision.level]) && !round_params_.empty()) {
-    MODELAVG_RETURN_IF_ERROR(TransferParameters(decision, comm));
   }
   return absl::OkStatus();
 }

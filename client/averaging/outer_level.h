@@ -1,0 +1,117 @@
+// The outer levels of an averager (DiLoCo, docs/diloco.md): a level with an outer optimizer
+// averages the pseudo-gradient (anchor - parameters) and steps its anchor with PyTorch's SGD on
+// the result, on host or CUDA parameters; at an elastic admission every outer state is handed
+// to the replacements inside the round. And the device the outer states of CUDA parameters live
+// on (OuterDevice), which the streaming levels share.
+//
+// Not thread-safe: ModelAverager calls them under its mutex.
+#ifndef MODELAVG_CLIENT_AVERAGING_OUTER_LEVEL_H_
+#define MODELAVG_CLIENT_AVERAGING_OUTER_LEVEL_H_
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "client/averaging/device_outer_state.h"
+#include "client/averaging/outer_state.h"
+#include "client/averaging/round_runner.h"
+#include "client/comm/communicator.h"
+#include "client/comm/nccl/nccl_core.h"
+#include "modelavg/client/client.h"
+#include "modelavg/client/tensor.h"
+#include "modelavg/common/schedule.h"
+
+namespace modelavg::client {
+
+// Whether `level` is an outer level with streaming fields (fragments > 1, sync_delay, mix or a
+// compressed payload): its outer state is per fragment (StreamingLevel).
+inline bool StreamingOuterLevel(const ScheduleLevel& level) {
+  return level.outer.has_value() && (level.fragments > 1 || level.sync_delay != 0 ||
+                                     level.mix != 0 || level.payload != Payload::kFp32);
+}
+
+// Per level, per fragment: the outer states of the streaming outer levels (empty for others).
+using FragmentStates = std::vector<std::vector<std::unique_ptr<OuterLevelState>>>;
+// The states of `level`'s fragments (`spec` is the level's), made fresh when there are none.
+std::vector<std::unique_ptr<OuterLevelState>>& FragmentsOf(FragmentStates& states, int level,
+                                                          const ScheduleLevel& spec);
+
+// CUDA parameters with outer levels: the device operations their states run on (made at the
+// first use, on that device), the pseudo-gradient on the device (shared by the levels: one step
+// runs at a time), and a streaming level's copy of the parameters on the device (x_local of a
+// mix). Freed after the states that were allocated with them.
+class OuterDevice {
+ public:
+  // `timeout`: of a device wait; `pinned_host`: AveragerOptions::backup_device is kHost.
+  OuterDevice(absl::Duration timeout, bool pinned_host)
+      : timeout_(timeout), pinned_host_(pinned_host) {}
+  ~OuterDevice();
+  OuterDevice(const OuterDevice&) = delete;
+  OuterDevice& operator=(const OuterDevice&) = delete;
+
+  // The operations on `device`. INVALID_ARGUMENT for another device than the first one's,
+  // UNIMPLEMENTED in a build without CUDA.
+  absl::StatusOr<NcclDeviceOps*> Ops(const Device& device);
+  // `state`'s device state on `device` (attached at its first CUDA step).
+  absl::StatusOr<DeviceOuterState*> StateOf(OuterLevelState* state, const Device& device);
+  // Once Ops has succeeded: the operations, the pseudo-gradient, x_local.
+  NcclDeviceOps* ops() const { return ops_.get(); }
+  GrowableBuffer* gradient() const { return gradient_.get(); }
+  GrowableBuffer* local();
+
+ private:
+  const absl::Duration timeout_;
+  const bool pinned_host_;
+  std::unique_ptr<NcclDeviceOps> ops_;
+  std::unique_ptr<GrowableBuffer> gradient_;
+  std::unique_ptr<OwnedDeviceBuffer> local_;
+};
+
+class OuterLevel {
+ public:
+  // Every part outlives it; `pseudo_gradient` is shared with the streaming levels.
+  OuterLevel(Client* client, OuterDevice* device, OuterBuffer* pseudo_gradient,
+             RoundRunner* rounds);
+
+  // Fresh states for the job's levels: one per level with an outer optimizer (null for the
+  // others).
+  static std::vector<std::unique_ptr<OuterLevelState>> FreshStates(const Schedule& schedule);
+
+  // Whether `level` has an outer optimizer (and so a state here).
+  bool Has(int level) const;
+  const std::vector<std::unique_ptr<OuterLevelState>>& states() const { return states_; }
+  void Replace(std::vector<std::unique_ptr<OuterLevelState>> states) {
+    states_ = std::move(states);
+  }
+
+  // An averaging step of `decision`'s outer level on `params`: the level's first step is a
+  // plain average that sets the anchor; each later one averages the pseudo-gradient in a round
+  // and steps the anchor, which becomes the parameters. A replacement at its admission step
+  // receives the state in the round (HandOver) and contributes no pseudo-gradient.
+  absl::StatusOr<Decision> Round(const Decision& decision, const Device& device,
+                                 absl::Span<const TensorView> params, RoundWire wire);
+
+  // An admission round (decision.joining not empty): every replacement receives, for each outer
+  // state (the whole levels here, each fragment of `fragments`, made if need be), the anchor
+  // and momentum of the lowest contributing member of its block at that level, through `comm`.
+  // `all`: the parameters the states cover; `layout`: the round's tensors (an NCCL round's
+  // device and stream).
+  absl::Status HandOver(const Decision& decision, Communicator* comm,
+                        absl::Span<const TensorView> all, absl::Span<const TensorView> layout,
+                        FragmentStates& fragments);
+
+ private:
+  Client* const client_;
+  OuterDevice* const device_;
+  OuterBuffer* const pseudo_gradient_;
+  RoundRunner* const rounds_;
+  // Per level: its outer state, or null for a plain level.
+  std::vector<std::unique_ptr<OuterLevelState>> states_;
+};
+
+}  // namespace modelavg::client
+
+#endif  // MODELAVG_CLIENT_AVERAGING_OUTER_LEVEL_H_

@@ -1,0 +1,333 @@
+#include "client/averaging/round_runner.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "client/base/error_kind.h"
+#include "client/rpc/coordinator_client.h"
+#include "common/status_util.h"
+#include "spdlog/spdlog.h"
+
+namespace modelavg::client {
+namespace {
+
+// A round lost to a failure is retried in the next generation, at most this many times (each
+// retry needs the job to have moved on: a death, a departure or an admission).
+constexpr int kMaxElasticAttempts = 16;
+
+std::string ElasticWhere(const Decision& d) {
+  return absl::StrCat("averaging at step ", d.step, " (level ", d.level, ", subgroup ",
+                      d.subgroup.index, ", generation ", d.generation, ")");
+}
+
+}  // namespace
+
+ModelAverager::LevelTraffic& Traffic::At(int level) {
+  if (levels_.size() <= static_cast<size_t>(level)) levels_.resize(level + 1);
+  return levels_[level];
+}
+
+void Traffic::AddBytes(int level, int64_t bytes) {
+  if (level < 0) return;
+  At(level).bytes_sent += bytes;
+}
+
+void Traffic::AddWaited(int level, absl::Duration waited) {
+  if (level < 0) return;
+  At(level).waited += waited;
+}
+
+std::vector<ModelAverager::LevelTraffic> Traffic::PerLevel(size_t levels) const {
+  std::vector<ModelAverager::LevelTraffic> out = levels_;
+  out.resize(levels);
+  return out;
+}
+
+RoundRunner::RoundRunner(Client* client, Traffic* traffic, Hooks hooks)
+    : client_(client), traffic_(traffic), hooks_(std::move(hooks)) {}
+
+absl::Duration RoundRunner::CauseWait() const {
+  return client_->heartbeat_timeout() + 2 * client_->options().heartbeat_interval +
+         absl::Milliseconds(500);
+}
+
+absl::Duration RoundRunner::RetryWait() const {
+  return 2 * client_->heartbeat_timeout() + 2 * client_->options().heartbeat_interval +
+         absl::Seconds(2);
+}
+
+absl::StatusOr<Decision> RoundRunner::Run(const Decision& decision, const Device& device,
+                                          absl::Span<const TensorView> tensors, RoundWire wire) {
+  if (client_->elastic()) return RunElastic(decision, device, tensors, wire);
+  const std::string where = absl::StrCat("averaging at step ", decision.step, " (level ",
+                                         decision.level, ", subgroup ", decision.subgroup.index,
+                                         ")");
+  MODELAVG_RETURN_IF_ERROR(Annotate(client_->CheckCanAverage(decision.subgroup), where));
+  absl::StatusOr<Communicator*> comm = client_->communicators()->Get(Setup(decision), device);
+  RoundOptions plain;
+  plain.payload = wire.payload;
+  plain.layout_signature = wire.layout_signature;
+  const int64_t sent_before = comm.ok() ? (*comm)->bytes_sent() : 0;
+  absl::Status s = comm.ok() ? (*comm)->AllReduceAverage(tensors, plain, nullptr) : comm.status();
+  if (comm.ok()) traffic_->AddBytes(decision.level, (*comm)->bytes_sent() - sent_before);
+  if (s.ok()) return decision;
+  if (s.code() == absl::StatusCode::kInvalidArgument) return Annotate(s, where);
+  ReportUnreachablePeersOf(decision, comm.ok() ? *comm : nullptr, s);
+  // A transport failure usually means a peer died: give the coordinator up to a heartbeat
+  // timeout to say so, so the error names the cause rather than a broken socket.
+  absl::Status why = client_->AwaitCannotAverage(decision.subgroup, CauseWait());
+  // The collective was aborted for the reason the client gives: say it once.
+  if (!why.ok() && ErrorKindOf(s) == ErrorKind::kGenerationMoved) return Annotate(why, where);
+  if (!why.ok()) {
+    absl::Status failed(why.code(), absl::StrCat(where, " failed: ", why.message(),
+                                                 " (transport error: ", s.message(), ")"));
+    // The kind and the blamed rank of the client's reason (error_kind.h) go with it.
+    why.ForEachPayload([&failed](absl::string_view url, const absl::Cord& payload) {
+      failed.SetPayload(url, payload);
+    });
+    return failed;
+  }
+  return Annotate(s, where);
+}
+
+CommunicatorSetup RoundRunner::Setup(const Decision& decision) const {
+  CommunicatorSetup setup;
+  setup.coordinator = client_->coordinator();
+  setup.job_id = client_->job_id();
+  setup.generation = decision.generation > 0 ? decision.generation : client_->generation();
+  setup.level = decision.level;
+  setup.subgroup = decision.subgroup;
+  setup.members = decision.members;
+  setup.rank = client_->rank();
+  setup.credential = client_->credential();
+  setup.timeout = client_->options().collective_timeout;
+  // A committed round needs its backup (ClientOptions::gloo_in_place is for strict jobs).
+  setup.gloo_in_place = client_->options().gloo_in_place && !client_->elastic();
+  Client* client = client_;
+  const SubgroupRange group = decision.subgroup;
+  setup.check_alive = [client, group] { return client->CheckCanAverage(group); };
+  setup.request_new_generation = [client](const absl::Status& why) { client->FailOut(why); };
+  return setup;
+}
+
+// After a failed round: probes the round's peers over the data network and, when some do not
+// answer, reports them to the coordinator (a gray failure: they still beat to it, so only their
+// peers can tell). The coordinator evicts nobody on one report alone (docs/cluster.md, "Gray
+// failures"); when the reports agree it declares the unreachable dead and the job moves on,
+// which the caller's wait for a newer generation then sees.
+void RoundRunner::ReportUnreachablePeersOf(const Decision& decision, Communicator* comm,
+                                           const absl::Status& failure) const {
+  const int64_t generation =
+      decision.generation > 0 ? decision.generation : client_->generation();
+  if (comm == nullptr || ErrorKindOf(failure) == ErrorKind::kGenerationMoved ||
+      client_->latest_generation() != generation) {
+    return;  // aborted for a generation change: nothing to report
+  }
+  // A quarter of the collective timeout, at most 1 s: a host answers a connect in a round trip.
+  const absl::Duration timeout = std::clamp(client_->options().collective_timeout / 4,
+                                            absl::Milliseconds(100), absl::Seconds(1));
+  absl::StatusOr<std::vector<PeerReach>> reach = comm->ProbePeers(timeout);
+  if (!reach.ok()) {
+    spdlog::debug("not probing the peers of the failed round: {}", reach.status().ToString());
+    return;
+  }
+  const std::vector<int32_t> members = decision.Members();
+  v1::ReportPeerFailureRequest req;
+  std::vector<std::string> notes;
+  for (const PeerReach& p : *reach) {
+    if (p.member < 0 || p.member >= static_cast<int>(members.size())) continue;
+    const int32_t rank = members[p.member];
+    if (p.reachable) {
+      req.add_reachable_ranks(rank);
+    } else {
+      req.add_unreachable_ranks(rank);
+      notes.push_back(absl::StrCat("rank ", rank, ": ", p.detail));
+    }
+  }
+  if (req.unreachable_ranks().empty()) return;  // every host answers: not a gray failure
+  req.set_job_id(client_->job_id());
+  req.set_rank(client_->rank());
+  req.set_generation(generation);
+  req.set_credential(client_->credential());
+  req.set_step(decision.step);
+  req.set_level(decision.level);
+  req.set_reason(std::string(failure.message().substr(0, 256)));
+  spdlog::warn("averaging at step {} (level {}) failed and peers do not answer on the data "
+               "network ({}); reporting them to the coordinator",
+               decision.step, decision.level, absl::StrJoin(notes, "; "));
+  absl::StatusOr<v1::ReportPeerFailureResponse> reply =
+      client_->coordinator()->ReportPeerFailure(req);
+  if (!reply.ok()) {
+    spdlog::warn("the coordinator took no peer failure report{}: {}",
+                 absl::IsUnimplemented(reply.status()) ? " (it predates them)" : "",
+                 reply.status().ToString());
+  } else if (!reply->declared_dead().empty()) {
+    spdlog::warn("the coordinator confirmed the report: ranks {} declared dead, generation {}",
+                 absl::StrJoin(reply->declared_dead(), ","), reply->generation());
+  }
+}
+
+absl::Status RoundRunner::EnterNewerGeneration() {
+  return client_->AdvanceGeneration(
+      [this](int64_t generation) { hooks_.before_note(generation); });
+}
+
+absl::StatusOr<Decision> RoundRunner::RunElastic(Decision decision, const Device& device,
+                                                 absl::Span<const TensorView> tensors,
+                                                 RoundWire wire, bool hand_over) {
+  for (int attempt = 1;; ++attempt) {
+    MODELAVG_ASSIGN_OR_RETURN(Attempt tried,
+                              RunAttempt(decision, device, tensors, wire, hand_over));
+    if (tried.status.ok()) return Commit(decision, attempt);
+    if (tried.status.code() == absl::StatusCode::kInvalidArgument ||
+        ErrorKindOf(tried.status) == ErrorKind::kRoundMismatch) {
+      return Annotate(tried.status, ElasticWhere(decision));
+    }
+    ReportUnreachablePeersOf(decision, tried.comm, tried.status);
+    MODELAVG_ASSIGN_OR_RETURN(Decision next, MoveOnAfterFailure(decision, tried.status));
+    MODELAVG_ASSIGN_OR_RETURN(bool completed, PeerCompletedAttempt(decision, &next, &attempt));
+    if (completed) {
+      MODELAVG_RETURN_IF_ERROR(AdoptLostCommit(decision, tried, tensors));
+      return decision;
+    }
+    if (attempt >= kMaxElasticAttempts) {
+      return Annotate(tried.status,
+                      absl::StrCat(ElasticWhere(decision), " (", attempt, " attempts)"));
+    }
+    spdlog::warn("{} failed ({}); retrying in generation {} with ranks {}", ElasticWhere(decision),
+                 std::string(tried.status.message()), next.generation,
+                 absl::StrJoin(next.Members(), ","));
+    decision = std::move(next);
+  }
+}
+
+absl::StatusOr<RoundOptions> RoundRunner::ElasticOptions(const Decision& decision,
+                                                         RoundWire wire) const {
+  const std::vector<int32_t> members = decision.Members();
+  if (!std::binary_search(members.begin(), members.end(), client_->rank())) {
+    return absl::InternalError(absl::StrCat(ElasticWhere(decision), ": rank ", client_->rank(),
+                                            " is not among the round's members"));
+  }
+  RoundOptions options;
+  options.step = decision.step;
+  options.contribute =
+      !std::binary_search(decision.joining.begin(), decision.joining.end(), client_->rank());
+  options.contributors = static_cast<int>(members.size() - decision.joining.size());
+  // Every round is committed (retried exactly), on Gloo and NCCL alike.
+  options.commit = true;
+  options.payload = wire.payload;
+  options.layout_signature = wire.layout_signature;
+  if (options.contributors == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        ElasticWhere(decision), ": rank ", client_->rank(),
+        " is admitted at this step but no live member of its subgroup can give it the "
+        "parameters; start the replacement again"));
+  }
+  return options;
+}
+
+absl::StatusOr<RoundRunner::Attempt> RoundRunner::RunAttempt(const Decision& decision,
+                                                             const Device& device,
+                                                             absl::Span<const TensorView> tensors,
+                                                             RoundWire wire, bool hand_over) {
+  MODELAVG_ASSIGN_OR_RETURN(RoundOptions options, ElasticOptions(decision, wire));
+  Attempt tried;
+  absl::StatusOr<Communicator*> comm = client_->communicators()->Get(Setup(decision), device);
+  if (!comm.ok()) {
+    tried.status = comm.status();
+    client_->RecordRound(decision.level, decision.step, decision.generation, tried.outcome);
+    return tried;
+  }
+  tried.comm = *comm;
+  // An admission hands the replacements the outer state first (their part of this step's
+  // round needs it); a failure there is a failure of the round, retried the same way.
+  if (hand_over && !decision.joining.empty()) {
+    tried.status = hooks_.hand_over(decision, tried.comm, tensors);
+  }
+  const int64_t sent_before = tried.comm->bytes_sent();
+  if (tried.status.ok()) {
+    tried.status = tried.comm->AllReduceAverage(tensors, options, &tried.outcome);
+  }
+  traffic_->AddBytes(decision.level, tried.comm->bytes_sent() - sent_before);
+  client_->RecordRound(decision.level, decision.step, decision.generation, tried.outcome);
+  return tried;
+}
+
+Decision RoundRunner::Commit(const Decision& decision, int attempt) {
+  const bool joining =
+      std::binary_search(decision.joining.begin(), decision.joining.end(), client_->rank());
+  if (attempt > 1 || joining) {
+    spdlog::info("{}: averaged with ranks {}{}", ElasticWhere(decision),
+                 absl::StrJoin(decision.Members(), ","),
+                 joining ? " (admitted: received the parameters)" : "");
+  }
+  // Older generations' communicators are of no use any more.
+  client_->communicators()->DropBefore(decision.generation);
+  return decision;
+}
+
+absl::StatusOr<Decision> RoundRunner::MoveOn(int64_t generation, int64_t step) {
+  // The wait ends as soon as this rank hears of the change; its bound only matters when the
+  // job does not move on (a transport failure with every member alive).
+  MODELAVG_RETURN_IF_ERROR(client_->AwaitNewerGeneration(generation, RetryWait()));
+  MODELAVG_RETURN_IF_ERROR(EnterNewerGeneration());
+  return client_->DecisionAt(step);
+}
+
+absl::StatusOr<Decision> RoundRunner::MoveOnAfterFailure(const Decision& failed,
+                                                         const absl::Status& why) {
+  // Wait for the job to move on without the failed member (its death is declared within the
+  // heartbeat timeout). If it does not move on in time, the call fails with the round's error.
+  absl::StatusOr<Decision> next = MoveOn(failed.generation, failed.step);
+  if (next.ok()) return next;
+  if (absl::IsDeadlineExceeded(next.status())) return Annotate(why, ElasticWhere(failed));
+  return absl::Status(next.status().code(),
+                      absl::StrCat(ElasticWhere(failed), " failed: ", next.status().message(),
+                                   " (round: ", why.message(), ")"));
+}
+
+absl::StatusOr<bool> RoundRunner::PeerCompletedAttempt(const Decision& failed, Decision* next,
+                                                       int* attempt) {
+  // If any live member completed the round, every member holds its result (the commit phase).
+  absl::StatusOr<bool> completed = client_->PeerCompletedRound(*next, failed.generation);
+  // ABORTED: the job moved on while a note was awaited; FAILED_PRECONDITION: before (a stale
+  // generation). Either way: read the notes again in the newer generation.
+  while (!completed.ok() &&
+         (absl::IsAborted(completed.status()) ||
+          absl::IsFailedPrecondition(completed.status())) &&
+         *attempt < kMaxElasticAttempts) {
+    ++*attempt;
+    const int64_t read_in = next->generation;
+    absl::StatusOr<Decision> again = MoveOn(read_in, failed.step);
+    if (!again.ok()) {
+      return Annotate(again.status(), absl::StrCat(ElasticWhere(failed),
+                                                   " (round notes of generation ", read_in, ")"));
+    }
+    *next = *std::move(again);
+    completed = client_->PeerCompletedRound(*next, failed.generation);
+  }
+  if (!completed.ok()) return Annotate(completed.status(), ElasticWhere(*next));
+  return *completed;
+}
+
+absl::Status RoundRunner::AdoptLostCommit(const Decision& decision, const Attempt& tried,
+                                          absl::Span<const TensorView> tensors) {
+  if (tried.outcome != RoundOutcome::kFailedHoldingResult || tried.comm == nullptr) {
+    return absl::InternalError(absl::StrCat(
+        ElasticWhere(decision), ": a peer completed the round but this rank holds no result (",
+        tried.status.message(), "); restore a checkpoint"));
+  }
+  MODELAVG_RETURN_IF_ERROR(
+      Annotate(tried.comm->AdoptPendingResult(tensors), ElasticWhere(decision)));
+  client_->RecordRound(decision.level, decision.step, decision.generation,
+                       RoundOutcome::kCompleted);
+  spdlog::info("{}: the round completed on a peer before the failure ({}); its result is kept",
+               ElasticWhere(decision), std::string(tried.status.message()));
+  return absl::OkStatus();
+}
+
+}  // namespace modelavg::client

@@ -1,0 +1,239 @@
+#include "client/session/generation_tracker.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "client/base/error_kind.h"
+#include "spdlog/spdlog.h"
+
+namespace modelavg::client {
+
+GenerationTracker::GenerationTracker(Options options, int64_t generation,
+                                     std::string incarnation)
+    : options_(std::move(options)),
+      generation_(generation),
+      view_(MembershipView::Initial(generation, options_.reader.world_size)),
+      latest_generation_(generation),
+      incarnation_(std::move(incarnation)) {}
+
+void GenerationTracker::Admit(MembershipView view) {
+  generation_ = view.generation;
+  latest_generation_ = std::max(latest_generation_, view.generation);
+  view_ = std::move(view);
+}
+
+std::string GenerationTracker::ChangeReason(const v1::HeartbeatResponse& reply) {
+  if (!reply.has_last_change() || reply.last_change().reason().empty()) {
+    return "membership changed";
+  }
+  std::string why = reply.last_change().reason();
+  const std::string who = absl::StrCat("rank ", reply.last_change().rank());
+  if (reply.last_change().rank() >= 0 && !absl::StrContains(why, who)) {
+    absl::StrAppend(&why, " (", who, ")");
+  }
+  return why;
+}
+
+GenerationTracker::Abort GenerationTracker::OnGenerationChange(
+    int64_t generation, const std::string& why, int32_t blamed_rank,
+    const absl::StatusOr<v1::Job>& job) {
+  const std::string& job_id = options_.job_id;
+  const int32_t rank = options_.reader.rank;
+  const int32_t world_size = options_.reader.world_size;
+  if (generation <= latest_generation_ && !broken_.ok()) return {};
+  latest_generation_ = std::max(latest_generation_, generation);
+  change_reason_ = why;
+  if (options_.elastic && job.ok()) {
+    // An elastic job goes on with its live members: this rank follows it into the new
+    // generation if it is one of them. Its collectives of older generations are aborted (a
+    // round in flight is retried there, see ModelAverager).
+    std::string gone;
+    std::optional<MembershipView> view = ViewOf(*job, options_.reader, &gone);
+    if (view.has_value()) {
+      latest_generation_ = std::max(latest_generation_, view->generation);
+      const int64_t known = follow_.has_value() ? follow_->generation : generation_;
+      if (view->generation <= known) return {};
+      std::vector<int32_t> vacant;
+      for (int32_t r = 0; r < world_size; ++r) {
+        if (!view->live[r]) vacant.push_back(r);
+      }
+      spdlog::info("job {} moved to generation {} ({}); rank {} goes on with the live members "
+                   "(vacant ranks: {})",
+                   job_id, view->generation, why, rank,
+                   vacant.empty() ? std::string("none") : absl::StrJoin(vacant, ","));
+      const absl::Status retried = absl::AbortedError(
+          absl::StrCat("job ", job_id, " moved to generation ", view->generation, " (", why,
+                       "): a round of an older generation is retried with its live members"));
+      Abort abort{view->generation,
+                  SetErrorKind(retried, ErrorKind::kGenerationMoved, /*peer=*/-1, blamed_rank)};
+      follow_ = *std::move(view);
+      return abort;
+    }
+    if (!broken_.ok()) return {};
+    broken_ = SetErrorKind(
+        absl::FailedPreconditionError(absl::StrCat(
+            "job ", job_id, " moved from generation ", generation_, " to ", job->generation(),
+            " (", why, "); rank ", rank, " cannot average any more: ", gone)),
+        ErrorKind::kGenerationMoved, /*peer=*/-1, blamed_rank);
+    spdlog::error("{}", std::string(broken_.message()));
+    return {job->generation(), broken_};
+  }
+  // Without the job's record, every communicator counts as broken.
+  Departures departures;
+  departures.hard = true;
+  if (job.ok()) departures = DeparturesOf(*job, generation_, world_size);
+  if (departures.hard && broken_.ok()) {
+    broken_ = SetErrorKind(
+        absl::FailedPreconditionError(absl::StrCat(
+            "job ", job_id, " moved from generation ", generation_, " to ", generation,
+            " because ", why, "; this rank's communicators are stale: connect a new Client to "
+            "re-join (or restart the job)")),
+        ErrorKind::kGenerationMoved, /*peer=*/-1, blamed_rank);
+    spdlog::error("{}", std::string(broken_.message()));
+    return {generation, broken_};
+  }
+  departed_ = std::move(departures.left);
+  spdlog::info("job {} moved to generation {} ({}); ranks that left: {}", job_id, generation, why,
+               absl::StrJoin(departed_, ","));
+  return {};
+}
+
+void GenerationTracker::OnReply(const v1::HeartbeatResponse& reply, absl::Time now) {
+  if (reply.recovery_grace_ms() > 0) {
+    recovery_until_ =
+        std::max(recovery_until_, now + absl::Milliseconds(reply.recovery_grace_ms()));
+  }
+  const std::string& incarnation = reply.coordinator_incarnation();
+  const bool restarted = !incarnation.empty() && incarnation != incarnation_;
+  // This rank joined generation_ once it was complete (RUNNING); only a new generation can be
+  // PENDING again. The same generation PENDING means the coordinator lost the job's state and
+  // has the job afresh (e.g. from its jobs file): it knows nothing of this rank.
+  if (reply.generation() == generation_ && reply.state() == v1::PENDING && broken_.ok()) {
+    broken_ = absl::FailedPreconditionError(absl::StrCat(
+        "the coordinator that now answers at ", options_.coordinator, " (incarnation ",
+        incarnation.empty() ? "unknown" : incarnation, ", this rank joined under ",
+        incarnation_.empty() ? "unknown" : incarnation_, ") has job ", options_.job_id,
+        " afresh, without this rank: it restarted without the job's state (run it with "
+        "--state_dir); restart the workers"));
+    spdlog::error("{}", std::string(broken_.message()));
+  } else if (restarted) {
+    spdlog::warn("coordinator {} restarted (incarnation {} -> {}); rank {} re-attached to job {} "
+                 "in generation {}",
+                 options_.coordinator, incarnation_.empty() ? "unknown" : incarnation_,
+                 incarnation, options_.reader.rank, options_.job_id, reply.generation());
+  }
+  if (restarted) incarnation_ = incarnation;
+}
+
+bool GenerationTracker::OnRefusal(const absl::Status& error) {
+  if (absl::IsPermissionDenied(error)) {
+    // The rank has another member now (this one was declared dead and replaced).
+    Break(absl::FailedPreconditionError(absl::StrCat(
+        "the coordinator no longer counts this worker as rank ", options_.reader.rank,
+        " of job ", options_.job_id, " (", error.message(), "); connect a new Client to re-join")));
+    return true;
+  }
+  if (absl::IsNotFound(error)) {
+    // Only a coordinator that answers can say the job is unknown: it lost or never had it.
+    Break(absl::FailedPreconditionError(absl::StrCat(
+        "job ", options_.job_id, " is unknown to the coordinator that now answers at ",
+        options_.coordinator, " (this rank joined under incarnation ",
+        incarnation_.empty() ? "unknown" : incarnation_,
+        "): it restarted without the job's state (run it with --state_dir) or the job was "
+        "deleted; create the job again and restart the workers (",
+        error.message(), ")")));
+    return true;
+  }
+  return false;
+}
+
+bool GenerationTracker::Break(absl::Status why) {
+  if (!broken_.ok()) return false;  // The first reason stands.
+  broken_ = std::move(why);
+  spdlog::error("{}", std::string(broken_.message()));
+  return true;
+}
+
+bool GenerationTracker::MarkLeft() {
+  if (left_) return false;
+  left_ = true;
+  if (broken_.ok()) {
+    broken_ = absl::FailedPreconditionError(
+        absl::StrCat("rank ", options_.reader.rank, " left job ", options_.job_id,
+                     "; connect a new Client to take part again"));
+  }
+  return true;
+}
+
+Decision GenerationTracker::Decide(Decision d, int64_t step) const {
+  d.generation = generation_;
+  if (!options_.elastic || !d.average) return d;
+  // The members of this generation that average at this step: live, and admitted by then.
+  d.members.clear();
+  d.joining.clear();
+  for (int32_t r = d.subgroup.first_rank; r < d.subgroup.first_rank + d.subgroup.size; ++r) {
+    if (!view_.live[r] || (view_.admitted[r] >= 0 && view_.admitted[r] > step)) continue;
+    d.members.push_back(r);
+    if (view_.admitted[r] == step) d.joining.push_back(r);
+  }
+  return d;
+}
+
+absl::Status GenerationTracker::CheckUsable() const {
+  if (!broken_.ok()) return broken_;
+  if (latest_generation_ != generation_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", options_.job_id, " moved from generation ", generation_, " to ",
+                     latest_generation_, " (", change_reason_, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GenerationTracker::CheckCanAverage(const SubgroupRange& group) const {
+  if (!broken_.ok()) return broken_;
+  // An elastic job's client follows the generations it is carried into (Advance).
+  if (options_.elastic || latest_generation_ == generation_) return absl::OkStatus();
+  for (int32_t r : departed_) {
+    if (group.Contains(r)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot average with ranks ", group.first_rank, "..", group.first_rank + group.size - 1,
+          ": rank ", r, " left job ", options_.job_id, " (generation ", generation_, " -> ",
+          latest_generation_, ": ", change_reason_, "); connect a new Client to re-join"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<GenerationTracker::Move> GenerationTracker::Advance() {
+  if (!broken_.ok()) return broken_;
+  Move move{generation_, generation_};
+  if (!follow_.has_value()) return move;
+  move.to = follow_->generation;
+  view_ = *std::move(follow_);
+  follow_.reset();
+  generation_ = move.to;
+  return move;
+}
+
+bool GenerationTracker::NewerThan(int64_t generation) const {
+  return generation_ > generation || (follow_.has_value() && follow_->generation > generation);
+}
+
+std::optional<absl::Time> GenerationTracker::ExtendWait(AwaitWindow& wait, absl::Time now,
+                                                        absl::Time deadline,
+                                                        absl::Duration outage_length) const {
+  if (outage_length > absl::ZeroDuration()) {
+    wait.outage_seen = true;
+    return now + kLookAgain;
+  }
+  absl::Time next = recovery_until_ + wait.window;
+  if (wait.outage_seen) next = std::max(next, now + wait.window);
+  wait.outage_seen = false;
+  if (next <= deadline) return std::nullopt;
+  return next;
+}
+
+}  // namespace modelavg::client
