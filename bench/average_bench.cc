@@ -18,6 +18,10 @@
 // With --outer the level has an outer optimizer (DiLoCo): average_s is then an outer step and
 // "outer_over_plain" = average_s / plain_round_s, on the same buffers and communicator;
 // --backup_device=cpu keeps the outer state of CUDA parameters in pinned host memory.
+// The finite check (RoundOptions::check_finite, ClientOptions::check_finite): after the main
+// loop, I plain rounds and then I checked rounds on the same communicator, each after one
+// untimed round (the layout agreement): "unchecked_round_s", "checked_round_s" and
+// "checked_over_unchecked". --check_finite=false runs AverageParameters without the check.
 #include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -57,6 +61,7 @@ ABSL_FLAG(int32_t, iters, 20, "Measured iterations.");
 ABSL_FLAG(int32_t, warmup, 3, "Unmeasured iterations first.");
 ABSL_FLAG(std::string, backend, "gloo", "gloo (host tensors) or nccl (CUDA tensors).");
 ABSL_FLAG(bool, in_place, false, "ClientOptions.gloo_in_place (no staging copy).");
+ABSL_FLAG(bool, check_finite, true, "ClientOptions.check_finite (AverageParameters' rounds).");
 ABSL_FLAG(std::string, log_level, "warn", "spdlog level.");
 ABSL_FLAG(bool, outer, false,
           "DiLoCo: the job's level has an outer optimizer (lr 0.7, momentum 0.9, nesterov), so "
@@ -168,6 +173,7 @@ absl::Status Worker() {
   o.rank = absl::GetFlag(FLAGS_worker_rank);
   o.collective_timeout = absl::Seconds(120);
   o.gloo_in_place = absl::GetFlag(FLAGS_in_place);
+  o.check_finite = absl::GetFlag(FLAGS_check_finite);
   MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Connect(o));
   client::AveragerOptions averager_options;
   if (absl::GetFlag(FLAGS_backup_device) == "cpu") {
@@ -216,7 +222,11 @@ absl::Status Worker() {
   std::vector<TensorView> views = buffers->views();
   std::vector<double> avg, raw, plain, committed;
   const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
-  client::RoundOptions commit;
+  // The main loop's rounds check as AverageParameters does (one layout agreement, not one per
+  // call).
+  client::RoundOptions plain_round;
+  plain_round.check_finite = absl::GetFlag(FLAGS_check_finite);
+  client::RoundOptions commit = plain_round;
   commit.commit = true;
   bool has_committed = true;
   for (int i = 0; i < warmup + iters; ++i) {
@@ -225,7 +235,7 @@ absl::Status Worker() {
     absl::Time t1 = absl::Now();
     MODELAVG_RETURN_IF_ERROR(buffers->Raw());
     absl::Time t2 = absl::Now();
-    MODELAVG_RETURN_IF_ERROR(round_comm->AllReduceAverage(views));
+    MODELAVG_RETURN_IF_ERROR(round_comm->AllReduceAverage(views, plain_round, nullptr));
     absl::Time t3 = absl::Now();
     if (has_committed) {
       absl::Status c = round_comm->AllReduceAverage(views, commit, nullptr);
@@ -243,11 +253,25 @@ absl::Status Worker() {
       committed.push_back(absl::ToDoubleSeconds(t4 - t3));
     }
   }
+  // The finite check's cost: a block of plain rounds, then a block of checked ones (switching
+  // between them agrees on the layout again, so each block starts with an untimed round).
+  std::vector<double> unchecked, checked;
+  client::RoundOptions check;
+  check.check_finite = true;
+  for (const client::RoundOptions& o : {client::RoundOptions{}, check}) {
+    std::vector<double>& out = o.check_finite ? checked : unchecked;
+    for (int i = 0; i <= iters; ++i) {
+      absl::Time t0 = absl::Now();
+      MODELAVG_RETURN_IF_ERROR(round_comm->AllReduceAverage(views, o, nullptr));
+      if (i > 0) out.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
+    }
+  }
   std::printf(
       "{\"rank\": %d, \"average_s\": %.9g, \"raw_allreduce_s\": %.9g, \"plain_round_s\": "
-      "%.9g, \"committed_round_s\": %.9g}\n",
+      "%.9g, \"committed_round_s\": %.9g, \"unchecked_round_s\": %.9g, "
+      "\"checked_round_s\": %.9g}\n",
       client->rank(), Median(avg), Median(raw), Median(plain),
-      has_committed ? Median(committed) : -1.0);
+      has_committed ? Median(committed) : -1.0, Median(unchecked), Median(checked));
   std::fflush(stdout);
   buffers.reset();
   return client->Leave("benchmark done");
@@ -316,7 +340,7 @@ absl::Status Driver(const char* self) {
     }
     pids.push_back(pid);
   }
-  double average_s = 0, raw_s = 0, plain_s = 0, committed_s = 0;
+  double average_s = 0, raw_s = 0, plain_s = 0, committed_s = 0, unchecked_s = 0, checked_s = 0;
   absl::Status failed;
   for (int r = 0; r < world; ++r) {
     int st = 0;
@@ -327,12 +351,13 @@ absl::Status Driver(const char* self) {
     }
     FILE* f = std::fopen(outs[r].c_str(), "r");
     int rank = -1;
-    double a = 0, b = 0, c = 0, d = 0;
+    double a = 0, b = 0, c = 0, d = 0, e = 0, g = 0;
     if (f == nullptr ||
         std::fscanf(f,
                     "{\"rank\": %d, \"average_s\": %lf, \"raw_allreduce_s\": %lf, "
-                    "\"plain_round_s\": %lf, \"committed_round_s\": %lf}",
-                    &rank, &a, &b, &c, &d) != 5) {
+                    "\"plain_round_s\": %lf, \"committed_round_s\": %lf, "
+                    "\"unchecked_round_s\": %lf, \"checked_round_s\": %lf}",
+                    &rank, &a, &b, &c, &d, &e, &g) != 7) {
       failed = absl::InternalError(absl::StrCat("worker ", r, " printed no result"));
     }
     if (f) std::fclose(f);
@@ -340,6 +365,8 @@ absl::Status Driver(const char* self) {
     raw_s = std::max(raw_s, b);
     plain_s = std::max(plain_s, c);
     committed_s = d < 0 ? -1.0 : std::max(committed_s, d);
+    unchecked_s = std::max(unchecked_s, e);
+    checked_s = std::max(checked_s, g);
   }
   server->Shutdown();
   MODELAVG_RETURN_IF_ERROR(failed);
@@ -350,14 +377,18 @@ absl::Status Driver(const char* self) {
       "\"average_s\": %.6g, \"raw_allreduce_s\": %.6g, \"avg_over_raw\": %.4f, "
       "\"average_gbps\": %.4g, \"raw_gbps\": %.4g, \"plain_round_s\": %.6g, "
       "\"committed_round_s\": %.6g, \"committed_over_plain\": %.4f, \"outer\": %s, "
-      "\"outer_over_plain\": %.4f, \"backup_device\": \"%s\"}\n",
+      "\"outer_over_plain\": %.4f, \"backup_device\": \"%s\", \"check_finite\": %s, "
+      "\"unchecked_round_s\": %.6g, \"checked_round_s\": %.6g, "
+      "\"checked_over_unchecked\": %.4f}\n",
       world, static_cast<long long>(numel), tensors, backend.c_str(),
       absl::GetFlag(FLAGS_in_place) ? "true" : "false", absl::GetFlag(FLAGS_iters), average_s, raw_s, raw_s > 0 ? average_s / raw_s : 0.0,
       bytes / average_s / 1e9, bytes / raw_s / 1e9, plain_s, committed_s,
       committed_s > 0 && plain_s > 0 ? committed_s / plain_s : -1.0,
       absl::GetFlag(FLAGS_outer) ? "true" : "false",
       absl::GetFlag(FLAGS_outer) && plain_s > 0 ? average_s / plain_s : -1.0,
-      absl::GetFlag(FLAGS_backup_device).c_str());
+      absl::GetFlag(FLAGS_backup_device).c_str(),
+      absl::GetFlag(FLAGS_check_finite) ? "true" : "false", unchecked_s, checked_s,
+      unchecked_s > 0 ? checked_s / unchecked_s : -1.0);
   return absl::OkStatus();
 }
 

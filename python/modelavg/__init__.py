@@ -47,7 +47,7 @@ connects to the running job without a rank is admitted as a replacement
 # The package is split by concern; everything public is re-exported here, as before.
 from . import errors
 from .errors import (AlreadyExistsError, DeadlineExceededError, Error, FailedPreconditionError,
-                     InvalidArgumentError, NotFoundError, PeerFailureError,
+                     InvalidArgumentError, NonFiniteError, NotFoundError, PeerFailureError,
                      PermissionDeniedError, ResourceExhaustedError, UnavailableError,
                      UnimplementedError)
 from . import _core
@@ -65,7 +65,7 @@ __all__ = [
     "connect", "Client", "ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager",
     "Decision", "Level", "LevelTraffic", "PAYLOADS", "OuterSGD", "JobSpec", "Job", "Member",
     "GenerationChange", "create_job", "get_job", "list_jobs", "delete_job", "Error", "PeerFailureError", "InvalidArgumentError",
-    "NotFoundError", "AlreadyExistsError", "FailedPreconditionError", "DeadlineExceededError",
+    "NonFiniteError", "NotFoundError", "AlreadyExistsError", "FailedPreconditionError", "DeadlineExceededError",
     "UnavailableError", "PermissionDeniedError", "ResourceExhaustedError", "UnimplementedError",
     "errors",
 ]

@@ -18,9 +18,11 @@ if(TARGET modelavg-coordinator)
   # confirmation (4 ranks, a few seconds); client_outer_test, DiLoCo levels against a naive
   # reference (worlds 2-8, a few seconds each); client_streaming_test, fragments, mix and
   # compressed payloads against a naive reference (worlds 2-4, a few seconds each);
-  # client_stop_signal_test, workers stopped by SIGTERM/SIGINT (a few seconds each).
+  # client_stop_signal_test, workers stopped by SIGTERM/SIGINT (a few seconds each);
+  # client_nonfinite_test, a rank's NaN in a strict and an elastic job (a few seconds each).
   foreach(t client_elastic_regrow_test client_elastic_adopt_test client_outer_test
-            client_outer_elastic_test client_streaming_test client_stop_signal_test)
+            client_outer_elastic_test client_streaming_test client_stop_signal_test
+            client_nonfinite_test)
     modelavg_add_gtest(${t} SOURCES ${t}.cc LIBS modelavg_client LABELS integration TIMEOUT 120)
     target_compile_definitions(${t} PRIVATE
       MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>"

@@ -214,3 +214,14 @@ def test_fromStatus_KindAndRank_AttributesNotTheMessage(package):
     e = modelavg.errors._from_status(9, "job j moved because rank 7 died", True, "PEER_FAILURE")
     assert (e.kind, e.rank) == ("PEER_FAILURE", None)
     assert str(e) == "FAILED_PRECONDITION: job j moved because rank 7 died"
+
+
+def test_fromStatus_NonFiniteKind_NonFiniteErrorAValueError(package):
+    modelavg, _ = package
+    e = modelavg.errors._from_status(3, "member 2 of this subgroup contributed non-finite values",
+                                     True, "NON_FINITE", 5)
+    assert type(e) is modelavg.NonFiniteError
+    assert isinstance(e, modelavg.InvalidArgumentError) and isinstance(e, ValueError)
+    assert (e.code, e.kind, e.rank) == ("INVALID_ARGUMENT", "NON_FINITE", 5)
+    # Where it was: set by the binding from the error's detail; None until then.
+    assert (e.step, e.level, e.tensor, e.value) == (None, None, None, None)
