@@ -84,6 +84,13 @@ def now_ms():
     return int(time.time() * 1000)
 
 
+def averaging_step(step):
+    """The first step at or after `step` where every live member averages (a multiple of the
+    smallest period): a NaN set before a step that only skips would be printed, not averaged."""
+    period = min(p for p, _ in LEVELS)
+    return -(-step // period) * period
+
+
 class Worker:
     """One trace worker process: its name, rank, host and files."""
 
@@ -115,7 +122,10 @@ class Worker:
         except OSError:
             return None
         rows = [r for r in text.split("\n")[:-1] if r.strip()]
-        return json.loads(rows[-1]) if rows else None
+        try:
+            return json.loads(rows[-1]) if rows else None
+        except json.JSONDecodeError:
+            return None  # not a trace line: the checker reports it
 
     def poll(self):
         if self.returncode is None and self.proc.poll() is not None:
@@ -294,7 +304,7 @@ class Run:
             del self.pending[rank]
             nan_step = None
             if "nan" in self.args.faults and self.rng.random() < 0.2:
-                nan_step = self.current_step() + self.rng.randint(30, 150)
+                nan_step = averaging_step(self.current_step() + self.rng.randint(30, 150))
             self.start_elastic(rank, nan_step)
 
     # ---- faults
@@ -461,7 +471,8 @@ class Run:
             raise RuntimeError("no coordinator leads 60 s after the start")
         nan_rank = self.rng.randrange(WORLD) if "nan" in args.faults else None
         for r in range(WORLD):
-            self.start_elastic(r, nan_step=self.rng.randint(100, 400) if r == nan_rank else None)
+            self.start_elastic(r, nan_step=averaging_step(self.rng.randint(100, 400))
+                               if r == nan_rank else None)
         end = time.monotonic() + 120
         while time.monotonic() < end and min(w.lines() for w in self.current.values()) < 5:
             if any(w.poll() is not None for w in self.current.values()):
