@@ -4,7 +4,8 @@
 // every rank's call fails naming rank 2, the step and the value, and no rank ever printed a
 // non-finite value. An elastic job: rank 2's call fails and the coordinator retires it (its
 // report recorded in the job); the others average without it inside the same call, exactly
-// as the rule says (CheckTraces), and run to the end.
+// as the rule says (CheckTraces), and run to the end. An outer level (DiLoCo): the
+// pseudo-gradient is checked and named.
 #include <cmath>
 #include <string>
 #include <vector>
@@ -92,6 +93,22 @@ TEST_F(ClientNonFiniteTest, ElasticJob_TheRankIsRetiredAndTheOthersAverageWithou
   EXPECT_EQ(job->nonfinite_reports(), 1);
   EXPECT_EQ(job->last_nonfinite().rank(), 2);
   EXPECT_EQ(job->last_nonfinite().value(), "-Inf");
+}
+
+TEST_F(ClientNonFiniteTest, OuterLevel_ThePseudoGradientIsCheckedAndNamed) {
+  // DiLoCo on the top level: rank 2's NaN reaches the round as its pseudo-gradient.
+  v1::JobSpec spec = MakeSpec("outer", kWorld, v1::HIERARCHICAL, {{2, 2}, {4, kWorld}}, 0);
+  SetOuter(&spec, 1, 0.7, 0.9, true);
+  std::vector<std::string> errors;
+  const std::vector<Trace> traces = RunJob(spec, kSteps, 64, {}, BadRank2("inf"), &errors);
+  ASSERT_EQ(errors.size(), static_cast<size_t>(kWorld));
+  for (int r = 0; r < kWorld; ++r) {
+    // The pseudo-gradient is the anchor minus the parameters: -Inf.
+    EXPECT_THAT(errors[r], HasSubstr("non-finite values: -Inf in tensor 0")) << "rank " << r;
+    EXPECT_THAT(errors[r], HasSubstr("(rank 2, level 1, pseudo-gradient)")) << "rank " << r;
+    EXPECT_EQ(traces[r].lines.size(), static_cast<size_t>(kNaNStep)) << "rank " << r;
+  }
+  ExpectAllFinite(traces);
 }
 
 }  // namespace
