@@ -2,34 +2,54 @@
 //
 // Starts a coordinator in-process and W worker processes (this binary again, with
 // --worker_rank). Each worker holds T float32 tensors of N elements in total (separately
-// allocated, so averaging goes through the staging buffer) and alternates, I times after a
-// warm-up, one AverageParameters call (PERIODIC job, period 1: every call averages over the
-// world) and one raw all-reduce of a flat N-element buffer on the same communicator (Gloo: a
-// SUM all-reduce; NCCL: ncclAllReduce with ncclAvg). Prints one JSON line:
-//   {"world", "numel", "tensors", "backend", "iters", "average_s", "raw_allreduce_s",
-//    "avg_over_raw", "average_gbps", "raw_gbps"}
-// where *_s are the median wall time of one call on the slowest rank, and avg_over_raw =
-// average_s / raw_allreduce_s (the target is <= 1/0.9, i.e. >= 0.9x the raw throughput).
-// It also times, on the same communicator, a plain round (Communicator::AllReduceAverage) and a
-// committed one (RoundOptions::commit, as every round of an elastic job: the backup of the
-// parameters and the one-element confirmation): "plain_round_s", "committed_round_s" and
-// "committed_over_plain" (-1 where the backend has no committed rounds). With --in_place the
-// plain round keeps no backup, so the ratio is the whole cost of an elastic round.
+// allocated, so averaging goes through the staging buffer; --contiguous: back to back in one
+// allocation, as ContiguousParameters) and, I times after a warm-up, makes one call of each
+// phase of --phases in turn, on the same communicator:
+//   average    ModelAverager::AverageParameters (PERIODIC job, period 1: every call averages over
+//              the world; --elastic: an elastic job, every round committed)
+//   raw        one all-reduce of a flat N-element buffer (Gloo: a SUM all-reduce; NCCL:
+//              ncclAllReduce with ncclAvg): the transport's own figure
+//   plain      Communicator::AllReduceAverage
+//   committed  the same with RoundOptions::commit (every round of an elastic job)
+//   vote       a one-element all-reduce: what one more round trip costs
+//   copies     (host) packing the tensors into one buffer and back: the copies a staging
+//              buffer costs; raw + copies is the copy floor
+//   ring       (Gloo) the plain round on a second communicator that averages with Gloo's ring
+//              at every size (GlooAlgorithms without the direct exchange): the algorithm
+//              choice measured in the same run
+//   ring_committed  the same, committed
+// Prints one JSON line; each *_s is the median over the iterations of the slowest rank's time
+// (*_p10_s and *_p90_s the spread; *_cpu_s the median CPU time of all ranks together, every
+// thread, which a loaded machine disturbs less), -1 for a phase not run:
+//   {"world", "numel", "tensors", "backend", "in_place", "elastic", "contiguous", "iters",
+//    "average_s", "raw_allreduce_s", "plain_round_s", "committed_round_s", "vote_s", "copies_s",
+//    "avg_over_raw", "raw_over_average" (throughput against the raw all-reduce's),
+//    "floor_over_raw" (raw / (raw + copies): what a staged average could reach at best),
+//    "average_gbps", "raw_gbps", "committed_over_plain", "outer_over_plain", ...}
 // With --outer the level has an outer optimizer (DiLoCo): average_s is then an outer step and
 // "outer_over_plain" = average_s / plain_round_s, on the same buffers and communicator;
 // --backup_device=cpu keeps the outer state of CUDA parameters in pinned host memory.
-// The finite check (RoundOptions::check_finite, ClientOptions::check_finite): after the main
-// loop, I plain rounds and then I checked rounds on the same communicator, each after one
-// untimed round (the layout agreement): "unchecked_round_s", "checked_round_s" and
-// "checked_over_unchecked". --check_finite=false runs AverageParameters without the check.
+// --world=1 measures the call's own cost (no transport: phases average and copies only).
+// The finite check (RoundOptions::check_finite, ClientOptions::check_finite, --check_finite):
+// AverageParameters, plain and committed check as the flag says; after the main loop, I plain
+// rounds and then I checked rounds on the same communicator, each block after one untimed round
+// (the layout agreement): "unchecked_round_s", "checked_round_s" and "checked_over_unchecked"
+// (-1 with --world=1).
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <map>
 #include <memory>
+#include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -37,9 +57,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/comm/communicator_cache.h"
+#include "client/comm/gloo/coordinator_store.h"
 #include "client/comm/gloo/gloo_communicator.h"
 #include "client/rpc/coordinator_client.h"
 #include "common/logging.h"
@@ -62,6 +84,20 @@ ABSL_FLAG(int32_t, warmup, 3, "Unmeasured iterations first.");
 ABSL_FLAG(std::string, backend, "gloo", "gloo (host tensors) or nccl (CUDA tensors).");
 ABSL_FLAG(bool, in_place, false, "ClientOptions.gloo_in_place (no staging copy).");
 ABSL_FLAG(bool, check_finite, true, "ClientOptions.check_finite (AverageParameters' rounds).");
+ABSL_FLAG(bool, elastic, false,
+          "An elastic job (min_world_size 1): every AverageParameters call is a committed "
+          "round, with the elastic job's bookkeeping.");
+ABSL_FLAG(std::string, phases, "average,raw,plain,committed,vote,copies",
+          "The calls each iteration makes, in this order (comma-separated; the others print "
+          "-1): average, raw, plain, committed, vote, copies (see the top of average_bench.cc). "
+          "One phase alone is for profiling.");
+ABSL_FLAG(bool, contiguous, false,
+          "The tensors back to back in one allocation (as ContiguousParameters): averaged in "
+          "place.");
+ABSL_FLAG(int64_t, ring_direct_max_bytes, 0,
+          "The ring phases' communicator (Gloo, more than two members): "
+          "GlooAlgorithms::direct_max_bytes (0: Gloo's ring at every size; more: the direct "
+          "exchange up to that many bytes, to compare thresholds in one run).");
 ABSL_FLAG(std::string, log_level, "warn", "spdlog level.");
 ABSL_FLAG(bool, outer, false,
           "DiLoCo: the job's level has an outer optimizer (lr 0.7, momentum 0.9, nesterov), so "
@@ -84,42 +120,84 @@ using client::Client;
 using client::DType;
 using client::TensorView;
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
+// This process's CPU time so far (user and system, every thread).
+double ProcessCpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
 }
 
-// Per-backend buffers and the raw all-reduce.
+// The q-quantile (0..1) of `v`.
+double Quantile(std::vector<double> v, double q) {
+  if (v.empty()) return -1;
+  std::sort(v.begin(), v.end());
+  return v[static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5)];
+}
+
+// Per-backend buffers and the baselines.
 class Buffers {
  public:
   virtual ~Buffers() = default;
   virtual std::vector<TensorView> views() = 0;
+  // One all-reduce of a flat buffer of the same size.
   virtual absl::Status Raw() = 0;
+  // A one-element all-reduce.
+  virtual absl::Status Vote() = 0;
+  // The tensors packed into one buffer and unpacked again.
+  virtual absl::Status Copies() = 0;
 };
 
 class HostBuffers : public Buffers {
  public:
-  HostBuffers(int64_t numel, int tensors, int rank, client::GlooCommunicator* comm)
+  // `comm` null: a world of one (no transport).
+  HostBuffers(int64_t numel, int tensors, int rank, bool contiguous,
+              client::GlooCommunicator* comm)
       : comm_(comm), flat_(numel, 0.0f) {
+    if (contiguous) one_.assign(static_cast<size_t>(numel), static_cast<float>(rank));
+    int64_t at = 0;
     for (int i = 0; i < tensors; ++i) {
       const int64_t n = numel / tensors + (i == tensors - 1 ? numel % tensors : 0);
-      data_.emplace_back(n, static_cast<float>(rank));
+      if (contiguous) {
+        views_.push_back(TensorView{one_.data() + at, n});
+      } else {
+        data_.emplace_back(n, static_cast<float>(rank));
+        views_.push_back(TensorView{data_.back().data(), n});
+      }
+      at += n;
     }
   }
-  std::vector<TensorView> views() override {
-    std::vector<TensorView> v;
-    for (auto& d : data_) v.push_back(TensorView{d.data(), static_cast<int64_t>(d.size())});
-    return v;
-  }
+  std::vector<TensorView> views() override { return views_; }
   absl::Status Raw() override {
+    if (comm_ == nullptr) return absl::UnimplementedError("no transport");
     return comm_->AllReduceSum(flat_.data(), static_cast<int64_t>(flat_.size()),
                                DType::kFloat32);
+  }
+  absl::Status Vote() override {
+    if (comm_ == nullptr) return absl::UnimplementedError("no transport");
+    return comm_->AllReduceSum(&word_, 1, DType::kFloat32);
+  }
+  absl::Status Copies() override {
+    size_t at = 0;
+    for (const TensorView& v : views_) {
+      std::memcpy(flat_.data() + at, v.data, v.nbytes());
+      at += static_cast<size_t>(v.numel);
+    }
+    at = 0;
+    for (const TensorView& v : views_) {
+      std::memcpy(v.data, flat_.data() + at, v.nbytes());
+      at += static_cast<size_t>(v.numel);
+    }
+    return absl::OkStatus();
   }
 
  private:
   client::GlooCommunicator* comm_;
   std::vector<std::vector<float>> data_;
+  std::vector<float> one_;
+  std::vector<TensorView> views_;
   std::vector<float> flat_;
+  float word_ = 1;
 };
 
 #if MODELAVG_HAVE_CUDA
@@ -154,6 +232,10 @@ class CudaBuffers : public Buffers {
   absl::Status Raw() override {
     return comm_->RawAllReduceAvg(flat_, numel_, DType::kFloat32, stream_);
   }
+  absl::Status Vote() override {
+    return comm_->RawAllReduceAvg(flat_, 1, DType::kFloat32, stream_);
+  }
+  absl::Status Copies() override { return absl::UnimplementedError("host copies only"); }
 
  private:
   CudaBuffers() = default;
@@ -194,16 +276,19 @@ absl::Status Worker() {
   setup.rank = client->rank();
   setup.credential = client->credential();
   setup.timeout = o.collective_timeout;
-  setup.gloo_in_place = o.gloo_in_place;  // the averager must find the same communicator
+  // The averager must find the same communicator (an elastic job's has no in-place mode).
+  setup.gloo_in_place = o.gloo_in_place && !absl::GetFlag(FLAGS_elastic);
+
   std::unique_ptr<Buffers> buffers;
   client::Communicator* round_comm = nullptr;
   if (!nccl) {
     MODELAVG_ASSIGN_OR_RETURN(client::Communicator * comm,
                               client->communicators()->Get(setup, client::Device::Host()));
+    // Null in a world of one (a communicator without a transport).
     auto* gloo = dynamic_cast<client::GlooCommunicator*>(comm);
-    if (gloo == nullptr) return absl::InvalidArgumentError("--world must be >= 2 for gloo");
     round_comm = comm;
-    buffers = std::make_unique<HostBuffers>(numel, tensors, client->rank(), gloo);
+    buffers = std::make_unique<HostBuffers>(numel, tensors, client->rank(),
+                                            absl::GetFlag(FLAGS_contiguous), gloo);
   } else {
 #if MODELAVG_HAVE_CUDA
     int count = 0;
@@ -219,59 +304,110 @@ absl::Status Worker() {
     return absl::UnimplementedError("this build has no CUDA/NCCL: use --backend=gloo");
 #endif
   }
+  // The ring-only communicator, when a phase needs it (Gloo, two or more members).
+  std::unique_ptr<client::GlooCommunicator> ring;
+  if (!nccl && client->schedule().spec().world_size > 1 &&
+      absl::StrContains(absl::GetFlag(FLAGS_phases), "ring")) {
+    client::CoordinatorStore store(setup, "bench-ring/");
+    MODELAVG_ASSIGN_OR_RETURN(auto device, client::CreateGlooDevice("127.0.0.1"));
+    client::GlooAlgorithms ring_only;
+    ring_only.direct_pairs = false;
+    ring_only.direct_max_bytes = absl::GetFlag(FLAGS_ring_direct_max_bytes);
+    MODELAVG_ASSIGN_OR_RETURN(
+        ring, client::GlooCommunicator::Create(store, device, client->rank(),
+                                               client->schedule().spec().world_size,
+                                               o.collective_timeout, nullptr, setup.gloo_in_place,
+                                               nullptr, ring_only));
+  }
   std::vector<TensorView> views = buffers->views();
-  std::vector<double> avg, raw, plain, committed;
-  const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
   // The main loop's rounds check as AverageParameters does (one layout agreement, not one per
   // call).
   client::RoundOptions plain_round;
   plain_round.check_finite = absl::GetFlag(FLAGS_check_finite);
   client::RoundOptions commit = plain_round;
   commit.commit = true;
-  bool has_committed = true;
-  for (int i = 0; i < warmup + iters; ++i) {
-    absl::Time t0 = absl::Now();
-    MODELAVG_RETURN_IF_ERROR(averager->AverageParameters(views).status());
-    absl::Time t1 = absl::Now();
-    MODELAVG_RETURN_IF_ERROR(buffers->Raw());
-    absl::Time t2 = absl::Now();
-    MODELAVG_RETURN_IF_ERROR(round_comm->AllReduceAverage(views, plain_round, nullptr));
-    absl::Time t3 = absl::Now();
-    if (has_committed) {
-      absl::Status c = round_comm->AllReduceAverage(views, commit, nullptr);
-      if (absl::IsUnimplemented(c)) {
-        has_committed = false;  // the same on every member: the backend's property
-      } else {
-        MODELAVG_RETURN_IF_ERROR(c);
-      }
+  const std::map<std::string, std::function<absl::Status()>> calls = {
+      {"average", [&] { return averager->AverageParameters(views).status(); }},
+      {"raw", [&] { return buffers->Raw(); }},
+      {"plain", [&] { return round_comm->AllReduceAverage(views, plain_round, nullptr); }},
+      {"committed", [&] { return round_comm->AllReduceAverage(views, commit, nullptr); }},
+      {"vote", [&] { return buffers->Vote(); }},
+      {"copies", [&] { return buffers->Copies(); }},
+      {"ring",
+       [&] {
+         return ring == nullptr ? absl::UnimplementedError("no ring") : ring->AllReduceAverage(views);
+       }},
+      {"ring_committed",
+       [&] {
+         return ring == nullptr ? absl::UnimplementedError("no ring")
+                                : ring->AllReduceAverage(views, commit, nullptr);
+       }},
+  };
+  // Each phase's samples; a phase the backend or the world cannot run is dropped (alike on
+  // every member: a property of the backend and the world).
+  std::vector<std::pair<std::string, std::vector<double>>> samples;
+  for (absl::string_view p : absl::StrSplit(absl::GetFlag(FLAGS_phases), ',')) {
+    if (calls.count(std::string(p)) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown phase '", p, "'"));
     }
-    absl::Time t4 = absl::Now();
-    if (i >= warmup) {
-      avg.push_back(absl::ToDoubleSeconds(t1 - t0));
-      raw.push_back(absl::ToDoubleSeconds(t2 - t1));
-      plain.push_back(absl::ToDoubleSeconds(t3 - t2));
-      committed.push_back(absl::ToDoubleSeconds(t4 - t3));
+    samples.emplace_back(std::string(p), std::vector<double>{});
+  }
+  const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
+  const int world = client->schedule().spec().world_size;
+  // phase -> per iteration, this process's CPU time (every thread: the transport's too).
+  std::map<std::string, std::vector<double>> cpu;
+  for (int i = 0; i < warmup + iters; ++i) {
+    for (auto it = samples.begin(); it != samples.end();) {
+      // The members start each call together (a one-element all-reduce, not timed), so that a
+      // call's time is not the previous call's skew between members.
+      if (world > 1) MODELAVG_RETURN_IF_ERROR(buffers->Vote());
+      const double c0 = ProcessCpuSeconds();
+      const absl::Time t0 = absl::Now();
+      absl::Status s = calls.at(it->first)();
+      const absl::Time t1 = absl::Now();
+      const double c1 = ProcessCpuSeconds();
+      if (absl::IsUnimplemented(s)) {
+        it = samples.erase(it);
+        continue;
+      }
+      MODELAVG_RETURN_IF_ERROR(s);
+      if (i >= warmup) {
+        it->second.push_back(absl::ToDoubleSeconds(t1 - t0));
+        cpu[it->first].push_back(c1 - c0);
+      }
+      ++it;
     }
   }
   // The finite check's cost: a block of plain rounds, then a block of checked ones (switching
-  // between them agrees on the layout again, so each block starts with an untimed round).
-  std::vector<double> unchecked, checked;
-  client::RoundOptions check;
-  check.check_finite = true;
-  for (const client::RoundOptions& o : {client::RoundOptions{}, check}) {
-    std::vector<double>& out = o.check_finite ? checked : unchecked;
-    for (int i = 0; i <= iters; ++i) {
-      absl::Time t0 = absl::Now();
-      MODELAVG_RETURN_IF_ERROR(round_comm->AllReduceAverage(views, o, nullptr));
-      if (i > 0) out.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
+  // between them agrees on the layout again, so each block starts with an untimed round),
+  // printed as the phases "unchecked" and "checked".
+  if (world > 1) {
+    client::RoundOptions check;
+    check.check_finite = true;
+    for (const client::RoundOptions& o : {client::RoundOptions{}, check}) {
+      auto& [name, values] = samples.emplace_back(o.check_finite ? "checked" : "unchecked",
+                                                  std::vector<double>{});
+      for (int i = 0; i <= iters; ++i) {
+        const double c0 = ProcessCpuSeconds();
+        const absl::Time t0 = absl::Now();
+        MODELAVG_RETURN_IF_ERROR(round_comm->AllReduceAverage(views, o, nullptr));
+        const absl::Time t1 = absl::Now();
+        const double c1 = ProcessCpuSeconds();
+        if (i == 0) continue;
+        values.push_back(absl::ToDoubleSeconds(t1 - t0));
+        cpu[name].push_back(c1 - c0);
+      }
     }
   }
-  std::printf(
-      "{\"rank\": %d, \"average_s\": %.9g, \"raw_allreduce_s\": %.9g, \"plain_round_s\": "
-      "%.9g, \"committed_round_s\": %.9g, \"unchecked_round_s\": %.9g, "
-      "\"checked_round_s\": %.9g}\n",
-      client->rank(), Median(avg), Median(raw), Median(plain),
-      has_committed ? Median(committed) : -1.0, Median(unchecked), Median(checked));
+  // One line per phase: its name, then its samples in iteration order; then its CPU times
+  // under the name "cpu:<phase>".
+  for (const auto& [name, values] : samples) {
+    std::printf("%s", name.c_str());
+    for (double v : values) std::printf(" %.9g", v);
+    std::printf("\ncpu:%s", name.c_str());
+    for (double v : cpu[name]) std::printf(" %.9g", v);
+    std::printf("\n");
+  }
   std::fflush(stdout);
   buffers.reset();
   return client->Leave("benchmark done");
@@ -306,6 +442,7 @@ absl::Status Driver(const char* self) {
   v1::Level* level = spec.add_levels();
   level->set_period(1);
   level->set_group_size(world);
+  if (absl::GetFlag(FLAGS_elastic)) spec.set_min_world_size(1);
   if (absl::GetFlag(FLAGS_outer)) {
     level->mutable_outer()->set_lr(0.7);
     level->mutable_outer()->set_momentum(0.9);
@@ -325,7 +462,12 @@ absl::Status Driver(const char* self) {
         absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)), "--backend=" + backend,
         "--log_level=" + absl::GetFlag(FLAGS_log_level),
         absl::StrCat("--in_place=", absl::GetFlag(FLAGS_in_place) ? "true" : "false"),
-        "--backup_device=" + absl::GetFlag(FLAGS_backup_device)};
+        absl::StrCat("--elastic=", absl::GetFlag(FLAGS_elastic) ? "true" : "false"),
+        "--phases=" + absl::GetFlag(FLAGS_phases),
+        absl::StrCat("--contiguous=", absl::GetFlag(FLAGS_contiguous) ? "true" : "false"),
+        "--backup_device=" + absl::GetFlag(FLAGS_backup_device),
+        absl::StrCat("--check_finite=", absl::GetFlag(FLAGS_check_finite) ? "true" : "false"),
+        absl::StrCat("--ring_direct_max_bytes=", absl::GetFlag(FLAGS_ring_direct_max_bytes))};
     std::vector<char*> args;
     for (auto& a : argv) args.push_back(a.data());
     args.push_back(nullptr);
@@ -340,7 +482,8 @@ absl::Status Driver(const char* self) {
     }
     pids.push_back(pid);
   }
-  double average_s = 0, raw_s = 0, plain_s = 0, committed_s = 0, unchecked_s = 0, checked_s = 0;
+  // phase -> per iteration, the slowest rank's time.
+  std::map<std::string, std::vector<double>> slowest;
   absl::Status failed;
   for (int r = 0; r < world; ++r) {
     int st = 0;
@@ -349,46 +492,69 @@ absl::Status Driver(const char* self) {
       failed = absl::InternalError(absl::StrCat("worker ", r, " failed (see its stderr above)"));
       continue;
     }
-    FILE* f = std::fopen(outs[r].c_str(), "r");
-    int rank = -1;
-    double a = 0, b = 0, c = 0, d = 0, e = 0, g = 0;
-    if (f == nullptr ||
-        std::fscanf(f,
-                    "{\"rank\": %d, \"average_s\": %lf, \"raw_allreduce_s\": %lf, "
-                    "\"plain_round_s\": %lf, \"committed_round_s\": %lf, "
-                    "\"unchecked_round_s\": %lf, \"checked_round_s\": %lf}",
-                    &rank, &a, &b, &c, &d, &e, &g) != 7) {
-      failed = absl::InternalError(absl::StrCat("worker ", r, " printed no result"));
+    std::ifstream in(outs[r]);
+    std::string line;
+    int phases = 0;
+    while (std::getline(in, line)) {
+      std::istringstream words(line);
+      std::string name;
+      words >> name;
+      // Wall times: the slowest rank's; CPU times: every rank's together.
+      const bool is_cpu = absl::StartsWith(name, "cpu:");
+      std::vector<double>& all = slowest[name];
+      double v;
+      for (size_t i = 0; words >> v; ++i) {
+        if (i >= all.size()) all.push_back(is_cpu ? 0 : v);
+        all[i] = is_cpu ? all[i] + v : std::max(all[i], v);
+      }
+      ++phases;
     }
-    if (f) std::fclose(f);
-    average_s = std::max(average_s, a);
-    raw_s = std::max(raw_s, b);
-    plain_s = std::max(plain_s, c);
-    committed_s = d < 0 ? -1.0 : std::max(committed_s, d);
-    unchecked_s = std::max(unchecked_s, e);
-    checked_s = std::max(checked_s, g);
+    if (phases == 0) failed = absl::InternalError(absl::StrCat("worker ", r, " printed nothing"));
   }
   server->Shutdown();
   MODELAVG_RETURN_IF_ERROR(failed);
+  const auto q = [&](const char* phase, double quantile) {
+    auto it = slowest.find(phase);
+    return it == slowest.end() ? -1.0 : Quantile(it->second, quantile);
+  };
+  const auto ratio = [](double a, double b) { return a > 0 && b > 0 ? a / b : -1.0; };
+  const double average_s = q("average", 0.5), raw_s = q("raw", 0.5), plain_s = q("plain", 0.5),
+               committed_s = q("committed", 0.5), copies_s = q("copies", 0.5);
   const double bytes = static_cast<double>(numel) * 4;
-  std::printf(
-      "{\"world\": %d, \"numel\": %lld, \"tensors\": %d, \"backend\": \"%s\", "
-      "\"in_place\": %s, \"iters\": %d, "
-      "\"average_s\": %.6g, \"raw_allreduce_s\": %.6g, \"avg_over_raw\": %.4f, "
-      "\"average_gbps\": %.4g, \"raw_gbps\": %.4g, \"plain_round_s\": %.6g, "
-      "\"committed_round_s\": %.6g, \"committed_over_plain\": %.4f, \"outer\": %s, "
-      "\"outer_over_plain\": %.4f, \"backup_device\": \"%s\", \"check_finite\": %s, "
-      "\"unchecked_round_s\": %.6g, \"checked_round_s\": %.6g, "
-      "\"checked_over_unchecked\": %.4f}\n",
-      world, static_cast<long long>(numel), tensors, backend.c_str(),
-      absl::GetFlag(FLAGS_in_place) ? "true" : "false", absl::GetFlag(FLAGS_iters), average_s, raw_s, raw_s > 0 ? average_s / raw_s : 0.0,
-      bytes / average_s / 1e9, bytes / raw_s / 1e9, plain_s, committed_s,
-      committed_s > 0 && plain_s > 0 ? committed_s / plain_s : -1.0,
-      absl::GetFlag(FLAGS_outer) ? "true" : "false",
-      absl::GetFlag(FLAGS_outer) && plain_s > 0 ? average_s / plain_s : -1.0,
-      absl::GetFlag(FLAGS_backup_device).c_str(),
-      absl::GetFlag(FLAGS_check_finite) ? "true" : "false", unchecked_s, checked_s,
-      unchecked_s > 0 ? checked_s / unchecked_s : -1.0);
+  std::string out = absl::StrFormat(
+      "{\"world\": %d, \"numel\": %d, \"tensors\": %d, \"backend\": \"%s\", "
+      "\"in_place\": %s, \"elastic\": %s, \"contiguous\": %s, \"iters\": %d",
+      world, numel, tensors, backend, absl::GetFlag(FLAGS_in_place) ? "true" : "false",
+      absl::GetFlag(FLAGS_elastic) ? "true" : "false",
+      absl::GetFlag(FLAGS_contiguous) ? "true" : "false", absl::GetFlag(FLAGS_iters));
+  const std::pair<const char*, const char*> keys[] = {
+      {"average", "average_s"}, {"raw", "raw_allreduce_s"}, {"plain", "plain_round_s"},
+      {"committed", "committed_round_s"}, {"vote", "vote_s"}, {"copies", "copies_s"},
+      {"ring", "ring_round_s"}, {"ring_committed", "ring_committed_s"},
+      {"unchecked", "unchecked_round_s"}, {"checked", "checked_round_s"}};
+  for (const auto& [phase, key] : keys) {
+    std::string k(key);
+    k.resize(k.size() - 2);
+    absl::StrAppendFormat(&out,
+                          ", \"%s\": %.6g, \"%s_p10_s\": %.6g, \"%s_p90_s\": %.6g, "
+                          "\"%s_cpu_s\": %.6g",
+                          key, q(phase, 0.5), k, q(phase, 0.1), k, q(phase, 0.9), k,
+                          q(absl::StrCat("cpu:", phase).c_str(), 0.5));
+  }
+  absl::StrAppendFormat(
+      &out,
+      ", \"avg_over_raw\": %.4f, \"raw_over_average\": %.4f, \"floor_over_raw\": %.4f, "
+      "\"average_gbps\": %.4g, \"raw_gbps\": %.4g, \"committed_over_plain\": %.4f, "
+      "\"outer\": %s, \"outer_over_plain\": %.4f, \"backup_device\": \"%s\", "
+      "\"check_finite\": %s, \"checked_over_unchecked\": %.4f}\n",
+      ratio(average_s, raw_s), ratio(raw_s, average_s),
+      raw_s > 0 && copies_s >= 0 ? raw_s / (raw_s + copies_s) : -1.0,
+      average_s > 0 ? bytes / average_s / 1e9 : -1.0, raw_s > 0 ? bytes / raw_s / 1e9 : -1.0,
+      ratio(committed_s, plain_s), absl::GetFlag(FLAGS_outer) ? "true" : "false",
+      absl::GetFlag(FLAGS_outer) ? ratio(average_s, plain_s) : -1.0,
+      absl::GetFlag(FLAGS_backup_device), absl::GetFlag(FLAGS_check_finite) ? "true" : "false",
+      ratio(q("checked", 0.5), q("unchecked", 0.5)));
+  std::fputs(out.c_str(), stdout);
   return absl::OkStatus();
 }
 

@@ -16,9 +16,11 @@
 # benchmark (raw / zero-copy / staged, committed over plain, the per-call cost, bf16, staging
 # kernel bandwidth: JSON lines); then the socket-transport table: 2, 4 and 8 trace workers on
 # this GPU averaging GPU_BENCH_SOCKET_MIB MiB (default 16) in place and staged (256 tensors),
-# the slowest rank's median call. Exits non-zero on any failure, any SKIPPED test, any NCCL
-# WARN line (except from the tests that abort a communicator on purpose, whose warnings are
-# shown) and any illegal memory access. Every phase has a time limit: at most ~8 minutes on an
+# the slowest rank's median call; then sharded replicas with FSDP inside each replica
+# (tests/python/sharded_test.py::test_sharded[fsdp_cpu], where this machine's PyTorch runs FSDP
+# and the Python package is there: MODELAVG_PYTHON_DIR). Exits non-zero on any failure, any SKIPPED
+# test, any NCCL WARN line (except from the tests that abort a communicator on purpose, whose
+# warnings are shown) and any illegal memory access. Every phase has a time limit: at most ~8 minutes on an
 # H200. Writes DIR/gpu_bench.log (everything printed) and DIR/gpu_bench.json (the figures);
 # DIR defaults to gpu-bench-out. Environment: GPU_BENCH_ITERS (benchmark iterations, default
 # 20), GPU_BENCH_SIZES_MIB, GPU_BENCH_SOCKET_MIB.
@@ -213,6 +215,31 @@ for w in 2 4 8; do
     'BEGIN { printf "{\"socket_world\": %d, \"bytes\": %d, \"zero_copy_s\": %s, \"staged_s\": %s, \"staged_over_zero_copy\": %.4f}", w, b, zc, st, st / zc }')
   echo "$line" | tee -a "$work/socket.jsonl"
 done
+
+echo "== sharded replicas: FSDP inside each replica, modelavg across (sharded_test.py fsdp_cpu)"
+# Where CI's PyTorch cannot run FSDP on CPU (Debian's 1.13) that test skips, saying so; a GPU
+# machine with PyTorch 2.1 or later runs it here. It needs the Python package: MODELAVG_PYTHON_DIR,
+# or the build's python/ (build mode builds it when pybind11 is there).
+python_dir=${MODELAVG_PYTHON_DIR:-}
+if [ -z "$python_dir" ] && [ -z "$prebuilt" ]; then
+  cmake --build "$build" -j "$(nproc)" --target modelavg-python >/dev/null 2>&1 &&
+    python_dir=$build/python
+fi
+if [ -z "$python_dir" ] || [ ! -d "$python_dir/modelavg" ]; then
+  echo "sharded FSDP check not run: no Python package (set MODELAVG_PYTHON_DIR)"
+else
+  set +e
+  MODELAVG_PYTHON_DIR="$python_dir" MODELAVG_COORDINATOR_BIN="$coordinator" \
+    timeout 180 python3 -m pytest -q -rs "tests/python/sharded_test.py::test_sharded[fsdp_cpu]" \
+    2>&1 | tee "$work/fsdp.log"
+  fsdp_rc=${PIPESTATUS[0]}
+  set -e
+  if [ "$fsdp_rc" -ne 0 ]; then
+    die "sharded_test.py::test_sharded[fsdp_cpu] failed (exit $fsdp_rc)"
+  elif grep -q '1 skipped' "$work/fsdp.log"; then
+    echo "sharded FSDP check not run: this machine's PyTorch cannot either (above)"
+  fi
+fi
 
 # The figures as one JSON document.
 json_array() { grep -h '^{' "$@" 2>/dev/null | paste -sd, -; }

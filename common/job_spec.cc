@@ -1,5 +1,7 @@
 #include "common/job_spec.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/status_util.h"
 
@@ -74,6 +76,12 @@ absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec) {
   }
   out.world_size = spec.world_size();
   out.warmup_steps = spec.warmup_steps();
+  if (spec.replica_size() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "replica_size must be >= 0 (the ranks of one model replica; 0 or 1: every rank holds a "
+        "whole replica), got ", spec.replica_size()));
+  }
+  out.replica_size = spec.replica_size() == 0 ? 1 : spec.replica_size();
   // Checked before copying: a spec of a million levels costs nothing more than its parse.
   if (spec.levels_size() > static_cast<int>(kMaxLevels)) {
     return absl::InvalidArgumentError(absl::StrCat("a job has at most ", kMaxLevels,
@@ -99,6 +107,13 @@ absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec) {
         "min_world_size must be in [1, world_size = ", spec.world_size(),
         "] (0: world_size, a strict job), got ", spec.min_world_size()));
   }
+  if (out.replica_size > 1 && spec.min_world_size() % out.replica_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "replica_size ", out.replica_size, " does not divide min_world_size ",
+        spec.min_world_size(),
+        ": an elastic job of sharded replicas loses and admits whole replicas, so its smallest "
+        "world is a whole number of them"));
+  }
   if (spec.join_timeout_ms() < 0 || spec.join_timeout_ms() > kMaxJoinTimeoutMs) {
     return absl::InvalidArgumentError(
         absl::StrCat("join_timeout_ms must be in [0, ", kMaxJoinTimeoutMs,
@@ -111,6 +126,11 @@ void ScheduleSpecToProto(const ScheduleSpec& spec, v1::JobSpec* out) {
   out->set_world_size(spec.world_size);
   out->set_warmup_steps(spec.warmup_steps);
   out->set_mode(spec.mode == AveragingMode::kPeriodic ? v1::PERIODIC : v1::HIERARCHICAL);
+  if (spec.replica_size > 1) {
+    out->set_replica_size(spec.replica_size);
+  } else {
+    out->clear_replica_size();
+  }
   out->clear_levels();
   for (const ScheduleLevel& level : spec.levels) {
     v1::Level* l = out->add_levels();
@@ -146,7 +166,7 @@ void DecisionToProto(const Decision& d, int64_t generation, v1::StepDecision* ou
   out->set_fragments(d.fragments);
   out->set_subgroup(d.subgroup.index);
   out->mutable_ranks()->Reserve(d.subgroup.size);
-  for (int32_t i = 0; i < d.subgroup.size; ++i) out->add_ranks(d.subgroup.first_rank + i);
+  for (int32_t i = 0; i < d.subgroup.size; ++i) out->add_ranks(d.subgroup.RankAt(i));
   if (d.members.empty()) {
     *out->mutable_members() = out->ranks();
   } else {
@@ -169,6 +189,8 @@ Decision DecisionFromProto(const v1::StepDecision& d) {
   out.subgroup.index = d.subgroup();
   out.subgroup.size = d.ranks_size();
   out.subgroup.first_rank = d.ranks_size() > 0 ? d.ranks(0) : 0;
+  // The ranks are evenly spaced by the job's replica size (1: consecutive).
+  out.subgroup.stride = d.ranks_size() > 1 ? std::max(1, d.ranks(1) - d.ranks(0)) : 1;
   out.members.assign(d.members().begin(), d.members().end());
   out.joining.assign(d.joining().begin(), d.joining().end());
   return out;

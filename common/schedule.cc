@@ -6,13 +6,22 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace modelavg {
 
 std::vector<int32_t> SubgroupRange::Ranks() const {
   std::vector<int32_t> ranks(size);
-  for (int32_t i = 0; i < size; ++i) ranks[i] = first_rank + i;
+  for (int32_t i = 0; i < size; ++i) ranks[i] = RankAt(i);
   return ranks;
+}
+
+std::string SubgroupRange::Describe() const {
+  if (size <= 0) return "none";
+  if (stride == 1 || size == 1) {
+    return size == 1 ? absl::StrCat(first_rank) : absl::StrCat(first_rank, "..", LastRank());
+  }
+  return absl::StrJoin(Ranks(), ",");
 }
 
 absl::Status ValidateScheduleSpec(const ScheduleSpec& spec) {
@@ -89,6 +98,31 @@ absl::Status ValidateScheduleSpec(const ScheduleSpec& spec) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the last level's group_size must equal world_size ", spec.world_size, ", got ",
         spec.levels.back().group_size));
+  }
+  return ValidateReplicaSize(spec);
+}
+
+absl::Status ValidateReplicaSize(const ScheduleSpec& spec) {
+  const int32_t s = spec.replica_size;
+  if (s < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "replica_size must be >= 1 (the ranks of one model replica; 0 or 1: every rank holds a "
+        "whole replica), got ", s));
+  }
+  if (s == 1) return absl::OkStatus();
+  if (spec.world_size % s != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "replica_size ", s, " does not divide world_size ", spec.world_size,
+        ": the world is a whole number of replicas of replica_size ranks each"));
+  }
+  for (size_t i = 0; i < spec.levels.size(); ++i) {
+    if (spec.levels[i].group_size % s != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "replica_size ", s, " does not divide levels[", i, "].group_size ",
+          spec.levels[i].group_size,
+          ": a level's groups are made of whole replicas (each rank averages with the ranks of "
+          "its group that hold its shard)"));
+    }
   }
   return absl::OkStatus();
 }
@@ -191,18 +225,26 @@ int32_t Schedule::FragmentAt(int level, int64_t step) const {
 }
 
 SubgroupRange Schedule::SubgroupOf(int level, int32_t rank) const {
-  const int32_t size = spec_.levels[level].group_size;
-  const int32_t index = rank / size;
-  return SubgroupRange{index, index * size, size};
+  const int32_t s = spec_.replica_size;
+  return Subgroup(level, rank / spec_.levels[level].group_size * s + rank % s);
+}
+
+int32_t Schedule::NumSubgroups(int level) const {
+  return spec_.world_size / spec_.levels[level].group_size * spec_.replica_size;
+}
+
+SubgroupRange Schedule::Subgroup(int level, int32_t index) const {
+  // Subgroup index = block * S + shard: the shard's ranks of the block, S apart.
+  const int32_t g = spec_.levels[level].group_size;
+  const int32_t s = spec_.replica_size;
+  return SubgroupRange{index, index / s * g + index % s, g / s, s};
 }
 
 std::vector<SubgroupRange> Schedule::SubgroupsAt(int level) const {
-  const int32_t size = spec_.levels[level].group_size;
   std::vector<SubgroupRange> out;
-  out.reserve(spec_.world_size / size);
-  for (int32_t index = 0; index * size < spec_.world_size; ++index) {
-    out.push_back(SubgroupRange{index, index * size, size});
-  }
+  const int32_t n = NumSubgroups(level);
+  out.reserve(n);
+  for (int32_t index = 0; index < n; ++index) out.push_back(Subgroup(level, index));
   return out;
 }
 

@@ -7,9 +7,14 @@ namespace modelavg {
 
 absl::Status Annotate(const absl::Status& status, absl::string_view context) {
   if (status.ok()) return status;
-  absl::Status out(status.code(), absl::StrCat(context, ": ", status.message()));
+  return Restate(status, absl::StrCat(context, ": ", status.message()));
+}
+
+absl::Status Restate(const absl::Status& cause, absl::string_view message) {
+  if (cause.ok()) return cause;
+  absl::Status out(cause.code(), message);
   // Payloads (the error's kind, client/base/error_kind.h) travel with it.
-  status.ForEachPayload(
+  cause.ForEachPayload(
       [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
   return out;
 }

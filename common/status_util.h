@@ -12,6 +12,10 @@ namespace modelavg {
 // stays OK.
 absl::Status Annotate(const absl::Status& status, absl::string_view context);
 
+// A status of `cause`'s code and payloads (its kind) with `message` instead of its own: the
+// cause told in other words. OK stays OK.
+absl::Status Restate(const absl::Status& cause, absl::string_view message);
+
 }  // namespace modelavg
 
 // Returns from the enclosing function if `expr` (an absl::Status) is not OK.

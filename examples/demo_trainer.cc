@@ -201,8 +201,9 @@ std::string DescribePlan(const Schedule& schedule) {
 
 std::string GroupName(const Decision& d, int32_t world_size) {
   return d.subgroup.size == world_size ? absl::StrCat("all ", world_size)
-                                       : absl::StrCat("ranks ", d.subgroup.first_rank, "-",
-                                                      d.subgroup.first_rank + d.subgroup.size - 1);
+         : d.subgroup.stride > 1
+             ? absl::StrCat("ranks ", d.subgroup.Describe())
+             : absl::StrCat("ranks ", d.subgroup.first_rank, "-", d.subgroup.LastRank());
 }
 
 struct PhaseResult {

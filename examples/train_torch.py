@@ -28,12 +28,8 @@ import argparse
 import collections
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 
 WORLD = 4
 LEVELS = collections.OrderedDict([(4, 2), (16, 4)])  # period -> group size, PyTorch's order
@@ -94,87 +90,40 @@ def worker(args):
                       "param_checksum": round(checksum, 6)}), flush=True)
 
 
-def find_coordinator(explicit):
-    if explicit:
-        return explicit
-    here = os.path.dirname(os.path.abspath(__file__))
-    for candidate in (os.path.join(here, "..", os.environ.get("MODELAVG_BUILD_DIR", "build"),
-                                   "server", "modelavg-coordinator"),
-                      shutil.which("modelavg-coordinator")):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    sys.exit("train_torch: no modelavg-coordinator: build it (cmake --build build --target "
-             "modelavg-coordinator) or pass --coordinator_bin")
-
-
 def launch(args):
     """Starts a coordinator on 127.0.0.1 and WORLD workers of this script; stops them all."""
-    work = tempfile.mkdtemp(prefix="modelavg-train-torch-")
-    port_file = os.path.join(work, "port")
-    log = open(os.path.join(work, "coordinator.log"), "w")
-    coordinator = subprocess.Popen(
-        [find_coordinator(args.coordinator_bin), "--listen=127.0.0.1:0",
-         f"--port_file={port_file}", "--log_level=warn",
-         # Four trainers and a coordinator on one machine: a busy machine must not get a
-         # worker declared dead.
-         "--default_heartbeat_timeout_ms=15000"], stdout=log, stderr=subprocess.STDOUT)
-    workers = []
-    try:
-        deadline = time.monotonic() + 30
-        while not (os.path.exists(port_file) and open(port_file).read().strip()):
-            if coordinator.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"train_torch: the coordinator did not start (log: {log.name})")
-            time.sleep(0.05)
-        address = open(port_file).read().strip()
+    from local_launch import LocalCoordinator, find_coordinator
+    with LocalCoordinator(find_coordinator(args.coordinator_bin, "train_torch"),
+                          "train-torch") as coordinator:
         final = {}
         for diloco in (False, True):
             name = "DiLoCo (outer SGD on the all-four level)" if diloco else "plain averaging"
-            print(f"coordinator at {address}; starting {WORLD} workers: {name}", flush=True)
-            workers = []
-            code, loss = run_job(args, address, diloco, workers, log)
+            print(f"coordinator at {coordinator.address}; starting {WORLD} workers: {name}",
+                  flush=True)
+            code, loss = run_job(args, coordinator, diloco)
             if code != 0:
                 return code
             final[name] = loss
         print("mean final loss: " + ", ".join(f"{k} {v:.5f}" for k, v in final.items()))
         return 0
-    finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-        coordinator.send_signal(signal.SIGTERM)
-        try:
-            coordinator.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            coordinator.kill()
-        log.close()
-        shutil.rmtree(work, ignore_errors=True)
 
 
-def run_job(args, address, diloco, workers, log):
+def run_job(args, coordinator, diloco):
     """One job of WORLD workers; (exit code, mean final loss)."""
+    from local_launch import gather
+    workers = []
     for rank in range(WORLD):
-        env = dict(os.environ, MODELAVG_COORDINATOR=address,
+        env = dict(os.environ, MODELAVG_COORDINATOR=coordinator.address,
                    MODELAVG_JOB="train-torch-diloco" if diloco else "train-torch",
                    RANK=str(rank), WORLD_SIZE=str(WORLD))
         workers.append(subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--worker", f"--steps={args.steps}",
              f"--log_every={args.log_every}"] + (["--diloco"] if diloco else []),
             env=env, stdout=subprocess.PIPE, text=True))
-    summaries, failed = [], False
-    for rank, w in enumerate(workers):
-        out, _ = w.communicate(timeout=args.timeout_s)
-        for line in out.splitlines():
-            if line.startswith("{"):
-                summaries.append(json.loads(line))
-            elif line.startswith("[rank"):
-                print(line)
-        failed |= w.returncode != 0
-    for s in sorted(summaries, key=lambda s: s["rank"]):
-        print(json.dumps(s))
+    summaries, failed = gather(workers, args.timeout_s)
     if failed or len(summaries) != WORLD:
-        log.flush()
         print("train_torch: a worker failed (its error is above); the coordinator's log:\n"
-              + open(log.name).read()[-4000:], file=sys.stderr)
+              + coordinator.log_tail(), file=sys.stderr)
         return 1, 0.0
     same = len({s["param_checksum"] for s in summaries}) == 1
     print(f"all {WORLD} workers ended with the same parameters: {same}")

@@ -13,6 +13,7 @@
 #include <optional>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -77,15 +78,66 @@ inline void WaitForBackgroundCallsAtExit() {
       running, absl::FormatDuration(kExitWait));
 }
 
-// One call running on its own thread. The thread owns a reference, so an abandoned (interrupted)
-// call ends on its own and frees what it holds.
+// A thread kept for the calls of one owner (an averager), so that a call costs a hand-off to a
+// waiting thread rather than the creation of one. Calls run one at a time, in order. Its
+// destruction does not wait: the thread ends once the calls handed to it have ended (an
+// interrupted averaging call may still run), owning what it needs.
+class CallThread {
+ public:
+  CallThread() : state_(std::make_shared<State>()) {}
+  ~CallThread() {
+    absl::MutexLock l(&state_->mu);
+    state_->stopping = true;
+  }
+  CallThread(const CallThread&) = delete;
+  CallThread& operator=(const CallThread&) = delete;
+
+  // Runs `job` on the thread (started at the first call).
+  void Run(std::function<void()> job) {
+    absl::MutexLock l(&state_->mu);
+    state_->jobs.push_back(std::move(job));
+    if (!state_->started) {
+      state_->started = true;
+      std::thread([state = state_] { Loop(state); }).detach();
+    }
+  }
+
+ private:
+  struct State {
+    absl::Mutex mu;
+    std::vector<std::function<void()>> jobs ABSL_GUARDED_BY(mu);
+    bool started ABSL_GUARDED_BY(mu) = false;
+    bool stopping ABSL_GUARDED_BY(mu) = false;
+  };
+  static void Loop(const std::shared_ptr<State>& state) {
+    while (true) {
+      std::vector<std::function<void()>> jobs;
+      {
+        absl::MutexLock l(&state->mu);
+        auto ready = [&state]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state->mu) {
+          return !state->jobs.empty() || state->stopping;
+        };
+        state->mu.Await(absl::Condition(&ready));
+        if (state->jobs.empty()) return;  // stopping, and nothing left to run
+        jobs.swap(state->jobs);
+      }
+      for (auto& job : jobs) job();
+    }
+  }
+
+  std::shared_ptr<State> state_;
+};
+
+// One call running on its own thread (or on a CallThread). The thread owns a reference, so an
+// abandoned (interrupted) call ends on its own and frees what it holds.
 template <typename T>
 class BackgroundCall {
  public:
-  static std::shared_ptr<BackgroundCall> Start(std::function<T()> fn) {
+  // `on`: the CallThread to run it on; null: a thread of its own.
+  static std::shared_ptr<BackgroundCall> Start(std::function<T()> fn, CallThread* on = nullptr) {
     auto call = std::make_shared<BackgroundCall>();
     BackgroundCalls::Get().Started();
-    std::thread([call, fn = std::move(fn)]() mutable {
+    auto job = [call, fn = std::move(fn)]() mutable {
       T result = fn();
       fn = nullptr;  // release what the call captured before saying it is done
       {
@@ -95,7 +147,12 @@ class BackgroundCall {
       // An abandoned call's result goes here (a connected Client leaves the job): still counted.
       call = nullptr;
       BackgroundCalls::Get().Ended();
-    }).detach();
+    };
+    if (on != nullptr) {
+      on->Run(std::move(job));
+    } else {
+      std::thread(std::move(job)).detach();
+    }
     return call;
   }
 

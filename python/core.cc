@@ -166,9 +166,9 @@ class PyAverager {
     std::shared_ptr<mc::ModelAverager> averager = averager_;
     std::shared_ptr<mc::Client> client = client_;  // outlives the averager in the call
     using Result = absl::StatusOr<Decision>;
-    auto call = BackgroundCall<Result>::Start([client, averager, views]() -> Result {
-      return averager->AverageParameters(views);
-    });
+    auto call = BackgroundCall<Result>::Start(
+        [client, averager, views]() -> Result { return averager->AverageParameters(views); },
+        &calls_);
     Result d = [&] {
       try {
         return call->Wait();
@@ -324,6 +324,8 @@ class PyAverager {
   std::shared_ptr<mc::Client> client_;
   std::shared_ptr<mc::ModelAverager> averager_;
   std::shared_ptr<BackgroundCall<absl::StatusOr<Decision>>> interrupted_;
+  // The thread averaging calls run on (kept between calls).
+  CallThread calls_;
   py::object interrupted_tensors_ = py::none();
 };
 
@@ -426,6 +428,10 @@ Attributes:
       .def_property_readonly("admission_step",
                              [](const PyClient& c) { return c.get()->admission_step(); })
       .def_property_readonly("elastic", [](const PyClient& c) { return c.get()->elastic(); })
+      .def_property_readonly("replica_size",
+                             [](const PyClient& c) { return c.get()->replica_size(); })
+      .def_property_readonly("replica", [](const PyClient& c) { return c.get()->replica(); })
+      .def_property_readonly("shard", [](const PyClient& c) { return c.get()->shard(); })
       .def_property_readonly("job_id", [](const PyClient& c) { return c.get()->job_id(); })
       .def_property_readonly("heartbeat_timeout",
                              [](const PyClient& c) {
@@ -437,6 +443,7 @@ Attributes:
                                py::dict d;
                                d["job_id"] = c.get()->job_id();
                                d["world_size"] = s.world_size;
+                               d["replica_size"] = s.replica_size;
                                d["warmup_steps"] = s.warmup_steps;
                                d["mode"] = s.mode == modelavg::AveragingMode::kPeriodic
                                                ? "PERIODIC"

@@ -193,6 +193,7 @@ v1::JobSpec JobSpecFrom(const py::dict& d) {
   if (auto v = Get<int64_t>(d, "heartbeat_timeout_ms")) spec.set_heartbeat_timeout_ms(*v);
   if (auto v = Get<int64_t>(d, "join_timeout_ms")) spec.set_join_timeout_ms(*v);
   if (auto v = Get<int32_t>(d, "min_world_size")) spec.set_min_world_size(*v);
+  if (auto v = Get<int32_t>(d, "replica_size")) spec.set_replica_size(*v);
   return spec;
 }
 
@@ -223,6 +224,7 @@ py::dict SpecDict(const v1::JobSpec& spec) {
   d["heartbeat_timeout_ms"] = spec.heartbeat_timeout_ms();
   d["join_timeout_ms"] = spec.join_timeout_ms();
   d["min_world_size"] = spec.min_world_size();
+  d["replica_size"] = spec.replica_size();
   return d;
 }
 
@@ -242,6 +244,10 @@ py::dict JobDict(const v1::Job& job) {
     md["state"] = v1::MemberState_Name(m.state());
     md["generation"] = m.generation();
     md["admitted_step"] = m.admitted_step();
+    md["replica"] = m.replica();
+    md["shard"] = m.shard();
+    md["retired_by"] = m.state() == v1::RETIRED ? m.retired_by() : -1;
+    md["retired_at_step"] = m.retired_at_step();
     members.append(md);
   }
   d["members"] = members;
@@ -255,6 +261,8 @@ py::dict JobDict(const v1::Job& job) {
   d["vacant_ranks"] = std::vector<int32_t>(job.vacant_ranks().begin(), job.vacant_ranks().end());
   d["deaths"] = job.deaths();
   d["admissions"] = job.admissions();
+  d["waiting_ranks"] =
+      std::vector<int32_t>(job.waiting_ranks().begin(), job.waiting_ranks().end());
   if (job.has_last_change()) {
     py::dict c;
     c["generation"] = job.last_change().generation();

@@ -14,8 +14,9 @@ namespace modelavg::python {
 
 [[noreturn]] void Raise(const absl::Status& status, bool averaging) {
   py::object errors = py::module_::import("modelavg.errors");
-  // The typed kind (client/base/error_kind.h) as "PEER_FAILURE", "GENERATION_MOVED", ... (None
-  // without one), and the rank it blames (None: none).
+  // The typed kind (client/base/error_kind.h) as "PEER_FAILURE", "GENERATION_MOVED",
+  // "REPLICA_LOST", ... (None without one; it picks the class where one has its own, never the
+  // message), and the rank it blames (None: none).
   const client::ErrorKind kind = client::ErrorKindOf(status);
   py::object kind_name = py::none();
   if (kind != client::ErrorKind::kUnknown) {

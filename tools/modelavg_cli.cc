@@ -201,6 +201,12 @@ std::string Levels(const v1::JobSpec& spec) {
   return absl::StrJoin(levels, " ");
 }
 
+// "4x2" (4 replicas of 2 ranks) for sharded replicas, "-" otherwise.
+std::string Replicas(const v1::JobSpec& spec) {
+  if (spec.replica_size() <= 1) return "-";
+  return absl::StrCat(spec.world_size() / spec.replica_size(), "x", spec.replica_size());
+}
+
 std::string When(int64_t unix_ms) {
   if (unix_ms <= 0) return "-";
   return absl::FormatTime("%Y-%m-%d %H:%M:%E3S", absl::FromUnixMillis(unix_ms),
@@ -226,11 +232,11 @@ int Jobs(Cli& cli) {
     std::cout << "no jobs\n";
     return 0;
   }
-  Table t({"JOB", "STATE", "MODE", "LEVELS", "GEN", "LIVE/WORLD", "VACANT", "DEATHS",
-           "ADMITTED", "MIN_STEP", "MAX_STEP"});
+  Table t({"JOB", "STATE", "MODE", "LEVELS", "REPLICAS", "GEN", "LIVE/WORLD", "VACANT",
+           "DEATHS", "ADMITTED", "MIN_STEP", "MAX_STEP"});
   for (const v1::Job& j : all.jobs()) {
     t.Add({j.spec().job_id(), v1::JobState_Name(j.state()), Mode(j.spec()), Levels(j.spec()),
-           absl::StrCat(j.generation()),
+           Replicas(j.spec()), absl::StrCat(j.generation()),
            absl::StrCat(j.live_world_size(), "/", j.spec().world_size()),
            j.vacant_ranks().empty() ? "-" : absl::StrJoin(j.vacant_ranks(), ","),
            absl::StrCat(j.deaths()), absl::StrCat(j.admissions()), Step(j.min_step()),
@@ -251,7 +257,14 @@ void PrintJob(const v1::Job& j) {
                                 s.min_world_size() > 0
                                     ? absl::StrCat(" (elastic, at least ", s.min_world_size(), ")")
                                     : std::string())});
+  if (s.replica_size() > 1) {
+    kv.Add({"replicas", absl::StrCat(s.world_size() / s.replica_size(), " of ", s.replica_size(),
+                                     " ranks (rank r holds shard r % ", s.replica_size(), ")")});
+  }
   if (!j.vacant_ranks().empty()) kv.Add({"vacant ranks", absl::StrJoin(j.vacant_ranks(), ", ")});
+  if (!j.waiting_ranks().empty()) {
+    kv.Add({"waiting for their replica", absl::StrJoin(j.waiting_ranks(), ", ")});
+  }
   kv.Add({"steps", j.min_step() < 0 ? "none reported"
                                     : absl::StrCat(j.min_step(), " to ", j.max_step())});
   kv.Add({"deaths", absl::StrCat(j.deaths(), ", admissions ", j.admissions())});
@@ -280,13 +293,26 @@ void PrintJob(const v1::Job& j) {
     std::cout << "members: none yet\n";
     return;
   }
-  Table t({"RANK", "WORKER", "HOST", "STATE", "STEP", "LAG", "HEARTBEAT_MS", "ADMITTED_AT", "GEN"});
+  // Sharded replicas: the members in replica order (rank order is replica-major), with the
+  // replica and shard each holds and, for a retired one, the rank whose loss retired it.
+  const bool sharded = s.replica_size() > 1;
+  std::vector<std::string> header = {"RANK", "WORKER", "HOST", "STATE", "STEP", "LAG",
+                                     "HEARTBEAT_MS", "ADMITTED_AT", "GEN"};
+  if (sharded) header.insert(header.end(), {"REPLICA", "SHARD", "RETIRED_BY"});
+  Table t(header);
   for (const v1::Member& m : j.members()) {
     const bool lag = m.last_step() >= 0 && j.max_step() >= 0;
-    t.Add({absl::StrCat(m.rank()), m.worker_id(), m.host(), v1::MemberState_Name(m.state()),
-           Step(m.last_step()), lag ? absl::StrCat(j.max_step() - m.last_step()) : "-",
-           absl::StrCat(m.ms_since_heartbeat()), Step(m.admitted_step()),
-           absl::StrCat(m.generation())});
+    std::vector<std::string> row = {
+        absl::StrCat(m.rank()), m.worker_id(), m.host(), v1::MemberState_Name(m.state()),
+        Step(m.last_step()), lag ? absl::StrCat(j.max_step() - m.last_step()) : "-",
+        absl::StrCat(m.ms_since_heartbeat()), Step(m.admitted_step()),
+        absl::StrCat(m.generation())};
+    if (sharded) {
+      row.push_back(absl::StrCat(m.replica()));
+      row.push_back(absl::StrCat(m.shard()));
+      row.push_back(m.state() == v1::RETIRED ? absl::StrCat(m.retired_by()) : "-");
+    }
+    t.Add(row);
   }
   t.Print(std::cout);
 }

@@ -88,7 +88,8 @@ std::vector<StateHandOver> HandOvers(const std::vector<std::unique_ptr<OuterLeve
 }
 
 // Each hand-over's donor to replacement `j`: the lowest contributing member of j's block at
-// that hand-over's level, or -1 when there is none.
+// that hand-over's level, or -1 when there is none. The round's members all hold j's shard
+// (sharded replicas), so the donor is always of the same shard of a live replica.
 std::vector<int32_t> DonorsTo(int32_t j, const std::vector<StateHandOver>& hand_overs,
                               const Decision& decision,
                               const std::vector<ScheduleLevel>& spec_levels) {

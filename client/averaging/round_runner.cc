@@ -4,7 +4,6 @@
 #include <string>
 #include <utility>
 
-#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/base/error_kind.h"
@@ -89,13 +88,9 @@ absl::StatusOr<Decision> RoundRunner::Run(const Decision& decision, const Device
   // The collective was aborted for the reason the client gives: say it once.
   if (!why.ok() && ErrorKindOf(s) == ErrorKind::kGenerationMoved) return Annotate(why, where);
   if (!why.ok()) {
-    absl::Status failed(why.code(), absl::StrCat(where, " failed: ", why.message(),
-                                                 " (transport error: ", s.message(), ")"));
     // The kind and the blamed rank of the client's reason (error_kind.h) go with it.
-    why.ForEachPayload([&failed](absl::string_view url, const absl::Cord& payload) {
-      failed.SetPayload(url, payload);
-    });
-    return failed;
+    return Restate(why, absl::StrCat(where, " failed: ", why.message(),
+                                     " (transport error: ", s.message(), ")"));
   }
   return Annotate(s, where);
 }
@@ -347,9 +342,10 @@ absl::StatusOr<Decision> RoundRunner::MoveOnAfterFailure(const Decision& failed,
   absl::StatusOr<Decision> next = MoveOn(failed.generation, failed.step);
   if (next.ok()) return next;
   if (absl::IsDeadlineExceeded(next.status())) return Annotate(why, ElasticWhere(failed));
-  return absl::Status(next.status().code(),
-                      absl::StrCat(ElasticWhere(failed), " failed: ", next.status().message(),
-                                   " (round: ", why.message(), ")"));
+  // The kind of the reason (a lost replica, a moved generation) goes with it.
+  return Restate(next.status(),
+                 absl::StrCat(ElasticWhere(failed), " failed: ", next.status().message(),
+                              " (round: ", why.message(), ")"));
 }
 
 absl::StatusOr<bool> RoundRunner::PeerCompletedAttempt(const Decision& failed, Decision* next,

@@ -402,8 +402,8 @@ absl::Status StreamingLevel::ApplyOne(std::unique_ptr<PendingSync> p, int64_t st
     if (p->result.code() != absl::StatusCode::kInvalidArgument) {
       absl::Status why = client_->AwaitCannotAverage(d.subgroup, rounds_->CauseWait());
       if (!why.ok()) {
-        return absl::Status(why.code(), absl::StrCat(where, " failed: ", why.message(),
-                                                     " (round: ", p->result.message(), ")"));
+        return Restate(why, absl::StrCat(where, " failed: ", why.message(), " (round: ",
+                                         p->result.message(), ")"));
       }
     }
     return Annotate(p->result, where);

@@ -68,6 +68,8 @@ absl::string_view ErrorKindName(ErrorKind kind) {
       return "stray connection";
     case ErrorKind::kTimeout:
       return "timeout";
+    case ErrorKind::kReplicaLost:
+      return "replica lost";
     case ErrorKind::kNonFinite:
       return "non finite";
   }

@@ -38,6 +38,10 @@ enum class ErrorKind : int {
   kStrayConnection = 5,
   // A collective or its set-up ran past its deadline.
   kTimeout = 6,
+  // Sharded replicas (JobSpec.replica_size): another rank of this rank's replica died, left or
+  // failed, so the coordinator retired the whole replica; ErrorRankOf names the lost rank. The
+  // replica's workers must restart and re-join together as a replacement replica.
+  kReplicaLost = 7,
   // A member's contribution to a round held NaN or Inf (RoundOptions::check_finite): no member
   // kept the round's result. ErrorPeerOf names the member, ErrorRankOf its rank when known, and
   // NonFiniteDetailOf the step, level, tensor and value.

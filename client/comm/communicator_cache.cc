@@ -14,7 +14,7 @@
 namespace modelavg::client {
 
 int CommunicatorSetup::MemberIndex() const {
-  if (members.empty()) return rank - subgroup.first_rank;
+  if (members.empty()) return subgroup.IndexOf(rank);
   return static_cast<int>(std::lower_bound(members.begin(), members.end(), rank) -
                           members.begin());
 }
@@ -130,10 +130,8 @@ absl::StatusOr<Communicator*> CommunicatorCache::Get(const CommunicatorSetup& se
   const std::string what =
       absl::StrCat(device.is_cuda() ? "NCCL" : "Gloo", " communicator for level ", setup.level,
                    " subgroup ", setup.subgroup.index, " (ranks ",
-                   setup.members.empty()
-                       ? absl::StrCat(setup.subgroup.first_rank, "..",
-                                      setup.subgroup.first_rank + setup.subgroup.size - 1)
-                       : absl::StrJoin(setup.members, ","),
+                   setup.members.empty() ? setup.subgroup.Describe()
+                                         : absl::StrJoin(setup.members, ","),
                    ", generation ", setup.generation, ")");
   std::unique_ptr<Communicator> comm;
   if (device.is_host() && count == 1) {

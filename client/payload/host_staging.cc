@@ -93,6 +93,25 @@ void UnpackOne(const S* in, const TensorView& t) {
   }
 }
 
+// Calls fn(piece, offset) for each tensor's part of elements [begin, begin + n) of the
+// concatenation: `piece` a view of that part, `offset` its place in [0, n).
+template <typename Fn>
+void ForEachPart(absl::Span<const TensorView> tensors, int64_t begin, int64_t n, Fn fn) {
+  const int64_t end = begin + n;
+  int64_t at = 0;
+  for (const TensorView& t : tensors) {
+    const int64_t lo = std::max(at, begin), hi = std::min(at + t.numel, end);
+    if (lo < hi) {
+      TensorView part = t;
+      part.data = static_cast<char*>(t.data) + (lo - at) * static_cast<int64_t>(DTypeSize(t.dtype));
+      part.numel = hi - lo;
+      fn(part, lo - begin);
+    }
+    at += t.numel;
+    if (at >= end) break;
+  }
+}
+
 }  // namespace
 
 void DivideInto(const float* in, int64_t n, float divisor, float* out) {
@@ -176,6 +195,28 @@ void PackDivided(absl::Span<const TensorView> tensors, DType staging_dtype, doub
     }
     offset += t.numel;
   }
+}
+
+void PackRange(absl::Span<const TensorView> tensors, DType staging_dtype, int64_t begin,
+               int64_t n, void* staging) {
+  ForEachPart(tensors, begin, n, [&](const TensorView& part, int64_t offset) {
+    if (staging_dtype == DType::kFloat64) {
+      PackOne<double>(part, 1.0, static_cast<double*>(staging) + begin + offset);
+    } else {
+      PackOne<float>(part, 1.0f, static_cast<float*>(staging) + begin + offset);
+    }
+  });
+}
+
+void UnpackRange(const void* src, DType staging_dtype, absl::Span<const TensorView> tensors,
+                 int64_t begin, int64_t n) {
+  ForEachPart(tensors, begin, n, [&](const TensorView& part, int64_t offset) {
+    if (staging_dtype == DType::kFloat64) {
+      UnpackOne<double>(static_cast<const double*>(src) + offset, part);
+    } else {
+      UnpackOne<float>(static_cast<const float*>(src) + offset, part);
+    }
+  });
 }
 
 void Unpack(const void* staging, DType staging_dtype, absl::Span<const TensorView> tensors) {

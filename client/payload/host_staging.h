@@ -37,6 +37,16 @@ void PackDivided(absl::Span<const TensorView> tensors, DType staging_dtype, doub
 void DivideInto(const float* in, int64_t n, float divisor, float* out);
 void DivideInto(const double* in, int64_t n, double divisor, double* out);
 
+// PackDivided's elements [begin, begin + n) of the tensors' concatenation, without the division
+// (a copy, converted), written to the same place of `staging`.
+void PackRange(absl::Span<const TensorView> tensors, DType staging_dtype, int64_t begin,
+               int64_t n, void* staging);
+
+// Unpack's elements [begin, begin + n) of the tensors' concatenation, read from `src` (those n
+// elements, of `staging_dtype`).
+void UnpackRange(const void* src, DType staging_dtype, absl::Span<const TensorView> tensors,
+                 int64_t begin, int64_t n);
+
 // memcpy for a destination that will not be read soon (a backup): on x86-64, non-temporal
 // stores skip reading the destination into the cache first.
 void CopyToBackup(void* dst, const void* src, size_t bytes);

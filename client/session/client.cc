@@ -88,12 +88,15 @@ Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordin
       decisions_(std::make_unique<DecisionWindow>(*coordinator_, *outage_, schedule_,
                                                   options_.job_id, rank_,
                                                   options_.schedule_window)),
-      round_notes_(std::make_unique<RoundNotes>(*coordinator_, clock_, options_.job_id, rank_,
-                                                options_.credential, schedule_.num_levels())),
+      round_notes_(std::make_unique<RoundNotes>(
+          *coordinator_, clock_, options_.job_id, rank_, options_.credential,
+          schedule_.num_levels(),
+          schedule_.SubgroupOf(schedule_.num_levels() - 1, rank_).index)),
       tracker_(std::make_unique<GenerationTracker>(
           GenerationTracker::Options{
               options_.job_id, options_.coordinator,
-              ViewReader{rank_, options_.worker_id, schedule_.world_size(), heartbeat_timeout_},
+              ViewReader{rank_, options_.worker_id, schedule_.world_size(), heartbeat_timeout_,
+                         schedule_.replica_size()},
               elastic_},
           joined.generation, std::move(joined.incarnation))) {
   Heartbeat::Hooks hooks;
@@ -162,6 +165,11 @@ v1::LeaveRequest Client::LeaveRequestNow() const {
   req.set_rank(rank_);
   req.set_generation(generation());
   req.set_credential(options_.credential);
+  {
+    // The first step this rank did not start: its replica mates finish the ones it did.
+    absl::MutexLock l(&mu_);
+    req.set_next_step(step_);
+  }
   return req;
 }
 
@@ -256,6 +264,8 @@ absl::StatusOr<Decision> Client::DecisionAt(int64_t step) {
   absl::StatusOr<Decision> fetched = decisions_->At(step);
   MODELAVG_RETURN_IF_ERROR(fetched.status());
   absl::MutexLock l(&mu_);
+  // Sharded replicas: past the step its replica was retired from, this rank averages no more.
+  MODELAVG_RETURN_IF_ERROR(tracker_->CheckRetiredAt(step));
   return tracker_->Decide(*std::move(fetched), step);
 }
 

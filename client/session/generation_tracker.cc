@@ -51,7 +51,8 @@ GenerationTracker::Abort GenerationTracker::OnGenerationChange(
     // generation if it is one of them. Its collectives of older generations are aborted (a
     // round in flight is retried there, see ModelAverager).
     std::string gone;
-    std::optional<MembershipView> view = ViewOf(*job, options_.reader, &gone);
+    int32_t retired_by = -1;
+    std::optional<MembershipView> view = ViewOf(*job, options_.reader, &gone, &retired_by);
     if (view.has_value()) {
       latest_generation_ = std::max(latest_generation_, view->generation);
       const int64_t known = follow_.has_value() ? follow_->generation : generation_;
@@ -73,11 +74,14 @@ GenerationTracker::Abort GenerationTracker::OnGenerationChange(
       return abort;
     }
     if (!broken_.ok()) return {};
+    // Sharded replicas: this rank's replica lost a rank and was retired (its own kind, naming
+    // the lost rank).
     broken_ = SetErrorKind(
         absl::FailedPreconditionError(absl::StrCat(
             "job ", job_id, " moved from generation ", generation_, " to ", job->generation(),
             " (", why, "); rank ", rank, " cannot average any more: ", gone)),
-        ErrorKind::kGenerationMoved, /*peer=*/-1, blamed_rank);
+        retired_by >= 0 ? ErrorKind::kReplicaLost : ErrorKind::kGenerationMoved, /*peer=*/-1,
+        retired_by >= 0 ? retired_by : blamed_rank);
     spdlog::error("{}", std::string(broken_.message()));
     return {job->generation(), broken_};
   }
@@ -168,14 +172,30 @@ bool GenerationTracker::MarkLeft() {
   return true;
 }
 
+absl::Status GenerationTracker::CheckRetiredAt(int64_t step) {
+  if (!options_.elastic || step < view_.until[options_.reader.rank]) return absl::OkStatus();
+  // Sharded replicas: this rank's replica was retired after a mate left (it finished the steps
+  // the mate started).
+  if (broken_.ok()) {
+    broken_ = SetErrorKind(absl::FailedPreconditionError(
+                               absl::StrCat("averaging at step ", step, ": ", view_.retired_why)),
+                           ErrorKind::kReplicaLost, /*peer=*/-1, view_.retired_by);
+  }
+  return broken_;
+}
+
 Decision GenerationTracker::Decide(Decision d, int64_t step) const {
   d.generation = generation_;
   if (!options_.elastic || !d.average) return d;
-  // The members of this generation that average at this step: live, and admitted by then.
+  // The members of this generation that average at this step: live, admitted by then, and not
+  // retired by then (sharded replicas: the mates of a rank that left finish its steps).
   d.members.clear();
   d.joining.clear();
-  for (int32_t r = d.subgroup.first_rank; r < d.subgroup.first_rank + d.subgroup.size; ++r) {
-    if (!view_.live[r] || (view_.admitted[r] >= 0 && view_.admitted[r] > step)) continue;
+  for (int32_t r : d.subgroup.Ranks()) {
+    if (!view_.live[r] || (view_.admitted[r] >= 0 && view_.admitted[r] > step) ||
+        step >= view_.until[r]) {
+      continue;
+    }
     d.members.push_back(r);
     if (view_.admitted[r] == step) d.joining.push_back(r);
   }
@@ -199,9 +219,9 @@ absl::Status GenerationTracker::CheckCanAverage(const SubgroupRange& group) cons
   for (int32_t r : departed_) {
     if (group.Contains(r)) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "cannot average with ranks ", group.first_rank, "..", group.first_rank + group.size - 1,
-          ": rank ", r, " left job ", options_.job_id, " (generation ", generation_, " -> ",
-          latest_generation_, ": ", change_reason_, "); connect a new Client to re-join"));
+          "cannot average with ranks ", group.Describe(), ": rank ", r, " left job ",
+          options_.job_id, " (generation ", generation_, " -> ", latest_generation_, ": ",
+          change_reason_, "); connect a new Client to re-join"));
     }
   }
   return absl::OkStatus();

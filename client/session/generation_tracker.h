@@ -107,9 +107,14 @@ class GenerationTracker {
   bool MarkLeft();
 
   // `decision` as this rank takes it at `step`: in the generation averaged in and, in an
-  // elastic job, with the members of that generation that average at `step` (live, and
-  // admitted by then) and those admitted at it.
+  // elastic job, with the members of that generation that average at `step` (live, admitted by
+  // then, and not retired by then) and those admitted at it.
   Decision Decide(Decision decision, int64_t step) const;
+  // Sharded replicas (an elastic job): once `step` reaches the step from which this rank's
+  // replica is retired (a replica mate left in order; this rank finishes the steps the mate
+  // started), the client is broken with ErrorKind::kReplicaLost naming the lost rank, and that
+  // error is returned. OK before then, and in any job without such a retirement.
+  absl::Status CheckRetiredAt(int64_t step);
 
   // OK while the job is at generation() and the client is not broken; why not otherwise.
   absl::Status CheckUsable() const;

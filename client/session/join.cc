@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -80,8 +81,8 @@ absl::StatusOr<Schedule> CheckReply(const v1::JoinResponse& joined) {
   for (const v1::Subgroup& g : joined.subgroups()) {
     if (g.level() < 0 || g.level() >= schedule.num_levels()) continue;
     const SubgroupRange mine = schedule.SubgroupOf(g.level(), joined.rank());
-    if (g.subgroup() != mine.index || g.ranks_size() != mine.size ||
-        (g.ranks_size() > 0 && g.ranks(0) != mine.first_rank)) {
+    if (g.subgroup() != mine.index ||
+        std::vector<int32_t>(g.ranks().begin(), g.ranks().end()) != mine.Ranks()) {
       return absl::InternalError(absl::StrCat(
           "the coordinator's subgroup at level ", g.level(), " (", g.subgroup(), ": ",
           absl::StrJoin(g.ranks(), ","), ") differs from the local schedule's (", mine.index,

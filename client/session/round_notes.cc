@@ -19,13 +19,15 @@ constexpr char kRoundNotePrefix[] = "round/";
 }  // namespace
 
 RoundNotes::RoundNotes(CoordinatorClient& coordinator, const Clock& clock, std::string job_id,
-                       int32_t rank, std::string credential, int32_t num_levels)
+                       int32_t rank, std::string credential, int32_t num_levels,
+                       int32_t world_subgroup)
     : coordinator_(coordinator),
       clock_(clock),
       job_id_(std::move(job_id)),
       rank_(rank),
       credential_(std::move(credential)),
       num_levels_(num_levels),
+      world_subgroup_(world_subgroup),
       entries_(num_levels) {}
 
 void RoundNotes::Record(int32_t level, int64_t step, int64_t generation, RoundOutcome outcome) {
@@ -58,8 +60,9 @@ void RoundNotes::Publish(int64_t generation) {
   v1::PublishCommIdRequest req;
   req.set_job_id(job_id_);
   req.set_generation(generation);
-  req.set_level(num_levels_ - 1);  // the world's block: every rank may read it
-  req.set_subgroup(0);
+  // The last level's subgroup: every rank this one averages with (its shard) may read it.
+  req.set_level(num_levels_ - 1);
+  req.set_subgroup(world_subgroup_);
   req.set_key(absl::StrCat(kRoundNotePrefix, rank_));
   req.set_unique_id(blob);
   req.set_rank(rank_);
@@ -86,7 +89,7 @@ absl::StatusOr<bool> RoundNotes::PeerCompleted(const Decision& decision,
     req.set_job_id(job_id_);
     req.set_generation(generation);
     req.set_level(num_levels_ - 1);
-    req.set_subgroup(0);
+    req.set_subgroup(world_subgroup_);  // the peers hold this rank's shard
     req.set_key(absl::StrCat(kRoundNotePrefix, peer));
     req.set_rank(rank_);
     req.set_credential(credential_);

@@ -1,8 +1,10 @@
 // Round notes of one rank in an elastic job: where its last two rounds at each level stand
 // (step, generation, outcome; two because a level with sync_delay may start its next round
-// before a peer has settled the one before, docs/streaming.md). The rank publishes its note when it enters a generation, through the
-// coordinator's id exchange under the world's block; after a failed round a member reads its
-// peers' notes to learn whether one of them completed the round (then it keeps that result).
+// before a peer has settled the one before, docs/streaming.md). The rank publishes its note when
+// it enters a generation, through the coordinator's id exchange under its subgroup of the last
+// level (the world's, or with sharded replicas its shard's: the subgroup of every rank it ever
+// averages with); after a failed round a member reads its peers' notes to learn whether one of
+// them completed the round (then it keeps that result).
 #ifndef MODELAVG_CLIENT_SESSION_ROUND_NOTES_H_
 #define MODELAVG_CLIENT_SESSION_ROUND_NOTES_H_
 
@@ -26,9 +28,10 @@ enum class RoundOutcome;
 class RoundNotes {
  public:
   // `coordinator` and `clock` outlive this; `credential` is the membership's (sent with every
-  // call).
+  // call); `world_subgroup` is the rank's subgroup at the last level (num_levels - 1).
   RoundNotes(CoordinatorClient& coordinator, const Clock& clock, std::string job_id,
-             int32_t rank, std::string credential, int32_t num_levels);
+             int32_t rank, std::string credential, int32_t num_levels,
+             int32_t world_subgroup = 0);
 
   // Records where this rank's round at `level` and `step` stands (the latest, or the one before
   // it). Thread-safe.
@@ -57,6 +60,7 @@ class RoundNotes {
   const int32_t rank_;
   const std::string credential_;
   const int32_t num_levels_;
+  const int32_t world_subgroup_;
 
   absl::Mutex mu_;
   // Per level: the latest round, then the one before it.

@@ -42,13 +42,19 @@ a dead member costs the survivors one retried averaging round inside ``average_p
 (the returned :class:`Decision` lists the ranks that actually averaged), and a worker that
 connects to the running job without a rank is admitted as a replacement
 (``Client.admission_step``; see :class:`ModelAverager`).
+
+Sharded replicas (``create_job(..., replica_size=S)``, docs/sharded.md): S ranks hold one model
+replica (FSDP or HSDP inside it), rank r its shard r % S; each level averages, shard by shard,
+the ranks of its groups that hold the same shard. Pass the averagers the local tensors each rank
+holds (FSDP's flat parameters, a DTensor's local shard). In an elastic job a lost rank retires
+its whole replica (its other ranks get :class:`ReplicaLostError`).
 """
 
 # The package is split by concern; everything public is re-exported here, as before.
 from . import errors
 from .errors import (AlreadyExistsError, DeadlineExceededError, Error, FailedPreconditionError,
                      InvalidArgumentError, NonFiniteError, NotFoundError, PeerFailureError,
-                     PermissionDeniedError, ResourceExhaustedError, UnavailableError,
+                     PermissionDeniedError, ReplicaLostError, ResourceExhaustedError, UnavailableError,
                      UnimplementedError)
 from . import _core
 from ._core import Decision
@@ -64,7 +70,8 @@ __version__ = "0.1.0"
 __all__ = [
     "connect", "Client", "ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager",
     "Decision", "Level", "LevelTraffic", "PAYLOADS", "OuterSGD", "JobSpec", "Job", "Member",
-    "GenerationChange", "create_job", "get_job", "list_jobs", "delete_job", "Error", "PeerFailureError", "InvalidArgumentError",
+    "GenerationChange", "create_job", "get_job", "list_jobs", "delete_job", "Error",
+    "PeerFailureError", "ReplicaLostError", "InvalidArgumentError",
     "NonFiniteError", "NotFoundError", "AlreadyExistsError", "FailedPreconditionError", "DeadlineExceededError",
     "UnavailableError", "PermissionDeniedError", "ResourceExhaustedError", "UnimplementedError",
     "errors",

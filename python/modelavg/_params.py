@@ -5,11 +5,17 @@ PyTorch's ``average_parameters`` accepts an iterable of ``torch.nn.Parameter`` o
 (``torch.distributed.algorithms.model_averaging.utils.get_params_to_average``). This module does
 the same, then describes each tensor by its data pointer, element count, dtype, device and (CUDA)
 the current stream — torch is never linked, only imported here.
+
+Sharded replicas (docs/sharded.md): what a rank averages is what it holds. FSDP's parameters
+(its flat parameters) are plain local tensors; a DTensor parameter (PyTorch 2's tensor
+parallelism, FSDP2) is averaged through its local shard, ``to_local()``, which shares the
+DTensor's storage: never a gathered copy.
 """
 
 from typing import Any, Iterable, List, Tuple
 
 _DTYPE_CODES = None  # torch dtype -> modelavg DType code (include/modelavg/client/tensor.h order)
+_DTENSOR_TYPES = None  # the DTensor classes this PyTorch has (none before 2.0)
 
 
 def _torch():
@@ -23,6 +29,28 @@ def _dtype_codes():
         torch = _torch()
         _DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
     return _DTYPE_CODES
+
+
+def _dtensor_types() -> Tuple[type, ...]:
+    global _DTENSOR_TYPES
+    if _DTENSOR_TYPES is None:
+        found = []
+        for module in ("torch.distributed.tensor", "torch.distributed._tensor"):
+            try:
+                found.append(getattr(__import__(module, fromlist=["DTensor"]), "DTensor"))
+            except (ImportError, AttributeError):
+                pass
+        _DTENSOR_TYPES = tuple(found)
+    return _DTENSOR_TYPES
+
+
+def local_tensor(t: Any) -> Any:
+    """The tensor this rank holds of `t`: a DTensor's local shard (``to_local()``, the same
+    storage), any other tensor itself."""
+    types = _dtensor_types()
+    if types and isinstance(t, types):
+        return t.to_local()
+    return t
 
 
 def params_to_average(params: Iterable[Any]) -> List[Any]:
@@ -56,7 +84,7 @@ def describe(tensors: List[Any]) -> Tuple[List[Spec], List[Tuple[Any, Any]]]:
     copy_back: List[Tuple[Any, Any]] = []
     streams = {}
     for i, p in enumerate(tensors):
-        t = p.data
+        t = local_tensor(p.data)
         code = codes.get(t.dtype)
         if code is None:
             raise TypeError(f"parameter {i} has dtype {t.dtype}: modelavg averages float32, "

@@ -55,6 +55,22 @@ class Client:
         return self._core.admission_step
 
     @property
+    def replica_size(self) -> int:
+        """The ranks of one model replica (the job's ``replica_size``; 1: every rank holds a
+        whole one)."""
+        return self._core.replica_size
+
+    @property
+    def replica(self) -> int:
+        """The replica this rank belongs to: ``rank // replica_size``."""
+        return self._core.replica
+
+    @property
+    def shard(self) -> int:
+        """The shard of its replica this rank holds: ``rank % replica_size``."""
+        return self._core.shard
+
+    @property
     def elastic(self) -> bool:
         """Whether the job is elastic (its ``min_world_size`` is below ``world_size``)."""
         return self._core.elastic
@@ -71,7 +87,8 @@ class Client:
         elastic job)."""
         d = self._core.spec
         return JobSpec(job_id=d["job_id"], world_size=d["world_size"], mode=d["mode"],
-                       levels=_levels_from(d), warmup_steps=d["warmup_steps"])
+                       levels=_levels_from(d), warmup_steps=d["warmup_steps"],
+                       replica_size=d["replica_size"])
 
     def check_usable(self) -> None:
         """Raises PeerFailureError if the job's membership changed since this client joined
@@ -98,8 +115,10 @@ class Client:
 
     def __repr__(self) -> str:
         extra = ""
+        if self.replica_size > 1:
+            extra = f", replica={self.replica}, shard={self.shard}"
         if self.elastic:
-            extra = ", elastic=True"
+            extra += ", elastic=True"
             if self.admission_step > 0:
                 extra += f", admission_step={self.admission_step}"
         return (f"modelavg.Client(job_id={self.job_id!r}, rank={self.rank}, "

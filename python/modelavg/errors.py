@@ -21,6 +21,10 @@ PeerFailureError            an averaging step failed because the job's       —
                             joined), a peer did not take part in time, its
                             connection broke, or the coordinator is gone.
                             The client is no longer usable: connect again.
+ReplicaLostError            (a PeerFailureError) sharded replicas: another   —
+                            rank of this rank's replica died, left or
+                            failed, so the replica was retired; restart
+                            the replica's workers together.
 InvalidArgumentError        a bad argument, option or job spec               ValueError
 NotFoundError               no such job                                      LookupError
 AlreadyExistsError          the job id, or the requested rank, is taken      —
@@ -36,12 +40,13 @@ Error                       anything else (INTERNAL, ...)                    —
 ==========================  ===============================================  ===================
 """
 
+import re
 from typing import Dict, Optional, Type
 
 __all__ = [
-    "Error", "PeerFailureError", "InvalidArgumentError", "NonFiniteError", "NotFoundError",
-    "AlreadyExistsError",
-    "FailedPreconditionError", "DeadlineExceededError", "UnavailableError",
+    "Error", "PeerFailureError", "ReplicaLostError", "InvalidArgumentError", "NonFiniteError",
+    "NotFoundError", "AlreadyExistsError", "FailedPreconditionError", "DeadlineExceededError",
+    "UnavailableError",
     "PermissionDeniedError", "ResourceExhaustedError", "UnimplementedError",
 ]
 
@@ -80,6 +85,26 @@ class PeerFailureError(Error):
     (``"GENERATION_MOVED"``, ``"PEER_FAILURE"``, ``"TIMEOUT"``, ...). The client cannot average
     any more: restart from the last checkpoint with a new client.
     """
+
+
+class ReplicaLostError(PeerFailureError):
+    """Sharded replicas (``replica_size``): another rank of this rank's replica died, left or
+    failed, so the coordinator retired the whole replica from the job's generation (the other
+    replicas go on). ``kind`` is ``"REPLICA_LOST"``, ``rank`` the rank that was lost and
+    ``replica`` this rank's replica. The client cannot average any more: restart every worker
+    of the replica, which re-join together as a replacement replica (each healing from its own
+    shard of a live replica).
+    """
+
+    replica: Optional[int]
+
+    def __init__(self, code: str, message: str, kind: Optional[str] = "REPLICA_LOST",
+                 rank: Optional[int] = None, replica: Optional[int] = None) -> None:
+        super().__init__(code, message, kind, rank)
+        self.replica = replica
+        if replica is None:
+            m = re.search(r"\breplica (\d+)", message)
+            self.replica = int(m.group(1)) if m else None
 
 
 class InvalidArgumentError(Error, ValueError):
@@ -156,6 +181,8 @@ def _from_status(code: int, message: str, averaging: bool = False, kind: Optiona
     name = _CODE_NAMES.get(code, f"CODE_{code}")
     if kind == "NON_FINITE":
         return NonFiniteError(name, message, kind, rank)
+    if kind == "REPLICA_LOST":  # client/base/error_kind.h: ErrorKind::kReplicaLost
+        return ReplicaLostError(name, message, kind, rank)
     if averaging and name in _PEER_CODES:
         return PeerFailureError(name, message, kind, rank)
     return _BY_CODE.get(name, Error)(name, message, kind, rank)

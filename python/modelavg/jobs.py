@@ -144,6 +144,9 @@ class JobSpec:
     0 timeouts mean the coordinator's defaults.
     ``min_world_size`` (1..world_size) makes the job elastic: it keeps running while that many
     ranks are alive; 0 (or world_size) is a strict job.
+    ``replica_size`` S > 1: sharded replicas (docs/sharded.md) — S ranks hold one model replica,
+    rank r shard r % S of replica r // S, and each level averages the ranks of its groups that
+    hold the same shard; 0 or 1: every rank holds a whole replica.
     """
 
     job_id: str
@@ -154,12 +157,16 @@ class JobSpec:
     heartbeat_timeout_ms: int = 0
     join_timeout_ms: int = 0
     min_world_size: int = 0
+    replica_size: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Member:
     """One member of a job's current generation. ``admitted_step``: the step a replacement was
-    admitted at (elastic jobs), -1 for a member of the world that started the job."""
+    admitted at (elastic jobs), -1 for a member of the world that started the job. ``replica``
+    and ``shard``: rank // replica_size and rank % replica_size. ``retired_by``: for a member
+    whose replica was retired (state "RETIRED"), the rank whose loss retired it, else -1;
+    ``retired_at_step``: its first step outside the averaging (0: at once)."""
 
     rank: int
     worker_id: str
@@ -169,6 +176,10 @@ class Member:
     state: str
     generation: int
     admitted_step: int = -1
+    replica: int = 0
+    shard: int = 0
+    retired_by: int = -1
+    retired_at_step: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +198,8 @@ class Job:
 
     ``live_world_size``: ranks alive in the current generation; ``vacant_ranks``: ranks of a
     running elastic job that no live worker holds; ``deaths``: members declared dead;
-    ``admissions``: replacements admitted into the running elastic job.
+    ``admissions``: replacements admitted into the running elastic job; ``waiting_ranks``:
+    ranks of a replacement replica (sharded replicas) that joined and wait for the rest of it.
     """
 
     spec: JobSpec
@@ -203,6 +215,7 @@ class Job:
     vacant_ranks: List[int] = dataclasses.field(default_factory=list)
     deaths: int = 0
     admissions: int = 0
+    waiting_ranks: List[int] = dataclasses.field(default_factory=list)
 
 
 def _job(d: Dict[str, Any]) -> Job:
@@ -210,7 +223,8 @@ def _job(d: Dict[str, Any]) -> Job:
     spec = JobSpec(job_id=s["job_id"], world_size=s["world_size"], mode=s["mode"],
                    levels=_levels_from(s), warmup_steps=s["warmup_steps"],
                    heartbeat_timeout_ms=s["heartbeat_timeout_ms"],
-                   join_timeout_ms=s["join_timeout_ms"], min_world_size=s["min_world_size"])
+                   join_timeout_ms=s["join_timeout_ms"], min_world_size=s["min_world_size"],
+                   replica_size=s["replica_size"])
     change = d["last_change"]
     return Job(spec=spec, state=d["state"], generation=d["generation"],
                members=[Member(**m) for m in d["members"]], min_step=d["min_step"],
@@ -218,7 +232,8 @@ def _job(d: Dict[str, Any]) -> Job:
                created_unix_ms=d["created_unix_ms"],
                last_change=GenerationChange(**change) if change else None,
                live_world_size=d["live_world_size"], vacant_ranks=list(d["vacant_ranks"]),
-               deaths=d["deaths"], admissions=d["admissions"])
+               deaths=d["deaths"], admissions=d["admissions"],
+               waiting_ranks=list(d["waiting_ranks"]))
 
 
 def _outer_tuple(item: Any, outer: Any) -> Optional[Tuple[float, float, bool]]:
@@ -267,7 +282,8 @@ def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
                levels: Optional[Union[Mapping[int, int], Sequence[Tuple[int, int]]]] = None, *,
                period: Optional[int] = None, warmup_steps: int = 0,
                heartbeat_timeout_ms: int = 0, join_timeout_ms: int = 0,
-               min_world_size: int = 0, coordinator: Optional[str] = None,
+               min_world_size: int = 0, replica_size: int = 0,
+               coordinator: Optional[str] = None,
                **options: Any) -> Job:
     """Registers a job with the coordinator and returns it.
 
@@ -284,6 +300,10 @@ def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
         coordinator's defaults).
       min_world_size: 1..world_size makes the job elastic: it keeps running while that many
         ranks are alive, and admits replacements into vacant ranks. 0 (or world_size): strict.
+      replica_size: sharded replicas (docs/sharded.md): the ranks of one model replica (FSDP or
+        HSDP inside it, modelavg across replicas); rank r holds shard r % replica_size. It must
+        divide world_size, every group size and min_world_size. 0 or 1: every rank holds a
+        whole replica.
       coordinator: "host:port" (or several, comma-separated); default ``$MODELAVG_COORDINATOR``.
       **options: auth_token or auth_token_file, tls, tls_ca_file, tls_cert_file, tls_key_file,
         rpc_timeout (default: the environment, as connect() reads it).
@@ -303,7 +323,8 @@ def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
     spec = {"job_id": job_id, "world_size": world_size, "mode": mode, "levels": pairs,
             "outer": outer, "streaming": streaming,
             "warmup_steps": warmup_steps, "heartbeat_timeout_ms": heartbeat_timeout_ms,
-            "join_timeout_ms": join_timeout_ms, "min_world_size": min_world_size}
+            "join_timeout_ms": join_timeout_ms, "min_world_size": min_world_size,
+            "replica_size": replica_size}
     try:
         return _job(_core.create_job(_conn(coordinator, options), spec))
     except (ValueError, RuntimeError, TypeError) as e:

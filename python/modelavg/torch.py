@@ -22,6 +22,12 @@ per process serves every drop-in averager of the same job; it leaves the job at 
 ``torch.distributed.init_process_group`` is not needed; when a process group is passed it must be
 the default (whole-world) group, since the job's world is what modelavg averages over.
 
+Sharded replicas (docs/sharded.md): ``MODELAVG_REPLICA_SIZE`` (or
+``set_options(replica_size=...)``) is the ``replica_size`` of the job the first rank creates
+(and must match an existing job's): FSDP or HSDP inside each replica of that many ranks, and the
+averagers average the local tensors each rank is given (FSDP's flat parameters, a DTensor's
+local shard).
+
 Elastic jobs: ``MODELAVG_MIN_WORLD_SIZE`` (or ``set_options(min_world_size=...)``) is the
 ``min_world_size`` of the job the first rank creates (and must match an existing job's). A
 worker started without ``RANK`` while such a job runs with a vacant rank is admitted as a
@@ -57,7 +63,8 @@ _options: Dict[str, Any] = {}
 
 def set_options(**options: Any) -> None:
     """Connection options for the drop-in averagers created after this call: ``coordinator``,
-    ``job_id``, ``rank``, ``min_world_size`` (for the job the drop-in creates) and any keyword
+    ``job_id``, ``rank``, ``min_world_size`` and ``replica_size`` (for the job the drop-in
+    creates) and any keyword
     of :func:`modelavg.connect` (they take precedence over the environment)."""
     _options.update(options)
 
@@ -161,6 +168,9 @@ def _job_client(mode: str, warmup_steps: int, levels_for: Any) -> "_ma.Client":
     min_world = opts.pop("min_world_size", None)
     if min_world is None:
         min_world = _ma_options._env_int("MODELAVG_MIN_WORLD_SIZE")
+    replica_size = opts.pop("replica_size", None)
+    if replica_size is None:
+        replica_size = _ma_options._env_int("MODELAVG_REPLICA_SIZE")
     world_env = _ma_options._env_int("WORLD_SIZE")
     if "gloo_hostname" not in opts and os.environ.get("MODELAVG_GLOO_HOSTNAME"):
         opts["gloo_hostname"] = os.environ["MODELAVG_GLOO_HOSTNAME"]
@@ -179,6 +189,7 @@ def _job_client(mode: str, warmup_steps: int, levels_for: Any) -> "_ma.Client":
                 return _ma.create_job(job_id, world_env, mode, levels_for(world_env),
                                       warmup_steps=warmup_steps,
                                       min_world_size=min_world or 0,
+                                      replica_size=replica_size or 0,
                                       coordinator=coordinator, **conn)
             except _ma.AlreadyExistsError:  # another rank created it first
                 return _ma.get_job(job_id, coordinator=coordinator, **conn)
@@ -204,6 +215,7 @@ def _job_client(mode: str, warmup_steps: int, levels_for: Any) -> "_ma.Client":
                     backoff = min(2 * backoff, 2.0)
             _check_spec(job.spec, mode, warmup_steps, levels_for, world_env, coordinator)
             _check_min_world(job.spec, min_world, coordinator)
+            _check_replica_size(job.spec, replica_size, coordinator)
             client = _ma.connect(coordinator, job_id, rank, **opts)
             _clients[key] = client
         else:
@@ -241,6 +253,19 @@ def _check_min_world(spec: "_ma.JobSpec", min_world: Optional[int], coordinator:
             f"job {spec.job_id!r} on {coordinator} has min_world_size={spec.min_world_size}, but "
             f"this averager asks for min_world_size={min_world} (MODELAVG_MIN_WORLD_SIZE or "
             "set_options): use a new job id, delete the job, or ask for the job's value")
+
+
+def _check_replica_size(spec: "_ma.JobSpec", replica_size: Optional[int],
+                        coordinator: str) -> None:
+    """With replica_size asked for: the existing job's must be the same (0 and 1 both mean
+    whole replicas)."""
+    if replica_size is None or max(1, spec.replica_size) == max(1, replica_size):
+        return
+    raise _ma.InvalidArgumentError(
+        "INVALID_ARGUMENT",
+        f"job {spec.job_id!r} on {coordinator} has replica_size={spec.replica_size}, but this "
+        f"averager asks for replica_size={replica_size} (MODELAVG_REPLICA_SIZE or set_options): "
+        "use a new job id, delete the job, or ask for the job's value")
 
 
 class PeriodicModelAverager(_ma.PeriodicModelAverager):

@@ -174,8 +174,23 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
       request.credential(), CredentialDigest(credential));
   if (!joined.ok()) return fail(joined.status());
   const int32_t rank = joined->rank;
+  if (joined->waiting_for_replica) {
+    return WaitForReplica(rank, joined->was_in_round, std::move(credential),
+                          std::min(now + join_timeout_, call_deadline), wait_id, std::move(done),
+                          &out);
+  }
   if (joined->change.admitted) {
-    // A replacement in a RUNNING elastic job: answered at once.
+    // A replacement in a RUNNING elastic job: answered at once, with the rest of its replica.
+    for (int32_t mate : joined->admitted_with) {
+      if (std::optional<JoinWait> w = waits_.TakeJoinOfRank(mate)) {
+        v1::JoinResponse response;
+        FillJoinResponse(mate, &response);
+        response.set_credential(std::move(w->credential));
+        out.Complete([cb = std::move(w->done), response = std::move(response)]() mutable {
+          cb(std::move(response));
+        });
+      }
+    }
     return AnswerAdmission(rank, joined->change, std::move(credential), std::move(done), &out);
   }
   OnMembershipChange(joined->change, &out);
@@ -199,20 +214,56 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
   if (joined->change.world_complete) CompleteRound(&out);
 }
 
+void Job::WaitForReplica(int32_t rank, bool superseding, std::string credential,
+                         absl::Time deadline, WaitId wait_id, JoinCallback done, Outbox* out) {
+  if (superseding) {
+    // The same worker joins again (it retried): the newer call waits, the older one ends.
+    if (std::optional<JoinWait> old = waits_.TakeJoinOfRank(rank)) {
+      out->Complete([cb = std::move(old->done)]() mutable {
+        cb(absl::AbortedError("superseded by a newer Join from the same worker"));
+      });
+    }
+  }
+  const int32_t s = membership_.replica_size();
+  const int32_t replica = rank / s;
+  std::vector<int32_t> missing;
+  for (int32_t r = replica * s; r < replica * s + s; ++r) {
+    if (!membership_.Waiting(r)) missing.push_back(r);
+  }
+  spdlog::info("job {}: a replacement joined as rank {} of replica {}; it waits for ranks {} of "
+               "its replica to join",
+               id(), rank, replica, absl::StrJoin(missing, ", "));
+  AddEvent(v1::JobEvent::MEMBER_JOINED, rank,
+           absl::StrCat("a replacement joined as rank ", rank, " of replica ", replica,
+                        " and waits for ranks ", absl::StrJoin(missing, ", ")),
+           false, out);
+  JoinWait wait{wait_id, rank, std::move(credential), deadline, std::move(done)};
+  wait.for_replica = true;
+  waits_.AddJoin(std::move(wait));
+}
+
 void Job::AnswerAdmission(int32_t rank, const MembershipChange& change, std::string credential,
                           JoinCallback done, Outbox* out) {
   const LiveMember& m = membership_.member(rank);
   ++admissions_;
   spdlog::info("job {}: worker \"{}\" ({}) admitted as rank {}{} in generation {} at step {} "
                "(floor {} = largest step reported {} + margin {}; {:.1f} steps/s)",
-               id(), m.worker_id, m.host, rank,
+               id(), m.worker_id, m.host,
+               change.admitted_ranks.size() > 1
+                   ? absl::StrCat(rank, " with ranks ", absl::StrJoin(change.admitted_ranks, ","),
+                                  " of its replica")
+                   : absl::StrCat(rank),
                change.replaced_live_member ? " (its earlier membership departed)" : "",
                membership_.generation(), change.admission_step, change.admission_floor,
                change.max_reported_step, change.admission_margin,
                std::max(0.0, membership_.steps_per_second()));
   AddEvent(v1::JobEvent::MEMBER_ADMITTED, rank,
-           absl::StrCat("worker \"", m.worker_id, "\" admitted as rank ", rank, " at step ",
-                        change.admission_step),
+           change.admitted_ranks.size() > 1
+               ? absl::StrCat("replica ", rank / membership_.replica_size(), " (ranks ",
+                              absl::StrJoin(change.admitted_ranks, ","), ") admitted at step ",
+                              change.admission_step)
+               : absl::StrCat("worker \"", m.worker_id, "\" admitted as rank ", rank,
+                              " at step ", change.admission_step),
            true, out);
   OnMembershipChange(change, out);
   v1::JoinResponse response;
@@ -225,7 +276,7 @@ void Job::AnswerAdmission(int32_t rank, const MembershipChange& change, std::str
 
 void Job::CompleteRound(Outbox* out) {
   const int64_t generation = membership_.generation();
-  for (JoinWait& w : waits_.TakeAllJoins()) {
+  for (JoinWait& w : waits_.TakeRoundJoins()) {
     v1::JoinResponse response;
     FillJoinResponse(w.rank, &response);
     response.set_credential(std::move(w.credential));
@@ -247,7 +298,9 @@ void Job::OnMembershipChange(const MembershipChange& change, Outbox* out) {
         change.shrunk     ? "; its survivors continue in the new generation"
         : change.admitted ? "; every live member continues in the new generation"
                           : "; re-join");
-    FailAllWaits(absl::AbortedError(why), out);
+    // Replacements waiting for their replica go on waiting while the job runs on.
+    FailAllWaits(absl::AbortedError(why), out,
+                 /*keep_replica_waits=*/change.shrunk || change.admitted);
     comm_ids_.Clear();
     if (change.admitted) {
       spdlog::info("job {}: generation {} -> {}: {}; elastic: RUNNING with {} of {} ranks{}", id(),
@@ -259,10 +312,14 @@ void Job::OnMembershipChange(const MembershipChange& change, Outbox* out) {
                                       ")"));
     } else if (change.shrunk) {
       spdlog::warn("job {}: generation {} -> {}: {}; elastic: RUNNING on with {} of {} ranks "
-                   "(vacant: {})",
+                   "(vacant: {}){}",
                    id(), change.old_generation, membership_.generation(), change.reason,
                    membership_.round_size(), membership_.world_size(),
-                   absl::StrJoin(membership_.VacantRanks(), ", "));
+                   absl::StrJoin(membership_.VacantRanks(), ", "),
+                   change.retired.empty()
+                       ? std::string()
+                       : absl::StrCat("; ranks ", absl::StrJoin(change.retired, ", "),
+                                      " retired with their replica"));
     } else {
       spdlog::warn("job {}: generation {} -> {}: {}{}", id(), change.old_generation,
                    membership_.generation(), change.reason,
@@ -298,12 +355,12 @@ void Job::FillJoinResponse(int32_t rank, v1::JoinResponse* out) const {
     s->set_level(level);
     s->set_period(schedule_.spec().levels[level].period);
     s->set_subgroup(g.index);
-    for (int32_t i = 0; i < g.size; ++i) s->add_ranks(g.first_rank + i);
+    for (int32_t i = 0; i < g.size; ++i) s->add_ranks(g.RankAt(i));
   }
 }
 
-void Job::FailAllWaits(const absl::Status& status, Outbox* out) {
-  for (JoinWait& w : waits_.TakeAllJoins()) {
+void Job::FailAllWaits(const absl::Status& status, Outbox* out, bool keep_replica_waits) {
+  for (JoinWait& w : keep_replica_waits ? waits_.TakeRoundJoins() : waits_.TakeAllJoins()) {
     out->Complete([cb = std::move(w.done), status]() mutable { cb(status); });
   }
   for (CommIdWait& w : waits_.TakeAllCommIds()) {
@@ -543,7 +600,7 @@ absl::Status Job::Leave(const v1::LeaveRequest& request, v1::LeaveResponse* resp
     return absl::OkStatus();
   }
   absl::StatusOr<Membership::LeaveResult> left =
-      membership_.Leave(rank, reason, clock_->Now(), id());
+      membership_.Leave(rank, reason, clock_->Now(), id(), request.next_step());
   if (!left.ok()) return left.status();
   if (left->left) {
     spdlog::info("job {}: {} (worker \"{}\", generation {})", id(), reason,
@@ -855,6 +912,10 @@ void Job::DeclareDead(const std::vector<int32_t>& dead, absl::Time now, Outbox* 
 
 void Job::ExpireWaits(absl::Time now, Outbox* out) {
   for (JoinWait& w : waits_.TakeExpiredJoins(now)) {
+    if (w.for_replica) {
+      ExpireReplicaWait(std::move(w), out);
+      continue;
+    }
     const std::string missing = membership_.MissingRanks(kMaxListedRanks);
     std::string msg = absl::StrCat(
         "join of job ", id(), " (generation ", membership_.generation(), ") timed out: ",
@@ -870,7 +931,7 @@ void Job::ExpireWaits(absl::Time now, Outbox* out) {
   }
   for (CommIdWait& w : waits_.TakeExpiredCommIds(now)) {
     const auto& [level, subgroup, key] = w.key;
-    const int32_t leader = schedule_.spec().levels[level].group_size * subgroup;
+    const int32_t leader = schedule_.Subgroup(level, subgroup).first_rank;
     std::string msg = absl::StrCat(
         "no id was published for level ", level, ", subgroup ", subgroup, ", key \"", key,
         "\" of job ", id(), " in generation ", membership_.generation(),
@@ -879,6 +940,26 @@ void Job::ExpireWaits(absl::Time now, Outbox* out) {
       cb(absl::DeadlineExceededError(msg));
     });
   }
+}
+
+void Job::ExpireReplicaWait(JoinWait w, Outbox* out) {
+  const int32_t s = membership_.replica_size();
+  const int32_t replica = w.rank / s;
+  std::vector<int32_t> joined, missing;
+  for (int32_t r = replica * s; r < replica * s + s; ++r) {
+    (membership_.Waiting(r) ? joined : missing).push_back(r);
+  }
+  std::string msg = absl::StrCat(
+      "join of job ", id(), " as rank ", w.rank, " timed out: a replacement replica is admitted "
+      "whole, and ranks ", absl::StrJoin(missing, ", "), " of replica ", replica,
+      " did not join (joined: ", absl::StrJoin(joined, ", "),
+      "); start every rank of the replica or raise join_timeout_ms");
+  spdlog::warn("job {}: rank {} waited for its replica {} in vain (missing ranks: {})", id(),
+               w.rank, replica, absl::StrJoin(missing, ", "));
+  membership_.Withdraw(w.rank);  // it only waited: nothing of it was written
+  out->Complete([cb = std::move(w.done), msg = std::move(msg)]() mutable {
+    cb(absl::DeadlineExceededError(msg));
+  });
 }
 
 void Job::ToProto(v1::Job* out, int64_t max_bytes) const {
@@ -925,6 +1006,12 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members, int64_t max_bytes) cons
     p->set_state(m.state);
     p->set_generation(m.generation);
     p->set_admitted_step(m.admitted_step);
+    p->set_replica(schedule_.ReplicaOf(r));
+    p->set_shard(schedule_.ShardOf(r));
+    if (m.state == v1::RETIRED) {
+      p->set_retired_by(m.retired_by);
+      p->set_retired_at_step(m.retired_at_step);
+    }
   }
   out->set_min_step(min_step);
   out->set_max_step(max_step);
@@ -934,6 +1021,7 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members, int64_t max_bytes) cons
   out->set_created_unix_ms(created_unix_ms_);
   out->set_live_world_size(membership_.round_size());
   for (int32_t r : membership_.VacantRanks()) out->add_vacant_ranks(r);
+  for (int32_t r : membership_.WaitingRanks()) out->add_waiting_ranks(r);
   out->set_deaths(deaths_);
   out->set_admissions(admissions_);
   out->set_nonfinite_reports(nonfinite_reports_);

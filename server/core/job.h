@@ -229,6 +229,14 @@ class Job {
   // How long a silence of every member is ridden through before the silent are declared dead
   // as usual (they may all be gone: a whole job killed at once).
   absl::Duration MaxSilentTogether() const { return 3 * heartbeat_timeout_; }
+  // A sharded replacement waits for the rest of its replica (Membership::Waiting) until
+  // `deadline`; `superseding`: the same worker waited already (its older Join ends).
+  void WaitForReplica(int32_t rank, bool superseding, std::string credential,
+                      absl::Time deadline, WaitId wait_id, JoinCallback done, Outbox* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A replacement waited for its replica past its deadline: DEADLINE_EXCEEDED naming the ranks
+  // that did not join.
+  void ExpireReplicaWait(JoinWait wait, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers the Join of a replacement admitted into the running elastic job (at once).
   void AnswerAdmission(int32_t rank, const MembershipChange& change, std::string credential,
                        JoinCallback done, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -248,8 +256,10 @@ class Job {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails the Join and GetCommId waits whose deadline passed.
   void ExpireWaits(absl::Time now, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Completes every pending Join and GetCommId of the job with `status`.
-  void FailAllWaits(const absl::Status& status, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Completes every pending Join and GetCommId of the job with `status` (with
+  // `keep_replica_waits`, not the Joins of replacements waiting for their replica).
+  void FailAllWaits(const absl::Status& status, Outbox* out, bool keep_replica_waits = false)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FillJoinResponse(int32_t rank, v1::JoinResponse* out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string StaleMessage(int64_t generation) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

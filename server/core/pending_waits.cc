@@ -43,6 +43,10 @@ std::optional<JoinWait> PendingWaits::TakeJoinOfRank(int32_t rank) {
 
 std::vector<JoinWait> PendingWaits::TakeAllJoins() { return std::exchange(joins_, {}); }
 
+std::vector<JoinWait> PendingWaits::TakeRoundJoins() {
+  return TakeIf(joins_, [](const JoinWait& w) { return !w.for_replica; });
+}
+
 std::vector<CommIdWait> PendingWaits::TakeCommIds(const CommKey& key) {
   return TakeIf(comm_ids_, [&](const CommIdWait& w) { return w.key == key; });
 }

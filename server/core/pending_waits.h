@@ -33,6 +33,9 @@ struct JoinWait {
   std::string credential;
   absl::Time deadline;
   JoinCallback done;
+  // A sharded replacement waiting for the rest of its replica (Membership::Waiting), not for a
+  // round: a generation change of the running job does not end it.
+  bool for_replica = false;
 };
 
 struct CommIdWait {
@@ -51,6 +54,8 @@ class PendingWaits {
   std::optional<JoinWait> TakeJoinOfRank(int32_t rank);
   // Every pending Join, taken out.
   std::vector<JoinWait> TakeAllJoins();
+  // Every pending Join but those waiting for their replica, taken out.
+  std::vector<JoinWait> TakeRoundJoins();
   // The GetCommId waits for `key`, taken out.
   std::vector<CommIdWait> TakeCommIds(const CommKey& key);
   // Every GetCommId wait, taken out.

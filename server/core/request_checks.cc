@@ -66,7 +66,7 @@ absl::Status CheckCommRequest(const Schedule& schedule, int32_t level, int32_t s
     return absl::InvalidArgumentError(absl::StrCat("level ", level, " is outside [0, ",
                                                    schedule.num_levels(), ") for job ", job_id));
   }
-  const int32_t groups = schedule.world_size() / schedule.spec().levels[level].group_size;
+  const int32_t groups = schedule.NumSubgroups(level);
   if (subgroup < 0 || subgroup >= groups) {
     return absl::InvalidArgumentError(absl::StrCat("subgroup ", subgroup, " is outside [0, ",
                                                    groups, ") at level ", level, " of job ",

@@ -44,6 +44,8 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .PENDING { background: #fff2c7; color: #6b5200; }
 .FINISHED, .LEFT { background: #e3e6ec; color: #3b4252; }
 .DEAD, .VACANT { background: #fbd9d9; color: #8a1111; }
+.RETIRED { background: #fde6c8; color: #7a4100; }
+tr.replica th { background: #f6f7fa; font-weight: 500; }
 .lagging { color: #8a1111; font-weight: 600; }
 .kv { display: grid; grid-template-columns: max-content auto; gap: 2px 14px; }
 .kv dt { color: #5c6577; } .kv dd { margin: 0; }
@@ -211,10 +213,13 @@ std::string Timeline(const Schedule& schedule, int64_t from, int64_t search, int
   constexpr size_t kListed = 12;
   for (const Mark& m : marks) {
     if (items.size() == kListed) break;
+    // Sharded replicas: S groups per block, one per shard, of g / S ranks each.
     const int32_t g = spec.levels[m.level].group_size;
-    items.push_back(absl::StrCat(m.step, " (level ", m.level, ", ", spec.world_size / g,
-                                 spec.world_size / g == 1 ? " group" : " groups", " of ", g,
-                                 ")"));
+    const int32_t groups = schedule.NumSubgroups(m.level);
+    const int32_t size = g / spec.replica_size;
+    items.push_back(absl::StrCat(m.step, " (level ", m.level, ", ", groups,
+                                 groups == 1 ? " group" : " groups", " of ", size,
+                                 spec.replica_size > 1 ? " ranks, one shard each" : "", ")"));
   }
   *listing = absl::StrCat("<p class=\"note\" id=\"next-steps\">Next averaging steps: ",
                           HtmlEscape(absl::StrJoin(items, ", ")),
@@ -508,8 +513,18 @@ HttpResponse StatusPage::JobPage(const std::string& job_id) const {
           ? absl::StrCat("<dt>elastic</dt><dd>runs on with at least ", spec.min_world_size(),
                          " ranks</dd>")
           : std::string(),
+      spec.replica_size() > 1
+          ? absl::StrCat("<dt>replicas</dt><dd id=\"replicas\">", spec.world_size() /
+                             spec.replica_size(), " of ", spec.replica_size(),
+                         " ranks each (rank r holds shard r % ", spec.replica_size(),
+                         " of replica r / ", spec.replica_size(), ")</dd>")
+          : std::string(),
       "<dt>vacant ranks</dt><dd>",
       j.vacant_ranks().empty() ? "none" : absl::StrJoin(j.vacant_ranks(), ", "), "</dd>",
+      j.waiting_ranks().empty()
+          ? std::string()
+          : absl::StrCat("<dt>waiting for their replica</dt><dd>",
+                         absl::StrJoin(j.waiting_ranks(), ", "), "</dd>"),
       "<dt>deaths</dt><dd id=\"deaths\">", j.deaths(), "</dd>", "<dt>admissions</dt><dd>",
       j.admissions(), "</dd>", "<dt>non-finite reports</dt><dd id=\"nonfinite\">",
       NonFiniteText(j), "</dd>", "<dt>steps</dt><dd>",
@@ -530,10 +545,13 @@ HttpResponse StatusPage::JobPage(const std::string& job_id) const {
   if (j.members_omitted()) {
     absl::StrAppend(&body, "<p class=\"note\">Too many members to list.</p>");
   } else {
+    // Sharded replicas: the members grouped by replica, each group under a row naming it.
+    const int32_t replica_size = std::max(1, spec.replica_size());
     absl::StrAppend(&body,
                     "<table id=\"members\"><tr><th>rank</th><th>worker</th><th>host</th>"
                     "<th>state</th><th>step</th><th>lag</th><th>ms since heartbeat</th>"
                     "<th>admitted at step</th><th>joined generation</th></tr>");
+    int32_t replica_shown = -1;
     int shown = 0;
     const int64_t leader = j.max_step();
     const int64_t lag_alarm = std::max<int64_t>(2, spec.levels_size() > 0
@@ -543,7 +561,18 @@ HttpResponse StatusPage::JobPage(const std::string& job_id) const {
     for (const v1::Member& m : j.members()) {
       if (shown++ >= options_.max_member_rows) break;
       if (m.rank() >= 0 && m.rank() < spec.world_size()) listed[m.rank()] = true;
+      if (replica_size > 1 && m.replica() != replica_shown) {
+        replica_shown = m.replica();
+        absl::StrAppend(&body, "<tr class=\"replica\" data-replica=\"", m.replica(),
+                        "\"><th colspan=\"9\">replica ", m.replica(), " (ranks ",
+                        m.replica() * replica_size, "..", m.replica() * replica_size +
+                        replica_size - 1, ")</th></tr>");
+      }
       const std::string state = v1::MemberState_Name(m.state());
+      // A retired member: which rank's loss retired its replica.
+      const std::string why = m.state() == v1::RETIRED
+                                  ? absl::StrCat(" (rank ", m.retired_by(), " lost)")
+                                  : std::string();
       // Lag behind the leader, for the members of the current generation.
       const int64_t lag = (m.state() == v1::ALIVE && m.generation() == j.generation() &&
                            m.last_step() >= 0 && leader >= 0)
@@ -552,7 +581,7 @@ HttpResponse StatusPage::JobPage(const std::string& job_id) const {
       absl::StrAppend(
           &body, "<tr class=\"member", m.state() == v1::DEAD ? " dead" : "", "\" data-rank=\"",
           m.rank(), "\">", TdNum(m.rank()),
-          Td(m.worker_id()), Td(m.host()), "<td>", StateSpan(state), "</td>",
+          Td(m.worker_id()), Td(m.host()), "<td>", StateSpan(state), why, "</td>",
           TdStep(m.last_step()),
           lag < 0 ? std::string("<td class=\"num\">&ndash;</td>")
                   : absl::StrCat("<td class=\"num", lag > lag_alarm ? " lagging" : "", "\">",

@@ -5,6 +5,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace modelavg::server {
 namespace {
@@ -37,23 +38,37 @@ bool InsideDelayedSync(const Schedule& schedule, int64_t step) {
   return false;
 }
 
-absl::StatusOr<int64_t> FindAdmissionStep(const Schedule& schedule, int32_t rank,
+absl::StatusOr<int64_t> FindAdmissionStep(const Schedule& schedule,
+                                          const std::vector<int32_t>& ranks,
                                           const std::vector<int64_t>& from_step, int64_t floor,
                                           const std::string& job_id) {
-  // Per level, the earliest step from which a member of rank's block other than rank averages.
+  const auto newcomer = [&](int32_t r) {
+    return std::find(ranks.begin(), ranks.end(), r) != ranks.end();
+  };
+  // Per level, the earliest step from which every newcomer has in its subgroup a member that
+  // is not a newcomer: the latest of the newcomers' earliest such members.
   std::vector<int64_t> earliest(schedule.num_levels(), kNotMember);
   bool any = false;
   for (int level = 0; level < schedule.num_levels(); ++level) {
-    const SubgroupRange g = schedule.SubgroupOf(level, rank);
-    for (int32_t r = g.first_rank; r < g.first_rank + g.size; ++r) {
-      if (r != rank) earliest[level] = std::min(earliest[level], from_step[r]);
+    int64_t latest = -1;
+    for (int32_t rank : ranks) {
+      int64_t mine = kNotMember;
+      for (int32_t r : schedule.SubgroupOf(level, rank).Ranks()) {
+        if (!newcomer(r)) mine = std::min(mine, from_step[r]);
+      }
+      latest = std::max(latest, mine);
     }
+    earliest[level] = ranks.empty() ? kNotMember : latest;
     any = any || earliest[level] != kNotMember;
   }
+  const std::string who = ranks.size() == 1
+                              ? absl::StrCat("rank ", ranks[0])
+                              : absl::StrCat("ranks ", absl::StrJoin(ranks, ","));
   if (!any) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "job ", job_id, " has no live member other than rank ", rank,
-        " to give a replacement its parameters; it cannot be admitted"));
+        "job ", job_id, " has no live member other than ", who,
+        " to give a replacement its parameters (with sharded replicas: a live replica that "
+        "holds the same shards); it cannot be admitted"));
   }
   // Steps far beyond any real run keep the arithmetic below clear of overflow.
   constexpr int64_t kMaxFloor = std::numeric_limits<int64_t>::max() / 4;
@@ -72,7 +87,7 @@ absl::StatusOr<int64_t> FindAdmissionStep(const Schedule& schedule, int32_t rank
   }
   return absl::FailedPreconditionError(absl::StrCat(
       "job ", job_id, ": no averaging step in [", start, ", ", end,
-      ") gives rank ", rank, " a live peer in its subgroup (one admitted before that step) to "
+      ") gives ", who, " a live peer in its subgroup (one admitted before that step) to "
       "receive the parameters from; a replacement is admitted at an averaging step of a block "
       "that still has a live member"));
 }

@@ -32,9 +32,12 @@ inline constexpr int64_t kNotMember = INT64_MAX;
 // rank r is a member of its subgroups' averaging: -1 for a member of the world that started
 // the job (and for every rank while the job is not RUNNING), the admission step of a
 // replacement, kNotMember for a vacant rank. A decision at step s lists the ranks with
-// from_step <= s as members, and those with from_step == s as joining.
+// from_step <= s < until_step as members, and those with from_step == s as joining.
 struct MemberSteps {
   std::vector<int64_t> from_step;
+  // Per rank, the first step at which it is no longer a member: kNotMember (never) but for the
+  // replica mates of a rank that left in order (Member::retired_at_step).
+  std::vector<int64_t> until_step;
   // Every rank is a member at every step (no vacancy, no replacement): decisions are the
   // schedule's.
   bool all_from_start = true;
@@ -45,16 +48,24 @@ struct MemberSteps {
 // members' outer state is then half-way through a sync, so no replacement is admitted there.
 bool InsideDelayedSync(const Schedule& schedule, int64_t step);
 
-// The admission step of a replacement taking `rank`: the first step s >= max(floor, 1) at
-// which the schedule averages (at level L), no delayed sync is pending (InsideDelayedSync),
-// and `rank`'s block at L has a rank other than `rank`
-// with from_step[r] < s (a live member admitted before s, whose parameters it can receive).
-// `from_step` as MemberSteps, with `rank` itself ignored. FAILED_PRECONDITION when no such step
-// is among the next kMaxAdmissionScan steps (no block of `rank` has a live member, or the
-// period that would give one is too far).
-absl::StatusOr<int64_t> FindAdmissionStep(const Schedule& schedule, int32_t rank,
+// The admission step of replacements taking `ranks` (one rank, or the ranks of a replica
+// admitted whole): the first step s >= max(floor, 1) at which the schedule averages (at level
+// L), no delayed sync is pending (InsideDelayedSync), and each of `ranks` has in its subgroup at
+// L a rank outside `ranks` with from_step[r] < s (a live member admitted before s, whose
+// parameters it can receive: with sharded replicas, one that holds its shard). `from_step` as
+// MemberSteps, with `ranks` themselves ignored. FAILED_PRECONDITION when no such step is among
+// the next kMaxAdmissionScan steps (no subgroup of a newcomer has a live member, or the period
+// that would give one is too far).
+absl::StatusOr<int64_t> FindAdmissionStep(const Schedule& schedule,
+                                          const std::vector<int32_t>& ranks,
                                           const std::vector<int64_t>& from_step, int64_t floor,
                                           const std::string& job_id);
+// The same for one replacement taking `rank`.
+inline absl::StatusOr<int64_t> FindAdmissionStep(const Schedule& schedule, int32_t rank,
+                                                 const std::vector<int64_t>& from_step,
+                                                 int64_t floor, const std::string& job_id) {
+  return FindAdmissionStep(schedule, std::vector<int32_t>{rank}, from_step, floor, job_id);
+}
 
 }  // namespace modelavg::server
 

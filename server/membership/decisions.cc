@@ -38,7 +38,7 @@ bool ApplyMembers(const MemberSteps& view, v1::StepDecision* d) {
   bool left_out = false;
   for (int32_t r : d->ranks()) {
     const int64_t from = view.from_step[r];
-    if (from == kNotMember || from > step) {
+    if (from == kNotMember || from > step || step >= view.until_step[r]) {
       left_out = true;
       continue;
     }
@@ -77,8 +77,10 @@ absl::Status CheckDecisionWindow(const Schedule& schedule, const v1::GetSchedule
       bytes += 20;
       continue;
     }
+    // Subgroups of g / S ranks, world / g * S of them.
     const int64_t g = schedule.spec().levels[level].group_size;
-    bytes += request.has_rank() ? 20 + g : 20 * (world / g) + int64_t{world};
+    const int64_t shards = schedule.replica_size();
+    bytes += request.has_rank() ? 20 + g / shards : 20 * (world / g * shards) + int64_t{world};
     if (bytes > kMaxScheduleReplyBytes) return absl::InvalidArgumentError(TooBig(request));
   }
   return absl::OkStatus();

@@ -32,6 +32,12 @@ struct Member {
   // started the job (or re-formed it after a fall-back to PENDING), its admission step for a
   // replacement admitted into the RUNNING elastic job.
   int64_t admitted_step = -1;
+  // RETIRED (sharded replicas, JobSpec.replica_size): the rank whose death, Leave or failure
+  // retired this member's replica, and the first step at which this member no longer takes
+  // part in the averaging: 0 after a death or a failure (at once); after an orderly Leave, the
+  // first step the leaver did not start (its replica mates finish the steps it finished).
+  int32_t retired_by = -1;
+  int64_t retired_at_step = 0;
 
   bool present() const { return !worker_id.empty(); }
 };

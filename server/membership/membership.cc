@@ -62,10 +62,16 @@ std::shared_ptr<const MemberSteps> Membership::DecisionMembers() const {
   if (decision_members_ != nullptr) return decision_members_;
   auto view = std::make_shared<MemberSteps>();
   view->from_step.assign(members_.size(), -1);
+  view->until_step.assign(members_.size(), kNotMember);
   if (state_ == v1::RUNNING) {
     for (int32_t r = 0; r < world_size(); ++r) {
       const LiveMember& m = members_[r];
-      if (!InRound(m)) {
+      if (Lingering(m)) {
+        // A replica mate of a rank that left in order: a member until its retired_at_step.
+        view->from_step[r] = m.admitted_step >= 0 ? m.admitted_step : -1;
+        view->until_step[r] = m.retired_at_step;
+        view->all_from_start = false;
+      } else if (!InRound(m)) {
         view->from_step[r] = kNotMember;
         view->all_from_start = false;
       } else if (m.admitted_step >= 0) {
@@ -139,7 +145,7 @@ absl::StatusOr<Membership::JoinResult> Membership::JoinInMemory(const Joiner& jo
         "job ", job_id, " is FINISHED (every member left); create a new job to train again"));
   }
   if (state_ == v1::RUNNING && elastic()) {
-    return Admit(joiner, now, job_id);
+    return replica_size() > 1 ? AdmitToReplica(joiner, now, job_id) : Admit(joiner, now, job_id);
   }
   absl::StatusOr<int32_t> rank = ChooseRank(joiner, job_id);
   if (!rank.ok()) return rank.status();
@@ -262,7 +268,7 @@ absl::StatusOr<Membership::Vacancy> Membership::FindVacancy(const Joiner& joiner
 }
 
 absl::StatusOr<Membership::AdmissionStep> Membership::ChooseAdmissionStep(
-    int32_t rank, const std::string& job_id) const {
+    const std::vector<int32_t>& ranks, const std::string& job_id) const {
   const int32_t world = world_size();
   // The floor: past every step a live member may have reached before it hears of the new
   // generation. A member that never reported its step (it just joined, or this coordinator
@@ -272,7 +278,7 @@ absl::StatusOr<Membership::AdmissionStep> Membership::ChooseAdmissionStep(
   std::vector<int64_t> from_step(world, kNotMember);
   for (int32_t r = 0; r < world; ++r) {
     const LiveMember& m = members_[r];
-    if (r == rank || !InRound(m)) continue;
+    if (!InRound(m) || std::find(ranks.begin(), ranks.end(), r) != ranks.end()) continue;
     from_step[r] = m.admitted_step;
     if (m.last_step >= 0) {
       max_reported = std::max(max_reported, m.last_step);
@@ -300,7 +306,7 @@ absl::StatusOr<Membership::AdmissionStep> Membership::ChooseAdmissionStep(
   const int64_t floor = max_reported > std::numeric_limits<int64_t>::max() - margin
                             ? std::numeric_limits<int64_t>::max()
                             : max_reported + margin;
-  absl::StatusOr<int64_t> step = FindAdmissionStep(schedule_, rank, from_step, floor, job_id);
+  absl::StatusOr<int64_t> step = FindAdmissionStep(schedule_, ranks, from_step, floor, job_id);
   if (!step.ok()) return step.status();
   return AdmissionStep{*step, floor, margin, max_reported};
 }
@@ -310,7 +316,7 @@ absl::StatusOr<Membership::JoinResult> Membership::Admit(const Joiner& joiner, a
   absl::StatusOr<Vacancy> vacancy = FindVacancy(joiner, job_id);
   if (!vacancy.ok()) return vacancy.status();
   const int32_t rank = vacancy->rank;
-  absl::StatusOr<AdmissionStep> step = ChooseAdmissionStep(rank, job_id);
+  absl::StatusOr<AdmissionStep> step = ChooseAdmissionStep({rank}, job_id);
   if (!step.ok()) return step.status();
 
   const int64_t old_generation = generation_;
@@ -331,6 +337,120 @@ absl::StatusOr<Membership::JoinResult> Membership::Admit(const Joiner& joiner, a
   CarryOver(old_generation, /*except=*/rank);
   Seat(rank, joiner.worker_id, joiner.host, now, joiner.new_digest, step->step);
   ++round_size_;
+  return result;
+}
+
+std::string Membership::ReplicaName(int32_t replica) const {
+  const int32_t s = replica_size();
+  return absl::StrCat("replica ", replica, " (ranks ", replica * s, "..", replica * s + s - 1,
+                      ")");
+}
+
+std::vector<int32_t> Membership::WaitingRanks() const {
+  std::vector<int32_t> out;
+  for (const auto& [rank, w] : waiting_) out.push_back(rank);
+  return out;
+}
+
+absl::StatusOr<int32_t> Membership::FindReplicaVacancy(const Joiner& joiner,
+                                                       const std::string& job_id) const {
+  const int32_t s = replica_size();
+  const auto live = [&](int32_t replica) {
+    for (int32_t r = replica * s; r < replica * s + s; ++r) {
+      if (InRound(members_[r])) return true;
+    }
+    return false;
+  };
+  if (joiner.rank.has_value()) {
+    const int32_t rank = *joiner.rank;
+    if (auto w = waiting_.find(rank); w != waiting_.end()) {
+      if (w->second.worker_id == joiner.worker_id) return rank;  // the same Join, retried
+      return absl::AlreadyExistsError(absl::StrCat(
+          "rank ", rank, " of job ", job_id, " is taken by worker \"", w->second.worker_id,
+          "\", which waits for the rest of ", ReplicaName(rank / s),
+          " to join; ask for another rank of that replica or leave rank unset"));
+    }
+    if (InRound(members_[rank])) {
+      if (CredentialMatches(joiner.credential, members_[rank].credential_digest)) {
+        return absl::UnavailableError(absl::StrCat(
+            "rank ", rank, " of job ", job_id, " is still held by this worker's earlier "
+            "membership, alive in ", ReplicaName(rank / s),
+            ": a sharded replica is replaced whole, once the coordinator has declared the "
+            "earlier membership dead (within its heartbeat timeout) and retired its replica; "
+            "retry (the modelavg client retries by itself)"));
+      }
+      return HeldByOther(rank, job_id);
+    }
+    if (live(rank / s)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", rank, " of job ", job_id, " belongs to ", ReplicaName(rank / s),
+          ", which has live ranks: a replacement replica takes the ranks of a vacant replica "
+          "(one whose ranks all died, left or were retired); vacant ranks: ",
+          absl::StrJoin(VacantRanks(), ",")));
+    }
+    return rank;
+  }
+  for (const auto& [rank, w] : waiting_) {
+    if (w.worker_id == joiner.worker_id) return rank;  // the same Join, retried
+  }
+  for (int32_t replica = 0; replica < world_size() / s; ++replica) {
+    if (live(replica)) continue;
+    for (int32_t r = replica * s; r < replica * s + s; ++r) {
+      if (!Waiting(r)) return r;
+    }
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "job ", job_id, " is full: an elastic job RUNNING in generation ", generation_,
+      " with every replica alive or already being replaced; a replacement replica is "
+      "admitted only into a vacant replica (one whose ranks died, left or were retired)"));
+}
+
+absl::StatusOr<Membership::JoinResult> Membership::AdmitToReplica(const Joiner& joiner,
+                                                                  absl::Time now,
+                                                                  const std::string& job_id) {
+  absl::StatusOr<int32_t> rank = FindReplicaVacancy(joiner, job_id);
+  if (!rank.ok()) return rank.status();
+  const int32_t s = replica_size();
+  const int32_t replica = *rank / s;
+  JoinResult result;
+  result.rank = *rank;
+  result.was_in_round = Waiting(*rank);
+  waiting_[*rank] = WaitingJoiner{joiner.worker_id, joiner.host, joiner.new_digest};
+  std::vector<int32_t> ranks;
+  std::vector<std::string> workers;
+  for (int32_t r = replica * s; r < replica * s + s; ++r) {
+    auto w = waiting_.find(r);
+    if (w == waiting_.end()) {
+      // The rest of the replica has not joined yet: nothing to write until it has.
+      result.waiting_for_replica = true;
+      return result;
+    }
+    ranks.push_back(r);
+    workers.push_back(w->second.worker_id);
+  }
+  // The whole replica has joined: admitted together, at one step, in one new generation.
+  absl::StatusOr<AdmissionStep> step = ChooseAdmissionStep(ranks, job_id);
+  if (!step.ok()) return step.status();
+  const int64_t old_generation = generation_;
+  result.change = Bump(*rank,
+                       absl::StrCat(ReplicaName(replica), " was admitted at step ", step->step,
+                                    " (workers \"", absl::StrJoin(workers, "\", \""), "\")"),
+                       now);
+  result.change.admitted = true;
+  result.change.admitted_ranks = ranks;
+  result.change.admission_step = step->step;
+  result.change.admission_floor = step->floor;
+  result.change.admission_margin = step->margin;
+  result.change.max_reported_step = step->max_reported;
+  state_ = v1::RUNNING;
+  CarryOver(old_generation, /*except=*/-1);
+  for (int32_t r : ranks) {
+    const WaitingJoiner w = waiting_[r];
+    waiting_.erase(r);
+    Seat(r, w.worker_id, w.host, now, w.digest, step->step);
+    ++round_size_;
+    if (r != *rank) result.admitted_with.push_back(r);
+  }
   return result;
 }
 
@@ -357,6 +477,8 @@ void Membership::Seat(int32_t rank, const std::string& worker_id, const std::str
   m.credential_digest = digest;
   m.joined_generation = generation_;
   m.admitted_step = admitted_step;
+  m.retired_by = -1;
+  m.retired_at_step = 0;
 }
 
 absl::Status Membership::CheckCredential(int32_t rank, const std::string& credential,
@@ -390,6 +512,7 @@ absl::Status Membership::CheckCredential(int32_t rank, const std::string& creden
 }
 
 void Membership::Withdraw(int32_t rank) {
+  if (waiting_.erase(rank) > 0) return;  // it only waited for its replica: nothing of it is kept
   if (InRound(members_[rank])) --round_size_;
   members_[rank] = LiveMember{};
   members_[rank].rank = rank;
@@ -400,14 +523,16 @@ void Membership::Withdraw(int32_t rank) {
 
 absl::StatusOr<Membership::LeaveResult> Membership::Leave(int32_t rank, const std::string& reason,
                                                           absl::Time now,
-                                                          const std::string& job_id) {
-  return Transact([&] { return LeaveInMemory(rank, reason, now, job_id); });
+                                                          const std::string& job_id,
+                                                          int64_t next_step) {
+  return Transact([&] { return LeaveInMemory(rank, reason, now, job_id, next_step); });
 }
 
 absl::StatusOr<Membership::LeaveResult> Membership::LeaveInMemory(int32_t rank,
                                                                   const std::string& reason,
                                                                   absl::Time now,
-                                                                  const std::string& job_id) {
+                                                                  const std::string& job_id,
+                                                                  int64_t next_step) {
   const LiveMember& m = members_[rank];
   if (!m.present()) {
     return absl::FailedPreconditionError(
@@ -417,6 +542,9 @@ absl::StatusOr<Membership::LeaveResult> Membership::LeaveInMemory(int32_t rank,
   if (m.state == v1::LEFT) return result;
   result.left = true;
   const bool in_round = InRound(m);
+  // A lingering replica mate (see Lingering) takes part in decisions: its peers must learn it
+  // is gone, as for a member of the round.
+  const bool lingering = Lingering(m);
   Mutable(rank).state = v1::LEFT;
   if (in_round && state_ == v1::PENDING) {
     // Leaving a round that is still assembling: free the rank, no bump needed.
@@ -425,8 +553,8 @@ absl::StatusOr<Membership::LeaveResult> Membership::LeaveInMemory(int32_t rank,
   }
   if (MaybeFinish()) {
     result.change.finished = true;
-  } else if (state_ == v1::RUNNING && in_round) {
-    result.change = Depart(rank, reason, now, /*orderly=*/true);
+  } else if (state_ == v1::RUNNING && (in_round || lingering)) {
+    result.change = Depart({rank}, reason, now, /*orderly=*/true, next_step);
   }
   return result;
 }
@@ -441,18 +569,66 @@ MembershipChange Membership::DieInMemory(const std::vector<int32_t>& ranks,
                                          const std::string& reason, absl::Time now) {
   if (ranks.empty()) return MembershipChange{};
   for (int32_t r : ranks) Mutable(r).state = v1::DEAD;
-  return Depart(ranks[0], reason, now, /*orderly=*/false);
+  return Depart(ranks, reason, now, /*orderly=*/false);
 }
 
-MembershipChange Membership::Depart(int32_t rank, const std::string& reason, absl::Time now,
-                                    bool orderly) {
+MembershipChange Membership::Depart(const std::vector<int32_t>& ranks,
+                                    const std::string& reason, absl::Time now, bool orderly,
+                                    int64_t next_step) {
+  const int32_t rank = ranks[0];
   if (state_ == v1::RUNNING && elastic()) {
-    int32_t live = 0;
-    for (const LiveMember& m : members_) live += InRound(m) ? 1 : 0;
+    // Sharded replicas: a replica that lost a rank cannot go on (its shards' collectives
+    // would wait for it): its live ranks are retired with it.
+    const int32_t s = replica_size();
+    std::vector<int32_t> replicas;
+    std::vector<int32_t> retire;
+    if (s > 1) {
+      for (int32_t r : ranks) {
+        if (std::find(replicas.begin(), replicas.end(), r / s) == replicas.end()) {
+          replicas.push_back(r / s);
+        }
+      }
+      std::sort(replicas.begin(), replicas.end());
+      for (int32_t replica : replicas) {
+        for (int32_t r = replica * s; r < replica * s + s; ++r) {
+          if (InRound(members_[r])) retire.push_back(r);
+        }
+      }
+    }
+    int32_t live = -static_cast<int32_t>(retire.size());
+    int32_t lingering = 0;
+    for (const LiveMember& m : members_) {
+      live += InRound(m) ? 1 : 0;
+      lingering += Lingering(m) ? 1 : 0;
+    }
     // An orderly Leave winds the job down (the end of a run, where workers finish at different
-    // times) without failing the others: only deaths count against min_world_size.
-    if (live >= min_world_size_ || (orderly && live > 0)) return Shrink(rank, reason, now);
+    // times) without failing the others — those still averaging their last steps included: only
+    // deaths count against min_world_size.
+    if (live >= min_world_size_ ||
+        (orderly && (live > 0 || lingering > 0 || !retire.empty()))) {
+      std::string why = reason;
+      for (int32_t r : retire) {
+        LiveMember& m = Mutable(r);
+        m.state = v1::RETIRED;
+        m.retired_by = rank;
+        for (int32_t d : ranks) {
+          if (d / s == r / s) m.retired_by = d;
+        }
+        // After an orderly Leave the mates finish the steps the leaver finished.
+        m.retired_at_step = orderly ? std::max<int64_t>(0, next_step) : 0;
+      }
+      for (int32_t replica : replicas) {
+        bool any = false;
+        for (int32_t r : retire) any = any || r / s == replica;
+        if (any) absl::StrAppend(&why, "; ", ReplicaName(replica), " retired");
+      }
+      MembershipChange change = Shrink(rank, why, now);
+      change.retired = std::move(retire);
+      return change;
+    }
   }
+  // The job falls back to PENDING: replacements waiting for their replica wait no more.
+  waiting_.clear();
   ResetProgress();
   return Bump(rank, reason, now);
 }
@@ -476,7 +652,7 @@ std::vector<int32_t> Membership::Stale(absl::Time now, absl::Duration timeout,
   absl::Time earliest = absl::InfiniteFuture();
   for (int32_t r = 0; r < world_size(); ++r) {
     const LiveMember& m = members_[r];
-    if (!InRound(m)) continue;
+    if (!InRound(m) && !Lingering(m)) continue;
     if (now - m.last_heartbeat > timeout ||
         (m.stream_lost_at != absl::InfiniteFuture() && now - m.stream_lost_at > lost_grace)) {
       stale.push_back(r);
@@ -494,15 +670,15 @@ std::vector<int32_t> Membership::Stale(absl::Time now, absl::Duration timeout,
 
 void Membership::StreamLost(int32_t rank, absl::Time now) {
   LiveMember& m = members_[rank];
-  if (InRound(m)) m.stream_lost_at = std::min(m.stream_lost_at, now);
+  if (InRound(m) || Lingering(m)) m.stream_lost_at = std::min(m.stream_lost_at, now);
   stale_not_before_ = absl::InfinitePast();
 }
 
 void Membership::Heartbeat(int32_t rank, int64_t generation, int64_t step, absl::Time now) {
   LiveMember& m = members_[rank];
   // Only the worker of that generation counts: a straggler of an older one keeps nobody alive.
-  if (m.present() && m.state == v1::ALIVE && generation >= m.joined_generation &&
-      generation <= generation_) {
+  if (m.present() && (m.state == v1::ALIVE || Lingering(m)) &&
+      generation >= m.joined_generation && generation <= generation_) {
     m.last_heartbeat = now;
     m.stream_lost_at = absl::InfiniteFuture();
     m.last_step = step;
@@ -639,6 +815,7 @@ absl::Status Membership::WriteAndKeep(MembershipChange* change) {
 void Membership::Begin() {
   tx_ = Transaction{state_,           generation_,       round_size_,       last_change_,
                     progress_max_,    rate_sample_time_, rate_sample_step_, steps_per_second_};
+  tx_->waiting = waiting_;
 }
 
 void Membership::Rollback() {
@@ -652,6 +829,7 @@ void Membership::Rollback() {
   rate_sample_step_ = tx.rate_sample_step;
   steps_per_second_ = tx.steps_per_second;
   for (auto& [rank, m] : tx.members) members_[rank] = std::move(m);
+  waiting_ = std::move(tx.waiting);
   decision_members_.reset();
   stale_not_before_ = absl::InfinitePast();
   tx_.reset();

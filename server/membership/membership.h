@@ -1,6 +1,8 @@
 // One job's membership and generations: who holds which rank, in which generation, and the
 // job's state (PENDING while a round assembles, RUNNING once complete, FINISHED once every member
-// left). A plain value class: no lock, no clock, no gRPC, no storage. Every operation reports
+// left). With sharded replicas (JobSpec.replica_size S > 1) an elastic job loses and admits whole
+// replicas: a rank that dies, leaves or fails retires the live ranks of its replica (RETIRED), and
+// a replacement replica's S ranks wait for each other and are admitted together. A plain value class: no lock, no clock, no gRPC, no storage. Every operation reports
 // what it changed (a MembershipChange: the generation moved, the round completed, which members'
 // records changed) and takes effect only once its writer (given at construction; Job's writes
 // the change to its StateStore) has accepted that report: when the writer fails, the operation
@@ -10,6 +12,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -55,14 +58,19 @@ struct MembershipChange {
   // departed ranks are vacant). False when it fell back to PENDING (strict, or below
   // min_world_size).
   bool shrunk = false;
+  // Sharded replicas: the live ranks of the departed ranks' replicas that were retired with them
+  // (RETIRED), ascending.
+  std::vector<int32_t> retired;
   // Elastic job: a replacement took `changed_by_rank` and the generation moved on with every
-  // live member and it (still RUNNING). It is admitted at `admission_step`, chosen from
+  // live member and it (still RUNNING). With sharded replicas the replica's ranks are admitted
+  // together (`admitted_ranks`, ascending; `changed_by_rank` is the last of them to join). It is admitted at `admission_step`, chosen from
   // `admission_floor` = the largest step the live members reported (`max_reported_step`, -1
   // if none) + `admission_margin`.
   bool admitted = false;
   // The newcomer took the rank of a live member (its holder re-joining with its credential, or
   // the same worker retrying its Join): that membership departed.
   bool replaced_live_member = false;
+  std::vector<int32_t> admitted_ranks;
   int64_t admission_step = -1;
   int64_t admission_floor = -1;
   int64_t admission_margin = 0;
@@ -93,6 +101,13 @@ class Membership {
     // The same worker was already in the current round (it retried): its older Join is
     // superseded.
     bool was_in_round = false;
+    // Sharded replicas: a replacement whose replica still misses ranks. It waits for them (its
+    // Join is answered once they have all joined); nothing was written. `was_in_round` says the
+    // same worker was already waiting (its older Join is superseded).
+    bool waiting_for_replica = false;
+    // The ranks of the replica that waited and are admitted now with `rank` (change.admitted):
+    // their Joins are answered too.
+    std::vector<int32_t> admitted_with;
     MembershipChange change;
   };
 
@@ -126,6 +141,11 @@ class Membership {
   v1::JobState state() const { return state_; }
   int64_t generation() const { return generation_; }
   int32_t round_size() const { return round_size_; }
+  // The ranks of one replica (1: every rank holds a whole one).
+  int32_t replica_size() const { return schedule_.replica_size(); }
+  // Sharded replicas: replacement ranks waiting for the rest of their replica (not members).
+  bool Waiting(int32_t rank) const { return waiting_.count(rank) > 0; }
+  std::vector<int32_t> WaitingRanks() const;
   const LiveMember& member(int32_t rank) const { return members_[rank]; }
   const std::optional<v1::GenerationChange>& last_change() const { return last_change_; }
   bool InRound(int32_t rank) const { return InRound(members_[rank]); }
@@ -139,12 +159,18 @@ class Membership {
   // same worker retrying a Join it got no answer to (worker_id, not heard from since), else the
   // lowest vacant rank; a new generation of every live member and the newcomer, RUNNING, with
   // the newcomer's admitted_step chosen by FindAdmissionStep from the members' reported steps.
+  // With sharded replicas the replacement takes the rank it asks for in a vacant replica (one
+  // with no live rank), else the lowest vacant rank of the lowest vacant replica, and waits
+  // (JoinResult::waiting_for_replica) until every rank of its replica has joined; then all of
+  // them are admitted together, at one admission step, in one new generation.
   // Errors:
   //   FAILED_PRECONDITION  FINISHED; RUNNING and the worker names no rank and holds none (strict
   //                        job) or no rank is vacant (elastic job: it is full); no admission step
-  //   ALREADY_EXISTS       another worker holds the rank, alive (the message names it)
+  //   ALREADY_EXISTS       another worker holds the rank, alive (the message names it), or
+  //                        waits in it for its replica
   //   UNAVAILABLE          elastic admission: a live member has not reported its step since it
-  //                        joined or the coordinator restarted (retry shortly)
+  //                        joined or the coordinator restarted (retry shortly); sharded: the
+  //                        rank's earlier member restarted and is not declared dead yet
   //   the writer's error   the change could not be written (nothing changed)
   absl::StatusOr<JoinResult> Join(const std::string& worker_id, const std::string& host,
                                   std::optional<int32_t> rank, absl::Time now,
@@ -158,18 +184,22 @@ class Membership {
 
   // Takes a rank out of a round that is still assembling (its Join was cancelled or timed out),
   // freeing it for anyone. Nothing is written now (nothing was for its seat); the removal is
-  // part of the next change that has hard state to write.
+  // part of the next change that has hard state to write. A rank waiting for its replica
+  // (Waiting) only stops waiting.
   void Withdraw(int32_t rank);
 
   // Orderly exit of a rank that joined at some point. FAILED_PRECONDITION if it never did; the
-  // writer's error (nothing changed).
+  // writer's error (nothing changed). `next_step`: the first step the leaver did not start
+  // (0: unknown); with sharded replicas its retired replica mates take part in the averaging
+  // of the steps before it (they finish the steps it finished, the end of a run).
   absl::StatusOr<LeaveResult> Leave(int32_t rank, const std::string& reason, absl::Time now,
-                                    const std::string& job_id);
+                                    const std::string& job_id, int64_t next_step = 0);
 
   // Marks `ranks` (members of the running round) DEAD and starts a new generation: in an
   // elastic job with at least min_world_size survivors, one of the survivors (still RUNNING,
-  // change.shrunk); otherwise a PENDING one that every worker must re-join. Fails only with the
-  // writer's error (nothing changed).
+  // change.shrunk; with sharded replicas the rest of each dead rank's replica is RETIRED);
+  // otherwise a PENDING one that every worker must re-join. Fails only with the writer's error
+  // (nothing changed).
   absl::StatusOr<MembershipChange> Die(const std::vector<int32_t>& ranks,
                                        const std::string& reason, absl::Time now);
 
@@ -202,6 +232,17 @@ class Membership {
   bool InRound(const Member& m) const {
     return m.present() && m.generation == generation_ && m.state == v1::ALIVE;
   }
+  // A replica mate of a rank that left in order: RETIRED, but a member of the averaging of the
+  // steps before its retired_at_step (and so still watched for its heartbeat).
+  static bool Lingering(const Member& m) {
+    return m.present() && m.state == v1::RETIRED && m.retired_at_step > 0;
+  }
+  // A worker waiting for the rest of its replica (sharded replacements); never written.
+  struct WaitingJoiner {
+    std::string worker_id;
+    std::string host;
+    std::string digest;
+  };
   // Runs `op` (one of the *InMemory operations below, returning a StatusOr of a result with its
   // MembershipChange) as one transaction: its change is completed with the hard state it
   // changed and handed to the writer; it is kept once the writer accepts it (or when there is
@@ -223,7 +264,8 @@ class Membership {
   // one, else (RUNNING) the holder's own, else the worker's earlier one, else the lowest free one.
   absl::StatusOr<int32_t> ChooseRank(const Joiner& joiner, const std::string& job_id) const;
   absl::StatusOr<LeaveResult> LeaveInMemory(int32_t rank, const std::string& reason,
-                                            absl::Time now, const std::string& job_id);
+                                            absl::Time now, const std::string& job_id,
+                                            int64_t next_step);
   MembershipChange DieInMemory(const std::vector<int32_t>& ranks, const std::string& reason,
                                absl::Time now);
   MembershipChange Bump(int32_t rank, const std::string& reason, absl::Time now);
@@ -234,7 +276,10 @@ class Membership {
   // Members of the running round departed (already marked DEAD or LEFT): Shrink when the job
   // is elastic and enough survive, Bump otherwise.
   // An `orderly` departure (Leave) of an elastic job shrinks it even below min_world_size.
-  MembershipChange Depart(int32_t rank, const std::string& reason, absl::Time now, bool orderly);
+  // With sharded replicas the live ranks of the departed ranks' replicas are retired (RETIRED)
+  // when the job goes on: at once, or after `next_step` for an orderly departure.
+  MembershipChange Depart(const std::vector<int32_t>& ranks, const std::string& reason,
+                          absl::Time now, bool orderly, int64_t next_step = 0);
   MembershipChange Shrink(int32_t rank, const std::string& reason, absl::Time now);
   // Join of a RUNNING elastic job: a replacement.
   absl::StatusOr<JoinResult> Admit(const Joiner& joiner, absl::Time now,
@@ -246,6 +291,15 @@ class Membership {
     bool replaced = false;
   };
   absl::StatusOr<Vacancy> FindVacancy(const Joiner& joiner, const std::string& job_id) const;
+  // Sharded replicas: the rank a replacement waits in (the one it asks for in a vacant replica,
+  // its own if it already waits, else the lowest vacant rank of the lowest vacant replica).
+  absl::StatusOr<int32_t> FindReplicaVacancy(const Joiner& joiner,
+                                             const std::string& job_id) const;
+  // Join of a RUNNING elastic job of sharded replicas: waits, or admits the whole replica.
+  absl::StatusOr<JoinResult> AdmitToReplica(const Joiner& joiner, absl::Time now,
+                                            const std::string& job_id);
+  // "replica 2 (ranks 4..5)".
+  std::string ReplicaName(int32_t replica) const;
   // When the replacement taking `rank` is admitted (MembershipChange's admission_* figures).
   struct AdmissionStep {
     int64_t step = -1;
@@ -253,7 +307,7 @@ class Membership {
     int64_t margin = 0;
     int64_t max_reported = -1;
   };
-  absl::StatusOr<AdmissionStep> ChooseAdmissionStep(int32_t rank,
+  absl::StatusOr<AdmissionStep> ChooseAdmissionStep(const std::vector<int32_t>& ranks,
                                                     const std::string& job_id) const;
   // Moves every live member of `old_generation` but `except` into the current generation's
   // round (an elastic job going on with them).
@@ -305,6 +359,9 @@ class Membership {
   // Ranks withdrawn (Withdraw) since the last change that wrote anything: their removal goes
   // with the next one.
   std::vector<int32_t> unwritten_;
+  // Sharded replicas: replacements waiting for the rest of their replica, by rank (soft state:
+  // a Join not answered yet, as in an assembling round).
+  std::map<int32_t, WaitingJoiner> waiting_;
 
   // The transaction in progress (Transact): what it changed and what undoes it.
   struct Transaction {
@@ -322,6 +379,7 @@ class Membership {
     // The members as they were before their first change in the transaction.
     std::vector<std::pair<int32_t, LiveMember>> members;
     absl::flat_hash_set<int32_t> saved;
+    std::map<int32_t, WaitingJoiner> waiting;
   };
   std::optional<Transaction> tx_;
 };

@@ -175,6 +175,55 @@ def main():
               [int(x) for x in ranked["decisions"][0]["ranks"]] == [2, 3],
               f"schedule --rank=3: {ranked}")
 
+        # Sharded replicas: 4 ranks in replicas of 2, elastic; rank 3 dies (it stops beating) and
+        # its replica is retired with it.
+        sharded_path = os.path.join(work, "sharded.json")
+        with open(sharded_path, "w") as f:
+            json.dump({"job_id": "cli-sharded", "world_size": 4, "replica_size": 2,
+                       "min_world_size": 2, "mode": "PERIODIC", "heartbeat_timeout_ms": 1500,
+                       "levels": [{"period": 2, "group_size": 4}]}, f)
+        run("create", "-f", sharded_path)
+        sharded = {}
+        threads = [threading.Thread(target=lambda r=r: sharded.__setitem__(r, stub.Join(
+            pb.JoinRequest(job_id="cli-sharded", worker_id=f"s-{r}", host=f"n{r}", rank=r),
+            metadata=md, timeout=30))) for r in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        out = run("job", "cli-sharded")
+        show("job cli-sharded", out)
+        check("2 of 2 ranks (rank r holds shard r % 2)" in out.stdout, out.stdout)
+        header = [ln for ln in out.stdout.splitlines() if ln.startswith("RANK")][0].split()
+        check(header[-3:] == ["REPLICA", "SHARD", "RETIRED_BY"], f"header {header}")
+        rows = {int(c[0]): c for c in (ln.split() for ln in out.stdout.splitlines()
+                                       if ln[:1].isdigit() and "s-" in ln)}
+        check({r: (c[-3], c[-2]) for r, c in rows.items()} ==
+              {0: ("0", "0"), 1: ("0", "1"), 2: ("1", "0"), 3: ("1", "1")}, f"rows {rows}")
+        out = run("schedule", "cli-sharded", "--from=0", "--count=1")
+        show("schedule cli-sharded --from=0 --count=1", out)
+        groups = sorted(ln.split()[5] for ln in out.stdout.splitlines()[1:])
+        check(groups == ["0,2", "1,3"], f"sharded groups {groups}: {out.stdout}")
+        check(" 2x2 " in run("jobs").stdout, "jobs shows no REPLICAS 2x2")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for r in (0, 1, 2):
+                stub.Heartbeat(pb.HeartbeatRequest(job_id="cli-sharded", rank=r,
+                                                   generation=sharded[r].generation, step=1,
+                                                   credential=sharded[r].credential),
+                               metadata=md, timeout=10)
+            state = stub.GetJob(pb.GetJobRequest(job_id="cli-sharded"), metadata=md, timeout=10)
+            if state.generation > 1:
+                break
+            time.sleep(0.2)
+        out = run("job", "cli-sharded")
+        show("job cli-sharded (rank 3 lost)", out)
+        check("replica 1 (ranks 2..3) retired" in out.stdout, out.stdout)
+        retired = [ln.split() for ln in out.stdout.splitlines() if ln.startswith("2 ")]
+        check(retired and retired[0][3] == "RETIRED" and retired[0][-1] == "3",
+              f"rank 2's row: {retired}")
+        run("delete", "cli-sharded")
+
         # Errors and usage.
         out = run("jobs", token=False, expect=1)
         check("UNAUTHENTICATED" in out.stderr and "--auth_token_file" in out.stderr, out.stderr)

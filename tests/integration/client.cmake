@@ -19,10 +19,12 @@ if(TARGET modelavg-coordinator)
   # reference (worlds 2-8, a few seconds each); client_streaming_test, fragments, mix and
   # compressed payloads against a naive reference (worlds 2-4, a few seconds each);
   # client_stop_signal_test, workers stopped by SIGTERM/SIGINT (a few seconds each);
-  # client_nonfinite_test, a rank's NaN in a strict and an elastic job (a few seconds each).
+  # client_nonfinite_test, a rank's NaN in a strict and an elastic job (a few seconds each);
+  # client_sharded_test, sharded replicas (worlds 8 and 12, a few seconds each; a replica lost
+  # and replaced in an elastic job, ~10 s).
   foreach(t client_elastic_regrow_test client_elastic_adopt_test client_outer_test
             client_outer_elastic_test client_streaming_test client_stop_signal_test
-            client_nonfinite_test)
+            client_nonfinite_test client_sharded_test)
     modelavg_add_gtest(${t} SOURCES ${t}.cc LIBS modelavg_client LABELS integration TIMEOUT 120)
     target_compile_definitions(${t} PRIVATE
       MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>"
@@ -42,6 +44,6 @@ endif()
 
 # The trace checker (trace_check.h) on synthetic traces: fast, no processes.
 modelavg_add_gtest(trace_check_test SOURCES trace_check_test.cc
-  LIBS protobuf::libprotobuf absl::status absl::statusor absl::strings absl::str_format
+  LIBS modelavg_proto protobuf::libprotobuf absl::status absl::statusor absl::strings absl::str_format
   LABELS unit TIMEOUT 60)
 target_include_directories(trace_check_test PRIVATE ${PROJECT_SOURCE_DIR})

@@ -132,5 +132,41 @@ TEST(ClientElasticTest, ElasticJob_BlockLeavesEarly_OthersFinish) {
   EXPECT_EQ(job->state(), v1::FINISHED);
 }
 
+// An elastic job whose every round goes through Gloo's direct exchange with its commit vote
+// (client/comm/gloo/gloo_exchange.h: pairs at level 0, 256,000 bytes of the world at level 1)
+// and whose workers average back to back, so that the SIGKILL lands inside a round (its data or
+// its vote): the survivors retry or keep that round and go on; every call succeeds, every tensor's
+// elements stay equal (the worker checks it at every step), and the world-level rounds leave the
+// three survivors with the same bits.
+TEST(ClientElasticTest, ElasticJob_WorkerKilledInsideDirectRounds_SurvivorsAgreeBitForBit) {
+  Cluster cluster("elastic-direct-kill");
+  ASSERT_TRUE(cluster.ok()) << cluster.dir();
+  v1::JobSpec spec = MakeSpec("edk", 4, v1::HIERARCHICAL, {{1, 2}, {2, 4}}, 0,
+                              /*heartbeat_ms=*/2000);
+  spec.set_min_world_size(2);
+  ASSERT_TRUE(cluster.admin()->CreateJob(spec).ok());
+  constexpr int kSteps = 120;
+  auto workers = cluster.StartWorkers(
+      "edk", 4, {absl::StrCat("--steps=", kSteps), "--layout=f32:40000,f16:24000",
+                 "--collective_timeout_ms=60000", "--heartbeat_interval_ms=100"});
+  ASSERT_TRUE(WaitForLines(*workers[0], 20, absl::Seconds(60))) << workers[0]->err();
+  workers[3]->Signal(SIGKILL);
+  ASSERT_TRUE(workers[3]->Wait(absl::Seconds(10)).has_value());
+  for (int r : {0, 1, 2}) {
+    auto code = workers[r]->Wait(absl::Seconds(120));
+    ASSERT_TRUE(code.has_value()) << "rank " << r << " still running";
+    EXPECT_EQ(*code, 0) << "rank " << r << ": " << workers[r]->err();
+    EXPECT_EQ(workers[r]->OutLines().size(), static_cast<size_t>(kSteps)) << "rank " << r;
+  }
+  std::vector<std::string> last;
+  for (int r : {0, 1, 2}) {
+    const std::string line = workers[r]->OutLines()[kSteps - 2];
+    EXPECT_THAT(line, HasSubstr("\"level\": 1")) << line;
+    last.push_back(line.substr(line.find("\"values\"")));
+  }
+  EXPECT_EQ(last[0], last[1]);
+  EXPECT_EQ(last[0], last[2]);
+}
+
 }  // namespace
 }  // namespace modelavg::testing

@@ -116,6 +116,16 @@ TEST_F(ClientOuterTest, Hierarchical_TwoOuterLevels_FollowsRule) {
   ExpectFollowsReference(spec, Run(spec, 30), 30);
 }
 
+// Sharded replicas (JobSpec.replica_size 2): each rank's outer state is its shard's, averaged
+// with the ranks of its group that hold that shard.
+TEST_F(ClientOuterTest, ShardedReplicasOf2_TwoOuterLevels_FollowsRule) {
+  v1::JobSpec spec = MakeSpec("sharded8", 8, v1::HIERARCHICAL, {{2, 4}, {6, 8}}, 1);
+  spec.set_replica_size(2);
+  SetOuter(&spec, 0, 0.8, 0.9, false);
+  SetOuter(&spec, 1, 0.7, 0.9, true);
+  ExpectFollowsReference(spec, Run(spec, 26), 26);
+}
+
 // lr 1, momentum 0: A - mean(A - x) = mean(x), the plain average, every step.
 TEST_F(ClientOuterTest, LrOneMomentumZero_EqualsPlainAveraging) {
   v1::JobSpec plain = MakeSpec("plain", 4, v1::HIERARCHICAL, {{2, 2}, {4, 4}}, 1);

@@ -139,6 +139,18 @@ TEST_F(ClientStreamingTest, OuterFragmentedLevelLast_Hierarchical_FollowsRule) {
   ExpectFollowsReference(spec, Run(spec, 34), 34);
 }
 
+// Sharded replicas (JobSpec.replica_size 2): fragments and a delayed, mixed sync of each
+// shard among the ranks that hold it.
+TEST_F(ClientStreamingTest, ShardedReplicasOf2_OuterFragmentsDelayedMix_FollowsRule) {
+  v1::JobSpec spec = MakeSpec("sharded", 8, v1::HIERARCHICAL, {{2, 4}, {8, 8}}, 1);
+  spec.set_replica_size(2);
+  SetOuter(&spec, 1, 0.7, 0.9, true);
+  spec.mutable_levels(1)->set_fragments(2);
+  spec.mutable_levels(1)->set_sync_delay(1);
+  spec.mutable_levels(1)->set_mix(0.25);
+  ExpectFollowsReference(spec, Run(spec, 26), 26);
+}
+
 TEST_F(ClientStreamingTest, CompressedPayloads_WithinDocumentedBound) {
   for (v1::Payload p : {v1::BF16, v1::INT8}) {
     // World 3: a fragment of 4 tensors of 125 elements is cut into chunks of 167 that cross

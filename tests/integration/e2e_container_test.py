@@ -50,6 +50,7 @@ import modelavg_testing as mt  # noqa: E402
 SKIP = 77
 ROOT = mt.REPO_ROOT
 COMPOSE_FILE = os.path.join(ROOT, "deploy", "docker-compose.yml")
+IMAGE = "modelavg:latest"  # the tag the compose file builds and runs
 JOBS_FILE = os.path.join(ROOT, "deploy", "jobs", "demo-jobs.json")
 WORKERS = ["worker-0", "worker-1", "worker-2", "worker-3"]
 COORDINATORS = ["coordinator-a", "coordinator-b"]
@@ -344,7 +345,12 @@ def main():
     started = time.monotonic()
     try:
         t = time.monotonic()
-        project.compose_cmd("build", "coordinator-a", timeout_s=1800)
+        build = project.compose_cmd("build", "coordinator-a", timeout_s=1800)
+        # podman-compose 1.0.3 exits 0 when the build fails: the tag is the proof it built.
+        if project.run([engine, "image", "inspect", IMAGE], check=False,
+                       quiet=True).returncode != 0:
+            mt.fail(f"the image build left no {IMAGE} (the build failed):\n"
+                    f"{build.stdout[-4000:]}\n{build.stderr[-4000:]}")
         log(f"image built in {time.monotonic() - t:.0f} s")
 
         project.compose_cmd("up", "-d", "etcd")

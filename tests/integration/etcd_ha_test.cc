@@ -47,6 +47,7 @@
 #include "tests/integration/client_test_processes.h"
 #include "tests/integration/etcd_cluster.h"
 #include "tests/integration/staged_job_storm.h"
+#include "tests/integration/trace_check.h"
 #include "tests/tools/make_job_spec.h"
 
 namespace modelavg::testing {
@@ -486,6 +487,60 @@ TEST_F(EtcdHaTest, LeaderKilledMidJob_StandbyTakesOver_EveryWorkerFinishesSameVa
             << ", kill -> first top-level averaging (step 16) "
             << absl::FormatDuration(absl::Trunc(first_top - killed, absl::Milliseconds(1)))
             << std::endl;
+}
+
+// Sharded replicas through a fail-over: 8 ranks in replicas of 2, elastic. Rank 5 is killed and
+// its mate (rank 4) stopped, so that its record stays as the loss left it; once the replica is
+// retired the leader is killed. The standby serves the job with its replica size and the retired
+// replica (rank 4 RETIRED by rank 5, one generation change), and the other replicas finish with
+// every line following the rule.
+TEST_F(EtcdHaTest, ShardedJob_ReplicaRetired_LeaderKilled_StandbyKeepsIt) {
+  ASSERT_NO_FATAL_FAILURE(StartAll(1));
+  v1::JobSpec spec =
+      MakeSpec("replicas", 8, v1::HIERARCHICAL, {{2, 4}, {4, 8}}, 0, kHeartbeatMs);
+  spec.set_replica_size(2);
+  spec.set_min_world_size(4);
+  auto admin = Admin();
+  ASSERT_TRUE(Retrying([&] { return admin->CreateJob(spec); }).ok());
+  constexpr int64_t kRunSteps = 80;
+  StartWorkers("replicas", 8, kRunSteps, 50);
+  ASSERT_TRUE(WaitForStep(6, absl::Seconds(60))) << Diagnostics();
+  workers_[5]->Signal(SIGKILL);
+  workers_[4]->Signal(SIGSTOP);
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        absl::StatusOr<v1::Job> job = admin->GetJob("replicas");
+        return job.ok() && job->members_size() == 8 && job->members(4).state() == v1::RETIRED;
+      },
+      absl::Seconds(20)))
+      << Diagnostics();
+  const int leader = Leader();
+  ASSERT_GE(leader, 0);
+  coordinators_[leader]->Kill();
+  HaCoordinator& standby = *coordinators_[1 - leader];
+  ASSERT_TRUE(WaitFor([&] { return standby.Leads(); }, absl::Seconds(30))) << Diagnostics();
+  absl::StatusOr<v1::Job> job = Retrying([&] { return admin->GetJob("replicas"); });
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->spec().replica_size(), 2);
+  EXPECT_EQ(job->generation(), 2);
+  EXPECT_EQ(job->members(4).state(), v1::RETIRED);
+  EXPECT_EQ(job->members(4).retired_by(), 5);
+  EXPECT_EQ(job->members(5).state(), v1::DEAD);
+  EXPECT_THAT(job->last_change().reason(), HasSubstr("replica 2 (ranks 4..5) retired"));
+  workers_[4]->Signal(SIGKILL);  // (it is stopped: nothing else would end it)
+  std::vector<int> codes = WaitAll(absl::Seconds(120));
+  std::vector<Trace> traces;
+  for (int r = 0; r < 8; ++r) {
+    absl::StatusOr<Trace> t = ParseTrace(absl::StrCat("rank ", r), workers_[r]->out());
+    ASSERT_TRUE(t.ok()) << t.status();
+    if (r != 4 && r != 5) {
+      EXPECT_EQ(codes[r], 0) << "rank " << r << "\n" << Diagnostics();
+      EXPECT_EQ(t->lines.size(), static_cast<size_t>(kRunSteps)) << "rank " << r;
+    }
+    traces.push_back(*std::move(t));
+  }
+  const TraceCheckResult check = CheckTracesFollowRule(traces, spec, /*every_rank_lived=*/false);
+  EXPECT_TRUE(check.ok()) << check.Report();
 }
 
 TEST_F(EtcdHaTest, LeaderPausedPastTtl_StandbyTakesOver_OldLeaderStopsServing) {

@@ -8,7 +8,8 @@
 // the contributors C = M \ J:
 //  * a plain level: the value is the mean over C of before;
 //  * an outer level, r joining: r first takes, for every outer level, the simulated state of
-//    the lowest member of C in r's block of that level (its donor), then as below;
+//    the lowest member of C in r's block of that level that holds r's shard (its donor), then
+//    as below;
 //  * an outer level, r without an anchor: the mean over C of before; the anchor := that value;
 //  * an outer level, r with an anchor A (and momentum buffer B): D = mean over C of
 //    (A_m - before_m); B := D if unset, else momentum * B + D; g := D + momentum * B (nesterov)
@@ -94,13 +95,15 @@ inline TraceCheckResult CheckOuterTraces(const std::vector<Trace>& traces,
       const bool joining =
           std::find(l->joining.begin(), l->joining.end(), rank) != l->joining.end();
       if (joining) {
-        // Every outer level's state from the lowest contributor of this rank's block there.
+        // Every outer level's state from the lowest contributor of this rank's block there
+        // that holds its shard (sharded replicas).
         mine.clear();
+        const int shards = spec.replica_size() > 1 ? spec.replica_size() : 1;
         for (int k = 0; k < spec.levels_size(); ++k) {
           if (!spec.levels(k).has_outer()) continue;
           const int g = spec.levels(k).group_size();
           for (int32_t m : contributors) {
-            if (m / g == rank / g) {
+            if (m / g == rank / g && m % shards == rank % shards) {
               mine[k] = state[m][k];
               break;
             }

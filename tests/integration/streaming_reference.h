@@ -24,6 +24,7 @@
 
 #include "modelavg/v1/coordinator.pb.h"
 #include "tests/integration/naive_outer_sgd.h"
+#include "tests/integration/naive_schedule.h"
 
 namespace modelavg::testing {
 
@@ -117,12 +118,13 @@ inline std::vector<std::vector<StreamingStep>> StreamingReference(const v1::JobS
       row[r].max_delta.assign(tensors, 0.0);
       if (level < 0) continue;
       const v1::Level& l = spec.levels(level);
-      const int g = spec.world_size() == l.group_size() ? world : l.group_size();
-      const int first = r / g * g;
+      const std::vector<int> group =
+          NaiveGroup(spec, spec.world_size() == l.group_size() ? world : l.group_size(), r);
+      const double g = static_cast<double>(group.size());
       const int per = tensors / Fragments(l);
       for (int t = fragment * per; t < (fragment + 1) * per; ++t) {
         double mean = 0;
-        for (int m = first; m < first + g; ++m) mean += x[m][t] / g;
+        for (int m : group) mean += x[m][t] / g;
         if (!l.has_outer()) {
           next[r][t] = mean;
           continue;
@@ -143,7 +145,7 @@ inline std::vector<std::vector<StreamingStep>> StreamingReference(const v1::JobS
           }
           Pending& p = pending.back();
           double v = 0;
-          for (int m = first; m < first + g; ++m) {
+          for (int m : group) {
             v += (p.first ? x[m][t] : *anchor[level][m][t] - x[m][t]) / g;
             if (!p.first) {
               row[r].max_delta[t] =
@@ -159,7 +161,7 @@ inline std::vector<std::vector<StreamingStep>> StreamingReference(const v1::JobS
           continue;
         }
         double d = 0, max_delta = 0;
-        for (int m = first; m < first + g; ++m) {
+        for (int m : group) {
           d += (*anchor[level][m][t] - x[m][t]) / g;
           max_delta = std::max(max_delta, std::fabs(*anchor[level][m][t] - x[m][t]));
         }

@@ -16,6 +16,9 @@
 //  * an "admitted" line is the first of its process, at a step > 0, an AVERAGE that lists its
 //    rank as joining; a rank listed as joining printed (if it printed that step) an admitted line;
 //  * each process prints consecutive steps of one rank, from 0 (or its admission step).
+// CheckTracesFollowRule adds, for every line, the decision of the rule restated naively
+// (naive_schedule.h, sharded replicas included): the action, the level, and the members (exactly
+// the rule's group in a job that kept every rank, a subset of it otherwise).
 #ifndef MODELAVG_TESTS_INTEGRATION_TRACE_CHECK_H_
 #define MODELAVG_TESTS_INTEGRATION_TRACE_CHECK_H_
 
@@ -36,6 +39,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "modelavg/v1/coordinator.pb.h"
+#include "tests/integration/naive_schedule.h"
 
 namespace modelavg::testing {
 
@@ -341,6 +346,43 @@ inline TraceCheckResult CheckTraces(const std::vector<Trace>& traces,
           error(absl::StrCat("step ", step, ": rank ", rank, " printed ", l->text,
                              " but its member rank ", m, " printed ", o->text));
         }
+      }
+    }
+  }
+  return result;
+}
+
+// Every line of `traces` against the rule restated naively for `spec` (NaiveDecide; levels of
+// one fragment): the same action and level, and as members the rule's group — exactly, with
+// `every_rank_lived` (a job that kept all its ranks the whole run), else a subset of it that
+// holds the line's rank. Then CheckTraces (values unless !check_values: a job with outer
+// levels, whose values outer_trace_check.h checks; agreement between members).
+inline TraceCheckResult CheckTracesFollowRule(const std::vector<Trace>& traces,
+                                              const v1::JobSpec& spec,
+                                              bool every_rank_lived = true,
+                                              bool check_values = true) {
+  std::vector<int32_t> group_sizes;
+  for (const v1::Level& l : spec.levels()) group_sizes.push_back(l.group_size());
+  TraceCheckResult result = CheckTraces(traces, group_sizes, check_values);
+  for (const Trace& t : traces) {
+    for (const TraceLine& l : t.lines) {
+      const NaiveDecision d = NaiveDecide(spec, l.step, l.rank);
+      const std::string where = absl::StrCat(t.who, " step ", l.step, ": ", l.text);
+      if (l.action != (d.average ? "AVERAGE" : "SKIP") || (d.average && l.level != d.level)) {
+        result.errors.push_back(absl::StrCat(where, ": the rule says ",
+                                             d.average ? "AVERAGE" : "SKIP", " level ", d.level));
+        continue;
+      }
+      if (!d.average) continue;
+      const std::vector<int32_t> group(d.group.begin(), d.group.end());
+      bool subset = std::find(l.members.begin(), l.members.end(), l.rank) != l.members.end();
+      for (int32_t m : l.members) {
+        subset = subset && std::find(group.begin(), group.end(), m) != group.end();
+      }
+      if ((every_rank_lived && l.members != group) || !subset) {
+        result.errors.push_back(absl::StrCat(where, ": members [", absl::StrJoin(l.members, ", "),
+                                             "] but the rule's group is [",
+                                             absl::StrJoin(group, ", "), "]"));
       }
     }
   }

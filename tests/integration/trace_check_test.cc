@@ -2,6 +2,7 @@
 // produces, with a death and a replacement, and catches each kind of wrong trace.
 #include "tests/integration/trace_check.h"
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -215,6 +216,76 @@ TEST(TraceCheckTest, Parse_UnfinishedLastLineIgnored_GarbageRejected) {
   ASSERT_TRUE(timed.ok()) << timed.status();
   EXPECT_EQ(timed->unix_ms, 1700000000123);
   EXPECT_EQ(timed->generation, 2);
+}
+
+// What trace workers print for `spec` (every rank alive) when the averaging follows `groups`:
+// group(spec, step, rank) gives the level and members, or level -1.
+std::vector<std::string> SimulateRule(
+    const v1::JobSpec& spec, int64_t steps,
+    const std::function<NaiveDecision(const v1::JobSpec&, int64_t, int)>& decide) {
+  const int world = spec.world_size();
+  std::vector<float> v(world);
+  for (int r = 0; r < world; ++r) v[r] = static_cast<float>(r);
+  std::vector<std::string> out(world);
+  for (int64_t s = 0; s < steps; ++s) {
+    std::vector<float> before = v;
+    for (int r = 0; r < world; ++r) before[r] = v[r] + TraceDelta(r, s);
+    for (int r = 0; r < world; ++r) {
+      const NaiveDecision d = decide(spec, s, r);
+      std::vector<int32_t> members;
+      double sum = 0;
+      for (int m : d.group) {
+        members.push_back(m);
+        sum += before[m];
+      }
+      v[r] = d.average ? static_cast<float>(sum / d.group.size()) : before[r];
+      out[r] += Line(s, r, v[r], d.average ? d.level : -1, members, {}, false);
+    }
+  }
+  return out;
+}
+
+// docs/sharded.md's example: 8 ranks in replicas of 2, levels (2, 4) and (5, 8), warm-up 3.
+v1::JobSpec ShardedSpec() {
+  v1::JobSpec spec;
+  spec.set_job_id("sharded");
+  spec.set_world_size(8);
+  spec.set_replica_size(2);
+  spec.set_mode(v1::HIERARCHICAL);
+  spec.set_warmup_steps(3);
+  for (auto [p, g] : {std::pair<int64_t, int32_t>{2, 4}, {5, 8}}) {
+    v1::Level* l = spec.add_levels();
+    l->set_period(p);
+    l->set_group_size(g);
+  }
+  return spec;
+}
+
+TEST(TraceCheckTest, ShardedRule_Passes) {
+  const v1::JobSpec spec = ShardedSpec();
+  const TraceCheckResult r = CheckTracesFollowRule(Parse(SimulateRule(spec, 20, NaiveDecide)),
+                                                   spec);
+  EXPECT_TRUE(r.ok()) << r.Report();
+  EXPECT_GT(r.averages, 0);
+  // The naive rule itself, on the worked example: rank 5 at step 4 (level 0) with rank 7; at
+  // step 10 (level 1) with ranks 1, 3, 7.
+  EXPECT_EQ(NaiveDecide(spec, 4, 5).group, (std::vector<int>{5, 7}));
+  EXPECT_EQ(NaiveDecide(spec, 10, 5).group, (std::vector<int>{1, 3, 5, 7}));
+}
+
+// Averaging whole blocks (every shard together, the unsharded rule) is caught, although each
+// value is the mean of the members it names.
+TEST(TraceCheckTest, ShardedJobAveragedWholeBlocks_Fails) {
+  v1::JobSpec spec = ShardedSpec();
+  const auto whole_blocks = [](const v1::JobSpec& s, int64_t step, int rank) {
+    v1::JobSpec unsharded = s;
+    unsharded.clear_replica_size();
+    return NaiveDecide(unsharded, step, rank);
+  };
+  const TraceCheckResult r =
+      CheckTracesFollowRule(Parse(SimulateRule(spec, 20, whole_blocks)), spec);
+  EXPECT_FALSE(r.ok());
+  EXPECT_THAT(r.Report(), HasSubstr("but the rule's group is [1, 3]"));
 }
 
 }  // namespace

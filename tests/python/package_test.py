@@ -67,7 +67,7 @@ class FakeCore(types.ModuleType):
         return job_dict({"job_id": job_id, "world_size": 2, "mode": "PERIODIC",
                          "levels": [(4, 2)], "outer": [None], "streaming": [(1, 0, 0.0, "FP32")],
                          "warmup_steps": 0, "heartbeat_timeout_ms": 0, "join_timeout_ms": 0,
-                         "min_world_size": 0})
+                         "min_world_size": 0, "replica_size": 0})
 
 
 def job_dict(spec):
@@ -75,7 +75,7 @@ def job_dict(spec):
     return {"spec": dict(spec), "state": "PENDING", "generation": 1, "members": [],
             "min_step": 0, "max_step": 0, "warnings": [], "created_unix_ms": 0,
             "last_change": None, "live_world_size": 0, "vacant_ranks": [], "deaths": 0,
-            "admissions": 0}
+            "admissions": 0, "waiting_ranks": []}
 
 
 @pytest.fixture
@@ -172,15 +172,15 @@ def test_createJob_Levels_SentAsTheBindingsSpec(package):
     sgd = modelavg.OuterSGD(0.7, momentum=0.9, nesterov=True)
     job = modelavg.create_job(
         "j", 4, "hierarchical", [(2, 2), modelavg.Level(8, 4, outer=sgd, fragments=2)],
-        warmup_steps=3, min_world_size=3, coordinator="c:1")
+        warmup_steps=3, min_world_size=3, replica_size=1, coordinator="c:1")
     (_, conn, spec), = fake.calls
     assert conn == {"coordinator": "c:1"}
     assert spec == {"job_id": "j", "world_size": 4, "mode": "HIERARCHICAL",
                     "levels": [(2, 2), (8, 4)], "outer": [None, (0.7, 0.9, True)],
                     "streaming": [(1, 0, 0.0, "FP32"), (2, 0, 0.0, "FP32")],
                     "warmup_steps": 3, "heartbeat_timeout_ms": 0, "join_timeout_ms": 0,
-                    "min_world_size": 3}
-    assert job.spec.job_id == "j" and job.state == "PENDING"
+                    "min_world_size": 3, "replica_size": 1}
+    assert job.spec.job_id == "j" and job.state == "PENDING" and job.spec.replica_size == 1
     with pytest.raises(modelavg.InvalidArgumentError, match="levels or period, not both"):
         modelavg.create_job("j", 4, "PERIODIC", [(2, 4)], period=2, coordinator="c:1")
     with pytest.raises(modelavg.InvalidArgumentError, match="expected a \\(period, group_size\\)"):
@@ -225,3 +225,16 @@ def test_fromStatus_NonFiniteKind_NonFiniteErrorAValueError(package):
     assert (e.code, e.kind, e.rank) == ("INVALID_ARGUMENT", "NON_FINITE", 5)
     # Where it was: set by the binding from the error's detail; None until then.
     assert (e.step, e.level, e.tensor, e.value) == (None, None, None, None)
+
+
+@pytest.mark.parametrize("averaging", [True, False])
+def test_fromStatus_ReplicaLostKind_ReplicaLostErrorWithRankAndReplica(package, averaging):
+    modelavg, _ = package
+    message = ("averaging at step 12: replica 1 (ranks 2..3) of job j was retired because its "
+               "rank 3 died or failed: rank 2 cannot average a partial replica")
+    e = modelavg.errors._from_status(9, message, averaging, "REPLICA_LOST", 3)
+    # The kind picks the class, in an averaging call or not; the rank comes from the status.
+    assert type(e) is modelavg.ReplicaLostError
+    assert isinstance(e, modelavg.PeerFailureError)
+    assert (e.code, e.kind, e.rank, e.replica) == ("FAILED_PRECONDITION", "REPLICA_LOST", 3, 1)
+    assert e.message == message

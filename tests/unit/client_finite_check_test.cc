@@ -123,6 +123,20 @@ TEST(FiniteScanTest, PackDivided_FindsTheFirstBadTensorAndStillCopiesEverything)
 
 // ---- Gloo rounds.
 
+// Gloo's ring (GlooAlgorithms without the direct exchange: the staged round with one slot per
+// member) and the default choice, which sends these small rounds through the direct exchange
+// (gloo_exchange.h: each member's code as one word after its pieces): the check holds on both.
+struct Algorithm {
+  const char* name;
+  GlooAlgorithms algorithms;
+};
+std::vector<Algorithm> Algorithms() {
+  GlooAlgorithms ring;
+  ring.direct_pairs = false;
+  ring.direct_max_bytes = 0;
+  return {{"ring", ring}, {"direct", GlooAlgorithms{}}};
+}
+
 // Each member's tensors: `tensors` float32 tensors of `numel` elements, member r's values
 // r + 1 + i / 1000.
 std::vector<std::vector<float>> MakeValues(int members, int tensors, int64_t numel) {
@@ -196,45 +210,49 @@ TEST_P(GlooFiniteCheckTest, OneMemberNonFinite_EveryCallFailsNamingItNothingChan
   constexpr int kMembers = 4;
   const int tensors = c.one_buffer ? 1 : 3;
   constexpr int64_t kNumel = 3000;
-  auto mesh = MakeGlooMesh(kMembers, absl::Seconds(30));
-  for (const auto& m : mesh) ASSERT_NE(m, nullptr);
-  std::vector<std::vector<float>> values = MakeValues(kMembers, tensors, kNumel);
-  const int bad_tensor = tensors - 1;
-  values[2 * tensors + bad_tensor][1234] = c.bad;  // member 2, its last tensor
-  const std::vector<std::vector<float>> before = values;
-  RoundOptions o;
-  o.check_finite = true;
-  o.commit = c.commit;
-  o.step = 30;
-  o.payload = c.payload;
-  std::vector<absl::Status> s = RoundOnAll(mesh, values, tensors, {o, o, o, o});
-  for (int r = 0; r < kMembers; ++r) {
-    ASSERT_FALSE(s[r].ok()) << "member " << r;
-    EXPECT_EQ(s[r].code(), absl::StatusCode::kInvalidArgument) << s[r];
-    EXPECT_EQ(ErrorKindOf(s[r]), ErrorKind::kNonFinite) << s[r];
-    EXPECT_EQ(ErrorPeerOf(s[r]), 2) << s[r];
-    std::optional<NonFiniteDetail> d = NonFiniteDetailOf(s[r]);
-    ASSERT_TRUE(d.has_value()) << s[r];
-    EXPECT_EQ(d->tensor, bad_tensor);
-    EXPECT_EQ(d->value, c.value);
-    EXPECT_EQ(d->step, 30);
-    EXPECT_THAT(std::string(s[r].message()),
-                HasSubstr(absl::StrCat("member 2 of this subgroup contributed non-finite values: ",
-                                       c.value, " in tensor ", bad_tensor)));
-  }
-  // Not one bit of any member changed (the NaN member's NaN included).
-  for (size_t i = 0; i < values.size(); ++i) {
-    ASSERT_EQ(std::memcmp(values[i].data(), before[i].data(), kNumel * sizeof(float)), 0)
-        << "tensor " << i % tensors << " of member " << i / tensors << " changed";
-  }
-  // The member repairs its value; the communicator averages the next round, exactly.
-  values[2 * tensors + bad_tensor][1234] = before[tensors + bad_tensor][1234];
-  s = RoundOnAll(mesh, values, tensors, {o, o, o, o});
-  for (int r = 0; r < kMembers; ++r) ASSERT_TRUE(s[r].ok()) << "member " << r << s[r];
-  if (c.payload == Payload::kFp32) {
-    // (1 + 2 + 3 + 4) / 4 + i / 1000 at every element but the repaired one.
-    EXPECT_NEAR(values[0][10], 2.5f + 0.01f, 1e-5);
-    EXPECT_TRUE(values[0] == values[3 * tensors]);
+  for (const Algorithm& a : Algorithms()) {
+    SCOPED_TRACE(a.name);
+    auto mesh = MakeGlooMesh(kMembers, absl::Seconds(30), nullptr, false, a.algorithms);
+    for (const auto& m : mesh) ASSERT_NE(m, nullptr);
+    std::vector<std::vector<float>> values = MakeValues(kMembers, tensors, kNumel);
+    const int bad_tensor = tensors - 1;
+    values[2 * tensors + bad_tensor][1234] = c.bad;  // member 2, its last tensor
+    const std::vector<std::vector<float>> before = values;
+    RoundOptions o;
+    o.check_finite = true;
+    o.commit = c.commit;
+    o.step = 30;
+    o.payload = c.payload;
+    std::vector<absl::Status> s = RoundOnAll(mesh, values, tensors, {o, o, o, o});
+    for (int r = 0; r < kMembers; ++r) {
+      ASSERT_FALSE(s[r].ok()) << "member " << r;
+      EXPECT_EQ(s[r].code(), absl::StatusCode::kInvalidArgument) << s[r];
+      EXPECT_EQ(ErrorKindOf(s[r]), ErrorKind::kNonFinite) << s[r];
+      EXPECT_EQ(ErrorPeerOf(s[r]), 2) << s[r];
+      std::optional<NonFiniteDetail> d = NonFiniteDetailOf(s[r]);
+      ASSERT_TRUE(d.has_value()) << s[r];
+      EXPECT_EQ(d->tensor, bad_tensor);
+      EXPECT_EQ(d->value, c.value);
+      EXPECT_EQ(d->step, 30);
+      EXPECT_THAT(std::string(s[r].message()),
+                  HasSubstr(absl::StrCat(
+                      "member 2 of this subgroup contributed non-finite values: ", c.value,
+                      " in tensor ", bad_tensor)));
+    }
+    // Not one bit of any member changed (the NaN member's NaN included).
+    for (size_t i = 0; i < values.size(); ++i) {
+      ASSERT_EQ(std::memcmp(values[i].data(), before[i].data(), kNumel * sizeof(float)), 0)
+          << "tensor " << i % tensors << " of member " << i / tensors << " changed";
+    }
+    // The member repairs its value; the communicator averages the next round, exactly.
+    values[2 * tensors + bad_tensor][1234] = before[tensors + bad_tensor][1234];
+    s = RoundOnAll(mesh, values, tensors, {o, o, o, o});
+    for (int r = 0; r < kMembers; ++r) ASSERT_TRUE(s[r].ok()) << "member " << r << s[r];
+    if (c.payload == Payload::kFp32) {
+      // (1 + 2 + 3 + 4) / 4 + i / 1000 at every element but the repaired one.
+      EXPECT_NEAR(values[0][10], 2.5f + 0.01f, 1e-5);
+      EXPECT_TRUE(values[0] == values[3 * tensors]);
+    }
   }
 }
 
@@ -250,22 +268,25 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(GlooFiniteCheck, EdgeFiniteValues_NeverFlaggedAndAveragedWithoutOverflow) {
   constexpr int kMembers = 3;
-  auto mesh = MakeGlooMesh(kMembers, absl::Seconds(30));
-  for (const auto& m : mesh) ASSERT_NE(m, nullptr);
-  // Every member holds the largest float, its negative, denormals and signed zeros.
-  const std::vector<float> edge = {kMax, -kMax, kDenormal, -kDenormal, 0.0f, -0.0f,
-                                   std::numeric_limits<float>::min(), 1.5f};
-  std::vector<std::vector<float>> values(kMembers, edge);
-  RoundOptions o;
-  o.check_finite = true;
-  std::vector<absl::Status> s = RoundOnAll(mesh, values, 1, {o, o, o});
-  for (int r = 0; r < kMembers; ++r) {
-    ASSERT_TRUE(s[r].ok()) << "member " << r << ": " << s[r];
-    // Divided before the sum (as PyTorch does): the mean of three largest floats is finite.
-    EXPECT_TRUE(std::isfinite(values[r][0])) << values[r][0];
-    EXPECT_NEAR(values[r][0] / kMax, 1.0, 1e-6);
-    EXPECT_NEAR(values[r][1] / kMax, -1.0, 1e-6);
-    EXPECT_EQ(values[r][7], 1.5f);
+  for (const Algorithm& a : Algorithms()) {
+    SCOPED_TRACE(a.name);
+    auto mesh = MakeGlooMesh(kMembers, absl::Seconds(30), nullptr, false, a.algorithms);
+    for (const auto& m : mesh) ASSERT_NE(m, nullptr);
+    // Every member holds the largest float, its negative, denormals and signed zeros.
+    const std::vector<float> edge = {kMax, -kMax, kDenormal, -kDenormal, 0.0f, -0.0f,
+                                     std::numeric_limits<float>::min(), 1.5f};
+    std::vector<std::vector<float>> values(kMembers, edge);
+    RoundOptions o;
+    o.check_finite = true;
+    std::vector<absl::Status> s = RoundOnAll(mesh, values, 1, {o, o, o});
+    for (int r = 0; r < kMembers; ++r) {
+      ASSERT_TRUE(s[r].ok()) << "member " << r << ": " << s[r];
+      // Divided before the sum (as PyTorch does): the mean of three largest floats is finite.
+      EXPECT_TRUE(std::isfinite(values[r][0])) << values[r][0];
+      EXPECT_NEAR(values[r][0] / kMax, 1.0, 1e-6);
+      EXPECT_NEAR(values[r][1] / kMax, -1.0, 1e-6);
+      EXPECT_EQ(values[r][7], 1.5f);
+    }
   }
 }
 
@@ -299,37 +320,43 @@ TEST(GlooFiniteCheck, WithoutTheCheck_ANaNReachesEveryMember) {
 }
 
 TEST(GlooFiniteCheck, TwoMembersNonFinite_TheLowestIsNamedAndTheCountGiven) {
-  auto mesh = MakeGlooMesh(4, absl::Seconds(30));
-  for (const auto& m : mesh) ASSERT_NE(m, nullptr);
-  std::vector<std::vector<float>> values = MakeValues(4, 2, 500);
-  values[3 * 2 + 0][0] = kNaN;   // member 3, tensor 0
-  values[1 * 2 + 1][499] = -kInf;  // member 1, tensor 1
-  RoundOptions o;
-  o.check_finite = true;
-  std::vector<absl::Status> s = RoundOnAll(mesh, values, 2, {o, o, o, o});
-  for (int r = 0; r < 4; ++r) {
-    EXPECT_EQ(ErrorPeerOf(s[r]), 1) << s[r];
-    EXPECT_EQ(NonFiniteDetailOf(s[r])->tensor, 1);
-    EXPECT_EQ(NonFiniteDetailOf(s[r])->value, "-Inf");
-    EXPECT_THAT(std::string(s[r].message()), HasSubstr("1 more member(s)"));
+  for (const Algorithm& a : Algorithms()) {
+    SCOPED_TRACE(a.name);
+    auto mesh = MakeGlooMesh(4, absl::Seconds(30), nullptr, false, a.algorithms);
+    for (const auto& m : mesh) ASSERT_NE(m, nullptr);
+    std::vector<std::vector<float>> values = MakeValues(4, 2, 500);
+    values[3 * 2 + 0][0] = kNaN;   // member 3, tensor 0
+    values[1 * 2 + 1][499] = -kInf;  // member 1, tensor 1
+    RoundOptions o;
+    o.check_finite = true;
+    std::vector<absl::Status> s = RoundOnAll(mesh, values, 2, {o, o, o, o});
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(ErrorPeerOf(s[r]), 1) << s[r];
+      EXPECT_EQ(NonFiniteDetailOf(s[r])->tensor, 1);
+      EXPECT_EQ(NonFiniteDetailOf(s[r])->value, "-Inf");
+      EXPECT_THAT(std::string(s[r].message()), HasSubstr("1 more member(s)"));
+    }
   }
 }
 
 TEST(GlooFiniteCheck, AJoiningMember_ContributesNothingAndIsNeverFlagged) {
   // A replacement receives the others' average: its own (here NaN) values go into nothing.
-  auto mesh = MakeGlooMesh(3, absl::Seconds(30));
-  for (const auto& m : mesh) ASSERT_NE(m, nullptr);
-  std::vector<std::vector<float>> values = MakeValues(3, 1, 100);
-  std::fill(values[2].begin(), values[2].end(), kNaN);
-  RoundOptions o;
-  o.check_finite = true;
-  o.contributors = 2;
-  RoundOptions joining = o;
-  joining.contribute = false;
-  std::vector<absl::Status> s = RoundOnAll(mesh, values, 1, {o, o, joining});
-  for (int r = 0; r < 3; ++r) {
-    ASSERT_TRUE(s[r].ok()) << "member " << r << ": " << s[r];
-    EXPECT_NEAR(values[r][0], 1.5f, 1e-6);
+  for (const Algorithm& a : Algorithms()) {
+    SCOPED_TRACE(a.name);
+    auto mesh = MakeGlooMesh(3, absl::Seconds(30), nullptr, false, a.algorithms);
+    for (const auto& m : mesh) ASSERT_NE(m, nullptr);
+    std::vector<std::vector<float>> values = MakeValues(3, 1, 100);
+    std::fill(values[2].begin(), values[2].end(), kNaN);
+    RoundOptions o;
+    o.check_finite = true;
+    o.contributors = 2;
+    RoundOptions joining = o;
+    joining.contribute = false;
+    std::vector<absl::Status> s = RoundOnAll(mesh, values, 1, {o, o, joining});
+    for (int r = 0; r < 3; ++r) {
+      ASSERT_TRUE(s[r].ok()) << "member " << r << ": " << s[r];
+      EXPECT_NEAR(values[r][0], 1.5f, 1e-6);
+    }
   }
 }
 

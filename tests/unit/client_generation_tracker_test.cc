@@ -229,6 +229,68 @@ TEST(GenerationTrackerTest, Decide_ElasticReplacement_JoinsAtItsAdmissionStep) {
   EXPECT_TRUE(t.Decide(skip, 10).members.empty());
 }
 
+// Sharded replicas of 2 (ranks 0-1 and 2-3): the reader's view knows the replica size.
+GenerationTracker::Options ShardedOpts(int32_t rank) {
+  GenerationTracker::Options o = Opts(true, rank);
+  o.reader.replica_size = 2;
+  return o;
+}
+
+TEST(GenerationTrackerTest, OnGenerationChange_ReplicaRetiredByADeath_BreaksAsReplicaLost) {
+  GenerationTracker t(ShardedOpts(/*rank=*/2), 1, "");
+  // Rank 3 died: its replica mate, rank 2, was retired with it.
+  v1::Job job = JobAt(2, {v1::ALIVE, v1::ALIVE, v1::RETIRED, v1::DEAD});
+  job.mutable_spec()->set_job_id("job");
+  job.mutable_members(2)->set_retired_by(3);
+  const GenerationTracker::Abort abort =
+      t.OnGenerationChange(2, "rank 3 died", /*blamed_rank=*/3, job);
+  ASSERT_TRUE(abort.needed());
+  EXPECT_EQ(abort.before, 2);
+  EXPECT_EQ(abort.why.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ErrorKindOf(abort.why), ErrorKind::kReplicaLost);
+  EXPECT_EQ(ErrorRankOf(abort.why), 3);
+  EXPECT_THAT(std::string(abort.why.message()),
+              HasSubstr("replica 1 (ranks 2..3) of job job was retired because its rank 3"));
+  EXPECT_EQ(t.broken(), abort.why);
+  EXPECT_EQ(t.Advance().status(), abort.why);
+  // The other replica follows the job as any survivor does.
+  GenerationTracker other(ShardedOpts(/*rank=*/0), 1, "");
+  const GenerationTracker::Abort followed =
+      other.OnGenerationChange(2, "rank 3 died", /*blamed_rank=*/3, job);
+  ASSERT_TRUE(followed.needed());
+  EXPECT_EQ(ErrorKindOf(followed.why), ErrorKind::kGenerationMoved);
+  EXPECT_TRUE(other.broken().ok());
+}
+
+TEST(GenerationTrackerTest, CheckRetiredAt_MateOfAnOrderlyLeaver_AveragesUntilItsNextStep) {
+  // Rank 1 left in order before its step 40: rank 0 (its mate) finishes steps up to 39.
+  v1::Job job = JobAt(2, {v1::RETIRED, v1::LEFT, v1::ALIVE, v1::ALIVE});
+  job.mutable_spec()->set_job_id("job");
+  job.mutable_members(0)->set_retired_by(1);
+  job.mutable_members(0)->set_retired_at_step(40);
+  job.mutable_members(0)->set_generation(2);
+  GenerationTracker t(ShardedOpts(/*rank=*/0), 1, "");
+  ASSERT_TRUE(t.OnGenerationChange(2, "rank 1 left", /*blamed_rank=*/1, job).needed());
+  ASSERT_TRUE(t.Advance().ok());
+  EXPECT_TRUE(t.CheckRetiredAt(39).ok());
+  // Rank 0's shard group at the last level: ranks 0 and 2, both members until step 40.
+  const SubgroupRange shard0{0, 0, 2, 2};
+  EXPECT_THAT(t.Decide(AverageAt(39, shard0), 39).members, ElementsAre(0, 2));
+  const absl::Status at = t.CheckRetiredAt(40);
+  EXPECT_EQ(at.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ErrorKindOf(at), ErrorKind::kReplicaLost);
+  EXPECT_EQ(ErrorRankOf(at), 1);
+  EXPECT_THAT(std::string(at.message()), HasSubstr("averaging at step 40: replica 0"));
+  EXPECT_EQ(t.broken(), at);
+  // Rank 2 (the other replica) leaves rank 0 out from step 40 on.
+  GenerationTracker other(ShardedOpts(/*rank=*/2), 1, "");
+  ASSERT_TRUE(other.OnGenerationChange(2, "rank 1 left", /*blamed_rank=*/1, job).needed());
+  ASSERT_TRUE(other.Advance().ok());
+  EXPECT_TRUE(other.CheckRetiredAt(40).ok());
+  EXPECT_THAT(other.Decide(AverageAt(39, shard0), 39).members, ElementsAre(0, 2));
+  EXPECT_THAT(other.Decide(AverageAt(40, shard0), 40).members, ElementsAre(2));
+}
+
 TEST(GenerationTrackerTest, OnReply_SameGenerationPending_BrokenAsAJobHadAfresh) {
   GenerationTracker t(Opts(false), 1, "inc-a");
   t.OnReply(Reply(1, v1::PENDING, "inc-b"), kT0);

@@ -16,10 +16,11 @@ namespace modelavg::client {
 
 // A member whose creation failed is null (the test asserts on it). `store_for` (may be empty):
 // each member's view of the rendezvous store (tests/testing/gloo_link_proxy.h's DroppingStore);
-// by default one shared in-memory store.
+// by default one shared in-memory store. `in_place` and `algorithms`: GlooCommunicator::Create's.
 inline std::vector<std::unique_ptr<GlooCommunicator>> MakeGlooMesh(
     int size, absl::Duration timeout,
-    const std::function<gloo::rendezvous::Store*(int member)>& store_for = nullptr) {
+    const std::function<gloo::rendezvous::Store*(int member)>& store_for = nullptr,
+    bool in_place = false, GlooAlgorithms algorithms = {}) {
   gloo::rendezvous::HashStore shared;
   std::vector<std::unique_ptr<GlooCommunicator>> out(size);
   std::vector<std::thread> threads;
@@ -28,7 +29,8 @@ inline std::vector<std::unique_ptr<GlooCommunicator>> MakeGlooMesh(
       auto dev = CreateGlooDevice("127.0.0.1");
       if (!dev.ok()) return;
       gloo::rendezvous::Store& store = store_for ? *store_for(r) : shared;
-      auto comm = GlooCommunicator::Create(store, *dev, r, size, timeout);
+      auto comm = GlooCommunicator::Create(store, *dev, r, size, timeout, nullptr, in_place,
+                                           nullptr, algorithms);
       if (comm.ok()) out[r] = *std::move(comm);
     });
   }

@@ -1,6 +1,7 @@
 #include "common/job_spec.h"
 
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
@@ -178,6 +179,85 @@ TEST(JobSpecTest, SyncDelayInElasticJob_Accepted) {
   EXPECT_TRUE(ScheduleSpecFromProto(spec("sync_delay: 1", 4)).ok());  // min = world: strict
   EXPECT_TRUE(ScheduleSpecFromProto(spec("sync_delay: 1", 0)).ok());
   EXPECT_TRUE(ScheduleSpecFromProto(spec("payload: INT8 mix: 0.5", 2)).ok());
+}
+
+// JobSpec.replica_size: 0 and 1 are the unsharded job, bit for bit; anything else must divide
+// world_size, every level's group size and an elastic job's min_world_size.
+TEST(JobSpecTest, ReplicaSize_ZeroOrOneIsUnsharded_ConvertsBothWays) {
+  v1::JobSpec spec = SpecFromText(R"pb(
+    job_id: "s" world_size: 8 mode: HIERARCHICAL
+    levels { period: 2 group_size: 4 } levels { period: 5 group_size: 8 }
+  )pb");
+  for (int s : {0, 1}) {
+    spec.set_replica_size(s);
+    absl::StatusOr<ScheduleSpec> out = ScheduleSpecFromProto(spec);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ(out->replica_size, 1);
+    v1::JobSpec back;
+    ScheduleSpecToProto(*out, &back);
+    EXPECT_EQ(back.replica_size(), 0);
+  }
+  spec.set_replica_size(2);
+  absl::StatusOr<ScheduleSpec> out = ScheduleSpecFromProto(spec);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->replica_size, 2);
+  v1::JobSpec back;
+  ScheduleSpecToProto(*out, &back);
+  EXPECT_EQ(back.replica_size(), 2);
+}
+
+TEST(JobSpecTest, BadReplicaSize_InvalidArgumentNamingFieldAndValues) {
+  struct Case {
+    std::string text;
+    std::string message;
+  };
+  const std::string levels =
+      "mode: HIERARCHICAL levels { period: 2 group_size: 4 } levels { period: 5 group_size: 8 }";
+  const std::vector<Case> cases = {
+      {"world_size: 8 replica_size: -1 " + levels, "replica_size must be >= 0"},
+      {"world_size: 8 replica_size: 3 " + levels, "replica_size 3 does not divide world_size 8"},
+      {"world_size: 8 replica_size: 8 " + levels,
+       "replica_size 8 does not divide levels[0].group_size 4"},
+      {"world_size: 8 replica_size: 2 min_world_size: 5 " + levels,
+       "replica_size 2 does not divide min_world_size 5"},
+      {"world_size: 12 replica_size: 4 mode: PERIODIC levels { period: 2 group_size: 12 } "
+       "min_world_size: 6",
+       "replica_size 4 does not divide min_world_size 6"},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<ScheduleSpec> s =
+        ScheduleSpecFromProto(SpecFromText("job_id: \"j\" " + c.text));
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << c.text;
+    EXPECT_THAT(std::string(s.status().message()), HasSubstr(c.message)) << c.text;
+  }
+  // An elastic job whose min_world_size is a whole number of replicas, and a strict one.
+  EXPECT_TRUE(ScheduleSpecFromProto(
+                  SpecFromText("job_id: \"j\" world_size: 8 replica_size: 2 min_world_size: 4 " +
+                               levels))
+                  .ok());
+  EXPECT_TRUE(ScheduleSpecFromProto(
+                  SpecFromText("job_id: \"j\" world_size: 8 replica_size: 4 " + levels))
+                  .ok());
+}
+
+TEST(JobSpecTest, ShardedDecision_ListsTheShardsRanksAndRoundTrips) {
+  ScheduleSpec spec{8, 0, AveragingMode::kHierarchical, {{2, 4}, {5, 8}}};
+  spec.replica_size = 2;
+  absl::StatusOr<Schedule> schedule = Schedule::Create(spec);
+  ASSERT_TRUE(schedule.ok()) << schedule.status();
+  const Decision d = schedule->DecisionFor(2, 7);
+  v1::StepDecision proto;
+  DecisionToProto(d, 4, &proto);
+  EXPECT_EQ(proto.subgroup(), 3);
+  EXPECT_THAT(proto.ranks(), ElementsAre(5, 7));
+  EXPECT_THAT(proto.members(), ElementsAre(5, 7));
+  const Decision back = DecisionFromProto(proto);
+  EXPECT_EQ(back, d);
+  EXPECT_EQ(back.subgroup.stride, 2);
+  EXPECT_THAT(back.Members(), ElementsAre(5, 7));
+  DecisionToProto(schedule->DecisionFor(5, 2), 4, &proto);
+  EXPECT_THAT(proto.ranks(), ElementsAre(0, 2, 4, 6));
+  EXPECT_EQ(DecisionFromProto(proto), schedule->DecisionFor(5, 2));
 }
 
 }  // namespace

@@ -8,6 +8,8 @@ modelavg_add_gtest(server_jobs_file_test SOURCES server_jobs_file_test.cc LIBS m
 modelavg_add_gtest(server_sqlite_state_store_test SOURCES server_sqlite_state_store_test.cc
   LIBS modelavg_server_sqlite modelavg_server_core)
 modelavg_add_gtest(server_elastic_test SOURCES server_elastic_test.cc LIBS modelavg_server_core)
+# Sharded replicas: the replica as the unit of failure and of admission.
+modelavg_add_gtest(server_replicas_test SOURCES server_replicas_test.cc LIBS modelavg_server_core)
 # Bounds on what a client can make the core hold and compute (specs, pages, cancellation).
 modelavg_add_gtest(server_bounds_test SOURCES server_bounds_test.cc LIBS modelavg_server_core)
 # Per-member credentials: each rank-scoped call without, with a wrong and with the right one.

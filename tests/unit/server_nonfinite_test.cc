@@ -114,6 +114,31 @@ TEST_F(NonFiniteReportTest, ElasticJob_RetiresTheMemberWithTheReportAsReason) {
   EXPECT_EQ(State(*job).deaths(), 1);
 }
 
+// Sharded replicas (replica_size): the reporting rank's whole replica is retired, as after a
+// death (its other rank RETIRED by it), in one generation change; the other replica goes on.
+TEST_F(NonFiniteReportTest, ElasticShardedJob_RetiresTheWholeReplica) {
+  std::shared_ptr<Job> job = RunningJob("min_world_size: 2 replica_size: 2");
+  absl::StatusOr<v1::ReportNonFiniteResponse> r = Send(*job, Report(3));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->retired());
+  EXPECT_EQ(r->generation(), 2);
+  EXPECT_EQ(r->state(), v1::RUNNING);
+  const v1::Job state = State(*job);
+  EXPECT_EQ(state.generation(), 2);
+  EXPECT_EQ(state.live_world_size(), 2);
+  EXPECT_THAT(state.vacant_ranks(), ::testing::ElementsAre(2, 3));
+  EXPECT_EQ(state.members(3).state(), v1::DEAD);
+  EXPECT_EQ(state.members(2).state(), v1::RETIRED);
+  EXPECT_EQ(state.members(2).retired_by(), 3);
+  EXPECT_EQ(state.members(0).state(), v1::ALIVE);
+  EXPECT_EQ(state.members(1).state(), v1::ALIVE);
+  EXPECT_EQ(state.nonfinite_reports(), 1);
+  EXPECT_TRUE(state.last_nonfinite().retired());
+  EXPECT_THAT(state.last_change().reason(), HasSubstr("non-finite values"));
+  EXPECT_THAT(state.last_change().reason(), HasSubstr("replica 1 (ranks 2..3) retired"));
+  ASSERT_EQ(job->GenerationHistory().size(), 2u);  // the start, then the report and its replica
+}
+
 TEST_F(NonFiniteReportTest, StrictJob_RecordedGenerationStays) {
   std::shared_ptr<Job> job = RunningJob("");
   auto events = std::make_shared<Events>();

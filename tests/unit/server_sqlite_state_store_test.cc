@@ -162,7 +162,7 @@ std::string QueryOne(const std::string& path, const std::string& sql) {
 
 // A state file written by the coordinator before admissions (schema version 2) is upgraded in
 // place: its members are of the starting world (admitted_step -1), and new ones keep theirs.
-TEST_F(SqliteStateStoreTest, SchemaVersion2File_UpgradedInPlace) {
+TEST_F(SqliteStateStoreTest, SchemaVersion2File_UpgradedInPlaceToTheCurrentVersion) {
   ASSERT_EQ(mkdir(dir_.c_str(), 0700), 0);
   RunSql(db(), absl::StrCat(R"sql(
 PRAGMA journal_mode=WAL;
@@ -196,18 +196,28 @@ INSERT INTO members VALUES('a', 1, 'w1', 'h1', 2, 3, 1, 'd1');
     EXPECT_EQ(a.members[0].credential_digest, "d0");
     EXPECT_EQ(a.members[0].admitted_step, -1);
     EXPECT_EQ(a.members[1].admitted_step, -1);
+    EXPECT_EQ(a.members[0].retired_by, -1);  // version 4: nobody retired
+    EXPECT_EQ(a.members[0].retired_at_step, 0);
     JobDelta d;
     Member newcomer{1, "new", "h", v1::ALIVE, 5, 5, "d2"};
     newcomer.admitted_step = 42;
     d.members.push_back(newcomer);
+    Member retired{0, "w0", "h0", v1::RETIRED, 4, 1, "d0"};
+    retired.retired_by = 1;
+    retired.retired_at_step = 17;
+    d.members.push_back(retired);
     ASSERT_TRUE(store->Apply("a", d).ok());
   }
-  EXPECT_EQ(QueryOne(db(), "PRAGMA user_version"), "3");
+  EXPECT_EQ(QueryOne(db(), "PRAGMA user_version"), "4");
   auto store = Open();
   absl::StatusOr<std::vector<StoredJob>> jobs = store->LoadAll();
   ASSERT_TRUE(jobs.ok()) << jobs.status();
   EXPECT_EQ((*jobs)[0].members[1].admitted_step, 42);
   EXPECT_EQ((*jobs)[0].members[0].admitted_step, -1);
+  EXPECT_EQ((*jobs)[0].members[0].state, v1::RETIRED);
+  EXPECT_EQ((*jobs)[0].members[0].retired_by, 1);
+  EXPECT_EQ((*jobs)[0].members[0].retired_at_step, 17);
+  EXPECT_EQ((*jobs)[0].members[1].retired_by, -1);
 }
 
 TEST_F(SqliteStateStoreTest, ClearCommIds_DropsTheOldGenerationsIds) {

@@ -30,13 +30,16 @@ class StatusPageTest : public ::testing::Test {
     registry_ = std::make_unique<JobRegistry>(options);
   }
 
-  // Job `id` of world 4, elastic (min 2), levels (2, 2), (5, 4); every rank joined, rank 0's
-  // worker id carrying HTML.
-  std::shared_ptr<Job> MakeRunningJob(const std::string& id) {
+  // Job `id` of world 4, elastic (min 2), levels (2, 2), (5, 4) (or `levels`, other fields
+  // included); every rank joined, rank 0's worker id carrying HTML.
+  std::shared_ptr<Job> MakeRunningJob(
+      const std::string& id,
+      const std::string& levels =
+          "levels { period: 2 group_size: 2 } levels { period: 5 group_size: 4 }") {
     v1::JobSpec spec;
     EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(
         absl::StrCat("job_id: '", id, "' world_size: 4 mode: HIERARCHICAL min_world_size: 2 ",
-                     "levels { period: 2 group_size: 2 } levels { period: 5 group_size: 4 }"),
+                     levels),
         &spec));
     EXPECT_TRUE(registry_->CreateJob(spec, nullptr).ok());
     std::shared_ptr<Job> job = *registry_->Find(id);
@@ -138,6 +141,34 @@ TEST_F(StatusPageTest, JobPage_MembersLagHistoryTimeline_EscapedWithoutCredentia
   EXPECT_THAT(body, HasSubstr("<dt>vacant ranks</dt><dd>2</dd>"));
   EXPECT_THAT(body, HasSubstr("heartbeat"));
   EXPECT_THAT(body, HasSubstr("generation changed"));
+}
+
+// Sharded replicas: the replicas named, the members grouped by replica, the groups of one shard
+// in the schedule, and a lost rank's replica retired (one entry of the history).
+TEST_F(StatusPageTest, ShardedJob_MembersByReplica_RetiredReplicaShown) {
+  std::shared_ptr<Job> job = MakeRunningJob(
+      "s",
+      "replica_size: 2 levels { period: 2 group_size: 4 } levels { period: 3 group_size: 4 }");
+  for (int r = 0; r < 4; ++r) Beat(*job, r, 3);
+  StatusPage page(registry_.get(), {});
+  std::string body = Get(page, "/jobs/s").body;
+  EXPECT_THAT(body, HasSubstr("<dd id=\"replicas\">2 of 2 ranks each"));
+  EXPECT_THAT(body, HasSubstr("<tr class=\"replica\" data-replica=\"0\"><th colspan=\"9\">"
+                              "replica 0 (ranks 0..1)</th></tr>"));
+  EXPECT_THAT(body, HasSubstr("replica 1 (ranks 2..3)"));
+  // The replica rows come before their members.
+  EXPECT_LT(body.find("data-replica=\"1\""), body.find("data-rank=\"2\""));
+  EXPECT_GT(body.find("data-replica=\"1\""), body.find("data-rank=\"1\""));
+  EXPECT_THAT(body, HasSubstr("4 (level 0, 2 groups of 2 ranks, one shard each)"));
+
+  clock_.Advance(absl::Seconds(2));
+  for (int r : {0, 1, 2}) Beat(*job, r, 5);
+  clock_.Advance(absl::Seconds(2));
+  job->CheckStaleness();
+  body = Get(page, "/jobs/s").body;
+  EXPECT_THAT(body, HasSubstr("<span class=\"state RETIRED\">RETIRED</span> (rank 3 lost)"));
+  EXPECT_THAT(body, HasSubstr("replica 1 (ranks 2..3) retired"));
+  EXPECT_THAT(body, HasSubstr("<dt>vacant ranks</dt><dd>2, 3</dd>"));
 }
 
 TEST_F(StatusPageTest, UnknownJob_NotFoundEscaped) {

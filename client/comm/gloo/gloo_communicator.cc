@@ -15,8 +15,10 @@
 #include "absl/time/clock.h"
 #include "client/base/error_kind.h"
 #include "client/comm/finite_check.h"
+#include "client/comm/gloo/gloo_exchange.h"
 #include "client/comm/gloo/gloo_mesh.h"
 #include "client/comm/peer_probe.h"
+#include "client/payload/finite_scan.h"
 #include "client/payload/host_staging.h"
 #include "client/payload/payload_codec.h"
 #include "client/payload/staging_layout.h"
@@ -125,7 +127,7 @@ void* SingleBuffer(absl::Span<const TensorView> tensors) {
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
     int size, absl::Duration timeout, std::function<absl::Status()> store_error, bool in_place,
-    std::shared_ptr<SetupCanceller> cancel) {
+    std::shared_ptr<SetupCanceller> cancel, GlooAlgorithms algorithms) {
   if (size < 1 || rank < 0 || rank >= size) {
     return absl::InvalidArgumentError(
         absl::StrCat("Gloo communicator rank ", rank, " of size ", size, " is out of range"));
@@ -158,7 +160,7 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
                     waits);
     if (!context.ok()) return context.status();
     std::unique_ptr<GlooCommunicator> comm(new GlooCommunicator(
-        *std::move(context), std::move(waits), rank, size, timeout, in_place));
+        *std::move(context), std::move(waits), rank, size, timeout, in_place, algorithms));
     comm->peer_addresses_ = std::move(peers);
     if (absl::Status probe = comm->ProbeFusedAverage(); !probe.ok()) {
       MODELAVG_RETURN_IF_ERROR(cancel->status());
@@ -180,13 +182,15 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
 
 GlooCommunicator::GlooCommunicator(std::shared_ptr<gloo::Context> context,
                                    std::shared_ptr<MeshWaits> waits, int rank, int size,
-                                   absl::Duration timeout, bool in_place)
+                                   absl::Duration timeout, bool in_place,
+                                   GlooAlgorithms algorithms)
     : context_(std::move(context)),
       waits_(std::move(waits)),
       rank_(rank),
       size_(size),
       timeout_(timeout),
       in_place_(in_place),
+      algorithms_(algorithms),
       agreement_(rank, size, "Gloo") {}
 
 GlooCommunicator::~GlooCommunicator() = default;
@@ -359,9 +363,20 @@ absl::Status GlooCommunicator::AllReduceWords(int64_t* words, size_t n, bool max
 }
 
 absl::Status GlooCommunicator::Commit() {
-  return CommitVote(size_, [this](int64_t& votes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return AllReduceWords(&votes, 1, /*max=*/false, "Gloo commit of an averaging round");
-  });
+  const uint32_t tag = next_tag_;
+  next_tag_ += 2;
+  const absl::Time started = absl::Now();
+  try {
+    ExchangeVote(*context_, tag, (static_cast<uint64_t>(tag) << 1) | 1,
+                 std::chrono::steady_clock::now() +
+                     std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+  } catch (const std::exception& e) {
+    return FromGlooException(e, "Gloo commit of an averaging round", started, timeout_);
+  } catch (...) {
+    return absl::InternalError("Gloo commit of an averaging round failed with an unknown "
+                               "exception");
+  }
+  return absl::OkStatus();
 }
 
 absl::Status GlooCommunicator::ProbeFusedAverage() {
@@ -469,12 +484,112 @@ absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
   if (options.payload != Payload::kFp32) {
     return AverageCompressed(tensors, options, total, dtype, layout.divisor, outcome);
   }
+  if (Direct(static_cast<size_t>(total) * DTypeSize(dtype))) {
+    return AverageDirect(tensors, options, total, dtype, layout.divisor, outcome);
+  }
   void* single = SingleBuffer(tensors);
   // The finite check travels in slots after the data (finite_check.h): staged.
   if (fused_ && single != nullptr && options.contribute && !options.check_finite) {
     return AverageInPlace(single, options, total, dtype, layout.divisor, outcome);
   }
   return AverageStaged(tensors, options, total, dtype, layout.divisor, outcome);
+}
+
+absl::Status GlooCommunicator::AverageDirect(absl::Span<const TensorView> tensors,
+                                             const RoundOptions& options, int64_t total,
+                                             DType dtype, int divisor, RoundOutcome* outcome) {
+  const size_t elem = DTypeSize(dtype);
+  const size_t bytes = static_cast<size_t>(total) * elem;
+  // One contributing buffer is sent from where it is; its pieces are saved to the backup (the
+  // staging buffer) just before their mean is written, unless in place in a plain round. Other
+  // tensors are packed piece by piece into the staging buffer, which then holds them for a
+  // restore (a member that does not contribute sends zeros but keeps its tensors there too).
+  char* single = options.contribute ? static_cast<char*>(SingleBuffer(tensors)) : nullptr;
+  const bool backup = single == nullptr || !in_place_ || options.commit;
+  if (backup && staging_.size() * sizeof(double) < bytes) staging_.resize((bytes + 7) / 8);
+  char* keep = reinterpret_cast<char*>(staging_.data());
+  DirectPlan plan;
+  plan.total = total;
+  plan.dtype = dtype;
+  plan.divisor = divisor;
+  plan.source = single != nullptr ? single : options.contribute ? keep : nullptr;
+  plan.tag = next_tag_;
+  next_tag_ += 3;
+  plan.deadline = std::chrono::steady_clock::now() +
+                  std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_));
+  if (options.commit) plan.vote = (static_cast<uint64_t>(plan.tag) << 1) | 1;
+  // The finite check: this member's finding, from one read of its tensors before the first
+  // piece is sent (a member that does not contribute has none); every member's code is known
+  // before any piece is written (gloo_exchange.h).
+  plan.check_finite = options.check_finite;
+  if (options.check_finite && options.contribute) {
+    plan.finite_code = FindingCode(ScanTensors(tensors));
+  }
+  const auto prepare = [&](int64_t begin, int64_t n) {
+    if (single == nullptr) PackRange(tensors, dtype, begin, n, keep);
+  };
+  const auto write = [&](int64_t begin, int64_t n, const void* mean) {
+    const size_t at = static_cast<size_t>(begin) * elem, len = static_cast<size_t>(n) * elem;
+    if (single == nullptr) {
+      UnpackRange(mean, dtype, tensors, begin, n);
+      return;
+    }
+    if (backup) CopyToBackup(keep + at, single + at, len);
+    std::memcpy(single + at, mean, len);
+  };
+  // Puts back what the round wrote: [0, written) elements.
+  const auto restore = [&](int64_t written) {
+    if (!backup) return;  // in place: left undefined, as documented
+    if (single == nullptr) {
+      UnpackRange(keep, dtype, tensors, 0, written);
+    } else {
+      std::memcpy(single, keep, static_cast<size_t>(written) * elem);
+    }
+  };
+  DirectProgress progress;
+  const absl::Time started = absl::Now();
+  absl::Status failed;
+  try {
+    DirectAverage(*context_, plan, &direct_, prepare, write, &progress);
+    bytes_sent_ += static_cast<int64_t>(bytes) * (size_ - 1);
+    if (options.check_finite) {
+      // Every member read the same codes: all decide alike, nothing was written, and the
+      // communicator stays usable.
+      MODELAVG_RETURN_IF_ERROR(DecideFinite(progress.codes, options.step));
+    }
+    *outcome = RoundOutcome::kCompleted;
+    return absl::OkStatus();
+  } catch (const std::exception& e) {
+    failed = FromGlooException(
+        e, absl::StrCat(progress.holding ? "Gloo commit of an averaging round"
+                                         : absl::StrCat("Gloo direct all-reduce of ", total,
+                                                        " elements")),
+        started, timeout_);
+  } catch (...) {
+    failed = absl::InternalError("Gloo direct all-reduce failed with an unknown exception");
+  }
+  if (progress.holding && options.commit) {
+    // Every contribution arrived: only the vote (or the last piece's send) failed. The result
+    // is kept aside — the means written so far, then the last piece's from the exchange's sum
+    // when it was not written — and the tensors go back to what they were.
+    if (pending_.size() * sizeof(double) < bytes) pending_.resize((bytes + 7) / 8);
+    const size_t written = static_cast<size_t>(progress.written) * elem;
+    char* kept = reinterpret_cast<char*>(pending_.data());
+    if (single == nullptr) {
+      PackRange(tensors, dtype, 0, progress.written, kept);
+      kept_.Keep(KeptResult::Form::kStaged, total, static_cast<int32_t>(dtype));
+    } else {
+      std::memcpy(kept, single, written);
+      kept_.Keep(KeptResult::Form::kOneBuffer, total, static_cast<int32_t>(dtype));
+    }
+    std::memcpy(kept + written, direct_.sum.data(), bytes - written);
+    restore(progress.written);
+    *outcome = RoundOutcome::kFailedHoldingResult;
+  } else {
+    restore(progress.written);
+    *outcome = RoundOutcome::kFailedWithoutResult;
+  }
+  return Break(failed);
 }
 
 absl::Status GlooCommunicator::AverageCompressed(absl::Span<const TensorView> tensors,

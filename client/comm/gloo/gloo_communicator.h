@@ -20,9 +20,22 @@
 #include "absl/time/time.h"
 #include "client/comm/communicator.h"
 #include "client/comm/round_agreement.h"
+#include "client/comm/gloo/gloo_exchange.h"
 #include "client/comm/gloo/gloo_mesh.h"  // CreateGlooDevice, IgnoreDefaultSigpipe; gloo's declarations
 
 namespace modelavg::client {
+
+// Which algorithm averages a round, by the round's bytes and the members' number (the same on
+// every member: both are agreed). The defaults are what measured fastest on loopback and on
+// the LAN (docs/benchmarks.md, "Where the time goes").
+struct GlooAlgorithms {
+  // Two members: the direct exchange (gloo_exchange.h) at every size — the ring's bytes in one
+  // hop instead of two, and no unpacking copy. False: Gloo's ring.
+  bool direct_pairs = true;
+  // More members: the direct exchange up to this many bytes (it sends n - 1 times the buffer,
+  // the ring 2 (n - 1) / n times, in 2 (n - 1) hops), Gloo's ring above.
+  int64_t direct_max_bytes = 256 * 1024;
+};
 
 class GlooCommunicator : public Communicator {
  public:
@@ -39,10 +52,12 @@ class GlooCommunicator : public Communicator {
   // ErrorKind::kTimeout), UNAVAILABLE (a member could not be reached: kStrayConnection when
   // its port refused or dropped this member's connection, kPeerFailure otherwise), the store's
   // error, the cancel's reason, INTERNAL (other Gloo failures).
+  // `algorithms`: see GlooAlgorithms (every member must pass the same).
   static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(
       gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
       int size, absl::Duration timeout, std::function<absl::Status()> store_error = nullptr,
-      bool in_place = false, std::shared_ptr<SetupCanceller> cancel = nullptr);
+      bool in_place = false, std::shared_ptr<SetupCanceller> cancel = nullptr,
+      GlooAlgorithms algorithms = {});
 
   ~GlooCommunicator() override;
 
@@ -51,13 +66,20 @@ class GlooCommunicator : public Communicator {
   // cannot learn it in band (round_agreement.h). May be empty.
   void SetNewGenerationRequest(std::function<void(const absl::Status&)> request);
 
-  // One SUM all-reduce whose last reduction of each segment also divides by size(), so the
-  // average costs no pass of its own (PyTorch divides first; the results agree to rounding,
-  // exactly for power-of-two groups). When the tensors form one float32/float64 buffer (one
-  // tensor, or back to back) it is reduced in place; each segment is saved to a backup as the
-  // ring first touches it (while in cache) and restored if the collective fails (no backup with
-  // in_place). Otherwise every tensor is packed
-  // (converted) into one flat staging buffer, reduced, and copied back on success.
+  // One collective per round (GlooAlgorithms says which), the division fused into its last
+  // reduction of each element, so the average costs no pass of its own (PyTorch divides first;
+  // the results agree to rounding, exactly for power-of-two groups):
+  //  * the direct exchange (two members; small buffers): every member sends its contribution
+  //    to every other, piece by piece, and sums the members' pieces in member order, writing
+  //    each piece's mean straight into the tensors. One float32/float64 buffer (one tensor, or
+  //    back to back) is sent from where it is, each piece saved to a backup just before its
+  //    mean is written (no backup with in_place in a plain round); other tensors are packed
+  //    (converted) piece by piece into a staging buffer, which keeps them for a restore.
+  //  * Gloo's ring (larger buffers of more members), whose last reduction of each segment
+  //    divides: one buffer is reduced in place, each segment saved to a backup as the ring
+  //    first touches it (while in cache; none with in_place); other tensors are packed into one
+  //    staging buffer, reduced, and copied back on success.
+  // A failed collective restores the tensors (except in place without a backup).
   // The round protocol is round_agreement.h's: the members agree on the layout (total element
   // count, staging dtype, divisor, step, fragment split; a local failure is carried in it) at
   // the first call, at every fragment round and when the divisor changes, and compare it
@@ -96,10 +118,16 @@ class GlooCommunicator : public Communicator {
     absl::MutexLock l(&mu_);
     return fused_;
   }
+  // Whether a round of `bytes` is averaged by the direct exchange (else Gloo's ring).
+  bool Direct(size_t bytes) const {
+    return size_ == 2 ? algorithms_.direct_pairs
+                      : static_cast<int64_t>(bytes) <= algorithms_.direct_max_bytes;
+  }
 
  private:
   GlooCommunicator(std::shared_ptr<gloo::Context> context, std::shared_ptr<MeshWaits> waits,
-                   int rank, int size, absl::Duration timeout, bool in_place);
+                   int rank, int size, absl::Duration timeout, bool in_place,
+                   GlooAlgorithms algorithms);
   // Averages `data` (numel elements) in place: Gloo's ring SUM all-reduce with the division
   // by `divisor` fused into each segment's last reduction. With `backup` (numel elements),
   // `data` is restored on failure. With `commit`, the members then vote (Commit); when that
@@ -107,7 +135,8 @@ class GlooCommunicator : public Communicator {
   absl::Status RunAverage(void* data, int64_t numel, DType dtype, void* backup,
                           size_t max_segment, int divisor, bool commit = false,
                           bool* holding = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The commit vote of a committed round (CommitVote over a one-element sum all-reduce).
+  // The commit vote of a committed round on Gloo's ring: one word from every member to every
+  // other (gloo_exchange.h).
   absl::Status Commit() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Checks, with a small all-reduce, that the fused division lands where expected on this Gloo
   // build; otherwise averaging uses the staging path with a separate division. Errors: the
@@ -126,11 +155,16 @@ class GlooCommunicator : public Communicator {
   // vote's sum (`max` false). `what` names it in errors.
   absl::Status AllReduceWords(int64_t* words, size_t n, bool max, const char* what)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The three ways of AllReduceAverage, for a round of `total` elements of staging `dtype` that
-  // passed the layout check: a compressed payload (packed, RunCompressed); one contributing
-  // buffer with the division fused (RunAverage in place, with a backup unless in_place_ in a
-  // plain round); anything else through the staging buffer (packed, reduced, unpacked on
-  // success). Each sets *outcome and breaks the communicator on a transport failure.
+  // The ways of AllReduceAverage, for a round of `total` elements of staging `dtype` that
+  // passed the layout check: a compressed payload (packed, RunCompressed); the direct exchange
+  // (AverageDirect; with the finite check, every member's code travels as one word after its
+  // pieces and is known before any piece is written); on Gloo's ring, one contributing buffer with the division fused
+  // (RunAverage in place, with a backup unless in_place_ in a plain round), anything else
+  // through the staging buffer (packed, reduced, unpacked on success). Each sets *outcome and
+  // breaks the communicator on a transport failure.
+  absl::Status AverageDirect(absl::Span<const TensorView> tensors, const RoundOptions& options,
+                             int64_t total, DType dtype, int divisor, RoundOutcome* outcome)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status AverageCompressed(absl::Span<const TensorView> tensors, const RoundOptions& options,
                                  int64_t total, DType dtype, int divisor, RoundOutcome* outcome)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -173,6 +207,7 @@ class GlooCommunicator : public Communicator {
   const int size_;
   const absl::Duration timeout_;
   const bool in_place_;
+  const GlooAlgorithms algorithms_;
   // Guards only aborted_: taken by Abort while mu_ is held by the collective it breaks.
   mutable absl::Mutex abort_mu_;
   absl::Status aborted_ ABSL_GUARDED_BY(abort_mu_);
@@ -188,8 +223,11 @@ class GlooCommunicator : public Communicator {
   std::vector<uint8_t> wire_send_ ABSL_GUARDED_BY(mu_);
   std::vector<uint8_t> wire_recv_ ABSL_GUARDED_BY(mu_);
   std::vector<float> chunk_ ABSL_GUARDED_BY(mu_);
-  // Persistent staging (doubles keep it aligned for either staging dtype).
+  // Persistent staging (doubles keep it aligned for either staging dtype); the direct
+  // exchange's backup of one buffer.
   std::vector<double> staging_ ABSL_GUARDED_BY(mu_);
+  // The direct exchange's pieces in flight.
+  DirectScratch direct_ ABSL_GUARDED_BY(mu_);
   // A result kept aside by a failed commit vote (kept_ says of what): the raw bytes of one
   // buffer, or the packed staging.
   std::vector<double> pending_ ABSL_GUARDED_BY(mu_);

@@ -162,6 +162,11 @@ class Client {
 
   int32_t rank() const { return rank_; }
   int32_t world_size() const { return schedule_.world_size(); }
+  // Sharded replicas (JobSpec.replica_size; 1: none): the ranks of one replica, this rank's
+  // replica (rank / replica_size) and the shard it holds (rank % replica_size).
+  int32_t replica_size() const { return schedule_.replica_size(); }
+  int32_t replica() const { return schedule_.ReplicaOf(rank_); }
+  int32_t shard() const { return schedule_.ShardOf(rank_); }
   // The generation this client averages in: the one it joined, or in an elastic job a later
   // one it followed (a shrink around a dead member, an admission) as a live member.
   int64_t generation() const;

@@ -6,6 +6,9 @@
 //   * HierarchicalModelAverager(period_group_size_dict, warmup_steps): at s >= warmup_steps walk
 //     the levels from last to first and take the first whose period divides s (phase absolute;
 //     warm-up only masks). No level divides: no averaging.
+// With sharded replicas (ScheduleSpec::replica_size S > 1) rank r holds shard r % S of replica
+// r / S, and at a level of group size g it averages with the ranks of its block that hold its
+// shard: { g * (r / g) + i * S + r % S : 0 <= i < g / S } (docs/sharded.md).
 // The coordinator, the client's decision cache and the tests share this one implementation.
 #ifndef MODELAVG_COMMON_SCHEDULE_H_
 #define MODELAVG_COMMON_SCHEDULE_H_
@@ -61,6 +64,8 @@ struct ScheduleSpec {
   int64_t warmup_steps = 0;
   AveragingMode mode = AveragingMode::kHierarchical;
   std::vector<ScheduleLevel> levels;
+  // The ranks of one model replica (JobSpec.replica_size; 1: every rank holds a whole one).
+  int32_t replica_size = 1;
 };
 
 // Largest world a job may have.
@@ -83,9 +88,14 @@ inline constexpr int32_t kMaxFragments = 4096;
 // <= 0, > world_size or not dividing world_size, the last level's group size != world_size,
 // duplicate periods (PyTorch keys its levels by period), for kPeriodic anything but exactly
 // one level, an outer optimizer whose lr is not finite and > 0, whose momentum is outside
-// [0, 1), or that asks for nesterov with momentum 0 (PyTorch's SGD rules), and the streaming
-// fields of each level (ValidateStreamingLevel).
+// [0, 1), or that asks for nesterov with momentum 0 (PyTorch's SGD rules), the streaming
+// fields of each level (ValidateStreamingLevel), and a replica_size below 1 or not dividing
+// world_size and every level's group size.
 absl::Status ValidateScheduleSpec(const ScheduleSpec& spec);
+
+// The replica size of `spec` (the rest of it valid): >= 1, dividing world_size and every
+// level's group size. INVALID_ARGUMENT naming the field and the values otherwise.
+absl::Status ValidateReplicaSize(const ScheduleSpec& spec);
 
 // The streaming fields of `levels[index]` (`outer`: the level has an outer optimizer):
 // fragments in [1, kMaxFragments] and dividing the period; sync_delay in [0, period /
@@ -97,14 +107,32 @@ absl::Status ValidateStreamingLevel(const ScheduleLevel& level, size_t index, bo
 // period / fragments, for fragmented levels): valid, but likely not what the user meant.
 std::vector<std::string> ScheduleWarnings(const ScheduleSpec& spec);
 
-// A rank's block at one level: ranks [first_rank, first_rank + size).
+// A rank's subgroup at one level: the `size` ranks first_rank + i * stride, 0 <= i < size. The
+// stride is the job's replica size (1: a block of consecutive ranks).
 struct SubgroupRange {
   int32_t index = 0;
   int32_t first_rank = 0;
   int32_t size = 0;
+  int32_t stride = 1;
 
   std::vector<int32_t> Ranks() const;
-  bool Contains(int32_t rank) const { return rank >= first_rank && rank < first_rank + size; }
+  // The i-th member rank, 0 <= i < size.
+  int32_t RankAt(int32_t i) const { return first_rank + i * stride; }
+  // The last member rank.
+  int32_t LastRank() const { return RankAt(size - 1); }
+  bool Contains(int32_t rank) const {
+    return rank >= first_rank && (rank - first_rank) % stride == 0 &&
+           (rank - first_rank) / stride < size;
+  }
+  // The position of `rank` among the members. Precondition: Contains(rank).
+  int32_t IndexOf(int32_t rank) const { return (rank - first_rank) / stride; }
+  // "4..7" for consecutive ranks, "1,3,5,7" otherwise (for messages).
+  std::string Describe() const;
+
+  bool operator==(const SubgroupRange& o) const {
+    return index == o.index && first_rank == o.first_rank && size == o.size &&
+           (size <= 1 || stride == o.stride);
+  }
 };
 
 // What one rank does at one step.
@@ -141,8 +169,7 @@ struct Decision {
   // Compares what the schedule decides (step, level, subgroup), not the membership.
   bool operator==(const Decision& o) const {
     return step == o.step && average == o.average && level == o.level && period == o.period &&
-           fragment == o.fragment && fragments == o.fragments && subgroup.index == o.subgroup.index && subgroup.first_rank == o.subgroup.first_rank &&
-           subgroup.size == o.subgroup.size;
+           fragment == o.fragment && fragments == o.fragments && subgroup == o.subgroup;
   }
 };
 
@@ -154,6 +181,12 @@ class Schedule {
 
   const ScheduleSpec& spec() const { return spec_; }
   int32_t world_size() const { return spec_.world_size; }
+  // The ranks of one replica (1 without sharded replicas).
+  int32_t replica_size() const { return spec_.replica_size; }
+  // The replica `rank` belongs to, and the shard it holds.
+  int32_t ReplicaOf(int32_t rank) const { return rank / spec_.replica_size; }
+  int32_t ShardOf(int32_t rank) const { return rank % spec_.replica_size; }
+  int32_t num_replicas() const { return spec_.world_size / spec_.replica_size; }
   int num_levels() const { return static_cast<int>(spec_.levels.size()); }
 
   // The level that averages at `step` (the same for every rank), or -1. O(levels).
@@ -170,10 +203,18 @@ class Schedule {
   // from warm-up in a periodic job (s - warmup). 0 for a level of one fragment.
   int32_t FragmentAt(int level, int64_t step) const;
 
-  // The block of `rank` at `level`. Precondition: 0 <= rank < world_size, valid level.
+  // The subgroup of `rank` at `level`: the ranks of its block of group_size that hold its shard,
+  // index (rank / group_size) * replica_size + rank % replica_size. Precondition:
+  // 0 <= rank < world_size, valid level.
   SubgroupRange SubgroupOf(int level, int32_t rank) const;
 
-  // Every block at `level`, in index order.
+  // How many subgroups `level` has: world_size / group_size * replica_size.
+  int32_t NumSubgroups(int level) const;
+
+  // The subgroup of that index at `level`. Precondition: 0 <= index < NumSubgroups(level).
+  SubgroupRange Subgroup(int level, int32_t index) const;
+
+  // Every subgroup at `level`, in index order.
   std::vector<SubgroupRange> SubgroupsAt(int level) const;
 
   // The first step >= warmup at which `level` averages, or -1 if there is none within

@@ -31,6 +31,8 @@ etcd::EtcdMember ToRecord(const Member& m) {
   r.set_joined_generation(m.joined_generation);
   r.set_credential_digest(m.credential_digest);
   r.set_admitted_step(m.admitted_step);
+  if (m.retired_by >= 0) r.set_retired_by(m.retired_by);
+  r.set_retired_at_step(m.retired_at_step);
   return r;
 }
 
@@ -44,6 +46,8 @@ Member FromRecord(const etcd::EtcdMember& r) {
   m.joined_generation = r.joined_generation();
   m.credential_digest = r.credential_digest();
   m.admitted_step = r.admitted_step();
+  m.retired_by = r.has_retired_by() ? r.retired_by() : -1;
+  m.retired_at_step = r.retired_at_step();
   return m;
 }
 

@@ -22,8 +22,10 @@ constexpr int32_t kApplicationId = 0x6d617667;
 // coordinator and is refused rather than misread.
 // Version 2 added members.credential_digest; a version 1 file is upgraded in place (its members
 // then have no credential and re-join). Version 3 added members.admitted_step; a version 2 file
-// is upgraded in place (its members are of the starting world: -1).
-constexpr int kSchemaVersion = 3;
+// is upgraded in place (its members are of the starting world: -1). Version 4 added
+// members.retired_by and members.retired_at_step (sharded replicas); a version 3 file is
+// upgraded in place (nobody retired: -1 and 0).
+constexpr int kSchemaVersion = 4;
 // How long a write waits for a reader that holds the file (sqlite3's .backup, VACUUM INTO).
 constexpr int kBusyTimeoutMs = 10000;
 
@@ -46,6 +48,8 @@ CREATE TABLE members(
   joined_generation INTEGER NOT NULL,  -- the generation the worker joined in
   credential_digest TEXT NOT NULL DEFAULT '',  -- SHA-256 of its credential, never the credential
   admitted_step INTEGER NOT NULL DEFAULT -1,   -- a replacement's admission step; -1: from the start
+  retired_by INTEGER NOT NULL DEFAULT -1,      -- RETIRED: the rank whose loss retired its replica
+  retired_at_step INTEGER NOT NULL DEFAULT 0,  -- RETIRED: its first step outside the averaging
   PRIMARY KEY(job_id, rank)
 ) WITHOUT ROWID;
 CREATE TABLE comm_ids(             -- the current generation's bootstrap ids
@@ -290,6 +294,10 @@ absl::StatusOr<std::unique_ptr<SqliteStateStore>> SqliteStateStore::Open(const s
       {"2",
        "BEGIN IMMEDIATE; ALTER TABLE members ADD COLUMN admitted_step INTEGER NOT NULL "
        "DEFAULT -1; PRAGMA user_version=3; COMMIT;"},
+      {"3",
+       "BEGIN IMMEDIATE; ALTER TABLE members ADD COLUMN retired_by INTEGER NOT NULL "
+       "DEFAULT -1; ALTER TABLE members ADD COLUMN retired_at_step INTEGER NOT NULL DEFAULT 0; "
+       "PRAGMA user_version=4; COMMIT;"},
   };
   for (const Upgrade& upgrade : kUpgrades) {
     if (*version != upgrade.from) continue;
@@ -369,8 +377,8 @@ absl::Status SqliteStateStore::Prepare() {
        "UPDATE jobs SET state = ?2, generation = ?3, last_change = ?4 WHERE job_id = ?1"},
       {&upsert_member_,
        "INSERT OR REPLACE INTO members(job_id, rank, worker_id, host, state, generation, "
-       "joined_generation, credential_digest, admitted_step) "
-       "VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)"},
+       "joined_generation, credential_digest, admitted_step, retired_by, retired_at_step) "
+       "VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)"},
       {&delete_member_, "DELETE FROM members WHERE job_id = ?1 AND rank = ?2"},
       {&insert_comm_id_,
        "INSERT OR REPLACE INTO comm_ids(job_id, level, subgroup, key, blob) "
@@ -511,8 +519,8 @@ absl::StatusOr<std::vector<StoredJob>> SqliteStateStore::LoadAll() {
     return j < jobs.size() && jobs[j].spec.job_id() == id ? &jobs[j] : nullptr;
   };
   if (absl::Status s = query("SELECT job_id, rank, worker_id, host, state, generation, "
-                             "joined_generation, credential_digest, admitted_step FROM members "
-                             "ORDER BY job_id, rank");
+                             "joined_generation, credential_digest, admitted_step, retired_by, "
+                             "retired_at_step FROM members ORDER BY job_id, rank");
       !s.ok()) {
     return s;
   }
@@ -531,6 +539,8 @@ absl::StatusOr<std::vector<StoredJob>> SqliteStateStore::LoadAll() {
     m.joined_generation = sqlite3_column_int64(stmt, 6);
     m.credential_digest = text(7);
     m.admitted_step = sqlite3_column_int64(stmt, 8);
+    m.retired_by = static_cast<int32_t>(sqlite3_column_int64(stmt, 9));
+    m.retired_at_step = sqlite3_column_int64(stmt, 10);
     if (m.rank < 0 || m.rank >= job->spec.world_size()) {
       bad.push_back(absl::StrCat("job ", job->spec.job_id(), ": rank ", m.rank));
       continue;
@@ -643,6 +653,8 @@ absl::Status SqliteStateStore::ApplyLocked(absl::string_view job_id, const JobDe
                   .Bind(7, m.joined_generation > 0 ? m.joined_generation : m.generation)
                   .Bind(8, m.credential_digest)
                   .Bind(9, m.admitted_step)
+                  .Bind(10, int64_t{m.retired_by})
+                  .Bind(11, m.retired_at_step)
                   .Run();
     if (!done.ok()) return done.status();
   }
