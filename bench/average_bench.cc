@@ -30,6 +30,11 @@
 // "outer_over_plain" = average_s / plain_round_s, on the same buffers and communicator;
 // --backup_device=cpu keeps the outer state of CUDA parameters in pinned host memory.
 // --world=1 measures the call's own cost (no transport: phases average and copies only).
+// The finite check (RoundOptions::check_finite, ClientOptions::check_finite, --check_finite):
+// AverageParameters, plain and committed check as the flag says; after the main loop, I plain
+// rounds and then I checked rounds on the same communicator, each block after one untimed round
+// (the layout agreement): "unchecked_round_s", "checked_round_s" and "checked_over_unchecked"
+// (-1 with --world=1).
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -78,6 +83,7 @@ ABSL_FLAG(int32_t, iters, 20, "Measured iterations.");
 ABSL_FLAG(int32_t, warmup, 3, "Unmeasured iterations first.");
 ABSL_FLAG(std::string, backend, "gloo", "gloo (host tensors) or nccl (CUDA tensors).");
 ABSL_FLAG(bool, in_place, false, "ClientOptions.gloo_in_place (no staging copy).");
+ABSL_FLAG(bool, check_finite, true, "ClientOptions.check_finite (AverageParameters' rounds).");
 ABSL_FLAG(bool, elastic, false,
           "An elastic job (min_world_size 1): every AverageParameters call is a committed "
           "round, with the elastic job's bookkeeping.");
@@ -249,6 +255,7 @@ absl::Status Worker() {
   o.rank = absl::GetFlag(FLAGS_worker_rank);
   o.collective_timeout = absl::Seconds(120);
   o.gloo_in_place = absl::GetFlag(FLAGS_in_place);
+  o.check_finite = absl::GetFlag(FLAGS_check_finite);
   MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Connect(o));
   client::AveragerOptions averager_options;
   if (absl::GetFlag(FLAGS_backup_device) == "cpu") {
@@ -313,12 +320,16 @@ absl::Status Worker() {
                                                nullptr, ring_only));
   }
   std::vector<TensorView> views = buffers->views();
-  client::RoundOptions commit;
+  // The main loop's rounds check as AverageParameters does (one layout agreement, not one per
+  // call).
+  client::RoundOptions plain_round;
+  plain_round.check_finite = absl::GetFlag(FLAGS_check_finite);
+  client::RoundOptions commit = plain_round;
   commit.commit = true;
   const std::map<std::string, std::function<absl::Status()>> calls = {
       {"average", [&] { return averager->AverageParameters(views).status(); }},
       {"raw", [&] { return buffers->Raw(); }},
-      {"plain", [&] { return round_comm->AllReduceAverage(views); }},
+      {"plain", [&] { return round_comm->AllReduceAverage(views, plain_round, nullptr); }},
       {"committed", [&] { return round_comm->AllReduceAverage(views, commit, nullptr); }},
       {"vote", [&] { return buffers->Vote(); }},
       {"copies", [&] { return buffers->Copies(); }},
@@ -365,6 +376,27 @@ absl::Status Worker() {
         cpu[it->first].push_back(c1 - c0);
       }
       ++it;
+    }
+  }
+  // The finite check's cost: a block of plain rounds, then a block of checked ones (switching
+  // between them agrees on the layout again, so each block starts with an untimed round),
+  // printed as the phases "unchecked" and "checked".
+  if (world > 1) {
+    client::RoundOptions check;
+    check.check_finite = true;
+    for (const client::RoundOptions& o : {client::RoundOptions{}, check}) {
+      auto& [name, values] = samples.emplace_back(o.check_finite ? "checked" : "unchecked",
+                                                  std::vector<double>{});
+      for (int i = 0; i <= iters; ++i) {
+        const double c0 = ProcessCpuSeconds();
+        const absl::Time t0 = absl::Now();
+        MODELAVG_RETURN_IF_ERROR(round_comm->AllReduceAverage(views, o, nullptr));
+        const absl::Time t1 = absl::Now();
+        const double c1 = ProcessCpuSeconds();
+        if (i == 0) continue;
+        values.push_back(absl::ToDoubleSeconds(t1 - t0));
+        cpu[name].push_back(c1 - c0);
+      }
     }
   }
   // One line per phase: its name, then its samples in iteration order; then its CPU times
@@ -434,6 +466,7 @@ absl::Status Driver(const char* self) {
         "--phases=" + absl::GetFlag(FLAGS_phases),
         absl::StrCat("--contiguous=", absl::GetFlag(FLAGS_contiguous) ? "true" : "false"),
         "--backup_device=" + absl::GetFlag(FLAGS_backup_device),
+        absl::StrCat("--check_finite=", absl::GetFlag(FLAGS_check_finite) ? "true" : "false"),
         absl::StrCat("--ring_direct_max_bytes=", absl::GetFlag(FLAGS_ring_direct_max_bytes))};
     std::vector<char*> args;
     for (auto& a : argv) args.push_back(a.data());
@@ -497,7 +530,8 @@ absl::Status Driver(const char* self) {
   const std::pair<const char*, const char*> keys[] = {
       {"average", "average_s"}, {"raw", "raw_allreduce_s"}, {"plain", "plain_round_s"},
       {"committed", "committed_round_s"}, {"vote", "vote_s"}, {"copies", "copies_s"},
-      {"ring", "ring_round_s"}, {"ring_committed", "ring_committed_s"}};
+      {"ring", "ring_round_s"}, {"ring_committed", "ring_committed_s"},
+      {"unchecked", "unchecked_round_s"}, {"checked", "checked_round_s"}};
   for (const auto& [phase, key] : keys) {
     std::string k(key);
     k.resize(k.size() - 2);
@@ -511,13 +545,15 @@ absl::Status Driver(const char* self) {
       &out,
       ", \"avg_over_raw\": %.4f, \"raw_over_average\": %.4f, \"floor_over_raw\": %.4f, "
       "\"average_gbps\": %.4g, \"raw_gbps\": %.4g, \"committed_over_plain\": %.4f, "
-      "\"outer\": %s, \"outer_over_plain\": %.4f, \"backup_device\": \"%s\"}\n",
+      "\"outer\": %s, \"outer_over_plain\": %.4f, \"backup_device\": \"%s\", "
+      "\"check_finite\": %s, \"checked_over_unchecked\": %.4f}\n",
       ratio(average_s, raw_s), ratio(raw_s, average_s),
       raw_s > 0 && copies_s >= 0 ? raw_s / (raw_s + copies_s) : -1.0,
       average_s > 0 ? bytes / average_s / 1e9 : -1.0, raw_s > 0 ? bytes / raw_s / 1e9 : -1.0,
       ratio(committed_s, plain_s), absl::GetFlag(FLAGS_outer) ? "true" : "false",
       absl::GetFlag(FLAGS_outer) ? ratio(average_s, plain_s) : -1.0,
-      absl::GetFlag(FLAGS_backup_device));
+      absl::GetFlag(FLAGS_backup_device), absl::GetFlag(FLAGS_check_finite) ? "true" : "false",
+      ratio(q("checked", 0.5), q("unchecked", 0.5)));
   std::fputs(out.c_str(), stdout);
   return absl::OkStatus();
 }

@@ -14,9 +14,13 @@
 //
 // Parameters live in host memory and are averaged with Gloo over TCP; with --backend=nccl they
 // are staged through CUDA device memory and averaged with NCCL.
+//
+// On SIGTERM or SIGINT (`docker stop`, `podman stop`, Ctrl-C) it leaves its job at once, so that
+// the other ranks learn it from the coordinator instead of after a heartbeat timeout: a Join or a
+// step delay in progress is cut short, an averaging call in progress ends first. It prints
+// "stopped by SIGTERM at step s; left job J" and exits with 128 + the signal (143, 130); a second
+// signal ends it at once.
 #include <algorithm>
-#include <atomic>
-#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <iostream>
@@ -39,6 +43,7 @@
 #include "client/flags/connection_flags.h"
 #include "common/logging.h"
 #include "common/status_util.h"
+#include "common/stop_signals.h"
 #include "examples/tiny_mlp.h"
 #include "modelavg/client/averager.h"
 #include "modelavg/client/client.h"
@@ -79,11 +84,21 @@ ABSL_FLAG(std::string, log_level, "warn", "spdlog level of the library's diagnos
 namespace modelavg {
 namespace {
 
-// Set by SIGTERM/SIGINT: the training loop leaves the job cleanly at the next step, so that the
-// other ranks learn at once (a generation change) instead of after a heartbeat timeout.
-std::atomic<int> g_stop_signal{0};
+// SIGTERM/SIGINT (main installs it before any thread starts): the training loop leaves the job
+// cleanly at the next step, so that the other ranks learn at once (a generation change) instead
+// of after a heartbeat timeout.
+StopSignals* g_stop = nullptr;
 
-extern "C" void OnStopSignal(int signal) { g_stop_signal.store(signal); }
+// The status of a training phase that ended on a stop signal: CANCELLED saying where.
+absl::Status Stopped(const std::string& where, client::Client* client) {
+  const std::string why = absl::StrCat("stopped by ", g_stop->name(), " ", where);
+  if (client == nullptr) return absl::CancelledError(why);
+  absl::Status left = client->Leave(why);
+  return absl::CancelledError(
+      left.ok() ? absl::StrCat(why, "; left job ", client->job_id())
+                : absl::StrCat(why, "; leaving job ", client->job_id(), " failed: ",
+                               left.ToString()));
+}
 
 // The parameters as the averager sees them: the host tensors, or device mirrors of them.
 class StagedParameters {
@@ -225,7 +240,15 @@ absl::StatusOr<PhaseResult> TrainInJob(const std::string& job, int32_t* rank) {
               *rank >= 0 ? absl::StrCat(*rank).c_str() : "?", job.c_str(),
               options.coordinator.c_str());
   std::fflush(stdout);
-  MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> client, client::Client::Connect(options));
+  // A stop signal cuts a Join in progress (or its retry backoff) short.
+  options.cancel = std::make_shared<client::CancelToken>();
+  g_stop->OnStop([cancel = options.cancel](int) { cancel->Cancel(); });
+  absl::StatusOr<std::unique_ptr<client::Client>> connected = client::Client::Connect(options);
+  if (!connected.ok() && g_stop->requested()) {
+    return Stopped(absl::StrCat("while joining job ", job), nullptr);
+  }
+  MODELAVG_RETURN_IF_ERROR(connected.status());
+  std::unique_ptr<client::Client> client = *std::move(connected);
   *rank = client->rank();
   const int32_t world = client->world_size();
   std::unique_ptr<client::ModelAverager> averager;
@@ -262,15 +285,18 @@ absl::StatusOr<PhaseResult> TrainInJob(const std::string& job, int32_t* rank) {
   int64_t window_steps = 0;
   std::map<std::string, int64_t> window_avg;  // "level L (group)" -> count since the last line
   for (int64_t step = 0; step < steps; ++step) {
-    if (const int signal = g_stop_signal.load(); signal != 0) {
-      const std::string why = absl::StrCat("stopped by signal ", signal, " at step ", step);
-      client->Leave(why).IgnoreError();  // best effort: we are exiting anyway
-      return absl::CancelledError(absl::StrCat("job ", job, ": ", why));
-    }
+    if (g_stop->requested()) return Stopped(absl::StrCat("at step ", step), client.get());
     window_loss += model.SgdStep(shard, step * batch, batch, lr);
     ++window_steps;
-    if (step_delay > absl::ZeroDuration()) absl::SleepFor(step_delay);
+    if (step_delay > absl::ZeroDuration() && !g_stop->SleepFor(step_delay)) {
+      return Stopped(absl::StrCat("at step ", step), client.get());
+    }
     absl::StatusOr<Decision> d = params->Average(*averager);
+    if (!d.ok() && g_stop->requested()) {
+      // The call ended because of the stop (a peer that stopped too left the round).
+      return Stopped(absl::StrCat("at step ", step, " (its call: ", d.status().message(), ")"),
+                     client.get());
+    }
     if (!d.ok()) return Annotate(d.status(), absl::StrCat("job ", job, " step ", step));
     if (d->average) {
       ++result.averagings;
@@ -366,14 +392,19 @@ int main(int argc, char** argv) {
               << std::endl;
     return 2;
   }
-  std::signal(SIGTERM, modelavg::OnStopSignal);
-  std::signal(SIGINT, modelavg::OnStopSignal);
+  // Before any thread is started (the client's): SIGTERM and SIGINT are taken by its thread.
+  modelavg::StopSignals stop;
+  modelavg::g_stop = &stop;
   absl::Status logging = modelavg::InitLogging(absl::GetFlag(FLAGS_log_level), "demo");
   if (!logging.ok()) {
     std::cerr << "modelavg-demo: --log_level: " << logging.message() << std::endl;
     return 2;
   }
   absl::Status status = modelavg::Run();
+  if (!status.ok() && stop.requested() && absl::IsCancelled(status)) {
+    std::cerr << "modelavg-demo: " << status.message() << std::endl;
+    return stop.exit_code();
+  }
   if (!status.ok()) {
     std::cerr << "modelavg-demo: " << status.ToString() << std::endl;
     return 1;

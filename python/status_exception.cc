@@ -1,5 +1,6 @@
 #include "python/status_exception.h"
 
+#include <optional>
 #include <string>
 
 #include "absl/strings/ascii.h"
@@ -26,6 +27,13 @@ namespace modelavg::python {
   py::object exc = errors.attr("_from_status")(
       static_cast<int>(status.code()), std::string(status.message()), averaging, kind_name,
       rank >= 0 ? py::object(py::int_(rank)) : py::object(py::none()));
+  if (std::optional<client::NonFiniteDetail> d = client::NonFiniteDetailOf(status)) {
+    const auto known = [](int64_t v) { return v >= 0 ? py::object(py::int_(v)) : py::none(); };
+    exc.attr("step") = known(d->step);
+    exc.attr("level") = known(d->level);
+    exc.attr("tensor") = known(d->tensor);
+    exc.attr("value") = d->value.empty() ? py::object(py::none()) : py::object(py::str(d->value));
+  }
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   throw py::error_already_set();
 }

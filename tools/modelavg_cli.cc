@@ -272,6 +272,13 @@ void PrintJob(const v1::Job& j) {
   kv.Add({"steps", j.min_step() < 0 ? "none reported"
                                     : absl::StrCat(j.min_step(), " to ", j.max_step())});
   kv.Add({"deaths", absl::StrCat(j.deaths(), ", admissions ", j.admissions())});
+  if (j.nonfinite_reports() > 0) {
+    const v1::NonFiniteReport& r = j.last_nonfinite();
+    kv.Add({"non-finite", absl::StrCat(j.nonfinite_reports(), "; last: rank ", r.rank(), ", ",
+                                       r.value(), " in tensor ", r.tensor(), " of its ",
+                                       r.payload(), " at step ", r.step(), ", level ", r.level(),
+                                       r.retired() ? " (retired)" : "")});
+  }
   kv.Add({"heartbeat timeout", absl::StrCat(s.heartbeat_timeout_ms(), " ms")});
   kv.Add({"created", When(j.created_unix_ms())});
   if (j.has_last_change()) {

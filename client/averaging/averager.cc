@@ -115,6 +115,8 @@ class ModelAverager::Parts {
       const FragmentSplit split = SplitIntoFragments(params, decision->fragments);
       fragment = split.Fragment(params, decision->fragment);
       wire.layout_signature = split.signature;
+      wire.contents =
+          absl::StrCat("fragment ", decision->fragment + 1, " of ", decision->fragments);
     }
     if (level != nullptr && StreamingOuterLevel(*level)) {
       return streaming_.Round(*decision, device, fragment, wire.layout_signature);

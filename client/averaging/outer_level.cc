@@ -283,6 +283,16 @@ bool OuterLevel::Has(int level) const {
   return level >= 0 && level < static_cast<int>(states_.size()) && states_[level] != nullptr;
 }
 
+namespace {
+
+// A pseudo-gradient's round: named so in a non-finite report.
+RoundWire GradientWire(RoundWire wire) {
+  wire.contents = "pseudo-gradient";
+  return wire;
+}
+
+}  // namespace
+
 absl::StatusOr<Decision> OuterLevel::Round(const Decision& decision, const Device& device,
                                            absl::Span<const TensorView> params, RoundWire wire) {
   const int level = decision.level;
@@ -336,7 +346,8 @@ absl::StatusOr<Decision> OuterLevel::Round(const Decision& decision, const Devic
   if (joining && !first_step) {
     pseudo_gradient_->Shape(params);
     std::vector<TensorView> d = pseudo_gradient_->Views();
-    MODELAVG_ASSIGN_OR_RETURN(Decision done, rounds_->Run(decision, device, d, wire));
+    MODELAVG_ASSIGN_OR_RETURN(Decision done,
+                              rounds_->Run(decision, device, d, GradientWire(wire)));
     MODELAVG_RETURN_IF_ERROR(Annotate(state->Step(0, d, params), where));
     return done;
   }
@@ -352,7 +363,8 @@ absl::StatusOr<Decision> OuterLevel::Round(const Decision& decision, const Devic
   std::vector<TensorView> d = pseudo_gradient_->Views();
   MODELAVG_RETURN_IF_ERROR(Annotate(state->PseudoGradient(0, params, d), where));
   // The parameters and the state change only once the round has succeeded.
-  MODELAVG_ASSIGN_OR_RETURN(Decision done, rounds_->Run(decision, device, d, wire));
+  MODELAVG_ASSIGN_OR_RETURN(Decision done,
+                            rounds_->Run(decision, device, d, GradientWire(wire)));
   MODELAVG_RETURN_IF_ERROR(Annotate(state->Step(0, d, params), where));
   return done;
 }

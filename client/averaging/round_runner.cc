@@ -71,10 +71,16 @@ absl::StatusOr<Decision> RoundRunner::Run(const Decision& decision, const Device
   plain.payload = wire.payload;
   plain.topk = wire.topk;
   plain.layout_signature = wire.layout_signature;
+  plain.step = decision.step;
+  plain.check_finite = client_->options().check_finite;
   const int64_t sent_before = comm.ok() ? (*comm)->bytes_sent() : 0;
   absl::Status s = comm.ok() ? (*comm)->AllReduceAverage(tensors, plain, nullptr) : comm.status();
   if (comm.ok()) traffic_->AddBytes(decision.level, (*comm)->bytes_sent() - sent_before);
   if (s.ok()) return decision;
+  // Every member's call fails; nobody's parameters changed (a strict job keeps its generation).
+  if (ErrorKindOf(s) == ErrorKind::kNonFinite) {
+    return Annotate(OnNonFinite(decision, wire, std::move(s)), where);
+  }
   if (s.code() == absl::StatusCode::kInvalidArgument) return Annotate(s, where);
   ReportUnreachablePeersOf(decision, comm.ok() ? *comm : nullptr, s);
   // A transport failure usually means a peer died: give the coordinator up to a heartbeat
@@ -167,6 +173,51 @@ void RoundRunner::ReportUnreachablePeersOf(const Decision& decision, Communicato
   }
 }
 
+absl::Status RoundRunner::OnNonFinite(const Decision& decision, const RoundWire& wire,
+                                      absl::Status failure) const {
+  NonFiniteDetail detail = NonFiniteDetailOf(failure).value_or(NonFiniteDetail{});
+  const std::vector<int32_t> members = decision.Members();
+  const int32_t member = ErrorPeerOf(failure);
+  if (member >= 0 && member < static_cast<int32_t>(members.size())) {
+    detail.rank = members[member];
+  }
+  detail.level = decision.level;
+  if (detail.step < 0) detail.step = decision.step;
+  absl::Status out(failure.code(),
+                   absl::StrCat(failure.message(), " (rank ", detail.rank, ", level ",
+                                decision.level, ", ", wire.contents, ")"));
+  failure.ForEachPayload([&out](absl::string_view url, const absl::Cord& payload) {
+    out.SetPayload(url, payload);
+  });
+  out = SetErrorKind(std::move(out), ErrorKind::kNonFinite, member, detail.rank);
+  out = SetNonFiniteDetail(std::move(out), detail);
+  if (detail.rank != client_->rank()) return out;
+  v1::ReportNonFiniteRequest req;
+  req.set_job_id(client_->job_id());
+  req.set_rank(client_->rank());
+  req.set_generation(decision.generation > 0 ? decision.generation : client_->generation());
+  req.set_credential(client_->credential());
+  req.set_step(detail.step);
+  req.set_level(decision.level);
+  req.set_tensor(std::max(detail.tensor, 0));
+  req.set_value(detail.value);
+  req.set_payload(wire.contents.substr(0, 64));
+  spdlog::error("averaging at step {} (level {}): this rank's {} hold {} in tensor {}; kept out "
+                "of the round and reported to the coordinator",
+                detail.step, decision.level, wire.contents, detail.value, detail.tensor);
+  absl::StatusOr<v1::ReportNonFiniteResponse> reply =
+      client_->coordinator()->ReportNonFinite(req);
+  if (!reply.ok()) {
+    spdlog::warn("the coordinator took no non-finite report{}: {}",
+                 absl::IsUnimplemented(reply.status()) ? " (it predates them)" : "",
+                 reply.status().ToString());
+  } else if (reply->retired()) {
+    spdlog::warn("the coordinator retired this rank: generation {} goes on without it",
+                 reply->generation());
+  }
+  return out;
+}
+
 absl::Status RoundRunner::EnterNewerGeneration() {
   return client_->AdvanceGeneration(
       [this](int64_t generation) { hooks_.before_note(generation); });
@@ -179,11 +230,21 @@ absl::StatusOr<Decision> RoundRunner::RunElastic(Decision decision, const Device
     MODELAVG_ASSIGN_OR_RETURN(Attempt tried,
                               RunAttempt(decision, device, tensors, wire, hand_over));
     if (tried.status.ok()) return Commit(decision, attempt);
-    if (tried.status.code() == absl::StatusCode::kInvalidArgument ||
+    if (ErrorKindOf(tried.status) == ErrorKind::kNonFinite) {
+      tried.status = OnNonFinite(decision, wire, std::move(tried.status));
+      // The member that contributed them fails its call (the coordinator retires it); the
+      // others retry without it in the generation that follows, inside this call.
+      if (NonFiniteDetailOf(tried.status)->rank == client_->rank()) {
+        return Annotate(tried.status, ElasticWhere(decision));
+      }
+      spdlog::warn("{}: {}; retrying without its member", ElasticWhere(decision),
+                   std::string(tried.status.message()));
+    } else if (tried.status.code() == absl::StatusCode::kInvalidArgument ||
         ErrorKindOf(tried.status) == ErrorKind::kRoundMismatch) {
       return Annotate(tried.status, ElasticWhere(decision));
+    } else {
+      ReportUnreachablePeersOf(decision, tried.comm, tried.status);
     }
-    ReportUnreachablePeersOf(decision, tried.comm, tried.status);
     MODELAVG_ASSIGN_OR_RETURN(Decision next, MoveOnAfterFailure(decision, tried.status));
     MODELAVG_ASSIGN_OR_RETURN(bool completed, PeerCompletedAttempt(decision, &next, &attempt));
     if (completed) {
@@ -218,6 +279,7 @@ absl::StatusOr<RoundOptions> RoundRunner::ElasticOptions(const Decision& decisio
   options.payload = wire.payload;
   options.topk = wire.topk;
   options.layout_signature = wire.layout_signature;
+  options.check_finite = client_->options().check_finite;
   if (options.contributors == 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         ElasticWhere(decision), ": rank ", client_->rank(),

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -36,6 +37,9 @@ struct RoundWire {
   int64_t layout_signature = 0;
   // TOPK: entries kept per block (RoundOptions::topk).
   int32_t topk = 0;
+  // What the round carries, as a non-finite report names it: "parameters", "pseudo-gradient",
+  // "fragment 1 of 4".
+  std::string contents = "parameters";
 };
 
 // Per level: the bytes this member sent in its rounds, and how long averaging calls waited for
@@ -98,6 +102,11 @@ class RoundRunner {
   // failure) to the coordinator.
   void ReportUnreachablePeersOf(const Decision& decision, Communicator* comm,
                                 const absl::Status& failure) const;
+  // After a round failed with `failure` of kind kNonFinite (finite_check.h): the detail
+  // completed with the contributing rank and the level; when that rank is this one, reports it
+  // to the coordinator (ReportNonFinite: the job's record, and an elastic job retires it).
+  absl::Status OnNonFinite(const Decision& decision, const RoundWire& wire,
+                           absl::Status failure) const;
   // How long a failed round waits for the coordinator to declare its cause: a heartbeat
   // timeout and some.
   absl::Duration CauseWait() const;

@@ -28,7 +28,7 @@ Parsed Parse(const absl::Status& status) {
   std::vector<std::string> parts = absl::StrSplit(text, ',');
   int kind = 0;
   if (!absl::SimpleAtoi(parts[0], &kind) || kind < 0 ||
-      kind > static_cast<int>(ErrorKind::kReplicaLost)) {
+      kind > static_cast<int>(ErrorKind::kNonFinite)) {
     return p;
   }
   p.kind = static_cast<ErrorKind>(kind);
@@ -70,8 +70,34 @@ absl::string_view ErrorKindName(ErrorKind kind) {
       return "timeout";
     case ErrorKind::kReplicaLost:
       return "replica lost";
+    case ErrorKind::kNonFinite:
+      return "non finite";
   }
   return "unknown";
+}
+
+// The payload is "<rank>,<step>,<level>,<tensor>,<value>".
+absl::Status SetNonFiniteDetail(absl::Status status, const NonFiniteDetail& detail) {
+  if (status.ok()) return status;
+  status.SetPayload(kNonFinitePayloadUrl,
+                    absl::Cord(absl::StrCat(detail.rank, ",", detail.step, ",", detail.level,
+                                            ",", detail.tensor, ",", detail.value)));
+  return status;
+}
+
+std::optional<NonFiniteDetail> NonFiniteDetailOf(const absl::Status& status) {
+  if (status.ok()) return std::nullopt;
+  auto payload = status.GetPayload(kNonFinitePayloadUrl);
+  if (!payload.has_value()) return std::nullopt;
+  std::vector<std::string> parts = absl::StrSplit(std::string(*payload), ',');
+  NonFiniteDetail d;
+  if (parts.size() != 5 || !absl::SimpleAtoi(parts[0], &d.rank) ||
+      !absl::SimpleAtoi(parts[1], &d.step) || !absl::SimpleAtoi(parts[2], &d.level) ||
+      !absl::SimpleAtoi(parts[3], &d.tensor)) {
+    return std::nullopt;
+  }
+  d.value = parts[4];
+  return d;
 }
 
 }  // namespace modelavg::client

@@ -12,6 +12,8 @@
 #define MODELAVG_CLIENT_BASE_ERROR_KIND_H_
 
 #include <cstdint>
+#include <optional>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -40,6 +42,10 @@ enum class ErrorKind : int {
   // failed, so the coordinator retired the whole replica; ErrorRankOf names the lost rank. The
   // replica's workers must restart and re-join together as a replacement replica.
   kReplicaLost = 7,
+  // A member's contribution to a round held NaN or Inf (RoundOptions::check_finite): no member
+  // kept the round's result. ErrorPeerOf names the member, ErrorRankOf its rank when known, and
+  // NonFiniteDetailOf the step, level, tensor and value.
+  kNonFinite = 8,
 };
 
 // The payload's type URL.
@@ -58,6 +64,24 @@ int32_t ErrorPeerOf(const absl::Status& status);
 int32_t ErrorRankOf(const absl::Status& status);
 // "peer failure", "generation moved", ... (for logs).
 absl::string_view ErrorKindName(ErrorKind kind);
+
+// Where a kNonFinite error's values were (carried as a payload of its own beside the kind, so
+// that the Python package raises it with these as attributes): the rank that contributed them
+// (-1: not known yet, e.g. at the communicator, which knows only the member), the round's step
+// and level (-1: not known), the first tensor holding a non-finite element (its index in the
+// averaging call's list) and what that element held ("NaN", "+Inf", "-Inf").
+struct NonFiniteDetail {
+  int32_t rank = -1;
+  int64_t step = -1;
+  int32_t level = -1;
+  int32_t tensor = -1;
+  std::string value;
+};
+inline constexpr absl::string_view kNonFinitePayloadUrl = "type.modelavg.dev/modelavg.NonFinite";
+// `status` with the detail attached (OK stays OK).
+absl::Status SetNonFiniteDetail(absl::Status status, const NonFiniteDetail& detail);
+// The detail attached to `status`, if any.
+std::optional<NonFiniteDetail> NonFiniteDetailOf(const absl::Status& status);
 
 }  // namespace modelavg::client
 

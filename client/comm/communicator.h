@@ -124,6 +124,15 @@ struct RoundOptions {
   // split's signature (client/averaging/fragments.h), so that members whose splits differ fail with
   // INVALID_ARGUMENT rather than average different tensors together.
   int64_t layout_signature = 0;
+  // Whether each member's contribution is checked for NaN and Inf before anyone keeps the
+  // round's result (finite_check.h): the check travels in the round's own data collective.
+  // The averagers ask for it in every round unless the job was created with
+  // JobSpec.skip_finite_check. When a member's values are
+  // not all finite, no member writes the result and every member's call fails with
+  // INVALID_ARGUMENT of kind kNonFinite naming that member (ErrorPeerOf), its first non-finite
+  // tensor and the value (NonFiniteDetailOf); the communicator remains usable. Every member
+  // passes the same (INVALID_ARGUMENT, kLayoutMismatch otherwise).
+  bool check_finite = false;
 };
 
 // Where a round left this member.

@@ -22,6 +22,7 @@ enum Word : int {
   kDivisor = 7,
   kStep = 9,
   kSignature = 11,
+  kCheckFinite = 13,
 };
 
 // The pair at `w` holds one value on every member (max == min).
@@ -44,7 +45,9 @@ LayoutSignature EncodeLayout(const RoundLayout& layout, bool failed_locally, int
                          step,
                          neg_step,
                          layout.fragment_signature,
-                         ~layout.fragment_signature};
+                         ~layout.fragment_signature,
+                         layout.check_finite ? 1 : 0,
+                         layout.check_finite ? -1 : 0};
 }
 
 LayoutDecision DecideLayout(const LayoutSignature& reduced, const RoundLayout& mine,
@@ -67,6 +70,15 @@ LayoutDecision DecideLayout(const LayoutSignature& reduced, const RoundLayout& m
             "counts range from ", -reduced[kTotal + 1], " to ", reduced[kTotal], " (this rank: ",
             mine.total, ")", Agreed(reduced, kDtype) ? "" : " and the dtypes differ",
             "; every member must average the same list of tensors")),
+        ErrorKind::kLayoutMismatch);
+    return d;
+  }
+  if (!Agreed(reduced, kCheckFinite)) {
+    d.status = SetErrorKind(
+        absl::InvalidArgumentError(
+            "the members of this subgroup differ on the finite check of their contributions "
+            "(some check for NaN and Inf, some do not): every member of a job must check alike "
+            "(JobSpec.skip_finite_check is the job's, not a member's)"),
         ErrorKind::kLayoutMismatch);
     return d;
   }
@@ -134,8 +146,9 @@ absl::Status CommitVote(int size, absl::FunctionRef<absl::Status(int64_t&)> all_
 RoundAgreement::RoundAgreement(int member, int size, absl::string_view backend)
     : member_(member), size_(size), backend_(backend) {}
 
-bool RoundAgreement::Due(int64_t fragment_signature, int divisor) const {
-  return !agreed_ || fragment_signature != 0 || divisor != divisor_;
+bool RoundAgreement::Due(int64_t fragment_signature, int divisor, bool check_finite) const {
+  return !agreed_ || fragment_signature != 0 || divisor != divisor_ ||
+         check_finite != check_finite_;
 }
 
 absl::Status RoundAgreement::CheckUnchanged(uint64_t fingerprint, size_t tensors, int64_t total,
@@ -169,6 +182,7 @@ void RoundAgreement::Record(const RoundLayout& agreed, uint64_t fingerprint, boo
   agreed_ = true;
   fingerprint_ = fingerprint;
   divisor_ = agreed.divisor;
+  check_finite_ = agreed.check_finite;
   unpadded_ = unpadded;
   tensors_ = tensors;
   total_ = agreed.total;

@@ -15,7 +15,8 @@
 //      from the result (DecideLayout): a member failed locally -> every member returns an error
 //      and nobody enters the data collective (the communicator stays usable); totals, dtypes or
 //      fragment splits differ -> INVALID_ARGUMENT (kLayoutMismatch) everywhere; steps or divisors
-//      differ -> INTERNAL "averaging different rounds" (kRoundMismatch) everywhere; the counts
+//      differ -> INTERNAL "averaging different rounds" (kRoundMismatch) everywhere; members that
+//      differ on the finite check -> INVALID_ARGUMENT (kLayoutMismatch) everywhere; the counts
 //      the data collective reduces differ (NCCL: one member pads, another reduces in place) ->
 //      every member reduces the unpadded layout.
 //      Between agreements a member compares a local fingerprint of its layout with the agreed
@@ -63,13 +64,17 @@ struct RoundLayout {
   int64_t step = -1;
   // RoundOptions::layout_signature (0: not a fragment round).
   int64_t fragment_signature = 0;
+  // RoundOptions::check_finite: the data collective carries each member's finite check
+  // (finite_check.h), so every member must do it alike.
+  bool check_finite = false;
 };
 
 // The agreement's int64 words, before and after the max all-reduce: (count, -count, dtype,
 // -dtype, total, -total, failed member + 1, divisor, -divisor, step, -step, signature,
-// ~signature). Each pair's maximum gives the members' maximum and minimum at once. A step of -1
-// is encoded as INT64_MIN in both of its words, so that it agrees with any.
-inline constexpr int kLayoutWords = 13;
+// ~signature, check_finite, -check_finite). Each pair's maximum gives the members' maximum and
+// minimum at once. A step of -1 is encoded as INT64_MIN in both of its words, so that it agrees
+// with any.
+inline constexpr int kLayoutWords = 15;
 using LayoutSignature = std::array<int64_t, kLayoutWords>;
 LayoutSignature EncodeLayout(const RoundLayout& layout, bool failed_locally, int member);
 
@@ -116,8 +121,8 @@ class RoundAgreement {
 
   // Whether this round runs the agreement collective, decided alike on every member: the
   // communicator's first round, a fragment round (`fragment_signature` != 0), or a round with
-  // another `divisor` than the agreed one.
-  bool Due(int64_t fragment_signature, int divisor) const;
+  // another `divisor` or finite check (RoundOptions::check_finite) than the agreed one.
+  bool Due(int64_t fragment_signature, int divisor, bool check_finite = false) const;
 
   // A round that is not due: OK when its `fingerprint` (LayoutFingerprint; `tensors` tensors of
   // `total` elements) is the agreed layout's. Otherwise INVALID_ARGUMENT (kLayoutMismatch)
@@ -156,6 +161,7 @@ class RoundAgreement {
   bool agreed_ = false;
   uint64_t fingerprint_ = 0;
   int divisor_ = 0;
+  bool check_finite_ = false;
   bool unpadded_ = false;
   size_t tensors_ = 0;
   int64_t total_ = 0;

@@ -1,6 +1,9 @@
 #include "client/comm/solo_communicator.h"
 
 #include "absl/strings/str_cat.h"
+#include "client/comm/finite_check.h"
+#include "client/payload/finite_scan.h"
+#include "common/status_util.h"
 
 namespace modelavg::client {
 
@@ -32,6 +35,13 @@ absl::Status SoloCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
           absl::StrCat("tensor ", i, " has numel ", tensors[i].numel, " and data ",
                        tensors[i].data == nullptr ? "null" : "set"));
     }
+  }
+  // Alone, a member spreads its values to nobody; its call still fails on its own non-finite
+  // values as a subgroup's would (host tensors: CUDA ones are not read here).
+  if (options.check_finite && !tensors.empty() && tensors[0].device.is_host()) {
+    const NonFiniteFinding finding = ScanTensors(tensors);
+    const int64_t code = FindingCode(finding);
+    MODELAVG_RETURN_IF_ERROR(DecideFinite(absl::MakeConstSpan(&code, 1), options.step));
   }
   if (outcome != nullptr) *outcome = RoundOutcome::kCompleted;
   return absl::OkStatus();

@@ -170,13 +170,28 @@ absl::StatusOr<int64_t> CheckHostTensors(absl::Span<const TensorView> tensors) {
 }
 
 void PackDivided(absl::Span<const TensorView> tensors, DType staging_dtype, double divisor,
-                 void* staging) {
+                 void* staging, NonFiniteFinding* finding) {
+  // The finite test reads each block right after the copy wrote it, from the cache.
+  constexpr int64_t kBlock = 8192;
+  const size_t elem = DTypeSize(staging_dtype);
   int64_t offset = 0;
-  for (const TensorView& t : tensors) {
-    if (staging_dtype == DType::kFloat64) {
-      PackOne<double>(t, divisor, static_cast<double*>(staging) + offset);
-    } else {
-      PackOne<float>(t, static_cast<float>(divisor), static_cast<float*>(staging) + offset);
+  for (size_t index = 0; index < tensors.size(); ++index) {
+    const TensorView& t = tensors[index];
+    const bool check = finding != nullptr && !finding->found();
+    for (int64_t begin = 0; begin < t.numel; begin += check ? kBlock : t.numel) {
+      TensorView part = t;
+      part.data = static_cast<char*>(t.data) + begin * DTypeSize(t.dtype);
+      part.numel = std::min<int64_t>(t.numel - begin, check ? kBlock : t.numel);
+      void* out = static_cast<char*>(staging) + (offset + begin) * elem;
+      if (staging_dtype == DType::kFloat64) {
+        PackOne<double>(part, divisor, static_cast<double*>(out));
+      } else {
+        PackOne<float>(part, static_cast<float>(divisor), static_cast<float*>(out));
+      }
+      if (check && !finding->found() && !AllFinite(out, staging_dtype, part.numel)) {
+        finding->tensor = static_cast<int32_t>(index);
+        finding->value = FirstNonFinite(out, staging_dtype, part.numel);
+      }
     }
     offset += t.numel;
   }

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "client/payload/finite_scan.h"
 #include "modelavg/client/tensor.h"
 
 namespace modelavg::client {
@@ -24,9 +25,11 @@ DType StagingDType(absl::Span<const TensorView> tensors);
 absl::StatusOr<int64_t> CheckHostTensors(absl::Span<const TensorView> tensors);
 
 // Writes tensors[i] / divisor (element-wise, converted to `staging_dtype`) to consecutive
-// ranges of `staging` (float* or double*, at least the total element count).
+// ranges of `staging` (float* or double*, at least the total element count). With `finding`,
+// also finds the first tensor with a non-finite element (finite_scan.h), in the same pass: each
+// block of the copy is tested while it is in the cache.
 void PackDivided(absl::Span<const TensorView> tensors, DType staging_dtype, double divisor,
-                 void* staging);
+                 void* staging, NonFiniteFinding* finding = nullptr);
 
 // out[i] = in[i] / divisor for n elements (in and out may be the same buffer). A power-of-two
 // divisor multiplies by its exact reciprocal (same bits, faster); otherwise it divides, as

@@ -19,7 +19,8 @@ struct StagingChunk {
   int64_t staging_offset;
   int64_t numel;
   int32_t tensor_dtype;
-  int32_t pad;
+  // The tensor's index in the call's list (the finite check names it).
+  int32_t tensor_index;
 };
 
 // Elements per chunk (a block's work): a multiple of 16 bytes in every dtype.

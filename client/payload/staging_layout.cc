@@ -51,7 +51,8 @@ StagingLayout BuildStagingLayout(absl::Span<const TensorView> tensors, int32_t s
   const int64_t align =
       pad ? static_cast<int64_t>(kStagingAlignBytes / StagingCodeSize(staging_code)) : 1;
   int64_t offset = 0;
-  for (const TensorView& t : tensors) {
+  for (size_t index = 0; index < tensors.size(); ++index) {
+    const TensorView& t = tensors[index];
     offset = (offset + align - 1) / align * align;
     for (int64_t start = 0; start < t.numel; start += kStagingChunkElems) {
       StagingChunk c{};
@@ -59,6 +60,7 @@ StagingLayout BuildStagingLayout(absl::Span<const TensorView> tensors, int32_t s
       c.staging_offset = offset + start;
       c.numel = std::min(kStagingChunkElems, t.numel - start);
       c.tensor_dtype = StagingCodeOf(t.dtype);
+      c.tensor_index = static_cast<int32_t>(index);
       out.chunks.push_back(c);
     }
     offset += t.numel;

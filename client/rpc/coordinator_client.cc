@@ -285,6 +285,19 @@ absl::StatusOr<v1::ReportPeerFailureResponse> CoordinatorClient::ReportPeerFailu
   return out;
 }
 
+absl::StatusOr<v1::ReportNonFiniteResponse> CoordinatorClient::ReportNonFinite(
+    const v1::ReportNonFiniteRequest& request) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, options_.rpc_timeout);
+  v1::ReportNonFiniteResponse out;
+  MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx,
+                                     [&](v1::Coordinator::Stub* stub) {
+                                       return stub->ReportNonFinite(&ctx, request, &out);
+                                     }),
+                                "ReportNonFinite"));
+  return out;
+}
+
 absl::Status CoordinatorClient::Ping() {
   grpc::ClientContext ctx;
   Prepare(&ctx, options_.rpc_timeout);

@@ -121,6 +121,9 @@ class CoordinatorClient {
   // UNIMPLEMENTED from a coordinator older than the RPC.
   absl::StatusOr<v1::ReportPeerFailureResponse> ReportPeerFailure(
       const v1::ReportPeerFailureRequest& request);
+  // UNIMPLEMENTED from a coordinator older than the RPC.
+  absl::StatusOr<v1::ReportNonFiniteResponse> ReportNonFinite(
+      const v1::ReportNonFiniteRequest& request);
   absl::Status Ping();
   // Opens a HeartbeatStream carrying the token, without a deadline (it lasts as long as the
   // membership): see HeartbeatStreamCall. Never fails here; errors end the stream.

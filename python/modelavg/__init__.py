@@ -53,7 +53,7 @@ its whole replica (its other ranks get :class:`ReplicaLostError`).
 # The package is split by concern; everything public is re-exported here, as before.
 from . import errors
 from .errors import (AlreadyExistsError, DeadlineExceededError, Error, FailedPreconditionError,
-                     InvalidArgumentError, NotFoundError, PeerFailureError,
+                     InvalidArgumentError, NonFiniteError, NotFoundError, PeerFailureError,
                      PermissionDeniedError, ReplicaLostError, ResourceExhaustedError, UnavailableError,
                      UnimplementedError)
 from . import _core
@@ -72,7 +72,7 @@ __all__ = [
     "Decision", "Level", "LevelTraffic", "PAYLOADS", "OuterSGD", "JobSpec", "Job", "Member",
     "GenerationChange", "create_job", "get_job", "list_jobs", "delete_job", "Error",
     "PeerFailureError", "ReplicaLostError", "InvalidArgumentError",
-    "NotFoundError", "AlreadyExistsError", "FailedPreconditionError", "DeadlineExceededError",
+    "NonFiniteError", "NotFoundError", "AlreadyExistsError", "FailedPreconditionError", "DeadlineExceededError",
     "UnavailableError", "PermissionDeniedError", "ResourceExhaustedError", "UnimplementedError",
     "errors",
 ]

@@ -191,6 +191,10 @@ class ModelAverager:
             coordinator is gone (the message names the rank and the reason); connect again.
             In an elastic job: only once fewer than ``min_world_size`` ranks are alive, or
             when this worker itself was declared dead.
+          NonFiniteError: a member's parameters held a NaN or an Inf (``check_finite``): they
+            were kept out of the round and no member's parameters changed in it. A strict job:
+            every member raises it; an elastic job: only that member (retired; the others
+            average without it inside the same call).
           InvalidArgumentError: tensors on mixed devices, or members that pass different
             layouts (total size or dtypes).
           NotImplementedError / TypeError: inputs PyTorch's averagers would not take either, or

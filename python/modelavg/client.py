@@ -145,7 +145,9 @@ def connect(coordinator: Optional[str] = None, job_id: Optional[str] = None,
         processes of this host in one stream, through a relay in that directory of yours,
         mode 0700), ``collective_timeout`` (60 s), ``leave_timeout`` (20 s),
         ``coordinator_outage_timeout`` (300 s), ``schedule_window`` (4096), ``gloo_hostname``
-        ("127.0.0.1"; the address peers reach this process at), ``gloo_in_place`` (False).
+        ("127.0.0.1"; the address peers reach this process at), ``gloo_in_place`` (False),
+        ``check_finite`` (True: a member whose values hold a NaN or an Inf is kept out of the
+        round and raises ``NonFiniteError``; every worker of a job sets it alike).
         Durations are seconds or ``datetime.timedelta``.
 
     Blocks (without the GIL; Ctrl-C interrupts it) until the world is complete. While the

@@ -44,8 +44,9 @@ import re
 from typing import Dict, Optional, Type
 
 __all__ = [
-    "Error", "PeerFailureError", "ReplicaLostError", "InvalidArgumentError", "NotFoundError",
-    "AlreadyExistsError", "FailedPreconditionError", "DeadlineExceededError", "UnavailableError",
+    "Error", "PeerFailureError", "ReplicaLostError", "InvalidArgumentError", "NonFiniteError",
+    "NotFoundError", "AlreadyExistsError", "FailedPreconditionError", "DeadlineExceededError",
+    "UnavailableError",
     "PermissionDeniedError", "ResourceExhaustedError", "UnimplementedError",
 ]
 
@@ -110,6 +111,20 @@ class InvalidArgumentError(Error, ValueError):
     """A bad argument, option or job spec; the message names it and the value."""
 
 
+class NonFiniteError(InvalidArgumentError):
+    """A member's values held a NaN or an Inf: they were kept out of the round, and no member's
+    parameters changed in it. ``rank`` is the rank that contributed them; ``step``, ``level``,
+    ``tensor`` (its index in the averaged list) and ``value`` (``"NaN"``, ``"+Inf"``, ``"-Inf"``)
+    say where (None: not known). In an elastic job that rank is retired and only its call
+    raises this (the others average without it); in a strict job every rank's call raises it.
+    """
+
+    step: Optional[int] = None
+    level: Optional[int] = None
+    tensor: Optional[int] = None
+    value: Optional[str] = None
+
+
 class NotFoundError(Error, LookupError):
     """No such job: create it first (``modelavg.create_job``, CreateJob or ``--jobs_file``)."""
 
@@ -164,6 +179,8 @@ def _from_status(code: int, message: str, averaging: bool = False, kind: Optiona
                  rank: Optional[int] = None) -> Error:
     """The exception for a status (called by modelavg._core with the status's kind and rank)."""
     name = _CODE_NAMES.get(code, f"CODE_{code}")
+    if kind == "NON_FINITE":
+        return NonFiniteError(name, message, kind, rank)
     if kind == "REPLICA_LOST":  # client/base/error_kind.h: ErrorKind::kReplicaLost
         return ReplicaLostError(name, message, kind, rank)
     if averaging and name in _PEER_CODES:

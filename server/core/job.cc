@@ -681,6 +681,64 @@ absl::Status Job::ReportPeerFailure(const v1::ReportPeerFailureRequest& request,
   return absl::OkStatus();
 }
 
+absl::Status Job::ReportNonFinite(const v1::ReportNonFiniteRequest& request,
+                                  v1::ReportNonFiniteResponse* response) {
+  if (absl::Status s = CheckNonFiniteReport(request, schedule_, id()); !s.ok()) return s;
+  const int32_t rank = request.rank();
+  Outbox out(this);
+  absl::MutexLock lock(&mu_);
+  if (!closed_.ok()) return closed_;
+  if (!halted_.ok()) return halted_;
+  if (absl::Status s =
+          membership_.CheckCredential(rank, request.credential(), "ReportNonFinite", id());
+      !s.ok()) {
+    return s;
+  }
+  const std::string payload = request.payload().empty() ? "values" : request.payload();
+  const std::string reason = absl::StrCat(
+      "rank ", rank, " contributed non-finite values (", request.value(), " in tensor ",
+      request.tensor(), " of its ", payload, ") at step ", request.step(), ", level ",
+      request.level());
+  const absl::Time now = clock_->Now();
+  v1::NonFiniteReport report;
+  report.set_rank(rank);
+  report.set_generation(request.generation());
+  report.set_step(request.step());
+  report.set_level(request.level());
+  report.set_tensor(request.tensor());
+  report.set_value(request.value());
+  report.set_payload(payload);
+  report.set_unix_ms(UnixMs(now));
+  // An elastic job goes on without the member, as after a failure: it is declared dead (a
+  // member that is in the running round only; a report that comes after the job moved on
+  // without it changes nothing).
+  const bool retire = membership_.elastic() && membership_.state() == v1::RUNNING &&
+                      membership_.InRound(rank);
+  std::optional<MembershipChange> died;
+  if (retire) {
+    absl::StatusOr<MembershipChange> change = membership_.Die({rank}, reason, now);
+    if (!change.ok()) return change.status();  // not written: nothing changed, nothing recorded
+    died = *std::move(change);
+    ++deaths_;
+  }
+  report.set_retired(retire);
+  ++nonfinite_reports_;
+  last_nonfinite_ = report;
+  spdlog::warn("job {}: {} (worker \"{}\", generation {}); {}", id(), reason,
+               membership_.member(rank).worker_id, request.generation(),
+               retire ? "retired: DEAD"
+               : membership_.elastic()
+                   ? "the rank is no longer in the running round"
+                   : "a strict job: every member's round fails and nothing changes");
+  AddEvent(v1::JobEvent::MEMBER_NON_FINITE, rank,
+           retire ? absl::StrCat(reason, "; retired") : reason, /*with_members=*/false, &out);
+  if (died) OnMembershipChange(*died, &out);
+  response->set_retired(retire);
+  response->set_state(membership_.state());
+  response->set_generation(membership_.generation());
+  return absl::OkStatus();
+}
+
 uint64_t Job::Watch(std::shared_ptr<JobWatcher> watcher) {
   Outbox out(this);
   absl::MutexLock lock(&mu_);
@@ -966,6 +1024,8 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members, int64_t max_bytes) cons
   for (int32_t r : membership_.WaitingRanks()) out->add_waiting_ranks(r);
   out->set_deaths(deaths_);
   out->set_admissions(admissions_);
+  out->set_nonfinite_reports(nonfinite_reports_);
+  if (last_nonfinite_) *out->mutable_last_nonfinite() = *last_nonfinite_;
 }
 
 std::vector<LoggedEvent> Job::RecentEvents() const {
@@ -995,6 +1055,7 @@ Job::Stats Job::GetStats() const {
   stats.vacant_ranks = static_cast<int32_t>(membership_.VacantRanks().size());
   stats.deaths = deaths_;
   stats.admissions = admissions_;
+  stats.nonfinite_reports = nonfinite_reports_;
   return stats;
 }
 

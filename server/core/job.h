@@ -154,6 +154,15 @@ class Job {
   // (credential), FAILED_PRECONDITION (the job is not RUNNING, or the rank is not in its round).
   absl::Status ReportPeerFailure(const v1::ReportPeerFailureRequest& request,
                                  v1::ReportPeerFailureResponse* response);
+  // A member found non-finite values in its contribution to a round and kept them out of it.
+  // Recorded (nonfinite_reports, last_nonfinite, a MEMBER_NON_FINITE event); in a RUNNING
+  // elastic job whose current round the rank is in, the rank is declared DEAD with the report
+  // as the reason (written first, like every death) and the generation moves on without it:
+  // response->retired. A strict job's generation stays (every member failed that round, and
+  // nothing changed). INVALID_ARGUMENT (CheckNonFiniteReport), PERMISSION_DENIED (credential),
+  // FAILED_PRECONDITION (the rank never joined), UNAVAILABLE (halted; the death's write failed).
+  absl::Status ReportNonFinite(const v1::ReportNonFiniteRequest& request,
+                               v1::ReportNonFiniteResponse* response);
   // How long a peer failure report counts: twice the heartbeat timeout, at least 5 s (the
   // members of a failed round report within about a second of each other).
   absl::Duration PeerReportTtl() const {
@@ -188,6 +197,9 @@ class Job {
     // Replacements admitted into the running elastic job since the job was created (or
     // restored).
     int64_t admissions = 0;
+    // Members' reports of non-finite values (ReportNonFinite) since the job was created (or
+    // restored).
+    int64_t nonfinite_reports = 0;
   };
   Stats GetStats() const;
 
@@ -279,6 +291,9 @@ class Job {
   int64_t deaths_ ABSL_GUARDED_BY(mu_) = 0;
   // Replacements admitted since creation (or restore): a metric.
   int64_t admissions_ ABSL_GUARDED_BY(mu_) = 0;
+  // Non-finite reports since creation (or restore), and the latest: a metric, the status page.
+  int64_t nonfinite_reports_ ABSL_GUARDED_BY(mu_) = 0;
+  std::optional<v1::NonFiniteReport> last_nonfinite_ ABSL_GUARDED_BY(mu_);
   CommIdStore comm_ids_ ABSL_GUARDED_BY(mu_);
   // Peer failure reports of the current generation (ReportPeerFailure).
   PeerReports peer_reports_ ABSL_GUARDED_BY(mu_){PeerReportTtl()};

@@ -111,4 +111,30 @@ absl::Status CheckPeerReport(const v1::ReportPeerFailureRequest& request, int32_
   return absl::OkStatus();
 }
 
+absl::Status CheckNonFiniteReport(const v1::ReportNonFiniteRequest& request,
+                                  const Schedule& schedule, const std::string& job_id) {
+  if (absl::Status s = CheckRank(request.rank(), schedule.world_size(), job_id); !s.ok()) {
+    return s;
+  }
+  const int levels = static_cast<int>(schedule.spec().levels.size());
+  if (request.step() < 0 || request.level() < 0 || request.level() >= levels ||
+      request.tensor() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a non-finite report needs step >= 0, level in [0, ", levels, ") and tensor >= 0; got "
+        "step ", request.step(), ", level ", request.level(), ", tensor ", request.tensor(),
+        " for job ", job_id));
+  }
+  if (request.value() != "NaN" && request.value() != "+Inf" && request.value() != "-Inf") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a non-finite report's value is \"NaN\", \"+Inf\" or \"-Inf\"; got \"",
+        request.value().substr(0, 16), "\""));
+  }
+  if (request.payload().size() > kMaxNonFinitePayloadLength) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a non-finite report's payload is at most ", kMaxNonFinitePayloadLength,
+        " characters; got ", request.payload().size()));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace modelavg::server

@@ -34,6 +34,11 @@ absl::Status CheckCommIdBlob(const std::string& unique_id);
 // The reporter and every rank a peer failure report names.
 absl::Status CheckPeerReport(const v1::ReportPeerFailureRequest& request, int32_t world_size,
                              const std::string& job_id);
+// A non-finite report's rank, step (>= 0), level (one of the schedule's), tensor (>= 0), value
+// ("NaN", "+Inf", "-Inf") and payload (at most kMaxNonFinitePayloadLength characters).
+absl::Status CheckNonFiniteReport(const v1::ReportNonFiniteRequest& request,
+                                  const Schedule& schedule, const std::string& job_id);
+inline constexpr size_t kMaxNonFinitePayloadLength = 64;
 
 }  // namespace modelavg::server
 

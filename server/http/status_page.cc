@@ -104,6 +104,17 @@ std::string TimeText(int64_t unix_ms) {
                           absl::UTCTimeZone());
 }
 
+// "none", or the count and the latest report: "2; last: rank 3, NaN in tensor 0 of its
+// parameters at step 30, level 1 (retired)", escaped.
+std::string NonFiniteText(const v1::Job& j) {
+  if (j.nonfinite_reports() == 0) return "none";
+  const v1::NonFiniteReport& r = j.last_nonfinite();
+  return HtmlEscape(absl::StrCat(
+      j.nonfinite_reports(), "; last: rank ", r.rank(), ", ", r.value(), " in tensor ",
+      r.tensor(), " of its ", r.payload(), " at step ", r.step(), ", level ", r.level(),
+      r.retired() ? " (retired)" : " (not retired)", ", ", TimeText(r.unix_ms())));
+}
+
 std::string EventKindName(v1::JobEvent::Kind kind) {
   switch (kind) {
     case v1::JobEvent::MEMBER_JOINED: return "member joined";
@@ -112,6 +123,7 @@ std::string EventKindName(v1::JobEvent::Kind kind) {
     case v1::JobEvent::JOB_FINISHED: return "job finished";
     case v1::JobEvent::JOB_DELETED: return "job deleted";
     case v1::JobEvent::MEMBER_ADMITTED: return "member admitted";
+    case v1::JobEvent::MEMBER_NON_FINITE: return "member non-finite";
     default: return v1::JobEvent::Kind_Name(kind);
   }
 }
@@ -455,7 +467,8 @@ HttpResponse StatusPage::Index() const {
         absl::StrCat("<td class=\"num\">", j.live_world_size(), " / ", spec.world_size(),
                      "</td>"),
         Td(j.vacant_ranks().empty() ? "" : absl::StrJoin(j.vacant_ranks(), ", ")),
-        TdNum(j.deaths()), TdNum(j.admissions()), TdStep(j.min_step()), TdStep(j.max_step()),
+        TdNum(j.deaths()), TdNum(j.admissions()), TdNum(j.nonfinite_reports()),
+        TdStep(j.min_step()), TdStep(j.max_step()),
         "</tr>");
   }
   std::string body = absl::StrCat(
@@ -463,7 +476,8 @@ HttpResponse StatusPage::Index() const {
       n == 0 ? std::string("<p>No jobs.</p>")
              : absl::StrCat("<table id=\"jobs\"><tr><th>job</th><th>state</th><th>mode</th>"
                             "<th>generation</th><th>live / world</th><th>vacant ranks</th>"
-                            "<th>deaths</th><th>admissions</th><th>min step</th>"
+                            "<th>deaths</th><th>admissions</th><th>non-finite</th>"
+                            "<th>min step</th>"
                             "<th>max step</th></tr>",
                             rows, "</table>"),
       "<p class=\"note\">", n, n == 1 ? " job" : " jobs", " &middot; as of ",
@@ -520,7 +534,8 @@ HttpResponse StatusPage::JobPage(const std::string& job_id) const {
           : absl::StrCat("<dt>waiting for their replica</dt><dd>",
                          absl::StrJoin(j.waiting_ranks(), ", "), "</dd>"),
       "<dt>deaths</dt><dd id=\"deaths\">", j.deaths(), "</dd>", "<dt>admissions</dt><dd>",
-      j.admissions(), "</dd>", "<dt>steps</dt><dd>",
+      j.admissions(), "</dd>", "<dt>non-finite reports</dt><dd id=\"nonfinite\">",
+      NonFiniteText(j), "</dd>", "<dt>steps</dt><dd>",
       j.min_step() < 0 ? std::string("none reported")
                        : absl::StrCat(j.min_step(), " to ", j.max_step()),
       "</dd><dt>plan</dt><dd>",

@@ -504,6 +504,8 @@ CoordinatorService::CoordinatorService(JobRegistry* registry, AuthOptions auth,
   MODELAVG_ROUTE(Ping, v1::PingRequest, v1::PingResponse, Role::kWorker, kSmallRequestBytes);
   MODELAVG_ROUTE(ReportPeerFailure, v1::ReportPeerFailureRequest,
                  v1::ReportPeerFailureResponse, Role::kWorker, kPeerReportRequestBytes);
+  MODELAVG_ROUTE(ReportNonFinite, v1::ReportNonFiniteRequest, v1::ReportNonFiniteResponse,
+                 Role::kWorker, kSmallRequestBytes);
 #undef MODELAVG_ROUTE
   add(RpcMethod::kWatchJob, Role::kWorker, "WatchJob", kSmallRequestBytes,
       [this](grpc::GenericCallbackServerContext* ctx, const Route& route) {
@@ -672,6 +674,14 @@ void CoordinatorService::DoReportPeerFailure(
   absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
   if (!job.ok()) return call->Reply(job.status());
   call->Reply((*job)->ReportPeerFailure(call->request, &call->response));
+}
+
+void CoordinatorService::DoReportNonFinite(
+    grpc::CallbackServerContext*,
+    Call<v1::ReportNonFiniteRequest, v1::ReportNonFiniteResponse>* call) {
+  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
+  if (!job.ok()) return call->Reply(job.status());
+  call->Reply((*job)->ReportNonFinite(call->request, &call->response));
 }
 
 grpc::ServerGenericBidiReactor* CoordinatorService::ServeWatchJob(

@@ -45,7 +45,8 @@ using TypedCoordinatorService =
     v1::Coordinator::WithGenericMethod_WatchJob<
     v1::Coordinator::WithGenericMethod_Ping<
     v1::Coordinator::WithGenericMethod_ReportPeerFailure<
-    v1::Coordinator::Service>>>>>>>>>>>>>>>>;
+    v1::Coordinator::WithGenericMethod_ReportNonFinite<
+    v1::Coordinator::Service>>>>>>>>>>>>>>>>>;
 
 // The largest request each method takes, in bytes (serialized): sized to the largest legitimate
 // message, each capped by the server's receive limit (ServerOptions::max_request_bytes).
@@ -113,6 +114,9 @@ class CoordinatorService final : public TypedCoordinatorService,
   void DoReportPeerFailure(
       grpc::CallbackServerContext* ctx,
       Call<v1::ReportPeerFailureRequest, v1::ReportPeerFailureResponse>* call);
+  void DoReportNonFinite(
+      grpc::CallbackServerContext* ctx,
+      Call<v1::ReportNonFiniteRequest, v1::ReportNonFiniteResponse>* call);
 
   JobRegistry* const registry_;
   const ServiceAuth auth_;

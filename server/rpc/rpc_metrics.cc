@@ -45,6 +45,11 @@ class JobsCollector final : public prometheus::Collectable {
                                         "Elastic jobs: replacements admitted into the running "
                                         "job since it was created or the coordinator restarted",
                                         prometheus::MetricType::Gauge, {}};
+    prometheus::MetricFamily nonfinite{"modelavg_job_nonfinite_reports",
+                                       "Members that found non-finite values (NaN, Inf) in "
+                                       "their contribution to a round and kept them out of it, "
+                                       "since the job was created or the coordinator restarted",
+                                       prometheus::MetricType::Gauge, {}};
     prometheus::MetricFamily job_state{"modelavg_job_state",
                                        "1 for the job's current state (label state), 0 for the "
                                        "others", prometheus::MetricType::Gauge, {}};
@@ -64,6 +69,7 @@ class JobsCollector final : public prometheus::Collectable {
       add(vacant, stats.vacant_ranks);
       add(deaths, static_cast<double>(stats.deaths));
       add(admissions, static_cast<double>(stats.admissions));
+      add(nonfinite, static_cast<double>(stats.nonfinite_reports));
       for (const auto& [state, n] : by_state) {
         prometheus::ClientMetric m;
         m.label.push_back({"job", job->id()});
@@ -80,7 +86,7 @@ class JobsCollector final : public prometheus::Collectable {
     }
     return {std::move(jobs),   std::move(workers), std::move(generation),
             std::move(lag),    std::move(vacant),  std::move(deaths),
-            std::move(admissions), std::move(job_state)};
+            std::move(admissions), std::move(nonfinite), std::move(job_state)};
   }
 
  private:
@@ -93,7 +99,7 @@ const char* RpcMethodName(RpcMethod method) {
   static constexpr const char* kNames[] = {
       "CreateJob", "GetJob",        "ListJobs",  "DeleteJob", "Join",     "Heartbeat", "Step",
       "GetSchedule", "PublishCommId", "GetCommId", "Leave",     "WatchJob", "Ping", "HeartbeatStream",
-      "ReportPeerFailure", "HostHeartbeatStream"};
+      "ReportPeerFailure", "HostHeartbeatStream", "ReportNonFinite"};
   return kNames[static_cast<int>(method)];
 }
 

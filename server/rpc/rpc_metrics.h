@@ -25,7 +25,7 @@ namespace modelavg::server {
 enum class RpcMethod {
   kCreateJob, kGetJob, kListJobs, kDeleteJob, kJoin, kHeartbeat, kStep, kGetSchedule,
   kPublishCommId, kGetCommId, kLeave, kWatchJob, kPing, kHeartbeatStream,
-  kReportPeerFailure, kHostHeartbeatStream,
+  kReportPeerFailure, kHostHeartbeatStream, kReportNonFinite,
   kCount  // number of methods
 };
 const char* RpcMethodName(RpcMethod method);

@@ -104,7 +104,7 @@ void Run(const uint8_t* data, size_t size) {
 
   while (in.remaining_bytes() > 0) {
     const std::string& job_id = ids[in.ConsumeIntegralInRange<size_t>(0, ids.size() - 1)];
-    const int op = in.ConsumeIntegralInRange<int>(0, 14);
+    const int op = in.ConsumeIntegralInRange<int>(0, 15);
     const int32_t rank = in.ConsumeIntegralInRange<int32_t>(-1, 16);
     const int64_t generation = in.ConsumeIntegralInRange<int64_t>(0, 6);
     // The rank's own credential, another one, or none.
@@ -254,6 +254,21 @@ void Run(const uint8_t* data, size_t size) {
           job.CancelWait(wait_ids[in.ConsumeIntegralInRange<size_t>(0, wait_ids.size() - 1)]);
         }
         break;
+      case 15: {
+        v1::ReportNonFiniteRequest request;
+        request.set_job_id(job_id);
+        request.set_credential(credential);
+        request.set_rank(rank);
+        request.set_generation(generation);
+        request.set_step(in.ConsumeIntegralInRange<int64_t>(-1, 100));
+        request.set_level(in.ConsumeIntegralInRange<int32_t>(-1, 3));
+        request.set_tensor(in.ConsumeIntegralInRange<int32_t>(-1, 3));
+        request.set_value(in.ConsumeBool() ? "NaN" : in.ConsumeRandomLengthString(5));
+        request.set_payload(in.ConsumeRandomLengthString(80));
+        v1::ReportNonFiniteResponse response;
+        CheckError(job.ReportNonFinite(request, &response));
+        break;
+      }
       case 11: {
         v1::Job proto;
         job.ToProto(&proto);

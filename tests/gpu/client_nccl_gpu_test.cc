@@ -15,12 +15,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/base/error_kind.h"
 #include "client/base/half.h"
 #include "client/comm/nccl/cuda/nccl_communicator.h"
 #include "client/comm/nccl/cuda/staging_kernels.h"
@@ -200,6 +203,60 @@ TEST_F(NcclGpuTest, StagingKernels_MixedDTypesAndChunks_GatherThenScatterRoundTr
   auto g4 = Download<float>(static_cast<char*>(t4) - 4, n4 + 1);
   EXPECT_EQ(g4[0], f4[0]);  // the element before the view is untouched
   for (int64_t i = 0; i < n4; ++i) ASSERT_EQ(g4[i + 1], 2 * f4[i + 1]) << i;
+}
+
+// The finite check's kernels (finite_kernels.cu) on a device: a NaN or an Inf in any dtype, in
+// a later chunk of a tensor, is found and named (the smallest tensor index first); the values
+// stay as they were; finite values near the limits pass.
+TEST_F(NcclGpuTest, FiniteCheck_OneRank_NonFiniteInEachDTypeNamed_ValuesUnchanged) {
+  ncclUniqueId id;
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  auto comm = NcclCommunicator::CreateWithId(id, 0, 1, 0, absl::Seconds(60), nullptr);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  RoundOptions o;
+  o.check_finite = true;
+  o.step = 9;
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64}) {
+    SCOPED_TRACE(static_cast<int>(dtype));
+    const int32_t code = StagingCodeOf(dtype);
+    const int64_t sizes[3] = {100, kStagingChunkElems * 2 + 9, 5};
+    std::vector<std::vector<char>> host(3);
+    std::vector<TensorView> views;
+    for (int t = 0; t < 3; ++t) {
+      host[t].resize(sizes[t] * DTypeSize(dtype));
+      for (int64_t i = 0; i < sizes[t]; ++i) StoreAs(host[t].data(), code, i, 1.0 + i % 7);
+    }
+    StoreAs(host[1].data(), code, kStagingChunkElems + 3, std::nan(""));
+    StoreAs(host[2].data(), code, 4, -std::numeric_limits<double>::infinity());
+    for (int t = 0; t < 3; ++t) {
+      views.push_back(TensorView{Upload(host[t].data(), host[t].size()), sizes[t], dtype,
+                                 Device::Cuda(0), stream_});
+    }
+    absl::Status s = (*comm)->AllReduceAverage(views, o, nullptr);
+    EXPECT_EQ(ErrorKindOf(s), ErrorKind::kNonFinite) << s;
+    std::optional<NonFiniteDetail> d = NonFiniteDetailOf(s);
+    ASSERT_TRUE(d.has_value()) << s;
+    EXPECT_EQ(d->tensor, 1);
+    EXPECT_EQ(d->value, "NaN");
+    EXPECT_EQ(d->step, 9);
+    for (int t = 0; t < 3; ++t) {
+      EXPECT_EQ(Download<char>(views[t].data, host[t].size()), host[t]) << "tensor " << t;
+    }
+    // Repaired (tensor 2's -Inf left): named next; then all finite, the round averages.
+    StoreAs(host[1].data(), code, kStagingChunkElems + 3, 2.0);
+    views[1].data = Upload(host[1].data(), host[1].size());
+    s = (*comm)->AllReduceAverage(views, o, nullptr);
+    ASSERT_TRUE(NonFiniteDetailOf(s).has_value()) << s;
+    EXPECT_EQ(NonFiniteDetailOf(s)->tensor, 2);
+    EXPECT_EQ(NonFiniteDetailOf(s)->value, "-Inf");
+    StoreAs(host[2].data(), code, 4, dtype == DType::kFloat16 ? 65504.0 : 3.0e38);
+    views[2].data = Upload(host[2].data(), host[2].size());
+    s = (*comm)->AllReduceAverage(views, o, nullptr);
+    ASSERT_TRUE(s.ok()) << s;
+    for (int t = 0; t < 3; ++t) {
+      EXPECT_EQ(Download<char>(views[t].data, host[t].size()), host[t]) << "tensor " << t;
+    }
+  }
 }
 
 TEST_F(NcclGpuTest, OneRankCommunicator_ContiguousIsZeroCopy_StagedMixedIsIdentity) {

@@ -35,6 +35,12 @@ function(modelavg_register_e2e_tests)
   # MODELAVG_REQUIRE_ETCD=1.
   set_tests_properties(e2e.compose_topology PROPERTIES LABELS "integration;e2e;etcd" TIMEOUT 450
     SKIP_RETURN_CODE 77)
+  # The same topology stopped mid-job as `docker compose down` / `podman stop` stop it: SIGTERM
+  # to every worker, each of which must leave the job and exit 143 at once; the job FINISHED.
+  add_test(NAME e2e.compose_stop
+    COMMAND ${MODELAVG_PYTHON} ${dir}/e2e_compose_topology_test.py ${binaries} --stop_mid_run)
+  set_tests_properties(e2e.compose_stop PROPERTIES LABELS "integration;e2e;etcd" TIMEOUT 300
+    SKIP_RETURN_CODE 77)
   # The README's first command, on this build's binaries: it installs and builds nothing here
   # (tests never do; the build before ctest made modelavg-demo, which registration requires).
   add_test(NAME e2e.run_demo COMMAND bash ${PROJECT_SOURCE_DIR}/examples/run_demo.sh)

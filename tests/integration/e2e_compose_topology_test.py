@@ -25,6 +25,12 @@ must turn healthy, every worker must re-attach to it, finish (exit 0, final loss
 killed coordinator, started again, must be a standby. Every coordinator left must shut down
 cleanly on SIGTERM.
 
+With --stop_mid_run the leader is not killed: when worker-0 is a tenth into the first job, every
+worker is sent SIGTERM, as `docker compose down` and `podman stop` send it (through the init that
+the compose file runs each service under: `init: true`, checked here for every service): each
+must leave the job and exit within 2 s with 128 + SIGTERM (143: it stopped on the signal, nobody
+killed it), saying that it left, and the job must be FINISHED (every rank LEFT).
+
 Without an etcd binary (/usr/bin/etcd, Debian's etcd-server, or $MODELAVG_ETCD_BIN), or with a
 coordinator built without etcd support, the test is skipped (77), saying why; with
 MODELAVG_REQUIRE_ETCD=1 (CI) it fails instead.
@@ -327,6 +333,66 @@ class Topology:
         return leader
 
 
+def stop_mid_run(args, topo, procs, logs, workers, leader, steps, deadline):
+    """SIGTERM to every worker a tenth into the first job, as `docker compose down` and `podman
+    stop` send it: each leaves the job and exits with 143 within args.stop_bound_s; the job is
+    FINISHED. Returns the figures."""
+    job = next(a.split("=", 1)[1] for a in as_argv(topo.services[workers[0]]["command"])
+               if a.startswith("--job="))
+    stop_at = max(2, steps // 10)
+    step_line = re.compile(re.escape(job) + r" step +(\d+)/")
+    while True:
+        seen = [int(m.group(1)) for m in step_line.finditer(open(logs[workers[0]]).read())]
+        if seen and max(seen) >= stop_at:
+            break
+        done = [n for n in workers if procs[n].poll() is not None]
+        if done or time.monotonic() > deadline:
+            mt.fail(f"no stop: {done or 'no worker'} ended before {workers[0]} reached step "
+                    f"{stop_at} of {job}:\n{open(logs[workers[0]]).read()[-2000:]}")
+        time.sleep(0.05)
+    print(f"{workers[0]} is at step {max(seen)} of {steps} of {job}: SIGTERM to every worker",
+          flush=True)
+    sent = time.monotonic()
+    for name in workers:
+        procs[name].send_signal(signal.SIGTERM)
+    took, problems = {}, []
+    for name in workers:
+        try:
+            procs[name].wait(timeout=max(0.1, sent + args.stop_bound_s - time.monotonic()))
+            took[name] = time.monotonic() - sent
+        except subprocess.TimeoutExpired:
+            procs[name].kill()
+            procs[name].wait()
+            problems.append(f"{name} still ran {args.stop_bound_s} s after SIGTERM (killed)")
+            continue
+        text = open(logs[name]).read()
+        if procs[name].returncode != 128 + signal.SIGTERM:
+            problems.append(f"{name} exited with {procs[name].returncode}, not 143 (stopped on "
+                            f"SIGTERM):\n{text[-2000:]}")
+        elif f"stopped by SIGTERM" not in text or f"left job {job}" not in text:
+            problems.append(f"{name} did not say that it left job {job}:\n{text[-2000:]}")
+    if problems:
+        mt.fail("the workers did not stop cleanly on SIGTERM:\n" + "\n".join(problems))
+    state = None
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        got = mt.get_job(topo.advertised(leader), job)
+        pb, _ = mt.coordinator_stubs()
+        state = pb.JobState.Name(got.state)
+        members = {m.rank: pb.MemberState.Name(m.state) for m in got.members}
+        if state == "FINISHED":
+            break
+        time.sleep(0.1)
+    if state != "FINISHED":
+        mt.fail(f"after every worker left, job {job} is {state} (members {members}), "
+                "not FINISHED")
+    figures = {"slowest exit (s)": max(took.values())}
+    print(f"[figures] exits after SIGTERM: " +
+          ", ".join(f"{n} {t:.2f} s" for n, t in took.items()) + f"; job {job} {state}",
+          flush=True)
+    return figures
+
+
 def etcd_binary():
     path = os.environ.get("MODELAVG_ETCD_BIN") or "/usr/bin/etcd"
     return path if os.access(path, os.X_OK) else None
@@ -348,6 +414,11 @@ def main():
     p.add_argument("--step_delay_ms", type=int, default=10,
                    help="the workers' --step_delay_ms (MODELAVG_DEMO_STEP_DELAY_MS, unless set): "
                         "long enough for the leader to be killed in the middle of a job")
+    p.add_argument("--stop_mid_run", action="store_true",
+                   help="instead of killing the leader, stop every worker with SIGTERM in the "
+                        "middle of the first job")
+    p.add_argument("--stop_bound_s", type=float, default=2.0,
+                   help="--stop_mid_run: how soon after SIGTERM every worker must have exited")
     args = p.parse_args()
     binaries = dict(pair.split("=", 1) for pair in args.binary)
     os.environ.setdefault("MODELAVG_DEMO_STEPS", str(args.steps))
@@ -378,6 +449,10 @@ def main():
         if not program or program[0] not in binaries:
             mt.fail(f"service {name} runs {program}, not a program of this build "
                     f"({', '.join(sorted(binaries))})")
+    # Every program runs under an init (PID 1 forwards the stop signal and reaps).
+    no_init = [n for n in topo.services if topo.services[n].get("init") is not True]
+    if no_init:
+        mt.fail(f"docker-compose.yml: services without `init: true`: {no_init}")
     if ha and len(ha) < 2:
         mt.fail(f"docker-compose.yml: one coordinator on etcd ({ha}); expected a leader and a "
                 "standby")
@@ -425,7 +500,9 @@ def main():
             leader = topo.wait_one_leader(ha, procs)
 
         deadline = time.monotonic() + args.timeout_s
-        if ha:
+        if args.stop_mid_run:
+            figures = stop_mid_run(args, topo, procs, logs, workers, leader, steps, deadline)
+        elif ha:
             # The leader killed a tenth into the every-step job: a standby takes over, the workers
             # ride through and re-attach to it.
             kill_at = max(1, steps // 10)
@@ -457,7 +534,7 @@ def main():
                 mt.fail(f"{leader}, started again, took the leadership from {new_leader}")
 
         failed = []
-        for name in workers:
+        for name in workers if not args.stop_mid_run else []:
             try:
                 rc = procs[name].wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -488,7 +565,7 @@ def main():
              else (0,) for n in stopped}
     problems += [f"{n} exited with {rc} after SIGTERM:\n{open(logs[n]).read()[-2000:]}"
                  for n, rc in stopped.items() if rc not in clean[n]]
-    for name in workers:
+    for name in workers if not args.stop_mid_run else []:
         text = open(logs[name]).read()
         if not any(n == name for n, _ in failed) and "final loss" not in text:
             problems.append(f"{name} exited 0 but printed no final loss")
@@ -497,6 +574,11 @@ def main():
                             f"was killed:\n{text[-2000:]}")
     if problems:
         mt.fail("the compose topology did not run cleanly:\n" + "\n".join(problems))
+    if args.stop_mid_run:
+        print(f"PASS: the {len(workers)} workers of docker-compose.yml, sent SIGTERM mid-job, "
+              f"left it and exited with 143 within {args.stop_bound_s} s (slowest "
+              f"{figures['slowest exit (s)']:.2f} s); the job is FINISHED")
+        return 0
     print(f"PASS: {len(servers)} server(s) and {len(workers)} workers of docker-compose.yml ran "
           "to completion on loopback" +
           (f"; the leader {list(killed)[0]} was killed mid-job and a standby took over"

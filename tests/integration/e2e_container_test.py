@@ -23,7 +23,11 @@ ports:
   7. stops both coordinators (exit 0 on SIGTERM), removes their containers and starts new ones,
      whose leader must continue the finished job from etcd (same state, generation, creation
      time and members);
-  8. takes everything down and checks that no container, network or volume of the project is
+  8. starts the workers again in another job of the jobs file (demo-diloco) and, in the middle
+     of it, stops them as `podman stop` / `docker compose down` do (SIGTERM, through the init
+     every service runs under): each must leave the job and exit with 143 well within the
+     engine's 10 s grace (nobody killed), and the job must be FINISHED;
+  9. takes everything down and checks that no container, network or volume of the project is
      left.
 
   e2e_container_test.py [--timeout_s=900] [--steps=1001] [--step_delay_ms=20]
@@ -259,6 +263,51 @@ def metric(text, name, labels):
     return None
 
 
+def stop_running_job(project, engine, leader, deadline, job="demo-diloco", stop_at=40):
+    """The workers, started again in `job`, stopped in the middle of it as `podman stop` stops
+    them: each leaves the job and exits 143 (SIGTERM) well within the 10 s grace; the job is
+    FINISHED."""
+    for service in WORKERS:
+        project.run([engine, "rm", project.container(service)])
+    project.env = dict(project.env, MODELAVG_DEMO_JOB=job)
+    project.compose_cmd("up", "-d", *WORKERS)
+    step_line = re.compile(re.escape(job) + r" step +(\d+)/")
+    while True:
+        steps = [int(m.group(1)) for m in step_line.finditer(
+            project.logs(project.container("worker-0")))]
+        if steps and max(steps) >= stop_at:
+            break
+        exited = [s for s in WORKERS
+                  if project.inspect(project.container(s), "{{.State.Status}}") != "running"]
+        if exited:
+            mt.fail(f"{exited} stopped before worker-0 reached step {stop_at} of {job}:\n"
+                    f"{project.logs(project.container(exited[0]))[-2000:]}")
+        deadline.left()
+        time.sleep(0.5)
+    ids = [project.container(s) for s in WORKERS]
+    t = time.monotonic()
+    project.run([engine, "stop", "-t", "10", *ids], timeout_s=60)
+    took = time.monotonic() - t
+    problems = []
+    for service, cid in zip(WORKERS, ids):
+        code = project.inspect(cid, "{{.State.ExitCode}}")
+        output = project.logs(cid)
+        if code != "143" or f"left job {job}" not in output:
+            problems.append(f"{service}: exit code {code} (expected 143: stopped on SIGTERM), "
+                            f"said it left: {f'left job {job}' in output}:\n{output[-2000:]}")
+    if took > 5:
+        problems.append(f"'{engine} stop' took {took:.1f} s: a worker waited for the grace period")
+    if problems:
+        mt.fail(f"the workers did not stop cleanly on '{engine} stop':\n" + "\n".join(problems))
+    got = json_object(project.inspect_service(
+        leader, "call", "modelavg.v1.Coordinator/GetJob", json.dumps({"job_id": job})))
+    if got.get("state") != "FINISHED":
+        mt.fail(f"after '{engine} stop' of every worker, job {job} is {got.get('state')}, not "
+                f"FINISHED: {got}")
+    log(f"[figures] '{engine} stop' of the 4 workers mid-job took {took:.2f} s; each exited 143 "
+        f"having left job {job}, which is FINISHED")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--timeout_s", type=float, default=900,
@@ -434,6 +483,8 @@ def main():
             mt.fail(f"new coordinator containers did not continue job demo from etcd:\n"
                     f"  before: {before}\n  after:  {after}")
         log(f"new coordinator containers ({leader} leads) continued job demo from etcd: {after}")
+
+        stop_running_job(project, engine, leader, deadline)
     finally:
         project.compose_cmd("down", "-v", check=False, timeout_s=180)
         if compose == "podman-compose":

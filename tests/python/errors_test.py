@@ -24,6 +24,9 @@ Checks:
                     average_parameters: KeyboardInterrupt at once, the averager refuses new calls
   streaming_spec    Level(fragments=, sync_delay=, mix=, payload=): round trips, bad fields named
                     by the package and the coordinator, the drop-in's Level, fragment state
+  nonfinite         4 workers, pairs every 2 steps and all four every 4; rank 2's parameter
+                    becomes NaN before step 28: every worker's call raises NonFiniteError (rank 2,
+                    step 28, level 1, tensor 0, "NaN"), and no worker's parameters changed in it
   jobs_and_client   create/get/list/delete_job, duplicate and invalid specs, min_world_size,
                     unknown options, the client's properties (a strict job's elastic fields:
                     admission_step -1, no vacancy) and context manager, the wrong averager for the
@@ -724,6 +727,51 @@ def check_streaming_spec(modelavg, coordinator, group):
     dropin.client.leave()
 
 
+def check_nonfinite(modelavg, coordinator, group):
+    modelavg.create_job("nonfinite", 4, "HIERARCHICAL", [(2, 2), (4, 4)],
+                        coordinator=coordinator.address)
+    code = """
+        import json, math, os, sys
+        import torch, modelavg
+        rank = int(os.environ["RANK"])
+        client = modelavg.connect(os.environ["ADDR"], "nonfinite", rank=rank)
+        averager = modelavg.HierarchicalModelAverager(client)
+        p = torch.nn.Parameter(torch.full((1000,), float(rank)))
+        p.grad = torch.zeros_like(p)
+        for step in range(40):
+            with torch.no_grad():
+                p += 1.0
+                if rank == 2 and step == 28:
+                    p[5] = float("nan")
+            before = p.detach().clone()
+            try:
+                averager.average_parameters([p])
+            except modelavg.NonFiniteError as e:
+                after = p.detach()
+                print(json.dumps({"step": step, "rank": e.rank, "e_step": e.step,
+                                  "level": e.level, "tensor": e.tensor, "value": e.value,
+                                  "unchanged": bool(torch.equal(before.nan_to_num(7.0),
+                                                                after.nan_to_num(7.0))),
+                                  "message": e.message}))
+                sys.exit(0)
+        print(json.dumps({"error": "no NonFiniteError"}))
+        sys.exit(1)
+    """
+    procs = [child(code, {"RANK": str(r), "ADDR": coordinator.address}, group, f"rank {r}")
+             for r in range(4)]
+    results = mt.wait_all(procs, timeout_s=90)
+    for r in range(4):
+        rc, out, err = results[f"rank {r}"]
+        lines = [l for l in out.splitlines() if l.startswith("{")]
+        if rc != 0 or not lines:
+            mt.fail(f"rank {r} exited {rc}:\n{out}\n{err[-2000:]}")
+        got = json.loads(lines[-1])
+        want = {"step": 28, "rank": 2, "e_step": 28, "level": 1, "tensor": 0, "value": "NaN",
+                "unchanged": True}
+        if {k: got.get(k) for k in want} != want or "non-finite" not in got["message"]:
+            mt.fail(f"rank {r}: {got}, expected {want}")
+
+
 CHECKS = {
     "outer_spec": check_outer_spec,
     "streaming_spec": check_streaming_spec,
@@ -735,6 +783,7 @@ CHECKS = {
     "environment": check_environment,
     "interrupt": check_interrupt,
     "jobs_and_client": check_jobs_and_client,
+    "nonfinite": check_nonfinite,
 }
 
 

@@ -217,6 +217,17 @@ def test_fromStatus_KindAndRank_AttributesNotTheMessage(package):
     assert str(e) == "FAILED_PRECONDITION: job j moved because rank 7 died"
 
 
+def test_fromStatus_NonFiniteKind_NonFiniteErrorAValueError(package):
+    modelavg, _ = package
+    e = modelavg.errors._from_status(3, "member 2 of this subgroup contributed non-finite values",
+                                     True, "NON_FINITE", 5)
+    assert type(e) is modelavg.NonFiniteError
+    assert isinstance(e, modelavg.InvalidArgumentError) and isinstance(e, ValueError)
+    assert (e.code, e.kind, e.rank) == ("INVALID_ARGUMENT", "NON_FINITE", 5)
+    # Where it was: set by the binding from the error's detail; None until then.
+    assert (e.step, e.level, e.tensor, e.value) == (None, None, None, None)
+
+
 @pytest.mark.parametrize("averaging", [True, False])
 def test_fromStatus_ReplicaLostKind_ReplicaLostErrorWithRankAndReplica(package, averaging):
     modelavg, _ = package

@@ -14,10 +14,12 @@
 #define MODELAVG_TESTS_TESTING_FAKE_NCCL_DEVICE_H_
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -29,7 +31,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/comm/finite_check.h"
 #include "client/comm/nccl/nccl_core.h"
+#include "client/payload/finite_scan.h"
 #include "client/payload/payload_codec.h"
 #include "client/payload/staging_layout.h"
 #include "common/status_util.h"
@@ -264,6 +268,43 @@ class FakeOps : public NcclDeviceOps {
       return Stage(chunks, n, const_cast<void*>(staging), code, /*gather=*/false);
     });
   }
+  // The finite check's kernels (finite_kernels.cu), with the host scan's rules.
+  absl::Status CheckFinite(const StagingChunk* chunks, int64_t n, int32_t* code,
+                           void* stream) override {
+    log.push_back("check_finite");
+    ++finite_checks;
+    return Enqueue(stream, absl::StrCat("check_finite@", StreamName(stream)), [=] {
+      if (!Live(chunks, n * sizeof(StagingChunk))) return Illegal("chunk table");
+      if (!Live(code, sizeof(int32_t))) return Illegal("finite code word");
+      for (int64_t c = 0; c < n; ++c) {
+        const StagingChunk& ch = chunks[c];
+        for (int64_t i = 0; i < ch.numel; ++i) {
+          const double v = LoadAs(ch.tensor, ch.tensor_dtype, i);
+          if (std::isfinite(v)) continue;
+          NonFiniteFinding f;
+          f.tensor = ch.tensor_index;
+          f.value = std::isnan(v) ? NonFiniteValue::kNaN
+                                  : (v > 0 ? NonFiniteValue::kPosInf : NonFiniteValue::kNegInf);
+          *code = std::min<int32_t>(*code, static_cast<int32_t>(FindingCode(f)));
+        }
+      }
+      return absl::OkStatus();
+    });
+  }
+  absl::Status WriteFiniteSlots(int32_t* code, void* slots, int members, int member,
+                                int32_t staging_code, void* stream) override {
+    log.push_back("finite_slots");
+    return Enqueue(stream, absl::StrCat("finite_slots@", StreamName(stream)), [=] {
+      if (!Live(code, sizeof(int32_t))) return Illegal("finite code word");
+      const size_t bytes = static_cast<size_t>(members) * FiniteSlotWidth(staging_code) *
+                           StagingCodeSize(staging_code);
+      if (!Live(slots, bytes)) return Illegal("finite slots");
+      const int64_t mine = *code == std::numeric_limits<int32_t>::max() ? 0 : *code;
+      ::modelavg::client::WriteFiniteSlots(slots, staging_code, members, member, mine);
+      *code = std::numeric_limits<int32_t>::max();
+      return absl::OkStatus();
+    });
+  }
   absl::Status AllReduce(void* buffer, size_t count, FakeReduce op, int32_t code, int divisor,
                          void* stream) override {
     const std::string name = op == FakeReduce::kLayoutMax   ? std::string("check")
@@ -466,6 +507,7 @@ class FakeOps : public NcclDeviceOps {
   int mallocs = 0;
   int host_mallocs = 0;  // of which pinned host memory
   int gathers = 0;
+  int finite_checks = 0;
   int destroyed_streams = 0;
   int destroyed_events = 0;
   bool aborted = false;

@@ -24,6 +24,11 @@
 // line is the admission step, with the value it received, and has "admitted": true.
 // The same update run through PyTorch's own averagers (tests/conformance/torch_reference.py) must
 // give the same values. On any failure it prints one line on stderr and exits 1.
+// On SIGTERM or SIGINT it leaves the job at once (a Join or a step delay in progress is cut
+// short; an averaging call in progress ends first), prints "stopped by SIGTERM at step s; left
+// job J" on stderr and exits with 128 + the signal (143, 130); a second signal ends it at once.
+// --testing_nonfinite_at_step=s makes one element of the parameters NaN (or +-Inf) before the
+// call of step s, as a diverged replica's would be.
 #include <unistd.h>
 
 #include <algorithm>
@@ -32,6 +37,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <fstream>
 #include <iostream>
@@ -56,6 +62,7 @@
 #include "common/file_util.h"
 #include "common/logging.h"
 #include "common/status_util.h"
+#include "common/stop_signals.h"
 #include "modelavg/client/averager.h"
 #include "modelavg/client/client.h"
 #include "modelavg/client/tensor.h"
@@ -117,6 +124,14 @@ ABSL_FLAG(std::string, load_state, "",
           "before the first step, restore the parameters and the averager's state "
           "(load_state_dict) from a --save_state file of the same job spec and --numel; the "
           "worker then runs steps <saved step> .. --steps-1");
+ABSL_FLAG(int64_t, testing_nonfinite_at_step, -1,
+          "tests: before the call of this step, set element --testing_nonfinite_element of "
+          "tensor --testing_nonfinite_tensor to --testing_nonfinite_value (a diverged replica)");
+ABSL_FLAG(std::string, testing_nonfinite_value, "nan", "see --testing_nonfinite_at_step: nan, "
+          "inf or -inf");
+ABSL_FLAG(int32_t, testing_nonfinite_tensor, 0, "see --testing_nonfinite_at_step");
+ABSL_FLAG(int64_t, testing_nonfinite_element, 0,
+          "see --testing_nonfinite_at_step (an index into that tensor)");
 ABSL_FLAG(int64_t, testing_die_after_step, -1,
           "tests: exit abruptly (no Leave, exit code 9) right after printing this step's line, "
           "as a worker that dies would");
@@ -396,7 +411,43 @@ absl::Status LoadState(const std::string& path, std::vector<float>* params,
   return absl::OkStatus();
 }
 
-absl::Status Run() {
+// Leaves the job after a stop signal and says so in *stopped.
+void LeaveOnStop(client::Client* client, const StopSignals& stop, const std::string& where,
+                 std::string* stopped) {
+  const std::string why = absl::StrCat("stopped by ", stop.name(), " ", where);
+  absl::Status left = client->Leave(why);
+  *stopped = left.ok() ? absl::StrCat(why, "; left job ", client->job_id())
+                       : absl::StrCat(why, "; leaving job ", client->job_id(),
+                                      " failed: ", left.ToString());
+}
+
+// Sets the configured element to NaN or +-Inf (--testing_nonfinite_*).
+absl::Status MakeNonFinite(std::vector<float>& host, const std::vector<int64_t>& first_of) {
+  const std::string what = absl::GetFlag(FLAGS_testing_nonfinite_value);
+  float value = 0;
+  if (what == "nan") {
+    value = std::numeric_limits<float>::quiet_NaN();
+  } else if (what == "inf") {
+    value = std::numeric_limits<float>::infinity();
+  } else if (what == "-inf") {
+    value = -std::numeric_limits<float>::infinity();
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--testing_nonfinite_value=", what, ": expected nan, inf or -inf"));
+  }
+  const int32_t t = absl::GetFlag(FLAGS_testing_nonfinite_tensor);
+  const int64_t e = absl::GetFlag(FLAGS_testing_nonfinite_element);
+  if (t < 0 || t + 1 >= static_cast<int32_t>(first_of.size()) || e < 0 ||
+      first_of[t] + e >= first_of[t + 1]) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--testing_nonfinite_tensor=", t, " --testing_nonfinite_element=", e,
+        ": no such element (", first_of.size() - 1, " tensors)"));
+  }
+  host[first_of[t] + e] = value;
+  return absl::OkStatus();
+}
+
+absl::Status Run(StopSignals& stop, std::string* stopped) {
   // The connection flags (--coordinator, --auth_token_file, --tls_*, --rpc_timeout_ms) and their
   // environment, as every modelavg program reads them.
   MODELAVG_ASSIGN_OR_RETURN(client::ConnectionOptions conn, client::ConnectionFromFlags());
@@ -448,10 +499,18 @@ absl::Status Run() {
         std::make_unique<client::BackendFactory>(options.gloo_hostname), std::move(faults),
         options.gloo_hostname);
   }
-  MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> client,
-                            communicators != nullptr
-                                ? client::Client::Connect(options, std::move(communicators))
-                                : client::Client::Connect(options));
+  // A stop signal cuts a Join in progress (or its retry backoff) short.
+  options.cancel = std::make_shared<client::CancelToken>();
+  stop.OnStop([cancel = options.cancel](int) { cancel->Cancel(); });
+  absl::StatusOr<std::unique_ptr<client::Client>> connected =
+      communicators != nullptr ? client::Client::Connect(options, std::move(communicators))
+                               : client::Client::Connect(options);
+  if (!connected.ok() && stop.requested()) {
+    *stopped = absl::StrCat("stopped by ", stop.name(), " while joining job ", job);
+    return absl::OkStatus();
+  }
+  MODELAVG_RETURN_IF_ERROR(connected.status());
+  std::unique_ptr<client::Client> client = *std::move(connected);
   if (client->world_size() != world_size) {
     return absl::InvalidArgumentError(absl::StrCat("--world_size=", world_size, " but job ", job,
                                                    " has world size ", client->world_size()));
@@ -514,9 +573,14 @@ absl::Status Run() {
   }
   params->SetGaps(first_of, gap);
   const int64_t sleep_at = absl::GetFlag(FLAGS_testing_sleep_at_step);
+  const int64_t nonfinite_at = absl::GetFlag(FLAGS_testing_nonfinite_at_step);
   for (int64_t step = first_step; step < steps; ++step) {
-    if (step_delay > absl::ZeroDuration()) absl::SleepFor(step_delay);
-    if (step == sleep_at) absl::SleepFor(absl::Milliseconds(absl::GetFlag(FLAGS_testing_sleep_ms)));
+    if (step_delay > absl::ZeroDuration()) stop.SleepFor(step_delay);
+    if (step == sleep_at) stop.SleepFor(absl::Milliseconds(absl::GetFlag(FLAGS_testing_sleep_ms)));
+    if (stop.requested()) {
+      LeaveOnStop(client.get(), stop, absl::StrCat("at step ", step), stopped);
+      return absl::OkStatus();
+    }
     const float delta = static_cast<float>((rank + 1) * (step + 1)) * 0.5f;
     if (tensors == 1) {
       for (float& v : params->host()) v += delta;
@@ -526,6 +590,7 @@ absl::Status Run() {
         for (int64_t i = first_of[t]; i < first_of[t + 1]; ++i) params->host()[i] += d;
       }
     }
+    if (step == nonfinite_at) MODELAVG_RETURN_IF_ERROR(MakeNonFinite(params->host(), first_of));
     MODELAVG_ASSIGN_OR_RETURN(client::TensorView view, params->Upload());
     std::vector<client::TensorView> views;
     for (int32_t t = 0; t < tensors; ++t) {
@@ -537,6 +602,13 @@ absl::Status Run() {
     const absl::Time call_start = absl::Now();
     absl::StatusOr<Decision> decision = averager->AverageParameters(views);
     const absl::Duration call_time = absl::Now() - call_start;
+    if (!decision.ok() && stop.requested()) {
+      // The call ended because of the stop (a peer that stopped too left the round).
+      LeaveOnStop(client.get(), stop,
+                  absl::StrCat("at step ", step, " (its call: ", decision.status().message(), ")"),
+                  stopped);
+      return absl::OkStatus();
+    }
     if (!decision.ok()) {
       return Annotate(decision.status(), absl::StrCat("step ", step, ": AverageParameters"));
     }
@@ -629,7 +701,16 @@ int main(int argc, char** argv) {
     std::cerr << "modelavg-trace-worker: --log_level: " << logging.message() << std::endl;
     return 2;
   }
-  absl::Status status = modelavg::Run();
+  // Before any thread is started (the client's): SIGTERM and SIGINT are taken by its thread.
+  modelavg::StopSignals stop;
+  std::string stopped;
+  absl::Status status = modelavg::Run(stop, &stopped);
+  if (status.ok() && !stopped.empty()) {
+    std::cerr << "modelavg-trace-worker: rank "
+              << (modelavg::joined_rank >= 0 ? modelavg::joined_rank : absl::GetFlag(FLAGS_rank))
+              << ": " << stopped << std::endl;
+    return stop.exit_code();
+  }
   if (!status.ok()) {
     std::cerr << "modelavg-trace-worker: rank "
               << (modelavg::joined_rank >= 0 ? modelavg::joined_rank : absl::GetFlag(FLAGS_rank))

@@ -16,6 +16,9 @@ modelavg_add_gtest(client_gloo_setup_test SOURCES client_gloo_setup_test.cc
                    LIBS modelavg_client modelavg_testing TIMEOUT 60)
 modelavg_add_gtest(client_gloo_round_test SOURCES client_gloo_round_test.cc
                    LIBS modelavg_client modelavg_testing TIMEOUT 120)
+# The finite check (client/comm/finite_check.h): the scan, and Gloo rounds with a NaN or an Inf.
+modelavg_add_gtest(client_finite_check_test SOURCES client_finite_check_test.cc
+                   LIBS modelavg_client TIMEOUT 120)
 # The direct exchange (client/comm/gloo/gloo_exchange.h): bit for bit against the rule restated,
 # and its failures through the link proxies.
 modelavg_add_gtest(client_gloo_direct_test SOURCES client_gloo_direct_test.cc

@@ -9,9 +9,13 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/comm/gloo/gloo_communicator.h"
+#include "client/comm/gloo/gloo_mesh.h"
 #include "client/comm/solo_communicator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "gloo/context.h"
+#include "gloo/rendezvous/hash_store.h"
+#include "gloo/transport/unbound_buffer.h"
 #include "tests/unit/gloo_test_mesh.h"
 
 namespace modelavg::client {
@@ -77,6 +81,67 @@ TEST(GlooAbortTest, AbortOfOneMember_PeersCollectivesFailToo) {
   EXPECT_THAT(results[0].message(), HasSubstr("generation changed"));
   for (int r = 1; r < 3; ++r) EXPECT_FALSE(results[r].ok()) << "member " << r << results[r];
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+}
+
+// The cause of a strict job's survivor that ran on for the collective timeout after a peer's
+// kill -9: a send waiting in a pair's transmit queue (the socket took it partly, or the write
+// hit the dead peer's reset before the pair read the close) is not among the operations that
+// failing the pairs wakes (Gloo's Pair::signalException), so neither a broken connection nor an
+// abort ended its wait. Here a wait that no operation of any pair stands for plays that send:
+// failing both pairs leaves it waiting; the mesh's AbortAll ends it at once.
+TEST(GlooAbortTest, AWaitThePairsDoNotReach_EndsAtAbortAll) {
+  gloo::rendezvous::HashStore store;
+  std::vector<std::shared_ptr<gloo::Context>> contexts(2);
+  std::vector<std::shared_ptr<MeshWaits>> waits = {std::make_shared<MeshWaits>(),
+                                                   std::make_shared<MeshWaits>()};
+  std::vector<std::thread> setup;
+  for (int r = 0; r < 2; ++r) {
+    setup.emplace_back([&, r] {
+      auto dev = CreateGlooDevice("127.0.0.1");
+      if (!dev.ok()) return;
+      std::vector<sockaddr_storage> peers;
+      auto mesh = ConnectMesh(store, *dev, r, 2, absl::Seconds(20),
+                              absl::Now() + absl::Seconds(20),
+                              std::make_shared<SetupCanceller>(), &peers, waits[r]);
+      if (mesh.ok()) contexts[r] = *std::move(mesh);
+    });
+  }
+  for (auto& t : setup) t.join();
+  ASSERT_NE(contexts[0], nullptr);
+  ASSERT_NE(contexts[1], nullptr);
+
+  std::vector<float> data(1 << 16, 1.0f);
+  std::unique_ptr<gloo::transport::UnboundBuffer> buffer =
+      contexts[0]->createUnboundBuffer(data.data(), data.size() * sizeof(float));
+  absl::Notification returned;
+  bool completed = true;
+  std::thread waiter([&] {
+    try {
+      completed = buffer->waitSend(nullptr, std::chrono::seconds(20));
+    } catch (const std::exception&) {
+      completed = false;
+    }
+    returned.Notify();
+  });
+  // Both pairs of member 0 fail, as they do at an abort or when the peer dies: the wait goes on.
+  FailPair(contexts[0]->getPair(1).get(), 1, "failed by the test");
+  FailPair(contexts[1]->getPair(0).get(), 0, "failed by the test");
+  EXPECT_FALSE(returned.WaitForNotificationWithTimeout(absl::Milliseconds(500)))
+      << "failing the pairs ended the wait: the test no longer stands for the queued send";
+  const absl::Time aborted = absl::Now();
+  waits[0]->AbortAll();
+  EXPECT_TRUE(returned.WaitForNotificationWithTimeout(absl::Seconds(5)))
+      << "AbortAll did not end the wait";
+  waiter.join();  // (without the abort: at the wait's own 20 s timeout)
+  EXPECT_FALSE(completed);
+  EXPECT_LT(absl::Now() - aborted, absl::Seconds(5));
+  EXPECT_TRUE(waits[0]->aborted());
+  // A buffer made after the abort does not wait either.
+  std::unique_ptr<gloo::transport::UnboundBuffer> later =
+      contexts[0]->createUnboundBuffer(data.data(), sizeof(float));
+  const absl::Time start = absl::Now();
+  EXPECT_FALSE(later->waitRecv(nullptr, std::chrono::seconds(20)));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
 }
 
 TEST(GlooAbortTest, SoloCommunicator_AbortedFailsWithTheReason) {

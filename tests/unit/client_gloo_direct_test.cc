@@ -1,13 +1,17 @@
 // The direct exchange behind GlooCommunicator (client/comm/gloo/gloo_exchange.h): every member
 // sends its contribution to every other and each sums the members' pieces in member order, then
 // divides. Checked on every member, element by element and bit for bit, against a naive
-// restatement of that rule; and its failures: a link broken in the middle of the exchange (every
+// restatement of that rule (and of the checked round's: each contribution divided before it is
+// added); the finite check (a member's NaN or Inf: every member's call fails naming it, no
+// tensor changes); and its failures: a link broken in the middle of the exchange (every
 // member fails at once, its tensors exactly as they were) and between the data and the commit
 // vote of a committed round (every voter holds the result and adopting it gives the mean).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
+#include <ostream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -16,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/base/error_kind.h"
 #include "client/base/half.h"
 #include "client/comm/gloo/gloo_communicator.h"
 #include "gmock/gmock.h"
@@ -80,6 +85,20 @@ struct Tensors {
       }
     }
     return v;
+  }
+  // Sets element e of tensor t (a float32 or float64 tensor, or one view of one allocation).
+  void Set(size_t t, int64_t e, double v) {
+    uint8_t* base = one_allocation ? bytes[0].data() : bytes[t].data();
+    int64_t offset = e;
+    if (one_allocation) {
+      for (size_t k = 0; k < t; ++k) offset += numels[k];
+    }
+    if (!one_allocation && dtypes[t] == DType::kFloat64) {
+      std::memcpy(base + offset * 8, &v, 8);
+    } else {
+      const float f = static_cast<float>(v);
+      std::memcpy(base + offset * 4, &f, 4);
+    }
   }
   // Element e of tensor t, as a double.
   double Get(size_t t, int64_t e) const {
@@ -190,7 +209,9 @@ Tensors MakeTensors(Layout layout, int member, int64_t numel) {
 // The rule, restated: the sum over the contributing members in member order, in the staging
 // dtype (float64 if any tensor is float64, else float32), divided by their number, converted to
 // the tensor's dtype. `contributes[m]` false: member m adds nothing.
-Tensors Expected(const std::vector<Tensors>& before, const std::vector<bool>& contributes) {
+// `divide_first` (the finite check's rounds): each member's value is divided before it is added.
+Tensors Expected(const std::vector<Tensors>& before, const std::vector<bool>& contributes,
+                 bool divide_first = false) {
   Tensors out = before[0];
   bool f64 = false;
   for (DType d : out.dtypes) f64 = f64 || d == DType::kFloat64;
@@ -199,7 +220,20 @@ Tensors Expected(const std::vector<Tensors>& before, const std::vector<bool>& co
   for (size_t k = 0; k < out.numels.size(); ++k) {
     for (int64_t e = 0; e < out.numels[k]; ++e) {
       double mean;
-      if (f64) {
+      if (divide_first && f64) {
+        double s = (contributes[0] ? before[0].Get(k, e) : 0.0) / divisor;
+        for (size_t m = 1; m < before.size(); ++m) {
+          s = s + (contributes[m] ? before[m].Get(k, e) : 0.0) / divisor;
+        }
+        mean = s;
+      } else if (divide_first) {
+        const float d = static_cast<float>(divisor);
+        float s = (contributes[0] ? static_cast<float>(before[0].Get(k, e)) : 0.0f) / d;
+        for (size_t m = 1; m < before.size(); ++m) {
+          s = s + (contributes[m] ? static_cast<float>(before[m].Get(k, e)) : 0.0f) / d;
+        }
+        mean = s;
+      } else if (f64) {
         double s = contributes[0] ? before[0].Get(k, e) : 0.0;
         for (size_t m = 1; m < before.size(); ++m) s = s + (contributes[m] ? before[m].Get(k, e) : 0.0);
         mean = s / divisor;
@@ -530,6 +564,129 @@ TEST(DirectAverageTest, VoteMissingAfterTheData_EveryVoterHoldsAndAdoptsTheMean)
         EXPECT_EQ(FirstDifference(t[r], want), "") << "the adopted result";
       }
     }
+  }
+}
+
+// The finite check (RoundOptions::check_finite) on the direct exchange: one member's NaN or Inf,
+// late in its buffer (in the last piece, after pieces whose means a careless exchange would
+// already have written): every member's call fails alike, INVALID_ARGUMENT of kind kNonFinite
+// naming that member, its tensor and the value, without a result, and not one bit of any
+// member's tensors changes. The member repairs its value and the next checked round averages by
+// the checked rule restated (each contribution divided, then added in member order), bit for bit.
+struct FiniteCase {
+  int size;
+  int64_t numel;
+  Layout layout;
+  bool commit;
+  int bad_member;
+  double bad;
+  const char* value;
+};
+
+void PrintTo(const FiniteCase& c, std::ostream* os) {
+  *os << c.size << " members, " << c.numel << " elements, " << LayoutName(c.layout)
+      << (c.commit ? ", committed" : ", plain") << ", " << c.value << " from member "
+      << c.bad_member;
+}
+
+class DirectFiniteCheckTest : public ::testing::TestWithParam<FiniteCase> {};
+
+TEST_P(DirectFiniteCheckTest, OneMemberNonFinite_EveryMemberFailsNamingItNothingChanges) {
+  const FiniteCase c = GetParam();
+  auto mesh = MakeGlooMesh(c.size, absl::Seconds(60), nullptr, false, DirectAlways());
+  for (const auto& m : mesh) ASSERT_NE(m, nullptr);
+  std::vector<Tensors> t;
+  for (int r = 0; r < c.size; ++r) t.push_back(MakeTensors(c.layout, r, c.numel));
+  // The last float32/float64 tensor (Mixed: the float64 one), near its end.
+  size_t bad_tensor = t[0].numels.size() - 1;
+  if (c.layout == Layout::kMixed) bad_tensor = 1;
+  const int64_t bad_element = t[0].numels[bad_tensor] - 2;
+  const double good = t[c.bad_member].Get(bad_tensor, bad_element);
+  t[c.bad_member].Set(bad_tensor, bad_element, c.bad);
+  const std::vector<Tensors> before = t;
+  RoundOptions options;
+  options.check_finite = true;
+  options.commit = c.commit;
+  options.step = 41;
+  // Twice: the round that agrees on the layout, and one between agreements.
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(absl::StrCat("round ", round));
+    std::vector<Result> res = RunRound(mesh, t, std::vector<RoundOptions>(c.size, options));
+    for (int r = 0; r < c.size; ++r) {
+      SCOPED_TRACE(absl::StrCat("member ", r, ": ", res[r].status.ToString()));
+      ASSERT_EQ(res[r].status.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_EQ(ErrorKindOf(res[r].status), ErrorKind::kNonFinite);
+      EXPECT_EQ(ErrorPeerOf(res[r].status), c.bad_member);
+      std::optional<NonFiniteDetail> d = NonFiniteDetailOf(res[r].status);
+      ASSERT_TRUE(d.has_value());
+      EXPECT_EQ(d->tensor, static_cast<int32_t>(bad_tensor));
+      EXPECT_EQ(d->value, c.value);
+      EXPECT_EQ(d->step, 41);
+      EXPECT_THAT(std::string(res[r].status.message()),
+                  HasSubstr(absl::StrCat("member ", c.bad_member,
+                                         " of this subgroup contributed non-finite values: ",
+                                         c.value, " in tensor ", bad_tensor)));
+      EXPECT_EQ(res[r].outcome, RoundOutcome::kFailedWithoutResult);
+      EXPECT_EQ(FirstDifference(t[r], before[r]), "") << "a refused round changed the tensors";
+    }
+  }
+  // Repaired: the communicator is still usable, and averages by the checked rule.
+  t[c.bad_member].Set(bad_tensor, bad_element, good);
+  const Tensors want = Expected(t, std::vector<bool>(c.size, true), /*divide_first=*/true);
+  std::vector<Result> res = RunRound(mesh, t, std::vector<RoundOptions>(c.size, options));
+  for (int r = 0; r < c.size; ++r) {
+    ASSERT_TRUE(res[r].status.ok()) << "member " << r << ": " << res[r].status;
+    EXPECT_EQ(FirstDifference(t[r], want), "") << "member " << r;
+  }
+}
+
+std::vector<FiniteCase> FiniteCases() {
+  const double nan = std::nan(""), inf = HUGE_VAL;
+  return {
+      // Two members at a size of ten pieces: one buffer, packed, mixed dtypes; plain and
+      // committed; either member.
+      {2, kNumel, Layout::kOneF32, false, 1, nan, "NaN"},
+      {2, kNumel, Layout::kOneF32, true, 0, inf, "+Inf"},
+      {2, kNumel, Layout::kSeparateF32, false, 0, -inf, "-Inf"},
+      {2, kNumel, Layout::kBackToBack, true, 1, nan, "NaN"},
+      {2, kNumel, Layout::kMixed, true, 1, nan, "NaN"},
+      // More members, small (what GlooAlgorithms sends direct).
+      {3, 3001, Layout::kOneF32, false, 2, nan, "NaN"},
+      {3, 3001, Layout::kSeparateF32, true, 1, inf, "+Inf"},
+      {4, 1000, Layout::kMixed, false, 3, -inf, "-Inf"},
+      {4, 1000, Layout::kOneF64, true, 0, nan, "NaN"},
+  };
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, DirectFiniteCheckTest, ::testing::ValuesIn(FiniteCases()),
+                         [](const ::testing::TestParamInfo<FiniteCase>& info) {
+                           return absl::StrCat("Members", info.param.size,
+                                               LayoutName(info.param.layout),
+                                               info.param.commit ? "Committed" : "Plain",
+                                               "Member", info.param.bad_member);
+                         });
+
+// Two members that both contribute a NaN: every member names the lower one.
+TEST(DirectFiniteCheckTest, TwoMembersNonFinite_EveryMemberNamesTheLowest) {
+  auto mesh = MakeGlooMesh(3, absl::Seconds(60), nullptr, false, DirectAlways());
+  for (const auto& m : mesh) ASSERT_NE(m, nullptr);
+  std::vector<Tensors> t = {MakeTensors(Layout::kSeparateF32, 0, 900),
+                            MakeTensors(Layout::kSeparateF32, 1, 900),
+                            MakeTensors(Layout::kSeparateF32, 2, 900)};
+  t[2].Set(0, 3, std::nan(""));
+  t[1].Set(2, 100, -HUGE_VAL);
+  const std::vector<Tensors> before = t;
+  RoundOptions options;
+  options.check_finite = true;
+  std::vector<Result> res = RunRound(mesh, t, {options, options, options});
+  for (int r = 0; r < 3; ++r) {
+    SCOPED_TRACE(absl::StrCat("member ", r, ": ", res[r].status.ToString()));
+    EXPECT_EQ(ErrorKindOf(res[r].status), ErrorKind::kNonFinite);
+    EXPECT_EQ(ErrorPeerOf(res[r].status), 1);
+    ASSERT_TRUE(NonFiniteDetailOf(res[r].status).has_value());
+    EXPECT_EQ(NonFiniteDetailOf(res[r].status)->tensor, 2);
+    EXPECT_EQ(NonFiniteDetailOf(res[r].status)->value, "-Inf");
+    EXPECT_EQ(FirstDifference(t[r], before[r]), "");
   }
 }
 

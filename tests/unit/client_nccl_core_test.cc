@@ -11,6 +11,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -507,14 +508,14 @@ RoundOptions Committed(int64_t step) {
 
 // The operations of one call, as the fake device logs them (collectives, copies with their
 // bytes, kernels, host waits).
-const std::vector<std::string> kPlainZeroCopyOps = {"copy104", "check", "copy104", "wait",
+const std::vector<std::string> kPlainZeroCopyOps = {"copy120", "check", "copy120", "wait",
                                                     "avg79", "wait"};
 
 TEST_F(NcclCoreTest, PlainRound_CostsWhatItCostBefore_NoBackupNoCommit) {
   MakeWorld(2);
   // Zero copy: the signature out and back, its all-reduce, the data all-reduce, two waits. The
-  // same as before rounds had options, but for the signature's size (104 bytes with the
-  // fragment split's words, was 64).
+  // same as before rounds had options, but for the signature's size (120 bytes with the
+  // fragment split's and the finite check's words, was 64).
   std::vector<Params> params = {Params::Contiguous(DType::kFloat32, {1, 3, 5, 70}),
                                 Params::Contiguous(DType::kFloat32, {1, 3, 5, 70})};
   FillAll(params);
@@ -569,7 +570,7 @@ TEST_F(NcclCoreTest, CommittedRound_CostsOneBackupCopyAndOneOneWordAllReduce) {
   // Beyond a plain round: the backup (79 float32, enqueued before the check, no wait of its
   // own) and the commit (8 bytes out, the all-reduce, 8 bytes back, one wait).
   EXPECT_EQ(ops_[0]->log,
-            (std::vector<std::string>{"copy316", "copy104", "check", "copy104", "wait", "avg79",
+            (std::vector<std::string>{"copy316", "copy120", "check", "copy120", "wait", "avg79",
                                       "wait", "copy8", "commit", "copy8", "wait"}));
   EXPECT_EQ(ops_[0]->ops, (std::vector<std::string>{"check", "avg79", "commit"}));
   EXPECT_EQ(ops_[1]->ops, ops_[0]->ops);
@@ -1000,6 +1001,240 @@ TEST_F(NcclCoreTest, StagedPipeline_JoiningMember_ReducesZerosWithoutGathers) {
   ExpectMeanOf(params, {0, 1}, 2);
   EXPECT_EQ(ops_[2]->gathers, 0);
   EXPECT_GT(ops_[0]->gathers, 1);
+}
+
+// The finite check (RoundOptions::check_finite) on the NCCL path: CheckFinite after each
+// bucket's gather, the member's code in slots after the data, the verdict before the commit and
+// the scatter.
+constexpr double kNaNValue = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInfValue = std::numeric_limits<double>::infinity();
+
+void ExpectNonFiniteNaming(const absl::Status& s, int member, int tensor, const char* value,
+                           int64_t step) {
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(ErrorKindOf(s), ErrorKind::kNonFinite) << s;
+  EXPECT_EQ(ErrorPeerOf(s), member) << s;
+  std::optional<NonFiniteDetail> d = NonFiniteDetailOf(s);
+  ASSERT_TRUE(d.has_value()) << s;
+  EXPECT_EQ(d->tensor, tensor) << s;
+  EXPECT_EQ(d->value, value) << s;
+  EXPECT_EQ(d->step, step) << s;
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr(absl::StrCat("member ", member, " of this subgroup contributed non-finite "
+                                     "values: ", value, " in tensor ", tensor)));
+}
+
+TEST_F(NcclCoreTest, FiniteCheck_OneMemberNonFinite_EveryMemberFailsNamingIt_NothingChanges) {
+  struct Case {
+    int tensor;  // in kMixed: 2 bfloat16, 4 float64, 5 float16 (two chunks)
+    int64_t element;
+    double bad;
+    const char* value;
+    bool commit;
+  };
+  for (const Case& c : {Case{4, 2, kNaNValue, "NaN", false},
+                        Case{2, 8, kInfValue, "+Inf", true},
+                        Case{5, kStagingChunkElems + 2, -kInfValue, "-Inf", false},
+                        Case{0, 0, kNaNValue, "NaN", true}}) {
+    SCOPED_TRACE(absl::StrCat("tensor ", c.tensor, " ", c.value, c.commit ? " committed" : ""));
+    // Small buckets: the slots ride with the last of several.
+    MakeWorld(3, /*bucket_bytes=*/256);
+    std::vector<Params> params = {Params::Separate(kMixed), Params::Separate(kMixed),
+                                  Params::Separate(kMixed)};
+    FillAll(params);
+    const TensorView& v = params[1].views[c.tensor];
+    StoreAs(v.data, StagingCodeOf(v.dtype), c.element, c.bad);
+    std::vector<std::vector<std::string>> before;
+    for (const Params& p : params) before.push_back(Bytes(p));
+    RoundOptions o;
+    o.check_finite = true;
+    o.commit = c.commit;
+    o.step = 30;
+    for (const Result& r : RunRound(params, o)) {
+      ExpectNonFiniteNaming(r.status, 1, c.tensor, c.value, 30);
+      EXPECT_EQ(r.outcome, RoundOutcome::kFailedWithoutResult);
+    }
+    ExpectNoHangMismatchOrIllegal();
+    for (int m = 0; m < 3; ++m) EXPECT_EQ(Bytes(params[m]), before[m]) << "member " << m;
+    EXPECT_TRUE(requests().empty()) << "a non-finite member asks for no new generation";
+    // Repaired, the next round on the same communicators averages exactly.
+    FillAll(params);
+    for (const Result& r : RunRound(params, o)) ASSERT_TRUE(r.status.ok()) << r.status;
+    ExpectNoHangMismatchOrIllegal();
+    ExpectAveraged(params);
+  }
+}
+
+TEST_F(NcclCoreTest, FiniteCheck_Float16Staging_CodesOfThreeDigitsSurviveTheAverage) {
+  // Float16 staging holds a code in three base-256 digits: tensor 69's NaN is code 277.
+  MakeWorld(4, /*bucket_bytes=*/512);
+  const std::vector<std::pair<DType, int64_t>> spec(70, {DType::kFloat16, 9});
+  std::vector<Params> params(4, Params::Separate(spec));
+  FillAll(params);
+  StoreAs(params[2].views[69].data, kStageF16, 8, kNaNValue);
+  StoreAs(params[3].views[69].data, kStageF16, 0, kInfValue);
+  RoundOptions o;
+  o.check_finite = true;
+  o.step = 7;
+  std::vector<Result> out = RunRound(params, o);
+  for (const Result& r : out) ExpectNonFiniteNaming(r.status, 2, 69, "NaN", 7);
+  EXPECT_THAT(std::string(out[0].status.message()), HasSubstr("1 more member(s)"));
+  ExpectNoHangMismatchOrIllegal();
+}
+
+TEST_F(NcclCoreTest, FiniteCheck_NoExtraCollective_OneScanPerBucketOnTheGatherStream) {
+  MakeWorld(2, /*bucket_bytes=*/1024);
+  const std::vector<std::pair<DType, int64_t>> spec(8, {DType::kFloat32, 1000});
+  std::vector<Params> params = {Params::Separate(spec), Params::Separate(spec)};
+  RoundOptions o;
+  o.check_finite = true;
+  FillAll(params);
+  for (const Result& r : RunRound(params, o)) ASSERT_TRUE(r.status.ok()) << r.status;
+  for (auto& f : ops_) {
+    f->exec.clear();
+    f->log.clear();
+    f->ops.clear();
+  }
+  FillAll(params);
+  for (const Result& r : RunRound(params, o)) ASSERT_TRUE(r.status.ok()) << r.status;
+  ExpectNoHangMismatchOrIllegal();
+  ExpectAveraged(params);
+  // The same 32 bucket all-reduces as without the check; the last carries the two slots.
+  std::vector<std::string> collectives(31, "avg256");
+  collectives.push_back("avg66");
+  EXPECT_EQ(ops_[0]->ops, collectives);
+  EXPECT_EQ(ops_[1]->ops, collectives);
+  const std::vector<std::string>& log = ops_[0]->log;
+  EXPECT_EQ(std::count(log.begin(), log.end(), "check_finite"), 32) << "one scan per bucket";
+  EXPECT_EQ(std::count(log.begin(), log.end(), "finite_slots"), 1);
+  EXPECT_EQ(std::count(log.begin(), log.end(), "wait"), 2)
+      << "no host wait of its own: the slots come back with the reduction's";
+  // Each bucket's scan runs on the gather stream right after its gather, the slots before the
+  // last bucket's event.
+  const std::vector<std::string>& exec = ops_[0]->exec;
+  int scans = 0;
+  for (size_t i = 0; i + 1 < exec.size(); ++i) {
+    if (exec[i] == "gather@s1") {
+      EXPECT_EQ(exec[i + 1], "check_finite@s1") << "at " << i;
+      ++scans;
+    }
+  }
+  EXPECT_EQ(scans, 32);
+  const auto slots = std::find(exec.begin(), exec.end(), "finite_slots@s1");
+  const auto last = std::find(exec.begin(), exec.end(), "avg66@caller");
+  ASSERT_NE(slots, exec.end());
+  EXPECT_LT(slots - exec.begin(), last - exec.begin());
+}
+
+TEST_F(NcclCoreTest, FiniteCheck_ZeroCopyCandidates_AreStagedAndAveraged) {
+  MakeWorld(2);
+  std::vector<Params> params = {Params::Contiguous(DType::kFloat32, {1, 3, 5, 70}),
+                                Params::Contiguous(DType::kFloat32, {1, 3, 5, 70})};
+  RoundOptions o;
+  o.check_finite = true;
+  o.commit = true;
+  o.step = 3;
+  FillAll(params);
+  for (const Result& r : RunRound(params, o)) ASSERT_TRUE(r.status.ok()) << r.status;
+  ExpectNoHangMismatchOrIllegal();
+  ExpectAveraged(params);
+  EXPECT_FALSE(cores_[0]->last_was_zero_copy()) << "the slots ride after the data, staged";
+  FillAll(params);
+  StoreAs(params[0].views[3].data, kStageF32, 69, -kInfValue);
+  const std::vector<std::string> before = Bytes(params[1]);
+  for (const Result& r : RunRound(params, o)) ExpectNonFiniteNaming(r.status, 0, 3, "-Inf", 3);
+  EXPECT_EQ(Bytes(params[1]), before);
+}
+
+TEST_F(NcclCoreTest, FiniteCheck_CompressedPayloads_ANaNFailsEveryMemberThenTheyAverage) {
+  for (Payload payload : {Payload::kInt8, Payload::kBf16}) {
+    SCOPED_TRACE(PayloadName(payload));
+    MakeWorld(3);
+    const std::vector<std::pair<DType, int64_t>> spec = {{DType::kFloat32, 1000},
+                                                         {DType::kFloat32, 3001}};
+    std::vector<Params> params(3, Params::Separate(spec));
+    FillAll(params);
+    StoreAs(params[2].views[1].data, kStageF32, 3000, kNaNValue);
+    std::vector<std::vector<std::string>> before;
+    for (const Params& p : params) before.push_back(Bytes(p));
+    RoundOptions o;
+    o.check_finite = true;
+    o.payload = payload;
+    o.step = 4;
+    for (const Result& r : RunRound(params, o)) ExpectNonFiniteNaming(r.status, 2, 1, "NaN", 4);
+    ExpectNoHangMismatchOrIllegal();
+    for (int m = 0; m < 3; ++m) EXPECT_EQ(Bytes(params[m]), before[m]) << "member " << m;
+    FillAll(params);
+    for (const Result& r : RunRound(params, o)) ASSERT_TRUE(r.status.ok()) << r.status;
+    ExpectNoHangMismatchOrIllegal();
+    for (int m = 0; m < 3; ++m) {
+      EXPECT_EQ(Bytes(params[m]), Bytes(params[0])) << "member " << m;
+      // Within the payloads' bound of the mean (10 + 0.37 t + 0.011 i, at most about 44).
+      EXPECT_NEAR(params[m].At(1, 3000), 10 + 0.37 + 33.0, 0.5);
+    }
+  }
+}
+
+TEST_F(NcclCoreTest, FiniteCheck_JoiningMemberWithNaN_ContributesNothingAndIsNotFlagged) {
+  MakeWorld(3, /*bucket_bytes=*/256);
+  std::vector<Params> params = {Params::Separate(kMixed), Params::Separate(kMixed),
+                                Params::Separate(kMixed)};
+  FillAll(params);
+  for (size_t t = 0; t < params[2].views.size(); ++t) {
+    const TensorView& v = params[2].views[t];
+    for (int64_t i = 0; i < v.numel; ++i) StoreAs(v.data, StagingCodeOf(v.dtype), i, kNaNValue);
+  }
+  std::vector<RoundOptions> options(3);
+  for (RoundOptions& o : options) {
+    o.check_finite = true;
+    o.contributors = 2;
+  }
+  options[2].contribute = false;
+  for (const Result& r : RunRound(params, options)) ASSERT_TRUE(r.status.ok()) << r.status;
+  ExpectNoHangMismatchOrIllegal();
+  ExpectMeanOf(params, {0, 1}, 2);
+}
+
+TEST_F(NcclCoreTest, FiniteCheck_EdgeFiniteValues_NeverFlagged) {
+  MakeWorld(3);
+  const std::vector<double> edge = {std::numeric_limits<float>::max() / 4,
+                                    -std::numeric_limits<float>::max() / 4,
+                                    std::numeric_limits<float>::denorm_min(),
+                                    -std::numeric_limits<float>::denorm_min(),
+                                    0.0,
+                                    -0.0,
+                                    std::numeric_limits<float>::min(),
+                                    65504.0};
+  std::vector<Params> params(3, Params::Separate({{DType::kFloat32, 8}, {DType::kFloat16, 8}}));
+  for (Params& p : params) {
+    for (size_t i = 0; i < edge.size(); ++i) {
+      StoreAs(p.views[0].data, kStageF32, i, edge[i]);
+      StoreAs(p.views[1].data, kStageF16, i, i == 7 ? 65504.0 : (i < 2 ? 1.0 : 0.0));
+    }
+  }
+  RoundOptions o;
+  o.check_finite = true;
+  for (const Result& r : RunRound(params, o)) ASSERT_TRUE(r.status.ok()) << r.status;
+  for (int m = 0; m < 3; ++m) {
+    EXPECT_NEAR(params[m].At(0, 0) / edge[0], 1.0, 1e-6) << "member " << m;
+    EXPECT_NEAR(params[m].At(0, 7), 65504.0, 0.01);
+    EXPECT_NEAR(params[m].At(1, 7), 65504.0, 32.0) << "float16's largest value";
+  }
+}
+
+TEST_F(NcclCoreTest, FiniteCheck_MembersThatDiffer_LayoutMismatchEverywhere) {
+  MakeWorld(2);
+  std::vector<Params> params = {Params::Separate(kMixed), Params::Separate(kMixed)};
+  FillAll(params);
+  std::vector<RoundOptions> options(2);
+  options[0].check_finite = true;
+  for (const Result& r : RunRound(params, options)) {
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
+    EXPECT_EQ(ErrorKindOf(r.status), ErrorKind::kLayoutMismatch) << r.status;
+    EXPECT_THAT(std::string(r.status.message()), HasSubstr("finite check"));
+  }
+  ExpectNoHangMismatchOrIllegal();
 }
 
 TEST(StagingBucketsTest, SplitAtBucketBoundaries_EveryElementOnceInItsBucket) {

@@ -22,6 +22,9 @@ modelavg_add_gtest(status_page_test SOURCES status_page_test.cc LIBS modelavg_se
 # Gray failures: peer failure reports, confirmed before anyone is evicted.
 modelavg_add_gtest(server_peer_reports_test SOURCES server_peer_reports_test.cc
                    LIBS modelavg_server_core)
+# Non-finite values reported by a member: recorded; an elastic job retires the member.
+modelavg_add_gtest(server_nonfinite_test SOURCES server_nonfinite_test.cc
+                   LIBS modelavg_server_core)
 # The streaming reactors' write queue (one write in flight, the deferred Finish).
 modelavg_add_gtest(server_stream_writes_test SOURCES server_stream_writes_test.cc
                    LIBS modelavg_server)

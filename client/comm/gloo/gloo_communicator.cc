@@ -14,11 +14,14 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/base/error_kind.h"
+#include "client/comm/finite_check.h"
 #include "client/comm/gloo/gloo_exchange.h"
 #include "client/comm/gloo/gloo_mesh.h"
 #include "client/comm/peer_probe.h"
+#include "client/payload/finite_scan.h"
 #include "client/payload/host_staging.h"
 #include "client/payload/payload_codec.h"
+#include "client/payload/staging_layout.h"
 #include "common/status_util.h"
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
@@ -153,11 +156,13 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
   };
   try {
     std::vector<sockaddr_storage> peers;
+    auto waits = std::make_shared<MeshWaits>();
     absl::StatusOr<std::shared_ptr<gloo::Context>> context =
-        ConnectMesh(store, device, rank, size, timeout, started + timeout, cancel, &peers);
+        ConnectMesh(store, device, rank, size, timeout, started + timeout, cancel, &peers,
+                    waits);
     if (!context.ok()) return context.status();
-    std::unique_ptr<GlooCommunicator> comm(
-        new GlooCommunicator(*std::move(context), rank, size, timeout, in_place, algorithms));
+    std::unique_ptr<GlooCommunicator> comm(new GlooCommunicator(
+        *std::move(context), std::move(waits), rank, size, timeout, in_place, algorithms));
     comm->peer_addresses_ = std::move(peers);
     if (absl::Status probe = comm->ProbeFusedAverage(); !probe.ok()) {
       MODELAVG_RETURN_IF_ERROR(cancel->status());
@@ -177,10 +182,12 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
   }
 }
 
-GlooCommunicator::GlooCommunicator(std::shared_ptr<gloo::Context> context, int rank, int size,
+GlooCommunicator::GlooCommunicator(std::shared_ptr<gloo::Context> context,
+                                   std::shared_ptr<MeshWaits> waits, int rank, int size,
                                    absl::Duration timeout, bool in_place,
                                    GlooAlgorithms algorithms)
     : context_(std::move(context)),
+      waits_(std::move(waits)),
       rank_(rank),
       size_(size),
       timeout_(timeout),
@@ -202,6 +209,16 @@ void GlooCommunicator::Abort(const absl::Status& why) {
     aborted_ = why.ok() ? absl::AbortedError("the Gloo communicator was aborted") : why;
   }
   CloseMesh(absl::StrCat("aborted by modelavg: ", why.message()));
+  // What failing the pairs does not wake (a send queued in a pair's transmit queue) ends here.
+  waits_->AbortAll();
+}
+
+void GlooCommunicator::ThrowIfAborted() const {
+  // A collective that an abort cut short may return without an exception (Gloo's algorithms do
+  // not look at what an aborted wait returns): its result is incomplete.
+  if (waits_->aborted()) {
+    throw gloo::IoException("the collective was aborted by modelavg before it completed");
+  }
 }
 
 void GlooCommunicator::CloseMesh(const std::string& msg) {
@@ -244,6 +261,7 @@ absl::Status GlooCommunicator::RunSum(void* data, int64_t numel, DType dtype) {
       opts.setReduceFunction(static_cast<ReduceFn>(&gloo::sum<float>));
     }
     gloo::allreduce(opts);
+    ThrowIfAborted();
     bytes_sent_ += RingBytesSent(static_cast<size_t>(numel) * DTypeSize(dtype), size_);
     return absl::OkStatus();
   } catch (const std::exception& e) {
@@ -292,6 +310,7 @@ absl::Status GlooCommunicator::RunAverage(void* data, int64_t numel, DType dtype
       opts.setReduceFunction(AverageReduction<float>(&st));
     }
     gloo::allreduce(opts);
+    ThrowIfAborted();
     bytes_sent_ += RingBytesSent(bytes, size_);
   } catch (const std::exception& e) {
     if (backup != nullptr) restore();
@@ -336,6 +355,7 @@ absl::Status GlooCommunicator::AllReduceWords(int64_t* words, size_t n, bool max
     opts.setReduceFunction(max ? static_cast<ReduceFn>(&gloo::max<int64_t>)
                                : static_cast<ReduceFn>(&gloo::sum<int64_t>));
     gloo::allreduce(opts);
+    ThrowIfAborted();
   } catch (const std::exception& e) {
     return FromGlooException(e, what, started, timeout_);
   } catch (...) {
@@ -391,6 +411,7 @@ absl::Status GlooCommunicator::PrepareRound(absl::Span<const TensorView> tensors
   layout->divisor = options.contributors > 0 ? options.contributors : size_;
   layout->step = options.step;
   layout->fragment_signature = options.layout_signature;
+  layout->check_finite = options.check_finite;
   absl::StatusOr<int64_t> total = CheckHostTensors(tensors);
   if (!total.ok()) return total.status();
   layout->total = layout->count = *total;
@@ -415,7 +436,7 @@ absl::Status GlooCommunicator::AgreeOnRound(absl::Span<const TensorView> tensors
   // Gloo packs without padding: its collectives depend on the total and the dtype alone, not
   // on how the tensors split them.
   const uint64_t fingerprint = LayoutFingerprint({}, layout.dtype, layout.count);
-  bool agree = agreement_.Due(options.layout_signature, layout.divisor);
+  bool agree = agreement_.Due(options.layout_signature, layout.divisor, layout.check_finite);
   if (!agree && local.ok()) {
     local = agreement_.CheckUnchanged(fingerprint, tensors.size(), layout.total, &agree);
   }
@@ -469,7 +490,8 @@ absl::Status GlooCommunicator::AllReduceAverage(absl::Span<const TensorView> ten
     return AverageDirect(tensors, options, total, dtype, layout.divisor, outcome);
   }
   void* single = SingleBuffer(tensors);
-  if (fused_ && single != nullptr && options.contribute) {
+  // The finite check travels in slots after the data (finite_check.h): staged.
+  if (fused_ && single != nullptr && options.contribute && !options.check_finite) {
     return AverageInPlace(single, options, total, dtype, layout.divisor, outcome);
   }
   return AverageStaged(tensors, options, total, dtype, layout.divisor, outcome);
@@ -494,10 +516,17 @@ absl::Status GlooCommunicator::AverageDirect(absl::Span<const TensorView> tensor
   plan.divisor = divisor;
   plan.source = single != nullptr ? single : options.contribute ? keep : nullptr;
   plan.tag = next_tag_;
-  next_tag_ += 2;
+  next_tag_ += 3;
   plan.deadline = std::chrono::steady_clock::now() +
                   std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_));
   if (options.commit) plan.vote = (static_cast<uint64_t>(plan.tag) << 1) | 1;
+  // The finite check: this member's finding, from one read of its tensors before the first
+  // piece is sent (a member that does not contribute has none); every member's code is known
+  // before any piece is written (gloo_exchange.h).
+  plan.check_finite = options.check_finite;
+  if (options.check_finite && options.contribute) {
+    plan.finite_code = FindingCode(ScanTensors(tensors));
+  }
   const auto prepare = [&](int64_t begin, int64_t n) {
     if (single == nullptr) PackRange(tensors, dtype, begin, n, keep);
   };
@@ -525,6 +554,11 @@ absl::Status GlooCommunicator::AverageDirect(absl::Span<const TensorView> tensor
   try {
     DirectAverage(*context_, plan, &direct_, prepare, write, &progress);
     bytes_sent_ += static_cast<int64_t>(bytes) * (size_ - 1);
+    if (options.check_finite) {
+      // Every member read the same codes: all decide alike, nothing was written, and the
+      // communicator stays usable.
+      MODELAVG_RETURN_IF_ERROR(DecideFinite(progress.codes, options.step));
+    }
     *outcome = RoundOutcome::kCompleted;
     return absl::OkStatus();
   } catch (const std::exception& e) {
@@ -572,14 +606,20 @@ absl::Status GlooCommunicator::AverageCompressed(absl::Span<const TensorView> te
   if (staging_.size() < words) staging_.resize(words);
   float* in = reinterpret_cast<float*>(staging_.data());
   float* result = in + total;
+  NonFiniteFinding finding;
   if (options.contribute) {
-    PackDivided(tensors, dtype, 1.0, in);
+    PackDivided(tensors, dtype, 1.0, in, options.check_finite ? &finding : nullptr);
   } else {
     std::memset(in, 0, bytes);
   }
+  // With the finite check, every member's code rides in each encoded part it sends: after the
+  // all-to-all every member has all of them, and all decide alike before the all-gather.
+  std::vector<int64_t> codes;
   absl::Status s = RunCompressed(in, total, WireFormat(options.payload, options.topk), divisor,
-                                 result);
+                                 result, options.check_finite ? &codes : nullptr,
+                                 FindingCode(finding));
   if (!s.ok()) return Break(s);
+  if (options.check_finite) MODELAVG_RETURN_IF_ERROR(DecideFinite(codes, options.step));
   if (options.commit) {
     if (absl::Status c = Commit(); !c.ok()) {
       pending_.assign(reinterpret_cast<const double*>(result),
@@ -621,12 +661,25 @@ absl::Status GlooCommunicator::AverageStaged(absl::Span<const TensorView> tensor
                                              const RoundOptions& options, int64_t total,
                                              DType dtype, int divisor, RoundOutcome* outcome) {
   const size_t bytes = static_cast<size_t>(total) * DTypeSize(dtype);
+  // With the finite check, one slot per member after the data (finite_check.h).
+  const int slots = options.check_finite ? size_ : 0;
+  const size_t staged = bytes + static_cast<size_t>(slots) * DTypeSize(dtype);
   // One flat staging buffer, copied back only on success. A member that does not contribute
   // reduces zeros.
-  if (staging_.size() * sizeof(double) < bytes) staging_.resize((bytes + 7) / 8);
+  if (staging_.size() * sizeof(double) < staged) staging_.resize((staged + 7) / 8);
   absl::Status s;
   if (!options.contribute) std::memset(staging_.data(), 0, bytes);
-  if (fused_) {
+  void* slot_area = reinterpret_cast<char*>(staging_.data()) + bytes;
+  if (options.check_finite) {
+    // Divided before the sum, as PyTorch does (the largest floats cannot overflow into a
+    // false Inf), the test fused into the copy; the slots are summed whole.
+    NonFiniteFinding finding;
+    if (options.contribute) {
+      PackDivided(tensors, dtype, static_cast<double>(divisor), staging_.data(), &finding);
+    }
+    WriteFiniteSlots(slot_area, StagingCodeOf(dtype), size_, rank_, FindingCode(finding));
+    s = RunSum(staging_.data(), total + slots, dtype);
+  } else if (fused_) {
     if (options.contribute) PackDivided(tensors, dtype, 1.0, staging_.data());
     s = RunAverage(staging_.data(), total, dtype, /*backup=*/nullptr, kDefaultMaxSegment,
                    divisor);
@@ -637,6 +690,12 @@ absl::Status GlooCommunicator::AverageStaged(absl::Span<const TensorView> tensor
     s = RunSum(staging_.data(), total, dtype);
   }
   if (!s.ok()) return Break(s);
+  if (options.check_finite) {
+    // Every member read the same slots: all decide alike, nobody writes a result a NaN or an
+    // Inf went into, and the communicator stays usable.
+    MODELAVG_RETURN_IF_ERROR(
+        DecideFinite(ReadFiniteSlots(slot_area, StagingCodeOf(dtype), size_), options.step));
+  }
   if (options.commit) {
     if (absl::Status c = Commit(); !c.ok()) {
       // Keep the packed result aside; the tensors were never touched.
@@ -652,7 +711,8 @@ absl::Status GlooCommunicator::AverageStaged(absl::Span<const TensorView> tensor
 }
 
 absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, WireFormat format,
-                                             int divisor, float* out) {
+                                             int divisor, float* out,
+                                             std::vector<int64_t>* codes, int64_t code) {
   const int n = size_;
   const Payload payload = format.payload;
   // The all-gather's format: TOPK sends every non-zero of the mean (at most n k a block).
@@ -662,10 +722,13 @@ absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, W
                                        : format.topk);
   // Piece j: elements [lo_j, lo_j + len_j), cut at multiples of the payload's block so that
   // every block is encoded whole, as the member's own decode(encode(x)) sees it
-  // (RoundTripPayload); member j reduces piece j. Pieces may be empty.
+  // (RoundTripPayload); member j reduces piece j. Pieces may be empty. With `codes`, each part
+  // of the all-to-all also carries this member's finite-check code after its encoding
+  // (`tail` bytes).
   const int64_t align = PayloadBlock(payload);
   const int64_t units = (numel + align - 1) / align;
   const int64_t per = (units + n - 1) / n;
+  const int64_t tail = codes != nullptr ? static_cast<int64_t>(sizeof(int64_t)) : 0;
   std::vector<int64_t> lo(n), len(n), enc(n), genc(n);
   int64_t send_total = 0, gather_total = 0;
   for (int j = 0; j < n; ++j) {
@@ -673,18 +736,23 @@ absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, W
     len[j] = std::min<int64_t>(numel, lo[j] + per * align) - lo[j];
     enc[j] = static_cast<int64_t>(EncodedBytes(format, len[j]));
     genc[j] = static_cast<int64_t>(EncodedBytes(gather, len[j]));
-    send_total += enc[j];
+    send_total += enc[j] + tail;
     gather_total += genc[j];
   }
   const int me = rank_;
   wire_send_.assign(static_cast<size_t>(std::max<int64_t>(send_total, 1)), 0);
-  wire_recv_.assign(static_cast<size_t>(std::max({gather_total, enc[me] * n, int64_t{1}})), 0);
+  wire_recv_.assign(
+      static_cast<size_t>(std::max({gather_total, (enc[me] + tail) * n, int64_t{1}})), 0);
   chunk_.assign(static_cast<size_t>(std::max<int64_t>(len[me], 1)), 0.0f);
   {
     int64_t at = 0;
     for (int j = 0; j < n; ++j) {
       EncodePayload(format, data + lo[j], len[j], wire_send_.data() + at);
       at += enc[j];
+      if (codes != nullptr) {
+        std::memcpy(wire_send_.data() + at, &code, sizeof(code));
+        at += tail;
+      }
     }
   }
   const absl::Time started = absl::Now();
@@ -695,15 +763,29 @@ absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, W
       gloo::AlltoallvOptions opts(context_);
       opts.setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
       opts.setTag(next_tag_++);
-      opts.setInput(wire_send_.data(), std::vector<int64_t>(enc.begin(), enc.end()));
-      opts.setOutput(wire_recv_.data(), std::vector<int64_t>(n, enc[me]));
+      std::vector<int64_t> parts(enc.begin(), enc.end());
+      for (int64_t& p : parts) p += tail;
+      opts.setInput(wire_send_.data(), parts);
+      opts.setOutput(wire_recv_.data(), std::vector<int64_t>(n, enc[me] + tail));
       gloo::alltoallv(opts);
+      ThrowIfAborted();
     }
-    bytes_sent_ += send_total - enc[me];
+    bytes_sent_ += send_total - enc[me] - tail;
+    const int64_t part = enc[me] + tail;
+    if (codes != nullptr) {
+      codes->assign(n, 0);
+      bool any = false;
+      for (int i = 0; i < n; ++i) {
+        std::memcpy(&(*codes)[i], wire_recv_.data() + i * part + enc[me], sizeof(int64_t));
+        any = any || (*codes)[i] != 0;
+      }
+      // Every member received every code: all stop here alike, before the all-gather.
+      if (any) return absl::OkStatus();
+    }
     // This member's piece: the float32 sum of every member's decoded piece, in rank order.
     std::fill(chunk_.begin(), chunk_.end(), 0.0f);
     for (int i = 0; i < n; ++i) {
-      DecodeAddPayload(format, wire_recv_.data() + i * enc[me], len[me], chunk_.data());
+      DecodeAddPayload(format, wire_recv_.data() + i * part, len[me], chunk_.data());
     }
     const float inv = 1.0f / static_cast<float>(divisor);
     for (float& v : chunk_) v *= inv;
@@ -716,6 +798,7 @@ absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, W
       opts.setInput(mine.data(), static_cast<size_t>(genc[me]));
       opts.setOutput(wire_recv_.data(), std::vector<size_t>(genc.begin(), genc.end()));
       gloo::allgatherv(opts);
+      ThrowIfAborted();
     }
     bytes_sent_ += genc[me] * (n - 1);
   } catch (const std::exception& e) {

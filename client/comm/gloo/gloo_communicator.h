@@ -126,8 +126,9 @@ class GlooCommunicator : public Communicator {
   }
 
  private:
-  GlooCommunicator(std::shared_ptr<gloo::Context> context, int rank, int size,
-                   absl::Duration timeout, bool in_place, GlooAlgorithms algorithms);
+  GlooCommunicator(std::shared_ptr<gloo::Context> context, std::shared_ptr<MeshWaits> waits,
+                   int rank, int size, absl::Duration timeout, bool in_place,
+                   GlooAlgorithms algorithms);
   // Averages `data` (numel elements) in place: Gloo's ring SUM all-reduce with the division
   // by `divisor` fused into each segment's last reduction. With `backup` (numel elements),
   // `data` is restored on failure. With `commit`, the members then vote (Commit); when that
@@ -157,7 +158,8 @@ class GlooCommunicator : public Communicator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The ways of AllReduceAverage, for a round of `total` elements of staging `dtype` that
   // passed the layout check: a compressed payload (packed, RunCompressed); the direct exchange
-  // (AverageDirect); on Gloo's ring, one contributing buffer with the division fused
+  // (AverageDirect; with the finite check, every member's code travels as one word after its
+  // pieces and is known before any piece is written); on Gloo's ring, one contributing buffer with the division fused
   // (RunAverage in place, with a backup unless in_place_ in a plain round), anything else
   // through the staging buffer (packed, reduced, unpacked on success). Each sets *outcome and
   // breaks the communicator on a transport failure.
@@ -176,10 +178,17 @@ class GlooCommunicator : public Communicator {
   // The compressed average of the float32 buffer `data` (numel elements): every member's chunk
   // j of the encoded buffer goes to member j (all-to-all), which sums the decoded chunks in
   // float32, divides by `divisor` and encodes the result; an all-gather of the encoded results
-  // gives every member the same decoded average in `out` (`data` is only read).
+  // gives every member the same decoded average in `out` (`data` is only read). With `codes`,
+  // every member's finite-check `code` (finite_check.h) rides in its all-to-all parts and
+  // `codes` receives all of them; when one is set, every member stops after the all-to-all
+  // (`out` is then not written).
   absl::Status RunCompressed(const float* data, int64_t numel, WireFormat format, int divisor,
-                             float* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                             float* out, std::vector<int64_t>* codes = nullptr,
+                             int64_t code = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RunSum(void* data, int64_t numel, DType dtype) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Throws (a gloo::IoException, as a broken pair does) once Abort ended the mesh's waits: a
+  // collective that returned after that is incomplete. Called after every collective.
+  void ThrowIfAborted() const;
   // The abort reason when Abort was called, `failure` otherwise.
   absl::Status AbortedOr(absl::Status failure) const;
   // Fails every pair of the mesh with `msg` (their pending operations wake with an error and
@@ -190,6 +199,8 @@ class GlooCommunicator : public Communicator {
   absl::Status Break(const absl::Status& failure) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::shared_ptr<gloo::Context> context_;
+  // The waits of the mesh's collectives, which Abort ends (the pairs' failure misses some).
+  const std::shared_ptr<MeshWaits> waits_;
   // Each member's data address (its pair's, for this member), for ProbePeers; empty where the
   // transport is not TCP. Set once by Create.
   std::vector<sockaddr_storage> peer_addresses_;

@@ -60,14 +60,40 @@ void AddDivide(const T* a, const T* b, size_t n, T divisor, T* out) {
   }
 }
 
-// The vote's messages: one word to every peer, one from every peer.
-class Vote {
+// The finite check's sum, divided before it sums (as PyTorch's averagers and the checked ring
+// do: the mean of the largest floats is no false Inf): out = a / divisor + b / divisor, and
+// out += b / divisor. A power-of-two divisor multiplies by its exact reciprocal (same bits).
+template <typename T>
+void DivideAdd(const T* a, const T* b, size_t n, T divisor, T* out) {
+  int exp = 0;
+  if (std::frexp(divisor, &exp) == static_cast<T>(0.5)) {
+    const T inv = static_cast<T>(1) / divisor;
+    for (size_t i = 0; i < n; ++i) out[i] = a[i] * inv + b[i] * inv;
+  } else {
+    for (size_t i = 0; i < n; ++i) out[i] = a[i] / divisor + b[i] / divisor;
+  }
+}
+template <typename T>
+void AccumulateDivided(const T* b, size_t n, T divisor, T* out) {
+  int exp = 0;
+  if (std::frexp(divisor, &exp) == static_cast<T>(0.5)) {
+    const T inv = static_cast<T>(1) / divisor;
+    for (size_t i = 0; i < n; ++i) out[i] += b[i] * inv;
+  } else {
+    for (size_t i = 0; i < n; ++i) out[i] += b[i] / divisor;
+  }
+}
+
+// One word to every peer and one from every peer: the commit vote, and the finite check's
+// codes.
+class Words {
  public:
-  Vote(gloo::Context& context, uint32_t tag, uint64_t word)
+  Words(gloo::Context& context, uint32_t tag, uint64_t word)
       : context_(context),
         slot_(gloo::Slot::build(kExchangeSlotPrefix, tag)),
         word_(word),
         got_(static_cast<size_t>(context.size), 0) {
+    got_[static_cast<size_t>(context.rank)] = word;
     send_ = context_.createUnboundBuffer(&word_, sizeof(word_));
     recv_ = context_.createUnboundBuffer(got_.data(), got_.size() * sizeof(uint64_t));
   }
@@ -82,11 +108,15 @@ class Vote {
       if (p != context_.rank) send_->send(p, slot_, 0, sizeof(uint64_t));
     }
   }
-  // Waits for every peer's word and for this member's to be sent; throws when a peer sent
-  // another word.
-  void Finish(Clock::time_point deadline) {
+  // Waits for every peer's word and for this member's to be sent.
+  void Wait(Clock::time_point deadline) {
     for (int i = 1; i < context_.size; ++i) WaitRecv(*recv_, deadline);
     for (int i = 1; i < context_.size; ++i) WaitSend(*send_, deadline);
+  }
+  // Every member's word, this member's included, in member order (after Wait).
+  const std::vector<uint64_t>& got() const { return got_; }
+  // The vote's verdict (after Wait): throws when a peer sent another word.
+  void CheckSame() const {
     for (int p = 0; p < context_.size; ++p) {
       if (p != context_.rank && got_[p] != word_) {
         throw gloo::IoException(absl::StrCat("member ", p, " voted ", got_[p], " where ", word_,
@@ -134,10 +164,17 @@ void RunDirect(gloo::Context& context, const DirectPlan& plan, DirectScratch* sc
       sends[p] = context.createUnboundBuffer(scratch->zeros.data(), kDirectPieceBytes);
     }
   }
-  std::unique_ptr<Vote> vote;
+  std::unique_ptr<Words> vote;
   if (plan.vote != 0) {
-    vote = std::make_unique<Vote>(context, plan.tag + 1, plan.vote);
+    vote = std::make_unique<Words>(context, plan.tag + 1, plan.vote);
     vote->PostReceives();
+  }
+  // The finite check: every member's code, one word each way, known before any piece is
+  // written (finite_check.h).
+  std::unique_ptr<Words> codes;
+  if (plan.check_finite) {
+    codes = std::make_unique<Words>(context, plan.tag + 2, static_cast<uint64_t>(plan.finite_code));
+    codes->PostReceives();
   }
 
   int64_t recvs_posted = 0, sends_posted = 0;
@@ -167,12 +204,22 @@ void RunDirect(gloo::Context& context, const DirectPlan& plan, DirectScratch* sc
   // lock, spins on the same socket's pending reads (thousands of empty epoll_wait calls per
   // megabyte on loopback).
   post_sends(pieces);
+  if (codes != nullptr) codes->Send();
   post_receives(kDirectWindow);
 
+  // With a non-finite code from any member, every member (all read the same codes) receives
+  // the rest of the exchange, so that the mesh stays in step, but reduces and writes nothing.
+  bool refused = false;
   T* sum = reinterpret_cast<T*>(scratch->sum.data());
   for (int64_t k = 0; k < pieces; ++k) {
     for (int p = 0; p < n; ++p) {
       if (p != me) WaitRecv(*recvs[p], plan.deadline);
+    }
+    if (k == 0 && codes != nullptr) {
+      // Before anything is written.
+      codes->Wait(plan.deadline);
+      progress->codes.assign(codes->got().begin(), codes->got().end());
+      for (int64_t c : progress->codes) refused = refused || c != 0;
     }
     const int64_t begin = k * piece;
     const size_t len = static_cast<size_t>(length(k));
@@ -182,9 +229,15 @@ void RunDirect(gloo::Context& context, const DirectPlan& plan, DirectScratch* sc
       if (plan.source == nullptr) return reinterpret_cast<const T*>(scratch->zeros.data());
       return static_cast<const T*>(plan.source) + begin;
     };
-    // The same additions in the same order on every member, the last one divided.
+    // The same additions in the same order on every member, the last one divided (with the
+    // finite check, each contribution divided before it is added).
     const T divisor = static_cast<T>(plan.divisor);
-    if (n == 2) {
+    if (refused) {
+      // Nothing to reduce.
+    } else if (plan.check_finite) {
+      DivideAdd(contribution(0), contribution(1), len, divisor, sum);
+      for (int m = 2; m < n; ++m) AccumulateDivided(contribution(m), len, divisor, sum);
+    } else if (n == 2) {
       AddDivide(contribution(0), contribution(1), len, divisor, sum);
     } else {
       Add(contribution(0), contribution(1), len, sum);
@@ -193,19 +246,25 @@ void RunDirect(gloo::Context& context, const DirectPlan& plan, DirectScratch* sc
     }
     if (k == pieces - 1) {
       // Every contribution is here and the last piece's mean is in `sum`: the vote travels
-      // while the last piece is written.
-      progress->holding = true;
+      // while the last piece is written. A refused round votes too (every member alike), so
+      // that every posted receive is answered, but holds no result.
+      progress->holding = !refused;
       if (vote != nullptr) vote->Send();
     }
     // This piece of the source may change once every peer has it.
     for (int p = 0; p < n; ++p) {
       if (p != me) WaitSend(*sends[p], plan.deadline);
     }
-    write(begin, static_cast<int64_t>(len), sum);
-    progress->written = begin + static_cast<int64_t>(len);
+    if (!refused) {
+      write(begin, static_cast<int64_t>(len), sum);
+      progress->written = begin + static_cast<int64_t>(len);
+    }
     post_receives(k + 1 + kDirectWindow);
   }
-  if (vote != nullptr) vote->Finish(plan.deadline);
+  if (vote != nullptr) {
+    vote->Wait(plan.deadline);
+    vote->CheckSame();
+  }
 }
 
 }  // namespace
@@ -227,10 +286,11 @@ void DirectAverage(gloo::Context& context, const DirectPlan& plan, DirectScratch
 
 void ExchangeVote(gloo::Context& context, uint32_t tag, uint64_t word,
                   std::chrono::steady_clock::time_point deadline) {
-  Vote vote(context, tag, word);
+  Words vote(context, tag, word);
   vote.PostReceives();
   vote.Send();
-  vote.Finish(deadline);
+  vote.Wait(deadline);
+  vote.CheckSame();
 }
 
 }  // namespace modelavg::client

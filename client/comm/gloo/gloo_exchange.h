@@ -7,6 +7,8 @@
 //    One hop instead of the ring's 2 (n - 1); for two members the same bytes as the ring. The
 //    buffer travels in pieces, a window of them in flight, so that each piece is reduced (and
 //    written where the caller wants it) while the next ones arrive.
+//    With the finite check, every member's code travels as one word after its pieces, and no
+//    piece is written before every code is known (a non-finite code: none is).
 //  * The commit vote of a committed round: one word from every member to every other (one hop;
 //    a one-word all-reduce on Gloo's ring costs 2 (n - 1)), sent as soon as this member holds
 //    every contribution, so that it travels while the last pieces are reduced and written.
@@ -54,13 +56,22 @@ struct DirectPlan {
   // This member's contribution, `total` elements, or null: zeros (a member admitted at this
   // round). Read until `write` is called for a piece; only then may that piece change.
   const void* source = nullptr;
-  // Gloo's slot tag for the data (the vote uses tag + 1).
+  // Gloo's slot tag for the data (the vote uses tag + 1, the finite check's codes tag + 2).
   uint32_t tag = 0;
   // Bounds the whole exchange: every wait ends by then (Gloo then fails the pairs).
   std::chrono::steady_clock::time_point deadline;
   // Committed rounds: the vote's word, the same on every member (0: no vote). Sent once this
   // member holds every contribution; the exchange returns true only when every member sent it.
   uint64_t vote = 0;
+  // The finite check (finite_check.h): this member's code (FindingCode: 0 when its
+  // contribution is finite) goes to every peer as one word (tag + 2) after its pieces, and every
+  // member's code is known before the first piece is written. When any is not 0, nothing is
+  // reduced or written (every member reads the same codes, so all refuse alike): the exchange
+  // still runs to its end (the vote included), so that the mesh stays in step. With the check,
+  // each contribution is divided before it is added (as the checked ring does: the mean of the
+  // largest floats is no false Inf).
+  bool check_finite = false;
+  int64_t finite_code = 0;
 };
 
 // What happened: how far the exchange got, for the caller to undo or keep.
@@ -72,13 +83,17 @@ struct DirectProgress {
   // passed to `write`, the rest (the last piece, when its write did not happen) are in
   // DirectScratch::sum.
   bool holding = false;
+  // With the finite check, once known: every member's code in member order (this member's
+  // included). A code that is not 0 means nothing was written and nothing is held.
+  std::vector<int64_t> codes;
 };
 
 // Runs `plan`: `prepare(begin, n)` is called before elements [begin, begin + n) of the source
 // are first sent (to fill them: a pack), in order; `write(begin, n, result)` with each piece's
 // result (the sum over members in member order, divided by the divisor; `result` valid for the
 // call only), in order, once that piece of the source has been sent to every peer. Returns
-// normally when every piece was written (and, with a vote, every member voted); throws what Gloo
+// normally when every piece was written, or, with the finite check, when a code refused the round
+// (progress->codes; nothing written) (and, with a vote, every member voted); throws what Gloo
 // throws otherwise, with *progress saying how far it got.
 void DirectAverage(gloo::Context& context, const DirectPlan& plan, DirectScratch* scratch,
                    absl::FunctionRef<void(int64_t, int64_t)> prepare,

@@ -20,6 +20,7 @@
 #include "gloo/transport/pair.h"
 #include "gloo/transport/tcp/address.h"
 #include "gloo/transport/tcp/device.h"
+#include "gloo/transport/unbound_buffer.h"
 #include "spdlog/spdlog.h"
 
 // Gloo fails a TCP pair from a user thread itself (when a wait on one of its buffers times out)
@@ -59,7 +60,101 @@ class MeshContext final : public gloo::Context {
   }
 };
 
+// An unbound buffer of the mesh: Gloo's own (`inner`), registered with the mesh's waits while it
+// lives, every call passed on. Gloo's pairs see only the inner buffer (its send and recv hand
+// themselves to the pair), so the transport is unchanged.
+class TrackedUnboundBuffer final : public gloo::transport::UnboundBuffer {
+ public:
+  TrackedUnboundBuffer(std::unique_ptr<gloo::transport::UnboundBuffer> inner,
+                       std::shared_ptr<MeshWaits> waits)
+      : gloo::transport::UnboundBuffer(inner->ptr, inner->size),
+        inner_(std::move(inner)),
+        waits_(std::move(waits)) {
+    waits_->Add(inner_.get());
+  }
+  ~TrackedUnboundBuffer() override { waits_->Remove(inner_.get()); }
+
+  bool waitRecv(int* rank, std::chrono::milliseconds timeout) override {
+    return inner_->waitRecv(rank, timeout);
+  }
+  bool waitSend(int* rank, std::chrono::milliseconds timeout) override {
+    return inner_->waitSend(rank, timeout);
+  }
+  void abortWaitRecv() override { inner_->abortWaitRecv(); }
+  void abortWaitSend() override { inner_->abortWaitSend(); }
+  void send(int dst_rank, uint64_t slot, size_t offset, size_t nbytes) override {
+    inner_->send(dst_rank, slot, offset, nbytes);
+  }
+  void recv(int src_rank, uint64_t slot, size_t offset, size_t nbytes) override {
+    inner_->recv(src_rank, slot, offset, nbytes);
+  }
+  void recv(std::vector<int> src_ranks, uint64_t slot, size_t offset, size_t nbytes) override {
+    inner_->recv(std::move(src_ranks), slot, offset, nbytes);
+  }
+
+ private:
+  const std::unique_ptr<gloo::transport::UnboundBuffer> inner_;
+  const std::shared_ptr<MeshWaits> waits_;
+};
+
+// The mesh's transport: Gloo's TCP context (`inner`), whose unbound buffers it tracks. Pairs
+// are the inner context's.
+class TrackedTransport final : public gloo::transport::Context {
+ public:
+  TrackedTransport(std::shared_ptr<gloo::transport::Context> inner,
+                   std::shared_ptr<MeshWaits> waits)
+      : gloo::transport::Context(inner->rank, inner->size),
+        inner_(std::move(inner)),
+        waits_(std::move(waits)) {
+    setTimeout(inner_->getTimeout());
+  }
+
+  std::unique_ptr<gloo::transport::Pair>& getPair(int rank) override {
+    return inner_->getPair(rank);
+  }
+  std::unique_ptr<gloo::transport::Pair>& createPair(int rank) override {
+    return inner_->createPair(rank);
+  }
+  std::unique_ptr<gloo::transport::UnboundBuffer> createUnboundBuffer(void* ptr,
+                                                                      size_t size) override {
+    return std::make_unique<TrackedUnboundBuffer>(inner_->createUnboundBuffer(ptr, size),
+                                                  waits_);
+  }
+
+ private:
+  const std::shared_ptr<gloo::transport::Context> inner_;
+  const std::shared_ptr<MeshWaits> waits_;
+};
+
 }  // namespace
+
+void MeshWaits::AbortAll() {
+  absl::MutexLock l(&mu_);
+  aborted_ = true;
+  for (gloo::transport::UnboundBuffer* b : live_) {
+    b->abortWaitSend();
+    b->abortWaitRecv();
+  }
+}
+
+bool MeshWaits::aborted() const {
+  absl::MutexLock l(&mu_);
+  return aborted_;
+}
+
+void MeshWaits::Add(gloo::transport::UnboundBuffer* buffer) {
+  absl::MutexLock l(&mu_);
+  live_.insert(buffer);
+  if (aborted_) {
+    buffer->abortWaitSend();
+    buffer->abortWaitRecv();
+  }
+}
+
+void MeshWaits::Remove(gloo::transport::UnboundBuffer* buffer) {
+  absl::MutexLock l(&mu_);
+  live_.erase(buffer);
+}
 
 void IgnoreDefaultSigpipe() {
   struct sigaction current {};
@@ -129,7 +224,8 @@ void FailPair(gloo::transport::Pair* pair, int member, const std::string& msg) {
 absl::StatusOr<std::shared_ptr<gloo::Context>> ConnectMesh(
     gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
     int size, absl::Duration timeout, absl::Time deadline,
-    const std::shared_ptr<SetupCanceller>& cancel, std::vector<sockaddr_storage>* peers) {
+    const std::shared_ptr<SetupCanceller>& cancel, std::vector<sockaddr_storage>* peers,
+    std::shared_ptr<MeshWaits> waits) {
   peers->assign(static_cast<size_t>(size), sockaddr_storage{});
   std::shared_ptr<gloo::transport::Context> transport = device->createContext(rank, size);
   transport->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
@@ -192,7 +288,8 @@ absl::StatusOr<std::shared_ptr<gloo::Context>> ConnectMesh(
   }
   auto context = std::make_shared<MeshContext>(rank, size);
   context->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
-  context->Adopt(std::move(device), std::move(transport));
+  context->Adopt(std::move(device),
+                 std::make_shared<TrackedTransport>(std::move(transport), std::move(waits)));
   return context;
 }
 

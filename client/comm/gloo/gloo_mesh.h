@@ -12,6 +12,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -26,6 +30,7 @@ class Store;
 namespace transport {
 class Device;
 class Pair;
+class UnboundBuffer;
 }  // namespace transport
 }  // namespace gloo
 
@@ -56,18 +61,49 @@ absl::Status FromGlooException(const std::exception& e, absl::string_view what,
 // the collective ends at its timeout. `member` is the pair's peer, for the logs.
 void FailPair(gloo::transport::Pair* pair, int member, const std::string& msg);
 
+// The waits of a mesh's collectives, so that an abort ends every one of them. Failing the pairs
+// (FailPair) wakes the operations a pair has pending or registered, but not a send that the
+// socket did not take whole and that waits in the pair's transmit queue — a peer that stopped
+// reading, or that died while the send was written (the write failed with EPIPE before the
+// pair read the close): Gloo's Pair::signalException passes such a send by, and its waitSend
+// lasted the whole collective timeout (a strict job's survivor still running 18 s after a
+// kill -9, instead of failing in ~3.5 s). Every unbound buffer of the mesh, which all of
+// Gloo's collectives use, is made through ConnectMesh's context and registered here, so that
+// AbortAll ends its waits itself. Thread-safe.
+class MeshWaits {
+ public:
+  // Ends every waitSend and waitRecv of the mesh's buffers now, and the first wait of each
+  // buffer made later: those waits return false, and the collective then fails on its failed
+  // pairs (the caller fails them first). Idempotent.
+  void AbortAll();
+  // Whether AbortAll was called: a collective that returned after it may have ended a wait
+  // early, so its result is not to be trusted.
+  bool aborted() const;
+
+  // For the mesh's buffers (gloo_mesh.cc): each registers while it lives.
+  void Add(gloo::transport::UnboundBuffer* buffer);
+  void Remove(gloo::transport::UnboundBuffer* buffer);
+
+ private:
+  mutable absl::Mutex mu_;
+  bool aborted_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_set<gloo::transport::UnboundBuffer*> live_ ABSL_GUARDED_BY(mu_);
+};
+
 // Connects the full mesh of `size` members through `store`, as Gloo's connectFullMesh does
 // (each member publishes the addresses of its pairs under "<rank>", then connects each pair to
 // the address its peer published for it), with every wait watched by `cancel`: a cancel fails
 // the pairs, which wakes a connect in progress. connectFullMesh is not used: it waits for each
 // peer up to five times the timeout and cannot be interrupted. The store's waits end at
 // `deadline`; `timeout` is the transport's and the context's. `peers` receives each member's
-// data address (unset where the transport is not TCP). Throws what Gloo and the store throw; a failed connect is
-// UNAVAILABLE with kStrayConnection and the peer's rank (its port refused or dropped us).
+// data address (unset where the transport is not TCP). Throws what Gloo and the store throw; a
+// failed connect is UNAVAILABLE with kStrayConnection and the peer's rank (its port refused or
+// dropped us). Every unbound buffer the context makes is registered with `waits` (not null).
 absl::StatusOr<std::shared_ptr<gloo::Context>> ConnectMesh(
     gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
     int size, absl::Duration timeout, absl::Time deadline,
-    const std::shared_ptr<SetupCanceller>& cancel, std::vector<sockaddr_storage>* peers);
+    const std::shared_ptr<SetupCanceller>& cancel, std::vector<sockaddr_storage>* peers,
+    std::shared_ptr<MeshWaits> waits);
 
 }  // namespace modelavg::client
 

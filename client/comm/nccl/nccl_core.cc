@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "client/comm/finite_check.h"
 #include "client/payload/payload_codec.h"
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
@@ -31,6 +33,9 @@ void NcclCore::Release() {
   wire_send_.Release(*ops_);
   wire_recv_.Release(*ops_);
   wire_part_.Release(*ops_);
+  finite_code_.Release(*ops_);
+  slots_host_.Release(*ops_);
+  slots_device_.Release(*ops_);
   sig_device_.Release(*ops_);
   sig_host_.Release(*ops_);
   for (void* e : gathered_) ops_->DestroyEvent(e);
@@ -71,9 +76,11 @@ void NcclCore::SettleGathers(void* stream) {
 }
 
 absl::Status NcclCore::ReduceBuckets(void* buffer, int64_t count, int32_t code, int divisor,
-                                     void* stream) {
-  const std::vector<std::pair<int64_t, int64_t>> buckets =
-      BucketRanges(count, BucketElems(code));
+                                     void* stream, int64_t tail) {
+  std::vector<std::pair<int64_t, int64_t>> buckets = BucketRanges(count, BucketElems(code));
+  // The slots ride with the last bucket, whose gather event comes after their write.
+  if (tail > 0 && !buckets.empty()) buckets.back().second += tail;
+  count += tail;
   const bool pipelined = gathers_pending_;
   gathers_pending_ = false;
   for (size_t k = 0; k < buckets.size(); ++k) {
@@ -161,16 +168,38 @@ absl::Status NcclCore::UseTable(const StagingLayout& layout, size_t bytes, bool 
   return UploadChunkTable(*ops_, layout.chunks, &chunks_host_, &chunks_device_, stream);
 }
 
+absl::Status NcclCore::PrepareFiniteCheck(size_t host_bytes, void* stream) {
+  MODELAVG_RETURN_IF_ERROR(slots_host_.Reserve(*ops_, std::max(host_bytes, sizeof(int32_t))));
+  if (finite_code_.data() != nullptr && !finite_code_dirty_) return absl::OkStatus();
+  MODELAVG_RETURN_IF_ERROR(finite_code_.Reserve(*ops_, sizeof(int32_t)));
+  // The word starts at "no finding"; WriteFiniteSlots sets it back after each round (or, where a
+  // failed call scanned without writing the slots, this copy does). The copy reads the pinned
+  // buffer when the stream runs it, before this call's slots come back there.
+  finite_code_dirty_ = false;
+  const int32_t none = std::numeric_limits<int32_t>::max();
+  std::memcpy(slots_host_.data(), &none, sizeof(none));
+  return ops_->Copy(finite_code_.data(), slots_host_.data(), sizeof(none), stream);
+}
+
 absl::Status NcclCore::PrepareStaged(const StagingLayout& layout, int32_t code, bool contribute,
-                                     void* stream) {
-  const size_t bytes = static_cast<size_t>(layout.elems) * StagingCodeSize(code);
+                                     void* stream, bool check_finite) {
+  const int64_t slots = check_finite ? static_cast<int64_t>(size_) * FiniteSlotWidth(code) : 0;
+  const size_t bytes = static_cast<size_t>(layout.elems + slots) * StagingCodeSize(code);
   // A re-staging (the unpadded fallback, a failed call's gathers) must not race the gathers
   // still on the gather stream.
   MODELAVG_RETURN_IF_ERROR(JoinGathers(stream));
   MODELAVG_RETURN_IF_ERROR(UseTable(layout, bytes, /*may_grow=*/true, stream));
-  // A member that does not contribute reduces zeros (its tensors are only written).
+  if (check_finite) {
+    MODELAVG_RETURN_IF_ERROR(
+        PrepareFiniteCheck(static_cast<size_t>(slots) * StagingCodeSize(code), stream));
+  }
+  // A member that does not contribute reduces zeros (its tensors are only written), its slots
+  // included.
   if (!contribute) return ops_->Zero(staging_.data(), bytes, stream);
   const auto* table = static_cast<const StagingChunk*>(chunks_device_.data());
+  auto* finite_code = static_cast<int32_t*>(finite_code_.data());
+  void* slot_area = static_cast<char*>(staging_.data()) +
+                    static_cast<size_t>(layout.elems) * StagingCodeSize(code);
   if (!streams_made_) {
     MODELAVG_RETURN_IF_ERROR(ops_->CreateStream(&gather_stream_));
     if (absl::Status e = ops_->CreateEvent(&start_event_); !e.ok()) {
@@ -182,8 +211,15 @@ absl::Status NcclCore::PrepareStaged(const StagingLayout& layout, int32_t code, 
   }
   if (gather_stream_ == nullptr) {
     // No stream of its own: one gather on the caller's stream, in order.
-    return ops_->Gather(table, static_cast<int64_t>(layout.chunks.size()), staging_.data(), code,
-                        stream);
+    const int64_t n = static_cast<int64_t>(layout.chunks.size());
+    MODELAVG_RETURN_IF_ERROR(ops_->Gather(table, n, staging_.data(), code, stream));
+    if (!check_finite) return absl::OkStatus();
+    finite_code_dirty_ = true;
+    MODELAVG_RETURN_IF_ERROR(ops_->CheckFinite(table, n, finite_code, stream));
+    MODELAVG_RETURN_IF_ERROR(
+        ops_->WriteFiniteSlots(finite_code, slot_area, size_, member_, code, stream));
+    finite_code_dirty_ = false;
+    return absl::OkStatus();
   }
   while (gathered_.size() < layout.buckets.size()) {
     void* e = nullptr;
@@ -199,6 +235,17 @@ absl::Status NcclCore::PrepareStaged(const StagingLayout& layout, int32_t code, 
     if (b.num_chunks > 0) {
       MODELAVG_RETURN_IF_ERROR(ops_->Gather(table + b.first_chunk, b.num_chunks,
                                             staging_.data(), code, gather_stream_));
+      if (check_finite) {
+        finite_code_dirty_ = true;
+        MODELAVG_RETURN_IF_ERROR(
+            ops_->CheckFinite(table + b.first_chunk, b.num_chunks, finite_code, gather_stream_));
+      }
+    }
+    // The slots are reduced with the last bucket: written before its event.
+    if (check_finite && k + 1 == layout.buckets.size()) {
+      MODELAVG_RETURN_IF_ERROR(ops_->WriteFiniteSlots(finite_code, slot_area, size_, member_,
+                                                      code, gather_stream_));
+      finite_code_dirty_ = false;
     }
     MODELAVG_RETURN_IF_ERROR(ops_->RecordEvent(gathered_[k], gather_stream_));
     gathers_pending_ = true;
@@ -281,6 +328,9 @@ absl::Status NcclCore::Run(absl::Span<const TensorView> tensors, const RoundOpti
   }
   void* buffer = r.zero_copy ? tensors[0].data : staging_.data();
   MODELAVG_RETURN_IF_ERROR(ReduceData(r, buffer));
+  // Every member read the same slots: all decide alike, nobody scatters a result a NaN or an
+  // Inf went into, and the communicator stays usable.
+  MODELAVG_RETURN_IF_ERROR(FiniteVerdict(r));
   if (options.commit) MODELAVG_RETURN_IF_ERROR(CommitRound(r, buffer));
   if (r.zero_copy) {
     *r.outcome = RoundOutcome::kCompleted;
@@ -295,6 +345,7 @@ void NcclCore::ValidateRound(Round& r) const {
   p.divisor = options.contributors > 0 ? options.contributors : size_;
   p.step = options.step;
   p.fragment_signature = options.layout_signature;
+  p.check_finite = options.check_finite;
   if (p.divisor > size_ || (!options.contribute && p.divisor >= size_)) {
     r.local = absl::InvalidArgumentError(absl::StrCat(
         p.divisor, " contributing members of ", size_,
@@ -327,7 +378,13 @@ void NcclCore::ValidateRound(Round& r) const {
         "the NCCL backend takes payloads FP32, BF16 and INT8; ", PayloadName(options.payload),
         " runs on host parameters (Gloo) only in this version"));
   }
-  r.zero_copy = r.local.ok() && IsZeroCopy(r.tensors);
+  // The finite check's slots ride after the data in the staging buffer: staged.
+  r.zero_copy = r.local.ok() && IsZeroCopy(r.tensors) && !options.check_finite;
+  if (options.check_finite) {
+    r.slots = options.payload == Payload::kFp32
+                  ? static_cast<int64_t>(size_) * FiniteSlotWidth(p.dtype)
+                  : size_;
+  }
   r.bytes = static_cast<size_t>(p.total) * StagingCodeSize(p.dtype);
 }
 
@@ -338,7 +395,7 @@ void NcclCore::PlanLayout(Round& r) const {
   // it is: another divisor (the round after an admission), or a fragment round (each fragment
   // its own layout). Otherwise the agreed layout is compared locally; a world of one agrees
   // again instead of failing.
-  r.agree = agreement_.Due(p.fragment_signature, p.divisor);
+  r.agree = agreement_.Due(p.fragment_signature, p.divisor, p.check_finite);
   if (!r.agree && r.local.ok()) {
     if (staged) {
       r.layout = MakeLayout(r.tensors, p.dtype, /*pad=*/!agreement_.unpadded());
@@ -357,7 +414,8 @@ void NcclCore::PrepareBuffers(Round& r) {
   const RoundOptions& options = *r.options;
   const RoundLayout& p = r.proposal;
   if (r.local.ok() && !r.zero_copy && p.total > 0) {
-    r.local = PrepareStaged(r.layout, p.dtype, options.contribute, r.stream);
+    r.local = PrepareStaged(r.layout, p.dtype, options.contribute, r.stream,
+                            options.check_finite && options.payload == Payload::kFp32);
   }
   // At world 1 a local failure is carried in the agreement, as at a first call.
   if (!r.local.ok() && size_ == 1) r.agree = true;
@@ -401,7 +459,9 @@ absl::Status NcclCore::AgreeOnLayout(Round& r) {
   r.unpadded = decision->unpadded;
   if (r.unpadded && !r.zero_copy && p.total > 0) {
     r.layout = MakeLayout(r.tensors, p.dtype, /*pad=*/false);
-    absl::Status s = PrepareStaged(r.layout, p.dtype, r.options->contribute, r.stream);
+    absl::Status s =
+        PrepareStaged(r.layout, p.dtype, r.options->contribute, r.stream,
+                      r.options->check_finite && r.options->payload == Payload::kFp32);
     if (!s.ok()) return Fail(Annotate(s, "staging the unpadded layout"));
   }
   if (p.fragment_signature == 0) {
@@ -419,12 +479,58 @@ absl::Status NcclCore::ReduceData(Round& r, void* buffer) {
     absl::Status s = ops_->Zero(buffer, r.bytes, r.stream);
     if (!s.ok()) return FailAndRestore(s, buffer, r.bytes, r.backup, r.stream);
   }
-  absl::Status s = r.options->payload == Payload::kFp32
-                       ? ReduceBuckets(buffer, count, p.dtype, p.divisor, r.stream)
-                       : ReduceCompressed(buffer, count, r.options->payload, p.divisor, r.stream);
+  const bool fp32 = r.options->payload == Payload::kFp32;
+  absl::Status s = absl::OkStatus();
+  if (r.slots > 0 && !fp32) {
+    // A compressed round's slots go apart, in float32: its values are quantized.
+    s = PrepareFiniteCheck(static_cast<size_t>(r.slots) * sizeof(float), r.stream);
+    if (s.ok()) s = slots_device_.Reserve(*ops_, static_cast<size_t>(r.slots) * sizeof(float));
+    if (s.ok() && r.options->contribute) {
+      finite_code_dirty_ = true;
+      s = ops_->CheckFinite(static_cast<const StagingChunk*>(chunks_device_.data()),
+                            static_cast<int64_t>(chunks_host_.size()),
+                            static_cast<int32_t*>(finite_code_.data()), r.stream);
+      if (s.ok()) {
+        s = ops_->WriteFiniteSlots(static_cast<int32_t*>(finite_code_.data()),
+                                   slots_device_.data(), size_, member_, kStageF32, r.stream);
+      }
+      if (s.ok()) finite_code_dirty_ = false;
+    } else if (s.ok()) {
+      s = ops_->Zero(slots_device_.data(), static_cast<size_t>(r.slots) * sizeof(float),
+                     r.stream);
+    }
+    if (s.ok()) {
+      s = ops_->AllReduce(slots_device_.data(), static_cast<size_t>(r.slots),
+                          NcclDeviceOps::Reduce::kAverage, kStageF32, p.divisor, r.stream);
+    }
+    if (s.ok()) {
+      s = ops_->Copy(slots_host_.data(), slots_device_.data(),
+                     static_cast<size_t>(r.slots) * sizeof(float), r.stream);
+    }
+  }
+  if (s.ok()) {
+    s = fp32 ? ReduceBuckets(buffer, count, p.dtype, p.divisor, r.stream,
+                             r.zero_copy ? 0 : r.slots)
+             : ReduceCompressed(buffer, count, r.options->payload, p.divisor, r.stream);
+  }
+  if (s.ok() && r.slots > 0 && fp32) {
+    // The slots come back with the data collective's wait.
+    s = ops_->Copy(slots_host_.data(),
+                   static_cast<char*>(buffer) +
+                       static_cast<size_t>(count) * StagingCodeSize(p.dtype),
+                   static_cast<size_t>(r.slots) * StagingCodeSize(p.dtype), r.stream);
+  }
   if (s.ok()) s = ops_->Wait(r.stream, "ncclAllReduce");
   if (!s.ok()) return FailAndRestore(s, buffer, r.bytes, r.backup, r.stream);
   return absl::OkStatus();
+}
+
+absl::Status NcclCore::FiniteVerdict(const Round& r) const {
+  if (r.slots == 0) return absl::OkStatus();
+  const bool fp32 = r.options->payload == Payload::kFp32;
+  return DecideFinite(ReadFiniteSlots(slots_host_.data(), fp32 ? r.proposal.dtype : kStageF32,
+                                      size_, 1.0 / r.proposal.divisor),
+                      r.options->step);
 }
 
 absl::Status NcclCore::KeepStaged(Round& r, absl::Status failure) {

@@ -28,6 +28,12 @@
 //   4. CommitRound — with RoundOptions::commit, the commit vote (a one-int64 ncclSum of 1 per
 //      member, which completes only once every member's data all-reduce has);
 //   5. CopyBack — for the staged path, the scatter back.
+// With RoundOptions::check_finite (finite_check.h) the round is staged (no zero-copy): each
+// bucket's gather is followed on the gather stream by CheckFinite over the caller's tensors of
+// that bucket, and the last one by WriteFiniteSlots, which puts this member's code in the slots
+// after the data, reduced with the last bucket; their copy to the host rides with the data
+// collective's wait, and the members' verdict (DecideFinite) comes before the commit vote and
+// the scatter. A compressed round reduces its slots apart, in one small float32 all-reduce.
 // A failure from step 2's collective on aborts the communicator (it is broken from then on); the
 // zero-copy path then restores the caller's buffer from the backup when it has one. A failed
 // commit keeps the result aside (the staging buffer, or the zero-copy path's pending buffer) and
@@ -130,6 +136,9 @@ class NcclCore {
     StagingLayout layout;
     // A failure of the local preparation, carried into the agreement.
     absl::Status local;
+    // The finite check's slots: elements of the staging code after the data (in a compressed
+    // round, float32 elements of slots_device_).
+    int64_t slots = 0;
   };
 
   // Phase 1: the tensors (device, views), the divisor, the payload's dtype; the zero-copy path.
@@ -155,7 +164,12 @@ class NcclCore {
   // The staged path with `layout`: the gather (bucket by bucket on the gather stream, each
   // bucket's event recorded), or zeros when `!contribute`.
   absl::Status PrepareStaged(const StagingLayout& layout, int32_t code, bool contribute,
-                             void* stream);
+                             void* stream, bool check_finite = false);
+  // The finite check's device code word (INT32_MAX: no finding), set up at the first checked
+  // round, and the pinned buffer the slots come back to the host in.
+  absl::Status PrepareFiniteCheck(size_t host_bytes, void* stream);
+  // After the data collective's wait: the members' verdict from the slots in slots_host_.
+  absl::Status FiniteVerdict(const Round& r) const;
   // Makes the device chunk table `layout`'s (uploading it when it differs). `staging_bytes`:
   // the staging capacity the table needs; the staging buffer is grown (and zeroed) only when
   // `may_grow`.
@@ -165,9 +179,10 @@ class NcclCore {
   // buffers, waited for.
   absl::Status AllReduceMax(LayoutSignature& words, int32_t code, int divisor, void* stream);
   // The data all-reduce of `count` elements at `buffer`, bucket by bucket on `stream`, each
-  // after its gather (when the gathers are pending on the gather stream).
+  // after its gather (when the gathers are pending on the gather stream); `tail` more elements
+  // (the finite check's slots) are reduced with the last bucket.
   absl::Status ReduceBuckets(void* buffer, int64_t count, int32_t code, int divisor,
-                             void* stream);
+                             void* stream, int64_t tail = 0);
   // The data collective of a compressed round (RoundOptions::payload) over `count` float32
   // elements at `buffer`, in place: an all-to-all of every member's encoded parts, a float32 sum
   // of the decoded parts of this member's part divided by `divisor`, an all-gather of the
@@ -211,6 +226,13 @@ class NcclCore {
   GrowableBuffer wire_send_;
   GrowableBuffer wire_recv_;
   GrowableBuffer wire_part_;
+  // The finite check: the device code word, the pinned host copy of the reduced slots, and a
+  // compressed round's slots (float32, reduced apart).
+  GrowableBuffer finite_code_;
+  GrowableBuffer slots_host_{/*pinned_host=*/true};
+  GrowableBuffer slots_device_;
+  // A scan was enqueued without the slots' write that resets the code word (a failed call).
+  bool finite_code_dirty_ = false;
   int64_t bytes_sent_ = 0;
   // A result kept aside by a failed commit: in staging_ (kStaged: staged_elems() elements,
   // padded or not) or in pending_buffer_ (kOneBuffer).

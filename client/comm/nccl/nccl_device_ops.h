@@ -37,6 +37,21 @@ class NcclDeviceOps {
                               int32_t staging_code, void* stream) = 0;
   virtual absl::Status Scatter(const StagingChunk* chunks, int64_t num_chunks,
                                const void* staging, int32_t staging_code, void* stream) = 0;
+  // The finite check (client/comm/finite_check.h), enqueued on `stream`. CheckFinite: the
+  // smallest finding code (finite_scan.h: tensor_index * 4 + value) of a non-finite element of
+  // the caller's tensors in `chunks`, min-reduced into the int32 at `code` (device memory, left
+  // as it is where every element is finite). WriteFiniteSlots: the members' slots at `slots`
+  // (FiniteSlotWidth elements each, of `staging_code`): the code at `code` (INT32_MAX: none) as
+  // `member`'s, zeros as the others', then *code := INT32_MAX for the next round.
+  virtual absl::Status CheckFinite(const StagingChunk* /*chunks*/, int64_t /*num_chunks*/,
+                                   int32_t* /*code*/, void* /*stream*/) {
+    return absl::UnimplementedError("this device has no finite check kernels");
+  }
+  virtual absl::Status WriteFiniteSlots(int32_t* /*code*/, void* /*slots*/, int /*members*/,
+                                        int /*member*/, int32_t /*staging_code*/,
+                                        void* /*stream*/) {
+    return absl::UnimplementedError("this device has no finite check kernels");
+  }
   // An in-place ncclAllReduce of `count` elements; returns once NCCL has accepted it.
   // `divisor` (kAverage only; >= 1): what the sum is divided by.
   virtual absl::Status AllReduce(void* buffer, size_t count, Reduce op, int32_t staging_code,

@@ -115,6 +115,13 @@ struct ClientOptions : ConnectionOptions {
   // the staging copy that keeps them untouched when a collective fails: faster for large
   // models, but a failure mid-collective leaves them undefined (restore from a checkpoint).
   bool gloo_in_place = false;
+  // The finite check (docs/elastic.md, "Non-finite values"): before its values enter a round,
+  // each member knows whether they are all finite; a member with a NaN or an Inf is kept out of
+  // the round and reported (every call of a strict job fails naming it; an elastic job retires
+  // it and the survivors average without it). Every member of a job must set it alike (a
+  // member that differs fails the round's layout agreement). Off: no pass over the values
+  // (docs/operations.md gives its measured cost).
+  bool check_finite = true;
   // Cancels Connect from another thread: once cancel->Cancel() is called, Connect's Join (in
   // flight or in its retry backoff) ends at once and Connect fails with CANCELLED. Null: none.
   // Only Connect watches it.

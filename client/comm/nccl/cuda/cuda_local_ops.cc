@@ -6,6 +6,7 @@
 #include "absl/time/clock.h"
 #include "client/comm/nccl/cuda/nccl_outer_kernels.h"
 #include "client/comm/nccl/cuda/payload_kernels.h"
+#include "client/comm/nccl/cuda/finite_kernels.h"
 #include "client/comm/nccl/cuda/staging_kernels.h"
 #include "client/payload/payload_codec.h"
 #include "common/cuda_check.h"
@@ -64,6 +65,23 @@ absl::Status CudaLocalOps::Gather(const StagingChunk* chunks, int64_t num_chunks
   MODELAVG_ON_DEVICE();
   MODELAVG_CUDA_RETURN_IF_ERROR(LaunchGather(chunks, num_chunks, staging, staging_code,
                                              static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaLocalOps::CheckFinite(const StagingChunk* chunks, int64_t num_chunks,
+                                       int32_t* code, void* stream) {
+  MODELAVG_ON_DEVICE();
+  MODELAVG_CUDA_RETURN_IF_ERROR(
+      LaunchCheckFinite(chunks, num_chunks, code, static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaLocalOps::WriteFiniteSlots(int32_t* code, void* slots, int members, int member,
+                                            int32_t staging_code, void* stream) {
+  MODELAVG_ON_DEVICE();
+  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchWriteFiniteSlots(code, slots, members, member,
+                                                       staging_code,
+                                                       static_cast<cudaStream_t>(stream)));
   return absl::OkStatus();
 }
 

@@ -32,6 +32,11 @@ class CudaLocalOps : public NcclDeviceOps {
                       int32_t staging_code, void* stream) override;
   absl::Status Scatter(const StagingChunk* chunks, int64_t num_chunks, const void* staging,
                        int32_t staging_code, void* stream) override;
+  // The finite check's kernels (finite_kernels.h).
+  absl::Status CheckFinite(const StagingChunk* chunks, int64_t num_chunks, int32_t* code,
+                           void* stream) override;
+  absl::Status WriteFiniteSlots(int32_t* code, void* slots, int members, int member,
+                                int32_t staging_code, void* stream) override;
   absl::Status AllReduce(void* buffer, size_t count, Reduce op, int32_t staging_code,
                          int divisor, void* stream) override;
   absl::Status Wait(void* stream, const char* what) override;
