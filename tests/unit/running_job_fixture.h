@@ -8,8 +8,10 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/clock.h"
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
@@ -18,6 +20,24 @@
 #include "server/store/state_store.h"
 
 namespace modelavg::server {
+
+// Records every event of a job it watches (Job::Watch), for tests to read back.
+class RecordedEvents final : public JobWatcher {
+ public:
+  void OnEvent(const v1::JobEvent& event) override {
+    absl::MutexLock lock(&mu_);
+    events_.push_back(event);
+  }
+  void OnClosed(const absl::Status&) override {}
+  std::vector<v1::JobEvent> events() {
+    absl::MutexLock lock(&mu_);
+    return events_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<v1::JobEvent> events_;
+};
 
 class RunningJobTest : public ::testing::Test {
  protected:

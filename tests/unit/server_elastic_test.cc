@@ -21,6 +21,7 @@
 #include "server/membership/member_credential.h"
 #include "server/membership/membership.h"
 #include "server/store/state_store.h"
+#include "tests/unit/running_job_fixture.h"
 
 namespace modelavg::server {
 namespace {
@@ -608,30 +609,12 @@ TEST_F(ElasticJobTest, DeadRank_DecisionsListLiveMembers_EmptyBlockDoesNotAverag
 }
 
 
-// Records the kind, rank and message of every event.
-class EventLog final : public JobWatcher {
- public:
-  void OnEvent(const v1::JobEvent& event) override {
-    absl::MutexLock lock(&mu_);
-    events_.push_back(event);
-  }
-  void OnClosed(const absl::Status&) override {}
-  std::vector<v1::JobEvent> events() {
-    absl::MutexLock lock(&mu_);
-    return events_;
-  }
-
- private:
-  absl::Mutex mu_;
-  std::vector<v1::JobEvent> events_;
-};
-
 // World 4: pairs every step, the world every 2 steps. Rank 3 dies at step 3 and a replacement
 // takes its rank: admitted at step 5 (largest step reported 3 + margin 2), a pair step whose
 // block has rank 2.
 TEST_F(ElasticJobTest, Replacement_AnsweredAtOnce_DecisionsBeforeAtAndAfterItsStep) {
   std::shared_ptr<Job> job = MakeRunningJob();
-  auto watcher = std::make_shared<EventLog>();
+  auto watcher = std::make_shared<RecordedEvents>();
   job->Watch(watcher);
   Kill(*job, {3}, 1);
   absl::StatusOr<v1::JoinResponse> joined = JoinAs(*job, "new");

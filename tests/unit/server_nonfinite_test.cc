@@ -20,23 +20,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-class Events final : public JobWatcher {
- public:
-  void OnEvent(const v1::JobEvent& event) override {
-    absl::MutexLock lock(&mu_);
-    events_.push_back(event);
-  }
-  void OnClosed(const absl::Status&) override {}
-  std::vector<v1::JobEvent> events() {
-    absl::MutexLock lock(&mu_);
-    return events_;
-  }
-
- private:
-  absl::Mutex mu_;
-  std::vector<v1::JobEvent> events_;
-};
-
 class NonFiniteReportTest : public RunningJobTest {
  protected:
   NonFiniteReportTest() : RunningJobTest("nf") {}
@@ -66,7 +49,7 @@ class NonFiniteReportTest : public RunningJobTest {
 
 TEST_F(NonFiniteReportTest, ElasticJob_RetiresTheMemberWithTheReportAsReason) {
   std::shared_ptr<Job> job = RunningJob("min_world_size: 2");
-  auto events = std::make_shared<Events>();
+  auto events = std::make_shared<RecordedEvents>();
   job->Watch(events);
   absl::StatusOr<v1::ReportNonFiniteResponse> r = Send(*job, Report(3));
   ASSERT_TRUE(r.ok()) << r.status();
@@ -141,7 +124,7 @@ TEST_F(NonFiniteReportTest, ElasticShardedJob_RetiresTheWholeReplica) {
 
 TEST_F(NonFiniteReportTest, StrictJob_RecordedGenerationStays) {
   std::shared_ptr<Job> job = RunningJob("");
-  auto events = std::make_shared<Events>();
+  auto events = std::make_shared<RecordedEvents>();
   job->Watch(events);
   v1::ReportNonFiniteRequest req = Report(1);
   req.set_value("-Inf");
