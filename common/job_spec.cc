@@ -189,6 +189,7 @@ void DecisionToProto(const Decision& d, int64_t generation, v1::StepDecision* ou
   out->set_outer(d.outer);
   out->set_fragment(d.fragment);
   out->set_fragments(d.fragments);
+  out->set_plan(d.plan);
   out->set_subgroup(d.subgroup.index);
   out->mutable_ranks()->Reserve(d.subgroup.size);
   for (int32_t i = 0; i < d.subgroup.size; ++i) out->add_ranks(d.subgroup.RankAt(i));
@@ -211,6 +212,7 @@ Decision DecisionFromProto(const v1::StepDecision& d) {
   out.outer = d.outer();
   out.fragment = d.fragment();
   out.fragments = d.fragments() > 0 ? d.fragments() : 1;
+  out.plan = d.plan();
   out.subgroup.index = d.subgroup();
   out.subgroup.size = d.ranks_size();
   out.subgroup.first_rank = d.ranks_size() > 0 ? d.ranks(0) : 0;

@@ -1,5 +1,6 @@
 #include "modelavg/common/schedule.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <set>
@@ -307,13 +308,27 @@ Decision Schedule::DecisionFor(int64_t step, int32_t rank) const {
   return AveragingDecision(step, level, SubgroupOf(level, rank));
 }
 
-int64_t Schedule::FirstStepOf(int level) const {
+int64_t Schedule::FirstStepFrom(int level, int64_t from) const {
   const int64_t period = spec_.levels[level].StepPeriod();
-  const int64_t warmup = spec_.warmup_steps;
-  if (spec_.mode == AveragingMode::kPeriodic) return warmup;
-  // Hierarchical: the multiples of the period from warm-up on, the first no later level takes.
-  for (int64_t k = (warmup + period - 1) / period, n = 0; n < kFirstStepSearch; ++k, ++n) {
+  const int64_t start = std::max(from, spec_.warmup_steps);
+  if (spec_.mode == AveragingMode::kPeriodic) {
+    // Acts at warmup + k * period.
+    const int64_t k = (start - spec_.warmup_steps + period - 1) / period;
+    return spec_.warmup_steps + k * period;
+  }
+  // Hierarchical: the multiples of the period from `start` on, the first no later level takes.
+  for (int64_t k = (start + period - 1) / period, n = 0; n < kFirstStepSearch; ++k, ++n) {
     if (LevelAt(k * period) == level) return k * period;
+  }
+  return -1;
+}
+
+int64_t Schedule::FirstSyncFrom(int level, int32_t fragment, int64_t from) const {
+  const int64_t first = FirstStepFrom(level, from);
+  if (first < 0) return -1;
+  const int64_t p = spec_.levels[level].StepPeriod();
+  for (int64_t s = first, n = 0; n < kFirstStepSearch; s += p, ++n) {
+    if (LevelAt(s) == level && FragmentAt(level, s) == fragment) return s;
   }
   return -1;
 }

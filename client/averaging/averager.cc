@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/averaging/checkpoint.h"
 #include "client/averaging/fragments.h"
 #include "client/averaging/outer_level.h"
@@ -61,22 +62,32 @@ class ModelAverager::Parts {
         checkpoint_(client) {
     // A replacement starts at its admission step (the first call receives the parameters).
     if (client_->admission_step() > 0) step_ = client_->admission_step();
+    plan_ = client_->plans().VersionAt(step_);
   }
 
   int64_t step() const { return step_; }
   void set_step(int64_t step) {
     step_ = step;
     client_->ReportStep(step_);
+    SwitchTo(client_->plans().VersionAt(step_));
   }
   bool NeedsParametersAt(int64_t step) const { return streaming_.DueBy(step); }
   std::vector<LevelTraffic> traffic() const {
-    return traffic_.PerLevel(client_->schedule().spec().levels.size());
+    return traffic_.PerLevel(client_->plans().Plan(plan_).spec().levels.size());
   }
-  AveragerState Save() { return checkpoint_.Save(step_, outer_, streaming_); }
+  AveragerState Save() {
+    // The states saved are those of the plan in force at the saved step (which Load reads them
+    // with): a switch known already is made now.
+    SwitchTo(client_->plans().VersionAt(step_));
+    return checkpoint_.Save(step_, outer_, streaming_);
+  }
 
   absl::Status Load(const AveragerState& state) {
     MODELAVG_ASSIGN_OR_RETURN(Checkpoint::Restored restored, checkpoint_.Restore(state));
-    set_step(state.step);
+    step_ = state.step;
+    client_->ReportStep(step_);
+    // The states are of the plan in force at the saved step.
+    plan_ = client_->plans().VersionAt(step_);
     outer_.Replace(std::move(restored.outer));
     streaming_.Replace(std::move(restored.fragments), std::move(restored.pending));
     return absl::OkStatus();
@@ -97,6 +108,8 @@ class ModelAverager::Parts {
     absl::StatusOr<Decision> decision = client_->DecisionAt(step);
     client_->ReportStep(step_);
     if (!decision.ok()) return decision.status();
+    // A plan update switches here (docs/plan-updates.md): the levels' states follow it first.
+    SwitchTo(decision->plan);
     MODELAVG_ASSIGN_OR_RETURN(Device device, CommonDevice(params));
     call_params_ = params;
     // A fragment's background all-reduce due at this step is applied first (streaming sync).
@@ -128,7 +141,8 @@ class ModelAverager::Parts {
 
  private:
   const ScheduleLevel* LevelOf(const Decision& decision) const {
-    const std::vector<ScheduleLevel>& levels = client_->schedule().spec().levels;
+    const std::vector<ScheduleLevel>& levels =
+        client_->plans().Plan(decision.plan).spec().levels;
     return decision.level >= 0 && decision.level < static_cast<int>(levels.size())
                ? &levels[decision.level]
                : nullptr;
@@ -148,8 +162,84 @@ class ModelAverager::Parts {
     return absl::OkStatus();
   }
 
+  // Moves the outer states from plan_ to `version`, one update at a time, by the carry rule
+  // (plan_history.h): a kept level keeps its anchors, momenta and (same payload) residuals and
+  // takes the new optimizer; a fresh one starts without an anchor (its first averaging step from
+  // the switch sets it). Back to an earlier plan (set_step to a step before a switch): fresh
+  // states of that plan. No background round is in flight across a switch step (the
+  // coordinator chooses it so).
+  void SwitchTo(int version) {
+    if (version == plan_) return;
+    const PlanHistory& plans = client_->plans();
+    if (version < plan_) {
+      spdlog::info("averager of rank {}: back to plan version {} (step {}): its outer states "
+                   "start afresh",
+                   client_->rank(), version, step_);
+      outer_.Replace(OuterLevel::FreshStates(plans.Plan(version)));
+      streaming_.Replace(FragmentStates{}, {});
+      plan_ = version;
+      return;
+    }
+    for (int w = plan_ + 1; w <= version; ++w) SwitchOne(plans, w);
+    plan_ = version;
+  }
+
+  void SwitchOne(const PlanHistory& plans, int w) {
+    const std::vector<ScheduleLevel>& prev = plans.Plan(w - 1).spec().levels;
+    const std::vector<ScheduleLevel>& next = plans.Plan(w).spec().levels;
+    std::vector<std::unique_ptr<OuterLevelState>> whole = outer_.TakeStates();
+    FragmentStates& fragments = streaming_.states();
+    std::vector<std::unique_ptr<OuterLevelState>> whole_next(next.size());
+    FragmentStates fragments_next(next.size());
+    std::vector<std::string> kept, fresh;
+    for (size_t l = 0; l < next.size(); ++l) {
+      if (!next[l].outer.has_value()) continue;
+      const bool streaming_next = StreamingOuterLevel(next[l]);
+      // A streaming level's whole-level state is only its marker (Has); its anchors are per
+      // fragment.
+      if (streaming_next) {
+        whole_next[l] = std::make_unique<OuterLevelState>(static_cast<int>(l), *next[l].outer);
+      }
+      std::vector<std::unique_ptr<OuterLevelState>> old;
+      if (l < prev.size() && prev[l].outer.has_value()) {
+        if (StreamingOuterLevel(prev[l])) {
+          if (l < fragments.size()) old = std::move(fragments[l]);
+        } else if (l < whole.size() && whole[l] != nullptr) {
+          old.push_back(std::move(whole[l]));
+        }
+      }
+      if (plans.CarryAt(w, static_cast<int>(l)) != LevelCarry::kKeepOuter || old.empty()) {
+        if (!streaming_next) {
+          whole_next[l] = std::make_unique<OuterLevelState>(static_cast<int>(l), *next[l].outer);
+        }
+        fresh.push_back(std::to_string(l));
+        continue;  // a streaming level's fragments are made at their first sync
+      }
+      for (auto& state : old) {
+        state->set_rule(*next[l].outer);
+        if (!ResidualCarries(prev[l], next[l])) state->ClearResidual();
+      }
+      // Same fragment count: a level that keeps its state and moves between the whole-level
+      // and the per-fragment path has one fragment.
+      if (streaming_next) {
+        fragments_next[l] = std::move(old);
+      } else {
+        whole_next[l] = std::move(old[0]);
+      }
+      kept.push_back(std::to_string(l));
+    }
+    outer_.Replace(std::move(whole_next));
+    fragments = std::move(fragments_next);
+    spdlog::info("averager of rank {}: plan version {} from step {}: outer levels kept [{}], "
+                 "starting afresh [{}]",
+                 client_->rank(), w, plans.SwitchStep(w), absl::StrJoin(kept, ","),
+                 absl::StrJoin(fresh, ","));
+  }
+
   Client* const client_;
   int64_t step_ = 0;
+  // The plan the levels' states are of (Decision::plan).
+  int plan_ = 0;
   Traffic traffic_;
   OuterDevice device_;
   // The pseudo-gradient of an outer step on host parameters (one step runs at a time).

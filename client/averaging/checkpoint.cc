@@ -27,7 +27,9 @@ AveragerState Checkpoint::Save(int64_t step, const OuterLevel& outer,
 }
 
 absl::StatusOr<Checkpoint::Restored> Checkpoint::Restore(const AveragerState& state) const {
-  const std::vector<ScheduleLevel>& spec_levels = client_->schedule().spec().levels;
+  // The levels of the plan in force at the saved step (docs/plan-updates.md).
+  const Schedule& plan = client_->plans().At(std::max<int64_t>(0, state.step));
+  const std::vector<ScheduleLevel>& spec_levels = plan.spec().levels;
   const int levels = static_cast<int>(spec_levels.size());
   auto check_level = [&](int level, const char* what) -> absl::Status {
     if (level < 0 || level >= levels) {
@@ -57,7 +59,7 @@ absl::StatusOr<Checkpoint::Restored> Checkpoint::Restore(const AveragerState& st
     }
   }
   Restored restored;
-  restored.outer = OuterLevel::FreshStates(client_->schedule());
+  restored.outer = OuterLevel::FreshStates(plan);
   for (const auto& [level, anchor] : state.anchors) {
     auto m = state.momenta.find(level);
     MODELAVG_RETURN_IF_ERROR(
@@ -130,7 +132,8 @@ void Checkpoint::SaveStreaming(StreamingLevel& streaming, AveragerState* out) co
 absl::Status Checkpoint::RestoreStreaming(const AveragerState& state, Restored* restored) const {
   FragmentStates* states = &restored->fragments;
   std::vector<std::unique_ptr<PendingSync>>* pending = &restored->pending;
-  const std::vector<ScheduleLevel>& levels = client_->schedule().spec().levels;
+  const std::vector<ScheduleLevel>& levels =
+      client_->plans().At(std::max<int64_t>(0, state.step)).spec().levels;
   states->clear();
   states->resize(levels.size());
   for (size_t level = 0; level < levels.size(); ++level) {

@@ -41,6 +41,7 @@ class DeviceOuterState {
   DeviceOuterState& operator=(const DeviceOuterState&) = delete;
 
   const OuterSgd& rule() const { return rule_; }
+  void set_rule(const OuterSgd& rule) { rule_ = rule; }
   bool pinned_host() const { return pinned_host_; }
   bool has_anchor() const { return has_anchor_; }
   bool has_momentum() const { return has_momentum_; }
@@ -97,7 +98,7 @@ class DeviceOuterState {
 
   NcclDeviceOps* const ops_;
   const int level_;
-  const OuterSgd rule_;
+  OuterSgd rule_;
   const bool pinned_host_;
   bool has_anchor_ = false;
   bool has_momentum_ = false;

@@ -266,7 +266,9 @@ OuterLevel::OuterLevel(Client* client, OuterDevice* device, OuterBuffer* pseudo_
       device_(device),
       pseudo_gradient_(pseudo_gradient),
       rounds_(rounds),
-      states_(FreshStates(client->schedule())) {}
+      // A replacement admitted after a plan update starts with that plan's levels.
+      states_(FreshStates(
+          client->plans().At(std::max<int64_t>(0, client->admission_step())))) {}
 
 std::vector<std::unique_ptr<OuterLevelState>> OuterLevel::FreshStates(const Schedule& schedule) {
   std::vector<std::unique_ptr<OuterLevelState>> states;
@@ -304,7 +306,7 @@ absl::StatusOr<Decision> OuterLevel::Round(const Decision& decision, const Devic
                                             "the job's spec has no outer optimizer at level ",
                                             level));
   }
-  const ScheduleLevel& rule = client_->schedule().spec().levels[level];
+  const ScheduleLevel& rule = client_->plans().Plan(decision.plan).spec().levels[level];
   if (rule.fragments > 1 || rule.sync_delay > 0 || rule.payload != Payload::kFp32) {
     // Not silently a whole-model fp32 outer step: the streaming fields change the rule.
     return absl::UnimplementedError(absl::StrCat(
@@ -315,7 +317,7 @@ absl::StatusOr<Decision> OuterLevel::Round(const Decision& decision, const Devic
   // HandOver) and contributes no pseudo-gradient.
   const bool joining = std::binary_search(decision.joining.begin(), decision.joining.end(),
                                           client_->rank());
-  const int64_t first = client_->schedule().FirstStepOf(level);
+  const int64_t first = client_->plans().FirstStepOf(decision.plan, level);
   const bool first_step = first < 0 || decision.step == first;
   const auto no_anchor = [&] {
     // A later step without an anchor would mix a plain average into the group's outer step.
@@ -374,7 +376,8 @@ absl::Status OuterLevel::HandOver(const Decision& decision, Communicator* comm,
                                   absl::Span<const TensorView> layout,
                                   FragmentStates& fragments) {
   if (decision.joining.empty()) return absl::OkStatus();
-  const std::vector<ScheduleLevel>& spec_levels = client_->schedule().spec().levels;
+  const std::vector<ScheduleLevel>& spec_levels =
+      client_->plans().Plan(decision.plan).spec().levels;
   const std::vector<StateHandOver> hand_overs = HandOvers(states_, fragments, spec_levels, all);
   if (hand_overs.empty()) return absl::OkStatus();
   const int32_t me = client_->rank();

@@ -86,6 +86,8 @@ class OuterLevel {
   void Replace(std::vector<std::unique_ptr<OuterLevelState>> states) {
     states_ = std::move(states);
   }
+  // For a plan switch (ModelAverager): the states, leaving none.
+  std::vector<std::unique_ptr<OuterLevelState>> TakeStates() { return std::move(states_); }
 
   // An averaging step of `decision`'s outer level on `params`: the level's first step is a
   // plain average that sets the anchor; each later one averages the pseudo-gradient in a round

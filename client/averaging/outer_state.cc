@@ -129,6 +129,11 @@ std::vector<TensorView> OuterBuffer::Views(size_t first, size_t n) {
 }
 
 OuterLevelState::OuterLevelState(int level, OuterSgd rule) : level_(level), rule_(rule) {}
+
+void OuterLevelState::set_rule(const OuterSgd& rule) {
+  rule_ = rule;
+  if (device_ != nullptr) device_->set_rule(rule);
+}
 OuterLevelState::~OuterLevelState() = default;
 
 bool OuterLevelState::has_anchor() const {

@@ -75,6 +75,11 @@ class OuterLevelState {
 
   int level() const { return level_; }
   const OuterSgd& rule() const { return rule_; }
+  // A plan update changed the level's optimizer (docs/plan-updates.md): the anchor and momentum
+  // stay, and the next outer step uses `rule` (on the device state too, once attached).
+  void set_rule(const OuterSgd& rule);
+  // A plan update changed the level's payload: the error-feedback residual starts from zero.
+  void ClearResidual() { has_residual_ = false; }
   bool has_anchor() const;
   // The momentum buffer holds a value (after the first outer step, with momentum > 0).
   bool has_momentum() const;
@@ -132,7 +137,7 @@ class OuterLevelState {
 
  private:
   const int level_;
-  const OuterSgd rule_;
+  OuterSgd rule_;
   bool has_anchor_ = false;
   bool has_momentum_ = false;
   OuterBuffer anchor_;

@@ -101,6 +101,7 @@ CommunicatorSetup RoundRunner::Setup(const Decision& decision) const {
   setup.coordinator = client_->coordinator();
   setup.job_id = client_->job_id();
   setup.generation = decision.generation > 0 ? decision.generation : client_->generation();
+  setup.plan = decision.plan;
   setup.level = decision.level;
   setup.subgroup = decision.subgroup;
   setup.members = decision.members;

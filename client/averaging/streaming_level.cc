@@ -76,19 +76,6 @@ class LocalCopy {
   std::vector<std::vector<uint8_t>> bytes_;
 };
 
-// The first step at which `level` syncs `fragment`, or -1 within the search bound.
-int64_t FirstSyncOf(const Schedule& schedule, int level, int32_t fragment) {
-  const ScheduleLevel& l = schedule.spec().levels[level];
-  const int64_t p = l.StepPeriod();
-  const int64_t warmup = schedule.spec().warmup_steps;
-  int64_t s = schedule.spec().mode == AveragingMode::kPeriodic ? warmup
-                                                                : (warmup + p - 1) / p * p;
-  for (int64_t n = 0; n < kFirstStepSearch; ++n, s += p) {
-    if (schedule.LevelAt(s) == level && schedule.FragmentAt(level, s) == fragment) return s;
-  }
-  return -1;
-}
-
 // The body of a background all-reduce's thread. It owns nothing but the buffer's round: it
 // never touches the parameters. `notes`: the client of an elastic job, whose round notes get
 // the outcome (null in a strict job).
@@ -144,7 +131,7 @@ absl::StatusOr<Decision> StreamingLevel::Round(const Decision& decision, const D
                                                absl::Span<const TensorView> fragment,
                                                int64_t split_signature) {
   const int level = decision.level;
-  const ScheduleLevel& spec = client_->schedule().spec().levels[level];
+  const ScheduleLevel& spec = client_->plans().Plan(decision.plan).spec().levels[level];
   const std::string where = Where(decision, nullptr);
   if (!device.is_host() && spec.sync_delay != 0 && client_->elastic()) {
     // The elastic settle of a background round (docs/streaming.md, "Elastic jobs") runs on
@@ -173,7 +160,7 @@ absl::StatusOr<Decision> StreamingLevel::Round(const Decision& decision, const D
   OuterLevelState* state = FragmentsOf(states_, level, spec)[decision.fragment].get();
   if (!device.is_host()) {
     return DeviceRound(decision, device, fragment, state, me_joining,
-                       FirstSyncOf(client_->schedule(), level, decision.fragment),
+                       client_->plans().FirstSyncOf(decision.plan, level, decision.fragment),
                        split_signature);
   }
   const RoundWire plain{Payload::kFp32, split_signature};
@@ -183,7 +170,7 @@ absl::StatusOr<Decision> StreamingLevel::Round(const Decision& decision, const D
   LocalCopy local;
   if (spec.mix != 0 && !me_joining) local.Take(fragment);
   if (me_joining) {
-    const bool first = FirstSyncOf(client_->schedule(), level, decision.fragment) == decision.step;
+    const bool first = client_->plans().FirstSyncOf(decision.plan, level, decision.fragment) == decision.step;
     if (spec.sync_delay != 0) {
       return Start(decision, device, fragment, state, first, split_signature);
     }
@@ -204,7 +191,7 @@ absl::StatusOr<Decision> StreamingLevel::Round(const Decision& decision, const D
     return done;
   }
   if (!state->has_anchor()) {
-    const int64_t first = FirstSyncOf(client_->schedule(), level, decision.fragment);
+    const int64_t first = client_->plans().FirstSyncOf(decision.plan, level, decision.fragment);
     if (first >= 0 && decision.step != first) {
       return absl::FailedPreconditionError(absl::StrCat(
           where, ": this rank has no outer state for this fragment (its first sync was step ",
@@ -248,7 +235,7 @@ std::unique_ptr<PendingSync> StreamingLevel::NewPendingSync(const Decision& deci
   auto p = std::make_unique<PendingSync>();
   p->decision = decision;
   p->apply_step =
-      decision.step + client_->schedule().spec().levels[decision.level].sync_delay;
+      decision.step + client_->plans().Plan(decision.plan).spec().levels[decision.level].sync_delay;
   p->first = first;
   p->state = state;
   return p;
@@ -258,7 +245,7 @@ absl::StatusOr<Decision> StreamingLevel::Start(const Decision& decision, const D
                                                absl::Span<const TensorView> fragment,
                                                OuterLevelState* state, bool first,
                                                int64_t split_signature) {
-  const ScheduleLevel& spec = client_->schedule().spec().levels[decision.level];
+  const ScheduleLevel& spec = client_->plans().Plan(decision.plan).spec().levels[decision.level];
   const std::string where = absl::StrCat(
       "starting the sync of fragment ", decision.fragment, " at step ", decision.step,
       " (level ", decision.level, device.is_host() ? "" : absl::StrCat(", ", device.ToString()),
@@ -431,7 +418,7 @@ absl::Status StreamingLevel::ApplyOneInner(PendingSync* p, int64_t step,
                                            absl::Span<const TensorView> params,
                                            int64_t report_step) {
   const Decision& d = p->decision;
-  const ScheduleLevel& spec = client_->schedule().spec().levels[d.level];
+  const ScheduleLevel& spec = client_->plans().Plan(d.plan).spec().levels[d.level];
   const std::string where =
       absl::StrCat("applying at step ", step, " the sync of fragment ", d.fragment,
                    " started at step ", d.step, " (level ", d.level, ", subgroup ",

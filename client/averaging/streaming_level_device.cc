@@ -24,7 +24,7 @@ absl::StatusOr<Decision> StreamingLevel::DeviceRound(const Decision& decision,
                                                      int64_t first_sync,
                                                      int64_t split_signature) {
   const int level = decision.level;
-  const ScheduleLevel& spec = client_->schedule().spec().levels[level];
+  const ScheduleLevel& spec = client_->plans().Plan(decision.plan).spec().levels[level];
   const std::string where = Where(decision, &device);
   absl::StatusOr<DeviceOuterState*> attached = device_->StateOf(state, device);
   if (!attached.ok()) return Annotate(attached.status(), where);
@@ -61,7 +61,7 @@ absl::StatusOr<Decision> StreamingLevel::StartDevice(const Decision& decision,
                                                      OuterLevelState* state, bool first,
                                                      int64_t split_signature,
                                                      const std::string& where) {
-  const ScheduleLevel& spec = client_->schedule().spec().levels[decision.level];
+  const ScheduleLevel& spec = client_->plans().Plan(decision.plan).spec().levels[decision.level];
   MODELAVG_RETURN_IF_ERROR(Annotate(client_->CheckCanAverage(decision.subgroup), where));
   absl::StatusOr<Communicator*> comm =
       client_->communicators()->Get(rounds_->Setup(decision), device);

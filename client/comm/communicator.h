@@ -50,6 +50,8 @@ struct CommunicatorSetup {
   CoordinatorClient* coordinator = nullptr;
   std::string job_id;
   int64_t generation = 0;
+  // The plan whose `level` this is (Decision::plan; 0 in a job never updated).
+  int32_t plan = 0;
   int32_t level = 0;
   SubgroupRange subgroup;
   // This process's global rank (a member of `subgroup`).
@@ -89,6 +91,7 @@ struct CommunicatorSetup {
   void ScopeCommIdRequest(const std::string& key, Request* req) const {
     req->set_job_id(job_id);
     req->set_generation(generation);
+    req->set_plan(plan);
     req->set_level(level);
     req->set_subgroup(subgroup.index);
     req->set_rank(rank);

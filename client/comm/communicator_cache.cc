@@ -90,7 +90,7 @@ bool CommunicatorCache::Contains(const CommunicatorKey& key) const {
 
 absl::StatusOr<Communicator*> CommunicatorCache::Get(const CommunicatorSetup& setup,
                                                      const Device& device) {
-  CommunicatorKey key{setup.generation, setup.level, setup.subgroup.index, device.kind,
+  CommunicatorKey key{setup.generation, setup.plan, setup.level, setup.subgroup.index, device.kind,
                       device.is_cuda() ? device.index : 0,
                       static_cast<int>(setup.members.size()) == setup.subgroup.size
                           ? std::vector<int32_t>{}

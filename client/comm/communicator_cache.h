@@ -26,6 +26,8 @@ namespace modelavg::client {
 
 struct CommunicatorKey {
   int64_t generation = 0;
+  // The plan of `level` (a level of another plan is another group of ranks).
+  int32_t plan = 0;
   int32_t level = 0;
   int32_t subgroup = 0;
   Device::Kind kind = Device::Kind::kHost;
@@ -33,8 +35,9 @@ struct CommunicatorKey {
   // CommunicatorSetup::members (empty: the whole subgroup).
   std::vector<int32_t> members;
   bool operator<(const CommunicatorKey& o) const {
-    return std::tie(generation, level, subgroup, kind, device_index, members) <
-           std::tie(o.generation, o.level, o.subgroup, o.kind, o.device_index, o.members);
+    return std::tie(generation, plan, level, subgroup, kind, device_index, members) <
+           std::tie(o.generation, o.plan, o.level, o.subgroup, o.kind, o.device_index,
+                    o.members);
   }
 };
 

@@ -72,6 +72,9 @@ v1::HeartbeatRequest BeatRequest(const Heartbeat::Options& options, const Heartb
   req.set_generation(beat.generation);
   req.set_step(beat.step);
   req.set_credential(options.credential);
+  req.set_plans_known(beat.plans_known);
+  req.set_used_through(beat.used_through);
+  req.set_proposal_answered(beat.proposal_answered);
   return req;
 }
 

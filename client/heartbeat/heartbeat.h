@@ -32,6 +32,10 @@ class Heartbeat {
     int64_t step = 0;
     int64_t generation = 0;
     int64_t seen = 0;
+    // The plans the rank holds and how far it may use them (HeartbeatRequest's fields).
+    int32_t plans_known = 1;
+    int64_t used_through = -1;
+    int32_t proposal_answered = 0;
   };
   struct Options {
     std::string coordinator;  // the address, for the logs

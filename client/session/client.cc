@@ -85,9 +85,9 @@ Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordin
       heartbeat_timeout_(joined.heartbeat_timeout),
       admission_step_(joined.admission_step),
       communicators_(std::make_unique<CommunicatorCache>(std::move(communicators))),
-      decisions_(std::make_unique<DecisionWindow>(*coordinator_, *outage_, schedule_,
-                                                  options_.job_id, rank_,
-                                                  options_.schedule_window)),
+      decisions_(std::make_unique<DecisionWindow>(
+          *coordinator_, *outage_, clock_, std::move(joined.plans), options_.job_id, rank_,
+          options_.credential, options_.schedule_window)),
       round_notes_(std::make_unique<RoundNotes>(
           *coordinator_, clock_, options_.job_id, rank_, options_.credential,
           schedule_.num_levels(),
@@ -101,8 +101,16 @@ Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordin
           joined.generation, std::move(joined.incarnation))) {
   Heartbeat::Hooks hooks;
   hooks.current = [this] {
-    absl::MutexLock l(&mu_);
-    return Heartbeat::Beat{step_, tracker_->generation(), tracker_->latest_generation()};
+    Heartbeat::Beat beat;
+    {
+      absl::MutexLock l(&mu_);
+      beat = Heartbeat::Beat{step_, tracker_->generation(), tracker_->latest_generation()};
+    }
+    const DecisionWindow::BeatFields plans = decisions_->OnBeat(beat.step);
+    beat.plans_known = plans.plans_known;
+    beat.used_through = plans.used_through;
+    beat.proposal_answered = plans.proposal_answered;
+    return beat;
   };
   hooks.on_reply = [this](const v1::HeartbeatResponse& reply) { OnHeartbeatReply(reply); };
   hooks.on_change = [this](const v1::HeartbeatResponse& reply, int64_t seen) {
@@ -233,6 +241,9 @@ void Client::OnGenerationSeen(const v1::HeartbeatResponse& reply, int64_t seen) 
 
 void Client::OnHeartbeatReply(const v1::HeartbeatResponse& reply) {
   outage_->NoteReachable();
+  if (absl::Status s = decisions_->OnReply(reply); !s.ok()) {
+    Break(Annotate(s, "learning a plan of the job"));
+  }
   absl::MutexLock l(&mu_);
   tracker_->OnReply(reply, clock_.Now());
 }
@@ -255,6 +266,8 @@ void Client::OnHeartbeatFailure(const absl::Status& error) {
                                     " (membership changes cannot be learnt)"),
                        error));
 }
+
+const PlanHistory& Client::plans() const { return *decisions_->plans(); }
 
 absl::StatusOr<Decision> Client::DecisionAt(int64_t step) {
   if (step < 0) {

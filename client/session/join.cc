@@ -156,7 +156,19 @@ absl::StatusOr<Joined> JoinJob(CoordinatorClient& coordinator, const ClientOptio
   MODELAVG_ASSIGN_OR_RETURN(v1::JoinResponse reply,
                             JoinWithRetry(coordinator, join, options, clock));
   MODELAVG_ASSIGN_OR_RETURN(Schedule schedule, CheckReply(reply));
-  Joined joined{std::move(schedule)};
+  Joined joined{schedule, PlanHistory(schedule)};
+  for (const v1::PlanChange& c : reply.plan_changes()) {
+    absl::StatusOr<ScheduleSpec> spec = ScheduleSpecFromProto(c.spec());
+    absl::StatusOr<Schedule> plan =
+        spec.ok() ? Schedule::Create(*std::move(spec)) : absl::StatusOr<Schedule>(spec.status());
+    absl::Status added = plan.ok() ? joined.plans.Add(*std::move(plan), c.switch_step())
+                                   : plan.status();
+    if (!added.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the coordinator sent plan version ", c.version(), " of job ", options.job_id,
+          " that this client cannot use: ", added.message()));
+    }
+  }
   joined.rank = reply.rank();
   joined.generation = reply.generation();
   joined.heartbeat_timeout = reply.heartbeat_timeout_ms() > 0

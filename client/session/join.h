@@ -14,6 +14,7 @@
 #include "common/clock.h"
 #include "modelavg/client/client.h"
 #include "modelavg/client/membership_view.h"
+#include "modelavg/common/plan_history.h"
 #include "modelavg/common/schedule.h"
 
 namespace modelavg::client {
@@ -25,7 +26,9 @@ absl::Status ValidateOptions(const ClientOptions& options);
 
 // What the coordinator's Join reply says, checked.
 struct Joined {
-  Schedule schedule;  // of the spec the reply carries
+  Schedule schedule;  // of the spec the reply carries (the job's first plan)
+  // The job's plans: `schedule` and the updates since (docs/plan-updates.md).
+  PlanHistory plans{schedule};
   int32_t rank = 0;
   int64_t generation = 0;
   // The job's heartbeat timeout in force (after the coordinator's defaults).

@@ -10,6 +10,11 @@ bool SameHeartbeatNews(const v1::HeartbeatResponse& a, const v1::HeartbeatRespon
       a.has_last_change() != b.has_last_change()) {
     return false;
   }
+  // A plan the member lacks, or a proposal to answer (docs/plan-updates.md), is news at once.
+  if (a.proposed_plan() != b.proposed_plan() ||
+      a.plan_changes_size() != b.plan_changes_size()) {
+    return false;
+  }
   const v1::GenerationChange& x = a.last_change();
   const v1::GenerationChange& y = b.last_change();
   return x.generation() == y.generation() && x.rank() == y.rank() && x.reason() == y.reason() &&

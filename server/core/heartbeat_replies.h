@@ -17,7 +17,8 @@
 
 namespace modelavg::server {
 
-// Whether two heartbeat replies say the same (state, generation, last change): the second need
+// Whether two heartbeat replies say the same (state, generation, last change, the plans the
+// member lacks and the proposal under way): the second need
 // not be sent. (coordinator_incarnation is the same for a stream's whole life;
 // recovery_grace_ms only shrinks.)
 bool SameHeartbeatNews(const v1::HeartbeatResponse& a, const v1::HeartbeatResponse& b);

@@ -33,6 +33,12 @@ std::string Truncate(const std::string& s, size_t n) {
   return EscapeControlCharacters(s.size() <= n ? s : s.substr(0, n) + "...");
 }
 
+// The comm-id key of `key` at a level of plan `plan`: the levels of two plans are apart (plan 0's
+// keys are as they always were).
+std::string PlanKey(int32_t plan, const std::string& key) {
+  return plan == 0 ? key : absl::StrCat("plan", plan, "/", key);
+}
+
 // What the job keeps of a spec: its known fields (unknown ones would cost memory for nothing).
 v1::JobSpec Stripped(v1::JobSpec spec) {
   spec.DiscardUnknownFields();
@@ -111,7 +117,8 @@ Job::Job(v1::JobSpec spec, Schedule schedule, const JobDefaults& defaults, Clock
          StateStore* store, int64_t created_unix_ms)
     : spec_(Stripped(std::move(spec))),
       schedule_(std::move(schedule)),
-      heartbeat_timeout_(OrDefault(spec_.heartbeat_timeout_ms(), defaults.heartbeat_timeout)),
+      heartbeat_timeout_ms_(absl::ToInt64Milliseconds(
+          OrDefault(spec_.heartbeat_timeout_ms(), defaults.heartbeat_timeout))),
       join_timeout_(OrDefault(spec_.join_timeout_ms(), defaults.join_timeout)),
       clock_(clock),
       created_unix_ms_(created_unix_ms),
@@ -121,7 +128,8 @@ Job::Job(v1::JobSpec spec, Schedule schedule, const JobDefaults& defaults, Clock
                   [this](const MembershipChange& change) ABSL_NO_THREAD_SAFETY_ANALYSIS {
                     // Called by membership_'s operations, under mu_.
                     return Save(StoreDeltaOf(change));
-                  }) {}
+                  }),
+      plans_(spec_, schedule_, created_unix_ms) {}
 
 Job::~Job() = default;
 
@@ -129,10 +137,33 @@ void Job::Restore(const StoredJob& stored, absl::Duration grace) {
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();
   membership_.Restore(stored.header, stored.members, now);
-  grace_until_ = now + std::max(grace, heartbeat_timeout_);
+  grace_until_ = now + std::max(grace, heartbeat_timeout());
   comm_ids_.Clear();
   for (const StoredCommId& c : stored.comm_ids) {
     comm_ids_.Put(CommKey{c.level, c.subgroup, c.key}, c.blob);
+  }
+  if (absl::Status s = plans_.Restore(stored.plan_changes); !s.ok()) {
+    // Never silently another plan: the job stops taking calls until an operator deletes it.
+    spdlog::error("job {}: its stored plans do not load ({}); the job is halted", id(),
+                  s.ToString());
+    halted_ = absl::DataLossError(absl::StrCat("job ", id(), ": its stored plans do not load (",
+                                               s.message(), "); delete and re-create the job"));
+    return;
+  }
+  if (plans_.size() > 1) {
+    const PlanHistory& history = *plans_.history();
+    membership_.SetPlan(history.Latest(), history.SwitchStep(plans_.size() - 1));
+    ApplySoftFields(plans_.plans().back().spec());
+  }
+}
+
+void Job::ApplySoftFields(const v1::JobSpec& spec) {
+  if (spec.heartbeat_timeout_ms() > 0) {
+    heartbeat_timeout_ms_.store(spec.heartbeat_timeout_ms(), std::memory_order_relaxed);
+  }
+  if (membership_.elastic() && spec.min_world_size() > 0 &&
+      spec.min_world_size() < membership_.world_size()) {
+    membership_.SetMinWorldSize(spec.min_world_size());
   }
 }
 
@@ -347,8 +378,9 @@ void Job::FillJoinResponse(int32_t rank, v1::JoinResponse* out) const {
   out->set_world_size(schedule_.world_size());
   out->set_generation(membership_.generation());
   *out->mutable_spec() = spec_;
-  out->set_heartbeat_timeout_ms(absl::ToInt64Milliseconds(heartbeat_timeout_));
+  out->set_heartbeat_timeout_ms(absl::ToInt64Milliseconds(heartbeat_timeout()));
   out->set_admission_step(membership_.member(rank).admitted_step);
+  plans_.AppendAfter(1, out->mutable_plan_changes());
   for (int level = 0; level < schedule_.num_levels(); ++level) {
     const SubgroupRange g = schedule_.SubgroupOf(level, rank);
     v1::Subgroup* s = out->add_subgroups();
@@ -390,6 +422,7 @@ absl::Status Job::Heartbeat(const v1::HeartbeatRequest& request,
   }
   if (absl::Status s = CheckStep(request.step()); !s.ok()) return s;
   const absl::Time now = clock_->Now();
+  Outbox out(this);
   absl::MutexLock lock(&mu_);
   if (!closed_.ok()) return closed_;  // deleted while a stream still held it
   // A rank without a member is answered (the reply tells a worker whose coordinator lost the
@@ -405,6 +438,12 @@ absl::Status Job::Heartbeat(const v1::HeartbeatRequest& request,
   membership_.Heartbeat(request.rank(), request.generation(), request.step(), now);
   // Liveness still counts while halted: the death is written once it can be, of the same ranks.
   if (!halted_.ok()) return halted_;
+  if (membership_.member(request.rank()).present() && request.used_through() >= 0) {
+    plans_.Reported(request.rank(), request.used_through(), request.proposal_answered());
+  }
+  plans_.AppendAfter(request.plans_known(), response->mutable_plan_changes());
+  response->set_proposed_plan(plans_.proposed());
+  if (plans_.proposed() != 0) MaybeFinishProposal(now, &out);
   response->set_state(membership_.state());
   response->set_generation(membership_.generation());
   if (now < grace_until_) {
@@ -434,6 +473,7 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
   const absl::Time now = clock_->Now();
   int64_t generation;
   std::shared_ptr<const MemberSteps> members;
+  std::shared_ptr<const PlanHistory> plans;
   {
     absl::MutexLock lock(&mu_);
     if (!halted_.ok()) return halted_;
@@ -450,32 +490,55 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
     // Progress and liveness count only from the rank's member; anyone may read the decision.
     if (membership_.CheckCredential(rank, request.credential(), "Step", id()).ok()) {
       membership_.RecordStep(rank, request.step(), now);
+      // Handed out to the rank: a later plan switches past it.
+      plans_.Handed(rank, request.step());
     }
+    plans = plans_.history();
   }
-  DecisionToProto(schedule_.DecisionFor(request.step(), rank), generation, response);
+  DecisionToProto(plans->DecisionFor(request.step(), rank), generation, response);
   ApplyMembers(*members, response);
   return absl::OkStatus();
 }
 
 absl::Status Job::GetSchedule(const v1::GetScheduleRequest& request,
                               v1::GetScheduleResponse* response,
-                              const std::function<bool()>& cancelled) const {
-  if (absl::Status s = CheckDecisionWindow(schedule_, request, id(), cancelled); !s.ok()) {
-    return s;
-  }
+                              const std::function<bool()>& cancelled) {
   int64_t generation;
   std::shared_ptr<const MemberSteps> members;
+  std::shared_ptr<const PlanHistory> plans;
+  {
+    absl::MutexLock lock(&mu_);
+    plans = plans_.history();
+  }
+  if (absl::Status s = CheckDecisionWindow(*plans, request, id(), cancelled); !s.ok()) {
+    return s;
+  }
   {
     absl::MutexLock lock(&mu_);
     generation = membership_.generation();
     members = membership_.DecisionMembers();
+    // The decisions handed out are promised: a later plan switches past them. Taken with the
+    // plans they follow, under one lock, so that no update falls between.
+    plans = plans_.history();
+    if (request.has_rank() && !request.credential().empty() &&
+        membership_.CheckCredential(request.rank(), request.credential(), "GetSchedule", id())
+            .ok()) {
+      plans_.Handed(request.rank(), request.from_step() + request.count() - 1);
+    }
+    plans_.AppendAfter(request.plans_known(), response->mutable_plan_changes());
   }
-  return DecisionWindow(schedule_, *members, generation, request, response, cancelled);
+  return DecisionWindow(*plans, *members, generation, request, response, cancelled);
 }
 
-absl::Status Job::ValidateCommRequest(int64_t generation, int32_t level, int32_t subgroup,
-                                      int32_t rank, const std::string& key) const {
-  if (absl::Status s = CheckCommRequest(schedule_, level, subgroup, rank, key, id()); !s.ok()) {
+absl::Status Job::ValidateCommRequest(int64_t generation, int32_t plan, int32_t level,
+                                      int32_t subgroup, int32_t rank,
+                                      const std::string& key) const {
+  if (plan < 0 || plan >= plans_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("plan ", plan, " is outside [0, ",
+                                                   plans_.size(), ") for job ", id()));
+  }
+  const Schedule& schedule = plans_.history()->Plan(plan);
+  if (absl::Status s = CheckCommRequest(schedule, level, subgroup, rank, key, id()); !s.ok()) {
     return s;
   }
   if (generation != membership_.generation()) {
@@ -486,7 +549,7 @@ absl::Status Job::ValidateCommRequest(int64_t generation, int32_t level, int32_t
         "job ", id(), " is ", StateName(membership_.state()), " in generation ",
         membership_.generation(), "; communicator ids are exchanged once the world is complete"));
   }
-  const SubgroupRange g = schedule_.SubgroupOf(level, rank);
+  const SubgroupRange g = schedule.SubgroupOf(level, rank);
   if (g.index != subgroup) {
     return absl::PermissionDeniedError(absl::StrCat(
         "rank ", rank, " is in subgroup ", g.index, " at level ", level,
@@ -501,8 +564,9 @@ absl::Status Job::PublishCommId(const v1::PublishCommIdRequest& request) {
   absl::MutexLock lock(&mu_);
   if (!closed_.ok()) return closed_;
   if (!halted_.ok()) return halted_;
-  if (absl::Status s = ValidateCommRequest(request.generation(), request.level(),
-                                           request.subgroup(), request.rank(), request.key());
+  if (absl::Status s =
+          ValidateCommRequest(request.generation(), request.plan(), request.level(),
+                              request.subgroup(), request.rank(), request.key());
       !s.ok()) {
     return s;
   }
@@ -511,14 +575,14 @@ absl::Status Job::PublishCommId(const v1::PublishCommIdRequest& request) {
       !s.ok()) {
     return s;
   }
-  CommKey key{request.level(), request.subgroup(), request.key()};
+  CommKey key{request.level(), request.subgroup(), PlanKey(request.plan(), request.key())};
   absl::StatusOr<bool> is_new =
       comm_ids_.CheckPublish(key, request.unique_id(), id(), membership_.generation());
   if (!is_new.ok()) return is_new.status();
   if (!*is_new) return absl::OkStatus();
   JobDelta published;
-  published.comm_id =
-      StoredCommId{request.level(), request.subgroup(), request.key(), request.unique_id()};
+  published.comm_id = StoredCommId{request.level(), request.subgroup(), std::get<2>(key),
+                                   request.unique_id()};
   if (absl::Status s = Save(published); !s.ok()) return s;
   comm_ids_.Put(key, request.unique_id());
   spdlog::debug("job {}: rank {} published a {}-byte id for level {}, subgroup {}, key \"{}\" "
@@ -549,8 +613,9 @@ void Job::GetCommId(const v1::GetCommIdRequest& request, absl::Time call_deadlin
         absl::StrCat("timeout_ms must be >= 0 (0: the call's deadline), got ",
                      request.timeout_ms())));
   }
-  if (absl::Status s = ValidateCommRequest(request.generation(), request.level(),
-                                           request.subgroup(), request.rank(), request.key());
+  if (absl::Status s =
+          ValidateCommRequest(request.generation(), request.plan(), request.level(),
+                              request.subgroup(), request.rank(), request.key());
       !s.ok()) {
     return finish(s);
   }
@@ -559,7 +624,7 @@ void Job::GetCommId(const v1::GetCommIdRequest& request, absl::Time call_deadlin
       !s.ok()) {
     return finish(s);
   }
-  CommKey key{request.level(), request.subgroup(), request.key()};
+  CommKey key{request.level(), request.subgroup(), PlanKey(request.plan(), request.key())};
   if (const std::string* blob = comm_ids_.Find(key)) return finish(*blob);
   const absl::Time now = clock_->Now();
   const absl::Duration wait = request.timeout_ms() > 0
@@ -683,7 +748,17 @@ absl::Status Job::ReportPeerFailure(const v1::ReportPeerFailureRequest& request,
 
 absl::Status Job::ReportNonFinite(const v1::ReportNonFiniteRequest& request,
                                   v1::ReportNonFiniteResponse* response) {
-  if (absl::Status s = CheckNonFiniteReport(request, schedule_, id()); !s.ok()) return s;
+  std::shared_ptr<const PlanHistory> plans;
+  {
+    absl::MutexLock lock(&mu_);
+    plans = plans_.history();
+  }
+  // The level is one of the plan in force at the report's step.
+  if (absl::Status s = CheckNonFiniteReport(
+          request, plans->At(std::max<int64_t>(request.step(), 0)), id());
+      !s.ok()) {
+    return s;
+  }
   const int32_t rank = request.rank();
   Outbox out(this);
   absl::MutexLock lock(&mu_);
@@ -825,7 +900,7 @@ bool Job::AllSilent(absl::Time now) const {
     ++in_round;
     const LiveMember& m = membership_.member(r);
     if (m.stream_lost_at != absl::InfiniteFuture() ||
-        now - m.last_heartbeat <= heartbeat_timeout_ * 3 / 4) {
+        now - m.last_heartbeat <= heartbeat_timeout() * 3 / 4) {
       return false;
     }
   }
@@ -841,7 +916,7 @@ void Job::CheckStaleness() {
   // both the grace period and its heartbeat timeout have passed.
   std::vector<int32_t> dead =
       now < grace_until_ ? std::vector<int32_t>{}
-                         : membership_.Stale(now, heartbeat_timeout_, StreamLostGrace());
+                         : membership_.Stale(now, heartbeat_timeout(), StreamLostGrace());
   if (!AllSilent(now)) silent_since_ = absl::InfiniteFuture();
   if (SilentTogether(dead, now) && silent_since_ == absl::InfiniteFuture()) silent_since_ = now;
   if (SilentTogether(dead, now) && now - silent_since_ < MaxSilentTogether()) {
@@ -850,17 +925,18 @@ void Job::CheckStaleness() {
     // dead; the members get what a restart gives them, a grace to re-attach in, renewed while
     // the silence lasts, for at most MaxSilentTogether(). A member that does not come back is
     // declared dead once it is over.
-    if (now >= grace_until_ + heartbeat_timeout_ || grace_until_ == absl::InfinitePast()) {
+    if (now >= grace_until_ + heartbeat_timeout() || grace_until_ == absl::InfinitePast()) {
       spdlog::warn("job {}: all {} members sent no heartbeat for over {} ms and no connection "
                    "broke: this coordinator looks cut off from them; declaring nobody dead "
                    "while it lasts",
-                   id(), dead.size(), absl::ToInt64Milliseconds(heartbeat_timeout_));
+                   id(), dead.size(), absl::ToInt64Milliseconds(heartbeat_timeout()));
     }
-    grace_until_ = now + heartbeat_timeout_;
+    grace_until_ = now + heartbeat_timeout();
     dead.clear();
   }
   if (!dead.empty()) DeclareDead(dead, now, &out);
   ExpireWaits(now, &out);
+  if (plans_.proposed() != 0) MaybeFinishProposal(now, &out);
 }
 
 void Job::DeclareDead(const std::vector<int32_t>& dead, absl::Time now, Outbox* out) {
@@ -982,7 +1058,7 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members, int64_t max_bytes) cons
     }
   }
   *out->mutable_spec() = spec_;
-  out->mutable_spec()->set_heartbeat_timeout_ms(absl::ToInt64Milliseconds(heartbeat_timeout_));
+  out->mutable_spec()->set_heartbeat_timeout_ms(absl::ToInt64Milliseconds(heartbeat_timeout()));
   out->mutable_spec()->set_join_timeout_ms(absl::ToInt64Milliseconds(join_timeout_));
   out->set_state(membership_.state());
   const int64_t generation = membership_.generation();
@@ -1026,6 +1102,19 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members, int64_t max_bytes) cons
   out->set_admissions(admissions_);
   out->set_nonfinite_reports(nonfinite_reports_);
   if (last_nonfinite_) *out->mutable_last_nonfinite() = *last_nonfinite_;
+  for (const v1::PlanChange& c : plans_.plans()) *out->add_plan_history() = c;
+  // The plan in force at the members' smallest step, and the one still to come.
+  const int version = plans_.history()->VersionAt(std::max<int64_t>(min_step, 0));
+  out->set_plan_version(version);
+  if (version > 0) {
+    *out->mutable_spec() = plans_.plans()[version].spec();
+    out->mutable_spec()->set_heartbeat_timeout_ms(
+        absl::ToInt64Milliseconds(heartbeat_timeout()));
+    out->mutable_spec()->set_join_timeout_ms(absl::ToInt64Milliseconds(join_timeout_));
+  }
+  if (const v1::PlanChange* pending = plans_.Pending(std::max<int64_t>(min_step, 0))) {
+    *out->mutable_pending_plan() = *pending;
+  }
 }
 
 std::vector<LoggedEvent> Job::RecentEvents() const {
@@ -1056,7 +1145,184 @@ Job::Stats Job::GetStats() const {
   stats.deaths = deaths_;
   stats.admissions = admissions_;
   stats.nonfinite_reports = nonfinite_reports_;
+  stats.plan_updates = plans_.size() - 1;
   return stats;
+}
+
+void Job::UpdateJob(const v1::UpdateJobRequest& request, UpdateCallback done) {
+  Outbox out(this);
+  absl::MutexLock lock(&mu_);
+  auto fail = [&](absl::Status status) {
+    out.Complete([done = std::move(done), status = std::move(status)]() mutable {
+      done(std::move(status));
+    });
+  };
+  if (!closed_.ok()) return fail(closed_);
+  if (!halted_.ok()) return fail(halted_);
+  v1::JobSpec next = request.spec();
+  next.DiscardUnknownFields();
+  if (next.job_id() != id()) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "spec.job_id \"", EscapeControlCharacters(next.job_id()), "\" is not the job's (\"", id(),
+        "\"): a job's id may not change; name the job in both job_id and spec.job_id")));
+  }
+  absl::StatusOr<ScheduleSpec> schedule_spec = ScheduleSpecFromProto(next);
+  if (!schedule_spec.ok()) return fail(schedule_spec.status());
+  absl::StatusOr<Schedule> schedule = Schedule::Create(*std::move(schedule_spec));
+  if (!schedule.ok()) return fail(schedule.status());
+  const PlanHistory& history = *plans_.history();
+  const ScheduleSpec& current = history.Latest().spec();
+  if (absl::Status s = ValidatePlanChange(current, schedule->spec()); !s.ok()) return fail(s);
+  const int32_t world = schedule_.world_size();
+  const bool elastic_next = next.min_world_size() > 0 && next.min_world_size() < world;
+  if (elastic_next != membership_.elastic()) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "min_world_size ", next.min_world_size(), " would make the ",
+        membership_.elastic() ? "elastic" : "strict", " job ",
+        membership_.elastic() ? "strict" : "elastic",
+        "; a running job keeps its kind (an elastic job's min_world_size may change within 1..",
+        world - 1, ")")));
+  }
+  if (next.join_timeout_ms() != 0 &&
+      absl::Milliseconds(next.join_timeout_ms()) != join_timeout_) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "join_timeout_ms may not change in a running job (", absl::ToInt64Milliseconds(join_timeout_),
+        " -> ", next.join_timeout_ms(), "); leave it 0 or as it is")));
+  }
+  if (membership_.state() != v1::RUNNING) {
+    return fail(absl::FailedPreconditionError(absl::StrCat(
+        "job ", id(), " is ", StateName(membership_.state()),
+        "; UpdateJob changes the plan of a RUNNING job (before the world is complete, delete and "
+        "re-create the job with the new spec)")));
+  }
+  if (plans_.proposed() != 0) {
+    return fail(absl::FailedPreconditionError(absl::StrCat(
+        "job ", id(), ": an update (plan version ", plans_.proposed(),
+        ") is being proposed to the members; retry once it is answered")));
+  }
+  const int64_t min_step = MinStep();
+  if (const v1::PlanChange* pending = plans_.Pending(std::max<int64_t>(min_step, 0))) {
+    return fail(absl::FailedPreconditionError(absl::StrCat(
+        "job ", id(), ": plan version ", pending->version(), " switches at step ",
+        pending->switch_step(), " and the members' smallest step is ", min_step,
+        "; one update at a time: retry once every member has passed the switch")));
+  }
+  const absl::Time now = clock_->Now();
+  if (now < grace_until_) {
+    return fail(absl::UnavailableError(absl::StrCat(
+        "job ", id(), ": the coordinator started ", "recently and its members are re-attaching (",
+        absl::ToInt64Milliseconds(grace_until_ - now),
+        " ms of recovery grace left); it cannot know yet how far each may still go on the "
+        "current plan: retry then")));
+  }
+  if (schedule->spec().warmup_steps != current.warmup_steps) {
+    int64_t max_step = -1;
+    for (int32_t r = 0; r < world; ++r) {
+      if (membership_.InRound(r)) max_step = std::max(max_step, membership_.member(r).last_step);
+    }
+    if (max_step >= current.warmup_steps) {
+      return fail(absl::FailedPreconditionError(absl::StrCat(
+          "warmup_steps may change only while no member has passed the warm-up: a member is at "
+          "step ", max_step, ", past warmup_steps ", current.warmup_steps,
+          "; keep warmup_steps ", current.warmup_steps)));
+    }
+  }
+  const absl::Duration answer_within =
+      std::clamp(heartbeat_timeout(), absl::Seconds(1), absl::Seconds(5));
+  spdlog::info("job {}: proposing plan version {} to its {} members (they answer within {} ms)",
+               id(), plans_.size(), membership_.round_size(),
+               absl::ToInt64Milliseconds(answer_within));
+  plans_.Propose(std::move(next), *std::move(schedule), now + answer_within, std::move(done));
+  MaybeFinishProposal(now, &out);
+}
+
+int64_t Job::MinStep() const {
+  int64_t min_step = -1;
+  for (int32_t r = 0; r < membership_.world_size(); ++r) {
+    if (!membership_.InRound(r)) continue;
+    const int64_t step = membership_.member(r).last_step;
+    if (step >= 0) min_step = min_step < 0 ? step : std::min(min_step, step);
+  }
+  return min_step;
+}
+
+void Job::FailProposal(const absl::Status& status, Outbox* out) {
+  PlanUpdates::Proposal p = plans_.TakeProposal();
+  spdlog::warn("job {}: plan version {} not accepted: {}", id(), p.version, status.ToString());
+  out->Complete([done = std::move(p.done), status]() mutable { done(status); });
+}
+
+void Job::MaybeFinishProposal(absl::Time now, Outbox* out) {
+  if (membership_.state() != v1::RUNNING) {
+    return FailProposal(absl::AbortedError(absl::StrCat(
+                            "job ", id(), " left RUNNING (", StateName(membership_.state()),
+                            ") while the update was proposed; retry once it runs again")),
+                        out);
+  }
+  std::vector<int32_t> members;
+  std::vector<int64_t> steps;
+  int64_t floor = 0;
+  int32_t answered = 0;
+  for (int32_t r = 0; r < membership_.world_size(); ++r) {
+    if (!membership_.InRound(r)) continue;
+    const LiveMember& m = membership_.member(r);
+    members.push_back(r);
+    steps.push_back(m.last_step);
+    // Admissions planned already happen under the plan they were planned in.
+    floor = std::max(floor, m.admitted_step + 1);
+    if (plans_.Answered(r)) ++answered;
+  }
+  const bool all = answered == static_cast<int32_t>(members.size());
+  if (!all && now < plans_.proposal()->deadline) return;
+  const int64_t switch_step = plans_.ChooseSwitchStep(members, steps, floor);
+  PlanUpdates::Proposal p = plans_.TakeProposal();
+  const ScheduleSpec& current = plans_.history()->Latest().spec();
+  if (p.schedule.spec().warmup_steps != current.warmup_steps &&
+      switch_step > current.warmup_steps) {
+    out->Complete([done = std::move(p.done), switch_step, w = current.warmup_steps]() mutable {
+      done(absl::FailedPreconditionError(absl::StrCat(
+          "warmup_steps may change only before the members pass the warm-up, and the switch "
+          "would be at step ", switch_step, ", past warmup_steps ", w, "; keep warmup_steps ",
+          w)));
+    });
+    return;
+  }
+  v1::PlanChange change = PlanUpdates::ChangeOf(p, switch_step, UnixMs(now));
+  JobDelta delta;
+  delta.plan_change = change;
+  if (absl::Status s = Save(delta); !s.ok()) {
+    out->Complete([done = std::move(p.done), s]() mutable { done(s); });
+    return;
+  }
+  const Schedule latest = p.schedule;
+  if (absl::Status s = plans_.Accept(change, std::move(p.schedule)); !s.ok()) {
+    // Validated above; a failure here is a bug, and nothing was changed in memory.
+    spdlog::error("job {}: plan version {} was written but not accepted: {}", id(),
+                  change.version(), s.ToString());
+    out->Complete([done = std::move(p.done), s]() mutable { done(absl::InternalError(s.message())); });
+    return;
+  }
+  membership_.SetPlan(latest, switch_step);
+  ApplySoftFields(change.spec());
+  const std::string message = absl::StrCat(
+      "plan version ", change.version(), " accepted: every member switches to it at step ",
+      switch_step, " (", answered, " of ", members.size(), " members gave back their decisions",
+      all ? "" : "; the others hold the switch back to the end of theirs", ")");
+  spdlog::info("job {}: {}", id(), message);
+  v1::GenerationChange entry;
+  entry.set_generation(membership_.generation());
+  entry.set_rank(-1);
+  entry.set_reason(absl::StrCat("plan version ", change.version(), " from step ", switch_step));
+  entry.set_unix_ms(UnixMs(now));
+  history_.AddGeneration(std::move(entry));
+  AddEvent(v1::JobEvent::PLAN_UPDATED, -1, message, false, out);
+  v1::UpdateJobResponse response;
+  response.set_switch_step(switch_step);
+  response.set_plan_version(change.version());
+  ToProtoLocked(response.mutable_job(), false);
+  out->Complete([done = std::move(p.done), response = std::move(response)]() mutable {
+    done(std::move(response));
+  });
 }
 
 void Job::Close(const absl::Status& status, bool deleted) {
@@ -1065,6 +1331,7 @@ void Job::Close(const absl::Status& status, bool deleted) {
   if (!closed_.ok()) return;
   closed_ = status;
   FailAllWaits(status, &out);
+  if (plans_.proposed() != 0) FailProposal(status, &out);
   if (deleted) AddEvent(v1::JobEvent::JOB_DELETED, -1, status.ToString(), false, &out);
   std::vector<std::shared_ptr<JobWatcher>> closing;
   for (auto& [wid, w] : watchers_) closing.push_back(std::move(w));

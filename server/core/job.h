@@ -9,6 +9,7 @@
 #define MODELAVG_SERVER_CORE_JOB_H_
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -30,6 +31,7 @@
 #include "server/core/request_checks.h"
 #include "server/membership/decisions.h"
 #include "server/membership/membership.h"
+#include "server/membership/plan_updates.h"
 #include "server/membership/peer_reports.h"
 #include "server/store/state_store.h"
 
@@ -88,7 +90,10 @@ class Job {
   const v1::JobSpec& spec() const { return spec_; }
   int32_t world_size() const { return schedule_.world_size(); }
   int64_t created_unix_ms() const { return created_unix_ms_; }
-  absl::Duration heartbeat_timeout() const { return heartbeat_timeout_; }
+  // May change with UpdateJob (from the moment it is accepted).
+  absl::Duration heartbeat_timeout() const {
+    return absl::Milliseconds(heartbeat_timeout_ms_.load(std::memory_order_relaxed));
+  }
   absl::Duration join_timeout() const { return join_timeout_; }
 
   // Rendezvous (the contract in docs/coordinator.md). `done` gets the JoinResponse once
@@ -128,7 +133,7 @@ class Job {
   // polled while the answer is built: once it says true the call stops with CANCELLED.
   absl::Status GetSchedule(const v1::GetScheduleRequest& request,
                            v1::GetScheduleResponse* response,
-                           const std::function<bool()>& cancelled = nullptr) const;
+                           const std::function<bool()>& cancelled = nullptr);
 
   // Stores a bootstrap blob for the current generation. INVALID_ARGUMENT (level, subgroup, rank,
   // key length, empty or oversize blob), FAILED_PRECONDITION (stale generation, job not
@@ -166,7 +171,7 @@ class Job {
   // How long a peer failure report counts: twice the heartbeat timeout, at least 5 s (the
   // members of a failed round report within about a second of each other).
   absl::Duration PeerReportTtl() const {
-    return std::max(2 * heartbeat_timeout_, absl::Seconds(5));
+    return std::max(2 * heartbeat_timeout(), absl::Seconds(5));
   }
 
   // Registers a watcher; its first event is a SNAPSHOT. Returns an id for Unwatch.
@@ -176,6 +181,17 @@ class Job {
   // Completes the wait with CANCELLED if it is still pending (no-op otherwise). A cancelled Join
   // leaves the round so the rank is free again.
   void CancelWait(WaitId wait_id);
+
+  // A new plan for the RUNNING job (docs/plan-updates.md). `done` gets the switch step once the
+  // members answered the proposal (or its deadline passed) and the plan is written. Or:
+  //   INVALID_ARGUMENT    the spec does not validate (as CreateJob's), or changes job_id,
+  //                       world_size, mode, replica_size or whether the job is elastic
+  //   FAILED_PRECONDITION the job is not RUNNING; an update is being proposed or has not
+  //                       switched yet; warmup_steps changes after a member passed it
+  //   UNAVAILABLE         the members have not all re-attached since the coordinator started
+  //                       (retry after the recovery grace); the plan could not be written
+  //   ABORTED             the job left RUNNING or was deleted while the update was proposed
+  void UpdateJob(const v1::UpdateJobRequest& request, UpdateCallback done);
 
   // Heartbeat timeouts (RUNNING only) and due waits, as of the clock's now. Called periodically.
   void CheckStaleness();
@@ -200,6 +216,8 @@ class Job {
     // Members' reports of non-finite values (ReportNonFinite) since the job was created (or
     // restored).
     int64_t nonfinite_reports = 0;
+    // Plans accepted by UpdateJob since the job was created (or restored: all stored ones).
+    int64_t plan_updates = 0;
   };
   Stats GetStats() const;
 
@@ -218,7 +236,7 @@ class Job {
   class Outbox;
 
   // How long after a broken HeartbeatStream a member without a beat since is declared dead.
-  absl::Duration StreamLostGrace() const { return heartbeat_timeout_ / 2; }
+  absl::Duration StreamLostGrace() const { return heartbeat_timeout() / 2; }
   // Whether members are `stale` while every member of the round (two or more) has been silent
   // for over 3/4 of the heartbeat timeout and none of their heartbeat streams broke: the
   // coordinator, not the members, lost the network.
@@ -228,7 +246,7 @@ class Job {
   bool AllSilent(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // How long a silence of every member is ridden through before the silent are declared dead
   // as usual (they may all be gone: a whole job killed at once).
-  absl::Duration MaxSilentTogether() const { return 3 * heartbeat_timeout_; }
+  absl::Duration MaxSilentTogether() const { return 3 * heartbeat_timeout(); }
   // A sharded replacement waits for the rest of its replica (Membership::Waiting) until
   // `deadline`; `superseding`: the same worker waited already (its older Join ends).
   void WaitForReplica(int32_t rank, bool superseding, std::string credential,
@@ -263,18 +281,27 @@ class Job {
   void FillJoinResponse(int32_t rank, v1::JoinResponse* out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string StaleMessage(int64_t generation) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ValidateCommRequest(int64_t generation, int32_t level, int32_t subgroup,
-                                   int32_t rank, const std::string& key) const
+  absl::Status ValidateCommRequest(int64_t generation, int32_t plan, int32_t level,
+                                   int32_t subgroup, int32_t rank, const std::string& key) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ToProtoLocked(v1::Job* out, bool with_members,
                      int64_t max_bytes = kMaxJobReplyBytes) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AddEvent(v1::JobEvent::Kind kind, int32_t rank, const std::string& message,
                 bool with_members, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the proposal under way once every member of the round answered it or its deadline
+  // passed (`now`): chooses the switch step, writes the plan, answers UpdateJob.
+  void MaybeFinishProposal(absl::Time now, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailProposal(const absl::Status& status, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The fields of an accepted plan that take effect at once (heartbeat timeout, an elastic
+  // job's min_world_size).
+  void ApplySoftFields(const v1::JobSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The members' smallest step in the current generation (-1 when none reported).
+  int64_t MinStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const v1::JobSpec spec_;
   const Schedule schedule_;
-  const absl::Duration heartbeat_timeout_;
+  std::atomic<int64_t> heartbeat_timeout_ms_;
   const absl::Duration join_timeout_;
   Clock* const clock_;
   const int64_t created_unix_ms_;
@@ -295,6 +322,8 @@ class Job {
   int64_t nonfinite_reports_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<v1::NonFiniteReport> last_nonfinite_ ABSL_GUARDED_BY(mu_);
   CommIdStore comm_ids_ ABSL_GUARDED_BY(mu_);
+  // The job's plans, the members' promises and the update being proposed.
+  PlanUpdates plans_ ABSL_GUARDED_BY(mu_);
   // Peer failure reports of the current generation (ReportPeerFailure).
   PeerReports peer_reports_ ABSL_GUARDED_BY(mu_){PeerReportTtl()};
   EventLog history_ ABSL_GUARDED_BY(mu_);

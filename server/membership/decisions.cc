@@ -48,7 +48,7 @@ bool ApplyMembers(const MemberSteps& view, v1::StepDecision* d) {
   return left_out;
 }
 
-absl::Status CheckDecisionWindow(const Schedule& schedule, const v1::GetScheduleRequest& request,
+absl::Status CheckDecisionWindow(const PlanHistory& plans, const v1::GetScheduleRequest& request,
                                  const std::string& job_id,
                                  const std::function<bool()>& cancelled) {
   if (request.from_step() < 0) {
@@ -62,7 +62,7 @@ absl::Status CheckDecisionWindow(const Schedule& schedule, const v1::GetSchedule
   if (request.from_step() > INT64_MAX - request.count()) {
     return absl::InvalidArgumentError("from_step + count overflows int64");
   }
-  const int32_t world = schedule.world_size();
+  const int32_t world = plans.world_size();
   if (request.has_rank() && (request.rank() < 0 || request.rank() >= world)) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", request.rank(), " is outside [0, ",
                                                    world, ") for job ", job_id));
@@ -72,6 +72,7 @@ absl::Status CheckDecisionWindow(const Schedule& schedule, const v1::GetSchedule
   int64_t bytes = 0;
   for (int64_t s = request.from_step(); s < request.from_step() + request.count(); ++s) {
     if (Gone(cancelled, s - request.from_step())) return Cancelled();
+    const Schedule& schedule = plans.At(s);
     const int level = schedule.LevelAt(s);
     if (level < 0) {
       bytes += 20;
@@ -86,14 +87,14 @@ absl::Status CheckDecisionWindow(const Schedule& schedule, const v1::GetSchedule
   return absl::OkStatus();
 }
 
-absl::Status DecisionWindow(const Schedule& schedule, const MemberSteps& members,
+absl::Status DecisionWindow(const PlanHistory& plans, const MemberSteps& members,
                             int64_t generation, const v1::GetScheduleRequest& request,
                             v1::GetScheduleResponse* response,
                             const std::function<bool()>& cancelled) {
   response->set_generation(generation);
   const std::vector<Decision> decisions =
-      request.has_rank() ? schedule.Window(request.from_step(), request.count(), request.rank())
-                         : schedule.WindowAllSubgroups(request.from_step(), request.count());
+      request.has_rank() ? plans.Window(request.from_step(), request.count(), request.rank())
+                         : plans.WindowAllSubgroups(request.from_step(), request.count());
   response->mutable_decisions()->Reserve(static_cast<int>(decisions.size()));
   for (size_t i = 0; i < decisions.size(); ++i) {
     if (Gone(cancelled, static_cast<int64_t>(i) + 1)) {

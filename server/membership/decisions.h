@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "modelavg/common/plan_history.h"
 #include "modelavg/common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
 #include "server/membership/admission.h"
@@ -28,7 +29,7 @@ bool ApplyMembers(const MemberSteps& view, v1::StepDecision* d);
 // INVALID_ARGUMENT for from_step < 0, count outside [1, kMaxScheduleCount], a rank outside the
 // world of job `job_id`, or an answer that would exceed kMaxScheduleReplyBytes (estimated from
 // below); CANCELLED once `cancelled` (may be null, polled now and then) says true.
-absl::Status CheckDecisionWindow(const Schedule& schedule, const v1::GetScheduleRequest& request,
+absl::Status CheckDecisionWindow(const PlanHistory& plans, const v1::GetScheduleRequest& request,
                                  const std::string& job_id,
                                  const std::function<bool()>& cancelled);
 
@@ -36,7 +37,7 @@ absl::Status CheckDecisionWindow(const Schedule& schedule, const v1::GetSchedule
 // restricted to `members`; a block with no member at a step is left out of a window of every
 // subgroup. INVALID_ARGUMENT when the answer built exceeds kMaxScheduleReplyBytes, CANCELLED as
 // above; `response` is then empty.
-absl::Status DecisionWindow(const Schedule& schedule, const MemberSteps& members,
+absl::Status DecisionWindow(const PlanHistory& plans, const MemberSteps& members,
                             int64_t generation, const v1::GetScheduleRequest& request,
                             v1::GetScheduleResponse* response,
                             const std::function<bool()>& cancelled);

@@ -303,9 +303,10 @@ absl::StatusOr<Membership::AdmissionStep> Membership::ChooseAdmissionStep(
     margin = static_cast<int64_t>(
         std::min(notice + kMinAdmissionMargin, static_cast<double>(kMaxAdmissionMargin)));
   }
-  const int64_t floor = max_reported > std::numeric_limits<int64_t>::max() - margin
-                            ? std::numeric_limits<int64_t>::max()
-                            : max_reported + margin;
+  const int64_t floor = std::max(plan_from_, max_reported > std::numeric_limits<int64_t>::max() -
+                                                             margin
+                                                 ? std::numeric_limits<int64_t>::max()
+                                                 : max_reported + margin);
   absl::StatusOr<int64_t> step = FindAdmissionStep(schedule_, ranks, from_step, floor, job_id);
   if (!step.ok()) return step.status();
   return AdmissionStep{*step, floor, margin, max_reported};

@@ -135,6 +135,9 @@ class Membership {
 
   int32_t world_size() const { return static_cast<int32_t>(members_.size()); }
   int32_t min_world_size() const { return min_world_size_; }
+  // A plan update of an elastic job (UpdateJob): the job keeps running while at least this many
+  // ranks are alive (1..world_size-1; checked by the caller). Takes effect at the next death.
+  void SetMinWorldSize(int32_t min_world_size) { min_world_size_ = min_world_size; }
   bool elastic() const { return min_world_size_ < world_size(); }
   // RUNNING: ranks no live member holds (vacancies of an elastic job), ascending; else empty.
   std::vector<int32_t> VacantRanks() const;
@@ -143,6 +146,12 @@ class Membership {
   int32_t round_size() const { return round_size_; }
   // The ranks of one replica (1: every rank holds a whole one).
   int32_t replica_size() const { return schedule_.replica_size(); }
+  // A plan update (docs/plan-updates.md): admissions are chosen at steps >= `switch_step`,
+  // following `plan` (those planned before stay where they are: the switch step lies past them).
+  void SetPlan(Schedule plan, int64_t switch_step) {
+    schedule_ = std::move(plan);
+    plan_from_ = switch_step;
+  }
   // Sharded replicas: replacement ranks waiting for the rest of their replica (not members).
   bool Waiting(int32_t rank) const { return waiting_.count(rank) > 0; }
   std::vector<int32_t> WaitingRanks() const;
@@ -331,8 +340,10 @@ class Membership {
   void Begin();
   void Rollback();
 
-  const Schedule schedule_;
-  const int32_t min_world_size_;
+  // The latest plan, in force from plan_from_ on (admissions are chosen from it).
+  Schedule schedule_;
+  int64_t plan_from_ = 0;
+  int32_t min_world_size_;
   const MembershipWriter write_;
   v1::JobState state_ = v1::PENDING;
   int64_t generation_ = 1;

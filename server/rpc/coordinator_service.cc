@@ -506,6 +506,8 @@ CoordinatorService::CoordinatorService(JobRegistry* registry, AuthOptions auth,
                  v1::ReportPeerFailureResponse, Role::kWorker, kPeerReportRequestBytes);
   MODELAVG_ROUTE(ReportNonFinite, v1::ReportNonFiniteRequest, v1::ReportNonFiniteResponse,
                  Role::kWorker, kSmallRequestBytes);
+  MODELAVG_ROUTE(UpdateJob, v1::UpdateJobRequest, v1::UpdateJobResponse, Role::kOperator,
+                 kSmallRequestBytes);
 #undef MODELAVG_ROUTE
   add(RpcMethod::kWatchJob, Role::kWorker, "WatchJob", kSmallRequestBytes,
       [this](grpc::GenericCallbackServerContext* ctx, const Route& route) {
@@ -674,6 +676,18 @@ void CoordinatorService::DoReportPeerFailure(
   absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
   if (!job.ok()) return call->Reply(job.status());
   call->Reply((*job)->ReportPeerFailure(call->request, &call->response));
+}
+
+void CoordinatorService::DoUpdateJob(grpc::CallbackServerContext*,
+                                     Call<v1::UpdateJobRequest, v1::UpdateJobResponse>* call) {
+  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
+  if (!job.ok()) return call->Reply(job.status());
+  // Answered once the members gave back their decisions (a few heartbeat intervals at most):
+  // nothing may touch `call` after this.
+  (*job)->UpdateJob(call->request, [call](absl::StatusOr<v1::UpdateJobResponse> result) {
+    if (result.ok()) call->response = *std::move(result);
+    call->Reply(result.status());
+  });
 }
 
 void CoordinatorService::DoReportNonFinite(

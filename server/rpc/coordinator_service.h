@@ -46,7 +46,8 @@ using TypedCoordinatorService =
     v1::Coordinator::WithGenericMethod_Ping<
     v1::Coordinator::WithGenericMethod_ReportPeerFailure<
     v1::Coordinator::WithGenericMethod_ReportNonFinite<
-    v1::Coordinator::Service>>>>>>>>>>>>>>>>>;
+    v1::Coordinator::WithGenericMethod_UpdateJob<
+    v1::Coordinator::Service>>>>>>>>>>>>>>>>>>;
 
 // The largest request each method takes, in bytes (serialized): sized to the largest legitimate
 // message, each capped by the server's receive limit (ServerOptions::max_request_bytes).
@@ -114,6 +115,8 @@ class CoordinatorService final : public TypedCoordinatorService,
   void DoReportPeerFailure(
       grpc::CallbackServerContext* ctx,
       Call<v1::ReportPeerFailureRequest, v1::ReportPeerFailureResponse>* call);
+  void DoUpdateJob(grpc::CallbackServerContext* ctx,
+                   Call<v1::UpdateJobRequest, v1::UpdateJobResponse>* call);
   void DoReportNonFinite(
       grpc::CallbackServerContext* ctx,
       Call<v1::ReportNonFiniteRequest, v1::ReportNonFiniteResponse>* call);

@@ -50,6 +50,10 @@ class JobsCollector final : public prometheus::Collectable {
                                        "their contribution to a round and kept them out of it, "
                                        "since the job was created or the coordinator restarted",
                                        prometheus::MetricType::Gauge, {}};
+    prometheus::MetricFamily plan_updates{"modelavg_job_plan_updates_total",
+                                          "Plans UpdateJob accepted for the job (its plan "
+                                          "history less the first plan)",
+                                          prometheus::MetricType::Counter, {}};
     prometheus::MetricFamily job_state{"modelavg_job_state",
                                        "1 for the job's current state (label state), 0 for the "
                                        "others", prometheus::MetricType::Gauge, {}};
@@ -70,6 +74,12 @@ class JobsCollector final : public prometheus::Collectable {
       add(deaths, static_cast<double>(stats.deaths));
       add(admissions, static_cast<double>(stats.admissions));
       add(nonfinite, static_cast<double>(stats.nonfinite_reports));
+      {
+        prometheus::ClientMetric m;
+        m.label.push_back({"job", job->id()});
+        m.counter.value = static_cast<double>(stats.plan_updates);
+        plan_updates.metric.push_back(std::move(m));
+      }
       for (const auto& [state, n] : by_state) {
         prometheus::ClientMetric m;
         m.label.push_back({"job", job->id()});
@@ -86,7 +96,8 @@ class JobsCollector final : public prometheus::Collectable {
     }
     return {std::move(jobs),   std::move(workers), std::move(generation),
             std::move(lag),    std::move(vacant),  std::move(deaths),
-            std::move(admissions), std::move(nonfinite), std::move(job_state)};
+            std::move(admissions), std::move(nonfinite), std::move(plan_updates),
+            std::move(job_state)};
   }
 
  private:
@@ -99,7 +110,7 @@ const char* RpcMethodName(RpcMethod method) {
   static constexpr const char* kNames[] = {
       "CreateJob", "GetJob",        "ListJobs",  "DeleteJob", "Join",     "Heartbeat", "Step",
       "GetSchedule", "PublishCommId", "GetCommId", "Leave",     "WatchJob", "Ping", "HeartbeatStream",
-      "ReportPeerFailure", "HostHeartbeatStream", "ReportNonFinite"};
+      "ReportPeerFailure", "HostHeartbeatStream", "ReportNonFinite", "UpdateJob"};
   return kNames[static_cast<int>(method)];
 }
 

@@ -25,7 +25,7 @@ namespace modelavg::server {
 enum class RpcMethod {
   kCreateJob, kGetJob, kListJobs, kDeleteJob, kJoin, kHeartbeat, kStep, kGetSchedule,
   kPublishCommId, kGetCommId, kLeave, kWatchJob, kPing, kHeartbeatStream,
-  kReportPeerFailure, kHostHeartbeatStream, kReportNonFinite,
+  kReportPeerFailure, kHostHeartbeatStream, kReportNonFinite, kUpdateJob,
   kCount  // number of methods
 };
 const char* RpcMethodName(RpcMethod method);

@@ -16,6 +16,7 @@ absl::StatusOr<std::vector<StoredJob>> InMemoryStateStore::LoadAll() {
     job.created_unix_ms = e.created_unix_ms;
     job.header = e.header;
     for (const auto& [rank, m] : e.members) job.members.push_back(m);
+    job.plan_changes = e.plan_changes;
     for (const auto& [key, blob] : e.comm_ids) {
       job.comm_ids.push_back(
           StoredCommId{std::get<0>(key), std::get<1>(key), std::get<2>(key), blob});
@@ -64,6 +65,9 @@ absl::Status InMemoryStateStore::Apply(absl::string_view job_id, const JobDelta&
   if (delta.comm_id.has_value()) {
     const StoredCommId& c = *delta.comm_id;
     e.comm_ids[CommKey{c.level, c.subgroup, c.key}] = c.blob;
+  }
+  if (delta.plan_change.has_value()) {
+    e.plan_changes.push_back(*delta.plan_change);
   }
   ++applied_;
   return absl::OkStatus();

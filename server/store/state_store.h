@@ -45,6 +45,8 @@ struct StoredJob {
   // Only ranks that ever joined (present members), in rank order.
   std::vector<Member> members;
   std::vector<StoredCommId> comm_ids;
+  // The plans UpdateJob accepted (versions 1, 2, ...; version 0 is `spec`), in version order.
+  std::vector<v1::PlanChange> plan_changes;
 };
 
 // One transition of a job, written atomically: all of it or nothing.
@@ -57,9 +59,12 @@ struct JobDelta {
   // (before comm_id below is added).
   bool clear_comm_ids = false;
   std::optional<StoredCommId> comm_id;
+  // A plan UpdateJob accepted (kept for the job's life: plans are never dropped).
+  std::optional<v1::PlanChange> plan_change;
 
   bool empty() const {
-    return !header.has_value() && members.empty() && !clear_comm_ids && !comm_id.has_value();
+    return !header.has_value() && members.empty() && !clear_comm_ids && !comm_id.has_value() &&
+           !plan_change.has_value();
   }
 };
 
@@ -109,6 +114,7 @@ class InMemoryStateStore final : public StateStore {
     MembershipHeader header;
     std::map<int32_t, Member> members;
     std::map<CommKey, std::string> comm_ids;
+    std::vector<v1::PlanChange> plan_changes;
   };
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> jobs_ ABSL_GUARDED_BY(mu_);

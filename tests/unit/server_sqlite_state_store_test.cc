@@ -208,7 +208,7 @@ INSERT INTO members VALUES('a', 1, 'w1', 'h1', 2, 3, 1, 'd1');
     d.members.push_back(retired);
     ASSERT_TRUE(store->Apply("a", d).ok());
   }
-  EXPECT_EQ(QueryOne(db(), "PRAGMA user_version"), "4");
+  EXPECT_EQ(QueryOne(db(), "PRAGMA user_version"), "5");
   auto store = Open();
   absl::StatusOr<std::vector<StoredJob>> jobs = store->LoadAll();
   ASSERT_TRUE(jobs.ok()) << jobs.status();

@@ -33,6 +33,7 @@
 #include "modelavg/client/cancel_token.h"
 #include "modelavg/client/connection.h"
 #include "modelavg/client/membership_view.h"
+#include "modelavg/common/plan_history.h"
 #include "modelavg/common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
 
@@ -173,7 +174,12 @@ class Client {
   int64_t joined_generation() const { return joined_generation_; }
   // Whether the job is elastic (JobSpec.min_world_size below world_size).
   bool elastic() const { return elastic_; }
+  // The job's first plan (world size, replica size and mode never change).
   const Schedule& schedule() const { return schedule_; }
+  // The job's plans as this rank holds them (UpdateJob adds to them, docs/plan-updates.md): a
+  // decision's levels are those of its plan, plans().Plan(decision.plan). The reference stays
+  // valid for the client's life (a later call may return a longer history).
+  const PlanHistory& plans() const;
   const std::string& job_id() const { return options_.job_id; }
   // This membership's credential (secret; see ClientOptions::credential).
   const std::string& credential() const { return options_.credential; }

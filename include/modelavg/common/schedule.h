@@ -162,6 +162,9 @@ struct Decision {
   std::vector<int32_t> joining;
   // The job generation the decision was taken in (0: not known).
   int64_t generation = 0;
+  // The version of the job's plan the decision follows (plan_history.h): `level` indexes that
+  // plan's levels. 0: the plan the job was created with.
+  int32_t plan = 0;
 
   // The chosen level has an outer optimizer (ScheduleLevel::outer; average only).
   bool outer = false;
@@ -174,7 +177,8 @@ struct Decision {
   // Compares what the schedule decides (step, level, subgroup), not the membership.
   bool operator==(const Decision& o) const {
     return step == o.step && average == o.average && level == o.level && period == o.period &&
-           fragment == o.fragment && fragments == o.fragments && subgroup == o.subgroup;
+           fragment == o.fragment && fragments == o.fragments && subgroup == o.subgroup &&
+           plan == o.plan;
   }
 };
 
@@ -225,7 +229,16 @@ class Schedule {
   // The first step >= warmup at which `level` averages, or -1 if there is none within
   // kFirstStepSearch of its period's multiples (a level shadowed by a later one). The first
   // averaging step of an outer level sets the anchors.
-  int64_t FirstStepOf(int level) const;
+  int64_t FirstStepOf(int level) const { return FirstStepFrom(level, 0); }
+
+  // The first step >= max(from, warmup) at which `level` averages, or -1 as FirstStepOf. After
+  // a plan change at step E, FirstStepFrom(level, E) is where a level that starts afresh sets
+  // its anchors (plan_history.h).
+  int64_t FirstStepFrom(int level, int64_t from) const;
+
+  // The first step >= max(from, warmup) at which `level` syncs `fragment`, or -1 within
+  // kFirstStepSearch of its step period's multiples.
+  int64_t FirstSyncFrom(int level, int32_t fragment, int64_t from) const;
 
   // What `rank` does at `step`. Precondition: step >= 0, 0 <= rank < world_size.
   Decision DecisionFor(int64_t step, int32_t rank) const;

@@ -168,6 +168,8 @@ absl::StatusOr<std::vector<StoredJob>> EtcdStateStore::LoadAll() {
   };
   std::vector<CommEntry> comm;
   std::vector<std::pair<std::string, const mvccpb::KeyValue*>> buckets;
+  // Plans in key order (the version's digits): version order.
+  std::vector<std::pair<std::string, const mvccpb::KeyValue*>> plans;
   for (const mvccpb::KeyValue& kv : reply->kvs()) {
     absl::string_view rest = kv.key();
     rest.remove_prefix(jobs_prefix.size());
@@ -189,6 +191,8 @@ absl::StatusOr<std::vector<StoredJob>> EtcdStateStore::LoadAll() {
       buckets.emplace_back(job, &kv);
     } else if (parts[1] == "c" && parts.size() == 4) {
       comm.push_back(CommEntry{job, std::string(parts[2]), &kv});
+    } else if (parts[1] == "p" && parts.size() == 3) {
+      plans.emplace_back(job, &kv);
     } else {
       return corrupt("not a key this coordinator writes");
     }
@@ -213,6 +217,15 @@ absl::StatusOr<std::vector<StoredJob>> EtcdStateStore::LoadAll() {
     }
     ids[c.job].push_back(StoredCommId{r.level(), r.subgroup(), r.key(), r.blob()});
   }
+  std::map<std::string, std::vector<v1::PlanChange>> job_plans;
+  for (const auto& [job, kv] : plans) {
+    v1::PlanChange change;
+    if (mirrors.find(job) == mirrors.end() || !change.ParseFromString(kv->value())) {
+      return absl::DataLossError(
+          absl::StrCat("etcd key ", kv->key(), ": a plan record without its job, or damaged"));
+    }
+    job_plans[job].push_back(std::move(change));
+  }
   for (auto& [id, mirror] : mirrors) {
     StoredJob job;
     job.spec = mirror->record.spec();
@@ -220,6 +233,7 @@ absl::StatusOr<std::vector<StoredJob>> EtcdStateStore::LoadAll() {
     job.header = GetHeader(mirror->record);
     for (const auto& [rank, m] : mirror->members) job.members.push_back(m);
     job.comm_ids = std::move(ids[id]);
+    job.plan_changes = std::move(job_plans[id]);
     jobs.push_back(std::move(job));
   }
   absl::MutexLock lock(&mu_);
@@ -327,6 +341,10 @@ absl::Status EtcdStateStore::Apply(absl::string_view job_id, const JobDelta& del
         absl::StrCat(comm_prefix, Epoch(record.comm_epoch()), "/", c.level, ":", c.subgroup, ":",
                      absl::BytesToHexString(c.key)),
         r.SerializeAsString());
+  }
+  if (delta.plan_change.has_value()) {
+    Put(&txn, absl::StrCat(job_prefix, "p/", absl::StrFormat("%06d", delta.plan_change->version())),
+        delta.plan_change->SerializeAsString());
   }
   if (txn.success_size() == 0) return absl::OkStatus();
   bool refused = false;

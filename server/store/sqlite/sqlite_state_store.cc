@@ -24,8 +24,9 @@ constexpr int32_t kApplicationId = 0x6d617667;
 // then have no credential and re-join). Version 3 added members.admitted_step; a version 2 file
 // is upgraded in place (its members are of the starting world: -1). Version 4 added
 // members.retired_by and members.retired_at_step (sharded replicas); a version 3 file is
-// upgraded in place (nobody retired: -1 and 0).
-constexpr int kSchemaVersion = 4;
+// upgraded in place (nobody retired: -1 and 0). Version 5 added the plans table (UpdateJob); a
+// version 4 file is upgraded in place (no job has been updated).
+constexpr int kSchemaVersion = 5;
 // How long a write waits for a reader that holds the file (sqlite3's .backup, VACUUM INTO).
 constexpr int kBusyTimeoutMs = 10000;
 
@@ -59,6 +60,12 @@ CREATE TABLE comm_ids(             -- the current generation's bootstrap ids
   key TEXT NOT NULL,
   blob BLOB NOT NULL,
   PRIMARY KEY(job_id, level, subgroup, key)
+) WITHOUT ROWID;
+CREATE TABLE plans(                -- the plans UpdateJob accepted (version 0 is jobs.spec)
+  job_id TEXT NOT NULL,
+  version INTEGER NOT NULL,
+  change BLOB NOT NULL,            -- modelavg.v1.PlanChange, binary protobuf
+  PRIMARY KEY(job_id, version)
 ) WITHOUT ROWID;
 )sql";
 
@@ -298,6 +305,10 @@ absl::StatusOr<std::unique_ptr<SqliteStateStore>> SqliteStateStore::Open(const s
        "BEGIN IMMEDIATE; ALTER TABLE members ADD COLUMN retired_by INTEGER NOT NULL "
        "DEFAULT -1; ALTER TABLE members ADD COLUMN retired_at_step INTEGER NOT NULL DEFAULT 0; "
        "PRAGMA user_version=4; COMMIT;"},
+      {"4",
+       "BEGIN IMMEDIATE; CREATE TABLE plans(job_id TEXT NOT NULL, version INTEGER NOT NULL, "
+       "change BLOB NOT NULL, PRIMARY KEY(job_id, version)) WITHOUT ROWID; "
+       "PRAGMA user_version=5; COMMIT;"},
   };
   for (const Upgrade& upgrade : kUpgrades) {
     if (*version != upgrade.from) continue;
@@ -357,6 +368,8 @@ SqliteStateStore::~SqliteStateStore() {
   delete_member_.reset();
   insert_comm_id_.reset();
   job_exists_.reset();
+  delete_plans_.reset();
+  insert_plan_.reset();
   // A clean close checkpoints the WAL into state.db.
   sqlite3_close(db_);
 }
@@ -384,6 +397,8 @@ absl::Status SqliteStateStore::Prepare() {
        "INSERT OR REPLACE INTO comm_ids(job_id, level, subgroup, key, blob) "
        "VALUES(?1, ?2, ?3, ?4, ?5)"},
       {&job_exists_, "SELECT 1 FROM jobs WHERE job_id = ?1"},
+      {&delete_plans_, "DELETE FROM plans WHERE job_id = ?1"},
+      {&insert_plan_, "INSERT INTO plans(job_id, version, change) VALUES(?1, ?2, ?3)"},
   };
   for (auto& s : statements) {
     sqlite3_stmt* stmt = nullptr;
@@ -564,6 +579,25 @@ absl::StatusOr<std::vector<StoredJob>> SqliteStateStore::LoadAll() {
                                          text(3), blob(4)});
   }
   if (absl::Status s = finish(rc); !s.ok()) return s;
+
+  j = 0;
+  if (absl::Status s = query("SELECT job_id, version, change FROM plans ORDER BY job_id, version");
+      !s.ok()) {
+    return s;
+  }
+  while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
+    StoredJob* job = find(text(0));
+    if (job == nullptr) continue;
+    v1::PlanChange change;
+    if (!change.ParseFromString(blob(2)) || change.version() != sqlite3_column_int64(stmt, 1)) {
+      bad.push_back(absl::StrCat("job ", job->spec.job_id(), ": plan version ",
+                                 sqlite3_column_int64(stmt, 1)));
+      continue;
+    }
+    job->plan_changes.push_back(std::move(change));
+  }
+  if (absl::Status s = finish(rc); !s.ok()) return s;
+  if (!bad.empty()) return damaged(absl::StrCat("holds unreadable rows (", bad[0], ")"));
   return jobs;
 }
 
@@ -591,7 +625,8 @@ absl::Status SqliteStateStore::DeleteJob(absl::string_view job_id) {
   if (absl::Status s = CheckInPlace(); !s.ok()) return s;
   if (absl::Status s = Exec("BEGIN IMMEDIATE"); !s.ok()) return Error(std::string(s.message()));
   absl::Status s;
-  for (Statement* st : {delete_comm_ids_.get(), delete_members_.get(), delete_job_.get()}) {
+  for (Statement* st : {delete_comm_ids_.get(), delete_members_.get(), delete_plans_.get(),
+                        delete_job_.get()}) {
     absl::StatusOr<int> done = st->Bind(1, job_id).Run();
     if (!done.ok()) {
       s = done.status();
@@ -669,6 +704,13 @@ absl::Status SqliteStateStore::ApplyLocked(absl::string_view job_id, const JobDe
                                    .Bind(3, int64_t{c.subgroup})
                                    .Bind(4, c.key)
                                    .BindBlob(5, c.blob)
+                                   .Run();
+    if (!done.ok()) return done.status();
+  }
+  if (delta.plan_change.has_value()) {
+    absl::StatusOr<int> done = insert_plan_->Bind(1, job_id)
+                                   .Bind(2, int64_t{delta.plan_change->version()})
+                                   .BindBlob(3, delta.plan_change->SerializeAsString())
                                    .Run();
     if (!done.ok()) return done.status();
   }

@@ -87,6 +87,8 @@ class SqliteStateStore final : public StateStore {
   std::unique_ptr<Statement> delete_member_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Statement> insert_comm_id_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Statement> job_exists_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Statement> delete_plans_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Statement> insert_plan_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace modelavg::server
