@@ -195,6 +195,17 @@ absl::Status CoordinatorClient::DeleteJob(const std::string& job_id) {
   return Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->DeleteJob(&ctx, req, &out); }), "DeleteJob");
 }
 
+absl::StatusOr<v1::UpdateJobResponse> CoordinatorClient::UpdateJob(const v1::JobSpec& spec) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, std::max(options_.rpc_timeout, absl::Seconds(15)));
+  v1::UpdateJobRequest req;
+  req.set_job_id(spec.job_id());
+  *req.mutable_spec() = spec;
+  v1::UpdateJobResponse out;
+  MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->UpdateJob(&ctx, req, &out); }), "UpdateJob"));
+  return out;
+}
+
 absl::StatusOr<v1::JoinResponse> CoordinatorClient::Join(const v1::JoinRequest& request,
                                                          absl::Duration timeout,
                                                          CancelToken* cancel) {

@@ -105,6 +105,9 @@ class CoordinatorClient {
   // Every job: walks ListJobs' pages (next_page_token stays empty in the result).
   absl::StatusOr<v1::ListJobsResponse> ListJobs();
   absl::Status DeleteJob(const std::string& job_id);
+  // A new plan for a running job (docs/plan-updates.md): waits for the members' answers (a few
+  // heartbeat intervals, at most about 5 s), so its deadline is at least 15 s.
+  absl::StatusOr<v1::UpdateJobResponse> UpdateJob(const v1::JobSpec& spec);
   // With `cancel` (not owned; outlives the call), its Cancel() ends the call with CANCELLED.
   absl::StatusOr<v1::JoinResponse> Join(const v1::JoinRequest& request, absl::Duration timeout,
                                         CancelToken* cancel = nullptr);
