@@ -179,6 +179,7 @@ void DecisionToProto(const Decision& d, int64_t generation, v1::StepDecision* ou
   out->Clear();
   out->set_step(d.step);
   out->set_generation(generation);
+  out->set_plan(d.plan);
   if (!d.average) {
     out->set_action(v1::SKIP);
     return;
@@ -189,7 +190,6 @@ void DecisionToProto(const Decision& d, int64_t generation, v1::StepDecision* ou
   out->set_outer(d.outer);
   out->set_fragment(d.fragment);
   out->set_fragments(d.fragments);
-  out->set_plan(d.plan);
   out->set_subgroup(d.subgroup.index);
   out->mutable_ranks()->Reserve(d.subgroup.size);
   for (int32_t i = 0; i < d.subgroup.size; ++i) out->add_ranks(d.subgroup.RankAt(i));
@@ -205,6 +205,7 @@ Decision DecisionFromProto(const v1::StepDecision& d) {
   Decision out;
   out.step = d.step();
   out.generation = d.generation();
+  out.plan = d.plan();
   if (d.action() != v1::AVERAGE) return out;
   out.average = true;
   out.level = d.level();
@@ -212,7 +213,6 @@ Decision DecisionFromProto(const v1::StepDecision& d) {
   out.outer = d.outer();
   out.fragment = d.fragment();
   out.fragments = d.fragments() > 0 ? d.fragments() : 1;
-  out.plan = d.plan();
   out.subgroup.index = d.subgroup();
   out.subgroup.size = d.ranks_size();
   out.subgroup.first_rank = d.ranks_size() > 0 ? d.ranks(0) : 0;

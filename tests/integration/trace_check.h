@@ -59,6 +59,7 @@ struct TraceLine {
   int64_t unix_ms = -1;  // -1: the worker ran without --unix_ms
   std::string text;      // the line as printed
   int32_t fragment = 0;  // "fragment" (streaming levels; 0 when absent)
+  int32_t plan = 0;      // "plan" (after a plan update; 0 when absent)
   std::vector<double> values;  // "values": one per tensor (--tensors=T); empty when absent
 };
 
@@ -130,6 +131,9 @@ inline absl::StatusOr<TraceLine> ParseTraceLine(const std::string& text) {
   double fragment = 0;
   if (absl::Status s = number("fragment", false, &fragment); !s.ok()) return s;
   line.fragment = static_cast<int32_t>(fragment);
+  double plan = 0;
+  if (absl::Status s = number("plan", false, &plan); !s.ok()) return s;
+  line.plan = static_cast<int32_t>(plan);
   if (auto values = f.find("values"); values != f.end()) {
     if (values->second.kind_case() != google::protobuf::Value::kListValue) {
       return absl::InvalidArgumentError(absl::StrCat("\"values\" is not a list: ", text));

@@ -16,6 +16,8 @@
 // admitted at that step (they contributed nothing and received the others' average; usually
 // empty); generation is the job's generation the decision was taken in. With --unix_ms each line
 // also has "unix_ms": the wall-clock time (ms since the epoch) when the call returned.
+// After a plan update (UpdateJob, docs/plan-updates.md) each line from the switch step on has
+// "plan": the version of the plan that decided it.
 // An AVERAGE line also has "outer": whether the step's level has an outer optimizer (the
 // decision's StepDecision.outer; DiLoCo, docs/diloco.md): its value then follows the outer rule.
 // --save_state writes the parameters and the averager's state_dict() after the last step;
@@ -651,6 +653,7 @@ absl::Status Run(StopSignals& stop, std::string* stopped) {
     if (decision->average && decision->fragments > 1) {
       absl::StrAppend(&line, ", \"fragment\": ", decision->fragment);
     }
+    if (decision->plan > 0) absl::StrAppend(&line, ", \"plan\": ", decision->plan);
     if (tensors > 1) {
       std::vector<std::string> heads;
       for (int32_t t = 0; t < tensors; ++t) {

@@ -25,6 +25,9 @@ modelavg_add_gtest(server_peer_reports_test SOURCES server_peer_reports_test.cc
 # Non-finite values reported by a member: recorded; an elastic job retires the member.
 modelavg_add_gtest(server_nonfinite_test SOURCES server_nonfinite_test.cc
                    LIBS modelavg_server_core)
+# UpdateJob: the proposal, the switch step from the members' answers, the plan kept across a
+# restart of the core, refused changes.
+modelavg_add_gtest(server_update_test SOURCES server_update_test.cc LIBS modelavg_server_core)
 # The streaming reactors' write queue (one write in flight, the deferred Finish).
 modelavg_add_gtest(server_stream_writes_test SOURCES server_stream_writes_test.cc
                    LIBS modelavg_server)

@@ -498,7 +498,7 @@ class ElasticJobTest : public ::testing::Test {
   }
 
   // Decisions for steps [from, from + count): of `rank`, or of every subgroup.
-  std::vector<v1::StepDecision> Window(const Job& job, int64_t from, int64_t count,
+  std::vector<v1::StepDecision> Window(Job& job, int64_t from, int64_t count,
                                        std::optional<int> rank) {
     v1::GetScheduleRequest req;
     req.set_job_id("e");

@@ -358,7 +358,7 @@ class ShardedJobTest : public ::testing::Test {
     return state;
   }
 
-  v1::StepDecision Decision(const Job& job, int rank, int64_t step) {
+  v1::StepDecision Decision(Job& job, int rank, int64_t step) {
     v1::GetScheduleRequest req;
     req.set_job_id("s");
     req.set_from_step(step);

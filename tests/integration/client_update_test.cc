@@ -1,0 +1,373 @@
+// UpdateJob with real processes (docs/plan-updates.md): a coordinator and modelavg-trace-worker
+// ranks over Gloo on loopback; the plan changes while the job runs, and every rank's value at
+// every step is compared with a naive re-statement of the rule (plan_reference.h: the old plan
+// before the switch step E, the new one from E, outer states carried or started afresh), with
+// the trace's "plan" at every step: a period changed, a level added, DiLoCo's outer lr decayed
+// twice, in a strict and an elastic job; the coordinator killed (-9) between UpdateJob and E and
+// restarted on its state: E survives and every member switches at it; and every refused change
+// (a clear error and the running job unchanged).
+#include <signal.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/rpc/coordinator_client.h"
+#include "gtest/gtest.h"
+#include "tests/integration/client_job_harness.h"
+#include "tests/integration/client_test_processes.h"
+#include "tests/integration/plan_reference.h"
+#include "tests/integration/trace_check.h"
+#include "tests/tools/make_job_spec.h"
+#include "tests/tools/temp_dir.h"
+
+namespace modelavg::testing {
+namespace {
+
+constexpr absl::Duration kRunDeadline = absl::Seconds(120);
+
+// The highest step `p` has printed (-1: none).
+int64_t LastStep(Process& p) {
+  int64_t last = -1;
+  for (const std::string& line : p.OutLines()) {
+    absl::StatusOr<TraceLine> l = ParseTraceLine(line);
+    if (l.ok()) last = std::max(last, l->step);
+  }
+  return last;
+}
+
+class ClientUpdateTest : public ::testing::Test {
+ protected:
+  explicit ClientUpdateTest(std::vector<std::string> coordinator_flags = {})
+      : cluster_("update", std::move(coordinator_flags)) {}
+  ~ClientUpdateTest() override { workers_.clear(); }
+
+  // Creates `spec` and starts its ranks for `steps` steps, each step at least `delay_ms`.
+  void Start(const v1::JobSpec& spec, int64_t steps, int64_t delay_ms) {
+    ASSERT_TRUE(cluster_.ok()) << cluster_.dir();
+    absl::StatusOr<v1::Job> made = cluster_.admin()->CreateJob(spec);
+    ASSERT_TRUE(made.ok()) << made.status();
+    for (int r = 0; r < spec.world_size(); ++r) {
+      std::vector<std::string> argv = {MODELAVG_TRACE_WORKER_BIN,
+                                       "--coordinator=" + cluster_.coordinator().address(),
+                                       "--job=" + spec.job_id(),
+                                       absl::StrCat("--rank=", r),
+                                       absl::StrCat("--world_size=", spec.world_size()),
+                                       absl::StrCat("--steps=", steps),
+                                       "--numel=8",
+                                       "--backend=gloo",
+                                       absl::StrCat("--step_delay_ms=", delay_ms),
+                                       "--join_timeout_ms=30000",
+                                       "--collective_timeout_ms=30000",
+                                       "--log_level=info"};
+      workers_.push_back(std::make_unique<Process>(
+          argv, absl::StrCat(cluster_.dir(), "/", spec.job_id(), "-rank", r)));
+    }
+  }
+
+  // Waits until every rank has printed `step`.
+  void WaitForStep(int64_t step) {
+    const absl::Time deadline = absl::Now() + kRunDeadline;
+    for (auto& w : workers_) {
+      while (LastStep(*w) < step) {
+        ASSERT_LT(absl::Now(), deadline) << "no rank reached step " << step << ": " << w->err();
+        ASSERT_FALSE(w->Wait(absl::ZeroDuration()).has_value()) << w->err();
+        absl::SleepFor(absl::Milliseconds(5));
+      }
+    }
+  }
+
+  // UpdateJob; the switch step, after checking what the answer says.
+  int64_t Update(const v1::JobSpec& spec, int expect_version) {
+    int64_t before = -1;
+    for (auto& w : workers_) before = std::max(before, LastStep(*w));
+    absl::StatusOr<v1::UpdateJobResponse> r = cluster_.admin()->UpdateJob(spec);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return -1;
+    EXPECT_EQ(r->plan_version(), expect_version);
+    EXPECT_GT(r->switch_step(), before);
+    EXPECT_EQ(r->job().pending_plan().version(), expect_version);
+    EXPECT_EQ(r->job().pending_plan().switch_step(), r->switch_step());
+    // Soon: the members gave back their windows (4096 steps), so the switch lies well within
+    // the window they held when the update came.
+    EXPECT_LT(r->switch_step(), before + 4096) << "no member gave back its window";
+    std::printf("plan version %d switches at step %lld; the ranks had printed up to step %lld\n",
+                expect_version, static_cast<long long>(r->switch_step()),
+                static_cast<long long>(before));
+    return r->switch_step();
+  }
+
+  // Every rank exits 0; every line follows the reference.
+  void ExpectFollowsReference(const std::vector<std::pair<v1::JobSpec, int64_t>>& plans,
+                              int64_t steps) {
+    const auto want = PlanReference(plans, steps);
+    const int world = plans[0].first.world_size();
+    ASSERT_EQ(workers_.size(), static_cast<size_t>(world));
+    for (int r = 0; r < world; ++r) {
+      std::optional<int> code = workers_[r]->Wait(kRunDeadline);
+      ASSERT_EQ(code.value_or(-1), 0) << "rank " << r << ": " << workers_[r]->err();
+      absl::StatusOr<Trace> t = ParseTrace(absl::StrCat("rank ", r), workers_[r]->out());
+      ASSERT_TRUE(t.ok()) << t.status();
+      ASSERT_EQ(t->lines.size(), static_cast<size_t>(steps)) << "rank " << r;
+      for (int64_t s = 0; s < steps; ++s) {
+        const TraceLine& l = t->lines[s];
+        const PlanReferenceStep& w = want[s][r];
+        const std::string where = absl::StrCat("rank ", r, " step ", s, ": ", l.text);
+        ASSERT_EQ(l.step, s) << where;
+        EXPECT_EQ(l.plan, w.plan) << where;
+        EXPECT_EQ(l.action, w.average ? "AVERAGE" : "SKIP") << where;
+        EXPECT_EQ(l.level, w.level) << where;
+        EXPECT_EQ(l.outer, w.outer) << where;
+        EXPECT_NEAR(l.value, w.value, std::max(1e-3, 1e-6 * std::fabs(w.value)))
+            << where << " (reference " << w.value << ")";
+      }
+    }
+  }
+
+  // GetJob's plan history: versions, switch steps.
+  void ExpectHistory(const std::string& job, const std::vector<int64_t>& switch_steps) {
+    absl::StatusOr<v1::Job> j = cluster_.admin()->GetJob(job);
+    ASSERT_TRUE(j.ok()) << j.status();
+    ASSERT_EQ(j->plan_history_size(), static_cast<int>(switch_steps.size()));
+    for (int v = 0; v < j->plan_history_size(); ++v) {
+      EXPECT_EQ(j->plan_history(v).version(), v);
+      EXPECT_EQ(j->plan_history(v).switch_step(), switch_steps[v]);
+    }
+  }
+
+  Cluster cluster_;
+  std::vector<std::unique_ptr<Process>> workers_;
+};
+
+v1::JobSpec WithOuter(v1::JobSpec spec, int level, double lr, double momentum, bool nesterov) {
+  v1::OuterOptimizer* o = spec.mutable_levels(level)->mutable_outer();
+  o->set_lr(lr);
+  o->set_momentum(momentum);
+  o->set_nesterov(nesterov);
+  return spec;
+}
+
+TEST_F(ClientUpdateTest, PeriodChangedMidRun_EveryRankEveryStepFollowsTheNewPlanFromE) {
+  const v1::JobSpec a = MakeSpec("period", 4, v1::HIERARCHICAL, {{2, 2}, {4, 4}}, 0, 3000);
+  const v1::JobSpec b = MakeSpec("period", 4, v1::HIERARCHICAL, {{3, 2}, {8, 4}}, 0, 3000);
+  constexpr int64_t kSteps = 1600;
+  Start(a, kSteps, 1);
+  WaitForStep(100);
+  const int64_t e = Update(b, 1);
+  ASSERT_GT(e, 0);
+  ASSERT_LT(e, kSteps) << "the run ended before the switch: make it longer";
+  ExpectFollowsReference({{a, 0}, {b, e}}, kSteps);
+  ExpectHistory("period", {0, e});
+}
+
+TEST_F(ClientUpdateTest, OuterLevelAddedMidRun_ItStartsWithAPlainAverageAfterE) {
+  const v1::JobSpec a = MakeSpec("added", 4, v1::HIERARCHICAL, {{2, 2}, {8, 4}}, 0, 3000);
+  v1::JobSpec b = MakeSpec("added", 4, v1::HIERARCHICAL, {{2, 2}, {8, 4}, {16, 4}}, 0, 3000);
+  b = WithOuter(b, 2, 0.7, 0.9, true);
+  constexpr int64_t kSteps = 1600;
+  Start(a, kSteps, 1);
+  WaitForStep(100);
+  const int64_t e = Update(b, 1);
+  ASSERT_GT(e, 0);
+  ASSERT_LT(e, kSteps);
+  ExpectFollowsReference({{a, 0}, {b, e}}, kSteps);
+}
+
+TEST_F(ClientUpdateTest, DiLoCoOuterLrDecayedTwice_AnchorsAndMomentaCarryAcross) {
+  v1::JobSpec a = MakeSpec("decay", 4, v1::HIERARCHICAL, {{2, 2}, {8, 4}}, 0, 3000);
+  a = WithOuter(a, 1, 0.7, 0.9, true);
+  const v1::JobSpec b = WithOuter(a, 1, 0.35, 0.9, true);
+  const v1::JobSpec c = WithOuter(a, 1, 0.175, 0.9, true);
+  constexpr int64_t kSteps = 2600;
+  Start(a, kSteps, 1);
+  WaitForStep(100);
+  const int64_t e1 = Update(b, 1);
+  ASSERT_GT(e1, 0);
+  WaitForStep(e1 + 50);
+  const int64_t e2 = Update(c, 2);
+  ASSERT_GT(e2, e1);
+  ASSERT_LT(e2, kSteps);
+  ExpectFollowsReference({{a, 0}, {b, e1}, {c, e2}}, kSteps);
+  ExpectHistory("decay", {0, e1, e2});
+}
+
+TEST_F(ClientUpdateTest, ElasticJob_GroupSizeOfAnOuterLevelChanged_ItStartsAfresh) {
+  v1::JobSpec a = MakeSpec("elastic", 4, v1::HIERARCHICAL, {{2, 2}, {8, 4}}, 0, 3000);
+  a.set_min_world_size(2);
+  a = WithOuter(a, 0, 0.8, 0.5, false);
+  v1::JobSpec b = MakeSpec("elastic", 4, v1::HIERARCHICAL, {{4, 4}, {8, 4}}, 0, 3000);
+  b.set_min_world_size(3);
+  b = WithOuter(b, 0, 0.8, 0.5, false);
+  constexpr int64_t kSteps = 1600;
+  Start(a, kSteps, 1);
+  WaitForStep(100);
+  const int64_t e = Update(b, 1);
+  ASSERT_GT(e, 0);
+  ASSERT_LT(e, kSteps);
+  ExpectFollowsReference({{a, 0}, {b, e}}, kSteps);
+  absl::StatusOr<v1::Job> j = cluster_.admin()->GetJob("elastic");
+  ASSERT_TRUE(j.ok());
+  EXPECT_EQ(j->spec().min_world_size(), 3);
+}
+
+// Each refusal names what is wrong, and the running job keeps its one plan.
+TEST_F(ClientUpdateTest, RefusedChanges_ClearErrorsAndTheJobUnchanged) {
+  const v1::JobSpec a = MakeSpec("refused", 2, v1::HIERARCHICAL, {{2, 2}}, 50, 3000);
+  // Not RUNNING yet: nobody joined.
+  ASSERT_TRUE(cluster_.ok());
+  ASSERT_TRUE(cluster_.admin()->CreateJob(a).ok());
+  absl::StatusOr<v1::UpdateJobResponse> pending = cluster_.admin()->UpdateJob(a);
+  EXPECT_TRUE(absl::IsFailedPrecondition(pending.status())) << pending.status();
+  EXPECT_TRUE(absl::StrContains(pending.status().message(), "RUNNING")) << pending.status();
+  ASSERT_TRUE(cluster_.admin()->DeleteJob("refused").ok());
+
+  Start(a, 4000, 1);
+  WaitForStep(60);  // past the warm-up of 50
+  struct Case {
+    std::string what;
+    v1::JobSpec spec;
+    absl::StatusCode code;
+    std::string names;
+  };
+  std::vector<Case> cases;
+  v1::JobSpec world = MakeSpec("refused", 4, v1::HIERARCHICAL, {{2, 2}, {4, 4}}, 50, 3000);
+  cases.push_back({"world_size", world, absl::StatusCode::kInvalidArgument, "world_size"});
+  v1::JobSpec mode = a;
+  mode.set_mode(v1::PERIODIC);
+  cases.push_back({"mode", mode, absl::StatusCode::kInvalidArgument, "mode"});
+  v1::JobSpec replica = a;
+  replica.set_replica_size(2);
+  replica.mutable_levels(0)->set_group_size(2);
+  cases.push_back({"replica_size", replica, absl::StatusCode::kInvalidArgument, "replica_size"});
+  v1::JobSpec elastic = a;
+  elastic.set_min_world_size(1);
+  cases.push_back({"min_world_size", elastic, absl::StatusCode::kInvalidArgument,
+                   "min_world_size"});
+  v1::JobSpec warmup = a;
+  warmup.set_warmup_steps(10);
+  cases.push_back({"warmup_steps", warmup, absl::StatusCode::kFailedPrecondition,
+                   "warmup_steps"});
+  v1::JobSpec bad = a;
+  bad.mutable_levels(0)->set_period(0);
+  cases.push_back({"a spec CreateJob refuses", bad, absl::StatusCode::kInvalidArgument,
+                   "period"});
+  v1::JobSpec other = a;
+  other.set_job_id("another");
+  for (const Case& c : cases) {
+    absl::StatusOr<v1::UpdateJobResponse> r = cluster_.admin()->UpdateJob(c.spec);
+    EXPECT_EQ(r.status().code(), c.code) << c.what << ": " << r.status();
+    EXPECT_TRUE(absl::StrContains(r.status().message(), c.names)) << c.what << ": "
+                                                                   << r.status();
+  }
+  // Another job's spec names another job: that one does not exist.
+  absl::StatusOr<v1::UpdateJobResponse> mismatch = cluster_.admin()->UpdateJob(other);
+  EXPECT_TRUE(absl::IsNotFound(mismatch.status())) << mismatch.status();
+  absl::StatusOr<v1::Job> j = cluster_.admin()->GetJob("refused");
+  ASSERT_TRUE(j.ok());
+  EXPECT_EQ(j->plan_history_size(), 1);
+  EXPECT_FALSE(j->has_pending_plan());
+  EXPECT_EQ(j->state(), v1::RUNNING);
+  for (auto& w : workers_) w->Signal(SIGTERM);
+}
+
+// The coordinator, killed (-9) between UpdateJob and the switch step and restarted on its state
+// directory (same port): the plan and E survive, and every member switches at E.
+TEST(ClientUpdateRestartTest, CoordinatorKilledBetweenUpdateAndSwitch_EveryMemberSwitchesAtE) {
+  TempDir dir("update_restart");
+  ASSERT_FALSE(dir.path().empty());
+  const std::string state = dir.path() + "/state";
+  int runs = 0;
+  auto start = [&](const std::string& listen) {
+    const std::string run = absl::StrCat(dir.path(), "/run", runs++);
+    std::filesystem::create_directories(run);
+    std::vector<std::string> flags = {"--state_dir=" + state, "--log_level=info"};
+    if (!listen.empty()) flags.push_back("--listen=" + listen);
+    std::unique_ptr<CoordinatorProcess> c;
+    // The killed incarnation's port can take a moment to be free again.
+    for (int attempt = 0; attempt < 50; ++attempt) {
+      c = std::make_unique<CoordinatorProcess>(MODELAVG_COORDINATOR_BIN, run, flags);
+      if (!c->address().empty() || listen.empty()) break;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    return c;
+  };
+  std::unique_ptr<CoordinatorProcess> coordinator = start("");
+  ASSERT_FALSE(coordinator->address().empty()) << coordinator->process().err();
+  const std::string address = coordinator->address();
+  client::ConnectionOptions o;
+  o.coordinator = address;
+  absl::StatusOr<std::unique_ptr<client::CoordinatorClient>> admin =
+      client::CoordinatorClient::Create(o);
+  ASSERT_TRUE(admin.ok());
+  v1::JobSpec a = MakeSpec("restart", 4, v1::HIERARCHICAL, {{2, 2}, {8, 4}}, 0, 3000);
+  a = WithOuter(a, 1, 0.7, 0.9, true);
+  const v1::JobSpec b = WithOuter(MakeSpec("restart", 4, v1::HIERARCHICAL, {{4, 2}, {16, 4}},
+                                           0, 3000),
+                                  1, 0.35, 0.9, true);
+  ASSERT_TRUE((*admin)->CreateJob(a).ok());
+  constexpr int64_t kSteps = 1500;
+  std::vector<std::unique_ptr<Process>> workers;
+  for (int r = 0; r < 4; ++r) {
+    workers.push_back(std::make_unique<Process>(
+        std::vector<std::string>{MODELAVG_TRACE_WORKER_BIN, "--coordinator=" + address,
+                                 "--job=restart", absl::StrCat("--rank=", r), "--world_size=4",
+                                 absl::StrCat("--steps=", kSteps), "--numel=8", "--backend=gloo",
+                                 "--step_delay_ms=2", "--log_level=info"},
+        absl::StrCat(dir.path(), "/restart-rank", r)));
+  }
+  const absl::Time deadline = absl::Now() + kRunDeadline;
+  while (LastStep(*workers[0]) < 100) {
+    ASSERT_LT(absl::Now(), deadline) << workers[0]->err();
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  absl::StatusOr<v1::UpdateJobResponse> r = (*admin)->UpdateJob(b);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const int64_t e = r->switch_step();
+  coordinator->process().Signal(SIGKILL);
+  coordinator->process().Wait(absl::Seconds(10));
+  int64_t at_kill = -1;
+  for (auto& w : workers) at_kill = std::max(at_kill, LastStep(*w));
+  std::printf("killed the coordinator at step %lld; the switch is at step %lld\n",
+              static_cast<long long>(at_kill), static_cast<long long>(e));
+  coordinator = start(address);
+  ASSERT_FALSE(coordinator->address().empty()) << coordinator->process().err();
+  // The restarted coordinator has the plan and its switch step.
+  {
+    absl::StatusOr<std::unique_ptr<client::CoordinatorClient>> again =
+        client::CoordinatorClient::Create(o);
+    ASSERT_TRUE(again.ok());
+    absl::StatusOr<v1::Job> j = (*again)->GetJob("restart");
+    ASSERT_TRUE(j.ok()) << j.status();
+    ASSERT_EQ(j->plan_history_size(), 2);
+    EXPECT_EQ(j->plan_history(1).switch_step(), e);
+  }
+  const auto want = PlanReference({{a, 0}, {b, e}}, kSteps);
+  for (int rank = 0; rank < 4; ++rank) {
+    std::optional<int> code = workers[rank]->Wait(kRunDeadline);
+    ASSERT_EQ(code.value_or(-1), 0) << "rank " << rank << ": " << workers[rank]->err();
+    absl::StatusOr<Trace> t = ParseTrace(absl::StrCat("rank ", rank), workers[rank]->out());
+    ASSERT_TRUE(t.ok()) << t.status();
+    ASSERT_EQ(t->lines.size(), static_cast<size_t>(kSteps));
+    for (int64_t s = 0; s < kSteps; ++s) {
+      const TraceLine& l = t->lines[s];
+      const PlanReferenceStep& w = want[s][rank];
+      const std::string where = absl::StrCat("rank ", rank, " step ", s, ": ", l.text);
+      EXPECT_EQ(l.plan, w.plan) << where;
+      EXPECT_EQ(l.level, w.level) << where;
+      EXPECT_NEAR(l.value, w.value, std::max(1e-3, 1e-6 * std::fabs(w.value))) << where;
+    }
+  }
+  workers.clear();
+  coordinator.reset();
+}
+
+}  // namespace
+}  // namespace modelavg::testing
