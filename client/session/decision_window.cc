@@ -24,8 +24,8 @@ std::string Describe(const Decision& d) {
 constexpr absl::Duration kWaitPoll = absl::Milliseconds(20);
 // How far ahead a rank keeps using what it holds once a new plan is proposed: about this long of
 // its steps (at least kMinGiveBackSteps), so that it learns the switch step before it gets
-// there.
-constexpr absl::Duration kGiveBackAfter = absl::Seconds(1);
+// there (the answer and the switch step take a beat each, ~100 ms apiece).
+constexpr absl::Duration kGiveBackAfter = absl::Milliseconds(500);
 constexpr int64_t kMinGiveBackSteps = 2;
 
 }  // namespace
@@ -187,7 +187,8 @@ DecisionWindow::BeatFields DecisionWindow::OnBeat(int64_t step) {
   if (pace_step_ < 0 || step < pace_step_) {
     pace_step_ = step;
     pace_time_ = now;
-  } else if (now - pace_time_ >= absl::Seconds(1)) {
+  } else if (now - pace_time_ >= absl::Milliseconds(steps_per_second_ > 0 ? 1000 : 200)) {
+    // A first estimate after 200 ms, then one a second.
     steps_per_second_ = static_cast<double>(step - pace_step_) /
                         absl::ToDoubleSeconds(now - pace_time_);
     pace_step_ = step;

@@ -126,7 +126,8 @@ class ClientUpdateTest : public ::testing::Test {
         EXPECT_EQ(l.action, w.average ? "AVERAGE" : "SKIP") << where;
         EXPECT_EQ(l.level, w.level) << where;
         EXPECT_EQ(l.outer, w.outer) << where;
-        EXPECT_NEAR(l.value, w.value, std::max(1e-3, 1e-6 * std::fabs(w.value)))
+        // float32 parameters and state (values grow to ~1e7) against double arithmetic.
+        EXPECT_NEAR(l.value, w.value, std::max(1e-3, 1e-5 * std::fabs(w.value)))
             << where << " (reference " << w.value << ")";
       }
     }
@@ -158,9 +159,9 @@ v1::JobSpec WithOuter(v1::JobSpec spec, int level, double lr, double momentum, b
 TEST_F(ClientUpdateTest, PeriodChangedMidRun_EveryRankEveryStepFollowsTheNewPlanFromE) {
   const v1::JobSpec a = MakeSpec("period", 4, v1::HIERARCHICAL, {{2, 2}, {4, 4}}, 0, 3000);
   const v1::JobSpec b = MakeSpec("period", 4, v1::HIERARCHICAL, {{3, 2}, {8, 4}}, 0, 3000);
-  constexpr int64_t kSteps = 1600;
-  Start(a, kSteps, 1);
-  WaitForStep(100);
+  constexpr int64_t kSteps = 700;
+  Start(a, kSteps, 2);
+  WaitForStep(60);
   const int64_t e = Update(b, 1);
   ASSERT_GT(e, 0);
   ASSERT_LT(e, kSteps) << "the run ended before the switch: make it longer";
@@ -172,9 +173,9 @@ TEST_F(ClientUpdateTest, OuterLevelAddedMidRun_ItStartsWithAPlainAverageAfterE) 
   const v1::JobSpec a = MakeSpec("added", 4, v1::HIERARCHICAL, {{2, 2}, {8, 4}}, 0, 3000);
   v1::JobSpec b = MakeSpec("added", 4, v1::HIERARCHICAL, {{2, 2}, {8, 4}, {16, 4}}, 0, 3000);
   b = WithOuter(b, 2, 0.7, 0.9, true);
-  constexpr int64_t kSteps = 1600;
-  Start(a, kSteps, 1);
-  WaitForStep(100);
+  constexpr int64_t kSteps = 700;
+  Start(a, kSteps, 2);
+  WaitForStep(60);
   const int64_t e = Update(b, 1);
   ASSERT_GT(e, 0);
   ASSERT_LT(e, kSteps);
@@ -186,12 +187,12 @@ TEST_F(ClientUpdateTest, DiLoCoOuterLrDecayedTwice_AnchorsAndMomentaCarryAcross)
   a = WithOuter(a, 1, 0.7, 0.9, true);
   const v1::JobSpec b = WithOuter(a, 1, 0.35, 0.9, true);
   const v1::JobSpec c = WithOuter(a, 1, 0.175, 0.9, true);
-  constexpr int64_t kSteps = 2600;
-  Start(a, kSteps, 1);
-  WaitForStep(100);
+  constexpr int64_t kSteps = 1000;
+  Start(a, kSteps, 2);
+  WaitForStep(60);
   const int64_t e1 = Update(b, 1);
   ASSERT_GT(e1, 0);
-  WaitForStep(e1 + 50);
+  WaitForStep(e1 + 20);
   const int64_t e2 = Update(c, 2);
   ASSERT_GT(e2, e1);
   ASSERT_LT(e2, kSteps);
@@ -206,9 +207,9 @@ TEST_F(ClientUpdateTest, ElasticJob_GroupSizeOfAnOuterLevelChanged_ItStartsAfres
   v1::JobSpec b = MakeSpec("elastic", 4, v1::HIERARCHICAL, {{4, 4}, {8, 4}}, 0, 3000);
   b.set_min_world_size(3);
   b = WithOuter(b, 0, 0.8, 0.5, false);
-  constexpr int64_t kSteps = 1600;
-  Start(a, kSteps, 1);
-  WaitForStep(100);
+  constexpr int64_t kSteps = 700;
+  Start(a, kSteps, 2);
+  WaitForStep(60);
   const int64_t e = Update(b, 1);
   ASSERT_GT(e, 0);
   ASSERT_LT(e, kSteps);
@@ -313,7 +314,7 @@ TEST(ClientUpdateRestartTest, CoordinatorKilledBetweenUpdateAndSwitch_EveryMembe
                                            0, 3000),
                                   1, 0.35, 0.9, true);
   ASSERT_TRUE((*admin)->CreateJob(a).ok());
-  constexpr int64_t kSteps = 1500;
+  constexpr int64_t kSteps = 700;
   std::vector<std::unique_ptr<Process>> workers;
   for (int r = 0; r < 4; ++r) {
     workers.push_back(std::make_unique<Process>(
@@ -324,7 +325,7 @@ TEST(ClientUpdateRestartTest, CoordinatorKilledBetweenUpdateAndSwitch_EveryMembe
         absl::StrCat(dir.path(), "/restart-rank", r)));
   }
   const absl::Time deadline = absl::Now() + kRunDeadline;
-  while (LastStep(*workers[0]) < 100) {
+  while (LastStep(*workers[0]) < 60) {
     ASSERT_LT(absl::Now(), deadline) << workers[0]->err();
     absl::SleepFor(absl::Milliseconds(5));
   }
@@ -345,7 +346,11 @@ TEST(ClientUpdateRestartTest, CoordinatorKilledBetweenUpdateAndSwitch_EveryMembe
         client::CoordinatorClient::Create(o);
     ASSERT_TRUE(again.ok());
     absl::StatusOr<v1::Job> j = (*again)->GetJob("restart");
-    ASSERT_TRUE(j.ok()) << j.status();
+    for (int attempt = 0; attempt < 100 && !j.ok(); ++attempt) {
+      absl::SleepFor(absl::Milliseconds(100));  // the new channel connects
+      j = (*again)->GetJob("restart");
+    }
+    ASSERT_TRUE(j.ok()) << j.status() << "\n" << coordinator->process().err();
     ASSERT_EQ(j->plan_history_size(), 2);
     EXPECT_EQ(j->plan_history(1).switch_step(), e);
   }
@@ -362,7 +367,7 @@ TEST(ClientUpdateRestartTest, CoordinatorKilledBetweenUpdateAndSwitch_EveryMembe
       const std::string where = absl::StrCat("rank ", rank, " step ", s, ": ", l.text);
       EXPECT_EQ(l.plan, w.plan) << where;
       EXPECT_EQ(l.level, w.level) << where;
-      EXPECT_NEAR(l.value, w.value, std::max(1e-3, 1e-6 * std::fabs(w.value))) << where;
+      EXPECT_NEAR(l.value, w.value, std::max(1e-3, 1e-5 * std::fabs(w.value))) << where;
     }
   }
   workers.clear();

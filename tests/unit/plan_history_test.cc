@@ -133,9 +133,10 @@ TEST(PlanHistoryTest, CarryAt_KeepsSameGroupAndFragmentsOuter_OtherwiseFresh) {
   EXPECT_EQ(plans.CarryAt(1, 0), LevelCarry::kPlain);
   EXPECT_EQ(plans.CarryAt(1, 1), LevelCarry::kKeepOuter);
   EXPECT_EQ(plans.CarryAt(1, 2), LevelCarry::kFresh);
-  // The kept level's anchors were set at its first averaging step of the job (8); the new
-  // level's at its first averaging step from the switch on: 128 (32 * 4; 32 * 3 = 96 < 100).
-  EXPECT_EQ(plans.FirstStepOf(1, 1), 8);
+  // The kept level's anchors were set at its first averaging step of the job (step 0: no
+  // warm-up); the new level's at its first averaging step from the switch on: 128 (32 * 4;
+  // 32 * 3 = 96 < 100).
+  EXPECT_EQ(plans.FirstStepOf(1, 1), 0);
   EXPECT_EQ(plans.FirstStepOf(1, 2), 128);
   // A group size that changes starts afresh too.
   v1::JobSpec c = b;
