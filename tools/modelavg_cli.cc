@@ -145,8 +145,8 @@ class Cli {
 
   // A call's context: its deadline --rpc_timeout_ms, or `at_least` when that is longer (a call
   // that waits on the members, UpdateJob); none with deadline false (a stream).
-  std::unique_ptr<grpc::ClientContext> Context(bool deadline = true,
-                                               absl::Duration at_least = absl::ZeroDuration()) const {
+  std::unique_ptr<grpc::ClientContext> Context(
+      bool deadline = true, absl::Duration at_least = absl::ZeroDuration()) const {
     auto ctx = std::make_unique<grpc::ClientContext>();
     if (deadline) {
       ctx->set_deadline(std::chrono::system_clock::now() +
