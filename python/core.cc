@@ -538,6 +538,23 @@ Attributes:
       },
       py::arg("conn"));
   m.def(
+      "update_job",
+      [](const py::dict& conn, const std::string& job_id, const py::dict& spec) {
+        auto cc = MakeCoordinatorClient(conn);
+        v1::JobSpec s = JobSpecFrom(spec);
+        s.set_job_id(job_id);
+        using R = absl::StatusOr<v1::UpdateJobResponse>;
+        // Waits for the members' answers (a few heartbeat intervals); Ctrl-C stops the wait.
+        v1::UpdateJobResponse r =
+            ValueOrRaise(RunInterruptibly<R>([cc, s] { return cc->UpdateJob(s); }));
+        py::dict d;
+        d["switch_step"] = r.switch_step();
+        d["plan_version"] = r.plan_version();
+        d["job"] = JobDict(r.job());
+        return d;
+      },
+      py::arg("conn"), py::arg("job_id"), py::arg("spec"));
+  m.def(
       "delete_job",
       [](const py::dict& conn, const std::string& job_id) {
         auto cc = MakeCoordinatorClient(conn);

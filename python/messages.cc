@@ -233,6 +233,15 @@ py::dict SpecDict(const v1::JobSpec& spec) {
   return d;
 }
 
+py::dict PlanChangeDict(const v1::PlanChange& change) {
+  py::dict d;
+  d["version"] = change.version();
+  d["switch_step"] = change.switch_step();
+  d["spec"] = SpecDict(change.spec());
+  d["unix_ms"] = change.unix_ms();
+  return d;
+}
+
 py::dict JobDict(const v1::Job& job) {
   py::dict d;
   d["spec"] = SpecDict(job.spec());
@@ -268,6 +277,12 @@ py::dict JobDict(const v1::Job& job) {
   d["admissions"] = job.admissions();
   d["waiting_ranks"] =
       std::vector<int32_t>(job.waiting_ranks().begin(), job.waiting_ranks().end());
+  py::list plans;
+  for (const v1::PlanChange& c : job.plan_history()) plans.append(PlanChangeDict(c));
+  d["plan_history"] = plans;
+  d["plan_version"] = job.plan_version();
+  d["pending_plan"] = job.has_pending_plan() ? py::object(PlanChangeDict(job.pending_plan()))
+                                             : py::object(py::none());
   if (job.has_last_change()) {
     py::dict c;
     c["generation"] = job.last_change().generation();

@@ -29,8 +29,11 @@ pybind11::dict ConnectionDict(const client::ConnectionOptions& o);
 v1::JobSpec JobSpecFrom(const pybind11::dict& d);
 // The same keys back.
 pybind11::dict SpecDict(const v1::JobSpec& spec);
+// version, switch_step, spec (as SpecDict), unix_ms.
+pybind11::dict PlanChangeDict(const v1::PlanChange& change);
 // spec, state, generation, members (with admitted_step), min_step, max_step, warnings,
-// created_unix_ms, last_change, live_world_size, vacant_ranks, deaths, admissions.
+// created_unix_ms, last_change, live_world_size, vacant_ranks, deaths, admissions,
+// plan_history [PlanChangeDict], plan_version, pending_plan (PlanChangeDict or None).
 pybind11::dict JobDict(const v1::Job& job);
 
 }  // namespace modelavg::python

@@ -5,6 +5,11 @@
 //   modelavg schedule ID --from=S --count=N [--rank=R]   the averaging decisions of N steps
 //   modelavg watch ID [--watch_ms=T]                the job's events as they happen
 //   modelavg create -f spec.json                    create a job from a JobSpec in JSON
+//   modelavg update ID -f spec.json                 a new plan for the running job (UpdateJob,
+//                                                   docs/plan-updates.md): the whole JobSpec
+//   modelavg update ID --period=P [--level=L]       ... or its latest plan with one level's
+//   modelavg update ID --outer_lr=X [--level=L]     period or outer lr changed (default: the
+//                                                   last level)
 //   modelavg delete ID                              delete a job
 //
 // Connection (client/flags/connection_flags.h, as every modelavg program): --coordinator=HOST:PORT
@@ -15,11 +20,14 @@
 // success; 1 with one line on stderr saying what failed; 2 on a usage error.
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -44,7 +52,15 @@ ABSL_FLAG(bool, json, false, "print JSON (the API's messages) instead of tables"
 ABSL_FLAG(int64_t, from, 0, "schedule: first step");
 ABSL_FLAG(int64_t, count, 20, "schedule: number of steps");
 ABSL_FLAG(int32_t, rank, -1, "schedule: only this rank's decisions (-1: every subgroup)");
-ABSL_FLAG(std::string, f, "", "create: the JobSpec file (JSON), '-' for standard input");
+ABSL_FLAG(std::string, f, "",
+          "create, update: the JobSpec file (JSON), '-' for standard input");
+ABSL_FLAG(std::optional<int64_t>, period, std::nullopt,
+          "update: the level's new period (the rest of the job's latest plan as it is)");
+ABSL_FLAG(std::optional<double>, outer_lr, std::nullopt,
+          "update: the level's new outer learning rate (the level must have an outer "
+          "optimizer)");
+ABSL_FLAG(std::optional<int32_t>, level, std::nullopt,
+          "update --period/--outer_lr: the level's index (default: the last level)");
 ABSL_FLAG(int64_t, watch_ms, 0, "watch: stop after this many milliseconds (0: until the job "
                                 "is deleted or the coordinator stops)");
 
@@ -60,6 +76,9 @@ constexpr char kUsage[] =
     "  modelavg [flags] schedule ID --from=S --count=N [--rank=R]\n"
     "  modelavg [flags] watch ID [--watch_ms=T]\n"
     "  modelavg [flags] create -f spec.json\n"
+    "  modelavg [flags] update ID -f spec.json\n"
+    "  modelavg [flags] update ID --period=P [--level=L]\n"
+    "  modelavg [flags] update ID --outer_lr=X [--level=L]\n"
     "  modelavg [flags] delete ID\n"
     "Flags: --coordinator=HOST:PORT --auth_token_file=F --tls --tls_ca_file=F --tls_cert_file=F "
     "--tls_key_file=F --rpc_timeout_ms=T --json (see --help)";
@@ -124,11 +143,14 @@ class Cli {
     stub_ = v1::Coordinator::NewStub(c->channel);
   }
 
-  std::unique_ptr<grpc::ClientContext> Context(bool deadline = true) const {
+  // A call's context: its deadline --rpc_timeout_ms, or `at_least` when that is longer (a call
+  // that waits on the members, UpdateJob); none with deadline false (a stream).
+  std::unique_ptr<grpc::ClientContext> Context(
+      bool deadline = true, absl::Duration at_least = absl::ZeroDuration()) const {
     auto ctx = std::make_unique<grpc::ClientContext>();
     if (deadline) {
       ctx->set_deadline(std::chrono::system_clock::now() +
-                        absl::ToChronoMilliseconds(Connection().rpc_timeout));
+                        absl::ToChronoMilliseconds(std::max(Connection().rpc_timeout, at_least)));
     }
     if (!token_.empty()) ctx->AddMetadata("authorization", "Bearer " + token_);
     return ctx;
@@ -193,16 +215,37 @@ std::string Mode(const v1::JobSpec& spec) {
   return spec.mode() == v1::PERIODIC ? "periodic" : "hierarchical";
 }
 
-std::string Levels(const v1::JobSpec& spec) {
+// Each level as "(period, group size, ...)"; with `outer`, an outer level's optimizer too.
+std::string Levels(const v1::JobSpec& spec, bool outer = false) {
   std::vector<std::string> levels;
   for (const v1::Level& l : spec.levels()) {
     std::string text = absl::StrCat("(", l.period(), ", ", l.group_size());
+    if (outer && l.has_outer()) {
+      absl::StrAppend(&text, ", outer lr ", l.outer().lr(), " momentum ", l.outer().momentum(),
+                      l.outer().nesterov() ? " nesterov" : "");
+    }
     if (l.payload() != v1::FP32) absl::StrAppend(&text, ", ", v1::Payload_Name(l.payload()));
     if (l.payload() == v1::TOPK) absl::StrAppend(&text, " density ", l.topk_density());
     if (l.error_feedback() != 0) absl::StrAppend(&text, ", error feedback ", l.error_feedback());
     levels.push_back(text + ")");
   }
   return absl::StrJoin(levels, " ");
+}
+
+// One plan's levels on a line: "period/group" each, with ", outer lr X" for an outer level.
+std::string PlanLevels(const v1::JobSpec& spec) {
+  std::vector<std::string> levels;
+  for (const v1::Level& l : spec.levels()) {
+    std::string text = absl::StrCat(l.period(), "/", l.group_size());
+    if (l.has_outer()) absl::StrAppend(&text, " outer lr ", l.outer().lr());
+    levels.push_back(std::move(text));
+  }
+  return absl::StrJoin(levels, ", ");
+}
+
+std::string PlanText(const v1::JobSpec& spec) {
+  return absl::StrCat(Mode(spec), ", warm-up ", spec.warmup_steps(),
+                      ", levels (period, group size): ", Levels(spec, /*outer=*/true));
 }
 
 // "4x2" (4 replicas of 2 ranks) for sharded replicas, "-" otherwise.
@@ -255,8 +298,16 @@ void PrintJob(const v1::Job& j) {
   Table kv({"job", s.job_id()});
   kv.Add({"state", v1::JobState_Name(j.state())});
   kv.Add({"generation", absl::StrCat(j.generation())});
-  kv.Add({"plan", absl::StrCat(Mode(s), ", warm-up ", s.warmup_steps(),
-                               ", levels (period, group size): ", Levels(s))});
+  kv.Add({"plan", PlanText(s)});
+  if (j.plan_history_size() > 1) {
+    kv.Add({"plan version",
+             absl::StrCat(j.plan_version(), " (latest ", j.plan_history_size() - 1, ")")});
+  }
+  if (j.has_pending_plan()) {
+    kv.Add({"pending plan", absl::StrCat("version ", j.pending_plan().version(), " from step ",
+                                         j.pending_plan().switch_step(), ": ",
+                                         PlanText(j.pending_plan().spec()))});
+  }
   kv.Add({"world", absl::StrCat(j.live_world_size(), " live of ", s.world_size(),
                                 s.min_world_size() > 0
                                     ? absl::StrCat(" (elastic, at least ", s.min_world_size(), ")")
@@ -289,6 +340,19 @@ void PrintJob(const v1::Job& j) {
   for (const std::string& w : j.warnings()) kv.Add({"warning", w});
   kv.Print(std::cout);
   std::cout << "\n";
+  // The plan history, once the job was updated: every plan with the step it took over at.
+  if (j.plan_history_size() > 1) {
+    Table plans({"PLAN", "FROM_STEP", "ACCEPTED", "STATUS", "LEVELS (period/group, outer lr)"});
+    for (const v1::PlanChange& c : j.plan_history()) {
+      const bool pending = j.has_pending_plan() && c.version() >= j.pending_plan().version();
+      plans.Add({absl::StrCat("v", c.version()), absl::StrCat(c.switch_step()),
+                 c.version() == 0 ? When(j.created_unix_ms()) : When(c.unix_ms()),
+                 pending ? "pending" : c.version() == j.plan_version() ? "in force" : "past",
+                 PlanLevels(c.spec())});
+    }
+    plans.Print(std::cout);
+    std::cout << "\n";
+  }
   if (j.members_omitted()) {
     std::cout << "members: too many to list (use --json with GetJob's limits in mind)\n";
     return;
@@ -400,24 +464,30 @@ int Watch(Cli& cli, const std::string& id) {
   return 0;
 }
 
-int Create(Cli& cli) {
-  const std::string path = absl::GetFlag(FLAGS_f);
-  if (path.empty()) throw Failure("create needs -f FILE (a JobSpec in JSON; '-' for stdin)");
+// The JobSpec in JSON of -f (a file, or '-' for standard input).
+v1::JobSpec ReadSpec(const std::string& path) {
   std::string text;
   if (path == "-") {
     text.assign(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
   } else {
     text = ReadOrFail(path, "f");
   }
-  v1::CreateJobRequest request;
+  v1::JobSpec spec;
   google::protobuf::util::JsonParseOptions parse;
-  const auto parsed =
-      google::protobuf::util::JsonStringToMessage(text, request.mutable_spec(), parse);
+  const auto parsed = google::protobuf::util::JsonStringToMessage(text, &spec, parse);
   if (!parsed.ok()) {
     throw Failure(absl::StrCat(path, " is not a JobSpec in JSON: ", parsed.ToString(),
                                " (e.g. {\"job_id\": \"demo\", \"world_size\": 4, \"mode\": "
                                "\"PERIODIC\", \"levels\": [{\"period\": 4, \"group_size\": 4}]})"));
   }
+  return spec;
+}
+
+int Create(Cli& cli) {
+  const std::string path = absl::GetFlag(FLAGS_f);
+  if (path.empty()) throw Failure("create needs -f FILE (a JobSpec in JSON; '-' for stdin)");
+  v1::CreateJobRequest request;
+  *request.mutable_spec() = ReadSpec(path);
   v1::Job job;
   Check(cli.stub()->CreateJob(cli.Context().get(), request, &job), "CreateJob");
   if (absl::GetFlag(FLAGS_json)) {
@@ -426,6 +496,85 @@ int Create(Cli& cli) {
     std::cout << "created job " << Shown(job.spec().job_id()) << "\n";
     PrintJob(job);
   }
+  return 0;
+}
+
+// The latest plan of `job`: the last of its plan history (the pending one if any), or its spec
+// from a coordinator that predates UpdateJob.
+v1::JobSpec LatestPlan(const v1::Job& job) {
+  if (job.plan_history().empty()) return job.spec();
+  return job.plan_history(job.plan_history_size() - 1).spec();
+}
+
+// `base` with the level of --level (default: the last) given --period and --outer_lr.
+v1::JobSpec WithShortcuts(v1::JobSpec base, const std::string& id) {
+  const int n = base.levels_size();
+  if (n == 0) throw Failure(absl::StrCat("job ", Shown(id), " has no levels to change"));
+  const int level = absl::GetFlag(FLAGS_level).value_or(n - 1);
+  if (level < 0 || level >= n) {
+    throw Failure(absl::StrCat("--level=", level, ": job ", Shown(id), " has ", n,
+                               n == 1 ? " level (0)" : absl::StrCat(" levels (0..", n - 1, ")")));
+  }
+  v1::Level* l = base.mutable_levels(level);
+  if (const std::optional<int64_t> period = absl::GetFlag(FLAGS_period)) {
+    if (*period <= 0) {
+      throw Failure(absl::StrCat("--period=", *period, ": a period is a number of steps >= 1"));
+    }
+    l->set_period(*period);
+  }
+  if (const std::optional<double> lr = absl::GetFlag(FLAGS_outer_lr)) {
+    if (!l->has_outer()) {
+      throw Failure(absl::StrCat(
+          "--outer_lr: level ", level, " of job ", Shown(id),
+          " has no outer optimizer (a plain level averages the parameters themselves); name an "
+          "outer level with --level, or give a whole spec with an outer optimizer with -f"));
+    }
+    if (!(*lr > 0) || !std::isfinite(*lr)) {
+      throw Failure(absl::StrCat("--outer_lr=", *lr, ": an outer lr is finite and > 0"));
+    }
+    l->mutable_outer()->set_lr(*lr);
+  }
+  return base;
+}
+
+int Update(Cli& cli, const std::string& id) {
+  const std::string path = absl::GetFlag(FLAGS_f);
+  v1::UpdateJobRequest request;
+  request.set_job_id(id);
+  if (!path.empty()) {
+    *request.mutable_spec() = ReadSpec(path);
+    if (request.spec().job_id().empty()) request.mutable_spec()->set_job_id(id);
+    if (request.spec().job_id() != id) {
+      throw Failure(absl::StrCat(path, " is the spec of job \"", Shown(request.spec().job_id()),
+                                 "\", not of ", Shown(id),
+                                 ": a job's id may not change (leave job_id out or make it ",
+                                 Shown(id), ")"));
+    }
+  } else {
+    v1::GetJobRequest get;
+    get.set_job_id(id);
+    v1::Job job;
+    Check(cli.stub()->GetJob(cli.Context().get(), get, &job), "GetJob");
+    *request.mutable_spec() = WithShortcuts(LatestPlan(job), id);
+  }
+  v1::UpdateJobResponse reply;
+  // The coordinator answers once the members gave back their decisions: a few heartbeat
+  // intervals, at most about 5 s.
+  Check(cli.stub()->UpdateJob(cli.Context(true, absl::Seconds(15)).get(), request, &reply),
+        "UpdateJob");
+  if (absl::GetFlag(FLAGS_json)) {
+    std::cout << Json(reply);
+    return 0;
+  }
+  const v1::Job& j = reply.job();
+  std::cout << "updated job " << Shown(id) << ": plan version " << reply.plan_version()
+            << " from step " << reply.switch_step() << "\n";
+  Table kv({"switch step", absl::StrCat(reply.switch_step())});
+  kv.Add({"plan version", absl::StrCat(reply.plan_version())});
+  kv.Add({"members' steps", j.min_step() < 0 ? "none reported"
+                                              : absl::StrCat(j.min_step(), " to ", j.max_step())});
+  kv.Add({"new plan", PlanText(request.spec())});
+  kv.Print(std::cout);
   return 0;
 }
 
@@ -458,10 +607,22 @@ int main(int argc, char** argv) {
   if (args.empty()) return Usage("no command");
   const std::string& command = args[0];
   const bool needs_id = command == "job" || command == "schedule" || command == "watch" ||
-                        command == "delete";
+                        command == "delete" || command == "update";
   if (needs_id && args.size() != 2) return Usage(absl::StrCat(command, " needs one job id"));
   if ((command == "jobs" || command == "create") && args.size() != 1) {
     return Usage(absl::StrCat(command, " takes no arguments"));
+  }
+  if (command == "update") {
+    const bool whole = !absl::GetFlag(FLAGS_f).empty();
+    const bool shortcut =
+        absl::GetFlag(FLAGS_period).has_value() || absl::GetFlag(FLAGS_outer_lr).has_value();
+    if (whole == shortcut) {
+      return Usage("update needs either -f spec.json (the whole new JobSpec) or --period / "
+                   "--outer_lr (one level of the job's latest plan changed)");
+    }
+    if (whole && absl::GetFlag(FLAGS_level).has_value()) {
+      return Usage("update: --level goes with --period or --outer_lr, not with -f");
+    }
   }
   signal(SIGINT, [](int) { g_interrupted.store(true); });
   signal(SIGTERM, [](int) { g_interrupted.store(true); });
@@ -472,6 +633,7 @@ int main(int argc, char** argv) {
     if (command == "schedule") return Schedule(cli, args[1]);
     if (command == "watch") return Watch(cli, args[1]);
     if (command == "create") return Create(cli);
+    if (command == "update") return Update(cli, args[1]);
     if (command == "delete") return Delete(cli, args[1]);
     return Usage(absl::StrCat("unknown command \"", command, "\""));
   } catch (const Failure& e) {

@@ -43,6 +43,10 @@ a dead member costs the survivors one retried averaging round inside ``average_p
 connects to the running job without a rank is admitted as a replacement
 (``Client.admission_step``; see :class:`ModelAverager`).
 
+A running job's plan can change: ``modelavg.update_job(job_id, levels=...)`` (or ``period=``,
+``heartbeat_timeout_ms=``, a whole ``spec=``) returns the step from which every member follows
+the new plan (docs/plan-updates.md).
+
 Sharded replicas (``create_job(..., replica_size=S)``, docs/sharded.md): S ranks hold one model
 replica (FSDP or HSDP inside it), rank r its shard r % S; each level averages, shard by shard,
 the ranks of its groups that hold the same shard. Pass the averagers the local tensors each rank
@@ -59,8 +63,8 @@ from .errors import (AlreadyExistsError, DeadlineExceededError, Error, FailedPre
 from . import _core
 from ._core import Decision
 from ._options import Duration
-from .jobs import (PAYLOADS, GenerationChange, Job, JobSpec, Level, LevelLike, Member, OuterSGD,
-                   create_job, delete_job, get_job, list_jobs)
+from .jobs import (PAYLOADS, GenerationChange, Job, JobSpec, JobUpdate, Level, LevelLike, Member,
+                   OuterSGD, PlanChange, create_job, delete_job, get_job, list_jobs, update_job)
 from .client import Client, connect
 from .averagers import (HierarchicalModelAverager, LevelTraffic, ModelAverager,
                         PeriodicModelAverager)
@@ -70,7 +74,8 @@ __version__ = "0.1.0"
 __all__ = [
     "connect", "Client", "ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager",
     "Decision", "Level", "LevelTraffic", "PAYLOADS", "OuterSGD", "JobSpec", "Job", "Member",
-    "GenerationChange", "create_job", "get_job", "list_jobs", "delete_job", "Error",
+    "GenerationChange", "PlanChange", "JobUpdate", "create_job", "get_job", "list_jobs",
+    "update_job", "delete_job", "Error",
     "PeerFailureError", "ReplicaLostError", "InvalidArgumentError",
     "NonFiniteError", "NotFoundError", "AlreadyExistsError", "FailedPreconditionError", "DeadlineExceededError",
     "UnavailableError", "PermissionDeniedError", "ResourceExhaustedError", "UnimplementedError",

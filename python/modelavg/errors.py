@@ -29,11 +29,14 @@ InvalidArgumentError        a bad argument, option or job spec               Val
 NotFoundError               no such job                                      LookupError
 AlreadyExistsError          the job id, or the requested rank, is taken      —
 FailedPreconditionError     the job is finished, or the wrong averager for   —
-                            its mode
+                            its mode, or (update_job) the job is not
+                            running or an earlier update has not switched
 DeadlineExceededError       a wait ran past its deadline (e.g. the world     TimeoutError
                             did not complete within join_timeout)
 UnavailableError            the coordinator cannot be reached                ConnectionError
-PermissionDeniedError       UNAUTHENTICATED / PERMISSION_DENIED (token, TLS) PermissionError
+PermissionDeniedError       UNAUTHENTICATED / PERMISSION_DENIED (token,      PermissionError
+                            TLS; create_job, update_job and delete_job
+                            need the operator's)
 ResourceExhaustedError      past one of the coordinator's bounds             —
 UnimplementedError          e.g. CUDA tensors in a build without CUDA        NotImplementedError
 Error                       anything else (INTERNAL, ...)                    —
@@ -134,7 +137,9 @@ class AlreadyExistsError(Error):
 
 
 class FailedPreconditionError(Error):
-    """The request does not fit the job's state: finished, or the other averager's mode."""
+    """The request does not fit the job's state: finished, the other averager's mode, or
+    (``update_job``) not RUNNING, or an earlier update whose switch step some member has not
+    reached yet (retry once every member passed it)."""
 
 
 class DeadlineExceededError(Error, TimeoutError):

@@ -1,5 +1,5 @@
 """Jobs: their spec (levels, outer optimizers, streaming), their record, and the calls that
-create, read, list and delete them."""
+create, read, list, update (a new plan for a running job) and delete them."""
 
 import dataclasses
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -222,6 +222,19 @@ class GenerationChange:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanChange:
+    """One plan of a job (proto ``modelavg.v1.PlanChange``): ``version`` 0 is the spec the job
+    was created with, then 1, 2, ... for each :func:`update_job`; every member follows it from
+    ``switch_step`` on (0 for version 0). ``unix_ms``: when the coordinator accepted it (0 for
+    version 0: see ``Job.created_unix_ms``)."""
+
+    version: int
+    switch_step: int
+    spec: JobSpec
+    unix_ms: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Job:
     """A job as the coordinator reports it (proto ``modelavg.v1.Job``).
 
@@ -229,6 +242,9 @@ class Job:
     running elastic job that no live worker holds; ``deaths``: members declared dead;
     ``admissions``: replacements admitted into the running elastic job; ``waiting_ranks``:
     ranks of a replacement replica (sharded replicas) that joined and wait for the rest of it.
+    ``plan_history``: every plan of the job, version 0 first (docs/plan-updates.md);
+    ``plan_version``: the version of ``spec``, the plan in force at the members' smallest step;
+    ``pending_plan``: a plan :func:`update_job` accepted that some member has not reached yet.
     """
 
     spec: JobSpec
@@ -245,15 +261,40 @@ class Job:
     deaths: int = 0
     admissions: int = 0
     waiting_ranks: List[int] = dataclasses.field(default_factory=list)
+    plan_history: List[PlanChange] = dataclasses.field(default_factory=list)
+    plan_version: int = 0
+    pending_plan: Optional[PlanChange] = None
 
 
-def _job(d: Dict[str, Any]) -> Job:
-    s = d["spec"]
-    spec = JobSpec(job_id=s["job_id"], world_size=s["world_size"], mode=s["mode"],
+@dataclasses.dataclass(frozen=True)
+class JobUpdate:
+    """What :func:`update_job` answers: every member follows the new plan (version
+    ``plan_version``) from step ``switch_step`` on, and none averages under the old plan at or
+    past it; ``job`` is the job once the plan was accepted (its ``pending_plan`` is the new
+    plan until every member has reached the switch step)."""
+
+    switch_step: int
+    plan_version: int
+    job: Job
+
+
+def _spec(s: Dict[str, Any]) -> JobSpec:
+    return JobSpec(job_id=s["job_id"], world_size=s["world_size"], mode=s["mode"],
                    levels=_levels_from(s), warmup_steps=s["warmup_steps"],
                    heartbeat_timeout_ms=s["heartbeat_timeout_ms"],
                    join_timeout_ms=s["join_timeout_ms"], min_world_size=s["min_world_size"],
                    replica_size=s["replica_size"])
+
+
+def _plan_change(d: Optional[Dict[str, Any]]) -> Optional[PlanChange]:
+    if d is None:
+        return None
+    return PlanChange(version=d["version"], switch_step=d["switch_step"], spec=_spec(d["spec"]),
+                      unix_ms=d["unix_ms"])
+
+
+def _job(d: Dict[str, Any]) -> Job:
+    spec = _spec(d["spec"])
     change = d["last_change"]
     return Job(spec=spec, state=d["state"], generation=d["generation"],
                members=[Member(**m) for m in d["members"]], min_step=d["min_step"],
@@ -262,7 +303,10 @@ def _job(d: Dict[str, Any]) -> Job:
                last_change=GenerationChange(**change) if change else None,
                live_world_size=d["live_world_size"], vacant_ranks=list(d["vacant_ranks"]),
                deaths=d["deaths"], admissions=d["admissions"],
-               waiting_ranks=list(d["waiting_ranks"]))
+               waiting_ranks=list(d["waiting_ranks"]),
+               plan_history=[_plan_change(c) for c in d.get("plan_history", [])],
+               plan_version=d.get("plan_version", 0),
+               pending_plan=_plan_change(d.get("pending_plan")))
 
 
 def _outer_tuple(item: Any, outer: Any) -> Optional[Tuple[float, float, bool]]:
@@ -361,6 +405,91 @@ def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
         if isinstance(e, Error):
             raise
         raise _invalid(f"job spec {spec}: {e}") from None
+
+
+def _spec_dict(spec: JobSpec) -> Dict[str, Any]:
+    """A JobSpec as the binding takes it (the keys create_job sends)."""
+    pairs, outer, streaming = _levels(spec.levels)
+    return {"job_id": spec.job_id, "world_size": spec.world_size, "mode": str(spec.mode).upper(),
+            "levels": pairs, "outer": outer, "streaming": streaming,
+            "warmup_steps": spec.warmup_steps, "heartbeat_timeout_ms": spec.heartbeat_timeout_ms,
+            "join_timeout_ms": spec.join_timeout_ms, "min_world_size": spec.min_world_size,
+            "replica_size": spec.replica_size}
+
+
+def update_job(job_id: str, spec: Optional[JobSpec] = None, *, mode: Optional[str] = None,
+               world_size: Optional[int] = None,
+               levels: Optional[Union[Mapping[int, int], Sequence[LevelLike]]] = None,
+               period: Optional[int] = None, warmup_steps: Optional[int] = None,
+               heartbeat_timeout_ms: Optional[int] = None,
+               min_world_size: Optional[int] = None, replica_size: Optional[int] = None,
+               coordinator: Optional[str] = None, **options: Any) -> JobUpdate:
+    """Gives the RUNNING job a new plan, switched at one step on every member, and returns the
+    :class:`JobUpdate` (its ``switch_step``, ``plan_version`` and the ``job``).
+
+    The new plan is ``spec`` (a whole :class:`JobSpec`; its ``job_id`` must be ``job_id`` or
+    empty), or the job's latest plan (the last of ``get_job(job_id).plan_history``) with the
+    keyword arguments given changed — the same as :func:`create_job`'s: ``levels`` (or
+    ``period``: the last level's period), ``warmup_steps``, ``heartbeat_timeout_ms``,
+    ``min_world_size``, and ``mode``, ``world_size``, ``replica_size``, which may not change::
+
+        job = modelavg.get_job("diloco")
+        levels = list(job.spec.levels)
+        levels[-1] = dataclasses.replace(levels[-1], outer=modelavg.OuterSGD(0.35, momentum=0.9,
+                                                                              nesterov=True))
+        update = modelavg.update_job("diloco", levels=levels)
+        print(update.switch_step, update.plan_version)
+
+    What may change, how the switch step is chosen and what an outer level keeps across it:
+    docs/plan-updates.md. The call waits for the members to give back their prefetched
+    decisions: a few heartbeat intervals, at most about 5 s.
+
+    Raises InvalidArgumentError (a bad spec, or a change of job_id, world_size, mode,
+    replica_size or whether the job is elastic: the message names the field),
+    FailedPreconditionError (the job is not RUNNING; an earlier update has not switched yet:
+    retry once every member passed it; warmup_steps changed after a member passed it),
+    UnavailableError (the coordinator restarted recently and its members are re-attaching:
+    retry), PermissionDeniedError (a worker's token: the operator role is needed),
+    NotFoundError, and Error with code ABORTED (the job left RUNNING meanwhile).
+    """
+    asked = {"mode": mode, "world_size": world_size, "levels": levels, "period": period,
+             "warmup_steps": warmup_steps, "heartbeat_timeout_ms": heartbeat_timeout_ms,
+             "min_world_size": min_world_size, "replica_size": replica_size}
+    given = {k: v for k, v in asked.items() if v is not None}
+    if spec is not None:
+        if given:
+            raise _invalid(f"pass a whole spec or the fields to change, not both (spec and "
+                           f"{', '.join(sorted(given))})")
+        if not isinstance(spec, JobSpec):
+            raise _invalid(f"spec must be a modelavg.JobSpec, not {type(spec).__name__}")
+        if spec.job_id not in ("", job_id):
+            raise _invalid(f"spec.job_id {spec.job_id!r} is not {job_id!r}: a job's id may not "
+                           "change")
+        new = spec
+    else:
+        if not given:
+            raise _invalid("nothing to change: pass spec= or the fields to change (levels=, "
+                           "period=, warmup_steps=, heartbeat_timeout_ms=, min_world_size=)")
+        if levels is not None and period is not None:
+            raise _invalid("pass levels or period, not both")
+        current = get_job(job_id, coordinator=coordinator, **options)
+        new = current.plan_history[-1].spec if current.plan_history else current.spec
+        changes = {k: v for k, v in given.items() if k != "period"}
+        if period is not None:
+            last = new.levels[-1]
+            changes["levels"] = list(new.levels[:-1]) + [
+                dataclasses.replace(last, period=period) if isinstance(last, Level)
+                else (period, last[1])]
+        new = dataclasses.replace(new, **changes)
+    d = _spec_dict(dataclasses.replace(new, job_id=job_id))
+    try:
+        r = _core.update_job(_conn(coordinator, options), job_id, d)
+    except (ValueError, RuntimeError, TypeError) as e:
+        if isinstance(e, Error):
+            raise
+        raise _invalid(f"job spec {d}: {e}") from None
+    return JobUpdate(switch_step=r["switch_step"], plan_version=r["plan_version"],
+                     job=_job(r["job"]))
 
 
 def get_job(job_id: str, *, coordinator: Optional[str] = None, **options: Any) -> Job:

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -115,6 +116,34 @@ std::string NonFiniteText(const v1::Job& j) {
       r.retired() ? " (retired)" : " (not retired)", ", ", TimeText(r.unix_ms())));
 }
 
+// One plan's levels on a line: "every P steps in groups of G" each, with an outer level's
+// optimizer and a compressed payload.
+std::string LevelsText(const v1::JobSpec& spec) {
+  std::vector<std::string> levels;
+  for (const v1::Level& l : spec.levels()) {
+    std::string text =
+        absl::StrCat("every ", l.period(), " steps in groups of ", l.group_size());
+    // How an outer level's pseudo-gradient travels, when it is compressed.
+    if (l.payload() != v1::FP32) {
+      absl::StrAppend(&text, ", payload ", v1::Payload_Name(l.payload()));
+    }
+    if (l.payload() == v1::TOPK) absl::StrAppend(&text, " (density ", l.topk_density(), ")");
+    if (l.error_feedback() != 0) absl::StrAppend(&text, ", error feedback ", l.error_feedback());
+    if (l.fragments() > 1) absl::StrAppend(&text, ", ", l.fragments(), " fragments");
+    if (l.has_outer()) {
+      absl::StrAppend(&text, ", outer lr ", l.outer().lr(), " momentum ", l.outer().momentum(),
+                      l.outer().nesterov() ? " nesterov" : "");
+    }
+    levels.push_back(std::move(text));
+  }
+  return absl::StrJoin(levels, "; ");
+}
+
+std::string PlanText(const v1::JobSpec& spec) {
+  return absl::StrCat(spec.mode() == v1::PERIODIC ? "periodic" : "hierarchical", ", warm-up ",
+                      spec.warmup_steps(), " steps; ", LevelsText(spec));
+}
+
 std::string EventKindName(v1::JobEvent::Kind kind) {
   switch (kind) {
     case v1::JobEvent::MEMBER_JOINED: return "member joined";
@@ -124,6 +153,7 @@ std::string EventKindName(v1::JobEvent::Kind kind) {
     case v1::JobEvent::JOB_DELETED: return "job deleted";
     case v1::JobEvent::MEMBER_ADMITTED: return "member admitted";
     case v1::JobEvent::MEMBER_NON_FINITE: return "member non-finite";
+    case v1::JobEvent::PLAN_UPDATED: return "plan updated";
     default: return v1::JobEvent::Kind_Name(kind);
   }
 }
@@ -150,23 +180,25 @@ bool SameSecret(const std::string& a, const std::string& b) {
   return a.size() == b.size() && !a.empty() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
-// The timeline: the next averaging steps after `from`, one row per level.
-std::string Timeline(const Schedule& schedule, int64_t from, int64_t search, int max_marks,
-                     std::string* listing) {
+// The timeline: the next averaging steps of `schedule` in [from, min(from + search, until)),
+// one row per level.
+std::string Timeline(const Schedule& schedule, int64_t from, int64_t search, int64_t until,
+                     int max_marks, std::string* listing) {
   struct Mark {
     int64_t step;
     int level;
   };
   std::vector<Mark> marks;
-  for (int64_t s = from; s < from + search && static_cast<int>(marks.size()) < max_marks; ++s) {
+  const int64_t end = std::min(from + search, until);
+  for (int64_t s = from; s < end && static_cast<int>(marks.size()) < max_marks; ++s) {
     const int level = schedule.LevelAt(s);
     if (level >= 0) marks.push_back({s, level});
   }
   const int levels = schedule.num_levels();
   const ScheduleSpec& spec = schedule.spec();
   if (marks.empty()) {
-    *listing = absl::StrCat("<p>No averaging step in the ", search, " steps from step ", from,
-                            ".</p>");
+    *listing = absl::StrCat("<p>No averaging step in the ", std::max<int64_t>(end - from, 0),
+                            " steps from step ", from, ".</p>");
     return "";
   }
   const int64_t first = from;
@@ -500,18 +532,6 @@ HttpResponse StatusPage::JobPage(const std::string& job_id) const {
   const std::vector<LoggedEvent> events = job->RecentEvents();
   const v1::JobSpec& spec = j.spec();
 
-  std::vector<std::string> levels;
-  for (const v1::Level& l : spec.levels()) {
-    std::string text =
-        absl::StrCat("every ", l.period(), " steps in groups of ", l.group_size());
-    // How an outer level's pseudo-gradient travels, when it is compressed.
-    if (l.payload() != v1::FP32) {
-      absl::StrAppend(&text, ", payload ", v1::Payload_Name(l.payload()));
-    }
-    if (l.payload() == v1::TOPK) absl::StrAppend(&text, " (density ", l.topk_density(), ")");
-    if (l.error_feedback() != 0) absl::StrAppend(&text, ", error feedback ", l.error_feedback());
-    levels.push_back(std::move(text));
-  }
   std::string body = absl::StrCat(
       "<div id=\"content\"><h1>Job <span id=\"job-id\">", HtmlEscape(spec.job_id()),
       "</span> ", StateSpan(v1::JobState_Name(j.state())), "</h1><dl class=\"kv\">",
@@ -538,11 +558,17 @@ HttpResponse StatusPage::JobPage(const std::string& job_id) const {
       NonFiniteText(j), "</dd>", "<dt>steps</dt><dd>",
       j.min_step() < 0 ? std::string("none reported")
                        : absl::StrCat(j.min_step(), " to ", j.max_step()),
-      "</dd><dt>plan</dt><dd>",
-      HtmlEscape(absl::StrCat(spec.mode() == v1::PERIODIC ? "periodic" : "hierarchical",
-                              ", warm-up ", spec.warmup_steps(), " steps; ",
-                              absl::StrJoin(levels, "; "))),
-      "</dd><dt>heartbeat timeout</dt><dd>", spec.heartbeat_timeout_ms(), " ms</dd>",
+      "</dd><dt>plan</dt><dd id=\"plan\">", HtmlEscape(PlanText(spec)),
+      j.plan_history_size() > 1 ? absl::StrCat(" (version ", j.plan_version(), ")")
+                                : std::string(),
+      "</dd>",
+      j.has_pending_plan()
+          ? absl::StrCat("<dt>pending plan</dt><dd id=\"pending-plan\">version ",
+                         j.pending_plan().version(), " from step ",
+                         j.pending_plan().switch_step(), ": ",
+                         HtmlEscape(PlanText(j.pending_plan().spec())), "</dd>")
+          : std::string(),
+      "<dt>heartbeat timeout</dt><dd>", spec.heartbeat_timeout_ms(), " ms</dd>",
       "<dt>created</dt><dd>", HtmlEscape(TimeText(j.created_unix_ms())), "</dd></dl>");
   for (const std::string& w : j.warnings()) {
     absl::StrAppend(&body, "<p class=\"lagging\">warning: ", HtmlEscape(w), "</p>");
@@ -617,14 +643,39 @@ HttpResponse StatusPage::JobPage(const std::string& job_id) const {
       schedule_spec.ok() ? Schedule::Create(*schedule_spec) : schedule_spec.status();
   if (schedule.ok()) {
     const int64_t from = std::max<int64_t>(0, j.max_step() + 1);
+    // The plan shown holds until a pending plan's switch step.
+    const int64_t until = j.has_pending_plan() ? j.pending_plan().switch_step()
+                                               : std::numeric_limits<int64_t>::max();
     std::string listing;
-    const std::string svg = Timeline(*schedule, from, options_.timeline_search_steps,
+    const std::string svg = Timeline(*schedule, from, options_.timeline_search_steps, until,
                                      options_.timeline_max_marks, &listing);
     absl::StrAppend(&body, "<p class=\"note\">From step ", from,
-                    " (after the leader's last step).</p>", svg, listing);
+                    " (after the leader's last step)",
+                    j.has_pending_plan()
+                        ? absl::StrCat(" to step ", until - 1, ", under the plan in force; plan "
+                                       "version ", j.pending_plan().version(),
+                                       " takes over at step ", until)
+                        : std::string(),
+                    ".</p>", svg, listing);
   } else {
     absl::StrAppend(&body, "<p>", HtmlEscape(std::string(schedule.status().message())), "</p>");
   }
+
+  // Plan history (UpdateJob, docs/plan-updates.md), newest first.
+  absl::StrAppend(&body,
+                  "<h2>Plan history</h2><table id=\"plans\"><tr><th>version</th>"
+                  "<th>from step</th><th>accepted</th><th>status</th><th>plan</th></tr>");
+  for (auto it = j.plan_history().rbegin(); it != j.plan_history().rend(); ++it) {
+    const bool pending = j.has_pending_plan() && it->version() >= j.pending_plan().version();
+    const char* status = pending                               ? "pending"
+                         : it->version() == j.plan_version() ? "in force"
+                                                               : "past";
+    absl::StrAppend(&body, "<tr class=\"plan\" data-version=\"", it->version(), "\">",
+                    TdNum(it->version()), TdNum(it->switch_step()),
+                    Td(TimeText(it->version() == 0 ? j.created_unix_ms() : it->unix_ms())),
+                    Td(status), Td(PlanText(it->spec())), "</tr>");
+  }
+  absl::StrAppend(&body, "</table>");
 
   // Generation history, newest first.
   absl::StrAppend(&body,

@@ -9,13 +9,20 @@
     still work, each reported once on stderr naming its new name; $MODELAVG_COORDINATOR and
     $MODELAVG_AUTH_TOKEN_FILE stand in for the flags, which win over them;
   * TLS: --tls_ca_file against a coordinator with a throwaway certificate;
-  * usage errors exit 2, a call's error exits 1 with one line naming the code.
+  * usage errors exit 2, a call's error exits 1 with one line naming the code;
+  * update ID (UpdateJob, docs/plan-updates.md) against a RUNNING job of four trace workers:
+    --period, --outer_lr and -f, each answered with a switch step past every step the members
+    had reported; `job ID` shows the plan history; every rank's decision at every step it took
+    follows the plan in force at that step (a naive restatement of the rule); refusals (a
+    world_size change, --outer_lr on a plain level, another job's spec, usage) leave the plan
+    as it was.
 Prints the CLI's output (docs/operations-ui.md shows it).
 """
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -46,10 +53,193 @@ def naive_decisions(world, levels, warmup, step):
     return None
 
 
+def plan_level(plans, step):
+    """The level a hierarchical job with plan history `plans` ([(switch_step, warmup, [(period,
+    group)])], oldest first) averages at `step`, or None: the plan is the latest whose switch
+    step is <= step; in it, PyTorch's rule (from the last level to the first, the first whose
+    period divides the step)."""
+    switch, warmup, levels = [p for p in plans if p[0] <= step][-1]
+    if step < warmup:
+        return None
+    for level in range(len(levels) - 1, -1, -1):
+        if step % levels[level][0] == 0:
+            return level
+    return None
+
+
+def check_update(run, show, group, work, coord, trace_worker, token_file, stub, pb, md):
+    """`modelavg update` against a RUNNING job of four trace workers (see the module's doc)."""
+    job_id = "cli-update"
+    spec = {"job_id": job_id, "world_size": 4, "mode": "HIERARCHICAL",
+            "heartbeat_timeout_ms": 3000,
+            "levels": [{"period": 2, "group_size": 2},
+                       {"period": 6, "group_size": 4, "outer": {"lr": 0.7, "momentum": 0.9}}]}
+    spec_path = os.path.join(work, "update-spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    run("create", "-f", spec_path)
+    traces, logs, workers = [], [], []
+    for rank in range(4):
+        traces.append(os.path.join(work, f"update-rank{rank}.jsonl"))
+        logs.append(os.path.join(work, f"update-rank{rank}.log"))
+        workers.append(group.start(
+            [trace_worker, f"--coordinator={coord.address}", f"--auth_token_file={token_file}",
+             f"--job={job_id}", f"--rank={rank}", "--world_size=4", "--steps=1000000",
+             "--numel=4", "--step_delay_ms=20", "--collective_timeout_ms=20000",
+             "--log_level=info"],
+            f"update-worker{rank}", stdout=open(traces[-1], "w"), stderr=open(logs[-1], "w")))
+    try:
+        check_running_update(run, show, job_id, spec, spec_path, work, workers, traces)
+    except (mt.Failure, SystemExit):  # mt.fail: a script exits
+        for rank, log in enumerate(logs):
+            print(f"--- update-worker{rank}'s log (last lines):\n" +
+                  "".join(open(log).readlines()[-15:]))
+        print(f"--- the coordinator's log (last lines):\n{coord.log_tail(40)}")
+        raise
+
+
+def check_running_update(run, show, job_id, spec, spec_path, work, workers, traces):
+    """check_update's calls, against the job of `workers` (writing `traces`)."""
+
+    def job_json():
+        return json.loads(run("job", job_id, "--json").stdout)
+
+    def wait_for(what, cond, timeout_s=60):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for w in workers:
+                if w.poll() is not None:
+                    mt.fail(f"{w.name} exited {w.returncode} while waiting for {what}")
+            j = job_json()
+            if cond(j):
+                return j
+            time.sleep(0.2)
+        mt.fail(f"no {what} within {timeout_s} s: {job_json()}")
+
+    wait_for("steps past 20 on every rank",
+             lambda j: j["state"] == "RUNNING" and int(j["min_step"]) >= 20)
+
+    def switched(j):
+        return not j.get("pending_plan")
+
+    # --period: level 0 averages every 8 steps from the switch step on.
+    out = run("update", job_id, "--period=8", "--level=0")
+    show(f"update {job_id} --period=8 --level=0", out)
+    first = out.stdout.splitlines()[0]
+    check(first.startswith(f"updated job {job_id}: plan version 1 from step "), first)
+    e1 = int(first.rsplit(" ", 1)[1])
+    steps_row = [ln for ln in out.stdout.splitlines() if ln.startswith("members' steps")]
+    check(steps_row, f"no members' steps row: {out.stdout}")
+    answered_max = int(steps_row[0].split()[-1])
+    check(e1 > answered_max, f"switch step {e1} is not past the members' steps {steps_row}")
+    j = wait_for("the members past the first switch step", switched)
+    check(int(j["min_step"]) >= e1 and j["plan_version"] == 1, f"after the switch: {j}")
+    out = run("job", job_id)
+    show(f"job {job_id} (after --period=8)", out)
+    rows = {ln.split()[0]: ln.split() for ln in out.stdout.splitlines()
+            if ln.startswith(("v0 ", "v1 "))}
+    check(set(rows) == {"v0", "v1"} and rows["v0"][1] == "0" and rows["v1"][1] == str(e1),
+          f"plan history rows {rows}: {out.stdout}")
+    check("in force" in " ".join(rows["v1"]) and "past" in rows["v0"] and
+          "8/2, 6/4 outer lr 0.7" in " ".join(rows["v1"]), f"v1 row {rows['v1']}")
+    check(re.search(r"^plan version +1 \(latest 1\)$", out.stdout, re.M), out.stdout)
+
+    # --outer_lr (the last level by default), as JSON: the UpdateJobResponse.
+    out = run("update", job_id, "--outer_lr=0.35", "--json")
+    reply = json.loads(out.stdout)
+    e2 = int(reply["switch_step"])
+    check(reply["plan_version"] == 2 and e2 > int(reply["job"]["max_step"]) and e2 > e1,
+          f"--outer_lr reply: {reply}")
+    pending = reply["job"]["pending_plan"]
+    check(int(pending["switch_step"]) == e2 and pending["version"] == 2 and
+          pending["spec"]["levels"][1]["outer"]["lr"] == 0.35 and
+          int(pending["spec"]["levels"][0]["period"]) == 8,
+          f"the pending plan of the reply: {pending}")
+    wait_for("the members past the second switch step", switched)
+
+    # Refusals: the job's plan stays as it was.
+    before = len(job_json()["plan_history"])
+    out = run("update", job_id, "--outer_lr=0.5", "--level=0", expect=1)
+    check("no outer optimizer" in out.stderr and len(out.stderr.strip().splitlines()) == 1,
+          f"--outer_lr on a plain level: {out.stderr}")
+    out = run("update", job_id, "--period=4", "--level=2", expect=1)
+    check("--level=2" in out.stderr and "2 levels" in out.stderr, out.stderr)
+    smaller = dict(spec, world_size=2, levels=[{"period": 2, "group_size": 2},
+                                               {"period": 6, "group_size": 2}])
+    smaller_path = os.path.join(work, "update-world2.json")
+    with open(smaller_path, "w") as f:
+        json.dump(smaller, f)
+    out = run("update", job_id, "-f", smaller_path, expect=1)
+    check("UpdateJob: INVALID_ARGUMENT" in out.stderr and "world_size" in out.stderr,
+          f"world_size change: {out.stderr}")
+    other_path = os.path.join(work, "update-other.json")
+    with open(other_path, "w") as f:
+        json.dump(dict(spec, job_id="another-job"), f)
+    out = run("update", job_id, "-f", other_path, expect=1)
+    check("another-job" in out.stderr and "may not change" in out.stderr, out.stderr)
+    run("update", job_id, expect=2)
+    run("update", job_id, "-f", spec_path, "--period=4", expect=2)
+    run("update", job_id, "-f", spec_path, "--level=0", expect=2)
+    check(len(job_json()["plan_history"]) == before, "a refused update changed the plan")
+
+    # -f from standard input, without a job_id: level 0 every 4 steps, a longer heartbeat
+    # timeout (in force at once).
+    whole = {k: v for k, v in spec.items() if k != "job_id"}
+    whole["heartbeat_timeout_ms"] = 4000
+    whole["levels"] = [{"period": 4, "group_size": 2},
+                       {"period": 6, "group_size": 4, "outer": {"lr": 0.35, "momentum": 0.9}}]
+    out = run("update", job_id, "-f", "-", stdin=json.dumps(whole))
+    show(f"update {job_id} -f - ", out)
+    check(out.stdout.startswith(f"updated job {job_id}: plan version 3 from step "), out.stdout)
+    e3 = int(out.stdout.splitlines()[0].rsplit(" ", 1)[1])
+    check(e3 > e2, f"switch steps {e1}, {e2}, {e3}")
+    j = wait_for("the members past the third switch step", switched)
+    check(int(j["spec"]["heartbeat_timeout_ms"]) == 4000, f"heartbeat timeout: {j['spec']}")
+    out = run("job", job_id)
+    show(f"job {job_id}", out)
+    plan_rows = [ln.split() for ln in out.stdout.splitlines() if ln.startswith("v")]
+    check([r[0] for r in plan_rows] == ["v0", "v1", "v2", "v3"] and
+          [int(r[1]) for r in plan_rows] == [0, e1, e2, e3], f"plan history: {out.stdout}")
+    check(re.search(r"^heartbeat timeout +4000 ms$", out.stdout, re.M), out.stdout)
+    check("pending plan" not in out.stdout, out.stdout)
+
+    # Every rank, every step it took: the decision of the plan in force at that step.
+    history = job_json()["plan_history"]
+    plans = [(int(c.get("switch_step", 0)), int(c["spec"].get("warmup_steps", 0)),
+              [(int(l["period"]), l["group_size"]) for l in c["spec"]["levels"]])
+             for c in history]
+    check([p[0] for p in plans] == [0, e1, e2, e3], f"plan_history {history}")
+    run("delete", job_id)
+    for w in workers:
+        try:
+            w.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            mt.fail(f"{w.name} did not end within 30 s of its job's deletion")
+    checked = 0
+    for rank, trace in enumerate(traces):
+        steps = []
+        for ln in open(trace).read().splitlines():
+            try:
+                d = json.loads(ln)
+            except ValueError:
+                continue  # the line being written when the job was deleted
+            if "step" not in d:
+                continue
+            want = plan_level(plans, d["step"])
+            got = d["level"] if d["action"] == "AVERAGE" else None
+            check(got == want, f"rank {rank} step {d['step']}: level {got}, the plans say {want}")
+            steps.append(d["step"])
+            checked += 1
+        check(steps == list(range(len(steps))) and len(steps) > e3,
+              f"rank {rank}: steps 0..{len(steps) - 1} (switches at {e1}, {e2}, {e3})")
+    print(f"update: switch steps {e1}, {e2}, {e3}; {checked} decisions of 4 ranks checked")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--coordinator", required=True)
     parser.add_argument("--cli", required=True)
+    parser.add_argument("--trace_worker", required=True)
     args = parser.parse_args()
     import grpc
     pb, pb_grpc = mt.coordinator_stubs()
@@ -223,6 +413,8 @@ def main():
         check(retired and retired[0][3] == "RETIRED" and retired[0][-1] == "3",
               f"rank 2's row: {retired}")
         run("delete", "cli-sharded")
+
+        check_update(run, show, group, work, coord, args.trace_worker, token_file, stub, pb, md)
 
         # Errors and usage.
         out = run("jobs", token=False, expect=1)

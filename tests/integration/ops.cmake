@@ -18,12 +18,14 @@ add_test(NAME prometheus_rules_test
 set_tests_properties(prometheus_rules_test PROPERTIES TIMEOUT 60 SKIP_RETURN_CODE 77
   LABELS "integration")
 
-# The operators' command line (tools/modelavg_cli.cc) against a real coordinator.
+# The operators' command line (tools/modelavg_cli.cc) against a real coordinator; `update`
+# against a running job of four trace workers (about 20 s of the test).
 if(TARGET modelavg-coordinator AND TARGET modelavg-cli)
   add_test(NAME cli_test
     COMMAND /usr/bin/python3 ${CMAKE_CURRENT_SOURCE_DIR}/cli_test.py
-            --coordinator=$<TARGET_FILE:modelavg-coordinator> --cli=$<TARGET_FILE:modelavg-cli>)
-  set_tests_properties(cli_test PROPERTIES TIMEOUT 120 LABELS "integration")
+            --coordinator=$<TARGET_FILE:modelavg-coordinator> --cli=$<TARGET_FILE:modelavg-cli>
+            --trace_worker=$<TARGET_FILE:modelavg-trace-worker>)
+  set_tests_properties(cli_test PROPERTIES TIMEOUT 180 LABELS "integration")
   # Control characters in stored names (an old state file) come out of every table escaped.
   add_test(NAME cli_escape_test
     COMMAND /usr/bin/python3 ${CMAKE_CURRENT_SOURCE_DIR}/cli_escape_test.py

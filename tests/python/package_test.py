@@ -11,6 +11,7 @@ never read from the message), and the job spec the job calls send.
 """
 
 import datetime
+from dataclasses import replace as dataclasses_replace
 import importlib.util
 import os
 import sys
@@ -69,6 +70,10 @@ class FakeCore(types.ModuleType):
                          "streaming": [(1, 0, 0.0, "FP32", 0.0, 0.0)],
                          "warmup_steps": 0, "heartbeat_timeout_ms": 0, "join_timeout_ms": 0,
                          "min_world_size": 0, "replica_size": 0})
+
+    def update_job(self, conn, job_id, spec):
+        self.calls.append(("update_job", dict(conn), job_id, dict(spec)))
+        return {"switch_step": 120, "plan_version": 1, "job": job_dict(spec)}
 
 
 def job_dict(spec):
@@ -186,6 +191,46 @@ def test_createJob_Levels_SentAsTheBindingsSpec(package):
         modelavg.create_job("j", 4, "PERIODIC", [(2, 4)], period=2, coordinator="c:1")
     with pytest.raises(modelavg.InvalidArgumentError, match="expected a \\(period, group_size\\)"):
         modelavg.create_job("j", 4, "PERIODIC", [2], coordinator="c:1")
+
+
+def test_updateJob_Fields_TheLatestPlanWithThemChanged(package):
+    modelavg, fake = package
+    update = modelavg.update_job("j", period=8, heartbeat_timeout_ms=5000, coordinator="c:1")
+    (get, _, _), (name, conn, job_id, spec) = fake.calls
+    assert (get, name, conn, job_id) == ("get_job", "update_job", {"coordinator": "c:1"}, "j")
+    # get_job's plan (the fake's: PERIODIC, world 2, period 4) with the period and timeout.
+    assert spec == {"job_id": "j", "world_size": 2, "mode": "PERIODIC", "levels": [(8, 2)],
+                    "outer": [None], "streaming": [(1, 0, 0.0, "FP32", 0.0, 0.0)],
+                    "warmup_steps": 0, "heartbeat_timeout_ms": 5000, "join_timeout_ms": 0,
+                    "min_world_size": 0, "replica_size": 0}
+    assert (update.switch_step, update.plan_version) == (120, 1)
+    assert update.job.spec.levels == [(8, 2)] and update.job.plan_history == []
+
+
+def test_updateJob_WholeSpec_SentAsGivenWithTheJobsId(package):
+    modelavg, fake = package
+    sgd = modelavg.OuterSGD(0.35, momentum=0.9)
+    spec = modelavg.JobSpec(job_id="", world_size=4, mode="HIERARCHICAL",
+                            levels=[(2, 2), modelavg.Level(6, 4, outer=sgd)])
+    modelavg.update_job("j", spec, coordinator="c:1")
+    (name, _, job_id, sent), = fake.calls
+    assert (name, job_id, sent["job_id"]) == ("update_job", "j", "j")
+    assert sent["levels"] == [(2, 2), (6, 4)] and sent["outer"] == [None, (0.35, 0.9, False)]
+
+
+def test_updateJob_BadArguments_InvalidArgumentNamingThem(package):
+    modelavg, fake = package
+    spec = modelavg.JobSpec(job_id="other", world_size=2, mode="PERIODIC", levels=[(4, 2)])
+    with pytest.raises(modelavg.InvalidArgumentError, match="'other' is not 'j'"):
+        modelavg.update_job("j", spec, coordinator="c:1")
+    with pytest.raises(modelavg.InvalidArgumentError, match="not both"):
+        modelavg.update_job("j", dataclasses_replace(spec, job_id="j"), period=8,
+                            coordinator="c:1")
+    with pytest.raises(modelavg.InvalidArgumentError, match="nothing to change"):
+        modelavg.update_job("j", coordinator="c:1")
+    with pytest.raises(modelavg.InvalidArgumentError, match="levels or period, not both"):
+        modelavg.update_job("j", levels=[(8, 2)], period=8, coordinator="c:1")
+    assert fake.calls == []
 
 
 @pytest.mark.parametrize("code,averaging,cls,bases", [

@@ -5,9 +5,12 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/clock.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/text_format.h"
@@ -183,6 +186,80 @@ TEST_F(StatusPageTest, JobPage_ShowsPayloadAndErrorFeedback) {
   const std::string body = Get(page, "/jobs/fb").body;
   EXPECT_THAT(body, HasSubstr("every 4 steps in groups of 2, payload TOPK (density 0.02), "
                               "error feedback 0.9"));
+}
+
+// UpdateJob: the page shows the pending plan with its switch step (the timeline stops before
+// it), then, once every member passed it, the plan history with the new plan in force.
+TEST_F(StatusPageTest, JobPage_PlanUpdated_PendingPlanThenHistory) {
+  std::shared_ptr<Job> job = MakeRunningJob("p");
+  for (int r = 0; r < 4; ++r) Beat(*job, r, 10);
+  StatusPage page(registry_.get(), {});
+  std::string body = Get(page, "/jobs/p").body;
+  EXPECT_THAT(body, HasSubstr("<table id=\"plans\">"));
+  EXPECT_THAT(body, HasSubstr("<tr class=\"plan\" data-version=\"0\"><td class=\"num\">0</td>"
+                              "<td class=\"num\">0</td>"));
+  EXPECT_THAT(body, Not(HasSubstr("pending plan")));
+
+  v1::UpdateJobRequest update;
+  update.set_job_id("p");
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(
+      "job_id: 'p' world_size: 4 mode: HIERARCHICAL min_world_size: 2 "
+      "levels { period: 4 group_size: 2 } "
+      "levels { period: 5 group_size: 4 outer { lr: 0.5 momentum: 0.9 } }",
+      update.mutable_spec()));
+  std::optional<absl::StatusOr<v1::UpdateJobResponse>> answer;
+  job->UpdateJob(update, [&](absl::StatusOr<v1::UpdateJobResponse> r) { answer = std::move(r); });
+  ASSERT_FALSE(answer.has_value()) << "answered before the members gave back their decisions";
+  // Each member learns of the proposal from a beat and answers it: it uses its decisions
+  // through step 12.
+  for (int r = 0; r < 4; ++r) {
+    v1::HeartbeatRequest hb;
+    hb.set_job_id("p");
+    hb.set_rank(r);
+    hb.set_generation(1);
+    hb.set_step(10);
+    hb.set_credential(credentials_[r]);
+    v1::HeartbeatResponse reply;
+    ASSERT_TRUE(job->Heartbeat(hb, &reply).ok());
+    ASSERT_EQ(reply.proposed_plan(), 1);
+    hb.set_used_through(12);
+    hb.set_proposal_answered(1);
+    ASSERT_TRUE(job->Heartbeat(hb, &reply).ok());
+  }
+  ASSERT_TRUE(answer.has_value());
+  ASSERT_TRUE(answer->ok()) << answer->status();
+  const int64_t e = (*answer)->switch_step();
+  ASSERT_GT(e, 12);
+  body = Get(page, "/jobs/p").body;
+  EXPECT_THAT(body, HasSubstr(absl::StrCat(
+                        "<dd id=\"pending-plan\">version 1 from step ", e,
+                        ": hierarchical, warm-up 0 steps; every 4 steps in groups of 2; every 5 "
+                        "steps in groups of 4, outer lr 0.5 momentum 0.9</dd>")));
+  EXPECT_THAT(body, HasSubstr(absl::StrCat("<tr class=\"plan\" data-version=\"1\"><td "
+                                           "class=\"num\">1</td><td class=\"num\">", e,
+                                           "</td>")));
+  EXPECT_THAT(body, HasSubstr("<td>pending</td>"));
+  EXPECT_THAT(body, HasSubstr(absl::StrCat("plan version 1 takes over at step ", e)));
+  // The timeline stops before the switch: the old plan's averaging steps from 11 to e - 1 (the
+  // last level whose period divides the step).
+  std::vector<std::string> marks;
+  for (int64_t s = 11; s < e; ++s) {
+    if (s % 5 == 0) marks.push_back(absl::StrCat(s, " (level 1, 1 group of 4)"));
+    else if (s % 2 == 0) marks.push_back(absl::StrCat(s, " (level 0, 2 groups of 2)"));
+  }
+  ASSERT_FALSE(marks.empty());
+  EXPECT_THAT(body, HasSubstr(absl::StrCat("Next averaging steps: ", absl::StrJoin(marks, ", "),
+                                           "</p>")));
+
+  for (int r = 0; r < 4; ++r) Beat(*job, r, e);
+  body = Get(page, "/jobs/p").body;
+  EXPECT_THAT(body, Not(HasSubstr("pending-plan")));
+  EXPECT_THAT(body, HasSubstr("<dd id=\"plan\">hierarchical, warm-up 0 steps; every 4 steps in "
+                              "groups of 2; every 5 steps in groups of 4, outer lr 0.5 momentum "
+                              "0.9 (version 1)</dd>"));
+  EXPECT_THAT(body, HasSubstr("<td>in force</td><td>hierarchical, warm-up 0 steps; every 4"));
+  EXPECT_THAT(body, HasSubstr("<td>past</td><td>hierarchical, warm-up 0 steps; every 2"));
+  EXPECT_THAT(body, HasSubstr("plan updated"));
 }
 
 TEST_F(StatusPageTest, UnknownJob_NotFoundEscaped) {
