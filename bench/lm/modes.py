@@ -50,6 +50,10 @@ class Mode:
     def after_step(self, net, step):
         pass
 
+    def bytes_sent(self):
+        """Bytes this rank sent per averaging level so far (None: not measured)."""
+        return None
+
     def close(self):
         pass
 
@@ -143,6 +147,9 @@ class Modelavg(Mode):
     def after_step(self, net, step):
         self.averager.average_parameters(net.parameters())
 
+    def bytes_sent(self):
+        return [t.bytes_sent for t in self.averager.traffic()]
+
 
 class DiLoCo(Modelavg):
     """modelavg's drop-in, the pairs inside a site averaging plainly every --diloco_site_period
@@ -157,6 +164,26 @@ class DiLoCo(Modelavg):
     def outer(self, modelavg):
         return modelavg.OuterSGD(self.args.outer_lr, momentum=self.args.outer_momentum,
                                  nesterov=True)
+
+
+class DiLoCoPayload(DiLoCo):
+    """DiLoCo (as the diloco mode) with the cross-site pseudo-gradient sent compressed
+    (Level.payload) and, in the *_ef modes, error feedback with beta 1 (Level.error_feedback):
+    docs/streaming.md. TOPK keeps --topk_density of each block's entries."""
+    payload = "INT8"
+    error_feedback = 0.0
+
+    def outer(self, modelavg):
+        period = self.args.diloco_period
+        return modelavg.Level(period, 4, outer=super().outer(modelavg), payload=self.payload,
+                              error_feedback=self.error_feedback,
+                              topk_density=self.args.topk_density if self.payload == "TOPK"
+                              else 0.0)
+
+
+def _diloco_payload(payload, error_feedback):
+    return type(f"DiLoCo{payload.title()}{'Feedback' if error_feedback else ''}",
+                (DiLoCoPayload,), {"payload": payload, "error_feedback": error_feedback})
 
 
 class Streaming(Modelavg):
@@ -184,6 +211,12 @@ MODES = {
     "diloco": DiLoCo,
     "streaming": Streaming,
     "int8": StreamingInt8,
+    "diloco_int8": _diloco_payload("INT8", 0.0),
+    "diloco_int4": _diloco_payload("INT4", 0.0),
+    "diloco_int4_ef": _diloco_payload("INT4", 1.0),
+    "diloco_topk": _diloco_payload("TOPK", 0.0),
+    "diloco_topk_ef": _diloco_payload("TOPK", 1.0),
 }
 # Modes that need a modelavg coordinator (run.py starts one, and a job per run).
-NEEDS_COORDINATOR = {"modelavg", "diloco", "streaming", "int8"}
+NEEDS_COORDINATOR = {"modelavg", "diloco", "streaming", "int8"} | {
+    m for m in MODES if m.startswith("diloco_")}

@@ -19,6 +19,10 @@ split reaches --target_loss (or --max_steps). Then it prints a table:
             run first and again last, the two averaged, since the machine's load drifts;            the same four processes sharing the same CPUs)
   link MB   megabytes that crossed site b's uplink in the whole run (interface counters, both
             directions, Ethernet frames)
+  sent MB   megabytes rank 0 handed to the transport in the last (cross-site) level's rounds,
+            from modelavg's traffic() (modelavg modes only)
+  sync KB   of those, kilobytes per cross-site sync after the first (diloco* modes; the first,
+            at step 0, is FP32 whatever the payload: it sets the anchor)
   final     rank 0's last validation loss
   avg ms    rank 0's milliseconds per step in the mode's after-step call (the averagers' whole
             cost: decisions, copies, all-reduces; DDP's communication is inside backward: -)
@@ -78,6 +82,8 @@ def parse_args():
                    help="the diloco mode's outer learning rate")
     p.add_argument("--outer_momentum", type=float, default=0.3,
                    help="the diloco mode's outer Nesterov momentum")
+    p.add_argument("--topk_density", type=float, default=0.02,
+                   help="the diloco_topk* modes' Level.topk_density")
     p.add_argument("--timeout_s", type=float, default=1800, help="per mode")
     p.add_argument("--out_dir", default=os.path.join(REPO, "bench", "lm", "out"))
     p.add_argument("--build_dir", default=os.path.join(REPO, "build"))
@@ -129,7 +135,8 @@ def run_mode(args, cluster, mode, tmp, corpus_path):
                 f"--stop_period={stop_period}", f"--outer_lr={args.outer_lr}",
                 f"--diloco_period={args.diloco_period}",
                 f"--diloco_site_period={args.diloco_site_period}",
-                f"--outer_momentum={args.outer_momentum}"]
+                f"--outer_momentum={args.outer_momentum}",
+                f"--topk_density={args.topk_density}"]
         err = open(os.path.join(tmp, f"{mode}.{rank}.err"), "w")
         procs.append(cluster.popen(host, argv, stdout=err, stderr=subprocess.STDOUT, env=env))
     deadline = time.monotonic() + args.timeout_s
@@ -156,7 +163,9 @@ def run_mode(args, cluster, mode, tmp, corpus_path):
             "seconds_run": evals[-1]["seconds"], "final_loss": evals[-1]["val_loss"],
             "steps_to_target": hit["step"] if hit else None,
             "seconds_to_target": hit["seconds"] if hit else None,
-            "link_bytes": link_bytes, "process_wall_s": wall}
+            "link_bytes": link_bytes, "process_wall_s": wall,
+            "rank0_bytes_sent": evals[-1].get("bytes_sent"),
+            "rank0_bytes_at_step0": evals[-1].get("bytes_at_step0")}
 
 
 def after_ms(r):
@@ -167,8 +176,21 @@ def after_ms(r):
     return f"{1000 * last['after_step_seconds'] / last['step']:.1f}"
 
 
-def table(results, floor):
-    rows = [("mode", "steps", "seconds", "x floor", "link MB", "final", "avg ms")]
+def sync_kb(r, args):
+    """Rank 0's kilobytes per cross-site sync after the first (the diloco* modes: a sync every
+    --diloco_period steps from step 0, whose first sync is FP32 in every payload)."""
+    if not r["mode"].startswith("diloco") or not r["rank0_bytes_sent"]:
+        return "-"
+    syncs = (r["steps_run"] - 1) // args.diloco_period
+    if syncs <= 0:
+        return "-"
+    later = r["rank0_bytes_sent"][-1] - r["rank0_bytes_at_step0"][-1]
+    return f"{later / syncs / 1e3:.0f}"
+
+
+def table(results, floor, args):
+    rows = [("mode", "steps", "seconds", "x floor", "link MB", "sent MB", "sync KB", "final",
+             "avg ms")]
     for r in results:
         steps, secs = r["steps_to_target"], r["seconds_to_target"]
         ratio = (secs / (floor * steps)) if (steps and floor) else None
@@ -176,7 +198,8 @@ def table(results, floor):
         rows.append((r["mode"], str(steps) if steps else f">{r['steps_run']}",
                      f"{secs:.1f}" if secs is not None else f">{r['seconds_run']:.1f}",
                      f"{ratio:.2f}" if ratio else "-", f"{r['link_bytes'] / 1e6:.1f}",
-                     f"{r['final_loss']:.3f}", after_ms(r)))
+                     f"{r['rank0_bytes_sent'][-1] / 1e6:.2f}" if r["rank0_bytes_sent"] else "-",
+                     sync_kb(r, args), f"{r['final_loss']:.3f}", after_ms(r)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(row, widths))) for row in rows)
@@ -194,7 +217,9 @@ def plot(results, args, path):
     ax.set_xscale("log")  # DDP takes ten times as long as the averaging modes
     ax.set_xlabel("training wall-clock (s, log scale)")
     ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title(f"4 workers, 2 sites, {args.rate_mbit:g} Mbit/s between them")
+    period = (f", DiLoCo every {args.diloco_period} steps"
+              if any(r["mode"].startswith("diloco") for r in results) else "")
+    ax.set_title(f"4 workers, 2 sites, {args.rate_mbit:g} Mbit/s between them{period}")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -242,7 +267,7 @@ def main():
     print(f"target validation loss {args.target_loss}; link {args.rate_mbit:g} Mbit/s; "
           f"compute floor {floor:.3f} s/step (first and last: "
           f"{', '.join(f'{f:.3f}' for f in floors)})" if floor else "no `none` mode: no floor")
-    print(table(results, floor))
+    print(table(results, floor, args))
     png = os.path.join(args.out_dir, "lm_bench.png")
     plot(results, args, png)
     with open(os.path.join(args.out_dir, "lm_bench.json"), "w") as f:

@@ -5,8 +5,10 @@ Trains a small character-level transformer on the training split of the corpus, 
 as its mode says (modes.py), and writes one JSON line per evaluation to --out:
 ``{"step", "seconds", "val_loss", "train_loss", "after_step_seconds"}`` where seconds is the
 training time so far (wall clock since the first step, less the time this rank spent
-evaluating) and after_step_seconds the part of it spent in the mode's after-step call (the
-averagers' whole cost; DDP communicates inside backward, so 0 there). Only rank 0
+evaluating), after_step_seconds the part of it spent in the mode's after-step call (the
+averagers' whole cost; DDP communicates inside backward, so 0 there) and bytes_sent the bytes
+this rank handed to the transport per averaging level (modelavg's traffic(); null for the
+other modes). Only rank 0
 evaluates; the others write their step times. It stops before the step named in the stop file
 (--stop_file, written by rank 0 once the target is reached, see run.py) or at --max_steps.
 """
@@ -56,6 +58,8 @@ def main():
     p.add_argument("--outer_lr", type=float, default=0.7, help="diloco mode's outer lr")
     p.add_argument("--outer_momentum", type=float, default=0.9,
                    help="diloco mode's outer Nesterov momentum")
+    p.add_argument("--topk_density", type=float, default=0.02,
+                   help="the diloco_topk* modes' Level.topk_density")
     p.add_argument("--stop_period", type=int, default=32,
                    help="stop at a multiple of this (the largest averaging period)")
     args = p.parse_args()
@@ -93,13 +97,16 @@ def main():
         a0 = time.monotonic()
         mode.after_step(net, i)
         after_seconds += time.monotonic() - a0
+        if i == 0:
+            first_bytes = mode.bytes_sent()  # step 0's rounds: an outer level's first sync
         done += 1
         if args.rank == 0 and ((i > 0 and i % args.eval_every == 0) or done == stop_at):
             e0 = time.monotonic()
             v = lm.evaluate(mode.module(net), val)
             eval_seconds += time.monotonic() - e0
             emit(step=done, seconds=time.monotonic() - start - eval_seconds, val_loss=v,
-                 train_loss=float(loss), after_step_seconds=after_seconds)
+                 train_loss=float(loss), after_step_seconds=after_seconds,
+                 bytes_sent=mode.bytes_sent(), bytes_at_step0=first_bytes)
             if not math.isfinite(v):
                 raise SystemExit(f"rank 0: validation loss is {v} at step {done}")
             if v <= args.target_loss and stop_at == args.max_steps:

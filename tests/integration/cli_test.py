@@ -414,6 +414,29 @@ def main():
               f"rank 2's row: {retired}")
         run("delete", "cli-sharded")
 
+        # A compressed outer level with error feedback: the payload, the top-k density and the
+        # feedback beside the level's period, in the job's page and in the job list.
+        feedback_path = os.path.join(work, "feedback.json")
+        with open(feedback_path, "w") as f:
+            json.dump({"job_id": "cli-feedback", "world_size": 4, "mode": "HIERARCHICAL",
+                       "levels": [{"period": 2, "group_size": 2},
+                                  {"period": 8, "group_size": 4, "outer": {"lr": 0.7},
+                                   "payload": "TOPK", "topk_density": 0.02,
+                                   "error_feedback": 0.9}]}, f)
+        run("create", "-f", feedback_path)
+        out = run("job", "cli-feedback")
+        show("job cli-feedback", out)
+        plan = [ln for ln in out.stdout.splitlines() if ln.startswith("plan")]
+        check(plan and plan[0].endswith("(2, 2) (8, 4, TOPK density 0.02, error feedback 0.9)"),
+              f"job cli-feedback shows no payload, density and feedback: {out.stdout}")
+        row = [ln for ln in run("jobs").stdout.splitlines() if ln.startswith("cli-feedback ")]
+        check(row and "(8, 4, TOPK density 0.02, error feedback 0.9)" in row[0],
+              f"jobs row of cli-feedback: {row}")
+        got = json.loads(run("job", "cli-feedback", "--json").stdout)["spec"]["levels"][1]
+        check(got.get("payload") == "TOPK" and got.get("topk_density") == 0.02 and
+              got.get("error_feedback") == 0.9, f"job cli-feedback --json level 1: {got}")
+        run("delete", "cli-feedback")
+
         check_update(run, show, group, work, coord, args.trace_worker, token_file, stub, pb, md)
 
         # Errors and usage.

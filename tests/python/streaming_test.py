@@ -28,7 +28,8 @@ Configurations ``payload_bytes_*`` run an FP32, a BF16 and an INT8 job and compa
 their outer steps sent (BF16 <= 0.55x, INT8 <= 0.30x of FP32). Configurations ``checkpoint_*``
 run the job in two halves: the first processes stop at a step where a background all-reduce is
 in flight and save ``averager.state_dict()`` with the parameters; new processes, in a new job of
-the same spec, load them and go on. Their values must equal, exactly, an uninterrupted run's.
+the same spec, load them and go on. Their values must equal, exactly, an uninterrupted run's
+(with error feedback, INT4 and TOPK, the residual travels in the state).
 
   pytest tests/python/streaming_test.py ["-k NAME"]      (conftest.py: which build)
 """
@@ -47,7 +48,8 @@ def L(period, group, outer=None, **streaming):
     return dict(period=period, group=group, outer=outer, fragments=streaming.get("fragments", 1),
                 sync_delay=streaming.get("sync_delay", 0), mix=streaming.get("mix", 0.0),
                 payload=streaming.get("payload", "FP32"),
-                error_feedback=streaming.get("error_feedback", 0.0))
+                error_feedback=streaming.get("error_feedback", 0.0),
+                topk_density=streaming.get("topk_density", 0.0))
 
 
 DILOCO = (0.7, 0.9, True)
@@ -82,10 +84,14 @@ CONFIGS = {
     "checkpoint_int4_feedback_w2": ("periodic", 2, 0,
                                     [L(12, 2, (1.0, 0.0, False), fragments=3, sync_delay=2,
                                        payload="INT4", error_feedback=0.9)], 30, "checkpoint"),
+    "checkpoint_topk_feedback_w4": ("periodic", 4, 0,
+                                    [L(8, 4, (0.7, 0.9, True), fragments=2, sync_delay=1,
+                                       payload="TOPK", topk_density=0.05, error_feedback=1.0)],
+                                    30, "checkpoint"),
 }
 # The step the checkpoint runs stop before: a background all-reduce is in flight there.
 CHECKPOINT_AT = {"checkpoint_delay_w4": 13, "checkpoint_int8_first_sync_pending_w2": 5,
-                 "checkpoint_int4_feedback_w2": 17}
+                 "checkpoint_int4_feedback_w2": 17, "checkpoint_topk_feedback_w4": 13}
 # The rank that sleeps before its sync steps in the payload_bytes configuration, and how long.
 SLEEPER, SLEEP_S = 3, 0.6
 
@@ -246,9 +252,10 @@ def job_levels(modelavg, levels):
     out = []
     for lv in levels:
         streaming = {k: lv[k] for k in ("fragments", "sync_delay", "mix", "payload",
-                                        "error_feedback")}
+                                        "error_feedback", "topk_density")}
         if lv["outer"] is None and streaming == {"fragments": 1, "sync_delay": 0, "mix": 0.0,
-                                                 "payload": "FP32", "error_feedback": 0.0}:
+                                                 "payload": "FP32", "error_feedback": 0.0,
+                                                 "topk_density": 0.0}:
             out.append((lv["period"], lv["group"]))
             continue
         o = lv["outer"]
