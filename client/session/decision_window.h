@@ -8,7 +8,7 @@
 // the plans it holds up to the end of its last window and then waits for the coordinator (at
 // most the outage timeout): it never crosses a switch step it could not know of. When the
 // coordinator proposes a new plan (a heartbeat reply's proposed_plan), the rank gives back what
-// it holds past about a second of steps from now, answers so in its beats, and waits at that
+// it holds past about half a second of steps from now, answers so in its beats, and waits at that
 // step until it learns the switch step (or the proposal ends).
 #ifndef MODELAVG_CLIENT_SESSION_DECISION_WINDOW_H_
 #define MODELAVG_CLIENT_SESSION_DECISION_WINDOW_H_

@@ -7,7 +7,7 @@
 // them without asking again; during a coordinator outage it may use them to their end and no
 // further. So E must lie past every step a member may still use. To make E soon, UpdateJob first
 // proposes: each member's next heartbeat reply carries the proposal, and the member answers the
-// step up to which it will still use what it holds (about a second of steps ahead), giving back
+// step up to which it will still use what it holds (about half a second of steps ahead), giving back
 // the rest. Once every live member answered, or the proposal's deadline passed, E is the first
 // step past all of that (and past the planned admissions), moved on while a delayed round of the
 // old plan would still be in flight at it (PlanHistory::SwitchStepFrom).
