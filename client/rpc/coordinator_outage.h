@@ -2,8 +2,10 @@
 // bound on how long work that needs it waits through an outage.
 //
 // While the coordinator is unreachable a worker keeps training: decisions come from the local
-// schedule, existing communicators keep averaging, heartbeats retry with backoff. Only work that
-// needs the coordinator (bootstrapping a communicator, a Join) waits for it, retrying through
+// schedule (through the decisions the coordinator handed it: client/session/decision_window.h),
+// existing communicators keep averaging, heartbeats retry with backoff. Only work that needs the
+// coordinator (bootstrapping a communicator, a Join, a step past what it was handed) waits for
+// it, retrying through
 // Retry() until the outage has lasted ClientOptions.coordinator_outage_timeout; then it fails
 // with UNAVAILABLE naming the coordinator and how long it has been gone. Thread-safe.
 #ifndef MODELAVG_CLIENT_RPC_COORDINATOR_OUTAGE_H_

@@ -427,10 +427,11 @@ def main():
         out = run("job", "cli-feedback")
         show("job cli-feedback", out)
         plan = [ln for ln in out.stdout.splitlines() if ln.startswith("plan")]
-        check(plan and plan[0].endswith("(2, 2) (8, 4, TOPK density 0.02, error feedback 0.9)"),
+        check(plan and plan[0].endswith(
+            "(2, 2) (8, 4, outer lr 0.7 momentum 0, TOPK density 0.02, error feedback 0.9)"),
               f"job cli-feedback shows no payload, density and feedback: {out.stdout}")
         row = [ln for ln in run("jobs").stdout.splitlines() if ln.startswith("cli-feedback ")]
-        check(row and "(8, 4, TOPK density 0.02, error feedback 0.9)" in row[0],
+        check(row and "TOPK density 0.02, error feedback 0.9)" in row[0],
               f"jobs row of cli-feedback: {row}")
         got = json.loads(run("job", "cli-feedback", "--json").stdout)["spec"]["levels"][1]
         check(got.get("payload") == "TOPK" and got.get("topk_density") == 0.02 and

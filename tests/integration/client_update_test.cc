@@ -6,7 +6,10 @@
 // twice, in a strict and an elastic job; the coordinator killed (-9) between UpdateJob and E and
 // restarted on its state: E survives and every member switches at it; and every refused change
 // (a clear error and the running job unchanged).
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <cmath>
@@ -26,6 +29,7 @@
 #include "tests/integration/client_test_processes.h"
 #include "tests/integration/plan_reference.h"
 #include "tests/integration/trace_check.h"
+#include "tests/testing/gloo_link_proxy.h"
 #include "tests/tools/make_job_spec.h"
 #include "tests/tools/temp_dir.h"
 
@@ -50,8 +54,10 @@ class ClientUpdateTest : public ::testing::Test {
       : cluster_("update", std::move(coordinator_flags)) {}
   ~ClientUpdateTest() override { workers_.clear(); }
 
-  // Creates `spec` and starts its ranks for `steps` steps, each step at least `delay_ms`.
-  void Start(const v1::JobSpec& spec, int64_t steps, int64_t delay_ms) {
+  // Creates `spec` and starts its ranks for `steps` steps, each step at least `delay_ms`;
+  // rank r with `rank_flags[r]` too.
+  void Start(const v1::JobSpec& spec, int64_t steps, int64_t delay_ms,
+             const std::vector<std::vector<std::string>>& rank_flags = {}) {
     ASSERT_TRUE(cluster_.ok()) << cluster_.dir();
     absl::StatusOr<v1::Job> made = cluster_.admin()->CreateJob(spec);
     ASSERT_TRUE(made.ok()) << made.status();
@@ -68,6 +74,9 @@ class ClientUpdateTest : public ::testing::Test {
                                        "--join_timeout_ms=30000",
                                        "--collective_timeout_ms=30000",
                                        "--log_level=info"};
+      if (static_cast<size_t>(r) < rank_flags.size()) {
+        argv.insert(argv.end(), rank_flags[r].begin(), rank_flags[r].end());
+      }
       workers_.push_back(std::make_unique<Process>(
           argv, absl::StrCat(cluster_.dir(), "/", spec.job_id(), "-rank", r)));
     }
@@ -217,6 +226,46 @@ TEST_F(ClientUpdateTest, ElasticJob_GroupSizeOfAnOuterLevelChanged_ItStartsAfres
   absl::StatusOr<v1::Job> j = cluster_.admin()->GetJob("elastic");
   ASSERT_TRUE(j.ok());
   EXPECT_EQ(j->spec().min_world_size(), 3);
+}
+
+// A member cut off from the coordinator while UpdateJob runs (its connection silent, as a
+// dropped route leaves it): it cannot answer, so it holds the switch step back to the end of the
+// decisions it was handed (its window of 400 steps), never further; once the link is back it
+// learns the switch step, and every member switches there.
+TEST_F(ClientUpdateTest, MemberCutOffFromTheCoordinator_HoldsTheSwitchToTheEndOfItsWindow) {
+  ASSERT_TRUE(cluster_.ok());
+  const std::string& address = cluster_.coordinator().address();
+  sockaddr_in target{};
+  target.sin_family = AF_INET;
+  target.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  target.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1))));
+  const int listen_fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(at);
+  ASSERT_EQ(bind(listen_fd, reinterpret_cast<sockaddr*>(&at), len), 0);
+  ASSERT_EQ(getsockname(listen_fd, reinterpret_cast<sockaddr*>(&at), &len), 0);
+  ASSERT_EQ(listen(listen_fd, 16), 0);
+  LinkProxy proxy(listen_fd, target);
+  const std::string through = absl::StrCat("127.0.0.1:", ntohs(at.sin_port));
+
+  // A heartbeat timeout long enough that the silent member is not declared dead meanwhile.
+  const v1::JobSpec a = MakeSpec("cutoff", 4, v1::HIERARCHICAL, {{2, 2}, {8, 4}}, 0, 30000);
+  const v1::JobSpec b = MakeSpec("cutoff", 4, v1::HIERARCHICAL, {{4, 2}, {16, 4}}, 0, 30000);
+  constexpr int64_t kWindow = 400;
+  constexpr int64_t kSteps = 900;
+  std::vector<std::vector<std::string>> flags(4, {absl::StrCat("--schedule_window=", kWindow)});
+  flags[3].push_back("--coordinator=" + through);  // the later flag wins
+  Start(a, kSteps, 2, flags);
+  WaitForStep(40);
+  ASSERT_LT(LastStep(*workers_[3]), kWindow - 100) << "rank 3 is past its first window already";
+  proxy.StallAfter(0);
+  const int64_t e = Update(b, 1);
+  // Rank 3 said nothing: the switch lies past its window [0, 400), not at the others' answers.
+  EXPECT_EQ(e, kWindow);
+  proxy.Resume();
+  ExpectFollowsReference({{a, 0}, {b, e}}, kSteps);
 }
 
 // Each refusal names what is wrong, and the running job keeps its one plan.

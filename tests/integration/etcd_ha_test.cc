@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
@@ -38,6 +39,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/rpc/coordinator_client.h"
+#include "tests/integration/plan_reference.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/store/etcd/etcd_client.h"
@@ -487,6 +489,59 @@ TEST_F(EtcdHaTest, LeaderKilledMidJob_StandbyTakesOver_EveryWorkerFinishesSameVa
             << ", kill -> first top-level averaging (step 16) "
             << absl::FormatDuration(absl::Trunc(first_top - killed, absl::Milliseconds(1)))
             << std::endl;
+}
+
+// A plan update through a fail-over (docs/plan-updates.md): UpdateJob answered by the leader,
+// which is killed (-9) at once, before the switch step. The standby loads the plan and its switch
+// step from etcd; every member switches at that step, and every value of every rank at every step
+// follows the rule of the plan in force (plan_reference.h).
+TEST_F(EtcdHaTest, PlanUpdated_LeaderKilledBeforeTheSwitch_StandbyKeepsItEveryMemberSwitchesAtE) {
+  ASSERT_NO_FATAL_FAILURE(StartAll(1));
+  v1::JobSpec a = MakeSpec("plan", 4, v1::HIERARCHICAL, {{2, 2}, {8, 4}}, 0, kHeartbeatMs);
+  v1::OuterOptimizer* o = a.mutable_levels(1)->mutable_outer();
+  o->set_lr(0.7);
+  o->set_momentum(0.9);
+  o->set_nesterov(true);
+  v1::JobSpec b = a;
+  b.mutable_levels(0)->set_period(4);
+  b.mutable_levels(1)->set_period(16);
+  b.mutable_levels(1)->mutable_outer()->set_lr(0.35);
+  auto admin = Admin();
+  ASSERT_TRUE(admin->CreateJob(a).ok());
+  constexpr int64_t kPlanSteps = 400;
+  StartWorkers("plan", 4, kPlanSteps, 10);
+  ASSERT_TRUE(WaitForStep(20, absl::Seconds(60))) << Diagnostics();
+  absl::StatusOr<v1::UpdateJobResponse> updated = admin->UpdateJob(b);
+  ASSERT_TRUE(updated.ok()) << updated.status() << Diagnostics();
+  const int64_t e = updated->switch_step();
+  const int leader = Leader();
+  ASSERT_GE(leader, 0);
+  coordinators_[leader]->Kill();
+  const int64_t at_kill = MaxStep();
+  HaCoordinator& standby = *coordinators_[1 - leader];
+  ASSERT_TRUE(WaitFor([&] { return standby.Leads(); }, absl::Seconds(30))) << Diagnostics();
+  // (The admin connection follows the leader: a failed call moves it to the next address.)
+  absl::StatusOr<v1::Job> job = Retrying([&] { return admin->GetJob("plan"); });
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_EQ(job->plan_history_size(), 2);
+  EXPECT_EQ(job->plan_history(1).switch_step(), e);
+  for (int code : WaitAll(absl::Seconds(120))) ASSERT_EQ(code, 0) << Diagnostics();
+  const auto want = PlanReference({{a, 0}, {b, e}}, kPlanSteps);
+  for (int r = 0; r < 4; ++r) {
+    absl::StatusOr<Trace> t = ParseTrace(absl::StrCat("rank ", r), workers_[r]->out());
+    ASSERT_TRUE(t.ok()) << t.status();
+    ASSERT_EQ(t->lines.size(), static_cast<size_t>(kPlanSteps));
+    for (int64_t s = 0; s < kPlanSteps; ++s) {
+      const TraceLine& l = t->lines[s];
+      const std::string where = absl::StrCat("rank ", r, " step ", s, ": ", l.text);
+      EXPECT_EQ(l.plan, want[s][r].plan) << where;
+      EXPECT_EQ(l.level, want[s][r].level) << where;
+      EXPECT_NEAR(l.value, want[s][r].value, std::max(1e-3, 1e-5 * std::fabs(want[s][r].value)))
+          << where;
+    }
+  }
+  std::cout << "[figures] plan version 1 accepted for step " << e << "; leader killed at step "
+            << at_kill << std::endl;
 }
 
 // Sharded replicas through a fail-over: 8 ranks in replicas of 2, elastic. Rank 5 is killed and

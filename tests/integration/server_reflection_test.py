@@ -164,14 +164,16 @@ class ReflectionTest(unittest.TestCase):
         methods = set(service.methods_by_name)
         for name in ("CreateJob", "GetJob", "ListJobs", "DeleteJob", "Join", "Heartbeat", "Step",
                      "GetSchedule", "PublishCommId", "GetCommId", "Leave", "WatchJob", "Ping",
-                     "HeartbeatStream"):
+                     "HeartbeatStream", "UpdateJob"):
             self.assertIn(name, methods)
         get_schedule = service.methods_by_name["GetSchedule"]
         self.assertEqual(get_schedule.input_type.full_name, "modelavg.v1.GetScheduleRequest")
         fields = set(get_schedule.input_type.fields_by_name)
-        self.assertEqual(fields, {"job_id", "from_step", "count", "rank"})
+        self.assertEqual(fields, {"job_id", "from_step", "count", "rank", "plans_known",
+                                  "credential"})
         decision = self.pool.FindMessageTypeByName("modelavg.v1.StepDecision")
-        for name in ("step", "action", "level", "period", "subgroup", "ranks", "generation"):
+        for name in ("step", "action", "level", "period", "subgroup", "ranks", "generation",
+                     "plan"):
             self.assertIn(name, decision.fields_by_name)
 
     def test_3_create_job_and_read_schedule(self):

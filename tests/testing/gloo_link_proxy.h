@@ -59,6 +59,12 @@ class LinkProxy {
     stall_at_ = forwarded_ + bytes;
     drop_ = false;
   }
+  // Forwards again, without limit (after StallAfter: the connections go on where they stopped).
+  void Resume() {
+    absl::MutexLock l(&mu_);
+    stall_at_ = -1;
+    drop_ = false;
+  }
   // Closes both ends of every connection once `bytes` more bytes (both directions together)
   // have passed: the peers see their connection broken.
   void DropAfter(int64_t bytes) {

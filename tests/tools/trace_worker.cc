@@ -112,6 +112,8 @@ ABSL_FLAG(int64_t, step_delay_ms, 0,
 ABSL_FLAG(int64_t, coordinator_outage_timeout_ms, 300000,
           "ClientOptions.coordinator_outage_timeout: how long work that needs an unreachable "
           "coordinator waits for it");
+ABSL_FLAG(int64_t, schedule_window, 4096,
+          "ClientOptions.schedule_window: decisions fetched per GetSchedule call");
 ABSL_FLAG(bool, unix_ms, false,
           "add \"unix_ms\" to every line: the wall-clock time (milliseconds since the epoch) "
           "when the averaging call returned");
@@ -488,6 +490,7 @@ absl::Status Run(StopSignals& stop, std::string* stopped) {
   options.collective_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_collective_timeout_ms));
   options.coordinator_outage_timeout =
       absl::Milliseconds(absl::GetFlag(FLAGS_coordinator_outage_timeout_ms));
+  options.schedule_window = absl::GetFlag(FLAGS_schedule_window);
   if (absl::GetFlag(FLAGS_step_delay_ms) < 0) {
     return absl::InvalidArgumentError("--step_delay_ms must be >= 0");
   }

@@ -191,5 +191,65 @@ TEST_F(ServerUpdateTest, UpdateJob_RefusedChanges_NameTheFieldAndChangeNothing) 
   EXPECT_FALSE(State(*job_).has_pending_plan());
 }
 
+// An elastic job whose replacement was admitted at a step still ahead when UpdateJob came: the
+// admission happens under the plan it was planned in, and the switch lies past it.
+class ServerUpdateElasticTest : public RunningJobTest {
+ protected:
+  ServerUpdateElasticTest() : RunningJobTest("upd-elastic") {}
+};
+
+TEST_F(ServerUpdateElasticTest, AdmissionPlannedBeforeTheUpdate_SwitchLiesPastIt) {
+  std::shared_ptr<Job> job = RunningJob("min_world_size: 2");
+  auto beat = [&](int rank, int64_t step, int64_t through, int32_t answered) {
+    v1::HeartbeatRequest hb;
+    hb.set_job_id("upd-elastic");
+    hb.set_rank(rank);
+    hb.set_generation(1);
+    hb.set_step(step);
+    hb.set_credential(credentials_[rank]);
+    hb.set_used_through(through);
+    hb.set_proposal_answered(answered);
+    v1::HeartbeatResponse reply;
+    EXPECT_TRUE(job->Heartbeat(hb, &reply).ok());
+  };
+  for (int r = 0; r < 4; ++r) beat(r, 40, 4095, 0);
+  v1::LeaveRequest leave;
+  leave.set_job_id("upd-elastic");
+  leave.set_rank(3);
+  leave.set_generation(1);
+  leave.set_reason("done");
+  leave.set_credential(credentials_[3]);
+  v1::LeaveResponse left;
+  ASSERT_TRUE(job->Leave(leave, &left).ok());
+  v1::JoinRequest join;
+  join.set_job_id("upd-elastic");
+  join.set_worker_id("replacement");
+  int64_t admitted = -1;
+  job->Join(join, absl::InfiniteFuture(), 99, [&](absl::StatusOr<v1::JoinResponse> r) {
+    ASSERT_TRUE(r.ok()) << r.status();
+    admitted = r->admission_step();
+    credentials_[r->rank()] = r->credential();
+  });
+  ASSERT_GT(admitted, 40);
+  v1::JobSpec spec;
+  v1::Job state;
+  job->ToProto(&state);
+  spec = state.spec();
+  spec.clear_heartbeat_timeout_ms();
+  spec.clear_join_timeout_ms();
+  spec.mutable_levels(0)->set_period(4);
+  std::optional<absl::StatusOr<v1::UpdateJobResponse>> result;
+  v1::UpdateJobRequest req;
+  req.set_job_id("upd-elastic");
+  *req.mutable_spec() = spec;
+  job->UpdateJob(req, [&](absl::StatusOr<v1::UpdateJobResponse> r) { result = r; });
+  // Every member gives back all but the next step.
+  for (int r = 0; r < 4; ++r) beat(r, 40, 41, 1);
+  ASSERT_TRUE(result.has_value());
+  ASSERT_TRUE(result->ok()) << result->status();
+  EXPECT_GT((*result)->switch_step(), admitted) << "the admission at step " << admitted
+                                                << " would fall under the new plan";
+}
+
 }  // namespace
 }  // namespace modelavg::server

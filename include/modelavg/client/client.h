@@ -95,9 +95,10 @@ struct ClientOptions : ConnectionOptions {
   // job declares its ranks dead at half the heartbeat timeout). Implies share_heartbeat_stream.
   // Empty: no relay. Connect fails with INVALID_ARGUMENT for a directory that cannot serve.
   std::string heartbeat_relay_dir;
-  // While the coordinator is unreachable, training goes on (local schedule, existing
-  // communicators, heartbeats retried with backoff); work that needs the coordinator (a
-  // subgroup's first communicator in the generation) waits for it up to this long, counted from
+  // While the coordinator is unreachable, training goes on (local schedule through the last step
+  // the coordinator handed this rank, existing communicators, heartbeats retried with backoff);
+  // work that needs the coordinator (a subgroup's first communicator in the generation, a step
+  // past the decisions handed) waits for it up to this long, counted from
   // the start of the outage. Past it, that work and every later averaging call fail with
   // UNAVAILABLE naming the coordinator and how long it has been gone.
   absl::Duration coordinator_outage_timeout = absl::Minutes(5);
