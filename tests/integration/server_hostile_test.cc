@@ -256,11 +256,14 @@ TEST_F(HostileTest, Roles_EachRoleOnEachRpc) {
     v1::DeleteJobRequest del;
     del.set_job_id("r");
     r.emplace_back("DeleteJob", Bytes(del));
+    v1::UpdateJobRequest update;
+    update.set_job_id("r");
+    r.emplace_back("UpdateJob", Bytes(update));
     return r;
   };
   for (const auto& [rpc, bytes] : requests()) {
     const grpc::Status worker = RawUnary(rpc, bytes, kWorker);
-    if (rpc == "CreateJob" || rpc == "DeleteJob") {
+    if (rpc == "CreateJob" || rpc == "DeleteJob" || rpc == "UpdateJob") {
       EXPECT_EQ(worker.error_code(), grpc::StatusCode::PERMISSION_DENIED) << rpc;
       EXPECT_THAT(worker.error_message(), HasSubstr("needs the operator role")) << rpc;
     } else {
