@@ -24,8 +24,9 @@ cmake -S . -B "$build" -G Ninja "${launcher[@]}" \
   -DMODELAVG_BUILD_FUZZERS=ON -DMODELAVG_FUZZ_SECONDS="$seconds"
 # The coordinator's tests (core, jobs file, gRPC service in-process, the daemon as a process, its
 # HTTP port and status page, tokens, plan updates), the schedule's and the plan history's, the
-# Gloo rounds of elastic jobs (backup, kept result, admission), and the fuzz targets. (server_flood_test is left out: its bounds are
-# on the RSS of a build without the sanitizers' shadow memory and quarantine.)
+# Gloo rounds of elastic jobs (backup, kept result, admission), and the fuzz targets.
+# (server_flood_test is left out: its bounds are on the RSS of a build without the sanitizers'
+# shadow memory and quarantine.)
 targets=(schedule_test job_spec_test plan_history_test server_job_test server_bounds_test
          server_jobs_file_test server_update_test
          server_membership_test server_state_store_test server_elastic_test
