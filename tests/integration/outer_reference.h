@@ -12,69 +12,22 @@
 #define MODELAVG_TESTS_INTEGRATION_OUTER_REFERENCE_H_
 
 #include <cstdint>
-#include <optional>
 #include <vector>
 
 #include "modelavg/v1/coordinator.pb.h"
-#include "tests/integration/naive_outer_sgd.h"
-#include "tests/integration/naive_schedule.h"
+#include "tests/integration/plan_reference.h"
 
 namespace modelavg::testing {
 
-struct OuterReferenceStep {
-  bool average = false;
-  int level = -1;
-  bool outer = false;  // the level has an outer optimizer
-  double value = 0;    // the rank's parameter after the call
-};
+// average, level, outer (the level has an outer optimizer), value (the rank's parameter after
+// the call); plan is 0.
+using OuterReferenceStep = PlanReferenceStep;
 
-// expected[s][r] for steps 0 .. steps-1.
+// expected[s][r] for steps 0 .. steps-1: a job whose plan never changes (plan_reference.h holds
+// the rule, for one plan or several).
 inline std::vector<std::vector<OuterReferenceStep>> OuterReference(const v1::JobSpec& spec,
                                                                    int64_t steps) {
-  const int world = spec.world_size();
-  const int levels = spec.levels_size();
-  std::vector<double> x(world);
-  for (int r = 0; r < world; ++r) x[r] = r;
-  // [level][rank]
-  std::vector<std::vector<std::optional<double>>> anchor(
-      levels, std::vector<std::optional<double>>(world));
-  std::vector<std::vector<std::optional<double>>> momentum = anchor;
-  std::vector<std::vector<OuterReferenceStep>> out;
-  for (int64_t s = 0; s < steps; ++s) {
-    for (int r = 0; r < world; ++r) x[r] += (r + 1) * (s + 1) * 0.5;
-    std::vector<double> next = x;
-    std::vector<OuterReferenceStep> row(world);
-    std::vector<std::vector<std::optional<double>>> next_anchor = anchor, next_momentum = momentum;
-    for (int r = 0; r < world; ++r) {
-      const NaiveDecision d = NaiveDecide(spec, s, r);
-      row[r].average = d.average;
-      row[r].level = d.level;
-      if (!d.average) continue;
-      const v1::Level& level = spec.levels(d.level);
-      row[r].outer = level.has_outer();
-      const double n = static_cast<double>(d.group.size());
-      if (!level.has_outer() || !anchor[d.level][r].has_value()) {
-        double sum = 0;
-        for (int m : d.group) sum += x[m];
-        next[r] = sum / n;
-        if (level.has_outer()) next_anchor[d.level][r] = next[r];
-        continue;
-      }
-      double sum = 0;
-      for (int m : d.group) sum += *anchor[d.level][m] - x[m];
-      std::optional<double> m = momentum[d.level][r];
-      const double a = NaiveOuterSgd(level.outer(), sum / n, &m, *anchor[d.level][r]);
-      next_momentum[d.level][r] = m;
-      next_anchor[d.level][r] = a;
-      next[r] = a;
-    }
-    x = next;
-    anchor = next_anchor;
-    momentum = next_momentum;
-    for (int r = 0; r < world; ++r) row[r].value = x[r];
-    out.push_back(row);
-  }
-  return out;
+  return PlanReference({{spec, 0}}, steps);
 }
 
 }  // namespace modelavg::testing

@@ -2,12 +2,18 @@
 // docs/plan-updates.md), for the trace worker's synthetic update, kept apart from common/ and
 // client/ so that the tests compare the library with an independent reading of the rule:
 //
+//   x_r starts at r; before the call of step s: x_r += (r + 1) * (s + 1) * 0.5.
 //   Plan v is in force from its switch step E_v on; the decision at step s is PyTorch's
 //   averager of the plan in force at s (NaiveDecide), its level indexing that plan's levels.
+//   No averaging: x unchanged. A plain level: x_r := mean of the group's x. An outer level l
+//   (DiLoCo, docs/diloco.md), first time: x_r := mean, A_l,r := x_r, M_l,r unset. Later:
+//   D := mean over the group of (A_l,m - x_m); M := D if unset, else momentum * M + D;
+//   g := D + momentum * M if nesterov, else M; A_l,r := A_l,r - lr * g; x_r := A_l,r. Without
+//   momentum g := D. Other levels' steps leave A_l alone.
 //   At E_v, level l keeps its outer state (anchor, momentum) iff both plans give it an outer
 //   optimizer and the same group size; otherwise its state is dropped, and its first averaging
 //   step from E_v on is a plain average that sets the anchor again. The outer step uses the
-//   optimizer of the plan in force. Otherwise as outer_reference.h.
+//   optimizer of the plan in force.
 #ifndef MODELAVG_TESTS_INTEGRATION_PLAN_REFERENCE_H_
 #define MODELAVG_TESTS_INTEGRATION_PLAN_REFERENCE_H_
 
@@ -26,9 +32,9 @@ namespace modelavg::testing {
 struct PlanReferenceStep {
   bool average = false;
   int level = -1;
-  bool outer = false;
-  int plan = 0;       // the version in force
-  double value = 0;   // the rank's parameter after the call
+  bool outer = false;  // the level has an outer optimizer
+  int plan = 0;        // the version in force
+  double value = 0;    // the rank's parameter after the call
 };
 
 // `plans`: (spec, switch step), version 0 first (switch step 0). expected[s][r].

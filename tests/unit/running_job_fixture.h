@@ -73,15 +73,24 @@ class RunningJobTest : public ::testing::Test {
   }
 
   // One beat of `rank` at generation 1 and `step`.
-  void Beat(Job& job, int rank, int64_t step) {
+  void Beat(Job& job, int rank, int64_t step) { BeatWith(job, rank, step, -1, 0); }
+
+  // The same, saying how far the rank may use its plans (`used_through`, -1: not said), in
+  // answer to proposal `answered` (UpdateJob), holding `plans_known` plans; the reply.
+  v1::HeartbeatResponse BeatWith(Job& job, int rank, int64_t step, int64_t used_through,
+                                 int32_t answered, int32_t plans_known = 1) {
     v1::HeartbeatRequest hb;
     hb.set_job_id(job_id_);
     hb.set_rank(rank);
     hb.set_generation(1);
     hb.set_step(step);
     hb.set_credential(credentials_[rank]);
+    hb.set_used_through(used_through);
+    hb.set_proposal_answered(answered);
+    hb.set_plans_known(plans_known);
     v1::HeartbeatResponse reply;
     EXPECT_TRUE(job.Heartbeat(hb, &reply).ok());
+    return reply;
   }
 
   v1::Job State(const Job& job) {

@@ -17,23 +17,6 @@ class ServerUpdateTest : public RunningJobTest {
  protected:
   ServerUpdateTest() : RunningJobTest("upd") {}
 
-  // A beat of `rank` at `step` that says how far it may use its plans; the reply.
-  v1::HeartbeatResponse BeatWith(Job& job, int rank, int64_t step, int64_t used_through,
-                                 int32_t answered, int32_t plans_known = 1) {
-    v1::HeartbeatRequest hb;
-    hb.set_job_id(job_id_);
-    hb.set_rank(rank);
-    hb.set_generation(1);
-    hb.set_step(step);
-    hb.set_credential(credentials_[rank]);
-    hb.set_used_through(used_through);
-    hb.set_proposal_answered(answered);
-    hb.set_plans_known(plans_known);
-    v1::HeartbeatResponse reply;
-    EXPECT_TRUE(job.Heartbeat(hb, &reply).ok());
-    return reply;
-  }
-
   // The rank's window [from, from + count), fetched with its credential.
   v1::GetScheduleResponse Window(Job& job, int rank, int64_t from, int64_t count,
                                  int32_t plans_known = 1) {
@@ -201,16 +184,7 @@ class ServerUpdateElasticTest : public RunningJobTest {
 TEST_F(ServerUpdateElasticTest, AdmissionPlannedBeforeTheUpdate_SwitchLiesPastIt) {
   std::shared_ptr<Job> job = RunningJob("min_world_size: 2");
   auto beat = [&](int rank, int64_t step, int64_t through, int32_t answered) {
-    v1::HeartbeatRequest hb;
-    hb.set_job_id("upd-elastic");
-    hb.set_rank(rank);
-    hb.set_generation(1);
-    hb.set_step(step);
-    hb.set_credential(credentials_[rank]);
-    hb.set_used_through(through);
-    hb.set_proposal_answered(answered);
-    v1::HeartbeatResponse reply;
-    EXPECT_TRUE(job->Heartbeat(hb, &reply).ok());
+    BeatWith(*job, rank, step, through, answered);
   };
   for (int r = 0; r < 4; ++r) beat(r, 40, 4095, 0);
   v1::LeaveRequest leave;
