@@ -10,9 +10,12 @@ For each world size of --worlds and each (size, tensors) of --grid it runs
     the drop-in's);
 
 prints one JSON line per run, then a table of the ratios against size with a bar per ratio (one
-'#' per 0.1; '|' marks 1.0). A ratio above 1.0: modelavg is the faster.
+'#' per 0.1; '|' marks 1.0). A ratio above 1.0: modelavg is the faster. Each grid point also
+gets a "ratios" JSON line, which bench/ratio_plot.py reads; --png=PATH draws the plot at the end
+(matplotlib).
 
-  python3 bench/ratio_sweep.py --build=build [--worlds=2,4] [--grid=4:1,1024:16,131072:64]
+  python3 bench/ratio_sweep.py --build=build [--worlds=2,4] [--grid=4:1,1024:16,131072:64] \
+      [--png=ratio_sweep.png [--png_note="load average ..."]]
 
 Grid entries are KIB:TENSORS. The Python runs need torch (Debian's python3-torch: run this with
 /usr/bin/python3 where another python3 comes first).
@@ -23,6 +26,8 @@ import json
 import os
 import subprocess
 import sys
+
+import ratio_plot
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_GRID = ("4:1,64:1,64:16,1024:1,1024:16,1024:256,16384:16,16384:256,"
@@ -67,6 +72,8 @@ def main():
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--grid", default=DEFAULT_GRID)
     p.add_argument("--no_python", action="store_true", help="the C++ runs only")
+    p.add_argument("--png", default="", help="also plot the ratios against size to this PNG")
+    p.add_argument("--png_note", default="", help="a line under the plot's title")
     args = p.parse_args()
     grid = [tuple(int(x) for x in e.split(":")) for e in args.grid.split(",")]
     bench = os.path.join(args.build, "bench", "modelavg-bench-average")
@@ -91,6 +98,10 @@ def main():
                 print(json.dumps({"run": "python", **py}), flush=True)
             rows.append((world, kib, tensors, cpp.get("raw_over_average"), py.get("speedup"),
                          py.get("raw_over_modelavg")))
+            print(json.dumps({"run": "ratios", "world": world, "kib": kib, "tensors": tensors,
+                              "cpp_raw_over_average": rows[-1][3],
+                              "python_torch_over_modelavg": rows[-1][4],
+                              "python_raw_over_modelavg": rows[-1][5]}), flush=True)
     print()
     print("W  size      tensors  C++/raw  Python/PyTorch  Python/raw")
     for world, kib, tensors, c, s, r in rows:
@@ -99,6 +110,11 @@ def main():
         print(f"{world}  {size:9} {tensors:7}  {fmt(c)}    {fmt(s)}           {fmt(r)}")
         print(f"     C++/raw        {bar(c)}")
         print(f"     Python/PyTorch {bar(s)}")
+    if args.png:
+        ratio_plot.plot([{"world": w, "kib": k, "tensors": t, "cpp_raw_over_average": c,
+                          "python_torch_over_modelavg": s, "python_raw_over_modelavg": r}
+                         for w, k, t, c, s, r in rows], args.png, args.png_note)
+        print(f"plot: {args.png}")
     return 0
 
 
