@@ -28,6 +28,7 @@
 #include "tests/integration/client_job_harness.h"
 #include "tests/integration/client_test_processes.h"
 #include "tests/integration/plan_reference.h"
+#include "tests/integration/streaming_reference.h"
 #include "tests/integration/trace_check.h"
 #include "tests/testing/gloo_link_proxy.h"
 #include "tests/tools/make_job_spec.h"
@@ -266,6 +267,84 @@ TEST_F(ClientUpdateTest, MemberCutOffFromTheCoordinator_HoldsTheSwitchToTheEndOf
   EXPECT_EQ(e, kWindow);
   proxy.Resume();
   ExpectFollowsReference({{a, 0}, {b, e}}, kSteps);
+}
+
+// A streaming outer level changed mid-run (docs/streaming.md): its payload to INT8 and its lr
+// (fragments 2, a sync delay of 1 step both before and after), and a whole-model FP32 outer level
+// moved to INT8 with error feedback (one fragment: its state moves to the per-fragment path).
+// Both keep their anchors and momenta across E; every tensor of every rank at every step against
+// the streaming rule restated with the INT8 encoding (streaming_reference.h).
+TEST_F(ClientUpdateTest, PayloadChangedToInt8MidRun_AnchorsCarryEveryTensorFollowsTheRule) {
+  // Short, slow steps and no momentum: the reference restates INT8 exactly, and over a long run
+  // at large values a float32 rounding that moves one element to the next INT8 level would be
+  // amplified past any tolerance that still checks something.
+  constexpr int kTensors = 4;
+  v1::JobSpec a = MakeSpec("payload", 4, v1::HIERARCHICAL, {{2, 2}, {8, 4}}, 0, 3000);
+  a = WithOuter(a, 1, 0.7, 0.0, false);
+  a.mutable_levels(1)->set_fragments(2);
+  a.mutable_levels(1)->set_sync_delay(1);
+  a = WithOuter(a, 0, 0.9, 0.0, false);
+  v1::JobSpec b = a;
+  b.mutable_levels(1)->set_payload(v1::INT8);
+  b.mutable_levels(1)->mutable_outer()->set_lr(0.5);
+  b.mutable_levels(0)->set_payload(v1::INT8);
+  b.mutable_levels(0)->set_error_feedback(1.0);
+  constexpr int64_t kSteps = 240;
+  Start(a, kSteps, 8, std::vector<std::vector<std::string>>(
+                          4, {absl::StrCat("--tensors=", kTensors), "--numel=16"}));
+  WaitForStep(20);
+  const int64_t e = Update(b, 1);
+  ASSERT_GT(e, 0);
+  ASSERT_LT(e, kSteps - 60) << "too few steps after the switch: slow the steps down";
+  const auto want = StreamingReference({{a, 0}, {b, e}}, kSteps, kTensors, /*model_payload=*/true);
+  // Near misses: the old lr kept past E, and the anchors dropped at E (as if the level's group
+  // size had changed for a step).
+  v1::JobSpec old_lr = b;
+  old_lr.mutable_levels(1)->mutable_outer()->set_lr(0.7);
+  v1::JobSpec afresh = b;
+  afresh.mutable_levels(1)->set_group_size(2);
+  const std::vector<std::vector<std::vector<StreamingStep>>> near_misses = {
+      StreamingReference({{a, 0}, {old_lr, e}}, kSteps, kTensors, true),
+      StreamingReference({{a, 0}, {afresh, e}, {b, e + 1}}, kSteps, kTensors, true)};
+  for (int r = 0; r < 4; ++r) {
+    std::optional<int> code = workers_[r]->Wait(kRunDeadline);
+    ASSERT_EQ(code.value_or(-1), 0) << "rank " << r << ": " << workers_[r]->err();
+    absl::StatusOr<Trace> t = ParseTrace(absl::StrCat("rank ", r), workers_[r]->out());
+    ASSERT_TRUE(t.ok()) << t.status();
+    ASSERT_EQ(t->lines.size(), static_cast<size_t>(kSteps));
+    // The reference restates INT8 in double precision where the workers compute in float32: an
+    // element that the two round to either side of an INT8 level's midpoint moves by one level
+    // (M / 127, M the block's largest |A - x|, here up to ~1% of the values), which later outer
+    // steps carry on. So past E each value must be within 2% of the rule's and, wherever a near
+    // miss differs from the rule by more than 4% (a few such levels), nearer the rule than the
+    // near miss.
+    int told_apart = 0;
+    for (int64_t s = 0; s < kSteps; ++s) {
+      const TraceLine& l = t->lines[s];
+      const StreamingStep& w = want[s][r];
+      const std::string where = absl::StrCat("rank ", r, " step ", s, ": ", l.text);
+      EXPECT_EQ(l.plan, s < e ? 0 : 1) << where;
+      EXPECT_EQ(l.level, w.level) << where;
+      ASSERT_EQ(l.values.size(), static_cast<size_t>(kTensors)) << where;
+      for (int k = 0; k < kTensors; ++k) {
+        const double got = l.values[k], rule = w.values[k];
+        if (s < e) {
+          EXPECT_NEAR(got, rule, std::max(1e-3, 1e-5 * std::fabs(rule))) << where << " tensor " << k;
+          continue;
+        }
+        EXPECT_NEAR(got, rule, 2e-2 * std::fabs(rule)) << where << " tensor " << k;
+        for (const auto& miss : near_misses) {
+          const double other = miss[s][r].values[k];
+          if (std::fabs(other - rule) <= 4e-2 * std::fabs(rule)) continue;
+          ++told_apart;
+          EXPECT_LT(std::fabs(got - rule), std::fabs(got - other))
+              << where << " tensor " << k << ": nearer a near miss (" << other << ") than the rule ("
+              << rule << ")";
+        }
+      }
+    }
+    EXPECT_GT(told_apart, 0) << "no near miss differs from the rule: the run shows nothing";
+  }
 }
 
 // Each refusal names what is wrong, and the running job keeps its one plan.

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "modelavg/v1/coordinator.pb.h"
@@ -72,26 +73,57 @@ struct Pending {
   std::vector<std::vector<double>> mean;  // [rank][i]
 };
 
-// expected[s][r].
-inline std::vector<std::vector<StreamingStep>> StreamingReference(const v1::JobSpec& spec,
-                                                                  int64_t steps, int tensors,
-                                                                  bool model_payload = false) {
-  const int world = spec.world_size();
-  const int levels = spec.levels_size();
+// expected[s][r], for a job whose plan changed while it ran (UpdateJob, docs/plan-updates.md):
+// `plans` are (spec, switch step), version 0 first (switch step 0). At a switch step E a level
+// keeps its anchors and momenta iff both plans give it an outer optimizer, the same group size
+// and the same fragments; its residuals too iff its payload and density stay as well; otherwise
+// they start afresh (its first sync from E on sets the anchors). The switch steps lie where no
+// background sync is in flight.
+inline std::vector<std::vector<StreamingStep>> StreamingReference(
+    const std::vector<std::pair<v1::JobSpec, int64_t>>& plans, int64_t steps, int tensors,
+    bool model_payload = false) {
+  const int world = plans[0].first.world_size();
+  int most_levels = 0;
+  for (const auto& [p, at] : plans) most_levels = std::max(most_levels, p.levels_size());
   std::vector<std::vector<double>> x(world, std::vector<double>(tensors));
   for (int r = 0; r < world; ++r) {
     for (int t = 0; t < tensors; ++t) x[r][t] = r;
   }
   using State = std::vector<std::vector<std::vector<std::optional<double>>>>;  // [l][r][t]
-  State anchor(levels, std::vector<std::vector<std::optional<double>>>(
-                           world, std::vector<std::optional<double>>(tensors)));
+  State anchor(most_levels, std::vector<std::vector<std::optional<double>>>(
+                                world, std::vector<std::optional<double>>(tensors)));
   State momentum = anchor;
   // Error feedback's residual E per (level, rank, tensor).
   std::vector<std::vector<std::vector<double>>> residual(
-      levels, std::vector<std::vector<double>>(world, std::vector<double>(tensors, 0.0)));
+      most_levels, std::vector<std::vector<double>>(world, std::vector<double>(tensors, 0.0)));
   std::vector<Pending> pending;
   std::vector<std::vector<StreamingStep>> out;
+  size_t version = 0;
   for (int64_t s = 0; s < steps; ++s) {
+    while (version + 1 < plans.size() && s >= plans[version + 1].second) {
+      const v1::JobSpec& prev = plans[version].first;
+      const v1::JobSpec& next = plans[version + 1].first;
+      for (int l = 0; l < most_levels; ++l) {
+        const bool both = l < prev.levels_size() && l < next.levels_size();
+        const bool keep = both && prev.levels(l).has_outer() && next.levels(l).has_outer() &&
+                          prev.levels(l).group_size() == next.levels(l).group_size() &&
+                          Fragments(prev.levels(l)) == Fragments(next.levels(l));
+        const bool keep_residual = keep && prev.levels(l).payload() == next.levels(l).payload() &&
+                                   prev.levels(l).topk_density() == next.levels(l).topk_density();
+        for (int r = 0; r < world; ++r) {
+          for (int t = 0; t < tensors; ++t) {
+            if (!keep) {
+              anchor[l][r][t].reset();
+              momentum[l][r][t].reset();
+            }
+            if (!keep_residual) residual[l][r][t] = 0;
+          }
+        }
+      }
+      ++version;
+    }
+    const v1::JobSpec& spec = plans[version].first;
+    const int levels = spec.levels_size();
     for (int r = 0; r < world; ++r) {
       for (int t = 0; t < tensors; ++t) x[r][t] += (t + 1) * (r + 1) * (s + 1) * 0.5;
     }
@@ -243,6 +275,12 @@ inline std::vector<std::vector<StreamingStep>> StreamingReference(const v1::JobS
     out.push_back(row);
   }
   return out;
+}
+
+inline std::vector<std::vector<StreamingStep>> StreamingReference(const v1::JobSpec& spec,
+                                                                  int64_t steps, int tensors,
+                                                                  bool model_payload = false) {
+  return StreamingReference({{spec, 0}}, steps, tensors, model_payload);
 }
 
 }  // namespace modelavg::testing
