@@ -132,6 +132,9 @@ ABSL_FLAG(std::string, testing_nonfinite_value, "nan", "see --testing_nonfinite_
 ABSL_FLAG(int32_t, testing_nonfinite_tensor, 0, "see --testing_nonfinite_at_step");
 ABSL_FLAG(int64_t, testing_nonfinite_element, 0,
           "see --testing_nonfinite_at_step (an index into that tensor)");
+ABSL_FLAG(bool, check_untouched, false,
+          "on a failed call, say after its error whether the parameters are bit for bit as "
+          "before it ([parameters untouched] or [parameters CHANGED])");
 ABSL_FLAG(int64_t, testing_die_after_step, -1,
           "tests: exit abruptly (no Leave, exit code 9) right after printing this step's line, "
           "as a worker that dies would");
@@ -591,6 +594,8 @@ absl::Status Run(StopSignals& stop, std::string* stopped) {
       }
     }
     if (step == nonfinite_at) MODELAVG_RETURN_IF_ERROR(MakeNonFinite(params->host(), first_of));
+    std::vector<float> before;
+    if (absl::GetFlag(FLAGS_check_untouched)) before = params->host();
     MODELAVG_ASSIGN_OR_RETURN(client::TensorView view, params->Upload());
     std::vector<client::TensorView> views;
     for (int32_t t = 0; t < tensors; ++t) {
@@ -608,6 +613,16 @@ absl::Status Run(StopSignals& stop, std::string* stopped) {
                   absl::StrCat("at step ", step, " (its call: ", decision.status().message(), ")"),
                   stopped);
       return absl::OkStatus();
+    }
+    if (!decision.ok() && absl::GetFlag(FLAGS_check_untouched)) {
+      // Bit for bit (a NaN the worker put there is equal to itself here).
+      const bool untouched = params->Download().ok() && params->host().size() == before.size() &&
+                             std::memcmp(params->host().data(), before.data(),
+                                         before.size() * sizeof(float)) == 0;
+      return Restate(decision.status(),
+                     absl::StrCat("step ", step, ": AverageParameters: ",
+                                  decision.status().message(),
+                                  untouched ? " [parameters untouched]" : " [parameters CHANGED]"));
     }
     if (!decision.ok()) {
       return Annotate(decision.status(), absl::StrCat("step ", step, ": AverageParameters"));
