@@ -27,9 +27,10 @@ if(TARGET modelavg-coordinator)
   # client_sharded_test, sharded replicas (worlds 8 and 12, a few seconds each; a replica lost
   # and replaced in an elastic job, ~10 s).
   foreach(t client_elastic_regrow_test client_elastic_adopt_test client_outer_test
+            client_nonfinite_delayed_test client_nonfinite_replicas_test
+            client_nonfinite_handover_test
             client_outer_elastic_test client_streaming_test client_stop_signal_test
-            client_nonfinite_test client_nonfinite_delayed_test client_nonfinite_replicas_test
-            client_nonfinite_handover_test client_sharded_test)
+            client_nonfinite_test client_sharded_test)
     modelavg_add_gtest(${t} SOURCES ${t}.cc LIBS modelavg_client LABELS integration TIMEOUT 120)
     target_compile_definitions(${t} PRIVATE
       MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>"
