@@ -32,9 +32,12 @@
 // --world=1 measures the call's own cost (no transport: phases average and copies only).
 // The finite check (RoundOptions::check_finite, ClientOptions::check_finite, --check_finite):
 // AverageParameters, plain and committed check as the flag says; after the main loop, I plain
-// rounds and then I checked rounds on the same communicator, each block after one untimed round
-// (the layout agreement): "unchecked_round_s", "checked_round_s" and "checked_over_unchecked"
-// (-1 with --world=1).
+// and I checked rounds on the same communicator, in alternating blocks of --check_block (so
+// that a load that drifts during the run weighs on both alike), each block after one untimed
+// round (the layout agreement): "unchecked_round_s", "checked_round_s" and
+// "checked_over_unchecked" (-1 with --world=1), and "checked_algorithm", how those rounds
+// travelled: "direct" (Gloo's direct exchange: two members at every size, more up to
+// GlooAlgorithms::direct_max_bytes), "ring" (Gloo's ring) or "nccl".
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -98,6 +101,9 @@ ABSL_FLAG(int64_t, ring_direct_max_bytes, 0,
           "The ring phases' communicator (Gloo, more than two members): "
           "GlooAlgorithms::direct_max_bytes (0: Gloo's ring at every size; more: the direct "
           "exchange up to that many bytes, to compare thresholds in one run).");
+ABSL_FLAG(int32_t, check_block, 5,
+          "Rounds per block of the finite check's comparison (unchecked and checked blocks "
+          "alternate).");
 ABSL_FLAG(std::string, log_level, "warn", "spdlog level.");
 ABSL_FLAG(bool, outer, false,
           "DiLoCo: the job's level has an outer optimizer (lr 0.7, momentum 0.9, nesterov), so "
@@ -281,11 +287,15 @@ absl::Status Worker() {
 
   std::unique_ptr<Buffers> buffers;
   client::Communicator* round_comm = nullptr;
+  // How the plain rounds travel (Gloo: the direct exchange or the ring; see GlooAlgorithms).
+  std::string algorithm = "nccl";
   if (!nccl) {
     MODELAVG_ASSIGN_OR_RETURN(client::Communicator * comm,
                               client->communicators()->Get(setup, client::Device::Host()));
     // Null in a world of one (a communicator without a transport).
     auto* gloo = dynamic_cast<client::GlooCommunicator*>(comm);
+    const size_t bytes = static_cast<size_t>(numel) * sizeof(float);
+    algorithm = gloo == nullptr ? "none" : gloo->Direct(bytes) ? "direct" : "ring";
     round_comm = comm;
     buffers = std::make_unique<HostBuffers>(numel, tensors, client->rank(),
                                             absl::GetFlag(FLAGS_contiguous), gloo);
@@ -378,27 +388,35 @@ absl::Status Worker() {
       ++it;
     }
   }
-  // The finite check's cost: a block of plain rounds, then a block of checked ones (switching
+  // The finite check's cost: blocks of plain rounds and of checked ones, alternating (switching
   // between them agrees on the layout again, so each block starts with an untimed round),
   // printed as the phases "unchecked" and "checked".
   if (world > 1) {
     client::RoundOptions check;
     check.check_finite = true;
-    for (const client::RoundOptions& o : {client::RoundOptions{}, check}) {
-      auto& [name, values] = samples.emplace_back(o.check_finite ? "checked" : "unchecked",
-                                                  std::vector<double>{});
-      for (int i = 0; i <= iters; ++i) {
-        const double c0 = ProcessCpuSeconds();
-        const absl::Time t0 = absl::Now();
-        MODELAVG_RETURN_IF_ERROR(round_comm->AllReduceAverage(views, o, nullptr));
-        const absl::Time t1 = absl::Now();
-        const double c1 = ProcessCpuSeconds();
-        if (i == 0) continue;
-        values.push_back(absl::ToDoubleSeconds(t1 - t0));
-        cpu[name].push_back(c1 - c0);
+    const size_t first = samples.size();
+    samples.emplace_back("unchecked", std::vector<double>{});
+    samples.emplace_back("checked", std::vector<double>{});
+    const int block = std::max(1, absl::GetFlag(FLAGS_check_block));
+    for (int done = 0; done < iters; done += block) {
+      const int n = std::min(block, iters - done);
+      for (size_t k = 0; k < 2; ++k) {
+        const client::RoundOptions o = k == 0 ? client::RoundOptions{} : check;
+        auto& [name, values] = samples[first + k];
+        for (int i = 0; i <= n; ++i) {
+          const double c0 = ProcessCpuSeconds();
+          const absl::Time t0 = absl::Now();
+          MODELAVG_RETURN_IF_ERROR(round_comm->AllReduceAverage(views, o, nullptr));
+          const absl::Time t1 = absl::Now();
+          const double c1 = ProcessCpuSeconds();
+          if (i == 0) continue;
+          values.push_back(absl::ToDoubleSeconds(t1 - t0));
+          cpu[name].push_back(c1 - c0);
+        }
       }
     }
   }
+  std::printf("algorithm %s\n", algorithm.c_str());
   // One line per phase: its name, then its samples in iteration order; then its CPU times
   // under the name "cpu:<phase>".
   for (const auto& [name, values] : samples) {
@@ -467,7 +485,8 @@ absl::Status Driver(const char* self) {
         absl::StrCat("--contiguous=", absl::GetFlag(FLAGS_contiguous) ? "true" : "false"),
         "--backup_device=" + absl::GetFlag(FLAGS_backup_device),
         absl::StrCat("--check_finite=", absl::GetFlag(FLAGS_check_finite) ? "true" : "false"),
-        absl::StrCat("--ring_direct_max_bytes=", absl::GetFlag(FLAGS_ring_direct_max_bytes))};
+        absl::StrCat("--ring_direct_max_bytes=", absl::GetFlag(FLAGS_ring_direct_max_bytes)),
+        absl::StrCat("--check_block=", absl::GetFlag(FLAGS_check_block))};
     std::vector<char*> args;
     for (auto& a : argv) args.push_back(a.data());
     args.push_back(nullptr);
@@ -484,6 +503,7 @@ absl::Status Driver(const char* self) {
   }
   // phase -> per iteration, the slowest rank's time.
   std::map<std::string, std::vector<double>> slowest;
+  std::string algorithm = "none";
   absl::Status failed;
   for (int r = 0; r < world; ++r) {
     int st = 0;
@@ -499,6 +519,10 @@ absl::Status Driver(const char* self) {
       std::istringstream words(line);
       std::string name;
       words >> name;
+      if (name == "algorithm") {
+        words >> algorithm;
+        continue;
+      }
       // Wall times: the slowest rank's; CPU times: every rank's together.
       const bool is_cpu = absl::StartsWith(name, "cpu:");
       std::vector<double>& all = slowest[name];
@@ -546,14 +570,15 @@ absl::Status Driver(const char* self) {
       ", \"avg_over_raw\": %.4f, \"raw_over_average\": %.4f, \"floor_over_raw\": %.4f, "
       "\"average_gbps\": %.4g, \"raw_gbps\": %.4g, \"committed_over_plain\": %.4f, "
       "\"outer\": %s, \"outer_over_plain\": %.4f, \"backup_device\": \"%s\", "
-      "\"check_finite\": %s, \"checked_over_unchecked\": %.4f}\n",
+      "\"check_finite\": %s, \"checked_over_unchecked\": %.4f, "
+      "\"checked_algorithm\": \"%s\"}\n",
       ratio(average_s, raw_s), ratio(raw_s, average_s),
       raw_s > 0 && copies_s >= 0 ? raw_s / (raw_s + copies_s) : -1.0,
       average_s > 0 ? bytes / average_s / 1e9 : -1.0, raw_s > 0 ? bytes / raw_s / 1e9 : -1.0,
       ratio(committed_s, plain_s), absl::GetFlag(FLAGS_outer) ? "true" : "false",
       absl::GetFlag(FLAGS_outer) ? ratio(average_s, plain_s) : -1.0,
       absl::GetFlag(FLAGS_backup_device), absl::GetFlag(FLAGS_check_finite) ? "true" : "false",
-      ratio(q("checked", 0.5), q("unchecked", 0.5)));
+      ratio(q("checked", 0.5), q("unchecked", 0.5)), algorithm);
   std::fputs(out.c_str(), stdout);
   return absl::OkStatus();
 }

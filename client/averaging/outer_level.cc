@@ -395,6 +395,9 @@ absl::Status OuterLevel::HandOver(const Decision& decision, Communicator* comm,
     options.step = decision.step;
     options.contributors = 1;
     options.layout_signature = kHandOverSignature;
+    // Checked like any round: a donor's NaN in its anchor or momentum is never adopted (the
+    // replacement loads nothing, and the admission round fails naming the donor).
+    options.check_finite = client_->options().check_finite;
     if (!layout.empty() && layout[0].device.is_cuda()) {
       // An NCCL round: the hand-over travels through a device copy of the buffer.
       MODELAVG_ASSIGN_OR_RETURN(NcclDeviceOps * ops, device_->Ops(layout[0].device));

@@ -232,7 +232,10 @@ absl::StatusOr<Decision> RoundRunner::RunElastic(Decision decision, const Device
                               RunAttempt(decision, device, tensors, wire, hand_over));
     if (tried.status.ok()) return Commit(decision, attempt);
     if (ErrorKindOf(tried.status) == ErrorKind::kNonFinite) {
-      tried.status = OnNonFinite(decision, wire, std::move(tried.status));
+      // A donor's NaN in the hand-over (checked like any round): the replacement took nothing.
+      RoundWire named = wire;
+      if (tried.in_hand_over) named.contents = "values handed to the replacement";
+      tried.status = OnNonFinite(decision, named, std::move(tried.status));
       // The member that contributed them fails its call (the coordinator retires it); the
       // others retry without it in the generation that follows, inside this call.
       if (NonFiniteDetailOf(tried.status)->rank == client_->rank()) {
@@ -307,6 +310,7 @@ absl::StatusOr<RoundRunner::Attempt> RoundRunner::RunAttempt(const Decision& dec
   // round needs it); a failure there is a failure of the round, retried the same way.
   if (hand_over && !decision.joining.empty()) {
     tried.status = hooks_.hand_over(decision, tried.comm, tensors);
+    tried.in_hand_over = !tried.status.ok();
   }
   const int64_t sent_before = tried.comm->bytes_sent();
   if (tried.status.ok()) {

@@ -118,6 +118,8 @@ class RoundRunner {
     absl::Status status;
     RoundOutcome outcome = RoundOutcome::kFailedWithoutResult;
     Communicator* comm = nullptr;
+    // The failure came from the hand-over to the replacements (Hooks::hand_over).
+    bool in_hand_over = false;
   };
   // One attempt in decision.generation: the communicator, the hand-over, the committed
   // all-reduce, its outcome in the round notes. A non-OK result is final (this rank is no

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -75,6 +76,14 @@ class LocalCopy {
  private:
   std::vector<std::vector<uint8_t>> bytes_;
 };
+
+// What a round of `decision`'s fragment carries, as a non-finite report names it: the
+// fragment's parameters at its first sync, its pseudo-gradient at an outer step.
+std::string ContentsOf(const Decision& decision, bool first) {
+  const std::string what = first ? "parameters" : "pseudo-gradient";
+  if (decision.fragments <= 1) return what;
+  return absl::StrCat(what, " of fragment ", decision.fragment + 1, " of ", decision.fragments);
+}
 
 // The body of a background all-reduce's thread. It owns nothing but the buffer's round: it
 // never touches the parameters. `notes`: the client of an elastic job, whose round notes get
@@ -163,9 +172,10 @@ absl::StatusOr<Decision> StreamingLevel::Round(const Decision& decision, const D
                        client_->plans().FirstSyncOf(decision.plan, level, decision.fragment),
                        split_signature);
   }
-  const RoundWire plain{Payload::kFp32, split_signature};
+  const RoundWire plain{Payload::kFp32, split_signature, 0, ContentsOf(decision, true)};
   // The pseudo-gradient travels in the level's payload.
-  const RoundWire outer{spec.payload, split_signature, TopkPerBlock(spec.topk_density)};
+  const RoundWire outer{spec.payload, split_signature, TopkPerBlock(spec.topk_density),
+                        ContentsOf(decision, false)};
   const WireFormat format(spec.payload, outer.topk);
   LocalCopy local;
   if (spec.mix != 0 && !me_joining) local.Take(fragment);
@@ -285,7 +295,7 @@ absl::StatusOr<Decision> StreamingLevel::Start(const Decision& decision, const D
     p->had_residual = had;
   };
   const RoundWire wire{first ? Payload::kFp32 : spec.payload, split_signature,
-                       TopkPerBlock(spec.topk_density)};
+                       TopkPerBlock(spec.topk_density), ContentsOf(decision, first)};
   if (client_->elastic() && !decision.joining.empty()) {
     // An admission at a delayed sync step: the replacement needs its parameters now, so the
     // round runs in this call, handing it the outer state and the parameters first, like any
@@ -317,6 +327,10 @@ absl::StatusOr<Decision> StreamingLevel::Start(const Decision& decision, const D
   p->options.payload = wire.payload;
   p->options.topk = wire.topk;
   p->options.layout_signature = wire.layout_signature;
+  // Checked like a blocking round (finite_check.h): a member's NaN fails the round on every
+  // member, which the call at the apply step then reports (ApplyOneInner, Settle).
+  p->options.step = decision.step;
+  p->options.check_finite = client_->options().check_finite;
   p->bytes_before = p->comm->bytes_sent();
   keep_residual();
   PendingSync* raw = p.get();
@@ -346,14 +360,27 @@ void StreamingLevel::EndBackgroundRoundsBefore(int64_t generation) {
 
 absl::Status StreamingLevel::Settle(PendingSync& p, int64_t report_step) {
   const Decision& failed = p.decision;
-  if (absl::IsInvalidArgument(p.result) || ErrorKindOf(p.result) == ErrorKind::kRoundMismatch) {
-    return p.result;
+  absl::Status why = p.result;
+  if (ErrorKindOf(why) == ErrorKind::kNonFinite) {
+    // As a blocking round (RoundRunner::RunElastic): the member that contributed them reports
+    // it (the coordinator retires it) and fails its call; the others run the sync again
+    // without it, in the generation that follows, with the same inputs.
+    why = rounds_->OnNonFinite(
+        failed, RoundWire{p.options.payload, p.options.layout_signature, p.options.topk,
+                          ContentsOf(failed, p.first)},
+        std::move(why));
+    const std::optional<NonFiniteDetail> detail = NonFiniteDetailOf(why);
+    if (detail.has_value() && detail->rank == client_->rank()) return why;
+    spdlog::warn("the sync of fragment {} started at step {}: {}; running it again without its "
+                 "member",
+                 failed.fragment, failed.step, std::string(why.message()));
+  } else if (absl::IsInvalidArgument(why) || ErrorKindOf(why) == ErrorKind::kRoundMismatch) {
+    return why;
+  } else if (client_->generation() == failed.generation) {
+    // Its communicator is gone once this client has moved on.
+    rounds_->ReportUnreachablePeersOf(failed, p.comm, why);
   }
-  // Its communicator is gone once this client has moved on.
-  if (client_->generation() == failed.generation) {
-    rounds_->ReportUnreachablePeersOf(failed, p.comm, p.result);
-  }
-  absl::StatusOr<Decision> next = rounds_->MoveOnAfterFailure(failed, p.result);
+  absl::StatusOr<Decision> next = rounds_->MoveOnAfterFailure(failed, why);
   int attempt = 1;
   absl::StatusOr<bool> completed =
       next.ok() ? rounds_->PeerCompletedAttempt(failed, &*next, &attempt) : next.status();
@@ -377,11 +404,12 @@ absl::Status StreamingLevel::Settle(PendingSync& p, int64_t report_step) {
   // Nobody kept it: the same inputs, now, with the live members of the sync step.
   spdlog::warn("the sync of fragment {} started at step {} failed ({}); running it again in "
                "generation {} with ranks {}",
-               failed.fragment, failed.step, std::string(p.result.message()), next->generation,
+               failed.fragment, failed.step, std::string(why.message()), next->generation,
                absl::StrJoin(next->Members(), ","));
   absl::StatusOr<Decision> again = rounds_->RunElastic(
       *next, Device::Host(), p.buffer->Views(),
-      RoundWire{p.options.payload, p.options.layout_signature, p.options.topk},
+      RoundWire{p.options.payload, p.options.layout_signature, p.options.topk,
+                ContentsOf(failed, p.first)},
       !next->joining.empty());
   client_->ReportStep(report_step);
   return again.status();
@@ -439,6 +467,16 @@ absl::Status StreamingLevel::ApplyOneInner(PendingSync* p, int64_t step,
     absl::Status settled = Settle(*p, report_step);
     if (!settled.ok()) return Annotate(settled, where);
     p->result = absl::OkStatus();
+  }
+  if (!p->result.ok() && ErrorKindOf(p->result) == ErrorKind::kNonFinite) {
+    // A strict job: every member's call fails naming the member, and nothing changes (the
+    // round wrote nothing; the residual is restored by ApplyOne). Its member reports it.
+    return Annotate(
+        rounds_->OnNonFinite(d,
+                             RoundWire{p->options.payload, p->options.layout_signature,
+                                       p->options.topk, ContentsOf(d, p->first)},
+                             p->result),
+        where);
   }
   if (!p->result.ok()) {
     // Name the cause (a peer's death, a new generation) rather than the broken socket: give
@@ -510,6 +548,9 @@ absl::Status StreamingLevel::HandParameters(const Decision& decision, Communicat
   // A round of its own between the hand-over and the step's round: agreed afresh, like them
   // (client/comm/round_agreement.h).
   options.layout_signature = 0x626c6f636b;  // "block"
+  // Checked like any round: a contributing member's NaN is never handed on (the replacement
+  // writes nothing, and the admission round fails as a round with that member's NaN would).
+  options.check_finite = client_->options().check_finite;
   MODELAVG_RETURN_IF_ERROR(Annotate(comm->AllReduceAverage(views, options, nullptr),
                                     "handing the replacement its block's parameters"));
   if (me_joining) {

@@ -84,6 +84,11 @@ absl::StatusOr<Decision> StreamingLevel::StartDevice(const Decision& decision,
   RoundOptions options;
   options.payload = first ? Payload::kFp32 : spec.payload;
   options.layout_signature = split_signature ^ (first ? 0 : kOuterRoundSignature);
+  // Checked like a blocking round (finite_check.h); the call at the apply step reports a
+  // member's NaN (ApplyOneInner).
+  options.step = decision.step;
+  options.check_finite = client_->options().check_finite;
+  p->options = options;
   p->bytes_before = p->comm->bytes_sent();
   PendingSync* raw = p.get();
   // The thread owns nothing but the buffer's round (on the sync's own stream): it never

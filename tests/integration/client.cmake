@@ -20,11 +20,17 @@ if(TARGET modelavg-coordinator)
   # compressed payloads against a naive reference (worlds 2-4, a few seconds each);
   # client_stop_signal_test, workers stopped by SIGTERM/SIGINT (a few seconds each);
   # client_nonfinite_test, a rank's NaN in a strict and an elastic job (a few seconds each);
+  # client_nonfinite_delayed_test, the NaN in a streaming level's background round
+  # (sync_delay), strict and elastic; client_nonfinite_replicas_test, the NaN in one shard of
+  # a sharded replica; client_nonfinite_handover_test, a live member's NaN in what it hands a
+  # replacement (a few seconds each);
   # client_sharded_test, sharded replicas (worlds 8 and 12, a few seconds each; a replica lost
   # and replaced in an elastic job, ~10 s); client_feedback_elastic_test, error feedback's
   # residual through a retried round, a lost commit and a replacement (~15 s each);
   # client_update_test, plans changed while the job runs (UpdateJob; 4 ranks, a few seconds each).
   foreach(t client_elastic_regrow_test client_elastic_adopt_test client_outer_test
+            client_nonfinite_delayed_test client_nonfinite_replicas_test
+            client_nonfinite_handover_test
             client_outer_elastic_test client_streaming_test client_stop_signal_test
             client_nonfinite_test client_sharded_test client_feedback_elastic_test
             client_update_test)

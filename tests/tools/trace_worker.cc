@@ -30,7 +30,8 @@
 // short; an averaging call in progress ends first), prints "stopped by SIGTERM at step s; left
 // job J" on stderr and exits with 128 + the signal (143, 130); a second signal ends it at once.
 // --testing_nonfinite_at_step=s makes one element of the parameters NaN (or +-Inf) before the
-// call of step s, as a diverged replica's would be.
+// call of step s, as a diverged replica's would be (--testing_nonfinite_at_admission: before the
+// call that admits a replacement, which this worker then hands it).
 #include <unistd.h>
 
 #include <algorithm>
@@ -136,6 +137,12 @@ ABSL_FLAG(std::string, testing_nonfinite_value, "nan", "see --testing_nonfinite_
 ABSL_FLAG(int32_t, testing_nonfinite_tensor, 0, "see --testing_nonfinite_at_step");
 ABSL_FLAG(int64_t, testing_nonfinite_element, 0,
           "see --testing_nonfinite_at_step (an index into that tensor)");
+ABSL_FLAG(bool, testing_nonfinite_at_admission, false,
+          "tests: the same as --testing_nonfinite_at_step, before the first call whose decision "
+          "admits a replacement (a live member's NaN in what it hands the replacement)");
+ABSL_FLAG(bool, check_untouched, false,
+          "on a failed call, say after its error whether the parameters are bit for bit as "
+          "before it ([parameters untouched] or [parameters CHANGED])");
 ABSL_FLAG(int64_t, testing_die_after_step, -1,
           "tests: exit abruptly (no Leave, exit code 9) right after printing this step's line, "
           "as a worker that dies would");
@@ -579,6 +586,7 @@ absl::Status Run(StopSignals& stop, std::string* stopped) {
   params->SetGaps(first_of, gap);
   const int64_t sleep_at = absl::GetFlag(FLAGS_testing_sleep_at_step);
   const int64_t nonfinite_at = absl::GetFlag(FLAGS_testing_nonfinite_at_step);
+  bool nonfinite_at_admission = absl::GetFlag(FLAGS_testing_nonfinite_at_admission);
   for (int64_t step = first_step; step < steps; ++step) {
     if (step_delay > absl::ZeroDuration()) stop.SleepFor(step_delay);
     if (step == sleep_at) stop.SleepFor(absl::Milliseconds(absl::GetFlag(FLAGS_testing_sleep_ms)));
@@ -595,7 +603,20 @@ absl::Status Run(StopSignals& stop, std::string* stopped) {
         for (int64_t i = first_of[t]; i < first_of[t + 1]; ++i) params->host()[i] += d;
       }
     }
-    if (step == nonfinite_at) MODELAVG_RETURN_IF_ERROR(MakeNonFinite(params->host(), first_of));
+    bool admitting = false;
+    if (nonfinite_at_admission) {
+      // Into the generation the heartbeat has seen, as the call does first, to read the step's
+      // decision there.
+      MODELAVG_RETURN_IF_ERROR(client->AdvanceGeneration());
+      absl::StatusOr<Decision> next = client->DecisionAt(step);
+      admitting = next.ok() && next->average && !next->joining.empty();
+      nonfinite_at_admission = !admitting;
+    }
+    if (step == nonfinite_at || admitting) {
+      MODELAVG_RETURN_IF_ERROR(MakeNonFinite(params->host(), first_of));
+    }
+    std::vector<float> before;
+    if (absl::GetFlag(FLAGS_check_untouched)) before = params->host();
     MODELAVG_ASSIGN_OR_RETURN(client::TensorView view, params->Upload());
     std::vector<client::TensorView> views;
     for (int32_t t = 0; t < tensors; ++t) {
@@ -613,6 +634,16 @@ absl::Status Run(StopSignals& stop, std::string* stopped) {
                   absl::StrCat("at step ", step, " (its call: ", decision.status().message(), ")"),
                   stopped);
       return absl::OkStatus();
+    }
+    if (!decision.ok() && absl::GetFlag(FLAGS_check_untouched)) {
+      // Bit for bit (a NaN the worker put there is equal to itself here).
+      const bool untouched = params->Download().ok() && params->host().size() == before.size() &&
+                             std::memcmp(params->host().data(), before.data(),
+                                         before.size() * sizeof(float)) == 0;
+      return Restate(decision.status(),
+                     absl::StrCat("step ", step, ": AverageParameters: ",
+                                  decision.status().message(),
+                                  untouched ? " [parameters untouched]" : " [parameters CHANGED]"));
     }
     if (!decision.ok()) {
       return Annotate(decision.status(), absl::StrCat("step ", step, ": AverageParameters"));
