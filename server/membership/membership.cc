@@ -117,6 +117,7 @@ void Membership::Restore(const MembershipHeader& header, const std::vector<Membe
   decision_members_.reset();
   stale_not_before_ = absl::InfinitePast();
   ResetProgress();
+  pace_unknown_since_restore_ = true;
 }
 
 absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worker_id,
@@ -296,6 +297,15 @@ absl::StatusOr<Membership::AdmissionStep> Membership::ChooseAdmissionStep(
         " has not reported its step since it joined or the coordinator restarted; a replacement "
         "is admitted at a step chosen from the members' steps: retry in a second (the modelavg "
         "client retries by itself)"));
+  }
+  if (pace_unknown_since_restore_) {
+    // Its reports alone do not say how far the members run on before they hear of the admission
+    // (at a step a second they may be hundreds of steps past their last beat): the margin needs
+    // their pace, measured over kRateSampleInterval of this coordinator's own reports.
+    return absl::UnavailableError(absl::StrCat(
+        "job ", job_id, ": this coordinator took the job over (a restart or a new leader) and "
+        "has not measured its members' pace yet; a replacement is admitted at a step chosen "
+        "from it: retry in a second (the modelavg client retries by itself)"));
   }
   int64_t margin = kMinAdmissionMargin;
   if (steps_per_second_ > 0) {
@@ -698,6 +708,7 @@ void Membership::NoteProgress(int64_t step, absl::Time now) {
   if (elapsed < kRateSampleInterval) return;
   steps_per_second_ =
       static_cast<double>(progress_max_ - rate_sample_step_) / absl::ToDoubleSeconds(elapsed);
+  pace_unknown_since_restore_ = false;
   rate_sample_time_ = now;
   rate_sample_step_ = progress_max_;
 }

@@ -366,6 +366,9 @@ class Membership {
   absl::Time rate_sample_time_ = absl::InfinitePast();
   int64_t rate_sample_step_ = -1;
   double steps_per_second_ = -1;
+  // Restored from a store (a restart, a take-over) and the members' pace not measured since: an
+  // admission waits for it (the pace sets the admission's margin).
+  bool pace_unknown_since_restore_ = false;
 
   // Ranks withdrawn (Withdraw) since the last change that wrote anything: their removal goes
   // with the next one.

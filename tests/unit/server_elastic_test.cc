@@ -186,6 +186,39 @@ TEST(ElasticAdmissionTest, TakesLowestVacancy_NewGenerationRunning_AdmittedAfter
   EXPECT_EQ(c.members[0].admitted_step, -1);
 }
 
+// A coordinator that took the job over (restart, new leader) knows its members' steps from
+// their first beats but not how fast they run on: it admits nobody until it has measured the pace
+// (kRateSampleInterval), then at a step past what the members reach meanwhile. (A chaos soak saw a
+// new leader admit at "largest step reported + 2" 120 ms after taking over while the members,
+// ~100 steps past their last beat, never heard of it in time: the whole job had to start again.)
+TEST(ElasticAdmissionTest, AfterATakeOver_WaitsForTheMembersPaceThenAdmitsPastIt) {
+  Membership m(4, 2);
+  JoinAllReporting(m, 10);
+  ASSERT_TRUE(m.Die({2}, "rank 2 heartbeat timeout", kT0).ok());
+  MembershipHeader header;
+  header.state = m.state();
+  header.generation = m.generation();
+  header.last_change = m.last_change();
+  std::vector<Member> members;
+  for (int32_t r = 0; r < 4; ++r) {
+    if (m.member(r).present()) members.push_back(m.member(r));
+  }
+  Membership taken(4, 2);
+  taken.Restore(header, members, kT0);
+  for (int32_t r : {0, 1, 3}) taken.Heartbeat(r, taken.generation(), 500, kT0);
+  absl::StatusOr<Membership::JoinResult> early = taken.Join("new", "h", std::nullopt, kT0, "j");
+  ASSERT_FALSE(early.ok());
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(early.status().message(), HasSubstr("pace"));
+  // A second of beats at 200 steps a second: the margin covers a second of them.
+  const absl::Time later = kT0 + kRateSampleInterval;
+  for (int32_t r : {0, 1, 3}) taken.Heartbeat(r, taken.generation(), 700, later);
+  absl::StatusOr<Membership::JoinResult> admitted =
+      taken.Join("new", "h", std::nullopt, later, "j");
+  ASSERT_TRUE(admitted.ok()) << admitted.status();
+  EXPECT_GE(admitted->change.admission_step, 700 + 200);
+}
+
 TEST(ElasticAdmissionTest, RequestedVacancy_HeldRankRefusedNamingHolder_FullJobRefused) {
   Membership m(4, 2);
   JoinAllReporting(m, 5);
@@ -759,9 +792,15 @@ TEST_F(ElasticJobTest, Restart_KeepsAdmissionsAndDecisions) {
   EXPECT_EQ(state.generation(), 3);
   EXPECT_EQ(state.members(3).admitted_step(), 5);
   EXPECT_EQ(state.members(0).admitted_step(), -1);
-  // After the restart no step is known yet: an admission waits for the members' reports.
+  // After the restart no step is known yet: an admission waits for the members' reports, and
+  // for their pace (a second of them, kRateSampleInterval).
   clock_.Advance(absl::Seconds(1));
   Kill(*job, {1}, 3);  // ranks 0, 2, 3 report step 3 (rank 3 re-attaches with its credential)
+  absl::StatusOr<v1::JoinResponse> early = JoinAs(*job, "third");
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kUnavailable) << early.status();
+  EXPECT_THAT(std::string(early.status().message()), HasSubstr("pace"));
+  job->ToProto(&state);
+  for (int r : {0, 2, 3}) ASSERT_TRUE(Beat(*job, r, state.generation(), 3).ok()) << r;
   absl::StatusOr<v1::JoinResponse> joined = JoinAs(*job, "third");
   ASSERT_TRUE(joined.ok()) << joined.status();
   EXPECT_EQ(joined->rank(), 1);
