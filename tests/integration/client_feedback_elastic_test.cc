@@ -343,17 +343,7 @@ class ClientFeedbackElasticTest : public ::testing::Test {
     return gap;
   }
 
-  std::string Diagnostics() {
-    std::string s = absl::StrCat("\ncoordinator log (tail):\n",
-                                 Tail(cluster_.coordinator().process().err()));
-    for (size_t i = 0; i < workers_.size(); ++i) {
-      absl::StrAppend(&s, "\nworker ", i, " stderr (tail):\n", Tail(workers_[i]->err()));
-    }
-    return s;
-  }
-  static std::string Tail(const std::string& s, size_t n = 2000) {
-    return s.size() <= n ? s : s.substr(s.size() - n);
-  }
+  std::string Diagnostics() { return WorkersDiagnostics(cluster_, workers_, 2000); }
 
   Cluster cluster_;
   std::vector<std::unique_ptr<Process>> workers_;  // after cluster_: stopped before it

@@ -4,6 +4,7 @@
 #define MODELAVG_TESTS_INTEGRATION_CLIENT_JOB_HARNESS_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -14,6 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/base/half.h"
 #include "client/rpc/coordinator_client.h"
 #include "tests/integration/client_test_processes.h"
@@ -186,6 +189,34 @@ class Cluster {
   std::unique_ptr<CoordinatorProcess> coordinator_;
   std::unique_ptr<client::CoordinatorClient> admin_;
 };
+
+// The last `n` bytes of `s` (a process's log), for a failing test's message.
+inline std::string TailOf(const std::string& s, size_t n) {
+  return s.size() <= n ? s : s.substr(s.size() - n);
+}
+
+// The coordinator's log and every worker's stderr (their last `n` bytes each), for a failing
+// test's message.
+inline std::string WorkersDiagnostics(Cluster& cluster,
+                                      const std::vector<std::unique_ptr<Process>>& workers,
+                                      size_t n = 2000) {
+  std::string s = absl::StrCat("\ncoordinator log (tail):\n",
+                               TailOf(cluster.coordinator().process().err(), n));
+  for (size_t i = 0; i < workers.size(); ++i) {
+    absl::StrAppend(&s, "\nworker ", i, " stderr (tail):\n", TailOf(workers[i]->err(), n));
+  }
+  return s;
+}
+
+// Polls `done` every 10 ms until it holds (true) or `timeout` passes (false).
+inline bool WaitUntil(const std::function<bool()>& done, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (done()) return true;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return false;
+}
 
 }  // namespace modelavg::testing
 

@@ -134,26 +134,9 @@ class ClientShardedElasticTest : public ::testing::Test {
     return t.ok() ? *std::move(t) : Trace{};
   }
 
-  bool WaitFor(const std::function<bool()>& done) {
-    const absl::Time deadline = absl::Now() + kRunDeadline;
-    while (absl::Now() < deadline) {
-      if (done()) return true;
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-    return false;
-  }
+  bool WaitFor(const std::function<bool()>& done) { return WaitUntil(done, kRunDeadline); }
 
-  std::string Diagnostics() {
-    std::string s = absl::StrCat("\ncoordinator log (tail):\n",
-                                 Tail(cluster_.coordinator().process().err()));
-    for (size_t i = 0; i < workers_.size(); ++i) {
-      absl::StrAppend(&s, "\nworker ", i, " stderr (tail):\n", Tail(workers_[i]->err()));
-    }
-    return s;
-  }
-  static std::string Tail(const std::string& s, size_t n = 1500) {
-    return s.size() <= n ? s : s.substr(s.size() - n);
-  }
+  std::string Diagnostics() { return WorkersDiagnostics(cluster_, workers_, 1500); }
 
   Cluster cluster_;
   std::vector<std::unique_ptr<Process>> workers_;  // after cluster_: stopped before it
