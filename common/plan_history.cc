@@ -106,17 +106,17 @@ std::vector<Decision> PlanHistory::WindowAllSubgroups(int64_t from_step, int64_t
 }
 
 int64_t PlanHistory::SwitchStepFrom(int64_t earliest) const {
+  // A round started at s is applied at s + d with d < the level's step period: looking back
+  // over the longest delay suffices.
+  int64_t longest = 0;
+  for (const Entry& entry : plans_) {
+    for (const ScheduleLevel& l : entry.schedule.spec().levels) {
+      longest = std::max(longest, l.sync_delay);
+    }
+  }
   int64_t e = std::max(earliest, plans_.back().switch_step + 1);
   for (;;) {
     bool in_flight = false;
-    // A round started at s is applied at s + d with d < the level's step period: looking back
-    // over the longest delay suffices.
-    int64_t longest = 0;
-    for (const Entry& entry : plans_) {
-      for (const ScheduleLevel& l : entry.schedule.spec().levels) {
-        longest = std::max(longest, l.sync_delay);
-      }
-    }
     for (int64_t s = std::max<int64_t>(0, e - longest); s < e && !in_flight; ++s) {
       const Schedule& plan = At(s);
       const int level = plan.LevelAt(s);
