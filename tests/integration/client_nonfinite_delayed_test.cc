@@ -54,20 +54,6 @@ v1::JobSpec DelayedSpec(const std::string& id, bool elastic) {
   return spec;
 }
 
-// The "values" of a trace line (each tensor's first element).
-std::vector<double> Values(const std::string& text) {
-  std::vector<double> out;
-  const size_t at = text.find("\"values\": [");
-  if (at == std::string::npos) return out;
-  const size_t from = at + 11;
-  for (absl::string_view v :
-       absl::StrSplit(text.substr(from, text.find(']', from) - from), ", ")) {
-    double d = 0;
-    if (absl::SimpleAtod(v, &d)) out.push_back(d);
-  }
-  return out;
-}
-
 // The rule for DelayedSpec, restated for a run in which rank `bad` calls up to step
 // `bad_last` and is left out of the sync of step `excluded_at` (-1: of none): x_r,t starts at r
 // and gets (t + 1)(r + 1)(s + 1)/2 before the call of step s; the sync of step s (s mod 4 == 0,
@@ -159,7 +145,7 @@ class ClientNonFiniteDelayedTest : public TraceJobTest {
     for (int r = 0; r < kWorld; ++r) {
       for (const TraceLine& l : traces[r].lines) {
         const std::string where = absl::StrCat("rank ", r, " step ", l.step, ": ", l.text);
-        const std::vector<double> got = Values(l.text);
+        const std::vector<double> got = l.values;
         EXPECT_EQ(got.size(), static_cast<size_t>(kTensors)) << where;
         EXPECT_EQ(want[l.step][r].size(), static_cast<size_t>(kTensors)) << where;
         if (got.size() != kTensors || want[l.step][r].size() != kTensors) continue;

@@ -42,19 +42,6 @@ constexpr int kVictim = 3;
 constexpr int kBad = 2;
 constexpr absl::Duration kRunDeadline = absl::Seconds(90);
 
-std::vector<double> Values(const std::string& text) {
-  std::vector<double> out;
-  const size_t at = text.find("\"values\": [");
-  if (at == std::string::npos) return out;
-  const size_t from = at + 11;
-  for (absl::string_view v :
-       absl::StrSplit(text.substr(from, text.find(']', from) - from), ", ")) {
-    double d = 0;
-    if (absl::SimpleAtod(v, &d)) out.push_back(d);
-  }
-  return out;
-}
-
 class ClientNonFiniteHandOverTest : public ::testing::Test {
  protected:
   ClientNonFiniteHandOverTest() : cluster_("nonfinite-handover") {}
@@ -157,13 +144,13 @@ TEST_F(ClientNonFiniteHandOverTest, DonorsNaN_NotAdopted_DonorRetired_Replacemen
   // At the admission step the fragment not synced then holds the mean of ranks 0 and 1's values
   // (theirs do not change at that step): rank 2's NaN was not adopted, nor its values.
   const int synced = static_cast<int>((first.step / 2) % 2);
-  const std::vector<double> got = Values(first.text);
+  const std::vector<double> got = first.values;
   ASSERT_EQ(got.size(), static_cast<size_t>(kTensors)) << first.text;
   for (int t = 0; t < kTensors; ++t) {
     EXPECT_TRUE(std::isfinite(got[t])) << first.text;
     if (t / (kTensors / 2) == synced) continue;
     double mean = 0;
-    for (const Trace& p : peers) mean += Values(p.lines[first.step].text)[t] / 2;
+    for (const Trace& p : peers) mean += p.lines[first.step].values[t] / 2;
     EXPECT_NEAR(got[t], mean, std::max(1e-4, 1e-5 * std::fabs(mean)))
         << "tensor " << t << " of the admission line " << first.text;
   }
@@ -171,12 +158,12 @@ TEST_F(ClientNonFiniteHandOverTest, DonorsNaN_NotAdopted_DonorRetired_Replacemen
   // admission step) would differ: the comparison is not blind.
   {
     const int t = synced == 0 ? kTensors - 1 : 0;
-    const double bad_before = Values(bad.lines.back().text)[t] +
+    const double bad_before = bad.lines.back().values[t] +
                               (t + 1) * (kBad + 1) * (first.step + 1) * 0.5;
     double with_bad = bad_before / 3, without = 0;
     for (const Trace& p : peers) {
-      with_bad += Values(p.lines[first.step].text)[t] / 3;
-      without += Values(p.lines[first.step].text)[t] / 2;
+      with_bad += p.lines[first.step].values[t] / 3;
+      without += p.lines[first.step].values[t] / 2;
     }
     EXPECT_GT(std::fabs(with_bad - without), 1e-2);
   }
@@ -186,9 +173,9 @@ TEST_F(ClientNonFiniteHandOverTest, DonorsNaN_NotAdopted_DonorRetired_Replacemen
     if (l.action != "AVERAGE") continue;
     EXPECT_EQ(l.members, (std::vector<int32_t>{0, 1, 3})) << l.text;
     const int fragment = static_cast<int>((l.step / 2) % 2);
-    const std::vector<double> values = Values(l.text);
+    const std::vector<double> values = l.values;
     for (const Trace& p : peers) {
-      const std::vector<double> want = Values(p.lines[l.step].text);
+      const std::vector<double> want = p.lines[l.step].values;
       for (int t = fragment * kTensors / 2; t < (fragment + 1) * kTensors / 2; ++t) {
         EXPECT_NEAR(values[t], want[t], std::max(1e-5, 1e-6 * std::fabs(want[t])))
             << "step " << l.step << " tensor " << t << ": " << l.text;

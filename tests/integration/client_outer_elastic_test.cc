@@ -204,19 +204,6 @@ v1::JobSpec StreamingElasticSpec(const std::string& id, int64_t period) {
   return spec;
 }
 
-std::vector<double> Values(const std::string& text) {
-  std::vector<double> out;
-  const size_t at = text.find("\"values\": [");
-  if (at == std::string::npos) return out;
-  const size_t from = at + 11;
-  for (absl::string_view v :
-       absl::StrSplit(text.substr(from, text.find(']', from) - from), ", ")) {
-    double d = 0;
-    if (absl::SimpleAtod(v, &d)) out.push_back(d);
-  }
-  return out;
-}
-
 TEST_F(ClientOuterElasticTest, StreamingLevel_KilledAndReplaced_ReplacementReceivesFragmentState) {
   // INT4 with error feedback: each member keeps its own residual (the replacement starts at 0),
   // and the mean every member applies is still common.
@@ -262,11 +249,11 @@ TEST_F(ClientOuterElasticTest, StreamingLevel_KilledAndReplaced_ReplacementRecei
     {
       const TraceLine& first = mine.lines.front();
       const int other = static_cast<int>((first.step / 2 + 1) % 2);
-      const std::vector<double> got = Values(first.text);
+      const std::vector<double> got = first.values;
       ASSERT_EQ(got.size(), static_cast<size_t>(kTensors)) << first.text;
       for (int t = other * kTensors / 2; t < (other + 1) * kTensors / 2; ++t) {
         double mean = 0;
-        for (const Trace& peer : peers) mean += Values(peer.lines[first.step].text)[t] / 3;
+        for (const Trace& peer : peers) mean += peer.lines[first.step].values[t] / 3;
         EXPECT_NEAR(got[t], mean, std::max(1e-4, 1e-5 * std::fabs(mean)))
             << "tensor " << t << " of the admission line " << first.text;
       }
@@ -275,10 +262,10 @@ TEST_F(ClientOuterElasticTest, StreamingLevel_KilledAndReplaced_ReplacementRecei
     for (const TraceLine& l : mine.lines) {
       if (l.action != "AVERAGE") continue;
       const int fragment = static_cast<int>((l.step / 2) % 2);
-      const std::vector<double> got = Values(l.text);
+      const std::vector<double> got = l.values;
       ASSERT_EQ(got.size(), static_cast<size_t>(kTensors)) << l.text;
       for (const Trace& peer : peers) {
-        const std::vector<double> want = Values(peer.lines[l.step].text);
+        const std::vector<double> want = peer.lines[l.step].values;
         ASSERT_EQ(want.size(), static_cast<size_t>(kTensors)) << peer.lines[l.step].text;
         for (int t = fragment * kTensors / 2; t < (fragment + 1) * kTensors / 2; ++t) {
           EXPECT_NEAR(got[t], want[t], std::max(1e-5, 1e-6 * std::fabs(want[t])))
@@ -456,7 +443,7 @@ class DelayedSyncElasticTest : public ClientOuterElasticTest {
         const std::string where = absl::StrCat("worker ", i, " (rank ", r, ") step ", l.step,
                                                ": ", l.text);
         ASSERT_TRUE(m.Present(r, l.step)) << where;
-        const std::vector<double> got = Values(l.text);
+        const std::vector<double> got = l.values;
         ASSERT_EQ(got.size(), static_cast<size_t>(kTensors)) << where;
         for (int k = 0; k < kTensors; ++k) {
           const double w = want[l.step][r][k];

@@ -238,19 +238,6 @@ TEST_F(ClientShardedElasticTest, RankKilled_MateEndsClearly_SurvivorsExact_Repli
   }
 }
 
-std::vector<double> Values(const std::string& text) {
-  std::vector<double> out;
-  const size_t at = text.find("\"values\": [");
-  if (at == std::string::npos) return out;
-  const size_t from = at + 11;
-  for (absl::string_view v :
-       absl::StrSplit(text.substr(from, text.find(']', from) - from), ", ")) {
-    double d = 0;
-    if (absl::SimpleAtod(v, &d)) out.push_back(d);
-  }
-  return out;
-}
-
 // Streaming sync (docs/streaming.md) with replicas of 2: one outer level of the world in 2
 // fragments. Rank 3 (replica 1) is killed; its mate ends; a replacement replica takes ranks 2
 // and 3, each receiving every fragment's anchor and momentum of its own shard: from its admission
@@ -299,10 +286,10 @@ TEST_F(ClientShardedElasticTest, StreamingLevel_ReplicaReplaced_EachRankReceives
     for (const TraceLine& l : mine.lines) {
       if (l.action != "AVERAGE") continue;
       const int fragment = static_cast<int>((l.step / 2) % 2);
-      const std::vector<double> got = Values(l.text);
+      const std::vector<double> got = l.values;
       ASSERT_EQ(got.size(), static_cast<size_t>(kTensors)) << l.text;
       for (const Trace& peer : peers) {
-        const std::vector<double> want = Values(peer.lines[l.step].text);
+        const std::vector<double> want = peer.lines[l.step].values;
         ASSERT_EQ(want.size(), static_cast<size_t>(kTensors));
         for (int t = fragment * kTensors / 2; t < (fragment + 1) * kTensors / 2; ++t) {
           EXPECT_NEAR(got[t], want[t], std::max(1e-5, 1e-6 * std::fabs(want[t])))
@@ -315,8 +302,8 @@ TEST_F(ClientShardedElasticTest, StreamingLevel_ReplicaReplaced_EachRankReceives
   }
   EXPECT_GE(compared, 2 * 4) << "too few outer steps after the admission to prove it";
   // The shards differ: had a replacement taken the other shard's state, it would not match.
-  const std::vector<double> shard0 = Values(TraceOf(0).lines.back().text);
-  const std::vector<double> shard1 = Values(TraceOf(1).lines.back().text);
+  const std::vector<double> shard0 = TraceOf(0).lines.back().values;
+  const std::vector<double> shard1 = TraceOf(1).lines.back().values;
   EXPECT_NE(shard0, shard1);
 }
 

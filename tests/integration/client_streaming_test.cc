@@ -30,29 +30,6 @@ namespace {
 
 constexpr int kTensors = 8;
 
-// The "values" and "fragment" of a trace line.
-std::vector<double> Values(const std::string& text) {
-  std::vector<double> out;
-  const size_t at = text.find("\"values\": [");
-  if (at == std::string::npos) return out;
-  const size_t from = at + 11;
-  const size_t end = text.find(']', from);
-  for (absl::string_view v : absl::StrSplit(text.substr(from, end - from), ", ")) {
-    double d = 0;
-    if (absl::SimpleAtod(v, &d)) out.push_back(d);
-  }
-  return out;
-}
-
-int FragmentOf(const std::string& text) {
-  const size_t at = text.find("\"fragment\": ");
-  if (at == std::string::npos) return 0;
-  int f = 0;
-  return absl::SimpleAtoi(text.substr(at + 12, text.find_first_of(",}", at + 12) - at - 12), &f)
-             ? f
-             : -1;
-}
-
 class ClientStreamingTest : public TraceJobTest {
  protected:
   ClientStreamingTest() : TraceJobTest("streaming") {}
@@ -88,10 +65,10 @@ class ClientStreamingTest : public TraceJobTest {
         EXPECT_EQ(l.action, w.average ? "AVERAGE" : "SKIP") << where;
         EXPECT_EQ(l.level, w.level) << where;
         if (w.average) {
-          EXPECT_EQ(FragmentOf(l.text), w.fragment) << where;
+          EXPECT_EQ(l.fragment, w.fragment) << where;
           fragment_lines += w.fragment > 0;
         }
-        const std::vector<double> got = Values(l.text);
+        const std::vector<double> got = l.values;
         ASSERT_EQ(got.size(), static_cast<size_t>(kTensors)) << where;
         // An INT8 block may hold several tensors of the fragment: its largest |A - x| is at most
         // the fragment's.
@@ -271,7 +248,7 @@ TEST_F(ClientStreamingTest, MemberKilledDuringBackgroundAllReduce_SurvivorFailsC
   ASSERT_EQ(traces.size(), 2u);
   ASSERT_EQ(traces[0].lines.size(), static_cast<size_t>(8 + kTau)) << errors[0];
   for (int64_t s = 0; s < 8 + kTau; ++s) {
-    const std::vector<double> got = Values(traces[0].lines[s].text);
+    const std::vector<double> got = traces[0].lines[s].values;
     ASSERT_EQ(got.size(), static_cast<size_t>(kTensors));
     for (int t = 0; t < kTensors; ++t) {
       EXPECT_NEAR(got[t], want[s][0].values[t], std::max(1e-4, 2e-6 * std::fabs(got[t])))
@@ -330,7 +307,7 @@ TEST_F(ClientStreamingTest, StateDict_ResumedWithPendingSync_EqualsUninterrupted
         const TraceLine& got = after[r].lines[i];
         const TraceLine& want = whole[r].lines[kSaveAfter + i];
         EXPECT_EQ(got.step, want.step);
-        EXPECT_EQ(Values(got.text), Values(want.text)) << "rank " << r << " step " << got.step;
+        EXPECT_EQ(got.values, want.values) << "rank " << r << " step " << got.step;
         EXPECT_EQ(got.action, want.action);
       }
     }
@@ -527,7 +504,7 @@ TEST_F(ClientFeedbackTest, Topk_FollowsReference_FeedbackSendsWhatTopkDrops) {
     for (int r = 0; r < world; ++r) {
       ASSERT_EQ(traces[r].lines.size(), static_cast<size_t>(kSteps)) << "rank " << r;
       for (int64_t s = 0; s < kSteps; ++s) {
-        const std::vector<double> got = Values(traces[r].lines[s].text);
+        const std::vector<double> got = traces[r].lines[s].values;
         ASSERT_EQ(got.size(), static_cast<size_t>(kTensors));
         for (int t = 0; t < kTensors; ++t) {
           EXPECT_NEAR(got[t], want[s][r][t], std::max(1e-4, 2e-6 * std::fabs(want[s][r][t])))
