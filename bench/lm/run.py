@@ -3,6 +3,7 @@
 
   sudo /usr/bin/python3 bench/lm/run.py                       # every mode, 50 Mbit/s
   sudo /usr/bin/python3 bench/lm/run.py --rate_mbit=20 --modes=ddp,modelavg
+  sudo /usr/bin/python3 bench/lm/run.py --seeds=1,2,3 --modes=none,modelavg,diloco,int8
 
 Builds a cluster of network namespaces (tests/cluster/netcluster.py): workers w0, w1 in site a,
 w2, w3 in site b, the sites joined by a link shaped with tbf to --rate_mbit in each direction, a
@@ -27,7 +28,11 @@ split reaches --target_loss (or --max_steps). Then it prints a table:
   avg ms    rank 0's milliseconds per step in the mode's after-step call (the averagers' whole
             cost: decisions, copies, all-reduces; DDP's communication is inside backward: -)
 
-and writes --out_dir/lm_bench.png (validation loss against wall-clock, one line per mode) and
+With several --seeds (each seed its own initial model and batches; the held-out split is the
+same) every mode runs once per seed, a table per seed, then one line per mode: the median and
+the range of steps, seconds and x floor over the seeds, and how many seeds reached the target.
+
+It writes --out_dir/lm_bench.png (validation loss against wall-clock, one line per mode) and
 --out_dir/lm_bench.json (every figure and every evaluation). Needs root (namespaces), python3-torch
 and python3-matplotlib, the `fortunes` package, and a build (modelavg-coordinator and the Python
 package: cmake --build build --target modelavg-coordinator modelavg-python).
@@ -39,6 +44,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,6 +90,9 @@ def parse_args():
                    help="the diloco mode's outer Nesterov momentum")
     p.add_argument("--topk_density", type=float, default=0.02,
                    help="the diloco_topk* modes' Level.topk_density")
+    p.add_argument("--seeds", default="1",
+                   help="comma-separated seeds; with more than one, every mode runs once per "
+                        "seed and a summary gives the median and range over them")
     p.add_argument("--timeout_s", type=float, default=1800, help="per mode")
     p.add_argument("--out_dir", default=os.path.join(REPO, "bench", "lm", "out"))
     p.add_argument("--build_dir", default=os.path.join(REPO, "build"))
@@ -97,20 +106,29 @@ def parse_args():
         args.d_model, args.layers, args.batch, args.max_steps = 32, 1, 4, 66
         args.floor_steps, args.target_loss = 66, 0.0
         args.diloco_period = 32  # two outer steps in the smoke run's 66
+        if args.modes == p.get_default("modes"):  # the error-feedback payloads too
+            args.modes += ",diloco_int4_ef,diloco_topk_ef"
+    try:
+        args.seed_list = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--seeds must be comma-separated integers, not {args.seeds!r}")
+    if not args.seed_list:
+        p.error("--seeds names no seed")
     return args
 
 
-def run_mode(args, cluster, mode, tmp, corpus_path):
-    """Runs one mode to its end; returns its figures and rank 0's evaluations."""
+def run_mode(args, cluster, mode, tmp, corpus_path, seed=1):
+    """Runs one mode to its end with `seed`; returns its figures and rank 0's evaluations."""
     coord = cluster.hosts["coord"]
     master = cluster.hosts["w0"].address
-    stop_file = os.path.join(tmp, f"{mode}.stop")
+    tag = f"{mode}.s{seed}"
+    stop_file = os.path.join(tmp, f"{tag}.stop")
     procs = []
     coordinator = None
     env = dict(os.environ, PYTHONPATH=os.path.join(args.build_dir, "python"),
                OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     if mode in modes.NEEDS_COORDINATOR:
-        log = open(os.path.join(tmp, f"{mode}.coordinator.log"), "w")
+        log = open(os.path.join(tmp, f"{tag}.coordinator.log"), "w")
         coordinator = cluster.popen("coord", [
             os.path.join(args.build_dir, "server", "modelavg-coordinator"),
             f"--listen={coord.address}:{COORD_PORT}", "--log_level=warn"],
@@ -126,8 +144,9 @@ def run_mode(args, cluster, mode, tmp, corpus_path):
         argv = [args.python, os.path.join(HERE, "worker.py"), f"--mode={mode}",
                 f"--rank={rank}", f"--world_size={len(WORKERS)}",
                 f"--address={cluster.hosts[host].address}", f"--master={master}",
-                f"--coordinator={coord.address}:{COORD_PORT}", f"--job=lm-{mode}",
-                f"--corpus={corpus_path}", f"--out={os.path.join(tmp, f'{mode}.{rank}.jsonl')}",
+                f"--coordinator={coord.address}:{COORD_PORT}", f"--job=lm-{mode}-s{seed}",
+                f"--corpus={corpus_path}", f"--out={os.path.join(tmp, f'{tag}.{rank}.jsonl')}",
+                f"--seed={seed}",
                 f"--stop_file={stop_file}", f"--max_steps={steps}",
                 f"--eval_every={args.eval_every}", f"--target_loss={args.target_loss}",
                 f"--d_model={args.d_model}", f"--layers={args.layers}",
@@ -137,7 +156,7 @@ def run_mode(args, cluster, mode, tmp, corpus_path):
                 f"--diloco_site_period={args.diloco_site_period}",
                 f"--outer_momentum={args.outer_momentum}",
                 f"--topk_density={args.topk_density}"]
-        err = open(os.path.join(tmp, f"{mode}.{rank}.err"), "w")
+        err = open(os.path.join(tmp, f"{tag}.{rank}.err"), "w")
         procs.append(cluster.popen(host, argv, stdout=err, stderr=subprocess.STDOUT, env=env))
     deadline = time.monotonic() + args.timeout_s
     failed = []
@@ -148,7 +167,7 @@ def run_mode(args, cluster, mode, tmp, corpus_path):
             os.killpg(proc.pid, signal.SIGKILL)
             rc = "timeout"
         if rc != 0:
-            failed.append((rank, rc, open(os.path.join(tmp, f"{mode}.{rank}.err")).read()[-3000:]))
+            failed.append((rank, rc, open(os.path.join(tmp, f"{tag}.{rank}.err")).read()[-3000:]))
     wall = time.monotonic() - started
     link_bytes = cluster.site_bytes("b") - before
     if coordinator is not None:
@@ -156,10 +175,10 @@ def run_mode(args, cluster, mode, tmp, corpus_path):
         coordinator.wait(timeout=10)
     if failed:
         rank, rc, err = failed[0]
-        raise SystemExit(f"mode {mode}: rank {rank} ended with {rc}:\n{err}")
-    evals = [json.loads(line) for line in open(os.path.join(tmp, f"{mode}.0.jsonl"))]
+        raise SystemExit(f"mode {mode} (seed {seed}): rank {rank} ended with {rc}:\n{err}")
+    evals = [json.loads(line) for line in open(os.path.join(tmp, f"{tag}.0.jsonl"))]
     hit = next((e for e in evals if e["val_loss"] <= args.target_loss), None)
-    return {"mode": mode, "evals": evals, "steps_run": evals[-1]["step"],
+    return {"mode": mode, "seed": seed, "evals": evals, "steps_run": evals[-1]["step"],
             "seconds_run": evals[-1]["seconds"], "final_loss": evals[-1]["val_loss"],
             "steps_to_target": hit["step"] if hit else None,
             "seconds_to_target": hit["seconds"] if hit else None,
@@ -205,14 +224,41 @@ def table(results, floor, args):
                                for i, (c, w) in enumerate(zip(row, widths))) for row in rows)
 
 
+def summary(results, args):
+    """One line per mode: the median and range over the seeds of steps, seconds and x floor to
+    the target, and how many seeds reached it."""
+    def spread(values, fmt):
+        if not values:
+            return "-"
+        values = sorted(values)
+        return f"{fmt(statistics.median(values))} [{fmt(values[0])}, {fmt(values[-1])}]"
+    rows = [("mode", "reached", "steps", "seconds", "x floor", "link MB")]
+    for mode in dict.fromkeys(r["mode"] for r in results if r["mode"] != "none"):
+        rs = [r for r in results if r["mode"] == mode]
+        hit = [r for r in rs if r["steps_to_target"]]
+        rows.append((mode, f"{len(hit)}/{len(rs)}",
+                     spread([r["steps_to_target"] for r in hit], lambda v: f"{v:.0f}"),
+                     spread([r["seconds_to_target"] for r in hit], lambda v: f"{v:.1f}"),
+                     spread([r["x_floor"] for r in hit if r.get("x_floor")],
+                            lambda v: f"{v:.2f}"),
+                     spread([r["link_bytes"] / 1e6 for r in rs], lambda v: f"{v:.1f}")))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))) for row in rows)
+
+
 def plot(results, args, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for r in results:
+    colors = {}
+    for r in results:  # one colour a mode; the first seed's line labelled and solid
+        first = r["mode"] not in colors
+        colors.setdefault(r["mode"], f"C{len(colors)}")
         ax.plot([e["seconds"] for e in r["evals"]], [e["val_loss"] for e in r["evals"]],
-                marker=".", label=r["mode"])
+                marker="." if first else None, color=colors[r["mode"]],
+                alpha=1.0 if first else 0.45, label=r["mode"] if first else None)
     ax.axhline(args.target_loss, color="grey", linestyle="--", linewidth=1, label="target")
     ax.set_xscale("log")  # DDP takes ten times as long as the averaging modes
     ax.set_xlabel("training wall-clock (s, log scale)")
@@ -250,12 +296,17 @@ def main():
         print(f"corpus: {n_train} training bytes, {n_val} held-out bytes "
               f"({corpus.FORTUNES})", flush=True)
         hosts = [nc.Host("coord", None)] + [nc.Host(n, s) for n, s in WORKERS]
+        # The floor first and last (once each, whatever the seeds), every other mode per seed.
+        seeds = args.seed_list
+        runs = [(m, seed) for seed in seeds for m in mode_list if m != "none"]
+        if "none" in mode_list:
+            runs = [("none", seeds[0])] + runs + [("none", seeds[-1])] * (mode_list[-1] == "none")
         with nc.Cluster(hosts, site_rate_mbit=args.rate_mbit) as cluster:
-            for mode in mode_list:
+            for mode, seed in runs:
                 t = time.monotonic()
-                r = run_mode(args, cluster, mode, tmp, corpus_path)
+                r = run_mode(args, cluster, mode, tmp, corpus_path, seed)
                 results.append(r)
-                print(f"{mode}: {r['steps_run']} steps in {r['seconds_run']:.1f} s, final loss "
+                print(f"{mode} (seed {seed}): {r['steps_run']} steps in {r['seconds_run']:.1f} s, final loss "
                       f"{r['final_loss']:.3f}, {r['link_bytes'] / 1e6:.1f} MB over the link "
                       f"({time.monotonic() - t:.0f} s with start-up)", flush=True)
     finally:
@@ -267,7 +318,15 @@ def main():
     print(f"target validation loss {args.target_loss}; link {args.rate_mbit:g} Mbit/s; "
           f"compute floor {floor:.3f} s/step (first and last: "
           f"{', '.join(f'{f:.3f}' for f in floors)})" if floor else "no `none` mode: no floor")
-    print(table(results, floor, args))
+    for seed in args.seed_list:
+        if len(args.seed_list) > 1:
+            print(f"\nseed {seed}")
+        print(table([r for r in results if r["seed"] == seed or r["mode"] == "none"], floor,
+                    args))
+    if len(args.seed_list) > 1:
+        print(f"\nover seeds {args.seeds}: median [lowest, highest] of the seeds that reached the "
+              f"target")
+        print(summary(results, args))
     png = os.path.join(args.out_dir, "lm_bench.png")
     plot(results, args, png)
     with open(os.path.join(args.out_dir, "lm_bench.json"), "w") as f:
@@ -282,12 +341,12 @@ def smoke_check(results):
     by = {r["mode"]: r for r in results}
     for r in results:
         first, last = r["evals"][0]["val_loss"], r["final_loss"]
-        if r["mode"] == "diloco":
+        if r["mode"].startswith("diloco"):
             # Two outer steps with Nesterov momentum in a 66-step run extrapolate past the
             # group's mean and need not lower the loss yet; it must have learned something:
             # below a uniform guess over the bytes, ln(256).
             if not last < math.log(256):
-                raise SystemExit(f"FAIL: mode diloco: validation loss {last:.3f} is no better "
+                raise SystemExit(f"FAIL: mode {r['mode']}: validation loss {last:.3f} is no better "
                                  f"than a uniform guess ({math.log(256):.3f})")
             continue
         if not last < first:
@@ -298,8 +357,18 @@ def smoke_check(results):
         if abs(a - b) > 0.01:
             raise SystemExit(f"FAIL: the same schedule gave {a:.4f} with PyTorch's averagers "
                              f"and {b:.4f} with modelavg's")
-    print("smoke: every mode's loss fell (diloco: below a uniform guess); PyTorch's averagers "
-          "and modelavg agree")
+    # The compressed payloads travel as documented: after the first (FP32) sync, INT4 0.126x and
+    # TOPK at 0.02 about 0.02x of FP32's bytes a sync; both well under a fifth.
+    fp32 = by.get("diloco")
+    for name in ("diloco_int4_ef", "diloco_topk_ef"):
+        if name not in by or not fp32:
+            continue
+        later = [r["rank0_bytes_sent"][-1] - r["rank0_bytes_at_step0"][-1] for r in (by[name], fp32)]
+        if not 0 < later[0] < 0.2 * later[1]:
+            raise SystemExit(f"FAIL: mode {name} sent {later[0]} bytes after the first sync, FP32 "
+                             f"DiLoCo {later[1]}: not the compressed payload")
+    print("smoke: every mode's loss fell (diloco*: below a uniform guess); PyTorch's averagers "
+          "and modelavg agree; the error-feedback payloads sent under a fifth of FP32's bytes")
 
 
 if __name__ == "__main__":
