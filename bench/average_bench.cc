@@ -44,8 +44,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -468,8 +471,16 @@ absl::Status Driver(const char* self) {
   }
   MODELAVG_RETURN_IF_ERROR(admin->CreateJob(spec).status());
 
-  char dir_tmpl[] = "/tmp/modelavg-bench-average.XXXXXX";
-  const std::string dir = mkdtemp(dir_tmpl) ? dir_tmpl : "/tmp";
+  // The ranks' outputs, in a folder of this run's own ($TMPDIR or /tmp), removed at the end
+  // unless a rank failed (its output is then kept, and named).
+  const char* tmpdir = std::getenv("TMPDIR");
+  std::string dir_tmpl = absl::StrCat(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp",
+                                      "/modelavg-bench-average.XXXXXX");
+  if (mkdtemp(dir_tmpl.data()) == nullptr) {
+    return absl::InternalError(absl::StrCat("cannot make a folder ", dir_tmpl, ": ",
+                                            std::strerror(errno)));
+  }
+  const std::string dir = dir_tmpl;
   std::vector<pid_t> pids;
   std::vector<std::string> outs;
   for (int r = 0; r < world; ++r) {
@@ -509,7 +520,8 @@ absl::Status Driver(const char* self) {
     int st = 0;
     waitpid(pids[r], &st, 0);
     if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
-      failed = absl::InternalError(absl::StrCat("worker ", r, " failed (see its stderr above)"));
+      failed = absl::InternalError(absl::StrCat("worker ", r, " failed (see its stderr above; ",
+                                                "its output is in ", outs[r], ")"));
       continue;
     }
     std::ifstream in(outs[r]);
@@ -533,10 +545,14 @@ absl::Status Driver(const char* self) {
       }
       ++phases;
     }
-    if (phases == 0) failed = absl::InternalError(absl::StrCat("worker ", r, " printed nothing"));
+    if (phases == 0) {
+      failed = absl::InternalError(absl::StrCat("worker ", r, " printed nothing (", outs[r], ")"));
+    }
   }
   server->Shutdown();
   MODELAVG_RETURN_IF_ERROR(failed);
+  std::error_code removed;
+  std::filesystem::remove_all(dir, removed);
   const auto q = [&](const char* phase, double quantile) {
     auto it = slowest.find(phase);
     return it == slowest.end() ? -1.0 : Quantile(it->second, quantile);
