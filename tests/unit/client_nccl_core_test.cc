@@ -31,11 +31,13 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/fake_nccl_device.h"
+#include "tests/tools/naive_payload.h"
 #include "tests/tools/staging_reference.h"
 
 namespace modelavg::client {
 namespace {
 
+using ::modelavg::testing::NaivePayloadRoundTrip;
 using ::testing::HasSubstr;
 using Reduce = NcclDeviceOps::Reduce;
 
@@ -1237,45 +1239,6 @@ TEST_F(NcclCoreTest, FiniteCheck_MembersThatDiffer_LayoutMismatchEverywhere) {
   ExpectNoHangMismatchOrIllegal();
 }
 
-// The documented rule of a compressed round (docs/streaming.md, payload_codec.h) restated
-// naively on the host, apart from the codec: decode(encode(x)) of one member's whole buffer,
-// block by block (blocks of 1024 of the whole buffer, the last one shorter).
-std::vector<float> NaiveRoundTrip(Payload payload, int32_t topk, const std::vector<float>& x) {
-  const int64_t n = static_cast<int64_t>(x.size());
-  std::vector<float> out(x.size(), 0.0f);
-  for (int64_t lo = 0; lo < n; lo += 1024) {
-    const int64_t hi = std::min<int64_t>(n, lo + 1024);
-    if (payload == Payload::kInt4) {
-      float big = 0.0f;
-      bool finite = true;
-      for (int64_t i = lo; i < hi; ++i) {
-        finite = finite && std::isfinite(x[i]);
-        big = std::max(big, std::fabs(x[i]));
-      }
-      const float s = finite ? big / 7.0f : std::numeric_limits<float>::quiet_NaN();
-      for (int64_t i = lo; i < hi; ++i) {
-        float q = s > 0.0f ? std::nearbyint(x[i] / s) : 0.0f;  // half to even
-        q = std::min(7.0f, std::max(-7.0f, q));
-        out[i] = q * s;
-      }
-      continue;
-    }
-    // TOPK: the k largest magnitudes (NaN largest; ties: the lower index), as bfloat16.
-    std::vector<int64_t> order;
-    for (int64_t i = lo; i < hi; ++i) order.push_back(i);
-    const auto mag = [&](int64_t i) {
-      return std::isnan(x[i]) ? std::numeric_limits<float>::infinity() : std::fabs(x[i]);
-    };
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t a, int64_t b) { return mag(a) > mag(b); });
-    const int64_t k = std::min<int64_t>(topk, hi - lo);
-    for (int64_t e = 0; e < k; ++e) {
-      out[order[e]] = 0.0f + BFloat16ToFloat(FloatToBFloat16(x[order[e]]));
-    }
-  }
-  return out;
-}
-
 // Member m's element e: magnitudes that differ by block and member, many ties (quarters), +0
 // and -0, signs mixed.
 float RuleValue(int m, int64_t e) {
@@ -1329,13 +1292,13 @@ TEST_F(NcclCoreTest, Int4AndTopk_EveryMemberEqualsTheRuleOnTheHost) {
           const size_t total = inputs[0].size();
           std::vector<float> sum(total, 0.0f);
           for (int m = 0; m < n; ++m) {
-            const std::vector<float> u = NaiveRoundTrip(f.payload, f.topk, inputs[m]);
+            const std::vector<float> u = NaivePayloadRoundTrip(f.payload, f.topk, inputs[m]);
             for (size_t i = 0; i < total; ++i) sum[i] += u[i];
           }
           const float inv = 1.0f / static_cast<float>(n);
           for (float& v : sum) v *= inv;
           const int32_t gather_k = std::min(1024, n * f.topk);
-          const std::vector<float> want = NaiveRoundTrip(f.payload, gather_k, sum);
+          const std::vector<float> want = NaivePayloadRoundTrip(f.payload, gather_k, sum);
           for (int m = 0; m < n; ++m) {
             int64_t e = 0;
             for (const TensorView& v : params[m].views) {

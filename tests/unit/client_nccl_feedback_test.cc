@@ -32,46 +32,12 @@
 #include "gtest/gtest.h"
 #include "tests/testing/fake_nccl_device.h"
 #include "tests/testing/fake_nccl_group.h"
+#include "tests/tools/naive_payload.h"
 
 namespace modelavg::client {
 namespace {
 
-// decode(encode(x)) of a whole buffer, the documented rule written out (payload_codec.h).
-std::vector<float> NaiveRoundTrip(Payload payload, int32_t topk, const std::vector<float>& x) {
-  const int64_t n = static_cast<int64_t>(x.size());
-  std::vector<float> out(x.size(), 0.0f);
-  for (int64_t lo = 0; lo < n; lo += 1024) {
-    const int64_t hi = std::min<int64_t>(n, lo + 1024);
-    if (payload == Payload::kInt4) {
-      float big = 0.0f;
-      bool finite = true;
-      for (int64_t i = lo; i < hi; ++i) {
-        finite = finite && std::isfinite(x[i]);
-        big = std::max(big, std::fabs(x[i]));
-      }
-      const float s = finite ? big / 7.0f : std::numeric_limits<float>::quiet_NaN();
-      for (int64_t i = lo; i < hi; ++i) {
-        float q = s > 0.0f ? std::nearbyint(x[i] / s) : 0.0f;  // half to even
-        q = std::min(7.0f, std::max(-7.0f, q));
-        out[i] = q * s;
-      }
-      continue;
-    }
-    // TOPK: the k largest magnitudes (NaN largest; ties: the lower index), as bfloat16.
-    std::vector<int64_t> order;
-    for (int64_t i = lo; i < hi; ++i) order.push_back(i);
-    const auto mag = [&](int64_t i) {
-      return std::isnan(x[i]) ? std::numeric_limits<float>::infinity() : std::fabs(x[i]);
-    };
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t a, int64_t b) { return mag(a) > mag(b); });
-    const int64_t k = std::min<int64_t>(topk, hi - lo);
-    for (int64_t e = 0; e < k; ++e) {
-      out[order[e]] = 0.0f + BFloat16ToFloat(FloatToBFloat16(x[order[e]]));
-    }
-  }
-  return out;
-}
+using ::modelavg::testing::NaivePayloadRoundTrip;
 
 // Tensors whose sizes put INT4/TOPK blocks across tensor boundaries, the last one short.
 const std::vector<int64_t> kSizes = {700, 1500, 333, 1};
@@ -281,7 +247,7 @@ TEST_P(NcclFeedbackTest, EveryMemberEveryStep_FollowsTheRuleBitForBit) {
           u[i] = static_cast<float>(c.beta * static_cast<double>(e[m][i]) +
                                     static_cast<double>(d));
         }
-        const std::vector<float> sent = NaiveRoundTrip(c.payload, c.topk, u);
+        const std::vector<float> sent = NaivePayloadRoundTrip(c.payload, c.topk, u);
         next_e[m].resize(total);
         for (int64_t i = 0; i < total; ++i) {
           next_e[m][i] = u[i] - sent[i];
@@ -290,7 +256,7 @@ TEST_P(NcclFeedbackTest, EveryMemberEveryStep_FollowsTheRuleBitForBit) {
       }
       const float inv = 1.0f / static_cast<float>(n);
       for (float& v : sum) v *= inv;
-      const std::vector<float> r = NaiveRoundTrip(c.payload, gather_k, sum);
+      const std::vector<float> r = NaivePayloadRoundTrip(c.payload, gather_k, sum);
       for (int64_t i = 0; i < total; ++i) anchor[i] = anchor[i] - r[i];
       for (int m = 0; m < n; ++m) {
         x[m] = anchor;
