@@ -18,6 +18,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -101,6 +102,9 @@ std::string Name(const Case& c) {
                       c.background ? "_Background" : "_Blocking",
                       c.pinned_host ? "_Pinned" : "");
 }
+
+// The case's name in test listings (ctest's), not its bytes.
+void PrintTo(const Case& c, std::ostream* os) { *os << Name(c); }
 
 class NcclFeedbackTest : public ::testing::TestWithParam<Case> {
  protected:
