@@ -5,9 +5,10 @@
 // the unit tests.
 //
 // Memory: the anchor A and, with momentum, the momentum M, each one buffer of the state dtype
-// (float32 for float32/float16/bfloat16 parameters, float64 for float64 ones), on the
-// parameters' device, or, with `pinned_host` (AveragerOptions::backup_device), in pinned host
-// memory that the kernels read and write over the bus. The pseudo-gradient D is a device buffer
+// (float32 for float32/float16/bfloat16 parameters, float64 for float64 ones), and with error
+// feedback the residual E (float32), on the parameters' device, or, with `pinned_host`
+// (AveragerOptions::backup_device), in pinned host memory that the kernels read and write over
+// the bus. The pseudo-gradient D is a device buffer
 // of the same layout (the caller's, shared by the levels); its tensors lie back to back in one
 // dtype, so NCCL reduces it in place (no staging copy): the difference pass is the gather and
 // the step pass the scatter of a staged average, with the optimizer fused into them.
