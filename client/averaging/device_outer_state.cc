@@ -48,8 +48,10 @@ size_t DeviceOuterState::bytes() const {
 absl::Status DeviceOuterState::AddResidual(double beta, const GrowableBuffer& gradient) {
   if (residual_ == nullptr) return absl::OkStatus();
   const int64_t n = elems();
+  // NextResidual and LoadResidual allocate exactly the state's elements: another size is a
+  // residual of another layout (the anchor was set anew since).
   if (code_ != kStageF32 ||
-      residual_->buffer().capacity() < static_cast<size_t>(n) * sizeof(float) ||
+      residual_->buffer().capacity() != static_cast<size_t>(n) * sizeof(float) ||
       gradient.capacity() < static_cast<size_t>(n) * sizeof(float)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "level ", level_, ": the residual holds ", residual_->buffer().capacity() / sizeof(float),
