@@ -1,5 +1,6 @@
 #include "client/averaging/device_outer_state.h"
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -20,20 +21,123 @@ DeviceOuterState::DeviceOuterState(NcclDeviceOps* ops, int level, OuterSgd rule,
       momentum_(pinned_host) {}
 
 DeviceOuterState::~DeviceOuterState() {
+  residual_.reset();
   anchor_.Release(*ops_);
   momentum_.Release(*ops_);
+  feedback_wire_.Release(*ops_);
+  feedback_decoded_.Release(*ops_);
   chunks_device_.Release(*ops_);
 }
 
-size_t DeviceOuterState::bytes_per_buffer() const {
+int64_t DeviceOuterState::elems() const {
   int64_t n = 0;
   for (int64_t k : numel_) n += k;
-  return static_cast<size_t>(n) * StagingCodeSize(code_);
+  return n;
+}
+
+size_t DeviceOuterState::bytes_per_buffer() const {
+  return static_cast<size_t>(elems()) * StagingCodeSize(code_);
 }
 
 size_t DeviceOuterState::bytes() const {
   if (!has_anchor_) return 0;
-  return has_momentum_ ? 2 * bytes_per_buffer() : bytes_per_buffer();
+  const size_t residual = residual_ != nullptr ? static_cast<size_t>(elems()) * sizeof(float) : 0;
+  return (has_momentum_ ? 2 * bytes_per_buffer() : bytes_per_buffer()) + residual;
+}
+
+absl::Status DeviceOuterState::AddResidual(double beta, const GrowableBuffer& gradient) {
+  if (residual_ == nullptr) return absl::OkStatus();
+  const int64_t n = elems();
+  // NextResidual and LoadResidual allocate exactly the state's elements: another size is a
+  // residual of another layout (the anchor was set anew since).
+  if (code_ != kStageF32 ||
+      residual_->buffer().capacity() != static_cast<size_t>(n) * sizeof(float) ||
+      gradient.capacity() < static_cast<size_t>(n) * sizeof(float)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "level ", level_, ": the residual holds ", residual_->buffer().capacity() / sizeof(float),
+        " float32 elements, the pseudo-gradient ", n, code_ == kStageF32 ? "" : " float64"));
+  }
+  return ops_->FeedbackAdd(static_cast<float*>(gradient.data()),
+                           static_cast<const float*>(residual_->buffer().data()), n, beta,
+                           stream_);
+}
+
+absl::StatusOr<std::unique_ptr<OwnedDeviceBuffer>> DeviceOuterState::NextResidual(
+    WireFormat format, const GrowableBuffer& gradient) {
+  if (code_ != kStageF32) {
+    return absl::UnimplementedError(absl::StrCat(
+        "level ", level_, ": error feedback keeps a float32 residual; the outer state is float64"));
+  }
+  const int64_t n = elems();
+  const size_t stride = (EncodedBytes(format, n) + 15) / 16 * 16;
+  auto next = std::make_unique<OwnedDeviceBuffer>(ops_, pinned_host_);
+  MODELAVG_RETURN_IF_ERROR(Annotate(
+      next->get()->Reserve(*ops_, static_cast<size_t>(n) * sizeof(float)),
+      "allocating the error feedback residual"));
+  MODELAVG_RETURN_IF_ERROR(Annotate(feedback_wire_.Reserve(*ops_, std::max<size_t>(stride, 16)),
+                                    "allocating the error feedback's encoding"));
+  MODELAVG_RETURN_IF_ERROR(
+      Annotate(feedback_decoded_.Reserve(*ops_, static_cast<size_t>(n) * sizeof(float)),
+               "allocating the error feedback's decoding"));
+  const float* u = static_cast<const float*>(gradient.data());
+  float* decoded = static_cast<float*>(feedback_decoded_.data());
+  MODELAVG_RETURN_IF_ERROR(
+      ops_->EncodeParts(format, u, n, n, 1, stride, feedback_wire_.data(), stream_));
+  MODELAVG_RETURN_IF_ERROR(
+      ops_->DecodeParts(format, feedback_wire_.data(), n, n, stride, decoded, stream_));
+  MODELAVG_RETURN_IF_ERROR(ops_->FeedbackResidual(
+      u, decoded, n, static_cast<float*>(next->get()->data()), stream_));
+  MODELAVG_RETURN_IF_ERROR(ops_->WaitLocal(stream_, "computing the error feedback residual"));
+  return next;
+}
+
+std::unique_ptr<OwnedDeviceBuffer> DeviceOuterState::SwapResidual(
+    std::unique_ptr<OwnedDeviceBuffer> residual) {
+  std::swap(residual, residual_);
+  return residual;
+}
+
+absl::StatusOr<std::vector<StateTensor>> DeviceOuterState::ResidualTensors() const {
+  std::vector<StateTensor> out;
+  if (residual_ == nullptr || !has_anchor_ || code_ != kStageF32) return out;
+  MODELAVG_RETURN_IF_ERROR(Download(residual_->buffer(), &out));
+  return out;
+}
+
+absl::Status DeviceOuterState::LoadResidual(const std::vector<StateTensor>& residual) {
+  if (residual.empty()) {
+    residual_.reset();
+    return absl::OkStatus();
+  }
+  if (!has_anchor_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "level ", level_, ": a residual without an anchor (load the anchor first)"));
+  }
+  if (residual.size() != numel_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("residual of level ", level_, " has ",
+                                                   residual.size(), " tensors but its anchor has ",
+                                                   numel_.size()));
+  }
+  std::vector<uint8_t> all;
+  for (size_t i = 0; i < residual.size(); ++i) {
+    const StateTensor& t = residual[i];
+    if (t.dtype != DType::kFloat32 || t.numel != numel_[i] ||
+        t.bytes.size() != static_cast<size_t>(t.numel) * sizeof(float)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "residual[", i, "] of level ", level_, " must be float32 with ", numel_[i],
+          " elements (its anchor's), got ", t.numel, " ", DTypeName(t.dtype)));
+    }
+    all.insert(all.end(), t.bytes.begin(), t.bytes.end());
+  }
+  auto e = std::make_unique<OwnedDeviceBuffer>(ops_, pinned_host_);
+  MODELAVG_RETURN_IF_ERROR(Annotate(e->get()->Reserve(*ops_, all.size()),
+                                    "allocating the error feedback residual"));
+  if (!all.empty()) {
+    MODELAVG_RETURN_IF_ERROR(ops_->Copy(e->get()->data(), all.data(), all.size(), stream_));
+  }
+  MODELAVG_RETURN_IF_ERROR(ops_->WaitLocal(stream_, "copying the residual to the device"));
+  residual_ = std::move(e);
+  return absl::OkStatus();
 }
 
 absl::Status DeviceOuterState::Shape(absl::Span<const TensorView> params, int32_t* code) const {
@@ -331,7 +435,8 @@ absl::Status RunDeviceOuterStep(
     DeviceOuterState* state, GrowableBuffer* gradient, absl::Span<const TensorView> params,
     bool first_step, bool joining,
     const std::function<absl::Status(absl::Span<const TensorView>, int64_t layout_signature)>&
-        round) {
+        round,
+    const DeviceFeedback& feedback) {
   if (joining && !first_step) {
     // The replacement's D is never read (it contributes nothing); the round hands it the state.
     MODELAVG_ASSIGN_OR_RETURN(std::vector<TensorView> d, state->GradientViews(params, gradient));
@@ -346,8 +451,15 @@ absl::Status RunDeviceOuterStep(
   MODELAVG_RETURN_IF_ERROR(state->CheckLayout(params));
   MODELAVG_ASSIGN_OR_RETURN(std::vector<TensorView> d, state->GradientViews(params, gradient));
   MODELAVG_RETURN_IF_ERROR(state->PseudoGradient(params, *gradient));
+  // Error feedback: U = beta * E + D is sent, and E := U - decode(encode(U)) once it is.
+  std::unique_ptr<OwnedDeviceBuffer> residual;
+  if (feedback.beta != 0) {
+    MODELAVG_RETURN_IF_ERROR(state->AddResidual(feedback.beta, *gradient));
+    MODELAVG_ASSIGN_OR_RETURN(residual, state->NextResidual(feedback.format, *gradient));
+  }
   // The parameters and the state change only once the round has succeeded.
   MODELAVG_RETURN_IF_ERROR(round(d, kOuterRoundSignature));
+  if (residual != nullptr) state->SwapResidual(std::move(residual));
   return state->Step(params, *gradient);
 }
 
@@ -355,7 +467,8 @@ absl::Status RunDeviceStreamingStep(
     DeviceOuterState* state, GrowableBuffer* gradient, GrowableBuffer* local,
     absl::Span<const TensorView> params, bool first_step, bool joining, double mix,
     const std::function<absl::Status(absl::Span<const TensorView>, int64_t layout_signature)>&
-        round) {
+        round,
+    const DeviceFeedback& feedback) {
   // A replacement's first sync of the fragment takes the plain average alone (as on the host).
   const bool mixes = mix != 0 && !(joining && first_step);
   if (mixes && !joining) MODELAVG_RETURN_IF_ERROR(state->Snapshot(params, local));
@@ -366,7 +479,8 @@ absl::Status RunDeviceStreamingStep(
         // x_local of a replacement: the block's mean it has just received in the round.
         if (mixes && joining) return state->Snapshot(params, local);
         return absl::OkStatus();
-      });
+      },
+      feedback);
   MODELAVG_RETURN_IF_ERROR(s);
   if (mixes) return state->Mix(params, *local, mix);
   return absl::OkStatus();
@@ -381,7 +495,8 @@ DevicePendingSync::~DevicePendingSync() {
 }
 
 absl::StatusOr<std::vector<TensorView>> DevicePendingSync::Fill(
-    absl::Span<const TensorView> params) {
+    absl::Span<const TensorView> params, const DeviceFeedback& feedback,
+    std::unique_ptr<OwnedDeviceBuffer>* next_residual) {
   if (!first_) MODELAVG_RETURN_IF_ERROR(state_->CheckLayout(params));
   MODELAVG_ASSIGN_OR_RETURN(std::vector<TensorView> views, state_->GradientViews(params, &buffer_));
   if (first_) {
@@ -392,6 +507,11 @@ absl::StatusOr<std::vector<TensorView>> DevicePendingSync::Fill(
     // parameters as soon as this returns.
     MODELAVG_RETURN_IF_ERROR(ops_->WaitLocal(params.empty() ? nullptr : params[0].cuda_stream,
                                              "computing the pseudo-gradient"));
+    if (feedback.beta != 0 && next_residual != nullptr) {
+      // U = beta * E + D is sent (NextResidual waits for it).
+      MODELAVG_RETURN_IF_ERROR(state_->AddResidual(feedback.beta, buffer_));
+      MODELAVG_ASSIGN_OR_RETURN(*next_residual, state_->NextResidual(feedback.format, buffer_));
+    }
   }
   if (!stream_made_) {
     MODELAVG_RETURN_IF_ERROR(Annotate(ops_->CreateStream(&stream_),

@@ -5,9 +5,10 @@
 // the unit tests.
 //
 // Memory: the anchor A and, with momentum, the momentum M, each one buffer of the state dtype
-// (float32 for float32/float16/bfloat16 parameters, float64 for float64 ones), on the
-// parameters' device, or, with `pinned_host` (AveragerOptions::backup_device), in pinned host
-// memory that the kernels read and write over the bus. The pseudo-gradient D is a device buffer
+// (float32 for float32/float16/bfloat16 parameters, float64 for float64 ones), and with error
+// feedback the residual E (float32), on the parameters' device, or, with `pinned_host`
+// (AveragerOptions::backup_device), in pinned host memory that the kernels read and write over
+// the bus. The pseudo-gradient D is a device buffer
 // of the same layout (the caller's, shared by the levels); its tensors lie back to back in one
 // dtype, so NCCL reduces it in place (no staging copy): the difference pass is the gather and
 // the step pass the scatter of a staged average, with the optimizer fused into them.
@@ -20,17 +21,36 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "client/comm/nccl/nccl_core.h"
+#include "client/payload/payload_codec.h"
 #include "modelavg/client/averager.h"
 #include "modelavg/client/tensor.h"
 #include "modelavg/common/schedule.h"
 
 namespace modelavg::client {
+
+// A device buffer that frees itself with the operations it was allocated with.
+class OwnedDeviceBuffer {
+ public:
+  // `pinned_host`: pinned host memory (GrowableBuffer's).
+  explicit OwnedDeviceBuffer(NcclDeviceOps* ops, bool pinned_host = false)
+      : ops_(ops), buffer_(pinned_host) {}
+  ~OwnedDeviceBuffer() { buffer_.Release(*ops_); }
+  OwnedDeviceBuffer(const OwnedDeviceBuffer&) = delete;
+  OwnedDeviceBuffer& operator=(const OwnedDeviceBuffer&) = delete;
+  GrowableBuffer* get() { return &buffer_; }
+  const GrowableBuffer& buffer() const { return buffer_; }
+
+ private:
+  NcclDeviceOps* const ops_;
+  GrowableBuffer buffer_;
+};
 
 class DeviceOuterState {
  public:
@@ -82,7 +102,34 @@ class DeviceOuterState {
   absl::Status Load(const std::vector<StateTensor>& anchor,
                     const std::vector<StateTensor>* momentum);
 
-  // Bytes held (anchor + momentum), wherever they are.
+  // Error feedback (Level.error_feedback, docs/streaming.md): the residual E, a float32 per
+  // element of the state's tensors, on the device (pinned host memory with `pinned_host`), none
+  // until an outer step keeps one (a member's own: a replacement starts at zero). The host
+  // rule exactly (OuterLevelState::AddResidual, NextResidual, SwapResidual); float32 states only
+  // (a compressed payload takes no float64).
+  bool has_residual() const { return residual_ != nullptr; }
+  // U := fl32(beta * E + D) in place in `gradient` (D, shaped by GradientViews for the anchor's
+  // parameters), enqueued on the last parameters' stream; nothing without a residual.
+  // INVALID_ARGUMENT when the residual's size is not the state's.
+  absl::Status AddResidual(double beta, const GrowableBuffer& gradient);
+  // The residual E' := U - decode(encode(U)) that sending `gradient` (U) in `format` leaves:
+  // the whole buffer encoded and decoded as one part into scratch buffers (blocks of 1024 of
+  // the whole buffer, as the compressed round cuts its parts at block boundaries: exactly what
+  // the peers decode). Waits. Changes nothing of the state.
+  absl::StatusOr<std::unique_ptr<OwnedDeviceBuffer>> NextResidual(WireFormat format,
+                                                                   const GrowableBuffer& gradient);
+  // Swaps in `residual` (null: none); returns the previous one, to restore if the round fails.
+  std::unique_ptr<OwnedDeviceBuffer> SwapResidual(std::unique_ptr<OwnedDeviceBuffer> residual);
+  // A plan update changed the level's payload: the residual starts from zero.
+  void ClearResidual() { residual_.reset(); }
+  // state_dict: the residual's tensors in the anchor's layout (float32; empty without one).
+  absl::StatusOr<std::vector<StateTensor>> ResidualTensors() const;
+  // load_state_dict: sets the residual (empty: none). INVALID_ARGUMENT unless the tensors are
+  // float32 with the anchor's counts; FAILED_PRECONDITION without an anchor. Nothing changes
+  // on an error. Waits.
+  absl::Status LoadResidual(const std::vector<StateTensor>& residual);
+
+  // Bytes held (anchor + momentum + residual), wherever they are.
   size_t bytes() const;
 
  private:
@@ -95,6 +142,8 @@ class DeviceOuterState {
   absl::Status Download(const GrowableBuffer& from, std::vector<StateTensor>* out) const;
   // Bytes of one state buffer (A or M).
   size_t bytes_per_buffer() const;
+  // Elements of the state's tensors.
+  int64_t elems() const;
 
   NcclDeviceOps* const ops_;
   const int level_;
@@ -107,10 +156,22 @@ class DeviceOuterState {
   int32_t code_ = kStageF32;
   GrowableBuffer anchor_;
   GrowableBuffer momentum_;
+  // Error feedback's residual (null: none) and NextResidual's scratch (the encoding, the
+  // decoded values).
+  std::unique_ptr<OwnedDeviceBuffer> residual_;
+  GrowableBuffer feedback_wire_;
+  GrowableBuffer feedback_decoded_;
   GrowableBuffer chunks_device_;
   std::vector<StagingChunk> chunks_host_;
   // The stream of the last call with parameters (state_dict copies run on it).
   void* stream_ = nullptr;
+};
+
+// Error feedback on a device outer step (Level.error_feedback, docs/streaming.md): beta 0 is
+// none; `format` is the pseudo-gradient's payload.
+struct DeviceFeedback {
+  double beta = 0;
+  WireFormat format;
 };
 
 // One averaging step of an outer level on CUDA parameters, as ModelAverager takes it (and the
@@ -124,11 +185,14 @@ class DeviceOuterState {
 // the parameters' that the level's first round averaged on the same communicator (every member
 // takes the same steps, so all agree on it afresh alike).
 // A state without an anchor outside the first step is FAILED_PRECONDITION (the caller says why).
+// With `feedback` (an outer step of a contributing member): U := beta E + D is what the round
+// sends, and once it has succeeded E := U - decode(encode(U)); a failed round leaves E as it was.
 absl::Status RunDeviceOuterStep(
     DeviceOuterState* state, GrowableBuffer* gradient, absl::Span<const TensorView> params,
     bool first_step, bool joining,
     const std::function<absl::Status(absl::Span<const TensorView>, int64_t layout_signature)>&
-        round);
+        round,
+    const DeviceFeedback& feedback = {});
 
 inline constexpr int64_t kOuterRoundSignature = 0x6f75746572;  // "outer"
 
@@ -143,21 +207,8 @@ absl::Status RunDeviceStreamingStep(
     DeviceOuterState* state, GrowableBuffer* gradient, GrowableBuffer* local,
     absl::Span<const TensorView> params, bool first_step, bool joining, double mix,
     const std::function<absl::Status(absl::Span<const TensorView>, int64_t layout_signature)>&
-        round);
-
-// A device buffer that frees itself with the operations it was allocated with.
-class OwnedDeviceBuffer {
- public:
-  explicit OwnedDeviceBuffer(NcclDeviceOps* ops) : ops_(ops) {}
-  ~OwnedDeviceBuffer() { buffer_.Release(*ops_); }
-  OwnedDeviceBuffer(const OwnedDeviceBuffer&) = delete;
-  OwnedDeviceBuffer& operator=(const OwnedDeviceBuffer&) = delete;
-  GrowableBuffer* get() { return &buffer_; }
-
- private:
-  NcclDeviceOps* const ops_;
-  GrowableBuffer buffer_;
-};
+        round,
+    const DeviceFeedback& feedback = {});
 
 // A fragment's sync with sync_delay > 0 on CUDA parameters, between the call at its sync step s
 // (Fill) and the call at s + sync_delay (Apply): its own device buffer (the fragment's
@@ -176,8 +227,12 @@ class DevicePendingSync {
   bool first() const { return first_; }
   // Fills the buffer from the fragment's `params` and returns its views, on the sync's own
   // stream: what the background round averages in place. FAILED_PRECONDITION without an
-  // anchor (not first), INVALID_ARGUMENT for another layout than the anchor's.
-  absl::StatusOr<std::vector<TensorView>> Fill(absl::Span<const TensorView> params);
+  // anchor (not first), INVALID_ARGUMENT for another layout than the anchor's. With `feedback`
+  // (not first), the buffer holds U = beta E + D and `*next_residual` the residual
+  // U - decode(encode(U)) the round leaves (the caller swaps it into the state).
+  absl::StatusOr<std::vector<TensorView>> Fill(
+      absl::Span<const TensorView> params, const DeviceFeedback& feedback = {},
+      std::unique_ptr<OwnedDeviceBuffer>* next_residual = nullptr);
   // Once the round has succeeded: A := the mean (first) or PyTorch's SGD with the mean D, then
   // params := (1 - mix) A' + mix x_local, x_local the `params` passed now (kept in `local`).
   absl::Status Apply(absl::Span<const TensorView> params, double mix, GrowableBuffer* local);

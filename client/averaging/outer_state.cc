@@ -153,11 +153,17 @@ absl::Status OuterLevelState::AttachDevice(std::unique_ptr<DeviceOuterState> dev
     const std::vector<StateTensor> a = AnchorTensors();
     const std::vector<StateTensor> m = MomentumTensors();
     if (absl::Status s = device->Load(a, has_momentum_ ? &m : nullptr); !s.ok()) return s;
+    // A residual loaded from a state_dict goes with the anchor.
+    if (has_residual_) {
+      if (absl::Status s = device->LoadResidual(ResidualTensors()); !s.ok()) return s;
+    }
   }
   anchor_ = OuterBuffer();
   momentum_ = OuterBuffer();
+  residual_ = OuterBuffer();
   has_anchor_ = false;
   has_momentum_ = false;
+  has_residual_ = false;
   device_ = std::move(device);
   return absl::OkStatus();
 }
@@ -435,11 +441,28 @@ std::pair<OuterBuffer, bool> OuterLevelState::SwapResidual(OuterBuffer residual,
   return old;
 }
 
+void OuterLevelState::ClearResidual() {
+  has_residual_ = false;
+  if (device_ != nullptr) device_->ClearResidual();
+}
+
+bool OuterLevelState::has_residual() const {
+  return device_ != nullptr ? device_->has_residual() : has_residual_;
+}
+
 std::vector<StateTensor> OuterLevelState::ResidualTensors() const {
+  if (device_ != nullptr) {
+    absl::StatusOr<std::vector<StateTensor>> e = device_->ResidualTensors();
+    if (e.ok()) return *std::move(e);
+    spdlog::error("level {}: copying the error feedback residual from the device failed: {}",
+                  level_, e.status().ToString());
+    return {};
+  }
   return has_residual_ ? Copy(residual_) : std::vector<StateTensor>{};
 }
 
 absl::Status OuterLevelState::LoadResidual(const std::vector<StateTensor>& residual) {
+  if (device_ != nullptr) return device_->LoadResidual(residual);
   if (residual.empty()) {
     residual_ = OuterBuffer();
     has_residual_ = false;

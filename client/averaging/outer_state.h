@@ -78,8 +78,9 @@ class OuterLevelState {
   // A plan update changed the level's optimizer (docs/plan-updates.md): the anchor and momentum
   // stay, and the next outer step uses `rule` (on the device state too, once attached).
   void set_rule(const OuterSgd& rule);
-  // A plan update changed the level's payload: the error-feedback residual starts from zero.
-  void ClearResidual() { has_residual_ = false; }
+  // A plan update changed the level's payload: the error-feedback residual starts from zero
+  // (the device state's too, once attached).
+  void ClearResidual();
   bool has_anchor() const;
   // The momentum buffer holds a value (after the first outer step, with momentum > 0).
   bool has_momentum() const;
@@ -117,10 +118,13 @@ class OuterLevelState {
   // Bytes held (anchor + momentum + residual).
   size_t bytes() const;
 
-  // Error feedback (Level.error_feedback, docs/streaming.md), host states: the residual E, a
-  // float32 per element of the state's tensors, zero until an outer step keeps one (the
-  // residual is a member's own: a replacement starts at zero).
-  bool has_residual() const { return has_residual_; }
+  // Error feedback (Level.error_feedback, docs/streaming.md): the residual E, a float32 per
+  // element of the state's tensors, zero until an outer step keeps one (the residual is a
+  // member's own: a replacement starts at zero). AddResidual, NextResidual and SwapResidual
+  // act on host states; on CUDA parameters DeviceOuterState keeps the residual with the same
+  // rule, and has_residual, ResidualTensors and LoadResidual answer for it once attached
+  // (AttachDevice uploads a residual loaded before).
+  bool has_residual() const;
   // u[i] := fl32(beta * E[i] + u[i]) (u holds the pseudo-gradient D, float32, in the state
   // layout); nothing without a residual. INVALID_ARGUMENT when the residual's layout differs.
   absl::Status AddResidual(double beta, absl::Span<const TensorView> u) const;

@@ -150,17 +150,6 @@ absl::StatusOr<Decision> StreamingLevel::Round(const Decision& decision, const D
         " on CUDA parameters runs in strict jobs only in this version (elastic jobs: host "
         "parameters, or sync_delay 0); the parameters are on ", device.ToString()));
   }
-  if (!device.is_host() && (spec.error_feedback != 0 || (spec.payload != Payload::kFp32 &&
-                                                           spec.payload != Payload::kBf16 &&
-                                                           spec.payload != Payload::kInt8))) {
-    // Not silently another rule: the device path has no INT4 kernels nor residual yet.
-    return absl::FailedPreconditionError(absl::StrCat(
-        where, ": levels[", level, "] has payload ", PayloadName(spec.payload),
-        spec.error_feedback != 0 ? absl::StrCat(" with error_feedback ", spec.error_feedback)
-                                 : std::string(),
-        ", which runs on host parameters (Gloo) only in this version; the parameters are on ",
-        device.ToString(), " (use BF16 or INT8 without error_feedback on CUDA parameters)"));
-  }
   // A replacement admitted at this step (elastic jobs) receives, inside the round, every outer
   // state and the mean of its block's parameters (the round's hand-over), contributes nothing, and
   // takes the same branch as its peers: the fragment's first sync or an outer step.
@@ -438,6 +427,10 @@ absl::Status StreamingLevel::ApplyOne(std::unique_ptr<PendingSync> p, int64_t st
   if (!s.ok() && p->residual_before != nullptr && p->state != nullptr) {
     // The sync was not applied: the residual is as it was before its start.
     p->state->SwapResidual(std::move(*p->residual_before), p->had_residual);
+  }
+  if (!s.ok() && p->device_residual_swapped && p->state != nullptr &&
+      p->state->device() != nullptr) {
+    p->state->device()->SwapResidual(std::move(p->device_residual_before));
   }
   return s;
 }

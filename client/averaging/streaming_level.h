@@ -64,6 +64,10 @@ struct PendingSync {
   // it leaves), restored if the sync is not applied. Null without feedback.
   std::unique_ptr<OuterBuffer> residual_before;
   bool had_residual = false;
+  // CUDA parameters: the device state's residual before this sync started (null: none), when
+  // `device_residual_swapped`.
+  std::unique_ptr<OwnedDeviceBuffer> device_residual_before;
+  bool device_residual_swapped = false;
   absl::Notification done;
   std::thread thread;
 

@@ -4,6 +4,7 @@
 // the pseudo-gradient in the level's payload, the background all-reduce on a thread and a stream
 // of its own between the call at s and the call at s + sync_delay, and the parameters written
 // only inside averaging calls.
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <thread>
@@ -13,6 +14,7 @@
 #include "client/averaging/device_outer_state.h"
 #include "client/averaging/streaming_level.h"
 #include "client/comm/communicator_cache.h"
+#include "client/payload/payload_codec.h"
 #include "common/status_util.h"
 
 namespace modelavg::client {
@@ -40,17 +42,24 @@ absl::StatusOr<Decision> StreamingLevel::DeviceRound(const Decision& decision,
   }
   const bool first_step = joining ? first_sync == decision.step : !on_device->has_anchor();
   Decision done = decision;
+  DeviceFeedback feedback;
+  if (spec.error_feedback != 0) {
+    feedback.beta = spec.error_feedback;
+    feedback.format = WireFormat(spec.payload, TopkPerBlock(spec.topk_density));
+  }
   absl::Status s = RunDeviceStreamingStep(
       on_device, device_->gradient(), device_->local(), fragment, first_step, joining, spec.mix,
       [&](absl::Span<const TensorView> tensors, int64_t layout_signature) {
         // The pseudo-gradient's rounds agree on their own layout and travel in the payload.
-        const RoundWire wire{
-            layout_signature == kOuterRoundSignature ? spec.payload : Payload::kFp32,
-            split_signature ^ layout_signature};
+        const bool outer = layout_signature == kOuterRoundSignature;
+        const RoundWire wire{outer ? spec.payload : Payload::kFp32,
+                             split_signature ^ layout_signature,
+                             outer ? TopkPerBlock(spec.topk_density) : 0};
         absl::StatusOr<Decision> r = rounds_->Run(decision, device, tensors, wire);
         if (r.ok()) done = *r;
         return r.status();
-      });
+      },
+      feedback);
   if (!s.ok()) return Annotate(s, where);
   return done;
 }
@@ -78,11 +87,24 @@ absl::StatusOr<Decision> StreamingLevel::StartDevice(const Decision& decision,
   std::unique_ptr<PendingSync> p = NewPendingSync(decision, state, first);
   p->comm = *comm;
   p->device = std::make_unique<DevicePendingSync>(device_->ops(), state->device(), first);
+  // Error feedback, as on the host (StreamingLevel::Start): U = beta * E + D is sent, and the
+  // state takes E := U - decode(encode(U)) once the round starts, the one before kept to be
+  // restored if the sync is not applied. A replacement contributes nothing and keeps none.
+  const bool joining = std::binary_search(decision.joining.begin(), decision.joining.end(),
+                                          client_->rank());
+  DeviceFeedback feedback;
+  if (!first && !joining && spec.error_feedback != 0) {
+    feedback.beta = spec.error_feedback;
+    feedback.format = WireFormat(spec.payload, TopkPerBlock(spec.topk_density));
+  }
+  std::unique_ptr<OwnedDeviceBuffer> next_residual;
   // The buffer is filled (and waited for) before the call returns: the caller may train on.
-  absl::StatusOr<std::vector<TensorView>> views = p->device->Fill(fragment);
+  absl::StatusOr<std::vector<TensorView>> views =
+      p->device->Fill(fragment, feedback, &next_residual);
   if (!views.ok()) return Annotate(views.status(), where);
   RoundOptions options;
   options.payload = first ? Payload::kFp32 : spec.payload;
+  options.topk = first ? 0 : TopkPerBlock(spec.topk_density);
   options.layout_signature = split_signature ^ (first ? 0 : kOuterRoundSignature);
   // Checked like a blocking round (finite_check.h); the call at the apply step reports a
   // member's NaN (ApplyOneInner).
@@ -90,6 +112,10 @@ absl::StatusOr<Decision> StreamingLevel::StartDevice(const Decision& decision,
   options.check_finite = client_->options().check_finite;
   p->options = options;
   p->bytes_before = p->comm->bytes_sent();
+  if (feedback.beta != 0) {
+    p->device_residual_before = state->device()->SwapResidual(std::move(next_residual));
+    p->device_residual_swapped = true;
+  }
   PendingSync* raw = p.get();
   // The thread owns nothing but the buffer's round (on the sync's own stream): it never
   // touches the parameters. A level's next sync on this communicator starts only after this

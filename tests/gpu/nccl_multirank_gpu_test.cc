@@ -209,6 +209,72 @@ TEST_F(NcclMultiRankTest, Streaming_Fragments_Delay_Mix_Int8_EveryRankFollowsThe
   EXPECT_GT(inexact, 0) << "the payload was not compressed";
 }
 
+// Error feedback on CUDA parameters through real NCCL ranks (the device residual, the INT4
+// kernels, StreamingLevel's device glue): one outer level of 2 fragments of 32 elements (one
+// INT4 block each), INT4 with error_feedback 0.9, blocking (with a mix) and with sync_delay 1,
+// every rank every step against the streaming reference that models the payload and the
+// residual (model_payload), as tests/integration/client_streaming_test's ClientFeedbackTest
+// checks Gloo.
+TEST_F(NcclMultiRankTest, Streaming_Int4_ErrorFeedback_EveryRankFollowsTheModelledReference) {
+  constexpr int kWorld = 4;
+  constexpr int kTensors = 8;
+  constexpr int64_t kSteps = 26;
+  for (int64_t delay : {0, 1}) {
+    SCOPED_TRACE(absl::StrCat("sync_delay ", delay));
+    const std::string job = absl::StrCat("nccl-feedback-", delay);
+    Cluster cluster(job);
+    ASSERT_TRUE(cluster.ok()) << "coordinator did not start; see " << cluster.dir();
+    v1::JobSpec spec;
+    spec.set_job_id(job);
+    spec.set_world_size(kWorld);
+    spec.set_warmup_steps(1);
+    spec.set_mode(v1::PERIODIC);
+    v1::Level* l = spec.add_levels();
+    l->set_period(4);
+    l->set_group_size(kWorld);
+    l->set_fragments(2);
+    l->set_payload(v1::INT4);
+    l->set_error_feedback(0.9);
+    l->set_sync_delay(delay);
+    if (delay == 0) l->set_mix(0.25);
+    l->mutable_outer()->set_lr(0.7);
+    l->mutable_outer()->set_momentum(0.9);
+    l->mutable_outer()->set_nesterov(true);
+    ASSERT_TRUE(cluster.admin()->CreateJob(spec).ok());
+    workers_.clear();
+    for (int r = 0; r < kWorld; ++r) {
+      Start(cluster, job, kWorld, r,
+            {absl::StrCat("--steps=", kSteps), absl::StrCat("--numel=", kTensors * 8),
+             absl::StrCat("--tensors=", kTensors)});
+    }
+    for (auto& w : workers_) {
+      const std::optional<int> code = w->Wait(absl::Seconds(240));
+      ASSERT_TRUE(code.has_value()) << "a rank hung" << Errors();
+      ASSERT_EQ(*code, 0) << Errors();
+    }
+    const std::vector<Trace> traces = Traces();
+    ASSERT_EQ(traces.size(), static_cast<size_t>(kWorld));
+    const auto want = StreamingReference(spec, kSteps, kTensors, /*model_payload=*/true);
+    const auto exact = StreamingReference(spec, kSteps, kTensors, /*model_payload=*/false);
+    double apart = 0;
+    for (int r = 0; r < kWorld; ++r) {
+      ASSERT_EQ(traces[r].lines.size(), static_cast<size_t>(kSteps)) << traces[r].who;
+      for (int64_t s = 0; s < kSteps; ++s) {
+        const TraceLine& line = traces[r].lines[s];
+        const StreamingStep& w = want[s][line.rank];
+        EXPECT_EQ(line.action, w.average ? "AVERAGE" : "SKIP") << line.text;
+        ASSERT_EQ(line.values.size(), static_cast<size_t>(kTensors)) << line.text;
+        for (int t = 0; t < kTensors; ++t) {
+          const double tol = std::max(1e-4, 2e-6 * std::fabs(w.values[t]));
+          EXPECT_NEAR(line.values[t], w.values[t], tol) << line.text << " tensor " << t;
+          apart = std::max(apart, std::fabs(exact[s][line.rank].values[t] - w.values[t]));
+        }
+      }
+    }
+    EXPECT_GT(apart, 1e-2) << "the payload changed nothing: the test would not see it";
+  }
+}
+
 TEST_F(NcclMultiRankTest, Elastic_OneRankKilled_ReplacementAdmitted_ValuesHold) {
   Cluster cluster("nccl-elastic");
   ASSERT_TRUE(cluster.ok()) << "coordinator did not start; see " << cluster.dir();

@@ -338,7 +338,7 @@ class FakeOps : public NcclDeviceOps {
     });
   }
   // The compressed round's codec (payload_kernels.cu), with the host codec's arithmetic.
-  absl::Status EncodeParts(Payload payload, const float* in, int64_t numel, int64_t part,
+  absl::Status EncodeParts(WireFormat format, const float* in, int64_t numel, int64_t part,
                            int parts, size_t stride, void* wire, void* stream) override {
     log.push_back("encode");
     if (!Live(wire, stride * parts)) return Illegal("wire buffer");
@@ -351,12 +351,12 @@ class FakeOps : public NcclDeviceOps {
         if (len > 0) std::memcpy(tmp.data(), in + lo, static_cast<size_t>(len) * sizeof(float));
         uint8_t* out = static_cast<uint8_t*>(wire) + j * stride;
         std::memset(out, 0, stride);
-        EncodePayload(payload, tmp.data(), part, out);
+        EncodePayload(format, tmp.data(), part, out);
       }
       return absl::OkStatus();
     });
   }
-  absl::Status DecodeSumParts(Payload payload, const void* wire, int parts, int64_t part,
+  absl::Status DecodeSumParts(WireFormat format, const void* wire, int parts, int64_t part,
                               size_t stride, float scale, float* out, void* stream) override {
     log.push_back("decode_sum");
     if (!Live(wire, stride * parts)) return Illegal("wire buffer");
@@ -364,24 +364,52 @@ class FakeOps : public NcclDeviceOps {
     return Enqueue(stream, "decode_sum", [=] {
       std::fill(out, out + part, 0.0f);
       for (int j = 0; j < parts; ++j) {
-        DecodeAddPayload(payload, static_cast<const uint8_t*>(wire) + j * stride, part, out);
+        DecodeAddPayload(format, static_cast<const uint8_t*>(wire) + j * stride, part, out);
       }
       for (int64_t i = 0; i < part; ++i) out[i] *= scale;
       return absl::OkStatus();
     });
   }
-  absl::Status DecodeParts(Payload payload, const void* wire, int64_t numel, int64_t part,
+  absl::Status DecodeParts(WireFormat format, const void* wire, int64_t numel, int64_t part,
                            size_t stride, float* out, void* stream) override {
     log.push_back("decode");
-    const int parts = world_ != nullptr ? world_->size() : 1;
+    const int64_t parts = part > 0 ? (numel + part - 1) / part : 0;
     if (!Live(wire, stride * parts)) return Illegal("wire buffer");
     return Enqueue(stream, "decode", [=] {
       std::vector<float> tmp(static_cast<size_t>(part));
       for (int64_t lo = 0, j = 0; lo < numel; lo += part, ++j) {
-        DecodePayload(payload, static_cast<const uint8_t*>(wire) + j * stride, part, tmp.data());
+        DecodePayload(format, static_cast<const uint8_t*>(wire) + j * stride, part, tmp.data());
         const int64_t len = std::min<int64_t>(numel - lo, part);
         std::memcpy(out + lo, tmp.data(), static_cast<size_t>(len) * sizeof(float));
       }
+      return absl::OkStatus();
+    });
+  }
+  // Error feedback's passes (nccl_outer_kernels.cu), with the host's arithmetic.
+  absl::Status FeedbackAdd(float* u, const float* e, int64_t n, double beta,
+                           void* stream) override {
+    log.push_back("feedback_add");
+    if (!Live(u, static_cast<size_t>(n) * sizeof(float)) ||
+        !Live(e, static_cast<size_t>(n) * sizeof(float))) {
+      return Illegal("error feedback buffer");
+    }
+    return Enqueue(stream, "feedback_add", [=] {
+      for (int64_t i = 0; i < n; ++i) {
+        u[i] = static_cast<float>(beta * static_cast<double>(e[i]) + static_cast<double>(u[i]));
+      }
+      return absl::OkStatus();
+    });
+  }
+  absl::Status FeedbackResidual(const float* u, const float* c, int64_t n, float* e,
+                                void* stream) override {
+    log.push_back("feedback_residual");
+    if (!Live(u, static_cast<size_t>(n) * sizeof(float)) ||
+        !Live(c, static_cast<size_t>(n) * sizeof(float)) ||
+        !Live(e, static_cast<size_t>(n) * sizeof(float))) {
+      return Illegal("error feedback buffer");
+    }
+    return Enqueue(stream, "feedback_residual", [=] {
+      for (int64_t i = 0; i < n; ++i) e[i] = u[i] - c[i];
       return absl::OkStatus();
     });
   }

@@ -55,3 +55,5 @@ modelavg_add_gtest(client_nccl_streaming_test SOURCES client_nccl_streaming_test
                    LIBS modelavg_client modelavg_testing)
 modelavg_add_gtest(client_nccl_compressed_test SOURCES client_nccl_compressed_test.cc
                    LIBS modelavg_client modelavg_testing)
+modelavg_add_gtest(client_nccl_feedback_test SOURCES client_nccl_feedback_test.cc
+                   LIBS modelavg_client modelavg_testing)

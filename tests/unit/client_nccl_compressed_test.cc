@@ -1,10 +1,13 @@
-// Compressed payloads on the NCCL path (RoundOptions::payload: BF16, INT8; NcclCore's
+// Compressed payloads on the NCCL path (RoundOptions::payload: BF16, INT8, INT4; NcclCore's
 // all-to-all / float32 sum / all-gather round) with simulated members as threads on the fake
 // device of tests/testing/fake_nccl_device.h. Every member's every element against the exact mean
 // (double precision) within the documented bound (docs/streaming.md): BF16 <= 2^-7 M, INT8 <=
-// 2 M / 254, M the largest |d| of the element's INT8 block over the members; every member's
-// result bit-identical; the bytes on the wire (the fake transport's count, and the core's)
-// BF16 <= 0.55x and INT8 <= 0.30x of FP32's. Runs without a GPU; tests/gpu runs the kernels.
+// 2 M / 254, INT4 <= 2 M / 14, M the largest |d| of the element's block over the members; every
+// member's result bit-identical; the bytes on the wire (the fake transport's count, and the
+// core's) BF16 <= 0.55x, INT8 <= 0.30x and INT4 <= 0.17x of FP32's (the parts are cut at
+// block boundaries: at most n - 1 zero blocks more, small beside 52k elements). TOPK's rounds
+// are checked against the rule itself in client_nccl_core_test.cc. Runs without a GPU;
+// tests/gpu runs the kernels.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -74,10 +77,10 @@ std::vector<float> Flat(const Params& p) {
   return out;
 }
 
-// The buffer the round reduces, as the core lays it out: the tensors back to back in place, or
-// at their padded staging offsets (padding: NaN here, zeros in the round, never checked).
-std::vector<float> AsReduced(const Params& p, bool contiguous) {
-  const StagingLayout layout = BuildStagingLayout(p.views, kStageF32, /*pad=*/!contiguous);
+// The buffer a compressed round reduces, as the core lays it out: the tensors back to back, in
+// place or staged (a compressed round stages the unpadded layout).
+std::vector<float> AsReduced(const Params& p) {
+  const StagingLayout layout = BuildStagingLayout(p.views, kStageF32, /*pad=*/false);
   std::vector<float> out(static_cast<size_t>(layout.elems), std::nanf(""));
   for (const StagingChunk& c : layout.chunks) {
     std::memcpy(out.data() + c.staging_offset, c.tensor, c.numel * sizeof(float));
@@ -94,30 +97,31 @@ class NcclCompressedTest : public ::testing::TestWithParam<Case> {};
 
 // The error of every element against the exact mean, within the payload's bound; the members
 // agree bit for bit; something was actually lost to compression.
-void ExpectWithinBound(Payload payload, int n, bool contiguous,
-                       const std::vector<std::vector<float>>& inputs,
+void ExpectWithinBound(Payload payload, int n, const std::vector<std::vector<float>>& inputs,
                        const std::vector<Params>& results) {
   const int64_t count = static_cast<int64_t>(inputs[0].size());
-  // The round's parts (one per member) and their INT8 blocks, from the element count alone.
-  const int64_t part = (count + n - 1) / n;
   for (int m = 1; m < n; ++m) {
     ASSERT_EQ(Flat(results[m]), Flat(results[0])) << "member " << m << " differs from member 0";
   }
-  const std::vector<float> first = AsReduced(results[0], contiguous);
+  const std::vector<float> first = AsReduced(results[0]);
   ASSERT_EQ(static_cast<int64_t>(first.size()), count);
+  // The blocks are the whole buffer's (the round cuts its parts at block boundaries): each
+  // block's largest |d| over the members.
+  std::vector<double> block_big(static_cast<size_t>((count + kInt8Block - 1) / kInt8Block), 0.0);
+  for (int m = 0; m < n; ++m) {
+    for (int64_t k = 0; k < count; ++k) {
+      double& big = block_big[k / kInt8Block];
+      big = std::max(big, std::fabs(double{inputs[m][k]}));
+    }
+  }
   double worst = 0;
   for (int64_t e = 0; e < count; ++e) {
-    if (std::isnan(inputs[0][e])) continue;  // padding
-    const int64_t lo = e / part * part + (e % part) / kInt8Block * kInt8Block;
-    const int64_t hi = std::min(count, std::min(e / part * part + part, lo + kInt8Block));
-    double big = 0, mean = 0;
-    for (int m = 0; m < n; ++m) {
-      for (int64_t k = lo; k < hi; ++k) {
-        if (!std::isnan(inputs[m][k])) big = std::max(big, std::fabs(double{inputs[m][k]}));
-      }
-      mean += double{inputs[m][e]} / n;
-    }
-    const double bound = payload == Payload::kBf16 ? std::ldexp(big, -7) : 2 * big / 254;
+    const double big = block_big[e / kInt8Block];
+    double mean = 0;
+    for (int m = 0; m < n; ++m) mean += double{inputs[m][e]} / n;
+    const double bound = payload == Payload::kBf16   ? std::ldexp(big, -7)
+                         : payload == Payload::kInt4 ? 2 * big / 14
+                                                     : 2 * big / 254;
     const double err = std::fabs(first[e] - mean);
     // Plus float32 rounding of the sum and the scale.
     ASSERT_LE(err, bound + 1e-6 * big) << PayloadName(payload) << " element " << e;
@@ -126,17 +130,18 @@ void ExpectWithinBound(Payload payload, int n, bool contiguous,
   EXPECT_GT(worst, 0) << "nothing was compressed";
 }
 
-TEST_P(NcclCompressedTest, Bf16AndInt8_WithinBound_BitIdentical_FewerBytes) {
+TEST_P(NcclCompressedTest, Bf16Int8Int4_WithinBound_BitIdentical_FewerBytes) {
   const Case c = GetParam();
-  const std::vector<int64_t> sizes = {1, 3000, 33, 2047, 1500};  // 6581: not a multiple of n
-  int64_t sent[3] = {0, 0, 0};
-  int64_t wire[3] = {0, 0, 0};
-  const Payload payloads[3] = {Payload::kFp32, Payload::kBf16, Payload::kInt8};
-  for (int k = 0; k < 3; ++k) {
+  // 52004: not a multiple of n nor of the block.
+  const std::vector<int64_t> sizes = {1, 30000, 33, 20470, 1500};
+  int64_t sent[4] = {0, 0, 0, 0};
+  int64_t wire[4] = {0, 0, 0, 0};
+  const Payload payloads[4] = {Payload::kFp32, Payload::kBf16, Payload::kInt8, Payload::kInt4};
+  for (int k = 0; k < 4; ++k) {
     World w(c.members);
     std::vector<Params> params = Make(c.members, c.contiguous, sizes);
     std::vector<std::vector<float>> inputs;
-    for (const Params& p : params) inputs.push_back(AsReduced(p, c.contiguous));
+    for (const Params& p : params) inputs.push_back(AsReduced(p));
     for (int m = 0; m < c.members; ++m) {
       w.ops[m]->SetParams(params[m].views[0].data, params[m].views[0].nbytes());
     }
@@ -154,7 +159,7 @@ TEST_P(NcclCompressedTest, Bf16AndInt8_WithinBound_BitIdentical_FewerBytes) {
       EXPECT_FALSE(w.world->mismatch());
       EXPECT_FALSE(w.world->hang());
       if (payloads[k] != Payload::kFp32) {
-        ExpectWithinBound(payloads[k], c.members, c.contiguous, inputs, params);
+        ExpectWithinBound(payloads[k], c.members, inputs, params);
         if (HasFatalFailure()) return;
       }
     }
@@ -173,6 +178,7 @@ TEST_P(NcclCompressedTest, Bf16AndInt8_WithinBound_BitIdentical_FewerBytes) {
   ASSERT_GT(wire[0], 0);
   EXPECT_LE(wire[1], 0.55 * wire[0]) << "BF16 " << wire[1] << " bytes, FP32 " << wire[0];
   EXPECT_LE(wire[2], 0.30 * wire[0]) << "INT8 " << wire[2] << " bytes, FP32 " << wire[0];
+  EXPECT_LE(wire[3], 0.17 * wire[0]) << "INT4 " << wire[3] << " bytes, FP32 " << wire[0];
   EXPECT_EQ(sent[1], wire[1]);
 }
 

@@ -31,11 +31,13 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/fake_nccl_device.h"
+#include "tests/tools/naive_payload.h"
 #include "tests/tools/staging_reference.h"
 
 namespace modelavg::client {
 namespace {
 
+using ::modelavg::testing::NaivePayloadRoundTrip;
 using ::testing::HasSubstr;
 using Reduce = NcclDeviceOps::Reduce;
 
@@ -1235,6 +1237,119 @@ TEST_F(NcclCoreTest, FiniteCheck_MembersThatDiffer_LayoutMismatchEverywhere) {
     EXPECT_THAT(std::string(r.status.message()), HasSubstr("finite check"));
   }
   ExpectNoHangMismatchOrIllegal();
+}
+
+// Member m's element e: magnitudes that differ by block and member, many ties (quarters), +0
+// and -0, signs mixed.
+float RuleValue(int m, int64_t e) {
+  if ((e / 90 + m) % 11 == 4) return e % 2 == 0 ? 0.0f : -0.0f;
+  const float q = std::round(4.0f * std::sin(0.37f * static_cast<float>(e) + 1.3f * m)) / 4.0f;
+  return std::ldexp(q + 0.001f * static_cast<float>(e % 7), static_cast<int>((e / 700) % 5) - 2);
+}
+
+// INT4 and TOPK rounds (k = 1, 21, 1024) of 2 and 3 members, staged (separate tensors, with the
+// finite check) and in place: every member's result is bit-identical to the rule computed
+// naively on the host: U_m = decode(encode(x_m)) of member m's whole buffer; the mean
+// fl32(sum over m in order of U_m) * fl32(1 / n); sent back as decode(encode(mean)), TOPK with
+// min(1024, n k) entries a block.
+TEST_F(NcclCoreTest, Int4AndTopk_EveryMemberEqualsTheRuleOnTheHost) {
+  struct Format {
+    Payload payload;
+    int32_t topk;
+  };
+  const std::vector<int64_t> sizes = {1000, 1, 3071, 2050, 5};  // 6127: a short last block
+  for (const Format f : {Format{Payload::kInt4, 0}, Format{Payload::kTopk, 1},
+                         Format{Payload::kTopk, 21}, Format{Payload::kTopk, 1024}}) {
+    for (int n : {2, 3}) {
+      for (bool staged : {true, false}) {
+        SCOPED_TRACE(absl::StrCat(PayloadName(f.payload), " k ", f.topk, " members ", n,
+                                  staged ? " staged" : " in place"));
+        MakeWorld(n);
+        std::vector<std::pair<DType, int64_t>> spec;
+        for (int64_t k : sizes) spec.emplace_back(DType::kFloat32, k);
+        std::vector<Params> params;
+        std::vector<std::vector<float>> inputs(n);
+        for (int m = 0; m < n; ++m) {
+          params.push_back(staged ? Params::Separate(spec)
+                                  : Params::Contiguous(DType::kFloat32, sizes));
+          int64_t e = 0;
+          for (const TensorView& v : params[m].views) {
+            for (int64_t i = 0; i < v.numel; ++i, ++e) {
+              static_cast<float*>(v.data)[i] = RuleValue(m, e);
+              inputs[m].push_back(RuleValue(m, e));
+            }
+          }
+        }
+        // Two rounds in a row: the second one without the agreement.
+        for (int round = 0; round < 2; ++round) {
+          RoundOptions o;
+          o.payload = f.payload;
+          o.topk = f.topk;
+          o.check_finite = staged;
+          o.step = round;
+          for (const Result& r : RunRound(params, o)) ASSERT_TRUE(r.status.ok()) << r.status;
+          ExpectNoHangMismatchOrIllegal();
+          const size_t total = inputs[0].size();
+          std::vector<float> sum(total, 0.0f);
+          for (int m = 0; m < n; ++m) {
+            const std::vector<float> u = NaivePayloadRoundTrip(f.payload, f.topk, inputs[m]);
+            for (size_t i = 0; i < total; ++i) sum[i] += u[i];
+          }
+          const float inv = 1.0f / static_cast<float>(n);
+          for (float& v : sum) v *= inv;
+          const int32_t gather_k = std::min(1024, n * f.topk);
+          const std::vector<float> want = NaivePayloadRoundTrip(f.payload, gather_k, sum);
+          for (int m = 0; m < n; ++m) {
+            int64_t e = 0;
+            for (const TensorView& v : params[m].views) {
+              for (int64_t i = 0; i < v.numel; ++i, ++e) {
+                const float got = static_cast<const float*>(v.data)[i];
+                ASSERT_EQ(std::memcmp(&got, &want[e], sizeof(float)), 0)
+                    << "round " << round << " member " << m << " element " << e << ": " << got
+                    << " where the rule gives " << want[e];
+              }
+            }
+          }
+          for (int m = 0; m < n; ++m) inputs[m] = want;  // the next round averages the result
+        }
+        EXPECT_EQ(cores_[0]->last_was_zero_copy(), !staged);
+      }
+    }
+  }
+}
+
+TEST_F(NcclCoreTest, Topk_OutOfRangeEntries_InvalidArgumentOnEveryMember) {
+  MakeWorld(2);
+  std::vector<Params> params(2, Params::Contiguous(DType::kFloat32, {3000}));
+  FillAll(params);
+  RoundOptions o;
+  o.payload = Payload::kTopk;
+  o.topk = 0;
+  for (const Result& r : RunRound(params, o)) {
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
+    EXPECT_THAT(std::string(r.status.message()), HasSubstr("TOPK"));
+  }
+  ExpectNoHangMismatchOrIllegal();
+}
+
+// An FP32 round after a compressed one on the same tensors (and back): the padding rule
+// changed, so the members agree afresh rather than fail on a changed count.
+TEST_F(NcclCoreTest, Fp32AfterCompressed_SameTensors_AgreeAfreshAndAverage) {
+  MakeWorld(2);
+  const std::vector<std::pair<DType, int64_t>> spec = {{DType::kFloat32, 5}, {DType::kFloat32, 7}};
+  std::vector<Params> params(2, Params::Separate(spec));
+  for (Payload payload : {Payload::kFp32, Payload::kInt8, Payload::kFp32, Payload::kInt4}) {
+    SCOPED_TRACE(PayloadName(payload));
+    FillAll(params);
+    RoundOptions o;
+    o.payload = payload;
+    for (const Result& r : RunRound(params, o)) ASSERT_TRUE(r.status.ok()) << r.status;
+    ExpectNoHangMismatchOrIllegal();
+    for (int t = 0; t < 2; ++t) {
+      EXPECT_EQ(Bytes(params[1])[t], Bytes(params[0])[t]);
+      EXPECT_NEAR(params[0].At(t, 3), 5 + 0.37 * t + 0.033, 1.5);
+    }
+  }
 }
 
 TEST(StagingBucketsTest, SplitAtBucketBoundaries_EveryElementOnceInItsBucket) {

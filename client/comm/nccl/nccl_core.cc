@@ -99,14 +99,28 @@ absl::Status NcclCore::ReduceBuckets(void* buffer, int64_t count, int32_t code, 
   return absl::OkStatus();
 }
 
-absl::Status NcclCore::ReduceCompressed(void* buffer, int64_t count, Payload payload,
+absl::Status NcclCore::ReduceCompressed(void* buffer, int64_t count, WireFormat format,
                                         int divisor, void* stream) {
   // Gathers pending on the gather stream must have filled the buffer first.
   MODELAVG_RETURN_IF_ERROR(JoinGathers(stream));
   const int n = size_;
-  const int64_t part = (count + n - 1) / n;
-  // Every part at a 16-byte aligned offset, so that the kernels read the INT8 scales aligned.
-  const size_t stride = (EncodedBytes(payload, part) + 15) / 16 * 16;
+  // The all-gather's format: TOPK sends every non-zero of the mean (at most n k a block), as
+  // the Gloo path does (payload_codec.h).
+  const WireFormat gather(format.payload,
+                          format.payload == Payload::kTopk
+                              ? static_cast<int32_t>(std::min<int64_t>(
+                                    kInt8Block, int64_t{n} * format.topk))
+                              : format.topk);
+  // Parts cut at multiples of the payload's block, so that every block of the buffer is encoded
+  // whole: what the peers decode of this member's buffer is decode(encode(x)) of the whole
+  // buffer (RoundTripPayload), whatever the number of members, which error feedback relies on.
+  // The last parts are zero-padded (at most n - 1 blocks more on the wire).
+  const int64_t align = PayloadBlock(format.payload);
+  const int64_t part = ((count + align - 1) / align + n - 1) / n * align;
+  // Every part at a 16-byte aligned offset, so that the kernels read the scales and the TOPK
+  // entries aligned; large enough for both phases' encodings.
+  const size_t stride =
+      (std::max(EncodedBytes(format, part), EncodedBytes(gather, part)) + 15) / 16 * 16;
   MODELAVG_RETURN_IF_ERROR(Annotate(wire_send_.Reserve(*ops_, stride * n),
                                     "allocating the compressed round's send buffer"));
   MODELAVG_RETURN_IF_ERROR(Annotate(wire_recv_.Reserve(*ops_, stride * n),
@@ -116,19 +130,19 @@ absl::Status NcclCore::ReduceCompressed(void* buffer, int64_t count, Payload pay
   float* data = static_cast<float*>(buffer);
   float* mine = static_cast<float*>(wire_part_.data());
   MODELAVG_RETURN_IF_ERROR(
-      ops_->EncodeParts(payload, data, count, part, n, stride, wire_send_.data(), stream));
+      ops_->EncodeParts(format, data, count, part, n, stride, wire_send_.data(), stream));
   MODELAVG_RETURN_IF_ERROR(ops_->AllToAll(wire_send_.data(), wire_recv_.data(), stride, stream));
   // This member's part: the float32 sum of every member's decoded piece, in member order, then
   // times 1/divisor (as the Gloo path computes it).
   const float scale = 1.0f / static_cast<float>(divisor);
   MODELAVG_RETURN_IF_ERROR(
-      ops_->DecodeSumParts(payload, wire_recv_.data(), n, part, stride, scale, mine, stream));
+      ops_->DecodeSumParts(format, wire_recv_.data(), n, part, stride, scale, mine, stream));
   MODELAVG_RETURN_IF_ERROR(
-      ops_->EncodeParts(payload, mine, part, part, 1, stride, wire_send_.data(), stream));
+      ops_->EncodeParts(gather, mine, part, part, 1, stride, wire_send_.data(), stream));
   MODELAVG_RETURN_IF_ERROR(ops_->AllGather(wire_send_.data(), wire_recv_.data(), stride, stream));
   // Every member decodes the same bytes: the results agree bit for bit.
   MODELAVG_RETURN_IF_ERROR(
-      ops_->DecodeParts(payload, wire_recv_.data(), count, part, stride, data, stream));
+      ops_->DecodeParts(gather, wire_recv_.data(), count, part, stride, data, stream));
   bytes_sent_ += 2 * static_cast<int64_t>(stride) * (n - 1);
   return absl::OkStatus();
 }
@@ -372,12 +386,13 @@ void NcclCore::ValidateRound(Round& r) const {
         "a ", PayloadName(options.payload),
         " payload takes float32/float16/bfloat16 tensors; these include float64"));
   }
-  if (r.local.ok() && options.payload != Payload::kFp32 && options.payload != Payload::kBf16 &&
-      options.payload != Payload::kInt8) {
+  if (r.local.ok() && options.payload == Payload::kTopk &&
+      (options.topk < 1 || options.topk > kInt8Block)) {
     r.local = absl::InvalidArgumentError(absl::StrCat(
-        "the NCCL backend takes payloads FP32, BF16 and INT8; ", PayloadName(options.payload),
-        " runs on host parameters (Gloo) only in this version"));
+        "a TOPK payload keeps 1 to ", kInt8Block, " entries a block; the round asks for ",
+        options.topk));
   }
+  r.pad = options.payload == Payload::kFp32;
   // The finite check's slots ride after the data in the staging buffer: staged.
   r.zero_copy = r.local.ok() && IsZeroCopy(r.tensors) && !options.check_finite;
   if (options.check_finite) {
@@ -395,17 +410,21 @@ void NcclCore::PlanLayout(Round& r) const {
   // it is: another divisor (the round after an admission), or a fragment round (each fragment
   // its own layout). Otherwise the agreed layout is compared locally; a world of one agrees
   // again instead of failing.
-  r.agree = agreement_.Due(p.fragment_signature, p.divisor, p.check_finite);
+  // A round whose padding rule differs from the agreed one's (an FP32 round after a compressed
+  // one, or the reverse: every member passes the same payload) agrees afresh, its count being
+  // another.
+  r.agree = agreement_.Due(p.fragment_signature, p.divisor, p.check_finite) ||
+            r.pad != agreed_pad_;
   if (!r.agree && r.local.ok()) {
     if (staged) {
-      r.layout = MakeLayout(r.tensors, p.dtype, /*pad=*/!agreement_.unpadded());
+      r.layout = MakeLayout(r.tensors, p.dtype, /*pad=*/r.pad && !agreement_.unpadded());
       p.count = r.layout.elems;
     }
     r.local = agreement_.CheckUnchanged(LayoutFingerprint(r.tensors, p.dtype, p.count),
                                         r.tensors.size(), p.total, &r.agree);
   }
   if (r.agree && r.local.ok() && staged) {
-    r.layout = MakeLayout(r.tensors, p.dtype, /*pad=*/true);
+    r.layout = MakeLayout(r.tensors, p.dtype, /*pad=*/r.pad);
     p.count = r.layout.elems;
   }
 }
@@ -434,7 +453,7 @@ void NcclCore::PrepareBuffers(Round& r) {
 
 absl::Status NcclCore::AgreeOnLayout(Round& r) {
   RoundLayout& p = r.proposal;
-  r.unpadded = agreement_.unpadded();
+  r.unpadded = agreement_.unpadded() || !r.pad;
   if (!r.agree) {
     if (r.local.ok()) return absl::OkStatus();
     // The peers are entering the data all-reduce: a member that cannot take part cannot say so
@@ -456,8 +475,9 @@ absl::Status NcclCore::AgreeOnLayout(Round& r) {
     SettleGathers(r.stream);
     return decision->status;
   }
-  r.unpadded = decision->unpadded;
-  if (r.unpadded && !r.zero_copy && p.total > 0) {
+  r.unpadded = decision->unpadded || !r.pad;
+  // A compressed round's layout is unpadded already.
+  if (decision->unpadded && r.pad && !r.zero_copy && p.total > 0) {
     r.layout = MakeLayout(r.tensors, p.dtype, /*pad=*/false);
     absl::Status s =
         PrepareStaged(r.layout, p.dtype, r.options->contribute, r.stream,
@@ -468,6 +488,7 @@ absl::Status NcclCore::AgreeOnLayout(Round& r) {
     agreement_.Record(
         p, LayoutFingerprint(r.tensors, p.dtype, r.zero_copy ? p.total : r.layout.elems),
         r.unpadded, r.tensors.size());
+    agreed_pad_ = r.pad;
   }
   return absl::OkStatus();
 }
@@ -511,7 +532,9 @@ absl::Status NcclCore::ReduceData(Round& r, void* buffer) {
   if (s.ok()) {
     s = fp32 ? ReduceBuckets(buffer, count, p.dtype, p.divisor, r.stream,
                              r.zero_copy ? 0 : r.slots)
-             : ReduceCompressed(buffer, count, r.options->payload, p.divisor, r.stream);
+             : ReduceCompressed(buffer, count,
+                                WireFormat(r.options->payload, r.options->topk), p.divisor,
+                                r.stream);
   }
   if (s.ok() && r.slots > 0 && fp32) {
     // The slots come back with the data collective's wait.

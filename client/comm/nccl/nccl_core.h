@@ -33,7 +33,8 @@
 // that bucket, and the last one by WriteFiniteSlots, which puts this member's code in the slots
 // after the data, reduced with the last bucket; their copy to the host rides with the data
 // collective's wait, and the members' verdict (DecideFinite) comes before the commit vote and
-// the scatter. A compressed round reduces its slots apart, in one small float32 all-reduce.
+// the scatter. A compressed round reduces its slots apart, in one small float32 all-reduce, and
+// stages the unpadded layout.
 // A failure from step 2's collective on aborts the communicator (it is broken from then on); the
 // zero-copy path then restores the caller's buffer from the backup when it has one. A failed
 // commit keeps the result aside (the staging buffer, or the zero-copy path's pending buffer) and
@@ -130,6 +131,10 @@ class NcclCore {
     bool backup = false;
     // The staging layout in force: the unpadded one.
     bool unpadded = false;
+    // Whether the staged layout may be padded: FP32 rounds only. A compressed round stages the
+    // tensors back to back, so that its blocks run across tensor boundaries exactly as the
+    // host's packed buffer's (OuterLevelState::NextResidual, error feedback).
+    bool pad = true;
     // total elements of the staging code.
     size_t bytes = 0;
     // The staged path's layout.
@@ -187,7 +192,7 @@ class NcclCore {
   // elements at `buffer`, in place: an all-to-all of every member's encoded parts, a float32 sum
   // of the decoded parts of this member's part divided by `divisor`, an all-gather of the
   // encoded results, and every member decodes the same bytes (bit-identical results).
-  absl::Status ReduceCompressed(void* buffer, int64_t count, Payload payload, int divisor,
+  absl::Status ReduceCompressed(void* buffer, int64_t count, WireFormat format, int divisor,
                                 void* stream);
   // Makes `stream`'s later work wait for every gather enqueued so far (nothing when none is
   // pending).
@@ -239,8 +244,10 @@ class NcclCore {
   KeptResult kept_;
   // The chunk table on the device (uploaded when it changes) and the staging bytes it spans.
   std::vector<StagingChunk> chunks_host_;
-  // The layout the members agreed on (phase 2), kept as a local fingerprint.
+  // The layout the members agreed on (phase 2), kept as a local fingerprint, and whether that
+  // round's layout could be padded (Round::pad).
   RoundAgreement agreement_;
+  bool agreed_pad_ = true;
   // The pipeline: the gather stream (null: the caller's), the event that orders the gathers after
   // the caller's earlier work, and one event per bucket.
   bool streams_made_ = false;

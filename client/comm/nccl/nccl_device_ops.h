@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "client/comm/nccl/outer_step_args.h"
+#include "client/payload/payload_codec.h"
 #include "client/payload/staging_layout.h"
 #include "modelavg/common/schedule.h"
 
@@ -85,25 +86,38 @@ class NcclDeviceOps {
                                 void* /*stream*/) {
     return absl::UnimplementedError("this device has no outer optimizer kernels");
   }
-  // Compressed payloads (RoundOptions::payload, client/payload/payload_codec.h), enqueued on `stream`.
-  // A buffer of `numel` float32 elements is cut into `parts` parts of `part` elements (the last
-  // ones zero-padded); part j's encoding lies at byte j * stride of the wire buffer (stride: a
-  // multiple of 16 at least EncodedBytes(payload, part)). The arithmetic is the host codec's,
-  // so that every member decodes the same bytes to the same floats.
+  // Error feedback (Level.error_feedback, docs/streaming.md) on `n` float32 elements, enqueued
+  // on `stream`, with the host's arithmetic (OuterLevelState::AddResidual, NextResidual).
+  // FeedbackAdd: u[i] := fl32(beta * e[i] + u[i]), the product and the sum in double.
+  virtual absl::Status FeedbackAdd(float* /*u*/, const float* /*e*/, int64_t /*n*/,
+                                   double /*beta*/, void* /*stream*/) {
+    return absl::UnimplementedError("this device has no error feedback kernels");
+  }
+  // FeedbackResidual: e[i] := u[i] - c[i] in float32 (c: decode(encode(u))).
+  virtual absl::Status FeedbackResidual(const float* /*u*/, const float* /*c*/, int64_t /*n*/,
+                                        float* /*e*/, void* /*stream*/) {
+    return absl::UnimplementedError("this device has no error feedback kernels");
+  }
+  // Compressed payloads (RoundOptions::payload and topk, client/payload/payload_codec.h),
+  // enqueued on `stream`. A buffer of `numel` float32 elements is cut into `parts` parts of
+  // `part` elements (the last ones zero-padded); part j's encoding in `format` lies at byte
+  // j * stride of the wire buffer (stride: a multiple of 16 at least EncodedBytes(format,
+  // part)). The bytes and the arithmetic are the host codec's, bit for bit, so that every
+  // member decodes the same bytes to the same floats.
   // EncodeParts: wire part j := encode(in[j * part, (j + 1) * part)).
-  virtual absl::Status EncodeParts(Payload /*payload*/, const float* /*in*/, int64_t /*numel*/,
+  virtual absl::Status EncodeParts(WireFormat /*format*/, const float* /*in*/, int64_t /*numel*/,
                                    int64_t /*part*/, int /*parts*/, size_t /*stride*/,
                                    void* /*wire*/, void* /*stream*/) {
     return absl::UnimplementedError("this device has no payload kernels");
   }
   // out[i] := (sum over j = 0, 1, ... of decode(wire part j)[i], in float32) * scale, i < part.
-  virtual absl::Status DecodeSumParts(Payload /*payload*/, const void* /*wire*/, int /*parts*/,
+  virtual absl::Status DecodeSumParts(WireFormat /*format*/, const void* /*wire*/, int /*parts*/,
                                       int64_t /*part*/, size_t /*stride*/, float /*scale*/,
                                       float* /*out*/, void* /*stream*/) {
     return absl::UnimplementedError("this device has no payload kernels");
   }
   // out[j * part + i] := decode(wire part j)[i], for the first `numel` elements.
-  virtual absl::Status DecodeParts(Payload /*payload*/, const void* /*wire*/, int64_t /*numel*/,
+  virtual absl::Status DecodeParts(WireFormat /*format*/, const void* /*wire*/, int64_t /*numel*/,
                                    int64_t /*part*/, size_t /*stride*/, float* /*out*/,
                                    void* /*stream*/) {
     return absl::UnimplementedError("this device has no payload kernels");

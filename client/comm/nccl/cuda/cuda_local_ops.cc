@@ -17,7 +17,9 @@ namespace modelavg::client {
 static_assert(kWireInt8Block == kInt8Block, "payload_kernels.h's INT8 block is the codec's");
 static_assert(static_cast<int32_t>(Payload::kFp32) == kWireFp32 &&
                   static_cast<int32_t>(Payload::kBf16) == kWireBf16 &&
-                  static_cast<int32_t>(Payload::kInt8) == kWireInt8,
+                  static_cast<int32_t>(Payload::kInt8) == kWireInt8 &&
+                  static_cast<int32_t>(Payload::kInt4) == kWireInt4 &&
+                  static_cast<int32_t>(Payload::kTopk) == kWireTopk,
               "payload_kernels.h's payload codes are Payload's");
 
 #define MODELAVG_ON_DEVICE()              \
@@ -144,31 +146,48 @@ absl::Status CudaLocalOps::OuterMix(const StagingChunk* chunks, int64_t num_chun
   return absl::OkStatus();
 }
 
-absl::Status CudaLocalOps::EncodeParts(Payload payload, const float* in, int64_t numel,
-                                       int64_t part, int parts, size_t stride, void* wire,
+absl::Status CudaLocalOps::FeedbackAdd(float* u, const float* e, int64_t n, double beta,
                                        void* stream) {
   MODELAVG_ON_DEVICE();
-  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchEncodeParts(static_cast<int32_t>(payload), in, numel, part,
-                                                  parts, stride, wire,
-                                                  static_cast<cudaStream_t>(stream)));
+  MODELAVG_CUDA_RETURN_IF_ERROR(
+      LaunchFeedbackAdd(u, e, n, beta, static_cast<cudaStream_t>(stream)));
   return absl::OkStatus();
 }
 
-absl::Status CudaLocalOps::DecodeSumParts(Payload payload, const void* wire, int parts,
+absl::Status CudaLocalOps::FeedbackResidual(const float* u, const float* c, int64_t n, float* e,
+                                            void* stream) {
+  MODELAVG_ON_DEVICE();
+  MODELAVG_CUDA_RETURN_IF_ERROR(
+      LaunchFeedbackResidual(u, c, n, e, static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaLocalOps::EncodeParts(WireFormat format, const float* in, int64_t numel,
+                                       int64_t part, int parts, size_t stride, void* wire,
+                                       void* stream) {
+  MODELAVG_ON_DEVICE();
+  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchEncodeParts(static_cast<int32_t>(format.payload),
+                                                  format.topk, in, numel, part, parts, stride,
+                                                  wire, static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaLocalOps::DecodeSumParts(WireFormat format, const void* wire, int parts,
                                           int64_t part, size_t stride, float scale, float* out,
                                           void* stream) {
   MODELAVG_ON_DEVICE();
-  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchDecodeSumParts(static_cast<int32_t>(payload), wire, parts,
-                                                     part, stride, scale, out,
+  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchDecodeSumParts(static_cast<int32_t>(format.payload),
+                                                     format.topk, wire, parts, part, stride,
+                                                     scale, out,
                                                      static_cast<cudaStream_t>(stream)));
   return absl::OkStatus();
 }
 
-absl::Status CudaLocalOps::DecodeParts(Payload payload, const void* wire, int64_t numel,
+absl::Status CudaLocalOps::DecodeParts(WireFormat format, const void* wire, int64_t numel,
                                        int64_t part, size_t stride, float* out, void* stream) {
   MODELAVG_ON_DEVICE();
-  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchDecodeParts(static_cast<int32_t>(payload), wire, numel,
-                                                  part, stride, out,
+  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchDecodeParts(static_cast<int32_t>(format.payload),
+                                                  format.topk, wire, numel, part, stride, out,
                                                   static_cast<cudaStream_t>(stream)));
   return absl::OkStatus();
 }

@@ -48,12 +48,17 @@ class CudaLocalOps : public NcclDeviceOps {
                          const OuterStepArgs& args, void* stream) override;
   absl::Status OuterMix(const StagingChunk* chunks, int64_t num_chunks, const void* local,
                         int32_t state_code, double mix, void* stream) override;
+  // Error feedback's kernels (nccl_outer_kernels.h).
+  absl::Status FeedbackAdd(float* u, const float* e, int64_t n, double beta,
+                           void* stream) override;
+  absl::Status FeedbackResidual(const float* u, const float* c, int64_t n, float* e,
+                                void* stream) override;
   // The codec kernels of compressed payloads (payload_kernels.h).
-  absl::Status EncodeParts(Payload payload, const float* in, int64_t numel, int64_t part,
+  absl::Status EncodeParts(WireFormat format, const float* in, int64_t numel, int64_t part,
                            int parts, size_t stride, void* wire, void* stream) override;
-  absl::Status DecodeSumParts(Payload payload, const void* wire, int parts, int64_t part,
+  absl::Status DecodeSumParts(WireFormat format, const void* wire, int parts, int64_t part,
                               size_t stride, float scale, float* out, void* stream) override;
-  absl::Status DecodeParts(Payload payload, const void* wire, int64_t numel, int64_t part,
+  absl::Status DecodeParts(WireFormat format, const void* wire, int64_t numel, int64_t part,
                            size_t stride, float* out, void* stream) override;
   // A non-blocking stream (a streaming level's background all-reduce runs on one).
   absl::Status CreateStream(void** stream) override;

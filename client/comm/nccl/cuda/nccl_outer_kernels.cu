@@ -78,6 +78,24 @@ __global__ void MixKernel(const StagingChunk* chunks, int64_t num_chunks, const 
 
 constexpr int kThreads = 512;
 
+__global__ void FeedbackAddKernel(float* u, const float* e, int64_t n, double beta) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    u[i] = __double2float_rn(Add(Mul(beta, static_cast<double>(e[i])), static_cast<double>(u[i])));
+  }
+}
+
+__global__ void FeedbackResidualKernel(const float* u, const float* c, int64_t n, float* e) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    e[i] = Sub(u[i], c[i]);
+  }
+}
+
+unsigned ElementGrid(int64_t n) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 65535)));
+}
+
 unsigned Grid(int64_t num_chunks) {
   return static_cast<unsigned>(std::min<int64_t>(num_chunks, 65535));
 }
@@ -130,6 +148,20 @@ cudaError_t LaunchOuterStep(const StagingChunk* chunks, int64_t num_chunks,
   } else {
     LaunchStep<float>(chunks, num_chunks, args, stream);
   }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchFeedbackAdd(float* u, const float* e, int64_t n, double beta,
+                              cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  FeedbackAddKernel<<<ElementGrid(n), kThreads, 0, stream>>>(u, e, n, beta);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchFeedbackResidual(const float* u, const float* c, int64_t n, float* e,
+                                   cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  FeedbackResidualKernel<<<ElementGrid(n), kThreads, 0, stream>>>(u, c, n, e);
   return cudaGetLastError();
 }
 

@@ -27,6 +27,13 @@ cudaError_t LaunchOuterMix(const StagingChunk* chunks, int64_t num_chunks, const
 // tensor[i] = anchor[o + i] rounded to the tensor's dtype.
 cudaError_t LaunchOuterStep(const StagingChunk* chunks, int64_t num_chunks,
                             const OuterStepArgs& args, cudaStream_t stream);
+// Error feedback (docs/streaming.md) on `n` float32 elements: u[i] = fl32(beta * e[i] + u[i]),
+// the product and the sum in double (OuterLevelState::AddResidual's arithmetic).
+cudaError_t LaunchFeedbackAdd(float* u, const float* e, int64_t n, double beta,
+                              cudaStream_t stream);
+// e[i] = u[i] - c[i] in float32 (OuterLevelState::NextResidual's, c = decode(encode(u))).
+cudaError_t LaunchFeedbackResidual(const float* u, const float* c, int64_t n, float* e,
+                                   cudaStream_t stream);
 
 }  // namespace modelavg::client
 

@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <cstdint>
 
-
 namespace modelavg::client {
 namespace {
 
 constexpr int kThreads = 256;
+// TOPK's selection: one thread per element of a block.
+constexpr int kTopkThreads = static_cast<int>(kWireInt8Block);
+static_assert(kTopkThreads == 1024, "the TOPK kernel's scans assume 32 full warps");
 
 // half.h's conversions, on the device: round to nearest even, NaN kept quiet.
 __device__ __forceinline__ uint16_t ToBFloat16(float f) {
@@ -23,6 +25,12 @@ __device__ __forceinline__ int64_t Int8Blocks(int64_t n) {
   return (n + kWireInt8Block - 1) / kWireInt8Block;
 }
 
+// TOPK's entries in a block of `len` elements (payload_codec.cc's TopkEntries), and in a full one
+// (where block b's entries start: every block before it is full).
+__device__ __forceinline__ int64_t TopkEntries(int32_t topk, int64_t len) {
+  return max(int64_t{0}, min(static_cast<int64_t>(topk), len));
+}
+
 // Element i of part j (zero past numel).
 __device__ __forceinline__ float Input(const float* in, int64_t numel, int64_t part, int64_t j,
                                        int64_t i) {
@@ -30,15 +38,47 @@ __device__ __forceinline__ float Input(const float* in, int64_t numel, int64_t p
   return e < numel ? in[e] : 0.0f;
 }
 
+// Element i of a TOPK part `p` of `part` elements: its block's entry for i (a binary search: the
+// entries are in index order), 0 where the block kept none.
+__device__ __forceinline__ float DecodedTopk(int32_t topk, const uint8_t* p, int64_t part,
+                                             int64_t i) {
+  const int64_t b = i / kWireInt8Block;
+  const int64_t lo = b * kWireInt8Block;
+  const int64_t count = TopkEntries(topk, min(part - lo, kWireInt8Block));
+  const uint32_t* entries =
+      reinterpret_cast<const uint32_t*>(p) + b * TopkEntries(topk, kWireInt8Block);
+  const uint32_t want = static_cast<uint32_t>(i - lo);
+  int64_t first = 0, last = count;  // the first entry whose index is >= want, in [first, last]
+  while (first < last) {
+    const int64_t mid = (first + last) / 2;
+    if ((entries[mid] & 0xFFFFu) < want) {
+      first = mid + 1;
+    } else {
+      last = mid;
+    }
+  }
+  if (first < count && (entries[first] & 0xFFFFu) == want) {
+    return FromBFloat16(static_cast<uint16_t>(entries[first] >> 16));
+  }
+  return 0.0f;
+}
+
 // Element i of wire part `p` decoded (p: the part's first byte).
-__device__ __forceinline__ float Decoded(int32_t payload, const uint8_t* p, int64_t part,
-                                         int64_t i) {
+__device__ __forceinline__ float Decoded(int32_t payload, int32_t topk, const uint8_t* p,
+                                         int64_t part, int64_t i) {
   if (payload == kWireBf16) return FromBFloat16(reinterpret_cast<const uint16_t*>(p)[i]);
   if (payload == kWireInt8) {
     const float scale = reinterpret_cast<const float*>(p)[i / kWireInt8Block];
     const int8_t q = reinterpret_cast<const int8_t*>(p + Int8Blocks(part) * 4)[i];
     return __fmul_rn(static_cast<float>(q), scale);
   }
+  if (payload == kWireInt4) {
+    const float scale = reinterpret_cast<const float*>(p)[i / kWireInt8Block];
+    const uint8_t byte = (p + Int8Blocks(part) * 4)[i / 2];
+    const int nibble = (i % 2 == 0) ? (byte & 0x0F) : (byte >> 4);
+    return __fmul_rn(static_cast<float>(nibble - 8), scale);
+  }
+  if (payload == kWireTopk) return DecodedTopk(topk, p, part, i);
   return reinterpret_cast<const float*>(p)[i];
 }
 
@@ -66,15 +106,12 @@ __global__ void EncodeElementwiseKernel(const float* in, int64_t numel, int64_t 
   }
 }
 
-// One CUDA block per INT8 block (of one part): its largest |x|, its scale, its values.
-__global__ void EncodeInt8Kernel(const float* in, int64_t numel, int64_t part,
-                                 int64_t blocks_per_part, size_t stride, uint8_t* wire) {
+// A quantized block's scale, max|x| / levels over elements [lo, hi) of part j, NaN when one of
+// them is not finite; every thread of the (kThreads) block gets it.
+__device__ float BlockScale(const float* in, int64_t numel, int64_t part, int64_t j, int64_t lo,
+                            int64_t hi, float levels) {
   __shared__ float max_abs[kThreads];
   __shared__ int finite[kThreads];
-  const int64_t j = blockIdx.x / blocks_per_part;
-  const int64_t b = blockIdx.x % blocks_per_part;
-  const int64_t lo = b * kWireInt8Block;
-  const int64_t hi = min(part, lo + kWireInt8Block);
   float m = 0.0f;
   int ok = 1;
   for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
@@ -92,9 +129,19 @@ __global__ void EncodeInt8Kernel(const float* in, int64_t numel, int64_t part,
     }
     __syncthreads();
   }
+  if (!finite[0]) return __int_as_float(0x7fc00000);  // NaN: the block decodes as NaN
+  return __fdiv_rn(max_abs[0], levels);
+}
+
+// One CUDA block per INT8 block (of one part): its largest |x|, its scale, its values.
+__global__ void EncodeInt8Kernel(const float* in, int64_t numel, int64_t part,
+                                 int64_t blocks_per_part, size_t stride, uint8_t* wire) {
+  const int64_t j = blockIdx.x / blocks_per_part;
+  const int64_t b = blockIdx.x % blocks_per_part;
+  const int64_t lo = b * kWireInt8Block;
+  const int64_t hi = min(part, lo + kWireInt8Block);
+  const float scale = BlockScale(in, numel, part, j, lo, hi, 127.0f);
   uint8_t* p = wire + j * stride;
-  float scale = __fdiv_rn(max_abs[0], 127.0f);
-  if (!finite[0]) scale = __int_as_float(0x7fc00000);  // NaN: the block decodes as NaN
   if (threadIdx.x == 0) reinterpret_cast<float*>(p)[b] = scale;
   int8_t* q = reinterpret_cast<int8_t*>(p + blocks_per_part * 4);
   const bool zero = !(scale > 0.0f);
@@ -110,22 +157,120 @@ __global__ void EncodeInt8Kernel(const float* in, int64_t numel, int64_t part,
   }
 }
 
-__global__ void DecodeSumKernel(int32_t payload, const uint8_t* wire, int parts, int64_t part,
-                                size_t stride, float scale, float* out) {
+// INT4's stored value q + 8 of x: q = round-half-even(x / s) in [-7, 7] (x / s in float32, as
+// the host divides), 8 for a zero or NaN scale.
+__device__ __forceinline__ uint32_t Int4Nibble(float x, float scale, bool zero) {
+  float v = zero ? 0.0f : rintf(__fdiv_rn(x, scale));
+  v = fminf(7.0f, fmaxf(-7.0f, v));
+  return static_cast<uint32_t>(static_cast<int>(v) + 8);
+}
+
+// One CUDA block per INT4 block (of one part): its scale, then its values two to a byte, each
+// thread writing whole bytes (element i in the low nibble of byte i / 2 when i is even).
+__global__ void EncodeInt4Kernel(const float* in, int64_t numel, int64_t part,
+                                 int64_t blocks_per_part, size_t stride, uint8_t* wire) {
+  const int64_t j = blockIdx.x / blocks_per_part;
+  const int64_t b = blockIdx.x % blocks_per_part;
+  const int64_t lo = b * kWireInt8Block;  // even: a block's bytes are its own
+  const int64_t hi = min(part, lo + kWireInt8Block);
+  const float scale = BlockScale(in, numel, part, j, lo, hi, 7.0f);
+  uint8_t* p = wire + j * stride;
+  if (threadIdx.x == 0) reinterpret_cast<float*>(p)[b] = scale;
+  uint8_t* q = p + blocks_per_part * 4;
+  const bool zero = !(scale > 0.0f);
+  for (int64_t i = lo + 2 * threadIdx.x; i < hi; i += 2 * blockDim.x) {
+    const uint32_t low = Int4Nibble(Input(in, numel, part, j, i), scale, zero);
+    // An odd part's last byte keeps a zero high nibble, as the host's.
+    const uint32_t high = i + 1 < hi ? Int4Nibble(Input(in, numel, part, j, i + 1), scale, zero) : 0;
+    q[i / 2] = static_cast<uint8_t>(low | (high << 4));
+  }
+}
+
+// The exclusive prefix sum of `flag` over the threads of a kTopkThreads block, by thread index:
+// a ballot per warp, then a scan of the 32 warp counts in warp 0. Every thread calls it.
+__device__ int BlockExclusiveScan(bool flag, int* warp_sums) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const unsigned ballot = __ballot_sync(0xFFFFFFFFu, flag);
+  const int before = __popc(ballot & ((1u << lane) - 1u));
+  if (lane == 0) warp_sums[warp] = __popc(ballot);
+  __syncthreads();
+  if (warp == 0) {
+    int v = warp_sums[lane];
+    for (int d = 1; d < 32; d <<= 1) {
+      const int y = __shfl_up_sync(0xFFFFFFFFu, v, d);
+      if (lane >= d) v += y;
+    }
+    warp_sums[lane] = v;  // inclusive: warps 0..lane
+  }
+  __syncthreads();
+  const int result = (warp == 0 ? 0 : warp_sums[warp - 1]) + before;
+  __syncthreads();  // warp_sums is reused by the next scan
+  return result;
+}
+
+// One CUDA block (kTopkThreads threads, one per element) per TOPK block of one part. The keys
+// are |x|'s bits (ordered as the magnitudes), NaN the largest with +-Inf (the host codec counts
+// its magnitude as infinity: they tie); T, the k-th largest key, is found
+// bit by bit from the top (the largest T with #{key >= T} >= k, one block count a bit); the
+// block keeps every key > T and, of the keys == T, the lowest indices up to k (ties: the lower
+// index first), each written at its rank in index order (a block prefix sum). Deterministic,
+// O(32 + log) block passes, never O(n^2).
+__global__ void __launch_bounds__(kTopkThreads)
+    EncodeTopkKernel(const float* in, int64_t numel, int64_t part, int64_t blocks_per_part,
+                     int32_t topk, size_t stride, uint8_t* wire) {
+  __shared__ int warp_sums[32];
+  const int64_t j = blockIdx.x / blocks_per_part;
+  const int64_t b = blockIdx.x % blocks_per_part;
+  const int64_t lo = b * kWireInt8Block;
+  const int len = static_cast<int>(min(part - lo, kWireInt8Block));
+  const int k = static_cast<int>(TopkEntries(topk, len));
+  if (k == 0) return;  // the whole block alike
+  const int t = threadIdx.x;
+  const bool live = t < len;
+  const float x = live ? Input(in, numel, part, j, lo + t) : 0.0f;
+  // NaN's magnitude is the host's infinity: it ties with +-Inf (the lower index first).
+  const uint32_t key = isnan(x) ? 0x7F800000u : (__float_as_uint(x) & 0x7FFFFFFFu);
+  uint32_t threshold = 0;  // #{key >= threshold} >= k holds throughout (len >= k)
+  for (int bit = 31; bit >= 0; --bit) {
+    const uint32_t candidate = threshold | (1u << bit);
+    if (__syncthreads_count(live && key >= candidate) >= k) threshold = candidate;
+  }
+  const int greater = __syncthreads_count(live && key > threshold);  // < k
+  const bool tie = live && key == threshold;
+  const int tie_rank = BlockExclusiveScan(tie, warp_sums);
+  const bool keep = live && (key > threshold || (tie && tie_rank < k - greater));
+  const int at = BlockExclusiveScan(keep, warp_sums);
+  if (keep) {
+    uint32_t* entries = reinterpret_cast<uint32_t*>(wire + j * stride) +
+                        b * TopkEntries(topk, kWireInt8Block);
+    // (uint16 index, bfloat16 value), little-endian: the host codec's two memcpys.
+    entries[at] = static_cast<uint32_t>(t) | (static_cast<uint32_t>(ToBFloat16(x)) << 16);
+  }
+}
+
+__global__ void DecodeSumKernel(int32_t payload, int32_t topk, const uint8_t* wire, int parts,
+                                int64_t part, size_t stride, float scale, float* out) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < part;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    // Member order, float32: the host's DecodeAddPayload loop (a TOPK element a part did not
+    // keep adds +0, which changes no sum that starts at +0).
     float acc = 0.0f;
-    for (int j = 0; j < parts; ++j) acc = __fadd_rn(acc, Decoded(payload, wire + j * stride, part, i));
+    for (int j = 0; j < parts; ++j) {
+      acc = __fadd_rn(acc, Decoded(payload, topk, wire + j * stride, part, i));
+    }
     out[i] = __fmul_rn(acc, scale);
   }
 }
 
-__global__ void DecodeKernel(int32_t payload, const uint8_t* wire, int64_t numel, int64_t part,
-                             size_t stride, float* out) {
+__global__ void DecodeKernel(int32_t payload, int32_t topk, const uint8_t* wire, int64_t numel,
+                             int64_t part, size_t stride, float* out) {
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < numel;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t j = e / part, i = e % part;
-    out[e] = Decoded(payload, wire + j * stride, part, i);
+    const float v = Decoded(payload, topk, wire + j * stride, part, i);
+    // The host decodes TOPK as zeros plus the entries: 0 + (-0) is +0.
+    out[e] = payload == kWireTopk ? __fadd_rn(0.0f, v) : v;
   }
 }
 
@@ -135,24 +280,32 @@ unsigned Grid(int64_t n) {
 
 }  // namespace
 
-cudaError_t LaunchEncodeParts(int32_t payload, const float* in, int64_t numel, int64_t part,
-                              int parts, size_t stride, void* wire, cudaStream_t stream) {
+cudaError_t LaunchEncodeParts(int32_t payload, int32_t topk, const float* in, int64_t numel,
+                              int64_t part, int parts, size_t stride, void* wire,
+                              cudaStream_t stream) {
   if (part <= 0 || parts <= 0) return cudaSuccess;
   // The bytes past each part's encoding: zeros, so that the wire is the same on every run.
   cudaError_t e = cudaMemsetAsync(wire, 0, stride * parts, stream);
   if (e != cudaSuccess) return e;
   uint8_t* w = static_cast<uint8_t*>(wire);
+  const int64_t blocks = (part + kWireInt8Block - 1) / kWireInt8Block;
   switch (payload) {
     case kWireBf16:
       EncodeElementwiseKernel<uint16_t><<<Grid(part * parts), kThreads, 0, stream>>>(
           in, numel, part, parts, stride, w);
       break;
-    case kWireInt8: {
-      const int64_t blocks = (part + kWireInt8Block - 1) / kWireInt8Block;
+    case kWireInt8:
       EncodeInt8Kernel<<<static_cast<unsigned>(blocks * parts), kThreads, 0, stream>>>(
           in, numel, part, blocks, stride, w);
       break;
-    }
+    case kWireInt4:
+      EncodeInt4Kernel<<<static_cast<unsigned>(blocks * parts), kThreads, 0, stream>>>(
+          in, numel, part, blocks, stride, w);
+      break;
+    case kWireTopk:
+      EncodeTopkKernel<<<static_cast<unsigned>(blocks * parts), kTopkThreads, 0, stream>>>(
+          in, numel, part, blocks, topk, stride, w);
+      break;
     default:
       EncodeElementwiseKernel<float><<<Grid(part * parts), kThreads, 0, stream>>>(
           in, numel, part, parts, stride, w);
@@ -160,19 +313,20 @@ cudaError_t LaunchEncodeParts(int32_t payload, const float* in, int64_t numel, i
   return cudaGetLastError();
 }
 
-cudaError_t LaunchDecodeSumParts(int32_t payload, const void* wire, int parts, int64_t part,
-                                 size_t stride, float scale, float* out, cudaStream_t stream) {
+cudaError_t LaunchDecodeSumParts(int32_t payload, int32_t topk, const void* wire, int parts,
+                                 int64_t part, size_t stride, float scale, float* out,
+                                 cudaStream_t stream) {
   if (part <= 0) return cudaSuccess;
   DecodeSumKernel<<<Grid(part), kThreads, 0, stream>>>(
-      payload, static_cast<const uint8_t*>(wire), parts, part, stride, scale, out);
+      payload, topk, static_cast<const uint8_t*>(wire), parts, part, stride, scale, out);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchDecodeParts(int32_t payload, const void* wire, int64_t numel, int64_t part,
-                              size_t stride, float* out, cudaStream_t stream) {
+cudaError_t LaunchDecodeParts(int32_t payload, int32_t topk, const void* wire, int64_t numel,
+                              int64_t part, size_t stride, float* out, cudaStream_t stream) {
   if (numel <= 0 || part <= 0) return cudaSuccess;
-  DecodeKernel<<<Grid(numel), kThreads, 0, stream>>>(payload, static_cast<const uint8_t*>(wire),
-                                                     numel, part, stride, out);
+  DecodeKernel<<<Grid(numel), kThreads, 0, stream>>>(
+      payload, topk, static_cast<const uint8_t*>(wire), numel, part, stride, out);
   return cudaGetLastError();
 }
 

@@ -14,22 +14,28 @@
 namespace modelavg::client {
 
 // The payload codes (Payload's values, checked where the kernels are called: this header stays
-// free of the host headers nvcc need not parse) and INT8's block (kInt8Block).
+// free of the host headers nvcc need not parse) and the block of INT8, INT4 and TOPK
+// (kInt8Block).
 inline constexpr int32_t kWireFp32 = 0;
 inline constexpr int32_t kWireBf16 = 1;
 inline constexpr int32_t kWireInt8 = 2;
+inline constexpr int32_t kWireInt4 = 3;
+inline constexpr int32_t kWireTopk = 4;
 inline constexpr int64_t kWireInt8Block = 1024;
 
+// `topk`: TOPK's entries per block (WireFormat::topk); ignored by the other payloads.
 // wire part j := encode(in[j * part, (j + 1) * part)), elements past `numel` as zeros; the
 // bytes of a part past its encoding are zeroed.
-cudaError_t LaunchEncodeParts(int32_t payload, const float* in, int64_t numel, int64_t part,
-                              int parts, size_t stride, void* wire, cudaStream_t stream);
+cudaError_t LaunchEncodeParts(int32_t payload, int32_t topk, const float* in, int64_t numel,
+                              int64_t part, int parts, size_t stride, void* wire,
+                              cudaStream_t stream);
 // out[i] := (sum over j in order of decode(wire part j)[i]) * scale, for i < part.
-cudaError_t LaunchDecodeSumParts(int32_t payload, const void* wire, int parts, int64_t part,
-                                 size_t stride, float scale, float* out, cudaStream_t stream);
+cudaError_t LaunchDecodeSumParts(int32_t payload, int32_t topk, const void* wire, int parts,
+                                 int64_t part, size_t stride, float scale, float* out,
+                                 cudaStream_t stream);
 // out[j * part + i] := decode(wire part j)[i], for the first `numel` elements.
-cudaError_t LaunchDecodeParts(int32_t payload, const void* wire, int64_t numel, int64_t part,
-                              size_t stride, float* out, cudaStream_t stream);
+cudaError_t LaunchDecodeParts(int32_t payload, int32_t topk, const void* wire, int64_t numel,
+                              int64_t part, size_t stride, float* out, cudaStream_t stream);
 
 }  // namespace modelavg::client
 
