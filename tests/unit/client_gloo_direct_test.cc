@@ -41,6 +41,14 @@ GlooAlgorithms DirectAlways() {
   return a;
 }
 
+// Rounds of more than two members go through the scatter-gather exchange at every size.
+GlooAlgorithms ScatterAlways() {
+  GlooAlgorithms a;
+  a.direct_max_bytes = 0;
+  a.scatter_max_bytes = int64_t{1} << 40;
+  return a;
+}
+
 enum class Layout {
   kOneF32,       // one float32 tensor: sent from where it is
   kOneF64,       // one float64 tensor
@@ -313,13 +321,15 @@ struct Case {
   int size;
   Layout layout;
   bool commit;
+  bool scatter = false;  // ScatterAlways (more than two members), else DirectAlways
 };
 
 class DirectAverageTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(DirectAverageTest, EveryMemberGetsTheMemberOrderMean_BitForBit) {
   const Case c = GetParam();
-  auto mesh = MakeGlooMesh(c.size, absl::Seconds(60), nullptr, false, DirectAlways());
+  auto mesh = MakeGlooMesh(c.size, absl::Seconds(60), nullptr, false,
+                           c.scatter ? ScatterAlways() : DirectAlways());
   for (const auto& m : mesh) ASSERT_NE(m, nullptr);
   std::vector<Tensors> t;
   for (int r = 0; r < c.size; ++r) t.push_back(MakeTensors(c.layout, r, kNumel));
@@ -336,12 +346,15 @@ TEST_P(DirectAverageTest, EveryMemberGetsTheMemberOrderMean_BitForBit) {
       EXPECT_EQ(FirstDifference(t[r], want), "") << "member " << r << ", round " << round;
     }
   }
-  // The direct exchange sends the whole buffer to every peer, once per round.
-  int64_t bytes = 0;
-  for (size_t k = 0; k < t[0].numels.size(); ++k) {
-    bytes += t[0].numels[k] * (c.layout == Layout::kMixed ? 8 : c.layout == Layout::kOneF64 ? 8 : 4);
-  }
-  EXPECT_EQ(mesh[0]->bytes_sent(), 2 * bytes * (c.size - 1));
+  // The direct exchange sends the whole buffer to every peer, once per round; the
+  // scatter-gather one each peer's range (n - 1 of n ranges), then member 0's range (the
+  // first floor(numel / n) elements) to each peer.
+  const int64_t elem = c.layout == Layout::kMixed || c.layout == Layout::kOneF64 ? 8 : 4;
+  int64_t numel = 0;
+  for (int64_t n : t[0].numels) numel += n;
+  const int64_t mine = numel / c.size;
+  EXPECT_EQ(mesh[0]->bytes_sent(),
+            2 * elem * (c.scatter ? numel + (c.size - 2) * mine : numel * (c.size - 1)));
 }
 
 std::vector<Case> Cases() {
@@ -352,6 +365,9 @@ std::vector<Case> Cases() {
       for (bool commit : {false, true}) {
         if (size == 4 && l != Layout::kMixed && l != Layout::kOneF32) continue;  // enough
         out.push_back(Case{size, l, commit});
+        if (size > 2 && l != Layout::kOneF64 && l != Layout::kBackToBack) {
+          out.push_back(Case{size, l, commit, /*scatter=*/true});
+        }
       }
     }
   }
@@ -361,6 +377,7 @@ std::vector<Case> Cases() {
 INSTANTIATE_TEST_SUITE_P(Sizes, DirectAverageTest, ::testing::ValuesIn(Cases()),
                          [](const ::testing::TestParamInfo<Case>& info) {
                            return absl::StrCat("Members", info.param.size,
+                                               info.param.scatter ? "ScatterGather" : "",
                                                LayoutName(info.param.layout),
                                                info.param.commit ? "Committed" : "Plain");
                          });
@@ -383,8 +400,10 @@ TEST(DirectAverageTest, InPlace_SameMeanWithoutABackup) {
 // mean, the same bits as theirs.
 TEST(DirectAverageTest, JoiningMember_ContributesNothingGetsTheOthersMean) {
   for (Layout layout : {Layout::kOneF32, Layout::kMixed}) {
-    SCOPED_TRACE(LayoutName(layout));
-    auto mesh = MakeGlooMesh(3, absl::Seconds(60), nullptr, false, DirectAlways());
+   for (bool scatter : {false, true}) {
+    SCOPED_TRACE(absl::StrCat(LayoutName(layout), scatter ? " scatter-gather" : " direct"));
+    auto mesh = MakeGlooMesh(3, absl::Seconds(60), nullptr, false,
+                             scatter ? ScatterAlways() : DirectAlways());
     for (const auto& m : mesh) ASSERT_NE(m, nullptr);
     std::vector<Tensors> t;
     for (int r = 0; r < 3; ++r) t.push_back(MakeTensors(layout, r, kNumel));
@@ -399,16 +418,19 @@ TEST(DirectAverageTest, JoiningMember_ContributesNothingGetsTheOthersMean) {
       ASSERT_TRUE(res[r].status.ok()) << "member " << r << ": " << res[r].status;
       EXPECT_EQ(FirstDifference(t[r], want), "") << "member " << r;
     }
+   }
   }
 }
 
 // Rounds of up to GlooAlgorithms::direct_max_bytes go through the direct exchange (n - 1 times
-// the buffer sent), larger ones through Gloo's ring (2 (n - 1) / n times); two members always
-// through the direct exchange.
-TEST(DirectAverageTest, AlgorithmBySize_DirectUpToTheThresholdRingAbove) {
+// the buffer sent), larger ones up to scatter_max_bytes through the scatter-gather exchange
+// (2 (n - 1) / n times, the same mean bit for bit), larger ones through Gloo's ring (2 (n - 1)
+// / n times, its own order of sums); two members always through the direct exchange.
+TEST(DirectAverageTest, AlgorithmBySize_DirectThenScatterGatherThenRing) {
   GlooAlgorithms a;
   a.direct_max_bytes = 64 * 1024;
-  for (int64_t numel : {int64_t{16 * 1024}, int64_t{64 * 1024}}) {
+  a.scatter_max_bytes = 128 * 1024;
+  for (int64_t numel : {int64_t{16 * 1024}, int64_t{32 * 1024}, int64_t{64 * 1024}}) {
     // A communicator agrees on one layout: one mesh per size.
     auto mesh = MakeGlooMesh(4, absl::Seconds(60), nullptr, false, a);
     for (const auto& m : mesh) ASSERT_NE(m, nullptr);
@@ -422,6 +444,9 @@ TEST(DirectAverageTest, AlgorithmBySize_DirectUpToTheThresholdRingAbove) {
     if (bytes <= a.direct_max_bytes) {
       EXPECT_EQ(mesh[0]->bytes_sent() - sent, 3 * bytes);
       EXPECT_EQ(FirstDifference(t[1], want), "");
+    } else if (bytes <= a.scatter_max_bytes) {
+      EXPECT_EQ(mesh[0]->bytes_sent() - sent, 3 * bytes / 2);
+      for (int r = 0; r < 4; ++r) EXPECT_EQ(FirstDifference(t[r], want), "") << "member " << r;
     } else {
       EXPECT_EQ(mesh[0]->bytes_sent() - sent, 3 * bytes / 2);
       // The ring's sums run in another order: the mean to rounding.
@@ -438,14 +463,14 @@ struct ProxiedMesh {
   std::vector<std::unique_ptr<modelavg::testing::DroppingStore>> stores;
   std::vector<std::unique_ptr<GlooCommunicator>> mesh;
 
-  ProxiedMesh(int size, absl::Duration timeout) {
+  ProxiedMesh(int size, absl::Duration timeout, GlooAlgorithms algorithms = DirectAlways()) {
     shared.size = size;
     shared.silent = 1;
     for (int r = 0; r < size; ++r) {
       stores.push_back(std::make_unique<modelavg::testing::DroppingStore>(&shared, r));
     }
     mesh = MakeGlooMesh(size, timeout, [&](int r) { return stores[r].get(); }, false,
-                        DirectAlways());
+                        algorithms);
   }
   std::vector<modelavg::testing::LinkProxy*> links() { return stores[0]->proxies(); }
   // Bytes each link carried so far.
@@ -467,12 +492,15 @@ std::vector<Tensors> MakeAll(Layout layout, int size) {
 // were — in a plain and in a committed round, one buffer and packed.
 TEST(DirectAverageTest, LinkBrokenMidExchange_EveryMemberFailsAtOnceUntouched) {
   constexpr absl::Duration kTimeout = absl::Seconds(30);
-  for (int size : {2, 3}) {
+  for (int size : {2, 3, -3}) {  // -3: three members, the scatter-gather exchange
+    const bool scatter = size < 0;
+    size = std::abs(size);
     for (Layout layout : {Layout::kOneF32, Layout::kSeparateF32}) {
       for (bool commit : {false, true}) {
         SCOPED_TRACE(absl::StrCat(size, " members, ", LayoutName(layout),
-                                  commit ? ", committed" : ", plain"));
-        ProxiedMesh p(size, kTimeout);
+                                  commit ? ", committed" : ", plain",
+                                  scatter ? ", scatter-gather" : ""));
+        ProxiedMesh p(size, kTimeout, scatter ? ScatterAlways() : DirectAlways());
         for (const auto& m : p.mesh) ASSERT_NE(m, nullptr);
         ASSERT_EQ(p.links().size(), static_cast<size_t>(size - 1));
         RoundOptions options;
@@ -507,10 +535,13 @@ TEST(DirectAverageTest, LinkBrokenMidExchange_EveryMemberFailsAtOnceUntouched) {
 // the result aside, and adopting it gives exactly the mean (as when a member dies between the
 // data and the vote).
 TEST(DirectAverageTest, VoteMissingAfterTheData_EveryVoterHoldsAndAdoptsTheMean) {
-  for (int size : {2, 3}) {
+  for (int size : {2, 3, -3}) {  // -3: three members, the scatter-gather exchange
+    const bool scatter = size < 0;
+    size = std::abs(size);
     for (Layout layout : {Layout::kBackToBack, Layout::kMixed}) {
-      SCOPED_TRACE(absl::StrCat(size, " members, ", LayoutName(layout)));
-      ProxiedMesh p(size, absl::Seconds(30));
+      SCOPED_TRACE(absl::StrCat(size, " members, ", LayoutName(layout),
+                                scatter ? ", scatter-gather" : ""));
+      ProxiedMesh p(size, absl::Seconds(30), scatter ? ScatterAlways() : DirectAlways());
       for (const auto& m : p.mesh) ASSERT_NE(m, nullptr);
       RoundOptions plain, committed;
       committed.commit = true;
@@ -581,19 +612,21 @@ struct FiniteCase {
   int bad_member;
   double bad;
   const char* value;
+  bool scatter = false;  // ScatterAlways, else DirectAlways
 };
 
 void PrintTo(const FiniteCase& c, std::ostream* os) {
   *os << c.size << " members, " << c.numel << " elements, " << LayoutName(c.layout)
       << (c.commit ? ", committed" : ", plain") << ", " << c.value << " from member "
-      << c.bad_member;
+      << c.bad_member << (c.scatter ? ", scatter-gather" : "");
 }
 
 class DirectFiniteCheckTest : public ::testing::TestWithParam<FiniteCase> {};
 
 TEST_P(DirectFiniteCheckTest, OneMemberNonFinite_EveryMemberFailsNamingItNothingChanges) {
   const FiniteCase c = GetParam();
-  auto mesh = MakeGlooMesh(c.size, absl::Seconds(60), nullptr, false, DirectAlways());
+  auto mesh = MakeGlooMesh(c.size, absl::Seconds(60), nullptr, false,
+                           c.scatter ? ScatterAlways() : DirectAlways());
   for (const auto& m : mesh) ASSERT_NE(m, nullptr);
   std::vector<Tensors> t;
   for (int r = 0; r < c.size; ++r) t.push_back(MakeTensors(c.layout, r, c.numel));
@@ -655,12 +688,17 @@ std::vector<FiniteCase> FiniteCases() {
       {3, 3001, Layout::kSeparateF32, true, 1, inf, "+Inf"},
       {4, 1000, Layout::kMixed, false, 3, -inf, "-Inf"},
       {4, 1000, Layout::kOneF64, true, 0, nan, "NaN"},
+      // The scatter-gather exchange: the value in the last member's range, or in another's.
+      {3, kNumel, Layout::kOneF32, true, 2, nan, "NaN", true},
+      {4, kNumel, Layout::kMixed, false, 1, inf, "+Inf", true},
+      {4, 1000, Layout::kSeparateF32, true, 3, nan, "NaN", true},
   };
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, DirectFiniteCheckTest, ::testing::ValuesIn(FiniteCases()),
                          [](const ::testing::TestParamInfo<FiniteCase>& info) {
                            return absl::StrCat("Members", info.param.size,
+                                               info.param.scatter ? "ScatterGather" : "",
                                                LayoutName(info.param.layout),
                                                info.param.commit ? "Committed" : "Plain",
                                                "Member", info.param.bad_member);

@@ -33,9 +33,11 @@ struct GlooAlgorithms {
   // Two members: the direct exchange (gloo_exchange.h) at every size — the ring's bytes in one
   // hop instead of two, and no unpacking copy. False: Gloo's ring.
   bool direct_pairs = true;
-  // More members: the direct exchange up to this many bytes (it sends n - 1 times the buffer,
-  // the ring 2 (n - 1) / n times, in 2 (n - 1) hops), Gloo's ring above.
+  // More members: the direct exchange up to this many bytes (it sends n - 1 times the buffer in
+  // one hop; the ring 2 (n - 1) / n times, in 2 (n - 1) hops), then the scatter-gather exchange
+  // (ScatterGatherAverage: the ring's bytes in 2 hops) up to scatter_max_bytes, Gloo's ring above.
   int64_t direct_max_bytes = 256 * 1024;
+  int64_t scatter_max_bytes = 16 * 1024 * 1024;
 };
 
 class GlooCommunicator : public Communicator {
@@ -119,10 +121,16 @@ class GlooCommunicator : public Communicator {
     absl::MutexLock l(&mu_);
     return fused_;
   }
-  // Whether a round of `bytes` is averaged by the direct exchange (else Gloo's ring).
+  // Whether a round of `bytes` is averaged by one of modelavg's exchanges (else Gloo's ring),
+  // and whether by the scatter-gather one (more than two members, above direct_max_bytes).
   bool Direct(size_t bytes) const {
     return size_ == 2 ? algorithms_.direct_pairs
-                      : static_cast<int64_t>(bytes) <= algorithms_.direct_max_bytes;
+                      : static_cast<int64_t>(bytes) <= algorithms_.direct_max_bytes ||
+                            static_cast<int64_t>(bytes) <= algorithms_.scatter_max_bytes;
+  }
+  bool ScatterGather(size_t bytes) const {
+    return size_ > 2 && static_cast<int64_t>(bytes) > algorithms_.direct_max_bytes &&
+           static_cast<int64_t>(bytes) <= algorithms_.scatter_max_bytes;
   }
 
  private:

@@ -9,6 +9,12 @@
 //    written where the caller wants it) while the next ones arrive.
 //    With the finite check, every member's code travels as one word after its pieces, and no
 //    piece is written before every code is known (a non-finite code: none is).
+//  * ScatterGatherAverage, for more than two members: member m owns the m-th of n equal ranges of
+//    the buffer; every member sends each peer that peer's range of its contribution, each owner
+//    sums its range's contributions in member order (DirectAverage's additions, so the same
+//    bits) and sends the mean of its range to every peer. The ring's bytes (2 (n - 1) / n times
+//    the buffer) in 2 hops instead of 2 (n - 1); the all-to-all of DirectAverage sends n - 1
+//    times the buffer in one.
 //  * The commit vote of a committed round: one word from every member to every other (one hop;
 //    a one-word all-reduce on Gloo's ring costs 2 (n - 1)), sent as soon as this member holds
 //    every contribution, so that it travels while the last pieces are reduced and written.
@@ -44,6 +50,8 @@ struct DirectScratch {
   // One piece: the sum being formed; zeros (the contribution of a member that contributes none).
   std::vector<double> sum;
   std::vector<double> zeros;
+  // ScatterGatherAverage: the whole result (every owner's mean in place).
+  std::vector<double> gather;
 };
 
 // One direct all-reduce average on `context` (this member is context.rank of context.size).
@@ -80,9 +88,10 @@ struct DirectProgress {
   int64_t written = 0;
   // Every contribution arrived and every element's mean is known (this member holds the
   // result: what a committed round keeps when its vote fails): elements [0, written) were
-  // passed to `write`, the rest (the last piece, when its write did not happen) are in
-  // DirectScratch::sum.
+  // passed to `write`, the rest are at `rest` (elements [written, total) of the result: the
+  // last piece's sum in DirectScratch::sum, or ScatterGatherAverage's gathered result).
   bool holding = false;
+  const void* rest = nullptr;
   // With the finite check, once known: every member's code in member order (this member's
   // included). A code that is not 0 means nothing was written and nothing is held.
   std::vector<int64_t> codes;
@@ -99,6 +108,14 @@ void DirectAverage(gloo::Context& context, const DirectPlan& plan, DirectScratch
                    absl::FunctionRef<void(int64_t, int64_t)> prepare,
                    absl::FunctionRef<void(int64_t, int64_t, const void*)> write,
                    DirectProgress* progress);
+
+// The same contract as DirectAverage (the same results, bit for bit, for the same plan), by
+// ranges: `prepare` is called for the whole source (in pieces, in order) before anything is
+// sent, and `write` once every mean has arrived, in pieces, in order. Needs `total` >= n.
+void ScatterGatherAverage(gloo::Context& context, const DirectPlan& plan, DirectScratch* scratch,
+                          absl::FunctionRef<void(int64_t, int64_t)> prepare,
+                          absl::FunctionRef<void(int64_t, int64_t, const void*)> write,
+                          DirectProgress* progress);
 
 // The commit vote alone (after Gloo's ring): sends `word` to every peer and receives theirs
 // (tag: Gloo's slot tag). Returns normally when every peer sent `word`; throws what Gloo throws,
