@@ -19,7 +19,8 @@
 //         |decode(encode(x)) - x| <= s / 2 = max|x over the block| / 14 (plus float32 rounding
 //         of q * s). A block holding a non-finite value decodes as NaN throughout.
 //   TOPK: per block of kInt8Block elements, the k = WireFormat::topk entries of largest
-//         magnitude (ties: the lower index first; NaN counts as largest; a shorter last block
+//         magnitude (NaN counts as an infinite magnitude; ties, Inf and NaN among them: the
+//         lower index first; a shorter last block
 //         keeps min(k, its length)), as k pairs (uint16 index in the block, bfloat16 value) in
 //         index order: 4 bytes an entry, 4 k / 1024 bytes an element (0.08 at density 0.02).
 //         A kept entry's error <= 2^-8 |x| (bfloat16); a dropped one decodes as 0 (its error
