@@ -37,7 +37,8 @@
 // round (the layout agreement): "unchecked_round_s", "checked_round_s" and
 // "checked_over_unchecked" (-1 with --world=1), and "checked_algorithm", how those rounds
 // travelled: "direct" (Gloo's direct exchange: two members at every size, more up to
-// GlooAlgorithms::direct_max_bytes), "ring" (Gloo's ring) or "nccl".
+// GlooAlgorithms::direct_max_bytes), "scatter-gather" (--scatter_max_bytes), "ring" (Gloo's ring)
+// or "nccl".
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -89,6 +90,9 @@ ABSL_FLAG(int32_t, iters, 20, "Measured iterations.");
 ABSL_FLAG(int32_t, warmup, 3, "Unmeasured iterations first.");
 ABSL_FLAG(std::string, backend, "gloo", "gloo (host tensors) or nccl (CUDA tensors).");
 ABSL_FLAG(bool, in_place, false, "ClientOptions.gloo_in_place (no staging copy).");
+ABSL_FLAG(int64_t, scatter_max_bytes, 0,
+          "ClientOptions.gloo_scatter_max_bytes (0: Gloo's ring above 256 KiB with more than two "
+          "members; more: the scatter-gather exchange up to that size).");
 ABSL_FLAG(bool, check_finite, true, "ClientOptions.check_finite (AverageParameters' rounds).");
 ABSL_FLAG(bool, elastic, false,
           "An elastic job (min_world_size 1): every AverageParameters call is a committed "
@@ -264,6 +268,7 @@ absl::Status Worker() {
   o.rank = absl::GetFlag(FLAGS_worker_rank);
   o.collective_timeout = absl::Seconds(120);
   o.gloo_in_place = absl::GetFlag(FLAGS_in_place);
+  o.gloo_scatter_max_bytes = absl::GetFlag(FLAGS_scatter_max_bytes);
   o.check_finite = absl::GetFlag(FLAGS_check_finite);
   MODELAVG_ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Connect(o));
   client::AveragerOptions averager_options;
@@ -287,6 +292,7 @@ absl::Status Worker() {
   setup.timeout = o.collective_timeout;
   // The averager must find the same communicator (an elastic job's has no in-place mode).
   setup.gloo_in_place = o.gloo_in_place && !absl::GetFlag(FLAGS_elastic);
+  setup.gloo_scatter_max_bytes = o.gloo_scatter_max_bytes;
 
   std::unique_ptr<Buffers> buffers;
   client::Communicator* round_comm = nullptr;
@@ -298,7 +304,10 @@ absl::Status Worker() {
     // Null in a world of one (a communicator without a transport).
     auto* gloo = dynamic_cast<client::GlooCommunicator*>(comm);
     const size_t bytes = static_cast<size_t>(numel) * sizeof(float);
-    algorithm = gloo == nullptr ? "none" : gloo->Direct(bytes) ? "direct" : "ring";
+    algorithm = gloo == nullptr                ? "none"
+                : gloo->ScatterGather(bytes) ? "scatter-gather"
+                : gloo->Direct(bytes)        ? "direct"
+                                             : "ring";
     round_comm = comm;
     buffers = std::make_unique<HostBuffers>(numel, tensors, client->rank(),
                                             absl::GetFlag(FLAGS_contiguous), gloo);
@@ -326,6 +335,7 @@ absl::Status Worker() {
     client::GlooAlgorithms ring_only;
     ring_only.direct_pairs = false;
     ring_only.direct_max_bytes = absl::GetFlag(FLAGS_ring_direct_max_bytes);
+    ring_only.scatter_max_bytes = 0;
     MODELAVG_ASSIGN_OR_RETURN(
         ring, client::GlooCommunicator::Create(store, device, client->rank(),
                                                client->schedule().spec().world_size,
@@ -497,6 +507,7 @@ absl::Status Driver(const char* self) {
         "--backup_device=" + absl::GetFlag(FLAGS_backup_device),
         absl::StrCat("--check_finite=", absl::GetFlag(FLAGS_check_finite) ? "true" : "false"),
         absl::StrCat("--ring_direct_max_bytes=", absl::GetFlag(FLAGS_ring_direct_max_bytes)),
+        absl::StrCat("--scatter_max_bytes=", absl::GetFlag(FLAGS_scatter_max_bytes)),
         absl::StrCat("--check_block=", absl::GetFlag(FLAGS_check_block))};
     std::vector<char*> args;
     for (auto& a : argv) args.push_back(a.data());

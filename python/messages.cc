@@ -79,6 +79,7 @@ const std::vector<OptionField>& OptionFields() {
       MODELAVG_OPTION(schedule_window, false),
       MODELAVG_OPTION(gloo_hostname, false),
       MODELAVG_OPTION(gloo_in_place, false),
+      MODELAVG_OPTION(gloo_scatter_max_bytes, false),
       MODELAVG_OPTION(check_finite, false),
   };
   return *fields;

@@ -110,6 +110,7 @@ CommunicatorSetup RoundRunner::Setup(const Decision& decision) const {
   setup.timeout = client_->options().collective_timeout;
   // A committed round needs its backup (ClientOptions::gloo_in_place is for strict jobs).
   setup.gloo_in_place = client_->options().gloo_in_place && !client_->elastic();
+  setup.gloo_scatter_max_bytes = client_->options().gloo_scatter_max_bytes;
   Client* client = client_;
   const SubgroupRange group = decision.subgroup;
   setup.check_alive = [client, group] { return client->CheckCanAverage(group); };

@@ -71,6 +71,8 @@ struct CommunicatorSetup {
   std::shared_ptr<SetupCanceller> cancel;
   // Gloo: average one-buffer parameters in place (ClientOptions::gloo_in_place).
   bool gloo_in_place = false;
+  // Gloo: GlooAlgorithms::scatter_max_bytes (ClientOptions::gloo_scatter_max_bytes).
+  int64_t gloo_scatter_max_bytes = 0;
   // NCCL: which bootstrap of this subgroup in this generation (0, then 1, 2, ... after failed
   // ones): each attempt exchanges a fresh unique id under its own key (NcclUniqueIdKey).
   int32_t bootstrap_attempt = 0;

@@ -29,11 +29,13 @@ absl::StatusOr<std::unique_ptr<Communicator>> BackendFactory::Create(
   if (device.is_host()) {
     MODELAVG_ASSIGN_OR_RETURN(std::shared_ptr<gloo::transport::Device> dev, GlooDevice());
     CoordinatorStore store(setup, "gloo/" + setup.MemberScope());
+    GlooAlgorithms algorithms;
+    algorithms.scatter_max_bytes = setup.gloo_scatter_max_bytes;
     MODELAVG_ASSIGN_OR_RETURN(
         std::unique_ptr<GlooCommunicator> gloo,
         GlooCommunicator::Create(store, std::move(dev), setup.MemberIndex(), setup.MemberCount(),
                                  setup.timeout, [&store] { return store.last_error(); },
-                                 setup.gloo_in_place, setup.cancel));
+                                 setup.gloo_in_place, setup.cancel, algorithms));
     gloo->SetNewGenerationRequest(setup.request_new_generation);
     return gloo;
   }

@@ -146,6 +146,9 @@ def connect(coordinator: Optional[str] = None, job_id: Optional[str] = None,
         mode 0700), ``collective_timeout`` (60 s), ``leave_timeout`` (20 s),
         ``coordinator_outage_timeout`` (300 s), ``schedule_window`` (4096), ``gloo_hostname``
         ("127.0.0.1"; the address peers reach this process at), ``gloo_in_place`` (False),
+        ``gloo_scatter_max_bytes`` (0: rounds of more than two members above 256 KiB on Gloo's
+        ring; up to this many bytes on the scatter-gather exchange instead, for members on one
+        flat network, not across a slow link between sites: docs/benchmarks.md),
         ``check_finite`` (True: a member whose values hold a NaN or an Inf is kept out of the
         round and raises ``NonFiniteError``; every worker of a job sets it alike).
         Durations are seconds or ``datetime.timedelta``.

@@ -164,6 +164,11 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     std::unique_ptr<GlooCommunicator> comm(new GlooCommunicator(
         *std::move(context), std::move(waits), rank, size, timeout, in_place, algorithms));
     comm->peer_addresses_ = std::move(peers);
+    if (size > 2 && algorithms.scatter_max_bytes > algorithms.direct_max_bytes) {
+      spdlog::debug("Gloo communicator of {} members: the direct exchange up to {} bytes, the "
+                    "scatter-gather exchange up to {}, Gloo's ring above",
+                    size, algorithms.direct_max_bytes, algorithms.scatter_max_bytes);
+    }
     if (absl::Status probe = comm->ProbeFusedAverage(); !probe.ok()) {
       MODELAVG_RETURN_IF_ERROR(cancel->status());
       return probe;

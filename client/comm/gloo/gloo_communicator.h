@@ -35,9 +35,10 @@ struct GlooAlgorithms {
   bool direct_pairs = true;
   // More members: the direct exchange up to this many bytes (it sends n - 1 times the buffer in
   // one hop; the ring 2 (n - 1) / n times, in 2 (n - 1) hops), then the scatter-gather exchange
-  // (ScatterGatherAverage: the ring's bytes in 2 hops) up to scatter_max_bytes, Gloo's ring above.
+  // (ScatterGatherAverage: the ring's bytes in 2 hops, but not the ring's locality across
+  // sites: ClientOptions::gloo_scatter_max_bytes) up to scatter_max_bytes, Gloo's ring above.
   int64_t direct_max_bytes = 256 * 1024;
-  int64_t scatter_max_bytes = 16 * 1024 * 1024;
+  int64_t scatter_max_bytes = 0;
 };
 
 class GlooCommunicator : public Communicator {
