@@ -69,6 +69,18 @@ class NcclMultiRankTest : public ::testing::Test {
     return workers_.back().get();
   }
 
+  // Starts ranks 0..world-1 of `job` with `flags` and waits for every one to exit 0 (call it
+  // inside ASSERT_NO_FATAL_FAILURE).
+  void RunWorld(Cluster& cluster, const std::string& job, int world,
+                const std::vector<std::string>& flags) {
+    for (int r = 0; r < world; ++r) Start(cluster, job, world, r, flags);
+    for (auto& w : workers_) {
+      const std::optional<int> code = w->Wait(absl::Seconds(240));
+      ASSERT_TRUE(code.has_value()) << "a rank hung" << Errors();
+      ASSERT_EQ(*code, 0) << Errors();
+    }
+  }
+
   std::vector<Trace> Traces() {
     std::vector<Trace> out;
     for (size_t i = 0; i < workers_.size(); ++i) {
@@ -172,16 +184,10 @@ TEST_F(NcclMultiRankTest, Streaming_Fragments_Delay_Mix_Int8_EveryRankFollowsThe
   ASSERT_TRUE(cluster.admin()->CreateJob(spec).ok());
   // 8 tensors of 1001 elements: a fragment's parts (one per rank) straddle its two tensors, so
   // an INT8 block mixes them.
-  for (int r = 0; r < kWorld; ++r) {
-    Start(cluster, spec.job_id(), kWorld, r,
-          {absl::StrCat("--steps=", kSteps), absl::StrCat("--numel=", kTensors * 1001),
-           absl::StrCat("--tensors=", kTensors)});
-  }
-  for (auto& w : workers_) {
-    const std::optional<int> code = w->Wait(absl::Seconds(240));
-    ASSERT_TRUE(code.has_value()) << "a rank hung" << Errors();
-    ASSERT_EQ(*code, 0) << Errors();
-  }
+  ASSERT_NO_FATAL_FAILURE(RunWorld(
+      cluster, spec.job_id(), kWorld,
+      {absl::StrCat("--steps=", kSteps), absl::StrCat("--numel=", kTensors * 1001),
+       absl::StrCat("--tensors=", kTensors)}));
   const std::vector<Trace> traces = Traces();
   ASSERT_EQ(traces.size(), static_cast<size_t>(kWorld));
   const auto want = StreamingReference(spec, kSteps, kTensors);
@@ -242,16 +248,10 @@ TEST_F(NcclMultiRankTest, Streaming_Int4_ErrorFeedback_EveryRankFollowsTheModell
     l->mutable_outer()->set_nesterov(true);
     ASSERT_TRUE(cluster.admin()->CreateJob(spec).ok());
     workers_.clear();
-    for (int r = 0; r < kWorld; ++r) {
-      Start(cluster, job, kWorld, r,
-            {absl::StrCat("--steps=", kSteps), absl::StrCat("--numel=", kTensors * 8),
-             absl::StrCat("--tensors=", kTensors)});
-    }
-    for (auto& w : workers_) {
-      const std::optional<int> code = w->Wait(absl::Seconds(240));
-      ASSERT_TRUE(code.has_value()) << "a rank hung" << Errors();
-      ASSERT_EQ(*code, 0) << Errors();
-    }
+    ASSERT_NO_FATAL_FAILURE(RunWorld(
+        cluster, job, kWorld,
+        {absl::StrCat("--steps=", kSteps), absl::StrCat("--numel=", kTensors * 8),
+         absl::StrCat("--tensors=", kTensors)}));
     const std::vector<Trace> traces = Traces();
     ASSERT_EQ(traces.size(), static_cast<size_t>(kWorld));
     const auto want = StreamingReference(spec, kSteps, kTensors, /*model_payload=*/true);

@@ -807,6 +807,16 @@ struct Params {
   }
 };
 
+// A member's float32 tensors back to back, as one vector.
+inline std::vector<float> Flat(const Params& p) {
+  std::vector<float> out;
+  for (const TensorView& v : p.views) {
+    const float* f = static_cast<const float*>(v.data);
+    out.insert(out.end(), f, f + v.numel);
+  }
+  return out;
+}
+
 }  // namespace modelavg::client
 
 #endif  // MODELAVG_TESTS_TESTING_FAKE_NCCL_DEVICE_H_

@@ -68,15 +68,6 @@ std::vector<Params> Make(int n, bool contiguous, const std::vector<int64_t>& siz
   return out;
 }
 
-std::vector<float> Flat(const Params& p) {
-  std::vector<float> out;
-  for (const TensorView& v : p.views) {
-    const float* f = static_cast<const float*>(v.data);
-    out.insert(out.end(), f, f + v.numel);
-  }
-  return out;
-}
-
 // The buffer a compressed round reduces, as the core lays it out: the tensors back to back, in
 // place or staged (a compressed round stages the unpadded layout).
 std::vector<float> AsReduced(const Params& p) {

@@ -51,15 +51,6 @@ float Update(int m, int64_t s, int64_t e) {
   return std::ldexp(q, static_cast<int>((e / 700 + s) % 5) - 2);
 }
 
-std::vector<float> Flat(const Params& p) {
-  std::vector<float> out;
-  for (const TensorView& v : p.views) {
-    const float* f = static_cast<const float*>(v.data);
-    out.insert(out.end(), f, f + v.numel);
-  }
-  return out;
-}
-
 std::vector<float> FlatTensors(const std::vector<StateTensor>& t) {
   std::vector<float> out;
   for (const StateTensor& s : t) {
