@@ -81,7 +81,13 @@ echo "tsan build: $(( tsan_built - fuzzed )) s"
 # against the in-process coordinator (ClientCoordinatorTest, ClientAuthTest, SharedHeartbeatTest) stretch the
 # timeouts they grant under TSan (tests/tools/time_scale.h; MODELAVG_TEST_TIME_SCALE overrides).
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tools/tsan.supp"
-ctest --test-dir "$tsan_build" --output-on-failure -j "$jobs" --timeout 300 \
+# TSan's shadow memory sits at fixed addresses; with address-space randomization a library or
+# a thread stack can land there, and the process dies at start ("ThreadSanitizer failed to
+# allocate ... errno 12"). The TSan runs go without randomization where the kernel lets us (a
+# container's seccomp may not: then as before).
+no_aslr=()
+if setarch "$(uname -m)" -R true 2>/dev/null; then no_aslr=(setarch "$(uname -m)" -R); fi
+"${no_aslr[@]}" ctest --test-dir "$tsan_build" --output-on-failure -j "$jobs" --timeout 300 \
   -R '^(GlooAbortTest|GlooSetupTest|SilenceAndRandomBytes|ErrorKindTest|ClientHeartbeatTest|ClientCoordinatorTest|ClientAuthTest|SharedHeartbeatTest)'
 echo "tsan tests: $(( $(date +%s) - tsan_built )) s"
 if [[ $tsan_python == ON ]]; then
@@ -99,7 +105,8 @@ if [[ $tsan_python == ON ]]; then
   for check in "${py_checks[@]}"; do
     MODELAVG_PYTHON_DIR="$tsan_build/python" \
       MODELAVG_COORDINATOR_BIN="$build/server/modelavg-coordinator" \
-      timeout 600 "$tsan_build/python/modelavg-tsan-python" -m pytest -q "tests/python/$check" \
+      timeout 600 "${no_aslr[@]}" "$tsan_build/python/modelavg-tsan-python" -m pytest -q \
+      "tests/python/$check" \
       >"$tsan_build/python-tsan.log" 2>&1 || {
         tail -80 "$tsan_build/python-tsan.log"
         echo "FAIL under TSan: tests/python/$check"
