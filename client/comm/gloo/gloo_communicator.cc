@@ -561,8 +561,7 @@ absl::Status GlooCommunicator::AverageDirect(absl::Span<const TensorView> tensor
       // Each peer's range out, then this member's range's mean to every peer: about
       // 2 (n - 1) / n of the buffer.
       ScatterGatherAverage(*context_, plan, &direct_, prepare, write, &progress);
-      const int64_t mine = total * (rank_ + 1) / size_ - total * rank_ / size_;
-      bytes_sent_ += (total + (size_ - 2) * mine) * static_cast<int64_t>(elem);
+      bytes_sent_ += ScatterGatherSentElements(total, rank_, size_) * static_cast<int64_t>(elem);
     } else {
       DirectAverage(*context_, plan, &direct_, prepare, write, &progress);
       bytes_sent_ += static_cast<int64_t>(bytes) * (size_ - 1);

@@ -286,8 +286,7 @@ void RunScatterGather(gloo::Context& context, const DirectPlan& plan, DirectScra
   const uint64_t scatter_slot = gloo::Slot::build(kExchangeSlotPrefix, plan.tag);
   const uint64_t gather_slot = gloo::Slot::build(kExchangeSlotPrefix + 1, plan.tag);
   const uint64_t close_slot = gloo::Slot::build(kExchangeSlotPrefix + 2, plan.tag);
-  // Member m owns [lo(m), lo(m + 1)): n ranges within one element of each other.
-  const auto lo = [&](int m) { return plan.total * m / n; };
+  const auto lo = [&](int m) { return ScatterRangeStart(plan.total, m, n); };
   const auto len_of = [&](int m) { return lo(m + 1) - lo(m); };
   const auto bytes_of = [](int64_t elems) { return static_cast<size_t>(elems) * sizeof(T); };
   const int64_t mine = lo(me), my_len = len_of(me);

@@ -117,6 +117,16 @@ void ScatterGatherAverage(gloo::Context& context, const DirectPlan& plan, Direct
                           absl::FunctionRef<void(int64_t, int64_t, const void*)> write,
                           DirectProgress* progress);
 
+// ScatterGatherAverage's ranges: member m of n owns elements [ScatterRangeStart(total, m, n),
+// ScatterRangeStart(total, m + 1, n)), n ranges within one element of each other.
+inline int64_t ScatterRangeStart(int64_t total, int m, int n) { return total * m / n; }
+// Elements member `m` sends in a complete scatter-gather exchange: every other owner's range,
+// then its own range's mean to each of the n - 1 others.
+inline int64_t ScatterGatherSentElements(int64_t total, int m, int n) {
+  const int64_t mine = ScatterRangeStart(total, m + 1, n) - ScatterRangeStart(total, m, n);
+  return total - mine + (n - 1) * mine;
+}
+
 // The commit vote alone (after Gloo's ring): sends `word` to every peer and receives theirs
 // (tag: Gloo's slot tag). Returns normally when every peer sent `word`; throws what Gloo throws,
 // or gloo::IoException when a peer sent another word.
