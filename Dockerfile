@@ -8,6 +8,13 @@
 # The image builds the CPU (Gloo) path only, without tests or benchmarks. The NCCL path needs the
 # CUDA toolkit and NCCL in the build stage (e.g. an nvidia/cuda devel base) and
 # -DMODELAVG_WITH_CUDA=ON.
+#
+# Two final stages share everything but where the programs come from: `runtime` (the default, the
+# last stage) compiles them in the `build` stage; `prebuilt` takes programs already built on a
+# Debian host of the same release from prebuilt/bin/ of the build context, with the packages their
+# libraries need in prebuilt/runtime-packages.txt (deploy/runtime_packages.sh). The container test
+# uses `prebuilt` with the binaries of the build it tests, so that CI compiles nothing twice:
+#   podman build --format docker --target prebuilt -t modelavg:latest CONTEXT
 
 ARG DEBIAN_RELEASE=bookworm
 
@@ -25,31 +32,16 @@ RUN cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMODELAVG_WITH_CUD
  && cmake --build /build -j "${MODELAVG_JOBS}" --target \
         modelavg-coordinator modelavg-demo modelavg-trace-worker modelavg-health modelavg-rpc \
         modelavg-cli \
- && mkdir -p /out/bin \
- && for b in modelavg-coordinator modelavg-demo modelavg-trace-worker modelavg-health \
-             modelavg-rpc modelavg; do \
-      f=$(find /build -type f -name "$b" -perm -u+x | head -1); \
-      [ -n "$f" ] || { echo "missing binary $b" >&2; exit 1; }; \
-      install -m 0755 -s "$f" /out/bin/; \
-    done \
- && bash deploy/runtime_packages.sh /out/bin/* > /out/runtime-packages.txt \
- && echo etcd-server >> /out/runtime-packages.txt \
- && cat /out/runtime-packages.txt
+ && bash deploy/collect_programs.sh /build /out
 
-# ---- runtime: the programs and exactly the shared libraries they load ----
-FROM debian:${DEBIAN_RELEASE}-slim AS runtime
+# ---- the runtime image's settings, shared by both final stages (no programs yet) ----
+FROM debian:${DEBIAN_RELEASE}-slim AS runtime-base
 ENV DEBIAN_FRONTEND=noninteractive
-COPY --from=build /out/runtime-packages.txt /tmp/runtime-packages.txt
-RUN apt-get update \
- && xargs -a /tmp/runtime-packages.txt apt-get install -y --no-install-recommends \
- && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/log/apt /var/log/dpkg.log \
-           /tmp/runtime-packages.txt \
- && groupadd --system --gid 10001 modelavg \
+COPY deploy/install_runtime.sh /usr/local/lib/modelavg/install_runtime.sh
+RUN groupadd --system --gid 10001 modelavg \
  && useradd --system --uid 10001 --gid modelavg --home-dir /var/lib/modelavg --create-home \
         --shell /usr/sbin/nologin modelavg
-COPY --from=build /out/bin/ /usr/local/bin/
 COPY deploy/jobs/ /etc/modelavg/
-USER 10001:10001
 # The coordinator's state directory, owned by the modelavg user: mount a volume here (the compose
 # file and the Kubernetes manifests do; `docker run -v modelavg-state:/var/lib/modelavg ...
 # --state_dir=/var/lib/modelavg/state`) so that what the coordinator keeps outlives the container.
@@ -62,3 +54,15 @@ HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
     CMD ["modelavg-health", "--coordinator=127.0.0.1:50051", "--rpc_timeout_ms=2000"]
 CMD ["modelavg-coordinator", "--listen=0.0.0.0:50051", "--metrics_listen=0.0.0.0:9464", \
      "--jobs_file=/etc/modelavg/demo-jobs.json", "--log_level=info"]
+
+# ---- prebuilt: the programs of a build made outside the image (the container test) ----
+FROM runtime-base AS prebuilt
+COPY prebuilt/ /tmp/prebuilt/
+RUN sh /usr/local/lib/modelavg/install_runtime.sh /tmp/prebuilt
+USER 10001:10001
+
+# ---- runtime (the default): the programs the build stage compiled ----
+FROM runtime-base AS runtime
+COPY --from=build /out/ /tmp/prebuilt/
+RUN sh /usr/local/lib/modelavg/install_runtime.sh /tmp/prebuilt
+USER 10001:10001

@@ -5,7 +5,10 @@ Uses the engine and compose command that `deploy/container_setup.sh --check` rep
 `docker compose` or `docker-compose`, or podman with podman-compose); exits 77 (skipped, saying
 why) when there is none. Under a project name of its own, with the host ports on free loopback
 ports:
-  1. builds the image through compose (the Dockerfile, as a user would);
+  1. builds the image through compose (the Dockerfile, as a user would): with --prebuilt_build,
+     its `prebuilt` stage from that build directory's programs (deploy/collect_programs.sh into a
+     temporary build context), so that the test compiles nothing again; without, its default
+     stage, which compiles the programs inside the image (minutes on two cores);
   2. starts etcd and waits until its health check passes, then the two coordinators: exactly one
      (the leader) turns healthy; the other's health service says NOT_SERVING and its answers
      name the leader;
@@ -31,6 +34,7 @@ ports:
      left.
 
   e2e_container_test.py [--timeout_s=900] [--steps=1001] [--step_delay_ms=20]
+                        [--prebuilt_build=BUILD_DIR]
 """
 
 import argparse
@@ -38,9 +42,11 @@ import json
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -308,6 +314,27 @@ def stop_running_job(project, engine, leader, deadline, job="demo-diloco", stop_
         f"having left job {job}, which is FINISHED")
 
 
+def prebuilt_context(build_dir):
+    """A temporary build context for the Dockerfile's `prebuilt` stage: the Dockerfile, what its
+    runtime stages copy from deploy/, and prebuilt/ with the build's programs
+    (deploy/collect_programs.sh; with the NCCL path built, CUDA's libraries go in too)."""
+    context = tempfile.mkdtemp(prefix="modelavg-image-")
+    shutil.copy(os.path.join(ROOT, "Dockerfile"), context)
+    os.makedirs(os.path.join(context, "deploy"))
+    shutil.copy(os.path.join(ROOT, "deploy", "install_runtime.sh"),
+                os.path.join(context, "deploy"))
+    shutil.copytree(os.path.join(ROOT, "deploy", "jobs"), os.path.join(context, "deploy", "jobs"))
+    out = subprocess.run(["bash", os.path.join(ROOT, "deploy", "collect_programs.sh"), build_dir,
+                          os.path.join(context, "prebuilt")],
+                         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    if out.returncode != 0:
+        shutil.rmtree(context, ignore_errors=True)
+        mt.fail(f"collecting the programs of {build_dir} for the image failed "
+                f"(exit {out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    log(f"image context {context}: the programs of {build_dir}")
+    return context
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--timeout_s", type=float, default=900,
@@ -319,6 +346,9 @@ def main():
     p.add_argument("--step_delay_ms", type=int, default=20,
                    help="the workers' --step_delay_ms (MODELAVG_DEMO_STEP_DELAY_MS): with --steps, "
                         "long enough for the coordinator to restart in the middle of a job")
+    p.add_argument("--prebuilt_build", default="",
+                   help="build the image's `prebuilt` stage from this build directory's programs "
+                        "instead of compiling them in the image")
     args = p.parse_args()
     deadline = Deadline(args.timeout_s)
 
@@ -338,6 +368,10 @@ def main():
                MODELAVG_DEMO_STEPS=str(args.steps),
                MODELAVG_DEMO_STEP_DELAY_MS=str(args.step_delay_ms),
                **{k: str(v) for k, v in ports.items()})
+    context = None
+    if args.prebuilt_build:
+        context = prebuilt_context(args.prebuilt_build)
+        env.update(MODELAVG_IMAGE_CONTEXT=context, MODELAVG_IMAGE_TARGET="prebuilt")
     project = Project(engine, compose, name, env, deadline)
     log(f"engine {engine}, compose '{compose}', project {name}, host ports {ports}")
 
@@ -486,6 +520,8 @@ def main():
 
         stop_running_job(project, engine, leader, deadline)
     finally:
+        if context:
+            shutil.rmtree(context, ignore_errors=True)
         project.compose_cmd("down", "-v", check=False, timeout_s=180)
         if compose == "podman-compose":
             # podman-compose (1.0.3) leaves the project's networks: remove them as a user must.
