@@ -10,12 +10,14 @@
 # temporary prefix, builds the Debian packages, and builds and runs the README's example from each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source tests/tools/stages.sh
+stage_begin packages
 bash deploy/install_deps.sh
 if [ "${MODELAVG_CONTAINER_SETUP:-0}" = 1 ]; then
-  setup_start=$(date +%s)
+  stage_begin container-setup
   bash deploy/container_setup.sh
-  echo "container setup: $(( $(date +%s) - setup_start )) s"
 fi
+stage_end
 if containers=$(bash deploy/container_setup.sh --check 2>&1); then
   echo "container tests: will run ($(echo "$containers" | tr '\n' ' '))"
 else
@@ -23,7 +25,7 @@ else
 fi
 build=${MODELAVG_BUILD_DIR:-build}
 jobs=${MODELAVG_JOBS:-2}
-start=$(date +%s)
+stage_begin build
 launcher=()
 # ccache: paths relative to the checkout, so that clones in other folders share objects.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$(pwd -P)} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
@@ -32,7 +34,7 @@ command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" \
   -DMODELAVG_BUILD_TESTS=ON -DMODELAVG_BUILD_BENCH=ON ${MODELAVG_CMAKE_ARGS:-}
 cmake --build "$build" -j "$jobs"
-echo "build: $(( $(date +%s) - start )) s"
+stage_end
 
 # The tests run with a private TMPDIR; afterwards nothing of theirs may be left: no process
 # started from this build or from the repository's test scripts, no temporary folder (in the
@@ -43,13 +45,16 @@ shared_tmp=${TMPDIR:-/tmp}
 run_tmp=$(mktemp -d "$shared_tmp/modelavg-run.XXXXXX")
 shared_before=$(find "$shared_tmp" -maxdepth 1 -name 'modelavg*' ! -path "$run_tmp" | sort)
 rc=0
+stage_begin ctest
 TMPDIR=$run_tmp ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 300 "$@" ||
   rc=$?
 # With no ctest arguments, then the installation as users get it: cmake --install into a temporary
 # prefix and the Debian packages, each used to build and run the README's example.
 if [ $# -eq 0 ]; then
+  stage_begin install-check
   TMPDIR=$run_tmp bash tests/install/install_test.sh "$build" || rc=1
 fi
+stage_end
 
 # Prints "PID COMMAND" for every live process whose program is in the build folder or whose
 # command line runs a script of tests/ or examples/.

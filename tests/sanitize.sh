@@ -7,11 +7,12 @@
 #   MODELAVG_FUZZ_SECONDS=600 bash tests/sanitize.sh   # fuzz longer
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source tests/tools/stages.sh
 bash deploy/install_deps.sh
 build=${MODELAVG_SANITIZE_BUILD_DIR:-build-sanitize}
 jobs=${MODELAVG_JOBS:-2}
 seconds=${MODELAVG_FUZZ_SECONDS:-30}
-start=$(date +%s)
+stage_begin sanitize-build
 sanitize="-fsanitize=address,undefined -fno-sanitize-recover=all"
 launcher=()
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$(pwd -P)} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
@@ -20,8 +21,8 @@ cmake -S . -B "$build" -G Ninja "${launcher[@]}" \
   -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=None \
   -DCMAKE_CXX_FLAGS="-O1 -g1 -fno-omit-frame-pointer $sanitize -fsanitize=fuzzer-no-link" \
   -DCMAKE_EXE_LINKER_FLAGS="$sanitize" -DCMAKE_SHARED_LINKER_FLAGS="$sanitize" \
-  -DMODELAVG_WITH_CUDA=OFF -DMODELAVG_BUILD_BENCH=OFF -DMODELAVG_BUILD_EXAMPLES=OFF \
-  -DMODELAVG_BUILD_FUZZERS=ON -DMODELAVG_FUZZ_SECONDS="$seconds"
+  -DMODELAVG_WITH_CUDA=OFF -DMODELAVG_WITH_ETCD=OFF -DMODELAVG_BUILD_BENCH=OFF -DMODELAVG_BUILD_EXAMPLES=OFF \
+  -DMODELAVG_BUILD_FUZZERS=ON -DMODELAVG_FUZZ_SECONDS="$seconds" -DMODELAVG_SANITIZER_CANARY=address
 # The coordinator's tests (core, jobs file, gRPC service in-process, the daemon as a process, its
 # HTTP port and status page, tokens, plan updates), the schedule's and the plan history's, the
 # Gloo rounds of elastic jobs (backup, kept result, admission), and the fuzz targets.
@@ -36,21 +37,19 @@ targets=(schedule_test job_spec_test plan_history_test server_job_test server_bo
          server_grpc_test server_process_test modelavg-coordinator client_gloo_round_test
          modelavg-cli
          job_spec_fuzzer jobs_file_fuzzer job_handlers_fuzzer
-         job_spec_fuzzer_replay jobs_file_fuzzer_replay job_handlers_fuzzer_replay)
+         job_spec_fuzzer_replay jobs_file_fuzzer_replay job_handlers_fuzzer_replay
+         modelavg-sanitizer-canary)
 cmake --build "$build" -j "$jobs" --target "${targets[@]}"
-built=$(date +%s)
-echo "sanitize build: $(( built - start )) s"
+stage_begin sanitize-tests
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 # Tests whose binaries this build leaves out register as *_NOT_BUILT; so do the Python ones.
 ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 300 -L 'unit|integration' \
   -E '_NOT_BUILT$|_test\.py|reflection|conformance|e2e|client_|status_page_browser|cli_test|pip_venv|torchrun|prometheus_rules|etcd|cluster'
-tested=$(date +%s)
-echo "sanitize tests: $(( tested - built )) s"
-# One fuzz target at a time: each gets the whole machine for its seconds.
-ctest --test-dir "$build" --output-on-failure -j 1 -L fuzz
-fuzzed=$(date +%s)
-echo "fuzz: $(( fuzzed - tested )) s (${seconds} s per target)"
+# Each fuzz target is one process on one core: two at a time on two cores.
+stage_begin fuzz
+ctest --test-dir "$build" --output-on-failure -j "$jobs" -L fuzz
+echo "fuzz: ${seconds} s per target"
 
 # ThreadSanitizer over the client's threaded tests (the heartbeat thread against an in-process
 # coordinator, aborts from another thread, the cancel of a communicator's set-up): a third build
@@ -58,14 +57,15 @@ echo "fuzz: $(( fuzzed - tested )) s (${seconds} s per target)"
 # tests/tools/tsan_absl_sync.cc, which makes its Mutex and Notification visible to it.
 tsan_build=${MODELAVG_TSAN_BUILD_DIR:-build-tsan}
 tsan="-fsanitize=thread"
+stage_begin tsan-build
 cmake -S . -B "$tsan_build" -G Ninja "${launcher[@]}" \
   -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=None \
   -DCMAKE_CXX_FLAGS="-O1 -g1 -fno-omit-frame-pointer $tsan" \
   -DCMAKE_EXE_LINKER_FLAGS="$tsan" -DCMAKE_SHARED_LINKER_FLAGS="$tsan" \
-  -DMODELAVG_WITH_CUDA=OFF -DMODELAVG_BUILD_BENCH=OFF -DMODELAVG_BUILD_EXAMPLES=OFF \
-  -DMODELAVG_TSAN_ABSL_SHIM=ON
+  -DMODELAVG_WITH_CUDA=OFF -DMODELAVG_WITH_ETCD=OFF -DMODELAVG_BUILD_BENCH=OFF -DMODELAVG_BUILD_EXAMPLES=OFF \
+  -DMODELAVG_TSAN_ABSL_SHIM=ON -DMODELAVG_SANITIZER_CANARY=thread
 tsan_targets=(client_gloo_abort_test client_gloo_setup_test client_coordinator_test
-  client_shared_heartbeat_test)
+  client_shared_heartbeat_test modelavg-sanitizer-canary)
 # The Python package's threads (each averaging call on a thread of its own, Ctrl-C abandoning
 # one, two ranks on two Python threads, streaming sync's background all-reduces): the module
 # built for TSan, run by an interpreter that carries the sanitizer (tests/tools/tsan_python.cc).
@@ -75,8 +75,7 @@ if [[ -x /usr/bin/python3 ]] && /usr/bin/python3 -c 'import torch, pytest' 2>/de
   tsan_targets+=(modelavg-python modelavg-tsan-python)
 fi
 cmake --build "$tsan_build" -j "$jobs" --target "${tsan_targets[@]}"
-tsan_built=$(date +%s)
-echo "tsan build: $(( tsan_built - fuzzed )) s"
+stage_begin tsan-tests
 # Races inside the uninstrumented system libraries are theirs (tests/tools/tsan.supp). The tests
 # against the in-process coordinator (ClientCoordinatorTest, ClientAuthTest, SharedHeartbeatTest) stretch the
 # timeouts they grant under TSan (tests/tools/time_scale.h; MODELAVG_TEST_TIME_SCALE overrides).
@@ -88,8 +87,7 @@ export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/t
 no_aslr=()
 if setarch "$(uname -m)" -R true 2>/dev/null; then no_aslr=(setarch "$(uname -m)" -R); fi
 "${no_aslr[@]}" ctest --test-dir "$tsan_build" --output-on-failure -j "$jobs" --timeout 300 \
-  -R '^(GlooAbortTest|GlooSetupTest|SilenceAndRandomBytes|ErrorKindTest|ClientHeartbeatTest|ClientCoordinatorTest|ClientAuthTest|SharedHeartbeatTest)'
-echo "tsan tests: $(( $(date +%s) - tsan_built )) s"
+  -R '^(sanitizer_canary_tsan|GlooAbortTest|GlooSetupTest|SilenceAndRandomBytes|ErrorKindTest|ClientHeartbeatTest|ClientCoordinatorTest|ClientAuthTest|SharedHeartbeatTest)'
 if [[ $tsan_python == ON ]]; then
   # Ranks start as new processes (spawn): TSan cannot follow a fork of a threaded process. The
   # coordinator is the ASan build's (the first stage built it). A report fails the run (exit 66).
@@ -115,10 +113,10 @@ if [[ $tsan_python == ON ]]; then
     echo "tsan python: $check passed"
   done
   unset MODELAVG_TEST_START_METHOD
-  echo "tsan python: $(( $(date +%s) - tsan_built )) s since the TSan build"
 elif [[ ${CI:-} == true ]]; then
   echo "FAIL: CI runs the Python package under TSan, but /usr/bin/python3 cannot import torch and pytest"
   exit 1
 else
   echo "SKIP: the Python package under TSan needs /usr/bin/python3 with torch and pytest (python3-torch, python3-pytest)"
 fi
+stage_end

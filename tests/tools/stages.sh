@@ -1,0 +1,53 @@
+# Stage timing for .ci/run, tests/run_all.sh and tests/sanitize.sh (sourced, not run).
+#   stage_begin NAME   ... work ...   stage_end
+# prints "== NAME: N s" when a stage ends and appends "NAME N" to $MODELAVG_STAGE_LOG (when set),
+# so that .ci/run can print every stage's time at the end, the failed run's too:
+#   stage_summary FILE   prints the table, the total and the budget of each stage (docs/testing.md).
+_stage_name=""
+_stage_start=0
+stage_begin() {
+  [ -z "$_stage_name" ] || stage_end
+  _stage_name=$1
+  _stage_start=$(date +%s)
+  echo "== $_stage_name: started at $(date -u +%H:%M:%S)"
+}
+stage_end() {
+  [ -n "$_stage_name" ] || return 0
+  local took=$(( $(date +%s) - _stage_start ))
+  echo "== $_stage_name: $took s"
+  if [ -n "${MODELAVG_STAGE_LOG:-}" ]; then echo "$_stage_name $took" >>"$MODELAVG_STAGE_LOG"; fi
+  _stage_name=""
+}
+# The budget per stage in seconds on CI's machine (2 cores, a fresh clone, empty caches); the
+# table in docs/testing.md says the same. A stage over its budget is printed with "over", not
+# failed: a regression shows in the submission that causes it.
+stage_budget() {
+  case "$1" in
+    packages) echo 300 ;;
+    container-setup) echo 180 ;;
+    build) echo 600 ;;
+    ctest) echo 600 ;;
+    install-check) echo 90 ;;
+    figures) echo 60 ;;
+    sanitize-build) echo 240 ;;
+    sanitize-tests) echo 120 ;;
+    fuzz) echo 100 ;;
+    tsan-build) echo 150 ;;
+    tsan-tests) echo 100 ;;
+    *) echo 0 ;;
+  esac
+}
+stage_summary() {
+  local file=$1 total=0 name took budget mark
+  [ -f "$file" ] || return 0
+  echo "== stages (seconds; budget from docs/testing.md)"
+  # A stage that ran in several parts (packages: .ci/run's and tests/run_all.sh's) is one line.
+  while read -r name took; do
+    budget=$(stage_budget "$name")
+    mark=""
+    [ "$budget" -gt 0 ] && [ "$took" -gt "$budget" ] && mark="  over its budget of $budget s"
+    printf '   %-16s %5d%s\n' "$name" "$took" "$mark"
+    total=$((total + took))
+  done < <(awk '!($1 in t) {order[n++] = $1} {t[$1] += $2} END {for (i = 0; i < n; i++) print order[i], t[order[i]]}' "$file")
+  printf '   %-16s %5d s (%d min; budget 2100 s)\n' total "$total" $(( (total + 59) / 60 ))
+}
