@@ -230,20 +230,12 @@ def run(name, args):
     config = CONFIGS[name]
     world = config[0]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import torch.distributed as dist
     ctx = mt.rank_context()
     with mt.ProcessGroup() as group:
         coordinator = mt.Coordinator(group, args.coordinator_bin,
                                      extra_flags=["--default_heartbeat_timeout_ms=15000"])
-        store = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
-        done, errors = mt.start_ranks(
-            ctx, world, run_rank,
-            lambda r, q: (r, name, config, coordinator.address, store.port, args.python_dir, q),
-            args.timeout_s)
-        if errors:
-            mt.fail(f"{name}: {errors[0]}\ncoordinator log:\n{coordinator.log_tail()}")
-        if coordinator.stop() != 0:
-            mt.fail(f"{name}: the coordinator did not stop cleanly:\n{coordinator.log_tail()}")
+        done = mt.run_world(ctx, world, run_rank, name, config, coordinator, args.python_dir,
+                            args.timeout_s)
     print(f"PASS {name}: {world} ranks in replicas of {config[1]} (FSDP2 over the mesh's shard "
           f"dimension): every local shard equals the reference's piece at every step "
           f"({done[0]} averaging steps), in place")
