@@ -22,11 +22,21 @@ replicas' mean pseudo-gradient — and each rank's local shard (``to_local()``) 
 * ``hsdp_w4_s2_dropin``: 2 replicas of 2, the drop-in ``PeriodicModelAverager`` with
   ``replica_size`` read from the mesh; each call also carries a plain parameter and a DTensor
   laid out as HSDP lays out its parameters, ``(Replicate(), Shard(0))`` over the whole 2-D mesh.
+* ``elastic_w6_s2_heal``: 3 replicas of 2 in an elastic job (``min_world_size`` 4), averaging
+  every 2 steps. Rank 3 is killed (SIGKILL) at step 10: its mate gets ``ReplicaLostError``, the
+  other two replicas go on averaging without replica 1; then two new processes, started without
+  a rank, form a new FSDP2 replica and are admitted whole; at the admission step each new rank's
+  local shards are overwritten in place with the live replicas' average of its own shard, and
+  from then on all three average again. Here the replicas' full models travel through files
+  (the dead rank's world can make no new process group), one per replica and step.
 
   pytest tests/python/fsdp2_test.py ["-k NAME"]      (conftest.py: which build)
 """
 
 import os
+import queue
+import signal
+import time
 import traceback
 
 import pytest
@@ -37,7 +47,11 @@ import modelavg_testing as mt
 CONFIGS = {
     "fsdp2_w8_s2_diloco": (8, 2, [(2, 4, None), (6, 8, (0.7, 0.9, True))], 14, "explicit"),
     "hsdp_w4_s2_dropin": (4, 2, [(2, 4, None)], 9, "dropin"),
+    "elastic_w6_s2_heal": (6, 2, [(2, 6, None)], 0, "elastic"),
 }
+KILL_RANK, KILL_STEP = 3, 10  # a rank of replica 1, killed before its call at an averaging step
+TAIL = 6                      # everyone stops at the admission step + TAIL
+MAX_STEPS = 3000              # the survivors' bound if no replacement ever comes
 
 
 def decide(levels, step):
@@ -226,12 +240,212 @@ def run_rank(rank, name, config, address, store_port, python_dir, out_queue):
         out_queue.put((rank, 0, f"rank {rank}: {type(e).__name__}: {e}"))
 
 
+def sharded_model(torch, fully_shard, shard_mesh, seed):
+    """The test's model, FSDP2-sharded over `shard_mesh` (each Linear, then the root)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 1))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
+    return model
+
+
+def run_elastic_rank(rank, name, config, address, store_port, python_dir, out_queue, role,
+                     models_dir):
+    """A member (role "member", rank given) or a replacement's rank (role "replacement": no
+    rank; store_port is the new replica's own store). Each rank writing shard 0 of its replica
+    saves the replica's full model before every step (<models_dir>/<step>_<replica>.pt); after
+    each averaging step every rank checks its local shards against the mean of the files of the
+    replicas that averaged."""
+    try:
+        world, s, levels, _, _ = config
+        import time
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_model_state_dict)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        import modelavg
+        job_id = name.replace("_", "-")
+        if role == "member":
+            mt.join_rank_group(torch, dist, store_port, rank, world)
+            mesh = init_device_mesh("cpu", (world // s, s), mesh_dim_names=("replicate", "shard"))
+            shard_mesh = mesh["shard"]
+            client = mt.connect_rank(modelavg, address, job_id, rank)
+        else:
+            # A new replica: its ranks learn from the coordinator which rank and shard they are,
+            # then form their own Gloo group and FSDP2 mesh, shard = rank within it.
+            client = modelavg.connect(address, job_id, join_timeout=120)
+            mt.join_rank_group(torch, dist, store_port, client.shard, s)
+            shard_mesh = init_device_mesh("cpu", (s,), mesh_dim_names=("shard",))
+        rank, replica, shard = client.rank, client.replica, client.shard
+        averager = modelavg.PeriodicModelAverager(client)
+        model = sharded_model(torch, fully_shard, shard_mesh,
+                              seed=100 + replica if role == "member" else 999)
+        params = dict(model.named_parameters())
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        full_opts = StateDictOptions(full_state_dict=True)
+        period = levels[0][0]
+
+        def model_file(step, k):
+            return os.path.join(models_dir, f"{step}_{k}.pt")
+
+        def replica_model(step, k):
+            deadline = time.monotonic() + 120
+            while not os.path.exists(model_file(step, k)):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"rank {rank}: no model of replica {k} at step {step}")
+                time.sleep(0.01)
+            return torch.load(model_file(step, k))
+
+        end, checked, admission = None, 0, client.admission_step
+
+        def one_step(step):
+            nonlocal end, admission
+            g = torch.Generator().manual_seed(1000 * replica + 10 * step + shard)
+            x = torch.randn(8, 6, generator=g)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), torch.sin(x.sum(1, keepdim=True)))
+            loss.backward()
+            opt.step()
+            full = {n: t.detach().clone() for n, t in
+                    get_model_state_dict(model, options=full_opts).items()}
+            if shard == 0:
+                tmp = model_file(step, replica) + f".{rank}.tmp"
+                torch.save(full, tmp)
+                os.replace(tmp, model_file(step, replica))
+            if role == "member" and rank == KILL_RANK and step == KILL_STEP:
+                os.kill(os.getpid(), signal.SIGKILL)
+            storages = {n: p.to_local().data_ptr() for n, p in params.items()}
+            decision = averager.average_parameters(model.parameters())
+            if joining := list(decision.joining):
+                if end is None:
+                    end = step + TAIL
+                    admission = step
+            if step % period != 0:
+                if decision.average:
+                    raise AssertionError(f"rank {rank} step {step}: averaged, the rule skips")
+                time.sleep(0.02)  # paced, so that the replacement comes within MAX_STEPS
+                return
+            contributors = sorted({r // s for r in decision.members} -
+                                  {r // s for r in joining})
+            live = [0, 1, 2] if step < KILL_STEP else [0, 2]
+            if admission is not None and admission >= 0 and step > admission:
+                live = [0, 1, 2]
+            # At the kill step, shard 0's round may still have had rank 2 (alive until its
+            # next call) in it; later ones may not.
+            allowed = [live] + ([[0, 1, 2]] if step == KILL_STEP and shard == 0 else [])
+            if not decision.average or contributors not in allowed:
+                raise AssertionError(f"rank {rank} step {step}: {decision}; expected the "
+                                     f"replicas {allowed}")
+            want = {n: sum(replica_model(step, k)[n] for k in contributors) /
+                    len(contributors) for n in full}
+            for n, p in params.items():
+                if p.to_local().data_ptr() != storages[n]:
+                    raise AssertionError(f"rank {rank} step {step}: {n} moved to new storage")
+                check(torch, rank, step, f"{n}'s local shard", p.to_local().detach(),
+                      shard_piece(torch, want[n], s, shard))
+            return True
+
+        for _ in range(MAX_STEPS):
+            step = averager.step
+            if end is not None and step >= end:
+                break
+            try:
+                checked += bool(one_step(step))
+            except Exception as e:
+                # Rank 3's mate: its replica is lost, at its next averaging call
+                # (ReplicaLostError) or in FSDP's next collective with the dead rank (Gloo's
+                # error), whichever comes first.
+                lost = isinstance(e, modelavg.ReplicaLostError) and e.rank == KILL_RANK or \
+                    isinstance(e, RuntimeError) and "gloo" in str(e).lower()
+                if role != "member" or rank != KILL_RANK - 1 or step < KILL_STEP or not lost:
+                    raise
+                out_queue.put((rank, "replica lost", None))
+                out_queue.close()
+                out_queue.join_thread()
+                os._exit(0)  # its replica cannot go on
+        if end is None:
+            raise AssertionError(f"rank {rank}: no replacement was admitted in {MAX_STEPS} steps")
+        time.sleep(0.5)  # the last round settles everywhere before the membership changes
+        client.leave()
+        out_queue.put((rank, {"role": role, "admission": admission, "checked": checked}, None))
+        out_queue.close()
+        out_queue.join_thread()
+        os._exit(0)  # the world's Gloo group has a dead member: no orderly teardown
+    except Exception as e:
+        traceback.print_exc()
+        out_queue.put((rank, None, f"rank {rank} ({role}): {type(e).__name__}: {e}"))
+
+
+def run_elastic(name, config, coordinator, group, ctx, args):
+    import torch.distributed as dist
+    import modelavg
+    world, s, levels, _, _ = config
+    modelavg.create_job(name.replace("_", "-"), world, "PERIODIC", [levels[0][:2]],
+                        replica_size=s, min_world_size=world - s, heartbeat_timeout_ms=2000,
+                        coordinator=coordinator.address)
+    models_dir = group.temp_dir("modelavg-fsdp2-models-")
+    results = ctx.Queue()
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
+    new_store = dist.TCPStore("127.0.0.1", 0, s + 1, True, wait_for_workers=False)
+    procs = [ctx.Process(target=run_elastic_rank, daemon=True,
+                         args=(r, name, config, coordinator.address, store.port, args.python_dir,
+                               results, "member", models_dir)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got, deadline = {}, time.monotonic() + args.timeout_s
+    try:
+        # The replica is retired (its ranks vacant), then its replacement starts.
+        while True:
+            job = modelavg.get_job(name.replace("_", "-"), coordinator=coordinator.address)
+            if len(job.vacant_ranks) == s:
+                break
+            if time.monotonic() > deadline:
+                mt.fail(f"{name}: replica 1 was never retired: {job}")
+            time.sleep(0.1)
+        for _ in range(s):
+            procs.append(ctx.Process(target=run_elastic_rank, daemon=True,
+                                     args=(-1, name, config, coordinator.address, new_store.port,
+                                           args.python_dir, results, "replacement", models_dir)))
+            procs[-1].start()
+        for _ in range(world - 1 + s):  # the killed rank says nothing
+            rank, value, error = results.get(timeout=max(1, deadline - time.monotonic()))
+            if error:
+                mt.fail(f"{name}: {error}\ncoordinator log:\n{coordinator.log_tail()}")
+            got.setdefault(rank, []).append(value)
+    except queue.Empty:
+        mt.fail(f"{name}: timed out (results so far {got})\ncoordinator log:\n"
+                f"{coordinator.log_tail()}")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if "replica lost" not in got.get(KILL_RANK - 1, []):
+        mt.fail(f"{name}: rank {KILL_RANK - 1} did not end with ReplicaLostError: {got}")
+    new = [v for v in got.get(KILL_RANK - 1, []) + got.get(KILL_RANK, []) if v != "replica lost"]
+    admissions = {v["admission"] for vs in got.values() for v in vs if isinstance(v, dict)}
+    if len(new) != s or any(v["role"] != "replacement" for v in new) or len(admissions) != 1:
+        mt.fail(f"{name}: the replacement did not take ranks {KILL_RANK - 1}..{KILL_RANK} at one "
+                f"admission step: {got}")
+    return (f"replica 1 lost at step {KILL_STEP}, its replacement admitted at step "
+            f"{admissions.pop()} and healed shard by shard; every rank's local shards against "
+            f"the live replicas' mean at every averaging step ({got[0][0]['checked']} on rank 0)")
+
+
 def run(name, args):
     config = CONFIGS[name]
     world = config[0]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     ctx = mt.rank_context()
     with mt.ProcessGroup() as group:
+        if config[4] == "elastic":
+            coordinator = mt.Coordinator(group, args.coordinator_bin)
+            print(f"PASS {name}: {run_elastic(name, config, coordinator, group, ctx, args)}")
+            return
         coordinator = mt.Coordinator(group, args.coordinator_bin,
                                      extra_flags=["--default_heartbeat_timeout_ms=15000"])
         done = mt.run_world(ctx, world, run_rank, name, config, coordinator, args.python_dir,
