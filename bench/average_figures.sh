@@ -11,16 +11,19 @@
 # One JSON line per run, prefixed with its name.
 #   bash bench/average_figures.sh [build-dir] [--quick]
 # --quick: fewer iterations and no 128 MiB Python run (a minute or two instead of ten).
-# Needs python3 with torch (Debian's python3-torch) for the Python runs; they are skipped
-# without it.
+# The Python runs use the tests' Python, the repository's .venv (deploy/install_deps.sh), else a
+# python3 with torch; they are skipped without one.
 set -euo pipefail
 build=${1:-build}
 quick=false
 [[ "${2:-}" == "--quick" ]] && quick=true
 here=$(cd "$(dirname "$0")" && pwd)
-py=$(command -v python3)
-# Debian's torch is for the system interpreter: prefer it when another python3 comes first.
-if ! "$py" -c 'import torch' 2>/dev/null && [[ -x /usr/bin/python3 ]]; then py=/usr/bin/python3; fi
+py=$here/../.venv/bin/python
+if [[ ! -x $py ]]; then
+  py=$(command -v python3)
+  # Debian's torch is for the system interpreter: prefer it when another python3 comes first.
+  if ! "$py" -c 'import torch' 2>/dev/null && [[ -x /usr/bin/python3 ]]; then py=/usr/bin/python3; fi
+fi
 
 run() {  # name, command...
   local name=$1

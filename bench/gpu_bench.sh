@@ -26,6 +26,10 @@
 # 20), GPU_BENCH_SIZES_MIB, GPU_BENCH_SOCKET_MIB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The tests' Python: the repository's .venv (PyTorch 2.x from PyPI, deploy/install_deps.sh), else
+# the system's python3.
+py=.venv/bin/python
+[ -x "$py" ] || py=python3
 
 die() { echo "gpu_bench: FAILED: $*" >&2; exit 1; }
 
@@ -96,7 +100,7 @@ nvidia-smi --query-gpu=index,name,driver_version,memory.total,compute_cap --form
   die "nvidia-smi cannot talk to the driver"
 nvidia-smi | head -n 4 | tail -n 2 || true
 if command -v nvcc >/dev/null; then nvcc --version | tail -n 2; fi
-python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())' 2>/dev/null || true
+"$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())' 2>/dev/null || true
 echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
 
 export MODELAVG_REQUIRE_GPU=1 NCCL_DEBUG=WARN
@@ -230,7 +234,7 @@ if [ -z "$python_dir" ] || [ ! -d "$python_dir/modelavg" ]; then
 else
   set +e
   MODELAVG_PYTHON_DIR="$python_dir" MODELAVG_COORDINATOR_BIN="$coordinator" \
-    timeout 180 python3 -m pytest -q -rs "tests/python/sharded_test.py::test_sharded[fsdp_cpu]" \
+    timeout 180 "$py" -m pytest -q -rs "tests/python/sharded_test.py::test_sharded[fsdp_cpu]" \
     2>&1 | tee "$work/fsdp.log"
   fsdp_rc=${PIPESTATUS[0]}
   set -e

@@ -3,6 +3,10 @@
 # CUDA and NCCL are not Debian packages: the build finds them under /usr/local/cuda when present
 # and builds everything else without them.
 # The container engine (podman or Docker) is set up by deploy/container_setup.sh.
+# Everything (no option) also makes the Python that the tests, examples and benchmarks run with: a
+# virtual environment at .venv in the repository root for /usr/bin/python3, with the pinned PyPI
+# packages of deploy/requirements-test.txt (PyTorch 2.x, torchft, pytest). Once complete it is
+# left alone; a changed requirements file installs the difference.
 #   bash deploy/install_deps.sh           # everything: build, tests, development (tests/run_all.sh)
 #   bash deploy/install_deps.sh --build   # only what building the programs needs (the image)
 #   bash deploy/install_deps.sh --demo    # what examples/run_demo.sh needs: the build packages
@@ -31,10 +35,11 @@ packages=(
   libgtest-dev libgmock-dev
   # The sqlite3 shell backs the coordinator's state up while it runs (README).
   sqlite3
-  # Tests: reflection-only client (like grpcurl), PyTorch conformance, compose/k8s file checks;
-  # the Python tests run under pytest.
-  python3 python3-grpcio python3-grpc-tools python3-torch python3-yaml python3-pytest
-  # The Python package (pybind11 binding, built for the system's python3).
+  # Tests that need no PyTorch (run by /usr/bin/python3): a reflection-only client (like
+  # grpcurl), the compose/k8s file checks, the CLI. The others run in .venv (below), which
+  # python3-venv makes.
+  python3 python3-grpcio python3-grpc-tools python3-yaml python3-venv
+  # The Python package (pybind11 binding, built for /usr/bin/python3, which .venv's python is).
   python3-dev pybind11-dev
   # Coordinator TLS tests make a throwaway certificate.
   openssl
@@ -51,13 +56,18 @@ packages=(
   # The cluster tests and the LM benchmark (network namespaces, veth, bridges, tc/tbf); the
   # benchmark's corpus (fortunes) and its plot (matplotlib).
   iproute2 fortunes python3-matplotlib
+  # Only tests/sanitize.sh's ThreadSanitizer run of the Python package: its interpreter
+  # (tests/tools/tsan_python.cc) embeds /usr/bin/python3 and loads the TSan-built module beside
+  # Debian's PyTorch 1.13, as it long has (PyPI's libtorch under TSan is untried); every other
+  # Python test uses .venv's PyTorch.
   # Debian's PyTorch uses the system BLAS: OpenBLAS instead of the reference one (10x faster).
-  libopenblas0-pthread
+  python3-torch python3-pytest libopenblas0-pthread
 )
 list=0
+venv=1
 for arg in "$@"; do
   case "$arg" in
-    --build | --demo) packages=("${build_packages[@]}") ;;
+    --build | --demo) packages=("${build_packages[@]}"); venv=0 ;;
     --list) list=1 ;;
     *) echo "usage: $0 [--build | --demo] [--list]" >&2; exit 2 ;;
   esac
@@ -72,10 +82,29 @@ for p in "${packages[@]}"; do
 done
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install_deps: all ${#packages[@]} packages present"
+else
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "install_deps: installing ${missing[*]}"
+  $sudo apt-get update
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends "${missing[@]}"
+fi
+[ "$venv" = 1 ] || exit 0
+
+# .venv: complete when it holds a copy of the requirements file it was made from (written last).
+repo=$(cd "$(dirname "$0")/.." && pwd)
+requirements=$repo/deploy/requirements-test.txt
+done_mark=$repo/.venv/modelavg-requirements.txt
+if cmp -s "$requirements" "$done_mark"; then
+  echo "install_deps: .venv complete ($(grep -c '==' "$requirements") pinned packages)"
   exit 0
 fi
-sudo=""
-[ "$(id -u)" -eq 0 ] || sudo="sudo"
-echo "install_deps: installing ${missing[*]}"
-$sudo apt-get update
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends "${missing[@]}"
+start=$(date +%s)
+[ -x "$repo/.venv/bin/python" ] || /usr/bin/python3 -m venv "$repo/.venv"
+# The list is closed and pinned, so --no-deps: nothing else comes in (not triton, see the file).
+# No cache: the wheels (about 3 GB) are not kept a second time.
+"$repo/.venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir \
+  --no-deps -r "$requirements"
+cp "$requirements" "$done_mark"
+echo "install_deps: .venv made in $(( $(date +%s) - start )) s" \
+  "($(du -sh "$repo/.venv" | cut -f1))"

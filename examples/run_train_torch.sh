@@ -15,5 +15,8 @@ if [ ! -f "$build/CMakeCache.txt" ]; then
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 fi
 cmake --build "$build" -j "$jobs" --target modelavg-coordinator modelavg-python
-PYTHONPATH="$build/python" MODELAVG_BUILD_DIR="$build" exec /usr/bin/python3 \
+# The tests' Python (.venv, with PyTorch 2.x: deploy/install_deps.sh made it), else Debian's.
+py=.venv/bin/python
+[ -x "$py" ] || py=/usr/bin/python3
+PYTHONPATH="$build/python" MODELAVG_BUILD_DIR="$build" exec "$py" \
   examples/train_torch.py --coordinator_bin="$build/server/modelavg-coordinator" "$@"

@@ -1,33 +1,34 @@
 #!/usr/bin/python3
-"""Train a model sharded inside each replica (FSDP) with modelavg averaging across replicas.
+"""Train a model sharded inside each replica (FSDP2) with modelavg averaging across replicas.
 
-Four processes form two replicas of two ranks (``replica_size=2``: ranks 0-1 are replica 0,
-ranks 2-3 replica 1; rank r holds shard r % 2). Inside a replica the model is sharded over its
-two ranks and trained with data parallelism over them, as FSDP does: each rank keeps one flat
-shard of the parameters, gathers the whole model for the forward and backward pass over its
-replica's process group, and steps the optimizer on its shard. Across replicas nothing is
-exchanged but modelavg's averaging: every 4 steps, and the two replicas' shards average shard by
-shard (rank 0 with rank 2, rank 1 with rank 3; docs/sharded.md). The modelavg lines are the
-drop-in averager, ``MODELAVG_REPLICA_SIZE`` (or ``modelavg.torch.set_options(replica_size=2)``),
-and passing the averager the tensors this rank holds.
+Eight processes on a 2-D ``DeviceMesh`` ``["replicate", "shard"]`` of shape (4, 2): four replicas
+of two ranks (``replica_size`` = the mesh's shard dimension, 2: ranks 0-1 are replica 0, ...; rank
+r holds shard r % 2). Inside a replica PyTorch's FSDP2 (``fully_shard`` over the mesh's
+``"shard"`` dimension) shards the model: each parameter is a DTensor of which each rank holds one
+``Shard(0)`` piece, gathered for the forward and backward pass, its gradient reduce-scattered.
+Across replicas the mesh's ``"replicate"`` dimension is modelavg's, in place of HSDP's gradient
+all-reduce on every step, at two levels as two "sites" of two replicas would: every 4 steps the
+two replicas of a site average, and every 12 steps the sites run a DiLoCo outer step (outer SGD,
+lr 0.7, momentum 0.9, Nesterov) over all four, shard by shard (docs/sharded.md). The modelavg
+lines are the drop-in averager, ``modelavg.torch.set_options(replica_size=...)`` from the mesh,
+and passing the averager ``model.parameters()`` as they are: modelavg averages each DTensor's
+local shard in place.
 
-Where the installed PyTorch runs FullyShardedDataParallel on CPU (2.1 or later), the replica is
-FSDP itself (``use_orig_params=False``: ``model.parameters()`` are FSDP's flat parameters, this
-rank's shard); elsewhere (Debian's 1.13 cannot) the same sharding written out here, about thirty
-lines. ``--sharding=fsdp`` or ``--sharding=by_hand`` picks one.
+Where the installed PyTorch has no ``fully_shard`` (before 2.6; Debian's 1.13), the same
+sharding written out here, about thirty lines, stands in: ``--sharding=by_hand`` picks it.
 
-Run it end to end (starts a coordinator on 127.0.0.1 and four workers, then stops everything):
+Run it end to end (starts a coordinator on 127.0.0.1 and eight workers, then stops everything):
 
-    PYTHONPATH=build/python python3 examples/train_fsdp.py
+    PYTHONPATH=build/python .venv/bin/python examples/train_fsdp.py
 
 Or start the workers yourself against a running coordinator (torchrun sets RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT; two nodes of two processes are two replicas):
+MASTER_ADDR and MASTER_PORT; four nodes of two processes are four replicas):
 
-    MODELAVG_COORDINATOR=host:50051 MODELAVG_JOB=train-fsdp MODELAVG_REPLICA_SIZE=2 \\
-        torchrun --nnodes=2 --nproc_per_node=2 ... examples/train_fsdp.py --worker
+    MODELAVG_COORDINATOR=host:50051 MODELAVG_JOB=train-fsdp \\
+        torchrun --nnodes=4 --nproc_per_node=2 ... examples/train_fsdp.py --worker
 
-Each worker prints its loss; the launcher checks that, after the last step (an averaging step),
-both replicas hold the same model, shard by shard.
+Each worker prints its loss; the launcher checks that, after the last step (an outer step over
+all four replicas), every replica holds the same model, shard by shard.
 """
 
 import argparse
@@ -36,18 +37,18 @@ import os
 import subprocess
 import sys
 
-WORLD = 4
-REPLICA_SIZE = 2
-PERIOD = 4  # steps between averagings across the replicas
+WORLD = 8
+REPLICA_SIZE = 2  # the mesh's shard dimension
+SITE_PERIOD = 4  # steps between averagings of the replicas of a site
+OUTER_PERIOD = 12  # steps between DiLoCo outer steps across the sites
 
 
-def fsdp_runs_on_cpu():
+def fsdp2_available():
     try:
-        import torch
-        from torch.distributed.fsdp import FullyShardedDataParallel  # noqa: F401
-    except Exception:  # Debian's 1.13 fails to import it on Python 3.11
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except Exception:  # none before PyTorch 2.6 (Debian's 1.13 fails to import FSDP at all)
         return False
-    return tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 1)
+    return True
 
 
 class ShardedByHand:
@@ -91,34 +92,41 @@ class ShardedByHand:
 def worker(args):
     import torch
     import torch.distributed as dist
-    from modelavg.torch import PeriodicModelAverager
+    import modelavg
+    import modelavg.torch
+    from modelavg.torch import HierarchicalModelAverager
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     s = int(os.environ.get("MODELAVG_REPLICA_SIZE", REPLICA_SIZE))
-    replica, shard = rank // s, rank % s
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    # Every rank creates every replica's group (torch.distributed's rule); it uses its own.
-    groups = [dist.new_group(list(range(k * s, k * s + s))) for k in range(world // s)]
-    group = groups[replica]
+    sharding = args.sharding
+    if sharding == "auto":
+        sharding = "fsdp2" if fsdp2_available() else "by_hand"
 
     torch.manual_seed(0)  # the same initial model in every replica
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-    sharding = args.sharding
-    if sharding == "auto":
-        sharding = "fsdp" if fsdp_runs_on_cpu() else "by_hand"
-    if sharding == "fsdp":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        model = FSDP(model, process_group=group, device_id=torch.device("cpu"),
-                     use_orig_params=False)
-        held = list(model.parameters())  # FSDP's flat parameters: this rank's shard
+    if sharding == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world // s, s), mesh_dim_names=("replicate", "shard"))
+        replica, shard = mesh.get_local_rank("replicate"), mesh.get_local_rank("shard")
+        s = mesh["shard"].size()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+        held = list(model.parameters())  # DTensors: this rank holds a Shard(0) piece of each
 
         def loss_and_grad(loss_of):
             loss = loss_of(model)
             loss.backward()
             return loss
     else:
-        sharded = ShardedByHand(torch, dist, model, group, s, shard)
+        replica, shard = rank // s, rank % s
+        # Every rank creates every replica's group (torch.distributed's rule); it uses its own.
+        groups = [dist.new_group(list(range(k * s, k * s + s))) for k in range(world // s)]
+        sharded = ShardedByHand(torch, dist, model, groups[replica], s, shard)
         held = sharded.parameters()
         loss_and_grad = sharded.loss_and_grad
     optimizer = torch.optim.SGD(held, lr=0.05, momentum=0.9)
@@ -130,7 +138,13 @@ def worker(args):
     x = torch.randn(2048, 16, generator=g)
     y = torch.sin(x @ w_true / 4).unsqueeze(1) + 0.05 * torch.randn(2048, 1, generator=g)
 
-    averager = PeriodicModelAverager(period=PERIOD)
+    # Across replicas: a site's two replicas (2 * s ranks) every SITE_PERIOD steps; all of them,
+    # with DiLoCo's outer step, every OUTER_PERIOD steps. Each rank averages its shard with the
+    # same shard of the other replicas.
+    modelavg.torch.set_options(replica_size=s)
+    averager = HierarchicalModelAverager(
+        period_group_size_dict={SITE_PERIOD: 2 * s, OUTER_PERIOD: world},
+        outer={OUTER_PERIOD: modelavg.OuterSGD(0.7, momentum=0.9, nesterov=True)})
     losses = []
     for step in range(args.steps):
         batch = slice((step * 32) % 2048, (step * 32) % 2048 + 32)
@@ -138,13 +152,13 @@ def worker(args):
         loss = loss_and_grad(
             lambda m: torch.nn.functional.mse_loss(m(x[batch]), y[batch]))
         optimizer.step()
-        # Across replicas: this rank's shard with the same shard of the other replica.
         decision = averager.average_parameters(held)
         losses.append(loss.item())
         if step % args.log_every == 0:
             print(f"[rank {rank}, replica {replica}, shard {shard}] step {step:4d}  loss "
                   f"{loss.item():.4f}  {decision.action} {list(decision.ranks)}", flush=True)
-    checksum = sum(float(p.detach().double().sum()) for p in held)
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in held]
+    checksum = sum(float(t.detach().double().sum()) for t in local)
     print(json.dumps({"rank": rank, "replica": replica, "shard": shard, "sharding": sharding,
                       "first_loss": sum(losses[:8]) / 8, "last_loss": sum(losses[-8:]) / 8,
                       "shard_checksum": round(checksum, 6)}), flush=True)
@@ -170,7 +184,7 @@ def launch(args):
         workers = []
         for rank in range(WORLD):
             env = dict(os.environ, MODELAVG_COORDINATOR=coordinator.address,
-                       MODELAVG_JOB="train-fsdp", MODELAVG_REPLICA_SIZE=str(REPLICA_SIZE),
+                       MODELAVG_JOB="train-fsdp",
                        RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=master_port,
                        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
@@ -183,13 +197,14 @@ def launch(args):
             print("train_fsdp: a worker failed (its error is above); the coordinator's log:\n"
                   + coordinator.log_tail(), file=sys.stderr)
             return 1
-    # The last step averaged: each shard is the same in both replicas.
+    # The last step was an outer step over all replicas: each shard is the same in all of them.
     by_shard = {}
     for s in summaries:
         by_shard.setdefault(s["shard"], set()).add(s["shard_checksum"])
     same = all(len(v) == 1 for v in by_shard.values())
     learned = all(s["last_loss"] < s["first_loss"] for s in summaries)
-    print(f"both replicas ended with the same model, shard by shard: {same}; every rank's loss "
+    print(f"all {WORLD // REPLICA_SIZE} replicas ended with the same model, shard by shard "
+          f"({summaries[0]['sharding']}): {same}; every rank's loss "
           f"went down: {learned}")
     return 0 if same and learned else 1
 
@@ -200,9 +215,10 @@ def main():
                    help="run one worker (RANK, WORLD_SIZE, MASTER_*, MODELAVG_* from the "
                         "environment)")
     p.add_argument("--steps", type=int, default=121,
-                   help="steps per worker (121: the last step, 120, averages across replicas)")
+                   help="steps per worker (121: the last step, 120, is an outer step)")
     p.add_argument("--log_every", type=int, default=40)
-    p.add_argument("--sharding", choices=["auto", "fsdp", "by_hand"], default="auto")
+    p.add_argument("--sharding", choices=["auto", "fsdp2", "by_hand"], default="auto",
+                   help="auto: FSDP2 (fully_shard) where this PyTorch has it, else by_hand")
     p.add_argument("--coordinator_bin", help="default: build/server/modelavg-coordinator")
     p.add_argument("--timeout_s", type=float, default=300)
     args = p.parse_args()

@@ -33,9 +33,10 @@ same) every mode runs once per seed, a table per seed, then one line per mode: t
 the range of steps, seconds and x floor over the seeds, and how many seeds reached the target.
 
 It writes --out_dir/lm_bench.png (validation loss against wall-clock, one line per mode) and
---out_dir/lm_bench.json (every figure and every evaluation). Needs root (namespaces), python3-torch
-and python3-matplotlib, the `fortunes` package, and a build (modelavg-coordinator and the Python
-package: cmake --build build --target modelavg-coordinator modelavg-python).
+--out_dir/lm_bench.json (every figure and every evaluation). Needs root (namespaces), the tests'
+.venv (deploy/install_deps.sh: the workers' PyTorch), python3-torch and python3-matplotlib (this
+script's corpus and plot), the `fortunes` package, and a build (modelavg-coordinator and the
+Python package: cmake --build build --target modelavg-coordinator modelavg-python).
 """
 
 import argparse
@@ -96,7 +97,11 @@ def parse_args():
     p.add_argument("--timeout_s", type=float, default=1800, help="per mode")
     p.add_argument("--out_dir", default=os.path.join(REPO, "bench", "lm", "out"))
     p.add_argument("--build_dir", default=os.path.join(REPO, "build"))
-    p.add_argument("--python", default="/usr/bin/python3")
+    venv_python = os.path.join(REPO, ".venv", "bin", "python")
+    p.add_argument("--python", default=venv_python if os.access(venv_python, os.X_OK)
+                   else "/usr/bin/python3",
+                   help="the workers' Python (default: the repository's .venv, PyTorch 2.x from "
+                        "PyPI, when present)")
     p.add_argument("--smoke", action="store_true",
                    help="CI: a tiny model for a few dozen steps, every mode; fails unless each "
                         "mode's loss fell and PyTorch's averagers and modelavg's agree; skips "

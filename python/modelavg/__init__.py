@@ -60,7 +60,10 @@ from .errors import (AlreadyExistsError, DeadlineExceededError, Error, FailedPre
                      InvalidArgumentError, NonFiniteError, NotFoundError, PeerFailureError,
                      PermissionDeniedError, ReplicaLostError, ResourceExhaustedError, UnavailableError,
                      UnimplementedError)
-from . import _core
+from . import _native
+
+_native.load()  # before any `from . import _core`: see _native's docstring
+from . import _core  # noqa: E402
 from ._core import Decision
 from ._options import Duration
 from .jobs import (PAYLOADS, GenerationChange, Job, JobSpec, JobUpdate, Level, LevelLike, Member,

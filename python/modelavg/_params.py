@@ -12,10 +12,10 @@ parallelism, FSDP2) is averaged through its local shard, ``to_local()``, which s
 DTensor's storage: never a gathered copy.
 """
 
+import sys
 from typing import Any, Iterable, List, Tuple
 
 _DTYPE_CODES = None  # torch dtype -> modelavg DType code (include/modelavg/client/tensor.h order)
-_DTENSOR_TYPES = None  # the DTensor classes this PyTorch has (none before 2.0)
 
 
 def _torch():
@@ -32,16 +32,16 @@ def _dtype_codes():
 
 
 def _dtensor_types() -> Tuple[type, ...]:
-    global _DTENSOR_TYPES
-    if _DTENSOR_TYPES is None:
-        found = []
-        for module in ("torch.distributed.tensor", "torch.distributed._tensor"):
-            try:
-                found.append(getattr(__import__(module, fromlist=["DTensor"]), "DTensor"))
-            except (ImportError, AttributeError):
-                pass
-        _DTENSOR_TYPES = tuple(found)
-    return _DTENSOR_TYPES
+    """The DTensor classes of the modules already imported. A DTensor exists only once its
+    module is imported, so nothing is imported here: importing torch.distributed.tensor takes
+    about half a second, which an averaging call must not spend (nor be interrupted in) before
+    it reaches its wait."""
+    found = []
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        cls = getattr(sys.modules.get(name), "DTensor", None)
+        if isinstance(cls, type) and cls not in found:
+            found.append(cls)
+    return tuple(found)
 
 
 def local_tensor(t: Any) -> Any:

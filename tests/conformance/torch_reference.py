@@ -14,8 +14,9 @@ applies the same synthetic update as `modelavg-trace-worker`:
 PyTorch's averagers decide what happens at every step; this script only observes them. Two things
 in the installed PyTorch need working around without patching it:
 
-  * `dist.new_subgroups` refuses to run without CUDA. Inside this script only, it is replaced by
-    an equivalent that builds the same consecutive-rank subgroups with `dist.new_group` on Gloo.
+  * `dist.new_subgroups` of PyTorch before 2.x refuses to run without CUDA. With such a PyTorch,
+    inside this script only, it is replaced by an equivalent that builds the same consecutive-rank
+    subgroups with `dist.new_group` on Gloo; a PyTorch without the check runs its own.
   * `average_parameters` skips parameters whose `.grad` is None, so every parameter gets a zero
     gradient.
 
@@ -29,6 +30,7 @@ Usage:
 
 import argparse
 import collections
+import inspect
 import json
 import multiprocessing
 import os
@@ -112,7 +114,8 @@ def run_rank(rank, args, store_port, out_queue):
         warnings.simplefilter("ignore")  # largest period 1 warns, as documented
         store = dist.TCPStore("127.0.0.1", store_port, args.world_size + 1, False)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=args.world_size)
-        dist.new_subgroups = gloo_new_subgroups  # this process only; PyTorch is untouched
+        if "Subgroups can only be created when CUDA" in inspect.getsource(dist.new_subgroups):
+            dist.new_subgroups = gloo_new_subgroups  # this process only; PyTorch is untouched
 
         averaged = []
         original_average = utils.average_parameters_or_parameter_groups

@@ -42,10 +42,11 @@ if(TARGET modelavg-coordinator AND MODELAVG_HAVE_PYTHON AND TARGET modelavg-cli)
   set_tests_properties(pip_venv_test PROPERTIES TIMEOUT 600 LABELS "integration;python")
 endif()
 
-# Launching like PyTorch: python3 -m modelavg.run and the installed torchrun, 2 ranks each.
+# Launching like PyTorch: python -m modelavg.run and that Python's torchrun, 2 ranks each, with
+# the PyTorch the Python tests use (${MODELAVG_PYTHON}).
 if(TARGET modelavg-coordinator AND MODELAVG_HAVE_PYTHON)
   add_test(NAME torchrun_test
-    COMMAND /usr/bin/python3 ${CMAKE_CURRENT_SOURCE_DIR}/torchrun_test.py
+    COMMAND ${MODELAVG_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/torchrun_test.py
             --coordinator=$<TARGET_FILE:modelavg-coordinator> --python_dir=${MODELAVG_PYTHON_DIR})
   set_tests_properties(torchrun_test PROPERTIES TIMEOUT 300 LABELS "integration;python")
 endif()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Launching like PyTorch: a 2-process drop-in job started by a torchrun.
 
-  * ``python3 -m modelavg.run --standalone --nproc_per_node=2 worker.py`` (modelavg's torchrun,
+  * ``python -m modelavg.run --standalone --nproc_per_node=2 worker.py`` (modelavg's torchrun,
     which works around Debian 12's torchrun bug on Python 3.11 and is torchrun unchanged on
     PyTorch 2.x);
   * the installed ``torchrun`` itself: plain on a PyTorch without the bug; on one with it, with
@@ -94,7 +94,7 @@ def main():
                                extra_flags=["--metrics_listen=127.0.0.1:0",
                                             f"--metrics_port_file={metrics_port_file}"])
         relay_dir = os.path.join(work, "relay")
-        run_job(group, coord, "via-modelavg-run", ["/usr/bin/python3", "-m", "modelavg.run"],
+        run_job(group, coord, "via-modelavg-run", [sys.executable, "-m", "modelavg.run"],
                 work, args.python_dir, relay_dir=relay_dir)
         # Through the relay: HostHeartbeatStreams only (the one that served, and the one that
         # took over when the first process finished), no HeartbeatStream of a rank's own.
@@ -105,7 +105,9 @@ def main():
             mt.fail(f"with MODELAVG_HEARTBEAT_RELAY_DIR: RPCs {totals}, relay dir {locks}")
         print(f"via the host's heartbeat relay: {int(totals['HostHeartbeatStream'])} "
               "HostHeartbeatStream(s), no stream of a rank's own")
-        torchrun = shutil.which("torchrun")
+        # The torchrun of this Python's PyTorch (a venv's bin/), else the one on PATH.
+        torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or \
+            shutil.which("torchrun")
         passed = 2
         if torchrun is None:
             print("no torchrun on PATH: only python3 -m modelavg.run was checked")

@@ -284,7 +284,6 @@ def run(name, args):
     config = CONFIGS[name]
     world = config[1]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import torch.distributed as dist
     ctx = mt.rank_context()  # forked from a server that imported torch once
     with mt.ProcessGroup() as group:
         coordinator = mt.Coordinator(group, args.coordinator_bin,
@@ -314,15 +313,8 @@ def run(name, args):
             print(f"PASS {name}: {world} ranks resumed at step {CHECKPOINT_AT} from state_dict in "
                   f"new processes equal an uninterrupted run ({compared} rank-steps, exactly)")
             return
-        store = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
-        done, errors = mt.start_ranks(
-            ctx, world, run_rank,
-            lambda r, q: (r, name, config, coordinator.address, store.port, args.python_dir, q),
-            args.timeout_s)
-        if errors:
-            mt.fail(f"{name}: {errors[0]}\ncoordinator log:\n{coordinator.log_tail()}")
-        if coordinator.stop() != 0:
-            mt.fail(f"{name}: the coordinator did not stop cleanly:\n{coordinator.log_tail()}")
+        done = mt.run_world(ctx, world, run_rank, name, config, coordinator, args.python_dir,
+                            args.timeout_s)
     if done[0] == 0:
         mt.fail(f"{name}: no outer-level step: the configuration proves nothing")
     print(f"PASS {name}: {world} ranks x {config[4]} steps follow the PyTorch reference "

@@ -266,12 +266,13 @@ def check_dtensor(args):
     sys.path.insert(0, args.python_dir)
     import torch
     from modelavg import _params
-    if not _params._dtensor_types():
+    try:
+        from torch.distributed.tensor import Shard, distribute_tensor
+    except ImportError:
         pytest.skip(f"torch {torch.__version__} has no DTensor (PyTorch 2.x has "
                     "torch.distributed.tensor); nothing to average through to_local()")
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
     store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
@@ -341,7 +342,6 @@ def run(name, args):
             pytest.skip(f"{why}; bench/gpu_bench.sh runs this test where PyTorch can")
     world = config[1]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import torch.distributed as dist
     ctx = mt.rank_context()
     with mt.ProcessGroup() as group:
         coordinator = mt.Coordinator(group, args.coordinator_bin,
@@ -373,16 +373,9 @@ def run(name, args):
             print(f"PASS {name}: rank 0 got ReplicaLostError ({got[0][:160]}...); ranks 2, 3 "
                   "finished")
             return
-        store = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
         target = run_fsdp if how == "fsdp" else run_by_hand
-        done, errors = mt.start_ranks(
-            ctx, world, target,
-            lambda r, q: (r, name, config, coordinator.address, store.port, args.python_dir, q),
-            args.timeout_s)
-        if errors:
-            mt.fail(f"{name}: {errors[0]}\ncoordinator log:\n{coordinator.log_tail()}")
-        if coordinator.stop() != 0:
-            mt.fail(f"{name}: the coordinator did not stop cleanly:\n{coordinator.log_tail()}")
+        done = mt.run_world(ctx, world, target, name, config, coordinator, args.python_dir,
+                            args.timeout_s)
         print(f"PASS {name}: {world} ranks in replicas of {config[2]}: every shard equals its "
               f"slice of the replicas' PyTorch average, every step ({done.get(0)} averaging "
               "steps)")

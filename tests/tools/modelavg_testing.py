@@ -282,6 +282,25 @@ def start_ranks(ctx, world, target, args_for, timeout_s):
     return done, errors
 
 
+def run_world(ctx, world, target, name, config, coordinator, python_dir, timeout_s,
+              stop_coordinator=True):
+    """A job's ranks against `coordinator`: a TCPStore for their Gloo group (its server here),
+    then `target(rank, name, config, address, store_port, python_dir, results)` in `world`
+    processes (start_ranks), then the coordinator stopped. Fails the test, with the
+    coordinator's log, on a rank's error or an unclean stop. Returns {rank: value}."""
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
+    done, errors = start_ranks(
+        ctx, world, target,
+        lambda r, q: (r, name, config, coordinator.address, store.port, python_dir, q),
+        timeout_s)
+    if errors:
+        fail(f"{name}: {errors[0]}\ncoordinator log:\n{coordinator.log_tail()}")
+    if stop_coordinator and coordinator.stop() != 0:
+        fail(f"{name}: the coordinator did not stop cleanly:\n{coordinator.log_tail()}")
+    return done
+
+
 def as_parameters(torch, params):
     """The tensors of dict `params` as torch Parameters with zero gradients."""
     out = []
