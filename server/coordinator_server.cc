@@ -1,5 +1,6 @@
 #include "server/coordinator_server.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -17,6 +18,7 @@
 #include "server/leader_terms.h"
 #include "server/rpc/coordinator_service.h"
 #include "server/rpc/rpc_metrics.h"
+#include "server/rpc/tcp_listener.h"
 #include "server/store/sqlite/sqlite_state_store.h"
 #include "server/store/state_store.h"
 #include "spdlog/spdlog.h"
@@ -229,7 +231,43 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     server->quota_->Resize(static_cast<size_t>(options.rpc_memory_quota_bytes));
     builder.SetResourceQuota(*server->quota_);
   }
-  builder.AddListeningPort(options.listen, *creds, &server->port_);
+  // The port's listening socket and accept loop are the listener's, not gRPC's: gRPC 1.51's own
+  // listener stops for good at the first EMFILE (server/rpc/tcp_listener.h). Each connection
+  // the listener admits goes to gRPC here, with the port's credentials (TLS or plaintext).
+  // Descriptors kept back from it: the HTTP port's connections, and a reserve for the stores,
+  // etcd, logs and gRPC's own.
+  constexpr int kReservedDescriptors = 64;
+  absl::StatusOr<int> max_connections = ConnectionsUnderFileLimit(
+      options.rpc_max_connections,
+      kReservedDescriptors + (options.metrics_listen.empty() ? 0 : options.http_max_connections));
+  if (!max_connections.ok()) return max_connections.status();
+  if (options.rpc_max_connections_per_client < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rpc_max_connections_per_client is ",
+                     options.rpc_max_connections_per_client, "; it must be at least 1"));
+  }
+  server->acceptor_ = builder.experimental().AddExternalConnectionAcceptor(
+      grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, *creds);
+  TcpListenerOptions listen;
+  listen.listen = options.listen;
+  listen.max_connections = *max_connections;
+  listen.max_connections_per_client =
+      std::min(options.rpc_max_connections_per_client, *max_connections);
+  listen.probe_interval = options.rpc_accept_probe_interval;
+  listen.on_connection = [acceptor = server->acceptor_.get()](int fd, int listener_fd) {
+    grpc::experimental::ExternalConnectionAcceptor::NewConnectionParameters p;
+    p.listener_fd = listener_fd;
+    p.fd = fd;
+    acceptor->HandleNewConnection(&p);
+  };
+  listen.on_accepting_changed = [s = server.get()](bool accepting) {
+    s->SetServing(HealthPart::kAccepting, accepting);
+  };
+  absl::StatusOr<std::unique_ptr<TcpListener>> listener = TcpListener::Bind(std::move(listen));
+  if (!listener.ok()) return listener.status();
+  server->listener_ = *std::move(listener);
+  server->port_ = server->listener_->port();
+  if (server->metrics_ != nullptr) server->metrics_->set_listener(server->listener_.get());
   if (server->terms_ != nullptr) {
     server->service_->set_gate([terms = server->terms_.get()](grpc::CallbackServerContext* ctx) {
       std::string leader;
@@ -245,25 +283,24 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   // Every method but the heartbeat streams (see CoordinatorService).
   builder.RegisterCallbackGenericService(server->service_.get());
   server->server_ = builder.BuildAndStart();
-  if (server->server_ == nullptr || server->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "cannot listen on ", options.listen, " (address in use or not local?)"));
+  if (server->server_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot start the gRPC server on ",
+                                               options.listen));
   }
+  server->listener_->Start();
   server->address_ = BoundAddress(options.listen, server->port_);
   if (server->terms_ != nullptr) {
     LeaderTerms::Hooks hooks;
     hooks.jobs = options.jobs;
     hooks.recovery_grace = options.recovery_grace;
-    hooks.set_serving = [health = server->server_->GetHealthCheckService()](bool serving) {
-      if (health != nullptr) health->SetServingStatus(serving);
-    };
+    hooks.set_serving = [s = server.get()](bool serving) { s->SetServing(HealthPart::kLeading, serving); };
     hooks.fatal = options.on_fatal;
     server->terms_->Start(server->registry_.get(),
                           options.advertise.empty() ? server->address_ : options.advertise,
                           std::move(hooks));
   }
   spdlog::info("coordinator serving on {} ({}{}), {} job(s) loaded from the state, {} in the "
-               "jobs file{}",
+               "jobs file{}; at most {} gRPC connections, {} from one client address",
                server->address_, options.tls_cert_file.empty() ? "plaintext" : "TLS",
                options.tls_client_ca_file.empty() ? "" : ", client certificates required",
                *loaded, options.jobs.size(),
@@ -271,7 +308,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
                : server->worker_tokens_ == 0 ? ", token auth on"
                                                 : absl::StrCat(", token auth on (operator and ",
                                                                server->worker_tokens_,
-                                                               " worker token(s))"));
+                                                               " worker token(s))"),
+               *max_connections, std::min(options.rpc_max_connections_per_client,
+                                          *max_connections));
   if (server->metrics_ != nullptr) {
     const char* scheme = options.http_tls ? "https" : "http";
     spdlog::info("metrics on {}://{}/metrics, status page on {}://{}/", scheme,
@@ -281,6 +320,13 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 }
 
 CoordinatorServer::~CoordinatorServer() { Shutdown(); }
+
+void CoordinatorServer::SetServing(HealthPart part, bool value) {
+  absl::MutexLock lock(&health_mu_);
+  (part == HealthPart::kLeading ? leading_ : accepting_) = value;
+  if (health_frozen_ || server_ == nullptr || server_->GetHealthCheckService() == nullptr) return;
+  server_->GetHealthCheckService()->SetServingStatus(leading_ && accepting_);
+}
 
 std::string CoordinatorServer::metrics_address() const {
   return http_ == nullptr ? "" : http_->address();
@@ -294,6 +340,12 @@ void CoordinatorServer::Shutdown() {
   }
   if (server_ == nullptr && registry_ == nullptr) return;  // Start failed before anything ran
   spdlog::info("coordinator on {} shutting down", address_);
+  // No new connection from here on (and no probe that could say SERVING again).
+  if (listener_ != nullptr) listener_->Stop();
+  {
+    absl::MutexLock lock(&health_mu_);
+    health_frozen_ = true;
+  }
   // Fails pending waits (UNAVAILABLE) and ends the watch streams first, so that the gRPC
   // shutdown below has nothing left to wait for.
   if (server_ != nullptr && server_->GetHealthCheckService() != nullptr) {

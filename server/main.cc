@@ -65,6 +65,17 @@ ABSL_FLAG(int64_t, rpc_memory_quota_mb, 1024,
 ABSL_FLAG(int64_t, rpc_handshake_timeout_ms, 10000,
           "A gRPC connection that has not finished its TLS and HTTP/2 handshake in this long is "
           "closed. In [100, 600000].");
+ABSL_FLAG(int32_t, rpc_max_connections, 0,
+          "The gRPC port's most connections at once; its next ones are closed at once. 0: as "
+          "many as the limit on open files leaves after the HTTP port's connections and a "
+          "reserve of 64 (a larger value that does not fit is refused at start).");
+ABSL_FLAG(int32_t, rpc_max_connections_per_client, 512,
+          "The gRPC port's most connections at once from one client address (at most "
+          "--rpc_max_connections); its next ones are closed at once. At least 1.");
+ABSL_FLAG(int64_t, rpc_accept_probe_interval_ms, 5000,
+          "How often the coordinator opens a new connection to its own gRPC port to check that "
+          "a new client is taken; while one is not, health says NOT_SERVING and the metric "
+          "modelavg_grpc_accepting is 0. In [100, 600000].");
 ABSL_FLAG(int32_t, http_max_connections, 1024,
           "The HTTP port's most connections at once. In [1, 65536].");
 ABSL_FLAG(int32_t, http_max_connections_per_client, 32,
@@ -220,6 +231,17 @@ int main(int argc, char** argv) {
     return Fail("--rpc_handshake_timeout_ms must be in [100, 600000]");
   }
   options.rpc_handshake_timeout = absl::Milliseconds(handshake_ms);
+  options.rpc_max_connections = absl::GetFlag(FLAGS_rpc_max_connections);
+  options.rpc_max_connections_per_client = absl::GetFlag(FLAGS_rpc_max_connections_per_client);
+  if (options.rpc_max_connections < 0 || options.rpc_max_connections_per_client < 1) {
+    return Fail("--rpc_max_connections must be 0 (from the limit on open files) or positive, "
+                "and --rpc_max_connections_per_client at least 1");
+  }
+  const int64_t probe_ms = absl::GetFlag(FLAGS_rpc_accept_probe_interval_ms);
+  if (probe_ms < 100 || probe_ms > 600000) {
+    return Fail("--rpc_accept_probe_interval_ms must be in [100, 600000]");
+  }
+  options.rpc_accept_probe_interval = absl::Milliseconds(probe_ms);
   options.http_max_connections = absl::GetFlag(FLAGS_http_max_connections);
   options.http_max_connections_per_client = absl::GetFlag(FLAGS_http_max_connections_per_client);
   if (options.http_max_connections < 1 || options.http_max_connections > 65536 ||

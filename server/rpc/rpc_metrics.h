@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "server/core/job_registry.h"
+#include "server/rpc/tcp_listener.h"
 
 namespace prometheus {
 class Collectable;
@@ -43,6 +44,10 @@ class RpcMetrics {
   void StreamOpened(RpcMethod method);
   void StreamClosed(RpcMethod method);
 
+  // The gRPC port's listener, whose connections and self-probe are read at each scrape
+  // (modelavg_grpc_*); must outlive this object's scrapes. Set once, before serving.
+  void set_listener(const TcpListener* listener) { listener_ = listener; }
+
   // Every metric in Prometheus' text format (version 0.0.4), as of now. Thread-safe.
   std::string TextExposition() const;
 
@@ -51,6 +56,7 @@ class RpcMetrics {
   static constexpr int kCodes = 17;
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<prometheus::Collectable> jobs_collector_;
+  const TcpListener* listener_ = nullptr;
   std::array<std::array<prometheus::Counter*, kCodes>, static_cast<int>(RpcMethod::kCount)>
       counters_{};
   std::array<prometheus::Gauge*, static_cast<int>(RpcMethod::kCount)> open_streams_{};
