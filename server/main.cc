@@ -182,10 +182,13 @@ int main(int argc, char** argv) {
   options.listen = absl::GetFlag(FLAGS_listen);
   const int64_t hb = absl::GetFlag(FLAGS_default_heartbeat_timeout_ms);
   const int64_t join = absl::GetFlag(FLAGS_default_join_timeout_ms);
-  if (hb <= 0 || hb > modelavg::kMaxHeartbeatTimeoutMs || join <= 0 ||
-      join > modelavg::kMaxJoinTimeoutMs) {
-    return Fail("--default_heartbeat_timeout_ms must be in (0, 3600000] and "
-                "--default_join_timeout_ms in (0, 86400000]");
+  if (hb < modelavg::kMinHeartbeatTimeoutMs || hb > modelavg::kMaxHeartbeatTimeoutMs ||
+      join < modelavg::kMinJoinTimeoutMs || join > modelavg::kMaxJoinTimeoutMs) {
+    return Fail(absl::StrCat(
+        "--default_heartbeat_timeout_ms must be in [", modelavg::kMinHeartbeatTimeoutMs,
+        ", 3600000] (members beat every 100 ms; a shorter timeout declares live members dead at "
+        "the first late beat) and --default_join_timeout_ms in [",
+        modelavg::kMinJoinTimeoutMs, ", 86400000]"));
   }
   options.defaults.heartbeat_timeout = absl::Milliseconds(hb);
   const int64_t grace = absl::GetFlag(FLAGS_recovery_grace_ms);

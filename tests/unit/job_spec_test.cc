@@ -57,6 +57,35 @@ TEST(JobSpecTest, BadTimeouts_InvalidArgumentNamingField) {
               HasSubstr("join_timeout_ms"));
 }
 
+// heartbeat_timeout_ms=1 was accepted: every member of a running job was declared dead within
+// 35 ms. Timeouts shorter than a real network meets are refused, saying why.
+TEST(JobSpecTest, TimeoutsBelowWhatANetworkMeets_InvalidArgumentWithTheReason) {
+  v1::JobSpec spec = SpecFromText(R"pb(
+    job_id: "j" world_size: 2 mode: PERIODIC levels { period: 2 group_size: 2 }
+  )pb");
+  for (int64_t ms : {int64_t{1}, kMinHeartbeatTimeoutMs - 1}) {
+    spec.set_heartbeat_timeout_ms(ms);
+    const absl::Status s = ScheduleSpecFromProto(spec).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << ms;
+    EXPECT_THAT(std::string(s.message()),
+                HasSubstr(absl::StrCat("heartbeat_timeout_ms is ", ms, "; it must be at least ",
+                                       kMinHeartbeatTimeoutMs)));
+    EXPECT_THAT(std::string(s.message()), HasSubstr("members beat every 100 ms"));
+  }
+  spec.set_heartbeat_timeout_ms(kMinHeartbeatTimeoutMs);
+  EXPECT_TRUE(ScheduleSpecFromProto(spec).ok());
+  for (int64_t ms : {int64_t{1}, kMinJoinTimeoutMs - 1}) {
+    spec.set_join_timeout_ms(ms);
+    const absl::Status s = ScheduleSpecFromProto(spec).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << ms;
+    EXPECT_THAT(std::string(s.message()),
+                HasSubstr(absl::StrCat("join_timeout_ms is ", ms, "; it must be at least ",
+                                       kMinJoinTimeoutMs)));
+  }
+  spec.set_join_timeout_ms(kMinJoinTimeoutMs);
+  EXPECT_TRUE(ScheduleSpecFromProto(spec).ok());
+}
+
 TEST(JobSpecTest, ScheduleErrorsPassThrough) {
   absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(SpecFromText(R"pb(
     job_id: "j" world_size: 6 mode: HIERARCHICAL
