@@ -769,9 +769,13 @@ absl::Status Job::ReportNonFinite(const v1::ReportNonFiniteRequest& request,
       !s.ok()) {
     return s;
   }
-  const std::string payload = request.payload().empty() ? "values" : request.payload();
+  // The payload is the member's free text, shown in the log, the status page, the CLI and
+  // events: its control and bidirectional formatting characters escaped.
+  const std::string payload =
+      request.payload().empty() ? "values" : EscapeControlCharacters(request.payload());
+  const std::string& value = request.value();  // one of NaN, +Inf, -Inf (checked)
   const std::string reason = absl::StrCat(
-      "rank ", rank, " contributed non-finite values (", request.value(), " in tensor ",
+      "rank ", rank, " contributed non-finite values (", value, " in tensor ",
       request.tensor(), " of its ", payload, ") at step ", request.step(), ", level ",
       request.level());
   const absl::Time now = clock_->Now();
@@ -781,7 +785,7 @@ absl::Status Job::ReportNonFinite(const v1::ReportNonFiniteRequest& request,
   report.set_step(request.step());
   report.set_level(request.level());
   report.set_tensor(request.tensor());
-  report.set_value(request.value());
+  report.set_value(value);
   report.set_payload(payload);
   report.set_unix_ms(UnixMs(now));
   // An elastic job goes on without the member, as after a failure: it is declared dead (a

@@ -41,7 +41,8 @@ absl::Status CheckJoinRequest(const v1::JoinRequest& request, int32_t world_size
                                      {"host", request.host()}}) {
     if (const size_t at = FindControlCharacter(value); at != absl::string_view::npos) {
       return absl::InvalidArgumentError(absl::StrCat(
-          field, " \"", EscapeControlCharacters(value), "\" has a control character (byte ", at,
+          field, " \"", EscapeControlCharacters(value),
+          "\" has a control or bidirectional formatting character (byte ", at,
           "); use printable characters only, such as \"host:pid\""));
     }
   }
@@ -127,7 +128,7 @@ absl::Status CheckNonFiniteReport(const v1::ReportNonFiniteRequest& request,
   if (request.value() != "NaN" && request.value() != "+Inf" && request.value() != "-Inf") {
     return absl::InvalidArgumentError(absl::StrCat(
         "a non-finite report's value is \"NaN\", \"+Inf\" or \"-Inf\"; got \"",
-        request.value().substr(0, 16), "\""));
+        EscapeControlCharacters(request.value().substr(0, 16)), "\""));
   }
   if (request.payload().size() > kMaxNonFinitePayloadLength) {
     return absl::InvalidArgumentError(absl::StrCat(
