@@ -424,7 +424,9 @@ absl::Status Job::Heartbeat(const v1::HeartbeatRequest& request,
   const absl::Time now = clock_->Now();
   Outbox out(this);
   absl::MutexLock lock(&mu_);
-  if (!closed_.ok()) return closed_;  // deleted while a stream still held it
+  if (!closed_.ok()) {  // deleted (or stopping) while a stream still held it
+    return deleted_ ? absl::NotFoundError(closed_.message()) : closed_;
+  }
   // A rank without a member is answered (the reply tells a worker whose coordinator lost the
   // job's state that it has the job afresh) and nothing is recorded; a member's rank needs the
   // member's credential.
@@ -1334,6 +1336,7 @@ void Job::Close(const absl::Status& status, bool deleted) {
   absl::MutexLock lock(&mu_);
   if (!closed_.ok()) return;
   closed_ = status;
+  deleted_ = deleted;
   FailAllWaits(status, &out);
   if (plans_.proposed() != 0) FailProposal(status, &out);
   if (deleted) AddEvent(v1::JobEvent::JOB_DELETED, -1, status.ToString(), false, &out);
