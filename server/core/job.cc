@@ -202,7 +202,7 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
   absl::StatusOr<Membership::JoinResult> joined = membership_.Join(
       request.worker_id(), request.host(),
       request.has_rank() ? std::optional<int32_t>(request.rank()) : std::nullopt, now, id(),
-      request.credential(), CredentialDigest(credential));
+      request.credential(), CredentialDigest(credential), request.join_nonce());
   if (!joined.ok()) return fail(joined.status());
   const int32_t rank = joined->rank;
   if (joined->waiting_for_replica) {

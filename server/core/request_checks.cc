@@ -34,6 +34,12 @@ absl::Status CheckJoinRequest(const v1::JoinRequest& request, int32_t world_size
     return absl::InvalidArgumentError(
         absl::StrCat("worker_id and host must be at most ", kMaxWorkerIdLength, " characters"));
   }
+  constexpr size_t kMaxJoinNonceLength = 128;
+  if (request.join_nonce().size() > kMaxJoinNonceLength) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "join_nonce must be at most ", kMaxJoinNonceLength, " characters; got ",
+        request.join_nonce().size(), " (a random value of 16 bytes, in hex, is plenty)"));
+  }
   // Both are shown to operators (the modelavg CLI's tables, the logs): a control character
   // there could drive their terminal.
   for (const auto& [field, value] : {std::pair<const char*, const std::string&>{

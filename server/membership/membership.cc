@@ -126,8 +126,9 @@ absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worke
                                                         absl::Time now,
                                                         const std::string& job_id,
                                                         const std::string& credential,
-                                                        const std::string& new_digest) {
-  const Joiner joiner{worker_id, host, requested, credential, new_digest};
+                                                        const std::string& new_digest,
+                                                        const std::string& nonce) {
+  const Joiner joiner{worker_id, host, requested, credential, new_digest, nonce};
   absl::StatusOr<JoinResult> joined =
       Transact([&] { return JoinInMemory(joiner, now, job_id); });
   // Soft state: heartbeat times count only while RUNNING, from the round's completion.
@@ -232,13 +233,15 @@ absl::StatusOr<Membership::Vacancy> Membership::FindVacancy(const Joiner& joiner
                                                             const std::string& job_id) const {
   const int32_t world = world_size();
   // A live member whose place this Join takes: its holder re-joining (a restart, proven by the
-  // credential), or the same worker retrying a replacement's Join whose reply it never got (it
-  // has not been heard from since).
+  // credential), or the same Join retried after its reply was lost (the replacement has not been
+  // heard from since), proven by the Join's nonce: the worker id alone is public (WatchJob's
+  // MEMBER_ADMITTED names it) and took the rank from the real replacement.
   const auto replaces = [&](int32_t r) {
     const LiveMember& m = members_[r];
     return InRound(m) &&
            (CredentialMatches(joiner.credential, m.credential_digest) ||
-            (m.worker_id == joiner.worker_id && m.admitted_step >= 0 && m.last_step < 0));
+            (m.worker_id == joiner.worker_id && m.admitted_step >= 0 && m.last_step < 0 &&
+             CredentialMatches(joiner.nonce, m.join_nonce_digest)));
   };
   int32_t rank = -1;
   bool replaced = false;
@@ -346,7 +349,8 @@ absl::StatusOr<Membership::JoinResult> Membership::Admit(const Joiner& joiner, a
   result.change.max_reported_step = step->max_reported;
   state_ = v1::RUNNING;
   CarryOver(old_generation, /*except=*/rank);
-  Seat(rank, joiner.worker_id, joiner.host, now, joiner.new_digest, step->step);
+  Seat(rank, joiner.worker_id, joiner.host, now, joiner.new_digest, step->step,
+       CredentialDigest(joiner.nonce));
   ++round_size_;
   return result;
 }
@@ -355,6 +359,10 @@ std::string Membership::ReplicaName(int32_t replica) const {
   const int32_t s = replica_size();
   return absl::StrCat("replica ", replica, " (ranks ", replica * s, "..", replica * s + s - 1,
                       ")");
+}
+
+bool Membership::SameJoin(const WaitingJoiner& w, const Joiner& joiner) {
+  return w.worker_id == joiner.worker_id && CredentialMatches(joiner.nonce, w.nonce_digest);
 }
 
 std::vector<int32_t> Membership::WaitingRanks() const {
@@ -375,7 +383,7 @@ absl::StatusOr<int32_t> Membership::FindReplicaVacancy(const Joiner& joiner,
   if (joiner.rank.has_value()) {
     const int32_t rank = *joiner.rank;
     if (auto w = waiting_.find(rank); w != waiting_.end()) {
-      if (w->second.worker_id == joiner.worker_id) return rank;  // the same Join, retried
+      if (SameJoin(w->second, joiner)) return rank;  // the same Join, retried
       return absl::AlreadyExistsError(absl::StrCat(
           "rank ", rank, " of job ", job_id, " is taken by worker \"", w->second.worker_id,
           "\", which waits for the rest of ", ReplicaName(rank / s),
@@ -402,7 +410,7 @@ absl::StatusOr<int32_t> Membership::FindReplicaVacancy(const Joiner& joiner,
     return rank;
   }
   for (const auto& [rank, w] : waiting_) {
-    if (w.worker_id == joiner.worker_id) return rank;  // the same Join, retried
+    if (SameJoin(w, joiner)) return rank;  // the same Join, retried
   }
   for (int32_t replica = 0; replica < world_size() / s; ++replica) {
     if (live(replica)) continue;
@@ -426,7 +434,8 @@ absl::StatusOr<Membership::JoinResult> Membership::AdmitToReplica(const Joiner& 
   JoinResult result;
   result.rank = *rank;
   result.was_in_round = Waiting(*rank);
-  waiting_[*rank] = WaitingJoiner{joiner.worker_id, joiner.host, joiner.new_digest};
+  waiting_[*rank] = WaitingJoiner{joiner.worker_id, joiner.host, joiner.new_digest,
+                                  CredentialDigest(joiner.nonce)};
   std::vector<int32_t> ranks;
   std::vector<std::string> workers;
   for (int32_t r = replica * s; r < replica * s + s; ++r) {
@@ -458,7 +467,7 @@ absl::StatusOr<Membership::JoinResult> Membership::AdmitToReplica(const Joiner& 
   for (int32_t r : ranks) {
     const WaitingJoiner w = waiting_[r];
     waiting_.erase(r);
-    Seat(r, w.worker_id, w.host, now, w.digest, step->step);
+    Seat(r, w.worker_id, w.host, now, w.digest, step->step, w.nonce_digest);
     ++round_size_;
     if (r != *rank) result.admitted_with.push_back(r);
   }
@@ -476,8 +485,10 @@ void Membership::CarryOver(int64_t old_generation, int32_t except) {
 }
 
 void Membership::Seat(int32_t rank, const std::string& worker_id, const std::string& host,
-                      absl::Time now, const std::string& digest, int64_t admitted_step) {
+                      absl::Time now, const std::string& digest, int64_t admitted_step,
+                      const std::string& nonce_digest) {
   LiveMember& m = Mutable(rank);
+  m.join_nonce_digest = nonce_digest;
   m.worker_id = worker_id;
   m.host = host;
   m.last_step = -1;
