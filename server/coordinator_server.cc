@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "openssl/crypto.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -64,6 +65,15 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
   return grpc::SslServerCredentials(ssl);
 }
 
+// Whether an Authorization header's value is "Bearer <token>" (compared in constant time).
+bool BearerMatches(const std::string& header, const std::string& token) {
+  constexpr absl::string_view kBearer = "Bearer ";
+  if (header.size() != kBearer.size() + token.size() || !absl::StartsWith(header, kBearer)) {
+    return false;
+  }
+  return CRYPTO_memcmp(header.data() + kBearer.size(), token.data(), token.size()) == 0;
+}
+
 // "HOST:PORT" with the bound port; a wildcard host becomes 127.0.0.1 so the address is dialable.
 std::string BoundAddress(const std::string& listen, int port) {
   std::string host = listen.substr(0, listen.rfind(':'));
@@ -109,6 +119,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     return absl::InvalidArgumentError(
         absl::StrCat("the gRPC memory quota is ", options.rpc_memory_quota_bytes,
                      " bytes; give at least 16 MiB (or 0 for none)"));
+  }
+  if (options.metrics_need_token && options.auth_token.empty()) {
+    return absl::InvalidArgumentError(
+        "--metrics_need_token needs --auth_token_file (the token /metrics then asks for)");
   }
   if (options.http_tls && (options.tls_cert_file.empty() || options.tls_key_file.empty())) {
     return absl::InvalidArgumentError("--metrics_tls needs --tls_cert and --tls_key");
@@ -185,11 +199,20 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     }
     absl::StatusOr<std::unique_ptr<HttpServer>> http = HttpServer::Start(
         options.metrics_listen,
-        [metrics = server->metrics_.get(), page](const HttpRequest& request) {
+        [metrics = server->metrics_.get(), page, cache = options.metrics_cache,
+         token = options.metrics_need_token ? options.auth_token : std::string()](
+            const HttpRequest& request) {
           if (request.path == "/metrics") {
             HttpResponse reply;
+            if (!token.empty() && !BearerMatches(request.Header("authorization"), token)) {
+              reply.status = 401;
+              reply.headers.push_back({"WWW-Authenticate", "Bearer"});
+              reply.body = "/metrics needs \"Authorization: Bearer <operator token>\" "
+                           "(--metrics_need_token); Prometheus: authorization.credentials_file\n";
+              return reply;
+            }
             reply.content_type = "text/plain; version=0.0.4; charset=utf-8";
-            reply.body = metrics->TextExposition();
+            reply.body = metrics->CachedTextExposition(cache);
             return reply;
           }
           return page->Handle(request);

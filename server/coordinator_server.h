@@ -81,6 +81,10 @@ struct ServerOptions {
   int http_max_connections = 1024;
   int http_max_connections_per_client = 32;
   absl::Duration http_request_timeout = absl::Seconds(10);
+  // /metrics: how long one exposition serves every scrape (0: made for each), and whether it
+  // needs the operator token (auth_token) as "Authorization: Bearer".
+  absl::Duration metrics_cache = absl::Seconds(1);
+  bool metrics_need_token = false;
   // Serve the HTTP port over TLS with tls_cert_file/tls_key_file (login cookies are then Secure).
   bool http_tls = false;
   // How long a status page login (its session cookie) lasts.

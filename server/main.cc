@@ -85,6 +85,12 @@ ABSL_FLAG(int64_t, http_request_timeout_ms, 10000,
           "How long an HTTP client has to send a whole request and take its reply (from when it "
           "connected or got its previous reply); past it the connection is closed, however "
           "steadily it sends. In [100, 600000].");
+ABSL_FLAG(int64_t, metrics_cache_ms, 1000,
+          "One /metrics exposition serves every scrape for this long (its cost grows with jobs x "
+          "ranks; many scrapers then cost one). 0: made for each scrape. In [0, 60000].");
+ABSL_FLAG(bool, metrics_need_token, false,
+          "/metrics needs the operator token (--auth_token_file) as \"Authorization: Bearer\" "
+          "(Prometheus: authorization.credentials_file).");
 ABSL_FLAG(bool, metrics_tls, false,
           "Serve the HTTP port (--metrics_listen) over TLS with --tls_cert and --tls_key; the "
           "status page's login cookie is then Secure.");
@@ -258,6 +264,10 @@ int main(int argc, char** argv) {
     return Fail("--http_request_timeout_ms must be in [100, 600000]");
   }
   options.http_request_timeout = absl::Milliseconds(request_ms);
+  const int64_t cache_ms = absl::GetFlag(FLAGS_metrics_cache_ms);
+  if (cache_ms < 0 || cache_ms > 60000) return Fail("--metrics_cache_ms must be in [0, 60000]");
+  options.metrics_cache = absl::Milliseconds(cache_ms);
+  options.metrics_need_token = absl::GetFlag(FLAGS_metrics_need_token);
   options.http_tls = absl::GetFlag(FLAGS_metrics_tls);
   if (options.http_tls && options.metrics_listen.empty()) {
     return Fail("--metrics_tls needs --metrics_listen");

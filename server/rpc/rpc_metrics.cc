@@ -209,6 +209,17 @@ std::string RpcMetrics::TextExposition() const {
   return prometheus::TextSerializer().Serialize(families);
 }
 
+std::string RpcMetrics::CachedTextExposition(absl::Duration max_age) const {
+  if (max_age <= absl::ZeroDuration()) return TextExposition();
+  absl::MutexLock lock(&cache_mu_);
+  const absl::Time now = absl::Now();
+  if (now - cached_at_ >= max_age) {
+    cached_ = TextExposition();
+    cached_at_ = now;
+  }
+  return cached_;
+}
+
 RpcMetrics::~RpcMetrics() = default;
 
 void RpcMetrics::CountRpc(RpcMethod method, absl::StatusCode code) {
