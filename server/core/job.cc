@@ -437,6 +437,13 @@ absl::Status Job::Heartbeat(const v1::HeartbeatRequest& request,
       return s;
     }
   }
+  if (membership_.member(request.rank()).present()) {
+    if (absl::Status s =
+            membership_.CheckPlausibleStep(request.rank(), request.step(), now, id());
+        !s.ok()) {
+      return s;
+    }
+  }
   membership_.Heartbeat(request.rank(), request.generation(), request.step(), now);
   // Liveness still counts while halted: the death is written once it can be, of the same ranks.
   if (!halted_.ok()) return halted_;
@@ -491,6 +498,10 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
     }
     // Progress and liveness count only from the rank's member; anyone may read the decision.
     if (membership_.CheckCredential(rank, request.credential(), "Step", id()).ok()) {
+      if (absl::Status s = membership_.CheckPlausibleStep(rank, request.step(), now, id());
+          !s.ok()) {
+        return s;
+      }
       membership_.RecordStep(rank, request.step(), now);
       // Handed out to the rank: a later plan switches past it.
       plans_.Handed(rank, request.step());

@@ -708,6 +708,25 @@ void Membership::Heartbeat(int32_t rank, int64_t generation, int64_t step, absl:
   }
 }
 
+absl::Status Membership::CheckPlausibleStep(int32_t rank, int64_t step, absl::Time now,
+                                            const std::string& job_id) const {
+  if (progress_max_ < 0 || step <= progress_max_) return absl::OkStatus();
+  const double rate = std::max(steps_per_second_, 0.0);
+  const double seconds =
+      std::max(1.0, rate_sample_time_ == absl::InfinitePast()
+                        ? 1.0
+                        : absl::ToDoubleSeconds(now - rate_sample_time_));
+  // In double: a pace near 2^63 steps per second must not overflow the bound.
+  const double bound = static_cast<double>(progress_max_) + static_cast<double>(kStepLeap) +
+                       10.0 * rate * seconds;
+  if (static_cast<double>(step) <= bound) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "rank ", rank, " of job ", job_id, " reported step ", step, ", which the job's pace cannot "
+      "have reached: its members have reported at most step ", progress_max_, ", at about ",
+      static_cast<int64_t>(rate), " steps per second; a step more than ", kStepLeap,
+      " plus ten times that pace ahead is refused (is the worker's step counter corrupt?)"));
+}
+
 void Membership::NoteProgress(int64_t step, absl::Time now) {
   progress_max_ = std::max(progress_max_, step);
   if (rate_sample_time_ == absl::InfinitePast()) {

@@ -225,6 +225,16 @@ class Membership {
   // The rank's HeartbeatStream broke (its connection dropped, not a clean end).
   void StreamLost(int32_t rank, absl::Time now);
 
+  // OK when `step`, reported by `rank` at `now`, is one the job's pace can have reached: at most
+  // kStepLeap + 10 x (its steps per second) x (the time since the pace was sampled, at least a
+  // second) past the largest step reported since the job formed. INVALID_ARGUMENT otherwise,
+  // saying why: one member reporting 2^62 made every later admission fail ("too large"), and at
+  // 10^15 an admission landed past it. Anything goes while nothing is reported (a job resumed
+  // from a checkpoint starts where it was).
+  absl::Status CheckPlausibleStep(int32_t rank, int64_t step, absl::Time now,
+                                  const std::string& job_id) const;
+  static constexpr int64_t kStepLeap = 1'000'000;
+
   // Liveness and progress of a rank; counts only for the worker of `generation`.
   void Heartbeat(int32_t rank, int64_t generation, int64_t step, absl::Time now);
   // Progress reported through Step (the generation was checked by the caller).

@@ -664,6 +664,29 @@ TEST_F(ElasticJobTest, DeadRank_DecisionsListLiveMembers_EmptyBlockDoesNotAverag
 }
 
 
+// A member that reported step 2^62 made every later replacement's Join fail "too large" (and at
+// 10^15 the admission landed at 10^15 + 8). A step the job's pace cannot have reached is now
+// refused, saying why, and recorded nowhere: the admission lands after the real steps.
+TEST_F(ElasticJobTest, ImplausibleStep_RefusedAndAdmissionsUnaffected) {
+  std::shared_ptr<Job> job = MakeRunningJob();
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(Beat(*job, r, 1, 3).ok());
+  for (int64_t step : {int64_t{1} << 62, int64_t{1'000'000'000'000'000}}) {
+    const absl::Status s = Beat(*job, 1, 1, step);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << step;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("which the job's pace cannot have reached"));
+    EXPECT_THAT(std::string(s.message()), HasSubstr("at most step 3"));
+  }
+  // A leap within the bound is a step like any other.
+  EXPECT_TRUE(Beat(*job, 2, 1, 3 + 1000).ok());
+  v1::Job state;
+  job->ToProto(&state);
+  EXPECT_EQ(state.max_step(), 1003);
+  Kill(*job, {3}, 1);
+  absl::StatusOr<v1::JoinResponse> joined = JoinAs(*job, "new");
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  EXPECT_LT(joined->admission_step(), 2000);
+}
+
 // A replacement's rank was taken by a Join carrying its worker id, read from WatchJob's
 // MEMBER_ADMITTED 2 ms after the admission and sent before the replacement's first beat: the
 // thief got the rank and a fresh credential (enough for GetCommId), and the real replacement
