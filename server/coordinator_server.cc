@@ -17,6 +17,7 @@
 #include "server/http/status_page.h"
 #include "server/jobs_file.h"
 #include "server/leader_terms.h"
+#include "server/membership/decisions.h"
 #include "server/rpc/coordinator_service.h"
 #include "server/rpc/rpc_metrics.h"
 #include "server/rpc/tcp_listener.h"
@@ -230,6 +231,13 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   server->service_ = std::make_unique<CoordinatorService>(
       server->registry_.get(), std::move(auth), server->metrics_.get(),
       options.max_request_bytes);
+  if (options.rpc_schedule_bytes_per_client < kMaxScheduleReplyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--rpc_schedule_bytes_per_client is ", options.rpc_schedule_bytes_per_client,
+        "; it must be at least ", kMaxScheduleReplyBytes,
+        " (the largest GetSchedule answer) so that one answer always fits"));
+  }
+  server->service_->set_schedule_bytes_per_client(options.rpc_schedule_bytes_per_client);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

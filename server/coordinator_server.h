@@ -70,6 +70,9 @@ struct ServerOptions {
   // one client address (server/rpc/tcp_listener.h). Past either, a new connection is closed.
   int rpc_max_connections = 0;
   int rpc_max_connections_per_client = 512;
+  // The most bytes of GetSchedule answers one client address may have in flight at once
+  // (server/rpc/coordinator_service.h); at least 4 MiB.
+  int64_t rpc_schedule_bytes_per_client = int64_t{64} << 20;
   // How often the gRPC port opens a connection to itself to check that a new client is taken
   // (health and metrics report NOT_SERVING / 0 while one is not).
   absl::Duration rpc_accept_probe_interval = absl::Seconds(5);

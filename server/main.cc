@@ -72,6 +72,10 @@ ABSL_FLAG(int32_t, rpc_max_connections, 0,
 ABSL_FLAG(int32_t, rpc_max_connections_per_client, 512,
           "The gRPC port's most connections at once from one client address (at most "
           "--rpc_max_connections); its next ones are closed at once. At least 1.");
+ABSL_FLAG(int64_t, rpc_schedule_bytes_per_client, int64_t{64} << 20,
+          "The most bytes of GetSchedule answers one client address may have in flight (built, "
+          "not yet sent) at once; past it an answer is refused RESOURCE_EXHAUSTED. At least "
+          "4177920 (the largest answer).");
 ABSL_FLAG(int64_t, rpc_accept_probe_interval_ms, 5000,
           "How often the coordinator opens a new connection to its own gRPC port to check that "
           "a new client is taken; while one is not, health says NOT_SERVING and the metric "
@@ -246,6 +250,7 @@ int main(int argc, char** argv) {
     return Fail("--rpc_max_connections must be 0 (from the limit on open files) or positive, "
                 "and --rpc_max_connections_per_client at least 1");
   }
+  options.rpc_schedule_bytes_per_client = absl::GetFlag(FLAGS_rpc_schedule_bytes_per_client);
   const int64_t probe_ms = absl::GetFlag(FLAGS_rpc_accept_probe_interval_ms);
   if (probe_ms < 100 || probe_ms > 600000) {
     return Fail("--rpc_accept_probe_interval_ms must be in [100, 600000]");

@@ -48,7 +48,7 @@ absl::Status CheckJoinRequest(const v1::JoinRequest& request, int32_t world_size
     if (const size_t at = FindControlCharacter(value); at != absl::string_view::npos) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, " \"", EscapeControlCharacters(value),
-          "\" has a control or bidirectional formatting character (byte ", at,
+          "\" has a control character or a bidirectional formatting character (byte ", at,
           "); use printable characters only, such as \"host:pid\""));
     }
   }

@@ -504,6 +504,118 @@ TEST(FloodTest, GrpcPortFull_HealthAndMetricsSayNotAccepting) {
   EXPECT_TRUE(PingWithToken(daemon.address(), absl::Seconds(10)));
 }
 
+// A call of `method` whose answer this client never reads: beyond the stream's flow-control
+// window (64 KiB, no bandwidth probing) the answer stays in the coordinator until it is sent.
+class UnreadCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  UnreadCall(grpc::GenericStub* stub, const std::string& method, const std::string& request) {
+    ctx_.AddMetadata("authorization", absl::StrCat("Bearer ", kOperator));
+    ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    const grpc::Slice slice(request);
+    request_ = grpc::ByteBuffer(&slice, 1);
+    stub->PrepareBidiStreamingCall(&ctx_, method, grpc::StubOptions(), this);
+    StartWriteLast(&request_, grpc::WriteOptions());
+    StartCall();
+  }
+  ~UnreadCall() override {
+    ctx_.TryCancel();
+    done_.WaitForNotification();
+  }
+  void OnDone(const grpc::Status&) override { done_.Notify(); }
+
+ private:
+  grpc::ClientContext ctx_;
+  grpc::ByteBuffer request_;
+  absl::Notification done_;
+};
+
+// A unary call of `method` with the operator's token on `channel`; its status and the answer's
+// size.
+std::pair<grpc::Status, size_t> RawCall(const std::shared_ptr<grpc::Channel>& channel,
+                                        const std::string& method, const std::string& request) {
+  grpc::GenericStub stub(channel);
+  const grpc::Slice slice(request);
+  grpc::ByteBuffer in(&slice, 1), out;
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("authorization", absl::StrCat("Bearer ", kOperator));
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  absl::Notification done;
+  grpc::Status status;
+  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &in, &out, [&](grpc::Status s) {
+    status = std::move(s);
+    done.Notify();
+  });
+  done.WaitForNotification();
+  return {status, out.Length()};
+}
+
+// A hundred GetSchedule calls of the largest window at once pushed the coordinator's RSS to
+// 1.69 GB, held until each answer was sent. The answers one client address has in flight are
+// bounded now (--rpc_schedule_bytes_per_client): with one ~3 MB answer held (never read), the
+// next is refused RESOURCE_EXHAUSTED naming the bound, and once the first is gone it is answered.
+TEST(FloodTest, ScheduleAnswersInFlight_BoundedPerClient) {
+  Daemon daemon({"--rpc_schedule_bytes_per_client=4177920"});
+  ASSERT_FALSE(daemon.address().empty()) << daemon.process().err();
+  grpc::Status created = CallWithToken(
+      daemon.address(), absl::Seconds(10), [](v1::Coordinator::Stub* stub,
+                                              grpc::ClientContext* ctx) {
+        v1::CreateJobRequest request;
+        v1::JobSpec* spec = request.mutable_spec();
+        spec->set_job_id("wide");
+        spec->set_world_size(4096);
+        spec->set_mode(v1::HIERARCHICAL);
+        v1::Level* pairs = spec->add_levels();
+        pairs->set_period(1);
+        pairs->set_group_size(2);
+        v1::Level* world = spec->add_levels();
+        world->set_period(2);
+        world->set_group_size(4096);
+        v1::Job job;
+        return stub->CreateJob(ctx, request, &job);
+      });
+  ASSERT_TRUE(created.ok()) << created.error_message();
+  v1::GetScheduleRequest window;
+  window.set_job_id("wide");
+  window.set_from_step(1);
+  window.set_count(90);
+  const std::string request = window.SerializeAsString();
+  const std::string method = "/modelavg.v1.Coordinator/GetSchedule";
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetMaxReceiveMessageSize(-1);
+  auto channel = grpc::CreateCustomChannel(daemon.address(), grpc::InsecureChannelCredentials(),
+                                           args);
+  const auto [alone, bytes] = RawCall(channel, method, request);
+  ASSERT_TRUE(alone.ok()) << alone.error_message();
+  ASSERT_GT(bytes, 4177920u / 2) << "the window's answer is too small for the test";
+  std::printf("one GetSchedule answer: %zu bytes\n", bytes);
+  grpc::GenericStub stub(channel);
+  auto held = std::make_unique<UnreadCall>(&stub, method, request);
+  grpc::Status refused;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline) {
+    refused = RawCall(channel, method, request).first;
+    if (refused.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << "a second answer while one is held: " << refused.error_message();
+  EXPECT_THAT(refused.error_message(), HasSubstr("--rpc_schedule_bytes_per_client"));
+  held.reset();  // cancelled: its answer is dropped
+  const grpc::Status again = [&] {
+    grpc::Status last;
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    while (absl::Now() < until) {
+      last = RawCall(channel, method, request).first;
+      if (last.ok()) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return last;
+  }();
+  EXPECT_TRUE(again.ok()) << again.error_message();
+}
+
 // A HeartbeatStream opened without a token and held open (nothing sent, never half-closed).
 class SilentStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
