@@ -118,6 +118,29 @@ std::shared_ptr<grpc::Channel> OwnChannel(const std::string& address) {
   return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
 }
 
+// One unary call of `method` on `channel` with `request` as its bytes (and `token`, if any, as
+// the bearer); its status and answer.
+std::pair<grpc::Status, grpc::ByteBuffer> GenericCall(const std::shared_ptr<grpc::Channel>& channel,
+                                                      const std::string& method,
+                                                      const grpc::Slice& request,
+                                                      const std::string& token,
+                                                      absl::Duration timeout = absl::Seconds(30)) {
+  grpc::GenericStub stub(channel);
+  grpc::ByteBuffer in(&request, 1), out;
+  grpc::ClientContext ctx;
+  if (!token.empty()) ctx.AddMetadata("authorization", absl::StrCat("Bearer ", token));
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
+  absl::Notification done;
+  grpc::Status status;
+  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &in, &out, [&](grpc::Status s) {
+    status = std::move(s);
+    done.Notify();
+  });
+  done.WaitForNotification();
+  return {status, std::move(out)};
+}
+
 // `clients` clients on connections of their own, each making `calls` calls of `method` with a
 // request of `bytes` bytes (and `token`, if any) at once; the number of calls answered with each
 // code.
@@ -130,20 +153,9 @@ std::map<grpc::StatusCode, int> Flood(const std::string& address, const std::str
   std::vector<std::thread> threads;
   for (int c = 0; c < clients; ++c) {
     threads.emplace_back([&] {
-      grpc::GenericStub stub(OwnChannel(address));
+      std::shared_ptr<grpc::Channel> channel = OwnChannel(address);
       for (int i = 0; i < calls; ++i) {
-        grpc::ByteBuffer request(&payload, 1);
-        grpc::ByteBuffer reply;
-        grpc::ClientContext ctx;
-        if (!token.empty()) ctx.AddMetadata("authorization", absl::StrCat("Bearer ", token));
-        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-        absl::Notification done;
-        grpc::Status status;
-        stub.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &reply, [&](grpc::Status s) {
-          status = std::move(s);
-          done.Notify();
-        });
-        done.WaitForNotification();
+        const grpc::Status status = GenericCall(channel, method, payload, token).first;
         absl::MutexLock lock(&mu);
         ++codes[status.error_code()];
       }
@@ -192,20 +204,10 @@ TEST(FloodTest, AuthenticatedBigMessages_RefusedWithinTheMemoryQuota) {
   Daemon daemon({"--rpc_memory_quota_mb=64"});
   ASSERT_FALSE(daemon.address().empty()) << daemon.process().err();
   {
-    grpc::GenericStub stub(OwnChannel(daemon.address()));
-    const grpc::Slice payload(std::string(100 * 1024, 'x'));
-    grpc::ByteBuffer request(&payload, 1), reply;
-    grpc::ClientContext ctx;
-    ctx.AddMetadata("authorization", absl::StrCat("Bearer ", kOperator));
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    absl::Notification done;
-    grpc::Status status;
-    stub.UnaryCall(&ctx, "/modelavg.v1.Coordinator/Join", grpc::StubOptions(), &request, &reply,
-                   [&](grpc::Status s) {
-                     status = std::move(s);
-                     done.Notify();
-                   });
-    done.WaitForNotification();
+    const grpc::Status status =
+        GenericCall(OwnChannel(daemon.address()), "/modelavg.v1.Coordinator/Join",
+                    grpc::Slice(std::string(100 * 1024, 'x')), kOperator, absl::Seconds(10))
+            .first;
     EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
     EXPECT_THAT(status.error_message(),
                 HasSubstr("Join takes a request of at most 65536 bytes; this one has 102400"));
@@ -417,19 +419,9 @@ TEST(FloodTest, OpenFileLimitReached_AcceptsAgainOnceTheConnectionsClose) {
 // The standard health check's status on `channel` (an existing connection): 1 SERVING,
 // 2 NOT_SERVING, -1 no answer.
 int HealthStatus(const std::shared_ptr<grpc::Channel>& channel) {
-  grpc::GenericStub stub(channel);
-  const grpc::Slice empty{std::string()};  // HealthCheckRequest{service: ""}: no bytes
-  grpc::ByteBuffer request(&empty, 1), reply;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  absl::Notification done;
-  grpc::Status status;
-  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &reply,
-                 [&](grpc::Status s) {
-                   status = std::move(s);
-                   done.Notify();
-                 });
-  done.WaitForNotification();
+  // HealthCheckRequest{service: ""}: no bytes.
+  auto [status, reply] = GenericCall(channel, "/grpc.health.v1.Health/Check",
+                                     grpc::Slice(std::string()), "", absl::Seconds(5));
   std::vector<grpc::Slice> slices;
   if (!status.ok() || !reply.Dump(&slices).ok()) return -1;
   std::string bytes;
@@ -533,19 +525,7 @@ class UnreadCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
 // size.
 std::pair<grpc::Status, size_t> RawCall(const std::shared_ptr<grpc::Channel>& channel,
                                         const std::string& method, const std::string& request) {
-  grpc::GenericStub stub(channel);
-  const grpc::Slice slice(request);
-  grpc::ByteBuffer in(&slice, 1), out;
-  grpc::ClientContext ctx;
-  ctx.AddMetadata("authorization", absl::StrCat("Bearer ", kOperator));
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  absl::Notification done;
-  grpc::Status status;
-  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &in, &out, [&](grpc::Status s) {
-    status = std::move(s);
-    done.Notify();
-  });
-  done.WaitForNotification();
+  auto [status, out] = GenericCall(channel, method, grpc::Slice(request), kOperator);
   return {status, out.Length()};
 }
 
@@ -580,17 +560,20 @@ TEST(FloodTest, ScheduleAnswersInFlight_BoundedPerClient) {
   window.set_count(90);
   const std::string request = window.SerializeAsString();
   const std::string method = "/modelavg.v1.Coordinator/GetSchedule";
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-  args.SetMaxReceiveMessageSize(-1);
-  auto channel = grpc::CreateCustomChannel(daemon.address(), grpc::InsecureChannelCredentials(),
-                                           args);
+  std::shared_ptr<grpc::Channel> channel = OwnChannel(daemon.address());
   const auto [alone, bytes] = RawCall(channel, method, request);
   ASSERT_TRUE(alone.ok()) << alone.error_message();
   ASSERT_GT(bytes, 4177920u / 2) << "the window's answer is too small for the test";
   std::printf("one GetSchedule answer: %zu bytes\n", bytes);
-  grpc::GenericStub stub(channel);
+  // The held answer on a connection of its own whose windows never grow (no bandwidth probing,
+  // a small window per stream): nothing read there, nothing more is sent.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 16 * 1024);
+  args.SetMaxReceiveMessageSize(-1);
+  grpc::GenericStub stub(grpc::CreateCustomChannel(
+      daemon.address(), grpc::InsecureChannelCredentials(), args));
   auto held = std::make_unique<UnreadCall>(&stub, method, request);
   grpc::Status refused;
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
