@@ -17,6 +17,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/peer_address.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::server {
@@ -138,27 +139,8 @@ void OnCompleted(void* cls, MHD_Connection* connection, void** con_cls,
   static_cast<HttpServer*>(cls)->RequestEnded(connection);
 }
 
-// The client's address without its port (an IPv4 client through an IPv6 socket as IPv4).
-std::string ClientOf(const sockaddr* addr) {
-  char text[INET6_ADDRSTRLEN] = {0};
-  if (addr == nullptr) return "?";
-  if (addr->sa_family == AF_INET) {
-    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(addr)->sin_addr, text, sizeof(text));
-  } else if (addr->sa_family == AF_INET6) {
-    const in6_addr& a = reinterpret_cast<const sockaddr_in6*>(addr)->sin6_addr;
-    if (IN6_IS_ADDR_V4MAPPED(&a)) {
-      inet_ntop(AF_INET, &a.s6_addr[12], text, sizeof(text));
-    } else {
-      inet_ntop(AF_INET6, &a, text, sizeof(text));
-    }
-  } else {
-    return "?";
-  }
-  return text;
-}
-
 MHD_Result OnAccept(void* cls, const sockaddr* addr, socklen_t) {
-  return static_cast<HttpServer*>(cls)->AdmitConnection(ClientOf(addr)) ? MHD_YES : MHD_NO;
+  return static_cast<HttpServer*>(cls)->AdmitConnection(PeerAddress(addr)) ? MHD_YES : MHD_NO;
 }
 
 void OnConnection(void* cls, MHD_Connection* connection, void**,
@@ -170,7 +152,7 @@ void OnConnection(void* cls, MHD_Connection* connection, void**,
     const MHD_ConnectionInfo* from =
         MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
     server->ConnectionOpened(connection, info == nullptr ? -1 : info->connect_fd,
-                             from == nullptr ? "?" : ClientOf(from->client_addr));
+                             from == nullptr ? "?" : PeerAddress(from->client_addr));
   } else {
     server->ConnectionClosed(connection);
   }

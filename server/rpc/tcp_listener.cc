@@ -20,6 +20,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "common/peer_address.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::server {
@@ -34,24 +35,8 @@ constexpr absl::Duration kMostBackoff = absl::Milliseconds(500);
 // Accepts in one go before the loop looks at its other sockets and the clock again.
 constexpr int kAcceptBatch = 256;
 
-// The client's address without its port; an IPv4 client seen through an IPv6 socket is shown
-// as IPv4, so that it is one client whichever way it came.
 std::string ClientAddress(const sockaddr_storage& peer) {
-  char text[INET6_ADDRSTRLEN] = {0};
-  if (peer.ss_family == AF_INET) {
-    const auto* in = reinterpret_cast<const sockaddr_in*>(&peer);
-    inet_ntop(AF_INET, &in->sin_addr, text, sizeof(text));
-  } else if (peer.ss_family == AF_INET6) {
-    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&peer);
-    if (IN6_IS_ADDR_V4MAPPED(&in6->sin6_addr)) {
-      inet_ntop(AF_INET, &in6->sin6_addr.s6_addr[12], text, sizeof(text));
-    } else {
-      inet_ntop(AF_INET6, &in6->sin6_addr, text, sizeof(text));
-    }
-  } else {
-    return "?";
-  }
-  return text;
+  return PeerAddress(reinterpret_cast<const sockaddr*>(&peer));
 }
 
 // The client's address and port, as ClientAddress shows the address.
@@ -500,17 +485,11 @@ void TcpListener::ProbeLoop() {
 }
 
 bool TcpListener::ProbeOnce() {
-  // The first socket that is listening; the others share its port and loop.
-  const Socket* target = nullptr;
-  for (const Socket& s : sockets_) {
-    if (s.fd >= 0) {
-      target = &s;
-      break;
-    }
-  }
-  if (target == nullptr) return false;
+  // The first socket's address (the others share its port and loop). Only its address, which
+  // never changes, is read here: its descriptor is the accept loop's.
+  if (sockets_.empty()) return false;
   socklen_t len = 0;
-  sockaddr_storage dial = DialableAddress(target->addr, &len);
+  sockaddr_storage dial = DialableAddress(sockets_.front().addr, &len);
   // Out of descriptors here too: no new client would be taken either.
   const int fd = socket(dial.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0) return false;
