@@ -402,12 +402,13 @@ void TcpListener::Admit(int fd, int listener_fd, const sockaddr_storage& peer,
       ++refused_since_log_;
       const absl::Time now = absl::Now();
       if (now - last_refusal_log_ >= kRefusalLogEvery) {
-        spdlog::warn("gRPC port: refused {} connection(s) in the last {} s (latest from {}: {}); "
-                     "bounds --rpc_max_connections={}, --rpc_max_connections_per_client={}",
+        spdlog::warn("gRPC port: refused {} connection(s) {} (latest from {}: {}); bounds "
+                     "--rpc_max_connections={}, --rpc_max_connections_per_client={}",
                      refused_since_log_,
                      last_refusal_log_ == absl::InfinitePast()
-                         ? 0
-                         : absl::ToInt64Seconds(now - last_refusal_log_),
+                         ? std::string("since the start")
+                         : absl::StrCat("in the last ",
+                                        absl::ToInt64Seconds(now - last_refusal_log_), " s"),
                      client, still_all ? "every slot taken" : "its address has its most open",
                      options_.max_connections, options_.max_connections_per_client);
         last_refusal_log_ = now;
