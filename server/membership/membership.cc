@@ -160,7 +160,8 @@ absl::StatusOr<Membership::JoinResult> Membership::JoinInMemory(const Joiner& jo
   result.rank = *rank;
   result.was_in_round = InRound(members_[*rank]);
   if (!result.was_in_round) ++round_size_;
-  Seat(*rank, joiner.worker_id, joiner.host, now, joiner.new_digest, /*admitted_step=*/-1);
+  Seat(*rank, joiner.worker_id, joiner.host, now, joiner.new_digest, /*admitted_step=*/-1,
+       CredentialDigest(joiner.nonce));
   if (round_size_ == world) {
     state_ = v1::RUNNING;
     MarkHeader();
@@ -201,17 +202,21 @@ absl::StatusOr<int32_t> Membership::ChooseRank(const Joiner& joiner,
   } else if (joiner.rank.has_value()) {
     rank = *joiner.rank;
     const LiveMember& m = members_[rank];
-    // The same worker id again in an assembling round is a retried Join (its reply, and so
-    // its credential, may never have arrived).
-    if (InRound(m) && m.worker_id != joiner.worker_id &&
+    // The same Join again in an assembling round is a retry (its reply, and so its credential,
+    // may never have arrived).
+    if (InRound(m) && !RetriedJoin(m, joiner) &&
         !CredentialMatches(joiner.credential, m.credential_digest)) {
       return HeldByOther(rank, job_id);
     }
   } else {
-    // The same worker again keeps its rank; a survivor of an earlier generation gets its old
-    // rank back if free; anyone else the lowest free rank.
+    // The same Join again keeps its rank; a survivor of an earlier generation gets its old rank
+    // back if free; anyone else the lowest free rank.
     for (int32_t r = 0; r < world && rank < 0; ++r) {
-      if (members_[r].present() && members_[r].worker_id == joiner.worker_id) rank = r;
+      const LiveMember& m = members_[r];
+      if (InRound(m) ? RetriedJoin(m, joiner)
+                     : m.present() && m.worker_id == joiner.worker_id) {
+        rank = r;
+      }
     }
     for (int32_t r = 0; r < world && rank < 0; ++r) {
       if (!InRound(members_[r])) rank = r;
@@ -359,6 +364,12 @@ std::string Membership::ReplicaName(int32_t replica) const {
   const int32_t s = replica_size();
   return absl::StrCat("replica ", replica, " (ranks ", replica * s, "..", replica * s + s - 1,
                       ")");
+}
+
+bool Membership::RetriedJoin(const LiveMember& m, const Joiner& joiner) {
+  if (m.worker_id != joiner.worker_id) return false;
+  // A seat taken without a nonce (a client older than join_nonce) is retried by its worker id.
+  return m.join_nonce_digest.empty() || CredentialMatches(joiner.nonce, m.join_nonce_digest);
 }
 
 bool Membership::SameJoin(const WaitingJoiner& w, const Joiner& joiner) {

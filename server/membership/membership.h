@@ -286,6 +286,10 @@ class Membership {
   // `joiner` is the Join of the worker waiting in `w` for its replica, retried: the same worker
   // id and the same nonce.
   static bool SameJoin(const WaitingJoiner& w, const Joiner& joiner);
+  // `joiner` is the Join that seated `m` in an assembling round, retried: the same worker id
+  // and, when that Join sent one, the same nonce (the worker id alone is public: WatchJob and
+  // GetJob show it).
+  static bool RetriedJoin(const LiveMember& m, const Joiner& joiner);
   // What Join, Leave and Die change in memory (see Transact).
   absl::StatusOr<JoinResult> JoinInMemory(const Joiner& joiner, absl::Time now,
                                           const std::string& job_id);
