@@ -111,6 +111,12 @@ absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec) {
         absl::StrCat("heartbeat_timeout_ms must be in [0, ", kMaxHeartbeatTimeoutMs,
                      "] (0: the coordinator's default), got ", spec.heartbeat_timeout_ms()));
   }
+  if (spec.heartbeat_timeout_ms() > 0 && spec.heartbeat_timeout_ms() < kMinHeartbeatTimeoutMs) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "heartbeat_timeout_ms is ", spec.heartbeat_timeout_ms(), "; it must be at least ",
+        kMinHeartbeatTimeoutMs, " (or 0: the coordinator's default): members beat every 100 ms, "
+        "and a shorter timeout declares live members dead at the first late beat"));
+  }
   if (spec.min_world_size() < 0 || spec.min_world_size() > spec.world_size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "min_world_size must be in [1, world_size = ", spec.world_size(),
@@ -127,6 +133,12 @@ absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec) {
     return absl::InvalidArgumentError(
         absl::StrCat("join_timeout_ms must be in [0, ", kMaxJoinTimeoutMs,
                      "] (0: the coordinator's default), got ", spec.join_timeout_ms()));
+  }
+  if (spec.join_timeout_ms() > 0 && spec.join_timeout_ms() < kMinJoinTimeoutMs) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "join_timeout_ms is ", spec.join_timeout_ms(), "; it must be at least ",
+        kMinJoinTimeoutMs, " (or 0: the coordinator's default): a Join waits for every other "
+        "worker of the world to start and reach the coordinator"));
   }
   return out;
 }

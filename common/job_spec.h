@@ -17,6 +17,13 @@ namespace modelavg {
 inline constexpr size_t kMaxJobIdLength = 128;
 inline constexpr int64_t kMaxHeartbeatTimeoutMs = 3600 * 1000;
 inline constexpr int64_t kMaxJoinTimeoutMs = 24 * 3600 * 1000;
+// The shortest timeouts a job may have. A member beats every 100 ms (ClientOptions::
+// heartbeat_interval); below 500 ms one late beat (a pause of the trainer's process, a
+// retransmission on a busy link) declares a live member dead, and the whole world can be
+// declared dead within a few beats. A Join waits for the rest of the world, which takes at least
+// a round trip to every worker and the workers' own start.
+inline constexpr int64_t kMinHeartbeatTimeoutMs = 500;
+inline constexpr int64_t kMinJoinTimeoutMs = 1000;
 
 // INVALID_ARGUMENT unless `job_id` is 1-128 characters of [A-Za-z0-9._-].
 absl::Status ValidateJobId(absl::string_view job_id);

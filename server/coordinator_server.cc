@@ -1,8 +1,10 @@
 #include "server/coordinator_server.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "openssl/crypto.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -15,8 +17,10 @@
 #include "server/http/status_page.h"
 #include "server/jobs_file.h"
 #include "server/leader_terms.h"
+#include "server/membership/decisions.h"
 #include "server/rpc/coordinator_service.h"
 #include "server/rpc/rpc_metrics.h"
+#include "server/rpc/tcp_listener.h"
 #include "server/store/sqlite/sqlite_state_store.h"
 #include "server/store/state_store.h"
 #include "spdlog/spdlog.h"
@@ -60,6 +64,15 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
     ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   return grpc::SslServerCredentials(ssl);
+}
+
+// Whether an Authorization header's value is "Bearer <token>" (compared in constant time).
+bool BearerMatches(const std::string& header, const std::string& token) {
+  constexpr absl::string_view kBearer = "Bearer ";
+  if (header.size() != kBearer.size() + token.size() || !absl::StartsWith(header, kBearer)) {
+    return false;
+  }
+  return CRYPTO_memcmp(header.data() + kBearer.size(), token.data(), token.size()) == 0;
 }
 
 // "HOST:PORT" with the bound port; a wildcard host becomes 127.0.0.1 so the address is dialable.
@@ -107,6 +120,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     return absl::InvalidArgumentError(
         absl::StrCat("the gRPC memory quota is ", options.rpc_memory_quota_bytes,
                      " bytes; give at least 16 MiB (or 0 for none)"));
+  }
+  if (options.metrics_need_token && options.auth_token.empty()) {
+    return absl::InvalidArgumentError(
+        "--metrics_need_token needs --auth_token_file (the token /metrics then asks for)");
   }
   if (options.http_tls && (options.tls_cert_file.empty() || options.tls_key_file.empty())) {
     return absl::InvalidArgumentError("--metrics_tls needs --tls_cert and --tls_key");
@@ -183,11 +200,20 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     }
     absl::StatusOr<std::unique_ptr<HttpServer>> http = HttpServer::Start(
         options.metrics_listen,
-        [metrics = server->metrics_.get(), page](const HttpRequest& request) {
+        [metrics = server->metrics_.get(), page, cache = options.metrics_cache,
+         token = options.metrics_need_token ? options.auth_token : std::string()](
+            const HttpRequest& request) {
           if (request.path == "/metrics") {
             HttpResponse reply;
+            if (!token.empty() && !BearerMatches(request.Header("authorization"), token)) {
+              reply.status = 401;
+              reply.headers.push_back({"WWW-Authenticate", "Bearer"});
+              reply.body = "/metrics needs \"Authorization: Bearer <operator token>\" "
+                           "(--metrics_need_token); Prometheus: authorization.credentials_file\n";
+              return reply;
+            }
             reply.content_type = "text/plain; version=0.0.4; charset=utf-8";
-            reply.body = metrics->TextExposition();
+            reply.body = metrics->CachedTextExposition(cache);
             return reply;
           }
           return page->Handle(request);
@@ -205,6 +231,13 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   server->service_ = std::make_unique<CoordinatorService>(
       server->registry_.get(), std::move(auth), server->metrics_.get(),
       options.max_request_bytes);
+  if (options.rpc_schedule_bytes_per_client < kMaxScheduleReplyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--rpc_schedule_bytes_per_client is ", options.rpc_schedule_bytes_per_client,
+        "; it must be at least ", kMaxScheduleReplyBytes,
+        " (the largest GetSchedule answer) so that one answer always fits"));
+  }
+  server->service_->set_schedule_bytes_per_client(options.rpc_schedule_bytes_per_client);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -229,7 +262,43 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     server->quota_->Resize(static_cast<size_t>(options.rpc_memory_quota_bytes));
     builder.SetResourceQuota(*server->quota_);
   }
-  builder.AddListeningPort(options.listen, *creds, &server->port_);
+  // The port's listening socket and accept loop are the listener's, not gRPC's: gRPC 1.51's own
+  // listener stops for good at the first EMFILE (server/rpc/tcp_listener.h). Each connection
+  // the listener admits goes to gRPC here, with the port's credentials (TLS or plaintext).
+  // Descriptors kept back from it: the HTTP port's connections, and a reserve for the stores,
+  // etcd, logs and gRPC's own.
+  constexpr int kReservedDescriptors = 64;
+  absl::StatusOr<int> max_connections = ConnectionsUnderFileLimit(
+      options.rpc_max_connections,
+      kReservedDescriptors + (options.metrics_listen.empty() ? 0 : options.http_max_connections));
+  if (!max_connections.ok()) return max_connections.status();
+  if (options.rpc_max_connections_per_client < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rpc_max_connections_per_client is ",
+                     options.rpc_max_connections_per_client, "; it must be at least 1"));
+  }
+  server->acceptor_ = builder.experimental().AddExternalConnectionAcceptor(
+      grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, *creds);
+  TcpListenerOptions listen;
+  listen.listen = options.listen;
+  listen.max_connections = *max_connections;
+  listen.max_connections_per_client =
+      std::min(options.rpc_max_connections_per_client, *max_connections);
+  listen.probe_interval = options.rpc_accept_probe_interval;
+  listen.on_connection = [acceptor = server->acceptor_.get()](int fd, int listener_fd) {
+    grpc::experimental::ExternalConnectionAcceptor::NewConnectionParameters p;
+    p.listener_fd = listener_fd;
+    p.fd = fd;
+    acceptor->HandleNewConnection(&p);
+  };
+  listen.on_accepting_changed = [s = server.get()](bool accepting) {
+    s->SetServing(HealthPart::kAccepting, accepting);
+  };
+  absl::StatusOr<std::unique_ptr<TcpListener>> listener = TcpListener::Bind(std::move(listen));
+  if (!listener.ok()) return listener.status();
+  server->listener_ = *std::move(listener);
+  server->port_ = server->listener_->port();
+  if (server->metrics_ != nullptr) server->metrics_->set_listener(server->listener_.get());
   if (server->terms_ != nullptr) {
     server->service_->set_gate([terms = server->terms_.get()](grpc::CallbackServerContext* ctx) {
       std::string leader;
@@ -245,25 +314,24 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   // Every method but the heartbeat streams (see CoordinatorService).
   builder.RegisterCallbackGenericService(server->service_.get());
   server->server_ = builder.BuildAndStart();
-  if (server->server_ == nullptr || server->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "cannot listen on ", options.listen, " (address in use or not local?)"));
+  if (server->server_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot start the gRPC server on ",
+                                               options.listen));
   }
+  server->listener_->Start();
   server->address_ = BoundAddress(options.listen, server->port_);
   if (server->terms_ != nullptr) {
     LeaderTerms::Hooks hooks;
     hooks.jobs = options.jobs;
     hooks.recovery_grace = options.recovery_grace;
-    hooks.set_serving = [health = server->server_->GetHealthCheckService()](bool serving) {
-      if (health != nullptr) health->SetServingStatus(serving);
-    };
+    hooks.set_serving = [s = server.get()](bool serving) { s->SetServing(HealthPart::kLeading, serving); };
     hooks.fatal = options.on_fatal;
     server->terms_->Start(server->registry_.get(),
                           options.advertise.empty() ? server->address_ : options.advertise,
                           std::move(hooks));
   }
   spdlog::info("coordinator serving on {} ({}{}), {} job(s) loaded from the state, {} in the "
-               "jobs file{}",
+               "jobs file{}; at most {} gRPC connections, {} from one client address",
                server->address_, options.tls_cert_file.empty() ? "plaintext" : "TLS",
                options.tls_client_ca_file.empty() ? "" : ", client certificates required",
                *loaded, options.jobs.size(),
@@ -271,7 +339,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
                : server->worker_tokens_ == 0 ? ", token auth on"
                                                 : absl::StrCat(", token auth on (operator and ",
                                                                server->worker_tokens_,
-                                                               " worker token(s))"));
+                                                               " worker token(s))"),
+               *max_connections, std::min(options.rpc_max_connections_per_client,
+                                          *max_connections));
   if (server->metrics_ != nullptr) {
     const char* scheme = options.http_tls ? "https" : "http";
     spdlog::info("metrics on {}://{}/metrics, status page on {}://{}/", scheme,
@@ -281,6 +351,13 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 }
 
 CoordinatorServer::~CoordinatorServer() { Shutdown(); }
+
+void CoordinatorServer::SetServing(HealthPart part, bool value) {
+  absl::MutexLock lock(&health_mu_);
+  (part == HealthPart::kLeading ? leading_ : accepting_) = value;
+  if (health_frozen_ || server_ == nullptr || server_->GetHealthCheckService() == nullptr) return;
+  server_->GetHealthCheckService()->SetServingStatus(leading_ && accepting_);
+}
 
 std::string CoordinatorServer::metrics_address() const {
   return http_ == nullptr ? "" : http_->address();
@@ -294,6 +371,12 @@ void CoordinatorServer::Shutdown() {
   }
   if (server_ == nullptr && registry_ == nullptr) return;  // Start failed before anything ran
   spdlog::info("coordinator on {} shutting down", address_);
+  // No new connection from here on (and no probe that could say SERVING again).
+  if (listener_ != nullptr) listener_->Stop();
+  {
+    absl::MutexLock lock(&health_mu_);
+    health_frozen_ = true;
+  }
   // Fails pending waits (UNAVAILABLE) and ends the watch streams first, so that the gRPC
   // shutdown below has nothing left to wait for.
   if (server_ != nullptr && server_->GetHealthCheckService() != nullptr) {

@@ -20,6 +20,9 @@
 namespace grpc {
 class ResourceQuota;
 class Server;
+namespace experimental {
+class ExternalConnectionAcceptor;
+}  // namespace experimental
 }  // namespace grpc
 
 namespace modelavg::server {
@@ -30,6 +33,7 @@ class JobRegistry;
 class LeaderTerms;
 class RpcMetrics;
 class StateStore;
+class TcpListener;
 
 struct ServerOptions {
   // "HOST:PORT"; port 0 picks a free port (see CoordinatorServer::address()).
@@ -61,6 +65,17 @@ struct ServerOptions {
   // gRPC's memory quota (its transport buffers and calls), bytes; 0: none. Near it gRPC reads
   // less per connection, and past it closes connections (GOAWAY) to stay under.
   int64_t rpc_memory_quota_bytes = int64_t{1} << 30;
+  // The gRPC port's connections open at once, in all (0: as many as the limit on open files
+  // leaves after the HTTP port's and a reserve; more than that is refused at start) and from
+  // one client address (server/rpc/tcp_listener.h). Past either, a new connection is closed.
+  int rpc_max_connections = 0;
+  int rpc_max_connections_per_client = 512;
+  // The most bytes of GetSchedule answers one client address may have in flight at once
+  // (server/rpc/coordinator_service.h); at least 4 MiB.
+  int64_t rpc_schedule_bytes_per_client = int64_t{64} << 20;
+  // How often the gRPC port opens a connection to itself to check that a new client is taken
+  // (health and metrics report NOT_SERVING / 0 while one is not).
+  absl::Duration rpc_accept_probe_interval = absl::Seconds(5);
   // A connection to the gRPC port that has not finished its handshake (TLS, HTTP/2) in this long
   // is closed.
   absl::Duration rpc_handshake_timeout = absl::Seconds(10);
@@ -69,6 +84,10 @@ struct ServerOptions {
   int http_max_connections = 1024;
   int http_max_connections_per_client = 32;
   absl::Duration http_request_timeout = absl::Seconds(10);
+  // /metrics: how long one exposition serves every scrape (0: made for each), and whether it
+  // needs the operator token (auth_token) as "Authorization: Bearer".
+  absl::Duration metrics_cache = absl::Seconds(1);
+  bool metrics_need_token = false;
   // Serve the HTTP port over TLS with tls_cert_file/tls_key_file (login cookies are then Secure).
   bool http_tls = false;
   // How long a status page login (its session cookie) lasts.
@@ -125,6 +144,10 @@ class CoordinatorServer {
 
  private:
   CoordinatorServer() = default;
+  // The health service says SERVING while both hold: the leader's term (always, without etcd)
+  // and the gRPC port's self-probe (a new connection is taken).
+  enum class HealthPart { kLeading, kAccepting };
+  void SetServing(HealthPart part, bool value);
 
   // Declared before the registry, which writes to it: destroyed after it.
   std::unique_ptr<StateStore> store_;
@@ -137,11 +160,18 @@ class CoordinatorServer {
   std::unique_ptr<CoordinatorService> service_;
   std::unique_ptr<grpc::ResourceQuota> quota_;  // outlives the server
   std::unique_ptr<grpc::Server> server_;
+  // Hands the connections the listener admits to server_ (with the port's credentials).
+  std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor_;
+  std::unique_ptr<TcpListener> listener_;
   std::string address_;
   int port_ = 0;
   int worker_tokens_ = 0;
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+  absl::Mutex health_mu_;
+  bool leading_ ABSL_GUARDED_BY(health_mu_) = true;
+  bool accepting_ ABSL_GUARDED_BY(health_mu_) = true;
+  bool health_frozen_ ABSL_GUARDED_BY(health_mu_) = false;  // shutting down: NOT_SERVING
 };
 
 }  // namespace modelavg::server

@@ -65,6 +65,21 @@ ABSL_FLAG(int64_t, rpc_memory_quota_mb, 1024,
 ABSL_FLAG(int64_t, rpc_handshake_timeout_ms, 10000,
           "A gRPC connection that has not finished its TLS and HTTP/2 handshake in this long is "
           "closed. In [100, 600000].");
+ABSL_FLAG(int32_t, rpc_max_connections, 0,
+          "The gRPC port's most connections at once; its next ones are closed at once. 0: as "
+          "many as the limit on open files leaves after the HTTP port's connections and a "
+          "reserve of 64 (a larger value that does not fit is refused at start).");
+ABSL_FLAG(int32_t, rpc_max_connections_per_client, 512,
+          "The gRPC port's most connections at once from one client address (at most "
+          "--rpc_max_connections); its next ones are closed at once. At least 1.");
+ABSL_FLAG(int64_t, rpc_schedule_bytes_per_client, int64_t{64} << 20,
+          "The most bytes of GetSchedule answers one client address may have in flight (built, "
+          "not yet sent) at once; past it an answer is refused RESOURCE_EXHAUSTED. At least "
+          "4177920 (the largest answer).");
+ABSL_FLAG(int64_t, rpc_accept_probe_interval_ms, 5000,
+          "How often the coordinator opens a new connection to its own gRPC port to check that "
+          "a new client is taken; while one is not, health says NOT_SERVING and the metric "
+          "modelavg_grpc_accepting is 0. In [100, 600000].");
 ABSL_FLAG(int32_t, http_max_connections, 1024,
           "The HTTP port's most connections at once. In [1, 65536].");
 ABSL_FLAG(int32_t, http_max_connections_per_client, 32,
@@ -74,6 +89,12 @@ ABSL_FLAG(int64_t, http_request_timeout_ms, 10000,
           "How long an HTTP client has to send a whole request and take its reply (from when it "
           "connected or got its previous reply); past it the connection is closed, however "
           "steadily it sends. In [100, 600000].");
+ABSL_FLAG(int64_t, metrics_cache_ms, 1000,
+          "One /metrics exposition serves every scrape for this long (its cost grows with jobs x "
+          "ranks; many scrapers then cost one). 0: made for each scrape. In [0, 60000].");
+ABSL_FLAG(bool, metrics_need_token, false,
+          "/metrics needs the operator token (--auth_token_file) as \"Authorization: Bearer\" "
+          "(Prometheus: authorization.credentials_file).");
 ABSL_FLAG(bool, metrics_tls, false,
           "Serve the HTTP port (--metrics_listen) over TLS with --tls_cert and --tls_key; the "
           "status page's login cookie is then Secure.");
@@ -171,10 +192,13 @@ int main(int argc, char** argv) {
   options.listen = absl::GetFlag(FLAGS_listen);
   const int64_t hb = absl::GetFlag(FLAGS_default_heartbeat_timeout_ms);
   const int64_t join = absl::GetFlag(FLAGS_default_join_timeout_ms);
-  if (hb <= 0 || hb > modelavg::kMaxHeartbeatTimeoutMs || join <= 0 ||
-      join > modelavg::kMaxJoinTimeoutMs) {
-    return Fail("--default_heartbeat_timeout_ms must be in (0, 3600000] and "
-                "--default_join_timeout_ms in (0, 86400000]");
+  if (hb < modelavg::kMinHeartbeatTimeoutMs || hb > modelavg::kMaxHeartbeatTimeoutMs ||
+      join < modelavg::kMinJoinTimeoutMs || join > modelavg::kMaxJoinTimeoutMs) {
+    return Fail(absl::StrCat(
+        "--default_heartbeat_timeout_ms must be in [", modelavg::kMinHeartbeatTimeoutMs,
+        ", 3600000] (members beat every 100 ms; a shorter timeout declares live members dead at "
+        "the first late beat) and --default_join_timeout_ms in [",
+        modelavg::kMinJoinTimeoutMs, ", 86400000]"));
   }
   options.defaults.heartbeat_timeout = absl::Milliseconds(hb);
   const int64_t grace = absl::GetFlag(FLAGS_recovery_grace_ms);
@@ -220,6 +244,18 @@ int main(int argc, char** argv) {
     return Fail("--rpc_handshake_timeout_ms must be in [100, 600000]");
   }
   options.rpc_handshake_timeout = absl::Milliseconds(handshake_ms);
+  options.rpc_max_connections = absl::GetFlag(FLAGS_rpc_max_connections);
+  options.rpc_max_connections_per_client = absl::GetFlag(FLAGS_rpc_max_connections_per_client);
+  if (options.rpc_max_connections < 0 || options.rpc_max_connections_per_client < 1) {
+    return Fail("--rpc_max_connections must be 0 (from the limit on open files) or positive, "
+                "and --rpc_max_connections_per_client at least 1");
+  }
+  options.rpc_schedule_bytes_per_client = absl::GetFlag(FLAGS_rpc_schedule_bytes_per_client);
+  const int64_t probe_ms = absl::GetFlag(FLAGS_rpc_accept_probe_interval_ms);
+  if (probe_ms < 100 || probe_ms > 600000) {
+    return Fail("--rpc_accept_probe_interval_ms must be in [100, 600000]");
+  }
+  options.rpc_accept_probe_interval = absl::Milliseconds(probe_ms);
   options.http_max_connections = absl::GetFlag(FLAGS_http_max_connections);
   options.http_max_connections_per_client = absl::GetFlag(FLAGS_http_max_connections_per_client);
   if (options.http_max_connections < 1 || options.http_max_connections > 65536 ||
@@ -233,6 +269,10 @@ int main(int argc, char** argv) {
     return Fail("--http_request_timeout_ms must be in [100, 600000]");
   }
   options.http_request_timeout = absl::Milliseconds(request_ms);
+  const int64_t cache_ms = absl::GetFlag(FLAGS_metrics_cache_ms);
+  if (cache_ms < 0 || cache_ms > 60000) return Fail("--metrics_cache_ms must be in [0, 60000]");
+  options.metrics_cache = absl::Milliseconds(cache_ms);
+  options.metrics_need_token = absl::GetFlag(FLAGS_metrics_need_token);
   options.http_tls = absl::GetFlag(FLAGS_metrics_tls);
   if (options.http_tls && options.metrics_listen.empty()) {
     return Fail("--metrics_tls needs --metrics_listen");

@@ -249,14 +249,28 @@ void Client::OnHeartbeatReply(const v1::HeartbeatResponse& reply) {
 }
 
 void Client::Break(absl::Status why) {
-  absl::MutexLock l(&mu_);
-  tracker_->Break(std::move(why));
+  absl::Status broken;
+  {
+    absl::MutexLock l(&mu_);
+    tracker_->Break(std::move(why));
+    broken = tracker_->broken();
+  }
+  // A call waiting on the coordinator for its decision ends now (outside mu_).
+  decisions_->Break(broken);
 }
 
 void Client::OnHeartbeatFailure(const absl::Status& error) {
   {
-    absl::MutexLock l(&mu_);
-    if (tracker_->OnRefusal(error)) return;
+    absl::Status broken;
+    {
+      absl::MutexLock l(&mu_);
+      if (tracker_->OnRefusal(error)) broken = tracker_->broken();
+    }
+    if (!broken.ok()) {
+      // The job is gone or the rank taken: a call waiting for its decision ends now.
+      decisions_->Break(broken);
+      return;
+    }
   }
   // Unreachable, or answering with errors: either way this rank cannot learn of membership
   // changes, so the outage bound applies.

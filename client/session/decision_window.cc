@@ -72,7 +72,10 @@ absl::StatusOr<Decision> DecisionWindow::At(int64_t step) {
       start_ = step;
       continue;
     }
-    // The coordinator must be heard first: wait (bounded by the outage timeout).
+    // The coordinator must be heard first: wait (bounded by the outage timeout), unless the
+    // session is over (a job deleted while a proposal was pending left its members waiting
+    // here for the whole outage timeout).
+    if (!broken_.ok()) return broken_;
     const absl::Time now = clock_.Now();
     if (waiting_since == absl::InfiniteFuture()) {
       waiting_since = now;
@@ -95,7 +98,7 @@ absl::StatusOr<Decision> DecisionWindow::At(int64_t step) {
     const int32_t answered = answered_;
     const int plans_held = plans_->size();
     auto news = [this, answered, plans_held]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      return answered_ != answered || plans_->size() != plans_held;
+      return answered_ != answered || plans_->size() != plans_held || !broken_.ok();
     };
     clock_.AwaitWithDeadline(mu_, absl::Condition(&news), now + kWaitPoll);
   }
@@ -178,6 +181,11 @@ absl::Status DecisionWindow::Learn(const Repeated& changes) {
                  job_id_, c.version(), c.switch_step(), last_step_);
   }
   return absl::OkStatus();
+}
+
+void DecisionWindow::Break(const absl::Status& why) {
+  absl::MutexLock l(&mu_);
+  if (broken_.ok() && !why.ok()) broken_ = why;
 }
 
 DecisionWindow::BeatFields DecisionWindow::OnBeat(int64_t step) {

@@ -67,6 +67,11 @@ class DecisionWindow {
   // validate is an error (the client is then broken: its decisions could not be trusted).
   absl::Status OnReply(const v1::HeartbeatResponse& reply) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // The session is over (`why`: the job was deleted, the rank was taken, ...): a call waiting
+  // for the coordinator (a proposal's switch step, the end of an outage) fails with `why` at
+  // once, as does every later one that would wait. The first reason stands.
+  void Break(const absl::Status& why) ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   absl::Status Fetch(int64_t from_step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds `changes` this rank lacks (versions >= plans_->size()).
@@ -98,6 +103,7 @@ class DecisionWindow {
   // The proposal answered (0: none), and the step given back to.
   int32_t answered_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t give_back_at_ ABSL_GUARDED_BY(mu_) = -1;
+  absl::Status broken_ ABSL_GUARDED_BY(mu_);
   // The rank's pace: a step and when it was reported, about a second ago, and steps a second.
   int64_t pace_step_ ABSL_GUARDED_BY(mu_) = -1;
   absl::Time pace_time_ ABSL_GUARDED_BY(mu_);

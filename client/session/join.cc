@@ -1,12 +1,17 @@
 #include "client/session/join.h"
 
+#include <sys/random.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/strings/str_join.h"
 #include "client/heartbeat/heartbeat_relay.h"
 #include "client/rpc/coordinator_client.h"
@@ -21,6 +26,26 @@ namespace {
 constexpr int64_t kMaxScheduleWindow = 100000;
 // Used when the coordinator does not say (it always does after defaults).
 constexpr absl::Duration kFallbackHeartbeatTimeout = absl::Seconds(3);
+
+// `bytes` random bytes from the system's CSPRNG, in hex.
+std::string RandomHex(size_t bytes) {
+  std::string raw(bytes, '\0');
+  size_t got = 0;
+  while (got < bytes) {
+    const ssize_t n = getrandom(raw.data() + got, bytes - got, 0);
+    if (n > 0) {
+      got += static_cast<size_t>(n);
+    } else if (n < 0 && errno != EINTR) {
+      // No CSPRNG: the nonce is then only as good as the clock and the pid (a retry after a
+      // lost reply still works; a thief needs to guess it within the join).
+      const uint64_t fallback = static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())) ^
+                                (static_cast<uint64_t>(getpid()) << 32);
+      std::memcpy(raw.data(), &fallback, std::min(bytes, sizeof(fallback)));
+      break;
+    }
+  }
+  return absl::BytesToHexString(raw);
+}
 
 // Join, retried with backoff while the coordinator is unreachable, until join_timeout.
 absl::StatusOr<v1::JoinResponse> JoinWithRetry(CoordinatorClient& coordinator,
@@ -150,6 +175,9 @@ absl::StatusOr<Joined> JoinJob(CoordinatorClient& coordinator, const ClientOptio
   if (options.rank.has_value()) join.set_rank(*options.rank);
   join.set_world_size(options.expected_world_size);
   join.set_credential(options.credential);
+  // Sent again with every retry: it alone proves a retry after a lost reply (the worker id is
+  // public).
+  join.set_join_nonce(RandomHex(16));
   spdlog::info("joining job {} at {} as {}{}", options.job_id, options.coordinator,
                options.worker_id,
                options.rank ? absl::StrCat(" (rank ", *options.rank, ")") : std::string());

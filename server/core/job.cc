@@ -202,7 +202,7 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
   absl::StatusOr<Membership::JoinResult> joined = membership_.Join(
       request.worker_id(), request.host(),
       request.has_rank() ? std::optional<int32_t>(request.rank()) : std::nullopt, now, id(),
-      request.credential(), CredentialDigest(credential));
+      request.credential(), CredentialDigest(credential), request.join_nonce());
   if (!joined.ok()) return fail(joined.status());
   const int32_t rank = joined->rank;
   if (joined->waiting_for_replica) {
@@ -424,13 +424,22 @@ absl::Status Job::Heartbeat(const v1::HeartbeatRequest& request,
   const absl::Time now = clock_->Now();
   Outbox out(this);
   absl::MutexLock lock(&mu_);
-  if (!closed_.ok()) return closed_;  // deleted while a stream still held it
+  if (!closed_.ok()) {  // deleted (or stopping) while a stream still held it
+    return deleted_ ? absl::NotFoundError(closed_.message()) : closed_;
+  }
   // A rank without a member is answered (the reply tells a worker whose coordinator lost the
   // job's state that it has the job afresh) and nothing is recorded; a member's rank needs the
   // member's credential.
   if (membership_.member(request.rank()).present()) {
     if (absl::Status s = membership_.CheckCredential(request.rank(), request.credential(),
                                                      "Heartbeat", id());
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (membership_.member(request.rank()).present()) {
+    if (absl::Status s =
+            membership_.CheckPlausibleStep(request.rank(), request.step(), now, id());
         !s.ok()) {
       return s;
     }
@@ -489,6 +498,10 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
     }
     // Progress and liveness count only from the rank's member; anyone may read the decision.
     if (membership_.CheckCredential(rank, request.credential(), "Step", id()).ok()) {
+      if (absl::Status s = membership_.CheckPlausibleStep(rank, request.step(), now, id());
+          !s.ok()) {
+        return s;
+      }
       membership_.RecordStep(rank, request.step(), now);
       // Handed out to the rank: a later plan switches past it.
       plans_.Handed(rank, request.step());
@@ -769,9 +782,13 @@ absl::Status Job::ReportNonFinite(const v1::ReportNonFiniteRequest& request,
       !s.ok()) {
     return s;
   }
-  const std::string payload = request.payload().empty() ? "values" : request.payload();
+  // The payload is the member's free text, shown in the log, the status page, the CLI and
+  // events: its control and bidirectional formatting characters escaped.
+  const std::string payload =
+      request.payload().empty() ? "values" : EscapeControlCharacters(request.payload());
+  const std::string& value = request.value();  // one of NaN, +Inf, -Inf (checked)
   const std::string reason = absl::StrCat(
-      "rank ", rank, " contributed non-finite values (", request.value(), " in tensor ",
+      "rank ", rank, " contributed non-finite values (", value, " in tensor ",
       request.tensor(), " of its ", payload, ") at step ", request.step(), ", level ",
       request.level());
   const absl::Time now = clock_->Now();
@@ -781,7 +798,7 @@ absl::Status Job::ReportNonFinite(const v1::ReportNonFiniteRequest& request,
   report.set_step(request.step());
   report.set_level(request.level());
   report.set_tensor(request.tensor());
-  report.set_value(request.value());
+  report.set_value(value);
   report.set_payload(payload);
   report.set_unix_ms(UnixMs(now));
   // An elastic job goes on without the member, as after a failure: it is declared dead (a
@@ -1330,6 +1347,7 @@ void Job::Close(const absl::Status& status, bool deleted) {
   absl::MutexLock lock(&mu_);
   if (!closed_.ok()) return;
   closed_ = status;
+  deleted_ = deleted;
   FailAllWaits(status, &out);
   if (plans_.proposed() != 0) FailProposal(status, &out);
   if (deleted) AddEvent(v1::JobEvent::JOB_DELETED, -1, status.ToString(), false, &out);

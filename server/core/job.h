@@ -113,8 +113,9 @@ class Job {
             JoinCallback done);
 
   // Liveness and progress; never fails for a stale generation. INVALID_ARGUMENT for a rank
-  // outside [0, world_size) or a negative step; after Close, its status (ABORTED: deleted,
-  // UNAVAILABLE: stopping).
+  // outside [0, world_size) or a negative step; after Close, NOT_FOUND when the job was deleted
+  // (as for a beat that names it later: a worker ends its session on it, while an ABORTED beat
+  // reads as a passing fault that it would wait out), else its status (UNAVAILABLE: stopping).
   absl::Status Heartbeat(const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response);
 
   // Elastic jobs: the HeartbeatStream of `rank` (whose member holds `credential`) broke without
@@ -336,6 +337,7 @@ class Job {
   absl::Time silent_since_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   // Set by Close: every new wait fails with it.
   absl::Status closed_ ABSL_GUARDED_BY(mu_);
+  bool deleted_ ABSL_GUARDED_BY(mu_) = false;  // closed by DeleteJob
   // Set while a death could not be written (UNAVAILABLE, saying why): every call fails with it.
   absl::Status halted_ ABSL_GUARDED_BY(mu_);
   // The store's error of the last write that failed (Save).

@@ -34,6 +34,12 @@ absl::Status CheckJoinRequest(const v1::JoinRequest& request, int32_t world_size
     return absl::InvalidArgumentError(
         absl::StrCat("worker_id and host must be at most ", kMaxWorkerIdLength, " characters"));
   }
+  constexpr size_t kMaxJoinNonceLength = 128;
+  if (request.join_nonce().size() > kMaxJoinNonceLength) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "join_nonce must be at most ", kMaxJoinNonceLength, " characters; got ",
+        request.join_nonce().size(), " (a random value of 16 bytes, in hex, is plenty)"));
+  }
   // Both are shown to operators (the modelavg CLI's tables, the logs): a control character
   // there could drive their terminal.
   for (const auto& [field, value] : {std::pair<const char*, const std::string&>{
@@ -41,7 +47,8 @@ absl::Status CheckJoinRequest(const v1::JoinRequest& request, int32_t world_size
                                      {"host", request.host()}}) {
     if (const size_t at = FindControlCharacter(value); at != absl::string_view::npos) {
       return absl::InvalidArgumentError(absl::StrCat(
-          field, " \"", EscapeControlCharacters(value), "\" has a control character (byte ", at,
+          field, " \"", EscapeControlCharacters(value),
+          "\" has a control character or a bidirectional formatting character (byte ", at,
           "); use printable characters only, such as \"host:pid\""));
     }
   }
@@ -127,7 +134,7 @@ absl::Status CheckNonFiniteReport(const v1::ReportNonFiniteRequest& request,
   if (request.value() != "NaN" && request.value() != "+Inf" && request.value() != "-Inf") {
     return absl::InvalidArgumentError(absl::StrCat(
         "a non-finite report's value is \"NaN\", \"+Inf\" or \"-Inf\"; got \"",
-        request.value().substr(0, 16), "\""));
+        EscapeControlCharacters(request.value().substr(0, 16)), "\""));
   }
   if (request.payload().size() > kMaxNonFinitePayloadLength) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -17,6 +17,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/peer_address.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::server {
@@ -138,13 +139,20 @@ void OnCompleted(void* cls, MHD_Connection* connection, void** con_cls,
   static_cast<HttpServer*>(cls)->RequestEnded(connection);
 }
 
+MHD_Result OnAccept(void* cls, const sockaddr* addr, socklen_t) {
+  return static_cast<HttpServer*>(cls)->AdmitConnection(PeerAddress(addr)) ? MHD_YES : MHD_NO;
+}
+
 void OnConnection(void* cls, MHD_Connection* connection, void**,
                   MHD_ConnectionNotificationCode code) {
   auto* server = static_cast<HttpServer*>(cls);
   if (code == MHD_CONNECTION_NOTIFY_STARTED) {
     const MHD_ConnectionInfo* info =
         MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CONNECTION_FD);
-    server->ConnectionOpened(connection, info == nullptr ? -1 : info->connect_fd);
+    const MHD_ConnectionInfo* from =
+        MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+    server->ConnectionOpened(connection, info == nullptr ? -1 : info->connect_fd,
+                             from == nullptr ? "?" : PeerAddress(from->client_addr));
   } else {
     server->ConnectionClosed(connection);
   }
@@ -222,7 +230,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string&
   tls_options.push_back({MHD_OPTION_END, 0, nullptr});
   server->deadlines_ = std::thread([s = server.get()] { s->EnforceDeadlines(); });
   server->daemon_ = MHD_start_daemon(
-      flags, static_cast<uint16_t>(port), nullptr, nullptr, &OnRequest, server.get(),
+      flags, static_cast<uint16_t>(port), &OnAccept, server.get(), &OnRequest, server.get(),
       MHD_OPTION_SOCK_ADDR, reinterpret_cast<sockaddr*>(&addr),
       MHD_OPTION_THREAD_POOL_SIZE, static_cast<unsigned int>(o.threads),
       MHD_OPTION_CONNECTION_TIMEOUT,
@@ -260,14 +268,39 @@ int64_t HttpServer::requests_timed_out() const {
   return timed_out_;
 }
 
-void HttpServer::ConnectionOpened(MHD_Connection* connection, int fd) {
+void HttpServer::ConnectionOpened(MHD_Connection* connection, int fd,
+                                  const std::string& client) {
   absl::MutexLock lock(&mu_);
-  open_[connection] = Open{fd, absl::Now() + options_.request_timeout, false};
+  open_[connection] = Open{fd, absl::Now() + options_.request_timeout, false, client};
+  ++per_client_[client];
 }
 
 void HttpServer::ConnectionClosed(MHD_Connection* connection) {
   absl::MutexLock lock(&mu_);
-  open_.erase(connection);
+  auto it = open_.find(connection);
+  if (it == open_.end()) return;
+  auto held = per_client_.find(it->second.client);
+  if (held != per_client_.end() && --held->second <= 0) per_client_.erase(held);
+  open_.erase(it);
+}
+
+bool HttpServer::AdmitConnection(const std::string& client) {
+  absl::MutexLock lock(&mu_);
+  // The part of the port any address may fill; the rest is kept for addresses that hold none.
+  const int shared = options_.max_connections - std::max(1, options_.max_connections / 4);
+  const auto held = per_client_.find(client);
+  if (held == per_client_.end() || static_cast<int>(open_.size()) < shared) return true;
+  if (refused_for_new_++ % 1000 == 0) {
+    spdlog::warn("HTTP port: {} connections open of {}; refused another from {}, which holds {} "
+                 "(the last quarter is kept for addresses that hold none; {} refused so)",
+                 open_.size(), options_.max_connections, client, held->second, refused_for_new_);
+  }
+  return false;
+}
+
+int64_t HttpServer::refused_for_new_clients() const {
+  absl::MutexLock lock(&mu_);
+  return refused_for_new_;
 }
 
 void HttpServer::RequestEnded(MHD_Connection* connection) {

@@ -63,7 +63,10 @@ struct HttpServerOptions {
   // Most connections open at once; past that new ones are refused (closed at once).
   int max_connections = 1024;
   // Most connections open at once from one client address; past that its new ones are refused
-  // (closed at once), so that one client cannot take the port.
+  // (closed at once), so that one client cannot take the port. And a quarter of
+  // max_connections is kept for addresses that hold none yet: once three quarters are open, an
+  // address that holds one is refused another, so that a few dozen addresses dripping
+  // connections cannot keep out Prometheus or an operator's browser.
   int max_connections_per_client = 32;
   // How long a client has to send a whole request (head and body) and take its reply, counted
   // from when it connected or got its previous reply; past it the connection is closed without
@@ -101,7 +104,13 @@ class HttpServer {
   const HttpServerOptions& options() const { return options_; }
   // Internal, from the server's threads: a connection opened (with its socket) or closed; a
   // request on it ended (its reply sent, or it failed): the next one's time starts.
-  void ConnectionOpened(MHD_Connection* connection, int fd) ABSL_LOCKS_EXCLUDED(mu_);
+  void ConnectionOpened(MHD_Connection* connection, int fd, const std::string& client)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Internal, from the server's threads before a connection is made: whether `client` (its
+  // address, without the port) may open one more (the room kept for new addresses).
+  bool AdmitConnection(const std::string& client) ABSL_LOCKS_EXCLUDED(mu_);
+  // Connections refused to keep room for addresses that hold none.
+  int64_t refused_for_new_clients() const ABSL_LOCKS_EXCLUDED(mu_);
   void ConnectionClosed(MHD_Connection* connection) ABSL_LOCKS_EXCLUDED(mu_);
   void RequestEnded(MHD_Connection* connection) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -122,12 +131,16 @@ class HttpServer {
     int fd;
     absl::Time deadline;
     bool shut;  // its socket was shut down for the deadline
+    std::string client;
   };
   mutable absl::Mutex mu_;
   // Every open connection. A connection's socket is closed only after ConnectionClosed, which
   // waits for mu_: a socket shut down under mu_ is still the connection's.
   absl::flat_hash_map<MHD_Connection*, Open> open_ ABSL_GUARDED_BY(mu_);
   int64_t timed_out_ ABSL_GUARDED_BY(mu_) = 0;
+  // Open connections per client address.
+  absl::flat_hash_map<std::string, int> per_client_ ABSL_GUARDED_BY(mu_);
+  int64_t refused_for_new_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread deadlines_;
 };

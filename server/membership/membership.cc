@@ -126,8 +126,9 @@ absl::StatusOr<Membership::JoinResult> Membership::Join(const std::string& worke
                                                         absl::Time now,
                                                         const std::string& job_id,
                                                         const std::string& credential,
-                                                        const std::string& new_digest) {
-  const Joiner joiner{worker_id, host, requested, credential, new_digest};
+                                                        const std::string& new_digest,
+                                                        const std::string& nonce) {
+  const Joiner joiner{worker_id, host, requested, credential, new_digest, nonce};
   absl::StatusOr<JoinResult> joined =
       Transact([&] { return JoinInMemory(joiner, now, job_id); });
   // Soft state: heartbeat times count only while RUNNING, from the round's completion.
@@ -159,7 +160,8 @@ absl::StatusOr<Membership::JoinResult> Membership::JoinInMemory(const Joiner& jo
   result.rank = *rank;
   result.was_in_round = InRound(members_[*rank]);
   if (!result.was_in_round) ++round_size_;
-  Seat(*rank, joiner.worker_id, joiner.host, now, joiner.new_digest, /*admitted_step=*/-1);
+  Seat(*rank, joiner.worker_id, joiner.host, now, joiner.new_digest, /*admitted_step=*/-1,
+       CredentialDigest(joiner.nonce));
   if (round_size_ == world) {
     state_ = v1::RUNNING;
     MarkHeader();
@@ -200,17 +202,21 @@ absl::StatusOr<int32_t> Membership::ChooseRank(const Joiner& joiner,
   } else if (joiner.rank.has_value()) {
     rank = *joiner.rank;
     const LiveMember& m = members_[rank];
-    // The same worker id again in an assembling round is a retried Join (its reply, and so
-    // its credential, may never have arrived).
-    if (InRound(m) && m.worker_id != joiner.worker_id &&
+    // The same Join again in an assembling round is a retry (its reply, and so its credential,
+    // may never have arrived).
+    if (InRound(m) && !RetriedJoin(m, joiner) &&
         !CredentialMatches(joiner.credential, m.credential_digest)) {
       return HeldByOther(rank, job_id);
     }
   } else {
-    // The same worker again keeps its rank; a survivor of an earlier generation gets its old
-    // rank back if free; anyone else the lowest free rank.
+    // The same Join again keeps its rank; a survivor of an earlier generation gets its old rank
+    // back if free; anyone else the lowest free rank.
     for (int32_t r = 0; r < world && rank < 0; ++r) {
-      if (members_[r].present() && members_[r].worker_id == joiner.worker_id) rank = r;
+      const LiveMember& m = members_[r];
+      if (InRound(m) ? RetriedJoin(m, joiner)
+                     : m.present() && m.worker_id == joiner.worker_id) {
+        rank = r;
+      }
     }
     for (int32_t r = 0; r < world && rank < 0; ++r) {
       if (!InRound(members_[r])) rank = r;
@@ -232,13 +238,15 @@ absl::StatusOr<Membership::Vacancy> Membership::FindVacancy(const Joiner& joiner
                                                             const std::string& job_id) const {
   const int32_t world = world_size();
   // A live member whose place this Join takes: its holder re-joining (a restart, proven by the
-  // credential), or the same worker retrying a replacement's Join whose reply it never got (it
-  // has not been heard from since).
+  // credential), or the same Join retried after its reply was lost (the replacement has not been
+  // heard from since), proven by the Join's nonce: the worker id alone is public (WatchJob's
+  // MEMBER_ADMITTED names it) and took the rank from the real replacement.
   const auto replaces = [&](int32_t r) {
     const LiveMember& m = members_[r];
     return InRound(m) &&
            (CredentialMatches(joiner.credential, m.credential_digest) ||
-            (m.worker_id == joiner.worker_id && m.admitted_step >= 0 && m.last_step < 0));
+            (m.worker_id == joiner.worker_id && m.admitted_step >= 0 && m.last_step < 0 &&
+             CredentialMatches(joiner.nonce, m.join_nonce_digest)));
   };
   int32_t rank = -1;
   bool replaced = false;
@@ -346,7 +354,8 @@ absl::StatusOr<Membership::JoinResult> Membership::Admit(const Joiner& joiner, a
   result.change.max_reported_step = step->max_reported;
   state_ = v1::RUNNING;
   CarryOver(old_generation, /*except=*/rank);
-  Seat(rank, joiner.worker_id, joiner.host, now, joiner.new_digest, step->step);
+  Seat(rank, joiner.worker_id, joiner.host, now, joiner.new_digest, step->step,
+       CredentialDigest(joiner.nonce));
   ++round_size_;
   return result;
 }
@@ -355,6 +364,16 @@ std::string Membership::ReplicaName(int32_t replica) const {
   const int32_t s = replica_size();
   return absl::StrCat("replica ", replica, " (ranks ", replica * s, "..", replica * s + s - 1,
                       ")");
+}
+
+bool Membership::RetriedJoin(const LiveMember& m, const Joiner& joiner) {
+  if (m.worker_id != joiner.worker_id) return false;
+  // A seat taken without a nonce (a client older than join_nonce) is retried by its worker id.
+  return m.join_nonce_digest.empty() || CredentialMatches(joiner.nonce, m.join_nonce_digest);
+}
+
+bool Membership::SameJoin(const WaitingJoiner& w, const Joiner& joiner) {
+  return w.worker_id == joiner.worker_id && CredentialMatches(joiner.nonce, w.nonce_digest);
 }
 
 std::vector<int32_t> Membership::WaitingRanks() const {
@@ -375,7 +394,7 @@ absl::StatusOr<int32_t> Membership::FindReplicaVacancy(const Joiner& joiner,
   if (joiner.rank.has_value()) {
     const int32_t rank = *joiner.rank;
     if (auto w = waiting_.find(rank); w != waiting_.end()) {
-      if (w->second.worker_id == joiner.worker_id) return rank;  // the same Join, retried
+      if (SameJoin(w->second, joiner)) return rank;  // the same Join, retried
       return absl::AlreadyExistsError(absl::StrCat(
           "rank ", rank, " of job ", job_id, " is taken by worker \"", w->second.worker_id,
           "\", which waits for the rest of ", ReplicaName(rank / s),
@@ -402,7 +421,7 @@ absl::StatusOr<int32_t> Membership::FindReplicaVacancy(const Joiner& joiner,
     return rank;
   }
   for (const auto& [rank, w] : waiting_) {
-    if (w.worker_id == joiner.worker_id) return rank;  // the same Join, retried
+    if (SameJoin(w, joiner)) return rank;  // the same Join, retried
   }
   for (int32_t replica = 0; replica < world_size() / s; ++replica) {
     if (live(replica)) continue;
@@ -426,7 +445,8 @@ absl::StatusOr<Membership::JoinResult> Membership::AdmitToReplica(const Joiner& 
   JoinResult result;
   result.rank = *rank;
   result.was_in_round = Waiting(*rank);
-  waiting_[*rank] = WaitingJoiner{joiner.worker_id, joiner.host, joiner.new_digest};
+  waiting_[*rank] = WaitingJoiner{joiner.worker_id, joiner.host, joiner.new_digest,
+                                  CredentialDigest(joiner.nonce)};
   std::vector<int32_t> ranks;
   std::vector<std::string> workers;
   for (int32_t r = replica * s; r < replica * s + s; ++r) {
@@ -458,7 +478,7 @@ absl::StatusOr<Membership::JoinResult> Membership::AdmitToReplica(const Joiner& 
   for (int32_t r : ranks) {
     const WaitingJoiner w = waiting_[r];
     waiting_.erase(r);
-    Seat(r, w.worker_id, w.host, now, w.digest, step->step);
+    Seat(r, w.worker_id, w.host, now, w.digest, step->step, w.nonce_digest);
     ++round_size_;
     if (r != *rank) result.admitted_with.push_back(r);
   }
@@ -476,8 +496,10 @@ void Membership::CarryOver(int64_t old_generation, int32_t except) {
 }
 
 void Membership::Seat(int32_t rank, const std::string& worker_id, const std::string& host,
-                      absl::Time now, const std::string& digest, int64_t admitted_step) {
+                      absl::Time now, const std::string& digest, int64_t admitted_step,
+                      const std::string& nonce_digest) {
   LiveMember& m = Mutable(rank);
+  m.join_nonce_digest = nonce_digest;
   m.worker_id = worker_id;
   m.host = host;
   m.last_step = -1;
@@ -695,6 +717,25 @@ void Membership::Heartbeat(int32_t rank, int64_t generation, int64_t step, absl:
     m.last_step = step;
     NoteProgress(step, now);
   }
+}
+
+absl::Status Membership::CheckPlausibleStep(int32_t rank, int64_t step, absl::Time now,
+                                            const std::string& job_id) const {
+  if (progress_max_ < 0 || step <= progress_max_) return absl::OkStatus();
+  const double rate = std::max(steps_per_second_, 0.0);
+  const double seconds =
+      std::max(1.0, rate_sample_time_ == absl::InfinitePast()
+                        ? 1.0
+                        : absl::ToDoubleSeconds(now - rate_sample_time_));
+  // In double: a pace near 2^63 steps per second must not overflow the bound.
+  const double bound = static_cast<double>(progress_max_) + static_cast<double>(kStepLeap) +
+                       10.0 * rate * seconds;
+  if (static_cast<double>(step) <= bound) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "rank ", rank, " of job ", job_id, " reported step ", step, ", which the job's pace cannot "
+      "have reached: its members have reported at most step ", progress_max_, ", at about ",
+      static_cast<int64_t>(rate), " steps per second; a step more than ", kStepLeap,
+      " plus ten times that pace ahead is refused (is the worker's step counter corrupt?)"));
 }
 
 void Membership::NoteProgress(int64_t step, absl::Time now) {

@@ -41,6 +41,9 @@ struct LiveMember : Member {
   // still credential_digest.
   mutable std::string verified_credential;
   mutable std::string verified_digest;
+  // The digest of the nonce of the Join that seated it (JoinRequest.join_nonce; empty: none):
+  // a replacement not heard from yet gets its rank again only from a Join with that nonce.
+  std::string join_nonce_digest;
 };
 
 // What one operation did to the membership.
@@ -184,7 +187,8 @@ class Membership {
   absl::StatusOr<JoinResult> Join(const std::string& worker_id, const std::string& host,
                                   std::optional<int32_t> rank, absl::Time now,
                                   const std::string& job_id, const std::string& credential = "",
-                                  const std::string& new_digest = "");
+                                  const std::string& new_digest = "",
+                                  const std::string& nonce = "");
 
   // OK when `credential` is the one `rank`'s member was given; PERMISSION_DENIED otherwise
   // (no member, no credential, another's), naming `rpc`. Never says anything of the secret.
@@ -221,6 +225,16 @@ class Membership {
   // The rank's HeartbeatStream broke (its connection dropped, not a clean end).
   void StreamLost(int32_t rank, absl::Time now);
 
+  // OK when `step`, reported by `rank` at `now`, is one the job's pace can have reached: at most
+  // kStepLeap + 10 x (its steps per second) x (the time since the pace was sampled, at least a
+  // second) past the largest step reported since the job formed. INVALID_ARGUMENT otherwise,
+  // saying why: one member reporting 2^62 made every later admission fail ("too large"), and at
+  // 10^15 an admission landed past it. Anything goes while nothing is reported (a job resumed
+  // from a checkpoint starts where it was).
+  absl::Status CheckPlausibleStep(int32_t rank, int64_t step, absl::Time now,
+                                  const std::string& job_id) const;
+  static constexpr int64_t kStepLeap = 1'000'000;
+
   // Liveness and progress of a rank; counts only for the worker of `generation`.
   void Heartbeat(int32_t rank, int64_t generation, int64_t step, absl::Time now);
   // Progress reported through Step (the generation was checked by the caller).
@@ -251,6 +265,7 @@ class Membership {
     std::string worker_id;
     std::string host;
     std::string digest;
+    std::string nonce_digest;
   };
   // Runs `op` (one of the *InMemory operations below, returning a StatusOr of a result with its
   // MembershipChange) as one transaction: its change is completed with the hard state it
@@ -265,7 +280,16 @@ class Membership {
     std::optional<int32_t> rank;
     const std::string& credential;
     const std::string& new_digest;
+    // JoinRequest.join_nonce: what proves a retry of a Join whose reply was lost.
+    const std::string& nonce;
   };
+  // `joiner` is the Join of the worker waiting in `w` for its replica, retried: the same worker
+  // id and the same nonce.
+  static bool SameJoin(const WaitingJoiner& w, const Joiner& joiner);
+  // `joiner` is the Join that seated `m` in an assembling round, retried: the same worker id
+  // and, when that Join sent one, the same nonce (the worker id alone is public: WatchJob and
+  // GetJob show it).
+  static bool RetriedJoin(const LiveMember& m, const Joiner& joiner);
   // What Join, Leave and Die change in memory (see Transact).
   absl::StatusOr<JoinResult> JoinInMemory(const Joiner& joiner, absl::Time now,
                                           const std::string& job_id);
@@ -281,7 +305,8 @@ class Membership {
   // Puts a worker into `rank` as an ALIVE member of the current generation (round_size_ is the
   // caller's).
   void Seat(int32_t rank, const std::string& worker_id, const std::string& host, absl::Time now,
-            const std::string& digest, int64_t admitted_step);
+            const std::string& digest, int64_t admitted_step,
+            const std::string& nonce_digest = "");
   // Members of the running round departed (already marked DEAD or LEFT): Shrink when the job
   // is elastic and enough survive, Bump otherwise.
   // An `orderly` departure (Leave) of an elastic job shrinks it even below min_world_size.

@@ -82,8 +82,11 @@ class CoordinatorService::Call final : public grpc::ServerGenericBidiReactor {
     if (metrics_ != nullptr) metrics_->CountRpc(method_, status.code());
     if (!status.ok()) return Finish(ToGrpcStatus(status));
     Serialize(response, &reply_);
+    response.Clear();  // the bytes are what is sent: one copy in flight, not two
     StartWriteAndFinish(&reply_, grpc::WriteOptions(), grpc::Status::OK);
   }
+  // Runs once the call is over (its answer sent, or the call broken).
+  void SetOnDone(absl::AnyInvocable<void()> on_done) { on_done_ = std::move(on_done); }
   // Reads the request; `on_read` runs when it is in (false: the call ended without one).
   void Read(absl::AnyInvocable<void(bool)> on_read) {
     on_read_ = std::move(on_read);
@@ -101,10 +104,14 @@ class CoordinatorService::Call final : public grpc::ServerGenericBidiReactor {
     absl::AnyInvocable<void()> on_cancel = std::move(on_cancel_);
     if (on_cancel) on_cancel();
   }
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    if (on_done_) on_done_();
+    delete this;
+  }
 
  private:
   grpc::ByteBuffer reply_;
+  absl::AnyInvocable<void()> on_done_;
   RpcMetrics* const metrics_;
   const RpcMethod method_;
   absl::AnyInvocable<void(bool)> on_read_;
@@ -638,8 +645,36 @@ void CoordinatorService::DoGetSchedule(
     Call<v1::GetScheduleRequest, v1::GetScheduleResponse>* call) {
   absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
   if (!job.ok()) return call->Reply(job.status());
-  call->Reply((*job)->GetSchedule(call->request, &call->response,
-                                  [ctx] { return ctx->IsCancelled(); }));
+  absl::Status built = (*job)->GetSchedule(call->request, &call->response,
+                                           [ctx] { return ctx->IsCancelled(); });
+  if (!built.ok()) return call->Reply(built);
+  // Bytes in flight per client: a hundred largest windows asked at once from one client held
+  // 1.7 GB until they were sent. The client is its address (a client's connections share it).
+  const int64_t bytes = static_cast<int64_t>(call->response.ByteSizeLong());
+  std::string client = ctx->peer();
+  client = client.substr(0, client.rfind(':'));
+  {
+    absl::MutexLock lock(&schedule_mu_);
+    int64_t& held = schedule_in_flight_[client];
+    if (held > 0 && held + bytes > schedule_bytes_per_client_) {
+      const int64_t before = held;
+      call->response.Clear();
+      return call->Reply(absl::ResourceExhaustedError(absl::StrCat(
+          "GetSchedule: this client (", client, ") has ", before, " bytes of schedule windows "
+          "in flight already and this answer has ", bytes, "; at most ",
+          schedule_bytes_per_client_, " (--rpc_schedule_bytes_per_client): wait for the "
+          "answers, or ask for fewer steps or for one rank")));
+    }
+    held += bytes;
+  }
+  call->SetOnDone([this, client, bytes] {
+    absl::MutexLock lock(&schedule_mu_);
+    auto it = schedule_in_flight_.find(client);
+    if (it != schedule_in_flight_.end() && (it->second -= bytes) <= 0) {
+      schedule_in_flight_.erase(it);
+    }
+  });
+  call->Reply(absl::OkStatus());
 }
 
 void CoordinatorService::DoPublishCommId(

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/status/status.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
@@ -75,6 +76,11 @@ class CoordinatorService final : public TypedCoordinatorService,
   using Gate = std::function<absl::Status(grpc::CallbackServerContext* ctx)>;
   void set_gate(Gate gate) { gate_ = std::move(gate); }
 
+  // The most bytes of GetSchedule answers that one client address may have in flight (built and
+  // not yet sent) at once; an answer past it is refused RESOURCE_EXHAUSTED. Set once, before
+  // serving; at least kMaxScheduleReplyBytes, so that one answer always fits.
+  void set_schedule_bytes_per_client(int64_t bytes) { schedule_bytes_per_client_ = bytes; }
+
   // Every method but the two heartbeat streams (and UNIMPLEMENTED for unknown ones).
   grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override;
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* HeartbeatStream(
@@ -128,6 +134,10 @@ class CoordinatorService final : public TypedCoordinatorService,
   // By full method name ("/modelavg.v1.Coordinator/Join").
   absl::flat_hash_map<std::string, std::unique_ptr<Route>> routes_;
   Gate gate_;
+  int64_t schedule_bytes_per_client_ = int64_t{64} << 20;
+  // GetSchedule answers in flight, bytes per client address.
+  absl::Mutex schedule_mu_;
+  absl::flat_hash_map<std::string, int64_t> schedule_in_flight_ ABSL_GUARDED_BY(schedule_mu_);
 };
 
 }  // namespace modelavg::server

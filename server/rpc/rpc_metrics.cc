@@ -149,12 +149,75 @@ std::unique_ptr<RpcMetrics> RpcMetrics::Create(const JobRegistry* registry) {
   return m;
 }
 
+namespace {
+
+// The gRPC port's connections and whether a new one is taken (server/rpc/tcp_listener.h).
+std::vector<prometheus::MetricFamily> ListenerFamilies(const TcpListenerStats& stats) {
+  auto one = [](const char* name, const char* help, prometheus::MetricType type, double value,
+                std::vector<prometheus::ClientMetric::Label> labels = {}) {
+    prometheus::MetricFamily family{name, help, type, {}};
+    prometheus::ClientMetric m;
+    m.label = std::move(labels);
+    if (type == prometheus::MetricType::Counter) {
+      m.counter.value = value;
+    } else {
+      m.gauge.value = value;
+    }
+    family.metric.push_back(std::move(m));
+    return family;
+  };
+  std::vector<prometheus::MetricFamily> out;
+  out.push_back(one("modelavg_grpc_accepting",
+                    "1 while a new connection to the gRPC port is taken (the coordinator's "
+                    "self-probe), 0 while one is not",
+                    prometheus::MetricType::Gauge, stats.accepting ? 1 : 0));
+  out.push_back(one("modelavg_grpc_connections_open", "Connections to the gRPC port open now",
+                    prometheus::MetricType::Gauge, static_cast<double>(stats.open)));
+  out.push_back(one("modelavg_grpc_connections_max",
+                    "The gRPC port's most connections at once (--rpc_max_connections)",
+                    prometheus::MetricType::Gauge, static_cast<double>(stats.max_connections)));
+  prometheus::MetricFamily refused = one(
+      "modelavg_grpc_connections_refused_total",
+      "Connections to the gRPC port closed at once: every slot taken (reason all) or the "
+      "client address's taken (reason per_client)",
+      prometheus::MetricType::Counter, static_cast<double>(stats.refused_all),
+      {{"reason", "all"}});
+  prometheus::MetricFamily per_client = one("", "", prometheus::MetricType::Counter,
+                                            static_cast<double>(stats.refused_per_client),
+                                            {{"reason", "per_client"}});
+  refused.metric.push_back(std::move(per_client.metric[0]));
+  out.push_back(std::move(refused));
+  out.push_back(one("modelavg_grpc_accept_errors_total",
+                    "accept() on the gRPC port failed for want of a resource (EMFILE, ENFILE, "
+                    "ENOBUFS, ENOMEM); the coordinator backs off and accepts again",
+                    prometheus::MetricType::Counter, static_cast<double>(stats.accept_errors)));
+  return out;
+}
+
+}  // namespace
+
 std::string RpcMetrics::TextExposition() const {
   std::vector<prometheus::MetricFamily> families = registry_->Collect();
   std::vector<prometheus::MetricFamily> jobs = jobs_collector_->Collect();
   families.insert(families.end(), std::make_move_iterator(jobs.begin()),
                   std::make_move_iterator(jobs.end()));
+  if (listener_ != nullptr) {
+    std::vector<prometheus::MetricFamily> grpc = ListenerFamilies(listener_->Stats());
+    families.insert(families.end(), std::make_move_iterator(grpc.begin()),
+                    std::make_move_iterator(grpc.end()));
+  }
   return prometheus::TextSerializer().Serialize(families);
+}
+
+std::string RpcMetrics::CachedTextExposition(absl::Duration max_age) const {
+  if (max_age <= absl::ZeroDuration()) return TextExposition();
+  absl::MutexLock lock(&cache_mu_);
+  const absl::Time now = absl::Now();
+  if (now - cached_at_ >= max_age) {
+    cached_ = TextExposition();
+    cached_at_ = now;
+  }
+  return cached_;
 }
 
 RpcMetrics::~RpcMetrics() = default;

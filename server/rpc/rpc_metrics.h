@@ -10,7 +10,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "server/core/job_registry.h"
+#include "server/rpc/tcp_listener.h"
 
 namespace prometheus {
 class Collectable;
@@ -43,14 +46,26 @@ class RpcMetrics {
   void StreamOpened(RpcMethod method);
   void StreamClosed(RpcMethod method);
 
+  // The gRPC port's listener, whose connections and self-probe are read at each scrape
+  // (modelavg_grpc_*); must outlive this object's scrapes. Set once, before serving.
+  void set_listener(const TcpListener* listener) { listener_ = listener; }
+
   // Every metric in Prometheus' text format (version 0.0.4), as of now. Thread-safe.
   std::string TextExposition() const;
+  // The same, made at most `max_age` ago: scrapes within it share one exposition, so that its
+  // cost (which grows with jobs x ranks) is paid once per interval however many clients ask.
+  // Thread-safe; one caller makes it while the others wait for it.
+  std::string CachedTextExposition(absl::Duration max_age) const ABSL_LOCKS_EXCLUDED(cache_mu_);
 
  private:
   RpcMetrics() = default;
   static constexpr int kCodes = 17;
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<prometheus::Collectable> jobs_collector_;
+  const TcpListener* listener_ = nullptr;
+  mutable absl::Mutex cache_mu_;
+  mutable std::string cached_ ABSL_GUARDED_BY(cache_mu_);
+  mutable absl::Time cached_at_ ABSL_GUARDED_BY(cache_mu_) = absl::InfinitePast();
   std::array<std::array<prometheus::Counter*, kCodes>, static_cast<int>(RpcMethod::kCount)>
       counters_{};
   std::array<prometheus::Gauge*, static_cast<int>(RpcMethod::kCount)> open_streams_{};

@@ -5,7 +5,8 @@ The coordinator refuses control characters in a Join's worker_id and host, but a
 before it did (an old state file) still reaches the CLI: here one is written into the state file
 of a stopped coordinator, which is then restarted on it. `modelavg job`, `jobs`, `watch` and
 `--json` must print no control character (a worker id could otherwise retitle or clear the
-operator's terminal, or forge lines): every one is shown as an escape (\\e, \\r, \\x07, \\u009b).
+operator's terminal, or forge lines; a right-to-left override reorders what follows it): every
+one is shown as an escape (\\e, \\r, \\x07, \\u009b, \\u202e).
 """
 
 import argparse
@@ -18,10 +19,12 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 import modelavg_testing as mt  # noqa: E402
 
-EVIL_WORKER = "w\x1b]0;owned\x07\x1b[2J\x1b[H\u009b31m"
+EVIL_WORKER = "w\x1b]0;owned\x07\x1b[2J\x1b[H\u009b31m\u202egpj.exe"
 EVIL_HOST = "h\r\n[info] job esc: all ranks joined\x7f"
-# Control characters (C0 but newline, DEL, C1) in what the CLI writes.
-CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f\u0080-\u009f]")
+# Control characters (C0 but newline, DEL, C1) and bidirectional formatting characters (which
+# reorder what the terminal shows: U+202E makes "gpj.exe" read "exe.jpg") in what the CLI writes.
+CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f\u0080-\u009f\u061c\u200e\u200f\u202a-\u202e"
+                     "\u2066-\u2069]")
 
 
 def main():
@@ -41,15 +44,17 @@ def main():
         mt.create_job(coord.address, "esc", "periodic", 1, 0, [(2, 1)])
         with grpc.insecure_channel(coord.address) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
-            # Refused now, naming the field.
-            try:
-                stub.Join(pb.JoinRequest(job_id="esc", worker_id=EVIL_WORKER, host="h"),
-                          timeout=10)
-                mt.fail("a Join with ESC in its worker_id was taken")
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.INVALID_ARGUMENT or "worker_id" not in e.details():
-                    mt.fail(f"Join with ESC in worker_id: {e.code()} {e.details()}")
-            checks += 1
+            # Refused now, naming the field (and showing the character escaped).
+            for what, worker, named in (("ESC", EVIL_WORKER, "worker_id"),
+                                        ("U+202E", "w\u202egpj.exe", "\\u202e")):
+                try:
+                    stub.Join(pb.JoinRequest(job_id="esc", worker_id=worker, host="h"),
+                              timeout=10)
+                    mt.fail(f"a Join with {what} in its worker_id was taken")
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.INVALID_ARGUMENT or named not in e.details():
+                        mt.fail(f"Join with {what} in worker_id: {e.code()} {e.details()}")
+                checks += 1
             stub.Join(pb.JoinRequest(job_id="esc", worker_id="w", host="h"), timeout=10)
         if coord.stop() != 0:
             mt.fail(f"the coordinator did not stop cleanly:\n{coord.log_tail()}")
@@ -83,7 +88,7 @@ def main():
                 mt.fail(f"modelavg {name} printed the control character {found.group()!r}: "
                         f"{text!r}")
             checks += 1
-        for escaped in ("w\\e]0;owned\\x07\\e[2J\\e[H\\u009b31m",
+        for escaped in ("w\\e]0;owned\\x07\\e[2J\\e[H\\u009b31m\\u202egpj.exe",
                         "h\\r\\n[info] job esc: all ranks joined\\x7f"):
             if escaped not in table:
                 mt.fail(f"modelavg job esc does not show {escaped!r}:\n{table}")

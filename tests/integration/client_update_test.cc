@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -405,6 +406,36 @@ TEST_F(ClientUpdateTest, RefusedChanges_ClearErrorsAndTheJobUnchanged) {
   EXPECT_FALSE(j->has_pending_plan());
   EXPECT_EQ(j->state(), v1::RUNNING);
   for (auto& w : workers_) w->Signal(SIGTERM);
+}
+
+// DeleteJob about 90 ms after UpdateJob, while the members answer its proposal: every member
+// ends within seconds, saying that the job was deleted (a member that had given back its
+// decisions used to wait for the switch step for the whole outage timeout, 5 minutes, and then
+// fail "coordinator has not answered": that wait is client_session_clock_test's
+// DecisionWaitingForASwitch_SessionBroken_FailsAtOnceWithTheReason).
+TEST_F(ClientUpdateTest, DeletedWhileAnUpdateIsPending_EveryMemberFailsAtOnceSayingSo) {
+  const v1::JobSpec a = MakeSpec("deleted", 4, v1::HIERARCHICAL, {{2, 2}, {4, 4}}, 0, 3000);
+  const v1::JobSpec b = MakeSpec("deleted", 4, v1::HIERARCHICAL, {{4, 2}, {8, 4}}, 0, 3000);
+  Start(a, 1000000, 2);
+  WaitForStep(40);
+  absl::StatusOr<v1::UpdateJobResponse> updated;
+  std::thread update([&] { updated = cluster_.admin()->UpdateJob(b); });
+  absl::SleepFor(absl::Milliseconds(90));
+  const absl::Status deleted = cluster_.admin()->DeleteJob("deleted");
+  const absl::Time at = absl::Now();
+  update.join();
+  ASSERT_TRUE(deleted.ok()) << deleted;
+  std::printf("UpdateJob answered %s\n", updated.status().ToString().c_str());
+  for (int r = 0; r < 4; ++r) {
+    const std::optional<int> code = workers_[r]->Wait(absl::Seconds(30));
+    ASSERT_TRUE(code.has_value()) << "rank " << r << " still runs 30 s after DeleteJob:\n"
+                                  << workers_[r]->err();
+    EXPECT_NE(*code, 0) << "rank " << r;
+    EXPECT_TRUE(absl::StrContains(workers_[r]->err(), "deleted"))
+        << "rank " << r << ": " << workers_[r]->err();
+    std::printf("rank %d exited %d, %.2f s after DeleteJob\n", r, *code,
+                absl::ToDoubleSeconds(absl::Now() - at));
+  }
 }
 
 // The coordinator, killed (-9) between UpdateJob and the switch step and restarted on its state

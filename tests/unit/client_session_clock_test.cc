@@ -1,6 +1,8 @@
 // The session's timeouts on a FakeClock: the coordinator-outage bound, the retries of Join and
-// Leave through an unreachable coordinator, and the clock itself. Time is advanced, not slept.
+// Leave through an unreachable coordinator, a decision's wait for a proposed plan, and the clock
+// itself. Time is advanced, not slept.
 #include <atomic>
+#include <future>
 #include <memory>
 #include <string>
 #include <thread>
@@ -10,12 +12,15 @@
 #include "absl/time/time.h"
 #include "client/rpc/coordinator_client.h"
 #include "client/rpc/coordinator_outage.h"
+#include "client/session/decision_window.h"
 #include "client/session/join.h"
 #include "client/session/leave.h"
 #include "client/session/retry_wait.h"
 #include "common/clock.h"
+#include "common/job_spec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/tools/make_job_spec.h"
 
 namespace modelavg::client {
 namespace {
@@ -199,6 +204,58 @@ TEST_F(SessionOnClockTest, JoinJob_CoordinatorUnreachable_UnavailableAtTheJoinTi
   // It gave up when the next backoff (2 s at most) would have passed the timeout.
   EXPECT_GE(clock_.Now() - absl::FromUnixSeconds(100), absl::Minutes(5) - absl::Seconds(2));
   EXPECT_LE(clock_.Now() - absl::FromUnixSeconds(100), absl::Minutes(5));
+}
+
+// A window whose rank answered a proposed plan (it gave back its decisions past step 0, and a
+// later step waits for the switch step).
+std::unique_ptr<DecisionWindow> WindowThatGaveBack(CoordinatorClient& coordinator,
+                                                   CoordinatorOutage& outage, const Clock& clock) {
+  absl::StatusOr<ScheduleSpec> spec = ScheduleSpecFromProto(::modelavg::testing::SpecFromText(
+      R"pb(job_id: "job" world_size: 2 mode: PERIODIC levels { period: 2 group_size: 2 })pb"));
+  absl::StatusOr<Schedule> schedule =
+      spec.ok() ? Schedule::Create(*spec) : absl::StatusOr<Schedule>(spec.status());
+  EXPECT_TRUE(schedule.ok()) << schedule.status();
+  auto window = std::make_unique<DecisionWindow>(coordinator, outage, clock,
+                                                 PlanHistory(*std::move(schedule)), "job", 0,
+                                                 "credential", 16);
+  window->OnBeat(0);
+  v1::HeartbeatResponse proposal;
+  proposal.set_proposed_plan(1);
+  EXPECT_TRUE(window->OnReply(proposal).ok());
+  return window;
+}
+
+// A job deleted while an update was proposed: the rank had given back its decisions and waited
+// for the switch step; its heartbeat learnt that the job was gone (the session broke), but the
+// wait went on for the whole outage timeout (5 minutes) and then failed "has not answered".
+// Now the wait ends at once with the reason the session broke, whether it broke before the wait
+// or during it.
+TEST_F(SessionOnClockTest, DecisionWaitingForASwitch_SessionBroken_FailsAtOnceWithTheReason) {
+  const absl::Status deleted = absl::FailedPreconditionError(
+      "job job is unknown to the coordinator ... or the job was deleted");
+  {
+    CoordinatorOutage outage(kNowhere, absl::Minutes(5), &clock_);
+    std::unique_ptr<DecisionWindow> window = WindowThatGaveBack(*coordinator_, outage, clock_);
+    const absl::Time start = clock_.Now();
+    window->Break(deleted);
+    absl::StatusOr<Decision> d = window->At(5);
+    EXPECT_EQ(d.status(), deleted);
+    EXPECT_LT(clock_.Now() - start, absl::Seconds(1));
+  }
+  {
+    FakeClock still(absl::FromUnixSeconds(100));  // advanced only by hand
+    CoordinatorOutage outage(kNowhere, absl::Minutes(5), &still);
+    std::unique_ptr<DecisionWindow> window = WindowThatGaveBack(*coordinator_, outage, still);
+    auto waiting = std::async(std::launch::async, [&] { return window->At(5); });
+    EXPECT_EQ(waiting.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout)
+        << "the decision did not wait for the switch step";
+    window->Break(deleted);
+    if (waiting.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+      ADD_FAILURE() << "the decision still waits after the session broke";
+      still.Advance(absl::Hours(1));  // let it end
+    }
+    EXPECT_EQ(waiting.get().status(), deleted);
+  }
 }
 
 }  // namespace

@@ -57,6 +57,36 @@ TEST(JobSpecTest, BadTimeouts_InvalidArgumentNamingField) {
               HasSubstr("join_timeout_ms"));
 }
 
+// heartbeat_timeout_ms=1 was accepted: every member of a running job was declared dead within
+// 35 ms. Timeouts shorter than a real network meets are refused, saying why.
+TEST(JobSpecTest, TimeoutsBelowWhatANetworkMeets_InvalidArgumentWithTheReason) {
+  v1::JobSpec spec = SpecFromText(R"pb(
+    job_id: "j" world_size: 2 mode: PERIODIC levels { period: 2 group_size: 2 }
+  )pb");
+  struct Bound {
+    const char* field;
+    int64_t least;
+    void (v1::JobSpec::*set)(int64_t);
+  };
+  for (const Bound& b : {Bound{"heartbeat_timeout_ms", kMinHeartbeatTimeoutMs,
+                               &v1::JobSpec::set_heartbeat_timeout_ms},
+                         Bound{"join_timeout_ms", kMinJoinTimeoutMs,
+                               &v1::JobSpec::set_join_timeout_ms}}) {
+    for (int64_t ms : {int64_t{1}, b.least - 1}) {
+      (spec.*b.set)(ms);
+      const absl::Status s = ScheduleSpecFromProto(spec).status();
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << b.field << " " << ms;
+      EXPECT_THAT(std::string(s.message()),
+                  HasSubstr(absl::StrCat(b.field, " is ", ms, "; it must be at least ", b.least)));
+    }
+    (spec.*b.set)(b.least);
+    EXPECT_TRUE(ScheduleSpecFromProto(spec).ok()) << b.field;
+  }
+  spec.set_heartbeat_timeout_ms(1);
+  EXPECT_THAT(std::string(ScheduleSpecFromProto(spec).status().message()),
+              HasSubstr("members beat every 100 ms"));
+}
+
 TEST(JobSpecTest, ScheduleErrorsPassThrough) {
   absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(SpecFromText(R"pb(
     job_id: "j" world_size: 6 mode: HIERARCHICAL

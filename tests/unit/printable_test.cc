@@ -3,6 +3,7 @@
 // is written as an escape, the rest is kept.
 #include "common/printable.h"
 
+#include <cstdint>
 #include <string>
 
 #include "absl/strings/str_format.h"
@@ -36,6 +37,35 @@ TEST(PrintableTest, EveryByte_NoControlCharacterLeft) {
     EXPECT_EQ(FindControlCharacter(two) != absl::string_view::npos, c1 || control) << b;
     EXPECT_EQ(FindControlCharacter(EscapeControlCharacters(two)), absl::string_view::npos) << b;
     if (c1) EXPECT_EQ(EscapeControlCharacters(two), absl::StrFormat("\\u%04x", b));
+  }
+}
+
+// A right-to-left override in a worker id made "gpj.exe" read "exe.jpg" in the CLI. Every
+// bidirectional formatting character is found and escaped; its neighbours in those blocks stay.
+TEST(PrintableTest, BidirectionalFormattingCharacters_FoundAndEscaped) {
+  EXPECT_EQ(EscapeControlCharacters("w\xe2\x80\xaegpj.exe"), "w\\u202egpj.exe");
+  EXPECT_EQ(FindControlCharacter("w\xe2\x80\xaegpj.exe"), 1u);
+  EXPECT_EQ(EscapeControlCharacters("\xd8\x9c" "a"), "\\u061ca");
+  auto utf8 = [](uint32_t cp) {
+    std::string s;
+    if (cp < 0x800) {
+      s += static_cast<char>(0xc0 | (cp >> 6));
+    } else {
+      s += static_cast<char>(0xe0 | (cp >> 12));
+      s += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
+    }
+    s += static_cast<char>(0x80 | (cp & 0x3f));
+    return s;
+  };
+  for (uint32_t cp = 0x600; cp < 0x2100; ++cp) {
+    const bool bidi = cp == 0x061c || cp == 0x200e || cp == 0x200f ||
+                      (cp >= 0x202a && cp <= 0x202e) || (cp >= 0x2066 && cp <= 0x2069);
+    const std::string one = utf8(cp);
+    EXPECT_EQ(FindControlCharacter(one) == 0, bidi) << std::hex << cp;
+    EXPECT_EQ(FindControlCharacter(EscapeControlCharacters(one)), absl::string_view::npos)
+        << std::hex << cp;
+    EXPECT_EQ(EscapeControlCharacters(one), bidi ? absl::StrFormat("\\u%04x", cp) : one)
+        << std::hex << cp;
   }
 }
 

@@ -278,18 +278,38 @@ TEST(ElasticAdmissionTest, RetriedJoinOfSameWorker_KeepsItsRankUntilHeardFrom) {
   Membership m(4, 2);
   JoinAllReporting(m, 3);
   ASSERT_TRUE(m.Die({1, 2}, "ranks 1, 2 heartbeat timeout", kT0).ok());
-  ASSERT_EQ(m.Join("new", "h", std::nullopt, kT0, "j")->rank, 1);
-  // Its reply was lost: the same worker asks again, without a credential.
-  absl::StatusOr<Membership::JoinResult> again = m.Join("new", "h", std::nullopt, kT0, "j");
+  ASSERT_EQ(m.Join("new", "h", std::nullopt, kT0, "j", "", "", "nonce-1")->rank, 1);
+  // Its reply was lost: the same worker asks again, without a credential, with the same Join's
+  // nonce.
+  absl::StatusOr<Membership::JoinResult> again =
+      m.Join("new", "h", std::nullopt, kT0, "j", "", "", "nonce-1");
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(again->rank, 1);
   EXPECT_TRUE(again->change.replaced_live_member);
   EXPECT_THAT(m.VacantRanks(), ElementsAre(2));
   // Once it has been heard from, its worker id alone no longer takes its rank.
   m.Heartbeat(1, m.generation(), 4, kT0);
-  absl::StatusOr<Membership::JoinResult> third = m.Join("new", "h", std::nullopt, kT0, "j");
+  absl::StatusOr<Membership::JoinResult> third =
+      m.Join("new", "h", std::nullopt, kT0, "j", "", "", "nonce-1");
   ASSERT_TRUE(third.ok());
   EXPECT_EQ(third->rank, 2);
+}
+
+// The same worker id without the Join's nonce (or with another) is not the same Join: it does
+// not take the replacement's rank, which is not heard from yet.
+TEST(ElasticAdmissionTest, SameWorkerIdWithoutTheJoinsNonce_DoesNotTakeTheRank) {
+  Membership m(4, 2);
+  JoinAllReporting(m, 3);
+  ASSERT_TRUE(m.Die({1}, "rank 1 heartbeat timeout", kT0).ok());
+  ASSERT_EQ(m.Join("new", "h", std::nullopt, kT0, "j", "", "", "nonce-1")->rank, 1);
+  for (const std::string& nonce : {std::string(), std::string("nonce-2")}) {
+    absl::StatusOr<Membership::JoinResult> other =
+        m.Join("new", "h", 1, kT0, "j", "", "", nonce);
+    EXPECT_EQ(other.status().code(), absl::StatusCode::kAlreadyExists) << other.status();
+    absl::StatusOr<Membership::JoinResult> any =
+        m.Join("new", "h", std::nullopt, kT0, "j", "", "", nonce);
+    EXPECT_FALSE(any.ok() && any->rank == 1) << "rank 1 taken with nonce \"" << nonce << "\"";
+  }
 }
 
 TEST(ElasticAdmissionTest, MemberNotReportedYet_UnavailableUntilItReports) {
@@ -506,10 +526,12 @@ class ElasticJobTest : public ::testing::Test {
   }
 
   absl::StatusOr<v1::JoinResponse> JoinAs(Job& job, const std::string& worker,
-                                          std::optional<int> rank = std::nullopt) {
+                                          std::optional<int> rank = std::nullopt,
+                                          const std::string& nonce = "") {
     v1::JoinRequest request;
     request.set_job_id("e");
     request.set_worker_id(worker);
+    request.set_join_nonce(nonce);
     if (rank.has_value()) request.set_rank(*rank);
     std::optional<absl::StatusOr<v1::JoinResponse>> result;
     job.Join(request, absl::InfiniteFuture(), registry_->NewWaitId(),
@@ -641,6 +663,73 @@ TEST_F(ElasticJobTest, DeadRank_DecisionsListLiveMembers_EmptyBlockDoesNotAverag
   EXPECT_THAT(resp.decisions(0).members(), ElementsAre(0, 1));
 }
 
+
+// A member that reported step 2^62 made every later replacement's Join fail "too large" (and at
+// 10^15 the admission landed at 10^15 + 8). A step the job's pace cannot have reached is now
+// refused, saying why, and recorded nowhere: the admission lands after the real steps.
+TEST_F(ElasticJobTest, ImplausibleStep_RefusedAndAdmissionsUnaffected) {
+  std::shared_ptr<Job> job = MakeRunningJob();
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(Beat(*job, r, 1, 3).ok());
+  for (int64_t step : {int64_t{1} << 62, int64_t{1'000'000'000'000'000}}) {
+    const absl::Status s = Beat(*job, 1, 1, step);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << step;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("which the job's pace cannot have reached"));
+    EXPECT_THAT(std::string(s.message()), HasSubstr("at most step 3"));
+  }
+  // A leap within the bound is a step like any other.
+  EXPECT_TRUE(Beat(*job, 2, 1, 3 + 1000).ok());
+  v1::Job state;
+  job->ToProto(&state);
+  EXPECT_EQ(state.max_step(), 1003);
+  Kill(*job, {3}, 1);
+  absl::StatusOr<v1::JoinResponse> joined = JoinAs(*job, "new");
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  EXPECT_LT(joined->admission_step(), 2000);
+}
+
+// A replacement's rank was taken by a Join carrying its worker id, read from WatchJob's
+// MEMBER_ADMITTED 2 ms after the admission and sent before the replacement's first beat: the
+// thief got the rank and a fresh credential (enough for GetCommId), and the real replacement
+// was told "the coordinator no longer counts this worker as rank 3". Now the rank is bound to
+// the Join that won it: the thief is refused naming the holder, and the replacement keeps its
+// rank and its credential.
+TEST_F(ElasticJobTest, Replacement_WorkerIdReadFromWatchJob_RankNotTakenByASecondJoin) {
+  std::shared_ptr<Job> job = MakeRunningJob();
+  auto watcher = std::make_shared<RecordedEvents>();
+  job->Watch(watcher);
+  Kill(*job, {3}, 1);
+  absl::StatusOr<v1::JoinResponse> joined =
+      JoinAs(*job, "replacement-host:4242", std::nullopt, "5f1d0c2a9b7e4c3d8a6f0e1b2c3d4e5f");
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  ASSERT_EQ(joined->rank(), 3);
+  const std::string credential = joined->credential();
+  // What any token holder sees: the admission's event names the worker.
+  std::string worker;
+  for (const v1::JobEvent& e : watcher->events()) {
+    if (e.kind() != v1::JobEvent::MEMBER_ADMITTED) continue;
+    const size_t open = e.message().find('"');
+    const size_t close = e.message().find('"', open + 1);
+    if (open != std::string::npos && close != std::string::npos) {
+      worker = e.message().substr(open + 1, close - open - 1);
+    }
+  }
+  ASSERT_EQ(worker, "replacement-host:4242");
+  for (std::optional<int> rank : {std::optional<int>(3), std::optional<int>()}) {
+    absl::StatusOr<v1::JoinResponse> thief = JoinAs(*job, worker, rank, "guessed");
+    EXPECT_FALSE(thief.ok() && thief->rank() == 3)
+        << "the thief took rank 3 (rank " << (rank ? "asked" : "not asked") << ")";
+    if (rank.has_value()) {
+      EXPECT_EQ(thief.status().code(), absl::StatusCode::kAlreadyExists) << thief.status();
+      EXPECT_THAT(std::string(thief.status().message()), HasSubstr("replacement-host:4242"));
+    }
+  }
+  // The replacement is still rank 3, with its credential.
+  credentials_[3] = credential;
+  EXPECT_TRUE(Beat(*job, 3, joined->generation(), 5).ok());
+  v1::Job state;
+  job->ToProto(&state);
+  EXPECT_THAT(state.vacant_ranks(), ::testing::IsEmpty());
+}
 
 // World 4: pairs every step, the world every 2 steps. Rank 3 dies at step 3 and a replacement
 // takes its rank: admitted at step 5 (largest step reported 3 + margin 2), a pair step whose

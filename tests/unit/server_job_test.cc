@@ -803,7 +803,7 @@ TEST_F(JobTest, StalenessThread_RealClock_ExpiresWaits) {
   JobRegistry registry(options);
   ASSERT_TRUE(registry
                   .CreateJob(SpecFromText(R"pb(job_id: "t" world_size: 2 mode: PERIODIC
-                                       join_timeout_ms: 30 levels { period: 1 group_size: 2 })pb"),
+                                       join_timeout_ms: 1000 levels { period: 1 group_size: 2 })pb"),
                              nullptr)
                   .ok());
   absl::Notification done;

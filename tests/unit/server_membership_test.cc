@@ -154,6 +154,29 @@ TEST(MembershipTest, Join_TakenRank_AlreadyExists_SameWorkerWasInRound) {
   EXPECT_EQ(m.round_size(), 1);
 }
 
+// A Join waiting in an assembling round was superseded by any Join naming its worker id (read
+// from GetJob or WatchJob), which took its rank. A Join that sent a nonce is retried only with
+// it; a seat taken without one (an older client) is still retried by the worker id.
+TEST(MembershipTest, Join_AssemblingRoundSeatTakenWithANonce_OnlyItsRetryTakesItAgain) {
+  Membership m(3);
+  ASSERT_TRUE(m.Join("a", "h", 0, kT0, "j", "", "", "nonce-a").ok());
+  for (const std::string& nonce : {std::string(), std::string("nonce-x")}) {
+    EXPECT_EQ(m.Join("a", "h", 0, kT0, "j", "", "", nonce).status().code(),
+              absl::StatusCode::kAlreadyExists)
+        << "nonce \"" << nonce << "\"";
+  }
+  absl::StatusOr<Membership::JoinResult> other = m.Join("a", "h", std::nullopt, kT0, "j");
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_EQ(other->rank, 1) << "a Join without the nonce took the waiting seat";
+  absl::StatusOr<Membership::JoinResult> again = m.Join("a", "h", 0, kT0, "j", "", "", "nonce-a");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(again->was_in_round);
+  absl::StatusOr<Membership::JoinResult> unasked =
+      m.Join("a", "h", std::nullopt, kT0, "j", "", "", "nonce-a");
+  ASSERT_TRUE(unasked.ok()) << unasked.status();
+  EXPECT_EQ(unasked->rank, 0);
+}
+
 TEST(MembershipTest, Withdraw_FreesRank_RemovalWrittenWithTheNextChange) {
   RecordingWriter w;
   Membership m(4, 0, w.writer());

@@ -9,10 +9,16 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/printable.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/core/job.h"
+#include "spdlog/sinks/ringbuffer_sink.h"
+#include "spdlog/spdlog.h"
 #include "tests/unit/running_job_fixture.h"
 
 namespace modelavg::server {
@@ -46,6 +52,34 @@ class NonFiniteReportTest : public RunningJobTest {
     return resp;
   }
 };
+
+// ReportNonFinite.payload reached the log raw: ESC and BEL sequences from a member could
+// retitle or clear the terminal of whoever reads it. Now it is escaped in the log line, the
+// recorded report and the generation change's reason.
+TEST_F(NonFiniteReportTest, PayloadWithControlCharacters_EscapedInTheLogAndTheRecord) {
+  auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(16);
+  spdlog::default_logger()->sinks().push_back(sink);
+  std::shared_ptr<Job> job = RunningJob("min_world_size: 2");
+  v1::ReportNonFiniteRequest req = Report(3);
+  req.set_payload("x\x1b]0;owned\x07\x1b[2J\xe2\x80\xaeparameters");
+  absl::StatusOr<v1::ReportNonFiniteResponse> r = Send(*job, req);
+  spdlog::default_logger()->sinks().pop_back();
+  ASSERT_TRUE(r.ok()) << r.status();
+  const std::string escaped = "x\\e]0;owned\\x07\\e[2J\\u202eparameters";
+  std::string logged;
+  for (const std::string& line : sink->last_formatted()) {
+    // (each line as formatted, less its end of line)
+    if (absl::StrContains(line, "non-finite")) absl::StrAppend(&logged, absl::StripTrailingAsciiWhitespace(line));
+  }
+  EXPECT_THAT(logged, HasSubstr(escaped));
+  const v1::Job state = State(*job);
+  EXPECT_EQ(state.last_nonfinite().payload(), escaped);
+  EXPECT_THAT(state.last_change().reason(), HasSubstr(escaped));
+  for (const std::string& text : {logged, state.last_nonfinite().payload(),
+                                  state.last_change().reason()}) {
+    EXPECT_EQ(FindControlCharacter(text), absl::string_view::npos) << text;
+  }
+}
 
 TEST_F(NonFiniteReportTest, ElasticJob_RetiresTheMemberWithTheReportAsReason) {
   std::shared_ptr<Job> job = RunningJob("min_world_size: 2");

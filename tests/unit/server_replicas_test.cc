@@ -183,7 +183,8 @@ TEST(ShardedAdmissionTest, ReplicaWaitsForAllItsRanks_ThenAdmittedWholeAtOneStep
   ASSERT_EQ(m.generation(), 3);
   written.clear();
   // No rank asked: the lowest vacant rank of the lowest vacant replica (replica 0).
-  absl::StatusOr<Membership::JoinResult> a = m.Join("new-a", "h", std::nullopt, kT0, "j");
+  absl::StatusOr<Membership::JoinResult> a =
+      m.Join("new-a", "h", std::nullopt, kT0, "j", "", "", "nonce-a");
   ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_EQ(a->rank, 0);
   EXPECT_TRUE(a->waiting_for_replica);
@@ -199,8 +200,12 @@ TEST(ShardedAdmissionTest, ReplicaWaitsForAllItsRanks_ThenAdmittedWholeAtOneStep
   // A rank of a live replica is refused.
   absl::StatusOr<Membership::JoinResult> live = m.Join("other", "h", 3, kT0, "j");
   EXPECT_EQ(live.status().code(), absl::StatusCode::kAlreadyExists);
-  // The same worker retrying keeps its rank.
-  absl::StatusOr<Membership::JoinResult> again = m.Join("new-a", "h", std::nullopt, kT0, "j");
+  // The same worker id without the Join's nonce is not the same Join (the id is public).
+  absl::StatusOr<Membership::JoinResult> thief = m.Join("new-a", "h", 0, kT0, "j");
+  EXPECT_EQ(thief.status().code(), absl::StatusCode::kAlreadyExists) << thief.status();
+  // The same Join retried (its nonce) keeps its rank.
+  absl::StatusOr<Membership::JoinResult> again =
+      m.Join("new-a", "h", std::nullopt, kT0, "j", "", "", "nonce-a");
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(again->rank, 0);
   EXPECT_TRUE(again->was_in_round);

@@ -174,6 +174,24 @@ TEST_F(ServerUpdateTest, UpdateJob_RefusedChanges_NameTheFieldAndChangeNothing) 
   EXPECT_FALSE(State(*job_).has_pending_plan());
 }
 
+// UpdateJob with heartbeat_timeout_ms=1 was accepted and applied at once: every member was
+// declared dead within 35 ms and the job finished. Now it is refused, saying why, and nothing
+// changes.
+TEST_F(ServerUpdateTest, UpdateJob_HeartbeatTimeoutBelowWhatANetworkMeets_RefusedWithTheReason) {
+  v1::JobSpec spec = NewPlan(2);
+  spec.set_heartbeat_timeout_ms(1);
+  std::optional<absl::StatusOr<v1::UpdateJobResponse>> result;
+  StartUpdate(spec, &result);
+  ASSERT_TRUE(result.has_value());
+  EXPECT_TRUE(absl::IsInvalidArgument(result->status())) << result->status();
+  EXPECT_TRUE(absl::StrContains(result->status().message(),
+                                "heartbeat_timeout_ms is 1; it must be at least 500"))
+      << result->status();
+  EXPECT_EQ(State(*job_).plan_history_size(), 1);
+  EXPECT_FALSE(State(*job_).has_pending_plan());
+  EXPECT_NE(State(*job_).spec().heartbeat_timeout_ms(), 1);
+}
+
 // An elastic job whose replacement was admitted at a step still ahead when UpdateJob came: the
 // admission happens under the plan it was planned in, and the switch lies past it.
 class ServerUpdateElasticTest : public RunningJobTest {
