@@ -10,7 +10,8 @@
 #   bash deploy/install_deps.sh           # everything: build, tests, development (tests/run_all.sh)
 #   bash deploy/install_deps.sh --build   # only what building the programs needs (the image)
 #   bash deploy/install_deps.sh --demo    # what examples/run_demo.sh needs: the build packages
-#                                         # (it runs only the coordinator and the demo it builds)
+#                                         # but etcd's protos (it runs only the coordinator, with
+#                                         # its state in memory, and the demo it builds)
 #   ... --list                            # print the set's packages, install nothing
 set -euo pipefail
 # What building needs (with -DMODELAVG_BUILD_TESTS=OFF -DMODELAVG_BUILD_BENCH=OFF).
@@ -26,12 +27,14 @@ build_packages=(
   libsqlite3-dev
   # The coordinator's HTTP port (/metrics, the status page): an event-loop HTTP server.
   libmicrohttpd-dev
-  # Coordinator --etcd_endpoints: etcd's v3 API protos, from which the build generates its stubs.
-  golang-etcd-server-dev golang-github-gogo-protobuf-dev
-  golang-github-grpc-ecosystem-grpc-gateway-dev
 )
+# Coordinator --etcd_endpoints: etcd's v3 API protos, from which the build generates its stubs.
+# Not for the demo, whose coordinator keeps its state in memory (examples/run_demo.sh configures
+# -DMODELAVG_WITH_ETCD=OFF): the image and the tests build the etcd store.
+etcd_packages=(golang-etcd-server-dev golang-github-gogo-protobuf-dev
+               golang-github-grpc-ecosystem-grpc-gateway-dev)
 packages=(
-  "${build_packages[@]}" build-essential git
+  "${build_packages[@]}" "${etcd_packages[@]}" build-essential git
   libgtest-dev libgmock-dev
   # The sqlite3 shell backs the coordinator's state up while it runs (README).
   sqlite3
@@ -67,7 +70,8 @@ list=0
 venv=1
 for arg in "$@"; do
   case "$arg" in
-    --build | --demo) packages=("${build_packages[@]}"); venv=0 ;;
+    --build) packages=("${build_packages[@]}" "${etcd_packages[@]}"); venv=0 ;;
+    --demo) packages=("${build_packages[@]}"); venv=0 ;;
     --list) list=1 ;;
     *) echo "usage: $0 [--build | --demo] [--list]" >&2; exit 2 ;;
   esac
