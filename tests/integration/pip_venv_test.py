@@ -13,6 +13,7 @@ Builds the wheel with deploy/build_wheel.sh (pip wheel offline, then auditwheel 
   * PyTorch is not downloaded a second time: after the wheel is installed, a .pth file in the
     fresh venv adds .venv's site-packages (site.addsitedir: after the venv's own, so that
     `modelavg` still comes from the fresh venv, which is checked, and torch from .venv);
+    one process imports modelavg, then torch; the ranks import torch, then modelavg;
   * ldd of the extension and of both programs, and the libraries that `import modelavg` maps into
     a process: each one is the wheel's own (modelavg.libs/) or a glibc-level system library
     (the manylinux policy's: libc, libm, libstdc++, libgcc_s, ...); none is the build
@@ -41,12 +42,14 @@ WORKER = mt.dropin_worker(
     '                      "module": modelavg.__file__, "torch": torch.__version__}),\n'
     '          flush=True)')
 
-# What a manylinux wheel may load from the system (auditwheel's policies list these: glibc's
-# libraries, the loader, libstdc++ and libgcc_s); everything else must come from the wheel.
+# What a manylinux wheel may load from the system: the loader and the libraries of auditwheel's
+# manylinux policies that a program of ours could use (glibc's, libstdc++, libgcc_s, libatomic,
+# and zlib, which the policies list too); everything else must come from the wheel.
 SYSTEM_LIBS = {
-    "linux-vdso.so.1", "ld-linux-x86-64.so.2", "libc.so.6", "libm.so.6", "libdl.so.2",
-    "librt.so.1", "libpthread.so.0", "libresolv.so.2", "libutil.so.1", "libnsl.so.1",
-    "libcrypt.so.1", "libstdc++.so.6", "libgcc_s.so.1", "libz.so.1",
+    "linux-vdso.so.1", "ld-linux-x86-64.so.2", "libc.so.6", "libm.so.6", "libmvec.so.1",
+    "libdl.so.2", "librt.so.1", "libpthread.so.0", "libresolv.so.2", "libutil.so.1",
+    "libnsl.so.1", "libanl.so.1", "libstdc++.so.6", "libgcc_s.so.1", "libatomic.so.1",
+    "libz.so.1",
 }
 # Debian's libraries that the build links and the wheel must carry its own copies of instead.
 DEBIAN_BUILD_LIBS = re.compile(
