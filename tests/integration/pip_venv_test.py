@@ -13,7 +13,9 @@ Builds the wheel with deploy/build_wheel.sh (pip wheel offline, then auditwheel 
   * PyTorch is not downloaded a second time: after the wheel is installed, a .pth file in the
     fresh venv adds .venv's site-packages (site.addsitedir: after the venv's own, so that
     `modelavg` still comes from the fresh venv, which is checked, and torch from .venv);
-    one process imports modelavg, then torch; the ranks import torch, then modelavg;
+    one process imports modelavg, then torch; the ranks import torch, then modelavg, rank 1
+    with TORCH_USE_RTLD_GLOBAL=1 (libtorch's Gloo and Protobuf in the global scope: the
+    extension, loaded with RTLD_DEEPBIND, must still bind to the wheel's hashed copies);
   * ldd of the extension and of both programs, and the libraries that `import modelavg` maps into
     a process: each one is the wheel's own (modelavg.libs/) or a glibc-level system library
     (the manylinux policy's: libc, libm, libstdc++, libgcc_s, ...); none is the build
@@ -233,6 +235,8 @@ def main():
         for rank in range(2):
             wenv = dict(env, RANK=str(rank), WORLD_SIZE="2", MODELAVG_COORDINATOR=coord.address,
                         MODELAVG_JOB="pip-dropin")
+            if rank == 1:  # libtorch's symbols (its Gloo, its Protobuf) in the global scope
+                wenv["TORCH_USE_RTLD_GLOBAL"] = "1"
             procs.append(group.start([py, "-c", WORKER], f"rank{rank}", env=wenv))
         results = mt.wait_all(procs, timeout_s=180)
         want = mt.dropin_expected(2)
