@@ -42,8 +42,9 @@ packages=(
   # grpcurl), the compose/k8s file checks, the CLI. The others run in .venv (below), which
   # python3-venv makes.
   python3 python3-grpcio python3-grpc-tools python3-yaml python3-venv
-  # The Python package (pybind11 binding, built for /usr/bin/python3, which .venv's python is).
-  python3-dev pybind11-dev
+  # The Python package (pybind11 binding, built for /usr/bin/python3, which .venv's python is);
+  # its wheel is built offline by that Python's pip, setuptools and wheel (deploy/build_wheel.sh).
+  python3-dev pybind11-dev python3-pip python3-setuptools python3-wheel
   # Coordinator TLS tests make a throwaway certificate.
   openssl
   # The coordinator HA tests run an etcd cluster on loopback (etcdctl to inspect it).
