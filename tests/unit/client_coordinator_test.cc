@@ -452,7 +452,7 @@ TEST_F(ClientCoordinatorTest, Leave_WithoutAFailure_IsOrderly) {
 // The outage bound (the default five minutes) on a fake clock: each failed heartbeat finds the
 // outage longer by the minute the clock moved since the last look.
 TEST_F(ClientCoordinatorTest, GenerationChange_CoordinatorGone_Unavailable) {
-  CreateJob("gone", 1, v1::PERIODIC, {{1, 1}}, 0, /*heartbeat_ms=*/300);
+  CreateJob("gone", 1, v1::PERIODIC, {{1, 1}}, 0, /*heartbeat_ms=*/500);
   ClientOptions options = Options("gone", 0);
   options.coordinator_outage_timeout = absl::Minutes(5);
   FakeClock clock;
