@@ -1,6 +1,8 @@
 #include "client/comm/gloo/gloo_mesh.h"
 
+#include <dirent.h>
 #include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <chrono>
@@ -10,6 +12,7 @@
 #include <typeinfo>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/base/error_kind.h"
@@ -245,6 +248,46 @@ std::string AddressString(const sockaddr_storage& ss) {
   return gloo::transport::tcp::Address(ss).str();
 }
 
+bool SameEndpoint(const sockaddr_storage& a, const sockaddr_storage& b) {
+  if (a.ss_family != b.ss_family) return false;
+  if (a.ss_family == AF_INET) {
+    const auto& x = reinterpret_cast<const sockaddr_in&>(a);
+    const auto& y = reinterpret_cast<const sockaddr_in&>(b);
+    return x.sin_port == y.sin_port && x.sin_addr.s_addr == y.sin_addr.s_addr;
+  }
+  if (a.ss_family == AF_INET6) {
+    const auto& x = reinterpret_cast<const sockaddr_in6&>(a);
+    const auto& y = reinterpret_cast<const sockaddr_in6&>(b);
+    return x.sin6_port == y.sin6_port &&
+           std::memcmp(&x.sin6_addr, &y.sin6_addr, sizeof(in6_addr)) == 0;
+  }
+  return false;
+}
+
+// Where the connection a pair accepted on `local` (its listening address) comes from, for the
+// log: Gloo keeps the pair's socket to itself, so this process's descriptors are searched for a
+// connected one on that address. "an unknown address" when none is found (the pair connected
+// out, or the connection is gone). Called only for a pair that failed its proof.
+std::string RemoteOfConnectionOn(const sockaddr_storage& local) {
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return "an unknown address";
+  std::string found = "an unknown address";
+  while (dirent* entry = readdir(dir)) {
+    int fd = -1;
+    if (!absl::SimpleAtoi(entry->d_name, &fd) || fd == dirfd(dir)) continue;
+    sockaddr_storage mine{}, theirs{};
+    socklen_t len = sizeof(mine);
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&mine), &len) != 0) continue;
+    if (!SameEndpoint(mine, local)) continue;
+    len = sizeof(theirs);
+    if (getpeername(fd, reinterpret_cast<sockaddr*>(&theirs), &len) != 0) continue;
+    found = AddressString(theirs);
+    break;
+  }
+  closedir(dir);
+  return found;
+}
+
 // What member `rank` published for its pair with `other`: the pair's Gloo address, then the
 // random key of kPairKeyBytes that makes half of the pair's secret.
 struct PairRecord {
@@ -370,12 +413,13 @@ std::vector<int> ProvePairs(gloo::transport::Context& transport, int rank,
   for (Side& side : sides) {
     if (side.failure.empty()) continue;
     failed.push_back(side.peer);
-    spdlog::warn("Gloo pair with member {} ({}): the connection on this member's port {} did not "
-                 "prove membership of the mesh: {}; closing it and setting the pair up again (a "
-                 "connection from something that is not a member: a port scanner, a health "
-                 "check, a misdirected or hostile client)",
+    const gloo::transport::tcp::Address own(transport.getPair(side.peer)->address().bytes());
+    spdlog::warn("Gloo pair with member {} ({}): the connection from {} on this member's port {} "
+                 "did not prove membership of the mesh: {}; closing it and setting the pair up "
+                 "again (a connection from something that is not a member: a port scanner, a "
+                 "health check, a misdirected or hostile client)",
                  side.peer, AddressString(addresses[side.peer]),
-                 transport.getPair(side.peer)->address().str(), side.failure);
+                 RemoteOfConnectionOn(own.getSockaddr()), own.str(), side.failure);
     // Wakes the pair's pending operations on the buffers below and closes the connection, so
     // that nothing more is read from it or sent to it.
     FailPair(transport.getPair(side.peer).get(), side.peer,
