@@ -1,6 +1,7 @@
 // The set-up of a Gloo mesh: every wait in it has a deadline and can be cancelled, and a
 // connection that is not a member's (a stray connection to a pair's port as it opens) fails the
-// pair's proof of membership and the pair is set up again with the real peer. Members are threads of this process, the rendezvous an in-memory store.
+// pair's proof of membership and the pair is set up again with the real peer. Members are
+// threads of this process, the rendezvous an in-memory store.
 #include <netinet/in.h>
 
 #include <memory>

@@ -441,10 +441,11 @@ absl::Status WaitForKey(gloo::rendezvous::Store& store, const std::string& key, 
               key, "' (it is gone, or it found the pair proven while this member did not)")),
           ErrorKind::kTimeout);
     }
-    const absl::Duration slice = std::min(left, absl::Milliseconds(500));
+    const int64_t slice_ms = std::max<int64_t>(
+        1, absl::ToInt64Milliseconds(
+               absl::Ceil(std::min(left, absl::Milliseconds(500)), absl::Milliseconds(1))));
     try {
-      store.wait({key}, std::chrono::milliseconds(std::max<int64_t>(
-                            1, absl::ToInt64Milliseconds(absl::Ceil(slice, absl::Milliseconds(1))))));
+      store.wait({key}, std::chrono::milliseconds(slice_ms));
       return absl::OkStatus();
     } catch (const std::exception&) {
       if (absl::Now() >= deadline) throw;
@@ -534,9 +535,8 @@ absl::StatusOr<std::shared_ptr<gloo::Context>> ConnectMesh(
     }
     const size_t each = all.size() / (size - 1);
     const size_t index = static_cast<size_t>(rank > i ? rank - 1 : rank);
-    MODELAVG_ASSIGN_OR_RETURN(
-        bool connected,
-        connect(i, std::vector<char>(all.begin() + index * each, all.begin() + (index + 1) * each)));
+    const std::vector<char> record(all.begin() + index * each, all.begin() + (index + 1) * each);
+    MODELAVG_ASSIGN_OR_RETURN(bool connected, connect(i, record));
     (connected ? made : redo).push_back(i);
   }
   const absl::Duration limit = ProofLimit(timeout);

@@ -104,8 +104,8 @@ class MeshWaits {
 // secret (pair_proof.h: fresh nonces each way, an HMAC-SHA256 over both). The store is the
 // coordinator's, which hands these records only to the credentialed members of the subgroup.
 // A pair whose connect fails (the port was taken) or whose proof fails or stays silent (within a
-// quarter of `timeout`, 2-10 s) is logged naming where it came from, closed, and set up again by both
-// ends under the keys "<rank>/<peer>/<attempt>", each attempt given `timeout` to meet; after
+// quarter of `timeout`, 2-10 s) is logged naming where it came from, closed, and set up again by
+// both ends under the keys "<rank>/<peer>/<attempt>", each attempt given `timeout` to meet; after
 // four attempts the set-up fails UNAVAILABLE with kStrayConnection and the peer's rank. Nothing
 // of a collective is sent on a pair that has not proven itself. Every unbound buffer the
 // context makes is registered with `waits` (not null).
