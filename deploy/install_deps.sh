@@ -10,7 +10,8 @@
 #   bash deploy/install_deps.sh           # everything: build, tests, development (tests/run_all.sh)
 #   bash deploy/install_deps.sh --build   # only what building the programs needs (the image)
 #   bash deploy/install_deps.sh --demo    # what examples/run_demo.sh needs: the build packages
-#                                         # (it runs only the coordinator and the demo it builds)
+#                                         # but etcd's protos (it runs only the coordinator, with
+#                                         # its state in memory, and the demo it builds)
 #   ... --list                            # print the set's packages, install nothing
 set -euo pipefail
 # What building needs (with -DMODELAVG_BUILD_TESTS=OFF -DMODELAVG_BUILD_BENCH=OFF).
@@ -28,12 +29,14 @@ build_packages=(
   libmicrohttpd-dev
   # The Gloo pairs' proof of membership (HMAC-SHA256, client/comm/gloo/pair_proof.h).
   libssl-dev
-  # Coordinator --etcd_endpoints: etcd's v3 API protos, from which the build generates its stubs.
-  golang-etcd-server-dev golang-github-gogo-protobuf-dev
-  golang-github-grpc-ecosystem-grpc-gateway-dev
 )
+# Coordinator --etcd_endpoints: etcd's v3 API protos, from which the build generates its stubs.
+# Not for the demo, whose coordinator keeps its state in memory (examples/run_demo.sh configures
+# -DMODELAVG_WITH_ETCD=OFF): the image and the tests build the etcd store.
+etcd_packages=(golang-etcd-server-dev golang-github-gogo-protobuf-dev
+               golang-github-grpc-ecosystem-grpc-gateway-dev)
 packages=(
-  "${build_packages[@]}" build-essential git
+  "${build_packages[@]}" "${etcd_packages[@]}" build-essential git
   libgtest-dev libgmock-dev
   # The sqlite3 shell backs the coordinator's state up while it runs (README).
   sqlite3
@@ -41,8 +44,9 @@ packages=(
   # grpcurl), the compose/k8s file checks, the CLI. The others run in .venv (below), which
   # python3-venv makes.
   python3 python3-grpcio python3-grpc-tools python3-yaml python3-venv
-  # The Python package (pybind11 binding, built for /usr/bin/python3, which .venv's python is).
-  python3-dev pybind11-dev
+  # The Python package (pybind11 binding, built for /usr/bin/python3, which .venv's python is);
+  # its wheel is built offline by that Python's pip, setuptools and wheel (deploy/build_wheel.sh).
+  python3-dev pybind11-dev python3-pip python3-setuptools python3-wheel
   # Coordinator TLS tests make a throwaway certificate.
   openssl
   # The coordinator HA tests run an etcd cluster on loopback (etcdctl to inspect it).
@@ -69,7 +73,8 @@ list=0
 venv=1
 for arg in "$@"; do
   case "$arg" in
-    --build | --demo) packages=("${build_packages[@]}"); venv=0 ;;
+    --build) packages=("${build_packages[@]}" "${etcd_packages[@]}"); venv=0 ;;
+    --demo) packages=("${build_packages[@]}"); venv=0 ;;
     --list) list=1 ;;
     *) echo "usage: $0 [--build | --demo] [--list]" >&2; exit 2 ;;
   esac

@@ -52,8 +52,13 @@ else
   if [ ! -f "$build/CMakeCache.txt" ]; then
     # Without the tests and benchmarks, which need packages the demo does not (tests/run_all.sh
     # turns them on in the same build directory).
+    # Without the etcd store (the demo's coordinator keeps its jobs in memory) and, unless the
+    # demo runs on NCCL, without the CUDA path: neither is compiled for nothing.
+    cuda=OFF
+    [ "$backend" = nccl ] && cuda=AUTO
     cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-      -DMODELAVG_BUILD_TESTS=OFF -DMODELAVG_BUILD_BENCH=OFF >/dev/null
+      -DMODELAVG_BUILD_TESTS=OFF -DMODELAVG_BUILD_BENCH=OFF -DMODELAVG_WITH_ETCD=OFF \
+      -DMODELAVG_WITH_CUDA="$cuda" >/dev/null
   fi
   cmake --build "$build" -j "$jobs" --target modelavg-coordinator modelavg-demo
 fi

@@ -1,11 +1,16 @@
 """The `modelavg` Python package for pip, built from a clone of the repository.
 
+    bash deploy/build_wheel.sh                          # the wheel that installs anywhere: dist/
     pip install --no-build-isolation ./python           # into the active virtual environment
     pip wheel --no-build-isolation --no-deps -w dist ./python
 
-The extension (modelavg._core) and the `modelavg` command line are built by the repository's
-CMake project (the C++ client linked statically; gRPC, Protobuf, Abseil and Gloo from Debian's
-shared libraries, which the installed wheel needs at run time: bash deploy/install_deps.sh --build).
+The extension (modelavg._core), the `modelavg` command line and the `modelavg-coordinator`
+program are built by the repository's CMake project (the C++ client linked statically; gRPC,
+Protobuf, Abseil, Gloo and the rest from Debian's shared libraries). The programs go into the
+package as modelavg/_bin/, run by the console scripts of modelavg/cli.py. The wheel `pip wheel`
+makes here (tag linux_x86_64) needs those Debian libraries at run time (bash
+deploy/install_deps.sh --build); deploy/build_wheel.sh then vendors them into the wheel with
+auditwheel, which gives the manylinux wheel that needs none of them (docs/installing.md).
 PyTorch is not a dependency of the build; the drop-in (modelavg.torch) imports the torch it finds.
 
 Environment:
@@ -92,7 +97,7 @@ class CMakeBuild(build_ext):
             configure += shlex.split(os.environ.get("MODELAVG_CMAKE_ARGS", ""))
             self._run(configure)
         self._run(["cmake", "--build", build_dir, "-j", jobs, "--target",
-                   "modelavg_python_core", "modelavg-cli"])
+                   "modelavg_python_core", "modelavg-cli", "modelavg-coordinator"])
 
         built = glob.glob(os.path.join(build_dir, "python", "modelavg", "_core*.so"))
         if len(built) != 1:
@@ -101,14 +106,18 @@ class CMakeBuild(build_ext):
         target = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         shutil.copyfile(built[0], target)
-        cli = os.path.join(build_dir, "tools", "modelavg")
         bin_dir = os.path.join(os.path.dirname(target), "_bin")
         os.makedirs(bin_dir, exist_ok=True)
-        shutil.copyfile(cli, os.path.join(bin_dir, "modelavg"))
-        os.chmod(os.path.join(bin_dir, "modelavg"), 0o755)
+        programs = []
+        for name, built_at in (("modelavg", os.path.join("tools", "modelavg")),
+                               ("modelavg-coordinator",
+                                os.path.join("server", "modelavg-coordinator"))):
+            program = os.path.join(bin_dir, name)
+            shutil.copyfile(os.path.join(build_dir, built_at), program)
+            os.chmod(program, 0o755)
+            programs.append(program)
         if shutil.which("strip"):  # the debug info is for the build tree, not the wheel
-            self._run(["strip", "--strip-debug", target, os.path.join(bin_dir, "modelavg")])
-
+            self._run(["strip", "--strip-debug", target] + programs)
 
 setup(
     name="modelavg",
@@ -121,6 +130,7 @@ setup(
     package_data={"modelavg": ["py.typed", "_core.pyi"]},
     ext_modules=[CMakeExtension("modelavg._core")],
     cmdclass={"build_ext": CMakeBuild},
-    entry_points={"console_scripts": ["modelavg = modelavg.cli:main"]},
+    entry_points={"console_scripts": ["modelavg = modelavg.cli:main",
+                                      "modelavg-coordinator = modelavg.cli:coordinator"]},
     zip_safe=False,
 )

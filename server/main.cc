@@ -19,6 +19,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -180,6 +181,12 @@ int main(int argc, char** argv) {
       "[--metrics_listen=HOST:PORT] "
       "[--tls_cert=F --tls_key=F [--tls_client_ca=F]] [--auth_token_file=F "
       "[--worker_token_file=F]] [--log_level=info]");
+  // --help lists the flags of this file. (Abseil's default lists those defined in a file named
+  // like the program, modelavg-coordinator.cc, so --help would list none.)
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) { return file == __FILE__; };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   // Lock-order cycle detection (on in this Abseil build) costs a graph update per lock on every
   // RPC; the unit tests run with it on.

@@ -30,9 +30,11 @@ launcher=()
 # ccache: paths relative to the checkout, so that clones in other folders share objects.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$(pwd -P)} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-# Tests and benchmarks on, also in a build directory that examples/run_demo.sh configured without.
+# Tests, benchmarks, the etcd store and the CUDA path (when found) on, also in a build directory
+# that examples/run_demo.sh configured without them.
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" \
-  -DMODELAVG_BUILD_TESTS=ON -DMODELAVG_BUILD_BENCH=ON ${MODELAVG_CMAKE_ARGS:-}
+  -DMODELAVG_BUILD_TESTS=ON -DMODELAVG_BUILD_BENCH=ON -DMODELAVG_WITH_ETCD=AUTO \
+  -DMODELAVG_WITH_CUDA="${MODELAVG_WITH_CUDA:-AUTO}" ${MODELAVG_CMAKE_ARGS:-}
 cmake --build "$build" -j "$jobs"
 stage_end
 
