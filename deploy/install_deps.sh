@@ -27,6 +27,8 @@ build_packages=(
   libsqlite3-dev
   # The coordinator's HTTP port (/metrics, the status page): an event-loop HTTP server.
   libmicrohttpd-dev
+  # The Gloo pairs' proof of membership (HMAC-SHA256, client/comm/gloo/pair_proof.h).
+  libssl-dev
 )
 # Coordinator --etcd_endpoints: etcd's v3 API protos, from which the build generates its stubs.
 # Not for the demo, whose coordinator keeps its state in memory (examples/run_demo.sh configures

@@ -33,8 +33,9 @@ enum class ErrorKind : int {
   kGenerationMoved = 3,
   // The members passed different parameter layouts (element counts or dtypes).
   kLayoutMismatch = 4,
-  // Setting up a mesh, a member's connection was refused or taken by something that is not a
-  // member (a stray connection to a port as it opened), or its handshake was wrong.
+  // Setting up a mesh, a pair's connection was refused, or taken by something that is not a
+  // member (a stray connection to a port as it opened) or failed its proof of membership, on
+  // every attempt (a single stray only costs the set-up a retry).
   kStrayConnection = 5,
   // A collective or its set-up ran past its deadline.
   kTimeout = 6,

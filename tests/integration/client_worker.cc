@@ -49,6 +49,9 @@ ABSL_FLAG(std::string, log_level, "warn", "spdlog level.");
 ABSL_FLAG(bool, testing_stray_connection, false,
           "Fault: at the first Gloo mesh set-up, a stray socket connects to the peer's port "
           "ahead of this member (CommunicatorFaults::StrayConnectionFirst, tests/testing/).");
+ABSL_FLAG(std::string, testing_stray_kind, "silent",
+          "What the stray of --testing_stray_connection does: silent (holds the connection), "
+          "junk (writes random bytes) or echo (sends back what it receives).");
 
 namespace modelavg::client {
 namespace {
@@ -142,12 +145,24 @@ absl::Status Run() {
   opts.rpc_timeout = absl::Seconds(5);
   std::unique_ptr<Client> client;
   if (absl::GetFlag(FLAGS_testing_stray_connection)) {
+    const std::string kind_name = absl::GetFlag(FLAGS_testing_stray_kind);
+    ::modelavg::testing::StrayKind kind;
+    if (kind_name == "silent") {
+      kind = ::modelavg::testing::StrayKind::kSilent;
+    } else if (kind_name == "junk") {
+      kind = ::modelavg::testing::StrayKind::kJunk;
+    } else if (kind_name == "echo") {
+      kind = ::modelavg::testing::StrayKind::kEcho;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--testing_stray_kind='", kind_name, "': expected silent, junk or echo"));
+    }
     // The stray comes from a store view around the real set-up (tests/testing/).
     auto faults = std::make_shared<::modelavg::testing::CommunicatorFaults>();
     faults->StrayConnectionFirst();
     auto communicators = std::make_unique<::modelavg::testing::FaultyCommunicatorFactory>(
         std::make_unique<BackendFactory>(opts.gloo_hostname), std::move(faults),
-        opts.gloo_hostname);
+        opts.gloo_hostname, kind);
     MODELAVG_ASSIGN_OR_RETURN(client, Client::Connect(opts, std::move(communicators)));
   } else {
     MODELAVG_ASSIGN_OR_RETURN(client, Client::Connect(opts));

@@ -162,10 +162,11 @@ absl::Status FaultyCommunicator::AdoptPendingResult(absl::Span<const TensorView>
 
 FaultyCommunicatorFactory::FaultyCommunicatorFactory(
     std::unique_ptr<client::CommunicatorFactory> inner, std::shared_ptr<CommunicatorFaults> faults,
-    std::string gloo_hostname)
+    std::string gloo_hostname, StrayKind stray_kind)
     : inner_(std::move(inner)),
       faults_(std::move(faults)),
-      gloo_hostname_(std::move(gloo_hostname)) {}
+      gloo_hostname_(std::move(gloo_hostname)),
+      stray_kind_(stray_kind) {}
 
 absl::StatusOr<std::unique_ptr<client::Communicator>> FaultyCommunicatorFactory::Create(
     const client::CommunicatorSetup& setup, const Device& device) {
@@ -181,7 +182,8 @@ FaultyCommunicatorFactory::CreateGlooWithStray(const client::CommunicatorSetup& 
   MODELAVG_ASSIGN_OR_RETURN(std::shared_ptr<gloo::transport::Device> device,
                             client::CreateGlooDevice(gloo_hostname_));
   client::CoordinatorStore store(setup, "gloo/" + setup.MemberScope());
-  StrayConnectionStore stray(&store, setup.MemberIndex(), setup.MemberCount(), &strays_);
+  StrayConnectionStore stray(&store, setup.MemberIndex(), setup.MemberCount(), &strays_,
+                             stray_kind_);
   MODELAVG_ASSIGN_OR_RETURN(
       std::unique_ptr<client::GlooCommunicator> gloo,
       client::GlooCommunicator::Create(stray, std::move(device), setup.MemberIndex(),

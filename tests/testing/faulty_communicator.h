@@ -104,7 +104,8 @@ class FaultyCommunicatorFactory : public client::CommunicatorFactory {
  public:
   FaultyCommunicatorFactory(std::unique_ptr<client::CommunicatorFactory> inner,
                             std::shared_ptr<CommunicatorFaults> faults,
-                            std::string gloo_hostname = "127.0.0.1");
+                            std::string gloo_hostname = "127.0.0.1",
+                            StrayKind stray_kind = StrayKind::kSilent);
 
   absl::StatusOr<std::unique_ptr<client::Communicator>> Create(
       const client::CommunicatorSetup& setup, const client::Device& device) override;
@@ -116,6 +117,7 @@ class FaultyCommunicatorFactory : public client::CommunicatorFactory {
   const std::unique_ptr<client::CommunicatorFactory> inner_;
   const std::shared_ptr<CommunicatorFaults> faults_;
   const std::string gloo_hostname_;
+  const StrayKind stray_kind_;
   StrayConnections strays_;
 };
 

@@ -8,8 +8,10 @@
 
 #include <netinet/in.h>
 
+#include <atomic>
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -18,23 +20,42 @@
 
 namespace modelavg::testing {
 
-// Stray sockets, held open until this goes. Thread-safe.
+// What a stray does once connected.
+enum class StrayKind {
+  kSilent,  // holds the connection and sends nothing
+  kJunk,    // writes 256 random bytes
+  kEcho,    // sends back every byte it receives: the member's own handshake, replayed to it
+};
+
+// Stray sockets, held open until this goes; every byte each one receives is kept (a thread reads
+// them). Thread-safe.
 class StrayConnections {
  public:
-  StrayConnections() = default;
+  StrayConnections();
   StrayConnections(const StrayConnections&) = delete;
   StrayConnections& operator=(const StrayConnections&) = delete;
   ~StrayConnections();
 
-  // Connects a socket to `peer` and holds it open; with `junk`, writes 256 random bytes on it.
-  // Whether it connected.
-  bool ConnectTo(const sockaddr_in& peer, bool junk);
+  // Connects a socket to `peer` and holds it open, doing what `kind` says. Whether it connected.
+  bool ConnectTo(const sockaddr_in& peer, StrayKind kind);
+  bool ConnectTo(const sockaddr_in& peer, bool junk) {
+    return ConnectTo(peer, junk ? StrayKind::kJunk : StrayKind::kSilent);
+  }
   // How many are open.
   size_t count() const;
+  // Every byte the strays received so far, in order per stray.
+  std::string received() const;
 
  private:
+  void Serve();
+
   mutable absl::Mutex mu_;
   std::vector<int> fds_ ABSL_GUARDED_BY(mu_);
+  std::vector<StrayKind> kinds_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> received_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> done_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
 };
 
 // Member `rank` of `size`'s view of `store` (Gloo's full-mesh rendezvous: key "<rank>" holds
@@ -46,8 +67,12 @@ class StrayConnections {
 class StrayConnectionStore : public gloo::rendezvous::Store {
  public:
   StrayConnectionStore(gloo::rendezvous::Store* store, int rank, int size,
-                       StrayConnections* strays, bool junk = false)
-      : store_(store), rank_(rank), size_(size), strays_(strays), junk_(junk) {}
+                       StrayConnections* strays, StrayKind kind = StrayKind::kSilent)
+      : store_(store), rank_(rank), size_(size), strays_(strays), kind_(kind) {}
+  StrayConnectionStore(gloo::rendezvous::Store* store, int rank, int size,
+                       StrayConnections* strays, bool junk)
+      : StrayConnectionStore(store, rank, size, strays,
+                             junk ? StrayKind::kJunk : StrayKind::kSilent) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
     store_->set(key, data);
@@ -64,7 +89,7 @@ class StrayConnectionStore : public gloo::rendezvous::Store {
   const int rank_;
   const int size_;
   StrayConnections* const strays_;
-  const bool junk_;
+  const StrayKind kind_;
   bool strayed_ = false;
 };
 

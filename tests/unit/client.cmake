@@ -57,3 +57,6 @@ modelavg_add_gtest(client_nccl_compressed_test SOURCES client_nccl_compressed_te
                    LIBS modelavg_client modelavg_testing)
 modelavg_add_gtest(client_nccl_feedback_test SOURCES client_nccl_feedback_test.cc
                    LIBS modelavg_client modelavg_testing)
+# The Gloo pairs' proof of membership (client/comm/gloo/pair_proof.h) on its own.
+modelavg_add_gtest(client_pair_proof_test SOURCES client_pair_proof_test.cc LIBS modelavg_client
+                   TIMEOUT 60)

@@ -50,12 +50,13 @@ class GlooCommunicator : public Communicator {
   // ClientOptions::gloo_in_place. `cancel` (may be null) cancels the set-up from another
   // thread: every wait of it (the rendezvous, each pair's connection, the first collective)
   // ends at once with the cancel's reason. The mesh is connected by modelavg (not Gloo's
-  // connectFullMesh, whose connect waits cannot be interrupted), and the whole set-up ends at
-  // `timeout` in any case.
+  // connectFullMesh, whose connect waits cannot be interrupted), and each pair proves
+  // membership before any collective (ConnectMesh, gloo_mesh.h); the set-up ends at `timeout`,
+  // and a pair set up again after a stray connection has `timeout` more per attempt.
   // Errors: INVALID_ARGUMENT (rank/size), DEADLINE_EXCEEDED (a member did not arrive in time;
   // ErrorKind::kTimeout), UNAVAILABLE (a member could not be reached: kStrayConnection when
-  // its port refused or dropped this member's connection, kPeerFailure otherwise), the store's
-  // error, the cancel's reason, INTERNAL (other Gloo failures).
+  // its pair failed to connect or to prove membership four times, kPeerFailure otherwise), the
+  // store's error, the cancel's reason, INTERNAL (other Gloo failures).
   // `algorithms`: see GlooAlgorithms (every member must pass the same).
   static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(
       gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,

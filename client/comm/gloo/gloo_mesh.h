@@ -96,9 +96,19 @@ class MeshWaits {
 // the pairs, which wakes a connect in progress. connectFullMesh is not used: it waits for each
 // peer up to five times the timeout and cannot be interrupted. The store's waits end at
 // `deadline`; `timeout` is the transport's and the context's. `peers` receives each member's
-// data address (unset where the transport is not TCP). Throws what Gloo and the store throw; a
-// failed connect is UNAVAILABLE with kStrayConnection and the peer's rank (its port refused or
-// dropped us). Every unbound buffer the context makes is registered with `waits` (not null).
+// data address (unset where the transport is not TCP). Throws what Gloo and the store throw.
+//
+// Only members join the mesh. Gloo's TCP transport takes the first connection that reaches a
+// pair's port, whoever made it; so with each pair address a member publishes a random key, and
+// before any byte of a collective the two ends of every pair prove that they hold the pair's
+// secret (pair_proof.h: fresh nonces each way, an HMAC-SHA256 over both). The store is the
+// coordinator's, which hands these records only to the credentialed members of the subgroup.
+// A pair whose connect fails (the port was taken) or whose proof fails or stays silent (within a
+// quarter of `timeout`, 2-10 s) is logged naming where it came from, closed, and set up again by
+// both ends under the keys "<rank>/<peer>/<attempt>", each attempt given `timeout` to meet; after
+// four attempts the set-up fails UNAVAILABLE with kStrayConnection and the peer's rank. Nothing
+// of a collective is sent on a pair that has not proven itself. Every unbound buffer the
+// context makes is registered with `waits` (not null).
 absl::StatusOr<std::shared_ptr<gloo::Context>> ConnectMesh(
     gloo::rendezvous::Store& store, std::shared_ptr<gloo::transport::Device> device, int rank,
     int size, absl::Duration timeout, absl::Time deadline,
