@@ -107,6 +107,15 @@ def check_run(run, traces, errors):
         if rc == 1 and not lines and any(s in err for s in (
                 "ALREADY_EXISTS", "is full", "is not vacant", "already taken")):
             continue
+        # A replacement admitted into a subgroup (a site) whose every other live member was
+        # killed or retired for a NaN before it could hand the parameters over: it must fail
+        # saying so (the library's documented answer), before averaging anything.
+        if rc == 1 and not lines and \
+                "no live member of its subgroup can give it the parameters" in err and any(
+                    f["kind"] in ("nan", "kill_worker") and f["rank"] // 4 == w["rank"] // 4
+                    and w["started_ms"] - REPLACEMENT_GRACE_MS <= f["at_ms"] <= w["exited_ms"]
+                    for f in faults):
+            continue
         violations.append(f"{n} (rank {w['rank']}) ended with {rc} that no fault explains: {err}")
 
     # 3. Each fault survived.
