@@ -61,10 +61,12 @@ DEBIAN_BUILD_LIBS = re.compile(
 HASHED = re.compile(r"^lib[^/]*-[0-9a-f]{8}\.so")
 
 # In the venv: the shared objects that `import modelavg` adds to the process's mappings, less
-# the interpreter's own extension modules (lib-dynload) and ctypes (which modelavg/_native.py
-# uses to load the extension) with libffi, loaded first.
+# the interpreter's own extension modules (lib-dynload), ctypes (which modelavg/_native.py uses
+# to load the extension) with libffi, and PyTorch's own libraries, loaded first (a module built
+# with the NCCL path imports PyTorch before it loads: modelavg/_native.py).
 LOADED = r"""
 import _ctypes, ctypes, json, os
+import torch
 dynload = os.path.dirname(_ctypes.__file__) + os.sep
 def mapped():
     with open("/proc/self/maps") as f:
