@@ -93,8 +93,12 @@ TEST(StopSignalTest, SigintBetweenSteps_LeavesAtOnceWith130) {
   for (int r = 0; r < 2; ++r) {
     w.push_back(StartTraceWorker(cluster, "d", r, 2, 10, {"--step_delay_ms=60000"}));
   }
-  // Both joined (the job runs), then both are stopped.
+  // Both joined (the job runs), then both are stopped in the middle of their minute's sleep.
+  // The coordinator counts the job RUNNING before each worker has read its Join's answer (on a
+  // loaded machine, milliseconds later): a signal in between cuts the Join short instead. Two
+  // seconds leave every worker past its Join and still 58 s from its first call.
   ASSERT_EQ(JobStateWithin(cluster, "d", v1::RUNNING), v1::RUNNING);
+  absl::SleepFor(absl::Seconds(2));
   for (auto& p : w) p->Signal(SIGINT);
   for (int r = 0; r < 2; ++r) {
     std::optional<int> code = w[r]->Wait(kStopBound);
