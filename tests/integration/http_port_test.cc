@@ -217,11 +217,23 @@ TEST_F(HttpPortTest, DrippingConnectionsFromManyAddresses_NewClientStillAnswered
     connected += Drip(absl::StrCat("127.0.0.", source), port, 8, &idle_);
   }
   EXPECT_EQ(connected, 80);
+  // A new client gets its answer within three tries 100 ms apart: a connection the port has
+  // just closed (over the cap) can still count against the room for a moment. (Before the room
+  // was kept, 1 request in 6 was answered: six requests would all pass three tries about once
+  // in 200 runs.)
+  const auto get = [&](const std::string& path) {
+    std::string reply;
+    for (int attempt = 0; attempt < 3 && reply.empty(); ++attempt) {
+      if (attempt > 0) absl::SleepFor(absl::Milliseconds(100));
+      reply = HttpGet(port, path);
+    }
+    return reply;
+  };
   for (int i = 0; i < 6; ++i) {
-    EXPECT_THAT(HttpGet(port, "/metrics"), HasSubstr("200 OK"))
+    EXPECT_THAT(get("/metrics"), HasSubstr("200 OK"))
         << "request " << i << " while 10 addresses drip " << idle_.size() << " connections";
   }
-  EXPECT_THAT(HttpGet(port, "/"), HasSubstr("<h1>Jobs</h1>"));
+  EXPECT_THAT(get("/"), HasSubstr("<h1>Jobs</h1>"));
 }
 
 // --metrics_need_token: /metrics answers 401 without the operator token, 200 with it.
