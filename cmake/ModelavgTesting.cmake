@@ -22,3 +22,15 @@ function(modelavg_add_gtest name)
     DISCOVERY_TIMEOUT 60
     PROPERTIES TIMEOUT ${ARG_TIMEOUT} LABELS "${_labels}")
 endfunction()
+
+# PyTorch keeps its compiler's cache in $TMPDIR/torchinductor_<user> as soon as torch._dynamo is
+# imported (FSDP2 and torchft do): the tests of the calling directory keep it in the build
+# directory instead, so that they leave nothing in the temporary folder (tests/run_all.sh checks).
+# Called at the end of each directory whose tests run PyTorch.
+function(modelavg_torch_cache_in_build)
+  get_property(_tests DIRECTORY PROPERTY TESTS)
+  if(_tests)
+    set_property(TEST ${_tests} APPEND PROPERTY ENVIRONMENT
+                 "TORCHINDUCTOR_CACHE_DIR=${PROJECT_BINARY_DIR}/torchinductor")
+  endif()
+endfunction()
