@@ -1,8 +1,10 @@
-# modelavg_add_gtest(NAME SOURCES src... LIBS lib... [LABELS l...] [TIMEOUT s])
+# modelavg_add_gtest(NAME SOURCES src... LIBS lib... [LABELS l...] [TIMEOUT s] [COST s])
 # Builds one GoogleTest binary and registers each of its tests with CTest. Every test has a
-# timeout, so a hang is a failure, never a stuck CI.
+# timeout, so a hang is a failure, never a stuck CI. COST: about how long each test takes (s),
+# for the slow ones: ctest starts the costliest first, also in a fresh build directory that has no
+# timings of its own yet, so that a long test does not start last and run alone.
 function(modelavg_add_gtest name)
-  cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;LIBS;LABELS" ${ARGN})
+  cmake_parse_arguments(ARG "" "TIMEOUT;COST" "SOURCES;LIBS;LABELS" ${ARGN})
   if(NOT ARG_TIMEOUT)
     set(ARG_TIMEOUT 120)
   endif()
@@ -17,10 +19,14 @@ function(modelavg_add_gtest name)
   if(NOT _labels)
     set(_labels unit)
   endif()
+  set(_cost)
+  if(ARG_COST)
+    set(_cost COST ${ARG_COST})
+  endif()
   gtest_discover_tests(${name}
     DISCOVERY_MODE PRE_TEST
     DISCOVERY_TIMEOUT 60
-    PROPERTIES TIMEOUT ${ARG_TIMEOUT} LABELS "${_labels}")
+    PROPERTIES TIMEOUT ${ARG_TIMEOUT} LABELS "${_labels}" ${_cost})
 endfunction()
 
 # PyTorch keeps its compiler's cache in $TMPDIR/torchinductor_<user> as soon as torch._dynamo is

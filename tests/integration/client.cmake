@@ -43,7 +43,7 @@ if(TARGET modelavg-coordinator)
   endforeach()
   # Churn: a rank killed and replaced per cycle (MODELAVG_CHURN_CYCLES, default 100, ~2 s each).
   modelavg_add_gtest(client_elastic_churn_test SOURCES client_elastic_churn_test.cc
-    LIBS modelavg_client LABELS "integration;elastic" TIMEOUT 600)
+    LIBS modelavg_client LABELS "integration;elastic" TIMEOUT 600 COST 180)
   target_compile_definitions(client_elastic_churn_test PRIVATE
     MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>"
     MODELAVG_CLIENT_WORKER_BIN="$<TARGET_FILE:modelavg_client_worker>"

@@ -55,7 +55,7 @@ function(modelavg_register_e2e_tests)
   add_test(NAME e2e.container COMMAND /usr/bin/python3 ${dir}/e2e_container_test.py
     --timeout_s=1100 --prebuilt_build=${CMAKE_BINARY_DIR})
   set_tests_properties(e2e.container PROPERTIES LABELS "integration;e2e;container"
-    TIMEOUT 1200 SKIP_RETURN_CODE 77)
+    TIMEOUT 1200 SKIP_RETURN_CODE 77 COST 120)
 endfunction()
 
 cmake_language(DEFER DIRECTORY ${PROJECT_SOURCE_DIR} CALL modelavg_register_e2e_tests)

@@ -4,7 +4,7 @@
 # so (and fails under MODELAVG_REQUIRE_ETCD=1).
 if(MODELAVG_HAVE_ETCD AND TARGET modelavg-coordinator AND TARGET modelavg_client)
   modelavg_add_gtest(etcd_ha_test SOURCES etcd_ha_test.cc
-    LIBS modelavg_client modelavg_server_etcd LABELS integration etcd TIMEOUT 400)
+    LIBS modelavg_client modelavg_server_etcd LABELS integration etcd TIMEOUT 400 COST 30)
   target_compile_definitions(etcd_ha_test PRIVATE
     MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>"
     MODELAVG_TRACE_WORKER_BIN="$<TARGET_FILE:modelavg-trace-worker>"

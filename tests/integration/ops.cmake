@@ -40,7 +40,7 @@ if(TARGET modelavg-coordinator AND MODELAVG_HAVE_PYTHON AND TARGET modelavg-cli)
   add_test(NAME pip_venv_test
     COMMAND /usr/bin/python3 ${CMAKE_CURRENT_SOURCE_DIR}/pip_venv_test.py
             --build_dir=${PROJECT_BINARY_DIR})
-  set_tests_properties(pip_venv_test PROPERTIES TIMEOUT 600 LABELS "integration;python")
+  set_tests_properties(pip_venv_test PROPERTIES TIMEOUT 600 LABELS "integration;python" COST 65)
 endif()
 
 # Launching like PyTorch: python -m modelavg.run and that Python's torchrun, 2 ranks each, with
