@@ -70,6 +70,8 @@ leftover_processes() {
     grep -l -a -E "$repo_re/(tests|examples)/" /proc/[0-9]*/cmdline 2>/dev/null
   } | cut -d/ -f3 | sort -un); do
     [ "$pid" = "$$" ] || [ "$pid" = "$self" ] && continue
+    # (.ci/run's sanitizer builds, running in the background meanwhile, are not the tests')
+    grep -qz '^MODELAVG_BACKGROUND_BUILD=1$' "/proc/$pid/environ" 2>/dev/null && continue
     cmd=$( { tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null) || continue
     [ -n "$cmd" ] && echo "$pid $cmd"
   done

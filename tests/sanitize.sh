@@ -3,11 +3,19 @@
 # for a bounded time, then the client's threaded tests under ThreadSanitizer. A second and a
 # third build directory (clang-14; ccache is used when present but not needed), only the test and
 # fuzz binaries. Any sanitizer report, leak or fuzz crash fails it.
-#   bash tests/sanitize.sh                      # what CI runs (after tests/run_all.sh)
+#   bash tests/sanitize.sh                      # builds, then runs
+#   bash tests/sanitize.sh build                # only the two builds (.ci/run: in the background,
+#                                               #   at idle priority, while the main tests run)
+#   bash tests/sanitize.sh test                 # the runs (builds what is not built yet first)
 #   MODELAVG_FUZZ_SECONDS=600 bash tests/sanitize.sh   # fuzz longer
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tests/tools/stages.sh
+mode=${1:-all}
+case "$mode" in
+  all|build|test) ;;
+  *) echo "usage: $0 [build | test]" >&2; exit 2 ;;
+esac
 bash deploy/install_deps.sh
 build=${MODELAVG_SANITIZE_BUILD_DIR:-build-sanitize}
 jobs=${MODELAVG_JOBS:-2}
@@ -40,6 +48,7 @@ targets=(schedule_test job_spec_test plan_history_test server_job_test server_bo
          job_spec_fuzzer_replay jobs_file_fuzzer_replay job_handlers_fuzzer_replay
          modelavg-sanitizer-canary)
 cmake --build "$build" -j "$jobs" --target "${targets[@]}"
+run_asan_tests() {
 stage_begin sanitize-tests
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
@@ -50,6 +59,9 @@ ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 300 -L 'unit|
 stage_begin fuzz
 ctest --test-dir "$build" --output-on-failure -j "$jobs" -L fuzz
 echo "fuzz: ${seconds} s per target"
+stage_end
+}
+[ "$mode" = build ] || run_asan_tests
 
 # ThreadSanitizer over the client's threaded tests (the heartbeat thread against an in-process
 # coordinator, aborts from another thread, the cancel of a communicator's set-up): a third build
@@ -75,6 +87,8 @@ if [[ -x /usr/bin/python3 ]] && /usr/bin/python3 -c 'import torch, pytest' 2>/de
   tsan_targets+=(modelavg-python modelavg-tsan-python)
 fi
 cmake --build "$tsan_build" -j "$jobs" --target "${tsan_targets[@]}"
+stage_end
+[ "$mode" != build ] || exit 0
 stage_begin tsan-tests
 # Races inside the uninstrumented system libraries are theirs (tests/tools/tsan.supp). The tests
 # against the in-process coordinator (ClientCoordinatorTest, ClientAuthTest, SharedHeartbeatTest) stretch the

@@ -29,6 +29,7 @@ stage_budget() {
     ctest) echo 600 ;;
     install-check) echo 90 ;;
     figures) echo 60 ;;
+    sanitize-wait) echo 300 ;;
     sanitize-build) echo 240 ;;
     sanitize-tests) echo 120 ;;
     fuzz) echo 100 ;;
@@ -38,7 +39,7 @@ stage_budget() {
   esac
 }
 stage_summary() {
-  local file=$1 total=0 name took budget mark
+  local file=$1 background=${2:-} total=0 name took budget mark
   [ -f "$file" ] || return 0
   echo "== stages (seconds; budget from docs/testing.md)"
   # A stage that ran in several parts (packages: .ci/run's and tests/run_all.sh's) is one line.
@@ -48,6 +49,17 @@ stage_summary() {
     [ "$budget" -gt 0 ] && [ "$took" -gt "$budget" ] && mark="  over its budget of $budget s"
     printf '   %-16s %5d%s\n' "$name" "$took" "$mark"
     total=$((total + took))
-  done < <(awk '!($1 in t) {order[n++] = $1} {t[$1] += $2} END {for (i = 0; i < n; i++) print order[i], t[order[i]]}' "$file")
+  done < <(_stage_sums "$file")
   printf '   %-16s %5d s (%d min; budget 2100 s)\n' total "$total" $(( (total + 59) / 60 ))
+  # Stages that ran in the background, overlapped with the ones above (their time is in the
+  # total only as far as a foreground stage waited for them).
+  if [ -n "$background" ] && [ -s "$background" ]; then
+    echo "   in the background, beside the stages above:"
+    while read -r name took; do
+      printf '   %-16s %5d\n' "$name" "$took"
+    done < <(_stage_sums "$background")
+  fi
+}
+_stage_sums() {
+  awk '!($1 in t) {order[n++] = $1} {t[$1] += $2} END {for (i = 0; i < n; i++) print order[i], t[order[i]]}' "$1"
 }
