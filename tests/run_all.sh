@@ -13,15 +13,16 @@ cd "$(dirname "$0")/.."
 source tests/tools/stages.sh
 stage_begin packages
 bash deploy/install_deps.sh
-if [ "${MODELAVG_CONTAINER_SETUP:-0}" = 1 ]; then
-  stage_begin container-setup
-  bash deploy/container_setup.sh
-fi
 stage_end
-if containers=$(bash deploy/container_setup.sh --check 2>&1); then
-  echo "container tests: will run ($(echo "$containers" | tr '\n' ' '))"
-else
-  echo "container tests: will be skipped: $containers"
+# The container engine and its base image download while the build compiles (mostly the network's
+# time); the tests wait for them (stage container-setup: the part not hidden by the build).
+container_pid=""
+if [ "${MODELAVG_CONTAINER_SETUP:-0}" = 1 ]; then
+  container_log=$(mktemp "${TMPDIR:-/tmp}/container-setup.XXXXXX")
+  bash deploy/container_setup.sh >"$container_log" 2>&1 &
+  container_pid=$!
+  # (a failed build does not leave it running)
+  trap '[ -z "$container_pid" ] || kill "$container_pid" 2>/dev/null || true' EXIT
 fi
 build=${MODELAVG_BUILD_DIR:-build}
 jobs=${MODELAVG_JOBS:-2}
@@ -37,6 +38,21 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]
   -DMODELAVG_WITH_CUDA="${MODELAVG_WITH_CUDA:-AUTO}" ${MODELAVG_CMAKE_ARGS:-}
 cmake --build "$build" -j "$jobs"
 stage_end
+if [ -n "$container_pid" ]; then
+  stage_begin container-setup
+  container_rc=0
+  wait "$container_pid" || container_rc=$?
+  container_pid=""
+  cat "$container_log"
+  rm -f "$container_log"
+  stage_end
+  [ "$container_rc" -eq 0 ] || { echo "FAIL: deploy/container_setup.sh exited $container_rc"; exit 1; }
+fi
+if containers=$(bash deploy/container_setup.sh --check 2>&1); then
+  echo "container tests: will run ($(echo "$containers" | tr '\n' ' '))"
+else
+  echo "container tests: will be skipped: $containers"
+fi
 
 # The tests run with a private TMPDIR; afterwards nothing of theirs may be left: no process
 # started from this build or from the repository's test scripts, no temporary folder (in the

@@ -5,16 +5,28 @@
 #   stage_summary FILE   prints the table, the total and the budget of each stage (docs/testing.md).
 _stage_name=""
 _stage_start=0
+_stage_cpu=""
+# "BUSY TOTAL": the machine's CPU time (all cores, in clock ticks) spent busy and in all, from
+# /proc/stat; a stage's share of busy time says whether its waits leave the cores idle.
+_stage_cpu_now() {
+  awk '/^cpu / {t = 0; for (i = 2; i <= NF; i++) t += $i; print t - $5 - $6, t; exit}' \
+    /proc/stat 2>/dev/null || true
+}
 stage_begin() {
   [ -z "$_stage_name" ] || stage_end
   _stage_name=$1
   _stage_start=$(date +%s)
+  _stage_cpu=$(_stage_cpu_now)
   echo "== $_stage_name: started at $(date -u +%H:%M:%S)"
 }
 stage_end() {
   [ -n "$_stage_name" ] || return 0
-  local took=$(( $(date +%s) - _stage_start ))
-  echo "== $_stage_name: $took s"
+  local took=$(( $(date +%s) - _stage_start )) busy=""
+  if [ -n "$_stage_cpu" ]; then
+    busy=$(echo "$_stage_cpu $(_stage_cpu_now)" |
+           awk '$4 > $2 {printf " (the cores %d%% busy)", 100 * ($3 - $1) / ($4 - $2)}')
+  fi
+  echo "== $_stage_name: $took s$busy"
   if [ -n "${MODELAVG_STAGE_LOG:-}" ]; then echo "$_stage_name $took" >>"$MODELAVG_STAGE_LOG"; fi
   _stage_name=""
 }
