@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what is missing, configures, builds (one build dir, -j2) and runs every test that this
+# Installs what is missing, configures, builds (one build dir, -j2; ctest one more) and runs every test that this
 # machine can run. GPU tests run when a device is present and skip, saying why, when not. The
 # container tests (label `container`) run when a container engine is usable
 # (deploy/container_setup.sh --check) and skip, saying why, when not; MODELAVG_CONTAINER_SETUP=1
@@ -26,6 +26,9 @@ if [ "${MODELAVG_CONTAINER_SETUP:-0}" = 1 ]; then
 fi
 build=${MODELAVG_BUILD_DIR:-build}
 jobs=${MODELAVG_JOBS:-2}
+# ctest runs one test more than the build's jobs: many tests spend most of their time waiting
+# (a heartbeat timeout, an etcd lease, a killed process's replacement), leaving a core idle.
+test_jobs=${MODELAVG_TEST_JOBS:-$((jobs + 1))}
 stage_begin build
 launcher=()
 # ccache: paths relative to the checkout, so that clones in other folders share objects.
@@ -64,7 +67,7 @@ run_tmp=$(mktemp -d "$shared_tmp/modelavg-run.XXXXXX")
 shared_before=$(find "$shared_tmp" -maxdepth 1 -name 'modelavg*' ! -path "$run_tmp" | sort)
 rc=0
 stage_begin ctest
-TMPDIR=$run_tmp ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 300 "$@" ||
+TMPDIR=$run_tmp ctest --test-dir "$build" --output-on-failure -j "$test_jobs" --timeout 300 "$@" ||
   rc=$?
 # With no ctest arguments, then the installation as users get it: cmake --install into a temporary
 # prefix and the Debian packages, each used to build and run the README's example.
