@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what is missing, configures, builds (one build dir, -j2; ctest -j3) and runs every
-# test that this machine can run. GPU tests run when a device is present and skip, saying why, when not. The
-# container tests (label `container`) run when a container engine is usable
+# test that this machine can run. GPU tests run when a device is present and skip, saying why,
+# when not. The container tests (label `container`) run when a container engine is usable
 # (deploy/container_setup.sh --check) and skip, saying why, when not; MODELAVG_CONTAINER_SETUP=1
 # sets one up first (bash deploy/container_setup.sh; .ci/run does).
 #   bash tests/run_all.sh            # everything
