@@ -36,6 +36,8 @@ struct JoinWait {
   // A sharded replacement waiting for the rest of its replica (Membership::Waiting), not for a
   // round: a generation change of the running job does not end it.
   bool for_replica = false;
+  // The Join asked for JoinRequest.subgroup_ranks_from_spec: its reply lists no subgroup ranks.
+  bool ranks_from_spec = false;
 };
 
 struct CommIdWait {
