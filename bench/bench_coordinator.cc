@@ -87,6 +87,9 @@ ABSL_FLAG(int64_t, reply_interval_ms, -1,
           "0: one reply per beat, each awaited before the next beat. -1: what the client "
           "library asks for the job's heartbeat timeout and --heartbeat_hz "
           "(common/heartbeat_keepalive.h).");
+ABSL_FLAG(bool, join_with_rank, true,
+          "Each worker's Join names its rank (false: none, the coordinator picks the lowest free "
+          "one).");
 ABSL_FLAG(bool, subgroup_ranks_from_spec, true,
           "Joins ask for replies without their subgroups' ranks, as the client library does "
           "(JoinRequest.subgroup_ranks_from_spec); false: each reply lists them (the whole world "
@@ -367,7 +370,7 @@ class Load {
       call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
       call->request.set_job_id(job_id_);
       call->request.set_worker_id(absl::StrCat("bench-", w.index));
-      call->request.set_rank(w.index);
+      if (absl::GetFlag(FLAGS_join_with_rank)) call->request.set_rank(w.index);
       call->request.set_subgroup_ranks_from_spec(absl::GetFlag(FLAGS_subgroup_ranks_from_spec));
       w.stub->async()->Join(&call->ctx, &call->request, &call->response,
                             [&, call, worker = &w](grpc::Status s) {
