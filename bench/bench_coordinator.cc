@@ -17,6 +17,9 @@
 // path. With --etcd_endpoints=HOST:PORT,..., also against a coordinator on etcd ("state":
 // "etcd", a fresh --etcd_prefix per run; it is elected before the run starts), and the time
 // from the first run's coordinator start to its serving as leader (leader_elected_s).
+// Each line also says how long the whole world took to join (join_all_s: every Join sent at once,
+// until the last answer; join_all_cpu_s: the coordinator's CPU meanwhile) and the coordinator's
+// resident memory with the world joined (coordinator_rss_mb; its peak, coordinator_peak_rss_mb).
 // Prints one JSON line per run; asserts nothing about speed.
 #include <signal.h>
 #include <sys/wait.h>
@@ -26,6 +29,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -83,6 +87,13 @@ ABSL_FLAG(int64_t, reply_interval_ms, -1,
           "0: one reply per beat, each awaited before the next beat. -1: what the client "
           "library asks for the job's heartbeat timeout and --heartbeat_hz "
           "(common/heartbeat_keepalive.h).");
+ABSL_FLAG(bool, join_with_rank, true,
+          "Each worker's Join names its rank (false: none, the coordinator picks the lowest free "
+          "one).");
+ABSL_FLAG(bool, subgroup_ranks_from_spec, true,
+          "Joins ask for replies without their subgroups' ranks, as the client library does "
+          "(JoinRequest.subgroup_ranks_from_spec); false: each reply lists them (the whole world "
+          "at the top level).");
 ABSL_FLAG(int64_t, heartbeat_timeout_ms, 600000,
           "The job's heartbeat_timeout_ms (long by default, so that no worker is declared dead "
           "under load).");
@@ -91,6 +102,8 @@ namespace modelavg {
 namespace {
 
 using Stub = v1::Coordinator::Stub;
+
+constexpr int kMaxWorkers = 1 << 20;
 
 double SteadySeconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
@@ -116,6 +129,17 @@ double ProcessCpuSeconds(int pid) {
   // Fields after the command: state(0) ... utime(11) stime(12).
   if (fields.size() < 13) return -1;
   return (std::stod(fields[11]) + std::stod(fields[12])) / sysconf(_SC_CLK_TCK);
+}
+
+// A "Vm...:" figure of /proc/PID/status (kB there), in MiB; -1 if absent.
+double ProcessStatusMb(int pid, const char* field) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  const size_t n = std::strlen(field);
+  while (std::getline(in, line)) {
+    if (line.compare(0, n, field) == 0) return std::stod(line.substr(n)) / 1024;
+  }
+  return -1;
 }
 
 // Latencies in microseconds: 1 µs buckets below 100 ms, 100 µs buckets up to 100 s. Lock-free.
@@ -346,7 +370,8 @@ class Load {
       call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
       call->request.set_job_id(job_id_);
       call->request.set_worker_id(absl::StrCat("bench-", w.index));
-      call->request.set_rank(w.index);
+      if (absl::GetFlag(FLAGS_join_with_rank)) call->request.set_rank(w.index);
+      call->request.set_subgroup_ranks_from_spec(absl::GetFlag(FLAGS_subgroup_ranks_from_spec));
       w.stub->async()->Join(&call->ctx, &call->request, &call->response,
                             [&, call, worker = &w](grpc::Status s) {
                               if (s.ok()) {
@@ -710,10 +735,17 @@ int RunOnce(const std::string& address, int pid, const std::string& state,
     }
   }
   Load load(std::move(stubs), job_id, n);
+  const double join_t0 = SteadySeconds();
+  const double join_cpu0 = pid > 0 ? ProcessCpuSeconds(pid) : 0;
   if (!load.JoinAll()) {
     stop_child();
     return 1;
   }
+  // Every worker's Join sent at once, until the last answer: the rendezvous of the whole world.
+  const double join_s = SteadySeconds() - join_t0;
+  const double join_cpu_s = pid > 0 ? ProcessCpuSeconds(pid) - join_cpu0 : -1;
+  std::fprintf(stderr, "join: %d workers in %.3f s (coordinator %.3f CPU s)\n", n, join_s,
+               join_cpu_s);
 
   const std::string heartbeat_mode = absl::GetFlag(FLAGS_heartbeat);
   const int ranks_per_stream = absl::GetFlag(FLAGS_ranks_per_stream);
@@ -789,6 +821,9 @@ int RunOnce(const std::string& address, int pid, const std::string& state,
   load.StopHeartbeats();
   load.WaitHeartbeatsDrained();
 
+  // The coordinator's memory with the whole world joined and beating (before the latency jobs).
+  const double rss_mb = pid > 0 ? ProcessStatusMb(pid, "VmRSS:") : -1;
+  const double peak_rss_mb = pid > 0 ? ProcessStatusMb(pid, "VmHWM:") : -1;
   Histogram create_latency, join_latency;
   TimeCreateAndJoin(load.stub(), absl::GetFlag(FLAGS_latency_jobs), &create_latency,
                     &join_latency);
@@ -806,7 +841,9 @@ int RunOnce(const std::string& address, int pid, const std::string& state,
       "\"heartbeat_only_replies_per_s\": %.0f, \"heartbeat_only_load_cpu_cores\": %.3f, "
       "\"reply_interval_ms\": %lld, \"ranks_per_stream\": %d, "
       "\"state\": \"%s\", \"create_job_p50_us\": %.0f, \"create_job_p99_us\": %.0f, "
-      "\"join_p50_us\": %.0f, \"join_p99_us\": %.0f, \"latency_jobs\": %lld}\n",
+      "\"join_p50_us\": %.0f, \"join_p99_us\": %.0f, \"latency_jobs\": %lld, "
+      "\"join_all_s\": %.3f, \"join_all_cpu_s\": %.3f, \"coordinator_rss_mb\": %.1f, "
+      "\"coordinator_peak_rss_mb\": %.1f}\n",
       n, wall, decisions / wall, load.step_latency().Percentile(0.5), step_p99,
       load.ping_latency().Percentile(0.5), ping_p99, ping_p99 > 0 ? step_p99 / ping_p99 : -1,
       cores, beats / wall, hb_cores, static_cast<long long>(load.ping_latency().count()),
@@ -818,7 +855,7 @@ int RunOnce(const std::string& address, int pid, const std::string& state,
       state.c_str(),
       create_latency.Percentile(0.5), create_latency.Percentile(0.99),
       join_latency.Percentile(0.5), join_latency.Percentile(0.99),
-      static_cast<long long>(create_latency.count()));
+      static_cast<long long>(create_latency.count()), join_s, join_cpu_s, rss_mb, peak_rss_mb);
   std::fflush(stdout);
   stop_child();
   return load.errors() == 0 ? 0 : 1;
@@ -826,10 +863,10 @@ int RunOnce(const std::string& address, int pid, const std::string& state,
 
 int Main() {
   const int n = absl::GetFlag(FLAGS_workers);
-  if (n < 1 || n > 65536 || absl::GetFlag(FLAGS_seconds) <= 0 ||
+  if (n < 1 || n > kMaxWorkers || absl::GetFlag(FLAGS_seconds) <= 0 ||
       absl::GetFlag(FLAGS_heartbeat_seconds) < 0) {
-    std::fprintf(stderr, "--workers must be in [1, 65536], --seconds > 0, "
-                         "--heartbeat_seconds >= 0\n");
+    std::fprintf(stderr, "--workers must be in [1, %d], --seconds > 0, "
+                         "--heartbeat_seconds >= 0\n", kMaxWorkers);
     return 2;
   }
   const std::string state_dir = absl::GetFlag(FLAGS_state_dir);

@@ -102,12 +102,14 @@ absl::StatusOr<Schedule> CheckReply(const v1::JoinResponse& joined) {
                                             joined.rank(), ", world size ", joined.world_size(),
                                             ", spec world size ", schedule.world_size()));
   }
-  // The subgroups the coordinator computed must be the ones the local schedule gives.
+  // The subgroups the coordinator computed must be the ones the local schedule gives (their
+  // ranks where the reply lists them: a coordinator that predates subgroup_ranks_from_spec does).
   for (const v1::Subgroup& g : joined.subgroups()) {
     if (g.level() < 0 || g.level() >= schedule.num_levels()) continue;
     const SubgroupRange mine = schedule.SubgroupOf(g.level(), joined.rank());
     if (g.subgroup() != mine.index ||
-        std::vector<int32_t>(g.ranks().begin(), g.ranks().end()) != mine.Ranks()) {
+        (g.ranks_size() > 0 &&
+         std::vector<int32_t>(g.ranks().begin(), g.ranks().end()) != mine.Ranks())) {
       return absl::InternalError(absl::StrCat(
           "the coordinator's subgroup at level ", g.level(), " (", g.subgroup(), ": ",
           absl::StrJoin(g.ranks(), ","), ") differs from the local schedule's (", mine.index,
@@ -178,6 +180,9 @@ absl::StatusOr<Joined> JoinJob(CoordinatorClient& coordinator, const ClientOptio
   // Sent again with every retry: it alone proves a retry after a lost reply (the worker id is
   // public).
   join.set_join_nonce(RandomHex(16));
+  // The subgroups come from the spec (CheckReply): the reply need not list their ranks, which
+  // at the top level of a large world are the whole world in every rank's reply.
+  join.set_subgroup_ranks_from_spec(true);
   spdlog::info("joining job {} at {} as {}{}", options.job_id, options.coordinator,
                options.worker_id,
                options.rank ? absl::StrCat(" (rank ", *options.rank, ")") : std::string());

@@ -207,22 +207,23 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
   const int32_t rank = joined->rank;
   if (joined->waiting_for_replica) {
     return WaitForReplica(rank, joined->was_in_round, std::move(credential),
-                          std::min(now + join_timeout_, call_deadline), wait_id, std::move(done),
-                          &out);
+                          std::min(now + join_timeout_, call_deadline),
+                          request.subgroup_ranks_from_spec(), wait_id, std::move(done), &out);
   }
   if (joined->change.admitted) {
     // A replacement in a RUNNING elastic job: answered at once, with the rest of its replica.
     for (int32_t mate : joined->admitted_with) {
       if (std::optional<JoinWait> w = waits_.TakeJoinOfRank(mate)) {
         v1::JoinResponse response;
-        FillJoinResponse(mate, &response);
+        FillJoinResponse(mate, !w->ranks_from_spec, &response);
         response.set_credential(std::move(w->credential));
         out.Complete([cb = std::move(w->done), response = std::move(response)]() mutable {
           cb(std::move(response));
         });
       }
     }
-    return AnswerAdmission(rank, joined->change, std::move(credential), std::move(done), &out);
+    return AnswerAdmission(rank, joined->change, std::move(credential),
+                           request.subgroup_ranks_from_spec(), std::move(done), &out);
   }
   OnMembershipChange(joined->change, &out);
   if (joined->was_in_round) {
@@ -240,13 +241,16 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
                joined->change.world_complete ? world : membership_.round_size(), world);
   AddEvent(v1::JobEvent::MEMBER_JOINED, rank,
            absl::StrCat("worker \"", m.worker_id, "\" joined as rank ", rank), false, &out);
-  waits_.AddJoin(JoinWait{wait_id, rank, std::move(credential),
-                          std::min(now + join_timeout_, call_deadline), std::move(done)});
+  JoinWait wait{wait_id, rank, std::move(credential),
+                std::min(now + join_timeout_, call_deadline), std::move(done)};
+  wait.ranks_from_spec = request.subgroup_ranks_from_spec();
+  waits_.AddJoin(std::move(wait));
   if (joined->change.world_complete) CompleteRound(&out);
 }
 
 void Job::WaitForReplica(int32_t rank, bool superseding, std::string credential,
-                         absl::Time deadline, WaitId wait_id, JoinCallback done, Outbox* out) {
+                         absl::Time deadline, bool ranks_from_spec, WaitId wait_id,
+                         JoinCallback done, Outbox* out) {
   if (superseding) {
     // The same worker joins again (it retried): the newer call waits, the older one ends.
     if (std::optional<JoinWait> old = waits_.TakeJoinOfRank(rank)) {
@@ -270,11 +274,12 @@ void Job::WaitForReplica(int32_t rank, bool superseding, std::string credential,
            false, out);
   JoinWait wait{wait_id, rank, std::move(credential), deadline, std::move(done)};
   wait.for_replica = true;
+  wait.ranks_from_spec = ranks_from_spec;
   waits_.AddJoin(std::move(wait));
 }
 
 void Job::AnswerAdmission(int32_t rank, const MembershipChange& change, std::string credential,
-                          JoinCallback done, Outbox* out) {
+                          bool ranks_from_spec, JoinCallback done, Outbox* out) {
   const LiveMember& m = membership_.member(rank);
   ++admissions_;
   spdlog::info("job {}: worker \"{}\" ({}) admitted as rank {}{} in generation {} at step {} "
@@ -298,7 +303,7 @@ void Job::AnswerAdmission(int32_t rank, const MembershipChange& change, std::str
            true, out);
   OnMembershipChange(change, out);
   v1::JoinResponse response;
-  FillJoinResponse(rank, &response);
+  FillJoinResponse(rank, !ranks_from_spec, &response);
   response.set_credential(std::move(credential));
   out->Complete([done = std::move(done), response = std::move(response)]() mutable {
     done(std::move(response));
@@ -309,7 +314,7 @@ void Job::CompleteRound(Outbox* out) {
   const int64_t generation = membership_.generation();
   for (JoinWait& w : waits_.TakeRoundJoins()) {
     v1::JoinResponse response;
-    FillJoinResponse(w.rank, &response);
+    FillJoinResponse(w.rank, !w.ranks_from_spec, &response);
     response.set_credential(std::move(w.credential));
     out->Complete([cb = std::move(w.done), response = std::move(response)]() mutable {
       cb(std::move(response));
@@ -373,7 +378,7 @@ void Job::OnMembershipChange(const MembershipChange& change, Outbox* out) {
   }
 }
 
-void Job::FillJoinResponse(int32_t rank, v1::JoinResponse* out) const {
+void Job::FillJoinResponse(int32_t rank, bool with_ranks, v1::JoinResponse* out) const {
   out->set_rank(rank);
   out->set_world_size(schedule_.world_size());
   out->set_generation(membership_.generation());
@@ -387,6 +392,8 @@ void Job::FillJoinResponse(int32_t rank, v1::JoinResponse* out) const {
     s->set_level(level);
     s->set_period(schedule_.spec().levels[level].period);
     s->set_subgroup(g.index);
+    if (!with_ranks) continue;
+    s->mutable_ranks()->Reserve(g.size);
     for (int32_t i = 0; i < g.size; ++i) s->add_ranks(g.RankAt(i));
   }
 }

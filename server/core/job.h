@@ -251,14 +251,15 @@ class Job {
   // A sharded replacement waits for the rest of its replica (Membership::Waiting) until
   // `deadline`; `superseding`: the same worker waited already (its older Join ends).
   void WaitForReplica(int32_t rank, bool superseding, std::string credential,
-                      absl::Time deadline, WaitId wait_id, JoinCallback done, Outbox* out)
+                      absl::Time deadline, bool ranks_from_spec, WaitId wait_id,
+                      JoinCallback done, Outbox* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A replacement waited for its replica past its deadline: DEADLINE_EXCEEDED naming the ranks
   // that did not join.
   void ExpireReplicaWait(JoinWait wait, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers the Join of a replacement admitted into the running elastic job (at once).
   void AnswerAdmission(int32_t rank, const MembershipChange& change, std::string credential,
-                       JoinCallback done, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                       bool ranks_from_spec, JoinCallback done, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The round is complete: answers every Join waiting for it.
   void CompleteRound(Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reacts to what a membership operation did: fails the waits of an old generation, drops its
@@ -279,7 +280,9 @@ class Job {
   // `keep_replica_waits`, not the Joins of replacements waiting for their replica).
   void FailAllWaits(const absl::Status& status, Outbox* out, bool keep_replica_waits = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FillJoinResponse(int32_t rank, v1::JoinResponse* out) const
+  // `with_ranks`: the subgroups list their member ranks (the Join did not ask for
+  // subgroup_ranks_from_spec).
+  void FillJoinResponse(int32_t rank, bool with_ranks, v1::JoinResponse* out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string StaleMessage(int64_t generation) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ValidateCommRequest(int64_t generation, int32_t plan, int32_t level,

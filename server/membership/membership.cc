@@ -107,7 +107,9 @@ void Membership::Restore(const MembershipHeader& header, const std::vector<Membe
       continue;
     }
     LiveMember& m = members_[s.rank];
+    const std::string old_worker_id = m.worker_id;
     static_cast<Member&>(m) = s;
+    Reindex(s.rank, old_worker_id);
     if (m.joined_generation <= 0) m.joined_generation = m.generation;
     m.last_step = -1;
     m.last_heartbeat = now;
@@ -116,6 +118,7 @@ void Membership::Restore(const MembershipHeader& header, const std::vector<Membe
   unwritten_.clear();
   decision_members_.reset();
   stale_not_before_ = absl::InfinitePast();
+  ++out_of_round_epoch_;
   ResetProgress();
   pace_unknown_since_restore_ = true;
 }
@@ -211,15 +214,27 @@ absl::StatusOr<int32_t> Membership::ChooseRank(const Joiner& joiner,
   } else {
     // The same Join again keeps its rank; a survivor of an earlier generation gets its old rank
     // back if free; anyone else the lowest free rank.
-    for (int32_t r = 0; r < world && rank < 0; ++r) {
-      const LiveMember& m = members_[r];
-      if (InRound(m) ? RetriedJoin(m, joiner)
-                     : m.present() && m.worker_id == joiner.worker_id) {
-        rank = r;
+    // (Both only among the ranks whose member has this worker id, lowest first.)
+    if (auto it = ranks_by_worker_.find(joiner.worker_id); it != ranks_by_worker_.end()) {
+      for (int32_t r : it->second) {
+        const LiveMember& m = members_[r];
+        if (InRound(m) ? RetriedJoin(m, joiner)
+                       : m.present() && m.worker_id == joiner.worker_id) {
+          rank = r;
+          break;
+        }
       }
     }
-    for (int32_t r = 0; r < world && rank < 0; ++r) {
-      if (!InRound(members_[r])) rank = r;
+    if (rank < 0) {
+      // From the lowest free rank found last, while every rank below it is still in the round.
+      const bool valid = free_from_generation_ == generation_ &&
+                         free_from_epoch_ == out_of_round_epoch_;
+      int32_t r = valid ? free_from_ : 0;
+      while (r < world && InRound(members_[r])) ++r;
+      free_from_ = r;
+      free_from_generation_ = generation_;
+      free_from_epoch_ = out_of_round_epoch_;
+      if (r < world) rank = r;
     }
   }
   return rank;
@@ -498,9 +513,10 @@ void Membership::CarryOver(int64_t old_generation, int32_t except) {
 void Membership::Seat(int32_t rank, const std::string& worker_id, const std::string& host,
                       absl::Time now, const std::string& digest, int64_t admitted_step,
                       const std::string& nonce_digest) {
-  LiveMember& m = Mutable(rank);
+  LiveMember& m = Mutable(rank, /*may_leave_round=*/false);
   m.join_nonce_digest = nonce_digest;
-  m.worker_id = worker_id;
+  const std::string old_worker_id = std::exchange(m.worker_id, worker_id);
+  Reindex(rank, old_worker_id);
   m.host = host;
   m.last_step = -1;
   m.last_heartbeat = now;
@@ -547,8 +563,11 @@ absl::Status Membership::CheckCredential(int32_t rank, const std::string& creden
 void Membership::Withdraw(int32_t rank) {
   if (waiting_.erase(rank) > 0) return;  // it only waited for its replica: nothing of it is kept
   if (InRound(members_[rank])) --round_size_;
+  const std::string old_worker_id = members_[rank].worker_id;
   members_[rank] = LiveMember{};
   members_[rank].rank = rank;
+  Reindex(rank, old_worker_id);
+  ++out_of_round_epoch_;
   unwritten_.push_back(rank);
   decision_members_.reset();
   stale_not_before_ = absl::InfinitePast();
@@ -817,7 +836,21 @@ bool Membership::MaybeFinish() {
   return true;
 }
 
-LiveMember& Membership::Mutable(int32_t rank) {
+void Membership::Reindex(int32_t rank, const std::string& old_worker_id) {
+  const std::string& worker_id = members_[rank].worker_id;
+  if (old_worker_id == worker_id) return;
+  if (!old_worker_id.empty()) {
+    auto it = ranks_by_worker_.find(old_worker_id);
+    if (it != ranks_by_worker_.end()) {
+      it->second.erase(rank);
+      if (it->second.empty()) ranks_by_worker_.erase(it);
+    }
+  }
+  if (!worker_id.empty()) ranks_by_worker_[worker_id].insert(rank);
+}
+
+LiveMember& Membership::Mutable(int32_t rank, bool may_leave_round) {
+  if (may_leave_round) ++out_of_round_epoch_;
   if (tx_->saved.insert(rank).second) {
     tx_->members.emplace_back(rank, members_[rank]);
     tx_->ranks.push_back(rank);
@@ -881,7 +914,12 @@ void Membership::Rollback() {
   rate_sample_time_ = tx.rate_sample_time;
   rate_sample_step_ = tx.rate_sample_step;
   steps_per_second_ = tx.steps_per_second;
-  for (auto& [rank, m] : tx.members) members_[rank] = std::move(m);
+  for (auto& [rank, m] : tx.members) {
+    const std::string old_worker_id = members_[rank].worker_id;
+    members_[rank] = std::move(m);
+    Reindex(rank, old_worker_id);
+  }
+  ++out_of_round_epoch_;
   waiting_ = std::move(tx.waiting);
   decision_members_.reset();
   stale_not_before_ = absl::InfinitePast();

@@ -15,9 +15,11 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -353,8 +355,11 @@ class Membership {
   // Finishes the job if every present member has left.
   bool MaybeFinish();
   // The member of `rank`, to be changed by the transaction: kept for its undo (once per
-  // transaction) and listed in its change.
-  LiveMember& Mutable(int32_t rank);
+  // transaction) and listed in its change. `may_leave_round`: false when the change can only put
+  // the rank into the round (Seat), which keeps ChooseRank's lowest free rank found valid.
+  LiveMember& Mutable(int32_t rank, bool may_leave_round = true);
+  // Keeps ranks_by_worker_ in step after members_[rank].worker_id changed from `old_worker_id`.
+  void Reindex(int32_t rank, const std::string& old_worker_id);
   // True if a change leaves `m` out: an ALIVE member of a round that is still assembling.
   bool Assembling(const Member& m) const { return state_ == v1::PENDING && InRound(m); }
   // The header changed in this transaction.
@@ -401,6 +406,17 @@ class Membership {
   // Sharded replicas: replacements waiting for the rest of their replica, by rank (soft state:
   // a Join not answered yet, as in an assembling round).
   std::map<int32_t, WaitingJoiner> waiting_;
+
+  // What keeps a Join that names no rank O(log world_size) (ChooseRank scanned every rank):
+  // the ranks whose member has each worker id (present members, any state), ascending;
+  absl::flat_hash_map<std::string, std::set<int32_t>> ranks_by_worker_;
+  // and the lowest rank not in the round as last found: every rank below free_from_ was in the
+  // round then, and still is while the generation is free_from_generation_ and nothing that can
+  // take a rank out of the round has happened since (out_of_round_epoch_ unchanged).
+  uint64_t out_of_round_epoch_ = 0;
+  mutable int32_t free_from_ = 0;
+  mutable int64_t free_from_generation_ = -1;
+  mutable uint64_t free_from_epoch_ = 0;
 
   // The transaction in progress (Transact): what it changed and what undoes it.
   struct Transaction {

@@ -1,5 +1,8 @@
 # Coordinator core (fake clock) and jobs-file unit tests.
 modelavg_add_gtest(server_job_test SOURCES server_job_test.cc LIBS modelavg_server_core)
+# The pending Joins and GetCommIds: indexed by id, rank or key, and deadline.
+modelavg_add_gtest(server_pending_waits_test SOURCES server_pending_waits_test.cc
+  LIBS modelavg_server_core)
 modelavg_add_gtest(server_membership_test SOURCES server_membership_test.cc
   LIBS modelavg_server_core)
 modelavg_add_gtest(server_state_store_test SOURCES server_state_store_test.cc

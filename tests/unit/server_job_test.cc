@@ -308,6 +308,37 @@ TEST_F(JobTest, Join_AllRanksJoin_CompletesWithRankAndSubgroups) {
   EXPECT_EQ(snap.members(2).state(), v1::ALIVE);
 }
 
+TEST_F(JobTest, Join_SubgroupRanksFromSpec_ReplyListsNoRanksToThoseWhoAsked) {
+  // Ranks 1 and 3 take their subgroups' ranks from the spec; 0 and 2 get them listed as ever.
+  auto job = MakeJob();
+  std::vector<Slot<v1::JoinResponse>> slots(4);
+  for (int r = 0; r < 4; ++r) {
+    v1::JoinRequest request;
+    request.set_job_id(job->id());
+    request.set_worker_id(absl::StrCat("w", r));
+    request.set_rank(r);
+    request.set_subgroup_ranks_from_spec(r % 2 == 1);
+    job->Join(request, absl::InfiniteFuture(), registry_->NewWaitId(), slots[r].Callback());
+  }
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_TRUE(slots[r].done());
+    ASSERT_TRUE(slots[r].result->ok()) << slots[r].result->status();
+    const v1::JoinResponse& resp = **slots[r].result;
+    EXPECT_EQ(resp.rank(), r);
+    ASSERT_EQ(resp.subgroups_size(), 2);
+    EXPECT_EQ(resp.subgroups(0).subgroup(), r / 2);
+    EXPECT_EQ(resp.subgroups(0).period(), 2);
+    EXPECT_EQ(resp.subgroups(1).subgroup(), 0);
+    if (r % 2 == 1) {
+      EXPECT_EQ(resp.subgroups(0).ranks_size(), 0);
+      EXPECT_EQ(resp.subgroups(1).ranks_size(), 0);
+    } else {
+      EXPECT_THAT(resp.subgroups(0).ranks(), ElementsAre((r / 2) * 2, (r / 2) * 2 + 1));
+      EXPECT_THAT(resp.subgroups(1).ranks(), ElementsAre(0, 1, 2, 3));
+    }
+  }
+}
+
 TEST_F(JobTest, Join_Timeout_DeadlineExceededNamingMissingRanks) {
   auto job = MakeJob();
   Slot<v1::JoinResponse> a, b;

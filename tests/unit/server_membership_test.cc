@@ -205,6 +205,45 @@ TEST(MembershipTest, Withdraw_FreesRank_RemovalWrittenWithTheNextChange) {
   EXPECT_FALSE(j->change.changes_hard_state());
 }
 
+// A Join that names no rank: its own rank again (a retry, or a survivor of an earlier
+// generation), else the lowest free one, also after ranks below those taken were freed.
+TEST(MembershipTest, Join_NoRank_OwnRankElseLowestFree_AfterWithdrawLeaveAndBump) {
+  RecordingWriter w;
+  Membership m(6, 0, w.writer());
+  const auto join = [&](const std::string& worker) {
+    absl::StatusOr<Membership::JoinResult> j = m.Join(worker, "h", std::nullopt, kT0, "j");
+    EXPECT_TRUE(j.ok()) << j.status();
+    return j.ok() ? j->rank : -1;
+  };
+  EXPECT_EQ(join("a"), 0);
+  EXPECT_EQ(join("b"), 1);
+  EXPECT_EQ(join("c"), 2);
+  EXPECT_EQ(join("b"), 1);  // a retry keeps its rank
+  m.Withdraw(1);
+  EXPECT_EQ(join("d"), 1);
+  EXPECT_EQ(join("e"), 3);
+  ASSERT_TRUE(m.Leave(0, "rank 0 left", kT0, "j").ok());
+  EXPECT_EQ(join("f"), 0);
+  EXPECT_EQ(join("g"), 4);
+  // The Join that completes the round is written; when that fails the round is as it was, and
+  // the rank it took is free again.
+  w.fail = absl::UnavailableError("disk full");
+  EXPECT_FALSE(m.Join("h", "h", std::nullopt, kT0, "j").ok());
+  w.fail = absl::OkStatus();
+  EXPECT_EQ(m.round_size(), 5);
+  EXPECT_EQ(join("i"), 5);
+  EXPECT_EQ(m.state(), v1::RUNNING);
+  // A death moves the generation on (a strict job): every rank is free again; a worker that
+  // names none finds its old rank back, anyone else the lowest free one.
+  ASSERT_TRUE(m.Die({3}, "rank 3 died", kT0).ok());
+  EXPECT_EQ(m.state(), v1::PENDING);
+  EXPECT_EQ(join("d"), 1);
+  EXPECT_EQ(join("x"), 0);  // rank 0's member "f" has not come back yet
+  EXPECT_EQ(join("f"), 2);  // its rank taken: the lowest free one
+  EXPECT_EQ(join("c"), 3);  // likewise (rank 2 was its own)
+  EXPECT_EQ(join("g"), 4);
+}
+
 TEST(MembershipTest, Leave_RunningThenAll_BumpsThenFinishes) {
   Membership m(2);
   JoinAll(m);
