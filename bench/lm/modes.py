@@ -133,11 +133,15 @@ class Modelavg(Mode):
         """The cross-site level's outer rule (None: a plain average)."""
         return None
 
+    replacement = False  # True: join a running elastic job without RANK (bench/peers' restart)
+
     def wrap(self, net):
         os.environ.update(MODELAVG_COORDINATOR=self.args.coordinator,
                           MODELAVG_JOB=self.args.job, RANK=str(self.args.rank),
                           WORLD_SIZE=str(self.args.world_size),
                           MODELAVG_GLOO_HOSTNAME=self.args.address)
+        if self.replacement:
+            del os.environ["RANK"]  # admitted to the vacant rank, healed from its peers
         import modelavg
         import modelavg.torch
         levels = self.levels(self.args)
