@@ -72,9 +72,9 @@ def parse_args():
     p.add_argument("--rates", default="50,5", help="site link rates, Mbit/s")
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--target_loss", type=float, default=2.7)
-    p.add_argument("--max_steps", type=int, default=1024)
+    p.add_argument("--max_steps", type=int, default=768)
     p.add_argument("--floor_steps", type=int, default=128)
-    p.add_argument("--recovery_steps", type=int, default=1024)
+    p.add_argument("--recovery_steps", type=int, default=768)
     p.add_argument("--eval_every", type=int, default=32)
     p.add_argument("--diloco_period", type=int, default=128)
     p.add_argument("--outer_lr", type=float, default=0.7)
@@ -220,7 +220,16 @@ def run_once(args, cluster, mode, seed, tmp, recovery=False):
             service.wait(timeout=10)
         except subprocess.TimeoutExpired:
             os.killpg(service.pid, signal.SIGKILL)
-    if failed:
+    if failed and recovery:  # a finding, not the end of the benchmark: logs kept, reason told
+        keep = os.path.join(args.out_dir, "logs")
+        os.makedirs(keep, exist_ok=True)
+        for name in os.listdir(tmp):
+            if name.startswith(tag + ".") and name.endswith((".err", ".events", ".log")):
+                shutil.copy(os.path.join(tmp, name), keep)
+        rank, rc, err = failed[0]
+        last = [ln for ln in err.splitlines() if ln.strip()][-1:]
+        figures["error"] = f"rank {rank} ended with {rc}: {last[0] if last else ''}"
+    elif failed:
         rank, rc, err = failed[0]
         raise RuntimeError(f"{tag}: rank {rank} ended with {rc}:\n{err}")
     evals = [json.loads(line) for line in open(os.path.join(tmp, f"{tag}.0.jsonl"))]
@@ -430,7 +439,8 @@ def main():
                     line = {"rate_mbit": rate, "mode": mode, "recovery": "kill -9 of rank 3",
                             "survivors_s": r["survivors_s"] and round(r["survivors_s"], 2),
                             "rejoined_s": r["rejoined_s"] and round(r["rejoined_s"], 2),
-                            "final_loss": round(r["final_loss"], 3)}
+                            "final_loss": round(r["final_loss"], 3),
+                            **({"error": r["error"]} if "error" in r else {})}
                     recoveries.append(line)
                     print(json.dumps(line), flush=True)
                     save()
@@ -447,9 +457,35 @@ def main():
     finish(args, lines, recoveries, runs)
 
 
+def markdown(lines, recoveries):
+    """The modes and recoveries as the Markdown table of docs/benchmarks.md."""
+    def f(x, key, fmt="{:.1f}"):
+        v = x.get(key)
+        if not v:
+            return "-"
+        return (fmt + " [" + fmt + ", " + fmt + "]").format(v["median"], v["min"], v["max"])
+    rec = {(x["rate_mbit"], x["mode"]): x for x in recoveries}
+    out = ["| Mbit/s | mode | reached | seconds to target | steps | final loss | link MB | "
+           "x floor | kill -9: survivors s | restarted s |", "|" + "---|" * 10]
+    for x in lines:
+        r = rec.get((x["rate_mbit"], x["mode"]), {})
+        if "not_run" in x:
+            out.append(f"| {x['rate_mbit']:g} | {x['mode']} | not run: {x['not_run']} |" +
+                       " |" * 7)
+            continue
+        out.append(" | ".join([
+            f"| {x['rate_mbit']:g}", x["mode"], x["reached"], f(x, "seconds_to_target"),
+            f(x, "steps_to_target", "{:.0f}"), f(x, "final_loss", "{:.3f}"), f(x, "link_MB"),
+            f(x, "x_floor", "{:.2f}"), str(r.get("survivors_s", "-")),
+            str(r.get("rejoined_s", "-"))]) + " |")
+    return "\n".join(out)
+
+
 def finish(args, lines, recoveries, runs):
     for r in ratios(args, lines, recoveries):
         print(json.dumps(r), flush=True)
+    if args.from_json:
+        print(markdown(lines, recoveries))
     try:
         plot(lines, recoveries, args, os.path.join(args.out_dir, "peers.png"))
     except ImportError as e:
