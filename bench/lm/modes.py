@@ -1,9 +1,9 @@
 """How the benchmark's workers communicate: one class per mode, registered in MODES.
 
-A mode wraps the model (wrap), acts after each optimizer step (after_step, with the step's
-index from 0), gives the plain module back for evaluation (module) and closes its connections
-(close). `synchronous` says whether its ranks stay in step (a stop must then come at a step all
-of them reach; see worker.py). To add a mode, write a class and add it to MODES; run.py lists
+A mode wraps the model (wrap), may hook the optimizer once it exists (attach), acts after each
+optimizer step (after_step, with the step's index from 0), gives the plain module back for
+evaluation (module) and closes its connections (close). `synchronous` says whether its ranks
+stay in step (a stop must then come at a step all of them reach; see worker.py). To add a mode, write a class and add it to MODES; run.py lists
 MODES in its --modes help.
 
 The averaging modes share one schedule, LEVELS: pairs (a site's two workers) every 2 steps, all
@@ -43,6 +43,9 @@ class Mode:
 
     def wrap(self, net):
         return net
+
+    def attach(self, net, opt):
+        """Called once the optimizer exists (after wrap): for modes that act in its step."""
 
     def module(self, net):
         return net
@@ -130,11 +133,15 @@ class Modelavg(Mode):
         """The cross-site level's outer rule (None: a plain average)."""
         return None
 
+    replacement = False  # True: join a running elastic job without RANK (bench/peers' restart)
+
     def wrap(self, net):
         os.environ.update(MODELAVG_COORDINATOR=self.args.coordinator,
                           MODELAVG_JOB=self.args.job, RANK=str(self.args.rank),
                           WORLD_SIZE=str(self.args.world_size),
                           MODELAVG_GLOO_HOSTNAME=self.args.address)
+        if self.replacement:
+            del os.environ["RANK"]  # admitted to the vacant rank, healed from its peers
         import modelavg
         import modelavg.torch
         levels = self.levels(self.args)

@@ -72,6 +72,7 @@ def main():
     mode = modes.MODES[args.mode](args)
     net = mode.wrap(net)
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)
+    mode.attach(net, opt)  # modes that hook the optimizer (torchft's DiLoCo, bench/peers)
     # Each rank its own batches; the seed moves them too (seed 1: the streams of earlier runs).
     gen = torch.Generator().manual_seed(1000 * args.seed + args.rank)
     val = corpus.batches(data["val"], args.eval_batches, args.batch, args.context,
