@@ -7,7 +7,8 @@
 #   * the C++ call against one raw Gloo all-reduce of a flat buffer and against Gloo's ring
 #     (the algorithm before the direct exchange), 1 MiB in 16 tensors and 128 MiB in 64, strict
 #     and elastic, 2 and 4 processes (modelavg-bench-average);
-#   * the coordinator's Step decisions/s at 1024 workers (modelavg-bench-coordinator).
+#   * the coordinator's Step decisions/s at 1024 workers (modelavg-bench-coordinator), and its
+#     cost at 1,024 and 16,384 ranks (bench/scale.sh: join, beat, Step, RSS).
 # One JSON line per run, prefixed with its name.
 #   bash bench/average_figures.sh [build-dir] [--quick]
 # --quick: fewer iterations and no 128 MiB Python run (a minute or two instead of ten).
@@ -68,3 +69,7 @@ fi
 seconds=10
 $quick && seconds=3
 run coordinator_1024 "$build/bench/modelavg-bench-coordinator" --workers=1024 --seconds=$seconds
+# The scale curve's two smallest points (bench/scale.sh; the whole curve in docs/benchmarks.md).
+while read -r line; do
+  echo "scale_$(sed -n 's/^{"workers": \([0-9]*\).*/\1/p' <<<"$line") $line"
+done < <(bash "$here/scale.sh" --build="$build" 1024 16384 || true)
