@@ -12,9 +12,9 @@ if(TARGET modelavg-coordinator)
       MODELAVG_CLIENT_WORKER_BIN="$<TARGET_FILE:modelavg_client_worker>")
     add_dependencies(${t} modelavg-coordinator modelavg_client_worker)
   endforeach()
-  # Elastic jobs of modelavg-trace-worker processes (defined in tests/tools, after this file:
-  # referenced through generator expressions): client_elastic_regrow_test, 8 ranks, each test a
-  # few seconds to ~20 s; client_elastic_adopt_test, a round kept by a member that lost its
+  # Elastic jobs of modelavg-trace-worker processes (tools/; its tests' variant in tests/tools,
+  # after this file: referenced through generator expressions): client_elastic_regrow_test, 8
+  # ranks, each test a few seconds to ~20 s; client_elastic_adopt_test, a round kept by a member that lost its
   # confirmation (4 ranks, a few seconds); client_outer_test, DiLoCo levels against a naive
   # reference (worlds 2-8, a few seconds each); client_streaming_test, fragments, mix and
   # compressed payloads against a naive reference (worlds 2-4, a few seconds each);
@@ -35,11 +35,17 @@ if(TARGET modelavg-coordinator)
             client_nonfinite_test client_sharded_test client_feedback_elastic_test
             client_update_test)
     modelavg_add_gtest(${t} SOURCES ${t}.cc LIBS modelavg_client LABELS integration TIMEOUT 120)
+    # Those that lose a commit (--testing_fail_commit_at_step) run the tests' variant of the
+    # worker (tests/tools), the others the shipped program.
+    set(worker modelavg-trace-worker)
+    if(t MATCHES "^client_(elastic_adopt|outer_elastic|feedback_elastic)_test$")
+      set(worker modelavg-trace-worker-faults)
+    endif()
     target_compile_definitions(${t} PRIVATE
       MODELAVG_COORDINATOR_BIN="$<TARGET_FILE:modelavg-coordinator>"
       MODELAVG_CLIENT_WORKER_BIN="$<TARGET_FILE:modelavg_client_worker>"
-      MODELAVG_TRACE_WORKER_BIN="$<TARGET_FILE:modelavg-trace-worker>")
-    add_dependencies(${t} modelavg-coordinator modelavg-trace-worker)
+      MODELAVG_TRACE_WORKER_BIN="$<TARGET_FILE:${worker}>")
+    add_dependencies(${t} modelavg-coordinator ${worker})
   endforeach()
   # Churn: a rank killed and replaced per cycle (MODELAVG_CHURN_CYCLES, default 100, ~2 s each).
   modelavg_add_gtest(client_elastic_churn_test SOURCES client_elastic_churn_test.cc

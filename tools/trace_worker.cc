@@ -1,4 +1,5 @@
-// modelavg-trace-worker: the synthetic conformance worker.
+// modelavg-trace-worker: the synthetic conformance worker (tools/trace_worker.h: this is its
+// program, shared by the shipped binary and the tests' variant).
 //
 //   modelavg-trace-worker --coordinator=127.0.0.1:50051 --job=J --rank=0 --world_size=4 \
 //       --steps=16 --numel=3 --backend=gloo
@@ -60,8 +61,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/comm/communicator_factory.h"
 #include "client/flags/connection_flags.h"
-#include "client/session/backends.h"
 #include "common/file_util.h"
 #include "common/logging.h"
 #include "common/status_util.h"
@@ -71,7 +72,7 @@
 #include "modelavg/client/tensor.h"
 #include "modelavg/common/schedule.h"
 #include "spdlog/spdlog.h"
-#include "tests/testing/faulty_communicator.h"
+#include "tools/trace_worker.h"
 #ifdef MODELAVG_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
@@ -119,9 +120,6 @@ ABSL_FLAG(bool, unix_ms, false,
           "add \"unix_ms\" to every line: the wall-clock time (milliseconds since the epoch) "
           "when the averaging call returned");
 ABSL_FLAG(std::string, log_level, "warn", "spdlog level for diagnostics on stderr");
-ABSL_FLAG(int64_t, testing_fail_commit_at_step, -1,
-          "tests: the committed round of this step loses its confirmation on this rank after "
-          "its peers completed it (elastic jobs, gloo)");
 ABSL_FLAG(std::string, save_state, "",
           "after the last step, write the parameters and the averager's state_dict() (step, "
           "every outer level's anchor and momentum) to this file, then leave the job");
@@ -458,7 +456,8 @@ absl::Status MakeNonFinite(std::vector<float>& host, const std::vector<int64_t>&
   return absl::OkStatus();
 }
 
-absl::Status Run(StopSignals& stop, std::string* stopped) {
+absl::Status Run(StopSignals& stop, const TraceWorkerCommunicators& make_communicators,
+                 std::string* stopped) {
   // The connection flags (--coordinator, --auth_token_file, --tls_*, --rpc_timeout_ms) and their
   // environment, as every modelavg program reads them.
   MODELAVG_ASSIGN_OR_RETURN(client::ConnectionOptions conn, client::ConnectionFromFlags());
@@ -502,15 +501,9 @@ absl::Status Run(StopSignals& stop, std::string* stopped) {
     return absl::InvalidArgumentError("--step_delay_ms must be >= 0");
   }
 
-  // A lost commit is made by a communicator that wraps the real one (tests/testing/).
+  // The tests' variant may wrap the communicators (a lost commit: tests/testing/).
   std::unique_ptr<client::CommunicatorFactory> communicators;
-  if (const int64_t at = absl::GetFlag(FLAGS_testing_fail_commit_at_step); at >= 0) {
-    auto faults = std::make_shared<testing::CommunicatorFaults>();
-    faults->LoseCommitAt(at);
-    communicators = std::make_unique<testing::FaultyCommunicatorFactory>(
-        std::make_unique<client::BackendFactory>(options.gloo_hostname), std::move(faults),
-        options.gloo_hostname);
-  }
+  if (make_communicators) communicators = make_communicators(options.gloo_hostname);
   // A stop signal cuts a Join in progress (or its retry backoff) short.
   options.cancel = std::make_shared<client::CancelToken>();
   stop.OnStop([cancel = options.cancel](int) { cancel->Cancel(); });
@@ -721,9 +714,8 @@ absl::Status Run(StopSignals& stop, std::string* stopped) {
 }
 
 }  // namespace
-}  // namespace modelavg
 
-int main(int argc, char** argv) {
+int TraceWorkerMain(int argc, char** argv, const TraceWorkerCommunicators& make_communicators) {
   absl::SetProgramUsageMessage(
       "Synthetic conformance worker: joins an existing modelavg job and prints one JSON line per "
       "step. See --helpfull for the flags.");
@@ -733,27 +725,29 @@ int main(int argc, char** argv) {
               << "' (flags are --name=value)" << std::endl;
     return 2;
   }
-  absl::Status logging = modelavg::InitLogging(absl::GetFlag(FLAGS_log_level), "trace-worker");
+  absl::Status logging = InitLogging(absl::GetFlag(FLAGS_log_level), "trace-worker");
   if (!logging.ok()) {
     std::cerr << "modelavg-trace-worker: --log_level: " << logging.message() << std::endl;
     return 2;
   }
   // Before any thread is started (the client's): SIGTERM and SIGINT are taken by its thread.
-  modelavg::StopSignals stop;
+  StopSignals stop;
   std::string stopped;
-  absl::Status status = modelavg::Run(stop, &stopped);
+  absl::Status status = Run(stop, make_communicators, &stopped);
   if (status.ok() && !stopped.empty()) {
     std::cerr << "modelavg-trace-worker: rank "
-              << (modelavg::joined_rank >= 0 ? modelavg::joined_rank : absl::GetFlag(FLAGS_rank))
+              << (joined_rank >= 0 ? joined_rank : absl::GetFlag(FLAGS_rank))
               << ": " << stopped << std::endl;
     return stop.exit_code();
   }
   if (!status.ok()) {
     std::cerr << "modelavg-trace-worker: rank "
-              << (modelavg::joined_rank >= 0 ? modelavg::joined_rank : absl::GetFlag(FLAGS_rank))
+              << (joined_rank >= 0 ? joined_rank : absl::GetFlag(FLAGS_rank))
               << ": "
               << status.ToString() << std::endl;
     return 1;
   }
   return 0;
 }
+
+}  // namespace modelavg
