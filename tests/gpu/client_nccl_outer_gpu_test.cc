@@ -27,7 +27,7 @@
 #include "tests/gpu/cuda_device_test.h"
 #include "tests/gpu/gpu_test_env.h"
 #include "tests/tools/make_job_spec.h"
-#include "tests/tools/staging_reference.h"
+#include "tests/reference/staging_reference.h"
 #if MODELAVG_TEST_WITH_SERVER
 #include "client/rpc/coordinator_client.h"
 #include "modelavg/client/averager.h"

@@ -25,7 +25,7 @@
 #include "client/payload/staging_layout.h"
 #include "gtest/gtest.h"
 #include "tests/gpu/cuda_device_test.h"
-#include "tests/tools/staging_reference.h"
+#include "tests/reference/staging_reference.h"
 
 namespace modelavg::client {
 namespace {

@@ -40,7 +40,7 @@ inline std::string ProgramFromEnv(const char* name, const char* built) {
 // The harness's Gloo worker is not used here.
 #define MODELAVG_CLIENT_WORKER_BIN "unused"
 #include "tests/integration/client_job_harness.h"
-#include "tests/integration/streaming_reference.h"
+#include "tests/reference/streaming_reference.h"
 #include "tests/integration/trace_check.h"
 
 namespace modelavg::testing {

@@ -32,8 +32,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/client_job_harness.h"
-#include "tests/integration/naive_outer_sgd.h"
-#include "tests/integration/streaming_reference.h"
+#include "tests/reference/naive_outer_sgd.h"
+#include "tests/reference/streaming_reference.h"
 #include "tests/integration/trace_check.h"
 
 namespace modelavg::testing {

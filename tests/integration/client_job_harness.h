@@ -20,7 +20,7 @@
 #include "client/base/half.h"
 #include "client/rpc/coordinator_client.h"
 #include "tests/integration/client_test_processes.h"
-#include "tests/integration/naive_schedule.h"
+#include "tests/reference/naive_schedule.h"
 #include "tests/tools/make_job_spec.h"
 
 namespace modelavg::testing {
@@ -88,7 +88,7 @@ inline double RoundTo(const std::string& dtype, double v) {
 
 // expected[step][rank] = the values client_worker must print (exact arithmetic: group sizes
 // are powers of two, so dividing, summing and converting are exact at these magnitudes). The
-// decisions come from NaiveDecide (tests/integration/naive_schedule.h), not from the library.
+// decisions come from NaiveDecide (tests/reference/naive_schedule.h), not from the library.
 inline std::vector<std::vector<StepLine>> Simulate(const v1::JobSpec& spec,
                                                    const std::string& layout, int64_t first_step,
                                                    int64_t steps) {

@@ -27,7 +27,7 @@
 #include "gtest/gtest.h"
 #include "tests/integration/client_job_harness.h"
 #include "tests/integration/outer_trace_check.h"
-#include "tests/integration/streaming_reference.h"
+#include "tests/reference/streaming_reference.h"
 #include "tests/integration/trace_check.h"
 
 namespace modelavg::testing {

@@ -15,7 +15,7 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/integration/outer_reference.h"
+#include "tests/reference/outer_reference.h"
 #include "tests/integration/trace_check.h"
 #include "tests/integration/trace_job_fixture.h"
 #include "tests/tools/make_job_spec.h"

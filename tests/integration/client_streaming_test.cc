@@ -20,7 +20,7 @@
 #include "common/file_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/integration/streaming_reference.h"
+#include "tests/reference/streaming_reference.h"
 #include "tests/integration/trace_check.h"
 #include "tests/integration/trace_job_fixture.h"
 #include "tests/tools/make_job_spec.h"

@@ -47,7 +47,7 @@
 #include "gtest/gtest.h"
 #include "tests/integration/client_test_processes.h"
 #include "tests/integration/staged_job_storm.h"
-#include "tests/integration/streaming_reference.h"
+#include "tests/reference/streaming_reference.h"
 #include "tests/integration/trace_check.h"
 #include "tests/tools/make_job_spec.h"
 

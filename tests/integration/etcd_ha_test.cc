@@ -39,7 +39,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/rpc/coordinator_client.h"
-#include "tests/integration/plan_reference.h"
+#include "tests/reference/plan_reference.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/store/etcd/etcd_client.h"

@@ -1,4 +1,4 @@
-// Checks the JSON lines of modelavg-trace-worker processes (tests/tools/trace_worker.cc) against
+// Checks the JSON lines of modelavg-trace-worker processes (tools/trace_worker.cc) against
 // the averaging rule alone, whatever the membership did: it needs no reference run, so it holds
 // for jobs whose members die, stall and are replaced at moments the test does not control.
 //
@@ -40,7 +40,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "modelavg/v1/coordinator.pb.h"
-#include "tests/integration/naive_schedule.h"
+#include "tests/reference/naive_schedule.h"
 
 namespace modelavg::testing {
 

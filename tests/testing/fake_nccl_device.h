@@ -38,7 +38,7 @@
 #include "client/payload/staging_layout.h"
 #include "common/status_util.h"
 #include "gtest/gtest.h"
-#include "tests/tools/staging_reference.h"
+#include "tests/reference/staging_reference.h"
 
 namespace modelavg::client {
 

@@ -31,8 +31,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/fake_nccl_device.h"
-#include "tests/tools/naive_payload.h"
-#include "tests/tools/staging_reference.h"
+#include "tests/reference/naive_payload.h"
+#include "tests/reference/staging_reference.h"
 
 namespace modelavg::client {
 namespace {

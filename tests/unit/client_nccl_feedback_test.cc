@@ -33,7 +33,7 @@
 #include "gtest/gtest.h"
 #include "tests/testing/fake_nccl_device.h"
 #include "tests/testing/fake_nccl_group.h"
-#include "tests/tools/naive_payload.h"
+#include "tests/reference/naive_payload.h"
 
 namespace modelavg::client {
 namespace {

@@ -2,7 +2,7 @@
 // NCCL path) with simulated members as threads on the fake device of
 // tests/testing/fake_nccl_device.h: each member's state in its own simulated device memory, its
 // rounds on NcclCore over a FakeWorld per (level, subgroup). Every member, every step, against
-// the independent double-precision restatement of the rule in tests/integration/outer_reference.h
+// the independent double-precision restatement of the rule in tests/reference/outer_reference.h
 // (the trace worker's synthetic update, here applied to every element with a per-element offset,
 // which the rule carries along unchanged). Runs without a GPU; tests/gpu runs the kernels.
 #include <cmath>
@@ -20,8 +20,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "modelavg/v1/coordinator.pb.h"
-#include "tests/integration/naive_schedule.h"
-#include "tests/integration/outer_reference.h"
+#include "tests/reference/naive_schedule.h"
+#include "tests/reference/outer_reference.h"
 #include "tests/testing/fake_nccl_device.h"
 #include "tests/testing/fake_nccl_group.h"
 #include "tests/tools/make_job_spec.h"

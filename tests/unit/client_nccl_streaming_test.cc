@@ -4,7 +4,7 @@
 // outer state; sync_delay tau > 0, whose all-reduce runs on a thread of its own, on a stream of
 // its own, from the call at s to the call at s + tau; mix alpha; payloads FP32, BF16 and INT8.
 // Every member's every element after every step against the independent re-statement of the
-// rule in tests/integration/streaming_reference.h (the trace worker's update, here on every
+// rule in tests/reference/streaming_reference.h (the trace worker's update, here on every
 // element with a per-element offset, which the rule carries along unchanged), the compressed
 // payloads within their documented bound, added up over the outer steps (docs/streaming.md);
 // every group's anchors bit-identical. Runs without a GPU; tests/gpu runs the kernels.
@@ -22,7 +22,7 @@
 #include "client/comm/nccl/nccl_core.h"
 #include "gtest/gtest.h"
 #include "modelavg/v1/coordinator.pb.h"
-#include "tests/integration/streaming_reference.h"
+#include "tests/reference/streaming_reference.h"
 #include "tests/testing/fake_nccl_device.h"
 #include "tests/testing/fake_nccl_group.h"
 #include "tests/tools/make_job_spec.h"

@@ -1,6 +1,6 @@
 // PlanHistory (common/plan_history.h): the decisions of a job whose plan changed, against a
 // naive restatement of the rule (the old plan's averager before the switch step E, the new
-// plan's from E on, each as PyTorch decides: tests/integration/naive_schedule.h), for random
+// plan's from E on, each as PyTorch decides: tests/reference/naive_schedule.h), for random
 // specs and switch steps, every rank, every step; and what a level carries across E.
 #include "modelavg/common/plan_history.h"
 
@@ -10,7 +10,7 @@
 
 #include "common/job_spec.h"
 #include "gtest/gtest.h"
-#include "tests/integration/naive_schedule.h"
+#include "tests/reference/naive_schedule.h"
 
 namespace modelavg {
 namespace {

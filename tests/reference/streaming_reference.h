@@ -20,8 +20,8 @@
 //   C := q s with s = max |U| / L over the fragment and q = round-half-even(U / s) (L 127 or 7;
 //   s and U / s rounded to float32 as documented), E := U - C; the group's mean of C is encoded
 //   the same way again and its decoded value is the D of the outer step.
-#ifndef MODELAVG_TESTS_INTEGRATION_STREAMING_REFERENCE_H_
-#define MODELAVG_TESTS_INTEGRATION_STREAMING_REFERENCE_H_
+#ifndef MODELAVG_TESTS_REFERENCE_STREAMING_REFERENCE_H_
+#define MODELAVG_TESTS_REFERENCE_STREAMING_REFERENCE_H_
 
 #include <algorithm>
 #include <cmath>
@@ -31,8 +31,8 @@
 #include <vector>
 
 #include "modelavg/v1/coordinator.pb.h"
-#include "tests/integration/naive_outer_sgd.h"
-#include "tests/integration/naive_schedule.h"
+#include "tests/reference/naive_outer_sgd.h"
+#include "tests/reference/naive_schedule.h"
 
 namespace modelavg::testing {
 
@@ -285,4 +285,4 @@ inline std::vector<std::vector<StreamingStep>> StreamingReference(const v1::JobS
 
 }  // namespace modelavg::testing
 
-#endif  // MODELAVG_TESTS_INTEGRATION_STREAMING_REFERENCE_H_
+#endif  // MODELAVG_TESTS_REFERENCE_STREAMING_REFERENCE_H_

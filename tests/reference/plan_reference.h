@@ -14,8 +14,8 @@
 //   optimizer and the same group size; otherwise its state is dropped, and its first averaging
 //   step from E_v on is a plain average that sets the anchor again. The outer step uses the
 //   optimizer of the plan in force.
-#ifndef MODELAVG_TESTS_INTEGRATION_PLAN_REFERENCE_H_
-#define MODELAVG_TESTS_INTEGRATION_PLAN_REFERENCE_H_
+#ifndef MODELAVG_TESTS_REFERENCE_PLAN_REFERENCE_H_
+#define MODELAVG_TESTS_REFERENCE_PLAN_REFERENCE_H_
 
 #include <algorithm>
 #include <cstdint>
@@ -24,8 +24,8 @@
 #include <vector>
 
 #include "modelavg/v1/coordinator.pb.h"
-#include "tests/integration/naive_outer_sgd.h"
-#include "tests/integration/naive_schedule.h"
+#include "tests/reference/naive_outer_sgd.h"
+#include "tests/reference/naive_schedule.h"
 
 namespace modelavg::testing {
 
@@ -107,4 +107,4 @@ inline std::vector<std::vector<PlanReferenceStep>> PlanReference(
 
 }  // namespace modelavg::testing
 
-#endif  // MODELAVG_TESTS_INTEGRATION_PLAN_REFERENCE_H_
+#endif  // MODELAVG_TESTS_REFERENCE_PLAN_REFERENCE_H_

@@ -3,8 +3,8 @@
 // kept apart from client/: with D the averaged pseudo-gradient of the element,
 //   M := D if unset, else momentum * M + D;  g := D + momentum * M if nesterov, else M;
 //   A := A - lr * g.  Without momentum g := D and M stays unset.
-#ifndef MODELAVG_TESTS_INTEGRATION_NAIVE_OUTER_SGD_H_
-#define MODELAVG_TESTS_INTEGRATION_NAIVE_OUTER_SGD_H_
+#ifndef MODELAVG_TESTS_REFERENCE_NAIVE_OUTER_SGD_H_
+#define MODELAVG_TESTS_REFERENCE_NAIVE_OUTER_SGD_H_
 
 #include <optional>
 
@@ -27,4 +27,4 @@ inline double NaiveOuterSgd(const v1::OuterOptimizer& o, double d,
 
 }  // namespace modelavg::testing
 
-#endif  // MODELAVG_TESTS_INTEGRATION_NAIVE_OUTER_SGD_H_
+#endif  // MODELAVG_TESTS_REFERENCE_NAIVE_OUTER_SGD_H_

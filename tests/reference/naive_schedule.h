@@ -3,8 +3,8 @@
 // integration tests compare the library with an independent reading of the rule rather than
 // with itself. Only for the small steps and worlds of the tests: no validation, no window, no
 // overflow care.
-#ifndef MODELAVG_TESTS_INTEGRATION_NAIVE_SCHEDULE_H_
-#define MODELAVG_TESTS_INTEGRATION_NAIVE_SCHEDULE_H_
+#ifndef MODELAVG_TESTS_REFERENCE_NAIVE_SCHEDULE_H_
+#define MODELAVG_TESTS_REFERENCE_NAIVE_SCHEDULE_H_
 
 #include <cstdint>
 #include <vector>
@@ -59,4 +59,4 @@ inline NaiveDecision NaiveDecide(const v1::JobSpec& spec, int64_t step, int rank
 
 }  // namespace modelavg::testing
 
-#endif  // MODELAVG_TESTS_INTEGRATION_NAIVE_SCHEDULE_H_
+#endif  // MODELAVG_TESTS_REFERENCE_NAIVE_SCHEDULE_H_

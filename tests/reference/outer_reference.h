@@ -8,14 +8,14 @@
 //   Later: D := mean over the group of (A_l,m - x_m); M := D if unset, else momentum * M + D;
 //   g := D + momentum * M if nesterov, else M; A_l,r := A_l,r - lr * g; x_r := A_l,r.
 //   Without momentum g := D. Other levels' steps leave A_l alone.
-#ifndef MODELAVG_TESTS_INTEGRATION_OUTER_REFERENCE_H_
-#define MODELAVG_TESTS_INTEGRATION_OUTER_REFERENCE_H_
+#ifndef MODELAVG_TESTS_REFERENCE_OUTER_REFERENCE_H_
+#define MODELAVG_TESTS_REFERENCE_OUTER_REFERENCE_H_
 
 #include <cstdint>
 #include <vector>
 
 #include "modelavg/v1/coordinator.pb.h"
-#include "tests/integration/plan_reference.h"
+#include "tests/reference/plan_reference.h"
 
 namespace modelavg::testing {
 
@@ -32,4 +32,4 @@ inline std::vector<std::vector<OuterReferenceStep>> OuterReference(const v1::Job
 
 }  // namespace modelavg::testing
 
-#endif  // MODELAVG_TESTS_INTEGRATION_OUTER_REFERENCE_H_
+#endif  // MODELAVG_TESTS_REFERENCE_OUTER_REFERENCE_H_
