@@ -15,8 +15,9 @@ Needs matplotlib (Debian's python3-matplotlib).
 """
 
 import argparse
-import json
 import sys
+
+from json_lines import json_rows  # bench/, beside this script
 
 # (key in a "ratios" line, panel title)
 PANELS = (
@@ -29,18 +30,7 @@ MARKERS = "os^Dv<>p*h"
 
 def read_rows(lines):
     """The "ratios" lines of a sweep's output, in order."""
-    rows = []
-    for line in lines:
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if row.get("run") == "ratios":
-            rows.append(row)
-    return rows
+    return json_rows(lines, lambda row: row.get("run") == "ratios")
 
 
 def size_label(kib):

@@ -13,22 +13,14 @@ Needs matplotlib (Debian's python3-matplotlib).
 """
 
 import argparse
-import json
 import sys
+
+from json_lines import json_rows  # bench/, beside this script
 
 
 def read_rows(lines):
-    rows = []
-    for line in lines:
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "error" not in row and "join_all_s" in row:
-            rows.append(row)
+    """bench/scale.sh's lines that measured something, by world size."""
+    rows = json_rows(lines, lambda row: "error" not in row and "join_all_s" in row)
     return sorted(rows, key=lambda r: r["workers"])
 
 

@@ -56,6 +56,7 @@ REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "tests", "cluster"))
 import corpus  # noqa: E402
+import model_args  # noqa: E402
 import modes  # noqa: E402
 import netcluster as nc  # noqa: E402
 
@@ -76,11 +77,7 @@ def parse_args():
     p.add_argument("--floor_steps", type=int, default=128,
                    help="steps the `none` mode runs (it measures seconds per step)")
     p.add_argument("--eval_every", type=int, default=32)
-    p.add_argument("--d_model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--context", type=int, default=32)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
+    model_args.add(p)
     p.add_argument("--diloco_period", type=int, default=128,
                    help="the diloco mode's cross-site period (its outer step)")
     p.add_argument("--diloco_site_period", type=int, default=2,
@@ -154,8 +151,7 @@ def run_mode(args, cluster, mode, tmp, corpus_path, seed=1):
                 f"--seed={seed}",
                 f"--stop_file={stop_file}", f"--max_steps={steps}",
                 f"--eval_every={args.eval_every}", f"--target_loss={args.target_loss}",
-                f"--d_model={args.d_model}", f"--layers={args.layers}",
-                f"--context={args.context}", f"--batch={args.batch}", f"--lr={args.lr}",
+                *model_args.worker_flags(args),
                 f"--stop_period={stop_period}", f"--outer_lr={args.outer_lr}",
                 f"--diloco_period={args.diloco_period}",
                 f"--diloco_site_period={args.diloco_site_period}",

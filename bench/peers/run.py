@@ -51,6 +51,7 @@ REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "lm"))
 sys.path.insert(0, os.path.join(REPO, "tests", "cluster"))
 import corpus  # noqa: E402
+import model_args  # noqa: E402
 import netcluster as nc  # noqa: E402
 
 WORKERS = [("w0", "a"), ("w1", "a"), ("w2", "b"), ("w3", "b")]
@@ -79,11 +80,7 @@ def parse_args():
     p.add_argument("--diloco_period", type=int, default=128)
     p.add_argument("--outer_lr", type=float, default=0.7)
     p.add_argument("--outer_momentum", type=float, default=0.9)
-    p.add_argument("--d_model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--context", type=int, default=32)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
+    model_args.add(p)  # bench/lm's
     p.add_argument("--lighthouse_join_timeout_ms", type=int, default=10000,
                    help="how long the Lighthouse waits for a heartbeating replica that has not "
                         "asked for the quorum (torchft's README uses 10000)")
@@ -156,8 +153,7 @@ def worker_argv(args, cluster, mode, rank, seed, tmp, tag, address, steps, targe
             f"--out={os.path.join(tmp, f'{files}.{rank}.jsonl')}", f"--seed={seed}",
             f"--stop_file={os.path.join(tmp, f'{files}.stop')}", f"--max_steps={steps}",
             f"--eval_every={args.eval_every}", f"--target_loss={target}",
-            f"--d_model={args.d_model}", f"--layers={args.layers}", f"--context={args.context}",
-            f"--batch={args.batch}", f"--lr={args.lr}", f"--stop_period={args.diloco_period}",
+            *model_args.worker_flags(args), f"--stop_period={args.diloco_period}",
             f"--outer_lr={args.outer_lr}", f"--outer_momentum={args.outer_momentum}",
             f"--diloco_period={args.diloco_period}"]
 
