@@ -27,6 +27,7 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "tests/integration/client_job_harness.h"
+#include "tests/integration/elastic_workers_fixture.h"
 #include "tests/integration/trace_check.h"
 
 namespace modelavg::testing {
@@ -47,43 +48,17 @@ int Cycles() {
   return std::max(1, n);
 }
 
-class ElasticChurnTest : public ::testing::Test {
+class ElasticChurnTest : public ElasticWorkersTest {
  protected:
-  ElasticChurnTest() : cluster_("churn") {}
-  ~ElasticChurnTest() override { workers_.clear(); }
-
-  struct Worker {
-    std::unique_ptr<Process> process;
-    std::string who;
-    bool killed = false;
-  };
+  ElasticChurnTest() : ElasticWorkersTest("churn", kWorld) {}
 
   void Start(const std::string& job, int rank) {
-    std::vector<std::string> argv = {MODELAVG_TRACE_WORKER_BIN,
-                                     "--coordinator=" + cluster_.coordinator().address(),
-                                     "--job=" + job,
-                                     absl::StrCat("--world_size=", kWorld),
-                                     "--steps=1000000",
-                                     "--numel=64",
-                                     "--step_delay_ms=50",
-                                     "--backend=gloo",
-                                     "--unix_ms",
-                                     "--join_timeout_ms=30000",
-                                     "--collective_timeout_ms=60000",
-                                     "--log_level=info"};
-    if (rank >= 0) argv.push_back(absl::StrCat("--rank=", rank));
-    Worker w;
-    w.who = rank >= 0 ? absl::StrCat("rank ", rank)
-                      : absl::StrCat("replacement ", workers_.size() - kWorld + 1);
-    w.process = std::make_unique<Process>(
-        argv, absl::StrCat(cluster_.dir(), "/", job, "-worker", workers_.size()));
-    workers_.push_back(std::move(w));
+    StartWorker(job, rank, {"--steps=1000000", "--numel=64", "--step_delay_ms=50", "--unix_ms"});
+    killed_.push_back(false);
   }
 
-  Trace TraceOf(size_t i) {
-    absl::StatusOr<Trace> t = ParseTrace(workers_[i].who, workers_[i].process->out());
-    return t.ok() ? *std::move(t) : Trace{workers_[i].who, {}};
-  }
+  // What worker i printed so far (it may be killed in the middle of a line).
+  Trace TraceOf(size_t i) { return TraceSoFar(i); }
 
   // The rank a worker holds (from its trace; -1 before its first line).
   int RankOf(size_t i) {
@@ -120,30 +95,20 @@ class ElasticChurnTest : public ::testing::Test {
   // Fails the test if a worker that was not killed has exited.
   bool NoSurvivorExited() {
     bool ok = true;
-    for (Worker& w : workers_) {
-      if (w.killed) continue;
-      if (std::optional<int> code = w.process->Wait(absl::ZeroDuration()); code.has_value()) {
-        ADD_FAILURE() << w.who << " exited with " << *code << ": " << Tail(w.process->err());
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      if (killed_[i]) continue;
+      if (std::optional<int> code = workers_[i]->Wait(absl::ZeroDuration()); code.has_value()) {
+        ADD_FAILURE() << who_[i] << " exited with " << *code << ": "
+                      << TailOf(workers_[i]->err(), 3000);
         ok = false;
       }
     }
     return ok;
   }
 
-  static std::string Tail(const std::string& s, size_t n = 3000) {
-    return s.size() <= n ? s : s.substr(s.size() - n);
-  }
-  std::string Diagnostics() {
-    std::string s =
-        absl::StrCat("\ncoordinator log (tail):\n", Tail(cluster_.coordinator().process().err()));
-    for (Worker& w : workers_) {
-      absl::StrAppend(&s, "\n", w.who, " stderr (tail):\n", Tail(w.process->err(), 1500));
-    }
-    return s;
-  }
+  std::string Diagnostics() { return ElasticWorkersTest::Diagnostics(1500); }
 
-  Cluster cluster_;
-  std::vector<Worker> workers_;
+  std::vector<bool> killed_;  // by worker index: killed by the test
 };
 
 TEST_F(ElasticChurnTest, KillAndReplaceOneRankPerCycle_NoSurvivorStallsPastHeartbeatPlus1s) {
@@ -169,16 +134,16 @@ TEST_F(ElasticChurnTest, KillAndReplaceOneRankPerCycle_NoSurvivorStallsPastHeart
     const absl::Time deadline = absl::Now() + kCycleDeadline;
     while (live.empty() && absl::Now() < deadline) {
       for (size_t i = 0; i < workers_.size(); ++i) {
-        if (!workers_[i].killed && RankOf(i) >= 0) live.push_back(i);
+        if (!killed_[i] && RankOf(i) >= 0) live.push_back(i);
       }
       if (live.empty()) absl::SleepFor(absl::Milliseconds(10));
     }
     ASSERT_FALSE(live.empty()) << "no worker holds a rank" << Diagnostics();
     const size_t victim = live[random() % live.size()];
     const int64_t before = Generation(job);
-    workers_[victim].process->Signal(SIGKILL);
-    workers_[victim].process->Wait(absl::Seconds(10));
-    workers_[victim].killed = true;
+    workers_[victim]->Signal(SIGKILL);
+    workers_[victim]->Wait(absl::Seconds(10));
+    killed_[victim] = true;
     // 3 live ranks once the death is declared (a generation later, at least).
     ASSERT_TRUE(WaitForLive(job, kWorld - 1, before)) << "no 3 live ranks" << Diagnostics();
     Start(job, -1);
@@ -193,8 +158,8 @@ TEST_F(ElasticChurnTest, KillAndReplaceOneRankPerCycle_NoSurvivorStallsPastHeart
   absl::SleepFor(absl::Seconds(1));
   ASSERT_TRUE(NoSurvivorExited()) << Diagnostics();
   const absl::Time ended = absl::Now();
-  for (Worker& w : workers_) {
-    if (!w.killed) w.process->Signal(SIGKILL);
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    if (!killed_[i]) workers_[i]->Signal(SIGKILL);
   }
 
   // Stalls: the gaps between two consecutive steps of a worker while it was alive (a killed
@@ -208,17 +173,17 @@ TEST_F(ElasticChurnTest, KillAndReplaceOneRankPerCycle_NoSurvivorStallsPastHeart
       const int64_t gap = t.lines[k].unix_ms - t.lines[k - 1].unix_ms;
       if (gap > longest) {
         longest = gap;
-        longest_at = absl::StrCat(workers_[i].who, " between steps ", t.lines[k - 1].step,
+        longest_at = absl::StrCat(who_[i], " between steps ", t.lines[k - 1].step,
                                   " and ", t.lines[k].step);
       }
-      EXPECT_LE(gap, kMaxStallMs) << workers_[i].who << " stalled " << gap
+      EXPECT_LE(gap, kMaxStallMs) << who_[i] << " stalled " << gap
                                   << " ms between steps " << t.lines[k - 1].step << " and "
                                   << t.lines[k].step;
     }
     // A survivor kept stepping up to the end (no silent hang).
-    if (!workers_[i].killed && !t.lines.empty()) {
+    if (!killed_[i] && !t.lines.empty()) {
       EXPECT_GE(t.lines.back().unix_ms, absl::ToUnixMillis(ended) - kMaxStallMs)
-          << workers_[i].who << " stopped stepping";
+          << who_[i] << " stopped stepping";
     }
     traces.push_back(std::move(t));
   }

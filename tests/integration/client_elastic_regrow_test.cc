@@ -29,6 +29,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/client_job_harness.h"
+#include "tests/integration/elastic_workers_fixture.h"
 #include "tests/integration/trace_check.h"
 
 namespace modelavg::testing {
@@ -66,34 +67,15 @@ WorkerOptions Steps(int64_t steps, int64_t step_delay_ms, int64_t numel = 1000) 
   return o;
 }
 
-class ElasticRegrowTest : public ::testing::Test {
+class ElasticRegrowTest : public ElasticWorkersTest {
  protected:
-  ElasticRegrowTest() : cluster_("regrow") {}
-  ~ElasticRegrowTest() override {
-    workers_.clear();  // killed (as a process group) if still running, before the coordinator
-  }
+  ElasticRegrowTest() : ElasticWorkersTest("regrow", kWorld) {}
 
   // Starts a trace worker; returns its index in workers_.
   size_t Start(const std::string& job, const WorkerOptions& o) {
-    const size_t index = workers_.size();
-    std::vector<std::string> argv = {MODELAVG_TRACE_WORKER_BIN,
-                                     "--coordinator=" + cluster_.coordinator().address(),
-                                     "--job=" + job,
-                                     absl::StrCat("--world_size=", kWorld),
-                                     absl::StrCat("--steps=", o.steps),
-                                     absl::StrCat("--numel=", o.numel),
-                                     absl::StrCat("--step_delay_ms=", o.step_delay_ms),
-                                     "--backend=gloo",
-                                     "--unix_ms",
-                                     "--join_timeout_ms=30000",
-                                     "--collective_timeout_ms=60000",
-                                     "--log_level=info"};
-    if (o.rank >= 0) argv.push_back(absl::StrCat("--rank=", o.rank));
-    who_.push_back(o.rank >= 0 ? absl::StrCat("rank ", o.rank)
-                               : absl::StrCat("worker ", index, " (no --rank)"));
-    workers_.push_back(std::make_unique<Process>(
-        argv, absl::StrCat(cluster_.dir(), "/", job, "-worker", index)));
-    return index;
+    return StartWorker(job, o.rank,
+                       {absl::StrCat("--steps=", o.steps), absl::StrCat("--numel=", o.numel),
+                        absl::StrCat("--step_delay_ms=", o.step_delay_ms), "--unix_ms"});
   }
 
   // Starts ranks 0..7.
@@ -102,24 +84,6 @@ class ElasticRegrowTest : public ::testing::Test {
       o.rank = r;
       Start(job, o);
     }
-  }
-
-  Trace TraceOf(size_t i) {
-    absl::StatusOr<Trace> t = ParseTrace(who_[i], workers_[i]->out());
-    EXPECT_TRUE(t.ok()) << t.status();
-    return t.ok() ? *std::move(t) : Trace{who_[i], {}};
-  }
-
-  // Waits until worker i has printed step `step` (false: it exited first, or the deadline).
-  bool WaitForStep(size_t i, int64_t step, absl::Duration timeout = kRunDeadline) {
-    const absl::Time deadline = absl::Now() + timeout;
-    while (absl::Now() < deadline) {
-      Trace t = TraceOf(i);
-      if (!t.lines.empty() && t.lines.back().step >= step) return true;
-      if (workers_[i]->Wait(absl::ZeroDuration()).has_value()) return false;
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-    return false;
   }
 
   // Waits until some worker of `among` has printed an AVERAGE line at `level` whose members
@@ -267,9 +231,6 @@ class ElasticRegrowTest : public ::testing::Test {
     return out;
   }
 
-  Cluster cluster_;
-  std::vector<std::unique_ptr<Process>> workers_;  // after cluster_: stopped before it
-  std::vector<std::string> who_;
 };
 
 // Passes whatever the client's elastic support: 8 ranks, no fault. Every value follows the

@@ -32,6 +32,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/client_job_harness.h"
+#include "tests/integration/elastic_workers_fixture.h"
 #include "tests/reference/naive_outer_sgd.h"
 #include "tests/reference/streaming_reference.h"
 #include "tests/integration/trace_check.h"
@@ -195,50 +196,22 @@ std::vector<double> SavedResidual(const std::string& path) {
   return out;
 }
 
-class ClientFeedbackElasticTest : public ::testing::Test {
+class ClientFeedbackElasticTest : public ElasticWorkersTest {
  protected:
-  ClientFeedbackElasticTest() : cluster_("feedback-elastic") {}
-  ~ClientFeedbackElasticTest() override { workers_.clear(); }
+  ClientFeedbackElasticTest() : ElasticWorkersTest("feedback-elastic", kWorld) {}
 
   size_t Start(const std::string& job, int rank, const std::vector<std::string>& extra = {}) {
-    std::vector<std::string> argv = {MODELAVG_TRACE_WORKER_BIN,
-                                     "--coordinator=" + cluster_.coordinator().address(),
-                                     "--job=" + job,
-                                     absl::StrCat("--world_size=", kWorld),
-                                     absl::StrCat("--steps=", kSteps),
-                                     absl::StrCat("--numel=", kNumel),
-                                     absl::StrCat("--tensors=", kTensors),
-                                     "--step_delay_ms=100",
-                                     "--backend=gloo",
-                                     "--join_timeout_ms=30000",
-                                     "--collective_timeout_ms=60000",
-                                     "--log_level=info"};
-    const size_t i = workers_.size();
-    argv.push_back(absl::StrCat("--save_state=", StatePath(i)));
-    if (rank >= 0) argv.push_back(absl::StrCat("--rank=", rank));
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    workers_.push_back(std::make_unique<Process>(
-        argv, absl::StrCat(cluster_.dir(), "/", job, "-worker", i)));
-    return i;
+    std::vector<std::string> flags = {absl::StrCat("--steps=", kSteps),
+                                      absl::StrCat("--numel=", kNumel),
+                                      absl::StrCat("--tensors=", kTensors),
+                                      "--step_delay_ms=100",
+                                      absl::StrCat("--save_state=", StatePath(workers_.size()))};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    return StartWorker(job, rank, flags);
   }
 
   // Where worker i writes its parameters and state_dict() after its last step.
   std::string StatePath(size_t i) { return absl::StrCat(cluster_.dir(), "/state-worker", i); }
-
-  Trace TraceOf(size_t i) {
-    absl::StatusOr<Trace> t = ParseTrace(absl::StrCat("worker ", i), workers_[i]->out());
-    EXPECT_TRUE(t.ok()) << t.status();
-    return t.ok() ? *std::move(t) : Trace{};
-  }
-
-  bool WaitFor(absl::Duration timeout, const std::function<bool()>& done) {
-    const absl::Time deadline = absl::Now() + timeout;
-    while (absl::Now() < deadline) {
-      if (done()) return true;
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-    return false;
-  }
 
   // Once the survivors have averaged without the victim: a replacement, every worker to its
   // end, and every line of every worker against the reference. Returns the run's membership.
@@ -343,10 +316,6 @@ class ClientFeedbackElasticTest : public ::testing::Test {
     return gap;
   }
 
-  std::string Diagnostics() { return WorkersDiagnostics(cluster_, workers_, 2000); }
-
-  Cluster cluster_;
-  std::vector<std::unique_ptr<Process>> workers_;  // after cluster_: stopped before it
 };
 
 // Rank 3 sleeps before its call at step 10 (fragment 1's third sync: the survivors' residuals

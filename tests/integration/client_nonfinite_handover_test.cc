@@ -28,6 +28,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/client_job_harness.h"
+#include "tests/integration/elastic_workers_fixture.h"
 #include "tests/integration/trace_check.h"
 
 namespace modelavg::testing {
@@ -42,44 +43,20 @@ constexpr int kVictim = 3;
 constexpr int kBad = 2;
 constexpr absl::Duration kRunDeadline = absl::Seconds(90);
 
-class ClientNonFiniteHandOverTest : public ::testing::Test {
+class ClientNonFiniteHandOverTest : public ElasticWorkersTest {
  protected:
-  ClientNonFiniteHandOverTest() : cluster_("nonfinite-handover") {}
-  ~ClientNonFiniteHandOverTest() override { workers_.clear(); }
+  ClientNonFiniteHandOverTest() : ElasticWorkersTest("nonfinite-handover", kWorld) {}
 
   // Starts a worker (rank -1: a replacement, the coordinator picks its rank).
   size_t Start(const std::string& job, int rank, const std::vector<std::string>& extra = {}) {
-    std::vector<std::string> argv = {MODELAVG_TRACE_WORKER_BIN,
-                                     "--coordinator=" + cluster_.coordinator().address(),
-                                     "--job=" + job,
-                                     absl::StrCat("--world_size=", kWorld),
-                                     absl::StrCat("--steps=", kSteps),
-                                     "--numel=800",
-                                     absl::StrCat("--tensors=", kTensors),
-                                     "--step_delay_ms=100",
-                                     "--backend=gloo",
-                                     "--join_timeout_ms=30000",
-                                     "--collective_timeout_ms=60000"};
-    if (rank >= 0) argv.push_back(absl::StrCat("--rank=", rank));
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    const size_t i = workers_.size();
-    workers_.push_back(std::make_unique<Process>(
-        argv, absl::StrCat(cluster_.dir(), "/", job, "-worker", i)));
-    return i;
+    std::vector<std::string> flags = {absl::StrCat("--steps=", kSteps), "--numel=800",
+                                      absl::StrCat("--tensors=", kTensors),
+                                      "--step_delay_ms=100"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    return StartWorker(job, rank, flags);
   }
 
-  Trace TraceOf(size_t i) {
-    absl::StatusOr<Trace> t = ParseTrace(absl::StrCat("worker ", i), workers_[i]->out());
-    EXPECT_TRUE(t.ok()) << t.status();
-    return t.ok() ? *std::move(t) : Trace{};
-  }
-
-  bool WaitFor(const std::function<bool()>& done) { return WaitUntil(done, kRunDeadline); }
-
-  std::string Diagnostics() { return WorkersDiagnostics(cluster_, workers_, 1500); }
-
-  Cluster cluster_;
-  std::vector<std::unique_ptr<Process>> workers_;  // after cluster_: stopped before it
+  std::string Diagnostics() { return ElasticWorkersTest::Diagnostics(1500); }
 };
 
 TEST_F(ClientNonFiniteHandOverTest, DonorsNaN_NotAdopted_DonorRetired_ReplacementGetsTheOthers) {

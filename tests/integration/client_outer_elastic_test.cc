@@ -26,6 +26,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/client_job_harness.h"
+#include "tests/integration/elastic_workers_fixture.h"
 #include "tests/integration/outer_trace_check.h"
 #include "tests/reference/streaming_reference.h"
 #include "tests/integration/trace_check.h"
@@ -50,52 +51,17 @@ v1::JobSpec OuterElasticSpec(const std::string& id) {
   return spec;
 }
 
-class ClientOuterElasticTest : public ::testing::Test {
+class ClientOuterElasticTest : public ElasticWorkersTest {
  protected:
-  ClientOuterElasticTest() : cluster_("outer-elastic") {}
-  ~ClientOuterElasticTest() override { workers_.clear(); }
+  ClientOuterElasticTest() : ElasticWorkersTest("outer-elastic", kWorld) {}
 
   size_t Start(const std::string& job, int rank, int64_t steps, int64_t delay_ms, int64_t numel,
                const std::vector<std::string>& extra = {}) {
-    std::vector<std::string> argv = {MODELAVG_TRACE_WORKER_BIN,
-                                     "--coordinator=" + cluster_.coordinator().address(),
-                                     "--job=" + job,
-                                     absl::StrCat("--world_size=", kWorld),
-                                     absl::StrCat("--steps=", steps),
-                                     absl::StrCat("--numel=", numel),
-                                     absl::StrCat("--step_delay_ms=", delay_ms),
-                                     "--backend=gloo",
-                                     "--join_timeout_ms=30000",
-                                     "--collective_timeout_ms=60000",
-                                     "--log_level=info"};
-    if (rank >= 0) argv.push_back(absl::StrCat("--rank=", rank));
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    const size_t i = workers_.size();
-    workers_.push_back(std::make_unique<Process>(
-        argv, absl::StrCat(cluster_.dir(), "/", job, "-worker", i)));
-    return i;
-  }
-
-  Trace TraceOf(size_t i) {
-    absl::StatusOr<Trace> t = ParseTrace(absl::StrCat("worker ", i), workers_[i]->out());
-    EXPECT_TRUE(t.ok()) << t.status();
-    return t.ok() ? *std::move(t) : Trace{};
-  }
-
-  bool WaitFor(absl::Duration timeout, const std::function<bool()>& done) {
-    const absl::Time deadline = absl::Now() + timeout;
-    while (absl::Now() < deadline) {
-      if (done()) return true;
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-    return false;
-  }
-
-  bool WaitForStep(size_t i, int64_t step) {
-    return WaitFor(kRunDeadline, [&] {
-      Trace t = TraceOf(i);
-      return !t.lines.empty() && t.lines.back().step >= step;
-    });
+    std::vector<std::string> flags = {absl::StrCat("--steps=", steps),
+                                      absl::StrCat("--numel=", numel),
+                                      absl::StrCat("--step_delay_ms=", delay_ms)};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    return StartWorker(job, rank, flags);
   }
 
   // Kills rank `victim` once rank 0 has printed `at_step`, waits for the survivors to average
@@ -169,10 +135,6 @@ class ClientOuterElasticTest : public ::testing::Test {
                 static_cast<long long>(mine.lines.front().step));
   }
 
-  std::string Diagnostics() { return WorkersDiagnostics(cluster_, workers_, 2000); }
-
-  Cluster cluster_;
-  std::vector<std::unique_ptr<Process>> workers_;  // after cluster_: stopped before it
 };
 
 TEST_F(ClientOuterElasticTest, KilledBetweenOuterSteps_ReplacementReceivesOuterState) {
@@ -217,7 +179,7 @@ TEST_F(ClientOuterElasticTest, StreamingLevel_KilledAndReplaced_ReplacementRecei
     ASSERT_TRUE(cluster_.admin()->CreateJob(spec).ok());
     constexpr int64_t kSteps = 60;
     constexpr int kTensors = 8;
-    workers_.clear();
+    ClearWorkers();
     const std::vector<std::string> tensors = {absl::StrCat("--tensors=", kTensors)};
     std::vector<size_t> ids;
     for (int r = 0; r < kWorld; ++r) ids.push_back(Start(job, r, kSteps, 100, 800, tensors));

@@ -26,6 +26,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/client_job_harness.h"
+#include "tests/integration/elastic_workers_fixture.h"
 #include "tests/integration/outer_trace_check.h"
 #include "tests/integration/trace_check.h"
 #include "tests/integration/trace_job_fixture.h"
@@ -101,45 +102,20 @@ v1::JobSpec ElasticShardedSpec(const std::string& id) {
   return spec;
 }
 
-class ClientShardedElasticTest : public ::testing::Test {
+class ClientShardedElasticTest : public ElasticWorkersTest {
  protected:
-  ClientShardedElasticTest() : cluster_("sharded-elastic") {}
-  ~ClientShardedElasticTest() override { workers_.clear(); }
+  ClientShardedElasticTest() : ElasticWorkersTest("sharded-elastic", kWorld) {}
 
   // Starts a worker (rank -1: a replacement, the coordinator picks its rank).
   size_t Start(const std::string& job, int rank, int64_t steps,
                const std::vector<std::string>& extra = {}) {
-    std::vector<std::string> argv = {MODELAVG_TRACE_WORKER_BIN,
-                                     "--coordinator=" + cluster_.coordinator().address(),
-                                     "--job=" + job,
-                                     absl::StrCat("--world_size=", kWorld),
-                                     absl::StrCat("--steps=", steps),
-                                     "--numel=256",
-                                     "--step_delay_ms=40",
-                                     "--backend=gloo",
-                                     "--join_timeout_ms=30000",
-                                     "--collective_timeout_ms=60000",
-                                     "--log_level=info"};
-    if (rank >= 0) argv.push_back(absl::StrCat("--rank=", rank));
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    const size_t i = workers_.size();
-    workers_.push_back(std::make_unique<Process>(
-        argv, absl::StrCat(cluster_.dir(), "/", job, "-worker", i)));
-    return i;
+    std::vector<std::string> flags = {absl::StrCat("--steps=", steps), "--numel=256",
+                                      "--step_delay_ms=40"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    return StartWorker(job, rank, flags);
   }
 
-  Trace TraceOf(size_t i) {
-    absl::StatusOr<Trace> t = ParseTrace(absl::StrCat("worker ", i), workers_[i]->out());
-    EXPECT_TRUE(t.ok()) << t.status();
-    return t.ok() ? *std::move(t) : Trace{};
-  }
-
-  bool WaitFor(const std::function<bool()>& done) { return WaitUntil(done, kRunDeadline); }
-
-  std::string Diagnostics() { return WorkersDiagnostics(cluster_, workers_, 1500); }
-
-  Cluster cluster_;
-  std::vector<std::unique_ptr<Process>> workers_;  // after cluster_: stopped before it
+  std::string Diagnostics() { return ElasticWorkersTest::Diagnostics(1500); }
 };
 
 TEST_F(ClientShardedElasticTest, RankKilled_MateEndsClearly_SurvivorsExact_ReplicaReplacedWhole) {
