@@ -56,7 +56,7 @@ REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "tests", "cluster"))
 import corpus  # noqa: E402
-import model_args  # noqa: E402
+import drivers  # noqa: E402
 import modes  # noqa: E402
 import netcluster as nc  # noqa: E402
 
@@ -77,7 +77,7 @@ def parse_args():
     p.add_argument("--floor_steps", type=int, default=128,
                    help="steps the `none` mode runs (it measures seconds per step)")
     p.add_argument("--eval_every", type=int, default=32)
-    model_args.add(p)
+    drivers.add_model_args(p)
     p.add_argument("--diloco_period", type=int, default=128,
                    help="the diloco mode's cross-site period (its outer step)")
     p.add_argument("--diloco_site_period", type=int, default=2,
@@ -151,7 +151,7 @@ def run_mode(args, cluster, mode, tmp, corpus_path, seed=1):
                 f"--seed={seed}",
                 f"--stop_file={stop_file}", f"--max_steps={steps}",
                 f"--eval_every={args.eval_every}", f"--target_loss={args.target_loss}",
-                *model_args.worker_flags(args),
+                *drivers.worker_flags(args),
                 f"--stop_period={stop_period}", f"--outer_lr={args.outer_lr}",
                 f"--diloco_period={args.diloco_period}",
                 f"--diloco_site_period={args.diloco_site_period}",
@@ -160,15 +160,8 @@ def run_mode(args, cluster, mode, tmp, corpus_path, seed=1):
         err = open(os.path.join(tmp, f"{tag}.{rank}.err"), "w")
         procs.append(cluster.popen(host, argv, stdout=err, stderr=subprocess.STDOUT, env=env))
     deadline = time.monotonic() + args.timeout_s
-    failed = []
-    for rank, proc in enumerate(procs):
-        try:
-            rc = proc.wait(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = "timeout"
-        if rc != 0:
-            failed.append((rank, rc, open(os.path.join(tmp, f"{tag}.{rank}.err")).read()[-3000:]))
+    failed = drivers.wait_workers(procs, deadline,
+                                  lambda rank: os.path.join(tmp, f"{tag}.{rank}.err"))
     wall = time.monotonic() - started
     link_bytes = cluster.site_bytes("b") - before
     if coordinator is not None:

@@ -51,7 +51,7 @@ REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "lm"))
 sys.path.insert(0, os.path.join(REPO, "tests", "cluster"))
 import corpus  # noqa: E402
-import model_args  # noqa: E402
+import drivers  # noqa: E402
 import netcluster as nc  # noqa: E402
 
 WORKERS = [("w0", "a"), ("w1", "a"), ("w2", "b"), ("w3", "b")]
@@ -80,7 +80,7 @@ def parse_args():
     p.add_argument("--diloco_period", type=int, default=128)
     p.add_argument("--outer_lr", type=float, default=0.7)
     p.add_argument("--outer_momentum", type=float, default=0.9)
-    model_args.add(p)  # bench/lm's
+    drivers.add_model_args(p)  # bench/lm's
     p.add_argument("--lighthouse_join_timeout_ms", type=int, default=10000,
                    help="how long the Lighthouse waits for a heartbeating replica that has not "
                         "asked for the quorum (torchft's README uses 10000)")
@@ -153,7 +153,7 @@ def worker_argv(args, cluster, mode, rank, seed, tmp, tag, address, steps, targe
             f"--out={os.path.join(tmp, f'{files}.{rank}.jsonl')}", f"--seed={seed}",
             f"--stop_file={os.path.join(tmp, f'{files}.stop')}", f"--max_steps={steps}",
             f"--eval_every={args.eval_every}", f"--target_loss={target}",
-            *model_args.worker_flags(args), f"--stop_period={args.diloco_period}",
+            *drivers.worker_flags(args), f"--stop_period={args.diloco_period}",
             f"--outer_lr={args.outer_lr}", f"--outer_momentum={args.outer_momentum}",
             f"--diloco_period={args.diloco_period}"]
 
@@ -192,17 +192,9 @@ def run_once(args, cluster, mode, seed, tmp, recovery=False):
     figures = {}
     if recovery:
         figures = kill_and_restart(args, cluster, mode, seed, tmp, tag, address, procs, deadline)
-    failed = []
-    for rank, proc in enumerate(procs):
-        if recovery and rank == KILLED:
-            continue
-        try:
-            rc = proc.wait(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = "timeout"
-        if rc != 0:
-            failed.append((rank, rc, open(os.path.join(tmp, f"{tag}.{rank}.err")).read()[-3000:]))
+    failed = drivers.wait_workers(procs, deadline,
+                                  lambda rank: os.path.join(tmp, f"{tag}.{rank}.err"),
+                                  skip=(KILLED,) if recovery else ())
     if recovery:  # the replacement runs behind the survivors: give it time to contribute
         figures.update(recovery_figures(tmp, tag, figures["kill_t"], wait_s=60))
         replacement = figures.pop("proc")
