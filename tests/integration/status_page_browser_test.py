@@ -89,7 +89,12 @@ def start_chromium(group, chromium, url, profile):
     log_path = os.path.join(os.path.dirname(profile), "chromium.log")
     log = open(log_path, "w")
     # Chromium keeps org.chromium.Chromium.* folders in TMPDIR: the test's own, removed after.
-    env = dict(os.environ, TMPDIR=os.path.dirname(profile))
+    # Its singleton socket is one of them, and a Unix socket's path has at most 107 bytes: under
+    # a long TMPDIR it gets a short folder of its own in /tmp (also removed after).
+    tmp = os.path.dirname(profile)
+    if len(tmp) > 50:
+        tmp = group.temp_dir("modelavg-browser-tmp-", parent="/tmp")
+    env = dict(os.environ, TMPDIR=tmp)
     proc = group.start(argv, "chromium", stdout=subprocess.DEVNULL, stderr=log, env=env)
     # "DevTools listening on ws://127.0.0.1:PORT/devtools/browser/..." on stderr.
     deadline = time.monotonic() + 60

@@ -60,9 +60,9 @@ class ProcessGroup:
         self.procs.append(proc)
         return proc
 
-    def temp_dir(self, prefix):
-        """A fresh temporary folder, removed by close()."""
-        path = tempfile.mkdtemp(prefix=prefix)
+    def temp_dir(self, prefix, parent=None):
+        """A fresh temporary folder (in `parent`, else TMPDIR), removed by close()."""
+        path = tempfile.mkdtemp(prefix=prefix, dir=parent)
         self.dirs.append(path)
         return path
 
