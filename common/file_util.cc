@@ -35,4 +35,6 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   return token;
 }
 
+std::string ErrnoText() { return std::strerror(errno); }
+
 }  // namespace modelavg

@@ -1,4 +1,5 @@
-// Reading small files named on command lines and in options: jobs files, TLS material, tokens.
+// Reading small files named on command lines and in options: jobs files, TLS material, tokens;
+// what a failed system call said.
 #ifndef MODELAVG_COMMON_FILE_UTIL_H_
 #define MODELAVG_COMMON_FILE_UTIL_H_
 
@@ -14,6 +15,10 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path);
 // A bearer token kept in a file: its contents without surrounding whitespace. NOT_FOUND as
 // ReadFileToString; INVALID_ARGUMENT if the file holds no token.
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
+
+// strerror(errno): what the last failed system call said, for an error message (read errno
+// before anything else can change it).
+std::string ErrnoText();
 
 }  // namespace modelavg
 

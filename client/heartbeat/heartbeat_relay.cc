@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/file_util.h"
 #include "common/heartbeat_keepalive.h"
 #include "spdlog/spdlog.h"
 
@@ -34,8 +35,6 @@ grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
-std::string Errno() { return std::strerror(errno); }
-
 }  // namespace
 
 absl::StatusOr<RelayPaths> RelayPathsFor(const std::string& dir, const std::string& key) {
@@ -46,11 +45,11 @@ absl::StatusOr<RelayPaths> RelayPathsFor(const std::string& dir, const std::stri
   }
   if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
     return absl::InvalidArgumentError(absl::StrCat("heartbeat_relay_dir ", dir,
-                                                   ": cannot create it: ", Errno()));
+                                                   ": cannot create it: ", ErrnoText()));
   }
   struct stat st;
   if (::stat(dir.c_str(), &st) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("heartbeat_relay_dir ", dir, ": ", Errno()));
+    return absl::InvalidArgumentError(absl::StrCat("heartbeat_relay_dir ", dir, ": ", ErrnoText()));
   }
   if (!S_ISDIR(st.st_mode)) {
     return absl::InvalidArgumentError(
@@ -86,7 +85,7 @@ absl::StatusOr<int> TryRelayLock(const RelayPaths& paths) {
   const int fd = ::open(paths.lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   if (fd < 0) {
     return absl::UnavailableError(
-        absl::StrCat("cannot open the heartbeat relay's lock ", paths.lock, ": ", Errno()));
+        absl::StrCat("cannot open the heartbeat relay's lock ", paths.lock, ": ", ErrnoText()));
   }
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
@@ -94,12 +93,12 @@ absl::StatusOr<int> TryRelayLock(const RelayPaths& paths) {
     if (err == EWOULDBLOCK) return -1;
     errno = err;
     return absl::UnavailableError(
-        absl::StrCat("cannot lock the heartbeat relay's lock ", paths.lock, ": ", Errno()));
+        absl::StrCat("cannot lock the heartbeat relay's lock ", paths.lock, ": ", ErrnoText()));
   }
   // Who serves, for operators and tests.
   const std::string pid = absl::StrCat(::getpid(), "\n");
   if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) < 0) {
-    spdlog::debug("heartbeat relay: cannot write the pid into {}: {}", paths.lock, Errno());
+    spdlog::debug("heartbeat relay: cannot write the pid into {}: {}", paths.lock, ErrnoText());
   }
   return fd;
 }

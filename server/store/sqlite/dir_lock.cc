@@ -12,11 +12,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/file_util.h"
 
 namespace modelavg::server {
 namespace {
-
-std::string Errno() { return std::strerror(errno); }
 
 std::string HostName() {
   char host[256] = {};
@@ -33,11 +32,11 @@ absl::StatusOr<std::unique_ptr<DirLock>> DirLock::Acquire(const std::string& dir
     const int err = errno;
     return absl::Status(err == EACCES ? absl::StatusCode::kPermissionDenied
                                       : absl::StatusCode::kInternal,
-                        absl::StrCat("cannot open the state directory ", dir, ": ", Errno()));
+                        absl::StrCat("cannot open the state directory ", dir, ": ", ErrnoText()));
   }
   struct stat st;
   if (fstat(dir_fd, &st) != 0) {
-    const std::string why = Errno();
+    const std::string why = ErrnoText();
     close(dir_fd);
     return absl::InternalError(absl::StrCat("cannot stat the state directory ", dir, ": ", why));
   }
@@ -47,7 +46,7 @@ absl::StatusOr<std::unique_ptr<DirLock>> DirLock::Acquire(const std::string& dir
     close(dir_fd);
     return absl::Status(err == EACCES ? absl::StatusCode::kPermissionDenied
                                       : absl::StatusCode::kInternal,
-                        absl::StrCat("cannot open the lock file ", path, ": ", Errno()));
+                        absl::StrCat("cannot open the lock file ", path, ": ", ErrnoText()));
   }
   // The directory first: it cannot be deleted from under the lock while it is in use, as the
   // file can. Then the file, which older coordinators lock.

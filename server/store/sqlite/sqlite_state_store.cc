@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/file_util.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::server {
@@ -69,8 +70,6 @@ CREATE TABLE plans(                -- the plans UpdateJob accepted (version 0 is
 ) WITHOUT ROWID;
 )sql";
 
-std::string Errno() { return std::strerror(errno); }
-
 // What to tell an operator whose state file cannot be used.
 std::string DamagedAdvice(const std::string& path) {
   return absl::StrCat("; the coordinator will not start on it (that would forget every job). "
@@ -86,10 +85,10 @@ bool FileExists(const std::string& path) {
 
 absl::Status SyncDir(const std::string& dir) {
   const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return absl::InternalError(absl::StrCat("cannot open ", dir, ": ", Errno()));
+  if (fd < 0) return absl::InternalError(absl::StrCat("cannot open ", dir, ": ", ErrnoText()));
   const int rc = fsync(fd);
   close(fd);
-  if (rc != 0) return absl::InternalError(absl::StrCat("cannot fsync ", dir, ": ", Errno()));
+  if (rc != 0) return absl::InternalError(absl::StrCat("cannot fsync ", dir, ": ", ErrnoText()));
   return absl::OkStatus();
 }
 
@@ -98,7 +97,7 @@ absl::Status MakePrivateDir(const std::string& dir) {
   if (errno != EEXIST) {
     return absl::Status(errno == EACCES ? absl::StatusCode::kPermissionDenied
                                         : absl::StatusCode::kInternal,
-                        absl::StrCat("cannot create the state directory ", dir, ": ", Errno()));
+                        absl::StrCat("cannot create the state directory ", dir, ": ", ErrnoText()));
   }
   struct stat st;
   if (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
@@ -152,7 +151,7 @@ absl::Status CreateStateFile(const std::string& dir, const std::string& path) {
   }
   const int fd = open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) {
-    return absl::InternalError(absl::StrCat("cannot create ", tmp, ": ", Errno()));
+    return absl::InternalError(absl::StrCat("cannot create ", tmp, ": ", ErrnoText()));
   }
   close(fd);
   sqlite3* db = nullptr;
@@ -176,12 +175,12 @@ absl::Status CreateStateFile(const std::string& dir, const std::string& path) {
   if (s.ok()) {
     const int sync_fd = open(tmp.c_str(), O_RDONLY | O_CLOEXEC);
     if (sync_fd < 0 || fsync(sync_fd) != 0) {
-      s = absl::InternalError(absl::StrCat("cannot fsync ", tmp, ": ", Errno()));
+      s = absl::InternalError(absl::StrCat("cannot fsync ", tmp, ": ", ErrnoText()));
     }
     if (sync_fd >= 0) close(sync_fd);
   }
   if (s.ok() && rename(tmp.c_str(), path.c_str()) != 0) {
-    s = absl::InternalError(absl::StrCat("cannot rename ", tmp, " to ", path, ": ", Errno()));
+    s = absl::InternalError(absl::StrCat("cannot rename ", tmp, " to ", path, ": ", ErrnoText()));
   }
   if (s.ok()) s = SyncDir(dir);
   if (!s.ok()) unlink(tmp.c_str());
@@ -341,7 +340,8 @@ absl::StatusOr<std::unique_ptr<SqliteStateStore>> SqliteStateStore::Open(const s
   }
   if (stat(path.c_str(), &st) != 0) {
     sqlite3_close(db);
-    return absl::InternalError(absl::StrCat("cannot stat the state file ", path, ": ", Errno()));
+    return absl::InternalError(
+        absl::StrCat("cannot stat the state file ", path, ": ", ErrnoText()));
   }
   std::unique_ptr<SqliteStateStore> store(
       new SqliteStateStore(path, *std::move(lock), db, st.st_dev, st.st_ino));
