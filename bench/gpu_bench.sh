@@ -67,7 +67,7 @@ else
   gpu_test=$build/tests/gpu/client_nccl_gpu_test
   multirank_test=$build/tests/gpu/nccl_multirank_gpu_test
   coordinator=$build/server/modelavg-coordinator
-  trace_worker=$build/tests/tools/modelavg-trace-worker
+  trace_worker=$build/tools/modelavg-trace-worker
   bench=$build/bench/modelavg-bench-gpu
 fi
 for p in "$gpu_test" "$multirank_test" "$coordinator" "$trace_worker" "$bench"; do

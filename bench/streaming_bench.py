@@ -105,7 +105,7 @@ def run(args, build, name, fragments, delay, payload, tmp, net):
         time.sleep(0.5)
         site_before = net.site_bytes()
         workers = [net.popen(net.worker_host(r),
-            [os.path.join(build, "tests", "tools", "modelavg-trace-worker"),
+            [os.path.join(build, "tools", "modelavg-trace-worker"),
              f"--coordinator={address}", f"--job={name}", f"--rank={r}",
              f"--world_size={args.world}", f"--steps={args.steps}", f"--numel={args.numel}",
              f"--tensors={args.tensors}", f"--step_delay_ms={args.compute_ms}", "--unix_ms",

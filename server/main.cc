@@ -21,6 +21,7 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
@@ -182,9 +183,13 @@ int main(int argc, char** argv) {
       "[--tls_cert=F --tls_key=F [--tls_client_ca=F]] [--auth_token_file=F "
       "[--worker_token_file=F]] [--log_level=info]");
   // --help lists the flags of this file. (Abseil's default lists those defined in a file named
-  // like the program, modelavg-coordinator.cc, so --help would list none.)
+  // like the program, modelavg-coordinator.cc, so --help would list none.) Matched by the end of
+  // the path: the name Abseil keeps is __FILE__ normalized (no leading "/" or "./"), and __FILE__
+  // is absolute or relative as the build passed it.
   absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) { return file == __FILE__; };
+  usage.contains_help_flags = [](absl::string_view file) {
+    return file == "main.cc" || absl::EndsWith(file, "/main.cc");
+  };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);

@@ -156,7 +156,7 @@ class Run:
         os.makedirs(self.dir, exist_ok=True)
         self.bin = {name: os.path.join(args.build_dir, path) for name, path in (
             ("coordinator", "server/modelavg-coordinator"),
-            ("trace_worker", "tests/tools/modelavg-trace-worker"),
+            ("trace_worker", "tools/modelavg-trace-worker"),
             ("rpc", "tools/modelavg-rpc"), ("health", "tools/modelavg-health"))}
         for name, path in self.bin.items():
             if not os.access(path, os.X_OK):
