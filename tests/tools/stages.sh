@@ -35,18 +35,16 @@ stage_end() {
 # failed: a regression shows in the submission that causes it.
 stage_budget() {
   case "$1" in
-    packages) echo 300 ;;
-    container-setup) echo 180 ;;
-    build) echo 600 ;;
-    ctest) echo 600 ;;
-    install-check) echo 90 ;;
-    figures) echo 60 ;;
+    packages) echo 180 ;;
+    build) echo 450 ;;
+    container-setup) echo 30 ;;
+    ctest) echo 750 ;;
+    install-check) echo 60 ;;
     sanitize-wait) echo 300 ;;
-    sanitize-build) echo 240 ;;
-    sanitize-tests) echo 120 ;;
-    fuzz) echo 100 ;;
-    tsan-build) echo 150 ;;
-    tsan-tests) echo 100 ;;
+    figures) echo 180 ;;
+    sanitize-tests) echo 90 ;;
+    fuzz) echo 90 ;;
+    tsan-tests) echo 240 ;;
     *) echo 0 ;;
   esac
 }
