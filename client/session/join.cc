@@ -78,7 +78,9 @@ absl::StatusOr<v1::JoinResponse> JoinWithRetry(CoordinatorClient& coordinator,
           " (is it running, and is ClientOptions.coordinator its host:port?): ", s.message()));
     }
     if (clock.Now() >= next_warning) {
-      spdlog::warn("coordinator {} unreachable ({}); retrying until the join timeout",
+      // UNAVAILABLE: the coordinator unreachable, or its answer to retry (a full job whose
+      // member's stream just broke, a pace not measured yet, a recovery in progress).
+      spdlog::warn("joining job {} at {}: {}; retrying until the join timeout", options.job_id,
                    options.coordinator, std::string(s.message()));
       next_warning = clock.Now() + absl::Seconds(5);
     }

@@ -282,6 +282,7 @@ absl::StatusOr<Membership::Vacancy> Membership::FindVacancy(const Joiner& joiner
       if (!InRound(members_[r])) rank = r;
     }
     if (rank < 0) {
+      if (absl::Status s = FullButABrokenStream(job_id); !s.ok()) return s;
       return absl::FailedPreconditionError(absl::StrCat(
           "job ", job_id, " is full: an elastic job RUNNING in generation ", generation_,
           " with all ", world, " ranks alive; a replacement is admitted only into a vacant rank "
@@ -289,6 +290,19 @@ absl::StatusOr<Membership::Vacancy> Membership::FindVacancy(const Joiner& joiner
     }
   }
   return Vacancy{rank, replaced};
+}
+
+absl::Status Membership::FullButABrokenStream(const std::string& job_id) const {
+  for (int32_t r = 0; r < world_size(); ++r) {
+    const LiveMember& m = members_[r];
+    if (!InRound(m) || m.stream_lost_at == absl::InfiniteFuture()) continue;
+    return absl::UnavailableError(absl::StrCat(
+        "job ", job_id, " is full, but rank ", r, "'s heartbeat stream broke (worker \"",
+        m.worker_id, "\"): it is declared dead unless it beats again within half the job's "
+        "heartbeat timeout, and its rank is then vacant; retry in a second (the modelavg "
+        "client retries by itself until its join timeout)"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Membership::AdmissionStep> Membership::ChooseAdmissionStep(
@@ -331,8 +345,8 @@ absl::StatusOr<Membership::AdmissionStep> Membership::ChooseAdmissionStep(
         "from it: retry in a second (the modelavg client retries by itself)"));
   }
   int64_t margin = kMinAdmissionMargin;
-  if (steps_per_second_ > 0) {
-    const double notice = std::ceil(steps_per_second_ * absl::ToDoubleSeconds(kAdmissionNotice));
+  if (const double pace = admission_pace(); pace > 0) {
+    const double notice = std::ceil(pace * absl::ToDoubleSeconds(kAdmissionNotice));
     margin = static_cast<int64_t>(
         std::min(notice + kMinAdmissionMargin, static_cast<double>(kMaxAdmissionMargin)));
   }
@@ -444,6 +458,7 @@ absl::StatusOr<int32_t> Membership::FindReplicaVacancy(const Joiner& joiner,
       if (!Waiting(r)) return r;
     }
   }
+  if (absl::Status s = FullButABrokenStream(job_id); !s.ok()) return s;
   return absl::FailedPreconditionError(absl::StrCat(
       "job ", job_id, " is full: an elastic job RUNNING in generation ", generation_,
       " with every replica alive or already being replaced; a replacement replica is "
@@ -768,6 +783,10 @@ void Membership::NoteProgress(int64_t step, absl::Time now) {
   if (elapsed < kRateSampleInterval) return;
   steps_per_second_ =
       static_cast<double>(progress_max_ - rate_sample_step_) / absl::ToDoubleSeconds(elapsed);
+  while (!pace_samples_.empty() && now - pace_samples_.front().first > kPaceMemory) {
+    pace_samples_.pop_front();
+  }
+  pace_samples_.emplace_back(now, steps_per_second_);
   pace_unknown_since_restore_ = false;
   rate_sample_time_ = now;
   rate_sample_step_ = progress_max_;
@@ -778,6 +797,13 @@ void Membership::ResetProgress() {
   rate_sample_time_ = absl::InfinitePast();
   rate_sample_step_ = -1;
   steps_per_second_ = -1;
+  pace_samples_.clear();
+}
+
+double Membership::admission_pace() const {
+  double pace = steps_per_second_;
+  for (const auto& [when, rate] : pace_samples_) pace = std::max(pace, rate);
+  return pace;
 }
 
 void Membership::RecordStep(int32_t rank, int64_t step, absl::Time now) {
@@ -902,6 +928,7 @@ void Membership::Begin() {
   tx_ = Transaction{state_,           generation_,       round_size_,       last_change_,
                     progress_max_,    rate_sample_time_, rate_sample_step_, steps_per_second_};
   tx_->waiting = waiting_;
+  tx_->pace_samples = pace_samples_;
 }
 
 void Membership::Rollback() {
@@ -914,6 +941,7 @@ void Membership::Rollback() {
   rate_sample_time_ = tx.rate_sample_time;
   rate_sample_step_ = tx.rate_sample_step;
   steps_per_second_ = tx.steps_per_second;
+  pace_samples_ = std::move(tx.pace_samples);
   for (auto& [rank, m] : tx.members) {
     const std::string old_worker_id = members_[rank].worker_id;
     members_[rank] = std::move(m);

@@ -353,6 +353,52 @@ TEST(ElasticAdmissionTest, MarginAddsOneSecondOfProgress_Capped) {
   EXPECT_EQ(j->change.admission_step, 10'000'000 + kMaxAdmissionMargin);
 }
 
+// Members held in a round by a silent peer report no progress; once the peer is declared dead
+// they run on at their old pace, so the margin keeps the fastest second of the last kPaceMemory
+// (an admission planned from the stalled second alone, 2 steps ahead, was passed by a member
+// before it heard of it).
+TEST(ElasticAdmissionTest, MembersStalledOnASilentPeer_MarginKeepsTheirPaceFromBefore) {
+  Membership m(4, 2);
+  JoinAllReporting(m, 0);
+  for (int32_t r = 0; r < 4; ++r) m.Heartbeat(r, 1, 100, kT0 + absl::Milliseconds(500));
+  for (int32_t r = 0; r < 4; ++r) m.Heartbeat(r, 1, 300, kT0 + absl::Milliseconds(1500));
+  ASSERT_DOUBLE_EQ(m.steps_per_second(), 200);
+  // Rank 3 falls silent; the others wait in its round at step 300 for 5 s.
+  for (int s = 1; s <= 5; ++s) {
+    for (int32_t r = 0; r < 3; ++r) {
+      m.Heartbeat(r, 1, 300, kT0 + absl::Milliseconds(1500) + absl::Seconds(s));
+    }
+  }
+  EXPECT_DOUBLE_EQ(m.steps_per_second(), 0);
+  EXPECT_DOUBLE_EQ(m.admission_pace(), 200);
+  const absl::Time dead = kT0 + absl::Milliseconds(6600);
+  ASSERT_TRUE(m.Die({3}, "rank 3 heartbeat timeout", dead).ok());
+  absl::StatusOr<Membership::JoinResult> j = m.Join("new", "h", std::nullopt, dead, "j");
+  ASSERT_TRUE(j.ok()) << j.status();
+  EXPECT_EQ(j->change.admission_margin, 202);
+  EXPECT_EQ(j->change.admission_step, 502);
+}
+
+TEST(ElasticAdmissionTest, PaceOlderThanItsMemory_Forgotten) {
+  Membership m(4, 2);
+  JoinAllReporting(m, 0);
+  for (int32_t r = 0; r < 4; ++r) m.Heartbeat(r, 1, 100, kT0 + absl::Milliseconds(500));
+  for (int32_t r = 0; r < 4; ++r) m.Heartbeat(r, 1, 300, kT0 + absl::Milliseconds(1500));
+  // Then 10 steps a second, a sample each second, for longer than kPaceMemory.
+  const int seconds = static_cast<int>(absl::ToInt64Seconds(kPaceMemory)) + 2;
+  for (int s = 1; s <= seconds; ++s) {
+    for (int32_t r = 0; r < 4; ++r) {
+      m.Heartbeat(r, 1, 300 + 10 * s, kT0 + absl::Milliseconds(1500) + absl::Seconds(s));
+    }
+  }
+  EXPECT_DOUBLE_EQ(m.admission_pace(), 10);
+  const absl::Time dead = kT0 + absl::Milliseconds(1600) + absl::Seconds(seconds);
+  ASSERT_TRUE(m.Die({3}, "rank 3 heartbeat timeout", dead).ok());
+  absl::StatusOr<Membership::JoinResult> j = m.Join("new", "h", std::nullopt, dead, "j");
+  ASSERT_TRUE(j.ok()) << j.status();
+  EXPECT_EQ(j->change.admission_margin, 12);
+}
+
 TEST(ElasticAdmissionTest, ReportedStepNearInt64Max_FailedPreconditionNoOverflow) {
   Membership m(2, 1);
   JoinAllReporting(m, std::numeric_limits<int64_t>::max() - 1);
@@ -859,6 +905,35 @@ TEST_F(ElasticJobTest, Replacement_WholeBlockDead_AdmittedAtAWorldStep) {
   // A job with every rank alive is full.
   absl::StatusOr<v1::JoinResponse> full = JoinAs(*job, "one-more");
   EXPECT_EQ(full.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// A worker killed and restarted at once reaches the coordinator before its old self is declared
+// dead: while the old member's stream is broken the Join is UNAVAILABLE (retried by the client),
+// not "full"; once it is dead the rank admits the replacement.
+TEST(ElasticAdmissionTest, FullWhileAMembersStreamIsBroken_UnavailableThenAdmitted) {
+  Membership m(4, 2);
+  JoinAllReporting(m, 10);
+  const int64_t generation = m.generation();
+  absl::StatusOr<Membership::JoinResult> j = m.Join("new", "h", std::nullopt, kT0, "j");
+  ASSERT_FALSE(j.ok());
+  EXPECT_EQ(j.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(j.status().message(), HasSubstr("is full"));
+  m.StreamLost(2, kT0 + absl::Milliseconds(100));
+  j = m.Join("new", "h", std::nullopt, kT0 + absl::Milliseconds(200), "j");
+  ASSERT_FALSE(j.ok());
+  EXPECT_EQ(j.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(j.status().message(), HasSubstr("rank 2's heartbeat stream broke"));
+  EXPECT_EQ(m.generation(), generation);
+  // It beats again: full once more.
+  m.Heartbeat(2, generation, 11, kT0 + absl::Milliseconds(300));
+  j = m.Join("new", "h", std::nullopt, kT0 + absl::Milliseconds(400), "j");
+  EXPECT_EQ(j.status().code(), absl::StatusCode::kFailedPrecondition);
+  // Broken again and declared dead: the replacement takes rank 2.
+  m.StreamLost(2, kT0 + absl::Milliseconds(500));
+  ASSERT_TRUE(m.Die({2}, "rank 2 connection lost", kT0 + absl::Seconds(2)).ok());
+  j = m.Join("new", "h", std::nullopt, kT0 + absl::Seconds(2), "j");
+  ASSERT_TRUE(j.ok()) << j.status();
+  EXPECT_EQ(j->rank, 2);
 }
 
 TEST_F(ElasticJobTest, Restart_KeepsAdmissionsAndDecisions) {
