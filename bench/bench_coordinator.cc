@@ -3,7 +3,9 @@
 //   modelavg-bench-coordinator --workers=N --seconds=S [--coordinator=HOST:PORT]
 //
 // Starts a coordinator (in a child process of its own, so that its CPU time is measured apart
-// from the load generator's) unless --coordinator names one. N workers join one job, then:
+// from the load generator's) unless --coordinator names one. N workers join one job (or
+// --jobs=K jobs of N/K ranks each: a world past one job's world_size bound on one coordinator),
+// then:
 //   1. --heartbeat_seconds of heartbeats only (10 Hz per worker): the coordinator's idle cost
 //      (unary calls, or one HeartbeatStream per worker answered only with news: --heartbeat);
 //   2. --seconds of heartbeats plus Step RPCs as fast as the server answers (each worker keeps
@@ -53,6 +55,9 @@
 #include "server/coordinator_server.h"
 
 ABSL_FLAG(int, workers, 64, "Simulated workers (the job's world size).");
+ABSL_FLAG(int, jobs, 1,
+          "Jobs the workers are split into, evenly (--workers a multiple of it): the ranks of "
+          "one coordinator past one job's world_size bound (65536).");
 ABSL_FLAG(double, seconds, 5, "Length of the Step load phase.");
 ABSL_FLAG(double, heartbeat_seconds, 2, "Length of the heartbeat-only phase before it.");
 // --coordinator (or $MODELAVG_COORDINATOR): a running coordinator, reached with the connection
@@ -177,7 +182,11 @@ class HeartbeatStreamClient;
 struct Worker {
   Stub* stub = nullptr;
   HeartbeatStreamClient* stream = nullptr;
+  // The worker's job (one of Load's) and its index over all jobs' workers.
+  const std::string* job_id = nullptr;
   int index = 0;
+  // Its rank asked for in the job (index within the job).
+  int job_rank = 0;
   int32_t rank = -1;
   int64_t generation = 0;
   // The membership's credential (JoinResponse.credential), sent with every beat and Step.
@@ -304,7 +313,7 @@ class HostStreamClient final
     Begin();
   }
   // Called from one thread only (the heartbeat thread).
-  void Beat(const std::string& job_id) {
+  void Beat() {
     if (busy_.exchange(true)) {
       skipped_.fetch_add(static_cast<int64_t>(workers_.size()), std::memory_order_relaxed);
       return;
@@ -312,7 +321,7 @@ class HostStreamClient final
     request_.clear_beats();
     for (const Worker* w : workers_) {
       v1::HeartbeatRequest* b = request_.add_beats();
-      b->set_job_id(job_id);
+      b->set_job_id(*w->job_id);
       b->set_rank(w->rank);
       b->set_generation(w->generation);
       b->set_step(w->step.load());
@@ -346,12 +355,17 @@ class HostStreamClient final
 class Load {
  public:
   Stub* stub() { return stubs_[0].get(); }
-  Load(std::vector<std::unique_ptr<Stub>> stubs, std::string job_id, int workers)
-      : stubs_(std::move(stubs)), job_id_(std::move(job_id)), workers_(workers) {
+  // `workers` split evenly over `job_ids` (workers % job_ids.size() == 0): worker i is rank
+  // i % (workers / jobs) of job i / (workers / jobs).
+  Load(std::vector<std::unique_ptr<Stub>> stubs, std::vector<std::string> job_ids, int workers)
+      : stubs_(std::move(stubs)), job_ids_(std::move(job_ids)), workers_(workers) {
     // (std::vector<Worker>(n): Worker holds atomics, so it is built in place.)
+    const int per_job = workers / static_cast<int>(job_ids_.size());
     for (int i = 0; i < workers; ++i) {
       workers_[i].stub = stubs_[i % stubs_.size()].get();
       workers_[i].index = i;
+      workers_[i].job_id = &job_ids_[i / per_job];
+      workers_[i].job_rank = i % per_job;
     }
   }
 
@@ -368,9 +382,9 @@ class Load {
     for (Worker& w : workers_) {
       auto* call = new Call;
       call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
-      call->request.set_job_id(job_id_);
-      call->request.set_worker_id(absl::StrCat("bench-", w.index));
-      if (absl::GetFlag(FLAGS_join_with_rank)) call->request.set_rank(w.index);
+      call->request.set_job_id(*w.job_id);
+      call->request.set_worker_id(absl::StrCat("bench-", w.job_rank));
+      if (absl::GetFlag(FLAGS_join_with_rank)) call->request.set_rank(w.job_rank);
       call->request.set_subgroup_ranks_from_spec(absl::GetFlag(FLAGS_subgroup_ranks_from_spec));
       w.stub->async()->Join(&call->ctx, &call->request, &call->response,
                             [&, call, worker = &w](grpc::Status s) {
@@ -427,7 +441,7 @@ class Load {
           if (hosts_.empty()) {
             Heartbeat(&workers_[next]);
           } else {
-            hosts_[next]->Beat(job_id_);
+            hosts_[next]->Beat();
           }
           next = (next + 1) % units;
         }
@@ -503,7 +517,7 @@ class Load {
     inflight_.fetch_add(1);
     auto* call = new StepCall;
     call->worker = w;
-    call->request.set_job_id(job_id_);
+    call->request.set_job_id(*w->job_id);
     call->request.set_rank(w->rank);
     call->request.set_generation(w->generation);
     call->request.set_step(w->step.load());
@@ -555,7 +569,7 @@ class Load {
 
   void Heartbeat(Worker* w) {
     if (w->stream != nullptr) {
-      w->stream->Beat(job_id_, w->rank, w->generation, w->step.load(), w->credential);
+      w->stream->Beat(*w->job_id, w->rank, w->generation, w->step.load(), w->credential);
       return;
     }
     if (w->heartbeat_busy.exchange(true)) {
@@ -564,7 +578,7 @@ class Load {
     }
     heartbeats_inflight_.fetch_add(1);
     auto* call = new HeartbeatCall;
-    call->request.set_job_id(job_id_);
+    call->request.set_job_id(*w->job_id);
     call->request.set_rank(w->rank);
     call->request.set_generation(w->generation);
     call->request.set_step(w->step.load());
@@ -585,7 +599,7 @@ class Load {
   }
 
   std::vector<std::unique_ptr<Stub>> stubs_;
-  const std::string job_id_;
+  const std::vector<std::string> job_ids_;
   std::vector<Worker> workers_;
   int lanes_ = 0;
   std::thread heartbeat_thread_;
@@ -706,23 +720,27 @@ int RunOnce(const std::string& address, int pid, const std::string& state,
         grpc::CreateCustomChannel(address, creds, args)));
   }
   // Pairs average every 4 steps, the whole world every 64 (a realistic hierarchy whose
-  // decisions mostly list a few ranks).
-  const std::string job_id = absl::StrCat("bench-", getpid(), "-", n);
-  {
+  // decisions mostly list a few ranks); with --jobs, each job's world.
+  const int jobs = absl::GetFlag(FLAGS_jobs);
+  const int per_job = n / jobs;
+  std::vector<std::string> job_ids;
+  for (int j = 0; j < jobs; ++j) {
+    job_ids.push_back(jobs == 1 ? absl::StrCat("bench-", getpid(), "-", n)
+                                : absl::StrCat("bench-", getpid(), "-", n, "-", j));
     v1::CreateJobRequest request;
     v1::JobSpec* spec = request.mutable_spec();
-    spec->set_job_id(job_id);
-    spec->set_world_size(n);
+    spec->set_job_id(job_ids.back());
+    spec->set_world_size(per_job);
     spec->set_mode(v1::HIERARCHICAL);
-    const int group = n % 8 == 0 ? 8 : 1;
-    if (group < n) {
+    const int group = per_job % 8 == 0 ? 8 : 1;
+    if (group < per_job) {
       v1::Level* l = spec->add_levels();
       l->set_period(4);
       l->set_group_size(group);
     }
     v1::Level* top = spec->add_levels();
     top->set_period(64);
-    top->set_group_size(n);
+    top->set_group_size(per_job);
     spec->set_heartbeat_timeout_ms(absl::GetFlag(FLAGS_heartbeat_timeout_ms));
     spec->set_join_timeout_ms(120000);
     grpc::ClientContext ctx;
@@ -734,7 +752,7 @@ int RunOnce(const std::string& address, int pid, const std::string& state,
       return 1;
     }
   }
-  Load load(std::move(stubs), job_id, n);
+  Load load(std::move(stubs), job_ids, n);
   const double join_t0 = SteadySeconds();
   const double join_cpu0 = pid > 0 ? ProcessCpuSeconds(pid) : 0;
   if (!load.JoinAll()) {
@@ -744,8 +762,8 @@ int RunOnce(const std::string& address, int pid, const std::string& state,
   // Every worker's Join sent at once, until the last answer: the rendezvous of the whole world.
   const double join_s = SteadySeconds() - join_t0;
   const double join_cpu_s = pid > 0 ? ProcessCpuSeconds(pid) - join_cpu0 : -1;
-  std::fprintf(stderr, "join: %d workers in %.3f s (coordinator %.3f CPU s)\n", n, join_s,
-               join_cpu_s);
+  std::fprintf(stderr, "join: %d workers (%d jobs) in %.3f s (coordinator %.3f CPU s)\n", n,
+               jobs, join_s, join_cpu_s);
 
   const std::string heartbeat_mode = absl::GetFlag(FLAGS_heartbeat);
   const int ranks_per_stream = absl::GetFlag(FLAGS_ranks_per_stream);
@@ -831,7 +849,8 @@ int RunOnce(const std::string& address, int pid, const std::string& state,
   const double step_p99 = load.step_latency().Percentile(0.99);
   const double ping_p99 = load.ping_latency().Percentile(0.99);
   std::printf(
-      "{\"workers\": %d, \"seconds\": %.2f, \"decisions_per_s\": %.0f, \"step_p50_us\": %.0f, "
+      "{\"workers\": %d, \"jobs\": %d, \"seconds\": %.2f, \"decisions_per_s\": %.0f, "
+      "\"step_p50_us\": %.0f, "
       "\"step_p99_us\": %.0f, \"trivial_p50_us\": %.0f, \"trivial_p99_us\": %.0f, "
       "\"step_p99_over_trivial_p99\": %.2f, \"coordinator_cpu_cores\": %.3f, "
       "\"heartbeats_per_s\": %.0f, \"heartbeat_only_cpu_cores\": %.3f, \"pings\": %lld, "
@@ -844,7 +863,7 @@ int RunOnce(const std::string& address, int pid, const std::string& state,
       "\"join_p50_us\": %.0f, \"join_p99_us\": %.0f, \"latency_jobs\": %lld, "
       "\"join_all_s\": %.3f, \"join_all_cpu_s\": %.3f, \"coordinator_rss_mb\": %.1f, "
       "\"coordinator_peak_rss_mb\": %.1f}\n",
-      n, wall, decisions / wall, load.step_latency().Percentile(0.5), step_p99,
+      n, jobs, wall, decisions / wall, load.step_latency().Percentile(0.5), step_p99,
       load.ping_latency().Percentile(0.5), ping_p99, ping_p99 > 0 ? step_p99 / ping_p99 : -1,
       cores, beats / wall, hb_cores, static_cast<long long>(load.ping_latency().count()),
       static_cast<long long>(load.errors()), channels, cpu_us_per_rpc, hb_us,
@@ -867,6 +886,11 @@ int Main() {
       absl::GetFlag(FLAGS_heartbeat_seconds) < 0) {
     std::fprintf(stderr, "--workers must be in [1, %d], --seconds > 0, "
                          "--heartbeat_seconds >= 0\n", kMaxWorkers);
+    return 2;
+  }
+  const int jobs = absl::GetFlag(FLAGS_jobs);
+  if (jobs < 1 || n % jobs != 0) {
+    std::fprintf(stderr, "--jobs must be at least 1 and divide --workers (%d)\n", n);
     return 2;
   }
   const std::string state_dir = absl::GetFlag(FLAGS_state_dir);

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # How the coordinator's cost grows with the world (issue #52, docs/benchmarks.md "Scale"): one job
 # of N ranks whose beats come as a host's ranks do (--heartbeat=host, 8 ranks a stream), for
-# each N given. One JSON line per size:
+# each N given; past one job's world_size bound (65,536) the N ranks are split into N/65,536
+# jobs on the one coordinator. One JSON line per size:
 #   workers              N
+#   jobs                 the jobs they form (1 up to 65,536 ranks)
 #   join_all_s           every Join sent at once, until the last answer (the whole rendezvous)
 #   join_cpu_us_per_rank the coordinator's CPU over that, per rank
 #   heartbeat_cpu_us     the coordinator's CPU per beat, heartbeats only (1 beat/s a rank)
@@ -31,7 +33,9 @@ bench=$build/bench/modelavg-bench-coordinator
 rc=0
 for n in "${sizes[@]}"; do
   log=$(mktemp "${TMPDIR:-/tmp}/scale.XXXXXX")
-  if "$bench" --workers="$n" --heartbeat=host --ranks_per_stream=8 --heartbeat_hz=1 \
+  jobs=1
+  (( n <= 65536 )) || jobs=$(( (n + 65535) / 65536 ))
+  if "$bench" --workers="$n" --jobs="$jobs" --heartbeat=host --ranks_per_stream=8 --heartbeat_hz=1 \
       --heartbeat_seconds=3 --seconds=2 --max_inflight_steps=64 --latency_jobs=0 \
       >"$log.out" 2>"$log" && line=$(grep '^{' "$log.out" | tail -n 1) && [[ -n $line ]]; then
     line=$(python3 - "$line" <<'PY'
@@ -40,6 +44,7 @@ d = json.loads(sys.argv[1])
 n = d["workers"]
 print(json.dumps({
     "workers": n,
+    "jobs": d["jobs"],
     "join_all_s": d["join_all_s"],
     "join_cpu_us_per_rank": round(d["join_all_cpu_s"] / n * 1e6, 1),
     "heartbeat_cpu_us": d["heartbeat_cpu_us"],
