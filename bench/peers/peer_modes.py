@@ -144,11 +144,13 @@ class TorchftInt8(Torchft):
 def ft_quantization_unavailable():
     """Why torchft's quantized all-reduce cannot run here (None: it can)."""
     import torchft.manager
+    no_gpu = not torch.cuda.is_available()
     if not torchft.manager.IS_TRITON_AVAILABLE:
         return ("torchft's should_quantize (FP8 through Triton kernels, torchft/collectives.py) "
-                "needs the `triton` package, which is not installed; without it "
-                "Manager.allreduce silently sends FP32")
-    if not torch.cuda.is_available():
+                "needs the `triton` package, which is not installed" +
+                (" (and Triton's kernels need a GPU, which this machine lacks)" if no_gpu else "") +
+                "; without it Manager.allreduce silently sends FP32")
+    if no_gpu:
         return "torchft's quantized all-reduce runs Triton kernels, which need a GPU"
     return None
 

@@ -89,6 +89,9 @@ def parse_args():
     p.add_argument("--from_json", default="",
                    help="comma-separated peers.json files (e.g. one per rate): print their "
                         "ratios and plot them together, running nothing")
+    p.add_argument("--retarget", type=float, default=None,
+                   help="with --from_json: the time to this validation loss instead, read from "
+                        "each run's evaluations")
     p.add_argument("--out_dir", default=os.path.join(REPO, "bench", "peers", "out"))
     p.add_argument("--build_dir", default=os.path.join(REPO, "build"))
     venv = os.path.join(REPO, ".venv", "bin", "python")
@@ -284,10 +287,13 @@ def spread(values):
 
 
 def mode_line(args, mode, rs, floor):
+    """One mode's figures over its seeds' runs (floor: the compute floor's seconds per step;
+    None: each run's x_floor as it is)."""
     hit = [r for r in rs if r["steps_to_target"]]
-    for r in rs:
-        r["x_floor"] = (r["seconds_run"] / r["steps_run"]) / floor if floor else None
-    return {"rate_mbit": args.rate, "mode": mode, "target_loss": args.target_loss,
+    if floor is not None:
+        for r in rs:
+            r["x_floor"] = (r["seconds_run"] / r["steps_run"]) / floor if floor else None
+    return {"rate_mbit": rs[0]["rate_mbit"], "mode": mode, "target_loss": args.target_loss,
             "reached": f"{len(hit)}/{len(rs)}",
             "seconds_to_target": spread([r["seconds_to_target"] for r in hit]),
             "steps_to_target": spread([r["steps_to_target"] for r in hit]),
@@ -368,10 +374,27 @@ def main():
         lines, recoveries = [], []
         for path in args.from_json.split(","):
             d = json.load(open(path))
-            lines += d["modes"]
             recoveries += d["recoveries"]
             args.seeds, args.target_loss = d["args"]["seeds"], d["args"]["target_loss"]
             args.diloco_period = d["args"]["diloco_period"]
+            if args.retarget is None:
+                lines += d["modes"]
+                continue
+            args.target_loss = args.retarget
+            for x in d["modes"]:
+                rs = [r for r in d["runs"] if "kill_t" not in r and r["mode"] == x["mode"]
+                      and r["rate_mbit"] == x["rate_mbit"]]
+                if "not_run" in x or not rs:
+                    lines.append(x)
+                    continue
+                for r in rs:
+                    hit = next((e for e in r["evals"] if e["val_loss"] <= args.retarget), None)
+                    r["steps_to_target"] = hit["step"] if hit else None
+                    r["seconds_to_target"] = hit["seconds"] if hit else None
+                lines.append(mode_line(args, x["mode"], rs, None))
+        if args.retarget is not None:
+            for x in lines:
+                print(json.dumps(x), flush=True)
         args.rate_list = list(dict.fromkeys(x["rate_mbit"] for x in lines))
         finish(args, lines, recoveries, [])
         return
