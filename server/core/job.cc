@@ -283,8 +283,7 @@ void Job::AnswerAdmission(int32_t rank, const MembershipChange& change, std::str
   const LiveMember& m = membership_.member(rank);
   ++admissions_;
   spdlog::info("job {}: worker \"{}\" ({}) admitted as rank {}{} in generation {} at step {} "
-               "(floor {} = largest step reported {} + margin {}; {:.1f} steps/s, the fastest "
-               "second of the last {})",
+               "(floor {} = largest step reported {} + margin {}; {:.1f} steps/s)",
                id(), m.worker_id, m.host,
                change.admitted_ranks.size() > 1
                    ? absl::StrCat(rank, " with ranks ", absl::StrJoin(change.admitted_ranks, ","),
@@ -293,7 +292,7 @@ void Job::AnswerAdmission(int32_t rank, const MembershipChange& change, std::str
                change.replaced_live_member ? " (its earlier membership departed)" : "",
                membership_.generation(), change.admission_step, change.admission_floor,
                change.max_reported_step, change.admission_margin,
-               std::max(0.0, membership_.admission_pace()), absl::FormatDuration(kPaceMemory));
+               std::max(0.0, membership_.steps_per_second()));
   AddEvent(v1::JobEvent::MEMBER_ADMITTED, rank,
            change.admitted_ranks.size() > 1
                ? absl::StrCat("replica ", rank / membership_.replica_size(), " (ranks ",

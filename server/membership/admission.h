@@ -23,10 +23,6 @@ inline constexpr absl::Duration kAdmissionNotice = absl::Seconds(1);
 // The progress rate is re-estimated from two samples of the largest reported step at least
 // this far apart.
 inline constexpr absl::Duration kRateSampleInterval = absl::Seconds(1);
-// The margin's pace is the fastest sample of the last kPaceMemory, not the latest: members held
-// in a round by a silent peer report no progress, and the moment that peer is declared dead
-// they run on at their old pace, past an admission planned from the stalled sample.
-inline constexpr absl::Duration kPaceMemory = absl::Seconds(30);
 // The admission step is searched among the next kMaxAdmissionScan steps from the floor.
 inline constexpr int64_t kMaxAdmissionScan = 1000000;
 // MemberSteps::from_step of a rank no live member holds.

@@ -345,8 +345,8 @@ absl::StatusOr<Membership::AdmissionStep> Membership::ChooseAdmissionStep(
         "from it: retry in a second (the modelavg client retries by itself)"));
   }
   int64_t margin = kMinAdmissionMargin;
-  if (const double pace = admission_pace(); pace > 0) {
-    const double notice = std::ceil(pace * absl::ToDoubleSeconds(kAdmissionNotice));
+  if (steps_per_second_ > 0) {
+    const double notice = std::ceil(steps_per_second_ * absl::ToDoubleSeconds(kAdmissionNotice));
     margin = static_cast<int64_t>(
         std::min(notice + kMinAdmissionMargin, static_cast<double>(kMaxAdmissionMargin)));
   }
@@ -783,10 +783,6 @@ void Membership::NoteProgress(int64_t step, absl::Time now) {
   if (elapsed < kRateSampleInterval) return;
   steps_per_second_ =
       static_cast<double>(progress_max_ - rate_sample_step_) / absl::ToDoubleSeconds(elapsed);
-  while (!pace_samples_.empty() && now - pace_samples_.front().first > kPaceMemory) {
-    pace_samples_.pop_front();
-  }
-  pace_samples_.emplace_back(now, steps_per_second_);
   pace_unknown_since_restore_ = false;
   rate_sample_time_ = now;
   rate_sample_step_ = progress_max_;
@@ -797,13 +793,6 @@ void Membership::ResetProgress() {
   rate_sample_time_ = absl::InfinitePast();
   rate_sample_step_ = -1;
   steps_per_second_ = -1;
-  pace_samples_.clear();
-}
-
-double Membership::admission_pace() const {
-  double pace = steps_per_second_;
-  for (const auto& [when, rate] : pace_samples_) pace = std::max(pace, rate);
-  return pace;
 }
 
 void Membership::RecordStep(int32_t rank, int64_t step, absl::Time now) {
@@ -928,7 +917,6 @@ void Membership::Begin() {
   tx_ = Transaction{state_,           generation_,       round_size_,       last_change_,
                     progress_max_,    rate_sample_time_, rate_sample_step_, steps_per_second_};
   tx_->waiting = waiting_;
-  tx_->pace_samples = pace_samples_;
 }
 
 void Membership::Rollback() {
@@ -941,7 +929,6 @@ void Membership::Rollback() {
   rate_sample_time_ = tx.rate_sample_time;
   rate_sample_step_ = tx.rate_sample_step;
   steps_per_second_ = tx.steps_per_second;
-  pace_samples_ = std::move(tx.pace_samples);
   for (auto& [rank, m] : tx.members) {
     const std::string old_worker_id = members_[rank].worker_id;
     members_[rank] = std::move(m);

@@ -11,7 +11,6 @@
 #define MODELAVG_SERVER_MEMBERSHIP_MEMBERSHIP_H_
 
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -250,9 +249,6 @@ class Membership {
   // Steps per second the job advances (the largest reported step over the latest sample of at
   // least kRateSampleInterval); negative while there is no estimate.
   double steps_per_second() const { return steps_per_second_; }
-  // The pace an admission's margin assumes: the fastest sample of the last kPaceMemory (the
-  // latest one is zero while the members wait for a silent peer); negative with none.
-  double admission_pace() const;
 
   // A full elastic job whose member's heartbeat stream broke (a worker killed and restarted at
   // once reaches the coordinator before its old self is declared dead): UNAVAILABLE naming it,
@@ -405,9 +401,6 @@ class Membership {
   absl::Time rate_sample_time_ = absl::InfinitePast();
   int64_t rate_sample_step_ = -1;
   double steps_per_second_ = -1;
-  // The samples of the last kPaceMemory (when taken, steps per second), oldest first: at most
-  // kPaceMemory / kRateSampleInterval + 1 of them.
-  std::deque<std::pair<absl::Time, double>> pace_samples_;
   // Restored from a store (a restart, a take-over) and the members' pace not measured since: an
   // admission waits for it (the pace sets the admission's margin).
   bool pace_unknown_since_restore_ = false;
@@ -440,7 +433,6 @@ class Membership {
     absl::Time rate_sample_time;
     int64_t rate_sample_step;
     double steps_per_second;
-    std::deque<std::pair<absl::Time, double>> pace_samples;
     bool header_changed = false;
     // Ranks whose record the change lists (unless assembling), in the order first touched.
     std::vector<int32_t> ranks;

@@ -143,18 +143,6 @@ void JoinAllReporting(Membership& m, int64_t step, absl::Time t = kT0) {
   for (int32_t r = 0; r < m.world_size(); ++r) m.Heartbeat(r, m.generation(), step, t);
 }
 
-// Every rank joins at step 0 and reports steps 100 and 300 a second apart: 200 steps a second
-// (measured on reports at least a second apart), the last report at kT0 + 1.5 s.
-void JoinAllAtTwoHundredStepsASecond(Membership& m) {
-  JoinAllReporting(m, 0);
-  for (int32_t r = 0; r < m.world_size(); ++r) {
-    m.Heartbeat(r, m.generation(), 100, kT0 + absl::Milliseconds(500));
-  }
-  for (int32_t r = 0; r < m.world_size(); ++r) {
-    m.Heartbeat(r, m.generation(), 300, kT0 + absl::Milliseconds(1500));
-  }
-}
-
 TEST(ElasticAdmissionTest, TakesLowestVacancy_NewGenerationRunning_AdmittedAfterFloor) {
   Membership m(4, 2);
   JoinAllReporting(m, 10);
@@ -342,7 +330,10 @@ TEST(ElasticAdmissionTest, MemberNotReportedYet_UnavailableUntilItReports) {
 
 TEST(ElasticAdmissionTest, MarginAddsOneSecondOfProgress_Capped) {
   Membership m(4, 2);
-  JoinAllAtTwoHundredStepsASecond(m);
+  JoinAllReporting(m, 0);
+  // 300 steps in 1.5 s: 200 steps/s, measured on reports at least a second apart.
+  for (int32_t r = 0; r < 4; ++r) m.Heartbeat(r, 1, 100, kT0 + absl::Milliseconds(500));
+  for (int32_t r = 0; r < 4; ++r) m.Heartbeat(r, 1, 300, kT0 + absl::Milliseconds(1500));
   EXPECT_DOUBLE_EQ(m.steps_per_second(), 200);
   ASSERT_TRUE(m.Die({3}, "rank 3 heartbeat timeout", kT0 + absl::Seconds(2)).ok());
   absl::StatusOr<Membership::JoinResult> j =
@@ -360,48 +351,6 @@ TEST(ElasticAdmissionTest, MarginAddsOneSecondOfProgress_Capped) {
   ASSERT_TRUE(j.ok()) << j.status();
   EXPECT_EQ(j->change.admission_margin, kMaxAdmissionMargin);
   EXPECT_EQ(j->change.admission_step, 10'000'000 + kMaxAdmissionMargin);
-}
-
-// Members held in a round by a silent peer report no progress; once the peer is declared dead
-// they run on at their old pace, so the margin keeps the fastest second of the last kPaceMemory
-// (an admission planned from the stalled second alone, 2 steps ahead, was passed by a member
-// before it heard of it).
-TEST(ElasticAdmissionTest, MembersStalledOnASilentPeer_MarginKeepsTheirPaceFromBefore) {
-  Membership m(4, 2);
-  JoinAllAtTwoHundredStepsASecond(m);
-  ASSERT_DOUBLE_EQ(m.steps_per_second(), 200);
-  // Rank 3 falls silent; the others wait in its round at step 300 for 5 s.
-  for (int s = 1; s <= 5; ++s) {
-    for (int32_t r = 0; r < 3; ++r) {
-      m.Heartbeat(r, 1, 300, kT0 + absl::Milliseconds(1500) + absl::Seconds(s));
-    }
-  }
-  EXPECT_DOUBLE_EQ(m.steps_per_second(), 0);
-  EXPECT_DOUBLE_EQ(m.admission_pace(), 200);
-  const absl::Time dead = kT0 + absl::Milliseconds(6600);
-  ASSERT_TRUE(m.Die({3}, "rank 3 heartbeat timeout", dead).ok());
-  absl::StatusOr<Membership::JoinResult> j = m.Join("new", "h", std::nullopt, dead, "j");
-  ASSERT_TRUE(j.ok()) << j.status();
-  EXPECT_EQ(j->change.admission_margin, 202);
-  EXPECT_EQ(j->change.admission_step, 502);
-}
-
-TEST(ElasticAdmissionTest, PaceOlderThanItsMemory_Forgotten) {
-  Membership m(4, 2);
-  JoinAllAtTwoHundredStepsASecond(m);
-  // Then 10 steps a second, a sample each second, for longer than kPaceMemory.
-  const int seconds = static_cast<int>(absl::ToInt64Seconds(kPaceMemory)) + 2;
-  for (int s = 1; s <= seconds; ++s) {
-    for (int32_t r = 0; r < 4; ++r) {
-      m.Heartbeat(r, 1, 300 + 10 * s, kT0 + absl::Milliseconds(1500) + absl::Seconds(s));
-    }
-  }
-  EXPECT_DOUBLE_EQ(m.admission_pace(), 10);
-  const absl::Time dead = kT0 + absl::Milliseconds(1600) + absl::Seconds(seconds);
-  ASSERT_TRUE(m.Die({3}, "rank 3 heartbeat timeout", dead).ok());
-  absl::StatusOr<Membership::JoinResult> j = m.Join("new", "h", std::nullopt, dead, "j");
-  ASSERT_TRUE(j.ok()) << j.status();
-  EXPECT_EQ(j->change.admission_margin, 12);
 }
 
 TEST(ElasticAdmissionTest, ReportedStepNearInt64Max_FailedPreconditionNoOverflow) {
