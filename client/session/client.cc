@@ -227,15 +227,6 @@ void Client::OnGenerationSeen(const v1::HeartbeatResponse& reply, int64_t seen) 
   }
   // Who is gone? Only orderly departures of other ranks leave communicators without them usable.
   absl::StatusOr<v1::Job> job = coordinator_->GetJob(options_.job_id);
-  if (elastic_ && absl::IsUnavailable(job.status())) {
-    // The coordinator answered the beat but cannot give the job's record now (a leader that has
-    // just lost etcd, a take-over): whether this rank is among the live members is unknown, so
-    // nothing is concluded; the generation stays news, and the next reply asks again.
-    spdlog::warn("job {} moved to generation {}, but its record cannot be read now ({}); asking "
-                 "again at the next heartbeat reply",
-                 options_.job_id, reply.generation(), std::string(job.status().message()));
-    return;
-  }
   GenerationTracker::Abort abort;
   {
     absl::MutexLock l(&mu_);

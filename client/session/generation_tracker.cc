@@ -44,6 +44,16 @@ GenerationTracker::Abort GenerationTracker::OnGenerationChange(
   const int32_t rank = options_.reader.rank;
   const int32_t world_size = options_.reader.world_size;
   if (generation <= latest_generation_ && !broken_.ok()) return {};
+  if (options_.elastic && absl::IsUnavailable(job.status())) {
+    // The coordinator answered the beat but cannot give the job's record now (a leader that has
+    // just lost etcd, a take-over): whether this rank is among the live members is unknown, so
+    // nothing is concluded and nothing is noted. The generation stays news (IsNews), and the
+    // next reply asks again.
+    spdlog::warn("job {} moved to generation {}, but its record cannot be read now ({}); asking "
+                 "again at the next heartbeat reply",
+                 job_id, generation, std::string(job.status().message()));
+    return {};
+  }
   latest_generation_ = std::max(latest_generation_, generation);
   change_reason_ = why;
   if (options_.elastic && job.ok()) {

@@ -75,7 +75,9 @@ class GenerationTracker {
   // after the change (or the error reading it). An elastic job's rank that is a live member of
   // the job's current generation follows it (Advance then moves to it); otherwise a change that
   // breaks communicators (a death, a re-join, an unreadable record) breaks the client, and
-  // orderly departures are remembered (CheckCanAverage).
+  // orderly departures are remembered (CheckCanAverage). An elastic job's record that is
+  // UNAVAILABLE (a leader that lost etcd, a take-over) concludes nothing: nothing changes, and the
+  // generation stays news for the next reply.
   Abort OnGenerationChange(int64_t generation, const std::string& why, int32_t blamed_rank,
                            const absl::StatusOr<v1::Job>& job);
 

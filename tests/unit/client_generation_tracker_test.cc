@@ -198,6 +198,38 @@ TEST(GenerationTrackerTest, OnGenerationChange_ElasticLiveMember_FollowsUntilAdv
   EXPECT_FALSE(move->moved());
 }
 
+TEST(GenerationTrackerTest, OnGenerationChange_ElasticRecordUnavailable_ConcludesNothingAsksAgain) {
+  GenerationTracker t(Opts(true, /*rank=*/1), 1, "");
+  // The coordinator answered the beat with generation 2 but cannot give the record now.
+  const GenerationTracker::Abort abort =
+      t.OnGenerationChange(2, "rank 2 died", /*blamed_rank=*/2,
+                           absl::UnavailableError("the leader lost etcd"));
+  EXPECT_FALSE(abort.needed());
+  EXPECT_TRUE(t.broken().ok());
+  EXPECT_TRUE(t.CheckCanAverage(SubgroupRange{0, 0, kWorld}).ok());
+  // Nothing noted: the next reply of generation 2 is still news, and asks again.
+  EXPECT_EQ(t.latest_generation(), 1);
+  EXPECT_TRUE(t.IsNews(2, t.latest_generation()));
+  const GenerationTracker::Abort later = t.OnGenerationChange(
+      2, "rank 2 died", /*blamed_rank=*/2, JobAt(2, {v1::ALIVE, v1::ALIVE, v1::DEAD, v1::ALIVE}));
+  ASSERT_TRUE(later.needed());
+  EXPECT_EQ(later.before, 2);
+  EXPECT_EQ(ErrorKindOf(later.why), ErrorKind::kGenerationMoved);
+  EXPECT_TRUE(t.broken().ok());
+  absl::StatusOr<GenerationTracker::Move> move = t.Advance();
+  ASSERT_TRUE(move.ok()) << move.status();
+  EXPECT_EQ(move->to, 2);
+}
+
+// Any other error reading the record of an elastic job breaks the client, as in a strict job.
+TEST(GenerationTrackerTest, OnGenerationChange_ElasticRecordRefused_Breaks) {
+  GenerationTracker t(Opts(true, /*rank=*/1), 1, "");
+  EXPECT_TRUE(t.OnGenerationChange(2, "rank 2 died", /*blamed_rank=*/2,
+                                   absl::NotFoundError("no job"))
+                  .needed());
+  EXPECT_FALSE(t.broken().ok());
+}
+
 TEST(GenerationTrackerTest, OnGenerationChange_ElasticRankDeclaredDead_Breaks) {
   GenerationTracker t(Opts(true, /*rank=*/1), 1, "");
   const GenerationTracker::Abort abort = t.OnGenerationChange(
