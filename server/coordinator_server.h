@@ -14,7 +14,7 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "modelavg/v1/coordinator.pb.h"
-#include "server/core/job.h"
+#include "server/job/job.h"
 #include "server/rpc/service_auth.h"
 
 namespace grpc {

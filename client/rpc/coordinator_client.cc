@@ -150,6 +150,10 @@ absl::Status Wrap(const grpc::Status& s, const char* rpc) {
 }
 }  // namespace
 
+absl::Status CoordinatorClient::StatusOf(const grpc::Status& status, const char* rpc) {
+  return Wrap(status, rpc);
+}
+
 absl::StatusOr<v1::Job> CoordinatorClient::CreateJob(const v1::JobSpec& spec) {
   grpc::ClientContext ctx;
   Prepare(&ctx, options_.rpc_timeout);
@@ -217,32 +221,6 @@ absl::StatusOr<v1::JoinResponse> CoordinatorClient::Join(const v1::JoinRequest& 
   return out;
 }
 
-absl::StatusOr<v1::HeartbeatResponse> CoordinatorClient::Heartbeat(
-    const v1::HeartbeatRequest& request) {
-  grpc::ClientContext ctx;
-  Prepare(&ctx, options_.rpc_timeout);
-  v1::HeartbeatResponse out;
-  MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->Heartbeat(&ctx, request, &out); }), "Heartbeat"));
-  return out;
-}
-
-absl::StatusOr<v1::StepDecision> CoordinatorClient::Step(const v1::StepRequest& request) {
-  grpc::ClientContext ctx;
-  Prepare(&ctx, options_.rpc_timeout);
-  v1::StepDecision out;
-  MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->Step(&ctx, request, &out); }), "Step"));
-  return out;
-}
-
-absl::StatusOr<v1::GetScheduleResponse> CoordinatorClient::GetSchedule(
-    const v1::GetScheduleRequest& request) {
-  grpc::ClientContext ctx;
-  Prepare(&ctx, options_.rpc_timeout);
-  v1::GetScheduleResponse out;
-  MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->GetSchedule(&ctx, request, &out); }), "GetSchedule"));
-  return out;
-}
-
 absl::Status CoordinatorClient::PublishCommId(const v1::PublishCommIdRequest& request) {
   auto call = [&]() -> absl::Status {
     grpc::ClientContext ctx;
@@ -280,32 +258,6 @@ absl::StatusOr<v1::LeaveResponse> CoordinatorClient::Leave(const v1::LeaveReques
   auto watch = WatchCancel(cancel, &ctx);
   v1::LeaveResponse out;
   MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx, [&](v1::Coordinator::Stub* stub) { return stub->Leave(&ctx, request, &out); }), "Leave"));
-  return out;
-}
-
-absl::StatusOr<v1::ReportPeerFailureResponse> CoordinatorClient::ReportPeerFailure(
-    const v1::ReportPeerFailureRequest& request) {
-  grpc::ClientContext ctx;
-  Prepare(&ctx, options_.rpc_timeout);
-  v1::ReportPeerFailureResponse out;
-  MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx,
-                                     [&](v1::Coordinator::Stub* stub) {
-                                       return stub->ReportPeerFailure(&ctx, request, &out);
-                                     }),
-                                "ReportPeerFailure"));
-  return out;
-}
-
-absl::StatusOr<v1::ReportNonFiniteResponse> CoordinatorClient::ReportNonFinite(
-    const v1::ReportNonFiniteRequest& request) {
-  grpc::ClientContext ctx;
-  Prepare(&ctx, options_.rpc_timeout);
-  v1::ReportNonFiniteResponse out;
-  MODELAVG_RETURN_IF_ERROR(Wrap(Send(&ctx,
-                                     [&](v1::Coordinator::Stub* stub) {
-                                       return stub->ReportNonFinite(&ctx, request, &out);
-                                     }),
-                                "ReportNonFinite"));
   return out;
 }
 

@@ -111,9 +111,15 @@ class CoordinatorClient {
   // With `cancel` (not owned; outlives the call), its Cancel() ends the call with CANCELLED.
   absl::StatusOr<v1::JoinResponse> Join(const v1::JoinRequest& request, absl::Duration timeout,
                                         CancelToken* cancel = nullptr);
-  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
-  absl::StatusOr<v1::StepDecision> Step(const v1::StepRequest& request);
-  absl::StatusOr<v1::GetScheduleResponse> GetSchedule(const v1::GetScheduleRequest& request);
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request) {
+    return Unary(&v1::Coordinator::Stub::Heartbeat, request, "Heartbeat");
+  }
+  absl::StatusOr<v1::StepDecision> Step(const v1::StepRequest& request) {
+    return Unary(&v1::Coordinator::Stub::Step, request, "Step");
+  }
+  absl::StatusOr<v1::GetScheduleResponse> GetSchedule(const v1::GetScheduleRequest& request) {
+    return Unary(&v1::Coordinator::Stub::GetSchedule, request, "GetSchedule");
+  }
   absl::Status PublishCommId(const v1::PublishCommIdRequest& request);
   // The call's deadline is request.timeout_ms plus rpc_timeout (the server answers
   // DEADLINE_EXCEEDED itself at timeout_ms).
@@ -123,10 +129,14 @@ class CoordinatorClient {
                                           CancelToken* cancel = nullptr);
   // UNIMPLEMENTED from a coordinator older than the RPC.
   absl::StatusOr<v1::ReportPeerFailureResponse> ReportPeerFailure(
-      const v1::ReportPeerFailureRequest& request);
+      const v1::ReportPeerFailureRequest& request) {
+    return Unary(&v1::Coordinator::Stub::ReportPeerFailure, request, "ReportPeerFailure");
+  }
   // UNIMPLEMENTED from a coordinator older than the RPC.
   absl::StatusOr<v1::ReportNonFiniteResponse> ReportNonFinite(
-      const v1::ReportNonFiniteRequest& request);
+      const v1::ReportNonFiniteRequest& request) {
+    return Unary(&v1::Coordinator::Stub::ReportNonFinite, request, "ReportNonFinite");
+  }
   absl::Status Ping();
   // Opens a HeartbeatStream carrying the token, without a deadline (it lasts as long as the
   // membership): see HeartbeatStreamCall. Never fails here; errors end the stream.
@@ -176,6 +186,24 @@ class CoordinatorClient {
     if (!s.ok()) Failover(index, s, *context);
     return s;
   }
+  // One call of unary `method` within rpc_timeout: its reply, or its status named after `rpc`
+  // (StatusOf). An RPC's client call that needs nothing more is one line over it, in this file.
+  template <typename Request, typename Response>
+  absl::StatusOr<Response> Unary(
+      grpc::Status (v1::Coordinator::Stub::*method)(grpc::ClientContext*, const Request&,
+                                                    Response*),
+      const Request& request, const char* rpc) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx, options_.rpc_timeout);
+    Response out;
+    const grpc::Status s = Send(
+        &ctx, [&](v1::Coordinator::Stub* stub) { return (stub->*method)(&ctx, request, &out); });
+    if (!s.ok()) return StatusOf(s, rpc);
+    return out;
+  }
+  // A call's status as the client's: OK, or the coordinator's code and message after
+  // "coordinator <rpc>".
+  static absl::Status StatusOf(const grpc::Status& status, const char* rpc);
 
   const ConnectionOptions options_;
   const std::shared_ptr<grpc::ChannelCredentials> creds_;

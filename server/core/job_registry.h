@@ -18,7 +18,7 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "modelavg/v1/coordinator.pb.h"
-#include "server/core/job.h"
+#include "server/job/job.h"
 #include "server/store/state_store.h"
 
 namespace modelavg::server {

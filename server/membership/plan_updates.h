@@ -1,6 +1,6 @@
 // A job's plans and what UpdateJob needs to choose their switch step: how far each member may
 // still use the plans it holds, and the proposal under way (docs/plan-updates.md). A plain class:
-// no lock, no clock, no I/O; Job (server/core/job.h) owns one under its mutex and writes each
+// no lock, no clock, no I/O; Job (server/job/job.h) owns one under its mutex and writes each
 // accepted plan to its StateStore before the plan takes effect.
 //
 // How a switch step E is chosen. A member is handed decisions in windows (GetSchedule) and uses

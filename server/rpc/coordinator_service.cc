@@ -6,15 +6,20 @@
 #include <type_traits>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/status_util.h"
+#include "google/protobuf/descriptor.h"
 #include "proto/status_conversion.h"
 #include "server/core/heartbeat_replies.h"
 #include "server/core/host_heartbeats.h"
+#include "server/job/job.h"
+#include "server/rpc/coordinator_rpcs.h"
 #include "server/rpc/stream_writes.h"
 #include "spdlog/spdlog.h"
 
@@ -163,9 +168,8 @@ class WatchReactor final : public grpc::ServerGenericBidiReactor {
     Writes writes_;
   };
 
-  explicit WatchReactor(RpcMetrics* metrics) : sink_(std::make_shared<Sink>(this)), metrics_(metrics) {
-    if (metrics_ != nullptr) metrics_->StreamOpened(RpcMethod::kWatchJob);
-  }
+  explicit WatchReactor(RpcMetrics* metrics)
+      : sink_(std::make_shared<Sink>(this)), metrics_(metrics, RpcMethod::kWatchJob) {}
 
   // Reads the request; `on_read` runs when it is in (false: the call ended without one).
   void Read(absl::AnyInvocable<void(bool)> on_read) {
@@ -187,16 +191,13 @@ class WatchReactor final : public grpc::ServerGenericBidiReactor {
   void OnCancel() override { sink_->OnClosed(absl::CancelledError("the watcher went away")); }
   void OnDone() override {
     sink_->writes().Detach();
-    if (metrics_ != nullptr) {
-      metrics_->StreamClosed(RpcMethod::kWatchJob);
-      metrics_->CountRpc(RpcMethod::kWatchJob, sink_->writes().final_code());
-    }
+    metrics_.Ended(sink_->writes().final_code());
     delete this;
   }
 
  private:
   const std::shared_ptr<Sink> sink_;
-  RpcMetrics* const metrics_;
+  StreamMetrics metrics_;
   absl::AnyInvocable<void(bool)> on_read_;
 };
 
@@ -216,10 +217,9 @@ class HeartbeatStreamReactor final
   // `caller`: the stream's caller, or why it may not open one (the stream's end).
   HeartbeatStreamReactor(JobRegistry* registry, RpcMetrics* metrics,
                          absl::StatusOr<Caller> caller, const CoordinatorService::Gate* gate)
-      : registry_(registry), metrics_(metrics), gate_(gate),
+      : registry_(registry), metrics_(metrics, RpcMethod::kHeartbeatStream), gate_(gate),
         caller_(caller.ok() ? *caller : Caller()),
         writes_(this, 1, Writes::WhenFull::kReplaceNewest, "the HeartbeatStream broke") {
-    if (metrics_ != nullptr) metrics_->StreamOpened(RpcMethod::kHeartbeatStream);
     if (!caller.ok()) {
       writes_.End(caller.status());
       return;
@@ -258,10 +258,7 @@ class HeartbeatStreamReactor final
   }
 
   void OnDone() override {
-    if (metrics_ != nullptr) {
-      metrics_->StreamClosed(RpcMethod::kHeartbeatStream);
-      metrics_->CountRpc(RpcMethod::kHeartbeatStream, writes_.final_code());
-    }
+    metrics_.Ended(writes_.final_code());
     delete this;
   }
 
@@ -314,7 +311,7 @@ class HeartbeatStreamReactor final
   }
 
   JobRegistry* const registry_;
-  RpcMetrics* const metrics_;
+  StreamMetrics metrics_;
   const CoordinatorService::Gate* const gate_;
   const Caller caller_;
   Writes writes_;
@@ -346,13 +343,12 @@ class HostHeartbeatStreamReactor final
   // job the caller may not use is answered PERMISSION_DENIED (that member's error).
   HostHeartbeatStreamReactor(JobRegistry* registry, RpcMetrics* metrics,
                              absl::StatusOr<Caller> caller, const CoordinatorService::Gate* gate)
-      : metrics_(metrics), gate_(gate),
+      : metrics_(metrics, RpcMethod::kHostHeartbeatStream), gate_(gate),
         beats_(registry,
                [caller = caller.ok() ? *caller : Caller()](absl::string_view job_id) {
                  return caller.CheckJob(job_id, "HostHeartbeatStream");
                }),
         writes_(this, 0, Writes::WhenFull::kRefuse, "the HostHeartbeatStream broke") {
-    if (metrics_ != nullptr) metrics_->StreamOpened(RpcMethod::kHostHeartbeatStream);
     if (!caller.ok()) {
       writes_.End(caller.status());
       return;
@@ -386,10 +382,7 @@ class HostHeartbeatStreamReactor final
   }
 
   void OnDone() override {
-    if (metrics_ != nullptr) {
-      metrics_->StreamClosed(RpcMethod::kHostHeartbeatStream);
-      metrics_->CountRpc(RpcMethod::kHostHeartbeatStream, writes_.final_code());
-    }
+    metrics_.Ended(writes_.final_code());
     delete this;
   }
 
@@ -421,7 +414,7 @@ class HostHeartbeatStreamReactor final
     return true;
   }
 
-  RpcMetrics* const metrics_;
+  StreamMetrics metrics_;
   const CoordinatorService::Gate* const gate_;
   HostHeartbeats beats_;
   Writes writes_;
@@ -458,6 +451,75 @@ absl::Status ReadRequest(bool ok, const grpc::CallbackServerContext& ctx, grpc::
   return absl::OkStatus();
 }
 
+// Whether a response carries the coordinator's incarnation (Join, Heartbeat, Ping).
+template <typename Response, typename = void>
+struct CarriesIncarnation : std::false_type {};
+template <typename Response>
+struct CarriesIncarnation<Response, std::void_t<decltype(std::declval<Response&>()
+                                                             .set_coordinator_incarnation(""))>>
+    : std::true_type {};
+
+template <typename Response>
+void SetIncarnation(Response* response, const std::string& incarnation) {
+  if constexpr (CarriesIncarnation<Response>::value) {
+    response->set_coordinator_incarnation(incarnation);
+  }
+}
+
+// A job's answer to a wait, as the call's response.
+template <typename Response>
+void SetAnswer(Response* response, Response answer) {
+  *response = std::move(answer);
+}
+void SetAnswer(v1::GetCommIdResponse* response, std::string unique_id) {
+  response->set_unique_id(std::move(unique_id));
+}
+
+// The callback that answers `call` with what the job gives it.
+template <typename T, typename CallT>
+auto AnswerTo(CallT* call, std::string incarnation) {
+  return [call, incarnation = std::move(incarnation)](absl::StatusOr<T> result) {
+    if (result.ok()) {
+      SetAnswer(&call->response, *std::move(result));
+      SetIncarnation(&call->response, incarnation);
+    }
+    call->Reply(result.status());
+  };
+}
+
+// The shapes of a Job method that serves an RPC (coordinator_rpcs.h). Each replies to `call`:
+// answered when the method returns,
+template <typename CallT, typename Request, typename Response>
+void ServeJobCall(const std::shared_ptr<Job>& job, absl::Time, JobRegistry* registry,
+                  CallT* call, absl::Status (Job::*handler)(const Request&, Response*)) {
+  SetIncarnation(&call->response, registry->incarnation());
+  call->Reply(((*job).*handler)(call->request, &call->response));
+}
+template <typename CallT, typename Request>
+void ServeJobCall(const std::shared_ptr<Job>& job, absl::Time, JobRegistry*, CallT* call,
+                  absl::Status (Job::*handler)(const Request&)) {
+  call->Reply(((*job).*handler)(call->request));
+}
+// a wait that the call's cancellation ends (the job may finish `call` at once: nothing may touch
+// it after the method),
+template <typename CallT, typename Request, typename T>
+void ServeJobCall(const std::shared_ptr<Job>& job, absl::Time deadline, JobRegistry* registry,
+                  CallT* call,
+                  void (Job::*handler)(const Request&, absl::Time, WaitId,
+                                       absl::AnyInvocable<void(absl::StatusOr<T>)>)) {
+  const WaitId id = registry->NewWaitId();
+  call->SetOnCancel([job, id] { job->CancelWait(id); });
+  ((*job).*handler)(call->request, deadline, id, AnswerTo<T>(call, registry->incarnation()));
+}
+// or answered later by its callback (UpdateJob: once the members answered).
+template <typename CallT, typename Request, typename T>
+void ServeJobCall(const std::shared_ptr<Job>& job, absl::Time, JobRegistry* registry,
+                  CallT* call,
+                  void (Job::*handler)(const Request&,
+                                       absl::AnyInvocable<void(absl::StatusOr<T>)>)) {
+  ((*job).*handler)(call->request, AnswerTo<T>(call, registry->incarnation()));
+}
+
 // The answer to a method the coordinator does not have (nothing of the call is read).
 class UnknownMethod final : public grpc::ServerGenericBidiReactor {
  public:
@@ -476,53 +538,59 @@ CoordinatorService::CoordinatorService(JobRegistry* registry, AuthOptions auth,
                                        RpcMetrics* metrics, size_t max_request_bytes)
     : registry_(registry), auth_(std::move(auth)), metrics_(metrics),
       max_request_bytes_(max_request_bytes) {
-  const auto add = [this](RpcMethod method, Role need, const char* name, size_t max_bytes,
-                          auto serve) {
+  std::vector<std::string> raw_streams;
+#define MODELAVG_ADD_ROUTE(name, Request, Response, need, max_bytes, handler)  \
+  AddRoute<Request, Response>(RpcMethod::k##name, need, #name, max_bytes, handler); \
+  if (std::is_same_v<std::decay_t<decltype(handler)>, RawStream>) raw_streams.push_back(#name);
+  MODELAVG_COORDINATOR_RPCS(MODELAVG_ADD_ROUTE)
+#undef MODELAVG_ADD_ROUTE
+  // Every method but the typed streams goes to CreateReactor (one missing from the list
+  // answers UNIMPLEMENTED there).
+  const google::protobuf::ServiceDescriptor* service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+          v1::Coordinator::service_full_name());
+  for (int i = 0; i < service->method_count(); ++i) {
+    if (std::find(raw_streams.begin(), raw_streams.end(), service->method(i)->name()) ==
+        raw_streams.end()) {
+      MarkMethodGeneric(i);
+    }
+  }
+}
+
+template <typename Request, typename Response, typename Fn>
+void CoordinatorService::AddRoute(RpcMethod method, Role need, const char* name,
+                                  size_t max_bytes, Fn handler) {
+  if constexpr (!std::is_same_v<Fn, RawStream>) {
     auto route = std::make_unique<Route>();
     route->method = method;
     route->need = need;
     route->name = name;
     route->max_request_bytes = std::min(max_bytes, max_request_bytes_);
-    route->serve = std::move(serve);
-    routes_[absl::StrCat("/modelavg.v1.Coordinator/", name)] = std::move(route);
-  };
-#define MODELAVG_ROUTE(Rpc, Request, Response, need, max_bytes)                         \
-  add(RpcMethod::k##Rpc, need, #Rpc, max_bytes,                                        \
-      [this](grpc::GenericCallbackServerContext* ctx, const Route& route) {            \
-        return Serve<Request, Response>(ctx, route, &CoordinatorService::Do##Rpc);     \
-      })
-  MODELAVG_ROUTE(CreateJob, v1::CreateJobRequest, v1::Job, Role::kOperator, kSmallRequestBytes);
-  MODELAVG_ROUTE(GetJob, v1::GetJobRequest, v1::Job, Role::kWorker, kSmallRequestBytes);
-  MODELAVG_ROUTE(ListJobs, v1::ListJobsRequest, v1::ListJobsResponse, Role::kWorker,
-                 kSmallRequestBytes);
-  MODELAVG_ROUTE(DeleteJob, v1::DeleteJobRequest, v1::DeleteJobResponse, Role::kOperator,
-                 kSmallRequestBytes);
-  MODELAVG_ROUTE(Join, v1::JoinRequest, v1::JoinResponse, Role::kWorker, kSmallRequestBytes);
-  MODELAVG_ROUTE(Heartbeat, v1::HeartbeatRequest, v1::HeartbeatResponse, Role::kWorker,
-                 kSmallRequestBytes);
-  MODELAVG_ROUTE(Step, v1::StepRequest, v1::StepDecision, Role::kWorker, kSmallRequestBytes);
-  MODELAVG_ROUTE(GetSchedule, v1::GetScheduleRequest, v1::GetScheduleResponse, Role::kWorker,
-                 kSmallRequestBytes);
-  MODELAVG_ROUTE(PublishCommId, v1::PublishCommIdRequest, v1::PublishCommIdResponse,
-                 Role::kWorker, kSmallRequestBytes);
-  MODELAVG_ROUTE(GetCommId, v1::GetCommIdRequest, v1::GetCommIdResponse, Role::kWorker,
-                 kSmallRequestBytes);
-  MODELAVG_ROUTE(Leave, v1::LeaveRequest, v1::LeaveResponse, Role::kWorker, kSmallRequestBytes);
-  MODELAVG_ROUTE(Ping, v1::PingRequest, v1::PingResponse, Role::kWorker, kSmallRequestBytes);
-  MODELAVG_ROUTE(ReportPeerFailure, v1::ReportPeerFailureRequest,
-                 v1::ReportPeerFailureResponse, Role::kWorker, kPeerReportRequestBytes);
-  MODELAVG_ROUTE(ReportNonFinite, v1::ReportNonFiniteRequest, v1::ReportNonFiniteResponse,
-                 Role::kWorker, kSmallRequestBytes);
-  MODELAVG_ROUTE(UpdateJob, v1::UpdateJobRequest, v1::UpdateJobResponse, Role::kOperator,
-                 kSmallRequestBytes);
-#undef MODELAVG_ROUTE
-  add(RpcMethod::kWatchJob, Role::kWorker, "WatchJob", kSmallRequestBytes,
-      [this](grpc::GenericCallbackServerContext* ctx, const Route& route) {
-        return ServeWatchJob(ctx, route);
-      });
+    if constexpr (std::is_invocable_v<Fn, CoordinatorService*,
+                                      grpc::GenericCallbackServerContext*, const Route&>) {
+      route->serve = [this, handler](grpc::GenericCallbackServerContext* ctx,
+                                     const Route& route) { return (this->*handler)(ctx, route); };
+    } else {
+      route->serve = [this, handler](grpc::GenericCallbackServerContext* ctx,
+                                     const Route& route) {
+        return Serve<Request, Response>(ctx, route, handler);
+      };
+    }
+    routes_[absl::StrCat("/", v1::Coordinator::service_full_name(), "/", name)] =
+        std::move(route);
+  }
 }
 
 CoordinatorService::~CoordinatorService() = default;
+
+absl::StatusOr<Caller> CoordinatorService::Admit(grpc::CallbackServerContext* ctx, Role need,
+                                                 const char* rpc) const {
+  absl::StatusOr<Caller> caller = auth_.Authorize(*ctx, need, rpc);
+  if (caller.ok() && gate_) {
+    if (absl::Status s = gate_(ctx); !s.ok()) return s;
+  }
+  return caller;
+}
 
 grpc::ServerGenericBidiReactor* CoordinatorService::CreateReactor(
     grpc::GenericCallbackServerContext* ctx) {
@@ -531,18 +599,14 @@ grpc::ServerGenericBidiReactor* CoordinatorService::CreateReactor(
   return it->second->serve(ctx, *it->second);
 }
 
-template <typename Request, typename Response>
-grpc::ServerGenericBidiReactor* CoordinatorService::Serve(
-    grpc::GenericCallbackServerContext* ctx, const Route& route,
-    void (CoordinatorService::*handler)(grpc::CallbackServerContext*,
-                                        Call<Request, Response>*)) {
+template <typename Request, typename Response, typename Fn>
+grpc::ServerGenericBidiReactor* CoordinatorService::Serve(grpc::GenericCallbackServerContext* ctx,
+                                                          const Route& route, Fn handler) {
   auto* call = new Call<Request, Response>(metrics_, route.method);
   // Nothing of the request is read until the caller may make this call.
-  absl::StatusOr<Caller> caller = auth_.Authorize(*ctx, route.need, route.name);
-  absl::Status s = caller.status();
-  if (s.ok() && gate_) s = gate_(ctx);
-  if (!s.ok()) {
-    call->Reply(s);
+  absl::StatusOr<Caller> caller = Admit(ctx, route.need, route.name);
+  if (!caller.ok()) {
+    call->Reply(caller.status());
     return call;
   }
   call->caller = *caller;
@@ -554,7 +618,14 @@ grpc::ServerGenericBidiReactor* CoordinatorService::Serve(
     }
     if (!s.ok()) return call->Reply(s);
     // The handler replies, now or (waits) later; nothing may touch `call` after it.
-    (this->*handler)(ctx, call);
+    if constexpr (std::is_invocable_v<Fn, CoordinatorService*, grpc::CallbackServerContext*,
+                                      Call<Request, Response>*>) {
+      (this->*handler)(ctx, call);
+    } else {
+      absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
+      if (!job.ok()) return call->Reply(job.status());
+      ServeJobCall(*job, CallDeadline(ctx), registry_, call, handler);
+    }
   });
   return call;
 }
@@ -589,55 +660,14 @@ void CoordinatorService::DoDeleteJob(grpc::CallbackServerContext*,
   call->Reply(registry_->DeleteJob(call->request.job_id()));
 }
 
-void CoordinatorService::DoJoin(grpc::CallbackServerContext* ctx,
-                                Call<v1::JoinRequest, v1::JoinResponse>* call) {
-  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
-  if (!job.ok()) return call->Reply(job.status());
-  const WaitId id = registry_->NewWaitId();
-  call->SetOnCancel([job = *job, id] { job->CancelWait(id); });
-  // Nothing may touch `call` after this: the core may finish it at once.
-  (*job)->Join(call->request, CallDeadline(ctx), id,
-               [call, incarnation = registry_->incarnation()](
-                   absl::StatusOr<v1::JoinResponse> result) {
-                 if (result.ok()) {
-                   call->response = *std::move(result);
-                   call->response.set_coordinator_incarnation(incarnation);
-                 }
-                 call->Reply(result.status());
-               });
-}
-
-void CoordinatorService::DoHeartbeat(grpc::CallbackServerContext*,
-                                     Call<v1::HeartbeatRequest, v1::HeartbeatResponse>* call) {
-  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
-  if (!job.ok()) return call->Reply(job.status());
-  call->response.set_coordinator_incarnation(registry_->incarnation());
-  call->Reply((*job)->Heartbeat(call->request, &call->response));
-}
-
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* CoordinatorService::HeartbeatStream(
     grpc::CallbackServerContext* ctx) {
-  absl::StatusOr<Caller> caller = auth_.Authorize(*ctx);
-  if (caller.ok() && gate_) {
-    if (absl::Status s = gate_(ctx); !s.ok()) caller = s;
-  }
-  return new HeartbeatStreamReactor(registry_, metrics_, std::move(caller), &gate_);
+  return new HeartbeatStreamReactor(registry_, metrics_, Admit(ctx), &gate_);
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>*
 CoordinatorService::HostHeartbeatStream(grpc::CallbackServerContext* ctx) {
-  absl::StatusOr<Caller> caller = auth_.Authorize(*ctx);
-  if (caller.ok() && gate_) {
-    if (absl::Status s = gate_(ctx); !s.ok()) caller = s;
-  }
-  return new HostHeartbeatStreamReactor(registry_, metrics_, std::move(caller), &gate_);
-}
-
-void CoordinatorService::DoStep(grpc::CallbackServerContext*,
-                                Call<v1::StepRequest, v1::StepDecision>* call) {
-  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
-  if (!job.ok()) return call->Reply(job.status());
-  call->Reply((*job)->Step(call->request, &call->response));
+  return new HostHeartbeatStreamReactor(registry_, metrics_, Admit(ctx), &gate_);
 }
 
 void CoordinatorService::DoGetSchedule(
@@ -677,70 +707,12 @@ void CoordinatorService::DoGetSchedule(
   call->Reply(absl::OkStatus());
 }
 
-void CoordinatorService::DoPublishCommId(
-    grpc::CallbackServerContext*,
-    Call<v1::PublishCommIdRequest, v1::PublishCommIdResponse>* call) {
-  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
-  if (!job.ok()) return call->Reply(job.status());
-  call->Reply((*job)->PublishCommId(call->request));
-}
-
-void CoordinatorService::DoGetCommId(grpc::CallbackServerContext* ctx,
-                                     Call<v1::GetCommIdRequest, v1::GetCommIdResponse>* call) {
-  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
-  if (!job.ok()) return call->Reply(job.status());
-  const WaitId id = registry_->NewWaitId();
-  call->SetOnCancel([job = *job, id] { job->CancelWait(id); });
-  (*job)->GetCommId(call->request, CallDeadline(ctx), id,
-                    [call](absl::StatusOr<std::string> result) {
-                      if (result.ok()) call->response.set_unique_id(*std::move(result));
-                      call->Reply(result.status());
-                    });
-}
-
-void CoordinatorService::DoLeave(grpc::CallbackServerContext*,
-                                 Call<v1::LeaveRequest, v1::LeaveResponse>* call) {
-  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
-  if (!job.ok()) return call->Reply(job.status());
-  call->Reply((*job)->Leave(call->request, &call->response));
-}
-
-void CoordinatorService::DoReportPeerFailure(
-    grpc::CallbackServerContext*,
-    Call<v1::ReportPeerFailureRequest, v1::ReportPeerFailureResponse>* call) {
-  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
-  if (!job.ok()) return call->Reply(job.status());
-  call->Reply((*job)->ReportPeerFailure(call->request, &call->response));
-}
-
-void CoordinatorService::DoUpdateJob(grpc::CallbackServerContext*,
-                                     Call<v1::UpdateJobRequest, v1::UpdateJobResponse>* call) {
-  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
-  if (!job.ok()) return call->Reply(job.status());
-  // Answered once the members gave back their decisions (a few heartbeat intervals at most):
-  // nothing may touch `call` after this.
-  (*job)->UpdateJob(call->request, [call](absl::StatusOr<v1::UpdateJobResponse> result) {
-    if (result.ok()) call->response = *std::move(result);
-    call->Reply(result.status());
-  });
-}
-
-void CoordinatorService::DoReportNonFinite(
-    grpc::CallbackServerContext*,
-    Call<v1::ReportNonFiniteRequest, v1::ReportNonFiniteResponse>* call) {
-  absl::StatusOr<std::shared_ptr<Job>> job = registry_->Find(call->request.job_id());
-  if (!job.ok()) return call->Reply(job.status());
-  call->Reply((*job)->ReportNonFinite(call->request, &call->response));
-}
-
 grpc::ServerGenericBidiReactor* CoordinatorService::ServeWatchJob(
     grpc::GenericCallbackServerContext* ctx, const Route& route) {
   auto* reactor = new WatchReactor(metrics_);
-  absl::StatusOr<Caller> caller = auth_.Authorize(*ctx, route.need, route.name);
-  absl::Status s = caller.status();
-  if (s.ok() && gate_) s = gate_(ctx);
-  if (!s.ok()) {
-    reactor->FinishNow(s);
+  absl::StatusOr<Caller> caller = Admit(ctx, route.need, route.name);
+  if (!caller.ok()) {
+    reactor->FinishNow(caller.status());
     return reactor;
   }
   reactor->Read([this, ctx, reactor, &route, caller = *caller](bool ok) {

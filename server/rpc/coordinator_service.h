@@ -23,32 +23,17 @@ namespace modelavg::server {
 
 // The callback API reads a unary or server-streaming call's request whole before it hands the
 // call to a handler, whoever sent it. So only the two heartbeat streams are typed methods here
-// (their caller is checked when the stream opens, before any message is read); every other
-// method is marked generic and served by CreateReactor, which checks the caller first and reads
-// the request only for a caller that may make the call: a refused call costs no more than its
-// headers. Every request is taken as bytes and parsed here: bytes that are not the method's
+// (their caller is checked when the stream opens, before any message is read); the constructor
+// marks every other method generic, served by CreateReactor, which checks the caller first and
+// reads the request only for a caller that may make the call: a refused call costs no more than
+// its headers. Every request is taken as bytes and parsed here: bytes that are not the method's
 // message get INVALID_ARGUMENT with a message (gRPC's generated handlers answer UNIMPLEMENTED
-// with none), on every RPC and stream.
+// with none), on every RPC and stream. Which method is served how, and who may call it: the
+// list in server/rpc/coordinator_rpcs.h.
 using TypedCoordinatorService =
-    v1::Coordinator::WithGenericMethod_CreateJob<
-    v1::Coordinator::WithGenericMethod_GetJob<
-    v1::Coordinator::WithGenericMethod_ListJobs<
-    v1::Coordinator::WithGenericMethod_DeleteJob<
-    v1::Coordinator::WithGenericMethod_Join<
-    v1::Coordinator::WithGenericMethod_Heartbeat<
     v1::Coordinator::WithRawCallbackMethod_HeartbeatStream<
     v1::Coordinator::WithRawCallbackMethod_HostHeartbeatStream<
-    v1::Coordinator::WithGenericMethod_Step<
-    v1::Coordinator::WithGenericMethod_GetSchedule<
-    v1::Coordinator::WithGenericMethod_PublishCommId<
-    v1::Coordinator::WithGenericMethod_GetCommId<
-    v1::Coordinator::WithGenericMethod_Leave<
-    v1::Coordinator::WithGenericMethod_WatchJob<
-    v1::Coordinator::WithGenericMethod_Ping<
-    v1::Coordinator::WithGenericMethod_ReportPeerFailure<
-    v1::Coordinator::WithGenericMethod_ReportNonFinite<
-    v1::Coordinator::WithGenericMethod_UpdateJob<
-    v1::Coordinator::Service>>>>>>>>>>>>>>>>>>;
+    v1::Coordinator::Service>>;
 
 // The largest request each method takes, in bytes (serialized): sized to the largest legitimate
 // message, each capped by the server's receive limit (ServerOptions::max_request_bytes).
@@ -92,12 +77,19 @@ class CoordinatorService final : public TypedCoordinatorService,
   template <typename Request, typename Response>
   class Call;
   struct Route;
-  // Authorizes, reads, checks, parses and hands the call to `handler`, which replies.
-  template <typename Request, typename Response>
+  // The caller, if it may make a call that needs `need` now (authorized, then the gate); else
+  // the call's answer.
+  absl::StatusOr<Caller> Admit(grpc::CallbackServerContext* ctx, Role need = Role::kWorker,
+                               const char* rpc = "") const;
+  // Adds the route of one line of the RPC list (coordinator_rpcs.h).
+  template <typename Request, typename Response, typename Fn>
+  void AddRoute(RpcMethod method, Role need, const char* name, size_t max_bytes, Fn handler);
+  // Authorizes, reads, checks, parses and hands the call to `handler` (a method of the job the
+  // request names, or of this service), which replies.
+  template <typename Request, typename Response, typename Fn>
   grpc::ServerGenericBidiReactor* Serve(grpc::GenericCallbackServerContext* ctx,
-                                        const Route& route,
-                                        void (CoordinatorService::*handler)(
-                                            grpc::CallbackServerContext*, Call<Request, Response>*));
+                                        const Route& route, Fn handler);
+  // The RPCs the service itself serves (the others are Job's).
   grpc::ServerGenericBidiReactor* ServeWatchJob(grpc::GenericCallbackServerContext* ctx,
                                                 const Route& route);
   void DoCreateJob(grpc::CallbackServerContext* ctx, Call<v1::CreateJobRequest, v1::Job>* call);
@@ -106,26 +98,9 @@ class CoordinatorService final : public TypedCoordinatorService,
                   Call<v1::ListJobsRequest, v1::ListJobsResponse>* call);
   void DoDeleteJob(grpc::CallbackServerContext* ctx,
                    Call<v1::DeleteJobRequest, v1::DeleteJobResponse>* call);
-  void DoJoin(grpc::CallbackServerContext* ctx, Call<v1::JoinRequest, v1::JoinResponse>* call);
-  void DoHeartbeat(grpc::CallbackServerContext* ctx,
-                   Call<v1::HeartbeatRequest, v1::HeartbeatResponse>* call);
-  void DoStep(grpc::CallbackServerContext* ctx, Call<v1::StepRequest, v1::StepDecision>* call);
   void DoGetSchedule(grpc::CallbackServerContext* ctx,
                      Call<v1::GetScheduleRequest, v1::GetScheduleResponse>* call);
-  void DoPublishCommId(grpc::CallbackServerContext* ctx,
-                       Call<v1::PublishCommIdRequest, v1::PublishCommIdResponse>* call);
-  void DoGetCommId(grpc::CallbackServerContext* ctx,
-                   Call<v1::GetCommIdRequest, v1::GetCommIdResponse>* call);
-  void DoLeave(grpc::CallbackServerContext* ctx, Call<v1::LeaveRequest, v1::LeaveResponse>* call);
   void DoPing(grpc::CallbackServerContext* ctx, Call<v1::PingRequest, v1::PingResponse>* call);
-  void DoReportPeerFailure(
-      grpc::CallbackServerContext* ctx,
-      Call<v1::ReportPeerFailureRequest, v1::ReportPeerFailureResponse>* call);
-  void DoUpdateJob(grpc::CallbackServerContext* ctx,
-                   Call<v1::UpdateJobRequest, v1::UpdateJobResponse>* call);
-  void DoReportNonFinite(
-      grpc::CallbackServerContext* ctx,
-      Call<v1::ReportNonFiniteRequest, v1::ReportNonFiniteResponse>* call);
 
   JobRegistry* const registry_;
   const ServiceAuth auth_;

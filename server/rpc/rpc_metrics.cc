@@ -108,9 +108,10 @@ class JobsCollector final : public prometheus::Collectable {
 
 const char* RpcMethodName(RpcMethod method) {
   static constexpr const char* kNames[] = {
-      "CreateJob", "GetJob",        "ListJobs",  "DeleteJob", "Join",     "Heartbeat", "Step",
-      "GetSchedule", "PublishCommId", "GetCommId", "Leave",     "WatchJob", "Ping", "HeartbeatStream",
-      "ReportPeerFailure", "HostHeartbeatStream", "ReportNonFinite", "UpdateJob"};
+#define MODELAVG_RPC_NAME(name, ...) #name,
+      MODELAVG_COORDINATOR_RPCS(MODELAVG_RPC_NAME)
+#undef MODELAVG_RPC_NAME
+  };
   return kNames[static_cast<int>(method)];
 }
 

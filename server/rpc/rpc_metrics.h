@@ -13,6 +13,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/core/job_registry.h"
+#include "server/rpc/coordinator_rpcs.h"
 #include "server/rpc/tcp_listener.h"
 
 namespace prometheus {
@@ -24,11 +25,11 @@ class Registry;
 
 namespace modelavg::server {
 
-// The coordinator's RPCs, for counting.
+// The coordinator's RPCs, for counting: k<name> for each line of the list.
 enum class RpcMethod {
-  kCreateJob, kGetJob, kListJobs, kDeleteJob, kJoin, kHeartbeat, kStep, kGetSchedule,
-  kPublishCommId, kGetCommId, kLeave, kWatchJob, kPing, kHeartbeatStream,
-  kReportPeerFailure, kHostHeartbeatStream, kReportNonFinite, kUpdateJob,
+#define MODELAVG_RPC_METHOD(name, ...) k##name,
+  MODELAVG_COORDINATOR_RPCS(MODELAVG_RPC_METHOD)
+#undef MODELAVG_RPC_METHOD
   kCount  // number of methods
 };
 const char* RpcMethodName(RpcMethod method);
@@ -69,6 +70,27 @@ class RpcMetrics {
   std::array<std::array<prometheus::Counter*, kCodes>, static_cast<int>(RpcMethod::kCount)>
       counters_{};
   std::array<prometheus::Gauge*, static_cast<int>(RpcMethod::kCount)> open_streams_{};
+};
+
+// One stream's metrics (WatchJob, HeartbeatStream, HostHeartbeatStream): open from construction
+// until Ended, which counts the stream by its final code. `metrics` may be null.
+class StreamMetrics {
+ public:
+  StreamMetrics(RpcMetrics* metrics, RpcMethod method) : metrics_(metrics), method_(method) {
+    if (metrics_ != nullptr) metrics_->StreamOpened(method_);
+  }
+  StreamMetrics(const StreamMetrics&) = delete;
+  StreamMetrics& operator=(const StreamMetrics&) = delete;
+
+  void Ended(absl::StatusCode code) {
+    if (metrics_ == nullptr) return;
+    metrics_->StreamClosed(method_);
+    metrics_->CountRpc(method_, code);
+  }
+
+ private:
+  RpcMetrics* const metrics_;
+  const RpcMethod method_;
 };
 
 }  // namespace modelavg::server

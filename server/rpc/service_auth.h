@@ -24,9 +24,9 @@ struct WorkerToken {
 
 // Who may call what. Two roles:
 //  * operator: every RPC;
-//  * worker: what a worker and an observer need: Join, Heartbeat(Stream), Step, GetSchedule,
-//    PublishCommId, GetCommId, Leave, ReportPeerFailure, ReportNonFinite, GetJob, ListJobs,
-//    WatchJob, Ping (not CreateJob, DeleteJob, UpdateJob: PERMISSION_DENIED naming the role).
+//  * worker: what a worker and an observer need: every RPC whose line in the RPC list
+//    (server/rpc/coordinator_rpcs.h) says Role::kWorker, that is all but CreateJob, DeleteJob
+//    and UpdateJob (PERMISSION_DENIED naming the role).
 // A call has the role of its bearer token ("authorization: Bearer <token>": operator_token or
 // one of worker_tokens) or, with mutual TLS, of its client certificate; the higher of the two.
 // A worker token limited to some jobs may name only those (PERMISSION_DENIED naming the job) and

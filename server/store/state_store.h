@@ -4,7 +4,7 @@
 // reported steps, pending waits, watchers) is never written: an ordinary step or heartbeat writes
 // nothing.
 //
-// The core (server/core/job.h, server/core/job_registry.h) calls the store at each hard-state transition,
+// The core (server/job/job.h, server/core/job_registry.h) calls the store at each hard-state transition,
 // under the job's lock, and answers the RPC that made the change only once the store has
 // returned OK. Implementations: InMemoryStateStore (below; the default, nothing survives the
 // process) and SqliteStateStore (server/store/sqlite/sqlite_state_store.h, --state_dir).

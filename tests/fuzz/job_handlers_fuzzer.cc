@@ -15,7 +15,7 @@
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include "common/clock.h"
-#include "server/core/job.h"
+#include "server/job/job.h"
 #include "server/core/job_registry.h"
 #include "spdlog/spdlog.h"
 

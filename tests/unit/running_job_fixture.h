@@ -15,7 +15,7 @@
 #include "common/clock.h"
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
-#include "server/core/job.h"
+#include "server/job/job.h"
 #include "server/core/job_registry.h"
 #include "server/store/state_store.h"
 

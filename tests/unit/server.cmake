@@ -42,5 +42,7 @@ modelavg_add_gtest(server_host_heartbeats_test SOURCES server_host_heartbeats_te
                    LIBS modelavg_server_core)
 # The worker token file and the jobs a limited worker token may name.
 modelavg_add_gtest(service_auth_test SOURCES service_auth_test.cc LIBS modelavg_server_rpc)
+# The RPC list the service routes by, against the proto: one line per method, its messages, roles.
+modelavg_add_gtest(server_rpc_list_test SOURCES server_rpc_list_test.cc LIBS modelavg_server_rpc)
 # Control characters escaped for terminals and logs.
 modelavg_add_gtest(printable_test SOURCES printable_test.cc LIBS modelavg_common)

@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/core/job.h"
+#include "server/job/job.h"
 #include "server/core/job_registry.h"
 #include "spdlog/spdlog.h"
 

@@ -10,7 +10,7 @@
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/core/job.h"
+#include "server/job/job.h"
 #include "server/core/job_registry.h"
 #include "tests/tools/make_job_spec.h"
 

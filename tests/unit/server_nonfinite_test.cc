@@ -16,7 +16,7 @@
 #include "common/printable.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/core/job.h"
+#include "server/job/job.h"
 #include "spdlog/sinks/ringbuffer_sink.h"
 #include "spdlog/spdlog.h"
 #include "tests/unit/running_job_fixture.h"

@@ -1,5 +1,5 @@
 // PendingWaits: what each Take takes, in arrival order, also with a world of waits pending.
-#include "server/core/pending_waits.h"
+#include "server/job/pending_waits.h"
 
 #include <string>
 #include <vector>

@@ -14,7 +14,7 @@
 #include "gmock/gmock.h"
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
-#include "server/core/job.h"
+#include "server/job/job.h"
 #include "server/core/job_registry.h"
 #include "server/membership/admission.h"
 #include "server/membership/member_credential.h"

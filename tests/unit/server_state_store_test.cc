@@ -11,7 +11,7 @@
 #include "common/job_spec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/core/job.h"
+#include "server/job/job.h"
 #include "server/core/job_registry.h"
 #include "server/store/state_store.h"
 #include "tests/tools/make_job_spec.h"

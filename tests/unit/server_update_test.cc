@@ -1,4 +1,4 @@
-// UpdateJob in the coordinator's core (server/core/job.h, server/membership/plan_updates.h), on a
+// UpdateJob in the coordinator's core (server/job/job.h, server/membership/plan_updates.h), on a
 // fake clock: the proposal each member's heartbeat carries, the switch step chosen from the
 // members' answers (or, for a member that does not answer by the deadline, from the decisions it
 // was handed), the plan written before the answer and kept across a restart of the core, the

@@ -1,9 +1,9 @@
 // One job's pending waits: Join calls waiting for their round to complete and GetCommId calls
-// waiting for a publish. A plain container with no lock and no clock: Job (server/core/job.h) owns
+// waiting for a publish. A plain container with no lock and no clock: Job (server/job/job.h) owns
 // one under its mutex, takes waits out when their condition is met, their deadline passes or
 // the generation changes, and runs their callbacks after releasing its lock.
-#ifndef MODELAVG_SERVER_CORE_PENDING_WAITS_H_
-#define MODELAVG_SERVER_CORE_PENDING_WAITS_H_
+#ifndef MODELAVG_SERVER_JOB_PENDING_WAITS_H_
+#define MODELAVG_SERVER_JOB_PENDING_WAITS_H_
 
 #include <algorithm>
 #include <cstdint>
@@ -18,7 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "modelavg/v1/coordinator.pb.h"
-#include "server/core/comm_id_store.h"
+#include "server/job/comm_id_store.h"
 
 namespace modelavg::server {
 
@@ -187,4 +187,4 @@ class PendingWaits {
 
 }  // namespace modelavg::server
 
-#endif  // MODELAVG_SERVER_CORE_PENDING_WAITS_H_
+#endif  // MODELAVG_SERVER_JOB_PENDING_WAITS_H_

@@ -1,12 +1,17 @@
 // One job's coordination state: one state machine under one mutex, composed of parts that know
 // nothing of each other's storage: the membership and generations (server/membership/membership.h), the
-// comm-id store (server/core/comm_id_store.h), the pending waits (server/core/pending_waits.h) and the
+// comm-id store (server/job/comm_id_store.h), the pending waits (server/job/pending_waits.h) and the
 // event fan-out to watchers (here). At each hard-state transition the Job hands the change to its
 // StateStore (server/store/state_store.h) before it answers. No gRPC in here: waits are callbacks that
 // the Job completes (outside its lock) when their condition is met, their deadline passes, the
 // generation changes, the job is deleted or the coordinator stops.
-#ifndef MODELAVG_SERVER_CORE_JOB_H_
-#define MODELAVG_SERVER_CORE_JOB_H_
+//
+// Its calls come in three families, each in a file of its own over the state below (job.cc: that
+// state's lifecycle and what the families share): membership and rounds (job_rounds.cc), schedule
+// and plans (job_plans.cc), operator calls and views (job_views.cc). An RPC of a job is one
+// method of one family; server/rpc/coordinator_rpcs.h routes it.
+#ifndef MODELAVG_SERVER_JOB_JOB_H_
+#define MODELAVG_SERVER_JOB_JOB_H_
 
 #include <algorithm>
 #include <atomic>
@@ -25,10 +30,10 @@
 #include "common/clock.h"
 #include "modelavg/common/schedule.h"
 #include "modelavg/v1/coordinator.pb.h"
-#include "server/core/comm_id_store.h"
-#include "server/core/event_log.h"
-#include "server/core/pending_waits.h"
-#include "server/core/request_checks.h"
+#include "server/job/comm_id_store.h"
+#include "server/job/event_log.h"
+#include "server/job/pending_waits.h"
+#include "server/job/request_checks.h"
 #include "server/membership/decisions.h"
 #include "server/membership/membership.h"
 #include "server/membership/plan_updates.h"
@@ -96,6 +101,8 @@ class Job {
   }
   absl::Duration join_timeout() const { return join_timeout_; }
 
+  // ---- Membership and rounds (job_rounds.cc) ----
+
   // Rendezvous (the contract in docs/coordinator.md). `done` gets the JoinResponse once
   // every rank has joined this generation; a Join of a RUNNING elastic job (a replacement, see
   // Membership::Join) is answered at once with its admission_step. Or:
@@ -125,28 +132,6 @@ class Job {
   // a strict job and for anyone but the rank's member.
   void HeartbeatStreamLost(int32_t rank, const std::string& credential);
 
-  // The decision for (rank, step). INVALID_ARGUMENT for a bad rank or step < 0;
-  // FAILED_PRECONDITION for a stale generation or a job that is not RUNNING.
-  absl::Status Step(const v1::StepRequest& request, v1::StepDecision* response);
-
-  // A window of decisions. INVALID_ARGUMENT for from_step < 0, count outside [1, 100000], a bad
-  // rank, or an answer that would exceed kMaxScheduleReplyBytes. `cancelled` (may be null) is
-  // polled while the answer is built: once it says true the call stops with CANCELLED.
-  absl::Status GetSchedule(const v1::GetScheduleRequest& request,
-                           v1::GetScheduleResponse* response,
-                           const std::function<bool()>& cancelled = nullptr);
-
-  // Stores a bootstrap blob for the current generation. INVALID_ARGUMENT (level, subgroup, rank,
-  // key length, empty or oversize blob), FAILED_PRECONDITION (stale generation, job not
-  // RUNNING), PERMISSION_DENIED (rank not in the subgroup), ALREADY_EXISTS (same key, other
-  // bytes; identical bytes are OK).
-  absl::Status PublishCommId(const v1::PublishCommIdRequest& request);
-
-  // Waits for a blob. Errors as PublishCommId, plus DEADLINE_EXCEEDED, ABORTED (generation
-  // changed, job deleted), CANCELLED (CancelWait), UNAVAILABLE (coordinator stops).
-  void GetCommId(const v1::GetCommIdRequest& request, absl::Time call_deadline, WaitId wait_id,
-                 CommIdCallback done);
-
   // Orderly exit of one rank (any generation). INVALID_ARGUMENT for a bad rank,
   // FAILED_PRECONDITION if the rank never joined.
   absl::Status Leave(const v1::LeaveRequest& request, v1::LeaveResponse* response);
@@ -175,13 +160,29 @@ class Job {
     return std::max(2 * heartbeat_timeout(), absl::Seconds(5));
   }
 
-  // Registers a watcher; its first event is a SNAPSHOT. Returns an id for Unwatch.
-  uint64_t Watch(std::shared_ptr<JobWatcher> watcher);
-  void Unwatch(uint64_t watcher_id);
+  // ---- Schedule and plans (job_plans.cc) ----
 
-  // Completes the wait with CANCELLED if it is still pending (no-op otherwise). A cancelled Join
-  // leaves the round so the rank is free again.
-  void CancelWait(WaitId wait_id);
+  // The decision for (rank, step). INVALID_ARGUMENT for a bad rank or step < 0;
+  // FAILED_PRECONDITION for a stale generation or a job that is not RUNNING.
+  absl::Status Step(const v1::StepRequest& request, v1::StepDecision* response);
+
+  // A window of decisions. INVALID_ARGUMENT for from_step < 0, count outside [1, 100000], a bad
+  // rank, or an answer that would exceed kMaxScheduleReplyBytes. `cancelled` (may be null) is
+  // polled while the answer is built: once it says true the call stops with CANCELLED.
+  absl::Status GetSchedule(const v1::GetScheduleRequest& request,
+                           v1::GetScheduleResponse* response,
+                           const std::function<bool()>& cancelled = nullptr);
+
+  // Stores a bootstrap blob for the current generation. INVALID_ARGUMENT (level, subgroup, rank,
+  // key length, empty or oversize blob), FAILED_PRECONDITION (stale generation, job not
+  // RUNNING), PERMISSION_DENIED (rank not in the subgroup), ALREADY_EXISTS (same key, other
+  // bytes; identical bytes are OK).
+  absl::Status PublishCommId(const v1::PublishCommIdRequest& request);
+
+  // Waits for a blob. Errors as PublishCommId, plus DEADLINE_EXCEEDED, ABORTED (generation
+  // changed, job deleted), CANCELLED (CancelWait), UNAVAILABLE (coordinator stops).
+  void GetCommId(const v1::GetCommIdRequest& request, absl::Time call_deadline, WaitId wait_id,
+                 CommIdCallback done);
 
   // A new plan for the RUNNING job (docs/plan-updates.md). `done` gets the switch step once the
   // members answered the proposal (or its deadline passed) and the plan is written. Or:
@@ -194,8 +195,7 @@ class Job {
   //   ABORTED             the job left RUNNING or was deleted while the update was proposed
   void UpdateJob(const v1::UpdateJobRequest& request, UpdateCallback done);
 
-  // Heartbeat timeouts (RUNNING only) and due waits, as of the clock's now. Called periodically.
-  void CheckStaleness();
+  // ---- Operator calls and views (job_views.cc) ----
 
   // The job as the API shows it. When the members would make it larger than `max_bytes`,
   // they are left out and members_omitted is set.
@@ -227,13 +227,27 @@ class Job {
   std::vector<LoggedEvent> RecentEvents() const;
   std::vector<v1::GenerationChange> GenerationHistory() const;
 
+  // Registers a watcher; its first event is a SNAPSHOT. Returns an id for Unwatch.
+  uint64_t Watch(std::shared_ptr<JobWatcher> watcher);
+  void Unwatch(uint64_t watcher_id);
+
+  // ---- Lifecycle (job.cc) ----
+
+  // Heartbeat timeouts (RUNNING only) and due waits, as of the clock's now. Called periodically.
+  void CheckStaleness();
+
+  // Completes the wait with CANCELLED if it is still pending (no-op otherwise). A cancelled Join
+  // leaves the round so the rank is free again.
+  void CancelWait(WaitId wait_id);
+
   // Fails every pending wait with `status` and closes every watcher (ABORTED on DeleteJob,
   // UNAVAILABLE on stop). Later waits fail with `status` at once.
   void Close(const absl::Status& status, bool deleted);
 
  private:
   // Work collected under mu_ and run after it is released: completions in any order, events in
-  // the order they happened (delivery_mu_ keeps batches of concurrent calls in order).
+  // the order they happened (delivery_mu_ keeps batches of concurrent calls in order). Defined in
+  // job_internal.h, which the families share.
   class Outbox;
 
   // How long after a broken HeartbeatStream a member without a beat since is declared dead.
@@ -285,6 +299,10 @@ class Job {
   void FillJoinResponse(int32_t rank, bool with_ranks, v1::JoinResponse* out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string StaleMessage(int64_t generation) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OK when the job takes a call of `rank`'s member now: not closed, not halted, and
+  // `credential` is the member's (Membership::CheckCredential, naming `rpc`).
+  absl::Status CheckMemberCall(int32_t rank, const std::string& credential,
+                               const char* rpc) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ValidateCommRequest(int64_t generation, int32_t plan, int32_t level,
                                    int32_t subgroup, int32_t rank, const std::string& key) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -303,6 +321,9 @@ class Job {
   // The members' smallest step in the current generation (-1 when none reported).
   int64_t MinStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // The state the families share, named here once: what is fixed at creation, then under mu_
+  // the membership, the ids, the plans, the reports, the event log, the pending waits and the
+  // watchers.
   const v1::JobSpec spec_;
   const Schedule schedule_;
   std::atomic<int64_t> heartbeat_timeout_ms_;
@@ -349,4 +370,4 @@ class Job {
 
 }  // namespace modelavg::server
 
-#endif  // MODELAVG_SERVER_CORE_JOB_H_
+#endif  // MODELAVG_SERVER_JOB_JOB_H_

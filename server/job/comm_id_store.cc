@@ -1,4 +1,4 @@
-#include "server/core/comm_id_store.h"
+#include "server/job/comm_id_store.h"
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"

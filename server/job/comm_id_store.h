@@ -1,8 +1,8 @@
 // The communicator bootstrap ids of one job's current generation, keyed by (level, subgroup,
-// key). A plain value class: no lock, no waits, no storage; Job (server/core/job.h) owns one under
+// key). A plain value class: no lock, no waits, no storage; Job (server/job/job.h) owns one under
 // its mutex, clears it when the generation changes and writes what it adds to its StateStore.
-#ifndef MODELAVG_SERVER_CORE_COMM_ID_STORE_H_
-#define MODELAVG_SERVER_CORE_COMM_ID_STORE_H_
+#ifndef MODELAVG_SERVER_JOB_COMM_ID_STORE_H_
+#define MODELAVG_SERVER_JOB_COMM_ID_STORE_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -52,4 +52,4 @@ class CommIdStore {
 
 }  // namespace modelavg::server
 
-#endif  // MODELAVG_SERVER_CORE_COMM_ID_STORE_H_
+#endif  // MODELAVG_SERVER_JOB_COMM_ID_STORE_H_

@@ -1,8 +1,8 @@
 // Checks of a request's own fields against the job's schedule, apart from the job's state: each
 // returns INVALID_ARGUMENT saying what is wrong and what to do, or OK. Pure functions; Job
-// calls them first (server/core/job.h).
-#ifndef MODELAVG_SERVER_CORE_REQUEST_CHECKS_H_
-#define MODELAVG_SERVER_CORE_REQUEST_CHECKS_H_
+// calls them first (server/job/job.h).
+#ifndef MODELAVG_SERVER_JOB_REQUEST_CHECKS_H_
+#define MODELAVG_SERVER_JOB_REQUEST_CHECKS_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -42,4 +42,4 @@ inline constexpr size_t kMaxNonFinitePayloadLength = 64;
 
 }  // namespace modelavg::server
 
-#endif  // MODELAVG_SERVER_CORE_REQUEST_CHECKS_H_
+#endif  // MODELAVG_SERVER_JOB_REQUEST_CHECKS_H_

@@ -1,8 +1,8 @@
 // A job's recent history for people (the status page): its last events and its last generation
 // changes with their reasons, each bounded. Soft state: kept in memory only, begun anew when the
 // coordinator restarts. No lock (the Job's mutex guards it).
-#ifndef MODELAVG_SERVER_CORE_EVENT_LOG_H_
-#define MODELAVG_SERVER_CORE_EVENT_LOG_H_
+#ifndef MODELAVG_SERVER_JOB_EVENT_LOG_H_
+#define MODELAVG_SERVER_JOB_EVENT_LOG_H_
 
 #include <cstdint>
 #include <deque>
@@ -49,4 +49,4 @@ class EventLog {
 
 }  // namespace modelavg::server
 
-#endif  // MODELAVG_SERVER_CORE_EVENT_LOG_H_
+#endif  // MODELAVG_SERVER_JOB_EVENT_LOG_H_

@@ -1,4 +1,4 @@
-#include "server/core/request_checks.h"
+#include "server/job/request_checks.h"
 
 #include <utility>
 
