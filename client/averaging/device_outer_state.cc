@@ -11,7 +11,7 @@
 
 namespace modelavg::client {
 
-DeviceOuterState::DeviceOuterState(NcclDeviceOps* ops, int level, OuterSgd rule,
+DeviceOuterState::DeviceOuterState(DeviceOps* ops, int level, OuterSgd rule,
                                    bool pinned_host)
     : ops_(ops),
       level_(level),
@@ -486,7 +486,7 @@ absl::Status RunDeviceStreamingStep(
   return absl::OkStatus();
 }
 
-DevicePendingSync::DevicePendingSync(NcclDeviceOps* ops, DeviceOuterState* state, bool first)
+DevicePendingSync::DevicePendingSync(DeviceOps* ops, DeviceOuterState* state, bool first)
     : ops_(ops), state_(state), first_(first) {}
 
 DevicePendingSync::~DevicePendingSync() {

@@ -1,7 +1,7 @@
 // The outer optimizer's state of one level on CUDA parameters (DiLoCo on the NCCL path,
 // docs/diloco.md): the device counterpart of OuterLevelState (outer_state.h), whose rule and
 // arithmetic it follows exactly. The host logic only: every device operation goes through
-// NcclDeviceOps (nccl_core.h) — CudaLocalOps (cuda_local_ops.h) on a GPU, a simulated device in
+// DeviceOps (nccl_core.h) — CudaLocalOps (cuda_local_ops.h) on a GPU, a simulated device in
 // the unit tests.
 //
 // Memory: the anchor A and, with momentum, the momentum M, each one buffer of the state dtype
@@ -39,7 +39,7 @@ namespace modelavg::client {
 class OwnedDeviceBuffer {
  public:
   // `pinned_host`: pinned host memory (GrowableBuffer's).
-  explicit OwnedDeviceBuffer(NcclDeviceOps* ops, bool pinned_host = false)
+  explicit OwnedDeviceBuffer(DeviceOps* ops, bool pinned_host = false)
       : ops_(ops), buffer_(pinned_host) {}
   ~OwnedDeviceBuffer() { buffer_.Release(*ops_); }
   OwnedDeviceBuffer(const OwnedDeviceBuffer&) = delete;
@@ -48,14 +48,14 @@ class OwnedDeviceBuffer {
   const GrowableBuffer& buffer() const { return buffer_; }
 
  private:
-  NcclDeviceOps* const ops_;
+  DeviceOps* const ops_;
   GrowableBuffer buffer_;
 };
 
 class DeviceOuterState {
  public:
   // `ops` outlives the state. `level`: for messages.
-  DeviceOuterState(NcclDeviceOps* ops, int level, OuterSgd rule, bool pinned_host);
+  DeviceOuterState(DeviceOps* ops, int level, OuterSgd rule, bool pinned_host);
   ~DeviceOuterState();  // frees its buffers
   DeviceOuterState(const DeviceOuterState&) = delete;
   DeviceOuterState& operator=(const DeviceOuterState&) = delete;
@@ -145,7 +145,7 @@ class DeviceOuterState {
   // Elements of the state's tensors.
   int64_t elems() const;
 
-  NcclDeviceOps* const ops_;
+  DeviceOps* const ops_;
   const int level_;
   OuterSgd rule_;
   const bool pinned_host_;
@@ -219,7 +219,7 @@ absl::Status RunDeviceStreamingStep(
 class DevicePendingSync {
  public:
   // `ops` and `state` outlive it.
-  DevicePendingSync(NcclDeviceOps* ops, DeviceOuterState* state, bool first);
+  DevicePendingSync(DeviceOps* ops, DeviceOuterState* state, bool first);
   ~DevicePendingSync();  // frees the buffer and the stream (after its round has ended)
   DevicePendingSync(const DevicePendingSync&) = delete;
   DevicePendingSync& operator=(const DevicePendingSync&) = delete;
@@ -245,7 +245,7 @@ class DevicePendingSync {
                           absl::Span<const TensorView> result);
 
  private:
-  NcclDeviceOps* const ops_;
+  DeviceOps* const ops_;
   DeviceOuterState* const state_;
   const bool first_;
   GrowableBuffer buffer_;

@@ -27,7 +27,7 @@ constexpr int64_t kHandOverSignature = 0x68616e646f766572;  // "handover"
 // Runs `round` on a device copy of the host buffer that `views` cover (one allocation of
 // `bytes` from views[0]), placed like `like` (device, stream), and copies the result back.
 absl::Status TransferThroughDevice(
-    NcclDeviceOps* ops, const TensorView& like, std::vector<TensorView>& views, size_t bytes,
+    DeviceOps* ops, const TensorView& like, std::vector<TensorView>& views, size_t bytes,
     const std::function<absl::Status(absl::Span<const TensorView>)>& round) {
   GrowableBuffer scratch;
   absl::Status s = scratch.Reserve(*ops, bytes);
@@ -225,7 +225,7 @@ OuterDevice::~OuterDevice() {
   if (gradient_ != nullptr && ops_ != nullptr) gradient_->Release(*ops_);
 }
 
-absl::StatusOr<NcclDeviceOps*> OuterDevice::Ops(const Device& device) {
+absl::StatusOr<DeviceOps*> OuterDevice::Ops(const Device& device) {
 #if MODELAVG_HAVE_CUDA
   if (ops_ == nullptr) {
     ops_ = std::make_unique<CudaLocalOps>(device.index, timeout_);
@@ -247,7 +247,7 @@ absl::StatusOr<NcclDeviceOps*> OuterDevice::Ops(const Device& device) {
 
 absl::StatusOr<DeviceOuterState*> OuterDevice::StateOf(OuterLevelState* state,
                                                        const Device& device) {
-  MODELAVG_ASSIGN_OR_RETURN(NcclDeviceOps * ops, Ops(device));
+  MODELAVG_ASSIGN_OR_RETURN(DeviceOps * ops, Ops(device));
   if (state->device() == nullptr) {
     MODELAVG_RETURN_IF_ERROR(state->AttachDevice(
         std::make_unique<DeviceOuterState>(ops, state->level(), state->rule(), pinned_host_)));
@@ -400,7 +400,7 @@ absl::Status OuterLevel::HandOver(const Decision& decision, Communicator* comm,
     options.check_finite = client_->options().check_finite;
     if (!layout.empty() && layout[0].device.is_cuda()) {
       // An NCCL round: the hand-over travels through a device copy of the buffer.
-      MODELAVG_ASSIGN_OR_RETURN(NcclDeviceOps * ops, device_->Ops(layout[0].device));
+      MODELAVG_ASSIGN_OR_RETURN(DeviceOps * ops, device_->Ops(layout[0].device));
       MODELAVG_RETURN_IF_ERROR(TransferThroughDevice(ops, layout[0], views, buffer.total_bytes(),
                                                      [&](absl::Span<const TensorView> on_device) {
                                                        return comm->AllReduceAverage(

@@ -54,18 +54,18 @@ class OuterDevice {
 
   // The operations on `device`. INVALID_ARGUMENT for another device than the first one's,
   // UNIMPLEMENTED in a build without CUDA.
-  absl::StatusOr<NcclDeviceOps*> Ops(const Device& device);
+  absl::StatusOr<DeviceOps*> Ops(const Device& device);
   // `state`'s device state on `device` (attached at its first CUDA step).
   absl::StatusOr<DeviceOuterState*> StateOf(OuterLevelState* state, const Device& device);
   // Once Ops has succeeded: the operations, the pseudo-gradient, x_local.
-  NcclDeviceOps* ops() const { return ops_.get(); }
+  DeviceOps* ops() const { return ops_.get(); }
   GrowableBuffer* gradient() const { return gradient_.get(); }
   GrowableBuffer* local();
 
  private:
   const absl::Duration timeout_;
   const bool pinned_host_;
-  std::unique_ptr<NcclDeviceOps> ops_;
+  std::unique_ptr<DeviceOps> ops_;
   std::unique_ptr<GrowableBuffer> gradient_;
   std::unique_ptr<OwnedDeviceBuffer> local_;
 };

@@ -1,6 +1,6 @@
 // A simulated CUDA device and NCCL for tests of the NCCL path's host logic (NcclCore and what
 // is built on it) with members as threads, on a machine without a GPU: FakeOps (an
-// NcclDeviceOps) keeps "device" memory on the host, flags any access outside a live allocation
+// DeviceOps) keeps "device" memory on the host, flags any access outside a live allocation
 // (an illegal address on a GPU), and matches the members' collectives through a FakeWorld the way
 // NCCL needs them matched, reporting a mismatch (which NCCL would not detect: a hang or mixed
 // data) or a member that never arrives (a hang). Its ncclAvg arithmetic is NCCL's: inputs are
@@ -42,7 +42,7 @@
 
 namespace modelavg::client {
 
-using FakeReduce = NcclDeviceOps::Reduce;
+using FakeReduce = DeviceOps::Reduce;
 
 // Rounds to what `code` can hold.
 inline double RoundTo(int32_t code, double v) {
@@ -198,7 +198,7 @@ class FakeWorld {
 // event it waits for (if any) has fired; between streams, `policy` picks which ready head runs
 // next, so that a missing event shows as wrong values or an out-of-order run. `log` records the
 // operations as they are enqueued, `exec` as they run.
-class FakeOps : public NcclDeviceOps {
+class FakeOps : public DeviceOps {
  public:
   enum class Policy {
     kCallerFirst,  // the stream being waited on runs whenever it can (others lag)

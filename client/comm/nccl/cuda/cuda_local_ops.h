@@ -1,4 +1,4 @@
-// The device operations of NcclDeviceOps (nccl_device_ops.h) on one CUDA device, without a
+// The device operations of DeviceOps (device_ops.h) on one CUDA device, without a
 // communicator: memory, copies, streams and events, the staging, payload and outer optimizer
 // kernels, and the local wait. What the averager's outer state on CUDA parameters (device_outer_state.h)
 // runs on, apart from any communicator, since that state outlives every generation's
@@ -9,11 +9,11 @@
 #define MODELAVG_CLIENT_COMM_NCCL_CUDA_CUDA_LOCAL_OPS_H_
 
 #include "absl/time/time.h"
-#include "client/comm/nccl/nccl_device_ops.h"
+#include "client/comm/nccl/device_ops.h"
 
 namespace modelavg::client {
 
-class CudaLocalOps : public NcclDeviceOps {
+class CudaLocalOps : public DeviceOps {
  public:
   // Every call runs on CUDA device `device` (restoring the thread's current device after);
   // WaitLocal gives up after `timeout`.

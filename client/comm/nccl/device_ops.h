@@ -1,8 +1,8 @@
-// What the NCCL round (nccl_core.h) needs from CUDA and NCCL, as an interface (NcclDeviceOps):
+// What the NCCL round (nccl_core.h) needs from CUDA and NCCL, as an interface (DeviceOps):
 // NcclCommunicator supplies the real operations (cuda/), tests a simulated device. Also the
 // device buffers that only grow (GrowableBuffer) and the staging chunk table's upload.
-#ifndef MODELAVG_CLIENT_COMM_NCCL_NCCL_DEVICE_OPS_H_
-#define MODELAVG_CLIENT_COMM_NCCL_NCCL_DEVICE_OPS_H_
+#ifndef MODELAVG_CLIENT_COMM_NCCL_DEVICE_OPS_H_
+#define MODELAVG_CLIENT_COMM_NCCL_DEVICE_OPS_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -17,7 +17,7 @@
 namespace modelavg::client {
 
 // What NcclCore needs from CUDA and NCCL. Stream arguments are cudaStream_t.
-class NcclDeviceOps {
+class DeviceOps {
  public:
   enum class Reduce {
     kLayoutMax,  // int64, ncclMax
@@ -26,7 +26,7 @@ class NcclDeviceOps {
     kCommitSum,  // int64, ncclSum
   };
 
-  virtual ~NcclDeviceOps() = default;
+  virtual ~DeviceOps() = default;
   virtual absl::Status Malloc(void** p, size_t bytes) = 0;      // device memory
   virtual void Free(void* p) = 0;
   virtual absl::Status MallocHost(void** p, size_t bytes) = 0;  // pinned host memory
@@ -168,8 +168,8 @@ class GrowableBuffer {
  public:
   explicit GrowableBuffer(bool pinned_host = false) : pinned_host_(pinned_host) {}
   // Ensures capacity() >= bytes; `*grown` says whether it (re)allocated.
-  absl::Status Reserve(NcclDeviceOps& ops, size_t bytes, bool* grown = nullptr);
-  void Release(NcclDeviceOps& ops);
+  absl::Status Reserve(DeviceOps& ops, size_t bytes, bool* grown = nullptr);
+  void Release(DeviceOps& ops);
   void* data() const { return data_; }
   size_t capacity() const { return capacity_; }
 
@@ -182,10 +182,10 @@ class GrowableBuffer {
 // Uploads a staging chunk table to `device` (grown as needed) on `stream`. The upload may read
 // the host table asynchronously: `host` keeps it, unchanged until the next upload (every call
 // waits on the stream before that); it is cleared when the upload fails.
-absl::Status UploadChunkTable(NcclDeviceOps& ops, const std::vector<StagingChunk>& chunks,
+absl::Status UploadChunkTable(DeviceOps& ops, const std::vector<StagingChunk>& chunks,
                               std::vector<StagingChunk>* host, GrowableBuffer* device,
                               void* stream);
 
 }  // namespace modelavg::client
 
-#endif  // MODELAVG_CLIENT_COMM_NCCL_NCCL_DEVICE_OPS_H_
+#endif  // MODELAVG_CLIENT_COMM_NCCL_DEVICE_OPS_H_
