@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "client/averaging/device_outer_state.h"
-#include "client/averaging/outer_state.h"
 #include "client/comm/nccl/nccl_core.h"
+#include "client/outer/device_outer_state.h"
+#include "client/outer/outer_state.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "modelavg/v1/coordinator.pb.h"
@@ -70,7 +70,8 @@ class NcclOuterTest : public ::testing::Test {
         auto state = std::make_unique<OuterLevelState>(l, OuterSgdOf(spec.levels(l)));
         EXPECT_TRUE(state
                         ->AttachDevice(std::make_unique<DeviceOuterState>(
-                            m->device.get(), l, OuterSgdOf(spec.levels(l)), pinned_host))
+                            m->device.get(), m->device.get(), l, OuterSgdOf(spec.levels(l)),
+                            pinned_host))
                         .ok());
         m->outer.push_back(std::move(state));
       }
@@ -300,7 +301,7 @@ TEST_F(NcclOuterTest, StateDictFromTheDevice_LoadedIntoAFreshState_ContinuesExac
     ASSERT_TRUE(fresh->Load(a, &mo).ok());  // host, as load_state_dict leaves it
     ASSERT_TRUE(fresh
                     ->AttachDevice(std::make_unique<DeviceOuterState>(
-                        m->device.get(), 0, OuterSgdOf(spec_.levels(0)), false))
+                        m->device.get(), m->device.get(), 0, OuterSgdOf(spec_.levels(0)), false))
                     .ok());
     EXPECT_TRUE(fresh->has_momentum());
     EXPECT_EQ(fresh->AnchorTensors()[2].bytes, a[2].bytes);
@@ -320,7 +321,7 @@ TEST_F(NcclOuterTest, StateDictFromTheDevice_LoadedIntoAFreshState_ContinuesExac
 
 TEST_F(NcclOuterTest, MixedFloat64AndFloat32_Unimplemented_SayingWhy) {
   FakeOps device(nullptr, 0);
-  DeviceOuterState state(&device, 0, OuterSgd{0.7, 0.9, true}, false);
+  DeviceOuterState state(&device, &device, 0, OuterSgd{0.7, 0.9, true}, false);
   Params p = Params::Separate({{DType::kFloat32, 3}, {DType::kFloat64, 3}});
   const absl::Status s = state.SetAnchor(p.views);
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
@@ -364,8 +365,8 @@ TEST_F(NcclOuterTest, ElasticCommittedRound_JoinerAndLostCommit_EveryMemberFollo
   Member& joiner = *members_[2];
   joiner.outer[0] = std::make_unique<OuterLevelState>(0, rule);
   ASSERT_TRUE(joiner.outer[0]
-                  ->AttachDevice(std::make_unique<DeviceOuterState>(joiner.device.get(), 0,
-                                                                     rule, false))
+                  ->AttachDevice(std::make_unique<DeviceOuterState>(
+                      joiner.device.get(), joiner.device.get(), 0, rule, false))
                   .ok());
   Set(joiner, [](size_t, int64_t) { return 999.0; });
   // The expected values, in double, from member 0's state (equal on 0 and 1) and x_0, x_1.

@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "client/comm/nccl/outer_step_args.h"
 #include "client/payload/payload_codec.h"
 #include "client/payload/staging_layout.h"
 #include "modelavg/common/schedule.h"
@@ -66,38 +65,6 @@ class DeviceOps {
   // ncclCommAbort (once).
   virtual void AbortCommunicator() = 0;
 
-  // The outer optimizer's passes on CUDA parameters (device_outer_state.h), enqueued on `stream`. In
-  // `chunks` (device memory), staging_offset is the element's offset in the state buffers, all of
-  // `state_code` (kStageF32 or kStageF64). OuterDifference: gradient[o + i] := anchor[o + i] -
-  // tensor[i]; OuterStep: the SGD step of OuterStepArgs, then tensor[i] := anchor[o + i].
-  virtual absl::Status OuterDifference(const StagingChunk* /*chunks*/, int64_t /*num_chunks*/,
-                                       const void* /*anchor*/, void* /*gradient*/,
-                                       int32_t /*state_code*/, void* /*stream*/) {
-    return absl::UnimplementedError("this device has no outer optimizer kernels");
-  }
-  virtual absl::Status OuterStep(const StagingChunk* /*chunks*/, int64_t /*num_chunks*/,
-                                 const OuterStepArgs& /*args*/, void* /*stream*/) {
-    return absl::UnimplementedError("this device has no outer optimizer kernels");
-  }
-  // Streaming sync's mix (Level.mix): tensor[i] := (1 - mix) * tensor[i] + mix * local[o + i]
-  // in double, rounded once to the tensor's dtype; `local` in the state dtype `state_code`.
-  virtual absl::Status OuterMix(const StagingChunk* /*chunks*/, int64_t /*num_chunks*/,
-                                const void* /*local*/, int32_t /*state_code*/, double /*mix*/,
-                                void* /*stream*/) {
-    return absl::UnimplementedError("this device has no outer optimizer kernels");
-  }
-  // Error feedback (Level.error_feedback, docs/streaming.md) on `n` float32 elements, enqueued
-  // on `stream`, with the host's arithmetic (OuterLevelState::AddResidual, NextResidual).
-  // FeedbackAdd: u[i] := fl32(beta * e[i] + u[i]), the product and the sum in double.
-  virtual absl::Status FeedbackAdd(float* /*u*/, const float* /*e*/, int64_t /*n*/,
-                                   double /*beta*/, void* /*stream*/) {
-    return absl::UnimplementedError("this device has no error feedback kernels");
-  }
-  // FeedbackResidual: e[i] := u[i] - c[i] in float32 (c: decode(encode(u))).
-  virtual absl::Status FeedbackResidual(const float* /*u*/, const float* /*c*/, int64_t /*n*/,
-                                        float* /*e*/, void* /*stream*/) {
-    return absl::UnimplementedError("this device has no error feedback kernels");
-  }
   // Compressed payloads (RoundOptions::payload and topk, client/payload/payload_codec.h),
   // enqueued on `stream`. A buffer of `numel` float32 elements is cut into `parts` parts of
   // `part` elements (the last ones zero-padded); part j's encoding in `format` lies at byte
