@@ -4,7 +4,8 @@
 // rounds on NcclCore over a FakeWorld per (level, subgroup). Every member, every step, against
 // the independent double-precision restatement of the rule in tests/reference/outer_reference.h
 // (the trace worker's synthetic update, here applied to every element with a per-element offset,
-// which the rule carries along unchanged). Runs without a GPU; tests/gpu runs the kernels.
+// which the rule carries along unchanged). And the device those states live on (OuterDevice).
+// Runs without a GPU; tests/gpu runs the kernels.
 #include <cmath>
 #include <map>
 #include <memory>
@@ -14,8 +15,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "client/comm/nccl/nccl_core.h"
 #include "client/outer/device_outer_state.h"
+#include "client/outer/outer_device.h"
 #include "client/outer/outer_state.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -460,6 +463,42 @@ TEST_F(NcclOuterTest, RoundFails_StateAndParametersUnchanged) {
     EXPECT_EQ(m.outer[0]->AnchorTensors()[t].bytes, a[t].bytes);
     EXPECT_EQ(m.outer[0]->MomentumTensors()[t].bytes, mo[t].bytes);
   }
+}
+
+// The device the averager's outer states live on: none in a build without CUDA (a clear error,
+// nothing attached); else the one it is given opens once, and a second device is refused.
+TEST(OuterDeviceTest, NoDeviceGiven_Unimplemented_NamingTheBuildOption) {
+  OuterDevice device(absl::Seconds(1), /*pinned_host=*/false, nullptr);
+  OuterLevelState state(0, OuterSgd{0.7, 0.9, true});
+  const absl::StatusOr<DeviceOuterState*> on = device.StateOf(&state, Device::Cuda(0));
+  EXPECT_EQ(on.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(on.status().message(), HasSubstr("MODELAVG_WITH_CUDA=ON"));
+  EXPECT_EQ(state.device(), nullptr);
+}
+
+TEST(OuterDeviceTest, OpensItsDeviceOnce_AnotherDevice_InvalidArgument) {
+  std::vector<int> opened;
+  OuterDevice device(absl::Seconds(1), /*pinned_host=*/false,
+                     [&](int index, absl::Duration) -> absl::StatusOr<LocalDevice> {
+                       opened.push_back(index);
+                       LocalDevice d;
+                       d.ops = std::make_unique<FakeOps>(nullptr, 0);
+                       d.kernels = std::make_unique<FakeOps>(nullptr, 0);
+                       return d;
+                     });
+  OuterLevelState a(0, OuterSgd{0.7, 0.9, true});
+  OuterLevelState b(1, OuterSgd{0.7, 0.0, false});
+  OuterLevelState c(2, OuterSgd{0.7, 0.0, false});
+  ASSERT_TRUE(device.StateOf(&a, Device::Cuda(1)).ok());
+  ASSERT_TRUE(device.StateOf(&b, Device::Cuda(1)).ok());
+  EXPECT_NE(a.device(), nullptr);
+  EXPECT_NE(b.device(), nullptr);
+  EXPECT_EQ(opened, std::vector<int>{1});
+  const absl::StatusOr<DeviceOuterState*> other = device.StateOf(&c, Device::Cuda(0));
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(other.status().message(), HasSubstr("cuda:1"));
+  EXPECT_EQ(c.device(), nullptr);
+  EXPECT_EQ(opened, std::vector<int>{1});
 }
 
 }  // namespace
