@@ -12,15 +12,29 @@
 #include "client/averaging/checkpoint.h"
 #include "client/averaging/fragments.h"
 #include "client/averaging/outer_level.h"
-#include "client/averaging/outer_state.h"
 #include "client/averaging/round_runner.h"
 #include "client/averaging/streaming_level.h"
 #include "client/base/error_kind.h"
+#if MODELAVG_HAVE_CUDA
+#include "client/outer/cuda/cuda_outer_device.h"
+#endif
+#include "client/outer/outer_device.h"
+#include "client/outer/outer_state.h"
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
 
 namespace modelavg::client {
 namespace {
+
+// The device the outer states of CUDA parameters run on: the CUDA device's operations and the
+// outer optimizer's kernels, or none in a build without CUDA.
+LocalDeviceFactory LocalDevices() {
+#if MODELAVG_HAVE_CUDA
+  return OpenCudaOuterDevice;
+#else
+  return nullptr;
+#endif
+}
 
 // All host, or all CUDA on one device. INVALID_ARGUMENT naming the first odd tensor otherwise.
 absl::StatusOr<Device> CommonDevice(absl::Span<const TensorView> params) {
@@ -47,7 +61,8 @@ class ModelAverager::Parts {
   Parts(Client* client, const AveragerOptions& options)
       : client_(client),
         device_(client->options().collective_timeout,
-                options.backup_device == AveragerOptions::BackupDevice::kHost),
+                options.backup_device == AveragerOptions::BackupDevice::kHost,
+                LocalDevices()),
         rounds_(client, &traffic_,
                 RoundRunner::Hooks{
                     [this](const Decision& decision, Communicator* comm,

@@ -13,8 +13,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/averaging/outer_level.h"
-#include "client/averaging/outer_state.h"
 #include "client/averaging/streaming_level.h"
+#include "client/outer/outer_state.h"
 #include "modelavg/client/averager.h"
 #include "modelavg/client/client.h"
 

@@ -10,9 +10,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/averaging/fragments.h"
-#if MODELAVG_HAVE_CUDA
-#include "client/comm/nccl/cuda/cuda_local_ops.h"
-#endif
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
 
@@ -23,29 +20,6 @@ namespace {
 // (the outer states), which the members agree on afresh in every such round, so that the
 // communicator's agreed layout stays the parameters' (client/comm/round_agreement.h).
 constexpr int64_t kHandOverSignature = 0x68616e646f766572;  // "handover"
-
-// Runs `round` on a device copy of the host buffer that `views` cover (one allocation of
-// `bytes` from views[0]), placed like `like` (device, stream), and copies the result back.
-absl::Status TransferThroughDevice(
-    NcclDeviceOps* ops, const TensorView& like, std::vector<TensorView>& views, size_t bytes,
-    const std::function<absl::Status(absl::Span<const TensorView>)>& round) {
-  GrowableBuffer scratch;
-  absl::Status s = scratch.Reserve(*ops, bytes);
-  char* host = static_cast<char*>(views[0].data);
-  std::vector<TensorView> on_device = views;
-  for (TensorView& v : on_device) {
-    if (v.data != nullptr) v.data = static_cast<char*>(scratch.data()) + (static_cast<char*>(v.data) - host);
-    v.device = like.device;
-    v.cuda_stream = like.cuda_stream;
-  }
-  if (s.ok()) s = ops->Copy(scratch.data(), host, bytes, like.cuda_stream);
-  if (s.ok()) s = ops->WaitLocal(like.cuda_stream, "copying the outer state to the device");
-  if (s.ok()) s = round(on_device);
-  if (s.ok()) s = ops->Copy(host, scratch.data(), bytes, like.cuda_stream);
-  if (s.ok()) s = ops->WaitLocal(like.cuda_stream, "copying the outer state from the device");
-  scratch.Release(*ops);
-  return s;
-}
 
 // An outer state to hand over at an admission, with the parameter tensors it covers: a whole
 // outer level all of them, a streaming level's fragment its run of tensors (docs/streaming.md).
@@ -60,7 +34,7 @@ struct StateHandOver {
                         : absl::StrCat("level ", state->level(), " fragment ", fragment);
   }
   // Its tensors in the hand-over buffer: the anchor's, then with momentum the momentum's.
-  size_t Width() const { return state->rule().momentum != 0 ? 2 * n : n; }
+  size_t Width() const { return state->keeps_momentum() ? 2 * n : n; }
 };
 
 // Every outer state to hand over, for the parameters `all`: the whole levels of `outer`, and
@@ -118,7 +92,7 @@ std::vector<TensorView> HandOverShape(const std::vector<StateHandOver>& hand_ove
   shape[0].numel = static_cast<int64_t>(2 * hand_overs.size());
   shape[0].dtype = DType::kFloat64;
   for (const StateHandOver& h : hand_overs) {
-    const int copies = h.state->rule().momentum != 0 ? 2 : 1;
+    const int copies = h.state->keeps_momentum() ? 2 : 1;
     for (int c = 0; c < copies; ++c) {
       for (size_t i = h.first; i < h.first + h.n; ++i) {
         TensorView v;
@@ -218,46 +192,6 @@ std::vector<std::unique_ptr<OuterLevelState>>& FragmentsOf(FragmentStates& state
     }
   }
   return fragments;
-}
-
-OuterDevice::~OuterDevice() {
-  local_.reset();
-  if (gradient_ != nullptr && ops_ != nullptr) gradient_->Release(*ops_);
-}
-
-absl::StatusOr<NcclDeviceOps*> OuterDevice::Ops(const Device& device) {
-#if MODELAVG_HAVE_CUDA
-  if (ops_ == nullptr) {
-    ops_ = std::make_unique<CudaLocalOps>(device.index, timeout_);
-    gradient_ = std::make_unique<GrowableBuffer>();
-  }
-  const int on = static_cast<CudaLocalOps*>(ops_.get())->device();
-  if (on != device.index) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the parameters are on ", device.ToString(), " but this averager's outer state is on cuda:",
-        on, ": keep the model on one device (or make a new averager)"));
-  }
-  return ops_.get();
-#else
-  return absl::UnimplementedError(absl::StrCat(
-      "the parameters are on ", device.ToString(),
-      " but this build of modelavg has no CUDA support (configure with -DMODELAVG_WITH_CUDA=ON)"));
-#endif
-}
-
-absl::StatusOr<DeviceOuterState*> OuterDevice::StateOf(OuterLevelState* state,
-                                                       const Device& device) {
-  MODELAVG_ASSIGN_OR_RETURN(NcclDeviceOps * ops, Ops(device));
-  if (state->device() == nullptr) {
-    MODELAVG_RETURN_IF_ERROR(state->AttachDevice(
-        std::make_unique<DeviceOuterState>(ops, state->level(), state->rule(), pinned_host_)));
-  }
-  return state->device();
-}
-
-GrowableBuffer* OuterDevice::local() {
-  if (local_ == nullptr) local_ = std::make_unique<OwnedDeviceBuffer>(ops_.get());
-  return local_->get();
 }
 
 OuterLevel::OuterLevel(Client* client, OuterDevice* device, OuterBuffer* pseudo_gradient,
@@ -400,12 +334,10 @@ absl::Status OuterLevel::HandOver(const Decision& decision, Communicator* comm,
     options.check_finite = client_->options().check_finite;
     if (!layout.empty() && layout[0].device.is_cuda()) {
       // An NCCL round: the hand-over travels through a device copy of the buffer.
-      MODELAVG_ASSIGN_OR_RETURN(NcclDeviceOps * ops, device_->Ops(layout[0].device));
-      MODELAVG_RETURN_IF_ERROR(TransferThroughDevice(ops, layout[0], views, buffer.total_bytes(),
-                                                     [&](absl::Span<const TensorView> on_device) {
-                                                       return comm->AllReduceAverage(
-                                                           on_device, options, nullptr);
-                                                     }));
+      MODELAVG_RETURN_IF_ERROR(device_->RoundThroughDevice(
+          layout[0], views, buffer.total_bytes(), [&](absl::Span<const TensorView> on_device) {
+            return comm->AllReduceAverage(on_device, options, nullptr);
+          }));
     } else {
       MODELAVG_RETURN_IF_ERROR(comm->AllReduceAverage(views, options, nullptr));
     }

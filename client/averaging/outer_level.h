@@ -1,8 +1,8 @@
 // The outer levels of an averager (DiLoCo, docs/diloco.md): a level with an outer optimizer
 // averages the pseudo-gradient (anchor - parameters) and steps its anchor with PyTorch's SGD on
 // the result, on host or CUDA parameters; at an elastic admission every outer state is handed
-// to the replacements inside the round. And the device the outer states of CUDA parameters live
-// on (OuterDevice), which the streaming levels share.
+// to the replacements inside the round. The outer states and the device they live on
+// (OuterDevice, shared with the streaming levels) are client/outer/'s.
 //
 // Not thread-safe: ModelAverager calls them under its mutex.
 #ifndef MODELAVG_CLIENT_AVERAGING_OUTER_LEVEL_H_
@@ -13,13 +13,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "client/averaging/device_outer_state.h"
-#include "client/averaging/outer_state.h"
 #include "client/averaging/round_runner.h"
 #include "client/comm/communicator.h"
-#include "client/comm/nccl/nccl_core.h"
+#include "client/outer/outer_device.h"
+#include "client/outer/outer_state.h"
 #include "modelavg/client/client.h"
 #include "modelavg/client/tensor.h"
 #include "modelavg/common/schedule.h"
@@ -38,37 +36,6 @@ using FragmentStates = std::vector<std::vector<std::unique_ptr<OuterLevelState>>
 // The states of `level`'s fragments (`spec` is the level's), made fresh when there are none.
 std::vector<std::unique_ptr<OuterLevelState>>& FragmentsOf(FragmentStates& states, int level,
                                                           const ScheduleLevel& spec);
-
-// CUDA parameters with outer levels: the device operations their states run on (made at the
-// first use, on that device), the pseudo-gradient on the device (shared by the levels: one step
-// runs at a time), and a streaming level's copy of the parameters on the device (x_local of a
-// mix). Freed after the states that were allocated with them.
-class OuterDevice {
- public:
-  // `timeout`: of a device wait; `pinned_host`: AveragerOptions::backup_device is kHost.
-  OuterDevice(absl::Duration timeout, bool pinned_host)
-      : timeout_(timeout), pinned_host_(pinned_host) {}
-  ~OuterDevice();
-  OuterDevice(const OuterDevice&) = delete;
-  OuterDevice& operator=(const OuterDevice&) = delete;
-
-  // The operations on `device`. INVALID_ARGUMENT for another device than the first one's,
-  // UNIMPLEMENTED in a build without CUDA.
-  absl::StatusOr<NcclDeviceOps*> Ops(const Device& device);
-  // `state`'s device state on `device` (attached at its first CUDA step).
-  absl::StatusOr<DeviceOuterState*> StateOf(OuterLevelState* state, const Device& device);
-  // Once Ops has succeeded: the operations, the pseudo-gradient, x_local.
-  NcclDeviceOps* ops() const { return ops_.get(); }
-  GrowableBuffer* gradient() const { return gradient_.get(); }
-  GrowableBuffer* local();
-
- private:
-  const absl::Duration timeout_;
-  const bool pinned_host_;
-  std::unique_ptr<NcclDeviceOps> ops_;
-  std::unique_ptr<GrowableBuffer> gradient_;
-  std::unique_ptr<OwnedDeviceBuffer> local_;
-};
 
 class OuterLevel {
  public:

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/averaging/device_outer_state.h"
 #include "client/averaging/streaming_level.h"
 #include "client/comm/communicator_cache.h"
+#include "client/outer/device_outer_state.h"
 #include "client/payload/payload_codec.h"
 #include "common/status_util.h"
 
@@ -86,7 +86,7 @@ absl::StatusOr<Decision> StreamingLevel::StartDevice(const Decision& decision,
   }
   std::unique_ptr<PendingSync> p = NewPendingSync(decision, state, first);
   p->comm = *comm;
-  p->device = std::make_unique<DevicePendingSync>(device_->ops(), state->device(), first);
+  p->device = device_->NewPendingSync(state->device(), first);
   // Error feedback, as on the host (StreamingLevel::Start): U = beta * E + D is sent, and the
   // state takes E := U - decode(encode(U)) once the round starts, the one before kept to be
   // restored if the sync is not applied. A replacement contributes nothing and keeps none.
@@ -135,7 +135,7 @@ absl::Status StreamingLevel::ApplyDevice(PendingSync* p, absl::Span<const Tensor
     // here only for a fragment of CUDA tensors).
     MODELAVG_ASSIGN_OR_RETURN(DeviceOuterState * on_device,
                               device_->StateOf(p->state, fragment[0].device));
-    p->device = std::make_unique<DevicePendingSync>(device_->ops(), on_device, p->first);
+    p->device = device_->NewPendingSync(on_device, p->first);
     MODELAVG_RETURN_IF_ERROR(p->device->LoadResult(fragment, p->buffer->Views()));
   } else if (!fragment.empty() && fragment[0].device.is_host()) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -1,9 +1,9 @@
 // The outer optimizer on CUDA parameters (DiLoCo on the NCCL path) on one GPU: the device
-// kernels (nccl_outer_kernels.cu, through CudaLocalOps and DeviceOuterState) against the host
-// implementation (OuterLevelState, which tests/integration/client_outer_test checks against a
-// naive restatement of the rule) bit for bit, every step, every dtype, with the state on the
-// device and in pinned host memory (backup_device), and one element against a naive double
-// restatement of the rule; then the averager end to end on a one-rank job through a
+// kernels (client/outer/cuda/outer_kernels.cu, through CudaOuterKernels and DeviceOuterState)
+// against the host implementation (OuterLevelState, which tests/integration/client_outer_test
+// checks against a naive restatement of the rule) bit for bit, every step, every dtype, with the
+// state on the device and in pinned host memory (backup_device), and one element against a
+// naive double restatement of the rule; then the averager end to end on a one-rank job through a
 // coordinator. NCCL refuses two ranks on one GPU, so every round averages one member: the
 // members' arithmetic is covered on the host by tests/unit/client_nccl_outer_test.cc.
 #include <cuda_runtime_api.h>
@@ -18,10 +18,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "client/averaging/device_outer_state.h"
-#include "client/averaging/outer_state.h"
 #include "client/comm/nccl/cuda/cuda_local_ops.h"
 #include "client/comm/nccl/cuda/nccl_communicator.h"
+#include "client/outer/cuda/cuda_outer_device.h"
+#include "client/outer/device_outer_state.h"
+#include "client/outer/outer_state.h"
 #include "client/payload/staging_layout.h"
 #include "gtest/gtest.h"
 #include "tests/gpu/cuda_device_test.h"
@@ -74,7 +75,8 @@ TEST_P(NcclOuterGpuTest, DeviceOuterSteps_EqualTheHostImplementationBitForBit) {
   auto comm = NcclCommunicator::CreateWithId(id, 0, 1, 0, absl::Seconds(60), nullptr);
   ASSERT_TRUE(comm.ok()) << comm.status();
   CudaLocalOps ops(0, absl::Seconds(60));
-  auto device_state = std::make_unique<DeviceOuterState>(&ops, 0, rule, c.pinned);
+  CudaOuterKernels kernels(0);
+  auto device_state = std::make_unique<DeviceOuterState>(&ops, &kernels, 0, rule, c.pinned);
   GrowableBuffer gradient;
   OuterLevelState host_state(0, rule);
   OuterBuffer host_gradient;

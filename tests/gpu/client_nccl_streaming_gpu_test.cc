@@ -21,6 +21,7 @@
 #include "client/comm/nccl/cuda/cuda_local_ops.h"
 #include "client/comm/nccl/cuda/nccl_communicator.h"
 #include "client/comm/nccl/cuda/payload_kernels.h"
+#include "client/outer/cuda/cuda_outer_device.h"
 #include "client/payload/payload_codec.h"
 #include "client/payload/staging_layout.h"
 #include "gtest/gtest.h"
@@ -227,7 +228,7 @@ TEST_F(NcclStreamingGpuTest, PayloadKernels_RandomInputs_EqualEncodePayload) {
 }
 
 TEST_F(NcclStreamingGpuTest, MixKernel_EqualsTheHostFormula_EveryDType) {
-  CudaLocalOps ops(0, absl::Seconds(30));
+  CudaOuterKernels kernels(0);
   for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64}) {
     SCOPED_TRACE(std::string(DTypeName(dtype)));
     const int64_t n = 3 * kStagingChunkElems + 17;
@@ -244,9 +245,9 @@ TEST_F(NcclStreamingGpuTest, MixKernel_EqualsTheHostFormula_EveryDType) {
     const StagingLayout layout = BuildStagingLayout({view}, state, /*pad=*/false);
     void* d_chunks = Upload(layout.chunks);
     const double mix = 0.3;
-    ASSERT_TRUE(ops.OuterMix(static_cast<const StagingChunk*>(d_chunks),
-                             static_cast<int64_t>(layout.chunks.size()), d_local, state, mix,
-                             stream_)
+    ASSERT_TRUE(kernels.OuterMix(static_cast<const StagingChunk*>(d_chunks),
+                                 static_cast<int64_t>(layout.chunks.size()), d_local, state, mix,
+                                 stream_)
                     .ok());
     const std::vector<char> got = Download<char>(d_x, x.size());
     for (int64_t i = 0; i < n; ++i) {

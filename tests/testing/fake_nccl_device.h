@@ -1,15 +1,15 @@
 // A simulated CUDA device and NCCL for tests of the NCCL path's host logic (NcclCore and what
-// is built on it) with members as threads, on a machine without a GPU: FakeOps (an
-// NcclDeviceOps) keeps "device" memory on the host, flags any access outside a live allocation
-// (an illegal address on a GPU), and matches the members' collectives through a FakeWorld the way
-// NCCL needs them matched, reporting a mismatch (which NCCL would not detect: a hang or mixed
-// data) or a member that never arrives (a hang). Its ncclAvg arithmetic is NCCL's: inputs are
-// pre-multiplied by 1/n rounded to the reduction dtype (1/d for a round divided by d). Work
-// enqueued on a stream runs when the host waits, in stream order, with events between streams,
-// in one of two adversarial orders (FakeOps::Policy), so that a missing dependency shows. It logs
-// every operation as enqueued and as run, so that a test can count what a call costs. A
-// FakeWorld can be aborted, as a generation move aborts the peers' collectives. Params is host
-// memory standing in for one member's CUDA tensors.
+// is built on it) with members as threads, on a machine without a GPU: FakeOps (a DeviceOps, and
+// the outer optimizer's OuterKernels) keeps "device" memory on the host, flags any access outside
+// a live allocation (an illegal address on a GPU), and matches the members' collectives through
+// a FakeWorld the way NCCL needs them matched, reporting a mismatch (which NCCL would not
+// detect: a hang or mixed data) or a member that never arrives (a hang). Its ncclAvg arithmetic
+// is NCCL's: inputs are pre-multiplied by 1/n rounded to the reduction dtype (1/d for a round
+// divided by d). Work enqueued on a stream runs when the host waits, in stream order, with
+// events between streams, in one of two adversarial orders (FakeOps::Policy), so that a missing
+// dependency shows. It logs every operation as enqueued and as run, so that a test can count
+// what a call costs. A FakeWorld can be aborted, as a generation move aborts the peers'
+// collectives. Params is host memory standing in for one member's CUDA tensors.
 #ifndef MODELAVG_TESTS_TESTING_FAKE_NCCL_DEVICE_H_
 #define MODELAVG_TESTS_TESTING_FAKE_NCCL_DEVICE_H_
 
@@ -33,6 +33,7 @@
 #include "absl/time/time.h"
 #include "client/comm/finite_check.h"
 #include "client/comm/nccl/nccl_core.h"
+#include "client/outer/outer_kernels.h"
 #include "client/payload/finite_scan.h"
 #include "client/payload/payload_codec.h"
 #include "client/payload/staging_layout.h"
@@ -42,7 +43,7 @@
 
 namespace modelavg::client {
 
-using FakeReduce = NcclDeviceOps::Reduce;
+using FakeReduce = DeviceOps::Reduce;
 
 // Rounds to what `code` can hold.
 inline double RoundTo(int32_t code, double v) {
@@ -198,7 +199,7 @@ class FakeWorld {
 // event it waits for (if any) has fired; between streams, `policy` picks which ready head runs
 // next, so that a missing event shows as wrong values or an out-of-order run. `log` records the
 // operations as they are enqueued, `exec` as they run.
-class FakeOps : public NcclDeviceOps {
+class FakeOps : public DeviceOps, public OuterKernels {
  public:
   enum class Policy {
     kCallerFirst,  // the stream being waited on runs whenever it can (others lag)
@@ -385,7 +386,8 @@ class FakeOps : public NcclDeviceOps {
       return absl::OkStatus();
     });
   }
-  // Error feedback's passes (nccl_outer_kernels.cu), with the host's arithmetic.
+  // Error feedback's passes (OuterKernels: client/outer/cuda/outer_kernels.cu), with the host's
+  // arithmetic.
   absl::Status FeedbackAdd(float* u, const float* e, int64_t n, double beta,
                            void* stream) override {
     log.push_back("feedback_add");
@@ -445,8 +447,8 @@ class FakeOps : public NcclDeviceOps {
     return Drain(stream);
   }
   void AbortCommunicator() override { aborted = true; }
-  // The outer optimizer's kernels (nccl_outer_kernels.cu), element by element with the same
-  // arithmetic: every operation in the state dtype S, rounded on its own.
+  // The outer optimizer's kernels (OuterKernels: client/outer/cuda/outer_kernels.cu), element by
+  // element with the same arithmetic: every operation in the state dtype S, rounded on its own.
   absl::Status OuterDifference(const StagingChunk* chunks, int64_t n, const void* anchor,
                                void* gradient, int32_t code, void* stream) override {
     log.push_back("outer_difference");
@@ -688,25 +690,28 @@ class FakeOps : public NcclDeviceOps {
   }
   template <typename S>
   absl::Status SgdStep(const StagingChunk* chunks, int64_t n, const OuterStepArgs& args) {
-    const S lr = static_cast<S>(args.lr);
-    const S mu = static_cast<S>(args.momentum_factor);
+    if (args.rule.kind != OuterRuleKind::kSgd) {
+      return absl::UnimplementedError("the simulated device restates the SGD rule only");
+    }
+    const S lr = static_cast<S>(args.rule.lr);
+    const S mu = static_cast<S>(args.rule.momentum);
     for (int64_t c = 0; c < n; ++c) {
       const StagingChunk& ch = chunks[c];
       const size_t end = (ch.staging_offset + ch.numel) * sizeof(S);
       if (!Live(args.gradient, end) || !Live(args.anchor, end) ||
-          (args.momentum_factor != 0 && !Live(args.momentum, end))) {
+          (args.rule.momentum != 0 && !Live(args.momentum, end))) {
         return Illegal("outer state buffer");
       }
       const S* d = static_cast<const S*>(args.gradient) + ch.staging_offset;
       S* a = static_cast<S*>(args.anchor) + ch.staging_offset;
-      S* m = args.momentum_factor != 0 ? static_cast<S*>(args.momentum) + ch.staging_offset
-                                       : nullptr;
+      S* m = args.rule.momentum != 0 ? static_cast<S*>(args.momentum) + ch.staging_offset
+                                      : nullptr;
       for (int64_t i = 0; i < ch.numel; ++i) {
         S g = d[i];
         if (m != nullptr) {
           const S buf = args.momentum_set ? static_cast<S>(m[i] * mu) + d[i] : d[i];
           m[i] = buf;
-          g = args.nesterov ? d[i] + static_cast<S>(mu * buf) : buf;
+          g = args.rule.nesterov ? d[i] + static_cast<S>(mu * buf) : buf;
         }
         a[i] = a[i] + static_cast<S>(-lr * g);
         StoreAs(ch.tensor, ch.tensor_dtype, i, a[i]);

@@ -39,7 +39,7 @@ namespace {
 
 using ::modelavg::testing::NaivePayloadRoundTrip;
 using ::testing::HasSubstr;
-using Reduce = NcclDeviceOps::Reduce;
+using Reduce = DeviceOps::Reduce;
 
 class NcclCoreTest : public ::testing::Test {
  protected:

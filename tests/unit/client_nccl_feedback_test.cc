@@ -25,15 +25,15 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "client/averaging/device_outer_state.h"
-#include "client/averaging/outer_state.h"
 #include "client/base/half.h"
 #include "client/comm/nccl/nccl_core.h"
+#include "client/outer/device_outer_state.h"
+#include "client/outer/outer_state.h"
 #include "client/payload/payload_codec.h"
 #include "gtest/gtest.h"
+#include "tests/reference/naive_payload.h"
 #include "tests/testing/fake_nccl_device.h"
 #include "tests/testing/fake_nccl_group.h"
-#include "tests/reference/naive_payload.h"
 
 namespace modelavg::client {
 namespace {
@@ -111,8 +111,8 @@ class NcclFeedbackTest : public ::testing::TestWithParam<Case> {
       member->params = Params::Separate(spec);
       OuterSgd rule;
       rule.lr = 1.0;  // A := A - R, exact in float32: the restatement needs no SGD arithmetic
-      member->state = std::make_unique<DeviceOuterState>(member->device.get(), 0, rule,
-                                                         GetParam().pinned_host);
+      member->state = std::make_unique<DeviceOuterState>(
+          member->device.get(), member->device.get(), 0, rule, GetParam().pinned_host);
       int64_t e = 0;
       for (const TensorView& v : member->params.views) {
         for (int64_t i = 0; i < v.numel; ++i, ++e) {
@@ -311,7 +311,7 @@ TEST(DeviceResidual, StateDictRoundTrip_AndItsErrors) {
   }
   OuterSgd rule;
   rule.lr = 1.0;
-  DeviceOuterState state(&ops, 0, rule, /*pinned_host=*/false);
+  DeviceOuterState state(&ops, &ops, 0, rule, /*pinned_host=*/false);
   std::vector<StateTensor> e(2);
   for (size_t t = 0; t < 2; ++t) {
     e[t].dtype = DType::kFloat32;
@@ -365,7 +365,8 @@ TEST(DeviceResidual, AttachDevice_TakesTheHostResidualOver) {
   std::memcpy(residual[0].bytes.data(), r.data(), 24);
   ASSERT_TRUE(level.Load(anchor, nullptr).ok());
   ASSERT_TRUE(level.LoadResidual(residual).ok());
-  ASSERT_TRUE(level.AttachDevice(std::make_unique<DeviceOuterState>(&ops, 0, rule, false)).ok());
+  ASSERT_TRUE(
+      level.AttachDevice(std::make_unique<DeviceOuterState>(&ops, &ops, 0, rule, false)).ok());
   ASSERT_NE(level.device(), nullptr);
   EXPECT_TRUE(level.device()->has_residual());
   EXPECT_TRUE(level.has_residual());
@@ -387,7 +388,8 @@ TEST(DeviceResidual, Replacement_StartsWithoutResidual) {
     auto member = std::make_unique<Member>();
     member->device = std::make_unique<FakeOps>(nullptr, m);
     member->params = Params::Separate({{DType::kFloat32, 2000}});
-    member->state = std::make_unique<DeviceOuterState>(member->device.get(), 0, rule, false);
+    member->state = std::make_unique<DeviceOuterState>(member->device.get(), member->device.get(),
+                                                       0, rule, false);
     for (int64_t i = 0; i < 2000; ++i) {
       static_cast<float*>(member->params.views[0].data)[i] = Update(m, 0, i);
     }

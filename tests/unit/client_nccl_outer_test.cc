@@ -4,7 +4,8 @@
 // rounds on NcclCore over a FakeWorld per (level, subgroup). Every member, every step, against
 // the independent double-precision restatement of the rule in tests/reference/outer_reference.h
 // (the trace worker's synthetic update, here applied to every element with a per-element offset,
-// which the rule carries along unchanged). Runs without a GPU; tests/gpu runs the kernels.
+// which the rule carries along unchanged). And the device those states live on (OuterDevice).
+// Runs without a GPU; tests/gpu runs the kernels.
 #include <cmath>
 #include <map>
 #include <memory>
@@ -14,9 +15,11 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "client/averaging/device_outer_state.h"
-#include "client/averaging/outer_state.h"
+#include "absl/time/time.h"
 #include "client/comm/nccl/nccl_core.h"
+#include "client/outer/device_outer_state.h"
+#include "client/outer/outer_device.h"
+#include "client/outer/outer_state.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "modelavg/v1/coordinator.pb.h"
@@ -70,7 +73,8 @@ class NcclOuterTest : public ::testing::Test {
         auto state = std::make_unique<OuterLevelState>(l, OuterSgdOf(spec.levels(l)));
         EXPECT_TRUE(state
                         ->AttachDevice(std::make_unique<DeviceOuterState>(
-                            m->device.get(), l, OuterSgdOf(spec.levels(l)), pinned_host))
+                            m->device.get(), m->device.get(), l, OuterSgdOf(spec.levels(l)),
+                            pinned_host))
                         .ok());
         m->outer.push_back(std::move(state));
       }
@@ -300,7 +304,7 @@ TEST_F(NcclOuterTest, StateDictFromTheDevice_LoadedIntoAFreshState_ContinuesExac
     ASSERT_TRUE(fresh->Load(a, &mo).ok());  // host, as load_state_dict leaves it
     ASSERT_TRUE(fresh
                     ->AttachDevice(std::make_unique<DeviceOuterState>(
-                        m->device.get(), 0, OuterSgdOf(spec_.levels(0)), false))
+                        m->device.get(), m->device.get(), 0, OuterSgdOf(spec_.levels(0)), false))
                     .ok());
     EXPECT_TRUE(fresh->has_momentum());
     EXPECT_EQ(fresh->AnchorTensors()[2].bytes, a[2].bytes);
@@ -320,7 +324,7 @@ TEST_F(NcclOuterTest, StateDictFromTheDevice_LoadedIntoAFreshState_ContinuesExac
 
 TEST_F(NcclOuterTest, MixedFloat64AndFloat32_Unimplemented_SayingWhy) {
   FakeOps device(nullptr, 0);
-  DeviceOuterState state(&device, 0, OuterSgd{0.7, 0.9, true}, false);
+  DeviceOuterState state(&device, &device, 0, OuterSgd{0.7, 0.9, true}, false);
   Params p = Params::Separate({{DType::kFloat32, 3}, {DType::kFloat64, 3}});
   const absl::Status s = state.SetAnchor(p.views);
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
@@ -364,8 +368,8 @@ TEST_F(NcclOuterTest, ElasticCommittedRound_JoinerAndLostCommit_EveryMemberFollo
   Member& joiner = *members_[2];
   joiner.outer[0] = std::make_unique<OuterLevelState>(0, rule);
   ASSERT_TRUE(joiner.outer[0]
-                  ->AttachDevice(std::make_unique<DeviceOuterState>(joiner.device.get(), 0,
-                                                                     rule, false))
+                  ->AttachDevice(std::make_unique<DeviceOuterState>(
+                      joiner.device.get(), joiner.device.get(), 0, rule, false))
                   .ok());
   Set(joiner, [](size_t, int64_t) { return 999.0; });
   // The expected values, in double, from member 0's state (equal on 0 and 1) and x_0, x_1.
@@ -459,6 +463,42 @@ TEST_F(NcclOuterTest, RoundFails_StateAndParametersUnchanged) {
     EXPECT_EQ(m.outer[0]->AnchorTensors()[t].bytes, a[t].bytes);
     EXPECT_EQ(m.outer[0]->MomentumTensors()[t].bytes, mo[t].bytes);
   }
+}
+
+// The device the averager's outer states live on: none in a build without CUDA (a clear error,
+// nothing attached); else the one it is given opens once, and a second device is refused.
+TEST(OuterDeviceTest, NoDeviceGiven_Unimplemented_NamingTheBuildOption) {
+  OuterDevice device(absl::Seconds(1), /*pinned_host=*/false, nullptr);
+  OuterLevelState state(0, OuterSgd{0.7, 0.9, true});
+  const absl::StatusOr<DeviceOuterState*> on = device.StateOf(&state, Device::Cuda(0));
+  EXPECT_EQ(on.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(on.status().message(), HasSubstr("MODELAVG_WITH_CUDA=ON"));
+  EXPECT_EQ(state.device(), nullptr);
+}
+
+TEST(OuterDeviceTest, OpensItsDeviceOnce_AnotherDevice_InvalidArgument) {
+  std::vector<int> opened;
+  OuterDevice device(absl::Seconds(1), /*pinned_host=*/false,
+                     [&](int index, absl::Duration) -> absl::StatusOr<LocalDevice> {
+                       opened.push_back(index);
+                       LocalDevice d;
+                       d.ops = std::make_unique<FakeOps>(nullptr, 0);
+                       d.kernels = std::make_unique<FakeOps>(nullptr, 0);
+                       return d;
+                     });
+  OuterLevelState a(0, OuterSgd{0.7, 0.9, true});
+  OuterLevelState b(1, OuterSgd{0.7, 0.0, false});
+  OuterLevelState c(2, OuterSgd{0.7, 0.0, false});
+  ASSERT_TRUE(device.StateOf(&a, Device::Cuda(1)).ok());
+  ASSERT_TRUE(device.StateOf(&b, Device::Cuda(1)).ok());
+  EXPECT_NE(a.device(), nullptr);
+  EXPECT_NE(b.device(), nullptr);
+  EXPECT_EQ(opened, std::vector<int>{1});
+  const absl::StatusOr<DeviceOuterState*> other = device.StateOf(&c, Device::Cuda(0));
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(other.status().message(), HasSubstr("cuda:1"));
+  EXPECT_EQ(c.device(), nullptr);
+  EXPECT_EQ(opened, std::vector<int>{1});
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 // Streaming sync on CUDA parameters (docs/streaming.md; RunDeviceStreamingStep and
-// DevicePendingSync of client/averaging/device_outer_state.h over NcclCore) with simulated members as threads on
+// DevicePendingSync of client/outer/device_outer_state.h over NcclCore) with simulated members as threads on
 // the fake device of tests/testing/fake_nccl_device.h: fragments F = 4, each with its own device
 // outer state; sync_delay tau > 0, whose all-reduce runs on a thread of its own, on a stream of
 // its own, from the call at s to the call at s + tau; mix alpha; payloads FP32, BF16 and INT8.
@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "client/averaging/device_outer_state.h"
 #include "client/comm/nccl/nccl_core.h"
+#include "client/outer/device_outer_state.h"
 #include "gtest/gtest.h"
 #include "modelavg/v1/coordinator.pb.h"
 #include "tests/reference/streaming_reference.h"
@@ -92,7 +92,7 @@ class NcclStreamingTest : public ::testing::Test {
         if (!spec.levels(l).has_outer()) continue;
         for (int f = 0; f < FragmentsOf(spec.levels(l)); ++f) {
           m->outer[l].push_back(std::make_unique<DeviceOuterState>(
-              m->device.get(), l, OuterSgdOf(spec.levels(l)), /*pinned_host=*/false));
+              m->device.get(), m->device.get(), l, OuterSgdOf(spec.levels(l)), /*pinned_host=*/false));
         }
       }
       for (size_t t = 0; t < m->params.views.size(); ++t) {

@@ -1,6 +1,6 @@
-// OuterLevelState (client/averaging/outer_state.h) on its own: the SGD step against the rule written out
+// OuterLevelState (client/outer/outer_state.h) on its own: the SGD step against the rule written out
 // by hand, the state dtypes, and the errors of a state that does not fit.
-#include "client/averaging/outer_state.h"
+#include "client/outer/outer_state.h"
 
 #include <cstring>
 #include <vector>

@@ -13,7 +13,7 @@
 
 namespace modelavg::client {
 
-NcclCore::NcclCore(NcclDeviceOps* ops, int member, int size, int device, size_t bucket_bytes)
+NcclCore::NcclCore(DeviceOps* ops, int member, int size, int device, size_t bucket_bytes)
     : ops_(ops),
       member_(member),
       size_(size),
@@ -90,7 +90,7 @@ absl::Status NcclCore::ReduceBuckets(void* buffer, int64_t count, int32_t code, 
     }
     MODELAVG_RETURN_IF_ERROR(ops_->AllReduce(
         static_cast<char*>(buffer) + begin * static_cast<int64_t>(StagingCodeSize(code)),
-        static_cast<size_t>(end - begin), NcclDeviceOps::Reduce::kAverage, code, divisor,
+        static_cast<size_t>(end - begin), DeviceOps::Reduce::kAverage, code, divisor,
         stream));
   }
   // A ring all-reduce hands every member 2 (n - 1) / n of the buffer to send.
@@ -274,7 +274,7 @@ absl::Status NcclCore::AllReduceMax(LayoutSignature& words, int32_t code, int di
   std::memcpy(sig, words.data(), sizeof(words));
   absl::Status s = ops_->Copy(sig_device_.data(), sig, sizeof(words), stream);
   if (s.ok()) {
-    s = ops_->AllReduce(sig_device_.data(), kLayoutWords, NcclDeviceOps::Reduce::kLayoutMax, code,
+    s = ops_->AllReduce(sig_device_.data(), kLayoutWords, DeviceOps::Reduce::kLayoutMax, code,
                         divisor, stream);
   }
   if (s.ok()) s = ops_->Copy(sig, sig_device_.data(), sizeof(words), stream);
@@ -289,7 +289,7 @@ absl::Status NcclCore::Commit(void* stream) {
     *vote = votes;
     absl::Status s = ops_->Copy(sig_device_.data(), vote, sizeof(int64_t), stream);
     if (s.ok()) {
-      s = ops_->AllReduce(sig_device_.data(), 1, NcclDeviceOps::Reduce::kCommitSum, 0, 1, stream);
+      s = ops_->AllReduce(sig_device_.data(), 1, DeviceOps::Reduce::kCommitSum, 0, 1, stream);
     }
     if (s.ok()) s = ops_->Copy(vote, sig_device_.data(), sizeof(int64_t), stream);
     if (s.ok()) s = ops_->Wait(stream, "commit of the averaging round");
@@ -522,7 +522,7 @@ absl::Status NcclCore::ReduceData(Round& r, void* buffer) {
     }
     if (s.ok()) {
       s = ops_->AllReduce(slots_device_.data(), static_cast<size_t>(r.slots),
-                          NcclDeviceOps::Reduce::kAverage, kStageF32, p.divisor, r.stream);
+                          DeviceOps::Reduce::kAverage, kStageF32, p.divisor, r.stream);
     }
     if (s.ok()) {
       s = ops_->Copy(slots_host_.data(), slots_device_.data(),

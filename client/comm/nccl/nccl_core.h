@@ -1,5 +1,5 @@
 // The host logic of one NCCL averaging call, apart from the CUDA and NCCL calls themselves
-// (NcclDeviceOps, nccl_device_ops.h), so that unit tests drive it with several simulated members
+// (DeviceOps, device_ops.h), so that unit tests drive it with several simulated members
 // on a machine without a GPU. NcclCommunicator (cuda/nccl_communicator.h) supplies the real
 // operations. The round protocol (the layout agreement and when it is due, the commit vote, the
 // kept result) is round_agreement.h's, which Gloo speaks too; what is NCCL's is below.
@@ -56,7 +56,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "client/comm/communicator.h"
-#include "client/comm/nccl/nccl_device_ops.h"
+#include "client/comm/nccl/device_ops.h"
 #include "client/comm/round_agreement.h"
 #include "client/payload/staging_layout.h"
 #include "modelavg/client/tensor.h"
@@ -69,7 +69,7 @@ class NcclCore {
   // be on.
   // `bucket_bytes`: the data all-reduce's bucket (kStagingBucketBytes; every member of a
   // communicator must use the same).
-  NcclCore(NcclDeviceOps* ops, int member, int size, int device,
+  NcclCore(DeviceOps* ops, int member, int size, int device,
            size_t bucket_bytes = kStagingBucketBytes);
   ~NcclCore();  // Release()
   // Frees the buffers, streams and events (not the communicator); idempotent.
@@ -213,7 +213,7 @@ class NcclCore {
   // kept there for Adopt.
   absl::Status KeepStaged(Round& r, absl::Status failure);
 
-  NcclDeviceOps* const ops_;
+  DeviceOps* const ops_;
   const int member_;
   const int size_;
   const int device_;

@@ -26,7 +26,7 @@ namespace modelavg {
 enum class AveragingMode { kPeriodic, kHierarchical };
 
 // A level's outer optimizer (DiLoCo): PyTorch's SGD on the member's anchor with the group's
-// mean pseudo-gradient (anchor - parameters) as the gradient. See client/averaging/outer_state.h.
+// mean pseudo-gradient (anchor - parameters) as the gradient. See client/outer/outer_state.h.
 struct OuterSgd {
   double lr = 1.0;
   double momentum = 0.0;

@@ -4,7 +4,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "client/comm/nccl/cuda/nccl_outer_kernels.h"
 #include "client/comm/nccl/cuda/payload_kernels.h"
 #include "client/comm/nccl/cuda/finite_kernels.h"
 #include "client/comm/nccl/cuda/staging_kernels.h"
@@ -117,49 +116,6 @@ absl::Status CudaLocalOps::WaitLocal(void* stream_arg, const char* what) {
     }
     if (polls > 100) absl::SleepFor(absl::Microseconds(20));
   }
-}
-
-absl::Status CudaLocalOps::OuterDifference(const StagingChunk* chunks, int64_t num_chunks,
-                                           const void* anchor, void* gradient,
-                                           int32_t state_code, void* stream) {
-  MODELAVG_ON_DEVICE();
-  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchOuterDifference(chunks, num_chunks, anchor, gradient,
-                                                      state_code,
-                                                      static_cast<cudaStream_t>(stream)));
-  return absl::OkStatus();
-}
-
-absl::Status CudaLocalOps::OuterStep(const StagingChunk* chunks, int64_t num_chunks,
-                                     const OuterStepArgs& args, void* stream) {
-  MODELAVG_ON_DEVICE();
-  MODELAVG_CUDA_RETURN_IF_ERROR(
-      LaunchOuterStep(chunks, num_chunks, args, static_cast<cudaStream_t>(stream)));
-  return absl::OkStatus();
-}
-
-absl::Status CudaLocalOps::OuterMix(const StagingChunk* chunks, int64_t num_chunks,
-                                    const void* local, int32_t state_code, double mix,
-                                    void* stream) {
-  MODELAVG_ON_DEVICE();
-  MODELAVG_CUDA_RETURN_IF_ERROR(LaunchOuterMix(chunks, num_chunks, local, state_code, mix,
-                                               static_cast<cudaStream_t>(stream)));
-  return absl::OkStatus();
-}
-
-absl::Status CudaLocalOps::FeedbackAdd(float* u, const float* e, int64_t n, double beta,
-                                       void* stream) {
-  MODELAVG_ON_DEVICE();
-  MODELAVG_CUDA_RETURN_IF_ERROR(
-      LaunchFeedbackAdd(u, e, n, beta, static_cast<cudaStream_t>(stream)));
-  return absl::OkStatus();
-}
-
-absl::Status CudaLocalOps::FeedbackResidual(const float* u, const float* c, int64_t n, float* e,
-                                            void* stream) {
-  MODELAVG_ON_DEVICE();
-  MODELAVG_CUDA_RETURN_IF_ERROR(
-      LaunchFeedbackResidual(u, c, n, e, static_cast<cudaStream_t>(stream)));
-  return absl::OkStatus();
 }
 
 absl::Status CudaLocalOps::EncodeParts(WireFormat format, const float* in, int64_t numel,

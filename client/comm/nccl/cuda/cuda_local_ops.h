@@ -1,5 +1,5 @@
-// The device operations of NcclDeviceOps (nccl_device_ops.h) on one CUDA device, without a
-// communicator: memory, copies, streams and events, the staging, payload and outer optimizer
+// The device operations of DeviceOps (device_ops.h) on one CUDA device, without a
+// communicator: memory, copies, streams and events, the staging, payload and finite check
 // kernels, and the local wait. What the averager's outer state on CUDA parameters (device_outer_state.h)
 // runs on, apart from any communicator, since that state outlives every generation's
 // communicators; here the collective operations (AllReduce, Wait) fail with FAILED_PRECONDITION.
@@ -9,11 +9,11 @@
 #define MODELAVG_CLIENT_COMM_NCCL_CUDA_CUDA_LOCAL_OPS_H_
 
 #include "absl/time/time.h"
-#include "client/comm/nccl/nccl_device_ops.h"
+#include "client/comm/nccl/device_ops.h"
 
 namespace modelavg::client {
 
-class CudaLocalOps : public NcclDeviceOps {
+class CudaLocalOps : public DeviceOps {
  public:
   // Every call runs on CUDA device `device` (restoring the thread's current device after);
   // WaitLocal gives up after `timeout`.
@@ -42,17 +42,6 @@ class CudaLocalOps : public NcclDeviceOps {
   absl::Status Wait(void* stream, const char* what) override;
   absl::Status WaitLocal(void* stream, const char* what) override;
   void AbortCommunicator() override {}
-  absl::Status OuterDifference(const StagingChunk* chunks, int64_t num_chunks, const void* anchor,
-                               void* gradient, int32_t state_code, void* stream) override;
-  absl::Status OuterStep(const StagingChunk* chunks, int64_t num_chunks,
-                         const OuterStepArgs& args, void* stream) override;
-  absl::Status OuterMix(const StagingChunk* chunks, int64_t num_chunks, const void* local,
-                        int32_t state_code, double mix, void* stream) override;
-  // Error feedback's kernels (nccl_outer_kernels.h).
-  absl::Status FeedbackAdd(float* u, const float* e, int64_t n, double beta,
-                           void* stream) override;
-  absl::Status FeedbackResidual(const float* u, const float* c, int64_t n, float* e,
-                                void* stream) override;
   // The codec kernels of compressed payloads (payload_kernels.h).
   absl::Status EncodeParts(WireFormat format, const float* in, int64_t numel, int64_t part,
                            int parts, size_t stride, void* wire, void* stream) override;

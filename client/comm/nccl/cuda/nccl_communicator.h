@@ -108,7 +108,7 @@ class NcclCommunicator : public Communicator, private CudaLocalOps {
   NcclCommunicator(ncclComm_t comm, int member, int size, int device, absl::Duration timeout,
                    std::function<absl::Status()> check_alive);
 
-  // The collectives of NcclDeviceOps (called with mu_ held, from NcclCore).
+  // The collectives of DeviceOps (called with mu_ held, from NcclCore).
   // kAverage: ncclAvg when `divisor` is size(), otherwise a ncclRedOpCreatePreMulSum
   // operation with 1/divisor (created and destroyed per call: admission rounds only).
   absl::Status AllReduce(void* buffer, size_t count, Reduce op, int32_t staging_code,

@@ -1,5 +1,5 @@
 // CUDA kernels of the compressed payloads on the NCCL path (RoundOptions::payload,
-// NcclDeviceOps::EncodeParts and the decodes, nccl_core.h): the wire encodings of
+// DeviceOps::EncodeParts and the decodes, nccl_core.h): the wire encodings of
 // payload_codec.h, bit for bit, on device buffers cut into `parts` parts of `part` float32
 // elements, part j's encoding at byte j * stride (a multiple of 16). Only built with
 // MODELAVG_HAVE_CUDA.

@@ -12,8 +12,8 @@
 // parameters change only in Step), or be kept aside and adopted (elastic commit). Every call
 // takes a tensor range [first, first + n) of the level's tensor list so that a level can act on
 // a fragment of the parameters at a time; the whole list is first = 0, n = all.
-#ifndef MODELAVG_CLIENT_AVERAGING_OUTER_STATE_H_
-#define MODELAVG_CLIENT_AVERAGING_OUTER_STATE_H_
+#ifndef MODELAVG_CLIENT_OUTER_OUTER_STATE_H_
+#define MODELAVG_CLIENT_OUTER_OUTER_STATE_H_
 
 #include <cstdint>
 #include <memory>
@@ -22,6 +22,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "client/outer/outer_rule.h"
 #include "client/payload/payload_codec.h"
 #include "modelavg/client/averager.h"
 #include "modelavg/client/tensor.h"
@@ -75,6 +76,8 @@ class OuterLevelState {
 
   int level() const { return level_; }
   const OuterSgd& rule() const { return rule_; }
+  // The level's rule keeps a momentum buffer (outer_rule.h: OuterRuleKeepsState).
+  bool keeps_momentum() const { return OuterRuleKeepsState(OuterRuleParamsOf(rule_)); }
   // A plan update changed the level's optimizer (docs/plan-updates.md): the anchor and momentum
   // stay, and the next outer step uses `rule` (on the device state too, once attached).
   void set_rule(const OuterSgd& rule);
@@ -97,8 +100,8 @@ class OuterLevelState {
   absl::Status PseudoGradient(size_t first, absl::Span<const TensorView> params,
                               absl::Span<const TensorView> out) const;
 
-  // PyTorch's SGD (torch.optim.SGD, no weight decay, no dampening) with `mean` (the group's
-  // mean pseudo-gradient D) as the gradient of A[first + i]:
+  // The level's rule (outer_rule.h; PyTorch's SGD: torch.optim.SGD, no weight decay, no
+  // dampening) with `mean` (the group's mean pseudo-gradient D) as the gradient of A[first + i]:
   //   M := D if unset, else momentum * M + D;   d := D + momentum * M (nesterov) or M;
   //   A := A - lr * d;   params[i] := A (rounded to the parameters' dtype).
   // Without momentum, d := D and no buffer is kept.
@@ -153,4 +156,4 @@ class OuterLevelState {
 
 }  // namespace modelavg::client
 
-#endif  // MODELAVG_CLIENT_AVERAGING_OUTER_STATE_H_
+#endif  // MODELAVG_CLIENT_OUTER_OUTER_STATE_H_

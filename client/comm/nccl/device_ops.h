@@ -1,15 +1,14 @@
-// What the NCCL round (nccl_core.h) needs from CUDA and NCCL, as an interface (NcclDeviceOps):
+// What the NCCL round (nccl_core.h) needs from CUDA and NCCL, as an interface (DeviceOps):
 // NcclCommunicator supplies the real operations (cuda/), tests a simulated device. Also the
 // device buffers that only grow (GrowableBuffer) and the staging chunk table's upload.
-#ifndef MODELAVG_CLIENT_COMM_NCCL_NCCL_DEVICE_OPS_H_
-#define MODELAVG_CLIENT_COMM_NCCL_NCCL_DEVICE_OPS_H_
+#ifndef MODELAVG_CLIENT_COMM_NCCL_DEVICE_OPS_H_
+#define MODELAVG_CLIENT_COMM_NCCL_DEVICE_OPS_H_
 
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "client/comm/nccl/outer_step_args.h"
 #include "client/payload/payload_codec.h"
 #include "client/payload/staging_layout.h"
 #include "modelavg/common/schedule.h"
@@ -17,7 +16,7 @@
 namespace modelavg::client {
 
 // What NcclCore needs from CUDA and NCCL. Stream arguments are cudaStream_t.
-class NcclDeviceOps {
+class DeviceOps {
  public:
   enum class Reduce {
     kLayoutMax,  // int64, ncclMax
@@ -26,7 +25,7 @@ class NcclDeviceOps {
     kCommitSum,  // int64, ncclSum
   };
 
-  virtual ~NcclDeviceOps() = default;
+  virtual ~DeviceOps() = default;
   virtual absl::Status Malloc(void** p, size_t bytes) = 0;      // device memory
   virtual void Free(void* p) = 0;
   virtual absl::Status MallocHost(void** p, size_t bytes) = 0;  // pinned host memory
@@ -66,38 +65,6 @@ class NcclDeviceOps {
   // ncclCommAbort (once).
   virtual void AbortCommunicator() = 0;
 
-  // The outer optimizer's passes on CUDA parameters (device_outer_state.h), enqueued on `stream`. In
-  // `chunks` (device memory), staging_offset is the element's offset in the state buffers, all of
-  // `state_code` (kStageF32 or kStageF64). OuterDifference: gradient[o + i] := anchor[o + i] -
-  // tensor[i]; OuterStep: the SGD step of OuterStepArgs, then tensor[i] := anchor[o + i].
-  virtual absl::Status OuterDifference(const StagingChunk* /*chunks*/, int64_t /*num_chunks*/,
-                                       const void* /*anchor*/, void* /*gradient*/,
-                                       int32_t /*state_code*/, void* /*stream*/) {
-    return absl::UnimplementedError("this device has no outer optimizer kernels");
-  }
-  virtual absl::Status OuterStep(const StagingChunk* /*chunks*/, int64_t /*num_chunks*/,
-                                 const OuterStepArgs& /*args*/, void* /*stream*/) {
-    return absl::UnimplementedError("this device has no outer optimizer kernels");
-  }
-  // Streaming sync's mix (Level.mix): tensor[i] := (1 - mix) * tensor[i] + mix * local[o + i]
-  // in double, rounded once to the tensor's dtype; `local` in the state dtype `state_code`.
-  virtual absl::Status OuterMix(const StagingChunk* /*chunks*/, int64_t /*num_chunks*/,
-                                const void* /*local*/, int32_t /*state_code*/, double /*mix*/,
-                                void* /*stream*/) {
-    return absl::UnimplementedError("this device has no outer optimizer kernels");
-  }
-  // Error feedback (Level.error_feedback, docs/streaming.md) on `n` float32 elements, enqueued
-  // on `stream`, with the host's arithmetic (OuterLevelState::AddResidual, NextResidual).
-  // FeedbackAdd: u[i] := fl32(beta * e[i] + u[i]), the product and the sum in double.
-  virtual absl::Status FeedbackAdd(float* /*u*/, const float* /*e*/, int64_t /*n*/,
-                                   double /*beta*/, void* /*stream*/) {
-    return absl::UnimplementedError("this device has no error feedback kernels");
-  }
-  // FeedbackResidual: e[i] := u[i] - c[i] in float32 (c: decode(encode(u))).
-  virtual absl::Status FeedbackResidual(const float* /*u*/, const float* /*c*/, int64_t /*n*/,
-                                        float* /*e*/, void* /*stream*/) {
-    return absl::UnimplementedError("this device has no error feedback kernels");
-  }
   // Compressed payloads (RoundOptions::payload and topk, client/payload/payload_codec.h),
   // enqueued on `stream`. A buffer of `numel` float32 elements is cut into `parts` parts of
   // `part` elements (the last ones zero-padded); part j's encoding in `format` lies at byte
@@ -168,8 +135,8 @@ class GrowableBuffer {
  public:
   explicit GrowableBuffer(bool pinned_host = false) : pinned_host_(pinned_host) {}
   // Ensures capacity() >= bytes; `*grown` says whether it (re)allocated.
-  absl::Status Reserve(NcclDeviceOps& ops, size_t bytes, bool* grown = nullptr);
-  void Release(NcclDeviceOps& ops);
+  absl::Status Reserve(DeviceOps& ops, size_t bytes, bool* grown = nullptr);
+  void Release(DeviceOps& ops);
   void* data() const { return data_; }
   size_t capacity() const { return capacity_; }
 
@@ -182,10 +149,10 @@ class GrowableBuffer {
 // Uploads a staging chunk table to `device` (grown as needed) on `stream`. The upload may read
 // the host table asynchronously: `host` keeps it, unchanged until the next upload (every call
 // waits on the stream before that); it is cleared when the upload fails.
-absl::Status UploadChunkTable(NcclDeviceOps& ops, const std::vector<StagingChunk>& chunks,
+absl::Status UploadChunkTable(DeviceOps& ops, const std::vector<StagingChunk>& chunks,
                               std::vector<StagingChunk>* host, GrowableBuffer* device,
                               void* stream);
 
 }  // namespace modelavg::client
 
-#endif  // MODELAVG_CLIENT_COMM_NCCL_NCCL_DEVICE_OPS_H_
+#endif  // MODELAVG_CLIENT_COMM_NCCL_DEVICE_OPS_H_

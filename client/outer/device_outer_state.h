@@ -1,8 +1,9 @@
 // The outer optimizer's state of one level on CUDA parameters (DiLoCo on the NCCL path,
 // docs/diloco.md): the device counterpart of OuterLevelState (outer_state.h), whose rule and
 // arithmetic it follows exactly. The host logic only: every device operation goes through
-// NcclDeviceOps (nccl_core.h) — CudaLocalOps (cuda_local_ops.h) on a GPU, a simulated device in
-// the unit tests.
+// DeviceOps (memory, copies, staging, the payload codec: CudaLocalOps on a GPU) and the outer
+// optimizer's passes through OuterKernels (outer_kernels.h: cuda/cuda_outer_device.h on a
+// GPU); the unit tests supply a simulated device for both.
 //
 // Memory: the anchor A and, with momentum, the momentum M, each one buffer of the state dtype
 // (float32 for float32/float16/bfloat16 parameters, float64 for float64 ones), and with error
@@ -16,8 +17,8 @@
 // An outer step is RunDeviceOuterStep below: D := A - x (one kernel); the round all-reduces D
 // (the caller's: strict or elastic, committed, retried, adopted); SGD on A and x := A (one
 // kernel). The state and the parameters change only in the last pass, after the round.
-#ifndef MODELAVG_CLIENT_AVERAGING_DEVICE_OUTER_STATE_H_
-#define MODELAVG_CLIENT_AVERAGING_DEVICE_OUTER_STATE_H_
+#ifndef MODELAVG_CLIENT_OUTER_DEVICE_OUTER_STATE_H_
+#define MODELAVG_CLIENT_OUTER_DEVICE_OUTER_STATE_H_
 
 #include <cstdint>
 #include <functional>
@@ -27,7 +28,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "client/comm/nccl/nccl_core.h"
+#include "client/comm/nccl/device_ops.h"
+#include "client/outer/outer_kernels.h"
 #include "client/payload/payload_codec.h"
 #include "modelavg/client/averager.h"
 #include "modelavg/client/tensor.h"
@@ -39,7 +41,7 @@ namespace modelavg::client {
 class OwnedDeviceBuffer {
  public:
   // `pinned_host`: pinned host memory (GrowableBuffer's).
-  explicit OwnedDeviceBuffer(NcclDeviceOps* ops, bool pinned_host = false)
+  explicit OwnedDeviceBuffer(DeviceOps* ops, bool pinned_host = false)
       : ops_(ops), buffer_(pinned_host) {}
   ~OwnedDeviceBuffer() { buffer_.Release(*ops_); }
   OwnedDeviceBuffer(const OwnedDeviceBuffer&) = delete;
@@ -48,14 +50,15 @@ class OwnedDeviceBuffer {
   const GrowableBuffer& buffer() const { return buffer_; }
 
  private:
-  NcclDeviceOps* const ops_;
+  DeviceOps* const ops_;
   GrowableBuffer buffer_;
 };
 
 class DeviceOuterState {
  public:
-  // `ops` outlives the state. `level`: for messages.
-  DeviceOuterState(NcclDeviceOps* ops, int level, OuterSgd rule, bool pinned_host);
+  // `ops` and `kernels` outlive the state. `level`: for messages.
+  DeviceOuterState(DeviceOps* ops, OuterKernels* kernels, int level, OuterSgd rule,
+                   bool pinned_host);
   ~DeviceOuterState();  // frees its buffers
   DeviceOuterState(const DeviceOuterState&) = delete;
   DeviceOuterState& operator=(const DeviceOuterState&) = delete;
@@ -145,7 +148,8 @@ class DeviceOuterState {
   // Elements of the state's tensors.
   int64_t elems() const;
 
-  NcclDeviceOps* const ops_;
+  DeviceOps* const ops_;
+  OuterKernels* const kernels_;
   const int level_;
   OuterSgd rule_;
   const bool pinned_host_;
@@ -219,7 +223,7 @@ absl::Status RunDeviceStreamingStep(
 class DevicePendingSync {
  public:
   // `ops` and `state` outlive it.
-  DevicePendingSync(NcclDeviceOps* ops, DeviceOuterState* state, bool first);
+  DevicePendingSync(DeviceOps* ops, DeviceOuterState* state, bool first);
   ~DevicePendingSync();  // frees the buffer and the stream (after its round has ended)
   DevicePendingSync(const DevicePendingSync&) = delete;
   DevicePendingSync& operator=(const DevicePendingSync&) = delete;
@@ -245,7 +249,7 @@ class DevicePendingSync {
                           absl::Span<const TensorView> result);
 
  private:
-  NcclDeviceOps* const ops_;
+  DeviceOps* const ops_;
   DeviceOuterState* const state_;
   const bool first_;
   GrowableBuffer buffer_;
@@ -257,4 +261,4 @@ class DevicePendingSync {
 
 }  // namespace modelavg::client
 
-#endif  // MODELAVG_CLIENT_AVERAGING_DEVICE_OUTER_STATE_H_
+#endif  // MODELAVG_CLIENT_OUTER_DEVICE_OUTER_STATE_H_

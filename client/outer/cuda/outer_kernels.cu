@@ -4,20 +4,17 @@
 #include <algorithm>
 
 #include "client/comm/nccl/cuda/device_dtype.cuh"
-#include "client/comm/nccl/cuda/nccl_outer_kernels.h"
+#include "client/outer/cuda/outer_kernels.h"
+#include "client/outer/outer_rule.h"
 
 namespace modelavg::client {
 namespace {
 
-// Each operation rounded on its own: the host (and PyTorch's CPU kernels) never fuse a multiply
-// and an add, and neither may these, or the device's steps would differ from the host's in the
-// last bit.
-__device__ __forceinline__ float Mul(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ float Add(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ float Sub(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double Mul(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ double Add(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ double Sub(double a, double b) { return __dsub_rn(a, b); }
+// Each operation rounded on its own (outer_math.h).
+template <typename S>
+__device__ __forceinline__ S Sub(S a, S b) { return OuterMath::Sub(a, b); }
+__device__ __forceinline__ double Add(double a, double b) { return OuterMath::Add(a, b); }
+__device__ __forceinline__ double Mul(double a, double b) { return OuterMath::Mul(a, b); }
 
 // One block per chunk (grid-stride over chunks), threads over its elements.
 template <typename S>
@@ -33,24 +30,18 @@ __global__ void DifferenceKernel(const StagingChunk* chunks, int64_t num_chunks,
   }
 }
 
+// The rule's step (outer_rule.h), element by element, then the parameter element := A.
 template <typename S>
 __global__ void StepKernel(const StagingChunk* chunks, int64_t num_chunks, const S* gradient,
-                           S* anchor, S* momentum, S lr, S mu, bool nesterov, bool momentum_set) {
+                           S* anchor, S* momentum, OuterRuleParams rule, bool momentum_set) {
   for (int64_t c = blockIdx.x; c < num_chunks; c += gridDim.x) {
     const StagingChunk ch = chunks[c];
     const S* d = gradient + ch.staging_offset;
     S* a = anchor + ch.staging_offset;
     S* m = momentum == nullptr ? nullptr : momentum + ch.staging_offset;
     for (int64_t i = threadIdx.x; i < ch.numel; i += blockDim.x) {
-      S g = d[i];
-      if (m != nullptr) {
-        const S buf = momentum_set ? Add(Mul(m[i], mu), d[i]) : d[i];
-        m[i] = buf;
-        g = nesterov ? Add(d[i], Mul(mu, buf)) : buf;
-      }
-      const S next = Add(a[i], Mul(-lr, g));
-      a[i] = next;
-      StoreFrom<S>(ch.tensor, ch.tensor_dtype, i, next);
+      OuterRuleStep(rule, momentum_set, d[i], m == nullptr ? nullptr : m + i, a + i);
+      StoreFrom<S>(ch.tensor, ch.tensor_dtype, i, a[i]);
     }
   }
 }
@@ -88,7 +79,7 @@ __global__ void FeedbackAddKernel(float* u, const float* e, int64_t n, double be
 __global__ void FeedbackResidualKernel(const float* u, const float* c, int64_t n, float* e) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    e[i] = Sub(u[i], c[i]);
+    e[i] = Sub<float>(u[i], c[i]);
   }
 }
 
@@ -105,8 +96,7 @@ void LaunchStep(const StagingChunk* chunks, int64_t num_chunks, const OuterStepA
                 cudaStream_t stream) {
   StepKernel<S><<<Grid(num_chunks), kThreads, 0, stream>>>(
       chunks, num_chunks, static_cast<const S*>(args.gradient), static_cast<S*>(args.anchor),
-      args.momentum_factor != 0 ? static_cast<S*>(args.momentum) : nullptr,
-      static_cast<S>(args.lr), static_cast<S>(args.momentum_factor), args.nesterov,
+      OuterRuleKeepsState(args.rule) ? static_cast<S*>(args.momentum) : nullptr, args.rule,
       args.momentum_set);
 }
 

@@ -1,10 +1,11 @@
-#include "client/averaging/outer_state.h"
+#include "client/outer/outer_state.h"
 
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "client/averaging/device_outer_state.h"
 #include "client/base/half.h"
+#include "client/outer/device_outer_state.h"
+#include "client/outer/outer_rule.h"
 #include "client/payload/payload_codec.h"
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
@@ -65,21 +66,12 @@ void Difference(const S* a, const void* x, DType x_dtype, S* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = a[i] - ReadAs<S>(x, x_dtype, i);
 }
 
-// PyTorch's single-tensor SGD, operation by operation in S (the scalars cast to S, as PyTorch's
-// CPU kernels do): buf.mul_(momentum).add_(grad); grad.add(buf, alpha=momentum);
-// param.add_(grad, alpha=-lr).
+// The level's rule (outer_rule.h), element by element in S; `m` null where it keeps no state.
 template <typename S>
-void SgdStep(const OuterSgd& rule, bool momentum_set, const S* d, S* m, S* a, int64_t n) {
-  const S lr = static_cast<S>(rule.lr);
-  const S mu = static_cast<S>(rule.momentum);
-  if (rule.momentum == 0) {
-    for (int64_t i = 0; i < n; ++i) a[i] = a[i] + (-lr) * d[i];
-    return;
-  }
+void RuleStep(const OuterRuleParams& rule, bool momentum_set, const S* d, S* m, S* a,
+              int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    m[i] = momentum_set ? m[i] * mu + d[i] : d[i];
-    const S g = rule.nesterov ? d[i] + mu * m[i] : m[i];
-    a[i] = a[i] + (-lr) * g;
+    OuterRuleStep(rule, momentum_set, d[i], m == nullptr ? nullptr : m + i, a + i);
   }
 }
 
@@ -255,7 +247,7 @@ absl::Status OuterLevelState::Step(size_t first, absl::Span<const TensorView> me
                                    absl::Span<const TensorView> params) {
   if (device_ != nullptr) return OnDevice(level_);
   if (absl::Status s = CheckLayout(first, params); !s.ok()) return s;
-  if (rule_.momentum != 0 && momentum_.size() == 0) {
+  if (keeps_momentum() && momentum_.size() == 0) {
     // Allocated at the first outer step; unset until then (PyTorch's momentum_buffer None).
     std::vector<TensorView> shape;
     for (size_t k = 0; k < anchor_.size(); ++k) {
@@ -273,20 +265,20 @@ absl::Status OuterLevelState::Step(size_t first, absl::Span<const TensorView> me
     const size_t k = first + i;
     const int64_t n = params[i].numel;
     if (n == 0) continue;
-    void* m = rule_.momentum != 0 ? momentum_.data(k) : nullptr;
+    void* m = keeps_momentum() ? momentum_.data(k) : nullptr;
     if (anchor_.dtype(k) == DType::kFloat64) {
       double* a = static_cast<double*>(anchor_.data(k));
-      SgdStep(rule_, momentum_set, static_cast<const double*>(mean[i].data),
+      RuleStep(OuterRuleParamsOf(rule_), momentum_set, static_cast<const double*>(mean[i].data),
               static_cast<double*>(m), a, n);
       StoreAll(a, params[i].data, params[i].dtype, n);
     } else {
       float* a = static_cast<float*>(anchor_.data(k));
-      SgdStep(rule_, momentum_set, static_cast<const float*>(mean[i].data),
+      RuleStep(OuterRuleParamsOf(rule_), momentum_set, static_cast<const float*>(mean[i].data),
               static_cast<float*>(m), a, n);
       StoreAll(a, params[i].data, params[i].dtype, n);
     }
   }
-  if (rule_.momentum != 0) has_momentum_ = true;
+  if (keeps_momentum()) has_momentum_ = true;
   return absl::OkStatus();
 }
 
@@ -362,7 +354,7 @@ absl::Status OuterLevelState::Load(const std::vector<StateTensor>& anchor,
   static const std::vector<StateTensor> kNone;
   if (device_ != nullptr) return device_->Load(anchor, momentum_or_null);
   const std::vector<StateTensor>& momentum = momentum_or_null ? *momentum_or_null : kNone;
-  if (momentum_or_null != nullptr && rule_.momentum == 0) {
+  if (momentum_or_null != nullptr && !keeps_momentum()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "momenta[", level_, "] given, but level ", level_, "'s outer optimizer has no momentum"));
   }

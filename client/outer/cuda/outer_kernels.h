@@ -1,15 +1,16 @@
 // CUDA kernels of the outer optimizer on CUDA parameters (DiLoCo, device_outer_state.h): one launch per
 // pass over a chunk table (staging_chunk.h), whatever the number of tensors. Only built with
-// MODELAVG_HAVE_CUDA. Their arithmetic is the host's (outer_state.cc, and the tests' simulated
-// device): every operation rounded on its own (no FMA), conversions round to nearest even.
-#ifndef MODELAVG_CLIENT_COMM_NCCL_CUDA_NCCL_OUTER_KERNELS_H_
-#define MODELAVG_CLIENT_COMM_NCCL_CUDA_NCCL_OUTER_KERNELS_H_
+// MODELAVG_HAVE_CUDA. Their arithmetic is the host's (the rule's step of outer_rule.h is the same
+// code; the tests' simulated device restates it): every operation rounded on its own (no FMA),
+// conversions round to nearest even.
+#ifndef MODELAVG_CLIENT_OUTER_CUDA_OUTER_KERNELS_H_
+#define MODELAVG_CLIENT_OUTER_CUDA_OUTER_KERNELS_H_
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
-#include "client/comm/nccl/outer_step_args.h"
+#include "client/outer/outer_rule.h"
 #include "client/payload/staging_chunk.h"
 
 namespace modelavg::client {
@@ -23,7 +24,7 @@ cudaError_t LaunchOuterDifference(const StagingChunk* chunks, int64_t num_chunks
 // double, rounded once to the tensor's dtype; `local` in the state dtype of `state_code`.
 cudaError_t LaunchOuterMix(const StagingChunk* chunks, int64_t num_chunks, const void* local,
                            int32_t state_code, double mix, cudaStream_t stream);
-// The SGD step of `args` (outer_step_args.h) on every chunk's state elements, then
+// The rule's step of `args` (outer_rule.h) on every chunk's state elements, then
 // tensor[i] = anchor[o + i] rounded to the tensor's dtype.
 cudaError_t LaunchOuterStep(const StagingChunk* chunks, int64_t num_chunks,
                             const OuterStepArgs& args, cudaStream_t stream);
@@ -37,4 +38,4 @@ cudaError_t LaunchFeedbackResidual(const float* u, const float* c, int64_t n, fl
 
 }  // namespace modelavg::client
 
-#endif  // MODELAVG_CLIENT_COMM_NCCL_CUDA_NCCL_OUTER_KERNELS_H_
+#endif  // MODELAVG_CLIENT_OUTER_CUDA_OUTER_KERNELS_H_

@@ -1,19 +1,20 @@
-#include "client/averaging/device_outer_state.h"
+#include "client/outer/device_outer_state.h"
 
 #include <algorithm>
 #include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "client/averaging/outer_state.h"
+#include "client/outer/outer_state.h"
 #include "client/payload/staging_layout.h"
 #include "common/status_util.h"
 
 namespace modelavg::client {
 
-DeviceOuterState::DeviceOuterState(NcclDeviceOps* ops, int level, OuterSgd rule,
-                                   bool pinned_host)
+DeviceOuterState::DeviceOuterState(DeviceOps* ops, OuterKernels* kernels, int level,
+                                   OuterSgd rule, bool pinned_host)
     : ops_(ops),
+      kernels_(kernels),
       level_(level),
       rule_(rule),
       pinned_host_(pinned_host),
@@ -57,7 +58,7 @@ absl::Status DeviceOuterState::AddResidual(double beta, const GrowableBuffer& gr
         "level ", level_, ": the residual holds ", residual_->buffer().capacity() / sizeof(float),
         " float32 elements, the pseudo-gradient ", n, code_ == kStageF32 ? "" : " float64"));
   }
-  return ops_->FeedbackAdd(static_cast<float*>(gradient.data()),
+  return kernels_->FeedbackAdd(static_cast<float*>(gradient.data()),
                            static_cast<const float*>(residual_->buffer().data()), n, beta,
                            stream_);
 }
@@ -85,7 +86,7 @@ absl::StatusOr<std::unique_ptr<OwnedDeviceBuffer>> DeviceOuterState::NextResidua
       ops_->EncodeParts(format, u, n, n, 1, stride, feedback_wire_.data(), stream_));
   MODELAVG_RETURN_IF_ERROR(
       ops_->DecodeParts(format, feedback_wire_.data(), n, n, stride, decoded, stream_));
-  MODELAVG_RETURN_IF_ERROR(ops_->FeedbackResidual(
+  MODELAVG_RETURN_IF_ERROR(kernels_->FeedbackResidual(
       u, decoded, n, static_cast<float*>(next->get()->data()), stream_));
   MODELAVG_RETURN_IF_ERROR(ops_->WaitLocal(stream_, "computing the error feedback residual"));
   return next;
@@ -253,9 +254,9 @@ absl::Status DeviceOuterState::PseudoGradient(absl::Span<const TensorView> param
   void* stream = params.empty() ? nullptr : params[0].cuda_stream;
   stream_ = stream;
   MODELAVG_RETURN_IF_ERROR(UseTable(params, code_, stream));
-  return ops_->OuterDifference(static_cast<const StagingChunk*>(chunks_device_.data()),
-                               static_cast<int64_t>(chunks_host_.size()), anchor_.data(),
-                               gradient.data(), code_, stream);
+  return kernels_->OuterDifference(static_cast<const StagingChunk*>(chunks_device_.data()),
+                                   static_cast<int64_t>(chunks_host_.size()), anchor_.data(),
+                                   gradient.data(), code_, stream);
 }
 
 absl::Status DeviceOuterState::Step(absl::Span<const TensorView> params,
@@ -264,7 +265,7 @@ absl::Status DeviceOuterState::Step(absl::Span<const TensorView> params,
   void* stream = params.empty() ? nullptr : params[0].cuda_stream;
   stream_ = stream;
   const size_t bytes = bytes_per_buffer();
-  if (rule_.momentum != 0) {
+  if (OuterRuleKeepsState(OuterRuleParamsOf(rule_))) {
     // Allocated at the first outer step; unset until then (PyTorch's momentum_buffer None).
     MODELAVG_RETURN_IF_ERROR(momentum_.Reserve(*ops_, bytes));
   }
@@ -272,17 +273,15 @@ absl::Status DeviceOuterState::Step(absl::Span<const TensorView> params,
   OuterStepArgs args;
   args.gradient = gradient.data();
   args.anchor = anchor_.data();
-  args.momentum = rule_.momentum != 0 ? momentum_.data() : nullptr;
+  args.momentum = OuterRuleKeepsState(OuterRuleParamsOf(rule_)) ? momentum_.data() : nullptr;
+  args.rule = OuterRuleParamsOf(rule_);
   args.state_code = code_;
-  args.lr = rule_.lr;
-  args.momentum_factor = rule_.momentum;
-  args.nesterov = rule_.nesterov;
   args.momentum_set = has_momentum_;
-  MODELAVG_RETURN_IF_ERROR(ops_->OuterStep(static_cast<const StagingChunk*>(chunks_device_.data()),
-                                           static_cast<int64_t>(chunks_host_.size()), args,
-                                           stream));
+  MODELAVG_RETURN_IF_ERROR(
+      kernels_->OuterStep(static_cast<const StagingChunk*>(chunks_device_.data()),
+                          static_cast<int64_t>(chunks_host_.size()), args, stream));
   // The kernel has written A and x in place: whatever the wait says, the state moved on.
-  if (rule_.momentum != 0) has_momentum_ = true;
+  if (OuterRuleKeepsState(OuterRuleParamsOf(rule_))) has_momentum_ = true;
   return ops_->WaitLocal(stream, "the outer optimizer step");
 }
 
@@ -310,9 +309,10 @@ absl::Status DeviceOuterState::Mix(absl::Span<const TensorView> params,
   MODELAVG_RETURN_IF_ERROR(Shape(params, &code));
   void* stream = params.empty() ? nullptr : params[0].cuda_stream;
   MODELAVG_RETURN_IF_ERROR(UseTable(params, code, stream));
-  MODELAVG_RETURN_IF_ERROR(ops_->OuterMix(static_cast<const StagingChunk*>(chunks_device_.data()),
-                                          static_cast<int64_t>(chunks_host_.size()),
-                                          local.data(), code, mix, stream));
+  MODELAVG_RETURN_IF_ERROR(
+      kernels_->OuterMix(static_cast<const StagingChunk*>(chunks_device_.data()),
+                         static_cast<int64_t>(chunks_host_.size()), local.data(), code, mix,
+                         stream));
   return ops_->WaitLocal(stream, "mixing the synced fragment with the local parameters");
 }
 
@@ -373,7 +373,7 @@ absl::StatusOr<std::vector<StateTensor>> DeviceOuterState::MomentumTensors() con
 
 absl::Status DeviceOuterState::Load(const std::vector<StateTensor>& anchor,
                                     const std::vector<StateTensor>* momentum) {
-  if (momentum != nullptr && rule_.momentum == 0) {
+  if (momentum != nullptr && !OuterRuleKeepsState(OuterRuleParamsOf(rule_))) {
     return absl::InvalidArgumentError(absl::StrCat(
         "momenta[", level_, "] given, but level ", level_, "'s outer optimizer has no momentum"));
   }
@@ -486,7 +486,7 @@ absl::Status RunDeviceStreamingStep(
   return absl::OkStatus();
 }
 
-DevicePendingSync::DevicePendingSync(NcclDeviceOps* ops, DeviceOuterState* state, bool first)
+DevicePendingSync::DevicePendingSync(DeviceOps* ops, DeviceOuterState* state, bool first)
     : ops_(ops), state_(state), first_(first) {}
 
 DevicePendingSync::~DevicePendingSync() {

@@ -1,10 +1,10 @@
-#include "client/comm/nccl/nccl_device_ops.h"
+#include "client/comm/nccl/device_ops.h"
 
 #include "common/status_util.h"
 
 namespace modelavg::client {
 
-absl::Status GrowableBuffer::Reserve(NcclDeviceOps& ops, size_t bytes, bool* grown) {
+absl::Status GrowableBuffer::Reserve(DeviceOps& ops, size_t bytes, bool* grown) {
   if (grown != nullptr) *grown = false;
   if (bytes <= capacity_ && data_ != nullptr) return absl::OkStatus();
   Release(ops);
@@ -17,7 +17,7 @@ absl::Status GrowableBuffer::Reserve(NcclDeviceOps& ops, size_t bytes, bool* gro
   return absl::OkStatus();
 }
 
-void GrowableBuffer::Release(NcclDeviceOps& ops) {
+void GrowableBuffer::Release(DeviceOps& ops) {
   if (data_ != nullptr) {
     if (pinned_host_) {
       ops.FreeHost(data_);
@@ -29,7 +29,7 @@ void GrowableBuffer::Release(NcclDeviceOps& ops) {
   capacity_ = 0;
 }
 
-absl::Status UploadChunkTable(NcclDeviceOps& ops, const std::vector<StagingChunk>& chunks,
+absl::Status UploadChunkTable(DeviceOps& ops, const std::vector<StagingChunk>& chunks,
                               std::vector<StagingChunk>* host, GrowableBuffer* device,
                               void* stream) {
   host->clear();
