@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/outer_fields.h"
 #include "common/status_util.h"
 
 namespace modelavg {
@@ -100,7 +101,7 @@ absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec) {
     const v1::Level& level = spec.levels(i);
     ScheduleLevel l{level.period(), level.group_size()};
     if (level.has_outer()) {
-      l.outer = OuterSgd{level.outer().lr(), level.outer().momentum(), level.outer().nesterov()};
+      l.outer = OuterFromProto(level.outer());
     }
     MODELAVG_RETURN_IF_ERROR(StreamingFromProto(level, i, &l));
     out.levels.push_back(l);
@@ -158,9 +159,7 @@ void ScheduleSpecToProto(const ScheduleSpec& spec, v1::JobSpec* out) {
     l->set_period(level.period);
     l->set_group_size(level.group_size);
     if (level.outer.has_value()) {
-      l->mutable_outer()->set_lr(level.outer->lr);
-      l->mutable_outer()->set_momentum(level.outer->momentum);
-      l->mutable_outer()->set_nesterov(level.outer->nesterov);
+      OuterToProto(*level.outer, l->mutable_outer());
     }
     if (level.fragments > 1) l->set_fragments(level.fragments);
     l->set_sync_delay(level.sync_delay);

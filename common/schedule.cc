@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/outer_fields.h"
 
 namespace modelavg {
 
@@ -71,22 +72,7 @@ absl::Status ValidateScheduleSpec(const ScheduleSpec& spec) {
                                                      spec.world_size));
     }
     if (level.outer.has_value()) {
-      const OuterSgd& o = *level.outer;
-      if (!std::isfinite(o.lr) || o.lr <= 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "levels[", i, "].outer.lr must be finite and > 0 (DiLoCo's recipe: 0.7), got ",
-            o.lr));
-      }
-      if (!(o.momentum >= 0 && o.momentum < 1)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "levels[", i, "].outer.momentum must be in [0, 1) (DiLoCo's recipe: 0.9), got ",
-            o.momentum));
-      }
-      if (o.nesterov && o.momentum == 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "levels[", i, "].outer.nesterov needs levels[", i,
-            "].outer.momentum > 0 (PyTorch's SGD rule); set a momentum or drop nesterov"));
-      }
+      if (absl::Status s = ValidateOuter(*level.outer, i); !s.ok()) return s;
     }
     if (absl::Status s = ValidateStreamingLevel(level, i, level.outer.has_value()); !s.ok()) return s;
     if (!periods.insert(level.period).second) {
