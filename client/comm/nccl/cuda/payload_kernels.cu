@@ -3,10 +3,18 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "client/payload/payload_codec.h"
+
 namespace modelavg::client {
 namespace {
 
 constexpr int kThreads = 256;
+// The block of the block payloads, and the payload codes the kernels dispatch on (Payload).
+constexpr int64_t kWireInt8Block = kInt8Block;
+constexpr int32_t kWireBf16 = static_cast<int32_t>(Payload::kBf16);
+constexpr int32_t kWireInt8 = static_cast<int32_t>(Payload::kInt8);
+constexpr int32_t kWireInt4 = static_cast<int32_t>(Payload::kInt4);
+constexpr int32_t kWireTopk = static_cast<int32_t>(Payload::kTopk);
 // TOPK's selection: one thread per element of a block.
 constexpr int kTopkThreads = static_cast<int>(kWireInt8Block);
 static_assert(kTopkThreads == 1024, "the TOPK kernel's scans assume 32 full warps");
@@ -278,6 +286,58 @@ unsigned Grid(int64_t n) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 65535)));
 }
 
+// A launch of an encode kernel: parts of `part` elements, `blocks` blocks of kWireInt8Block
+// each.
+struct EncodeArgs {
+  const float* in;
+  int64_t numel;
+  int64_t part;
+  int parts;
+  int64_t blocks;
+  int32_t topk;
+  size_t stride;
+  uint8_t* wire;
+};
+using EncodeLauncher = void (*)(const EncodeArgs& a, cudaStream_t stream);
+
+template <typename Wire>
+void LaunchElementwise(const EncodeArgs& a, cudaStream_t stream) {
+  EncodeElementwiseKernel<Wire><<<Grid(a.part * a.parts), kThreads, 0, stream>>>(
+      a.in, a.numel, a.part, a.parts, a.stride, a.wire);
+}
+
+void LaunchInt8(const EncodeArgs& a, cudaStream_t stream) {
+  EncodeInt8Kernel<<<static_cast<unsigned>(a.blocks * a.parts), kThreads, 0, stream>>>(
+      a.in, a.numel, a.part, a.blocks, a.stride, a.wire);
+}
+
+void LaunchInt4(const EncodeArgs& a, cudaStream_t stream) {
+  EncodeInt4Kernel<<<static_cast<unsigned>(a.blocks * a.parts), kThreads, 0, stream>>>(
+      a.in, a.numel, a.part, a.blocks, a.stride, a.wire);
+}
+
+void LaunchTopk(const EncodeArgs& a, cudaStream_t stream) {
+  EncodeTopkKernel<<<static_cast<unsigned>(a.blocks * a.parts), kTopkThreads, 0, stream>>>(
+      a.in, a.numel, a.part, a.blocks, a.topk, a.stride, a.wire);
+}
+
+// One entry per payload (kPayloads' order): its encode kernel's launch. Its decode is its case
+// of Decoded above.
+struct DeviceEncoder {
+  Payload payload;
+  EncodeLauncher launch;
+};
+
+constexpr DeviceEncoder kEncoders[] = {
+    {Payload::kFp32, LaunchElementwise<float>},
+    {Payload::kBf16, LaunchElementwise<uint16_t>},
+    {Payload::kInt8, LaunchInt8},
+    {Payload::kInt4, LaunchInt4},
+    {Payload::kTopk, LaunchTopk},
+};
+static_assert(sizeof(kEncoders) / sizeof(kEncoders[0]) == kPayloadCount,
+              "one device encoder per row of kPayloads, in its order");
+
 }  // namespace
 
 cudaError_t LaunchEncodeParts(int32_t payload, int32_t topk, const float* in, int64_t numel,
@@ -287,29 +347,11 @@ cudaError_t LaunchEncodeParts(int32_t payload, int32_t topk, const float* in, in
   // The bytes past each part's encoding: zeros, so that the wire is the same on every run.
   cudaError_t e = cudaMemsetAsync(wire, 0, stride * parts, stream);
   if (e != cudaSuccess) return e;
-  uint8_t* w = static_cast<uint8_t*>(wire);
-  const int64_t blocks = (part + kWireInt8Block - 1) / kWireInt8Block;
-  switch (payload) {
-    case kWireBf16:
-      EncodeElementwiseKernel<uint16_t><<<Grid(part * parts), kThreads, 0, stream>>>(
-          in, numel, part, parts, stride, w);
-      break;
-    case kWireInt8:
-      EncodeInt8Kernel<<<static_cast<unsigned>(blocks * parts), kThreads, 0, stream>>>(
-          in, numel, part, blocks, stride, w);
-      break;
-    case kWireInt4:
-      EncodeInt4Kernel<<<static_cast<unsigned>(blocks * parts), kThreads, 0, stream>>>(
-          in, numel, part, blocks, stride, w);
-      break;
-    case kWireTopk:
-      EncodeTopkKernel<<<static_cast<unsigned>(blocks * parts), kTopkThreads, 0, stream>>>(
-          in, numel, part, blocks, topk, stride, w);
-      break;
-    default:
-      EncodeElementwiseKernel<float><<<Grid(part * parts), kThreads, 0, stream>>>(
-          in, numel, part, parts, stride, w);
-  }
+  const size_t i = static_cast<size_t>(payload);
+  const EncodeLauncher launch = i < kPayloadCount ? kEncoders[i].launch : kEncoders[0].launch;
+  launch(EncodeArgs{in, numel, part, parts, (part + kWireInt8Block - 1) / kWireInt8Block, topk,
+                    stride, static_cast<uint8_t*>(wire)},
+         stream);
   return cudaGetLastError();
 }
 
