@@ -5,6 +5,9 @@
 // member's chunks with them, sums the decoded values in float32 and encodes the sum again for
 // the all-gather.
 //
+// Each encoding's rule is written in its proto comment (coordinator.proto's enum Payload) and
+// beside its code in payload_codec.cc; docs/streaming.md has them all. The first five:
+//
 //   FP32: the float32 values themselves (4 bytes an element).
 //   BF16: bfloat16, rounded to nearest even (2 bytes an element). |decode(encode(x)) - x| <=
 //         2^-8 |x| (half a unit in its 8 significant bits) for every finite x in bfloat16's normal range (and Inf/NaN preserved).
