@@ -49,9 +49,11 @@ class Level:
       the fragment's all-reduce in the background and returns; the call at s + tau applies it.
     * ``mix`` alpha in [0, 1] (outer levels): the fragment then becomes
       (1 - alpha) * anchor + alpha * the parameters passed to that call.
-    * ``payload`` "FP32" (default), "BF16", "INT8", "INT4" or "TOPK" (outer levels): how the
-      pseudo-gradient travels; the sum is accumulated in float32. "TOPK" sends the
-      ``topk_density`` (in (0, 1)) fraction of each block's entries of largest magnitude.
+    * ``payload`` "FP32" (default) or another of ``modelavg.jobs.PAYLOADS`` (the binding's
+      table: "BF16", "INT8", "INT4", "TOPK", ...; outer levels): how the pseudo-gradient
+      travels, each as docs/streaming.md describes; the sum is accumulated in float32. The
+      top-k payloads ("TOPK", ...) send the ``topk_density`` (in (0, 1)) fraction of each
+      block's entries of largest magnitude; the others need it 0.
     * ``error_feedback`` beta in [0, 1] (outer levels with a compressed payload; 0: off): each
       member sends U = beta * E + D, its residual E plus its pseudo-gradient D, and keeps
       E = U - decode(encode(U)), what the payload dropped, for the next sync.
