@@ -68,25 +68,32 @@ void DecodeInt4(int32_t, const uint8_t* in, int64_t n, float* out) {
 }
 
 // A TOPK block's entries: indices by decreasing magnitude (NaN first), ties by index.
-int64_t TopkEntries(int32_t topk, int64_t len) { return std::min<int64_t>(topk, len); }
+int64_t TopkEntries(int32_t topk, int64_t len) {
+  return std::max<int64_t>(0, std::min<int64_t>(topk, len));
+}
+
+// TOPK's selection in the block x[0, len): the indices of its k entries of largest magnitude
+// (NaN as large as Inf; ties: the lower index first), in index order, in order[0, k).
+void TopkSelect(const float* x, int64_t len, int64_t k, std::vector<uint16_t>* order) {
+  order->resize(static_cast<size_t>(len));
+  for (int64_t i = 0; i < len; ++i) (*order)[i] = static_cast<uint16_t>(i);
+  const auto mag = [x](uint16_t i) {
+    return std::isnan(x[i]) ? std::numeric_limits<float>::infinity() : std::fabs(x[i]);
+  };
+  std::partial_sort(order->begin(), order->begin() + k, order->end(),
+                    [&](uint16_t a, uint16_t b) {
+                      const float ma = mag(a), mb = mag(b);
+                      return ma != mb ? ma > mb : a < b;
+                    });
+  std::sort(order->begin(), order->begin() + k);
+}
 
 void EncodeTopk(int32_t topk, const float* in, int64_t n, uint8_t* out) {
   std::vector<uint16_t> order;
   for (int64_t lo = 0; lo < n; lo += kInt8Block) {
     const int64_t len = std::min(n - lo, kInt8Block);
     const int64_t k = TopkEntries(topk, len);
-    order.resize(static_cast<size_t>(len));
-    for (int64_t i = 0; i < len; ++i) order[i] = static_cast<uint16_t>(i);
-    const auto mag = [&](uint16_t i) {
-      const float v = in[lo + i];
-      return std::isnan(v) ? std::numeric_limits<float>::infinity() : std::fabs(v);
-    };
-    std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                      [&](uint16_t a, uint16_t b) {
-                        const float ma = mag(a), mb = mag(b);
-                        return ma != mb ? ma > mb : a < b;
-                      });
-    std::sort(order.begin(), order.begin() + k);
+    TopkSelect(in + lo, len, k, &order);
     for (int64_t e = 0; e < k; ++e) {
       const uint16_t index = order[e];
       const uint16_t value = FloatToBFloat16(in[lo + index]);
@@ -110,6 +117,85 @@ void DecodeTopk(int32_t topk, const uint8_t* in, int64_t n, float* out) {
       in += 4;
       if (index < len) out[lo + index] += BFloat16ToFloat(value);
     }
+  }
+}
+
+// TOPK_INT2: TOPK's entries, each value coded in 2 bits q for the level (2q - 3) s / 3 of its
+// block's scale s = max|kept value| (NaN when one is not finite): q = 0, 1, 2, 3 for -s, -s/3,
+// s/3, s; the nearest level by |x| / s >= 2/3 in float32 (no float32 is 2/3: no ties), the sign
+// from x's sign bit (+-0 codes +-s/3). Layout: every block's scale (float32), then every
+// block's k uint16 indices (in index order), then each block's codes, four to a byte from the
+// low bits (entry e in bits 2 (e % 4) of the block's byte e / 4), a block's codes byte-aligned.
+constexpr float kTwoThirds = 2.0f / 3.0f;
+
+uint8_t Int2Code(float x, float s) {
+  const bool big = s > 0.0f && std::fabs(x) / s >= kTwoThirds;
+  return std::signbit(x) ? (big ? 0 : 1) : (big ? 3 : 2);
+}
+
+float Int2Level(int q, float s) {
+  const float third = s / 3.0f;
+  return q == 0 ? -s : q == 1 ? -third : q == 2 ? third : s;
+}
+
+// Entries of all of a buffer's blocks.
+int64_t TopkEntriesOfBuffer(int32_t topk, int64_t n) {
+  int64_t entries = 0;
+  for (int64_t lo = 0; lo < n; lo += kInt8Block) {
+    entries += TopkEntries(topk, std::min(n - lo, kInt8Block));
+  }
+  return entries;
+}
+
+void EncodeTopkInt2(int32_t topk, const float* in, int64_t n, uint8_t* out) {
+  const int64_t blocks = Blocks(n);
+  uint8_t* indices = out + blocks * sizeof(float);
+  uint8_t* codes = indices + 2 * TopkEntriesOfBuffer(topk, n);
+  std::vector<uint16_t> order;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * kInt8Block;
+    const int64_t len = std::min(n - lo, kInt8Block);
+    const int64_t k = TopkEntries(topk, len);
+    TopkSelect(in + lo, len, k, &order);
+    float max_abs = 0.0f;
+    bool finite = true;
+    for (int64_t e = 0; e < k; ++e) {
+      const float x = in[lo + order[e]];
+      finite = finite && std::isfinite(x);
+      max_abs = std::max(max_abs, std::fabs(x));
+    }
+    const float scale = finite ? max_abs : std::numeric_limits<float>::quiet_NaN();
+    std::memcpy(out + b * sizeof(float), &scale, sizeof(float));
+    std::memset(codes, 0, static_cast<size_t>((k + 3) / 4));
+    for (int64_t e = 0; e < k; ++e) {
+      std::memcpy(indices + 2 * e, &order[e], 2);
+      codes[e / 4] |= static_cast<uint8_t>(Int2Code(in[lo + order[e]], scale) << (2 * (e % 4)));
+    }
+    indices += 2 * k;
+    codes += (k + 3) / 4;
+  }
+}
+
+template <bool kAdd>
+void DecodeTopkInt2(int32_t topk, const uint8_t* in, int64_t n, float* out) {
+  const int64_t blocks = Blocks(n);
+  const uint8_t* indices = in + blocks * sizeof(float);
+  const uint8_t* codes = indices + 2 * TopkEntriesOfBuffer(topk, n);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * kInt8Block;
+    const int64_t len = std::min(n - lo, kInt8Block);
+    const int64_t k = TopkEntries(topk, len);
+    float scale;
+    std::memcpy(&scale, in + b * sizeof(float), sizeof(float));
+    if (!kAdd) std::fill(out + lo, out + lo + len, 0.0f);
+    for (int64_t e = 0; e < k; ++e) {
+      uint16_t index;
+      std::memcpy(&index, indices + 2 * e, 2);
+      const int q = (codes[e / 4] >> (2 * (e % 4))) & 3;
+      if (index < len) out[lo + index] += Int2Level(q, scale);
+    }
+    indices += 2 * k;
+    codes += (k + 3) / 4;
   }
 }
 
@@ -208,6 +294,7 @@ constexpr HostCodec kHostCodecs[] = {
     {Payload::kInt8, EncodeInt8, DecodeInt8<false>, DecodeInt8<true>},
     {Payload::kInt4, EncodeInt4, DecodeInt4<false>, DecodeInt4<true>},
     {Payload::kTopk, EncodeTopk, DecodeTopk<false>, DecodeTopk<true>},
+    {Payload::kTopkInt2, EncodeTopkInt2, DecodeTopkInt2<false>, DecodeTopkInt2<true>},
 };
 
 constexpr bool HostCodecsMatchPayloads() {

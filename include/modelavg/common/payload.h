@@ -16,7 +16,7 @@
 namespace modelavg {
 
 // How a level's pseudo-gradients travel (outer levels; plain levels send FP32 parameters).
-enum class Payload : int32_t { kFp32, kBf16, kInt8, kInt4, kTopk };
+enum class Payload : int32_t { kFp32, kBf16, kInt8, kInt4, kTopk, kTopkInt2 };
 
 // Elements per block of the block encodings (each block has its own scale, or its own top-k).
 inline constexpr int64_t kPayloadBlock = 1024;
@@ -61,6 +61,9 @@ inline constexpr PayloadInfo kPayloads[] = {
     {Payload::kInt4, 3, "INT4", true, false, kPayloadBlock, 4, 4, Payload::kInt4,
      GatherRule::kSame},
     {Payload::kTopk, 4, "TOPK", true, true, kPayloadBlock, 0, 32, Payload::kTopk,
+     GatherRule::kUnion},
+    // TOPK's entries as a uint16 index and a 2-bit level of the block's float32 scale.
+    {Payload::kTopkInt2, 5, "TOPK_INT2", true, true, kPayloadBlock, 4, 18, Payload::kTopk,
      GatherRule::kUnion},
 };
 
