@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/outer_fields.h"
+#include "common/payload_fields.h"
 #include "common/status_util.h"
 
 namespace modelavg {
@@ -40,27 +41,14 @@ absl::Status StreamingFromProto(const v1::Level& level, int i, ScheduleLevel* ou
   out->fragments = level.fragments() == 0 ? 1 : level.fragments();
   out->sync_delay = level.sync_delay();
   out->mix = level.mix();
-  switch (level.payload()) {
-    case v1::FP32:
-      out->payload = Payload::kFp32;
-      break;
-    case v1::BF16:
-      out->payload = Payload::kBf16;
-      break;
-    case v1::INT8:
-      out->payload = Payload::kInt8;
-      break;
-    case v1::INT4:
-      out->payload = Payload::kInt4;
-      break;
-    case v1::TOPK:
-      out->payload = Payload::kTopk;
-      break;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "levels[", i, "].payload must be FP32, BF16, INT8, INT4 or TOPK, got ",
-          level.payload()));
+  const PayloadInfo* payload = PayloadInfoOfProto(level.payload());
+  if (payload == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("levels[", i, "].payload must be ",
+                     PayloadNameList([](const PayloadInfo&) { return true; }), ", got ",
+                     level.payload()));
   }
+  out->payload = payload->payload;
   out->error_feedback = level.error_feedback();
   out->topk_density = level.topk_density();
   return absl::OkStatus();
@@ -164,23 +152,7 @@ void ScheduleSpecToProto(const ScheduleSpec& spec, v1::JobSpec* out) {
     if (level.fragments > 1) l->set_fragments(level.fragments);
     l->set_sync_delay(level.sync_delay);
     l->set_mix(level.mix);
-    switch (level.payload) {
-      case Payload::kFp32:
-        l->set_payload(v1::FP32);
-        break;
-      case Payload::kBf16:
-        l->set_payload(v1::BF16);
-        break;
-      case Payload::kInt8:
-        l->set_payload(v1::INT8);
-        break;
-      case Payload::kInt4:
-        l->set_payload(v1::INT4);
-        break;
-      case Payload::kTopk:
-        l->set_payload(v1::TOPK);
-        break;
-    }
+    l->set_payload(static_cast<v1::Payload>(PayloadInfoOf(level.payload).proto));
     l->set_error_feedback(level.error_feedback);
     l->set_topk_density(level.topk_density);
   }

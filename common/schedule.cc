@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/outer_fields.h"
+#include "common/payload_fields.h"
 
 namespace modelavg {
 
@@ -135,33 +136,19 @@ absl::Status ValidateStreamingLevel(const ScheduleLevel& level, size_t index, bo
     return absl::InvalidArgumentError(
         absl::StrCat(at, ".mix must be in [0, 1], got ", level.mix));
   }
-  const char* payload_name = level.payload == Payload::kBf16   ? "BF16"
-                             : level.payload == Payload::kInt8 ? "INT8"
-                             : level.payload == Payload::kInt4 ? "INT4"
-                             : level.payload == Payload::kTopk ? "TOPK"
-                                                               : "FP32";
+  const char* payload_name = PayloadName(level.payload);
   if (!(level.error_feedback >= 0.0 && level.error_feedback <= 1.0)) {
     return absl::InvalidArgumentError(absl::StrCat(
         at, ".error_feedback must be in [0, 1] (0: off, 1: classic error feedback), got ",
         level.error_feedback));
   }
-  if (level.payload == Payload::kTopk) {
-    if (!(level.topk_density > 0.0 && level.topk_density < 1.0)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          at, ".topk_density must be in (0, 1) with payload TOPK (the fraction of each block's "
-              "entries sent), got ",
-          level.topk_density));
-    }
-  } else if (level.topk_density != 0.0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        at, ".topk_density ", level.topk_density, " needs payload TOPK; the payload is ",
-        payload_name, " (set topk_density 0)"));
-  }
-  if (level.error_feedback != 0.0 && outer && level.payload == Payload::kFp32) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        at, ".error_feedback ", level.error_feedback,
-        " needs a compressed payload (BF16, INT8, INT4 or TOPK): FP32 loses nothing to feed back; "
-        "set error_feedback 0 or choose a payload"));
+  if (absl::Status s = CheckPayloadFields(
+          level.payload, level.topk_density, level.error_feedback, outer,
+          [&at](absl::string_view field, double value) {
+            return absl::StrCat(at, ".", field, " ", value);
+          });
+      !s.ok()) {
+    return s;
   }
   if (!outer) {
     if (level.error_feedback != 0.0) {

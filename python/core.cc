@@ -31,6 +31,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "client/rpc/connection.h"
+#include "common/payload_fields.h"
 #include "client/rpc/coordinator_client.h"
 #include "modelavg/client/averager.h"
 #include "modelavg/client/client.h"
@@ -332,22 +333,6 @@ class PyAverager {
   py::object interrupted_tensors_ = py::none();
 };
 
-const char* PayloadName(modelavg::Payload p) {
-  switch (p) {
-    case modelavg::Payload::kFp32:
-      return "FP32";
-    case modelavg::Payload::kBf16:
-      return "BF16";
-    case modelavg::Payload::kInt8:
-      return "INT8";
-    case modelavg::Payload::kInt4:
-      return "INT4";
-    case modelavg::Payload::kTopk:
-      return "TOPK";
-  }
-  return "FP32";
-}
-
 std::string ActionName(const Decision& d) { return d.average ? "AVERAGE" : "SKIP"; }
 
 // The ranks that averaged: the subgroup's live members (Decision::Members()); none on a skip.
@@ -474,7 +459,7 @@ Attributes:
                                for (const auto& l : s.levels) {
                                  streaming.append(py::make_tuple(
                                      std::max(1, l.fragments), l.sync_delay, l.mix,
-                                     PayloadName(l.payload), l.error_feedback,
+                                     modelavg::PayloadName(l.payload), l.error_feedback,
                                      l.topk_density));
                                }
                                d["streaming"] = streaming;
@@ -525,6 +510,35 @@ Attributes:
             ValueOrRaise(RunInterruptibly<R>([cc, job_id] { return cc->GetJob(job_id); })));
       },
       py::arg("conn"), py::arg("job_id"));
+  m.def("payload_names",
+        [] {
+          py::list names;
+          for (const modelavg::PayloadInfo& info : modelavg::kPayloads) names.append(info.name);
+          return py::tuple(names);
+        },
+        "The payload encodings' names (Level.payload), in the proto enum's order.");
+  m.def(
+      "check_payload",
+      [](const std::string& where, const std::string& payload, double topk_density,
+         double error_feedback) -> std::string {
+        const std::optional<modelavg::Payload> p = modelavg::PayloadNamed(payload);
+        if (!p.has_value()) {
+          return absl::StrCat(
+              where, ": payload=", py::repr(py::str(payload)).cast<std::string>(),
+              ": expected one of ",
+              modelavg::PayloadNameList([](const modelavg::PayloadInfo&) { return true; }));
+        }
+        const absl::Status s = modelavg::CheckPayloadFields(
+            *p, topk_density, error_feedback, /*outer=*/true,
+            [&where](absl::string_view field, double value) {
+              return absl::StrCat(where, ": ", field, "=",
+                                  py::repr(py::float_(value)).cast<std::string>());
+            });
+        return std::string(s.message());
+      },
+      py::arg("where"), py::arg("payload"), py::arg("topk_density"), py::arg("error_feedback"),
+      "The level fields `payload` needs (common/payload_fields.h): '' when they fit, else the "
+      "message naming the field.");
   m.def(
       "list_jobs",
       [](const py::dict& conn) {

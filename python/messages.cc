@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/payload_fields.h"
 #include "pybind11/stl.h"
 
 namespace py = pybind11;
@@ -184,8 +185,9 @@ v1::JobSpec JobSpecFrom(const py::dict& d) {
       v1::Level* level = spec.mutable_levels(static_cast<int>(i));
       v1::Payload payload;
       if (!v1::Payload_Parse(payload_name, &payload)) {
-        throw py::value_error(absl::StrCat("levels[", i, "].payload '", payload_name,
-                                           "': expected FP32, BF16, INT8, INT4 or TOPK"));
+        throw py::value_error(absl::StrCat(
+            "levels[", i, "].payload '", payload_name, "': expected ",
+            PayloadNameList([](const PayloadInfo&) { return true; })));
       }
       level->set_fragments(fragments);
       level->set_sync_delay(sync_delay);

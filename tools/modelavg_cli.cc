@@ -225,7 +225,7 @@ std::string Levels(const v1::JobSpec& spec, bool outer = false) {
                       l.outer().nesterov() ? " nesterov" : "");
     }
     if (l.payload() != v1::FP32) absl::StrAppend(&text, ", ", v1::Payload_Name(l.payload()));
-    if (l.payload() == v1::TOPK) absl::StrAppend(&text, " density ", l.topk_density());
+    if (l.topk_density() != 0) absl::StrAppend(&text, " density ", l.topk_density());
     if (l.error_feedback() != 0) absl::StrAppend(&text, ", error feedback ", l.error_feedback());
     levels.push_back(text + ")");
   }

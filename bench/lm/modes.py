@@ -176,7 +176,7 @@ class DiLoCo(Modelavg):
 class DiLoCoPayload(DiLoCo):
     """DiLoCo (as the diloco mode) with the cross-site pseudo-gradient sent compressed
     (Level.payload) and, in the *_ef modes, error feedback with beta 1 (Level.error_feedback):
-    docs/streaming.md. TOPK keeps --topk_density of each block's entries."""
+    docs/streaming.md. TOPK and TOPK_INT2 keep --topk_density of each block's entries."""
     payload = "INT8"
     error_feedback = 0.0
 
@@ -184,8 +184,8 @@ class DiLoCoPayload(DiLoCo):
         period = self.args.diloco_period
         return modelavg.Level(period, 4, outer=super().outer(modelavg), payload=self.payload,
                               error_feedback=self.error_feedback,
-                              topk_density=self.args.topk_density if self.payload == "TOPK"
-                              else 0.0)
+                              topk_density=self.args.topk_density
+                              if self.payload in ("TOPK", "TOPK_INT2") else 0.0)
 
 
 def _diloco_payload(payload, error_feedback):
@@ -223,6 +223,7 @@ MODES = {
     "diloco_int4_ef": _diloco_payload("INT4", 1.0),
     "diloco_topk": _diloco_payload("TOPK", 0.0),
     "diloco_topk_ef": _diloco_payload("TOPK", 1.0),
+    "diloco_topk_int2_ef": _diloco_payload("TOPK_INT2", 1.0),
 }
 # Modes that need a modelavg coordinator (run.py starts one, and a job per run).
 NEEDS_COORDINATOR = {"modelavg", "diloco", "streaming", "int8"} | {

@@ -1,7 +1,12 @@
 // The wire encodings of a level's pseudo-gradients (Level.payload, docs/streaming.md). Pure
-// functions over float32 buffers; the compressed all-reduce (GlooCommunicator) encodes each
+// functions over float32 buffers, one entry per payload (kHostCodecs in payload_codec.cc, beside
+// each one's code; the facts shared with the coordinator and the kernels are its row of
+// kPayloads, modelavg/common/payload.h); the compressed all-reduce (GlooCommunicator) encodes each
 // member's chunks with them, sums the decoded values in float32 and encodes the sum again for
 // the all-gather.
+//
+// Each encoding's rule is written in its proto comment (coordinator.proto's enum Payload) and
+// beside its code in payload_codec.cc; docs/streaming.md has them all. The first five:
 //
 //   FP32: the float32 values themselves (4 bytes an element).
 //   BF16: bfloat16, rounded to nearest even (2 bytes an element). |decode(encode(x)) - x| <=
@@ -39,12 +44,12 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "modelavg/common/schedule.h"
+#include "modelavg/common/payload.h"
 
 namespace modelavg::client {
 
 // Elements per INT8 block (each block has its own scale); INT4 and TOPK use the same blocks.
-inline constexpr int64_t kInt8Block = 1024;
+inline constexpr int64_t kInt8Block = kPayloadBlock;
 
 // A payload and, for TOPK, the entries it keeps per block of kInt8Block (a shorter last block
 // keeps min(topk, its length)). Made from a Payload alone for the others.
@@ -57,7 +62,7 @@ struct WireFormat {
 // TOPK's entries per block for Level.topk_density in (0, 1): ceil(density * kInt8Block).
 int32_t TopkPerBlock(double density);
 
-// Bytes of the encoding of `n` float32 elements.
+// Bytes of the encoding of `n` float32 elements (kPayloads' header_bytes and entry_bits).
 size_t EncodedBytes(WireFormat format, int64_t n);
 
 // Writes the encoding of in[0, n) to out[0, EncodedBytes(format, n)).
@@ -70,15 +75,17 @@ void DecodeAddPayload(WireFormat format, const uint8_t* in, int64_t n, float* ac
 void DecodePayload(WireFormat format, const uint8_t* in, int64_t n, float* out);
 
 // The alignment of the pieces the compressed all-reduce may cut a buffer into: kInt8Block for
-// the block payloads (INT8, INT4, TOPK), 1 for the others.
+// the block payloads (INT8, INT4, TOPK), 1 for the others (PayloadInfo::block).
 int64_t PayloadBlock(Payload payload);
+
+// The encoding in which the compressed all-reduce of `members` members sends the mean back in
+// its all-gather (PayloadInfo::gather and gather_rule): `format` itself, or for TOPK, TOPK with
+// min(kInt8Block, members * format.topk) entries a block. Both backends call it.
+WireFormat GatherFormat(WireFormat format, int members);
 
 // out[i] = decode(encode(in))[i], for i in [0, n): exactly the values a peer decodes from this
 // buffer. `in` and `out` may be the same.
 void RoundTripPayload(WireFormat format, const float* in, int64_t n, float* out);
-
-// "FP32", "BF16", "INT8", "INT4", "TOPK".
-const char* PayloadName(Payload payload);
 
 }  // namespace modelavg::client
 

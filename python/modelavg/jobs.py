@@ -24,7 +24,8 @@ class OuterSGD:
 
 
 # Level.payload: how an outer level's pseudo-gradients travel (proto enum modelavg.v1.Payload).
-PAYLOADS = ("FP32", "BF16", "INT8", "INT4", "TOPK")
+# The names and the fields each needs come from the binding (include/modelavg/common/payload.h).
+PAYLOADS = tuple(_core.payload_names())
 _NO_STREAMING = (1, 0, 0.0, "FP32", 0.0, 0.0)
 
 
@@ -48,9 +49,11 @@ class Level:
       the fragment's all-reduce in the background and returns; the call at s + tau applies it.
     * ``mix`` alpha in [0, 1] (outer levels): the fragment then becomes
       (1 - alpha) * anchor + alpha * the parameters passed to that call.
-    * ``payload`` "FP32" (default), "BF16", "INT8", "INT4" or "TOPK" (outer levels): how the
-      pseudo-gradient travels; the sum is accumulated in float32. "TOPK" sends the
-      ``topk_density`` (in (0, 1)) fraction of each block's entries of largest magnitude.
+    * ``payload`` "FP32" (default) or another of ``modelavg.jobs.PAYLOADS`` (the binding's
+      table: "BF16", "INT8", "INT4", "TOPK", ...; outer levels): how the pseudo-gradient
+      travels, each as docs/streaming.md describes; the sum is accumulated in float32. The
+      top-k payloads ("TOPK", ...) send the ``topk_density`` (in (0, 1)) fraction of each
+      block's entries of largest magnitude; the others need it 0.
     * ``error_feedback`` beta in [0, 1] (outer levels with a compressed payload; 0: off): each
       member sends U = beta * E + D, its residual E plus its pseudo-gradient D, and keeps
       E = U - decode(encode(U)), what the payload dropped, for the next sync.
@@ -84,7 +87,7 @@ class Level:
                 or not 0.0 <= float(self.mix) <= 1.0):
             raise _invalid(f"{where}: mix={self.mix!r}: expected a number in [0, 1]")
         object.__setattr__(self, "mix", float(self.mix))
-        if not isinstance(self.payload, str) or self.payload.upper() not in PAYLOADS:
+        if not isinstance(self.payload, str):
             raise _invalid(f"{where}: payload={self.payload!r}: expected one of "
                            f"{', '.join(PAYLOADS)}")
         object.__setattr__(self, "payload", self.payload.upper())
@@ -98,15 +101,10 @@ class Level:
                 or not isinstance(self.topk_density, (int, float))):
             raise _invalid(f"{where}: topk_density={self.topk_density!r}: expected a number")
         object.__setattr__(self, "topk_density", float(self.topk_density))
-        if self.payload == "TOPK" and not 0.0 < self.topk_density < 1.0:
-            raise _invalid(f"{where}: topk_density={self.topk_density!r}: expected a number in "
-                           "(0, 1) with payload TOPK (the fraction of each block's entries sent)")
-        if self.payload != "TOPK" and self.topk_density != 0.0:
-            raise _invalid(f"{where}: topk_density={self.topk_density!r} needs payload TOPK "
-                           f"(payload is {self.payload})")
-        if self.error_feedback != 0.0 and self.payload == "FP32":
-            raise _invalid(f"{where}: error_feedback={self.error_feedback!r} needs a compressed "
-                           "payload (BF16, INT8 or INT4): FP32 loses nothing to feed back")
+        problem = _core.check_payload(where, self.payload, self.topk_density,
+                                      self.error_feedback)
+        if problem:
+            raise _invalid(problem)
         if _is_int(self.period) and self.period > 0:
             if self.period % self.fragments != 0:
                 raise _invalid(f"{where}: fragments={self.fragments} does not divide the period "

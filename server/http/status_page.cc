@@ -127,7 +127,7 @@ std::string LevelsText(const v1::JobSpec& spec) {
     if (l.payload() != v1::FP32) {
       absl::StrAppend(&text, ", payload ", v1::Payload_Name(l.payload()));
     }
-    if (l.payload() == v1::TOPK) absl::StrAppend(&text, " (density ", l.topk_density(), ")");
+    if (l.topk_density() != 0) absl::StrAppend(&text, " (density ", l.topk_density(), ")");
     if (l.error_feedback() != 0) absl::StrAppend(&text, ", error feedback ", l.error_feedback());
     if (l.fragments() > 1) absl::StrAppend(&text, ", ", l.fragments(), " fragments");
     if (l.has_outer()) {

@@ -1,8 +1,8 @@
 // Streaming sync's device code on one GPU: the compressed payloads' kernels (payload_kernels.cu:
-// BF16, INT8, INT4, TOPK) against the host codec (payload_codec.h, which the Gloo path and the
-// simulated device use) byte for byte and float for float, the mix kernel (OuterMix) against the
-// host's formula, and a one-rank NCCL communicator's compressed round (its all-to-all and
-// all-gather on a real communicator) against the host codec. The members' arithmetic with
+// BF16, INT8, INT4, TOPK, TOPK_INT2) against the host codec (payload_codec.h, which the Gloo path
+// and the simulated device use) byte for byte and float for float, the mix kernel (OuterMix)
+// against the host's formula, and a one-rank NCCL communicator's compressed round (its all-to-all
+// and all-gather on a real communicator) against the host codec. The members' arithmetic with
 // several ranks is covered on the host by tests/unit/client_nccl_compressed_test.cc and
 // client_nccl_streaming_test.cc, and end to end by nccl_multirank_gpu_test.
 #include <cuda_runtime_api.h>
@@ -121,17 +121,19 @@ std::vector<KernelCase> KernelCases() {
     out.push_back({WireFormat(p), 9001, 3072});  // block-aligned parts, as nccl_core cuts them
     out.push_back({WireFormat(p), 7, 0});        // one short block
   }
-  for (int32_t k : {1, 21, 300, 1023, 1024}) {
-    out.push_back({WireFormat(Payload::kTopk, k), 9001, 0});
-    out.push_back({WireFormat(Payload::kTopk, k), 9001, 3072});
-    out.push_back({WireFormat(Payload::kTopk, k), 5, 0});  // k > the block's length
+  for (Payload p : {Payload::kTopk, Payload::kTopkInt2}) {
+    for (int32_t k : {1, 21, 300, 1023, 1024}) {
+      out.push_back({WireFormat(p, k), 9001, 0});
+      out.push_back({WireFormat(p, k), 9001, 3072});
+      out.push_back({WireFormat(p, k), 5, 0});  // k > the block's length
+    }
   }
   return out;
 }
 
 // Every payload's kernels against the host codec: the encoding's bytes, the decoded sum of the
 // parts and the decoding, for parts cut anywhere or at block boundaries, short last blocks,
-// ties, NaN and Inf, and TOPK with k from 1 to 1024.
+// ties, NaN and Inf, and TOPK and TOPK_INT2 with k from 1 to 1024.
 TEST_F(NcclStreamingGpuTest, PayloadKernels_EqualTheHostCodecBitForBit) {
   for (const KernelCase& c : KernelCases()) {
     for (int parts : {1, 3, 8}) {
@@ -191,7 +193,9 @@ TEST_F(NcclStreamingGpuTest, PayloadKernels_RandomInputs_EqualEncodePayload) {
     return state;
   };
   for (const WireFormat f : {WireFormat(Payload::kInt4), WireFormat(Payload::kTopk, 1),
-                             WireFormat(Payload::kTopk, 21), WireFormat(Payload::kTopk, 1024)}) {
+                             WireFormat(Payload::kTopk, 21), WireFormat(Payload::kTopk, 1024),
+                             WireFormat(Payload::kTopkInt2, 1), WireFormat(Payload::kTopkInt2, 21),
+                             WireFormat(Payload::kTopkInt2, 1024)}) {
     for (int64_t n : {int64_t{1}, int64_t{1023}, int64_t{4096}, int64_t{5000}}) {
       SCOPED_TRACE(std::string(PayloadName(f.payload)) + " k " + std::to_string(f.topk) + " n " +
                    std::to_string(n));
@@ -266,7 +270,8 @@ TEST_F(NcclStreamingGpuTest, OneRankCommunicator_CompressedRound_IsTheCodecTwice
   auto comm = NcclCommunicator::CreateWithId(id, 0, 1, 0, absl::Seconds(60), nullptr);
   ASSERT_TRUE(comm.ok()) << comm.status();
   for (const WireFormat payload : {WireFormat(Payload::kBf16), WireFormat(Payload::kInt8),
-                                   WireFormat(Payload::kInt4), WireFormat(Payload::kTopk, 21)}) {
+                                   WireFormat(Payload::kInt4), WireFormat(Payload::kTopk, 21),
+                                   WireFormat(Payload::kTopkInt2, 21)}) {
     SCOPED_TRACE(std::string(PayloadName(payload.payload)));
     const int64_t n = 5003;
     const std::vector<float> in = Input(n, false);
@@ -279,14 +284,18 @@ TEST_F(NcclStreamingGpuTest, OneRankCommunicator_CompressedRound_IsTheCodecTwice
     const int64_t before = (*comm)->bytes_sent();
     ASSERT_TRUE((*comm)->AllReduceAverage({view}, options, nullptr).ok());
     EXPECT_EQ((*comm)->bytes_sent(), before);  // one rank sends nothing to others
-    // One member: encode, decode (times 1), encode, decode (TOPK: min(1024, 1 k) entries a
-    // block again).
+    // One member: encode, decode (times 1), encode, decode in the gather's format (TOPK and
+    // TOPK_INT2: TOPK with min(1024, 1 k) entries a block).
+    const WireFormat gather = payload.payload == Payload::kTopkInt2
+                                  ? WireFormat(Payload::kTopk, payload.topk)
+                                  : payload;
     std::vector<float> want(static_cast<size_t>(n));
     std::vector<uint8_t> wire(EncodedBytes(payload, n));
     EncodePayload(payload, in.data(), n, wire.data());
     DecodePayload(payload, wire.data(), n, want.data());
-    EncodePayload(payload, want.data(), n, wire.data());
-    DecodePayload(payload, wire.data(), n, want.data());
+    wire.resize(EncodedBytes(gather, n));
+    EncodePayload(gather, want.data(), n, wire.data());
+    DecodePayload(gather, wire.data(), n, want.data());
     EXPECT_TRUE(SameFloats(Download<float>(d, n), want));
   }
 }

@@ -631,7 +631,9 @@ def check_streaming_spec(modelavg, coordinator, group):
     # Error feedback and the 4-bit and top-k payloads round-trip too.
     for i, fb in enumerate([modelavg.Level(8, 4, outer=sgd, payload="INT4", error_feedback=0.9),
                             modelavg.Level(8, 4, outer=sgd, payload="TOPK", topk_density=0.02,
-                                           error_feedback=1.0)]):
+                                           error_feedback=1.0),
+                            modelavg.Level(8, 4, outer=sgd, payload="topk_int2",
+                                           topk_density=0.02, error_feedback=1.0)]):
         got = modelavg.create_job(f"feedback-{i}", 4, "PERIODIC", [fb], coordinator=addr)
         if got.spec.levels != [fb]:
             mt.fail(f"create_job returned levels {got.spec.levels}, asked for {[fb]}")
@@ -654,7 +656,14 @@ def check_streaming_spec(modelavg, coordinator, group):
            (dict(error_feedback=1.0), "error_feedback=1.0 needs a compressed payload"),
            (dict(payload="TOPK"), "topk_density=0.0"),
            (dict(payload="TOPK", topk_density=1.0), "topk_density=1.0"),
-           (dict(payload="INT8", topk_density=0.1), "topk_density=0.1 needs payload TOPK")]
+           (dict(payload="INT8", topk_density=0.1), "topk_density=0.1 needs payload TOPK"),
+           # TOPK_INT2's fields, as the binding's table says (not a copy in the package).
+           (dict(payload="TOPK_INT2"),
+            "topk_density=0.0 must be in (0, 1) with payload TOPK_INT2"),
+           (dict(payload="TOPK_INT2", topk_density=1.5), "topk_density=1.5"),
+           (dict(payload="BF16", topk_density=0.1), "needs payload TOPK or TOPK_INT2"),
+           (dict(error_feedback=1.0), "(BF16, INT8, INT4, TOPK or TOPK_INT2)"),
+           (dict(payload="INT2"), "expected one of FP32, BF16, INT8, INT4, TOPK or TOPK_INT2")]
     for fields, text in bad:
         expect_raises(f"Level(8, 4, outer, **{fields})", modelavg.InvalidArgumentError,
                       lambda: modelavg.Level(8, 4, outer=sgd, **fields), text)

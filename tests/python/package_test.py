@@ -52,6 +52,18 @@ class FakeCore(types.ModuleType):
         self.Client = Client
         self.Averager = object
 
+    # The binding's payload table (include/modelavg/common/payload.h) as a fake has it: the
+    # names, and the fields' check, which the package asks rather than repeating.
+    PAYLOADS = ("FP32", "BF16", "INT8", "INT4", "TOPK")
+
+    def payload_names(self):
+        return self.PAYLOADS
+
+    def check_payload(self, where, payload, topk_density, error_feedback):
+        if payload not in self.PAYLOADS:
+            return f"{where}: payload={payload!r}: expected one of {', '.join(self.PAYLOADS)}"
+        return ""
+
     def connection_from_environment(self):
         return dict(self.environment)
 

@@ -16,6 +16,7 @@
 #include "gloo/rendezvous/hash_store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/reference/naive_payload.h"
 #include "tests/unit/gloo_test_mesh.h"
 
 namespace modelavg::client {
@@ -167,6 +168,69 @@ TEST(CompressedRoundTest, Topk_MeanOfEachMembersTopK_EveryRankIdentical) {
     }
     EXPECT_GT(nonzero, k);
     EXPECT_LE(nonzero, 3 * n * k);
+  }
+}
+
+// TOPK_INT2 over 2, 3 and 4 members, five steps, with error feedback (beta 1 and 0.9) and
+// without (0): each member sends U = beta E + D (its step's D), keeps C = its own round trip
+// (RoundTripPayload, what the averager keeps) and E := U - C. Every member, every step, bit for
+// bit against the rule restated (tests/reference/naive_payload.h): C is TOPK_INT2's naive round
+// trip of U, and the result the float32 mean, in member order, of the members' C, sent back as
+// TOPK with min(1024, n k) entries a block (bfloat16).
+TEST(CompressedRoundTest, TopkInt2_EveryMemberEveryStep_WithAndWithoutFeedback) {
+  const int64_t numel = 2 * kInt8Block + 300;
+  const int32_t k = TopkPerBlock(0.02);
+  const WireFormat format(Payload::kTopkInt2, k);
+  for (int n : {2, 3, 4}) {
+    auto mesh = MakeGlooMesh(n, absl::Seconds(30));
+    for (auto& c : mesh) ASSERT_NE(c, nullptr);
+    for (float beta : {1.0f, 0.9f, 0.0f}) {
+      SCOPED_TRACE(absl::StrCat("n=", n, " beta=", beta));
+      std::vector<std::vector<float>> e(n, std::vector<float>(numel, 0.0f));
+      for (int step = 0; step < 5; ++step) {
+        SCOPED_TRACE(step);
+        std::vector<std::vector<float>> u(n, std::vector<float>(numel)), v(n), c(n);
+        for (int r = 0; r < n; ++r) {
+          const std::vector<float> d = Input(r + 10 * step, numel);
+          for (int64_t i = 0; i < numel; ++i) u[r][i] = beta * e[r][i] + d[i];
+        }
+        std::vector<absl::Status> status(n);
+        OnRanks(n, [&](int r) {
+          v[r] = u[r];
+          c[r].resize(numel);
+          RoundTripPayload(format, u[r].data(), numel, c[r].data());
+          RoundOptions o;
+          o.payload = Payload::kTopkInt2;
+          o.topk = k;
+          status[r] = mesh[r]->AllReduceAverage(
+              {TensorView{v[r].data(), numel, DType::kFloat32}}, o, nullptr);
+        });
+        std::vector<float> mean(numel, 0.0f);
+        for (int r = 0; r < n; ++r) {
+          ASSERT_TRUE(status[r].ok()) << status[r];
+          const std::vector<float> sent =
+              testing::NaivePayloadRoundTrip(Payload::kTopkInt2, k, u[r]);
+          ASSERT_EQ(std::memcmp(c[r].data(), sent.data(), numel * sizeof(float)), 0)
+              << "member " << r << "'s own round trip";
+          for (int64_t i = 0; i < numel; ++i) {
+            mean[i] += sent[i];
+            e[r][i] = u[r][i] - sent[i];
+          }
+        }
+        const float inv = 1.0f / static_cast<float>(n);
+        for (float& m : mean) m *= inv;
+        const std::vector<float> want = testing::NaivePayloadRoundTrip(
+            Payload::kTopk, std::min<int32_t>(kInt8Block, n * k), mean);
+        for (int r = 0; r < n; ++r) {
+          ASSERT_EQ(std::memcmp(v[r].data(), want.data(), numel * sizeof(float)), 0)
+              << "member " << r;
+        }
+      }
+      // Something was dropped and, with feedback, kept.
+      double kept = 0;
+      for (float x : e[0]) kept += std::fabs(x);
+      EXPECT_GT(kept, 0);
+    }
   }
 }
 

@@ -5,11 +5,12 @@
 //
 //   D_m = fl32(A - x_m);  U_m = fl32(beta E_m + D_m) (in double);  C_m = decode(encode(U_m))
 //   (blocks of 1024 of the whole buffer); mean = fl32(sum over m in order of C_m) * fl32(1 / n);
-//   R = decode(encode(mean)) (TOPK: min(1024, n k) entries a block);  A := A - R (lr 1);
+//   R = decode(encode(mean)) (TOPK and TOPK_INT2: as TOPK, min(1024, n k) entries a block);
+//   A := A - R (lr 1);
 //   x_m := A;  E_m := fl32(U_m - C_m) once the round has succeeded (a failed round leaves it).
 //
-// Every member, every step, beta 1 and 0.9, INT4 and TOPK, in place and staged (the finite
-// check), blocking and background (Fill), residual in device or pinned host memory: the
+// Every member, every step, beta 1 and 0.9, INT4, TOPK and TOPK_INT2, in place and staged (the
+// finite check), blocking and background (Fill), residual in device or pinned host memory: the
 // parameters, the anchors and every member's residual bit for bit. Also the residual's
 // state_dict round trip, a host residual taken over by AttachDevice, and a replacement's zero
 // residual. Runs without a GPU; tests/gpu runs the kernels against the host codec.
@@ -251,7 +252,9 @@ TEST_P(NcclFeedbackTest, EveryMemberEveryStep_FollowsTheRuleBitForBit) {
       }
       const float inv = 1.0f / static_cast<float>(n);
       for (float& v : sum) v *= inv;
-      const std::vector<float> r = NaivePayloadRoundTrip(c.payload, gather_k, sum);
+      // The mean travels back as the payload's gather: TOPK's for TOPK_INT2 (bfloat16 entries).
+      const Payload gather = c.payload == Payload::kTopkInt2 ? Payload::kTopk : c.payload;
+      const std::vector<float> r = NaivePayloadRoundTrip(gather, gather_k, sum);
       for (int64_t i = 0; i < total; ++i) anchor[i] = anchor[i] - r[i];
       for (int m = 0; m < n; ++m) {
         x[m] = anchor;
@@ -298,6 +301,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{Payload::kInt4, 0, 0.9, false, true, true},
                       Case{Payload::kTopk, 21, 1.0, true, false, false},
                       Case{Payload::kTopk, 21, 0.9, false, false, true},
+                      Case{Payload::kTopkInt2, 21, 1.0, true, false, false},
+                      Case{Payload::kTopkInt2, 21, 0.9, false, false, true},
+                      Case{Payload::kTopkInt2, 308, 1.0, true, true, false},
                       Case{Payload::kTopk, 1, 1.0, true, true, false},
                       Case{Payload::kTopk, 308, 0.9, true, true, false}),
     [](const auto& info) { return Name(info.param); });

@@ -10,6 +10,7 @@
 #include "client/payload/payload_codec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/reference/naive_payload.h"
 
 namespace modelavg::client {
 namespace {
@@ -254,6 +255,69 @@ TEST(PayloadCodecTest, Topk_KeepsLargestPerBlock) {
   EXPECT_EQ(TopkPerBlock(1e-9), 1);
   EXPECT_EQ(TopkPerBlock(0.999), 1023);
   EXPECT_LE(EncodedBytes(f, 1 << 20), 0.025 * EncodedBytes(Payload::kFp32, 1 << 20));
+}
+
+// TOPK_INT2 bit for bit against its naive restatement (tests/reference/naive_payload.h): random
+// blocks, ties, a short last block, a block of zeros, k from 1 to 1024; decode-add adds the same.
+TEST(PayloadCodecTest, TopkInt2_EqualsNaiveRestatement_BitForBit) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(4 * kInt8Block + 100);
+  for (float& v : x) v = normal(rng);
+  x[7] = x[9] = -50.0f;     // a tie at the top
+  x[20] = 50.0f * 2 / 3;    // near the 2/3 boundary
+  x[1030] = -0.0f;          // a signed zero in a kept-everything case below
+  std::fill(x.begin() + 2 * kInt8Block, x.begin() + 3 * kInt8Block, 0.0f);  // all zeros
+  const int64_t n = static_cast<int64_t>(x.size());
+  for (int32_t k : {1, 21, 308, 1024}) {
+    SCOPED_TRACE(k);
+    const WireFormat f(Payload::kTopkInt2, k);
+    std::vector<uint8_t> wire(EncodedBytes(f, n));
+    EncodePayload(f, x.data(), n, wire.data());
+    std::vector<float> y(x.size(), -1.0f);
+    DecodePayload(f, wire.data(), n, y.data());
+    const std::vector<float> want = testing::NaivePayloadRoundTrip(Payload::kTopkInt2, k, x);
+    ASSERT_EQ(std::memcmp(y.data(), want.data(), x.size() * sizeof(float)), 0);
+    std::vector<float> acc(x.size(), 1.0f);
+    DecodeAddPayload(f, wire.data(), n, acc.data());
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(acc[i], 1.0f + want[i]) << i;
+    std::vector<float> rt(x.size());
+    RoundTripPayload(f, x.data(), n, rt.data());
+    ASSERT_EQ(std::memcmp(rt.data(), want.data(), x.size() * sizeof(float)), 0);
+  }
+  // Bytes: a scale, k indices and k 2-bit codes a block; 52 a full block at density 0.02
+  // (0.0508 bytes an element, 0.0127 of FP32).
+  EXPECT_EQ(EncodedBytes(WireFormat(Payload::kTopkInt2, 21), kInt8Block), 4u + 42u + 6u);
+  EXPECT_EQ(EncodedBytes(WireFormat(Payload::kTopkInt2, 21), n), 5u * 52u);
+  EXPECT_EQ(EncodedBytes(WireFormat(Payload::kTopkInt2, 21), 5), 4u + 10u + 2u);
+  EXPECT_EQ(PayloadBlock(Payload::kTopkInt2), kInt8Block);
+  EXPECT_STREQ(PayloadName(Payload::kTopkInt2), "TOPK_INT2");
+}
+
+// The layout, by hand: 8 elements, k 3 keep -5 (index 1), 2 (3) and 4 (7); s 5; codes 0 (-s),
+// 2 (s/3: 2 / 5 < 2/3), 3 (s: 4 / 5 >= 2/3), four to a byte from the low bits.
+TEST(PayloadCodecTest, TopkInt2_Layout_ScaleIndicesCodes) {
+  const std::vector<float> x = {0.1f, -5.0f, 0.0f, 2.0f, -1.6f, 0.0f, 0.0f, 4.0f};
+  const WireFormat f(Payload::kTopkInt2, 3);
+  std::vector<uint8_t> wire(EncodedBytes(f, 8));
+  ASSERT_EQ(wire.size(), 4u + 6u + 1u);
+  EncodePayload(f, x.data(), 8, wire.data());
+  float s;
+  std::memcpy(&s, wire.data(), 4);
+  EXPECT_EQ(s, 5.0f);
+  EXPECT_EQ(std::vector<uint8_t>(wire.begin() + 4, wire.end()),
+            (std::vector<uint8_t>{1, 0, 3, 0, 7, 0, 0x38}));
+  std::vector<float> y(8);
+  DecodePayload(f, wire.data(), 8, y.data());
+  EXPECT_EQ(y, (std::vector<float>{0, -5.0f, 0, 5.0f / 3.0f, 0, 0, 0, 5.0f}));
+  // A non-finite value is kept (the largest magnitude): the block's kept entries decode as NaN.
+  std::vector<float> bad = x;
+  bad[4] = std::numeric_limits<float>::infinity();
+  std::vector<uint8_t> w2(wire.size());
+  EncodePayload(f, bad.data(), 8, w2.data());
+  DecodePayload(f, w2.data(), 8, y.data());
+  EXPECT_TRUE(std::isnan(y[1]) && std::isnan(y[4]) && std::isnan(y[7]));
+  EXPECT_EQ(y[3], 0.0f);
 }
 
 TEST(PayloadCodecTest, RoundTripPayload_EqualsEncodeThenDecode) {

@@ -727,11 +727,8 @@ absl::Status GlooCommunicator::RunCompressed(const float* data, int64_t numel, W
                                              std::vector<int64_t>* codes, int64_t code) {
   const int n = size_;
   const Payload payload = format.payload;
-  // The all-gather's format: TOPK sends every non-zero of the mean (at most n k a block).
-  const WireFormat gather(payload, payload == Payload::kTopk
-                                       ? static_cast<int32_t>(std::min<int64_t>(
-                                             kInt8Block, int64_t{n} * format.topk))
-                                       : format.topk);
+  // The all-gather's format (payload_codec.h): TOPK sends every non-zero of the mean.
+  const WireFormat gather = GatherFormat(format, n);
   // Piece j: elements [lo_j, lo_j + len_j), cut at multiples of the payload's block so that
   // every block is encoded whole, as the member's own decode(encode(x)) sees it
   // (RoundTripPayload); member j reduces piece j. Pieces may be empty. With `codes`, each part

@@ -106,11 +106,7 @@ absl::Status NcclCore::ReduceCompressed(void* buffer, int64_t count, WireFormat 
   const int n = size_;
   // The all-gather's format: TOPK sends every non-zero of the mean (at most n k a block), as
   // the Gloo path does (payload_codec.h).
-  const WireFormat gather(format.payload,
-                          format.payload == Payload::kTopk
-                              ? static_cast<int32_t>(std::min<int64_t>(
-                                    kInt8Block, int64_t{n} * format.topk))
-                              : format.topk);
+  const WireFormat gather = GatherFormat(format, n);
   // Parts cut at multiples of the payload's block, so that every block of the buffer is encoded
   // whole: what the peers decode of this member's buffer is decode(encode(x)) of the whole
   // buffer (RoundTripPayload), whatever the number of members, which error feedback relies on.
@@ -386,10 +382,10 @@ void NcclCore::ValidateRound(Round& r) const {
         "a ", PayloadName(options.payload),
         " payload takes float32/float16/bfloat16 tensors; these include float64"));
   }
-  if (r.local.ok() && options.payload == Payload::kTopk &&
+  if (r.local.ok() && PayloadInfoOf(options.payload).topk &&
       (options.topk < 1 || options.topk > kInt8Block)) {
     r.local = absl::InvalidArgumentError(absl::StrCat(
-        "a TOPK payload keeps 1 to ", kInt8Block, " entries a block; the round asks for ",
+        "a ", PayloadName(options.payload), " payload keeps 1 to ", kInt8Block, " entries a block; the round asks for ",
         options.topk));
   }
   r.pad = options.payload == Payload::kFp32;

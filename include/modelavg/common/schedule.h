@@ -20,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "modelavg/common/payload.h"
 
 namespace modelavg {
 
@@ -37,8 +38,6 @@ struct OuterSgd {
   }
 };
 
-// How a level's pseudo-gradients travel (outer levels; plain levels send FP32 parameters).
-enum class Payload { kFp32, kBf16, kInt8, kInt4, kTopk };
 
 struct ScheduleLevel {
   int64_t period = 0;
@@ -56,7 +55,7 @@ struct ScheduleLevel {
   // Error feedback's decay beta (0: off): each member sends U = beta * E + D and keeps
   // E := U - decode(encode(U)) (docs/streaming.md). Needs a compressed payload.
   double error_feedback = 0.0;
-  // Payload kTopk: the fraction of each block's entries sent, in (0, 1).
+  // A top-k payload (PayloadInfo::topk): the fraction of each block's entries sent, in (0, 1).
   double topk_density = 0.0;
 
   // The hierarchy walk's period of this level: period / fragments.

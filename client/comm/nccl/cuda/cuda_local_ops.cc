@@ -13,14 +13,6 @@
 
 namespace modelavg::client {
 
-static_assert(kWireInt8Block == kInt8Block, "payload_kernels.h's INT8 block is the codec's");
-static_assert(static_cast<int32_t>(Payload::kFp32) == kWireFp32 &&
-                  static_cast<int32_t>(Payload::kBf16) == kWireBf16 &&
-                  static_cast<int32_t>(Payload::kInt8) == kWireInt8 &&
-                  static_cast<int32_t>(Payload::kInt4) == kWireInt4 &&
-                  static_cast<int32_t>(Payload::kTopk) == kWireTopk,
-              "payload_kernels.h's payload codes are Payload's");
-
 #define MODELAVG_ON_DEVICE()              \
   ScopedCudaDevice on_device_(device_);   \
   MODELAVG_RETURN_IF_ERROR(on_device_.status())

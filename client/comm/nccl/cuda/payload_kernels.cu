@@ -3,10 +3,19 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "client/payload/payload_codec.h"
+
 namespace modelavg::client {
 namespace {
 
 constexpr int kThreads = 256;
+// The block of the block payloads, and the payload codes the kernels dispatch on (Payload).
+constexpr int64_t kWireInt8Block = kInt8Block;
+constexpr int32_t kWireBf16 = static_cast<int32_t>(Payload::kBf16);
+constexpr int32_t kWireInt8 = static_cast<int32_t>(Payload::kInt8);
+constexpr int32_t kWireInt4 = static_cast<int32_t>(Payload::kInt4);
+constexpr int32_t kWireTopk = static_cast<int32_t>(Payload::kTopk);
+constexpr int32_t kWireTopkInt2 = static_cast<int32_t>(Payload::kTopkInt2);
 // TOPK's selection: one thread per element of a block.
 constexpr int kTopkThreads = static_cast<int>(kWireInt8Block);
 static_assert(kTopkThreads == 1024, "the TOPK kernel's scans assume 32 full warps");
@@ -63,6 +72,53 @@ __device__ __forceinline__ float DecodedTopk(int32_t topk, const uint8_t* p, int
   return 0.0f;
 }
 
+// TOPK_INT2's level of code q in a block of scale s (payload_codec.cc's Int2Level): -s, -s/3,
+// s/3, s; and the code of x (Int2Code): the nearest level by |x| / s >= 2/3 in float32, the sign
+// from x's sign bit.
+constexpr float kTwoThirds = 2.0f / 3.0f;
+__device__ __forceinline__ float Int2Level(int q, float s) {
+  const float third = __fdiv_rn(s, 3.0f);
+  return q == 0 ? -s : q == 1 ? -third : q == 2 ? third : s;
+}
+__device__ __forceinline__ uint32_t Int2Code(float x, float s) {
+  const bool big = s > 0.0f && __fdiv_rn(fabsf(x), s) >= kTwoThirds;
+  return signbit(x) ? (big ? 0u : 1u) : (big ? 3u : 2u);
+}
+
+// TOPK_INT2's entries of all the blocks of a part of `part` elements (every block but the last
+// full).
+__device__ __forceinline__ int64_t TopkEntriesOfPart(int32_t topk, int64_t part) {
+  const int64_t blocks = Int8Blocks(part);
+  return (blocks - 1) * TopkEntries(topk, kWireInt8Block) +
+         TopkEntries(topk, part - (blocks - 1) * kWireInt8Block);
+}
+
+// Element i of a TOPK_INT2 part `p`: the scales, then every block's uint16 indices, then each
+// block's codes (payload_codec.cc's layout); a binary search in its block's indices.
+__device__ __forceinline__ float DecodedTopkInt2(int32_t topk, const uint8_t* p, int64_t part,
+                                                 int64_t i) {
+  const int64_t blocks = Int8Blocks(part);
+  const int64_t b = i / kWireInt8Block;
+  const int64_t lo = b * kWireInt8Block;
+  const int64_t full = TopkEntries(topk, kWireInt8Block);
+  const int64_t count = TopkEntries(topk, min(part - lo, kWireInt8Block));
+  const uint16_t* indices = reinterpret_cast<const uint16_t*>(p + blocks * 4) + b * full;
+  const uint16_t want = static_cast<uint16_t>(i - lo);
+  int64_t first = 0, last = count;
+  while (first < last) {
+    const int64_t mid = (first + last) / 2;
+    if (indices[mid] < want) {
+      first = mid + 1;
+    } else {
+      last = mid;
+    }
+  }
+  if (first >= count || indices[first] != want) return 0.0f;
+  const uint8_t* codes = p + blocks * 4 + 2 * TopkEntriesOfPart(topk, part) + b * ((full + 3) / 4);
+  const int q = (codes[first / 4] >> (2 * (first % 4))) & 3;
+  return Int2Level(q, reinterpret_cast<const float*>(p)[b]);
+}
+
 // Element i of wire part `p` decoded (p: the part's first byte).
 __device__ __forceinline__ float Decoded(int32_t payload, int32_t topk, const uint8_t* p,
                                          int64_t part, int64_t i) {
@@ -79,6 +135,7 @@ __device__ __forceinline__ float Decoded(int32_t payload, int32_t topk, const ui
     return __fmul_rn(static_cast<float>(nibble - 8), scale);
   }
   if (payload == kWireTopk) return DecodedTopk(topk, p, part, i);
+  if (payload == kWireTopkInt2) return DecodedTopkInt2(topk, p, part, i);
   return reinterpret_cast<const float*>(p)[i];
 }
 
@@ -209,26 +266,10 @@ __device__ int BlockExclusiveScan(bool flag, int* warp_sums) {
   return result;
 }
 
-// One CUDA block (kTopkThreads threads, one per element) per TOPK block of one part. The keys
-// are |x|'s bits (ordered as the magnitudes), NaN the largest with +-Inf (the host codec counts
-// its magnitude as infinity: they tie); T, the k-th largest key, is found
-// bit by bit from the top (the largest T with #{key >= T} >= k, one block count a bit); the
-// block keeps every key > T and, of the keys == T, the lowest indices up to k (ties: the lower
-// index first), each written at its rank in index order (a block prefix sum). Deterministic,
-// O(32 + log) block passes, never O(n^2).
-__global__ void __launch_bounds__(kTopkThreads)
-    EncodeTopkKernel(const float* in, int64_t numel, int64_t part, int64_t blocks_per_part,
-                     int32_t topk, size_t stride, uint8_t* wire) {
-  __shared__ int warp_sums[32];
-  const int64_t j = blockIdx.x / blocks_per_part;
-  const int64_t b = blockIdx.x % blocks_per_part;
-  const int64_t lo = b * kWireInt8Block;
-  const int len = static_cast<int>(min(part - lo, kWireInt8Block));
-  const int k = static_cast<int>(TopkEntries(topk, len));
-  if (k == 0) return;  // the whole block alike
-  const int t = threadIdx.x;
-  const bool live = t < len;
-  const float x = live ? Input(in, numel, part, j, lo + t) : 0.0f;
+// TOPK's selection in a block of kTopkThreads threads, thread t holding element t of the block
+// (live: t < the block's length): whether it is one of the k kept, and then its rank among them
+// in index order (*at). Every thread calls it.
+__device__ bool TopkKeep(float x, bool live, int k, int* warp_sums, int* at) {
   // NaN's magnitude is the host's infinity: it ties with +-Inf (the lower index first).
   const uint32_t key = isnan(x) ? 0x7F800000u : (__float_as_uint(x) & 0x7FFFFFFFu);
   uint32_t threshold = 0;  // #{key >= threshold} >= k holds throughout (len >= k)
@@ -240,12 +281,94 @@ __global__ void __launch_bounds__(kTopkThreads)
   const bool tie = live && key == threshold;
   const int tie_rank = BlockExclusiveScan(tie, warp_sums);
   const bool keep = live && (key > threshold || (tie && tie_rank < k - greater));
-  const int at = BlockExclusiveScan(keep, warp_sums);
+  *at = BlockExclusiveScan(keep, warp_sums);
+  return keep;
+}
+
+// A thread of a CUDA block (kTopkThreads threads) that selects TOPK's entries of one block of
+// one part (CUDA block index: part j * blocks_per_part + block b).
+struct TopkThread {
+  int64_t j, b;
+  int k;      // the entries the block keeps (0: none, every thread alike)
+  float x;    // this thread's element (0 past the block or the buffer)
+  bool keep;  // whether it is kept
+  int at;     // then its rank among the kept, in index order
+};
+
+__device__ TopkThread SelectTopk(const float* in, int64_t numel, int64_t part,
+                                 int64_t blocks_per_part, int32_t topk, int* warp_sums) {
+  TopkThread s;
+  s.j = blockIdx.x / blocks_per_part;
+  s.b = blockIdx.x % blocks_per_part;
+  const int64_t lo = s.b * kWireInt8Block;
+  const int len = static_cast<int>(min(part - lo, kWireInt8Block));
+  s.k = static_cast<int>(TopkEntries(topk, len));
+  const bool live = static_cast<int>(threadIdx.x) < len;
+  s.x = live ? Input(in, numel, part, s.j, lo + threadIdx.x) : 0.0f;
+  s.keep = false;
+  s.at = 0;
+  if (s.k > 0) s.keep = TopkKeep(s.x, live, s.k, warp_sums, &s.at);
+  return s;
+}
+
+// One CUDA block (kTopkThreads threads, one per element) per TOPK block of one part. The keys
+// are |x|'s bits (ordered as the magnitudes), NaN the largest with +-Inf (the host codec counts
+// its magnitude as infinity: they tie); T, the k-th largest key, is found
+// bit by bit from the top (the largest T with #{key >= T} >= k, one block count a bit); the
+// block keeps every key > T and, of the keys == T, the lowest indices up to k (ties: the lower
+// index first), each written at its rank in index order (a block prefix sum). Deterministic,
+// O(32 + log) block passes, never O(n^2).
+__global__ void __launch_bounds__(kTopkThreads)
+    EncodeTopkKernel(const float* in, int64_t numel, int64_t part, int64_t blocks_per_part,
+                     int32_t topk, size_t stride, uint8_t* wire) {
+  __shared__ int warp_sums[32];
+  const TopkThread s = SelectTopk(in, numel, part, blocks_per_part, topk, warp_sums);
+  if (!s.keep) return;
+  uint32_t* entries = reinterpret_cast<uint32_t*>(wire + s.j * stride) +
+                      s.b * TopkEntries(topk, kWireInt8Block);
+  // (uint16 index, bfloat16 value), little-endian: the host codec's two memcpys.
+  entries[s.at] =
+      static_cast<uint32_t>(threadIdx.x) | (static_cast<uint32_t>(ToBFloat16(s.x)) << 16);
+}
+
+// One CUDA block (kTopkThreads threads) per TOPK_INT2 block of one part: TOPK's selection, the
+// scale s (the largest kept magnitude, NaN when a kept value is not finite), each kept index at
+// its rank and its 2-bit code, the codes gathered in shared memory and written four to a byte.
+__global__ void __launch_bounds__(kTopkThreads)
+    EncodeTopkInt2Kernel(const float* in, int64_t numel, int64_t part, int64_t blocks_per_part,
+                         int32_t topk, size_t stride, uint8_t* wire) {
+  __shared__ int warp_sums[32];
+  __shared__ uint32_t max_key;
+  __shared__ uint8_t codes[kTopkThreads];
+  const TopkThread s = SelectTopk(in, numel, part, blocks_per_part, topk, warp_sums);
+  if (s.k == 0) return;  // the whole block alike
+  const int64_t j = s.j, b = s.b;
+  const int k = s.k, t = threadIdx.x;
+  const float x = s.x;
+  const bool keep = s.keep;
+  if (t == 0) max_key = 0;
+  __syncthreads();
+  // Non-negative floats order as their bits.
+  if (keep && isfinite(x)) atomicMax(&max_key, __float_as_uint(fabsf(x)));
+  const bool nonfinite = __syncthreads_or(keep && !isfinite(x)) != 0;
+  const float scale = nonfinite ? __int_as_float(0x7fc00000) : __uint_as_float(max_key);
+  uint8_t* p = wire + j * stride;
+  const int64_t full = TopkEntries(topk, kWireInt8Block);
+  if (t == 0) reinterpret_cast<float*>(p)[b] = scale;
   if (keep) {
-    uint32_t* entries = reinterpret_cast<uint32_t*>(wire + j * stride) +
-                        b * TopkEntries(topk, kWireInt8Block);
-    // (uint16 index, bfloat16 value), little-endian: the host codec's two memcpys.
-    entries[at] = static_cast<uint32_t>(t) | (static_cast<uint32_t>(ToBFloat16(x)) << 16);
+    reinterpret_cast<uint16_t*>(p + blocks_per_part * 4)[b * full + s.at] =
+        static_cast<uint16_t>(t);
+    codes[s.at] = static_cast<uint8_t>(Int2Code(x, scale));
+  }
+  __syncthreads();
+  if (t < (k + 3) / 4) {
+    uint32_t byte = 0;
+    for (int e = 4 * t; e < min(4 * t + 4, k); ++e) {
+      byte |= static_cast<uint32_t>(codes[e]) << (2 * (e % 4));
+    }
+    uint8_t* out =
+        p + blocks_per_part * 4 + 2 * TopkEntriesOfPart(topk, part) + b * ((full + 3) / 4);
+    out[t] = static_cast<uint8_t>(byte);
   }
 }
 
@@ -269,14 +392,72 @@ __global__ void DecodeKernel(int32_t payload, int32_t topk, const uint8_t* wire,
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t j = e / part, i = e % part;
     const float v = Decoded(payload, topk, wire + j * stride, part, i);
-    // The host decodes TOPK as zeros plus the entries: 0 + (-0) is +0.
-    out[e] = payload == kWireTopk ? __fadd_rn(0.0f, v) : v;
+    // The host decodes TOPK and TOPK_INT2 as zeros plus the entries: 0 + (-0) is +0.
+    out[e] = payload == kWireTopk || payload == kWireTopkInt2 ? __fadd_rn(0.0f, v) : v;
   }
 }
 
 unsigned Grid(int64_t n) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 65535)));
 }
+
+// A launch of an encode kernel: parts of `part` elements, `blocks` blocks of kWireInt8Block
+// each.
+struct EncodeArgs {
+  const float* in;
+  int64_t numel;
+  int64_t part;
+  int parts;
+  int64_t blocks;
+  int32_t topk;
+  size_t stride;
+  uint8_t* wire;
+};
+using EncodeLauncher = void (*)(const EncodeArgs& a, cudaStream_t stream);
+
+template <typename Wire>
+void LaunchElementwise(const EncodeArgs& a, cudaStream_t stream) {
+  EncodeElementwiseKernel<Wire><<<Grid(a.part * a.parts), kThreads, 0, stream>>>(
+      a.in, a.numel, a.part, a.parts, a.stride, a.wire);
+}
+
+void LaunchInt8(const EncodeArgs& a, cudaStream_t stream) {
+  EncodeInt8Kernel<<<static_cast<unsigned>(a.blocks * a.parts), kThreads, 0, stream>>>(
+      a.in, a.numel, a.part, a.blocks, a.stride, a.wire);
+}
+
+void LaunchInt4(const EncodeArgs& a, cudaStream_t stream) {
+  EncodeInt4Kernel<<<static_cast<unsigned>(a.blocks * a.parts), kThreads, 0, stream>>>(
+      a.in, a.numel, a.part, a.blocks, a.stride, a.wire);
+}
+
+void LaunchTopkInt2(const EncodeArgs& a, cudaStream_t stream) {
+  EncodeTopkInt2Kernel<<<static_cast<unsigned>(a.blocks * a.parts), kTopkThreads, 0, stream>>>(
+      a.in, a.numel, a.part, a.blocks, a.topk, a.stride, a.wire);
+}
+
+void LaunchTopk(const EncodeArgs& a, cudaStream_t stream) {
+  EncodeTopkKernel<<<static_cast<unsigned>(a.blocks * a.parts), kTopkThreads, 0, stream>>>(
+      a.in, a.numel, a.part, a.blocks, a.topk, a.stride, a.wire);
+}
+
+// One entry per payload (kPayloads' order): its encode kernel's launch. Its decode is its case
+// of Decoded above.
+struct DeviceEncoder {
+  Payload payload;
+  EncodeLauncher launch;
+};
+
+constexpr DeviceEncoder kEncoders[] = {
+    {Payload::kFp32, LaunchElementwise<float>},
+    {Payload::kBf16, LaunchElementwise<uint16_t>},
+    {Payload::kInt8, LaunchInt8},
+    {Payload::kInt4, LaunchInt4},
+    {Payload::kTopk, LaunchTopk},
+    {Payload::kTopkInt2, LaunchTopkInt2},
+};
+static_assert(sizeof(kEncoders) / sizeof(kEncoders[0]) == kPayloadCount,
+              "one device encoder per row of kPayloads, in its order");
 
 }  // namespace
 
@@ -287,29 +468,11 @@ cudaError_t LaunchEncodeParts(int32_t payload, int32_t topk, const float* in, in
   // The bytes past each part's encoding: zeros, so that the wire is the same on every run.
   cudaError_t e = cudaMemsetAsync(wire, 0, stride * parts, stream);
   if (e != cudaSuccess) return e;
-  uint8_t* w = static_cast<uint8_t*>(wire);
-  const int64_t blocks = (part + kWireInt8Block - 1) / kWireInt8Block;
-  switch (payload) {
-    case kWireBf16:
-      EncodeElementwiseKernel<uint16_t><<<Grid(part * parts), kThreads, 0, stream>>>(
-          in, numel, part, parts, stride, w);
-      break;
-    case kWireInt8:
-      EncodeInt8Kernel<<<static_cast<unsigned>(blocks * parts), kThreads, 0, stream>>>(
-          in, numel, part, blocks, stride, w);
-      break;
-    case kWireInt4:
-      EncodeInt4Kernel<<<static_cast<unsigned>(blocks * parts), kThreads, 0, stream>>>(
-          in, numel, part, blocks, stride, w);
-      break;
-    case kWireTopk:
-      EncodeTopkKernel<<<static_cast<unsigned>(blocks * parts), kTopkThreads, 0, stream>>>(
-          in, numel, part, blocks, topk, stride, w);
-      break;
-    default:
-      EncodeElementwiseKernel<float><<<Grid(part * parts), kThreads, 0, stream>>>(
-          in, numel, part, parts, stride, w);
-  }
+  const size_t i = static_cast<size_t>(payload);
+  const EncodeLauncher launch = i < kPayloadCount ? kEncoders[i].launch : kEncoders[0].launch;
+  launch(EncodeArgs{in, numel, part, parts, (part + kWireInt8Block - 1) / kWireInt8Block, topk,
+                    stride, static_cast<uint8_t*>(wire)},
+         stream);
   return cudaGetLastError();
 }
 

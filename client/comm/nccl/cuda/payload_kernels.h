@@ -13,16 +13,8 @@
 
 namespace modelavg::client {
 
-// The payload codes (Payload's values, checked where the kernels are called: this header stays
-// free of the host headers nvcc need not parse) and the block of INT8, INT4 and TOPK
-// (kInt8Block).
-inline constexpr int32_t kWireFp32 = 0;
-inline constexpr int32_t kWireBf16 = 1;
-inline constexpr int32_t kWireInt8 = 2;
-inline constexpr int32_t kWireInt4 = 3;
-inline constexpr int32_t kWireTopk = 4;
-inline constexpr int64_t kWireInt8Block = 1024;
-
+// `payload`: a Payload's value (modelavg/common/payload.h); the kernels hold one entry per
+// payload beside its code (payload_kernels.cu).
 // `topk`: TOPK's entries per block (WireFormat::topk); ignored by the other payloads.
 // wire part j := encode(in[j * part, (j + 1) * part)), elements past `numel` as zeros; the
 // bytes of a part past its encoding are zeroed.
