@@ -7,8 +7,8 @@
 // * name: the method's name in the proto; the route is "/modelavg.v1.Coordinator/<name>" and the
 //   label of its metrics (modelavg_rpcs_total{method}) is the name.
 // * role: the least role that may call it (service_auth.h): Role::kWorker or Role::kOperator.
-// * largest request: its bound in bytes (coordinator_service.h), capped by the server's (a raw
-//   stream's reactor checks its messages itself).
+// * largest request: its bound in bytes (coordinator_service.h), capped by the server's; a raw
+//   stream's reactor checks each of its messages against it.
 // * handler, by the shape of its signature:
 //     a method of Job (server/job/job.h) for an RPC about one job (the request's job_id):
 //       absl::Status (const Request&, Response*)   answered when it returns;
@@ -60,7 +60,7 @@ inline constexpr RawStream kRawStream{};
   RPC(Ping, v1::PingRequest, v1::PingResponse, Role::kWorker, kSmallRequestBytes,                  \
       &CoordinatorService::DoPing)                                                                 \
   RPC(HeartbeatStream, v1::HeartbeatRequest, v1::HeartbeatResponse, Role::kWorker,                 \
-      kSmallRequestBytes, kRawStream)                                                         \
+      kSmallRequestBytes, kRawStream)                                                              \
   RPC(ReportPeerFailure, v1::ReportPeerFailureRequest, v1::ReportPeerFailureResponse,              \
       Role::kWorker, kPeerReportRequestBytes, &Job::ReportPeerFailure)                             \
   RPC(HostHeartbeatStream, v1::HostHeartbeatRequest, v1::HostHeartbeatResponse, Role::kWorker,     \

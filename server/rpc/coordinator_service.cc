@@ -216,8 +216,10 @@ class HeartbeatStreamReactor final
 
   // `caller`: the stream's caller, or why it may not open one (the stream's end).
   HeartbeatStreamReactor(JobRegistry* registry, RpcMetrics* metrics,
-                         absl::StatusOr<Caller> caller, const CoordinatorService::Gate* gate)
+                         absl::StatusOr<Caller> caller, const CoordinatorService::Gate* gate,
+                         size_t max_request_bytes)
       : registry_(registry), metrics_(metrics, RpcMethod::kHeartbeatStream), gate_(gate),
+        max_request_bytes_(max_request_bytes),
         caller_(caller.ok() ? *caller : Caller()),
         writes_(this, 1, Writes::WhenFull::kReplaceNewest, "the HeartbeatStream broke") {
     if (!caller.ok()) {
@@ -266,7 +268,7 @@ class HeartbeatStreamReactor final
   // Records the beat just read, replies if due and reads on. Not OK: the stream's end.
   absl::Status Beat() {
     MODELAVG_RETURN_IF_ERROR(
-        CheckRequestSize(raw_request_, kSmallRequestBytes, "HeartbeatStream", request_));
+        CheckRequestSize(raw_request_, max_request_bytes_, "HeartbeatStream", request_));
     MODELAVG_RETURN_IF_ERROR(Parse(raw_request_, &request_, "HeartbeatStream"));
     if (*gate_) MODELAVG_RETURN_IF_ERROR((*gate_)(nullptr));
     // Only the read path touches request_, job_ and replies_ (one read at a time).
@@ -313,6 +315,7 @@ class HeartbeatStreamReactor final
   JobRegistry* const registry_;
   StreamMetrics metrics_;
   const CoordinatorService::Gate* const gate_;
+  const size_t max_request_bytes_;
   const Caller caller_;
   Writes writes_;
   // The read path's.
@@ -342,8 +345,10 @@ class HostHeartbeatStreamReactor final
   // `caller`: the stream's caller, or why it may not open one (the stream's end). A beat for a
   // job the caller may not use is answered PERMISSION_DENIED (that member's error).
   HostHeartbeatStreamReactor(JobRegistry* registry, RpcMetrics* metrics,
-                             absl::StatusOr<Caller> caller, const CoordinatorService::Gate* gate)
+                             absl::StatusOr<Caller> caller, const CoordinatorService::Gate* gate,
+                             size_t max_request_bytes)
       : metrics_(metrics, RpcMethod::kHostHeartbeatStream), gate_(gate),
+        max_request_bytes_(max_request_bytes),
         beats_(registry,
                [caller = caller.ok() ? *caller : Caller()](absl::string_view job_id) {
                  return caller.CheckJob(job_id, "HostHeartbeatStream");
@@ -388,6 +393,8 @@ class HostHeartbeatStreamReactor final
 
  private:
   absl::Status Beat() {
+    MODELAVG_RETURN_IF_ERROR(
+        CheckRequestSize(raw_request_, max_request_bytes_, "HostHeartbeatStream", request_));
     MODELAVG_RETURN_IF_ERROR(Parse(raw_request_, &request_, "HostHeartbeatStream"));
     if (*gate_) MODELAVG_RETURN_IF_ERROR((*gate_)(nullptr));
     grpc::ByteBuffer bytes;
@@ -416,6 +423,7 @@ class HostHeartbeatStreamReactor final
 
   StreamMetrics metrics_;
   const CoordinatorService::Gate* const gate_;
+  const size_t max_request_bytes_;
   HostHeartbeats beats_;
   Writes writes_;
   grpc::ByteBuffer raw_request_;  // the read path's
@@ -578,6 +586,8 @@ void CoordinatorService::AddRoute(RpcMethod method, Role need, const char* name,
     }
     routes_[absl::StrCat("/", v1::Coordinator::service_full_name(), "/", name)] =
         std::move(route);
+  } else {
+    streams_[name] = StreamLimits{need, std::min(max_bytes, max_request_bytes_)};
   }
 }
 
@@ -662,12 +672,17 @@ void CoordinatorService::DoDeleteJob(grpc::CallbackServerContext*,
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* CoordinatorService::HeartbeatStream(
     grpc::CallbackServerContext* ctx) {
-  return new HeartbeatStreamReactor(registry_, metrics_, Admit(ctx), &gate_);
+  const StreamLimits& limits = streams_.at("HeartbeatStream");
+  return new HeartbeatStreamReactor(registry_, metrics_, Admit(ctx, limits.need, "HeartbeatStream"),
+                                    &gate_, limits.max_request_bytes);
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>*
 CoordinatorService::HostHeartbeatStream(grpc::CallbackServerContext* ctx) {
-  return new HostHeartbeatStreamReactor(registry_, metrics_, Admit(ctx), &gate_);
+  const StreamLimits& limits = streams_.at("HostHeartbeatStream");
+  return new HostHeartbeatStreamReactor(registry_, metrics_,
+                                        Admit(ctx, limits.need, "HostHeartbeatStream"), &gate_,
+                                        limits.max_request_bytes);
 }
 
 void CoordinatorService::DoGetSchedule(

@@ -108,6 +108,13 @@ class CoordinatorService final : public TypedCoordinatorService,
   const size_t max_request_bytes_;
   // By full method name ("/modelavg.v1.Coordinator/Join").
   absl::flat_hash_map<std::string, std::unique_ptr<Route>> routes_;
+  // The role and the request bound of each stream served by a reactor of its own, from its line
+  // of the RPC list (the bound capped by max_request_bytes_).
+  struct StreamLimits {
+    Role need = Role::kWorker;
+    size_t max_request_bytes = kSmallRequestBytes;
+  };
+  absl::flat_hash_map<std::string, StreamLimits> streams_;
   Gate gate_;
   int64_t schedule_bytes_per_client_ = int64_t{64} << 20;
   // GetSchedule answers in flight, bytes per client address.

@@ -6,6 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "modelavg/common/payload.h"
+#include "modelavg/v1/coordinator.pb.h"
 #include "tests/tools/make_job_spec.h"
 
 namespace modelavg {
@@ -292,6 +294,24 @@ TEST(JobSpecTest, ShardedDecision_ListsTheShardsRanksAndRoundTrips) {
 
 // Error feedback and the 4-bit and top-k payloads: accepted where the rule applies, round-trip
 // through the proto; INVALID_ARGUMENT naming the field and the value otherwise.
+// kPayloads (include/modelavg/common/payload.h) and the proto's enum Payload name the same
+// encodings the same way: every proto value has the row of its number and name, and back.
+TEST(JobSpecTest, PayloadTable_MatchesTheProtoEnum) {
+  const google::protobuf::EnumDescriptor* e = v1::Payload_descriptor();
+  ASSERT_EQ(static_cast<size_t>(e->value_count()), kPayloadCount);
+  for (int i = 0; i < e->value_count(); ++i) {
+    const google::protobuf::EnumValueDescriptor* v = e->value(i);
+    const PayloadInfo* info = PayloadInfoOfProto(v->number());
+    ASSERT_NE(info, nullptr) << v->name();
+    EXPECT_EQ(std::string(info->name), v->name());
+  }
+  for (const PayloadInfo& info : kPayloads) {
+    const google::protobuf::EnumValueDescriptor* v = e->FindValueByNumber(info.proto);
+    ASSERT_NE(v, nullptr) << info.name;
+    EXPECT_EQ(v->name(), info.name);
+  }
+}
+
 TEST(JobSpecTest, ErrorFeedbackAndPayloads_ValidatedAndKept) {
   auto spec = [](const std::string& fields, bool outer = true) {
     return SpecFromText(absl::StrCat(
