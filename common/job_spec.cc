@@ -54,9 +54,36 @@ absl::Status StreamingFromProto(const v1::Level& level, int i, ScheduleLevel* ou
   return absl::OkStatus();
 }
 
+// The paced levels' rules that need more than the schedule spec (ValidatePacing has the rest),
+// then the gate of SpecFeatures::paced.
+absl::Status CheckPacingOfJob(const v1::JobSpec& spec, const ScheduleSpec& schedule,
+                              SpecFeatures features) {
+  const bool elastic = spec.min_world_size() > 0 && spec.min_world_size() < spec.world_size();
+  for (size_t i = 0; i < schedule.levels.size(); ++i) {
+    const ScheduleLevel& level = schedule.levels[i];
+    if (level.max_lag != 0.0 && !elastic) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "levels[", i, "].max_lag ", level.max_lag,
+          " needs an elastic job (min_world_size below world_size ", spec.world_size(),
+          "): a group that falls that far behind is failed out as a straggler, and a strict "
+          "job cannot go on without it; set min_world_size or max_lag 0 (no bound)"));
+    }
+  }
+  for (size_t i = 0; i < schedule.levels.size(); ++i) {
+    if (schedule.levels[i].paced && !features.paced) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "levels[", i, "].paced: paced rounds are not yet supported by this coordinator (the "
+          "spec follows their rules, but the coordinator does not plan paced sync steps yet; "
+          "docs/paced.md, \"Status\"); set paced false"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
-absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec) {
+absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec,
+                                                   SpecFeatures features) {
   if (absl::Status s = ValidateJobId(spec.job_id()); !s.ok()) return s;
   ScheduleSpec out;
   switch (spec.mode()) {
@@ -92,6 +119,8 @@ absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec) {
       l.outer = OuterFromProto(level.outer());
     }
     MODELAVG_RETURN_IF_ERROR(StreamingFromProto(level, i, &l));
+    l.paced = level.paced();
+    l.max_lag = level.max_lag();
     out.levels.push_back(l);
   }
   if (absl::Status s = ValidateScheduleSpec(out); !s.ok()) return s;
@@ -129,6 +158,7 @@ absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec) {
         kMinJoinTimeoutMs, " (or 0: the coordinator's default): a Join waits for every other "
         "worker of the world to start and reach the coordinator"));
   }
+  MODELAVG_RETURN_IF_ERROR(CheckPacingOfJob(spec, out, features));
   return out;
 }
 
@@ -155,6 +185,8 @@ void ScheduleSpecToProto(const ScheduleSpec& spec, v1::JobSpec* out) {
     l->set_payload(static_cast<v1::Payload>(PayloadInfoOf(level.payload).proto));
     l->set_error_feedback(level.error_feedback);
     l->set_topk_density(level.topk_density);
+    l->set_paced(level.paced);
+    l->set_max_lag(level.max_lag);
   }
 }
 

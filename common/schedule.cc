@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <set>
 #include <utility>
 
@@ -87,7 +88,49 @@ absl::Status ValidateScheduleSpec(const ScheduleSpec& spec) {
         "the last level's group_size must equal world_size ", spec.world_size, ", got ",
         spec.levels.back().group_size));
   }
-  return ValidateReplicaSize(spec);
+  if (absl::Status s = ValidateReplicaSize(spec); !s.ok()) return s;
+  return ValidatePacing(spec);
+}
+
+int32_t PacedGroupSize(const ScheduleSpec& spec, size_t level) {
+  int64_t size = std::max(1, spec.replica_size);
+  for (size_t i = 0; i < level && i < spec.levels.size(); ++i) {
+    size = std::lcm(size, static_cast<int64_t>(spec.levels[i].group_size));
+  }
+  return static_cast<int32_t>(std::min<int64_t>(size, spec.world_size));
+}
+
+absl::Status ValidatePacing(const ScheduleSpec& spec) {
+  for (size_t i = 0; i < spec.levels.size(); ++i) {
+    const ScheduleLevel& level = spec.levels[i];
+    const std::string at = absl::StrCat("levels[", i, "]");
+    if (!(level.max_lag == 0.0 || (level.max_lag >= 1.0 && level.max_lag <= kMaxMaxLag))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          at, ".max_lag must be 0 (no bound) or in [1, ", kMaxMaxLag, "], got ", level.max_lag,
+          ": a group is failed out when it falls more than max_lag times its expected round "
+          "time behind, and below one round that is ordinary jitter"));
+    }
+    if (level.max_lag != 0.0 && !level.paced) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          at, ".max_lag ", level.max_lag, " needs ", at,
+          ".paced: it bounds how far a paced group may fall behind its planned round"));
+    }
+    if (!level.paced) continue;
+    if (i + 1 != spec.levels.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          at, ".paced: only the last level may be paced (one paced level, above step-locked "
+          "ones), but ", at, " is level ", i, " of ", spec.levels.size()));
+    }
+    const int32_t group = PacedGroupSize(spec, i);
+    if (group >= spec.world_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          at, ".paced: the level has one group to pace: the lower levels and the replicas lock "
+          "ranks together in blocks of lcm(replica_size, lower group sizes) = ", group,
+          " = world_size ", spec.world_size,
+          " ranks, which always take the same steps; pacing needs at least two blocks"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ValidateReplicaSize(const ScheduleSpec& spec) {

@@ -57,6 +57,14 @@ struct ScheduleLevel {
   double error_feedback = 0.0;
   // A top-k payload (PayloadInfo::topk): the fraction of each block's entries sent, in (0, 1).
   double topk_density = 0.0;
+  // Paced rounds (docs/paced.md): each group of the level (PacedGroupSize consecutive ranks)
+  // takes its own number of inner steps between two rounds, `period` being the slowest group's.
+  // Only the last level may be paced. The schedule itself does not read it: the coordinator
+  // plans a paced level's sync steps (server/membership/pacing.h).
+  bool paced = false;
+  // Paced levels of an elastic job: a group more than max_lag x its expected round time behind
+  // is failed out as a straggler. 0: no bound.
+  double max_lag = 0.0;
 
   // The hierarchy walk's period of this level: period / fragments.
   int64_t StepPeriod() const { return fragments > 1 ? period / fragments : period; }
@@ -94,7 +102,7 @@ inline constexpr int32_t kMaxFragments = 4096;
 // one level, an outer optimizer whose lr is not finite and > 0, whose momentum is outside
 // [0, 1), or that asks for nesterov with momentum 0 (PyTorch's SGD rules), the streaming
 // fields of each level (ValidateStreamingLevel), and a replica_size below 1 or not dividing
-// world_size and every level's group size.
+// world_size and every level's group size, and the paced levels' rules (ValidatePacing).
 absl::Status ValidateScheduleSpec(const ScheduleSpec& spec);
 
 // The replica size of `spec` (the rest of it valid): >= 1, dividing world_size and every
@@ -106,6 +114,22 @@ absl::Status ValidateReplicaSize(const ScheduleSpec& spec);
 // fragments); mix in [0, 1]; and sync_delay, mix and a compressed payload only on an outer
 // level. INVALID_ARGUMENT naming the field otherwise.
 absl::Status ValidateStreamingLevel(const ScheduleLevel& level, size_t index, bool outer);
+
+// The largest max_lag a paced level may have.
+inline constexpr double kMaxMaxLag = 1e6;
+
+// The rules of a paced level (docs/paced.md) on `spec` (the rest of it valid): only the last
+// level may be paced, and it must have at least two groups to pace (PacedGroupSize below
+// world_size); max_lag is 0 or in [1, kMaxMaxLag], and non-zero only on a paced level.
+// INVALID_ARGUMENT naming the field otherwise. That max_lag needs an elastic job is a rule of
+// the job spec (job_spec.h), which knows min_world_size.
+absl::Status ValidatePacing(const ScheduleSpec& spec);
+
+// The ranks a paced level at `level` (the last) paces as one group: the ranks that the lower
+// levels' groups and the replicas lock together by their own collectives, which always take the
+// same steps. Blocks of consecutive ranks, lcm(replica_size, group_size of every level below
+// `level`) of them (each divides world_size, so their lcm does). Precondition: a valid spec.
+int32_t PacedGroupSize(const ScheduleSpec& spec, size_t level);
 
 // Things PyTorch only warns about (largest period 1, periods not ascending — step periods,
 // period / fragments, for fragmented levels): valid, but likely not what the user meant.
