@@ -27,6 +27,7 @@ class OuterSGD:
 # The names and the fields each needs come from the binding (include/modelavg/common/payload.h).
 PAYLOADS = tuple(_core.payload_names())
 _NO_STREAMING = (1, 0, 0.0, "FP32", 0.0, 0.0)
+_NO_PACING = (False, 0.0)
 
 
 def _is_int(value: Any) -> bool:
@@ -62,6 +63,14 @@ class Level:
     ``outer=OuterSGD(1.0)`` (lr 1, momentum 0 averages the delta, which equals plain
     averaging). Raises InvalidArgumentError (a ValueError) naming the field otherwise; the
     coordinator checks the whole spec again.
+
+    Paced rounds (docs/paced.md; not yet supported: the coordinator refuses a paced job with
+    an InvalidArgumentError that says so):
+
+    * ``paced`` (the last level only): each group of the level takes its own number of inner
+      steps between two rounds, ``period`` being the slowest group's.
+    * ``max_lag`` (paced levels of an elastic job; 0: no bound, else in [1, 1e6]): a group more
+      than max_lag times its expected round time behind is failed out as a straggler.
     """
 
     period: int
@@ -73,6 +82,8 @@ class Level:
     payload: str = "FP32"
     error_feedback: float = 0.0
     topk_density: float = 0.0
+    paced: bool = False
+    max_lag: float = 0.0
 
     def __post_init__(self) -> None:
         where = f"Level(period={self.period!r}, group_size={self.group_size!r})"
@@ -101,6 +112,16 @@ class Level:
                 or not isinstance(self.topk_density, (int, float))):
             raise _invalid(f"{where}: topk_density={self.topk_density!r}: expected a number")
         object.__setattr__(self, "topk_density", float(self.topk_density))
+        if not isinstance(self.paced, bool):
+            raise _invalid(f"{where}: paced={self.paced!r}: expected True or False")
+        if (isinstance(self.max_lag, bool) or not isinstance(self.max_lag, (int, float))
+                or not (self.max_lag == 0 or 1.0 <= float(self.max_lag) <= 1e6)):
+            raise _invalid(f"{where}: max_lag={self.max_lag!r}: expected 0 (no bound) or a "
+                           "number in [1, 1e6] (rounds a paced group may fall behind)")
+        object.__setattr__(self, "max_lag", float(self.max_lag))
+        if self.max_lag != 0.0 and not self.paced:
+            raise _invalid(f"{where}: max_lag={self.max_lag!r} needs paced=True: it bounds how "
+                           "far a paced group may fall behind its planned round")
         problem = _core.check_payload(where, self.payload, self.topk_density,
                                       self.error_feedback)
         if problem:
@@ -131,22 +152,30 @@ class Level:
         return (self.fragments, self.sync_delay, self.mix, self.payload, self.error_feedback,
                 self.topk_density) != _NO_STREAMING
 
+    @property
+    def pacing(self) -> bool:
+        """Whether ``paced`` or ``max_lag`` differs from its default."""
+        return (self.paced, self.max_lag) != _NO_PACING
+
 
 LevelLike = Union[Tuple[int, int], Level]
 
 
 def _levels_from(d: Mapping[str, Any]) -> List[LevelLike]:
     """A spec dict's levels: (period, group_size) pairs, Level for those with an outer
-    optimizer or streaming fields."""
+    optimizer, streaming or pacing fields."""
     n = len(d["levels"])
     outer = d.get("outer") or [None] * n
     streaming = d.get("streaming") or [None] * n
+    pacing = d.get("pacing") or [None] * n
     out: List[LevelLike] = []
-    for (period, group_size), o, st in zip(d["levels"], outer, streaming):
+    for (period, group_size), o, st, pc in zip(d["levels"], outer, streaming, pacing):
         fields = {}
         if st is not None and tuple(st) != _NO_STREAMING:
             fields = dict(zip(("fragments", "sync_delay", "mix", "payload", "error_feedback",
                                "topk_density"), st))
+        if pc is not None and tuple(pc) != _NO_PACING:
+            fields.update(zip(("paced", "max_lag"), pc))
         if o is None and not fields:
             out.append((period, group_size))
             continue
@@ -323,31 +352,42 @@ def _outer_tuple(item: Any, outer: Any) -> Optional[Tuple[float, float, bool]]:
 
 
 StreamingTuple = Tuple[int, int, float, str, float, float]
+PacingTuple = Tuple[bool, float]
 
 
 def _levels(levels: Union[Mapping[int, int], Sequence[LevelLike]]
             ) -> Tuple[List[Tuple[int, int]], List[Optional[Tuple[float, float, bool]]],
-                       List[StreamingTuple]]:
-    """(period, group_size) pairs and, per level, None or (lr, momentum, nesterov), and
-    (fragments, sync_delay, mix, payload, error_feedback, topk_density)."""
+                       List[StreamingTuple], List[PacingTuple]]:
+    """(period, group_size) pairs and, per level, None or (lr, momentum, nesterov),
+    (fragments, sync_delay, mix, payload, error_feedback, topk_density) and (paced, max_lag)."""
     items = list(levels.items()) if isinstance(levels, Mapping) else list(levels)
-    pairs, outer, streaming = [], [], []
+    pairs, outer, streaming, pacing = [], [], [], []
     for item in items:
         if isinstance(item, Level):
             pairs.append((int(item.period), int(item.group_size)))
             outer.append(_outer_tuple(item, item.outer))
             streaming.append((item.fragments, item.sync_delay, item.mix, item.payload,
                               item.error_feedback, item.topk_density))
+            pacing.append((item.paced, item.max_lag))
             continue
         try:
             period, group_size = item
             pairs.append((int(period), int(group_size)))
             outer.append(None)
             streaming.append(_NO_STREAMING)
+            pacing.append(_NO_PACING)
         except (TypeError, ValueError):
             raise _invalid(f"level {item!r}: expected a (period, group_size) pair or a "
                            "modelavg.Level") from None
-    return pairs, outer, streaming
+    return pairs, outer, streaming, pacing
+
+
+def _with_pacing(spec: Dict[str, Any], pacing: List[PacingTuple]) -> Dict[str, Any]:
+    """`spec` with the levels' (paced, max_lag) under "pacing" when a level has either: a spec
+    without pacing is sent exactly as before the fields existed."""
+    if any(p != _NO_PACING for p in pacing):
+        spec["pacing"] = pacing
+    return spec
 
 
 def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
@@ -391,12 +431,13 @@ def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
     if levels is None:
         raise _invalid("no levels: pass levels=[(period, group_size), ...] (or period= for "
                        "a PERIODIC job)")
-    pairs, outer, streaming = _levels(levels)
-    spec = {"job_id": job_id, "world_size": world_size, "mode": mode, "levels": pairs,
-            "outer": outer, "streaming": streaming,
-            "warmup_steps": warmup_steps, "heartbeat_timeout_ms": heartbeat_timeout_ms,
-            "join_timeout_ms": join_timeout_ms, "min_world_size": min_world_size,
-            "replica_size": replica_size}
+    pairs, outer, streaming, pacing = _levels(levels)
+    spec = _with_pacing(
+        {"job_id": job_id, "world_size": world_size, "mode": mode, "levels": pairs,
+         "outer": outer, "streaming": streaming,
+         "warmup_steps": warmup_steps, "heartbeat_timeout_ms": heartbeat_timeout_ms,
+         "join_timeout_ms": join_timeout_ms, "min_world_size": min_world_size,
+         "replica_size": replica_size}, pacing)
     try:
         return _job(_core.create_job(_conn(coordinator, options), spec))
     except (ValueError, RuntimeError, TypeError) as e:
@@ -407,12 +448,13 @@ def create_job(job_id: str, world_size: int, mode: str = "HIERARCHICAL",
 
 def _spec_dict(spec: JobSpec) -> Dict[str, Any]:
     """A JobSpec as the binding takes it (the keys create_job sends)."""
-    pairs, outer, streaming = _levels(spec.levels)
-    return {"job_id": spec.job_id, "world_size": spec.world_size, "mode": str(spec.mode).upper(),
-            "levels": pairs, "outer": outer, "streaming": streaming,
-            "warmup_steps": spec.warmup_steps, "heartbeat_timeout_ms": spec.heartbeat_timeout_ms,
-            "join_timeout_ms": spec.join_timeout_ms, "min_world_size": spec.min_world_size,
-            "replica_size": spec.replica_size}
+    pairs, outer, streaming, pacing = _levels(spec.levels)
+    return _with_pacing(
+        {"job_id": spec.job_id, "world_size": spec.world_size, "mode": str(spec.mode).upper(),
+         "levels": pairs, "outer": outer, "streaming": streaming,
+         "warmup_steps": spec.warmup_steps, "heartbeat_timeout_ms": spec.heartbeat_timeout_ms,
+         "join_timeout_ms": spec.join_timeout_ms, "min_world_size": spec.min_world_size,
+         "replica_size": spec.replica_size}, pacing)
 
 
 def update_job(job_id: str, spec: Optional[JobSpec] = None, *, mode: Optional[str] = None,

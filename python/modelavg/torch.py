@@ -99,7 +99,8 @@ def _check_process_group(process_group: Any) -> None:
 
 def _level_key(level: Any) -> Tuple[Any, ...]:
     """A level as (period, group_size), then (lr, momentum, nesterov) with an outer optimizer,
-    then (fragments, sync_delay, mix, payload) with streaming fields."""
+    then (fragments, sync_delay, mix, payload) with streaming fields, then ("paced", max_lag)
+    with pacing fields."""
     if isinstance(level, _ma.Level):
         key: Tuple[Any, ...] = (level.period, level.group_size)
         if level.outer is not None:
@@ -108,6 +109,8 @@ def _level_key(level: Any) -> Tuple[Any, ...]:
         if level.streaming:
             key += (level.fragments, level.sync_delay, level.mix, level.payload,
                     level.error_feedback, level.topk_density)
+        if level.pacing:
+            key += ("paced" if level.paced else "unpaced", level.max_lag)
         return key
     return tuple(level)
 

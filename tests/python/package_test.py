@@ -205,6 +205,44 @@ def test_createJob_Levels_SentAsTheBindingsSpec(package):
         modelavg.create_job("j", 4, "PERIODIC", [2], coordinator="c:1")
 
 
+def test_createJob_PacedLevel_SentUnderPacing_ReadBack(package):
+    """Level(paced=True, max_lag=...) goes to the binding as "pacing" (paced, max_lag) per
+    level, and a job record's pacing comes back on its Level (docs/paced.md). The coordinator
+    refuses a paced job for now; the package only carries the fields."""
+    modelavg, fake = package
+    job = modelavg.create_job(
+        "j", 4, "HIERARCHICAL", [(2, 2), modelavg.Level(8, 4, paced=True, max_lag=3)],
+        min_world_size=2, coordinator="c:1")
+    (_, _, spec), = fake.calls
+    assert spec["pacing"] == [(False, 0.0), (True, 3.0)]
+    assert spec["levels"] == [(2, 2), (8, 4)]
+    assert job.spec.levels[1] == modelavg.Level(8, 4, paced=True, max_lag=3.0)
+    assert job.spec.levels[1].pacing and not job.spec.levels[1].streaming
+
+
+def test_createJob_NoPacedLevel_NoPacingKey(package):
+    """A spec without pacing is sent as before the fields existed."""
+    modelavg, fake = package
+    modelavg.create_job("j", 4, "PERIODIC", [modelavg.Level(8, 4, fragments=2)],
+                        coordinator="c:1")
+    (_, _, spec), = fake.calls
+    assert "pacing" not in spec
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"paced": 1}, "paced=1: expected True or False"),
+    ({"paced": True, "max_lag": 0.5}, "max_lag=0.5: expected 0"),
+    ({"paced": True, "max_lag": 2e6}, "in \\[1, 1e6\\]"),
+    ({"paced": True, "max_lag": float("nan")}, "max_lag=nan"),
+    ({"paced": True, "max_lag": True}, "max_lag=True"),
+    ({"max_lag": 3}, "max_lag=3.0 needs paced=True"),
+])
+def test_level_BadPacing_InvalidArgumentNamingTheField(package, fields, says):
+    modelavg, _ = package
+    with pytest.raises(modelavg.InvalidArgumentError, match=says):
+        modelavg.Level(8, 4, **fields)
+
+
 def test_updateJob_Fields_TheLatestPlanWithThemChanged(package):
     modelavg, fake = package
     update = modelavg.update_job("j", period=8, heartbeat_timeout_ms=5000, coordinator="c:1")
