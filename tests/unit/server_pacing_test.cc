@@ -136,6 +136,21 @@ TEST(PacingTest, UnequalPaces_FastMembersTakeMoreSteps_ArrivalsAgree) {
   }
 }
 
+// docs/paced.md's worked example: three members at 2, 2.95 and 4.5 steps per second, period 20;
+// round 1 planned before any pace is known.
+TEST(PacingTest, WorkedExampleOfTheDocs) {
+  const ScheduleSpec spec = PacedSpec(3, {}, 20);
+  const std::vector<PacedRound> plan = RunAgainstReference(spec, 4, [&](int r) {
+    if (r == 1) return std::vector<double>{-1, -1, -1};
+    return std::vector<double>{2.0, 2.95, 4.5};
+  });
+  EXPECT_THAT(plan[0].sync_step, ElementsAre(0, 0, 0));
+  EXPECT_THAT(plan[1].sync_step, ElementsAre(20, 20, 20));
+  EXPECT_THAT(plan[2].sync_step, ElementsAre(40, 49, 65));
+  EXPECT_THAT(plan[2].inner_steps, ElementsAre(20, 29, 45));
+  EXPECT_THAT(plan[3].sync_step, ElementsAre(60, 78, 110));
+}
+
 // A pace that is not a whole multiple rounds down: the fast group arrives at most one of its own
 // steps before the slowest and never after it.
 TEST(PacingTest, RoundsDown_ArrivesAtMostOneOwnStepEarly) {
