@@ -119,7 +119,7 @@ absl::Status ValidatePacing(const ScheduleSpec& spec) {
     if (i + 1 != spec.levels.size()) {
       return absl::InvalidArgumentError(absl::StrCat(
           at, ".paced: only the last level may be paced (one paced level, above step-locked "
-          "ones), but ", at, " is level ", i, " of ", spec.levels.size()));
+          "ones), and ", at, " is not the last of the job's ", spec.levels.size(), " levels"));
     }
     const int32_t group = PacedGroupSize(spec, i);
     if (group >= spec.world_size) {

@@ -174,6 +174,23 @@ TEST_F(ServerUpdateTest, UpdateJob_RefusedChanges_NameTheFieldAndChangeNothing) 
   EXPECT_FALSE(State(*job_).has_pending_plan());
 }
 
+// A plan with a paced level (docs/paced.md) follows every rule but is not supported yet: refused
+// as such, never switched to and run step-locked.
+TEST_F(ServerUpdateTest, UpdateJob_PacedPlan_RefusedAsNotYetSupported) {
+  v1::JobSpec spec = NewPlan(2);
+  spec.mutable_levels(0)->set_paced(true);
+  std::optional<absl::StatusOr<v1::UpdateJobResponse>> result;
+  StartUpdate(spec, &result);
+  ASSERT_TRUE(result.has_value());
+  EXPECT_TRUE(absl::IsInvalidArgument(result->status())) << result->status();
+  EXPECT_TRUE(absl::StrContains(result->status().message(), "levels[0].paced"))
+      << result->status();
+  EXPECT_TRUE(absl::StrContains(result->status().message(), "not yet supported"))
+      << result->status();
+  EXPECT_EQ(State(*job_).plan_history_size(), 1);
+  EXPECT_FALSE(State(*job_).has_pending_plan());
+}
+
 // UpdateJob with heartbeat_timeout_ms=1 was accepted and applied at once: every member was
 // declared dead within 35 ms and the job finished. Now it is refused, saying why, and nothing
 // changes.
