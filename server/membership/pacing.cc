@@ -33,7 +33,9 @@ absl::StatusOr<Pacing> Pacing::Create(const Schedule& schedule) {
 
 std::vector<double> Pacing::GroupPaces(const std::vector<double>& rank_pace) const {
   std::vector<double> out(num_groups_, -1.0);
-  for (size_t rank = 0; rank < rank_pace.size(); ++rank) {
+  // Ranks past the world (a caller's longer vector) are ignored rather than read out of range.
+  const size_t world = static_cast<size_t>(num_groups_) * static_cast<size_t>(group_size_);
+  for (size_t rank = 0; rank < std::min(rank_pace.size(), world); ++rank) {
     const double pace = rank_pace[rank];
     if (!Known(pace)) continue;
     double& group = out[GroupOf(static_cast<int32_t>(rank))];

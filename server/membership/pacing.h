@@ -87,7 +87,8 @@ class Pacing {
 
   // Each group's pace from its members' (indexed by rank; a value not finite or <= 0 is
   // unknown): the slowest known member's, as the members of a group advance together; unknown
-  // (-1) when no member's is known. Precondition: rank_pace.size() == world_size.
+  // (-1) when no member's is known. `rank_pace` has one entry per rank (missing ranks count as
+  // unknown, entries past the world are ignored).
   std::vector<double> GroupPaces(const std::vector<double>& rank_pace) const;
 
   // Round 0 (step-locked, see above).

@@ -182,6 +182,9 @@ TEST(PacingTest, LockedMembers_SameSteps_SlowestMemberSetsTheGroupsPace) {
   const std::vector<PacedRound> plan = RunAgainstReference(spec, 4, [&](int) { return pace; });
   const Pacing pacing = MakePacing(spec);
   EXPECT_THAT(pacing.GroupPaces(pace), ElementsAre(1, 4, 2, 8));
+  // Ranks missing from the vector are unknown; entries past the world are ignored.
+  EXPECT_THAT(pacing.GroupPaces({3, 1, 4}), ElementsAre(1, 4, -1, -1));
+  EXPECT_THAT(pacing.GroupPaces({1, 1, 1, 1, 1, 1, 1, 1, 0.001}), ElementsAre(1, 1, 1, 1));
   EXPECT_THAT(plan[1].inner_steps, ElementsAre(16, 64, 32, 128));
   for (int32_t r = 0; r < 8; r += 2) EXPECT_EQ(pacing.GroupOf(r), pacing.GroupOf(r + 1));
 }
