@@ -297,14 +297,7 @@ constexpr HostCodec kHostCodecs[] = {
     {Payload::kTopkInt2, EncodeTopkInt2, DecodeTopkInt2<false>, DecodeTopkInt2<true>},
 };
 
-constexpr bool HostCodecsMatchPayloads() {
-  if (sizeof(kHostCodecs) / sizeof(kHostCodecs[0]) != kPayloadCount) return false;
-  for (size_t i = 0; i < kPayloadCount; ++i) {
-    if (kHostCodecs[i].payload != kPayloads[i].payload) return false;
-  }
-  return true;
-}
-static_assert(HostCodecsMatchPayloads(), "one host codec per row of kPayloads, in its order");
+static_assert(FollowsPayloads(kHostCodecs), "one host codec per row of kPayloads, in its order");
 
 const HostCodec& CodecOf(Payload p) {
   const size_t i = static_cast<size_t>(p);

@@ -97,6 +97,18 @@ constexpr bool PayloadRowsInOrder() {
 }
 static_assert(PayloadRowsInOrder(), "kPayloads holds one row per Payload, in enum order");
 
+// Whether `table`, whose entries each name a `payload`, holds one entry per row of kPayloads,
+// in its order: the check of each table kept beside the payloads' code (the host codecs, the
+// device encoders), so that a row added here without its entry there fails to compile.
+template <typename Entry, size_t N>
+constexpr bool FollowsPayloads(const Entry (&table)[N]) {
+  if (N != kPayloadCount) return false;
+  for (size_t i = 0; i < N; ++i) {
+    if (table[i].payload != kPayloads[i].payload) return false;
+  }
+  return true;
+}
+
 }  // namespace modelavg
 
 #endif  // MODELAVG_COMMON_PAYLOAD_H_

@@ -456,14 +456,7 @@ constexpr DeviceEncoder kEncoders[] = {
     {Payload::kTopk, LaunchTopk},
     {Payload::kTopkInt2, LaunchTopkInt2},
 };
-constexpr bool EncodersMatchPayloads() {
-  if (sizeof(kEncoders) / sizeof(kEncoders[0]) != kPayloadCount) return false;
-  for (size_t i = 0; i < kPayloadCount; ++i) {
-    if (kEncoders[i].payload != kPayloads[i].payload) return false;
-  }
-  return true;
-}
-static_assert(EncodersMatchPayloads(), "one device encoder per row of kPayloads, in its order");
+static_assert(FollowsPayloads(kEncoders), "one device encoder per row of kPayloads, in its order");
 
 }  // namespace
 
