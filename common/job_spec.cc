@@ -121,6 +121,7 @@ absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec,
     MODELAVG_RETURN_IF_ERROR(StreamingFromProto(level, i, &l));
     l.paced = level.paced();
     l.max_lag = level.max_lag();
+    l.rounds = level.rounds();
     out.levels.push_back(l);
   }
   if (absl::Status s = ValidateScheduleSpec(out); !s.ok()) return s;
@@ -187,6 +188,7 @@ void ScheduleSpecToProto(const ScheduleSpec& spec, v1::JobSpec* out) {
     l->set_topk_density(level.topk_density);
     l->set_paced(level.paced);
     l->set_max_lag(level.max_lag);
+    l->set_rounds(level.rounds);
   }
 }
 
@@ -214,6 +216,8 @@ void DecisionToProto(const Decision& d, int64_t generation, v1::StepDecision* ou
     out->mutable_members()->Add(d.members.begin(), d.members.end());
   }
   out->mutable_joining()->Add(d.joining.begin(), d.joining.end());
+  if (d.round >= 0) out->set_round(d.round);
+  out->mutable_weights()->Add(d.weights.begin(), d.weights.end());
 }
 
 Decision DecisionFromProto(const v1::StepDecision& d) {
@@ -235,6 +239,8 @@ Decision DecisionFromProto(const v1::StepDecision& d) {
   out.subgroup.stride = d.ranks_size() > 1 ? std::max(1, d.ranks(1) - d.ranks(0)) : 1;
   out.members.assign(d.members().begin(), d.members().end());
   out.joining.assign(d.joining().begin(), d.joining().end());
+  out.round = d.has_round() ? d.round() : -1;
+  out.weights.assign(d.weights().begin(), d.weights().end());
   return out;
 }
 

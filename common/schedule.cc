@@ -115,6 +115,15 @@ absl::Status ValidatePacing(const ScheduleSpec& spec) {
           at, ".max_lag ", level.max_lag, " needs ", at,
           ".paced: it bounds how far a paced group may fall behind its planned round"));
     }
+    if (level.rounds != 0 && !level.paced) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          at, ".rounds ", level.rounds, " needs ", at,
+          ".paced: only a paced job is counted in rounds (a step-locked one in steps)"));
+    }
+    if (level.rounds < 0 || level.rounds > kMaxPacedRounds) {
+      return absl::InvalidArgumentError(absl::StrCat(at, ".rounds must be in [0, ",
+                                                     kMaxPacedRounds, "], got ", level.rounds));
+    }
     if (!level.paced) continue;
     if (i + 1 != spec.levels.size()) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -65,6 +65,9 @@ struct ScheduleLevel {
   // Paced levels of an elastic job: a group more than max_lag x its expected round time behind
   // is failed out as a straggler. 0: no bound.
   double max_lag = 0.0;
+  // Paced levels: the job's length in rounds of the level (0: no bound). After round rounds - 1
+  // a member's budget is spent and no further round is planned.
+  int64_t rounds = 0;
 
   // The hierarchy walk's period of this level: period / fragments.
   int64_t StepPeriod() const { return fragments > 1 ? period / fragments : period; }
@@ -117,10 +120,13 @@ absl::Status ValidateStreamingLevel(const ScheduleLevel& level, size_t index, bo
 
 // The largest max_lag a paced level may have.
 inline constexpr double kMaxMaxLag = 1e6;
+// The most rounds a paced job may count (ScheduleLevel::rounds).
+inline constexpr int64_t kMaxPacedRounds = int64_t{1} << 40;
 
 // The rules of a paced level (docs/paced.md) on `spec` (the rest of it valid): only the last
 // level may be paced, and it must have at least two groups to pace (PacedGroupSize below
-// world_size); max_lag is 0 or in [1, kMaxMaxLag], and non-zero only on a paced level.
+// world_size); max_lag is 0 or in [1, kMaxMaxLag], and non-zero only on a paced level; rounds is in
+// [0, kMaxPacedRounds], and non-zero only on a paced level.
 // INVALID_ARGUMENT naming the field otherwise. That max_lag needs an elastic job is a rule of
 // the job spec (job_spec.h), which knows min_world_size.
 absl::Status ValidatePacing(const ScheduleSpec& spec);
@@ -191,6 +197,13 @@ struct Decision {
 
   // The chosen level has an outer optimizer (ScheduleLevel::outer; average only).
   bool outer = false;
+
+  // A paced level's round (docs/paced.md): its index from 0; -1 on every other decision. Paced
+  // decisions come from the coordinator's plan, not from the schedule.
+  int64_t round = -1;
+  // A paced round: each member's weight, in the order of Members() (a joining member's is 0).
+  // The round's result is sum(w_i x_i) / sum(w_i). Empty: every member weighs the same.
+  std::vector<double> weights;
 
   // The ranks averaging: `members`, or the whole subgroup when it is empty.
   std::vector<int32_t> Members() const {
