@@ -54,10 +54,8 @@ absl::Status StreamingFromProto(const v1::Level& level, int i, ScheduleLevel* ou
   return absl::OkStatus();
 }
 
-// The paced levels' rules that need more than the schedule spec (ValidatePacing has the rest),
-// then the gate of SpecFeatures::paced.
-absl::Status CheckPacingOfJob(const v1::JobSpec& spec, const ScheduleSpec& schedule,
-                              SpecFeatures features) {
+// The paced levels' rules that need more than the schedule spec (ValidatePacing has the rest).
+absl::Status CheckPacingOfJob(const v1::JobSpec& spec, const ScheduleSpec& schedule) {
   const bool elastic = spec.min_world_size() > 0 && spec.min_world_size() < spec.world_size();
   for (size_t i = 0; i < schedule.levels.size(); ++i) {
     const ScheduleLevel& level = schedule.levels[i];
@@ -69,21 +67,12 @@ absl::Status CheckPacingOfJob(const v1::JobSpec& spec, const ScheduleSpec& sched
           "job cannot go on without it; set min_world_size or max_lag 0 (no bound)"));
     }
   }
-  for (size_t i = 0; i < schedule.levels.size(); ++i) {
-    if (schedule.levels[i].paced && !features.paced) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "levels[", i, "].paced: paced rounds are not yet supported by this coordinator (the "
-          "spec follows their rules, but the coordinator does not plan paced sync steps yet; "
-          "docs/paced.md, \"Status\"); set paced false"));
-    }
-  }
   return absl::OkStatus();
 }
 
 }  // namespace
 
-absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec,
-                                                   SpecFeatures features) {
+absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec) {
   if (absl::Status s = ValidateJobId(spec.job_id()); !s.ok()) return s;
   ScheduleSpec out;
   switch (spec.mode()) {
@@ -159,7 +148,7 @@ absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec,
         kMinJoinTimeoutMs, " (or 0: the coordinator's default): a Join waits for every other "
         "worker of the world to start and reach the coordinator"));
   }
-  MODELAVG_RETURN_IF_ERROR(CheckPacingOfJob(spec, out, features));
+  MODELAVG_RETURN_IF_ERROR(CheckPacingOfJob(spec, out));
   return out;
 }
 

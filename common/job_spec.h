@@ -28,20 +28,9 @@ inline constexpr int64_t kMinJoinTimeoutMs = 1000;
 // INVALID_ARGUMENT unless `job_id` is 1-128 characters of [A-Za-z0-9._-].
 absl::Status ValidateJobId(absl::string_view job_id);
 
-// What of the spec's rules this build runs. A spec that follows every rule but asks for a
-// feature that is off here is INVALID_ARGUMENT "... not yet supported" (never accepted and
-// ignored). Paced levels (Level.paced, docs/paced.md) are off everywhere until the coordinator
-// plans paced rounds and the members weight them; `paced` lets the rules and the conversion be
-// exercised meanwhile, and goes once they are built.
-struct SpecFeatures {
-  bool paced = false;
-};
-
 // Validates everything in a JobSpec (job id, mode, schedule, timeouts, pacing) and returns its
-// schedule spec. INVALID_ARGUMENT naming the field and the value otherwise; then
-// INVALID_ARGUMENT "not yet supported" for a valid paced level unless `features.paced`.
-absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec,
-                                                   SpecFeatures features = {});
+// schedule spec. INVALID_ARGUMENT naming the field and the value otherwise.
+absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec);
 
 // The schedule spec as the wire message's mode/world/warm-up/levels (other fields untouched).
 void ScheduleSpecToProto(const ScheduleSpec& spec, v1::JobSpec* out);

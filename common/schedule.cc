@@ -333,6 +333,37 @@ Decision Schedule::DecisionFor(int64_t step, int32_t rank) const {
   return AveragingDecision(step, level, SubgroupOf(level, rank));
 }
 
+int Schedule::PacedLevel() const {
+  return !spec_.levels.empty() && spec_.levels.back().paced ? num_levels() - 1 : -1;
+}
+
+Decision Schedule::DecisionBelowPaced(int64_t step, int32_t rank) const {
+  int level = -1;
+  if (step >= spec_.warmup_steps && spec_.mode != AveragingMode::kPeriodic) {
+    for (int i = PacedLevel() - 1; i >= 0; --i) {
+      if (step % spec_.levels[i].StepPeriod() == 0) {
+        level = i;
+        break;
+      }
+    }
+  }
+  if (level < 0) {
+    Decision skip;
+    skip.step = step;
+    return skip;
+  }
+  return AveragingDecision(step, level, SubgroupOf(level, rank));
+}
+
+Decision Schedule::PacedDecision(int64_t step, int32_t rank, int64_t round,
+                                 int32_t fragment) const {
+  const int level = PacedLevel();
+  Decision d = AveragingDecision(step, level, SubgroupOf(level, rank));
+  d.fragment = fragment;
+  d.round = round;
+  return d;
+}
+
 int64_t Schedule::FirstStepFrom(int level, int64_t from) const {
   const int64_t period = spec_.levels[level].StepPeriod();
   const int64_t start = std::max(from, spec_.warmup_steps);

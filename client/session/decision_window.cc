@@ -65,7 +65,7 @@ absl::StatusOr<Decision> DecisionWindow::At(int64_t step) {
       if (!outage_.IsOutage(fetched)) return fetched;
       outage_.NoteUnreachable(fetched);
     }
-    if (!given_back && step <= handed_through_) {
+    if (!given_back && step <= handed_through_ && plans_->Latest().PacedLevel() < 0) {
       // The coordinator is out of reach and this step lies within what it handed this rank:
       // no later plan switches before it, and the plans held decide it.
       window_ = plans_->Window(step, std::min(size_, handed_through_ - step + 1), rank_);
@@ -119,6 +119,12 @@ absl::Status DecisionWindow::Fetch(int64_t from_step) {
   MODELAVG_RETURN_IF_ERROR(reply.status());
   const v1::GetScheduleResponse& resp = *reply;
   MODELAVG_RETURN_IF_ERROR(Learn(resp.plan_changes()));
+  // A paced job (docs/paced.md) answers through the rank's last planned sync step only: at least
+  // one decision, at most the count.
+  const bool paced = plans_->Latest().PacedLevel() >= 0;
+  if (paced && resp.decisions_size() >= 1 && resp.decisions_size() <= size_) {
+    return TakePaced(resp, from_step);
+  }
   if (resp.decisions_size() != size_) {
     return absl::InternalError(absl::StrCat("GetSchedule(from ", from_step, ", count ", size_,
                                             ") returned ", resp.decisions_size(), " decisions"));
@@ -149,6 +155,43 @@ absl::Status DecisionWindow::Fetch(int64_t from_step) {
   window_ = std::move(window);
   start_ = from_step;
   handed_through_ = std::max(handed_through_, from_step + size_ - 1);
+  return absl::OkStatus();
+}
+
+absl::Status DecisionWindow::TakePaced(const v1::GetScheduleResponse& resp, int64_t from_step) {
+  // The paced level's decisions are the coordinator's plan, which this rank cannot recompute;
+  // what it can check it does: every other step is the lower levels' (the schedule's rule
+  // without the paced level), a paced round is the paced level's, of this rank's subgroup, with
+  // one weight per member and rounds that rise.
+  const Schedule& schedule = plans_->Latest();
+  const int paced_level = schedule.PacedLevel();
+  std::vector<Decision> window;
+  window.reserve(resp.decisions_size());
+  int64_t last_round = -1;
+  for (int i = 0; i < resp.decisions_size(); ++i) {
+    const int64_t step = from_step + i;
+    Decision got = DecisionFromProto(resp.decisions(i));
+    const bool round_ok =
+        got.round >= 0 && got.average && got.level == paced_level &&
+        got.subgroup == schedule.SubgroupOf(paced_level, rank_) && got.step == step &&
+        got.weights.size() == got.Members().size() && got.round > last_round;
+    if (got.round >= 0 ? !round_ok : !(got == schedule.DecisionBelowPaced(step, rank_))) {
+      return absl::InternalError(absl::StrCat(
+          "the coordinator's decision for step ", step, " (", Describe(got),
+          got.round >= 0 ? absl::StrCat(", paced round ", got.round) : "",
+          ") is not one this rank can follow under the job's paced plan (the lower levels' "
+          "decision would be ",
+          Describe(schedule.DecisionBelowPaced(step, rank_)), ", the window's last paced round ",
+          last_round, "); client and coordinator versions disagree"));
+    }
+    if (got.round >= 0) last_round = got.round;
+    window.push_back(std::move(got));
+  }
+  window_ = std::move(window);
+  start_ = from_step;
+  // Nothing past the window may be recomputed here (the plan is the coordinator's): a rank cut
+  // off from the coordinator waits for it at the end of what it was handed.
+  handed_through_ = std::max(handed_through_, from_step + resp.decisions_size() - 1);
   return absl::OkStatus();
 }
 

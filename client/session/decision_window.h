@@ -74,6 +74,9 @@ class DecisionWindow {
 
  private:
   absl::Status Fetch(int64_t from_step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fetch's end for a paced job (docs/paced.md): checks and keeps its shorter window.
+  absl::Status TakePaced(const v1::GetScheduleResponse& resp, int64_t from_step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds `changes` this rank lacks (versions >= plans_->size()).
   template <typename Repeated>
   absl::Status Learn(const Repeated& changes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

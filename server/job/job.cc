@@ -54,7 +54,13 @@ Job::Job(v1::JobSpec spec, Schedule schedule, const JobDefaults& defaults, Clock
                     // Called by membership_'s operations, under mu_.
                     return Save(StoreDeltaOf(change));
                   }),
-      plans_(spec_, schedule_, created_unix_ms) {}
+      plans_(spec_, schedule_, created_unix_ms) {
+  if (schedule_.PacedLevel() >= 0) {
+    // Pacing::Create fails only for a plan without a paced level.
+    absl::StatusOr<PacedPlan> paced = PacedPlan::Create(schedule_);
+    if (paced.ok()) paced_.emplace(*std::move(paced));
+  }
+}
 
 Job::~Job() = default;
 

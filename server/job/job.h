@@ -36,6 +36,7 @@
 #include "server/job/request_checks.h"
 #include "server/membership/decisions.h"
 #include "server/membership/membership.h"
+#include "server/membership/paced_plan.h"
 #include "server/membership/plan_updates.h"
 #include "server/membership/peer_reports.h"
 #include "server/store/state_store.h"
@@ -318,6 +319,14 @@ class Job {
   // The fields of an accepted plan that take effect at once (heartbeat timeout, an elastic
   // job's min_world_size).
   void ApplySoftFields(const v1::JobSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Paced jobs (paced_ set): `rank`'s decision at `step`, and a window of GetSchedule (planning
+  // the rounds they need; the window ends at the rank's last planned sync step).
+  absl::StatusOr<Decision> PacedDecision(int32_t rank, int64_t step, const MemberSteps& members)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status PacedWindow(const v1::GetScheduleRequest& request, int64_t generation,
+                           const MemberSteps& members, v1::GetScheduleResponse* response)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void LogPlannedRound() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The members' smallest step in the current generation (-1 when none reported).
   int64_t MinStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -349,6 +358,9 @@ class Job {
   CommIdStore comm_ids_ ABSL_GUARDED_BY(mu_);
   // The job's plans, the members' promises and the update being proposed.
   PlanUpdates plans_ ABSL_GUARDED_BY(mu_);
+  // A job whose plan has a paced level (docs/paced.md): its planned rounds, the members' paces
+  // and tokens. Absent otherwise.
+  std::optional<PacedPlan> paced_ ABSL_GUARDED_BY(mu_);
   // Peer failure reports of the current generation (ReportPeerFailure).
   PeerReports peer_reports_ ABSL_GUARDED_BY(mu_){PeerReportTtl()};
   EventLog history_ ABSL_GUARDED_BY(mu_);

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/job_spec.h"
 #include "common/printable.h"
@@ -70,9 +71,63 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
       plans_.Handed(rank, request.step());
     }
     plans = plans_.history();
+    if (paced_) {
+      absl::StatusOr<Decision> d = PacedDecision(rank, request.step(), *members);
+      if (!d.ok()) return d.status();
+      DecisionToProto(*d, generation, response);
+      return absl::OkStatus();
+    }
   }
   DecisionToProto(plans->DecisionFor(request.step(), rank), generation, response);
   ApplyMembers(*members, response);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Decision> Job::PacedDecision(int32_t rank, int64_t step,
+                                            const MemberSteps& members) {
+  absl::StatusOr<bool> planned = paced_->PlanFor(rank, step);
+  if (!planned.ok()) return planned.status();
+  if (*planned) LogPlannedRound();
+  return paced_->DecisionFor(schedule_, members, step, rank);
+}
+
+void Job::LogPlannedRound() {
+  const PlannedRound& p = paced_->rounds().back();
+  const PacedRound& r = p.round;
+  spdlog::info("job {}: paced round {} planned: sync steps {} (inner steps {}) with group paces "
+               "{} steps/s",
+               id(), r.round, absl::StrJoin(r.sync_step, ","), absl::StrJoin(r.inner_steps, ","),
+               absl::StrJoin(paced_->GroupPaces(), ",", [](std::string* out, double v) {
+                 absl::StrAppend(out, v > 0 ? absl::StrFormat("%.3g", v) : "?");
+               }));
+}
+
+absl::Status Job::PacedWindow(const v1::GetScheduleRequest& request, int64_t generation,
+                              const MemberSteps& members, v1::GetScheduleResponse* response) {
+  if (!request.has_rank()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job ", id(), " is paced (docs/paced.md): each member has its own sync steps; ask "
+        "GetSchedule for one rank"));
+  }
+  const int32_t rank = request.rank();
+  absl::StatusOr<bool> planned = paced_->PlanFor(rank, request.from_step());
+  if (!planned.ok()) return planned.status();
+  if (*planned) LogPlannedRound();
+  // The window ends at the rank's last planned sync step: the steps after it wait for the
+  // next round's plan (the member asks again once there).
+  const int64_t through = paced_->DecidedThrough(rank);
+  const int64_t end = through - request.from_step() < request.count()
+                          ? through + 1
+                          : request.from_step() + request.count();
+  response->set_generation(generation);
+  for (int64_t s = request.from_step(); s < end; ++s) {
+    absl::StatusOr<Decision> d = paced_->DecisionFor(schedule_, members, s, rank);
+    if (!d.ok()) {
+      response->Clear();
+      return d.status();
+    }
+    DecisionToProto(*d, generation, response->add_decisions());
+  }
   return absl::OkStatus();
 }
 
@@ -102,6 +157,7 @@ absl::Status Job::GetSchedule(const v1::GetScheduleRequest& request,
       plans_.Handed(request.rank(), request.from_step() + request.count() - 1);
     }
     plans_.AppendAfter(request.plans_known(), response->mutable_plan_changes());
+    if (paced_) return PacedWindow(request, generation, *members, response);
   }
   return DecisionWindow(*plans, *members, generation, request, response, cancelled);
 }
@@ -228,6 +284,14 @@ void Job::UpdateJob(const v1::UpdateJobRequest& request, UpdateCallback done) {
   const PlanHistory& history = *plans_.history();
   const ScheduleSpec& current = history.Latest().spec();
   if (absl::Status s = ValidatePlanChange(current, schedule->spec()); !s.ok()) return fail(s);
+  if (schedule->PacedLevel() >= 0 || history.Latest().PacedLevel() >= 0) {
+    const bool to = schedule->PacedLevel() >= 0;
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "levels[", to ? schedule->PacedLevel() : history.Latest().PacedLevel(),
+        "].paced: UpdateJob ", to ? "to" : "from",
+        " a plan with a paced level is not yet supported (docs/paced.md, \"Status\"); a paced "
+        "job keeps its plan, a step-locked one stays step-locked")));
+  }
   const int32_t world = schedule_.world_size();
   const bool elastic_next = next.min_world_size() > 0 && next.min_world_size() < world;
   if (elastic_next != membership_.elastic()) {

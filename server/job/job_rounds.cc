@@ -38,6 +38,9 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
   if (!halted_.ok()) return fail(halted_);
   const int32_t world = schedule_.world_size();
   if (absl::Status s = CheckJoinRequest(request, world, id()); !s.ok()) return fail(s);
+  if (absl::Status s = PacedPlan::CheckTokens(request.tokens_per_step()); !s.ok()) {
+    return fail(s);
+  }
   const absl::Time now = clock_->Now();
   std::string credential = NewMemberCredential();
   // Written before anything else happens: on a failed write nothing did, and a retry of this
@@ -49,6 +52,9 @@ void Job::Join(const v1::JoinRequest& request, absl::Time call_deadline, WaitId 
       request.credential(), CredentialDigest(credential), request.join_nonce());
   if (!joined.ok()) return fail(joined.status());
   const int32_t rank = joined->rank;
+  if (paced_) {
+    paced_->NoteTokens(rank, request.tokens_per_step());
+  }
   if (joined->waiting_for_replica) {
     return WaitForReplica(rank, joined->was_in_round, std::move(credential),
                           std::min(now + join_timeout_, call_deadline),
@@ -214,6 +220,9 @@ absl::Status Job::Heartbeat(const v1::HeartbeatRequest& request,
     }
   }
   membership_.Heartbeat(request.rank(), request.generation(), request.step(), now);
+  if (paced_ && membership_.member(request.rank()).present()) {
+    paced_->NotePace(request.rank(), request.compute_steps_per_second());
+  }
   // Liveness still counts while halted: the death is written once it can be, of the same ranks.
   if (!halted_.ok()) return halted_;
   if (membership_.member(request.rank()).present() && request.used_through() >= 0) {

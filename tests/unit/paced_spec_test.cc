@@ -1,6 +1,5 @@
-// Level.paced and Level.max_lag in the job spec (docs/paced.md): each rule with its message, the
-// conversion both ways, JSON, and the gate that refuses a valid paced spec until the coordinator
-// plans paced rounds (SpecFeatures::paced).
+// Level.paced, Level.max_lag and Level.rounds in the job spec (docs/paced.md): each rule with its
+// message, the conversion both ways, and JSON.
 #include <string>
 #include <vector>
 
@@ -20,7 +19,6 @@ using ::modelavg::testing::SpecFromText;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-constexpr SpecFeatures kPacedOn{/*paced=*/true};
 
 // Pairs below a paced level of 4 ranks: two groups to pace.
 const char* const kPairsUnderPaced = R"pb(
@@ -28,8 +26,8 @@ const char* const kPairsUnderPaced = R"pb(
   levels { period: 4 group_size: 2 } levels { period: 32 group_size: 4 paced: true }
 )pb";
 
-std::string MessageOf(const v1::JobSpec& spec, SpecFeatures features = kPacedOn) {
-  absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(spec, features);
+std::string MessageOf(const v1::JobSpec& spec) {
+  absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(spec);
   EXPECT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
   return std::string(s.status().message());
@@ -39,7 +37,7 @@ TEST(PacedSpecTest, PacedTopLevel_ConvertsBothWays) {
   v1::JobSpec spec = SpecFromText(kPairsUnderPaced);
   spec.set_min_world_size(2);
   spec.mutable_levels(1)->set_max_lag(3);
-  absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(spec, kPacedOn);
+  absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(spec);
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_FALSE(s->levels[0].paced);
   EXPECT_EQ(s->levels[0].max_lag, 0.0);
@@ -71,21 +69,30 @@ TEST(PacedSpecTest, UnpacedSpec_FieldsAbsentOnTheWire) {
   }
 }
 
-// Until the coordinator plans paced rounds, a paced spec that follows every rule is refused with
-// a message that says so: never accepted and run step-locked.
-TEST(PacedSpecTest, ValidPacedSpec_RefusedAsNotYetSupported) {
-  const std::string message = MessageOf(SpecFromText(kPairsUnderPaced), SpecFeatures{});
-  EXPECT_THAT(message, HasSubstr("levels[1].paced"));
-  EXPECT_THAT(message, HasSubstr("not yet supported"));
+TEST(PacedSpecTest, ValidPacedSpec_Accepted) {
+  absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(SpecFromText(kPairsUnderPaced));
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_TRUE(s->levels[1].paced);
 }
 
-// The rules are checked before the gate: a spec that breaks one hears about that rule.
-TEST(PacedSpecTest, RuleBroken_RuleReportedBeforeTheGate) {
+TEST(PacedSpecTest, MaxLagInAStrictJob_RefusedNamingElastic) {
   v1::JobSpec spec = SpecFromText(kPairsUnderPaced);
   spec.mutable_levels(1)->set_max_lag(2);  // strict job
-  const std::string message = MessageOf(spec, SpecFeatures{});
-  EXPECT_THAT(message, HasSubstr("elastic"));
-  EXPECT_THAT(message, Not(HasSubstr("not yet supported")));
+  EXPECT_THAT(MessageOf(spec), HasSubstr("elastic"));
+}
+
+// Level.rounds counts a paced job's length: only on the paced level, never negative.
+TEST(PacedSpecTest, Rounds_OnlyOnThePacedLevelAndNotNegative) {
+  v1::JobSpec spec = SpecFromText(kPairsUnderPaced);
+  spec.mutable_levels(1)->set_rounds(5);
+  absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(spec);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->levels[1].rounds, 5);
+  spec.mutable_levels(1)->set_rounds(-1);
+  EXPECT_THAT(MessageOf(spec), HasSubstr("levels[1].rounds must be in [0, "));
+  spec.mutable_levels(1)->set_rounds(0);
+  spec.mutable_levels(0)->set_rounds(3);
+  EXPECT_THAT(MessageOf(spec), HasSubstr("levels[0].rounds 3 needs levels[0].paced"));
 }
 
 TEST(PacedSpecTest, OnlyTheLastLevelMayBePaced) {
@@ -142,7 +149,7 @@ TEST(PacedSpecTest, PeriodicReplicasAndWarmup_Accepted) {
                     payload: INT8 error_feedback: 1 outer { lr: 0.7 momentum: 0.9 } })pb",
   };
   for (const std::string& text : ok) {
-    absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(SpecFromText(text), kPacedOn);
+    absl::StatusOr<ScheduleSpec> s = ScheduleSpecFromProto(SpecFromText(text));
     EXPECT_TRUE(s.ok()) << text << ": " << s.status();
   }
 }
@@ -182,7 +189,7 @@ TEST(PacedSpecTest, MaxLag_Rules) {
     v1::JobSpec spec = SpecFromText(kPairsUnderPaced);
     spec.set_min_world_size(2);
     spec.mutable_levels(1)->set_max_lag(lag);
-    EXPECT_TRUE(ScheduleSpecFromProto(spec, kPacedOn).ok()) << lag;
+    EXPECT_TRUE(ScheduleSpecFromProto(spec).ok()) << lag;
   }
 }
 
@@ -198,8 +205,7 @@ TEST(PacedSpecTest, Json_ParsesBothFields) {
     ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &spec).ok()) << json;
     EXPECT_TRUE(spec.levels(0).paced());
     EXPECT_EQ(spec.levels(0).max_lag(), 2.5);
-    EXPECT_TRUE(ScheduleSpecFromProto(spec, kPacedOn).ok());
-    EXPECT_THAT(MessageOf(spec, SpecFeatures{}), HasSubstr("not yet supported"));
+    EXPECT_TRUE(ScheduleSpecFromProto(spec).ok());
   }
 }
 

@@ -5,7 +5,10 @@ modelavg_add_gtest(server_pending_waits_test SOURCES server_pending_waits_test.c
   LIBS modelavg_server_core)
 modelavg_add_gtest(server_membership_test SOURCES server_membership_test.cc
   LIBS modelavg_server_core)
-# The plan of a paced level (pacing.h) against tests/reference/paced_reference.h.
+# A paced job's planned rounds (paced_plan.h); the plan of a paced level (pacing.h) against
+# tests/reference/paced_reference.h.
+modelavg_add_gtest(server_paced_plan_test SOURCES server_paced_plan_test.cc
+  LIBS modelavg_server_membership)
 modelavg_add_gtest(server_pacing_test SOURCES server_pacing_test.cc
   LIBS modelavg_server_membership)
 modelavg_add_gtest(server_state_store_test SOURCES server_state_store_test.cc

@@ -279,6 +279,16 @@ class Schedule {
   // What `rank` does at `step`. Precondition: step >= 0, 0 <= rank < world_size.
   Decision DecisionFor(int64_t step, int32_t rank) const;
 
+  // Paced rounds (docs/paced.md). The paced level: the last level when it is paced, else -1.
+  int PacedLevel() const;
+  // What `rank` does at `step` by the levels below the paced one alone (LevelAt's walk without
+  // the paced level: a SKIP in a PERIODIC job, whose one level is the paced one). A paced
+  // member's decision at a step that is not one of its sync steps. Precondition: PacedLevel() >= 0.
+  Decision DecisionBelowPaced(int64_t step, int32_t rank) const;
+  // The paced level's decision for `rank` at `step`, its sync step of round `round`, syncing
+  // `fragment`. Precondition: PacedLevel() >= 0.
+  Decision PacedDecision(int64_t step, int32_t rank, int64_t round, int32_t fragment) const;
+
   // Decisions of `rank` for steps [from_step, from_step + count). O(count * levels).
   std::vector<Decision> Window(int64_t from_step, int64_t count, int32_t rank) const;
 

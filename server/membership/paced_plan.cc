@@ -1,0 +1,150 @@
+#include "server/membership/paced_plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace modelavg::server {
+
+absl::StatusOr<PacedPlan> PacedPlan::Create(const Schedule& schedule) {
+  absl::StatusOr<Pacing> pacing = Pacing::Create(schedule);
+  if (!pacing.ok()) return pacing.status();
+  PacedPlan plan(*std::move(pacing), schedule.world_size(),
+                 schedule.spec().levels.back().rounds);
+  return plan;
+}
+
+PacedPlan::PacedPlan(Pacing pacing, int32_t world, int64_t budget)
+    : pacing_(std::move(pacing)),
+      world_(world),
+      budget_(budget),
+      pace_(world, -1.0),
+      tokens_(std::make_shared<const std::vector<double>>(world, 1.0)) {}
+
+void PacedPlan::NotePace(int32_t rank, double steps_per_second) {
+  if (rank < 0 || rank >= world_) return;
+  pace_[rank] = std::isfinite(steps_per_second) && steps_per_second > 0 ? steps_per_second : -1.0;
+}
+
+absl::Status PacedPlan::CheckTokens(double tokens_per_step) {
+  if (tokens_per_step == 0.0) return absl::OkStatus();
+  if (!(std::isfinite(tokens_per_step) && tokens_per_step > 0 &&
+        tokens_per_step <= kMaxTokensPerStep)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tokens_per_step must be 0 (read as 1) or in (0, ", kMaxTokensPerStep, "], got ",
+        tokens_per_step, " (MODELAVG_TOKENS_PER_STEP or the client option tokens_per_step)"));
+  }
+  return absl::OkStatus();
+}
+
+void PacedPlan::NoteTokens(int32_t rank, double tokens_per_step) {
+  if (rank < 0 || rank >= world_ || !CheckTokens(tokens_per_step).ok()) return;
+  const double t = tokens_per_step == 0.0 ? 1.0 : tokens_per_step;
+  if ((*tokens_)[rank] == t) return;
+  auto next = std::make_shared<std::vector<double>>(*tokens_);
+  (*next)[rank] = t;
+  tokens_ = std::move(next);
+}
+
+absl::StatusOr<bool> PacedPlan::PlanFor(int32_t rank, int64_t step) {
+  const int32_t g = pacing_.GroupOf(rank);
+  bool planned = false;
+  if (rounds_.empty()) {
+    // Round 0 with the tokens of the members that asked for it (the job's members by then).
+    rounds_.push_back(PlannedRound{pacing_.First(), tokens_, -1.0});
+    planned = true;
+  }
+  while (rounds_.back().round.sync_step[g] < step &&
+         (budget_ == 0 || rounds_.back().round.round + 1 < budget_)) {
+    const std::vector<double> paces = pacing_.GroupPaces(pace_);
+    absl::StatusOr<PacedRound> next = pacing_.Next(rounds_.back().round, paces);
+    if (!next.ok()) return next.status();
+    double slowest = -1;
+    for (double p : paces) {
+      if (p > 0 && (slowest < 0 || p < slowest)) slowest = p;
+    }
+    rounds_.push_back(PlannedRound{*std::move(next), tokens_, slowest});
+    planned = true;
+    if (rounds_.size() > kMaxKeptRounds) {
+      rounds_.pop_front();
+      ++dropped_;
+    }
+  }
+  return planned;
+}
+
+int64_t PacedPlan::DecidedThrough(int32_t rank) const {
+  if (rounds_.empty()) return -1;
+  const PacedRound& last = rounds_.back().round;
+  if (budget_ > 0 && last.round + 1 >= budget_) return std::numeric_limits<int64_t>::max();
+  return last.sync_step[pacing_.GroupOf(rank)];
+}
+
+void PacedPlan::FillRound(const PlannedRound& planned, const MemberSteps& members,
+                          Decision* d) const {
+  const PacedRound& r = planned.round;
+  const std::vector<int32_t> ranks = d->subgroup.Ranks();
+  d->members.clear();
+  d->joining.clear();
+  d->weights.clear();
+  for (int32_t m : ranks) {
+    // Each member is a member, or joins, at its own group's sync step of the round.
+    const int64_t at = r.sync_step[pacing_.GroupOf(m)];
+    if (!members.all_from_start) {
+      const int64_t from = members.from_step[m];
+      if (from == kNotMember || from > at || at >= members.until_step[m]) continue;
+      if (from == at) {
+        d->members.push_back(m);
+        d->joining.push_back(m);
+        d->weights.push_back(0.0);
+        continue;
+      }
+    }
+    d->members.push_back(m);
+    d->weights.push_back(static_cast<double>(r.inner_steps[pacing_.GroupOf(m)]) *
+                         (*planned.tokens)[m]);
+  }
+}
+
+absl::StatusOr<Decision> PacedPlan::DecisionFor(const Schedule& schedule,
+                                                const MemberSteps& members, int64_t step,
+                                                int32_t rank) const {
+  const int32_t g = pacing_.GroupOf(rank);
+  if (rounds_.empty()) {
+    return absl::FailedPreconditionError("no paced round is planned yet (PlanFor comes first)");
+  }
+  const int64_t first_kept = rounds_.front().round.sync_step[g];
+  if (dropped_ > 0 && step <= first_kept) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "step ", step, " of rank ", rank, " lies in paced rounds no longer kept (the oldest kept, ",
+        dropped_, ", syncs this rank at step ", first_kept, "; ", kMaxKeptRounds,
+        " rounds are kept)"));
+  }
+  // The round whose sync step of group g is `step`, if any (sync steps rise with the round).
+  auto it = std::lower_bound(
+      rounds_.begin(), rounds_.end(), step,
+      [g](const PlannedRound& p, int64_t s) { return p.round.sync_step[g] < s; });
+  if (it != rounds_.end() && it->round.sync_step[g] == step) {
+    Decision d = schedule.PacedDecision(step, rank, it->round.round, it->round.fragment);
+    FillRound(*it, members, &d);
+    return d;
+  }
+  Decision d = schedule.DecisionBelowPaced(step, rank);
+  if (d.average && !members.all_from_start) {
+    // As ApplyMembers: the ranks of the subgroup that are members at this step.
+    std::vector<int32_t> in;
+    for (int32_t m : d.subgroup.Ranks()) {
+      const int64_t from = members.from_step[m];
+      if (from == kNotMember || from > step || step >= members.until_step[m]) continue;
+      in.push_back(m);
+      if (from == step) d.joining.push_back(m);
+    }
+    d.members = std::move(in);
+  }
+  return d;
+}
+
+}  // namespace modelavg::server

@@ -1,0 +1,109 @@
+// The planned rounds of a job's paced level (docs/paced.md): the state behind each member's
+// paced decisions. Pacing (pacing.h) is the rule; this holds what the rule planned, the
+// members' measured compute paces and their tokens per step, and answers a member's decision at
+// any step it was planned for. Plain class, no lock, no clock: the job holds it under its mutex.
+//
+// When rounds are planned. A member's decisions end at its group's last planned sync step
+// (DecidedThrough); asking for a later step (PlanFor) plans the next round, with the paces known
+// then, for every group at once. Each member asks right after its round r (its next window
+// starts past it), so round r + 1 is planned when the first member leaves round r, with the
+// paces measured up to then: a change of pace is used at the next round planned after it is
+// reported (one heartbeat, at most a round later). What was planned never changes: a decision
+// handed out stays true.
+//
+// Weights. Round r's weight of rank i is n_g(r) x tokens_per_step_i, g its group, with the
+// tokens per step each rank declared when it joined; fixed when the round is planned (a rank
+// that joins later with other tokens changes the rounds planned after it only).
+//
+// Bounds. Rounds are kept while any member may still ask for them: at most kMaxKeptRounds; the
+// oldest are dropped beyond that (a member asking for a dropped round's step gets
+// OUT_OF_RANGE). Memory: kMaxKeptRounds x (2 x groups) int64s, plus one tokens vector per
+// distinct set of tokens.
+#ifndef MODELAVG_SERVER_MEMBERSHIP_PACED_PLAN_H_
+#define MODELAVG_SERVER_MEMBERSHIP_PACED_PLAN_H_
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "modelavg/common/schedule.h"
+#include "server/membership/admission.h"
+#include "server/membership/pacing.h"
+
+namespace modelavg::server {
+
+// Rounds kept (PacedPlan, "Bounds").
+inline constexpr size_t kMaxKeptRounds = 4096;
+// The largest tokens_per_step a member may declare.
+inline constexpr double kMaxTokensPerStep = 1e12;
+
+// One planned round with the weights' tokens.
+struct PlannedRound {
+  PacedRound round;
+  // Per rank: tokens per step as of planning (shared between rounds while unchanged).
+  std::shared_ptr<const std::vector<double>> tokens;
+  // The slowest known group pace it was planned with (steps per second; -1: none known): the
+  // round's expected time is step_period / this.
+  double slowest_pace = -1;
+};
+
+class PacedPlan {
+ public:
+  // The plan of `schedule`'s paced level (INVALID_ARGUMENT unless its last level is paced), with
+  // nothing planned: round 0 is planned by the first PlanFor, with the tokens known then.
+  static absl::StatusOr<PacedPlan> Create(const Schedule& schedule);
+
+  const Pacing& pacing() const { return pacing_; }
+  // The job's length in rounds (ScheduleLevel::rounds; 0: no bound).
+  int64_t budget() const { return budget_; }
+
+  // A member's compute pace (HeartbeatRequest.compute_steps_per_second; 0 or not finite:
+  // unknown) and tokens per step (JoinRequest.tokens_per_step; 0: 1). INVALID_ARGUMENT for a
+  // tokens value outside (0, kMaxTokensPerStep] or not finite.
+  void NotePace(int32_t rank, double steps_per_second);
+  static absl::Status CheckTokens(double tokens_per_step);
+  void NoteTokens(int32_t rank, double tokens_per_step);
+  const std::vector<double>& rank_paces() const { return pace_; }
+  // The groups' paces as the next round would be planned with (Pacing::GroupPaces).
+  std::vector<double> GroupPaces() const { return pacing_.GroupPaces(pace_); }
+
+  // Plans rounds until `rank`'s group has a planned sync step >= `step`, or the budget's last
+  // round is planned. Returns whether anything was planned. OUT_OF_RANGE when a sync step would
+  // pass kMaxPacedStep.
+  absl::StatusOr<bool> PlanFor(int32_t rank, int64_t step);
+  // The last step of `rank` the planned rounds decide: its group's last planned sync step, or
+  // INT64_MAX once the budget's last round is planned (past it, the lower levels alone decide);
+  // -1 before anything is planned.
+  int64_t DecidedThrough(int32_t rank) const;
+
+  // What `rank` does at `step` (<= DecidedThrough(rank)): its round's paced decision at its
+  // group's sync step (members and weights filled from `members`), else the lower levels'
+  // decision (Schedule::DecisionBelowPaced, members as ApplyMembers). OUT_OF_RANGE for a step of
+  // a dropped round; FAILED_PRECONDITION before anything is planned.
+  absl::StatusOr<Decision> DecisionFor(const Schedule& schedule, const MemberSteps& members,
+                                       int64_t step, int32_t rank) const;
+
+  // The planned rounds still kept, oldest first.
+  const std::deque<PlannedRound>& rounds() const { return rounds_; }
+  // Rounds dropped from the front (rounds().front().round.round == dropped()).
+  int64_t dropped() const { return dropped_; }
+
+ private:
+  PacedPlan(Pacing pacing, int32_t world, int64_t budget);
+  // Fills the paced decision `d` (skeleton from the schedule) for round `planned`.
+  void FillRound(const PlannedRound& planned, const MemberSteps& members, Decision* d) const;
+
+  Pacing pacing_;
+  int32_t world_;
+  int64_t budget_;
+  std::vector<double> pace_;
+  std::shared_ptr<const std::vector<double>> tokens_;
+  std::deque<PlannedRound> rounds_;
+  int64_t dropped_ = 0;
+};
+
+}  // namespace modelavg::server
+
+#endif  // MODELAVG_SERVER_MEMBERSHIP_PACED_PLAN_H_
