@@ -27,13 +27,15 @@ if(TARGET modelavg-coordinator)
   # client_sharded_test, sharded replicas (worlds 8 and 12, a few seconds each; a replica lost
   # and replaced in an elastic job, ~10 s); client_feedback_elastic_test, error feedback's
   # residual through a retried round, a lost commit and a replacement (~15 s each);
-  # client_update_test, plans changed while the job runs (UpdateJob; 4 ranks, a few seconds each).
+  # client_update_test, plans changed while the job runs (UpdateJob; 4 ranks, a few seconds each);
+  # client_paced_test, paced rounds of ranks of unequal speed against a naive reference (3-4
+  # ranks, 3-8 s each).
   foreach(t client_elastic_regrow_test client_elastic_adopt_test client_outer_test
             client_nonfinite_delayed_test client_nonfinite_replicas_test
             client_nonfinite_handover_test
             client_outer_elastic_test client_streaming_test client_stop_signal_test
             client_nonfinite_test client_sharded_test client_feedback_elastic_test
-            client_update_test)
+            client_update_test client_paced_test)
     modelavg_add_gtest(${t} SOURCES ${t}.cc LIBS modelavg_client LABELS integration TIMEOUT 120)
     # Those that lose a commit (--testing_fail_commit_at_step) run the tests' variant of the
     # worker (tests/tools), the others the shipped program.

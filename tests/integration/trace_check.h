@@ -61,6 +61,8 @@ struct TraceLine {
   int32_t fragment = 0;  // "fragment" (streaming levels; 0 when absent)
   int32_t plan = 0;      // "plan" (after a plan update; 0 when absent)
   std::vector<double> values;  // "values": one per tensor (--tensors=T); empty when absent
+  int64_t round = -1;          // "round": a paced level's round (-1 when absent)
+  double weight = -1;          // "weight": this member's weight in that round (-1 when absent)
 };
 
 // The lines of one worker process.
@@ -134,6 +136,10 @@ inline absl::StatusOr<TraceLine> ParseTraceLine(const std::string& text) {
   double plan = 0;
   if (absl::Status s = number("plan", false, &plan); !s.ok()) return s;
   line.plan = static_cast<int32_t>(plan);
+  double round = -1;
+  if (absl::Status s = number("round", false, &round); !s.ok()) return s;
+  line.round = static_cast<int64_t>(round);
+  if (absl::Status s = number("weight", false, &line.weight); !s.ok()) return s;
   if (auto values = f.find("values"); values != f.end()) {
     if (values->second.kind_case() != google::protobuf::Value::kListValue) {
       return absl::InvalidArgumentError(absl::StrCat("\"values\" is not a list: ", text));

@@ -26,7 +26,8 @@ class TraceJobTest : public ::testing::Test {
   explicit TraceJobTest(const std::string& name) : cluster_(name) {}
   ~TraceJobTest() override { workers_.clear(); }
 
-  // Creates `spec`'s job and runs its ranks 0..world-1 for `steps` steps of `numel` elements,
+  // Creates `spec`'s job and runs its ranks 0..world-1 for `steps` steps (<= 0: no --steps, the
+  // flags give the length, e.g. --rounds) of `numel` elements,
   // every rank with `flags` and rank r also with `rank_flags[r]`; waits up to kRunDeadline for
   // each. Returns the traces by rank, or empty with a test failure if the job was not made.
   // Without `errors`, every rank must exit 0 and print a valid trace; with it, each rank's
@@ -48,11 +49,12 @@ class TraceJobTest : public ::testing::Test {
                                        "--job=" + spec.job_id(),
                                        absl::StrCat("--rank=", r),
                                        absl::StrCat("--world_size=", world),
-                                       absl::StrCat("--steps=", steps),
                                        absl::StrCat("--numel=", numel),
                                        "--backend=gloo",
                                        "--join_timeout_ms=30000",
                                        "--collective_timeout_ms=30000"};
+      // steps <= 0: the flags say how long the job runs (--rounds of a paced job).
+      if (steps > 0) argv.push_back(absl::StrCat("--steps=", steps));
       argv.insert(argv.end(), flags.begin(), flags.end());
       if (static_cast<size_t>(r) < rank_flags.size()) {
         argv.insert(argv.end(), rank_flags[r].begin(), rank_flags[r].end());

@@ -1,0 +1,136 @@
+// Paced rounds (docs/paced.md) with real processes: modelavg-trace-worker ranks of unequal speed
+// (an injected delay per step) over Gloo on loopback against a coordinator started here. Every
+// rank's value at every step, and every round's weights, are compared with the rule restated
+// naively (paced_trace_check.h) from the decisions each member printed; the ranks of one group
+// must sync at the same steps; and once the paces are measured the pacing itself is checked:
+// the fast members take more inner steps and wait at a round for less than one step of the
+// slowest member plus kWaitMargin.
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/paced_trace_check.h"
+#include "tests/integration/trace_job_fixture.h"
+#include "tests/tools/make_job_spec.h"
+
+namespace modelavg::testing {
+namespace {
+
+// What a fast member may wait at a round beyond one step of the slowest member, once the paces
+// are measured: the round's own all-reduce and the scheduling noise of a loaded machine. A
+// step-locked round would make it wait (period x the difference of their step times): 300 ms
+// and more in the tests below.
+constexpr double kWaitMargin = 120;
+// Rounds before the pacing is checked: round 0 and round 1 are step-locked (no pace known when
+// they are planned), round 2 is planned when the first member leaves round 1, with the paces
+// reported by then.
+constexpr int64_t kFirstPacedRound = 2;
+
+class ClientPacedTest : public TraceJobTest {
+ protected:
+  ClientPacedTest() : TraceJobTest("paced") {}
+
+  // Runs `spec` for `rounds` rounds, rank r with step delay delay_ms[r] and tokens[r] tokens per
+  // step; checks every line against the rule and returns what it saw.
+  PacedRounds RunAndCheck(const v1::JobSpec& spec, int64_t rounds,
+                          const std::vector<double>& delay_ms, const std::vector<double>& tokens,
+                          PacedCheck check) {
+    std::vector<std::vector<std::string>> rank_flags(spec.world_size());
+    for (int r = 0; r < spec.world_size(); ++r) {
+      rank_flags[r] = {absl::StrCat("--step_delay_ms=", delay_ms[r]),
+                       absl::StrCat("--tokens_per_step=", tokens[r])};
+    }
+    const std::vector<Trace> traces =
+        RunJob(spec, /*steps=*/0, /*numel=*/16,
+               {absl::StrCat("--rounds=", rounds), "--unix_ms"}, rank_flags);
+    check.tokens = tokens;
+    check.rounds = rounds;
+    PacedRounds seen;
+    const TraceCheckResult result = CheckPacedTraces(traces, check, delay_ms, &seen);
+    EXPECT_TRUE(result.ok()) << result.Report();
+    EXPECT_GE(result.averages, rounds * spec.world_size());
+    return seen;
+  }
+
+  // From round kFirstPacedRound on: rank `fast` takes at least `min_ratio` times the inner steps
+  // of rank `slow`, and no rank waits at a round longer than one step of the slowest rank plus
+  // kWaitMargin (the median over the rounds, against scheduling noise).
+  static void ExpectPaced(const PacedRounds& seen, const std::vector<double>& delay_ms,
+                          int32_t fast, int32_t slow, double min_ratio) {
+    const size_t rounds = seen.sync[0].size();
+    ASSERT_GT(rounds, static_cast<size_t>(kFirstPacedRound + 1));
+    for (size_t r = kFirstPacedRound; r < rounds; ++r) {
+      const double n_fast = seen.sync[fast][r] - seen.sync[fast][r - 1];
+      const double n_slow = seen.sync[slow][r] - seen.sync[slow][r - 1];
+      EXPECT_GE(n_fast, min_ratio * n_slow)
+          << "round " << r << ": rank " << fast << " took " << n_fast << " steps, rank " << slow
+          << " " << n_slow;
+    }
+    const double slowest_step = *std::max_element(delay_ms.begin(), delay_ms.end());
+    for (size_t i = 0; i < seen.sync.size(); ++i) {
+      std::vector<double> waits;
+      for (size_t r = kFirstPacedRound; r < rounds; ++r) {
+        if (seen.arrive_ms[i][r] < 0 || seen.leave_ms[i][r] < 0) continue;
+        waits.push_back(seen.leave_ms[i][r] - seen.arrive_ms[i][r]);
+      }
+      ASSERT_FALSE(waits.empty()) << "rank " << i;
+      std::nth_element(waits.begin(), waits.begin() + waits.size() / 2, waits.end());
+      EXPECT_LT(waits[waits.size() / 2], slowest_step + kWaitMargin)
+          << "rank " << i << "'s median wait at a paced round";
+    }
+  }
+};
+
+// Four ranks of a PERIODIC job at 1x, 1x, 1.5x and 3x the step time, one declaring 2 tokens per
+// step: each rank is a group of its own.
+TEST_F(ClientPacedTest, Periodic_UnequalRanks_WeightedMeanEveryRoundEveryRank) {
+  v1::JobSpec spec = MakeSpec("periodic", 4, v1::PERIODIC, {{8, 4}}, 0);
+  spec.mutable_levels(0)->set_paced(true);
+  const std::vector<double> delay = {10, 10, 15, 30};
+  const PacedRounds seen = RunAndCheck(spec, 7, delay, {1, 2, 1, 1}, PacedCheck{});
+  ExpectPaced(seen, delay, /*fast=*/0, /*slow=*/3, /*min_ratio=*/2.0);
+}
+
+// Pairs under a paced level: the pairs are the groups; both ranks of a pair sync at the same
+// steps; the pair level averages in each pair's own steps.
+TEST_F(ClientPacedTest, PairsUnderPaced_GroupsSyncTogether_LowerLevelInOwnSteps) {
+  v1::JobSpec spec = MakeSpec("pairs", 4, v1::HIERARCHICAL, {{2, 2}, {8, 4}}, 0);
+  spec.mutable_levels(1)->set_paced(true);
+  // The slower member of a pair sets its pace.
+  const std::vector<double> delay = {10, 12, 30, 30};
+  PacedCheck check;
+  check.group_size = 2;
+  const PacedRounds seen = RunAndCheck(spec, 6, delay, {1, 1, 1, 1}, check);
+  ExpectPaced(seen, delay, /*fast=*/0, /*slow=*/2, /*min_ratio=*/2.0);
+}
+
+// A DiLoCo level (outer SGD with Nesterov momentum) paced: the weighted mean of the
+// pseudo-gradients steps the anchor.
+TEST_F(ClientPacedTest, OuterLevel_WeightedPseudoGradientsStepTheAnchor) {
+  v1::JobSpec spec = MakeSpec("outer", 3, v1::PERIODIC, {{6, 3}}, 0);
+  spec.mutable_levels(0)->set_paced(true);
+  SetOuter(&spec, 0, 0.7, 0.9, true);
+  PacedCheck check;
+  check.outer = true;
+  check.lr = 0.7;
+  check.momentum = 0.9;
+  check.nesterov = true;
+  const std::vector<double> delay = {10, 20, 30};
+  const PacedRounds seen = RunAndCheck(spec, 6, delay, {1, 1, 3}, check);
+  ExpectPaced(seen, delay, /*fast=*/0, /*slow=*/2, /*min_ratio=*/2.0);
+}
+
+// Level.rounds: the job's budget ends every member after the same round, whatever its steps.
+TEST_F(ClientPacedTest, Budget_EveryMemberEndsAfterTheSameRound) {
+  v1::JobSpec spec = MakeSpec("budget", 3, v1::PERIODIC, {{5, 3}}, 0);
+  spec.mutable_levels(0)->set_paced(true);
+  spec.mutable_levels(0)->set_rounds(4);
+  RunAndCheck(spec, 4, {5, 10, 20}, {1, 1, 1}, PacedCheck{});
+}
+
+}  // namespace
+}  // namespace modelavg::testing

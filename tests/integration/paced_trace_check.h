@@ -1,0 +1,232 @@
+// Checks modelavg-trace-worker traces of a paced job (docs/paced.md) against the rule restated
+// naively, every rank, every round: it reads the decisions each member actually received (its
+// lines) and recomputes what each round must give, without the coordinator's plan.
+//
+// From each rank's own lines it rebuilds its value before every call (float32, as trace_check.h:
+// before(s) = after(s - 1) + (rank + 1) * (s + 1) * 0.5, after(-1) = rank) and, per round r of
+// the paced level, its sync step s_i(r): the step of its line with "round": r. Then:
+//  * every rank printed each round 0 .. rounds - 1 once, at rising steps, and stopped right
+//    after round rounds - 1 (its last line) when `rounds` is set;
+//  * the ranks of one paced group (group_size consecutive ranks) synced each round at the same
+//    step;
+//  * each member's printed weight is n_i(r) x T_i, with n_i(r) = s_i(r) - s_i(r - 1)
+//    (s_i(-1) = -1) and T_i its tokens per step;
+//  * every member of a round lists the same members, and each one's value after it is, with w_j
+//    those weights and x_j the members' values before their own sync steps:
+//      plain level:  sum_j w_j x_j / sum_j w_j;
+//      outer level (lr, momentum, nesterov; FP32): round 0 as plain (the anchors A := that);
+//      then D = sum_j w_j (A - x_j) / sum_j w_j, B := D (first) or momentum * B + D,
+//      g = D + momentum * B (nesterov) or B (or D without momentum), A := A - lr * g, value A.
+//  * a lower level's AVERAGE (no round) is the plain mean of its members' values before that
+//    step (they share their steps); a SKIP keeps the value.
+// Values within relative 1e-5 (absolute 1e-4), the conformance tests' tolerance.
+#ifndef MODELAVG_TESTS_INTEGRATION_PACED_TRACE_CHECK_H_
+#define MODELAVG_TESTS_INTEGRATION_PACED_TRACE_CHECK_H_
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "tests/integration/trace_check.h"
+
+namespace modelavg::testing {
+
+struct PacedCheck {
+  // Tokens per step of each rank (empty: 1 each).
+  std::vector<double> tokens;
+  // Ranks synced together (the paced level's group: lcm of replica_size and the lower levels'
+  // group sizes).
+  int32_t group_size = 1;
+  // The rounds each rank must print (0: not checked).
+  int64_t rounds = 0;
+  // The paced level's outer optimizer (FP32 payload), when it has one.
+  bool outer = false;
+  double lr = 1.0;
+  double momentum = 0.0;
+  bool nesterov = false;
+};
+
+// What the check saw, for the test's own assertions on the pacing.
+struct PacedRounds {
+  // sync[i][r]: rank i's sync step of round r (-1 when not printed).
+  std::vector<std::vector<int64_t>> sync;
+  // arrive_ms[i][r], leave_ms[i][r]: when rank i's call of round r started (the return of its
+  // previous call plus its step delay, given to the check) and returned; -1 without unix_ms.
+  std::vector<std::vector<double>> arrive_ms;
+  std::vector<std::vector<double>> leave_ms;
+};
+
+inline TraceCheckResult CheckPacedTraces(const std::vector<Trace>& traces, const PacedCheck& c,
+                                         const std::vector<double>& step_delay_ms = {},
+                                         PacedRounds* seen = nullptr) {
+  constexpr double kRelTol = 1e-5, kAbsTol = 1e-4;
+  TraceCheckResult result;
+  auto error = [&](std::string e) { result.errors.push_back(std::move(e)); };
+  auto close = [&](double got, double want) {
+    return std::fabs(got - want) <= std::max(kAbsTol, kRelTol * std::fabs(want));
+  };
+  const int32_t world = static_cast<int32_t>(traces.size());
+  auto tokens = [&](int32_t r) {
+    return r < static_cast<int32_t>(c.tokens.size()) ? c.tokens[r] : 1.0;
+  };
+  std::vector<std::map<int64_t, float>> before(world);
+  std::vector<std::map<int64_t, const TraceLine*>> at(world);
+  // round -> rank -> line
+  std::map<int64_t, std::map<int32_t, const TraceLine*>> rounds;
+  PacedRounds local;
+  PacedRounds& out = seen != nullptr ? *seen : local;
+  out.sync.assign(world, {});
+  out.arrive_ms.assign(world, {});
+  out.leave_ms.assign(world, {});
+  for (int32_t i = 0; i < world; ++i) {
+    const Trace& t = traces[i];
+    float after = static_cast<float>(i);
+    int64_t last_round = -1, expect_step = 0;
+    double prev_ms = -1;
+    for (const TraceLine& l : t.lines) {
+      if (l.rank != i || l.step != expect_step) {
+        error(absl::StrCat(t.who, ": line of rank ", l.rank, " step ", l.step, " where rank ", i,
+                           " step ", expect_step, " was expected"));
+        break;
+      }
+      ++expect_step;
+      before[i][l.step] = after + TraceDelta(i, l.step);
+      after = static_cast<float>(l.value);
+      at[i][l.step] = &l;
+      if (l.round >= 0) {
+        if (l.round != last_round + 1) {
+          error(absl::StrCat(t.who, ": round ", l.round, " at step ", l.step, " follows round ",
+                             last_round));
+        }
+        last_round = l.round;
+        rounds[l.round][i] = &l;
+        out.sync[i].resize(l.round + 1, -1);
+        out.arrive_ms[i].resize(l.round + 1, -1);
+        out.leave_ms[i].resize(l.round + 1, -1);
+        out.sync[i][l.round] = l.step;
+        if (l.unix_ms >= 0) {
+          out.leave_ms[i][l.round] = static_cast<double>(l.unix_ms);
+          const double delay = i < static_cast<int32_t>(step_delay_ms.size()) ? step_delay_ms[i] : 0;
+          if (prev_ms >= 0) out.arrive_ms[i][l.round] = prev_ms + delay;
+        }
+      }
+      prev_ms = static_cast<double>(l.unix_ms);
+    }
+    if (c.rounds > 0) {
+      if (last_round != c.rounds - 1) {
+        error(absl::StrCat(t.who, ": its last round is ", last_round, ", not ", c.rounds - 1));
+      } else if (!t.lines.empty() && t.lines.back().round != c.rounds - 1) {
+        error(absl::StrCat(t.who, ": it went on to step ", t.lines.back().step,
+                           " after its last round"));
+      }
+    }
+  }
+  std::optional<double> anchor, buffer;
+  for (const auto& [r, lines] : rounds) {
+    // The members every rank of the round lists; the first line's as the reference.
+    const TraceLine* first = lines.begin()->second;
+    if (static_cast<int32_t>(lines.size()) != static_cast<int32_t>(first->members.size())) {
+      error(absl::StrCat("round ", r, ": ", lines.size(), " ranks printed it, members ",
+                         absl::StrJoin(first->members, ",")));
+    }
+    double sum_w = 0, sum_wx = 0, sum_wd = 0;
+    std::map<int32_t, double> weight;
+    bool complete = true;
+    for (int32_t j : first->members) {
+      auto it = lines.find(j);
+      if (it == lines.end() || j >= world) {
+        error(absl::StrCat("round ", r, ": member ", j, " printed no line of it"));
+        complete = false;
+        continue;
+      }
+      const int64_t s = it->second->step;
+      const int64_t prev = r == 0 ? -1 : (out.sync[j].size() > static_cast<size_t>(r - 1)
+                                              ? out.sync[j][r - 1]
+                                              : -2);
+      const double w = static_cast<double>(s - prev) * tokens(j);
+      weight[j] = w;
+      if (it->second->weight != w) {
+        error(absl::StrCat("round ", r, ": rank ", j, " printed weight ", it->second->weight,
+                           ", the rule's is (", s, " - ", prev, ") x ", tokens(j), " = ", w));
+      }
+      // Its group's ranks synced at the same step.
+      const int32_t lead = j / c.group_size * c.group_size;
+      auto mate = lines.find(lead);
+      if (mate != lines.end() && mate->second->step != s) {
+        error(absl::StrCat("round ", r, ": rank ", j, " synced at step ", s, " but rank ", lead,
+                           " of its group at step ", mate->second->step));
+      }
+      const double x = before[j][s];
+      sum_w += w;
+      sum_wx += w * x;
+      if (anchor) sum_wd += w * (*anchor - x);
+    }
+    if (!complete || sum_w <= 0) continue;
+    double want;
+    if (!c.outer || !anchor) {
+      want = sum_wx / sum_w;
+      if (c.outer) anchor = want;
+    } else {
+      const double d = sum_wd / sum_w;
+      double g = d;
+      if (c.momentum != 0) {
+        buffer = buffer ? c.momentum * *buffer + d : d;
+        g = c.nesterov ? d + c.momentum * *buffer : *buffer;
+      }
+      anchor = *anchor - c.lr * g;
+      want = *anchor;
+    }
+    for (const auto& [j, line] : lines) {
+      ++result.averages;
+      if (line->members != first->members) {
+        error(absl::StrCat("round ", r, ": rank ", j, " lists members ",
+                           absl::StrJoin(line->members, ","), ", rank ", first->rank, " lists ",
+                           absl::StrJoin(first->members, ",")));
+      }
+      if (!close(line->value, want)) {
+        error(absl::StrCat("round ", r, ": rank ", j, " (step ", line->step, ") has ",
+                           line->value, ", the weighted rule gives ", want));
+      }
+    }
+  }
+  // The lower levels and the skips.
+  for (int32_t i = 0; i < world; ++i) {
+    for (const auto& [s, l] : at[i]) {
+      if (l->round >= 0) continue;
+      if (l->action == "SKIP") {
+        ++result.skips;
+        if (!close(l->value, before[i][s])) {
+          error(absl::StrCat("rank ", i, " step ", s, ": SKIP changed the value"));
+        }
+        continue;
+      }
+      double sum = 0;
+      int n = 0;
+      for (int32_t m : l->members) {
+        auto b = m < world ? before[m].find(s) : before[0].end();
+        if (m >= world || b == before[m].end()) {
+          error(absl::StrCat("rank ", i, " step ", s, ": member ", m, " has no value there"));
+          continue;
+        }
+        sum += b->second;
+        ++n;
+      }
+      ++result.averages;
+      if (n > 0 && !close(l->value, sum / n)) {
+        error(absl::StrCat("rank ", i, " step ", s, " (level ", l->level, "): ", l->value,
+                           ", the mean of members ", absl::StrJoin(l->members, ","), " is ",
+                           sum / n));
+      }
+    }
+  }
+  return result;
+}
+
+}  // namespace modelavg::testing
+
+#endif  // MODELAVG_TESTS_INTEGRATION_PACED_TRACE_CHECK_H_
