@@ -47,6 +47,8 @@ struct StoredJob {
   std::vector<StoredCommId> comm_ids;
   // The plans UpdateJob accepted (versions 1, 2, ...; version 0 is `spec`), in version order.
   std::vector<v1::PlanChange> plan_changes;
+  // A paced job's planned rounds still kept (docs/paced.md), in round order.
+  std::vector<v1::PacedRound> paced_rounds;
 };
 
 // One transition of a job, written atomically: all of it or nothing.
@@ -61,10 +63,15 @@ struct JobDelta {
   std::optional<StoredCommId> comm_id;
   // A plan UpdateJob accepted (kept for the job's life: plans are never dropped).
   std::optional<v1::PlanChange> plan_change;
+  // Paced jobs: rounds just planned (written before any member is handed them), in round order,
+  // and the rounds dropped from the front: every kept round below this index is deleted (0:
+  // none).
+  std::vector<v1::PacedRound> paced_rounds;
+  int64_t drop_paced_rounds_before = 0;
 
   bool empty() const {
     return !header.has_value() && members.empty() && !clear_comm_ids && !comm_id.has_value() &&
-           !plan_change.has_value();
+           !plan_change.has_value() && paced_rounds.empty() && drop_paced_rounds_before == 0;
   }
 };
 
