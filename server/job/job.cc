@@ -81,6 +81,20 @@ void Job::Restore(const StoredJob& stored, absl::Duration grace) {
                                                s.message(), "); delete and re-create the job"));
     return;
   }
+  if (paced_) {
+    if (absl::Status s = paced_->Restore(stored.paced_rounds); !s.ok()) {
+      spdlog::error("job {}: its stored paced rounds do not load ({}); the job is halted", id(),
+                    s.ToString());
+      halted_ = absl::DataLossError(absl::StrCat(
+          "job ", id(), ": its stored paced rounds do not load (", s.message(),
+          "); delete and re-create the job"));
+      return;
+    }
+    if (!stored.paced_rounds.empty()) {
+      spdlog::info("job {}: paced rounds {}..{} restored", id(),
+                   stored.paced_rounds.front().round(), stored.paced_rounds.back().round());
+    }
+  }
   if (plans_.size() > 1) {
     const PlanHistory& history = *plans_.history();
     membership_.SetPlan(history.Latest(), history.SwitchStep(plans_.size() - 1));

@@ -326,7 +326,8 @@ class Job {
   absl::Status PacedWindow(const v1::GetScheduleRequest& request, int64_t generation,
                            const MemberSteps& members, v1::GetScheduleResponse* response)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void LogPlannedRound() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Plans (and stores first) the rounds `rank` needs to be decided at `step`.
+  absl::Status PlanPaced(int32_t rank, int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The members' smallest step in the current generation (-1 when none reported).
   int64_t MinStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

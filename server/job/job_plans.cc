@@ -85,21 +85,33 @@ absl::Status Job::Step(const v1::StepRequest& request, v1::StepDecision* respons
 
 absl::StatusOr<Decision> Job::PacedDecision(int32_t rank, int64_t step,
                                             const MemberSteps& members) {
-  absl::StatusOr<bool> planned = paced_->PlanFor(rank, step);
-  if (!planned.ok()) return planned.status();
-  if (*planned) LogPlannedRound();
+  if (absl::Status s = PlanPaced(rank, step); !s.ok()) return s;
   return paced_->DecisionFor(schedule_, members, step, rank);
 }
 
-void Job::LogPlannedRound() {
-  const PlannedRound& p = paced_->rounds().back();
-  const PacedRound& r = p.round;
-  spdlog::info("job {}: paced round {} planned: sync steps {} (inner steps {}) with group paces "
-               "{} steps/s",
-               id(), r.round, absl::StrJoin(r.sync_step, ","), absl::StrJoin(r.inner_steps, ","),
-               absl::StrJoin(paced_->GroupPaces(), ",", [](std::string* out, double v) {
-                 absl::StrAppend(out, v > 0 ? absl::StrFormat("%.3g", v) : "?");
-               }));
+absl::Status Job::PlanPaced(int32_t rank, int64_t step) {
+  absl::StatusOr<std::vector<PlannedRound>> needed = paced_->RoundsNeeded(rank, step);
+  if (!needed.ok()) return needed.status();
+  if (needed->empty()) return absl::OkStatus();
+  // Written before any member is handed them: a restart or a fail-over plans nothing anew that
+  // a member already follows.
+  JobDelta delta;
+  for (const PlannedRound& p : *needed) delta.paced_rounds.push_back(paced_->ToProto(p));
+  const int64_t first_kept = paced_->FirstKeptAfter(needed->size());
+  if (first_kept > paced_->dropped()) delta.drop_paced_rounds_before = first_kept;
+  if (absl::Status s = Save(delta); !s.ok()) return s;
+  for (const PlannedRound& p : *needed) {
+    const PacedRound& r = p.round;
+    spdlog::info("job {}: paced round {} planned: sync steps {} (inner steps {}) with group "
+                 "paces {} steps/s",
+                 id(), r.round, absl::StrJoin(r.sync_step, ","),
+                 absl::StrJoin(r.inner_steps, ","),
+                 absl::StrJoin(p.group_paces, ",", [](std::string* out, double v) {
+                   absl::StrAppend(out, v > 0 ? absl::StrFormat("%.3g", v) : "?");
+                 }));
+  }
+  paced_->Commit(*std::move(needed));
+  return absl::OkStatus();
 }
 
 absl::Status Job::PacedWindow(const v1::GetScheduleRequest& request, int64_t generation,
@@ -110,9 +122,7 @@ absl::Status Job::PacedWindow(const v1::GetScheduleRequest& request, int64_t gen
         "GetSchedule for one rank"));
   }
   const int32_t rank = request.rank();
-  absl::StatusOr<bool> planned = paced_->PlanFor(rank, request.from_step());
-  if (!planned.ok()) return planned.status();
-  if (*planned) LogPlannedRound();
+  if (absl::Status s = PlanPaced(rank, request.from_step()); !s.ok()) return s;
   // The window ends at the rank's last planned sync step: the steps after it wait for the
   // next round's plan (the member asks again once there).
   const int64_t through = paced_->DecidedThrough(rank);

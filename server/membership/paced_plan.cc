@@ -49,31 +49,90 @@ void PacedPlan::NoteTokens(int32_t rank, double tokens_per_step) {
   tokens_ = std::move(next);
 }
 
-absl::StatusOr<bool> PacedPlan::PlanFor(int32_t rank, int64_t step) {
+absl::StatusOr<std::vector<PlannedRound>> PacedPlan::RoundsNeeded(int32_t rank,
+                                                                  int64_t step) const {
   const int32_t g = pacing_.GroupOf(rank);
-  bool planned = false;
+  std::vector<PlannedRound> out;
   if (rounds_.empty()) {
     // Round 0 with the tokens of the members that asked for it (the job's members by then).
-    rounds_.push_back(PlannedRound{pacing_.First(), tokens_, -1.0});
-    planned = true;
+    out.push_back(PlannedRound{pacing_.First(), tokens_, pacing_.GroupPaces(pace_)});
   }
-  while (rounds_.back().round.sync_step[g] < step &&
-         (budget_ == 0 || rounds_.back().round.round + 1 < budget_)) {
-    const std::vector<double> paces = pacing_.GroupPaces(pace_);
-    absl::StatusOr<PacedRound> next = pacing_.Next(rounds_.back().round, paces);
+  auto last = [&]() -> const PacedRound& {
+    return out.empty() ? rounds_.back().round : out.back().round;
+  };
+  while (last().sync_step[g] < step && (budget_ == 0 || last().round + 1 < budget_)) {
+    std::vector<double> paces = pacing_.GroupPaces(pace_);
+    absl::StatusOr<PacedRound> next = pacing_.Next(last(), paces);
     if (!next.ok()) return next.status();
-    double slowest = -1;
-    for (double p : paces) {
-      if (p > 0 && (slowest < 0 || p < slowest)) slowest = p;
-    }
-    rounds_.push_back(PlannedRound{*std::move(next), tokens_, slowest});
-    planned = true;
+    out.push_back(PlannedRound{*std::move(next), tokens_, std::move(paces)});
+  }
+  return out;
+}
+
+void PacedPlan::Commit(std::vector<PlannedRound> rounds) {
+  for (PlannedRound& r : rounds) {
+    rounds_.push_back(std::move(r));
     if (rounds_.size() > kMaxKeptRounds) {
       rounds_.pop_front();
       ++dropped_;
     }
   }
-  return planned;
+}
+
+int64_t PacedPlan::FirstKeptAfter(size_t adding) const {
+  const size_t total = rounds_.size() + adding;
+  return dropped_ + static_cast<int64_t>(total > kMaxKeptRounds ? total - kMaxKeptRounds : 0);
+}
+
+absl::StatusOr<bool> PacedPlan::PlanFor(int32_t rank, int64_t step) {
+  absl::StatusOr<std::vector<PlannedRound>> needed = RoundsNeeded(rank, step);
+  if (!needed.ok()) return needed.status();
+  const bool any = !needed->empty();
+  Commit(*std::move(needed));
+  return any;
+}
+
+v1::PacedRound PacedPlan::ToProto(const PlannedRound& planned) const {
+  v1::PacedRound out;
+  out.set_round(planned.round.round);
+  out.set_fragment(planned.round.fragment);
+  out.set_group_size(pacing_.group_size());
+  out.mutable_sync_steps()->Add(planned.round.sync_step.begin(), planned.round.sync_step.end());
+  out.mutable_inner_steps()->Add(planned.round.inner_steps.begin(),
+                                 planned.round.inner_steps.end());
+  out.mutable_tokens_per_step()->Add(planned.tokens->begin(), planned.tokens->end());
+  for (double p : planned.group_paces) out.add_group_paces(p > 0 ? p : 0);
+  return out;
+}
+
+absl::Status PacedPlan::Restore(const std::vector<v1::PacedRound>& stored) {
+  std::deque<PlannedRound> rounds;
+  std::shared_ptr<const std::vector<double>> tokens = tokens_;
+  for (const v1::PacedRound& r : stored) {
+    const size_t groups = static_cast<size_t>(pacing_.num_groups());
+    if (r.group_size() != pacing_.group_size() || static_cast<size_t>(r.sync_steps_size()) != groups ||
+        static_cast<size_t>(r.inner_steps_size()) != groups ||
+        r.tokens_per_step_size() != world_ ||
+        (!rounds.empty() && r.round() != rounds.back().round.round + 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "stored paced round ", r.round(), " does not fit the job (", pacing_.num_groups(),
+          " groups of ", pacing_.group_size(), " ranks, rounds in order): ", r.ShortDebugString()));
+    }
+    PlannedRound p;
+    p.round.round = r.round();
+    p.round.fragment = r.fragment();
+    p.round.sync_step.assign(r.sync_steps().begin(), r.sync_steps().end());
+    p.round.inner_steps.assign(r.inner_steps().begin(), r.inner_steps().end());
+    std::vector<double> t(r.tokens_per_step().begin(), r.tokens_per_step().end());
+    if (*tokens != t) tokens = std::make_shared<const std::vector<double>>(std::move(t));
+    p.tokens = tokens;
+    for (double v : r.group_paces()) p.group_paces.push_back(v > 0 ? v : -1);
+    rounds.push_back(std::move(p));
+  }
+  rounds_ = std::move(rounds);
+  dropped_ = rounds_.empty() ? 0 : rounds_.front().round.round;
+  tokens_ = tokens;
+  return absl::OkStatus();
 }
 
 int64_t PacedPlan::DecidedThrough(int32_t rank) const {

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "modelavg/v1/coordinator.pb.h"
 #include "modelavg/common/schedule.h"
 #include "server/membership/admission.h"
 #include "server/membership/pacing.h"
@@ -44,9 +45,8 @@ struct PlannedRound {
   PacedRound round;
   // Per rank: tokens per step as of planning (shared between rounds while unchanged).
   std::shared_ptr<const std::vector<double>> tokens;
-  // The slowest known group pace it was planned with (steps per second; -1: none known): the
-  // round's expected time is step_period / this.
-  double slowest_pace = -1;
+  // The group paces it was planned with (steps per second; -1: not known).
+  std::vector<double> group_paces;
 };
 
 class PacedPlan {
@@ -69,10 +69,23 @@ class PacedPlan {
   // The groups' paces as the next round would be planned with (Pacing::GroupPaces).
   std::vector<double> GroupPaces() const { return pacing_.GroupPaces(pace_); }
 
-  // Plans rounds until `rank`'s group has a planned sync step >= `step`, or the budget's last
-  // round is planned. Returns whether anything was planned. OUT_OF_RANGE when a sync step would
-  // pass kMaxPacedStep.
+  // The rounds to plan so that `rank`'s group has a planned sync step >= `step` (none when it
+  // has, or when the budget's last round is planned), with the paces and tokens known now.
+  // Nothing changes until Commit: the caller stores them first. OUT_OF_RANGE when a sync step
+  // would pass kMaxPacedStep.
+  absl::StatusOr<std::vector<PlannedRound>> RoundsNeeded(int32_t rank, int64_t step) const;
+  // Appends rounds from RoundsNeeded (dropping the oldest beyond kMaxKeptRounds).
+  void Commit(std::vector<PlannedRound> rounds);
+  // The first round still kept after Commit(`adding` more rounds).
+  int64_t FirstKeptAfter(size_t adding) const;
+  // RoundsNeeded then Commit. Returns whether anything was planned.
   absl::StatusOr<bool> PlanFor(int32_t rank, int64_t step);
+
+  // A planned round as stored and shown (v1::PacedRound), and the stored rounds taken back
+  // (after a restart or a fail-over; the tokens of the last one are the members' until they join
+  // again). INVALID_ARGUMENT for records that do not fit the job (groups, ranks, order).
+  v1::PacedRound ToProto(const PlannedRound& planned) const;
+  absl::Status Restore(const std::vector<v1::PacedRound>& stored);
   // The last step of `rank` the planned rounds decide: its group's last planned sync step, or
   // INT64_MAX once the budget's last round is planned (past it, the lower levels alone decide);
   // -1 before anything is planned.

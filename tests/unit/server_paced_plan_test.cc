@@ -168,5 +168,46 @@ TEST(PacedPlanTest, PeriodicJob_SkipBetweenRounds) {
   EXPECT_EQ(plan.DecisionFor(schedule, AllMembers(), 15, 0)->round, 1);
 }
 
+// Nothing is planned until the caller commits (it stores the rounds first); the stored rounds
+// give a plan that decides every step as the first did, and plans on from them.
+TEST(PacedPlanTest, StoredRoundsRestored_SameDecisions_PlanningGoesOn) {
+  const Schedule schedule = PairsUnderPaced();
+  PacedPlan plan = *PacedPlan::Create(schedule);
+  plan.NoteTokens(3, 3.0);
+  plan.NotePace(0, 10);
+  plan.NotePace(1, 10);
+  plan.NotePace(2, 25);
+  plan.NotePace(3, 25);
+  absl::StatusOr<std::vector<PlannedRound>> needed = plan.RoundsNeeded(0, 9);
+  ASSERT_TRUE(needed.ok());
+  ASSERT_EQ(needed->size(), 3u);  // rounds 0, 1, 2
+  EXPECT_TRUE(plan.rounds().empty());
+  EXPECT_EQ(plan.FirstKeptAfter(needed->size()), 0);
+  plan.Commit(*std::move(needed));
+  std::vector<v1::PacedRound> stored;
+  for (const PlannedRound& p : plan.rounds()) stored.push_back(plan.ToProto(p));
+  EXPECT_EQ(stored[2].sync_steps(1), 40);  // 0 + 20 + 20
+  EXPECT_EQ(stored[2].group_paces(1), 25);
+  PacedPlan again = *PacedPlan::Create(schedule);
+  ASSERT_TRUE(again.Restore(stored).ok());
+  for (int32_t rank = 0; rank < 4; ++rank) {
+    EXPECT_EQ(again.DecidedThrough(rank), plan.DecidedThrough(rank));
+    for (int64_t step = 0; step <= plan.DecidedThrough(rank); ++step) {
+      absl::StatusOr<Decision> a = plan.DecisionFor(schedule, AllMembers(), step, rank);
+      absl::StatusOr<Decision> b = again.DecisionFor(schedule, AllMembers(), step, rank);
+      ASSERT_TRUE(a.ok() && b.ok());
+      EXPECT_TRUE(*a == *b && a->round == b->round && a->weights == b->weights)
+          << "rank " << rank << " step " << step;
+    }
+  }
+  // Tokens come back from the last round: round 3 weighs rank 3 by 3 again.
+  ASSERT_TRUE(again.PlanFor(0, 17).ok());
+  EXPECT_EQ(again.rounds().back().round.round, 3);
+  EXPECT_EQ((*again.rounds().back().tokens)[3], 3.0);
+  // A record of another job's shape is refused.
+  stored[1].mutable_sync_steps()->RemoveLast();
+  EXPECT_TRUE(absl::IsInvalidArgument(PacedPlan::Create(schedule)->Restore(stored)));
+}
+
 }  // namespace
 }  // namespace modelavg::server
