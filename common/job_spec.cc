@@ -3,6 +3,8 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/outer_fields.h"
 #include "common/payload_fields.h"
 #include "common/status_util.h"
@@ -231,6 +233,40 @@ Decision DecisionFromProto(const v1::StepDecision& d) {
   out.round = d.has_round() ? d.round() : -1;
   out.weights.assign(d.weights().begin(), d.weights().end());
   return out;
+}
+
+std::vector<std::pair<std::string, std::string>> PacingRows(const v1::PacingStatus& pacing) {
+  std::vector<std::pair<std::string, std::string>> rows;
+  auto pace = [](std::string* out, double v) {
+    absl::StrAppend(out, v > 0 ? absl::StrFormat("%.3g", v) : "?");
+  };
+  rows.emplace_back("group paces",
+                    absl::StrCat(absl::StrJoin(pacing.group_paces(), ", ", pace), " steps/s"));
+  rows.emplace_back("rounds planned",
+                    absl::StrCat(pacing.rounds_planned(),
+                                 pacing.rounds_budget() > 0
+                                     ? absl::StrCat(" of ", pacing.rounds_budget())
+                                     : std::string()));
+  for (auto it = pacing.last_rounds().rbegin(); it != pacing.last_rounds().rend(); ++it) {
+    std::vector<std::string> steps, weights;
+    for (int g = 0; g < it->sync_steps_size(); ++g) {
+      steps.push_back(absl::StrCat(it->sync_steps(g)));
+    }
+    const int32_t size = std::max(1, it->group_size());
+    for (int r = 0; r < it->tokens_per_step_size(); ++r) {
+      const int g = r / size;
+      if (g < it->inner_steps_size()) {
+        weights.push_back(absl::StrFormat("%g", static_cast<double>(it->inner_steps(g)) *
+                                                    it->tokens_per_step(r)));
+      }
+    }
+    rows.emplace_back(absl::StrCat("round ", it->round()),
+                      absl::StrCat("sync steps ", absl::StrJoin(steps, ", "), " (+",
+                                   absl::StrJoin(it->inner_steps(), ", +"), "); weights ",
+                                   absl::StrJoin(weights, ", ")));
+  }
+  rows.emplace_back("idle saved", absl::StrFormat("%.0f%%", 100 * pacing.idle_saved()));
+  return rows;
 }
 
 }  // namespace modelavg

@@ -4,6 +4,9 @@
 #define MODELAVG_COMMON_JOB_SPEC_H_
 
 #include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -31,6 +34,11 @@ absl::Status ValidateJobId(absl::string_view job_id);
 // Validates everything in a JobSpec (job id, mode, schedule, timeouts, pacing) and returns its
 // schedule spec. INVALID_ARGUMENT naming the field and the value otherwise.
 absl::StatusOr<ScheduleSpec> ScheduleSpecFromProto(const v1::JobSpec& spec);
+
+// A paced job's pacing (GetJob's PacingStatus) for people, as the CLI and the status page show
+// it: {"group paces", "50.2, 24.9 steps/s"}, {"round 7", "sync steps 140, 70 (+20, +10);
+// weights 20, 20, 10, 10"}, ... (the last rounds, newest first), {"idle saved", "48%"}.
+std::vector<std::pair<std::string, std::string>> PacingRows(const v1::PacingStatus& pacing);
 
 // The schedule spec as the wire message's mode/world/warm-up/levels (other fields untouched).
 void ScheduleSpecToProto(const ScheduleSpec& spec, v1::JobSpec* out);

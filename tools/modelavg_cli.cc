@@ -43,6 +43,7 @@
 #include "client/flags/connection_flags.h"
 #include "client/rpc/connection.h"
 #include "common/file_util.h"
+#include "common/job_spec.h"
 #include "common/printable.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
@@ -329,6 +330,9 @@ void PrintJob(const v1::Job& j) {
                                        r.value(), " in tensor ", r.tensor(), " of its ",
                                        r.payload(), " at step ", r.step(), ", level ", r.level(),
                                        r.retired() ? " (retired)" : "")});
+  }
+  if (j.has_pacing()) {
+    for (const auto& [name, text] : modelavg::PacingRows(j.pacing())) kv.Add({name, text});
   }
   kv.Add({"heartbeat timeout", absl::StrCat(s.heartbeat_timeout_ms(), " ms")});
   kv.Add({"created", When(j.created_unix_ms())});

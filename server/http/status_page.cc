@@ -139,6 +139,17 @@ std::string LevelsText(const v1::JobSpec& spec) {
   return absl::StrJoin(levels, "; ");
 }
 
+// A paced job's pacing (docs/paced.md) as <dt>/<dd> pairs; empty for another job.
+std::string PacingText(const v1::Job& j) {
+  if (!j.has_pacing()) return "";
+  std::string out;
+  for (const auto& [name, text] : PacingRows(j.pacing())) {
+    absl::StrAppend(&out, "<dt class=\"pacing\">", HtmlEscape(name), "</dt><dd>",
+                    HtmlEscape(text), "</dd>");
+  }
+  return out;
+}
+
 std::string PlanText(const v1::JobSpec& spec) {
   return absl::StrCat(spec.mode() == v1::PERIODIC ? "periodic" : "hierarchical", ", warm-up ",
                       spec.warmup_steps(), " steps; ", LevelsText(spec));
@@ -568,6 +579,7 @@ HttpResponse StatusPage::JobPage(const std::string& job_id) const {
                          j.pending_plan().switch_step(), ": ",
                          HtmlEscape(PlanText(j.pending_plan().spec())), "</dd>")
           : std::string(),
+      PacingText(j),
       "<dt>heartbeat timeout</dt><dd>", spec.heartbeat_timeout_ms(), " ms</dd>",
       "<dt>created</dt><dd>", HtmlEscape(TimeText(j.created_unix_ms())), "</dd></dl>");
   for (const std::string& w : j.warnings()) {

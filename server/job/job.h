@@ -220,6 +220,11 @@ class Job {
     int64_t nonfinite_reports = 0;
     // Plans accepted by UpdateJob since the job was created (or restored: all stored ones).
     int64_t plan_updates = 0;
+    // A paced job: the rounds planned, and the share of the members' time its last round saves
+    // from waiting (PacingStatus.idle_saved).
+    bool paced = false;
+    int64_t paced_rounds = 0;
+    double idle_saved = 0;
   };
   Stats GetStats() const;
 

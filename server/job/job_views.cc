@@ -126,6 +126,7 @@ void Job::ToProtoLocked(v1::Job* out, bool with_members, int64_t max_bytes) cons
   out->set_admissions(admissions_);
   out->set_nonfinite_reports(nonfinite_reports_);
   if (last_nonfinite_) *out->mutable_last_nonfinite() = *last_nonfinite_;
+  if (paced_) *out->mutable_pacing() = paced_->Status();
   for (const v1::PlanChange& c : plans_.plans()) *out->add_plan_history() = c;
   // The plan in force at the members' smallest step, and the one still to come.
   const int version = plans_.history()->VersionAt(std::max<int64_t>(min_step, 0));
@@ -169,6 +170,11 @@ Job::Stats Job::GetStats() const {
   stats.deaths = deaths_;
   stats.admissions = admissions_;
   stats.nonfinite_reports = nonfinite_reports_;
+  if (paced_) {
+    stats.paced = true;
+    stats.paced_rounds = paced_->rounds().empty() ? 0 : paced_->rounds().back().round.round + 1;
+    stats.idle_saved = paced_->rounds().empty() ? 0 : paced_->IdleSaved(paced_->rounds().back());
+  }
   stats.plan_updates = plans_.size() - 1;
   return stats;
 }

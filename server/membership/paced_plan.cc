@@ -105,6 +105,38 @@ v1::PacedRound PacedPlan::ToProto(const PlannedRound& planned) const {
   return out;
 }
 
+double PacedPlan::IdleSaved(const PlannedRound& planned) const {
+  double slowest = -1;
+  for (double v : planned.group_paces) {
+    if (v > 0 && (slowest < 0 || v < slowest)) slowest = v;
+  }
+  if (slowest <= 0) return 0;
+  const double p = static_cast<double>(pacing_.step_period());
+  double sum = 0;
+  int known = 0;
+  for (size_t g = 0; g < planned.group_paces.size(); ++g) {
+    const double v = planned.group_paces[g];
+    if (v <= 0) continue;
+    sum += static_cast<double>(planned.round.inner_steps[g] - pacing_.step_period()) * slowest /
+           (p * v);
+    ++known;
+  }
+  return known > 0 ? sum / known : 0;
+}
+
+v1::PacingStatus PacedPlan::Status() const {
+  v1::PacingStatus out;
+  for (double v : pacing_.GroupPaces(pace_)) out.add_group_paces(v > 0 ? v : 0);
+  const size_t shown = std::min<size_t>(rounds_.size(), 8);
+  for (size_t i = rounds_.size() - shown; i < rounds_.size(); ++i) {
+    *out.add_last_rounds() = ToProto(rounds_[i]);
+  }
+  out.set_rounds_planned(rounds_.empty() ? 0 : rounds_.back().round.round + 1);
+  out.set_rounds_budget(budget_);
+  if (!rounds_.empty()) out.set_idle_saved(IdleSaved(rounds_.back()));
+  return out;
+}
+
 absl::Status PacedPlan::Restore(const std::vector<v1::PacedRound>& stored) {
   std::deque<PlannedRound> rounds;
   std::shared_ptr<const std::vector<double>> tokens = tokens_;

@@ -98,6 +98,12 @@ class PacedPlan {
   absl::StatusOr<Decision> DecisionFor(const Schedule& schedule, const MemberSteps& members,
                                        int64_t step, int32_t rank) const;
 
+  // The share of the members' time round `planned` saves from waiting against step-locked
+  // (PacingStatus.idle_saved).
+  double IdleSaved(const PlannedRound& planned) const;
+  // GetJob's view (PacingStatus).
+  v1::PacingStatus Status() const;
+
   // The planned rounds still kept, oldest first.
   const std::deque<PlannedRound>& rounds() const { return rounds_; }
   // Rounds dropped from the front (rounds().front().round.round == dropped()).

@@ -54,6 +54,15 @@ class JobsCollector final : public prometheus::Collectable {
                                           "Plans UpdateJob accepted for the job (its plan "
                                           "history less the first plan)",
                                           prometheus::MetricType::Counter, {}};
+    prometheus::MetricFamily paced_rounds{"modelavg_job_paced_rounds_total",
+                                          "Paced jobs (docs/paced.md): rounds of the paced level "
+                                          "planned so far",
+                                          prometheus::MetricType::Counter, {}};
+    prometheus::MetricFamily idle_saved{"modelavg_job_pacing_idle_saved_ratio",
+                                        "Paced jobs: the share of the members' time the last "
+                                        "planned round saves from waiting at the round, against "
+                                        "the same round step-locked (0 while no pace is known)",
+                                        prometheus::MetricType::Gauge, {}};
     prometheus::MetricFamily job_state{"modelavg_job_state",
                                        "1 for the job's current state (label state), 0 for the "
                                        "others", prometheus::MetricType::Gauge, {}};
@@ -80,6 +89,13 @@ class JobsCollector final : public prometheus::Collectable {
         m.counter.value = static_cast<double>(stats.plan_updates);
         plan_updates.metric.push_back(std::move(m));
       }
+      if (stats.paced) {
+        prometheus::ClientMetric m;
+        m.label.push_back({"job", job->id()});
+        m.counter.value = static_cast<double>(stats.paced_rounds);
+        paced_rounds.metric.push_back(std::move(m));
+        add(idle_saved, stats.idle_saved);
+      }
       for (const auto& [state, n] : by_state) {
         prometheus::ClientMetric m;
         m.label.push_back({"job", job->id()});
@@ -97,7 +113,7 @@ class JobsCollector final : public prometheus::Collectable {
     return {std::move(jobs),   std::move(workers), std::move(generation),
             std::move(lag),    std::move(vacant),  std::move(deaths),
             std::move(admissions), std::move(nonfinite), std::move(plan_updates),
-            std::move(job_state)};
+            std::move(paced_rounds), std::move(idle_saved), std::move(job_state)};
   }
 
  private:

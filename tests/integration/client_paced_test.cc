@@ -93,6 +93,25 @@ TEST_F(ClientPacedTest, Periodic_UnequalRanks_WeightedMeanEveryRoundEveryRank) {
   const std::vector<double> delay = {10, 10, 15, 30};
   const PacedRounds seen = RunAndCheck(spec, 7, delay, {1, 2, 1, 1}, PacedCheck{});
   ExpectPaced(seen, delay, /*fast=*/0, /*slow=*/3, /*min_ratio=*/2.0);
+  // GetJob shows the pacing: every group's measured pace, the last rounds as the members got
+  // them, and the time saved.
+  absl::StatusOr<v1::Job> job = cluster_.admin()->GetJob("periodic");
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(job->has_pacing());
+  const v1::PacingStatus& pacing = job->pacing();
+  ASSERT_EQ(pacing.group_paces_size(), 4);
+  for (double v : pacing.group_paces()) EXPECT_GT(v, 0);
+  EXPECT_GT(pacing.group_paces(0), 2 * pacing.group_paces(3));
+  EXPECT_GE(pacing.rounds_planned(), 7);
+  ASSERT_FALSE(pacing.last_rounds().empty());
+  const v1::PacedRound& r6 = *std::find_if(
+      pacing.last_rounds().begin(), pacing.last_rounds().end(),
+      [](const v1::PacedRound& r) { return r.round() == 6; });
+  for (int32_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(r6.sync_steps(i), seen.sync[i][6]) << "rank " << i;
+  }
+  EXPECT_EQ(r6.tokens_per_step(1), 2);
+  EXPECT_GT(pacing.idle_saved(), 0.2);
 }
 
 // Pairs under a paced level: the pairs are the groups; both ranks of a pair sync at the same
