@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "client/averaging/fragments.h"
+#include "client/averaging/round_weights.h"
 #include "client/base/error_kind.h"
 #include "client/base/half.h"
 #include "client/comm/communicator_cache.h"
@@ -142,6 +143,13 @@ absl::StatusOr<Decision> StreamingLevel::Round(const Decision& decision, const D
   const int level = decision.level;
   const ScheduleLevel& spec = client_->plans().Plan(decision.plan).spec().levels[level];
   const std::string where = Where(decision, nullptr);
+  if (!decision.weights.empty() && spec.sync_delay != 0) {
+    // The background sync runs its round outside RoundRunner, and an elastic settle re-runs it
+    // from its already-made buffer: neither weighs a contribution yet (round_weights.h).
+    return absl::UnimplementedError(absl::StrCat(
+        where, ": a paced (weighted) round with levels[", level, "].sync_delay ",
+        spec.sync_delay, " is not supported in this version (sync_delay 0 is)"));
+  }
   if (!device.is_host() && spec.sync_delay != 0 && client_->elastic()) {
     // The elastic settle of a background round (docs/streaming.md, "Elastic jobs") runs on
     // host buffers; the device's background sync has no such path yet.
@@ -215,12 +223,20 @@ absl::StatusOr<Decision> StreamingLevel::Round(const Decision& decision, const D
   MODELAVG_RETURN_IF_ERROR(Annotate(state->PseudoGradient(0, fragment, d), where));
   // Error feedback: U = beta * E + D is sent, and E := U - decode(encode(U)) once it is.
   OuterBuffer residual;
-  if (spec.error_feedback != 0) {
+  RoundWire sent = outer;
+  if (spec.error_feedback != 0 && !decision.weights.empty()) {
+    // A paced round (round_weights.h): the weight multiplies D before the residual is added
+    // and the payload encodes, U = beta * E + s * D, in each attempt with that attempt's s; D
+    // itself stays unscaled for a retry, and the round's copy receives the weighted mean.
+    sent.weigh = [&](double scale, absl::Span<const TensorView> u) {
+      return WeighWithFeedback(*state, spec.error_feedback, format, d, scale, u, &residual);
+    };
+  } else if (spec.error_feedback != 0) {
     MODELAVG_RETURN_IF_ERROR(Annotate(state->AddResidual(spec.error_feedback, d), where));
     residual = OuterLevelState::NextResidual(format, d);
   }
   // The state and the parameters change only once the round has succeeded.
-  absl::StatusOr<Decision> done = rounds_->Run(decision, device, d, outer);
+  absl::StatusOr<Decision> done = rounds_->Run(decision, device, d, sent);
   if (!done.ok()) return done.status();
   if (spec.error_feedback != 0) state->SwapResidual(std::move(residual), true);
   MODELAVG_RETURN_IF_ERROR(Annotate(state->Step(0, d, fragment), where));

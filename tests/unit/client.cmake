@@ -16,6 +16,10 @@ modelavg_add_gtest(client_gloo_setup_test SOURCES client_gloo_setup_test.cc
                    LIBS modelavg_client modelavg_testing TIMEOUT 60)
 modelavg_add_gtest(client_gloo_round_test SOURCES client_gloo_round_test.cc
                    LIBS modelavg_client modelavg_testing TIMEOUT 120)
+# A paced round's weighted contribution (client/averaging/round_weights.h) over Gloo: plain and
+# outer INT8 with error feedback against the weighted mean recomputed naively.
+modelavg_add_gtest(client_paced_weights_test SOURCES client_paced_weights_test.cc
+                   LIBS modelavg_client TIMEOUT 120)
 # The finite check (client/comm/finite_check.h): the scan, and Gloo rounds with a NaN or an Inf.
 modelavg_add_gtest(client_finite_check_test SOURCES client_finite_check_test.cc
                    LIBS modelavg_client TIMEOUT 120)
