@@ -51,6 +51,9 @@ modelavg_add_gtest(client_generation_tracker_test SOURCES client_generation_trac
                    LIBS modelavg_client)
 modelavg_add_gtest(client_session_clock_test SOURCES client_session_clock_test.cc
                    LIBS modelavg_client TIMEOUT 60)
+# Paced rounds' client side without a coordinator: the compute pace on a FakeClock, and the
+# tokens_per_step option and its variable.
+modelavg_add_gtest(client_pace_test SOURCES client_pace_test.cc LIBS modelavg_client TIMEOUT 30)
 modelavg_add_gtest(client_nccl_core_test SOURCES client_nccl_core_test.cc
                    LIBS modelavg_client modelavg_testing)
 modelavg_add_gtest(client_nccl_outer_test SOURCES client_nccl_outer_test.cc
