@@ -50,7 +50,7 @@ struct RoundWeight {
 absl::StatusOr<RoundWeight> WeightOf(const Decision& decision, int32_t rank);
 
 // to[i][j] := fl(scale * from[i][j]) in `to`'s dtype, the product in double. `from` and `to`
-// have the same layout (counts); host memory.
+// have the same layout (counts) and may be the same tensors (in place); host memory.
 void ScaleInto(absl::Span<const TensorView> from, double scale,
                absl::Span<const TensorView> to);
 
