@@ -39,6 +39,10 @@ modelavg_add_gtest(client_connection_flags_test SOURCES client_connection_flags_
 if(TARGET modelavg_server)
   modelavg_add_gtest(client_coordinator_test SOURCES client_coordinator_test.cc
                      LIBS modelavg_client modelavg_testing modelavg_server TIMEOUT 120)
+  # A paced round's weights through RoundRunner and StreamingLevel (crafted paced decisions on
+  # an in-process coordinator's job): the weighted mean, and failed rounds that write nothing.
+  modelavg_add_gtest(client_paced_round_test SOURCES client_paced_round_test.cc
+                     LIBS modelavg_client modelavg_testing modelavg_server TIMEOUT 120)
   modelavg_add_gtest(client_nccl_bootstrap_test SOURCES client_nccl_bootstrap_test.cc
                      LIBS modelavg_client modelavg_testing modelavg_server TIMEOUT 60)
   # share_heartbeat_stream: one process's ranks in one HostHeartbeatStream.
