@@ -13,6 +13,7 @@
 #include "client/averaging/fragments.h"
 #include "client/averaging/outer_level.h"
 #include "client/averaging/round_runner.h"
+#include "client/averaging/round_weights.h"
 #include "client/averaging/streaming_level.h"
 #include "client/base/error_kind.h"
 #include "client/session/pace_tracker.h"
@@ -305,20 +306,6 @@ bool ModelAverager::budget_spent() const {
   return budget_spent_;
 }
 
-namespace {
-
-// Whether completing `decision` completes the last round of a paced job counted in rounds: the
-// plan's last level, paced, with ScheduleLevel::rounds > 0.
-bool CompletesLastRound(const Client& client, const Decision& decision) {
-  if (!decision.average || decision.round < 0) return false;
-  const std::vector<ScheduleLevel>& levels = client.plans().Plan(decision.plan).spec().levels;
-  if (levels.empty() || decision.level != static_cast<int>(levels.size()) - 1) return false;
-  const ScheduleLevel& level = levels.back();
-  return level.paced && level.rounds > 0 && decision.round >= level.rounds - 1;
-}
-
-}  // namespace
-
 absl::StatusOr<Decision> ModelAverager::AverageParameters(absl::Span<const TensorView> params) {
   // The time between two calls is this member's compute (its pace, reported on every beat);
   // the time inside them, waiting at rounds, is not.
@@ -331,7 +318,10 @@ absl::StatusOr<Decision> ModelAverager::AverageParameters(absl::Span<const Tenso
 absl::StatusOr<Decision> ModelAverager::Average(absl::Span<const TensorView> params) {
   absl::MutexLock l(&mu_);
   absl::StatusOr<Decision> result = parts_->Average(params);
-  if (result.ok() && CompletesLastRound(*client_, *result)) budget_spent_ = true;
+  if (result.ok() &&
+      CompletesPacedBudget(client_->plans().Plan(result->plan).spec().levels, *result)) {
+    budget_spent_ = true;
+  }
   // A failed round (not a call refused for its arguments) makes this worker's eventual Leave a
   // failure, which the coordinator counts as a death rather than an orderly departure.
   if (!result.ok() && (!absl::IsInvalidArgument(result.status()) ||

@@ -91,6 +91,13 @@ absl::StatusOr<RoundWeight> WeightOf(const Decision& decision, int32_t rank) {
   return out;
 }
 
+bool CompletesPacedBudget(const std::vector<ScheduleLevel>& levels, const Decision& decision) {
+  if (!decision.average || decision.round < 0 || levels.empty()) return false;
+  if (decision.level != static_cast<int>(levels.size()) - 1) return false;
+  const ScheduleLevel& level = levels.back();
+  return level.paced && level.rounds > 0 && decision.round >= level.rounds - 1;
+}
+
 void ScaleInto(absl::Span<const TensorView> from, double scale,
                absl::Span<const TensorView> to) {
   for (size_t i = 0; i < from.size() && i < to.size(); ++i) {

@@ -49,6 +49,12 @@ struct RoundWeight {
 // or the contributing members' weights sum to 0 (or overflow) while some contribute.
 absl::StatusOr<RoundWeight> WeightOf(const Decision& decision, int32_t rank);
 
+// Whether completing `decision` (of a plan whose levels are `levels`) completes the last round
+// of a paced job counted in rounds: the decision averages at the last level, which is paced
+// with ScheduleLevel::rounds R > 0, and its round is R - 1 (or later). ModelAverager's
+// budget_spent().
+bool CompletesPacedBudget(const std::vector<ScheduleLevel>& levels, const Decision& decision);
+
 // to[i][j] := fl(scale * from[i][j]) in `to`'s dtype, the product in double. `from` and `to`
 // have the same layout (counts) and may be the same tensors (in place); host memory.
 void ScaleInto(absl::Span<const TensorView> from, double scale,

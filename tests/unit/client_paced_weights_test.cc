@@ -139,6 +139,42 @@ TEST(RoundWeights, DeviceTensorsAreRefusedClearly) {
   EXPECT_EQ(x[0], 1.0f);
 }
 
+TEST(RoundWeights, BudgetSpentAtTheLastRoundOfTheLastPacedLevel) {
+  std::vector<ScheduleLevel> levels(2);
+  levels[0].period = 2;
+  levels[0].group_size = 2;
+  levels[1].period = 20;
+  levels[1].group_size = 4;
+  levels[1].paced = true;
+  levels[1].rounds = 5;
+  Decision d = PacedDecision({1, 2, 3, 4});
+  d.level = 1;
+  for (int64_t r = 0; r < 4; ++r) {
+    d.round = r;
+    EXPECT_FALSE(CompletesPacedBudget(levels, d)) << "round " << r;
+  }
+  d.round = 4;  // rounds - 1: the job's last round
+  EXPECT_TRUE(CompletesPacedBudget(levels, d));
+  d.round = 6;
+  EXPECT_TRUE(CompletesPacedBudget(levels, d));
+  // Not the paced level, not a paced decision, a skip, an unbounded or unpaced last level.
+  Decision lower = d;
+  lower.level = 0;
+  EXPECT_FALSE(CompletesPacedBudget(levels, lower));
+  Decision unpaced = d;
+  unpaced.round = -1;
+  EXPECT_FALSE(CompletesPacedBudget(levels, unpaced));
+  Decision skip = d;
+  skip.average = false;
+  EXPECT_FALSE(CompletesPacedBudget(levels, skip));
+  std::vector<ScheduleLevel> unbounded = levels;
+  unbounded[1].rounds = 0;
+  EXPECT_FALSE(CompletesPacedBudget(unbounded, d));
+  std::vector<ScheduleLevel> step_locked = levels;
+  step_locked[1].paced = false;
+  EXPECT_FALSE(CompletesPacedBudget(step_locked, d));
+}
+
 // A plain level: the members' parameters become their weighted mean; the copy is what the
 // round writes, so the parameters hold the caller's values until Finish.
 TEST(PacedGlooRound, PlainLevelIsTheWeightedMean) {
