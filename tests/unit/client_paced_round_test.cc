@@ -195,6 +195,35 @@ TEST_F(PacedRoundTest, PlainLevel_RoundRunner_WeightedMean_ThenFailures_LeaveTen
   }
 }
 
+// An elastic job: every round is committed (RoundRunner::RunElastic), and the weighted copy is
+// written back once the commit is confirmed.
+TEST_F(PacedRoundTest, ElasticJob_CommittedRound_WeightedMean) {
+  v1::JobSpec spec = testing::MakeSpec("paced-elastic", kWorld, v1::PERIODIC, {{1, kWorld}}, 0);
+  spec.set_min_world_size(2);
+  Start(spec, Scaled(absl::Seconds(20)));
+  ASSERT_TRUE(clients_[0]->elastic());
+  const int64_t numel = 1500;
+  std::vector<std::vector<float>> inputs, params(kWorld);
+  for (int r = 0; r < kWorld; ++r) inputs.push_back(Random(70 + r, numel, 2.0f));
+  std::vector<Traffic> traffic(kWorld);
+  std::vector<absl::Status> status(kWorld);
+  OnRanks([&](int r) {
+    RoundRunner runner(clients_[r].get(), &traffic[r], NoHooks());
+    params[r] = inputs[r];
+    std::vector<TensorView> x = {TensorView{params[r].data(), numel, DType::kFloat32}};
+    status[r] = runner.Run(Paced(r, 0, kWeights), Device::Host(), x, RoundWire{}).status();
+  });
+  const std::vector<double> expected = NaiveWeightedMean(inputs, kWeights);
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
+    for (int64_t j = 0; j < numel; ++j) {
+      double terms = 0;
+      for (int i = 0; i < kWorld; ++i) terms += std::fabs(double{inputs[i][j]});
+      ASSERT_NEAR(params[r][j], expected[j], 1e-6 * terms + 1e-30) << "rank " << r << " " << j;
+    }
+  }
+}
+
 // An outer level with INT8 and error feedback (a streaming outer level: its payload), lr 1 and
 // no momentum, so that x := A - mean(U): sync 0 is a weighted plain average (the anchor), sync
 // 1 the weighted mean of the members' parameters within the INT8 bound, sync 2 A - mean(U) with
