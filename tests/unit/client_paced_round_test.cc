@@ -325,5 +325,75 @@ TEST_F(PacedRoundTest, OuterInt8ErrorFeedback_StreamingLevel_WeightedMean) {
   }
 }
 
+// sync_delay 1 (strict job): the background sync started at a paced step averages the buffer
+// weighted at its start, and the call one step later applies it: sync 0 the weighted mean of
+// the parameters, sync 1 (INT8, lr 1, no momentum) within the INT8 bound of it.
+TEST_F(PacedRoundTest, DelayedSync_StrictJob_AppliesTheWeightedMean) {
+  v1::JobSpec spec = testing::MakeSpec("paced-delayed", kWorld, v1::PERIODIC, {{2, kWorld}}, 0);
+  testing::SetOuter(&spec, 0, 1.0, 0.0, false);
+  spec.mutable_levels(0)->set_payload(v1::INT8);
+  spec.mutable_levels(0)->set_sync_delay(1);
+  Start(spec, Scaled(absl::Seconds(20)));
+  const int64_t numel = 1024 + 300;
+  std::vector<Traffic> traffic(kWorld);
+  std::vector<std::unique_ptr<OuterDevice>> devices;
+  std::vector<std::unique_ptr<OuterBuffer>> gradients;
+  std::vector<std::unique_ptr<RoundRunner>> runners;
+  std::vector<std::unique_ptr<StreamingLevel>> levels;
+  for (int r = 0; r < kWorld; ++r) {
+    devices.push_back(std::make_unique<OuterDevice>(absl::Seconds(10), false, nullptr));
+    gradients.push_back(std::make_unique<OuterBuffer>());
+    runners.push_back(std::make_unique<RoundRunner>(clients_[r].get(), &traffic[r], NoHooks()));
+    levels.push_back(std::make_unique<StreamingLevel>(clients_[r].get(), devices[r].get(),
+                                                      gradients[r].get(), runners[r].get(),
+                                                      &traffic[r]));
+  }
+  std::vector<std::vector<float>> params(kWorld);
+  for (int r = 0; r < kWorld; ++r) params[r] = Random(90 + r, numel, 1.0f);
+  std::vector<float> anchor;
+  for (int64_t sync = 0; sync < 2; ++sync) {
+    SCOPED_TRACE(::testing::Message() << "sync " << sync);
+    const int64_t step = 2 * sync;
+    std::vector<std::vector<float>> before = params;
+    if (sync > 0) {
+      for (int r = 0; r < kWorld; ++r) {
+        const std::vector<float> delta = Random(300 + r, numel, 0.05f * (r + 1));
+        for (int64_t j = 0; j < numel; ++j) before[r][j] = anchor[j] - delta[j];
+      }
+    }
+    std::vector<absl::Status> status(kWorld);
+    OnRanks([&](int r) {
+      params[r] = before[r];
+      std::vector<TensorView> x = {TensorView{params[r].data(), numel, DType::kFloat32}};
+      status[r] = levels[r]->Round(Paced(r, step, kWeights), Device::Host(), x, 0).status();
+      if (!status[r].ok()) return;
+      // The parameters are untouched until the apply step's call.
+      if (params[r] != before[r]) status[r] = absl::InternalError("written before its apply step");
+      if (status[r].ok()) status[r] = levels[r]->ApplyDue(step + 1, x, step + 2);
+    });
+    const std::vector<double> want = NaiveWeightedMean(before, kWeights);
+    double bound = 0;
+    if (sync > 0) {
+      double total = 0;
+      for (double w : kWeights) total += w;
+      for (int r = 0; r < kWorld; ++r) {
+        for (int64_t j = 0; j < numel; ++j) {
+          const double u = kWorld * kWeights[r] / total * (double{anchor[j]} - before[r][j]);
+          bound = std::max(bound, std::fabs(u));
+        }
+      }
+      bound = 2 * bound / 254 * 1.01;
+    }
+    for (int r = 0; r < kWorld; ++r) {
+      ASSERT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
+      for (int64_t j = 0; j < numel; ++j) {
+        ASSERT_NEAR(params[r][j], want[j], bound + 2e-6 * (1 + std::fabs(want[j])))
+            << "rank " << r << " element " << j;
+      }
+    }
+    anchor = params[0];
+  }
+}
+
 }  // namespace
 }  // namespace modelavg::client
