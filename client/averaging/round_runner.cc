@@ -86,6 +86,7 @@ absl::StatusOr<Decision> RoundRunner::Run(const Decision& decision, const Device
   plain.topk = wire.topk;
   plain.layout_signature = wire.layout_signature;
   plain.step = decision.step;
+  plain.round = decision.round;
   plain.check_finite = client_->options().check_finite;
   const int64_t sent_before = comm.ok() ? (*comm)->bytes_sent() : 0;
   absl::Status s =
@@ -294,6 +295,7 @@ absl::StatusOr<RoundOptions> RoundRunner::ElasticOptions(const Decision& decisio
   }
   RoundOptions options;
   options.step = decision.step;
+  options.round = decision.round;
   options.contribute =
       !std::binary_search(decision.joining.begin(), decision.joining.end(), client_->rank());
   options.contributors = static_cast<int>(members.size() - decision.joining.size());

@@ -353,6 +353,7 @@ absl::StatusOr<Decision> StreamingLevel::Start(const Decision& decision, const D
   // Checked like a blocking round (finite_check.h): a member's NaN fails the round on every
   // member, which the call at the apply step then reports (ApplyOneInner, Settle).
   p->options.step = decision.step;
+  p->options.round = decision.round;
   p->options.check_finite = client_->options().check_finite;
   p->bytes_before = p->comm->bytes_sent();
   keep_residual();
@@ -569,6 +570,7 @@ absl::Status StreamingLevel::HandParameters(const Decision& decision, Communicat
   }
   RoundOptions options;
   options.step = decision.step;
+  options.round = decision.round;
   options.contribute = !me_joining;
   options.contributors =
       static_cast<int>(decision.Members().size() - decision.joining.size());
