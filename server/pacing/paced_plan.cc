@@ -1,4 +1,4 @@
-#include "server/membership/paced_plan.h"
+#include "server/pacing/paced_plan.h"
 
 #include <algorithm>
 #include <cmath>
@@ -118,6 +118,20 @@ absl::StatusOr<std::vector<PlannedRound>> PacedPlan::RoundsNeeded(int32_t rank,
     out.push_back(PlannedRound{*std::move(next), tokens_, std::move(paces)});
   }
   return out;
+}
+
+absl::StatusOr<PlannedRound> PacedPlan::NextRound() const {
+  if (rounds_.empty()) return PlannedRound{pacing_.First(), tokens_, pacing_.GroupPaces(pace_)};
+  const PacedRound& last = rounds_.back().round;
+  if (budget_ > 0 && last.round + 1 >= budget_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the job's last paced round (", budget_ - 1, " of its budget of ", budget_,
+        " rounds) is planned: no round is left to admit a replacement at"));
+  }
+  std::vector<double> paces = pacing_.GroupPaces(pace_);
+  absl::StatusOr<PacedRound> next = pacing_.Next(last, paces);
+  if (!next.ok()) return next.status();
+  return PlannedRound{*std::move(next), tokens_, std::move(paces)};
 }
 
 void PacedPlan::Commit(std::vector<PlannedRound> rounds) {
