@@ -37,7 +37,9 @@ void PacedPlan::NoteStep(int32_t rank, int64_t step, absl::Time now) {
   // The rounds this report reaches for the first time (newest first; older ones were reached
   // before or together).
   for (auto it = rounds_.rbegin(); it != rounds_.rend(); ++it) {
-    if (it->round.sync_step[g] > step) continue;
+    // A member reports its step counter, past the call it is in: inside its round's call (sync
+    // step s) it reports s + 1, and s while it has not reached the call yet.
+    if (it->round.sync_step[g] >= step) continue;
     if (it->first_arrival != absl::InfiniteFuture()) break;
     it->first_arrival = now;
   }
@@ -73,7 +75,7 @@ std::vector<int32_t> PacedPlan::Stragglers(absl::Time now, double max_lag,
     for (int32_t r = g * pacing_.group_size(); r < (g + 1) * pacing_.group_size(); ++r) {
       if (r >= static_cast<int32_t>(live.size()) || !live[r]) continue;
       members.push_back(r);
-      behind = behind || step_[r] < it->round.sync_step[g];
+      behind = behind || step_[r] <= it->round.sync_step[g];
     }
     if (behind) late.insert(late.end(), members.begin(), members.end());
   }

@@ -70,8 +70,8 @@ class PacedPlan {
   static absl::Status CheckTokens(double tokens_per_step);
   void NoteTokens(int32_t rank, double tokens_per_step);
   const std::vector<double>& rank_paces() const { return pace_; }
-  // A member's reported step (its heartbeat's) at `now`: a round is reached when a member
-  // reports its group's sync step of it.
+  // A member's reported step (its heartbeat's: the step counter, one past the call it is in) at
+  // `now`: a round is reached when a member reports past its group's sync step of it.
   void NoteStep(int32_t rank, int64_t step, absl::Time now);
   // Level.max_lag (docs/paced.md): the ranks of every group that has not reached the latest
   // round the first group reached, once max_lag x the round's expected time (step period / the
