@@ -10,41 +10,6 @@
 #include "common/status_util.h"
 
 namespace modelavg::client {
-namespace {
-
-double ReadAt(const TensorView& t, int64_t i) {
-  switch (t.dtype) {
-    case DType::kFloat32:
-      return static_cast<const float*>(t.data)[i];
-    case DType::kFloat64:
-      return static_cast<const double*>(t.data)[i];
-    case DType::kFloat16:
-      return HalfToFloat(static_cast<const uint16_t*>(t.data)[i]);
-    case DType::kBFloat16:
-      return BFloat16ToFloat(static_cast<const uint16_t*>(t.data)[i]);
-  }
-  return 0;
-}
-
-void WriteAt(const TensorView& t, int64_t i, double v) {
-  switch (t.dtype) {
-    case DType::kFloat32:
-      static_cast<float*>(t.data)[i] = static_cast<float>(v);
-      return;
-    case DType::kFloat64:
-      static_cast<double*>(t.data)[i] = v;
-      return;
-    case DType::kFloat16:
-      static_cast<uint16_t*>(t.data)[i] = FloatToHalf(static_cast<float>(v));
-      return;
-    case DType::kBFloat16:
-      static_cast<uint16_t*>(t.data)[i] = FloatToBFloat16(static_cast<float>(v));
-      return;
-  }
-}
-
-}  // namespace
-
 absl::StatusOr<RoundWeight> WeightOf(const Decision& decision, int32_t rank) {
   RoundWeight out;
   if (decision.weights.empty()) return out;
@@ -102,7 +67,7 @@ void ScaleInto(absl::Span<const TensorView> from, double scale,
                absl::Span<const TensorView> to) {
   for (size_t i = 0; i < from.size() && i < to.size(); ++i) {
     const int64_t n = std::min(from[i].numel, to[i].numel);
-    for (int64_t j = 0; j < n; ++j) WriteAt(to[i], j, scale * ReadAt(from[i], j));
+    for (int64_t j = 0; j < n; ++j) SetElementAt(to[i], j, scale * ElementAt(from[i], j));
   }
 }
 

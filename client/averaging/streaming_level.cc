@@ -22,36 +22,6 @@
 namespace modelavg::client {
 namespace {
 
-double Read(const TensorView& t, int64_t i) {
-  switch (t.dtype) {
-    case DType::kFloat32:
-      return static_cast<const float*>(t.data)[i];
-    case DType::kFloat64:
-      return static_cast<const double*>(t.data)[i];
-    case DType::kFloat16:
-      return HalfToFloat(static_cast<const uint16_t*>(t.data)[i]);
-    case DType::kBFloat16:
-      return BFloat16ToFloat(static_cast<const uint16_t*>(t.data)[i]);
-  }
-  return 0;
-}
-
-void Write(const TensorView& t, int64_t i, double v) {
-  switch (t.dtype) {
-    case DType::kFloat32:
-      static_cast<float*>(t.data)[i] = static_cast<float>(v);
-      return;
-    case DType::kFloat64:
-      static_cast<double*>(t.data)[i] = v;
-      return;
-    case DType::kFloat16:
-      static_cast<uint16_t*>(t.data)[i] = FloatToHalf(static_cast<float>(v));
-      return;
-    case DType::kBFloat16:
-      static_cast<uint16_t*>(t.data)[i] = FloatToBFloat16(static_cast<float>(v));
-      return;
-  }
-}
 
 // The parameters passed to the call (x_local), kept while the round rewrites them.
 class LocalCopy {
@@ -69,7 +39,8 @@ class LocalCopy {
       TensorView local = params[i];
       local.data = const_cast<uint8_t*>(bytes_[i].data());
       for (int64_t j = 0; j < params[i].numel; ++j) {
-        Write(params[i], j, (1.0 - mix) * Read(params[i], j) + mix * Read(local, j));
+        SetElementAt(params[i], j,
+                     (1.0 - mix) * ElementAt(params[i], j) + mix * ElementAt(local, j));
       }
     }
   }
@@ -182,7 +153,8 @@ absl::StatusOr<Decision> StreamingLevel::Round(const Decision& decision, const D
   LocalCopy local;
   if (spec.mix != 0 && !me_joining) local.Take(fragment);
   if (me_joining) {
-    const bool first = client_->plans().FirstSyncOf(decision.plan, level, decision.fragment) == decision.step;
+    const bool first =
+        client_->plans().FirstSyncOf(decision.plan, level, decision.fragment) == decision.step;
     if (spec.sync_delay != 0) {
       return Start(decision, device, fragment, state, first, split_signature);
     }
@@ -295,7 +267,9 @@ absl::StatusOr<Decision> StreamingLevel::Start(const Decision& decision, const D
     // A replacement contributes nothing (it receives the outer state in the round).
   } else if (first) {
     for (size_t i = 0; i < fragment.size(); ++i) {
-      for (int64_t j = 0; j < fragment[i].numel; ++j) Write(views[i], j, Read(fragment[i], j));
+      for (int64_t j = 0; j < fragment[i].numel; ++j) {
+        SetElementAt(views[i], j, ElementAt(fragment[i], j));
+      }
     }
     if (weighted) ScaleInto(views, scale, views);
   } else {
@@ -547,7 +521,9 @@ absl::Status StreamingLevel::ApplyOneInner(PendingSync* p, int64_t step,
   if (p->first) {
     MODELAVG_RETURN_IF_ERROR(Annotate(p->state->SetAnchor(mean), where));
     for (size_t i = 0; i < fragment.size(); ++i) {
-      for (int64_t j = 0; j < fragment[i].numel; ++j) Write(fragment[i], j, Read(mean[i], j));
+      for (int64_t j = 0; j < fragment[i].numel; ++j) {
+        SetElementAt(fragment[i], j, ElementAt(mean[i], j));
+      }
     }
   } else {
     MODELAVG_RETURN_IF_ERROR(Annotate(p->state->Step(0, mean, fragment), where));
@@ -565,7 +541,9 @@ absl::Status StreamingLevel::HandParameters(const Decision& decision, Communicat
   std::vector<TensorView> views = buffer.Views();
   if (!me_joining) {
     for (size_t i = 0; i < views.size(); ++i) {
-      for (int64_t j = 0; j < views[i].numel; ++j) Write(views[i], j, Read(params[i], j));
+      for (int64_t j = 0; j < views[i].numel; ++j) {
+        SetElementAt(views[i], j, ElementAt(params[i], j));
+      }
     }
   }
   RoundOptions options;
@@ -584,7 +562,9 @@ absl::Status StreamingLevel::HandParameters(const Decision& decision, Communicat
                                     "handing the replacement its block's parameters"));
   if (me_joining) {
     for (size_t i = 0; i < views.size(); ++i) {
-      for (int64_t j = 0; j < views[i].numel; ++j) Write(params[i], j, Read(views[i], j));
+      for (int64_t j = 0; j < views[i].numel; ++j) {
+        SetElementAt(params[i], j, ElementAt(views[i], j));
+      }
     }
     spdlog::info("step {}: received the mean of the parameters of {} members", decision.step,
                  options.contributors);

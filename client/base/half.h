@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "modelavg/client/tensor.h"
+
 namespace modelavg::client {
 
 inline uint32_t FloatBits(float f) {
@@ -60,6 +62,38 @@ inline uint16_t FloatToBFloat16(float f) {
   return static_cast<uint16_t>((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
 }
 
+// Element i of a host tensor of any floating dtype, as a double, and written from one (rounded to
+// the dtype as the conversions above round).
+inline double ElementAt(const TensorView& t, int64_t i) {
+  switch (t.dtype) {
+    case DType::kFloat32:
+      return static_cast<const float*>(t.data)[i];
+    case DType::kFloat64:
+      return static_cast<const double*>(t.data)[i];
+    case DType::kFloat16:
+      return HalfToFloat(static_cast<const uint16_t*>(t.data)[i]);
+    case DType::kBFloat16:
+      return BFloat16ToFloat(static_cast<const uint16_t*>(t.data)[i]);
+  }
+  return 0;
+}
+
+inline void SetElementAt(const TensorView& t, int64_t i, double v) {
+  switch (t.dtype) {
+    case DType::kFloat32:
+      static_cast<float*>(t.data)[i] = static_cast<float>(v);
+      return;
+    case DType::kFloat64:
+      static_cast<double*>(t.data)[i] = v;
+      return;
+    case DType::kFloat16:
+      static_cast<uint16_t*>(t.data)[i] = FloatToHalf(static_cast<float>(v));
+      return;
+    case DType::kBFloat16:
+      static_cast<uint16_t*>(t.data)[i] = FloatToBFloat16(static_cast<float>(v));
+      return;
+  }
+}
 }  // namespace modelavg::client
 
 #endif  // MODELAVG_CLIENT_BASE_HALF_H_

@@ -209,5 +209,43 @@ TEST(PacedPlanTest, StoredRoundsRestored_SameDecisions_PlanningGoesOn) {
   EXPECT_TRUE(absl::IsInvalidArgument(PacedPlan::Create(schedule)->Restore(stored)));
 }
 
+// max_lag: a group is late once max_lag x the round's expected time (p / the slowest pace it
+// was planned with) passed since the first group reached the latest round; a member reports its
+// step counter, one past the call it is in, so a report of the sync step itself is not there.
+TEST(PacedPlanTest, Stragglers_LateGroupAfterMaxLagTimesTheExpectedRound) {
+  const Schedule schedule = PairsUnderPaced();
+  PacedPlan plan = *PacedPlan::Create(schedule);
+  for (int32_t r = 0; r < 4; ++r) plan.NotePace(r, r < 2 ? 10 : 20);
+  ASSERT_TRUE(plan.PlanFor(0, 1).ok());
+  ASSERT_EQ(plan.rounds().back().round.round, 1);
+  // Round 1: {0,1} at 8, {2,3} at 16; expected time 8 / 10 = 0.8 s.
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  const std::vector<bool> live(4, true);
+  plan.NoteStep(2, 17, t0);  // rank 2 is in its round-1 call
+  plan.NoteStep(3, 17, t0);
+  plan.NoteStep(0, 8, t0);   // rank 0 has not entered its round-1 call (step 8)
+  plan.NoteStep(1, 9, t0);
+  EXPECT_TRUE(plan.Stragglers(t0 + absl::Milliseconds(2300), 3.0, live).empty());
+  EXPECT_THAT(plan.Stragglers(t0 + absl::Milliseconds(2500), 3.0, live), ElementsAre(0, 1));
+  // A member not live is neither waited for nor returned: without rank 0, rank 1 is there; rank
+  // 0 alone is late. No bound: nobody.
+  EXPECT_TRUE(plan.Stragglers(t0 + absl::Seconds(3), 3.0, {false, true, true, true}).empty());
+  EXPECT_THAT(plan.Stragglers(t0 + absl::Seconds(3), 3.0, {true, false, true, true}),
+              ElementsAre(0));
+  EXPECT_TRUE(plan.Stragglers(t0 + absl::Seconds(30), 0.0, live).empty());
+  // Once rank 0 is in its call too, nobody is late.
+  plan.NoteStep(0, 9, t0 + absl::Seconds(1));
+  EXPECT_TRUE(plan.Stragglers(t0 + absl::Seconds(3), 3.0, live).empty());
+}
+
+TEST(PacedPlanTest, Stragglers_NoBoundOnAStepLockedRound) {
+  const Schedule schedule = PairsUnderPaced();
+  PacedPlan plan = *PacedPlan::Create(schedule);
+  ASSERT_TRUE(plan.PlanFor(0, 1).ok());  // round 1 with no pace known: step-locked
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  plan.NoteStep(2, 9, t0);
+  EXPECT_TRUE(plan.Stragglers(t0 + absl::Hours(1), 3.0, std::vector<bool>(4, true)).empty());
+}
+
 }  // namespace
 }  // namespace modelavg::server
