@@ -303,6 +303,7 @@ class PyAverager {
   }
 
   int64_t step() const { return averager_->step(); }
+  bool budget_spent() const { return averager_->budget_spent(); }
   void set_step(int64_t step) {
     if (step < 0) {
       throw py::value_error(absl::StrCat("step ", step, " is negative: steps count from 0"));
@@ -376,6 +377,9 @@ Attributes:
     received the average of the others. Usually []; [this rank] on a replacement's first call.
   generation: the job generation the decision was taken (and the averaging ran) in; in an
     elastic job it moves on with every death, departure and admission.
+  round: a paced level's round (docs/paced.md), from 0; -1 on every other decision.
+  weights: a paced round's weights, aligned with members (a joining member's is 0); [] on
+    every other decision (the members weigh the same).
 )doc")
       .def_readonly("step", &Decision::step)
       .def_property_readonly("action", &ActionName)
@@ -395,6 +399,11 @@ Attributes:
                                return d.average ? d.joining : std::vector<int32_t>{};
                              })
       .def_readonly("generation", &Decision::generation)
+      .def_readonly("round", &Decision::round)
+      .def_property_readonly("weights",
+                             [](const Decision& d) {
+                               return d.average ? d.weights : std::vector<double>{};
+                             })
       .def("__eq__", [](const Decision& a, const Decision& b) { return a == b; })
       .def("__repr__", [](const Decision& d) {
         if (!d.average) return absl::StrCat("Decision(step=", d.step, ", action='SKIP')");
@@ -480,6 +489,11 @@ Attributes:
       [] { return ConnectionDict(ValueOrRaise(mc::ConnectionFromEnvironment({}))); },
       "The connection options the environment sets (MODELAVG_COORDINATOR, "
       "MODELAVG_AUTH_TOKEN_FILE, ...), by name; deprecated names are reported once on stderr.");
+  m.def(
+      "tokens_per_step_from_environment",
+      [] { return ValueOrRaise(mc::TokensPerStepFromEnvironment(1)); },
+      "MODELAVG_TOKENS_PER_STEP as a number (1 when unset); InvalidArgumentError for a value "
+      "that is not a number in (0, 1e12].");
 
   py::class_<PyAverager>(m, "Averager", "A periodic or hierarchical averager on one client.")
       .def(py::init<const PyClient&, bool, bool>(), py::arg("client"), py::arg("hierarchical"),
@@ -487,6 +501,7 @@ Attributes:
       .def("take_skip", &PyAverager::TakeSkip)
       .def("average", &PyAverager::Average, py::arg("tensors"), py::arg("keep"))
       .def_property("step", &PyAverager::step, &PyAverager::set_step)
+      .def_property_readonly("budget_spent", &PyAverager::budget_spent)
       .def("state_dict", &PyAverager::StateDict)
       .def("load_state_dict", &PyAverager::LoadStateDict, py::arg("step"), py::arg("anchors"),
            py::arg("momenta"), py::arg("fragments"), py::arg("pending"))

@@ -36,11 +36,13 @@ namespace {
 void Set(std::string* field, const py::handle& v) { *field = v.cast<std::string>(); }
 void Set(bool* field, const py::handle& v) { *field = v.cast<bool>(); }
 void Set(int64_t* field, const py::handle& v) { *field = v.cast<int64_t>(); }
+void Set(double* field, const py::handle& v) { *field = v.cast<double>(); }
 void Set(absl::Duration* field, const py::handle& v) { *field = Seconds(v.cast<double>()); }
 
 const char* KindOf(const std::string*) { return "str"; }
 const char* KindOf(const bool*) { return "bool"; }
 const char* KindOf(const int64_t*) { return "int"; }
+const char* KindOf(const double*) { return "float"; }
 const char* KindOf(const absl::Duration*) { return "duration"; }
 
 // One row per keyword option of connect(): a field of ClientOptions, named as in C++, its kind
@@ -82,6 +84,7 @@ const std::vector<OptionField>& OptionFields() {
       MODELAVG_OPTION(gloo_in_place, false),
       MODELAVG_OPTION(gloo_scatter_max_bytes, false),
       MODELAVG_OPTION(check_finite, false),
+      MODELAVG_OPTION(tokens_per_step, false),
   };
   return *fields;
 }

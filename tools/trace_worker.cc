@@ -30,6 +30,11 @@
 // On SIGTERM or SIGINT it leaves the job at once (a Join or a step delay in progress is cut
 // short; an averaging call in progress ends first), prints "stopped by SIGTERM at step s; left
 // job J" on stderr and exits with 128 + the signal (143, 130); a second signal ends it at once.
+// Paced levels (docs/paced.md): --tokens_per_step=T is sent with the Join (a round weighs each
+// member by its steps times T), --rounds=R replaces --steps (the worker stops after the call
+// that completes round R - 1 of the job's last level, which must be paced; both flags together
+// are an error), and a paced level's AVERAGE line also has "round": its index from 0, and
+// "weight": this member's own weight in the round.
 // --testing_nonfinite_at_step=s makes one element of the parameters NaN (or +-Inf) before the
 // call of step s, as a diverged replica's would be (--testing_nonfinite_at_admission: before the
 // call that admits a replacement, which this worker then hands it).
@@ -86,6 +91,12 @@ ABSL_FLAG(int32_t, rank, -1,
 ABSL_FLAG(int32_t, world_size, 0, "the job's world size (required; must match the job's spec)");
 ABSL_FLAG(int64_t, steps, 0, "number of AverageParameters calls (steps 0 .. steps-1)");
 ABSL_FLAG(int64_t, numel, 1, "number of float32 parameters");
+ABSL_FLAG(int64_t, rounds, 0,
+          "instead of --steps, for a job whose last level is paced (docs/paced.md): stop after "
+          "the R-th round of that level (the call whose decision has round R - 1)");
+ABSL_FLAG(std::string, tokens_per_step, "",
+          "the tokens one step processes (ClientOptions::tokens_per_step: a paced round weighs a "
+          "member by its steps times this); empty: $MODELAVG_TOKENS_PER_STEP, else 1");
 ABSL_FLAG(bool, print_traffic, false,
           "after the last step, print one more JSON line: {\"traffic\": [{\"level\": l, "
           "\"bytes_sent\": b, \"waited_ms\": w}, ...]} (the averager's per-level counts)");
@@ -480,6 +491,23 @@ absl::Status Run(StopSignals& stop, const TraceWorkerCommunicators& make_communi
         ") (or -1: the coordinator picks)"));
   }
   if (steps < 0) return absl::InvalidArgumentError("--steps must be >= 0");
+  const int64_t rounds = absl::GetFlag(FLAGS_rounds);
+  if (rounds < 0) return absl::InvalidArgumentError("--rounds must be >= 1 (or 0: --steps)");
+  if (rounds > 0 && steps > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--rounds=", rounds, " and --steps=", steps,
+        " together: give one (--rounds counts the rounds of a paced level, --steps the calls)"));
+  }
+  double tokens_per_step = 1;
+  if (const std::string t = absl::GetFlag(FLAGS_tokens_per_step); !t.empty()) {
+    if (!absl::SimpleAtod(t, &tokens_per_step) || !std::isfinite(tokens_per_step) ||
+        tokens_per_step <= 0 || tokens_per_step > client::kMaxTokensPerStep) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--tokens_per_step=", t, ": the tokens of one step are a finite number in (0, 1e12]"));
+    }
+  } else {
+    MODELAVG_ASSIGN_OR_RETURN(tokens_per_step, client::TokensPerStepFromEnvironment(1));
+  }
   if (numel < 1) return absl::InvalidArgumentError("--numel must be >= 1");
   if (backend != "gloo" && backend != "nccl") {
     return absl::InvalidArgumentError(
@@ -497,6 +525,7 @@ absl::Status Run(StopSignals& stop, const TraceWorkerCommunicators& make_communi
   options.coordinator_outage_timeout =
       absl::Milliseconds(absl::GetFlag(FLAGS_coordinator_outage_timeout_ms));
   options.schedule_window = absl::GetFlag(FLAGS_schedule_window);
+  options.tokens_per_step = tokens_per_step;
   if (absl::GetFlag(FLAGS_step_delay_ms) < 0) {
     return absl::InvalidArgumentError("--step_delay_ms must be >= 0");
   }
@@ -532,6 +561,12 @@ absl::Status Run(StopSignals& stop, const TraceWorkerCommunicators& make_communi
       std::unique_ptr<Parameters> params,
       Parameters::Create(backend == "nccl", numel, static_cast<float>(rank), rank,
                          gap * absl::GetFlag(FLAGS_tensors)));
+  if (rounds > 0 && (client->schedule().spec().levels.empty() ||
+                     !client->schedule().spec().levels.back().paced)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--rounds=", rounds, ": job ", job,
+        "'s last level is not paced (Level.paced): count its length with --steps"));
+  }
   std::unique_ptr<client::ModelAverager> averager;
   if (client->schedule().spec().mode == AveragingMode::kPeriodic) {
     MODELAVG_ASSIGN_OR_RETURN(averager, client::PeriodicModelAverager::Create(client.get()));
@@ -580,7 +615,8 @@ absl::Status Run(StopSignals& stop, const TraceWorkerCommunicators& make_communi
   const int64_t sleep_at = absl::GetFlag(FLAGS_testing_sleep_at_step);
   const int64_t nonfinite_at = absl::GetFlag(FLAGS_testing_nonfinite_at_step);
   bool nonfinite_at_admission = absl::GetFlag(FLAGS_testing_nonfinite_at_admission);
-  for (int64_t step = first_step; step < steps; ++step) {
+  // With --rounds the loop ends at the call that completes round rounds - 1 of the paced level.
+  for (int64_t step = first_step; rounds > 0 || step < steps; ++step) {
     if (step_delay > absl::ZeroDuration()) stop.SleepFor(step_delay);
     if (step == sleep_at) stop.SleepFor(absl::Milliseconds(absl::GetFlag(FLAGS_testing_sleep_ms)));
     if (stop.requested()) {
@@ -681,6 +717,16 @@ absl::Status Run(StopSignals& stop, const TraceWorkerCommunicators& make_communi
       absl::StrAppend(&line, ", \"fragment\": ", decision->fragment);
     }
     if (decision->plan > 0) absl::StrAppend(&line, ", \"plan\": ", decision->plan);
+    // A paced level's round (docs/paced.md): its index and this member's own weight, its entry
+    // of the round's weights at its index in the members.
+    if (decision->average && decision->round >= 0) {
+      absl::StrAppend(&line, ", \"round\": ", decision->round);
+      const auto me = std::find(members.begin(), members.end(), rank);
+      if (me != members.end() && decision->weights.size() == members.size()) {
+        absl::StrAppend(&line, ", \"weight\": ",
+                        absl::StrFormat("%.17g", decision->weights[me - members.begin()]));
+      }
+    }
     if (tensors > 1) {
       std::vector<std::string> heads;
       for (int32_t t = 0; t < tensors; ++t) {
@@ -696,6 +742,12 @@ absl::Status Run(StopSignals& stop, const TraceWorkerCommunicators& make_communi
     }
     std::cout << line << "}" << std::endl;
     if (step == die_after) _exit(9);
+    // The last round of the top (last, paced) level is done.
+    const size_t levels = client->plans().Plan(decision->plan).spec().levels.size();
+    if (rounds > 0 && decision->average && decision->round >= rounds - 1 &&
+        decision->level == static_cast<int>(levels) - 1) {
+      break;
+    }
   }
   if (absl::GetFlag(FLAGS_print_traffic)) {
     std::vector<std::string> levels;

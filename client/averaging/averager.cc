@@ -13,8 +13,10 @@
 #include "client/averaging/fragments.h"
 #include "client/averaging/outer_level.h"
 #include "client/averaging/round_runner.h"
+#include "client/averaging/round_weights.h"
 #include "client/averaging/streaming_level.h"
 #include "client/base/error_kind.h"
+#include "client/session/pace_tracker.h"
 #if MODELAVG_HAVE_CUDA
 #include "client/outer/cuda/cuda_outer_device.h"
 #endif
@@ -292,13 +294,34 @@ void ModelAverager::set_step(int64_t step) {
     spdlog::warn("set_step({}): steps count from 0; restoring step 0 instead", step);
     step = 0;
   }
+  // The time until the next call is a restore, not a step's compute.
+  client_->pace()->Reset();
   absl::MutexLock l(&mu_);
   parts_->set_step(step);
+  budget_spent_ = false;
+}
+
+bool ModelAverager::budget_spent() const {
+  absl::MutexLock l(&mu_);
+  return budget_spent_;
 }
 
 absl::StatusOr<Decision> ModelAverager::AverageParameters(absl::Span<const TensorView> params) {
+  // The time between two calls is this member's compute (its pace, reported on every beat);
+  // the time inside them, waiting at rounds, is not.
+  client_->pace()->CallStarted();
+  absl::StatusOr<Decision> result = Average(params);
+  client_->pace()->CallEnded();
+  return result;
+}
+
+absl::StatusOr<Decision> ModelAverager::Average(absl::Span<const TensorView> params) {
   absl::MutexLock l(&mu_);
   absl::StatusOr<Decision> result = parts_->Average(params);
+  if (result.ok() &&
+      CompletesPacedBudget(client_->plans().Plan(result->plan).spec().levels, *result)) {
+    budget_spent_ = true;
+  }
   // A failed round (not a call refused for its arguments) makes this worker's eventual Leave a
   // failure, which the coordinator counts as a death rather than an orderly departure.
   if (!result.ok() && (!absl::IsInvalidArgument(result.status()) ||
@@ -320,7 +343,10 @@ AveragerState ModelAverager::state_dict() const {
 
 absl::Status ModelAverager::load_state_dict(const AveragerState& state) {
   absl::MutexLock l(&mu_);
-  return parts_->Load(state);
+  MODELAVG_RETURN_IF_ERROR(parts_->Load(state));
+  client_->pace()->Reset();
+  budget_spent_ = false;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<PeriodicModelAverager>> PeriodicModelAverager::Create(

@@ -327,6 +327,7 @@ absl::Status OuterLevel::HandOver(const Decision& decision, Communicator* comm,
     MODELAVG_RETURN_IF_ERROR(WriteDonatedStates(hand_overs, donors, me, views));
     RoundOptions options;
     options.step = decision.step;
+    options.round = decision.round;
     options.contributors = 1;
     options.layout_signature = kHandOverSignature;
     // Checked like any round: a donor's NaN in its anchor or momentum is never adopted (the

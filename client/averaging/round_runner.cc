@@ -65,6 +65,20 @@ absl::StatusOr<Decision> RoundRunner::Run(const Decision& decision, const Device
   const std::string where = absl::StrCat("averaging at step ", decision.step, " (level ",
                                          decision.level, ", subgroup ", decision.subgroup.index,
                                          ")");
+  // A paced round weighs this member's contribution on a copy (round_weights.h); nothing
+  // changes for a decision without weights.
+  absl::StatusOr<RoundWeight> weighing = WeightOf(decision, client_->rank());
+  if (!weighing.ok()) return Annotate(weighing.status(), where);
+  const RoundWeight weight = *weighing;
+  WeightedInput weighted;
+  std::vector<TensorView> copy;
+  if (weight.weighted) {
+    absl::StatusOr<std::vector<TensorView>> filled = weighted.Fill(weight, tensors, wire.weigh);
+    if (!filled.ok()) return Annotate(filled.status(), where);
+    copy = *std::move(filled);
+  }
+  const absl::Span<const TensorView> round_tensors =
+      weight.weighted ? absl::MakeConstSpan(copy) : tensors;
   MODELAVG_RETURN_IF_ERROR(Annotate(client_->CheckCanAverage(decision.subgroup), where));
   absl::StatusOr<Communicator*> comm = client_->communicators()->Get(Setup(decision), device);
   RoundOptions plain;
@@ -72,11 +86,16 @@ absl::StatusOr<Decision> RoundRunner::Run(const Decision& decision, const Device
   plain.topk = wire.topk;
   plain.layout_signature = wire.layout_signature;
   plain.step = decision.step;
+  plain.round = decision.round;
   plain.check_finite = client_->options().check_finite;
   const int64_t sent_before = comm.ok() ? (*comm)->bytes_sent() : 0;
-  absl::Status s = comm.ok() ? (*comm)->AllReduceAverage(tensors, plain, nullptr) : comm.status();
+  absl::Status s =
+      comm.ok() ? (*comm)->AllReduceAverage(round_tensors, plain, nullptr) : comm.status();
   if (comm.ok()) traffic_->AddBytes(decision.level, (*comm)->bytes_sent() - sent_before);
-  if (s.ok()) return decision;
+  if (s.ok()) {
+    if (weight.weighted) weighted.Finish(tensors);
+    return decision;
+  }
   // Every member's call fails; nobody's parameters changed (a strict job keeps its generation).
   if (ErrorKindOf(s) == ErrorKind::kNonFinite) {
     return Annotate(OnNonFinite(decision, wire, std::move(s)), where);
@@ -276,6 +295,7 @@ absl::StatusOr<RoundOptions> RoundRunner::ElasticOptions(const Decision& decisio
   }
   RoundOptions options;
   options.step = decision.step;
+  options.round = decision.round;
   options.contribute =
       !std::binary_search(decision.joining.begin(), decision.joining.end(), client_->rank());
   options.contributors = static_cast<int>(members.size() - decision.joining.size());
@@ -299,6 +319,19 @@ absl::StatusOr<RoundRunner::Attempt> RoundRunner::RunAttempt(const Decision& dec
                                                              absl::Span<const TensorView> tensors,
                                                              RoundWire wire, bool hand_over) {
   MODELAVG_ASSIGN_OR_RETURN(RoundOptions options, ElasticOptions(decision, wire));
+  // A paced round: this attempt's decision (a retry's members and weights may differ) weighs
+  // the unscaled `tensors` into a copy, which the round runs on (round_weights.h).
+  absl::StatusOr<RoundWeight> weight = WeightOf(decision, client_->rank());
+  if (!weight.ok()) return Annotate(weight.status(), ElasticWhere(decision));
+  WeightedInput weighted;
+  std::vector<TensorView> copy;
+  if (weight->weighted) {
+    absl::StatusOr<std::vector<TensorView>> filled = weighted.Fill(*weight, tensors, wire.weigh);
+    if (!filled.ok()) return Annotate(filled.status(), ElasticWhere(decision));
+    copy = *std::move(filled);
+  }
+  const absl::Span<const TensorView> round_tensors =
+      weight->weighted ? absl::MakeConstSpan(copy) : tensors;
   Attempt tried;
   absl::StatusOr<Communicator*> comm = client_->communicators()->Get(Setup(decision), device);
   if (!comm.ok()) {
@@ -315,7 +348,10 @@ absl::StatusOr<RoundRunner::Attempt> RoundRunner::RunAttempt(const Decision& dec
   }
   const int64_t sent_before = tried.comm->bytes_sent();
   if (tried.status.ok()) {
-    tried.status = tried.comm->AllReduceAverage(tensors, options, &tried.outcome);
+    tried.status = tried.comm->AllReduceAverage(round_tensors, options, &tried.outcome);
+    // Committed: the weighted mean becomes the caller's. A round kept aside (its confirmation
+    // lost) is adopted into `tensors` directly (AdoptLostCommit): the layout is the same.
+    if (tried.status.ok() && weight->weighted) weighted.Finish(tensors);
   }
   traffic_->AddBytes(decision.level, tried.comm->bytes_sent() - sent_before);
   client_->RecordRound(decision.level, decision.step, decision.generation, tried.outcome);

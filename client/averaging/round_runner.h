@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "client/averaging/round_weights.h"
 #include "client/comm/communicator.h"
 #include "client/comm/communicator_cache.h"
 #include "modelavg/client/averager.h"
@@ -40,6 +41,11 @@ struct RoundWire {
   // What the round carries, as a non-finite report names it: "parameters", "pseudo-gradient",
   // "fragment 1 of 4".
   std::string contents = "parameters";
+  // A paced round (Decision::weights, round_weights.h): fills the weighted contribution for
+  // this member's scale into the round's copy, in each attempt (a level with error feedback:
+  // U = beta * E + s * D, keeping the residual it leaves). Empty: the round's tensors times the
+  // scale. Unused by a decision without weights.
+  WeightedInput::FillFn weigh;
 };
 
 // Per level: the bytes this member sent in its rounds, and how long averaging calls waited for
@@ -122,7 +128,8 @@ class RoundRunner {
     bool in_hand_over = false;
   };
   // One attempt in decision.generation: the communicator, the hand-over, the committed
-  // all-reduce, its outcome in the round notes. A non-OK result is final (this rank is no
+  // all-reduce (of a paced decision: on the weighted copy, round_weights.h, written into
+  // `tensors` once committed), its outcome in the round notes. A non-OK result is final (this rank is no
   // member, nobody can give a replacement the parameters).
   absl::StatusOr<Attempt> RunAttempt(const Decision& decision, const Device& device,
                                      absl::Span<const TensorView> tensors, RoundWire wire,

@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "client/averaging/fragments.h"
+#include "client/averaging/round_weights.h"
 #include "client/base/error_kind.h"
 #include "client/base/half.h"
 #include "client/comm/communicator_cache.h"
@@ -142,6 +143,18 @@ absl::StatusOr<Decision> StreamingLevel::Round(const Decision& decision, const D
   const int level = decision.level;
   const ScheduleLevel& spec = client_->plans().Plan(decision.plan).spec().levels[level];
   const std::string where = Where(decision, nullptr);
+  if (!decision.weights.empty() && spec.sync_delay != 0 &&
+      (client_->elastic() || !device.is_host())) {
+    // An elastic settle re-runs a failed background sync from its buffer, already weighted with
+    // the failed round's weights, and the device's background sync has no weighted buffer yet:
+    // neither would average with the right weights (round_weights.h).
+    return absl::UnimplementedError(absl::StrCat(
+        where, ": a paced (weighted) round with levels[", level, "].sync_delay ",
+        spec.sync_delay, " runs in strict jobs on host parameters only in this version (",
+        client_->elastic() ? "this job is elastic" : absl::StrCat("the parameters are on ",
+                                                                   device.ToString()),
+        "; sync_delay 0 is weighted everywhere on host parameters)"));
+  }
   if (!device.is_host() && spec.sync_delay != 0 && client_->elastic()) {
     // The elastic settle of a background round (docs/streaming.md, "Elastic jobs") runs on
     // host buffers; the device's background sync has no such path yet.
@@ -215,12 +228,20 @@ absl::StatusOr<Decision> StreamingLevel::Round(const Decision& decision, const D
   MODELAVG_RETURN_IF_ERROR(Annotate(state->PseudoGradient(0, fragment, d), where));
   // Error feedback: U = beta * E + D is sent, and E := U - decode(encode(U)) once it is.
   OuterBuffer residual;
-  if (spec.error_feedback != 0) {
+  RoundWire sent = outer;
+  if (spec.error_feedback != 0 && !decision.weights.empty()) {
+    // A paced round (round_weights.h): the weight multiplies D before the residual is added
+    // and the payload encodes, U = beta * E + s * D, in each attempt with that attempt's s; D
+    // itself stays unscaled for a retry, and the round's copy receives the weighted mean.
+    sent.weigh = [&](double scale, absl::Span<const TensorView> u) {
+      return WeighWithFeedback(*state, spec.error_feedback, format, d, scale, u, &residual);
+    };
+  } else if (spec.error_feedback != 0) {
     MODELAVG_RETURN_IF_ERROR(Annotate(state->AddResidual(spec.error_feedback, d), where));
     residual = OuterLevelState::NextResidual(format, d);
   }
   // The state and the parameters change only once the round has succeeded.
-  absl::StatusOr<Decision> done = rounds_->Run(decision, device, d, outer);
+  absl::StatusOr<Decision> done = rounds_->Run(decision, device, d, sent);
   if (!done.ok()) return done.status();
   if (spec.error_feedback != 0) state->SwapResidual(std::move(residual), true);
   MODELAVG_RETURN_IF_ERROR(Annotate(state->Step(0, d, fragment), where));
@@ -259,14 +280,27 @@ absl::StatusOr<Decision> StreamingLevel::Start(const Decision& decision, const D
   const bool joining = std::binary_search(decision.joining.begin(), decision.joining.end(),
                                           client_->rank());
   std::unique_ptr<OuterBuffer> next_residual;
+  // A paced round (strict jobs, round_weights.h): the buffer holds this member's weighted
+  // contribution, s x at the first sync, else s D (then beta E added and the residual kept from
+  // the weighted U), which the background round averages dividing by the contributing members
+  // as always. Its result is applied at the apply step like any other.
+  double scale = 1;
+  const bool weighted = !decision.weights.empty();
+  if (weighted) {
+    absl::StatusOr<RoundWeight> weight = WeightOf(decision, client_->rank());
+    if (!weight.ok()) return Annotate(weight.status(), where);
+    scale = weight->scale;
+  }
   if (joining) {
     // A replacement contributes nothing (it receives the outer state in the round).
   } else if (first) {
     for (size_t i = 0; i < fragment.size(); ++i) {
       for (int64_t j = 0; j < fragment[i].numel; ++j) Write(views[i], j, Read(fragment[i], j));
     }
+    if (weighted) ScaleInto(views, scale, views);
   } else {
     MODELAVG_RETURN_IF_ERROR(Annotate(state->PseudoGradient(0, fragment, views), where));
+    if (weighted) ScaleInto(views, scale, views);
     if (spec.error_feedback != 0) {
       // U = beta * E + D is sent; E := U - decode(encode(U)) now, restored by the apply step's
       // call if the round fails (so that a checkpoint taken with the sync pending holds the
@@ -319,6 +353,7 @@ absl::StatusOr<Decision> StreamingLevel::Start(const Decision& decision, const D
   // Checked like a blocking round (finite_check.h): a member's NaN fails the round on every
   // member, which the call at the apply step then reports (ApplyOneInner, Settle).
   p->options.step = decision.step;
+  p->options.round = decision.round;
   p->options.check_finite = client_->options().check_finite;
   p->bytes_before = p->comm->bytes_sent();
   keep_residual();
@@ -535,6 +570,7 @@ absl::Status StreamingLevel::HandParameters(const Decision& decision, Communicat
   }
   RoundOptions options;
   options.step = decision.step;
+  options.round = decision.round;
   options.contribute = !me_joining;
   options.contributors =
       static_cast<int>(decision.Members().size() - decision.joining.size());

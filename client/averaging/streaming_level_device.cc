@@ -109,6 +109,7 @@ absl::StatusOr<Decision> StreamingLevel::StartDevice(const Decision& decision,
   // Checked like a blocking round (finite_check.h); the call at the apply step reports a
   // member's NaN (ApplyOneInner).
   options.step = decision.step;
+  options.round = decision.round;
   options.check_finite = client_->options().check_finite;
   p->options = options;
   p->bytes_before = p->comm->bytes_sent();

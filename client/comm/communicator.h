@@ -108,6 +108,11 @@ struct RoundOptions {
   // The round's step. The first call on a communicator checks that every member passes the
   // same one (a member at another step is an error, never a mixed average); -1: not checked.
   int64_t step = -1;
+  // A paced level's round (Decision::round; -1 otherwise): its members sync at their own steps,
+  // so they agree on the round's index instead of the step.
+  int64_t round = -1;
+  // What the members agree on: the round of a paced round, else the step.
+  int64_t AgreedStep() const { return round >= 0 ? round : step; }
   // False for a member admitted at this step (an elastic replacement): it contributes nothing
   // and receives the average of the others.
   bool contribute = true;

@@ -75,6 +75,7 @@ v1::HeartbeatRequest BeatRequest(const Heartbeat::Options& options, const Heartb
   req.set_plans_known(beat.plans_known);
   req.set_used_through(beat.used_through);
   req.set_proposal_answered(beat.proposal_answered);
+  req.set_compute_steps_per_second(beat.compute_steps_per_second);
   return req;
 }
 

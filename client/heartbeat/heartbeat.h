@@ -36,6 +36,8 @@ class Heartbeat {
     int32_t plans_known = 1;
     int64_t used_through = -1;
     int32_t proposal_answered = 0;
+    // The rank's steps per second outside its averaging calls (PaceTracker); 0: not measured.
+    double compute_steps_per_second = 0;
   };
   struct Options {
     std::string coordinator;  // the address, for the logs

@@ -20,6 +20,7 @@
 #include "client/session/generation_tracker.h"
 #include "client/session/join.h"
 #include "client/session/leave.h"
+#include "client/session/pace_tracker.h"
 #include "client/session/round_notes.h"
 #include "common/clock.h"
 #include "common/status_util.h"
@@ -92,6 +93,7 @@ Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordin
           *coordinator_, clock_, options_.job_id, rank_, options_.credential,
           schedule_.num_levels(),
           schedule_.SubgroupOf(schedule_.num_levels() - 1, rank_).index)),
+      pace_(std::make_unique<PaceTracker>(clock_)),
       tracker_(std::make_unique<GenerationTracker>(
           GenerationTracker::Options{
               options_.job_id, options_.coordinator,
@@ -110,6 +112,7 @@ Client::Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordin
     beat.plans_known = plans.plans_known;
     beat.used_through = plans.used_through;
     beat.proposal_answered = plans.proposal_answered;
+    beat.compute_steps_per_second = pace_->steps_per_second();
     return beat;
   };
   hooks.on_reply = [this](const v1::HeartbeatResponse& reply) { OnHeartbeatReply(reply); };

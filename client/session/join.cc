@@ -5,11 +5,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/strings/str_join.h"
@@ -129,6 +132,19 @@ std::string HostName() {
   return buf;
 }
 
+absl::StatusOr<double> TokensPerStepFromEnvironment(double fallback) {
+  const char* v = std::getenv("MODELAVG_TOKENS_PER_STEP");
+  if (v == nullptr || *v == '\0') return fallback;
+  double tokens = 0;
+  if (!absl::SimpleAtod(v, &tokens) || !std::isfinite(tokens) || tokens <= 0 ||
+      tokens > kMaxTokensPerStep) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "MODELAVG_TOKENS_PER_STEP=", v,
+        ": the tokens of one local step are a finite number in (0, 1e12] (default 1)"));
+  }
+  return tokens;
+}
+
 absl::Status ValidateOptions(const ClientOptions& o) {
   if (o.coordinator.empty()) {
     return absl::InvalidArgumentError(
@@ -162,6 +178,12 @@ absl::Status ValidateOptions(const ClientOptions& o) {
                                                    o.schedule_window, ": it must be in 1..",
                                                    kMaxScheduleWindow));
   }
+  if (!std::isfinite(o.tokens_per_step) || o.tokens_per_step <= 0 ||
+      o.tokens_per_step > kMaxTokensPerStep) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ClientOptions.tokens_per_step is ", o.tokens_per_step,
+        ": the tokens of one local step are a finite number in (0, 1e12] (default 1)"));
+  }
   if (!o.heartbeat_relay_dir.empty()) {
     // (The key does not matter here: only the directory is checked.)
     MODELAVG_RETURN_IF_ERROR(
@@ -179,6 +201,8 @@ absl::StatusOr<Joined> JoinJob(CoordinatorClient& coordinator, const ClientOptio
   if (options.rank.has_value()) join.set_rank(*options.rank);
   join.set_world_size(options.expected_world_size);
   join.set_credential(options.credential);
+  // A paced level weighs this member's rounds by it (1 is the wire's default too: 0 means 1).
+  join.set_tokens_per_step(options.tokens_per_step);
   // Sent again with every retry: it alone proves a retry after a lost reply (the worker id is
   // public).
   join.set_join_nonce(RandomHex(16));

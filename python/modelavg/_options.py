@@ -15,7 +15,7 @@ from .errors import InvalidArgumentError
 
 Duration = Union[float, int, datetime.timedelta]
 
-_KINDS = {"str": str, "bool": bool, "int": int, "duration": Duration}
+_KINDS = {"str": str, "bool": bool, "int": int, "float": float, "duration": Duration}
 # ClientOptions fields (include/modelavg/client/client.h) that connect() takes as keywords, with
 # their kinds.
 _CLIENT_OPTIONS = {name: _KINDS[kind] for name, (kind, _) in _core.OPTIONS.items()}
@@ -54,6 +54,10 @@ def _options(options: Mapping[str, Any], allowed: Iterable[str]) -> Dict[str, An
         elif kind is int:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise _invalid(f"{name}={value!r}: expected an int")
+        elif kind is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise _invalid(f"{name}={value!r}: expected a number")
+            value = float(value)
         elif not isinstance(value, str):
             raise _invalid(f"{name}={value!r}: expected a string")
         out[name] = value

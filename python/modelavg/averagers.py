@@ -58,6 +58,14 @@ class ModelAverager:
             raise TypeError(f"step must be an int, not {type(value).__name__}")
         self._core.step = value
 
+    @property
+    def budget_spent(self) -> bool:
+        """A paced job counted in rounds (the last level ``paced`` with ``rounds`` R > 0,
+        docs/paced.md): True once this worker's call completed round R - 1, the job's last;
+        stop training then. False before, and always for other jobs; restoring a checkpoint
+        (``step``, ``load_state_dict``) makes it False again. Read-only."""
+        return self._core.budget_spent
+
     def state_dict(self) -> Dict[str, Any]:
         """The averager's state, to save beside the model and the optimizer (PyTorch's
         convention): ``{"step": int, "anchors": {level: [tensor, ...]}, "momenta": {level:

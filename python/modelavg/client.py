@@ -150,7 +150,10 @@ def connect(coordinator: Optional[str] = None, job_id: Optional[str] = None,
         ring; up to this many bytes on the scatter-gather exchange instead, for members on one
         flat network, not across a slow link between sites: docs/benchmarks.md),
         ``check_finite`` (True: a member whose values hold a NaN or an Inf is kept out of the
-        round and raises ``NonFiniteError``; every worker of a job sets it alike).
+        round and raises ``NonFiniteError``; every worker of a job sets it alike),
+        ``tokens_per_step`` (default ``$MODELAVG_TOKENS_PER_STEP``, else 1: the tokens one local
+        step processes, a number in (0, 1e12]; a paced level weighs each member's rounds by its
+        steps times this, docs/paced.md).
         Durations are seconds or ``datetime.timedelta``.
 
     Blocks (without the GIL; Ctrl-C interrupts it) until the world is complete. While the
@@ -170,6 +173,9 @@ def connect(coordinator: Optional[str] = None, job_id: Optional[str] = None,
     _with_environment(opts)
     if "heartbeat_relay_dir" not in opts and os.environ.get("MODELAVG_HEARTBEAT_RELAY_DIR"):
         opts["heartbeat_relay_dir"] = os.environ["MODELAVG_HEARTBEAT_RELAY_DIR"]
+    if "tokens_per_step" not in opts and os.environ.get("MODELAVG_TOKENS_PER_STEP"):
+        # Checked like the C++ programs' (TokensPerStepFromEnvironment): a number in (0, 1e12].
+        opts["tokens_per_step"] = _core.tokens_per_step_from_environment()
     job_id = job_id or os.environ.get("MODELAVG_JOB")
     if not job_id:
         raise _invalid("no job: pass job_id='...' or set MODELAVG_JOB")

@@ -260,8 +260,26 @@ void Job::CheckStaleness() {
     dead.clear();
   }
   if (!dead.empty()) DeclareDead(dead, now, &out);
+  CheckStragglers(now, &out);
   ExpireWaits(now, &out);
   if (plans_.proposed() != 0) MaybeFinishProposal(now, &out);
+}
+
+void Job::CheckStragglers(absl::Time now, Outbox* out) {
+  if (!paced_ || !membership_.elastic() || membership_.state() != v1::RUNNING ||
+      now < grace_until_ || !halted_.ok()) {
+    return;
+  }
+  const double max_lag = schedule_.spec().levels.back().max_lag;
+  if (max_lag <= 0) return;
+  std::vector<bool> live(schedule_.world_size());
+  for (int32_t r = 0; r < schedule_.world_size(); ++r) live[r] = membership_.InRound(r);
+  const std::vector<int32_t> late = paced_->Stragglers(now, max_lag, live);
+  if (late.empty()) return;
+  DeclareDead(late, now, out,
+              absl::StrCat("fell more than max_lag ", max_lag, " x its expected round time "
+                           "behind the paced round the first group reached (docs/paced.md): "
+                           "failed out as a straggler"));
 }
 
 void Job::Close(const absl::Status& status, bool deleted) {

@@ -292,8 +292,10 @@ class Job {
   absl::Status Save(const JobDelta& delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Members the staleness check found dead (heartbeat timeout, broken stream): written, then
   // the generation moves on; a death that cannot be written halts the job (see the class).
-  void DeclareDead(const std::vector<int32_t>& dead, absl::Time now, Outbox* out)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `straggler`: a paced job's max_lag failed them out (docs/paced.md), else a heartbeat
+  // timeout or a lost connection.
+  void DeclareDead(const std::vector<int32_t>& dead, absl::Time now, Outbox* out,
+                   const std::string& straggler = "") ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails the Join and GetCommId waits whose deadline passed.
   void ExpireWaits(absl::Time now, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Completes every pending Join and GetCommId of the job with `status` (with
@@ -331,6 +333,8 @@ class Job {
   absl::Status PacedWindow(const v1::GetScheduleRequest& request, int64_t generation,
                            const MemberSteps& members, v1::GetScheduleResponse* response)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Level.max_lag of a paced elastic job: fails out the groups too far behind (docs/paced.md).
+  void CheckStragglers(absl::Time now, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Plans (and stores first) the rounds `rank` needs to be decided at `step`.
   absl::Status PlanPaced(int32_t rank, int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The members' smallest step in the current generation (-1 when none reported).

@@ -222,6 +222,7 @@ absl::Status Job::Heartbeat(const v1::HeartbeatRequest& request,
   membership_.Heartbeat(request.rank(), request.generation(), request.step(), now);
   if (paced_ && membership_.member(request.rank()).present()) {
     paced_->NotePace(request.rank(), request.compute_steps_per_second());
+    paced_->NoteStep(request.rank(), request.step(), now);
   }
   // Liveness still counts while halted: the death is written once it can be, of the same ranks.
   if (!halted_.ok()) return halted_;
@@ -429,19 +430,24 @@ absl::Status Job::ReportNonFinite(const v1::ReportNonFiniteRequest& request,
   return absl::OkStatus();
 }
 
-void Job::DeclareDead(const std::vector<int32_t>& dead, absl::Time now, Outbox* out) {
+void Job::DeclareDead(const std::vector<int32_t>& dead, absl::Time now, Outbox* out,
+                      const std::string& straggler) {
   bool all_lost = true;
   for (int32_t r : dead) {
     all_lost = all_lost && membership_.member(r).stream_lost_at != absl::InfiniteFuture();
   }
   std::string reason = absl::StrCat("rank ", dead[0],
-                                    all_lost ? " connection lost" : " heartbeat timeout");
+                                    !straggler.empty() ? " straggler"
+                                    : all_lost         ? " connection lost"
+                                                       : " heartbeat timeout");
   if (dead.size() > 1) absl::StrAppend(&reason, " (and ", dead.size() - 1, " more ranks)");
   // Logged before the members change (their times are read here).
   std::vector<std::string> notes;
   for (int32_t r : dead) {
     const LiveMember& m = membership_.member(r);
-    if (m.stream_lost_at != absl::InfiniteFuture()) {
+    if (!straggler.empty()) {
+      notes.push_back(absl::StrCat("rank ", r, " (worker \"", m.worker_id, "\") ", straggler));
+    } else if (m.stream_lost_at != absl::InfiniteFuture()) {
       notes.push_back(absl::StrCat(
           "rank ", r, " (worker \"", m.worker_id, "\"): its heartbeat stream broke ",
           absl::ToInt64Milliseconds(now - m.stream_lost_at), " ms ago and no beat came since "
@@ -472,6 +478,9 @@ void Job::DeclareDead(const std::vector<int32_t>& dead, absl::Time now, Outbox* 
     }
     for (const std::string& note : notes) spdlog::warn("job {}: {}; DEAD", id(), note);
     deaths_ += static_cast<int64_t>(dead.size());
+    if (paced_) {
+      for (int32_t r : dead) paced_->Forget(r);
+    }
     OnMembershipChange(*died, out);
   }
 }

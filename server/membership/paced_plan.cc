@@ -22,11 +22,62 @@ PacedPlan::PacedPlan(Pacing pacing, int32_t world, int64_t budget)
       world_(world),
       budget_(budget),
       pace_(world, -1.0),
+      step_(world, -1),
       tokens_(std::make_shared<const std::vector<double>>(world, 1.0)) {}
 
 void PacedPlan::NotePace(int32_t rank, double steps_per_second) {
   if (rank < 0 || rank >= world_) return;
   pace_[rank] = std::isfinite(steps_per_second) && steps_per_second > 0 ? steps_per_second : -1.0;
+}
+
+void PacedPlan::NoteStep(int32_t rank, int64_t step, absl::Time now) {
+  if (rank < 0 || rank >= world_) return;
+  step_[rank] = std::max(step_[rank], step);
+  const int32_t g = pacing_.GroupOf(rank);
+  // The rounds this report reaches for the first time (newest first; older ones were reached
+  // before or together).
+  for (auto it = rounds_.rbegin(); it != rounds_.rend(); ++it) {
+    if (it->round.sync_step[g] > step) continue;
+    if (it->first_arrival != absl::InfiniteFuture()) break;
+    it->first_arrival = now;
+  }
+}
+
+void PacedPlan::Forget(int32_t rank) {
+  if (rank < 0 || rank >= world_) return;
+  pace_[rank] = -1.0;
+  step_[rank] = -1;
+}
+
+std::vector<int32_t> PacedPlan::Stragglers(absl::Time now, double max_lag,
+                                           const std::vector<bool>& live) const {
+  std::vector<int32_t> late;
+  if (max_lag <= 0) return late;
+  // The latest round some group reached.
+  auto it = std::find_if(rounds_.rbegin(), rounds_.rend(), [](const PlannedRound& p) {
+    return p.first_arrival != absl::InfiniteFuture();
+  });
+  if (it == rounds_.rend()) return late;
+  double slowest = -1;
+  for (double v : it->group_paces) {
+    if (v > 0 && (slowest < 0 || v < slowest)) slowest = v;
+  }
+  if (slowest <= 0) return late;
+  const absl::Duration expected =
+      absl::Seconds(static_cast<double>(pacing_.step_period()) / slowest);
+  if (now - it->first_arrival <= max_lag * expected) return late;
+  for (int32_t g = 0; g < pacing_.num_groups(); ++g) {
+    // A group is there when each of its live members reported its sync step.
+    std::vector<int32_t> members;
+    bool behind = false;
+    for (int32_t r = g * pacing_.group_size(); r < (g + 1) * pacing_.group_size(); ++r) {
+      if (r >= static_cast<int32_t>(live.size()) || !live[r]) continue;
+      members.push_back(r);
+      behind = behind || step_[r] < it->round.sync_step[g];
+    }
+    if (behind) late.insert(late.end(), members.begin(), members.end());
+  }
+  return late;
 }
 
 absl::Status PacedPlan::CheckTokens(double tokens_per_step) {

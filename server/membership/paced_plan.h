@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "modelavg/v1/coordinator.pb.h"
 #include "modelavg/common/schedule.h"
 #include "server/membership/admission.h"
@@ -47,6 +48,9 @@ struct PlannedRound {
   std::shared_ptr<const std::vector<double>> tokens;
   // The group paces it was planned with (steps per second; -1: not known).
   std::vector<double> group_paces;
+  // When the first group reached the round (a member reported its group's sync step of it);
+  // InfiniteFuture until then. Not stored: a restarted coordinator measures it again.
+  absl::Time first_arrival = absl::InfiniteFuture();
 };
 
 class PacedPlan {
@@ -66,6 +70,20 @@ class PacedPlan {
   static absl::Status CheckTokens(double tokens_per_step);
   void NoteTokens(int32_t rank, double tokens_per_step);
   const std::vector<double>& rank_paces() const { return pace_; }
+  // A member's reported step (its heartbeat's) at `now`: a round is reached when a member
+  // reports its group's sync step of it.
+  void NoteStep(int32_t rank, int64_t step, absl::Time now);
+  // Level.max_lag (docs/paced.md): the ranks of every group that has not reached the latest
+  // round the first group reached, once max_lag x the round's expected time (step period / the
+  // slowest group pace it was planned with) has passed since the first group reached it.
+  // `live[r]`: rank r is a member (the others are neither waited for nor returned). Empty when
+  // the round's pace was unknown (a step-locked round: no expected time) or nobody is late.
+  std::vector<int32_t> Stragglers(absl::Time now, double max_lag,
+                                  const std::vector<bool>& live) const;
+  // A rank left (death, leave): its pace and step are forgotten (a replacement is measured
+  // afresh).
+  void Forget(int32_t rank);
+
   // The groups' paces as the next round would be planned with (Pacing::GroupPaces).
   std::vector<double> GroupPaces() const { return pacing_.GroupPaces(pace_); }
 
@@ -118,6 +136,8 @@ class PacedPlan {
   int32_t world_;
   int64_t budget_;
   std::vector<double> pace_;
+  // Per rank: its last reported step (-1: none).
+  std::vector<int64_t> step_;
   std::shared_ptr<const std::vector<double>> tokens_;
   std::deque<PlannedRound> rounds_;
   int64_t dropped_ = 0;

@@ -17,6 +17,7 @@ absl::StatusOr<std::vector<StoredJob>> InMemoryStateStore::LoadAll() {
     job.header = e.header;
     for (const auto& [rank, m] : e.members) job.members.push_back(m);
     job.plan_changes = e.plan_changes;
+    for (const auto& [round, r] : e.paced_rounds) job.paced_rounds.push_back(r);
     for (const auto& [key, blob] : e.comm_ids) {
       job.comm_ids.push_back(
           StoredCommId{std::get<0>(key), std::get<1>(key), std::get<2>(key), blob});
@@ -69,6 +70,10 @@ absl::Status InMemoryStateStore::Apply(absl::string_view job_id, const JobDelta&
   if (delta.plan_change.has_value()) {
     e.plan_changes.push_back(*delta.plan_change);
   }
+  for (const v1::PacedRound& r : delta.paced_rounds) e.paced_rounds[r.round()] = r;
+  // After the writes: a round below the drop is gone even if this delta wrote it.
+  e.paced_rounds.erase(e.paced_rounds.begin(),
+                       e.paced_rounds.lower_bound(delta.drop_paced_rounds_before));
   ++applied_;
   return absl::OkStatus();
 }

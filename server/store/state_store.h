@@ -65,7 +65,8 @@ struct JobDelta {
   std::optional<v1::PlanChange> plan_change;
   // Paced jobs: rounds just planned (written before any member is handed them), in round order,
   // and the rounds dropped from the front: every kept round below this index is deleted (0:
-  // none).
+  // none). A round written again replaces the stored one; after the delta no round below
+  // drop_paced_rounds_before is kept, not even one written by the same delta.
   std::vector<v1::PacedRound> paced_rounds;
   int64_t drop_paced_rounds_before = 0;
 
@@ -122,6 +123,8 @@ class InMemoryStateStore final : public StateStore {
     std::map<int32_t, Member> members;
     std::map<CommKey, std::string> comm_ids;
     std::vector<v1::PlanChange> plan_changes;
+    // By round: kept in round order.
+    std::map<int64_t, v1::PacedRound> paced_rounds;
   };
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> jobs_ ABSL_GUARDED_BY(mu_);

@@ -143,6 +143,34 @@ TEST_F(ClientPacedTest, OuterLevel_WeightedPseudoGradientsStepTheAnchor) {
   ExpectPaced(seen, delay, /*fast=*/0, /*slow=*/2, /*min_ratio=*/2.0);
 }
 
+// A streaming outer level paced: each round syncs the next fragment (the members agree on the
+// round, not on their steps, every round: a fragmented round's layout is checked each time).
+TEST_F(ClientPacedTest, StreamingFragments_EachRoundTheNextFragment) {
+  v1::JobSpec spec = MakeSpec("streaming", 3, v1::PERIODIC, {{8, 3}}, 0);
+  spec.mutable_levels(0)->set_paced(true);
+  spec.mutable_levels(0)->set_fragments(2);
+  SetOuter(&spec, 0, 0.7, 0.0, false);
+  PacedCheck check;
+  check.check_values = false;
+  const std::vector<double> delay = {10, 10, 30};
+  std::vector<std::vector<std::string>> rank_flags(3);
+  for (int r = 0; r < 3; ++r) {
+    rank_flags[r] = {absl::StrCat("--step_delay_ms=", delay[r]), "--tensors=4"};
+  }
+  const std::vector<Trace> traces =
+      RunJob(spec, 0, 16, {"--rounds=8", "--unix_ms"}, rank_flags);
+  check.rounds = 8;
+  PacedRounds seen;
+  const TraceCheckResult result = CheckPacedTraces(traces, check, delay, &seen);
+  EXPECT_TRUE(result.ok()) << result.Report();
+  for (const Trace& t : traces) {
+    for (const TraceLine& l : t.lines) {
+      if (l.round >= 0) EXPECT_EQ(l.fragment, l.round % 2) << l.text;
+    }
+  }
+  ExpectPaced(seen, delay, /*fast=*/0, /*slow=*/2, /*min_ratio=*/2.0);
+}
+
 // Level.rounds: the job's budget ends every member after the same round, whatever its steps.
 TEST_F(ClientPacedTest, Budget_EveryMemberEndsAfterTheSameRound) {
   v1::JobSpec spec = MakeSpec("budget", 3, v1::PERIODIC, {{5, 3}}, 0);

@@ -4,6 +4,9 @@
 //
 //  * the store's writes are fenced: a store holding the fence of a term that has ended is
 //    refused by etcd and nothing changes (in-process, deterministic);
+//  * a paced job's planned rounds: kept in round order under jobs/<id>/r/, dropped from the
+//    front by one range delete, gone with the job; a refused transition writes none of its
+//    rounds, its member change or its drop (in-process);
 //  * a standby answers UNAVAILABLE naming the leader and serves health NOT_SERVING;
 //  * kill -9 of the leader mid-job (three etcd members, an 8-rank three-level job): every worker
 //    finishes every step with exit 0 and values identical to an undisturbed run; the time from
@@ -51,6 +54,7 @@
 #include "tests/integration/staged_job_storm.h"
 #include "tests/integration/trace_check.h"
 #include "tests/tools/make_job_spec.h"
+#include "tests/tools/paced_rounds_store_cases.h"
 
 namespace modelavg::testing {
 namespace {
@@ -215,6 +219,115 @@ TEST(EtcdStateStoreTest, StaleFence_WriteRefusedByEtcd_NothingChanges) {
 }
 
 // A coordinator process on a fixed port (kept across restarts) on the cluster's endpoints.
+// A one-member etcd and a store leading on it, for the in-process store tests.
+class EtcdStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    MODELAVG_NEED_ETCD();
+    dir_ = std::make_unique<TempDir>("etcd_store");
+    cluster_ = std::make_unique<EtcdCluster>(dir_->path(), 1);
+    ASSERT_TRUE(cluster_->Start()) << cluster_->Logs();
+    etcd_ = Etcd(*cluster_);
+    ASSERT_NE(etcd_, nullptr);
+    election_ = std::make_unique<server::LeaderElection>(
+        etcd_.get(), server::LeaderElectionOptions{kPrefix + std::string("leader"),
+                                                   absl::Seconds(6)},
+        server::LeaderElection::Callbacks{[](int64_t) { return absl::OkStatus(); },
+                                          [](const std::string&) {}});
+    election_->Start("a:1");
+    ASSERT_TRUE(WaitFor([&] { return election_->CheckServing().ok(); }, absl::Seconds(20)));
+    store_ = std::make_unique<server::EtcdStateStore>(etcd_.get(), election_.get(), kPrefix);
+  }
+  void TearDown() override {
+    store_.reset();
+    if (election_ != nullptr) election_->Stop();
+  }
+
+  // The keys of paced rounds under the prefix.
+  std::vector<std::string> RoundKeys() {
+    std::vector<std::string> keys;
+    for (const auto& [key, value] : Dump(etcd_.get(), kPrefix)) {
+      if (absl::StrContains(key, "/r/")) keys.push_back(key);
+    }
+    return keys;
+  }
+
+  static constexpr const char* kPrefix = "/paced-test/";
+  std::unique_ptr<TempDir> dir_;
+  std::unique_ptr<EtcdCluster> cluster_;
+  std::unique_ptr<server::EtcdClient> etcd_;
+  std::unique_ptr<server::LeaderElection> election_;
+  std::unique_ptr<server::EtcdStateStore> store_;
+};
+
+// The shared cases (tests/tools/paced_rounds_store_cases.h), each reopen a store of a restarted
+// coordinator that loads what etcd holds; the keys are the documented ones
+// (etcd_records.proto), and the deleted job left none.
+TEST_F(EtcdStoreTest, PacedRounds_KeptInRoundOrder_DroppedFromTheFront_GoneWithTheJob) {
+  ::modelavg::testing::RunPacedRoundsCases(store_.get(), [&]() -> server::StateStore* {
+    store_ = std::make_unique<server::EtcdStateStore>(etcd_.get(), election_.get(), kPrefix);
+    return store_->LoadAll().ok() ? store_.get() : nullptr;
+  });
+  EXPECT_THAT(RoundKeys(), ::testing::ElementsAre("/paced-test/jobs/other/r/000000000000"));
+}
+
+// A transition with rounds, a member change and a drop is one etcd transaction: refused (a store
+// whose term is over), none of it is written; the leader's store then writes all of it.
+TEST_F(EtcdStoreTest, PacedRounds_RefusedTransition_WritesNeitherRoundsNorMemberNorDrop) {
+  ASSERT_TRUE(store_->CreateJob(MakeSpec("a", 4, v1::PERIODIC, {{2, 4}}, 0), 1).ok());
+  server::JobDelta kept;
+  for (int64_t r : {0, 1, 2}) kept.paced_rounds.push_back(MakePacedRound(r));
+  ASSERT_TRUE(store_->Apply("a", kept).ok());
+  server::JobDelta delta;
+  server::Member m;
+  m.rank = 0;
+  m.worker_id = "w0";
+  m.state = v1::ALIVE;
+  m.generation = 1;
+  delta.members.push_back(m);
+  for (int64_t r : {3, 4}) delta.paced_rounds.push_back(MakePacedRound(r));
+  delta.drop_paced_rounds_before = 2;
+
+  const auto before = Dump(etcd_.get(), kPrefix);
+  FixedFence stale(kPrefix + std::string("leader"), election_->fence() + 1000);
+  server::EtcdStateStore store_stale(etcd_.get(), &stale, kPrefix);
+  ASSERT_TRUE(store_stale.LoadAll().ok());
+  absl::Status refused = store_stale.Apply("a", delta);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  EXPECT_EQ(Dump(etcd_.get(), kPrefix), before);
+  server::StoredJob a = LoadPacedJob(*store_, "a");
+  EXPECT_TRUE(a.members.empty());
+  ExpectPacedRounds(a.paced_rounds, {0, 1, 2});
+
+  ASSERT_TRUE(store_->Apply("a", delta).ok());
+  server::EtcdStateStore reloaded(etcd_.get(), election_.get(), kPrefix);
+  a = LoadPacedJob(reloaded, "a");
+  ASSERT_EQ(a.members.size(), 1u);
+  EXPECT_EQ(a.members[0].worker_id, "w0");
+  ExpectPacedRounds(a.paced_rounds, {2, 3, 4});
+  EXPECT_THAT(RoundKeys(), ::testing::ElementsAre("/paced-test/jobs/a/r/000000000002",
+                                                  "/paced-test/jobs/a/r/000000000003",
+                                                  "/paced-test/jobs/a/r/000000000004"));
+}
+
+// A round record that does not parse, or that holds another round than its key says, is refused
+// naming the key, as a damaged plan is.
+TEST_F(EtcdStoreTest, PacedRounds_DamagedRecord_LoadAllRefusesNamingTheKey) {
+  ASSERT_TRUE(store_->CreateJob(MakeSpec("a", 4, v1::PERIODIC, {{2, 4}}, 0), 1).ok());
+  const std::string key = "/paced-test/jobs/a/r/000000000003";
+  for (const std::string& value :
+       {std::string("\xff\xff\xff\xff", 4), MakePacedRound(4).SerializeAsString()}) {
+    etcdserverpb::TxnRequest txn;
+    etcdserverpb::PutRequest* put = txn.add_success()->mutable_request_put();
+    put->set_key(key);
+    put->set_value(value);
+    ASSERT_TRUE(etcd_->Txn(txn).ok());
+    absl::StatusOr<std::vector<server::StoredJob>> jobs = store_->LoadAll();
+    EXPECT_EQ(jobs.status().code(), absl::StatusCode::kDataLoss) << jobs.status();
+    EXPECT_THAT(jobs.status().message(), HasSubstr(key));
+  }
+}
+
 class HaCoordinator {
  public:
   HaCoordinator(std::string dir, std::string name, std::string endpoints,

@@ -49,6 +49,9 @@ struct PacedCheck {
   double lr = 1.0;
   double momentum = 0.0;
   bool nesterov = false;
+  // false: the structure only (rounds, weights, groups' steps), not the values (a streaming
+  // level, whose fragments hold the trace worker's tensors apart).
+  bool check_values = true;
 };
 
 // What the check saw, for the test's own assertions on the pacing.
@@ -188,14 +191,14 @@ inline TraceCheckResult CheckPacedTraces(const std::vector<Trace>& traces, const
                            absl::StrJoin(line->members, ","), ", rank ", first->rank, " lists ",
                            absl::StrJoin(first->members, ",")));
       }
-      if (!close(line->value, want)) {
+      if (c.check_values && !close(line->value, want)) {
         error(absl::StrCat("round ", r, ": rank ", j, " (step ", line->step, ") has ",
                            line->value, ", the weighted rule gives ", want));
       }
     }
   }
   // The lower levels and the skips.
-  for (int32_t i = 0; i < world; ++i) {
+  for (int32_t i = 0; i < world && c.check_values; ++i) {
     for (const auto& [s, l] : at[i]) {
       if (l->round >= 0) continue;
       if (l->action == "SKIP") {

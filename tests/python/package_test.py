@@ -29,7 +29,8 @@ OPTIONS = {
     "tls_ca_file": ("str", True), "tls_cert_file": ("str", True), "tls_key_file": ("str", True),
     "rpc_timeout": ("duration", True), "worker_id": ("str", False),
     "join_timeout": ("duration", False), "schedule_window": ("int", False),
-    "gloo_in_place": ("bool", False), "brand_new_option": ("str", False),
+    "gloo_in_place": ("bool", False), "tokens_per_step": ("float", False),
+    "brand_new_option": ("str", False),
 }
 
 
@@ -66,6 +67,12 @@ class FakeCore(types.ModuleType):
 
     def connection_from_environment(self):
         return dict(self.environment)
+
+    def tokens_per_step_from_environment(self):
+        # The binding parses and checks MODELAVG_TOKENS_PER_STEP (C++); the fake only records.
+        self.calls.append(("tokens_per_step_from_environment",
+                           os.environ["MODELAVG_TOKENS_PER_STEP"]))
+        return float(os.environ["MODELAVG_TOKENS_PER_STEP"])
 
     def connect(self, options):
         self.calls.append(("connect", dict(options)))
@@ -172,6 +179,30 @@ def test_connect_RankFromTheEnvironment_UsedUnlessGiven(package, monkeypatch):
     monkeypatch.setenv("RANK", "three")
     with pytest.raises(modelavg.InvalidArgumentError, match="RANK='three'"):
         modelavg.connect("c:1", "job")
+
+
+def test_connect_TokensPerStep_ANumberPassedOnAsFloat(package, monkeypatch):
+    modelavg, fake = package
+    monkeypatch.delenv("MODELAVG_TOKENS_PER_STEP", raising=False)
+    modelavg.connect("c:1", "job", tokens_per_step=2048)
+    modelavg.connect("c:1", "job", tokens_per_step=0.5)
+    modelavg.connect("c:1", "job")
+    assert [c[1].get("tokens_per_step") for c in fake.calls] == [2048.0, 0.5, None]
+    assert isinstance(fake.calls[0][1]["tokens_per_step"], float)
+    for bad in ("8", True, [1]):
+        with pytest.raises(modelavg.InvalidArgumentError, match="tokens_per_step="):
+            modelavg.connect("c:1", "job", tokens_per_step=bad)
+
+
+def test_connect_TokensPerStep_FromTheEnvironmentUnlessGiven(package, monkeypatch):
+    modelavg, fake = package
+    monkeypatch.setenv("MODELAVG_TOKENS_PER_STEP", "512")
+    modelavg.connect("c:1", "job")
+    modelavg.connect("c:1", "job", tokens_per_step=3)
+    (_, env), (_, from_env), (_, from_kw) = fake.calls
+    assert env == "512"
+    assert from_env["tokens_per_step"] == 512.0
+    assert from_kw["tokens_per_step"] == 3.0
 
 
 def test_jobCalls_TakeOnlyTheConnectionOptions(package):

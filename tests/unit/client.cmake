@@ -16,6 +16,10 @@ modelavg_add_gtest(client_gloo_setup_test SOURCES client_gloo_setup_test.cc
                    LIBS modelavg_client modelavg_testing TIMEOUT 60)
 modelavg_add_gtest(client_gloo_round_test SOURCES client_gloo_round_test.cc
                    LIBS modelavg_client modelavg_testing TIMEOUT 120)
+# A paced round's weighted contribution (client/averaging/round_weights.h) over Gloo: plain and
+# outer INT8 with error feedback against the weighted mean recomputed naively.
+modelavg_add_gtest(client_paced_weights_test SOURCES client_paced_weights_test.cc
+                   LIBS modelavg_client TIMEOUT 120)
 # The finite check (client/comm/finite_check.h): the scan, and Gloo rounds with a NaN or an Inf.
 modelavg_add_gtest(client_finite_check_test SOURCES client_finite_check_test.cc
                    LIBS modelavg_client TIMEOUT 120)
@@ -35,6 +39,10 @@ modelavg_add_gtest(client_connection_flags_test SOURCES client_connection_flags_
 if(TARGET modelavg_server)
   modelavg_add_gtest(client_coordinator_test SOURCES client_coordinator_test.cc
                      LIBS modelavg_client modelavg_testing modelavg_server TIMEOUT 120)
+  # A paced round's weights through RoundRunner and StreamingLevel (crafted paced decisions on
+  # an in-process coordinator's job): the weighted mean, and failed rounds that write nothing.
+  modelavg_add_gtest(client_paced_round_test SOURCES client_paced_round_test.cc
+                     LIBS modelavg_client modelavg_testing modelavg_server TIMEOUT 120)
   modelavg_add_gtest(client_nccl_bootstrap_test SOURCES client_nccl_bootstrap_test.cc
                      LIBS modelavg_client modelavg_testing modelavg_server TIMEOUT 60)
   # share_heartbeat_stream: one process's ranks in one HostHeartbeatStream.
@@ -47,6 +55,9 @@ modelavg_add_gtest(client_generation_tracker_test SOURCES client_generation_trac
                    LIBS modelavg_client)
 modelavg_add_gtest(client_session_clock_test SOURCES client_session_clock_test.cc
                    LIBS modelavg_client TIMEOUT 60)
+# Paced rounds' client side without a coordinator: the compute pace on a FakeClock, and the
+# tokens_per_step option and its variable.
+modelavg_add_gtest(client_pace_test SOURCES client_pace_test.cc LIBS modelavg_client TIMEOUT 30)
 modelavg_add_gtest(client_nccl_core_test SOURCES client_nccl_core_test.cc
                    LIBS modelavg_client modelavg_testing)
 modelavg_add_gtest(client_nccl_outer_test SOURCES client_nccl_outer_test.cc

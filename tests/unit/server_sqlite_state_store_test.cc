@@ -20,6 +20,7 @@
 #include "server/core/job_registry.h"
 #include "server/store/sqlite/sqlite_state_store.h"
 #include "tests/tools/make_job_spec.h"
+#include "tests/tools/paced_rounds_store_cases.h"
 
 namespace modelavg::server {
 namespace {
@@ -208,7 +209,7 @@ INSERT INTO members VALUES('a', 1, 'w1', 'h1', 2, 3, 1, 'd1');
     d.members.push_back(retired);
     ASSERT_TRUE(store->Apply("a", d).ok());
   }
-  EXPECT_EQ(QueryOne(db(), "PRAGMA user_version"), "5");
+  EXPECT_EQ(QueryOne(db(), "PRAGMA user_version"), "6");
   auto store = Open();
   absl::StatusOr<std::vector<StoredJob>> jobs = store->LoadAll();
   ASSERT_TRUE(jobs.ok()) << jobs.status();
@@ -218,6 +219,142 @@ INSERT INTO members VALUES('a', 1, 'w1', 'h1', 2, 3, 1, 'd1');
   EXPECT_EQ((*jobs)[0].members[0].retired_by, 1);
   EXPECT_EQ((*jobs)[0].members[0].retired_at_step, 17);
   EXPECT_EQ((*jobs)[0].members[1].retired_by, -1);
+}
+
+// A paced job's planned rounds (tests/tools/paced_rounds_store_cases.h), each step across a
+// reopen of the file.
+TEST_F(SqliteStateStoreTest, PacedRounds_KeptInRoundOrder_DroppedFromTheFront_GoneWithTheJob) {
+  std::unique_ptr<SqliteStateStore> store = Open();
+  ASSERT_NE(store, nullptr);
+  ::modelavg::testing::RunPacedRoundsCases(store.get(), [&] {
+    store.reset();  // released first: the directory is locked by the open store
+    store = Open();
+    return store.get();
+  });
+  // Nothing of the deleted job's rounds is left in the file, not only out of LoadAll's view.
+  EXPECT_EQ(QueryOne(db(), "SELECT count(*) FROM paced_rounds WHERE job_id = 'paced'"), "0");
+  EXPECT_EQ(QueryOne(db(), "SELECT count(*) FROM paced_rounds"), "1");
+}
+
+// The rounds are written in the transaction of the rest of the delta: a write that fails at the
+// last of its rounds (a trigger in the file refuses round 7), or at the drop (after the member
+// and every round: a trigger refuses the delete), leaves neither the header and member change,
+// nor the drop, nor any of the delta's rounds; once the fault is gone the same delta is written.
+TEST_F(SqliteStateStoreTest, PacedRounds_WriteFailsAtTheLastRound_NothingOfTheDeltaStored) {
+  std::unique_ptr<SqliteStateStore> store = Open();
+  ASSERT_NE(store, nullptr);
+  ASSERT_TRUE(store->CreateJob(Spec("a"), 1).ok());
+  JobDelta kept;
+  for (int64_t r : {0, 1, 2}) kept.paced_rounds.push_back(::modelavg::testing::MakePacedRound(r));
+  ASSERT_TRUE(store->Apply("a", kept).ok());
+  JobDelta delta;
+  delta.header = MembershipHeader{v1::RUNNING, 1, std::nullopt};
+  delta.members.push_back(Member{0, "w0", "h0", v1::ALIVE, 1});
+  for (int64_t r : {5, 6, 7}) delta.paced_rounds.push_back(::modelavg::testing::MakePacedRound(r));
+  delta.drop_paced_rounds_before = 2;
+  for (const char* when : {"INSERT ON paced_rounds WHEN NEW.round = 7", "DELETE ON paced_rounds"}) {
+    SCOPED_TRACE(when);
+    RunSql(db(), absl::StrCat("CREATE TRIGGER fault BEFORE ", when,
+                              " BEGIN SELECT RAISE(ABORT, 'injected fault'); END;"));
+    absl::Status s = store->Apply("a", delta);
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("injected fault"));
+    EXPECT_THAT(std::string(s.message()), HasSubstr(db()));
+    const StoredJob a = ::modelavg::testing::LoadPacedJob(*store, "a");
+    EXPECT_EQ(a.header.state, v1::PENDING);
+    EXPECT_TRUE(a.members.empty());
+    ::modelavg::testing::ExpectPacedRounds(a.paced_rounds, {0, 1, 2});
+    RunSql(db(), "DROP TRIGGER fault");
+  }
+
+  ASSERT_TRUE(store->Apply("a", delta).ok());
+  store.reset();
+  store = Open();
+  ASSERT_NE(store, nullptr);
+  const StoredJob a = ::modelavg::testing::LoadPacedJob(*store, "a");
+  EXPECT_EQ(a.header.state, v1::RUNNING);
+  ASSERT_EQ(a.members.size(), 1u);
+  EXPECT_EQ(a.members[0].worker_id, "w0");
+  ::modelavg::testing::ExpectPacedRounds(a.paced_rounds, {2, 5, 6, 7});
+}
+
+// A round that does not parse (or is stored under another round's index) is a damaged file, as a
+// damaged plan is: LoadAll refuses it naming the file and the row, rather than forget the round.
+TEST_F(SqliteStateStoreTest, PacedRounds_UnreadableRecord_LoadAllRefusesNamingIt) {
+  {
+    std::unique_ptr<SqliteStateStore> store = Open();
+    ASSERT_TRUE(store->CreateJob(Spec("a"), 1).ok());
+    JobDelta d;
+    d.paced_rounds.push_back(::modelavg::testing::MakePacedRound(3));
+    ASSERT_TRUE(store->Apply("a", d).ok());
+  }
+  const std::string round_3 =
+      absl::BytesToHexString(::modelavg::testing::MakePacedRound(3).SerializeAsString());
+  for (const std::string& damage :
+       {std::string("UPDATE paced_rounds SET record = X'ffffffff'"),
+        absl::StrCat("UPDATE paced_rounds SET round = 4, record = X'", round_3, "'")}) {
+    SCOPED_TRACE(damage);
+    RunSql(db(), damage);
+    std::unique_ptr<SqliteStateStore> store = Open();
+    ASSERT_NE(store, nullptr);
+    absl::StatusOr<std::vector<StoredJob>> jobs = store->LoadAll();
+    EXPECT_EQ(jobs.status().code(), absl::StatusCode::kDataLoss) << jobs.status();
+    EXPECT_THAT(std::string(jobs.status().message()), HasSubstr(db()));
+    EXPECT_THAT(std::string(jobs.status().message()), HasSubstr("job a: paced round"));
+    EXPECT_THAT(std::string(jobs.status().message()), HasSubstr("backup"));
+  }
+}
+
+// A state file of schema version 5 (plans, no paced rounds) is upgraded in place: what it held
+// is read as before, and paced rounds are then written and kept.
+TEST_F(SqliteStateStoreTest, SchemaVersion5File_UpgradedInPlace_PacedRoundsKept) {
+  ASSERT_EQ(mkdir(dir_.c_str(), 0700), 0);
+  v1::PlanChange plan;
+  plan.set_version(1);
+  plan.set_switch_step(31);
+  RunSql(db(), absl::StrCat(R"sql(
+PRAGMA journal_mode=WAL;
+CREATE TABLE jobs(job_id TEXT PRIMARY KEY NOT NULL, spec BLOB NOT NULL,
+  created_unix_ms INTEGER NOT NULL, state INTEGER NOT NULL, generation INTEGER NOT NULL,
+  last_change BLOB) WITHOUT ROWID;
+CREATE TABLE members(job_id TEXT NOT NULL, rank INTEGER NOT NULL, worker_id TEXT NOT NULL,
+  host TEXT NOT NULL, state INTEGER NOT NULL, generation INTEGER NOT NULL,
+  joined_generation INTEGER NOT NULL, credential_digest TEXT NOT NULL DEFAULT '',
+  admitted_step INTEGER NOT NULL DEFAULT -1, retired_by INTEGER NOT NULL DEFAULT -1,
+  retired_at_step INTEGER NOT NULL DEFAULT 0, PRIMARY KEY(job_id, rank)) WITHOUT ROWID;
+CREATE TABLE comm_ids(job_id TEXT NOT NULL, level INTEGER NOT NULL, subgroup INTEGER NOT NULL,
+  key TEXT NOT NULL, blob BLOB NOT NULL, PRIMARY KEY(job_id, level, subgroup, key)) WITHOUT ROWID;
+CREATE TABLE plans(job_id TEXT NOT NULL, version INTEGER NOT NULL, change BLOB NOT NULL,
+  PRIMARY KEY(job_id, version)) WITHOUT ROWID;
+PRAGMA application_id=1835103847;
+PRAGMA user_version=5;
+INSERT INTO jobs VALUES('a', X')sql",
+                            absl::BytesToHexString(Spec("a").SerializeAsString()),
+                            R"sql(', 5, 2, 4, NULL);
+INSERT INTO members VALUES('a', 0, 'w0', 'h0', 1, 4, 1, 'd0', -1, -1, 0);
+INSERT INTO plans VALUES('a', 1, X')sql",
+                            absl::BytesToHexString(plan.SerializeAsString()), R"sql(');
+)sql"));
+  {
+    std::unique_ptr<SqliteStateStore> store = Open();
+    ASSERT_NE(store, nullptr);
+    const StoredJob a = ::modelavg::testing::LoadPacedJob(*store, "a");
+    EXPECT_EQ(a.header.generation, 4);
+    ASSERT_EQ(a.members.size(), 1u);
+    EXPECT_EQ(a.members[0].credential_digest, "d0");
+    ASSERT_EQ(a.plan_changes.size(), 1u);
+    EXPECT_EQ(a.plan_changes[0].switch_step(), 31);
+    EXPECT_TRUE(a.paced_rounds.empty());
+    JobDelta d;
+    for (int64_t r : {0, 1}) d.paced_rounds.push_back(::modelavg::testing::MakePacedRound(r));
+    ASSERT_TRUE(store->Apply("a", d).ok());
+  }
+  EXPECT_EQ(QueryOne(db(), "PRAGMA user_version"), "6");
+  std::unique_ptr<SqliteStateStore> store = Open();
+  ASSERT_NE(store, nullptr);
+  const StoredJob a = ::modelavg::testing::LoadPacedJob(*store, "a");
+  ::modelavg::testing::ExpectPacedRounds(a.paced_rounds, {0, 1});
+  EXPECT_EQ(a.plan_changes.size(), 1u);
 }
 
 TEST_F(SqliteStateStoreTest, ClearCommIds_DropsTheOldGenerationsIds) {

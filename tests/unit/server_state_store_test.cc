@@ -15,6 +15,7 @@
 #include "server/core/job_registry.h"
 #include "server/store/state_store.h"
 #include "tests/tools/make_job_spec.h"
+#include "tests/tools/paced_rounds_store_cases.h"
 
 namespace modelavg::server {
 namespace {
@@ -480,6 +481,35 @@ TEST_F(StateStoreTest, Restore_ContinuesGenerationMembersAndIds) {
   ASSERT_TRUE(got.has_value());
   ASSERT_TRUE(got->ok());
   EXPECT_EQ(**got, "blob");
+}
+
+// A paced job's planned rounds (tests/tools/paced_rounds_store_cases.h); the in-memory store is
+// its own restart.
+TEST(InMemoryStateStoreTest, PacedRounds_KeptInRoundOrder_DroppedFromTheFront_GoneWithTheJob) {
+  InMemoryStateStore store;
+  ::modelavg::testing::RunPacedRoundsCases(&store, [&store] { return &store; });
+}
+
+TEST(InMemoryStateStoreTest, PacedRounds_FailedWrite_LeavesNeitherRoundsNorMember) {
+  InMemoryStateStore store;
+  ASSERT_TRUE(store.CreateJob(Spec(), 1).ok());
+  JobDelta kept;
+  kept.paced_rounds.push_back(::modelavg::testing::MakePacedRound(0));
+  ASSERT_TRUE(store.Apply("j", kept).ok());
+  JobDelta delta;
+  delta.members.push_back(Member{0, "w0", "h0", v1::ALIVE, 1});
+  delta.paced_rounds.push_back(::modelavg::testing::MakePacedRound(1));
+  delta.drop_paced_rounds_before = 1;
+  store.FailWrites(absl::InternalError("disk full"));
+  EXPECT_EQ(store.Apply("j", delta).code(), absl::StatusCode::kInternal);
+  store.FailWrites(absl::OkStatus());
+  StoredJob stored = ::modelavg::testing::LoadPacedJob(store, "j");
+  EXPECT_TRUE(stored.members.empty());
+  ::modelavg::testing::ExpectPacedRounds(stored.paced_rounds, {0});
+  ASSERT_TRUE(store.Apply("j", delta).ok());
+  stored = ::modelavg::testing::LoadPacedJob(store, "j");
+  EXPECT_EQ(stored.members.size(), 1u);
+  ::modelavg::testing::ExpectPacedRounds(stored.paced_rounds, {1});
 }
 
 }  // namespace

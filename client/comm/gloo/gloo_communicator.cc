@@ -414,7 +414,7 @@ absl::Status GlooCommunicator::PrepareRound(absl::Span<const TensorView> tensors
   const DType dtype = StagingDType(tensors);
   layout->dtype = static_cast<int32_t>(dtype);
   layout->divisor = options.contributors > 0 ? options.contributors : size_;
-  layout->step = options.step;
+  layout->step = options.AgreedStep();
   layout->fragment_signature = options.layout_signature;
   layout->check_finite = options.check_finite;
   absl::StatusOr<int64_t> total = CheckHostTensors(tensors);

@@ -353,7 +353,7 @@ void NcclCore::ValidateRound(Round& r) const {
   const RoundOptions& options = *r.options;
   RoundLayout& p = r.proposal;
   p.divisor = options.contributors > 0 ? options.contributors : size_;
-  p.step = options.step;
+  p.step = options.AgreedStep();
   p.fragment_signature = options.layout_signature;
   p.check_finite = options.check_finite;
   if (p.divisor > size_ || (!options.contribute && p.divisor >= size_)) {

@@ -154,6 +154,13 @@ class ModelAverager {
   Client* client() const { return client_; }
   const AveragerOptions& options() const { return options_; }
 
+  // A paced job counted in rounds (docs/paced.md: the plan's last level paced, with
+  // ScheduleLevel::rounds R > 0): true once this member's call completed round R - 1 of that
+  // level (its decision's `round`), the last round the job averages; the trainer stops there.
+  // False before, and always false for a job without such a level. A restore (set_step,
+  // load_state_dict) makes it false again until the round is completed anew.
+  bool budget_spent() const;
+
   // Per level (index into the job's levels): the bytes this member has sent in the level's
   // averaging rounds (the communicators' count, see Communicator::bytes_sent), and how long
   // averaging calls waited for a fragment's background all-reduce (streaming sync,
@@ -173,10 +180,15 @@ class ModelAverager {
   // (StreamingLevel), the checkpoint (Checkpoint), each with its own state, all used under mu_.
   class Parts;
 
+  // AverageParameters under mu_ (the call's compute pace is marked around it).
+  absl::StatusOr<Decision> Average(absl::Span<const TensorView> params);
+
   Client* const client_;
   const AveragerOptions options_;
   mutable absl::Mutex mu_;
   std::unique_ptr<Parts> parts_ ABSL_PT_GUARDED_BY(mu_);
+  // See budget_spent().
+  bool budget_spent_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // PyTorch's PeriodicModelAverager: the job must be PERIODIC (one level over the whole world,

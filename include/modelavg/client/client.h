@@ -50,6 +50,7 @@ class CommunicatorFactory;
 class DecisionWindow;
 class GenerationTracker;
 class Heartbeat;
+class PaceTracker;
 class RoundNotes;
 struct Joined;
 enum class RoundOutcome;
@@ -134,6 +135,11 @@ struct ClientOptions : ConnectionOptions {
   // member that differs fails the round's layout agreement). Off: no pass over the values
   // (docs/operations.md gives its measured cost).
   bool check_finite = true;
+  // Paced levels (docs/paced.md): the tokens (samples, sequences: any unit, the same for every
+  // member of a job) one local step of this worker processes, sent with the Join. A paced round
+  // weighs each member by its inner steps since its previous round times this. Finite, in
+  // (0, 1e12]; default 1 (environment: MODELAVG_TOKENS_PER_STEP, TokensPerStepFromEnvironment).
+  double tokens_per_step = 1;
   // Cancels Connect from another thread: once cancel->Cancel() is called, Connect's Join (in
   // flight or in its retry backoff) ends at once and Connect fails with CANCELLED. Null: none.
   // Only Connect watches it.
@@ -143,6 +149,13 @@ struct ClientOptions : ConnectionOptions {
   // clock. Tests pass a FakeClock (common/clock.h) to advance time instead of sleeping.
   const Clock* clock = nullptr;
 };
+
+// The largest ClientOptions::tokens_per_step.
+inline constexpr double kMaxTokensPerStep = 1e12;
+
+// MODELAVG_TOKENS_PER_STEP when it is set and not empty, else `fallback`. INVALID_ARGUMENT naming
+// the variable when its value is not a number in (0, 1e12].
+absl::StatusOr<double> TokensPerStepFromEnvironment(double fallback = 1);
 
 // One rank's membership in one job. Thread-safe.
 class Client {
@@ -287,6 +300,9 @@ class Client {
   CoordinatorClient* coordinator() const { return coordinator_.get(); }
   // The communicators of this membership, shared by every averager on this client.
   CommunicatorCache* communicators() const { return communicators_.get(); }
+  // This member's compute pace, which the averagers mark (their calls) and every heartbeat
+  // reports (HeartbeatRequest.compute_steps_per_second; docs/paced.md).
+  PaceTracker* pace() const { return pace_.get(); }
 
  private:
   Client(ClientOptions options, std::unique_ptr<CoordinatorClient> coordinator,
@@ -318,6 +334,7 @@ class Client {
   // The parts, each with its own lock, built on the coordinator connection above.
   const std::unique_ptr<DecisionWindow> decisions_;
   const std::unique_ptr<RoundNotes> round_notes_;
+  const std::unique_ptr<PaceTracker> pace_;
 
   mutable absl::Mutex mu_;
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;

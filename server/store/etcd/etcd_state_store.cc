@@ -20,6 +20,10 @@ constexpr int kMaxTxnOps = 128;
 
 std::string Epoch(int64_t epoch) { return absl::StrFormat("%020d", epoch); }
 std::string Bucket(int32_t bucket) { return absl::StrFormat("%06d", bucket); }
+// Zero-padded so that key order is round order (LoadAll reads them in order; a drop is one
+// range below a round's key).
+constexpr int64_t kMaxPacedRound = 999'999'999'999;
+std::string PacedRoundDigits(int64_t round) { return absl::StrFormat("%012d", round); }
 
 etcd::EtcdMember ToRecord(const Member& m) {
   etcd::EtcdMember r;
@@ -170,6 +174,8 @@ absl::StatusOr<std::vector<StoredJob>> EtcdStateStore::LoadAll() {
   std::vector<std::pair<std::string, const mvccpb::KeyValue*>> buckets;
   // Plans in key order (the version's digits): version order.
   std::vector<std::pair<std::string, const mvccpb::KeyValue*>> plans;
+  // Paced rounds in key order (the round's digits): round order.
+  std::vector<std::pair<std::string, const mvccpb::KeyValue*>> paced_rounds;
   for (const mvccpb::KeyValue& kv : reply->kvs()) {
     absl::string_view rest = kv.key();
     rest.remove_prefix(jobs_prefix.size());
@@ -193,6 +199,8 @@ absl::StatusOr<std::vector<StoredJob>> EtcdStateStore::LoadAll() {
       comm.push_back(CommEntry{job, std::string(parts[2]), &kv});
     } else if (parts[1] == "p" && parts.size() == 3) {
       plans.emplace_back(job, &kv);
+    } else if (parts[1] == "r" && parts.size() == 3) {
+      paced_rounds.emplace_back(job, &kv);
     } else {
       return corrupt("not a key this coordinator writes");
     }
@@ -226,6 +234,17 @@ absl::StatusOr<std::vector<StoredJob>> EtcdStateStore::LoadAll() {
     }
     job_plans[job].push_back(std::move(change));
   }
+  std::map<std::string, std::vector<v1::PacedRound>> job_rounds;
+  for (const auto& [job, kv] : paced_rounds) {
+    v1::PacedRound round;
+    absl::string_view key = kv->key();
+    if (mirrors.find(job) == mirrors.end() || !round.ParseFromString(kv->value()) ||
+        !absl::EndsWith(key, absl::StrCat("/r/", PacedRoundDigits(round.round())))) {
+      return absl::DataLossError(absl::StrCat(
+          "etcd key ", kv->key(), ": a paced round record without its job, or damaged"));
+    }
+    job_rounds[job].push_back(std::move(round));
+  }
   for (auto& [id, mirror] : mirrors) {
     StoredJob job;
     job.spec = mirror->record.spec();
@@ -234,6 +253,7 @@ absl::StatusOr<std::vector<StoredJob>> EtcdStateStore::LoadAll() {
     for (const auto& [rank, m] : mirror->members) job.members.push_back(m);
     job.comm_ids = std::move(ids[id]);
     job.plan_changes = std::move(job_plans[id]);
+    job.paced_rounds = std::move(job_rounds[id]);
     jobs.push_back(std::move(job));
   }
   absl::MutexLock lock(&mu_);
@@ -345,6 +365,25 @@ absl::Status EtcdStateStore::Apply(absl::string_view job_id, const JobDelta& del
   if (delta.plan_change.has_value()) {
     Put(&txn, absl::StrCat(job_prefix, "p/", absl::StrFormat("%06d", delta.plan_change->version())),
         delta.plan_change->SerializeAsString());
+  }
+  // A drop is one range delete (every round below it), so the transaction's size does not grow
+  // with the rounds dropped. etcd refuses a put inside a range deleted by the same transaction,
+  // and a round below the drop is not kept anyway: such a round is not written.
+  const std::string rounds_prefix = absl::StrCat(job_prefix, "r/");
+  for (const v1::PacedRound& r : delta.paced_rounds) {
+    if (r.round() < 0 || r.round() > kMaxPacedRound) {
+      return absl::InternalError(absl::StrCat("job ", job_id, ": paced round ", r.round(),
+                                              " has no etcd key (0 to ", kMaxPacedRound, ")"));
+    }
+    if (r.round() < delta.drop_paced_rounds_before) continue;
+    Put(&txn, absl::StrCat(rounds_prefix, PacedRoundDigits(r.round())), r.SerializeAsString());
+  }
+  if (delta.drop_paced_rounds_before > 0) {
+    DeleteRange(&txn, rounds_prefix,
+                delta.drop_paced_rounds_before > kMaxPacedRound
+                    ? EtcdPrefixEnd(rounds_prefix)
+                    : absl::StrCat(rounds_prefix,
+                                   PacedRoundDigits(delta.drop_paced_rounds_before)));
   }
   if (txn.success_size() == 0) return absl::OkStatus();
   bool refused = false;

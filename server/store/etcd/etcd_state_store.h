@@ -13,7 +13,8 @@
 //   coordinator.
 // * The store keeps a copy of what it wrote for each job (the leader is the only writer), so a
 //   transition writes only the keys it changes: the job's header, the member buckets (256 ranks
-//   each) it touches, one comm id.
+//   each) it touches, one comm id, the paced rounds it planned (one key each) and, for the rounds
+//   it drops, one range delete.
 #ifndef MODELAVG_SERVER_STORE_ETCD_ETCD_STATE_STORE_H_
 #define MODELAVG_SERVER_STORE_ETCD_ETCD_STATE_STORE_H_
 

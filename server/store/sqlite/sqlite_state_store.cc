@@ -26,8 +26,10 @@ constexpr int32_t kApplicationId = 0x6d617667;
 // is upgraded in place (its members are of the starting world: -1). Version 4 added
 // members.retired_by and members.retired_at_step (sharded replicas); a version 3 file is
 // upgraded in place (nobody retired: -1 and 0). Version 5 added the plans table (UpdateJob); a
-// version 4 file is upgraded in place (no job has been updated).
-constexpr int kSchemaVersion = 5;
+// version 4 file is upgraded in place (no job has been updated). Version 6 added the
+// paced_rounds table (docs/paced.md); a version 5 file is upgraded in place (no job has planned
+// a paced round).
+constexpr int kSchemaVersion = 6;
 // How long a write waits for a reader that holds the file (sqlite3's .backup, VACUUM INTO).
 constexpr int kBusyTimeoutMs = 10000;
 
@@ -67,6 +69,12 @@ CREATE TABLE plans(                -- the plans UpdateJob accepted (version 0 is
   version INTEGER NOT NULL,
   change BLOB NOT NULL,            -- modelavg.v1.PlanChange, binary protobuf
   PRIMARY KEY(job_id, version)
+) WITHOUT ROWID;
+CREATE TABLE paced_rounds(         -- a paced job's planned rounds still kept
+  job_id TEXT NOT NULL,
+  round INTEGER NOT NULL,
+  record BLOB NOT NULL,            -- modelavg.v1.PacedRound, binary protobuf
+  PRIMARY KEY(job_id, round)
 ) WITHOUT ROWID;
 )sql";
 
@@ -308,6 +316,10 @@ absl::StatusOr<std::unique_ptr<SqliteStateStore>> SqliteStateStore::Open(const s
        "BEGIN IMMEDIATE; CREATE TABLE plans(job_id TEXT NOT NULL, version INTEGER NOT NULL, "
        "change BLOB NOT NULL, PRIMARY KEY(job_id, version)) WITHOUT ROWID; "
        "PRAGMA user_version=5; COMMIT;"},
+      {"5",
+       "BEGIN IMMEDIATE; CREATE TABLE paced_rounds(job_id TEXT NOT NULL, round INTEGER NOT "
+       "NULL, record BLOB NOT NULL, PRIMARY KEY(job_id, round)) WITHOUT ROWID; "
+       "PRAGMA user_version=6; COMMIT;"},
   };
   for (const Upgrade& upgrade : kUpgrades) {
     if (*version != upgrade.from) continue;
@@ -370,6 +382,9 @@ SqliteStateStore::~SqliteStateStore() {
   job_exists_.reset();
   delete_plans_.reset();
   insert_plan_.reset();
+  delete_paced_rounds_.reset();
+  upsert_paced_round_.reset();
+  drop_paced_rounds_.reset();
   // A clean close checkpoints the WAL into state.db.
   sqlite3_close(db_);
 }
@@ -399,6 +414,10 @@ absl::Status SqliteStateStore::Prepare() {
       {&job_exists_, "SELECT 1 FROM jobs WHERE job_id = ?1"},
       {&delete_plans_, "DELETE FROM plans WHERE job_id = ?1"},
       {&insert_plan_, "INSERT INTO plans(job_id, version, change) VALUES(?1, ?2, ?3)"},
+      {&delete_paced_rounds_, "DELETE FROM paced_rounds WHERE job_id = ?1"},
+      {&upsert_paced_round_,
+       "INSERT OR REPLACE INTO paced_rounds(job_id, round, record) VALUES(?1, ?2, ?3)"},
+      {&drop_paced_rounds_, "DELETE FROM paced_rounds WHERE job_id = ?1 AND round < ?2"},
   };
   for (auto& s : statements) {
     sqlite3_stmt* stmt = nullptr;
@@ -598,6 +617,26 @@ absl::StatusOr<std::vector<StoredJob>> SqliteStateStore::LoadAll() {
   }
   if (absl::Status s = finish(rc); !s.ok()) return s;
   if (!bad.empty()) return damaged(absl::StrCat("holds unreadable rows (", bad[0], ")"));
+
+  j = 0;
+  if (absl::Status s = query("SELECT job_id, round, record FROM paced_rounds ORDER BY job_id, "
+                             "round");
+      !s.ok()) {
+    return s;
+  }
+  while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
+    StoredJob* job = find(text(0));
+    if (job == nullptr) continue;
+    v1::PacedRound round;
+    if (!round.ParseFromString(blob(2)) || round.round() != sqlite3_column_int64(stmt, 1)) {
+      bad.push_back(absl::StrCat("job ", job->spec.job_id(), ": paced round ",
+                                 sqlite3_column_int64(stmt, 1)));
+      continue;
+    }
+    job->paced_rounds.push_back(std::move(round));
+  }
+  if (absl::Status s = finish(rc); !s.ok()) return s;
+  if (!bad.empty()) return damaged(absl::StrCat("holds unreadable rows (", bad[0], ")"));
   return jobs;
 }
 
@@ -626,7 +665,7 @@ absl::Status SqliteStateStore::DeleteJob(absl::string_view job_id) {
   if (absl::Status s = Exec("BEGIN IMMEDIATE"); !s.ok()) return Error(std::string(s.message()));
   absl::Status s;
   for (Statement* st : {delete_comm_ids_.get(), delete_members_.get(), delete_plans_.get(),
-                        delete_job_.get()}) {
+                        delete_paced_rounds_.get(), delete_job_.get()}) {
     absl::StatusOr<int> done = st->Bind(1, job_id).Run();
     if (!done.ok()) {
       s = done.status();
@@ -712,6 +751,19 @@ absl::Status SqliteStateStore::ApplyLocked(absl::string_view job_id, const JobDe
                                    .Bind(2, int64_t{delta.plan_change->version()})
                                    .BindBlob(3, delta.plan_change->SerializeAsString())
                                    .Run();
+    if (!done.ok()) return done.status();
+  }
+  for (const v1::PacedRound& r : delta.paced_rounds) {
+    absl::StatusOr<int> done = upsert_paced_round_->Bind(1, job_id)
+                                   .Bind(2, r.round())
+                                   .BindBlob(3, r.SerializeAsString())
+                                   .Run();
+    if (!done.ok()) return done.status();
+  }
+  // After the writes: a round below the drop is gone even if this delta wrote it.
+  if (delta.drop_paced_rounds_before > 0) {
+    absl::StatusOr<int> done =
+        drop_paced_rounds_->Bind(1, job_id).Bind(2, delta.drop_paced_rounds_before).Run();
     if (!done.ok()) return done.status();
   }
   return absl::OkStatus();

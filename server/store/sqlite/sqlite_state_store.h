@@ -89,6 +89,9 @@ class SqliteStateStore final : public StateStore {
   std::unique_ptr<Statement> job_exists_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Statement> delete_plans_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Statement> insert_plan_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Statement> delete_paced_rounds_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Statement> upsert_paced_round_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Statement> drop_paced_rounds_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace modelavg::server
