@@ -3,12 +3,12 @@
 
 Trains a small character-level transformer on the training split of the corpus, communicating
 as its mode says (modes.py), and writes one JSON line per evaluation to --out:
-``{"step", "seconds", "val_loss", "train_loss", "after_step_seconds"}`` where seconds is the
-training time so far (wall clock since the first step, less the time this rank spent
-evaluating), after_step_seconds the part of it spent in the mode's after-step call (the
-averagers' whole cost; DDP communicates inside backward, so 0 there) and bytes_sent the bytes
-this rank handed to the transport per averaging level (modelavg's traffic(); null for the
-other modes). Only rank 0
+``{"step", "seconds", "val_loss", "train_loss", "after_step_seconds", "bytes_sent", "round"}``
+where seconds is the training time so far (wall clock since the first step, less the time this
+rank spent evaluating), after_step_seconds the part of it spent in the mode's after-step call
+(the averagers' whole cost; DDP communicates inside backward, so 0 there), bytes_sent the bytes
+this rank handed to the transport per averaging level (modelavg's traffic(); null for the other
+modes) and round the last level's last round (below). Only rank 0
 evaluates; the others write their step times. It stops before the step named in the stop file
 (--stop_file, written by rank 0 once the target is reached, see run.py) or at --max_steps.
 
@@ -21,11 +21,12 @@ finish that round before the file exists: rank 0 writes it before it enters the 
 
 --slow_factor F > 1 makes the rank F times slower: after each optimizer step it sleeps F - 1
 times that step's own compute (forward, backward, optimizer step). With --util_out, every rank
-appends a JSON line every --util_every of its steps and at its end:
-``{"step", "wall", "compute", "round"}``: wall the seconds since its first step less its own
-evaluations, compute the part of it outside the mode's after-step call (the injected sleep
-included: it stands for a slower machine), round its paced level's last round (-1: none yet, or
-not a paced mode); compute / wall is the rank's utilization.
+appends a JSON line every --util_every of its steps, after each round of the last level and at
+its end: ``{"step", "wall", "compute", "round"}``: wall the seconds since its first step less its
+own evaluations, compute the part of it outside the mode's after-step call (the injected sleep
+included: it stands for a slower machine), round the last level's last round from 0 (paced:
+Decision.round; step-locked modelavg modes: its averages counted; -1: none yet, or a mode
+without decisions); compute / wall is the rank's utilization.
 """
 
 import argparse
@@ -128,7 +129,10 @@ def main():
     # stop_at is set to the step after which that round was taken.
     stop_at = (1 << 62) if paced else args.max_steps  # steps to run (a count)
     stop_round = None
-    last_round = -1  # the paced level's last round taken (Decision.round), -1: none yet
+    # The last level's last round taken: paced, Decision.round; step-locked, the last level's
+    # averages counted from 0 (modelavg's modes). -1: none yet.
+    last_round = -1
+    top_level = len(mode.levels(args)) - 1
     done = 0
     while done < stop_at:
         i = done  # this step's index, from 0; the averagers average after index i's update
@@ -148,8 +152,13 @@ def main():
         done += 1
         if paced:
             taken = getattr(decision, "round", -1)
-            if taken >= 0:
-                last_round = taken
+        elif getattr(decision, "average", False) and decision.level == top_level:
+            taken = last_round + 1  # step-locked: the last level's averages, counted
+        else:
+            taken = -1
+        if taken >= 0:
+            last_round = taken
+        if paced:
             if stop_round is None and args.rank != 0 and os.path.exists(args.stop_file):
                 with open(args.stop_file) as f:
                     stop_round = int(f.read())
@@ -161,16 +170,15 @@ def main():
             if args.rank == 0 and stop_round is None and done >= args.max_steps:
                 stop_round = last_round + 1  # not reached: the run ends at the next round
                 write_stop(stop_round)
-        if util is not None and done % args.util_every == 0:
-            emit_util()
+        if util is not None and (done % args.util_every == 0 or taken >= 0):
+            emit_util()  # and at each outer round: its steps and times exactly
         if args.rank == 0 and ((i > 0 and i % args.eval_every == 0) or done == stop_at):
             e0 = time.monotonic()
             v = lm.evaluate(mode.module(net), val)
             eval_seconds += time.monotonic() - e0
             emit(step=done, seconds=time.monotonic() - start - eval_seconds, val_loss=v,
                  train_loss=float(loss), after_step_seconds=after_seconds,
-                 bytes_sent=mode.bytes_sent(), bytes_at_step0=first_bytes,
-                 **({"round": last_round} if paced else {}))
+                 bytes_sent=mode.bytes_sent(), bytes_at_step0=first_bytes, round=last_round)
             if not math.isfinite(v):
                 raise SystemExit(f"rank 0: validation loss is {v} at step {done}")
             if paced and v <= args.target_loss and stop_round is None:
@@ -196,8 +204,7 @@ def main():
     if util is not None and util_last[0] != done:
         emit_util()  # the last line: the whole run
     if args.rank != 0:
-        emit(step=done, seconds=time.monotonic() - start,
-             **({"round": last_round} if paced else {}))
+        emit(step=done, seconds=time.monotonic() - start, round=last_round)
     mode.close()
 
 

@@ -27,9 +27,12 @@ averaging calls, evaluation excluded, the injected sleep included) every --util_
 
 For each mode it prints one JSON line over the seeds (median and range): seconds to the target
 (rank 0's training seconds at its first evaluation at or below it), its steps, the utilization
-(compute / wall) of the fast members (the mean of ranks 0 and 1) and of the slow pair (ranks 2
-and 3), each rank's, the final loss, the outer rounds taken, MB over site b's uplink; then the
-ratio locked / paced of the median seconds to the target. Writes --out_dir/paced.json (every
+(compute / wall, the whole run) of the fast members (the mean of ranks 0 and 1) and of the slow
+pair (ranks 2 and 3), each rank's, the fast members' utilization from the outer round 2 on (a
+paced level takes round 1 step-locked: no pace is known when it is planned), the final loss,
+the outer rounds taken, MB over site b's uplink; then the ratio locked / paced of the median
+seconds to the target. Each run's line gives the inner steps rank 0 and the slow rank took
+between consecutive outer rounds. Writes --out_dir/paced.json (every
 figure, every evaluation and utilization line) and --out_dir/paced.png (each member's
 utilization over time, one panel per mode; the time to the target). Needs root (namespaces), the
 `fortunes` package, matplotlib for the plot, a Python with PyTorch for the workers (--python)
@@ -71,14 +74,15 @@ def parse_args():
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--slow_rank", type=int, default=3)
     p.add_argument("--slow_factor", type=float, default=2.0)
-    p.add_argument("--target_loss", type=float, default=2.6)
-    p.add_argument("--max_steps", type=int, default=2000, help="rank 0's")
+    p.add_argument("--target_loss", type=float, default=2.2)
+    p.add_argument("--max_steps", type=int, default=3000, help="rank 0's")
     p.add_argument("--eval_every", type=int, default=32)
     p.add_argument("--util_every", type=int, default=16)
     p.add_argument("--diloco_period", type=int, default=128,
                    help="the outer level's period (paced: the slow pair's inner steps)")
-    p.add_argument("--diloco_site_period", type=int, default=2,
-                   help="the period of the plain average inside a site")
+    p.add_argument("--diloco_site_period", type=int, default=8,
+                   help="the period of the plain average inside a site (bench/lm's is 2: there "
+                        "the pair's averaging is a fifth of the fast pair's time on 2 cores)")
     p.add_argument("--outer_lr", type=float, default=0.9)
     p.add_argument("--outer_momentum", type=float, default=0.3)
     drivers.add_model_args(p)  # bench/lm's
@@ -165,15 +169,42 @@ def run_once(args, cluster, mode, seed, tmp):
     util = [lines(os.path.join(tmp, f"{tag}.{rank}.util")) for rank in range(len(WORKERS))]
     hit = next((e for e in evals if e["val_loss"] <= args.target_loss), None)
     utilization = [u[-1]["compute"] / u[-1]["wall"] for u in util]
+    settled = [utilization_from_round(u, 2) for u in util]
     return {"mode": mode, "seed": seed, "evals": evals, "util": util,
             "steps": [e["step"] for e in ends], "rounds": [e.get("round") for e in ends],
             "utilization": [round(x, 4) for x in utilization],
             "fast_utilization": statistics.mean(utilization[r] for r in FAST),
             "slow_utilization": statistics.mean(utilization[r] for r in SLOW),
+            "utilization_from_round2": [x and round(x, 4) for x in settled],
+            "fast_utilization_from_round2": (statistics.mean(settled[r] for r in FAST)
+                                             if all(settled[r] for r in FAST) else None),
+            "round_steps": [round_steps(u) for u in util],
             "steps_to_target": hit["step"] if hit else None,
             "seconds_to_target": hit["seconds"] if hit else None,
             "seconds_run": evals[-1]["seconds"], "final_loss": evals[-1]["val_loss"],
             "link_bytes": link, "process_wall_s": wall}
+
+
+def round_start(u, k):
+    """The utilization line of one rank's `u` written at its round k of the last level (the
+    first line with round >= k; None: the rank did not take it)."""
+    return next((x for x in u if x["round"] >= k), None)
+
+
+def utilization_from_round(u, k):
+    """compute / wall of one rank from its round k of the last level to its end: the
+    utilization once round 1, which a paced level takes step-locked (docs/paced.md), is over."""
+    a = round_start(u, k)
+    if a is None or u[-1]["wall"] <= a["wall"]:
+        return None
+    return (u[-1]["compute"] - a["compute"]) / (u[-1]["wall"] - a["wall"])
+
+
+def round_steps(u):
+    """The inner steps one rank took between its consecutive rounds of the last level."""
+    starts = [x["step"] for x in u if x["round"] >= 0 and
+              round_start(u, x["round"]) is x]
+    return [b - a for a, b in zip(starts, starts[1:])]
 
 
 def spread(values):
@@ -193,6 +224,8 @@ def mode_line(args, mode, rs):
             "steps_to_target": spread([r["steps_to_target"] for r in hit]),
             "fast_utilization": spread([r["fast_utilization"] for r in rs]),
             "slow_utilization": spread([r["slow_utilization"] for r in rs]),
+            "fast_utilization_from_round2": spread([r["fast_utilization_from_round2"]
+                                                    for r in rs]),
             "rank_utilization": [spread([r["utilization"][k] for r in rs])
                                  for k in range(len(WORKERS))],
             "final_loss": spread([r["final_loss"] for r in rs]),
@@ -232,9 +265,10 @@ def plot(args, runs, lines_, path):
     modes = [m for m in args.mode_list if any(r["mode"] == m for r in runs)]
     fig, axes = plt.subplots(1, len(modes) + 1, figsize=(5 * (len(modes) + 1), 4.2))
     seed = args.seed_list[0]
-    window = 2 * args.diloco_period * 0.05  # about two outer periods of the fast pair
     for ax, mode in zip(axes, modes):
         r = next(r for r in runs if r["mode"] == mode and r["seed"] == seed)
+        slow = r["util"][args.slow_rank]  # the window: about two of its rounds
+        window = round(2 * slow[-1]["wall"] / max(1, slow[-1]["round"] + 1), 1)
         for k, u in enumerate(r["util"]):
             role = "fast" if k in FAST else ("slow" if k == args.slow_rank else "slow pair")
             t = [x["wall"] for x in u]
@@ -249,7 +283,8 @@ def plot(args, runs, lines_, path):
         ax.set_ylim(0, 1.05)
         ax.set_xlabel("wall-clock since the rank's first step (s)")
         ax.set_ylabel("utilization (compute / wall)")
-        ax.set_title(f"{mode} (seed {seed}): solid since the start, faint over {window:g} s")
+        ax.set_title(f"{mode} (seed {seed}): solid since the start, faint over the last "
+                     f"{window:g} s")
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
@@ -267,7 +302,7 @@ def plot(args, runs, lines_, path):
     ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"4 replicas, 2 sites at {args.rate_mbit:g} Mbit/s, rank {args.slow_rank} "
                  f"{args.slow_factor:g}x slower; DiLoCo every {args.diloco_period} steps "
-                 f"(paced: the slow pair's)")
+                 f"(paced: the slow pair's), the pair in a site every {args.diloco_site_period}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -315,6 +350,8 @@ def main():
                     runs.append(r)
                     print(json.dumps({"mode": mode, "seed": seed, "steps": r["steps"],
                                       "rounds": r["rounds"], "utilization": r["utilization"],
+                                      "from_round2": r["utilization_from_round2"],
+                                      "round_steps": [r["round_steps"][k] for k in (0, args.slow_rank)],
                                       "seconds_to_target": r["seconds_to_target"],
                                       "final_loss": round(r["final_loss"], 4),
                                       "run_s": round(time.monotonic() - t, 1)}), flush=True)
