@@ -32,9 +32,12 @@ pair (ranks 2 and 3), each rank's, the fast members' utilization from the outer 
 paced level takes round 1 step-locked: no pace is known when it is planned), the final loss,
 the outer rounds taken, MB over site b's uplink; then the ratio locked / paced of the median
 seconds to the target. Each run's line gives the inner steps rank 0 and the slow rank took
-between consecutive outer rounds. Writes --out_dir/paced.json (every
-figure, every evaluation and utilization line) and --out_dir/paced.png (each member's
-utilization over time, one panel per mode; the time to the target). Needs root (namespaces), the
+between consecutive outer rounds. During a paced run it reads the coordinator's status page
+(--metrics_listen) twice a second for the job's group paces, the paces the next round would be
+planned with. Writes --out_dir/paced.json (every
+figure, every evaluation and utilization line, the group paces) and --out_dir/paced.png (each
+member's utilization over time, one panel per mode; the paced run's group paces over time; the
+time to the target). Needs root (namespaces), the
 `fortunes` package, matplotlib for the plot, a Python with PyTorch for the workers (--python)
 and a build (--build_dir: modelavg-coordinator and modelavg-python).
 """
@@ -42,12 +45,14 @@ and a build (--build_dir: modelavg-coordinator and modelavg-python).
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,6 +67,7 @@ import netcluster as nc  # noqa: E402
 WORKERS = [("w0", "a"), ("w1", "a"), ("w2", "b"), ("w3", "b")]
 FAST, SLOW = (0, 1), (2, 3)  # site a's pair, site b's pair (the slow rank's)
 COORD_PORT = 7000
+STATUS_PORT = 7001  # the coordinator's status page: the paced job's group paces are read there
 MODES = {"locked": "diloco", "paced": "diloco_paced"}  # this benchmark's name -> bench/lm's
 
 
@@ -124,7 +130,8 @@ def run_once(args, cluster, mode, seed, tmp):
     log = open(os.path.join(tmp, f"{tag}.coordinator.log"), "w")
     coordinator = cluster.popen("coord", [
         os.path.join(args.build_dir, "server", "modelavg-coordinator"),
-        f"--listen={coord.address}:{COORD_PORT}", "--log_level=warn"],
+        f"--listen={coord.address}:{COORD_PORT}", "--log_level=warn",
+        f"--metrics_listen={coord.address}:{STATUS_PORT}"],
         stdout=log, stderr=subprocess.STDOUT)
     time.sleep(1.0)
     if coordinator.poll() is not None:
@@ -152,8 +159,17 @@ def run_once(args, cluster, mode, seed, tmp):
                 f"--slow_factor={args.slow_factor if rank == args.slow_rank else 1}"]
         err = open(os.path.join(tmp, f"{tag}.{rank}.err"), "w")
         procs.append(cluster.popen(host, argv, stdout=err, stderr=subprocess.STDOUT, env=env))
+    paces, done = [], threading.Event()
+    watch = threading.Thread(target=watch_paces, daemon=True,
+                             args=(cluster, f"http://{coord.address}:{STATUS_PORT}/jobs/paced-{tag}",
+                                   started, paces, done))
+    if mode == "paced":
+        watch.start()
     failed = drivers.wait_workers(procs, time.monotonic() + args.timeout_s,
                                   lambda rank: os.path.join(tmp, f"{tag}.{rank}.err"))
+    done.set()
+    if watch.is_alive():
+        watch.join()
     wall = time.monotonic() - started
     link = cluster.site_bytes("b") - before
     coordinator.send_signal(signal.SIGTERM)
@@ -170,7 +186,7 @@ def run_once(args, cluster, mode, seed, tmp):
     hit = next((e for e in evals if e["val_loss"] <= args.target_loss), None)
     utilization = [u[-1]["compute"] / u[-1]["wall"] for u in util]
     settled = [utilization_from_round(u, 2) for u in util]
-    return {"mode": mode, "seed": seed, "evals": evals, "util": util,
+    return {"mode": mode, "seed": seed, "evals": evals, "util": util, "group_paces": paces,
             "steps": [e["step"] for e in ends], "rounds": [e.get("round") for e in ends],
             "utilization": [round(x, 4) for x in utilization],
             "fast_utilization": statistics.mean(utilization[r] for r in FAST),
@@ -183,6 +199,19 @@ def run_once(args, cluster, mode, seed, tmp):
             "seconds_to_target": hit["seconds"] if hit else None,
             "seconds_run": evals[-1]["seconds"], "final_loss": evals[-1]["val_loss"],
             "link_bytes": link, "process_wall_s": wall}
+
+
+def watch_paces(cluster, url, started, paces, done):
+    """Appends (seconds since `started`, [each group's pace, steps/s; None: not known]) to
+    `paces`, read from the coordinator's status page (the paced job's "group paces" row: what
+    the next round would be planned with) about twice a second, until `done` is set."""
+    row = re.compile(r"group paces</dt><dd>([^<]*) steps/s")
+    while not done.wait(0.5):
+        page = cluster.run("coord", ["curl", "-s", "--max-time", "1", url], check=False).stdout
+        m = row.search(page)
+        if m:
+            paces.append((round(time.monotonic() - started, 2),
+                          [None if v.strip() == "?" else float(v) for v in m.group(1).split(",")]))
 
 
 def round_start(u, k):
@@ -263,7 +292,8 @@ def plot(args, runs, lines_, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     modes = [m for m in args.mode_list if any(r["mode"] == m for r in runs)]
-    fig, axes = plt.subplots(1, len(modes) + 1, figsize=(5 * (len(modes) + 1), 4.2))
+    fig, grid = plt.subplots(2, 2, figsize=(12, 8.4))
+    axes = list(grid.flat)
     seed = args.seed_list[0]
     for ax, mode in zip(axes, modes):
         r = next(r for r in runs if r["mode"] == mode and r["seed"] == seed)
@@ -288,7 +318,19 @@ def plot(args, runs, lines_, path):
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
-    ax = axes[-1]
+    paced = next((r for r in runs if r["mode"] == "paced" and r["seed"] == seed), None)
+    ax = axes[2]
+    if paced and paced["group_paces"]:
+        for g, name in enumerate(("site a's pair (fast)", "site b's pair (slow)")):
+            pts = [(t, v[g]) for t, v in paced["group_paces"] if len(v) > g and v[g]]
+            ax.plot([t for t, _ in pts], [v for _, v in pts], color=f"C{2 * g}", label=name)
+        ax.legend(fontsize=7)
+    ax.set_xlabel("seconds since the workers were started")
+    ax.set_ylabel("group pace, steps/s (coordinator's status page)")
+    ax.set_title(f"paced (seed {seed}): the paces the next round would be planned with")
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3)
+    ax = axes[3]
     for i, x in enumerate(lines_):
         s = x["seconds_to_target"]
         if not s:
