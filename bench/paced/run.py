@@ -92,6 +92,10 @@ def parse_args():
     p.add_argument("--outer_lr", type=float, default=0.9)
     p.add_argument("--outer_momentum", type=float, default=0.3)
     drivers.add_model_args(p)  # bench/lm's
+    p.add_argument("--cpu_quota", type=float, default=0.4,
+                   help="CPUs each worker may use at most (a cgroup v1 CFS quota; 0: no cap): "
+                        "without it a worker computes faster while the others wait, which no "
+                        "separate machine does, and the paces measured at a round's end are off")
     p.add_argument("--timeout_s", type=float, default=600, help="per run")
     p.add_argument("--keep", action="store_true", help="keep the workers' logs (printed)")
     p.add_argument("--out_dir", default=os.path.join(REPO, "bench", "paced", "out"))
@@ -122,7 +126,43 @@ def lines(path):
     return [json.loads(line) for line in open(path) if line.strip()]
 
 
-def run_once(args, cluster, mode, seed, tmp):
+CPU_CGROUP = "/sys/fs/cgroup/cpu"
+
+
+class CpuCaps:
+    """One cgroup v1 CPU controller group a worker, each capped at `cpus` CPUs (a CFS quota over
+    a 10 ms period, so that a step is throttled in small slices); removed on close."""
+
+    def __init__(self, cpus, n):
+        self.dirs = []
+        if not cpus:
+            return
+        if not os.access(os.path.join(CPU_CGROUP, "cgroup.procs"), os.W_OK):
+            raise SystemExit(f"--cpu_quota needs a writable cgroup v1 CPU controller at "
+                             f"{CPU_CGROUP} (or --cpu_quota=0)")
+        for rank in range(n):
+            d = os.path.join(CPU_CGROUP, f"modelavg-paced-{os.getpid()}-{rank}")
+            os.makedirs(d, exist_ok=True)
+            self.dirs.append(d)
+            for name, value in (("cpu.cfs_period_us", 10000),
+                                ("cpu.cfs_quota_us", max(1000, int(10000 * cpus)))):
+                with open(os.path.join(d, name), "w") as f:
+                    f.write(str(value))
+
+    def add(self, rank, pid):
+        if self.dirs:
+            with open(os.path.join(self.dirs[rank], "cgroup.procs"), "w") as f:
+                f.write(str(pid))
+
+    def close(self):
+        for d in self.dirs:
+            try:
+                os.rmdir(d)
+            except OSError as e:
+                print(f"could not remove {d}: {e}", file=sys.stderr)
+
+
+def run_once(args, cluster, mode, seed, tmp, caps):
     """One run of `mode` (locked or paced) with `seed`: its figures, evaluations and each rank's
     utilization lines."""
     tag = f"{mode}.s{seed}"
@@ -159,6 +199,7 @@ def run_once(args, cluster, mode, seed, tmp):
                 f"--slow_factor={args.slow_factor if rank == args.slow_rank else 1}"]
         err = open(os.path.join(tmp, f"{tag}.{rank}.err"), "w")
         procs.append(cluster.popen(host, argv, stdout=err, stderr=subprocess.STDOUT, env=env))
+        caps.add(rank, procs[-1].pid)  # `ip netns exec` execs the worker: the same process
     paces, done = [], threading.Event()
     watch = threading.Thread(target=watch_paces, daemon=True,
                              args=(cluster, f"http://{coord.address}:{STATUS_PORT}/jobs/paced-{tag}",
@@ -344,7 +385,9 @@ def plot(args, runs, lines_, path):
     ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"4 replicas, 2 sites at {args.rate_mbit:g} Mbit/s, rank {args.slow_rank} "
                  f"{args.slow_factor:g}x slower; DiLoCo every {args.diloco_period} steps "
-                 f"(paced: the slow pair's), the pair in a site every {args.diloco_site_period}")
+                 f"(paced: the slow pair's), the pair in a site every {args.diloco_site_period}; "
+                 + (f"each worker capped at {args.cpu_quota:g} CPU" if args.cpu_quota
+                    else "workers uncapped"))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -372,6 +415,7 @@ def main():
     os.makedirs(args.out_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="modelavg-paced-")
     runs, out = [], []
+    caps = CpuCaps(args.cpu_quota, len(WORKERS))
 
     def save():
         with open(os.path.join(args.out_dir, "paced.json"), "w") as f:
@@ -387,7 +431,7 @@ def main():
                 rs = []
                 for seed in args.seed_list:
                     t = time.monotonic()
-                    r = run_once(args, cluster, mode, seed, tmp)
+                    r = run_once(args, cluster, mode, seed, tmp, caps)
                     rs.append(r)
                     runs.append(r)
                     print(json.dumps({"mode": mode, "seed": seed, "steps": r["steps"],
@@ -401,6 +445,7 @@ def main():
                 print(json.dumps(out[-1]), flush=True)
                 save()
     finally:
+        caps.close()
         if args.keep:
             print(f"logs: {tmp}")
         else:
