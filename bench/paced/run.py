@@ -98,6 +98,9 @@ def parse_args():
                         "separate machine does, and the paces measured at a round's end are off")
     p.add_argument("--timeout_s", type=float, default=600, help="per run")
     p.add_argument("--keep", action="store_true", help="keep the workers' logs (printed)")
+    p.add_argument("--from_json", default="",
+                   help="a paced.json: print its figures as docs/benchmarks.md's Markdown table, "
+                        "running nothing")
     p.add_argument("--out_dir", default=os.path.join(REPO, "bench", "paced", "out"))
     p.add_argument("--build_dir", default=os.path.join(REPO, "build"))
     venv = os.path.join(REPO, ".venv", "bin", "python")
@@ -270,6 +273,14 @@ def utilization_from_round(u, k):
     return (u[-1]["compute"] - a["compute"]) / (u[-1]["wall"] - a["wall"])
 
 
+def round_seconds(u):
+    """The median wall seconds one rank took between its consecutive rounds of the last level
+    (None: fewer than two rounds)."""
+    starts = [x["wall"] for x in u if x["round"] >= 0 and round_start(u, x["round"]) is x]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    return statistics.median(gaps) if gaps else None
+
+
 def round_steps(u):
     """The inner steps one rank took between its consecutive rounds of the last level."""
     starts = [x["step"] for x in u if x["round"] >= 0 and
@@ -392,6 +403,36 @@ def plot(args, runs, lines_, path):
     fig.savefig(path, dpi=100)
 
 
+def markdown(path):
+    """A paced.json's figures as the Markdown table of docs/benchmarks.md."""
+    d = json.load(open(path))
+    a = d["args"]
+
+    def f(v, fmt):
+        if not v:
+            return "-"
+        return (fmt + " [" + fmt + ", " + fmt + "]").format(v["median"], v["min"], v["max"])
+    rows = ["| mode | reached | seconds to " + f"{a['target_loss']:g}" + " | rank 0's steps | "
+            "outer round at the target | fast members' utilization | from round 2 | rank 2 | "
+            "rank 3 (slow) | seconds a round | final loss |", "|" + "---|" * 11]
+    for x in d["modes"]:
+        rs = [r for r in d["runs"] if r["mode"] == x["mode"]]
+        per_round = spread([round_seconds(r["util"][a["slow_rank"]]) for r in rs])
+        at = spread([next((e["round"] for e in r["evals"] if e["val_loss"] <= a["target_loss"]),
+                          None) for r in rs])
+        rows.append(" | ".join([
+            f"| {x['mode']}", x["reached"], f(x["seconds_to_target"], "{:.1f}"),
+            f(x["steps_to_target"], "{:.0f}"), f(at, "{:.0f}"), f(x["fast_utilization"], "{:.2f}"),
+            f(x["fast_utilization_from_round2"], "{:.2f}"),
+            f(x["rank_utilization"][2], "{:.2f}"), f(x["rank_utilization"][3], "{:.2f}"),
+            f(per_round, "{:.2f}"), f(x["final_loss"], "{:.3f}")]) + " |")
+    r = d.get("ratio")
+    if r:
+        rows.append(f"\nlocked / paced, median seconds to the target: "
+                    f"{r['time_to_target_locked_over_paced']:.2f}")
+    return "\n".join(rows)
+
+
 def smoke_check(runs):
     for r in runs:
         if r["mode"] == "paced":
@@ -408,6 +449,9 @@ def smoke_check(runs):
 
 def main():
     args = parse_args()
+    if args.from_json:
+        print(markdown(args.from_json))
+        return
     reason = nc.unavailable_reason()
     if reason:
         raise SystemExit(f"the benchmark needs a cluster of network namespaces: {reason}")
