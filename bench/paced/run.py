@@ -99,8 +99,8 @@ def parse_args():
     p.add_argument("--timeout_s", type=float, default=600, help="per run")
     p.add_argument("--keep", action="store_true", help="keep the workers' logs (printed)")
     p.add_argument("--from_json", default="",
-                   help="a paced.json: print its figures as docs/benchmarks.md's Markdown table, "
-                        "running nothing")
+                   help="a paced.json: print its figures as docs/benchmarks.md's Markdown table "
+                        "and plot them again into --out_dir, running nothing")
     p.add_argument("--out_dir", default=os.path.join(REPO, "bench", "paced", "out"))
     p.add_argument("--build_dir", default=os.path.join(REPO, "build"))
     venv = os.path.join(REPO, ".venv", "bin", "python")
@@ -205,7 +205,8 @@ def run_once(args, cluster, mode, seed, tmp, caps):
         caps.add(rank, procs[-1].pid)  # `ip netns exec` execs the worker: the same process
     paces, done = [], threading.Event()
     watch = threading.Thread(target=watch_paces, daemon=True,
-                             args=(cluster, f"http://{coord.address}:{STATUS_PORT}/jobs/paced-{tag}",
+                             args=(cluster,
+                                   f"http://{coord.address}:{STATUS_PORT}/jobs/paced-{tag}",
                                    started, paces, done))
     if mode == "paced":
         watch.start()
@@ -396,9 +397,10 @@ def plot(args, runs, lines_, path):
     ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"4 replicas, 2 sites at {args.rate_mbit:g} Mbit/s, rank {args.slow_rank} "
                  f"{args.slow_factor:g}x slower; DiLoCo every {args.diloco_period} steps "
-                 f"(paced: the slow pair's), the pair in a site every {args.diloco_site_period}; "
-                 + (f"each worker capped at {args.cpu_quota:g} CPU" if args.cpu_quota
-                    else "workers uncapped"))
+                 f"(paced: the slow pair's),\nthe pair in a site every "
+                 f"{args.diloco_site_period}; "
+                 + (f"each worker capped at {args.cpu_quota:g} CPU"
+                    if getattr(args, "cpu_quota", 0) else "workers uncapped"))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -451,6 +453,10 @@ def main():
     args = parse_args()
     if args.from_json:
         print(markdown(args.from_json))
+        d = json.load(open(args.from_json))
+        os.makedirs(args.out_dir, exist_ok=True)
+        plot(argparse.Namespace(**d["args"]), d["runs"], d["modes"],
+             os.path.join(args.out_dir, "paced.png"))
         return
     reason = nc.unavailable_reason()
     if reason:
@@ -481,7 +487,8 @@ def main():
                     print(json.dumps({"mode": mode, "seed": seed, "steps": r["steps"],
                                       "rounds": r["rounds"], "utilization": r["utilization"],
                                       "from_round2": r["utilization_from_round2"],
-                                      "round_steps": [r["round_steps"][k] for k in (0, args.slow_rank)],
+                                      "round_steps": [r["round_steps"][k]
+                                                      for k in (0, args.slow_rank)],
                                       "seconds_to_target": r["seconds_to_target"],
                                       "final_loss": round(r["final_loss"], 4),
                                       "run_s": round(time.monotonic() - t, 1)}), flush=True)
