@@ -200,17 +200,18 @@ v1::JobSpec JobSpecFrom(const py::dict& d) {
       level->set_topk_density(topk_density);
     }
   }
-  // One entry per level, or absent (no level paced): (paced, max_lag).
-  if (auto v = Get<std::vector<std::tuple<bool, double>>>(d, "pacing")) {
+  // One entry per level, or absent (no level paced): (paced, max_lag, rounds).
+  if (auto v = Get<std::vector<std::tuple<bool, double, int64_t>>>(d, "pacing")) {
     if (static_cast<int>(v->size()) != spec.levels_size()) {
       throw py::value_error(absl::StrCat("pacing has ", v->size(), " entries for ",
                                          spec.levels_size(), " levels"));
     }
     for (size_t i = 0; i < v->size(); ++i) {
-      const auto& [paced, max_lag] = (*v)[i];
+      const auto& [paced, max_lag, rounds] = (*v)[i];
       v1::Level* level = spec.mutable_levels(static_cast<int>(i));
       level->set_paced(paced);
       level->set_max_lag(max_lag);
+      level->set_rounds(rounds);
     }
   }
   if (auto v = Get<int64_t>(d, "heartbeat_timeout_ms")) spec.set_heartbeat_timeout_ms(*v);
@@ -246,7 +247,9 @@ py::dict SpecDict(const v1::JobSpec& spec) {
   }
   d["streaming"] = streaming;
   py::list pacing;
-  for (const v1::Level& l : spec.levels()) pacing.append(py::make_tuple(l.paced(), l.max_lag()));
+  for (const v1::Level& l : spec.levels()) {
+    pacing.append(py::make_tuple(l.paced(), l.max_lag(), l.rounds()));
+  }
   d["pacing"] = pacing;
   d["heartbeat_timeout_ms"] = spec.heartbeat_timeout_ms();
   d["join_timeout_ms"] = spec.join_timeout_ms();

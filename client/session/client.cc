@@ -19,6 +19,7 @@
 #include "client/session/decision_window.h"
 #include "client/session/generation_tracker.h"
 #include "client/session/join.h"
+#include "common/job_spec.h"
 #include "client/session/leave.h"
 #include "client/session/pace_tracker.h"
 #include "client/session/round_notes.h"
@@ -293,6 +294,32 @@ absl::StatusOr<Decision> Client::DecisionAt(int64_t step) {
   ReportStep(step);
   absl::StatusOr<Decision> fetched = decisions_->At(step);
   MODELAVG_RETURN_IF_ERROR(fetched.status());
+  if (elastic_ && fetched->round >= 0) {
+    int64_t generation;
+    {
+      absl::MutexLock l(&mu_);
+      generation = tracker_->generation();
+    }
+    if (fetched->generation != generation) {
+      // A paced round (docs/paced.md) whose members changed since it was fetched: who is a
+      // member, and who joins, is decided at each member's own sync step, which only the
+      // coordinator holds. Asked again in this rank's generation (the same round, the same
+      // steps: a plan never changes); if that fails, the members left alive of the fetched
+      // decision average, and a mismatch fails the round, which is retried.
+      v1::StepRequest req;
+      req.set_job_id(options_.job_id);
+      req.set_rank(rank_);
+      req.set_generation(generation);
+      req.set_step(step);
+      absl::StatusOr<v1::StepDecision> again = coordinator_->Step(req);
+      if (again.ok() && again->has_round() && again->round() == fetched->round) {
+        fetched = DecisionFromProto(*again);
+      } else if (!again.ok()) {
+        spdlog::info("rank {} of job {}: paced round {} asked again in generation {}: {}", rank_,
+                     options_.job_id, fetched->round, generation, again.status().ToString());
+      }
+    }
+  }
   absl::MutexLock l(&mu_);
   // Sharded replicas: past the step its replica was retired from, this rank averages no more.
   MODELAVG_RETURN_IF_ERROR(tracker_->CheckRetiredAt(step));

@@ -197,6 +197,7 @@ absl::Status GenerationTracker::CheckRetiredAt(int64_t step) {
 Decision GenerationTracker::Decide(Decision d, int64_t step) const {
   d.generation = generation_;
   if (!options_.elastic || !d.average) return d;
+  if (d.round >= 0) return DecidePaced(std::move(d));
   // The members of this generation that average at this step: live, admitted by then, and not
   // retired by then (sharded replicas: the mates of a rank that left finish its steps).
   d.members.clear();
@@ -209,6 +210,28 @@ Decision GenerationTracker::Decide(Decision d, int64_t step) const {
     d.members.push_back(r);
     if (view_.admitted[r] == step) d.joining.push_back(r);
   }
+  return d;
+}
+
+Decision GenerationTracker::DecidePaced(Decision d) const {
+  // A paced round's members sync at their own steps (docs/paced.md): the coordinator decided
+  // who is a member, and who joins, at each one's own step; this rank's step says nothing of
+  // theirs. What this generation changes is who is alive: a member that died since is left out,
+  // with its weight (the others' weights, their own steps' work, stay).
+  const std::vector<int32_t> members = d.Members();
+  const bool weighted = d.weights.size() == members.size();
+  std::vector<int32_t> kept, joining;
+  std::vector<double> weights;
+  for (size_t i = 0; i < members.size(); ++i) {
+    const int32_t r = members[i];
+    if (r < 0 || r >= static_cast<int32_t>(view_.live.size()) || !view_.live[r]) continue;
+    kept.push_back(r);
+    if (weighted) weights.push_back(d.weights[i]);
+    if (std::binary_search(d.joining.begin(), d.joining.end(), r)) joining.push_back(r);
+  }
+  d.members = std::move(kept);
+  d.joining = std::move(joining);
+  if (weighted) d.weights = std::move(weights);
   return d;
 }
 

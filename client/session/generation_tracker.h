@@ -112,6 +112,8 @@ class GenerationTracker {
   // elastic job, with the members of that generation that average at `step` (live, admitted by
   // then, and not retired by then) and those admitted at it.
   Decision Decide(Decision decision, int64_t step) const;
+  // Decide for a paced round (Decision::round >= 0): the coordinator's members less the dead.
+  Decision DecidePaced(Decision d) const;
   // Sharded replicas (an elastic job): once `step` reaches the step from which this rank's
   // replica is retired (a replica mate left in order; this rank finishes the steps the mate
   // started), the client is broken with ErrorKind::kReplicaLost naming the lost rank, and that

@@ -27,7 +27,7 @@ class OuterSGD:
 # The names and the fields each needs come from the binding (include/modelavg/common/payload.h).
 PAYLOADS = tuple(_core.payload_names())
 _NO_STREAMING = (1, 0, 0.0, "FP32", 0.0, 0.0)
-_NO_PACING = (False, 0.0)
+_NO_PACING = (False, 0.0, 0)
 
 
 def _is_int(value: Any) -> bool:
@@ -64,13 +64,14 @@ class Level:
     averaging). Raises InvalidArgumentError (a ValueError) naming the field otherwise; the
     coordinator checks the whole spec again.
 
-    Paced rounds (docs/paced.md; not yet supported: the coordinator refuses a paced job with
-    an InvalidArgumentError that says so):
+    Paced rounds (docs/paced.md):
 
     * ``paced`` (the last level only): each group of the level takes its own number of inner
       steps between two rounds, ``period`` being the slowest group's.
     * ``max_lag`` (paced levels of an elastic job; 0: no bound, else in [1, 1e6]): a group more
       than max_lag times its expected round time behind is failed out as a straggler.
+    * ``rounds`` (paced levels; 0: no bound): the job's length in rounds of the level; the
+      averagers' ``budget_spent`` turns True after the last one.
     """
 
     period: int
@@ -84,6 +85,7 @@ class Level:
     topk_density: float = 0.0
     paced: bool = False
     max_lag: float = 0.0
+    rounds: int = 0
 
     def __post_init__(self) -> None:
         where = f"Level(period={self.period!r}, group_size={self.group_size!r})"
@@ -119,6 +121,12 @@ class Level:
             raise _invalid(f"{where}: max_lag={self.max_lag!r}: expected 0 (no bound) or a "
                            "number in [1, 1e6] (rounds a paced group may fall behind)")
         object.__setattr__(self, "max_lag", float(self.max_lag))
+        if not _is_int(self.rounds) or not 0 <= self.rounds <= 1 << 40:
+            raise _invalid(f"{where}: rounds={self.rounds!r}: expected an integer in [0, 2**40] "
+                           "(0: no bound)")
+        if self.rounds != 0 and not self.paced:
+            raise _invalid(f"{where}: rounds={self.rounds!r} needs paced=True: only a paced job "
+                           "is counted in rounds")
         if self.max_lag != 0.0 and not self.paced:
             raise _invalid(f"{where}: max_lag={self.max_lag!r} needs paced=True: it bounds how "
                            "far a paced group may fall behind its planned round")
@@ -154,8 +162,8 @@ class Level:
 
     @property
     def pacing(self) -> bool:
-        """Whether ``paced`` or ``max_lag`` differs from its default."""
-        return (self.paced, self.max_lag) != _NO_PACING
+        """Whether ``paced``, ``max_lag`` or ``rounds`` differs from its default."""
+        return (self.paced, self.max_lag, self.rounds) != _NO_PACING
 
 
 LevelLike = Union[Tuple[int, int], Level]
@@ -175,7 +183,7 @@ def _levels_from(d: Mapping[str, Any]) -> List[LevelLike]:
             fields = dict(zip(("fragments", "sync_delay", "mix", "payload", "error_feedback",
                                "topk_density"), st))
         if pc is not None and tuple(pc) != _NO_PACING:
-            fields.update(zip(("paced", "max_lag"), pc))
+            fields.update(zip(("paced", "max_lag", "rounds"), pc))
         if o is None and not fields:
             out.append((period, group_size))
             continue
@@ -352,14 +360,15 @@ def _outer_tuple(item: Any, outer: Any) -> Optional[Tuple[float, float, bool]]:
 
 
 StreamingTuple = Tuple[int, int, float, str, float, float]
-PacingTuple = Tuple[bool, float]
+PacingTuple = Tuple[bool, float, int]
 
 
 def _levels(levels: Union[Mapping[int, int], Sequence[LevelLike]]
             ) -> Tuple[List[Tuple[int, int]], List[Optional[Tuple[float, float, bool]]],
                        List[StreamingTuple], List[PacingTuple]]:
     """(period, group_size) pairs and, per level, None or (lr, momentum, nesterov),
-    (fragments, sync_delay, mix, payload, error_feedback, topk_density) and (paced, max_lag)."""
+    (fragments, sync_delay, mix, payload, error_feedback, topk_density) and (paced, max_lag,
+    rounds)."""
     items = list(levels.items()) if isinstance(levels, Mapping) else list(levels)
     pairs, outer, streaming, pacing = [], [], [], []
     for item in items:
@@ -368,7 +377,7 @@ def _levels(levels: Union[Mapping[int, int], Sequence[LevelLike]]
             outer.append(_outer_tuple(item, item.outer))
             streaming.append((item.fragments, item.sync_delay, item.mix, item.payload,
                               item.error_feedback, item.topk_density))
-            pacing.append((item.paced, item.max_lag))
+            pacing.append((item.paced, item.max_lag, item.rounds))
             continue
         try:
             period, group_size = item
@@ -383,7 +392,7 @@ def _levels(levels: Union[Mapping[int, int], Sequence[LevelLike]]
 
 
 def _with_pacing(spec: Dict[str, Any], pacing: List[PacingTuple]) -> Dict[str, Any]:
-    """`spec` with the levels' (paced, max_lag) under "pacing" when a level has either: a spec
+    """`spec` with the levels' (paced, max_lag, rounds) under "pacing" when a level has any: a spec
     without pacing is sent exactly as before the fields existed."""
     if any(p != _NO_PACING for p in pacing):
         spec["pacing"] = pacing

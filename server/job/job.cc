@@ -59,6 +59,11 @@ Job::Job(v1::JobSpec spec, Schedule schedule, const JobDefaults& defaults, Clock
     // Pacing::Create fails only for a plan without a paced level.
     absl::StatusOr<PacedPlan> paced = PacedPlan::Create(schedule_);
     if (paced.ok()) paced_.emplace(*std::move(paced));
+    membership_.SetAdmissionChooser(
+        [this](const std::vector<int32_t>& ranks) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          // Called by membership_'s Join, under mu_.
+          return PacedAdmission(ranks);
+        });
   }
 }
 

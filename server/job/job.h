@@ -36,7 +36,7 @@
 #include "server/job/request_checks.h"
 #include "server/membership/decisions.h"
 #include "server/membership/membership.h"
-#include "server/membership/paced_plan.h"
+#include "server/pacing/paced_plan.h"
 #include "server/membership/plan_updates.h"
 #include "server/membership/peer_reports.h"
 #include "server/store/state_store.h"
@@ -337,6 +337,12 @@ class Job {
   void CheckStragglers(absl::Time now, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Plans (and stores first) the rounds `rank` needs to be decided at `step`.
   absl::Status PlanPaced(int32_t rank, int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stores rounds just planned, then makes them the plan's (never handed out unstored).
+  absl::Status StoreAndCommit(std::vector<PlannedRound> rounds) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The admission step of replacements taking `ranks` in a paced job: their group's sync step
+  // of the round planned now for it (Membership::SetAdmissionChooser).
+  absl::StatusOr<int64_t> PacedAdmission(const std::vector<int32_t>& ranks)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The members' smallest step in the current generation (-1 when none reported).
   int64_t MinStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -92,15 +92,32 @@ absl::StatusOr<Decision> Job::PacedDecision(int32_t rank, int64_t step,
 absl::Status Job::PlanPaced(int32_t rank, int64_t step) {
   absl::StatusOr<std::vector<PlannedRound>> needed = paced_->RoundsNeeded(rank, step);
   if (!needed.ok()) return needed.status();
-  if (needed->empty()) return absl::OkStatus();
+  return StoreAndCommit(*std::move(needed));
+}
+
+absl::StatusOr<int64_t> Job::PacedAdmission(const std::vector<int32_t>& ranks) {
+  absl::StatusOr<PlannedRound> next = paced_->NextRound();
+  if (!next.ok()) return next.status();
+  const int64_t round = next->round.round;
+  const int64_t step = next->round.sync_step[paced_->pacing().GroupOf(ranks[0])];
+  std::vector<PlannedRound> one;
+  one.push_back(*std::move(next));
+  if (absl::Status s = StoreAndCommit(std::move(one)); !s.ok()) return s;
+  spdlog::info("job {}: rank(s) {} admitted at paced round {} (their step {})", id(),
+               absl::StrJoin(ranks, ","), round, step);
+  return step;
+}
+
+absl::Status Job::StoreAndCommit(std::vector<PlannedRound> needed) {
+  if (needed.empty()) return absl::OkStatus();
   // Written before any member is handed them: a restart or a fail-over plans nothing anew that
   // a member already follows.
   JobDelta delta;
-  for (const PlannedRound& p : *needed) delta.paced_rounds.push_back(paced_->ToProto(p));
-  const int64_t first_kept = paced_->FirstKeptAfter(needed->size());
+  for (const PlannedRound& p : needed) delta.paced_rounds.push_back(paced_->ToProto(p));
+  const int64_t first_kept = paced_->FirstKeptAfter(needed.size());
   if (first_kept > paced_->dropped()) delta.drop_paced_rounds_before = first_kept;
   if (absl::Status s = Save(delta); !s.ok()) return s;
-  for (const PlannedRound& p : *needed) {
+  for (const PlannedRound& p : needed) {
     const PacedRound& r = p.round;
     spdlog::info("job {}: paced round {} planned: sync steps {} (inner steps {}) with group "
                  "paces {} steps/s",
@@ -110,7 +127,7 @@ absl::Status Job::PlanPaced(int32_t rank, int64_t step) {
                    absl::StrAppend(out, v > 0 ? absl::StrFormat("%.3g", v) : "?");
                  }));
   }
-  paced_->Commit(*std::move(needed));
+  paced_->Commit(std::move(needed));
   return absl::OkStatus();
 }
 

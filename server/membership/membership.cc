@@ -344,6 +344,13 @@ absl::StatusOr<Membership::AdmissionStep> Membership::ChooseAdmissionStep(
         "has not measured its members' pace yet; a replacement is admitted at a step chosen "
         "from it: retry in a second (the modelavg client retries by itself)"));
   }
+  if (admission_chooser_) {
+    // A paced job: the ranks' group's sync step of a round planned for it (nobody holds its
+    // decisions yet), past every step a member of the group may have reached.
+    absl::StatusOr<int64_t> step = admission_chooser_(ranks);
+    if (!step.ok()) return step.status();
+    return AdmissionStep{*step, *step, 0, max_reported};
+  }
   int64_t margin = kMinAdmissionMargin;
   if (steps_per_second_ > 0) {
     const double notice = std::ceil(steps_per_second_ * absl::ToDoubleSeconds(kAdmissionNotice));

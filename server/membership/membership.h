@@ -143,6 +143,11 @@ class Membership {
   // A plan update of an elastic job (UpdateJob): the job keeps running while at least this many
   // ranks are alive (1..world_size-1; checked by the caller). Takes effect at the next death.
   void SetMinWorldSize(int32_t min_world_size) { min_world_size_ = min_world_size; }
+  // A paced job (docs/paced.md): replacements are admitted at the step this chooses for their
+  // ranks (their group's sync step of a round nobody holds yet) instead of the schedule's
+  // admission rule. Empty: the schedule's rule.
+  using AdmissionChooser = std::function<absl::StatusOr<int64_t>(const std::vector<int32_t>&)>;
+  void SetAdmissionChooser(AdmissionChooser chooser) { admission_chooser_ = std::move(chooser); }
   bool elastic() const { return min_world_size_ < world_size(); }
   // RUNNING: ranks no live member holds (vacancies of an elastic job), ascending; else empty.
   std::vector<int32_t> VacantRanks() const;
@@ -379,6 +384,7 @@ class Membership {
   Schedule schedule_;
   int64_t plan_from_ = 0;
   int32_t min_world_size_;
+  AdmissionChooser admission_chooser_;
   const MembershipWriter write_;
   v1::JobState state_ = v1::PENDING;
   int64_t generation_ = 1;

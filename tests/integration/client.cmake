@@ -29,13 +29,14 @@ if(TARGET modelavg-coordinator)
   # residual through a retried round, a lost commit and a replacement (~15 s each);
   # client_update_test, plans changed while the job runs (UpdateJob; 4 ranks, a few seconds each);
   # client_paced_test, paced rounds of ranks of unequal speed against a naive reference (3-4
-  # ranks, 3-8 s each).
+  # ranks, 1-3 s each); client_paced_elastic_test, a paced member killed and replaced, and one
+  # failed out by max_lag (3 ranks, ~5 s each).
   foreach(t client_elastic_regrow_test client_elastic_adopt_test client_outer_test
             client_nonfinite_delayed_test client_nonfinite_replicas_test
             client_nonfinite_handover_test
             client_outer_elastic_test client_streaming_test client_stop_signal_test
             client_nonfinite_test client_sharded_test client_feedback_elastic_test
-            client_update_test client_paced_test)
+            client_update_test client_paced_test client_paced_elastic_test)
     modelavg_add_gtest(${t} SOURCES ${t}.cc LIBS modelavg_client LABELS integration TIMEOUT 120)
     # Those that lose a commit (--testing_fail_commit_at_step) run the tests' variant of the
     # worker (tests/tools), the others the shipped program.

@@ -52,6 +52,9 @@ struct PacedCheck {
   // false: the structure only (rounds, weights, groups' steps), not the values (a streaming
   // level, whose fragments hold the trace worker's tensors apart).
   bool check_values = true;
+  // An elastic job: members die and are replaced (the rounds each process printed are checked,
+  // not that every rank printed every round).
+  bool elastic = false;
 };
 
 // What the check saw, for the test's own assertions on the pacing.
@@ -73,7 +76,11 @@ inline TraceCheckResult CheckPacedTraces(const std::vector<Trace>& traces, const
   auto close = [&](double got, double want) {
     return std::fabs(got - want) <= std::max(kAbsTol, kRelTol * std::fabs(want));
   };
-  const int32_t world = static_cast<int32_t>(traces.size());
+  // Ranks by their lines (an elastic job's replacement is a process of its own for its rank).
+  int32_t world = 0;
+  for (const Trace& t : traces) {
+    for (const TraceLine& l : t.lines) world = std::max(world, l.rank + 1);
+  }
   auto tokens = [&](int32_t r) {
     return r < static_cast<int32_t>(c.tokens.size()) ? c.tokens[r] : 1.0;
   };
@@ -86,10 +93,12 @@ inline TraceCheckResult CheckPacedTraces(const std::vector<Trace>& traces, const
   out.sync.assign(world, {});
   out.arrive_ms.assign(world, {});
   out.leave_ms.assign(world, {});
-  for (int32_t i = 0; i < world; ++i) {
-    const Trace& t = traces[i];
+  for (const Trace& t : traces) {
+    if (t.lines.empty()) continue;
+    const int32_t i = t.lines[0].rank;
+    // A replacement starts at its admission line, with the value it received there.
     float after = static_cast<float>(i);
-    int64_t last_round = -1, expect_step = 0;
+    int64_t last_round = -1, expect_step = t.lines[0].admitted ? t.lines[0].step : 0;
     double prev_ms = -1;
     for (const TraceLine& l : t.lines) {
       if (l.rank != i || l.step != expect_step) {
@@ -98,29 +107,33 @@ inline TraceCheckResult CheckPacedTraces(const std::vector<Trace>& traces, const
         break;
       }
       ++expect_step;
-      before[i][l.step] = after + TraceDelta(i, l.step);
+      if (!l.admitted) before[i][l.step] = after + TraceDelta(i, l.step);
       after = static_cast<float>(l.value);
       at[i][l.step] = &l;
       if (l.round >= 0) {
-        if (l.round != last_round + 1) {
+        if (last_round >= 0 && l.round <= last_round) {
           error(absl::StrCat(t.who, ": round ", l.round, " at step ", l.step, " follows round ",
                              last_round));
         }
+        if (last_round < 0 && !l.admitted && l.round != 0) {
+          error(absl::StrCat(t.who, ": its first round is ", l.round));
+        }
         last_round = l.round;
         rounds[l.round][i] = &l;
-        out.sync[i].resize(l.round + 1, -1);
-        out.arrive_ms[i].resize(l.round + 1, -1);
-        out.leave_ms[i].resize(l.round + 1, -1);
+        out.sync[i].resize(std::max<size_t>(out.sync[i].size(), l.round + 1), -1);
+        out.arrive_ms[i].resize(out.sync[i].size(), -1);
+        out.leave_ms[i].resize(out.sync[i].size(), -1);
         out.sync[i][l.round] = l.step;
         if (l.unix_ms >= 0) {
           out.leave_ms[i][l.round] = static_cast<double>(l.unix_ms);
-          const double delay = i < static_cast<int32_t>(step_delay_ms.size()) ? step_delay_ms[i] : 0;
+          const double delay =
+              i < static_cast<int32_t>(step_delay_ms.size()) ? step_delay_ms[i] : 0;
           if (prev_ms >= 0) out.arrive_ms[i][l.round] = prev_ms + delay;
         }
       }
       prev_ms = static_cast<double>(l.unix_ms);
     }
-    if (c.rounds > 0) {
+    if (c.rounds > 0 && !c.elastic) {
       if (last_round != c.rounds - 1) {
         error(absl::StrCat(t.who, ": its last round is ", last_round, ", not ", c.rounds - 1));
       } else if (!t.lines.empty() && t.lines.back().round != c.rounds - 1) {
@@ -148,10 +161,18 @@ inline TraceCheckResult CheckPacedTraces(const std::vector<Trace>& traces, const
         continue;
       }
       const int64_t s = it->second->step;
-      const int64_t prev = r == 0 ? -1 : (out.sync[j].size() > static_cast<size_t>(r - 1)
-                                              ? out.sync[j][r - 1]
-                                              : -2);
-      const double w = static_cast<double>(s - prev) * tokens(j);
+      const bool joining = std::find(first->joining.begin(), first->joining.end(), j) !=
+                           first->joining.end();
+      // Its previous round: the last one it printed before this (a replacement's admission
+      // round, or, after a round it missed while retried without it, the one before).
+      int64_t prev = -1;
+      for (int64_t q = r - 1; q >= 0; --q) {
+        if (static_cast<size_t>(q) < out.sync[j].size() && out.sync[j][q] >= 0) {
+          prev = out.sync[j][q];
+          break;
+        }
+      }
+      const double w = joining ? 0.0 : static_cast<double>(s - prev) * tokens(j);
       weight[j] = w;
       if (it->second->weight != w) {
         error(absl::StrCat("round ", r, ": rank ", j, " printed weight ", it->second->weight,
@@ -164,6 +185,7 @@ inline TraceCheckResult CheckPacedTraces(const std::vector<Trace>& traces, const
         error(absl::StrCat("round ", r, ": rank ", j, " synced at step ", s, " but rank ", lead,
                            " of its group at step ", mate->second->step));
       }
+      if (joining) continue;
       const double x = before[j][s];
       sum_w += w;
       sum_wx += w * x;

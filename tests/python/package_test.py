@@ -237,17 +237,18 @@ def test_createJob_Levels_SentAsTheBindingsSpec(package):
 
 
 def test_createJob_PacedLevel_SentUnderPacing_ReadBack(package):
-    """Level(paced=True, max_lag=...) goes to the binding as "pacing" (paced, max_lag) per
-    level, and a job record's pacing comes back on its Level (docs/paced.md). The coordinator
-    refuses a paced job for now; the package only carries the fields."""
+    """Level(paced=True, max_lag=..., rounds=...) goes to the binding as "pacing" (paced,
+    max_lag, rounds) per level, and a job record's pacing comes back on its Level
+    (docs/paced.md)."""
     modelavg, fake = package
     job = modelavg.create_job(
-        "j", 4, "HIERARCHICAL", [(2, 2), modelavg.Level(8, 4, paced=True, max_lag=3)],
+        "j", 4, "HIERARCHICAL",
+        [(2, 2), modelavg.Level(8, 4, paced=True, max_lag=3, rounds=50)],
         min_world_size=2, coordinator="c:1")
     (_, _, spec), = fake.calls
-    assert spec["pacing"] == [(False, 0.0), (True, 3.0)]
+    assert spec["pacing"] == [(False, 0.0, 0), (True, 3.0, 50)]
     assert spec["levels"] == [(2, 2), (8, 4)]
-    assert job.spec.levels[1] == modelavg.Level(8, 4, paced=True, max_lag=3.0)
+    assert job.spec.levels[1] == modelavg.Level(8, 4, paced=True, max_lag=3.0, rounds=50)
     assert job.spec.levels[1].pacing and not job.spec.levels[1].streaming
 
 
@@ -267,6 +268,9 @@ def test_createJob_NoPacedLevel_NoPacingKey(package):
     ({"paced": True, "max_lag": float("nan")}, "max_lag=nan"),
     ({"paced": True, "max_lag": True}, "max_lag=True"),
     ({"max_lag": 3}, "max_lag=3.0 needs paced=True"),
+    ({"rounds": 5}, "rounds=5 needs paced=True"),
+    ({"paced": True, "rounds": -1}, "rounds=-1: expected an integer"),
+    ({"paced": True, "rounds": 1.5}, "rounds=1.5: expected an integer"),
 ])
 def test_level_BadPacing_InvalidArgumentNamingTheField(package, fields, says):
     modelavg, _ = package

@@ -1,5 +1,5 @@
 // A naive re-statement of a paced level's plan (docs/paced.md), kept apart from server/ so that
-// the tests compare server/membership/pacing.h with an independent reading of the rule:
+// the tests compare server/pacing/pacing.h with an independent reading of the rule:
 //
 //   Two ranks are in one group iff a chain of "same replica" (r / replica_size equal) and "same
 //   group of a lower level" (r / group_size_l equal, l below the paced level) links them.

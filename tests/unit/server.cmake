@@ -8,9 +8,9 @@ modelavg_add_gtest(server_membership_test SOURCES server_membership_test.cc
 # A paced job's planned rounds (paced_plan.h); the plan of a paced level (pacing.h) against
 # tests/reference/paced_reference.h.
 modelavg_add_gtest(server_paced_plan_test SOURCES server_paced_plan_test.cc
-  LIBS modelavg_server_membership)
+  LIBS modelavg_server_pacing)
 modelavg_add_gtest(server_pacing_test SOURCES server_pacing_test.cc
-  LIBS modelavg_server_membership)
+  LIBS modelavg_server_pacing)
 modelavg_add_gtest(server_state_store_test SOURCES server_state_store_test.cc
   LIBS modelavg_server_core)
 modelavg_add_gtest(server_jobs_file_test SOURCES server_jobs_file_test.cc LIBS modelavg_server)

@@ -1,8 +1,8 @@
-// The planned rounds of a paced job (server/membership/paced_plan.h): when rounds are planned,
+// The planned rounds of a paced job (server/pacing/paced_plan.h): when rounds are planned,
 // where a member's decisions end, the weights, the lower levels between rounds, the members of
 // an elastic job at their own steps, and the budget's end. The expected steps and weights are
 // restated here by hand (docs/paced.md's rule), not read from the class.
-#include "server/membership/paced_plan.h"
+#include "server/pacing/paced_plan.h"
 
 #include <cstdint>
 #include <limits>

@@ -1,6 +1,6 @@
-// The plan of a paced level (server/membership/pacing.h) against the naive restatement of
+// The plan of a paced level (server/pacing/pacing.h) against the naive restatement of
 // tests/reference/paced_reference.h, and the properties the rule promises (docs/paced.md).
-#include "server/membership/pacing.h"
+#include "server/pacing/pacing.h"
 
 #include <cmath>
 #include <cstdint>

@@ -60,7 +60,7 @@ struct ScheduleLevel {
   // Paced rounds (docs/paced.md): each group of the level (PacedGroupSize consecutive ranks)
   // takes its own number of inner steps between two rounds, `period` being the slowest group's.
   // Only the last level may be paced. The schedule itself does not read it: the coordinator
-  // plans a paced level's sync steps (server/membership/pacing.h).
+  // plans a paced level's sync steps (server/pacing/pacing.h).
   bool paced = false;
   // Paced levels of an elastic job: a group more than max_lag x its expected round time behind
   // is failed out as a straggler. 0: no bound.

@@ -1,4 +1,4 @@
-#include "server/membership/pacing.h"
+#include "server/pacing/pacing.h"
 
 #include <algorithm>
 #include <cmath>

@@ -31,8 +31,8 @@
 //     0's step: each fragment still syncs once every `fragments` rounds.
 // A change of pace takes effect at the first round planned after it is measured: the caller
 // plans round r with the paces it knows then (docs/paced.md says when the coordinator plans).
-#ifndef MODELAVG_SERVER_MEMBERSHIP_PACING_H_
-#define MODELAVG_SERVER_MEMBERSHIP_PACING_H_
+#ifndef MODELAVG_SERVER_PACING_PACING_H_
+#define MODELAVG_SERVER_PACING_PACING_H_
 
 #include <cstdint>
 #include <vector>
@@ -126,4 +126,4 @@ class Pacing {
 
 }  // namespace modelavg::server
 
-#endif  // MODELAVG_SERVER_MEMBERSHIP_PACING_H_
+#endif  // MODELAVG_SERVER_PACING_PACING_H_

@@ -19,8 +19,8 @@
 // oldest are dropped beyond that (a member asking for a dropped round's step gets
 // OUT_OF_RANGE). Memory: kMaxKeptRounds x (2 x groups) int64s, plus one tokens vector per
 // distinct set of tokens.
-#ifndef MODELAVG_SERVER_MEMBERSHIP_PACED_PLAN_H_
-#define MODELAVG_SERVER_MEMBERSHIP_PACED_PLAN_H_
+#ifndef MODELAVG_SERVER_PACING_PACED_PLAN_H_
+#define MODELAVG_SERVER_PACING_PACED_PLAN_H_
 
 #include <cstdint>
 #include <deque>
@@ -32,7 +32,7 @@
 #include "modelavg/v1/coordinator.pb.h"
 #include "modelavg/common/schedule.h"
 #include "server/membership/admission.h"
-#include "server/membership/pacing.h"
+#include "server/pacing/pacing.h"
 
 namespace modelavg::server {
 
@@ -70,8 +70,8 @@ class PacedPlan {
   static absl::Status CheckTokens(double tokens_per_step);
   void NoteTokens(int32_t rank, double tokens_per_step);
   const std::vector<double>& rank_paces() const { return pace_; }
-  // A member's reported step (its heartbeat's) at `now`: a round is reached when a member
-  // reports its group's sync step of it.
+  // A member's reported step (its heartbeat's: the step counter, one past the call it is in) at
+  // `now`: a round is reached when a member reports past its group's sync step of it.
   void NoteStep(int32_t rank, int64_t step, absl::Time now);
   // Level.max_lag (docs/paced.md): the ranks of every group that has not reached the latest
   // round the first group reached, once max_lag x the round's expected time (step period / the
@@ -92,6 +92,10 @@ class PacedPlan {
   // Nothing changes until Commit: the caller stores them first. OUT_OF_RANGE when a sync step
   // would pass kMaxPacedStep.
   absl::StatusOr<std::vector<PlannedRound>> RoundsNeeded(int32_t rank, int64_t step) const;
+  // The round after the last planned one (round 0 when none is), for the admission of a
+  // replacement: nobody holds its decisions yet. FAILED_PRECONDITION when the budget's last round
+  // is planned; OUT_OF_RANGE as RoundsNeeded.
+  absl::StatusOr<PlannedRound> NextRound() const;
   // Appends rounds from RoundsNeeded (dropping the oldest beyond kMaxKeptRounds).
   void Commit(std::vector<PlannedRound> rounds);
   // The first round still kept after Commit(`adding` more rounds).
@@ -145,4 +149,4 @@ class PacedPlan {
 
 }  // namespace modelavg::server
 
-#endif  // MODELAVG_SERVER_MEMBERSHIP_PACED_PLAN_H_
+#endif  // MODELAVG_SERVER_PACING_PACED_PLAN_H_

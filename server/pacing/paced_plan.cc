@@ -1,4 +1,4 @@
-#include "server/membership/paced_plan.h"
+#include "server/pacing/paced_plan.h"
 
 #include <algorithm>
 #include <cmath>
@@ -37,7 +37,9 @@ void PacedPlan::NoteStep(int32_t rank, int64_t step, absl::Time now) {
   // The rounds this report reaches for the first time (newest first; older ones were reached
   // before or together).
   for (auto it = rounds_.rbegin(); it != rounds_.rend(); ++it) {
-    if (it->round.sync_step[g] > step) continue;
+    // A member reports its step counter, past the call it is in: inside its round's call (sync
+    // step s) it reports s + 1, and s while it has not reached the call yet.
+    if (it->round.sync_step[g] >= step) continue;
     if (it->first_arrival != absl::InfiniteFuture()) break;
     it->first_arrival = now;
   }
@@ -73,7 +75,7 @@ std::vector<int32_t> PacedPlan::Stragglers(absl::Time now, double max_lag,
     for (int32_t r = g * pacing_.group_size(); r < (g + 1) * pacing_.group_size(); ++r) {
       if (r >= static_cast<int32_t>(live.size()) || !live[r]) continue;
       members.push_back(r);
-      behind = behind || step_[r] < it->round.sync_step[g];
+      behind = behind || step_[r] <= it->round.sync_step[g];
     }
     if (behind) late.insert(late.end(), members.begin(), members.end());
   }
@@ -118,6 +120,20 @@ absl::StatusOr<std::vector<PlannedRound>> PacedPlan::RoundsNeeded(int32_t rank,
     out.push_back(PlannedRound{*std::move(next), tokens_, std::move(paces)});
   }
   return out;
+}
+
+absl::StatusOr<PlannedRound> PacedPlan::NextRound() const {
+  if (rounds_.empty()) return PlannedRound{pacing_.First(), tokens_, pacing_.GroupPaces(pace_)};
+  const PacedRound& last = rounds_.back().round;
+  if (budget_ > 0 && last.round + 1 >= budget_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the job's last paced round (", budget_ - 1, " of its budget of ", budget_,
+        " rounds) is planned: no round is left to admit a replacement at"));
+  }
+  std::vector<double> paces = pacing_.GroupPaces(pace_);
+  absl::StatusOr<PacedRound> next = pacing_.Next(last, paces);
+  if (!next.ok()) return next.status();
+  return PlannedRound{*std::move(next), tokens_, std::move(paces)};
 }
 
 void PacedPlan::Commit(std::vector<PlannedRound> rounds) {
