@@ -415,7 +415,8 @@ def markdown(path):
         if not v:
             return "-"
         return (fmt + " [" + fmt + ", " + fmt + "]").format(v["median"], v["min"], v["max"])
-    rows = ["| mode | reached | seconds to " + f"{a['target_loss']:g}" + " | rank 0's steps | "
+    rows = ["| mode | reached | seconds to " + f"{a['target_loss']:g}" +
+            " | rank 0's steps to it | "
             "outer round at the target | fast members' utilization | from round 2 | rank 2 | "
             "rank 3 (slow) | seconds a round | final loss |", "|" + "---|" * 11]
     for x in d["modes"]:
