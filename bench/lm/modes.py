@@ -1,10 +1,12 @@
 """How the benchmark's workers communicate: one class per mode, registered in MODES.
 
 A mode wraps the model (wrap), may hook the optimizer once it exists (attach), acts after each
-optimizer step (after_step, with the step's index from 0), gives the plain module back for
-evaluation (module) and closes its connections (close). `synchronous` says whether its ranks
-stay in step (a stop must then come at a step all of them reach; see worker.py). To add a mode, write a class and add it to MODES; run.py lists
-MODES in its --modes help.
+optimizer step (after_step, with the step's index from 0; modelavg's modes return its Decision),
+gives the plain module back for evaluation (module) and closes its connections (close).
+`synchronous` says whether its ranks stay in step (a stop must then come at a step all of them
+reach; see worker.py); `paced` that its last level is paced (docs/paced.md: the ranks take
+different steps and stop after a round). To add a mode, write a class and add it to MODES;
+run.py lists MODES in its --modes help.
 
 The averaging modes share one schedule, LEVELS: pairs (a site's two workers) every 2 steps, all
 four every 32. Ranks 0, 1 are site a and 2, 3 site b (run.py), so only the every-32 average
@@ -32,6 +34,7 @@ def _init_torch(args):
 
 class Mode:
     synchronous = True
+    paced = False
 
     def __init__(self, args):
         self.args = args
@@ -152,7 +155,7 @@ class Modelavg(Mode):
         return net
 
     def after_step(self, net, step):
-        self.averager.average_parameters(net.parameters())
+        return self.averager.average_parameters(net.parameters())
 
     def bytes_sent(self):
         return [t.bytes_sent for t in self.averager.traffic()]
@@ -171,6 +174,19 @@ class DiLoCo(Modelavg):
     def outer(self, modelavg):
         return modelavg.OuterSGD(self.args.outer_lr, momentum=self.args.outer_momentum,
                                  nesterov=True)
+
+
+class DiLoCoPaced(DiLoCo):
+    """DiLoCo (the diloco mode's levels and outer step) with the cross-site level paced
+    (docs/paced.md): each site's pair, which the level inside the site locks together, takes its
+    own number of inner steps between two outer steps, so that a slow pair and a fast one arrive
+    together; --diloco_period counts the slowest pair's; each outer step is the token-weighted
+    mean of the pairs' pseudo-gradients. Used by bench/paced (one replica slower)."""
+    paced = True
+
+    def outer(self, modelavg):
+        return modelavg.Level(self.args.diloco_period, 4, outer=super().outer(modelavg),
+                              paced=True)
 
 
 class DiLoCoPayload(DiLoCo):
@@ -216,6 +232,7 @@ MODES = {
     "torch_avg": TorchAveragers,
     "modelavg": Modelavg,
     "diloco": DiLoCo,
+    "diloco_paced": DiLoCoPaced,
     "streaming": Streaming,
     "int8": StreamingInt8,
     "diloco_int8": _diloco_payload("INT8", 0.0),
