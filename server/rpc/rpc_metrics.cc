@@ -76,6 +76,12 @@ class JobsCollector final : public prometheus::Collectable {
         m.gauge.value = v;
         f.metric.push_back(std::move(m));
       };
+      auto add_counter = [&](prometheus::MetricFamily& f, double v) {
+        prometheus::ClientMetric m;
+        m.label.push_back({"job", job->id()});
+        m.counter.value = v;
+        f.metric.push_back(std::move(m));
+      };
       add(workers, stats.workers);
       add(generation, static_cast<double>(stats.generation));
       add(lag, static_cast<double>(stats.step_lag));
@@ -83,17 +89,9 @@ class JobsCollector final : public prometheus::Collectable {
       add(deaths, static_cast<double>(stats.deaths));
       add(admissions, static_cast<double>(stats.admissions));
       add(nonfinite, static_cast<double>(stats.nonfinite_reports));
-      {
-        prometheus::ClientMetric m;
-        m.label.push_back({"job", job->id()});
-        m.counter.value = static_cast<double>(stats.plan_updates);
-        plan_updates.metric.push_back(std::move(m));
-      }
+      add_counter(plan_updates, static_cast<double>(stats.plan_updates));
       if (stats.paced) {
-        prometheus::ClientMetric m;
-        m.label.push_back({"job", job->id()});
-        m.counter.value = static_cast<double>(stats.paced_rounds);
-        paced_rounds.metric.push_back(std::move(m));
+        add_counter(paced_rounds, static_cast<double>(stats.paced_rounds));
         add(idle_saved, stats.idle_saved);
       }
       for (const auto& [state, n] : by_state) {
