@@ -122,6 +122,9 @@ ABSL_FLAG(int64_t, collective_timeout_ms, 60000, "longest wait for one averaging
 ABSL_FLAG(int64_t, step_delay_ms, 0,
           "sleep this long before each averaging call, so that tests (and people) can kill "
           "things mid-run");
+ABSL_FLAG(std::string, testing_step_delay_after_round, "",
+          "R:MS: from the call that takes a paced level's round R on, --step_delay_ms is MS (a "
+          "member whose pace changes mid-run)");
 ABSL_FLAG(int64_t, coordinator_outage_timeout_ms, 300000,
           "ClientOptions.coordinator_outage_timeout: how long work that needs an unreachable "
           "coordinator waits for it");
@@ -574,7 +577,21 @@ absl::Status Run(StopSignals& stop, const TraceWorkerCommunicators& make_communi
     MODELAVG_ASSIGN_OR_RETURN(averager, client::HierarchicalModelAverager::Create(client.get()));
   }
 
-  const absl::Duration step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
+  absl::Duration step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
+  int64_t delay_change_round = -1;
+  absl::Duration changed_delay;
+  if (const std::string change = absl::GetFlag(FLAGS_testing_step_delay_after_round);
+      !change.empty()) {
+    const std::vector<std::string> parts = absl::StrSplit(change, ':');
+    int64_t ms = -1;
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &delay_change_round) ||
+        !absl::SimpleAtoi(parts[1], &ms) || delay_change_round < 0 || ms < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--testing_step_delay_after_round=", change, ": want R:MS (a round >= 0, a delay in "
+          "milliseconds >= 0)"));
+    }
+    changed_delay = absl::Milliseconds(ms);
+  }
   const bool print_unix_ms = absl::GetFlag(FLAGS_unix_ms);
   if (const std::string path = absl::GetFlag(FLAGS_load_state); !path.empty()) {
     client::AveragerState state;
@@ -742,6 +759,9 @@ absl::Status Run(StopSignals& stop, const TraceWorkerCommunicators& make_communi
     }
     std::cout << line << "}" << std::endl;
     if (step == die_after) _exit(9);
+    if (decision->average && decision->round >= 0 && decision->round == delay_change_round) {
+      step_delay = changed_delay;
+    }
     // The last round of the top (last, paced) level is done.
     const size_t levels = client->plans().Plan(decision->plan).spec().levels.size();
     if (rounds > 0 && decision->average && decision->round >= rounds - 1 &&

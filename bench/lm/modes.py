@@ -25,6 +25,15 @@ LEVELS = collections.OrderedDict([(2, 2), (32, 4)])  # period -> group size (PyT
 TORCH_PORT = 29500
 
 
+def _close_torch():
+    """Every rank at a barrier first, then the process groups torn down: a rank that destroyed
+    its groups (closing its Gloo pairs) while a peer was still in its last collective, or that
+    exited with groups alive, aborted the peer ("terminate called without an active
+    exception") now and then."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _init_torch(args):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{TORCH_PORT}",
@@ -80,7 +89,7 @@ class DDP(Mode):
         return net.module
 
     def close(self):
-        dist.destroy_process_group()
+        _close_torch()
 
 
 @contextlib.contextmanager
@@ -125,7 +134,7 @@ class TorchAveragers(Mode):
         self.averager.average_parameters(net.parameters())
 
     def close(self):
-        dist.destroy_process_group()
+        _close_torch()
 
 
 class Modelavg(Mode):

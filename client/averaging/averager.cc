@@ -311,7 +311,7 @@ absl::StatusOr<Decision> ModelAverager::AverageParameters(absl::Span<const Tenso
   // the time inside them, waiting at rounds, is not.
   client_->pace()->CallStarted();
   absl::StatusOr<Decision> result = Average(params);
-  client_->pace()->CallEnded();
+  client_->pace()->CallEnded(result.ok() && result->average && result->round >= 0);
   return result;
 }
 

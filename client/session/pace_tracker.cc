@@ -15,18 +15,32 @@ void PaceTracker::CallStarted() {
   samples_.push_back(Sample{ended_, compute});
   total_ += compute;
   ended_ = absl::InfinitePast();
-  // The window: the steps whose compute started within window_ of now, and always the newest
-  // (a step longer than the window is still a measure).
-  while (samples_.size() > 1 && now - samples_.front().started > window_) {
+  Prune(now);
+}
+
+void PaceTracker::Prune(absl::Time now) {
+  // The window: the steps since the start of the previous paced round (the current one's while
+  // only one round has ended), else those whose compute started within window_ of now; and
+  // always the newest (a step longer than the window is still a measure).
+  const absl::Time anchor =
+      round_ends_[0] != absl::InfinitePast() ? round_ends_[0] : round_ends_[1];
+  const absl::Time from = anchor == absl::InfinitePast() ? now - window_ : anchor;
+  while (samples_.size() > 1 &&
+         (samples_.front().started < from || samples_.size() > kMaxSamples)) {
     total_ -= samples_.front().compute;
     samples_.pop_front();
   }
 }
 
-void PaceTracker::CallEnded() {
+void PaceTracker::CallEnded(bool paced_round) {
   const absl::Time now = clock_.Now();
   absl::MutexLock l(&mu_);
   ended_ = now;
+  if (paced_round) {
+    round_ends_[0] = round_ends_[1];
+    round_ends_[1] = now;
+    Prune(now);
+  }
 }
 
 void PaceTracker::Reset() {
@@ -34,6 +48,7 @@ void PaceTracker::Reset() {
   samples_.clear();
   total_ = absl::ZeroDuration();
   ended_ = absl::InfinitePast();
+  round_ends_[0] = round_ends_[1] = absl::InfinitePast();
 }
 
 double PaceTracker::steps_per_second() const {

@@ -7,6 +7,7 @@
 // slowest member plus kWaitMargin.
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -38,11 +39,15 @@ class ClientPacedTest : public TraceJobTest {
   // step; checks every line against the rule and returns what it saw.
   PacedRounds RunAndCheck(const v1::JobSpec& spec, int64_t rounds,
                           const std::vector<double>& delay_ms, const std::vector<double>& tokens,
-                          PacedCheck check) {
+                          PacedCheck check,
+                          const std::vector<std::vector<std::string>>& more_flags = {}) {
     std::vector<std::vector<std::string>> rank_flags(spec.world_size());
     for (int r = 0; r < spec.world_size(); ++r) {
       rank_flags[r] = {absl::StrCat("--step_delay_ms=", delay_ms[r]),
                        absl::StrCat("--tokens_per_step=", tokens[r])};
+      if (r < static_cast<int>(more_flags.size())) {
+        rank_flags[r].insert(rank_flags[r].end(), more_flags[r].begin(), more_flags[r].end());
+      }
     }
     const std::vector<Trace> traces =
         RunJob(spec, /*steps=*/0, /*numel=*/16,
@@ -169,6 +174,41 @@ TEST_F(ClientPacedTest, StreamingFragments_EachRoundTheNextFragment) {
     }
   }
   ExpectPaced(seen, delay, /*fast=*/0, /*slow=*/2, /*min_ratio=*/2.0);
+}
+
+// A member whose pace changes mid-run (4x slower from its round 2 on) is re-paced within
+// kRepaceRounds rounds (docs/paced.md): its pace is over its previous round and the current
+// one, so round 3 (planned as round 2 ends) still has its old pace, round 4 a mixed one, and
+// from round 5 on the others take about 4x its inner steps; before the change they took about
+// as many.
+TEST_F(ClientPacedTest, PaceChangesMidRun_RepacedWithinThreeRounds) {
+  constexpr int64_t kChange = 2;
+  constexpr int64_t kRepaceRounds = 3;
+  v1::JobSpec spec = MakeSpec("repace", 3, v1::PERIODIC, {{5, 3}}, 0);
+  spec.mutable_levels(0)->set_paced(true);
+  const std::vector<double> delay = {20, 20, 20};
+  const PacedRounds seen =
+      RunAndCheck(spec, kChange + kRepaceRounds + 3, delay, {1, 1, 1}, PacedCheck{},
+                  {{}, {}, {absl::StrCat("--testing_step_delay_after_round=", kChange, ":80")}});
+  ASSERT_EQ(seen.sync[0].size(), static_cast<size_t>(kChange + kRepaceRounds + 3));
+  auto steps = [&](int32_t rank, size_t r) {
+    return seen.sync[rank][r] - seen.sync[rank][r - 1];
+  };
+  for (size_t r = 1; r < seen.sync[0].size(); ++r) {
+    std::printf("round %zu: inner steps %s\n", r,
+                absl::StrCat(steps(0, r), " ", steps(1, r), " ", steps(2, r)).c_str());
+  }
+  for (size_t r = 1; r <= static_cast<size_t>(kChange); ++r) {
+    EXPECT_LE(steps(0, r), 1.5 * steps(2, r))
+        << "round " << r << ", before the change: rank 0 took " << steps(0, r)
+        << " steps, rank 2 " << steps(2, r);
+  }
+  for (size_t r = kChange + kRepaceRounds; r < seen.sync[0].size(); ++r) {
+    EXPECT_GE(steps(0, r), 2.5 * steps(2, r))
+        << "round " << r << ", re-paced: rank 0 took " << steps(0, r) << " steps, rank 2 "
+        << steps(2, r);
+    EXPECT_GE(steps(1, r), 2.5 * steps(2, r)) << "round " << r;
+  }
 }
 
 // Level.rounds: the job's budget ends every member after the same round, whatever its steps.

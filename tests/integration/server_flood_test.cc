@@ -513,11 +513,24 @@ class UnreadCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
     ctx_.TryCancel();
     done_.WaitForNotification();
   }
-  void OnDone(const grpc::Status&) override { done_.Notify(); }
+  void OnReadInitialMetadataDone(bool) override { headers_.Notify(); }
+  void OnDone(const grpc::Status&) override {
+    // The last callback: the headers' (if any) came before it.
+    if (!headers_.HasBeenNotified()) headers_.Notify();
+    done_.Notify();
+  }
+  // Whether the coordinator is sending the answer (held: its headers came, the call goes on),
+  // rather than refused it (the call ended) or not answered in `timeout`.
+  bool Held(absl::Duration timeout) {
+    if (!headers_.WaitForNotificationWithTimeout(timeout)) return false;
+    // A refusal's status follows its headers at once.
+    return !done_.WaitForNotificationWithTimeout(absl::Milliseconds(300));
+  }
 
  private:
   grpc::ClientContext ctx_;
   grpc::ByteBuffer request_;
+  absl::Notification headers_;
   absl::Notification done_;
 };
 
@@ -574,10 +587,15 @@ TEST(FloodTest, ScheduleAnswersInFlight_BoundedPerClient) {
   args.SetMaxReceiveMessageSize(-1);
   grpc::GenericStub stub(grpc::CreateCustomChannel(
       daemon.address(), grpc::InsecureChannelCredentials(), args));
-  auto held = std::make_unique<UnreadCall>(&stub, method, request);
+  // The held call may itself be refused while the answer before it still counts (the
+  // coordinator lets an answer go a moment after its client has read it): asked again until the
+  // coordinator is sending it, and only then is the second call made.
+  std::unique_ptr<UnreadCall> held;
   grpc::Status refused;
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
   while (absl::Now() < deadline) {
+    held = std::make_unique<UnreadCall>(&stub, method, request);
+    if (!held->Held(absl::Seconds(10))) continue;
     refused = RawCall(channel, method, request).first;
     if (refused.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));

@@ -157,7 +157,7 @@ def run(args):
                 for n, p in procs.items():
                     if p.poll() not in (None, 0) and n != f"rank{KILL_RANK}":
                         failure(f"{n} exited {p.returncode} while waiting for {what}")
-                job = modelavg.get_job(JOB, coordinator=addr)
+                job = mt.poll_job(modelavg, JOB, addr, deadline)
                 if predicate(job):
                     return job
                 time.sleep(0.05)

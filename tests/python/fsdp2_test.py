@@ -400,7 +400,7 @@ def run_elastic(name, config, coordinator, group, ctx, args):
     try:
         # The replica is retired (its ranks vacant), then its replacement starts.
         while True:
-            job = modelavg.get_job(name.replace("_", "-"), coordinator=coordinator.address)
+            job = mt.poll_job(modelavg, name.replace("_", "-"), coordinator.address, deadline)
             if len(job.vacant_ranks) == s:
                 break
             if time.monotonic() > deadline:

@@ -365,6 +365,20 @@ def dropin_expected(world):
     return out
 
 
+def poll_job(modelavg, job_id, address, deadline):
+    """modelavg.get_job for a loop that polls the job until `deadline` (time.monotonic()): a
+    call that finds the coordinator busy (UNAVAILABLE: no SETTINGS frame in time while every
+    core runs a rank; DEADLINE_EXCEEDED) is retried, not taken for a failed test, until the
+    deadline has passed."""
+    while True:
+        try:
+            return modelavg.get_job(job_id, coordinator=address)
+        except (modelavg.UnavailableError, modelavg.DeadlineExceededError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def connect_rank(modelavg, address, job_id, rank, timeout_s=60):
     """modelavg.connect(...) for `rank`, retried while the job does not exist yet (rank 0 makes
     it, and may not have made it when another rank connects) up to `timeout_s`."""

@@ -67,6 +67,48 @@ TEST(PaceTracker, FollowsAChangeOfPaceWithinTheWindow) {
   EXPECT_DOUBLE_EQ(pace.steps_per_second(), 0.1);
 }
 
+// With paced rounds the pace is over the steps since the start of the previous round (the
+// round the next one repeats), not the last 2 s: a member that ran 4x faster at the end of a
+// round (its cores to itself while the others waited) reports the round's whole pace, and
+// rounds shorter than 2 s do not blur a change of pace over more rounds.
+TEST(PaceTracker, PacedRounds_OverThePreviousRoundAndTheCurrentOne) {
+  FakeClock clock;
+  PaceTracker pace(clock, absl::Seconds(2));
+  pace.CallStarted();
+  pace.CallEnded();
+  // Round 0: ends after 5 steps of 100 ms.
+  for (int i = 0; i < 4; ++i) Step(clock, pace, absl::Milliseconds(100), absl::ZeroDuration());
+  clock.Advance(absl::Milliseconds(100));
+  pace.CallStarted();
+  pace.CallEnded(/*paced_round=*/true);
+  // Round 1: 30 steps of 200 ms (6 s), then 10 of 50 ms, and the round taken.
+  for (int i = 0; i < 30; ++i) Step(clock, pace, absl::Milliseconds(200), absl::ZeroDuration());
+  for (int i = 0; i < 9; ++i) Step(clock, pace, absl::Milliseconds(50), absl::ZeroDuration());
+  clock.Advance(absl::Milliseconds(50));
+  pace.CallStarted();
+  pace.CallEnded(/*paced_round=*/true);
+  // Every step of round 1: 40 steps in 6.5 s (the last 2 s alone: 10 of 50 ms and 7.5 of 200).
+  EXPECT_DOUBLE_EQ(pace.steps_per_second(), 40 / 6.5);
+  // Into round 2: its steps join round 1's.
+  Step(clock, pace, absl::Milliseconds(500), absl::ZeroDuration());
+  EXPECT_DOUBLE_EQ(pace.steps_per_second(), 41 / 7.0);
+  // Round 2 ends: round 1's steps go, round 2's are the pace.
+  Step(clock, pace, absl::Milliseconds(500), absl::ZeroDuration());
+  clock.Advance(absl::Milliseconds(500));
+  pace.CallStarted();
+  pace.CallEnded(/*paced_round=*/true);
+  Step(clock, pace, absl::Milliseconds(500), absl::ZeroDuration());
+  EXPECT_DOUBLE_EQ(pace.steps_per_second(), 2.0);
+  // A job without paced rounds keeps the 2 s window (FollowsAChangeOfPaceWithinTheWindow), and
+  // Reset forgets the rounds too.
+  pace.Reset();
+  pace.CallStarted();
+  pace.CallEnded();
+  for (int i = 0; i < 40; ++i) Step(clock, pace, absl::Milliseconds(100), absl::ZeroDuration());
+  for (int i = 0; i < 20; ++i) Step(clock, pace, absl::Milliseconds(200), absl::ZeroDuration());
+  EXPECT_DOUBLE_EQ(pace.steps_per_second(), 5.0);
+}
+
 TEST(PaceTracker, MixedStepsAreStepsOverComputeTime) {
   FakeClock clock;
   PaceTracker pace(clock, absl::Seconds(10));
