@@ -7,6 +7,9 @@
 //    re-joined, no communicator was rebuilt);
 //  * the outage spans the first averaging of the top level (its communicator is bootstrapped
 //    after the restart);
+//  * a paced job killed between the planning of a round and the round: the restarted
+//    coordinator has every round planned before the kill as it was, and the members' rounds and
+//    values follow the weighted rule;
 //  * an outage longer than coordinator_outage_timeout: a clear error, no hang;
 //  * a worker killed during the outage: the survivors fail within the collective timeout;
 //  * SIGKILL at random moments during CreateJob/Join/Leave/DeleteJob: every acknowledged change
@@ -505,10 +508,11 @@ TEST_F(CoordinatorRestartTest, ShardedJob_KilledMidJob_Restarted_SameValuesFollo
 // Paced rounds (docs/paced.md) across a restart: a decision handed out never changes. Three
 // ranks of unequal speed (10, 20 and 40 ms a step) in a PERIODIC job with a paced level; the
 // coordinator is killed (SIGKILL) once it has planned 3 rounds, between the planning of its last
-// round and that round (the members hold its decision and run it during the outage: its
-// all-reduce needs no coordinator), and restarted 2 s later on the same state. The restarted
-// coordinator restored every round planned before the kill exactly (GetJob right after the
-// restart) and plans the next ones after them; every worker finishes its rounds with exit 0;
+// round and that round (the member whose request planned it holds it; the others, unless they
+// asked before the kill, ask the restarted coordinator, and their round is the one the first
+// holds only if the coordinator kept it), and restarted 2 s later on the same state. The
+// restarted coordinator restored every round planned before the kill exactly (GetJob right after
+// the restart) and plans the next ones after them; every worker finishes its rounds with exit 0;
 // every rank's value at every step and every round's weights follow the weighted rule
 // (paced_trace_check.h); and the coordinator's rounds are the steps the members synced at, the
 // rounds handed out before the kill included.

@@ -11,6 +11,9 @@
 //  * kill -9 of the leader mid-job (three etcd members, an 8-rank three-level job): every worker
 //    finishes every step with exit 0 and values identical to an undisturbed run; the time from
 //    the kill to the standby serving and to the first averaging after it is printed;
+//  * kill -9 of the leader of a paced job between the planning of a round and the round: the
+//    standby has every round planned before the kill as it was, and the members' rounds and
+//    values follow the weighted rule;
 //  * the leader SIGSTOPped past its lease, then resumed: the standby has taken over, the old
 //    leader answers nothing but UNAVAILABLE naming the new one;
 //  * two of three etcd members killed: the coordinator refuses writes with UNAVAILABLE, the
@@ -672,7 +675,9 @@ TEST_F(EtcdHaTest, PlanUpdated_LeaderKilledBeforeTheSwitch_StandbyKeepsItEveryMe
 // Paced rounds (docs/paced.md) through a fail-over: a decision handed out never changes. Three
 // ranks of unequal speed (10, 20 and 40 ms a step) in a PERIODIC job with a paced level; the
 // leader is killed (-9) once it has planned 3 rounds, between the planning of its last round and
-// that round (the member that planned it holds it, the others ask the standby for it). The
+// that round (the member whose request planned it holds it; the others, unless they asked
+// before the kill, ask the standby, and their round is the one the first holds only if the
+// standby kept it). The
 // standby, once it leads, has every round planned before the kill exactly as GetJob showed it
 // and plans the next ones after them; every worker finishes its rounds with exit 0; every rank's
 // value at every step and every round's weights follow the weighted rule (paced_trace_check.h);
