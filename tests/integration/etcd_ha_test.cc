@@ -480,8 +480,7 @@ class EtcdHaTest : public ::testing::Test {
       if (static_cast<size_t>(r) < rank_flags.size()) {
         argv.insert(argv.end(), rank_flags[r].begin(), rank_flags[r].end());
       }
-      workers_.push_back(
-          std::make_unique<Process>(argv, absl::StrCat(dir_, "/", job, "-rank", r)));
+      workers_.push_back(std::make_unique<Process>(argv, absl::StrCat(dir_, "/", job, "-rank", r)));
     }
   }
   static int64_t StepOf(const std::string& line) {
@@ -720,9 +719,9 @@ TEST_F(EtcdHaTest, PacedJob_LeaderKilledBetweenPlanningAndARound_StandbyKeepsThe
   // Every round planned before the kill, as it was planned (the members may hold it).
   EXPECT_GE(taken->pacing().rounds_planned(), before_kill.rounds_planned());
   for (const v1::PacedRound& want : before_kill.last_rounds()) {
-    auto got = std::find_if(taken->pacing().last_rounds().begin(),
-                            taken->pacing().last_rounds().end(),
-                            [&](const v1::PacedRound& r) { return r.round() == want.round(); });
+    auto got =
+        std::find_if(taken->pacing().last_rounds().begin(), taken->pacing().last_rounds().end(),
+                     [&](const v1::PacedRound& r) { return r.round() == want.round(); });
     ASSERT_NE(got, taken->pacing().last_rounds().end())
         << "round " << want.round() << " planned before the kill is lost: "
         << taken->pacing().ShortDebugString();
