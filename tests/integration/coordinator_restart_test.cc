@@ -7,6 +7,9 @@
 //    re-joined, no communicator was rebuilt);
 //  * the outage spans the first averaging of the top level (its communicator is bootstrapped
 //    after the restart);
+//  * a paced job killed between the planning of a round and the round: the restarted
+//    coordinator has every round planned before the kill as it was, and the members' rounds and
+//    values follow the weighted rule;
 //  * an outage longer than coordinator_outage_timeout: a clear error, no hang;
 //  * a worker killed during the outage: the survivors fail within the collective timeout;
 //  * SIGKILL at random moments during CreateJob/Join/Leave/DeleteJob: every acknowledged change
@@ -39,6 +42,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -46,6 +50,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/client_test_processes.h"
+#include "tests/integration/paced_trace_check.h"
 #include "tests/integration/staged_job_storm.h"
 #include "tests/reference/streaming_reference.h"
 #include "tests/integration/trace_check.h"
@@ -129,7 +134,9 @@ class CoordinatorRestartTest : public ::testing::Test {
     std::filesystem::remove_all(dir_);
   }
 
-  // `per_rank[r]`: more flags for rank r only.
+  // `per_rank[r]`: more flags for rank r only. `steps` <= 0: no --steps (the flags give the
+  // length: --rounds of a paced job); `delay_ms` < 0: no --step_delay_ms (per_rank gives each
+  // rank's).
   void StartWorkers(const std::string& job, int world, int64_t steps, int64_t delay_ms,
                     std::vector<std::string> extra = {},
                     std::map<int, std::vector<std::string>> per_rank = {}) {
@@ -140,11 +147,11 @@ class CoordinatorRestartTest : public ::testing::Test {
                                        "--job=" + job,
                                        absl::StrCat("--rank=", r),
                                        absl::StrCat("--world_size=", world),
-                                       absl::StrCat("--steps=", steps),
                                        "--numel=3",
                                        "--backend=gloo",
-                                       absl::StrCat("--step_delay_ms=", delay_ms),
                                        "--log_level=warn"};
+      if (steps > 0) argv.push_back(absl::StrCat("--steps=", steps));
+      if (delay_ms >= 0) argv.push_back(absl::StrCat("--step_delay_ms=", delay_ms));
       for (const std::string& f : extra) argv.push_back(f);
       for (const std::string& f : per_rank[r]) argv.push_back(f);
       workers_.push_back(
@@ -496,6 +503,107 @@ TEST_F(CoordinatorRestartTest, ShardedJob_KilledMidJob_Restarted_SameValuesFollo
   absl::StatusOr<v1::Job> job = coordinator_.Admin()->GetJob("sharded");
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->spec().replica_size(), 2);
+}
+
+// Paced rounds (docs/paced.md) across a restart: a decision handed out never changes. Three
+// ranks of unequal speed (10, 20 and 40 ms a step) in a PERIODIC job with a paced level; the
+// coordinator is killed (SIGKILL) once it has planned 3 rounds, between the planning of its last
+// round and that round (the member whose request planned it holds it; the others, unless they
+// asked before the kill, ask the restarted coordinator, and their round is the one the first
+// holds only if the coordinator kept it), and restarted 2 s later on the same state. The
+// restarted coordinator restored every round planned before the kill exactly (GetJob right after
+// the restart) and plans the next ones after them; every worker finishes its rounds with exit 0;
+// every rank's value at every step and every round's weights follow the weighted rule
+// (paced_trace_check.h); and the coordinator's rounds are the steps the members synced at, the
+// rounds handed out before the kill included.
+TEST_F(CoordinatorRestartTest, PacedJob_KilledBetweenPlanningAndARound_RestartedSameDecisions) {
+  constexpr int kWorld = 3;
+  // At most GetJob's last 8 rounds: it shows every round of the job.
+  constexpr int64_t kPacedRounds = 8;
+  const std::vector<double> delay_ms = {10, 20, 40};
+  ASSERT_TRUE(coordinator_.Start()) << coordinator_.log();
+  auto admin = coordinator_.Admin();
+  ASSERT_NE(admin, nullptr);
+  v1::JobSpec spec = MakeSpec("paced", kWorld, v1::PERIODIC, {{6, kWorld}}, 0, kHeartbeatMs);
+  spec.mutable_levels(0)->set_paced(true);
+  ASSERT_TRUE(admin->CreateJob(spec).ok());
+  std::map<int, std::vector<std::string>> per_rank;
+  for (int r = 0; r < kWorld; ++r) per_rank[r] = {absl::StrCat("--step_delay_ms=", delay_ms[r])};
+  StartWorkers("paced", kWorld, /*steps=*/0, /*delay_ms=*/-1,
+               {absl::StrCat("--rounds=", kPacedRounds), "--unix_ms"}, per_rank);
+  // Round 2 is planned as the first member leaves round 1: the first one planned with paces.
+  v1::PacingStatus before_kill;
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (absl::Now() < deadline && before_kill.rounds_planned() < 3) {
+    absl::StatusOr<v1::Job> job = admin->GetJob("paced");
+    if (job.ok()) before_kill = job->pacing();
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_GE(before_kill.rounds_planned(), 3) << Diagnostics();
+  coordinator_.Kill();
+  absl::SleepFor(absl::Seconds(2));
+  // The rounds the members ran on the killed coordinator's decisions.
+  int64_t ran_before_restart = -1;
+  for (auto& w : workers_) {
+    absl::StatusOr<Trace> t = ParseTrace("before the restart", w->out());
+    ASSERT_TRUE(t.ok()) << t.status();
+    for (const TraceLine& l : t->lines) ran_before_restart = std::max(ran_before_restart, l.round);
+  }
+
+  ASSERT_TRUE(coordinator_.Start()) << coordinator_.log();
+  admin = coordinator_.Admin();
+  ASSERT_NE(admin, nullptr);
+  // The first call on the port of the killed incarnation may meet its broken connection.
+  absl::StatusOr<v1::Job> restored = admin->GetJob("paced");
+  for (int attempt = 0; attempt < 50 && restored.status().code() == absl::StatusCode::kUnavailable;
+       ++attempt) {
+    absl::SleepFor(absl::Milliseconds(100));
+    restored = admin->GetJob("paced");
+  }
+  ASSERT_TRUE(restored.ok()) << restored.status() << "\n" << coordinator_.log();
+  // Every round planned before the kill, as it was planned (the members may hold it), and every
+  // round they ran.
+  EXPECT_GE(restored->pacing().rounds_planned(), before_kill.rounds_planned());
+  EXPECT_GT(restored->pacing().rounds_planned(), ran_before_restart);
+  for (const v1::PacedRound& want : before_kill.last_rounds()) {
+    auto got = std::find_if(restored->pacing().last_rounds().begin(),
+                            restored->pacing().last_rounds().end(),
+                            [&](const v1::PacedRound& r) { return r.round() == want.round(); });
+    ASSERT_NE(got, restored->pacing().last_rounds().end())
+        << "round " << want.round() << " planned before the kill is lost: "
+        << restored->pacing().ShortDebugString();
+    EXPECT_EQ(got->ShortDebugString(), want.ShortDebugString());
+  }
+  EXPECT_THAT(coordinator_.log(), HasSubstr("job paced: paced rounds 0.."));
+  EXPECT_THAT(coordinator_.log(),
+              HasSubstr("job paced: loaded (RUNNING in generation 1, 3 of 3 ranks"));
+
+  for (int code : WaitAll(absl::Seconds(60))) ASSERT_EQ(code, 0) << Diagnostics();
+  std::vector<Trace> traces;
+  for (int r = 0; r < kWorld; ++r) {
+    absl::StatusOr<Trace> t = ParseTrace(absl::StrCat("rank ", r), workers_[r]->out());
+    ASSERT_TRUE(t.ok()) << t.status();
+    traces.push_back(*std::move(t));
+  }
+  PacedCheck check;
+  check.rounds = kPacedRounds;
+  PacedRounds seen;
+  const TraceCheckResult result = CheckPacedTraces(traces, check, delay_ms, &seen);
+  EXPECT_TRUE(result.ok()) << result.Report();
+  EXPECT_GE(result.averages, kPacedRounds * kWorld);
+  absl::StatusOr<v1::Job> job = admin->GetJob("paced");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->pacing().rounds_planned(), kPacedRounds);
+  ASSERT_EQ(job->pacing().last_rounds_size(), kPacedRounds);
+  EXPECT_THAT(PacingDisagreements(job->pacing(), seen), ::testing::IsEmpty())
+      << job->pacing().DebugString();
+  // The restart happened mid-job: the restarted coordinator planned rounds of its own.
+  EXPECT_LT(restored->pacing().rounds_planned(), kPacedRounds) << Diagnostics();
+  std::cout << "[figures] paced job: killed with " << before_kill.rounds_planned()
+            << " rounds planned (GetJob; the last one's inner steps "
+            << absl::StrJoin(before_kill.last_rounds().rbegin()->inner_steps(), ",")
+            << "), rounds 0.." << ran_before_restart << " run before the restart, "
+            << restored->pacing().rounds_planned() << " restored" << std::endl;
 }
 
 // The end of a job inside an outage: the coordinator killed about 1 s before the last step and

@@ -11,6 +11,9 @@
 //  * kill -9 of the leader mid-job (three etcd members, an 8-rank three-level job): every worker
 //    finishes every step with exit 0 and values identical to an undisturbed run; the time from
 //    the kill to the standby serving and to the first averaging after it is printed;
+//  * kill -9 of the leader of a paced job between the planning of a round and the round: the
+//    standby has every round planned before the kill as it was, and the members' rounds and
+//    values follow the weighted rule;
 //  * the leader SIGSTOPped past its lease, then resumed: the standby has taken over, the old
 //    leader answers nothing but UNAVAILABLE naming the new one;
 //  * two of three etcd members killed: the coordinator refuses writes with UNAVAILABLE, the
@@ -21,6 +24,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -51,6 +55,7 @@
 #include "server/store/etcd/leader_election.h"
 #include "tests/integration/client_test_processes.h"
 #include "tests/integration/etcd_cluster.h"
+#include "tests/integration/paced_trace_check.h"
 #include "tests/integration/staged_job_storm.h"
 #include "tests/integration/trace_check.h"
 #include "tests/tools/make_job_spec.h"
@@ -456,17 +461,26 @@ class EtcdHaTest : public ::testing::Test {
     return s.status();
   }
 
-  void StartWorkers(const std::string& job, int world, int64_t steps, int64_t delay_ms) {
+  // Rank r also gets rank_flags[r]. `steps` <= 0: no --steps (the flags give the length:
+  // --rounds of a paced job); `delay_ms` < 0: no --step_delay_ms (rank_flags gives each rank's).
+  void StartWorkers(const std::string& job, int world, int64_t steps, int64_t delay_ms,
+                    const std::vector<std::vector<std::string>>& rank_flags = {}) {
     workers_.clear();
     for (int r = 0; r < world; ++r) {
-      workers_.push_back(std::make_unique<Process>(
-          std::vector<std::string>{MODELAVG_TRACE_WORKER_BIN, "--coordinator=" + Addresses(),
-                                   "--job=" + job, absl::StrCat("--rank=", r),
-                                   absl::StrCat("--world_size=", world),
-                                   absl::StrCat("--steps=", steps), "--numel=3", "--backend=gloo",
-                                   absl::StrCat("--step_delay_ms=", delay_ms),
-                                   "--log_level=warn"},
-          absl::StrCat(dir_, "/", job, "-rank", r)));
+      std::vector<std::string> argv = {MODELAVG_TRACE_WORKER_BIN,
+                                       "--coordinator=" + Addresses(),
+                                       "--job=" + job,
+                                       absl::StrCat("--rank=", r),
+                                       absl::StrCat("--world_size=", world),
+                                       "--numel=3",
+                                       "--backend=gloo",
+                                       "--log_level=warn"};
+      if (steps > 0) argv.push_back(absl::StrCat("--steps=", steps));
+      if (delay_ms >= 0) argv.push_back(absl::StrCat("--step_delay_ms=", delay_ms));
+      if (static_cast<size_t>(r) < rank_flags.size()) {
+        argv.insert(argv.end(), rank_flags[r].begin(), rank_flags[r].end());
+      }
+      workers_.push_back(std::make_unique<Process>(argv, absl::StrCat(dir_, "/", job, "-rank", r)));
     }
   }
   static int64_t StepOf(const std::string& line) {
@@ -655,6 +669,92 @@ TEST_F(EtcdHaTest, PlanUpdated_LeaderKilledBeforeTheSwitch_StandbyKeepsItEveryMe
   }
   std::cout << "[figures] plan version 1 accepted for step " << e << "; leader killed at step "
             << at_kill << std::endl;
+}
+
+// Paced rounds (docs/paced.md) through a fail-over: a decision handed out never changes. Three
+// ranks of unequal speed (10, 20 and 40 ms a step) in a PERIODIC job with a paced level; the
+// leader is killed (-9) once it has planned 3 rounds, between the planning of its last round and
+// that round (the member whose request planned it holds it; the others, unless they asked
+// before the kill, ask the standby, and their round is the one the first holds only if the
+// standby kept it). The
+// standby, once it leads, has every round planned before the kill exactly as GetJob showed it
+// and plans the next ones after them; every worker finishes its rounds with exit 0; every rank's
+// value at every step and every round's weights follow the weighted rule (paced_trace_check.h);
+// and the coordinator's rounds are the steps the members synced at, the rounds handed out by the
+// killed leader included.
+TEST_F(EtcdHaTest, PacedJob_LeaderKilledBetweenPlanningAndARound_StandbyKeepsTheRounds) {
+  ASSERT_NO_FATAL_FAILURE(StartAll(1));
+  constexpr int kWorld = 3;
+  // At most GetJob's last 8 rounds: it shows every round of the job.
+  constexpr int64_t kPacedRounds = 8;
+  const std::vector<double> delay_ms = {10, 20, 40};
+  v1::JobSpec spec = MakeSpec("paced", kWorld, v1::PERIODIC, {{6, kWorld}}, 0, kHeartbeatMs);
+  spec.mutable_levels(0)->set_paced(true);
+  auto admin = Admin();
+  ASSERT_TRUE(Retrying([&] { return admin->CreateJob(spec); }).ok());
+  std::vector<std::vector<std::string>> rank_flags;
+  for (int r = 0; r < kWorld; ++r) {
+    rank_flags.push_back({absl::StrCat("--step_delay_ms=", delay_ms[r]),
+                          absl::StrCat("--rounds=", kPacedRounds), "--unix_ms"});
+  }
+  StartWorkers("paced", kWorld, /*steps=*/0, /*delay_ms=*/-1, rank_flags);
+  // Round 2 is planned as the first member leaves round 1: the first one planned with paces.
+  v1::PacingStatus before_kill;
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        absl::StatusOr<v1::Job> job = admin->GetJob("paced");
+        if (job.ok()) before_kill = job->pacing();
+        return before_kill.rounds_planned() >= 3;
+      },
+      absl::Seconds(60)))
+      << Diagnostics();
+  const int leader = Leader();
+  ASSERT_GE(leader, 0);
+  coordinators_[leader]->Kill();
+  HaCoordinator& standby = *coordinators_[1 - leader];
+  ASSERT_TRUE(WaitFor([&] { return standby.Leads(); }, absl::Seconds(30))) << Diagnostics();
+  // (The admin connection follows the leader: a failed call moves it to the next address.)
+  absl::StatusOr<v1::Job> taken = Retrying([&] { return admin->GetJob("paced"); });
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  // Every round planned before the kill, as it was planned (the members may hold it).
+  EXPECT_GE(taken->pacing().rounds_planned(), before_kill.rounds_planned());
+  for (const v1::PacedRound& want : before_kill.last_rounds()) {
+    auto got =
+        std::find_if(taken->pacing().last_rounds().begin(), taken->pacing().last_rounds().end(),
+                     [&](const v1::PacedRound& r) { return r.round() == want.round(); });
+    ASSERT_NE(got, taken->pacing().last_rounds().end())
+        << "round " << want.round() << " planned before the kill is lost: "
+        << taken->pacing().ShortDebugString();
+    EXPECT_EQ(got->ShortDebugString(), want.ShortDebugString());
+  }
+  EXPECT_THAT(standby.log(), HasSubstr("job paced: paced rounds 0.."));
+  EXPECT_THAT(standby.log(), HasSubstr("job paced: loaded (RUNNING in generation 1, 3 of 3 ranks"));
+
+  for (int code : WaitAll(absl::Seconds(60))) ASSERT_EQ(code, 0) << Diagnostics();
+  std::vector<Trace> traces;
+  for (int r = 0; r < kWorld; ++r) {
+    absl::StatusOr<Trace> t = ParseTrace(absl::StrCat("rank ", r), workers_[r]->out());
+    ASSERT_TRUE(t.ok()) << t.status();
+    traces.push_back(*std::move(t));
+  }
+  PacedCheck check;
+  check.rounds = kPacedRounds;
+  PacedRounds seen;
+  const TraceCheckResult result = CheckPacedTraces(traces, check, delay_ms, &seen);
+  EXPECT_TRUE(result.ok()) << result.Report();
+  EXPECT_GE(result.averages, kPacedRounds * kWorld);
+  absl::StatusOr<v1::Job> job = Retrying([&] { return admin->GetJob("paced"); });
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->pacing().rounds_planned(), kPacedRounds);
+  ASSERT_EQ(job->pacing().last_rounds_size(), kPacedRounds);
+  EXPECT_THAT(PacingDisagreements(job->pacing(), seen), ::testing::IsEmpty())
+      << job->pacing().DebugString();
+  // The fail-over happened mid-job: the standby planned rounds of its own.
+  EXPECT_LT(taken->pacing().rounds_planned(), kPacedRounds) << Diagnostics();
+  std::cout << "[figures] paced job: leader killed with " << before_kill.rounds_planned()
+            << " rounds planned (GetJob; the last one's inner steps "
+            << absl::StrJoin(before_kill.last_rounds().rbegin()->inner_steps(), ",")
+            << "), the standby took over with " << taken->pacing().rounds_planned() << std::endl;
 }
 
 // Sharded replicas through a fail-over: 8 ranks in replicas of 2, elastic. Rank 5 is killed and

@@ -32,6 +32,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "modelavg/v1/coordinator.pb.h"
 #include "tests/integration/trace_check.h"
 
 namespace modelavg::testing {
@@ -250,6 +251,42 @@ inline TraceCheckResult CheckPacedTraces(const std::vector<Trace>& traces, const
     }
   }
   return result;
+}
+
+// Where the rounds a coordinator keeps (GetJob's pacing.last_rounds) disagree with the rounds the
+// members ran (`seen`, from CheckPacedTraces; the groups are group_size consecutive ranks): a
+// round whose group sync step is not the step its members synced at, or a round a member ran
+// that the coordinator does not list (from the first round it lists on). After a coordinator
+// restart or a fail-over, a round handed out by the previous coordinator and planned anew
+// differently by the next one shows here. Empty when they agree.
+inline std::vector<std::string> PacingDisagreements(const v1::PacingStatus& pacing,
+                                                    const PacedRounds& seen,
+                                                    int32_t group_size = 1) {
+  std::vector<std::string> errors;
+  if (pacing.last_rounds().empty()) return {"GetJob's pacing lists no round"};
+  const int64_t first = pacing.last_rounds(0).round();
+  std::map<int64_t, const v1::PacedRound*> kept;
+  for (const v1::PacedRound& r : pacing.last_rounds()) kept[r.round()] = &r;
+  for (size_t i = 0; i < seen.sync.size(); ++i) {
+    for (size_t r = static_cast<size_t>(std::max<int64_t>(first, 0)); r < seen.sync[i].size();
+         ++r) {
+      if (seen.sync[i][r] < 0) continue;
+      auto it = kept.find(static_cast<int64_t>(r));
+      if (it == kept.end()) {
+        errors.push_back(absl::StrCat("rank ", i, " ran round ", r, " at step ", seen.sync[i][r],
+                                      "; the coordinator lists rounds ", first, "..",
+                                      pacing.last_rounds().rbegin()->round()));
+        continue;
+      }
+      const int32_t g = static_cast<int32_t>(i) / group_size;
+      if (g >= it->second->sync_steps_size() || it->second->sync_steps(g) != seen.sync[i][r]) {
+        errors.push_back(absl::StrCat("round ", r, ": rank ", i, " synced at step ",
+                                      seen.sync[i][r], ", the coordinator's round says ",
+                                      it->second->ShortDebugString()));
+      }
+    }
+  }
+  return errors;
 }
 
 }  // namespace modelavg::testing
