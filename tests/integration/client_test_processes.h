@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -59,6 +60,24 @@ class CoordinatorProcess {
   std::unique_ptr<Process> process_;
   std::string address_;
 };
+
+// The command line of a modelavg-trace-worker (`binary`) of rank `rank` in `job`, a Gloo rank of
+// `world` with `numel` parameters, for `steps` steps (<= 0: no --steps; the caller's flags say
+// how long, e.g. --rounds of a paced job). The caller appends its own flags.
+inline std::vector<std::string> TraceWorkerArgv(const std::string& binary,
+                                                const std::string& coordinator,
+                                                const std::string& job, int rank, int world,
+                                                int64_t numel, int64_t steps) {
+  std::vector<std::string> argv = {binary,
+                                   "--coordinator=" + coordinator,
+                                   "--job=" + job,
+                                   absl::StrCat("--rank=", rank),
+                                   absl::StrCat("--world_size=", world),
+                                   absl::StrCat("--numel=", numel),
+                                   "--backend=gloo"};
+  if (steps > 0) argv.push_back(absl::StrCat("--steps=", steps));
+  return argv;
+}
 
 }  // namespace modelavg::testing
 

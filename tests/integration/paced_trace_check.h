@@ -289,6 +289,60 @@ inline std::vector<std::string> PacingDisagreements(const v1::PacingStatus& paci
   return errors;
 }
 
+// The rounds of `before` (GetJob's pacing, read from a coordinator just before it was killed)
+// that `after` (the pacing of the coordinator that took over: restarted, or a standby) lost or
+// plans differently, a line each: the members may hold any round planned before the kill, so
+// each must come back as it was. Empty when every one did.
+inline std::vector<std::string> RoundsLostOrChanged(const v1::PacingStatus& before,
+                                                    const v1::PacingStatus& after) {
+  std::vector<std::string> errors;
+  for (const v1::PacedRound& want : before.last_rounds()) {
+    auto got = std::find_if(after.last_rounds().begin(), after.last_rounds().end(),
+                            [&](const v1::PacedRound& r) { return r.round() == want.round(); });
+    if (got == after.last_rounds().end()) {
+      errors.push_back(absl::StrCat("round ", want.round(), " planned before the kill is lost: ",
+                                    after.ShortDebugString()));
+    } else if (got->ShortDebugString() != want.ShortDebugString()) {
+      errors.push_back(absl::StrCat("round ", want.round(), " was ", want.ShortDebugString(),
+                                    " before the kill, ", got->ShortDebugString(), " after"));
+    }
+  }
+  return errors;
+}
+
+// A finished paced job of one-rank groups, whole: each rank's output `outs[r]` parsed and
+// checked against the rule (CheckPacedTraces) for `rounds` rounds, every rank in every round,
+// and the coordinator's `pacing` (GetJob's, at the end) listing exactly those rounds at the steps
+// the members synced at (PacingDisagreements). The problems, a line each; empty when none.
+inline std::vector<std::string> PacedJobProblems(const std::vector<std::string>& outs,
+                                                 int64_t rounds,
+                                                 const std::vector<double>& delay_ms,
+                                                 const v1::PacingStatus& pacing) {
+  std::vector<Trace> traces;
+  for (size_t r = 0; r < outs.size(); ++r) {
+    absl::StatusOr<Trace> t = ParseTrace(absl::StrCat("rank ", r), outs[r]);
+    if (!t.ok()) return {t.status().ToString()};
+    traces.push_back(*std::move(t));
+  }
+  PacedCheck check;
+  check.rounds = rounds;
+  PacedRounds seen;
+  const TraceCheckResult result = CheckPacedTraces(traces, check, delay_ms, &seen);
+  std::vector<std::string> errors;
+  if (!result.ok()) errors.push_back(result.Report());
+  if (result.averages < rounds * static_cast<int64_t>(outs.size())) {
+    errors.push_back(absl::StrCat(result.averages, " paced averages checked, want at least ",
+                                  rounds, " rounds x ", outs.size(), " ranks"));
+  }
+  if (pacing.rounds_planned() != rounds || pacing.last_rounds_size() != rounds) {
+    errors.push_back(absl::StrCat("GetJob's pacing has ", pacing.rounds_planned(),
+                                  " rounds planned and lists ", pacing.last_rounds_size(),
+                                  "; the job ran ", rounds, ": ", pacing.ShortDebugString()));
+  }
+  for (std::string& e : PacingDisagreements(pacing, seen)) errors.push_back(std::move(e));
+  return errors;
+}
+
 }  // namespace modelavg::testing
 
 #endif  // MODELAVG_TESTS_INTEGRATION_PACED_TRACE_CHECK_H_

@@ -44,17 +44,11 @@ class TraceJobTest : public ::testing::Test {
     const int world = spec.world_size();
     std::vector<std::unique_ptr<Process>> procs;
     for (int r = 0; r < world; ++r) {
-      std::vector<std::string> argv = {MODELAVG_TRACE_WORKER_BIN,
-                                       "--coordinator=" + cluster_.coordinator().address(),
-                                       "--job=" + spec.job_id(),
-                                       absl::StrCat("--rank=", r),
-                                       absl::StrCat("--world_size=", world),
-                                       absl::StrCat("--numel=", numel),
-                                       "--backend=gloo",
-                                       "--join_timeout_ms=30000",
-                                       "--collective_timeout_ms=30000"};
-      // steps <= 0: the flags say how long the job runs (--rounds of a paced job).
-      if (steps > 0) argv.push_back(absl::StrCat("--steps=", steps));
+      std::vector<std::string> argv =
+          TraceWorkerArgv(MODELAVG_TRACE_WORKER_BIN, cluster_.coordinator().address(),
+                          spec.job_id(), r, world, numel, steps);
+      argv.push_back("--join_timeout_ms=30000");
+      argv.push_back("--collective_timeout_ms=30000");
       argv.insert(argv.end(), flags.begin(), flags.end());
       if (static_cast<size_t>(r) < rank_flags.size()) {
         argv.insert(argv.end(), rank_flags[r].begin(), rank_flags[r].end());
