@@ -24,7 +24,6 @@ PyTorch's averager. Prints one JSON line:
 
 import argparse
 import json
-import multiprocessing
 import os
 import queue as queue_module
 import statistics
@@ -147,7 +146,7 @@ def main():
     with mt.ProcessGroup() as group:
         coordinator = mt.Coordinator(group, args.coordinator_bin)
         store = dist.TCPStore("127.0.0.1", 0, args.world + 1, True, wait_for_workers=False)
-        ctx = multiprocessing.get_context("fork")
+        ctx = mt.rank_context()  # not a fork of this process: its store server runs threads
         out = ctx.Queue()
         procs = [ctx.Process(target=run_rank, args=(r, args, coordinator.address, store.port,
                                                     out), daemon=True)

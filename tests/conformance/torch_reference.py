@@ -171,7 +171,11 @@ def main(argv):
     import torch.distributed as dist
     # The parent holds the rendezvous store on a port the kernel picked: no port races.
     store = dist.TCPStore("127.0.0.1", 0, args.world_size + 1, True, wait_for_workers=False)
-    ctx = multiprocessing.get_context("fork")  # torch is imported once, not once per rank
+    # forkserver, its server importing torch once: not a fork of this process, whose store
+    # server runs threads (a rank forked while one of them held a lock hung, now and then, before
+    # it printed anything).
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
     queue = ctx.Queue()
     procs = [ctx.Process(target=run_rank, args=(r, args, store.port, queue), daemon=True)
              for r in range(args.world_size)]
