@@ -133,7 +133,8 @@ TEST_F(PacedRoundTest, PlainLevel_RoundRunner_WeightedMean_ThenFailures_LeaveTen
   std::vector<Traffic> traffic(kWorld);
   std::vector<std::unique_ptr<RoundRunner>> runners;
   for (int r = 0; r < kWorld; ++r) {
-    runners.push_back(std::make_unique<RoundRunner>(clients_[r].get(), &traffic[r], NoHooks()));
+    runners.push_back(std::make_unique<RoundRunner>(clients_[r].get(), &traffic[r],
+                                                    /*device=*/nullptr, NoHooks()));
   }
   const auto views = [&](int r) {
     return std::vector<TensorView>{
@@ -208,7 +209,7 @@ TEST_F(PacedRoundTest, ElasticJob_CommittedRound_WeightedMean) {
   std::vector<Traffic> traffic(kWorld);
   std::vector<absl::Status> status(kWorld);
   OnRanks([&](int r) {
-    RoundRunner runner(clients_[r].get(), &traffic[r], NoHooks());
+    RoundRunner runner(clients_[r].get(), &traffic[r], /*device=*/nullptr, NoHooks());
     params[r] = inputs[r];
     std::vector<TensorView> x = {TensorView{params[r].data(), numel, DType::kFloat32}};
     status[r] = runner.Run(Paced(r, 0, kWeights), Device::Host(), x, RoundWire{}).status();
@@ -244,7 +245,8 @@ TEST_F(PacedRoundTest, OuterInt8ErrorFeedback_StreamingLevel_WeightedMean) {
   for (int r = 0; r < kWorld; ++r) {
     devices.push_back(std::make_unique<OuterDevice>(absl::Seconds(10), false, nullptr));
     gradients.push_back(std::make_unique<OuterBuffer>());
-    runners.push_back(std::make_unique<RoundRunner>(clients_[r].get(), &traffic[r], NoHooks()));
+    runners.push_back(std::make_unique<RoundRunner>(clients_[r].get(), &traffic[r],
+                                                    devices[r].get(), NoHooks()));
     levels.push_back(std::make_unique<StreamingLevel>(clients_[r].get(), devices[r].get(),
                                                       gradients[r].get(), runners[r].get(),
                                                       &traffic[r]));
@@ -343,7 +345,8 @@ TEST_F(PacedRoundTest, DelayedSync_StrictJob_AppliesTheWeightedMean) {
   for (int r = 0; r < kWorld; ++r) {
     devices.push_back(std::make_unique<OuterDevice>(absl::Seconds(10), false, nullptr));
     gradients.push_back(std::make_unique<OuterBuffer>());
-    runners.push_back(std::make_unique<RoundRunner>(clients_[r].get(), &traffic[r], NoHooks()));
+    runners.push_back(std::make_unique<RoundRunner>(clients_[r].get(), &traffic[r],
+                                                    devices[r].get(), NoHooks()));
     levels.push_back(std::make_unique<StreamingLevel>(clients_[r].get(), devices[r].get(),
                                                       gradients[r].get(), runners[r].get(),
                                                       &traffic[r]));
