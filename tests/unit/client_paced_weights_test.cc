@@ -19,11 +19,13 @@
 #include "client/payload/payload_codec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/tools/paced_decision.h"
 #include "tests/unit/gloo_test_mesh.h"
 
 namespace modelavg::client {
 namespace {
 
+using ::modelavg::testing::PacedDecision;
 using ::testing::HasSubstr;
 
 void OnRanks(int n, const std::function<void(int)>& fn) {
@@ -40,18 +42,6 @@ std::vector<float> Random(int seed, int64_t numel, float scale) {
   return x;
 }
 
-// Ranks 0..n-1 of one subgroup, the docs' worked example's weights (round 2: 20, 29, 45 steps).
-Decision PacedDecision(std::vector<double> weights) {
-  Decision d;
-  d.step = 65;
-  d.average = true;
-  d.level = 0;
-  d.round = 2;
-  d.subgroup = SubgroupRange{0, 0, static_cast<int32_t>(weights.size())};
-  for (int32_t r = 0; r < static_cast<int32_t>(weights.size()); ++r) d.members.push_back(r);
-  d.weights = std::move(weights);
-  return d;
-}
 
 // sum_i w_i x_i[j] / sum_i w_i over the contributing members, in double.
 std::vector<double> NaiveWeightedMean(const std::vector<std::vector<float>>& xs,
