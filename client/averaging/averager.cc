@@ -65,7 +65,7 @@ class ModelAverager::Parts {
         device_(client->options().collective_timeout,
                 options.backup_device == AveragerOptions::BackupDevice::kHost,
                 LocalDevices()),
-        rounds_(client, &traffic_,
+        rounds_(client, &traffic_, &device_,
                 RoundRunner::Hooks{
                     [this](const Decision& decision, Communicator* comm,
                            absl::Span<const TensorView> layout) {

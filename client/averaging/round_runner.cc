@@ -46,8 +46,8 @@ std::vector<ModelAverager::LevelTraffic> Traffic::PerLevel(size_t levels) const 
   return out;
 }
 
-RoundRunner::RoundRunner(Client* client, Traffic* traffic, Hooks hooks)
-    : client_(client), traffic_(traffic), hooks_(std::move(hooks)) {}
+RoundRunner::RoundRunner(Client* client, Traffic* traffic, OuterDevice* device, Hooks hooks)
+    : client_(client), traffic_(traffic), device_(device), hooks_(std::move(hooks)) {}
 
 absl::Duration RoundRunner::CauseWait() const {
   return client_->heartbeat_timeout() + 2 * client_->options().heartbeat_interval +
@@ -70,7 +70,7 @@ absl::StatusOr<Decision> RoundRunner::Run(const Decision& decision, const Device
   absl::StatusOr<RoundWeight> weighing = WeightOf(decision, client_->rank());
   if (!weighing.ok()) return Annotate(weighing.status(), where);
   const RoundWeight weight = *weighing;
-  WeightedInput weighted;
+  WeightedInput weighted(device_);
   std::vector<TensorView> copy;
   if (weight.weighted) {
     absl::StatusOr<std::vector<TensorView>> filled = weighted.Fill(weight, tensors, wire.weigh);
@@ -93,7 +93,7 @@ absl::StatusOr<Decision> RoundRunner::Run(const Decision& decision, const Device
       comm.ok() ? (*comm)->AllReduceAverage(round_tensors, plain, nullptr) : comm.status();
   if (comm.ok()) traffic_->AddBytes(decision.level, (*comm)->bytes_sent() - sent_before);
   if (s.ok()) {
-    if (weight.weighted) weighted.Finish(tensors);
+    if (weight.weighted) MODELAVG_RETURN_IF_ERROR(Annotate(weighted.Finish(tensors), where));
     return decision;
   }
   // Every member's call fails; nobody's parameters changed (a strict job keeps its generation).
@@ -323,7 +323,7 @@ absl::StatusOr<RoundRunner::Attempt> RoundRunner::RunAttempt(const Decision& dec
   // the unscaled `tensors` into a copy, which the round runs on (round_weights.h).
   absl::StatusOr<RoundWeight> weight = WeightOf(decision, client_->rank());
   if (!weight.ok()) return Annotate(weight.status(), ElasticWhere(decision));
-  WeightedInput weighted;
+  WeightedInput weighted(device_);
   std::vector<TensorView> copy;
   if (weight->weighted) {
     absl::StatusOr<std::vector<TensorView>> filled = weighted.Fill(*weight, tensors, wire.weigh);
@@ -347,14 +347,18 @@ absl::StatusOr<RoundRunner::Attempt> RoundRunner::RunAttempt(const Decision& dec
     tried.in_hand_over = !tried.status.ok();
   }
   const int64_t sent_before = tried.comm->bytes_sent();
+  absl::Status finished;
   if (tried.status.ok()) {
     tried.status = tried.comm->AllReduceAverage(round_tensors, options, &tried.outcome);
     // Committed: the weighted mean becomes the caller's. A round kept aside (its confirmation
     // lost) is adopted into `tensors` directly (AdoptLostCommit): the layout is the same.
-    if (tried.status.ok() && weight->weighted) weighted.Finish(tensors);
+    if (tried.status.ok() && weight->weighted) finished = weighted.Finish(tensors);
   }
   traffic_->AddBytes(decision.level, tried.comm->bytes_sent() - sent_before);
   client_->RecordRound(decision.level, decision.step, decision.generation, tried.outcome);
+  // The round committed but its result could not be copied out of the device's copy: a device
+  // failure, not a peer's, which no retry of the round would mend.
+  if (!finished.ok()) return Annotate(finished, ElasticWhere(decision));
   return tried;
 }
 

@@ -23,6 +23,7 @@
 #include "client/averaging/round_weights.h"
 #include "client/comm/communicator.h"
 #include "client/comm/communicator_cache.h"
+#include "client/outer/outer_device.h"
 #include "modelavg/client/averager.h"
 #include "modelavg/client/client.h"
 #include "modelavg/client/tensor.h"
@@ -77,8 +78,9 @@ class RoundRunner {
     std::function<void(int64_t generation)> before_note;
   };
 
-  // `client` and `traffic` outlive it.
-  RoundRunner(Client* client, Traffic* traffic, Hooks hooks);
+  // `client`, `traffic` and `device` outlive it. `device`: where a paced round's weighted copy
+  // of CUDA tensors lives (round_weights.h); null: paced rounds on host tensors only.
+  RoundRunner(Client* client, Traffic* traffic, OuterDevice* device, Hooks hooks);
 
   // One round of `decision` on `tensors` (the parameters, or an outer step's pseudo-gradient):
   // strict or elastic, with the error handling of ModelAverager::AverageParameters.
@@ -147,6 +149,7 @@ class RoundRunner {
 
   Client* const client_;
   Traffic* const traffic_;
+  OuterDevice* const device_;
   const Hooks hooks_;
 };
 

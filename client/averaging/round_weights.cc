@@ -84,39 +84,60 @@ absl::StatusOr<std::vector<TensorView>> WeightedInput::Fill(const RoundWeight& w
                                                             absl::Span<const TensorView> tensors,
                                                             const FillFn& fill) {
   views_.clear();
+  on_device_ = !tensors.empty() && !tensors[0].device.is_host();
   size_t offset = 0;
   std::vector<size_t> offsets;
   for (const TensorView& t : tensors) {
-    if (!t.device.is_host()) {
-      return absl::UnimplementedError(absl::StrCat(
-          "a paced (weighted) round on ", t.device.ToString(),
-          " tensors is not supported in this version: paced levels average host tensors (Gloo)"));
+    if (t.device != tensors[0].device) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a paced (weighted) round's tensors are on ", tensors[0].device.ToString(), " and ",
+          t.device.ToString(), ": pass the tensors of one device to each call"));
     }
     // Aligned to the element size only: tensors of one dtype lie back to back, so that Gloo
-    // reduces the copy as one buffer, as it would the caller's.
+    // (or NCCL) reduces the copy as one buffer, as it would the caller's.
     const size_t align = DTypeSize(t.dtype);
     offset = (offset + align - 1) / align * align;
     offsets.push_back(offset);
     offset += t.nbytes();
   }
-  bytes_.assign(offset, 0);
+  if (on_device_ && (device_ == nullptr || fill)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "a paced (weighted) round on ", tensors[0].device.ToString(), " tensors ",
+        device_ == nullptr
+            ? "needs the averager's CUDA device, which this round was not given"
+            : "with a level's own weighting (error feedback) runs on host tensors only in this "
+              "version: set the level's error_feedback to 0, or average host tensors"));
+  }
+  uint8_t* base = nullptr;
+  if (on_device_) {
+    MODELAVG_RETURN_IF_ERROR(device_->Open(tensors[0].device));
+    MODELAVG_ASSIGN_OR_RETURN(void* copy, device_->WeightedCopy(offset));
+    base = static_cast<uint8_t*>(copy);
+  } else {
+    bytes_.assign(offset, 0);
+    base = bytes_.data();
+  }
   for (size_t i = 0; i < tensors.size(); ++i) {
     TensorView v = tensors[i];
-    v.data = bytes_.data() + offsets[i];
+    v.data = base + offsets[i];
     views_.push_back(v);
   }
   if (fill) {
     MODELAVG_RETURN_IF_ERROR(fill(weight.scale, views_));
+  } else if (on_device_) {
+    MODELAVG_RETURN_IF_ERROR(device_->ScaleInto(tensors, weight.scale, views_));
   } else {
     ScaleInto(tensors, weight.scale, views_);
   }
   return views_;
 }
 
-void WeightedInput::Finish(absl::Span<const TensorView> tensors) const {
+absl::Status WeightedInput::Finish(absl::Span<const TensorView> tensors) const {
+  if (on_device_) return device_->CopyInto(views_, tensors);
   for (size_t i = 0; i < tensors.size() && i < views_.size(); ++i) {
     if (tensors[i].nbytes() > 0) std::memcpy(tensors[i].data, views_[i].data, tensors[i].nbytes());
   }
+  return absl::OkStatus();
 }
 
 }  // namespace modelavg::client

@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "client/outer/outer_device.h"
 #include "client/outer/outer_state.h"
 #include "client/payload/payload_codec.h"
 #include "modelavg/client/tensor.h"
@@ -69,22 +70,32 @@ absl::Status WeighWithFeedback(const OuterLevelState& state, double beta, WireFo
                                absl::Span<const TensorView> u, OuterBuffer* residual);
 
 // The copy of a weighted round's tensors: the round runs on it, and its result is written into
-// the caller's tensors only once the round has completed. Host tensors only.
+// the caller's tensors only once the round has completed. Host tensors: a host buffer. CUDA
+// tensors: the device's buffer for it (OuterDevice::WeightedCopy, one round at a time), weighed by
+// OuterKernels::ScaleCopy with the host's arithmetic, so that a member's weighted contribution
+// is the same bits on either path.
 class WeightedInput {
  public:
   // Fills the level's contribution for `weight.scale` into the copy (same layout as the
   // caller's tensors) — default: the caller's tensors times the scale (ScaleInto).
   using FillFn = std::function<absl::Status(double scale, absl::Span<const TensorView> out)>;
 
+  // `device`: where the copy of CUDA tensors lives (outlives this); null: host tensors only.
+  explicit WeightedInput(OuterDevice* device = nullptr) : device_(device) {}
+
   // Shapes the copy like `tensors` (same counts and dtypes, back to back), fills it and
-  // returns its views. `fill` may be empty.
+  // returns its views. `fill` may be empty; it runs on host tensors only (UNIMPLEMENTED for
+  // CUDA ones, as without a device).
   absl::StatusOr<std::vector<TensorView>> Fill(const RoundWeight& weight,
                                                absl::Span<const TensorView> tensors,
                                                const FillFn& fill);
-  // The round completed: copies the result (the weighted mean) into `tensors`.
-  void Finish(absl::Span<const TensorView> tensors) const;
+  // The round completed: copies the result (the weighted mean) into `tensors` (CUDA tensors:
+  // on their streams, waited for).
+  absl::Status Finish(absl::Span<const TensorView> tensors) const;
 
  private:
+  OuterDevice* const device_;
+  bool on_device_ = false;
   std::vector<uint8_t> bytes_;
   std::vector<TensorView> views_;
 };

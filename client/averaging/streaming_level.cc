@@ -124,7 +124,7 @@ absl::StatusOr<Decision> StreamingLevel::Round(const Decision& decision, const D
         spec.sync_delay, " runs in strict jobs on host parameters only in this version (",
         client_->elastic() ? "this job is elastic" : absl::StrCat("the parameters are on ",
                                                                    device.ToString()),
-        "; sync_delay 0 is weighted everywhere on host parameters)"));
+        "; sync_delay 0 is weighted in strict and elastic jobs alike)"));
   }
   if (!device.is_host() && spec.sync_delay != 0 && client_->elastic()) {
     // The elastic settle of a background round (docs/streaming.md, "Elastic jobs") runs on

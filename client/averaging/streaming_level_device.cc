@@ -40,6 +40,14 @@ absl::StatusOr<Decision> StreamingLevel::DeviceRound(const Decision& decision,
   if (spec.sync_delay != 0) {
     return Start(decision, device, fragment, state, !on_device->has_anchor(), split_signature);
   }
+  if (!decision.weights.empty() && spec.error_feedback != 0) {
+    // The device's error feedback adds beta E to the unscaled D before the round; a paced round
+    // must send beta E + s D (round_weights.h), which only the host path computes so far.
+    return absl::UnimplementedError(absl::StrCat(
+        where, ": a paced (weighted) round with levels[", level, "].error_feedback ",
+        spec.error_feedback, " runs on host parameters only in this version (the parameters "
+        "are on ", device.ToString(), "); set error_feedback to 0 for CUDA parameters"));
+  }
   const bool first_step = joining ? first_sync == decision.step : !on_device->has_anchor();
   Decision done = decision;
   DeviceFeedback feedback;

@@ -1,13 +1,16 @@
 #include "client/outer/outer_device.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "client/payload/staging_layout.h"
 #include "common/status_util.h"
 
 namespace modelavg::client {
 
 OuterDevice::~OuterDevice() {
+  weighted_.reset();
   local_.reset();
   if (gradient_ != nullptr && local_device_.ops != nullptr) {
     gradient_->Release(*local_device_.ops);
@@ -53,6 +56,47 @@ std::unique_ptr<DevicePendingSync> OuterDevice::NewPendingSync(DeviceOuterState*
 GrowableBuffer* OuterDevice::local() {
   if (local_ == nullptr) local_ = std::make_unique<OwnedDeviceBuffer>(local_device_.ops.get());
   return local_->get();
+}
+
+absl::StatusOr<void*> OuterDevice::WeightedCopy(size_t bytes) {
+  if (weighted_ == nullptr) {
+    weighted_ = std::make_unique<OwnedDeviceBuffer>(local_device_.ops.get());
+  }
+  MODELAVG_RETURN_IF_ERROR(Annotate(weighted_->get()->Reserve(*local_device_.ops, bytes),
+                                    absl::StrCat("allocating a paced round's weighted copy (",
+                                                 bytes, " bytes) on cuda:", index_)));
+  return weighted_->get()->data();
+}
+
+absl::Status OuterDevice::ScaleInto(absl::Span<const TensorView> from, double scale,
+                                    absl::Span<const TensorView> to) {
+  // One launch per tensor: a paced round weighs a model once per averaging step.
+  for (size_t i = 0; i < from.size() && i < to.size(); ++i) {
+    const int64_t n = std::min(from[i].numel, to[i].numel);
+    if (n <= 0) continue;
+    MODELAVG_RETURN_IF_ERROR(Annotate(
+        local_device_.kernels->ScaleCopy(from[i].data, to[i].data, n, StagingCodeOf(from[i].dtype),
+                                         scale, to[i].cuda_stream),
+        absl::StrCat("weighing tensor ", i, " of the round on ", to[i].device.ToString())));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OuterDevice::CopyInto(absl::Span<const TensorView> from,
+                                   absl::Span<const TensorView> to) {
+  DeviceOps* ops = local_device_.ops.get();
+  for (size_t i = 0; i < from.size() && i < to.size(); ++i) {
+    const size_t bytes = std::min(from[i].nbytes(), to[i].nbytes());
+    if (bytes == 0) continue;
+    MODELAVG_RETURN_IF_ERROR(ops->Copy(to[i].data, from[i].data, bytes, to[i].cuda_stream));
+  }
+  // The caller's tensors hold the result once the call returns, as after any round.
+  for (size_t i = 0; i < to.size(); ++i) {
+    if (i > 0 && to[i].cuda_stream == to[i - 1].cuda_stream) continue;
+    MODELAVG_RETURN_IF_ERROR(
+        ops->WaitLocal(to[i].cuda_stream, "copying the weighted round's result"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status OuterDevice::RoundThroughDevice(

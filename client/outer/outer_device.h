@@ -2,8 +2,10 @@
 // and the outer optimizer's kernels their states run on, which whoever builds the averager
 // supplies (LocalDeviceFactory: cuda/cuda_outer_device.h in a CUDA build, a simulated device in
 // tests), made at the first use, on that device; the pseudo-gradient on the device (shared by
-// the levels: one step runs at a time), and a streaming level's copy of the parameters on the
-// device (x_local of a mix). Freed after the states that were allocated with them.
+// the levels: one step runs at a time), a streaming level's copy of the parameters on the
+// device (x_local of a mix), and a paced round's weighted copy of its tensors (WeightedInput,
+// client/averaging/round_weights.h; one round runs at a time). Freed after the states that were
+// allocated with them.
 //
 // Not thread-safe: ModelAverager calls it under its mutex.
 #ifndef MODELAVG_CLIENT_OUTER_OUTER_DEVICE_H_
@@ -58,6 +60,15 @@ class OuterDevice {
   // Once Open has succeeded: the pseudo-gradient, x_local.
   GrowableBuffer* gradient() const { return gradient_.get(); }
   GrowableBuffer* local();
+  // Once Open has succeeded: the device memory of a paced round's weighted copy, grown to
+  // `bytes` (its earlier contents lost: one round's copy at a time).
+  absl::StatusOr<void*> WeightedCopy(size_t bytes);
+  // Once Open has succeeded, on the tensors' streams: to[i] := fl(scale * from[i]) (the host's
+  // ScaleInto, OuterKernels::ScaleCopy), and to[i] := from[i] then a wait for the copies.
+  // `from` and `to` have the same counts and dtypes, in device memory.
+  absl::Status ScaleInto(absl::Span<const TensorView> from, double scale,
+                         absl::Span<const TensorView> to);
+  absl::Status CopyInto(absl::Span<const TensorView> from, absl::Span<const TensorView> to);
 
  private:
   const absl::Duration timeout_;
@@ -67,6 +78,7 @@ class OuterDevice {
   LocalDevice local_device_;
   std::unique_ptr<GrowableBuffer> gradient_;
   std::unique_ptr<OwnedDeviceBuffer> local_;
+  std::unique_ptr<OwnedDeviceBuffer> weighted_;
 };
 
 }  // namespace modelavg::client

@@ -38,6 +38,12 @@ class OuterKernels {
   // FeedbackResidual: e[i] := u[i] - c[i] in float32 (c: decode(encode(u))).
   virtual absl::Status FeedbackResidual(const float* u, const float* c, int64_t n, float* e,
                                         void* stream) = 0;
+  // A paced round's weighted copy (client/averaging/round_weights.h) of one tensor of `n`
+  // elements of staging dtype `dtype_code`: to[i] := fl(scale * from[i]), the product in double,
+  // rounded once to float64 or float32, float16/bfloat16 from that float32 (the host's
+  // ScaleInto, SetElementAt). `from` and `to` may be the same.
+  virtual absl::Status ScaleCopy(const void* from, void* to, int64_t n, int32_t dtype_code,
+                                 double scale, void* stream) = 0;
 };
 
 }  // namespace modelavg::client

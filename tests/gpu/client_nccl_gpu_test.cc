@@ -1,12 +1,13 @@
 // The NCCL path on one GPU: the staging kernels' results against a host reference (the padded
 // layout with large aligned float32 tensors on the 16-byte vector path, misaligned mixed dtypes
 // on the element path), one-rank communicators in every dtype (zero-copy and staged, NCCL's
-// ncclSum and ncclAvg), committed rounds (backup, commit, a lost commit's result adopted after
-// the abort), ContiguousParameters' zeroing order, abort of a communicator whose peer never
-// arrives or whose generation moves on, and the bootstrap through a coordinator. NCCL
-// refuses two ranks of one communicator on the same GPU, so with one GPU every average is of one
-// member: the multi-member logic (layout agreement, local failures, averaging arithmetic, bootstrap
-// retry) is covered by the host tests in tests/unit/client_nccl_*_test.cc.
+// ncclSum and ncclAvg), a paced round's weighted copy on the device, committed rounds (backup,
+// commit, a lost commit's result adopted after the abort), ContiguousParameters' zeroing
+// order, abort of a communicator whose peer never arrives or whose generation moves on, and the
+// bootstrap through a coordinator. NCCL refuses two ranks of one communicator on the same GPU, so
+// with one GPU every average is of one member: the multi-member logic (layout agreement, local
+// failures, averaging arithmetic, bootstrap retry) is covered by the host tests in
+// tests/unit/client_nccl_*_test.cc.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -23,10 +24,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/averaging/round_weights.h"
 #include "client/base/error_kind.h"
 #include "client/base/half.h"
 #include "client/comm/nccl/cuda/nccl_communicator.h"
 #include "client/comm/nccl/cuda/staging_kernels.h"
+#include "client/outer/cuda/cuda_outer_device.h"
+#include "client/outer/outer_device.h"
 #include "client/payload/staging_layout.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -371,6 +375,80 @@ TEST_F(NcclGpuTest, OneRankCommunicator_EveryDType_AverageAndRawSumAndAvgAreIden
   int device = -1;
   ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
   EXPECT_EQ(device, 0);
+}
+
+// A paced round on CUDA tensors (client/averaging/round_weights.h): the weighted copy on the
+// averager's device (OuterDevice with the CUDA kernels), in every dtype, is fl(s x) restated here
+// bit for bit (the product in double, rounded once to float32 or float64, float16 and bfloat16
+// from that float32: the host's arithmetic); the caller's tensors keep their values until the
+// round (one member: the identity) has completed and Finish writes the copy into them.
+TEST_F(NcclGpuTest, PacedRound_WeightedCopyOnTheDevice_EveryDType_IsTheHostsArithmetic) {
+  ncclUniqueId id;
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  auto comm = NcclCommunicator::CreateWithId(id, 0, 1, 0, absl::Seconds(60), nullptr);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  OuterDevice device(absl::Seconds(60), /*pinned_host=*/false, OpenCudaOuterDevice);
+  // Rank 0's part in a two-member paced round with weights 7 and 13: s = 2 * 7 / 20.
+  Decision decision;
+  decision.average = true;
+  decision.round = 0;
+  decision.subgroup = SubgroupRange{0, 0, 2};
+  decision.members = {0, 1};
+  decision.weights = {7, 13};
+  const absl::StatusOr<RoundWeight> weight = WeightOf(decision, 0);
+  ASSERT_TRUE(weight.ok()) << weight.status();
+  ASSERT_DOUBLE_EQ(weight->scale, 0.7);
+  for (DType dtype : kAllDTypes) {
+    SCOPED_TRACE(std::string(DTypeName(dtype)));
+    const int32_t code = StagingCodeOf(dtype);
+    const size_t es = DTypeSize(dtype);
+    const int64_t n = 3 * kStagingChunkElems + 11;
+    std::vector<char> host(n * es), want(n * es);
+    for (int64_t i = 0; i < n; ++i) {
+      // Normal and (float16) subnormal magnitudes, both signs, short of float16's overflow.
+      StoreAs(host.data(), code, i,
+              (i % 2 ? -1.0 : 1.0) *
+                  std::ldexp(1.0 + (i % 1000) / 1000.0, static_cast<int>(i % 36) - 20));
+      const double product = weight->scale * LoadAs(host.data(), code, i);
+      const float f = static_cast<float>(product);
+      const uint16_t h = dtype == DType::kFloat16 ? FloatToHalf(f) : FloatToBFloat16(f);
+      if (dtype == DType::kFloat64) {
+        std::memcpy(want.data() + i * es, &product, es);
+      } else if (dtype == DType::kFloat32) {
+        std::memcpy(want.data() + i * es, &f, es);
+      } else {
+        std::memcpy(want.data() + i * es, &h, es);
+      }
+    }
+    char* a = static_cast<char*>(Upload(host.data(), 5 * es));
+    char* b = static_cast<char*>(Upload(host.data() + 5 * es, (n - 5) * es));
+    const std::vector<TensorView> tensors = {TensorView{a, 5, dtype, Device::Cuda(0), stream_},
+                                             TensorView{b, n - 5, dtype, Device::Cuda(0),
+                                                        stream_}};
+    WeightedInput copy(&device);
+    absl::StatusOr<std::vector<TensorView>> views = copy.Fill(*weight, tensors, nullptr);
+    ASSERT_TRUE(views.ok()) << views.status();
+    ASSERT_EQ(views->size(), 2u);
+    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    std::vector<char> got = Download<char>((*views)[0].data, 5 * es);
+    std::vector<char> rest = Download<char>((*views)[1].data, (n - 5) * es);
+    got.insert(got.end(), rest.begin(), rest.end());
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(std::memcmp(got.data() + i * es, want.data() + i * es, es), 0)
+          << "element " << i << ": " << LoadAs(got.data(), code, i) << " for " << weight->scale
+          << " * " << LoadAs(host.data(), code, i);
+    }
+    ASSERT_TRUE((*comm)->AllReduceAverage(*views).ok());
+    std::vector<char> before = Download<char>(a, 5 * es);
+    rest = Download<char>(b, (n - 5) * es);
+    before.insert(before.end(), rest.begin(), rest.end());
+    EXPECT_EQ(before, host) << "the caller's tensors changed before Finish";
+    ASSERT_TRUE(copy.Finish(tensors).ok());
+    std::vector<char> after = Download<char>(a, 5 * es);
+    rest = Download<char>(b, (n - 5) * es);
+    after.insert(after.end(), rest.begin(), rest.end());
+    EXPECT_EQ(after, want);
+  }
 }
 
 TEST_F(NcclGpuTest, OneRankCommunicator_LayoutChangesAndALocalError_StayUsable) {

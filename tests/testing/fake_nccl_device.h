@@ -9,7 +9,8 @@
 // events between streams, in one of two adversarial orders (FakeOps::Policy), so that a missing
 // dependency shows. It logs every operation as enqueued and as run, so that a test can count
 // what a call costs. A FakeWorld can be aborted, as a generation move aborts the peers'
-// collectives. Params is host memory standing in for one member's CUDA tensors.
+// collectives. Params is host memory standing in for one member's CUDA tensors; FakeLocalDevice
+// opens a FakeOps as the averager's OuterDevice.
 #ifndef MODELAVG_TESTS_TESTING_FAKE_NCCL_DEVICE_H_
 #define MODELAVG_TESTS_TESTING_FAKE_NCCL_DEVICE_H_
 
@@ -33,6 +34,7 @@
 #include "absl/time/time.h"
 #include "client/comm/finite_check.h"
 #include "client/comm/nccl/nccl_core.h"
+#include "client/outer/outer_device.h"
 #include "client/outer/outer_kernels.h"
 #include "client/payload/finite_scan.h"
 #include "client/payload/payload_codec.h"
@@ -414,6 +416,16 @@ class FakeOps : public DeviceOps, public OuterKernels {
       for (int64_t i = 0; i < n; ++i) e[i] = u[i] - c[i];
       return absl::OkStatus();
     });
+  }
+  // A paced round's weighted copy (OuterKernels::ScaleCopy): the product in double, stored as
+  // the staging reference stores a double. Run at once, as OuterDifference.
+  absl::Status ScaleCopy(const void* from, void* to, int64_t n, int32_t code, double scale,
+                         void* stream) override {
+    log.push_back("scale_copy");
+    if (!Live(to, static_cast<size_t>(n) * StagingCodeSize(code))) return Illegal("weighted copy");
+    MODELAVG_RETURN_IF_ERROR(Drain(stream));
+    for (int64_t i = 0; i < n; ++i) StoreAs(to, code, i, scale * LoadAs(from, code, i));
+    return absl::OkStatus();
   }
   absl::Status AllToAll(const void* send, void* recv, size_t bytes, void* stream) override {
     return Bytes(Post::Kind::kAllToAll, "alltoall", send, recv, bytes, stream);
@@ -820,6 +832,53 @@ inline std::vector<float> Flat(const Params& p) {
     out.insert(out.end(), f, f + v.numel);
   }
   return out;
+}
+
+// One FakeOps's outer kernels as an object of their own (LocalDevice owns its operations and its
+// kernels apart), so that the kernels check their buffers against that FakeOps's allocations.
+class FakeKernelsOf : public OuterKernels {
+ public:
+  explicit FakeKernelsOf(FakeOps* ops) : ops_(ops) {}
+  absl::Status OuterDifference(const StagingChunk* chunks, int64_t num_chunks, const void* anchor,
+                               void* gradient, int32_t state_code, void* stream) override {
+    return ops_->OuterDifference(chunks, num_chunks, anchor, gradient, state_code, stream);
+  }
+  absl::Status OuterStep(const StagingChunk* chunks, int64_t num_chunks,
+                         const OuterStepArgs& args, void* stream) override {
+    return ops_->OuterStep(chunks, num_chunks, args, stream);
+  }
+  absl::Status OuterMix(const StagingChunk* chunks, int64_t num_chunks, const void* local,
+                        int32_t state_code, double mix, void* stream) override {
+    return ops_->OuterMix(chunks, num_chunks, local, state_code, mix, stream);
+  }
+  absl::Status FeedbackAdd(float* u, const float* e, int64_t n, double beta,
+                           void* stream) override {
+    return ops_->FeedbackAdd(u, e, n, beta, stream);
+  }
+  absl::Status FeedbackResidual(const float* u, const float* c, int64_t n, float* e,
+                                void* stream) override {
+    return ops_->FeedbackResidual(u, c, n, e, stream);
+  }
+  absl::Status ScaleCopy(const void* from, void* to, int64_t n, int32_t dtype_code, double scale,
+                         void* stream) override {
+    return ops_->ScaleCopy(from, to, n, dtype_code, scale, stream);
+  }
+
+ private:
+  FakeOps* const ops_;
+};
+
+// An OuterDevice's LocalDeviceFactory on the simulated device: one FakeOps (no collectives) per
+// opening, for member `member`; `*opened` (if given) is set to it.
+inline LocalDeviceFactory FakeLocalDevice(int member, FakeOps** opened = nullptr) {
+  return [member, opened](int, absl::Duration) -> absl::StatusOr<LocalDevice> {
+    auto ops = std::make_unique<FakeOps>(nullptr, member);
+    if (opened != nullptr) *opened = ops.get();
+    LocalDevice d;
+    d.kernels = std::make_unique<FakeKernelsOf>(ops.get());
+    d.ops = std::move(ops);
+    return d;
+  };
 }
 
 }  // namespace modelavg::client

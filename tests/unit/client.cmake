@@ -62,6 +62,10 @@ modelavg_add_gtest(client_nccl_core_test SOURCES client_nccl_core_test.cc
                    LIBS modelavg_client modelavg_testing)
 modelavg_add_gtest(client_nccl_outer_test SOURCES client_nccl_outer_test.cc
                    LIBS modelavg_client modelavg_testing)
+# A paced round's weighted copy on CUDA tensors (round_weights.h on OuterDevice), plain and outer
+# levels on the simulated device, against the weighted mean recomputed naively.
+modelavg_add_gtest(client_nccl_paced_test SOURCES client_nccl_paced_test.cc
+                   LIBS modelavg_client modelavg_testing)
 modelavg_add_gtest(client_nccl_streaming_test SOURCES client_nccl_streaming_test.cc
                    LIBS modelavg_client modelavg_testing)
 modelavg_add_gtest(client_nccl_compressed_test SOURCES client_nccl_compressed_test.cc

@@ -5,7 +5,8 @@
 // that is the client's: the weight check, the weighted copy, the Gloo round, the write-back.
 // Checked against sum_i w_i x_i / W recomputed here in double: a plain level; an outer level
 // with INT8 and error feedback over three syncs (the residual kept from the weighted U); and
-// the caller's tensors untouched, bit for bit, when the weights are invalid or the round fails.
+// the caller's tensors untouched, bit for bit, when the weights are invalid or the round fails;
+// and a streaming level's error feedback on CUDA parameters, still refused.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -25,6 +26,7 @@
 #include "gtest/gtest.h"
 #include "modelavg/client/client.h"
 #include "server/coordinator_server.h"
+#include "tests/testing/fake_nccl_device.h"
 #include "tests/tools/make_job_spec.h"
 #include "tests/tools/time_scale.h"
 
@@ -61,6 +63,14 @@ void OnRanks(const std::function<void(int)>& fn) {
   std::vector<std::thread> threads;
   for (int r = 0; r < kWorld; ++r) threads.emplace_back(fn, r);
   for (auto& t : threads) t.join();
+}
+
+RoundRunner::Hooks NoHooks() {
+  return RoundRunner::Hooks{
+      [](const Decision&, Communicator*, absl::Span<const TensorView>) {
+        return absl::OkStatus();
+      },
+      [](int64_t) {}};
 }
 
 class PacedRoundTest : public ::testing::Test {
@@ -111,18 +121,36 @@ class PacedRoundTest : public ::testing::Test {
     return *d;
   }
 
+  // Per rank, as ModelAverager builds them: the averager's device, the pseudo-gradient buffer, a
+  // RoundRunner and a StreamingLevel over them (freed in the reverse order).
+  struct StreamingLevels {
+    std::vector<Traffic> traffic = std::vector<Traffic>(kWorld);
+    std::vector<std::unique_ptr<OuterDevice>> devices;
+    std::vector<std::unique_ptr<OuterBuffer>> gradients;
+    std::vector<std::unique_ptr<RoundRunner>> runners;
+    std::vector<std::unique_ptr<StreamingLevel>> levels;
+  };
+  // `open(r)`: rank r's device factory (null: a build without CUDA).
+  std::unique_ptr<StreamingLevels> MakeStreamingLevels(
+      const std::function<LocalDeviceFactory(int r)>& open = nullptr) {
+    auto out = std::make_unique<StreamingLevels>();
+    for (int r = 0; r < kWorld; ++r) {
+      out->devices.push_back(std::make_unique<OuterDevice>(absl::Seconds(10), false,
+                                                           open ? open(r) : nullptr));
+      out->gradients.push_back(std::make_unique<OuterBuffer>());
+      out->runners.push_back(std::make_unique<RoundRunner>(
+          clients_[r].get(), &out->traffic[r], out->devices[r].get(), NoHooks()));
+      out->levels.push_back(std::make_unique<StreamingLevel>(
+          clients_[r].get(), out->devices[r].get(), out->gradients[r].get(),
+          out->runners[r].get(), &out->traffic[r]));
+    }
+    return out;
+  }
+
   std::unique_ptr<server::CoordinatorServer> server_;
   std::unique_ptr<CoordinatorClient> admin_;
   std::vector<std::unique_ptr<Client>> clients_;
 };
-
-RoundRunner::Hooks NoHooks() {
-  return RoundRunner::Hooks{
-      [](const Decision&, Communicator*, absl::Span<const TensorView>) {
-        return absl::OkStatus();
-      },
-      [](int64_t) {}};
-}
 
 TEST_F(PacedRoundTest, PlainLevel_RoundRunner_WeightedMean_ThenFailures_LeaveTensorsUntouched) {
   Start(testing::MakeSpec("paced-plain", kWorld, v1::PERIODIC, {{1, kWorld}}, 0),
@@ -133,7 +161,8 @@ TEST_F(PacedRoundTest, PlainLevel_RoundRunner_WeightedMean_ThenFailures_LeaveTen
   std::vector<Traffic> traffic(kWorld);
   std::vector<std::unique_ptr<RoundRunner>> runners;
   for (int r = 0; r < kWorld; ++r) {
-    runners.push_back(std::make_unique<RoundRunner>(clients_[r].get(), &traffic[r], NoHooks()));
+    runners.push_back(std::make_unique<RoundRunner>(clients_[r].get(), &traffic[r],
+                                                    /*device=*/nullptr, NoHooks()));
   }
   const auto views = [&](int r) {
     return std::vector<TensorView>{
@@ -208,7 +237,7 @@ TEST_F(PacedRoundTest, ElasticJob_CommittedRound_WeightedMean) {
   std::vector<Traffic> traffic(kWorld);
   std::vector<absl::Status> status(kWorld);
   OnRanks([&](int r) {
-    RoundRunner runner(clients_[r].get(), &traffic[r], NoHooks());
+    RoundRunner runner(clients_[r].get(), &traffic[r], /*device=*/nullptr, NoHooks());
     params[r] = inputs[r];
     std::vector<TensorView> x = {TensorView{params[r].data(), numel, DType::kFloat32}};
     status[r] = runner.Run(Paced(r, 0, kWeights), Device::Host(), x, RoundWire{}).status();
@@ -236,19 +265,8 @@ TEST_F(PacedRoundTest, OuterInt8ErrorFeedback_StreamingLevel_WeightedMean) {
   Start(spec, Scaled(absl::Seconds(20)));
   const int64_t numel = 2 * 1024 + 77;
   const double beta = 0.5;
-  std::vector<Traffic> traffic(kWorld);
-  std::vector<std::unique_ptr<OuterDevice>> devices;
-  std::vector<std::unique_ptr<OuterBuffer>> gradients;
-  std::vector<std::unique_ptr<RoundRunner>> runners;
-  std::vector<std::unique_ptr<StreamingLevel>> levels;
-  for (int r = 0; r < kWorld; ++r) {
-    devices.push_back(std::make_unique<OuterDevice>(absl::Seconds(10), false, nullptr));
-    gradients.push_back(std::make_unique<OuterBuffer>());
-    runners.push_back(std::make_unique<RoundRunner>(clients_[r].get(), &traffic[r], NoHooks()));
-    levels.push_back(std::make_unique<StreamingLevel>(clients_[r].get(), devices[r].get(),
-                                                      gradients[r].get(), runners[r].get(),
-                                                      &traffic[r]));
-  }
+  const std::unique_ptr<StreamingLevels> parts = MakeStreamingLevels();
+  const std::vector<std::unique_ptr<StreamingLevel>>& levels = parts->levels;
   std::vector<std::vector<float>> params(kWorld);
   for (int r = 0; r < kWorld; ++r) params[r] = Random(40 + r, numel, 1.0f);
   const std::vector<std::vector<double>> weights = {{3, 1, 2}, {20, 29, 45}, {20, 31, 40}};
@@ -335,19 +353,8 @@ TEST_F(PacedRoundTest, DelayedSync_StrictJob_AppliesTheWeightedMean) {
   spec.mutable_levels(0)->set_sync_delay(1);
   Start(spec, Scaled(absl::Seconds(20)));
   const int64_t numel = 1024 + 300;
-  std::vector<Traffic> traffic(kWorld);
-  std::vector<std::unique_ptr<OuterDevice>> devices;
-  std::vector<std::unique_ptr<OuterBuffer>> gradients;
-  std::vector<std::unique_ptr<RoundRunner>> runners;
-  std::vector<std::unique_ptr<StreamingLevel>> levels;
-  for (int r = 0; r < kWorld; ++r) {
-    devices.push_back(std::make_unique<OuterDevice>(absl::Seconds(10), false, nullptr));
-    gradients.push_back(std::make_unique<OuterBuffer>());
-    runners.push_back(std::make_unique<RoundRunner>(clients_[r].get(), &traffic[r], NoHooks()));
-    levels.push_back(std::make_unique<StreamingLevel>(clients_[r].get(), devices[r].get(),
-                                                      gradients[r].get(), runners[r].get(),
-                                                      &traffic[r]));
-  }
+  const std::unique_ptr<StreamingLevels> parts = MakeStreamingLevels();
+  const std::vector<std::unique_ptr<StreamingLevel>>& levels = parts->levels;
   std::vector<std::vector<float>> params(kWorld);
   for (int r = 0; r < kWorld; ++r) params[r] = Random(90 + r, numel, 1.0f);
   std::vector<float> anchor;
@@ -392,6 +399,36 @@ TEST_F(PacedRoundTest, DelayedSync_StrictJob_AppliesTheWeightedMean) {
       }
     }
     anchor = params[0];
+  }
+}
+
+// A streaming level with error feedback on CUDA parameters: the device adds beta E to the
+// unscaled pseudo-gradient, so a paced round there is refused, naming the field, before any
+// round runs or anything of the parameters changes (the device is the simulated one).
+TEST_F(PacedRoundTest, ErrorFeedbackOnCudaParameters_Unimplemented_ParametersUntouched) {
+  v1::JobSpec spec = testing::MakeSpec("paced-feedback-cuda", kWorld, v1::PERIODIC,
+                                       {{1, kWorld}}, 0);
+  testing::SetOuter(&spec, 0, 1.0, 0.0, false);
+  spec.mutable_levels(0)->set_payload(v1::INT8);
+  spec.mutable_levels(0)->set_error_feedback(0.5);
+  Start(spec, Scaled(absl::Seconds(5)));
+  std::vector<FakeOps*> opened(kWorld, nullptr);
+  const std::unique_ptr<StreamingLevels> parts =
+      MakeStreamingLevels([&](int r) { return FakeLocalDevice(r, &opened[r]); });
+  const std::vector<std::unique_ptr<StreamingLevel>>& levels = parts->levels;
+  for (int r = 0; r < kWorld; ++r) {
+    Params p = Params::Separate({{DType::kFloat32, 64}});
+    p.Fill(r);
+    const std::string before(static_cast<const char*>(p.views[0].data), p.views[0].nbytes());
+    const absl::Status s =
+        levels[r]->Round(Paced(r, 0, kWeights), Device::Cuda(0), p.views, 0).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+    EXPECT_THAT(s.message(), HasSubstr("error_feedback"));
+    EXPECT_THAT(s.message(), HasSubstr("cuda:0"));
+    EXPECT_EQ(std::string(static_cast<const char*>(p.views[0].data), p.views[0].nbytes()),
+              before);
+    ASSERT_NE(opened[r], nullptr);
+    EXPECT_TRUE(opened[r]->ops.empty()) << "rank " << r << " ran a collective";
   }
 }
 

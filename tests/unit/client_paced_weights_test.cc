@@ -19,11 +19,13 @@
 #include "client/payload/payload_codec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/tools/paced_decision.h"
 #include "tests/unit/gloo_test_mesh.h"
 
 namespace modelavg::client {
 namespace {
 
+using ::modelavg::testing::PacedDecision;
 using ::testing::HasSubstr;
 
 void OnRanks(int n, const std::function<void(int)>& fn) {
@@ -40,18 +42,6 @@ std::vector<float> Random(int seed, int64_t numel, float scale) {
   return x;
 }
 
-// Ranks 0..n-1 of one subgroup, the docs' worked example's weights (round 2: 20, 29, 45 steps).
-Decision PacedDecision(std::vector<double> weights) {
-  Decision d;
-  d.step = 65;
-  d.average = true;
-  d.level = 0;
-  d.round = 2;
-  d.subgroup = SubgroupRange{0, 0, static_cast<int32_t>(weights.size())};
-  for (int32_t r = 0; r < static_cast<int32_t>(weights.size()); ++r) d.members.push_back(r);
-  d.weights = std::move(weights);
-  return d;
-}
 
 // sum_i w_i x_i[j] / sum_i w_i over the contributing members, in double.
 std::vector<double> NaiveWeightedMean(const std::vector<std::vector<float>>& xs,
@@ -127,7 +117,9 @@ TEST(RoundWeights, InvalidWeightsAreRefused) {
   EXPECT_THAT(stranger.status().message(), HasSubstr("rank 7 is not among"));
 }
 
-TEST(RoundWeights, DeviceTensorsAreRefusedClearly) {
+// CUDA tensors are weighted on the averager's device (client_nccl_paced_test.cc); a copy made
+// without one refuses them, saying what is missing, and leaves them as they were.
+TEST(RoundWeights, DeviceTensorsWithoutADeviceAreRefusedClearly) {
   std::vector<float> x(4, 1.0f);
   TensorView t{x.data(), 4, DType::kFloat32, Device::Cuda(0)};
   WeightedInput copy;
@@ -136,6 +128,7 @@ TEST(RoundWeights, DeviceTensorsAreRefusedClearly) {
   absl::StatusOr<std::vector<TensorView>> filled = copy.Fill(*w, {t}, nullptr);
   ASSERT_FALSE(filled.ok());
   EXPECT_EQ(filled.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(filled.status().message(), HasSubstr("CUDA device"));
   EXPECT_EQ(x[0], 1.0f);
 }
 
@@ -209,7 +202,7 @@ TEST(PacedGlooRound, PlainLevelIsTheWeightedMean) {
     o.contributors = w->contributors;
     status[r] = mesh[r]->AllReduceAverage(*round, o, nullptr);
     untouched_during_round[r] = params[r] == inputs[r];
-    if (status[r].ok()) copy.Finish(t);
+    if (status[r].ok()) status[r] = copy.Finish(t);
   });
   const std::vector<double> expected =
       NaiveWeightedMean(inputs, weights, std::vector<bool>(n, true));
@@ -265,7 +258,7 @@ TEST(PacedGlooRound, JoiningMemberReceivesTheOthersWeightedMean) {
     o.contributors = w->contributors;
     o.contribute = r != 1;
     status[r] = mesh[r]->AllReduceAverage(*round, o, nullptr);
-    if (status[r].ok()) copy.Finish(t);
+    if (status[r].ok()) status[r] = copy.Finish(t);
   });
   const std::vector<double> expected = NaiveWeightedMean(inputs, weights, {true, false, true});
   for (int r = 0; r < n; ++r) {
@@ -346,7 +339,8 @@ TEST(PacedGlooRound, OuterLevelInt8WithErrorFeedbackIsTheWeightedMean) {
       o.contributors = w->contributors;
       status[r] = mesh[r]->AllReduceAverage(*u, o, nullptr);
       if (!status[r].ok()) return;
-      copy.Finish(d);
+      status[r] = copy.Finish(d);
+      if (!status[r].ok()) return;
       states[r]->SwapResidual(std::move(residual), true);
       status[r] = states[r]->Step(0, d, x);
     });

@@ -58,6 +58,14 @@ absl::Status CudaOuterKernels::FeedbackResidual(const float* u, const float* c, 
   return absl::OkStatus();
 }
 
+absl::Status CudaOuterKernels::ScaleCopy(const void* from, void* to, int64_t n, int32_t dtype_code,
+                                         double scale, void* stream) {
+  MODELAVG_ON_DEVICE();
+  MODELAVG_CUDA_RETURN_IF_ERROR(
+      LaunchScaleCopy(from, to, n, dtype_code, scale, static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<LocalDevice> OpenCudaOuterDevice(int index, absl::Duration timeout) {
   LocalDevice d;
   d.ops = std::make_unique<CudaLocalOps>(index, timeout);

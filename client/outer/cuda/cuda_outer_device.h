@@ -26,6 +26,8 @@ class CudaOuterKernels : public OuterKernels {
                            void* stream) override;
   absl::Status FeedbackResidual(const float* u, const float* c, int64_t n, float* e,
                                 void* stream) override;
+  absl::Status ScaleCopy(const void* from, void* to, int64_t n, int32_t dtype_code, double scale,
+                         void* stream) override;
 
  private:
   const int device_;

@@ -83,6 +83,21 @@ __global__ void FeedbackResidualKernel(const float* u, const float* c, int64_t n
   }
 }
 
+// to[i] := fl(scale * from[i]) (the host's ScaleInto): the product in double, rounded once to
+// float64 or float32, and float16/bfloat16 from that float32.
+__global__ void ScaleCopyKernel(const void* from, void* to, int64_t n, int32_t dtype,
+                                double scale) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const double v = Mul(scale, LoadAs<double>(from, dtype, i));
+    if (dtype == kStageF64) {
+      static_cast<double*>(to)[i] = v;
+    } else {
+      StoreFrom<float>(to, dtype, i, __double2float_rn(v));
+    }
+  }
+}
+
 unsigned ElementGrid(int64_t n) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 65535)));
 }
@@ -152,6 +167,13 @@ cudaError_t LaunchFeedbackResidual(const float* u, const float* c, int64_t n, fl
                                    cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   FeedbackResidualKernel<<<ElementGrid(n), kThreads, 0, stream>>>(u, c, n, e);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchScaleCopy(const void* from, void* to, int64_t n, int32_t dtype_code,
+                            double scale, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  ScaleCopyKernel<<<ElementGrid(n), kThreads, 0, stream>>>(from, to, n, dtype_code, scale);
   return cudaGetLastError();
 }
 

@@ -35,6 +35,11 @@ cudaError_t LaunchFeedbackAdd(float* u, const float* e, int64_t n, double beta,
 // e[i] = u[i] - c[i] in float32 (OuterLevelState::NextResidual's, c = decode(encode(u))).
 cudaError_t LaunchFeedbackResidual(const float* u, const float* c, int64_t n, float* e,
                                    cudaStream_t stream);
+// A paced round's weighted copy of one tensor (round_weights.h): to[i] = scale * from[i] in
+// double, rounded once to float64 or float32 (float16/bfloat16 from that float32, as the host's
+// SetElementAt writes them), `n` elements of staging dtype `dtype_code`; in place allowed.
+cudaError_t LaunchScaleCopy(const void* from, void* to, int64_t n, int32_t dtype_code,
+                            double scale, cudaStream_t stream);
 
 }  // namespace modelavg::client
 
