@@ -53,8 +53,9 @@ stage_begin sanitize-tests
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 # Tests whose binaries this build leaves out register as *_NOT_BUILT; so do the Python ones.
+# The scripts run binaries that this build leaves out (trace_worker_flags_test: the trace worker).
 ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 300 -L 'unit|integration' \
-  -E '_NOT_BUILT$|_test\.py|reflection|conformance|e2e|client_|status_page_browser|cli_test|pip_venv|torchrun|prometheus_rules|etcd|cluster'
+  -E '_NOT_BUILT$|_test\.py|reflection|conformance|e2e|client_|status_page_browser|cli_test|pip_venv|torchrun|prometheus_rules|etcd|cluster|trace_worker_flags'
 # Each fuzz target is one process on one core: two at a time on two cores.
 stage_begin fuzz
 ctest --test-dir "$build" --output-on-failure -j "$jobs" -L fuzz
