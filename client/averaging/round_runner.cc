@@ -67,18 +67,11 @@ absl::StatusOr<Decision> RoundRunner::Run(const Decision& decision, const Device
                                          ")");
   // A paced round weighs this member's contribution on a copy (round_weights.h); nothing
   // changes for a decision without weights.
-  absl::StatusOr<RoundWeight> weighing = WeightOf(decision, client_->rank());
-  if (!weighing.ok()) return Annotate(weighing.status(), where);
-  const RoundWeight weight = *weighing;
   WeightedInput weighted(device_);
-  std::vector<TensorView> copy;
-  if (weight.weighted) {
-    absl::StatusOr<std::vector<TensorView>> filled = weighted.Fill(weight, tensors, wire.weigh);
-    if (!filled.ok()) return Annotate(filled.status(), where);
-    copy = *std::move(filled);
-  }
-  const absl::Span<const TensorView> round_tensors =
-      weight.weighted ? absl::MakeConstSpan(copy) : tensors;
+  absl::StatusOr<absl::Span<const TensorView>> weighed =
+      weighted.For(decision, client_->rank(), tensors, wire.weigh);
+  if (!weighed.ok()) return Annotate(weighed.status(), where);
+  const absl::Span<const TensorView> round_tensors = *weighed;
   MODELAVG_RETURN_IF_ERROR(Annotate(client_->CheckCanAverage(decision.subgroup), where));
   absl::StatusOr<Communicator*> comm = client_->communicators()->Get(Setup(decision), device);
   RoundOptions plain;
@@ -93,7 +86,7 @@ absl::StatusOr<Decision> RoundRunner::Run(const Decision& decision, const Device
       comm.ok() ? (*comm)->AllReduceAverage(round_tensors, plain, nullptr) : comm.status();
   if (comm.ok()) traffic_->AddBytes(decision.level, (*comm)->bytes_sent() - sent_before);
   if (s.ok()) {
-    if (weight.weighted) MODELAVG_RETURN_IF_ERROR(Annotate(weighted.Finish(tensors), where));
+    MODELAVG_RETURN_IF_ERROR(Annotate(weighted.Finish(tensors), where));
     return decision;
   }
   // Every member's call fails; nobody's parameters changed (a strict job keeps its generation).
@@ -321,17 +314,11 @@ absl::StatusOr<RoundRunner::Attempt> RoundRunner::RunAttempt(const Decision& dec
   MODELAVG_ASSIGN_OR_RETURN(RoundOptions options, ElasticOptions(decision, wire));
   // A paced round: this attempt's decision (a retry's members and weights may differ) weighs
   // the unscaled `tensors` into a copy, which the round runs on (round_weights.h).
-  absl::StatusOr<RoundWeight> weight = WeightOf(decision, client_->rank());
-  if (!weight.ok()) return Annotate(weight.status(), ElasticWhere(decision));
   WeightedInput weighted(device_);
-  std::vector<TensorView> copy;
-  if (weight->weighted) {
-    absl::StatusOr<std::vector<TensorView>> filled = weighted.Fill(*weight, tensors, wire.weigh);
-    if (!filled.ok()) return Annotate(filled.status(), ElasticWhere(decision));
-    copy = *std::move(filled);
-  }
-  const absl::Span<const TensorView> round_tensors =
-      weight->weighted ? absl::MakeConstSpan(copy) : tensors;
+  absl::StatusOr<absl::Span<const TensorView>> weighed =
+      weighted.For(decision, client_->rank(), tensors, wire.weigh);
+  if (!weighed.ok()) return Annotate(weighed.status(), ElasticWhere(decision));
+  const absl::Span<const TensorView> round_tensors = *weighed;
   Attempt tried;
   absl::StatusOr<Communicator*> comm = client_->communicators()->Get(Setup(decision), device);
   if (!comm.ok()) {
@@ -352,7 +339,7 @@ absl::StatusOr<RoundRunner::Attempt> RoundRunner::RunAttempt(const Decision& dec
     tried.status = tried.comm->AllReduceAverage(round_tensors, options, &tried.outcome);
     // Committed: the weighted mean becomes the caller's. A round kept aside (its confirmation
     // lost) is adopted into `tensors` directly (AdoptLostCommit): the layout is the same.
-    if (tried.status.ok() && weight->weighted) finished = weighted.Finish(tensors);
+    if (tried.status.ok()) finished = weighted.Finish(tensors);
   }
   traffic_->AddBytes(decision.level, tried.comm->bytes_sent() - sent_before);
   client_->RecordRound(decision.level, decision.step, decision.generation, tried.outcome);

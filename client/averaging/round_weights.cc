@@ -132,6 +132,15 @@ absl::StatusOr<std::vector<TensorView>> WeightedInput::Fill(const RoundWeight& w
   return views_;
 }
 
+absl::StatusOr<absl::Span<const TensorView>> WeightedInput::For(
+    const Decision& decision, int32_t rank, absl::Span<const TensorView> tensors,
+    const FillFn& fill) {
+  MODELAVG_ASSIGN_OR_RETURN(const RoundWeight weight, WeightOf(decision, rank));
+  if (!weight.weighted) return tensors;
+  MODELAVG_RETURN_IF_ERROR(Fill(weight, tensors, fill).status());
+  return absl::MakeConstSpan(views_);
+}
+
 absl::Status WeightedInput::Finish(absl::Span<const TensorView> tensors) const {
   if (on_device_) return device_->CopyInto(views_, tensors);
   for (size_t i = 0; i < tensors.size() && i < views_.size(); ++i) {

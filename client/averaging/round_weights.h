@@ -89,8 +89,13 @@ class WeightedInput {
   absl::StatusOr<std::vector<TensorView>> Fill(const RoundWeight& weight,
                                                absl::Span<const TensorView> tensors,
                                                const FillFn& fill);
+  // The tensors a round of `decision` runs on for member `rank`: `tensors` themselves for a
+  // decision without weights, else the weighted copy (WeightOf, then Fill with `fill`).
+  absl::StatusOr<absl::Span<const TensorView>> For(const Decision& decision, int32_t rank,
+                                                  absl::Span<const TensorView> tensors,
+                                                  const FillFn& fill);
   // The round completed: copies the result (the weighted mean) into `tensors` (CUDA tensors:
-  // on their streams, waited for).
+  // on their streams, waited for); nothing to do after For without weights.
   absl::Status Finish(absl::Span<const TensorView> tensors) const;
 
  private:
